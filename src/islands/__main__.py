@@ -1,0 +1,3 @@
+from islands.cli import main
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,161 @@
+"""Counted collectives: every byte this rank hands to torch.distributed goes through here.
+
+Byte definitions (payload, not wire; exact and algorithm-independent):
+  all_reduce   sent = received = nbytes of the tensor
+  all_gather   sent = own chunk, received = the other ranks' chunks
+  broadcast    the source sends nbytes, every other rank receives nbytes
+  send / recv  exact tensor bytes
+The wire bytes of a ring all-reduce are 2(n-1)/n times the payload (nccl-tests' bus factor);
+`bus_factor` is stored beside each kind so reports can derive them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommLedger:
+    """Exact byte and call counts per collective kind, plus time with a collective in flight."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    busy_seconds: float = 0.0
+    _open: int = 0
+    _since: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, kind: str, sent: int, received: int) -> None:
+        with self._lock:
+            self.sent[kind] += int(sent)
+            self.received[kind] += int(received)
+            self.calls[kind] += 1
+
+    # Time is the union of in-flight intervals, so overlapping buckets are not double counted.
+    def begin(self) -> None:
+        with self._lock:
+            if self._open == 0:
+                self._since = time.perf_counter()
+            self._open += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open == 0:
+                self.busy_seconds += time.perf_counter() - self._since
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    def snapshot(self) -> dict:
+        return {
+            "sent": dict(self.sent),
+            "received": dict(self.received),
+            "calls": dict(self.calls),
+            "total_sent": self.total_sent,
+            "total_received": self.total_received,
+            "busy_seconds": self.busy_seconds,
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent.clear()
+            self.received.clear()
+            self.calls.clear()
+            self.busy_seconds = 0.0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """Collectives over one process group, each counted in a ledger. Synchronous unless stated."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger):
+        self.group = group
+        self.ledger = ledger
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def _timed(self, fn):
+        self.ledger.begin()
+        try:
+            return fn()
+        finally:
+            self.ledger.end()
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        if self.size > 1:
+            self.ledger.record(kind, _nbytes(tensor), _nbytes(tensor))
+            self._timed(lambda: dist.all_reduce(tensor, op=op, group=self.group))
+        return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
+        """Start an all-reduce; returns a torch.futures.Future resolving to the tensor."""
+        if self.size == 1:
+            fut = torch.futures.Future()
+            fut.set_result(tensor)
+            return fut
+        self.ledger.record(kind, _nbytes(tensor), _nbytes(tensor))
+        self.ledger.begin()
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+
+        def _done(f):
+            self.ledger.end()
+            return tensor
+
+        return work.get_future().then(_done)
+
+    def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
+        """Every rank contributes a tensor of the same shape; returns all of them in rank order."""
+        n = self.size
+        if n == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(n)]
+        self.ledger.record(kind, _nbytes(tensor), (n - 1) * _nbytes(tensor))
+        self._timed(lambda: dist.all_gather(out, tensor.contiguous(), group=self.group))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int, kind: str = "broadcast") -> torch.Tensor:
+        """`src` is a global rank, as in torch.distributed."""
+        if self.size > 1:
+            me = dist.get_rank()
+            self.ledger.record(kind, _nbytes(tensor) if me == src else 0, 0 if me == src else _nbytes(tensor))
+            self._timed(lambda: dist.broadcast(tensor, src=src, group=self.group))
+        return tensor
+
+    def send(self, tensor: torch.Tensor, dst: int, kind: str = "p2p") -> None:
+        self.ledger.record(kind, _nbytes(tensor), 0)
+        self._timed(lambda: dist.send(tensor, dst=dst, group=self.group))
+
+    def recv(self, tensor: torch.Tensor, src: int, kind: str = "p2p") -> torch.Tensor:
+        self.ledger.record(kind, 0, _nbytes(tensor))
+        self._timed(lambda: dist.recv(tensor, src=src, group=self.group))
+        return tensor
+
+
+# nccl-tests' bus-bandwidth factors: algorithm bandwidth times this gives the per-link load.
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}

@@ -1,0 +1,90 @@
+"""The world a worker lives in: ranks, the island x local mesh, and the process groups over it.
+
+Rank layout: global rank r lives on island r // workers_per_island, local index r % workers_per_island.
+`local` groups join the ranks of one island (inner strategy, every step); `cross` groups join the
+ranks holding the same local index on every island (outer strategy, rarely). One island and one
+worker per island are ordinary cases of the same layout.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from islands.runtime.comm import Comm, CommLedger
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    islands: int
+    device: torch.device
+    backend: str
+    ledger: CommLedger = field(default_factory=CommLedger)
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh when size > 1
+    local_group: object | None = None
+    cross_group: object | None = None
+
+    @property
+    def workers_per_island(self) -> int:
+        return self.size // self.islands
+
+    @property
+    def island(self) -> int:
+        return self.rank // self.workers_per_island
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.workers_per_island
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def comm(self, scope: str = "global") -> Comm:
+        """Counted collectives over 'global', 'local' (this island) or 'cross' (same slot, all islands)."""
+        group = {"global": None, "local": self.local_group, "cross": self.cross_group}[scope]
+        return Comm(group, self.ledger)
+
+    @staticmethod
+    def single(device: str | torch.device = "cpu") -> "World":
+        return World(rank=0, size=1, islands=1, device=torch.device(device), backend="none")
+
+
+def pick_backend() -> tuple[str, torch.device]:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return "nccl", torch.device("cuda", torch.cuda.current_device())
+    return "gloo", torch.device("cpu")
+
+
+def init_world(islands: int, timeout_s: float) -> World:
+    """Join the job described by torch's env:// variables (set by our launcher or by torchrun)."""
+    if "RANK" not in os.environ:
+        return World.single("cuda" if torch.cuda.is_available() else "cpu")
+    backend, device = pick_backend()
+    dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size % islands:
+        raise ValueError(f"world size {size} is not divisible by islands={islands}")
+    world = World(rank=rank, size=size, islands=islands, device=device, backend=backend)
+    if size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world.mesh = init_device_mesh(
+            device.type, (islands, size // islands), mesh_dim_names=("island", "local")
+        )
+        world.local_group = world.mesh.get_group("local")
+        world.cross_group = world.mesh.get_group("island")
+    return world
+
+
+def close_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
