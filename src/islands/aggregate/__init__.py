@@ -1,0 +1,45 @@
+"""Robust aggregation (SOTA-220): combine one tensor per worker into one, tolerating faulty workers.
+
+Every aggregator drops NaN/Inf inputs before it or its state sees them (aggregate/base.py).
+Build one from a spec string with `parse_aggregator("nnm+krum:f=2")`; aggregate across ranks with
+`robust_all_reduce(tensor, comm, aggregator)`.
+"""
+
+from islands.aggregate.base import AggregationReport, Aggregator, BaseAggregator, TooFewInputsError
+from islands.aggregate.clipping import CenteredClipping
+from islands.aggregate.coordinate import CoordinateMedian, Mean, TrimmedMean
+from islands.aggregate.distributed import (
+    flatten_named,
+    robust_all_reduce,
+    robust_all_reduce_dict,
+    unflatten_named,
+)
+from islands.aggregate.geomed import GeometricMedian
+from islands.aggregate.krum import Krum, MultiKrum, pairwise_sq_distances
+from islands.aggregate.mixing import Bucketing, NearestNeighborMixing
+from islands.aggregate.spec import AGGREGATORS, STEPS, parse_aggregator, valid_specs
+
+__all__ = [
+    "AGGREGATORS",
+    "STEPS",
+    "AggregationReport",
+    "Aggregator",
+    "BaseAggregator",
+    "Bucketing",
+    "CenteredClipping",
+    "CoordinateMedian",
+    "GeometricMedian",
+    "Krum",
+    "Mean",
+    "MultiKrum",
+    "NearestNeighborMixing",
+    "TooFewInputsError",
+    "TrimmedMean",
+    "flatten_named",
+    "pairwise_sq_distances",
+    "parse_aggregator",
+    "robust_all_reduce",
+    "robust_all_reduce_dict",
+    "unflatten_named",
+    "valid_specs",
+]
