@@ -1,1 +1,146 @@
-def main(): pass
+"""The `islands` command. Each subcommand is a thin shell over a library function.
+
+Config errors exit 2 before any worker starts; a failed job exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from islands.config import ConfigError, TrainConfig, from_mapping, load_toml, validate
+
+_HELP = {
+    "task": "lm (byte-level language model on Python's stdlib source) or digits (sklearn digits)",
+    "data": "text file or directory for task=lm (default: Python standard library source)",
+    "workers": "total worker processes", "islands": "islands the workers are split into (workers/islands each)",
+    "inner": "inner strategy inside an island: auto, single, ddp",
+    "outer": "outer strategy across islands, e.g. diloco:inner_steps=100",
+    "compress": "gradient compressor spec, e.g. powersgd:rank=4", "aggregate": "aggregator spec, e.g. median",
+    "attack": "rehearse an attack, e.g. sign-flip:count=2", "testbed": "run workers inside this network testbed",
+    "global_batch": "sequences per step over all workers", "timeout": "collective timeout in seconds",
+}
+
+
+class ExitError(Exception):
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file of config keys (flags override it)")
+    for f in fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=_HELP.get(f.name, f"(default {f.default})"))
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type]
+            p.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.type.upper(),
+                           help=_HELP.get(f.name, "") + f" (default {f.default!r})")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = load_toml(args.config) if args.config else {}
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                 if f.name != "extra" and getattr(args, f.name, None) is not None}
+    return validate(from_mapping({**values, **overrides}))
+
+
+def cmd_train(args) -> int:
+    cfg = config_from_args(args)
+    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}-w{cfg.workers}")
+    if "RANK" in os.environ:  # started by torchrun: this process is one worker
+        from islands.runtime.worker import run_worker
+
+        run_worker(cfg, run_dir)
+        return 0
+    if cfg.workers == 1 and not cfg.testbed:
+        from islands.runtime.worker import run_worker
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_worker(cfg, run_dir)
+        return 0
+    from islands.runtime.launch import LaunchError, launch
+
+    try:
+        return launch(cfg, run_dir)
+    except LaunchError as e:
+        raise ExitError(str(e)) from None
+
+
+def cmd_practices(args) -> int:
+    from rich.console import Console
+
+    from islands import practices as P
+
+    console = Console()
+    if args.papers:
+        console.print(P.papers_table(P.load_papers()))
+        return 0
+    items = P.filter_practices(P.load_practices(), status=args.status, implemented=args.implemented)
+    console.print(P.practices_table(items))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from islands.bench import harness
+
+    if args.list or not args.name:
+        harness.print_list()
+        return 0
+    try:
+        harness.run(args.name, quick=args.quick, out_root=Path(args.out), rate=args.testbed_rate or "")
+    except KeyError as e:
+        raise ExitError(str(e.args[0])) from None
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="islands", description=(
+        "Train PyTorch models across poorly connected, unreliable islands of devices, and measure it."))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model with local workers (or one torchrun worker)",
+                       description="Train. Every config key is a flag; --config FILE.toml supplies defaults.")
+    _add_config_flags(t)
+    t.set_defaults(fn=cmd_train)
+
+    b = sub.add_parser("bench", help="run a registered experiment and write results/NAME/")
+    b.add_argument("name", nargs="?", help="experiment name (see --list)")
+    b.add_argument("--list", action="store_true", help="list experiments and the practices they test")
+    b.add_argument("--quick", action="store_true", help="smaller, faster version of the experiment")
+    b.add_argument("--out", default="results", help="results root (default results/)")
+    b.add_argument("--testbed-rate", metavar="RATE", help="run distributed configurations on a testbed at RATE, e.g. 100mbit")
+    b.set_defaults(fn=cmd_bench)
+
+    pr = sub.add_parser("practices", help="the practice registry: what islands implements and measures")
+    pr.add_argument("--status", choices=["Active", "Proposed", "Rejected", "Open"])
+    g = pr.add_mutually_exclusive_group()
+    g.add_argument("--implemented", dest="implemented", action="store_true", default=None)
+    g.add_argument("--not-implemented", dest="implemented", action="store_false")
+    pr.add_argument("--papers", action="store_true", help="show the reading list instead")
+    pr.set_defaults(fn=cmd_practices)
+
+    from islands.cli_more import add_more_commands
+
+    add_more_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.fn(args)
+    except (ConfigError, ExitError) as e:
+        print(f"islands: error: {e}", file=sys.stderr)
+        code = getattr(e, "code", 2)
+    sys.exit(code)

@@ -1,0 +1,1 @@
+"""Every module here registers one or more experiments with @experiment."""

@@ -1,0 +1,67 @@
+"""ddp-scaling: one process against DDP at 2 and 4 workers on the same global batch (strong scaling)."""
+
+from __future__ import annotations
+
+from islands.bench.harness import BenchContext, experiment
+from islands.models import ByteTransformer, count_parameters
+
+
+def _plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['workers']}w {r['strategy']}" for r in rows]
+    compute = [r["compute_s_per_step"] for r in rows]
+    comm = [r["comm_s_per_step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(labels, compute, label="compute (no collective in flight)")
+    ax.bar(labels, comm, bottom=compute, label="collective in flight")
+    ax.set_ylabel("seconds per step")
+    ax.set_title(f"ddp-scaling, global batch {rows[0]['global_batch']}\n{result['interconnect'][-1]}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@experiment("ddp-scaling", practices=("SOTA-047", "SOTA-048"),
+            help="steps/s and scaling efficiency of DDP at 1, 2, 4 workers on one global batch; bytes/step vs analytic")
+def ddp_scaling(ctx: BenchContext) -> dict:
+    steps = 12 if ctx.quick else 40
+    common = dict(steps=steps, global_batch=32, eval_every=0, warmup=5, log_every=steps)
+    params = count_parameters(ByteTransformer())
+    analytic = 4 * params  # fp32 gradient payload each worker hands to all-reduce per step
+    rows, base = [], None
+    for workers in (1, 2, 4):
+        if ctx.rate and workers > 1:
+            with ctx.testbed(ctx.rate, hosts=workers) as bed:
+                rec = ctx.train(f"ddp-{workers}", workers=workers, testbed=bed.name, **common)
+        else:
+            rec = ctx.train(f"{'single' if workers == 1 else 'ddp'}-{workers}", workers=workers, **common)
+        s = rec["summary"]
+        sps = 1.0 / s["seconds_per_step"]
+        base = base or sps
+        measured = s["bytes_sent_per_worker_per_step"]
+        expect = analytic if workers > 1 else 0
+        rows.append({
+            "workers": workers, "strategy": s["strategy"], "global_batch": 32,
+            "s_per_step": s["seconds_per_step"], "steps_per_s": sps,
+            "speedup_vs_1_worker": sps / base, "efficiency": sps / base / workers,
+            "compute_s_per_step": s["compute_seconds"] / s["steps"], "comm_s_per_step": s["comm_seconds"] / s["steps"],
+            "comm_fraction": s["comm_fraction"], "bytes_per_step": measured, "analytic_bytes": expect,
+            "bytes_match": measured == expect, "final_val_loss": s["final_val_loss"],
+            "interconnect": rec["interconnect_line"],
+        })
+    four = rows[-1]
+    headline = [
+        f"4 workers: speed-up {four['speedup_vs_1_worker']:.2f}x over one worker (efficiency "
+        f"{100 * four['efficiency']:.0f}%), baseline = one worker process with 1 thread; this machine has "
+        f"{rec['versions']['cpu_count']} cores, so more than that many workers share cores",
+        f"collective in flight {100 * four['comm_fraction']:.0f}% of step time at 4 workers on {four['interconnect']}",
+        f"bytes per step per worker equal the analytic fp32 payload ({analytic:,} B = 4 x {params:,} params): "
+        f"{all(r['bytes_match'] for r in rows)}",
+    ]
+    return {"rows": rows, "headline": headline, "plot": _plot, "parameters": params}

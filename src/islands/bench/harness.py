@@ -1,0 +1,193 @@
+"""The bench harness: a registry of experiments and what every experiment writes.
+
+An experiment is a function `fn(ctx) -> dict` registered with @experiment. It returns:
+    rows        list of dicts, the result table (one row per configuration measured)
+    headline    list of sentences stating the measured claim, each with its ratio
+    plot        optional callable(result, path) drawing plot.png
+    extra keys  kept verbatim in result.json
+The harness adds what every published number must carry: the interconnect each run measured, the
+baseline definition, versions and git revision, the command that reproduces it, and the quick flag.
+Ratios are always measured side by side in one invocation, never against stored numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import pkgutil
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from islands.config import TrainConfig, from_mapping, load_json, validate
+from islands.measure.probe import describe
+from islands.measure.record import versions, write_json_atomic
+
+
+@dataclass
+class Experiment:
+    name: str
+    fn: Callable[["BenchContext"], dict]
+    practices: tuple[str, ...]
+    help: str
+
+
+REGISTRY: dict[str, Experiment] = {}
+
+
+def experiment(name: str, practices: tuple[str, ...] = (), help: str = ""):
+    def register(fn):
+        REGISTRY[name] = Experiment(name, fn, tuple(practices), help or (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+
+    return register
+
+
+def load_all() -> dict[str, Experiment]:
+    import islands.bench.experiments as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    return REGISTRY
+
+
+@dataclass
+class BenchContext:
+    name: str
+    quick: bool
+    out_dir: Path
+    rate: str = ""  # --testbed-rate: run the distributed configurations on a real rate-limited testbed
+    console: Console = field(default_factory=Console)
+    runs: list[dict] = field(default_factory=list)
+
+    def log(self, text: str) -> None:
+        self.console.print(f"[dim]{self.name}[/] {text}")
+
+    def config(self, **overrides) -> TrainConfig:
+        extra = overrides.pop("extra", {})
+        cfg = validate(from_mapping({"progress": False, **overrides}))
+        cfg.extra = extra
+        return cfg
+
+    def train(self, label: str, **overrides) -> dict:
+        """Run one training job in its own processes; returns its run record (run.json)."""
+        import json
+
+        from islands.runtime.launch import launch
+
+        cfg = self.config(**overrides)
+        run_dir = self.out_dir / "runs" / label
+        cfg.run_dir = str(run_dir)
+        self.log(f"run {label}: workers={cfg.workers} islands={cfg.islands} steps={cfg.steps} "
+                 f"inner={cfg.inner_strategy} outer={cfg.outer or '-'} compress={cfg.compress} "
+                 f"testbed={cfg.testbed or '-'}")
+        t = time.perf_counter()
+        code = launch(cfg, run_dir)
+        if code != 0:
+            raise RuntimeError(f"bench run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+        record = json.loads((run_dir / "run.json").read_text())
+        record["label"] = label
+        record["launch_seconds"] = time.perf_counter() - t
+        self.runs.append(record)
+        return record
+
+    @contextlib.contextmanager
+    def testbed(self, rate: str, hosts: int):
+        """A real rate-limited network for the duration of the block (needs root)."""
+        from islands import testbed as tb
+
+        name = f"b{int(time.time()) % 100000}"
+        bed = tb.up(name, hosts=hosts, rate=rate)
+        try:
+            yield bed
+        finally:
+            tb.down(name)
+
+
+def _markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    keys = list(rows[0].keys())
+    for r in rows[1:]:
+        keys += [k for k in r if k not in keys]
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _rich_table(title: str, rows: list[dict]) -> Table:
+    t = Table(title=title)
+    # Long text (the interconnect line) stays in summary.md; the terminal table keeps the numbers.
+    keys = [k for k in (rows[0].keys() if rows else []) if not any(len(str(r.get(k, ""))) > 28 for r in rows)]
+    for k in keys:
+        t.add_column(k)
+    for r in rows:
+        t.add_row(*[f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys])
+    return t
+
+
+def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: str = "") -> Path:
+    registry = load_all()
+    if name not in registry:
+        raise KeyError(f"unknown experiment {name!r}; available: {', '.join(sorted(registry))}")
+    exp = registry[name]
+    out_dir = out_root / name / (("quick" if quick else "full") + (f"-{rate}" if rate else ""))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate)
+    started = time.time()
+    result = exp.fn(ctx)
+    plot = result.pop("plot", None)
+    interconnects = sorted({r.get("interconnect_line", "") for r in ctx.runs} - {""})
+    result.setdefault("interconnect", interconnects or ["see rows"])
+    result.setdefault("baseline", sorted({r["baseline"]["definition"] for r in ctx.runs}) or ["see rows"])
+    command = "islands bench " + name + (" --quick" if quick else "") + (f" --testbed-rate {rate}" if rate else "")
+    record = {
+        "experiment": name, "practices": list(exp.practices), "quick": quick, "command": command,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "seconds": time.time() - started, "versions": versions(), **result,
+        "runs": [{"label": r["label"], "summary": r["summary"], "interconnect": r["interconnect"],
+                  "config": r["config"]} for r in ctx.runs],
+    }
+    write_json_atomic(out_dir / "result.json", record)
+    if plot is not None:
+        plot(record, out_dir / "plot.png")
+    md = [f"# {name}{' (quick)' if quick else ''}", "", exp.help, "",
+          f"Practices: {', '.join(exp.practices) or '-'}  ", f"Reproduce: `{command}`  ",
+          f"Measured: {record['started']}, git {record['versions']['git_revision']}, torch {record['versions']['torch']}",
+          "", "## Headline", ""]
+    md += [f"- {h}" for h in result.get("headline", [])]
+    md += ["", "## Interconnect", ""] + [f"- {i}" for i in record["interconnect"]]
+    md += ["", "## Baseline", ""] + [f"- {b}" for b in record["baseline"]]
+    md += ["", "## Results", "", _markdown_table(result.get("rows", []))]
+    if plot is not None:
+        md += ["![plot](plot.png)", ""]
+    (out_dir / "summary.md").write_text("\n".join(md))
+    ctx.console.print(_rich_table(f"{name}{' (quick)' if quick else ''}", result.get("rows", [])))
+    for h in result.get("headline", []):
+        ctx.console.print(f"• {h}")
+    ctx.console.print(f"written: {out_dir}/result.json, summary.md" + (", plot.png" if plot else ""))
+    return out_dir
+
+
+def print_list() -> None:
+    registry = load_all()
+    t = Table(title="islands bench experiments")
+    t.add_column("name", style="bold")
+    t.add_column("practices")
+    t.add_column("what it measures")
+    for e in sorted(registry.values(), key=lambda e: e.name):
+        t.add_row(e.name, ", ".join(e.practices), e.help)
+    Console().print(t)

@@ -1,0 +1,1 @@
+"""Measurement built into every run: the interconnect probe, progress, and the run record."""

@@ -1,0 +1,61 @@
+"""What rank 0 shows a person: a live bar while training, a summary table at the end."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class TrainProgress:
+    def __init__(self, total: int, enabled: bool, start: int = 0):
+        self.console = Console(stderr=False)
+        self.enabled = enabled
+        self.live = enabled and self.console.is_terminal
+        self.bar = None
+        if self.live:
+            self.bar = Progress(
+                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                TextColumn("{task.fields[mb]:.1f} MB sent"), TimeElapsedColumn(), console=self.console,
+            )
+            self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0, mb=0.0)
+            self.bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, mb_sent: float) -> None:
+        if self.live:
+            self.bar.update(self.task, completed=step, loss=loss, tps=tokens_per_s, mb=mb_sent)
+
+    def log(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.console if self.live else self.console).print(text)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.bar.stop()
+
+
+def summary_table(summary: dict, interconnect_line: str) -> Table:
+    t = Table(title="islands run summary", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    rows = [
+        ("strategy", summary["strategy"]),
+        ("world", f"{summary['workers']} workers in {summary['islands']} island(s)"),
+        ("steps", str(summary["steps"])),
+        ("wall time", f"{summary['wall_seconds']:.1f} s"),
+        ("tokens/s (all workers)", f"{summary['tokens_per_second']:,.0f}"),
+        ("final val loss", f"{summary['final_val_loss']:.4f}"),
+        ("MB sent per worker", f"{summary['mb_sent_per_worker']:.2f}"),
+        ("time with comm in flight", f"{100 * summary['comm_fraction']:.1f}%"),
+        ("interconnect", interconnect_line),
+        ("baseline", summary["baseline"]),
+    ]
+    if summary.get("final_val_accuracy") is not None and summary.get("task") == "digits":
+        rows.insert(6, ("final val accuracy", f"{100 * summary['final_val_accuracy']:.1f}%"))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t

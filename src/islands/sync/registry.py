@@ -1,0 +1,60 @@
+"""Build the strategy stack a config asks for, and check spec strings before any worker starts."""
+
+from __future__ import annotations
+
+from islands.config import TrainConfig
+from islands.runtime.world import World
+from islands.sync.base import Stack, Strategy
+from islands.sync.ddp import DDP
+from islands.sync.single import Single
+
+
+def check_specs(cfg: TrainConfig) -> None:
+    """Parse every spec string once; each package raises ValueError listing its valid choices."""
+    if cfg.compress not in ("", "none"):
+        from islands.compress import parse_compressor
+
+        parse_compressor(cfg.compress)
+    if cfg.aggregate not in ("", "mean"):
+        from islands.aggregate import parse_aggregator
+
+        parse_aggregator(cfg.aggregate)
+    if cfg.attack:
+        from islands.faults.attacks import parse_attack
+
+        parse_attack(cfg.attack)
+    if cfg.outer:
+        from islands.sync.outer import parse_outer
+
+        parse_outer(cfg.outer)
+    if cfg.islands > 1 and not cfg.outer:
+        raise ValueError(
+            f"islands={cfg.islands} needs an outer strategy to meet across islands, "
+            "e.g. outer='diloco:inner_steps=100' or outer='local-sgd:every=8'; or use islands=1"
+        )
+    if cfg.outer and cfg.islands == 1 and cfg.workers > 1 and cfg.inner_strategy == "ddp":
+        raise ValueError(
+            "an outer strategy acts across islands, but islands=1 puts every worker in one island; "
+            f"set islands={cfg.workers} (one worker per island) or a divisor of workers"
+        )
+
+
+def build_inner(cfg: TrainConfig, world: World) -> Strategy:
+    if cfg.inner_strategy == "single":
+        return Single()
+    hook_factory = None
+    if cfg.compress not in ("", "none") or cfg.aggregate not in ("", "mean") or cfg.attack:
+        from islands.sync.exchange import bucket_hook_factory
+
+        hook_factory = bucket_hook_factory(cfg, world)
+    return DDP(bucket_mb=cfg.bucket_mb, hook_factory=hook_factory)
+
+
+def build_strategy(cfg: TrainConfig, world: World) -> Stack:
+    inner = build_inner(cfg, world)
+    outer = None
+    if cfg.outer:
+        from islands.sync.outer import build_outer
+
+        outer = build_outer(cfg, world)
+    return Stack(inner, outer)
