@@ -1,0 +1,108 @@
+"""compress_and_average: the mean of named tensors across a Comm's group, through any compressor.
+
+Collectives per call (each counted in the Comm's ledger, kinds "compress_agree", "compress_sum",
+"compress_gather"), all tensors of a call fused into one buffer per round and dtype (SOTA-048):
+  SUMMABLE  one all-reduce of the agreement tensors (if the compressor has any), then one all-reduce
+            of the payloads; the sum decodes to the sum of every rank's contribution.
+  GATHERED  one all-gather of all payload bytes; each rank decodes every rank's payloads in rank order.
+Every rank ends with the same bits. Bytes sent per rank == sum of compressor.payload_nbytes(...).
+Tensors are processed in the dict's order, which must be the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from islands.compress.base import Agreed, Combine, Compressor, Payload, check_finite, check_float
+from islands.runtime.comm import Comm
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _flat_bytes(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind: str) -> dict[str, list[Tensor]]:
+    """All-reduce many small tensors as one flat buffer per dtype; returns them in the same layout."""
+    out = {name: list(ts) for name, ts in groups.items()}
+    by_dtype: dict[torch.dtype, list[tuple[str, int]]] = {}
+    for name, ts in groups.items():
+        for i, t in enumerate(ts):
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append((name, i))
+    for dtype, slots in by_dtype.items():
+        flat = torch.cat([groups[n][i].detach().reshape(-1) for n, i in slots])
+        comm.all_reduce(flat, op=_OPS[op], kind=kind)
+        offset = 0
+        for n, i in slots:
+            t = groups[n][i]
+            out[n][i] = flat[offset : offset + t.numel()].reshape(t.shape)
+            offset += t.numel()
+    return out
+
+
+def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
+    parties = comm.size
+    agree = {n: compressor.agree(t, states[n]) for n, t in tensors.items()}
+    agreed = _all_reduce_fused(agree, comm, compressor.agree_op, "compress_agree")
+    payloads = {n: compressor.compress(t, states[n], Agreed(agreed[n], parties)) for n, t in tensors.items()}
+    summed = _all_reduce_fused({n: p.tensors for n, p in payloads.items()}, comm, "sum", "compress_sum")
+    out = {}
+    for n, p in payloads.items():
+        total = replace(p, tensors=summed[n], summands=parties)
+        compressor.absorb(states[n], total)
+        out[n] = compressor.decompress(total).to(torch.float32) / parties
+    return out
+
+
+def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
+    payloads = {n: compressor.compress(t, states[n]) for n, t in tensors.items()}
+    layout = [(n, i, t.shape, t.dtype, t.numel() * t.element_size()) for n, p in payloads.items() for i, t in enumerate(p.tensors)]
+    parts = [_flat_bytes(t) for p in payloads.values() for t in p.tensors]
+    mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    everyone = comm.all_gather(mine, kind="compress_gather") if mine.numel() else [mine] * comm.size
+    per_rank: list[dict[str, Payload]] = []
+    for buf in everyone:
+        rebuilt = {n: replace(p, tensors=list(p.tensors)) for n, p in payloads.items()}
+        offset = 0
+        for n, i, shape, dtype, nb in layout:
+            # clone: a dtype view needs an aligned start, a slice of the byte buffer may not have one
+            rebuilt[n].tensors[i] = buf[offset : offset + nb].clone().view(dtype).reshape(shape)
+            offset += nb
+        per_rank.append(rebuilt)
+    return {n: compressor.combine_gathered([r[n] for r in per_rank]).to(torch.float32) for n in payloads}
+
+
+def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
+    """Mean over comm's group of each named tensor, compressed on the wire; results in input dtypes.
+
+    Raises NonFiniteGradientError (a ValueError) naming the parameter if an input is NaN/Inf, or if
+    the decoded mean is (a cast overflowed); nothing is sent for a non-finite input.
+    """
+    if not isinstance(named_tensors, dict):
+        raise TypeError(f"named_tensors must be a dict[str, Tensor], got {type(named_tensors).__name__}")
+    for name, t in named_tensors.items():
+        check_float(name, t)
+        check_finite(name, t)
+    states = {n: compressor.state(n, t) for n, t in named_tensors.items()}
+    if compressor.combine is Combine.SUMMABLE:
+        means = _average_summable(named_tensors, states, comm, compressor)
+    elif compressor.combine is Combine.GATHERED:
+        means = _average_gathered(named_tensors, states, comm, compressor)
+    else:
+        raise ValueError(f"{compressor!r}: combine must be Combine.SUMMABLE or Combine.GATHERED")
+    out = {}
+    for n, t in named_tensors.items():
+        check_finite(n, means[n], where="averaged result")
+        out[n] = means[n].reshape(t.shape).to(t.dtype)
+    return out
+
+
+def analytic_nbytes(named_tensors: dict[str, Tensor], compressor: Compressor, **kw) -> int:
+    """Bytes one rank sends for one compress_and_average call on these tensors (world size > 1)."""
+    return sum(compressor.payload_nbytes(t.shape, t.dtype, **kw) for t in named_tensors.values())

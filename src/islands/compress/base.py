@@ -1,0 +1,221 @@
+"""The Compressor contract: explicit per-tensor state, a payload, and how payloads combine.
+
+A compressor turns one tensor into a `Payload` (the tensors that travel) and back. How payloads from
+many ranks combine is declared, not discovered:
+
+  SUMMABLE  payloads are all-reduced (summed) and the sum decodes to the sum of what each rank sent:
+            casts, shared-scale quantisation, PowerSGD factors. Such a compressor may need one
+            agreement round first (`agree`: PowerSGD's P, the shared quantisation scale).
+  GATHERED  payloads are all-gathered and `combine_gathered` decodes them into one tensor (the mean,
+            or a majority vote): top-k, random-k, sign, QSGD.
+
+State is a plain dict per parameter NAME, created by `state(name, tensor)` and kept in `states`, so
+it survives any regrouping of tensors into buckets and is checkpointed by `state_dict()`. Keys that
+start with "_" are transient (never checkpointed).
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+class Combine(enum.Enum):
+    SUMMABLE = "summable"
+    GATHERED = "gathered"
+
+
+class NonFiniteGradientError(ValueError):
+    """Raised instead of compressing a NaN/Inf: error feedback would carry it forever."""
+
+
+@dataclass
+class Agreed:
+    """What the ranks agreed on before compressing: the reduced `agree` tensors and the rank count."""
+
+    tensors: list[Tensor]
+    parties: int = 1
+
+
+@dataclass
+class Payload:
+    tensors: list[Tensor]  # what travels: summed (SUMMABLE) or gathered (GATHERED)
+    shape: torch.Size
+    dtype: torch.dtype
+    shared: list[Tensor] = field(default_factory=list)  # identical on every rank already; not resent
+    meta: dict[str, Any] = field(default_factory=dict)  # small facts every rank knows (levels, ...)
+    agreed_nbytes: int = 0  # bytes this rank put into the agreement round for this tensor
+    summands: int = 1  # how many ranks' payloads were summed into `tensors`
+
+    @property
+    def wire_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this rank sends for the tensor: agreement round plus payload."""
+        return self.wire_nbytes + self.agreed_nbytes
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    name: str
+    combine: Combine
+    agree_op: str  # "sum" or "max": how `agree` tensors are all-reduced
+
+    def state(self, name: str, tensor: Tensor) -> dict: ...
+
+    def agree(self, tensor: Tensor, state: dict) -> list[Tensor]: ...
+
+    def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload: ...
+
+    def decompress(self, payload: Payload) -> Tensor: ...
+
+    def absorb(self, state: dict, summed: Payload) -> None: ...
+
+    def combine_gathered(self, payloads: list[Payload]) -> Tensor: ...
+
+    def payload_nbytes(self, shape, dtype: torch.dtype) -> int: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float(name: str, tensor: Tensor) -> None:
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: compressors take floating tensors {FLOAT_DTYPES}, got {tensor.dtype}")
+
+
+def check_finite(name: str, tensor: Tensor, where: str = "gradient") -> None:
+    # Policy: raise, never skip. A NaN folded into an error-feedback residual poisons every later step.
+    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise NonFiniteGradientError(
+            f"{where} of {name!r} has {bad} NaN/Inf value(s) of {tensor.numel()}; refusing to compress "
+            "(fix the loss scale or skip the step before communication)"
+        )
+
+
+def as_fp32(tensor: Tensor) -> Tensor:
+    """A contiguous fp32 copy-or-view of any float tensor (compute in fp32, return in input dtype)."""
+    return tensor.detach().to(torch.float32).contiguous()
+
+
+def nbytes_of(numel: int, dtype: torch.dtype) -> int:
+    return int(numel) * torch.empty((), dtype=dtype).element_size()
+
+
+def numel_of(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A seed identical on every rank for the same name (crc32 is stable; hash() is salted)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _clone_state(st: dict) -> dict:
+    return {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items() if not k.startswith("_")}
+
+
+class CompressorBase:
+    """Per-name state bookkeeping and the defaults of the contract; subclasses add the maths."""
+
+    name = "base"
+    combine = Combine.SUMMABLE
+    agree_op = "sum"
+
+    def __init__(self) -> None:
+        self.states: dict[str, dict] = {}
+
+    # -- state -------------------------------------------------------------------------------------
+    def init_state(self, name: str, tensor: Tensor) -> dict:
+        return {}
+
+    def state(self, name: str, tensor: Tensor) -> dict:
+        check_float(name, tensor)
+        st = self.states.get(name)
+        if st is None:
+            st = self.init_state(name, tensor)
+            st["shape"] = list(tensor.shape)
+            self.states[name] = st
+        elif list(tensor.shape) != st["shape"]:
+            raise ValueError(f"{name!r}: shape {list(tensor.shape)} differs from its state's {st['shape']}")
+        st["_name"] = name
+        return st
+
+    def state_dict(self) -> dict:
+        return {"states": {n: _clone_state(s) for n, s in self.states.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "states" not in state_dict:
+            raise ValueError(f"{self.name}: state_dict lacks 'states' (keys: {sorted(state_dict)})")
+        self.states = {n: _clone_state(s) for n, s in state_dict["states"].items()}
+
+    # -- defaults ----------------------------------------------------------------------------------
+    def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
+        return []
+
+    def absorb(self, state: dict, summed: Payload) -> None:
+        pass
+
+    def combine_gathered(self, payloads: list[Payload]) -> Tensor:
+        """Mean of the decoded payloads, summed in rank order so every rank gets the same bits."""
+        acc = torch.zeros(payloads[0].shape, dtype=torch.float32, device=_device_of(payloads[0]))
+        for p in payloads:
+            acc += self.decompress(p).to(torch.float32)
+        return (acc / len(payloads)).to(payloads[0].dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def _device_of(payload: Payload) -> torch.device:
+    ts = payload.tensors or payload.shared
+    return ts[0].device if ts else torch.device("cpu")
+
+
+class SeededMixin:
+    """One torch.Generator per device, never the global RNG; its state is part of the checkpoint."""
+
+    def _init_rng(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        g = self._generators.get(key)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[key] = g
+        return g
+
+    def rng_state_dict(self) -> dict:
+        return {"seed": self.seed, "generators": {k: g.get_state().clone() for k, g in self._generators.items()}}
+
+    def load_rng_state_dict(self, sd: dict) -> None:
+        self.seed = int(sd["seed"])
+        self._generators = {}
+        for key, st in sd["generators"].items():
+            g = torch.Generator(device=torch.device(key))
+            g.set_state(st.clone())
+            self._generators[key] = g

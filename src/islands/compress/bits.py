@@ -1,0 +1,41 @@
+"""Bit packing: 8 signs per byte (LIT-280 counts one bit per coordinate) and two nibbles per byte."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _weights(device) -> Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_bits(bits: Tensor) -> Tensor:
+    """Flat bool tensor of n entries -> uint8 tensor of ceil(n/8) bytes, little-endian within a byte."""
+    n = bits.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits.reshape(-1).to(torch.uint8)
+    return (padded.view(-1, 8) * _weights(bits.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, n: int) -> Tensor:
+    """Inverse of pack_bits: the first n bits as a bool tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.view(-1, 1) >> shifts) & 1
+    return bits.reshape(-1)[:n].to(torch.bool)
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """Flat uint8 codes in [0, 15] -> ceil(n/2) bytes, element 2i in the low nibble."""
+    n = codes.numel()
+    padded = torch.zeros(n + (n % 2), dtype=torch.uint8, device=codes.device)
+    padded[:n] = codes.reshape(-1)
+    pairs = padded.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(packed: Tensor, n: int) -> Tensor:
+    """Inverse of pack_nibbles, widened to int16 so sums of several ranks' nibbles stay exact."""
+    low = (packed & 15).to(torch.int16)
+    high = (packed >> 4).to(torch.int16)
+    return torch.stack([low, high], dim=1).reshape(-1)[:n]

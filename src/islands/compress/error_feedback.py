@@ -1,0 +1,94 @@
+"""Error feedback around any compressor (SOTA-214), with DGC's momentum corrections (LIT-056).
+
+Per parameter NAME (never per bucket, never in p.grad, so zero_grad() and bucket rebuilds lose
+nothing) it keeps a residual r in fp32:
+    x = r + g                 the corrected input (g after optional local clipping / momentum)
+    send compress(x)          in the input's dtype
+    r = x - decompress(sent)  this rank's own contribution; exact for sparsifiers, else one fp32
+                              rounding per entry (|sent + r - x| <= ulp(x))
+With momentum m > 0 (DGC momentum correction) g is replaced by u = m u + g, and u is zeroed where
+the compressor sent something (momentum factor masking), so the optimizer must run without momentum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from islands.compress.base import Agreed, CompressorBase, Payload, as_fp32, check_finite
+
+
+class ErrorFeedback(CompressorBase):
+    def __init__(self, inner: CompressorBase, momentum: float = 0.0, clip_norm: float | None = None):
+        super().__init__()
+        if isinstance(inner, ErrorFeedback):
+            raise TypeError("ErrorFeedback(ErrorFeedback(...)) would feed the error back twice")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"error-feedback momentum must be in [0, 1), got {momentum!r}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"error-feedback clip_norm must be > 0 or None, got {clip_norm!r}")
+        self.inner = inner
+        self.momentum = float(momentum)
+        self.clip_norm = clip_norm
+        self.name = f"ef({inner.name})"
+        self.combine = inner.combine
+        self.agree_op = inner.agree_op
+
+    def init_state(self, name: str, tensor: Tensor) -> dict:
+        st = {"residual": torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)}
+        if self.momentum:
+            st["momentum"] = torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)
+        return st
+
+    def _inner_state(self, state: dict, tensor: Tensor) -> dict:
+        return self.inner.state(state["_name"], tensor)
+
+    def _corrected(self, tensor: Tensor, state: dict) -> Tensor:
+        """r + g (or r + u with momentum correction); cached so agree() and compress() see one value."""
+        cached = state.pop("_corrected", None)
+        if cached is not None:
+            return cached
+        name = state["_name"]
+        g = as_fp32(tensor).reshape(tensor.shape)
+        check_finite(name, g)
+        if self.clip_norm is not None:  # DGC local gradient clipping, per tensor
+            norm = float(g.norm())
+            if norm > self.clip_norm:
+                g = g * (self.clip_norm / norm)
+        if self.momentum:
+            state["momentum"].mul_(self.momentum).add_(g)
+            g = state["momentum"]
+        return state["residual"] + g
+
+    def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
+        x = self._corrected(tensor, state)
+        state["_corrected"] = x
+        return self.inner.agree(x.to(tensor.dtype), self._inner_state(state, tensor))
+
+    def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
+        x = self._corrected(tensor, state)
+        payload = self.inner.compress(x.to(tensor.dtype), self._inner_state(state, tensor), agreed)
+        own = self.inner.decompress(payload).to(torch.float32)
+        state["residual"] = x - own
+        if self.momentum:  # DGC momentum factor masking: sent coordinates restart their momentum
+            state["momentum"].masked_fill_(own != 0, 0.0)
+        return payload
+
+    def decompress(self, payload: Payload) -> Tensor:
+        return self.inner.decompress(payload)
+
+    def absorb(self, state: dict, summed: Payload) -> None:
+        self.inner.absorb(self.inner.states[state["_name"]], summed)
+
+    def combine_gathered(self, payloads: list[Payload]) -> Tensor:
+        return self.inner.combine_gathered(payloads)
+
+    def payload_nbytes(self, shape, dtype, **kw) -> int:
+        return self.inner.payload_nbytes(shape, dtype, **kw)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.inner.load_state_dict(state_dict["inner"])
