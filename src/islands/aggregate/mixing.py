@@ -89,4 +89,5 @@ class Bucketing(BaseAggregator):
         self.inner.load_state_dict(state.get("inner", {}))
 
     def __repr__(self) -> str:
-        return f"bucketing:s={self.s}+{self.inner!r}"
+        seed = f",seed={self.seed}" if self.seed else ""
+        return f"bucketing:s={self.s}{seed}+{self.inner!r}"
