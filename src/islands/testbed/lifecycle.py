@@ -35,7 +35,7 @@ def up(name: str, hosts: int, rate: str, subnet: str | None = None) -> Testbed:
     system.require_tools()
     system.require_root()
     addresses = list(net.hosts())[:hosts]
-    with state.locked(name):
+    with state.locked():
         _teardown(name)  # leftovers of a crashed testbed with this name
         tb = Testbed(
             name=name, rate_bps=rate_bps, subnet=str(net), hub=hub_netns(name),
@@ -56,7 +56,7 @@ def down(name: str) -> dict:
     name = spec.validate_name(name)
     system.require_tools()
     system.require_root()
-    with state.locked(name):
+    with state.locked():
         return _teardown(name)
 
 

@@ -8,6 +8,7 @@ tbf qdisc counts every segment it sends, headers included, which is what the sha
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ PROBE = str(Path(__file__).with_name("_tcp_probe.py"))
 GOODPUT_PER_WIRE_BYTE = 1448 / 1514
 RATE_TOLERANCE = 0.10  # issue 2: the recorded link rate is within 10% of the configured rate
 MAX_SECONDS = 60.0
+PROBE_START_TIMEOUT_S = 15.0
 
 
 def interface_bytes(tb: Testbed, host: int) -> tuple[int, int]:
@@ -54,9 +56,12 @@ def measure_rate(tb: Testbed, src: int = 0, dst: int = 1, seconds: float = 2.0) 
     receiver = subprocess.Popen(tb.wrap(dst, python + ["receiver", d.ip]),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        port = receiver.stdout.readline().strip()
+        # Bounded wait for the port line, so a receiver that never starts cannot hang the caller.
+        ready, _, _ = select.select([receiver.stdout], [], [], PROBE_START_TIMEOUT_S)
+        port = receiver.stdout.readline().strip() if ready else ""
         if not port.isdigit():
-            raise system.TestbedError(f"rate probe receiver in {d.netns} failed: {receiver.stderr.read().strip()}")
+            raise system.TestbedError(f"rate probe receiver in {d.netns} did not start within "
+                                      f"{PROBE_START_TIMEOUT_S:g} s (it printed {port!r})")
         before = wire_bytes(tb, src)
         system.in_netns(s.netns, python + ["sender", d.ip, port, str(seconds)], timeout=seconds + 30)
         out, err = receiver.communicate(timeout=30)

@@ -60,6 +60,8 @@ class Host:
 
 @dataclass
 class Testbed:
+    __test__ = False  # not a pytest test class, despite the name
+
     name: str
     rate_bps: int
     subnet: str

@@ -59,11 +59,12 @@ def parse_rate(rate: object) -> int:
 
 
 def format_rate(bps: int) -> str:
-    """100_000_000 -> '100mbit' (the largest unit that keeps an integer, else kbit)."""
+    """100_000_000 -> '100mbit' (the largest unit that keeps an integer, else plain bits, which tc
+    also reads)."""
     for unit in ("gbit", "mbit", "kbit"):
         if bps % _UNIT_BITS[unit] == 0:
             return f"{bps // _UNIT_BITS[unit]}{unit}"
-    return f"{bps / 1000:g}kbit"
+    return f"{bps}bit"
 
 
 def tbf_burst_bytes(rate_bps: int) -> int:
@@ -76,7 +77,7 @@ def tbf_limit_bytes(rate_bps: int) -> int:
 
 def tbf_args(rate_bps: int) -> list[str]:
     """The tc arguments after `root` for one shaped link end."""
-    return ["tbf", "rate", f"{rate_bps}bit", "burst", str(tbf_burst_bytes(rate_bps)),
+    return ["tbf", "rate", format_rate(rate_bps), "burst", str(tbf_burst_bytes(rate_bps)),
             "limit", str(tbf_limit_bytes(rate_bps))]
 
 

@@ -56,11 +56,12 @@ def saved_names() -> list[str]:
 
 
 @contextlib.contextmanager
-def locked(name: str):
-    """Serialise up/down of one testbed across processes (two `up`s of one name would fight)."""
+def locked():
+    """Serialise up/down across processes (two `up`s of one name would fight). One lock file for
+    all testbeds: `up` takes seconds at most, and a per-name file could never be deleted safely."""
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f".{name}.lock", "w") as handle:
+    with open(directory / ".lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
