@@ -60,8 +60,10 @@ def measure_rate(tb: Testbed, src: int = 0, dst: int = 1, seconds: float = 2.0) 
         ready, _, _ = select.select([receiver.stdout], [], [], PROBE_START_TIMEOUT_S)
         port = receiver.stdout.readline().strip() if ready else ""
         if not port.isdigit():
-            raise system.TestbedError(f"rate probe receiver in {d.netns} did not start within "
-                                      f"{PROBE_START_TIMEOUT_S:g} s (it printed {port!r})")
+            receiver.kill()
+            _, err = receiver.communicate(timeout=10)
+            raise system.TestbedError(f"rate probe receiver in {d.netns} did not start: "
+                                      f"{err.strip() or f'no port within {PROBE_START_TIMEOUT_S:g} s'}")
         before = wire_bytes(tb, src)
         system.in_netns(s.netns, python + ["sender", d.ip, port, str(seconds)], timeout=seconds + 30)
         out, err = receiver.communicate(timeout=30)
