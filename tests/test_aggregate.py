@@ -188,8 +188,9 @@ def test_geometric_median_on_identical_inputs_does_not_divide_by_zero():
     assert torch.equal(out, torch.ones(4))
 
 
-def _all_aggregators():
-    return [parse_aggregator(s) for s in EXAMPLE_SPECS] + [parse_aggregator("bucketing:s=3+nnm:f=2+geomed:iters=5")]
+def _all_aggregators(f=2):
+    specs = EXAMPLE_SPECS + ["bucketing:s=3+nnm:f=2+geomed:iters=5"]
+    return [parse_aggregator(s.replace("f=2", f"f={f}")) for s in specs]
 
 
 @FAST
@@ -203,7 +204,8 @@ def test_non_finite_inputs_are_dropped_before_any_aggregator_sees_them(seed, bad
         t[i] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}.get(kind, float("nan") if i else float("inf"))
         bad.append(t)
     inputs = honest[:3] + bad + honest[3:]
-    for with_bad, clean in zip(_all_aggregators(), _all_aggregators()):
+    # A dropped input counts against f, so the clean reference tolerates f - bad_count.
+    for with_bad, clean in zip(_all_aggregators(), _all_aggregators(f=2 - bad_count)):
         out = with_bad.aggregate(inputs)
         assert torch.isfinite(out).all()
         # Same result as if the bad inputs had never been sent: they reached nothing.
@@ -260,11 +262,21 @@ def test_centered_clipping_moves_at_most_tau_per_iteration_and_restores_state():
 
 
 def test_too_few_finite_inputs_is_a_clear_error():
-    inputs = [torch.randn(3) for _ in range(4)] + [torch.full((3,), float("nan"))]
-    with pytest.raises(TooFewInputsError, match=r"at least 5 finite inputs, 4 remain after dropping 1"):
+    inputs = [torch.randn(3) for _ in range(3)] + [torch.full((3,), float("nan"))]
+    # The NaN sender counts against f = 2, leaving f = 1: Krum then needs 4 inputs.
+    with pytest.raises(TooFewInputsError, match=r"at least 4 finite inputs, 3 remain after dropping 1"):
         Krum(f=2).aggregate(inputs)
     with pytest.raises(TooFewInputsError):
         Mean().aggregate([torch.full((2,), float("inf"))])
+
+
+def test_a_dropped_input_counts_against_f():
+    honest = [torch.tensor([0.0]), torch.tensor([0.1]), torch.tensor([5.0])]
+    krum = Krum(f=1)
+    krum.aggregate(honest + [torch.tensor([float("nan")])])  # n = 4, f = 1, one NaN: still runs
+    assert krum.effective_f() == 0 and krum.last_report.used == 3
+    krum.aggregate(honest + [torch.tensor([1.0])])
+    assert krum.effective_f() == 1
 
 
 def test_bad_inputs_are_clear_errors():

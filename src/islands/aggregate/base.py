@@ -4,6 +4,11 @@ Policy (stated once, applied by every aggregator here): an input holding any NaN
 whole before an aggregator or its state sees it. The drop is counted (`last_report`, `dropped_total`);
 if fewer inputs remain than the aggregator needs, `TooFewInputsError` says how many were needed.
 Aggregators see a finite matrix `rows` of shape [n, d] (one flattened input per row) in `combine`.
+
+A dropped input counts against f: f bounds how many inputs may be faulty, and one that sends NaN/Inf
+has shown itself faulty, so at most f - dropped faulty inputs hide among the rest. Aggregators that
+take f (Krum, multi-Krum, NNM) use `effective_f()` = max(0, f - dropped) for the round; without it,
+n = 4, f = 1 Krum could not survive the very NaN it is meant to tolerate.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class BaseAggregator:
     def __init__(self) -> None:
         self.last_report: AggregationReport | None = None
         self.dropped_total = 0
+        self.exposed = 0  # faulty inputs already dropped this round (see the module doc)
 
     def min_inputs(self) -> int:
         """The fewest finite inputs `combine` can work with."""
@@ -93,12 +99,23 @@ class BaseAggregator:
         self.dropped_total += len(dropped)
         if dropped:
             rows = rows[finite]
+        self.set_exposed(len(dropped))
         self.check_count(rows.shape[0], dropped=len(dropped))
         out = self.combine(rows)
         if not torch.isfinite(out).all():
             # Finite inputs can still overflow inside a combine; never hand Inf to a model.
             raise FloatingPointError(f"{self!r} produced a non-finite result from finite inputs")
         return out.reshape(shape)
+
+    def set_exposed(self, count: int) -> None:
+        """Record this round's dropped inputs here and in any wrapped aggregator."""
+        self.exposed = count
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, BaseAggregator):
+            inner.set_exposed(count)
+
+    def effective_f(self) -> int:
+        return max(0, getattr(self, "f", 0) - self.exposed)
 
     def check_count(self, n: int, dropped: int = 0) -> None:
         need = self.min_inputs()

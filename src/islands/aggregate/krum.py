@@ -3,7 +3,7 @@
 Score of input i = sum of squared distances to its n - f - 2 nearest other inputs; Krum returns the
 lowest-scoring input, multi-Krum the average of the m lowest. Blanchard et al. prove robustness for
 n > 2f + 2; we run whenever at least one neighbour is scored (n >= f + 3) and leave the bound to
-the caller, since a dropped non-finite input lowers n without changing the configured f.
+the caller. Inputs dropped for NaN/Inf count against f (base.py), so f here is `effective_f()`.
 Distances are computed in float64 so inputs near the float32 maximum do not overflow into ties.
 """
 
@@ -56,11 +56,11 @@ class Krum(BaseAggregator):
         self.last_selected: list[int] = []
 
     def min_inputs(self) -> int:
-        return self.f + 3
+        return self.effective_f() + 3
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         # argmin returns the first minimum, so ties resolve the same way on every rank.
-        best = int(torch.argmin(krum_scores(rows, self.f)))
+        best = int(torch.argmin(krum_scores(rows, self.effective_f())))
         self.last_selected = [best]
         return rows[best].clone()
 
@@ -80,10 +80,10 @@ class MultiKrum(BaseAggregator):
         self.last_selected: list[int] = []
 
     def min_inputs(self) -> int:
-        return max(self.f + 3, self.m)
+        return max(self.effective_f() + 3, self.m)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        order = torch.argsort(krum_scores(rows, self.f), stable=True)[: self.m]
+        order = torch.argsort(krum_scores(rows, self.effective_f()), stable=True)[: self.m]
         chosen = torch.sort(order).values  # average in row order: same sum order on every rank
         self.last_selected = [int(i) for i in chosen]
         return mean_rows(rows[chosen])

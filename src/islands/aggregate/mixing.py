@@ -34,14 +34,14 @@ class NearestNeighborMixing(BaseAggregator):
         self.f = _check_f(f)
 
     def min_inputs(self) -> int:
-        return max(self.f + 1, self.inner.min_inputs())
+        return max(self.effective_f() + 1, self.inner.min_inputs())
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
         d2 = pairwise_sq_distances(rows)
         # Stable sort: equal distances keep row order, so ties break alike everywhere. Row i's own
         # zero distance sorts first unless another row is identical, which mixes to the same value.
-        nearest = torch.argsort(d2, dim=1, stable=True)[:, : n - self.f]
+        nearest = torch.argsort(d2, dim=1, stable=True)[:, : n - self.effective_f()]
         mixed = torch.stack([mean_rows(rows[torch.sort(nearest[i]).values]) for i in range(n)])
         return self.inner.combine(mixed)
 
