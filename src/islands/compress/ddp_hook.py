@@ -9,12 +9,12 @@ DDP hands buckets over. One thread means every rank issues its collectives in th
 failure mode of launching collectives from future callbacks), while backward keeps computing.
 """
 
-from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from islands.compress.average import compress_and_average
@@ -66,7 +66,7 @@ class CompressionHookState:
             self._executor.shutdown(wait=True)
 
 
-def _hook(state: CompressionHookState, bucket) -> torch.futures.Future:
+def _hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     named = state.split(buffer, list(bucket.parameters()))
     fut: torch.futures.Future = torch.futures.Future()

@@ -4,8 +4,8 @@ Per parameter NAME (never per bucket, never in p.grad, so zero_grad() and bucket
 nothing) it keeps a residual r in fp32:
     x = r + g                 the corrected input (g after optional local clipping / momentum)
     send compress(x)          in the input's dtype
-    r = x - decompress(sent)  this rank's own contribution; exact for sparsifiers, else one fp32
-                              rounding per entry (|sent + r - x| <= ulp(x))
+    r = x - decompress(sent)  this rank's own contribution; exact for top-k, else within fp32
+                              rounding: |sent + r - x| <= 2^-23 (|sent| + |x|) per entry
 With momentum m > 0 (DGC momentum correction) g is replaced by u = m u + g, and u is zeroed where
 the compressor sent something (momentum factor masking), so the optimizer must run without momentum.
 """
