@@ -12,6 +12,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from islands.cli_more import UsageError
 from islands.config import ConfigError, TrainConfig, from_mapping, load_toml, validate
 
 _HELP = {
@@ -85,7 +86,10 @@ def cmd_practices(args) -> int:
     if args.papers:
         console.print(P.papers_table(P.load_papers()))
         return 0
-    items = P.filter_practices(P.load_practices(), status=args.status, implemented=args.implemented)
+    try:
+        items = P.filter_practices(P.load_practices(), status=args.status, implemented=args.implemented)
+    except ValueError as e:
+        raise ExitError(str(e)) from None
     console.print(P.practices_table(items))
     return 0
 
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench)
 
     pr = sub.add_parser("practices", help="the practice registry: what islands implements and measures")
-    pr.add_argument("--status", choices=["Active", "Proposed", "Rejected", "Open"])
+    pr.add_argument("--status", help="Active, Proposed, Rejected or Open (any case)")
     g = pr.add_mutually_exclusive_group()
     g.add_argument("--implemented", dest="implemented", action="store_true", default=None)
     g.add_argument("--not-implemented", dest="implemented", action="store_false")
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         code = args.fn(args)
-    except (ConfigError, ExitError) as e:
+    except (ConfigError, ExitError, UsageError) as e:
         print(f"islands: error: {e}", file=sys.stderr)
         code = getattr(e, "code", 2)
     sys.exit(code)

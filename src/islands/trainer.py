@@ -71,7 +71,7 @@ class Trainer:
             return None
         from islands.faults.attacks import parse_attack
 
-        return parse_attack(self.cfg.attack, world_size=self.world.size)
+        return parse_attack(self.cfg.attack, world_size=self.world.size, seed=self.cfg.seed)
 
     # ---- one step -------------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -80,7 +80,7 @@ class Trainer:
             group["lr"] = lr_at(step, cfg)
         x, y = self.task.loader.next()
         if self.attack is not None:
-            y = self.attack.poison_targets(y, self.world.rank, self.task.classes)
+            y = self.attack.flip_labels(y, self.task.classes, self.world.rank)
         x, y = x.to(self.world.device), y.to(self.world.device)
         loss = self.task.loss_fn(self.model(x), y)
         loss.backward()

@@ -90,7 +90,7 @@ def launch(cfg: TrainConfig, run_dir: Path, out=sys.stderr) -> int:
 
         testbed = Testbed.load(cfg.testbed)
         master = testbed.master_addr
-        port = 29500  # the testbed's namespaces are ours alone; this port is free there
+        port = testbed.free_port(0)
     elif cfg.port:
         if not port_is_free(cfg.port):
             raise LaunchError(f"port {cfg.port} is busy on 127.0.0.1; choose another or use port=0 to pick a free one")
@@ -113,12 +113,38 @@ def launch(cfg: TrainConfig, run_dir: Path, out=sys.stderr) -> int:
             stderr = open(log, "w") if rank == 0 else subprocess.STDOUT
             proc = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
             workers.append(WorkerProcess(rank, proc, log))
-        return _supervise(workers, out)
+        before = _wire_counters(testbed)
+        code = _supervise(workers, out)
+        if code == 0 and testbed is not None:
+            _record_wire_bytes(run_dir, testbed, before)
+        return code
     except KeyboardInterrupt:
         print("interrupted: stopping all workers", file=out)
         return 130
     finally:
         _stop_all(workers)
+
+
+def _wire_counters(testbed) -> list[tuple[int, int]] | None:
+    if testbed is None:
+        return None
+    from islands.testbed import wire_bytes
+
+    return [wire_bytes(testbed, h.index) for h in testbed.hosts]
+
+
+def _record_wire_bytes(run_dir: Path, testbed, before) -> None:
+    """Bytes the shaped links really carried (headers included), next to the ledger's payload count."""
+    import json
+
+    after = _wire_counters(testbed)
+    path = run_dir / "run.json"
+    if not path.exists():
+        return
+    rec = json.loads(path.read_text())
+    rec["interconnect"]["wire_bytes_per_host"] = [
+        {"host": i, "tx": a[0] - b[0], "rx": a[1] - b[1]} for i, (a, b) in enumerate(zip(after, before))]
+    path.write_text(json.dumps(rec, indent=2, default=str))
 
 
 def _supervise(workers: list[WorkerProcess], out) -> int:

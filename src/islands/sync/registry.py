@@ -22,7 +22,7 @@ def check_specs(cfg: TrainConfig) -> None:
     if cfg.attack:
         from islands.faults.attacks import parse_attack
 
-        parse_attack(cfg.attack)
+        parse_attack(cfg.attack, world_size=cfg.workers)
     if cfg.outer:
         from islands.sync.outer import parse_outer
 

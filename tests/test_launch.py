@@ -1,0 +1,86 @@
+"""The launcher: a real job end to end, a SIGKILLed worker, a raising worker, a busy port."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from islands.config import TrainConfig, validate
+from islands.runtime.launch import LaunchError, launch
+
+ISLANDS = [sys.executable, "-m", "islands"]
+TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",
+        "--eval-batches", "2", "--threads", "1"]
+
+
+def test_two_worker_job_writes_record_and_plot(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "6", "--eval-every", "3",
+                          "--log-every", "2", "--run-dir", str(run), *TINY],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads((run / "run.json").read_text())
+    assert (run / "loss.png").stat().st_size > 1000
+    assert rec["world"]["size"] == 2 and rec["summary"]["steps"] == 6
+    assert rec["interconnect"]["measured"] and rec["interconnect"]["p2p"]["bandwidth_gbit_s"] > 0
+    assert "per worker" in rec["baseline"]["definition"]
+    assert [v["step"] for v in rec["series"]["val"]] == [3, 6]
+    assert "git_revision" in rec["versions"] and rec["config"]["workers"] == 2
+    # every rank handed the same bytes; equal to steps x fp32 gradient payload
+    sent = {r["sent"]["grad_all_reduce"] for r in rec["comm"]["per_rank"]}
+    assert len(sent) == 1 and sent.pop() % 6 == 0
+    assert "islands run summary" in out.stdout
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+@pytest.mark.slow
+def test_sigkilled_worker_ends_job_nonzero_within_timeout(tmp_path):
+    job = subprocess.Popen([*ISLANDS, "train", "--workers", "2", "--steps", "100000", "--timeout", "20",
+                            "--eval-every", "0", "--run-dir", str(tmp_path / "run"), *TINY],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # wait until training is under way on rank 1
+            log = tmp_path / "run" / "logs" / "rank1.log"
+            if len(_children(job.pid)) == 2 and log.exists():
+                time.sleep(6)
+                break
+            time.sleep(0.5)
+        victim = _children(job.pid)[1]
+        t = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, err = job.communicate(timeout=40)
+        assert job.returncode != 0
+        assert time.monotonic() - t < 20  # well inside the collective timeout
+        assert "worker rank 1 failed (killed by SIGKILL)" in err
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def test_raising_worker_shows_its_error(tmp_path):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("x" * 40)  # too short for one validation window: every worker raises
+    out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "3", "--data", str(corpus),
+                          "--run-dir", str(tmp_path / "run"), *TINY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "failed (exit code 1)" in out.stderr and "has no items; use fewer workers or more data" in out.stderr
+
+
+def test_busy_port_is_a_clear_error(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        cfg = validate(TrainConfig(workers=2, port=s.getsockname()[1]))
+        with pytest.raises(LaunchError, match="busy"):
+            launch(cfg, tmp_path / "run")
