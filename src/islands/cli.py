@@ -90,7 +90,8 @@ def cmd_practices(args) -> int:
         items = P.filter_practices(P.load_practices(), status=args.status, implemented=args.implemented)
     except ValueError as e:
         raise ExitError(str(e)) from None
-    console.print(P.practices_table(items))
+    detail = args.detail or (args.status or "").lower() == "rejected"  # a rejection is its reason
+    console.print(P.practices_table(items, detail=detail))
     return 0
 
 
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--implemented", dest="implemented", action="store_true", default=None)
     g.add_argument("--not-implemented", dest="implemented", action="store_false")
     pr.add_argument("--papers", action="store_true", help="show the reading list instead")
+    pr.add_argument("--detail", action="store_true", help="add each claim (or rejection reason) and its sources")
     pr.set_defaults(fn=cmd_practices)
 
     from islands.cli_more import add_more_commands

@@ -34,7 +34,7 @@ class TrainConfig:
     context: int = 128
     hidden: int = 128  # digits MLP width
     # optimisation
-    steps: int = 300
+    steps: int = 200
     global_batch: int = 32  # sequences (or images) per step summed over all workers
     lr: float = 3e-3
     warmup: int = 30
@@ -58,7 +58,7 @@ class TrainConfig:
     testbed: str = ""  # run each worker inside a host of this network testbed
     probe: bool = True  # measure the interconnect at start
     # evaluation and output
-    eval_every: int = 50
+    eval_every: int = 25
     eval_batches: int = 8
     log_every: int = 10
     run_dir: str = ""  # "" = runs/<timestamp>
