@@ -1,0 +1,52 @@
+"""Outer strategies: how islands meet, rarely and cheaply, across the cross-island process group.
+
+    parse_outer("diloco:inner_steps=100,outer_lr=0.7,momentum=0.9") -> OuterSpec   (ValueError if bad)
+    build_outer(cfg, world) -> Strategy                                            (uses cfg.outer)
+
+Strategies (one module each): local-sgd, post-local-sgd, overlap-local-sgd, slowmo, easgd, diloco
+(outer=nesterov|sgd|primal, sync_inner_state), streaming-diloco. Each runs after the inner strategy
+(ddp inside an island) at every hook; all cross-island traffic goes through `strategy.comm`.
+"""
+
+from __future__ import annotations
+
+from islands.sync.outer.base import LoneComm, OuterStrategy
+from islands.sync.outer.diloco import DiLoCo
+from islands.sync.outer.easgd import EASGD
+from islands.sync.outer.local_sgd import LocalSGD
+from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
+from islands.sync.outer.post_local_sgd import PostLocalSGD
+from islands.sync.outer.slowmo import SlowMo
+from islands.sync.outer.spec import PARAMS, OuterSpec, parse_outer, valid_specs
+from islands.sync.outer.streaming_diloco import StreamingDiLoCo
+
+CLASSES = {
+    "local-sgd": LocalSGD,
+    "post-local-sgd": PostLocalSGD,
+    "overlap-local-sgd": OverlapLocalSGD,
+    "slowmo": SlowMo,
+    "easgd": EASGD,
+    "diloco": DiLoCo,
+    "streaming-diloco": StreamingDiLoCo,
+}
+
+
+def make_outer(spec: OuterSpec | str, total_steps: int, warmup: int = 0) -> OuterStrategy:
+    """Build an outer strategy from a spec; `warmup` is post-local-sgd's default switch step."""
+    spec = parse_outer(spec) if isinstance(spec, str) else spec
+    kwargs = dict(spec.params)
+    if spec.name == "post-local-sgd" and kwargs["switch"] == -1:
+        kwargs["switch"] = warmup  # SOTA-216: switch where the schedule first decays (end of warm-up)
+    if "sync_inner_state" in kwargs:
+        kwargs["sync_inner_state"] = bool(kwargs["sync_inner_state"])
+    return CLASSES[spec.name](total_steps, **kwargs)
+
+
+def build_outer(cfg, world) -> OuterStrategy:
+    """The outer strategy cfg.outer names, for a run of cfg.steps steps."""
+    return make_outer(parse_outer(cfg.outer), cfg.steps, warmup=cfg.warmup)
+
+
+__all__ = ["CLASSES", "PARAMS", "DiLoCo", "EASGD", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",
+           "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "build_outer", "make_outer",
+           "parse_outer", "valid_specs"]

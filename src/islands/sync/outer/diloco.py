@@ -1,0 +1,117 @@
+"""DiLoCo (SOTA-155, LIT-212): H inner AdamW steps per island, then one outer step on the average delta.
+
+A round, on every island:
+    delta   = global - local            (where this round started, minus where the island got to)
+    mean    = mean of delta over islands (one all-reduce, ledger kind "outer_delta")
+    global  = outer_step(global, mean)   (Nesterov SGD, lr 0.7, momentum 0.9 by default; fp32)
+    local   = global                     (the next round starts from the new global model)
+The inner optimizer state (Adam moments) stays on its island (SOTA-219); sync_inner_state=1 also
+averages the moments, one more all-reduce of 2x the parameter bytes (kind "outer_inner_state"),
+only for the experiment that measures what that buys.
+
+The same engine runs the streaming form (streaming_diloco.py): the parameters split into F
+fragments, fragment p starting its exchange at steps (p+1)*H/F + k*H, the exchange landing tau
+steps later while inner steps continue, and the landed global fragment merged into the local one.
+Plain DiLoCo is the case F = 1, tau = 0, fp32 payloads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.exchange import Exchange, Pending
+from islands.sync.outer.flat import FlatView, fragment_bounds
+from islands.sync.outer.outer_opt import build_outer_optimizer
+from islands.sync.outer.quant4 import Quant4
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class DiLoCo(OuterStrategy):
+    name = "diloco"
+
+    def __init__(self, total_steps: int, inner_steps: int = 100, outer: str = "nesterov", outer_lr: float = 0.7,
+                 momentum: float = 0.9, weight: float = 0.5, sync_inner_state: bool = False,
+                 compress: str = "none", aggregate: str = "mean",
+                 fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None):
+        super().__init__(total_steps)
+        if inner_steps < 1 or fragments < 1 or fragments > inner_steps:
+            raise ValueError(f"need 1 <= fragments <= inner_steps; got fragments={fragments}, inner_steps={inner_steps}")
+        if not 0 <= tau < inner_steps:
+            raise ValueError(f"tau must be in [0, inner_steps); got tau={tau}, inner_steps={inner_steps}")
+        if sync_inner_state and (fragments > 1 or tau > 0):
+            raise ValueError("sync_inner_state needs fragments=1 and tau=0 (plain DiLoCo)")
+        self.inner_steps, self.fragments, self.tau, self.merge = int(inner_steps), int(fragments), int(tau), float(merge)
+        self.sync_inner_state = bool(sync_inner_state)
+        self.opt = build_outer_optimizer(outer, outer_lr, momentum, weight)
+        self.exchange = Exchange("outer_delta", aggregate=aggregate, compress=compress, codec=codec)
+        self.state_exchange = Exchange("outer_inner_state", aggregate=aggregate) if sync_inner_state else None
+        # fragment p's first send is at step count (p+1)*H//F, then every H steps (staggered, LIT-214)
+        self.offsets = [(p + 1) * self.inner_steps // self.fragments for p in range(self.fragments)]
+        self.pending: list[tuple[int, int, Pending]] = []  # (fragment, step count it lands at, exchange)
+        self.sends = [0] * self.fragments  # completed sends per fragment, for tests and reports
+
+    def setup(self) -> None:
+        self.bounds = fragment_bounds(self.global_flat.numel(), self.fragments)
+
+    def starting(self, done: int) -> list[int]:
+        """Fragments whose exchange starts after `done` steps (the schedule, without the final flush)."""
+        return [p for p, o in enumerate(self.offsets) if done >= o and (done - o) % self.inner_steps == 0]
+
+    def after_step(self, model, optimizer, step):
+        done, last = step + 1, self.is_last(step)
+        for entry in list(self.pending):
+            p, lands, pending = entry
+            if lands <= done or last:
+                self.pending.remove(entry)
+                self._land(p, pending.wait(), adopt=False)
+        # Policy: the last step syncs every fragment, blocking, so the final global model holds all work.
+        for p in (range(self.fragments) if last else self.starting(done)):
+            lo, hi = self.bounds[p]
+            delta = self.global_flat[lo:hi] - self.local.read(lo, hi)
+            self.sends[p] += 1
+            if self.tau == 0 or last:
+                self._land(p, self.exchange.mean(self.comm, delta, name=f"fragment{p}"), adopt=True)
+            else:
+                self.pending.append((p, done + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
+
+    def _land(self, p: int, mean_delta: torch.Tensor, adopt: bool) -> None:
+        lo, hi = self.bounds[p]
+        self.opt.step(self.global_flat, mean_delta, lo, hi)
+        self.publish(lo, hi)
+        if adopt:
+            self.adopt_global(lo, hi)
+        else:  # the island kept training for tau steps: keep part of that work (LIT-214's merge)
+            x = self.local.read(lo, hi).mul_(self.merge).add_(self.global_flat[lo:hi], alpha=1 - self.merge)
+            self.local.write(x, lo)
+        self.rounds += 1
+        if self.sync_inner_state:
+            self._average_moments()
+
+    def _average_moments(self) -> None:
+        tensors = []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                st = self.optimizer.state.get(param, {})
+                if not all(k in st for k in _MOMENTS):
+                    raise ValueError("sync_inner_state needs an Adam-style inner optimizer with exp_avg and "
+                                     f"exp_avg_sq state; found state keys {sorted(st)}")
+                tensors += [st[k] for k in _MOMENTS]
+        view = FlatView(tensors)
+        view.write(self.state_exchange.mean(self.comm, view.read(), name="inner_state"))
+
+    # ---- state ------------------------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        # Exchanges in flight were started on every rank: wait for them here and keep their results.
+        inflight = [(p, lands, pending.wait().clone()) for p, lands, pending in self.pending]
+        self.pending = [(p, lands, Pending(value=v)) for p, lands, v in inflight]
+        return {"outer_opt": self.opt.state_dict(), "inflight": inflight, "sends": list(self.sends),
+                "exchange": self.exchange.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.opt.load_state_dict(state["outer_opt"])
+        self.pending = [(int(p), int(lands), Pending(value=v.to(torch.float32).clone()))
+                        for p, lands, v in state.get("inflight", [])]
+        self.sends = list(state.get("sends", [0] * self.fragments))
+        self.exchange.load_state_dict(state.get("exchange", {}))

@@ -1,0 +1,96 @@
+"""The one way outer strategies meet: the mean (or robust aggregate) of a flat vector across islands.
+
+Every byte goes through the `comm` handed to each call (the strategy's `self.comm`, the cross-island
+Comm), so a different Comm (an elastic one) can be swapped in without touching the strategies. Paths:
+  plain mean      one all-reduce (sum) of the fp32 vector, divided by comm.size
+  aggregate=      all-gather, then the same robust aggregator on every rank (islands.aggregate)
+  compress=       islands.compress.compress_and_average (error-feedback state is per `name`)
+  Quant4 codec    all-gather of 4-bit payloads; each rank decodes all and averages in rank order
+Every path leaves identical bits on every rank. `start` runs the same exchange on a background
+thread so local steps can proceed while it is in flight (LIT-323, LIT-214).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from islands.sync.outer.quant4 import Quant4
+
+
+class Pending:
+    """An exchange in flight; wait() returns its result (and re-raises its error)."""
+
+    def __init__(self, future: Future | None = None, value: torch.Tensor | None = None):
+        self._future, self._value = future, value
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._future.result()
+            self._future = None
+        return self._value
+
+
+class Exchange:
+    def __init__(self, kind: str, aggregate: str = "mean", compress: str = "none", codec: Quant4 | None = None):
+        self.kind = kind
+        self.aggregator = None
+        self.compressor = None
+        self.codec = codec
+        if aggregate != "mean":
+            from islands.aggregate import parse_aggregator
+
+            self.aggregator = parse_aggregator(aggregate)
+        if compress != "none":
+            from islands.compress import parse_compressor
+
+            self.compressor = parse_compressor(compress)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def mean(self, comm, flat: torch.Tensor, name: str = "params") -> torch.Tensor:
+        """Collective: every rank of comm calls it with a vector of the same size, in the same order."""
+        flat = flat.detach().to(torch.float32).contiguous()
+        if self.compressor is not None:
+            from islands.compress import compress_and_average
+
+            return compress_and_average({name: flat}, comm, self.compressor)[name].to(torch.float32)
+        if self.codec is not None:
+            return self._gathered(comm, flat)
+        if self.aggregator is not None:
+            from islands.aggregate import robust_all_reduce
+
+            return robust_all_reduce(flat, comm, self.aggregator, kind=self.kind)
+        out = flat.clone()
+        comm.all_reduce(out, kind=self.kind)
+        return out.div_(comm.size)
+
+    def _gathered(self, comm, flat: torch.Tensor) -> torch.Tensor:
+        payloads = comm.all_gather(self.codec.encode(flat), kind=self.kind)
+        decoded = [self.codec.decode(p, flat.numel()) for p in payloads]
+        if self.aggregator is not None:
+            return self.aggregator.aggregate(decoded).to(torch.float32)
+        acc = torch.zeros_like(flat)
+        for d in decoded:  # fixed rank order: the same sum, bit for bit, on every rank
+            acc += d
+        return acc.div_(len(decoded))
+
+    def start(self, comm, flat: torch.Tensor, name: str = "params") -> Pending:
+        """Begin mean() on a background thread; exchanges run one at a time, in call order."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="islands-outer")
+        flat = flat.detach().to(torch.float32).clone()  # the caller keeps training on its own copy
+        return Pending(self._pool.submit(self.mean, comm, flat, name))
+
+    def state_dict(self) -> dict:
+        out = {}
+        for key, part in (("compressor", self.compressor), ("aggregator", self.aggregator)):
+            sd = getattr(part, "state_dict", None)
+            if sd is not None:
+                out[key] = sd()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, part in (("compressor", self.compressor), ("aggregator", self.aggregator)):
+            if key in state and hasattr(part, "load_state_dict"):
+                part.load_state_dict(state[key])

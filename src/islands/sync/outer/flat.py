@@ -1,0 +1,56 @@
+"""A list of tensors seen as one flat fp32 vector, and its split into fragments.
+
+Outer strategies work on flat vectors: one exchange per round (or per fragment) instead of one per
+parameter, and fragments may cut through a parameter. Reads return fp32 copies; writes cast back to
+each tensor's own dtype, so the outer arithmetic stays in fp32 whatever the model's dtype (LIT-214).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+
+class FlatView:
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        self.tensors = list(tensors)
+        if not self.tensors:
+            raise ValueError("FlatView needs at least one tensor (does the model have parameters?)")
+        self.starts = []
+        total = 0
+        for t in self.tensors:
+            self.starts.append(total)
+            total += t.numel()
+        self.numel = total
+
+    def _segments(self, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int, int]]:
+        """(tensor, start inside tensor, end inside tensor, start inside [lo, hi)) for each overlap."""
+        for t, start in zip(self.tensors, self.starts):
+            a, b = max(lo, start), min(hi, start + t.numel())
+            if a < b:
+                yield t, a - start, b - start, a - lo
+
+    def read(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        hi = self.numel if hi is None else hi
+        parts = [t.detach().reshape(-1)[a:b].to(torch.float32) for t, a, b, _ in self._segments(lo, hi)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    @torch.no_grad()
+    def write(self, values: torch.Tensor, lo: int = 0) -> None:
+        hi = lo + values.numel()
+        for t, a, b, at in self._segments(lo, hi):
+            t.view(-1)[a:b].copy_(values[at : at + (b - a)])
+
+
+def fragment_bounds(numel: int, fragments: int) -> list[tuple[int, int]]:
+    """F contiguous slices of [0, numel) whose sizes differ by at most one; each element in exactly one."""
+    if fragments < 1 or fragments > numel:
+        raise ValueError(f"fragments must be in 1..{numel} (the parameter count), got {fragments}")
+    base, extra = divmod(numel, fragments)
+    bounds, lo = [], 0
+    for f in range(fragments):
+        hi = lo + base + (1 if f < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds

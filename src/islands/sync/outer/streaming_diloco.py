@@ -1,0 +1,31 @@
+"""Streaming DiLoCo (SOTA-155, LIT-214): DiLoCo with fragments, overlapped exchanges and 4-bit deltas.
+
+Three changes to DiLoCo, each lowering the PEAK bytes of one synchronisation:
+  * the flat parameter vector is split into F equal fragments; fragment p is synced every H steps
+    at offset (p+1)*H/F, so one sync carries 1/F of the model and every element is sent exactly
+    once per H-step cycle;
+  * each fragment's exchange runs in the background while tau more inner steps happen; when it
+    lands, the new global fragment is merged into the local one, local <- merge*local + (1-merge)*global;
+  * the deltas travel as block-scaled 4-bit codes (quant4.py), but the outer step and the global
+    model stay fp32.
+With fragments=1, tau=0, bits=32 it is exactly plain DiLoCo (the same engine, diloco.py).
+"""
+
+from __future__ import annotations
+
+from islands.sync.outer.diloco import DiLoCo
+from islands.sync.outer.quant4 import Quant4
+
+
+class StreamingDiLoCo(DiLoCo):
+    name = "streaming-diloco"
+
+    def __init__(self, total_steps: int, inner_steps: int = 100, fragments: int = 4, tau: int = 1,
+                 merge: float = 0.5, bits: int = 4, block: int = 1024, outer: str = "nesterov",
+                 outer_lr: float = 0.7, momentum: float = 0.9, weight: float = 0.5,
+                 compress: str = "none", aggregate: str = "mean"):
+        if bits not in (4, 32):
+            raise ValueError(f"bits must be 4 or 32, got {bits}")
+        super().__init__(total_steps, inner_steps=inner_steps, outer=outer, outer_lr=outer_lr, momentum=momentum,
+                         weight=weight, compress=compress, aggregate=aggregate, fragments=fragments, tau=tau,
+                         merge=merge, codec=Quant4(block) if bits == 4 else None)

@@ -1,0 +1,70 @@
+"""Spawn a small gloo world for the outer-strategy tests, with timeouts so nothing can hang.
+
+`run_world(fn, size, islands)` starts `size` processes; each joins through env:// on a free loopback
+port, builds the World (30 s collective timeout), calls fn(world) and sends back its result
+(plain Python / numpy only: torch tensors in a queue are shared through a sender about to exit).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as _queue
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, size, islands, env, fn, out):
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
+    import torch
+
+    torch.set_num_threads(1)
+    from islands.runtime.world import close_world, init_world
+
+    world = init_world(islands=islands, timeout_s=30)
+    try:
+        out.put((rank, "ok", fn(world)))
+    except BaseException as e:  # report, so the parent fails with the cause instead of a timeout
+        import traceback
+
+        out.put((rank, "error", f"{e!r}\n{traceback.format_exc()}"))
+    finally:
+        close_world(world)
+
+
+def run_world(fn, size: int, islands: int, timeout: float = 150.0) -> list:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [ctx.Process(target=_child, args=(r, size, islands, env, fn, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"outer test world: only ranks {sorted(results)} reported within {timeout} s")
+            try:
+                rank, status, value = out.get(timeout=1.0)
+            except _queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank exited with {dead} before reporting")
+                continue
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(size)]
