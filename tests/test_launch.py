@@ -30,7 +30,7 @@ def test_two_worker_job_writes_record_and_plot(tmp_path):
     assert rec["world"]["size"] == 2 and rec["summary"]["steps"] == 6
     assert rec["interconnect"]["measured"] and rec["interconnect"]["p2p"]["bandwidth_gbit_s"] > 0
     assert "per worker" in rec["baseline"]["definition"]
-    assert [v["step"] for v in rec["series"]["val"]] == [3, 6]
+    assert [v["step"] for v in rec["series"]["val"]] == [0, 3, 6]
     assert "git_revision" in rec["versions"] and rec["config"]["workers"] == 2
     # every rank handed the same bytes; equal to steps x fp32 gradient payload
     sent = {r["sent"]["grad_all_reduce"] for r in rec["comm"]["per_rank"]}

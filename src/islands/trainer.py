@@ -63,8 +63,12 @@ class Trainer:
         factory = self.cfg.extra.get("optimizer_factory")
         if factory is not None:
             return factory(model, self.cfg, self.world)
-        return torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                 betas=(0.9, 0.95))
+        from islands.compress.optim import build_optimizer
+
+        # 1-bit optimizers average through the island's group themselves (SOTA-215)
+        comm = self.world.comm("local") if self.world.distributed else None
+        return build_optimizer(self.cfg.optimizer, model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95),
+                               weight_decay=self.cfg.weight_decay, steps=self.cfg.steps, comm=comm)
 
     def _build_attack(self):
         if not self.cfg.attack:
@@ -136,6 +140,8 @@ class Trainer:
                          f"data: {self.task.data_source} · interconnect: {describe(interconnect)}")
         compute_s = comm_s = 0.0
         losses: list[float] = []
+        if self.step == 0 and cfg.eval_every:  # where the curve starts: an untrained model
+            self.series["val"].append({"step": 0, "elapsed": 0.0, "mb_sent": 0.0, **self.evaluate()})
         while self.step < cfg.steps:
             t0, busy0 = time.perf_counter(), ledger.busy_seconds
             loss = self.train_step()
