@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from islands.compress import ErrorFeedback, MajorityVote, PowerSGD, TopK, analytic_nbytes, compress_and_average, ddp_comm_hook, parse_compressor
+from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.runtime.comm import Comm, CommLedger
 
 AVG_SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=8", "randomk:ratio=0.3,seed=1",
@@ -90,9 +91,11 @@ def _ddp_worker(rank, port, out_dir):
             model = DDP(net, bucket_cap_mb=0.004)  # ~4 KB buckets: several buckets for a tiny net
             state, hook = ddp_comm_hook(c, comm, net.named_parameters())
             buckets = set()
+            calls = [0]
 
-            def counting(st, bucket, hook=hook, buckets=buckets):
+            def counting(st, bucket, hook=hook, buckets=buckets, calls=calls):
                 buckets.add((len(buckets), bucket.index(), len(bucket.parameters())))
+                calls[0] += 1
                 return hook(st, bucket)
 
             model.register_comm_hook(state, counting)
@@ -102,9 +105,11 @@ def _ddp_worker(rank, port, out_dir):
                 x = torch.randn(8, 16, generator=g)
                 model.zero_grad()
                 comm.ledger.reset()
+                calls[0] = 0
                 model(x).pow(2).mean().backward()
                 local = torch.autograd.grad(net(x).pow(2).mean(), list(net.parameters()))
-                analytic = sum(c.payload_nbytes(p.shape, p.dtype) for p in net.parameters())
+                # plus the 4-byte NaN/Inf agreement of every bucket's exchange
+                analytic = sum(c.payload_nbytes(p.shape, p.dtype) for p in net.parameters()) + FINITE_FLAG_NBYTES * calls[0]
                 steps.append(([p.grad.clone() for p in net.parameters()], [l.clone() for l in local],
                               comm.ledger.total_sent, analytic))
             results[spec] = (steps, max(i for _, i, _ in buckets) + 1, state.state_dict())

@@ -5,8 +5,14 @@ Collectives per call (each counted in the Comm's ledger, kinds "compress_agree",
   SUMMABLE  one all-reduce of the agreement tensors (if the compressor has any), then one all-reduce
             of the payloads; the sum decodes to the sum of every rank's contribution.
   GATHERED  one all-gather of all payload bytes; each rank decodes every rank's payloads in rank order.
-Every rank ends with the same bits. Bytes sent per rank == sum of compressor.payload_nbytes(...).
-Tensors are processed in the dict's order, which must be the same on every rank.
+Every rank ends with the same bits. Bytes sent per rank == sum of compressor.payload_nbytes(...)
+plus FINITE_FLAG_NBYTES per call (see below). Tensors are processed in the dict's order, which must
+be the same on every rank.
+
+NaN/Inf agreement: before anything is compressed, every rank all-reduces one 4-byte count of ranks
+whose inputs are not all finite (ledger kind "compress_finite"). If it is non-zero, EVERY rank raises
+NonFiniteGradientError at the same call, with nothing sent and no state touched; without it, the rank
+that saw the NaN raised alone and the others blocked in their next collective until the timeout.
 """
 
 from __future__ import annotations
@@ -17,10 +23,35 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from islands.compress.base import Agreed, Combine, Compressor, Payload, check_finite, check_float
+from islands.compress.base import Agreed, Combine, Compressor, NonFiniteGradientError, Payload, check_finite, check_float
 from islands.runtime.comm import Comm
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+FINITE_FLAG_NBYTES = 4  # one int32 per call: how many ranks saw NaN/Inf
+
+
+def _non_finite(named_tensors: dict[str, Tensor]) -> list[str]:
+    return [n for n, t in named_tensors.items() if t.numel() and not bool(torch.isfinite(t).all())]
+
+
+def agree_all_finite(named_tensors: dict[str, Tensor], comm: Comm) -> None:
+    """Raise NonFiniteGradientError on every rank of comm's group if any rank holds a NaN/Inf.
+
+    One tiny all-reduce (counted, kind "compress_finite"); with one rank, the local check alone.
+    """
+    bad = _non_finite(named_tensors)
+    ranks_bad = int(bool(bad))
+    if comm.size > 1:
+        flag = torch.tensor([ranks_bad], dtype=torch.int32)
+        ranks_bad = int(comm.all_reduce(flag, kind="compress_finite").item())
+    if ranks_bad:
+        for n in bad:
+            check_finite(n, named_tensors[n])  # this rank's own error names the parameter and count
+        raise NonFiniteGradientError(
+            f"{ranks_bad} of {comm.size} rank(s) had NaN/Inf inputs to compress_and_average; this rank's "
+            f"were finite, and every rank stops here together (nothing sent, no state changed). Fix the "
+            "loss scale or skip the step before communication"
+        )
 
 
 def _flat_bytes(t: Tensor) -> Tensor:
@@ -88,7 +119,7 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
         raise TypeError(f"named_tensors must be a dict[str, Tensor], got {type(named_tensors).__name__}")
     for name, t in named_tensors.items():
         check_float(name, t)
-        check_finite(name, t)
+    agree_all_finite(named_tensors, comm)
     states = {n: compressor.state(n, t) for n, t in named_tensors.items()}
     if compressor.combine is Combine.SUMMABLE:
         means = _average_summable(named_tensors, states, comm, compressor)
@@ -105,4 +136,4 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
 
 def analytic_nbytes(named_tensors: dict[str, Tensor], compressor: Compressor, **kw) -> int:
     """Bytes one rank sends for one compress_and_average call on these tensors (world size > 1)."""
-    return sum(compressor.payload_nbytes(t.shape, t.dtype, **kw) for t in named_tensors.values())
+    return FINITE_FLAG_NBYTES + sum(compressor.payload_nbytes(t.shape, t.dtype, **kw) for t in named_tensors.values())
