@@ -51,6 +51,7 @@ class TrainConfig:
     compress: str = "none"  # compressor spec for the inner gradient exchange
     aggregate: str = "mean"  # aggregator spec
     attack: str = ""  # attack spec, e.g. "sign-flip:count=2"
+    optimizer: str = "adamw"  # adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] (islands.compress.optim)
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
     # runtime
     timeout: float = 120.0  # seconds a collective may block before the job is declared dead

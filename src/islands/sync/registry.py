@@ -13,8 +13,18 @@ def check_specs(cfg: TrainConfig) -> None:
     """Parse every spec string once; each package raises ValueError listing its valid choices."""
     if cfg.compress not in ("", "none"):
         from islands.compress import parse_compressor
+        from islands.compress.torch_powersgd import is_torch_powersgd, parse_torch_powersgd
 
-        parse_compressor(cfg.compress)
+        if is_torch_powersgd(cfg.compress):
+            parse_torch_powersgd(cfg.compress)
+        else:
+            parse_compressor(cfg.compress)
+    from islands.compress.optim import parse_optimizer
+
+    if parse_optimizer(cfg.optimizer).communicates and (
+            cfg.compress not in ("", "none") or cfg.aggregate not in ("", "mean") or cfg.attack):
+        raise ValueError(f"optimizer={cfg.optimizer!r} averages 1-bit momentum itself, so there is no gradient "
+                         "exchange to compress or aggregate; leave compress='none', aggregate='mean', attack=''")
     if cfg.aggregate not in ("", "mean"):
         from islands.aggregate import parse_aggregator
 
@@ -42,6 +52,15 @@ def check_specs(cfg: TrainConfig) -> None:
 def build_inner(cfg: TrainConfig, world: World) -> Strategy:
     if cfg.inner_strategy == "single":
         return Single()
+    from islands.compress.optim import OptimizerSynced, parse_optimizer
+
+    opt = parse_optimizer(cfg.optimizer)
+    if opt.communicates:  # the optimizer averages across the island itself (SOTA-215)
+        return OptimizerSynced(opt.name)
+    from islands.compress.torch_powersgd import SINGLE_BUCKET_MB, is_torch_powersgd, torch_powersgd_hook_factory
+
+    if is_torch_powersgd(cfg.compress):  # one bucket: torch's hook crashes on gloo with more (FACTS.md)
+        return DDP(bucket_mb=max(cfg.bucket_mb, SINGLE_BUCKET_MB), hook_factory=torch_powersgd_hook_factory(cfg.compress, cfg.seed))
     hook_factory = None
     if cfg.compress not in ("", "none") or cfg.aggregate not in ("", "mean") or cfg.attack:
         from islands.sync.exchange import bucket_hook_factory
