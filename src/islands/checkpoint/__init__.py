@@ -1,0 +1,30 @@
+"""islands.checkpoint: checkpoints that never lose work (issue #6).
+
+codec            lossless dtype-aware tensor codec, exponent split + entropy coding (SOTA-437)
+store            versioned, fsynced, checksummed directories; dedup; retention
+async_writer     two-phase snapshot-then-persist (SOTA-056)
+levels           memory / local disk / remote levels, restore from the newest intact (SOTA-057)
+interval         CheckFreq overhead bound (SOTA-054) and Young/Daly from MTTF (SOTA-189)
+"""
+
+from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
+from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
+from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
+from islands.checkpoint.interval import (CheckFreqPolicy, CombinedIntervalPolicy, IntervalDecision,
+                                         YoungDalyInterval, checkfreq_interval, expected_waste_fraction,
+                                         young_daly_seconds)
+from islands.checkpoint.interval_sim import SimulationResult, simulate_failures
+from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
+from islands.checkpoint.packed import pack_tree, unpack_tree
+from islands.checkpoint.safetensors_codec import compress_file, decompress_file
+from islands.checkpoint.store import CheckpointStore, LoadedCheckpoint, SaveResult
+from islands.checkpoint.tree import copy_tree, flatten_tree, unflatten_tree
+
+__all__ = [
+    "AsyncCheckpointer", "SaveHandle", "TensorCodec", "content_hash", "decode_tensor", "encode_tensor",
+    "CheckpointMismatch", "CorruptCheckpoint", "NoCheckpoint", "CheckFreqPolicy", "CombinedIntervalPolicy",
+    "IntervalDecision", "YoungDalyInterval", "checkfreq_interval", "expected_waste_fraction",
+    "young_daly_seconds", "SimulationResult", "simulate_failures", "DiskLevel", "MemoryLevel",
+    "MultiLevelCheckpointer", "Restored", "pack_tree", "unpack_tree", "compress_file", "decompress_file",
+    "CheckpointStore", "LoadedCheckpoint", "SaveResult", "copy_tree", "flatten_tree", "unflatten_tree",
+]

@@ -1,0 +1,130 @@
+"""Two-phase asynchronous checkpointing (SOTA-056, LIT-059 CheckFreq).
+
+Phase 1, snapshot: copy the state tree into private host memory. This is the only time training is
+stalled, and it is measured on every save (`SaveHandle.stall_s`).
+Phase 2, persist: a background thread hands the private copy to the sink (a CheckpointStore or a
+MultiLevelCheckpointer) while training goes on. The copy is only ever read (the codec never writes into
+its input) and is released when the persist ends.
+
+Policies, stated:
+- at most one persist in flight. A save that finds one still running waits for it (`when_busy="wait"`,
+  the wait is counted as stall) or is skipped and reported as such (`when_busy="skip"`).
+- memory budget: a snapshot larger than `memory_budget_bytes` is not staged; the save then runs
+  synchronously from the live tensors (`over_budget="sync"`) or raises (`over_budget="error"`). With one
+  persist in flight at most, staging memory never exceeds one snapshot within the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from islands.checkpoint.tree import copy_tree, tree_nbytes
+
+
+class Sink(Protocol):
+    def save(self, tree, step: int, **kwargs): ...
+
+
+class SaveHandle:
+    """What became of one save. `mode`: "async", "sync" (over budget) or "skipped" (busy, when_busy=skip)."""
+
+    def __init__(self, step: int, mode: str, snapshot_bytes: int):
+        self.step, self.mode, self.snapshot_bytes = step, mode, snapshot_bytes
+        self.stall_s = 0.0  # training blocked: waiting for the previous persist + snapshot copy
+        self.wait_s = 0.0  # part of stall_s spent waiting for the previous persist
+        self.persist_s = 0.0
+        self.error: BaseException | None = None
+        self.result = None  # what the sink's save returned
+        self._finished = threading.Event()
+
+    @property
+    def durable(self) -> bool:
+        """True once the sink's save returned without error (for a store: `latest` points at it)."""
+        return self._finished.is_set() and self.error is None and self.mode != "skipped"
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished or `timeout` seconds pass; returns done()."""
+        return self._finished.wait(timeout)
+
+    def _finish(self, result=None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self._finished.set()
+
+    def __repr__(self) -> str:
+        state = "durable" if self.durable else ("failed" if self.error else ("pending" if not self.done() else self.mode))
+        return f"SaveHandle(step={self.step}, mode={self.mode}, {state}, stall={self.stall_s:.4f}s)"
+
+
+class AsyncCheckpointer:
+    """Snapshot now, persist in the background. `save` returns a SaveHandle right after the snapshot."""
+
+    def __init__(self, sink: Sink, *, memory_budget_bytes: int | None = None, when_busy: str = "wait",
+                 over_budget: str = "sync"):
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        if over_budget not in ("sync", "error"):
+            raise ValueError(f"over_budget must be 'sync' or 'error', got {over_budget!r}")
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0 or None, got {memory_budget_bytes}")
+        self.sink, self.memory_budget_bytes = sink, memory_budget_bytes
+        self.when_busy, self.over_budget = when_busy, over_budget
+        self._inflight: SaveHandle | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def in_flight(self) -> SaveHandle | None:
+        h = self._inflight
+        return h if h is not None and not h.done() else None
+
+    def save(self, tree, step: int, **kwargs) -> SaveHandle:
+        start = time.perf_counter()
+        busy = self.in_flight
+        nbytes = tree_nbytes(tree)
+        if busy is not None and self.when_busy == "skip":
+            handle = SaveHandle(step, "skipped", nbytes)
+            handle.stall_s = time.perf_counter() - start
+            handle._finish()
+            return handle
+        if busy is not None:
+            busy.wait()
+        waited = time.perf_counter() - start
+        if self.memory_budget_bytes is not None and nbytes > self.memory_budget_bytes:
+            if self.over_budget == "error":
+                raise ValueError(f"snapshot of {nbytes} bytes exceeds memory_budget_bytes={self.memory_budget_bytes}; "
+                                 "raise the budget or use over_budget='sync'")
+            handle = SaveHandle(step, "sync", nbytes)
+            self._persist(handle, tree, step, kwargs)
+            handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
+            return handle
+        snapshot = copy_tree(tree)
+        handle = SaveHandle(step, "async", nbytes)
+        handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
+        self._inflight = handle
+        self._thread = threading.Thread(target=self._persist, args=(handle, snapshot, step, kwargs),
+                                        name=f"islands-ckpt-persist-{step}", daemon=False)
+        self._thread.start()
+        return handle
+
+    def _persist(self, handle: SaveHandle, tree, step: int, kwargs: dict) -> None:
+        start = time.perf_counter()
+        try:
+            result = self.sink.save(tree, step, **kwargs)
+        except BaseException as exc:  # reported on the handle; the training thread decides what to do
+            handle.persist_s = time.perf_counter() - start
+            handle._finish(error=exc)
+            return
+        handle.persist_s = time.perf_counter() - start
+        handle._finish(result=result)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight persist, if any. Returns True when nothing is left in flight."""
+        h = self._inflight
+        return True if h is None else h.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        return self.wait(timeout)

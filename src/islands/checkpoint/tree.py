@@ -1,0 +1,113 @@
+"""State trees: nested dicts/lists of tensors and plain values, split into a JSON skeleton plus tensors.
+
+The trainer hands over trees like {"step": 120, "model": {...tensors...}, "optimizer": opt.state_dict(),
+"rng": {...}}. Checkpoints never pickle (code execution on load), so a tree is written as a JSON skeleton
+whose tensor leaves are replaced by names, and the tensors go through the codec. Things JSON cannot say
+on its own (int dict keys as in optimizer state, tuples as in random.getstate(), bytes, numpy arrays)
+are tagged explicitly, so `unflatten_tree(*flatten_tree(t))` gives back an equal tree with equal types.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+_TAGS = ("__tensor__", "__ndarray__", "__bytes__", "__tuple__", "__dict__")
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def flatten_tree(tree) -> tuple[object, dict[str, torch.Tensor]]:
+    """Split `tree` into (JSON-able skeleton, {name: tensor}). Tensors are not copied here."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def name_for(path: tuple) -> str:
+        base = "/".join(str(k) for k in path) or "<root>"
+        name, n = base, 1
+        while name in tensors:  # keys like 1 and "1" render the same: keep both
+            n += 1
+            name = f"{base}#{n}"
+        return name
+
+    def walk(node, path: tuple):
+        if isinstance(node, torch.Tensor):
+            name = name_for(path)
+            tensors[name] = node
+            return {"__tensor__": name}
+        if isinstance(node, np.ndarray):
+            if node.dtype == object:
+                raise TypeError(f"state tree leaf at {'/'.join(map(str, path))!r} is an object array; "
+                                "only numeric numpy arrays can be checkpointed")
+            name = name_for(path)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(node))
+            return {"__ndarray__": name}
+        if isinstance(node, np.generic):
+            return node.item()
+        if isinstance(node, _SCALARS):
+            return node
+        if isinstance(node, (bytes, bytearray)):
+            return {"__bytes__": base64.b64encode(bytes(node)).decode("ascii")}
+        if isinstance(node, tuple):
+            return {"__tuple__": [walk(v, path + (i,)) for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return [walk(v, path + (i,)) for i, v in enumerate(node)]
+        if isinstance(node, Mapping):
+            plain = all(isinstance(k, str) and not k.startswith("__") for k in node)
+            if plain:
+                return {k: walk(v, path + (k,)) for k, v in node.items()}
+            for k in node:
+                if not isinstance(k, _SCALARS):
+                    raise TypeError(f"state tree dict key {k!r} at {'/'.join(map(str, path))!r} is a "
+                                    f"{type(k).__name__}; keys must be str, int, float, bool or None")
+            return {"__dict__": [[k, walk(v, path + (k,))] for k, v in node.items()]}
+        raise TypeError(f"state tree leaf at {'/'.join(map(str, path)) or '<root>'!r} is a {type(node).__name__}; "
+                        "allowed: tensors, numpy arrays, None/bool/int/float/str, bytes, lists, tuples, dicts")
+
+    return walk(tree, ()), tensors
+
+
+def unflatten_tree(skeleton, tensors: Mapping[str, torch.Tensor]):
+    """Inverse of `flatten_tree`: rebuild the tree, taking tensors by name from `tensors`."""
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):
+            if len(node) == 1:
+                (tag, value), = node.items()
+                if tag == "__tensor__":
+                    return tensors[value]
+                if tag == "__ndarray__":
+                    return tensors[value].numpy()
+                if tag == "__bytes__":
+                    return base64.b64decode(value)
+                if tag == "__tuple__":
+                    return tuple(walk(v) for v in value)
+                if tag == "__dict__":
+                    return {k: walk(v) for k, v in value}
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return walk(skeleton)
+
+
+def copy_tree(tree):
+    """A private deep copy: every tensor cloned into fresh contiguous CPU memory nobody else holds.
+
+    This is the snapshot phase of two-phase checkpointing (LIT-059): after it returns, training may
+    change the live tensors freely.
+    """
+    skeleton, tensors = flatten_tree(tree)
+    copies = {}
+    for name, t in tensors.items():
+        src = t.detach()
+        copies[name] = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
+    return unflatten_tree(skeleton, copies)
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of tensor data in the tree (what a snapshot copies)."""
+    _, tensors = flatten_tree(tree)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,181 @@
+"""CheckpointStore: round trip, dedup, retention, mismatch messages, fallback, crash at every write phase."""
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from islands.checkpoint import CheckpointMismatch, CheckpointStore, CorruptCheckpoint, NoCheckpoint
+from islands.checkpoint.codec import tensor_bytes
+from islands.checkpoint.manifest import data_name
+
+PHASES = ["staging_mkdir", "data_write", "manifest_write", "staging_fsync", "commit_rename", "root_fsync",
+          "latest_tmp_write", "latest_rename", "latest_dir_fsync", "retention"]
+
+
+def trainer_tree(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    return {"step": 7, "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "strategy": {"outer": {"momentum": torch.zeros(3)}, "members": [0, 1]},
+            "loader": {"epoch": 0, "cursor": 37},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "blob": b"\x00\x01raw", "config_fingerprint": "sha256:abc"}
+
+
+def assert_trees_equal(a, b):
+    # state_dict() returns an OrderedDict; the store gives back a plain dict (same order, same contents)
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(tensor_bytes(a), tensor_bytes(b))  # bitwise, NaNs included
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_trees_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_trees_equal(x, y)
+    else:
+        assert a == b
+
+
+def test_round_trip_preserves_types_int_keys_tuples_and_rng_states(tmp_path):
+    tree = trainer_tree()
+    store = CheckpointStore(tmp_path)
+    store.save(tree, 7)
+    loaded = store.load()
+    assert loaded.step == 7 and store.latest_step() == 7
+    assert_trees_equal(loaded.tree, tree)
+    # the restored model, optimizer and RNG states are usable as-is
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    model.load_state_dict(loaded.tree["model"])
+    torch.optim.AdamW(model.parameters()).load_state_dict(loaded.tree["optimizer"])
+    random.setstate(loaded.tree["rng"]["python"])
+    np.random.set_state(loaded.tree["rng"]["numpy"])
+    assert not list(tmp_path.glob("*.tmp-*"))
+    assert not any(p.suffix == ".pkl" for p in tmp_path.rglob("*"))
+
+
+def test_unchanged_tensors_are_referenced_not_rewritten(tmp_path):
+    tree = trainer_tree()
+    store = CheckpointStore(tmp_path, keep_last=1)
+    first = store.save(tree, 1)
+    tree["model"]["0.weight"] = tree["model"]["0.weight"] + 1
+    second = store.save(tree, 2)
+    assert second.tensors_written == 1 and second.tensors_deduped == first.tensors_written - 1
+    assert (tmp_path / "step-000002" / data_name(0)).stat().st_size < (tmp_path / "step-000001" / data_name(0)).stat().st_size
+    # keep_last=1, but step 1 still holds data step 2 reads: retention must keep it
+    assert store.steps() == [1, 2]
+    assert_trees_equal(CheckpointStore(tmp_path).load().tree, tree)
+
+
+def test_retention_keeps_last_n_and_drops_unreferenced(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in range(5):
+        store.save({"w": torch.full((10,), float(step))}, step)
+    assert store.steps() == [3, 4]
+    assert store.load(3).tree["w"][0] == 3
+
+
+def test_mismatch_names_what_differs(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save({"model": {"a": torch.zeros(2, 3), "b": torch.zeros(4)}, "config_fingerprint": "f1"}, 1)
+    like = {"model": {"a": torch.zeros(3, 3), "c": torch.zeros(4)}}
+    with pytest.raises(CheckpointMismatch) as info:
+        store.load(like=like, fingerprint="f2")
+    text = str(info.value)
+    assert "model/c" in text and "missing" in text
+    assert "model/b" in text and "unexpected" in text
+    assert "shape mismatch for 'model/a'" in text and "(2, 3)" in text
+    assert "fingerprint" in text and "f1" in text and "f2" in text
+
+
+def test_damaged_latest_falls_back_to_previous_and_explicit_step_raises(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=3)
+    store.save({"w": torch.ones(1000)}, 1)
+    store.save({"w": torch.full((1000,), 2.0)}, 2)
+    data = tmp_path / "step-000002" / data_name(0)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    loaded = CheckpointStore(tmp_path).load()
+    assert loaded.step == 1 and loaded.skipped and "step-000002" in loaded.skipped[0][0]
+    with pytest.raises(CorruptCheckpoint):
+        store.load(2)
+    assert store.verify(2) and not store.verify(1)
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(NoCheckpoint):
+        CheckpointStore(tmp_path).load()
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_crash_at_every_write_phase_leaves_previous_loadable(tmp_path, phase):
+    CheckpointStore(tmp_path).save({"w": torch.ones(50), "n": 1}, 1)
+
+    def crash(name):
+        if name == phase:
+            raise KeyboardInterrupt(f"simulated crash at {name}")
+
+    store = CheckpointStore(tmp_path, fault_hook=crash, keep_last=1)
+    with pytest.raises(KeyboardInterrupt):
+        store.save({"w": torch.zeros(50), "n": 2}, 2)
+    reopened = CheckpointStore(tmp_path)
+    assert not list(tmp_path.glob("*.tmp-*"))  # partial work cleaned at open
+    loaded = reopened.load()
+    committed = PHASES.index(phase) > PHASES.index("latest_rename")  # the pointer move is the commit
+    assert loaded.tree["n"] == (2 if committed else 1) and not loaded.skipped
+
+
+def test_delta_mode_round_trips_and_keeps_its_base(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=1, delta_every=3)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5000, generator=g)
+    for step in range(5):
+        w = w + 1e-3 * torch.randn(5000, generator=g)
+        store.save({"w": w.clone()}, step)
+    assert torch.equal(CheckpointStore(tmp_path).load().tree["w"], w)
+    assert 3 in store.steps()  # step 4 is a delta against the base written at step 3
+
+
+def test_multi_rank_save_commits_once_all_ranks_wrote(tmp_path):
+    world = 2
+    barrier = threading.Barrier(world, timeout=30)
+    errors = []
+
+    def rank_main(rank):
+        try:
+            store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0)
+            store.save({"shard": torch.full((4,), float(rank))}, 10)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    store = CheckpointStore(tmp_path)
+    assert store.latest_step() == 10
+    assert [store.load(rank=r).tree["shard"][0].item() for r in range(world)] == [0.0, 1.0]
+    assert store.verify(10) == []
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointStore(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="barrier"):
+        CheckpointStore(tmp_path, rank=0, world_size=2)
+    with pytest.raises(TypeError, match="allowed"):
+        CheckpointStore(tmp_path).save({"x": object()}, 1)
