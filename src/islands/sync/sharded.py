@@ -1,0 +1,228 @@
+"""Sharded data parallel inside an island with torch's FSDP2 `fully_shard` (LIT-083, ZeRO LIT-027).
+
+Each rank of the island keeps 1/N of every parameter, gradient and optimizer state (ZeRO-3, SOTA-030).
+Before a unit runs forward its parameters are all-gathered; after backward its gradients are
+reduce-scattered so each rank gets the mean of its own slice. `reshard_after_forward=False` keeps the
+gathered parameters from forward to backward (one all-gather per step instead of two: ZeRO-2-like
+traffic, at the memory of whole parameters during the pass).
+
+FSDP issues its collectives itself, outside our Comm, so the bytes are recorded analytically once per
+step in `after_backward` (see `unit_traffic`), using Comm's payload definitions:
+    all-gather      sent = this rank's padded shard, received = the other N-1 shards
+    reduce-scatter  sent = the whole padded gradient handed in, received = this rank's reduced shard
+FSDP pads dim 0 of every parameter to a multiple of N, so sizes are ceil(d0 / N) * N * (other dims).
+The root unit is never resharded after forward (FSDP's own heuristic: backward needs it at once).
+tests/test_sharded.py checks these numbers against the bytes FSDP hands to torch.distributed.
+
+Evaluation and checkpoints see a full copy: `eval_model` gathers every parameter through our counted
+Comm into a plain module; loading a state dict into that copy writes each rank's slice back.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from islands.sync.base import NoOp
+from islands.sync.wrap_policy import WrapPolicy, parse_wrap
+
+DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: its parameter names and shapes, whether it is the root, and its dtype sizes."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    root: bool
+
+    def padded_numel(self, n: int) -> int:
+        return sum(_padded_rows(s, n) * _row_numel(s) for s in self.shapes)
+
+    def shard_numel(self, n: int, rank: int) -> int:
+        """Elements of the unpadded local slice rank `rank` holds (torch.chunk layout along dim 0)."""
+        return sum(_local_rows(s, n, rank) * _row_numel(s) for s in self.shapes)
+
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def _rows(shape) -> int:
+    return shape[0] if shape else 1
+
+
+def _row_numel(shape) -> int:
+    return math.prod(shape[1:]) if shape else 1
+
+
+def _padded_rows(shape, n: int) -> int:
+    return math.ceil(_rows(shape) / n) * n
+
+
+def _local_rows(shape, n: int, rank: int) -> int:
+    chunk = math.ceil(_rows(shape) / n)
+    return max(0, min(chunk, _rows(shape) - rank * chunk))
+
+
+def plan_units(model: nn.Module, policy: WrapPolicy) -> tuple[list[list[nn.Module]], list[Unit]]:
+    """The module groups a policy asks for, and the units they make (root last), before any sharding."""
+    groups = policy.groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    claimed: set[int] = set()
+    units = []
+    for i, group in enumerate(groups):
+        params = [p for m in group for p in m.parameters() if id(p) not in claimed]
+        if not params:
+            raise ValueError(f"wrap policy {policy.spec!r}: unit {i} has no parameters of its own")
+        claimed.update(id(p) for p in params)
+        label = names[id(params[0])].rsplit(".", 1)[0] + (f" +{len(group) - 1}" if len(group) > 1 else "")
+        units.append(Unit(label, tuple(tuple(p.shape) for p in params), root=False))
+    rest = [p for p in model.parameters() if id(p) not in claimed]
+    units.append(Unit("root", tuple(tuple(p.shape) for p in rest), root=True))
+    return groups, units
+
+
+def unit_traffic(units: list[Unit], n: int, reshard_after_forward: bool, param_bytes: int = 4,
+                 grad_bytes: int = 4) -> list[tuple[str, int, int]]:
+    """(kind, sent, received) for every collective FSDP issues in one training step on one rank."""
+    out = []
+    for u in units:
+        full = u.padded_numel(n)
+        gathers = 2 if (reshard_after_forward and not u.root) else 1  # forward, and again in backward
+        out += [("fsdp_all_gather", full // n * param_bytes, (n - 1) * full // n * param_bytes)] * gathers
+        out.append(("fsdp_reduce_scatter", full * grad_bytes, full // n * grad_bytes))
+    return out
+
+
+def state_bytes_per_rank(units: list[Unit], n: int, rank: int = 0, optimizer_slots: int = 2,
+                         bytes_per_elem: int = 4) -> dict:
+    """Resident bytes of parameters, gradients and optimizer state on one rank between steps.
+
+    n=1 gives the replicated (DDP) figure. AdamW keeps two slots (exp_avg, exp_avg_sq); its 0-d step
+    counters are ignored. Rank 0 holds the largest slice.
+    """
+    elems = sum(u.shard_numel(n, rank) for u in units)
+    return {"params": elems * bytes_per_elem, "grads": elems * bytes_per_elem,
+            "optimizer": optimizer_slots * elems * bytes_per_elem,
+            "total": (2 + optimizer_slots) * elems * bytes_per_elem}
+
+
+def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The same three figures, summed over the local tensors this rank actually holds."""
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def size(t):
+        return t.numel() * t.element_size()
+
+    params = sum(size(local(p)) for p in model.parameters())
+    grads = sum(size(local(p.grad)) for p in model.parameters() if p.grad is not None)
+    opt = sum(size(local(v)) for s in optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict, after: dict) -> None:
+    """fully_shard swaps in new (sharded) Parameter objects; the optimizer must step those."""
+    if any(optimizer.state.values()):
+        raise ValueError("fsdp must wrap the model before the optimizer has taken a step")
+    swap = {id(before[name]): after[name] for name in before}
+    for group in optimizer.param_groups:
+        group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
+
+class FSDP(NoOp):
+    """FSDP2 over the island's local ranks. `wrap` is a policy spec (islands.sync.wrap_policy)."""
+
+    name = "fsdp"
+
+    def __init__(self, wrap: str | WrapPolicy = "block", reshard_after_forward: bool = True,
+                 param_dtype: str = "", reduce_dtype: str = "", grad_clip: bool = False):
+        self.policy = parse_wrap(wrap) if isinstance(wrap, str) else wrap
+        self.reshard_after_forward = bool(reshard_after_forward)
+        for label, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value not in DTYPES:
+                raise ValueError(f"{label}={value!r}; choose one of {', '.join(repr(k) for k in DTYPES)}")
+        self.param_dtype, self.reduce_dtype = DTYPES[param_dtype], DTYPES[reduce_dtype]
+        self.grad_clip = grad_clip  # the trainer clips: one scalar all-reduce of the global norm per step
+        self.units: list[Unit] = []
+        self.traffic: list[tuple[str, int, int]] = []
+        self.full: nn.Module | None = None
+        self.world = None
+
+    def wrap(self, model, optimizer, world):
+        self.world = world
+        if world.workers_per_island == 1:
+            return model  # an island of one has nothing to shard across
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        n = world.workers_per_island
+        mesh = world.mesh["local"]
+        groups, self.units = plan_units(model, self.policy)
+        self.full = copy.deepcopy(model)  # plain copy for evaluation and checkpoints, refreshed on demand
+        self.full.register_load_state_dict_post_hook(lambda module, keys: self._scatter_full(model))
+        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+        before = dict(model.named_parameters())
+        for group in groups:
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
+                        reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # root: FSDP decides (keeps it gathered for backward)
+        _repoint_optimizer(optimizer, before, dict(model.named_parameters()))
+        pb = (self.param_dtype or torch.float32).itemsize
+        gb = (self.reduce_dtype or self.param_dtype or torch.float32).itemsize
+        self.traffic = unit_traffic(self.units, n, self.reshard_after_forward, pb, gb)
+        if self.grad_clip:
+            self.traffic.append(("fsdp_grad_norm", 4, 4))  # the fp32 global norm, reduced once
+        return model
+
+    def after_backward(self, model, step):
+        for kind, sent, received in self.traffic:
+            self.world.ledger.record(kind, sent, received)
+
+    # ---- a full model for evaluation and checkpoints --------------------------------------------
+    def eval_model(self, model):
+        """Collective: every rank of the island must call it. Returns a plain module with full tensors."""
+        if self.full is None:
+            return model
+        comm = self.world.comm("local")
+        n = comm.size
+        with torch.no_grad():
+            full = dict(self.full.named_parameters())
+            for name, p in model.named_parameters():
+                q = full[name]
+                local = p.to_local().detach() if hasattr(p, "to_local") else p.detach()
+                rows = math.ceil(_rows(p.shape) / n)
+                padded = local.new_zeros((rows, *p.shape[1:]) if p.dim() else (1,))
+                padded[: local.shape[0] if p.dim() else 1].copy_(local if p.dim() else local.reshape(1))
+                whole = torch.cat(comm.all_gather(padded, kind="fsdp_eval_gather"))
+                q.copy_(whole[: _rows(p.shape)].reshape(p.shape))
+            for b, c in zip(model.buffers(), self.full.buffers()):
+                c.copy_(b)
+        self.full.train(model.training)
+        return self.full
+
+    def _scatter_full(self, model) -> None:
+        """After a state dict was loaded into the full copy: write each rank's slice into the shards."""
+        n, rank = self.world.workers_per_island, self.world.local_rank
+        full = dict(self.full.named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                q = full[name]
+                if not hasattr(p, "to_local"):
+                    p.copy_(q)
+                    continue
+                rows = math.ceil(_rows(p.shape) / n)
+                local = p.to_local()
+                if local.numel():
+                    local.copy_(q[rank * rows: rank * rows + local.shape[0]])
+            for b, c in zip(model.buffers(), self.full.buffers()):
+                b.copy_(c)
+
+    def state_dict(self) -> dict:
+        return {}  # parameters travel through eval_model; FSDP keeps no other state between steps
