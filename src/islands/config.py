@@ -46,13 +46,15 @@ class TrainConfig:
     workers: int = 4
     islands: int = 1
     threads: int = 1  # torch threads per worker: one worker per core is the fair CPU comparison
-    inner: str = "auto"  # auto | single | ddp
+    inner: str = "auto"  # auto | single | ddp | fsdp
     outer: str = ""  # "" or a spec such as "diloco:inner_steps=100"
     compress: str = "none"  # compressor spec for the inner gradient exchange
     aggregate: str = "mean"  # aggregator spec
     attack: str = ""  # attack spec, e.g. "sign-flip:count=2"
     optimizer: str = "adamw"  # adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] (islands.compress.optim)
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
+    wrap: str = "block"  # inner=fsdp: model | block | params:N | split:K | graph:K (islands.sync.wrap_policy)
+    reshard: bool = True  # inner=fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
     # runtime
     timeout: float = 120.0  # seconds a collective may block before the job is declared dead
     port: int = 0  # rendezvous port; 0 = pick a free one
@@ -94,7 +96,7 @@ class TrainConfig:
         return {k: getattr(self, k) for k in keys}
 
 
-_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp")}
+_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "fsdp")}
 
 
 def _field_types() -> dict[str, type]:

@@ -42,6 +42,7 @@ def check_specs(cfg: TrainConfig) -> None:
             f"islands={cfg.islands} needs an outer strategy to meet across islands, "
             "e.g. outer='diloco:inner_steps=100' or outer='local-sgd:every=8'; or use islands=1"
         )
+    _check_fsdp(cfg)
     if cfg.outer and cfg.islands == 1 and cfg.workers > 1 and cfg.inner_strategy == "ddp":
         raise ValueError(
             "an outer strategy acts across islands, but islands=1 puts every worker in one island; "
@@ -49,9 +50,31 @@ def check_specs(cfg: TrainConfig) -> None:
         )
 
 
+def _check_fsdp(cfg: TrainConfig) -> None:
+    from islands.sync.wrap_policy import parse_wrap
+
+    parse_wrap(cfg.wrap)  # always: a typo is reported even before inner=fsdp is chosen
+    if cfg.inner_strategy != "fsdp":
+        return
+    from islands.compress.optim import parse_optimizer
+
+    clash = [f"{k}={getattr(cfg, k)!r}" for k, ok in (("compress", ("", "none")), ("aggregate", ("", "mean")),
+                                                      ("attack", ("",)), ("outer", ("",)))
+             if getattr(cfg, k) not in ok]
+    if parse_optimizer(cfg.optimizer).communicates:
+        clash.append(f"optimizer={cfg.optimizer!r}")
+    if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
+        raise ValueError(f"inner=fsdp shards gradients and parameters, so it does not combine with "
+                         f"{', '.join(clash)}; use inner=ddp for those, or drop them")
+
+
 def build_inner(cfg: TrainConfig, world: World) -> Strategy:
     if cfg.inner_strategy == "single":
         return Single()
+    if cfg.inner_strategy == "fsdp":
+        from islands.sync.sharded import FSDP
+
+        return FSDP(wrap=cfg.wrap, reshard_after_forward=cfg.reshard, grad_clip=cfg.grad_clip > 0)
     from islands.compress.optim import OptimizerSynced, parse_optimizer
 
     opt = parse_optimizer(cfg.optimizer)
