@@ -103,7 +103,15 @@ def _worker(rank, env, queue):
     full.load_state_dict(new)
     regathered = strategy.eval_model(model).state_dict()
     roundtrip = all(torch.equal(regathered[k], new[k]) for k in new)
-    queue.put((rank, out, roundtrip))
+    # the trainer's clip_grad_norm_ on sharded gradients: FSDP(grad_clip=True) records one scalar all-reduce
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mine = global_batches()[0][rank * BATCH:(rank + 1) * BATCH]
+    sequence_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
+    with CommDebugMode() as debug:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip_collectives = debug.get_total_counts()
+    queue.put((rank, out, (roundtrip, clip_collectives)))
     close_world(world)
 
 
@@ -197,4 +205,8 @@ def test_unit_counts_and_full_copy_roundtrip(results):
     assert counts[("block", True, "")] == 3  # two blocks and the root
     assert counts[("graph:3", True, "")] == 3 and counts[("split:3", True, "")] == 3
     assert counts[("graph:5", False, "")] == 5
-    assert all(roundtrip for _, _, roundtrip in results)
+    assert all(roundtrip for _, _, (roundtrip, _) in results)
+
+
+def test_clipping_sharded_gradients_costs_one_all_reduce(results):
+    assert [clips for _, _, (_, clips) in results] == [1, 1]
