@@ -17,7 +17,7 @@ from islands.sync.outer.outer_opt import OuterSGD, PrimalAveraging
 from islands.sync.outer.quant4 import Quant4
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 300), block=st.integers(1, 64), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 10**6))
 def test_quant4_round_trip_within_stated_bound(n, block, scale, seed):
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
@@ -42,7 +42,7 @@ def test_quant4_bound_is_tight_and_zeros_are_exact():
         q.decode(torch.zeros(3, dtype=torch.uint8), 9)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(numel=st.integers(1, 500), fragments=st.integers(1, 20))
 def test_fragments_cover_every_element_exactly_once(numel, fragments):
     if fragments > numel:

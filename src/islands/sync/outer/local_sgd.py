@@ -1,4 +1,4 @@
-"""Local SGD: every island trains alone and the islands average their parameters every H steps.
+"""Local SGD (LIT-361): every island trains alone and the islands average their parameters every H steps.
 
 One all-reduce of the fp32 parameters per round (ledger kind "outer_params"). With H = 1 it is
 synchronous parameter averaging: the reference DiLoCo must reproduce with outer SGD lr 1, momentum 0.
