@@ -67,9 +67,15 @@ class TrainConfig:
     run_dir: str = ""  # "" = runs/<timestamp>
     progress: bool = True
     # checkpointing
-    ckpt_dir: str = ""  # "" = <run_dir>/ckpt
-    ckpt_every: int = 0  # steps; 0 = no periodic checkpoints
-    resume: str = ""  # checkpoint directory to resume from
+    ckpt_dir: str = ""  # local-disk level; "" = <run_dir>/ckpt
+    ckpt_every: int = 0  # steps between local-disk checkpoints; 0 = none (or ckpt_policy's choice)
+    ckpt_policy: str = ""  # "" = fixed ckpt_every; "auto[:bound=0.035,mtbf_days=3748.25,devices=N]" (SOTA-054/189)
+    ckpt_memory_every: int = 0  # steps between in-memory snapshots; 0 = none
+    ckpt_remote_dir: str = ""  # a second directory standing for remote storage; "" = none
+    ckpt_remote_every: int = 0  # steps between saves to ckpt_remote_dir
+    ckpt_keep: int = 3  # checkpoints kept per disk level
+    ckpt_async: bool = True  # snapshot, then persist in the background (SOTA-056)
+    resume: str = ""  # run dir, checkpoint dir or step dir to resume from (islands.checkpoint.resume)
     extra: dict = field(default_factory=dict)  # experiment-only knobs; never set from TOML
 
     # ---- derived ----
@@ -193,7 +199,22 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.testbed and cfg.port:
         raise ConfigError("port is chosen inside the testbed; leave port=0 with testbed")
     _validate_specs(cfg)
+    _validate_checkpointing(cfg)
     return cfg
+
+
+def _validate_checkpointing(cfg: TrainConfig) -> None:
+    """Checkpoint settings, and that a resume checkpoint exists and fits this model (islands.checkpoint)."""
+    from islands.checkpoint.driver import check_checkpoint_config
+
+    try:
+        check_checkpoint_config(cfg)
+        if cfg.resume:
+            from islands.checkpoint.resume import check_resume
+
+            check_resume(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _validate_specs(cfg: TrainConfig) -> None:

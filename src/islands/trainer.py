@@ -55,6 +55,9 @@ class Trainer:
         self.strategy = build_strategy(cfg, world)
         self.model = self.strategy.wrap(model, self.optimizer, world)
         self.attack = self._build_attack()
+        from islands.checkpoint.driver import build_checkpointing
+
+        self.checkpoints = build_checkpointing(cfg, world, run_dir)  # None unless a checkpoint level is set
         self.step = 0
         self.series: dict[str, list] = {"train": [], "val": []}
         self.elapsed = 0.0  # training wall time so far, excluding probe and evaluation
@@ -164,6 +167,10 @@ class Trainer:
                              f"acc {100 * metrics['val_accuracy']:.1f}%  sent {mb:.2f} MB")
             if on_step is not None:
                 on_step(self)
+            if self.checkpoints is not None:
+                self.checkpoints.after_step(self)
+        if self.checkpoints is not None:
+            self.checkpoints.finish(self)  # final checkpoint, durable before the record is written
         progress.close()
         return self._finish(interconnect, compute_s, comm_s, tokens_per_step)
 
@@ -206,6 +213,10 @@ class Trainer:
             "series": self.series,
             "summary": summary,
         }
+        from islands.checkpoint.driver import checkpoint_record
+
+        if (ckpt := checkpoint_record(self)) is not None:  # levels, saves, stall, interval decisions, resume
+            record["checkpoint"] = ckpt
         if world.rank == 0 and self.run_dir is not None:
             finish_record(self.run_dir, record)
             if cfg.progress:

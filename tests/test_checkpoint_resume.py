@@ -1,0 +1,164 @@
+"""Exact resume through the trainer: single process, 2 gloo ranks via the real launcher, resharding 2 -> 1,
+levels and the auto interval policy in run.json, and a foreign model config refused with exit code 2."""
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from islands.checkpoint import CheckpointMismatch, CheckpointStore
+from islands.checkpoint.resume import resume_trainer
+from islands.config import ConfigError, from_mapping, validate
+from islands.runtime.world import World
+from islands.trainer import Trainer
+
+TINY = dict(d_model=32, n_layers=1, n_heads=2, context=32, global_batch=4, eval_batches=2, threads=1,
+            progress=False, eval_every=0, warmup=2, log_every=2)
+TINY_FLAGS = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",
+              "--eval-batches", "2", "--threads", "1", "--eval-every", "0", "--warmup", "2", "--log-every", "2",
+              "--no-progress"]
+EXACT = ("model", "optimizer", "strategy", "rng", "loader", "step")
+
+
+def same(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, np.ndarray):
+        return isinstance(y, np.ndarray) and x.dtype == y.dtype and np.array_equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and list(x) == list(y) and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+    return x == y
+
+
+def trainer(tmp: Path, name: str, **overrides) -> Trainer:
+    cfg = validate(from_mapping({**TINY, "workers": 1, **overrides}))
+    return Trainer(cfg, World.single(), tmp / name)
+
+
+def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_path):
+    plain = trainer(tmp_path, "plain", steps=8).run()
+    a = trainer(tmp_path, "a", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "ca"))
+    rec_a = a.run()
+    b = trainer(tmp_path, "b", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "cb"),
+                resume=str(tmp_path / "ca" / "step-000004"))
+    info = resume_trainer(b, tmp_path / "ca" / "step-000004")
+    assert info["step"] == 4 and b.step == 4 and not info["resharded"]
+    rec_b = b.run()
+    ta = CheckpointStore(tmp_path / "ca", clean=False).load(8).tree
+    tb = CheckpointStore(tmp_path / "cb", clean=False).load(8).tree
+    for key in EXACT:
+        assert same(ta[key], tb[key]), key
+    assert ta["config_fingerprint"] == json.dumps(a.cfg.fingerprint_fields(), sort_keys=True)
+    # checkpointing does not perturb training: same final loss bit for bit as a run without it
+    assert plain["summary"]["final_val_loss"] == rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
+    assert rec_a["checkpoint"]["saves"] == {"local": 2} and rec_a["checkpoint"]["policy"] == "fixed"
+    assert rec_b["checkpoint"]["resumed_from"]["step"] == 4
+    # a torn newer checkpoint is skipped: resume from the root falls back to step 4
+    data = tmp_path / "ca" / "step-000008" / "rank00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    c = trainer(tmp_path, "c", steps=8)
+    info = resume_trainer(c, tmp_path / "ca")
+    assert info["step"] == 4 and "checksum" in info["skipped"][0]["why"]
+
+
+def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
+    t = trainer(tmp_path, "run", steps=9, ckpt_policy="auto:first=2,mtbf_days=0.00002", ckpt_memory_every=1,
+                ckpt_remote_dir=str(tmp_path / "remote"), ckpt_remote_every=3)
+    rec = t.run()
+    ck = rec["checkpoint"]
+    assert ck["levels"] == {"memory": 1, "local": "policy", "remote": 3}
+    assert ck["decisions"] and all(d["reason"] and d["binding"] for d in ck["decisions"])
+    assert ck["decision"]["interval_steps"] >= 1 and ck["saves"]["local"] >= 2
+    on_disk = json.loads((tmp_path / "run" / "run.json").read_text())["checkpoint"]
+    assert on_disk["decision"]["reason"] == ck["decision"]["reason"]
+    assert CheckpointStore(tmp_path / "remote", clean=False).steps() == [3, 6, 9]
+    assert CheckpointStore(tmp_path / "run" / "ckpt", clean=False).latest_step() == 9
+    restored = t.checkpoints.restore()
+    assert restored.step == 9 and restored.level == "memory"  # newest, and memory wins the tie
+    assert torch.equal(restored.tree["model"]["head.weight"] if "head.weight" in restored.tree["model"]
+                       else next(iter(restored.tree["model"].values())),
+                       t.model.state_dict()["head.weight"] if "head.weight" in restored.tree["model"]
+                       else next(iter(t.model.state_dict().values())))
+    # local damaged at step 9 -> resume takes the remote level's step 9
+    for f in (tmp_path / "run" / "ckpt" / "step-000009").glob("*.data"):
+        f.write_bytes(b"\0" * f.stat().st_size)
+    r = trainer(tmp_path, "r", steps=9, ckpt_remote_dir=str(tmp_path / "remote"), ckpt_remote_every=3)
+    info = resume_trainer(r, tmp_path / "run" / "ckpt")
+    assert (info["level"], info["step"]) == ("remote", 9)
+
+
+def test_foreign_model_config_refused_naming_the_field(tmp_path):
+    trainer(tmp_path, "a", steps=2, ckpt_every=2).run()
+    with pytest.raises(ConfigError, match=r"d_model: checkpoint 32, current 64"):
+        validate(from_mapping({**TINY, "d_model": 64, "resume": str(tmp_path / "a")}))
+    bad = trainer(tmp_path, "b", steps=2, n_layers=2)
+    with pytest.raises(CheckpointMismatch, match="n_layers"):
+        resume_trainer(bad, tmp_path / "a")
+    out = subprocess.run([sys.executable, "-m", "islands", "train", *TINY_FLAGS, "--workers", "1", "--steps", "2",
+                          "--n-heads", "4", "--resume", str(tmp_path / "a"), "--run-dir", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "n_heads: checkpoint 2, current 4" in out.stderr + out.stdout
+    with pytest.raises(ConfigError, match="ckpt_every=0"):
+        validate(from_mapping({**TINY, "ckpt_every": 5, "ckpt_policy": "auto"}))
+    with pytest.raises(ConfigError, match="ckpt_remote_dir and ckpt_remote_every"):
+        validate(from_mapping({**TINY, "ckpt_remote_every": 5}))
+    with pytest.raises(ConfigError, match="unknown or malformed setting"):
+        validate(from_mapping({**TINY, "ckpt_policy": "auto:bund=0.1"}))
+
+
+def _launch(tmp: Path, name: str, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "islands", "train", *TINY_FLAGS, "--workers", "2", "--steps", "6",
+                          "--ckpt-every", "3", "--no-probe", "--timeout", "30", "--run-dir", str(tmp / name), *extra],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr + "".join(p.read_text() for p in (tmp / name / "logs").glob("*.log"))
+    return json.loads((tmp / name / "run.json").read_text())
+
+
+def test_two_gloo_ranks_resume_bitwise_and_reshard_to_one(tmp_path):
+    rec_a = _launch(tmp_path, "a")
+    rec_b = _launch(tmp_path, "b", "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
+    assert rec_b["checkpoint"]["resumed_from"]["step"] == 3
+    assert rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
+    sa, sb = CheckpointStore(tmp_path / "a" / "ckpt", clean=False), CheckpointStore(tmp_path / "b" / "ckpt", clean=False)
+    for rank in (0, 1):
+        ta, tb = sa.load(6, rank=rank).tree, sb.load(6, rank=rank).tree
+        for key in EXACT:
+            assert same(ta[key], tb[key]), (rank, key)
+    r0, r1 = sa.load(6, rank=0).tree, sa.load(6, rank=1).tree
+    assert not same(r0["loader"], r1["loader"]) or r0["world"]["rank"] != r1["world"]["rank"]
+    # 2 saved ranks -> 1 process: replicated ddp state loads; loader by the mean-progress policy
+    one = trainer(tmp_path, "one", steps=6)
+    info = resume_trainer(one, tmp_path / "a" / "ckpt" / "step-000003")
+    assert info["resharded"] and info["saved_world_size"] == 2 and one.step == 3
+    saved = sa.load(3, rank=0).tree
+    assert same(one.model.state_dict(), saved["model"])
+    progress = [sa.load(3, rank=r).tree for r in (0, 1)]
+    mean = sum(t["loader"]["epoch"] + t["loader"]["cursor"] / t["world"]["shard_items"] for t in progress) / 2
+    own = one.task.loader.sampler
+    assert own.epoch == int(mean) and abs(own.cursor - round((mean - int(mean)) * own.n)) <= 1
+
+
+def test_per_rank_state_is_not_resharded(tmp_path):
+    gate = threading.Barrier(2, timeout=20)
+    stores = [CheckpointStore(tmp_path, rank=r, world_size=2, barrier=gate.wait) for r in (0, 1)]
+    t = trainer(tmp_path, "t", steps=2)
+    base = {"config_fingerprint": json.dumps(t.cfg.fingerprint_fields(), sort_keys=True),
+            "world": {"rank": 0, "size": 2, "shard_items": 10}, **t.state_dict()}
+    trees = [dict(base, strategy={"error": torch.full((3,), float(r))}) for r in (0, 1)]
+    threads = [threading.Thread(target=stores[r].save, args=(trees[r], 5)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    with pytest.raises(CheckpointMismatch, match=r"'strategy/error' differs between saved ranks 0 and 1"):
+        resume_trainer(t, tmp_path)
