@@ -40,3 +40,6 @@ def add_more_commands(sub: argparse._SubParsersAction) -> None:
     down.add_argument("--all", action="store_true", help="remove every islands testbed on this machine")
     tsub.add_parser("status", help="list testbeds and their measured rates")
     tb.set_defaults(fn=_testbed)
+    from islands.checkpoint.cli import add_ckpt_command
+
+    add_ckpt_command(sub, UsageError)  # islands ckpt ls|verify|inspect|diff|compress|decompress

@@ -139,3 +139,55 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[dict,
 def decompress_file(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[dict, Table]:
     stats = safetensors_codec.decompress_file(src, dst)
     return stats, _stats_table(stats, "decompress")
+
+
+# ---- argparse wiring (islands.cli_more registers it) ------------------------------------------------
+_VERBS = {
+    "ls": ("checkpoints under a root, newest pointer marked", ["root"]),
+    "verify": ("fully decode and check a step dir, a root, or a compressed file (exit 1 if damaged)", ["path"]),
+    "inspect": ("one rank's manifest: tensors, dtypes, codec, stored bytes, dedup sources", ["step_dir"]),
+    "diff": ("compare two step dirs by tensor names, shapes, dtypes and content hashes", ["a", "b"]),
+    "compress": ("losslessly compress any safetensors file (islands codec)", ["src", "dst"]),
+    "decompress": ("restore the byte-identical safetensors file", ["src", "dst"]),
+}
+
+
+def add_ckpt_command(sub, usage_error: type[Exception]) -> None:
+    """`islands ckpt ls|verify|inspect|diff|compress|decompress`; bad input raises `usage_error` (exit 2)."""
+    ck = sub.add_parser("ckpt", help="inspect, verify, diff and compress checkpoints",
+                        description="Checkpoint tools (islands.checkpoint). Add --json for machine-readable output.")
+    verbs = ck.add_subparsers(dest="verb", required=True)
+    for verb, (text, positionals) in _VERBS.items():
+        p = verbs.add_parser(verb, help=text, description=text)
+        for name in positionals:
+            p.add_argument(name)
+        if verb in ("inspect", "diff"):
+            p.add_argument("--rank", type=int, default=0, help="which rank's part (default 0)")
+        p.add_argument("--json", action="store_true", help="print the data as JSON instead of a table")
+    ck.set_defaults(fn=lambda args: run_ckpt_command(args, usage_error))
+
+
+def run_ckpt_command(args, usage_error: type[Exception] = ValueError) -> int:
+    import json
+
+    from rich.console import Console
+
+    from islands.checkpoint.errors import CheckpointMismatch, NoCheckpoint
+
+    calls = {"ls": lambda: ls(args.root), "verify": lambda: verify(args.path),
+             "inspect": lambda: inspect(args.step_dir, rank=args.rank),
+             "diff": lambda: diff(args.a, args.b, rank=args.rank),
+             "compress": lambda: compress_file(args.src, args.dst),
+             "decompress": lambda: decompress_file(args.src, args.dst)}
+    try:
+        data, renderable = calls[args.verb]()
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, NoCheckpoint, CheckpointMismatch) as e:
+        raise usage_error(f"ckpt {args.verb}: {e}") from None
+    except CorruptCheckpoint as e:
+        Console(stderr=True).print(f"[red]ckpt {args.verb}: damaged: {e}[/]")
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        Console().print(renderable)
+    return 1 if args.verb == "verify" and not data["ok"] else 0
