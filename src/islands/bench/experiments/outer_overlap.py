@@ -10,6 +10,8 @@ step; tau 1 and 2 average every tau steps with the exchange hidden behind the ne
 
 from __future__ import annotations
 
+import os
+
 from islands.bench.experiments.outer_common import gap_pct, row_of
 from islands.bench.harness import BenchContext, experiment
 
@@ -44,9 +46,11 @@ def overlap_tau(ctx: BenchContext) -> dict:
     runs = [("compute-only", f"local-sgd:every={steps}", None), ("tau=0", "overlap-local-sgd:tau=0", 0),
             ("tau=1", "overlap-local-sgd:tau=1", 1), ("tau=2", "overlap-local-sgd:tau=2", 2)]
     recs = {}
+    load_before = os.getloadavg()[0]
     with ctx.testbed(rate, hosts=2) as bed:
         for label, spec, _ in runs:
             recs[label] = ctx.train(label, testbed=bed.name, outer=spec, **base)
+    load = max(load_before, os.getloadavg()[0])
     ref = recs["compute-only"]["summary"]
     compute = (ref["wall_seconds"] - ref["comm_seconds"]) / ref["steps"]
     rows = []
@@ -66,5 +70,9 @@ def overlap_tau(ctx: BenchContext) -> dict:
         f"final val loss after {steps} steps: tau 0 {t0['final_val_loss']:.4f}, tau 1 {t1['final_val_loss']:.4f} "
         f"({t1['loss_gap_vs_tau0_pct']:+.1f}%), tau 2 {t2['final_val_loss']:.4f} ({t2['loss_gap_vs_tau0_pct']:+.1f}%); "
         f"interconnect: {t0['interconnect']}",
+        f"tau 0 blocks, so its ledger time is pure waiting: {100 * t0['ledger_comm_fraction']:.1f}% of step time; "
+        f"load average {load:.1f} on {os.cpu_count()} cores during the runs (the wall-clock ratios compare separate "
+        f"runs and are only trustworthy when the load stays below the core count)",
     ]
-    return {"rows": rows, "headline": headline, "plot": _plot, "rate": rate, "compute_s_per_step": compute}
+    return {"rows": rows, "headline": headline, "plot": _plot, "rate": rate, "compute_s_per_step": compute,
+            "load_average": load}
