@@ -13,7 +13,7 @@ def _plot(result: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = [f"{r['workers']}w {r['strategy']}" for r in rows]
+    labels = [f"{r['workers']}w {r['strategy']}\n{r['link']}" for r in rows]
     compute = [r["compute_s_per_step"] for r in rows]
     comm = [r["comm_s_per_step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -35,10 +35,13 @@ def ddp_scaling(ctx: BenchContext) -> dict:
     params = count_parameters(ByteTransformer())
     analytic = 4 * params  # fp32 gradient payload each worker hands to all-reduce per step
     rows, base = [], None
-    for workers in (1, 2, 4):
-        if ctx.rate and workers > 1:
+    plans = [(1, False), (2, False), (4, False)]
+    if ctx.rate:  # the same runs on the slow link, side by side with loopback
+        plans += [(2, True), (4, True)]
+    for workers, shaped in plans:
+        if shaped:
             with ctx.testbed(ctx.rate, hosts=workers) as bed:
-                rec = ctx.train(f"ddp-{workers}", workers=workers, testbed=bed.name, **common)
+                rec = ctx.train(f"ddp-{workers}-{ctx.rate}", workers=workers, testbed=bed.name, **common)
         else:
             rec = ctx.train(f"{'single' if workers == 1 else 'ddp'}-{workers}", workers=workers, **common)
         s = rec["summary"]
@@ -47,21 +50,28 @@ def ddp_scaling(ctx: BenchContext) -> dict:
         measured = s["bytes_sent_per_worker_per_step"]
         expect = analytic if workers > 1 else 0
         rows.append({
-            "workers": workers, "strategy": s["strategy"], "global_batch": 32,
-            "s_per_step": s["seconds_per_step"], "steps_per_s": sps,
+            "workers": workers, "link": ctx.rate if shaped else "loopback", "strategy": s["strategy"],
+            "global_batch": 32, "s_per_step": s["seconds_per_step"], "steps_per_s": sps,
             "speedup_vs_1_worker": sps / base, "efficiency": sps / base / workers,
             "compute_s_per_step": s["compute_seconds"] / s["steps"], "comm_s_per_step": s["comm_seconds"] / s["steps"],
             "comm_fraction": s["comm_fraction"], "bytes_per_step": measured, "analytic_bytes": expect,
             "bytes_match": measured == expect, "final_val_loss": s["final_val_loss"],
             "interconnect": rec["interconnect_line"],
         })
-    four = rows[-1]
+    four = next(r for r in rows if r["workers"] == 4 and r["link"] == "loopback")
     headline = [
-        f"4 workers: speed-up {four['speedup_vs_1_worker']:.2f}x over one worker (efficiency "
+        f"4 workers on loopback: speed-up {four['speedup_vs_1_worker']:.2f}x over one worker (efficiency "
         f"{100 * four['efficiency']:.0f}%), baseline = one worker process with 1 thread; this machine has "
         f"{rec['versions']['cpu_count']} cores, so more than that many workers share cores",
         f"collective in flight {100 * four['comm_fraction']:.0f}% of step time at 4 workers on {four['interconnect']}",
         f"bytes per step per worker equal the analytic fp32 payload ({analytic:,} B = 4 x {params:,} params): "
         f"{all(r['bytes_match'] for r in rows)}",
     ]
+    for slow in (r for r in rows if r["link"] != "loopback"):
+        fast = next(r for r in rows if r["workers"] == slow["workers"] and r["link"] == "loopback")
+        headline.append(
+            f"{slow['workers']} workers on {slow['interconnect']}: {slow['s_per_step']:.2f} s/step vs "
+            f"{fast['s_per_step']:.2f} on loopback in the same run; collective in flight "
+            f"{100 * slow['comm_fraction']:.0f}% of the step ({slow['comm_s_per_step']:.2f} s), so the slow link "
+            f"costs {100 * (1 - fast['s_per_step'] / slow['s_per_step']):.0f}% of the step time")
     return {"rows": rows, "headline": headline, "plot": _plot, "parameters": params}
