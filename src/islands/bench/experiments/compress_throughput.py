@@ -85,9 +85,10 @@ def compressor_throughput(ctx: BenchContext) -> dict:
     headline = [
         f"memcpy of the same {nbytes / 1e6:.1f} MB of gradients: {rows[0]['gb_per_s']:.2f} GB/s on one thread",
         f"fastest compressor {fast['compressor']} {fast['gb_per_s']:.2f} GB/s ({fast['vs_memcpy']:.2f}x memcpy); slowest "
-        f"{slow['compressor']} {slow['gb_per_s']:.3f} GB/s ({slow['vs_memcpy']:.3f}x); PowerSGD rank 4 {psgd['gb_per_s']:.2f} GB/s",
-        f"in-process, no network: a compressor pays off on a link slower than its GB/s (x8 for Gbit/s) times its "
-        f"compression ratio; best of {reps} repetitions on a shared 2-core machine",
+        f"{slow['compressor']} {slow['gb_per_s']:.3f} GB/s ({slow['vs_memcpy']:.4f}x); PowerSGD rank 4 {psgd['gb_per_s']:.2f} GB/s",
+        f"in-process, no network: a compressor with throughput T and ratio c saves time only on links slower than "
+        f"T (1 - 1/c) (x8 for Gbit/s), e.g. PowerSGD here below {8 * psgd['gb_per_s']:.2f} Gbit/s; best of {reps} "
+        "repetitions on a shared, heavily loaded 2-core machine",
     ]
     return {"rows": rows, "headline": headline, "gradient_mb": nbytes / 1e6, "plot": _plot,
             "interconnect": ["none: in-process compute only, one thread"],
