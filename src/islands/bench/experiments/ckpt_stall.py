@@ -1,0 +1,99 @@
+"""ckpt-stall (SOTA-056): how long training stops per checkpoint, two-phase asynchronous against synchronous.
+
+Two measurements, side by side in one run:
+- store level: the state tree of a ByteTransformer plus its AdamW state after one step, saved to a
+  fresh CheckpointStore synchronously (encode + write + fsync + commit) and through AsyncCheckpointer
+  (stall = snapshot copy; the persist is waited for outside the timing so samples do not queue);
+- training loop: the same job (one worker) with ckpt_every=K, ckpt_async on and off; the trainer's
+  checkpoint record gives the stall summed over its checkpoints, and the run's wall time shows what the
+  background persist costs the training thread on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from islands.bench.harness import BenchContext, experiment
+from islands.checkpoint import CheckpointStore
+from islands.checkpoint.measure import measure_stall
+from islands.checkpoint.tree import tree_nbytes
+from islands.models import ByteTransformer
+
+
+def state_tree(d_model: int, n_layers: int) -> dict:
+    torch.manual_seed(0)
+    model = ByteTransformer(d_model=d_model, n_layers=n_layers, n_heads=4, context=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (4, 128))
+    model(x).float().mean().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+
+def _plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["where"] == "store"]
+    labels = [f"{r['state_MB']:.0f} MB" for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["sync_s"] for r in rows], 0.4, label="synchronous save")
+    ax.bar([x + 0.2 for x in xs], [r["async_stall_s"] for r in rows], 0.4, label="async: stall (snapshot)")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("seconds training is stopped per checkpoint")
+    ax.set_title("ckpt-stall: state tree of model + AdamW", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@experiment("ckpt-stall", practices=("SOTA-056",),
+            help="training stall per checkpoint: two-phase async (snapshot, background persist) vs synchronous")
+def ckpt_stall(ctx: BenchContext) -> dict:
+    torch.set_num_threads(1)
+    sizes = [(256, 4), (384, 6)] if ctx.quick else [(256, 4), (512, 6), (768, 8)]
+    samples = 3 if ctx.quick else 5
+    rows = []
+    for d_model, n_layers in sizes:
+        tree = state_tree(d_model, n_layers)
+        tmp = Path(tempfile.mkdtemp(prefix="ckpt-stall-", dir=ctx.out_dir))
+        try:
+            count = iter(range(100))
+            m = measure_stall(lambda: CheckpointStore(tmp / f"s{next(count)}", keep_last=1), tree,
+                              list(range(1, samples + 1)))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rows.append({"where": "store", "config": f"d{d_model} L{n_layers}", "state_MB": tree_nbytes(tree) / 1e6,
+                     "sync_s": m["sync_save_s"], "async_stall_s": m["async_stall_s"],
+                     "async_persist_s": m["async_persist_s"], "stall_ratio": m["stall_ratio"], "samples": samples})
+        ctx.log(f"store d{d_model} L{n_layers}: sync {m['sync_save_s']:.3f} s, async stall {m['async_stall_s']:.4f} s")
+    steps, every = (30, 5) if ctx.quick else (80, 10)
+    loop = {}
+    for mode in (True, False):
+        rec = ctx.train(f"loop-{'async' if mode else 'sync'}", workers=1, steps=steps, ckpt_every=every,
+                        ckpt_async=mode, eval_every=0, d_model=256, n_layers=4, n_heads=4, global_batch=8)
+        ck, s = rec["checkpoint"], rec["summary"]
+        saves = sum(ck["saves"].values())
+        loop[mode] = {"where": "training loop", "config": f"d256 L4, every {every} of {steps} steps",
+                      "stall_per_ckpt_s": ck["stall_seconds_total"] / saves, "saves": saves,
+                      "train_s_per_step": s["seconds_per_step"],
+                      "stall_fraction": ck["stall_seconds_total"] / s["wall_seconds"],
+                      "async": mode}
+    rows += [loop[True], loop[False]]
+    ratio_loop = loop[True]["stall_per_ckpt_s"] / loop[False]["stall_per_ckpt_s"]
+    headline = [f"state {r['state_MB']:.0f} MB: async stall {r['async_stall_s'] * 1e3:.1f} ms vs synchronous save "
+                f"{r['sync_s'] * 1e3:.0f} ms = {100 * r['stall_ratio']:.1f}% (goal <= 10%)" for r in rows[:len(sizes)]]
+    headline.append(f"in the training loop: stall per checkpoint {loop[True]['stall_per_ckpt_s'] * 1e3:.1f} ms async vs "
+                    f"{loop[False]['stall_per_ckpt_s'] * 1e3:.0f} ms sync ({100 * ratio_loop:.1f}%); training step "
+                    f"{loop[True]['train_s_per_step']:.3f} s async vs {loop[False]['train_s_per_step']:.3f} s sync "
+                    "(the background persist shares this machine's 2 cores with training)")
+    return {"rows": rows, "headline": headline, "plot": _plot,
+            "baseline": ["synchronous save of the same tree to the same kind of store, same run"]}
