@@ -167,11 +167,11 @@ class _Coders:
 def _encode_stream(data: bytes | np.ndarray, coder, allow_store: bool) -> tuple[dict, bytes]:
     raw = memoryview(data).cast("B") if not isinstance(data, bytes) else data
     if coder is None:
-        enc, method = bytes(raw), "s"
+        enc, method = raw, "s"  # a view: the blob's final join is the only copy
     else:
         enc, method = coder.compress(raw), "z"
         if allow_store and len(enc) >= 0.998 * len(raw):  # no gain: store, decode is then a copy
-            enc, method = bytes(raw), "s"
+            enc, method = raw, "s"
     return {"m": method, "raw": len(raw), "enc": len(enc), "crc": zlib.crc32(enc)}, enc
 
 
@@ -196,13 +196,18 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     coders = _Coders(codec.zstd_level)
     step = max(size, (codec.chunk_bytes // max(size, 1)) * max(size, 1))
     chunks, payload = [], []
-    for start in range(0, len(raw), step):
+    stored_before: set[int] = set()
+    for index, start in enumerate(range(0, len(raw), step)):
         piece = raw[start:start + step]
         if layout == "split":
             planes = _planes_from_bytes(piece, size)
-            # Exponent and mantissa planes share the Huffman-leaning coder; mantissa planes that do
-            # not shrink fall back to stored (exp_planes only documents which is which).
-            streams = [_encode_stream(p, coders.exponent, True) for p in planes]
+            # Exponent and mantissa planes share the Huffman-leaning coder; a mantissa plane that did
+            # not shrink in the previous chunk is stored without trying again (re-probed every 8th
+            # chunk), which halves the coder's work on bf16/fp16 whose low plane is noise.
+            probe = index % 8 == 0
+            streams = [_encode_stream(p, None if (k in stored_before and not probe) else coders.exponent, True)
+                       for k, p in enumerate(planes)]
+            stored_before = {k for k, (meta, _) in enumerate(streams) if meta["m"] == "s" and k >= exp_planes}
         elif layout == "zstd":
             streams = [_encode_stream(piece, coders.general, True)]
         else:
