@@ -124,6 +124,7 @@ def _launch(tmp: Path, name: str, *extra: str) -> dict:
     return json.loads((tmp / name / "run.json").read_text())
 
 
+@pytest.mark.slow  # two launcher jobs of 2 processes each: ~25 s on an idle 2-core machine
 def test_two_gloo_ranks_resume_bitwise_and_reshard_to_one(tmp_path):
     rec_a = _launch(tmp_path, "a")
     rec_b = _launch(tmp_path, "b", "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
