@@ -24,7 +24,53 @@ def _testbed(args) -> int:
     return 0
 
 
+def _join(args) -> int:
+    """islands join HOST:PORT: one elastic worker entering a running job (islands.runtime.elastic_worker)."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    from islands.runtime.elastic import Excluded
+    from islands.runtime.elastic_worker import exit_now, parse_address, run_elastic_worker
+    from islands.runtime.membership import REFUSED_EXIT_CODE, Refused
+
+    try:
+        parse_address(args.address)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    token = args.token or os.environ.get("ISLANDS_TOKEN", "")
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read --token-file {args.token_file!r}: {e.strerror}") from None
+    if not token:
+        raise UsageError("a token is required: --token T, --token-file PATH or ISLANDS_TOKEN in the environment")
+    name = args.name or f"j{secrets.token_hex(4)}"
+    run_dir = Path(args.run_dir or f"runs/join-{name}")
+    try:
+        run_elastic_worker(args.address, run_dir, name, token)
+    except Refused as e:
+        print(f"islands: join refused by {args.address}: {e}", flush=True)
+        return REFUSED_EXIT_CODE
+    except Excluded as e:
+        print(f"islands: {e}", flush=True)
+        return 1
+    exit_now(0)  # a retired gloo group could hold a normal exit until its timeout
+
+
 def add_more_commands(sub: argparse._SubParsersAction) -> None:
+    jn = sub.add_parser("join", help="join a running elastic job (islands train --elastic true)",
+                        description="Start one worker that asks the job at HOST:PORT to admit it, receives the "
+                                    "current global model and outer-optimizer state at the next round, and trains "
+                                    "from the round after. The job's config comes from the job itself.")
+    jn.add_argument("address", help="HOST:PORT of the elastic job's store (printed by its launcher)")
+    jn.add_argument("--token", default="", help="the job's secret (prefer --token-file or ISLANDS_TOKEN: "
+                                                "arguments are visible to other users of this machine)")
+    jn.add_argument("--token-file", default="", help="file holding the token (the launcher writes RUN_DIR/token)")
+    jn.add_argument("--name", default="", help="this worker's name in the job (default: random)")
+    jn.add_argument("--run-dir", default="", help="where this worker writes its records (default runs/join-NAME)")
+    jn.set_defaults(fn=_join)
     tb = sub.add_parser("testbed", help="real rate-limited links: hosts as network namespaces (root)",
                         description="Create, inspect and remove a network testbed; `islands train --testbed NAME` "
                                     "then runs each worker inside one of its hosts.")

@@ -60,6 +60,8 @@ class TrainConfig:
     port: int = 0  # rendezvous port; 0 = pick a free one
     testbed: str = ""  # run each worker inside a host of this network testbed
     probe: bool = True  # measure the interconnect at start
+    elastic: bool = False  # workers may die and join (islands.runtime.elastic; docs/membership.md)
+    heartbeat_timeout: float = 3.0  # elastic: seconds without a heartbeat before a member counts as gone
     # evaluation and output
     eval_every: int = 25
     eval_batches: int = 8
@@ -200,6 +202,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("port is chosen inside the testbed; leave port=0 with testbed")
     _validate_specs(cfg)
     _validate_checkpointing(cfg)
+    if cfg.elastic:
+        from islands.runtime.elastic_worker import check_elastic_config
+
+        try:
+            check_elastic_config(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 

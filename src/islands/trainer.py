@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from islands.config import TrainConfig
 from islands.measure.probe import describe, probe_interconnect
@@ -49,7 +48,8 @@ class Trainer:
         self.cfg, self.world = cfg, world
         self.run_dir = run_dir
         torch.set_num_threads(cfg.threads)
-        self.task = build_task(cfg, shard=world.rank, shards=world.size)
+        shard, shards = world.data_shard or (world.rank, world.size)  # elastic workers keep theirs
+        self.task = build_task(cfg, shard=shard, shards=shards)
         model = self.task.model.to(world.device)
         self.optimizer = self._build_optimizer(model)
         self.strategy = build_strategy(cfg, world)
@@ -61,6 +61,7 @@ class Trainer:
         self.step = 0
         self.series: dict[str, list] = {"train": [], "val": []}
         self.elapsed = 0.0  # training wall time so far, excluding probe and evaluation
+        self.sync_seconds = 0.0  # time inside after_step: what an outer strategy's exchange blocks
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         factory = self.cfg.extra.get("optimizer_factory")
@@ -96,13 +97,15 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        t = time.perf_counter()
         self.strategy.after_step(self.model, self.optimizer, step)
+        self.sync_seconds += time.perf_counter() - t  # the loop blocked on the outer strategy
         self.step += 1
         return loss.item()
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {
+        state = {
             "step": self.step,
             "model": self.strategy.eval_model(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -112,6 +115,9 @@ class Trainer:
             "elapsed": self.elapsed,
             "series": self.series,
         }
+        if self.world.membership is not None:  # elastic: epoch and members (islands.runtime.elastic)
+            state["membership"] = self.world.membership.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.strategy.eval_model(self.model).load_state_dict(state["model"])
@@ -122,6 +128,8 @@ class Trainer:
         self.step = int(state["step"])
         self.elapsed = float(state.get("elapsed", 0.0))
         self.series = state.get("series", self.series)
+        if self.world.membership is not None and "membership" in state:
+            self.world.membership.load_state_dict(state["membership"])
 
     # ---- the loop -------------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -178,8 +186,7 @@ class Trainer:
         cfg, world = self.cfg, self.world
         ledgers = [world.ledger.snapshot()]
         if world.distributed:
-            ledgers = [None] * world.size
-            dist.all_gather_object(ledgers, world.ledger.snapshot())  # bookkeeping, not training traffic
+            ledgers = world.all_gather_object(world.ledger.snapshot())  # bookkeeping, not training traffic
         final = self.series["val"][-1] if self.series["val"] else self.evaluate()
         total_sent = sum(l["total_sent"] for l in ledgers)
         steps_run = max(len(self.series["train"]) and self.step, 1)
@@ -199,6 +206,7 @@ class Trainer:
             "compute_seconds": compute_s,
             "comm_seconds": comm_s,
             "comm_fraction": comm_s / max(compute_s + comm_s, 1e-9),
+            "sync_blocked_seconds": self.sync_seconds,
             "baseline": BASELINE_PER_WORKER.format(threads=cfg.threads, device=world.device.type),
         }
         record = {

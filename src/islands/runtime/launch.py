@@ -79,6 +79,10 @@ def describe_exit(code: int) -> str:
 
 def launch(cfg: TrainConfig, run_dir: Path, out=sys.stderr) -> int:
     """Run the job; returns the exit code the CLI should use (0 on success)."""
+    if cfg.elastic:  # workers may die and join: islands.runtime.elastic_launch (docs/membership.md)
+        from islands.runtime.elastic_launch import launch_elastic
+
+        return launch_elastic(cfg, run_dir, out)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     cfg_path = run_dir / "config.json"

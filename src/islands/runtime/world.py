@@ -29,6 +29,11 @@ class World:
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh when size > 1
     local_group: object | None = None
     cross_group: object | None = None
+    # elastic mode (islands.runtime.elastic): its own Comm per scope, a fixed data shard
+    # (shard, shards) that survives rank changes, and the membership whose state is checkpointed
+    comms: dict | None = None
+    data_shard: tuple[int, int] | None = None
+    membership: object | None = None
 
     @property
     def workers_per_island(self) -> int:
@@ -44,12 +49,23 @@ class World:
 
     @property
     def distributed(self) -> bool:
-        return self.size > 1
+        return self.size > 1 or self.membership is not None  # an elastic world of one may grow
 
     def comm(self, scope: str = "global") -> Comm:
         """Counted collectives over 'global', 'local' (this island) or 'cross' (same slot, all islands)."""
+        if self.comms and scope in self.comms:
+            return self.comms[scope]
         group = {"global": None, "local": self.local_group, "cross": self.cross_group}[scope]
         return Comm(group, self.ledger)
+
+    def all_gather_object(self, obj) -> list:
+        """Bookkeeping gather over every rank (not training traffic)."""
+        gather = getattr(self.comm("global"), "all_gather_object", None)
+        if gather is not None:
+            return gather(obj)
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
 
     @staticmethod
     def single(device: str | torch.device = "cpu") -> "World":

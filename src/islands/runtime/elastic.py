@@ -1,0 +1,378 @@
+"""ElasticComm: the Comm interface over a gloo process group that is rebuilt when membership changes.
+
+Members of epoch e share ProcessGroupGloo(PrefixStore("pg/<e>", store)). Every collective is one
+numbered operation (e, seq) that commits only when every member reports success in the store:
+  1. run it on the group, watching for a failed peer: a gloo error, a dead/<name> flag from a
+     supervisor, a heartbeat stale past heartbeat_timeout, or another member's "fail" verdict;
+  2. each member adds 1 to e/<e>/s/<seq>/ok; the last one sets the verdict "ok" (compare-and-set),
+     anyone who sees a failure first sets "fail" (compare-and-set: exactly one verdict wins);
+  3. on "fail" every survivor aborts the group, forms epoch e+1 (below) and retries the same
+     operation from its saved input. A committed operation is never redone, so nothing already
+     synchronised is lost, and survivors never restart.
+Forming epoch e: each candidate registers e/<e>/reg/<name>; once every candidate has registered or
+is gone (Liveness), the first to notice writes e/<e>/members by compare-and-set. Ranks follow
+admission order (slot), so the lowest surviving slot is rank 0.
+Joins happen only at a round boundary (after the outer strategy's round counter moves; on_step):
+the members agree per round on which pending joiners enter, form the next epoch with them, and the
+lowest-ranked old member broadcasts {"model", "strategy", "step"} (torch.save bytes as uint8).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import pickle
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from islands.runtime.comm import CommLedger
+from islands.runtime.membership import Liveness, get_json, wait_key
+
+
+class Excluded(RuntimeError):
+    """This process was dropped from the membership (its heartbeat went stale while it was away)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ElasticComm:
+    POLL = 0.005  # seconds between checks of a running collective (store round trip is ~0.2 ms)
+
+    def __init__(self, store, name: str, ledger: CommLedger, heartbeat_timeout: float = 3.0,
+                 collective_timeout: float = 120.0, on_change: Callable[[int, int], None] | None = None):
+        self.store, self.name, self.ledger = store, name, ledger
+        self.liveness = Liveness(store, heartbeat_timeout)
+        self.collective_timeout = collective_timeout
+        self.on_change = on_change
+        self.epoch, self.seq = -1, 0
+        self.members: list[list] = []  # [slot, name, shard]
+        self.pg = None
+        self.epoch_base = 0  # epochs of the job this one resumed from (load_state_dict)
+        self.events: list[dict] = []  # membership changes, with timings (for reports)
+        self.syncs: list[dict] = []  # every committed operation: epoch, seq, kind, start, seconds
+        self._last_round: int | None = None
+        self._retired: list = []  # aborted groups, kept alive until exit (see _abort)
+
+    # ---- Comm interface -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def rank(self) -> int:
+        return self.names.index(self.name)
+
+    @property
+    def names(self) -> list[str]:
+        return [m[1] for m in self.members]
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        saved = tensor.detach().clone()
+
+        def attempt(pg, rank, size):
+            tensor.copy_(saved)
+            self.ledger.record(kind, _nbytes(tensor), _nbytes(tensor))
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            return pg.allreduce([tensor], opts)
+
+        self._operate(kind, attempt)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
+        tensor = tensor.contiguous()
+        out: list[torch.Tensor] = []
+
+        def attempt(pg, rank, size):
+            out[:] = [torch.empty_like(tensor) for _ in range(size)]
+            self.ledger.record(kind, _nbytes(tensor), (size - 1) * _nbytes(tensor))
+            return pg.allgather([out], [tensor])
+
+        self._operate(kind, attempt, alone=lambda: out.append(tensor.clone()))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> torch.Tensor:
+        """`src` is a rank of the current epoch; after a rebuild the same rank number is used."""
+        return self.broadcast_from(tensor, lambda: min(src, self.size - 1), kind)
+
+    def broadcast_from(self, tensor: torch.Tensor, pick_src: Callable[[], int], kind: str = "broadcast"):
+        saved = tensor.detach().clone()
+
+        def attempt(pg, rank, size):
+            tensor.copy_(saved)
+            src = pick_src()
+            self.ledger.record(kind, _nbytes(tensor) if rank == src else 0, 0 if rank == src else _nbytes(tensor))
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
+            return pg.broadcast([tensor], opts)
+
+        self._operate(kind, attempt)
+        return tensor
+
+    def all_gather_object(self, obj) -> list:
+        """Bookkeeping gather (end-of-run ledgers): pickled, padded to the longest, all-gathered."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64), kind="bookkeeping")
+        padded = torch.zeros(int(max(l.item() for l in lengths)), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        parts = self.all_gather(padded, kind="bookkeeping")
+        return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, lengths)]
+
+    # ---- one committed operation ----------------------------------------------------------------
+    def _operate(self, kind: str, attempt, alone: Callable[[], None] | None = None) -> None:
+        start = time.time()
+        failed_at = None
+        while True:
+            if self.size == 1:
+                (alone or (lambda: None))()
+                self.syncs.append({"epoch": self.epoch, "seq": self.seq, "kind": kind, "start": start,
+                                   "seconds": time.time() - start, "size": 1})
+                self.seq += 1
+                return
+            key = f"e/{self.epoch}/s/{self.seq}"
+            ok = self._verdict(key) != b"fail"
+            if ok:
+                try:
+                    work = attempt(self.pg, self.rank, self.size)
+                    ok = self._watch(work, key)
+                except RuntimeError:
+                    ok = False
+            if ok:
+                ok = self._commit(key)
+            if ok:
+                end = time.time()
+                self.syncs.append({"epoch": self.epoch, "seq": self.seq, "kind": kind, "start": start,
+                                   "seconds": end - start, "size": self.size})
+                if failed_at is not None:
+                    self.events[-1].update(resumed=end, stall_seconds=end - failed_at)
+                self.seq += 1
+                return
+            self._fail(key)
+            failed_at = failed_at or time.time()
+            before = list(self.names)
+            self._abort()
+            self.form(self.epoch + 1, self.members)
+            gone = sorted(set(before) - set(self.names))
+            self.events.append({"type": "failure", "epoch": self.epoch + self.epoch_base, "gone": gone,
+                                "size": self.size, "detected": failed_at, "formed": time.time(), "kind": kind})
+
+    def _verdict(self, key: str) -> bytes | None:
+        return self.store.get(f"{key}/done") if self.store.check([f"{key}/done"]) else None
+
+    def _fail(self, key: str) -> None:
+        self.store.compare_set(f"{key}/done", "", "fail")
+
+    def _peer_gone(self) -> bool:
+        others = [n for n in self.names if n != self.name]
+        return bool(self.liveness.gone(others))
+
+    def _watch(self, work, key: str) -> bool:
+        """Wait for the local part of a collective; False as soon as any member is known to have failed."""
+        deadline = time.monotonic() + self.collective_timeout
+        last_live = 0.0
+        while not work.is_completed():
+            now = time.monotonic()
+            if now > deadline or self._verdict(key) == b"fail":
+                return False
+            if now - last_live > 0.1:
+                last_live = now
+                if self._peer_gone():
+                    return False
+            time.sleep(self.POLL)
+        try:
+            work.wait()
+        except RuntimeError:
+            return False
+        return True
+
+    def _commit(self, key: str) -> bool:
+        if self.store.add(f"{key}/ok", 1) == self.size:
+            self.store.compare_set(f"{key}/done", "", "ok")
+        deadline = time.monotonic() + self.collective_timeout
+        last_live = 0.0
+        while (verdict := self._verdict(key)) is None:
+            now = time.monotonic()
+            if now > deadline:
+                self._fail(key)
+            elif now - last_live > 0.1:
+                last_live = now
+                if self._peer_gone():
+                    self._fail(key)
+            time.sleep(self.POLL / 5)
+        return verdict == b"ok"
+
+    def _abort(self) -> None:
+        """Retire the group without waiting: gloo's abort can block until a hung op times out."""
+        if self.pg is not None:
+            pg, self.pg = self.pg, None
+            self._retired.append(pg)  # destroying it here could block just the same
+            threading.Thread(target=_quiet_abort, args=(pg,), daemon=True).start()
+
+    # ---- forming an epoch ---------------------------------------------------------------------------
+    def form(self, epoch: int, candidates: list[list] | None) -> None:
+        """Enter `epoch`: register, agree on its members, build its process group.
+
+        candidates None: join an epoch whose members others decide (a joiner, or epoch 0 written by
+        the coordinator); else decide with the other candidates who is still here.
+        """
+        while True:
+            self.store.set(f"e/{epoch}/reg/{self.name}", "1")
+            key = f"e/{epoch}/members"
+            if candidates is None:
+                members = json.loads(wait_key(self.store, key, self.collective_timeout, f"members of epoch {epoch}"))
+            else:
+                members = self._agree(epoch, candidates)
+            if self.name not in [m[1] for m in members]:
+                raise Excluded(f"{self.name} was dropped from epoch {epoch} (heartbeat stale past "
+                               f"{self.liveness.timeout} s); start it again with `islands join`")
+            self.epoch, self.seq, self.members = epoch, 0, members
+            try:
+                self._build()
+                break
+            except RuntimeError:  # a member vanished while connecting: move on without it
+                self._abort()
+                candidates, epoch = members, epoch + 1
+        if self.rank == 0:
+            self.store.set("latest", str(epoch))
+        if self.on_change is not None:
+            self.on_change(self.rank, self.size)
+
+    def _agree(self, epoch: int, candidates: list[list]) -> list[list]:
+        key = f"e/{epoch}/members"
+        names = [c[1] for c in candidates]
+        deadline = time.monotonic() + self.collective_timeout
+        while not self.store.check([key]):
+            registered = {n for n in names if self.store.check([f"e/{epoch}/reg/{n}"])}
+            gone = self.liveness.gone(set(names) - registered)
+            if registered | gone >= set(names) or time.monotonic() > deadline:
+                keep = [c for c in candidates if c[1] in registered]
+                self.store.compare_set(key, "", json.dumps(sorted(keep)))
+                break
+            time.sleep(self.POLL)
+        return json.loads(self.store.get(key))
+
+    def _build(self) -> None:
+        if self.size == 1:
+            self.pg = None
+            return
+        prefix = dist.PrefixStore(f"pg/{self.epoch}", self.store)
+        # a short connect timeout: everyone registered moments ago, so a slow connect means a death
+        connect = _dt.timedelta(seconds=min(self.collective_timeout, 4 * self.liveness.timeout + 5))
+        self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.size, connect)
+        key = f"e/{self.epoch}/connect"
+        try:
+            ok = self._watch(self.pg.allreduce([torch.zeros(1)]), key)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            self._fail(key)
+        if not self._commit(key):
+            raise RuntimeError(f"epoch {self.epoch}: a member failed while the group connected")
+        self.pg.set_timeout(_dt.timedelta(seconds=self.collective_timeout))
+
+    # ---- joins at round boundaries --------------------------------------------------------------
+    def on_step(self, trainer) -> None:
+        """Trainer.run(on_step=...): at each new round boundary, admit the pending joiners."""
+        rounds = _outer(trainer.strategy).rounds
+        if self._last_round is None:  # the first boundary is the end of the first round
+            self._last_round = rounds
+        if rounds == self._last_round:
+            return
+        self._last_round = rounds
+        pending = [p for p in get_json(self.store, "pending", [])
+                   if p[1] not in self.names and not self.store.check([f"joinat/{p[1]}"])]
+        self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
+        joiners = json.loads(self.store.get(f"round/{rounds}/join"))
+        if not joiners:
+            return
+        nxt = self.epoch + 1
+        holders = set(self.names)
+        for j in joiners:
+            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(holders)}))
+        asked = time.time()
+        self._abort()
+        self.form(nxt, sorted(self.members + joiners))
+        self.share_state(trainer, holders)
+        from islands.runtime.elastic_worker import global_digest
+
+        self.events.append({"type": "join", "global_sha256": global_digest(trainer), "epoch": self.epoch + self.epoch_base, "joined": [j[1] for j in joiners],
+                            "round": rounds, "size": self.size, "detected": asked, "resumed": time.time(),
+                            "stall_seconds": time.time() - asked})
+
+    def enter_as_joiner(self, trainer_factory):
+        """A joiner: wait for the epoch the members put it in, then receive the training state."""
+        entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch", poll=0.05))
+        self.form(entry["epoch"], None)
+        trainer = trainer_factory()
+        holders = set(entry["holders"])
+        self.share_state(trainer, holders)
+        self._last_round = _outer(trainer.strategy).rounds
+        from islands.runtime.elastic_worker import global_digest
+
+        self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": trainer.step,
+                            "round": self._last_round, "time": time.time(), "global_sha256": global_digest(trainer)})
+        return trainer
+
+    def share_state(self, trainer, holders: set[str]) -> None:
+        """The lowest-ranked holder sends {"model", "strategy", "step"}; everyone else loads it."""
+        def src() -> int:
+            ranks = [i for i, n in enumerate(self.names) if n in holders]
+            if not ranks:
+                raise RuntimeError("every member holding the training state left during a join")
+            return ranks[0]
+
+        mine = self.names[src()] == self.name
+        blob = torch.zeros(0, dtype=torch.uint8)
+        if mine:
+            buf = io.BytesIO()
+            torch.save({"model": trainer.strategy.eval_model(trainer.model).state_dict(),
+                        "strategy": trainer.strategy.state_dict(), "step": trainer.step}, buf)
+            blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        length = self.broadcast_from(torch.tensor([blob.numel()], dtype=torch.int64), src, kind="elastic_state")
+        if not mine:
+            blob = torch.zeros(int(length.item()), dtype=torch.uint8)
+        blob = self.broadcast_from(blob, src, kind="elastic_state")
+        if self.name in holders:
+            return
+        state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
+        trainer.strategy.eval_model(trainer.model).load_state_dict(state["model"])
+        trainer.strategy.load_state_dict(state["strategy"])
+        trainer.step = int(state["step"])
+
+    # ---- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch + self.epoch_base, "members": [list(m) for m in self.members],
+                "events": list(self.events)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed job counts its epochs on from the saved one and keeps the saved history."""
+        if not state:
+            return
+        self.epoch_base = int(state["epoch"]) + 1 - max(self.epoch, 0)
+        self.events = list(state.get("events", [])) + [
+            {"type": "resumed", "from_epoch": int(state["epoch"]), "previous_members": state["members"]}]
+
+    def leave(self) -> None:
+        self._abort()
+        self.store.set(f"dead/{self.name}", "finished")
+
+
+def _quiet_abort(pg) -> None:
+    try:
+        pg.abort()
+    except RuntimeError:
+        pass
+
+
+def _outer(strategy):
+    outer = getattr(strategy, "outer", None)
+    if outer is None or not hasattr(outer, "rounds"):
+        raise TypeError("elastic mode needs an outer strategy with a round counter (islands.sync.outer)")
+    return outer
