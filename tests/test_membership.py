@@ -1,0 +1,128 @@
+"""Membership pieces in one process: the token handshake, liveness, and membership state across a resume."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from islands.config import from_mapping, validate
+from islands.runtime.comm import CommLedger
+from islands.runtime.elastic import ElasticComm
+from islands.runtime.membership import Coordinator, Liveness, Refused, ask_to_join, connect, host_store, proof
+
+
+@pytest.fixture()
+def job():
+    server, store = host_store(0)
+    lines: list[str] = []
+    coord = Coordinator(store, "s3cret-token", workers=1, config_json="{}", log=lines.append).start()
+    yield server.port, coord, lines
+    coord.stop()
+
+
+def test_proof_is_bound_to_token_name_and_challenge():
+    p = proof("t", "w0", "abc")
+    assert p == proof("t", "w0", "abc")
+    assert p != proof("u", "w0", "abc") and p != proof("t", "w1", "abc") and p != proof("t", "w0", "abd")
+    assert "t" not in p.replace("t", "")  # hex digest only; nothing of the token in clear
+
+
+def test_right_token_admitted_wrong_token_refused_with_clear_line(job):
+    port, coord, lines = job
+    first = ask_to_join(connect("127.0.0.1", port), "w0", "s3cret-token")
+    assert first.initial and first.slot == 0 and first.shard == 0
+    with pytest.raises(Refused, match="wrong token"):
+        ask_to_join(connect("127.0.0.1", port), "mallory", "guess")
+    assert any("refused 'mallory'" in line for line in lines)
+    assert not any("s3cret-token" in line for line in lines)
+    with pytest.raises(Refused, match="already taken"):
+        ask_to_join(connect("127.0.0.1", port), "w0", "s3cret-token")
+    late = ask_to_join(connect("127.0.0.1", port), "j1", "s3cret-token")
+    assert not late.initial and late.slot == 1
+    store = connect("127.0.0.1", port)
+    assert json.loads(store.get("pending")) == [[1, "j1", late.shard]]
+    assert json.loads(store.get("e/0/members")) == [[0, "w0", 0]]
+    assert coord.refused == 1
+
+
+def test_a_joiner_takes_over_a_free_shard():
+    server, store = host_store(0)
+    coord = Coordinator(store, "tok", workers=3, config_json="{}", log=lambda _: None).start()
+    try:
+        for name in ("a", "b", "c"):
+            ask_to_join(connect("127.0.0.1", server.port), name, "tok")
+        store.set("e/1/members", json.dumps([[0, "a", 0], [2, "c", 2]]))  # b (shard 1) left in epoch 1
+        store.set("latest", "1")
+        assert ask_to_join(connect("127.0.0.1", server.port), "d", "tok").shard == 1
+        assert ask_to_join(connect("127.0.0.1", server.port), "e", "tok").shard == 4 % 3  # all held: slot % workers
+    finally:
+        coord.stop()
+
+
+def test_liveness_dead_flag_is_immediate_and_stale_heartbeat_times_out():
+    server, store = host_store(0)
+    live = Liveness(store, timeout_s=0.3)
+    store.add("hb/a", 1)
+    store.add("hb/b", 1)
+    assert live.gone(["a", "b"]) == set()
+    store.set("dead/a", "killed by SIGKILL")
+    assert live.gone(["a", "b"]) == {"a"}
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.05):
+            store.add("hb/b", 1)
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert live.gone(["b"]) == set()  # beating: alive
+    stop.set()
+    t.join()
+    live.gone(["b"])
+    time.sleep(0.5)
+    assert live.gone(["b"]) == {"b"}  # silent past the timeout: gone
+
+
+def _solo_trainer(tmp_path, port, name):
+    from islands.runtime.elastic_worker import elastic_world
+    from islands.trainer import Trainer
+
+    cfg = validate(from_mapping(dict(task="digits", workers=1, islands=1, outer="local-sgd:every=2", elastic=True,
+                                     steps=6, global_batch=8, eval_every=0, warmup=1, probe=False, progress=False,
+                                     inner="single")))
+    store = connect("127.0.0.1", port)
+    admission = ask_to_join(store, name, "tok")
+    ledger = CommLedger()
+    comm = ElasticComm(store, name, ledger, heartbeat_timeout=5.0, collective_timeout=20.0)
+    comm.form(0, None)
+    return Trainer(cfg, elastic_world(cfg, comm, ledger, admission.shard), tmp_path), comm
+
+
+def test_membership_and_outer_state_survive_a_resume(tmp_path):
+    server, store = host_store(0)
+    coord = Coordinator(store, "tok", workers=1, config_json="{}", log=lambda _: None).start()
+    try:
+        trainer, comm = _solo_trainer(tmp_path, server.port, "w0")
+        trainer.run(on_step=comm.on_step)
+        state = trainer.state_dict()
+    finally:
+        coord.stop()
+    assert state["membership"]["epoch"] == 0 and state["membership"]["members"] == [[0, "w0", 0]]
+    assert state["strategy"]["outer"]["rounds"] == 3
+
+    server2, store2 = host_store(0)  # the resumed job: a fresh store, epoch 0 again
+    coord2 = Coordinator(store2, "tok", workers=1, config_json="{}", log=lambda _: None).start()
+    try:
+        resumed, comm2 = _solo_trainer(tmp_path, server2.port, "w0")
+        resumed.load_state_dict(state)
+    finally:
+        coord2.stop()
+    mem = resumed.state_dict()["membership"]
+    assert mem["epoch"] == 1  # counts on from the saved epoch
+    assert mem["events"][-1] == {"type": "resumed", "from_epoch": 0, "previous_members": [[0, "w0", 0]]}
+    outer, saved = resumed.strategy.outer, state["strategy"]["outer"]
+    assert outer.rounds == 3 and outer.global_flat.equal(saved["global"]) and resumed.step == 6
