@@ -41,3 +41,26 @@ def test_ckpt_verbs(tmp_path, capsys):
     assert run(["ckpt", "compress", str(src), str(tmp_path / "w.isl")]) == 0
     assert run(["ckpt", "decompress", str(tmp_path / "w.isl"), str(tmp_path / "w2.safetensors")]) == 0
     assert (tmp_path / "w2.safetensors").read_bytes() == src.read_bytes()
+
+
+def test_async_snapshot_reuses_finished_staging_buffers_only():
+    from islands.checkpoint import AsyncCheckpointer
+
+    class Keep:
+        def __init__(self):
+            self.seen = []
+
+        def save(self, tree, step, **kw):
+            self.seen.append((step, tree["w"], tree["w"].clone()))
+
+    sink = Keep()
+    writer = AsyncCheckpointer(sink)
+    live = {"w": torch.zeros(1000)}
+    for step in range(3):
+        live["w"].fill_(step)
+        writer.save(live, step).wait(10)
+    writer.close(10)
+    ptrs = [t.data_ptr() for _, t, _ in sink.seen]
+    assert ptrs[1] == ptrs[2] and ptrs[0] == ptrs[1]  # each persist had finished: its buffer is reused
+    assert [float(c[0]) for _, _, c in sink.seen] == [0.0, 1.0, 2.0]  # each persist read its own step
+    assert live["w"].data_ptr() not in ptrs  # never the live tensor

@@ -4,7 +4,7 @@ Phase 1, snapshot: copy the state tree into private host memory. This is the onl
 stalled, and it is measured on every save (`SaveHandle.stall_s`).
 Phase 2, persist: a background thread hands the private copy to the sink (a CheckpointStore or a
 MultiLevelCheckpointer) while training goes on. The copy is only ever read (the codec never writes into
-its input) and is released when the persist ends.
+its input); once the persist has ended its buffers are reused by the next snapshot.
 
 Policies, stated:
 - at most one persist in flight. A save that finds one still running waits for it (`when_busy="wait"`,
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Protocol
 
-from islands.checkpoint.tree import copy_tree, tree_nbytes
+from islands.checkpoint.tree import copy_tree, staging_buffers, tree_nbytes
 
 
 class Sink(Protocol):
@@ -75,6 +75,10 @@ class AsyncCheckpointer:
         self.when_busy, self.over_budget = when_busy, over_budget
         self._inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
+        # The last snapshot's buffers, reused once its persist has finished (the sink no longer reads
+        # them): a repeat snapshot then copies into touched memory instead of faulting in new pages.
+        self._staging: dict | None = None
+        self._staging_owner: SaveHandle | None = None
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -101,8 +105,11 @@ class AsyncCheckpointer:
             self._persist(handle, tree, step, kwargs)
             handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
             return handle
-        snapshot = copy_tree(tree)
+        reuse = self._staging if (self._staging_owner is not None and self._staging_owner.done()) else None
+        self._staging = self._staging_owner = None  # never hand out buffers a persist may still read
+        snapshot = copy_tree(tree, reuse=reuse)
         handle = SaveHandle(step, "async", nbytes)
+        self._staging, self._staging_owner = staging_buffers(snapshot), handle
         handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
         self._inflight = handle
         self._thread = threading.Thread(target=self._persist, args=(handle, snapshot, step, kwargs),

@@ -93,18 +93,28 @@ def unflatten_tree(skeleton, tensors: Mapping[str, torch.Tensor]):
     return walk(skeleton)
 
 
-def copy_tree(tree):
-    """A private deep copy: every tensor cloned into fresh contiguous CPU memory nobody else holds.
+def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
+    """A private deep copy: every tensor cloned into contiguous CPU memory nobody else holds.
 
     This is the snapshot phase of two-phase checkpointing (LIT-059): after it returns, training may
-    change the live tensors freely.
+    change the live tensors freely. `reuse` ({name: tensor} from `staging_buffers` of an earlier copy
+    whose readers are done) supplies already-touched buffers of matching shape and dtype, so a repeat
+    snapshot copies instead of faulting in fresh pages.
     """
     skeleton, tensors = flatten_tree(tree)
     copies = {}
     for name, t in tensors.items():
         src = t.detach()
-        copies[name] = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
+        old = (reuse or {}).get(name)
+        if old is None or old.shape != src.shape or old.dtype != src.dtype:
+            old = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+        copies[name] = old.copy_(src)
     return unflatten_tree(skeleton, copies)
+
+
+def staging_buffers(tree) -> dict[str, torch.Tensor]:
+    """{name: tensor} of a snapshot made by copy_tree, for `copy_tree(..., reuse=...)`."""
+    return flatten_tree(tree)[1]
 
 
 def tree_nbytes(tree) -> int:
