@@ -29,7 +29,8 @@ def row(label: str, rec: dict, base: dict | None = None, **extra) -> dict:
     s = rec["summary"]
     out = {"run": label, **extra, "final_val_loss": s["final_val_loss"],
            "bytes_per_step": s["bytes_sent_per_worker_per_step"], "s_per_step": s["seconds_per_step"],
-           "comm_fraction": s["comm_fraction"]}
+           # compute time shows how much of a step-time gap is load on the shared cores, not the link
+           "compute_s_per_step": s["compute_seconds"] / max(s["steps"], 1), "comm_fraction": s["comm_fraction"]}
     if base is not None:
         b = base["summary"]
         out["bytes_reduction_x"] = b["bytes_sent_per_worker_per_step"] / max(s["bytes_sent_per_worker_per_step"], 1)
