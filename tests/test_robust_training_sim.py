@@ -1,0 +1,83 @@
+"""The in-process n-worker simulation behind `islands bench byzantine`, and the experiment's verdicts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from islands.bench.experiments import byzantine as B
+from islands.config import from_mapping, validate
+from islands.faults.simulate import SimulatedWorkers, simulate
+
+CFG = dict(task="digits", workers=8, steps=50, global_batch=64, warmup=5, lr=0.01, eval_every=0,
+           progress=False, probe=False)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    cfg = validate(from_mapping(CFG))
+    return {
+        "clean": simulate(cfg, "mean", "none"),
+        "mean": simulate(cfg, "mean", "scaled:factor=-10,count=2"),
+        "median": simulate(cfg, "median", "scaled:factor=-10,count=2"),
+    }
+
+
+def test_two_of_eight_scaled_attackers_wreck_mean_but_not_median(runs):
+    clean, mean, median = runs["clean"], runs["mean"], runs["median"]
+    assert clean.final_val_accuracy > 0.85
+    assert mean.final_val_accuracy < 0.3  # pushed uphill: worse than the clean run by far
+    assert median.final_val_accuracy > clean.final_val_accuracy - 0.1
+    assert mean.byzantine == median.byzantine == 2 and clean.byzantine == 0
+    for r in runs.values():
+        assert r.steps == CFG["steps"] and not r.diverged and not r.error
+        assert r.aggregate_step_seconds > 0 and r.mean_step_seconds > 0 and r.cost_vs_mean > 0
+
+
+def test_nan_senders_are_dropped_every_step_and_training_is_unharmed(runs):
+    cfg = validate(from_mapping({**CFG, "steps": 10}))
+    r = simulate(cfg, "mean", "nan:count=3")
+    assert r.dropped_inputs == 3 * 10 and not r.diverged and math.isfinite(r.final_val_loss)
+
+
+def test_simulation_refuses_what_it_cannot_simulate():
+    with pytest.raises(ValueError, match="straggler changes time"):
+        SimulatedWorkers(validate(from_mapping(CFG)), "median", "straggler:delay=1,count=1")
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        SimulatedWorkers(validate(from_mapping({**CFG, "workers": 1})), "median", "none")
+
+
+def _cell(f, attack, aggregator, acc, diverged=False, error=""):
+    return {"task": "digits", "f": f, "attack_name": attack, "aggregator": aggregator, "final_val_accuracy": acc,
+            "final_val_loss": 1.0, "diverged": diverged, "error": error}
+
+
+def test_pivot_picks_the_best_robust_aggregator_and_judges_against_the_clean_mean():
+    cells = [_cell(0, "none", "mean", 0.90), _cell(0, "none", "median", 0.88),
+             _cell(2, "scaled", "mean", 0.10), _cell(2, "scaled", "median", 0.86),
+             _cell(2, "alie", "mean", 0.89), _cell(2, "alie", "median", 0.99, diverged=True)]
+    rows, clean = B.pivot(cells, "digits")
+    assert clean == 0.90
+    scaled = next(r for r in rows if r["attack"] == "scaled")
+    assert scaled["best"] == "median" and scaled["best_ok"] and not scaled["mean_ok"]
+    alie = next(r for r in rows if r["attack"] == "alie")
+    assert alie["median"] == 0.0 and not alie["best_ok"]  # a diverged run scores the worst value
+    assert alie["mean_ok"]
+
+
+def test_loss_metrics_compare_the_other_way():
+    assert B.within(1.04, 1.0, higher=False) and not B.within(1.06, 1.0, higher=False)
+    assert B.within(0.96, 1.0, higher=True) and not B.within(0.94, 1.0, higher=True)
+    assert B.relative(math.inf, 2.0, higher=False) == 0.0
+
+
+def test_specs_the_grid_builds_all_parse():
+    from islands.aggregate import parse_aggregator
+    from islands.faults.attacks import parse_attack
+
+    for f in (0, 1, 2, 3):
+        for label in B.AGGREGATORS:
+            parse_aggregator(B.aggregator_spec(label, f))
+        for attack in B.ATTACKS:
+            assert parse_attack(B.attack_spec(attack, f), B.N).f == f
