@@ -72,5 +72,23 @@ def run_row(ctx: BenchContext, label: str, cfg: dict, testbed: str = "") -> dict
     }
 
 
+def best_of_two_passes(ctx: BenchContext, configs: list[tuple[str, dict]]) -> list[dict]:
+    """Run every configuration twice, the second pass in reverse order, and keep each one's faster pass.
+
+    Load from other jobs on a shared machine drifts over minutes; a reversed second pass spreads that drift
+    over all configurations instead of favouring the ones that ran first.
+    """
+    rows: dict[str, dict] = {}
+    for order in (configs, configs[::-1]):
+        for label, cfg in order:
+            r = run_row(ctx, label if label not in rows else f"{label}-again", cfg)
+            r["run"] = label
+            passes = rows[label]["s_per_step_passes"] + [r["s_per_step"]] if label in rows else [r["s_per_step"]]
+            if label not in rows or r["s_per_step"] < rows[label]["s_per_step"]:
+                rows[label] = r
+            rows[label]["s_per_step_passes"] = passes
+    return [rows[label] for label, _ in configs]
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
