@@ -45,15 +45,19 @@ def _run(cfg, tmp_path: Path, during) -> tuple[int, str]:
     out = io.StringIO()
     errors: list[BaseException] = []
 
+    threads = []
+
     def started(address, workers, coordinator):
         def body():
             try:
                 during(address, workers)
             except BaseException as e:  # surfaced after the job ends
                 errors.append(e)
-        threading.Thread(target=body, daemon=True).start()
+        threads.append(threading.Thread(target=body, daemon=True))
+        threads[0].start()
 
     code = launch_elastic(cfg, tmp_path / "run", out=out, on_started=started)
+    threads[0].join(timeout=200)
     if errors:
         raise errors[0]
     return code, out.getvalue()
@@ -87,15 +91,22 @@ def test_sigkill_one_of_four_survivors_finish_and_agree_bitwise(tmp_path):
     assert run["summary"]["steps"] == 90 and run["summary"]["workers"] == 3
 
 
+# `islands join`, with torch and the trainer imported first, so that start-up time on a loaded machine
+# does not decide whether the joiner is ready before the job ends
+_JOIN = ("import sys, islands.trainer, islands.task, islands.runtime.elastic_worker, sklearn.datasets; "
+         "from islands.cli import main; main(sys.argv[1:])")
+
+
 def _join(address: str, token_args: list[str], name: str, run_dir: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("ISLANDS_TOKEN", None)
-    return subprocess.run([sys.executable, "-m", "islands", "join", address, *token_args, "--name", name,
+    return subprocess.run([sys.executable, "-c", _JOIN, "join", address, *token_args, "--name", name,
                            "--run-dir", str(run_dir)], env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow  # about a minute on 2 cores: a job plus two `islands join` processes
 def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_path):
-    cfg = _cfg(tmp_path, workers=2, steps=240, every=4)
+    cfg = _cfg(tmp_path, workers=2, steps=1500, every=4)
     seen = {}
 
     def joins(address, workers):

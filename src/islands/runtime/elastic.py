@@ -286,8 +286,9 @@ class ElasticComm:
         if rounds == self._last_round:
             return
         self._last_round = rounds
-        pending = [p for p in get_json(self.store, "pending", [])
-                   if p[1] not in self.names and not self.store.check([f"joinat/{p[1]}"])]
+        # only joiners that are ready (trainer built): the members must not wait on a joiner's start-up
+        pending = [p for p in get_json(self.store, "pending", []) if p[1] not in self.names
+                   and self.store.check([f"ready/{p[1]}"]) and not self.store.check([f"joinat/{p[1]}"])]
         self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
         joiners = json.loads(self.store.get(f"round/{rounds}/join"))
         if not joiners:
@@ -308,9 +309,10 @@ class ElasticComm:
 
     def enter_as_joiner(self, trainer_factory):
         """A joiner: wait for the epoch the members put it in, then receive the training state."""
-        entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch", poll=0.05))
+        trainer = trainer_factory()  # built while waiting, so the members do not wait for it
+        self.store.set(f"ready/{self.name}", str(time.time()))
+        entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch", poll=0.02))
         self.form(entry["epoch"], None)
-        trainer = trainer_factory()
         holders = set(entry["holders"])
         self.share_state(trainer, holders)
         self._last_round = _outer(trainer.strategy).rounds

@@ -62,7 +62,8 @@ def parse_address(text: str) -> tuple[str, int]:
 def elastic_world(cfg: TrainConfig, comm: ElasticComm, ledger: CommLedger, shard: int) -> World:
     from islands.sync.outer import LoneComm
 
-    world = World(rank=comm.rank, size=comm.size, islands=comm.size, device=torch.device("cpu"), backend="gloo",
+    rank, size = (comm.rank, comm.size) if comm.members else (0, 1)  # a joiner builds before it enters
+    world = World(rank=rank, size=size, islands=size, device=torch.device("cpu"), backend="gloo",
                   ledger=ledger, comms={"cross": comm, "global": comm, "local": LoneComm()},
                   data_shard=(shard, cfg.workers), membership=comm)
 
