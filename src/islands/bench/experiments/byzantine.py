@@ -20,6 +20,7 @@ import os
 import statistics
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 
 N = 8
 TOLERANCE = 0.05  # the goal: within 5% of the clean run's metric (issue 5, SOTA-220)
@@ -167,41 +168,33 @@ def confirm_real(ctx: BenchContext, rows: list[dict], cells: list[dict], attacks
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     panels = [(t, f) for t in dict.fromkeys(r["task"] for r in rows) for f in sorted({r["f"] for r in rows if r["task"] == t}) if f]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.6 * (len(panels) + 1), 4.4), squeeze=False)
-    for ax, (task, f) in zip(axes[0], panels):
-        mine = [r for r in rows if r["task"] == task and r["f"] == f]
-        higher = TASKS[task]["higher_is_better"]
-        grid = [[relative(r[a], r["clean"], higher) for a in AGGREGATORS if a in r] for r in mine]
-        labels = [a for a in AGGREGATORS if a in mine[0]]
-        im = ax.imshow(grid, vmin=0.5, vmax=1.0, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_yticks(range(len(mine)), [r["attack"] for r in mine], fontsize=7)
-        for i, line in enumerate(grid):
-            for j, v in enumerate(line):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=5.5)
-        ax.set_title(f"{task}, f={f} of {N}: {TASKS[task]['metric']} vs clean", fontsize=8)
-    fig.colorbar(im, ax=axes[0][len(panels) - 1], fraction=0.04)
-    ax = axes[0][-1]
-    for k, (task, cost) in enumerate(result["aggregation_cost"].items()):
-        ys = [i + 0.4 * k for i in range(len(cost))]
-        ax.barh(ys, [c["ratio_to_mean"] for c in cost.values()], height=0.4, label=task)
-    ax.set_yticks(range(len(cost)), list(cost))
-    ax.set_xscale("log")
-    ax.legend(fontsize=7)
-    ax.set_xlabel("aggregation time / mean's, same inputs", fontsize=8)
-    ax.tick_params(labelsize=7)
-    ax.set_title("aggregation cost vs mean (best of rounds)", fontsize=8)
-    fig.suptitle("byzantine: grid simulated in one process (n=8); see summary for real gloo confirmations", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, len(panels) + 1, figsize=(4.6 * (len(panels) + 1), 4.4), squeeze=False) as (fig, axes):
+        for ax, (task, f) in zip(axes[0], panels):
+            mine = [r for r in rows if r["task"] == task and r["f"] == f]
+            higher = TASKS[task]["higher_is_better"]
+            grid = [[relative(r[a], r["clean"], higher) for a in AGGREGATORS if a in r] for r in mine]
+            labels = [a for a in AGGREGATORS if a in mine[0]]
+            im = ax.imshow(grid, vmin=0.5, vmax=1.0, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+            ax.set_yticks(range(len(mine)), [r["attack"] for r in mine], fontsize=7)
+            for i, line in enumerate(grid):
+                for j, v in enumerate(line):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=5.5)
+            ax.set_title(f"{task}, f={f} of {N}: {TASKS[task]['metric']} vs clean", fontsize=8)
+        fig.colorbar(im, ax=axes[0][len(panels) - 1], fraction=0.04)
+        ax = axes[0][-1]
+        for k, (task, cost) in enumerate(result["aggregation_cost"].items()):
+            ys = [i + 0.4 * k for i in range(len(cost))]
+            ax.barh(ys, [c["ratio_to_mean"] for c in cost.values()], height=0.4, label=task)
+        ax.set_yticks(range(len(cost)), list(cost))
+        ax.set_xscale("log")
+        ax.legend(fontsize=7)
+        ax.set_xlabel("aggregation time / mean's, same inputs", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.set_title("aggregation cost vs mean (best of rounds)", fontsize=8)
+        fig.suptitle("byzantine: grid simulated in one process (n=8); see summary for real gloo confirmations", fontsize=9)
 
 
 def headline(rows: list[dict], cost: dict, real: list[dict], tasks: list[str], steps: dict) -> list[str]:

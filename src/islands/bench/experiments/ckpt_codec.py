@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.checkpoint.codec import tensor_bytes
 from islands.checkpoint.measure import measure_codec
 
@@ -111,28 +112,20 @@ def measure_zipnn(zipnn, tensor: torch.Tensor, repeats: int) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    for ax, key, label in zip(axes, ("ratio", "compress_MBps", "decompress_MBps"),
-                              ("compressed / raw (lower is better)", "compress MB/s", "decompress MB/s")):
-        codecs = sorted({r["codec"] for r in rows})
-        dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
-        width = 0.8 / len(codecs)
-        for i, codec in enumerate(codecs):
-            vals = [next((r[key] for r in rows if r["codec"] == codec and r["dtype"] == d), 0) for d in dtypes]
-            ax.bar([j + i * width for j in range(len(dtypes))], vals, width, label=codec)
-        ax.set_xticks([j + width * (len(codecs) - 1) / 2 for j in range(len(dtypes))], dtypes)
-        ax.set_title(label, fontsize=9)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"ckpt-codec, single thread: {result['weights'][:90]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 3, figsize=(11, 3.6)) as (fig, axes):
+        for ax, key, label in zip(axes, ("ratio", "compress_MBps", "decompress_MBps"),
+                                  ("compressed / raw (lower is better)", "compress MB/s", "decompress MB/s")):
+            codecs = sorted({r["codec"] for r in rows})
+            dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+            width = 0.8 / len(codecs)
+            for i, codec in enumerate(codecs):
+                vals = [next((r[key] for r in rows if r["codec"] == codec and r["dtype"] == d), 0) for d in dtypes]
+                ax.bar([j + i * width for j in range(len(dtypes))], vals, width, label=codec)
+            ax.set_xticks([j + width * (len(codecs) - 1) / 2 for j in range(len(dtypes))], dtypes)
+            ax.set_title(label, fontsize=9)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"ckpt-codec, single thread: {result['weights'][:90]}", fontsize=8)
 
 
 @experiment("ckpt-codec", practices=("SOTA-437",),

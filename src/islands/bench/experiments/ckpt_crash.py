@@ -15,25 +15,18 @@ import tempfile
 from pathlib import Path
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.checkpoint.crash import run_crash_trials
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     r = result["rows"][0]
     labels = ["loadable", "silent corruption", "not loadable", "killed before 1st save"]
     vals = [r["loadable"], r["silent_corruptions"], r["not_loadable"], r["no_checkpoint_yet"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(labels, vals, color=["tab:green", "tab:red", "tab:red", "tab:gray"])
-    ax.set_ylabel("trials")
-    ax.set_title(f"ckpt-crash: {r['trials']} SIGKILLs during saves", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(6, 3.5)) as (fig, ax):
+        ax.bar(labels, vals, color=["tab:green", "tab:red", "tab:red", "tab:gray"])
+        ax.set_ylabel("trials")
+        ax.set_title(f"ckpt-crash: {r['trials']} SIGKILLs during saves", fontsize=9)
 
 
 @experiment("ckpt-crash", practices=("SOTA-056", "SOTA-057"),

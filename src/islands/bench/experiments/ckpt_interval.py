@@ -16,6 +16,7 @@ import random
 import statistics
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, CheckFreqPolicy, CombinedIntervalPolicy,
                                          YoungDalyInterval)
 from islands.checkpoint.interval_sim import simulate_failures
@@ -35,25 +36,17 @@ def make_policy(devices: int) -> CombinedIntervalPolicy:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for label in dict.fromkeys(r["policy"] for r in rows):
-        pts = [(r["devices"], 100 * r["waste_fraction"]) for r in rows if r["policy"] == label]
-        ax.plot(*zip(*pts), marker="o", label=label, linewidth=2.5 if label == "policy" else 1)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("devices in the job")
-    ax.set_ylabel("lost work + checkpoint overhead + restarts (% of wall time)")
-    ax.set_title(f"ckpt-interval: MTBF {DEFAULT_DEVICE_MTBF_DAYS} d/device, stall {STALL_S:.0f} s", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(6.5, 4)) as (fig, ax):
+        for label in dict.fromkeys(r["policy"] for r in rows):
+            pts = [(r["devices"], 100 * r["waste_fraction"]) for r in rows if r["policy"] == label]
+            ax.plot(*zip(*pts), marker="o", label=label, linewidth=2.5 if label == "policy" else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("devices in the job")
+        ax.set_ylabel("lost work + checkpoint overhead + restarts (% of wall time)")
+        ax.set_title(f"ckpt-interval: MTBF {DEFAULT_DEVICE_MTBF_DAYS} d/device, stall {STALL_S:.0f} s", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 @experiment("ckpt-interval", practices=("SOTA-054", "SOTA-189"),

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.checkpoint import CheckpointStore
 from islands.checkpoint.measure import measure_stall
 from islands.checkpoint.tree import tree_nbytes
@@ -35,24 +36,16 @@ def state_tree(d_model: int, n_layers: int) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r["where"] == "store"]
     labels = [f"{r['state_MB']:.0f} MB" for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["sync_s"] for r in rows], 0.4, label="synchronous save")
-    ax.bar([x + 0.2 for x in xs], [r["async_stall_s"] for r in rows], 0.4, label="async: stall (snapshot)")
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("seconds training is stopped per checkpoint")
-    ax.set_title("ckpt-stall: state tree of model + AdamW", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(6, 3.8)) as (fig, ax):
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["sync_s"] for r in rows], 0.4, label="synchronous save")
+        ax.bar([x + 0.2 for x in xs], [r["async_stall_s"] for r in rows], 0.4, label="async: stall (snapshot)")
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("seconds training is stopped per checkpoint")
+        ax.set_title("ckpt-stall: state tree of model + AdamW", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 @experiment("ckpt-stall", practices=("SOTA-056",),

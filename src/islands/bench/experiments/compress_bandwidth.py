@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from islands.bench.experiments.compress_common import curve, lm_setting, row
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 
 QUICK = ["none", "fp16", "int8", "powersgd:rank=4", "torch-powersgd:rank=4", "topk:ratio=0.01,warmup=0", "sign"]
 FULL = QUICK + ["bf16", "int4", "qsgd:levels=16", "randomk:ratio=0.01"]
@@ -22,28 +23,20 @@ def _time_to(pts: list[dict], target: float) -> float | None:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rates = sorted({r["rate"] for r in result["rows"]}, key=lambda r: result["rates_mbit"][r])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for rate in rates:
-        rows = [r for r in result["rows"] if r["rate"] == rate]
-        axes[0].bar([f"{r['compress']}\n{rate}" for r in rows], [r["s_per_step"] for r in rows])
-    axes[0].set_ylabel("seconds per step")
-    axes[0].tick_params(axis="x", labelrotation=70, labelsize=6)
-    for label, pts in result["curves"].items():
-        if label.startswith(rates[0] + "/"):
-            axes[1].plot([p["elapsed"] for p in pts], [p["val_loss"] for p in pts], marker="o", ms=3, label=label)
-    axes[1].set_xlabel("training seconds")
-    axes[1].set_ylabel("validation loss")
-    axes[1].legend(fontsize=6)
-    fig.suptitle(f"compression-vs-bandwidth\n{result['interconnect'][-1]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, axes):
+        for rate in rates:
+            rows = [r for r in result["rows"] if r["rate"] == rate]
+            axes[0].bar([f"{r['compress']}\n{rate}" for r in rows], [r["s_per_step"] for r in rows])
+        axes[0].set_ylabel("seconds per step")
+        axes[0].tick_params(axis="x", labelrotation=70, labelsize=6)
+        for label, pts in result["curves"].items():
+            if label.startswith(rates[0] + "/"):
+                axes[1].plot([p["elapsed"] for p in pts], [p["val_loss"] for p in pts], marker="o", ms=3, label=label)
+        axes[1].set_xlabel("training seconds")
+        axes[1].set_ylabel("validation loss")
+        axes[1].legend(fontsize=6)
+        fig.suptitle(f"compression-vs-bandwidth\n{result['interconnect'][-1]}", fontsize=8)
 
 
 @experiment("compression-vs-bandwidth", practices=("SOTA-075", "SOTA-047", "SOTA-048"),

@@ -9,6 +9,7 @@ bytes, not final quality, and the headlines say so.
 from __future__ import annotations
 
 from islands.bench.harness import BenchContext
+from islands.bench.plots import figure
 
 
 def lm_setting(ctx: BenchContext) -> dict:
@@ -43,20 +44,12 @@ def plot_curves(title: str, x: str = "step"):
     """A plot function for the harness: validation loss of every run against `x`."""
 
     def draw(result: dict, path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for label, pts in result["curves"].items():
-            ax.plot([p[x] for p in pts], [p["val_loss"] for p in pts], marker="o", ms=3, label=label)
-        ax.set_xlabel({"step": "step", "elapsed": "training seconds", "mb_sent": "MB sent per worker"}[x])
-        ax.set_ylabel("validation loss")
-        ax.set_title(f"{title}\n{result['interconnect'][-1]}", fontsize=8)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        with figure(path, figsize=(6.5, 4)) as (fig, ax):
+            for label, pts in result["curves"].items():
+                ax.plot([p[x] for p in pts], [p["val_loss"] for p in pts], marker="o", ms=3, label=label)
+            ax.set_xlabel({"step": "step", "elapsed": "training seconds", "mb_sent": "MB sent per worker"}[x])
+            ax.set_ylabel("validation loss")
+            ax.set_title(f"{title}\n{result['interconnect'][-1]}", fontsize=8)
+            ax.legend(fontsize=7)
 
     return draw

@@ -13,6 +13,7 @@ import time
 import torch
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.compress import Agreed, Combine, parse_compressor
 from islands.models import ByteTransformer
 
@@ -48,20 +49,12 @@ def _best_seconds(fn, reps: int) -> float:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.barh([r["compressor"] for r in rows], [r["gb_per_s"] for r in rows])
-    ax.set_xscale("log")
-    ax.set_xlabel("GB/s of fp32 gradient (compress + decode), log scale")
-    ax.set_title(f"compressor-throughput, {result['gradient_mb']:.1f} MB gradient, 1 thread", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4)) as (fig, ax):
+        ax.barh([r["compressor"] for r in rows], [r["gb_per_s"] for r in rows])
+        ax.set_xscale("log")
+        ax.set_xlabel("GB/s of fp32 gradient (compress + decode), log scale")
+        ax.set_title(f"compressor-throughput, {result['gradient_mb']:.1f} MB gradient, 1 thread", fontsize=9)
 
 
 @experiment("compressor-throughput", practices=("SOTA-075",),

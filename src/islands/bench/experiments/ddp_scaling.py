@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.models import ByteTransformer, count_parameters
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     labels = [f"{r['workers']}w {r['strategy']}\n{r['link']}" for r in rows]
     compute = [r["compute_s_per_step"] for r in rows]
     comm = [r["comm_s_per_step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(labels, compute, label="compute (no collective in flight)")
-    ax.bar(labels, comm, bottom=compute, label="collective in flight")
-    ax.set_ylabel("seconds per step")
-    ax.set_title(f"ddp-scaling, global batch {rows[0]['global_batch']}\n{result['interconnect'][-1]}", fontsize=8)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(6, 4)) as (fig, ax):
+        ax.bar(labels, compute, label="compute (no collective in flight)")
+        ax.bar(labels, comm, bottom=compute, label="collective in flight")
+        ax.set_ylabel("seconds per step")
+        ax.set_title(f"ddp-scaling, global batch {rows[0]['global_batch']}\n{result['interconnect'][-1]}", fontsize=8)
+        ax.legend(fontsize=8)
 
 
 @experiment("ddp-scaling", practices=("SOTA-047", "SOTA-048"),

@@ -8,6 +8,7 @@ two islands of one worker each; the DDP reference is the same two workers in one
 from __future__ import annotations
 
 from islands.bench.harness import BenchContext
+from islands.bench.plots import figure
 
 OUTER_KINDS = ("outer_delta", "outer_params", "outer_inner_state")
 
@@ -56,24 +57,16 @@ def gap_pct(loss: float, ref: float) -> float:
 
 
 def bar_plot(result: dict, path, key: str, ylabel: str, log: bool = False) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.8))
-    labels = [r["run"] for r in rows]
-    ax[0].bar(labels, [r["final_val_loss"] for r in rows])
-    ax[0].set_ylabel("final validation loss")
-    ax[1].bar(labels, [r[key] for r in rows])
-    ax[1].set_ylabel(ylabel)
-    if log:
-        ax[1].set_yscale("log")
-    for a in ax:
-        a.tick_params(axis="x", rotation=30, labelsize=7)
-    fig.suptitle(f"{result['experiment']}{' (quick)' if result['quick'] else ''}\n{result['interconnect'][-1]}",
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(9, 3.8)) as (fig, ax):
+        labels = [r["run"] for r in rows]
+        ax[0].bar(labels, [r["final_val_loss"] for r in rows])
+        ax[0].set_ylabel("final validation loss")
+        ax[1].bar(labels, [r[key] for r in rows])
+        ax[1].set_ylabel(ylabel)
+        if log:
+            ax[1].set_yscale("log")
+        for a in ax:
+            a.tick_params(axis="x", rotation=30, labelsize=7)
+        fig.suptitle(f"{result['experiment']}{' (quick)' if result['quick'] else ''}\n{result['interconnect'][-1]}",
+                     fontsize=8)

@@ -15,24 +15,17 @@ import os
 
 from islands.bench.experiments.outer_common import gap_pct, row_of
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 
 DEFAULT_RATE = "100mbit"
 
 
 def _plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r["tau"] is not None]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.bar([f"tau={r['tau']}" for r in rows], [100 * r["comm_to_compute"] for r in rows])
-    ax.set_ylabel("communication / computation (%)")
-    ax.set_title(f"overlap-tau at {result['rate']}\n{result['interconnect'][-1]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(5.5, 3.8)) as (fig, ax):
+        ax.bar([f"tau={r['tau']}" for r in rows], [100 * r["comm_to_compute"] for r in rows])
+        ax.set_ylabel("communication / computation (%)")
+        ax.set_title(f"overlap-tau at {result['rate']}\n{result['interconnect'][-1]}", fontsize=8)
 
 
 @experiment("overlap-tau", practices=("SOTA-222",),

@@ -10,39 +10,32 @@ from __future__ import annotations
 
 from islands.bench.experiments.sharding_common import lm_config, ratio, run_row
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 
 LINKS_QUICK = ("1gbit", "100mbit")
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for (link, workers), group in _pairs(rows).items():
-        ds = sorted(group)
-        a.plot(ds, [group[d]["time_ratio"] for d in ds], marker="o", label=f"{link}, {workers} workers")
-    a.axhline(1.0, color="grey", lw=0.8)
-    a.set_xscale("log", base=2)
-    a.set_xlabel("d_model")
-    a.set_ylabel("FSDP / DDP step time")
-    a.legend(fontsize=7)
-    loop = [r for r in rows if r["link"] == "loopback" and r["workers"] == 2]
-    for strategy in ("ddp", "fsdp"):
-        pts = sorted((r["d_model"], r["state_mb_per_rank"]) for r in loop if r["strategy"] == strategy)
-        b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=strategy)
-    b.set_xscale("log", base=2)
-    b.set_yscale("log")
-    b.set_xlabel("d_model")
-    b.set_ylabel("params+grads+AdamW MB per rank (2 workers)")
-    b.legend(fontsize=8)
-    fig.suptitle("sharding-crossover: what FSDP's memory costs in time, per interconnect", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, (a, b)):
+        for (link, workers), group in _pairs(rows).items():
+            ds = sorted(group)
+            a.plot(ds, [group[d]["time_ratio"] for d in ds], marker="o", label=f"{link}, {workers} workers")
+        a.axhline(1.0, color="grey", lw=0.8)
+        a.set_xscale("log", base=2)
+        a.set_xlabel("d_model")
+        a.set_ylabel("FSDP / DDP step time")
+        a.legend(fontsize=7)
+        loop = [r for r in rows if r["link"] == "loopback" and r["workers"] == 2]
+        for strategy in ("ddp", "fsdp"):
+            pts = sorted((r["d_model"], r["state_mb_per_rank"]) for r in loop if r["strategy"] == strategy)
+            b.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=strategy)
+        b.set_xscale("log", base=2)
+        b.set_yscale("log")
+        b.set_xlabel("d_model")
+        b.set_ylabel("params+grads+AdamW MB per rank (2 workers)")
+        b.legend(fontsize=8)
+        fig.suptitle("sharding-crossover: what FSDP's memory costs in time, per interconnect", fontsize=9)
 
 
 def _pairs(rows: list[dict]) -> dict:

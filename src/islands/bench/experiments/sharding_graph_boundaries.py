@@ -11,6 +11,7 @@ import torch
 
 from islands.bench.experiments.sharding_common import best_of_two_passes, lm_config, ratio
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 from islands.models import ByteTransformer
 from islands.sync.sharded import plan_units
 from islands.sync.wrap_policy import parse_wrap, trace_order
@@ -30,24 +31,16 @@ def _shape(cfg: dict, wrap: str, n: int) -> dict:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     labels = [r["wrap"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    for ax, key, ylabel in zip(axes, ("s_per_step", "peak_gather_mb", "cut_activation_kb_per_sample"),
-                               ("median s per step", "largest unit all-gather MB", "activation kB at cuts")):
-        ax.bar(labels, [r[key] for r in rows], color=["tab:green" if w.startswith("graph") else "tab:grey"
-                                                      for w in labels])
-        ax.set_ylabel(ylabel)
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
-    fig.suptitle(f"graph-boundaries: traced-graph vs parameter-count units\n{result['interconnect'][-1]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 3, figsize=(11, 3.6)) as (fig, axes):
+        for ax, key, ylabel in zip(axes, ("s_per_step", "peak_gather_mb", "cut_activation_kb_per_sample"),
+                                   ("median s per step", "largest unit all-gather MB", "activation kB at cuts")):
+            ax.bar(labels, [r[key] for r in rows], color=["tab:green" if w.startswith("graph") else "tab:grey"
+                                                          for w in labels])
+            ax.set_ylabel(ylabel)
+            ax.tick_params(axis="x", rotation=30, labelsize=8)
+        fig.suptitle(f"graph-boundaries: traced-graph vs parameter-count units\n{result['interconnect'][-1]}", fontsize=8)
 
 
 @experiment("graph-boundaries", practices=("Q-3",),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from islands.bench.experiments.sharding_common import best_of_two_passes, lm_config, ratio
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.plots import figure
 
 
 def _policies(d: int) -> list[tuple[str, str, bool]]:
@@ -18,24 +19,16 @@ def _policies(d: int) -> list[tuple[str, str, bool]]:
 
 
 def _plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     labels = [r["run"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(labels, [r["s_per_step"] for r in rows], color=["grey"] + ["tab:blue"] * (len(rows) - 1))
-    a.set_ylabel("median s per step")
-    a.tick_params(axis="x", rotation=30, labelsize=7)
-    b.bar(labels, [r["wire_mb_per_step"] for r in rows], color=["grey"] + ["tab:orange"] * (len(rows) - 1))
-    b.set_ylabel("ring wire MB per step per rank")
-    b.tick_params(axis="x", rotation=30, labelsize=7)
-    fig.suptitle(f"wrap-policy: FSDP by wrap policy vs DDP\n{result['interconnect'][-1]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 4)) as (fig, (a, b)):
+        a.bar(labels, [r["s_per_step"] for r in rows], color=["grey"] + ["tab:blue"] * (len(rows) - 1))
+        a.set_ylabel("median s per step")
+        a.tick_params(axis="x", rotation=30, labelsize=7)
+        b.bar(labels, [r["wire_mb_per_step"] for r in rows], color=["grey"] + ["tab:orange"] * (len(rows) - 1))
+        b.set_ylabel("ring wire MB per step per rank")
+        b.tick_params(axis="x", rotation=30, labelsize=7)
+        fig.suptitle(f"wrap-policy: FSDP by wrap policy vs DDP\n{result['interconnect'][-1]}", fontsize=8)
 
 
 @experiment("wrap-policy", practices=("Q-2", "SOTA-029", "SOTA-030"),
