@@ -152,6 +152,27 @@ class Comm:
         self._timed(lambda: dist.recv(tensor, src=src, group=self.group))
         return tensor
 
+    def exchange(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
+                 kind: str = "p2p") -> dict[int, torch.Tensor]:
+        """Point-to-point in one batch: send sends[p] to each peer p, receive one tensor shaped like `like`
+        (default: the first sent tensor) from each peer in recv_from. Peers are ranks of this Comm's
+        group. Every send must be matched by the peer's receive in the same call (gossip, LIT-302)."""
+        me, n = self.rank, self.size
+        for p in [*sends, *recv_from]:
+            if not 0 <= p < n or p == me:
+                raise ValueError(f"exchange peer {p} must be another rank of this group (0..{n - 1}, not {me})")
+        if like is None and recv_from:
+            if not sends:
+                raise ValueError("exchange: pass like= (shape and dtype of what arrives) when sending nothing")
+            like = next(iter(sends.values()))
+        got = {p: torch.empty_like(like) for p in recv_from}
+        ops = [dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=p) for p, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for p, t in got.items()]
+        if ops:
+            self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()), sum(_nbytes(t) for t in got.values()))
+            self._timed(lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
+        return got
+
 
 # nccl-tests' bus-bandwidth factors: algorithm bandwidth times this gives the per-link load.
 BUS_FACTOR = {

@@ -4,7 +4,7 @@
     build_outer(cfg, world) -> Strategy                                            (uses cfg.outer)
 
 Strategies (one module each): local-sgd, post-local-sgd, overlap-local-sgd, slowmo, easgd, diloco
-(outer=nesterov|sgd|primal, sync_inner_state), streaming-diloco. Each runs after the inner strategy
+(outer=nesterov|sgd|primal, sync_inner_state), streaming-diloco, gossip (topology=exp|ring|random:s=S). Each runs after the inner strategy
 (ddp inside an island) at every hook; all cross-island traffic goes through `strategy.comm`.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 from islands.sync.outer.base import LoneComm, OuterStrategy
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.easgd import EASGD
+from islands.sync.outer.gossip import Gossip
 from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
@@ -28,6 +29,7 @@ CLASSES = {
     "easgd": EASGD,
     "diloco": DiLoCo,
     "streaming-diloco": StreamingDiLoCo,
+    "gossip": Gossip,
 }
 
 
@@ -47,6 +49,6 @@ def build_outer(cfg, world) -> OuterStrategy:
     return make_outer(parse_outer(cfg.outer), cfg.steps, warmup=cfg.warmup)
 
 
-__all__ = ["CLASSES", "PARAMS", "DiLoCo", "EASGD", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",
+__all__ = ["CLASSES", "PARAMS", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",
            "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "build_outer", "make_outer",
            "parse_outer", "valid_specs"]

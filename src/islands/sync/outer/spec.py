@@ -67,6 +67,13 @@ PARAMS: dict[str, dict[str, tuple]] = {
         **_OUTER_OPT,
         **_EXCHANGE,
     },
+    "gossip": {
+        "every": (4, int, "local steps between gossip rounds (H)"),
+        "topology": ("exp", str, "exp (one peer at distance 2^k, k rotating; SOTA-226) | ring | "
+                                 "random:s=S (S fresh out-peers per round, push-sum; SOTA-223)"),
+        "seed": (0, int, "seed of topology=random's per-round draws (the same on every rank)"),
+        **_AGGREGATE_ONLY,
+    },
 }
 
 _OUTER_CHOICES = ("nesterov", "sgd", "primal")
@@ -174,6 +181,13 @@ def _check(s: OuterSpec) -> None:
             bad(f"tau ({p['tau']}) must be < inner_steps ({p['inner_steps']}) so a fragment lands before its next send")
         if p["bits"] == 4 and p["compress"] != "none":
             bad("bits=4 is the built-in quantiser; to use compress= set bits=32")
+    if "topology" in p:
+        from islands.sync.outer.topology import parse_topology
+
+        try:
+            parse_topology(p["topology"])
+        except ValueError as e:
+            bad(str(e))
     if p.get("compress", "none") != "none" and p.get("aggregate", "mean") != "mean":
         bad("compress= and aggregate= together are not supported: a robust aggregator needs each island's "
             "uncompressed delta; pick one")

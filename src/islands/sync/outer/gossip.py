@@ -1,0 +1,182 @@
+"""Decentralised gossip (LIT-302, LIT-254, LIT-315): no global average, each island mixes with its peers.
+
+Every H steps each island sends its fp32 parameters point to point (Comm.exchange, one batch of
+isend/irecv, ledger kind "outer_params") to the out-peers the topology names for this round, and
+replaces its parameters by a mix of its own and what its in-peers sent. Mixing rule, per topology:
+
+  regular graphs (ring, exp)   x_i <- (x_i + sum_{j in in(i)} x_j) / (1 + d)
+      Every node has in-degree = out-degree = d, so the mixing matrix has rows and columns summing
+      to 1 (doubly stochastic): a round keeps the islands' average exactly. Payload: d vectors sent.
+  irregular graphs (random)    push-sum (LIT-254): node i holds a weight w_i (1 at the start) and
+      sends (w_i x_i, w_i) / (s + 1) to each of its s out-peers, keeping one share itself;
+      y_i <- own share + received numerators, w_i <- own share + received weights, x_i <- y_i / w_i.
+      In-degrees vary, so uniform weights would be biased towards nodes many others picked;
+      push-sum shares are column stochastic, which keeps sum_i w_i x_i and sum_i w_i = n, so the
+      islands converge to the w-weighted average (the plain average when mixing alone, w = 1).
+      Payload: the vector plus one fp32 weight, s times.
+  aggregate=<robust>           x_i <- aggregator([x_i] + [x_j for j in in(i)]) over the received
+      parameters (no weights; SOTA-220, issue 5's "robust neighbour averaging"). A robust aggregator
+      does not keep the average; what it buys is that one bad neighbour cannot drag x_i anywhere.
+      Coordinate median and trimmed mean over two inputs are the mean, so they need >= 2 in-peers
+      (ring, random:s>=2) to outvote one neighbour. With fewer inputs than the aggregator needs (a
+      random round can give a node no in-peer), the node keeps its own parameters (`isolated`).
+
+Evaluation (`eval_model`) is this island's OWN model as of its last gossip round: there is no
+global model in gossip. The last step always gossips. Consensus distance (how far the islands are
+from their average) is measured by the experiments outside training traffic (consensus_distance).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.topology import parse_topology
+
+KIND = "outer_params"
+
+
+# ---- mixing arithmetic (shared by the strategy and the in-process simulation) ---------------------
+def uniform_mix(own: torch.Tensor, received: Sequence[torch.Tensor]) -> torch.Tensor:
+    acc = own.clone()
+    for r in received:  # sorted peer order: the same sum on every run
+        acc += r
+    return acc.div_(1 + len(received))
+
+
+def push_sum_share(x: torch.Tensor, weight: float, out_degree: int) -> torch.Tensor:
+    """(w x, w) / (out_degree + 1): what the node sends to each out-peer and keeps for itself."""
+    share = torch.cat([x * weight, x.new_tensor([weight])])
+    return share.div_(out_degree + 1)
+
+
+def push_sum_combine(own_share: torch.Tensor, received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    total = own_share.clone()
+    for r in received:
+        total += r
+    weight = float(total[-1])
+    return total[:-1].div_(weight), weight
+
+
+def robust_mix(aggregator, own: torch.Tensor, received: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """(new x, isolated): the aggregate of own + received, or own when too few inputs arrived."""
+    inputs = [own, *received]
+    if len(inputs) < aggregator.min_inputs():
+        return own.clone(), True
+    return aggregator.aggregate(inputs).to(torch.float32), False
+
+
+def consensus_distance(vectors: Sequence[torch.Tensor]) -> float:
+    """Mean over nodes of ||x_i - mean_j x_j||_2 (0 = every node holds the same vector)."""
+    rows = torch.stack([v.reshape(-1).to(torch.float64) for v in vectors])
+    return float((rows - rows.mean(0)).norm(dim=1).mean())
+
+
+def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggregate: str = "mean",
+                    ) -> tuple[list[float], list[torch.Tensor]]:
+    """Pure gossip in one process (no training, no sockets), with the strategy's own arithmetic.
+
+    Returns the consensus distance before round 0 and after each round, and the final vectors."""
+    xs = [v.detach().to(torch.float32).reshape(-1).clone() for v in vectors]
+    n = len(xs)
+    aggs = None
+    if aggregate != "mean":
+        from islands.aggregate import parse_aggregator
+
+        aggs = [parse_aggregator(aggregate) for _ in range(n)]  # one per node: stateful ones keep their own
+    weights = [1.0] * n
+    dists = [consensus_distance(xs)]
+    for t in range(rounds):
+        graph = [topology.peers(t, i, n) for i in range(n)]
+        if aggs is None and not topology.regular:
+            shares = [push_sum_share(xs[i], weights[i], len(graph[i][0])) for i in range(n)]
+            mixed = [push_sum_combine(shares[i], [shares[j] for j in graph[i][1]]) for i in range(n)]
+            xs, weights = [m[0] for m in mixed], [m[1] for m in mixed]
+        elif aggs is None:
+            xs = [uniform_mix(xs[i], [xs[j] for j in graph[i][1]]) for i in range(n)]
+        else:
+            xs = [robust_mix(aggs[i], xs[i], [xs[j] for j in graph[i][1]])[0] for i in range(n)]
+        dists.append(consensus_distance(xs))
+    return dists, xs
+
+
+# ---- the outer strategy ---------------------------------------------------------------------------
+class Gossip(OuterStrategy):
+    name = "gossip"
+
+    def __init__(self, total_steps: int, every: int = 4, topology="exp", aggregate: str = "mean", seed: int = 0):
+        super().__init__(total_steps)
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = int(every)
+        self.topology = parse_topology(topology, seed=seed) if isinstance(topology, str) else topology
+        self.aggregator = None
+        if aggregate != "mean":
+            from islands.aggregate import parse_aggregator
+
+            self.aggregator = parse_aggregator(aggregate)
+        self.weight = 1.0  # push-sum weight (random topology with mean mixing); stays 1 otherwise
+        self.isolated = 0  # robust rounds in which too few inputs arrived to aggregate
+
+    @property
+    def push_sum(self) -> bool:
+        return self.aggregator is None and not self.topology.regular
+
+    def setup(self) -> None:
+        if self.comm.size > 1 and not hasattr(self.comm, "exchange"):
+            raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
+                            f"{type(self.comm).__name__} has none (elastic membership is not supported)")
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every == 0 or self.is_last(step)
+
+    def after_step(self, model, optimizer, step):
+        if self.due(step):
+            self.gossip_round()
+
+    def gossip_round(self) -> None:
+        x = self.local.read()
+        n = self.comm.size
+        if n > 1:
+            send_to, recv_from = self.topology.peers(self.rounds, self.comm.rank, n)
+            x = self._mix(x, send_to, recv_from)
+        self.global_flat = x
+        self.publish()
+        self.adopt_global()
+        self.rounds += 1
+
+    def _mix(self, x: torch.Tensor, send_to: list[int], recv_from: list[int]) -> torch.Tensor:
+        if self.push_sum:
+            share = push_sum_share(x, self.weight, len(send_to))
+            got = self.comm.exchange({p: share for p in send_to}, recv_from, like=share, kind=KIND)
+            x, self.weight = push_sum_combine(share, [got[p] for p in recv_from])
+            return x
+        got = self.comm.exchange({p: x for p in send_to}, recv_from, like=x, kind=KIND)
+        received = [got[p] for p in recv_from]
+        if self.aggregator is None:
+            return uniform_mix(x, received)
+        x, isolated = robust_mix(self.aggregator, x, received)
+        self.isolated += int(isolated)
+        return x
+
+    # ---- state ------------------------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        # rounds (in the base state) and the topology's seed fix every future round's graph
+        out = {"topology": repr(self.topology), "topology_state": self.topology.state_dict(),
+               "weight": self.weight, "isolated": self.isolated}
+        if self.aggregator is not None:
+            out["aggregator"] = self.aggregator.state_dict()
+        return out
+
+    def load_extra_state(self, state: dict) -> None:
+        saved = state.get("topology")
+        if saved is not None and saved != repr(self.topology):
+            raise ValueError(f"gossip: checkpoint was written with topology={saved}, this run uses "
+                             f"{self.topology!r}; resume with the same topology")
+        self.topology.load_state_dict(state.get("topology_state", {}))
+        self.weight = float(state.get("weight", 1.0))
+        self.isolated = int(state.get("isolated", 0))
+        if self.aggregator is not None and "aggregator" in state:
+            self.aggregator.load_state_dict(state["aggregator"])
