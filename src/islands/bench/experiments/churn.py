@@ -146,7 +146,7 @@ def _plot(result: dict, path) -> None:
     plt.close(fig)
 
 
-@experiment("churn", practices=("SOTA-155",),
+@experiment("churn", practices=("SOTA-155", "Q-4"),
             help="kill two workers and add one during elastic DiLoCo: survivors' stall, joiner's wait, loss curve")
 def churn(ctx: BenchContext) -> dict:
     workers = 4 if ctx.quick else 8

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from islands.bench.harness import BenchContext, experiment
 from islands.bench.plots import figure
 from islands.models import ByteTransformer, count_parameters
@@ -20,14 +22,19 @@ def _plot(result: dict, path) -> None:
         ax.legend(fontsize=8)
 
 
-@experiment("ddp-scaling", practices=("SOTA-047", "SOTA-048"),
-            help="steps/s and scaling efficiency of DDP at 1, 2, 4 workers on one global batch; bytes/step vs analytic")
+@experiment("ddp-scaling", practices=("SOTA-047", "SOTA-048", "Q-5"),
+            help="steps/s and scaling efficiency of DDP at 1, 2, 4 workers on one global batch, against a "
+                 "per-worker and a per-node baseline; bytes/step vs analytic")
 def ddp_scaling(ctx: BenchContext) -> dict:
     steps = 12 if ctx.quick else 40
     common = dict(steps=steps, global_batch=32, eval_every=0, warmup=5, log_every=steps)
     params = count_parameters(ByteTransformer())
     analytic = 4 * params  # fp32 gradient payload each worker hands to all-reduce per step
     rows, base = [], None
+    # the per-node baseline is one process using every core of this node, measured in the same run.
+    cores = os.cpu_count() or 1
+    node = ctx.train("single-node", workers=1, threads=cores, **common)["summary"]
+    node_sps = 1.0 / node["seconds_per_step"]
     plans = [(1, False), (2, False), (4, False)]
     if ctx.rate:  # the same runs on the slow link, side by side with loopback
         plans += [(2, True), (4, True)]
@@ -46,13 +53,19 @@ def ddp_scaling(ctx: BenchContext) -> dict:
             "workers": workers, "link": ctx.rate if shaped else "loopback", "strategy": s["strategy"],
             "global_batch": 32, "s_per_step": s["seconds_per_step"], "steps_per_s": sps,
             "speedup_vs_1_worker": sps / base, "efficiency": sps / base / workers,
+            "speedup_vs_node": sps / node_sps,
             "compute_s_per_step": s["compute_seconds"] / s["steps"], "comm_s_per_step": s["comm_seconds"] / s["steps"],
             "comm_fraction": s["comm_fraction"], "bytes_per_step": measured, "analytic_bytes": expect,
             "bytes_match": measured == expect, "final_val_loss": s["final_val_loss"],
             "interconnect": rec["interconnect_line"],
         })
     four = next(r for r in rows if r["workers"] == 4 and r["link"] == "loopback")
+    per_node_eff = four["speedup_vs_node"] / (four["workers"] / cores)  # 4 workers fill 4/cores nodes
     headline = [
+        f"Q-5, the same 4-worker run against two baselines: {100 * four['efficiency']:.0f}% efficient per worker "
+        f"(one 1-thread process = 1.00), {100 * per_node_eff:.0f}% per node (one {cores}-thread process = "
+        f"{node_sps / base:.2f}x a worker); the two differ by {base * cores / node_sps:.2f}x, the factor by "
+        f"which one process fails to use its node's cores",
         f"4 workers on loopback: speed-up {four['speedup_vs_1_worker']:.2f}x over one worker (efficiency "
         f"{100 * four['efficiency']:.0f}%), baseline = one worker process with 1 thread; this machine has "
         f"{rec['versions']['cpu_count']} cores, so more than that many workers share cores",
