@@ -151,6 +151,7 @@ class Trainer:
                          f"data: {self.task.data_source} · interconnect: {describe(interconnect)}")
         compute_s = comm_s = 0.0
         losses: list[float] = []
+        step_times: list[float] = []  # the median resists other processes' bursts on a shared machine
         if self.step == 0 and cfg.eval_every:  # where the curve starts: an untrained model
             self.series["val"].append({"step": 0, "elapsed": 0.0, "mb_sent": 0.0, **self.evaluate()})
         while self.step < cfg.steps:
@@ -158,6 +159,7 @@ class Trainer:
             loss = self.train_step()
             dt = time.perf_counter() - t0
             self.elapsed += dt
+            step_times.append(dt)
             busy = ledger.busy_seconds - busy0
             comm_s += busy
             compute_s += dt - busy
@@ -180,9 +182,10 @@ class Trainer:
         if self.checkpoints is not None:
             self.checkpoints.finish(self)  # final checkpoint, durable before the record is written
         progress.close()
-        return self._finish(interconnect, compute_s, comm_s, tokens_per_step)
+        return self._finish(interconnect, compute_s, comm_s, tokens_per_step, step_times)
 
-    def _finish(self, interconnect: dict, compute_s: float, comm_s: float, tokens_per_step: int) -> dict:
+    def _finish(self, interconnect: dict, compute_s: float, comm_s: float, tokens_per_step: int,
+                step_times: list[float]) -> dict:
         cfg, world = self.cfg, self.world
         ledgers = [world.ledger.snapshot()]
         if world.distributed:
@@ -198,6 +201,7 @@ class Trainer:
             "steps": self.step,
             "wall_seconds": self.elapsed,
             "seconds_per_step": self.elapsed / steps_run,
+            "median_seconds_per_step": float(np.median(step_times)) if step_times else 0.0,
             "tokens_per_second": tokens_per_step * self.step / max(self.elapsed, 1e-9),
             "final_val_loss": final["val_loss"],
             "final_val_accuracy": final.get("val_accuracy"),
