@@ -261,3 +261,25 @@ def byzantine(ctx: BenchContext) -> dict:
             "aggregation_cost_per_run": cost_ratios(cells),
             "real_confirmations": real, "cells": cells,
             "aggregator_specs": {f: {a: aggregator_spec(a, f) for a in AGGREGATORS} for f in fs}}
+
+
+# The LM half of the grid at a size one session can run: the attacks that separate aggregators on
+# digits, against the aggregators that survive them there, f in {0, 2}, fewer steps.
+LM_ATTACKS = ["sign-flip", "scaled:factor=-10", "alie", "label-flip"]
+LM_AGGREGATORS = ["mean", "median", "trimmed-mean", "cclip"]
+
+
+@experiment("byzantine-lm", practices=("SOTA-220",),
+            help="the byzantine grid's language-model half at reduced size: n=8, f in {0, 2}, four attacks x four "
+                 "aggregators on the default byte LM (simulated in one process)")
+def byzantine_lm(ctx: BenchContext) -> dict:
+    steps = 30 if ctx.quick else TASKS["lm"]["config"]["steps"]
+    load_before = os.getloadavg()[0]
+    cells = simulate_grid(ctx, "lm", [0, 2], LM_ATTACKS, LM_AGGREGATORS, steps)
+    rows = pivot(cells, "lm")[0]
+    cost = {"lm": time_aggregators(ctx, "lm", 2, "sign-flip", LM_AGGREGATORS, 10 if ctx.quick else 30)}
+    lines = headline(rows, cost, [], ["lm"], {"lm": steps})
+    lines.append(f"reduced grid: attacks {', '.join(LM_ATTACKS)}; aggregators {', '.join(LM_AGGREGATORS)}; "
+                 f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    return {"rows": rows, "headline": lines, "plot": _plot, "simulated": True, "workers": N,
+            "tolerance": TOLERANCE, "aggregation_cost": cost, "cells": cells}
