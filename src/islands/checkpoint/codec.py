@@ -32,9 +32,15 @@ import torch
 import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
+from islands.checkpoint.planes import pack_exponents, plane_buffers, unpack_exponents
 
 MAGIC = b"ISLT"
-VERSION = 1
+VERSION = 2  # 2: every stream is a zstd frame with a content checksum (1: raw streams with a CRC-32)
+_FRAME_HEAD = 64  # leading bytes of each frame (frame and first block header) covered by a CRC-32
+# A mantissa plane is entropy-coded only if its first 64 KiB shrink by at least 1% (LIT-750: they
+# rarely do in trained weights; the rest is stored in raw zstd blocks, which costs a copy).
+_PROBE_BYTES = 64 << 10
+_PROBE_GAIN = 0.99
 _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 _CRC = struct.Struct("<I")
 
@@ -46,9 +52,10 @@ _FLOAT_LAYOUT = {
     torch.float32: (4, 1),
     torch.float64: (8, 2),
 }
+# Where the top plane is exactly the 8-bit exponent, exponents are packed two to a byte (planes.py).
+_PAIRED_EXPONENT = {torch.bfloat16, torch.float32}
 # Complex numbers are pairs of floats: code them as their real dtype.
 _COMPLEX_AS = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}
-_UINT_FOR_SIZE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 LAYOUTS = ("split", "zstd", "raw")
 
@@ -58,7 +65,15 @@ def _exponent_params() -> zstandard.ZstdCompressionParameters:
     # in a plane of exponents, so the output is Huffman-coded literals (SOTA-437: entropy coder alone).
     return zstandard.ZstdCompressionParameters(
         compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=17, hash_log=6, chain_log=6, search_log=1)
+        window_log=17, hash_log=6, chain_log=6, search_log=1, write_checksum=True)
+
+
+def _stored_params() -> zstandard.ZstdCompressionParameters:
+    # Fast strategy with a target length set: zstd then skips literal entropy coding and samples for
+    # matches sparsely, so an incompressible plane becomes raw blocks plus a checksum at copy speed.
+    return zstandard.ZstdCompressionParameters(
+        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
+        window_log=17, hash_log=6, chain_log=6, search_log=1, target_length=1 << 17, write_checksum=True)
 
 
 @dataclass(frozen=True)
@@ -133,56 +148,53 @@ def _layout_for(dtype: torch.dtype, requested: str) -> tuple[str, int, int]:
     return "zstd", 0, 0
 
 
-def _planes_from_bytes(raw: np.ndarray, size: int) -> list[np.ndarray]:
-    """Rotate each element left by one bit, then split into byte planes, most significant first."""
-    u = raw.view(_UINT_FOR_SIZE[size])
-    bits = size * 8
-    rotated = u << np.uint8(1)  # in place after the first op: one temporary, not three
-    rotated |= u >> np.uint8(bits - 1)
-    # One transposing copy for all planes (1.5x faster than a strided copy per plane on fp32).
-    planes = rotated.view(np.uint8).reshape(-1, size).T.copy()
-    return [planes[k] for k in range(size - 1, -1, -1)]
-
-
-def _bytes_from_planes(planes: list[bytes], size: int, count: int) -> np.ndarray:
-    columns = np.empty((count, size), dtype=np.uint8)
-    for k, plane in zip(range(size - 1, -1, -1), planes):
-        columns[:, k] = np.frombuffer(plane, dtype=np.uint8)
-    rotated = columns.reshape(-1).view(_UINT_FOR_SIZE[size])
-    bits = size * 8
-    restored = rotated >> np.uint8(1)
-    restored |= rotated << np.uint8(bits - 1)
-    return restored.view(np.uint8)
-
-
 class _Coders:
-    """zstd objects are not thread-safe: each encode/decode call builds its own (cheap)."""
+    """zstd objects are not thread-safe: each encode/decode call builds its own (cheap).
+
+    Every stream is one zstd frame with a content checksum (XXH64, checked by zstd when decoding).
+    """
 
     def __init__(self, level: int):
         self.exponent = zstandard.ZstdCompressor(compression_params=_exponent_params())
-        self.general = zstandard.ZstdCompressor(level=level)
-        self.decompressor = zstandard.ZstdDecompressor()
+        self.stored = zstandard.ZstdCompressor(compression_params=_stored_params())
+        self.general = zstandard.ZstdCompressor(level=level, write_checksum=True)
 
 
-def _encode_stream(data: bytes | np.ndarray, coder, allow_store: bool) -> tuple[dict, bytes]:
-    raw = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-    if coder is None:
-        enc, method = raw, "s"  # a view: the blob's final join is the only copy
-    else:
-        enc, method = coder.compress(raw), "z"
-        if allow_store and len(enc) >= 0.998 * len(raw):  # no gain: store, decode is then a copy
-            enc, method = raw, "s"
-    return {"m": method, "raw": len(raw), "enc": len(enc), "crc": zlib.crc32(enc)}, enc
+def _frame(data, coder, method: str) -> tuple[dict, bytes]:
+    raw = data if isinstance(data, (bytes, memoryview)) else memoryview(data).cast("B")
+    enc = coder.compress(raw)
+    # zstd checks the frame's content checksum only if the frame header says one is there: the header
+    # bytes get their own CRC-32 so that a flipped flag bit cannot switch the check off.
+    return {"m": method, "raw": len(raw), "enc": len(enc), "hcrc": zlib.crc32(enc[:_FRAME_HEAD])}, enc
+
+
+def _mantissa_frame(plane: np.ndarray, coders: _Coders) -> tuple[dict, bytes]:
+    """Code a mantissa plane only if a sample of it shrinks: in most trained weights it is noise."""
+    sample = plane[:_PROBE_BYTES]
+    if len(coders.exponent.compress(sample)) < _PROBE_GAIN * len(sample):
+        return _frame(plane, coders.exponent, "h")
+    return _frame(plane, coders.stored, "s")
 
 
 def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
-                  codec: TensorCodec | None = None) -> bytes:
-    """Encode one tensor into a self-describing, checksummed blob. `tensor` (and `base`) are only read."""
+                  codec: TensorCodec | None = None, content_hash: str | bool = True) -> bytes:
+    """Encode one tensor into a self-describing, checksummed blob. `tensor` (and `base`) are only read.
+
+    content_hash: True computes the SHA-256 content hash into the header (decode checks it); a string is
+    a hash the caller already computed with `content_hash()` (the store does, for dedup: hashed once);
+    False leaves it out (the streams' own checksums still guard every stored byte).
+    """
     codec = codec or TensorCodec()
     raw = tensor_bytes(tensor)
     dtype = dtype_name(tensor.dtype)
     shape = list(tensor.shape)
-    header: dict = {"dtype": dtype, "shape": shape, "content_hash": _content_hash_of(dtype, shape, raw)}
+    header: dict = {"dtype": dtype, "shape": shape}
+    if content_hash is True:
+        header["content_hash"] = _content_hash_of(dtype, shape, raw)
+    elif isinstance(content_hash, str):
+        header["content_hash"] = content_hash
+    elif content_hash is not False:
+        raise TypeError(f"content_hash must be True, False or a hex digest string, got {type(content_hash).__name__}")
     if base is not None:
         if not isinstance(base, torch.Tensor) or base.dtype != tensor.dtype or base.shape != tensor.shape:
             got = f"{getattr(base, 'dtype', type(base).__name__)} {tuple(getattr(base, 'shape', ()))}"
@@ -195,24 +207,26 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     header["layout"] = layout
     coders = _Coders(codec.zstd_level)
     step = max(size, (codec.chunk_bytes // max(size, 1)) * max(size, 1))
+    buffers = plane_buffers(size, min(step, len(raw)) // size) if layout == "split" and len(raw) else None
     chunks, payload = [], []
-    stored_before: set[int] = set()
-    for index, start in enumerate(range(0, len(raw), step)):
+    paired = _COMPLEX_AS.get(tensor.dtype, tensor.dtype) in _PAIRED_EXPONENT
+    for start in range(0, len(raw), step):
         piece = raw[start:start + step]
-        if layout == "split":
-            planes = _planes_from_bytes(piece, size)
-            # Exponent and mantissa planes share the Huffman-leaning coder; a mantissa plane that did
-            # not shrink in the previous chunk is stored without trying again (re-probed every 8th
-            # chunk), which halves the coder's work on bf16/fp16 whose low plane is noise.
-            probe = index % 8 == 0
-            streams = [_encode_stream(p, None if (k in stored_before and not probe) else coders.exponent, True)
-                       for k, p in enumerate(planes)]
-            stored_before = {k for k, (meta, _) in enumerate(streams) if meta["m"] == "s" and k >= exp_planes}
+        meta_extra: dict = {}
+        if buffers is not None:
+            planes = buffers.split(piece)
+            packed = pack_exponents(planes[0], buffers) if paired else None
+            streams = [_frame(p, coders.exponent, "h") if k < exp_planes else _mantissa_frame(p, coders)
+                       for k, p in enumerate(planes[1:] if packed else planes, start=int(bool(packed)))]
+            if packed:
+                base_code, codes, escaped = packed
+                streams[:0] = [_frame(codes, coders.exponent, "p"), _frame(escaped, coders.exponent, "x")]
+                meta_extra = {"pair_base": base_code}
         elif layout == "zstd":
-            streams = [_encode_stream(piece, coders.general, True)]
+            streams = [_frame(piece, coders.general, "z")]
         else:
-            streams = [_encode_stream(piece, None, True)]
-        chunks.append({"bytes": len(piece), "streams": [meta for meta, _ in streams]})
+            streams = [_frame(piece, coders.stored, "s")]
+        chunks.append({"bytes": len(piece), "streams": [meta for meta, _ in streams], **meta_extra})
         payload.extend(enc for _, enc in streams)
     header["chunks"] = chunks
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -248,7 +262,8 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     """Decode a blob from `encode_tensor`. Raises CorruptCheckpoint on any checksum mismatch.
 
     `base` must be the same tensor the blob was delta-encoded against (checked by content hash).
-    `verify=False` skips only the final SHA-256 over the decoded tensor; stream CRCs are always checked.
+    `verify=False` skips only the final SHA-256 over the decoded tensor (also skipped when the blob was
+    encoded with content_hash=False); every stream's checksums are always checked.
     """
     view = memoryview(blob)
     header, pos = read_header(view)
@@ -259,6 +274,7 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
         raise CorruptCheckpoint(f"layout {header['layout']!r} is impossible for dtype {header['dtype']}")
     decompressor = zstandard.ZstdDecompressor()
     out = np.empty(sum(c["bytes"] for c in header["chunks"]), dtype=np.uint8)
+    buffers = None
     filled = 0
     for index, chunk in enumerate(header["chunks"]):
         decoded = []
@@ -267,21 +283,33 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
             pos += meta["enc"]
             if len(enc) != meta["enc"]:
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
-            if zlib.crc32(enc) != meta["crc"]:
-                raise CorruptCheckpoint(f"checksum mismatch in chunk {index} of a {header['dtype']} "
-                                        f"{tuple(shape)} tensor: stored bytes are damaged")
+            if zlib.crc32(enc[:_FRAME_HEAD]) != meta["hcrc"]:
+                raise CorruptCheckpoint(f"checksum mismatch in a stream header of chunk {index} of a "
+                                        f"{header['dtype']} {tuple(shape)} tensor: stored bytes are damaged")
             try:
-                data = bytes(enc) if meta["m"] == "s" else decompressor.decompress(enc, max_output_size=meta["raw"])
-            except zstandard.ZstdError as exc:
-                raise CorruptCheckpoint(f"chunk {index} does not decompress: {exc}") from exc
+                data = decompressor.decompress(enc, max_output_size=meta["raw"])
+            except zstandard.ZstdError as exc:  # includes the frame's content checksum failing
+                raise CorruptCheckpoint(f"chunk {index} of a {header['dtype']} {tuple(shape)} tensor is "
+                                        f"damaged: {exc}") from exc
             if len(data) != meta["raw"]:
                 raise CorruptCheckpoint(f"chunk {index} decoded to {len(data)} bytes, expected {meta['raw']}")
-            decoded.append(data)
+            decoded.append(np.frombuffer(data, dtype=np.uint8))
         n = chunk["bytes"]
         if layout == "split":
-            out[filled:filled + n] = _bytes_from_planes(decoded, size, n // size)
+            if "pair_base" in chunk:
+                try:
+                    exponents = unpack_exponents(decoded[0], decoded[1], int(chunk["pair_base"]), n // size)
+                except ValueError as exc:
+                    raise CorruptCheckpoint(f"chunk {index}: {exc}") from exc
+                decoded[:2] = [exponents]
+            if len(decoded) != size or any(d.size * size != n for d in decoded):
+                raise CorruptCheckpoint(f"chunk {index} has planes that do not add up to {n} bytes")
+            buffers = buffers or plane_buffers(size)
+            buffers.join(decoded, out[filled:filled + n])
         else:
-            out[filled:filled + n] = np.frombuffer(decoded[0], dtype=np.uint8)
+            if len(decoded) != 1 or decoded[0].size != n:
+                raise CorruptCheckpoint(f"chunk {index} does not hold {n} bytes in one stream")
+            out[filled:filled + n] = decoded[0]
         filled += n
     if pos != len(view):
         raise CorruptCheckpoint(f"tensor blob has {len(view) - pos} unexpected trailing bytes")
@@ -292,7 +320,8 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
         if _content_hash_of(header["dtype"], shape, base_raw) != header["delta"]["base_hash"]:
             raise CorruptCheckpoint("delta base does not match the one this tensor was encoded against")
         out = np.bitwise_xor(out, base_raw)
-    if verify and _content_hash_of(header["dtype"], shape, out) != header["content_hash"]:
+    if verify and "content_hash" in header and \
+            _content_hash_of(header["dtype"], shape, out) != header["content_hash"]:
         raise CorruptCheckpoint(f"decoded {header['dtype']} {tuple(shape)} tensor does not match its content hash")
     return _tensor_from_bytes(out, dtype, shape)
 

@@ -22,10 +22,11 @@ def pack_tree(tree, step: int, *, codec: TensorCodec | None = None, fingerprint:
     skeleton, tensors = flatten_tree(tree)
     entries, blobs, offset = {}, [], 0
     for name, t in tensors.items():
-        blob = encode_tensor(t, codec=codec)
+        digest = content_hash(t)
+        blob = encode_tensor(t, codec=codec, content_hash=digest)  # hashed once, not again inside
         entries[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "codec": codec.layout,
                          "file": "<packed>", "offset": offset, "length": len(blob), "checksum": zlib.crc32(blob),
-                         "content_hash": content_hash(t), "delta_base": None}
+                         "content_hash": digest, "delta_base": None}
         blobs.append(blob)
         offset += len(blob)
     if fingerprint is None and isinstance(tree, dict) and isinstance(tree.get("config_fingerprint"), str):

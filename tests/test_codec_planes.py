@@ -1,0 +1,104 @@
+"""Codec v2 internals that the property tests reach only by chance: exponent pair packing with escapes,
+the content-hash options, per-thread scratch buffers, and frame-header damage."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor, read_header, tensor_bytes
+from islands.checkpoint.errors import CorruptCheckpoint
+from islands.checkpoint.planes import ESCAPE, PlaneBuffers, pack_exponents, unpack_exponents
+
+
+def weights_with_outliers(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * 0.02
+    w[::397] = 0.0  # exponent 0: far outside the common window, so it must escape
+    w[5::301] = 3e4  # huge exponents escape too
+    w[7::503] = float("inf")
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 1000, 1001])
+def test_pair_packing_round_trips_with_escapes_and_odd_counts(n):
+    rng = np.random.default_rng(n)
+    x = (rng.integers(118, 126, n) if n > 3 else rng.integers(0, 256, n)).astype(np.uint8)
+    x[:: max(1, n // 7)] = rng.integers(0, 256, len(x[:: max(1, n // 7)]))
+    packed = pack_exponents(x, PlaneBuffers(2, n))
+    if packed is None:  # too many escapes for a tiny plane: the plain plane is used instead
+        assert n <= 17
+        return
+    base, codes, escaped = packed
+    assert codes.size == (n + 1) // 2
+    back = unpack_exponents(codes.copy(), escaped.copy(), base, n)
+    assert np.array_equal(back, x)
+    assert escaped.size == int(((x - np.uint8(base)) >= ESCAPE).sum())
+
+
+def test_pair_packing_refuses_noise_and_detects_mismatched_streams():
+    noise = np.random.default_rng(0).integers(0, 256, 4096).astype(np.uint8)
+    assert pack_exponents(noise, PlaneBuffers(2, 4096)) is None
+    x = np.full(100, 120, np.uint8)
+    x[3] = 0
+    base, codes, escaped = pack_exponents(x, PlaneBuffers(2, 100))
+    with pytest.raises(ValueError, match="escape"):
+        unpack_exponents(codes.copy(), escaped[:0], base, 100)
+    with pytest.raises(ValueError, match="packed bytes"):
+        unpack_exponents(codes[:-1].copy(), escaped, base, 100)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.complex64])
+def test_weights_with_zeros_infs_and_outliers_round_trip_through_pairs(dtype):
+    w = weights_with_outliers(50_001, torch.float32)
+    t = torch.complex(w, w.flip(0)) if dtype == torch.complex64 else w.to(dtype)
+    blob = encode_tensor(t, codec=TensorCodec(chunk_bytes=64 << 10))
+    header, _ = read_header(blob)
+    assert all("pair_base" in c for c in header["chunks"])  # the paired path really ran
+    assert any(s["m"] == "x" and s["raw"] > 0 for c in header["chunks"] for s in c["streams"])
+    assert np.array_equal(tensor_bytes(decode_tensor(blob)), tensor_bytes(t))
+
+
+def test_content_hash_options():
+    t = weights_with_outliers(3000, torch.bfloat16)
+    digest = content_hash(t)
+    computed = encode_tensor(t)
+    given = encode_tensor(t, content_hash=digest)
+    assert computed == given  # a hash passed in is exactly the one the codec would compute
+    bare = encode_tensor(t, content_hash=False)
+    assert "content_hash" not in read_header(bare)[0]
+    assert torch.equal(decode_tensor(bare).view(torch.int16), t.view(torch.int16))
+    wrong = encode_tensor(t, content_hash="0" * 64)
+    with pytest.raises(CorruptCheckpoint, match="content hash"):
+        decode_tensor(wrong)
+    with pytest.raises(TypeError, match="content_hash"):
+        encode_tensor(t, content_hash=1)
+
+
+def test_threads_encoding_at_once_do_not_share_scratch():
+    tensors = [weights_with_outliers(200_000, dtype, seed=i)
+               for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16, torch.bfloat16])]
+    results: dict[int, bytes] = {}
+
+    def work(i):
+        for _ in range(3):
+            results[i] = encode_tensor(tensors[i], codec=TensorCodec(chunk_bytes=128 << 10))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(tensors))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    for i, t in enumerate(tensors):
+        assert results[i] == encode_tensor(t, codec=TensorCodec(chunk_bytes=128 << 10))
+        assert np.array_equal(tensor_bytes(decode_tensor(results[i])), tensor_bytes(t))
+
+
+def test_a_flipped_frame_flag_is_caught_by_the_header_crc():
+    t = weights_with_outliers(5000, torch.float16)
+    blob = bytearray(encode_tensor(t))
+    _, pos = read_header(bytes(blob))
+    blob[pos + 4] ^= 0x04  # zstd frame descriptor: the content-checksum flag
+    with pytest.raises(CorruptCheckpoint):
+        decode_tensor(bytes(blob))
