@@ -73,6 +73,7 @@ class TrainConfig:
     ckpt_every: int = 0  # steps between local-disk checkpoints; 0 = none (or ckpt_policy's choice)
     ckpt_policy: str = ""  # "" = fixed ckpt_every; "auto[:bound=0.035,mtbf_days=3748.25,devices=N]" (SOTA-054/189)
     ckpt_memory_every: int = 0  # steps between in-memory snapshots; 0 = none
+    ckpt_memory_peer: bool = False  # memory level also held by rank (r+1) % n (SOTA-057)
     ckpt_remote_dir: str = ""  # a second directory standing for remote storage; "" = none
     ckpt_remote_every: int = 0  # steps between saves to ckpt_remote_dir
     ckpt_keep: int = 3  # checkpoints kept per disk level
