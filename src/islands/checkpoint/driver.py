@@ -5,6 +5,8 @@ Config (islands.config.TrainConfig):
     ckpt_every          local-disk interval in steps (0 = none, unless ckpt_policy="auto")
     ckpt_policy         "" (fixed ckpt_every) or "auto[:bound=0.035,mtbf_days=3748.25,devices=N,first=10]"
     ckpt_memory_every   in-memory level interval (0 = none); in-process rollback via `restore()`
+    ckpt_memory_peer    the memory level of rank r is also held by rank (r+1) % n (SOTA-057); a lost
+                        rank's state comes back with `restore_peer()` (collective)
     ckpt_remote_dir     second directory standing for remote storage ("" = none)
     ckpt_remote_every   remote level interval in steps
     ckpt_keep           checkpoints retention keeps per disk level
@@ -33,7 +35,10 @@ from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
 from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND, CheckFreqPolicy,
                                          CombinedIntervalPolicy, YoungDalyInterval)
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
+from islands.checkpoint.packed import unpack_tree
+from islands.checkpoint.peer import PeerReplica
 from islands.checkpoint.store import CheckpointStore
+from islands.runtime.comm import Comm
 
 _AUTO_KEYS = {"bound": float, "mtbf_days": float, "devices": int, "first": int, "max": int}
 MAX_DECISIONS_KEPT = 100  # run.json keeps the first and last decisions, not one per checkpoint forever
@@ -79,6 +84,8 @@ def check_checkpoint_config(cfg) -> None:
         raise ValueError(f"ckpt_keep must be >= 1 (the newest checkpoint is always kept); got {cfg.ckpt_keep}")
     if policy is not None and cfg.ckpt_every:
         raise ValueError(f"ckpt_policy='auto' chooses the interval itself; set ckpt_every=0 (got {cfg.ckpt_every})")
+    if cfg.ckpt_memory_peer and not cfg.ckpt_memory_every:
+        raise ValueError("ckpt_memory_peer replicates the memory level: set ckpt_memory_every > 0 too")
     if bool(cfg.ckpt_remote_dir) != bool(cfg.ckpt_remote_every):
         raise ValueError("ckpt_remote_dir and ckpt_remote_every go together: give both or neither")
     if cfg.ckpt_remote_dir and cfg.ckpt_dir and Path(cfg.ckpt_remote_dir).resolve() == Path(cfg.ckpt_dir).resolve():
@@ -101,6 +108,13 @@ class _Barrier:
     def __call__(self) -> None:
         self.ledger.record("ckpt_barrier", 0, 0)  # no payload; counted so the ledger shows every call
         self.dist.barrier(group=self.group)
+
+
+def _peer_comm(world, timeout_s: float) -> Comm:
+    """Counted collectives on a gloo group of their own: replication runs in the persist thread."""
+    import torch.distributed as dist
+
+    return Comm(dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s)), world.ledger)
 
 
 class CheckpointDriver:
@@ -126,9 +140,12 @@ class CheckpointDriver:
             return CheckpointStore(root, keep_last=cfg.ckpt_keep, rank=world.rank, world_size=world.size,
                                    barrier=barrier)
 
+        # Peer copies need every rank at every memory save: only with a torch group (not elastic).
+        self.peer = PeerReplica(_peer_comm(world, cfg.timeout)) if cfg.ckpt_memory_peer and torch_dist else None
         levels = []
         if cfg.ckpt_memory_every:
-            levels.append(MemoryLevel(every=cfg.ckpt_memory_every))
+            levels.append(MemoryLevel(every=cfg.ckpt_memory_every,
+                                      replicate=self.peer.replicate if self.peer is not None else None))
         if cfg.ckpt_every or self.policy_settings is not None:
             levels.append(DiskLevel(store(self.root), every=cfg.ckpt_every or 1, name="local"))
         if cfg.ckpt_remote_dir:
@@ -199,8 +216,10 @@ class CheckpointDriver:
         names = self.due(step)
         if not names:
             return None
-        if names == ["memory"] and self.writer.in_flight is not None:
-            self.memory_skipped += 1  # memory-only saves never wait for a disk persist (no barrier: per rank)
+        if names == ["memory"] and self.writer.in_flight is not None and self.peer is None:
+            # memory-only saves never wait for a disk persist (no barrier: per rank). With a peer they
+            # must: replication is a collective, so every rank has to save the same steps.
+            self.memory_skipped += 1
             return None
         return self._save(trainer, step, names)
 
@@ -267,12 +286,36 @@ class CheckpointDriver:
         """Newest intact checkpoint across this process's levels (memory first on ties)."""
         return self.levels.restore(like=like, fingerprint=self.fingerprint)
 
+    def restore_peer(self, *, like=None, lost: bool = False) -> Restored | None:
+        """Collective over all ranks: each gets its memory checkpoint back from its successor's copy.
+
+        lost=True: this rank is a replacement that lost its memory (its own level is cleared first).
+        Returns None where no copy is held (no peer replication, or nothing saved yet). The caller
+        loads the tree (e.g. Trainer.load_state_dict(restored.tree)).
+        """
+        if self.peer is None:
+            return None
+        memory = self._by_name.get("memory")
+        if lost and memory is not None:
+            memory.data, memory.step = None, None
+        self.writer.wait()  # no replication may be in flight while the copies travel back
+        data, step = self.peer.recover()
+        if data is None:
+            return None
+        step_saved, tree = unpack_tree(data, like=like, fingerprint=self.fingerprint)
+        if memory is not None:
+            memory.data, memory.step = data, step_saved
+        return Restored(step=step_saved, tree=tree, level="memory-peer")
+
     def record(self) -> dict:
         elapsed = max(self._last_elapsed or 0.0, 1e-9)
         rec = {"root": str(self.root), "async": self.async_ok,
                "levels": {lv.name: ("policy" if lv.name == "local" and self.policy else lv.every)
                           for lv in self.levels.levels},
                "remote_dir": self.cfg.ckpt_remote_dir or None,
+               "memory_peer": None if self.peer is None else {
+                   "held_step": self.peer.held_step, "bytes_sent": self.peer.bytes_sent,
+                   "bytes_received": self.peer.bytes_received},
                "saves": dict(self.saves), "memory_skipped_busy": self.memory_skipped,
                "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
