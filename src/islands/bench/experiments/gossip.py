@@ -72,7 +72,7 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
     from islands.task import build_task, evaluate
 
     base = dict(task="digits", steps=steps, global_batch=8 * workers, warmup=max(steps // 10, 1), eval_every=0,
-                workers=workers, islands=workers, log_every=max(steps // 10, 1), ckpt_every=steps, probe=False)
+                workers=workers, islands=workers, log_every=max(steps // 10, 1), ckpt_every=steps)
     runs = [("local-sgd", f"local-sgd:every={h}"), ("gossip-exp", f"gossip:every={h},topology=exp"),
             ("gossip-ring", f"gossip:every={h},topology=ring"),
             ("gossip-random-s1", f"gossip:every={h},topology=random:s=1")]
@@ -106,7 +106,7 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
 # ---- part 3: step time on a shaped link (SOTA-225) ------------------------------------------------
 def link_rows(ctx: BenchContext, rates: list[str], workers: int, steps: int, hidden: int) -> list[dict]:
     base = dict(task="digits", hidden=hidden, steps=steps, global_batch=8 * workers, warmup=1, eval_every=0,
-                workers=workers, islands=workers, log_every=steps, probe=False)
+                workers=workers, islands=workers, log_every=steps)  # probe on: each record names its link
     runs = [("all-reduce", "local-sgd:every=1"), ("gossip-exp", "gossip:every=1,topology=exp"),
             ("gossip-ring", "gossip:every=1,topology=ring")]
     rows = []
@@ -154,6 +154,11 @@ def _plot(result, path):
         fig.suptitle(f"gossip{' (quick)' if result['quick'] else ''}; {result['interconnect'][-1]}", fontsize=8)
 
 
+def _rounds(row: dict, curves: dict) -> str:
+    hit = row["rounds_to_0.1pct"]
+    return str(hit) if hit is not None else f"> {len(curves[row['run']]) - 1}"
+
+
 @experiment("gossip", practices=("SOTA-223", "SOTA-225", "SOTA-226"),
             help="gossip: consensus vs rounds per topology, digits training vs all-reduce local SGD, "
                  "step time of all-reduce vs gossip on a tc-shaped link")
@@ -179,11 +184,11 @@ def gossip(ctx: BenchContext) -> dict:
         f"SOTA-226, pure mixing of 16 nodes: the exponential graph agrees exactly after log2(16) = 4 rounds "
         f"(relative distance {e16['rel_distance_after_log2n_rounds']:.1e}, one vector per node per round); the ring "
         f"is at {r16['rel_distance_after_log2n_rounds']:.2f} after 4 rounds with two vectors per round "
-        f"(rounds to 0.1%: exp {e16['rounds_to_0.1pct']}, ring {r16['rounds_to_0.1pct'] or '> ' + str(len(curves['n=16 ring']) - 1)}); "
+        f"(rounds to 0.1%: exp {e16['rounds_to_0.1pct']}, ring {_rounds(r16, curves)}); "
         f"n = 12 (not a power of two) exp needs {m['n=12 exp']['rounds_to_0.1pct']} rounds",
         f"SOTA-223, same bytes per round: fresh random peers s=1 (push-sum) reach 0.1% in "
         f"{s16['rounds_to_0.1pct']} rounds at n=16 vs exp {e16['rounds_to_0.1pct']}; random s=2 "
-        f"{m['n=16 random:s=2']['rounds_to_0.1pct']} vs ring {r16['rounds_to_0.1pct']} (pure consensus, no training)",
+        f"{m['n=16 random:s=2']['rounds_to_0.1pct']} vs ring {_rounds(r16, curves)} (pure consensus, no training)",
         f"training, digits, {workers} nodes (islands = workers), H=4: mean over nodes of each node's own final val loss "
         + ", ".join(f"{r['run']} {r['node_val_loss_mean']:.4f} (consensus distance {r['consensus_distance']:.3g})"
                     for r in train)
