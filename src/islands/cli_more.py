@@ -60,7 +60,7 @@ def _join(args) -> int:
 
 
 def add_more_commands(sub: argparse._SubParsersAction) -> None:
-    jn = sub.add_parser("join", help="join a running elastic job (islands train --elastic true)",
+    jn = sub.add_parser("join", help="join a running elastic job (started with islands train --elastic)",
                         description="Start one worker that asks the job at HOST:PORT to admit it, receives the "
                                     "current global model and outer-optimizer state at the next round, and trains "
                                     "from the round after. The job's config comes from the job itself.")
