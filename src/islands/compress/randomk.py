@@ -22,9 +22,10 @@ from islands.compress.base import (
     nbytes_of,
     numel_of,
 )
+from islands.compress.sparse import SparsePayload
 
 
-class RandomK(SeededMixin, CompressorBase):
+class RandomK(SparsePayload, SeededMixin, CompressorBase):
     name = "randomk"
     combine = Combine.GATHERED
 
@@ -45,20 +46,6 @@ class RandomK(SeededMixin, CompressorBase):
         idx = torch.randperm(n, generator=self.generator(x.device), device=x.device)[:k]
         values = (x[idx] * (n / k if k else 1.0)).to(tensor.dtype)
         return Payload([values, idx.to(index_dtype(n))], tensor.shape, tensor.dtype)
-
-    def decompress(self, payload: Payload) -> Tensor:
-        values, idx = payload.tensors
-        out = torch.zeros(numel_of(payload.shape), dtype=payload.dtype, device=values.device)
-        out[idx.long()] = values.to(payload.dtype)
-        return out.reshape(payload.shape)
-
-    def combine_gathered(self, payloads: list[Payload]) -> Tensor:
-        first = payloads[0]
-        acc = torch.zeros(numel_of(first.shape), dtype=torch.float32, device=first.tensors[0].device)
-        for p in payloads:
-            values, idx = p.tensors
-            acc.index_add_(0, idx.long(), values.to(torch.float32))
-        return (acc / len(payloads)).reshape(first.shape).to(first.dtype)
 
     def payload_nbytes(self, shape, dtype) -> int:
         n = numel_of(shape)

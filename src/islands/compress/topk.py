@@ -23,12 +23,13 @@ from islands.compress.base import (
     nbytes_of,
     numel_of,
 )
+from islands.compress.sparse import SparsePayload
 
 # LIT-056 / SOTA-224: sparsity ramps 75%, 93.75%, 98.4375%, 99.6%, 99.9% (density 4x lower per stage).
 DGC_SPARSITY_WARMUP: tuple[float, ...] = (0.75, 0.9375, 0.984375, 0.996, 0.999)
 
 
-class TopK(CompressorBase):
+class TopK(SparsePayload, CompressorBase):
     name = "topk"
     combine = Combine.GATHERED
 
@@ -74,20 +75,6 @@ class TopK(CompressorBase):
         idx = torch.topk(as_fp32(flat).abs(), k, sorted=False).indices if k else flat.new_zeros(0, dtype=torch.long)
         values = flat[idx].contiguous()  # copied in the input dtype: exact, no rounding
         return Payload([values, idx.to(index_dtype(flat.numel()))], tensor.shape, tensor.dtype)
-
-    def decompress(self, payload: Payload) -> Tensor:
-        values, idx = payload.tensors
-        out = torch.zeros(numel_of(payload.shape), dtype=payload.dtype, device=values.device)
-        out[idx.long()] = values.to(payload.dtype)
-        return out.reshape(payload.shape)
-
-    def combine_gathered(self, payloads: list[Payload]) -> Tensor:
-        first = payloads[0]
-        acc = torch.zeros(numel_of(first.shape), dtype=torch.float32, device=first.tensors[0].device)
-        for p in payloads:  # rank order: identical sums on every rank
-            values, idx = p.tensors
-            acc.index_add_(0, idx.long(), values.to(torch.float32))
-        return (acc / len(payloads)).reshape(first.shape).to(first.dtype)
 
     def payload_nbytes(self, shape, dtype, step: int | None = None) -> int:
         n = numel_of(shape)
