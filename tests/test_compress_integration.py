@@ -26,19 +26,30 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _run(fn, tmp_path, timeout=90):
-    ctx = mp.start_processes(_worker, args=(fn.__name__, _port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} did not finish in {timeout}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    errs = [f.read_text() for f in tmp_path.glob("err*.txt")]
-    assert not errs, errs
+def _run(fn, tmp_path, timeout=90, attempts=3):
+    # A port found free by bind(0) can be taken by another test's connection before the store binds
+    # it; that (and only that) is retried with a fresh port.
+    for attempt in range(attempts):
+        for f in tmp_path.glob("err*.txt"):
+            f.unlink()
+        ctx = mp.start_processes(_worker, args=(fn.__name__, _port(), str(tmp_path)), nprocs=2, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} did not finish in {timeout}s")
+        except mp.ProcessRaisedException:
+            pass  # the worker wrote its traceback to err<rank>.txt, read below
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        errs = [f.read_text() for f in tmp_path.glob("err*.txt")]
+        if errs and attempt + 1 < attempts and any("address already in use" in e.lower() for e in errs):
+            continue
+        assert not errs, errs
+        return
 
 
 def _worker(rank, name, port, out_dir):
