@@ -28,6 +28,13 @@ def _fmt(r: dict) -> str:
     return f"{r['final_val_loss']:.3f} ({r['val_loss_vs_ddp_pct']:+.1f}% vs ddp, {r['bytes_reduction_x']:.0f}x fewer bytes)"
 
 
+def _setting(ctx: BenchContext, recs: dict) -> str:
+    """The sentence every quality headline ends with: run length, world and the measured link."""
+    ddp = recs["ddp"]
+    return (f"{ddp['summary']['steps']} steps of the default 0.9 M-parameter LM, 2 workers, on "
+            f"{ddp['interconnect_line']}" + ("; quick runs are far from converged" if ctx.quick else ""))
+
+
 @experiment("ef-ablation", practices=("SOTA-214",),
             help="PowerSGD rank 4 and top-k 99.9% with and without error feedback vs ddp on the default LM")
 def ef_ablation(ctx: BenchContext) -> dict:
@@ -41,14 +48,11 @@ def ef_ablation(ctx: BenchContext) -> dict:
         ("topk-99.9-no-ef", dict(compress=topk + ",ef=0")),
     ])
     by = {r["run"]: r for r in rows}
-    steps = recs["ddp"]["summary"]["steps"]
-    link = recs["ddp"]["interconnect_line"]
     headline = [
         f"PowerSGD rank 4: final val loss with EF {_fmt(by['powersgd-r4-ef'])} vs without EF "
         f"{_fmt(by['powersgd-r4-no-ef'])}; ddp {by['ddp']['final_val_loss']:.3f}",
         f"top-k 99.9%: with EF {_fmt(by['topk-99.9-ef'])} vs without EF {_fmt(by['topk-99.9-no-ef'])}",
-        f"{steps} steps of the default 0.9 M-parameter LM, 2 workers, on {link}"
-        + ("; quick runs are far from converged, so loss gaps show direction only" if ctx.quick else ""),
+        _setting(ctx, recs) + ("; loss gaps show direction only" if ctx.quick else ""),
     ]
     return {"rows": rows, "headline": headline, "curves": curves, "plot": plot_curves("ef-ablation: validation loss")}
 
@@ -74,8 +78,7 @@ def sparsity_warmup(ctx: BenchContext) -> dict:
         f"val loss at step {e_step} (warm-up just over): ramped {early['topk-ramped']['val_loss']:.3f} vs at-target "
         f"{early['topk-at-target']['val_loss']:.3f}; the ramp costs "
         f"{by['topk-ramped']['bytes_per_step'] / by['topk-at-target']['bytes_per_step']:.1f}x the bytes per step on average",
-        f"{recs['ddp']['summary']['steps']} steps, 2 workers, default LM, on {recs['ddp']['interconnect_line']}"
-        + ("; quick runs are far from converged" if ctx.quick else ""),
+        _setting(ctx, recs),
     ]
     return {"rows": rows, "headline": headline, "curves": curves, "plot": plot_curves("sparsity-warmup: validation loss")}
 
@@ -103,7 +106,6 @@ def onebit_adam(ctx: BenchContext) -> dict:
         f"after {warm} uncompressed warm-up steps each 1-bit step sends "
         f"{by['ddp']['bytes_per_step'] / ob['bytes_per_step_after_warmup']:.0f}x fewer bytes than AdamW's fp32 all-reduce; "
         f"whole run {ob['bytes_reduction_x']:.1f}x fewer",
-        f"{steps} steps, 2 workers, default LM, on {recs['ddp']['interconnect_line']}"
-        + ("; quick runs are far from converged" if ctx.quick else ""),
+        _setting(ctx, recs),
     ]
     return {"rows": rows, "headline": headline, "curves": curves, "plot": plot_curves("onebit-adam: validation loss")}
