@@ -157,6 +157,15 @@ class Comm:
         """Point-to-point in one batch: send sends[p] to each peer p, receive one tensor shaped like `like`
         (default: the first sent tensor) from each peer in recv_from. Peers are ranks of this Comm's
         group. Every send must be matched by the peer's receive in the same call (gossip, LIT-302)."""
+        got, wait = self.exchange_async(sends, recv_from, like, kind)
+        wait()
+        return got
+
+    def exchange_async(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
+                       kind: str = "p2p"):
+        """`exchange` started but not awaited: returns (tensors that will arrive, wait()). Compute that
+        does not need them can run before wait() (ring attention's rotation, SOTA-181). The sent
+        tensors must not be modified until wait() returns."""
         me, n = self.rank, self.size
         for p in [*sends, *recv_from]:
             if not 0 <= p < n or p == me:
@@ -168,10 +177,24 @@ class Comm:
         got = {p: torch.empty_like(like) for p in recv_from}
         ops = [dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=p) for p, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for p, t in got.items()]
-        if ops:
-            self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()), sum(_nbytes(t) for t in got.values()))
-            self._timed(lambda: [w.wait() for w in dist.batch_isend_irecv(ops)])
-        return got
+        if not ops:
+            return got, lambda: None
+        self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()), sum(_nbytes(t) for t in got.values()))
+        self.ledger.begin()
+        works = dist.batch_isend_irecv(ops)
+        done = []
+
+        def wait() -> None:
+            if done:
+                return
+            try:
+                for w in works:
+                    w.wait()
+            finally:
+                done.append(True)
+                self.ledger.end()
+
+        return got, wait
 
 
 # nccl-tests' bus-bandwidth factors: algorithm bandwidth times this gives the per-link load.

@@ -10,9 +10,7 @@ matmul alone and the all-reduce alone, so each row can be read against the ideal
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,28 +62,9 @@ def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> Non
 
 
 def _launch_pair(out: Path, shapes, reps: int, bed=None) -> dict:
-    from islands.runtime.launch import free_port
+    from islands.bench.spawn import run_module_ranks
 
-    port = bed.free_port(0) if bed is not None else free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port),
-                   MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "islands.bench.experiments.matmul_overlap", str(out), json.dumps(shapes),
-                str(reps), bed.rate if bed is not None else ""]
-        if bed is not None:
-            env.update(bed.env(rank))
-            argv = bed.wrap(rank, argv)
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        logs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs) or not out.exists():
-        raise RuntimeError("matmul-overlap worker failed:\n" + "\n".join(log[-3000:] for log in logs))
-    return json.loads(out.read_text())
+    return run_module_ranks("islands.bench.experiments.matmul_overlap", [json.dumps(shapes), str(reps)], 2, out, bed)
 
 
 def _rows_of(link: dict, label: str) -> list[dict]:

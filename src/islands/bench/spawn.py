@@ -1,0 +1,39 @@
+"""Run a benchmark module as `ranks` plain env:// processes, on loopback or inside a testbed.
+
+For micro-benchmarks that time one op rather than train (matmul-overlap, ring-attention): rank 0
+writes its JSON result to `out`, which is returned. Every process gets one thread and a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_module_ranks(module: str, args: list[str], ranks: int, out: Path, bed=None, timeout: float = 900) -> dict:
+    from islands.runtime.launch import free_port
+
+    out.unlink(missing_ok=True)
+    port = bed.free_port(0) if bed is not None else free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_PORT=str(port),
+                   MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+        argv = [sys.executable, "-m", module, str(out), *args, bed.rate if bed is not None else ""]
+        if bed is not None:
+            env.update(bed.env(bed.host_for_rank(rank)))
+            argv = bed.wrap(bed.host_for_rank(rank), argv)
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs) or not out.exists():
+        raise RuntimeError(f"{module} with {ranks} ranks failed:\n" + "\n".join(log[-3000:] for log in logs))
+    return json.loads(out.read_text())
