@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.config import TrainConfig
 from islands.measure.probe import describe, probe_interconnect
 from islands.measure.progress import TrainProgress, summary_table
@@ -108,7 +109,7 @@ class Trainer:
         state = {
             "step": self.step,
             "model": self.strategy.eval_model(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state_dict(self.model, self.optimizer, self.world),  # full under fsdp
             "strategy": self.strategy.state_dict(),
             "loader": self.task.loader.state_dict(),
             "rng": rng_state(),
@@ -121,7 +122,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.strategy.eval_model(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])  # any world size
         self.strategy.load_state_dict(state["strategy"])
         self.task.loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
