@@ -37,6 +37,7 @@ from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAUL
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
 from islands.checkpoint.packed import unpack_tree
 from islands.checkpoint.peer import PeerReplica
+from islands.checkpoint.sharded_state import is_sharded
 from islands.checkpoint.store import CheckpointStore
 from islands.runtime.comm import Comm
 
@@ -216,9 +217,11 @@ class CheckpointDriver:
         names = self.due(step)
         if not names:
             return None
-        if names == ["memory"] and self.writer.in_flight is not None and self.peer is None:
-            # memory-only saves never wait for a disk persist (no barrier: per rank). With a peer they
-            # must: replication is a collective, so every rank has to save the same steps.
+        if (names == ["memory"] and self.writer.in_flight is not None and self.peer is None
+                and not is_sharded(trainer.model)):
+            # memory-only saves never wait for a disk persist (no barrier: per rank). With a peer, or
+            # a sharded model whose state is gathered for the tree, they must: those are collectives,
+            # so every rank has to save the same steps.
             self.memory_skipped += 1
             return None
         return self._save(trainer, step, names)

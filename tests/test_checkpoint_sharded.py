@@ -1,0 +1,96 @@
+"""FSDP (inner=fsdp) checkpoints: bitwise resume on the same world size and loading into another one.
+
+The optimizer state is stored full and keyed by parameter name (islands.checkpoint.sharded_state), so
+a checkpoint of N ranks loads on M: each rank takes its own rows. Runs go through the real launcher."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from islands.checkpoint import CheckpointStore
+from islands.checkpoint.resume import resume_trainer
+from islands.config import from_mapping, validate
+from islands.runtime.world import World
+from islands.trainer import Trainer
+
+from test_checkpoint_resume import EXACT, TINY, TINY_FLAGS, same
+
+FSDP_FLAGS = [*TINY_FLAGS, "--inner", "fsdp", "--n-layers", "2", "--steps", "6", "--ckpt-every", "3",
+              "--no-probe", "--timeout", "30"]
+
+
+def _launch(tmp: Path, name: str, workers: int, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "islands", "train", *FSDP_FLAGS, "--workers", str(workers),
+                          "--run-dir", str(tmp / name), *extra], capture_output=True, text=True, timeout=300)
+    logs = "".join(p.read_text() for p in (tmp / name / "logs").glob("*.log")) if (tmp / name / "logs").is_dir() else ""
+    assert out.returncode == 0, out.stderr[-3000:] + logs[-3000:]
+    return json.loads((tmp / name / "run.json").read_text())
+
+
+def _store(tmp: Path, name: str) -> CheckpointStore:
+    return CheckpointStore(tmp / name / "ckpt", clean=False)
+
+
+def _full_and_named(tree: dict) -> None:
+    """The stored optimizer state is the whole of every tensor, keyed by parameter name."""
+    model, opt = tree["model"], tree["optimizer"]
+    assert set(opt["state"]) == {k for k in model if k in opt["state"]} and opt["state"]
+    for name, slots in opt["state"].items():
+        assert slots["exp_avg"].shape == model[name].shape, name
+        assert slots["exp_avg_sq"].abs().sum() > 0, name
+
+
+def _continues(rec: dict, resumed_step: int, saved_size: int, size: int) -> None:
+    frm = rec["checkpoint"]["resumed_from"]
+    assert (frm["step"], frm["saved_world_size"], frm["world_size"]) == (resumed_step, saved_size, size)
+    assert frm["resharded"] == (saved_size != size)
+    assert rec["summary"]["steps"] == 6 and rec["series"]["val"][-1]["val_loss"] < 10
+    for ledger in rec["comm"]["per_rank"]:
+        assert ledger["sent"]["ckpt_shard_gather"] > 0  # the optimizer gather went through Comm
+
+
+@pytest.mark.slow  # two launcher jobs of 2 processes and one in-process load: ~30 s on an idle 2-core machine
+def test_fsdp_two_ranks_resume_bitwise_and_load_into_one(tmp_path):
+    rec_a = _launch(tmp_path, "a", 2)
+    rec_b = _launch(tmp_path, "b", 2, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
+    _continues(rec_b, 3, 2, 2)
+    assert rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
+    sa, sb = _store(tmp_path, "a"), _store(tmp_path, "b")
+    for rank in (0, 1):
+        ta, tb = sa.load(6, rank=rank).tree, sb.load(6, rank=rank).tree
+        _full_and_named(ta)
+        for key in EXACT:
+            assert same(ta[key], tb[key]), (rank, key)
+    # replicated parts: both saved ranks hold the same full model and optimizer state
+    t0, t1 = sa.load(3, rank=0).tree, sa.load(3, rank=1).tree
+    assert same(t0["model"], t1["model"]) and same(t0["optimizer"], t1["optimizer"])
+    # 2 saved ranks -> one process (no FSDP): name-keyed state loads into a plain optimizer
+    cfg = validate(from_mapping({**TINY, "workers": 1, "n_layers": 2, "steps": 6, "inner": "fsdp"}))
+    one = Trainer(cfg, World.single(), tmp_path / "one")
+    info = resume_trainer(one, tmp_path / "a" / "ckpt" / "step-000003")
+    assert info["resharded"] and one.step == 3
+    assert same(one.model.state_dict(), t0["model"])
+    names = dict((id(p), n) for n, p in one.model.named_parameters())
+    for p, slots in one.optimizer.state.items():
+        assert torch.equal(slots["exp_avg"], t0["optimizer"]["state"][names[id(p)]]["exp_avg"])
+    one.run()
+    assert one.step == 6
+
+
+@pytest.mark.slow  # three launcher jobs (4, 2 and 4 processes): ~60 s on an idle 2-core machine
+def test_fsdp_checkpoint_of_four_ranks_loads_on_two_and_two_on_four(tmp_path):
+    _launch(tmp_path, "four", 4)
+    rec = _launch(tmp_path, "four_to_two", 2, "--resume", str(tmp_path / "four" / "ckpt" / "step-000003"))
+    _continues(rec, 3, 4, 2)
+    saved = _store(tmp_path, "four").load(3, rank=0).tree
+    _launch(tmp_path, "two", 2, "--steps", "3")
+    rec = _launch(tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "two" / "ckpt" / "step-000003"))
+    _continues(rec, 3, 2, 4)
+    # the resumed jobs' next checkpoint starts from the loaded state: step 6 differs from 3 but keeps its names
+    after = _store(tmp_path, "four_to_two").load(6, rank=1).tree
+    assert set(after["optimizer"]["state"]) == set(saved["optimizer"]["state"])
+    assert int(after["step"]) == 6
