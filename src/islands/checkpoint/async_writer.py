@@ -12,6 +12,9 @@ Policies, stated:
 - memory budget: a snapshot larger than `memory_budget_bytes` is not staged; the save then runs
   synchronously from the live tensors (`over_budget="sync"`) or raises (`over_budget="error"`). With one
   persist in flight at most, staging memory never exceeds one snapshot within the budget.
+- staging buffers: pinned host memory when the state lives on a CUDA device (asynchronous DMA copies,
+  one stream sync before the persist starts), ordinary memory otherwise (tree.staging_tensor). They are
+  reused by the next snapshot once their persist has ended, so repeated saves allocate (and pin) once.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class AsyncCheckpointer:
         # them): a repeat snapshot then copies into touched memory instead of faulting in new pages.
         self._staging: dict | None = None
         self._staging_owner: SaveHandle | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for snapshots: one snapshot's worth at most, never past the budget."""
+        return sum(t.numel() * t.element_size() for t in (self._staging or {}).values())
 
     @property
     def in_flight(self) -> SaveHandle | None:

@@ -99,17 +99,38 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
     This is the snapshot phase of two-phase checkpointing (LIT-059): after it returns, training may
     change the live tensors freely. `reuse` ({name: tensor} from `staging_buffers` of an earlier copy
     whose readers are done) supplies already-touched buffers of matching shape and dtype, so a repeat
-    snapshot copies instead of faulting in fresh pages.
+    snapshot copies instead of faulting in fresh pages (or pinning new ones: see staging_tensor).
     """
     skeleton, tensors = flatten_tree(tree)
+    pool = {}
+    for name, old in (reuse or {}).items():  # keep only buffers that fit; the rest go before we allocate
+        src = tensors.get(name)
+        if (src is not None and old.shape == src.shape and old.dtype == src.dtype
+                and (src.device.type != "cuda" or old.is_pinned())):
+            pool[name] = old
+    reuse = None
     copies = {}
+    from_gpu = False
     for name, t in tensors.items():
         src = t.detach()
-        old = (reuse or {}).get(name)
-        if old is None or old.shape != src.shape or old.dtype != src.dtype:
-            old = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-        copies[name] = old.copy_(src)
+        gpu = src.device.type == "cuda"
+        old = pool.pop(name, None)
+        if old is None:
+            old = staging_tensor(src)
+        # device -> pinned host copies run asynchronously on the current stream; one sync below
+        copies[name] = old.copy_(src, non_blocking=gpu)
+        from_gpu |= gpu
+    if from_gpu:
+        torch.cuda.current_stream().synchronize()  # the snapshot is complete before anyone reads it
     return unflatten_tree(skeleton, copies)
+
+
+def staging_tensor(src: torch.Tensor) -> torch.Tensor:
+    """A host buffer for `src`: pinned (page-locked) when `src` lives on a CUDA device, so the copy is a
+    DMA that needs no bounce buffer and can run asynchronously; ordinary memory otherwise (pinning
+    costs time and locks RAM, which a CPU-to-CPU copy gains nothing from)."""
+    pin = src.device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
 
 
 def staging_buffers(tree) -> dict[str, torch.Tensor]:

@@ -1,0 +1,66 @@
+"""Snapshot staging of the async writer: reused buffers, bounded by the memory budget, pinned only for CUDA."""
+
+import pytest
+import torch
+
+from islands.checkpoint import AsyncCheckpointer
+from islands.checkpoint.tree import copy_tree, staging_buffers, staging_tensor
+
+
+class Keep:
+    def __init__(self):
+        self.ptrs = []
+
+    def save(self, tree, step, **kw):
+        self.ptrs.append({k: v.data_ptr() for k, v in tree.items()})
+
+
+def test_staging_reused_across_saves_and_bounded_by_the_budget():
+    sink = Keep()
+    budget = 4 * 1000 + 4 * 10
+    writer = AsyncCheckpointer(sink, memory_budget_bytes=budget)
+    live = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    for step in range(4):
+        live["w"].fill_(step)
+        h = writer.save(live, step)
+        assert h.mode == "async"
+        h.wait(10)
+        assert 0 < writer.staging_bytes <= budget
+    assert all(p == sink.ptrs[0] for p in sink.ptrs)  # one allocation, four snapshots
+    first = sink.ptrs[0]["w"]
+    # a tree past the budget is saved synchronously from the live tensors: no staging grows
+    big = {"w": torch.zeros(1000), "b": torch.zeros(10), "extra": torch.zeros(100)}
+    h = writer.save(big, 4)
+    assert h.mode == "sync" and writer.staging_bytes <= budget
+    assert sink.ptrs[-1]["w"] == big["w"].data_ptr()
+    # back within budget: the kept buffers serve again
+    h = writer.save(live, 5)
+    h.wait(10)
+    assert h.mode == "async" and sink.ptrs[-1]["w"] == first
+    writer.close(10)
+
+
+def test_layout_change_drops_unfitting_buffers_first():
+    a = copy_tree({"w": torch.ones(8), "old": torch.ones(1000)})
+    b = copy_tree({"w": torch.full((8,), 2.0), "new": torch.ones(3)}, reuse=staging_buffers(a))
+    assert staging_buffers(b)["w"].data_ptr() == staging_buffers(a)["w"].data_ptr()
+    assert set(staging_buffers(b)) == {"w", "new"} and float(b["w"][0]) == 2.0
+    c = copy_tree({"w": torch.ones(9)}, reuse=staging_buffers(b))  # shape changed: a fresh buffer
+    assert staging_buffers(c)["w"].data_ptr() != staging_buffers(b)["w"].data_ptr()
+
+
+def test_cpu_sources_stage_in_ordinary_memory():
+    t = staging_tensor(torch.ones(4, 4, dtype=torch.bfloat16))
+    assert t.device.type == "cpu" and not t.is_pinned() and t.dtype == torch.bfloat16 and t.shape == (4, 4)
+    snap = copy_tree({"x": torch.arange(5)})
+    assert not snap["x"].is_pinned()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned branch)")
+def test_cuda_sources_stage_in_pinned_memory_and_are_complete():
+    src = {"x": torch.arange(1 << 20, device="cuda", dtype=torch.float32)}
+    snap = copy_tree(src)
+    assert snap["x"].is_pinned() and snap["x"].device.type == "cpu"
+    assert torch.equal(snap["x"], src["x"].cpu())
+    again = copy_tree(src, reuse=staging_buffers(snap))
+    assert again["x"].data_ptr() == snap["x"].data_ptr()
