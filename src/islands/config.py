@@ -46,7 +46,7 @@ class TrainConfig:
     workers: int = 4
     islands: int = 1
     threads: int = 1  # torch threads per worker: one worker per core is the fair CPU comparison
-    inner: str = "auto"  # auto | single | ddp | fsdp
+    inner: str = "auto"  # auto | single | ddp | fsdp | pipeline
     outer: str = ""  # "" or a spec such as "diloco:inner_steps=100"
     compress: str = "none"  # compressor spec for the inner gradient exchange
     aggregate: str = "mean"  # aggregator spec
@@ -55,6 +55,12 @@ class TrainConfig:
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
     wrap: str = "block"  # inner=fsdp: model | block | params:N | split:K | graph:K (islands.sync.wrap_policy)
     reshard: bool = True  # inner=fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
+    # inner=pipeline: the island's workers are the stages of one pipeline (islands.parallel.pipeline)
+    stages: int = 0  # pipeline stages, one per worker of the island; 0 = workers per island
+    microbatches: str = "auto"  # micro-batches per step, or auto: the SOTA-019 chooser
+    cuts: str = "equal"  # stage boundaries: equal (parameters) | graph (traced cut sizes) | balanced (SOTA-018)
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
+    activation_budget_mb: float = 0.0  # microbatches=auto: held-activation bytes per stage allowed; 0 = no limit
     # runtime
     timeout: float = 120.0  # seconds a collective may block before the job is declared dead
     port: int = 0  # rendezvous port; 0 = pick a free one
@@ -105,7 +111,7 @@ class TrainConfig:
         return {k: getattr(self, k) for k in keys}
 
 
-_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "fsdp")}
+_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "fsdp", "pipeline")}
 
 
 def _field_types() -> dict[str, type]:

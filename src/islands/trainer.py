@@ -45,6 +45,13 @@ def set_rng_state(state: dict) -> None:
 
 
 class Trainer:
+    def __new__(cls, cfg: TrainConfig, *args, **kwargs):
+        if cls is Trainer and cfg.inner == "pipeline":  # a pipeline owns forward and backward (docs/pipeline.md)
+            from islands.parallel.pipeline.trainer import PipelineTrainer
+
+            cls = PipelineTrainer
+        return super().__new__(cls)
+
     def __init__(self, cfg: TrainConfig, world: World, run_dir: Path | None = None):
         self.cfg, self.world = cfg, world
         self.run_dir = run_dir

@@ -43,6 +43,9 @@ def check_specs(cfg: TrainConfig) -> None:
             "e.g. outer='diloco:inner_steps=100' or outer='local-sgd:every=8'; or use islands=1"
         )
     _check_fsdp(cfg)
+    from islands.parallel.pipeline.setup import check_pipeline_config
+
+    check_pipeline_config(cfg)
     if cfg.outer and cfg.islands == 1 and cfg.workers > 1 and cfg.inner_strategy == "ddp":
         raise ValueError(
             "an outer strategy acts across islands, but islands=1 puts every worker in one island; "
@@ -71,6 +74,10 @@ def _check_fsdp(cfg: TrainConfig) -> None:
 def build_inner(cfg: TrainConfig, world: World) -> Strategy:
     if cfg.inner_strategy == "single":
         return Single()
+    if cfg.inner_strategy == "pipeline":  # its loop is islands.parallel.pipeline.trainer
+        from islands.parallel.pipeline.setup import pipeline_from_config
+
+        return pipeline_from_config(cfg)
     if cfg.inner_strategy == "fsdp":
         from islands.sync.sharded import FSDP
 

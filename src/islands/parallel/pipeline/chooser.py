@@ -13,6 +13,7 @@ fixed per-micro-batch cost that is the largest M that fits, the registry's claim
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -94,33 +95,51 @@ def choose_microbatches(stages: int, batch: int, schedule: str,
 
 
 def profile_microbatches(pieces: list[nn.Module], starts: list[int], x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable, sizes: list[int], time_it: bool = True) -> dict[int, tuple[list[int], float]]:
+                         loss_fn: Callable, sizes: list[int], time_it: bool = True,
+                         repeats: int = 3) -> dict[int, tuple[list[int], float]]:
     """For each micro-batch size b: (bytes each stage holds for one micro-batch, as the runner counts
-    them, and the slowest stage's forward+backward seconds). Runs every stage locally on x[:b]."""
+    them, and the slowest stage's forward+backward seconds, the fastest of `repeats` runs after a
+    warm-up). Runs every stage locally on x[:b]."""
     stops = starts[1:] + [len(pieces)]
     params = [p for piece in pieces for p in piece.parameters()]
+    last = len(starts) - 1
+
+    def run(s: int, h: torch.Tensor, b: int, meter: SavedTensorMeter | None):
+        inp = h.detach().requires_grad_(h.is_floating_point())
+        with meter.forward_of(0) if meter is not None else _nothing():
+            o = inp
+            for piece in pieces[starts[s]:stops[s]]:
+                o = piece(o)
+            loss = loss_fn(o, y[:b]) if s == last else o.float().pow(2).mean()
+        if meter is not None:
+            meter.hold(0, inp)
+            if s != last:
+                meter.hold(0, o)
+        loss.backward()
+        return o.detach()
+
     out = {}
     for b in sizes:
         h = x[:b].clone()
         per_stage, seconds = [], []
-        for s, (a, z) in enumerate(zip(starts, stops)):
+        for s in range(len(starts)):
             meter = SavedTensorMeter(params)
-            inp = h.detach().requires_grad_(h.is_floating_point())
-            t = time.perf_counter()
-            with meter.forward_of(0):
-                o = inp
-                for piece in pieces[a:z]:
-                    o = piece(o)
-                last = s == len(starts) - 1
-                loss = loss_fn(o, y[:b]) if last else o.float().pow(2).mean()
-            meter.hold(0, inp)
-            if not last:
-                meter.hold(0, o)
-            loss.backward()
-            seconds.append(time.perf_counter() - t)
+            nxt = run(s, h, b, meter)  # also the warm-up
             per_stage.append(meter.per_microbatch[0])
-            h = o.detach()
+            if time_it:
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    run(s, h, b, None)
+                    times.append(time.perf_counter() - t)
+                seconds.append(min(times))
+            h = nxt
         for p in params:
             p.grad = None
         out[b] = (per_stage, max(seconds) if time_it else float(b))
     return out
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield

@@ -78,7 +78,7 @@ class PieceCost:
     """Forward+backward cost of each piece on one example micro-batch, and what it was measured in."""
 
     costs: list[int]
-    unit: str  # "ns" (median wall time) or "flop"
+    unit: str  # "ns" (fastest wall time) or "flop"
 
 
 def _fwd_bwd(piece: nn.Module, x: torch.Tensor, loss_fn: Callable | None, target) -> torch.Tensor:
