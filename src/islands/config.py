@@ -61,6 +61,11 @@ class TrainConfig:
     cuts: str = "equal"  # stage boundaries: equal (parameters) | graph (traced cut sizes) | balanced (SOTA-018)
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b
     activation_budget_mb: float = 0.0  # microbatches=auto: held-activation bytes per stage allowed; 0 = no limit
+    # memory (islands.memory; docs/memory.md)
+    activation_checkpointing: bool = False  # lm: recompute each block in backward instead of holding it (SOTA-249)
+    precision: str = "fp32"  # fp32 | bf16: autocast forward, fp32 parameters and optimizer state (SOTA-118)
+    micro_batch: int = 0  # samples per forward/backward; 0 = the whole per-worker batch, else accumulate (SOTA-031)
+    memory_budget_mb: float = 0.0  # > 0: pick the largest micro_batch whose measured memory fits (SOTA-031)
     # runtime
     timeout: float = 120.0  # seconds a collective may block before the job is declared dead
     port: int = 0  # rendezvous port; 0 = pick a free one
@@ -208,6 +213,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.testbed and cfg.port:
         raise ConfigError("port is chosen inside the testbed; leave port=0 with testbed")
     _validate_specs(cfg)
+    _validate_memory(cfg)
     _validate_checkpointing(cfg)
     if cfg.elastic:
         from islands.runtime.elastic_worker import check_elastic_config
@@ -229,6 +235,16 @@ def _validate_checkpointing(cfg: TrainConfig) -> None:
             from islands.checkpoint.resume import check_resume
 
             check_resume(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_memory(cfg: TrainConfig) -> None:
+    """Precision, micro-batch and memory budget settings (islands.memory.build)."""
+    from islands.memory.build import check_memory_config
+
+    try:
+        check_memory_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

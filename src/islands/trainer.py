@@ -18,6 +18,7 @@ import torch
 from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.config import TrainConfig
 from islands.measure.probe import describe, probe_interconnect
+from islands.memory.build import build_forward_backward, memory_settings_on
 from islands.measure.progress import TrainProgress, summary_table
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
 from islands.runtime.world import World
@@ -60,6 +61,8 @@ class Trainer:
         self.task = build_task(cfg, shard=shard, shards=shards)
         model = self.task.model.to(world.device)
         self.optimizer = self._build_optimizer(model)
+        # checkpointing, precision, micro-batches; sized on the plain model before wrapping (islands.memory)
+        self.forward_backward = build_forward_backward(cfg, model, self.task.loss_fn, self.optimizer, world.device)
         self.strategy = build_strategy(cfg, world)
         self.model = self.strategy.wrap(model, self.optimizer, world)
         self.attack = self._build_attack()
@@ -98,8 +101,7 @@ class Trainer:
         if self.attack is not None:
             y = self.attack.flip_labels(y, self.task.classes, self.world.rank)
         x, y = x.to(self.world.device), y.to(self.world.device)
-        loss = self.task.loss_fn(self.model(x), y)
-        loss.backward()
+        loss = self.forward_backward(self.model, self.task.loss_fn, x, y)  # all micro-batches, one gradient
         self.strategy.after_backward(self.model, step)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -233,6 +235,8 @@ class Trainer:
             "series": self.series,
             "summary": summary,
         }
+        if memory_settings_on(cfg):
+            record["memory"] = self.forward_backward.record()
         from islands.checkpoint.driver import checkpoint_record
 
         if (ckpt := checkpoint_record(self)) is not None:  # levels, saves, stall, interval decisions, resume

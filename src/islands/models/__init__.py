@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from islands.memory.recompute import run_checkpointed, split_segments
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):
@@ -41,10 +43,17 @@ class ByteTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, 256, bias=False)
+        self.checkpoint_segments = 0  # 0 = hold every activation; k > 0 = recompute in k segments (SOTA-249)
         self.apply(self._init)
         for b in self.blocks:  # scale residual projections by depth (GPT-2 convention)
             for lin in (b.proj, b.out):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * n_layers))
+
+    def set_activation_checkpointing(self, segments: int) -> None:
+        """0 turns it off; k in 1..n_layers recomputes the blocks in k segments during backward."""
+        if segments:
+            split_segments(self.blocks, segments)  # raises a clear ValueError for a bad count
+        self.checkpoint_segments = segments
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -58,8 +67,11 @@ class ByteTransformer(nn.Module):
         if t > self.context:
             raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
         x = self.embed(idx) + self.pos[:t]
-        for b in self.blocks:
-            x = b(x)
+        if self.checkpoint_segments and self.training and torch.is_grad_enabled():
+            x = run_checkpointed(self.blocks, x, self.checkpoint_segments)
+        else:
+            for b in self.blocks:
+                x = b(x)
         return self.head(self.ln(x))
 
 

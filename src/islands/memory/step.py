@@ -1,0 +1,85 @@
+"""One step's forward and backward: gradient accumulation over micro-batches, under a chosen precision.
+
+Micro-batches (SOTA-031): the worker's batch is cut into pieces of `micro_batch` samples; each piece's
+mean loss is weighted by its share of the batch, so the accumulated gradient is the full batch's mean-loss
+gradient (the last piece may be smaller). Under DDP every piece but the last runs inside `no_sync()`, so
+gradients are exchanged once per step, whole: bucket hooks (compression, robust aggregation) and outer
+strategies see one gradient per step, as without accumulation.
+
+Precision (SOTA-118): "bf16" runs the forward under autocast to bfloat16. Parameters, gradients and
+optimizer state stay fp32 (the master copy); matmuls and the activations they save are bf16. The loss is
+taken in fp32 from upcast logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+
+
+class ForwardBackward:
+    """Call it with (model, loss_fn, x, y): runs forward and backward, returns the batch's mean loss (detached).
+
+    `loss_fn` must return a mean over the samples (or tokens, equal per sample) of its inputs.
+    """
+
+    def __init__(self, micro_batch: int = 0, precision: str = "fp32"):
+        if micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0 (0 = the whole batch at once); got {micro_batch}")
+        check_precision(precision)
+        self.micro_batch = micro_batch
+        self.precision = precision
+        self.plan = None  # the sizer's MemoryPlan when a memory budget chose micro_batch (islands.memory.build)
+
+    def record(self) -> dict:
+        """What the run record keeps about this step's memory settings."""
+        out = {"micro_batch": self.micro_batch, "precision": self.precision}
+        if self.plan is not None:
+            out["plan"] = self.plan.as_dict()
+        return out
+
+    def pieces(self, batch: int) -> list[int]:
+        """Sizes of the micro-batches a batch of `batch` samples is cut into."""
+        size = self.micro_batch if 0 < self.micro_batch < batch else batch
+        full, rest = divmod(batch, size)
+        return [size] * full + ([rest] if rest else [])
+
+    def loss(self, model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return loss_fn(model(x), y)
+        with torch.autocast(device_type=x.device.type, dtype=dtype):
+            logits = model(x)
+        return loss_fn(logits.float(), y)
+
+    def __call__(self, model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        sizes = self.pieces(x.shape[0])
+        if len(sizes) == 1:  # the plain step, bit for bit
+            loss = self.loss(model, loss_fn, x, y)
+            loss.backward()
+            return loss.detach()
+        total = torch.zeros((), device=x.device)
+        for i, (xs, ys) in enumerate(zip(x.split(sizes[0]), y.split(sizes[0]))):
+            last = i == len(sizes) - 1
+            with contextlib.nullcontext() if last else no_sync(model):
+                loss = self.loss(model, loss_fn, xs, ys) * (xs.shape[0] / x.shape[0])
+                loss.backward()
+            total += loss.detach()
+        return total
+
+
+def no_sync(model: torch.nn.Module):
+    """DDP's no_sync for every micro-batch but the last; a plain module accumulates locally anyway."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()

@@ -1,0 +1,91 @@
+"""Micro-batches and checkpointing under 2-rank DDP: the same parameters as one process on the whole batch,
+and gradients exchanged once per step (no_sync on all but the last micro-batch)."""
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from islands.memory import ForwardBackward
+from islands.models import ByteTransformer, count_parameters, sequence_loss
+
+STEPS, WORKERS, BATCH, CONTEXT = 3, 2, 4, 16
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return ByteTransformer(d_model=32, n_layers=2, n_heads=2, context=CONTEXT)
+
+
+def make_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # see test_ddp: the claim is the gradient
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (WORKERS * BATCH, CONTEXT + 1), generator=g) for _ in range(STEPS)]
+
+
+def reference_params():
+    model = tiny_model()
+    opt = make_optimizer(model)
+    for b in global_batches():
+        sequence_loss(model(b[:, :-1]), b[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+CASES = [(2, 0), (3, 2)]  # (micro_batch, checkpoint segments): even pieces; uneven pieces with checkpointing
+
+
+def _worker(rank, env, queue):
+    os.environ.update(env, RANK=str(rank))
+    torch.set_num_threads(1)
+    from islands.runtime.world import close_world, init_world
+    from islands.sync.ddp import DDP
+
+    world = init_world(islands=1, timeout_s=30)
+    out = []
+    for micro, segments in CASES:  # one process group for both cases: spawning is the slow part
+        model = tiny_model()
+        model.set_activation_checkpointing(segments)
+        opt = make_optimizer(model)
+        ddp = DDP().wrap(model, opt, world)
+        step = ForwardBackward(micro_batch=micro)
+        before = world.ledger.snapshot()["sent"].get("grad_all_reduce", 0)
+        for b in global_batches():
+            mine = b[rank * BATCH:(rank + 1) * BATCH]
+            step(ddp, sequence_loss, mine[:, :-1], mine[:, 1:])
+            opt.step()
+            opt.zero_grad()
+        sent = world.ledger.snapshot()["sent"]["grad_all_reduce"] - before
+        out.append(([p.detach().numpy().copy() for p in model.parameters()], sent))
+    queue.put((rank, out))
+    close_world(world)
+
+
+def test_accumulation_under_ddp_matches_one_process_and_exchanges_once_per_step(dist_env):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    env = dist_env(WORKERS)
+    procs = [ctx.Process(target=_worker, args=(r, env, queue)) for r in range(WORKERS)]
+    for p in procs:
+        p.start()
+    try:
+        results = [queue.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    ref = reference_params()
+    payload = 4 * count_parameters(tiny_model())
+    for rank, out in results:
+        for (micro, segments), (params, sent) in zip(CASES, out):
+            for a, b in zip(params, ref):
+                diff = (torch.from_numpy(a) - b).abs().max().item()
+                assert diff <= 1e-5, f"rank {rank} micro={micro} segments={segments}: off one process by {diff}"
+            # one full gradient exchange per step however many micro-batches: hooks see one gradient per step
+            assert sent == STEPS * payload, f"micro={micro}: {sent} bytes sent, want {STEPS * payload}"
