@@ -3,6 +3,7 @@
 Byte definitions (payload, not wire; exact and algorithm-independent):
   all_reduce   sent = received = nbytes of the tensor
   all_gather   sent = own chunk, received = the other ranks' chunks
+  reduce_scatter  sent = the n-1 slices meant for the others, received = n-1 copies of own slice
   broadcast    the source sends nbytes, every other rank receives nbytes
   send / recv  exact tensor bytes
 The wire bytes of a ring all-reduce are 2(n-1)/n times the payload (nccl-tests' bus factor);
@@ -135,6 +136,31 @@ class Comm:
         self._timed(lambda: dist.all_gather(out, tensor.contiguous(), group=self.group))
         return out
 
+    def all_gather_cat(self, tensor: torch.Tensor, kind: str = "all_gather") -> torch.Tensor:
+        """All ranks' equally shaped tensors concatenated along dim 0, in rank order (one collective)."""
+        n = self.size
+        if n == 1:
+            return tensor
+        src = tensor.contiguous()
+        out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+        self.ledger.record(kind, _nbytes(src), (n - 1) * _nbytes(src))
+        self._timed(lambda: dist.all_gather_into_tensor(out, src, group=self.group))
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "reduce_scatter") -> torch.Tensor:
+        """Sum over ranks, split along dim 0: rank r gets the r-th of n equal slices. Counted as the
+        n-1 slices this rank sends to the others and the n-1 it receives."""
+        n = self.size
+        if n == 1:
+            return tensor
+        if tensor.shape[0] % n:
+            raise ValueError(f"reduce_scatter: dim 0 of {tuple(tensor.shape)} must divide evenly over {n} ranks")
+        src = tensor.contiguous()
+        out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        self.ledger.record(kind, (n - 1) * _nbytes(out), (n - 1) * _nbytes(out))
+        self._timed(lambda: dist.reduce_scatter_tensor(out, src, op=op, group=self.group))
+        return out
+
     def broadcast(self, tensor: torch.Tensor, src: int, kind: str = "broadcast") -> torch.Tensor:
         """`src` is a global rank, as in torch.distributed."""
         if self.size > 1:
@@ -201,5 +227,6 @@ class Comm:
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }
