@@ -119,14 +119,49 @@ def _held(world):
     return out
 
 
+TRAIN = {"task": "digits", "hidden": 16, "global_batch": 12, "steps": 3, "warmup": 1, "eval_every": 0,
+         "probe": False, "progress": False, "grad_clip": 0.05, "seed": 3}
+
+
+def _train(world):
+    """A whole `inner=pipeline` job: 3 stages, gpipe, graph cuts, 3 micro-batches, clipped by the global norm."""
+    from islands.config import from_mapping, validate
+    from islands.trainer import Trainer
+
+    cfg = validate(from_mapping({**TRAIN, "workers": 3, "inner": "pipeline", "stages": 3, "microbatches": "3",
+                                 "cuts": "graph", "pipeline_schedule": "gpipe"}))
+    trainer = Trainer(cfg, world)
+    losses = [trainer.train_step() for _ in range(cfg.steps)]
+    return {"type": type(trainer).__name__, "losses": losses, "val": trainer.evaluate()["val_loss"],
+            "plan": trainer.pipeline.describe(), "kinds": sorted(world.ledger.sent)}
+
+
 def _both(world):
-    return _pipelined(world), _held(world)
+    return _pipelined(world), _held(world), _train(world)
 
 
 def test_pipeline_on_three_gloo_ranks():
     ranks = run_world(_both, size=3, islands=1)
     check_equal_to_unsplit([r[0] for r in ranks])
     check_held_bytes([r[1] for r in ranks])
+    check_training_equals_one_process([r[2] for r in ranks])
+
+
+def check_training_equals_one_process(ranks):
+    """Same batches, same AdamW, same clipping: the pipeline job's losses are the single process's."""
+    from islands.config import from_mapping, validate
+    from islands.runtime.world import World
+    from islands.trainer import Trainer
+
+    torch.set_num_threads(1)
+    single = Trainer(validate(from_mapping({**TRAIN, "workers": 1})), World.single())
+    ref = [single.train_step() for _ in range(3)]
+    for r in ranks:
+        assert r["type"] == "PipelineTrainer" and r["plan"]["microbatches"] == 3
+        np.testing.assert_allclose(r["losses"], ref, rtol=1e-5)
+        np.testing.assert_allclose(r["val"], single.evaluate()["val_loss"], rtol=1e-5)
+    assert [r["plan"]["stage"] for r in ranks] == [0, 1, 2]
+    assert "pipeline_grad_norm" in ranks[0]["kinds"] and "pipeline_eval_gather" in ranks[0]["kinds"]
 
 
 def check_held_bytes(ranks):
