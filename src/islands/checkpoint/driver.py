@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
+from islands.checkpoint.elastic_saves import ElasticBarrier, MembershipChanged, bind, is_elastic, opens_clean
 from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND, CheckFreqPolicy,
                                          CombinedIntervalPolicy, YoungDalyInterval)
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
@@ -129,17 +130,21 @@ class CheckpointDriver:
         self.fingerprint = config_fingerprint(cfg)
         self.policy_settings = parse_policy(cfg.ckpt_policy)
         self.root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else Path(run_dir) / "ckpt"
-        torch_dist = world.size > 1 and world.membership is None and world.comms is None
+        self.elastic = is_elastic(world)
+        torch_dist = world.size > 1 and not self.elastic and world.comms is None
         barrier = None
         if torch_dist:
             barrier = _Barrier(world, cfg.timeout)
-        elif world.size > 1:  # elastic worlds have no torch group of their own: meet on the main thread
+        elif self.elastic:  # members change between saves: islands.checkpoint.elastic_saves
+            barrier = self.elastic_barrier = ElasticBarrier(world)
+        elif world.size > 1:  # other comms without a torch group of their own: meet on the main thread
             barrier = lambda: world.all_gather_object(None)  # noqa: E731
-        self.async_ok = cfg.ckpt_async and (world.size == 1 or torch_dist)
+        self.async_ok = cfg.ckpt_async and (world.size == 1 or torch_dist) and not self.elastic
+        self.abandoned: list[int] = []  # steps whose save a membership change abandoned (elastic)
 
         def store(root):
             return CheckpointStore(root, keep_last=cfg.ckpt_keep, rank=world.rank, world_size=world.size,
-                                   barrier=barrier)
+                                   barrier=barrier, clean=opens_clean(world))
 
         # Peer copies need every rank at every memory save: only with a torch group (not elastic).
         self.peer = PeerReplica(_peer_comm(world, cfg.timeout)) if cfg.ckpt_memory_peer and torch_dist else None
@@ -175,7 +180,13 @@ class CheckpointDriver:
 
     # ---- sink: the persist thread calls this with the snapshot ----------------------------------
     def save(self, tree, step: int, *, levels: list[str]) -> dict:
-        return {name: self._by_name[name].save(tree, step, fingerprint=self.fingerprint) for name in levels}
+        extra = {}
+        if self.elastic:
+            stores = [self._by_name[n].store for n in levels if hasattr(self._by_name[n], "store")]
+            extra["token"] = bind(stores, self.world, self.elastic_barrier)
+        return {name: self._by_name[name].save(tree, step, fingerprint=self.fingerprint,
+                                               **(extra if hasattr(self._by_name[name], "store") else {}))
+                for name in levels}
 
     # ---- called by the trainer ------------------------------------------------------------------
     def resumed(self, step: int) -> None:
@@ -202,9 +213,10 @@ class CheckpointDriver:
     def tree(self, trainer) -> dict:
         loader = trainer.task.loader
         sampler = getattr(loader, "sampler", None)
-        return {"config_fingerprint": self.fingerprint,
-                "world": {"rank": self.world.rank, "size": self.world.size,
-                          "shard_items": int(getattr(sampler, "n", -1))},
+        world = {"rank": self.world.rank, "size": self.world.size, "shard_items": int(getattr(sampler, "n", -1))}
+        if self.elastic:  # resume matches parts by data shard: ranks follow admission order, shards do not
+            world["shard"] = int((self.world.data_shard or (self.world.rank, self.world.size))[0])
+        return {"config_fingerprint": self.fingerprint, "world": world,
                 **trainer.state_dict()}
 
     def after_step(self, trainer) -> SaveHandle | None:
@@ -215,7 +227,7 @@ class CheckpointDriver:
         self._last_elapsed = trainer.elapsed
         step = trainer.step
         names = self.due(step)
-        if not names:
+        if not names or step == self.last_saved_step:  # saved already (elastic: before a join, save_now)
             return None
         if (names == ["memory"] and self.writer.in_flight is not None and self.peer is None
                 and not is_sharded(trainer.model)):
@@ -225,6 +237,13 @@ class CheckpointDriver:
             self.memory_skipped += 1
             return None
         return self._save(trainer, step, names)
+
+    def save_now(self, trainer) -> SaveHandle | None:
+        """Save the levels due at this step now, if not saved yet (elastic: before members change)."""
+        names = self.due(trainer.step)
+        if not names or trainer.step == self.last_saved_step:
+            return None
+        return self._save(trainer, trainer.step, names)
 
     def _save(self, trainer, step: int, names: list[str]) -> SaveHandle:
         previous = self.handles[-1] if self.handles else None
@@ -237,9 +256,10 @@ class CheckpointDriver:
         self.handles = [h for h in self.handles if not h.done()] + [handle]
         self.stall_s += handle.stall_s
         self._account(previous)
-        for name in names:
-            self.saves[name] += 1
-            self.last_step_of[name] = step
+        if not isinstance(handle.error, MembershipChanged):  # an abandoned save is not a save
+            for name in names:
+                self.saves[name] += 1
+                self.last_step_of[name] = step
         self.last_saved_step = step
         if self.policy is not None and "local" in names:
             self._decide(step, handle, previous)
@@ -271,8 +291,11 @@ class CheckpointDriver:
             del self.decisions[MAX_DECISIONS_KEPT // 2]
 
     def _raise_failed(self) -> None:
-        for h in self.handles:
-            if h.done() and h.error is not None:
+        for h in list(self.handles):
+            if h.done() and isinstance(h.error, MembershipChanged):  # elastic: abandoned, not fatal
+                self.abandoned.append(h.step)
+                self.handles.remove(h)
+            elif h.done() and h.error is not None:
                 raise RuntimeError(f"checkpoint of step {h.step} failed: {h.error!r}") from h.error
 
     def finish(self, trainer) -> None:
@@ -320,6 +343,7 @@ class CheckpointDriver:
                    "held_step": self.peer.held_step, "bytes_sent": self.peer.bytes_sent,
                    "bytes_received": self.peer.bytes_received},
                "saves": dict(self.saves), "memory_skipped_busy": self.memory_skipped,
+               "abandoned_membership_change": list(self.abandoned),
                "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
                "policy": "fixed" if self.policy is None else {"spec": self.cfg.ckpt_policy, **self.policy_settings},

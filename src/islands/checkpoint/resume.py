@@ -159,6 +159,8 @@ def _load_for_rank(trainer, store: CheckpointStore, step: int, fingerprint: str)
         raise CheckpointMismatch(diffs)
     saved = len(bodies)
     info = {"saved_world_size": saved, "world_size": world.size, "resharded": saved != world.size}
+    if getattr(world, "membership", None) is not None:
+        return _load_elastic(trainer, store, step, bodies, fingerprint, info)
     if saved == world.size:
         return store.load(step, rank=world.rank, fingerprint=fingerprint).tree, info
     _check_replicated(bodies, world.size)
@@ -169,6 +171,39 @@ def _load_for_rank(trainer, store: CheckpointStore, step: int, fingerprint: str)
             tree[key] = trees[0][key]
     tree["loader"] = _reshard_loader(trainer, trees)
     info["loader_policy"] = "mean epoch progress of the saved ranks, scaled to this rank's shard"
+    return tree, info
+
+
+def _saved_shard(body: dict) -> int | None:
+    world = body.get("skeleton", {}).get("world")
+    return world.get("shard") if isinstance(world, dict) else None
+
+
+def _load_elastic(trainer, store: CheckpointStore, step: int, bodies: list[dict], fingerprint: str,
+                  info: dict) -> tuple[dict, dict]:
+    """Elastic job: a worker takes the saved part of its own data shard (exact), else of rank r mod N.
+
+    Ranks follow admission order, which differs between runs, so parts are matched by data shard.
+    Without a saved part for its shard (more workers than were saved), a worker starts from saved
+    rank r mod N's local model and inner optimizer, with the loader at the saved ranks' mean progress.
+    The global parts -- outer-strategy state, step, membership history -- come from saved rank 0:
+    members agree on the outer state bit for bit after every synchronisation.
+    """
+    world = trainer.world
+    own = int((world.data_shard or (world.rank, world.size))[0])
+    shards = [_saved_shard(b) for b in bodies]
+    match = shards.index(own) if own in shards else None
+    part = match if match is not None else world.rank % len(bodies)
+    tree = dict(store.load(step, rank=part, fingerprint=fingerprint).tree)
+    first = tree if part == 0 else store.load(step, rank=0, fingerprint=fingerprint).tree
+    for key in ("step", "elapsed", "series", "membership"):
+        if key in first:
+            tree[key] = first[key]
+    if match is None:
+        trees = [store.load(step, rank=r, fingerprint=fingerprint).tree for r in range(len(bodies))]
+        tree["loader"] = _reshard_loader(trainer, trees)
+        info["loader_policy"] = "mean epoch progress of the saved ranks, scaled to this rank's shard"
+    info.update(elastic=True, shard=own, saved_part=part, shard_matched=match is not None)
     return tree, info
 
 

@@ -293,6 +293,11 @@ class ElasticComm:
         joiners = json.loads(self.store.get(f"round/{rounds}/join"))
         if not joiners:
             return
+        if getattr(trainer, "checkpoints", None) is not None:
+            # a checkpoint due at this step is taken by the members before the joiners enter: the
+            # loop's own save comes after this hook, when a joiner would be in the barrier but not
+            # in the loop (it starts at the next step)
+            trainer.checkpoints.save_now(trainer)
         nxt = self.epoch + 1
         holders = set(self.names)
         for j in joiners:

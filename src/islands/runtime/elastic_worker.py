@@ -48,6 +48,12 @@ def check_elastic_config(cfg: TrainConfig) -> None:
                          "worker per island, use optimizer='adamw'")
     if cfg.testbed:
         raise ValueError("elastic=true does not run inside a testbed yet; leave testbed=''")
+    if cfg.ckpt_policy:
+        raise ValueError("elastic=true needs a fixed checkpoint interval (ckpt_every=N, ckpt_policy=''): the auto "
+                         "policy's decisions come from history a worker joining later does not have")
+    if cfg.ckpt_memory_peer:
+        raise ValueError("elastic=true does not replicate the memory level to a peer (ring neighbours change "
+                         "with membership); leave ckpt_memory_peer off, the local and remote levels still work")
     if cfg.heartbeat_timeout <= 0:
         raise ValueError(f"heartbeat_timeout must be > 0 seconds; got {cfg.heartbeat_timeout}")
 
