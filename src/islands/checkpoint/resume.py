@@ -10,15 +10,17 @@ and step continue bitwise as if never interrupted.
 
 Different world size (N saved ranks -> M ranks), stated policy:
 - supported only when model, optimizer and strategy state are replicated, i.e. identical (by content
-  hash and skeleton) on every saved rank, as with ddp and outer strategies whose state is global;
-  per-rank state (error feedback, FSDP shards, per-island outer state) is refused naming the first
-  key that differs;
+  hash and skeleton) on every saved rank, as with ddp, outer strategies whose state is global, and
+  fsdp (whose optimizer shards are stored gathered, islands.checkpoint.sharded_state); per-rank state
+  (error feedback, per-island outer state) is refused naming the first key that differs;
 - new rank r takes those parts and its RNG state from saved rank r mod N (RNG continuity per rank is
   not preserved; the ddp step draws no per-rank random numbers);
 - loader positions: shard boundaries move, so exact positions cannot carry over. Every new rank
   starts at the mean epoch progress of the saved ranks (epoch + cursor / shard size), scaled to its
   own shard: no sample is guaranteed to be seen exactly once across the switch;
 - step, elapsed time and the loss series come from saved rank 0.
+
+Elastic jobs match parts by data shard instead of rank (see _load_elastic).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def _check_replicated(bodies: list[dict], new_size: int) -> None:
             if other is None or other["content_hash"] != entry["content_hash"]:
                 raise CheckpointMismatch([f"cannot load a checkpoint of {len(bodies)} ranks into {new_size}: "
                                           f"{name!r} differs between saved ranks 0 and {body['rank']} (per-rank "
-                                          "state such as error feedback or FSDP shards cannot be resharded)"])
+                                          "state such as error feedback cannot be resharded)"])
 
 
 def _reshard_loader(trainer, trees: list[dict]) -> dict:
