@@ -13,6 +13,7 @@ equal those of one pass over the whole batch (mean-reduced loss, equal micro-bat
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -47,6 +48,7 @@ class PipelineRunner:
         self.plan = schedule_for(schedule)
         self.meter = SavedTensorMeter(stage.parameters())
         self._shapes: dict[tuple, tuple] = {}
+        self.wait_seconds = 0.0  # last step: time blocked on a message (the bubble plus transfer time)
 
     def _boundary(self, sample: torch.Tensor) -> tuple:
         """(input shape, input dtype, output shape, output dtype) of this stage for one sample."""
@@ -75,13 +77,14 @@ class PipelineRunner:
         in_shape, in_dtype, out_shape, out_dtype = self._boundary(x[:1])
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         waits, loss_sum = [], None
+        self.wait_seconds = 0.0
         for kind, i in self.plan(st.index, st.count, microbatches):
             if kind == "F":
                 if st.is_first:
                     inp = xs[i]
                 else:
                     like = torch.empty((b, *in_shape), dtype=in_dtype)
-                    inp = comm.exchange({}, [st.index - 1], like=like, kind=ACTIVATION)[st.index - 1]
+                    inp = self._recv(st.index - 1, like, ACTIVATION)
                     inp.requires_grad_(inp.is_floating_point())
                 with self.meter.forward_of(i):
                     out = st(inp)
@@ -99,11 +102,19 @@ class PipelineRunner:
                     loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                 else:
                     like = torch.empty((b, *out_shape), dtype=out_dtype)
-                    grad = comm.exchange({}, [st.index + 1], like=like, kind=GRADIENT)[st.index + 1]
+                    grad = self._recv(st.index + 1, like, GRADIENT)
                     torch.autograd.backward(out, grad)
                 self.meter.release(i)
                 if not st.is_first:
                     waits.append(comm.exchange_async({st.index - 1: inp.grad}, [], kind=GRADIENT)[1])
+        t = time.perf_counter()
         for wait in waits:
             wait()
+        self.wait_seconds += time.perf_counter() - t
         return loss_sum
+
+    def _recv(self, peer: int, like: torch.Tensor, kind: str) -> torch.Tensor:
+        t = time.perf_counter()
+        got = self.comm.exchange({}, [peer], like=like, kind=kind)[peer]
+        self.wait_seconds += time.perf_counter() - t
+        return got
