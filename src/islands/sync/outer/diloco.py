@@ -34,8 +34,11 @@ class DiLoCo(OuterStrategy):
     def __init__(self, total_steps: int, inner_steps: int = 100, outer: str = "nesterov", outer_lr: float = 0.7,
                  momentum: float = 0.9, weight: float = 0.5, sync_inner_state: bool = False,
                  compress: str = "none", aggregate: str = "mean",
-                 fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None):
+                 fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None,
+                 lr_scale: str = "none"):
         super().__init__(total_steps)
+        if lr_scale not in ("none", "sqrt-islands"):
+            raise ValueError(f"lr_scale must be 'none' or 'sqrt-islands', got {lr_scale!r}")
         if inner_steps < 1 or fragments < 1 or fragments > inner_steps:
             raise ValueError(f"need 1 <= fragments <= inner_steps; got fragments={fragments}, inner_steps={inner_steps}")
         if not 0 <= tau < inner_steps:
@@ -44,6 +47,7 @@ class DiLoCo(OuterStrategy):
             raise ValueError("sync_inner_state needs fragments=1 and tau=0 (plain DiLoCo)")
         self.inner_steps, self.fragments, self.tau, self.merge = int(inner_steps), int(fragments), int(tau), float(merge)
         self.sync_inner_state = bool(sync_inner_state)
+        self.lr_scale = lr_scale
         self.opt = build_outer_optimizer(outer, outer_lr, momentum, weight)
         self.exchange = Exchange("outer_delta", aggregate=aggregate, compress=compress, codec=codec)
         self.state_exchange = Exchange("outer_inner_state", aggregate=aggregate) if sync_inner_state else None
@@ -78,7 +82,7 @@ class DiLoCo(OuterStrategy):
 
     def _land(self, p: int, mean_delta: torch.Tensor, adopt: bool) -> None:
         lo, hi = self.bounds[p]
-        self.opt.step(self.global_flat, mean_delta, lo, hi)
+        self.opt.step(self.global_flat, mean_delta, lo, hi, lr_scale=self.outer_lr_factor())
         self.publish(lo, hi)
         if adopt:
             self.adopt_global(lo, hi)
@@ -88,6 +92,17 @@ class DiLoCo(OuterStrategy):
         self.rounds += 1
         if self.sync_inner_state:
             self._average_moments()
+
+    def outer_lr_factor(self) -> float:
+        """sqrt(M) under lr_scale=sqrt-islands, M read from the Comm at each step (elastic-safe); else 1.
+
+        Why sqrt(M): each of M islands runs Adam on 1/M of the global batch. Where gradient noise
+        dominates a coordinate, Adam's second moment grows ~M-fold, so the signal in each island's
+        step shrinks ~1/sqrt(M) against DDP's Adam on the full batch, while the islands' independent
+        noise shrinks 1/sqrt(M) in the average. Scaling the averaged delta by sqrt(M) restores both
+        to DDP's size (our derivation; measured in docs/outer-strategies.md).
+        """
+        return float(self.comm.size) ** 0.5 if self.lr_scale == "sqrt-islands" else 1.0
 
     def _average_moments(self) -> None:
         tensors = []

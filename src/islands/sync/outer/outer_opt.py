@@ -21,7 +21,8 @@ class OuterSGD:
         self.buf: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
+             lr_scale: float = 1.0) -> None:
         hi = params.numel() if hi is None else hi
         update = delta
         if self.momentum > 0:
@@ -30,7 +31,7 @@ class OuterSGD:
             buf = self.buf[lo:hi]
             buf.mul_(self.momentum).add_(delta)
             update = delta + self.momentum * buf if self.nesterov else buf
-        params[lo:hi].add_(update, alpha=-self.lr)
+        params[lo:hi].add_(update, alpha=-self.lr * lr_scale)
 
     def state_dict(self) -> dict:
         return {"momentum_buffer": None if self.buf is None else self.buf.clone()}
@@ -56,12 +57,13 @@ class PrimalAveraging:
         self.z: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
+             lr_scale: float = 1.0) -> None:
         hi = params.numel() if hi is None else hi
         if self.z is None:
             self.z = params.clone()
         z = self.z[lo:hi]
-        z.add_(delta, alpha=-self.lr)
+        z.add_(delta, alpha=-self.lr * lr_scale)
         params[lo:hi].mul_(1 - self.weight).add_(z, alpha=self.weight)
 
     def state_dict(self) -> dict:

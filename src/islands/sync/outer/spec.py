@@ -23,6 +23,9 @@ _OUTER_OPT = {
     "outer_lr": (0.7, float, "outer learning rate (LIT-212: 0.7)"),
     "momentum": (0.9, float, "outer momentum (LIT-212: 0.9); not used by outer=primal"),
     "weight": (0.5, float, "outer=primal only: weight c of the new outer iterate in the primal average (LIT-276)"),
+    "lr_scale": ("none", str, "none | sqrt-islands: multiply outer_lr by sqrt(M), M = islands in the exchange "
+                              "(undoes the 1/sqrt(M) shrink of per-island Adam on 1/M of the batch; "
+                              "docs/outer-strategies.md)"),
 }
 
 PARAMS: dict[str, dict[str, tuple]] = {
@@ -77,6 +80,7 @@ PARAMS: dict[str, dict[str, tuple]] = {
 }
 
 _OUTER_CHOICES = ("nesterov", "sgd", "primal")
+LR_SCALES = ("none", "sqrt-islands")
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,8 @@ def _check(s: OuterSpec) -> None:
             bad("outer=primal smooths by its weight, not momentum; drop momentum= or use outer=nesterov")
         if p["outer"] != "primal" and "weight" in s.given:
             bad("weight= applies to outer=primal only")
+    if "lr_scale" in p and p["lr_scale"] not in LR_SCALES:
+        bad(f"lr_scale must be one of {', '.join(LR_SCALES)}, got {p['lr_scale']!r}")
     if p.get("sync_inner_state") not in (None, 0, 1):
         bad(f"sync_inner_state must be 0 or 1, got {p['sync_inner_state']}")
     if "bits" in p and p["bits"] not in (4, 32):

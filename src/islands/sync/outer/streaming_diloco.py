@@ -23,9 +23,9 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, total_steps: int, inner_steps: int = 100, fragments: int = 4, tau: int = 1,
                  merge: float = 0.5, bits: int = 4, block: int = 1024, outer: str = "nesterov",
                  outer_lr: float = 0.7, momentum: float = 0.9, weight: float = 0.5,
-                 compress: str = "none", aggregate: str = "mean"):
+                 compress: str = "none", aggregate: str = "mean", lr_scale: str = "none"):
         if bits not in (4, 32):
             raise ValueError(f"bits must be 4 or 32, got {bits}")
         super().__init__(total_steps, inner_steps=inner_steps, outer=outer, outer_lr=outer_lr, momentum=momentum,
                          weight=weight, compress=compress, aggregate=aggregate, fragments=fragments, tau=tau,
-                         merge=merge, codec=Quant4(block) if bits == 4 else None)
+                         merge=merge, codec=Quant4(block) if bits == 4 else None, lr_scale=lr_scale)
