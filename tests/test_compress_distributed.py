@@ -15,7 +15,7 @@ from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.runtime.comm import Comm, CommLedger
 
 AVG_SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=8", "randomk:ratio=0.3,seed=1",
-             "topk:ratio=0.2,warmup=1,stage_steps=1", "powersgd:rank=2", "sign"]
+             "topk:ratio=0.2,warmup=1,stage_steps=1", "powersgd:rank=2", "powersgd:rank=2,start=1", "sign"]
 DDP_SPECS = ["none", "powersgd:rank=2", "topk:ratio=0.2,warmup=0", "int8", "sign"]
 
 
@@ -54,7 +54,7 @@ def _avg_worker(rank, port, out_dir):
                 comm.ledger.reset()
                 out = compress_and_average(tensors, comm, c)
                 inner = c.inner if isinstance(c, ErrorFeedback) else c
-                kw = {"step": step} if isinstance(inner, TopK) else {}
+                kw = {"step": step} if isinstance(inner, (TopK, PowerSGD)) else {}
                 results[(spec, step)] = (out, comm.ledger.total_sent, analytic_nbytes(tensors, c, **kw), comm.ledger.total_received)
             if spec.startswith("powersgd"):
                 results[(spec, "Q")] = c.inner.states["w"]["Q"]
@@ -167,6 +167,9 @@ def test_compress_and_average_two_ranks(tmp_path):
                     b = _inputs(1, step)[n]
                     expect = ((a.float() + b.float()) / 2).to(a.dtype)
                     assert torch.equal(out0[n], expect), n
+            if spec == "powersgd:rank=2,start=1" and step == 0:  # the uncompressed start equals plain averaging
+                for n in out0:
+                    assert torch.equal(out0[n], r0[("none", 0)][0][n]), n
             if spec in ("fp16", "bf16", "int8"):
                 a, b = _inputs(0, step)["w"], _inputs(1, step)["w"]
                 rel = float((out0["w"] - (a + b) / 2).norm() / ((a + b) / 2).norm())

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from islands.compress.base import Agreed, Combine, Compressor, NonFiniteGradientError, Payload, check_finite, check_float
+from islands.compress.base import Agreed, Combine, Compressor, NonFiniteGradientError, Payload, all_finite, check_finite, check_float
 from islands.runtime.comm import Comm
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -31,7 +31,7 @@ FINITE_FLAG_NBYTES = 4  # one int32 per call: how many ranks saw NaN/Inf
 
 
 def _non_finite(named_tensors: dict[str, Tensor]) -> list[str]:
-    return [n for n, t in named_tensors.items() if t.numel() and not bool(torch.isfinite(t).all())]
+    return [n for n, t in named_tensors.items() if not all_finite(t)]
 
 
 def agree_all_finite(named_tensors: dict[str, Tensor], comm: Comm) -> None:

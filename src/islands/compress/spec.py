@@ -37,15 +37,25 @@ SPECS: dict[str, tuple[Callable[..., CompressorBase], _P, bool]] = {
     "qsgd": (lambda levels, seed: QSGD(levels, seed), {"levels": (int, 16, "levels per sign, 1..127"), "seed": (int, 0, "rounding RNG seed")}, False),
     "randomk": (lambda ratio, seed: RandomK(ratio, seed), {"ratio": (float, 0.01, "fraction sent"), "seed": (int, 0, "index RNG seed")}, False),
     "topk": (
-        lambda ratio, warmup, stage_steps: TopK(ratio, bool(warmup), steps_per_stage=stage_steps),
+        lambda ratio, warmup, stage_steps, sample: TopK(ratio, bool(warmup), steps_per_stage=stage_steps, sample=sample),
         {
             "ratio": (float, 0.001, "fraction sent after warm-up"),
             "warmup": (int, 1, "1/0: DGC sparsity warm-up 75%..99.9%"),
             "stage_steps": (int, 100, "steps per warm-up stage"),
+            "sample": (float, 0.0, "fraction sampled to estimate the threshold, exact top-k of the candidates (DGC); 0 = plain topk"),
         },
         True,
     ),
-    "powersgd": (lambda rank, seed: PowerSGD(rank, seed), {"rank": (int, 4, "approximation rank"), "seed": (int, 0, "Q init seed, same on all ranks")}, True),
+    "powersgd": (
+        lambda rank, seed, start, min_rate: PowerSGD(rank, seed, start, min_rate),
+        {
+            "rank": (int, 4, "approximation rank"),
+            "seed": (int, 0, "Q init seed, same on all ranks"),
+            "start": (int, 0, "uncompressed steps first (torch's start_powerSGD_iter)"),
+            "min_rate": (float, 1.0, "send a matrix uncompressed unless n*m >= min_rate*(n+m)*rank"),
+        },
+        True,
+    ),
     "sign": (lambda: MajorityVote(), {}, True),
 }
 

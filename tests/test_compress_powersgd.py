@@ -1,0 +1,136 @@
+"""PowerSGD's options and numerics (single process): uncompressed start, min_rate, Q orthonormalisation,
+and the cheap NaN/Inf check every compress call relies on."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from islands.compress import ErrorFeedback, PowerSGD, parse_compressor
+from islands.compress.base import all_finite
+from islands.compress.powersgd import orthonormal
+
+
+def _steps(c, t, n, name="w"):
+    return [c.compress(t, c.state(name, t)) for _ in range(n)]
+
+
+def test_start_sends_whole_tensors_then_factors_and_counts_bytes():
+    c = PowerSGD(rank=2, start=3)
+    t = torch.randn(12, 10, generator=torch.Generator().manual_seed(1))
+    payloads = _steps(c, t, 5)
+    for step, p in enumerate(payloads):
+        assert p.nbytes == c.payload_nbytes(t.shape, t.dtype, step=step), step
+    assert [p.nbytes for p in payloads] == [480, 480, 480, (12 + 10) * 2 * 4, (12 + 10) * 2 * 4]
+    assert all(torch.equal(c.decompress(p), t) for p in payloads[:3])  # exact while uncompressed
+    assert payloads[3].shared and not payloads[2].shared
+    assert c.payload_nbytes(t.shape, t.dtype) == (12 + 10) * 2 * 4  # step unknown: the steady state
+
+
+def test_start_leaves_no_residual_and_q_untouched_until_compression():
+    ef = parse_compressor("powersgd:rank=2,start=2")
+    t = torch.randn(9, 8, generator=torch.Generator().manual_seed(2))
+    q0 = ef.inner.state("w", t)["Q"].clone()
+    for _ in range(2):
+        ef.compress(t, ef.state("w", t))
+        assert torch.equal(ef.states["w"]["residual"], torch.zeros_like(t))
+    assert torch.equal(ef.inner.states["w"]["Q"], q0)
+    ef.compress(t, ef.state("w", t))
+    assert float(ef.states["w"]["residual"].abs().max()) > 0  # rank 2 of a random 9 x 8 matrix is lossy
+    assert ef.inner.states["w"]["step"] == 3
+
+
+def test_start_step_survives_checkpoint():
+    c = PowerSGD(rank=2, start=2)
+    t = torch.randn(7, 6)
+    _steps(c, t, 1)
+    c2 = PowerSGD(rank=2, start=2)
+    c2.load_state_dict(c.state_dict())
+    assert not c2.compress(t, c2.state("w", t)).shared  # still the second uncompressed step
+    assert c2.compress(t, c2.state("w", t)).shared
+
+
+def test_min_rate_follows_torch_rule():
+    # 16 x 16 at rank 2: 256 values vs 64 in factors, a rate of exactly 4
+    assert PowerSGD(2, min_rate=3.9).matrix((16, 16)) == (16, 16, 2)
+    assert PowerSGD(2, min_rate=4.0).matrix((16, 16)) is None  # torch compresses only when rate > min_rate
+    assert PowerSGD(2).matrix((4, 4)) is None and PowerSGD(2).matrix((10,)) is None
+    assert PowerSGD(2, min_rate=100).payload_nbytes((16, 16), torch.float32) == 1024
+
+
+def test_warm_start_resolves_small_singular_values():
+    """Singular values 1 .. 1e-4 (a steep gradient spectrum): after a few warm-started steps even the
+    smallest component comes through the fp32 factorisation."""
+    g = torch.Generator().manual_seed(3)
+    U = orthonormal(torch.randn(64, 4, generator=g))
+    V = orthonormal(torch.randn(48, 4, generator=g))
+    M = U @ torch.diag(torch.tensor([1.0, 1e-2, 1e-3, 1e-4])) @ V.t()
+    c = PowerSGD(rank=4)
+    for _ in range(6):
+        out = c.decompress(c.compress(M, c.state("w", M)))
+    assert float((out - M).norm()) < 1e-5  # well below the 1e-4 component
+
+
+@pytest.mark.parametrize("bad", ["powersgd:start=-1", "powersgd:start=1.5", "powersgd:min_rate=0.5", "powersgd:rank=0"])
+def test_bad_powersgd_specs_raise_clearly(bad):
+    with pytest.raises(ValueError) as e:
+        parse_compressor(bad)
+    assert "powersgd" in str(e.value)
+
+
+def test_spec_sets_start_and_min_rate():
+    c = parse_compressor("powersgd:rank=3,start=5,min_rate=2")
+    assert isinstance(c, ErrorFeedback) and (c.inner.rank, c.inner.start, c.inner.min_rate) == (3, 5, 2.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.data(), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       st.sampled_from([float("nan"), float("inf"), -float("inf"), None]))
+def test_all_finite_equals_isfinite_all(n, data, dtype, bad):
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    if bad is not None:
+        for i in data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)):
+            t[i] = bad
+    assert all_finite(t) == bool(torch.isfinite(t).all())
+    assert all_finite(t.reshape(1, -1).t()) == all_finite(t)  # non-contiguous views too
+    assert all_finite(torch.zeros(0, 3, dtype=dtype))
+
+
+# ---- DGC's sampled top-k threshold (LIT-056): exact selection, cheaper on big tensors ------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3000), st.floats(0.0005, 0.6), st.sampled_from([0.001, 0.01, 0.2, 1.0]), st.integers(0, 2**20))
+def test_sampled_topk_selects_exactly_the_top_k(n, ratio, sample, seed):
+    from islands.compress.topk import sampled_topk_indices
+
+    mag = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    k = max(1, min(n, int(ratio * n)))
+    got = sampled_topk_indices(mag, k, sample, seed)
+    assert got.numel() == k
+    assert set(got.tolist()) == set(torch.topk(mag, k).indices.tolist())
+
+
+def test_sampled_topk_falls_back_when_the_estimate_is_too_high(monkeypatch):
+    import islands.compress.topk as topk
+
+    monkeypatch.setattr(topk, "SAMPLE_MARGIN", 1e-3)  # threshold = the sample's maximum: too few candidates
+    mag = torch.rand(100_000, generator=torch.Generator().manual_seed(5))
+    got = topk.sampled_topk_indices(mag, 500, 0.001, 0)
+    assert int((mag >= mag[got].min()).sum()) == 500
+    assert set(got.tolist()) == set(torch.topk(mag, 500).indices.tolist())
+
+
+def test_topk_sample_option_matches_plain_topk_and_keeps_global_rng():
+    from islands.compress import TopK
+
+    t = torch.randn(300, 300, generator=torch.Generator().manual_seed(4))  # above MIN_SAMPLED_NUMEL
+    before = torch.get_rng_state().clone()
+    plain, sampled = TopK(0.01), TopK(0.01, sample=0.01)
+    for _ in range(2):
+        a = plain.decompress(plain.compress(t, plain.state("w", t)))
+        b = sampled.decompress(sampled.compress(t, sampled.state("w", t)))
+        assert torch.equal(a, b)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert parse_compressor("topk:ratio=0.01,sample=0.01").inner.sample == 0.01
+    with pytest.raises(ValueError, match="sample"):
+        parse_compressor("topk:sample=2")
