@@ -18,7 +18,8 @@ from islands.compress import Agreed, Combine, parse_compressor
 from islands.models import ByteTransformer
 
 SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=16", "randomk:ratio=0.01",
-         "topk:ratio=0.01,warmup=0", "topk:ratio=0.001,warmup=0", "powersgd:rank=4", "sign"]
+         "topk:ratio=0.01,warmup=0", "topk:ratio=0.001,warmup=0", "topk:ratio=0.01,warmup=0,sample=0.01",
+         "topk:ratio=0.001,warmup=0,sample=0.01", "powersgd:rank=4", "sign"]
 
 
 def _roundtrip(c, grads: dict[str, torch.Tensor]) -> None:
@@ -75,10 +76,16 @@ def compressor_throughput(ctx: BenchContext) -> dict:
     ranked = sorted(rows[1:], key=lambda r: r["gb_per_s"])
     slow, fast = ranked[0], ranked[-1]
     psgd = next(r for r in rows if r["compressor"] == "powersgd:rank=4")
+    by = {r["compressor"]: r for r in rows}
+    sampled = "; ".join(
+        f"top-k {d} exact {by[f'topk:ratio={d},warmup=0']['gb_per_s']:.3f} vs sampled threshold "
+        f"{by[f'topk:ratio={d},warmup=0,sample=0.01']['gb_per_s']:.3f} GB/s" for d in ("0.01", "0.001"))
     headline = [
         f"memcpy of the same {nbytes / 1e6:.1f} MB of gradients: {rows[0]['gb_per_s']:.2f} GB/s on one thread",
         f"fastest compressor {fast['compressor']} {fast['gb_per_s']:.2f} GB/s ({fast['vs_memcpy']:.2f}x memcpy); slowest "
         f"{slow['compressor']} {slow['gb_per_s']:.3f} GB/s ({slow['vs_memcpy']:.4f}x); PowerSGD rank 4 {psgd['gb_per_s']:.2f} GB/s",
+        f"DGC's threshold from a 1% sample (LIT-056; same selection, exact top-k of the candidates, tensors of "
+        f">= 64 K entries only): {sampled}",
         f"in-process, no network: a compressor with throughput T and ratio c saves time only on links slower than "
         f"T (1 - 1/c) (x8 for Gbit/s), e.g. PowerSGD here below {8 * psgd['gb_per_s']:.2f} Gbit/s; best of {reps} "
         "repetitions on a shared, heavily loaded 2-core machine",
