@@ -1,5 +1,5 @@
-"""Codec v2 internals that the property tests reach only by chance: exponent pair packing with escapes,
-the content-hash options, per-thread scratch buffers, and frame-header damage."""
+"""Codec v3 internals that the property tests reach only by chance: exponent pair packing with escapes,
+the per-dtype plane layouts, the content-hash options, per-thread scratch buffers, frame-header damage."""
 
 import threading
 
@@ -9,7 +9,8 @@ import torch
 
 from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.planes import ESCAPE, PlaneBuffers, pack_exponents, unpack_exponents
+from islands.checkpoint.layouts import layout_for
+from islands.checkpoint.planes import ESCAPE, escape_positions, pack_exponents, unpack_exponents, write_exponent_field
 
 
 def weights_with_outliers(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -26,7 +27,7 @@ def test_pair_packing_round_trips_with_escapes_and_odd_counts(n):
     rng = np.random.default_rng(n)
     x = (rng.integers(118, 126, n) if n > 3 else rng.integers(0, 256, n)).astype(np.uint8)
     x[:: max(1, n // 7)] = rng.integers(0, 256, len(x[:: max(1, n // 7)]))
-    packed = pack_exponents(x, PlaneBuffers(2, n))
+    packed = pack_exponents(x)
     if packed is None:  # too many escapes for a tiny plane: the plain plane is used instead
         assert n <= 17
         return
@@ -35,18 +36,66 @@ def test_pair_packing_round_trips_with_escapes_and_odd_counts(n):
     back = unpack_exponents(codes.copy(), escaped.copy(), base, n)
     assert np.array_equal(back, x)
     assert escaped.size == int(((x - np.uint8(base)) >= ESCAPE).sum())
+    # The decoder's fused path: exponents straight into the bit field of output words.
+    for word, shift in ((np.uint16, 7), (np.uint32, 23)):
+        words = np.zeros(n, word)
+        write_exponent_field(codes, base, words, shift)
+        pos = escape_positions(codes, n)
+        words[pos] = escaped.astype(word) << word(shift)
+        assert np.array_equal((words >> word(shift)).astype(np.uint8), x)
 
 
 def test_pair_packing_refuses_noise_and_detects_mismatched_streams():
     noise = np.random.default_rng(0).integers(0, 256, 4096).astype(np.uint8)
-    assert pack_exponents(noise, PlaneBuffers(2, 4096)) is None
+    assert pack_exponents(noise) is None
     x = np.full(100, 120, np.uint8)
     x[3] = 0
-    base, codes, escaped = pack_exponents(x, PlaneBuffers(2, 100))
+    base, codes, escaped = pack_exponents(x)
+    codes = codes.copy()
     with pytest.raises(ValueError, match="escape"):
-        unpack_exponents(codes.copy(), escaped[:0], base, 100)
+        unpack_exponents(codes, escaped[:0], base, 100)
     with pytest.raises(ValueError, match="packed bytes"):
-        unpack_exponents(codes[:-1].copy(), escaped, base, 100)
+        unpack_exponents(codes[:-1], escaped, base, 100)
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 33, 4097])
+def test_escape_positions_match_a_plain_scan(n):
+    rng = np.random.default_rng(n)
+    codes = rng.integers(0, 16, n).astype(np.uint8)
+    padded = np.append(codes, 0) if n % 2 else codes
+    packed = (padded[0::2] | (padded[1::2] << 4)).astype(np.uint8)
+    assert np.array_equal(escape_positions(packed, n), np.flatnonzero(codes == ESCAPE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
+def test_each_layout_splits_and_joins_every_bit_pattern(dtype):
+    # Every 16-bit pattern once (bf16/fp16), or random words: all signs, exponents, NaN payloads.
+    size = torch.empty((), dtype=dtype).element_size()
+    rng = np.random.default_rng(size)
+    raw = (np.arange(1 << 16, dtype=np.uint16).view(np.uint8) if size == 2 else
+           rng.integers(0, 256, 50_000 * size, dtype=np.uint8))
+    layout = layout_for(dtype)
+    exponent, planes = layout.split(raw)
+    if isinstance(exponent, tuple):  # pair-packed: copy out of scratch, as the codec does via zstd
+        exponent = (exponent[1].copy(), exponent[2].copy(), exponent[0])
+    elif exponent is not None:
+        exponent = exponent.copy()
+    planes = [p.copy() for _, p in planes]
+    out = np.empty_like(raw)
+    layout.join(exponent, planes, out)
+    assert np.array_equal(out, raw)
+
+
+def test_float_layouts_code_what_they_promise():
+    # bf16/fp32: the exponent plane is paired; fp16: the high byte is entropy-coded, the low byte probed.
+    w = weights_with_outliers(100_000, torch.float32)
+    kinds = {}
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        header, _ = read_header(encode_tensor(w.to(dtype)))
+        kinds[dtype] = [s["m"] for s in header["chunks"][0]["streams"]]
+    assert kinds[torch.bfloat16][:2] == ["p", "x"] and len(kinds[torch.bfloat16]) == 3
+    assert kinds[torch.float32][:2] == ["p", "x"] and len(kinds[torch.float32]) == 5
+    assert kinds[torch.float16][0] == "h" and len(kinds[torch.float16]) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.complex64])

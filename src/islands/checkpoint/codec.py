@@ -1,21 +1,22 @@
 """Lossless, dtype-aware tensor codec: float exponents split out and entropy-coded (SOTA-437, LIT-750).
 
 In trained floats only the exponent is redundant (LIT-750: ~40 of 256 exponent values occur and the
-stream codes to about a third) while sign and mantissa bits look random. So each float element is
-rotated left by one bit, which puts the sign next to the mantissa and lines the exponent up on a byte
-boundary (bf16 `seeeeeeeemmmmmmm` -> `eeeeeeeemmmmmmms`), then cut into byte planes:
-  exponent plane(s)  -> zstd with an LZ stage starved to nothing, which leaves zstd's Huffman literal
-                        coder doing the work (as small as level 19, ~100x faster; see docs/checkpointing.md)
-  mantissa planes    -> the same coder, stored raw when it does not gain at least 0.2%
+stream codes to about a third) while sign and mantissa bits look random. layouts.py cuts each float
+dtype into byte planes (the 8-bit exponent alone where it is one, packed two codes per byte by
+planes.py); then
+  exponent streams -> zstd with an LZ stage starved to nothing, which leaves zstd's Huffman literal
+                      coder doing the work (as small as level 19, ~100x faster; see docs/checkpointing.md)
+  mantissa planes  -> the same coder, stored raw when a sample of the plane does not shrink by 1%
 Integers, bools, 1-byte floats and anything else go through plain zstd.
 
 Optional XOR delta against a base tensor of the same shape and dtype (SOTA-437: deltas against a base
 up to K checkpoints back): unchanged exponent and high mantissa bits become zero bytes.
 
-Integrity: every stored stream carries a CRC-32 (detects any burst of <= 32 bits, so any single
-damaged byte, at ~2 GB/s); the header carries its own CRC-32; the decoded tensor is checked against a
-SHA-256 content hash (collision resistant, so the store can also dedup on it; SHA-256 beats blake2b here
-at ~1.5 GB/s thanks to CPU SHA extensions). The input tensor is only ever read.
+Integrity: every stream is a zstd frame with an XXH64 content checksum (checked by zstd while decoding,
+~10 GB/s); the first bytes of each frame carry a CRC-32 so a flipped header flag cannot switch that
+check off; the header carries its own CRC-32; the decoded tensor is checked against a SHA-256 content
+hash when one was stored (collision resistant, so the store also dedups on it). The input tensor is
+only ever read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import json
 import struct
 import sys
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -32,10 +34,12 @@ import torch
 import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.planes import pack_exponents, plane_buffers, unpack_exponents
+from islands.checkpoint.layouts import layout_for
 
 MAGIC = b"ISLT"
-VERSION = 2  # 2: every stream is a zstd frame with a content checksum (1: raw streams with a CRC-32)
+# 3: per-dtype plane layouts (layouts.py); 2: one rotated layout for all floats; 1: raw streams with a
+# CRC-32. Only 3 is read: no stored checkpoint outlives a format change in this project yet.
+VERSION = 3
 _FRAME_HEAD = 64  # leading bytes of each frame (frame and first block header) covered by a CRC-32
 # A mantissa plane is entropy-coded only if its first 64 KiB shrink by at least 1% (LIT-750: they
 # rarely do in trained weights; the rest is stored in raw zstd blocks, which costs a copy).
@@ -43,19 +47,6 @@ _PROBE_BYTES = 64 << 10
 _PROBE_GAIN = 0.99
 _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 _CRC = struct.Struct("<I")
-
-# Float dtypes -> (element bytes, how many top byte planes hold exponent bits after the rotation).
-# fp64's 11-bit exponent spans the top byte and 3 bits of the next, so both go to the entropy coder.
-_FLOAT_LAYOUT = {
-    torch.bfloat16: (2, 1),
-    torch.float16: (2, 1),  # 5-bit exponent + 3 mantissa bits share the top byte
-    torch.float32: (4, 1),
-    torch.float64: (8, 2),
-}
-# Where the top plane is exactly the 8-bit exponent, exponents are packed two to a byte (planes.py).
-_PAIRED_EXPONENT = {torch.bfloat16, torch.float32}
-# Complex numbers are pairs of floats: code them as their real dtype.
-_COMPLEX_AS = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}
 
 LAYOUTS = ("split", "zstd", "raw")
 
@@ -137,19 +128,17 @@ def _content_hash_of(dtype: str, shape: list[int], raw: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _layout_for(dtype: torch.dtype, requested: str) -> tuple[str, int, int]:
-    """(layout, element bytes, exponent planes) actually used for this dtype."""
+def _layout_for(dtype: torch.dtype, requested: str):
+    """(layout name actually used, float layout object or None) for this dtype."""
     if requested != "split":
-        return requested, 0, 0
-    real = _COMPLEX_AS.get(dtype, dtype)
-    if real in _FLOAT_LAYOUT:
-        size, exp_planes = _FLOAT_LAYOUT[real]
-        return "split", size, exp_planes
-    return "zstd", 0, 0
+        return requested, None
+    planes = layout_for(dtype)
+    return ("split", planes) if planes is not None else ("zstd", None)
 
 
 class _Coders:
-    """zstd objects are not thread-safe: each encode/decode call builds its own (cheap).
+    """One thread's zstd objects (they are not thread-safe), reused across calls: a fresh context
+    allocates and page-faults its work space on first use, which costs more than a small tensor's coding.
 
     Every stream is one zstd frame with a content checksum (XXH64, checked by zstd when decoding).
     """
@@ -158,6 +147,19 @@ class _Coders:
         self.exponent = zstandard.ZstdCompressor(compression_params=_exponent_params())
         self.stored = zstandard.ZstdCompressor(compression_params=_stored_params())
         self.general = zstandard.ZstdCompressor(level=level, write_checksum=True)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_THREAD_CODERS = threading.local()
+
+
+def _coders(level: int) -> _Coders:
+    cache = getattr(_THREAD_CODERS, "by_level", None)
+    if cache is None:
+        cache = _THREAD_CODERS.by_level = {}
+    if level not in cache:
+        cache[level] = _Coders(level)
+    return cache[level]
 
 
 def _frame(data, coder, method: str) -> tuple[dict, bytes]:
@@ -174,6 +176,20 @@ def _mantissa_frame(plane: np.ndarray, coders: _Coders) -> tuple[dict, bytes]:
     if len(coders.exponent.compress(sample)) < _PROBE_GAIN * len(sample):
         return _frame(plane, coders.exponent, "h")
     return _frame(plane, coders.stored, "s")
+
+
+def _split_streams(planes, piece: np.ndarray, coders: _Coders) -> tuple[list, dict]:
+    exponent, others = planes.split(piece)
+    streams, extra = [], {}
+    if isinstance(exponent, tuple):  # packed pairs of 4-bit codes and the escaped exponents
+        base, codes, escaped = exponent
+        streams += [_frame(codes, coders.exponent, "p"), _frame(escaped, coders.exponent, "x")]
+        extra = {"pair_base": base}
+    elif exponent is not None:  # too many exponents outside any 15-wide window: the plane whole
+        streams.append(_frame(exponent, coders.exponent, "h"))
+    for kind, plane in others:
+        streams.append(_frame(plane, coders.exponent, "h") if kind == "e" else _mantissa_frame(plane, coders))
+    return streams, extra
 
 
 def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
@@ -203,25 +219,17 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
         base_raw = tensor_bytes(base)
         raw = np.bitwise_xor(raw, base_raw)  # a new array: neither input is touched
         header["delta"] = {"base_hash": _content_hash_of(dtype, shape, base_raw)}
-    layout, size, exp_planes = _layout_for(tensor.dtype, codec.layout)
+    layout, planes = _layout_for(tensor.dtype, codec.layout)
     header["layout"] = layout
-    coders = _Coders(codec.zstd_level)
-    step = max(size, (codec.chunk_bytes // max(size, 1)) * max(size, 1))
-    buffers = plane_buffers(size, min(step, len(raw)) // size) if layout == "split" and len(raw) else None
+    coders = _coders(codec.zstd_level)
+    size = planes.size if planes is not None else 1
+    step = max(size, codec.chunk_bytes // size * size)
     chunks, payload = [], []
-    paired = _COMPLEX_AS.get(tensor.dtype, tensor.dtype) in _PAIRED_EXPONENT
     for start in range(0, len(raw), step):
         piece = raw[start:start + step]
         meta_extra: dict = {}
-        if buffers is not None:
-            planes = buffers.split(piece)
-            packed = pack_exponents(planes[0], buffers) if paired else None
-            streams = [_frame(p, coders.exponent, "h") if k < exp_planes else _mantissa_frame(p, coders)
-                       for k, p in enumerate(planes[1:] if packed else planes, start=int(bool(packed)))]
-            if packed:
-                base_code, codes, escaped = packed
-                streams[:0] = [_frame(codes, coders.exponent, "p"), _frame(escaped, coders.exponent, "x")]
-                meta_extra = {"pair_base": base_code}
+        if planes is not None:
+            streams, meta_extra = _split_streams(planes, piece, coders)
         elif layout == "zstd":
             streams = [_frame(piece, coders.general, "z")]
         else:
@@ -257,6 +265,28 @@ def read_header(blob: bytes | memoryview) -> tuple[dict, int]:
     return header, end + _CRC.size
 
 
+def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray, index: int) -> None:
+    """Check that a chunk's streams have the shapes its layout needs, then rebuild its bytes."""
+    n = out.size // planes.size
+    if out.size % planes.size:
+        raise CorruptCheckpoint(f"chunk {index} holds {out.size} bytes, not whole {planes.size}-byte elements")
+    exponent = None
+    if "pair_base" in chunk:
+        if not hasattr(planes, "shift") or len(decoded) < 2 or decoded[0].size != (n + 1) // 2 or not 0 <= int(chunk["pair_base"]) <= 255:
+            raise CorruptCheckpoint(f"chunk {index}: packed exponents do not fit {n} elements")
+        exponent, decoded = (decoded[0], decoded[1], int(chunk["pair_base"])), decoded[2:]
+    elif hasattr(planes, "shift"):
+        exponent, decoded = (decoded[0] if decoded else None), decoded[1:]
+        if exponent is None or exponent.size != n:
+            raise CorruptCheckpoint(f"chunk {index}: exponent plane does not hold {n} exponents")
+    if len(decoded) != planes.planes or any(d.size != n for d in decoded):
+        raise CorruptCheckpoint(f"chunk {index} has planes that do not add up to {out.size} bytes")
+    try:
+        planes.join(exponent, decoded, out)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"chunk {index}: {exc}") from exc
+
+
 def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
                   verify: bool = True) -> torch.Tensor:
     """Decode a blob from `encode_tensor`. Raises CorruptCheckpoint on any checksum mismatch.
@@ -269,12 +299,11 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     header, pos = read_header(view)
     dtype = dtype_from_name(header["dtype"])
     shape = header["shape"]
-    layout, size, _ = _layout_for(dtype, header["layout"])
+    layout, planes = _layout_for(dtype, header["layout"])
     if layout != header["layout"]:
         raise CorruptCheckpoint(f"layout {header['layout']!r} is impossible for dtype {header['dtype']}")
-    decompressor = zstandard.ZstdDecompressor()
+    decompressor = _coders(TensorCodec.zstd_level).decompressor
     out = np.empty(sum(c["bytes"] for c in header["chunks"]), dtype=np.uint8)
-    buffers = None
     filled = 0
     for index, chunk in enumerate(header["chunks"]):
         decoded = []
@@ -295,17 +324,8 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
                 raise CorruptCheckpoint(f"chunk {index} decoded to {len(data)} bytes, expected {meta['raw']}")
             decoded.append(np.frombuffer(data, dtype=np.uint8))
         n = chunk["bytes"]
-        if layout == "split":
-            if "pair_base" in chunk:
-                try:
-                    exponents = unpack_exponents(decoded[0], decoded[1], int(chunk["pair_base"]), n // size)
-                except ValueError as exc:
-                    raise CorruptCheckpoint(f"chunk {index}: {exc}") from exc
-                decoded[:2] = [exponents]
-            if len(decoded) != size or any(d.size * size != n for d in decoded):
-                raise CorruptCheckpoint(f"chunk {index} has planes that do not add up to {n} bytes")
-            buffers = buffers or plane_buffers(size)
-            buffers.join(decoded, out[filled:filled + n])
+        if planes is not None:
+            _join_chunk(planes, chunk, decoded, out[filled:filled + n], index)
         else:
             if len(decoded) != 1 or decoded[0].size != n:
                 raise CorruptCheckpoint(f"chunk {index} does not hold {n} bytes in one stream")
