@@ -18,6 +18,7 @@ TINY = dict(d_model=32, n_layers=2, n_heads=2, context=16, global_batch=8, worke
     ({"memory_budget_mb": 50.0, "micro_batch": 2}, "chooses micro_batch itself"),
     ({"activation_checkpointing": True, "task": "digits"}, "needs task=lm"),
     ({"precision": "bf16", "inner": "fsdp", "workers": 2}, "not yet wired through inner=fsdp"),
+    ({"micro_batch": 2, "inner": "pipeline", "workers": 2}, "inner=pipeline"),  # either check may speak first
 ])
 def test_bad_memory_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -29,12 +29,13 @@ def check_memory_config(cfg) -> None:
     if cfg.activation_checkpointing and cfg.task != "lm":
         raise ValueError("activation_checkpointing recomputes transformer blocks, so it needs task=lm; "
                          "the digits MLP holds too little to matter")
-    if cfg.memory_budget_mb and cfg.inner_strategy != "fsdp":
+    if cfg.inner_strategy in ("fsdp", "pipeline") and memory_settings_on(cfg):
+        raise ValueError(f"activation_checkpointing, precision, micro_batch and memory_budget_mb are not yet "
+                         f"wired through inner={cfg.inner_strategy} (FSDP has its own mixed precision and "
+                         f"gradient-sync switch; a pipeline owns its own forward and backward and micro-batches); "
+                         f"use inner=ddp or single with them")
+    if cfg.memory_budget_mb:
         _model_for_check(cfg)  # sizing is cheap (a few small passes): fail before any worker starts
-    if cfg.inner_strategy == "fsdp" and memory_settings_on(cfg):
-        raise ValueError("activation_checkpointing, precision, micro_batch and memory_budget_mb are not yet "
-                         "wired through inner=fsdp (FSDP has its own mixed precision and gradient-sync switch); "
-                         "use inner=ddp or single with them")
 
 
 def _model_for_check(cfg) -> None:
