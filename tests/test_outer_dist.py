@@ -87,7 +87,8 @@ def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
                for k in ("exp_avg", "exp_avg_sq") if k in run.opt.state[p]]
     return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
             "rounds": s.rounds, "sends": list(getattr(s, "sends", [])), "numel": s.global_flat.numel(),
-            "bounds": list(getattr(s, "bounds", [])), "moments": np.concatenate(moments) if moments else None}
+            "bounds": list(getattr(s, "bounds", [])), "moments": np.concatenate(moments) if moments else None,
+            "exchange_sent": list(s.exchange.sent) if hasattr(s, "exchange") else []}
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
@@ -111,6 +112,7 @@ SCENARIOS = {
     "diloco-primal": ("diloco:inner_steps=2,outer=primal,weight=0.5", 4),
     "diloco-inner-state": ("diloco:inner_steps=2,sync_inner_state=1", 4),
     "streaming": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,bits=4,block=16", 9),
+    "streaming-zstd": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,bits=4,block=16,entropy=zstd", 9),
     "streaming-f1-fp32": ("streaming-diloco:inner_steps=3,fragments=1,tau=0,bits=32", 7),
     "overlap": ("overlap-local-sgd:tau=2,pull=0.5", 7),
     "easgd": ("easgd:every=2,beta=0.9", 5),
@@ -182,6 +184,19 @@ def test_bytes_counted_equal_analytic(ranks):
         expect = sum(3 * q.payload_nbytes(hi - lo) for lo, hi in s["bounds"])
         assert s["sent"] == {"outer_delta": expect}
         assert expect * 8 < 3 * 2 * n4  # 4-bit payloads: well under the fp32 bytes of the same sends
+
+
+def test_zstd_stage_is_lossless_and_counted(ranks):
+    for r in ranks:
+        plain, z = r["streaming"], r["streaming-zstd"]
+        # the entropy stage changes bytes, never values: the same run lands on the same global model
+        assert z["global"].tobytes() == plain["global"].tobytes()
+        sends = sum(z["sends"])
+        assert z["sent"]["outer_delta_len"] == 8 * sends  # one int64 length per exchange
+        assert len(z["exchange_sent"]) == sends
+        assert z["sent"]["outer_delta"] + z["sent"]["outer_delta_len"] == sum(z["exchange_sent"])
+    # padded to the longest rank's payload: both ranks count the same bytes per exchange
+    assert ranks[0]["streaming-zstd"]["exchange_sent"] == ranks[1]["streaming-zstd"]["exchange_sent"]
 
 
 @pytest.mark.parametrize("name", sorted(RESUMES))

@@ -15,6 +15,7 @@ from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.flat import FlatView, fragment_bounds
 from islands.sync.outer.outer_opt import OuterSGD, PrimalAveraging
 from islands.sync.outer.quant4 import Quant4
+from islands.sync.outer.zstd4 import Quant4Zstd
 
 
 @settings(max_examples=30, deadline=None)
@@ -156,3 +157,47 @@ def test_outer_momentum_state_round_trips():
     assert torch.equal(t.opt.buf, s.opt.buf) and torch.equal(t.global_flat, s.global_flat)
     with pytest.raises(ValueError, match="another model"):
         t.load_state_dict({**state, "global": torch.zeros(3), "local": torch.zeros(3)})
+
+
+def test_zstd_stage_decodes_exactly_what_quant4_decodes_and_beats_4_bits_on_bell_shaped_deltas():
+    torch.manual_seed(0)
+    x = torch.randn(50_001) * 1e-3
+    z, q = Quant4Zstd(1024), Quant4(1024)
+    payload = z.encode(x)
+    assert torch.equal(z.decode(payload, x.numel()), q.decode(q.encode(x), x.numel()))
+    assert payload.numel() < 0.45 * x.numel()  # < 3.6 bits per value; plain 4-bit is 4 bits + scales
+    assert payload.numel() < q.payload_nbytes(x.numel())
+    with pytest.raises(ValueError, match="not a zstd frame"):
+        z.decode(torch.zeros(10, dtype=torch.uint8), x.numel())
+
+
+class _SameDeltaComm:
+    """Four islands that all send this rank's vector: the all-reduce sum is 4x it, the mean is it."""
+
+    size, rank = 4, 0
+
+    def all_reduce(self, tensor, op=None, kind="all_reduce"):
+        return tensor.mul_(4)
+
+
+def test_lr_scale_sqrt_islands_multiplies_the_outer_step_by_sqrt_m():
+    from islands.models import MLP
+
+    steps = {}
+    for scale in ("none", "sqrt-islands"):
+        torch.manual_seed(0)
+        model = MLP(8, 16, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = make_outer(f"diloco:inner_steps=1,outer=sgd,outer_lr=1,momentum=0,lr_scale={scale}", total_steps=5)
+        s.wrap(model, opt, World.single())
+        s.comm = _SameDeltaComm()
+        start = s.global_flat.clone()
+        x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        s.after_step(model, opt, 0)
+        steps[scale] = s.global_flat - start
+    assert torch.allclose(steps["sqrt-islands"], 2.0 * steps["none"], atol=1e-7)  # sqrt(4) = 2
+    assert steps["none"].abs().max() > 0
+    with pytest.raises(ValueError, match="lr_scale"):
+        make_outer("diloco:lr_scale=linear", total_steps=5)

@@ -46,7 +46,10 @@ def make_outer(spec: OuterSpec | str, total_steps: int, warmup: int = 0) -> Oute
 
 def build_outer(cfg, world) -> OuterStrategy:
     """The outer strategy cfg.outer names, for a run of cfg.steps steps."""
-    return make_outer(parse_outer(cfg.outer), cfg.steps, warmup=cfg.warmup)
+    strategy = make_outer(parse_outer(cfg.outer), cfg.steps, warmup=cfg.warmup)
+    if hasattr(strategy, "report_dir"):
+        strategy.report_dir = getattr(cfg, "run_dir", "") or None
+    return strategy
 
 
 __all__ = ["CLASSES", "PARAMS", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",

@@ -17,6 +17,9 @@ Plain DiLoCo is the case F = 1, tau = 0, fp32 payloads.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from islands.sync.outer.base import OuterStrategy
@@ -55,6 +58,7 @@ class DiLoCo(OuterStrategy):
         self.offsets = [(p + 1) * self.inner_steps // self.fragments for p in range(self.fragments)]
         self.pending: list[tuple[int, int, Pending]] = []  # (fragment, step count it lands at, exchange)
         self.sends = [0] * self.fragments  # completed sends per fragment, for tests and reports
+        self.report_dir: str | None = None  # build_outer sets the run dir: rank 0 writes outer_exchanges.json there
 
     def setup(self) -> None:
         self.bounds = fragment_bounds(self.global_flat.numel(), self.fragments)
@@ -79,6 +83,18 @@ class DiLoCo(OuterStrategy):
                 self._land(p, self.exchange.mean(self.comm, delta, name=f"fragment{p}"), adopt=True)
             else:
                 self.pending.append((p, done + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
+        if last:
+            self._write_report()
+
+    def _write_report(self) -> None:
+        """Bytes this rank sent per exchange, for the peak-per-sync figure (the ledger keeps only totals)."""
+        if not self.report_dir or self.comm.rank != 0:
+            return
+        sent = self.exchange.sent
+        path = Path(self.report_dir) / "outer_exchanges.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"strategy": self.name, "fragments": self.fragments, "exchanges": len(sent),
+                                    "peak_sent_bytes": max(sent, default=0), "sent_per_exchange": sent}))
 
     def _land(self, p: int, mean_delta: torch.Tensor, adopt: bool) -> None:
         lo, hi = self.bounds[p]

@@ -6,6 +6,10 @@ Comm), so a different Comm (an elastic one) can be swapped in without touching t
   aggregate=      all-gather, then the same robust aggregator on every rank (islands.aggregate)
   compress=       islands.compress.compress_and_average (error-feedback state is per `name`)
   Quant4 codec    all-gather of 4-bit payloads; each rank decodes all and averages in rank order
+  variable-length codec (Quant4Zstd)  all-gather of each rank's payload length (int64, ledger kind
+                  "<kind>_len"), then of the payloads zero-padded to the longest
+`sent` lists the bytes this rank handed to the Comm in each exchange of the plain and codec paths
+(length gathers included): the per-synchronisation peak is max(sent).
 Every path leaves identical bits on every rank. `start` runs the same exchange on a background
 thread so local steps can proceed while it is in flight (LIT-323, LIT-214).
 """
@@ -47,6 +51,7 @@ class Exchange:
 
             self.compressor = parse_compressor(compress)
         self._pool: ThreadPoolExecutor | None = None
+        self.sent: list[int] = []  # bytes this rank sent per exchange (plain and codec paths, comm.size > 1)
 
     def mean(self, comm, flat: torch.Tensor, name: str = "params") -> torch.Tensor:
         """Collective: every rank of comm calls it with a vector of the same size, in the same order."""
@@ -63,10 +68,20 @@ class Exchange:
             return robust_all_reduce(flat, comm, self.aggregator, kind=self.kind)
         out = flat.clone()
         comm.all_reduce(out, kind=self.kind)
+        self._count(comm, out.numel() * 4)
         return out.div_(comm.size)
 
+    def _count(self, comm, nbytes: int) -> None:
+        if comm.size > 1:
+            self.sent.append(int(nbytes))
+
     def _gathered(self, comm, flat: torch.Tensor) -> torch.Tensor:
-        payloads = comm.all_gather(self.codec.encode(flat), kind=self.kind)
+        payload = self.codec.encode(flat)
+        if getattr(self.codec, "variable_length", False):
+            payloads = self._gather_variable(comm, payload)
+        else:
+            payloads = comm.all_gather(payload, kind=self.kind)
+            self._count(comm, payload.numel())
         decoded = [self.codec.decode(p, flat.numel()) for p in payloads]
         if self.aggregator is not None:
             return self.aggregator.aggregate(decoded).to(torch.float32)
@@ -74,6 +89,17 @@ class Exchange:
         for d in decoded:  # fixed rank order: the same sum, bit for bit, on every rank
             acc += d
         return acc.div_(len(decoded))
+
+    def _gather_variable(self, comm, payload: torch.Tensor) -> list[torch.Tensor]:
+        """All-gather uint8 payloads of different lengths: lengths first, then payloads padded to the longest."""
+        lengths = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), kind=f"{self.kind}_len")
+        lengths = [int(n.item()) for n in lengths]
+        longest = max(lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = comm.all_gather(padded, kind=self.kind)
+        self._count(comm, 8 + longest)
+        return [g[:n] for g, n in zip(gathered, lengths)]
 
     def start(self, comm, flat: torch.Tensor, name: str = "params") -> Pending:
         """Begin mean() on a background thread; exchanges run one at a time, in call order."""

@@ -67,6 +67,7 @@ PARAMS: dict[str, dict[str, tuple]] = {
         "merge": (0.5, float, "weight kept of the local fragment when the new global one arrives (tau > 0)"),
         "bits": (4, int, "bits per exchanged delta value: 4 (block-scaled) or 32 (plain fp32)"),
         "block": (1024, int, "values per 4-bit quantisation block (one fp32 scale each)"),
+        "entropy": ("none", str, "none | zstd: lossless zstd over the 4-bit codes (bits=4 only; zstd4.py)"),
         **_OUTER_OPT,
         **_EXCHANGE,
     },
@@ -185,6 +186,10 @@ def _check(s: OuterSpec) -> None:
             bad(f"fragments ({p['fragments']}) must be <= inner_steps ({p['inner_steps']}): one start per step at most")
         if p["tau"] >= p["inner_steps"]:
             bad(f"tau ({p['tau']}) must be < inner_steps ({p['inner_steps']}) so a fragment lands before its next send")
+        if p["entropy"] not in ("none", "zstd"):
+            bad(f"entropy must be none or zstd, got {p['entropy']!r}")
+        if p["entropy"] == "zstd" and p["bits"] != 4:
+            bad("entropy=zstd codes the 4-bit deltas; it needs bits=4")
         if p["bits"] == 4 and p["compress"] != "none":
             bad("bits=4 is the built-in quantiser; to use compress= set bits=32")
     if "topology" in p:
