@@ -41,6 +41,16 @@ def test_join_stall_and_two_events():
     assert join["longest_gap_s"] == pytest.approx(0.4) and join["stall_s"] == pytest.approx(0.3)
 
 
+def test_join_released_before_this_survivor_committed_the_kill_starts_from_the_kill_change():
+    # kill at 0.45; this survivor commits the smaller group only at 5.5, just after the join at 5.49;
+    # the joiner is in from 5.8: the join's span is 5.5 -> 5.8, not measured against the pre-kill size
+    commits = _rounds(0.0, 5, 0.1, 4) + [(5.5, 3), (5.8, 4), (5.9, 4)]
+    kill, join = event_stalls(commits, [(0.45, "kill"), (5.49, "join")])
+    assert kill["longest_gap_s"] == pytest.approx(5.1) and kill["size_after"] == 3
+    assert join["reflected"] and join["size_before"] == 3 and join["size_after"] == 4
+    assert join["longest_gap_s"] == pytest.approx(0.3)
+
+
 def test_event_never_reflected_is_reported_not_invented():
     (row,) = event_stalls(_rounds(0.0, 10, 0.1, 4), [(0.5, "join")])
     assert row["reflected"] is False and "stall_s" not in row
@@ -51,6 +61,8 @@ def test_bad_input_is_refused_with_a_reason():
         event_stalls([(0.0, 2), (0.1, 2)], [(0.05, "kill")])
     with pytest.raises(ValueError, match="'kill' or 'join'"):
         event_stalls(_rounds(0.0, 5, 0.1, 2), [(0.2, "crash")])
+    with pytest.raises(ValueError, match="time order"):
+        event_stalls(_rounds(0.0, 5, 0.1, 2), [(0.3, "kill"), (0.2, "join")])
     with pytest.raises(ValueError, match="before the first event"):
         event_stalls(_rounds(1.0, 5, 0.1, 2), [(0.5, "kill")])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from islands.bench.experiments.churn_torchft import (TorchftSettings, event_stalls, islands_commits, load_torchft,
+                                                      run_torchft, stalls_over_survivors, summarise_torchft)
 from islands.bench.harness import BenchContext, experiment
 
 
@@ -58,6 +61,7 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
             log.setdefault("kills", []).append({"name": name, "round": rnd, "time": time.time()})
         else:
             proc = log["joiner"]
+            log["released"] = time.time()
             store.set("bench/go", "1")  # the pre-started joiner asks to join now
             while not any(p[1] == name for p in get_json(store, "pending", [])) and proc.poll() is None:
                 time.sleep(0.01)
@@ -71,6 +75,7 @@ def _run(ctx: BenchContext, label: str, cfg_values: dict, churn: dict | None) ->
     from islands.runtime.elastic_launch import launch_elastic
 
     run_dir = ctx.out_dir / "runs" / label
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale elastic/<name>.json would pass for a survivor's record
     cfg = ctx.config(run_dir=str(run_dir), **cfg_values)
     log: dict = {"join_dir": run_dir / "joiner"}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +127,28 @@ def _summarise(run: dict) -> dict:
         join_stall = [e["stall_seconds"] for m in members.values() for e in m["final"]["events"] if e["type"] == "join"]
         out["join"] = {"rounds_without_it_after_ready": first_with, "ready_after_admission_s": ready - join["admitted"], "contributed_rounds": sum(
             1 for s in joiner["syncs"] if s["kind"] == "outer_delta"), "members_stall_s": max(join_stall)}
+    # the common metric, as for torchft (churn_torchft.event_stalls): gaps between committed rounds
+    marks = [(k["time"], "kill") for k in log.get("kills", [])] + ([(log["released"], "join")] if join else [])
+    per = {n: event_stalls(islands_commits(m), marks) for n, m in members.items() if not join or n != join["name"]}
+    out["round_gap_stalls"] = stalls_over_survivors(per)
+    return out
+
+
+def _torchft_side(ctx: BenchContext, base: dict, workers: int, h: int, plan: dict) -> dict:
+    """torchft's calm and churned runs on the same task, or why they could not run."""
+    version, why = load_torchft(ctx.log)
+    if version is None:
+        ctx.log(f"torchft not run: {why}")
+        return {"error": why}
+    settings = TorchftSettings(timeout_s=base["timeout"])
+    out = {"version": version, "settings": settings.describe()}
+    for label, events in (("torchft-no-churn", None), ("torchft-churn", plan)):
+        run_dir = ctx.out_dir / "runs" / label
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ctx.log(f"run {label}: {workers} torchft {version} replicas, DiLoCo H={h}, churn={events}")
+        run = run_torchft(ctx.config(run_dir=str(run_dir), **base), run_dir, workers, h, events, settings,
+                          log=ctx.log)
+        out[label] = {**summarise_torchft(run), "events": run["events"], "seconds": run["seconds"]}
     return out
 
 
@@ -132,24 +159,45 @@ def _plot(result: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    k = 10  # per-round losses of an 8-sample batch are noisy: plot a running mean over 10 rounds
     for label, series in result["curves"].items():
-        ax.plot([p["step"] for p in series], [p["loss"] for p in series], label=label)
+        loss = [p["loss"] for p in series]
+        mean = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
+        ax.plot([p["step"] for p in series], mean, label=label, lw=1)
     for step, text in result["event_steps"]:
         ax.axvline(step, color="grey", ls=":")
         ax.text(step, ax.get_ylim()[1], text, fontsize=7, rotation=90, va="top")
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (rank 0)")
-    ax.set_title("churn: elastic DiLoCo, workers killed and joined mid-run", fontsize=9)
+    ax.set_ylabel("train loss, first worker, mean of 10 rounds")
+    ax.set_yscale("log")
+    ax.set_title("churn: DiLoCo, workers killed and joined mid-run (islands elastic vs torchft)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _gap_cols(stalls: list[dict]) -> dict:
+    """Row columns of the common metric: one per event (kill1, kill2, join), max over survivors."""
+    cols, kills = {}, 0
+    for s in stalls:
+        kills += s["kind"] == "kill"
+        key = f"kill{kills}" if s["kind"] == "kill" else "join"
+        cols[f"{key}_stall_s"] = s["max_stall_s"] if s["max_stall_s"] is not None else "not reflected"
+    return cols
+
+
+def _stall_text(stalls: list[dict]) -> str:
+    return ", ".join(f"{s['kind']} {s['max_stall_s']:.2f} s" if s["max_stall_s"] is not None
+                     else f"{s['kind']} not reflected" for s in stalls)
+
+
 @experiment("churn", practices=("SOTA-155", "Q-4"),
-            help="kill two workers and add one during elastic DiLoCo: survivors' stall, joiner's wait, loss curve")
+            help="kill two workers and add one during elastic DiLoCo, torchft side by side: survivors' stall, "
+                 "joiner's wait, loss curve")
 def churn(ctx: BenchContext) -> dict:
-    workers = 4 if ctx.quick else 8
+    workers = 4 if ctx.quick else 8  # issue #4: kill two of eight workers and add one
+    load_start = os.getloadavg()[0]
     h = 5
     base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h}",
                 steps=1500 if ctx.quick else 2400, global_batch=8 * workers, eval_every=50, warmup=10, lr=3e-3,
@@ -160,30 +208,57 @@ def churn(ctx: BenchContext) -> dict:
     calm = _run(ctx, "no-churn", base, None)
     churned = _run(ctx, "churn", base, plan)
     summary = _summarise(churned)
-    rows = [{"run": "no-churn", "final_val_loss": calm["record"]["summary"]["final_val_loss"],
-             "final_workers": workers, "max_stall_s": 0.0},
-            {"run": "churn", "final_val_loss": churned["record"]["summary"]["final_val_loss"],
-             "final_workers": summary["final_workers"],
-             "max_stall_s": max(s["max_stall_s"] for s in summary["stalls"])}]
+    ft = _torchft_side(ctx, base, workers, h, plan)
     j = summary["join"]
+    calm_cols = {k: "-" for k in _gap_cols(summary["round_gap_stalls"])}
+    rows = [{"run": "islands no-churn", "final_val_loss": calm["record"]["summary"]["final_val_loss"],
+             "final_workers": workers, **calm_cols, "join_wait_rounds": "-", "detect_to_commit_max_s": "-"},
+            {"run": "islands churn", "final_val_loss": churned["record"]["summary"]["final_val_loss"],
+             "final_workers": summary["final_workers"], **_gap_cols(summary["round_gap_stalls"]),
+             "join_wait_rounds": j["rounds_without_it_after_ready"],
+             "detect_to_commit_max_s": max(s["max_stall_s"] for s in summary["stalls"])}]
     headline = [
         f"{workers} workers, two SIGKILLed (rounds {plan['kills']}) and one started at round {plan['join']}: the job "
         f"finished with {summary['final_workers']} workers and survivors agreed bitwise: {summary['digests_agree']}",
-        "survivors' stall per kill (detect -> retried exchange committed): " + ", ".join(
-            f"{s['killed']} {s['max_stall_s']:.2f} s max over {s['survivors']}" for s in summary["stalls"])
-        + " (goal: < 2 s)",
-        f"joiner: ready (trainer built) {j['ready_after_admission_s']:.2f} s after admission; "
-        f"{j['rounds_without_it_after_ready']} round(s) committed after it was ready without it (goal <= 1), then contributed to {j['contributed_rounds']} rounds; members paused {j['members_stall_s']:.2f} s "
+        "islands survivors' stall per event (longest gap between committed rounds, from the last before the event to "
+        "the first by the changed group, minus a normal round; max over survivors): "
+        + _stall_text(summary["round_gap_stalls"]) + " (goal: < 2 s); detect -> retried exchange committed: "
+        + ", ".join(f"{s['killed']} {s['max_stall_s']:.2f} s" for s in summary["stalls"]),
+        f"islands joiner: ready (trainer built) {j['ready_after_admission_s']:.2f} s after admission; "
+        f"{j['rounds_without_it_after_ready']} round(s) committed after it was ready without it (goal <= 1), then "
+        f"contributed to {j['contributed_rounds']} rounds; members paused {j['members_stall_s']:.2f} s "
         "to form the new group and send it the state",
-        f"final val loss {rows[1]['final_val_loss']:.4f} with churn vs {rows[0]['final_val_loss']:.4f} without",
-        "torchft not run side by side (not installed in this invocation); its documented reference is a stall of "
-        "about one heartbeat timeout (5 s default)",
+        f"islands final val loss {rows[1]['final_val_loss']:.4f} with churn vs {rows[0]['final_val_loss']:.4f} without",
     ]
+    curves = {"islands no churn": calm["record"]["series"]["train"], "islands churn": churned["record"]["series"]["train"]}
+    if "error" in ft:
+        headline.append(f"torchft not run side by side: {ft['error']}")
+    else:
+        fc, fq = ft["torchft-churn"], ft["torchft-no-churn"]
+        rows += [{"run": f"torchft {ft['version']} no-churn", "final_val_loss": fq["final_val_loss"],
+                  "final_workers": fq["final_workers"], **calm_cols, "join_wait_rounds": "-"},
+                 {"run": f"torchft {ft['version']} churn", "final_val_loss": fc["final_val_loss"],
+                  "final_workers": fc["final_workers"], **_gap_cols(fc["stalls"]),
+                  "join_wait_rounds": fc["join"]["rounds_without_it_after_ready"],
+                  "detect_to_commit_max_s": "no counterpart"}]
+        headline += [
+            f"torchft {ft['version']} side by side (same task, model, data shards, inner/outer optimizers, H={h}, "
+            f"events at the same rounds; one replica group per worker, its DiLoCo wrapper): survivors' stall "
+            f"{_stall_text(fc['stalls'])} (same metric); joiner: {fc['join']['rounds_without_it_after_ready']} "
+            f"round(s) without it after it was ready, then contributed to {fc['join']['contributed_rounds']} rounds; "
+            f"final val loss {fc['final_val_loss']:.4f} with churn vs {fq['final_val_loss']:.4f} without",
+            f"torchft settings: {ft['settings']}",
+        ]
+        for label, run in (("torchft no churn", fq), ("torchft churn", fc)):  # its log counts rounds: step = round*H
+            curves[label] = [{"step": p["step"] * h, "loss": p["loss"]} for p in run.pop("curve")]
+    headline.append(f"machine load (1-min average) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the "
+                    f"end, on {os.cpu_count()} cores: absolute times are noisy; all four runs shared it")
     event_steps = [(k["round"] * h, f"kill {k['name']}") for k in churned["log"]["kills"]]
     lead = churned["members"][min(churned["members"], key=lambda n: churned["members"][n]["slot"])]
     admitted = churned["log"]["join"]["admitted"]
     before = sum(1 for x in lead["syncs"] if x["kind"] == "outer_delta" and x["start"] + x["seconds"] <= admitted)
     event_steps.append((before * h, "j1 admitted"))
-    return {"rows": rows, "headline": headline, "plot": _plot, "summary": summary, "plan": plan,
-            "curves": {"no churn": calm["record"]["series"]["train"], "churn": churned["record"]["series"]["train"]},
-            "event_steps": event_steps}
+    return {"rows": rows, "headline": headline, "plot": _plot, "summary": summary, "plan": plan, "torchft": ft,
+            "curves": curves, "event_steps": event_steps,
+            "interconnect": ["loopback, one process per worker (islands) or replica (torchft) on this machine"],
+            "baseline": ["the same job without churn; torchft 0.2.0 with the same task and events, same invocation"]}

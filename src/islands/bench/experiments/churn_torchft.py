@@ -9,7 +9,9 @@ The common stall metric (`event_stalls`) works on one survivor's committed outer
 elastic records and torchft's round logs alike: for an event at time t, take the last round committed
 before t and the first round committed after t by a group whose size shows the event (smaller after
 a kill, larger after a join); the stall is the longest gap between consecutive commits in that span
-minus the survivor's normal round time (median gap between commits before the first event).
+minus the survivor's normal round time (median gap between commits before the first event). When an
+event comes before the survivor committed the previous event's change (a join released while a kill
+is still being absorbed), its span starts at that change instead.
 """
 
 from __future__ import annotations
@@ -117,13 +119,16 @@ def event_stalls(commits: list[tuple[float, int]], events: list[tuple[float, str
     calm = [b - a for a, b in zip(times, times[1:]) if b <= first_event]
     if not calm:
         raise ValueError("no committed rounds before the first event: no normal round time to subtract")
+    if [t for t, _ in events] != sorted(t for t, _ in events):
+        raise ValueError("events must be given in time order")
     normal = statistics.median(calm)
-    out = []
+    out, floor = [], 0
     for t_event, kind in events:
         before = [i for i, t in enumerate(times) if t <= t_event]
         if not before:
             raise ValueError(f"event at {t_event} precedes this survivor's first committed round")
-        i0 = before[-1]
+        # an event that comes before this survivor committed the previous event's change starts from that change
+        i0 = max(before[-1], floor)
         size0 = commits[i0][1]
         shows = (lambda s: s < size0) if kind == "kill" else (lambda s: s > size0)
         i1 = next((i for i in range(i0 + 1, len(commits)) if shows(commits[i][1])), None)
@@ -132,6 +137,7 @@ def event_stalls(commits: list[tuple[float, int]], events: list[tuple[float, str
             gap = max(b - a for a, b in zip(times[i0:i1], times[i0 + 1:i1 + 1]))
             row.update(longest_gap_s=gap, stall_s=max(gap - normal, 0.0), rounds_until_reflected=i1 - i0,
                        size_before=size0, size_after=commits[i1][1])
+            floor = i1
         out.append(row)
     return out
 
