@@ -46,7 +46,7 @@ class TrainConfig:
     workers: int = 4
     islands: int = 1
     threads: int = 1  # torch threads per worker: one worker per core is the fair CPU comparison
-    inner: str = "auto"  # auto | single | ddp | fsdp | pipeline
+    inner: str = "auto"  # auto | single | ddp | zero1 | fsdp | pipeline
     outer: str = ""  # "" or a spec such as "diloco:inner_steps=100"
     compress: str = "none"  # compressor spec for the inner gradient exchange
     aggregate: str = "mean"  # aggregator spec
@@ -55,6 +55,9 @@ class TrainConfig:
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
     wrap: str = "block"  # inner=fsdp: model | block | params:N | split:K | graph:K (islands.sync.wrap_policy)
     reshard: bool = True  # inner=fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
+    prefetch: int = 0  # inner=fsdp: gather N units ahead, forward and backward (SOTA-117); 0 = FSDP2's own
+    shard_group: str = ""  # inner=fsdp: ranks per sharding group: "" the island, "auto" sized from memory, N (SOTA-119)
+    shard_budget_mb: float = 0.0  # shard_group=auto: MiB of parameter+gradient+optimizer state per rank; 0 = device memory
     # inner=pipeline: the island's workers are the stages of one pipeline (islands.parallel.pipeline)
     stages: int = 0  # pipeline stages, one per worker of the island; 0 = workers per island
     microbatches: str = "auto"  # micro-batches per step, or auto: the SOTA-019 chooser
@@ -116,7 +119,7 @@ class TrainConfig:
         return {k: getattr(self, k) for k in keys}
 
 
-_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "fsdp", "pipeline")}
+_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")}
 
 
 def _field_types() -> dict[str, type]:
@@ -204,6 +207,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"global_batch ({cfg.global_batch}) must be divisible by workers ({cfg.workers}); "
             f"try global_batch={cfg.workers * max(1, cfg.global_batch // cfg.workers)}"
         )
+    if cfg.prefetch < 0 or cfg.shard_budget_mb < 0:
+        raise ConfigError(f"prefetch and shard_budget_mb must be >= 0; got {cfg.prefetch}, {cfg.shard_budget_mb}")
     if cfg.inner == "single" and cfg.workers_per_island > 1:
         raise ConfigError("inner=single needs one worker per island; use inner=ddp or auto")
     if cfg.task == "digits" and cfg.data:

@@ -37,7 +37,7 @@ def check_specs(cfg: TrainConfig) -> None:
         from islands.sync.outer import parse_outer
 
         parse_outer(cfg.outer)
-    if cfg.islands > 1 and not cfg.outer:
+    if cfg.islands > 1 and not cfg.outer and cfg.inner_strategy != "fsdp":  # fsdp: HSDP across islands
         raise ValueError(
             f"islands={cfg.islands} needs an outer strategy to meet across islands, "
             "e.g. outer='diloco:inner_steps=100' or outer='local-sgd:every=8'; or use islands=1"
@@ -56,9 +56,23 @@ def check_specs(cfg: TrainConfig) -> None:
 def _check_fsdp(cfg: TrainConfig) -> None:
     from islands.sync.wrap_policy import parse_wrap
 
+    from islands.sync.shard_group import check_group, parse_shard_group
+
     parse_wrap(cfg.wrap)  # always: a typo is reported even before inner=fsdp is chosen
+    group = parse_shard_group(cfg.shard_group)
+    if cfg.inner_strategy == "zero1" and (cfg.compress not in ("", "none") or cfg.aggregate not in ("", "mean")
+                                          or cfg.attack or _optimizer_communicates(cfg)):
+        raise ValueError("inner=zero1 partitions an ordinary optimizer over DDP's plain mean; compress, aggregate, "
+                         "attack and 1-bit optimizers are wired for inner=ddp only")
     if cfg.inner_strategy != "fsdp":
+        if group != "" or cfg.prefetch or cfg.shard_budget_mb:
+            raise ValueError(f"shard_group={cfg.shard_group!r}, shard_budget_mb and prefetch={cfg.prefetch} "
+                             "apply to inner=fsdp only")
         return
+    if isinstance(group, int):
+        check_group(group, cfg.workers)
+    if cfg.shard_budget_mb and group != "auto":
+        raise ValueError("shard_budget_mb is the budget of shard_group='auto'; set shard_group='auto' or drop it")
     from islands.compress.optim import parse_optimizer
 
     clash = [f"{k}={getattr(cfg, k)!r}" for k, ok in (("compress", ("", "none")), ("aggregate", ("", "mean")),
@@ -71,6 +85,12 @@ def _check_fsdp(cfg: TrainConfig) -> None:
                          f"{', '.join(clash)}; use inner=ddp for those, or drop them")
 
 
+def _optimizer_communicates(cfg: TrainConfig) -> bool:
+    from islands.compress.optim import parse_optimizer
+
+    return parse_optimizer(cfg.optimizer).communicates
+
+
 def build_inner(cfg: TrainConfig, world: World) -> Strategy:
     if cfg.inner_strategy == "single":
         return Single()
@@ -81,7 +101,9 @@ def build_inner(cfg: TrainConfig, world: World) -> Strategy:
     if cfg.inner_strategy == "fsdp":
         from islands.sync.sharded import FSDP
 
-        return FSDP(wrap=cfg.wrap, reshard_after_forward=cfg.reshard, grad_clip=cfg.grad_clip > 0)
+        return FSDP(wrap=cfg.wrap, reshard_after_forward=cfg.reshard, grad_clip=cfg.grad_clip > 0,
+                    prefetch=cfg.prefetch, shard_group=cfg.shard_group,
+                    memory_budget_bytes=int(cfg.shard_budget_mb * 2**20))
     from islands.compress.optim import OptimizerSynced, parse_optimizer
 
     opt = parse_optimizer(cfg.optimizer)
@@ -91,6 +113,10 @@ def build_inner(cfg: TrainConfig, world: World) -> Strategy:
 
     if is_torch_powersgd(cfg.compress):  # one bucket: torch's hook crashes on gloo with more (FACTS.md)
         return DDP(bucket_mb=max(cfg.bucket_mb, SINGLE_BUCKET_MB), hook_factory=torch_powersgd_hook_factory(cfg.compress, cfg.seed))
+    if cfg.inner_strategy == "zero1":  # DDP's exchange, optimizer state partitioned (SOTA-028)
+        from islands.sync.zero1 import ZeRO1
+
+        return ZeRO1(DDP(bucket_mb=cfg.bucket_mb))
     hook_factory = None
     if cfg.compress not in ("", "none") or cfg.aggregate not in ("", "mean") or cfg.attack:
         from islands.sync.exchange import bucket_hook_factory

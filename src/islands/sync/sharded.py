@@ -137,13 +137,24 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict, after: di
         group["params"] = [swap.get(id(p), p) for p in group["params"]]
 
 
+def _mesh_comm(mesh, world):
+    """A counted Comm over this rank's sharding group of `mesh` (its last dimension)."""
+    from islands.runtime.comm import Comm
+
+    return Comm(mesh.get_group(mesh.ndim - 1), world.ledger)
+
+
 class FSDP(NoOp):
     """FSDP2 over the island's local ranks. `wrap` is a policy spec (islands.sync.wrap_policy)."""
 
     name = "fsdp"
 
     def __init__(self, wrap: str | WrapPolicy = "block", reshard_after_forward: bool = True,
-                 param_dtype: str = "", reduce_dtype: str = "", grad_clip: bool = False):
+                 param_dtype: str = "", reduce_dtype: str = "", grad_clip: bool = False, prefetch: int = 0,
+                 shard_group: str | int = "", memory_budget_bytes: int = 0):
+        """`prefetch` N >= 1: gather the next N units ahead, forward and backward (SOTA-117; 0 = FSDP2's own).
+        `shard_group`: "" (the island), "auto" (smallest group fitting `memory_budget_bytes`) or a rank count;
+        groups smaller than the data-parallel world replicate across each other (HSDP, SOTA-119)."""
         self.policy = parse_wrap(wrap) if isinstance(wrap, str) else wrap
         self.reshard_after_forward = bool(reshard_after_forward)
         for label, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -151,6 +162,14 @@ class FSDP(NoOp):
                 raise ValueError(f"{label}={value!r}; choose one of {', '.join(repr(k) for k in DTYPES)}")
         self.param_dtype, self.reduce_dtype = DTYPES[param_dtype], DTYPES[reduce_dtype]
         self.grad_clip = grad_clip  # the trainer clips: one scalar all-reduce of the global norm per step
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r}; give 0 (FSDP2's implicit prefetch) or N >= 1 units ahead")
+        from islands.sync.shard_group import parse_shard_group
+
+        self.prefetch, self.shard_group = prefetch, parse_shard_group(shard_group)
+        self.memory_budget_bytes = int(memory_budget_bytes)
+        self.group_size = 0  # ranks per sharding group, resolved in wrap
+        self.shard_comm = None  # counted Comm over this rank's sharding group (evaluation gathers)
         self.units: list[Unit] = []
         self.traffic: list[tuple[str, int, int]] = []
         self.full: nn.Module | None = None
@@ -158,13 +177,16 @@ class FSDP(NoOp):
 
     def wrap(self, model, optimizer, world):
         self.world = world
-        if world.workers_per_island == 1:
-            return model  # an island of one has nothing to shard across
+        if world.size == 1:
+            return model  # a world of one has nothing to shard across
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        n = world.workers_per_island
-        mesh = world.mesh["local"]
+        from islands.sync.shard_group import build_mesh, resolve_group
+
         groups, self.units = plan_units(model, self.policy)
+        n = self.group_size = resolve_group(self.shard_group, self.units, world, self.memory_budget_bytes)
+        mesh = build_mesh(world, n)
+        self.shard_comm = world.comm("local") if n == world.workers_per_island else _mesh_comm(mesh, world)
         self.full = copy.deepcopy(model)  # plain copy for evaluation and checkpoints, refreshed on demand
         self.full.register_load_state_dict_post_hook(lambda module, keys: self._scatter_full(model))
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
@@ -173,10 +195,18 @@ class FSDP(NoOp):
             fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
                         reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)  # root: FSDP decides (keeps it gathered for backward)
+        if self.prefetch:
+            from islands.sync.prefetch import set_prefetch
+
+            set_prefetch(model, groups, self.prefetch)
         _repoint_optimizer(optimizer, before, dict(model.named_parameters()))
         pb = (self.param_dtype or torch.float32).itemsize
         gb = (self.reduce_dtype or self.param_dtype or torch.float32).itemsize
-        self.traffic = unit_traffic(self.units, n, self.reshard_after_forward, pb, gb)
+        # a group of one gathers and scatters nothing (FSDP skips both); it only all-reduces across groups
+        self.traffic = unit_traffic(self.units, n, self.reshard_after_forward, pb, gb) if n > 1 else []
+        if world.size > n:  # HSDP: each unit's reduced 1/n gradient shard is all-reduced across the groups
+            self.traffic += [("fsdp_replicate_all_reduce", u.padded_numel(n) // n * gb, u.padded_numel(n) // n * gb)
+                             for u in self.units]
         if self.grad_clip:
             self.traffic.append(("fsdp_grad_norm", 4, 4))  # the fp32 global norm, reduced once
         return model
@@ -190,7 +220,7 @@ class FSDP(NoOp):
         """Collective: every rank of the island must call it. Returns a plain module with full tensors."""
         if self.full is None:
             return model
-        comm = self.world.comm("local")
+        comm = self.shard_comm
         n = comm.size
         with torch.no_grad():
             full = dict(self.full.named_parameters())
@@ -209,7 +239,7 @@ class FSDP(NoOp):
 
     def _scatter_full(self, model) -> None:
         """After a state dict was loaded into the full copy: write each rank's slice into the shards."""
-        n, rank = self.world.workers_per_island, self.world.local_rank
+        n, rank = self.shard_comm.size, self.shard_comm.rank
         full = dict(self.full.named_parameters())
         with torch.no_grad():
             for name, p in model.named_parameters():
