@@ -169,3 +169,16 @@ def test_partition_is_balanced_and_deterministic():
     assert partition([5, 5, 5, 5], 2) == [0, 1, 0, 1]
     with pytest.raises(ValueError, match="n >= 1"):
         partition([1], 0)
+
+
+def test_config_wires_zero1_and_rejects_what_it_cannot_combine():
+    from islands.config import ConfigError, TrainConfig, validate
+    from islands.runtime.world import World
+    from islands.sync.registry import build_inner
+    from islands.sync.zero1 import ZeRO1
+
+    cfg = validate(TrainConfig(workers=2, global_batch=4, inner="zero1", bucket_mb=1.0))
+    inner = build_inner(cfg, World.single())
+    assert isinstance(inner, ZeRO1) and inner.ddp.bucket_mb == 1.0
+    with pytest.raises(ConfigError, match="inner=zero1"):
+        validate(TrainConfig(workers=2, global_batch=4, inner="zero1", compress="topk:ratio=0.01"))
