@@ -146,8 +146,12 @@ def _torchft_side(ctx: BenchContext, base: dict, workers: int, h: int, plan: dic
         run_dir = ctx.out_dir / "runs" / label
         shutil.rmtree(run_dir, ignore_errors=True)
         ctx.log(f"run {label}: {workers} torchft {version} replicas, DiLoCo H={h}, churn={events}")
-        run = run_torchft(ctx.config(run_dir=str(run_dir), **base), run_dir, workers, h, events, settings,
-                          log=ctx.log)
+        try:
+            run = run_torchft(ctx.config(run_dir=str(run_dir), **base), run_dir, workers, h, events, settings,
+                              log=ctx.log)
+        except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+            ctx.log(f"torchft run {label} failed: {exc}")  # ours stands; say exactly why torchft's row is missing
+            return {"error": f"torchft {version} run {label} failed: {type(exc).__name__}: {exc}"[:600]}
         out[label] = {**summarise_torchft(run), "events": run["events"], "seconds": run["seconds"]}
     return out
 
