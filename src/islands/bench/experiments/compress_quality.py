@@ -39,11 +39,16 @@ def _setting(ctx: BenchContext, recs: dict) -> str:
             help="PowerSGD rank 4 and top-k 99.9% with and without error feedback vs ddp on the default LM")
 def ef_ablation(ctx: BenchContext) -> dict:
     stage = _stage_steps(lm_setting(ctx)["steps"])
+    warm = lm_setting(ctx)["warmup"]
     topk = f"topk:ratio=0.001,warmup=1,stage_steps={stage}"
     rows, recs, curves = _runs(ctx, [
         ("ddp", dict(compress="none")),
         ("powersgd-r4-ef", dict(compress="powersgd:rank=4,ef=1")),
         ("powersgd-r4-no-ef", dict(compress="powersgd:rank=4,ef=0")),
+        # references for the PowerSGD rows: torch's own hook (its default 2 uncompressed steps), and ours
+        # with torch's start_powerSGD_iter idea at the LR warm-up length (bytes counted over the whole run)
+        ("torch-powersgd-r4", dict(compress="torch-powersgd:rank=4")),
+        (f"powersgd-r4-ef-start{warm}", dict(compress=f"powersgd:rank=4,start={warm},ef=1")),
         ("topk-99.9-ef", dict(compress=topk + ",ef=1")),
         ("topk-99.9-no-ef", dict(compress=topk + ",ef=0")),
     ])
@@ -51,6 +56,8 @@ def ef_ablation(ctx: BenchContext) -> dict:
     headline = [
         f"PowerSGD rank 4: final val loss with EF {_fmt(by['powersgd-r4-ef'])} vs without EF "
         f"{_fmt(by['powersgd-r4-no-ef'])}; ddp {by['ddp']['final_val_loss']:.3f}",
+        f"PowerSGD rank 4 references: torch's PowerSGD hook {_fmt(by['torch-powersgd-r4'])}; ours after {warm} "
+        f"uncompressed steps {_fmt(by[f'powersgd-r4-ef-start{warm}'])} (bytes over the whole run)",
         f"top-k 99.9%: with EF {_fmt(by['topk-99.9-ef'])} vs without EF {_fmt(by['topk-99.9-no-ef'])}",
         _setting(ctx, recs) + ("; loss gaps show direction only" if ctx.quick else ""),
     ]
