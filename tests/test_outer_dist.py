@@ -112,6 +112,7 @@ SCENARIOS = {
     "diloco-primal": ("diloco:inner_steps=2,outer=primal,weight=0.5", 4),
     "diloco-inner-state": ("diloco:inner_steps=2,sync_inner_state=1", 4),
     "streaming": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,bits=4,block=16", 9),
+    "streaming-replay": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16,landing=replay", 9),
     "streaming-zstd": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,bits=4,block=16,entropy=zstd", 9),
     "streaming-f1-fp32": ("streaming-diloco:inner_steps=3,fragments=1,tau=0,bits=32", 7),
     "overlap": ("overlap-local-sgd:tau=2,pull=0.5", 7),
@@ -124,6 +125,7 @@ RESUMES = {
     "diloco": ("diloco:inner_steps=2", 3, 6),
     "streaming": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16", 5, 9),  # cut with a fragment in flight
     "overlap": ("overlap-local-sgd:tau=2", 3, 6),
+    "streaming-replay": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16,landing=replay", 5, 9),
 }
 
 

@@ -201,3 +201,29 @@ def test_lr_scale_sqrt_islands_multiplies_the_outer_step_by_sqrt_m():
     assert steps["none"].abs().max() > 0
     with pytest.raises(ValueError, match="lr_scale"):
         make_outer("diloco:lr_scale=linear", total_steps=5)
+
+
+def test_replay_landing_is_new_global_plus_the_steps_since_the_send():
+    """One island, F=1, tau=1: after landing, local = new global + (local now - local at send)."""
+    from islands.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = make_outer("streaming-diloco:inner_steps=2,fragments=1,tau=1,bits=32,landing=replay", total_steps=10)
+    s.wrap(model, opt, World.single())
+    seen = {}
+    for i in range(3):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+        torch.nn.functional.cross_entropy(model(x), torch.arange(8) % 3).backward()
+        opt.step()
+        opt.zero_grad()
+        before = s.local.read()
+        s.after_step(model, opt, i)
+        seen[i] = before
+        if i == 1:
+            at_send = s.at_send[0].clone()
+            assert torch.equal(at_send, before)  # the send after step 2 keeps the local fragment it left with
+    # landing after step 3: local = global + (local before landing - local at send)
+    assert torch.allclose(s.local.read(), s.global_flat + (seen[2] - at_send), atol=1e-7)
+    assert not s.at_send

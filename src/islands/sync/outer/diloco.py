@@ -38,8 +38,10 @@ class DiLoCo(OuterStrategy):
                  momentum: float = 0.9, weight: float = 0.5, sync_inner_state: bool = False,
                  compress: str = "none", aggregate: str = "mean",
                  fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None,
-                 lr_scale: str = "none"):
+                 lr_scale: str = "none", landing: str = "mix"):
         super().__init__(total_steps)
+        if landing not in ("mix", "replay"):
+            raise ValueError(f"landing must be 'mix' or 'replay', got {landing!r}")
         if lr_scale not in ("none", "sqrt-islands"):
             raise ValueError(f"lr_scale must be 'none' or 'sqrt-islands', got {lr_scale!r}")
         if inner_steps < 1 or fragments < 1 or fragments > inner_steps:
@@ -50,7 +52,8 @@ class DiLoCo(OuterStrategy):
             raise ValueError("sync_inner_state needs fragments=1 and tau=0 (plain DiLoCo)")
         self.inner_steps, self.fragments, self.tau, self.merge = int(inner_steps), int(fragments), int(tau), float(merge)
         self.sync_inner_state = bool(sync_inner_state)
-        self.lr_scale = lr_scale
+        self.lr_scale, self.landing = lr_scale, landing
+        self.at_send: dict[int, torch.Tensor] = {}  # landing=replay: the local fragment when its delta left
         self.opt = build_outer_optimizer(outer, outer_lr, momentum, weight)
         self.exchange = Exchange("outer_delta", aggregate=aggregate, compress=compress, codec=codec)
         self.state_exchange = Exchange("outer_inner_state", aggregate=aggregate) if sync_inner_state else None
@@ -82,6 +85,8 @@ class DiLoCo(OuterStrategy):
             if self.tau == 0 or last:
                 self._land(p, self.exchange.mean(self.comm, delta, name=f"fragment{p}"), adopt=True)
             else:
+                if self.landing == "replay":
+                    self.at_send[p] = self.local.read(lo, hi)
                 self.pending.append((p, done + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
         if last:
             self._write_report()
@@ -102,6 +107,9 @@ class DiLoCo(OuterStrategy):
         self.publish(lo, hi)
         if adopt:
             self.adopt_global(lo, hi)
+        elif self.landing == "replay":  # new global + exactly the tau steps taken since the delta left
+            x = self.local.read(lo, hi).sub_(self.at_send.pop(p)).add_(self.global_flat[lo:hi])
+            self.local.write(x, lo)
         else:  # the island kept training for tau steps: keep part of that work (LIT-214's merge)
             x = self.local.read(lo, hi).mul_(self.merge).add_(self.global_flat[lo:hi], alpha=1 - self.merge)
             self.local.write(x, lo)
@@ -138,7 +146,7 @@ class DiLoCo(OuterStrategy):
         inflight = [(p, lands, pending.wait().clone()) for p, lands, pending in self.pending]
         self.pending = [(p, lands, Pending(value=v)) for p, lands, v in inflight]
         return {"outer_opt": self.opt.state_dict(), "inflight": inflight, "sends": list(self.sends),
-                "exchange": self.exchange.state_dict()}
+                "exchange": self.exchange.state_dict(), "at_send": {p: v.clone() for p, v in self.at_send.items()}}
 
     def load_extra_state(self, state: dict) -> None:
         self.opt.load_state_dict(state["outer_opt"])
@@ -146,3 +154,4 @@ class DiLoCo(OuterStrategy):
                         for p, lands, v in state.get("inflight", [])]
         self.sends = list(state.get("sends", [0] * self.fragments))
         self.exchange.load_state_dict(state.get("exchange", {}))
+        self.at_send = {int(p): v.to(torch.float32).clone() for p, v in state.get("at_send", {}).items()}

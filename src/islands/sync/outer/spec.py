@@ -64,7 +64,8 @@ PARAMS: dict[str, dict[str, tuple]] = {
         "inner_steps": (100, int, "inner steps between two syncs of the same fragment (H)"),
         "fragments": (4, int, "F: parameter fragments, synced in turn every H/F steps"),
         "tau": (1, int, "inner steps each fragment's exchange overlaps with; 0 = blocking"),
-        "merge": (0.5, float, "weight kept of the local fragment when the new global one arrives (tau > 0)"),
+        "merge": (0.5, float, "landing=mix: weight kept of the local fragment when the new global one arrives (tau > 0)"),
+        "landing": ("mix", str, "mix (LIT-214: merge*local + (1-merge)*global) | replay (global + the tau steps since the send)"),
         "bits": (4, int, "bits per exchanged delta value: 4 (block-scaled) or 32 (plain fp32)"),
         "block": (1024, int, "values per 4-bit quantisation block (one fp32 scale each)"),
         "entropy": ("none", str, "none | zstd: lossless zstd over the 4-bit codes (bits=4 only; zstd4.py)"),
@@ -186,6 +187,8 @@ def _check(s: OuterSpec) -> None:
             bad(f"fragments ({p['fragments']}) must be <= inner_steps ({p['inner_steps']}): one start per step at most")
         if p["tau"] >= p["inner_steps"]:
             bad(f"tau ({p['tau']}) must be < inner_steps ({p['inner_steps']}) so a fragment lands before its next send")
+        if p["landing"] not in ("mix", "replay"):
+            bad(f"landing must be mix or replay, got {p['landing']!r}")
         if p["entropy"] not in ("none", "zstd"):
             bad(f"entropy must be none or zstd, got {p['entropy']!r}")
         if p["entropy"] == "zstd" and p["bits"] != 4:
