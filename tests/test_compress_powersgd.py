@@ -83,7 +83,7 @@ def test_spec_sets_start_and_min_rate():
     assert isinstance(c, ErrorFeedback) and (c.inner.rank, c.inner.start, c.inner.min_rate) == (3, 5, 2.0)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.integers(1, 300), st.data(), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
        st.sampled_from([float("nan"), float("inf"), -float("inf"), None]))
 def test_all_finite_equals_isfinite_all(n, data, dtype, bad):
@@ -98,7 +98,7 @@ def test_all_finite_equals_isfinite_all(n, data, dtype, bad):
 
 # ---- DGC's sampled top-k threshold (LIT-056): exact selection, cheaper on big tensors ------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.integers(1, 3000), st.floats(0.0005, 0.6), st.sampled_from([0.001, 0.01, 0.2, 1.0]), st.integers(0, 2**20))
 def test_sampled_topk_selects_exactly_the_top_k(n, ratio, sample, seed):
     from islands.compress.topk import sampled_topk_indices
