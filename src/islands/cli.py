@@ -13,13 +13,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from islands.cli_more import UsageError
-from islands.config import ConfigError, TrainConfig, from_mapping, load_toml, validate
+from islands.config import _CHOICES, ConfigError, TrainConfig, from_mapping, load_toml, validate
 
 _HELP = {
     "task": "lm (byte-level language model on Python's stdlib source) or digits (sklearn digits)",
     "data": "text file or directory for task=lm (default: Python standard library source)",
     "workers": "total worker processes", "islands": "islands the workers are split into (workers/islands each)",
-    "inner": "inner strategy inside an island: auto, single, ddp",
+    "inner": "inner strategy inside an island: " + ", ".join(_CHOICES["inner"]),
     "outer": "outer strategy across islands, e.g. diloco:inner_steps=100",
     "compress": "gradient compressor spec, e.g. powersgd:rank=4", "aggregate": "aggregator spec, e.g. median",
     "attack": "rehearse an attack, e.g. sign-flip:count=2", "testbed": "run workers inside this network testbed",
