@@ -46,7 +46,7 @@ def streaming(ctx: BenchContext) -> dict:
         r["peak_cut"] = ref["peak_bytes_per_sync"] / r["peak_bytes_per_sync"]
         r["total_cut"] = ref["bytes_per_worker"] / max(r["bytes_per_worker"], 1)
         r["goal_peak_cut"] = 8 * r["fragments"]
-        r["goal_met"] = r["fragments"] > 1 and r["peak_cut"] >= 8 * r["fragments"] and abs(r["loss_gap_pct"]) <= 2.0
+        r["goal_met"] = r["fragments"] > 1 and r["peak_cut"] >= 8 * r["fragments"] and r["loss_gap_pct"] <= 2.0
     headline = [
         f"{task_words(ctx)}, H={h}: Streaming DiLoCo F={r['fragments']} (tau 1, {r['coding']}) cuts peak bytes per sync "
         f"{r['peak_cut']:.1f}x (goal F x 8 = {8 * r['fragments']}: {'met' if r['peak_cut'] >= 8 * r['fragments'] else 'not met'}) "
