@@ -24,9 +24,10 @@ def diloco_vs_ddp(ctx: BenchContext) -> dict:
     ddp = ctx.train("ddp", islands=1, **base)
     rows = [row_of("ddp", ddp, H=1)]
     ref = rows[0]
-    for h in sweep:
+    for h in sorted(sweep, key=lambda h: (h != 100, h)):  # the goal's H first: a long sweep cut short keeps it
         rec = ctx.train(f"diloco-H{h}", islands=2, outer=f"diloco:inner_steps={h},{SCALED}", **base)
         rows.append(row_of(f"diloco-H{h}", rec, H=h, outer=SCALED))
+    rows[1:] = sorted(rows[1:], key=lambda r: r["H"])
     rec = ctx.train("diloco-H100-paper", islands=2, outer=f"diloco:inner_steps=100,{PAPER}", **base)
     rows.append(row_of("diloco-H100-paper", rec, H=100, outer=PAPER))
     for r in rows:
