@@ -47,7 +47,7 @@ class _World:
         return Comm(None, self.ledger)
 
 
-def _worker(rank: int, size: int, port: int, errors) -> None:
+def _worker(rank: int, size: int, port: int, errors, mesh_shape: tuple = ()) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -60,15 +60,17 @@ def _worker(rank: int, size: int, port: int, errors) -> None:
         weights, full = _reference()
         model = _model()
         model.load_state_dict(weights)
-        mesh = init_device_mesh("cpu", (size,))
-        fully_shard(model, mesh=mesh)
+        names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+        mesh = init_device_mesh("cpu", mesh_shape or (size,), mesh_dim_names=names)
+        fully_shard(model, mesh=mesh)  # a 2-D mesh: replicate over dim 0, shard over dim 1 (HSDP)
         assert is_sharded(model)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         load_optimizer_state_dict(model, opt, _named_form(opt, full))
+        shards, shard_rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
         for name, p in model.named_parameters():
             local = opt.state[p]["exp_avg"].to_local()
-            rows = -(-p.shape[0] // size)
-            assert torch.equal(local, full[name]["exp_avg"][rank * rows: rank * rows + rows]), (name, rank)
+            rows = -(-p.shape[0] // shards)
+            assert torch.equal(local, full[name]["exp_avg"][shard_rank * rows: shard_rank * rows + rows]), (name, rank)
         ledger = CommLedger()
         back = optimizer_state_dict(model, opt, _World(ledger))
         for name, slots in full.items():
@@ -81,14 +83,13 @@ def _worker(rank: int, size: int, port: int, errors) -> None:
         raise
 
 
-def test_full_state_loads_on_three_ranks_and_gathers_back_bitwise():
-    size = 3  # 7 and 3 rows over 3 ranks: uneven chunks (3, 3, 1) and one row each; 2 ranks: the launcher test
+def _spawn(size: int, mesh_shape: tuple = ()) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, size, port, errors)) for r in range(size)]
+    procs = [ctx.Process(target=_worker, args=(r, size, port, errors, mesh_shape)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -100,6 +101,15 @@ def test_full_state_loads_on_three_ranks_and_gathers_back_bitwise():
     while not errors.empty():
         msgs.append(errors.get())
     assert not msgs and all(p.exitcode == 0 for p in procs), (msgs, [p.exitcode for p in procs])
+
+
+def test_full_state_loads_on_three_ranks_and_gathers_back_bitwise():
+    _spawn(3)  # 7 and 3 rows over 3 ranks: uneven chunks (3, 3, 1) and one row each; 2 ranks: the launcher test
+
+
+@pytest.mark.slow
+def test_hybrid_sharded_state_gathers_within_each_replica():
+    _spawn(4, (2, 2))  # HSDP (SOTA-119): two replicas, each sharded over 2 ranks; gathers stay inside a replica
 
 
 def test_plain_models_keep_torch_form_and_accept_the_named_form():

@@ -38,15 +38,27 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def _check_layout(t, where: str) -> None:
-    from torch.distributed.tensor import Shard
+    """FSDP2's layouts: Shard(0) over a 1-D mesh, or replicated over the outer dimensions of a
+    hybrid (HSDP, SOTA-119) mesh and Shard(0) over its last."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
-        raise ValueError(f"{where}: only 1-D meshes with Shard(0) placement (FSDP2) can be checkpointed; got "
-                         f"mesh of {t.device_mesh.ndim} dims, placements {tuple(t.placements)}")
+    placements = tuple(t.placements)
+    if placements[-1] != Shard(0) or any(p != Replicate() for p in placements[:-1]):
+        raise ValueError(f"{where}: only FSDP2 layouts (Shard(0) on the last mesh dimension, Replicate on the others) "
+                         f"can be checkpointed; got placements {placements} on a {t.device_mesh.ndim}-D mesh")
+
+
+def _shard_comm(mesh, world):
+    """A counted Comm over the ranks that hold the pieces of one replica: the mesh's last dimension."""
+    from islands.runtime.comm import Comm
+
+    if mesh.ndim == 1:
+        return world.comm("local") if mesh.size() == world.comm("local").size else Comm(mesh.get_group(0), world.ledger)
+    return Comm(mesh.get_group(mesh.ndim - 1), world.ledger)
 
 
 def _gather_full(t, comm, where: str) -> torch.Tensor:
-    """The full tensor of a Shard(0) DTensor: pad the local rows to ceil(d0 / n), all-gather, trim."""
+    """The full tensor of a sharded DTensor: pad the local rows to ceil(d0 / n), all-gather, trim."""
     _check_layout(t, where)
     n = comm.size
     local = t.to_local().detach()
@@ -62,7 +74,7 @@ def _own_rows(full: torch.Tensor, param) -> object:
     from torch.distributed.tensor import DTensor
 
     mesh = param.device_mesh
-    n, rank = mesh.size(), mesh.get_local_rank()
+    n, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     rows = math.ceil(full.shape[0] / n)
     local = full[rank * rows: rank * rows + rows].to(param.to_local().device).clone()
     return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
@@ -70,18 +82,22 @@ def _own_rows(full: torch.Tensor, param) -> object:
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world) -> dict:
-    """What a checkpoint stores. Sharded models: collective over the island (every rank must call it)."""
+    """What a checkpoint stores. Sharded models: collective over each sharding group (every rank must call it)."""
     if not is_sharded(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     dtensor = _dtensor_type()
     sharded = get_optimizer_state_dict(model, optimizer)  # name keys, DTensor values; no collective
-    comm = world.comm("local")
+    comms = {}
     state = {}
     for fqn, slots in sharded["state"].items():  # same order on every rank: the model's parameter order
-        state[fqn] = {k: _gather_full(v, comm, f"optimizer state {fqn}.{k}") if isinstance(v, dtensor) else v
-                      for k, v in slots.items()}
+        state[fqn] = {}
+        for k, v in slots.items():
+            if isinstance(v, dtensor):
+                comm = comms.setdefault(id(v.device_mesh), _shard_comm(v.device_mesh, world))
+                v = _gather_full(v, comm, f"optimizer state {fqn}.{k}")
+            state[fqn][k] = v
     return {"state": state, "param_groups": sharded["param_groups"]}
 
 
