@@ -37,3 +37,36 @@ def run_module_ranks(module: str, args: list[str], ranks: int, out: Path, bed=No
     if any(p.returncode for p in procs) or not out.exists():
         raise RuntimeError(f"{module} with {ranks} ranks failed:\n" + "\n".join(log[-3000:] for log in logs))
     return json.loads(out.read_text())
+
+
+def join_world(rate: str):
+    """Inside a spawned rank: the World (1 thread, env:// rendezvous) and its measured interconnect."""
+    import torch
+
+    from islands.measure.probe import probe_interconnect
+    from islands.runtime.world import init_world
+
+    torch.set_num_threads(1)
+    world = init_world(islands=1, timeout_s=120)
+    inter = probe_interconnect(world) if world.size > 1 else {"measured": False}
+    if rate:
+        inter["testbed"] = {"rate": rate}
+    return world, inter
+
+
+def testbed_rates(ctx) -> list[str]:
+    """The tbf rates a micro-benchmark runs on: --testbed-rate if given, else 1 Gbit/s (quick) or
+    1 Gbit/s and 100 Mbit/s (full)."""
+    if ctx.rate:
+        return [ctx.rate]
+    return ["1gbit"] if ctx.quick else ["1gbit", "100mbit"]
+
+
+def held_bytes(fn, exclude=()) -> int:
+    """Peak bytes saved for backward while fn() runs (islands.memory's exact meter; `exclude`: the
+    parameters, which are not activations)."""
+    from islands.memory.accounting import SavedTensorMeter
+
+    with SavedTensorMeter(exclude=exclude) as meter:
+        fn()
+    return meter.peak

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.spawn import run_module_ranks, testbed_rates
 
 CHUNKS = (1, 2, 4, 8)
 CITED_SPEEDUP = 1.36  # LIT-735's chunked matmul + collective vs back to back
@@ -25,16 +26,13 @@ def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> Non
     import torch
     import torch.distributed as dist
 
-    from islands.measure.probe import describe, probe_interconnect
+    from islands.bench.spawn import join_world
+    from islands.measure.probe import describe
     from islands.parallel import matmul_all_reduce
-    from islands.runtime.world import close_world, init_world
+    from islands.runtime.world import close_world
 
-    torch.set_num_threads(1)
-    world = init_world(islands=1, timeout_s=120)
+    world, inter = join_world(rate)
     comm = world.comm("global")
-    inter = probe_interconnect(world)
-    if rate:
-        inter["testbed"] = {"rate": rate}
     rows = []
     for m, k, n in shapes:
         g = torch.Generator().manual_seed(world.rank)
@@ -62,8 +60,6 @@ def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> Non
 
 
 def _launch_pair(out: Path, shapes, reps: int, bed=None) -> dict:
-    from islands.bench.spawn import run_module_ranks
-
     return run_module_ranks("islands.bench.experiments.matmul_overlap", [json.dumps(shapes), str(reps)], 2, out, bed)
 
 
@@ -103,7 +99,7 @@ def matmul_overlap(ctx: BenchContext) -> dict:
     shapes = [[1024, 256, 1024], [1024, 1024, 1024]] if ctx.quick else [[1024, 256, 1024], [1024, 1024, 1024],
                                                                        [1024, 4096, 1024]]
     reps = 9 if ctx.quick else 21
-    rates = [ctx.rate or "1gbit"] if ctx.quick else [ctx.rate] if ctx.rate else ["1gbit", "100mbit"]
+    rates = testbed_rates(ctx)
     rows, lines = [], []
     ctx.log("loopback pair")
     link = _launch_pair(ctx.out_dir / "loopback.json", shapes, reps)

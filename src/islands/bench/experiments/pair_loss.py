@@ -18,23 +18,10 @@ import sys
 import time
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.spawn import held_bytes, join_world, run_module_ranks
 
 DIM = 128
 HELD_OUT = 1000  # pairs in the retrieval test
-
-
-def _held(fn) -> int:
-    import torch
-
-    held = [0]
-
-    def pack(t):
-        held[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return held[0]
 
 
 def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
@@ -42,16 +29,12 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from islands.measure.probe import describe, probe_interconnect
+    from islands.measure.probe import describe
     from islands.parallel.contrastive import sigmoid_pair_loss, softmax_pair_loss
-    from islands.runtime.world import close_world, init_world
+    from islands.runtime.world import close_world
 
-    torch.set_num_threads(1)
-    world = init_world(islands=1, timeout_s=120)
+    world, inter = join_world(rate)
     comm = world.comm("global")
-    inter = probe_interconnect(world)
-    if rate:
-        inter["testbed"] = {"rate": rate}
     rows = []
     for b in sizes:
         g = torch.Generator().manual_seed(world.rank)
@@ -68,7 +51,7 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
         row = {"batch_per_rank": b}
         for name in losses:
             sent0 = world.ledger.total_sent
-            row[f"held_{name}"] = _held(lambda: step(name))
+            row[f"held_{name}"] = held_bytes(lambda: step(name))
             row[f"sent_{name}"] = world.ledger.total_sent - sent0
         times = {name: [] for name in losses}
         for rep in range(reps + 1):
@@ -129,8 +112,6 @@ def _quality(batch: int, loss_name: str, steps: int, seed: int = 0) -> float:
 @experiment("pair-loss", practices=("SOTA-376",),
             help="sigmoid pair loss on a ring vs all-gathered softmax: bytes, held memory, time, retrieval accuracy")
 def pair_loss(ctx: BenchContext) -> dict:
-    from islands.bench.spawn import run_module_ranks
-
     sizes = [128, 512] if ctx.quick else [256, 1024, 4096]
     res = run_module_ranks("islands.bench.experiments.pair_loss", [json.dumps(sizes), "5" if ctx.quick else "15"], 2,
                            ctx.out_dir / "cost.json")

@@ -17,6 +17,7 @@ import sys
 import time
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.spawn import held_bytes, join_world, run_module_ranks, testbed_rates
 
 
 class _NoLinkRing:
@@ -30,34 +31,16 @@ class _NoLinkRing:
         return {recv_from[0]: t.clone()}, lambda: None
 
 
-def _held_bytes(fn) -> int:
-    import torch
-
-    held = [0]
-
-    def pack(t):
-        held[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return held[0]
-
-
 def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from islands.measure.probe import describe, probe_interconnect
+    from islands.measure.probe import describe
     from islands.parallel.ring_attention import ring_attention
-    from islands.runtime.world import close_world, init_world
+    from islands.runtime.world import close_world
 
-    torch.set_num_threads(1)
-    world = init_world(islands=1, timeout_s=120)
+    world, inter = join_world(rate)
     comm, n, r = world.comm("global"), world.size, world.rank
-    inter = probe_interconnect(world) if n > 1 else {"measured": False}
-    if rate:
-        inter["testbed"] = {"rate": rate}
     g = torch.Generator().manual_seed(r)
     q, k, v = (torch.randn(1, heads, block, dim, generator=g, requires_grad=True) for _ in range(3))
     fake = _NoLinkRing(r, n)
@@ -87,10 +70,10 @@ def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: st
     med = torch.tensor([statistics.median(times[name]) for name in names], dtype=torch.float64)
     if n > 1:
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    held_ring = _held_bytes(lambda: ring_attention(q, k, v, fake, causal=False))
+    held_ring = held_bytes(lambda: ring_attention(q, k, v, fake, causal=False))
     seq = n * block
     qf, kf, vf = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
-    held_full = _held_bytes(lambda: torch.softmax(qf @ kf.transpose(-2, -1) / dim ** 0.5, -1) @ vf)
+    held_full = held_bytes(lambda: torch.softmax(qf @ kf.transpose(-2, -1) / dim ** 0.5, -1) @ vf)
     if r == 0:
         with open(out_path, "w") as f:
             json.dump({"ms": {name: 1000 * float(x) for name, x in zip(names, med)}, "held_ring": held_ring,
@@ -120,12 +103,10 @@ def _plot(result, path):
 @experiment("ring-attention", practices=("SOTA-181",),
             help="ring attention over 1-4 ranks: step time the link adds, one hop vs one block, held bytes per rank")
 def ring_attention_bench(ctx: BenchContext) -> dict:
-    from islands.bench.spawn import run_module_ranks
-
     block, heads, dim = (256, 4, 32) if ctx.quick else (512, 4, 32)
     reps = 7 if ctx.quick else 15
     counts = (1, 2) if ctx.quick else (1, 2, 4)
-    rates = [ctx.rate or "1gbit"] if ctx.quick else [ctx.rate] if ctx.rate else ["1gbit", "100mbit"]
+    rates = testbed_rates(ctx)
     args = [str(block), str(heads), str(dim), str(reps)]
     module = "islands.bench.experiments.ring_attention"
     rows, lines = [], []

@@ -13,6 +13,7 @@ import sys
 import time
 
 from islands.bench.harness import BenchContext, experiment
+from islands.bench.spawn import join_world, run_module_ranks, testbed_rates
 
 D_MODEL, HIDDEN, DROPOUT = 256, 1024, 0.1
 
@@ -21,16 +22,12 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from islands.measure.probe import describe, probe_interconnect
+    from islands.measure.probe import describe
     from islands.parallel.sequence import TensorParallelMLP, sequence_shard
-    from islands.runtime.world import close_world, init_world
+    from islands.runtime.world import close_world
 
-    torch.set_num_threads(1)
-    world = init_world(islands=1, timeout_s=120)
+    world, inter = join_world(rate)
     comm = world.comm("global")
-    inter = probe_interconnect(world)
-    if rate:
-        inter["testbed"] = {"rate": rate}
     rows = []
     for seq in seqs:
         torch.manual_seed(0)
@@ -88,12 +85,10 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
 @experiment("sequence-parallel", practices=("SOTA-058",),
             help="tensor-parallel MLP block with vs without sequence parallelism: held bytes, bytes sent, step time")
 def sequence_parallel(ctx: BenchContext) -> dict:
-    from islands.bench.spawn import run_module_ranks
-
     seqs = [256, 1024] if ctx.quick else [256, 1024, 4096]
     reps = 7 if ctx.quick else 15
     module = "islands.bench.experiments.sequence_parallel"
-    links = [("loopback", None)] + [(ctx.rate or "1gbit", ctx.rate or "1gbit")]
+    links = [("loopback", None)] + [(rate, rate) for rate in testbed_rates(ctx)[:1]]
     rows, lines = [], []
     for label, rate in links:
         args = [json.dumps(seqs), str(reps)]
