@@ -64,6 +64,16 @@ def window_base(sample: np.ndarray) -> int:
     return int(np.convolve(hist, np.ones(_WINDOW, dtype=np.int64), mode="valid").argmax())
 
 
+def sampled_entropy_bits(plane: np.ndarray, samples: int = SAMPLE_SIZE) -> float:
+    """Order-0 entropy (bits per byte) of ~`samples` bytes taken at an odd stride across all of `plane`,
+    plus the Miller-Madow correction for a small sample ((K-1)/(2N ln 2) for K distinct bytes seen)."""
+    sample = plane[::(plane.size // samples) | 1]
+    counts = np.bincount(sample, minlength=256)
+    seen = counts[counts > 0]
+    p = seen / sample.size
+    return float(-(p * np.log2(p)).sum() + (seen.size - 1) / (2 * sample.size * np.log(2)))
+
+
 def code_scratch(n: int) -> np.ndarray:
     """Room for n exponent codes plus the padding code of an odd count (fill [:n], then pack_codes)."""
     codes = scratch("pack.codes", 2 * ((n + 1) // 2), np.uint8)

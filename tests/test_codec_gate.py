@@ -1,0 +1,82 @@
+"""Which coder each stream gets: the mantissa gate samples the whole plane (not only its start), and
+Huffman-coded streams are written in small zstd blocks that any zstd decoder still reads."""
+
+import numpy as np
+import torch
+import zstandard
+
+from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
+from islands.checkpoint.planes import sampled_entropy_bits
+
+
+def _streams(blob):
+    header, offset = read_header(blob)
+    out = []
+    for chunk in header["chunks"]:
+        for meta in chunk["streams"]:
+            out.append((meta, bytes(memoryview(blob)[offset:offset + meta["enc"]])))
+            offset += meta["enc"]
+    return out
+
+
+def test_entropy_estimate_separates_noise_from_skewed_bytes():
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, 1 << 20).astype(np.uint8)
+    assert 7.95 < sampled_entropy_bits(noise) < 8.05
+    skewed = np.minimum(rng.geometric(0.05, 1 << 20), 255).astype(np.uint8)  # ~5.7 bits
+    assert sampled_entropy_bits(skewed) < 6.5
+    # A plane whose compressible part is only its last quarter still reads as compressible.
+    mixed = noise.copy()
+    mixed[-(1 << 18):] = 0
+    assert sampled_entropy_bits(mixed) < 7.9
+
+
+def test_fp16_exact_tail_in_a_noisy_fp32_chunk_is_huffman_coded():
+    # v3 probed only a plane's first 64 KiB: a chunk that starts with a full-precision tensor and ends
+    # with an fp16-exact one (a pooler after the last layer, in the MiniLM bench) was stored raw.
+    g = torch.Generator().manual_seed(1)
+    head = torch.randn(600_000, generator=g) * 0.02
+    tail = (torch.randn(200_000, generator=g) * 0.02).half().float()  # low 13 mantissa bits zero
+    t = torch.cat([head, tail])
+    blob = encode_tensor(t, content_hash=False)
+    streams = _streams(blob)
+    low = [meta for meta, _ in streams][-2:]  # mantissa bytes m15..m8 and m7..m0
+    assert [m["m"] for m in low] == ["h", "h"]
+    assert all(m["enc"] < 0.93 * m["raw"] for m in low)
+    assert np.array_equal(tensor_bytes(decode_tensor(blob)), tensor_bytes(t))
+
+
+def test_noise_mantissa_is_stored_and_small_planes_are_offered_to_huffman():
+    g = torch.Generator().manual_seed(2)
+    big = encode_tensor(torch.randn(400_000, generator=g), content_hash=False)
+    assert [m["m"] for m, _ in _streams(big)][-3:] == ["s", "s", "s"]
+    small = encode_tensor(torch.randn(3_000, generator=g), content_hash=False)
+    assert [m["m"] for m, _ in _streams(small)][-3:] == ["h", "h", "h"]
+    for blob, n in ((big, 400_000), (small, 3_000)):
+        assert decode_tensor(blob).numel() == n
+
+
+def _block_sizes(frame: bytes) -> list[int]:
+    """Decoded sizes of a zstd frame's blocks, read from the 3-byte block headers (RFC 8878 3.1.1.2)."""
+    pos, sizes = zstandard.frame_header_size(frame), []
+    while True:
+        head = int.from_bytes(frame[pos:pos + 3], "little")
+        last, kind, size = head & 1, (head >> 1) & 3, head >> 3
+        pos += 3 + (1 if kind == 1 else size)  # an RLE block stores one byte; size is its decoded length
+        sizes.append(size if kind != 2 else -1)  # compressed blocks: decoded size not in the header
+        if last:
+            return sizes
+
+
+def test_blocked_streams_are_ordinary_zstd_frames_with_checksum_and_size():
+    w = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    blob = encode_tensor(w)
+    plain = zstandard.ZstdDecompressor()
+    for meta, frame in _streams(blob):
+        params = zstandard.get_frame_parameters(frame)
+        assert params.has_checksum and params.content_size == meta["raw"]
+        assert len(plain.decompress(frame)) == meta["raw"]
+    pairs = next(meta for meta, _ in _streams(blob) if meta["m"] == "p")
+    frame = next(f for meta, f in _streams(blob) if meta["m"] == "p")
+    assert pairs["raw"] > 4 * (64 << 10) and len(_block_sizes(frame)) >= pairs["raw"] // (64 << 10)
+    assert torch.equal(decode_tensor(blob).view(torch.int16), w.view(torch.int16))
