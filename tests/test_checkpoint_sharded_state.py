@@ -83,7 +83,8 @@ def _worker(rank: int, size: int, port: int, errors, mesh_shape: tuple = ()) -> 
         raise
 
 
-def _spawn(size: int, mesh_shape: tuple = ()) -> None:
+def _spawn(size: int, mesh_shape: tuple = ()) -> tuple[list, list]:
+    """Run the worker on `size` ranks; returns (error messages, exit codes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -100,16 +101,18 @@ def _spawn(size: int, mesh_shape: tuple = ()) -> None:
     msgs = []
     while not errors.empty():
         msgs.append(errors.get())
-    assert not msgs and all(p.exitcode == 0 for p in procs), (msgs, [p.exitcode for p in procs])
+    return msgs, [p.exitcode for p in procs]
 
 
 def test_full_state_loads_on_three_ranks_and_gathers_back_bitwise():
-    _spawn(3)  # 7 and 3 rows over 3 ranks: uneven chunks (3, 3, 1) and one row each; 2 ranks: the launcher test
+    msgs, codes = _spawn(3)  # 7 and 3 rows over 3 ranks: uneven chunks (3, 3, 1) and one row each
+    assert not msgs and codes == [0, 0, 0], (msgs, codes)
 
 
 @pytest.mark.slow
 def test_hybrid_sharded_state_gathers_within_each_replica():
-    _spawn(4, (2, 2))  # HSDP (SOTA-119): two replicas, each sharded over 2 ranks; gathers stay inside a replica
+    msgs, codes = _spawn(4, (2, 2))  # HSDP (SOTA-119): two replicas, each sharded over 2 ranks
+    assert not msgs and codes == [0, 0, 0, 0], (msgs, codes)
 
 
 def test_plain_models_keep_torch_form_and_accept_the_named_form():

@@ -70,3 +70,29 @@ def held_bytes(fn, exclude=()) -> int:
     with SavedTensorMeter(exclude=exclude) as meter:
         fn()
     return meter.peak
+
+
+def time_interleaved(ops: dict, reps: int) -> dict[str, float]:
+    """Median seconds per op, the ops interleaved (their order rotated every repetition, repetition 0
+    a warm-up), each started together on every rank behind a barrier; the max over ranks of each
+    median, since a collective op ends when its slowest rank does."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    names, times = list(ops), {name: [] for name in ops}
+    for rep in range(reps + 1):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            if together:
+                dist.barrier()
+            start = time.perf_counter()
+            ops[name]()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    med = torch.tensor([statistics.median(times[name]) for name in names], dtype=torch.float64)
+    if together:
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return {name: float(v) for name, v in zip(names, med)}

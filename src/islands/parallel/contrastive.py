@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from islands.parallel.collectives import gather_rows
 from islands.runtime.comm import Comm
 
 
@@ -109,19 +110,6 @@ def sigmoid_pair_loss(x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor,
     return _RingSigmoid.apply(x.contiguous(), y.contiguous(), log_scale, bias, comm)
 
 
-class _GatherRows(torch.autograd.Function):
-    """All ranks' rows, in rank order; backward returns this rank's slice of the summed gradient."""
-
-    @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
-        return comm.all_gather_cat(t, kind="pair_all_gather")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad.contiguous(), kind="pair_reduce_scatter"), None
-
-
 def softmax_pair_loss(x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor,
                       comm: Comm | None = None) -> torch.Tensor:
     """Symmetric softmax (InfoNCE) loss of this rank's pairs, normalised over the global batch: both
@@ -130,7 +118,7 @@ def softmax_pair_loss(x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor,
     if comm is None or comm.size == 1:
         xs, ys, offset = x, y, 0
     else:
-        xs, ys, offset = _GatherRows.apply(x, comm), _GatherRows.apply(y, comm), comm.rank * x.shape[0]
+        xs, ys, offset = gather_rows(x, comm, "pair"), gather_rows(y, comm, "pair"), comm.rank * x.shape[0]
     scale = log_scale.exp()
     target = torch.arange(offset, offset + x.shape[0], device=x.device)
     rows = F.cross_entropy(scale * x @ ys.T, target, reduction="sum")

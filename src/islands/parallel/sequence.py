@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from islands.parallel.collectives import gather_rows, scatter_rows
 from islands.runtime.comm import Comm
 
 
@@ -47,32 +48,6 @@ class _AllReduceBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_reduce(grad.clone(), kind="tp_all_reduce"), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather the sequence shards. Backward: reduce-scatter the gradient back to shards."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_gather_cat(x, kind="sp_all_gather")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad, kind="sp_reduce_scatter"), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Forward: reduce-scatter the partial sums to sequence shards. Backward: all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.reduce_scatter(x, kind="sp_reduce_scatter")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather_cat(grad, kind="sp_all_gather"), None
 
 
 class TensorParallelMLP(nn.Module):
@@ -124,9 +99,9 @@ class TensorParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (positions, d_model) — the whole sequence, or this rank's 1/n of it with sequence_parallel."""
         h = self.norm(x)
-        h = _GatherSequence.apply(h, self.comm) if self.sequence_parallel else _AllReduceBackward.apply(h, self.comm)
+        h = gather_rows(h, self.comm, "sp") if self.sequence_parallel else _AllReduceBackward.apply(h, self.comm)
         h = self.down(torch.nn.functional.gelu(self.up(h)))
-        h = _ScatterSequence.apply(h, self.comm) if self.sequence_parallel else _AllReduceForward.apply(h, self.comm)
+        h = scatter_rows(h, self.comm, "sp") if self.sequence_parallel else _AllReduceForward.apply(h, self.comm)
         return x + self.drop(h + self.down_bias)
 
 

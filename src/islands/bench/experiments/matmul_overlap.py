@@ -10,13 +10,11 @@ matmul alone and the all-reduce alone, so each row can be read against the ideal
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from islands.bench.harness import BenchContext, experiment
-from islands.bench.spawn import run_module_ranks, testbed_rates
+from islands.bench.spawn import run_module_ranks, testbed_rates, time_interleaved
 
 CHUNKS = (1, 2, 4, 8)
 CITED_SPEEDUP = 1.36  # LIT-735's chunked matmul + collective vs back to back
@@ -24,7 +22,6 @@ CITED_SPEEDUP = 1.36  # LIT-735's chunked matmul + collective vs back to back
 
 def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from islands.bench.spawn import join_world
     from islands.measure.probe import describe
@@ -40,19 +37,8 @@ def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> Non
         ops = {f"chunks={c}": (lambda c=c: matmul_all_reduce(x, w, comm, chunks=c)) for c in CHUNKS}
         ops["matmul only"] = lambda: x @ w.T
         ops["all-reduce only"] = lambda: comm.all_reduce(torch.empty(m, n))
-        times: dict[str, list[float]] = {name: [] for name in ops}
-        names = list(ops)
-        for rep in range(reps + 1):  # repetition 0 warms up every op
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
-                dist.barrier()
-                t = time.perf_counter()
-                ops[name]()
-                if rep:
-                    times[name].append(time.perf_counter() - t)
-        # the op ends when the slower rank ends: take the max over ranks of each median
-        med = torch.tensor([statistics.median(times[name]) for name in names], dtype=torch.float64)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        rows.append({"shape": [m, k, n], "ms": {name: 1000 * float(v) for name, v in zip(names, med)}})
+        seconds = time_interleaved(ops, reps)
+        rows.append({"shape": [m, k, n], "ms": {name: 1000 * v for name, v in seconds.items()}})
     if world.rank == 0:
         Path(out_path).write_text(json.dumps({"rows": rows, "interconnect": inter,
                                               "interconnect_line": describe(inter)}))

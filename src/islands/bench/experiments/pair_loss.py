@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
-import time
 
 from islands.bench.harness import BenchContext, experiment
-from islands.bench.spawn import held_bytes, join_world, run_module_ranks
+from islands.bench.spawn import held_bytes, join_world, run_module_ranks, time_interleaved
 
 DIM = 128
 HELD_OUT = 1000  # pairs in the retrieval test
@@ -26,7 +24,6 @@ HELD_OUT = 1000  # pairs in the retrieval test
 
 def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from islands.measure.probe import describe
@@ -53,17 +50,8 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
             sent0 = world.ledger.total_sent
             row[f"held_{name}"] = held_bytes(lambda: step(name))
             row[f"sent_{name}"] = world.ledger.total_sent - sent0
-        times = {name: [] for name in losses}
-        for rep in range(reps + 1):
-            for name in (list(losses) if rep % 2 else list(losses)[::-1]):
-                dist.barrier()
-                s = time.perf_counter()
-                step(name)
-                if rep:
-                    times[name].append(time.perf_counter() - s)
-        med = torch.tensor([statistics.median(times[n]) for n in losses], dtype=torch.float64)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        row.update({f"ms_{name}": 1000 * float(v) for name, v in zip(losses, med)})
+        seconds = time_interleaved({name: (lambda name=name: step(name)) for name in losses}, reps)
+        row.update({f"ms_{name}": 1000 * v for name, v in seconds.items()})
         rows.append(row)
     if world.rank == 0:
         with open(out_path, "w") as f:

@@ -12,12 +12,10 @@ Non-causal, so every rank does the same work.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 from islands.bench.harness import BenchContext, experiment
-from islands.bench.spawn import held_bytes, join_world, run_module_ranks, testbed_rates
+from islands.bench.spawn import held_bytes, join_world, run_module_ranks, testbed_rates, time_interleaved
 
 
 class _NoLinkRing:
@@ -33,7 +31,6 @@ class _NoLinkRing:
 
 def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from islands.measure.probe import describe
     from islands.parallel.ring_attention import ring_attention
@@ -58,25 +55,14 @@ def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: st
         (torch.softmax(qq @ kk.transpose(-2, -1) / dim ** 0.5, -1) @ vv).sum().backward()
 
     ops = {"ring": lambda: step(comm), "no_link": lambda: step(fake), "hop": hop, "block": block_attention}
-    names, times = list(ops), {name: [] for name in ops}
-    for rep in range(reps + 1):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            if n > 1:
-                dist.barrier()
-            t = time.perf_counter()
-            ops[name]()
-            if rep:
-                times[name].append(time.perf_counter() - t)
-    med = torch.tensor([statistics.median(times[name]) for name in names], dtype=torch.float64)
-    if n > 1:
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    seconds = time_interleaved(ops, reps)
     held_ring = held_bytes(lambda: ring_attention(q, k, v, fake, causal=False))
     seq = n * block
     qf, kf, vf = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
     held_full = held_bytes(lambda: torch.softmax(qf @ kf.transpose(-2, -1) / dim ** 0.5, -1) @ vf)
     if r == 0:
         with open(out_path, "w") as f:
-            json.dump({"ms": {name: 1000 * float(x) for name, x in zip(names, med)}, "held_ring": held_ring,
+            json.dump({"ms": {name: 1000 * x for name, x in seconds.items()}, "held_ring": held_ring,
                        "held_full": held_full, "ranks": n, "seq": seq,
                        "interconnect_line": describe(inter) if n > 1 else "none (one rank)"}, f)
     close_world(world)

@@ -8,19 +8,16 @@ bytes each rank sends per forward+backward (the ledger), and the step time.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 from islands.bench.harness import BenchContext, experiment
-from islands.bench.spawn import join_world, run_module_ranks, testbed_rates
+from islands.bench.spawn import join_world, run_module_ranks, testbed_rates, time_interleaved
 
 D_MODEL, HIDDEN, DROPOUT = 256, 1024, 0.1
 
 
 def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from islands.measure.probe import describe
     from islands.parallel.sequence import TensorParallelMLP, sequence_shard
@@ -64,17 +61,8 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
             sent = world.ledger.snapshot()["sent"]
             row[f"held_{sp}"], row[f"region_{sp}"] = held
             row[f"sent_{sp}"] = {k: v - sent0.get(k, 0) for k, v in sent.items() if v != sent0.get(k, 0)}
-        times = {0: [], 1: []}
-        for rep in range(reps + 1):
-            for sp in ((0, 1) if rep % 2 else (1, 0)):
-                dist.barrier()
-                t = time.perf_counter()
-                step(sp)
-                if rep:
-                    times[sp].append(time.perf_counter() - t)
-        med = torch.tensor([statistics.median(times[0]), statistics.median(times[1])], dtype=torch.float64)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        row["ms_0"], row["ms_1"] = 1000 * float(med[0]), 1000 * float(med[1])
+        seconds = time_interleaved({0: lambda: step(0), 1: lambda: step(1)}, reps)
+        row["ms_0"], row["ms_1"] = 1000 * seconds[0], 1000 * seconds[1]
         rows.append(row)
     if world.rank == 0:
         with open(out_path, "w") as f:
