@@ -7,6 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from islands.models import ByteTransformer, count_parameters, sequence_loss
+from lm_reference import lm_batches, train_reference
 
 STEPS, WORKERS, BATCH, CONTEXT = 5, 2, 4, 16
 
@@ -23,17 +24,12 @@ def make_optimizer(model):
 
 
 def global_batches():
-    g = torch.Generator().manual_seed(42)
-    return [torch.randint(0, 256, (WORKERS * BATCH, CONTEXT + 1), generator=g) for _ in range(STEPS)]
+    return lm_batches(WORKERS * BATCH, CONTEXT, STEPS, seed=42)
 
 
 def reference_params():
     model = tiny_model()
-    opt = make_optimizer(model)
-    for b in global_batches():
-        sequence_loss(model(b[:, :-1]), b[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_reference(model, make_optimizer(model), global_batches())
     return [p.detach().clone() for p in model.parameters()]
 
 

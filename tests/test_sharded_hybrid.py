@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from islands.models import ByteTransformer, sequence_loss
+from lm_reference import lm_batches, train_reference
 
 STEPS, WORKERS, ISLANDS, BATCH, CONTEXT = 3, 4, 2, 2, 16
 # (shard_group, prefetch)
@@ -26,17 +27,12 @@ def make_optimizer(params):
 
 
 def global_batches():
-    g = torch.Generator().manual_seed(42)
-    return [torch.randint(0, 256, (WORKERS * BATCH, CONTEXT + 1), generator=g) for _ in range(STEPS)]
+    return lm_batches(WORKERS * BATCH, CONTEXT, STEPS, seed=42)
 
 
 def reference_state():
     model = tiny_model()
-    opt = make_optimizer(model.parameters())
-    for b in global_batches():
-        sequence_loss(model(b[:, :-1]), b[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
+    train_reference(model, make_optimizer(model.parameters()), global_batches())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
