@@ -19,6 +19,7 @@ _HELP = {
     "task": "lm (byte-level language model on Python's stdlib source) or digits (sklearn digits)",
     "data": "text file or directory for task=lm (default: Python standard library source)",
     "workers": "total worker processes", "islands": "islands the workers are split into (workers/islands each)",
+    "device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
     "inner": "inner strategy inside an island: " + ", ".join(_CHOICES["inner"]),
     "outer": "outer strategy across islands, e.g. diloco:inner_steps=100",
     "compress": "gradient compressor spec, e.g. powersgd:rank=4", "aggregate": "aggregator spec, e.g. median",
@@ -102,7 +103,8 @@ def cmd_bench(args) -> int:
         harness.print_list()
         return 0
     try:
-        harness.run(args.name, quick=args.quick, out_root=Path(args.out), rate=args.testbed_rate or "")
+        harness.run(args.name, quick=args.quick, out_root=Path(args.out), rate=args.testbed_rate or "",
+                    device=args.device)
     except KeyError as e:
         raise ExitError(str(e.args[0])) from None
     return 0
@@ -124,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller, faster version of the experiment")
     b.add_argument("--out", default="results", help="results root (default results/)")
     b.add_argument("--testbed-rate", metavar="RATE", help="run distributed configurations on a testbed at RATE, e.g. 100mbit")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the experiment's tensors live (cuda: only experiments with a GPU variant)")
     b.set_defaults(fn=cmd_bench)
 
     pr = sub.add_parser("practices", help="the practice registry: what islands implements and measures")

@@ -46,6 +46,7 @@ class TrainConfig:
     workers: int = 4
     islands: int = 1
     threads: int = 1  # torch threads per worker: one worker per core is the fair CPU comparison
+    device: str = "auto"  # auto (cuda+nccl when every local worker gets its own GPU, else cpu+gloo) | cpu | cuda
     inner: str = "auto"  # auto | single | ddp | zero1 | fsdp | pipeline
     outer: str = ""  # "" or a spec such as "diloco:inner_steps=100"
     compress: str = "none"  # compressor spec for the inner gradient exchange
@@ -119,7 +120,8 @@ class TrainConfig:
         return {k: getattr(self, k) for k in keys}
 
 
-_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")}
+_CHOICES = {"task": ("lm", "digits"), "inner": ("auto", "single", "ddp", "zero1", "fsdp", "pipeline"),
+            "device": ("auto", "cpu", "cuda")}
 
 
 def _field_types() -> dict[str, type]:
@@ -183,6 +185,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {getattr(cfg, key)!r}")
+    if cfg.device == "cuda":
+        import os
+
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))  # torchrun sets it per host
+        if gpus < local_workers:
+            raise ConfigError(f"device=cuda needs one GPU per local worker: workers={cfg.workers}, "
+                              f"{gpus} CUDA device(s) visible; use device=cpu or auto")
     positive = ("d_model", "n_layers", "n_heads", "context", "hidden", "steps", "global_batch",
                 "workers", "islands", "threads", "eval_batches", "log_every")
     for key in positive:

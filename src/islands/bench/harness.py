@@ -37,14 +37,16 @@ class Experiment:
     fn: Callable[["BenchContext"], dict]
     practices: tuple[str, ...]
     help: str
+    devices: tuple[str, ...] = ("cpu",)  # where its measurement means something (bench --device)
 
 
 REGISTRY: dict[str, Experiment] = {}
 
 
-def experiment(name: str, practices: tuple[str, ...] = (), help: str = ""):
+def experiment(name: str, practices: tuple[str, ...] = (), help: str = "", devices: tuple[str, ...] = ("cpu",)):
     def register(fn):
-        REGISTRY[name] = Experiment(name, fn, tuple(practices), help or (fn.__doc__ or "").strip().split("\n")[0])
+        REGISTRY[name] = Experiment(name, fn, tuple(practices), help or (fn.__doc__ or "").strip().split("\n")[0],
+                                    tuple(devices))
         return fn
 
     return register
@@ -64,6 +66,7 @@ class BenchContext:
     quick: bool
     out_dir: Path
     rate: str = ""  # --testbed-rate: run the distributed configurations on a real rate-limited testbed
+    device: str = "cpu"  # --device: where the experiment's tensors live (only experiments that declare it)
     console: Console = field(default_factory=Console)
     runs: list[dict] = field(default_factory=list)
 
@@ -139,21 +142,33 @@ def _rich_table(title: str, rows: list[dict]) -> Table:
     return t
 
 
-def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: str = "") -> Path:
+def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: str = "",
+        device: str = "cpu") -> Path:
     registry = load_all()
     if name not in registry:
         raise KeyError(f"unknown experiment {name!r}; available: {', '.join(sorted(registry))}")
     exp = registry[name]
-    out_dir = out_root / name / (("quick" if quick else "full") + (f"-{rate}" if rate else ""))
+    if device not in exp.devices:
+        raise KeyError(f"experiment {name!r} runs on {', '.join(exp.devices)} only, not --device {device}; "
+                       f"experiments with a cuda variant: "
+                       f"{', '.join(sorted(n for n, e in registry.items() if 'cuda' in e.devices))}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise KeyError("--device cuda but torch sees no CUDA device on this machine")
+    suffix = (f"-{rate}" if rate else "") + (f"-{device}" if device != "cpu" else "")
+    out_dir = out_root / name / (("quick" if quick else "full") + suffix)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate)
+    ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate, device=device)
     started = time.time()
     result = exp.fn(ctx)
     plot = result.pop("plot", None)
     interconnects = sorted({r.get("interconnect_line", "") for r in ctx.runs} - {""})
     result.setdefault("interconnect", interconnects or ["see rows"])
     result.setdefault("baseline", sorted({r["baseline"]["definition"] for r in ctx.runs}) or ["see rows"])
-    command = "islands bench " + name + (" --quick" if quick else "") + (f" --testbed-rate {rate}" if rate else "")
+    command = ("islands bench " + name + (" --quick" if quick else "") + (f" --testbed-rate {rate}" if rate else "")
+               + (f" --device {device}" if device != "cpu" else ""))
     record = {
         "experiment": name, "practices": list(exp.practices), "quick": quick, "command": command,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),

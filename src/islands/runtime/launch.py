@@ -105,6 +105,7 @@ def launch(cfg: TrainConfig, run_dir: Path, out=sys.stderr) -> int:
     try:
         for rank in range(cfg.workers):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(cfg.workers),
                        MASTER_ADDR=master, MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
                        OMP_NUM_THREADS=str(cfg.threads))
             argv = [sys.executable, "-m", "islands.runtime.worker", str(cfg_path), str(run_dir)]

@@ -17,7 +17,7 @@ from islands.runtime.world import close_world, init_world
 def run_worker(cfg: TrainConfig, run_dir: Path) -> dict:
     from islands.trainer import Trainer
 
-    world = init_world(cfg.islands, cfg.timeout)
+    world = init_world(cfg.islands, cfg.timeout, device=cfg.device)
     try:
         trainer = Trainer(cfg, world, run_dir)
         if cfg.resume:

@@ -72,19 +72,33 @@ class World:
         return World(rank=0, size=1, islands=1, device=torch.device(device), backend="none")
 
 
-def pick_backend() -> tuple[str, torch.device]:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return "nccl", torch.device("cuda", torch.cuda.current_device())
-    return "gloo", torch.device("cpu")
+def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
+    """(backend, device) for this process: NCCL on its own GPU, or gloo on the CPU.
+
+    NCCL refuses two ranks on one GPU, so "auto" takes CUDA only when every worker on this host
+    (LOCAL_WORLD_SIZE, set by our launcher and by torchrun) gets its own device.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and local_workers > gpus:
+        raise ValueError(f"device=cuda needs one GPU per worker on this host: {local_workers} worker(s), "
+                         f"{gpus} GPU(s) visible; use device=cpu (gloo) or at most {gpus} worker(s) per host")
+    if device == "cpu" or local_workers > gpus:
+        return "gloo", torch.device("cpu")
+    torch.cuda.set_device(local)
+    return "nccl", torch.device("cuda", local)
 
 
-def init_world(islands: int, timeout_s: float) -> World:
+def init_world(islands: int, timeout_s: float, device: str = "auto") -> World:
     """Join the job described by torch's env:// variables (set by our launcher or by torchrun)."""
     if "RANK" not in os.environ:
-        return World.single("cuda" if torch.cuda.is_available() else "cpu")
-    backend, device = pick_backend()
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+        return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
+    backend, device = pick_backend(device)
     dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
     rank, size = dist.get_rank(), dist.get_world_size()
     if size % islands:
