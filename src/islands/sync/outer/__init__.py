@@ -20,6 +20,7 @@ from islands.sync.outer.post_local_sgd import PostLocalSGD
 from islands.sync.outer.slowmo import SlowMo
 from islands.sync.outer.spec import PARAMS, OuterSpec, parse_outer, valid_specs
 from islands.sync.outer.streaming_diloco import StreamingDiLoCo
+from islands.sync.outer.warm_start import WarmStart
 
 CLASSES = {
     "local-sgd": LocalSGD,
@@ -33,25 +34,35 @@ CLASSES = {
 }
 
 
-def make_outer(spec: OuterSpec | str, total_steps: int, warmup: int = 0) -> OuterStrategy:
-    """Build an outer strategy from a spec; `warmup` is post-local-sgd's default switch step."""
+def make_outer(spec: OuterSpec | str, total_steps: int, warmup: int = 0) -> OuterStrategy | WarmStart:
+    """Build an outer strategy from a spec; `warmup` is post-local-sgd's default switch step.
+
+    With warm_start=W (diloco, streaming-diloco) the strategy runs its rounds over the last
+    total_steps - W steps, inside a WarmStart that averages gradients across islands before them.
+    """
     spec = parse_outer(spec) if isinstance(spec, str) else spec
     kwargs = dict(spec.params)
     if spec.name == "post-local-sgd" and kwargs["switch"] == -1:
         kwargs["switch"] = warmup  # SOTA-216: switch where the schedule first decays (end of warm-up)
     if "sync_inner_state" in kwargs:
         kwargs["sync_inner_state"] = bool(kwargs["sync_inner_state"])
-    return CLASSES[spec.name](total_steps, **kwargs)
+    warm = kwargs.pop("warm_start", 0)
+    if warm >= total_steps:
+        raise ValueError(f"outer strategy {spec.name!r}: warm_start ({warm}) must be < the run's steps "
+                         f"({total_steps}) so that some steps are left for the outer rounds")
+    outer = CLASSES[spec.name](total_steps - warm, **kwargs)
+    return WarmStart(outer, warm) if warm else outer
 
 
 def build_outer(cfg, world) -> OuterStrategy:
     """The outer strategy cfg.outer names, for a run of cfg.steps steps."""
     strategy = make_outer(parse_outer(cfg.outer), cfg.steps, warmup=cfg.warmup)
-    if hasattr(strategy, "report_dir"):
-        strategy.report_dir = getattr(cfg, "run_dir", "") or None
+    target = strategy.outer if isinstance(strategy, WarmStart) else strategy
+    if hasattr(target, "report_dir"):
+        target.report_dir = getattr(cfg, "run_dir", "") or None
     return strategy
 
 
 __all__ = ["CLASSES", "PARAMS", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",
-           "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "build_outer", "make_outer",
+           "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "build_outer", "make_outer",
            "parse_outer", "valid_specs"]

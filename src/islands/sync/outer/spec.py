@@ -17,6 +17,11 @@ _EXCHANGE = {
     "aggregate": ("mean", str, "aggregator spec across islands (islands.aggregate), e.g. median"),
 }
 _AGGREGATE_ONLY = {"aggregate": _EXCHANGE["aggregate"]}
+# LIT-212 starts DiLoCo from a model pretrained with ordinary data parallelism (warm_start.py).
+_WARM = {
+    "warm_start": (0, int, "steps of ordinary data parallelism across islands (gradients averaged every step) "
+                           "before the first round, as LIT-212 starts from a pretrained model; 0 = none"),
+}
 # DiLoCo's outer optimizer: Nesterov SGD, lr 0.7, momentum 0.9 (LIT-212).
 _OUTER_OPT = {
     "outer": ("nesterov", str, "outer optimizer: nesterov | sgd (heavy-ball, or plain with momentum=0) | primal"),
@@ -58,6 +63,7 @@ PARAMS: dict[str, dict[str, tuple]] = {
         "inner_steps": (100, int, "inner optimizer steps per round (H)"),
         **_OUTER_OPT,
         "sync_inner_state": (0, int, "1 = also average the inner Adam moments each round (SOTA-219 experiment only)"),
+        **_WARM,
         **_EXCHANGE,
     },
     "streaming-diloco": {
@@ -70,6 +76,7 @@ PARAMS: dict[str, dict[str, tuple]] = {
         "block": (1024, int, "values per 4-bit quantisation block (one fp32 scale each)"),
         "entropy": ("none", str, "none | zstd: lossless zstd over the 4-bit codes (bits=4 only; zstd4.py)"),
         **_OUTER_OPT,
+        **_WARM,
         **_EXCHANGE,
     },
     "gossip": {
@@ -154,6 +161,8 @@ def _check(s: OuterSpec) -> None:
     for key in ("every", "inner_steps", "fragments", "block"):
         if key in p and p[key] < 1:
             bad(f"{key} must be >= 1, got {p[key]}")
+    if "warm_start" in p and p["warm_start"] < 0:
+        bad(f"warm_start must be >= 0 steps (0 = no warm start), got {p['warm_start']}")
     if "tau" in p and p["tau"] < 0:
         bad(f"tau must be >= 0, got {p['tau']}")
     if "switch" in p and p["switch"] < -1:
