@@ -38,8 +38,10 @@ class DiLoCo(OuterStrategy):
                  momentum: float = 0.9, weight: float = 0.5, sync_inner_state: bool = False,
                  compress: str = "none", aggregate: str = "mean",
                  fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None,
-                 lr_scale: str = "none", landing: str = "mix"):
+                 lr_scale: str = "none", landing: str = "mix", outer_schedule: str = "constant"):
         super().__init__(total_steps)
+        if outer_schedule not in ("constant", "inner"):
+            raise ValueError(f"outer_schedule must be 'constant' or 'inner', got {outer_schedule!r}")
         if landing not in ("mix", "replay"):
             raise ValueError(f"landing must be 'mix' or 'replay', got {landing!r}")
         if lr_scale not in ("none", "sqrt-islands"):
@@ -52,7 +54,7 @@ class DiLoCo(OuterStrategy):
             raise ValueError("sync_inner_state needs fragments=1 and tau=0 (plain DiLoCo)")
         self.inner_steps, self.fragments, self.tau, self.merge = int(inner_steps), int(fragments), int(tau), float(merge)
         self.sync_inner_state = bool(sync_inner_state)
-        self.lr_scale, self.landing = lr_scale, landing
+        self.lr_scale, self.landing, self.outer_schedule = lr_scale, landing, outer_schedule
         self.at_send: dict[int, torch.Tensor] = {}  # landing=replay: the local fragment when its delta left
         self.opt = build_outer_optimizer(outer, outer_lr, momentum, weight)
         self.exchange = Exchange("outer_delta", aggregate=aggregate, compress=compress, codec=codec)
@@ -65,6 +67,9 @@ class DiLoCo(OuterStrategy):
 
     def setup(self) -> None:
         self.bounds = fragment_bounds(self.global_flat.numel(), self.fragments)
+        # outer_schedule=inner: the trainer builds the optimizer at its peak lr and only then schedules
+        # it, so the lr seen here is the reference the inner schedule is measured against.
+        self.base_lr = float(self.optimizer.param_groups[0]["lr"])
 
     def starting(self, done: int) -> list[int]:
         """Fragments whose exchange starts after `done` steps (the schedule, without the final flush)."""
@@ -118,7 +123,8 @@ class DiLoCo(OuterStrategy):
             self._average_moments()
 
     def outer_lr_factor(self) -> float:
-        """sqrt(M) under lr_scale=sqrt-islands, M read from the Comm at each step (elastic-safe); else 1.
+        """sqrt(M) under lr_scale=sqrt-islands, M read from the Comm at each step (elastic-safe); else 1;
+        times inner lr now / inner lr at build under outer_schedule=inner.
 
         Why sqrt(M): each of M islands runs Adam on 1/M of the global batch. Where gradient noise
         dominates a coordinate, Adam's second moment grows ~M-fold, so the signal in each island's
@@ -126,7 +132,10 @@ class DiLoCo(OuterStrategy):
         noise shrinks 1/sqrt(M) in the average. Scaling the averaged delta by sqrt(M) restores both
         to DDP's size (our derivation; measured in docs/outer-strategies.md).
         """
-        return float(self.comm.size) ** 0.5 if self.lr_scale == "sqrt-islands" else 1.0
+        factor = float(self.comm.size) ** 0.5 if self.lr_scale == "sqrt-islands" else 1.0
+        if self.outer_schedule == "inner":  # follow the inner warm-up + cosine
+            factor *= float(self.optimizer.param_groups[0]["lr"]) / self.base_lr
+        return factor
 
     def _average_moments(self) -> None:
         tensors = []

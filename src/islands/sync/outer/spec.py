@@ -31,6 +31,8 @@ _OUTER_OPT = {
     "lr_scale": ("none", str, "none | sqrt-islands: multiply outer_lr by sqrt(M), M = islands in the exchange "
                               "(undoes the 1/sqrt(M) shrink of per-island Adam on 1/M of the batch; "
                               "docs/outer-strategies.md)"),
+    "outer_schedule": ("constant", str, "constant | inner: multiply the outer lr by the inner optimizer's current lr "
+                                        "over its lr when the strategy was built (decays with the inner cosine)"),
 }
 
 PARAMS: dict[str, dict[str, tuple]] = {
@@ -90,6 +92,7 @@ PARAMS: dict[str, dict[str, tuple]] = {
 
 _OUTER_CHOICES = ("nesterov", "sgd", "primal")
 LR_SCALES = ("none", "sqrt-islands")
+OUTER_SCHEDULES = ("constant", "inner")
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,8 @@ def _check(s: OuterSpec) -> None:
             bad("weight= applies to outer=primal only")
     if "lr_scale" in p and p["lr_scale"] not in LR_SCALES:
         bad(f"lr_scale must be one of {', '.join(LR_SCALES)}, got {p['lr_scale']!r}")
+    if "outer_schedule" in p and p["outer_schedule"] not in OUTER_SCHEDULES:
+        bad(f"outer_schedule must be one of {', '.join(OUTER_SCHEDULES)}, got {p['outer_schedule']!r}")
     if p.get("sync_inner_state") not in (None, 0, 1):
         bad(f"sync_inner_state must be 0 or 1, got {p['sync_inner_state']}")
     if "bits" in p and p["bits"] not in (4, 32):

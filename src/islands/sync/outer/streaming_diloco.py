@@ -28,7 +28,7 @@ class StreamingDiLoCo(DiLoCo):
                  merge: float = 0.5, bits: int = 4, block: int = 1024, outer: str = "nesterov",
                  outer_lr: float = 0.7, momentum: float = 0.9, weight: float = 0.5,
                  compress: str = "none", aggregate: str = "mean", lr_scale: str = "none", entropy: str = "none",
-                 landing: str = "mix"):
+                 landing: str = "mix", outer_schedule: str = "constant"):
         if bits not in (4, 32):
             raise ValueError(f"bits must be 4 or 32, got {bits}")
         if entropy not in ("none", "zstd") or (entropy == "zstd" and bits != 4):
@@ -38,4 +38,5 @@ class StreamingDiLoCo(DiLoCo):
             codec = Quant4Zstd(block) if entropy == "zstd" else Quant4(block)
         super().__init__(total_steps, inner_steps=inner_steps, outer=outer, outer_lr=outer_lr, momentum=momentum,
                          weight=weight, compress=compress, aggregate=aggregate, fragments=fragments, tau=tau,
-                         merge=merge, codec=codec, lr_scale=lr_scale, landing=landing)
+                         merge=merge, codec=codec, lr_scale=lr_scale, landing=landing,
+                         outer_schedule=outer_schedule)
