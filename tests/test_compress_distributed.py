@@ -15,7 +15,8 @@ from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.runtime.comm import Comm, CommLedger
 
 AVG_SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=8", "randomk:ratio=0.3,seed=1",
-             "topk:ratio=0.2,warmup=1,stage_steps=1", "powersgd:rank=2", "powersgd:rank=2,start=1", "sign"]
+             "topk:ratio=0.2,warmup=1,stage_steps=1", "powersgd:rank=2", "powersgd:rank=2,start=1",
+             "powersgd:rank=2,bits=16,dense_bits=16", "powersgd:rank=2,bits=8", "sign"]
 DDP_SPECS = ["none", "powersgd:rank=2", "topk:ratio=0.2,warmup=0", "int8", "sign"]
 
 

@@ -134,3 +134,119 @@ def test_topk_sample_option_matches_plain_topk_and_keeps_global_rng():
     assert parse_compressor("topk:ratio=0.01,sample=0.01").inner.sample == 0.01
     with pytest.raises(ValueError, match="sample"):
         parse_compressor("topk:sample=2")
+
+
+# ---- wire precision: bf16 factors (rank 8 for the bytes of rank 4) and bf16 dense tensors ---------
+
+def test_bf16_factors_halve_the_bytes_of_a_rank():
+    t = torch.randn(64, 48, generator=torch.Generator().manual_seed(6))
+    r4, r8 = PowerSGD(4), PowerSGD(8, bits=16)
+    p4, p8 = r4.compress(t, r4.state("w", t)), r8.compress(t, r8.state("w", t))
+    assert p8.nbytes == p4.nbytes == (64 + 48) * 4 * 4
+    assert p8.nbytes == r8.payload_nbytes(t.shape, t.dtype)
+    assert p8.tensors[0].dtype == torch.bfloat16 and r8.agree(t, r8.states["w"])[0].dtype == torch.bfloat16
+    assert r8.states["w"]["Q"].dtype == torch.float32  # the warm start is kept in fp32
+
+
+def test_bf16_factors_recover_a_low_rank_matrix_to_bf16_precision():
+    g = torch.Generator().manual_seed(7)
+    M = orthonormal(torch.randn(40, 3, generator=g)) @ torch.diag(torch.tensor([3.0, 1.0, 0.2])) @ orthonormal(torch.randn(30, 3, generator=g)).t()
+    c = PowerSGD(rank=3, bits=16)
+    for _ in range(4):
+        out = c.decompress(c.compress(M, c.state("w", M)))
+    rel = float((out - M).norm() / M.norm())
+    assert rel < 2e-2 and rel > 0  # bf16 keeps 8 bits of mantissa: close, not exact
+
+
+def test_error_feedback_accounts_for_bf16_rounding():
+    """Residual + what was sent == the corrected input, although the factors were rounded to bf16."""
+    ef = parse_compressor("powersgd:rank=2,bits=16,dense_bits=16")
+    g = torch.Generator().manual_seed(8)
+    for name, shape in (("w", (20, 12)), ("b", (12,))):
+        for _ in range(3):
+            t = torch.randn(*shape, generator=g)
+            before = ef.states[name]["residual"].clone() if name in ef.states else torch.zeros(shape)
+            sent = ef.decompress(ef.compress(t, ef.state(name, t))).float()
+            x = before + t
+            assert torch.allclose(sent + ef.states[name]["residual"], x, atol=1e-6, rtol=0)
+    assert float(ef.states["b"]["residual"].abs().max()) > 0  # the bias lost its low mantissa bits...
+    assert float(ef.states["b"]["residual"].abs().max()) < 2e-2  # ...and nothing more
+
+
+def test_dense_bits_narrows_only_wider_tensors():
+    c = PowerSGD(4, dense_bits=16)
+    b32, b16 = torch.randn(10), torch.randn(10).half()
+    p32, p16 = c.compress(b32, c.state("b32", b32)), c.compress(b16, c.state("b16", b16))
+    assert p32.tensors[0].dtype == torch.bfloat16 and p32.nbytes == 20 == c.payload_nbytes((10,), torch.float32)
+    assert p16.tensors[0].dtype == torch.float16 and p16.nbytes == 20 == c.payload_nbytes((10,), torch.float16)
+    assert c.decompress(p32).dtype == torch.float32
+    assert torch.equal(c.decompress(p32), b32.to(torch.bfloat16).float())
+    # the uncompressed start of a matrix travels narrowed too, and is counted so
+    s = PowerSGD(2, start=1, dense_bits=16)
+    w = torch.randn(12, 10)
+    assert s.compress(w, s.state("w", w)).nbytes == 240 == s.payload_nbytes(w.shape, w.dtype, step=0)
+
+
+def test_default_precision_is_unchanged_fp32():
+    c = PowerSGD(2)
+    t = torch.randn(12, 10, generator=torch.Generator().manual_seed(9))
+    p = c.compress(t, c.state("w", t))
+    assert p.tensors[0].dtype == torch.float32 and p.nbytes == (12 + 10) * 2 * 4
+    p.tensors[0].add_(1.0)  # the payload may be reused by a caller: the warm start must not alias it
+    assert not torch.equal(c.states["w"]["Q"], p.tensors[0])
+
+
+@pytest.mark.parametrize("bad", ["powersgd:bits=4", "powersgd:dense_bits=8", "powersgd:bits=fp16"])
+def test_bad_wire_precision_raises_clearly(bad):
+    with pytest.raises(ValueError) as e:
+        parse_compressor(bad)
+    assert "bits" in str(e.value)
+
+
+def test_int8_factors_cost_a_quarter_after_a_bf16_first_exchange():
+    t = torch.randn(64, 48, generator=torch.Generator().manual_seed(10))
+    c = PowerSGD(16, bits=8)
+    payloads = _steps(c, t, 3)
+    steady = (64 + 48) * 16
+    assert [p.nbytes for p in payloads] == [2 * steady, steady, steady] == [c.payload_nbytes(t.shape, t.dtype, step=s) for s in range(3)]
+    assert steady == PowerSGD(4).payload_nbytes(t.shape, t.dtype)  # rank 16 in int8 = rank 4 in fp32
+    assert payloads[0].tensors[0].dtype == torch.bfloat16 and payloads[1].tensors[0].dtype == torch.int8
+    assert c.agree(t, c.states["w"])[0].dtype == torch.int8
+    assert int(payloads[2].tensors[0].abs().max()) <= 127  # one rank: the whole int8 range
+    s = PowerSGD(4, bits=8, start=2)
+    assert [s.payload_nbytes((64, 48), torch.float32, step=i) for i in range(4)] == [64 * 48 * 4] * 2 + [(64 + 48) * 8, (64 + 48) * 4]
+
+
+def test_int8_factors_track_a_low_rank_matrix():
+    g = torch.Generator().manual_seed(11)
+    M = orthonormal(torch.randn(40, 3, generator=g)) @ torch.diag(torch.tensor([3.0, 1.0, 0.2])) @ orthonormal(torch.randn(30, 3, generator=g)).t()
+    c = PowerSGD(rank=3, bits=8)
+    for _ in range(5):
+        out = c.decompress(c.compress(M, c.state("w", M)))
+    rel = float((out - M).norm() / M.norm())
+    assert 0 < rel < 0.05  # ~6 bits per entry under a 2x headroom
+
+
+def test_int8_saturation_lands_in_the_residual():
+    """A gradient 100x the last step's saturates the int8 grid; error feedback keeps what was clipped."""
+    ef = parse_compressor("powersgd:rank=2,bits=8")
+    g = torch.Generator().manual_seed(12)
+    for scale in (1.0, 1.0, 100.0):
+        t = scale * torch.randn(20, 12, generator=g)
+        before = ef.states["w"]["residual"].clone() if "w" in ef.states else torch.zeros(20, 12)
+        payload = ef.compress(t, ef.state("w", t))
+        sent = ef.decompress(payload).float()
+        assert torch.allclose(sent + ef.states["w"]["residual"], before + t, atol=1e-4, rtol=0)
+    assert int(payload.tensors[0].abs().max()) == 127  # saturated
+    assert float(ef.states["w"]["residual"].norm()) > 0.5 * float(t.norm())  # most of the spike is held back
+
+
+def test_int8_scales_survive_a_checkpoint():
+    t = torch.randn(16, 12, generator=torch.Generator().manual_seed(13))
+    a = PowerSGD(3, bits=8)
+    _steps(a, t, 2)
+    b = PowerSGD(3, bits=8)
+    b.load_state_dict(a.state_dict())
+    pa, pb = a.compress(t, a.state("w", t)), b.compress(t, b.state("w", t))
+    assert pa.tensors[0].dtype == pb.tensors[0].dtype == torch.int8
+    assert torch.equal(pa.tensors[0], pb.tensors[0]) and torch.equal(a.decompress(pa), b.decompress(pb))

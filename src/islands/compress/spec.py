@@ -47,12 +47,14 @@ SPECS: dict[str, tuple[Callable[..., CompressorBase], _P, bool]] = {
         True,
     ),
     "powersgd": (
-        lambda rank, seed, start, min_rate: PowerSGD(rank, seed, start, min_rate),
+        lambda rank, seed, start, min_rate, bits, dense_bits: PowerSGD(rank, seed, start, min_rate, bits, dense_bits),
         {
             "rank": (int, 4, "approximation rank"),
             "seed": (int, 0, "Q init seed, same on all ranks"),
             "start": (int, 0, "uncompressed steps first (torch's start_powerSGD_iter)"),
             "min_rate": (float, 1.0, "send a matrix uncompressed unless n*m >= min_rate*(n+m)*rank"),
+            "bits": (int, 32, "factor precision on the wire: 32 fp32, 16 bf16, 8 int8 (shared scales from the last step)"),
+            "dense_bits": (int, 32, "precision of tensors sent uncompressed (biases, norms): 32 as given, 16 bf16"),
         },
         True,
     ),
