@@ -13,8 +13,8 @@ Policies, stated:
   synchronously from the live tensors (`over_budget="sync"`) or raises (`over_budget="error"`). With one
   persist in flight at most, staging memory never exceeds one snapshot within the budget.
 - staging buffers: pinned host memory when the state lives on a CUDA device (asynchronous DMA copies,
-  one stream sync before the persist starts), ordinary memory otherwise (tree.staging_tensor). They are
-  reused by the next snapshot once their persist has ended, so repeated saves allocate (and pin) once.
+  one stream sync before the persist starts), ordinary memory otherwise; views into one block per
+  snapshot (tree.staging_block). They are reused by the next snapshot once their persist has ended, so repeated saves allocate (and pin) once.
 """
 
 from __future__ import annotations

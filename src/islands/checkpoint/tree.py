@@ -99,7 +99,7 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
     This is the snapshot phase of two-phase checkpointing (LIT-059): after it returns, training may
     change the live tensors freely. `reuse` ({name: tensor} from `staging_buffers` of an earlier copy
     whose readers are done) supplies already-touched buffers of matching shape and dtype, so a repeat
-    snapshot copies instead of faulting in fresh pages (or pinning new ones: see staging_tensor).
+    snapshot copies instead of faulting in fresh pages (or pinning new ones: see staging_block).
     """
     skeleton, tensors = flatten_tree(tree)
     pool = {}
@@ -109,6 +109,7 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
                 and (src.device.type != "cuda" or old.is_pinned())):
             pool[name] = old
     reuse = None
+    fresh = staging_block({n: t for n, t in tensors.items() if n not in pool})
     copies = {}
     from_gpu = False
     for name, t in tensors.items():
@@ -116,7 +117,7 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
         gpu = src.device.type == "cuda"
         old = pool.pop(name, None)
         if old is None:
-            old = staging_tensor(src)
+            old = fresh[name]
         # device -> pinned host copies run asynchronously on the current stream; one sync below
         copies[name] = old.copy_(src, non_blocking=gpu)
         from_gpu |= gpu
@@ -125,12 +126,29 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
     return unflatten_tree(skeleton, copies)
 
 
+_ALIGN = 256  # bytes: every view starts aligned for any dtype (and for vectorised copies)
+
+
+def staging_block(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host buffers for `tensors`, as views into one allocation: pinned (page-locked) when any source
+    lives on a CUDA device, so the copies are DMAs that need no bounce buffer and run asynchronously;
+    ordinary memory otherwise (pinning gains a CPU-to-CPU copy nothing). One block, not one per tensor:
+    each page-locking call costs far more than its bytes' copy, and torch's pinned allocator rounds every
+    request up to a power of two."""
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    total = sum(-(-b // _ALIGN) * _ALIGN for b in sizes.values())
+    pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values())
+    block = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    views, offset = {}, 0
+    for name, t in tensors.items():
+        views[name] = block[offset:offset + sizes[name]].view(t.dtype).view(t.shape)
+        offset += -(-sizes[name] // _ALIGN) * _ALIGN
+    return views
+
+
 def staging_tensor(src: torch.Tensor) -> torch.Tensor:
-    """A host buffer for `src`: pinned (page-locked) when `src` lives on a CUDA device, so the copy is a
-    DMA that needs no bounce buffer and can run asynchronously; ordinary memory otherwise (pinning
-    costs time and locks RAM, which a CPU-to-CPU copy gains nothing from)."""
-    pin = src.device.type == "cuda" and torch.cuda.is_available()
-    return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+    """A host buffer for one tensor (see staging_block)."""
+    return staging_block({"x": src})["x"]
 
 
 def staging_buffers(tree) -> dict[str, torch.Tensor]:
