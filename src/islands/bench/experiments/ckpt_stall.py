@@ -11,6 +11,7 @@ Two measurements, side by side in one run:
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -94,7 +95,7 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     headline.append(f"in the training loop: stall per checkpoint {loop[True]['stall_per_ckpt_s'] * 1e3:.1f} ms async vs "
                     f"{loop[False]['stall_per_ckpt_s'] * 1e3:.0f} ms sync ({100 * ratio_loop:.1f}%); training step "
                     f"{loop[True]['train_s_per_step']:.3f} s async vs {loop[False]['train_s_per_step']:.3f} s sync "
-                    "(the background persist shares this machine's 2 cores with training)")
+                    f"(the background persist shares this machine's {os.cpu_count()} cores with training)")
     if ctx.device == "cuda":
         headline.append(f"state on {torch.cuda.get_device_name()}: the snapshot is a device-to-host copy into reused "
                         "pinned buffers; the synchronous save includes the same copy")
