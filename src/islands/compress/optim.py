@@ -1,4 +1,5 @@
-"""Optimizer specs for the trainer: "adamw", "onebit-adam[:warmup=N]", "naive-compressed-adam[:warmup=N]".
+"""Optimizer specs for the trainer: "adamw", "onebit-adam[:warmup=N]", "naive-compressed-adam[:warmup=N]",
+"split-adamw[:variance=local,every=K,clip=C,compress=powersgd,rank=r,bits=b,dense_bits=d]".
 
 The 1-bit optimizers (SOTA-215, LIT-278) average across ranks themselves, so the inner strategy must
 not all-reduce gradients as well: `OptimizerSynced` is that inner strategy. It only makes every rank
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from islands.compress.onebit_adam import NaiveCompressedAdam, OneBitAdam
+from islands.compress.split_adam import VARIANCE_SOURCES, SplitMomentAdamW
 from islands.runtime.comm import Comm
 from islands.sync.base import NoOp
 
@@ -24,6 +26,16 @@ OPTIMIZERS = {
     "adamw": None,  # torch.optim.AdamW; gradients averaged by the inner strategy
     "onebit-adam": OneBitAdam,
     "naive-compressed-adam": NaiveCompressedAdam,  # negative control only
+    "split-adamw": SplitMomentAdamW,  # PowerSGD-compressed first moment, separately sourced variance
+}
+# split-adamw's parameters: (type, default, help). The PowerSGD ones build its compressor.
+SPLIT_PARAMS = {
+    "variance": (str, "local", f"second-moment source: {'|'.join(VARIANCE_SOURCES)}"),
+    "every": (int, 20, "steps between bf16 all-reduces of the workers' local variance (variance=local)"),
+    "clip": (float, 1.0, "max global norm of the averaged gradient (run the trainer with grad_clip=0)"),
+    "rank": (int, 4, "PowerSGD rank of the first moment's gradient"),
+    "bits": (int, 32, "PowerSGD factor precision: 32 fp32, 16 bf16"),
+    "dense_bits": (int, 32, "precision of biases/norms sent uncompressed: 32, 16 (bf16)"),
 }
 # Our default warm-up: a fifth of the run uncompressed, so the frozen variance has seen real data.
 DEFAULT_WARMUP_FRACTION = 0.2
@@ -33,6 +45,7 @@ DEFAULT_WARMUP_FRACTION = 0.2
 class OptimizerSpec:
     name: str
     warmup: int | None = None  # steps of uncompressed Adam before 1-bit; None = a fifth of the run
+    options: tuple[tuple[str, object], ...] = ()  # split-adamw's SPLIT_PARAMS, as (key, value) pairs
 
     @property
     def communicates(self) -> bool:
@@ -44,8 +57,35 @@ class OptimizerSpec:
 
 
 def describe_optimizers() -> str:
+    split = ",".join(f"{k}={d}" for k, (_, d, _) in SPLIT_PARAMS.items())
     return ("valid optimizers: adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] "
-            f"(warmup: uncompressed Adam steps before 1-bit momentum, default {DEFAULT_WARMUP_FRACTION:g} x steps)")
+            f"(warmup: uncompressed Adam steps before 1-bit momentum, default {DEFAULT_WARMUP_FRACTION:g} x steps) | "
+            f"split-adamw[:{split}] (" + "; ".join(f"{k}: {h}" for k, (_, _, h) in SPLIT_PARAMS.items()) + ")")
+
+
+def _parse_split(rest: str) -> tuple[tuple[str, object], ...]:
+    values = {k: d for k, (_, d, _) in SPLIT_PARAMS.items()}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, raw = (x.strip() for x in item.partition("="))
+        if not eq or key not in SPLIT_PARAMS:
+            raise ValueError(f"optimizer 'split-adamw' has no parameter {item!r}; {describe_optimizers()}")
+        typ = SPLIT_PARAMS[key][0]
+        try:
+            values[key] = int(raw, 10) if typ is int else typ(raw)
+        except ValueError:
+            raise ValueError(f"optimizer 'split-adamw': {key}={raw!r} is not a valid {typ.__name__}") from None
+    if values["variance"] not in VARIANCE_SOURCES:
+        raise ValueError(f"optimizer 'split-adamw': variance must be one of {VARIANCE_SOURCES}, got {values['variance']!r}")
+    if values["every"] < 1 or values["clip"] < 0:
+        raise ValueError(f"optimizer 'split-adamw': need every >= 1 and clip >= 0, got every={values['every']}, clip={values['clip']}")
+    _split_compressor(values)  # bad PowerSGD parameters fail here, at parse time
+    return tuple(values.items())
+
+
+def _split_compressor(values: dict):
+    from islands.compress.spec import parse_compressor
+
+    return parse_compressor(f"powersgd:rank={values['rank']},bits={values['bits']},dense_bits={values['dense_bits']}")
 
 
 def parse_optimizer(spec: str) -> OptimizerSpec:
@@ -55,6 +95,8 @@ def parse_optimizer(spec: str) -> OptimizerSpec:
     name = name.strip().lower()
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; {describe_optimizers()}")
+    if name == "split-adamw":
+        return OptimizerSpec(name, options=_parse_split(rest))
     warmup = None
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, raw = item.partition("=")
@@ -76,6 +118,10 @@ def build_optimizer(spec: OptimizerSpec | str, params, *, lr: float, betas=(0.9,
     cls = OPTIMIZERS[spec.name]
     if cls is None:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if cls is SplitMomentAdamW:
+        o = dict(spec.options)
+        return SplitMomentAdamW(params, _split_compressor(o), comm, lr=lr, betas=betas, weight_decay=weight_decay,
+                                variance=o["variance"], variance_every=o["every"], clip=o["clip"])
     return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, warmup_steps=spec.warmup_steps(steps), comm=comm)
 
 
