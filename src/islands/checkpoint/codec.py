@@ -3,22 +3,17 @@
 In trained floats only the exponent is redundant (LIT-750: ~40 of 256 exponent values occur and the
 stream codes to about a third) while sign and mantissa bits look random. layouts.py cuts each float
 dtype into byte planes (the 8-bit exponent alone where it is one, packed two codes per byte by
-planes.py); then
-  exponent streams -> zstd with an LZ stage starved to nothing, which leaves zstd's Huffman literal
-                      coder doing the work (as small as level 19, ~100x faster; see docs/checkpointing.md)
-  mantissa planes  -> the same coder when bytes sampled across the whole plane have structure (order-0
-                      entropy < 7.9 bits), raw zstd blocks otherwise
-Huffman-coded streams are cut into zstd blocks of 32-64 KiB (see _PAIR_BLOCK).
+planes.py); streams.py turns each plane into a checksummed zstd frame: exponent streams Huffman-coded,
+mantissa planes Huffman-coded only when a sample across them has structure, stored otherwise.
 Integers, bools, 1-byte floats and anything else go through plain zstd.
 
 Optional XOR delta against a base tensor of the same shape and dtype (SOTA-437: deltas against a base
 up to K checkpoints back): unchanged exponent and high mantissa bits become zero bytes.
 
-Integrity: every stream is a zstd frame with an XXH64 content checksum (checked by zstd while decoding,
-~10 GB/s); the first bytes of each frame carry a CRC-32 so a flipped header flag cannot switch that
-check off; the header carries its own CRC-32; the decoded tensor is checked against a SHA-256 content
-hash when one was stored (collision resistant, so the store also dedups on it). The input tensor is
-only ever read.
+Integrity: every stream's zstd frame carries an XXH64 content checksum and a CRC-32 over its first bytes
+(streams.py); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256
+content hash when one was stored (collision resistant, so the store also dedups on it). The input
+tensor is only ever read.
 """
 
 from __future__ import annotations
@@ -27,17 +22,16 @@ import hashlib
 import json
 import struct
 import sys
-import threading
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.planes import sampled_entropy_bits, scratch
+from islands.checkpoint.planes import scratch
+from islands.checkpoint.streams import coders, decode_frame_into, frame, mantissa_frame
 
 MAGIC = b"ISLT"
 # 3: per-dtype plane layouts (layouts.py); 2: one rotated layout for all floats; 1: raw streams with a
@@ -45,43 +39,10 @@ MAGIC = b"ISLT"
 # whole-plane mantissa gate and the 32/64 KiB zstd blocks changed only encoder choices: the streams are
 # the same zstd frames, so blobs written before and after read alike and the version stays 3.)
 VERSION = 3
-_FRAME_HEAD = 64  # leading bytes of each frame (frame and first block header) covered by a CRC-32
-# Huffman-coded streams are cut into zstd blocks smaller than zstd's own 128 KiB: a fresh code table
-# more often follows the statistics from tensor to tensor, and below 80 KiB zstd skips its "looks
-# incompressible" shortcut, which samples only a block's first and last 4 KiB (it had stored blocks of
-# entropy 5.0 bits raw). Measured on the 22.7 M-element MiniLM bench: exponent pairs -15 KB at 64 KiB
-# (-25 KB at 32 KiB, but bf16 decoding 6% slower: a Huffman table to read per block); fp16 high bytes
-# -2 KB at 64 KiB (32 KiB: +4 KB); gated mantissa planes -25 KB at 32 KiB against 64 KiB.
-_PAIR_BLOCK = 64 << 10  # exponent pairs (128 K elements)
-_ELEMENT_BLOCK = 64 << 10  # one byte per element: fp16 high bytes, plain exponent planes
-_MANTISSA_BLOCK = 32 << 10  # mantissa planes the gate lets through
-# A mantissa plane is Huffman-coded only if 8 K bytes sampled across the whole plane have an order-0
-# entropy under 7.9 bits (LIT-750: in trained weights they rarely do; zstd could not keep a gain under
-# 1/64 of a block anyway); otherwise it goes into raw zstd blocks at copy speed. Sampling the whole plane
-# matters: a chunk often holds the end of one tensor and the start of another (v3 probed the first
-# 64 KiB only and stored the fp16-exact pooler and embedding rows raw: +0.27% vs ZipNN on fp32).
-_GATE_BITS = 7.9
-_GATE_MIN_BYTES = 64 << 10  # smaller planes are always offered to the Huffman coder: cheap, zstd decides
 _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 _CRC = struct.Struct("<I")
 
 LAYOUTS = ("split", "zstd", "raw")
-
-
-def _exponent_params() -> zstandard.ZstdCompressionParameters:
-    # Longest minimum match, tiny hash/chain tables, fast strategy: the LZ stage finds almost nothing
-    # in a plane of exponents, so the output is Huffman-coded literals (SOTA-437: entropy coder alone).
-    return zstandard.ZstdCompressionParameters(
-        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=17, hash_log=6, chain_log=6, search_log=1, write_checksum=True)
-
-
-def _stored_params() -> zstandard.ZstdCompressionParameters:
-    # Fast strategy with a target length set: zstd then skips literal entropy coding and samples for
-    # matches sparsely, so an incompressible plane becomes raw blocks plus a checksum at copy speed.
-    return zstandard.ZstdCompressionParameters(
-        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=17, hash_log=6, chain_log=6, search_log=1, target_length=1 << 17, write_checksum=True)
 
 
 @dataclass(frozen=True)
@@ -153,74 +114,17 @@ def _layout_for(dtype: torch.dtype, requested: str):
     return ("split", planes) if planes is not None else ("zstd", None)
 
 
-class _Coders:
-    """One thread's zstd objects (they are not thread-safe), reused across calls: a fresh context
-    allocates and page-faults its work space on first use, which costs more than a small tensor's coding.
-
-    Every stream is one zstd frame with a content checksum (XXH64, checked by zstd when decoding).
-    """
-
-    def __init__(self, level: int):
-        self.exponent = zstandard.ZstdCompressor(compression_params=_exponent_params())
-        self.stored = zstandard.ZstdCompressor(compression_params=_stored_params())
-        self.general = zstandard.ZstdCompressor(level=level, write_checksum=True)
-        self.decompressor = zstandard.ZstdDecompressor()
-
-
-_THREAD_CODERS = threading.local()
-
-
-def _coders(level: int) -> _Coders:
-    cache = getattr(_THREAD_CODERS, "by_level", None)
-    if cache is None:
-        cache = _THREAD_CODERS.by_level = {}
-    if level not in cache:
-        cache[level] = _Coders(level)
-    return cache[level]
-
-
-def _blocked(coder, raw: memoryview, block: int) -> bytes:
-    """One zstd frame whose blocks hold at most `block` input bytes each (see _PAIR_BLOCK why)."""
-    n = len(raw)
-    if n <= block:
-        return coder.compress(raw)
-    obj = coder.compressobj(size=n)
-    parts = []
-    for b in range(0, n, block):
-        parts.append(obj.compress(raw[b:b + block]))
-        if b + block < n:
-            parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
-    parts.append(obj.flush())
-    return b"".join(parts)
-
-
-def _frame(data, coder, method: str, block: int | None = None) -> tuple[dict, bytes]:
-    raw = data if isinstance(data, (bytes, memoryview)) else memoryview(data).cast("B")
-    enc = coder.compress(raw) if block is None else _blocked(coder, raw, block)
-    # zstd checks the frame's content checksum only if the frame header says one is there: the header
-    # bytes get their own CRC-32 so that a flipped flag bit cannot switch the check off.
-    return {"m": method, "raw": len(raw), "enc": len(enc), "hcrc": zlib.crc32(enc[:_FRAME_HEAD])}, enc
-
-
-def _mantissa_frame(plane: np.ndarray, coders: _Coders) -> tuple[dict, bytes]:
-    """Code a mantissa plane only if a sample across it has structure: in most trained weights it is noise."""
-    if plane.size < _GATE_MIN_BYTES or sampled_entropy_bits(plane) < _GATE_BITS:
-        return _frame(plane, coders.exponent, "h", _MANTISSA_BLOCK)
-    return _frame(plane, coders.stored, "s")
-
-
-def _split_streams(planes, piece: np.ndarray, coders: _Coders) -> tuple[list, dict]:
+def _split_streams(planes, piece: np.ndarray, c) -> tuple[list, dict]:
     exponent, others = planes.split(piece)
     streams, extra = [], {}
     if isinstance(exponent, tuple):  # packed pairs of 4-bit codes and the escaped exponents
         base, codes, escaped = exponent
-        streams += [_frame(codes, coders.exponent, "p", _PAIR_BLOCK), _frame(escaped, coders.exponent, "x")]
+        streams += [frame(codes, c.pairs, "p"), frame(escaped, c.pairs, "x")]
         extra = {"pair_base": base}
     elif exponent is not None:  # too many exponents outside any 15-wide window: the plane whole
-        streams.append(_frame(exponent, coders.exponent, "h", _ELEMENT_BLOCK))
+        streams.append(frame(exponent, c.elements, "h"))
     for kind, plane in others:
-        streams.append(_frame(plane, coders.exponent, "h", _ELEMENT_BLOCK) if kind == "e"
-                       else _mantissa_frame(plane, coders))
+        streams.append(frame(plane, c.elements, "h") if kind == "e" else mantissa_frame(plane, c))
     return streams, extra
 
 
@@ -253,7 +157,7 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
         header["delta"] = {"base_hash": _content_hash_of(dtype, shape, base_raw)}
     layout, planes = _layout_for(tensor.dtype, codec.layout)
     header["layout"] = layout
-    coders = _coders(codec.zstd_level)
+    c = coders(codec.zstd_level)
     size = planes.size if planes is not None else 1
     step = max(size, codec.chunk_bytes // size * size)
     chunks, payload = [], []
@@ -261,11 +165,11 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
         piece = raw[start:start + step]
         meta_extra: dict = {}
         if planes is not None:
-            streams, meta_extra = _split_streams(planes, piece, coders)
+            streams, meta_extra = _split_streams(planes, piece, c)
         elif layout == "zstd":
-            streams = [_frame(piece, coders.general, "z")]
+            streams = [frame(piece, c.general, "z")]
         else:
-            streams = [_frame(piece, coders.stored, "s")]
+            streams = [frame(piece, c.stored, "s")]
         chunks.append({"bytes": len(piece), "streams": [meta for meta, _ in streams], **meta_extra})
         payload.extend(enc for _, enc in streams)
     header["chunks"] = chunks
@@ -295,21 +199,6 @@ def read_header(blob: bytes | memoryview) -> tuple[dict, int]:
     except ValueError as exc:  # only reachable if the CRC collided
         raise CorruptCheckpoint(f"tensor blob header is not valid JSON: {exc}") from exc
     return header, end + _CRC.size
-
-
-def _decompress_into(decompressor, frame, buf: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Decode one frame into this thread's scratch `buf` (no fresh multi-MB allocation per stream:
-    measured 5.1 vs 5.9 ms for a bf16 tensor's 16 MB). Returns (the bytes written, whether the frame
-    held more); reading past the end makes zstd check the frame's content checksum."""
-    with decompressor.stream_reader(frame) as reader:
-        view, got = memoryview(buf), 0
-        while got < buf.size:
-            step = reader.readinto(view[got:])
-            if step == 0:
-                break
-            got += step
-        extra = reader.read(1)
-    return buf[:got], bool(extra)
 
 
 def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray, index: int) -> None:
@@ -349,7 +238,7 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     layout, planes = _layout_for(dtype, header["layout"])
     if layout != header["layout"]:
         raise CorruptCheckpoint(f"layout {header['layout']!r} is impossible for dtype {header['dtype']}")
-    decompressor = _coders(TensorCodec.zstd_level).decompressor
+    decompressor = coders(TensorCodec.zstd_level).decompressor
     out = np.empty(sum(c["bytes"] for c in header["chunks"]), dtype=np.uint8)
     filled = 0
     for index, chunk in enumerate(header["chunks"]):
@@ -359,18 +248,8 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
             pos += meta["enc"]
             if len(enc) != meta["enc"]:
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
-            if zlib.crc32(enc[:_FRAME_HEAD]) != meta["hcrc"]:
-                raise CorruptCheckpoint(f"checksum mismatch in a stream header of chunk {index} of a "
-                                        f"{header['dtype']} {tuple(shape)} tensor: stored bytes are damaged")
-            try:
-                data, extra = _decompress_into(decompressor, enc, scratch(f"decode.{len(decoded)}", meta["raw"], np.uint8))
-            except zstandard.ZstdError as exc:  # includes the frame's content checksum failing
-                raise CorruptCheckpoint(f"chunk {index} of a {header['dtype']} {tuple(shape)} tensor is "
-                                        f"damaged: {exc}") from exc
-            if extra:
-                raise CorruptCheckpoint(f"chunk {index} decoded to more than the {meta['raw']} bytes expected")
-            if data.size != meta["raw"]:
-                raise CorruptCheckpoint(f"chunk {index} decoded to {data.size} bytes, expected {meta['raw']}")
+            where = f"chunk {index} of a {header['dtype']} {tuple(shape)} tensor"
+            data = decode_frame_into(decompressor, enc, meta, scratch(f"decode.{len(decoded)}", meta["raw"], np.uint8), where)
             decoded.append(data)
         n = chunk["bytes"]
         if planes is not None:

@@ -116,24 +116,42 @@ def pack_exponents(x: np.ndarray) -> tuple[int, np.ndarray, np.ndarray] | None:
     return base, packed[0], x[packed[1]]
 
 
-def escape_positions(packed: np.ndarray, n: int) -> np.ndarray:
-    """Indices (< n) of the codes equal to ESCAPE in a packed plane, in increasing order."""
-    n8 = packed.size // 8 * 8
-    words = packed[:n8].view(np.uint64)
+def _escape_bits(words: np.ndarray) -> np.ndarray:
+    """Bit 4k+3 of each result word set iff nibble k of the 64-bit word is ESCAPE (scratch result)."""
     t = scratch("esc.t", words.size, np.uint64)
     # A nibble is 15 iff its low three bits carry into bit 3 when 1 is added and bit 3 was set too.
     np.bitwise_and(words, _NIBBLE_LOW3, out=t)
     t += _NIBBLE_ONES
     t &= words
-    t &= _NIBBLE_HIGH_BITS  # bit 4k+3 set iff nibble k of the word is 15
-    hits = np.flatnonzero(t != 0)
-    nibbles = (t[hits, None] >> (np.arange(16, dtype=np.uint64) * np.uint64(4) + np.uint64(3))) & np.uint64(1)
-    pos = (hits[:, None] * 16 + np.arange(16))[nibbles.astype(bool)]
+    t &= _NIBBLE_HIGH_BITS
+    return t
+
+
+def _expand(hits: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """Code indices from word indices and their escape bits, in increasing order."""
+    nibbles = (bits[:, None] >> (np.arange(16, dtype=np.uint64) * np.uint64(4) + np.uint64(3))) & np.uint64(1)
+    return (hits[:, None] * 16 + np.arange(16))[nibbles.astype(bool)]
+
+
+def _tail_positions(packed: np.ndarray, n8: int) -> np.ndarray:
+    tail = packed[n8:]
+    tail_codes = np.stack([tail & 0x0F, tail >> 4], axis=1).ravel()
+    return np.flatnonzero(tail_codes == ESCAPE) + 2 * n8
+
+
+def escape_positions(packed: np.ndarray, n: int) -> np.ndarray:
+    """Indices (< n) of the codes equal to ESCAPE in a packed plane, in increasing order.
+
+    Called once per chunk (a 1 MiB plane for a 4 MiB bf16 chunk): scanning each 64 K-code block while
+    it is in cache cost more in numpy calls than it saved (measured 16.5 vs 11.0 ms per 16 MB of bf16).
+    """
+    n8 = packed.size // 8 * 8
+    t = _escape_bits(packed[:n8].view(np.uint64))
+    hits = np.flatnonzero(t)
+    pos = _expand(hits, t[hits]) if hits.size else hits
     if n8 < packed.size:
-        tail = packed[n8:]
-        tail_codes = np.stack([tail & 0x0F, tail >> 4], axis=1).ravel()
-        pos = np.concatenate([pos, np.flatnonzero(tail_codes == ESCAPE) + 2 * n8])
-    return pos[pos < n]
+        pos = np.concatenate([pos, _tail_positions(packed, n8)])
+    return pos[pos < n] if pos.size and pos[-1] >= n else pos
 
 
 def write_exponent_field(packed: np.ndarray, base: int, out: np.ndarray, shift: int) -> None:

@@ -1,0 +1,124 @@
+"""The codec's byte planes as checksummed zstd frames: which coder each plane gets, and reading it back.
+
+Every stream is one ordinary zstd frame with an XXH64 content checksum (checked by zstd while decoding,
+~7 GB/s here); a CRC-32 over the frame's first bytes (frame and first block header) guards the flag that
+turns that check on. Three coders (SOTA-437, LIT-750):
+  Huffman  zstd with its LZ stage starved (fast strategy, min match 7, 64-entry tables): what is left is
+           the Huffman literal coder, as small as level 19 on exponent planes and ~100x faster
+  stored   fast strategy with a target length: zstd skips literal coding, so an incompressible plane
+           becomes raw blocks plus a checksum at copy speed
+  general  plain zstd (integers, bools, 1-byte floats)
+
+Huffman streams are cut into zstd blocks smaller than zstd's own 128 KiB: a fresh code table more
+often follows the statistics from tensor to tensor, and below 80 KiB zstd skips its "looks
+incompressible" shortcut, which samples only a block's first and last 4 KiB (it had stored blocks of
+entropy 5.0 bits raw). The block size is set through the window: zstd's blocks are never longer than
+its window, so one compress call with window_log 15 writes 32 KiB blocks. (Until v3 the blocks were
+cut by flushing a streaming compressor every 32/64 KiB, which copies the input and allocates per flush:
+0.5-0.8 ms more per MB of exponent pairs. The frames are the same kind, so both read alike.)
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+
+import numpy as np
+import zstandard
+
+from islands.checkpoint.errors import CorruptCheckpoint
+from islands.checkpoint.planes import sampled_entropy_bits
+
+FRAME_HEAD = 64  # leading bytes of each frame covered by the stream's header CRC-32
+# Block sizes as window logs. Measured on the 22.7 M-element MiniLM bench (docs/checkpointing.md):
+# exponent pairs 32 KiB (-25 KB against 64 KiB, same encode speed); fp16 high bytes 64 KiB (32 KiB was
+# +4 KB); gated mantissa planes 32 KiB (-25 KB against 64 KiB).
+PAIR_WINDOW_LOG = 15
+ELEMENT_WINDOW_LOG = 16
+MANTISSA_WINDOW_LOG = 15
+# A mantissa plane is Huffman-coded only if 8 K bytes sampled across the whole plane have an order-0
+# entropy under 7.9 bits (LIT-750: in trained weights they rarely do; zstd could not keep a gain under
+# 1/64 of a block anyway); otherwise it is stored. Sampling the whole plane matters: a chunk often holds
+# the end of one tensor and the start of another.
+GATE_BITS = 7.9
+GATE_MIN_BYTES = 64 << 10  # smaller planes are always offered to the Huffman coder: cheap, zstd decides
+
+
+def _huffman_params(window_log: int) -> zstandard.ZstdCompressionParameters:
+    return zstandard.ZstdCompressionParameters(
+        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
+        window_log=window_log, hash_log=6, chain_log=6, search_log=1, write_checksum=True)
+
+
+def _stored_params() -> zstandard.ZstdCompressionParameters:
+    return zstandard.ZstdCompressionParameters(
+        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
+        window_log=17, hash_log=6, chain_log=6, search_log=1, target_length=1 << 17, write_checksum=True)
+
+
+class Coders:
+    """One thread's zstd objects (they are not thread-safe), reused across calls: a fresh context
+    allocates and page-faults its work space on first use, which costs more than a small tensor's coding."""
+
+    def __init__(self, level: int):
+        self.pairs = zstandard.ZstdCompressor(compression_params=_huffman_params(PAIR_WINDOW_LOG))
+        self.elements = zstandard.ZstdCompressor(compression_params=_huffman_params(ELEMENT_WINDOW_LOG))
+        self.mantissa = zstandard.ZstdCompressor(compression_params=_huffman_params(MANTISSA_WINDOW_LOG))
+        self.stored = zstandard.ZstdCompressor(compression_params=_stored_params())
+        self.general = zstandard.ZstdCompressor(level=level, write_checksum=True)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_THREAD_CODERS = threading.local()
+
+
+def coders(level: int) -> Coders:
+    cache = getattr(_THREAD_CODERS, "by_level", None)
+    if cache is None:
+        cache = _THREAD_CODERS.by_level = {}
+    if level not in cache:
+        cache[level] = Coders(level)
+    return cache[level]
+
+
+def frame(data, coder, method: str) -> tuple[dict, bytes]:
+    """(stream metadata, one zstd frame of `data`); the metadata goes into the blob header."""
+    raw = data if isinstance(data, (bytes, memoryview)) else memoryview(data).cast("B")
+    enc = coder.compress(raw)
+    # zstd checks the frame's content checksum only if the frame header says one is there: the header
+    # bytes get their own CRC-32 so that a flipped flag bit cannot switch the check off.
+    return {"m": method, "raw": len(raw), "enc": len(enc), "hcrc": zlib.crc32(enc[:FRAME_HEAD])}, enc
+
+
+def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
+    """Huffman-code a mantissa plane only if a sample across it has structure: in trained weights it is noise."""
+    if plane.size < GATE_MIN_BYTES or sampled_entropy_bits(plane) < GATE_BITS:
+        return frame(plane, c.mantissa, "h")
+    return frame(plane, c.stored, "s")
+
+
+def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray, where: str) -> np.ndarray:
+    """Check one stream's header CRC, decode its frame into `buf` (the first meta["raw"] bytes of
+    per-thread scratch: no fresh multi-MB allocation per stream) and return that part of `buf`.
+
+    Reading one byte past the end makes zstd verify the frame's content checksum; any mismatch, a frame
+    that is too short or too long, or a damaged frame raises CorruptCheckpoint naming `where`.
+    """
+    if zlib.crc32(enc[:FRAME_HEAD]) != meta["hcrc"]:
+        raise CorruptCheckpoint(f"checksum mismatch in a stream header of {where}: stored bytes are damaged")
+    try:
+        with decompressor.stream_reader(enc) as reader:
+            view, got = memoryview(buf), 0
+            while got < buf.size:
+                step = reader.readinto(view[got:])
+                if step == 0:
+                    break
+                got += step
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:  # includes the frame's content checksum failing
+        raise CorruptCheckpoint(f"{where} is damaged: {exc}") from exc
+    if extra:
+        raise CorruptCheckpoint(f"{where} decoded to more than the {meta['raw']} bytes expected")
+    if got != meta["raw"]:
+        raise CorruptCheckpoint(f"{where} decoded to {got} bytes, expected {meta['raw']}")
+    return buf[:got]
