@@ -152,6 +152,9 @@ class CompressorBase:
     name = "base"
     combine = Combine.SUMMABLE
     agree_op = "sum"
+    # ||x - decode(compress(x))|| < ||x||: what error feedback needs for its residual to stay bounded.
+    # Compressors rescaled to be unbiased (random-k's n/k, QSGD's levels) can send more than they got.
+    contractive = True
 
     def __init__(self) -> None:
         self.states: dict[str, dict] = {}

@@ -23,6 +23,11 @@ class ErrorFeedback(CompressorBase):
         super().__init__()
         if isinstance(inner, ErrorFeedback):
             raise TypeError("ErrorFeedback(ErrorFeedback(...)) would feed the error back twice")
+        if not inner.contractive:
+            raise ValueError(
+                f"error feedback needs a contractive compressor (one whose error is smaller than its input); "
+                f"{inner.name} rescales to stay unbiased, so the residual would grow without bound. "
+                f"Use it without error feedback (ef=0, its default), or topk, int8/int4, sign or powersgd with ef=1")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"error-feedback momentum must be in [0, 1), got {momentum!r}")
         if clip_norm is not None and not clip_norm > 0:

@@ -28,6 +28,7 @@ from islands.compress.sparse import SparsePayload
 class RandomK(SparsePayload, SeededMixin, CompressorBase):
     name = "randomk"
     combine = Combine.GATHERED
+    contractive = False  # the n/k rescaling: |decoded| is n/k times the input on the kept entries
 
     def __init__(self, ratio: float = 0.01, seed: int = 0):
         super().__init__()
