@@ -71,3 +71,118 @@ def sync_inner_state(ctx: BenchContext) -> dict:
         f"moments kept local; interconnect: {local['interconnect']}",
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
+
+
+# ---- diloco-gap: where DiLoCo's H=100 gap to DDP comes from, and what closes it ---------------------
+WARM_START = 250  # a quarter of the run as ordinary data parallelism first (LIT-212 starts from such a model)
+ISLANDS_WIDE = 4  # the more-islands row: the same global batch over 4 islands of one worker
+
+
+def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
+    """(label, config overrides, row extras) of every diloco-gap run, the most decisive first."""
+    base = base_config(ctx, quick_steps=1000, full_steps=1000)  # quick: digits, 10 rounds at H=100 too
+    half = dict(base, workers=1, global_batch=base["global_batch"] // 2)
+    wide = dict(base, workers=ISLANDS_WIDE, islands=ISLANDS_WIDE)
+    plain = "outer=sgd,outer_lr=1,momentum=0"
+
+    def diloco(spec: str, **over) -> dict:
+        return dict(base, islands=2, outer=f"diloco:inner_steps=100,{spec}", **over)
+
+    return [
+        ("ddp", dict(base, islands=1), dict(H=1, islands=1, batch_per_island=base["global_batch"])),
+        (f"diloco-H100-warm{WARM_START}", diloco(f"{SCALED},warm_start={WARM_START}"),
+         dict(H=100, islands=2, outer=SCALED, warm_start=WARM_START)),
+        ("one-island-half-batch", half, dict(H=0, islands=1, batch_per_island=half["global_batch"])),
+        ("diloco-H100-plain", diloco(plain), dict(H=100, islands=2, outer=plain)),
+        ("diloco-H100", diloco(SCALED), dict(H=100, islands=2, outer=SCALED)),
+        (f"diloco-H100-{ISLANDS_WIDE}islands", dict(wide, outer=f"diloco:inner_steps=100,{SCALED}"),
+         dict(H=100, islands=ISLANDS_WIDE, outer=SCALED)),
+        ("diloco-H100-nesterov-0.7-0.5", diloco("outer=nesterov,outer_lr=0.7,momentum=0.5"),
+         dict(H=100, islands=2, outer="outer=nesterov,outer_lr=0.7,momentum=0.5")),
+    ]
+
+
+def gap_row(label: str, rec: dict, ref: dict, extras: dict) -> dict:
+    """row_of plus the loss gap and the byte ratios against DDP, for the compared phase and in all."""
+    row = row_of(label, rec, **extras)
+    ledger = rec["comm"]["per_rank"][0]["sent"]
+    warm = extras.get("warm_start", 0)
+    steps = rec["config"]["steps"]
+    ddp_bytes = ref["bytes_per_worker"]
+    row["loss_gap_pct"] = gap_pct(row["final_val_loss"], ref["final_val_loss"])
+    row["bytes_ratio_ddp_over_run"] = ddp_bytes / max(row["bytes_per_worker"], 1)
+    if warm:  # the compared phase: steps warm..steps, where DDP sends (steps - warm)/steps of its bytes
+        phase = sum(ledger.get(k, 0) for k in OUTER_KINDS)
+        row["warm_bytes_per_worker"] = ledger.get("outer_warm_grad", 0)
+        row["bytes_ratio_compared_phase"] = ddp_bytes * (steps - warm) / steps / max(phase, 1)
+    return row
+
+
+@experiment("diloco-gap", practices=("SOTA-155",),
+            help="Why DiLoCo H=100 trails DDP: one island alone, plain vs sqrt(M) vs Nesterov outer steps, "
+                 "4 islands, and LIT-212's warm start from a data-parallel model")
+def diloco_gap(ctx: BenchContext) -> dict:
+    rows, ref = [], None
+    for label, overrides, extras in gap_runs(ctx):
+        rec = ctx.train(label, **overrides)
+        if ref is None:
+            ref = row_of(label, rec, **extras)
+        rows.append(gap_row(label, rec, ref, extras))
+    by = {r["run"]: r for r in rows}
+    ddp, warm = by["ddp"], by[f"diloco-H100-warm{WARM_START}"]
+    alone, scratch = by["one-island-half-batch"], by["diloco-H100"]
+    steps = base_config(ctx, 1000, 1000)["steps"]
+    headline = [
+        f"{task_words(ctx)}, {steps} steps, equal tokens, DDP {ddp['final_val_loss']:.4f}: DiLoCo H=100 from "
+        f"scratch (sqrt(M) outer step) {scratch['final_val_loss']:.4f} ({scratch['loss_gap_pct']:+.1f}%); one island "
+        f"alone on half the batch {alone['final_val_loss']:.4f} ({alone['loss_gap_pct']:+.1f}%)",
+        f"warm start (LIT-212's protocol): {WARM_START} steps of DDP, then DiLoCo H=100 for {steps - WARM_START}: "
+        f"{warm['final_val_loss']:.4f} ({warm['loss_gap_pct']:+.1f}% vs DDP for the same {steps} steps), "
+        f"{warm['bytes_ratio_compared_phase']:.0f}x fewer bytes than DDP over the compared phase, "
+        f"{warm['bytes_ratio_ddp_over_run']:.1f}x fewer including the warm-up; interconnect: {ddp['interconnect']}",
+        "other outer steps at H=100: " + ", ".join(
+            f"{r['run']} {r['final_val_loss']:.4f} ({r['loss_gap_pct']:+.1f}%)" for r in rows
+            if r["run"] not in ("ddp", warm["run"], alone["run"], scratch["run"])),
+    ]
+    return {"rows": rows, "headline": headline, "plot": _plot_bytes}
+
+
+# ---- diloco-outer-sweep: the outer optimizer at H=100 ---------------------------------------------
+OUTER_LRS = (0.5, 0.7, 1.0, 1.4)
+OUTER_MOMENTA = (0.0, 0.5, 0.9)
+
+
+def outer_spec(lr: float, momentum: float) -> str:
+    # momentum 0 is plain SGD (Nesterov without momentum is the same step)
+    return (f"outer=sgd,outer_lr={lr},momentum=0" if momentum == 0
+            else f"outer=nesterov,outer_lr={lr},momentum={momentum}")
+
+
+@experiment("diloco-outer-sweep", practices=("SOTA-155",),
+            help="DiLoCo H=100 outer optimizer grid: Nesterov lr {0.5,0.7,1,1.4} x momentum {0,0.5,0.9} vs DDP")
+def diloco_outer_sweep(ctx: BenchContext) -> dict:
+    base = base_config(ctx, quick_steps=1000, full_steps=1000)  # quick: digits, 10 rounds as on the LM
+    ddp = ctx.train("ddp", islands=1, **base)
+    ref = row_of("ddp", ddp, H=1)
+    rows = [ref]
+    runs = [(f"lr{lr}-m{m}", outer_spec(lr, m), dict(outer_lr=lr, momentum=m)) for m in OUTER_MOMENTA
+            for lr in OUTER_LRS]
+    runs.append(("sqrt-islands", SCALED, dict(outer_lr=2 ** 0.5, momentum=0.0)))
+    for label, spec, extra in runs:
+        rec = ctx.train(label, islands=2, outer=f"diloco:inner_steps=100,{spec}", **base)
+        rows.append(row_of(label, rec, H=100, outer=spec, **extra))
+    for r in rows:
+        r["loss_gap_pct"] = gap_pct(r["final_val_loss"], ref["final_val_loss"])
+        # a steady pseudo-gradient d moves the model by lr/(1-m) x d per round (Nesterov: the same limit)
+        if r["run"] != "ddp":
+            r["steady_step_multiplier"] = r["outer_lr"] / (1 - r["momentum"])
+    best = min(rows[1:], key=lambda r: r["final_val_loss"])
+    headline = [
+        f"{task_words(ctx)}, {base['steps']} steps, 2 islands, H=100 ({base['steps'] // 100} rounds): best outer step "
+        f"{best['outer']} at {best['final_val_loss']:.4f} ({best['loss_gap_pct']:+.1f}% vs DDP "
+        f"{ref['final_val_loss']:.4f}); interconnect: {ref['interconnect']}",
+        "by momentum: " + "; ".join(
+            f"m={m}: " + ", ".join(f"lr {r['outer_lr']} {r['loss_gap_pct']:+.1f}%" for r in rows[1:]
+                                    if r["momentum"] == m and r["run"] != "sqrt-islands") for m in OUTER_MOMENTA),
+    ]
+    return {"rows": rows, "headline": headline, "plot": _plot_bytes}
