@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from islands.bench.experiments.outer_common import bar_plot, base_config, gap_pct, row_of, task_words
+from islands.bench.experiments.outer_common import OUTER_KINDS, bar_plot, base_config, gap_pct, row_of, task_words
 from islands.bench.harness import BenchContext, experiment
 
 
