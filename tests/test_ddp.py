@@ -4,10 +4,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from islands.models import ByteTransformer, count_parameters, sequence_loss
 from lm_reference import lm_batches, train_reference
+from spawn_world import spawn_ranks
 
 STEPS, WORKERS, BATCH, CONTEXT = 5, 2, 4, 16
 
@@ -54,17 +54,8 @@ def _worker(rank, env, queue, bucket_mb):
 
 
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.01])  # one bucket, and many small buckets
-def test_ddp_matches_single_process_and_counts_exact_bytes(dist_env, bucket_mb):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    env = dist_env(WORKERS)
-    procs = [ctx.Process(target=_worker, args=(r, env, queue, bucket_mb)) for r in range(WORKERS)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+def test_ddp_matches_single_process_and_counts_exact_bytes(bucket_mb):
+    results = spawn_ranks(_worker, WORKERS, bucket_mb, timeout=120)
     ref = reference_params()
     payload = 4 * count_parameters(tiny_model())
     for rank, params, ledger in results:

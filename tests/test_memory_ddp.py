@@ -4,11 +4,11 @@ and gradients exchanged once per step (no_sync on all but the last micro-batch).
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from islands.memory import ForwardBackward
 from islands.models import ByteTransformer, count_parameters, sequence_loss
 from lm_reference import lm_batches, train_reference
+from spawn_world import spawn_ranks
 
 STEPS, WORKERS, BATCH, CONTEXT = 3, 2, 4, 16
 
@@ -61,21 +61,8 @@ def _worker(rank, env, queue):
     close_world(world)
 
 
-def test_accumulation_under_ddp_matches_one_process_and_exchanges_once_per_step(dist_env):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    env = dist_env(WORKERS)
-    procs = [ctx.Process(target=_worker, args=(r, env, queue)) for r in range(WORKERS)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+def test_accumulation_under_ddp_matches_one_process_and_exchanges_once_per_step():
+    results = spawn_ranks(_worker, WORKERS, timeout=120)
     ref = reference_params()
     payload = 4 * count_parameters(tiny_model())
     for rank, out in results:

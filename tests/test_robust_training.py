@@ -9,14 +9,12 @@ real sign-flip/median run here too.
 from __future__ import annotations
 
 import os
-import queue as queue_mod
-import time
 import traceback
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawn_world import spawn_ranks
 
 WORLD, STEPS, DELAY = 4, 4, 0.25
 ROBUST = ["median", "trimmed-mean:beta=0.25", "krum:f=1", "multi-krum:f=1,m=2", "geomed", "cclip:tau=0.5",
@@ -63,39 +61,9 @@ def _worker(rank: int, env: dict, queue) -> None:
         queue.put((rank, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results() -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD),
-           "OMP_NUM_THREADS": "1"}
-    procs = [ctx.Process(target=_worker, args=(r, env, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    try:
-        deadline = time.monotonic() + 240
-        while len(got) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, value = queue.get(timeout=2)
-                got[rank] = value
-            except queue_mod.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank died before reporting (exit codes {dead})"
-        assert len(got) == WORLD, f"only ranks {sorted(got)} reported within 240 s"
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = dict(spawn_ranks(_worker, WORLD, timeout=240))
     failed = {r: v for r, v in got.items() if isinstance(v, str)}
     assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
     return got

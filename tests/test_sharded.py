@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from islands.models import ByteTransformer, sequence_loss
 from lm_reference import lm_batches, train_reference
+from spawn_world import spawn_ranks
 
 STEPS, WORKERS, BATCH, CONTEXT = 4, 2, 4, 16
 # (wrap, reshard_after_forward, param_dtype); the bf16 case is checked for bytes only
@@ -113,22 +113,7 @@ def _worker(rank, env, queue):
 
 @pytest.fixture(scope="module")
 def results():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORKERS)}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, env, queue)) for r in range(WORKERS)]
-    for p in procs:
-        p.start()
-    got = [queue.get(timeout=150) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return sorted(got, key=lambda r: r[0])
+    return spawn_ranks(_worker, WORKERS)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from islands.models import ByteTransformer, sequence_loss
 from lm_reference import lm_batches, train_reference
+from spawn_world import spawn_ranks
 
 STEPS, WORKERS, ISLANDS, BATCH, CONTEXT = 3, 4, 2, 2, 16
 # (shard_group, prefetch)
@@ -100,30 +100,7 @@ def _worker(rank, env, queue):
 
 @pytest.fixture(scope="module")
 def results():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORKERS)}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, env, queue)) for r in range(WORKERS)]
-    for p in procs:
-        p.start()
-    import queue as queues
-    import time
-
-    got, deadline = [], time.monotonic() + 300
-    while len(got) < len(procs):  # stop at once if a worker died instead of waiting out the deadline
-        try:
-            got.append(queue.get(timeout=5))
-        except queues.Empty:
-            assert all(p.exitcode is None for p in procs) and time.monotonic() < deadline, [p.exitcode for p in procs]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return sorted(got, key=lambda r: r[0])
+    return spawn_ranks(_worker, WORKERS, timeout=300)
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from islands.models import ByteTransformer, sequence_loss
 from islands.sync.zero1 import param_gather_bytes, partition
+from spawn_world import spawn_ranks
 
 STEPS, BATCH, CONTEXT = 4, 2, 16
 
@@ -45,7 +45,7 @@ def _state_bytes(opt):
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _worker(rank, n, env, queue):
+def _worker(rank, env, queue, n):
     os.environ.update(env, RANK=str(rank))
     torch.set_num_threads(1)
     from islands.runtime.world import close_world, init_world
@@ -98,28 +98,9 @@ def _worker(rank, n, env, queue):
     close_world(world)
 
 
-def _spawn(n):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n)}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, n, env, queue)) for r in range(n)]
-    for p in procs:
-        p.start()
-    got = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return sorted(got, key=lambda r: r[0])
-
-
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)])
 def results(request):
-    return request.param, _spawn(request.param)
+    return request.param, spawn_ranks(_worker, request.param, request.param, timeout=120)
 
 
 def test_parameters_equal_ddp_adamw(results):
