@@ -80,3 +80,58 @@ def test_blocked_streams_are_ordinary_zstd_frames_with_checksum_and_size():
     frame = next(f for meta, f in _streams(blob) if meta["m"] == "p")
     assert pairs["raw"] > 4 * (64 << 10) and len(_block_sizes(frame)) >= pairs["raw"] // (64 << 10)
     assert torch.equal(decode_tensor(blob).view(torch.int16), w.view(torch.int16))
+
+
+def test_huffman_streams_are_cut_into_blocks_no_longer_than_their_window():
+    # One compress call per stream; zstd never makes a block longer than its window (streams.py).
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(600_000, generator=g) * 0.02
+    for t, kind, block in ((w.to(torch.bfloat16), "p", 64 << 10), (w.to(torch.float16), "h", 64 << 10),
+                           (torch.cat([w, w.half().float()]), "h", 32 << 10)):
+        streams = [(m, f) for m, f in _streams(encode_tensor(t, content_hash=False)) if m["m"] == kind]
+        assert streams
+        meta, frame = max(streams, key=lambda s: s[0]["raw"])
+        assert meta["raw"] > 2 * block
+        assert len(_block_sizes(frame)) >= -(-meta["raw"] // block)
+
+
+def _reframe_by_flushing(blob: bytes, block: int) -> bytes:
+    """The same blob with every Huffman stream re-cut the way the first v3 encoder did it: a streaming
+    compressor flushed every `block` bytes (header sizes and CRCs rewritten to match)."""
+    import json
+    import struct
+    import zlib
+
+    header, offset = read_header(blob)
+    coder = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7, window_log=17, hash_log=6,
+        chain_log=6, search_log=1, write_checksum=True))
+    frames = []
+    for chunk in header["chunks"]:
+        for meta in chunk["streams"]:
+            frame = bytes(memoryview(blob)[offset:offset + meta["enc"]])
+            offset += meta["enc"]
+            if meta["m"] in ("h", "p", "x"):
+                raw = zstandard.ZstdDecompressor().decompress(frame)
+                obj, parts = coder.compressobj(size=len(raw)), []
+                for b in range(0, len(raw), block):
+                    parts.append(obj.compress(raw[b:b + block]))
+                    if b + block < len(raw):
+                        parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+                parts.append(obj.flush())
+                frame = b"".join(parts)
+                meta.update(enc=len(frame), hcrc=zlib.crc32(frame[:64]))
+            frames.append(frame)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join([struct.pack("<4sBI", b"ISLT", 3, len(head)), head, struct.pack("<I", zlib.crc32(head)), *frames])
+
+
+def test_blobs_of_the_flushing_v3_encoder_still_decode():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300_000, generator=g) * 0.02
+    w[::997] = 0.0  # escapes, so the side stream exists too
+    for t in (w.to(torch.bfloat16), w, w.to(torch.float16)):
+        new = encode_tensor(t)
+        old = _reframe_by_flushing(new, 32 << 10)
+        assert old != new and len(read_header(old)[0]["chunks"]) == len(read_header(new)[0]["chunks"])
+        assert np.array_equal(tensor_bytes(decode_tensor(old)), tensor_bytes(t))
