@@ -44,3 +44,13 @@ def test_outer_grid_specs():
         for m in OUTER_MOMENTA:
             spec = parse_outer(f"diloco:inner_steps=100,{outer_spec(lr, m)}")
             assert spec["outer_lr"] == lr and spec["momentum"] == m
+
+
+def test_ddp_steps_to_reach_interpolates_the_curve():
+    from islands.bench.experiments.outer_diloco import ddp_steps_to_reach
+
+    rec = {"series": {"val": [{"step": 0, "val_loss": 5.0}, {"step": 100, "val_loss": 3.0},
+                              {"step": 200, "val_loss": 2.0}]}}
+    assert ddp_steps_to_reach(rec, 2.5) == pytest.approx(150.0)
+    assert ddp_steps_to_reach(rec, 3.0) == pytest.approx(100.0)
+    assert ddp_steps_to_reach(rec, 1.9) is None  # better than DDP ever got

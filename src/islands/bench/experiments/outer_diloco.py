@@ -118,16 +118,30 @@ def gap_row(label: str, rec: dict, ref: dict, extras: dict) -> dict:
     return row
 
 
+def ddp_steps_to_reach(ddp_rec: dict, loss: float) -> float | None:
+    """The step at which DDP's validation curve (linearly interpolated) first reaches `loss`; None if never.
+
+    Read as: a run ending at `loss` got as far as DDP did in that many of its steps, a token efficiency
+    against DDP that does not depend on how the loss scale compresses near the end.
+    """
+    pts = [(p["step"], p["val_loss"]) for p in ddp_rec["series"]["val"]]
+    for (s0, l0), (s1, l1) in zip(pts, pts[1:]):
+        if l1 <= loss <= l0 and l0 != l1:
+            return s0 + (s1 - s0) * (l0 - loss) / (l0 - l1)
+    return None
+
+
 @experiment("diloco-gap", practices=("SOTA-155",),
             help="Why DiLoCo H=100 trails DDP: one island alone, plain vs sqrt(M) vs Nesterov outer steps, "
                  "4 islands, and LIT-212's warm start from a data-parallel model")
 def diloco_gap(ctx: BenchContext) -> dict:
-    rows, ref = [], None
+    rows, ref, ddp_rec = [], None, None
     for label, overrides, extras in gap_runs(ctx):
         rec = ctx.train(label, **overrides)
         if ref is None:
-            ref = row_of(label, rec, **extras)
+            ref, ddp_rec = row_of(label, rec, **extras), rec
         rows.append(gap_row(label, rec, ref, extras))
+        rows[-1]["ddp_steps_to_match"] = ddp_steps_to_reach(ddp_rec, rows[-1]["final_val_loss"])
     by = {r["run"]: r for r in rows}
     ddp, warm = by["ddp"], by[f"diloco-H100-warm{WARM_START}"]
     alone, scratch = by["one-island-half-batch"], by["diloco-H100"]
