@@ -8,13 +8,12 @@ same tensors into preallocated buffers, timed in the same run on the same thread
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from islands.bench.harness import BenchContext, experiment
 from islands.bench.plots import figure
 from islands.compress import Agreed, Combine, parse_compressor
+from islands.measure.timing import best_seconds
 from islands.models import ByteTransformer
 
 SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=16", "randomk:ratio=0.01",
@@ -39,20 +38,6 @@ def _copy(grads: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
         out[name].copy_(g)
 
 
-def _best_seconds(fn, reps: int, device: torch.device) -> float:
-    # CUDA kernels run asynchronously: a timing ends only when the device has finished its queue.
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm: state allocation, first-call overheads
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return min(times)  # least disturbed by the other processes on shared cores
-
-
 def _plot(result: dict, path) -> None:
     rows = result["rows"]
     with figure(path, figsize=(7, 4)) as (fig, ax):
@@ -74,11 +59,11 @@ def compressor_throughput(ctx: BenchContext) -> dict:
     grads = {n: torch.randn(p.shape, generator=g).to(device) for n, p in ByteTransformer().named_parameters()}
     nbytes = sum(t.numel() * t.element_size() for t in grads.values())
     out = {n: torch.empty_like(t) for n, t in grads.items()}
-    copy_s = _best_seconds(lambda: _copy(grads, out), reps * 3, device)
+    copy_s = best_seconds(lambda: _copy(grads, out), reps * 3, device=device)
     rows = [{"compressor": "memcpy (reference)", "seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9, "vs_memcpy": 1.0}]
     for spec in SPECS:
         c = parse_compressor(spec)
-        s = _best_seconds(lambda c=c: _roundtrip(c, grads), reps, device)
+        s = best_seconds(lambda c=c: _roundtrip(c, grads), reps, device=device)
         rows.append({"compressor": spec, "seconds": s, "gb_per_s": nbytes / s / 1e9, "vs_memcpy": copy_s / s})
     ranked = sorted(rows[1:], key=lambda r: r["gb_per_s"])
     slow, fast = ranked[0], ranked[-1]

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
 
+from islands.measure.timing import best_seconds
 from islands.parallel.pipeline.memory import SavedTensorMeter
 from islands.parallel.pipeline.schedule import bubble_fraction, peak_in_flight, schedule_for
 
@@ -126,13 +126,8 @@ def profile_microbatches(pieces: list[nn.Module], starts: list[int], x: torch.Te
             meter = SavedTensorMeter(params)
             nxt = run(s, h, b, meter)  # also the warm-up
             per_stage.append(meter.per_microbatch[0])
-            if time_it:
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    run(s, h, b, None)
-                    times.append(time.perf_counter() - t)
-                seconds.append(min(times))
+            if time_it:  # the metered run above was the warm-up
+                seconds.append(best_seconds(lambda: run(s, h, b, None), repeats, warm=False))
             h = nxt
         for p in params:
             p.grad = None
