@@ -242,22 +242,21 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     out = np.empty(sum(c["bytes"] for c in header["chunks"]), dtype=np.uint8)
     filled = 0
     for index, chunk in enumerate(header["chunks"]):
-        decoded = []
+        n, decoded = chunk["bytes"], []
+        # A chunk held in one stream (integers, bools, the raw layout) decodes straight into the output.
+        direct = planes is None and len(chunk["streams"]) == 1 and chunk["streams"][0]["raw"] == n
         for meta in chunk["streams"]:
             enc = view[pos:pos + meta["enc"]]
             pos += meta["enc"]
             if len(enc) != meta["enc"]:
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
             where = f"chunk {index} of a {header['dtype']} {tuple(shape)} tensor"
-            data = decode_frame_into(decompressor, enc, meta, scratch(f"decode.{len(decoded)}", meta["raw"], np.uint8), where)
-            decoded.append(data)
-        n = chunk["bytes"]
+            buf = out[filled:filled + n] if direct else scratch(f"decode.{len(decoded)}", meta["raw"], np.uint8)
+            decoded.append(decode_frame_into(decompressor, enc, meta, buf, where))
         if planes is not None:
             _join_chunk(planes, chunk, decoded, out[filled:filled + n], index)
-        else:
-            if len(decoded) != 1 or decoded[0].size != n:
-                raise CorruptCheckpoint(f"chunk {index} does not hold {n} bytes in one stream")
-            out[filled:filled + n] = decoded[0]
+        elif not direct or decoded[0].size != n:
+            raise CorruptCheckpoint(f"chunk {index} does not hold {n} bytes in one stream")
         filled += n
     if pos != len(view):
         raise CorruptCheckpoint(f"tensor blob has {len(view) - pos} unexpected trailing bytes")
@@ -267,7 +266,7 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
         base_raw = tensor_bytes(base)
         if _content_hash_of(header["dtype"], shape, base_raw) != header["delta"]["base_hash"]:
             raise CorruptCheckpoint("delta base does not match the one this tensor was encoded against")
-        out = np.bitwise_xor(out, base_raw)
+        np.bitwise_xor(out, base_raw, out=out)  # out is ours: no second tensor-sized array
     if verify and "content_hash" in header and \
             _content_hash_of(header["dtype"], shape, out) != header["content_hash"]:
         raise CorruptCheckpoint(f"decoded {header['dtype']} {tuple(shape)} tensor does not match its content hash")
