@@ -103,6 +103,8 @@ def test_dealt_permutation_spreads_every_source_group_evenly():
             assert counts.max() - counts.min() <= 1, (rows, groups, counts)
         # seeded: the same generator state gives the same permutation, a different one another
         assert torch.equal(perm, dealt_permutation(rows, groups, torch.Generator().manual_seed(rows)))
+        # no key group is the same set of rows as a query (source) group
+        assert all(set((perm[j * m:(j + 1) * m] // m).tolist()) != {j2} for j in range(groups) for j2 in range(groups))
     a = dealt_permutation(64, 4, torch.Generator().manual_seed(1))
     assert not torch.equal(a, dealt_permutation(64, 4, torch.Generator().manual_seed(2)))
 
@@ -136,6 +138,8 @@ def test_bad_input_is_named():
         shuffled_group_encode(enc, torch.zeros(4, IN), 1, gen)
     with pytest.raises(ValueError, match="multiple of 4"):
         shuffled_group_encode(enc, torch.zeros(6, IN), 4, gen)
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        shuffled_group_encode(enc, torch.zeros(3, IN), 3, gen)
     with pytest.raises(ValueError, match="rows, features"):
         shuffled_group_encode(enc, torch.zeros(6), 2, gen)
     with pytest.raises(TypeError, match="torch.Generator"):

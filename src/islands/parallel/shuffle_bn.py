@@ -55,12 +55,15 @@ def dealt_permutation(rows: int, groups: int, generator: torch.Generator) -> tor
     Source group g is rows g*m..(g+1)*m-1. Each source group's rows are shuffled and dealt round
     the destination groups (continuing where the previous group stopped, from a random start), so
     every destination group gets m rows and floor or ceil of m/G rows from each source group.
+    With m >= 2 a source group's consecutive rows land in different destinations, so no key group
+    is the same set of samples as any query group.
     """
     _check_generator(generator)
     if not isinstance(groups, int) or groups < 2:
         raise ValueError(f"groups must be an int >= 2 (with one group the statistics are shared); got {groups!r}")
-    if rows <= 0 or rows % groups:
-        raise ValueError(f"{rows} rows cannot be split into {groups} equal groups; use a positive multiple of {groups}")
+    if rows <= 0 or rows % groups or rows // groups < 2:
+        raise ValueError(f"{rows} rows cannot be split into {groups} equal groups of at least 2 rows (one row "
+                         f"would keep its own statistics); use a multiple of {groups} of at least {2 * groups}")
     m = rows // groups
     order = torch.cat([g * m + torch.randperm(m, generator=generator) for g in range(groups)])
     start = int(torch.randint(groups, (1,), generator=generator))
