@@ -17,7 +17,7 @@ from islands.runtime.comm import Comm, CommLedger
 AVG_SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=8", "randomk:ratio=0.3,seed=1",
              "topk:ratio=0.2,warmup=1,stage_steps=1", "powersgd:rank=2", "powersgd:rank=2,start=1",
              "powersgd:rank=2,bits=16,dense_bits=16", "powersgd:rank=2,bits=8", "sign"]
-DDP_SPECS = ["none", "powersgd:rank=2", "topk:ratio=0.2,warmup=0", "int8", "sign"]
+DDP_SPECS = ["none", "powersgd:rank=2", "powersgd:rank=2,bits=8", "topk:ratio=0.2,warmup=0", "int8", "sign"]
 
 
 def _port() -> int:
@@ -181,6 +181,16 @@ def test_compress_and_average_two_ranks(tmp_path):
             p_hat = torch.linalg.qr(a @ q + b @ q).Q
             expect = p_hat @ (a.t() @ p_hat + b.t() @ p_hat).t() / 2
             assert torch.allclose(r0[(spec, 0)][0]["w"], expect, atol=1e-5)
+        if spec == "powersgd:rank=2,bits=8":  # step 0 by hand: each rank's int8 codes decoded with its own scales
+            c = PowerSGD(2, bits=8)
+            a, b = _inputs(0, 0)["w"], _inputs(1, 0)["w"]
+            q = c.state("w", a)["Q"]
+            dec = lambda parts: parts[0].float() * parts[1]
+            p_hat = torch.linalg.qr(dec(c._encode(a @ q)) + dec(c._encode(b @ q))).Q
+            expect = p_hat @ (dec(c._encode(a.t() @ p_hat)) + dec(c._encode(b.t() @ p_hat))).t() / 2
+            assert torch.allclose(r0[(spec, 0)][0]["w"], expect, atol=1e-5)
+            ref = r0[("powersgd:rank=2", 0)][0]["w"]
+            assert float((r0[(spec, 0)][0]["w"] - ref).norm() / ref.norm()) < 0.03  # close to the fp32 factors
         if spec == "sign":  # step 0 has no residual yet: the vote of the raw inputs
             c = MajorityVote()
             hand = {n: c.combine_gathered([c.compress(_inputs(r, 0)[n], {}) for r in (0, 1)]) for n in ("w", "b")}

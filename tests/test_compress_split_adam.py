@@ -134,6 +134,7 @@ def _worker(rank, port, out_dir):
         raise
 
 
+@pytest.mark.slow
 def test_two_ranks_stay_identical_and_bytes_are_analytic(tmp_path):
     ctx = mp.start_processes(_worker, args=(_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 90

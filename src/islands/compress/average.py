@@ -5,6 +5,9 @@ Collectives per call (each counted in the Comm's ledger, kinds "compress_agree",
   SUMMABLE  one all-reduce of the agreement tensors (if the compressor has any), then one all-reduce
             of the payloads; the sum decodes to the sum of every rank's contribution.
   GATHERED  one all-gather of all payload bytes; each rank decodes every rank's payloads in rank order.
+A SUMMABLE compressor whose `sum_transport` is "gather" (PowerSGD's int8 factors, whose per-rank
+scales do not add on the wire) has each of its two rounds all-gathered instead (kinds unchanged) and
+summed by `compressor.merge(per_rank_tensors)`, in rank order.
 Every rank ends with the same bits. Bytes sent per rank == sum of compressor.payload_nbytes(...)
 plus FINITE_FLAG_NBYTES per call (see below). Tensors are processed in the dict's order, which must
 be the same on every rank.
@@ -77,12 +80,38 @@ def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind
     return out
 
 
+def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind: str) -> dict[str, list[Tensor]]:
+    """The sum over ranks of each name's tensors when they do not add on the wire: one all-gather of
+    everything's bytes, then `merge([rank 0's tensors, rank 1's, ...])` per name, in rank order."""
+    layout = [(n, i, t.shape, t.dtype, t.numel() * t.element_size()) for n, ts in groups.items() for i, t in enumerate(ts)]
+    parts = [_flat_bytes(t) for ts in groups.values() for t in ts if t.numel()]
+    if not parts:
+        return {n: list(ts) for n, ts in groups.items()}
+    everyone = comm.all_gather(torch.cat(parts), kind=kind)
+    per_rank: list[dict[str, list[Tensor]]] = []
+    for buf in everyone:
+        mine: dict[str, list[Tensor]] = {n: [] for n in groups}
+        offset = 0
+        for n, _, shape, dtype, nb in layout:
+            # clone: a dtype view needs an aligned start, a slice of the byte buffer may not have one
+            mine[n].append(buf[offset : offset + nb].clone().view(dtype).reshape(shape))
+            offset += nb
+        per_rank.append(mine)
+    return {n: (merge([r[n] for r in per_rank]) if ts else []) for n, ts in groups.items()}
+
+
+def _sum_round(groups: dict[str, list[Tensor]], comm: Comm, compressor: Compressor, op: str, kind: str) -> dict[str, list[Tensor]]:
+    if getattr(compressor, "sum_transport", "all_reduce") == "gather":
+        return _gather_merge_fused(groups, comm, compressor.merge, kind)
+    return _all_reduce_fused(groups, comm, op, kind)
+
+
 def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
     parties = comm.size
     agree = {n: compressor.agree(t, states[n]) for n, t in tensors.items()}
-    agreed = _all_reduce_fused(agree, comm, compressor.agree_op, "compress_agree")
+    agreed = _sum_round(agree, comm, compressor, compressor.agree_op, "compress_agree")
     payloads = {n: compressor.compress(t, states[n], Agreed(agreed[n], parties)) for n, t in tensors.items()}
-    summed = _all_reduce_fused({n: p.tensors for n, p in payloads.items()}, comm, "sum", "compress_sum")
+    summed = _sum_round({n: p.tensors for n, p in payloads.items()}, comm, compressor, "sum", "compress_sum")
     out = {}
     for n, p in payloads.items():
         total = replace(p, tensors=summed[n], summands=parties)

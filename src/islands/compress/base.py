@@ -152,6 +152,8 @@ class CompressorBase:
     name = "base"
     combine = Combine.SUMMABLE
     agree_op = "sum"
+    # SUMMABLE payloads normally add on the wire (all-reduce); "gather": all-gathered, then `merge` adds them
+    sum_transport = "all_reduce"
     # ||x - decode(compress(x))|| < ||x||: what error feedback needs for its residual to stay bounded.
     # Compressors rescaled to be unbiased (random-k's n/k, QSGD's levels) can send more than they got.
     contractive = True
@@ -189,6 +191,10 @@ class CompressorBase:
 
     def absorb(self, state: dict, summed: Payload) -> None:
         pass
+
+    def merge(self, parts: list[list[Tensor]]) -> list[Tensor]:
+        """With sum_transport="gather": the sum of every rank's tensors (parts[rank]), in rank order."""
+        return [torch.stack([p[i].to(torch.float32) for p in parts]).sum(0).to(parts[0][i].dtype) for i in range(len(parts[0]))]
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         """Mean of the decoded payloads, summed in rank order so every rank gets the same bits."""

@@ -38,6 +38,7 @@ class ErrorFeedback(CompressorBase):
         self.name = f"ef({inner.name})"
         self.combine = inner.combine
         self.agree_op = inner.agree_op
+        self.sum_transport = getattr(inner, "sum_transport", "all_reduce")
 
     def init_state(self, name: str, tensor: Tensor) -> dict:
         st = {"residual": torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.device)}
@@ -87,6 +88,9 @@ class ErrorFeedback(CompressorBase):
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         return self.inner.combine_gathered(payloads)
+
+    def merge(self, parts: list[list[Tensor]]) -> list[Tensor]:
+        return self.inner.merge(parts)
 
     def payload_nbytes(self, shape, dtype, **kw) -> int:
         return self.inner.payload_nbytes(shape, dtype, **kw)

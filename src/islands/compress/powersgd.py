@@ -17,13 +17,14 @@ rank 4 without it trains measurably worse (SOTA-214).
 Wire precision (`bits`, `dense_bits`): the factors travel in fp32 (32), bf16 (16) or int8 (8), the
 uncompressed tensors in fp32 or bf16. Narrower factors buy rank for the same bytes: rank 8 in bf16
 and rank 16 in int8 cost what rank 4 costs in fp32. The rounding is this rank's own and lands in the
-error-feedback residual like the truncation does. P is summed narrow and widened before its QR:
-every rank holds the same sum, so the same P^. int8 factors are summable only under a scale every
-rank shares, and agreeing on one would cost a round before each of P and Q; instead each column's
-scale comes from the previous step's AVERAGED factor (known to all ranks): HEADROOM times its largest
-magnitude spread over 127 // ranks levels, so the sum of the ranks' codes still fits int8. Values
-beyond it saturate, and the clipped part of Q lands in the residual. A tensor's first compressed
-exchange has no history and travels in bf16 (counted so).
+error-feedback residual like the truncation does. P is summed and widened before its QR: every rank
+holds the same sum, so the same P^. int8 codes are summable only under a scale all ranks share, and
+a scale taken from the last step's factors saturates (a column's largest entry moves 2-3x from step
+to step on the default LM), so with bits=8 each rank scales each column by its own largest entry
+(127 levels, round to nearest, one fp32 scale per column) and the sum travels by all-gather
+(`sum_transport = "gather"`): every rank decodes and adds the others' codes in rank order. At 2
+ranks that sends exactly what an all-reduce of the same payload sends; at N ranks each rank
+receives N-1 payloads, so there it trades all-reduce's flat cost for the narrower payload.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from islands.compress.base import (
 
 
 WIRE_DTYPES = {32: torch.float32, 16: torch.bfloat16, 8: torch.int8}  # bf16, not fp16: gradients reach 1e-8
-HEADROOM = 2.0  # int8 scale = HEADROOM x last step's column max: room for growth and for one rank's own excess
+INT8_LEVELS = 127
 
 
 def wire_dtype(what: str, bits: int, allowed=(32, 16)) -> torch.dtype:
@@ -54,9 +55,17 @@ def wire_dtype(what: str, bits: int, allowed=(32, 16)) -> torch.dtype:
     return WIRE_DTYPES[bits]
 
 
-def int8_scale(amax: Tensor, parties: int) -> Tensor:
-    """Per-column step of the int8 grid shared by all ranks: each rank's codes stay within 127 // parties."""
-    return (HEADROOM * amax).clamp_min(1e-30) / (127 // parties)
+def to_int8(x: Tensor) -> list[Tensor]:
+    """[codes, per-column scale]: each column of x over 127 levels of its own largest magnitude."""
+    scale = x.abs().amax(0).clamp_min(1e-30) / INT8_LEVELS
+    return [(x / scale).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8).contiguous(), scale.contiguous()]
+
+
+def from_wire(parts: list[Tensor]) -> Tensor:
+    """A factor in fp32 from what travelled: [codes, scale] (int8) or one float tensor."""
+    if len(parts) == 2:
+        return parts[0].to(torch.float32) * parts[1]
+    return parts[0].to(torch.float32)
 
 
 def orthonormal(a: Tensor) -> Tensor:
@@ -84,19 +93,21 @@ class PowerSGD(CompressorBase):
         self.min_rate = float(min_rate)
         self.factor_dtype = wire_dtype("bits (factor precision)", bits, (32, 16, 8))
         self.dense_dtype = wire_dtype("dense_bits (precision of tensors sent uncompressed)", dense_bits)
+        # int8 codes with per-rank scales do not sum on the wire: gather them, add them after decoding
+        self.sum_transport = "gather" if self.factor_dtype == torch.int8 else "all_reduce"
 
-    def _encode(self, x: Tensor, amax: Tensor | None, parties: int) -> Tensor:
-        """A factor as it travels; int8 needs the shared column maxima of the last step (else bf16)."""
-        if self.factor_dtype != torch.int8:
-            return x.to(self.factor_dtype).contiguous()
-        if amax is None:
-            return x.to(torch.bfloat16).contiguous()
-        lim = 127 // parties
-        return (x / int8_scale(amax, parties)).round_().clamp_(-lim, lim).to(torch.int8).contiguous()
+    def _encode(self, x: Tensor) -> list[Tensor]:
+        """A factor as it travels: one float tensor, or int8 codes plus one fp32 scale per column."""
+        if self.factor_dtype == torch.int8:
+            return to_int8(x)
+        return [x.to(self.factor_dtype).contiguous()]
 
-    @staticmethod
-    def _decode(wire: Tensor, scale: Tensor | None) -> Tensor:
-        return wire.to(torch.float32) * scale if wire.dtype == torch.int8 else wire.to(torch.float32)
+    def merge(self, parts: list[list[Tensor]]) -> list[Tensor]:
+        """The sum of every rank's payload (sum_transport="gather"), decoded, in rank order (same bits everywhere)."""
+        total = from_wire(parts[0]).clone()
+        for p in parts[1:]:
+            total += from_wire(p)
+        return [total]
 
     def _dense(self, tensor: Tensor) -> Tensor:
         """An uncompressed tensor as it travels: its own dtype, or bf16 when dense_bits=16 narrows it."""
@@ -135,7 +146,7 @@ class PowerSGD(CompressorBase):
         if dims is None:
             return []
         n, m, _ = dims
-        return [self._encode(as_fp32(tensor).reshape(n, m) @ state["Q"], state.get("p_amax"), state.get("parties", 1))]
+        return self._encode(as_fp32(tensor).reshape(n, m) @ state["Q"])
 
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
         dims = self._factorised(tensor, state)
@@ -144,42 +155,23 @@ class PowerSGD(CompressorBase):
             return Payload([self._dense(tensor)], tensor.shape, tensor.dtype)
         n, m, r = dims
         M = as_fp32(tensor).reshape(n, m)
-        parties = agreed.parties if agreed is not None else 1
-        p_amax, old_parties = state.get("p_amax"), state.get("parties", 1)
-        P_wire = agreed.tensors[0] if agreed is not None else self._encode(M @ state["Q"], p_amax, old_parties)
-        p_scale = int8_scale(p_amax, old_parties) if P_wire.dtype == torch.int8 else None
-        P = self._decode(P_wire, p_scale)
+        # the agreed P is a sum (decoded already when it was gathered); alone, this rank's own P
+        P_parts = agreed.tensors if agreed is not None else self._encode(M @ state["Q"])
+        P = from_wire(P_parts)
         # Every rank holds the same P sum, so every rank's QR yields the same P^.
         P_hat = orthonormal(P)
-        Q = M.t() @ P_hat
-        shared = [P_hat]
-        if self.factor_dtype == torch.int8:  # the next step's scales, from what every rank holds
-            state["p_amax"] = P.abs().amax(0) / parties
-            state["parties"] = parties
-            q_amax = state.get("q_amax")
-            if q_amax is not None:
-                shared.append(int8_scale(q_amax, parties))
-            Q_wire = self._encode(Q, q_amax, parties)
-        else:
-            Q_wire = self._encode(Q, None, parties)
-        own_Q = self._decode(Q_wire, shared[1] if len(shared) > 1 else None)
-        state["Q"] = own_Q.clone()  # replaced by the average in `absorb` when other ranks take part
-        if self.factor_dtype == torch.int8:
-            state["q_amax"] = own_Q.abs().amax(0)  # likewise
-        return Payload([Q_wire], tensor.shape, tensor.dtype, shared=shared, agreed_nbytes=P_wire.numel() * P_wire.element_size())
+        Q_parts = self._encode(M.t() @ P_hat)
+        state["Q"] = from_wire(Q_parts).clone()  # replaced by the average in `absorb` when other ranks take part
+        return Payload(Q_parts, tensor.shape, tensor.dtype, shared=[P_hat], agreed_nbytes=self._factor_nbytes(n, r))
 
     def decompress(self, payload: Payload) -> Tensor:
         if not payload.shared:
             return payload.tensors[0].reshape(payload.shape).to(payload.dtype)
-        Q = self._decode(payload.tensors[0], payload.shared[1] if len(payload.shared) > 1 else None)
-        return (payload.shared[0] @ Q.t()).reshape(payload.shape).to(payload.dtype)
+        return (payload.shared[0] @ from_wire(payload.tensors).t()).reshape(payload.shape).to(payload.dtype)
 
     def absorb(self, state: dict, summed: Payload) -> None:
         if summed.shared:
-            Q = self._decode(summed.tensors[0], summed.shared[1] if len(summed.shared) > 1 else None)
-            state["Q"] = Q / summed.summands
-            if self.factor_dtype == torch.int8:
-                state["q_amax"] = state["Q"].abs().amax(0)
+            state["Q"] = from_wire(summed.tensors) / summed.summands
 
     def payload_nbytes(self, shape, dtype, step: int | None = None) -> int:
         """Bytes one rank sends for this tensor; `step` (its exchange count so far) matters when start > 0."""
@@ -188,5 +180,10 @@ class PowerSGD(CompressorBase):
             narrow = self.dense_dtype != torch.float32 and nbytes_of(1, dtype) > self.dense_dtype.itemsize
             return nbytes_of(numel_of(shape), self.dense_dtype if narrow else dtype)
         n, m, r = dims
-        first_int8 = self.factor_dtype == torch.int8 and step is not None and step == self.start
-        return (n + m) * r * (2 if first_int8 else self.factor_dtype.itemsize)  # int8's first exchange: bf16
+        return self._factor_nbytes(n, r) + self._factor_nbytes(m, r)
+
+    def _factor_nbytes(self, rows: int, r: int) -> int:
+        """Bytes of one rows x r factor on the wire (int8: codes plus one fp32 scale per column)."""
+        if self.factor_dtype == torch.int8:
+            return rows * r + 4 * r
+        return rows * r * self.factor_dtype.itemsize
