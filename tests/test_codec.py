@@ -120,7 +120,7 @@ def test_truncation_and_trailing_garbage_are_detected():
     with pytest.raises(CorruptCheckpoint):
         decode_tensor(blob[:-1])
     with pytest.raises(CorruptCheckpoint):
-        decode_tensor(blob + b"x")
+        decode_tensor(bytes(blob) + b"x")
 
 
 def test_xor_delta_round_trips_and_checks_the_base():

@@ -1,0 +1,90 @@
+"""Blob format v4 (streams, then the header as a footer): layout, what the returned view supports, the
+versions still read and the ones refused, and the output buffer growing when its bound is short."""
+
+import io
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from islands.checkpoint import codec
+from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
+from islands.checkpoint.errors import CorruptCheckpoint
+
+
+def _weights(n=50_000, dtype=torch.bfloat16):
+    return (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+
+
+def test_v4_blob_is_magic_version_streams_header_crc_length():
+    t = _weights()
+    blob = encode_tensor(t)
+    raw = bytes(blob)
+    assert raw[:5] == b"ISLT\x04"
+    crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
+    head = raw[len(raw) - 8 - head_len:len(raw) - 8]
+    assert zlib.crc32(head) == crc
+    header = json.loads(head)
+    assert header == read_header(blob)[0] and read_header(blob)[1] == 5
+    assert sum(s["enc"] for c in header["chunks"] for s in c["streams"]) == len(raw) - 5 - 8 - head_len
+
+
+def test_the_blob_is_a_read_only_bytes_like_view():
+    t = _weights()
+    blob = encode_tensor(t)
+    assert isinstance(blob, memoryview) and blob.readonly and blob.format == "B"
+    assert blob == bytes(blob) and len(blob) == len(bytes(blob))
+    assert zlib.crc32(blob) == zlib.crc32(bytes(blob))
+    f = io.BytesIO()
+    f.write(blob)
+    assert f.getvalue() == bytes(blob) and b"".join([b"x", blob]) == b"x" + bytes(blob)
+    with pytest.raises(TypeError):
+        blob[0] = 1
+    assert torch.equal(decode_tensor(bytearray(blob)).view(torch.int16), t.view(torch.int16))
+
+
+def _as_v3(blob) -> bytes:
+    """The same tensor in the v3 layout: prefix with the header length, header, CRC-32, streams."""
+    header, start = read_header(blob)
+    raw = bytes(blob)
+    crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
+    head = raw[len(raw) - 8 - head_len:len(raw) - 8]
+    streams = raw[start:len(raw) - 8 - head_len]
+    return struct.pack("<4sBI", b"ISLT", 3, len(head)) + head + struct.pack("<I", crc) + streams
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64])
+def test_v3_blobs_still_decode_and_v3_damage_is_still_caught(dtype):
+    t = _weights(20_000, torch.float32).mul(1000).to(dtype)
+    old = _as_v3(encode_tensor(t, codec=codec.TensorCodec(chunk_bytes=16 << 10)))
+    assert np.array_equal(tensor_bytes(decode_tensor(old)), tensor_bytes(t))
+    for i in (5, 12, len(old) // 2, len(old) - 1):
+        bad = bytearray(old)
+        bad[i] ^= 0x20
+        with pytest.raises(CorruptCheckpoint):
+            decode_tensor(bytes(bad))
+
+
+@pytest.mark.parametrize("version", [1, 2, 5])
+def test_other_versions_are_refused_by_name(version):
+    bad = bytearray(encode_tensor(_weights(100)))
+    bad[4] = version
+    with pytest.raises(CorruptCheckpoint, match=f"version {version} is not supported"):
+        decode_tensor(bytes(bad))
+
+
+def test_a_header_length_pointing_before_the_streams_is_refused():
+    raw = bytearray(encode_tensor(_weights(1000)))
+    struct.pack_into("<I", raw, len(raw) - 4, len(raw))
+    with pytest.raises(CorruptCheckpoint, match="header length"):
+        decode_tensor(bytes(raw))
+
+
+def test_output_buffer_grows_when_its_bound_is_short():
+    out = np.zeros(4, np.uint8)
+    out[:3] = [1, 2, 3]
+    out, pos = codec._put(out, 3, b"abcdef")
+    assert pos == 9 and bytes(out[:pos]) == b"\x01\x02\x03abcdef"
