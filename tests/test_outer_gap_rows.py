@@ -54,3 +54,8 @@ def test_ddp_steps_to_reach_interpolates_the_curve():
     assert ddp_steps_to_reach(rec, 2.5) == pytest.approx(150.0)
     assert ddp_steps_to_reach(rec, 3.0) == pytest.approx(100.0)
     assert ddp_steps_to_reach(rec, 1.9) is None  # better than DDP ever got
+
+
+def test_a_run_that_sends_nothing_has_no_byte_ratio():
+    row = gap_row("alone", record(2.0, {}, {}), {"bytes_per_worker": 100, "final_val_loss": 2.0}, {})
+    assert row["bytes_ratio_ddp_over_run"] is None and row["bytes_per_worker"] == 0
