@@ -6,7 +6,9 @@ training run. The result says which was used. All float tensors are concatenated
 cast to bf16 and fp16 for the other rows (a cast of trained weights, as a bf16/fp16 checkpoint holds).
 
 ZipNN 0.5.4 is installed side by side (pip, --no-deps: it would otherwise pull a torch build). It
-overwrites the buffer it is given, so every call gets a fresh copy made outside the timed region.
+overwrites the buffer it is given, so every call gets a fresh copy made outside the timed region; its
+outputs are timed as it returns them (until Nov 30 the bench also timed a bytes() copy of its
+decompressed output and a bytearray copy of its blob, 2 of its ~3 copies per decode).
 Every round trip of every codec is compared byte for byte; a mismatch aborts the experiment.
 All codecs single-threaded; rounds interleaved; best of `repeats` in process CPU time (see
 islands.checkpoint.measure.measure_codecs). "islands" is the codec with the SHA-256 content hash
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,12 +96,14 @@ def trained_weights(ctx: BenchContext) -> tuple[torch.Tensor, str]:
 
 
 def zipnn_candidate(zipnn, tensor: torch.Tensor):
-    """ZipNN 0.5.4 as a measure_codecs candidate: threads=1, a fresh input copy each round (untimed)."""
+    """ZipNN 0.5.4 as a measure_codecs candidate: threads=1, a fresh input copy each round (untimed, as
+    its compress overwrites its input). Its own outputs are timed as they come (bytes from compress, a
+    bytearray from decompress, which leaves its input alone): no copies of ours in its time, as our
+    codec's blobs and tensors are not copied either."""
     raw = tensor_bytes(tensor).tobytes()
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tensor.dtype]
     z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
-    return (lambda: bytearray(raw), lambda buf: bytes(z.compress(buf)),
-            lambda blob: bytes(z.decompress(bytearray(blob))))
+    return (lambda: bytearray(raw), z.compress, z.decompress)
 
 
 def _plot(result: dict, path) -> None:
@@ -130,6 +135,7 @@ def ckpt_codec(ctx: BenchContext) -> dict:
     if ctx.quick:
         weights = weights[: 8 * 1024 * 1024]  # 32 MB of fp32: the first tensors of the model
     repeats = 9 if ctx.quick else 15
+    load_before = os.getloadavg()[0]  # speeds are CPU time, but neighbours still share caches and memory
     rows = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         t = weights.to(dtype).contiguous()
@@ -159,7 +165,10 @@ def ckpt_codec(ctx: BenchContext) -> dict:
         headline.append(line + "; every round trip byte-exact")
     if zipnn_note:
         headline.append(zipnn_note)
-    return {"rows": rows, "headline": headline, "plot": _plot, "weights": source,
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    headline.append(f"1-minute load average {load[0]} at the start, {load[1]} at the end ({os.cpu_count()} CPUs): "
+                    "ratios of interleaved rounds hold up under load better than absolute MB/s")
+    return {"rows": rows, "headline": headline, "plot": _plot, "weights": source, "load_average": load,
             "elements": weights.numel(), "interconnect": ["none: single-process codec measurement"],
             "baseline": ["plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run, "
                          "rounds interleaved, best process CPU time"]}
