@@ -10,6 +10,9 @@ Integers, bools, 1-byte floats and anything else go through plain zstd.
 Optional XOR delta against a base tensor of the same shape and dtype (SOTA-437: deltas against a base
 up to K checkpoints back): unchanged exponent and high mantissa bits become zero bytes.
 
+Blob (format 4): magic, version, the streams, the header JSON, its CRC-32, its length; encode_tensor
+returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
+
 Integrity: every stream's zstd frame carries an XXH64 content checksum and a CRC-32 over its first bytes
 (streams.py); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256
 content hash when one was stored (collision resistant, so the store also dedups on it). The input
@@ -194,6 +197,8 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     head = json.dumps(header, separators=(",", ":")).encode()
     out, pos = _put(out, pos, head)
     out, pos = _put(out, pos, _FOOTER.pack(zlib.crc32(head), len(head)))
+    if pos < out.size // 2:  # small or very compressible: do not keep the whole bound alive with the blob
+        out = out[:pos].copy()
     return memoryview(out[:pos]).toreadonly()
 
 
