@@ -43,7 +43,8 @@ def _rank(world):
     world.ledger.reset()
     with torch.no_grad():
         shuffled_encode(enc, x, comm, gen)
-    return {"out": out.detach().numpy(), "dx": x.grad.numpy(), "perm": perm_seen.numpy(), "rng_untouched": rng_untouched,
+    return {"out": out.detach().numpy(), "dx": x.grad.numpy(), "perm": perm_seen.numpy(),
+            "rng_untouched": rng_untouched,
             "grads": {k: p.grad.numpy() for k, p in enc.named_parameters()},
             "bytes": (with_grad["total_sent"], with_grad["total_received"]),
             "kinds": sorted(with_grad["sent"]),
