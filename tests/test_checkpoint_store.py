@@ -156,6 +156,7 @@ def test_multi_rank_save_commits_once_all_ranks_wrote(tmp_path):
     def rank_main(rank):
         try:
             store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0)
+            barrier.wait()  # as the training loop's first collective does: rank 0's clean-up ends before any save
             store.save({"shard": torch.full((4,), float(rank))}, 10)
         except BaseException as exc:  # surfaced below
             errors.append(exc)

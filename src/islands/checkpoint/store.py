@@ -70,6 +70,8 @@ class CheckpointStore:
     codec: how tensors are encoded. delta_every: 0 = no deltas; K = every K-th save is a full base and
     the others are XOR deltas against it. barrier: a callable all ranks enter (required if world_size > 1).
     fault_hook: called with each write phase's name before it runs (crash tests).
+    Rank 0 (or `clean=True`) removes partial saves of earlier runs here, so every rank must build its
+    store before any rank saves (in training, the first collective step orders them).
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, codec: TensorCodec | None = None,
