@@ -49,6 +49,9 @@ def ef_ablation(ctx: BenchContext) -> dict:
         # with torch's start_powerSGD_iter idea at the LR warm-up length (bytes counted over the whole run)
         ("torch-powersgd-r4", dict(compress="torch-powersgd:rank=4")),
         (f"powersgd-r4-ef-start{warm}", dict(compress=f"powersgd:rank=4,start={warm},ef=1")),
+        # the same bytes per matrix spent on rank instead of mantissa (int8 factors, bf16 biases; powersgd-adamw)
+        ("powersgd-r16-int8-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=1")),
+        ("powersgd-r16-int8-no-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=0")),
         ("topk-99.9-ef", dict(compress=topk + ",ef=1")),
         ("topk-99.9-no-ef", dict(compress=topk + ",ef=0")),
     ])
@@ -58,6 +61,8 @@ def ef_ablation(ctx: BenchContext) -> dict:
         f"{_fmt(by['powersgd-r4-no-ef'])}; ddp {by['ddp']['final_val_loss']:.3f}",
         f"PowerSGD rank 4 references: torch's PowerSGD hook {_fmt(by['torch-powersgd-r4'])}; ours after {warm} "
         f"uncompressed steps {_fmt(by[f'powersgd-r4-ef-start{warm}'])} (bytes over the whole run)",
+        f"PowerSGD rank 16 with int8 factors (rank 4 fp32's bytes): with EF {_fmt(by['powersgd-r16-int8-ef'])} vs "
+        f"without EF {_fmt(by['powersgd-r16-int8-no-ef'])}",
         f"top-k 99.9%: with EF {_fmt(by['topk-99.9-ef'])} vs without EF {_fmt(by['topk-99.9-no-ef'])}",
         _setting(ctx, recs) + ("; loss gaps show direction only" if ctx.quick else ""),
     ]
