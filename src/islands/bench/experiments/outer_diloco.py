@@ -79,6 +79,7 @@ ISLANDS_WIDE = 4  # the more-islands row: the same global batch over 4 islands o
 # 4 islands take the outer step that served 2 (lr 1.41 fixed): on digits sqrt(4) = 2 over-steps
 # (diloco-gap --quick: 0.157 against 0.037 at lr 1.41 and 0.041 at lr 1).
 FIXED_SQRT2 = "outer=sgd,outer_lr=1.4142,momentum=0"
+INNER_LR_HALF_BATCH = 0.002121  # the default peak lr 3e-3 / sqrt(2), for islands of half the batch
 
 
 def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
@@ -111,6 +112,11 @@ def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
         ("diloco-H100-plain", diloco(plain), dict(H=100, islands=2, outer=plain)),
         ("diloco-H100-nesterov-0.7-0.5", diloco("outer=nesterov,outer_lr=0.7,momentum=0.5"),
          dict(H=100, islands=2, outer="outer=nesterov,outer_lr=0.7,momentum=0.5")),
+        # inner lr per island: Adam's square-root batch rule gives half the batch 1/sqrt(2) of the lr
+        ("diloco-H100-inner-lr-0.7x", diloco(SCALED, lr=INNER_LR_HALF_BATCH),
+         dict(H=100, islands=2, outer=SCALED, inner_lr=INNER_LR_HALF_BATCH)),
+        ("diloco-H100-outer-schedule", diloco(f"{SCALED},outer_schedule=inner"),
+         dict(H=100, islands=2, outer=f"{SCALED},outer_schedule=inner")),
     ] + wide_sqrt
 
 
