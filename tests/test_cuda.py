@@ -24,7 +24,8 @@ from islands.runtime.comm import Comm, CommLedger
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Same inputs give the same payload on both devices (up to float rounding of the kernels).
-DETERMINISTIC = ["none", "fp16", "bf16", "topk:ratio=0.05,warmup=0", "powersgd:rank=2", "sign"]
+DETERMINISTIC = ["none", "fp16", "bf16", "topk:ratio=0.05,warmup=0", "powersgd:rank=2", "sign",
+                 "powersgd:rank=4,bits=16,dense_bits=16", "powersgd:rank=4,bits=8,dense_bits=16"]  # bits=8: gathered sums
 # Draw from the compressor's own per-device generator: equal in law, not in value, across devices.
 STOCHASTIC = ["int8", "int4", "qsgd:levels=16", "randomk:ratio=0.25"]
 
@@ -57,7 +58,9 @@ def test_deterministic_compressors_agree_across_devices_over_nccl(groups, spec):
     for cpu_round, cuda_round in zip(out["cpu"], out["cuda"]):
         for name, ref in cpu_round.items():
             assert cuda_round[name].shape == ref.shape and cuda_round[name].dtype == ref.dtype
-            torch.testing.assert_close(cuda_round[name].cpu(), ref, rtol=2e-3, atol=2e-3, msg=f"{spec} {name}")
+            # int8 factors: kernels' rounding can move a code by one step (1/127 of a column's max)
+            tol = 3e-2 if "bits=8" in spec else 2e-3
+            torch.testing.assert_close(cuda_round[name].cpu(), ref, rtol=tol, atol=tol, msg=f"{spec} {name}")
 
 
 @pytest.mark.parametrize("spec", STOCHASTIC)

@@ -52,7 +52,7 @@ class TrainConfig:
     compress: str = "none"  # compressor spec for the inner gradient exchange
     aggregate: str = "mean"  # aggregator spec
     attack: str = ""  # attack spec, e.g. "sign-flip:count=2"
-    optimizer: str = "adamw"  # adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] (islands.compress.optim)
+    optimizer: str = "adamw"  # adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] | split-adamw[:...] (islands.compress.optim)
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
     wrap: str = "block"  # inner=fsdp: model | block | params:N | split:K | graph:K (islands.sync.wrap_policy)
     reshard: bool = True  # inner=fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
