@@ -186,3 +186,13 @@ def test_warm_start_spec_errors():
     s = make_outer("diloco:inner_steps=10,warm_start=40", total_steps=100)
     assert isinstance(s, WarmStart) and s.steps == 40 and s.outer.total_steps == 60 and s.total_steps == 100
     assert not isinstance(make_outer("diloco:inner_steps=10", total_steps=100), WarmStart)
+
+
+def test_warm_start_as_long_as_the_run_is_refused_before_any_worker_starts():
+    from islands.config import ConfigError, from_mapping, validate
+
+    with pytest.raises(ConfigError, match="warm_start"):
+        validate(from_mapping({"workers": 2, "islands": 2, "steps": 50,
+                               "outer": "diloco:inner_steps=10,warm_start=50"}))
+    assert validate(from_mapping({"workers": 2, "islands": 2, "steps": 50,
+                                  "outer": "diloco:inner_steps=10,warm_start=49"})).steps == 50

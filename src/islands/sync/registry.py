@@ -36,7 +36,10 @@ def check_specs(cfg: TrainConfig) -> None:
     if cfg.outer:
         from islands.sync.outer import parse_outer
 
-        parse_outer(cfg.outer)
+        warm = dict(parse_outer(cfg.outer).params).get("warm_start", 0)
+        if warm >= cfg.steps:  # caught here, before any worker starts, not in the workers
+            raise ValueError(f"outer warm_start ({warm}) must be < steps ({cfg.steps}) so that some steps are "
+                             "left for the outer rounds")
     if cfg.islands > 1 and not cfg.outer and cfg.inner_strategy != "fsdp":  # fsdp: HSDP across islands
         raise ValueError(
             f"islands={cfg.islands} needs an outer strategy to meet across islands, "
