@@ -3,6 +3,7 @@
 `run_world(fn, size, islands)` starts `size` processes; each joins through env:// on a free loopback
 port, builds the World (30 s collective timeout), calls fn(world) and sends back its result
 (plain Python / numpy only: torch tensors in a queue are shared through a sender about to exit).
+`tiny_model()` and `batch(rank, step)` are the model and data the outer tests train on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,21 @@ import queue as _queue
 import socket
 import time
 
+import torch
 import torch.multiprocessing as mp
+
+
+def tiny_model():
+    from islands.models import ByteTransformer
+
+    torch.manual_seed(0)
+    return ByteTransformer(d_model=16, n_layers=1, n_heads=2, context=8)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    """Rank `rank`'s byte windows for local step `step`, the same in every process."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, 256, (4, 9), generator=g)
 
 
 def _free_port() -> int:

@@ -18,21 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import run_world
+from outer_mp import batch, run_world, tiny_model
 
 STEPS = 6
-
-
-def tiny_model():
-    from islands.models import ByteTransformer
-
-    torch.manual_seed(0)
-    return ByteTransformer(d_model=16, n_layers=1, n_heads=2, context=8)
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randint(0, 256, (4, 9), generator=g)
 
 
 class Run:

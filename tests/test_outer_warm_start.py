@@ -16,21 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import run_world
+from outer_mp import batch, run_world, tiny_model
 
 TOTAL, WARM, H = 7, 3, 2  # rounds after the warm-up end at local steps 2, 4 (shortened final round)
-
-
-def tiny_model():
-    from islands.models import ByteTransformer
-
-    torch.manual_seed(0)
-    return ByteTransformer(d_model=16, n_layers=1, n_heads=2, context=8)
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randint(0, 256, (4, 9), generator=g)
 
 
 def loss_of(model, b):
