@@ -13,17 +13,16 @@ With comm=None (one process) the compression is still applied, so its effect can
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
-from islands.compress.average import compress_and_average
 from islands.compress.identity import NoCompression
+from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.compress.sign import ScaledSign
 from islands.runtime.comm import Comm
 
 
-class _CompressedAdamBase(torch.optim.Optimizer):
+class _CompressedAdamBase(CommunicatingOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=100, comm: Comm | None = None):
         if lr <= 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(f"need lr > 0, eps > 0, weight_decay >= 0; got lr={lr}, eps={eps}, weight_decay={weight_decay}")
@@ -35,19 +34,6 @@ class _CompressedAdamBase(torch.optim.Optimizer):
         self.warmup_steps = int(warmup_steps)
         self.comm = comm
         self._sign = ScaledSign()
-
-    def _named(self) -> list[tuple[str, Tensor, dict]]:
-        out = []
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    out.append((f"{gi}.{pi}", p, group))
-        return out
-
-    def _average(self, tensors: dict[str, Tensor], compressor) -> dict[str, Tensor]:
-        if self.comm is None:
-            return {n: compressor.decompress(compressor.compress(t, {"_name": n})) for n, t in tensors.items()}
-        return compress_and_average(tensors, self.comm, compressor)
 
     def _one_bit(self, named: list[tuple[str, Tensor, dict]], values: dict[str, Tensor]) -> dict[str, Tensor]:
         """Error-compensated 1-bit average of `values`: send sign(v + e), keep e = v + e - sent."""

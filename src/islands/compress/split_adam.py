@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from islands.compress.average import compress_and_average
 from islands.compress.base import CompressorBase, check_finite
+from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.runtime.comm import Comm
 
 VARIANCE_SOURCES = ("compressed", "exact", "local")
 
 
-class SplitMomentAdamW(torch.optim.Optimizer):
+class SplitMomentAdamW(CommunicatingOptimizer):
     def __init__(self, params, compressor: CompressorBase, comm: Comm | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, variance: str = "local", variance_every: int = 20, clip: float = 0.0):
         if lr <= 0 or eps <= 0 or weight_decay < 0 or clip < 0:
@@ -51,10 +51,6 @@ class SplitMomentAdamW(torch.optim.Optimizer):
         self.variance_every = variance_every
         self.clip = float(clip)
 
-    def _named(self) -> list[tuple[str, Tensor, dict]]:
-        return [(f"{gi}.{pi}", p, g) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
-                if p.grad is not None]
-
     def _mean(self, tensors: dict[str, Tensor], dtype: torch.dtype, kind: str) -> dict[str, Tensor]:
         """Uncompressed mean over the group, fused into one all-reduce in `dtype`."""
         if self.comm is None or self.comm.size == 1:
@@ -67,12 +63,6 @@ class SplitMomentAdamW(torch.optim.Optimizer):
             out[n] = flat[offset : offset + t.numel()].reshape(t.shape)
             offset += t.numel()
         return out
-
-    def _average(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        if self.comm is None:  # one process: the compression alone, so its effect can be studied
-            return {n: self.compressor.decompress(self.compressor.compress(g, self.compressor.state(n, g))).float()
-                    for n, g in grads.items()}
-        return compress_and_average(grads, self.comm, self.compressor)
 
     def _clip_scale(self, tensors: dict[str, Tensor]) -> float:
         if not self.clip:
@@ -92,7 +82,7 @@ class SplitMomentAdamW(torch.optim.Optimizer):
         local = {n: p.grad.detach().to(torch.float32) for n, p, _ in named}
         for n, g in local.items():
             check_finite(n, g)
-        avg = self._average(local)
+        avg = self._average(local, self.compressor)
         scale = self._clip_scale(avg)
         for n, p, group in named:
             st = self.state[p]
