@@ -46,10 +46,7 @@ class _CompressedAdamBase(CommunicatingOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         named = self._named()
         if not named:
             return loss

@@ -16,6 +16,14 @@ from islands.runtime.comm import Comm
 class CommunicatingOptimizer(torch.optim.Optimizer):
     comm: Comm | None
 
+    @staticmethod
+    def _closure_loss(closure):
+        """torch.optim's closure contract: re-evaluate the loss with gradients on, if given one."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def _named(self) -> list[tuple[str, Tensor, dict]]:
         """(stable name "group.index", parameter, its group) for every parameter that has a gradient."""
         return [(f"{gi}.{pi}", p, g) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])

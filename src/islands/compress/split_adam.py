@@ -72,10 +72,7 @@ class SplitMomentAdamW(CommunicatingOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         named = self._named()
         if not named:
             return loss
