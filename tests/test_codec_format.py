@@ -19,11 +19,11 @@ def _weights(n=50_000, dtype=torch.bfloat16):
     return (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
 
 
-def test_v4_blob_is_magic_version_streams_header_crc_length():
+def test_v5_blob_is_magic_version_streams_header_crc_length():
     t = _weights()
     blob = encode_tensor(t)
     raw = bytes(blob)
-    assert raw[:5] == b"ISLT\x04"
+    assert raw[:5] == b"ISLT\x05"
     crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
     head = raw[len(raw) - 8 - head_len:len(raw) - 8]
     assert zlib.crc32(head) == crc
@@ -44,6 +44,58 @@ def test_the_blob_is_a_read_only_bytes_like_view():
     with pytest.raises(TypeError):
         blob[0] = 1
     assert torch.equal(decode_tensor(bytearray(blob)).view(torch.int16), t.view(torch.int16))
+
+
+def _fp32_weights(n: int) -> torch.Tensor:
+    """fp32 weights whose low mantissa bytes are noise (torch.randn's float32 low byte is not)."""
+    return torch.from_numpy(np.random.default_rng(0).standard_normal(n) * 0.02).float()
+
+
+def _plane_sizes(blob) -> list[list[int]]:
+    return [[s["raw"] for s in c["streams"][2:]] for c in read_header(blob)[0]["chunks"]]
+
+
+def test_fp32_noise_low_half_travels_as_one_stored_word_plane():
+    n = 300_000
+    t = _fp32_weights(n)
+    blob = encode_tensor(t)
+    assert _plane_sizes(blob) == [[n, 2 * n]]
+    assert [s["m"] for s in read_header(blob)[0]["chunks"][0]["streams"][2:]] == ["s", "s"]
+    assert np.array_equal(tensor_bytes(decode_tensor(blob)), tensor_bytes(t))
+
+
+def test_fp32_with_structured_low_bytes_keeps_three_byte_planes_and_codes_them():
+    n = 300_000
+    t = _fp32_weights(n).to(torch.float16).to(torch.float32)  # fp16-exact: the low 13 bits are 0
+    blob = encode_tensor(t)
+    assert _plane_sizes(blob) == [[n, n, n]]
+    assert len(blob) < 2.2 * n  # the zero low byte and the 3-bit byte are coded, not stored (4 n raw)
+    assert np.array_equal(tensor_bytes(decode_tensor(blob)), tensor_bytes(t))
+
+
+def test_v4_fp32_blobs_with_three_byte_planes_still_decode(monkeypatch):
+    from islands.checkpoint.layouts import Fp32Layout, _ExponentWords
+
+    t = _fp32_weights(300_000)
+    monkeypatch.setattr(Fp32Layout, "_new_planes", _ExponentWords._new_planes)  # what v4 wrote
+    old = bytearray(encode_tensor(t))
+    monkeypatch.undo()
+    assert _plane_sizes(old) == [[300_000] * 3]
+    old[4] = 4
+    assert np.array_equal(tensor_bytes(decode_tensor(bytes(old))), tensor_bytes(t))
+
+
+def test_a_word_plane_of_the_wrong_size_is_refused():
+    t = _fp32_weights(300_000)
+    other = encode_tensor(t[:150_000])  # same layout, fewer elements: swap in its second header
+    assert _plane_sizes(other) == [[150_000, 300_000]]
+    mixed = bytes(other)
+    with pytest.raises(CorruptCheckpoint):
+        h2, start2 = read_header(mixed)
+        h2["chunks"][0]["bytes"] = 800_000  # claims 200 K elements: the word plane holds 150 K
+        head = json.dumps(h2, separators=(",", ":")).encode()
+        streams = mixed[start2:len(mixed) - 8 - struct.unpack_from("<II", mixed, len(mixed) - 8)[1]]
+        decode_tensor(mixed[:start2] + streams + head + struct.pack("<II", zlib.crc32(head), len(head)))
 
 
 def _as_v3(blob) -> bytes:
@@ -68,7 +120,7 @@ def test_v3_blobs_still_decode_and_v3_damage_is_still_caught(dtype):
             decode_tensor(bytes(bad))
 
 
-@pytest.mark.parametrize("version", [1, 2, 5])
+@pytest.mark.parametrize("version", [1, 2, 6])
 def test_other_versions_are_refused_by_name(version):
     bad = bytearray(encode_tensor(_weights(100)))
     bad[4] = version

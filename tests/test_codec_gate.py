@@ -49,7 +49,8 @@ def test_fp16_exact_tail_in_a_noisy_fp32_chunk_is_huffman_coded():
 def test_noise_mantissa_is_stored_and_small_planes_are_offered_to_huffman():
     g = torch.Generator().manual_seed(2)
     big = encode_tensor(torch.randn(400_000, generator=g), content_hash=False)
-    assert [m["m"] for m, _ in _streams(big)][-3:] == ["s", "s", "s"]
+    # the top mantissa byte, and the two noise bytes below it as one stored plane of 16-bit words
+    assert [(m["m"], m["raw"]) for m, _ in _streams(big)][-2:] == [("s", 400_000), ("s", 800_000)]
     small = encode_tensor(torch.randn(3_000, generator=g), content_hash=False)
     assert [m["m"] for m, _ in _streams(small)][-3:] == ["h", "h", "h"]
     for blob, n in ((big, 400_000), (small, 3_000)):

@@ -10,7 +10,7 @@ Integers, bools, 1-byte floats and anything else go through plain zstd.
 Optional XOR delta against a base tensor of the same shape and dtype (SOTA-437: deltas against a base
 up to K checkpoints back): unchanged exponent and high mantissa bits become zero bytes.
 
-Blob (format 4): magic, version, the streams, the header JSON, its CRC-32, its length; encode_tensor
+Blob (format 5): magic, version, the streams, the header JSON, its CRC-32, its length; encode_tensor
 returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
 
 Integrity: every stream's zstd frame carries an XXH64 content checksum and a CRC-32 over its first bytes
@@ -37,13 +37,15 @@ from islands.checkpoint.planes import scratch
 from islands.checkpoint.streams import coders, decode_frame_into, frame, mantissa_frame
 
 MAGIC = b"ISLT"
+# 5: an fp32 chunk may carry its low 16 bits as one stored plane of words (layouts.py); v4 readers would
+#    take that for a damaged chunk, so the version says it instead.
 # 4: the header moves to the end (magic, version | streams | header JSON | CRC-32 | header length), so the
 #    encoder writes each stream once, straight into one output buffer, instead of keeping every stream
 #    alive and joining them behind a header whose length is known only at the end.
 # 3: magic, version, header length | header JSON | CRC-32 | streams; per-dtype plane layouts. Still read.
 # 2: one rotated layout for all floats; 1: raw streams with a CRC-32. Refused with a message.
-VERSION = 4
-READS = (3, 4)
+VERSION = 5
+READS = (3, 4, 5)
 _PREFIX = struct.Struct("<4sB")  # magic, version
 _V3_HEAD_LEN = struct.Struct("<I")  # v3: the header length right after the prefix
 _CRC = struct.Struct("<I")
@@ -131,7 +133,12 @@ def _split_streams(planes, piece: np.ndarray, c) -> tuple[list, dict]:
     elif exponent is not None:  # too many exponents outside any 15-wide window: the plane whole
         streams.append(frame(exponent, c.elements, "h"))
     for kind, plane in others:
-        streams.append(frame(plane, c.elements, "h") if kind == "e" else mantissa_frame(plane, c))
+        if kind == "e":
+            streams.append(frame(plane, c.elements, "h"))
+        elif kind == "s":  # the layout probed it already
+            streams.append(frame(plane, c.stored, "s"))
+        else:
+            streams.append(mantissa_frame(plane, c))
     return streams, extra
 
 
@@ -268,7 +275,7 @@ def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray,
         exponent, decoded = (decoded[0] if decoded else None), decoded[1:]
         if exponent is None or exponent.size != n:
             raise CorruptCheckpoint(f"chunk {index}: exponent plane does not hold {n} exponents")
-    if len(decoded) != planes.planes or any(d.size != n for d in decoded):
+    if [d.size for d in decoded] not in planes.plane_sizes(n):
         raise CorruptCheckpoint(f"chunk {index} has planes that do not add up to {out.size} bytes")
     try:
         planes.join(exponent, decoded, out)

@@ -91,6 +91,11 @@ def frame(data, coder, method: str) -> tuple[dict, bytes]:
     return {"m": method, "raw": len(raw), "enc": len(enc), "hcrc": zlib.crc32(enc[:FRAME_HEAD])}, enc
 
 
+def is_noise(sample: np.ndarray) -> bool:
+    """The gate's verdict on a sample of a plane's bytes (all of them are used): store, do not code."""
+    return sampled_entropy_bits(sample, samples=sample.size) >= GATE_BITS
+
+
 def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
     """Huffman-code a mantissa plane only if a sample across it has structure: in trained weights it is noise."""
     if plane.size < GATE_MIN_BYTES or sampled_entropy_bits(plane) < GATE_BITS:
