@@ -254,3 +254,23 @@ def test_int8_state_survives_a_checkpoint():
     b.load_state_dict(a.state_dict())
     pa, pb = a.compress(t, a.state("w", t)), b.compress(t, b.state("w", t))
     assert all(torch.equal(x, y) for x, y in zip(pa.tensors, pb.tensors))
+
+
+def test_vectors_sent_whole_leave_no_residual_and_narrowed_ones_keep_their_rounding():
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(64, generator=g)
+    ef = parse_compressor("powersgd:rank=2")
+    payload = ef.compress(bias, ef.state("b", bias))
+    assert ef.inner.exact(payload) and torch.equal(ef.decompress(payload), bias)
+    assert torch.equal(ef.states["b"]["residual"], torch.zeros(64))
+    narrow = parse_compressor("powersgd:rank=2,dense_bits=16")
+    payload = narrow.compress(bias, narrow.state("b", bias))
+    assert not narrow.inner.exact(payload)
+    assert torch.equal(narrow.states["b"]["residual"], bias - bias.bfloat16().float())
+    half = bias.bfloat16()  # a bf16 input: its fp32 error-fed sum is rounded to bf16 on the way in
+    ef16 = parse_compressor("powersgd:rank=2")
+    carried = torch.randn(64, generator=g) * 1e-3
+    ef16.state("h", half)["residual"] = carried.clone()
+    ef16.compress(half, ef16.state("h", half))
+    x = half.float() + carried
+    assert torch.equal(ef16.states["h"]["residual"], x - x.bfloat16().float())

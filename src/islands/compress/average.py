@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from islands.compress.base import Agreed, Combine, Compressor, NonFiniteGradientError, Payload, all_finite, check_finite, check_float
+from islands.compress.base import (Agreed, Combine, Compressor, NonFiniteGradientError, Payload, all_finite, cast, check_finite,
+                                   check_float)
 from islands.runtime.comm import Comm
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -61,6 +62,15 @@ def _flat_bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _typed(buf: Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> Tensor:
+    """Bytes [offset, offset + nbytes) of a gathered buffer as a tensor: a view where the start is aligned
+    for dtype, else a copy (a dtype view needs an aligned start). Views share `buf`, which is ours alone."""
+    piece = buf[offset : offset + nbytes]
+    if offset % torch.empty((), dtype=dtype).element_size():
+        piece = piece.clone()
+    return piece.view(dtype).reshape(shape)
+
+
 def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind: str) -> dict[str, list[Tensor]]:
     """All-reduce many small tensors as one flat buffer per dtype; returns them in the same layout."""
     out = {name: list(ts) for name, ts in groups.items()}
@@ -93,8 +103,7 @@ def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind
         mine: dict[str, list[Tensor]] = {n: [] for n in groups}
         offset = 0
         for n, _, shape, dtype, nb in layout:
-            # clone: a dtype view needs an aligned start, a slice of the byte buffer may not have one
-            mine[n].append(buf[offset : offset + nb].clone().view(dtype).reshape(shape))
+            mine[n].append(_typed(buf, offset, nb, dtype, shape))
             offset += nb
         per_rank.append(mine)
     return {n: (merge([r[n] for r in per_rank]) if ts else []) for n, ts in groups.items()}
@@ -116,7 +125,7 @@ def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
     for n, p in payloads.items():
         total = replace(p, tensors=summed[n], summands=parties)
         compressor.absorb(states[n], total)
-        out[n] = compressor.decompress(total).to(torch.float32) / parties
+        out[n] = cast(compressor.decompress(total), torch.float32) / parties
     return out
 
 
@@ -131,11 +140,10 @@ def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
         rebuilt = {n: replace(p, tensors=list(p.tensors)) for n, p in payloads.items()}
         offset = 0
         for n, i, shape, dtype, nb in layout:
-            # clone: a dtype view needs an aligned start, a slice of the byte buffer may not have one
-            rebuilt[n].tensors[i] = buf[offset : offset + nb].clone().view(dtype).reshape(shape)
+            rebuilt[n].tensors[i] = _typed(buf, offset, nb, dtype, shape)
             offset += nb
         per_rank.append(rebuilt)
-    return {n: compressor.combine_gathered([r[n] for r in per_rank]).to(torch.float32) for n in payloads}
+    return {n: cast(compressor.combine_gathered([r[n] for r in per_rank]), torch.float32) for n in payloads}
 
 
 def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
@@ -156,11 +164,9 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
         means = _average_gathered(named_tensors, states, comm, compressor)
     else:
         raise ValueError(f"{compressor!r}: combine must be Combine.SUMMABLE or Combine.GATHERED")
-    out = {}
-    for n, t in named_tensors.items():
+    for n in named_tensors:
         check_finite(n, means[n], where="averaged result")
-        out[n] = means[n].reshape(t.shape).to(t.dtype)
-    return out
+    return {n: cast(means[n].reshape(t.shape), t.dtype) for n, t in named_tensors.items()}
 
 
 def analytic_nbytes(named_tensors: dict[str, Tensor], compressor: Compressor, **kw) -> int:

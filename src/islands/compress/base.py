@@ -117,9 +117,16 @@ def check_finite(name: str, tensor: Tensor, where: str = "gradient") -> None:
         )
 
 
+def cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """tensor.to(dtype), skipping the call when it would return the tensor itself (a dispatch each,
+    and a compressor makes several per tensor and bucket)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def as_fp32(tensor: Tensor) -> Tensor:
     """A contiguous fp32 copy-or-view of any float tensor (compute in fp32, return in input dtype)."""
-    return tensor.detach().to(torch.float32).contiguous()
+    t = cast(tensor.detach(), torch.float32)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def nbytes_of(numel: int, dtype: torch.dtype) -> int:
@@ -191,6 +198,11 @@ class CompressorBase:
 
     def absorb(self, state: dict, summed: Payload) -> None:
         pass
+
+    def exact(self, payload: Payload) -> bool:
+        """True when decompress(payload) is bit for bit the tensor compress() was given (error feedback
+        then has no residual to compute). False unless a compressor knows better."""
+        return False
 
     def merge(self, parts: list[list[Tensor]]) -> list[Tensor]:
         """With sum_transport="gather": the sum of every rank's tensors (parts[rank]), in rank order."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from islands.compress.base import Agreed, CompressorBase, Payload, as_fp32, check_finite
+from islands.compress.base import Agreed, CompressorBase, Payload, as_fp32, cast, check_finite
 
 
 class ErrorFeedback(CompressorBase):
@@ -69,12 +69,15 @@ class ErrorFeedback(CompressorBase):
     def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
         x = self._corrected(tensor, state)
         state["_corrected"] = x
-        return self.inner.agree(x.to(tensor.dtype), self._inner_state(state, tensor))
+        return self.inner.agree(cast(x, tensor.dtype), self._inner_state(state, tensor))
 
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
         x = self._corrected(tensor, state)
-        payload = self.inner.compress(x.to(tensor.dtype), self._inner_state(state, tensor), agreed)
-        own = self.inner.decompress(payload).to(torch.float32)
+        payload = self.inner.compress(cast(x, tensor.dtype), self._inner_state(state, tensor), agreed)
+        if not self.momentum and tensor.dtype == torch.float32 and self.inner.exact(payload):
+            state["residual"].zero_()  # sent whole (PowerSGD's vectors): nothing left behind
+            return payload
+        own = cast(self.inner.decompress(payload), torch.float32)
         state["residual"] = x - own
         if self.momentum:  # DGC momentum factor masking: sent coordinates restart their momentum
             state["momentum"].masked_fill_(own != 0, 0.0)

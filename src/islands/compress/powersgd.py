@@ -38,6 +38,7 @@ from islands.compress.base import (
     CompressorBase,
     Payload,
     as_fp32,
+    cast,
     name_seed,
     nbytes_of,
     numel_of,
@@ -65,7 +66,7 @@ def from_wire(parts: list[Tensor]) -> Tensor:
     """A factor in fp32 from what travelled: [codes, scale] (int8) or one float tensor."""
     if len(parts) == 2:
         return parts[0].to(torch.float32) * parts[1]
-    return parts[0].to(torch.float32)
+    return cast(parts[0], torch.float32)
 
 
 def orthonormal(a: Tensor) -> Tensor:
@@ -166,8 +167,11 @@ class PowerSGD(CompressorBase):
 
     def decompress(self, payload: Payload) -> Tensor:
         if not payload.shared:
-            return payload.tensors[0].reshape(payload.shape).to(payload.dtype)
-        return (payload.shared[0] @ from_wire(payload.tensors).t()).reshape(payload.shape).to(payload.dtype)
+            return cast(payload.tensors[0].reshape(payload.shape), payload.dtype)
+        return cast((payload.shared[0] @ from_wire(payload.tensors).t()).reshape(payload.shape), payload.dtype)
+
+    def exact(self, payload: Payload) -> bool:
+        return not payload.shared and payload.tensors[0].dtype == payload.dtype  # sent as is, not narrowed
 
     def absorb(self, state: dict, summed: Payload) -> None:
         if summed.shared:
