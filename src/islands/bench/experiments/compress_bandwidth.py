@@ -115,3 +115,42 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
                     "emulation" + ("; quick: one rate, few steps, far from converged" if ctx.quick else ""))
     return {"rows": rows, "headline": headline, "curves": curves, "rates_mbit": rates_mbit,
             "target_slack": TARGET_SLACK, "plot": _plot}
+
+
+# A GPU computes this model's step ~100x faster than one CPU thread, so there the link is nearly the
+# whole of ddp's step. Shrinking the batch is how these CPUs get near that ratio on the same model and
+# link: each halving halves compute per step and leaves the 3.5 MB per step on the wire alone.
+LINK_BOUND_BATCHES = (8, 4)
+
+
+@experiment("compression-time-to-target", practices=("SOTA-075",),
+            help="time to ddp's loss x1.03, ddp vs rank-16 int8 PowerSGD, on one shaped link as compute per step shrinks")
+def compression_time_to_target(ctx: BenchContext) -> dict:
+    from islands import testbed as tb
+
+    rate = ctx.rate or "100mbit"
+    common = lm_setting(ctx)
+    if ctx.quick:
+        common.update(steps=24, warmup=3, eval_every=4, eval_batches=2, log_every=4)
+    else:
+        common.update(eval_every=20)
+    rows, curves, headline = [], {}, []
+    with ctx.testbed(rate, hosts=2) as bed:
+        measured = tb.measure_rate(bed)
+        for batch in LINK_BOUND_BATCHES:
+            regime = f"global batch {batch}"
+            recs = {}
+            for spec in ("none", BEST_POWERSGD):
+                label = f"{rate}/b{batch}-" + ("ddp" if spec == "none" else "powersgd-r16-int8")
+                recs[spec] = ctx.train(label.replace("/", "-"), compress=spec, testbed=bed.name, **{**common, "global_batch": batch})
+                curves[label] = curve(recs[spec])
+            mine, lines = _rows_for(rate, regime, measured, recs)
+            ddp = next(r for r in mine if r["compress"] == "none")
+            for r in mine:
+                r["compute_share_of_ddp_step"] = ddp["compute_s_per_step"] / ddp["s_per_step"]
+            rows += mine
+            headline += lines[:1]
+    headline.append(f"{common['steps']} steps of the default LM, 2 workers in 2 namespaces, tbf-shaped veth link; the "
+                    "share of ddp's step spent computing says how link-bound each regime is (a GPU is near 0)")
+    return {"rows": rows, "headline": headline, "curves": curves, "rates_mbit": {rate: measured["goodput_mbit"]},
+            "target_slack": TARGET_SLACK, "plot": _plot}
