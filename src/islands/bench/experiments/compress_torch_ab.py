@@ -53,6 +53,9 @@ def powersgd_vs_torch_hook(ctx: BenchContext) -> dict:
         f"{common['global_batch']}, {common['steps']} steps x {rounds} interleaved rounds per arm; median step time: "
         + ", ".join(f"{r['arm']} {r['median_s_per_step']:.3f} s ({r['vs_torch_hook']:.2f}x torch's hook; rounds "
                     f"{r['min_s_per_step']:.3f}-{r['max_s_per_step']:.3f}), {r['bytes_per_step']:,.0f} B/step" for r in rows),
-        "goal (issue 3): ours <= 1.00x torch's hook: " + ("met" if min(r["vs_torch_hook"] for r in rows[:2]) <= 1.0 else "not met"),
+        # the like-for-like arm: the same single bucket torch's hook runs in
+        f"goal (issue 3), ours in the same one bucket <= 1.00x torch's hook: "
+        + ("met" if rows[1]["vs_torch_hook"] <= 1.0 else "not met") + f" ({rows[1]['vs_torch_hook']:.2f}x); with DDP's "
+        f"default buckets {rows[0]['vs_torch_hook']:.2f}x",
     ]
     return {"rows": rows, "headline": headline, "rounds": runs, "rate_mbit": measured["goodput_mbit"]}
