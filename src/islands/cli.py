@@ -104,7 +104,7 @@ def cmd_bench(args) -> int:
         return 0
     try:
         harness.run(args.name, quick=args.quick, out_root=Path(args.out), rate=args.testbed_rate or "",
-                    device=args.device)
+                    device=args.device, reuse=args.reuse)
     except KeyError as e:
         raise ExitError(str(e.args[0])) from None
     return 0
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--testbed-rate", metavar="RATE", help="run distributed configurations on a testbed at RATE, e.g. 100mbit")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the experiment's tensors live (cuda: only experiments with a GPU variant)")
+    b.add_argument("--reuse", action="store_true",
+                   help="read a run whose results/NAME/.../runs/LABEL/run.json holds the same config instead of running "
+                        "it again (resume an interrupted experiment; testbed runs always run)")
     b.set_defaults(fn=cmd_bench)
 
     pr = sub.add_parser("practices", help="the practice registry: what islands implements and measures")

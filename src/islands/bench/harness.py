@@ -67,6 +67,7 @@ class BenchContext:
     out_dir: Path
     rate: str = ""  # --testbed-rate: run the distributed configurations on a real rate-limited testbed
     device: str = "cpu"  # --device: where the experiment's tensors live (only experiments that declare it)
+    reuse: bool = False  # --reuse: a run whose run.json already holds the same config is read, not run again
     console: Console = field(default_factory=Console)
     runs: list[dict] = field(default_factory=list)
 
@@ -88,6 +89,11 @@ class BenchContext:
         cfg = self.config(**overrides)
         run_dir = self.out_dir / "runs" / label
         cfg.run_dir = str(run_dir)
+        done = self._finished(run_dir, cfg) if self.reuse else None
+        if done is not None:
+            self.log(f"run {label}: reusing {run_dir / 'run.json'} (same config; --reuse)")
+            self.runs.append(done)
+            return done
         self.log(f"run {label}: workers={cfg.workers} islands={cfg.islands} steps={cfg.steps} "
                  f"inner={cfg.inner_strategy} outer={cfg.outer or '-'} compress={cfg.compress} "
                  f"testbed={cfg.testbed or '-'}")
@@ -99,6 +105,27 @@ class BenchContext:
         record["label"] = label
         record["launch_seconds"] = time.perf_counter() - t
         self.runs.append(record)
+        return record
+
+    @staticmethod
+    def _finished(run_dir: Path, cfg: TrainConfig) -> dict | None:
+        """The run record in run_dir if its config equals cfg in every key but run_dir (where it ran), else None.
+
+        Lets an interrupted long experiment resume without redoing finished runs; a changed config (or a
+        testbed, whose link is measured per invocation) always runs again.
+        """
+        import json
+
+        path = run_dir / "run.json"
+        if cfg.testbed or not path.is_file():
+            return None
+        record = json.loads(path.read_text())
+        want = {k: v for k, v in cfg.to_dict().items() if k not in ("extra", "run_dir")}
+        have = {k: v for k, v in record.get("config", {}).items() if k != "run_dir"}
+        if have != want:
+            return None
+        record["label"] = run_dir.name
+        record["launch_seconds"] = 0.0
         return record
 
     @contextlib.contextmanager
@@ -143,7 +170,7 @@ def _rich_table(title: str, rows: list[dict]) -> Table:
 
 
 def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: str = "",
-        device: str = "cpu") -> Path:
+        device: str = "cpu", reuse: bool = False) -> Path:
     registry = load_all()
     if name not in registry:
         raise KeyError(f"unknown experiment {name!r}; available: {', '.join(sorted(registry))}")
@@ -160,7 +187,7 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
     suffix = (f"-{rate}" if rate else "") + (f"-{device}" if device != "cpu" else "")
     out_dir = out_root / name / (("quick" if quick else "full") + suffix)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate, device=device)
+    ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate, device=device, reuse=reuse)
     started = time.time()
     result = exp.fn(ctx)
     plot = result.pop("plot", None)

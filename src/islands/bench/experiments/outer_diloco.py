@@ -219,3 +219,31 @@ def diloco_outer_sweep(ctx: BenchContext) -> dict:
                                     if r["momentum"] == m and r["run"] != "sqrt-islands") for m in OUTER_MOMENTA),
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
+
+
+# ---- diloco-long: does the H=100 gap close when the run is 3x longer? ------------------------------
+LONG_STEPS = 3000  # 30 outer rounds at H=100, against diloco-gap's 10
+
+
+@experiment("diloco-long", practices=("SOTA-155",),
+            help="DiLoCo H=100 vs DDP over 3000 steps (30 outer rounds): does the gap of the 1000-step runs close?")
+def diloco_long(ctx: BenchContext) -> dict:
+    base = dict(base_config(ctx, quick_steps=LONG_STEPS, full_steps=LONG_STEPS), log_every=100)
+    ddp_rec = ctx.train("ddp", islands=1, **base)
+    ref = row_of("ddp", ddp_rec, H=1, islands=1)
+    rows = [gap_row("ddp", ddp_rec, ref, dict(H=1, islands=1))]
+    rec = ctx.train("diloco-H100", islands=2, outer=f"diloco:inner_steps=100,{SCALED}", **base)
+    rows.append(gap_row("diloco-H100", rec, ref, dict(H=100, islands=2, outer=SCALED)))
+    for r in rows:
+        r["ddp_steps_to_match"] = ddp_steps_to_reach(ddp_rec, r["final_val_loss"])
+    d = rows[1]
+    share = d["ddp_steps_to_match"] / LONG_STEPS if d["ddp_steps_to_match"] else None
+    headline = [
+        f"{task_words(ctx)}, {LONG_STEPS} steps x {base['global_batch']} sequences, equal tokens: DiLoCo H=100 "
+        f"(sqrt(M) outer step, {LONG_STEPS // 100} rounds) {d['final_val_loss']:.4f} vs DDP {ref['final_val_loss']:.4f} "
+        f"({d['loss_gap_pct']:+.1f}%), sending {d['bytes_ratio_ddp_over_run']:.0f}x fewer bytes per worker; "
+        + (f"DDP reached that loss at step {d['ddp_steps_to_match']:.0f} ({share:.0%} of the run)" if share else
+           "DDP never went as high as that loss after its first evaluation")
+        + f"; interconnect: {ref['interconnect']}",
+    ]
+    return {"rows": rows, "headline": headline, "plot": _plot_bytes}

@@ -1,0 +1,55 @@
+"""`islands bench --reuse`: a finished run with the same config is read back, anything else runs."""
+
+import json
+
+import pytest
+
+import islands.runtime.launch as launch_mod
+from islands.bench.harness import BenchContext
+
+
+def _ctx(tmp_path, reuse=True):
+    return BenchContext(name="x", quick=True, out_dir=tmp_path, reuse=reuse)
+
+
+def _leave_finished_run(ctx, label, **overrides):
+    cfg = ctx.config(**overrides)
+    cfg.run_dir = "/elsewhere/it/ran"  # where a run ran is not part of its identity
+    run_dir = ctx.out_dir / "runs" / label
+    run_dir.mkdir(parents=True)
+    record = {"config": {k: v for k, v in cfg.to_dict().items() if k != "extra"}, "summary": {"final_val_loss": 1.25}}
+    (run_dir / "run.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+
+    def fake_launch(cfg, run_dir):
+        calls.append(cfg)
+        (run_dir).mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.json").write_text(json.dumps({"config": cfg.to_dict(), "summary": {"final_val_loss": 9.0}}))
+        return 0
+
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    return calls
+
+
+def test_a_finished_run_with_the_same_config_is_read_not_run(tmp_path, launches):
+    ctx = _ctx(tmp_path)
+    _leave_finished_run(ctx, "ddp", task="digits", steps=30, workers=2)
+    rec = ctx.train("ddp", task="digits", steps=30, workers=2)
+    assert launches == [] and rec["summary"]["final_val_loss"] == 1.25 and rec["label"] == "ddp"
+    assert ctx.runs == [rec]
+
+
+def test_a_different_config_or_no_reuse_runs_again(tmp_path, launches):
+    ctx = _ctx(tmp_path)
+    _leave_finished_run(ctx, "ddp", task="digits", steps=30, workers=2)
+    assert ctx.train("ddp", task="digits", steps=31, workers=2)["summary"]["final_val_loss"] == 9.0
+    assert len(launches) == 1
+    other = tmp_path / "other"
+    fresh = _ctx(other, reuse=False)
+    _leave_finished_run(fresh, "ddp", task="digits", steps=30, workers=2)
+    assert fresh.train("ddp", task="digits", steps=30, workers=2)["summary"]["final_val_loss"] == 9.0
+    assert len(launches) == 2
