@@ -44,7 +44,8 @@ def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5
     Time is this process's CPU time (time.process_time), best of `repeats`: on a machine shared with
     other jobs, wall time mostly measures the neighbours, and interleaving gives every codec the same
     conditions. Every round trip is compared byte for byte; a mismatch raises AssertionError (never a
-    number).
+    number). A candidate may work on many tensors at once: its blob and its output are then lists
+    (sizes summed, outputs joined for the comparison, outside the timing).
     """
     enc: dict[str, list[float]] = {name: [] for name in candidates}
     dec: dict[str, list[float]] = {name: [] for name in candidates}
@@ -58,14 +59,27 @@ def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5
             t0 = time.process_time()
             back = decompress(blob)
             dec[name].append(time.process_time() - t0)
-            if bytes(memoryview(back).cast("B")) != raw:
+            if _joined(back) != raw:
                 raise AssertionError(f"{name} round trip is not byte-exact")
             blobs[name] = blob
     mb = len(raw) / 1e6
-    return {name: {"ratio": len(memoryview(blobs[name]).cast("B")) / max(1, len(raw)),
+    return {name: {"ratio": _size(blobs[name]) / max(1, len(raw)),
                    "compress_MBps": mb / max(min(enc[name]), 1e-9), "decompress_MBps": mb / max(min(dec[name]), 1e-9),
                    "compress_s_median": sorted(enc[name])[len(enc[name]) // 2]}
             for name in candidates}
+
+
+def _joined(out) -> bytes:
+    """A candidate's output as one bytes object: it may be one bytes-like or a list of them (one per tensor)."""
+    if isinstance(out, (list, tuple)):
+        return b"".join(bytes(memoryview(o).cast("B")) for o in out)
+    return bytes(memoryview(out).cast("B"))
+
+
+def _size(blob) -> int:
+    if isinstance(blob, (list, tuple)):
+        return sum(_size(b) for b in blob)
+    return len(memoryview(blob).cast("B"))
 
 
 def measure_stall(make_sink, tree, steps: list[int]) -> dict:
