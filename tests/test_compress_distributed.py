@@ -84,13 +84,14 @@ def _ddp_worker(rank, port, out_dir):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         results = {}
-        for spec in DDP_SPECS:
+        # every spec with the worker thread (the default), and PowerSGD once more inside the hook
+        for spec, overlap in [(s, True) for s in DDP_SPECS] + [("powersgd:rank=2", False)]:
             torch.manual_seed(0)
             net = _Net()
             comm = Comm(None, CommLedger())
             c = parse_compressor(spec)
             model = DDP(net, bucket_cap_mb=0.004)  # ~4 KB buckets: several buckets for a tiny net
-            state, hook = ddp_comm_hook(c, comm, net.named_parameters())
+            state, hook = ddp_comm_hook(c, comm, net.named_parameters(), overlap=overlap)
             buckets = set()
             calls = [0]
 
@@ -113,7 +114,7 @@ def _ddp_worker(rank, port, out_dir):
                 analytic = sum(c.payload_nbytes(p.shape, p.dtype) for p in net.parameters()) + FINITE_FLAG_NBYTES * calls[0]
                 steps.append(([p.grad.clone() for p in net.parameters()], [l.clone() for l in local],
                               comm.ledger.total_sent, analytic))
-            results[spec] = (steps, max(i for _, i, _ in buckets) + 1, state.state_dict())
+            results[spec if overlap else f"{spec}|inline"] = (steps, max(i for _, i, _ in buckets) + 1, state.state_dict())
             state.close()
         # policy: a NaN gradient raises, naming the parameter (both ranks see it, so neither waits)
         net = _Net()
@@ -217,5 +218,9 @@ def test_ddp_hook_several_buckets_two_ranks(tmp_path):
         if spec != "none":  # state keyed by parameter name, not bucket
             names = set(sd0["compressor"]["states"])
             assert names == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"}, names
+    # inside the hook (hook_overlap=False) the same exchange, bit for bit, only on the autograd thread
+    for threaded, inline in zip(r0["powersgd:rank=2"][0], r0["powersgd:rank=2|inline"][0]):
+        assert threaded[2] == inline[2]
+        assert all(torch.equal(a, b) for a, b in zip(threaded[0], inline[0]))
     for r in (r0, r1):
         assert "NaN/Inf" in r["nan"] and "a.weight" in r["nan"], r["nan"]

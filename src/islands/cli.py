@@ -25,6 +25,8 @@ _HELP = {
     "compress": "gradient compressor spec, e.g. powersgd:rank=4", "aggregate": "aggregator spec, e.g. median",
     "attack": "rehearse an attack, e.g. sign-flip:count=2", "testbed": "run workers inside this network testbed",
     "global_batch": "sequences per step over all workers", "timeout": "collective timeout in seconds",
+    "hook_overlap": "with --compress: compress each DDP bucket on a worker thread while backward goes on "
+                    "(default), or inside the hook on the autograd thread",
 }
 
 

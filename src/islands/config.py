@@ -54,6 +54,7 @@ class TrainConfig:
     attack: str = ""  # attack spec, e.g. "sign-flip:count=2"
     optimizer: str = "adamw"  # adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] | split-adamw[:...] (islands.compress.optim)
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
+    hook_overlap: bool = True  # compress=...: compress each bucket on a worker thread while backward goes on, or inside the hook
     wrap: str = "block"  # inner=fsdp: model | block | params:N | split:K | graph:K (islands.sync.wrap_policy)
     reshard: bool = True  # inner=fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
     prefetch: int = 0  # inner=fsdp: gather N units ahead, forward and backward (SOTA-117); 0 = FSDP2's own

@@ -88,6 +88,6 @@ def bucket_hook_factory(cfg: TrainConfig, world: World):
     from islands.compress import ddp_comm_hook, parse_compressor
 
     def factory(comm: Comm, model: torch.nn.Module):
-        return ddp_comm_hook(parse_compressor(cfg.compress), comm, model.named_parameters())
+        return ddp_comm_hook(parse_compressor(cfg.compress), comm, model.named_parameters(), overlap=cfg.hook_overlap)
 
     return factory
