@@ -142,19 +142,14 @@ class Fp32Layout(_ExponentWords):
         super().join(exponent, planes, out)
 
     def _split_block(self, xb, planes, b, e, v, t):
-        if len(planes) == 2:
-            np.right_shift(xb, 16, out=v)
-            np.bitwise_and(v, 0x807F, out=v)
-            np.right_shift(v, 8, out=t)
-            np.bitwise_or(v, t, out=v)
-            np.copyto(planes[0][b:e], v, casting="unsafe")
-            np.copyto(planes[1][b:e], xb, casting="unsafe")  # the cast keeps the low 16 bits
-            return
         np.right_shift(xb, 16, out=v)
         np.bitwise_and(v, 0x807F, out=v)
         np.right_shift(v, 8, out=t)
         np.bitwise_or(v, t, out=v)  # low byte: s << 7 | m22..m16
         np.copyto(planes[0][b:e], v, casting="unsafe")
+        if len(planes) == 2:  # the low half whole: the cast keeps the low 16 bits
+            np.copyto(planes[1][b:e], xb, casting="unsafe")
+            return
         np.right_shift(xb, 8, out=v)
         np.copyto(planes[1][b:e], v, casting="unsafe")
         np.copyto(planes[2][b:e], xb, casting="unsafe")

@@ -66,7 +66,7 @@ def _typed(buf: Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> 
     """Bytes [offset, offset + nbytes) of a gathered buffer as a tensor: a view where the start is aligned
     for dtype, else a copy (a dtype view needs an aligned start). Views share `buf`, which is ours alone."""
     piece = buf[offset : offset + nbytes]
-    if offset % torch.empty((), dtype=dtype).element_size():
+    if offset % dtype.itemsize:
         piece = piece.clone()
     return piece.view(dtype).reshape(shape)
 
