@@ -50,10 +50,17 @@ def _avg_worker(rank, port, out_dir):
         results = {}
         for spec in AVG_SPECS:
             c = parse_compressor(spec)
+            into, in_place = parse_compressor(spec), parse_compressor(spec)  # twins fed the same steps
             for step in range(3):
                 tensors = _inputs(rank, step)
+                dest = {n: torch.full_like(t, 7.0) for n, t in tensors.items()}
+                got = compress_and_average(tensors, comm, into, out=dest)
+                own = {n: t.clone() for n, t in tensors.items()}
+                got_in_place = compress_and_average(own, comm, in_place, out=own)
                 comm.ledger.reset()
                 out = compress_and_average(tensors, comm, c)
+                results[(spec, step, "out")] = (all(got[n] is dest[n] and torch.equal(got[n], out[n]) for n in out),
+                                                all(got_in_place[n] is own[n] and torch.equal(own[n], out[n]) for n in out))
                 inner = c.inner if isinstance(c, ErrorFeedback) else c
                 kw = {"step": step} if isinstance(inner, (TopK, PowerSGD)) else {}
                 results[(spec, step)] = (out, comm.ledger.total_sent, analytic_nbytes(tensors, c, **kw), comm.ledger.total_received)
@@ -158,6 +165,8 @@ def test_compress_and_average_two_ranks(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"avg{r}.pt") for r in (0, 1))
     for spec in AVG_SPECS:
         for step in range(3):
+            for r in (r0, r1):  # written into given tensors (the DDP hook: into the bucket itself): same bits
+                assert r[(spec, step, "out")] == (True, True), (spec, step, r[(spec, step, "out")])
             out0, sent0, analytic, recv0 = r0[(spec, step)]
             out1, sent1, _, _ = r1[(spec, step)]
             assert sent0 == sent1 == analytic, (spec, step, sent0, analytic)

@@ -34,7 +34,30 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 FINITE_FLAG_NBYTES = 4  # one int32 per call: how many ranks saw NaN/Inf
 
 
+def _tiling(tensors: list[Tensor]) -> Tensor | None:
+    """One flat view covering exactly these tensors when they are contiguous pieces that tile one
+    stretch of one storage with no gap or overlap (a DDP bucket cut into its parameters), else None."""
+    if len(tensors) < 2 or not all(t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage or t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return None
+    spans = sorted((t.storage_offset(), t.numel()) for t in tensors)
+    start, end = spans[0][0], spans[0][0]
+    for offset, numel in spans:
+        if offset != end:
+            return None
+        end += numel
+    return first.detach().as_strided((end - start,), (1,), start)
+
+
 def _non_finite(named_tensors: dict[str, Tensor]) -> list[str]:
+    """Names of the tensors holding NaN/Inf. A tiled bucket is checked in one pass (the usual, clean
+    case); only when that finds something is each tensor checked to name it."""
+    flat = _tiling(list(named_tensors.values()))
+    if flat is not None and all_finite(flat):
+        return []
     return [n for n, t in named_tensors.items() if not all_finite(t)]
 
 
@@ -115,7 +138,14 @@ def _sum_round(groups: dict[str, list[Tensor]], comm: Comm, compressor: Compress
     return _all_reduce_fused(groups, comm, op, kind)
 
 
-def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
+def _fp32_target(out: dict[str, Tensor] | None, name: str) -> Tensor | None:
+    """out[name] when a mean can be decoded straight into it (contiguous fp32), else None."""
+    t = out.get(name) if out is not None else None
+    return t if t is not None and t.dtype == torch.float32 and t.is_contiguous() else None
+
+
+def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor,
+                      out_to: dict[str, Tensor] | None) -> dict[str, Tensor]:
     parties = comm.size
     agree = {n: compressor.agree(t, states[n]) for n, t in tensors.items()}
     agreed = _sum_round(agree, comm, compressor, compressor.agree_op, "compress_agree")
@@ -125,7 +155,7 @@ def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
     for n, p in payloads.items():
         total = replace(p, tensors=summed[n], summands=parties)
         compressor.absorb(states[n], total)
-        out[n] = cast(compressor.decompress(total), torch.float32) / parties
+        out[n] = compressor.decompress_mean(total, _fp32_target(out_to, n))
     return out
 
 
@@ -146,8 +176,13 @@ def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
     return {n: cast(compressor.combine_gathered([r[n] for r in per_rank]), torch.float32) for n in payloads}
 
 
-def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
+def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compressor: Compressor,
+                         out: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Mean over comm's group of each named tensor, compressed on the wire; results in input dtypes.
+
+    `out` (same names and shapes): tensors the means are written into and returned as; they may be the
+    inputs themselves (the DDP hook averages a bucket in place), since inputs are read only before the
+    first payload is sent. Without it, new tensors. Large means allocated per call cost page faults.
 
     Raises NonFiniteGradientError (a ValueError) naming the parameter if an input is NaN/Inf, or if
     the decoded mean is (a cast overflowed); nothing is sent for a non-finite input.
@@ -156,17 +191,36 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
         raise TypeError(f"named_tensors must be a dict[str, Tensor], got {type(named_tensors).__name__}")
     for name, t in named_tensors.items():
         check_float(name, t)
+    if out is not None:
+        _check_out(named_tensors, out)
     agree_all_finite(named_tensors, comm)
     states = {n: compressor.state(n, t) for n, t in named_tensors.items()}
+    for st in states.values():
+        st["_finite"] = True  # checked above on every rank: error feedback need not check again
     if compressor.combine is Combine.SUMMABLE:
-        means = _average_summable(named_tensors, states, comm, compressor)
+        means = _average_summable(named_tensors, states, comm, compressor, out)
     elif compressor.combine is Combine.GATHERED:
         means = _average_gathered(named_tensors, states, comm, compressor)
     else:
         raise ValueError(f"{compressor!r}: combine must be Combine.SUMMABLE or Combine.GATHERED")
-    for n in named_tensors:
-        check_finite(n, means[n], where="averaged result")
+    if out is not None:
+        for n, t in out.items():
+            if means[n] is not t:
+                t.copy_(means[n].reshape(t.shape))
+        means = out
+    if _non_finite(means):
+        for n in named_tensors:
+            check_finite(n, means[n], where="averaged result")
+    if out is not None:
+        return out
     return {n: cast(means[n].reshape(t.shape), t.dtype) for n, t in named_tensors.items()}
+
+
+def _check_out(named_tensors: dict[str, Tensor], out: dict[str, Tensor]) -> None:
+    if list(out) != list(named_tensors) or any((out[n].shape, out[n].dtype) != (t.shape, t.dtype)
+                                               for n, t in named_tensors.items()):
+        raise ValueError("compress_and_average: out must hold the same names, in the same order, with the same "
+                         f"shapes and dtypes as named_tensors; got {[(n, tuple(t.shape), t.dtype) for n, t in out.items()]}")
 
 
 def analytic_nbytes(named_tensors: dict[str, Tensor], compressor: Compressor, **kw) -> int:

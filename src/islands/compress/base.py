@@ -77,6 +77,10 @@ class Compressor(Protocol):
 
     def decompress(self, payload: Payload) -> Tensor: ...
 
+    def decompress_mean(self, summed: Payload, out: Tensor | None = None) -> Tensor: ...
+
+    def subtract_sent(self, x: Tensor, payload: Payload) -> Tensor: ...
+
     def absorb(self, state: dict, summed: Payload) -> None: ...
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor: ...
@@ -198,6 +202,17 @@ class CompressorBase:
 
     def absorb(self, state: dict, summed: Payload) -> None:
         pass
+
+    def decompress_mean(self, summed: Payload, out: Tensor | None = None) -> Tensor:
+        """The mean, in fp32, of the `summed.summands` contributions summed into `summed`; written
+        into `out` (contiguous fp32, the payload's shape) when given, which is then returned."""
+        mean = cast(self.decompress(summed), torch.float32).reshape(summed.shape)
+        return torch.div(mean, summed.summands, out=out) if out is not None else mean / summed.summands
+
+    def subtract_sent(self, x: Tensor, payload: Payload) -> Tensor:
+        """x - decompress(payload) in fp32: what error feedback keeps. x is the fp32 tensor compress()
+        was given (cast); a compressor whose payload never shares x's memory may overwrite x."""
+        return x - cast(self.decompress(payload), torch.float32)
 
     def exact(self, payload: Payload) -> bool:
         """True when decompress(payload) is bit for bit the tensor compress() was given (error feedback

@@ -73,8 +73,8 @@ def _hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures
 
     def work() -> None:
         try:
-            means = compress_and_average(named, state.comm, state.compressor)
-            fut.set_result(torch.cat([means[n].reshape(-1) for n in named]).to(buffer.dtype))
+            compress_and_average(named, state.comm, state.compressor, out=named)  # the bucket, averaged in place
+            fut.set_result(buffer)
         except BaseException as exc:  # surfaces in loss.backward() on this rank
             fut.set_exception(exc)
 

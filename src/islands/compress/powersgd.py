@@ -69,6 +69,13 @@ def from_wire(parts: list[Tensor]) -> Tensor:
     return cast(parts[0], torch.float32)
 
 
+def times_thin(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for a thin b (a few columns), computed as (b^T a^T)^T. Same product; on CPU, MKL runs the
+    wide form 3-8x faster for PowerSGD's shapes (the default LM's 128-512 wide matrices at r=4:
+    20-33 us against 65-128 us, measured single-threaded), and the factors are tiny to re-lay out."""
+    return (b.t() @ a.t()).t().contiguous()
+
+
 def orthonormal(a: Tensor) -> Tensor:
     """An orthonormal basis of a's columns (reduced QR), contiguous; deterministic for equal inputs."""
     return torch.linalg.qr(a, mode="reduced").Q.contiguous()
@@ -147,7 +154,7 @@ class PowerSGD(CompressorBase):
         if dims is None:
             return []
         n, m, _ = dims
-        return self._encode(as_fp32(tensor).reshape(n, m) @ state["Q"])
+        return self._encode(times_thin(as_fp32(tensor).reshape(n, m), state["Q"]))
 
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
         dims = self._factorised(tensor, state)
@@ -157,11 +164,11 @@ class PowerSGD(CompressorBase):
         n, m, r = dims
         M = as_fp32(tensor).reshape(n, m)
         # the agreed P is a sum (decoded already when it was gathered); alone, this rank's own P
-        P_parts = agreed.tensors if agreed is not None else self._encode(M @ state["Q"])
+        P_parts = agreed.tensors if agreed is not None else self._encode(times_thin(M, state["Q"]))
         P = from_wire(P_parts)
         # Every rank holds the same P sum, so every rank's QR yields the same P^.
         P_hat = orthonormal(P)
-        Q_parts = self._encode(M.t() @ P_hat)
+        Q_parts = self._encode(times_thin(M.t(), P_hat))
         state["Q"] = from_wire(Q_parts).clone()  # replaced by the average in `absorb` when other ranks take part
         return Payload(Q_parts, tensor.shape, tensor.dtype, shared=[P_hat], agreed_nbytes=self._factor_nbytes(n, r))
 
@@ -169,6 +176,24 @@ class PowerSGD(CompressorBase):
         if not payload.shared:
             return cast(payload.tensors[0].reshape(payload.shape), payload.dtype)
         return cast((payload.shared[0] @ from_wire(payload.tensors).t()).reshape(payload.shape), payload.dtype)
+
+    def decompress_mean(self, summed: Payload, out: Tensor | None = None) -> Tensor:
+        if not summed.shared or summed.dtype != torch.float32:
+            return super().decompress_mean(summed, out)
+        # average the r x m factor, not the n x m product: one small division instead of a large one
+        p_hat, q_mean = summed.shared[0], from_wire(summed.tensors) / summed.summands
+        if out is None:
+            return (p_hat @ q_mean.t()).reshape(summed.shape)
+        torch.mm(p_hat, q_mean.t(), out=out.view(p_hat.shape[0], -1))
+        return out
+
+    def subtract_sent(self, x: Tensor, payload: Payload) -> Tensor:
+        if not payload.shared or payload.dtype != torch.float32:
+            return super().subtract_sent(x, payload)
+        # x - P^ Q^T in one pass over x (the payload holds new factors, never x's memory)
+        p_hat = payload.shared[0]
+        x.view(p_hat.shape[0], -1).addmm_(p_hat, from_wire(payload.tensors).t(), alpha=-1.0)
+        return x
 
     def exact(self, payload: Payload) -> bool:
         return not payload.shared and payload.tensors[0].dtype == payload.dtype  # sent as is, not narrowed
