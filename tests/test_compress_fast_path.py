@@ -119,3 +119,13 @@ def test_a_bucket_is_checked_in_one_pass_and_a_nan_is_still_named(one_rank_comm)
     named["c"][2] = float("inf")
     with pytest.raises(ValueError, match="'c' has 1 NaN/Inf"):
         compress_and_average(named, one_rank_comm, parse_compressor("powersgd:rank=2"), out=named)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_an_overflowing_mean_is_named_with_or_without_out(into, one_rank_comm):
+    """Finite inputs whose PowerSGD factors overflow fp32 (P = M Q near 3e38): the decoded mean is not
+    finite, and the error names the tensor, whether the mean went into a bucket or a new tensor."""
+    bucket = torch.cat([torch.ones(5), torch.full((16,), 3e38)])
+    named = {"ok": bucket[:5], "big": bucket[5:].view(8, 2)}
+    with pytest.raises(ValueError, match=r"averaged result of 'big' has \d+ NaN/Inf"):
+        compress_and_average(named, one_rank_comm, parse_compressor("powersgd:rank=1,ef=0"), out=named if into else None)

@@ -208,9 +208,8 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
             if means[n] is not t:
                 t.copy_(means[n].reshape(t.shape))
         means = out
-    if _non_finite(means):
-        for n in named_tensors:
-            check_finite(n, means[n], where="averaged result")
+    for n in _non_finite(means):
+        check_finite(n, means[n], where="averaged result")
     if out is not None:
         return out
     return {n: cast(means[n].reshape(t.shape), t.dtype) for n, t in named_tensors.items()}
