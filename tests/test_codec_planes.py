@@ -10,7 +10,8 @@ import torch
 from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.planes import ESCAPE, escape_positions, pack_exponents, unpack_exponents, write_exponent_field
+from islands.checkpoint import kernels
+from islands.checkpoint.planes import ESCAPE, pack_exponents, unpack_exponents
 
 
 def weights_with_outliers(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -36,13 +37,18 @@ def test_pair_packing_round_trips_with_escapes_and_odd_counts(n):
     back = unpack_exponents(codes.copy(), escaped.copy(), base, n)
     assert np.array_equal(back, x)
     assert escaped.size == int(((x - np.uint8(base)) >= ESCAPE).sum())
-    # The decoder's fused path: exponents straight into the bit field of output words.
-    for word, shift in ((np.uint16, 7), (np.uint32, 23)):
-        words = np.zeros(n, word)
-        write_exponent_field(codes, base, words, shift)
-        pos = escape_positions(codes, n)
-        words[pos] = escaped.astype(word) << word(shift)
-        assert np.array_equal((words >> word(shift)).astype(np.uint8), x)
+    # The compiled split writes exactly these bytes for words holding these exponents (bf16: bits 7-14,
+    # fp32: bits 23-30), with the other bits random, and the compiled join puts every word back.
+    for dtype, word, shift in ((torch.bfloat16, np.uint16, 7), (torch.float32, np.uint32, 23)):
+        noise = rng.integers(0, 1 << (8 * np.dtype(word).itemsize), n, dtype=np.uint64).astype(word)
+        words = (noise & word(~(0xFF << shift) & ((1 << (8 * np.dtype(word).itemsize)) - 1))) | (x.astype(word) << word(shift))
+        layout = layout_for(dtype)
+        exponent, planes = layout.split(words.view(np.uint8))
+        assert isinstance(exponent, tuple)
+        assert exponent[0] == base and np.array_equal(exponent[1], codes) and np.array_equal(exponent[2], escaped)
+        out = np.empty(words.nbytes, np.uint8)
+        layout.join((exponent[1].copy(), exponent[2].copy(), base), [p.copy() for _, p in planes], out)
+        assert np.array_equal(out.view(word), words)
 
 
 def test_pair_packing_refuses_noise_and_detects_mismatched_streams():
@@ -59,12 +65,26 @@ def test_pair_packing_refuses_noise_and_detects_mismatched_streams():
 
 
 @pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 33, 4097])
-def test_escape_positions_match_a_plain_scan(n):
+def test_compiled_escape_scans_match_a_plain_scan(n):
     rng = np.random.default_rng(n)
     codes = rng.integers(0, 16, n).astype(np.uint8)
     padded = np.append(codes, 0) if n % 2 else codes
     packed = (padded[0::2] | (padded[1::2] << 4)).astype(np.uint8)
-    assert np.array_equal(escape_positions(packed, n), np.flatnonzero(codes == ESCAPE))
+    where = np.flatnonzero(codes == ESCAPE)
+    words = rng.integers(0, 1 << 16, n, dtype=np.int64).astype(np.uint16)
+    escaped = np.empty(n, np.uint8)
+    assert kernels.collect_escapes(packed, n, words, 7, escaped) == where.size
+    assert np.array_equal(escaped[:where.size], (words[where] >> 7) & 0xFF)
+    if where.size:  # one slot short: the collector gives up instead of writing past it
+        assert kernels.collect_escapes(packed, n, words, 7, escaped[:where.size - 1]) == -1
+    out = np.zeros(n, np.uint16)
+    new = rng.integers(0, 256, where.size).astype(np.uint8)
+    assert kernels.patch_escapes(packed, n, new, out, 7) == where.size
+    expect = np.zeros(n, np.uint16)
+    expect[where] = new.astype(np.uint16) << 7
+    assert np.array_equal(out, expect)
+    # a damaged stream with fewer escaped exponents than codes 15 is counted, never read past
+    assert kernels.patch_escapes(packed, n, new[:0], out, 7) == where.size
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])

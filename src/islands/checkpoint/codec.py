@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import sys
 import zlib
@@ -33,8 +34,7 @@ import torch
 
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.planes import scratch
-from islands.checkpoint.streams import coders, decode_frame_into, frame, mantissa_frame
+from islands.checkpoint.streams import coders, decode_frame, decode_frame_into, frame, mantissa_frame
 
 MAGIC = b"ISLT"
 # 5: an fp32 chunk may carry its low 16 bits as one stored plane of words (layouts.py); v4 readers would
@@ -311,8 +311,8 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
             if len(enc) != meta["enc"]:
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
             where = f"chunk {index} of a {header['dtype']} {tuple(shape)} tensor"
-            buf = out[filled:filled + n] if direct else scratch(f"decode.{len(decoded)}", meta["raw"], np.uint8)
-            decoded.append(decode_frame_into(decompressor, enc, meta, buf, where))
+            decoded.append(decode_frame_into(decompressor, enc, meta, out[filled:filled + n], where) if direct
+                           else decode_frame(decompressor, enc, meta, where))
         if planes is not None:
             _join_chunk(planes, chunk, decoded, out[filled:filled + n], index)
         elif not direct or decoded[0].size != n:
@@ -334,7 +334,7 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
 
 
 def _tensor_from_bytes(raw: np.ndarray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * dtype.itemsize
     if raw.size != expected:
         raise CorruptCheckpoint(f"decoded {raw.size} bytes, but {dtype_name(dtype)} {tuple(shape)} needs {expected}")
     if raw.size == 0:

@@ -30,8 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from islands.checkpoint.planes import (BLOCK_WORDS, SAMPLE_SIZE, code_scratch, escape_positions, pack_codes, scratch,
-                                      window_base, write_exponent_field)
+from islands.checkpoint.planes import BLOCK_WORDS, ESCAPE, MAX_ESCAPE_SHARE, SAMPLE_SIZE, scratch, window_base
 from islands.checkpoint.streams import GATE_MIN_BYTES, is_noise
 
 
@@ -40,41 +39,53 @@ def _blocks(n: int):
         yield b, min(n, b + BLOCK_WORDS)
 
 
+def _kernels():
+    """kernels.py, imported on first use: numba costs ~0.5 s to import, which a process that never
+    touches a checkpoint (most test workers, `islands train` without --ckpt-dir) should not pay."""
+    from islands.checkpoint import kernels
+
+    return kernels
+
+
+def _code(exponent: int, base: int) -> int:
+    return min((exponent - base) & 0xFF, ESCAPE)
+
+
+def _pairs(x: np.ndarray, even: int, pair) -> np.ndarray:
+    return x[:even].view(pair)
+
+
 class _ExponentWords:
-    """Shared join for layouts whose exponent sits at bits [shift, shift+8) of each word.
+    """Shared split and join for layouts whose exponent sits at bits [shift, shift+8) of each word.
 
     Subclasses set size, word, shift, planes (how many non-exponent planes follow the exponent) and
-    define _fill_block(ob, planes, b, e, tmp), which ORs the other planes into output block ob.
+    the compiled loops: _split_pairs(x, even, base, packed, planes), _join_packed(packed, base,
+    planes, out) and _join_plain(exponent, planes, out); each handles an odd last element itself.
     """
 
     def split(self, raw: np.ndarray):
-        """Exponents straight to 4-bit codes (one shift, subtract and cast per block) and the other
-        planes from the same block; the plain exponent plane only if too many exponents escape."""
+        """Exponents as 4-bit codes two per byte, the other planes from the same pass; the plain
+        exponent plane only if too many exponents escape (more than 1/64, or fewer than 2 elements)."""
         x = raw.view(self.word)
         n = x.size
-        base = window_base(((x[::(n // SAMPLE_SIZE) | 1] >> self.shift) & 0xFF).astype(np.uint8)) if n >= 2 else 0
-        codes = code_scratch(n)
         kinds, planes = self._new_planes(x)
+        base = window_base(((x[::(n // SAMPLE_SIZE) | 1] >> self.shift) & 0xFF).astype(np.uint8)) if n >= 2 else 0
+        packed = scratch(f"split.{self.size}.packed", (n + 1) // 2, np.uint8)
+        self._split_pairs(x, n // 2 * 2, base, packed, planes)  # the other planes are needed either way
+        if n >= 2:
+            escaped = scratch("split.escaped", int(n * MAX_ESCAPE_SHARE), np.uint8)
+            k = _kernels().collect_escapes(packed, n, x, self.shift, escaped)
+            if k >= 0:
+                return (base, packed, escaped[:k]), list(zip(kinds, planes))
+        exp = scratch(f"split.{self.size}.E", n, np.uint8)
         v = scratch(f"split.{self.size}.v", min(n, BLOCK_WORDS), self.word)
-        t = scratch(f"split.{self.size}.t", min(n, BLOCK_WORDS), self.word)
         for b, e in _blocks(n):
-            xb, vv = x[b:e], v[:e - b]
-            np.right_shift(xb, self.shift, out=vv)
-            np.subtract(vv, base, out=vv)  # wraps; the low byte is (exponent - base) mod 256
-            np.copyto(codes[b:e], vv, casting="unsafe")
-            self._split_block(xb, planes, b, e, vv, t[:e - b])
-        packed = pack_codes(codes, n) if n >= 2 else None
-        if packed is None:
-            exp = scratch(f"split.{self.size}.E", n, np.uint8)
-            for b, e in _blocks(n):
-                np.right_shift(x[b:e], self.shift, out=v[:e - b])
-                np.copyto(exp[b:e], v[:e - b], casting="unsafe")  # the cast drops the sign above E
-            return exp, list(zip(kinds, planes))
-        escaped = ((x[packed[1]] >> self.shift) & 0xFF).astype(np.uint8)
-        return (base, packed[0], escaped), list(zip(kinds, planes))
+            np.right_shift(x[b:e], self.shift, out=v[:e - b])
+            np.copyto(exp[b:e], v[:e - b], casting="unsafe")  # the cast drops the sign above E
+        return exp, list(zip(kinds, planes))
 
     def _new_planes(self, x: np.ndarray) -> tuple[list[str], list[np.ndarray]]:
-        """(kinds, empty planes) that _split_block fills: one probed byte plane per non-exponent byte."""
+        """(kinds, empty planes) that the split fills: one probed byte plane per non-exponent byte."""
         return ["m"] * self.planes, [scratch(f"split.{self.size}.{k}", x.size, np.uint8) for k in range(self.planes)]
 
     def plane_sizes(self, n: int) -> list[list[int]]:
@@ -82,42 +93,40 @@ class _ExponentWords:
 
     def join(self, exponent, planes: list[np.ndarray], out: np.ndarray) -> None:
         o = out.view(self.word)
-        n = o.size
-        # Each block is built in two cache-resident temporaries and written to `out` by the last OR:
-        # one pass over the output instead of one per numpy op (measured 1.2 vs 0.4 ms per op for 16 MB).
-        acc = scratch(f"join.{self.size}.acc", min(n, BLOCK_WORDS), self.word)
-        tmp = scratch(f"join.{self.size}.tmp", min(n, BLOCK_WORDS), self.word)
-        packed = isinstance(exponent, tuple)
-        for b, e in _blocks(n):
-            a = acc[:e - b]
-            if packed:
-                write_exponent_field(exponent[0][b // 2:(e + 1) // 2], exponent[2], a, self.shift)
-            else:
-                np.copyto(a, exponent[b:e], casting="unsafe")
-                np.left_shift(a, self.shift, out=a)
-            self._fill_block(a, planes, b, e, tmp[:e - b], o[b:e])
-        if packed:
-            pos = escape_positions(exponent[0], n)
-            if pos.size != exponent[1].size:
-                raise ValueError(f"{pos.size} escape codes but {exponent[1].size} escaped exponents")
-            keep = self.word(~(0xFF << self.shift) & ((1 << (8 * self.size)) - 1))
-            o[pos] = (o[pos] & keep) | (exponent[1].astype(self.word) << self.word(self.shift))
+        if not isinstance(exponent, tuple):
+            self._join_plain(exponent, planes, o)
+            return
+        packed, escaped, base = exponent
+        self._join_packed(packed, base, planes, o)
+        found = _kernels().patch_escapes(packed, o.size, escaped, o, self.shift)
+        if found != escaped.size:
+            raise ValueError(f"{found} escape codes but {escaped.size} escaped exponents")
 
 
 class Bf16Layout(_ExponentWords):
     size, word, shift, planes = 2, np.uint16, 7, 1
 
-    def _split_block(self, xb, planes, b, e, v, t):
-        np.bitwise_and(xb, 0x807F, out=v)
-        np.right_shift(v, 8, out=t)
-        np.bitwise_or(v, t, out=v)  # low byte: s << 7 | m
-        np.copyto(planes[0][b:e], v, casting="unsafe")
+    def _split_pairs(self, x, even, base, packed, planes):
+        low = planes[0]
+        _kernels().split_bf16(_pairs(x, even, np.uint32), base, packed, _pairs(low, even, np.uint16))
+        if even < x.size:
+            w = int(x[-1])
+            packed[-1] = _code((w >> 7) & 0xFF, base)
+            low[-1] = ((w >> 8) & 0x80) | (w & 0x7F)
 
-    def _fill_block(self, acc, planes, b, e, tmp, dst):
-        np.copyto(tmp, planes[0][b:e], casting="unsafe")
-        np.multiply(tmp, 0x0101, out=tmp)  # the byte in both halves: sign lands on bit 15, m on bits 0-6
-        np.bitwise_and(tmp, 0x807F, out=tmp)
-        np.bitwise_or(acc, tmp, out=dst)
+    def _join_packed(self, packed, base, planes, o):
+        even = o.size // 2 * 2
+        low = planes[0]
+        _kernels().join_bf16(packed, base, _pairs(low, even, np.uint16), _pairs(o, even, np.uint32))
+        if even < o.size:
+            lo = int(low[-1])
+            o[-1] = ((base + (int(packed[-1]) & 0x0F)) << 7) | (lo & 0x7F) | ((lo & 0x80) << 8)
+
+    def _join_plain(self, exponent, planes, o):
+        _kernels().join_bf16_plain(exponent, planes[0], o)
+
+
+_NO_PLANE = np.zeros(0, np.uint8)
 
 
 class Fp32Layout(_ExponentWords):
@@ -136,38 +145,30 @@ class Fp32Layout(_ExponentWords):
     def plane_sizes(self, n: int) -> list[list[int]]:
         return [[n, n, n], [n, 2 * n]]
 
-    def join(self, exponent, planes: list[np.ndarray], out: np.ndarray) -> None:
-        if len(planes) == 2:  # the low half as decoded bytes: its words (scratch starts aligned)
-            planes = [planes[0], planes[1].view(np.uint16)]
-        super().join(exponent, planes, out)
+    @staticmethod
+    def _top_mid_low(planes):
+        """(top, mid, low) for the kernels: mid is empty when the low 16 bits travel as words."""
+        if len(planes) == 2:  # the low half as words (decoded planes are bytes; scratch starts aligned)
+            return planes[0], _NO_PLANE, planes[1].view(np.uint16)
+        return tuple(planes)
 
-    def _split_block(self, xb, planes, b, e, v, t):
-        np.right_shift(xb, 16, out=v)
-        np.bitwise_and(v, 0x807F, out=v)
-        np.right_shift(v, 8, out=t)
-        np.bitwise_or(v, t, out=v)  # low byte: s << 7 | m22..m16
-        np.copyto(planes[0][b:e], v, casting="unsafe")
-        if len(planes) == 2:  # the low half whole: the cast keeps the low 16 bits
-            np.copyto(planes[1][b:e], xb, casting="unsafe")
-            return
-        np.right_shift(xb, 8, out=v)
-        np.copyto(planes[1][b:e], v, casting="unsafe")
-        np.copyto(planes[2][b:e], xb, casting="unsafe")
+    def _split_pairs(self, x, even, base, packed, planes):
+        top, mid, low = self._top_mid_low(planes)
+        _kernels().split_fp32(_pairs(x, even, np.uint64), base, packed, top, mid, low)
+        if even < x.size:
+            w = int(x[-1])
+            packed[-1] = _code((w >> 23) & 0xFF, base)
+            top[-1] = ((w >> 24) & 0x80) | ((w >> 16) & 0x7F)
+            if mid.size:
+                mid[-1], low[-1] = (w >> 8) & 0xFF, w & 0xFF
+            else:
+                low[-1] = w & 0xFFFF
 
-    def _fill_block(self, acc, planes, b, e, tmp, dst):
-        np.copyto(tmp, planes[0][b:e], casting="unsafe")
-        np.multiply(tmp, 0x01010000, out=tmp)  # wraps: sign to bit 31, m22..m16 to bits 16-22
-        np.bitwise_and(tmp, 0x807F0000, out=tmp)
-        np.bitwise_or(acc, tmp, out=acc)
-        if len(planes) == 2:  # the low half whole
-            np.copyto(tmp, planes[1][b:e], casting="unsafe")
-            np.bitwise_or(acc, tmp, out=dst)
-            return
-        np.copyto(tmp, planes[1][b:e], casting="unsafe")
-        np.left_shift(tmp, 8, out=tmp)
-        np.bitwise_or(acc, tmp, out=acc)
-        np.copyto(tmp, planes[2][b:e], casting="unsafe")
-        np.bitwise_or(acc, tmp, out=dst)
+    def _join_packed(self, packed, base, planes, o):
+        _kernels().join_fp32(packed, base, *self._top_mid_low(planes), o)
+
+    def _join_plain(self, exponent, planes, o):
+        _kernels().join_fp32_plain(exponent, *self._top_mid_low(planes), o)
 
 
 class Fp16Layout:
@@ -180,25 +181,12 @@ class Fp16Layout:
 
     def split(self, raw: np.ndarray):
         x = raw.view(np.uint16)
-        n = x.size
-        high, low = scratch("fp16.H", n, np.uint8), scratch("fp16.L", n, np.uint8)
-        t = scratch("split.fp16.t", min(n, BLOCK_WORDS), np.uint16)
-        for b, e in _blocks(n):
-            np.right_shift(x[b:e], 8, out=t[:e - b])  # same-type shift, then a plain cast: no buffered ufunc
-            np.copyto(high[b:e], t[:e - b], casting="unsafe")
-            np.copyto(low[b:e], x[b:e], casting="unsafe")
+        high, low = scratch("fp16.H", x.size, np.uint8), scratch("fp16.L", x.size, np.uint8)
+        _kernels().split_fp16(x, high, low)
         return None, [("e", high), ("m", low)]
 
     def join(self, exponent, planes, out: np.ndarray) -> None:
-        o = out.view(np.uint16)
-        acc = scratch("join.fp16.acc", min(o.size, BLOCK_WORDS), np.uint16)
-        tmp = scratch("join.fp16.tmp", min(o.size, BLOCK_WORDS), np.uint16)
-        for b, e in _blocks(o.size):
-            a, t = acc[:e - b], tmp[:e - b]
-            np.copyto(a, planes[0][b:e], casting="unsafe")
-            np.left_shift(a, 8, out=a)
-            np.copyto(t, planes[1][b:e], casting="unsafe")
-            np.bitwise_or(a, t, out=o[b:e])  # the only pass that writes the output
+        _kernels().join_fp16(planes[0], planes[1], out.view(np.uint16))
 
 
 class RotatedLayout:

@@ -103,15 +103,36 @@ def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
     return frame(plane, c.stored, "s")
 
 
-def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray, where: str) -> np.ndarray:
-    """Check one stream's header CRC, decode its frame into `buf` (the first meta["raw"] bytes of
-    per-thread scratch: no fresh multi-MB allocation per stream) and return that part of `buf`.
-
-    Reading one byte past the end makes zstd verify the frame's content checksum; any mismatch, a frame
-    that is too short or too long, or a damaged frame raises CorruptCheckpoint naming `where`.
-    """
+def _check_head(enc: memoryview, meta: dict, where: str) -> None:
     if zlib.crc32(enc[:FRAME_HEAD]) != meta["hcrc"]:
         raise CorruptCheckpoint(f"checksum mismatch in a stream header of {where}: stored bytes are damaged")
+
+
+def decode_frame(decompressor, enc: memoryview, meta: dict, where: str) -> np.ndarray:
+    """Check one stream's header CRC and decode its frame in one call; returns a read-only byte array.
+
+    One call decodes straight into a fresh buffer; a stream reader decodes through zstd's own window
+    and copies (measured 5-18% slower per plane, allocation included). zstd checks the frame's
+    content checksum; any mismatch, a frame that is short, long, damaged or followed by other bytes
+    raises CorruptCheckpoint naming `where`.
+    """
+    _check_head(enc, meta, where)
+    try:
+        data = decompressor.decompress(enc, max_output_size=meta["raw"] + 1, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpoint(f"{where} is damaged: {exc}") from exc
+    if len(data) != meta["raw"]:
+        raise CorruptCheckpoint(f"{where} decoded to {len(data)} bytes, expected {meta['raw']}")
+    return np.frombuffer(data, np.uint8)
+
+
+def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray, where: str) -> np.ndarray:
+    """decode_frame, but into `buf` (exactly meta["raw"] bytes: a chunk that is one stream decodes straight
+    into the tensor's output); returns `buf`.
+
+    Reading one byte past the end makes zstd verify the frame's content checksum.
+    """
+    _check_head(enc, meta, where)
     try:
         with decompressor.stream_reader(enc) as reader:
             view, got = memoryview(buf), 0
@@ -127,4 +148,4 @@ def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray
         raise CorruptCheckpoint(f"{where} decoded to more than the {meta['raw']} bytes expected")
     if got != meta["raw"]:
         raise CorruptCheckpoint(f"{where} decoded to {got} bytes, expected {meta['raw']}")
-    return buf[:got]
+    return buf
