@@ -1,8 +1,7 @@
-"""Blob format v4 (streams, then the header as a footer): layout, what the returned view supports, the
-versions still read and the ones refused, and the output buffer growing when its bound is short."""
+"""Blob format v6 (streams, then a binary header as a footer): layout, what the returned view supports,
+the versions still read and the ones refused, and the output buffer growing when its bound is short."""
 
 import io
-import json
 import struct
 import zlib
 
@@ -10,26 +9,66 @@ import numpy as np
 import pytest
 import torch
 
-from islands.checkpoint import codec
+from islands.checkpoint import blob_header, codec
 from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
+from legacy_blobs import as_version
 
 
 def _weights(n=50_000, dtype=torch.bfloat16):
     return (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
 
 
-def test_v5_blob_is_magic_version_streams_header_crc_length():
+def test_v6_blob_is_magic_version_streams_binary_header_crc_length():
     t = _weights()
     blob = encode_tensor(t)
     raw = bytes(blob)
-    assert raw[:5] == b"ISLT\x05"
+    assert raw[:5] == b"ISLT\x06"
     crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
     head = raw[len(raw) - 8 - head_len:len(raw) - 8]
     assert zlib.crc32(head) == crc
-    header = json.loads(head)
+    header = blob_header.unpack(head)
     assert header == read_header(blob)[0] and read_header(blob)[1] == 5
+    assert blob_header.pack(header) == head
     assert sum(s["enc"] for c in header["chunks"] for s in c["streams"]) == len(raw) - 5 - 8 - head_len
+    # one chunk of three streams and a SHA-256: the JSON of formats 3-5 took ~340 bytes for the same
+    assert head_len < 32 + 40
+
+
+@pytest.mark.parametrize("header", [
+    {"dtype": "bfloat16", "shape": [], "layout": "split", "chunks": [], "heads_crc": 0},
+    {"dtype": "my_float", "shape": [0, 3, 1 << 40], "layout": "raw", "content_hash": "ab" * 32,
+     "delta": {"base_hash": "cd" * 32}, "heads_crc": 0xFFFFFFFF,
+     "chunks": [{"bytes": 1 << 33, "pair_base": 0, "streams": [{"m": "p", "raw": 5, "enc": 300}]},
+                {"bytes": 7, "streams": []}]},
+])
+def test_binary_header_round_trips_every_field(header):
+    assert blob_header.unpack(blob_header.pack(header)) == header
+
+
+def test_binary_header_damage_is_named():
+    head = blob_header.pack({"dtype": "float16", "shape": [4], "layout": "split", "heads_crc": 1,
+                             "chunks": [{"bytes": 8, "streams": [{"m": "h", "raw": 4, "enc": 9}]}]})
+    with pytest.raises(CorruptCheckpoint, match="ends early"):
+        blob_header.unpack(head[:-1])
+    with pytest.raises(CorruptCheckpoint, match="after its last field"):
+        blob_header.unpack(head + b"\x00")
+    with pytest.raises(CorruptCheckpoint, match="dtype code"):
+        blob_header.unpack(bytes([200]) + head[1:])
+    with pytest.raises(CorruptCheckpoint, match="layout code"):
+        blob_header.unpack(head[:1] + bytes([9]) + head[2:])
+    with pytest.raises(CorruptCheckpoint, match="64 bits"):
+        blob_header.unpack(head[:3] + b"\xff" * 11)
+
+
+def test_damaged_frame_headers_are_caught_before_decoding():
+    # zstd ignores the frame header's unused bit: only heads_crc can tell that the byte changed
+    blob = encode_tensor(_weights(), content_hash=False)
+    frames_at = read_header(blob)[1]
+    bad = bytearray(blob)
+    bad[frames_at] ^= 0x10
+    with pytest.raises(CorruptCheckpoint, match="stream headers"):
+        decode_tensor(bytes(bad))
 
 
 def test_the_blob_is_a_read_only_bytes_like_view():
@@ -78,11 +117,21 @@ def test_v4_fp32_blobs_with_three_byte_planes_still_decode(monkeypatch):
 
     t = _fp32_weights(300_000)
     monkeypatch.setattr(Fp32Layout, "_new_planes", _ExponentWords._new_planes)  # what v4 wrote
-    old = bytearray(encode_tensor(t))
+    blob = encode_tensor(t)
     monkeypatch.undo()
-    assert _plane_sizes(old) == [[300_000] * 3]
-    old[4] = 4
-    assert np.array_equal(tensor_bytes(decode_tensor(bytes(old))), tensor_bytes(t))
+    assert _plane_sizes(blob) == [[300_000] * 3]
+    assert np.array_equal(tensor_bytes(decode_tensor(as_version(blob, 4))), tensor_bytes(t))
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_v4_and_v5_blobs_still_decode_and_their_stream_header_crcs_are_checked(version):
+    t = _weights(20_000)
+    old = as_version(encode_tensor(t), version)
+    assert np.array_equal(tensor_bytes(decode_tensor(old)), tensor_bytes(t))
+    bad = bytearray(old)
+    bad[5 + 4] ^= 0x10  # the first frame's unused header bit, behind its magic: only its hcrc sees it
+    with pytest.raises(CorruptCheckpoint, match="stream header"):
+        decode_tensor(bytes(bad))
 
 
 def test_a_word_plane_of_the_wrong_size_is_refused():
@@ -90,28 +139,18 @@ def test_a_word_plane_of_the_wrong_size_is_refused():
     other = encode_tensor(t[:150_000])  # same layout, fewer elements: swap in its second header
     assert _plane_sizes(other) == [[150_000, 300_000]]
     mixed = bytes(other)
+    h2, start2 = read_header(mixed)
+    h2["chunks"][0]["bytes"] = 800_000  # claims 200 K elements: the word plane holds 150 K
+    head = blob_header.pack(h2)
+    streams = mixed[start2:len(mixed) - 8 - struct.unpack_from("<II", mixed, len(mixed) - 8)[1]]
     with pytest.raises(CorruptCheckpoint):
-        h2, start2 = read_header(mixed)
-        h2["chunks"][0]["bytes"] = 800_000  # claims 200 K elements: the word plane holds 150 K
-        head = json.dumps(h2, separators=(",", ":")).encode()
-        streams = mixed[start2:len(mixed) - 8 - struct.unpack_from("<II", mixed, len(mixed) - 8)[1]]
         decode_tensor(mixed[:start2] + streams + head + struct.pack("<II", zlib.crc32(head), len(head)))
-
-
-def _as_v3(blob) -> bytes:
-    """The same tensor in the v3 layout: prefix with the header length, header, CRC-32, streams."""
-    header, start = read_header(blob)
-    raw = bytes(blob)
-    crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
-    head = raw[len(raw) - 8 - head_len:len(raw) - 8]
-    streams = raw[start:len(raw) - 8 - head_len]
-    return struct.pack("<4sBI", b"ISLT", 3, len(head)) + head + struct.pack("<I", crc) + streams
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64])
 def test_v3_blobs_still_decode_and_v3_damage_is_still_caught(dtype):
     t = _weights(20_000, torch.float32).mul(1000).to(dtype)
-    old = _as_v3(encode_tensor(t, codec=codec.TensorCodec(chunk_bytes=16 << 10)))
+    old = as_version(encode_tensor(t, codec=codec.TensorCodec(chunk_bytes=16 << 10)), 3)
     assert np.array_equal(tensor_bytes(decode_tensor(old)), tensor_bytes(t))
     for i in (5, 12, len(old) // 2, len(old) - 1):
         bad = bytearray(old)
@@ -120,7 +159,7 @@ def test_v3_blobs_still_decode_and_v3_damage_is_still_caught(dtype):
             decode_tensor(bytes(bad))
 
 
-@pytest.mark.parametrize("version", [1, 2, 6])
+@pytest.mark.parametrize("version", [1, 2, 7])
 def test_other_versions_are_refused_by_name(version):
     bad = bytearray(encode_tensor(_weights(100)))
     bad[4] = version

@@ -1,5 +1,8 @@
 """Which coder each stream gets: the mantissa gate samples the whole plane (not only its start), and
-Huffman-coded streams are written in small zstd blocks that any zstd decoder still reads."""
+Huffman-coded streams are written in small zstd blocks that any zstd decoder still reads (given back
+the magic that format 6 frames leave out)."""
+
+import zlib
 
 import numpy as np
 import torch
@@ -7,16 +10,14 @@ import zstandard
 
 from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.planes import sampled_entropy_bits
+from legacy_blobs import legacy_blob, legacy_parts, ordinary_frame
 
 
 def _streams(blob):
-    header, offset = read_header(blob)
-    out = []
-    for chunk in header["chunks"]:
-        for meta in chunk["streams"]:
-            out.append((meta, bytes(memoryview(blob)[offset:offset + meta["enc"]])))
-            offset += meta["enc"]
-    return out
+    """(metadata, ordinary zstd frame) of every stream."""
+    from legacy_blobs import frames
+
+    return [(meta, ordinary_frame(f)) for meta, f in frames(blob)]
 
 
 def test_entropy_estimate_separates_noise_from_skewed_bytes():
@@ -87,7 +88,7 @@ def test_huffman_streams_are_cut_into_blocks_no_longer_than_their_window():
     # One compress call per stream; zstd never makes a block longer than its window (streams.py).
     g = torch.Generator().manual_seed(4)
     w = torch.randn(600_000, generator=g) * 0.02
-    for t, kind, block in ((w.to(torch.bfloat16), "p", 64 << 10), (w.to(torch.float16), "h", 64 << 10),
+    for t, kind, block in ((w.to(torch.bfloat16), "p", 64 << 10), (w.to(torch.float16), "h", 128 << 10),
                            (torch.cat([w, w.half().float()]), "h", 32 << 10)):
         streams = [(m, f) for m, f in _streams(encode_tensor(t, content_hash=False)) if m["m"] == kind]
         assert streams
@@ -97,34 +98,25 @@ def test_huffman_streams_are_cut_into_blocks_no_longer_than_their_window():
 
 
 def _reframe_by_flushing(blob: bytes, block: int) -> bytes:
-    """The same blob with every Huffman stream re-cut the way the first v3 encoder did it: a streaming
+    """The same tensor as the first v3 encoder wrote it: every Huffman stream re-cut by a streaming
     compressor flushed every `block` bytes (header sizes and CRCs rewritten to match)."""
-    import json
-    import struct
-    import zlib
-
-    header, offset = read_header(blob)
+    header, frames = legacy_parts(blob)
     coder = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
         compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7, window_log=17, hash_log=6,
         chain_log=6, search_log=1, write_checksum=True))
-    frames = []
-    for chunk in header["chunks"]:
-        for meta in chunk["streams"]:
-            frame = bytes(memoryview(blob)[offset:offset + meta["enc"]])
-            offset += meta["enc"]
-            if meta["m"] in ("h", "p", "x"):
-                raw = zstandard.ZstdDecompressor().decompress(frame)
-                obj, parts = coder.compressobj(size=len(raw)), []
-                for b in range(0, len(raw), block):
-                    parts.append(obj.compress(raw[b:b + block]))
-                    if b + block < len(raw):
-                        parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
-                parts.append(obj.flush())
-                frame = b"".join(parts)
-                meta.update(enc=len(frame), hcrc=zlib.crc32(frame[:64]))
-            frames.append(frame)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join([struct.pack("<4sBI", b"ISLT", 3, len(head)), head, struct.pack("<I", zlib.crc32(head)), *frames])
+    metas = [meta for chunk in header["chunks"] for meta in chunk["streams"]]
+    for i, meta in enumerate(metas):
+        if meta["m"] in ("h", "p", "x"):
+            raw = zstandard.ZstdDecompressor().decompress(frames[i])
+            obj, parts = coder.compressobj(size=len(raw)), []
+            for b in range(0, len(raw), block):
+                parts.append(obj.compress(raw[b:b + block]))
+                if b + block < len(raw):
+                    parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            parts.append(obj.flush())
+            frames[i] = b"".join(parts)
+            meta.update(enc=len(frames[i]), hcrc=zlib.crc32(frames[i][:64]))
+    return legacy_blob(header, frames, version=3)
 
 
 def test_blobs_of_the_flushing_v3_encoder_still_decode():

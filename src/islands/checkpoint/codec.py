@@ -10,10 +10,10 @@ Integers, bools, 1-byte floats and anything else go through plain zstd.
 Optional XOR delta against a base tensor of the same shape and dtype (SOTA-437: deltas against a base
 up to K checkpoints back): unchanged exponent and high mantissa bits become zero bytes.
 
-Blob (format 5): magic, version, the streams, the header JSON, its CRC-32, its length; encode_tensor
+Blob (format 6): magic, version, the streams, the header (binary: blob_header.py), its CRC-32, its length; encode_tensor
 returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
 
-Integrity: every stream's zstd frame carries an XXH64 content checksum and a CRC-32 over its first bytes
+Integrity: every stream's zstd frame carries an XXH64 content checksum, its checksum flag guarded
 (streams.py); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256
 content hash when one was stored (collision resistant, so the store also dedups on it). The input
 tensor is only ever read.
@@ -32,11 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from islands.checkpoint import blob_header
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.streams import coders, decode_frame, decode_frame_into, frame, mantissa_frame
+from islands.checkpoint.streams import coders, decode_frame, decode_frame_into, frame, heads_crc, mantissa_frame
 
 MAGIC = b"ISLT"
+# 6: the header in binary (blob_header.py: ~80 instead of ~340 bytes per tensor) and magicless frames
+#    whose checksum flag is checked in place of a per-stream header CRC-32 (streams.py).
 # 5: an fp32 chunk may carry its low 16 bits as one stored plane of words (layouts.py); v4 readers would
 #    take that for a damaged chunk, so the version says it instead.
 # 4: the header moves to the end (magic, version | streams | header JSON | CRC-32 | header length), so the
@@ -44,12 +47,12 @@ MAGIC = b"ISLT"
 #    alive and joining them behind a header whose length is known only at the end.
 # 3: magic, version, header length | header JSON | CRC-32 | streams; per-dtype plane layouts. Still read.
 # 2: one rotated layout for all floats; 1: raw streams with a CRC-32. Refused with a message.
-VERSION = 5
-READS = (3, 4, 5)
+VERSION = 6
+READS = (3, 4, 5, 6)
 _PREFIX = struct.Struct("<4sB")  # magic, version
 _V3_HEAD_LEN = struct.Struct("<I")  # v3: the header length right after the prefix
 _CRC = struct.Struct("<I")
-_FOOTER = struct.Struct("<II")  # v4: CRC-32 of the header, header length
+_FOOTER = struct.Struct("<II")  # v4 on: CRC-32 of the header, header length
 
 LAYOUTS = ("split", "zstd", "raw")
 
@@ -186,7 +189,7 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     n_chunks = -(-len(raw) // step)
     out = np.empty(_PREFIX.size + len(raw) + len(raw) // 128 + 2048 * n_chunks + 4096, dtype=np.uint8)
     _PREFIX.pack_into(out, 0, MAGIC, VERSION)
-    pos, chunks = _PREFIX.size, []
+    pos, chunks, heads = _PREFIX.size, [], 0
     for start in range(0, len(raw), step):
         piece = raw[start:start + step]
         meta_extra: dict = {}
@@ -197,11 +200,13 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
         else:
             streams = [frame(piece, c.stored, "s")]
         chunks.append({"bytes": len(piece), "streams": [meta for meta, _ in streams], **meta_extra})
+        heads = heads_crc((enc for _, enc in streams), heads)
         for _, enc in streams:
             out, pos = _put(out, pos, enc)
         del streams
     header["chunks"] = chunks
-    head = json.dumps(header, separators=(",", ":")).encode()
+    header["heads_crc"] = heads
+    head = blob_header.pack(header)
     out, pos = _put(out, pos, head)
     out, pos = _put(out, pos, _FOOTER.pack(zlib.crc32(head), len(head)))
     if pos < out.size // 2:  # small or very compressible: do not keep the whole bound alive with the blob
@@ -222,12 +227,13 @@ def _put(out: np.ndarray, pos: int, data) -> tuple[np.ndarray, int]:
 
 def read_header(blob) -> tuple[dict, int]:
     """Parse and verify a blob's header; returns (header, offset of the first stream)."""
-    header, start, _ = _read_header(memoryview(blob))
+    header, start, _, _ = _read_header(memoryview(blob))
     return header, start
 
 
-def _read_header(view: memoryview) -> tuple[dict, int, int]:
-    """(header, offset of the first stream, offset just past the last stream), header CRC checked."""
+def _read_header(view: memoryview) -> tuple[dict, int, int, int]:
+    """(header, offset of the first stream, offset just past the last stream, format version), with the
+    header's CRC checked."""
     if len(view) < _PREFIX.size + _FOOTER.size:
         raise CorruptCheckpoint(f"tensor blob truncated: {len(view)} bytes is shorter than a header")
     magic, version = _PREFIX.unpack_from(view, 0)
@@ -254,11 +260,13 @@ def _read_header(view: memoryview) -> tuple[dict, int, int]:
     head = bytes(view[begin:end])
     if zlib.crc32(head) != crc:
         raise CorruptCheckpoint("tensor blob header checksum mismatch (header bytes are damaged)")
+    if version >= 6:
+        return blob_header.unpack(head), start, stop, version
     try:
         header = json.loads(head)
     except ValueError as exc:  # only reachable if the CRC collided
         raise CorruptCheckpoint(f"tensor blob header is not valid JSON: {exc}") from exc
-    return header, start, stop
+    return header, start, stop, version
 
 
 def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray, index: int) -> None:
@@ -283,22 +291,40 @@ def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray,
         raise CorruptCheckpoint(f"chunk {index}: {exc}") from exc
 
 
+def _check_heads(view: memoryview, header: dict, pos: int, stop: int) -> None:
+    """Format 6: every frame's first bytes against the header's heads_crc, before any frame is trusted."""
+    def frames():
+        at = pos
+        for chunk in header["chunks"]:
+            for meta in chunk["streams"]:
+                yield view[at:min(at + meta["enc"], stop)]
+                at += meta["enc"]
+
+    if heads_crc(frames()) != header["heads_crc"]:
+        raise CorruptCheckpoint(f"the stream headers of a {header['dtype']} {tuple(header['shape'])} tensor are "
+                                f"damaged (their CRC-32 does not match)")
+
+
 def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
-                  verify: bool = True) -> torch.Tensor:
+                  verify: bool = True, expect_hash: str | None = None) -> torch.Tensor:
     """Decode a blob from `encode_tensor`. Raises CorruptCheckpoint on any checksum mismatch.
 
     `base` must be the same tensor the blob was delta-encoded against (checked by content hash).
-    `verify=False` skips only the final SHA-256 over the decoded tensor (also skipped when the blob was
-    encoded with content_hash=False); every stream's checksums are always checked.
+    `expect_hash`: the content hash the decoded tensor must have, for a blob encoded with
+    content_hash=False whose hash is kept elsewhere (the store's manifest); a hash in the blob is checked too.
+    `verify=False` skips only that final SHA-256 over the decoded tensor (also skipped when no hash is
+    known); every stream's checksums are always checked.
     """
     view = memoryview(blob)
-    header, pos, stop = _read_header(view)
+    header, pos, stop, version = _read_header(view)
     dtype = dtype_from_name(header["dtype"])
     shape = header["shape"]
     layout, planes = _layout_for(dtype, header["layout"])
     if layout != header["layout"]:
         raise CorruptCheckpoint(f"layout {header['layout']!r} is impossible for dtype {header['dtype']}")
-    decompressor = coders(TensorCodec.zstd_level).decompressor
+    if version >= 6:
+        _check_heads(view, header, pos, stop)
+    decompressor = coders(TensorCodec.zstd_level).reader(version)
     out = np.empty(sum(c["bytes"] for c in header["chunks"]), dtype=np.uint8)
     filled = 0
     for index, chunk in enumerate(header["chunks"]):
@@ -327,8 +353,8 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
         if _content_hash_of(header["dtype"], shape, base_raw) != header["delta"]["base_hash"]:
             raise CorruptCheckpoint("delta base does not match the one this tensor was encoded against")
         np.bitwise_xor(out, base_raw, out=out)  # out is ours: no second tensor-sized array
-    if verify and "content_hash" in header and \
-            _content_hash_of(header["dtype"], shape, out) != header["content_hash"]:
+    wanted = {h for h in (header.get("content_hash"), expect_hash) if h}
+    if verify and wanted and wanted != {_content_hash_of(header["dtype"], shape, out)}:
         raise CorruptCheckpoint(f"decoded {header['dtype']} {tuple(shape)} tensor does not match its content hash")
     return _tensor_from_bytes(out, dtype, shape)
 

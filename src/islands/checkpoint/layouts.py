@@ -39,12 +39,18 @@ def _blocks(n: int):
         yield b, min(n, b + BLOCK_WORDS)
 
 
+_KERNELS = None
+
+
 def _kernels():
     """kernels.py, imported on first use: numba costs ~0.5 s to import, which a process that never
     touches a checkpoint (most test workers, `islands train` without --ckpt-dir) should not pay."""
-    from islands.checkpoint import kernels
+    global _KERNELS
+    if _KERNELS is None:
+        from islands.checkpoint import kernels
 
-    return kernels
+        _KERNELS = kernels
+    return _KERNELS
 
 
 def _code(exponent: int, base: int) -> int:

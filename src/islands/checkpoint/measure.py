@@ -9,7 +9,7 @@ import torch
 import zstandard
 
 from islands.checkpoint.async_writer import AsyncCheckpointer
-from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor, tensor_bytes
+from islands.checkpoint.codec import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
 
 
 # (prepare, compress, decompress): prepare() runs outside the timing and its result is what compress
@@ -20,17 +20,17 @@ Codec = tuple[Callable[[], object], Callable[[object], object], Callable[[object
 def codec_candidates(tensor: torch.Tensor, *, codec: TensorCodec | None = None) -> dict[str, Codec]:
     """Our codec two ways, and plain zstd level 3, as `Codec` triples.
 
-    "islands": the codec's own work, with the SHA-256 content hash computed by the caller beforehand
-    (as the store does for dedup, so it is hashed once) and not re-checked on decode; every stream's
-    checksums are still written and verified. "islands+sha256": the hash computed inside the encode and
-    checked after the decode, as a standalone `encode_tensor` call does.
+    "islands": the codec's own work as the store calls it: the SHA-256 content hash is kept in the
+    store's manifest (computed there once, for dedup), not in the blob, and not part of this timing;
+    every stream's checksums are still written and verified. "islands+sha256": the hash computed
+    inside the encode, stored in the blob and checked after the decode, as a standalone
+    `encode_tensor` call does.
     """
     raw = tensor_bytes(tensor).tobytes()
-    digest = content_hash(tensor)
     z, dz = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
     none = lambda: None  # noqa: E731
     return {
-        "islands": (none, lambda _: encode_tensor(tensor, codec=codec, content_hash=digest),
+        "islands": (none, lambda _: encode_tensor(tensor, codec=codec, content_hash=False),
                     lambda blob: tensor_bytes(decode_tensor(blob, verify=False))),
         "islands+sha256": (none, lambda _: encode_tensor(tensor, codec=codec),
                            lambda blob: tensor_bytes(decode_tensor(blob, verify=True))),

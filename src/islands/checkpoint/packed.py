@@ -23,7 +23,7 @@ def pack_tree(tree, step: int, *, codec: TensorCodec | None = None, fingerprint:
     entries, blobs, offset = {}, [], 0
     for name, t in tensors.items():
         digest = content_hash(t)
-        blob = encode_tensor(t, codec=codec, content_hash=digest)  # hashed once, not again inside
+        blob = encode_tensor(t, codec=codec, content_hash=False)  # the manifest entry holds the hash
         entries[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "codec": codec.layout,
                          "file": "<packed>", "offset": offset, "length": len(blob), "checksum": zlib.crc32(blob),
                          "content_hash": digest, "delta_base": None}
@@ -51,5 +51,5 @@ def unpack_tree(data: bytes, *, like=None, fingerprint: str | None = None, verif
         blob = view[base + e["offset"]: base + e["offset"] + e["length"]]
         if len(blob) != e["length"] or zlib.crc32(blob) != e["checksum"]:
             raise CorruptCheckpoint(f"packed checkpoint: checksum mismatch for {name!r}")
-        tensors[name] = decode_tensor(blob, verify=verify)
+        tensors[name] = decode_tensor(blob, verify=verify, expect_hash=e["content_hash"])
     return body["step"], unflatten_tree(body["skeleton"], tensors)

@@ -157,7 +157,9 @@ class CheckpointStore:
                     result.bytes_deduped += nbytes
                     continue
                 base_entry, base_tensor = self._delta_base_for(tname, tensor, is_base)
-                blob = encode_tensor(tensor, base=base_tensor, codec=self.codec, content_hash=digest)  # hashed once
+                # the hash lives in the manifest entry (dedup reads it there; loads check against it): not
+                # again in the blob, where it was ~32 bytes of every tensor's blob
+                blob = encode_tensor(tensor, base=base_tensor, codec=self.codec, content_hash=False)
                 entries[tname] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
                                   "codec": self.codec.layout, "file": data_rel, "offset": offset,
                                   "length": len(blob), "checksum": zlib.crc32(blob), "content_hash": digest,
@@ -292,8 +294,10 @@ class CheckpointStore:
         blob = self._read_blob(entry, files)
         base = None
         if entry.get("delta_base"):
-            base = decode_tensor(self._read_blob(entry["delta_base"], files), verify=verify)
-        return decode_tensor(blob, base=base, verify=verify)
+            base_entry = entry["delta_base"]
+            base = decode_tensor(self._read_blob(base_entry, files), verify=verify,
+                                 expect_hash=base_entry.get("content_hash"))
+        return decode_tensor(blob, base=base, verify=verify, expect_hash=entry["content_hash"])
 
     def _read_blob(self, entry: dict, files: dict) -> bytes:
         rel = entry["file"]

@@ -1,8 +1,11 @@
 """The codec's byte planes as checksummed zstd frames: which coder each plane gets, and reading it back.
 
-Every stream is one ordinary zstd frame with an XXH64 content checksum (checked by zstd while decoding,
-~7 GB/s here); a CRC-32 over the frame's first bytes (frame and first block header) guards the flag that
-turns that check on. Three coders (SOTA-437, LIT-750):
+Every stream is one zstd frame with an XXH64 content checksum (checked by zstd while decoding, ~7 GB/s
+here). zstd checks it only if the frame header's checksum flag says one is there, and some header bits
+(an unused one, a larger window) change nothing zstd would notice, so the frame headers are guarded
+too: format 6 keeps one CRC-32 over the first bytes of every stream of a blob (`heads_crc`, checked
+before anything is decoded) and writes magicless frames (the blob header says what they are: 4 bytes
+per stream); formats 3-5 wrote ordinary frames and one such CRC-32 per stream. Three coders (SOTA-437, LIT-750):
   Huffman  zstd with its LZ stage starved (fast strategy, min match 7, 64-entry tables): what is left is
            the Huffman literal coder, as small as level 19 on exponent planes and ~100x faster
   stored   fast strategy with a target length: zstd skips literal coding, so an incompressible plane
@@ -29,13 +32,13 @@ import zstandard
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.planes import sampled_entropy_bits
 
-FRAME_HEAD = 64  # leading bytes of each frame covered by the stream's header CRC-32
+FRAME_HEAD = 64  # formats 3-5: leading bytes of each frame covered by the stream's header CRC-32
 # Block sizes as window logs. Measured on the MiniLM bench (docs/checkpointing.md): exponent pairs 64 KiB
 # (32 KiB: -0.016% of the bf16 size but encoding and decoding the pairs 4-6% slower, and speed is the
-# goal still open); fp16 high bytes 64 KiB (32 KiB was +4 KB); gated mantissa planes 32 KiB (-25 KB
-# against 64 KiB).
+# goal still open); fp16 high bytes 128 KiB (64 KiB: +2.7 KB over the 103 tensors coded one by one, and
+# 6% slower to decode; 32 KiB was +4 KB more); gated mantissa planes 32 KiB (-25 KB against 64 KiB).
 PAIR_WINDOW_LOG = 16
-ELEMENT_WINDOW_LOG = 16
+ELEMENT_WINDOW_LOG = 17
 MANTISSA_WINDOW_LOG = 15
 # A mantissa plane is Huffman-coded only if 8 K bytes sampled across the whole plane have an order-0
 # entropy under 7.9 bits (LIT-750: in trained weights they rarely do; zstd could not keep a gain under
@@ -45,16 +48,19 @@ GATE_BITS = 7.9
 GATE_MIN_BYTES = 64 << 10  # smaller planes are always offered to the Huffman coder: cheap, zstd decides
 
 
+_FRAMES = dict(write_checksum=True, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+
+
 def _huffman_params(window_log: int) -> zstandard.ZstdCompressionParameters:
     return zstandard.ZstdCompressionParameters(
         compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=window_log, hash_log=6, chain_log=6, search_log=1, write_checksum=True)
+        window_log=window_log, hash_log=6, chain_log=6, search_log=1, **_FRAMES)
 
 
 def _stored_params() -> zstandard.ZstdCompressionParameters:
     return zstandard.ZstdCompressionParameters(
         compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=17, hash_log=6, chain_log=6, search_log=1, target_length=1 << 17, write_checksum=True)
+        window_log=17, hash_log=6, chain_log=6, search_log=1, target_length=1 << 17, **_FRAMES)
 
 
 class Coders:
@@ -66,8 +72,13 @@ class Coders:
         self.elements = zstandard.ZstdCompressor(compression_params=_huffman_params(ELEMENT_WINDOW_LOG))
         self.mantissa = zstandard.ZstdCompressor(compression_params=_huffman_params(MANTISSA_WINDOW_LOG))
         self.stored = zstandard.ZstdCompressor(compression_params=_stored_params())
-        self.general = zstandard.ZstdCompressor(level=level, write_checksum=True)
-        self.decompressor = zstandard.ZstdDecompressor()
+        self.general = zstandard.ZstdCompressor(
+            compression_params=zstandard.ZstdCompressionParameters.from_level(level, **_FRAMES))
+        self.magicless = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+        self.decompressor = zstandard.ZstdDecompressor()  # formats 3-5
+
+    def reader(self, version: int):
+        return self.magicless if version >= 6 else self.decompressor
 
 
 _THREAD_CODERS = threading.local()
@@ -86,9 +97,7 @@ def frame(data, coder, method: str) -> tuple[dict, bytes]:
     """(stream metadata, one zstd frame of `data`); the metadata goes into the blob header."""
     raw = data if isinstance(data, (bytes, memoryview)) else memoryview(data).cast("B")
     enc = coder.compress(raw)
-    # zstd checks the frame's content checksum only if the frame header says one is there: the header
-    # bytes get their own CRC-32 so that a flipped flag bit cannot switch the check off.
-    return {"m": method, "raw": len(raw), "enc": len(enc), "hcrc": zlib.crc32(enc[:FRAME_HEAD])}, enc
+    return {"m": method, "raw": len(raw), "enc": len(enc)}, enc
 
 
 def is_noise(sample: np.ndarray) -> bool:
@@ -104,8 +113,16 @@ def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
 
 
 def _check_head(enc: memoryview, meta: dict, where: str) -> None:
-    if zlib.crc32(enc[:FRAME_HEAD]) != meta["hcrc"]:
+    """Formats 3-5: the stream's own header CRC-32 (format 6 checks all heads at once: heads_crc)."""
+    if "hcrc" in meta and zlib.crc32(enc[:FRAME_HEAD]) != meta["hcrc"]:
         raise CorruptCheckpoint(f"checksum mismatch in a stream header of {where}: stored bytes are damaged")
+
+
+def heads_crc(frames, crc: int = 0) -> int:
+    """CRC-32 over the first FRAME_HEAD bytes of each frame, in order (format 6's guard on frame headers)."""
+    for enc in frames:
+        crc = zlib.crc32(enc[:FRAME_HEAD], crc)
+    return crc
 
 
 def decode_frame(decompressor, enc: memoryview, meta: dict, where: str) -> np.ndarray:

@@ -248,3 +248,38 @@ def diloco_long(ctx: BenchContext) -> dict:
         + f"; interconnect: {ref['interconnect']}",
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
+
+
+# ---- diloco-batch: does the H=100 gap close when each island's own batch is larger? -----------------
+# diloco-gap found DDP at batch 32 worth 1.67x the batch-16 run (1000 vs 599 DDP steps): far below the
+# size where more samples per step stop paying. DiLoCo splits the batch over islands, so it pays that
+# price per island; at a larger global batch each island's half is worth more of DDP's step.
+BATCHES = (32, 128)
+
+
+@experiment("diloco-batch", practices=("SOTA-155",),
+            help="DiLoCo H=100 vs DDP at global batch 32 and 128 (2 islands): the gap as each island's batch grows")
+def diloco_batch(ctx: BenchContext) -> dict:
+    rows = []
+    for batch in BATCHES:
+        base = dict(base_config(ctx, quick_steps=1000, full_steps=1000), global_batch=batch)
+        ddp_rec = ctx.train(f"ddp-b{batch}", islands=1, **base)
+        ref = row_of(f"ddp-b{batch}", ddp_rec, H=1, islands=1, global_batch=batch)
+        rec = ctx.train(f"diloco-H100-b{batch}", islands=2, outer=f"diloco:inner_steps=100,{SCALED}", **base)
+        for label, r, extras in ((f"ddp-b{batch}", ddp_rec, dict(H=1, islands=1)),
+                                 (f"diloco-H100-b{batch}", rec, dict(H=100, islands=2, outer=SCALED))):
+            row = gap_row(label, r, ref, dict(extras, global_batch=batch))
+            row["ddp_steps_to_match"] = ddp_steps_to_reach(ddp_rec, row["final_val_loss"])
+            rows.append(row)
+    by = {(r["global_batch"], r["H"]): r for r in rows}
+    steps = base_config(ctx, 1000, 1000)["steps"]
+    headline = [
+        f"{task_words(ctx)}, {steps} steps, 2 islands, equal tokens per batch size: DiLoCo H=100 (sqrt(M) outer step) "
+        "vs DDP " + "; ".join(
+            f"global batch {b} ({b // 2} per island): {by[(b, 100)]['final_val_loss']:.4f} vs "
+            f"{by[(b, 1)]['final_val_loss']:.4f} ({by[(b, 100)]['loss_gap_pct']:+.1f}%, worth "
+            + (f"{by[(b, 100)]['ddp_steps_to_match']:.0f}" if by[(b, 100)]['ddp_steps_to_match'] else "all")
+            + f" DDP steps), {by[(b, 100)]['bytes_ratio_ddp_over_run']:.0f}x fewer bytes" for b in BATCHES)
+        + f"; interconnect: {rows[0]['interconnect']}",
+    ]
+    return {"rows": rows, "headline": headline, "plot": _plot_bytes}
