@@ -6,6 +6,8 @@ import json
 import struct
 import zlib
 
+import zstandard
+
 from islands.checkpoint.codec import read_header
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -23,7 +25,10 @@ def frames(blob) -> list[tuple[dict, bytes]]:
 
 
 def ordinary_frame(frame: bytes) -> bytes:
-    """A format 6 (magicless) frame as an ordinary zstd frame, readable by any zstd decoder."""
+    """A format 6 (magicless) frame as an ordinary zstd frame, readable by any zstd decoder. Format 6
+    writes no frame for an empty stream; earlier formats always had one."""
+    if not frame:
+        return zstandard.ZstdCompressor(write_checksum=True).compress(b"")
     return ZSTD_MAGIC + frame
 
 

@@ -179,3 +179,19 @@ def test_output_buffer_grows_when_its_bound_is_short():
     out[:3] = [1, 2, 3]
     out, pos = codec._put(out, 3, b"abcdef")
     assert pos == 9 and bytes(out[:pos]) == b"\x01\x02\x03abcdef"
+
+
+def test_an_empty_stream_is_no_frame_and_a_missing_frame_is_refused():
+    t = (torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    blob = encode_tensor(t, content_hash=False)
+    header, start = read_header(blob)
+    escapes = header["chunks"][0]["streams"][1]
+    assert escapes["m"] == "x" and escapes["raw"] == 0 and escapes["enc"] == 0  # no exponent escaped
+    assert torch.equal(decode_tensor(blob).view(torch.int16), t.view(torch.int16))
+    raw = bytes(blob)
+    crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
+    escapes["raw"] = 4  # claims four escaped exponents, with no frame to hold them
+    head = blob_header.pack(header)
+    bad = raw[:len(raw) - 8 - head_len] + head + struct.pack("<II", zlib.crc32(head), len(head))
+    with pytest.raises(CorruptCheckpoint, match="has none"):
+        decode_tensor(bad)

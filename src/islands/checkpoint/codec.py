@@ -338,7 +338,7 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
             where = f"chunk {index} of a {header['dtype']} {tuple(shape)} tensor"
             decoded.append(decode_frame_into(decompressor, enc, meta, out[filled:filled + n], where) if direct
-                           else decode_frame(decompressor, enc, meta, where))
+                           else decode_frame(decompressor, enc, meta, f"decode.{len(decoded)}", where))
         if planes is not None:
             _join_chunk(planes, chunk, decoded, out[filled:filled + n], index)
         elif not direct or decoded[0].size != n:
