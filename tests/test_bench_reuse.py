@@ -53,3 +53,17 @@ def test_a_different_config_or_no_reuse_runs_again(tmp_path, launches):
     _leave_finished_run(fresh, "ddp", task="digits", steps=30, workers=2)
     assert fresh.train("ddp", task="digits", steps=30, workers=2)["summary"]["final_val_loss"] == 9.0
     assert len(launches) == 2
+
+
+def test_progress_bars_and_keys_a_record_predates_do_not_force_a_rerun(tmp_path, launches):
+    ctx = _ctx(tmp_path)
+    _leave_finished_run(ctx, "ddp", task="digits", steps=30, workers=2, progress=True)  # islands train's default
+    path = tmp_path / "runs" / "ddp" / "run.json"
+    record = json.loads(path.read_text())
+    del record["config"]["hook_overlap"]  # written before the key existed: it ran as its default does
+    path.write_text(json.dumps(record))
+    assert ctx.train("ddp", task="digits", steps=30, workers=2)["summary"]["final_val_loss"] == 1.25
+    assert launches == []
+    # a missing key whose wanted value is not its default is a different run
+    assert ctx.train("ddp", task="digits", steps=30, workers=2, hook_overlap=False)["summary"]["final_val_loss"] == 9.0
+    assert len(launches) == 1

@@ -28,3 +28,13 @@ def test_a_per_tensor_round_trip_out_of_order_is_refused():
     swapped = (prepare, compress, lambda blobs: decompress(blobs)[::-1])
     with pytest.raises(AssertionError, match="not byte-exact"):
         measure_codecs(raw, {"swapped": swapped}, repeats=1)
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_trimmed_and_warm_heap_rounds_measure_the_same_bytes(settle):
+    ts = _tensors()
+    raw = b"".join(tensor_bytes(t).tobytes() for t in ts)
+    singles = [codec_candidates(t)["islands"] for t in ts]
+    m = measure_codecs(raw, {"islands": per_tensor(singles)}, repeats=2, settle=settle)["islands"]
+    assert m["bytes"] == sum(len(compress(prepare())) for prepare, compress, _ in singles)
+    assert m["compress_MBps"] > 0 and m["decompress_MBps"] > 0

@@ -109,10 +109,13 @@ class BenchContext:
 
     @staticmethod
     def _finished(run_dir: Path, cfg: TrainConfig) -> dict | None:
-        """The run record in run_dir if its config equals cfg in every key but run_dir (where it ran), else None.
+        """The run record in run_dir if its config equals cfg in every key but where it ran and whether it
+        drew a progress bar, else None. A key the record predates counts as its default (a run made before
+        a key existed ran as its default does).
 
-        Lets an interrupted long experiment resume without redoing finished runs; a changed config (or a
-        testbed, whose link is measured per invocation) always runs again.
+        Lets an interrupted long experiment resume without redoing finished runs, and reads back runs made
+        with `islands train` at an experiment's config; a changed config (or a testbed, whose link is
+        measured per invocation) always runs again.
         """
         import json
 
@@ -120,8 +123,11 @@ class BenchContext:
         if cfg.testbed or not path.is_file():
             return None
         record = json.loads(path.read_text())
-        want = {k: v for k, v in cfg.to_dict().items() if k not in ("extra", "run_dir")}
-        have = {k: v for k, v in record.get("config", {}).items() if k != "run_dir"}
+        not_identity = ("extra", "run_dir", "progress")
+        want = {k: v for k, v in cfg.to_dict().items() if k not in not_identity}
+        have = {k: v for k, v in record.get("config", {}).items() if k not in not_identity}
+        defaults = TrainConfig().to_dict()
+        have = {**{k: defaults[k] for k in want.keys() - have.keys()}, **have}
         if have != want:
             return None
         record["label"] = run_dir.name

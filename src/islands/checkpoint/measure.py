@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import time
 from collections.abc import Callable
 
@@ -13,7 +16,8 @@ from islands.checkpoint.codec import TensorCodec, decode_tensor, encode_tensor, 
 
 
 # (prepare, compress, decompress): prepare() runs outside the timing and its result is what compress
-# gets (ZipNN writes into its input, so it needs a fresh copy each round); decompress returns bytes-like.
+# gets (ZipNN writes into its input, so it needs a fresh copy each round); decompress returns bytes-like
+# or a tensor.
 Codec = tuple[Callable[[], object], Callable[[object], object], Callable[[object], object]]
 
 
@@ -31,9 +35,9 @@ def codec_candidates(tensor: torch.Tensor, *, codec: TensorCodec | None = None) 
     none = lambda: None  # noqa: E731
     return {
         "islands": (none, lambda _: encode_tensor(tensor, codec=codec, content_hash=False),
-                    lambda blob: tensor_bytes(decode_tensor(blob, verify=False))),
+                    lambda blob: decode_tensor(blob, verify=False)),
         "islands+sha256": (none, lambda _: encode_tensor(tensor, codec=codec),
-                           lambda blob: tensor_bytes(decode_tensor(blob, verify=True))),
+                           lambda blob: decode_tensor(blob, verify=True)),
         "zstd-3": (none, lambda _: z.compress(raw), dz.decompress),
     }
 
@@ -46,14 +50,17 @@ def per_tensor(codecs: list[Codec]) -> Codec:
             lambda blobs: [decompress(b) for (_, _, decompress), b in zip(codecs, blobs)])
 
 
-def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5) -> dict[str, dict]:
+def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5,
+                   settle: bool = True) -> dict[str, dict]:
     """Ratio and single-threaded MB/s of each candidate on the same bytes, rounds interleaved.
 
     Time is this process's CPU time (time.process_time), best of `repeats`: on a machine shared with
     other jobs, wall time mostly measures the neighbours, and interleaving gives every codec the same
     conditions. Every round trip is compared byte for byte; a mismatch raises AssertionError (never a
     number). A candidate may work on many tensors at once: its blob and its output are then lists
-    (sizes summed, outputs joined for the comparison, outside the timing).
+    (sizes summed, outputs joined for the comparison, outside the timing). `settle` starts every timed
+    call from a trimmed heap (settle_allocator); without it each call inherits the allocator state the
+    calls before it left (the "warm heap" rows of ckpt-codec).
     """
     enc: dict[str, list[float]] = {name: [] for name in candidates}
     dec: dict[str, list[float]] = {name: [] for name in candidates}
@@ -61,9 +68,13 @@ def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5
     for _ in range(repeats):
         for name, (prepare, compress, decompress) in candidates.items():
             given = prepare()
+            if settle:
+                settle_allocator()
             t0 = time.process_time()
             blob = compress(given)
             enc[name].append(time.process_time() - t0)
+            if settle:
+                settle_allocator()
             t0 = time.process_time()
             back = decompress(blob)
             dec[name].append(time.process_time() - t0)
@@ -71,17 +82,48 @@ def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5
                 raise AssertionError(f"{name} round trip is not byte-exact")
             blobs[name] = blob
     mb = len(raw) / 1e6
-    return {name: {"ratio": _size(blobs[name]) / max(1, len(raw)),
+    return {name: {"ratio": _size(blobs[name]) / max(1, len(raw)), "bytes": _size(blobs[name]),
                    "compress_MBps": mb / max(min(enc[name]), 1e-9), "decompress_MBps": mb / max(min(dec[name]), 1e-9),
                    "compress_s_median": sorted(enc[name])[len(enc[name]) // 2]}
             for name in candidates}
 
 
+def settle_allocator() -> None:
+    """Put every timed call on the same footing: free what is garbage and hand the allocator's free
+    memory back to the OS (glibc malloc_trim), so each call starts from a trimmed heap.
+
+    Without it a codec's time depended on which codec ran before it in the same process: a call that
+    finds freed pages to reuse page-faults ~0 times, one that does not faults once per 4 KiB (~3 us
+    each here). Measured on the per-tensor bf16 rows: ours 0.93x to 1.13x ZipNN's decode speed
+    depending only on the order and allocations around the calls. A trimmed heap is the state of a
+    process that loads a checkpoint: every tensor it decodes is fresh memory.
+    """
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
+
+
 def _joined(out) -> bytes:
-    """A candidate's output as one bytes object: it may be one bytes-like or a list of them (one per tensor)."""
+    """A candidate's output as one bytes object, outside the timing: each candidate returns what it
+    naturally makes (our decode a tensor, ZipNN a bytearray, zstd bytes), one or a list of them."""
     if isinstance(out, (list, tuple)):
-        return b"".join(bytes(memoryview(o).cast("B")) for o in out)
-    return bytes(memoryview(out).cast("B"))
+        return b"".join(_bytes_of(o) for o in out)
+    return _bytes_of(out)
+
+
+def _bytes_of(o) -> bytes:
+    return tensor_bytes(o).tobytes() if isinstance(o, torch.Tensor) else bytes(memoryview(o).cast("B"))
 
 
 def _size(blob) -> int:
