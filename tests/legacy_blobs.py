@@ -1,6 +1,7 @@
 """Tensor blobs in the formats earlier islands wrote, made from today's (format 6) blobs for the tests
 that check those formats still decode: the same streams, each given back zstd's magic (format 6 frames
-are magicless) and its own header CRC-32, behind the JSON header of formats 4-5 or in front (3)."""
+are magicless; raw planes go back into stored zstd frames) and its own header CRC-32, behind the JSON
+header of formats 4-5 or in front (3)."""
 
 import json
 import struct
@@ -11,6 +12,8 @@ import zstandard
 from islands.checkpoint.codec import read_header
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_STORED = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+    compression_level=1, strategy=zstandard.STRATEGY_FAST, window_log=17, target_length=1 << 17, write_checksum=True))
 
 
 def frames(blob) -> list[tuple[dict, bytes]]:
@@ -40,7 +43,13 @@ def legacy_parts(blob) -> tuple[dict, list[bytes]]:
     out, framed = [], iter(frames(blob))
     for chunk in header["chunks"]:
         for meta in chunk["streams"]:
-            frame = ordinary_frame(next(framed)[1])
+            frame = next(framed)[1]
+            if meta["m"] == "r":  # format 6 stores noise planes raw; earlier formats in stored zstd frames
+                meta["m"] = "s"
+                del meta["xxh"]
+                frame = _STORED.compress(frame)
+            else:
+                frame = ordinary_frame(frame)
             meta.update(enc=len(frame), hcrc=zlib.crc32(frame[:64]))
             out.append(frame)
     return header, out

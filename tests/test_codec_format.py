@@ -99,7 +99,7 @@ def test_fp32_noise_low_half_travels_as_one_stored_word_plane():
     t = _fp32_weights(n)
     blob = encode_tensor(t)
     assert _plane_sizes(blob) == [[n, 2 * n]]
-    assert [s["m"] for s in read_header(blob)[0]["chunks"][0]["streams"][2:]] == ["s", "s"]
+    assert [s["m"] for s in read_header(blob)[0]["chunks"][0]["streams"][2:]] == ["r", "r"]  # stored raw
     assert np.array_equal(tensor_bytes(decode_tensor(blob)), tensor_bytes(t))
 
 
@@ -195,3 +195,17 @@ def test_an_empty_stream_is_no_frame_and_a_missing_frame_is_refused():
     bad = raw[:len(raw) - 8 - head_len] + head + struct.pack("<II", zlib.crc32(head), len(head))
     with pytest.raises(CorruptCheckpoint, match="has none"):
         decode_tensor(bad)
+
+
+def test_a_raw_plane_is_read_in_place_and_a_flipped_byte_in_it_is_caught():
+    t = _weights(200_000)  # its sign|mantissa plane is noise and large enough to be stored raw
+    blob = encode_tensor(t, content_hash=False)
+    header, start = read_header(blob)
+    metas = header["chunks"][0]["streams"]
+    assert metas[-1]["m"] == "r" and metas[-1]["raw"] == metas[-1]["enc"] == 200_000
+    at = start + sum(m["enc"] for m in metas[:-1]) + 12_345  # inside the raw plane
+    bad = bytearray(blob)
+    bad[at] ^= 0x01
+    with pytest.raises(CorruptCheckpoint, match="raw plane"):
+        decode_tensor(bytes(bad))
+    assert torch.equal(decode_tensor(blob).view(torch.int16), t.view(torch.int16))

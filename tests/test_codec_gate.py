@@ -14,10 +14,10 @@ from legacy_blobs import legacy_blob, legacy_parts, ordinary_frame
 
 
 def _streams(blob):
-    """(metadata, ordinary zstd frame) of every stream."""
+    """(metadata, ordinary zstd frame, or the plane itself for a raw stream) of every stream."""
     from legacy_blobs import frames
 
-    return [(meta, ordinary_frame(f)) for meta, f in frames(blob)]
+    return [(meta, f if meta["m"] == "r" else ordinary_frame(f)) for meta, f in frames(blob)]
 
 
 def test_entropy_estimate_separates_noise_from_skewed_bytes():
@@ -51,7 +51,7 @@ def test_noise_mantissa_is_stored_and_small_planes_are_offered_to_huffman():
     g = torch.Generator().manual_seed(2)
     big = encode_tensor(torch.randn(400_000, generator=g), content_hash=False)
     # the top mantissa byte, and the two noise bytes below it as one stored plane of 16-bit words
-    assert [(m["m"], m["raw"]) for m, _ in _streams(big)][-2:] == [("s", 400_000), ("s", 800_000)]
+    assert [(m["m"], m["raw"]) for m, _ in _streams(big)][-2:] == [("r", 400_000), ("r", 800_000)]
     small = encode_tensor(torch.randn(3_000, generator=g), content_hash=False)
     assert [m["m"] for m, _ in _streams(small)][-3:] == ["h", "h", "h"]
     for blob, n in ((big, 400_000), (small, 3_000)):
@@ -74,7 +74,12 @@ def test_blocked_streams_are_ordinary_zstd_frames_with_checksum_and_size():
     w = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
     blob = encode_tensor(w)
     plain = zstandard.ZstdDecompressor()
+    raw = [f for meta, f in _streams(blob) if meta["m"] == "r"]
+    x = w.view(torch.int16).numpy().view(np.uint16)
+    assert raw == [(((x >> 8) & 0x80) | (x & 0x7F)).astype(np.uint8).tobytes()]  # s|m6..m0, as it is
     for meta, frame in _streams(blob):
+        if meta["m"] == "r":  # the sign|mantissa plane, noise: stored raw, no frame
+            continue
         params = zstandard.get_frame_parameters(frame)
         assert params.has_checksum and params.content_size == meta["raw"]
         assert len(plain.decompress(frame)) == meta["raw"]

@@ -11,7 +11,7 @@ bytes replaces the per-stream ones (streams.py). The header is CRC-32 protected 
     dtype   := u8 index into DTYPES, or 255 then varint length and the name in ASCII
     flags   := bit 0: content hash present, bit 1: delta base hash present
     chunk   := bytes:varint pair_base+1:varint (0: none) nstreams:u8 stream*
-    stream  := method:u8 (an ASCII letter) raw:varint enc:varint
+    stream  := method:u8 (an ASCII letter) raw:varint enc:varint [xxh64:u64, for method "r" only]
 
 `pack` takes and `unpack` gives the dict the rest of the codec reads (hashes as hex strings, as in the
 JSON formats), so every reader of headers works on both. `unpack` raises CorruptCheckpoint on anything
@@ -32,6 +32,8 @@ LAYOUTS = ("split", "zstd", "raw")
 _NAMED = 255
 _HASH_BYTES = 32
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+RAW = "r"  # a plane stored as it is, outside zstd: its XXH64 follows in the header
 
 
 def _varint(out: bytearray, value: int) -> None:
@@ -70,6 +72,8 @@ def pack(header: dict) -> bytes:
             out += s["m"].encode("ascii")
             _varint(out, s["raw"])
             _varint(out, s["enc"])
+            if s["m"] == RAW:
+                out += _U64.pack(s["xxh"])
     out += _U32.pack(header["heads_crc"])
     return bytes(out)
 
@@ -126,7 +130,13 @@ def unpack(data: bytes) -> dict:
         base = r.varint()
         if base:
             chunk["pair_base"] = base - 1
-        chunk["streams"] = [{"m": chr(r.byte()), "raw": r.varint(), "enc": r.varint()} for _ in range(r.byte())]
+        streams = []
+        for _ in range(r.byte()):
+            s = {"m": chr(r.byte()), "raw": r.varint(), "enc": r.varint()}
+            if s["m"] == RAW:
+                (s["xxh"],) = _U64.unpack(r.take(_U64.size))
+            streams.append(s)
+        chunk["streams"] = streams
         chunks.append(chunk)
     header["chunks"] = chunks
     (header["heads_crc"],) = _U32.unpack(r.take(_U32.size))

@@ -35,7 +35,8 @@ import torch
 from islands.checkpoint import blob_header
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.streams import coders, decode_frame, decode_frame_into, frame, heads_crc, mantissa_frame
+from islands.checkpoint.streams import (coders, decode_frame, decode_frame_into, frame, heads_crc, mantissa_frame,
+                                       raw_stream)
 
 MAGIC = b"ISLT"
 # 6: the header in binary (blob_header.py: ~80 instead of ~340 bytes per tensor) and magicless frames
@@ -139,7 +140,7 @@ def _split_streams(planes, piece: np.ndarray, c) -> tuple[list, dict]:
         if kind == "e":
             streams.append(frame(plane, c.elements, "h"))
         elif kind == "s":  # the layout probed it already
-            streams.append(frame(plane, c.stored, "s"))
+            streams.append(raw_stream(plane))
         else:
             streams.append(mantissa_frame(plane, c))
     return streams, extra

@@ -214,3 +214,68 @@ def _lowest_set_bit(t):
     while not (t >> np.uint64(i)) & np.uint64(1):
         i += 1
     return i
+
+
+# ---- XXH64: the checksum of planes stored outside zstd ----------------------------------------------
+# The same function zstd uses for its frame checksum (xxHash, 64-bit, seed 0); tests hold this one to
+# zstd's frames. Here it guards the planes a blob stores raw (streams.py), read where they lie.
+_P1 = np.uint64(11400714785074694791)
+_P2 = np.uint64(14029467366897019727)
+_P3 = np.uint64(1609587929392839161)
+_P4 = np.uint64(9650029242287828579)
+_P5 = np.uint64(2870177450012600261)
+
+
+@njit(**_KERNEL)
+def _rotl(x, r):
+    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
+
+
+@njit(**_KERNEL)
+def _round(acc, lane):
+    return _rotl(acc + lane * _P2, 31) * _P1
+
+
+@njit(**_KERNEL)
+def _merge(h, v):
+    return (h ^ _round(np.uint64(0), v)) * _P1 + _P4
+
+
+@njit(**_KERNEL)
+def xxh64(words, tail, n):
+    """XXH64 (seed 0) of n bytes given as their leading 64-bit words (little-endian) and the < 8 bytes
+    after them."""
+    i = 0
+    if n >= 32:
+        v1 = _P1 + _P2
+        v2 = _P2
+        v3 = np.uint64(0)
+        v4 = np.uint64(0) - _P1
+        stripes = words.size // 4
+        for s in range(stripes):
+            v1 = _round(v1, words[4 * s])
+            v2 = _round(v2, words[4 * s + 1])
+            v3 = _round(v3, words[4 * s + 2])
+            v4 = _round(v4, words[4 * s + 3])
+        i = 4 * stripes
+        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+        h = _merge(_merge(_merge(_merge(h, v1), v2), v3), v4)
+    else:
+        h = _P5
+    h += np.uint64(n)
+    for k in range(i, words.size):
+        h = _rotl(h ^ _round(np.uint64(0), words[k]), 27) * _P1 + _P4
+    t = 0
+    if tail.size >= 4:
+        four = np.uint64(tail[0]) | (np.uint64(tail[1]) << np.uint64(8)) | (np.uint64(tail[2]) << np.uint64(16)) \
+            | (np.uint64(tail[3]) << np.uint64(24))
+        h = _rotl(h ^ (four * _P1), 23) * _P2 + _P3
+        t = 4
+    for k in range(t, tail.size):
+        h = _rotl(h ^ (np.uint64(tail[k]) * _P5), 11) * _P1
+    h ^= h >> np.uint64(33)
+    h *= _P2
+    h ^= h >> np.uint64(29)
+    h *= _P3
+    h ^= h >> np.uint64(32)
+    return h
