@@ -255,6 +255,7 @@ def diloco_long(ctx: BenchContext) -> dict:
 # size where more samples per step stop paying. DiLoCo splits the batch over islands, so it pays that
 # price per island; at a larger global batch each island's half is worth more of DDP's step.
 BATCHES = (32, 128)
+PLAIN = "outer=sgd,outer_lr=1,momentum=0"
 
 
 @experiment("diloco-batch", practices=("SOTA-155",),
@@ -265,13 +266,18 @@ def diloco_batch(ctx: BenchContext) -> dict:
         base = dict(base_config(ctx, quick_steps=1000, full_steps=1000), global_batch=batch)
         ddp_rec = ctx.train(f"ddp-b{batch}", islands=1, **base)
         ref = row_of(f"ddp-b{batch}", ddp_rec, H=1, islands=1, global_batch=batch)
+        runs = [(f"ddp-b{batch}", ddp_rec, dict(H=1, islands=1))]
         rec = ctx.train(f"diloco-H100-b{batch}", islands=2, outer=f"diloco:inner_steps=100,{SCALED}", **base)
-        for label, r, extras in ((f"ddp-b{batch}", ddp_rec, dict(H=1, islands=1)),
-                                 (f"diloco-H100-b{batch}", rec, dict(H=100, islands=2, outer=SCALED))):
+        runs.append((f"diloco-H100-b{batch}", rec, dict(H=100, islands=2, outer=SCALED)))
+        if batch == BATCHES[-1]:  # sqrt(M) assumes noise-dominated steps, which a larger batch weakens
+            rec = ctx.train(f"diloco-H100-plain-b{batch}", islands=2, outer=f"diloco:inner_steps=100,{PLAIN}", **base)
+            runs.append((f"diloco-H100-plain-b{batch}", rec, dict(H=100, islands=2, outer=PLAIN)))
+        for label, r, extras in runs:
             row = gap_row(label, r, ref, dict(extras, global_batch=batch))
             row["ddp_steps_to_match"] = ddp_steps_to_reach(ddp_rec, row["final_val_loss"])
             rows.append(row)
-    by = {(r["global_batch"], r["H"]): r for r in rows}
+    by = {(r["global_batch"], r["H"]): r for r in rows if r.get("outer") != PLAIN}
+    plain = [r for r in rows if r.get("outer") == PLAIN]
     steps = base_config(ctx, 1000, 1000)["steps"]
     headline = [
         f"{task_words(ctx)}, {steps} steps, 2 islands, equal tokens per batch size: DiLoCo H=100 (sqrt(M) outer step) "
@@ -281,5 +287,6 @@ def diloco_batch(ctx: BenchContext) -> dict:
             + (f"{by[(b, 100)]['ddp_steps_to_match']:.0f}" if by[(b, 100)]['ddp_steps_to_match'] else "all")
             + f" DDP steps), {by[(b, 100)]['bytes_ratio_ddp_over_run']:.0f}x fewer bytes" for b in BATCHES)
         + f"; interconnect: {rows[0]['interconnect']}",
-    ]
+    ] + [f"plain averaging (outer lr 1) at global batch {r['global_batch']}: {r['final_val_loss']:.4f} "
+         f"({r['loss_gap_pct']:+.1f}%)" for r in plain]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
