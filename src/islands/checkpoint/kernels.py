@@ -147,31 +147,41 @@ def _escape_bits(x):
 
 
 @njit(**_KERNEL)
-def collect_escapes(packed, n, words, shift, escaped):
-    """Write the exponents ((word >> shift) & 0xFF) of the first n codes equal to 15 into `escaped`, in
-    order; returns how many there are, or -1 as soon as there are more than escaped.size."""
+def _escape_positions(packed, n, pos):
+    """Write the indices (< n) of the codes equal to 15 into `pos`, in order, sixteen codes per 64-bit
+    word; returns how many there are, counting on past pos.size (those are not written)."""
     k = 0
     full = packed.size // 8
     blocks = packed[:full * 8].view(np.uint64)
     for w in range(full):
         t = _escape_bits(blocks[w])
         while t:
-            bit = _lowest_set_bit(t)
-            i = w * 16 + (bit >> 2)
+            i = w * 16 + (_lowest_set_bit(t) >> 2)
             t &= t - np.uint64(1)
             if i < n:
-                if k >= escaped.size:
-                    return -1
-                escaped[k] = np.uint8((np.uint64(words[i]) >> np.uint64(shift)) & np.uint64(0xFF))
+                if k < pos.size:
+                    pos[k] = i
                 k += 1
     for j in range(full * 8, packed.size):
         for q in range(2):
             i = 2 * j + q
             if i < n and (packed[j] >> (4 * q)) & 15 == 15:
-                if k >= escaped.size:
-                    return -1
-                escaped[k] = np.uint8((np.uint64(words[i]) >> np.uint64(shift)) & np.uint64(0xFF))
+                if k < pos.size:
+                    pos[k] = i
                 k += 1
+    return k
+
+
+@njit(**_KERNEL)
+def collect_escapes(packed, n, words, shift, escaped):
+    """Write the exponents ((word >> shift) & 0xFF) of the first n codes equal to 15 into `escaped`, in
+    order; returns how many there are, or -1 if there are more than escaped.size."""
+    pos = np.empty(escaped.size, np.int64)
+    k = _escape_positions(packed, n, pos)
+    if k > escaped.size:
+        return -1
+    for j in range(k):
+        escaped[j] = np.uint8((np.uint64(words[pos[j]]) >> np.uint64(shift)) & np.uint64(0xFF))
     return k
 
 
@@ -184,26 +194,10 @@ def patch_escapes(packed, n, escaped, out, shift):
     """
     s = np.uint64(shift)
     keep = ~(np.uint64(0xFF) << s)
-    k = 0
-    full = packed.size // 8
-    blocks = packed[:full * 8].view(np.uint64)
-    for w in range(full):
-        t = _escape_bits(blocks[w])
-        while t:
-            bit = _lowest_set_bit(t)
-            i = w * 16 + (bit >> 2)
-            t &= t - np.uint64(1)
-            if i < n:
-                if k < escaped.size:
-                    out[i] = (np.uint64(out[i]) & keep) | (np.uint64(escaped[k]) << s)
-                k += 1
-    for j in range(full * 8, packed.size):
-        for q in range(2):
-            i = 2 * j + q
-            if i < n and (packed[j] >> (4 * q)) & 15 == 15:
-                if k < escaped.size:
-                    out[i] = (np.uint64(out[i]) & keep) | (np.uint64(escaped[k]) << s)
-                k += 1
+    pos = np.empty(escaped.size, np.int64)
+    k = _escape_positions(packed, n, pos)
+    for j in range(min(k, escaped.size)):
+        out[pos[j]] = (np.uint64(out[pos[j]]) & keep) | (np.uint64(escaped[j]) << s)
     return k
 
 
