@@ -13,10 +13,11 @@ up to K checkpoints back): unchanged exponent and high mantissa bits become zero
 Blob (format 6): magic, version, the streams, the header (binary: blob_header.py), its CRC-32, its length; encode_tensor
 returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
 
-Integrity: every stream's zstd frame carries an XXH64 content checksum, its checksum flag guarded
-(streams.py); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256
-content hash when one was stored (collision resistant, so the store also dedups on it). The input
-tensor is only ever read.
+Integrity: every stream carries an XXH64 (a zstd frame's content checksum, or a raw plane's in the
+header) and the frame headers a CRC-32 (streams.py); the header carries its own CRC-32; the decoded
+tensor is checked against a SHA-256 content hash when one is known (in the blob, or passed in from the
+store's manifest; collision resistant, so the store also dedups on it). The input tensor is only ever
+read.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from islands.checkpoint.streams import (coders, decode_frame, decode_frame_into,
                                        raw_stream)
 
 MAGIC = b"ISLT"
-# 6: the header in binary (blob_header.py: ~80 instead of ~340 bytes per tensor) and magicless frames
-#    whose checksum flag is checked in place of a per-stream header CRC-32 (streams.py).
+# 6: the header in binary (blob_header.py: ~80 instead of ~340 bytes per tensor); magicless frames under
+#    one CRC-32 of all frame heads instead of one per stream; no frame for an empty stream; noise planes
+#    stored raw with their XXH64 in the header (streams.py).
 # 5: an fp32 chunk may carry its low 16 bits as one stored plane of words (layouts.py); v4 readers would
 #    take that for a damaged chunk, so the version says it instead.
 # 4: the header moves to the end (magic, version | streams | header JSON | CRC-32 | header length), so the

@@ -1,22 +1,23 @@
 """How each float dtype is cut into byte planes, and put back together (SOTA-437, LIT-750).
 
 In trained floats only the exponent (and, weakly, the top mantissa bits) is redundant; sign and low
-mantissa bits look random. Each layout isolates the 8-bit exponent as one plane (which planes.py packs
-two per byte for the entropy coder) and cuts the remaining bits into byte planes that are Huffman-coded
-when a sample of them shrinks and stored otherwise. The bit placement is chosen per dtype for size
-*and* for few numpy passes when decoding (measured on trained MiniLM weights, docs/checkpointing.md):
+mantissa bits look random. Each layout isolates the 8-bit exponent as one plane (packed two 4-bit codes
+per byte, planes.py) and cuts the remaining bits into byte planes that are Huffman-coded when a sample
+of them shrinks and stored raw otherwise. The bit placement was chosen per dtype for size and for a
+cheap join (measured on trained MiniLM weights, docs/checkpointing.md):
 
-  bf16  s|E|m7:   E (8 bits)        + [s m6..m0]                    join: 6 numpy ops per block
+  bf16  s|E|m7:   E (8 bits)        + [s m6..m0]
   fp32  s|E|m23:  E (8 bits)        + [s m22..m16] [m15..m8] [m7..m0]   (sign rides with the top
                   mantissa bits, which are noise anyway, so fp16-exact values leave whole zero bytes)
                   When both low bytes are noise (the gate of streams.py, on the samples it would take
-                  of each plane) they travel as one stored plane of 16-bit words, [m15..m0]: the join
-                  ORs in one word instead of shifting and ORing two bytes (13 -> 10 numpy ops per
-                  block; format 5).
+                  of each plane) they travel as one stored plane of 16-bit words, [m15..m0] (format 5).
   fp16  s|E5|m10: [s E5 m9 m8] + [m7..m0]: the plain high and low bytes. The high byte is one Huffman
-                  symbol per element anyway (5-bit exponent), and no bit moves, so the join is two casts,
-                  a shift and an OR; it is 0.04% larger than moving the sign out (measured).
+                  symbol per element anyway (5-bit exponent); moving the sign out is 0.04% smaller
+                  but was not worth a costlier join.
   fp64 and other widths: rotate left one bit (sign next to the mantissa), top two bytes entropy-coded.
+
+The bf16, fp32 and fp16 splits and joins are compiled loops (kernels.py, one pass per chunk); the
+rotated layout stays in numpy, a block at a time.
 
 A layout's `split(raw)` returns (exponent plane or None, [(kind, plane)]) with kind "e" (entropy-code),
 "m" (probe, then code or store) or "s" (store: already probed); `plane_sizes(n)` lists the plane
