@@ -144,7 +144,7 @@ def raw_stream(plane: np.ndarray) -> tuple[dict, memoryview]:
 def raw_plane(enc: memoryview, meta: dict, where: str) -> np.ndarray:
     """A raw stream's plane, read in place from the blob once its XXH64 matches the header's."""
     plane = np.frombuffer(enc, np.uint8)
-    if plane.size != meta["raw"] or _xxh64(plane) != meta["xxh"]:
+    if plane.size != meta["raw"] or _xxh64(plane) != meta.get("xxh"):
         raise CorruptCheckpoint(f"checksum mismatch in a raw plane of {where}: stored bytes are damaged")
     return plane
 
