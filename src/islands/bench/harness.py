@@ -13,11 +13,8 @@ Ratios are always measured side by side in one invocation, never against stored 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import pkgutil
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +23,7 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-from islands.config import TrainConfig, from_mapping, load_json, validate
-from islands.measure.probe import describe
+from islands.config import TrainConfig, from_mapping, validate
 from islands.measure.record import versions, write_json_atomic
 
 
