@@ -34,42 +34,75 @@ def _code(exponent, base):
 
 
 # ---- bf16: s|E8|m7 -> packed E codes + one byte [s m6..m0] -----------------------------------------
+# Each split and join works on whole pairs through `*_pairs` views of the arrays and finishes an odd
+# last element from the arrays themselves, with the same bit formulas.
 
 @njit(**_KERNEL)
-def split_bf16(pairs, base, packed, low_pairs):
-    """pairs: the words two at a time (uint32); fills packed (one byte per pair) and low_pairs (uint16)."""
+def _bf16_low(w):
+    """[s m6..m0] of the bf16 word(s) in the low 16 bits of w."""
+    return ((w >> 8) & 0x80) | (w & 0x7F)
+
+
+@njit(**_KERNEL)
+def _bf16_rest(l):
+    """The sign and mantissa bits of a bf16 word from its [s m6..m0] byte."""
+    return (l & 0x7F) | ((l & 0x80) << 8)
+
+
+@njit(**_KERNEL)
+def split_bf16(pairs, base, packed, low_pairs, words, low):
+    """pairs: `words` two at a time (uint32); fills packed (one byte per pair) and low_pairs (uint16, the
+    same memory as `low`)."""
     b = np.uint32(base)
     for j in range(pairs.size):
         w = np.uint32(pairs[j])
         packed[j] = np.uint8(_code((w >> 7) & 0xFF, b) | (_code((w >> 23) & 0xFF, b) << 4))
-        low_pairs[j] = np.uint16(((w >> 8) & 0x80) | (w & 0x7F) | ((w >> 16) & 0x8000) | ((w >> 8) & 0x7F00))
+        low_pairs[j] = np.uint16(_bf16_low(w) | (_bf16_low(w >> 16) << 8))
+    if words.size & 1:
+        w = np.uint32(words[words.size - 1])
+        packed[packed.size - 1] = np.uint8(_code((w >> 7) & 0xFF, b))
+        low[low.size - 1] = np.uint8(_bf16_low(w))
 
 
 @njit(**_KERNEL)
-def join_bf16(packed, base, low_pairs, out_pairs):
-    """Inverse of split_bf16 for whole pairs; escaped codes come out as base + 15 (see patch_escapes)."""
+def join_bf16(packed, base, low_pairs, out_pairs, low, out):
+    """Inverse of split_bf16; escaped codes come out as base + 15 (see patch_escapes)."""
     b = np.uint32(base) * np.uint32(0x00800080)  # base at both words' exponent fields
     for j in range(out_pairs.size):
         p = np.uint32(packed[j])
         l = np.uint32(low_pairs[j])
-        # p * (1 << 7 | 1 << 19): the low nibble lands at bits 7-10, the high one at 23-26
+        # p * (1 << 7 | 1 << 19): the low nibble lands at bits 7-10, the high one at 23-26; the rest is
+        # _bf16_rest of both bytes, spelled out on the pair (two calls on masked bytes measured slower)
         e = ((p * np.uint32(0x00080080)) & np.uint32(0x07800780)) + b
         out_pairs[j] = e | (l & 0x7F) | ((l & 0x80) << 8) | ((l & 0x7F00) << 8) | ((l & 0x8000) << 16)
+    if out.size & 1:
+        p = np.uint32(packed[packed.size - 1])
+        out[out.size - 1] = np.uint16((((p & 15) + np.uint32(base)) << 7) | _bf16_rest(np.uint32(low[low.size - 1])))
 
 
 @njit(**_KERNEL)
 def join_bf16_plain(exponent, low, out):
     """bf16 words from a whole exponent plane (too many escapes to pack) and the [s m6..m0] plane."""
     for i in range(out.size):
-        l = np.uint16(low[i])
-        out[i] = (np.uint16(exponent[i]) << 7) | (l & 0x7F) | ((l & 0x80) << 8)
+        out[i] = np.uint16((np.uint32(exponent[i]) << 7) | _bf16_rest(np.uint32(low[i])))
 
 
 # ---- fp32: s|E8|m23 -> packed E codes + [s m22..m16] + ([m15..m8], [m7..m0]) or [m15..m0] --------------
 
 @njit(**_KERNEL)
-def split_fp32(pairs, base, packed, top, mid, low):
-    """pairs: the words two at a time (uint64); fills packed, the [s m22..m16] plane `top`, and the low
+def _fp32_split_one(w, top, mid, low, i, words):
+    """Element i's planes from its word w (uint32): the [s m22..m16] byte and the low 16 bits."""
+    top[i] = np.uint8(((w >> 24) & 0x80) | ((w >> 16) & 0x7F))
+    if words:
+        low[i] = np.uint16(w & 0xFFFF)
+    else:
+        mid[i] = np.uint8((w >> 8) & 0xFF)
+        low[i] = np.uint8(w & 0xFF)
+
+
+@njit(**_KERNEL)
+def split_fp32(pairs, base, packed, top, mid, low, words_in):
+    """pairs: `words_in` two at a time (uint64); fills packed, the [s m22..m16] plane `top`, and the low
     16 bits as two byte planes (`mid` and `low` uint8, one per element) or, when `mid` is empty, as one
     plane of uint16 words (`low`)."""
     b = np.uint32(base)
@@ -79,16 +112,13 @@ def split_fp32(pairs, base, packed, top, mid, low):
         w0 = np.uint32(w & np.uint64(0xFFFFFFFF))
         w1 = np.uint32(w >> np.uint64(32))
         packed[j] = np.uint8(_code((w0 >> 23) & 0xFF, b) | (_code((w1 >> 23) & 0xFF, b) << 4))
-        top[2 * j] = np.uint8(((w0 >> 24) & 0x80) | ((w0 >> 16) & 0x7F))
-        top[2 * j + 1] = np.uint8(((w1 >> 24) & 0x80) | ((w1 >> 16) & 0x7F))
-        if words:
-            low[2 * j] = np.uint16(w0 & 0xFFFF)
-            low[2 * j + 1] = np.uint16(w1 & 0xFFFF)
-        else:
-            mid[2 * j] = np.uint8((w0 >> 8) & 0xFF)
-            mid[2 * j + 1] = np.uint8((w1 >> 8) & 0xFF)
-            low[2 * j] = np.uint8(w0 & 0xFF)
-            low[2 * j + 1] = np.uint8(w1 & 0xFF)
+        _fp32_split_one(w0, top, mid, low, 2 * j, words)
+        _fp32_split_one(w1, top, mid, low, 2 * j + 1, words)
+    n = words_in.size
+    if n & 1:
+        w = np.uint32(words_in[n - 1])
+        packed[packed.size - 1] = np.uint8(_code((w >> 23) & 0xFF, b))
+        _fp32_split_one(w, top, mid, low, n - 1, words)
 
 
 @njit(**_KERNEL)

@@ -31,31 +31,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from islands.checkpoint.planes import BLOCK_WORDS, ESCAPE, MAX_ESCAPE_SHARE, SAMPLE_SIZE, scratch, window_base
+from islands.checkpoint.planes import (BLOCK_WORDS, MAX_ESCAPE_SHARE, SAMPLE_SIZE, compiled_kernels, scratch,
+                                      window_base)
 from islands.checkpoint.streams import GATE_MIN_BYTES, is_noise
 
 
 def _blocks(n: int):
     for b in range(0, n, BLOCK_WORDS):
         yield b, min(n, b + BLOCK_WORDS)
-
-
-_KERNELS = None
-
-
-def _kernels():
-    """kernels.py, imported on first use: numba costs ~0.5 s to import, which a process that never
-    touches a checkpoint (most test workers, `islands train` without --ckpt-dir) should not pay."""
-    global _KERNELS
-    if _KERNELS is None:
-        from islands.checkpoint import kernels
-
-        _KERNELS = kernels
-    return _KERNELS
-
-
-def _code(exponent: int, base: int) -> int:
-    return min((exponent - base) & 0xFF, ESCAPE)
 
 
 def _pairs(x: np.ndarray, even: int, pair) -> np.ndarray:
@@ -66,8 +49,8 @@ class _ExponentWords:
     """Shared split and join for layouts whose exponent sits at bits [shift, shift+8) of each word.
 
     Subclasses set size, word, shift, planes (how many non-exponent planes follow the exponent) and
-    the compiled loops: _split_pairs(x, even, base, packed, planes), _join_packed(packed, base,
-    planes, out) and _join_plain(exponent, planes, out); each handles an odd last element itself.
+    the calls of the compiled loops: _split_pairs(x, even, base, packed, planes), _join_packed(packed,
+    base, planes, out) and _join_plain(exponent, planes, out); the loops finish an odd last element.
     """
 
     def split(self, raw: np.ndarray):
@@ -81,7 +64,7 @@ class _ExponentWords:
         self._split_pairs(x, n // 2 * 2, base, packed, planes)  # the other planes are needed either way
         if n >= 2:
             escaped = scratch("split.escaped", int(n * MAX_ESCAPE_SHARE), np.uint8)
-            k = _kernels().collect_escapes(packed, n, x, self.shift, escaped)
+            k = compiled_kernels().collect_escapes(packed, n, x, self.shift, escaped)
             if k >= 0:
                 return (base, packed, escaped[:k]), list(zip(kinds, planes))
         exp = scratch(f"split.{self.size}.E", n, np.uint8)
@@ -105,7 +88,7 @@ class _ExponentWords:
             return
         packed, escaped, base = exponent
         self._join_packed(packed, base, planes, o)
-        found = _kernels().patch_escapes(packed, o.size, escaped, o, self.shift)
+        found = compiled_kernels().patch_escapes(packed, o.size, escaped, o, self.shift)
         if found != escaped.size:
             raise ValueError(f"{found} escape codes but {escaped.size} escaped exponents")
 
@@ -115,22 +98,15 @@ class Bf16Layout(_ExponentWords):
 
     def _split_pairs(self, x, even, base, packed, planes):
         low = planes[0]
-        _kernels().split_bf16(_pairs(x, even, np.uint32), base, packed, _pairs(low, even, np.uint16))
-        if even < x.size:
-            w = int(x[-1])
-            packed[-1] = _code((w >> 7) & 0xFF, base)
-            low[-1] = ((w >> 8) & 0x80) | (w & 0x7F)
+        compiled_kernels().split_bf16(_pairs(x, even, np.uint32), base, packed, _pairs(low, even, np.uint16), x, low)
 
     def _join_packed(self, packed, base, planes, o):
         even = o.size // 2 * 2
         low = planes[0]
-        _kernels().join_bf16(packed, base, _pairs(low, even, np.uint16), _pairs(o, even, np.uint32))
-        if even < o.size:
-            lo = int(low[-1])
-            o[-1] = ((base + (int(packed[-1]) & 0x0F)) << 7) | (lo & 0x7F) | ((lo & 0x80) << 8)
+        compiled_kernels().join_bf16(packed, base, _pairs(low, even, np.uint16), _pairs(o, even, np.uint32), low, o)
 
     def _join_plain(self, exponent, planes, o):
-        _kernels().join_bf16_plain(exponent, planes[0], o)
+        compiled_kernels().join_bf16_plain(exponent, planes[0], o)
 
 
 _NO_PLANE = np.zeros(0, np.uint8)
@@ -161,21 +137,13 @@ class Fp32Layout(_ExponentWords):
 
     def _split_pairs(self, x, even, base, packed, planes):
         top, mid, low = self._top_mid_low(planes)
-        _kernels().split_fp32(_pairs(x, even, np.uint64), base, packed, top, mid, low)
-        if even < x.size:
-            w = int(x[-1])
-            packed[-1] = _code((w >> 23) & 0xFF, base)
-            top[-1] = ((w >> 24) & 0x80) | ((w >> 16) & 0x7F)
-            if mid.size:
-                mid[-1], low[-1] = (w >> 8) & 0xFF, w & 0xFF
-            else:
-                low[-1] = w & 0xFFFF
+        compiled_kernels().split_fp32(_pairs(x, even, np.uint64), base, packed, top, mid, low, x)
 
     def _join_packed(self, packed, base, planes, o):
-        _kernels().join_fp32(packed, base, *self._top_mid_low(planes), o)
+        compiled_kernels().join_fp32(packed, base, *self._top_mid_low(planes), o)
 
     def _join_plain(self, exponent, planes, o):
-        _kernels().join_fp32_plain(exponent, *self._top_mid_low(planes), o)
+        compiled_kernels().join_fp32_plain(exponent, *self._top_mid_low(planes), o)
 
 
 class Fp16Layout:
@@ -189,11 +157,11 @@ class Fp16Layout:
     def split(self, raw: np.ndarray):
         x = raw.view(np.uint16)
         high, low = scratch("fp16.H", x.size, np.uint8), scratch("fp16.L", x.size, np.uint8)
-        _kernels().split_fp16(x, high, low)
+        compiled_kernels().split_fp16(x, high, low)
         return None, [("e", high), ("m", low)]
 
     def join(self, exponent, planes, out: np.ndarray) -> None:
-        _kernels().join_fp16(planes[0], planes[1], out.view(np.uint16))
+        compiled_kernels().join_fp16(planes[0], planes[1], out.view(np.uint16))
 
 
 class RotatedLayout:

@@ -87,3 +87,11 @@ def unpack_exponents(packed: np.ndarray, escaped: np.ndarray, base: int, n: int)
     out = codes + np.uint8(base)
     out[pos] = escaped
     return out
+
+
+def compiled_kernels():
+    """kernels.py, imported on first use: numba costs ~0.5 s to import, which a process that never
+    touches a checkpoint (most test workers, `islands train` without --ckpt-dir) should not pay."""
+    from islands.checkpoint import kernels
+
+    return kernels

@@ -34,7 +34,7 @@ import numpy as np
 import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.planes import sampled_entropy_bits, scratch
+from islands.checkpoint.planes import compiled_kernels, sampled_entropy_bits, scratch
 
 FRAME_HEAD = 64  # formats 3-5: leading bytes of each frame covered by the stream's header CRC-32
 # Block sizes as window logs. Measured on the MiniLM bench (docs/checkpointing.md): exponent pairs 64 KiB
@@ -124,11 +124,9 @@ def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
 
 
 def _xxh64(plane: np.ndarray) -> int:
-    from islands.checkpoint.kernels import xxh64  # numba: imported on first use (layouts.py says why)
-
     b = plane.view(np.uint8)  # a plane of uint16 words (fp32's low halves) is hashed as its bytes
     n8 = b.size // 8 * 8
-    return int(xxh64(b[:n8].view(np.uint64), b[n8:], b.size))
+    return int(compiled_kernels().xxh64(b[:n8].view(np.uint64), b[n8:], b.size))
 
 
 def raw_stream(plane: np.ndarray) -> tuple[dict, memoryview]:
