@@ -106,15 +106,20 @@ def _join(address: str, token_args: list[str], name: str, run_dir: Path) -> subp
 
 @pytest.mark.slow  # about a minute on 2 cores: a job plus two `islands join` processes
 def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_path):
-    cfg = _cfg(tmp_path, workers=2, steps=1500, every=4)
+    # long enough that the joiner, a fresh process importing torch, is admitted before the job ends even
+    # on a loaded machine (1500 steps were not, twice, with two training jobs running beside the suite)
+    cfg = _cfg(tmp_path, workers=2, steps=3000, every=4)
     seen = {}
 
     def joins(address, workers):
         host, port = address.split(":")
         store = connect(host, int(port))
         _wait(store, "e/0/members")
-        seen["bad"] = _join(address, ["--token", "not-the-token"], "intruder", tmp_path / "bad")
+        bad = threading.Thread(target=lambda: seen.update(
+            bad=_join(address, ["--token", "not-the-token"], "intruder", tmp_path / "bad")))
+        bad.start()  # both start at once: the refusal need not delay the good joiner
         seen["good"] = _join(address, ["--token-file", str(tmp_path / "run" / "token")], "j1", tmp_path / "j1")
+        bad.join(timeout=180)
 
     code, log = _run(cfg, tmp_path, joins)
     assert code == 0, log
