@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from islands.checkpoint import CheckpointStore
-from islands.checkpoint.elastic_saves import ElasticBarrier, MembershipChanged
+from islands.checkpoint.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
 from islands.config import ConfigError, from_mapping, validate
 from islands.runtime.elastic_launch import launch_elastic
 
@@ -56,6 +57,7 @@ def test_elastic_resume_restores_outer_optimizer_and_membership_bitwise(tmp_path
     frm = rec["checkpoint"]["resumed_from"]
     assert frm["step"] == 4 and frm["elastic"] and frm["shard_matched"]
     assert rec["checkpoint"]["saves"]["local"] == 1 and rec["checkpoint"]["abandoned_membership_change"] == []
+    assert rec["checkpoint"]["async"] is True  # persisted in the background: the stores met through the TCPStore
     # membership: epochs count on from the saved one; the saved history plus a "resumed" event
     for worker in (tmp_path / "b" / "elastic").glob("*.json"):
         final = json.loads(worker.read_text())["final"]
@@ -88,14 +90,165 @@ class _World:
         return [obj]
 
 
+def _member(epoch: int, rank: int = 0, names=("a",)) -> Member:
+    return Member(epoch=epoch, rank=rank, size=len(names), names=tuple(names))
+
+
 def test_barrier_abandons_a_save_only_before_the_commit():
     world = _World()
     barrier = ElasticBarrier(world)
-    assert barrier.begin() == 3
+    barrier.begin(_member(3), step=4)
     with pytest.raises(MembershipChanged, match="epoch 3 -> 4"):
         barrier()
-    barrier.begin()  # epoch 4 now
+    barrier.begin(_member(4), step=4)  # epoch 4 now
     barrier()  # same epoch: passes
     world.membership.epoch = 5
     barrier()  # second call of a save: the commit happened, nothing to abandon
     assert world.gathers == 3  # every call met the others
+
+
+# ---- PersistBarrier: the stores' barrier of asynchronous elastic saves, through a real TCPStore ----
+
+@pytest.fixture
+def job_store():
+    from islands.runtime.membership import host_store
+
+    raw, store = host_store(0)
+    yield raw.port, store
+    del store, raw
+
+
+def _persist_barrier(port: int, epoch_now=lambda: 0, timeout_s: float = 20.0, heartbeat_s: float = 1.0):
+    from islands.runtime.membership import Liveness, connect
+
+    return PersistBarrier(lambda: connect("127.0.0.1", port), lambda c: Liveness(c, heartbeat_s),
+                          epoch_now, timeout_s)
+
+
+def _beat(port: int, *names: str):
+    from islands.runtime.membership import Heartbeat
+
+    return [Heartbeat("127.0.0.1", port, n) for n in names]
+
+
+def test_persist_barrier_meets_in_threads_and_commits_once_all_parts_are_in(job_store):
+    import threading
+
+    port, store = job_store
+    beats = _beat(port, "a", "b")
+    order, errors = [], []
+
+    def member(rank: int, delay: float):
+        try:
+            barrier = _persist_barrier(port)
+            barrier.begin(_member(0, rank, ("a", "b")), step=4)
+            time.sleep(delay)  # rank 1's part takes longer to write
+            order.append(("written", rank))
+            barrier()
+            if rank == 0:
+                time.sleep(0.3)  # the commit: rank 1 must not report success before it
+                order.append(("committed", rank))
+            barrier()
+            order.append(("done", rank))
+        except BaseException as exc:  # reported to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r, d)) for r, d in ((0, 0.0), (1, 0.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for b in beats:
+        b.stop()
+    assert not errors and len(order) == 5, (errors, order)
+    assert order.index(("written", 1)) < order.index(("committed", 0))  # rank 0 waited for rank 1's part
+    assert order.index(("committed", 0)) < order.index(("done", 1))  # rank 1 waited for the commit
+    assert store.check(["ckpt/s4/e0/0/part/0", "ckpt/s4/e0/0/part/1", "ckpt/s4/e0/0/committed"])
+
+
+def test_persist_barrier_abandons_when_a_member_dies_or_the_epoch_moves(job_store):
+    port, store = job_store
+    beats = _beat(port, "a", "b")
+    try:
+        barrier = _persist_barrier(port)
+        barrier.begin(_member(0, 0, ("a", "b")), step=8)
+        store.set("dead/b", "1")  # the supervisor saw b's process exit; b never writes its part
+        t0 = time.monotonic()
+        with pytest.raises(MembershipChanged, match=r"\['b'\] left during the save of step 8 before the commit"):
+            barrier()
+        assert time.monotonic() - t0 < 5
+
+        epoch = {"now": 0}
+        barrier = _persist_barrier(port, epoch_now=lambda: epoch["now"])
+        barrier.begin(_member(0, 1, ("a", "c")), step=12)
+        epoch["now"] = 1  # the training thread formed a new epoch (c joined late or a left)
+        with pytest.raises(MembershipChanged, match="epoch 0 -> 1"):
+            barrier()
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_persist_barrier_gives_up_after_its_timeout_and_notices_a_silent_member(job_store):
+    port, store = job_store
+    beats = _beat(port, "a", "b")
+    try:
+        barrier = _persist_barrier(port, timeout_s=0.5)
+        barrier.begin(_member(0, 0, ("a", "b")), step=2)  # b is alive (beating) but never writes
+        with pytest.raises(MembershipChanged, match="within 0 s"):
+            barrier()
+        beats[1].stop()  # b's heartbeats stop: gone after the heartbeat timeout, before the 20 s timeout
+        barrier = _persist_barrier(port, heartbeat_s=0.5)
+        barrier.begin(_member(0, 0, ("a", "b")), step=3)
+        t0 = time.monotonic()
+        with pytest.raises(MembershipChanged, match="left during the save of step 3"):
+            barrier()
+        assert time.monotonic() - t0 < 5
+    finally:
+        beats[0].stop()
+
+
+@pytest.mark.slow  # an elastic job of 3 workers, one SIGKILLed: ~30 s on an idle 2-core machine
+def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkpoint_is_whole(tmp_path):
+    import signal
+    import threading
+
+    from islands.runtime.membership import connect
+
+    run = tmp_path / "run"
+    cfg = validate(from_mapping(dict(task="digits", workers=3, islands=3, outer="local-sgd:every=3", elastic=True,
+                                     steps=60, global_batch=24, eval_every=0, warmup=2, probe=False,
+                                     progress=False, timeout=30.0, heartbeat_timeout=3.0, ckpt_every=5,
+                                     ckpt_keep=100, run_dir=str(run))))
+    out, errors = io.StringIO(), []
+
+    def started(address, workers, coordinator):
+        def kill():
+            try:
+                host, port = address.split(":")
+                store = connect(host, int(port))
+                deadline = time.monotonic() + 120
+                while not store.check(["ckpt/s15/e0/0/part/0"]):  # a save is being written
+                    assert time.monotonic() < deadline, "no checkpoint of step 15 started"
+                    time.sleep(0.01)
+                workers[1].proc.send_signal(signal.SIGKILL)
+            except BaseException as exc:
+                errors.append(exc)
+        threading.Thread(target=kill, daemon=True).start()
+
+    code = launch_elastic(cfg, run, out=out, on_started=started)
+    assert not errors and code == 0, (errors, out.getvalue())
+    assert "w1 left (killed by SIGKILL)" in out.getvalue()
+    rec = json.loads((run / "run.json").read_text())["checkpoint"]
+    assert rec["async"] is True
+    store = CheckpointStore(run / "ckpt", clean=True)
+    steps = store.steps()
+    assert steps[-1] == 60 and 5 in steps  # saved before the kill, and to the end without a restart
+    abandoned = rec["abandoned_membership_change"]
+    assert set(steps) | set(abandoned) == set(range(5, 61, 5)) and not set(steps) & set(abandoned)
+    assert 1 <= len(abandoned) <= 3 and rec["saves"]["local"] == len(steps)  # the ones in flight at the kill
+    assert all("w1" in why or "epoch 0 -> 1" in why for why in rec["abandoned_why"]), rec["abandoned_why"]
+    for step in steps:  # every committed checkpoint is whole: all its parts there and intact
+        assert store.verify(step) == [], step
+    assert {store.load(60, rank=r).tree["world"]["size"] for r in range(2)} == {2}  # the survivors' parts
+    assert not [p for p in (run / "ckpt").iterdir() if ".tmp-" in p.name]  # a partial one is cleaned up

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
-from islands.checkpoint.elastic_saves import ElasticBarrier, MembershipChanged, bind, is_elastic, opens_clean
+from islands.checkpoint.elastic_saves import (ElasticBarrier, Member, MembershipChanged, PersistBarrier, bind,
+                                              can_persist_async, is_elastic, opens_clean)
 from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND, CheckFreqPolicy,
                                          CombinedIntervalPolicy, YoungDalyInterval)
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
@@ -136,11 +137,17 @@ class CheckpointDriver:
         if torch_dist:
             barrier = _Barrier(world, cfg.timeout)
         elif self.elastic:  # members change between saves: islands.checkpoint.elastic_saves
-            barrier = self.elastic_barrier = ElasticBarrier(world)
+            if cfg.ckpt_async and can_persist_async(world):
+                m = world.membership
+                barrier = PersistBarrier(m.new_client, m.new_liveness, lambda: m.epoch, cfg.timeout)
+            else:
+                barrier = ElasticBarrier(world)
+            self.elastic_barrier = barrier
         elif world.size > 1:  # other comms without a torch group of their own: meet on the main thread
             barrier = lambda: world.all_gather_object(None)  # noqa: E731
-        self.async_ok = cfg.ckpt_async and (world.size == 1 or torch_dist) and not self.elastic
+        self.async_ok = cfg.ckpt_async and (world.size == 1 or torch_dist or isinstance(barrier, PersistBarrier))
         self.abandoned: list[int] = []  # steps whose save a membership change abandoned (elastic)
+        self.abandoned_why: list[str] = []
 
         def store(root):
             return CheckpointStore(root, keep_last=cfg.ckpt_keep, rank=world.rank, world_size=world.size,
@@ -179,11 +186,11 @@ class CheckpointDriver:
         return CombinedIntervalPolicy(checkfreq, failures)
 
     # ---- sink: the persist thread calls this with the snapshot ----------------------------------
-    def save(self, tree, step: int, *, levels: list[str]) -> dict:
+    def save(self, tree, step: int, *, levels: list[str], member: Member | None = None) -> dict:
         extra = {}
-        if self.elastic:
+        if member is not None:  # elastic: as the member this process was at the snapshot
             stores = [self._by_name[n].store for n in levels if hasattr(self._by_name[n], "store")]
-            extra["token"] = bind(stores, self.world, self.elastic_barrier)
+            extra["token"] = bind(stores, member, step, self.elastic_barrier)
         return {name: self._by_name[name].save(tree, step, fingerprint=self.fingerprint,
                                                **(extra if hasattr(self._by_name[name], "store") else {}))
                 for name in levels}
@@ -227,7 +234,7 @@ class CheckpointDriver:
         self._last_elapsed = trainer.elapsed
         step = trainer.step
         names = self.due(step)
-        if not names or step == self.last_saved_step:  # saved already (elastic: before a join, save_now)
+        if not names or step == self.last_saved_step:  # saved already (elastic: before a join, settle)
             return None
         if (names == ["memory"] and self.writer.in_flight is not None and self.peer is None
                 and not is_sharded(trainer.model)):
@@ -238,28 +245,34 @@ class CheckpointDriver:
             return None
         return self._save(trainer, step, names)
 
-    def save_now(self, trainer) -> SaveHandle | None:
-        """Save the levels due at this step now, if not saved yet (elastic: before members change)."""
+    def settle(self, trainer) -> None:
+        """Elastic, before members change: save what is due at this step, then wait until no save is in
+        flight (a new epoch would abandon it). The wait counts as stall."""
         names = self.due(trainer.step)
-        if not names or trainer.step == self.last_saved_step:
-            return None
-        return self._save(trainer, trainer.step, names)
+        if names and trainer.step != self.last_saved_step:
+            self._save(trainer, trainer.step, names)
+        start = time.perf_counter()
+        self.writer.wait()
+        self.stall_s += time.perf_counter() - start
+        self._raise_failed()
 
     def _save(self, trainer, step: int, names: list[str]) -> SaveHandle:
         previous = self.handles[-1] if self.handles else None
-        handle = self.writer.save(self.tree(trainer), step, levels=names)
+        member = {"member": Member.now(self.world)} if self.elastic else {}
+        handle = self.writer.save(self.tree(trainer), step, levels=names, **member)
+        handle.levels = names
         first_auto = self.policy is not None and "local" in names and not self.decisions
         if not self.async_ok or first_auto:
             handle.wait()
             if not self.async_ok:
                 handle.stall_s += handle.persist_s  # a blocking save stalls for all of it
+        self._raise_failed()  # before dropping finished handles: one may have been abandoned meanwhile
         self.handles = [h for h in self.handles if not h.done()] + [handle]
         self.stall_s += handle.stall_s
         self._account(previous)
-        if not isinstance(handle.error, MembershipChanged):  # an abandoned save is not a save
-            for name in names:
-                self.saves[name] += 1
-                self.last_step_of[name] = step
+        for name in names:  # an abandoned save is taken back off these in _raise_failed
+            self.saves[name] += 1
+            self.last_step_of[name] = step
         self.last_saved_step = step
         if self.policy is not None and "local" in names:
             self._decide(step, handle, previous)
@@ -294,7 +307,12 @@ class CheckpointDriver:
         for h in list(self.handles):
             if h.done() and isinstance(h.error, MembershipChanged):  # elastic: abandoned, not fatal
                 self.abandoned.append(h.step)
+                self.abandoned_why.append(f"step {h.step}: {h.error}")
                 self.handles.remove(h)
+                for name in h.levels:  # counted as a save when it started; it is not one
+                    self.saves[name] -= 1
+                    if self.last_step_of.get(name) == h.step:
+                        del self.last_step_of[name]  # finish() saves the final step again
             elif h.done() and h.error is not None:
                 raise RuntimeError(f"checkpoint of step {h.step} failed: {h.error!r}") from h.error
 
@@ -344,6 +362,7 @@ class CheckpointDriver:
                    "bytes_received": self.peer.bytes_received},
                "saves": dict(self.saves), "memory_skipped_busy": self.memory_skipped,
                "abandoned_membership_change": list(self.abandoned),
+               "abandoned_why": self.abandoned_why[-MAX_DECISIONS_KEPT:],
                "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
                "policy": "fixed" if self.policy is None else {"spec": self.cfg.ckpt_policy, **self.policy_settings},

@@ -46,8 +46,11 @@ class ElasticComm:
     POLL = 0.005  # seconds between checks of a running collective (store round trip is ~0.2 ms)
 
     def __init__(self, store, name: str, ledger: CommLedger, heartbeat_timeout: float = 3.0,
-                 collective_timeout: float = 120.0, on_change: Callable[[int, int], None] | None = None):
+                 collective_timeout: float = 120.0, on_change: Callable[[int, int], None] | None = None,
+                 new_client: Callable[[], object] | None = None):
         self.store, self.name, self.ledger = store, name, ledger
+        # another client of the same store, for a thread of its own (checkpoint persists: elastic_saves)
+        self.new_client = new_client
         self.liveness = Liveness(store, heartbeat_timeout)
         self.collective_timeout = collective_timeout
         self.on_change = on_change
@@ -59,6 +62,10 @@ class ElasticComm:
         self.syncs: list[dict] = []  # every committed operation: epoch, seq, kind, start, seconds
         self._last_round: int | None = None
         self._retired: list = []  # aborted groups, kept alive until exit (see _abort)
+
+    def new_liveness(self, client) -> Liveness:
+        """A liveness check through `client` (one of new_client's), with this job's heartbeat timeout."""
+        return Liveness(client, self.liveness.timeout)
 
     # ---- Comm interface -------------------------------------------------------------------------
     @property
@@ -294,10 +301,10 @@ class ElasticComm:
         if not joiners:
             return
         if getattr(trainer, "checkpoints", None) is not None:
-            # a checkpoint due at this step is taken by the members before the joiners enter: the
+            # a checkpoint due at this step is taken by the members before the joiners enter (the
             # loop's own save comes after this hook, when a joiner would be in the barrier but not
-            # in the loop (it starts at the next step)
-            trainer.checkpoints.save_now(trainer)
+            # in the loop), and no save may be in flight: the new epoch would abandon it
+            trainer.checkpoints.settle(trainer)
         nxt = self.epoch + 1
         holders = set(self.names)
         for j in joiners:
@@ -368,7 +375,12 @@ class ElasticComm:
 
     def leave(self) -> None:
         self._abort()
-        self.store.set(f"dead/{self.name}", "finished")
+        try:
+            self.store.set(f"dead/{self.name}", "finished")
+        except dist.DistNetworkError:
+            # the launcher's store is gone: the job ended while this worker finished (a joiner is not the
+            # launcher's child and may end last); nobody is left to tell
+            pass
 
 
 def _quiet_abort(pg) -> None:

@@ -91,7 +91,8 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str, on_st
     cfg.inner, cfg.probe = "single", False  # one worker per island; the probe needs a fixed world
     beat = Heartbeat(host, port, name)
     ledger = CommLedger()
-    comm = ElasticComm(store, name, ledger, heartbeat_timeout=cfg.heartbeat_timeout, collective_timeout=cfg.timeout)
+    comm = ElasticComm(store, name, ledger, heartbeat_timeout=cfg.heartbeat_timeout, collective_timeout=cfg.timeout,
+                       new_client=lambda: connect(host, port))
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         if admission.initial:

@@ -6,7 +6,10 @@ Two measurements, side by side in one run:
   (stall = snapshot copy; the persist is waited for outside the timing so samples do not queue);
 - training loop: the same job (one worker) with ckpt_every=K, ckpt_async on and off; the trainer's
   checkpoint record gives the stall summed over its checkpoints, and the run's wall time shows what the
-  background persist costs the training thread on a 2-core machine.
+  background persist costs the training thread on a 2-core machine;
+- elastic training loop: an elastic DiLoCo job of 2 workers (islands.runtime.elastic), async on and off.
+  Its asynchronous saves meet through the job's TCPStore from the persist thread (elastic_saves.
+  PersistBarrier); the blocking ones gather over the members on the training thread.
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ def ckpt_stall(ctx: BenchContext) -> dict:
                       "async": mode}
     rows += [loop[True], loop[False]]
     ratio_loop = loop[True]["stall_per_ckpt_s"] / loop[False]["stall_per_ckpt_s"]
+    elastic = {mode: _elastic_loop(ctx, mode, steps, every) for mode in (True, False)}
+    rows += [elastic[True], elastic[False]]
+    ratio_elastic = elastic[True]["stall_per_ckpt_s"] / elastic[False]["stall_per_ckpt_s"]
     headline = [f"state {r['state_MB']:.0f} MB: async stall {r['async_stall_s'] * 1e3:.1f} ms vs synchronous save "
                 f"{r['sync_s'] * 1e3:.0f} ms = {100 * r['stall_ratio']:.1f}% (goal <= 10%); first snapshot "
                 f"{r['first_stall_s'] * 1e3:.1f} ms (allocates the staging buffers), later ones "
@@ -96,8 +102,41 @@ def ckpt_stall(ctx: BenchContext) -> dict:
                     f"{loop[False]['stall_per_ckpt_s'] * 1e3:.0f} ms sync ({100 * ratio_loop:.1f}%); training step "
                     f"{loop[True]['train_s_per_step']:.3f} s async vs {loop[False]['train_s_per_step']:.3f} s sync "
                     f"(the background persist shares this machine's {os.cpu_count()} cores with training)")
+    headline.append(f"elastic DiLoCo job, 2 workers (gloo loopback, store barrier over TCP): stall per checkpoint "
+                    f"{elastic[True]['stall_per_ckpt_s'] * 1e3:.1f} ms async vs {elastic[False]['stall_per_ckpt_s'] * 1e3:.0f}"
+                    f" ms blocking ({100 * ratio_elastic:.1f}%), {elastic[True]['saves']} vs {elastic[False]['saves']} saves")
     if ctx.device == "cuda":
         headline.append(f"state on {torch.cuda.get_device_name()}: the snapshot is a device-to-host copy into reused "
                         "pinned buffers; the synchronous save includes the same copy")
     return {"rows": rows, "headline": headline, "plot": _plot,
             "baseline": ["synchronous save of the same tree to the same kind of store, same run"]}
+
+
+def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int) -> dict:
+    """One elastic DiLoCo job of 2 workers saving every `every` steps; its checkpoint stall per save."""
+    import io
+    import json
+
+    from islands.runtime.elastic_launch import launch_elastic
+
+    label = f"elastic-{'async' if mode else 'sync'}"
+    run_dir = ctx.out_dir / "runs" / label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cfg = ctx.config(run_dir=str(run_dir), workers=2, islands=2, outer="diloco:inner_steps=5", elastic=True,
+                     steps=steps, ckpt_every=every, ckpt_async=mode, eval_every=0, probe=False, d_model=256,
+                     n_layers=4, n_heads=4, global_batch=16)
+    os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
+    ctx.log(f"run {label}: 2 elastic workers, every {every} of {steps} steps")
+    code = launch_elastic(cfg, run_dir, out=io.StringIO())
+    if code != 0:
+        raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+    rec = json.loads((run_dir / "run.json").read_text())
+    ck, s = rec["checkpoint"], rec["summary"]
+    saves = sum(ck["saves"].values())
+    if ck["async"] != mode or not saves:
+        raise RuntimeError(f"elastic run {label!r}: async={ck['async']} with {saves} saves; expected async={mode}")
+    return {"where": "elastic training loop", "config": f"d256 L4, DiLoCo H=5, 2 workers, every {every} of {steps} steps",
+            "stall_per_ckpt_s": ck["stall_seconds_total"] / saves, "saves": saves,
+            "abandoned": len(ck["abandoned_membership_change"]), "train_s_per_step": s["seconds_per_step"],
+            "stall_fraction": ck["stall_seconds_total"] / s["wall_seconds"], "async": mode}
