@@ -126,3 +126,44 @@ def test_membership_and_outer_state_survive_a_resume(tmp_path):
     assert mem["events"][-1] == {"type": "resumed", "from_epoch": 0, "previous_members": [[0, "w0", 0]]}
     outer, saved = resumed.strategy.outer, state["strategy"]["outer"]
     assert outer.rounds == 3 and outer.global_flat.equal(saved["global"]) and resumed.step == 6
+
+
+def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit_code(monkeypatch, capsys):
+    import gc
+
+    from islands.cli import main
+    from islands.runtime import elastic_worker
+    from islands.runtime.elastic import JobEnded
+    from islands.runtime.membership import JOB_ENDED_EXIT_CODE
+
+    server, prefixed = host_store(0)
+    comm = ElasticComm(connect("127.0.0.1", server.port), "j1", CommLedger())
+    outcome: list[BaseException] = []
+
+    def joiner():
+        try:
+            comm.enter_as_joiner(lambda: object())
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=joiner, daemon=True)
+    thread.start()
+    probe = connect("127.0.0.1", server.port)
+    deadline = time.monotonic() + 20
+    while not probe.check(["ready/j1"]):  # the joiner waits for admission now
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    del probe, prefixed, server  # the job ends: its launcher's store goes away
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], JobEnded), outcome
+    assert "ended before admitting this worker" in str(outcome[0])
+
+    def ended(*args, **kwargs):
+        raise outcome[0]
+
+    monkeypatch.setattr(elastic_worker, "run_elastic_worker", ended)
+    with pytest.raises(SystemExit) as exited:
+        main(["join", "127.0.0.1:1", "--token", "t", "--name", "j1"])
+    assert exited.value.code == JOB_ENDED_EXIT_CODE
+    assert "127.0.0.1:1: the job ended before admitting this worker" in capsys.readouterr().out

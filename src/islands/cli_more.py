@@ -30,9 +30,9 @@ def _join(args) -> int:
     import secrets
     from pathlib import Path
 
-    from islands.runtime.elastic import Excluded
+    from islands.runtime.elastic import Excluded, JobEnded
     from islands.runtime.elastic_worker import exit_now, parse_address, run_elastic_worker
-    from islands.runtime.membership import REFUSED_EXIT_CODE, Refused
+    from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE, Refused
 
     try:
         parse_address(args.address)
@@ -56,6 +56,9 @@ def _join(args) -> int:
     except Excluded as e:
         print(f"islands: {e}", flush=True)
         return 1
+    except JobEnded as e:
+        print(f"islands: {args.address}: {e}", flush=True)
+        return JOB_ENDED_EXIT_CODE
     exit_now(0)  # a retired gloo group could hold a normal exit until its timeout
 
 

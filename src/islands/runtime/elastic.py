@@ -38,6 +38,10 @@ class Excluded(RuntimeError):
     """This process was dropped from the membership (its heartbeat went stale while it was away)."""
 
 
+class JobEnded(RuntimeError):
+    """The job finished (its store went away) before admitting this joiner."""
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -323,7 +327,12 @@ class ElasticComm:
         """A joiner: wait for the epoch the members put it in, then receive the training state."""
         trainer = trainer_factory()  # built while waiting, so the members do not wait for it
         self.store.set(f"ready/{self.name}", str(time.time()))
-        entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch", poll=0.02))
+        try:
+            entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch",
+                                        poll=0.02))
+        except dist.DistNetworkError:
+            raise JobEnded("the job ended before admitting this worker: joiners enter at a round boundary and it "
+                           "had none left; nothing was trained here") from None
         self.form(entry["epoch"], None)
         holders = set(entry["holders"])
         self.share_state(trainer, holders)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 PREFIX = "islands/"
 HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (cfg.heartbeat_timeout) is a multiple
 REFUSED_EXIT_CODE = 3
+JOB_ENDED_EXIT_CODE = 4  # `islands join`: the job finished before it admitted this worker
 
 
 class Refused(RuntimeError):
