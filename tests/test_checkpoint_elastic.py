@@ -252,3 +252,14 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
         assert store.verify(step) == [], step
     assert {store.load(60, rank=r).tree["world"]["size"] for r in range(2)} == {2}  # the survivors' parts
     assert not [p for p in (run / "ckpt").iterdir() if ".tmp-" in p.name]  # a partial one is cleaned up
+
+
+def test_the_config_a_joiner_reads_names_the_jobs_own_checkpoint_roots(tmp_path, monkeypatch):
+    from islands.runtime.elastic_launch import shared_config
+
+    monkeypatch.chdir(tmp_path)
+    shared = shared_config(_cfg(tmp_path / "run", ckpt_remote_dir="remote", ckpt_remote_every=4), Path("run"))
+    # a joiner runs in another directory with another --run-dir: relative roots would be its own
+    assert shared["ckpt_dir"] == str(tmp_path / "run" / "ckpt")
+    assert shared["ckpt_remote_dir"] == str(tmp_path / "remote")
+    assert "extra" not in shared and from_mapping(shared).ckpt_every == 4

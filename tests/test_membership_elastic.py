@@ -109,6 +109,7 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
     # long enough that the joiner, a fresh process importing torch, is admitted before the job ends even
     # on a loaded machine (1500 steps were not, twice, with two training jobs running beside the suite)
     cfg = _cfg(tmp_path, workers=2, steps=3000, every=4)
+    cfg.ckpt_every = 250  # asynchronous saves around the join: the members finish any in flight first
     seen = {}
 
     def joins(address, workers):
@@ -144,6 +145,14 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
     assert len(first_member_round) == len(rounds)  # the joiner was in every 3-member round, from the first
     # and at the end everyone agrees bit for bit
     assert len({r["global_sha256"] for r in members.values()} | {joiner["global_sha256"]}) == 1
+    # the join abandoned no checkpoint, and the last one holds all three members' parts
+    ckpt = json.loads((tmp_path / "run" / "run.json").read_text())["checkpoint"]
+    assert ckpt["async"] is True and ckpt["abandoned_membership_change"] == [] and ckpt["saves"]["local"] == 12
+    from islands.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "run" / "ckpt", clean=False)
+    assert store.latest_step() == 3000 and store.verify(3000) == []
+    assert store.load(3000, rank=2).tree["world"]["size"] == 3
 
 
 @pytest.mark.parametrize("bad,needle", [

@@ -38,6 +38,17 @@ def job_token(run_dir: Path, out) -> str:
     return token
 
 
+def shared_config(cfg: TrainConfig, run_dir: Path) -> dict:
+    """The config every worker of the job reads from its store, joiners included. Checkpoint roots are
+    absolute and the job's own: a save commits only once every member's part is in one directory, and a
+    joiner runs elsewhere (its own --run-dir, its own working directory)."""
+    shared = {k: v for k, v in cfg.to_dict().items() if k != "extra"}
+    shared["ckpt_dir"] = str(Path(cfg.ckpt_dir or run_dir / "ckpt").resolve())
+    if cfg.ckpt_remote_dir:
+        shared["ckpt_remote_dir"] = str(Path(cfg.ckpt_remote_dir).resolve())
+    return shared
+
+
 def launch_elastic(cfg: TrainConfig, run_dir: Path, out=sys.stderr, on_started=None) -> int:
     """Run an elastic job; `on_started(address, workers, coordinator)` lets experiments inject faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -48,8 +59,7 @@ def launch_elastic(cfg: TrainConfig, run_dir: Path, out=sys.stderr, on_started=N
     token = job_token(run_dir, out)
     server, store = host_store(cfg.port)
     address = f"127.0.0.1:{server.port}"
-    coordinator = Coordinator(store, token, cfg.workers, json.dumps({k: v for k, v in cfg.to_dict().items()
-                                                                     if k != "extra"}),
+    coordinator = Coordinator(store, token, cfg.workers, json.dumps(shared_config(cfg, run_dir)),
                               log=lambda line: print(line, file=out, flush=True)).start()
     print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out)
     workers: list[WorkerProcess] = []
