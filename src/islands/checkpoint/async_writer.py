@@ -40,6 +40,7 @@ class SaveHandle:
         self.persist_s = 0.0
         self.error: BaseException | None = None
         self.result = None  # what the sink's save returned
+        self.levels: list[str] = []  # the checkpoint levels this save writes, when its caller says (driver)
         self._finished = threading.Event()
 
     @property

@@ -254,12 +254,12 @@ def diloco_long(ctx: BenchContext) -> dict:
 # diloco-gap found DDP at batch 32 worth 1.67x the batch-16 run (1000 vs 599 DDP steps): far below the
 # size where more samples per step stop paying. DiLoCo splits the batch over islands, so it pays that
 # price per island; at a larger global batch each island's half is worth more of DDP's step.
-BATCHES = (32, 128)
+BATCHES = (32, 128, 256)
 PLAIN = "outer=sgd,outer_lr=1,momentum=0"
 
 
 @experiment("diloco-batch", practices=("SOTA-155",),
-            help="DiLoCo H=100 vs DDP at global batch 32 and 128 (2 islands): the gap as each island's batch grows")
+            help="DiLoCo H=100 vs DDP at global batch 32, 128 and 256 (2 islands): the gap as each island's batch grows")
 def diloco_batch(ctx: BenchContext) -> dict:
     rows = []
     for batch in BATCHES:
@@ -269,7 +269,7 @@ def diloco_batch(ctx: BenchContext) -> dict:
         runs = [(f"ddp-b{batch}", ddp_rec, dict(H=1, islands=1))]
         rec = ctx.train(f"diloco-H100-b{batch}", islands=2, outer=f"diloco:inner_steps=100,{SCALED}", **base)
         runs.append((f"diloco-H100-b{batch}", rec, dict(H=100, islands=2, outer=SCALED)))
-        if batch == BATCHES[-1]:  # sqrt(M) assumes noise-dominated steps, which a larger batch weakens
+        if batch == 128:  # sqrt(M) assumes noise-dominated steps, which a larger batch weakens
             rec = ctx.train(f"diloco-H100-plain-b{batch}", islands=2, outer=f"diloco:inner_steps=100,{PLAIN}", **base)
             runs.append((f"diloco-H100-plain-b{batch}", rec, dict(H=100, islands=2, outer=PLAIN)))
         for label, r, extras in runs:
