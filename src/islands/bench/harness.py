@@ -103,6 +103,31 @@ class BenchContext:
         self.runs.append(record)
         return record
 
+    def train_elastic(self, label: str, on_started=None, **overrides) -> dict:
+        """Run one elastic job (islands.runtime.elastic_launch) in a fresh run directory; returns its run
+        record. `on_started(address, workers, coordinator)` may inject faults; the job's token is in
+        ISLANDS_TOKEN by then. Never reused: a stale elastic/<name>.json would pass for a survivor's."""
+        import io
+        import json
+        import os
+        import shutil
+
+        from islands.runtime.elastic_launch import launch_elastic
+
+        run_dir = self.out_dir / "runs" / label
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cfg = self.config(run_dir=str(run_dir), **overrides)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
+        self.log(f"run {label}: {cfg.workers} elastic workers, outer={cfg.outer}, steps={cfg.steps}")
+        code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=on_started)
+        if code != 0:
+            raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+        record = json.loads((run_dir / "run.json").read_text())
+        record["label"] = label
+        self.runs.append(record)
+        return record
+
     @staticmethod
     def _finished(run_dir: Path, cfg: TrainConfig) -> dict | None:
         """The run record in run_dir if its config equals cfg in every key but where it ran and whether it

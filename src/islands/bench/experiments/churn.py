@@ -7,7 +7,6 @@ the joiner's wait = rounds committed after its admission that did not yet includ
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -16,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from islands.bench.experiments.churn_torchft import (TorchftSettings, event_stalls, islands_commits, load_torchft,
                                                       run_torchft, stalls_over_survivors, summarise_torchft)
@@ -72,32 +70,23 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
 
 
 def _run(ctx: BenchContext, label: str, cfg_values: dict, churn: dict | None) -> dict:
-    from islands.runtime.elastic_launch import launch_elastic
-
     run_dir = ctx.out_dir / "runs" / label
-    shutil.rmtree(run_dir, ignore_errors=True)  # a stale elastic/<name>.json would pass for a survivor's record
-    cfg = ctx.config(run_dir=str(run_dir), **cfg_values)
     log: dict = {"join_dir": run_dir / "joiner"}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
-    log["token"] = os.environ["ISLANDS_TOKEN"]
 
     def started(address, workers, coordinator):
+        log["token"] = os.environ["ISLANDS_TOKEN"]
         if churn:
             threading.Thread(target=_events, args=(ctx, address, workers, churn["kills"], churn["join"], log),
                              daemon=True).start()
 
-    ctx.log(f"run {label}: {cfg.workers} elastic workers, outer={cfg.outer}, churn={churn}")
-    code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=started)
-    if code != 0:
-        raise RuntimeError(f"churn run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+    ctx.log(f"run {label}: churn={churn}")
+    record = ctx.train_elastic(label, on_started=started, **cfg_values)
     if churn and "join" not in log:
         raise RuntimeError(f"churn run {label!r}: the joiner was not admitted before the job ended; "
                            f"make the run longer (logs in {run_dir / 'logs'})")
     if "join" in log:
         log["join"]["proc"].wait(timeout=120)
         log["join"].pop("proc")
-    record = json.loads((run_dir / "run.json").read_text())
     members = {p.stem: json.loads(p.read_text()) for p in run_dir.glob("elastic/*.json")}
     members.update({p.stem: json.loads(p.read_text()) for p in (run_dir / "joiner").glob("elastic/*.json")})
     return {"record": record, "members": members, "log": log, "ready": log.get("ready")}

@@ -114,24 +114,10 @@ def ckpt_stall(ctx: BenchContext) -> dict:
 
 def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int) -> dict:
     """One elastic DiLoCo job of 2 workers saving every `every` steps; its checkpoint stall per save."""
-    import io
-    import json
-
-    from islands.runtime.elastic_launch import launch_elastic
-
     label = f"elastic-{'async' if mode else 'sync'}"
-    run_dir = ctx.out_dir / "runs" / label
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    cfg = ctx.config(run_dir=str(run_dir), workers=2, islands=2, outer="diloco:inner_steps=5", elastic=True,
-                     steps=steps, ckpt_every=every, ckpt_async=mode, eval_every=0, probe=False, d_model=256,
-                     n_layers=4, n_heads=4, global_batch=16)
-    os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
-    ctx.log(f"run {label}: 2 elastic workers, every {every} of {steps} steps")
-    code = launch_elastic(cfg, run_dir, out=io.StringIO())
-    if code != 0:
-        raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
-    rec = json.loads((run_dir / "run.json").read_text())
+    rec = ctx.train_elastic(label, workers=2, islands=2, outer="diloco:inner_steps=5", elastic=True, steps=steps,
+                            ckpt_every=every, ckpt_async=mode, eval_every=0, probe=False, d_model=256, n_layers=4,
+                            n_heads=4, global_batch=16)
     ck, s = rec["checkpoint"], rec["summary"]
     saves = sum(ck["saves"].values())
     if ck["async"] != mode or not saves:
