@@ -265,3 +265,33 @@ def test_the_config_a_joiner_reads_names_the_jobs_own_checkpoint_roots(tmp_path,
     assert shared["ckpt_dir"] == str(tmp_path / "run" / "ckpt")
     assert shared["ckpt_remote_dir"] == str(tmp_path / "remote")
     assert "extra" not in shared and from_mapping(shared).ckpt_every == 4
+
+
+def test_persist_barrier_after_all_parts_are_in_waits_for_the_commit_whoever_else_leaves(job_store):
+    import threading
+
+    port, store = job_store
+    beats = _beat(port, "a", "b")
+    try:
+        barrier = _persist_barrier(port, epoch_now=lambda: 1)  # the epoch moves on right after the parts
+        barrier.begin(_member(0, 1, ("a", "b", "c")), step=15)
+        for r in (0, 2):
+            store.set(f"ckpt/s15/e0/0/part/{r}", "1")
+        store.set("dead/c", "1")  # c dies once its part is written; rank 0 ("a") commits regardless
+        committed = threading.Timer(0.3, lambda: store.set("ckpt/s15/e0/0/committed", "1"))
+        committed.start()
+        barrier()  # every part is in: no abandoning, although c is gone and the epoch moved
+        barrier()  # waits for rank 0's commit instead of abandoning a checkpoint that is committed
+        assert store.check(["ckpt/s15/e0/0/committed"])
+        committed.join()
+
+        barrier = _persist_barrier(port, heartbeat_s=0.5)
+        barrier.begin(_member(0, 1, ("a", "b")), step=20)
+        store.set("ckpt/s20/e0/0/part/0", "1")
+        barrier()
+        store.set("dead/a", "1")  # rank 0 itself is gone before committing: the outcome is unknown
+        with pytest.raises(MembershipChanged, match="while rank 0 committed"):
+            barrier()
+    finally:
+        for b in beats:
+            b.stop()

@@ -78,8 +78,9 @@ class PersistBarrier:
     durable and waits for all of them (then rank 0 commits); rank 0 sets `.../committed` after the
     pointer moved and the others wait for that. `client` makes a store client of this thread's own;
     `liveness(client)` says which names are gone (membership.Liveness); `epoch_now()` is the training
-    thread's current epoch. Waiting ends with MembershipChanged when a member of the save's epoch is
-    gone, the epoch moved, or `timeout_s` passed.
+    thread's current epoch. Waiting for the parts ends with MembershipChanged when a member of the
+    save's epoch is gone, the epoch moved, or `timeout_s` passed; waiting for the commit, only when rank
+    0 is gone or `timeout_s` passed (once every part is in, a member leaving does not undo the commit).
     """
 
     POLL = 0.01  # seconds between looks at the store (a round trip is ~0.2 ms)
@@ -100,23 +101,24 @@ class PersistBarrier:
             self._liveness = self._make_liveness(self._client)
         m, self.calls = self.member, self.calls + 1
         key = f"ckpt/s{self.step}/e{m.epoch}/{(self.calls - 1) // 2}"
-        if self.calls % 2 == 1:  # before the commit: every part written?
+        if self.calls % 2 == 1:  # before the commit: every part written? Anyone leaving abandons the save.
             self._client.set(f"{key}/part/{m.rank}", "1")
-            self._wait([f"{key}/part/{r}" for r in range(m.size)], "before the commit")
+            others = [n for i, n in enumerate(m.names) if i != m.rank]
+            self._wait([f"{key}/part/{r}" for r in range(m.size)], "before the commit", others, epoch_matters=True)
         elif m.rank == 0:
             self._client.set(f"{key}/committed", "1")
-        else:
-            self._wait([f"{key}/committed"], "while rank 0 committed (the commit may have happened)")
+        else:  # every part is in and rank 0 commits: only rank 0 leaving can stop that now
+            self._wait([f"{key}/committed"], "while rank 0 committed (the commit may have happened)",
+                       [m.names[0]], epoch_matters=False)
 
-    def _wait(self, keys: list[str], when: str) -> None:
+    def _wait(self, keys: list[str], when: str, watched: list[str], epoch_matters: bool) -> None:
         m, deadline = self.member, time.monotonic() + self.timeout_s
-        others = [n for i, n in enumerate(m.names) if i != m.rank]
         while not self._client.check(keys):
             now_epoch = self.epoch_now()
-            if now_epoch != m.epoch:
+            if epoch_matters and now_epoch != m.epoch:
                 raise MembershipChanged(f"members changed during the save of step {self.step} (epoch {m.epoch} "
                                         f"-> {now_epoch}) {when}; abandoned, the previous checkpoint stays latest")
-            gone = self._liveness.gone(others)
+            gone = self._liveness.gone(watched)
             if gone:
                 raise MembershipChanged(f"{sorted(gone)} left during the save of step {self.step} {when}; "
                                         "abandoned, the previous checkpoint stays latest")
