@@ -59,6 +59,8 @@ def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_
     # checkpointing does not perturb training: same final loss bit for bit as a run without it
     assert plain["summary"]["final_val_loss"] == rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
     assert rec_a["checkpoint"]["saves"] == {"local": 2} and rec_a["checkpoint"]["policy"] == "fixed"
+    # the staging buffers were made after step 1, ahead of the first save (step 4), which copied into them
+    assert rec_a["checkpoint"]["staging_reserve_s"] is not None
     assert rec_b["checkpoint"]["resumed_from"]["step"] == 4
     # a torn newer checkpoint is skipped: resume from the root falls back to step 4
     data = tmp_path / "ca" / "step-000008" / "rank00000.data"
@@ -76,6 +78,7 @@ def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
     rec = t.run()
     ck = rec["checkpoint"]
     assert ck["levels"] == {"memory": 1, "local": "policy", "remote": 3}
+    assert ck["staging_reserve_s"] is None  # a save was due at step 1: nothing to make ahead of it
     assert ck["decisions"] and all(d["reason"] and d["binding"] for d in ck["decisions"])
     assert ck["decision"]["interval_steps"] >= 1 and ck["saves"]["local"] >= 2
     on_disk = json.loads((tmp_path / "run" / "run.json").read_text())["checkpoint"]

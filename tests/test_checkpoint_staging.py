@@ -40,6 +40,44 @@ def test_staging_reused_across_saves_and_bounded_by_the_budget():
     writer.close(10)
 
 
+def test_reserve_makes_the_first_snapshots_buffers_ahead_and_they_hold_the_snapshot():
+    sink = Keep()
+    writer = AsyncCheckpointer(sink, memory_budget_bytes=10_000)
+    live = {"w": torch.randn(1000), "n": torch.arange(7)}
+    assert writer.reserve(live)
+    assert not writer.reserve(live)  # one reserve at a time: nothing doubles the staging memory
+    assert writer.wait_reserved(10) and writer.reserve_s is not None and writer.reserve_error is None
+    assert writer.staging_bytes == 4 * 1000 + 8 * 7
+    reserved = {k: v.data_ptr() for k, v in writer._reserved.items()}
+    live["w"].mul_(2)  # values after the reserve are what the snapshot holds: reserve read only shapes
+    h = writer.save(live, 1)
+    h.wait(10)
+    assert h.durable and sink.ptrs[0] == reserved
+    assert not writer.reserve(live)  # buffers exist: the next snapshot reuses them anyway
+    h = writer.save(live, 2)
+    h.wait(10)
+    assert sink.ptrs[1] == reserved
+    writer.close(10)
+
+
+def test_reserve_declines_a_tree_over_the_budget_and_a_shape_change_still_saves_exactly():
+    writer = AsyncCheckpointer(Keep(), memory_budget_bytes=100)
+    assert not writer.reserve({"w": torch.zeros(1000)}) and writer.staging_bytes == 0
+
+    class Hold:
+        def save(self, tree, step, **kw):
+            self.tree = {k: v.clone() for k, v in tree.items()}
+
+    sink = Hold()
+    writer = AsyncCheckpointer(sink)
+    assert writer.reserve({"w": torch.zeros(10), "gone": torch.zeros(3)})
+    live = {"w": torch.arange(12.0)}  # the tree changed shape after the reserve: fresh buffers, same bytes
+    h = writer.save(live, 1)
+    h.wait(10)
+    assert h.durable and torch.equal(sink.tree["w"], live["w"])
+    writer.close(10)
+
+
 def test_layout_change_drops_unfitting_buffers_first():
     a = copy_tree({"w": torch.ones(8), "old": torch.ones(1000)})
     b = copy_tree({"w": torch.full((8,), 2.0), "new": torch.ones(3)}, reuse=staging_buffers(a))

@@ -38,3 +38,27 @@ def test_trimmed_and_warm_heap_rounds_measure_the_same_bytes(settle):
     m = measure_codecs(raw, {"islands": per_tensor(singles)}, repeats=2, settle=settle)["islands"]
     assert m["bytes"] == sum(len(compress(prepare())) for prepare, compress, _ in singles)
     assert m["compress_MBps"] > 0 and m["decompress_MBps"] > 0
+
+
+def test_measure_stall_saves_new_bytes_each_time_only_when_the_state_advances(tmp_path):
+    from itertools import count
+
+    from islands.checkpoint import CheckpointStore
+    from islands.checkpoint.measure import measure_stall
+
+    tree = {"w": torch.randn(4096), "b": torch.randn(64)}
+    n = count()
+
+    def sink():
+        return CheckpointStore(tmp_path / f"s{next(n)}", keep_last=1)
+
+    def advance():
+        tree["w"].add_(1.0)
+        tree["b"].mul_(1.5)
+
+    still = measure_stall(sink, tree, [1, 2, 3])
+    moving = measure_stall(sink, tree, [1, 2, 3], advance=advance)
+    assert still["sync_deduped_bytes"] == 2 * (4096 + 64) * 4  # unchanged: every save after the first a dedup hit
+    assert moving["sync_deduped_bytes"] == 0
+    assert moving["reserve_s"] is not None and moving["samples"] == 3
+    assert all(moving[k] > 0 for k in ("sync_save_s", "async_stall_s", "async_persist_s"))

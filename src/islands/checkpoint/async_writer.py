@@ -15,6 +15,10 @@ Policies, stated:
 - staging buffers: pinned host memory when the state lives on a CUDA device (asynchronous DMA copies,
   one stream sync before the persist starts), ordinary memory otherwise; views into one block per
   snapshot (tree.staging_block). They are reused by the next snapshot once their persist has ended, so repeated saves allocate (and pin) once.
+- reserve(tree): allocate and touch (or pin) those buffers in a background thread ahead of the first
+  save, so that save copies into mapped memory as every later one does. Without it the first snapshot
+  pays for the allocation: one page fault per 4 KiB (~3 us each on the 2-core bench machine, 104 ms
+  against 26 ms steady for a 131 MB state) or, for CUDA state, the page-locking call.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import time
 from typing import Protocol
 
-from islands.checkpoint.tree import copy_tree, staging_buffers, tree_nbytes
+from islands.checkpoint.tree import copy_tree, flatten_tree, staging_block, staging_buffers, tree_nbytes
 
 
 class Sink(Protocol):
@@ -83,11 +87,51 @@ class AsyncCheckpointer:
         # them): a repeat snapshot then copies into touched memory instead of faulting in new pages.
         self._staging: dict | None = None
         self._staging_owner: SaveHandle | None = None
+        self._reserving: threading.Thread | None = None
+        self._reserved: dict | None = None  # buffers reserve() made, for the first snapshot to take
+        self.reserve_s: float | None = None  # how long reserve()'s thread took (setup, not stall)
+        self.reserve_error: BaseException | None = None
 
     @property
     def staging_bytes(self) -> int:
         """Host memory held for snapshots: one snapshot's worth at most, never past the budget."""
-        return sum(t.numel() * t.element_size() for t in (self._staging or {}).values())
+        held = self._staging or self._reserved or {}
+        return sum(t.numel() * t.element_size() for t in held.values())
+
+    def reserve(self, tree) -> bool:
+        """Start making the staging buffers for snapshots of trees shaped like `tree` (same tensor names,
+        shapes and dtypes), touched page by page, in a background thread; the first save that finds
+        them ready copies into them instead of fresh memory. Returns False, doing nothing, when the tree
+        is over the memory budget or buffers already exist. A save waits for an unfinished reserve (the
+        wait counts as stall). Only the tensors' shapes are read, never their values."""
+        if self._staging is not None or self._reserved is not None or self._reserving is not None:
+            return False
+        if self.memory_budget_bytes is not None and tree_nbytes(tree) > self.memory_budget_bytes:
+            return False
+        _, tensors = flatten_tree(tree)
+        shapes = {name: t.detach() for name, t in tensors.items()}
+
+        def make() -> None:
+            start = time.perf_counter()
+            try:
+                self._reserved = staging_block(shapes, touch=True)
+            except (RuntimeError, MemoryError) as exc:  # the first save then allocates, as without reserve
+                self.reserve_error = exc
+            self.reserve_s = time.perf_counter() - start
+
+        self._reserving = threading.Thread(target=make, name="islands-ckpt-reserve", daemon=True)
+        self._reserving.start()
+        return True
+
+    def wait_reserved(self, timeout: float | None = None) -> bool:
+        """Block until a reserve() in progress has made its buffers; True when none is in progress."""
+        t = self._reserving
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                return False
+            self._reserving = None
+        return True
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -105,6 +149,7 @@ class AsyncCheckpointer:
             return handle
         if busy is not None:
             busy.wait()
+        self.wait_reserved()
         waited = time.perf_counter() - start
         if self.memory_budget_bytes is not None and nbytes > self.memory_budget_bytes:
             if self.over_budget == "error":
@@ -115,7 +160,9 @@ class AsyncCheckpointer:
             handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
             return handle
         reuse = self._staging if (self._staging_owner is not None and self._staging_owner.done()) else None
-        self._staging = self._staging_owner = None  # never hand out buffers a persist may still read
+        if reuse is None and self._reserved is not None:
+            reuse = self._reserved
+        self._staging = self._staging_owner = self._reserved = None  # never hand out buffers a persist may still read
         snapshot = copy_tree(tree, reuse=reuse)
         handle = SaveHandle(step, "async", nbytes)
         self._staging, self._staging_owner = staging_buffers(snapshot), handle
@@ -143,4 +190,4 @@ class AsyncCheckpointer:
         return True if h is None else h.wait(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
-        return self.wait(timeout)
+        return self.wait_reserved(timeout) and self.wait(timeout)

@@ -178,6 +178,7 @@ class CheckpointDriver:
         self._last_elapsed = 0.0
         self._iter_sum, self._iter_n = 0.0, 0
         self._uptime_mark = time.perf_counter()
+        self._reserve_tried = False
 
     def _build_policy(self) -> CombinedIntervalPolicy:
         s = self.policy_settings
@@ -234,6 +235,8 @@ class CheckpointDriver:
         self._last_elapsed = trainer.elapsed
         step = trainer.step
         names = self.due(step)
+        if not self._reserve_tried:
+            self._reserve(trainer, now=bool(names))
         if not names or step == self.last_saved_step:  # saved already (elastic: before a join, settle)
             return None
         if (names == ["memory"] and self.writer.in_flight is not None and self.peer is None
@@ -244,6 +247,14 @@ class CheckpointDriver:
             self.memory_skipped += 1
             return None
         return self._save(trainer, step, names)
+
+    def _reserve(self, trainer, now: bool) -> None:
+        """After the first step (the optimizer has its state by then), make the staging buffers of the
+        snapshots in the background, unless a save is due at once (it would only wait for them) or the
+        state is sharded (its tree is gathered: a collective, not worth a second one at the start)."""
+        self._reserve_tried = True
+        if self.async_ok and not now and not is_sharded(trainer.model):
+            self.writer.reserve(self.tree(trainer))
 
     def settle(self, trainer) -> None:
         """Elastic, before members change: save what is due at this step, then wait until no save is in
@@ -364,6 +375,7 @@ class CheckpointDriver:
                "abandoned_membership_change": list(self.abandoned),
                "abandoned_why": self.abandoned_why[-MAX_DECISIONS_KEPT:],
                "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
+               "staging_reserve_s": self.writer.reserve_s,
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
                "policy": "fixed" if self.policy is None else {"spec": self.cfg.ckpt_policy, **self.policy_settings},
                "decisions": self.decisions}

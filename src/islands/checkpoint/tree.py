@@ -129,16 +129,19 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
 _ALIGN = 256  # bytes: every view starts aligned for any dtype (and for vectorised copies)
 
 
-def staging_block(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def staging_block(tensors: Mapping[str, torch.Tensor], *, touch: bool = False) -> dict[str, torch.Tensor]:
     """Host buffers for `tensors`, as views into one allocation: pinned (page-locked) when any source
     lives on a CUDA device, so the copies are DMAs that need no bounce buffer and run asynchronously;
     ordinary memory otherwise (pinning gains a CPU-to-CPU copy nothing). One block, not one per tensor:
     each page-locking call costs far more than its bytes' copy, and torch's pinned allocator rounds every
-    request up to a power of two."""
+    request up to a power of two. `touch` writes every page once, so a copy into the block later finds
+    them mapped (AsyncCheckpointer.reserve)."""
     sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
     total = sum(-(-b // _ALIGN) * _ALIGN for b in sizes.values())
     pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors.values())
     block = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    if touch:
+        block.zero_()
     views, offset = {}, 0
     for name, t in tensors.items():
         views[name] = block[offset:offset + sizes[name]].view(t.dtype).view(t.shape)

@@ -91,7 +91,7 @@ def ckpt_levels(ctx: BenchContext) -> dict:
     plan = ({"memory_every": 2, "local_every": 10, "remote_every": 20, "fail_at": 37, "d_model": 128, "n_layers": 2}
             if ctx.quick else
             {"memory_every": 5, "local_every": 50, "remote_every": 200, "fail_at": 397, "d_model": 256, "n_layers": 4})
-    tree = state_tree(plan["d_model"], plan["n_layers"])  # the job's own model: costs and steps match
+    tree, _ = state_tree(plan["d_model"], plan["n_layers"])  # the job's own model: costs and steps match
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-levels-", dir=ctx.out_dir))
     try:
         costs = level_costs(tree, tmp, samples=3 if ctx.quick else 5)

@@ -1,9 +1,12 @@
 """ckpt-stall (SOTA-056): how long training stops per checkpoint, two-phase asynchronous against synchronous.
 
 Two measurements, side by side in one run:
-- store level: the state tree of a ByteTransformer plus its AdamW state after one step, saved to a
-  fresh CheckpointStore synchronously (encode + write + fsync + commit) and through AsyncCheckpointer
-  (stall = snapshot copy; the persist is waited for outside the timing so samples do not queue);
+- store level: the state tree of a ByteTransformer plus its AdamW state, one training step taken before
+  every save (so each save writes new bytes, as in training), saved to a fresh CheckpointStore
+  synchronously (encode + write + fsync + commit) and through AsyncCheckpointer (stall = snapshot copy;
+  the persist is waited for outside the timing so samples do not queue; staging buffers reserved
+  before the first save, as the trainer does after its first step). Until Nov 30 the tree did not
+  change between saves, so the synchronous saves after the first were dedup hits (measure_stall);
 - training loop: the same job (one worker) with ckpt_every=K, ckpt_async on and off; the trainer's
   checkpoint record gives the stall summed over its checkpoints, and the run's wall time shows what the
   background persist costs the training thread on a 2-core machine;
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,14 +33,22 @@ from islands.checkpoint.tree import tree_nbytes
 from islands.models import ByteTransformer
 
 
-def state_tree(d_model: int, n_layers: int, device: str = "cpu") -> dict:
+def state_tree(d_model: int, n_layers: int, device: str = "cpu") -> tuple[dict, Callable[[], None]]:
+    """(the state tree of a ByteTransformer and its AdamW after one step, a function that takes one more
+    training step). The tree holds the live tensors, so each step changes what the next save writes, as
+    in training (the store would otherwise dedup every tensor of an unchanged tree)."""
     torch.manual_seed(0)
     model = ByteTransformer(d_model=d_model, n_layers=n_layers, n_heads=4, context=128).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (4, 128), device=device)
-    model(x).float().mean().backward()
-    opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).float().mean().backward()
+        opt.step()
+
+    step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, step
 
 
 def _plot(result: dict, path) -> None:
@@ -61,19 +73,20 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     samples = 3 if ctx.quick else 5
     rows = []
     for d_model, n_layers in sizes:
-        tree = state_tree(d_model, n_layers, ctx.device)
+        tree, advance = state_tree(d_model, n_layers, ctx.device)
         tmp = Path(tempfile.mkdtemp(prefix="ckpt-stall-", dir=ctx.out_dir))
         try:
             count = iter(range(100))
             m = measure_stall(lambda: CheckpointStore(tmp / f"s{next(count)}", keep_last=1), tree,
-                              list(range(1, samples + 1)))
+                              list(range(1, samples + 1)), advance=advance)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         rows.append({"where": "store", "config": f"d{d_model} L{n_layers}", "state_MB": tree_nbytes(tree) / 1e6,
                      "sync_s": m["sync_save_s"], "async_stall_s": m["async_stall_s"],
                      "async_persist_s": m["async_persist_s"], "stall_ratio": m["stall_ratio"], "samples": samples,
                      "first_stall_s": m["async_stall_first_s"], "steady_stall_s": m["async_stall_steady_s"],
-                     "steady_stall_ratio": m["steady_stall_ratio"]})
+                     "steady_stall_ratio": m["steady_stall_ratio"], "reserve_s": m["reserve_s"],
+                     "sync_deduped_MB": m["sync_deduped_bytes"] / 1e6})
         ctx.log(f"store d{d_model} L{n_layers}: sync {m['sync_save_s']:.3f} s, async stall {m['async_stall_s']:.4f} s")
     steps, every = (30, 5) if ctx.quick else (80, 10)
     if ctx.device == "cuda":  # steps take ~30 ms there: space saves past one persist so none waits for another
@@ -94,10 +107,11 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     elastic = {mode: _elastic_loop(ctx, mode, steps, every) for mode in (True, False)}
     rows += [elastic[True], elastic[False]]
     ratio_elastic = elastic[True]["stall_per_ckpt_s"] / elastic[False]["stall_per_ckpt_s"]
-    headline = [f"state {r['state_MB']:.0f} MB: async stall {r['async_stall_s'] * 1e3:.1f} ms vs synchronous save "
-                f"{r['sync_s'] * 1e3:.0f} ms = {100 * r['stall_ratio']:.1f}% (goal <= 10%); first snapshot "
-                f"{r['first_stall_s'] * 1e3:.1f} ms (allocates the staging buffers), later ones "
-                f"{r['steady_stall_s'] * 1e3:.1f} ms = {100 * r['steady_stall_ratio']:.1f}%" for r in rows[:len(sizes)]]
+    headline = [f"state {r['state_MB']:.0f} MB, a training step between saves: async stall {r['async_stall_s'] * 1e3:.1f} ms "
+                f"vs synchronous save {r['sync_s'] * 1e3:.0f} ms = {100 * r['stall_ratio']:.1f}% (goal <= 10%); first "
+                f"snapshot {r['first_stall_s'] * 1e3:.1f} ms, later ones {r['steady_stall_s'] * 1e3:.1f} ms; staging "
+                f"buffers reserved beforehand in {r['reserve_s'] * 1e3:.0f} ms (setup, off the training thread); "
+                f"{r['sync_deduped_MB']:.2f} MB deduped over the synchronous saves" for r in rows[:len(sizes)]]
     headline.append(f"in the training loop: stall per checkpoint {loop[True]['stall_per_ckpt_s'] * 1e3:.1f} ms async vs "
                     f"{loop[False]['stall_per_ckpt_s'] * 1e3:.0f} ms sync ({100 * ratio_loop:.1f}%); training step "
                     f"{loop[True]['train_s_per_step']:.3f} s async vs {loop[False]['train_s_per_step']:.3f} s sync "
