@@ -173,6 +173,24 @@ def test_multi_rank_save_commits_once_all_ranks_wrote(tmp_path):
     assert store.verify(10) == []
 
 
+def test_a_resumed_run_resaving_later_steps_never_points_at_the_data_it_replaces(tmp_path):
+    # the first run saved steps 2 and 4; a second run resumed from step 2 (a new store object: it has
+    # not loaded anything itself, so `latest`, step 4, is its newest manifest) and saves 3 and then 4 with
+    # bitwise the same state. Both must stay loadable: deduping against step 4's files, which the
+    # re-save of step 4 replaces, had left both pointing at deleted data (and no intact step 4).
+    w, g = torch.randn(2000), torch.Generator().manual_seed(1)
+    first = CheckpointStore(tmp_path, keep_last=5)
+    first.save({"w": w + 1, "n": torch.zeros(3)}, 2)
+    first.save({"w": w, "n": torch.ones(3)}, 4)
+    again = CheckpointStore(tmp_path, keep_last=5)
+    again.save({"w": w, "n": torch.randn(3, generator=g)}, 3)
+    result = again.save({"w": w, "n": torch.ones(3)}, 4)
+    assert result.tensors_deduped == 1  # w, against step 3: this run's own
+    store = CheckpointStore(tmp_path)
+    assert store.latest_step() == 4 and all(store.verify(s) == [] for s in store.steps())
+    assert torch.equal(store.load().tree["w"], w) and torch.equal(store.load(3).tree["w"], w)
+
+
 def test_bad_arguments_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointStore(tmp_path, keep_last=0)

@@ -136,6 +136,11 @@ class CheckpointStore:
         staging.mkdir(exist_ok=self.world_size > 1)
         skeleton, tensors = flatten_tree(tree)
         previous = self._previous if self._previous is not None else self._latest_own_manifest()
+        if previous is not None and previous.get("step", -1) >= step:
+            # a checkpoint of this step or a later one is from a timeline this run left (it resumed from
+            # an older step): its directory is replaced when this run reaches that step, so nothing
+            # written now may point into it (that left re-saved steps pointing at deleted data)
+            previous = None
         is_base = self.delta_every > 0 and (self._base is None or self._since_base >= self.delta_every)
         if is_base:
             self._base_cache.clear()
