@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from islands.checkpoint import CheckpointMismatch, CheckpointStore
+from islands.checkpoint.manifest import data_name
 from islands.checkpoint.resume import resume_trainer
 from islands.config import ConfigError, from_mapping, validate
 from islands.runtime.world import World
@@ -140,6 +141,11 @@ def test_two_gloo_ranks_resume_bitwise_and_reshard_to_one(tmp_path):
             assert same(ta[key], tb[key]), (rank, key)
     r0, r1 = sa.load(6, rank=0).tree, sa.load(6, rank=1).tree
     assert not same(r0["loader"], r1["loader"]) or r0["world"]["rank"] != r1["world"]["rank"]
+    # ddp replicas are written once: rank 1's part holds only what differs (its RNG and loader state)
+    assert rec_a["checkpoint"]["share_replicas"] and rec_a["checkpoint"]["disk_bytes_this_rank"]["written"] > 0
+    size = {r: (sa.path_for(6) / data_name(r)).stat().st_size for r in (0, 1)}
+    assert size[1] < size[0] / 10, size
+    assert same(r0["model"], r1["model"]) and same(r0["optimizer"], r1["optimizer"])
     # 2 saved ranks -> 1 process: replicated ddp state loads; loader by the mean-progress policy
     one = trainer(tmp_path, "one", steps=6)
     info = resume_trainer(one, tmp_path / "a" / "ckpt" / "step-000003")

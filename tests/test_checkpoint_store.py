@@ -173,6 +173,101 @@ def test_multi_rank_save_commits_once_all_ranks_wrote(tmp_path):
     assert store.verify(10) == []
 
 
+def _ranks(world, target):
+    """Run target(rank, barrier) on `world` threads standing for ranks; returns their errors."""
+    barrier = threading.Barrier(world, timeout=30)
+    errors = []
+
+    def main(rank):
+        try:
+            target(rank, barrier)
+        except BaseException as exc:  # surfaced by the caller
+            errors.append((rank, exc))
+            barrier.abort()  # as a dead rank's peers see a collective fail
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def replica_tree(rank, step):
+    """Data-parallel state: model and optimizer equal on every rank, RNG and loader state per rank."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(3000, generator=g), "b": torch.randn(8, generator=g).bfloat16()},
+            "optimizer": {"m": torch.randn(3000, generator=g)},
+            "rng": torch.full((16,), 10 * step + rank, dtype=torch.uint8), "loader": {"cursor": 10 * rank + step}}
+
+
+def test_shared_replicas_are_written_once_and_every_rank_loads_its_own_state(tmp_path):
+    world, results = 3, {}
+
+    def rank_main(rank, barrier):
+        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0,
+                                keep_last=1, share_replicas=True)
+        barrier.wait()
+        for step, seed in ((1, 1), (2, 2), (3, 2)):  # step 3 saves step 2's state again
+            results[(rank, step)] = store.save(replica_tree(rank, seed), step)
+
+    assert _ranks(world, rank_main) == []
+    store = CheckpointStore(tmp_path)
+    assert store.steps() == [2, 3] and store.verify(2) == store.verify(3) == []  # 3 points into 2: kept
+    for rank in range(world):
+        assert_trees_equal(store.load(rank=rank).tree, replica_tree(rank, 2))
+    replicated = (3000 + 3000) * 4 + 8 * 2
+    assert results[(0, 1)].tensors_shared == 0 and results[(0, 1)].tensors_written == 4
+    for rank in (1, 2):
+        r = results[(rank, 1)]
+        assert (r.tensors_shared, r.bytes_shared, r.tensors_written) == (3, replicated, 1)  # only its rng
+        assert results[(rank, 2)].tensors_shared == 3  # new replicas: taken from rank 0's step 2 part
+        assert results[(rank, 3)].tensors_deduped == 4 and results[(rank, 3)].tensors_shared == 0
+    # rank 0's data file holds the replicas, the others' hold 16 bytes of state each (plus blob headers)
+    sizes = {r: (store.path_for(2) / data_name(r)).stat().st_size for r in range(world)}
+    assert sizes[0] > 20_000 and sizes[1] < 200 and sizes[2] < 200, sizes
+    from islands.checkpoint.cli import inspect
+
+    _, table = inspect(store.path_for(2), rank=1)  # `islands ckpt inspect` says where each tensor lies
+    assert sorted(table.columns[5]._cells) == ["this"] + ["this, rank00000.data"] * 3
+    # a replica is checked where it lies: damage rank 0's file and rank 1's load refuses it too
+    data = store.path_for(2) / data_name(0)
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpoint, match="rank00000.data"):
+        store.load(3, rank=1)
+
+
+def test_shared_replicas_a_rank_dying_before_rank_0s_part_is_read_leaves_the_last_checkpoint(tmp_path):
+    world = 2
+
+    def first(rank, barrier):
+        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0,
+                                share_replicas=True)
+        barrier.wait()
+        store.save(replica_tree(rank, 1), 1)
+
+    assert _ranks(world, first) == []
+
+    def crash(phase):
+        if phase == "replica_wait":
+            raise RuntimeError("killed")
+
+    def second(rank, barrier):
+        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=False,
+                                share_replicas=True, fault_hook=crash if rank == 1 else None)
+        barrier.wait()
+        store.save(replica_tree(rank, 2), 2)
+
+    errors = _ranks(world, second)
+    assert {rank for rank, _ in errors} == {0, 1}  # rank 1 died; rank 0's barrier broke, nothing committed
+    store = CheckpointStore(tmp_path)  # reopening cleans the partial step 2
+    assert store.latest_step() == 1 and store.steps() == [1]
+    for rank in range(world):
+        assert_trees_equal(store.load(rank=rank).tree, replica_tree(rank, 1))
+
+
 def test_a_resumed_run_resaving_later_steps_never_points_at_the_data_it_replaces(tmp_path):
     # the first run saved steps 2 and 4; a second run resumed from step 2 (a new store object: it has
     # not loaded anything itself, so `latest`, step 4, is its newest manifest) and saves 3 and then 4 with

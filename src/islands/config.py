@@ -94,6 +94,7 @@ class TrainConfig:
     ckpt_remote_every: int = 0  # steps between saves to ckpt_remote_dir
     ckpt_keep: int = 3  # checkpoints kept per disk level
     ckpt_async: bool = True  # snapshot, then persist in the background (SOTA-056)
+    ckpt_share_replicas: bool = True  # ranks > 0 reference rank 0's copy of identical tensors, not write them
     resume: str = ""  # run dir, checkpoint dir or step dir to resume from (islands.checkpoint.resume)
     extra: dict = field(default_factory=dict)  # experiment-only knobs; never set from TOML
 

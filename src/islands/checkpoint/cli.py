@@ -14,7 +14,7 @@ from rich.text import Text
 
 from islands.checkpoint import safetensors_codec
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.manifest import manifest_name, read_manifest
+from islands.checkpoint.manifest import data_name, manifest_name, read_manifest
 from islands.checkpoint.store import CheckpointStore, _STEP_DIR
 
 
@@ -86,10 +86,12 @@ def inspect(path: str | os.PathLike, rank: int = 0) -> tuple[dict, Table]:
     table = Table(title=f"{path} rank {rank}: step {body['step']}, fingerprint {body.get('config_fingerprint')}")
     for col in ("tensor", "dtype", "shape", "codec", "stored KB", "stored in", "delta"):
         table.add_column(col)
+    own_file = f"{own}/{data_name(rank)}"
     for name, e in body["tensors"].items():
         src = e["file"].split("/", 1)[0]
+        where = "this" if e["file"] == own_file else (f"this, {e['file'].split('/', 1)[1]}" if src == own else src)
         table.add_row(name, e["dtype"], str(tuple(e["shape"])), e["codec"], f"{e['length'] / 1e3:.1f}",
-                      "this" if src == own else src, "yes" if e.get("delta_base") else "")
+                      where, "yes" if e.get("delta_base") else "")
     return body, table
 
 

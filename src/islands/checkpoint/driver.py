@@ -11,6 +11,9 @@ Config (islands.config.TrainConfig):
     ckpt_remote_every   remote level interval in steps
     ckpt_keep           checkpoints retention keeps per disk level
     ckpt_async          two-phase snapshot-then-persist (SOTA-056) or a blocking save
+    ckpt_share_replicas a tensor whose bytes rank 0 saves in the same step (data-parallel replicas)
+                        is referenced by the other ranks' manifests, not written again (not elastic:
+                        its members' states differ between syncs, and its barrier has two phases)
 
 Every rank saves its own part (rankNNNNN files) of the same step; the stores' barrier runs on a
 dedicated gloo group so the persist thread never shares a process group with training collectives;
@@ -40,7 +43,7 @@ from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpoi
 from islands.checkpoint.packed import unpack_tree
 from islands.checkpoint.peer import PeerReplica
 from islands.checkpoint.sharded_state import is_sharded
-from islands.checkpoint.store import CheckpointStore
+from islands.checkpoint.store import CheckpointStore, SaveResult
 from islands.runtime.comm import Comm
 
 _AUTO_KEYS = {"bound": float, "mtbf_days": float, "devices": int, "first": int, "max": int}
@@ -151,7 +154,8 @@ class CheckpointDriver:
 
         def store(root):
             return CheckpointStore(root, keep_last=cfg.ckpt_keep, rank=world.rank, world_size=world.size,
-                                   barrier=barrier, clean=opens_clean(world))
+                                   barrier=barrier, clean=opens_clean(world),
+                                   share_replicas=cfg.ckpt_share_replicas and not self.elastic)
 
         # Peer copies need every rank at every memory save: only with a torch group (not elastic).
         self.peer = PeerReplica(_peer_comm(world, cfg.timeout)) if cfg.ckpt_memory_peer and torch_dist else None
@@ -172,6 +176,7 @@ class CheckpointDriver:
         self.saves = {lv.name: 0 for lv in levels}
         self.memory_skipped = 0
         self.stall_s = self.persist_s = 0.0
+        self.disk_bytes = {"written": 0, "deduped": 0, "shared": 0}  # see SaveResult
         self.handles: list[SaveHandle] = []
         self.last_saved_step: int | None = None
         self.last_step_of: dict[str, int] = {}
@@ -293,6 +298,10 @@ class CheckpointDriver:
     def _account(self, previous: SaveHandle | None) -> None:
         if previous is not None and previous.done():
             self.persist_s += previous.persist_s
+            for res in (previous.result or {}).values():  # disk levels: this rank's bytes, per save
+                if isinstance(res, SaveResult):
+                    for key in self.disk_bytes:
+                        self.disk_bytes[key] += getattr(res, f"bytes_{key}")
 
     def _decide(self, step: int, handle: SaveHandle, previous: SaveHandle | None) -> None:
         persist = handle.persist_s if handle.done() else (previous.persist_s if previous else 0.0)
@@ -376,6 +385,9 @@ class CheckpointDriver:
                "abandoned_why": self.abandoned_why[-MAX_DECISIONS_KEPT:],
                "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
                "staging_reserve_s": self.writer.reserve_s,
+               "share_replicas": any(getattr(getattr(lv, "store", None), "share_replicas", False)
+                                     for lv in self.levels.levels),
+               "disk_bytes_this_rank": dict(self.disk_bytes),
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
                "policy": "fixed" if self.policy is None else {"spec": self.cfg.ckpt_policy, **self.policy_settings},
                "decisions": self.decisions}

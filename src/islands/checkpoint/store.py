@@ -48,9 +48,11 @@ class SaveResult:
     path: Path
     bytes_written: int = 0
     bytes_deduped: int = 0  # raw tensor bytes not written because an older file holds them
+    bytes_shared: int = 0  # raw tensor bytes not written because rank 0's part of this step holds them
     raw_bytes: int = 0
     tensors_written: int = 0
     tensors_deduped: int = 0
+    tensors_shared: int = 0
     seconds: float = 0.0
 
 
@@ -70,6 +72,9 @@ class CheckpointStore:
     codec: how tensors are encoded. delta_every: 0 = no deltas; K = every K-th save is a full base and
     the others are XOR deltas against it. barrier: a callable all ranks enter (required if world_size > 1).
     fault_hook: called with each write phase's name before it runs (crash tests).
+    share_replicas: ranks > 0 do not write a tensor whose bytes rank 0's part of the same step holds
+    (data-parallel replicas: DDP's model and optimizer, FSDP's gathered full state); their manifests
+    point at rank 0's file. It costs one more barrier per save: rank 0 writes its part first.
     Rank 0 (or `clean=True`) removes partial saves of earlier runs here, so every rank must build its
     store before any rank saves (in training, the first collective step orders them).
     """
@@ -77,7 +82,7 @@ class CheckpointStore:
     def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, codec: TensorCodec | None = None,
                  delta_every: int = 0, rank: int = 0, world_size: int = 1,
                  barrier: Callable[[], None] | None = None, fault_hook: fsio.FaultHook | None = None,
-                 clean: bool | None = None):
+                 clean: bool | None = None, share_replicas: bool = False):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
         if delta_every < 0:
@@ -90,6 +95,7 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_last, self.codec, self.delta_every = keep_last, codec or TensorCodec(), delta_every
         self.rank, self.world_size, self.barrier, self.fault_hook = rank, world_size, barrier, fault_hook
+        self.share_replicas = share_replicas and world_size > 1
         self.cleaned = fsio.clean_partials(self.root) if (rank == 0 if clean is None else clean) else []
         self._previous: dict | None = None  # this rank's last manifest body: the dedup reference
         self._base: dict | None = None  # last full base manifest body (delta mode)
@@ -144,8 +150,16 @@ class CheckpointStore:
         is_base = self.delta_every > 0 and (self._base is None or self._since_base >= self.delta_every)
         if is_base:
             self._base_cache.clear()
-        by_hash = {e["content_hash"]: e for e in (previous or {}).get("tensors", {}).values()
-                   if not (is_base and e.get("delta_base"))}
+        usable = lambda body: {e["content_hash"]: e for e in (body or {}).get("tensors", {}).values()  # noqa: E731
+                               if not (is_base and e.get("delta_base"))}
+        by_hash = usable(previous)
+        shared: dict[str, dict] = {}
+        if self.share_replicas:
+            digests = {tname: content_hash(t) for tname, t in tensors.items()}  # while rank 0 writes
+            if self.rank > 0:
+                self._phase("replica_wait")
+                self.barrier()  # rank 0's part is written and fsynced (rank 0 enters below)
+                shared = usable(read_manifest(staging / manifest_name(0)))
         result = SaveResult(step=step, path=self.path_for(step))
         entries: dict[str, dict] = {}
         data_rel = f"{name}/{data_name(self.rank)}"
@@ -153,13 +167,18 @@ class CheckpointStore:
         def encoded_blobs():  # a generator: one encoded tensor in memory at a time, not the whole checkpoint
             offset = 0
             for tname, tensor in tensors.items():
-                digest = content_hash(tensor)
+                digest = digests[tname] if self.share_replicas else content_hash(tensor)
                 nbytes = tensor.numel() * tensor.element_size()
                 result.raw_bytes += nbytes
                 if digest in by_hash:
                     entries[tname] = dict(by_hash[digest])
                     result.tensors_deduped += 1
                     result.bytes_deduped += nbytes
+                    continue
+                if digest in shared:  # a replica of rank 0's tensor: its entry, with the same checks
+                    entries[tname] = dict(shared[digest])
+                    result.tensors_shared += 1
+                    result.bytes_shared += nbytes
                     continue
                 base_entry, base_tensor = self._delta_base_for(tname, tensor, is_base)
                 # the hash lives in the manifest entry (dedup reads it there; loads check against it): not
@@ -183,6 +202,8 @@ class CheckpointStore:
         result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank), [encode_manifest(body)])
         self._phase("staging_fsync")
         fsio.fsync_dir(staging)
+        if self.share_replicas and self.rank == 0:
+            self.barrier()  # the other ranks may read this part's manifest now
         if self.barrier is not None:
             self.barrier()
         if self.rank == 0:
