@@ -33,11 +33,12 @@ def _init(rank: int, size: int, port: int) -> None:
 
 
 class FakeTrainer:
-    """What the driver reads from a trainer: step, elapsed, state_dict(), task.loader."""
+    """What the driver reads from a trainer: step, elapsed, state_dict(), task.loader, model."""
 
     def __init__(self, rank: int):
         self.rank, self.step, self.elapsed = rank, 0, 0.0
         self.task = SimpleNamespace(loader=SimpleNamespace(sampler=SimpleNamespace(n=10)))
+        self.model = torch.nn.Linear(2, 2)  # only asked whether it is sharded
 
     def weights(self, step: int) -> torch.Tensor:
         return torch.arange(50, dtype=torch.float32) * (self.rank + 1) + step
