@@ -166,6 +166,40 @@ def test_persist_barrier_meets_in_threads_and_commits_once_all_parts_are_in(job_
     assert store.check(["ckpt/s4/e0/0/part/0", "ckpt/s4/e0/0/part/1", "ckpt/s4/e0/0/committed"])
 
 
+def test_persist_barrier_deletes_a_saves_keys_once_the_next_saves_parts_are_in(job_store):
+    import threading
+
+    port, store = job_store
+    beats = _beat(port, "a", "b")
+    errors, seen = [], {}
+
+    def member(rank: int):
+        try:
+            barrier = _persist_barrier(port)
+            for step in (4, 8):
+                barrier.begin(_member(0, rank, ("a", "b")), step=step)
+                for _ in range(2):  # two stores (local and remote): keys /0/ and /1/ of the save
+                    barrier()
+                    barrier()
+                if step == 4 and rank == 1:  # rank 1 still reads step 4's keys after its save ended
+                    seen["step 4 after"] = store.check(["ckpt/s4/e0/0/committed", "ckpt/s4/e0/1/committed"])
+        except BaseException as exc:  # reported to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for b in beats:
+        b.stop()
+    assert not errors, errors
+    assert seen["step 4 after"]
+    old = [f"ckpt/s4/e0/{n}/{k}" for n in (0, 1) for k in ("part/0", "part/1", "committed")]
+    assert not any(store.check([k]) for k in old)  # step 4's keys are gone
+    assert store.check([f"ckpt/s8/e0/{n}/{k}" for n in (0, 1) for k in ("part/0", "part/1", "committed")])
+
+
 def test_persist_barrier_abandons_when_a_member_dies_or_the_epoch_moves(job_store):
     port, store = job_store
     beats = _beat(port, "a", "b")

@@ -81,6 +81,8 @@ class PersistBarrier:
     thread's current epoch. Waiting for the parts ends with MembershipChanged when a member of the
     save's epoch is gone, the epoch moved, or `timeout_s` passed; waiting for the commit, only when rank
     0 is gone or `timeout_s` passed (once every part is in, a member leaving does not undo the commit).
+    Rank 0 deletes a save's keys once every part of the next save is in: by then every member has
+    finished that save (one persist at a time), so no one waits on them any more.
     """
 
     POLL = 0.01  # seconds between looks at the store (a round trip is ~0.2 ms)
@@ -91,9 +93,13 @@ class PersistBarrier:
         self._client = self._liveness = None
         self.member: Member | None = None
         self.step, self.calls = -1, 0
+        self._keys: list[str] = []  # rank 0: the keys of this save
+        self._stale: list[str] = []  # rank 0: the keys of the save before, deleted during this one
 
     def begin(self, member: Member, step: int) -> None:
         self.member, self.step, self.calls = member, step, 0
+        if self._keys:
+            self._stale, self._keys = self._stale + self._keys, []
 
     def __call__(self) -> None:
         if self._client is None:  # made in the thread that uses it
@@ -104,7 +110,14 @@ class PersistBarrier:
         if self.calls % 2 == 1:  # before the commit: every part written? Anyone leaving abandons the save.
             self._client.set(f"{key}/part/{m.rank}", "1")
             others = [n for i, n in enumerate(m.names) if i != m.rank]
-            self._wait([f"{key}/part/{r}" for r in range(m.size)], "before the commit", others, epoch_matters=True)
+            parts = [f"{key}/part/{r}" for r in range(m.size)]
+            if m.rank == 0:  # an abandoned save's keys too: deleted once a later save's parts are in
+                self._keys += parts + [f"{key}/committed"]
+            self._wait(parts, "before the commit", others, epoch_matters=True)
+            if m.rank == 0:
+                for stale in self._stale:
+                    self._client.delete_key(stale)
+                self._stale = []
         elif m.rank == 0:
             self._client.set(f"{key}/committed", "1")
         else:  # every part is in and rank 0 commits: only rank 0 leaving can stop that now
