@@ -169,8 +169,15 @@ def test_geometric_median_is_a_stationary_point(n, d, seed):
     inputs = [torch.randn(d, generator=g, dtype=torch.float64) for _ in range(n)]
     z = GeometricMedian(max_iter=5000, tol=1e-15).aggregate(inputs)
     dists = [torch.linalg.vector_norm(z - x) for x in inputs]
-    if min(dists) < 1e-6:
-        return  # the median sits on an input; the gradient is not defined there
+    k = min(range(n), key=lambda i: dists[i])
+    pull = sum((inputs[k] - x) / torch.linalg.vector_norm(inputs[k] - x) for i, x in enumerate(inputs) if i != k)
+    if torch.linalg.vector_norm(pull) <= 1:
+        # the median is the input x_k itself (the other inputs' unit pulls cannot move it off; the
+        # gradient is not defined there), which Weiszfeld's iterates approach without reaching
+        # (seed 123672: 2.5e-6 away after 5000 iterations): z must be as good as x_k
+        objective = lambda p: sum(torch.linalg.vector_norm(p - x) for x in inputs)  # noqa: E731
+        assert objective(z) - objective(inputs[k]) <= 1e-6 * objective(inputs[k])
+        return
     grad = sum((z - x) / dn for x, dn in zip(inputs, dists))
     assert torch.linalg.vector_norm(grad) < 1e-3
 
