@@ -73,6 +73,21 @@ def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_
     assert info["step"] == 4 and "checksum" in info["skipped"][0]["why"]
 
 
+def test_resume_from_a_root_follows_latest_not_an_abandoned_timelines_newer_steps(tmp_path):
+    root = tmp_path / "ck"
+    trainer(tmp_path, "a", steps=8, ckpt_every=2, ckpt_dir=str(root), ckpt_keep=10).run()  # steps 2..8
+    b = trainer(tmp_path, "b", steps=5, ckpt_every=2, ckpt_dir=str(root), ckpt_keep=10)
+    resume_trainer(b, root / "step-000002")  # back to step 2, into the same directory
+    b.run()  # saves step 4 again and, at its end, step 5: `latest` is 5
+    store = CheckpointStore(root, clean=False)
+    assert store.latest_step() == 5 and store.steps() == [2, 4, 5, 6, 8]
+    assert all(store.verify(s) == [] for s in store.steps())  # step 4's re-save points at no replaced data
+    c = trainer(tmp_path, "c", steps=8)
+    info = resume_trainer(c, root)
+    assert info["step"] == 5 and c.step == 5  # not step 8 of the run b left behind
+    assert b.checkpoints.restore().step == 5  # nor in-process, across the levels
+
+
 def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
     t = trainer(tmp_path, "run", steps=9, ckpt_policy="auto:first=2,mtbf_days=0.00002", ckpt_memory_every=1,
                 ckpt_remote_dir=str(tmp_path / "remote"), ckpt_remote_every=3)

@@ -268,6 +268,20 @@ def test_shared_replicas_a_rank_dying_before_rank_0s_part_is_read_leaves_the_las
         assert_trees_equal(store.load(rank=rank).tree, replica_tree(rank, 1))
 
 
+def test_a_damaged_latest_falls_back_within_its_own_run_before_an_abandoned_timelines_steps(tmp_path):
+    first = CheckpointStore(tmp_path, keep_last=5)
+    for step in (2, 4, 8):  # the first run's checkpoints
+        first.save({"w": torch.full((100,), float(step))}, step)
+    resumed = CheckpointStore(tmp_path, keep_last=5)  # a run resumed from step 2 reaches step 6
+    resumed.save({"w": torch.full((100,), 6.5)}, 6)
+    assert resumed.latest_step() == 6
+    data = tmp_path / "step-000006" / data_name(0)
+    data.write_bytes(b"\0" * data.stat().st_size)
+    loaded = CheckpointStore(tmp_path).load()
+    # step 4 of the resumed run's past, not step 8 of the timeline it left
+    assert loaded.step == 4 and [d for d, _ in loaded.skipped] == ["step-000006"]
+
+
 def test_a_resumed_run_resaving_later_steps_never_points_at_the_data_it_replaces(tmp_path):
     # the first run saved steps 2 and 4; a second run resumed from step 2 (a new store object: it has
     # not loaded anything itself, so `latest`, step 4, is its newest manifest) and saves 3 and then 4 with

@@ -83,8 +83,10 @@ class DiskLevel:
         return self.store.save(tree, step, **kwargs)
 
     def candidates(self) -> list[tuple[int, Callable]]:
+        """Steps up to `latest` (those past it belong to a timeline a resumed run left), newest first."""
+        latest = self.store.latest_step()
         return [(s, lambda like, fp, s=s: self.store.load(s, like=like, fingerprint=fp).tree)
-                for s in sorted(self.store.steps(), reverse=True)]
+                for s in sorted(self.store.steps(), reverse=True) if latest is None or s <= latest]
 
 
 @dataclass

@@ -83,9 +83,11 @@ def _candidates(sources: list[Source]) -> list[tuple[int, int, Source, Checkpoin
             continue
         store = CheckpointStore(src.root, clean=False)
         steps = [src.step] if src.step is not None else store.steps()
-        found += [(step, order, src, store) for step in steps]
-    found.sort(key=lambda c: (-c[0], c[1]))
-    return found
+        latest = store.latest_step()
+        found += [(step, order, src, store, latest is not None and step > latest) for step in steps]
+    # newest first, but steps past their root's `latest` (an abandoned timeline) after every other
+    found.sort(key=lambda c: (c[4], -c[0], c[1]))
+    return [c[:4] for c in found]
 
 
 def check_resume(cfg) -> None:

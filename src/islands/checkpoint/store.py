@@ -112,6 +112,16 @@ class CheckpointStore:
                 found.append(int(m.group(1)))
         return sorted(found)
 
+    def steps_by_preference(self) -> list[int]:
+        """Committed steps in the order a load without a step tries them: `latest`, the older steps
+        newest first, then any step past `latest`. The pointer moves at every commit, so a step past it
+        was left by a run that resumed from an older step: a timeline that run abandoned."""
+        order = sorted(self.steps(), reverse=True)
+        latest = self.latest_step()
+        if latest not in order:
+            return order
+        return [latest] + [s for s in order if s < latest] + [s for s in order if s > latest]
+
     def latest_step(self) -> int | None:
         """The step `latest` points to, or None if there is no (readable) pointer."""
         try:
@@ -277,16 +287,14 @@ class CheckpointStore:
 
         Every blob's CRC-32 is checked before decoding and (verify=True) each tensor's SHA-256 after.
         With step=None a damaged checkpoint is skipped in favour of the next older one (reported in
-        `.skipped`); an explicit step raises CorruptCheckpoint. `like` (a state tree of the current
-        model) and `fingerprint` raise CheckpointMismatch naming every difference.
+        `.skipped`; steps newer than `latest`, left by a run that resumed from an older step, come
+        last); an explicit step raises CorruptCheckpoint. `like` (a state tree of the current model)
+        and `fingerprint` raise CheckpointMismatch naming every difference.
         """
         rank = self.rank if rank is None else rank
         if step is not None:
             return self._load_one(step, like, fingerprint, rank, verify)
-        order = sorted(self.steps(), reverse=True)
-        if (latest := self.latest_step()) in order:
-            order.remove(latest)
-            order.insert(0, latest)
+        order = self.steps_by_preference()
         skipped = []
         for candidate in order:
             try:
