@@ -282,6 +282,23 @@ def test_a_damaged_latest_falls_back_within_its_own_run_before_an_abandoned_time
     assert loaded.step == 4 and [d for d, _ in loaded.skipped] == ["step-000006"]
 
 
+def test_retention_counts_a_resumed_runs_own_steps_not_the_abandoned_timelines(tmp_path):
+    first = CheckpointStore(tmp_path, keep_last=2)
+    for step in (2, 4, 6, 8):
+        first.save({"w": torch.full((100,), float(step))}, step)
+    assert first.steps() == [6, 8]
+    resumed = CheckpointStore(tmp_path, keep_last=2)  # resumed from step 6's predecessor state...
+    resumed.save({"w": torch.full((100,), 3.0)}, 3)
+    resumed.save({"w": torch.full((100,), 5.0)}, 5)
+    # ...keeps its own two newest (3 and 5: 8 and 6 do not take their places) and leaves 6 and 8
+    assert resumed.steps() == [3, 5, 6, 8]
+    data = tmp_path / "step-000005" / data_name(0)
+    data.write_bytes(b"\0" * data.stat().st_size)
+    assert CheckpointStore(tmp_path).load().step == 3  # its fallback survived retention
+    resumed.save({"w": torch.full((100,), 7.0)}, 7)  # past 6: step 6 now counts like its own
+    assert resumed.steps() == [6, 7, 8]
+
+
 def test_a_resumed_run_resaving_later_steps_never_points_at_the_data_it_replaces(tmp_path):
     # the first run saved steps 2 and 4; a second run resumed from step 2 (a new store object: it has
     # not loaded anything itself, so `latest`, step 4, is its newest manifest) and saves 3 and then 4 with

@@ -261,10 +261,16 @@ class CheckpointStore:
         return location, self._base_cache[tname]
 
     def apply_retention(self) -> list[int]:
-        """Delete checkpoints beyond keep_last unless a kept one references them. Returns deleted steps."""
+        """Delete checkpoints beyond keep_last unless a kept one references them. Returns deleted steps.
+
+        The keep_last newest are counted up to `latest`: steps past it (left by a run that resumed from
+        an older step, see steps_by_preference) neither take those places nor are deleted here; once
+        this run's latest passes them they count like its own."""
         steps = self.steps()
-        keep = set(steps[-self.keep_last:])
-        if (latest := self.latest_step()) is not None:
+        latest = self.latest_step()
+        own = [s for s in steps if latest is None or s <= latest]
+        keep = set(own[-self.keep_last:]) | {s for s in steps if latest is not None and s > latest}
+        if latest is not None:
             keep.add(latest)
         needed = set()
         for step in keep:
