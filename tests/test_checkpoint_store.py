@@ -295,6 +295,10 @@ def test_retention_counts_a_resumed_runs_own_steps_not_the_abandoned_timelines(t
     data = tmp_path / "step-000005" / data_name(0)
     data.write_bytes(b"\0" * data.stat().st_size)
     assert CheckpointStore(tmp_path).load().step == 3  # its fallback survived retention
+    from islands.checkpoint.cli import ls
+
+    rows, _ = ls(tmp_path)  # `islands ckpt ls` says which steps are past latest
+    assert [("past latest" in r["status"]) for r in rows] == [False, False, True, True]
     resumed.save({"w": torch.full((100,), 7.0)}, 7)  # past 6: step 6 now counts like its own
     assert resumed.steps() == [6, 7, 8]
 

@@ -43,6 +43,8 @@ def ls(root: str | os.PathLike) -> tuple[list[dict], Table]:
             tensors, world, status = len(body["tensors"]), body["world_size"], "ok"
         except CorruptCheckpoint as exc:
             tensors, world, status = None, None, f"damaged: {exc}"
+        if latest is not None and step > latest:  # see CheckpointStore.steps_by_preference
+            status += " (past latest: left by a run that resumed from an older step)"
         rows.append({"step": step, "path": str(path), "latest": step == latest, "bytes": size,
                      "tensors": tensors, "world_size": world, "status": status})
     table = Table(title=f"checkpoints in {root}")
