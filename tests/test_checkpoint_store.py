@@ -201,6 +201,22 @@ def replica_tree(rank, step):
             "rng": torch.full((16,), 10 * step + rank, dtype=torch.uint8), "loader": {"cursor": 10 * rank + step}}
 
 
+def test_shared_replicas_ranks_with_their_own_state_write_all_of_it(tmp_path):
+    world, results = 2, {}
+
+    def rank_main(rank, barrier):  # islands of a DiLoCo job between syncs: nothing in common
+        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0,
+                                share_replicas=True)
+        barrier.wait()
+        results[rank] = store.save(replica_tree(rank, 10 + rank), 1)
+
+    assert _ranks(world, rank_main) == []
+    assert results[1].tensors_shared == 0 and results[1].tensors_written == 4
+    store = CheckpointStore(tmp_path)
+    for rank in range(world):
+        assert_trees_equal(store.load(rank=rank).tree, replica_tree(rank, 10 + rank))
+
+
 def test_shared_replicas_are_written_once_and_every_rank_loads_its_own_state(tmp_path):
     world, results = 3, {}
 
@@ -214,6 +230,8 @@ def test_shared_replicas_are_written_once_and_every_rank_loads_its_own_state(tmp
     assert _ranks(world, rank_main) == []
     store = CheckpointStore(tmp_path)
     assert store.steps() == [2, 3] and store.verify(2) == store.verify(3) == []  # 3 points into 2: kept
+    assert sorted(p.name for p in store.path_for(3).iterdir()) == sorted(  # the hash list was transient
+        f"rank{r:05d}.{kind}" for r in range(world) for kind in ("data", "manifest.json"))
     for rank in range(world):
         assert_trees_equal(store.load(rank=rank).tree, replica_tree(rank, 2))
     replicated = (3000 + 3000) * 4 + 8 * 2
@@ -239,7 +257,9 @@ def test_shared_replicas_are_written_once_and_every_rank_loads_its_own_state(tmp
         store.load(3, rank=1)
 
 
-def test_shared_replicas_a_rank_dying_before_rank_0s_part_is_read_leaves_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("phase", ["replica_hashes", "replica_entries"])
+@pytest.mark.parametrize("dies", [0, 1])
+def test_shared_replicas_a_rank_dying_in_either_exchange_leaves_the_last_checkpoint(tmp_path, phase, dies):
     world = 2
 
     def first(rank, barrier):
@@ -250,18 +270,18 @@ def test_shared_replicas_a_rank_dying_before_rank_0s_part_is_read_leaves_the_las
 
     assert _ranks(world, first) == []
 
-    def crash(phase):
-        if phase == "replica_wait":
+    def crash(now):
+        if now == phase:
             raise RuntimeError("killed")
 
     def second(rank, barrier):
         store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=False,
-                                share_replicas=True, fault_hook=crash if rank == 1 else None)
+                                share_replicas=True, fault_hook=crash if rank == dies else None)
         barrier.wait()
         store.save(replica_tree(rank, 2), 2)
 
     errors = _ranks(world, second)
-    assert {rank for rank, _ in errors} == {0, 1}  # rank 1 died; rank 0's barrier broke, nothing committed
+    assert {rank for rank, _ in errors} == {0, 1}  # one died, the other's barrier broke: nothing committed
     store = CheckpointStore(tmp_path)  # reopening cleans the partial step 2
     assert store.latest_step() == 1 and store.steps() == [1]
     for rank in range(world):

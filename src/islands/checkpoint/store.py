@@ -32,6 +32,7 @@ from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, e
 from islands.checkpoint.errors import CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.manifest import (data_name, encode_manifest, manifest_name, raise_if_mismatch,
                                          read_manifest, referenced_dirs)
+from islands.checkpoint.replicas import ReplicaShare, take_entries
 from islands.checkpoint.tree import flatten_tree, unflatten_tree
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -74,7 +75,7 @@ class CheckpointStore:
     fault_hook: called with each write phase's name before it runs (crash tests).
     share_replicas: ranks > 0 do not write a tensor whose bytes rank 0's part of the same step holds
     (data-parallel replicas: DDP's model and optimizer, FSDP's gathered full state); their manifests
-    point at rank 0's file. It costs one more barrier per save: rank 0 writes its part first.
+    point at rank 0's file (replicas.py). Two more barriers per save; every rank still encodes at once.
     Rank 0 (or `clean=True`) removes partial saves of earlier runs here, so every rank must build its
     store before any rank saves (in training, the first collective step orders them).
     """
@@ -163,13 +164,10 @@ class CheckpointStore:
         usable = lambda body: {e["content_hash"]: e for e in (body or {}).get("tensors", {}).values()  # noqa: E731
                                if not (is_base and e.get("delta_base"))}
         by_hash = usable(previous)
-        shared: dict[str, dict] = {}
-        if self.share_replicas:
-            digests = {tname: content_hash(t) for tname, t in tensors.items()}  # while rank 0 writes
-            if self.rank > 0:
-                self._phase("replica_wait")
-                self.barrier()  # rank 0's part is written and fsynced (rank 0 enters below)
-                shared = usable(read_manifest(staging / manifest_name(0)))
+        share = ReplicaShare(staging, self.rank, self.barrier, self._phase) if self.share_replicas else None
+        digests = {tname: content_hash(t) for tname, t in tensors.items()} if share else {}
+        rank0_holds = share.rank0_hashes(digests) if share else set()
+        deferred: dict[str, str] = {}  # name -> hash of the tensors rank 0 writes for this rank
         result = SaveResult(step=step, path=self.path_for(step))
         entries: dict[str, dict] = {}
         data_rel = f"{name}/{data_name(self.rank)}"
@@ -177,7 +175,7 @@ class CheckpointStore:
         def encoded_blobs():  # a generator: one encoded tensor in memory at a time, not the whole checkpoint
             offset = 0
             for tname, tensor in tensors.items():
-                digest = digests[tname] if self.share_replicas else content_hash(tensor)
+                digest = digests[tname] if share else content_hash(tensor)
                 nbytes = tensor.numel() * tensor.element_size()
                 result.raw_bytes += nbytes
                 if digest in by_hash:
@@ -185,8 +183,8 @@ class CheckpointStore:
                     result.tensors_deduped += 1
                     result.bytes_deduped += nbytes
                     continue
-                if digest in shared:  # a replica of rank 0's tensor: its entry, with the same checks
-                    entries[tname] = dict(shared[digest])
+                if digest in rank0_holds:  # a replica: rank 0's entry goes in once its manifest exists
+                    deferred[tname] = digest
                     result.tensors_shared += 1
                     result.bytes_shared += nbytes
                     continue
@@ -208,12 +206,19 @@ class CheckpointStore:
         result.bytes_written = fsio.write_durable(staging / data_name(self.rank), encoded_blobs())
         body = {"step": step, "rank": self.rank, "world_size": self.world_size, "created": time.time(),
                 "config_fingerprint": fingerprint, "skeleton": skeleton, "tensors": entries}
-        self._phase("manifest_write")
-        result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank), [encode_manifest(body)])
+        if share is None or self.rank == 0:
+            self._phase("manifest_write")
+            result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank), [encode_manifest(body)])
+        if share is not None:
+            from_rank0 = share.rank0_entries(usable)
+            if self.rank > 0:
+                entries.update(take_entries(deferred, from_rank0))
+                body["tensors"] = {tname: entries[tname] for tname in tensors}  # the tree's order
+                self._phase("manifest_write")
+                result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank),
+                                                          [encode_manifest(body)])
         self._phase("staging_fsync")
         fsio.fsync_dir(staging)
-        if self.share_replicas and self.rank == 0:
-            self.barrier()  # the other ranks may read this part's manifest now
         if self.barrier is not None:
             self.barrier()
         if self.rank == 0:
