@@ -125,6 +125,19 @@ def _persist_barrier(port: int, epoch_now=lambda: 0, timeout_s: float = 20.0, he
                           epoch_now, timeout_s)
 
 
+def _members_in_threads(beats, member, args: list[tuple]) -> None:
+    """Run member(*a) for each a in its own thread (a member of the job each), then stop the heartbeats."""
+    import threading
+
+    threads = [threading.Thread(target=member, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for b in beats:
+        b.stop()
+
+
 def _beat(port: int, *names: str):
     from islands.runtime.membership import Heartbeat
 
@@ -132,8 +145,6 @@ def _beat(port: int, *names: str):
 
 
 def test_persist_barrier_meets_in_threads_and_commits_once_all_parts_are_in(job_store):
-    import threading
-
     port, store = job_store
     beats = _beat(port, "a", "b")
     order, errors = [], []
@@ -153,13 +164,7 @@ def test_persist_barrier_meets_in_threads_and_commits_once_all_parts_are_in(job_
         except BaseException as exc:  # reported to the test thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=member, args=(r, d)) for r, d in ((0, 0.0), (1, 0.5))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for b in beats:
-        b.stop()
+    _members_in_threads(beats, member, [(0, 0.0), (1, 0.5)])
     assert not errors and len(order) == 5, (errors, order)
     assert order.index(("written", 1)) < order.index(("committed", 0))  # rank 0 waited for rank 1's part
     assert order.index(("committed", 0)) < order.index(("done", 1))  # rank 1 waited for the commit
@@ -167,8 +172,6 @@ def test_persist_barrier_meets_in_threads_and_commits_once_all_parts_are_in(job_
 
 
 def test_persist_barrier_deletes_a_saves_keys_once_the_next_saves_parts_are_in(job_store):
-    import threading
-
     port, store = job_store
     beats = _beat(port, "a", "b")
     errors, seen = [], {}
@@ -186,13 +189,7 @@ def test_persist_barrier_deletes_a_saves_keys_once_the_next_saves_parts_are_in(j
         except BaseException as exc:  # reported to the test thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for b in beats:
-        b.stop()
+    _members_in_threads(beats, member, [(0,), (1,)])
     assert not errors, errors
     assert seen["step 4 after"]
     old = [f"ckpt/s4/e0/{n}/{k}" for n in (0, 1) for k in ("part/0", "part/1", "committed")]
