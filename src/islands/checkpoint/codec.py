@@ -377,7 +377,8 @@ _NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.float64
              torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
              torch.int64: np.int64, torch.bool: np.bool_, torch.complex64: np.complex64,
              torch.complex128: np.complex128}
-_SCRATCH_TAGS = tuple(f"decode.{i}" for i in range(64))  # per stream of a chunk (a chunk has at most 5)
+# per stream of a chunk: a chunk has at most 5, but a damaged header may claim up to 255 (a u8)
+_SCRATCH_TAGS = tuple(f"decode.{i}" for i in range(256))
 
 
 class _ChunkName:

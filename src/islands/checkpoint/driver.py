@@ -152,10 +152,11 @@ class CheckpointDriver:
         self.abandoned: list[int] = []  # steps whose save a membership change abandoned (elastic)
         self.abandoned_why: list[str] = []
 
+        self.share_replicas = cfg.ckpt_share_replicas and not self.elastic and world.size > 1
+
         def store(root):
             return CheckpointStore(root, keep_last=cfg.ckpt_keep, rank=world.rank, world_size=world.size,
-                                   barrier=barrier, clean=opens_clean(world),
-                                   share_replicas=cfg.ckpt_share_replicas and not self.elastic)
+                                   barrier=barrier, clean=opens_clean(world), share_replicas=self.share_replicas)
 
         # Peer copies need every rank at every memory save: only with a torch group (not elastic).
         self.peer = PeerReplica(_peer_comm(world, cfg.timeout)) if cfg.ckpt_memory_peer and torch_dist else None
@@ -385,8 +386,7 @@ class CheckpointDriver:
                "abandoned_why": self.abandoned_why[-MAX_DECISIONS_KEPT:],
                "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
                "staging_reserve_s": self.writer.reserve_s,
-               "share_replicas": any(getattr(getattr(lv, "store", None), "share_replicas", False)
-                                     for lv in self.levels.levels),
+               "share_replicas": self.share_replicas,
                "disk_bytes_this_rank": dict(self.disk_bytes),
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
                "policy": "fixed" if self.policy is None else {"spec": self.cfg.ckpt_policy, **self.policy_settings},

@@ -161,8 +161,10 @@ class CheckpointStore:
         is_base = self.delta_every > 0 and (self._base is None or self._since_base >= self.delta_every)
         if is_base:
             self._base_cache.clear()
-        usable = lambda body: {e["content_hash"]: e for e in (body or {}).get("tensors", {}).values()  # noqa: E731
-                               if not (is_base and e.get("delta_base"))}
+        def usable(body: dict | None) -> dict[str, dict]:  # a manifest's entries this save may point at
+            return {e["content_hash"]: e for e in (body or {}).get("tensors", {}).values()
+                    if not (is_base and e.get("delta_base"))}
+
         by_hash = usable(previous)
         share = ReplicaShare(staging, self.rank, self.barrier, self._phase) if self.share_replicas else None
         digests = {tname: content_hash(t) for tname, t in tensors.items()} if share else {}
@@ -206,17 +208,18 @@ class CheckpointStore:
         result.bytes_written = fsio.write_durable(staging / data_name(self.rank), encoded_blobs())
         body = {"step": step, "rank": self.rank, "world_size": self.world_size, "created": time.time(),
                 "config_fingerprint": fingerprint, "skeleton": skeleton, "tensors": entries}
-        if share is None or self.rank == 0:
+        def write_manifest() -> None:
             self._phase("manifest_write")
             result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank), [encode_manifest(body)])
+
+        if share is None or self.rank == 0:
+            write_manifest()
         if share is not None:
-            from_rank0 = share.rank0_entries(usable)
+            from_rank0 = share.rank0_entries(usable)  # after rank 0's manifest is written
             if self.rank > 0:
                 entries.update(take_entries(deferred, from_rank0))
                 body["tensors"] = {tname: entries[tname] for tname in tensors}  # the tree's order
-                self._phase("manifest_write")
-                result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank),
-                                                          [encode_manifest(body)])
+                write_manifest()
         self._phase("staging_fsync")
         fsio.fsync_dir(staging)
         if self.barrier is not None:
