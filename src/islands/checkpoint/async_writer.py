@@ -106,9 +106,10 @@ class AsyncCheckpointer:
         wait counts as stall). Only the tensors' shapes are read, never their values."""
         if self._staging is not None or self._reserved is not None or self._reserving is not None:
             return False
-        if self.memory_budget_bytes is not None and tree_nbytes(tree) > self.memory_budget_bytes:
-            return False
         _, tensors = flatten_tree(tree)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # tree_nbytes, flattened once
+        if self.memory_budget_bytes is not None and nbytes > self.memory_budget_bytes:
+            return False
         shapes = {name: t.detach() for name, t in tensors.items()}
 
         def make() -> None:
