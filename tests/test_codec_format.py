@@ -1,5 +1,6 @@
-"""Blob format v6 (streams, then a binary header as a footer): layout, what the returned view supports,
-the versions still read and the ones refused, and the output buffer growing when its bound is short."""
+"""Blob format v7 (streams, then a binary header as a footer, one XXH3 per chunk of stored bytes):
+layout, what the returned view supports, the versions still read and the ones refused, and the output
+buffer growing when its bound is short."""
 
 import io
 import struct
@@ -8,6 +9,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from islands.checkpoint import blob_header, codec
 from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
@@ -19,11 +21,11 @@ def _weights(n=50_000, dtype=torch.bfloat16):
     return (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
 
 
-def test_v6_blob_is_magic_version_streams_binary_header_crc_length():
+def test_v7_blob_is_magic_version_streams_binary_header_crc_length():
     t = _weights()
     blob = encode_tensor(t)
     raw = bytes(blob)
-    assert raw[:5] == b"ISLT\x06"
+    assert raw[:5] == b"ISLT\x07"
     crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
     head = raw[len(raw) - 8 - head_len:len(raw) - 8]
     assert zlib.crc32(head) == crc
@@ -36,19 +38,28 @@ def test_v6_blob_is_magic_version_streams_binary_header_crc_length():
 
 
 @pytest.mark.parametrize("header", [
-    {"dtype": "bfloat16", "shape": [], "layout": "split", "chunks": [], "heads_crc": 0},
+    {"dtype": "bfloat16", "shape": [], "layout": "split", "chunks": []},
     {"dtype": "my_float", "shape": [0, 3, 1 << 40], "layout": "raw", "content_hash": "ab" * 32,
-     "delta": {"base_hash": "cd" * 32}, "heads_crc": 0xFFFFFFFF,
-     "chunks": [{"bytes": 1 << 33, "pair_base": 0, "streams": [{"m": "p", "raw": 5, "enc": 300}]},
-                {"bytes": 7, "streams": []}]},
+     "delta": {"base_hash": "cd" * 32},
+     "chunks": [{"bytes": 1 << 33, "pair_base": 0, "streams": [{"m": "p", "raw": 5, "enc": 300}], "xxh3": 1 << 63},
+                {"bytes": 7, "streams": [{"m": "r", "raw": 7, "enc": 7}], "xxh3": 0}]},
 ])
 def test_binary_header_round_trips_every_field(header):
     assert blob_header.unpack(blob_header.pack(header)) == header
 
 
+def test_v6_binary_header_round_trips_its_own_checksum_fields():
+    header = {"dtype": "float16", "shape": [3], "layout": "split", "heads_crc": 0xFFFFFFFF,
+              "chunks": [{"bytes": 6, "streams": [{"m": "h", "raw": 3, "enc": 12},
+                                                  {"m": "r", "raw": 3, "enc": 3, "xxh": (1 << 64) - 1}]}]}
+    assert blob_header.unpack(blob_header.pack(header, version=6), version=6) == header
+    with pytest.raises(ValueError, match="formats 6 and 7"):
+        blob_header.pack(header, version=5)
+
+
 def test_binary_header_damage_is_named():
-    head = blob_header.pack({"dtype": "float16", "shape": [4], "layout": "split", "heads_crc": 1,
-                             "chunks": [{"bytes": 8, "streams": [{"m": "h", "raw": 4, "enc": 9}]}]})
+    head = blob_header.pack({"dtype": "float16", "shape": [4], "layout": "split",
+                             "chunks": [{"bytes": 8, "streams": [{"m": "h", "raw": 4, "enc": 9}], "xxh3": 1}]})
     with pytest.raises(CorruptCheckpoint, match="ends early"):
         blob_header.unpack(head[:-1])
     with pytest.raises(CorruptCheckpoint, match="after its last field"):
@@ -61,13 +72,32 @@ def test_binary_header_damage_is_named():
         blob_header.unpack(head[:3] + b"\xff" * 11)
 
 
-def test_damaged_frame_headers_are_caught_before_decoding():
-    # zstd ignores the frame header's unused bit: only heads_crc can tell that the byte changed
-    blob = encode_tensor(_weights(), content_hash=False)
-    frames_at = read_header(blob)[1]
+def test_each_chunk_carries_the_xxh3_of_its_stored_bytes():
+    t = _weights(60_000, torch.float16)
+    blob = encode_tensor(t, codec=codec.TensorCodec(chunk_bytes=32 << 10), content_hash=False)
+    header, at = read_header(blob)
+    assert len(header["chunks"]) == 4
+    for chunk in header["chunks"]:
+        end = at + sum(s["enc"] for s in chunk["streams"])
+        assert chunk["xxh3"] == xxhash.xxh3_64_intdigest(blob[at:end])
+        at = end
+
+
+@pytest.mark.parametrize("where", ["frame header", "frame body", "raw plane", "last byte"])
+def test_a_flipped_bit_in_any_stored_byte_is_caught(where):
+    # zstd ignores the frame header's unused bit, so only a checksum of the stored bytes can see it;
+    # elsewhere zstd may refuse the frame first. Either way the error names the chunk.
+    blob = encode_tensor(_weights(200_000), content_hash=False)
+    header, start = read_header(blob)
+    streams = header["chunks"][0]["streams"]
+    assert streams[-1]["m"] == "r"
+    stored = sum(s["enc"] for s in streams)
+    at = {"frame header": start, "frame body": start + 100, "raw plane": start + stored - 5_000,
+          "last byte": start + stored - 1}[where]
     bad = bytearray(blob)
-    bad[frames_at] ^= 0x10
-    with pytest.raises(CorruptCheckpoint, match="stream headers"):
+    bad[at] ^= 0x10
+    match = "checksum mismatch in chunk 0 of a bfloat16" if where != "frame body" else "chunk 0 of a bfloat16"
+    with pytest.raises(CorruptCheckpoint, match=match):
         decode_tensor(bytes(bad))
 
 
@@ -159,7 +189,22 @@ def test_v3_blobs_still_decode_and_v3_damage_is_still_caught(dtype):
             decode_tensor(bytes(bad))
 
 
-@pytest.mark.parametrize("version", [1, 2, 7])
+def test_v6_blobs_still_decode_and_their_checksums_are_checked():
+    for t in (_weights(200_000), _weights(20_000, torch.float16), _fp32_weights(300_000)):
+        old = as_version(encode_tensor(t), 6)
+        assert old[:5] == b"ISLT\x06"
+        assert np.array_equal(tensor_bytes(decode_tensor(old)), tensor_bytes(t))
+    header, start = read_header(old)
+    assert [s["m"] for s in header["chunks"][0]["streams"]][-2:] == ["r", "r"] and "heads_crc" in header
+    raw_at = start + sum(s["enc"] for s in header["chunks"][0]["streams"][:-1]) + 1000
+    for at, message in ((start, "stream headers"), (start + 300, "is damaged"), (raw_at, "raw plane")):
+        bad = bytearray(old)
+        bad[at] ^= 0x10  # the first frame's unused header bit; inside its Huffman code; inside a raw plane
+        with pytest.raises(CorruptCheckpoint, match=message):
+            decode_tensor(bytes(bad))
+
+
+@pytest.mark.parametrize("version", [1, 2, 8])
 def test_other_versions_are_refused_by_name(version):
     bad = bytearray(encode_tensor(_weights(100)))
     bad[4] = version
@@ -206,6 +251,17 @@ def test_a_raw_plane_is_read_in_place_and_a_flipped_byte_in_it_is_caught():
     at = start + sum(m["enc"] for m in metas[:-1]) + 12_345  # inside the raw plane
     bad = bytearray(blob)
     bad[at] ^= 0x01
-    with pytest.raises(CorruptCheckpoint, match="raw plane"):
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch in chunk 0"):
         decode_tensor(bytes(bad))
     assert torch.equal(decode_tensor(blob).view(torch.int16), t.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_the_raw_layout_stores_chunks_as_raw_streams(dtype):
+    t = (torch.randn(70_000, generator=torch.Generator().manual_seed(2)) * 100).to(dtype)
+    blob = encode_tensor(t, codec=codec.TensorCodec(layout="raw", chunk_bytes=64 << 10), content_hash=False)
+    header, _ = read_header(blob)
+    n = t.numel() * t.element_size()
+    assert [s["m"] for c in header["chunks"] for s in c["streams"]] == ["r"] * -(-n // (64 << 10))
+    assert len(blob) < n + 64 + 24 * len(header["chunks"])  # the bytes, each chunk's sizes and XXH3
+    assert np.array_equal(tensor_bytes(decode_tensor(blob)), tensor_bytes(t))

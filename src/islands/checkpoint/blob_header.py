@@ -1,21 +1,22 @@
-"""The tensor blob's header in binary (format 6): the same fields as the JSON header of formats 3-5.
+"""The tensor blob's header in binary (formats 6 and 7): the same fields as the JSON header of formats 3-5.
 
 Why binary: a checkpoint is many small tensors, and the JSON header was ~340 bytes of each blob (dtype
 and method names, 64 hex digits of hash, field names, decimal sizes): 0.1% of a bf16 MiniLM, which is
 the whole margin by which ZipNN's per-tensor output was smaller than ours. Here the same header takes
 ~80 bytes: dtype, layout and stream methods as one byte each, sizes as LEB128 varints, hashes as raw
-SHA-256 bytes. Format 6 frames also drop zstd's 4-byte magic, and one CRC-32 over every frame's first
-bytes replaces the per-stream ones (streams.py). The header is CRC-32 protected by the blob's footer.
+SHA-256 bytes. The header is CRC-32 protected by the blob's footer.
 
-    header  := dtype layout flags ndim dim* [content_hash:32] [delta_base_hash:32] nchunks chunk* heads_crc:u32
+    header  := dtype layout flags ndim dim* [content_hash:32] [delta_base_hash:32] nchunks chunk* [heads_crc:u32, v6]
     dtype   := u8 index into DTYPES, or 255 then varint length and the name in ASCII
     flags   := bit 0: content hash present, bit 1: delta base hash present
-    chunk   := bytes:varint pair_base+1:varint (0: none) nstreams:u8 stream*
-    stream  := method:u8 (an ASCII letter) raw:varint enc:varint [xxh64:u64, for method "r" only]
+    chunk   := bytes:varint pair_base+1:varint (0: none) nstreams:u8 stream* [xxh3:u64, v7]
+    stream  := method:u8 (an ASCII letter) raw:varint enc:varint [xxh64:u64, v6 and method "r" only]
 
-`pack` takes and `unpack` gives the dict the rest of the codec reads (hashes as hex strings, as in the
-JSON formats), so every reader of headers works on both. `unpack` raises CorruptCheckpoint on anything
-malformed.
+Format 7 checksums each chunk's stored bytes once (`xxh3`: XXH3-64 of all its streams as stored);
+format 6 had an XXH64 per raw plane, zstd's content checksum in every frame and one CRC-32 over the
+frames' first bytes (`heads_crc`). `pack` takes and `unpack` gives the dict the rest of the codec reads
+(hashes as hex strings, as in the JSON formats), so every reader of headers works on all formats.
+`unpack` raises CorruptCheckpoint on anything malformed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ _NAMED = 255
 _HASH_BYTES = 32
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-RAW = "r"  # a plane stored as it is, outside zstd: its XXH64 follows in the header
+RAW = "r"  # a plane stored as it is, outside zstd (v6: its XXH64 follows in the header)
+LATEST = 7
 
 
 def _put_varint(out: bytearray, value: int) -> None:
@@ -45,7 +47,11 @@ def _put_varint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
-def pack(header: dict) -> bytes:
+def pack(header: dict, version: int = LATEST) -> bytes:
+    """The binary header of `header` in format `version` (6 or 7)."""
+    if version not in (6, 7):
+        raise ValueError(f"binary headers are formats 6 and 7, not {version}")
+    v6 = version == 6
     out = bytearray()
     name = header["dtype"]
     if name in DTYPES:
@@ -72,9 +78,12 @@ def pack(header: dict) -> bytes:
             out += s["m"].encode("ascii")
             _put_varint(out, s["raw"])
             _put_varint(out, s["enc"])
-            if s["m"] == RAW:
+            if v6 and s["m"] == RAW:
                 out += _U64.pack(s["xxh"])
-    out += _U32.pack(header["heads_crc"])
+        if not v6:
+            out += _U64.pack(chunk["xxh3"])
+    if v6:
+        out += _U32.pack(header["heads_crc"])
     return bytes(out)
 
 
@@ -95,16 +104,16 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
             raise CorruptCheckpoint("tensor blob header holds a number of more than 64 bits")
 
 
-def unpack(data: bytes) -> dict:
+def unpack(data: bytes, version: int = LATEST) -> dict:
     """The header dict of `pack`. One flat pass with local positions: every tensor of a checkpoint load
     parses one, and a reader object with a method call per byte took ~10 us of a small tensor's ~60."""
     try:
-        return _unpack(data)
+        return _unpack(data, version == 6)
     except IndexError:
         raise CorruptCheckpoint("tensor blob header ends early") from None
 
 
-def _unpack(data: bytes) -> dict:
+def _unpack(data: bytes, v6: bool) -> dict:
     code = data[0]
     pos = 1
     if code == _NAMED:
@@ -149,19 +158,25 @@ def _unpack(data: bytes) -> dict:
             raw, pos = _read_varint(data, pos + 1)
             enc, pos = _read_varint(data, pos)
             s = {"m": method, "raw": raw, "enc": enc}
-            if method == RAW:
+            if v6 and method == RAW:
                 if pos + _U64.size > len(data):
                     raise IndexError
                 (s["xxh"],) = _U64.unpack_from(data, pos)
                 pos += _U64.size
             streams.append(s)
         chunk["streams"] = streams
+        if not v6:
+            if pos + _U64.size > len(data):
+                raise IndexError
+            (chunk["xxh3"],) = _U64.unpack_from(data, pos)
+            pos += _U64.size
         chunks.append(chunk)
     header["chunks"] = chunks
-    if pos + _U32.size > len(data):
-        raise IndexError
-    (header["heads_crc"],) = _U32.unpack_from(data, pos)
-    pos += _U32.size
+    if v6:
+        if pos + _U32.size > len(data):
+            raise IndexError
+        (header["heads_crc"],) = _U32.unpack_from(data, pos)
+        pos += _U32.size
     if pos != len(data):
         raise CorruptCheckpoint(f"tensor blob header has {len(data) - pos} bytes after its last field")
     return header

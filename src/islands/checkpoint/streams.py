@@ -1,19 +1,20 @@
-"""The codec's byte planes as checksummed streams: which coder each plane gets, and reading it back.
+"""The codec's byte planes as streams: which coder each plane gets, and reading it back.
 
-A stream is a zstd frame with an XXH64 content checksum (checked by zstd while decoding, ~7 GB/s here)
-or, for a noise plane, the plane's bytes as they are with their XXH64 in the blob header (format 6).
-zstd checks a frame's checksum only if the frame header's checksum flag says one is there, and some
-header bits (an unused one, a larger window) change nothing zstd would notice, so the frame headers are
-guarded too: format 6 keeps one CRC-32 over the first bytes of every stream of a blob (`heads_crc`,
-checked before anything is decoded) and writes magicless frames (the blob header says what they are: 4
-bytes per stream); formats 3-5 wrote ordinary frames and one such CRC-32 per stream. The coders
+A stream is a zstd frame (magicless: the blob header says what each stream is) or, for a noise plane,
+the plane's bytes as they are, read in place. Format 7 checksums what is stored, once per chunk: an
+XXH3-64 of all of a chunk's stream bytes, in the blob header, checked before any of them is decoded
+(`stored_checksum`, 30 GB/s here). Damage anywhere in a chunk, frame headers included, is caught
+there, and the decoders never see damaged bytes. Format 6 (still read) checksummed what was decoded:
+zstd's content checksum in each frame (XXH64, 10 GB/s, computed while decoding), an XXH64 per raw
+plane, and a CRC-32 over every frame's first bytes (`heads_crc`), because zstd ignores some frame header
+bits; formats 3-5 wrote ordinary frames and one such CRC-32 per stream. The coders
 (SOTA-437, LIT-750):
   Huffman  zstd with its LZ stage starved (fast strategy, min match 7, 64-entry tables): what is left is
            the Huffman literal coder, as small as level 19 on exponent planes and ~100x faster
-  raw      (format 6) a plane the gate finds to be noise, stored as it is and read in place: no copy
-           out of a frame, one XXH64 pass (kernels.xxh64, 10 GB/s)
-  stored   zstd's fast strategy with a target length: raw blocks plus a checksum at copy speed (the raw
-           layout of the memory level, and noise planes in formats 3-5)
+  raw      (format 6 on) a plane the gate finds to be noise, and the raw layout's chunks (format 7):
+           stored as they are and read in place, no copy out of a frame
+  stored   (formats 3-6, still read) zstd's fast strategy with a target length: raw blocks plus a
+           checksum at copy speed (the raw layout of the memory level, and noise planes in formats 3-5)
   general  plain zstd (integers, bools, 1-byte floats)
 
 Huffman streams are cut into zstd blocks smaller than zstd's own 128 KiB: a fresh code table more
@@ -31,6 +32,7 @@ import threading
 import zlib
 
 import numpy as np
+import xxhash
 import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
@@ -52,19 +54,14 @@ GATE_BITS = 7.9
 GATE_MIN_BYTES = 64 << 10  # smaller planes are always offered to the Huffman coder: cheap, zstd decides
 
 
-_FRAMES = dict(write_checksum=True, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+# No content checksum in the frames: the chunk's XXH3 covers their stored bytes (format 7).
+_FRAMES = dict(write_checksum=False, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
 
 
 def _huffman_params(window_log: int) -> zstandard.ZstdCompressionParameters:
     return zstandard.ZstdCompressionParameters(
         compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
         window_log=window_log, hash_log=6, chain_log=6, search_log=1, **_FRAMES)
-
-
-def _stored_params() -> zstandard.ZstdCompressionParameters:
-    return zstandard.ZstdCompressionParameters(
-        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=17, hash_log=6, chain_log=6, search_log=1, target_length=1 << 17, **_FRAMES)
 
 
 class Coders:
@@ -75,7 +72,6 @@ class Coders:
         self.pairs = zstandard.ZstdCompressor(compression_params=_huffman_params(PAIR_WINDOW_LOG))
         self.elements = zstandard.ZstdCompressor(compression_params=_huffman_params(ELEMENT_WINDOW_LOG))
         self.mantissa = zstandard.ZstdCompressor(compression_params=_huffman_params(MANTISSA_WINDOW_LOG))
-        self.stored = zstandard.ZstdCompressor(compression_params=_stored_params())
         self.general = zstandard.ZstdCompressor(
             compression_params=zstandard.ZstdCompressionParameters.from_level(level, **_FRAMES))
         self.magicless = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
@@ -123,26 +119,24 @@ def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
     return raw_stream(plane)
 
 
-def _xxh64(plane: np.ndarray) -> int:
-    b = plane.view(np.uint8)  # a plane of uint16 words (fp32's low halves) is hashed as its bytes
-    n8 = b.size // 8 * 8
-    return int(compiled_kernels().xxh64(b[:n8].view(np.uint64), b[n8:], b.size))
+def stored_checksum(stored) -> int:
+    """Format 7's checksum of a chunk's stored bytes: XXH3-64, seed 0 (3x XXH64's speed here, same width)."""
+    return xxhash.xxh3_64_intdigest(stored)
 
 
 def raw_stream(plane: np.ndarray) -> tuple[dict, memoryview]:
-    """(stream metadata, the plane's bytes as they are): a noise plane stored outside zstd (format 6).
-
-    Decoding then reads it where it lies in the blob and checks its XXH64 (kept in the header): as a
-    zstd stored frame it was copied out and checksummed by zstd, 0.41 ms per 2 MiB against 0.2 ms for
-    the check alone, and that copy was a sixth of an fp16 decode."""
+    """A plane stored as it is (the gate found it to be noise): no zstd call on either side. Decoding
+    reads it where it lies in the blob: as a zstd stored frame it was copied out and checksummed by
+    zstd, 0.41 ms per 2 MiB against 0.07 ms for the chunk's XXH3 over it."""
     data = memoryview(np.ascontiguousarray(plane)).cast("B")
-    return {"m": "r", "raw": len(data), "enc": len(data), "xxh": _xxh64(plane)}, data
+    return {"m": "r", "raw": len(data), "enc": len(data)}, data
 
 
-def raw_plane(enc: memoryview, meta: dict, where: str) -> np.ndarray:
-    """A raw stream's plane, read in place from the blob once its XXH64 matches the header's."""
+def raw_plane(enc: memoryview, meta: dict, where) -> np.ndarray:
+    """A raw stream's plane, read in place from the blob. Format 7 checked it with its chunk; a format
+    6 plane carries its own XXH64 in the header."""
     plane = np.frombuffer(enc, np.uint8)
-    if plane.size != meta["raw"] or _xxh64(plane) != meta.get("xxh"):
+    if plane.size != meta["raw"] or ("xxh" in meta and xxhash.xxh64_intdigest(enc) != meta["xxh"]):
         raise CorruptCheckpoint(f"checksum mismatch in a raw plane of {where}: stored bytes are damaged")
     return plane
 
@@ -151,13 +145,6 @@ def _check_head(enc: memoryview, meta: dict, where: str) -> None:
     """Formats 3-5: the stream's own header CRC-32 (format 6 checks all heads at once: heads_crc)."""
     if "hcrc" in meta and zlib.crc32(enc[:FRAME_HEAD]) != meta["hcrc"]:
         raise CorruptCheckpoint(f"checksum mismatch in a stream header of {where}: stored bytes are damaged")
-
-
-def heads_crc(frames, crc: int = 0) -> int:
-    """CRC-32 over the first FRAME_HEAD bytes of each frame, in order (format 6's guard on frame headers)."""
-    for enc in frames:
-        crc = zlib.crc32(enc[:FRAME_HEAD], crc)
-    return crc
 
 
 SMALL_STREAM = 64 << 10  # decoded bytes up to which one decompress call beats a reader into scratch
@@ -170,8 +157,9 @@ def decode_frame(decompressor, enc: memoryview, meta: dict, scratch_tag: str, wh
     A large stream goes into per-thread scratch through a reader: a fresh buffer per stream costs a page
     fault per 4 KiB on first touch, ~3 us each here (measured 16.5 against 4.2 ms for 22.7 MB in 4 MB
     frames). A small one is one decompress call: its bytes come from the allocator's free lists, and the
-    call costs ~1 us where a reader costs ~5. zstd checks the frame's content checksum; any mismatch, a
-    frame that is short, long, damaged or followed by other bytes raises CorruptCheckpoint naming `where`.
+    call costs ~1 us where a reader costs ~5. zstd checks a frame's content checksum if it has one
+    (formats 3-6); any mismatch, a frame that is short, long, damaged or followed by other bytes raises
+    CorruptCheckpoint naming `where`.
     """
     if meta["m"] == "r":
         return raw_plane(enc, meta, where)
@@ -195,8 +183,12 @@ def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray
     """decode_frame, but into `buf` (exactly meta["raw"] bytes; a chunk that is one stream decodes straight
     into the tensor's output); returns `buf`.
 
-    Reading one byte past the end makes zstd verify the frame's content checksum.
+    Reading one byte past the end makes zstd finish the frame (and verify its content checksum, if any).
+    A raw stream (the raw layout's, format 7) is copied.
     """
+    if meta["m"] == "r":
+        np.copyto(buf, raw_plane(enc, meta, where))  # raises on a size mismatch before copying
+        return buf
     _check_head(enc, meta, where)
     try:
         with decompressor.stream_reader(enc) as reader:
@@ -207,7 +199,7 @@ def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray
                     break
                 got += step
             extra = reader.read(1)
-    except zstandard.ZstdError as exc:  # includes the frame's content checksum failing
+    except zstandard.ZstdError as exc:  # includes a frame's content checksum failing
         raise CorruptCheckpoint(f"{where} is damaged: {exc}") from exc
     if extra:
         raise CorruptCheckpoint(f"{where} decoded to more than the {meta['raw']} bytes expected")
