@@ -114,6 +114,29 @@ def test_damaged_latest_falls_back_to_previous_and_explicit_step_raises(tmp_path
     assert store.verify(2) and not store.verify(1)
 
 
+def test_manifests_of_before_session_9_with_a_crc32_per_blob_still_load_and_catch_damage(tmp_path):
+    import zlib
+
+    from islands.checkpoint.manifest import encode_manifest, manifest_name, read_manifest
+
+    store = CheckpointStore(tmp_path)
+    store.save({"w": torch.arange(5000.0)}, 1)
+    path = tmp_path / "step-000001" / manifest_name(0)
+    body = read_manifest(path)
+    data = (tmp_path / "step-000001" / data_name(0)).read_bytes()
+    (entry,) = body["tensors"].values()
+    assert set(entry) >= {"xxh3", "length"} and "checksum" not in entry
+    blob = data[entry["offset"]:entry["offset"] + entry["length"]]
+    del entry["xxh3"]
+    entry["checksum"] = zlib.crc32(blob)  # what the store wrote before
+    path.write_bytes(encode_manifest(body))
+    assert torch.equal(CheckpointStore(tmp_path).load().tree["w"], torch.arange(5000.0))
+    entry["checksum"] ^= 1
+    path.write_bytes(encode_manifest(body))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        CheckpointStore(tmp_path).load(1)
+
+
 def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(NoCheckpoint):
         CheckpointStore(tmp_path).load()

@@ -276,8 +276,8 @@ def _read_header(view: memoryview) -> tuple[dict, int, int, int]:
 
 def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray, index: int) -> None:
     """Check that a chunk's streams have the shapes its layout needs, then rebuild its bytes."""
-    n = out.size // planes.size
-    if out.size % planes.size:
+    n, odd = divmod(out.size, planes.size)
+    if odd:
         raise CorruptCheckpoint(f"chunk {index} holds {out.size} bytes, not whole {planes.size}-byte elements")
     exponent = None
     if "pair_base" in chunk:
@@ -340,24 +340,26 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     if version == 6:
         _check_heads(view, header, pos, stop)
     decompressor = coders(TensorCodec.zstd_level).reader(version)
-    out = np.empty(sum(c["bytes"] for c in header["chunks"]), dtype=np.uint8)
+    chunks, name = header["chunks"], header["dtype"]
+    out = np.empty(sum(c["bytes"] for c in chunks), dtype=np.uint8)
     filled = 0
-    for index, chunk in enumerate(header["chunks"]):
-        n, decoded = chunk["bytes"], []
+    for index, chunk in enumerate(chunks):
+        n, streams, begin = chunk["bytes"], chunk["streams"], pos
+        target = out[filled:filled + n]
+        where = _ChunkName(index, name, shape)
         # A chunk held in one stream (integers, bools, the raw layout) decodes straight into the output.
-        direct = planes is None and len(chunk["streams"]) == 1 and chunk["streams"][0]["raw"] == n
-        where = _ChunkName(index, header["dtype"], shape)
-        begin = pos
-        for meta in chunk["streams"]:
-            enc = view[pos:min(pos + meta["enc"], stop)]
-            pos += meta["enc"]
-            if len(enc) != meta["enc"]:
+        direct = planes is None and len(streams) == 1 and streams[0]["raw"] == n
+        decoded = []
+        for meta in streams:
+            end = pos + meta["enc"]
+            if end > stop:
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
-            decoded.append(decode_frame_into(decompressor, enc, meta, out[filled:filled + n], where) if direct
+            enc, pos = view[pos:end], end
+            decoded.append(decode_frame_into(decompressor, enc, meta, target, where) if direct
                            else decode_frame(decompressor, enc, meta, _SCRATCH_TAGS[len(decoded)], where))
         if planes is not None:
-            _join_chunk(planes, chunk, decoded, out[filled:filled + n], index)
-        elif not direct or decoded[0].size != n:
+            _join_chunk(planes, chunk, decoded, target, index)
+        elif not direct:
             raise CorruptCheckpoint(f"chunk {index} does not hold {n} bytes in one stream")
         if version >= 7:  # after decoding, while the stored bytes are still in cache (see _check_stored)
             _check_stored(view, chunk, begin, pos, where)
@@ -371,9 +373,10 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
         if _content_hash_of(header["dtype"], shape, base_raw) != header["delta"]["base_hash"]:
             raise CorruptCheckpoint("delta base does not match the one this tensor was encoded against")
         np.bitwise_xor(out, base_raw, out=out)  # out is ours: no second tensor-sized array
-    wanted = {h for h in (header.get("content_hash"), expect_hash) if h}
-    if verify and wanted and wanted != {_content_hash_of(header["dtype"], shape, out)}:
-        raise CorruptCheckpoint(f"decoded {header['dtype']} {tuple(shape)} tensor does not match its content hash")
+    if verify and (expect_hash or "content_hash" in header):
+        wanted = {h for h in (header.get("content_hash"), expect_hash) if h}
+        if wanted != {_content_hash_of(name, shape, out)}:
+            raise CorruptCheckpoint(f"decoded {name} {tuple(shape)} tensor does not match its content hash")
     return _tensor_from_bytes(out, dtype, shape)
 
 

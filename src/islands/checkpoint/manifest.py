@@ -1,8 +1,9 @@
 """Per-rank manifest: the JSON description of one rank's part of a checkpoint, checksummed itself.
 
 Body: step, rank, world size, config fingerprint, the state tree's JSON skeleton, and per tensor its
-dtype, shape, codec layout, location (file relative to the store root, offset, length), CRC-32 of the
-stored blob and SHA-256 content hash (dedup key and end-to-end check). The file wraps the body with a
+dtype, shape, codec layout, location (file relative to the store root, offset, length), the stored
+blob's XXH3-64 (`xxh3`; manifests before session 9 hold a CRC-32 under `checksum`, still checked) and
+SHA-256 content hash (dedup key and end-to-end check). The file wraps the body with a
 CRC-32 of its canonical JSON, so a damaged manifest is detected rather than misread.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
+
+import xxhash
 
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint
 from islands.checkpoint.tree import flatten_tree
@@ -28,6 +31,21 @@ def data_name(rank: int) -> str:
 
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def blob_checksum(blob) -> dict:
+    """The checksum fields of a tensor blob's manifest entry: XXH3-64, at ~30 GB/s against CRC-32's 2.7
+    (it was a CRC-32 until session 9: 0.25 s of every 686 MB save and load)."""
+    return {"xxh3": xxhash.xxh3_64_intdigest(blob)}
+
+
+def blob_intact(entry: dict, blob) -> bool:
+    """Whether `blob` has the length and checksum its manifest entry recorded (XXH3, or an old CRC-32)."""
+    if len(blob) != entry["length"]:
+        return False
+    if "xxh3" in entry:
+        return xxhash.xxh3_64_intdigest(blob) == entry["xxh3"]
+    return zlib.crc32(blob) == entry["checksum"]
 
 
 def encode_manifest(body: dict) -> bytes:

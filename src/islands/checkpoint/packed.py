@@ -6,11 +6,10 @@ Layout: b"ISLP" | u32 manifest length | manifest (same checksummed JSON as on di
 from __future__ import annotations
 
 import struct
-import zlib
 
 from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.manifest import decode_manifest, encode_manifest, raise_if_mismatch
+from islands.checkpoint.manifest import blob_checksum, blob_intact, decode_manifest, encode_manifest, raise_if_mismatch
 from islands.checkpoint.tree import flatten_tree, unflatten_tree
 
 _MAGIC = b"ISLP"
@@ -25,7 +24,7 @@ def pack_tree(tree, step: int, *, codec: TensorCodec | None = None, fingerprint:
         digest = content_hash(t)
         blob = encode_tensor(t, codec=codec, content_hash=False)  # the manifest entry holds the hash
         entries[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "codec": codec.layout,
-                         "file": "<packed>", "offset": offset, "length": len(blob), "checksum": zlib.crc32(blob),
+                         "file": "<packed>", "offset": offset, "length": len(blob), **blob_checksum(blob),
                          "content_hash": digest, "delta_base": None}
         blobs.append(blob)
         offset += len(blob)
@@ -49,7 +48,7 @@ def unpack_tree(data: bytes, *, like=None, fingerprint: str | None = None, verif
     tensors = {}
     for name, e in body["tensors"].items():
         blob = view[base + e["offset"]: base + e["offset"] + e["length"]]
-        if len(blob) != e["length"] or zlib.crc32(blob) != e["checksum"]:
+        if not blob_intact(e, blob):
             raise CorruptCheckpoint(f"packed checkpoint: checksum mismatch for {name!r}")
         tensors[name] = decode_tensor(blob, verify=verify, expect_hash=e["content_hash"])
     return body["step"], unflatten_tree(body["skeleton"], tensors)

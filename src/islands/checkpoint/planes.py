@@ -89,9 +89,15 @@ def unpack_exponents(packed: np.ndarray, escaped: np.ndarray, base: int, n: int)
     return out
 
 
+_KERNELS = None
+
+
 def compiled_kernels():
     """kernels.py, imported on first use: numba costs ~0.5 s to import, which a process that never
     touches a checkpoint (most test workers, `islands train` without --ckpt-dir) should not pay."""
-    from islands.checkpoint import kernels
+    global _KERNELS
+    if _KERNELS is None:
+        from islands.checkpoint import kernels
 
-    return kernels
+        _KERNELS = kernels
+    return _KERNELS

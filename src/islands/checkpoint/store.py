@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +29,8 @@ import torch
 from islands.checkpoint import fsio
 from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.manifest import (data_name, encode_manifest, manifest_name, raise_if_mismatch,
-                                         read_manifest, referenced_dirs)
+from islands.checkpoint.manifest import (blob_checksum, blob_intact, data_name, encode_manifest, manifest_name,
+                                         raise_if_mismatch, read_manifest, referenced_dirs)
 from islands.checkpoint.replicas import ReplicaShare, take_entries
 from islands.checkpoint.tree import flatten_tree, unflatten_tree
 
@@ -196,7 +195,7 @@ class CheckpointStore:
                 blob = encode_tensor(tensor, base=base_tensor, codec=self.codec, content_hash=False)
                 entries[tname] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
                                   "codec": self.codec.layout, "file": data_rel, "offset": offset,
-                                  "length": len(blob), "checksum": zlib.crc32(blob), "content_hash": digest,
+                                  "length": len(blob), **blob_checksum(blob), "content_hash": digest,
                                   "delta_base": base_entry}
                 offset += len(blob)
                 result.tensors_written += 1
@@ -265,7 +264,7 @@ class CheckpointStore:
             finally:
                 for f in files.values():
                     f.close()
-        location = {k: entry[k] for k in ("file", "offset", "length", "checksum", "content_hash")}
+        location = {k: entry[k] for k in ("file", "offset", "length", "xxh3", "checksum", "content_hash") if k in entry}
         return location, self._base_cache[tname]
 
     def apply_retention(self) -> list[int]:
@@ -355,7 +354,7 @@ class CheckpointStore:
             raise CorruptCheckpoint(f"data file {rel} referenced by the manifest is missing") from exc
         f.seek(entry["offset"])
         blob = f.read(entry["length"])
-        if len(blob) != entry["length"] or zlib.crc32(blob) != entry["checksum"]:
+        if not blob_intact(entry, blob):
             raise CorruptCheckpoint(f"checksum mismatch in {rel} at offset {entry['offset']}: data is damaged")
         return blob
 

@@ -169,7 +169,8 @@ def decode_frame(decompressor, enc: memoryview, meta: dict, scratch_tag: str, wh
         return _EMPTY
     if meta["raw"] > SMALL_STREAM:
         return decode_frame_into(decompressor, enc, meta, scratch(scratch_tag, meta["raw"], np.uint8), where)
-    _check_head(enc, meta, where)
+    if "hcrc" in meta:
+        _check_head(enc, meta, where)
     try:
         data = decompressor.decompress(enc, max_output_size=meta["raw"] + 1, allow_extra_data=False)
     except zstandard.ZstdError as exc:

@@ -124,8 +124,8 @@ def fp16_entropy_floor(weights: torch.Tensor, rows: list[dict], repeats: int) ->
     ours, ref = whole["islands"], whole["zipnn-0.5.4"]
     return (f"float16 entropy stage alone: zstd decodes the high-byte plane of the whole model in {best * 1e3:.1f} ms, "
             f"{100 * best / ref:.0f}% of ZipNN's whole decode ({ref * 1e3:.1f} ms) and {100 * best / ours:.0f}% of ours "
-            f"({ours * 1e3:.1f} ms); the rest of ours is the join and the checksums of every plane, which ZipNN "
-            "does not compute")
+            f"({ours * 1e3:.1f} ms); the rest of ours is the join and the XXH3 of every chunk's stored bytes, a "
+            "checksum ZipNN does not compute")
 
 
 def _first(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
