@@ -2,9 +2,9 @@
 
 A stream is a zstd frame (magicless: the blob header says what each stream is) or, for a noise plane,
 the plane's bytes as they are, read in place. Format 7 checksums what is stored, once per chunk: an
-XXH3-64 of all of a chunk's stream bytes, in the blob header, checked before any of them is decoded
-(`stored_checksum`, 30 GB/s here). Damage anywhere in a chunk, frame headers included, is caught
-there, and the decoders never see damaged bytes. Format 6 (still read) checksummed what was decoded:
+XXH3-64 of all of a chunk's stream bytes, in the blob header (`stored_checksum`, 30 GB/s here),
+checked once the chunk is decoded and before the tensor is returned (codec._check_stored says why
+then). Damage anywhere in a chunk, frame headers included, is caught there. Format 6 (still read) checksummed what was decoded:
 zstd's content checksum in each frame (XXH64, 10 GB/s, computed while decoding), an XXH64 per raw
 plane, and a CRC-32 over every frame's first bytes (`heads_crc`), because zstd ignores some frame header
 bits; formats 3-5 wrote ordinary frames and one such CRC-32 per stream. The coders
