@@ -196,6 +196,30 @@ def test_multi_rank_save_commits_once_all_ranks_wrote(tmp_path):
     assert store.verify(10) == []
 
 
+def test_a_rank_that_loses_rank_0_after_its_commit_counts_the_save_and_not_before(tmp_path):
+    # An elastic member waiting for rank 0's "committed" sees rank 0 vanish: whether the save counts is
+    # whether `latest` names it (the barrier cannot tell, the store can).
+    class RankZeroGone(RuntimeError):
+        pass
+
+    rank0 = CheckpointStore(tmp_path, rank=0, world_size=2, barrier=lambda: None)  # its waits: in rank 1's
+    calls = []
+
+    def rank1_barrier():  # rank 1's two barriers per save: before rank 0 commits, and after
+        calls.append(1)
+        if len(calls) == 1:  # rank 1's part is in: rank 0 writes its own and commits step 5
+            rank0.save({"shard": torch.zeros(4)}, 5, token="e0")
+        elif len(calls) in (2, 4):  # then vanishes before saying so; and never commits step 10
+            raise RankZeroGone("rank 0 left while it committed")
+
+    rank1 = CheckpointStore(tmp_path, rank=1, world_size=2, barrier=rank1_barrier, clean=False)
+    rank1.save({"shard": torch.ones(4)}, 5, token="e0")  # counts: `latest` names step 5
+    assert rank1.latest_step() == 5 and torch.equal(rank1.load(5, rank=1).tree["shard"], torch.ones(4))
+    with pytest.raises(RankZeroGone):
+        rank1.save({"shard": torch.ones(4)}, 10, token="e1")  # does not: `latest` still names 5
+    assert CheckpointStore(tmp_path).latest_step() == 5 and len(calls) == 4
+
+
 def _ranks(world, target):
     """Run target(rank, barrier) on `world` threads standing for ranks; returns their errors."""
     barrier = threading.Barrier(world, timeout=30)

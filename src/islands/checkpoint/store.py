@@ -226,7 +226,13 @@ class CheckpointStore:
         if self.rank == 0:
             self._commit(staging, step)
         if self.barrier is not None:
-            self.barrier()  # no rank reports success before the pointer moved
+            try:
+                self.barrier()  # no rank reports success before the pointer moved
+            except Exception:
+                # Rank 0 left before saying it committed (an elastic member killed right after its
+                # commit): the checkpoint counts if `latest` names it, as it does for a load.
+                if self.rank == 0 or self.latest_step() != step:
+                    raise
         self._previous = body
         if is_base:
             self._base, self._since_base = body, 1
