@@ -13,8 +13,8 @@ up to K checkpoints back): unchanged exponent and high mantissa bits become zero
 Blob (format 7): magic, version, the streams, the header (binary: blob_header.py), its CRC-32, its length; encode_tensor
 returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
 
-Integrity: every chunk's stored bytes carry an XXH3-64, checked before any of its streams is decoded
-(streams.py); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256 content
+Integrity: every chunk's stored bytes carry an XXH3-64, checked once the chunk is decoded and before
+the tensor is returned (_check_stored); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256 content
 hash when one is known (in the blob, or passed in from the store's manifest; collision resistant, so the
 store also dedups on it). The input tensor is only ever read.
 """
@@ -328,7 +328,7 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     `expect_hash`: the content hash the decoded tensor must have, for a blob encoded with
     content_hash=False whose hash is kept elsewhere (the store's manifest); a hash in the blob is checked too.
     `verify=False` skips only that final SHA-256 over the decoded tensor (also skipped when no hash is
-    known); every stream's checksums are always checked.
+    known); every chunk's checksum (every stream's, before format 7) is always checked.
     """
     view = memoryview(blob)
     header, pos, stop, version = _read_header(view)

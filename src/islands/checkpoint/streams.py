@@ -4,11 +4,11 @@ A stream is a zstd frame (magicless: the blob header says what each stream is) o
 the plane's bytes as they are, read in place. Format 7 checksums what is stored, once per chunk: an
 XXH3-64 of all of a chunk's stream bytes, in the blob header (`stored_checksum`, 30 GB/s here),
 checked once the chunk is decoded and before the tensor is returned (codec._check_stored says why
-then). Damage anywhere in a chunk, frame headers included, is caught there. Format 6 (still read) checksummed what was decoded:
-zstd's content checksum in each frame (XXH64, 10 GB/s, computed while decoding), an XXH64 per raw
-plane, and a CRC-32 over every frame's first bytes (`heads_crc`), because zstd ignores some frame header
-bits; formats 3-5 wrote ordinary frames and one such CRC-32 per stream. The coders
-(SOTA-437, LIT-750):
+then). Damage anywhere in a chunk, frame headers included, is caught there. Format 6 (still read)
+checksummed what was decoded: zstd's content checksum in each frame (XXH64, 10 GB/s, computed while
+decoding), an XXH64 per raw plane, and a CRC-32 over every frame's first bytes (`heads_crc`), because
+zstd ignores some frame header bits; formats 3-5 wrote ordinary frames and one such CRC-32 per stream.
+The coders (SOTA-437, LIT-750):
   Huffman  zstd with its LZ stage starved (fast strategy, min match 7, 64-entry tables): what is left is
            the Huffman literal coder, as small as level 19 on exponent planes and ~100x faster
   raw      (format 6 on) a plane the gate finds to be noise, and the raw layout's chunks (format 7):
