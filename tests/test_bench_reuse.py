@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import islands.runtime.launch as launch_mod
+import islands.app.launch as launch_mod
 from islands.bench.harness import BenchContext
 
 

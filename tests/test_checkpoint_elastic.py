@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from islands.app.launch import launch_elastic
 from islands.checkpoint import CheckpointStore
 from islands.checkpoint.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
 from islands.config import ConfigError, from_mapping, validate
-from islands.runtime.elastic_launch import launch_elastic
 
 from test_checkpoint_resume import same
 
@@ -289,7 +289,7 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
 
 
 def test_the_config_a_joiner_reads_names_the_jobs_own_checkpoint_roots(tmp_path, monkeypatch):
-    from islands.runtime.elastic_launch import shared_config
+    from islands.app.launch import shared_config
 
     monkeypatch.chdir(tmp_path)
     shared = shared_config(_cfg(tmp_path / "run", ckpt_remote_dir="remote", ckpt_remote_every=4), Path("run"))

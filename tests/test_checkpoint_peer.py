@@ -6,7 +6,6 @@ import os
 import socket
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.multiprocessing as mp
 
 from islands.checkpoint.driver import CheckpointDriver
 from islands.checkpoint.peer import KIND, PeerReplica
-from islands.config import TrainConfig
+from islands.checkpoint.settings import CheckpointSettings
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.world import World
 
@@ -32,19 +31,26 @@ def _init(rank: int, size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=30))
 
 
-class FakeTrainer:
-    """What the driver reads from a trainer: step, elapsed, state_dict(), task.loader, model."""
+class FakeState:
+    """A TrainingState (islands.checkpoint.driver) whose weights are a function of rank and step."""
 
-    def __init__(self, rank: int):
-        self.rank, self.step, self.elapsed = rank, 0, 0.0
-        self.task = SimpleNamespace(loader=SimpleNamespace(sampler=SimpleNamespace(n=10)))
+    shard_items = 10
+
+    def __init__(self, world: World):
+        self.world, self.rank, self.step, self.elapsed = world, world.rank, 0, 0.0
         self.model = torch.nn.Linear(2, 2)  # only asked whether it is sharded
 
     def weights(self, step: int) -> torch.Tensor:
         return torch.arange(50, dtype=torch.float32) * (self.rank + 1) + step
 
+    def model_state_dict(self) -> dict:
+        return {"w": self.weights(self.step)}
+
     def state_dict(self) -> dict:
-        return {"step": self.step, "model": {"w": self.weights(self.step)}, "rng": {"seed": self.rank}}
+        return {"step": self.step, "model": self.model_state_dict(), "rng": {"seed": self.rank}}
+
+    def load_state_dict(self, tree: dict) -> None:
+        self.step = int(tree["step"])
 
     def advance(self) -> None:
         self.step += 1
@@ -54,11 +60,10 @@ class FakeTrainer:
 def _driver_worker(rank: int, size: int, port: int, out: str) -> None:
     try:
         _init(rank, size, port)
-        cfg = TrainConfig(workers=size, ckpt_memory_every=2, ckpt_memory_peer=True, ckpt_dir=f"{out}/ckpt",
-                          timeout=30.0)
+        settings = CheckpointSettings(memory_every=2, memory_peer=True, timeout=30.0)
         world = World(rank=rank, size=size, islands=1, device=torch.device("cpu"), backend="gloo")
-        driver = CheckpointDriver(cfg, world, Path(out))
-        trainer = FakeTrainer(rank)
+        driver = CheckpointDriver(settings, world, run_dir=out)
+        trainer = FakeState(world)
         for _ in range(7):  # memory saves at 2, 4, 6; each replicated
             trainer.advance()
             driver.after_step(trainer)

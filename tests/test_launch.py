@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from islands.config import TrainConfig, validate
-from islands.runtime.launch import LaunchError, launch
+from islands.app.launch import launch
+from islands.config import from_mapping
+from islands.runtime.launch import LaunchError
 
 ISLANDS = [sys.executable, "-m", "islands"]
 TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",
@@ -81,6 +82,23 @@ def test_busy_port_is_a_clear_error(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        cfg = validate(TrainConfig(workers=2, port=s.getsockname()[1]))
+        cfg = from_mapping({"workers": 2, "port": s.getsockname()[1]})
         with pytest.raises(LaunchError, match="busy"):
             launch(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything was written or started
+
+
+def test_a_testbed_that_does_not_exist_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("ISLANDS_TESTBED_DIR", str(tmp_path / "testbeds"))
+    with pytest.raises(LaunchError, match="no testbed named 'nosuchbed'.*islands testbed up --name nosuchbed"):
+        launch(from_mapping({"workers": 2, "testbed": "nosuchbed"}), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_with_an_unknown_testbed_exits_2_with_a_message(tmp_path):
+    out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "1", "--testbed", "nosuchbed",
+                          "--run-dir", str(tmp_path / "run"), *TINY], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ISLANDS_TESTBED_DIR": str(tmp_path / "testbeds")})
+    assert out.returncode == 2, out.stderr
+    assert "no testbed named 'nosuchbed'" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "logs").exists()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from islands.app.launch import launch_elastic
 from islands.config import from_mapping, validate
-from islands.runtime.elastic_launch import launch_elastic
 from islands.runtime.membership import REFUSED_EXIT_CODE, connect
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -1,3 +1,29 @@
-"""islands: communication-efficient, fault-tolerant training across poorly connected device groups."""
+"""islands: train PyTorch models across poorly connected, unreliable islands of devices.
 
-__version__ = "0.1.0"
+One import gives what a user composes (docs/own-model.md):
+
+    world = islands.init_world(islands=2)
+    strategy = islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
+                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.Median()))
+    model = strategy.wrap(model, opt, world)
+    ... loss.backward(); strategy.after_backward(model, step); opt.step(); strategy.after_step(model, opt, step)
+    strategy.finish(model); global_model = strategy.eval_model(model)
+
+or `islands.Trainer(model=..., optimizer=..., loss_fn=..., train_data=..., strategy=..., world=...).fit(steps)`,
+or `with strategy.attach(model, opt, world):` around an unchanged loop.
+"""
+
+from islands import compress, inner, outer, robust
+from islands.checkpoint.checkpointer import Checkpointer
+from islands.data.batches import BatchError
+from islands.loop import (Callback, Checkpointing, Constant, Evaluate, Progress, RunRecord, Task, Trainer,
+                          WarmupCosine, evaluate)
+from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.world import World, close_world, init_world
+from islands.sync.base import NoOp, Strategy
+from islands.sync.stack import Stack
+from islands.version import __version__
+
+__all__ = ["BatchError", "Callback", "Checkpointer", "Checkpointing", "Comm", "CommLedger", "Constant", "Evaluate",
+           "NoOp", "Progress", "RunRecord", "Stack", "Strategy", "Task", "Trainer", "WarmupCosine", "World",
+           "__version__", "close_world", "compress", "evaluate", "init_world", "inner", "outer", "robust"]

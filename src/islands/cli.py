@@ -9,24 +9,25 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from islands.cli_more import UsageError
-from islands.config import _CHOICES, ConfigError, TrainConfig, from_mapping, load_toml, validate
+from islands.config import FLAT, ConfigError, JobConfig, from_mapping, keys, load_toml
+from islands.tasks.user import TaskError
 
 _HELP = {
-    "task": "lm (byte-level language model on Python's stdlib source) or digits (sklearn digits)",
-    "data": "text file or directory for task=lm (default: Python standard library source)",
-    "workers": "total worker processes", "islands": "islands the workers are split into (workers/islands each)",
-    "device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
-    "inner": "inner strategy inside an island: " + ", ".join(_CHOICES["inner"]),
-    "outer": "outer strategy across islands, e.g. diloco:inner_steps=100",
-    "compress": "gradient compressor spec, e.g. powersgd:rank=4", "aggregate": "aggregator spec, e.g. median",
-    "attack": "rehearse an attack, e.g. sign-flip:count=2", "testbed": "run workers inside this network testbed",
-    "global_batch": "sequences per step over all workers", "timeout": "collective timeout in seconds",
-    "hook_overlap": "with --compress: compress each DDP bucket on a worker thread while backward goes on "
-                    "(default), or inside the hook on the autograd thread",
+    "task.name": "lm (byte-level language model on Python's stdlib source), digits (sklearn digits), or "
+                 "module:function returning an islands.Task (your own model and data)",
+    "task.data": "text file or directory for task lm (default: Python standard library source)",
+    "world.workers": "total worker processes", "world.islands": "islands the workers are split into (workers/islands each)",
+    "world.device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
+    "inner.strategy": "inner strategy inside an island: auto, single, ddp, zero1, fsdp, pipeline",
+    "outer.strategy": "outer strategy across islands, e.g. diloco:inner_steps=100",
+    "inner.compressor": "gradient compressor spec, e.g. powersgd:rank=4", "inner.aggregator": "aggregator spec, e.g. median",
+    "inner.attack": "rehearse an attack, e.g. sign-flip:count=2", "world.testbed": "run workers inside this network testbed",
+    "train.global_batch": "sequences per step over all workers", "world.timeout": "collective timeout in seconds",
+    "inner.overlap": "with a compressor: compress each DDP bucket on a worker thread while backward goes on "
+                     "(default), or inside the hook on the autograd thread",
 }
 
 
@@ -37,43 +38,48 @@ class ExitError(Exception):
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file of config keys (flags override it)")
-    for f in fields(TrainConfig):
-        if f.name == "extra":
+    p.add_argument("--config", help="TOML file of config tables ([train] steps = 300; flags override it)")
+    defaults = JobConfig()
+    aliases: dict[str, list[str]] = {}
+    for flat, dotted in FLAT.items():
+        aliases.setdefault(dotted, []).append(flat)
+    for dotted, typ in keys().items():
+        if typ == "dict":
             continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=_HELP.get(f.name, f"(default {f.default})"))
+        flags = ["--" + dotted] + ["--" + a.replace("_", "-") for a in aliases.get(dotted, [])]
+        default = defaults.get(dotted)
+        help_text = _HELP.get(dotted, "") + f" (default {default!r})"
+        if typ == "bool":
+            p.add_argument(*flags, dest=dotted, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type]
-            p.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.type.upper(),
-                           help=_HELP.get(f.name, "") + f" (default {f.default!r})")
+            kind = {"int": int, "float": float, "str": str}[typ]
+            p.add_argument(*flags, dest=dotted, type=kind, default=None, metavar=typ.upper(), help=help_text)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    from islands.app.validate import validate
+
     values = load_toml(args.config) if args.config else {}
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
-                 if f.name != "extra" and getattr(args, f.name, None) is not None}
-    return validate(from_mapping({**values, **overrides}))
+    cfg = from_mapping(values)
+    overrides = {k: getattr(args, k) for k in keys() if getattr(args, k, None) is not None}
+    return validate(from_mapping(overrides, base=cfg))
 
 
 def cmd_train(args) -> int:
-    cfg = config_from_args(args)
-    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.task}-w{cfg.workers}")
-    if "RANK" in os.environ:  # started by torchrun: this process is one worker
-        from islands.runtime.worker import run_worker
+    from islands.app.launch import launch
+    from islands.app.worker import run_worker
+    from islands.runtime.launch import LaunchError
 
+    cfg = config_from_args(args)
+    name = cfg.task.name.rpartition(":")[2] or cfg.task.name
+    run_dir = Path(cfg.output.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{name}-w{cfg.world.workers}")
+    if "RANK" in os.environ:  # started by torchrun: this process is one worker
         run_worker(cfg, run_dir)
         return 0
-    if cfg.workers == 1 and not cfg.testbed:
-        from islands.runtime.worker import run_worker
-
+    if cfg.world.workers == 1 and not cfg.world.testbed and not cfg.elastic.enabled:
         run_dir.mkdir(parents=True, exist_ok=True)
         run_worker(cfg, run_dir)
         return 0
-    from islands.runtime.launch import LaunchError, launch
-
     try:
         return launch(cfg, run_dir)
     except LaunchError as e:
@@ -118,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model with local workers (or one torchrun worker)",
-                       description="Train. Every config key is a flag; --config FILE.toml supplies defaults.")
+                       description="Train. Every config key is a flag (--section.key, or today's flat name); "
+                                   "--config FILE.toml supplies defaults.")
     _add_config_flags(t)
     t.set_defaults(fn=cmd_train)
 
@@ -147,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     from islands.cli_more import add_more_commands
 
     add_more_commands(sub)
+    from islands.cli_run import add_run_command
+    add_run_command(sub)
     return p
 
 
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         code = args.fn(args)
-    except (ConfigError, ExitError, UsageError) as e:
+    except (ConfigError, ExitError, UsageError, TaskError) as e:
         print(f"islands: error: {e}", file=sys.stderr)
         code = getattr(e, "code", 2)
     sys.exit(code)

@@ -25,13 +25,13 @@ def _testbed(args) -> int:
 
 
 def _join(args) -> int:
-    """islands join HOST:PORT: one elastic worker entering a running job (islands.runtime.elastic_worker)."""
+    """islands join HOST:PORT: one elastic worker entering a running job (islands.app.elastic_worker)."""
     import os
     import secrets
     from pathlib import Path
 
     from islands.runtime.elastic import Excluded, JobEnded
-    from islands.runtime.elastic_worker import exit_now, parse_address, run_elastic_worker
+    from islands.app.elastic_worker import exit_now, parse_address, run_elastic_worker
     from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE, Refused
 
     try:

@@ -80,7 +80,7 @@ class BenchContext:
         """Run one training job in its own processes; returns its run record (run.json)."""
         import json
 
-        from islands.runtime.launch import launch
+        from islands.app.launch import launch
 
         cfg = self.config(**overrides)
         run_dir = self.out_dir / "runs" / label
@@ -112,7 +112,7 @@ class BenchContext:
         import os
         import shutil
 
-        from islands.runtime.elastic_launch import launch_elastic
+        from islands.app.launch import launch_elastic
 
         run_dir = self.out_dir / "runs" / label
         shutil.rmtree(run_dir, ignore_errors=True)

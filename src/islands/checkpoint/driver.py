@@ -1,105 +1,87 @@
-"""Checkpointing inside the training loop: levels, interval, async persist, built from one TrainConfig.
+"""Checkpointing inside a training loop: levels, interval, async persist, built from objects.
 
-Config (islands.config.TrainConfig):
-    ckpt_dir            local-disk level root ("" = <run_dir>/ckpt)
-    ckpt_every          local-disk interval in steps (0 = none, unless ckpt_policy="auto")
-    ckpt_policy         "" (fixed ckpt_every) or "auto[:bound=0.035,mtbf_days=3748.25,devices=N,first=10]"
-    ckpt_memory_every   in-memory level interval (0 = none); in-process rollback via `restore()`
-    ckpt_memory_peer    the memory level of rank r is also held by rank (r+1) % n (SOTA-057); a lost
-                        rank's state comes back with `restore_peer()` (collective)
-    ckpt_remote_dir     second directory standing for remote storage ("" = none)
-    ckpt_remote_every   remote level interval in steps
-    ckpt_keep           checkpoints retention keeps per disk level
-    ckpt_async          two-phase snapshot-then-persist (SOTA-056) or a blocking save
-    ckpt_share_replicas a tensor whose bytes rank 0 saves in the same step (data-parallel replicas)
-                        is referenced by the other ranks' manifests, not written again (not elastic:
-                        its members' states differ between syncs, and its barrier has two phases)
+`CheckpointDriver(settings, world, run_dir=None, fingerprint="")`:
+    settings     CheckpointSettings (islands.checkpoint.settings): levels, intervals, policy, retention
+    world        the job's World (rank, size, ledger; elastic: membership, data_shard)
+    run_dir      where the local level goes when settings.dir is None (<run_dir>/ckpt)
+    fingerprint  an opaque string stored in every checkpoint and compared on load (fingerprint.py)
+
+The driver saves a `TrainingState` (below), never a trainer: whatever runs the loop (islands' Trainer,
+the public `Checkpointer` around a user's own loop, a benchmark) implements it. The loop calls
+`after_step(state)` after each optimizer step, `settle(state)` before elastic members change, and
+`finish(state)` at the end; `record()` is what a run record keeps under "checkpoint".
 
 Every rank saves its own part (rankNNNNN files) of the same step; the stores' barrier runs on a
 dedicated gloo group so the persist thread never shares a process group with training collectives;
-rank 0 commits. The tree carries the config fingerprint (TrainConfig.fingerprint_fields), the saving
-rank, the world size and the loader's shard size (for resharding, islands.checkpoint.resume).
+rank 0 commits. The tree carries the fingerprint (key "config_fingerprint"), the saving rank, the world
+size and the data shard's size (for resharding, islands.checkpoint.resume).
 
-With ckpt_policy="auto" the local-disk interval comes from CombinedIntervalPolicy (SOTA-054 overhead
-bound, SOTA-189 Young/Daly). Ranks must agree on every save step, so each decision is fed the maximum
-over ranks of the measured iteration time, stall and persist time (one small gather per checkpoint):
-identical inputs give identical decisions. The first auto checkpoint waits for its persist, so the
-policy starts from a measured persist time (a one-off cost).
+With an AutoInterval policy the local-disk interval comes from CombinedIntervalPolicy (SOTA-054
+overhead bound, SOTA-189 Young/Daly). Ranks must agree on every save step, so each decision is fed the
+maximum over ranks of the measured iteration time, stall and persist time (one small gather per
+checkpoint): identical inputs give identical decisions. The first auto checkpoint waits for its
+persist, so the policy starts from a measured persist time (a one-off cost).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import time
 from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
 
 from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
 from islands.checkpoint.elastic_saves import (ElasticBarrier, Member, MembershipChanged, PersistBarrier, bind,
                                               can_persist_async, is_elastic, opens_clean)
-from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND, CheckFreqPolicy,
-                                         CombinedIntervalPolicy, YoungDalyInterval)
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
 from islands.checkpoint.packed import unpack_tree
 from islands.checkpoint.peer import PeerReplica
+from islands.checkpoint.settings import CheckpointSettings, format_policy
 from islands.checkpoint.sharded_state import is_sharded
 from islands.checkpoint.store import CheckpointStore, SaveResult
 from islands.runtime.comm import Comm
+from islands.runtime.world import World
 
-_AUTO_KEYS = {"bound": float, "mtbf_days": float, "devices": int, "first": int, "max": int}
 MAX_DECISIONS_KEPT = 100  # run.json keeps the first and last decisions, not one per checkpoint forever
 
 
-def config_fingerprint(cfg) -> str:
-    """The model-defining config fields as canonical JSON: stored in every checkpoint, compared on load."""
-    return json.dumps(cfg.fingerprint_fields(), sort_keys=True)
+@runtime_checkable
+class TrainingState(Protocol):
+    """What the checkpoint driver and `resume` need from a training loop.
 
+    world: World            the job's world (rank, size, all_gather_object; elastic: membership, data_shard)
+    step: int               optimizer steps completed; a checkpoint taken now is "step N"
+    elapsed: float          training seconds so far (the auto policy's iteration time comes from its changes)
+    model: torch.nn.Module  the model as the loop runs it (wrapped); the driver only asks whether it is
+                            sharded (FSDP2 DTensors: state_dict() is then a collective, so no rank may skip)
+    shard_items: int        items in this rank's data shard (resharding scales data positions by it); -1 unknown
 
-def parse_policy(spec: str) -> dict | None:
-    """"" -> None (fixed interval); "auto[:k=v,...]" -> the policy's settings with defaults filled in."""
-    if not spec:
-        return None
-    name, _, args = spec.partition(":")
-    if name != "auto":
-        raise ValueError(f"ckpt_policy must be '' (fixed ckpt_every) or 'auto[:bound=0.035,mtbf_days=3748.25,"
-                         f"devices=N,first=10,max=N]'; got {spec!r}")
-    out = {"bound": DEFAULT_OVERHEAD_BOUND, "mtbf_days": DEFAULT_DEVICE_MTBF_DAYS, "devices": 0, "first": 10,
-           "max": 1_000_000}
-    for part in filter(None, args.split(",")):
-        key, eq, value = part.partition("=")
-        if key not in _AUTO_KEYS or not eq:
-            raise ValueError(f"ckpt_policy: unknown or malformed setting {part!r}; valid: {', '.join(_AUTO_KEYS)}")
-        try:
-            out[key] = _AUTO_KEYS[key](value)
-        except ValueError:
-            raise ValueError(f"ckpt_policy: {key} must be {_AUTO_KEYS[key].__name__}, got {value!r}") from None
-    if not 0 < out["bound"] < 1:
-        raise ValueError(f"ckpt_policy: bound is a fraction in (0, 1), e.g. 0.035; got {out['bound']}")
-    if out["mtbf_days"] <= 0 or out["devices"] < 0 or out["first"] < 1 or out["max"] < 1:
-        raise ValueError("ckpt_policy: need mtbf_days > 0, devices >= 0 (0 = the job's world size), first >= 1, max >= 1")
-    return out
+    state_dict() -> dict    everything to restore, as a tree of tensors and plain values. Keys the resume
+                            policies know: "step"; "model", "optimizer", "strategy" (must be identical on
+                            every saved rank to load into another world size); "data" (the data position:
+                            {"epoch", "cursor"} is rescaled to the new shard, any other form is taken from
+                            saved rank r mod N; "loader" is read the same way, as older checkpoints name it);
+                            "elapsed", "series", "membership" (taken from saved rank 0). Other keys travel
+                            as they are. The driver adds "config_fingerprint" and "world".
+    load_state_dict(tree)   put that tree back (the tree may carry the driver's extra keys)
+    model_state_dict() -> dict
+                            the "model" entry state_dict() gives (its shapes and dtypes): a resume compares
+                            them with the checkpoint's before loading anything and names each difference
+    """
 
+    world: World
+    step: int
+    elapsed: float
+    model: torch.nn.Module
+    shard_items: int
 
-def check_checkpoint_config(cfg) -> None:
-    """Raise ValueError naming the field if the checkpoint settings cannot work together."""
-    policy = parse_policy(cfg.ckpt_policy)
-    for key in ("ckpt_every", "ckpt_memory_every", "ckpt_remote_every"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"{key} must be >= 0 steps (0 = off); got {getattr(cfg, key)}")
-    if cfg.ckpt_keep < 1:
-        raise ValueError(f"ckpt_keep must be >= 1 (the newest checkpoint is always kept); got {cfg.ckpt_keep}")
-    if policy is not None and cfg.ckpt_every:
-        raise ValueError(f"ckpt_policy='auto' chooses the interval itself; set ckpt_every=0 (got {cfg.ckpt_every})")
-    if cfg.ckpt_memory_peer and not cfg.ckpt_memory_every:
-        raise ValueError("ckpt_memory_peer replicates the memory level: set ckpt_memory_every > 0 too")
-    if bool(cfg.ckpt_remote_dir) != bool(cfg.ckpt_remote_every):
-        raise ValueError("ckpt_remote_dir and ckpt_remote_every go together: give both or neither")
-    if cfg.ckpt_remote_dir and cfg.ckpt_dir and Path(cfg.ckpt_remote_dir).resolve() == Path(cfg.ckpt_dir).resolve():
-        raise ValueError("ckpt_remote_dir must differ from ckpt_dir (it stands for a separate storage system)")
+    def state_dict(self) -> dict: ...
 
+    def load_state_dict(self, tree: dict) -> None: ...
 
-def checkpointing_enabled(cfg) -> bool:
-    return bool(cfg.ckpt_every or cfg.ckpt_policy or cfg.ckpt_memory_every or cfg.ckpt_remote_every)
+    def model_state_dict(self) -> dict: ...
 
 
 class _Barrier:
@@ -126,52 +108,64 @@ def _peer_comm(world, timeout_s: float) -> Comm:
 class CheckpointDriver:
     """Decides, per step, which levels save; snapshots once; persists in the background."""
 
-    def __init__(self, cfg, world, run_dir: Path | None):
-        check_checkpoint_config(cfg)
-        if not cfg.ckpt_dir and run_dir is None:
-            raise ValueError("checkpointing needs ckpt_dir or a run directory (<run_dir>/ckpt)")
-        self.cfg, self.world = cfg, world
-        self.fingerprint = config_fingerprint(cfg)
-        self.policy_settings = parse_policy(cfg.ckpt_policy)
-        self.root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else Path(run_dir) / "ckpt"
+    def __init__(self, settings: CheckpointSettings, world: World, run_dir: str | Path | None = None,
+                 fingerprint: str = ""):
+        if not isinstance(settings, CheckpointSettings):
+            raise TypeError(f"CheckpointDriver takes CheckpointSettings(...); got {type(settings).__name__}")
+        if not settings.enabled:
+            raise ValueError("no checkpoint level is set: give every=N, policy=AutoInterval(), memory_every=N "
+                             "or remote_dir with remote_every=N")
+        if settings.dir is None and run_dir is None:
+            raise ValueError("checkpointing needs a directory: CheckpointSettings(dir=...) or a run directory "
+                             "(<run_dir>/ckpt)")
+        if not isinstance(fingerprint, str):
+            raise TypeError(f"fingerprint is an opaque str (e.g. fingerprint_of(fields)); got {type(fingerprint).__name__}")
+        self.settings, self.world, self.fingerprint = settings, world, fingerprint
+        self.root = Path(settings.dir) if settings.dir is not None else Path(run_dir) / "ckpt"
         self.elastic = is_elastic(world)
+        if self.elastic and settings.policy is not None:
+            raise ValueError("an elastic job needs a fixed checkpoint interval (every=N, policy=None): the auto "
+                             "policy's decisions come from history a worker joining later does not have")
+        if self.elastic and settings.memory_peer:
+            raise ValueError("an elastic job does not replicate the memory level to a peer (ring neighbours change "
+                             "with membership); leave memory_peer off, the local and remote levels still work")
         torch_dist = world.size > 1 and not self.elastic and world.comms is None
         barrier = None
         if torch_dist:
-            barrier = _Barrier(world, cfg.timeout)
+            barrier = _Barrier(world, settings.timeout)
         elif self.elastic:  # members change between saves: islands.checkpoint.elastic_saves
-            if cfg.ckpt_async and can_persist_async(world):
+            if settings.asynchronous and can_persist_async(world):
                 m = world.membership
-                barrier = PersistBarrier(m.new_client, m.new_liveness, lambda: m.epoch, cfg.timeout)
+                barrier = PersistBarrier(m.new_client, m.new_liveness, lambda: m.epoch, settings.timeout)
             else:
                 barrier = ElasticBarrier(world)
             self.elastic_barrier = barrier
         elif world.size > 1:  # other comms without a torch group of their own: meet on the main thread
             barrier = lambda: world.all_gather_object(None)  # noqa: E731
-        self.async_ok = cfg.ckpt_async and (world.size == 1 or torch_dist or isinstance(barrier, PersistBarrier))
+        self.async_ok = settings.asynchronous and (world.size == 1 or torch_dist or isinstance(barrier, PersistBarrier))
         self.abandoned: list[int] = []  # steps whose save a membership change abandoned (elastic)
         self.abandoned_why: list[str] = []
 
-        self.share_replicas = cfg.ckpt_share_replicas and not self.elastic and world.size > 1
+        self.share_replicas = settings.share_replicas and not self.elastic and world.size > 1
 
         def store(root):
-            return CheckpointStore(root, keep_last=cfg.ckpt_keep, rank=world.rank, world_size=world.size,
+            return CheckpointStore(root, keep_last=settings.keep, rank=world.rank, world_size=world.size,
                                    barrier=barrier, clean=opens_clean(world), share_replicas=self.share_replicas)
 
         # Peer copies need every rank at every memory save: only with a torch group (not elastic).
-        self.peer = PeerReplica(_peer_comm(world, cfg.timeout)) if cfg.ckpt_memory_peer and torch_dist else None
+        self.peer = PeerReplica(_peer_comm(world, settings.timeout)) if settings.memory_peer and torch_dist else None
         levels = []
-        if cfg.ckpt_memory_every:
-            levels.append(MemoryLevel(every=cfg.ckpt_memory_every,
+        if settings.memory_every:
+            levels.append(MemoryLevel(every=settings.memory_every,
                                       replicate=self.peer.replicate if self.peer is not None else None))
-        if cfg.ckpt_every or self.policy_settings is not None:
-            levels.append(DiskLevel(store(self.root), every=cfg.ckpt_every or 1, name="local"))
-        if cfg.ckpt_remote_dir:
-            levels.append(DiskLevel(store(Path(cfg.ckpt_remote_dir)), every=cfg.ckpt_remote_every, name="remote"))
+        if settings.every or settings.policy is not None:
+            levels.append(DiskLevel(store(self.root), every=settings.every or 1, name="local"))
+        if settings.remote_dir is not None:
+            levels.append(DiskLevel(store(Path(settings.remote_dir)), every=settings.remote_every, name="remote"))
         self.levels = MultiLevelCheckpointer(levels)
         self._by_name = {lv.name: lv for lv in levels}
         self.writer = AsyncCheckpointer(self, when_busy="wait")
-        self.policy = self._build_policy() if self.policy_settings is not None else None
+        self.policy = settings.policy.build(world.size) if settings.policy is not None else None
         self.next_local: int | None = None  # auto: the step of the next local-disk save
         self.decisions: list[dict] = []
         self.saves = {lv.name: 0 for lv in levels}
@@ -181,16 +175,15 @@ class CheckpointDriver:
         self.handles: list[SaveHandle] = []
         self.last_saved_step: int | None = None
         self.last_step_of: dict[str, int] = {}
+        self.resumed_from: dict | None = None
         self._last_elapsed = 0.0
         self._iter_sum, self._iter_n = 0.0, 0
         self._uptime_mark = time.perf_counter()
         self._reserve_tried = False
 
-    def _build_policy(self) -> CombinedIntervalPolicy:
-        s = self.policy_settings
-        checkfreq = CheckFreqPolicy(s["bound"], smoothing=0.3, max_steps=s["max"], initial_steps=s["first"])
-        failures = YoungDalyInterval(s["devices"] or self.world.size, per_device_mtbf_s=s["mtbf_days"] * DAY_S)
-        return CombinedIntervalPolicy(checkfreq, failures)
+    @property
+    def remote_root(self) -> Path | None:
+        return None if self.settings.remote_dir is None else Path(self.settings.remote_dir)
 
     # ---- sink: the persist thread calls this with the snapshot ----------------------------------
     def save(self, tree, step: int, *, levels: list[str], member: Member | None = None) -> dict:
@@ -202,21 +195,24 @@ class CheckpointDriver:
                                                **(extra if hasattr(self._by_name[name], "store") else {}))
                 for name in levels}
 
-    # ---- called by the trainer ------------------------------------------------------------------
-    def resumed(self, step: int) -> None:
-        """After a resume: the interval counts from the resumed step."""
+    # ---- called by the loop ---------------------------------------------------------------------
+    def resumed(self, step: int, info: dict | None = None) -> None:
+        """After a resume (islands.checkpoint.resume): intervals count from the resumed step; `info`
+        (what resume returned) goes into record() as "resumed_from"."""
         self._last_elapsed = None
         self.last_saved_step = step
         self.last_step_of = {lv.name: step for lv in self.levels.levels}
+        if info is not None:
+            self.resumed_from = info
         if self.policy is not None:
-            self.next_local = step + self.policy_settings["first"]
+            self.next_local = step + self.settings.policy.first
 
     def due(self, step: int) -> list[str]:
         names = []
         for lv in self.levels.levels:
             if lv.name == "local" and self.policy is not None:
                 if self.next_local is None:
-                    self.next_local = self.policy_settings["first"]
+                    self.next_local = self.settings.policy.first
                 hit = step >= self.next_local
             else:
                 hit = step % lv.every == 0
@@ -224,59 +220,67 @@ class CheckpointDriver:
                 names.append(lv.name)
         return names
 
-    def tree(self, trainer) -> dict:
-        loader = trainer.task.loader
-        sampler = getattr(loader, "sampler", None)
-        world = {"rank": self.world.rank, "size": self.world.size, "shard_items": int(getattr(sampler, "n", -1))}
+    def tree(self, state: TrainingState) -> dict:
+        world = {"rank": self.world.rank, "size": self.world.size, "shard_items": int(state.shard_items)}
         if self.elastic:  # resume matches parts by data shard: ranks follow admission order, shards do not
             world["shard"] = int((self.world.data_shard or (self.world.rank, self.world.size))[0])
-        return {"config_fingerprint": self.fingerprint, "world": world,
-                **trainer.state_dict()}
+        return {"config_fingerprint": self.fingerprint, "world": world, **state.state_dict()}
 
-    def after_step(self, trainer) -> SaveHandle | None:
+    def after_step(self, state: TrainingState) -> SaveHandle | None:
+        """Save the levels due at state.step (the steps completed); None when nothing was saved."""
         self._raise_failed()
         if self._last_elapsed is not None:
-            self._iter_sum += trainer.elapsed - self._last_elapsed
+            self._iter_sum += state.elapsed - self._last_elapsed
             self._iter_n += 1
-        self._last_elapsed = trainer.elapsed
-        step = trainer.step
+        self._last_elapsed = state.elapsed
+        step = state.step
         names = self.due(step)
         if not self._reserve_tried:
-            self._reserve(trainer, now=bool(names))
+            self._reserve(state, now=bool(names))
         if not names or step == self.last_saved_step:  # saved already (elastic: before a join, settle)
             return None
         if (names == ["memory"] and self.writer.in_flight is not None and self.peer is None
-                and not is_sharded(trainer.model)):
+                and not is_sharded(state.model)):
             # memory-only saves never wait for a disk persist (no barrier: per rank). With a peer, or
             # a sharded model whose state is gathered for the tree, they must: those are collectives,
             # so every rank has to save the same steps.
             self.memory_skipped += 1
             return None
-        return self._save(trainer, step, names)
+        return self._save(state, step, names)
 
-    def _reserve(self, trainer, now: bool) -> None:
+    def _reserve(self, state: TrainingState, now: bool) -> None:
         """After the first step (the optimizer has its state by then), make the staging buffers of the
         snapshots in the background, unless a save is due at once (it would only wait for them) or the
         state is sharded (its tree is gathered: a collective, not worth a second one at the start)."""
         self._reserve_tried = True
-        if self.async_ok and not now and not is_sharded(trainer.model):
-            self.writer.reserve(self.tree(trainer))
+        if self.async_ok and not now and not is_sharded(state.model):
+            self.writer.reserve(self.tree(state))
 
-    def settle(self, trainer) -> None:
+    def settle(self, state: TrainingState) -> None:
         """Elastic, before members change: save what is due at this step, then wait until no save is in
         flight (a new epoch would abandon it). The wait counts as stall."""
-        names = self.due(trainer.step)
-        if names and trainer.step != self.last_saved_step:
-            self._save(trainer, trainer.step, names)
+        names = self.due(state.step)
+        if names and state.step != self.last_saved_step:
+            self._save(state, state.step, names)
         start = time.perf_counter()
         self.writer.wait()
         self.stall_s += time.perf_counter() - start
         self._raise_failed()
 
-    def _save(self, trainer, step: int, names: list[str]) -> SaveHandle:
+    def save_now(self, state: TrainingState, names: list[str] | None = None) -> SaveHandle | None:
+        """Save state.step to `names` (default: every disk level) unless that step is already there."""
+        if names is None:
+            names = [n for n in ("local", "remote") if n in self._by_name]
+        names = [n for n in names if self.last_step_of.get(n) != state.step]
+        unknown = [n for n in names if n not in self._by_name]
+        if unknown:
+            raise ValueError(f"no checkpoint level named {unknown}; this driver has {sorted(self._by_name)}")
+        return self._save(state, state.step, names) if names else None
+
+    def _save(self, state: TrainingState, step: int, names: list[str]) -> SaveHandle:
         previous = self.handles[-1] if self.handles else None
         member = {"member": Member.now(self.world)} if self.elastic else {}
-        handle = self.writer.save(self.tree(trainer), step, levels=names, **member)
+        handle = self.writer.save(self.tree(state), step, levels=names, **member)
         handle.levels = names
         first_auto = self.policy is not None and "local" in names and not self.decisions
         if not self.async_ok or first_auto:
@@ -337,15 +341,17 @@ class CheckpointDriver:
             elif h.done() and h.error is not None:
                 raise RuntimeError(f"checkpoint of step {h.step} failed: {h.error!r}") from h.error
 
-    def finish(self, trainer) -> None:
-        """End of training: a final local/remote checkpoint unless this step was just saved; wait for durability."""
-        names = [n for n in ("local", "remote") if n in self._by_name and self.last_step_of.get(n) != trainer.step]
-        if names:
-            self._save(trainer, trainer.step, names)
-        self.writer.wait()
+    def wait(self) -> None:
+        """Block until every save started so far is durable (or raise the error of one that failed)."""
+        self.writer.close()
         if self.handles:
             self._account(self.handles[-1])
         self._raise_failed()
+
+    def finish(self, state: TrainingState) -> None:
+        """End of training: a final local/remote checkpoint unless this step was just saved; wait for durability."""
+        self.save_now(state)
+        self.wait()
 
     def restore(self, *, like=None) -> Restored:
         """Newest intact checkpoint across this process's levels (memory first on ties)."""
@@ -356,7 +362,7 @@ class CheckpointDriver:
 
         lost=True: this rank is a replacement that lost its memory (its own level is cleared first).
         Returns None where no copy is held (no peer replication, or nothing saved yet). The caller
-        loads the tree (e.g. Trainer.load_state_dict(restored.tree)).
+        loads the tree (e.g. state.load_state_dict(restored.tree)).
         """
         if self.peer is None:
             return None
@@ -373,11 +379,13 @@ class CheckpointDriver:
         return Restored(step=step_saved, tree=tree, level="memory-peer")
 
     def record(self) -> dict:
+        """The run record's "checkpoint" section: levels, saves, stall, interval decisions, resume."""
         elapsed = max(self._last_elapsed or 0.0, 1e-9)
+        policy = self.settings.policy
         rec = {"root": str(self.root), "async": self.async_ok,
                "levels": {lv.name: ("policy" if lv.name == "local" and self.policy else lv.every)
                           for lv in self.levels.levels},
-               "remote_dir": self.cfg.ckpt_remote_dir or None,
+               "remote_dir": None if self.remote_root is None else str(self.remote_root),
                "memory_peer": None if self.peer is None else {
                    "held_step": self.peer.held_step, "bytes_sent": self.peer.bytes_sent,
                    "bytes_received": self.peer.bytes_received},
@@ -389,25 +397,27 @@ class CheckpointDriver:
                "share_replicas": self.share_replicas,
                "disk_bytes_this_rank": dict(self.disk_bytes),
                "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
-               "policy": "fixed" if self.policy is None else {"spec": self.cfg.ckpt_policy, **self.policy_settings},
+               "policy": "fixed" if policy is None else {"spec": format_policy(policy), **vars(policy)},
                "decisions": self.decisions}
         if self.decisions:
             rec["decision"] = self.decisions[-1]
+        if self.resumed_from is not None:
+            rec["resumed_from"] = self.resumed_from
         return rec
 
 
-def build_checkpointing(cfg, world, run_dir: Path | None) -> CheckpointDriver | None:
-    """The trainer's entry point: a driver when any checkpoint level is configured, else None."""
-    return CheckpointDriver(cfg, world, run_dir) if checkpointing_enabled(cfg) else None
+def build_checkpointing(settings: CheckpointSettings, world: World, run_dir: str | Path | None = None,
+                        fingerprint: str = "") -> CheckpointDriver | None:
+    """A driver when any checkpoint level is set, else None."""
+    return CheckpointDriver(settings, world, run_dir, fingerprint) if settings.enabled else None
 
 
-def checkpoint_record(trainer) -> dict | None:
-    """What run.json records under "checkpoint": the driver's record and where a resume came from."""
-    driver = getattr(trainer, "checkpoints", None)
-    resumed = getattr(trainer, "resumed_from", None)
-    if driver is None and resumed is None:
+def checkpoint_record(driver: CheckpointDriver | None, resumed_from: dict | None = None) -> dict | None:
+    """What a run record keeps under "checkpoint": the driver's record and where a resume came from
+    (`resume`'s return value; given here for a job that resumed without checkpointing on)."""
+    if driver is None and resumed_from is None:
         return None
     rec = driver.record() if driver is not None else {}
-    if resumed is not None:
-        rec["resumed_from"] = resumed
+    if resumed_from is not None:
+        rec["resumed_from"] = resumed_from
     return rec

@@ -5,7 +5,7 @@
 so it is the level's whole persist) and the restore time, on a state tree that changes every save
 (as training's does, so dedup cannot make a save free).
 
-`rank_loss_job` (2 spawned gloo ranks through the trainer's CheckpointDriver): each rank trains its
+`rank_loss_job` (2 spawned gloo ranks through the CheckpointDriver): each rank trains its
 own small model (different seeds: the ranks' states differ) with the memory level replicated to the
 next rank, local disk and remote levels at their own intervals; at the failure step rank 1 loses its
 memory and trainer state, as a replacement process would; the driver's `restore_peer` gives it back its
@@ -24,12 +24,15 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from islands.checkpoint.driver import CheckpointDriver
 from islands.checkpoint.levels import DiskLevel, MemoryLevel
+from islands.checkpoint.settings import CheckpointSettings
 from islands.checkpoint.store import CheckpointStore
+from islands.models import ByteTransformer
+from islands.runtime.world import World
 
 
 def perturbed(tree, step: int):
@@ -66,17 +69,17 @@ def level_costs(tree, root: Path, *, samples: int = 3) -> list[dict]:
 
 
 class _LoopTrainer:
-    """The parts of a Trainer the checkpoint driver reads, around a real model and AdamW."""
+    """A TrainingState (islands.checkpoint.driver) around a real model and AdamW."""
 
-    def __init__(self, rank: int, d_model: int, n_layers: int):
-        from islands.models import ByteTransformer
+    shard_items = -1  # no data shard: batches are drawn from a generator
 
+    def __init__(self, rank: int, d_model: int, n_layers: int, world):
         torch.manual_seed(100 + rank)  # ranks hold different states: a copy of the wrong rank would show
+        self.world = world
         self.model = ByteTransformer(d_model=d_model, n_layers=n_layers, n_heads=4, context=64)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.gen = torch.Generator().manual_seed(rank)
         self.step, self.elapsed = 0, 0.0
-        self.task = SimpleNamespace(loader=SimpleNamespace(sampler=SimpleNamespace(n=1)))
 
     def train_step(self) -> None:
         t0 = time.perf_counter()
@@ -88,8 +91,16 @@ class _LoopTrainer:
         self.step += 1
         self.elapsed += time.perf_counter() - t0
 
+    def model_state_dict(self) -> dict:
+        return self.model.state_dict()
+
     def state_dict(self) -> dict:
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, tree: dict) -> None:
+        self.model.load_state_dict(tree["model"])
+        self.opt.load_state_dict(tree["optimizer"])
+        self.step = int(tree["step"])
 
 
 def _same(a, b) -> bool:
@@ -105,21 +116,18 @@ def _same(a, b) -> bool:
 def _worker(rank: int, size: int, port: int, out: str, plan: dict) -> None:
     import torch.distributed as dist
 
-    from islands.checkpoint.driver import CheckpointDriver
-    from islands.config import TrainConfig
-    from islands.runtime.world import World
 
     result: dict = {"rank": rank}
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=60))
-        cfg = TrainConfig(workers=size, ckpt_dir=f"{out}/local", ckpt_every=plan["local_every"],
-                          ckpt_memory_every=plan["memory_every"], ckpt_memory_peer=True,
-                          ckpt_remote_dir=f"{out}/remote", ckpt_remote_every=plan["remote_every"], timeout=60.0)
+        settings = CheckpointSettings(dir=f"{out}/local", every=plan["local_every"], memory_every=plan["memory_every"],
+                                      memory_peer=True, remote_dir=f"{out}/remote", remote_every=plan["remote_every"],
+                                      timeout=60.0)
         world = World(rank=rank, size=size, islands=1, device=torch.device("cpu"), backend="gloo")
-        driver = CheckpointDriver(cfg, world, Path(out))
-        trainer = _LoopTrainer(rank, plan["d_model"], plan["n_layers"])
+        driver = CheckpointDriver(settings, world)
+        trainer = _LoopTrainer(rank, plan["d_model"], plan["n_layers"], world)
         history = {}  # step -> state at the memory-level steps near the failure, to check restores bitwise
         for _ in range(plan["fail_at"]):
             trainer.train_step()

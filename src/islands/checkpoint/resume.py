@@ -1,11 +1,13 @@
-"""Exact resume: put a trainer back where a checkpoint left it (`islands train --resume DIR`).
+"""Exact resume: put a training state back where a checkpoint left it.
 
-DIR may be a run directory (its ckpt/), a checkpoint root (newest intact step, falling back past
-damaged ones; the remote level ckpt_remote_dir is a second source) or one step directory (that step
-only). All ranks load the same step: each tries its part, they agree, and a step some rank cannot
-load is skipped by all.
+`resume(state, path, remote_dir=None, fingerprint="")` loads into a TrainingState (islands.checkpoint
+.driver: world, model_state_dict(), shard_items, load_state_dict). `path` may be a run directory (its
+ckpt/), a checkpoint root (newest intact step, falling back past damaged ones; `remote_dir`, the
+remote level, is a second source) or one step directory (that step only). All ranks load the same
+step: each tries its part, they agree, and a step some rank cannot load is skipped by all.
+`check_resume(path, fingerprint)` is the check before any worker starts.
 
-Same world size: rank r loads rank r's part, so model, optimizer, strategy state, RNG, loader position
+Same world size: rank r loads rank r's part, so model, optimizer, strategy state, RNG, data position
 and step continue bitwise as if never interrupted.
 
 Different world size (N saved ranks -> M ranks), stated policy:
@@ -13,11 +15,12 @@ Different world size (N saved ranks -> M ranks), stated policy:
   hash and skeleton) on every saved rank, as with ddp, outer strategies whose state is global, and
   fsdp (whose optimizer shards are stored gathered, islands.checkpoint.sharded_state); per-rank state
   (error feedback, per-island outer state) is refused naming the first key that differs;
-- new rank r takes those parts and its RNG state from saved rank r mod N (RNG continuity per rank is
-  not preserved; the ddp step draws no per-rank random numbers);
-- loader positions: shard boundaries move, so exact positions cannot carry over. Every new rank
-  starts at the mean epoch progress of the saved ranks (epoch + cursor / shard size), scaled to its
-  own shard: no sample is guaranteed to be seen exactly once across the switch;
+- new rank r takes those parts, its RNG state and any other entry from saved rank r mod N (RNG
+  continuity per rank is not preserved; the ddp step draws no per-rank random numbers);
+- data positions: shard boundaries move, so exact positions cannot carry over. A position of the form
+  {"epoch", "cursor"} (islands' loaders and samplers) starts every new rank at the mean epoch progress
+  of the saved ranks (epoch + cursor / shard size), scaled to its own shard: no sample is guaranteed
+  to be seen exactly once across the switch. Any other form is saved rank r mod N's, as it is;
 - step, elapsed time and the loss series come from saved rank 0.
 
 Elastic jobs match parts by data shard instead of rank (see _load_elastic).
@@ -31,10 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
+from islands.checkpoint.fingerprint import fingerprint_differences
 from islands.checkpoint.manifest import compare_with, manifest_name, read_manifest
 from islands.checkpoint.store import _STEP_DIR, LATEST, CheckpointStore
 
 REPLICATED = ("model", "optimizer", "strategy")
+DATA_KEYS = ("data", "loader")  # the data position's entry; "loader" in checkpoints of islands <= session 9
+FROM_RANK_0 = ("step", "elapsed", "series")
+LOADER_POLICY = "mean epoch progress of the saved ranks, scaled to this rank's shard"
 
 
 @dataclass
@@ -61,22 +68,8 @@ def resolve(path: str | Path) -> Source:
     raise ValueError(f"no checkpoint under {str(p)!r}: expected step-* directories there or in {str(p / 'ckpt')!r}")
 
 
-def _fields(fp: str | None) -> dict:
-    try:
-        out = json.loads(fp) if fp else {}
-    except ValueError:
-        return {"<fingerprint>": fp}
-    return out if isinstance(out, dict) else {"<fingerprint>": fp}
-
-
-def fingerprint_differences(stored: str | None, current: str) -> list[str]:
-    """Field by field: 'd_model: checkpoint 64, current 128'."""
-    a, b = _fields(stored), _fields(current)
-    return [f"{k}: checkpoint {a.get(k, '<absent>')!r}, current {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-
-
-def _candidates(sources: list[Source]) -> list[tuple[int, int, Source, CheckpointStore]]:
+def candidates(sources: list[Source]) -> list[tuple[int, int, Source, CheckpointStore]]:
+    """(step, source order, source, store) for every committed step, in the order a resume tries them."""
     found = []
     for order, src in enumerate(sources):
         if not src.root.is_dir():
@@ -90,15 +83,13 @@ def _candidates(sources: list[Source]) -> list[tuple[int, int, Source, Checkpoin
     return [c[:4] for c in found]
 
 
-def check_resume(cfg) -> None:
-    """Before any worker starts: the checkpoint exists and was made by the same model config.
+def check_resume(path: str | Path, fingerprint: str = "") -> None:
+    """Before any worker starts: a checkpoint exists under `path` and was made with `fingerprint`.
 
-    Raises ValueError naming every differing field (the CLI turns it into exit code 2).
+    Raises ValueError naming every differing field (a CLI turns it into exit code 2).
     """
-    from islands.checkpoint.driver import config_fingerprint
-
-    src = resolve(cfg.resume)
-    cands = _candidates([src])
+    src = resolve(path)
+    cands = candidates([src])
     if not cands:
         raise ValueError(f"resume: no checkpoint directories under {str(src.root)!r}")
     step, _, _, store = cands[0]
@@ -106,7 +97,7 @@ def check_resume(cfg) -> None:
         body = read_manifest(store.path_for(step) / manifest_name(0))
     except CorruptCheckpoint:
         return  # damaged newest: the workers fall back to an older one (and check that one)
-    diffs = fingerprint_differences(body.get("config_fingerprint"), config_fingerprint(cfg))
+    diffs = fingerprint_differences(body.get("config_fingerprint"), fingerprint)
     if diffs:
         raise ValueError(f"resume: checkpoint {store.path_for(step)} was made by another model config: "
                          + "; ".join(diffs))
@@ -136,45 +127,57 @@ def _check_replicated(bodies: list[dict], new_size: int) -> None:
                                           "state such as error feedback cannot be resharded)"])
 
 
-def _reshard_loader(trainer, trees: list[dict]) -> dict:
-    """Mean epoch progress of the saved ranks, placed on this rank's own shard (module docstring)."""
+def _is_position(pos) -> bool:
+    return isinstance(pos, dict) and set(pos) == {"epoch", "cursor"}
+
+
+def reshard_position(trees: list[dict], key: str, own_items: int, fallback):
+    """Mean epoch progress of the saved ranks, placed on a shard of `own_items` (module docstring);
+    `fallback` (saved rank r mod N's entry) when positions are of another form or a size is unknown."""
     progress = []
     for t in trees:
-        items, pos = t.get("world", {}).get("shard_items", -1), t["loader"]
-        if items is None or items < 1:
-            return dict(trees[0]["loader"])
+        items, pos = t.get("world", {}).get("shard_items", -1), t.get(key)
+        if not _is_position(pos) or items is None or items < 1 or own_items < 1:
+            return fallback
         progress.append(pos["epoch"] + pos["cursor"] / items)
     mean = sum(progress) / len(progress)
-    own = trainer.task.loader.sampler.n
     epoch = math.floor(mean)
-    return {"epoch": epoch, "cursor": min(int(round((mean - epoch) * own)), own - 1)}
+    return {"epoch": epoch, "cursor": min(int(round((mean - epoch) * own_items)), own_items - 1)}
 
 
-def _load_for_rank(trainer, store: CheckpointStore, step: int, fingerprint: str) -> tuple[dict, dict]:
-    world = trainer.world
+def _reshard_data(state, trees: list[dict], tree: dict, info: dict) -> None:
+    """Replace `tree`'s data position by the resharded one (in place); say so in `info`."""
+    for key in DATA_KEYS:
+        if key in tree:
+            kept = tree[key]
+            tree[key] = reshard_position(trees, key, int(state.shard_items), kept)
+            info["data_policy"] = "saved rank r mod N's data position, as it was" if tree[key] is kept else LOADER_POLICY
+
+
+def _load_for_rank(state, store: CheckpointStore, step: int, fingerprint: str) -> tuple[dict, dict]:
+    world = state.world
     bodies = _manifests(store, step)
-    diffs = fingerprint_differences(bodies[0].get("config_fingerprint"), fingerprint)
-    if diffs:
-        raise CheckpointMismatch([f"checkpoint {store.path_for(step)} was made by another model config: "
-                                  + "; ".join(diffs)])
-    model_like = {"model": trainer.strategy.eval_model(trainer.model).state_dict()}
+    for body in bodies:
+        diffs = fingerprint_differences(body.get("config_fingerprint"), fingerprint)
+        if diffs:
+            raise CheckpointMismatch([f"checkpoint {store.path_for(step)} was made by another model config: "
+                                      + "; ".join(diffs)])
     model_body = {**bodies[0], "tensors": {k: v for k, v in bodies[0]["tensors"].items() if k.startswith("model/")}}
-    if diffs := compare_with(model_body, model_like):
-        raise CheckpointMismatch(diffs)
+    if diffs := compare_with(model_body, {"model": state.model_state_dict()}):
+        raise CheckpointMismatch([f"checkpoint {store.path_for(step)} holds another model:"] + diffs)
     saved = len(bodies)
     info = {"saved_world_size": saved, "world_size": world.size, "resharded": saved != world.size}
     if getattr(world, "membership", None) is not None:
-        return _load_elastic(trainer, store, step, bodies, fingerprint, info)
+        return _load_elastic(state, store, step, bodies, info)
     if saved == world.size:
-        return store.load(step, rank=world.rank, fingerprint=fingerprint).tree, info
+        return store.load(step, rank=world.rank).tree, info
     _check_replicated(bodies, world.size)
-    trees = [store.load(step, rank=r, fingerprint=fingerprint).tree for r in range(saved)]
+    trees = [store.load(step, rank=r).tree for r in range(saved)]
     tree = dict(trees[world.rank % saved])
-    for key in ("step", "elapsed", "series"):
+    for key in FROM_RANK_0:
         if key in trees[0]:
             tree[key] = trees[0][key]
-    tree["loader"] = _reshard_loader(trainer, trees)
-    info["loader_policy"] = "mean epoch progress of the saved ranks, scaled to this rank's shard"
+    _reshard_data(state, trees, tree, info)
     return tree, info
 
 
@@ -183,65 +186,59 @@ def _saved_shard(body: dict) -> int | None:
     return world.get("shard") if isinstance(world, dict) else None
 
 
-def _load_elastic(trainer, store: CheckpointStore, step: int, bodies: list[dict], fingerprint: str,
-                  info: dict) -> tuple[dict, dict]:
+def _load_elastic(state, store: CheckpointStore, step: int, bodies: list[dict], info: dict) -> tuple[dict, dict]:
     """Elastic job: a worker takes the saved part of its own data shard (exact), else of rank r mod N.
 
     Ranks follow admission order, which differs between runs, so parts are matched by data shard.
     Without a saved part for its shard (more workers than were saved), a worker starts from saved
-    rank r mod N's local model and inner optimizer, with the loader at the saved ranks' mean progress.
+    rank r mod N's local model and inner optimizer, with the data position resharded as above.
     The global parts -- outer-strategy state, step, membership history -- come from saved rank 0:
     members agree on the outer state bit for bit after every synchronisation.
     """
-    world = trainer.world
+    world = state.world
     own = int((world.data_shard or (world.rank, world.size))[0])
     shards = [_saved_shard(b) for b in bodies]
     match = shards.index(own) if own in shards else None
     part = match if match is not None else world.rank % len(bodies)
-    tree = dict(store.load(step, rank=part, fingerprint=fingerprint).tree)
-    first = tree if part == 0 else store.load(step, rank=0, fingerprint=fingerprint).tree
-    for key in ("step", "elapsed", "series", "membership"):
+    tree = dict(store.load(step, rank=part).tree)
+    first = tree if part == 0 else store.load(step, rank=0).tree
+    for key in FROM_RANK_0 + ("membership",):
         if key in first:
             tree[key] = first[key]
     if match is None:
-        trees = [store.load(step, rank=r, fingerprint=fingerprint).tree for r in range(len(bodies))]
-        tree["loader"] = _reshard_loader(trainer, trees)
-        info["loader_policy"] = "mean epoch progress of the saved ranks, scaled to this rank's shard"
+        trees = [store.load(step, rank=r).tree for r in range(len(bodies))]
+        _reshard_data(state, trees, tree, info)
     info.update(elastic=True, shard=own, saved_part=part, shard_matched=match is not None)
     return tree, info
 
 
-def resume_trainer(trainer, path: str | Path) -> dict:
-    """Load the newest checkpoint every rank can load into `trainer`; returns what was loaded.
-
-    Sets trainer.resumed_from (run.json records it) and tells the trainer's checkpoint driver.
-    """
-    from islands.checkpoint.driver import config_fingerprint
-
-    world = trainer.world
-    fingerprint = config_fingerprint(trainer.cfg)
-    sources = [resolve(path)]
-    if trainer.cfg.ckpt_remote_dir and sources[0].step is None:
-        sources.append(Source("remote", Path(trainer.cfg.ckpt_remote_dir), None))
+def resume_from(state, sources: list[Source], fingerprint: str = "") -> dict:
+    """Load the newest checkpoint of `sources` that every rank can load into `state`; returns what was
+    loaded (path, level, step, world sizes, what was skipped). Raises NoCheckpoint when none loads
+    everywhere, CheckpointMismatch when one was made by another model (no fallback past it)."""
+    world = state.world
     skipped = []
-    for step, _, src, store in _candidates(sources):
+    for step, _, src, store in candidates(sources):
         tree, info, error = None, None, None
         try:
-            tree, info = _load_for_rank(trainer, store, step, fingerprint)
+            tree, info = _load_for_rank(state, store, step, fingerprint)
         except (CorruptCheckpoint, NoCheckpoint) as exc:
             error = str(exc)
-        except CheckpointMismatch:
-            raise
         oks = world.all_gather_object(error is None) if world.size > 1 else [error is None]
         if all(oks):
-            trainer.load_state_dict(tree)
-            resumed = {"path": str(store.path_for(step)), "level": src.name, "step": step, **info,
-                       "skipped": skipped}
-            trainer.resumed_from = resumed
-            if getattr(trainer, "checkpoints", None) is not None:
-                trainer.checkpoints.resumed(step)
-            return resumed
+            state.load_state_dict(tree)
+            return {"path": str(store.path_for(step)), "level": src.name, "step": step, **info, "skipped": skipped}
         bad = [r for r, ok in enumerate(oks) if not ok]
         skipped.append({"path": str(store.path_for(step)), "ranks_failed": bad, "why": error or "another rank failed"})
     raise NoCheckpoint(f"resume: no checkpoint under {[str(s.root) for s in sources]} loads on every rank: "
                        + ("; ".join(f"{s['path']}: {s['why']}" for s in skipped) or "none found"))
+
+
+def resume(state, path: str | Path, remote_dir: str | Path | None = None, fingerprint: str = "") -> dict:
+    """Load the newest checkpoint under `path` (and `remote_dir`, unless `path` names one step) that every
+    rank can load into `state` (a TrainingState); returns what was loaded. A checkpoint driver of the
+    same job is told with `driver.resumed(info["step"], info)`."""
+    sources = [resolve(path)]
+    if remote_dir and sources[0].step is None:
+        sources.append(Source("remote", Path(remote_dir), None))
+    return resume_from(state, sources, fingerprint)

@@ -168,6 +168,9 @@ class CompressorBase:
     # ||x - decode(compress(x))|| < ||x||: what error feedback needs for its residual to stay bounded.
     # Compressors rescaled to be unbiased (random-k's n/k, QSGD's levels) can send more than they got.
     contractive = True
+    # Whether the consumers of this compressor (the DDP hook, outer exchanges) wrap it in ErrorFeedback
+    # (SOTA-214): on by default for the biased compressors, set per instance by their `ef` argument.
+    ef = False
 
     def __init__(self) -> None:
         self.states: dict[str, dict] = {}

@@ -13,8 +13,10 @@ _FP16_MAX = 65504.0
 class Cast(CompressorBase):
     combine = Combine.SUMMABLE
 
-    def __init__(self, wire_dtype: torch.dtype):
+    def __init__(self, wire_dtype: torch.dtype = torch.bfloat16, ef: bool = False):
+        """Each value cast to `wire_dtype` (fp16 or bf16) on the wire; `ef`: error feedback around it."""
         super().__init__()
+        self.ef = bool(ef)
         if wire_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"Cast wire_dtype must be torch.float16 or torch.bfloat16, got {wire_dtype}")
         self.wire_dtype = wire_dtype

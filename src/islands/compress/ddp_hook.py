@@ -19,7 +19,8 @@ from torch import Tensor
 
 from islands.compress.average import compress_and_average
 from islands.compress.base import Compressor
-from islands.runtime.comm import Comm
+from islands.compress.error_feedback import with_error_feedback
+from islands.runtime.comm import Comm, as_comm
 
 
 class CompressionHookState:
@@ -85,9 +86,11 @@ def _hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures
     return fut
 
 
-def ddp_comm_hook(compressor: Compressor, comm: Comm, named_parameters: Iterable[tuple[str, Tensor]], overlap: bool = True):
+def ddp_comm_hook(compressor: Compressor, comm, named_parameters: Iterable[tuple[str, Tensor]], overlap: bool = True):
     """(state, hook) for `ddp_model.register_comm_hook(state, hook)`; bytes go to comm's ledger.
 
-    `named_parameters`: the model's `named_parameters()` (of the module DDP wraps, or the DDP module).
+    `comm`: an islands Comm, or a torch process group (or None for the default group), as torch's own hooks
+    take. `named_parameters`: the model's `named_parameters()` (of the module DDP wraps, or the DDP module).
+    A compressor built with error feedback (`ef`, on by default for the biased ones) gets it here.
     """
-    return CompressionHookState(compressor, comm, named_parameters, overlap), _hook
+    return CompressionHookState(with_error_feedback(compressor), as_comm(comm), named_parameters, overlap), _hook

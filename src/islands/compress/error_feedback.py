@@ -127,3 +127,12 @@ def _viewed_by(x: Tensor, payload: Payload) -> bool:
     or a caller still holding this payload would see it change."""
     ptr = x.untyped_storage().data_ptr()
     return any(t.untyped_storage().data_ptr() == ptr for t in (*payload.tensors, *payload.shared))
+
+
+def with_error_feedback(compressor: CompressorBase) -> CompressorBase:
+    """The compressor as its consumers run it: wrapped in ErrorFeedback when it asks for it (its `ef`), with
+    TopK's DGC momentum and clipping; an ErrorFeedback or a compressor built with ef=False as given."""
+    if isinstance(compressor, ErrorFeedback) or not getattr(compressor, "ef", False):
+        return compressor
+    return ErrorFeedback(compressor, momentum=getattr(compressor, "ef_momentum", 0.0),
+                         clip_norm=getattr(compressor, "ef_clip", None))

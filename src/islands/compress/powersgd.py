@@ -87,8 +87,14 @@ class PowerSGD(CompressorBase):
     agree_op = "sum"
 
     def __init__(self, rank: int = 4, seed: int = 0, start: int = 0, min_rate: float = 1.0, bits: int = 32,
-                 dense_bits: int = 32):
+                 dense_bits: int = 32, ef: bool = True):
+        """Rank-`rank` factors of each matrix (LIT-206). `seed`: Q's initialisation, the same on every rank.
+        `start`: uncompressed steps first (torch's start_powerSGD_iter). `min_rate`: send a matrix uncompressed
+        unless n*m >= min_rate*(n+m)*rank. `bits`: factor precision on the wire (32 fp32, 16 bf16, 8 int8 with
+        shared scales). `dense_bits`: precision of tensors sent uncompressed (biases, norms): 32 or 16 (bf16).
+        `ef`: error feedback around it (SOTA-214)."""
         super().__init__()
+        self.ef = bool(ef)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"powersgd rank must be an int >= 1, got {rank!r}")
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:

@@ -38,8 +38,10 @@ class QSGD(SeededMixin, CompressorBase):
     combine = Combine.GATHERED
     contractive = False  # unbiased: error variance up to min(n/s^2, sqrt(n)/s) x ||x||^2, above 1 for big tensors
 
-    def __init__(self, levels: int = 16, seed: int = 0):
+    def __init__(self, levels: int = 16, seed: int = 0, ef: bool = False):
+        """Stochastic quantisation to `levels` per sign (1..127); `seed`: rounding RNG seed. `ef`: error feedback around it."""
         super().__init__()
+        self.ef = bool(ef)
         if not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"qsgd levels must be an int in [1, 127] (int8 codes), got {levels!r}")
         self.levels = levels
@@ -91,8 +93,10 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
     combine = Combine.SUMMABLE
     agree_op = "max"
 
-    def __init__(self, bits: int = 8, seed: int = 0):
+    def __init__(self, bits: int = 8, seed: int = 0, ef: bool = False):
+        """`bits` (8 or 4) per value with one scale shared by every rank; `seed`: rounding RNG seed. `ef`: error feedback around it."""
         super().__init__()
+        self.ef = bool(ef)
         if bits not in (8, 4):
             raise ValueError(f"shared-scale quantisation supports bits=8 or bits=4, got {bits!r}")
         self.bits = bits

@@ -20,6 +20,11 @@ class ScaledSign(CompressorBase):
     name = "scaled_sign"
     combine = Combine.GATHERED
 
+    def __init__(self, ef: bool = True):
+        """1 bit per coordinate and one fp32 scale (the mean |x|); `ef`: error feedback around it (SOTA-214)."""
+        super().__init__()
+        self.ef = bool(ef)
+
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
         x = as_fp32(tensor).reshape(-1)
         scale = x.abs().mean().reshape(1) if x.numel() else torch.zeros(1, device=x.device)

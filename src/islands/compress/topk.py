@@ -68,8 +68,18 @@ class TopK(SparsePayload, CompressorBase):
         schedule: Sequence[float] = DGC_SPARSITY_WARMUP,
         steps_per_stage: int = 100,
         sample: float = 0.0,
+        ef: bool = True,
+        momentum: float = 0.0,
+        clip: float | None = None,
     ):
+        """Top `ratio` of each tensor by magnitude (LIT-056). `warmup`: DGC's sparsity warm-up (75%..99.9%,
+        `steps_per_stage` steps each). `sample`: fraction sampled to estimate the threshold, then exact top-k of
+        the candidates (DGC); 0 = plain top-k. `ef`: error feedback around it (SOTA-214); `momentum` and `clip`
+        are DGC's momentum correction and local clipping, acting on the residual (they need ef)."""
         super().__init__()
+        if (momentum or clip is not None) and not ef:
+            raise ValueError("topk momentum/clip act on the error-feedback residual; they need ef=True")
+        self.ef, self.ef_momentum, self.ef_clip = bool(ef), float(momentum), clip
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk ratio (fraction of entries sent) must be in (0, 1], got {ratio!r}")
         if any(not 0.0 <= s < 1.0 for s in schedule) or list(schedule) != sorted(schedule):

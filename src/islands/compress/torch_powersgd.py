@@ -102,14 +102,30 @@ def _counted_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Future[tor
     return fut.then(done)
 
 
+class TorchPowerSGD:
+    """torch's own PowerSGD DDP hook (`powerSGD_hook`), counted in our ledger: the A/B reference for ours.
+
+    Not a Compressor: it replaces DDP's bucket hook as a whole, so `islands.inner.DDP(compressor=...)`
+    asks it for `make_hook(comm, model)` and runs DDP with one bucket (`bucket_mb`; FACTS.md: torch's
+    hook crashes on gloo with two or more buckets). `start` >= 2 is torch's minimum with error feedback.
+    """
+
+    name = NAME
+    bucket_mb = SINGLE_BUCKET_MB
+
+    def __init__(self, rank: int = 4, start: int = 2, min_rate: float = 2.0, seed: int = 0):
+        if rank < 1 or start < 2 or min_rate <= 0:
+            raise ValueError(f"{NAME}: need rank >= 1, start >= 2 (torch's minimum with error feedback), min_rate > 0; "
+                             f"got rank={rank}, start={start}, min_rate={min_rate}")
+        self.rank, self.start, self.min_rate, self.seed = int(rank), int(start), float(min_rate), int(seed)
+
+    def make_hook(self, comm: Comm, model: torch.nn.Module):
+        return TorchPowerSGDState(comm, self.rank, self.start, self.min_rate, self.seed), _counted_hook
+
+
 def torch_powersgd_hook_factory(spec: str, seed: int = 0):
-    """factory(comm, model) -> (state, hook) for islands.sync.ddp.DDP(hook_factory=...)."""
-    params = parse_torch_powersgd(spec)
-
-    def factory(comm: Comm, model: torch.nn.Module):
-        return TorchPowerSGDState(comm, params["rank"], params["start"], params["min_rate"], seed), _counted_hook
-
-    return factory
+    """factory(comm, model) -> (state, hook), from a spec string (the CLI's form)."""
+    return TorchPowerSGD(**parse_torch_powersgd(spec), seed=seed).make_hook
 
 
 # DDP checks the hook's return annotation as an object; postponed annotations would hand it a string.

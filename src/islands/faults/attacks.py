@@ -137,6 +137,59 @@ class AttackPlan:
             load(state.get("attack", {}))
 
 
+class Byzantine:
+    """An attack to rehearse, as an object: which role the Byzantine ranks play and which ranks they are.
+
+        Byzantine(SignFlip(), count=1)            the last rank flips the sign of what it sends
+        Byzantine(GaussianNoise(1.0), ranks=(1, 3))
+
+    `count=k` names the LAST k ranks (rank 0 stays honest and keeps reporting), `ranks=` names them
+    explicitly; give one. The world size is known only once the job runs, so a strategy calls
+    `plan(world_size, seed)` then, for each exchange lane that needs its own state (a DDP bucket).
+    """
+
+    def __init__(self, role: Attack, count: int | None = None, ranks: Sequence[int] | None = None):
+        if not hasattr(role, "forge"):
+            raise TypeError(f"Byzantine(role, ...) takes an attack role (islands.robust.SignFlip(), ...); "
+                            f"got {type(role).__name__}")
+        if (count is None) == (ranks is None):
+            raise ValueError("say which ranks attack: count=<k> (the last k ranks) or ranks=(i, j, ...), not both")
+        if count is not None and count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if ranks is not None and len(set(ranks)) != len(tuple(ranks)):
+            raise ValueError(f"ranks={tuple(ranks)} repeats a rank")
+        self.role, self.count = role, count
+        self.ranks = None if ranks is None else tuple(int(r) for r in ranks)
+        self.name = getattr(role, "name", type(role).__name__)
+
+    def ranks_in(self, world_size: int) -> frozenset[int]:
+        if self.count is not None:
+            if not 1 <= self.count < world_size:
+                raise ValueError(f"attack {self.name}: count={self.count} must be between 1 and {world_size - 1} "
+                                 f"(world size {world_size}; one rank stays honest)")
+            return frozenset(range(world_size - self.count, world_size))
+        return frozenset(self.ranks)
+
+    @staticmethod
+    def honest(world_size: int) -> AttackPlan:
+        """The plan in which nobody attacks."""
+        return AttackPlan(None, frozenset(), world_size)
+
+    def plan(self, world_size: int, seed: int | None = None) -> AttackPlan:
+        """A fresh AttackPlan for a world of `world_size` ranks (its own copy of the role's state)."""
+        import copy
+
+        role = copy.deepcopy(self.role)
+        if seed is not None and hasattr(role, "seed"):
+            role.seed = int(seed)
+        who = "count=" + str(self.count) if self.count is not None else "ranks=" + ",".join(map(str, self.ranks))
+        return AttackPlan(role, self.ranks_in(world_size), world_size, spec=f"{self.name}:{who}")
+
+    def __repr__(self) -> str:
+        who = f"count={self.count}" if self.count is not None else f"ranks={self.ranks}"
+        return f"Byzantine({self.role!r}, {who})"
+
+
 _REQUIRED = object()
 
 # name -> (build(params, seed) -> Attack | None, {param: (type, default)})
@@ -238,7 +291,7 @@ def parse_attack(spec: str, world_size: int, seed: int = 0) -> AttackPlan:
 
 
 __all__ = [
-    "ALIE", "ATTACKS", "ATTACK_KIND", "Attack", "AttackPlan", "GaussianNoise", "HonestView",
+    "ALIE", "ATTACKS", "ATTACK_KIND", "Attack", "AttackPlan", "Byzantine", "GaussianNoise", "HonestView",
     "InnerProductManipulation", "LabelFlip", "NonFinite", "Scaled", "SignFlip", "SilentDropout",
     "Straggler", "alie_z", "flip_targets", "parse_attack", "valid_attacks",
 ]

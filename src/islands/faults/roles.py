@@ -181,9 +181,16 @@ class Straggler:
 
 
 class LabelFlip:
-    """Data-side: a Byzantine rank trains on flipped targets (y -> C - 1 - y); tensors pass unchanged."""
+    """Data-side: a Byzantine rank trains on flipped targets (y -> C - 1 - y); tensors pass unchanged.
+
+    `classes` is C; None takes the task's class count where the job knows it (the built-in tasks)."""
 
     name, omniscient = "label-flip", False
+
+    def __init__(self, classes: int | None = None):
+        if classes is not None and classes < 2:
+            raise ValueError(f"label-flip classes must be >= 2, got {classes}")
+        self.classes = classes
 
     def forge(self, tensor, rank, view):
         return tensor

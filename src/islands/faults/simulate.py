@@ -3,7 +3,7 @@
 A grid of attacks x aggregators x f at n = 8 is hundreds of training runs; as real processes on a
 small machine that is days. Synchronous data parallelism keeps every worker's parameters identical,
 so one model stands for all of them: each step computes every worker's gradient on that worker's own
-data shard (the shards `build_task` gives rank r of n, as in a real job), lets the attack plan corrupt
+data shard (the shard rank r of n would read in a real job), lets the attack plan corrupt
 what the Byzantine ranks send (`AttackPlan.corrupt_all`, the same roles a real job uses), aggregates
 with the same aggregator object, then clips and steps exactly as the Trainer does.
 
@@ -23,11 +23,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from islands.aggregate import Mean, parse_aggregator
-from islands.config import TrainConfig
-from islands.faults.attacks import parse_attack
-from islands.task import build_task, evaluate
-from islands.trainer import lr_at
+from islands.aggregate import Mean
+from islands.aggregate.base import Aggregator
+from islands.data.source import batch_source
+from islands.faults.attacks import Byzantine
+from islands.faults.roles import LabelFlip, flip_targets
+from islands.loop.evaluate import evaluate
+from islands.loop.task import Task
 
 
 @dataclass
@@ -58,43 +60,49 @@ class SimulatedRun:
 
 
 class SimulatedWorkers:
-    """`cfg.workers` workers of one synchronous data-parallel job, in this process."""
+    """`workers` workers of one synchronous data-parallel job, in this process.
 
-    def __init__(self, cfg: TrainConfig, aggregate: str = "mean", attack: str = "none"):
-        if cfg.workers < 2:
-            raise ValueError(f"simulating an attack needs at least 2 workers, got workers={cfg.workers}")
-        if attack.split(":")[0].strip().lower() == "straggler":
+    `task`: the job's Task (its model stands for every worker's; each worker reads its own shard of
+    task.train_data). `aggregator`: the robust aggregator (None: the mean). `attack`: the Byzantine plan.
+    `lr`, `weight_decay`, `betas`, `schedule` (step -> factor of lr), `grad_clip`: the Trainer's AdamW step,
+    so that a simulated cell and a real run of the same job agree. `seed`: the data order and attack noise."""
+
+    def __init__(self, task: Task, workers: int, aggregator: Aggregator | None = None, attack: Byzantine | None = None,
+                 *, lr: float = 3e-3, weight_decay: float = 0.1, betas=(0.9, 0.95), schedule=None,
+                 grad_clip: float = 1.0, seed: int = 0):
+        if workers < 2:
+            raise ValueError(f"simulating an attack needs at least 2 workers, got workers={workers}")
+        if attack is not None and getattr(attack.role, "name", "") == "straggler":
             raise ValueError("a straggler changes time, not values: simulating it in one process only sleeps; "
                              "rehearse it on a real job (islands train --attack straggler:delay=...)")
-        self.cfg = cfg
-        n = cfg.workers
-        tasks = [build_task(cfg, shard=r, shards=n) for r in range(n)]  # identical model, own shard each
-        self.task, self.loaders = tasks[0], [t.loader for t in tasks]
-        self.model = self.task.model
+        self.task, self.workers = task, workers
+        self.sources = [batch_source(task.train_data, r, workers, task.batch_size, seed) for r in range(workers)]
+        self.model = task.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # The Trainer's optimizer, so a simulated cell and a real run of the same config agree.
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-        self.aggregator = parse_aggregator(aggregate)
-        self.plan = parse_attack(attack, world_size=n, seed=cfg.seed)
+        self.lr, self.schedule, self.grad_clip = lr, schedule, grad_clip
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas)
+        self.aggregator = aggregator if aggregator is not None else Mean()
+        self.plan = attack.plan(workers, seed) if attack is not None else Byzantine.honest(workers)
         self.mean = Mean()
         self.step = 0
         self.aggregate_times: list[float] = []
         self.mean_times: list[float] = []
 
     def worker_gradient(self, rank: int) -> tuple[torch.Tensor, float]:
-        x, y = self.loaders[rank].next()
-        y = self.plan.flip_labels(y, self.task.classes, rank)
+        x, y = self.sources[rank].next()
+        if isinstance(self.plan.attack, LabelFlip) and self.plan.is_byzantine(rank):
+            y = flip_targets(y, self.plan.attack.classes or self.task.classes)
         loss = self.task.loss_fn(self.model(x), y)
         grads = torch.autograd.grad(loss, self.params)
         return torch.cat([g.reshape(-1) for g in grads]), loss.item()
 
     def train_step(self) -> float:
         """One synchronous step; returns the honest workers' mean training loss."""
-        cfg = self.cfg
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, cfg)
+        if self.schedule is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr * self.schedule(self.step)
         honest, losses = [], []
-        for r in range(cfg.workers):
+        for r in range(self.workers):
             g, loss = self.worker_gradient(r)
             honest.append(g)
             if not self.plan.is_byzantine(r):
@@ -105,8 +113,8 @@ class SimulatedWorkers:
         for p in self.params:
             p.grad = combined[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -132,10 +140,10 @@ class SimulatedWorkers:
     def finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.params)
 
-    def run(self) -> SimulatedRun:
+    def run(self, steps: int) -> SimulatedRun:
         start = time.perf_counter()
         diverged, error = False, ""
-        while self.step < self.cfg.steps:
+        while self.step < steps:
             try:
                 loss = self.train_step()
             except (ValueError, FloatingPointError) as e:  # TooFewInputsError is a ValueError
@@ -144,12 +152,12 @@ class SimulatedWorkers:
             if not math.isfinite(loss) or not self.finite():
                 diverged = True
                 break
-        metrics = evaluate(self.model, self.task, torch.device("cpu"))
+        metrics = evaluate(self.model, self.task.val_data, self.task.loss_fn, torch.device("cpu"))
         val_loss = metrics["val_loss"]
         if diverged or not math.isfinite(val_loss):
             diverged, val_loss = True, float("inf")
         return SimulatedRun(
-            aggregate=repr(self.aggregator), attack=self.plan.spec, workers=self.cfg.workers, byzantine=self.plan.f,
+            aggregate=repr(self.aggregator), attack=self.plan.spec, workers=self.workers, byzantine=self.plan.f,
             steps=self.step, final_val_loss=val_loss, final_val_accuracy=metrics["val_accuracy"], diverged=diverged,
             aggregate_seconds=sum(self.aggregate_times), mean_seconds=sum(self.mean_times),
             aggregate_step_seconds=_median(self.aggregate_times), mean_step_seconds=_median(self.mean_times),
@@ -161,7 +169,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def simulate(cfg: TrainConfig, aggregate: str = "mean", attack: str = "none") -> SimulatedRun:
-    """Train cfg.steps steps of cfg.workers simulated workers; see the module doc for what is simulated."""
-    torch.set_num_threads(cfg.threads)
-    return SimulatedWorkers(cfg, aggregate, attack).run()
+def simulate(task: Task, workers: int, steps: int, aggregator: Aggregator | None = None,
+             attack: Byzantine | None = None, **step_options) -> SimulatedRun:
+    """Train `steps` steps of `workers` simulated workers; see the module doc for what is simulated."""
+    return SimulatedWorkers(task, workers, aggregator, attack, **step_options).run(steps)

@@ -1,12 +1,21 @@
-"""Interconnect probe run at job start: point-to-point latency and bandwidth, all-reduce bus bandwidth.
+"""Interconnect probe run at job start: how the ranks are connected, point-to-point latency and bandwidth,
+all-reduce bus bandwidth.
 
 Bus bandwidth follows nccl-tests: algorithm bandwidth (bytes / time) times 2(n-1)/n for all-reduce,
 so the number is comparable to the per-link rate whatever the world size. Probe traffic is not part of
 the training ledger; it is reported on its own.
+
+How the ranks are connected is observed, never assumed: each rank records its hostname, its network
+namespace and the local address the kernel picks to reach MASTER_ADDR, and ranks sharing all three are
+one host. Only one host reached over a loopback address is called loopback; two testbed namespaces on
+one machine, or two machines, are a network.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import statistics
 import time
 
@@ -83,14 +92,85 @@ def probe_all_reduce(world: World, reps: int = 3) -> list[dict]:
     return out
 
 
+# ---- how the ranks are connected ------------------------------------------------------------
+def local_address_towards(host: str, port: int = 9) -> str | None:
+    """The local address this process would use to reach `host`: a UDP socket's connect() only picks the
+    route and source address, it sends no packet. None when `host` does not resolve or is unreachable."""
+    if not host:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.connect(address)
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _netns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/net")  # 'net:[4026531840]': differs between testbed hosts
+    except OSError:
+        return ""
+
+
+def connection_facts() -> dict:
+    """This rank's side of the topology: who it is and how it reaches the rendezvous host."""
+    return {"hostname": socket.gethostname(), "netns": _netns(),
+            "local_addr": local_address_towards(os.environ.get("MASTER_ADDR", "")),
+            "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", "")}
+
+
+def is_loopback(address: str | None) -> bool:
+    if not address:
+        return False
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def topology(master_addr: str, ranks: list[dict]) -> dict:
+    """Hosts among the ranks (same hostname, network namespace and local address) and whether the job is
+    one host talking to itself over loopback."""
+    hosts = {(r.get("hostname"), r.get("netns"), r.get("local_addr")) for r in ranks}
+    loopback = len(hosts) == 1 and all(is_loopback(r.get("local_addr")) for r in ranks)
+    return {"master_addr": master_addr, "hosts": len(hosts), "loopback": loopback, "ranks": ranks}
+
+
+def probe_topology() -> dict:
+    """Every rank's connection_facts, gathered (a collective: every rank calls it)."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, connection_facts())
+    return topology(os.environ.get("MASTER_ADDR", ""), ranks)
+
+
 def probe_interconnect(world: World) -> dict:
     if not world.distributed:
         return {"measured": False, "reason": "single process: no interconnect"}
     t = time.perf_counter()
+    topo = probe_topology()
     p2p = probe_p2p(world)
     ar = probe_all_reduce(world)
-    return {"measured": True, "backend": world.backend, "p2p": p2p, "all_reduce": ar,
+    return {"measured": True, "backend": world.backend, "topology": topo, "p2p": p2p, "all_reduce": ar,
             "probe_seconds": time.perf_counter() - t}
+
+
+def link_name(interconnect: dict) -> str:
+    """What the ranks talked over: the testbed when one is known, else what the topology shows."""
+    rate = interconnect.get("testbed", {}).get("rate")
+    if rate:
+        return f"testbed {rate}"
+    backend = interconnect.get("backend", "?")
+    topo = interconnect.get("topology")
+    if not topo:
+        return f"{backend}, link not recorded"
+    if topo["hosts"] > 1:
+        return f"{backend} network ({topo['hosts']} hosts)"
+    if topo["loopback"]:
+        return f"{backend} loopback"
+    via = next((r["local_addr"] for r in topo.get("ranks", []) if r.get("local_addr")), None)
+    return f"{backend} on one host" + (f" (via {via})" if via else "")
 
 
 def describe(interconnect: dict) -> str:
@@ -99,7 +179,5 @@ def describe(interconnect: dict) -> str:
         return "none (single process)"
     p = interconnect.get("p2p", {})
     ar = interconnect.get("all_reduce", [{}])[-1]
-    where = interconnect.get("testbed", {}).get("rate")
-    name = f"testbed {where}" if where else interconnect.get("backend", "?") + " loopback"
-    return (f"{name}: p2p {p.get('bandwidth_gbit_s', 0):.2f} Gbit/s, {p.get('latency_us', 0):.0f} us; "
-            f"all-reduce busbw {ar.get('busbw_gb_s', 0):.3f} GB/s")
+    return (f"{link_name(interconnect)}: p2p {p.get('bandwidth_gbit_s', 0):.2f} Gbit/s, "
+            f"{p.get('latency_us', 0):.0f} us; all-reduce busbw {ar.get('busbw_gb_s', 0):.3f} GB/s")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import islands
+from islands.version import __version__
 
 BASELINE_PER_WORKER = (
     "per worker: one process with {threads} torch thread(s) on {device}; "
@@ -32,7 +32,7 @@ def git_revision() -> str:
 
 
 def versions() -> dict:
-    return {"islands": islands.__version__, "torch": torch.__version__, "python": platform.python_version(),
+    return {"islands": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "git_revision": git_revision(), "cpu_count": os.cpu_count()}
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from islands.data.batches import concat, size, split
 from islands.memory.accounting import SavedTensorMeter, StateBytes, state_bytes
 from islands.memory.step import ForwardBackward
 
@@ -40,19 +41,20 @@ class MemoryPlan:
         return out
 
 
-def activation_peak(model: torch.nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],
+def activation_peak(model: torch.nn.Module, loss_fn: Callable | None, make_batch: Callable[[int], object],
                     samples: int, step: ForwardBackward) -> int:
-    """Peak bytes held for backward over one forward and backward of `samples` samples (grads are cleared)."""
+    """Peak bytes held for backward over one forward and backward of `samples` samples (grads are cleared).
+    `make_batch(b)` returns a batch of b samples in any structure the loop takes (islands.data.batches)."""
     params = list(model.parameters())
-    x, y = make_batch(samples)
+    batch = make_batch(samples)
     with SavedTensorMeter(exclude=params) as meter:
-        step(model, loss_fn, x, y)
+        step(model, batch, loss_fn)
     for p in params:
         p.grad = None  # leave the model as the trainer expects it before its first step
     return meter.peak
 
 
-def plan_micro_batch(model: torch.nn.Module, loss_fn: Callable, make_batch: Callable[[int], tuple],
+def plan_micro_batch(model: torch.nn.Module, loss_fn: Callable | None, make_batch: Callable[[int], object],
                      batch: int, budget_bytes: int, optimizer: torch.optim.Optimizer | None = None,
                      precision: str = "fp32") -> MemoryPlan:
     """The largest micro-batch in 1..batch whose state + activation peak fits `budget_bytes`.
@@ -99,5 +101,19 @@ def synthetic_batches(task: str, context: int, device: torch.device | str = "cpu
             x = torch.randn(b, 64, generator=gen)
             y = torch.randint(0, 10, (b,), generator=gen)
         return x.to(device), y.to(device)
+
+    return make
+
+
+def batches_like(batch) -> Callable[[int], object]:
+    """make_batch(b) from one real batch: its first b samples, repeated when b exceeds it (a user's data has no
+    synthetic twin; the sizer needs shapes, not values)."""
+    have = size(batch)
+
+    def make(b: int):
+        if b <= have:
+            return split(batch, [b, have - b])[0] if b < have else batch
+        reps = -(-b // have)
+        return split(concat([batch] * reps), [b, reps * have - b])[0]
 
     return make

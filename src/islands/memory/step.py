@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from islands.data.batches import compute_loss, size as batch_size, split
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -28,9 +30,11 @@ def check_precision(precision: str) -> None:
 
 
 class ForwardBackward:
-    """Call it with (model, loss_fn, x, y): runs forward and backward, returns the batch's mean loss (detached).
+    """Call it with (model, batch, loss_fn): runs forward and backward, returns the batch's mean loss (detached).
 
-    `loss_fn` must return a mean over the samples (or tokens, equal per sample) of its inputs.
+    Batches are any structure islands.data.batches understands (tensor, (inputs..., targets), dict);
+    `loss_fn(prediction, targets)` must return a mean over the samples (or tokens, equal per sample), or be
+    None for a model whose output carries its loss.
     """
 
     def __init__(self, micro_batch: int = 0, precision: str = "fp32"):
@@ -54,28 +58,41 @@ class ForwardBackward:
         full, rest = divmod(batch, size)
         return [size] * full + ([rest] if rest else [])
 
-    def loss(self, model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch, loss_fn: Callable | None, explain: bool = False) -> torch.Tensor:
         dtype = PRECISIONS[self.precision]
         if dtype is None:
-            return loss_fn(model(x), y)
-        with torch.autocast(device_type=x.device.type, dtype=dtype):
-            logits = model(x)
-        return loss_fn(logits.float(), y)
+            return compute_loss(model, batch, loss_fn, explain)[0]
+        device = next(iter(model.parameters())).device
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            return compute_loss(model, batch, _upcast(loss_fn), explain)[0]
 
-    def __call__(self, model: torch.nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        sizes = self.pieces(x.shape[0])
+    def __call__(self, model: torch.nn.Module, batch, loss_fn: Callable | None, explain: bool = False) -> torch.Tensor:
+        sizes = self.pieces(batch_size(batch))
         if len(sizes) == 1:  # the plain step, bit for bit
-            loss = self.loss(model, loss_fn, x, y)
+            loss = self.loss(model, batch, loss_fn, explain)
             loss.backward()
             return loss.detach()
-        total = torch.zeros((), device=x.device)
-        for i, (xs, ys) in enumerate(zip(x.split(sizes[0]), y.split(sizes[0]))):
+        total = None
+        whole = sum(sizes)
+        for i, piece in enumerate(split(batch, sizes)):
             last = i == len(sizes) - 1
             with contextlib.nullcontext() if last else no_sync(model):
-                loss = self.loss(model, loss_fn, xs, ys) * (xs.shape[0] / x.shape[0])
+                loss = self.loss(model, piece, loss_fn, explain and i == 0) * (sizes[i] / whole)
                 loss.backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         return total
+
+
+def _upcast(loss_fn: Callable | None) -> Callable | None:
+    """The loss in fp32 from upcast predictions, outside autocast (SOTA-118: bf16 matmuls, fp32 loss)."""
+    if loss_fn is None:
+        return None
+
+    def loss32(pred, target):
+        with torch.autocast(device_type=pred.device.type, enabled=False):
+            return loss_fn(pred.float(), target)
+
+    return loss32
 
 
 def no_sync(model: torch.nn.Module):

@@ -85,9 +85,11 @@ def _nbytes(t: torch.Tensor) -> int:
 class Comm:
     """Collectives over one process group, each counted in a ledger. Synchronous unless stated."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ledger: CommLedger):
+    def __init__(self, group: dist.ProcessGroup | None = None, ledger: CommLedger | None = None):
+        """`group`: a torch process group (None: the default group). `ledger`: where bytes are counted (a new
+        one if not given; `World.comm()` passes the rank's own)."""
         self.group = group
-        self.ledger = ledger
+        self.ledger = CommLedger() if ledger is None else ledger
 
     @property
     def size(self) -> int:
@@ -230,3 +232,11 @@ BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }
+
+
+def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> "Comm":
+    """A counted Comm from what a caller has: one of ours (as it is), a torch process group, or None (the
+    default group). Lets the library's hooks take a plain process group, as torch's own hooks do."""
+    if hasattr(comm_or_group, "all_reduce") and hasattr(comm_or_group, "ledger"):
+        return comm_or_group
+    return Comm(comm_or_group, ledger)

@@ -20,6 +20,7 @@ lowest-ranked old member broadcasts {"model", "strategy", "step"} (torch.save by
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import io
 import json
 import pickle
@@ -290,7 +291,8 @@ class ElasticComm:
 
     # ---- joins at round boundaries --------------------------------------------------------------
     def on_step(self, trainer) -> None:
-        """Trainer.run(on_step=...): at each new round boundary, admit the pending joiners."""
+        """After each step (islands.app.elastic_worker's callback): at a new round boundary, admit the pending
+        joiners. `trainer` is the loop's state: strategy, model, step, checkpoints."""
         rounds = _outer(trainer.strategy).rounds
         if self._last_round is None:  # the first boundary is the end of the first round
             self._last_round = rounds
@@ -317,9 +319,7 @@ class ElasticComm:
         self._abort()
         self.form(nxt, sorted(self.members + joiners))
         self.share_state(trainer, holders)
-        from islands.runtime.elastic_worker import global_digest
-
-        self.events.append({"type": "join", "global_sha256": global_digest(trainer), "epoch": self.epoch + self.epoch_base, "joined": [j[1] for j in joiners],
+        self.events.append({"type": "join", "global_sha256": global_digest(trainer.strategy.eval_model(trainer.model)), "epoch": self.epoch + self.epoch_base, "joined": [j[1] for j in joiners],
                             "round": rounds, "size": self.size, "detected": asked, "resumed": time.time(),
                             "stall_seconds": time.time() - asked})
 
@@ -337,10 +337,9 @@ class ElasticComm:
         holders = set(entry["holders"])
         self.share_state(trainer, holders)
         self._last_round = _outer(trainer.strategy).rounds
-        from islands.runtime.elastic_worker import global_digest
-
         self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": trainer.step,
-                            "round": self._last_round, "time": time.time(), "global_sha256": global_digest(trainer)})
+                            "round": self._last_round, "time": time.time(),
+                            "global_sha256": global_digest(trainer.strategy.eval_model(trainer.model))})
         return trainer
 
     def share_state(self, trainer, holders: set[str]) -> None:
@@ -390,6 +389,14 @@ class ElasticComm:
             # the launcher's store is gone: the job ended while this worker finished (a joiner is not the
             # launcher's child and may end last); nobody is left to tell
             pass
+
+
+def global_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's state (parameters and buffers): survivors must agree on the global model bit for bit."""
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _quiet_abort(pg) -> None:

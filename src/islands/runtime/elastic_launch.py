@@ -12,7 +12,6 @@ never printed.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -20,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from islands.config import TrainConfig, dump_json
-from islands.runtime.launch import LaunchError, WorkerProcess, _stop_all, _tail, describe_exit, port_is_free
+from islands.runtime.launch import LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free, stop_all
 from islands.runtime.membership import Coordinator, Liveness, get_json, host_store
 
 
@@ -38,56 +36,48 @@ def job_token(run_dir: Path, out) -> str:
     return token
 
 
-def shared_config(cfg: TrainConfig, run_dir: Path) -> dict:
-    """The config every worker of the job reads from its store, joiners included. Checkpoint roots are
-    absolute and the job's own: a save commits only once every member's part is in one directory, and a
-    joiner runs elsewhere (its own --run-dir, its own working directory)."""
-    shared = {k: v for k, v in cfg.to_dict().items() if k != "extra"}
-    shared["ckpt_dir"] = str(Path(cfg.ckpt_dir or run_dir / "ckpt").resolve())
-    if cfg.ckpt_remote_dir:
-        shared["ckpt_remote_dir"] = str(Path(cfg.ckpt_remote_dir).resolve())
-    return shared
-
-
-def launch_elastic(cfg: TrainConfig, run_dir: Path, out=sys.stderr, on_started=None) -> int:
-    """Run an elastic job; `on_started(address, workers, coordinator)` lets experiments inject faults."""
+def launch_elastic_workers(workers: int, config_json: str, run_dir: Path, *, port: int = 0, threads: int = 1,
+                           heartbeat_timeout: float, out=sys.stderr, on_started=None) -> int:
+    """Run an elastic job of `workers` workers; `config_json` is what every worker (joiners included) reads
+    from the store (islands.app.launch.shared_config). `on_started(address, workers, coordinator)` lets
+    experiments inject faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    dump_json(cfg, run_dir / "config.json")
-    if cfg.port and not port_is_free(cfg.port, "0.0.0.0"):
-        raise LaunchError(f"port {cfg.port} is busy; choose another or use port=0 to pick a free one")
+    if port and not port_is_free(port, "0.0.0.0"):
+        raise LaunchError(f"port {port} is busy; choose another or use port=0 to pick a free one")
     token = job_token(run_dir, out)
-    server, store = host_store(cfg.port)
+    server, store = host_store(port)
     address = f"127.0.0.1:{server.port}"
-    coordinator = Coordinator(store, token, cfg.workers, json.dumps(shared_config(cfg, run_dir)),
+    coordinator = Coordinator(store, token, workers, config_json,
                               log=lambda line: print(line, file=out, flush=True)).start()
     print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out)
-    workers: list[WorkerProcess] = []
+    started: list[WorkerProcess] = []
     try:
-        for rank in range(cfg.workers):
+        for rank in range(workers):
             name = f"w{rank}"
             env = dict(os.environ, ISLANDS_TOKEN=token, ISLANDS_NAME=name, PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=str(cfg.threads))
+                       OMP_NUM_THREADS=str(threads))
             log = run_dir / "logs" / f"{name}.log"
             with open(log, "w") as f:
-                proc = subprocess.Popen([sys.executable, "-m", "islands.runtime.elastic_worker", address, str(run_dir)],
+                proc = subprocess.Popen([sys.executable, "-m", "islands.app.elastic_worker", address, str(run_dir)],
                                         env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            workers.append(WorkerProcess(rank, proc, log))
+            started.append(WorkerProcess(rank, proc, log))
         if on_started is not None:
-            on_started(address, workers, coordinator)
-        return _supervise(workers, store, coordinator, cfg, out)
+            on_started(address, started, coordinator)
+        return _supervise(started, store, coordinator, heartbeat_timeout, out)
     except KeyboardInterrupt:
         print("interrupted: stopping all workers", file=out)
         return 130
     finally:
-        _stop_all(workers)
+        stop_all(started)
         coordinator.stop()
         del server
 
 
-def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, cfg: TrainConfig, out) -> int:
+def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, heartbeat_timeout: float,
+               out) -> int:
     reported: set[int] = set()
-    liveness = Liveness(store, cfg.heartbeat_timeout)
+    liveness = Liveness(store, heartbeat_timeout)
     while True:
         for w in workers:
             code = w.proc.poll()
@@ -104,7 +94,7 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, cf
     if finished:
         return 0
     first = workers[0]
-    print(f"\nislands: every worker failed; last lines of {first.log}:\n{_tail(first.log)}", file=out)
+    print(f"\nislands: every worker failed; last lines of {first.log}:\n{log_tail(first.log)}", file=out)
     return 1
 
 

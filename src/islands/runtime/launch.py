@@ -1,38 +1,51 @@
-"""Start the workers of one job on this machine (or inside testbed hosts) and watch them.
+"""Start N ranks of any command on this machine (or one per testbed host) and watch them.
 
-Each worker is a plain process joining through torch's env:// rendezvous, exactly as under torchrun,
-so the same worker code runs in both. The launcher's only job is supervision: if any worker exits
-non-zero or is killed, the others are stopped at once, the failed rank's error is shown, and the job
-exits non-zero. Workers blocked in a collective are additionally bounded by the collective timeout.
+Each rank is a plain process joining through torch's env:// rendezvous, exactly as under torchrun, so
+the same program runs under both. The launcher's only job is supervision: if any rank exits non-zero
+or is killed, the others are stopped at once, the failed rank's log tail is shown, and the job exits
+non-zero. Ranks blocked in a collective are additionally bounded by their collective timeout.
+
+    code = launch_ranks([sys.executable, "train.py", "--lr", "3e-4"], 4, islands=2, run_dir=Path("runs/a"))
+
+Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+OMP_NUM_THREADS, PYTHONUNBUFFERED=1 and ISLANDS_ISLANDS (read by islands.runtime.world.init_world).
+All ranks run on this machine, so LOCAL_RANK = RANK even inside testbed hosts (a GPU per rank).
+Rank r writes RUN_DIR/logs/rank<r>.log; rank 0's stdout stays on the launcher's stdout.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from islands.config import TrainConfig, dump_json
+from islands.testbed import Testbed, TestbedError, TestbedNotFound
+from islands.testbed.system import list_netns, require_root
 
-GRACE_SECONDS = 5.0
+GRACE_SECONDS = 5.0  # SIGTERM, then SIGKILL: a rank stuck in a collective must not hold the job
+LOOPBACK = "127.0.0.1"
+ISLANDS_ENV = "ISLANDS_ISLANDS"  # the variable islands.runtime.world.init_world reads
 
 
 class LaunchError(RuntimeError):
-    pass
+    """Launch input that cannot work (a busy port, a testbed that does not exist, bad counts); the CLI
+    prints it and exits 2 before any rank starts."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -46,25 +59,37 @@ class WorkerProcess:
     rank: int
     proc: subprocess.Popen
     log: Path
+    own_group: bool = False  # started in its own process group: stopping it stops its children too
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def log_tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
 
 
-def _stop_all(workers: list[WorkerProcess]) -> None:
+def _signal(w: WorkerProcess, sig: int) -> None:
+    try:
+        if w.own_group:
+            os.killpg(w.proc.pid, sig)
+        else:
+            w.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_all(workers: list[WorkerProcess]) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after GRACE_SECONDS."""
     for w in workers:
         if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
+            _signal(w, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
     for w in workers:
         try:
             w.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            w.proc.kill()
+            _signal(w, signal.SIGKILL)
             w.proc.wait()
 
 
@@ -77,93 +102,181 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def launch(cfg: TrainConfig, run_dir: Path, out=sys.stderr) -> int:
-    """Run the job; returns the exit code the CLI should use (0 on success)."""
-    if cfg.elastic:  # workers may die and join: islands.runtime.elastic_launch (docs/membership.md)
-        from islands.runtime.elastic_launch import launch_elastic
-
-        return launch_elastic(cfg, run_dir, out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    cfg_path = run_dir / "config.json"
-    dump_json(cfg, cfg_path)
-    testbed = None
-    master = "127.0.0.1"
-    if cfg.testbed:
-        from islands.testbed import Testbed
-
-        testbed = Testbed.load(cfg.testbed)
-        master = testbed.master_addr
-        port = testbed.free_port(0)
-    elif cfg.port:
-        if not port_is_free(cfg.port):
-            raise LaunchError(f"port {cfg.port} is busy on 127.0.0.1; choose another or use port=0 to pick a free one")
-        port = cfg.port
-    else:
-        port = free_port()
-    workers: list[WorkerProcess] = []
+# ---- where ranks run -------------------------------------------------------------------------
+def load_testbed(name: str) -> Testbed:
+    """The testbed `name`, checked to be usable: it exists, its namespaces are there, we are root."""
     try:
-        for rank in range(cfg.workers):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg.workers), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(cfg.workers),
-                       MASTER_ADDR=master, MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=str(cfg.threads))
-            argv = [sys.executable, "-m", "islands.runtime.worker", str(cfg_path), str(run_dir)]
-            if testbed is not None:
-                host = testbed.host_for_rank(rank)
-                argv = testbed.wrap(host, argv)
-                env.update(testbed.env(host))
-            log = run_dir / "logs" / f"rank{rank}.log"
-            stdout = None if rank == 0 else open(log, "w")
-            stderr = open(log, "w") if rank == 0 else subprocess.STDOUT
-            proc = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
-            workers.append(WorkerProcess(rank, proc, log))
-        before = _wire_counters(testbed)
-        code = _supervise(workers, out)
-        if code == 0 and testbed is not None:
-            _record_wire_bytes(run_dir, testbed, before)
-        return code
+        bed = Testbed.load(name)
+        require_root()  # `ip netns exec` needs it
+        present = set(list_netns())
+    except (TestbedNotFound, ValueError, PermissionError, TestbedError) as e:
+        raise LaunchError(str(e)) from None
+    missing = [h.netns for h in bed.hosts if h.netns not in present]
+    if bed.phase != "up" or missing:
+        raise LaunchError(f"testbed {name!r} is not up (phase {bed.phase!r}, missing namespaces: "
+                          f"{', '.join(missing) or 'none'}); see `islands testbed status`, rebuild it with "
+                          f"`islands testbed up --name {name} --hosts {len(bed.hosts)} --rate {bed.rate}`")
+    return bed
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each rank runs and how it finds rank 0: this machine's loopback, or round-robin over the hosts
+    of a testbed (rank r inside host r % hosts, gloo bound to that host's link, MASTER_ADDR on host 0)."""
+
+    master_addr: str
+    port: int
+    testbed: Testbed | None = field(default=None, compare=False)
+
+    @classmethod
+    def loopback(cls, port: int = 0) -> "Placement":
+        if port:
+            if not 0 < port < 65536:
+                raise LaunchError(f"port must be in 1..65535 (or 0 to pick a free one); got {port}")
+            if not port_is_free(port):
+                raise LaunchError(f"port {port} is busy on {LOOPBACK}; choose another or use port 0 to pick a free one")
+            return cls(LOOPBACK, port)
+        return cls(LOOPBACK, free_port())
+
+    @classmethod
+    def on_testbed(cls, testbed: str | Testbed, port: int = 0) -> "Placement":
+        if port:
+            raise LaunchError(f"the port is chosen inside the testbed; leave port 0 with a testbed (got {port})")
+        bed = load_testbed(testbed) if isinstance(testbed, str) else testbed
+        return cls(bed.master_addr, bed.free_port(0), bed)
+
+    def command(self, rank: int, argv: list[str]) -> list[str]:
+        if self.testbed is None:
+            return list(argv)
+        return self.testbed.wrap(self.testbed.host_for_rank(rank), argv)
+
+    def env(self, rank: int) -> dict[str, str]:
+        extra = {} if self.testbed is None else self.testbed.env(self.testbed.host_for_rank(rank))
+        return {**extra, "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port)}
+
+
+def rank_env(rank: int, workers: int, placement: Placement, islands: int = 1, threads: int = 1) -> dict[str, str]:
+    """The variables one rank gets on top of the launcher's environment."""
+    return {**placement.env(rank), "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(workers), ISLANDS_ENV: str(islands), "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def check_counts(workers: int, islands: int, threads: int) -> None:
+    for name, value in (("workers", workers), ("islands", islands), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LaunchError(f"{name} must be an integer >= 1; got {value!r}")
+    if workers % islands:
+        divisors = [d for d in range(1, workers + 1) if workers % d == 0]
+        raise LaunchError(f"workers ({workers}) must be divisible by islands ({islands}); "
+                          f"islands can be one of {divisors}")
+
+
+# ---- the job ---------------------------------------------------------------------------------
+def launch_ranks(argv: list[str], workers: int, *, islands: int = 1, testbed: str | Testbed | None = "",
+                 port: int = 0, threads: int = 1, run_dir: Path, out=sys.stderr) -> int:
+    """Run `argv` as ranks 0..workers-1 and supervise them; returns the exit code for the CLI (0 when every
+    rank exited 0, 1 when one failed, 130/143 when the launcher was interrupted or terminated).
+
+    `testbed`: a testbed's name (or a loaded Testbed) to run each rank inside one of its hosts; `port`: the
+    rendezvous port (0: a free one; refused if busy). Raises LaunchError before starting anything when the
+    input cannot work."""
+    if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+        raise LaunchError(f"argv must be a non-empty list of strings; got {argv!r}")
+    check_counts(workers, islands, threads)
+    placement = Placement.on_testbed(testbed, port) if testbed else Placement.loopback(port)
+    return run_ranks(argv, workers, placement, islands=islands, threads=threads, run_dir=run_dir, out=out)
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher: stop every rank, as on Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _handlers() -> dict:
+    """The launcher's SIGINT and SIGTERM handlers, to change and restore; {} off the main thread (where Python
+    cannot set them) or when one was set outside Python (not restorable)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return saved if None not in saved.values() else {}
+
+
+def _install(handlers: dict, saved: dict) -> None:
+    if saved:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: int = 1, threads: int = 1,
+              run_dir: Path, out=sys.stderr) -> int:
+    """launch_ranks once the placement is chosen (the app layer places a testbed job itself to read its
+    wire counters around the run)."""
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    saved = _handlers()
+    _install({signal.SIGTERM: _raise_terminated}, saved)
+    started: list[WorkerProcess] = []
+    try:
+        for rank in range(workers):
+            started.append(_start(rank, argv, workers, placement, islands, threads, logs))
+        return _supervise(started, out)
     except KeyboardInterrupt:
-        print("interrupted: stopping all workers", file=out)
+        print("islands: interrupted; stopping every rank", file=out, flush=True)
         return 130
+    except _Terminated:
+        print("islands: terminated; stopping every rank", file=out, flush=True)
+        return 128 + signal.SIGTERM
     finally:
-        _stop_all(workers)
+        # A second Ctrl-C or SIGTERM must not cut the stop short: the ranks run in their own sessions and
+        # would outlive the launcher.
+        _install({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}, saved)
+        try:
+            stop_all(started)
+        finally:
+            _install(saved, saved)
 
 
-def _wire_counters(testbed) -> list[tuple[int, int]] | None:
-    if testbed is None:
-        return None
-    from islands.testbed import wire_bytes
+def _start(rank: int, argv: list[str], workers: int, placement: Placement, islands: int, threads: int,
+           logs: Path) -> WorkerProcess:
+    env = {**os.environ, **rank_env(rank, workers, placement, islands, threads)}
+    log = logs / f"rank{rank}.log"
+    with open(log, "w") as f:
+        stdout = None if rank == 0 else f  # rank 0 talks to the user; its stderr (errors) is in its log
+        # Its own session: Ctrl-C reaches the launcher only, which then stops every rank (and their children).
+        proc = subprocess.Popen(placement.command(rank, argv), env=env, stdout=stdout, stderr=f,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return WorkerProcess(rank, proc, log, own_group=True)
 
-    return [wire_bytes(testbed, h.index) for h in testbed.hosts]
 
-
-def _record_wire_bytes(run_dir: Path, testbed, before) -> None:
-    """Bytes the shaped links really carried (headers included), next to the ledger's payload count."""
-    import json
-
-    after = _wire_counters(testbed)
-    path = run_dir / "run.json"
-    if not path.exists():
-        return
-    rec = json.loads(path.read_text())
-    rec["interconnect"]["wire_bytes_per_host"] = [
-        {"host": i, "tx": a[0] - b[0], "rx": a[1] - b[1]} for i, (a, b) in enumerate(zip(after, before))]
-    path.write_text(json.dumps(rec, indent=2, default=str))
+def _watch(w: WorkerProcess, exits: queue.Queue) -> None:
+    w.proc.wait()
+    if w.own_group:  # what the rank left behind (a data loader worker) goes with it; its pid was just reaped
+        _signal(w, signal.SIGKILL)
+    exits.put(w)
 
 
 def _supervise(workers: list[WorkerProcess], out) -> int:
-    while True:
-        codes = {w.rank: w.proc.poll() for w in workers}
-        failed = [w for w in workers if codes[w.rank] not in (None, 0)]
-        if failed:
-            first = failed[0]
-            code = codes[first.rank]
-            _stop_all(workers)
-            print(f"\nislands: worker rank {first.rank} failed ({describe_exit(code)}); stopped the other workers.",
-                  file=out)
-            print(f"--- last lines of rank {first.rank}'s log ({first.log}) ---\n{_tail(first.log)}", file=out)
+    """Wait for every rank; on the first failure stop the rest and show that rank's log tail. A waiter
+    thread per rank reports exits in the order they happen, so the blame goes to the rank that failed
+    first, not to a peer that died of its connection reset a moment later."""
+    exits: queue.Queue = queue.Queue()
+    for w in workers:
+        threading.Thread(target=_watch, args=(w, exits), name=f"islands-rank{w.rank}", daemon=True).start()
+    for _ in workers:
+        while True:
+            try:
+                w = exits.get(timeout=0.5)  # a timeout keeps Ctrl-C and SIGTERM prompt
+                break
+            except queue.Empty:
+                continue
+        if w.proc.returncode != 0:
+            stop_all(workers)
+            print(f"\nislands: worker rank {w.rank} failed ({describe_exit(w.proc.returncode)}); "
+                  f"stopped the other workers.", file=out)
+            print(f"--- last lines of rank {w.rank}'s log ({w.log}) ---\n{log_tail(w.log)}", file=out, flush=True)
             return 1
-        if all(c == 0 for c in codes.values()):
-            return 0
-        time.sleep(0.1)
+    return 0

@@ -34,6 +34,7 @@ class World:
     comms: dict | None = None
     data_shard: tuple[int, int] | None = None
     membership: object | None = None
+    owns_group: bool = False  # init_world made the default process group (close_world destroys only that)
 
     @property
     def workers_per_island(self) -> int:
@@ -46,6 +47,11 @@ class World:
     @property
     def local_rank(self) -> int:
         return self.rank % self.workers_per_island
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(index, count) of this rank's data shard: its rank, or the fixed shard of an elastic worker."""
+        return self.data_shard or (self.rank, self.size)
 
     @property
     def distributed(self) -> bool:
@@ -92,29 +98,54 @@ def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
     return "nccl", torch.device("cuda", local)
 
 
-def init_world(islands: int, timeout_s: float, device: str = "auto") -> World:
-    """Join the job described by torch's env:// variables (set by our launcher or by torchrun)."""
+ISLANDS_ENV = "ISLANDS_ISLANDS"  # set by `islands run --islands K` for scripts that do not say
+
+
+def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str = "auto") -> World:
+    """The World of this process: join the job described by torch's env:// variables (set by `islands run`,
+    `islands train`'s launcher or torchrun), or take over a default process group the script already made.
+
+    `islands`: how many islands the ranks form (None: $ISLANDS_ISLANDS, else 1). Without a distributed
+    environment it is a world of one process. An existing default process group is reused as it is (its
+    backend and timeout are the script's); `timeout_s` and `device` apply to a group made here.
+    """
+    if islands is None:
+        islands = int(os.environ.get(ISLANDS_ENV, "1"))
+    if islands < 1:
+        raise ValueError(f"islands must be >= 1, got {islands}")
+    if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
+        backend = dist.get_backend()
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return _world_over_default_group(islands, dev, backend)
     if "RANK" not in os.environ:
+        if islands != 1:
+            raise ValueError(f"islands={islands} needs several processes: start the script with "
+                             f"`islands run --workers N` or torchrun; a single process is one island")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
-    backend, device = pick_backend(device)
+    backend, dev = pick_backend(device)
     dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+    world = _world_over_default_group(islands, dev, backend)
+    world.owns_group = True
+    return world
+
+
+def _world_over_default_group(islands: int, device: torch.device, backend: str) -> World:
     rank, size = dist.get_rank(), dist.get_world_size()
     if size % islands:
-        raise ValueError(f"world size {size} is not divisible by islands={islands}")
+        raise ValueError(f"world size {size} is not divisible by islands={islands}; choose a divisor of {size}")
     world = World(rank=rank, size=size, islands=islands, device=device, backend=backend)
     if size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        world.mesh = init_device_mesh(
-            device.type, (islands, size // islands), mesh_dim_names=("island", "local")
-        )
+        world.mesh = init_device_mesh(device.type, (islands, size // islands), mesh_dim_names=("island", "local"))
         world.local_group = world.mesh.get_group("local")
         world.cross_group = world.mesh.get_group("island")
     return world
 
 
 def close_world(world: World) -> None:
-    if world.distributed and dist.is_initialized():
+    """Leave the job: destroy the default process group if init_world made it (a script's own stays)."""
+    if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -2,14 +2,21 @@
 
 A strategy never owns the loop. The loop calls, in order, every step:
     model = strategy.wrap(model, optimizer, world)      once, before training
+    batch = strategy.on_batch(batch, step)              the batch about to go forward (usually unchanged)
     loss.backward()
     strategy.after_backward(model, step)                gradients exist, optimizer not yet stepped
     optimizer.step()
     strategy.after_step(model, optimizer, step)         parameters updated locally
-and `state_dict()` / `load_state_dict()` for checkpoints. `eval_model(model)` returns the model whose
-validation loss is reported (for local-update strategies, the last synchronised global model).
-Inner strategies (single, ddp, sharded) act every step inside an island; outer strategies (local SGD,
-DiLoCo, gossip) act rarely across islands. `Stack` composes an inner and an outer strategy.
+and, once after the last step, `strategy.finish(model)`: the final synchronisation (a local-update
+strategy folds every island's unsynchronised work into the global model; nothing needs the total step
+count up front). `state_dict()` / `load_state_dict()` are for checkpoints. `eval_model(model)` returns
+the model to evaluate and export, parameters and buffers (for local-update strategies, the last
+synchronised global model).
+
+Inner strategies (single, ddp, zero1, fsdp) act every step inside an island; outer strategies (local
+SGD, DiLoCo, gossip) act rarely across islands. `Stack` (sync/stack.py) composes one of each.
+A strategy whose step is not forward-then-backward (a pipeline) also has `forward_backward`, which
+the loop then calls instead of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from islands.runtime.world import World
+from islands.sync.attach import Attached
 
 
 @runtime_checkable
@@ -27,9 +35,13 @@ class Strategy(Protocol):
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> torch.nn.Module: ...
 
+    def on_batch(self, batch, step: int): ...
+
     def after_backward(self, model: torch.nn.Module, step: int) -> None: ...
 
     def after_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None: ...
+
+    def finish(self, model: torch.nn.Module) -> None: ...
 
     def eval_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
@@ -46,10 +58,16 @@ class NoOp:
     def wrap(self, model, optimizer, world):
         return model
 
+    def on_batch(self, batch, step):
+        return batch
+
     def after_backward(self, model, step):
         pass
 
     def after_step(self, model, optimizer, step):
+        pass
+
+    def finish(self, model):
         pass
 
     def eval_model(self, model):
@@ -61,39 +79,9 @@ class NoOp:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def attach(self, model, optimizer, world) -> Attached:
+        """Zero-touch use around an unchanged loop: `with strategy.attach(model, opt, world) as model:`.
 
-class Stack(NoOp):
-    """Inner strategy then outer strategy, called in that order at each hook."""
-
-    def __init__(self, inner: Strategy, outer: Strategy | None):
-        self.inner, self.outer = inner, outer
-        self.name = inner.name if outer is None else f"{inner.name}+{outer.name}"
-
-    def _parts(self):
-        return [s for s in (self.inner, self.outer) if s is not None]
-
-    def wrap(self, model, optimizer, world):
-        for s in self._parts():
-            model = s.wrap(model, optimizer, world)
-        return model
-
-    def after_backward(self, model, step):
-        for s in self._parts():
-            s.after_backward(model, step)
-
-    def after_step(self, model, optimizer, step):
-        for s in self._parts():
-            s.after_step(model, optimizer, step)
-
-    def eval_model(self, model):
-        for s in reversed(self._parts()):
-            model = s.eval_model(model)
-        return model
-
-    def state_dict(self):
-        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict() if self.outer else {}}
-
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state.get("inner", {}))
-        if self.outer:
-            self.outer.load_state_dict(state.get("outer", {}))
+        The hooks run from the optimizer's own step hooks; leaving the block runs `finish`
+        (islands.sync.attach). The block yields the wrapped model: the same object for outer strategies."""
+        return Attached(self, model, optimizer, world)

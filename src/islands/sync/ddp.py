@@ -3,7 +3,18 @@
 DDP fuses gradients into buckets (SOTA-048) and all-reduces each bucket as soon as backward has filled
 it, overlapping communication with the rest of backward (SOTA-047). We keep DDP's machinery and only
 replace the bucket hook, so every byte goes through our counted Comm, and so compressors and robust
-aggregators can take over the bucket exchange.
+aggregators can take over the bucket exchange:
+
+    DDP()                                           counted mean of each bucket
+    DDP(compressor=PowerSGD(rank=4))                compressed exchange (islands.compress.ddp_comm_hook)
+    DDP(aggregator=CoordinateMedian(), attack=Byzantine(SignFlip(), count=1))
+                                                    robust exchange under a rehearsed attack (sync/exchange.py)
+    DDP(compressor=TorchPowerSGD(rank=4))           torch's own PowerSGD hook, counted (the A/B reference)
+
+With an optimizer that averages across ranks itself (1-bit Adam, split-moment AdamW: a
+`CommunicatingOptimizer`), there is no gradient exchange: `wrap` only makes every rank of the island
+start from its first rank's parameters and floating buffers (one counted broadcast each, kind
+"param_broadcast"), which makes identical starting points a fact rather than an assumption about seeds.
 """
 
 from __future__ import annotations
@@ -11,8 +22,14 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from islands.aggregate.coordinate import Mean
+from islands.compress.base import Compressor
+from islands.compress.error_feedback import with_error_feedback
+from islands.compress.optimizer_base import CommunicatingOptimizer
+from islands.faults.roles import LabelFlip, flip_targets
 from islands.runtime.comm import Comm
 from islands.sync.base import NoOp
+from islands.sync.exchange import RobustBucketState, robust_bucket_hook
 
 
 def counted_allreduce_hook(comm: Comm, _bucket_state=None):
@@ -29,26 +46,80 @@ def counted_allreduce_hook(comm: Comm, _bucket_state=None):
 class DDP(NoOp):
     name = "ddp"
 
-    def __init__(self, bucket_mb: float = 25.0, hook_factory=None):
-        """`hook_factory(comm, model) -> (state, hook)` replaces the plain averaging exchange."""
-        self.bucket_mb = bucket_mb
-        self.hook_factory = hook_factory
+    def __init__(self, compressor: Compressor | None = None, aggregator=None, attack=None, bucket_mb: float = 25.0,
+                 overlap: bool = True, seed: int = 0):
+        """`compressor`: any islands Compressor (biased ones get error feedback unless built with ef=False) or
+        TorchPowerSGD. `aggregator`: a robust aggregator (islands.robust); Mean or None is DDP's plain mean.
+        `attack`: a Byzantine plan to rehearse. `bucket_mb`: DDP's bucket size (torch's default 25 MB, Horovod's
+        fusion buffer 64 MB, LIT-220). `overlap`: compress each bucket on a worker thread while backward goes on,
+        or inside the hook. `seed`: seeds the attack's per-bucket random streams."""
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if isinstance(aggregator, Mean):
+            aggregator = None
+        if compressor is not None and (aggregator is not None or attack is not None):
+            raise ValueError("a compressor and a robust aggregator/attack cannot be combined in the per-step exchange: "
+                             "robust aggregators need each rank's uncompressed gradient; use one of them, or robust "
+                             "aggregation in an outer strategy")
+        if compressor is not None and not (isinstance(compressor, Compressor) or hasattr(compressor, "make_hook")):
+            raise TypeError(f"DDP(compressor=...) takes a compressor (islands.compress.PowerSGD(rank=4), ...); "
+                            f"got {type(compressor).__name__}")
+        if isinstance(compressor, Compressor):
+            compressor = with_error_feedback(compressor)  # early: a non-contractive compressor with ef fails here
+        self.compressor, self.aggregator, self.attack = compressor, aggregator, attack
+        self.bucket_mb = max(bucket_mb, getattr(compressor, "bucket_mb", 0.0))  # torch's hook: one bucket
+        self.overlap, self.seed = bool(overlap), int(seed)
         self.hook_state = None
+        self.rank = 0
+        self.label_flip = None  # (attack plan, classes) when a Byzantine rank trains on flipped labels
+
+    def _hook(self, comm: Comm, model: torch.nn.Module, world):
+        """(state, hook) for this exchange; (None, counted mean) for plain DDP."""
+        if hasattr(self.compressor, "make_hook"):
+            return self.compressor.make_hook(comm, model)
+        if self.compressor is not None:
+            from islands.compress.ddp_hook import ddp_comm_hook
+
+            return ddp_comm_hook(self.compressor, comm, model.named_parameters(),
+                                 overlap=self.overlap)
+        if self.aggregator is not None or self.attack is not None:
+            return RobustBucketState(comm, self.aggregator or Mean(), self.attack, world.rank, world.size,
+                                     self.seed), robust_bucket_hook
+        return None, counted_allreduce_hook(comm)
 
     def wrap(self, model, optimizer, world):
+        self.rank = world.rank
+        if self.attack is not None:
+            plan = self.attack.plan(world.size, self.seed)
+            if plan.is_byzantine(world.rank) and isinstance(plan.attack, LabelFlip):  # the data path
+                self.label_flip = plan
+        if isinstance(optimizer, CommunicatingOptimizer):
+            if self.compressor is not None or self.aggregator is not None or self.attack is not None:
+                raise ValueError(f"{type(optimizer).__name__} averages across ranks itself, so there is no gradient "
+                                 "exchange to compress or aggregate; use DDP() with it")
+            self.name = f"synced-by-{getattr(optimizer, 'name', type(optimizer).__name__)}"
+            broadcast_start(model, world)
+            return model
         if world.workers_per_island == 1:
             return model  # an island of one has nobody to average with
         comm = world.comm("local")
         ddp = DistributedDataParallel(model, process_group=world.local_group, bucket_cap_mb=self.bucket_mb)
-        if self.hook_factory is None:
-            ddp.register_comm_hook(None, counted_allreduce_hook(comm))
-        else:
-            self.hook_state, hook = self.hook_factory(comm, model)
-            ddp.register_comm_hook(self.hook_state, hook)
+        self.hook_state, hook = self._hook(comm, model, world)
+        ddp.register_comm_hook(self.hook_state, hook)
         return ddp
 
+    def on_batch(self, batch, step):
+        if self.label_flip is None:
+            return batch
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and torch.is_tensor(batch[1])):
+            raise TypeError("a label-flip attack needs (inputs, integer targets) batches")
+        classes = self.label_flip.attack.classes
+        if classes is None:
+            raise ValueError("label-flip needs the number of classes: LabelFlip(classes=C)")
+        return batch[0], flip_targets(batch[1], classes)
+
     def eval_model(self, model):
-        return model.module if isinstance(model, DistributedDataParallel) else model
+        return unwrap(model)
 
     def state_dict(self) -> dict:
         sd = getattr(self.hook_state, "state_dict", None)
@@ -57,6 +128,17 @@ class DDP(NoOp):
     def load_state_dict(self, state: dict) -> None:
         if state.get("hook") and hasattr(self.hook_state, "load_state_dict"):
             self.hook_state.load_state_dict(state["hook"])
+
+
+def broadcast_start(model: torch.nn.Module, world) -> None:
+    """Every rank of the island starts from the island's first rank's parameters and floating buffers."""
+    if world.workers_per_island == 1:
+        return
+    comm = world.comm("local")
+    src = world.island * world.workers_per_island  # global rank of this island's first worker
+    with torch.no_grad():
+        for t in list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]:
+            comm.broadcast(t.data, src=src, kind="param_broadcast")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

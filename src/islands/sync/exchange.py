@@ -1,25 +1,23 @@
-"""What replaces DDP's plain bucket average: a compressed exchange, or a robust one under attack.
+"""DDP's robust bucket exchange: every rank's bucket all-gathered, Byzantine ranks corrupt what they send,
+and a robust aggregator combines them identically on every rank (SOTA-220).
 
-The DDP strategy asks `bucket_hook_factory(cfg, world)` for a `factory(comm, model) -> (state, hook)`.
-  - compress=SPEC               -> islands.compress.ddp_comm_hook (summable payloads all-reduced,
-                                   gathered ones all-gathered; error feedback keyed by parameter name)
-  - aggregate=SPEC or attack=SPEC -> every rank's bucket is all-gathered, Byzantine ranks corrupt what
-                                   they send, and a robust aggregator combines them (same result on
-                                   every rank). Compression and robust aggregation are not combined
-                                   in the per-step path: robust aggregators need each rank's vector.
+`islands.sync.ddp.DDP(aggregator=..., attack=...)` registers `robust_bucket_hook` with a
+`RobustBucketState`. Compression and robust aggregation are not combined in the per-step path: robust
+aggregators need each rank's vector.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from islands.config import TrainConfig
+from islands.aggregate.distributed import robust_all_reduce
 from islands.runtime.comm import Comm
-from islands.runtime.world import World
 
 
 class RobustBucketState:
-    """One aggregator and one attack plan per DDP bucket, built from the job's specs.
+    """One aggregator and one attack plan per DDP bucket, copied from the strategy's objects.
 
     Per bucket, because some hold per-tensor state: centered clipping's centre and stale dropout's
     frozen tensor have the bucket's size, so one shared object would fail on the second bucket. DDP
@@ -27,21 +25,18 @@ class RobustBucketState:
     bucket starts a fresh aggregator (cclip restarts from the coordinate median; nothing breaks).
     """
 
-    def __init__(self, comm: Comm, aggregate: str, attack: str, rank: int, world_size: int, seed: int = 0):
+    def __init__(self, comm: Comm, aggregator, attack, rank: int, world_size: int, seed: int = 0):
         self.comm, self.rank, self.world_size, self.seed = comm, rank, world_size, seed
-        self.aggregate_spec, self.attack_spec = aggregate or "mean", attack
+        self.aggregator, self.attack = aggregator, attack
         self.lanes: dict[str, tuple] = {}
 
     def lane(self, index: int, numel: int) -> tuple:
         """(aggregator, attack plan or None) for one bucket, built on first use identically on every rank."""
         key = f"{index}:{numel}"
         if key not in self.lanes:
-            from islands.aggregate import parse_aggregator
-            from islands.faults.attacks import parse_attack
-
             # A distinct seed per bucket, so Gaussian noise is not the same stream in every bucket.
-            plan = parse_attack(self.attack_spec, self.world_size, seed=self.seed * 1009 + index) if self.attack_spec else None
-            self.lanes[key] = (parse_aggregator(self.aggregate_spec), plan)
+            plan = self.attack.plan(self.world_size, seed=self.seed * 1009 + index) if self.attack is not None else None
+            self.lanes[key] = (copy.deepcopy(self.aggregator), plan)
         return self.lanes[key]
 
     def state_dict(self) -> dict:
@@ -58,8 +53,6 @@ class RobustBucketState:
 
 
 def robust_bucket_hook(state: RobustBucketState, bucket) -> torch.futures.Future:
-    from islands.aggregate import robust_all_reduce
-
     buf = bucket.buffer()
     aggregator, attack = state.lane(bucket.index(), buf.numel())
     sent = attack.corrupt(buf, state.rank, state.comm) if attack is not None else buf
@@ -71,23 +64,3 @@ def robust_bucket_hook(state: RobustBucketState, bucket) -> torch.futures.Future
 
 # DDP checks the hook's return annotation as an object; postponed annotations would hand it a string.
 robust_bucket_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
-
-
-def bucket_hook_factory(cfg: TrainConfig, world: World):
-    robust = cfg.aggregate not in ("", "mean") or bool(cfg.attack)
-    if robust and cfg.compress not in ("", "none"):
-        raise ValueError("compress and a robust aggregate/attack cannot be combined in the per-step exchange; "
-                         "use one of them, or robust aggregation in an outer strategy")
-    if robust:
-
-        def factory(comm: Comm, model: torch.nn.Module):
-            return RobustBucketState(comm, cfg.aggregate, cfg.attack, world.rank, world.size, cfg.seed), robust_bucket_hook
-
-        return factory
-
-    from islands.compress import ddp_comm_hook, parse_compressor
-
-    def factory(comm: Comm, model: torch.nn.Module):
-        return ddp_comm_hook(parse_compressor(cfg.compress), comm, model.named_parameters(), overlap=cfg.hook_overlap)
-
-    return factory

@@ -169,8 +169,9 @@ class ZeRO1(NoOp):
 
     name = "zero1"
 
-    def __init__(self, ddp: DDP | None = None):
-        self.ddp = ddp or DDP()
+    def __init__(self, bucket_mb: float = 25.0):
+        """`bucket_mb`: the size of DDP's gradient buckets (the exchange is DDP's plain counted mean)."""
+        self.ddp = DDP(bucket_mb=bucket_mb)
         self.partition: OptimizerPartition | None = None
 
     def wrap(self, model, optimizer, world):

@@ -1,7 +1,7 @@
 """Outer strategies: how islands meet, rarely and cheaply, across the cross-island process group.
 
-    parse_outer("diloco:inner_steps=100,outer_lr=0.7,momentum=0.9") -> OuterSpec   (ValueError if bad)
-    build_outer(cfg, world) -> Strategy                                            (uses cfg.outer)
+    DiLoCo(inner_steps=100, aggregator=CoordinateMedian())                         objects inside
+    make_outer("diloco:inner_steps=100,outer_lr=0.7,momentum=0.9")                 a spec string, at the edge
 
 Strategies (one module each): local-sgd, post-local-sgd, overlap-local-sgd, slowmo, easgd, diloco
 (outer=nesterov|sgd|primal, sync_inner_state), streaming-diloco, gossip (topology=exp|ring|random:s=S). Each runs after the inner strategy
@@ -34,35 +34,32 @@ CLASSES = {
 }
 
 
-def make_outer(spec: OuterSpec | str, total_steps: int, warmup: int = 0) -> OuterStrategy | WarmStart:
-    """Build an outer strategy from a spec; `warmup` is post-local-sgd's default switch step.
+def make_outer(spec: OuterSpec | str, warmup: int = 0) -> OuterStrategy | WarmStart:
+    """Build an outer strategy from a spec string (the CLI's edge); `warmup` is post-local-sgd's default switch.
 
-    With warm_start=W (diloco, streaming-diloco) the strategy runs its rounds over the last
-    total_steps - W steps, inside a WarmStart that averages gradients across islands before them.
+    Nested compress= and aggregate= specs become compressor and aggregator objects. With warm_start=W
+    (diloco, streaming-diloco) the strategy runs inside a WarmStart that averages gradients across
+    islands for its first W steps.
     """
+    from islands.aggregate import parse_aggregator
+    from islands.compress.spec import build_compressor
+
     spec = parse_outer(spec) if isinstance(spec, str) else spec
     kwargs = dict(spec.params)
     if spec.name == "post-local-sgd" and kwargs["switch"] == -1:
         kwargs["switch"] = warmup  # SOTA-216: switch where the schedule first decays (end of warm-up)
     if "sync_inner_state" in kwargs:
         kwargs["sync_inner_state"] = bool(kwargs["sync_inner_state"])
+    compress, aggregate = kwargs.pop("compress", "none"), kwargs.pop("aggregate", "mean")
+    if compress != "none":
+        kwargs["compressor"] = build_compressor(compress)
+    if aggregate != "mean":
+        kwargs["aggregator"] = parse_aggregator(aggregate)
     warm = kwargs.pop("warm_start", 0)
-    if warm >= total_steps:
-        raise ValueError(f"outer strategy {spec.name!r}: warm_start ({warm}) must be < the run's steps "
-                         f"({total_steps}) so that some steps are left for the outer rounds")
-    outer = CLASSES[spec.name](total_steps - warm, **kwargs)
+    outer = CLASSES[spec.name](**kwargs)
     return WarmStart(outer, warm) if warm else outer
 
 
-def build_outer(cfg, world) -> OuterStrategy:
-    """The outer strategy cfg.outer names, for a run of cfg.steps steps."""
-    strategy = make_outer(parse_outer(cfg.outer), cfg.steps, warmup=cfg.warmup)
-    target = strategy.outer if isinstance(strategy, WarmStart) else strategy
-    if hasattr(target, "report_dir"):
-        target.report_dir = getattr(cfg, "run_dir", "") or None
-    return strategy
-
-
 __all__ = ["CLASSES", "PARAMS", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",
-           "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "build_outer", "make_outer",
+           "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "make_outer",
            "parse_outer", "valid_specs"]

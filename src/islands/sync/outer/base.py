@@ -8,8 +8,18 @@ stepped. It keeps:
   self.global_flat   fp32 vector of the last synchronised global parameters
   self.global_model  a copy of the model holding them: what eval_model() returns
   self.local         FlatView over the live (local) parameters the inner optimizer updates
-Policy for the end of training: the last step always synchronises (a shortened final round), so
-the reported global model contains every island's work.
+  self.clock         steps taken so far; self.synced_at: the clock at the last full synchronisation
+
+End of training: `finish(model)` synchronises once more unless the last step already did (a
+shortened final round), so the reported global model contains every island's work. No strategy
+needs the run's length up front.
+
+Buffers (BatchNorm running statistics and counters), the policy: parameters go through the outer
+step, buffers do not. At every full synchronisation the islands' floating-point buffers are averaged
+(one more all-reduce, kind "outer_buffers"; islands then adopt the average), and integer buffers
+(num_batches_tracked) are copied from the island, which counts the same steps as every other; the
+global model then holds both, so evaluating or exporting it sees statistics of the data every island
+trained on. Gossip has no global average: there the global model takes the island's own buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import torch
 from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
 from islands.sync.outer.flat import FlatView
+
+BUFFER_KIND = "outer_buffers"
 
 
 class LoneComm:
@@ -40,13 +52,13 @@ class LoneComm:
 
 class OuterStrategy(NoOp):
     name = "outer"
+    average_buffers = True  # gossip: False (no global average to take)
 
-    def __init__(self, total_steps: int):
-        if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-        self.total_steps = int(total_steps)
+    def __init__(self):
         self.comm = None
         self.rounds = 0  # completed synchronisations
+        self.clock = 0  # steps seen (after_step calls)
+        self.synced_at = 0  # the clock at the last full synchronisation
 
     # ---- wiring -----------------------------------------------------------------------------------
     def wrap(self, model, optimizer, world):
@@ -57,6 +69,8 @@ class OuterStrategy(NoOp):
         self.global_model = copy.deepcopy(base).requires_grad_(False)
         self.global_view = FlatView(self.global_model.parameters())
         self.global_flat = self.local.read()
+        self.local_buffers = list(base.buffers())
+        self.global_buffers = list(self.global_model.buffers())
         self.setup()
         return model
 
@@ -66,10 +80,31 @@ class OuterStrategy(NoOp):
     def eval_model(self, model):
         return self.global_model
 
-    # ---- helpers for subclasses -------------------------------------------------------------------
-    def is_last(self, step: int) -> bool:
-        return step + 1 >= self.total_steps
+    # ---- the clock --------------------------------------------------------------------------------
+    def tick(self, step: int) -> int:
+        """Called first in after_step: the number of steps done."""
+        self.clock = step + 1
+        return self.clock
 
+    def synced(self) -> None:
+        """A full synchronisation just happened: the global model holds every island's work so far."""
+        self.synced_buffers()
+        self.synced_at = self.clock
+
+    def finish(self, model) -> None:
+        """The final synchronisation, unless the last step already was one."""
+        if self.clock > self.synced_at or self.has_pending():
+            self.final_sync()
+            self.synced()
+
+    def has_pending(self) -> bool:
+        return False
+
+    def final_sync(self) -> None:
+        """Subclasses: one blocking synchronisation of everything (exchanges in flight landed first)."""
+        raise TypeError(f"{type(self).__name__} defines no final_sync")
+
+    # ---- helpers for subclasses -------------------------------------------------------------------
     def publish(self, lo: int = 0, hi: int | None = None) -> None:
         """Copy global_flat[lo:hi] into the global model (what evaluation sees)."""
         hi = self.global_flat.numel() if hi is None else hi
@@ -80,12 +115,25 @@ class OuterStrategy(NoOp):
         hi = self.global_flat.numel() if hi is None else hi
         self.local.write(self.global_flat[lo:hi], lo)
 
+    @torch.no_grad()
+    def synced_buffers(self) -> None:
+        """The buffer policy (module docstring): average floating buffers across islands, copy the rest."""
+        floating = [b for b in self.local_buffers if b.is_floating_point()]
+        if floating and self.average_buffers and self.comm.size > 1:
+            view = FlatView(floating)
+            flat = view.read()
+            self.comm.all_reduce(flat, kind=BUFFER_KIND)
+            view.write(flat.div_(self.comm.size))
+        for own, glob in zip(self.local_buffers, self.global_buffers):
+            glob.copy_(own)
+
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        # "local" carries this worker's live parameters mid-round: the trainer's "model" entry is
-        # the global model (eval_model), so without it a resume would lose the round's local work.
+        # "local" carries this worker's live parameters (and buffers) mid-round: the trainer's "model" entry
+        # is the global model (eval_model), so without them a resume would lose the round's local work.
         return {"global": self.global_flat.clone(), "local": self.local.read(), "rounds": self.rounds,
-                **self.extra_state()}
+                "clock": self.clock, "synced_at": self.synced_at,
+                "local_buffers": [b.detach().clone() for b in self.local_buffers], **self.extra_state()}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
@@ -98,6 +146,11 @@ class OuterStrategy(NoOp):
         self.publish()
         self.local.write(state["local"].to(torch.float32))
         self.rounds = int(state.get("rounds", 0))
+        self.clock = int(state.get("clock", 0))
+        self.synced_at = int(state.get("synced_at", self.clock))
+        with torch.no_grad():
+            for own, saved in zip(self.local_buffers, state.get("local_buffers", [])):
+                own.copy_(saved)
         self.load_extra_state(state)
 
     def extra_state(self) -> dict:

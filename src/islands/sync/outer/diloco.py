@@ -17,15 +17,18 @@ Plain DiLoCo is the case F = 1, tau = 0, fp32 payloads.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import torch
 
+from islands.aggregate.base import Aggregator
+from islands.compress.base import Compressor
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.exchange import Exchange, Pending
 from islands.sync.outer.flat import FlatView, fragment_bounds
-from islands.sync.outer.outer_opt import build_outer_optimizer
+from islands.sync.outer.outer_opt import OuterOptimizer, build_outer_optimizer
 from islands.sync.outer.quant4 import Quant4
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -34,12 +37,21 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 class DiLoCo(OuterStrategy):
     name = "diloco"
 
-    def __init__(self, total_steps: int, inner_steps: int = 100, outer: str = "nesterov", outer_lr: float = 0.7,
+    def __init__(self, inner_steps: int = 100, outer: str | OuterOptimizer = "nesterov", outer_lr: float = 0.7,
                  momentum: float = 0.9, weight: float = 0.5, sync_inner_state: bool = False,
-                 compress: str = "none", aggregate: str = "mean",
+                 compressor: Compressor | None = None, aggregator: Aggregator | None = None,
                  fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None,
                  lr_scale: str = "none", landing: str = "mix", outer_schedule: str = "constant"):
-        super().__init__(total_steps)
+        """`inner_steps` H: inner optimizer steps per round. `outer`: the outer optimizer, nesterov | sgd (heavy
+        ball, or plain with momentum=0) | primal, or an object with step(params, delta, lo, hi, lr_scale)
+        (islands.outer.OuterSGD, PrimalAveraging); `outer_lr` (LIT-212: 0.7), `momentum` (LIT-212: 0.9) and
+        `weight` (primal's weight of the new iterate, LIT-276) configure the named ones. `sync_inner_state`:
+        also average the inner Adam moments each round (SOTA-219 experiment only). `compressor`: compresses the
+        exchanged deltas (error feedback per island, islands.compress); `aggregator`: a robust aggregator across
+        islands (islands.robust). `fragments`, `tau`, `merge`, `landing`, `codec`: the streaming form
+        (streaming_diloco.py). `lr_scale`: none | sqrt-islands (outer_lr times sqrt(M), M islands in the
+        exchange). `outer_schedule`: constant | inner (the outer lr follows the inner optimizer's lr)."""
+        super().__init__()
         if outer_schedule not in ("constant", "inner"):
             raise ValueError(f"outer_schedule must be 'constant' or 'inner', got {outer_schedule!r}")
         if landing not in ("mix", "replay"):
@@ -52,18 +64,20 @@ class DiLoCo(OuterStrategy):
             raise ValueError(f"tau must be in [0, inner_steps); got tau={tau}, inner_steps={inner_steps}")
         if sync_inner_state and (fragments > 1 or tau > 0):
             raise ValueError("sync_inner_state needs fragments=1 and tau=0 (plain DiLoCo)")
+        if not 0 <= merge < 1:
+            raise ValueError(f"merge must be in [0, 1), got {merge}")
         self.inner_steps, self.fragments, self.tau, self.merge = int(inner_steps), int(fragments), int(tau), float(merge)
         self.sync_inner_state = bool(sync_inner_state)
         self.lr_scale, self.landing, self.outer_schedule = lr_scale, landing, outer_schedule
         self.at_send: dict[int, torch.Tensor] = {}  # landing=replay: the local fragment when its delta left
-        self.opt = build_outer_optimizer(outer, outer_lr, momentum, weight)
-        self.exchange = Exchange("outer_delta", aggregate=aggregate, compress=compress, codec=codec)
-        self.state_exchange = Exchange("outer_inner_state", aggregate=aggregate) if sync_inner_state else None
+        self.opt = outer if not isinstance(outer, str) else build_outer_optimizer(outer, outer_lr, momentum, weight)
+        self.exchange = Exchange("outer_delta", aggregator=aggregator, compressor=compressor, codec=codec)
+        self.state_exchange = Exchange("outer_inner_state", aggregator=copy.deepcopy(aggregator)) if sync_inner_state else None
         # fragment p's first send is at step count (p+1)*H//F, then every H steps (staggered, LIT-214)
         self.offsets = [(p + 1) * self.inner_steps // self.fragments for p in range(self.fragments)]
         self.pending: list[tuple[int, int, Pending]] = []  # (fragment, step count it lands at, exchange)
         self.sends = [0] * self.fragments  # completed sends per fragment, for tests and reports
-        self.report_dir: str | None = None  # build_outer sets the run dir: rank 0 writes outer_exchanges.json there
+        self.report_dir: str | None = None  # where rank 0 writes outer_exchanges.json at the end (the app sets it)
 
     def setup(self) -> None:
         self.bounds = fragment_bounds(self.global_flat.numel(), self.fragments)
@@ -76,25 +90,42 @@ class DiLoCo(OuterStrategy):
         return [p for p, o in enumerate(self.offsets) if done >= o and (done - o) % self.inner_steps == 0]
 
     def after_step(self, model, optimizer, step):
-        done, last = step + 1, self.is_last(step)
+        done = self.tick(step)
         for entry in list(self.pending):
             p, lands, pending = entry
-            if lands <= done or last:
+            if lands <= done:
                 self.pending.remove(entry)
                 self._land(p, pending.wait(), adopt=False)
-        # Policy: the last step syncs every fragment, blocking, so the final global model holds all work.
-        for p in (range(self.fragments) if last else self.starting(done)):
-            lo, hi = self.bounds[p]
-            delta = self.global_flat[lo:hi] - self.local.read(lo, hi)
-            self.sends[p] += 1
-            if self.tau == 0 or last:
-                self._land(p, self.exchange.mean(self.comm, delta, name=f"fragment{p}"), adopt=True)
-            else:
-                if self.landing == "replay":
-                    self.at_send[p] = self.local.read(lo, hi)
-                self.pending.append((p, done + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
-        if last:
-            self._write_report()
+        starting = self.starting(done)
+        for p in starting:
+            self._send(p, blocking=self.tau == 0)
+        if starting and self.fragments == 1 and self.tau == 0:
+            self.synced()  # a blocking round of the whole model: every island's work is in
+        elif starting and starting[-1] == self.fragments - 1:
+            self.synced_buffers()  # streaming: buffers once per cycle (parameters never all at once)
+
+    def _send(self, p: int, blocking: bool) -> None:
+        lo, hi = self.bounds[p]
+        delta = self.global_flat[lo:hi] - self.local.read(lo, hi)
+        self.sends[p] += 1
+        if blocking:
+            self._land(p, self.exchange.mean(self.comm, delta, name=f"fragment{p}"), adopt=True)
+            return
+        if self.landing == "replay":
+            self.at_send[p] = self.local.read(lo, hi)
+        self.pending.append((p, self.clock + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def final_sync(self) -> None:
+        """Land what is in flight, then sync every fragment, blocking: the global model holds all work."""
+        for p, _, pending in self.pending:
+            self._land(p, pending.wait(), adopt=False)
+        self.pending = []
+        for p in range(self.fragments):
+            self._send(p, blocking=True)
+        self._write_report()
 
     def _write_report(self) -> None:
         """Bytes this rank sent per exchange, for the peak-per-sync figure (the ledger keeps only totals)."""

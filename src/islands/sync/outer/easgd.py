@@ -12,6 +12,7 @@ so they may explore apart; that is the point of the method.
 
 from __future__ import annotations
 
+from islands.aggregate.base import Aggregator
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.exchange import Exchange
 
@@ -19,16 +20,23 @@ from islands.sync.outer.exchange import Exchange
 class EASGD(OuterStrategy):
     name = "easgd"
 
-    def __init__(self, total_steps: int, every: int = 4, beta: float = 0.9, aggregate: str = "mean"):
-        super().__init__(total_steps)
+    def __init__(self, every: int = 4, beta: float = 0.9, aggregator: Aggregator | None = None):
+        """`every`: local steps between elastic updates. `beta`: total elastic strength; each worker's pull is
+        beta / islands (LIT-370), in (0, 1]. `aggregator`: a robust aggregator across islands."""
+        super().__init__()
         if every < 1 or not 0 < beta <= 1:
             raise ValueError(f"need every >= 1 and beta in (0, 1]; got every={every}, beta={beta}")
         self.every, self.beta = int(every), float(beta)
-        self.exchange = Exchange("outer_params", aggregate=aggregate)
+        self.exchange = Exchange("outer_params", aggregator=aggregator)
 
     def after_step(self, model, optimizer, step):
-        if (step + 1) % self.every == 0 or self.is_last(step):
+        self.tick(step)
+        if (step + 1) % self.every == 0:
             self.elastic_round()
+            self.synced()
+
+    def final_sync(self) -> None:
+        self.elastic_round()
 
     def elastic_round(self) -> None:
         alpha = self.beta / self.comm.size

@@ -3,8 +3,8 @@
 Every byte goes through the `comm` handed to each call (the strategy's `self.comm`, the cross-island
 Comm), so a different Comm (an elastic one) can be swapped in without touching the strategies. Paths:
   plain mean      one all-reduce (sum) of the fp32 vector, divided by comm.size
-  aggregate=      all-gather, then the same robust aggregator on every rank (islands.aggregate)
-  compress=       islands.compress.compress_and_average (error-feedback state is per `name`)
+  aggregator      all-gather, then the same robust aggregator on every rank (islands.aggregate)
+  compressor      islands.compress.compress_and_average (error-feedback state is per `name`)
   Quant4 codec    all-gather of 4-bit payloads; each rank decodes all and averages in rank order
   variable-length codec (Quant4Zstd)  all-gather of each rank's payload length (int64, ledger kind
                   "<kind>_len"), then of the payloads zero-padded to the longest
@@ -20,6 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from islands.aggregate.coordinate import Mean
+from islands.aggregate.distributed import robust_all_reduce
+from islands.compress.average import compress_and_average
+from islands.compress.error_feedback import with_error_feedback
 from islands.sync.outer.quant4 import Quant4
 
 
@@ -37,19 +41,21 @@ class Pending:
 
 
 class Exchange:
-    def __init__(self, kind: str, aggregate: str = "mean", compress: str = "none", codec: Quant4 | None = None):
+    def __init__(self, kind: str, aggregator=None, compressor=None, codec: Quant4 | None = None):
+        """`aggregator`: a robust aggregator (Mean or None: the plain mean); `compressor`: compresses the
+        vector on the wire (error feedback per island where it asks for it); `codec`: Quant4-style payloads."""
+        if isinstance(aggregator, Mean):
+            aggregator = None
+        if compressor is not None and aggregator is not None:
+            raise ValueError("a compressor and a robust aggregator together are not supported: a robust aggregator "
+                             "needs each island's uncompressed delta; pick one")
+        if compressor is not None and codec is not None:
+            raise ValueError("a compressor and the built-in 4-bit codec together are not supported; pick one "
+                             "(streaming DiLoCo: bits=32 with a compressor)")
         self.kind = kind
-        self.aggregator = None
-        self.compressor = None
+        self.aggregator = aggregator
+        self.compressor = with_error_feedback(compressor) if compressor is not None else None
         self.codec = codec
-        if aggregate != "mean":
-            from islands.aggregate import parse_aggregator
-
-            self.aggregator = parse_aggregator(aggregate)
-        if compress != "none":
-            from islands.compress import parse_compressor
-
-            self.compressor = parse_compressor(compress)
         self._pool: ThreadPoolExecutor | None = None
         self.sent: list[int] = []  # bytes this rank sent per exchange (plain and codec paths, comm.size > 1)
 
@@ -57,14 +63,10 @@ class Exchange:
         """Collective: every rank of comm calls it with a vector of the same size, in the same order."""
         flat = flat.detach().to(torch.float32).contiguous()
         if self.compressor is not None:
-            from islands.compress import compress_and_average
-
             return compress_and_average({name: flat}, comm, self.compressor)[name].to(torch.float32)
         if self.codec is not None:
             return self._gathered(comm, flat)
         if self.aggregator is not None:
-            from islands.aggregate import robust_all_reduce
-
             return robust_all_reduce(flat, comm, self.aggregator, kind=self.kind)
         out = flat.clone()
         comm.all_reduce(out, kind=self.kind)

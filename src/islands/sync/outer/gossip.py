@@ -28,12 +28,15 @@ from their average) is measured by the experiments outside training traffic (con
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
 
+from islands.aggregate.base import Aggregator
+from islands.aggregate.coordinate import Mean
 from islands.sync.outer.base import OuterStrategy
-from islands.sync.outer.topology import parse_topology
+from islands.sync.outer.topology import Topology, parse_topology
 
 KIND = "outer_params"
 
@@ -74,7 +77,7 @@ def consensus_distance(vectors: Sequence[torch.Tensor]) -> float:
     return float((rows - rows.mean(0)).norm(dim=1).mean())
 
 
-def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggregate: str = "mean",
+def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggregator: Aggregator | None = None,
                     ) -> tuple[list[float], list[torch.Tensor]]:
     """Pure gossip in one process (no training, no sockets), with the strategy's own arithmetic.
 
@@ -82,10 +85,8 @@ def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggr
     xs = [v.detach().to(torch.float32).reshape(-1).clone() for v in vectors]
     n = len(xs)
     aggs = None
-    if aggregate != "mean":
-        from islands.aggregate import parse_aggregator
-
-        aggs = [parse_aggregator(aggregate) for _ in range(n)]  # one per node: stateful ones keep their own
+    if aggregator is not None and not isinstance(aggregator, Mean):
+        aggs = [copy.deepcopy(aggregator) for _ in range(n)]  # one per node: stateful ones keep their own
     weights = [1.0] * n
     dists = [consensus_distance(xs)]
     for t in range(rounds):
@@ -106,17 +107,20 @@ def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggr
 class Gossip(OuterStrategy):
     name = "gossip"
 
-    def __init__(self, total_steps: int, every: int = 4, topology="exp", aggregate: str = "mean", seed: int = 0):
-        super().__init__(total_steps)
+    average_buffers = False  # no global average: the eval model takes this island's own buffers
+
+    def __init__(self, every: int = 4, topology: Topology | str = "exp", aggregator: Aggregator | None = None,
+                 seed: int = 0):
+        """`every` H: local steps between gossip rounds. `topology`: exp (one peer at distance 2^k, SOTA-226),
+        ring, or random:s=S (S fresh out-peers per round, push-sum, SOTA-223), or a topology object
+        (islands.outer.Ring(), ExponentialGraph(), RandomPeers(s, seed)). `aggregator`: robust neighbour
+        averaging. `seed`: seeds topology=random's per-round draws (the same on every rank)."""
+        super().__init__()
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = int(every)
         self.topology = parse_topology(topology, seed=seed) if isinstance(topology, str) else topology
-        self.aggregator = None
-        if aggregate != "mean":
-            from islands.aggregate import parse_aggregator
-
-            self.aggregator = parse_aggregator(aggregate)
+        self.aggregator = None if isinstance(aggregator, Mean) else aggregator
         self.weight = 1.0  # push-sum weight (random topology with mean mixing); stays 1 otherwise
         self.isolated = 0  # robust rounds in which too few inputs arrived to aggregate
 
@@ -130,11 +134,16 @@ class Gossip(OuterStrategy):
                             f"{type(self.comm).__name__} has none (elastic membership is not supported)")
 
     def due(self, step: int) -> bool:
-        return (step + 1) % self.every == 0 or self.is_last(step)
+        return (step + 1) % self.every == 0
 
     def after_step(self, model, optimizer, step):
+        self.tick(step)
         if self.due(step):
             self.gossip_round()
+            self.synced()
+
+    def final_sync(self) -> None:
+        self.gossip_round()
 
     def gossip_round(self) -> None:
         x = self.local.read()

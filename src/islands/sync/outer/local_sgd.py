@@ -6,6 +6,7 @@ synchronous parameter averaging: the reference DiLoCo must reproduce with outer 
 
 from __future__ import annotations
 
+from islands.aggregate.base import Aggregator
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.exchange import Exchange
 
@@ -13,19 +14,25 @@ from islands.sync.outer.exchange import Exchange
 class LocalSGD(OuterStrategy):
     name = "local-sgd"
 
-    def __init__(self, total_steps: int, every: int = 8, aggregate: str = "mean"):
-        super().__init__(total_steps)
+    def __init__(self, every: int = 8, aggregator: Aggregator | None = None):
+        """`every` H: local steps between parameter averages. `aggregator`: a robust aggregator across islands."""
+        super().__init__()
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = int(every)
-        self.exchange = Exchange("outer_params", aggregate=aggregate)
+        self.exchange = Exchange("outer_params", aggregator=aggregator)
 
     def due(self, step: int) -> bool:
-        return (step + 1) % self.every == 0 or self.is_last(step)
+        return (step + 1) % self.every == 0
 
     def after_step(self, model, optimizer, step):
+        self.tick(step)
         if self.due(step):
             self.average()
+            self.synced()
+
+    def final_sync(self) -> None:
+        self.average()
 
     def average(self) -> None:
         self.global_flat = self.exchange.mean(self.comm, self.local.read())

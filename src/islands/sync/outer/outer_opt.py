@@ -8,7 +8,21 @@ so a fragment's momentum lives at the same offsets as its parameters.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
+
+
+@runtime_checkable
+class OuterOptimizer(Protocol):
+    """Steps global[lo:hi] with the averaged pseudo-gradient for that slice; state is explicit."""
+
+    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
+             lr_scale: float = 1.0) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class OuterSGD:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from islands.aggregate.base import Aggregator
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.exchange import Exchange, Pending
 
@@ -19,19 +20,28 @@ from islands.sync.outer.exchange import Exchange, Pending
 class OverlapLocalSGD(OuterStrategy):
     name = "overlap-local-sgd"
 
-    def __init__(self, total_steps: int, tau: int = 2, pull: float = 0.5, aggregate: str = "mean"):
-        super().__init__(total_steps)
+    def __init__(self, tau: int = 2, pull: float = 0.5, aggregator: Aggregator | None = None):
+        """`tau`: local steps per round, run while the previous average is in flight (0 = blocking, every step).
+        `pull`: strength of the pull toward the anchor after each round, in (0, 1]. `aggregator`: robust."""
+        super().__init__()
         if tau < 0 or not 0 < pull <= 1:
             raise ValueError(f"need tau >= 0 and pull in (0, 1]; got tau={tau}, pull={pull}")
         self.tau, self.pull = int(tau), float(pull)
-        self.exchange = Exchange("outer_params", aggregate=aggregate)
+        self.exchange = Exchange("outer_params", aggregator=aggregator)
         self.pending: Pending | None = None
 
     def after_step(self, model, optimizer, step):
-        if self.is_last(step):
-            self._finish()
-        elif (step + 1) % max(self.tau, 1) == 0:
+        self.tick(step)
+        if (step + 1) % max(self.tau, 1) == 0:
             self._round()
+            if self.tau == 0:
+                self.synced()
+
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    def final_sync(self) -> None:
+        self._finish()
 
     def _round(self) -> None:
         if self.tau == 0:

@@ -1,19 +1,22 @@
 """Post-local SGD (SOTA-216, LIT-362): average every step until the switch, then local SGD with H.
 
-The switch defaults to the step where the learning-rate schedule first decays: our schedule warms
-up linearly and starts its cosine decay at cfg.warmup, so build_outer passes switch = cfg.warmup.
+SOTA-216 switches where the learning-rate schedule first decays: with the built-in schedule (linear
+warm-up, then cosine) that is the end of the warm-up, which the job config passes as `switch`.
 """
 
 from __future__ import annotations
 
+from islands.aggregate.base import Aggregator
 from islands.sync.outer.local_sgd import LocalSGD
 
 
 class PostLocalSGD(LocalSGD):
     name = "post-local-sgd"
 
-    def __init__(self, total_steps: int, switch: int, every: int = 16, aggregate: str = "mean"):
-        super().__init__(total_steps, every=every, aggregate=aggregate)
+    def __init__(self, switch: int, every: int = 16, aggregator: Aggregator | None = None):
+        """`switch`: the step at which averaging every step ends (SOTA-216: where the lr first decays).
+        `every` H after the switch (SOTA-216 suggests 16 to 32). `aggregator`: robust across islands."""
+        super().__init__(every=every, aggregator=aggregator)
         if switch < 0:
             raise ValueError(f"switch must be a step >= 0, got {switch}")
         self.switch = int(switch)
@@ -22,4 +25,4 @@ class PostLocalSGD(LocalSGD):
         done = step + 1
         if done <= self.switch:
             return True  # phase 1: minibatch SGD, one average per step
-        return (done - self.switch) % self.every == 0 or self.is_last(step)
+        return (done - self.switch) % self.every == 0

@@ -9,13 +9,17 @@ again; with a constant inner rate the two cancel, and ours changes every step, s
 
 from __future__ import annotations
 
+from islands.aggregate.base import Aggregator
+from islands.compress.base import Compressor
 from islands.sync.outer.diloco import DiLoCo
 
 
 class SlowMo(DiLoCo):
     name = "slowmo"
 
-    def __init__(self, total_steps: int, every: int = 8, slow_lr: float = 1.0, momentum: float = 0.5,
-                 compress: str = "none", aggregate: str = "mean"):
-        super().__init__(total_steps, inner_steps=every, outer="sgd", outer_lr=slow_lr, momentum=momentum,
-                         compress=compress, aggregate=aggregate)
+    def __init__(self, every: int = 8, slow_lr: float = 1.0, momentum: float = 0.5,
+                 compressor: Compressor | None = None, aggregator: Aggregator | None = None):
+        """`every` H: local steps between outer steps. `slow_lr`: the outer (slow) learning rate. `momentum`: slow
+        heavy-ball momentum over the averaged iterates. `compressor`/`aggregator`: as DiLoCo's."""
+        super().__init__(inner_steps=every, outer="sgd", outer_lr=slow_lr, momentum=momentum,
+                         compressor=compressor, aggregator=aggregator)

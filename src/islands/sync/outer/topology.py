@@ -18,8 +18,21 @@ sum to 1), so a round preserves the average exactly; an irregular graph needs pu
 from __future__ import annotations
 
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class Topology(Protocol):
+    name: str
+    regular: bool
+
+    def peers(self, round: int, rank: int, n: int) -> tuple[list[int], list[int]]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _check(rank: int, n: int) -> None:

@@ -10,7 +10,7 @@ the same shape to any outer strategy whose rounds are counted in steps (diloco, 
                    stay identical on every island. Gradients are divided by the island count before
                    the sum, as torch's DDP does, so with 2 islands the average is bit for bit DDP's.
   after step W-1   the outer strategy restarts its global model from the (identical) live one and runs
-                   its rounds over the remaining total_steps - W steps, its clock starting at 0.
+                   its rounds over the remaining steps, its clock starting at 0.
 The ledger keeps the warm-up bytes apart from the rounds' ("outer_warm_grad" vs "outer_delta"), so a
 report can give the bytes of the compared phase alone and with the warm-up.
 """
@@ -35,7 +35,7 @@ class WarmStart(NoOp):
                              f"itself), got {steps}")
         self.outer, self.steps = outer, int(steps)
         self.name = f"{outer.name}+warm{self.steps}"
-        self.total_steps = self.steps + outer.total_steps
+        self._done = 0
 
     @property
     def comm(self):
@@ -76,6 +76,14 @@ class WarmStart(NoOp):
         if self._done == self.steps:
             self.outer.global_flat = self.outer.local.read()  # the same on every island
             self.outer.publish()
+
+    def finish(self, model):
+        if not self.warm:  # during warm-up every island already holds the global model
+            self.outer.finish(model)
+
+    @property
+    def rounds(self) -> int:
+        return self.outer.rounds
 
     def eval_model(self, model):
         # During warm-up the live model is the global one (every island holds the same bits).

@@ -1,0 +1,213 @@
+"""From a job config to the library's objects: the one place that reads JobConfig and builds.
+
+    trainer = build_trainer(cfg, world, run_dir)      task, optimizer, strategy, step, callbacks -> Trainer
+    record = run_job(cfg, world, run_dir)             the same, resumed if asked, trained to train.steps
+
+Spec strings (compressor, aggregator, attack, outer strategy, optimizer, wrap policy, checkpoint policy)
+are turned into objects here, through their packages' parsers; nothing below this layer sees a string
+of the job config.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from islands.aggregate import parse_aggregator
+from islands.checkpoint.driver import CheckpointDriver
+from islands.checkpoint.fingerprint import fingerprint_of
+from islands.checkpoint.resume import resume
+from islands.checkpoint.settings import CheckpointSettings, parse_policy
+from islands.compress.optim import build_optimizer, parse_optimizer
+from islands.compress.spec import build_compressor
+from islands.compress.torch_powersgd import TorchPowerSGD, is_torch_powersgd, parse_torch_powersgd
+from islands.config import JobConfig
+from islands.data.source import batch_source
+from islands.faults.attacks import Byzantine, parse_attack
+from islands.faults.roles import LabelFlip
+from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord
+from islands.loop.schedule import WarmupCosine
+from islands.loop.task import Task
+from islands.loop.trainer import Trainer
+from islands.memory.sizer import MB, batches_like, plan_micro_batch, synthetic_batches
+from islands.memory.step import ForwardBackward
+from islands.parallel.pipeline.strategy import PipelineStages
+from islands.runtime.world import World
+from islands.sync.base import Strategy
+from islands.sync.ddp import DDP
+from islands.sync.outer import WarmStart, make_outer
+from islands.sync.sharded import FSDP
+from islands.sync.single import Single
+from islands.sync.stack import Stack
+from islands.sync.zero1 import ZeRO1
+from islands.tasks import build_user_task, digits_task, is_user_task, lm_task
+
+BETAS = (0.9, 0.95)  # AdamW's betas for the built-in tasks (nanoGPT's choice for small transformers)
+
+
+def fingerprint(cfg: JobConfig) -> str:
+    """What a checkpoint must match to load: the model-defining fields."""
+    return fingerprint_of(cfg.fingerprint_fields())
+
+
+def checkpoint_settings(cfg: JobConfig) -> CheckpointSettings:
+    c = cfg.checkpoint
+    return CheckpointSettings(dir=c.dir or None, every=c.every, policy=parse_policy(c.policy),
+                              memory_every=c.memory_every, memory_peer=c.memory_peer, remote_dir=c.remote_dir or None,
+                              remote_every=c.remote_every, keep=c.keep, asynchronous=c.asynchronous,
+                              share_replicas=c.share_replicas, timeout=cfg.world.timeout)
+
+
+# ---- the task ---------------------------------------------------------------------------------------
+def build_task(cfg: JobConfig) -> Task:
+    """The built-in lm or digits task, or the user's make_task(cfg) (a TaskError says what is wrong)."""
+    t, batch = cfg.task, cfg.batch_per_worker
+    if cfg.inner_strategy == "pipeline":  # every stage reads the island's batch: all its workers' share at once
+        batch *= cfg.workers_per_island
+    if t.name == "lm":
+        return lm_task(t.data, t.d_model, t.n_layers, t.n_heads, t.context, batch, cfg.train.eval_batches,
+                       cfg.train.seed)
+    if t.name == "digits":
+        return digits_task(t.hidden, batch, cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # a user model built in make_task starts the same on every rank
+    task = build_user_task(t.name, cfg)
+    if task.batch_size is None:
+        task.batch_size = batch
+    return task
+
+
+# ---- the strategy -----------------------------------------------------------------------------------
+def attack_of(text: str, world_size: int) -> Byzantine | None:
+    if not text:
+        return None
+    plan = parse_attack(text, world_size=world_size)
+    if plan.attack is None:
+        return None
+    return Byzantine(plan.attack, ranks=sorted(plan.byzantine))
+
+
+def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
+    inner = cfg.inner
+    kind = cfg.inner_strategy
+    if kind == "single":
+        return Single()
+    if kind == "pipeline":
+        budget = inner.activation_budget_mb * 1e6 if inner.activation_budget_mb > 0 else math.inf
+        return PipelineStages(inner.stages or cfg.workers_per_island, inner.microbatches, inner.cuts, inner.schedule,
+                              batch=cfg.train.global_batch // cfg.world.islands, loss_fn=task.loss_fn,
+                              budget_bytes=budget, grad_clip=cfg.train.grad_clip)
+    if kind == "fsdp":
+        return FSDP(wrap=inner.wrap, reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
+                    prefetch=inner.prefetch, shard_group=inner.shard_group,
+                    memory_budget_bytes=int(inner.shard_budget_mb * 2**20))
+    if kind == "zero1":  # DDP's exchange, optimizer state partitioned (SOTA-028)
+        return ZeRO1(bucket_mb=inner.bucket_mb)
+    compressor = None
+    if is_torch_powersgd(inner.compressor):
+        compressor = TorchPowerSGD(**parse_torch_powersgd(inner.compressor), seed=cfg.train.seed)
+    elif inner.compressor not in ("", "none"):
+        compressor = build_compressor(inner.compressor)
+    aggregator = parse_aggregator(inner.aggregator) if inner.aggregator not in ("", "mean") else None
+    attack = attack_of(inner.attack, world.size)
+    if attack is not None and isinstance(attack.role, LabelFlip) and attack.role.classes is None:
+        attack.role.classes = task.classes
+    return DDP(compressor=compressor, aggregator=aggregator, attack=attack, bucket_mb=inner.bucket_mb,
+               overlap=inner.overlap, seed=cfg.train.seed)
+
+
+def build_outer(cfg: JobConfig, run_dir: Path | None) -> Strategy | None:
+    if not cfg.outer.strategy:
+        return None
+    outer = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup)
+    target = outer.outer if isinstance(outer, WarmStart) else outer
+    if hasattr(target, "report_dir"):
+        target.report_dir = str(run_dir) if run_dir is not None else None
+    return outer
+
+
+def build_strategy(cfg: JobConfig, world: World, task: Task, run_dir: Path | None = None) -> Stack:
+    return Stack(build_inner(cfg, world, task), build_outer(cfg, run_dir))
+
+
+# ---- the step ---------------------------------------------------------------------------------------
+def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer | None, world: World) -> ForwardBackward:
+    """Activation checkpointing switched on the plain model, precision, micro-batch size. Call before the strategy
+    wraps the model: the sizer runs it alone (every rank measures the same shapes, so picks the same size)."""
+    m, model = cfg.memory, task.model
+    if m.activation_checkpointing:
+        if hasattr(model, "set_activation_checkpointing"):
+            model.set_activation_checkpointing(len(model.blocks))  # one segment per block (islands.memory.recompute)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()  # a transformers model's own
+        else:
+            raise ValueError(f"activation_checkpointing: {type(model).__name__} has neither islands' "
+                             "set_activation_checkpointing nor transformers' gradient_checkpointing_enable")
+    if not m.budget_mb:
+        return ForwardBackward(m.micro_batch, m.precision)
+    if cfg.task.name in ("lm", "digits"):
+        make = synthetic_batches(cfg.task.name, cfg.task.context, world.device, cfg.train.seed)
+    else:
+        with torch.random.fork_rng():  # a sample batch for shapes; the training RNG must not move
+            make = batches_like(batch_source(task.train_data, 0, 1, task.batch_size, cfg.train.seed).next())
+    plan = plan_micro_batch(model, task.loss_fn, make, task.batch_size or cfg.batch_per_worker,
+                            int(m.budget_mb * MB), optimizer, m.precision)
+    step = ForwardBackward(plan.micro_batch, m.precision)
+    step.plan = plan
+    return step
+
+
+def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:
+    # 1-bit optimizers average through the island's group themselves (SOTA-215)
+    comm = world.comm("local") if world.distributed else None
+    return build_optimizer(parse_optimizer(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
+                           weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm)
+
+
+# ---- the trainer ------------------------------------------------------------------------------------
+def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | None) -> list:
+    callbacks = [Progress(enabled=cfg.output.progress, tokens_per_sample=task.tokens_per_sample),
+                 Evaluate(every=cfg.train.eval_every),
+                 RunRecord(run_dir, config=cfg.to_dict(), probe=cfg.world.probe, task=task.name,
+                           data_source=task.data_source, tokens_per_sample=task.tokens_per_sample,
+                           testbed=cfg.world.testbed, threads=cfg.world.threads)]
+    settings = checkpoint_settings(cfg)
+    if settings.enabled:
+        callbacks.append(Checkpointing(CheckpointDriver(settings, world, run_dir, fingerprint(cfg))))
+    return callbacks
+
+
+def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: list = ()) -> Trainer:
+    torch.set_num_threads(cfg.world.threads)
+    if cfg.inner_strategy == "pipeline" and world.data_shard is None:  # all stages of an island read one stream
+        world.data_shard = (world.island, world.islands) if world.distributed else (0, 1)
+    task = build_task(cfg)
+    model = task.model.to(world.device)
+    optimizer = build_optimizer_for(cfg, model, world)
+    step_fn = build_step_fn(cfg, task, optimizer, world)
+    strategy = build_strategy(cfg, world, task, run_dir)
+    pipeline = cfg.inner_strategy == "pipeline"  # the pipeline clips by the norm over all stages itself
+    return Trainer(model, optimizer, task.loss_fn, task.train_data, task.val_data, strategy=strategy, world=world,
+                   schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
+                   callbacks=[*build_callbacks(cfg, world, task, run_dir), *callbacks], metrics=task.metrics,
+                   batch_size=task.batch_size, grad_clip=0.0 if pipeline else cfg.train.grad_clip, step_fn=step_fn,
+                   seed=cfg.train.seed, log_every=cfg.train.log_every)
+
+
+def resume_trainer(trainer: Trainer, cfg: JobConfig) -> dict:
+    info = resume(trainer, cfg.checkpoint.resume, remote_dir=cfg.checkpoint.remote_dir or None,
+                  fingerprint=fingerprint(cfg))
+    if trainer.checkpoints is not None:  # intervals count from here; its record keeps where we came from
+        trainer.checkpoints.resumed(trainer.step, info)
+    else:
+        trainer.resumed_from = info
+    return info
+
+
+def run_job(cfg: JobConfig, world: World, run_dir: Path | None = None) -> dict:
+    """Build, resume if asked, train to train.steps; returns the run record (rank 0 also writes it)."""
+    trainer = build_trainer(cfg, world, run_dir)
+    if cfg.checkpoint.resume:
+        resume_trainer(trainer, cfg)
+    return trainer.fit(cfg.train.steps)

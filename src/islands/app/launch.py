@@ -1,0 +1,77 @@
+"""Launch a configured job: the config becomes a config.json, the ranks run islands' worker on it.
+
+The supervision, ports and testbed placement are islands.runtime.launch's (`islands run` uses the same
+launcher for any script); this module adds what only a configured job has: its config file, the wire
+bytes a testbed's shaped links carried (into run.json), and the elastic launcher's shared config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from islands.config import JobConfig, dump_json
+from islands.runtime.elastic_launch import launch_elastic_workers
+from islands.runtime.launch import Placement, run_ranks
+from islands.testbed import Testbed, wire_bytes
+
+WORKER_MODULE = "islands.app.worker"  # `python -m WORKER_MODULE CONFIG RUN_DIR`
+
+
+def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
+    """Run the job; returns the exit code the CLI should use (0 on success). Raises
+    islands.runtime.launch.LaunchError (a busy port, a testbed that does not exist) before any worker starts."""
+    if cfg.elastic.enabled:  # workers may die and join (docs/membership.md)
+        return launch_elastic(cfg, run_dir, out)
+    world = cfg.world
+    placement = Placement.on_testbed(world.testbed, world.port) if world.testbed else Placement.loopback(world.port)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.json"
+    dump_json(cfg, cfg_path)
+    before = _wire_counters(placement.testbed)
+    code = run_ranks([sys.executable, "-m", WORKER_MODULE, str(cfg_path), str(run_dir)], world.workers, placement,
+                     islands=world.islands, threads=world.threads, run_dir=run_dir, out=out)
+    if code == 0 and placement.testbed is not None:
+        _record_wire_bytes(run_dir, placement.testbed, before)
+    return code
+
+
+def _wire_counters(testbed: Testbed | None) -> list[tuple[int, int]] | None:
+    if testbed is None:
+        return None
+    return [wire_bytes(testbed, h.index) for h in testbed.hosts]
+
+
+def _record_wire_bytes(run_dir: Path, testbed: Testbed, before) -> None:
+    """Bytes the shaped links really carried (headers included), next to the ledger's payload count."""
+    after = _wire_counters(testbed)
+    path = run_dir / "run.json"
+    if not path.exists():
+        return
+    rec = json.loads(path.read_text())
+    rec["interconnect"]["wire_bytes_per_host"] = [
+        {"host": i, "tx": a[0] - b[0], "rx": a[1] - b[1]} for i, (a, b) in enumerate(zip(after, before))]
+    path.write_text(json.dumps(rec, indent=2, default=str))
+
+
+# ---- elastic jobs ----------------------------------------------------------------------------
+def shared_config(cfg: JobConfig, run_dir: Path) -> dict:
+    """The config every worker of the job reads from its store, joiners included. Checkpoint roots are
+    absolute and the job's own: a save commits only once every member's part is in one directory, and a
+    joiner runs elsewhere (its own --run-dir, its own working directory)."""
+    shared = cfg.to_dict()
+    shared["checkpoint"]["dir"] = str(Path(cfg.checkpoint.dir or run_dir / "ckpt").resolve())
+    if cfg.checkpoint.remote_dir:
+        shared["checkpoint"]["remote_dir"] = str(Path(cfg.checkpoint.remote_dir).resolve())
+    return shared
+
+
+def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=None) -> int:
+    """Run an elastic job (islands.runtime.elastic_launch); `on_started(address, workers, coordinator)` lets
+    experiments inject faults."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_json(cfg, run_dir / "config.json")
+    return launch_elastic_workers(cfg.world.workers, json.dumps(shared_config(cfg, run_dir)), run_dir,
+                                  port=cfg.world.port, threads=cfg.world.threads,
+                                  heartbeat_timeout=cfg.elastic.heartbeat_timeout, out=out, on_started=on_started)

@@ -1,0 +1,323 @@
+"""Validate a job config before any worker starts: one table of rules, each with its message.
+
+`validate(cfg)` returns the config or raises ConfigError (the CLI exits 2). RULES is the table: each rule
+is a function of the config returning None when the config is fine, or the message saying what is wrong
+and what would be right. The rules about one component (the spec strings, checkpoint settings, a resume
+directory) ask that component's own parser, which knows its valid values, and report its ValueError.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from islands.aggregate import parse_aggregator
+from islands.app.build import checkpoint_settings, fingerprint
+from islands.checkpoint.resume import check_resume
+from islands.compress.optim import parse_optimizer
+from islands.compress.spec import build_compressor
+from islands.compress.torch_powersgd import is_torch_powersgd, parse_torch_powersgd
+from islands.config import ConfigError, JobConfig
+from islands.faults.attacks import parse_attack
+from islands.memory.step import check_precision
+from islands.parallel.pipeline.chooser import divisors
+from islands.parallel.pipeline.cuts import parse_cuts
+from islands.parallel.pipeline.schedule import SCHEDULES
+from islands.parallel.pipeline.strategy import parse_microbatches
+from islands.sync.outer import parse_outer
+from islands.sync.outer.topology import parse_topology
+from islands.sync.shard_group import check_group, parse_shard_group
+from islands.sync.wrap_policy import parse_wrap
+from islands.tasks import is_user_task
+
+INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
+DEVICES = ("auto", "cpu", "cuda")
+# Outer strategies whose exchanges are in flight across steps: an elastic join needs a quiet round boundary.
+IN_FLIGHT = ("overlap-local-sgd", "streaming-diloco")
+POSITIVE = ("task.d_model", "task.n_layers", "task.n_heads", "task.context", "task.hidden", "train.steps",
+            "train.global_batch", "world.workers", "world.islands", "world.threads", "train.eval_batches",
+            "train.log_every")
+
+
+def _compress(cfg) -> bool:
+    return cfg.inner.compressor not in ("", "none")
+
+
+def _robust(cfg) -> bool:
+    return cfg.inner.aggregator not in ("", "mean") or bool(cfg.inner.attack)
+
+
+def _communicates(cfg) -> bool:
+    return parse_optimizer(cfg.train.optimizer).communicates
+
+
+# ---- the rules ---------------------------------------------------------------------------------------
+def choices(cfg: JobConfig) -> str | None:
+    if cfg.task.name not in ("lm", "digits") and not is_user_task(cfg.task.name):
+        return f"task.name must be lm, digits or module:function (a user's make_task); got {cfg.task.name!r}"
+    if cfg.inner.strategy not in INNER:
+        return f"inner.strategy must be one of {', '.join(INNER)}; got {cfg.inner.strategy!r}"
+    if cfg.world.device not in DEVICES:
+        return f"world.device must be one of {', '.join(DEVICES)}; got {cfg.world.device!r}"
+    return None
+
+
+def positive(cfg: JobConfig) -> str | None:
+    for key in POSITIVE:
+        if cfg.get(key) < 1:
+            return f"{key} must be >= 1; got {cfg.get(key)}"
+    if cfg.train.lr <= 0:
+        return f"train.lr must be > 0; got {cfg.train.lr}"
+    if not 0 <= cfg.train.min_lr_ratio <= 1:
+        return f"train.min_lr_ratio must be in [0, 1]; got {cfg.train.min_lr_ratio}"
+    if cfg.train.warmup < 0 or cfg.train.eval_every < 0:
+        return "train.warmup and train.eval_every must be >= 0"
+    if cfg.world.timeout <= 0:
+        return f"world.timeout must be > 0 seconds; got {cfg.world.timeout}"
+    if not 0 <= cfg.world.port <= 65535:
+        return f"world.port must be 0 (pick a free one) or 1..65535; got {cfg.world.port}"
+    if cfg.inner.prefetch < 0 or cfg.inner.shard_budget_mb < 0:
+        return f"inner.prefetch and inner.shard_budget_mb must be >= 0; got {cfg.inner.prefetch}, {cfg.inner.shard_budget_mb}"
+    return None
+
+
+def device_has_gpus(cfg: JobConfig) -> str | None:
+    if cfg.world.device != "cuda":
+        return None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.workers))  # torchrun sets it per host
+    if gpus < local:
+        return (f"world.device=cuda needs one GPU per local worker: workers={cfg.world.workers}, {gpus} CUDA "
+                f"device(s) visible; use world.device=cpu or auto")
+    return None
+
+
+def shapes(cfg: JobConfig) -> str | None:
+    if cfg.task.d_model % cfg.task.n_heads:
+        return f"task.d_model ({cfg.task.d_model}) must be divisible by task.n_heads ({cfg.task.n_heads})"
+    if cfg.world.workers % cfg.world.islands:
+        return f"world.workers ({cfg.world.workers}) must be divisible by world.islands ({cfg.world.islands})"
+    if cfg.train.global_batch % cfg.world.workers:
+        return (f"train.global_batch ({cfg.train.global_batch}) must be divisible by world.workers "
+                f"({cfg.world.workers}); try global_batch={cfg.world.workers * max(1, cfg.train.global_batch // cfg.world.workers)}")
+    if cfg.inner.strategy == "single" and cfg.workers_per_island > 1:
+        return "inner.strategy=single needs one worker per island; use ddp or auto"
+    return None
+
+
+def data(cfg: JobConfig) -> str | None:
+    if cfg.task.name == "digits" and cfg.task.data:
+        return "task.data applies to task lm only; digits ships with scikit-learn"
+    if cfg.task.data and not Path(cfg.task.data).exists():
+        return f"task.data path {cfg.task.data!r} does not exist; give a text file or a directory"
+    return None
+
+
+def testbed(cfg: JobConfig) -> str | None:
+    if cfg.world.testbed and cfg.world.port:
+        return "world.port is chosen inside the testbed; leave port=0 with a testbed"
+    return None
+
+
+def specs(cfg: JobConfig) -> str | None:
+    """Every spec string parses (each package's ValueError lists its valid choices)."""
+    inner = cfg.inner
+    if _compress(cfg):
+        if is_torch_powersgd(inner.compressor):
+            parse_torch_powersgd(inner.compressor)
+        else:
+            build_compressor(inner.compressor)
+    if inner.aggregator not in ("", "mean"):
+        parse_aggregator(inner.aggregator)
+    if inner.attack:
+        parse_attack(inner.attack, world_size=cfg.world.workers)
+    parse_optimizer(cfg.train.optimizer)
+    parse_wrap(inner.wrap)  # always: a typo is reported even before inner=fsdp is chosen
+    parse_shard_group(inner.shard_group)
+    parse_cuts(inner.cuts)
+    parse_microbatches(inner.microbatches)
+    if inner.schedule not in SCHEDULES:
+        return f"inner.schedule (pipeline) must be one of {', '.join(SCHEDULES)}; got {inner.schedule!r}"
+    if cfg.outer.strategy:
+        spec = parse_outer(cfg.outer.strategy)
+        if "topology" in spec.params:
+            parse_topology(spec.params["topology"])
+        warm = spec.params.get("warm_start", 0)
+        if warm >= cfg.train.steps:
+            return (f"outer warm_start ({warm}) must be < train.steps ({cfg.train.steps}) so that some steps are "
+                    "left for the outer rounds")
+    return None
+
+
+def optimizer_exchange(cfg: JobConfig) -> str | None:
+    if _communicates(cfg) and (_compress(cfg) or _robust(cfg)):
+        return (f"train.optimizer={cfg.train.optimizer!r} averages 1-bit momentum itself, so there is no gradient "
+                "exchange to compress or aggregate; leave inner.compressor='none', inner.aggregator='mean', "
+                "inner.attack=''")
+    if _compress(cfg) and _robust(cfg):
+        return ("inner.compressor and a robust inner.aggregator/attack cannot be combined in the per-step exchange; "
+                "use one of them, or robust aggregation in an outer strategy")
+    return None
+
+
+def islands_need_outer(cfg: JobConfig) -> str | None:
+    if cfg.world.islands > 1 and not cfg.outer.strategy and cfg.inner_strategy != "fsdp":  # fsdp: HSDP across islands
+        return (f"world.islands={cfg.world.islands} needs an outer strategy to meet across islands, e.g. "
+                "outer.strategy='diloco:inner_steps=100' or 'local-sgd:every=8'; or use islands=1")
+    if cfg.outer.strategy and cfg.world.islands == 1 and cfg.world.workers > 1 and cfg.inner_strategy == "ddp":
+        return ("an outer strategy acts across islands, but world.islands=1 puts every worker in one island; "
+                f"set islands={cfg.world.workers} (one worker per island) or a divisor of workers")
+    return None
+
+
+def sharding(cfg: JobConfig) -> str | None:
+    inner, kind = cfg.inner, cfg.inner_strategy
+    group = parse_shard_group(inner.shard_group)
+    if kind == "zero1" and (_compress(cfg) or _robust(cfg) or _communicates(cfg)):
+        return ("inner.strategy=zero1 partitions an ordinary optimizer over DDP's plain mean; compressor, aggregator, "
+                "attack and 1-bit optimizers are wired for inner.strategy=ddp only")
+    if kind != "fsdp":
+        if group != "" or inner.prefetch or inner.shard_budget_mb:
+            return (f"inner.shard_group={inner.shard_group!r}, inner.shard_budget_mb and inner.prefetch="
+                    f"{inner.prefetch} apply to inner.strategy=fsdp only")
+        return None
+    if isinstance(group, int):
+        check_group(group, cfg.world.workers)
+    if inner.shard_budget_mb and group != "auto":
+        return "inner.shard_budget_mb is the budget of shard_group='auto'; set shard_group='auto' or drop it"
+    clash = [f"{k}={v!r}" for k, v, ok in (("compressor", inner.compressor, ("", "none")),
+                                           ("aggregator", inner.aggregator, ("", "mean")),
+                                           ("attack", inner.attack, ("",)), ("outer", cfg.outer.strategy, ("",)))
+             if v not in ok]
+    if _communicates(cfg):
+        clash.append(f"optimizer={cfg.train.optimizer!r}")
+    if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
+        return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
+                "use inner.strategy=ddp for those, or drop them")
+    return None
+
+
+def memory(cfg: JobConfig) -> str | None:
+    m = cfg.memory
+    check_precision(m.precision)
+    per_worker = cfg.batch_per_worker
+    if m.micro_batch < 0:
+        return f"memory.micro_batch must be >= 0 (0 = the whole per-worker batch); got {m.micro_batch}"
+    if m.micro_batch > per_worker:
+        return (f"memory.micro_batch ({m.micro_batch}) exceeds the per-worker batch global_batch/workers = "
+                f"{per_worker}; use 0 (whole batch) or 1..{per_worker}")
+    if m.budget_mb < 0:
+        return f"memory.budget_mb must be >= 0 (0 = no budget); got {m.budget_mb}"
+    if m.budget_mb and m.micro_batch:
+        return f"memory.budget_mb={m.budget_mb} chooses micro_batch itself; set micro_batch=0 or drop the budget"
+    if m.activation_checkpointing and cfg.task.name == "digits":
+        return ("memory.activation_checkpointing recomputes transformer blocks; the digits MLP holds too little to "
+                "matter (use it with task lm or a model of yours that supports it)")
+    on = m.activation_checkpointing or m.precision != "fp32" or m.micro_batch or m.budget_mb
+    if cfg.inner_strategy in ("fsdp", "pipeline") and on:
+        return (f"memory settings (activation_checkpointing, precision, micro_batch, budget_mb) are not yet wired "
+                f"through inner.strategy={cfg.inner_strategy} (FSDP has its own mixed precision; a pipeline owns its "
+                f"forward, backward and micro-batches); use inner.strategy=ddp or single with them")
+    return None
+
+
+def pipeline(cfg: JobConfig) -> str | None:
+    inner = cfg.inner
+    if inner.stages < 0 or inner.activation_budget_mb < 0:
+        return "inner.stages and inner.activation_budget_mb must be >= 0 (0: one stage per worker / no budget)"
+    if cfg.inner_strategy != "pipeline":
+        return None
+    if is_user_task(cfg.task.name):
+        return "inner.strategy=pipeline cuts the built-in models into pieces; it does not take a user's task yet"
+    k = inner.stages or cfg.workers_per_island
+    if k != cfg.workers_per_island:
+        return (f"inner.stages={k} needs one worker per stage: set workers={k * cfg.world.islands} "
+                f"(with islands={cfg.world.islands}) or stages={cfg.workers_per_island}")
+    pieces = cfg.task.n_layers + 2 if cfg.task.name == "lm" else 3
+    if k > pieces:
+        return (f"inner.stages={k} but the {cfg.task.name} model has only {pieces} pieces to cut between "
+                f"({'n_layers + 2' if cfg.task.name == 'lm' else 'three layers'}); use stages <= {pieces}")
+    m = parse_microbatches(inner.microbatches)
+    batch = cfg.train.global_batch // cfg.world.islands
+    if m != "auto" and batch % m:
+        return (f"inner.microbatches={m} does not divide the pipeline's batch of {batch}; choose one of "
+                f"{divisors(batch)} or 'auto'")
+    c, mem = cfg.checkpoint, cfg.memory
+    clash = [f"{key}={value!r}" for key, value, ok in
+             (("compressor", inner.compressor, ("", "none")), ("aggregator", inner.aggregator, ("", "mean")),
+              ("attack", inner.attack, ("",)), ("outer", cfg.outer.strategy, ("",)),
+              ("elastic", cfg.elastic.enabled, (False,)), ("resume", c.resume, ("",)), ("checkpoint.every", c.every, (0,)),
+              ("checkpoint.memory_every", c.memory_every, (0,)), ("checkpoint.remote_every", c.remote_every, (0,)),
+              ("checkpoint.policy", c.policy, ("",)), ("micro_batch", mem.micro_batch, (0,)),
+              ("memory.budget_mb", mem.budget_mb, (0.0,)),
+              ("activation_checkpointing", mem.activation_checkpointing, (False,)), ("precision", mem.precision, ("fp32",)))
+             if value not in ok]
+    if _communicates(cfg):
+        clash.append(f"optimizer={cfg.train.optimizer!r}")
+    if cfg.world.islands != 1:
+        clash.append(f"islands={cfg.world.islands}")
+    if clash:
+        return (f"inner.strategy=pipeline splits one model over the island's ranks and does not yet combine with "
+                f"{', '.join(clash)}; drop them, or use inner.strategy=ddp or fsdp for those")
+    return None
+
+
+def checkpointing(cfg: JobConfig) -> str | None:
+    """The checkpoint settings as objects (their own checks), and that a resume checkpoint fits this model."""
+    checkpoint_settings(cfg)
+    if cfg.checkpoint.resume:
+        check_resume(cfg.checkpoint.resume, fingerprint(cfg))
+    return None
+
+
+def elastic(cfg: JobConfig) -> str | None:
+    """Elastic mode: an outer strategy with one worker per island (docs/membership.md)."""
+    if not cfg.elastic.enabled:
+        return None
+    if not cfg.outer.strategy:
+        return ("elastic needs an outer strategy (e.g. outer.strategy='diloco:inner_steps=20'): members meet only "
+                "at its synchronisations")
+    if cfg.world.islands != cfg.world.workers or cfg.inner.strategy not in ("auto", "single"):
+        return (f"elastic needs one worker per island (islands == workers, inner single); got workers="
+                f"{cfg.world.workers}, islands={cfg.world.islands}, inner={cfg.inner.strategy!r}")
+    spec = parse_outer(cfg.outer.strategy)
+    if spec.name in IN_FLIGHT or spec.params.get("tau", 0):
+        return (f"elastic needs an outer strategy without exchanges in flight across steps; {cfg.outer.strategy!r} "
+                "overlaps them. Use local-sgd, post-local-sgd, slowmo, easgd or diloco (tau=0)")
+    if _communicates(cfg):
+        return (f"train.optimizer={cfg.train.optimizer!r} communicates inside an island; elastic mode has one worker "
+                "per island, use optimizer='adamw'")
+    if cfg.world.testbed:
+        return "elastic does not run inside a testbed yet; leave world.testbed=''"
+    if cfg.checkpoint.policy:
+        return ("elastic needs a fixed checkpoint interval (checkpoint.every=N, policy=''): the auto policy's "
+                "decisions come from history a worker joining later does not have")
+    if cfg.checkpoint.memory_peer:
+        return ("elastic does not replicate the memory level to a peer (ring neighbours change with membership); "
+                "leave checkpoint.memory_peer off, the local and remote levels still work")
+    if cfg.elastic.heartbeat_timeout <= 0:
+        return f"elastic.heartbeat_timeout must be > 0 seconds; got {cfg.elastic.heartbeat_timeout}"
+    return None
+
+
+RULES: list[tuple[str, Callable[[JobConfig], str | None]]] = [
+    ("choices", choices), ("positive", positive), ("device has GPUs", device_has_gpus), ("shapes", shapes),
+    ("data", data), ("testbed", testbed), ("specs", specs), ("optimizer and exchange", optimizer_exchange),
+    ("islands need an outer strategy", islands_need_outer), ("sharding", sharding), ("memory", memory),
+    ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic),
+]
+
+
+def validate(cfg: JobConfig) -> JobConfig:
+    """Every rule in order; the first failure is a ConfigError with its message."""
+    for _, rule in RULES:
+        try:
+            message = rule(cfg)
+        except ValueError as e:  # a component's parser or settings refused a value: its message says why
+            raise ConfigError(str(e)) from None
+        if message:
+            raise ConfigError(message)
+    return cfg

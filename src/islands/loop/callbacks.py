@@ -1,0 +1,206 @@
+"""What happens around the steps, as callbacks: evaluation, the progress bar, checkpoints, the run record.
+
+A callback is any object with some of these methods; the Trainer calls those it has, in `order`
+(lower first; a callback without `order` counts as 50; on_fit_end follows `end_order` where one is given):
+    on_fit_start(trainer)            before the first step of this fit
+    on_step_end(trainer, loss)       after each step (trainer.step counts the steps done)
+    on_fit_end(trainer)              after the last step and the strategy's final synchronisation
+    state_dict() / load_state_dict()  kept in checkpoints under "callbacks" when present
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from islands.checkpoint.driver import CheckpointDriver
+from islands.loop.evaluate import evaluate
+from islands.measure.probe import describe, probe_interconnect
+from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
+
+
+@runtime_checkable
+class Callback(Protocol):
+    def on_step_end(self, trainer, loss: float) -> None: ...
+
+
+class Evaluate:
+    """Validation of `strategy.eval_model(model)` every `every` steps (0: only at the end), at step 0 when
+    `every` > 0 (where the curve starts), and after the final synchronisation. Results go to
+    trainer.series["val"]."""
+
+    order = 10
+
+    def __init__(self, every: int = 0, max_batches: int | None = None):
+        if every < 0:
+            raise ValueError(f"Evaluate(every=...) must be >= 0 steps (0 = only at the end); got {every}")
+        self.every, self.max_batches = int(every), max_batches
+
+    def run(self, trainer) -> dict:
+        metrics = trainer.evaluate(self.max_batches)
+        trainer.series["val"].append({"step": trainer.step, "elapsed": trainer.elapsed,
+                                      "mb_sent": trainer.world.ledger.total_sent / 1e6, **metrics})
+        trainer.log(f"step {trainer.step:>5}  val loss {metrics['val_loss']:.4f}"
+                    + (f"  acc {100 * metrics['val_accuracy']:.1f}%" if metrics.get("val_accuracy") is not None else "")
+                    + f"  sent {trainer.world.ledger.total_sent / 1e6:.2f} MB")
+        return metrics
+
+    def on_fit_start(self, trainer) -> None:
+        if trainer.val_data is not None and trainer.step == 0 and self.every:
+            self.run(trainer)
+
+    def on_step_end(self, trainer, loss: float) -> None:
+        if (trainer.val_data is not None and self.every and trainer.step % self.every == 0
+                and trainer.step != trainer.total_steps):  # the last one comes after the final sync
+            self.run(trainer)
+
+    def on_fit_end(self, trainer) -> None:
+        if trainer.val_data is not None:
+            last = trainer.series["val"][-1]["step"] if trainer.series["val"] else None
+            if last != trainer.step:  # not already evaluated at this step (a fit resumed at its end)
+                self.run(trainer)
+
+
+class Checkpointing:
+    """Saves through a CheckpointDriver (levels, intervals, asynchronous persist; islands.checkpoint.driver)
+    after each step; the final checkpoint after the strategy's final synchronisation, durable before the
+    run record is written."""
+
+    order = 20
+    record_key = "checkpoint"
+
+    def __init__(self, driver: CheckpointDriver):
+        self.driver = driver
+
+    def record(self) -> dict:
+        return self.driver.record()
+
+    def on_step_end(self, trainer, loss: float) -> None:
+        if trainer.step != trainer.total_steps:  # the last step is saved after the final synchronisation
+            self.driver.after_step(trainer)
+
+    def on_fit_end(self, trainer) -> None:
+        self.driver.finish(trainer)
+
+
+class Progress:
+    """Rank 0's live bar (a terminal) or log lines, and the summary table at the end (islands.measure.progress)."""
+
+    order, end_order = 1, 99  # the bar exists before anything logs; the table needs the record
+
+    def __init__(self, enabled: bool = True, tokens_per_sample: int = 1):
+        self.enabled, self.tokens_per_sample = enabled, tokens_per_sample
+        self.bar = None
+
+    def on_fit_start(self, trainer) -> None:
+        from islands.measure.progress import TrainProgress  # rich: only where a person watches
+
+        self.bar = TrainProgress(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
+                                 start=trainer.step)
+        trainer.log = self.bar.log
+
+    def on_step_end(self, trainer, loss: float) -> None:
+        tps = self.tokens_per_sample * trainer.samples_per_step * trainer.step / max(trainer.elapsed, 1e-9)
+        self.bar.update(trainer.step, loss, tps, trainer.world.ledger.total_sent / 1e6)
+
+    def on_fit_end(self, trainer) -> None:
+        self.bar.close()
+        record = getattr(trainer, "record", None)
+        if self.enabled and trainer.world.rank == 0 and record is not None:
+            from rich.console import Console
+
+            from islands.measure.progress import summary_table
+
+            Console().print(summary_table(record["summary"], record["interconnect_line"]))
+            if record.get("run_dir"):
+                Console().print(f"run record: {Path(record['run_dir']) / 'run.json'}  "
+                                f"plot: {Path(record['run_dir']) / 'loss.png'}")
+
+
+class RunRecord:
+    """The run record: every number with the interconnect it was measured on and the baseline it is relative to.
+
+    At the start it probes the interconnect (when distributed and `probe`); at the end it gathers every rank's
+    ledger and writes run.json and loss.png to `run_dir` on rank 0 (islands.measure.record). `config`: what to
+    record as the job's configuration (a plain dict); `task`, `data_source`, `tokens_per_sample`: labels and
+    the tokens/s definition; `testbed`: a testbed whose shaped links the run used (its record is kept)."""
+
+    order = 90
+
+    def __init__(self, run_dir: str | Path | None = None, config: dict | None = None, probe: bool = True,
+                 task: str = "task", data_source: str = "", tokens_per_sample: int = 1, testbed: str = "",
+                 threads: int = 1):
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.config, self.probe, self.task, self.data_source = config or {}, probe, task, data_source
+        self.tokens_per_sample, self.testbed, self.threads = tokens_per_sample, testbed, threads
+        self.interconnect: dict = {"measured": False}
+
+    def on_fit_start(self, trainer) -> None:
+        world = trainer.world
+        if self.probe and world.distributed and world.comms is None:
+            self.interconnect = probe_interconnect(world)
+        if self.testbed:
+            from islands.testbed import Testbed
+
+            self.interconnect["testbed"] = Testbed.load(self.testbed).record()
+        trainer.log(f"[bold]islands[/] {trainer.strategy.name} · {world.size} workers / {world.islands} island(s) · "
+                    f"data: {self.data_source or self.task} · interconnect: {describe(self.interconnect)}")
+
+    def on_step_end(self, trainer, loss: float) -> None:
+        pass
+
+    def on_fit_end(self, trainer) -> None:
+        trainer.record = self.build(trainer)
+        if trainer.world.rank == 0 and self.run_dir is not None:
+            finish_record(self.run_dir, trainer.record)
+
+    def build(self, trainer) -> dict:
+        world = trainer.world
+        ledgers = [world.ledger.snapshot()]
+        if world.distributed:
+            ledgers = world.all_gather_object(world.ledger.snapshot())  # bookkeeping, not training traffic
+        final = trainer.series["val"][-1] if trainer.series["val"] else {"val_loss": None, "val_accuracy": None}
+        total_sent = sum(led["total_sent"] for led in ledgers)
+        steps_run = max(trainer.steps_this_fit, 1)
+        tokens_per_step = self.tokens_per_sample * trainer.samples_per_step
+        baseline = BASELINE_PER_WORKER.format(threads=self.threads, device=world.device.type)
+        summary = {
+            "task": self.task,
+            "strategy": trainer.strategy.name,
+            "workers": world.size,
+            "islands": world.islands,
+            "steps": trainer.step,
+            "wall_seconds": trainer.elapsed,
+            "seconds_per_step": trainer.elapsed / steps_run,
+            "median_seconds_per_step": trainer.median_step_seconds(),
+            "tokens_per_second": tokens_per_step * trainer.step / max(trainer.elapsed, 1e-9),
+            "final_val_loss": final["val_loss"],
+            "final_val_accuracy": final.get("val_accuracy"),
+            "final_train_loss": trainer.series["train"][-1]["loss"] if trainer.series["train"] else None,
+            "mb_sent_per_worker": total_sent / world.size / 1e6,
+            "bytes_sent_per_worker_per_step": total_sent / world.size / steps_run,
+            "compute_seconds": trainer.compute_seconds,
+            "comm_seconds": trainer.comm_seconds,
+            "comm_fraction": trainer.comm_seconds / max(trainer.compute_seconds + trainer.comm_seconds, 1e-9),
+            "sync_blocked_seconds": trainer.sync_seconds,
+            "baseline": baseline,
+        }
+        record = {
+            "versions": versions(),
+            "config": self.config,
+            "world": {"size": world.size, "islands": world.islands, "workers_per_island": world.workers_per_island,
+                      "backend": world.backend, "device": str(world.device), "threads_per_worker": self.threads},
+            "interconnect": self.interconnect,
+            "interconnect_line": describe(self.interconnect),
+            "baseline": {"definition": baseline, "unit": "worker"},
+            "comm": {"per_rank": ledgers, "definition": "payload bytes handed to collectives (see islands.runtime.comm)"},
+            "series": trainer.series,
+            "summary": summary,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(trainer.started)),
+        }
+        if self.run_dir is not None:
+            record["run_dir"] = str(self.run_dir)
+        for key, part in trainer.record_parts().items():
+            record[key] = part
+        return record
