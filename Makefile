@@ -2,17 +2,19 @@
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+PIP     = $(PY) -m pip install -q -c constraints.txt
 
 .PHONY: run test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PIP) -e '.[test,hf,peers]'
 	touch $(STAMP)
 
+# the main job: two islands of two workers, DDP inside each, DiLoCo across them
 run: $(STAMP)
-	$(VENV)/bin/islands train
+	$(VENV)/bin/islands train --workers 4 --islands 2 --outer diloco:inner_steps=50
 
 test: $(STAMP)
 	$(PY) -m pytest -q

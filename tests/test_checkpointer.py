@@ -35,9 +35,9 @@ def net(width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.3), nn.Linear(width, 3))
 
 
-def fresh(seed: int, width: int = 16):
+def fresh(seed: int, width: int = 16, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = net(width)
+    model = net(width).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -52,7 +52,8 @@ def train(model, opt, start: int, stop: int, sampler, ckpt=None, strategy=None, 
         idx = torch.from_numpy(sampler.take(8))
         # python's and numpy's generators feed the step too, so their states must come back as well
         x = X_ALL[idx] + 0.01 * random.random() + 0.01 * float(np.random.rand())
-        loss = F.cross_entropy(model(x), Y_ALL[idx])
+        device = next(model.parameters()).device
+        loss = F.cross_entropy(model(x.to(device)), Y_ALL[idx].to(device))
         loss.backward()
         if strategy is not None:
             strategy.after_backward(model, step)
@@ -83,10 +84,11 @@ def differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
-def _single_run(tmp_path, reseed_after_restore: int | None = None):
+def _single_run(tmp_path, reseed_after_restore: int | None = None, device: str = "cpu",
+                move_cuda_after_restore: bool = False):
     """2N steps straight, and N + save + fresh restore + N; returns both final states."""
     seed_all(0)
-    model, opt = fresh(0)
+    model, opt = fresh(0, device=device)
     sampler = ShardSampler(64, seed=1, shard=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     train(model, opt, 0, 2 * N, sampler, sched=sched)
@@ -94,14 +96,14 @@ def _single_run(tmp_path, reseed_after_restore: int | None = None):
                 "sched": sched.state_dict()}
 
     seed_all(0)
-    model, opt = fresh(0)
+    model, opt = fresh(0, device=device)
     sampler = ShardSampler(64, seed=1, shard=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     with Checkpointer(tmp_path, every=N) as ckpt:
         train(model, opt, 0, N, sampler, ckpt, sched=sched)
 
     seed_all(7)  # a new process: other initial weights, generators elsewhere
-    model, opt = fresh(7)
+    model, opt = fresh(7, device=device)
     sampler = ShardSampler(64, seed=1, shard=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     random.random(), np.random.rand()
@@ -110,6 +112,8 @@ def _single_run(tmp_path, reseed_after_restore: int | None = None):
         assert start == N and ckpt.restored["level"] == "local"
         if reseed_after_restore is not None:
             torch.manual_seed(reseed_after_restore)
+        if move_cuda_after_restore:
+            torch.cuda.manual_seed(123)
         train(model, opt, start, 2 * N, sampler, ckpt, sched=sched)
     resumed = {"model": model.state_dict(), "optimizer": opt.state_dict(), "data": sampler.state_dict(),
                "sched": sched.state_dict()}
@@ -123,6 +127,16 @@ def test_restore_continues_bitwise_with_dropout_batchnorm_and_every_generator(tm
     # the same run with torch's generator moved after the restore differs: dropout's masks depend on it,
     # so the equality above needs the saved RNG state
     _, moved = _single_run(tmp_path / "b", reseed_after_restore=123)
+    assert any(d.startswith("/model/") for d in differences(straight, moved))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (dropout drawing from the CUDA generator)")
+def test_restore_on_cuda_continues_bitwise_with_the_cuda_generator(tmp_path):
+    straight, resumed = _single_run(tmp_path / "a", device="cuda")
+    assert differences(straight, resumed) == []
+    assert "cuda" in CheckpointStore(tmp_path / "a", clean=False).load().tree["rng"]
+    # only the CUDA generator moved after the restore: dropout on the GPU draws other masks
+    _, moved = _single_run(tmp_path / "b", move_cuda_after_restore=True, device="cuda")
     assert any(d.startswith("/model/") for d in differences(straight, moved))
 
 
@@ -283,6 +297,9 @@ class _State:
     def __init__(self, world, shard_items: int, data, rank_tag: int = 0):
         self.world, self.shard_items, self.step, self.elapsed = world, shard_items, 0, 0.0
         self.model = nn.Linear(2, 2)
+        with torch.no_grad():  # the same on every rank: replicated
+            self.model.weight.copy_(torch.arange(4.0).view(2, 2))
+            self.model.bias.fill_(0.5)
         self.data, self.rank_tag, self.loaded = data, rank_tag, None
 
     def model_state_dict(self) -> dict:
@@ -313,7 +330,6 @@ def _save_two_ranks(root, data: list, fingerprint: str) -> None:
     def rank_main(rank):
         try:
             world = _World(rank=rank, size=2, islands=1, device=torch.device("cpu"), backend="none", comms={})
-            torch.manual_seed(0)
             state = _State(world, 10, data[rank], rank_tag=rank)
             state.step = 6
             driver = CheckpointDriver(CheckpointSettings(dir=root, every=3, asynchronous=False,
@@ -335,7 +351,6 @@ def _save_two_ranks(root, data: list, fingerprint: str) -> None:
 def test_resume_two_saved_ranks_into_one_rescales_loader_positions_and_keeps_other_data_forms(tmp_path):
     fp = fingerprint_of({"width": 2})
     _save_two_ranks(tmp_path / "a", [{"epoch": 1, "cursor": 2}, {"epoch": 1, "cursor": 6}], fp)
-    torch.manual_seed(0)
     state = _State(World.single(), 20, None)
     info = resume(state, tmp_path / "a", fingerprint=fp)
     assert info["step"] == 6 and info["resharded"] and info["saved_world_size"] == 2

@@ -229,8 +229,8 @@ def test_optimizer_specs():
     assert s.communicates and s.warmup_steps(1000) == 7
     assert parse_optimizer("naive-compressed-adam").warmup_steps(100) == 20
     for bad, words in [("lamb", "unknown optimizer"), ("onebit-adam:warmup=0", ">= 1"),
-                       ("onebit-adam:wu=3", "no parameter"), ("adamw:warmup=3", "no parameter"),
-                       ("onebit-adam:warmup=x", "not an integer")]:
+                       ("onebit-adam:wu=3", "does not take wu"), ("adamw:warmup=3", "does not take warmup"),
+                       ("onebit-adam:warmup=x", "warmup=x is not a valid int")]:
         with pytest.raises(ValueError, match=words):
             parse_optimizer(bad)
     opt = build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))], lr=0.1)

@@ -216,7 +216,7 @@ def test_spec_errors_list_names_and_parameters():
                 "topk:momentum=0.9,ef=0", "qsgd:levels=300"):
         with pytest.raises(ValueError) as e:
             parse_compressor(bad)
-        assert "powersgd: rank=4" in str(e.value) or "need ef=1" in str(e.value), bad
+        assert "powersgd:rank=4" in str(e.value) or "need ef" in str(e.value), bad  # the valid forms, or the fix
     with pytest.raises(TypeError):
         parse_compressor(4)
     c = parse_compressor("topk:ratio=0.01,momentum=0.9,clip=2.0")

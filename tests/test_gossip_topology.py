@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from islands.aggregate import CoordinateMedian
 from islands.sync.outer.gossip import consensus_distance, push_sum_combine, push_sum_share, simulate_mixing
 from islands.sync.outer.topology import ExponentialGraph, RandomPeers, Ring, parse_topology
 
@@ -86,7 +87,7 @@ def test_robust_mixing_keeps_honest_nodes_in_the_honest_range():
     xs = start_vectors(6)
     xs[0] = torch.full((5,), 1e6)
     lo, hi = torch.stack(xs[1:]).min(0).values, torch.stack(xs[1:]).max(0).values
-    _, final = simulate_mixing(Ring(), xs, 3, aggregate="median")
+    _, final = simulate_mixing(Ring(), xs, 3, aggregator=CoordinateMedian())
     for x in final[1:]:
         assert bool(((x >= lo) & (x <= hi)).all())
     _, mean_final = simulate_mixing(Ring(), xs, 3)
@@ -103,6 +104,7 @@ def test_topology_specs_and_errors():
     assert isinstance(parse_topology("ring"), Ring)
     r = parse_topology("random:s=3", seed=4)
     assert (r.s, r.seed) == (3, 4)
+    assert parse_topology("random:3").s == 3 and parse_topology("random").s == 1
     for bad in ("star", "random:k=2", "random:s=0", "ring:s=1"):
         with pytest.raises(ValueError):
             parse_topology(bad)
@@ -118,11 +120,14 @@ def test_topology_specs_and_errors():
 def test_outer_spec_accepts_gossip():
     from islands.sync.outer import Gossip, make_outer, parse_outer
 
-    spec = parse_outer("gossip:every=4,topology=random:s=2,aggregate=median,seed=3")
-    g = make_outer(spec, total_steps=10)
+    spec = parse_outer("gossip:every=4,topology=(random:s=2),aggregator=median,seed=3")
+    g = make_outer(spec)
     assert isinstance(g, Gossip) and g.every == 4 and repr(g.topology) == "random:s=2" and g.topology.seed == 3
     assert g.aggregator is not None and not g.push_sum
-    assert make_outer("gossip:topology=random:s=1", 10).push_sum
+    older = parse_outer("gossip:every=4,topology=random:s=2,aggregate=median,seed=3")  # unparenthesised still reads
+    assert older.spec == spec.spec
+    assert make_outer("gossip:topology=(random:s=2,seed=5),seed=3").topology.seed == 5  # the topology's own wins
+    assert make_outer("gossip:topology=random:s=1").push_sum
     for bad in ("gossip:topology=star", "gossip:every=0", "gossip:aggregate=nope"):
         with pytest.raises(ValueError):
             parse_outer(bad)

@@ -92,8 +92,10 @@ def test_memory_and_traffic_scale_with_n():
     assert rs(2) <= rs(4) < rs(2) * 1.01  # the whole padded gradient goes in, whatever n is
 
 
-@pytest.mark.parametrize("spec, message", [("graph:0", "positive"), ("graph", "positive"), ("model:3", "no argument"),
-                                           ("zero3", "choices"), ("params:-5", "positive")])
+@pytest.mark.parametrize("spec, message", [("graph:0", "positive"), ("graph", "needs units=<int>"),
+                                           ("model:3", "takes no parameters"), ("zero3", "unknown wrap policy 'zero3'"),
+                                           ("zero3", "model, block, params, split, graph"), ("params:-5", "positive"),
+                                           ("blok", "did you mean 'block'")])
 def test_bad_specs_say_what_is_valid(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_wrap(spec)

@@ -365,7 +365,7 @@ def parse(text: str, keys: Callable[[str], Iterable[str] | None] | None = None) 
     spec = p.spec(depth=0)
     c = p.peek()
     if c:
-        hint = {")": "a ')' without its '('", "]": "a ']' without its '['", "=": "a key without a value before it"}
+        hint = {")": "a ')' without its '('", "]": "a ']' without its '['", "=": "keys are words such as rank, before the ="}
         p.fail(f"unexpected {c!r}: expected ',', '+' or the end" + (f" ({hint[c]})" if c in hint else ""))
     return spec
 
@@ -411,6 +411,12 @@ def format(spec: Spec) -> str:  # noqa: A001 - the module's verb, as in spec.par
 # -- types: what a parameter annotation accepts ------------------------------------------------------------------
 
 _KINDS: dict[Any, Registry] = {}  # base type -> the registry that builds it
+_ALL: list[Registry] = []
+
+
+def registries() -> tuple[Registry, ...]:
+    """Every registry made so far, in order (for --help listings and the round-trip tests)."""
+    return tuple(_ALL)
 
 
 def registry_for(tp: Any) -> Registry | None:
@@ -482,7 +488,7 @@ def _opt_text(o: _Opt) -> str:
         return f"[{_type_text(o.item)}, ...]"
     if o.kind == "class":
         reg = o.registry()
-        return f"({reg.kind} spec)" if reg else getattr(o.cls, "__name__", str(o.cls))
+        return f"{reg.kind} spec" if reg else getattr(o.cls, "__name__", str(o.cls))
     return {"bool": "true|false", "str": "text", "any": "value"}.get(o.kind, o.kind)
 
 
@@ -497,7 +503,7 @@ class _Mismatch(Exception):
     """A value that does not fit an annotation (turned into a SpecError naming the parameter)."""
 
 
-def _coerce(value: Any, opts: tuple[_Opt, ...], where: str) -> Any:
+def _coerce(value: Any, opts: tuple[_Opt, ...]) -> Any:
     kinds = {o.kind for o in opts}
     literals = [v for o in opts if o.kind == "literal" for v in o.values]
     specs = [o.registry() for o in opts if o.kind == "class" and o.registry() is not None]
@@ -526,28 +532,28 @@ def _coerce(value: Any, opts: tuple[_Opt, ...], where: str) -> Any:
         if value in literals:
             return value
         if specs and _NAME.fullmatch(value):
-            return _check_nested(Spec(value), specs, where)
+            return _check_nested(Spec(value), specs)
         if "str" in kinds:
             return value
     elif isinstance(value, Spec):
         if specs:
-            return _check_nested(value, specs, where)
+            return _check_nested(value, specs)
     elif isinstance(value, tuple):
         for o in opts:
             if o.kind == "tuple":
                 if o.fixed:
                     if len(value) != len(o.item):
                         continue
-                    return tuple(_coerce(v, item, where) for v, item in zip(value, o.item))
-                return tuple(_coerce(v, o.item, where) for v in value)
+                    return tuple(_coerce(v, item) for v, item in zip(value, o.item))
+                return tuple(_coerce(v, o.item) for v in value)
         raise _Mismatch()
     for o in opts:  # one value where a list is expected: a list of one
         if o.kind == "tuple" and not o.fixed:
-            return (_coerce(value, o.item, where),)
+            return (_coerce(value, o.item),)
     raise _Mismatch()
 
 
-def _check_nested(value: Spec, registries: list[Registry], where: str) -> Spec:
+def _check_nested(value: Spec, registries: list[Registry]) -> Spec:
     reg = next((r for r in registries if r.lookup(value.name) is not None), registries[0])
     return reg.check(value)
 
@@ -585,6 +591,8 @@ class Param:
 
 
 def _default_text(v: Any) -> str:
+    if isinstance(v, str) and _BARE.match(v):
+        return v  # for reading: `none` given for a text parameter is the text "none"
     try:
         return _format_value(_as_value(v, "default"))
     except TypeError:
@@ -615,13 +623,18 @@ def _own_doc(obj: Any) -> str:
     return inspect.cleandoc(doc)
 
 
-def _docs(fn: Any) -> str:
+def docs_of(fn: Any) -> str:
+    """The docstrings a Registry reads for an entry: its own, then (through `bind`) the callable's; for a class
+    without one of its own, its module's (one concept per module), then its constructor's."""
     parts = []
     while isinstance(fn, functools.partial):
         parts.append(_own_doc(fn))
         fn = fn.func
     parts.append(_own_doc(fn))
     if inspect.isclass(fn):
+        if not parts[-1]:
+            module = sys.modules.get(fn.__module__)
+            parts.append(inspect.cleandoc(module.__doc__ or "").split("\n\n")[0] if module else "")
         init = getattr(fn, "__init__", None)
         if init is not None and init is not object.__init__:
             parts.append(inspect.cleandoc(init.__doc__ or ""))
@@ -629,6 +642,7 @@ def _docs(fn: Any) -> str:
 
 
 _CLAUSE = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=[.;])\s+|\n\s*\n")
+_SENTENCE = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s+")
 
 
 def _param_help(doc: str, name: str) -> str:
@@ -636,9 +650,10 @@ def _param_help(doc: str, name: str) -> str:
     for clause in _CLAUSE.split(doc):
         if tick in clause:
             text = " ".join(clause.split())
-            if text.startswith(tick):
-                text = text[len(tick):].lstrip(" :")
-            return text.rstrip(";").rstrip(".") if text.endswith((";", ".")) and not text.endswith("..") else text
+            if text.startswith(tick + ":"):
+                text = text[len(tick) + 1:].lstrip()
+            text = text.replace("`", "")
+            return text[:-1] if text.endswith((";", ".")) and not text.endswith("..") else text
     return ""
 
 
@@ -667,15 +682,23 @@ def _resolve(annotation: Any, name: str, hints: dict, namespace: dict) -> Any:
         return object
 
 
-def _read_schema(fn: Callable) -> list[Param]:
+def resolved_signature(fn: Callable) -> inspect.Signature:
+    """fn's signature with its annotations resolved to types (what a Registry reads as the schema); for entries
+    that add parameters to a constructor's (`inspect.Signature(params)` as the wrapper's `__signature__`)."""
     sig = inspect.signature(fn)
     hints, namespace = _hints(fn)
-    doc = _docs(fn)
+    return sig.replace(parameters=[p.replace(annotation=_resolve(p.annotation, p.name, hints, namespace))
+                                   for p in sig.parameters.values()], return_annotation=inspect.Signature.empty)
+
+
+def _read_schema(fn: Callable) -> list[Param]:
+    sig = resolved_signature(fn)
+    doc = docs_of(fn)
     params = []
     for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        tp = _resolve(p.annotation, p.name, hints, namespace)
+        tp = p.annotation
         required = p.default is inspect.Parameter.empty
         default = Param.REQUIRED if required else p.default
         if tp is inspect.Parameter.empty and not required and type(default) in (bool, int, float, str):
@@ -718,6 +741,7 @@ class Registry:
         self.bases = tuple(base) if isinstance(base, tuple) else (base,) if base is not None else ()
         for b in self.bases:
             _KINDS[b] = self
+        _ALL.append(self)
 
     # -- reading -------------------------------------------------------------------------------------------------
     def names(self) -> tuple[str, ...]:
@@ -755,26 +779,33 @@ class Registry:
         """The parameters a spec of `name` may give, in signature order."""
         return [p for p in self._all_params(name) if p.spellable]
 
-    def _chain_param(self, name: str) -> Param | None:
-        """The one parameter of the entry whose type is this registry's kind (the b of a+b)."""
+    def chain_param(self, name: str) -> Param | None:
+        """The one parameter of the entry whose type is this registry's kind: the b of a+b (None: a takes no +)."""
         own = [p for p in self.schema(name) if any(o.registry() is self for o in p.options)]
         return own[0] if len(own) == 1 else None
 
-    def _positional_param(self, name: str) -> Param | None:
-        chain = self._chain_param(name)
+    def chaining(self) -> tuple[str, ...]:
+        """The entries that take a spec of this kind after a '+' (the aggregators' steps nnm, bucketing)."""
+        return tuple(n for n in self._entries if self.chain_param(n) is not None)
+
+    def positional_param(self, name: str) -> Param | None:
+        """The parameter a value given without a key sets: the first one, the chained one aside."""
+        chain = self.chain_param(name)
         rest = [p for p in self.schema(name) if p is not chain]
         return rest[0] if rest else None
 
     def usage(self, name: str) -> str:
         """One line: the entry with every parameter and its default (`<type>` where it has none)."""
         name = self._known(name)
-        chain = self._chain_param(name)
+        chain = self.chain_param(name)
         parts = [p.usage() for p in self.schema(name) if p is not chain]
         return name + (":" + ",".join(parts) if parts else "") + (f"+<{self.kind}>" if chain else "")
 
     def help(self, name: str) -> str:
-        doc = _docs(self._entries[self._known(name)])
-        return doc.strip().splitlines()[0].strip() if doc.strip() else ""
+        """The entry's help: the first sentence of its docstring."""
+        doc = docs_of(self._entries[self._known(name)]).strip()
+        first = " ".join(doc.split("\n\n")[0].split())
+        return _SENTENCE.split(first)[0].replace("`", "") if first else ""
 
     def describe(self, name: str | None = None) -> str:
         """Help text: every entry on one line (name=None), or one entry with a line per parameter."""
@@ -829,20 +860,21 @@ class Registry:
         spec = self.as_spec(spec)
         name = self._known(spec.name)
         params = {p.name: p for p in self.schema(name)}
-        chain = self._chain_param(name)
+        chain = self.chain_param(name)
         supplied = set(supplied)
         out: dict[str, Any] = {}
+        spelled: dict[str, str] = {}  # canonical key -> how the spec wrote it
         for key, value in spec.args:
             given_as = key
             if key == CHAIN:
                 if chain is None:
-                    chainers = [n for n in self._entries if self._chain_param(n) is not None]
+                    chainers = self.chaining()
                     raise SpecError(f"{name!r} takes no {self.kind} to chain with '+'; only "
                                     f"{', '.join(chainers) or 'none'} do (a step must come before the "
                                     f"{self.kind} it feeds)")
                 key = chain.name
             elif key == POSITIONAL:
-                first = self._positional_param(name)
+                first = self.positional_param(name)
                 if first is None:
                     raise SpecError(f"{self.kind} {name} takes no parameters, got the value "
                                     f"{_format_value(value)}: write {self.usage(name)}")
@@ -850,9 +882,16 @@ class Registry:
             elif key not in params:
                 key = self._resolve_key(name, key, params)
             if key in out:
-                raise SpecError(f"{self.kind} {name}: {key} is given twice ({given_as} is another name for it)")
+                ways = {spelled[key], given_as} - {key}
+                why = "" if not ways else " (the value without a key is it)" if POSITIONAL in ways else \
+                    f" ({ways.pop()} is another name for it)"
+                raise SpecError(f"{self.kind} {name}: {key} is given twice{why}")
+            spelled[key] = given_as
             out[key] = self._coerce_arg(name, params[key], value, positional=given_as == POSITIONAL)
         for p in params.values():
+            if p.required and p.name not in out and p.name not in supplied and p is chain:
+                raise SpecError(f"{self.kind} {name} needs the {self.kind} it feeds after a '+': write "
+                                f"{self.usage(name)}")
             if p.required and p.name not in out and p.name not in supplied:
                 raise SpecError(f"{self.kind} {name} needs {p.name}=<{p.type_text}>: write {self.usage(name)}")
         if chain is not None and chain.name in out and isinstance(out[chain.name], Spec):
@@ -874,7 +913,7 @@ class Registry:
     def _coerce_arg(self, name: str, p: Param, value: Any, positional: bool) -> Any:
         where = f"{self.kind} {name}, {p.name}"
         try:
-            return _coerce(value, p.options, where)
+            return _coerce(value, p.options)
         except _Mismatch:
             shown = _format_value(value)
             if positional:
@@ -896,7 +935,7 @@ class Registry:
     def _build(self, spec: Spec, context: Mapping[str, Any]) -> Any:
         name = spec.name
         given = dict(spec.args)
-        chain = self._chain_param(name)
+        chain = self.chain_param(name)
         if CHAIN in given:
             given[chain.name] = given.pop(CHAIN)
         params = self._all_params(name)
@@ -961,4 +1000,4 @@ def choice(value: Any, words: Iterable[str], number: type = int, what: str = "va
 
 
 __all__ = ["CHAIN", "POSITIONAL", "Param", "Registry", "Spec", "SpecError", "bind", "choice", "format", "parse",
-           "registry_for"]
+           "docs_of", "registries", "registry_for", "resolved_signature"]

@@ -16,7 +16,7 @@ from islands.aggregate.base import BaseAggregator
 from islands.aggregate.registry import AGGREGATORS
 from islands.spec import Spec
 
-STEPS = ("nnm", "bucketing")  # the pre-aggregation steps: they take the aggregator after their '+'
+STEPS = AGGREGATORS.chaining()  # the pre-aggregation steps ("nnm", "bucketing"): they feed the stage after '+'
 
 
 def valid_specs() -> str:

@@ -15,12 +15,14 @@ from typing import Callable
 import torch
 
 from islands.aggregate import parse_aggregator
-from islands.app.build import checkpoint_settings, fingerprint
+from islands.app.build import build_task, checkpoint_settings, fingerprint
 from islands.checkpoint.resume import check_resume
 from islands.compress.optim import parse_optimizer
 from islands.compress.spec import build_compressor
 from islands.compress.torch_powersgd import is_torch_powersgd, parse_torch_powersgd
 from islands.config import ConfigError, JobConfig
+from islands.data.batches import compute_loss
+from islands.data.source import batch_source
 from islands.faults.attacks import parse_attack
 from islands.memory.step import check_precision
 from islands.parallel.pipeline.chooser import divisors
@@ -303,11 +305,27 @@ def elastic(cfg: JobConfig) -> str | None:
     return None
 
 
+def user_task(cfg: JobConfig) -> str | None:
+    """A user's task builds, has something to train, and its model takes its first batch to a scalar loss: tried
+    once here, on the CPU and outside the training RNG, so a mistake is a message before any worker starts."""
+    if not is_user_task(cfg.task.name):
+        return None
+    with torch.random.fork_rng():
+        task = build_task(cfg)
+        if not any(p.requires_grad for p in task.model.parameters()):
+            return (f"task {cfg.task.name!r}: the model ({type(task.model).__name__}) has no trainable parameters; "
+                    "nothing to train")
+        batch = batch_source(task.train_data, 0, cfg.world.workers, task.batch_size, cfg.train.seed).next()
+        with torch.no_grad():
+            compute_loss(task.model, batch, task.loss_fn, explain=True)
+    return None
+
+
 RULES: list[tuple[str, Callable[[JobConfig], str | None]]] = [
     ("choices", choices), ("positive", positive), ("device has GPUs", device_has_gpus), ("shapes", shapes),
     ("data", data), ("testbed", testbed), ("specs", specs), ("optimizer and exchange", optimizer_exchange),
     ("islands need an outer strategy", islands_need_outer), ("sharding", sharding), ("memory", memory),
-    ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic),
+    ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic), ("user task", user_task),
 ]
 
 

@@ -11,9 +11,9 @@ whose rank and size change when a worker dies or joins. So, per disk save:
     on. The ElasticComm cannot serve there: its operations are numbered in the order the training thread
     issues them. While it waits it watches the members' heartbeats and the epoch: a member that dies
     or a new epoch abandons the save (MembershipChanged) within one heartbeat timeout, never a hang.
-  - `ElasticBarrier` (ckpt_async=false): a gather over the members on the training thread. A member
-    dying during it makes the ElasticComm form a new epoch and retry with the survivors; they see the
-    epoch moved and abandon.
+  - `ElasticBarrier` (blocking saves, CheckpointSettings(asynchronous=False)): a gather over the members
+    on the training thread. A member dying during it makes the ElasticComm form a new epoch and retry
+    with the survivors; they see the epoch moved and abandon.
   Either way nobody commits a checkpoint with a part missing. An abandoned save is counted, not fatal;
   the previous checkpoint stays `latest` and the partial directory is removed when a store next opens
   the root.

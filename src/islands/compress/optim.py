@@ -1,5 +1,7 @@
 """Optimizer specs for the trainer: "adamw", "onebit-adam[:warmup=N]", "naive-compressed-adam[:warmup=N]",
-"split-adamw[:variance=local,every=K,clip=C,compress=powersgd,rank=r,bits=b,dense_bits=d]".
+"split-adamw[:variance=local,every=K,clip=C,rank=r,bits=b,dense_bits=d]" (OPTIMIZERS, islands.spec: each recipe's
+signature is the schema). A spec builds an OptimizerSpec, the recipe; build_optimizer makes the torch optimizer
+once the parameters, lr and comm are known.
 
 The 1-bit optimizers (SOTA-215, LIT-278) average across ranks themselves, so the inner strategy must
 not all-reduce gradients as well: `OptimizerSynced` is that inner strategy. It only makes every rank
@@ -17,105 +19,101 @@ from dataclasses import dataclass
 
 import torch
 
+from islands.compress.error_feedback import with_error_feedback
 from islands.compress.onebit_adam import NaiveCompressedAdam, OneBitAdam
+from islands.compress.powersgd import PowerSGD
 from islands.compress.split_adam import VARIANCE_SOURCES, SplitMomentAdamW
 from islands.runtime.comm import Comm
+from islands.spec import Registry, Spec
 from islands.sync.base import NoOp
 
-OPTIMIZERS = {
+# Our default warm-up: a fifth of the run uncompressed, so the frozen variance has seen real data.
+DEFAULT_WARMUP_FRACTION = 0.2
+_CLASSES = {
     "adamw": None,  # torch.optim.AdamW; gradients averaged by the inner strategy
     "onebit-adam": OneBitAdam,
     "naive-compressed-adam": NaiveCompressedAdam,  # negative control only
     "split-adamw": SplitMomentAdamW,  # PowerSGD-compressed first moment, separately sourced variance
 }
-# split-adamw's parameters: (type, default, help). The PowerSGD ones build its compressor.
-SPLIT_PARAMS = {
-    "variance": (str, "local", f"second-moment source: {'|'.join(VARIANCE_SOURCES)}"),
-    "every": (int, 20, "steps between bf16 all-reduces of the workers' local variance (variance=local)"),
-    "clip": (float, 1.0, "max global norm of the averaged gradient (run the trainer with grad_clip=0)"),
-    "rank": (int, 4, "PowerSGD rank of the first moment's gradient"),
-    "bits": (int, 32, "PowerSGD factor precision: 32 fp32, 16 bf16"),
-    "dense_bits": (int, 32, "precision of biases/norms sent uncompressed: 32, 16 (bf16)"),
-}
-# Our default warm-up: a fifth of the run uncompressed, so the frozen variance has seen real data.
-DEFAULT_WARMUP_FRACTION = 0.2
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: str
     warmup: int | None = None  # steps of uncompressed Adam before 1-bit; None = a fifth of the run
-    options: tuple[tuple[str, object], ...] = ()  # split-adamw's SPLIT_PARAMS, as (key, value) pairs
+    options: tuple[tuple[str, object], ...] = ()  # split-adamw's parameters, as (key, value) pairs
 
     @property
     def communicates(self) -> bool:
         """True when the optimizer averages across ranks itself (no gradient all-reduce wanted)."""
-        return OPTIMIZERS[self.name] is not None
+        return _CLASSES[self.name] is not None
 
     def warmup_steps(self, steps: int) -> int:
         return self.warmup if self.warmup is not None else max(1, int(steps * DEFAULT_WARMUP_FRACTION))
 
 
+def adamw() -> OptimizerSpec:
+    """torch's AdamW; the inner strategy averages the gradients."""
+    return OptimizerSpec("adamw")
+
+
+def _warmup(name: str, warmup: int | None) -> OptimizerSpec:
+    if warmup is not None and warmup < 1:
+        raise ValueError(f"optimizer {name!r}: warmup must be >= 1 (the variance needs data), got {warmup}")
+    return OptimizerSpec(name, warmup)
+
+
+def onebit_adam(warmup: int | None = None) -> OptimizerSpec:
+    """1-bit Adam (LIT-278, SOTA-215): Adam whose variance freezes after the warm-up; then 1-bit error-compensated
+    momentum, averaged across the island. `warmup`: uncompressed Adam steps before 1-bit momentum; none = a fifth
+    of the run."""
+    return _warmup("onebit-adam", warmup)
+
+
+def naive_compressed_adam(warmup: int | None = None) -> OptimizerSpec:
+    """NEGATIVE CONTROL ONLY (SOTA-215): Adam whose update is compressed to 1 bit directly after the warm-up.
+    `warmup`: uncompressed Adam steps before compression; none = a fifth of the run."""
+    return _warmup("naive-compressed-adam", warmup)
+
+
+def split_adamw(variance: str = "local", every: int = 20, clip: float = 1.0, rank: int = 4, bits: int = 32,
+                dense_bits: int = 32) -> OptimizerSpec:
+    """AdamW whose first moment takes the PowerSGD-compressed average, its variance a separate source.
+    `variance`: the second-moment source, compressed | exact | local. `every`: steps between bf16 all-reduces of
+    the workers' local variance (variance=local). `clip`: max global norm of the averaged gradient (run the
+    trainer with grad_clip=0). `rank`: PowerSGD rank of the first moment's gradient. `bits`: PowerSGD factor
+    precision, 32 fp32 or 16 bf16. `dense_bits`: precision of biases/norms sent uncompressed, 32 or 16 (bf16)."""
+    if variance not in VARIANCE_SOURCES:
+        raise ValueError(f"optimizer 'split-adamw': variance must be one of {VARIANCE_SOURCES}, got {variance!r}")
+    if every < 1 or clip < 0:
+        raise ValueError(f"optimizer 'split-adamw': need every >= 1 and clip >= 0, got every={every}, clip={clip}")
+    options = dict(variance=variance, every=every, clip=clip, rank=rank, bits=bits, dense_bits=dense_bits)
+    _split_compressor(options)  # bad PowerSGD parameters fail here, at parse time
+    return OptimizerSpec("split-adamw", options=tuple(options.items()))
+
+
+OPTIMIZERS = Registry("optimizer", {"adamw": adamw, "onebit-adam": onebit_adam,
+                                    "naive-compressed-adam": naive_compressed_adam, "split-adamw": split_adamw})
+
+
 def describe_optimizers() -> str:
-    split = ",".join(f"{k}={d}" for k, (_, d, _) in SPLIT_PARAMS.items())
-    return ("valid optimizers: adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] "
-            f"(warmup: uncompressed Adam steps before 1-bit momentum, default {DEFAULT_WARMUP_FRACTION:g} x steps) | "
-            f"split-adamw[:{split}] (" + "; ".join(f"{k}: {h}" for k, (_, _, h) in SPLIT_PARAMS.items()) + ")")
-
-
-def _parse_split(rest: str) -> tuple[tuple[str, object], ...]:
-    values = {k: d for k, (_, d, _) in SPLIT_PARAMS.items()}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = (x.strip() for x in item.partition("="))
-        if not eq or key not in SPLIT_PARAMS:
-            raise ValueError(f"optimizer 'split-adamw' has no parameter {item!r}; {describe_optimizers()}")
-        typ = SPLIT_PARAMS[key][0]
-        try:
-            values[key] = int(raw, 10) if typ is int else typ(raw)
-        except ValueError:
-            raise ValueError(f"optimizer 'split-adamw': {key}={raw!r} is not a valid {typ.__name__}") from None
-    if values["variance"] not in VARIANCE_SOURCES:
-        raise ValueError(f"optimizer 'split-adamw': variance must be one of {VARIANCE_SOURCES}, got {values['variance']!r}")
-    if values["every"] < 1 or values["clip"] < 0:
-        raise ValueError(f"optimizer 'split-adamw': need every >= 1 and clip >= 0, got every={values['every']}, clip={values['clip']}")
-    _split_compressor(values)  # bad PowerSGD parameters fail here, at parse time
-    return tuple(values.items())
+    return OPTIMIZERS.describe()
 
 
 def _split_compressor(values: dict):
-    from islands.compress.spec import parse_compressor
-
-    return parse_compressor(f"powersgd:rank={values['rank']},bits={values['bits']},dense_bits={values['dense_bits']}")
+    return with_error_feedback(PowerSGD(rank=values["rank"], bits=values["bits"], dense_bits=values["dense_bits"]))
 
 
-def parse_optimizer(spec: str) -> OptimizerSpec:
-    if not isinstance(spec, str):
-        raise TypeError(f"optimizer spec must be a str such as 'onebit-adam:warmup=50', got {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; {describe_optimizers()}")
-    if name == "split-adamw":
-        return OptimizerSpec(name, options=_parse_split(rest))
-    warmup = None
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        if name == "adamw" or key.strip() != "warmup" or not eq:
-            raise ValueError(f"optimizer {name!r} has no parameter {item!r}; {describe_optimizers()}")
-        try:
-            warmup = int(raw.strip(), 10)
-        except ValueError:
-            raise ValueError(f"optimizer {name!r}: warmup={raw.strip()!r} is not an integer") from None
-        if warmup < 1:
-            raise ValueError(f"optimizer {name!r}: warmup must be >= 1 (the variance needs data), got {warmup}")
-    return OptimizerSpec(name, warmup)
+def parse_optimizer(spec: str | Spec) -> OptimizerSpec:
+    """The optimizer a spec names, as an OptimizerSpec (what to build once the parameters and lr are known)."""
+    return OPTIMIZERS.build(spec)
 
 
 def build_optimizer(spec: OptimizerSpec | str, params, *, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0,
                     steps: int = 1, comm: Comm | None = None) -> torch.optim.Optimizer:
     """The torch optimizer a spec names; `comm` (the local group) is used by the 1-bit ones."""
     spec = parse_optimizer(spec) if isinstance(spec, str) else spec
-    cls = OPTIMIZERS[spec.name]
+    cls = _CLASSES[spec.name]
     if cls is None:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if cls is SplitMomentAdamW:

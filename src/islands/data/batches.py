@@ -113,16 +113,27 @@ def own_loss(output: Any) -> torch.Tensor:
 def compute_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None,
                  explain: bool = False) -> tuple[torch.Tensor, Any]:
     """(scalar loss, raw output) of one forward on the batch. `explain` (the loop's first step): a model that
-    cannot take the batch raises BatchError naming the batch's structure, with the model's own error."""
+    cannot take the batch, or a loss that cannot take the prediction, raises BatchError naming the structures,
+    with the original error."""
     call, target = inputs_and_target(batch)
-    if explain:
-        try:
-            output = call(model)
-        except (TypeError, RuntimeError, ValueError, IndexError, KeyError) as e:
-            raise BatchError(f"the model could not take the batch {describe(batch)}: {type(e).__name__}: {e}") from e
-    else:
+    try:
         output = call(model)
-    loss = own_loss(output) if loss_fn is None else loss_fn(prediction(output), target)
+    except Exception as e:
+        if not explain:
+            raise
+        raise BatchError(f"the model ({type(model).__name__}) could not take the batch {describe(batch)}: "
+                         f"{type(e).__name__}: {e}") from e
+    if loss_fn is None:
+        loss = own_loss(output)
+    else:
+        pred = prediction(output)
+        try:
+            loss = loss_fn(pred, target)
+        except Exception as e:
+            if not explain:
+                raise
+            raise BatchError(f"loss_fn could not take (prediction {describe(pred)}, targets {describe(target)}): "
+                             f"{type(e).__name__}: {e}") from e
     if not torch.is_tensor(loss) or loss.dim() != 0:
         got = describe(loss) if torch.is_tensor(loss) else type(loss).__name__
         raise BatchError(f"loss_fn must return a scalar tensor (the mean over the batch); it returned {got}")

@@ -14,14 +14,16 @@ comm, recorded in the ledger under kind "attack" so that honest-traffic bytes st
 `corrupt` a collective for them: every rank of the comm calls it, in the same order. For all other
 attacks it is local. `corrupt_all` applies a plan to one tensor per rank inside one process.
 
-Spec syntax:  name[:key=value,...]  with the Byzantine ranks given as count=k (the LAST k ranks,
-so rank 0 stays honest and keeps reporting) or ranks=i,j,...  "none" is the honest plan.
+Spec syntax (islands.spec):  name[:key=value,...]  with the Byzantine ranks given as count=k (the LAST k
+ranks, so rank 0 stays honest and keeps reporting) or ranks=[i,j,...]; "none" is the honest plan. The names
+and their parameters are ATTACKS, read from the role constructors.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,8 @@ from islands.faults.roles import (
     flip_targets,
 )
 from islands.runtime.comm import Comm
+from islands.spec import Registry, Spec, SpecError, bind, docs_of, resolved_signature
+from islands.spec import format as format_spec
 
 ATTACK_KIND = "attack"  # ledger kind of the omniscient attackers' extra all-gather
 
@@ -190,104 +194,74 @@ class Byzantine:
         return f"Byzantine({self.role!r}, {who})"
 
 
-_REQUIRED = object()
+def no_attack() -> None:
+    """No attack: attacks nobody, every rank is honest."""
+    return None
 
-# name -> (build(params, seed) -> Attack | None, {param: (type, default)})
-ATTACKS: dict[str, tuple[Callable[[dict, int], Attack | None], dict[str, tuple[type, object]]]] = {
-    "none": (lambda p, seed: None, {}),
-    "sign-flip": (lambda p, seed: SignFlip(), {}),
-    "scaled": (lambda p, seed: Scaled(p["factor"]), {"factor": (float, _REQUIRED)}),
-    "gaussian": (lambda p, seed: GaussianNoise(p["sigma"], seed=seed), {"sigma": (float, 1.0)}),
-    "alie": (lambda p, seed: ALIE(p["z"]), {"z": (float, None)}),
-    "ipm": (lambda p, seed: InnerProductManipulation(p["eps"]), {"eps": (float, 0.1)}),
-    "nan": (lambda p, seed: NonFinite(float("nan")), {}),
-    "inf": (lambda p, seed: NonFinite(float("inf")), {}),
-    "dropout": (lambda p, seed: SilentDropout(p["mode"]), {"mode": (str, "zeros")}),
-    "straggler": (lambda p, seed: Straggler(p["delay"]), {"delay": (float, _REQUIRED)}),
-    "label-flip": (lambda p, seed: LabelFlip(), {}),
-}
+
+def _attack(role: Callable[..., Attack], doc: str | None = None) -> Callable[..., Byzantine]:
+    """A registry entry: the role's constructor parameters, plus Byzantine's count= and ranks=."""
+    who = [p for p in resolved_signature(Byzantine).parameters.values() if p.name != "role"]
+    own = list(resolved_signature(role).parameters.values())
+
+    def entry(**kwargs: Any) -> Byzantine:
+        chosen = {p.name: kwargs.pop(p.name) for p in who if p.name in kwargs}
+        return Byzantine(role(**kwargs), **chosen)
+
+    entry.__signature__ = inspect.Signature([p.replace(kind=p.KEYWORD_ONLY) for p in own + who])
+    entry.__doc__ = (doc or docs_of(role)) + "\n\n" + _WHO
+    return entry
+
+
+_WHO = ("`count`: the last k ranks attack (rank 0 stays honest and keeps reporting); `ranks`: the ranks that "
+        "attack, [i,j,...]; give one of them.")
+
+# Every attack role by spec name: "sign-flip:count=2", "ipm:eps=0.5,ranks=[1,5]", "none".
+ATTACKS = Registry(
+    "attack",
+    {
+        "none": no_attack,
+        "sign-flip": _attack(SignFlip, "Sends its tensor with the sign flipped."),
+        "scaled": _attack(Scaled, "Sends its tensor times `factor`: the scale (negative: a reversed, amplified "
+                                  "gradient)."),
+        # the spec form keeps its noise scale of 1 (the constructor has no default)
+        "gaussian": _attack(bind(GaussianNoise, sigma=1.0),
+                            "Sends its tensor plus N(0, sigma^2) noise. `sigma`: the noise's standard deviation; "
+                            "`seed`: seeds each Byzantine rank's noise stream (by default the job's seed)."),
+        "alie": _attack(ALIE, "A little is enough: every Byzantine rank sends mean - z * std of the honest tensors. "
+                              "`z`: none takes the paper's z_max for the world's size."),
+        "ipm": _attack(InnerProductManipulation, "Inner-product manipulation: sends -eps times the honest mean. "
+                                                 "`eps`: the factor."),
+        "nan": _attack(bind(NonFinite, float("nan")), "Sends a tensor full of NaN: a diverged worker."),
+        "inf": _attack(bind(NonFinite, float("inf")), "Sends a tensor full of +Inf: an overflowed worker."),
+        "dropout": _attack(SilentDropout, "A worker that stopped computing but keeps answering. `mode`: zeros "
+                                          "sends zeros, stale repeats the first tensor it sent."),
+        "straggler": _attack(Straggler),
+        "label-flip": _attack(LabelFlip),
+    },
+    base=Byzantine,
+)
 
 
 def valid_attacks() -> str:
-    def one(name, params):
-        shown = [f"{k}=<{t.__name__}>" if d is _REQUIRED else f"{k}={'auto' if d is None else d}" for k, (t, d) in params.items()]
-        return name + (":" + ",".join(shown) if shown else "")
-
-    listed = ", ".join(one(n, p) for n, (_, p) in ATTACKS.items())
-    return f"attacks: {listed}; every attack but none also takes count=<k> (the last k ranks) or ranks=<i,j,...>"
+    return ATTACKS.describe()
 
 
-def _tokens(spec: str, rest: str) -> dict[str, str]:
-    """key=value pairs split on commas; a bare value continues the previous key (ranks=1,5)."""
-    values: dict[str, str] = {}
-    last = None
-    for item in rest.split(","):
-        key, eq, value = item.partition("=")
-        if eq and key.strip() and value.strip():
-            last = key.strip().lower()
-            if last in values:
-                raise ValueError(f"{last} is given twice in attack spec {spec!r}")
-            values[last] = value.strip()
-        elif not eq and last == "ranks" and item.strip():
-            values["ranks"] += "," + item.strip()
-        else:
-            raise ValueError(f"bad parameter {item!r} in attack spec {spec!r}: write key=value. {valid_attacks()}")
-    return values
-
-
-def _byzantine(name: str, given: dict[str, str], world_size: int, spec: str) -> frozenset[int]:
-    count, ranks = given.pop("count", None), given.pop("ranks", None)
-    if name == "none":
-        if count is not None or ranks is not None:
-            raise ValueError(f"'none' attacks nobody; drop count/ranks from {spec!r}")
-        return frozenset()
-    if (count is None) == (ranks is None):
-        raise ValueError(f"say which ranks attack in {spec!r}: count=<k> (the last k ranks) or ranks=<i,j,...>, not both")
-    def as_int(text: str, what: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{what} takes integers, got {text!r} in {spec!r}") from None
-
-    if count is not None:
-        k = as_int(count, "count")
-        if not 1 <= k < world_size:
-            raise ValueError(f"count={k} in {spec!r} must be between 1 and {world_size - 1} (world size {world_size}; one rank stays honest)")
-        return frozenset(range(world_size - k, world_size))
-    chosen = [as_int(r, "ranks") for r in ranks.split(",")]
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"ranks={ranks} in {spec!r} repeats a rank")
-    return frozenset(chosen)  # AttackPlan checks the range and that one rank stays honest
-
-
-def parse_attack(spec: str, world_size: int, seed: int = 0) -> AttackPlan:
-    """Build an AttackPlan from e.g. "sign-flip:count=2", "ipm:eps=0.5,ranks=1,5", "none"."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"attack spec must be a non-empty string, got {spec!r}. {valid_attacks()}")
+def parse_attack(spec: str | Spec, world_size: int, seed: int = 0) -> AttackPlan:
+    """Build an AttackPlan from e.g. "sign-flip:count=2", "ipm:eps=0.5,ranks=[1,5]", "none". `seed` seeds a
+    random role (gaussian) unless the spec gives its own."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
-    if name not in ATTACKS:
-        raise ValueError(f"unknown attack {name!r} in {spec!r}. {valid_attacks()}")
-    given = _tokens(spec, rest) if rest.strip() else {}
-    byzantine = _byzantine(name, given, world_size, spec)
-    build, params = ATTACKS[name]
-    unknown = sorted(set(given) - set(params))
-    if unknown:
-        raise ValueError(f"{name} does not take {', '.join(unknown)} (in {spec!r}). {valid_attacks()}")
-    values: dict[str, object] = {}
-    for key, (kind, default) in params.items():
-        if key in given:
-            try:
-                values[key] = kind(given[key])
-            except ValueError:
-                raise ValueError(f"{name}: {key}={given[key]!r} is not a valid {kind.__name__} (in {spec!r})") from None
-        elif default is _REQUIRED:
-            raise ValueError(f"{name} needs {key}=<{kind.__name__}> (in {spec!r})")
-        else:
-            values[key] = default
-    return AttackPlan(build(values, seed), byzantine, world_size, spec=spec.strip())
+    checked = ATTACKS.check(spec)
+    attack = ATTACKS.build(checked, seed=seed)
+    if attack is None:
+        return AttackPlan(None, frozenset(), world_size, spec=format_spec(checked))
+    try:
+        plan = attack.plan(world_size)
+    except ValueError as e:
+        raise SpecError(f"attack {format_spec(checked)}: {e}") from None
+    plan.spec = format_spec(checked)
+    return plan
 
 
 __all__ = [

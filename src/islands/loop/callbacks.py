@@ -179,6 +179,12 @@ class RunRecord:
             "final_val_accuracy": final.get("val_accuracy"),
             "final_train_loss": trainer.series["train"][-1]["loss"] if trainer.series["train"] else None,
             "mb_sent_per_worker": total_sent / world.size / 1e6,
+            # the baseline of every communication saving: plain DDP all-reduces every gradient every step
+            # (payload definition of islands.runtime.comm: one fp32 gradient per step per worker)
+            "ddp_mb_per_worker": trainer.gradient_bytes() * trainer.step / 1e6 if world.size > 1 else 0.0,
+            # what crossed between islands: the outer strategy's traffic (ledger kinds outer_*)
+            "cross_island_mb_per_worker": sum(v for led in ledgers for k, v in led["sent"].items()
+                                              if k.startswith("outer")) / world.size / 1e6,
             "bytes_sent_per_worker_per_step": total_sent / world.size / steps_run,
             "compute_seconds": trainer.compute_seconds,
             "comm_seconds": trainer.comm_seconds,

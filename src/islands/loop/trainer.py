@@ -21,13 +21,13 @@ position, the RNG, the loss series, and each callback's state.
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
+from islands.checkpoint.rng import rng_state, set_rng_state
 from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.data.batches import size as batch_size_of
 from islands.data.batches import to_device
@@ -38,21 +38,6 @@ from islands.memory.step import ForwardBackward
 from islands.runtime.world import World
 from islands.sync.base import Strategy
 from islands.sync.stack import Stack
-
-
-def rng_state() -> dict:
-    out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _order(cb, end: bool = False) -> int:
@@ -206,6 +191,10 @@ class Trainer:
     def eval_model(self) -> torch.nn.Module:
         """What to evaluate and export: the strategy's model, parameters and buffers."""
         return self.strategy.eval_model(self.model)
+
+    def gradient_bytes(self) -> int:
+        """Bytes of one full gradient of the trainable parameters (what plain DDP all-reduces per step)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def median_step_seconds(self) -> float:
         return float(np.median(self.step_times)) if self.step_times else 0.0

@@ -49,7 +49,8 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
         ("tokens/s (all workers)", f"{summary['tokens_per_second']:,.0f}"),
         ("final val loss", f"{summary['final_val_loss']:.4f}"),
-        ("MB sent per worker", f"{summary['mb_sent_per_worker']:.2f}"),
+        ("MB sent per worker", _sent(summary)),
+        *([("MB sent across islands", _across(summary))] if summary.get("islands", 1) > 1 else []),
         ("time with comm in flight", f"{100 * summary['comm_fraction']:.1f}%"),
         ("interconnect", interconnect_line),
         ("baseline", summary["baseline"]),
@@ -59,3 +60,17 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _across(summary: dict) -> str:
+    """What crossed the (slow) links between islands, next to plain DDP over every worker, all of which does."""
+    mb, ddp = summary.get("cross_island_mb_per_worker", 0.0), summary.get("ddp_mb_per_worker") or 0.0
+    return f"{mb:.2f} per worker (plain DDP over all workers: {ddp:.2f}, {ddp / max(mb, 1e-9):.0f}x more)"
+
+
+def _sent(summary: dict) -> str:
+    """MB sent, next to what plain DDP would have sent over the same steps when they differ."""
+    mb, ddp = summary["mb_sent_per_worker"], summary.get("ddp_mb_per_worker") or 0.0
+    if not ddp or abs(mb - ddp) < 0.01 * ddp:
+        return f"{mb:.2f}"
+    return f"{mb:.2f} (plain DDP: {ddp:.2f}, {ddp / max(mb, 1e-9):.1f}x more)"

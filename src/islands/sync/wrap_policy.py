@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from islands.spec import Registry, Spec
+
 GRAPH_SLACK = 0.10  # tolerated growth of the largest unit in exchange for cheaper cuts (our choice)
 
 
@@ -125,6 +127,8 @@ def _segments(items: list, starts: list[int]) -> list[list]:
 
 @dataclass(frozen=True)
 class ModelWrap:
+    """One unit: the whole model (the root alone)."""
+
     spec = "model"
 
     def groups(self, model: nn.Module) -> list[list[nn.Module]]:
@@ -133,6 +137,8 @@ class ModelWrap:
 
 @dataclass(frozen=True)
 class BlockWrap:
+    """Each parameterised element of an nn.ModuleList / nn.Sequential, plus the root (LIT-083)."""
+
     spec = "block"
 
     def groups(self, model: nn.Module) -> list[list[nn.Module]]:
@@ -143,9 +149,19 @@ class BlockWrap:
         return out
 
 
+def _positive(policy: str, name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"wrap {policy}: {name} must be a positive integer, e.g. {policy}:4; got {value!r}")
+
+
 @dataclass(frozen=True)
 class ParamThreshold:
+    """Size threshold, bottom-up: a module whose not-yet-claimed parameters number >= `min_params` becomes a unit."""
+
     min_params: int
+
+    def __post_init__(self) -> None:
+        _positive("params", "min_params", self.min_params)
 
     @property
     def spec(self) -> str:
@@ -170,7 +186,12 @@ class ParamThreshold:
 
 @dataclass(frozen=True)
 class SplitByParams:
+    """Balanced split: the modules, in registration order, cut into `units` pieces of about equal parameter bytes."""
+
     units: int
+
+    def __post_init__(self) -> None:
+        _positive("split", "units", self.units)
 
     @property
     def spec(self) -> str:
@@ -189,9 +210,15 @@ class SplitByParams:
 
 @dataclass(frozen=True)
 class GraphWrap:
+    """Graph split: the modules, in the order a forward pass runs them, cut into `units` pieces of balanced parameter
+    bytes where the activation is smallest; `slack`: tolerated growth of the largest unit for cheaper cuts."""
+
     units: int
     slack: float = GRAPH_SLACK
     example: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        _positive("graph", "units", self.units)
 
     @property
     def spec(self) -> str:
@@ -224,24 +251,13 @@ def _check_units(units: int, modules: int) -> None:
 
 
 WrapPolicy = ModelWrap | BlockWrap | ParamThreshold | SplitByParams | GraphWrap
-WRAP_CHOICES = "model | block | params:N | split:K | graph:K"
+WRAP_POLICIES = Registry(
+    "wrap policy",
+    {"model": ModelWrap, "block": BlockWrap, "params": ParamThreshold, "split": SplitByParams, "graph": GraphWrap},
+    base=(ModelWrap, BlockWrap, ParamThreshold, SplitByParams, GraphWrap),
+)
 
 
-def parse_wrap(spec: str) -> WrapPolicy:
+def parse_wrap(spec: str | Spec) -> WrapPolicy:
     """'model', 'block', 'params:N' (N parameters), 'split:K' or 'graph:K' (K units including the root)."""
-    if not isinstance(spec, str):
-        raise TypeError(f"wrap spec must be a string such as 'block'; got {type(spec).__name__}")
-    name, _, arg = spec.strip().partition(":")
-    if name in ("model", "block"):
-        if arg:
-            raise ValueError(f"wrap={spec!r}: {name!r} takes no argument; choices: {WRAP_CHOICES}")
-        return ModelWrap() if name == "model" else BlockWrap()
-    if name in ("params", "split", "graph"):
-        try:
-            value = int(arg)
-        except ValueError:
-            raise ValueError(f"wrap={spec!r}: {name} needs a positive integer, e.g. {name}:4") from None
-        if value < 1:
-            raise ValueError(f"wrap={spec!r}: {name} needs a positive integer, e.g. {name}:4")
-        return {"params": ParamThreshold, "split": SplitByParams, "graph": GraphWrap}[name](value)
-    raise ValueError(f"unknown wrap policy {spec!r}; choices: {WRAP_CHOICES}")
+    return WRAP_POLICIES.build(spec)

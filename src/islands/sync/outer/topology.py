@@ -12,7 +12,7 @@ sum to 1), so a round preserves the average exactly; an irregular graph needs pu
     Ring()                 send to and receive from both neighbours (one neighbour when n = 2)
     ExponentialGraph()     one peer at distance 2^k, k = round mod ceil(log2 n) (SOTA-226, LIT-254)
     RandomPeers(s, seed)   s fresh out-peers per round, drawn from (seed, round) (SOTA-223, LIT-315)
-    parse_topology("random:s=2", seed=0) -> RandomPeers(2, seed=0)
+    parse_topology("random:s=2", seed=0) -> RandomPeers(2, seed=0)     (TOPOLOGIES, islands.spec)
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import math
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from islands.spec import Registry, Spec
 
 
 @runtime_checkable
@@ -152,30 +154,10 @@ class RandomPeers:
         return f"random:s={self.s}"
 
 
-TOPOLOGIES = ("exp", "ring", "random:s=S")
+TOPOLOGIES = Registry("topology", {"exp": ExponentialGraph, "ring": Ring, "random": RandomPeers}, base=Topology)
 
 
-def parse_topology(spec: str, seed: int = 0):
-    """'exp' | 'ring' | 'random' | 'random:s=S' -> a topology; ValueError names the valid forms."""
-    if not isinstance(spec, str):
-        raise TypeError(f"topology spec must be a string, got {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
-    if name in ("exp", "ring") and rest.strip():
-        raise ValueError(f"topology {name!r} takes no parameters, got {spec!r}")
-    if name == "exp":
-        return ExponentialGraph()
-    if name == "ring":
-        return Ring()
-    if name == "random":
-        s = 1
-        for item in filter(None, (p.strip() for p in rest.split(","))):
-            key, eq, value = item.partition("=")
-            if key.strip() != "s" or not eq:
-                raise ValueError(f"topology random takes s=<int> only, got {item!r} in {spec!r}")
-            try:
-                s = int(value)
-            except ValueError:
-                raise ValueError(f"topology random: s must be an int, got {value!r}") from None
-        return RandomPeers(s, seed=seed)
-    raise ValueError(f"unknown topology {spec!r}; valid: {', '.join(TOPOLOGIES)}")
+def parse_topology(spec: str | Spec, seed: int = 0) -> Topology:
+    """'exp' | 'ring' | 'random' | 'random:s=S' -> a topology; `seed` seeds random's draws unless the spec gives
+    its own. SpecError (a ValueError) names the valid forms."""
+    return TOPOLOGIES.build(spec, seed=seed)

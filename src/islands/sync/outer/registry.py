@@ -1,0 +1,67 @@
+"""The outer strategies by spec name (islands.spec): each constructor's signature is the spec's schema.
+
+    diloco:inner_steps=100,compressor=(powersgd:rank=4)       nested specs in parentheses
+    gossip:every=4,topology=(random:s=2),seed=3               gossip's seed seeds its random topology
+    streaming-diloco:fragments=4,warm_start=200               inside WarmStart for its first 200 steps
+
+`compress=` and `aggregate=` are the older names of `compressor=` and `aggregator=`. post-local-sgd's `switch`
+has no default: the caller supplies it (make_outer: the end of the lr warm-up, SOTA-216).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from islands.aggregate.registry import AGGREGATORS  # noqa: F401 - registers the aggregator kind for nested specs
+from islands.compress.registry import COMPRESSORS  # noqa: F401 - registers the compressor kind for nested specs
+from islands.spec import Registry, docs_of, resolved_signature
+from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.diloco import DiLoCo
+from islands.sync.outer.easgd import EASGD
+from islands.sync.outer.gossip import Gossip
+from islands.sync.outer.local_sgd import LocalSGD
+from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
+from islands.sync.outer.post_local_sgd import PostLocalSGD
+from islands.sync.outer.slowmo import SlowMo
+from islands.sync.outer.streaming_diloco import StreamingDiLoCo
+from islands.sync.outer.topology import TOPOLOGIES  # noqa: F401 - registers the topology kind for gossip
+from islands.sync.outer.warm_start import WarmStart
+
+
+def warm_startable(cls: Callable[..., OuterStrategy]) -> Callable[..., OuterStrategy | WarmStart]:
+    """cls's constructor plus `warm_start`, a registry entry: the strategy inside WarmStart(strategy, W) when
+    W > 0 (LIT-212 starts DiLoCo from a model pretrained with ordinary data parallelism)."""
+    own = list(resolved_signature(cls).parameters.values())
+    warm = inspect.Parameter("warm_start", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=int)
+
+    def entry(*args: Any, warm_start: int = 0, **kwargs: Any) -> OuterStrategy | WarmStart:
+        if warm_start < 0:
+            raise ValueError(f"warm_start must be >= 0 steps (0 = no warm start), got {warm_start}")
+        outer = cls(*args, **kwargs)
+        return WarmStart(outer, warm_start) if warm_start else outer
+
+    entry.__signature__ = inspect.Signature(own + [warm])
+    entry.__doc__ = docs_of(cls) + (
+        "\n\n`warm_start`: steps of ordinary data parallelism across islands (gradients averaged every step) "
+        "before the first round, as LIT-212 starts from a pretrained model; 0 = none.")
+    entry.__name__ = entry.__qualname__ = cls.__name__
+    return entry
+
+
+STRATEGIES = Registry(
+    "outer strategy",
+    {
+        "local-sgd": LocalSGD,
+        "post-local-sgd": PostLocalSGD,
+        "overlap-local-sgd": OverlapLocalSGD,
+        "slowmo": SlowMo,
+        "easgd": EASGD,
+        "diloco": warm_startable(DiLoCo),
+        "streaming-diloco": warm_startable(StreamingDiLoCo),
+        "gossip": Gossip,
+    },
+    base=OuterStrategy,
+    aliases={"compress": "compressor", "aggregate": "aggregator"},
+    shared={"gossip": {"topology": ("seed",)}},
+)
