@@ -6,10 +6,10 @@ PIP     = $(PY) -m pip install -q -c constraints.txt
 
 .PHONY: run test clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[test,hf,peers]'
+	$(PIP) -e '.[test,hf,peers]' -e bench/
 	touch $(STAMP)
 
 # the main job: two islands of two workers, DDP inside each, DiLoCo across them

@@ -13,7 +13,8 @@ import pytest
 from islands.app.launch import launch_elastic
 from islands.checkpoint import CheckpointStore
 from islands.checkpoint.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
-from islands.config import ConfigError, from_mapping, validate
+from islands.app.validate import validate
+from islands.config import ConfigError, from_mapping
 
 from test_checkpoint_resume import same
 
@@ -71,7 +72,7 @@ def test_elastic_resume_restores_outer_optimizer_and_membership_bitwise(tmp_path
 def test_elastic_checkpoint_settings_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="fixed checkpoint interval"):
         _cfg(tmp_path, ckpt_every=0, ckpt_policy="auto")
-    with pytest.raises(ConfigError, match="ckpt_memory_peer"):
+    with pytest.raises(ConfigError, match="checkpoint.memory_peer"):
         _cfg(tmp_path, ckpt_memory_every=2, ckpt_memory_peer=True)
 
 
@@ -294,9 +295,9 @@ def test_the_config_a_joiner_reads_names_the_jobs_own_checkpoint_roots(tmp_path,
     monkeypatch.chdir(tmp_path)
     shared = shared_config(_cfg(tmp_path / "run", ckpt_remote_dir="remote", ckpt_remote_every=4), Path("run"))
     # a joiner runs in another directory with another --run-dir: relative roots would be its own
-    assert shared["ckpt_dir"] == str(tmp_path / "run" / "ckpt")
-    assert shared["ckpt_remote_dir"] == str(tmp_path / "remote")
-    assert "extra" not in shared and from_mapping(shared).ckpt_every == 4
+    assert shared["checkpoint"]["dir"] == str(tmp_path / "run" / "ckpt")
+    assert shared["checkpoint"]["remote_dir"] == str(tmp_path / "remote")
+    assert "extra" not in shared and from_mapping(shared).checkpoint.every == 4
 
 
 def test_persist_barrier_after_all_parts_are_in_waits_for_the_commit_whoever_else_leaves(job_store):

@@ -13,10 +13,11 @@ import torch
 
 from islands.checkpoint import CheckpointMismatch, CheckpointStore
 from islands.checkpoint.manifest import data_name
-from islands.checkpoint.resume import resume_trainer
-from islands.config import ConfigError, from_mapping, validate
+from islands.app.build import build_trainer, fingerprint, resume_trainer
+from islands.app.validate import validate
+from islands.config import ConfigError, from_mapping
+from islands.loop import Trainer
 from islands.runtime.world import World
-from islands.trainer import Trainer
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, context=32, global_batch=4, eval_batches=2, threads=1,
             progress=False, eval_every=0, warmup=2, log_every=2)
@@ -40,23 +41,35 @@ def same(x, y) -> bool:
 
 def trainer(tmp: Path, name: str, **overrides) -> Trainer:
     cfg = validate(from_mapping({**TINY, "workers": 1, **overrides}))
-    return Trainer(cfg, World.single(), tmp / name)
+    t = build_trainer(cfg, World.single(), tmp / name)
+    t.job = cfg  # the test's own note of the config it was built from (run, resume_at)
+    return t
+
+
+def run(t: Trainer) -> dict:
+    return t.fit(t.job.train.steps)
+
+
+def resume_at(t: Trainer, path) -> dict:
+    """Resume `t` from `path` (a run dir, checkpoint dir or step dir), with the rest of its config."""
+    cfg = from_mapping({"resume": str(path)}, base=t.job)
+    return resume_trainer(t, cfg)
 
 
 def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_path):
-    plain = trainer(tmp_path, "plain", steps=8).run()
+    plain = run(trainer(tmp_path, "plain", steps=8))
     a = trainer(tmp_path, "a", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "ca"))
-    rec_a = a.run()
+    rec_a = run(a)
     b = trainer(tmp_path, "b", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "cb"),
                 resume=str(tmp_path / "ca" / "step-000004"))
-    info = resume_trainer(b, tmp_path / "ca" / "step-000004")
+    info = resume_at(b, tmp_path / "ca" / "step-000004")
     assert info["step"] == 4 and b.step == 4 and not info["resharded"]
-    rec_b = b.run()
+    rec_b = run(b)
     ta = CheckpointStore(tmp_path / "ca", clean=False).load(8).tree
     tb = CheckpointStore(tmp_path / "cb", clean=False).load(8).tree
     for key in EXACT:
         assert same(ta[key], tb[key]), key
-    assert ta["config_fingerprint"] == json.dumps(a.cfg.fingerprint_fields(), sort_keys=True)
+    assert ta["config_fingerprint"] == json.dumps(a.job.fingerprint_fields(), sort_keys=True) == fingerprint(a.job)
     # checkpointing does not perturb training: same final loss bit for bit as a run without it
     assert plain["summary"]["final_val_loss"] == rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
     assert rec_a["checkpoint"]["saves"] == {"local": 2} and rec_a["checkpoint"]["policy"] == "fixed"
@@ -69,21 +82,21 @@ def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
     c = trainer(tmp_path, "c", steps=8)
-    info = resume_trainer(c, tmp_path / "ca")
+    info = resume_at(c, tmp_path / "ca")
     assert info["step"] == 4 and "checksum" in info["skipped"][0]["why"]
 
 
 def test_resume_from_a_root_follows_latest_not_an_abandoned_timelines_newer_steps(tmp_path):
     root = tmp_path / "ck"
-    trainer(tmp_path, "a", steps=8, ckpt_every=2, ckpt_dir=str(root), ckpt_keep=10).run()  # steps 2..8
+    run(trainer(tmp_path, "a", steps=8, ckpt_every=2, ckpt_dir=str(root), ckpt_keep=10))  # steps 2..8
     b = trainer(tmp_path, "b", steps=5, ckpt_every=2, ckpt_dir=str(root), ckpt_keep=10)
-    resume_trainer(b, root / "step-000002")  # back to step 2, into the same directory
-    b.run()  # saves step 4 again and, at its end, step 5: `latest` is 5
+    resume_at(b, root / "step-000002")  # back to step 2, into the same directory
+    run(b)  # saves step 4 again and, at its end, step 5: `latest` is 5
     store = CheckpointStore(root, clean=False)
     assert store.latest_step() == 5 and store.steps() == [2, 4, 5, 6, 8]
     assert all(store.verify(s) == [] for s in store.steps())  # step 4's re-save points at no replaced data
     c = trainer(tmp_path, "c", steps=8)
-    info = resume_trainer(c, root)
+    info = resume_at(c, root)
     assert info["step"] == 5 and c.step == 5  # not step 8 of the run b left behind
     assert b.checkpoints.restore().step == 5  # nor in-process, across the levels
 
@@ -91,7 +104,7 @@ def test_resume_from_a_root_follows_latest_not_an_abandoned_timelines_newer_step
 def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
     t = trainer(tmp_path, "run", steps=9, ckpt_policy="auto:first=2,mtbf_days=0.00002", ckpt_memory_every=1,
                 ckpt_remote_dir=str(tmp_path / "remote"), ckpt_remote_every=3)
-    rec = t.run()
+    rec = run(t)
     ck = rec["checkpoint"]
     assert ck["levels"] == {"memory": 1, "local": "policy", "remote": 3}
     assert ck["staging_reserve_s"] is None  # a save was due at step 1: nothing to make ahead of it
@@ -111,25 +124,25 @@ def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
     for f in (tmp_path / "run" / "ckpt" / "step-000009").glob("*.data"):
         f.write_bytes(b"\0" * f.stat().st_size)
     r = trainer(tmp_path, "r", steps=9, ckpt_remote_dir=str(tmp_path / "remote"), ckpt_remote_every=3)
-    info = resume_trainer(r, tmp_path / "run" / "ckpt")
+    info = resume_at(r, tmp_path / "run" / "ckpt")
     assert (info["level"], info["step"]) == ("remote", 9)
 
 
 def test_foreign_model_config_refused_naming_the_field(tmp_path):
-    trainer(tmp_path, "a", steps=2, ckpt_every=2).run()
+    run(trainer(tmp_path, "a", steps=2, ckpt_every=2))
     with pytest.raises(ConfigError, match=r"d_model: checkpoint 32, current 64"):
         validate(from_mapping({**TINY, "d_model": 64, "resume": str(tmp_path / "a")}))
     bad = trainer(tmp_path, "b", steps=2, n_layers=2)
     with pytest.raises(CheckpointMismatch, match="n_layers"):
-        resume_trainer(bad, tmp_path / "a")
+        resume_at(bad, tmp_path / "a")
     out = subprocess.run([sys.executable, "-m", "islands", "train", *TINY_FLAGS, "--workers", "1", "--steps", "2",
                           "--n-heads", "4", "--resume", str(tmp_path / "a"), "--run-dir", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "n_heads: checkpoint 2, current 4" in out.stderr + out.stdout
-    with pytest.raises(ConfigError, match="ckpt_every=0"):
+    with pytest.raises(ConfigError, match=r"chooses the local-disk interval itself; leave every=0 \(got every=5\)"):
         validate(from_mapping({**TINY, "ckpt_every": 5, "ckpt_policy": "auto"}))
-    with pytest.raises(ConfigError, match="ckpt_remote_dir and ckpt_remote_every"):
+    with pytest.raises(ConfigError, match="remote_dir and remote_every go together"):
         validate(from_mapping({**TINY, "ckpt_remote_every": 5}))
     with pytest.raises(ConfigError, match="unknown or malformed setting"):
         validate(from_mapping({**TINY, "ckpt_policy": "auto:bund=0.1"}))
@@ -163,13 +176,13 @@ def test_two_gloo_ranks_resume_bitwise_and_reshard_to_one(tmp_path):
     assert same(r0["model"], r1["model"]) and same(r0["optimizer"], r1["optimizer"])
     # 2 saved ranks -> 1 process: replicated ddp state loads; loader by the mean-progress policy
     one = trainer(tmp_path, "one", steps=6)
-    info = resume_trainer(one, tmp_path / "a" / "ckpt" / "step-000003")
+    info = resume_at(one, tmp_path / "a" / "ckpt" / "step-000003")
     assert info["resharded"] and info["saved_world_size"] == 2 and one.step == 3
     saved = sa.load(3, rank=0).tree
     assert same(one.model.state_dict(), saved["model"])
     progress = [sa.load(3, rank=r).tree for r in (0, 1)]
     mean = sum(t["loader"]["epoch"] + t["loader"]["cursor"] / t["world"]["shard_items"] for t in progress) / 2
-    own = one.task.loader.sampler
+    own = one.data.sampler
     assert own.epoch == int(mean) and abs(own.cursor - round((mean - int(mean)) * own.n)) <= 1
 
 
@@ -177,7 +190,7 @@ def test_per_rank_state_is_not_resharded(tmp_path):
     gate = threading.Barrier(2, timeout=20)
     stores = [CheckpointStore(tmp_path, rank=r, world_size=2, barrier=gate.wait) for r in (0, 1)]
     t = trainer(tmp_path, "t", steps=2)
-    base = {"config_fingerprint": json.dumps(t.cfg.fingerprint_fields(), sort_keys=True),
+    base = {"config_fingerprint": fingerprint(t.job),
             "world": {"rank": 0, "size": 2, "shard_items": 10}, **t.state_dict()}
     trees = [dict(base, strategy={"error": torch.full((3,), float(r))}) for r in (0, 1)]
     threads = [threading.Thread(target=stores[r].save, args=(trees[r], 5)) for r in (0, 1)]
@@ -186,4 +199,4 @@ def test_per_rank_state_is_not_resharded(tmp_path):
     for th in threads:
         th.join(30)
     with pytest.raises(CheckpointMismatch, match=r"'strategy/error' differs between saved ranks 0 and 1"):
-        resume_trainer(t, tmp_path)
+        resume_at(t, tmp_path)

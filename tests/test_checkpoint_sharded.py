@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from islands.checkpoint import CheckpointStore
-from islands.checkpoint.resume import resume_trainer
-from islands.config import from_mapping, validate
-from islands.runtime.world import World
-from islands.trainer import Trainer
 
-from test_checkpoint_resume import EXACT, TINY, TINY_FLAGS, same
+from test_checkpoint_resume import EXACT, TINY_FLAGS, resume_at, run, same, trainer
 
 FSDP_FLAGS = [*TINY_FLAGS, "--inner", "fsdp", "--n-layers", "2", "--steps", "6", "--ckpt-every", "3",
               "--no-probe", "--timeout", "30"]
@@ -69,15 +65,14 @@ def test_fsdp_two_ranks_resume_bitwise_and_load_into_one(tmp_path):
     t0, t1 = sa.load(3, rank=0).tree, sa.load(3, rank=1).tree
     assert same(t0["model"], t1["model"]) and same(t0["optimizer"], t1["optimizer"])
     # 2 saved ranks -> one process (no FSDP): name-keyed state loads into a plain optimizer
-    cfg = validate(from_mapping({**TINY, "workers": 1, "n_layers": 2, "steps": 6, "inner": "fsdp"}))
-    one = Trainer(cfg, World.single(), tmp_path / "one")
-    info = resume_trainer(one, tmp_path / "a" / "ckpt" / "step-000003")
+    one = trainer(tmp_path, "one", n_layers=2, steps=6, inner="fsdp")
+    info = resume_at(one, tmp_path / "a" / "ckpt" / "step-000003")
     assert info["resharded"] and one.step == 3
     assert same(one.model.state_dict(), t0["model"])
     names = dict((id(p), n) for n, p in one.model.named_parameters())
     for p, slots in one.optimizer.state.items():
         assert torch.equal(slots["exp_avg"], t0["optimizer"]["state"][names[id(p)]]["exp_avg"])
-    one.run()
+    run(one)
     assert one.step == 6
 
 

@@ -249,13 +249,3 @@ def test_config_validates_optimizer_and_torch_powersgd():
         validate(from_mapping({"compress": "torch-powersgd:start=1"}))
     with pytest.raises(ValueError, match="no parameter"):
         parse_torch_powersgd("torch-powersgd:ranks=2")
-
-
-def test_compression_experiments_registered_with_their_practices():
-    from islands.bench.harness import load_all
-
-    reg = load_all()
-    expect = {"ef-ablation": "SOTA-214", "sparsity-warmup": "SOTA-224", "onebit-adam": "SOTA-215",
-              "compression-vs-bandwidth": "SOTA-075", "compressor-throughput": "SOTA-075"}
-    for name, practice in expect.items():
-        assert practice in reg[name].practices, (name, reg[name].practices)

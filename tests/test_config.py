@@ -1,7 +1,8 @@
 import pytest
 
 from islands.cli import main
-from islands.config import ConfigError, TrainConfig, from_mapping, validate
+from islands.app.validate import validate
+from islands.config import ConfigError, JobConfig, from_mapping
 
 
 def run_cli(args, capsys):
@@ -26,10 +27,10 @@ def test_wrong_type_in_toml(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--workers", "3", "--global-batch", "32"], "divisible by workers"),
-    (["--workers", "4", "--islands", "3"], "divisible by islands"),
-    (["--task", "images"], "task must be one of lm, digits"),
-    (["--d-model", "130", "--n-heads", "4"], "divisible by n_heads"),
+    (["--workers", "3", "--global-batch", "32"], "divisible by world.workers"),
+    (["--workers", "4", "--islands", "3"], "divisible by world.islands"),
+    (["--task", "images"], "task.name must be lm, digits"),
+    (["--d-model", "130", "--n-heads", "4"], "divisible by task.n_heads"),
     (["--workers", "4", "--islands", "2"], "needs an outer strategy"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
 ])
@@ -47,7 +48,7 @@ def test_flags_override_toml(tmp_path):
     f.write_text("steps = 10\nworkers = 2\n")
     args = build_parser().parse_args(["train", "--config", str(f), "--steps", "7"])
     cfg = config_from_args(args)
-    assert cfg.steps == 7 and cfg.workers == 2
+    assert cfg.train.steps == 7 and cfg.world.workers == 2
 
 
 def test_bool_is_not_an_int():
@@ -56,4 +57,4 @@ def test_bool_is_not_an_int():
 
 
 def test_defaults_validate():
-    assert validate(TrainConfig()).inner_strategy == "ddp"
+    assert validate(JobConfig()).inner_strategy == "ddp"

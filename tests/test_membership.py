@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from islands.config import from_mapping, validate
+from islands.app.validate import validate
+from islands.config import from_mapping
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import ElasticComm
 from islands.runtime.membership import Coordinator, Liveness, Refused, ask_to_join, connect, host_store, proof
@@ -88,8 +89,8 @@ def test_liveness_dead_flag_is_immediate_and_stale_heartbeat_times_out():
 
 
 def _solo_trainer(tmp_path, port, name):
-    from islands.runtime.elastic_worker import elastic_world
-    from islands.trainer import Trainer
+    from islands.app.build import build_trainer
+    from islands.app.elastic_worker import ElasticSteps, elastic_world
 
     cfg = validate(from_mapping(dict(task="digits", workers=1, islands=1, outer="local-sgd:every=2", elastic=True,
                                      steps=6, global_batch=8, eval_every=0, warmup=1, probe=False, progress=False,
@@ -99,7 +100,8 @@ def _solo_trainer(tmp_path, port, name):
     ledger = CommLedger()
     comm = ElasticComm(store, name, ledger, heartbeat_timeout=5.0, collective_timeout=20.0)
     comm.form(0, None)
-    return Trainer(cfg, elastic_world(cfg, comm, ledger, admission.shard), tmp_path), comm
+    world = elastic_world(cfg, comm, ledger, admission.shard)
+    return build_trainer(cfg, world, tmp_path, callbacks=[ElasticSteps(comm)]), comm
 
 
 def test_membership_and_outer_state_survive_a_resume(tmp_path):
@@ -107,7 +109,7 @@ def test_membership_and_outer_state_survive_a_resume(tmp_path):
     coord = Coordinator(store, "tok", workers=1, config_json="{}", log=lambda _: None).start()
     try:
         trainer, comm = _solo_trainer(tmp_path, server.port, "w0")
-        trainer.run(on_step=comm.on_step)
+        trainer.fit(6)
         state = trainer.state_dict()
     finally:
         coord.stop()
@@ -132,7 +134,7 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
     import gc
 
     from islands.cli import main
-    from islands.runtime import elastic_worker
+    from islands.app import elastic_worker
     from islands.runtime.elastic import JobEnded
     from islands.runtime.membership import JOB_ENDED_EXIT_CODE
 

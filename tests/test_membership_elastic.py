@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from islands.app.launch import launch_elastic
-from islands.config import from_mapping, validate
+from islands.app.validate import validate
+from islands.config import from_mapping
 from islands.runtime.membership import REFUSED_EXIT_CODE, connect
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -93,7 +94,7 @@ def test_sigkill_one_of_four_survivors_finish_and_agree_bitwise(tmp_path):
 
 # `islands join`, with torch and the trainer imported first, so that start-up time on a loaded machine
 # does not decide whether the joiner is ready before the job ends
-_JOIN = ("import sys, islands.trainer, islands.task, islands.runtime.elastic_worker, sklearn.datasets; "
+_JOIN = ("import sys, islands.loop, islands.app.build, islands.app.elastic_worker, sklearn.datasets; "
          "from islands.cli import main; main(sys.argv[1:])")
 
 
@@ -109,7 +110,7 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
     # long enough that the joiner, a fresh process importing torch, is admitted before the job ends even
     # on a loaded machine (1500 steps were not, twice, with two training jobs running beside the suite)
     cfg = _cfg(tmp_path, workers=2, steps=3000, every=4)
-    cfg.ckpt_every = 250  # asynchronous saves around the join: the members finish any in flight first
+    cfg.checkpoint.every = 250  # asynchronous saves around the join: the members finish any in flight first
     seen = {}
 
     def joins(address, workers):

@@ -71,12 +71,13 @@ def test_bad_specs_raise_value_error_naming_the_fix(spec, words):
 
 
 def test_config_validation_reports_outer_errors_as_config_errors():
-    from islands.config import ConfigError, from_mapping, validate
+    from islands.app.validate import validate
+    from islands.config import ConfigError, from_mapping
 
     with pytest.raises(ConfigError, match="unknown outer strategy"):
         validate(from_mapping({"workers": 2, "islands": 2, "outer": "nope"}))
     cfg = validate(from_mapping({"workers": 4, "islands": 2, "outer": "diloco:inner_steps=10"}))
-    assert cfg.outer.startswith("diloco")
+    assert cfg.outer.strategy.startswith("diloco")
 
 
 def test_every_declared_parameter_reaches_the_constructor():

@@ -174,20 +174,6 @@ def test_implemented_modules_import(practices):
         importlib.import_module(p.module)
 
 
-def test_named_experiments_are_registered_benches_for_that_practice(practices):
-    # The bench harness registers experiments with the practice ids they test; the two must agree.
-    from islands.bench import harness
-
-    experiments = harness.load_all()
-    for p in practices:
-        if p.experiment:
-            assert p.experiment in experiments, f"{p.id}: no bench experiment named {p.experiment!r}"
-            assert p.id in experiments[p.experiment].practices, f"{p.experiment} does not declare {p.id}"
-    ids = {p.id for p in practices}
-    for exp in experiments.values():
-        assert set(exp.practices) <= ids, f"bench {exp.name} cites unknown practice ids"
-
-
 def test_backlinks_agree_with_sources(practices, papers):
     by_id = {p.id: p for p in papers}
     for practice in practices:

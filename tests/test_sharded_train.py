@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from islands.config import ConfigError, TrainConfig, validate
+from islands.app.validate import validate
+from islands.config import ConfigError, from_mapping
 
 
 @pytest.mark.slow  # one real job: about 15 s idle, far more on a shared machine
@@ -31,14 +32,12 @@ def test_fsdp_job_trains_and_records_its_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"wrap": "graph:x"}, "positive integer"),
+    ({"wrap": "graph:x"}, "units, which takes int"),
     ({"wrap": "layers"}, "unknown wrap policy"),
-    ({"inner": "fsdp", "compress": "topk:ratio=0.1"}, "inner=fsdp"),
-    ({"inner": "fsdp", "islands": 2, "outer": "local-sgd:every=4"}, "inner=fsdp"),
+    ({"inner": "fsdp", "compress": "topk:ratio=0.1"}, "inner.strategy=fsdp"),
+    ({"inner": "fsdp", "islands": 2, "outer": "local-sgd:every=4"}, "inner.strategy=fsdp"),
 ])
 def test_bad_fsdp_configs_are_rejected_with_the_fix(bad, message):
-    cfg = TrainConfig(workers=4, global_batch=32)
-    for k, v in bad.items():
-        setattr(cfg, k, v)
+    cfg = from_mapping({"workers": 4, "global_batch": 32, **bad})
     with pytest.raises(ConfigError, match=message):
         validate(cfg)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from islands.aggregate.registry import AGGREGATORS
+from islands.checkpoint.settings import POLICIES
 from islands.compress.optim import OPTIMIZERS
 from islands.compress.registry import COMPRESSORS
 from islands.faults.attacks import ATTACKS
@@ -34,7 +35,7 @@ from islands.sync.outer.registry import STRATEGIES
 from islands.sync.outer.topology import TOPOLOGIES
 from islands.sync.wrap_policy import WRAP_POLICIES
 
-ISLANDS_REGISTRIES = [COMPRESSORS, AGGREGATORS, ATTACKS, STRATEGIES, OPTIMIZERS, WRAP_POLICIES, TOPOLOGIES]
+ISLANDS_REGISTRIES = [COMPRESSORS, AGGREGATORS, ATTACKS, STRATEGIES, OPTIMIZERS, WRAP_POLICIES, TOPOLOGIES, POLICIES]
 
 
 # ---- the grammar ---------------------------------------------------------------------------------------------
@@ -77,7 +78,8 @@ def test_nesting_chains_and_positional_values():
 def test_older_forms_still_read():
     assert parse("sign-flip:ranks=1,5,count=2") == parse("sign-flip:count=2,ranks=[1,5]")
     # a nested spec without parentheses runs to the end of the list ...
-    assert parse("gossip:topology=random:s=2,seed=3") == Spec("gossip", {"topology": Spec("random", {"s": 2, "seed": 3})})
+    greedy = Spec("gossip", {"topology": Spec("random", {"s": 2, "seed": 3})})
+    assert parse("gossip:topology=random:s=2,seed=3") == greedy
     # ... or, when the caller names the outer entry's keys, to the next of them
     keys = {"gossip": ["topology", "seed", "every"]}.get
     assert parse("gossip:topology=random:s=2,seed=3", keys=keys) == parse("gossip:seed=3,topology=(random:s=2)")
@@ -121,6 +123,40 @@ def test_syntax_errors_name_the_position_and_what_was_expected(text, position, w
         parse(text)
     assert e.value.position == position and words in e.value.message, str(e.value)
     assert isinstance(e.value, ValueError) and text in str(e.value) and "^" in str(e.value)
+
+
+# text values, with the ones that look like another kind of value or hold grammar characters
+TEXT = st.text(max_size=8) | st.sampled_from(["none", "None", "true", "False", "inf", "-inf", "nan", "NaN", "12",
+                                              "-3", "1e", "1e+3", ".5", "a b", "'", '"', "\\", "a,b", "x=y", "(",
+                                              "]", "+", ":", "", "sqrt-islands", "a.b", "_", "a*b"])
+NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,5}", fullmatch=True)
+KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_\-]{0,5}", fullmatch=True)
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
+
+
+def _make(name, args, positional, chain) -> Spec:
+    return Spec(name, {**args, **({POSITIONAL: positional[0]} if positional else {}),
+                       **({CHAIN: chain[0]} if chain else {})})
+
+
+def _specs_of(values, chains):
+    return st.builds(_make, NAMES, st.dictionaries(KEYS, values, max_size=3), st.lists(values, max_size=1), chains)
+
+
+_FLAT = _specs_of(SCALARS, st.just([]))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3).map(tuple)
+                      | _specs_of(inner, st.lists(_FLAT, max_size=1)), max_leaves=8)
+ANY_SPEC = st.recursive(_specs_of(VALUES, st.just([])), lambda inner: _specs_of(VALUES, st.lists(inner, max_size=1)),
+                        max_leaves=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ANY_SPEC)
+def test_any_spec_survives_format_then_parse(spec):
+    text = format(spec)
+    assert parse(text) == spec, text
+    assert format(parse(text)) == text
+    assert Spec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
 
 
 def test_json_form_round_trips_through_json_text():
@@ -189,7 +225,8 @@ def test_check_normalises_names_aliases_and_values():
     assert SHAPES.check("Circle:r=2,filled=1") == Spec("circle", {"radius": 2.0, "filled": True})
     assert SHAPES.check("square:3,tags=round") == Spec("square", {"side": 3, "tags": ("round",)})
     assert SHAPES.check("square:side=3,label=none") == Spec("square", {"side": 3, "label": None})
-    assert SHAPES.check("stacked:inner=(circle)") == SHAPES.check("stacked+circle") == Spec("stacked", {CHAIN: Spec("circle")})
+    chained = Spec("stacked", {CHAIN: Spec("circle")})
+    assert SHAPES.check("stacked:inner=(circle)") == SHAPES.check("stacked+circle") == chained
     assert format(SHAPES.check("stacked:gap=1,inner=(stacked+dot)")) == "stacked:gap=1+stacked+dot"
     pic = PICTURES.check("picture:shape=circle,mode=paint", supplied=["canvas"])
     assert pic == Spec("picture", {"shape": Spec("circle"), "mode": "paint"})
@@ -288,7 +325,7 @@ def _values(opts, depth: int):
         elif o.kind == "bool":
             out.append(st.booleans() | st.sampled_from([0, 1]))
         elif o.kind == "str" and not has_registry:  # a word there names a spec
-            out.append(st.text(max_size=10))
+            out.append(TEXT)
         elif o.kind == "none":
             out.append(st.none())
         elif o.kind == "literal":

@@ -9,10 +9,13 @@ import argparse
 import os
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from islands.cli_more import UsageError
 from islands.config import FLAT, ConfigError, JobConfig, from_mapping, keys, load_toml
+from islands.spec import Spec
+from islands.spec import format as format_spec
 from islands.tasks.user import TaskError
 
 _HELP = {
@@ -48,11 +51,12 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             continue
         flags = ["--" + dotted] + ["--" + a.replace("_", "-") for a in aliases.get(dotted, [])]
         default = defaults.get(dotted)
-        help_text = _HELP.get(dotted, "") + f" (default {default!r})"
+        shown = format_spec(default) if isinstance(default, Spec) else default
+        help_text = _HELP.get(dotted, "") + f" (default {shown!r})"
         if typ == "bool":
             p.add_argument(*flags, dest=dotted, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            kind = {"int": int, "float": float, "str": str}[typ]
+            kind = {"int": int, "float": float, "str": str, "spec": str}[typ]
             p.add_argument(*flags, dest=dotted, type=kind, default=None, metavar=typ.upper(), help=help_text)
 
 
@@ -104,18 +108,9 @@ def cmd_practices(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from islands.bench import harness
-
-    if args.list or not args.name:
-        harness.print_list()
-        return 0
-    try:
-        harness.run(args.name, quick=args.quick, out_root=Path(args.out), rate=args.testbed_rate or "",
-                    device=args.device, reuse=args.reuse)
-    except KeyError as e:
-        raise ExitError(str(e.args[0])) from None
-    return 0
+def _bench_not_installed(args) -> int:
+    raise ExitError("`islands bench` comes with the benchmark suite, a separate package: "
+                    "pip install -e bench/ (from a checkout of islands)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,19 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--config FILE.toml supplies defaults.")
     _add_config_flags(t)
     t.set_defaults(fn=cmd_train)
-
-    b = sub.add_parser("bench", help="run a registered experiment and write results/NAME/")
-    b.add_argument("name", nargs="?", help="experiment name (see --list)")
-    b.add_argument("--list", action="store_true", help="list experiments and the practices they test")
-    b.add_argument("--quick", action="store_true", help="smaller, faster version of the experiment")
-    b.add_argument("--out", default="results", help="results root (default results/)")
-    b.add_argument("--testbed-rate", metavar="RATE", help="run distributed configurations on a testbed at RATE, e.g. 100mbit")
-    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the experiment's tensors live (cuda: only experiments with a GPU variant)")
-    b.add_argument("--reuse", action="store_true",
-                   help="read a run whose results/NAME/.../runs/LABEL/run.json holds the same config instead of running "
-                        "it again (resume an interrupted experiment; testbed runs always run)")
-    b.set_defaults(fn=cmd_bench)
 
     pr = sub.add_parser("practices", help="the practice registry: what islands implements and measures")
     pr.add_argument("--status", help="Active, Proposed, Rejected or Open (any case)")
@@ -156,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_more_commands(sub)
     from islands.cli_run import add_run_command
     add_run_command(sub)
+    # Other distributions add subcommands (islands-bench adds `bench`); islands never imports them.
+    for entry in entry_points(group="islands.commands"):
+        entry.load()(sub)
+    if "bench" not in sub.choices:
+        # A stub that says where `bench` comes from; prefix_chars no option can start with, so that
+        # `islands bench --list` reaches the hint instead of an "unrecognized arguments" error.
+        stub = sub.add_parser("bench", help="the benchmarks (not installed: pip install -e bench/)",
+                              add_help=False, prefix_chars="\0")
+        stub.add_argument("ignored", nargs="*")
+        stub.set_defaults(fn=_bench_not_installed)
     return p
 
 

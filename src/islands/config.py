@@ -13,6 +13,11 @@
 Today's flat keys (`workers = 4`, `--ckpt-every 50`) keep working as aliases of their section keys
 (FLAT, below). Every problem is a ConfigError naming the key, what was given and what would be valid;
 the CLI turns it into exit code 2. Cross-section rules live in islands.app.validate.
+
+Spec-valued keys (a compressor, an aggregator, an attack, an outer strategy, an optimizer, a wrap policy,
+the checkpoint interval policy) are parsed ONCE, here at the edge, into `islands.spec.Spec` values, which
+travel in the job JSON as values ({"name", "args"}); the words that mean "nothing" (compressor none,
+aggregator mean, an empty string) become None. islands.app checks each against its registry and builds it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from islands.spec import Spec, SpecError, parse
 
 
 class ConfigError(ValueError):
@@ -52,7 +59,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
-    optimizer: str = "adamw"  # adamw | onebit-adam[:warmup=N] | naive-compressed-adam[:warmup=N] | split-adamw[:...]
+    optimizer: Spec | None = field(default_factory=lambda: Spec("adamw"))  # adamw | onebit-adam | split-adamw ...
     eval_every: int = 25
     eval_batches: int = 8
     log_every: int = 10
@@ -73,12 +80,12 @@ class WorldConfig:
 @dataclass
 class InnerConfig:
     strategy: str = "auto"  # auto | single | ddp | zero1 | fsdp | pipeline
-    compressor: str = "none"  # compressor spec for the gradient exchange, e.g. powersgd:rank=4
-    aggregator: str = "mean"  # aggregator spec, e.g. median, nnm+krum:f=1
-    attack: str = ""  # attack to rehearse, e.g. sign-flip:count=1
+    compressor: Spec | None = None  # for the gradient exchange, e.g. powersgd:rank=4 (none: DDP's plain mean)
+    aggregator: Spec | None = None  # e.g. median, nnm+krum:f=1 (mean: DDP's plain mean)
+    attack: Spec | None = None  # to rehearse, e.g. sign-flip:count=1
     bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
     overlap: bool = True  # compressor: compress each bucket on a worker thread while backward goes on
-    wrap: str = "block"  # fsdp: model | block | params:N | split:K | graph:K
+    wrap: Spec | None = field(default_factory=lambda: Spec("block"))  # fsdp: model | block | params:N | split:K | graph:K
     reshard: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
     prefetch: int = 0  # fsdp: gather N units ahead (SOTA-117); 0 = FSDP2's own
     shard_group: str = ""  # fsdp: ranks per sharding group: "" the island, "auto", or N (SOTA-119)
@@ -92,7 +99,7 @@ class InnerConfig:
 
 @dataclass
 class OuterConfig:
-    strategy: str = ""  # "" or a spec such as diloco:inner_steps=100
+    strategy: Spec | None = None  # e.g. diloco:inner_steps=100 (None: one island, or no outer strategy)
 
 
 @dataclass
@@ -107,7 +114,7 @@ class MemoryConfig:
 class CheckpointConfig:
     dir: str = ""  # local-disk level; "" = <run_dir>/ckpt
     every: int = 0  # steps between local-disk checkpoints; 0 = none (or the policy's choice)
-    policy: str = ""  # "" = fixed every; "auto[:bound=0.035,mtbf_days=3748.25,devices=N]" (SOTA-054/189)
+    policy: Spec | None = None  # None = a fixed `every`; auto[:bound=0.035,mtbf_days=3748.25,devices=N] (SOTA-054/189)
     memory_every: int = 0  # steps between in-memory snapshots; 0 = none
     memory_peer: bool = False  # the memory level also held by rank (r+1) % n (SOTA-057)
     remote_dir: str = ""  # a second directory standing for remote storage
@@ -164,7 +171,9 @@ class JobConfig:
         return "single" if self.world.workers == 1 else "ddp"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain data for JSON: spec values as {"name", "args"} (Spec.to_json)."""
+        return {section: {f.name: _plain(getattr(getattr(self, section), f.name)) for f in fields(SECTIONS[section])}
+                for section in SECTIONS}
 
     def get(self, dotted: str):
         section, key = dotted.split(".", 1)
@@ -204,13 +213,39 @@ FLAT: dict[str, str] = {
 }
 
 
+# The words that mean "nothing here" for a spec-valued key.
+NOTHING = {"inner.compressor": ("", "none"), "inner.aggregator": ("", "mean"), "inner.attack": ("", "none"),
+           "outer.strategy": ("", "none"), "checkpoint.policy": ("",)}
+
+
+def _plain(value):
+    return value.to_json() if isinstance(value, Spec) else value
+
+
 def keys() -> dict[str, str]:
-    """Every dotted key (section.key) and its type name."""
+    """Every dotted key (section.key) and its type name ("spec" for spec-valued keys)."""
     out = {}
     for section, cls in SECTIONS.items():
         for f in fields(cls):
-            out[f"{section}.{f.name}"] = f.type if isinstance(f.type, str) else f.type.__name__
+            typ = f.type if isinstance(f.type, str) else f.type.__name__
+            out[f"{section}.{f.name}"] = "spec" if typ.startswith("Spec") else typ
     return out
+
+
+def parse_spec(key: str, value) -> Spec | None:
+    """A spec-valued key's value as a Spec (from text, its JSON form, or a Spec), or None for "nothing"."""
+    if value is None or isinstance(value, Spec):
+        return value
+    if isinstance(value, dict):
+        return Spec.from_json(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a spec string such as 'name:key=value', got {type(value).__name__} {value!r}")
+    if value.strip().lower() in NOTHING.get(key, ("",)):
+        return None
+    try:
+        return parse(value)
+    except SpecError as e:
+        raise ConfigError(f"{key}={value!r} is not a spec: {e}") from None
 
 
 def canonical(key: str) -> str:
@@ -227,6 +262,8 @@ def canonical(key: str) -> str:
 
 
 def _coerce(key: str, value: Any, typ: str):
+    if typ == "spec":
+        return parse_spec(key, value)
     if typ == "dict":
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table of keys, got {type(value).__name__} {value!r}")
@@ -276,6 +313,8 @@ def parse_flag_value(key: str, text: str):
     """A flag's or --set's text in the key's type."""
     typ = keys().get(canonical(key))
     try:
+        if typ == "spec":
+            return text
         if typ == "bool":
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError

@@ -26,8 +26,8 @@ value as it travels in the job JSON.
 
 A `Registry` names the constructors of one kind of component (compressors, aggregators, ...). The signature of
 each constructor is its schema: parameter names, types from the annotations, defaults from the signature (the
-one copy of each default), help from the docstring (its first line for the entry, the clause naming `param` for
-a parameter). `check` normalises a spec against that schema, `build` makes the object. A registry given a `base`
+one copy of each default), help from the docstrings (the first sentence for the entry, the clause naming
+`param` for a parameter). `check` normalises a spec against that schema, `build` makes the object. A registry given a `base`
 type resolves parameters annotated with that type: `DiLoCo(compressor: Compressor | None)` takes
 `compressor=(powersgd:rank=4)`, checked and built by the compressor registry.
 """
@@ -52,9 +52,9 @@ CHAIN = "+"  # reserved key: what follows '+' (a+b)
 _SPECIAL = set(":,=+()[]'\"\\")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
-_INT = re.compile(r"-?\d+\Z")
-_FLOAT = re.compile(r"-?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?\Z")
-_MANTISSA_E = re.compile(r"-?(\d+\.?\d*|\.\d+)[eE]\Z")  # "1e" in "1e+3": the '+' belongs to the number
+_INT = re.compile(r"-?[0-9]+\Z")
+_FLOAT = re.compile(r"-?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?\Z")
+_MANTISSA_E = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)[eE]\Z")  # "1e" in "1e+3": the '+' belongs to the number
 _NEXT_KEY = re.compile(r",\s*([A-Za-z_][A-Za-z0-9_\-]*)\s*=")
 _BARE = re.compile(r"[A-Za-z_][^\s:,=+()\[\]'\"\\]*\Z")  # text `format` may write without quotes
 _WORDS: dict[str, Any] = {"true": True, "false": False, "none": None, "inf": math.inf, "-inf": -math.inf,
@@ -365,7 +365,8 @@ def parse(text: str, keys: Callable[[str], Iterable[str] | None] | None = None) 
     spec = p.spec(depth=0)
     c = p.peek()
     if c:
-        hint = {")": "a ')' without its '('", "]": "a ']' without its '['", "=": "keys are words such as rank, before the ="}
+        hint = {")": "a ')' without its '('", "]": "a ']' without its '['",
+                "=": "keys are words such as rank, before the ="}
         p.fail(f"unexpected {c!r}: expected ',', '+' or the end" + (f" ({hint[c]})" if c in hint else ""))
     return spec
 
@@ -994,7 +995,8 @@ def choice(value: Any, words: Iterable[str], number: type = int, what: str = "va
     parsed = _atom_value(value.strip()) if isinstance(value, str) else value
     if isinstance(parsed, str) and parsed in words:
         return parsed
-    if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) and (number is float or isinstance(parsed, int)):
+    numeric = isinstance(parsed, (int, float)) and not isinstance(parsed, bool)
+    if numeric and (number is float or isinstance(parsed, int)):
         return number(parsed)
     raise SpecError(f"{what} must be {' or '.join(repr(w) for w in words)} or {number.__name__}; got {value!r}")
 

@@ -3,9 +3,9 @@
     trainer = build_trainer(cfg, world, run_dir)      task, optimizer, strategy, step, callbacks -> Trainer
     record = run_job(cfg, world, run_dir)             the same, resumed if asked, trained to train.steps
 
-Spec strings (compressor, aggregator, attack, outer strategy, optimizer, wrap policy, checkpoint policy)
-are turned into objects here, through their packages' parsers; nothing below this layer sees a string
-of the job config.
+Spec values (compressor, aggregator, attack, outer strategy, optimizer, wrap policy, checkpoint policy),
+parsed from strings at the config's edge, become objects here through their packages' registries
+(islands.spec.Registry); nothing below this layer sees the job config.
 """
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ from pathlib import Path
 
 import torch
 
-from islands.aggregate import parse_aggregator
+from islands.aggregate.registry import AGGREGATORS
 from islands.checkpoint.driver import CheckpointDriver
 from islands.checkpoint.fingerprint import fingerprint_of
 from islands.checkpoint.resume import resume
 from islands.checkpoint.settings import CheckpointSettings, parse_policy
-from islands.compress.optim import build_optimizer, parse_optimizer
-from islands.compress.spec import build_compressor
-from islands.compress.torch_powersgd import TorchPowerSGD, is_torch_powersgd, parse_torch_powersgd
+from islands.compress.optim import OPTIMIZERS, build_optimizer
+from islands.compress.registry import COMPRESSORS
 from islands.config import JobConfig
 from islands.data.source import batch_source
-from islands.faults.attacks import Byzantine, parse_attack
+from islands.faults.attacks import ATTACKS
 from islands.faults.roles import LabelFlip
 from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord
 from islands.loop.schedule import WarmupCosine
@@ -39,6 +38,7 @@ from islands.sync.base import Strategy
 from islands.sync.ddp import DDP
 from islands.sync.outer import WarmStart, make_outer
 from islands.sync.sharded import FSDP
+from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.single import Single
 from islands.sync.stack import Stack
 from islands.sync.zero1 import ZeRO1
@@ -79,15 +79,6 @@ def build_task(cfg: JobConfig) -> Task:
 
 
 # ---- the strategy -----------------------------------------------------------------------------------
-def attack_of(text: str, world_size: int) -> Byzantine | None:
-    if not text:
-        return None
-    plan = parse_attack(text, world_size=world_size)
-    if plan.attack is None:
-        return None
-    return Byzantine(plan.attack, ranks=sorted(plan.byzantine))
-
-
 def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
     inner = cfg.inner
     kind = cfg.inner_strategy
@@ -99,18 +90,15 @@ def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
                               batch=cfg.train.global_batch // cfg.world.islands, loss_fn=task.loss_fn,
                               budget_bytes=budget, grad_clip=cfg.train.grad_clip)
     if kind == "fsdp":
-        return FSDP(wrap=inner.wrap, reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
+        return FSDP(wrap=WRAP_POLICIES.build(inner.wrap), reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
                     prefetch=inner.prefetch, shard_group=inner.shard_group,
                     memory_budget_bytes=int(inner.shard_budget_mb * 2**20))
     if kind == "zero1":  # DDP's exchange, optimizer state partitioned (SOTA-028)
         return ZeRO1(bucket_mb=inner.bucket_mb)
-    compressor = None
-    if is_torch_powersgd(inner.compressor):
-        compressor = TorchPowerSGD(**parse_torch_powersgd(inner.compressor), seed=cfg.train.seed)
-    elif inner.compressor not in ("", "none"):
-        compressor = build_compressor(inner.compressor)
-    aggregator = parse_aggregator(inner.aggregator) if inner.aggregator not in ("", "mean") else None
-    attack = attack_of(inner.attack, world.size)
+    # the job's seed is every seeded compressor's default (rank-identical: every rank agrees on it)
+    compressor = COMPRESSORS.build(inner.compressor, seed=cfg.train.seed) if inner.compressor else None
+    aggregator = AGGREGATORS.build(inner.aggregator) if inner.aggregator else None
+    attack = ATTACKS.build(inner.attack) if inner.attack else None
     if attack is not None and isinstance(attack.role, LabelFlip) and attack.role.classes is None:
         attack.role.classes = task.classes
     return DDP(compressor=compressor, aggregator=aggregator, attack=attack, bucket_mb=inner.bucket_mb,
@@ -161,7 +149,7 @@ def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer |
 def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:
     # 1-bit optimizers average through the island's group themselves (SOTA-215)
     comm = world.comm("local") if world.distributed else None
-    return build_optimizer(parse_optimizer(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
+    return build_optimizer(OPTIMIZERS.build(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
                            weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm)
 
 

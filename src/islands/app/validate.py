@@ -14,25 +14,26 @@ from typing import Callable
 
 import torch
 
-from islands.aggregate import parse_aggregator
-from islands.app.build import build_task, checkpoint_settings, fingerprint
+from islands.aggregate.registry import AGGREGATORS
+from islands.app.build import build_step_fn, build_task, checkpoint_settings, fingerprint
 from islands.checkpoint.resume import check_resume
-from islands.compress.optim import parse_optimizer
-from islands.compress.spec import build_compressor
-from islands.compress.torch_powersgd import is_torch_powersgd, parse_torch_powersgd
+from islands.checkpoint.settings import POLICIES
+from islands.compress.optim import OPTIMIZERS
+from islands.compress.registry import COMPRESSORS
 from islands.config import ConfigError, JobConfig
 from islands.data.batches import compute_loss
 from islands.data.source import batch_source
-from islands.faults.attacks import parse_attack
+from islands.faults.attacks import ATTACKS
 from islands.memory.step import check_precision
 from islands.parallel.pipeline.chooser import divisors
 from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
+from islands.runtime.world import World
 from islands.sync.outer import parse_outer
-from islands.sync.outer.topology import parse_topology
 from islands.sync.shard_group import check_group, parse_shard_group
-from islands.sync.wrap_policy import parse_wrap
+from islands.sync.wrap_policy import WRAP_POLICIES
+from islands.spec import format as format_spec
 from islands.tasks import is_user_task
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
@@ -45,15 +46,15 @@ POSITIVE = ("task.d_model", "task.n_layers", "task.n_heads", "task.context", "ta
 
 
 def _compress(cfg) -> bool:
-    return cfg.inner.compressor not in ("", "none")
+    return cfg.inner.compressor is not None
 
 
 def _robust(cfg) -> bool:
-    return cfg.inner.aggregator not in ("", "mean") or bool(cfg.inner.attack)
+    return cfg.inner.aggregator is not None or cfg.inner.attack is not None
 
 
 def _communicates(cfg) -> bool:
-    return parse_optimizer(cfg.train.optimizer).communicates
+    return cfg.train.optimizer is not None and OPTIMIZERS.build(cfg.train.optimizer).communicates
 
 
 # ---- the rules ---------------------------------------------------------------------------------------
@@ -125,28 +126,32 @@ def testbed(cfg: JobConfig) -> str | None:
 
 
 def specs(cfg: JobConfig) -> str | None:
-    """Every spec string parses (each package's ValueError lists its valid choices)."""
+    """Every spec value names a known constructor with valid arguments (each registry's SpecError lists them)."""
     inner = cfg.inner
-    if _compress(cfg):
-        if is_torch_powersgd(inner.compressor):
-            parse_torch_powersgd(inner.compressor)
-        else:
-            build_compressor(inner.compressor)
-    if inner.aggregator not in ("", "mean"):
-        parse_aggregator(inner.aggregator)
-    if inner.attack:
-        parse_attack(inner.attack, world_size=cfg.world.workers)
-    parse_optimizer(cfg.train.optimizer)
-    parse_wrap(inner.wrap)  # always: a typo is reported even before inner=fsdp is chosen
+    for key, registry, value in (("inner.compressor", COMPRESSORS, inner.compressor),
+                                 ("inner.aggregator", AGGREGATORS, inner.aggregator),
+                                 ("inner.attack", ATTACKS, inner.attack), ("train.optimizer", OPTIMIZERS, cfg.train.optimizer),
+                                 ("inner.wrap", WRAP_POLICIES, inner.wrap), ("checkpoint.policy", POLICIES, cfg.checkpoint.policy)):
+        if value is None:
+            if key in ("train.optimizer", "inner.wrap"):
+                return f"{key} needs a value; e.g. {'adamw' if key == 'train.optimizer' else 'block'}"
+            continue
+        try:
+            registry.build(value)  # the constructors' own checks too, before any worker starts
+        except ValueError as e:
+            return f"{key}: {e}"
+    if inner.attack is not None:
+        ATTACKS.build(inner.attack).ranks_in(cfg.world.workers)  # count/ranks fit the world
     parse_shard_group(inner.shard_group)
     parse_cuts(inner.cuts)
     parse_microbatches(inner.microbatches)
     if inner.schedule not in SCHEDULES:
         return f"inner.schedule (pipeline) must be one of {', '.join(SCHEDULES)}; got {inner.schedule!r}"
-    if cfg.outer.strategy:
-        spec = parse_outer(cfg.outer.strategy)
-        if "topology" in spec.params:
-            parse_topology(spec.params["topology"])
+    if cfg.outer.strategy is not None:
+        try:
+            spec = parse_outer(cfg.outer.strategy)
+        except ValueError as e:
+            return f"outer.strategy: {e}"
         warm = spec.params.get("warm_start", 0)
         if warm >= cfg.train.steps:
             return (f"outer warm_start ({warm}) must be < train.steps ({cfg.train.steps}) so that some steps are "
@@ -156,7 +161,7 @@ def specs(cfg: JobConfig) -> str | None:
 
 def optimizer_exchange(cfg: JobConfig) -> str | None:
     if _communicates(cfg) and (_compress(cfg) or _robust(cfg)):
-        return (f"train.optimizer={cfg.train.optimizer!r} averages 1-bit momentum itself, so there is no gradient "
+        return (f"train.optimizer={format_spec(cfg.train.optimizer)!r} averages 1-bit momentum itself, so there is no gradient "
                 "exchange to compress or aggregate; leave inner.compressor='none', inner.aggregator='mean', "
                 "inner.attack=''")
     if _compress(cfg) and _robust(cfg):
@@ -166,10 +171,10 @@ def optimizer_exchange(cfg: JobConfig) -> str | None:
 
 
 def islands_need_outer(cfg: JobConfig) -> str | None:
-    if cfg.world.islands > 1 and not cfg.outer.strategy and cfg.inner_strategy != "fsdp":  # fsdp: HSDP across islands
+    if cfg.world.islands > 1 and cfg.outer.strategy is None and cfg.inner_strategy != "fsdp":  # fsdp: HSDP across islands
         return (f"world.islands={cfg.world.islands} needs an outer strategy to meet across islands, e.g. "
                 "outer.strategy='diloco:inner_steps=100' or 'local-sgd:every=8'; or use islands=1")
-    if cfg.outer.strategy and cfg.world.islands == 1 and cfg.world.workers > 1 and cfg.inner_strategy == "ddp":
+    if cfg.outer.strategy is not None and cfg.world.islands == 1 and cfg.world.workers > 1 and cfg.inner_strategy == "ddp":
         return ("an outer strategy acts across islands, but world.islands=1 puts every worker in one island; "
                 f"set islands={cfg.world.workers} (one worker per island) or a divisor of workers")
     return None
@@ -190,12 +195,11 @@ def sharding(cfg: JobConfig) -> str | None:
         check_group(group, cfg.world.workers)
     if inner.shard_budget_mb and group != "auto":
         return "inner.shard_budget_mb is the budget of shard_group='auto'; set shard_group='auto' or drop it"
-    clash = [f"{k}={v!r}" for k, v, ok in (("compressor", inner.compressor, ("", "none")),
-                                           ("aggregator", inner.aggregator, ("", "mean")),
-                                           ("attack", inner.attack, ("",)), ("outer", cfg.outer.strategy, ("",)))
-             if v not in ok]
+    clash = [f"{k}={format_spec(v)!r}" for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator),
+                                                   ("attack", inner.attack), ("outer", cfg.outer.strategy))
+             if v is not None]
     if _communicates(cfg):
-        clash.append(f"optimizer={cfg.train.optimizer!r}")
+        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")
     if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
         return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
                 "use inner.strategy=ddp for those, or drop them")
@@ -223,6 +227,9 @@ def memory(cfg: JobConfig) -> str | None:
         return (f"memory settings (activation_checkpointing, precision, micro_batch, budget_mb) are not yet wired "
                 f"through inner.strategy={cfg.inner_strategy} (FSDP has its own mixed precision; a pipeline owns its "
                 f"forward, backward and micro-batches); use inner.strategy=ddp or single with them")
+    if m.budget_mb:  # sizing is a few small passes on the CPU: a budget too small fails before any worker starts
+        with torch.random.fork_rng():
+            build_step_fn(cfg, build_task(cfg), None, World.single())  # AdamW-sized state before one exists
     return None
 
 
@@ -249,16 +256,16 @@ def pipeline(cfg: JobConfig) -> str | None:
                 f"{divisors(batch)} or 'auto'")
     c, mem = cfg.checkpoint, cfg.memory
     clash = [f"{key}={value!r}" for key, value, ok in
-             (("compressor", inner.compressor, ("", "none")), ("aggregator", inner.aggregator, ("", "mean")),
-              ("attack", inner.attack, ("",)), ("outer", cfg.outer.strategy, ("",)),
+             (("compressor", inner.compressor, (None,)), ("aggregator", inner.aggregator, (None,)),
+              ("attack", inner.attack, (None,)), ("outer", cfg.outer.strategy, (None,)),
               ("elastic", cfg.elastic.enabled, (False,)), ("resume", c.resume, ("",)), ("checkpoint.every", c.every, (0,)),
               ("checkpoint.memory_every", c.memory_every, (0,)), ("checkpoint.remote_every", c.remote_every, (0,)),
-              ("checkpoint.policy", c.policy, ("",)), ("micro_batch", mem.micro_batch, (0,)),
+              ("checkpoint.policy", c.policy, (None,)), ("micro_batch", mem.micro_batch, (0,)),
               ("memory.budget_mb", mem.budget_mb, (0.0,)),
               ("activation_checkpointing", mem.activation_checkpointing, (False,)), ("precision", mem.precision, ("fp32",)))
              if value not in ok]
     if _communicates(cfg):
-        clash.append(f"optimizer={cfg.train.optimizer!r}")
+        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")
     if cfg.world.islands != 1:
         clash.append(f"islands={cfg.world.islands}")
     if clash:
@@ -279,7 +286,7 @@ def elastic(cfg: JobConfig) -> str | None:
     """Elastic mode: an outer strategy with one worker per island (docs/membership.md)."""
     if not cfg.elastic.enabled:
         return None
-    if not cfg.outer.strategy:
+    if cfg.outer.strategy is None:
         return ("elastic needs an outer strategy (e.g. outer.strategy='diloco:inner_steps=20'): members meet only "
                 "at its synchronisations")
     if cfg.world.islands != cfg.world.workers or cfg.inner.strategy not in ("auto", "single"):
@@ -287,14 +294,15 @@ def elastic(cfg: JobConfig) -> str | None:
                 f"{cfg.world.workers}, islands={cfg.world.islands}, inner={cfg.inner.strategy!r}")
     spec = parse_outer(cfg.outer.strategy)
     if spec.name in IN_FLIGHT or spec.params.get("tau", 0):
-        return (f"elastic needs an outer strategy without exchanges in flight across steps; {cfg.outer.strategy!r} "
+        return (f"elastic needs an outer strategy without exchanges in flight across steps; "
+                f"{format_spec(cfg.outer.strategy)!r} "
                 "overlaps them. Use local-sgd, post-local-sgd, slowmo, easgd or diloco (tau=0)")
     if _communicates(cfg):
-        return (f"train.optimizer={cfg.train.optimizer!r} communicates inside an island; elastic mode has one worker "
+        return (f"train.optimizer={format_spec(cfg.train.optimizer)!r} communicates inside an island; elastic mode has one worker "
                 "per island, use optimizer='adamw'")
     if cfg.world.testbed:
         return "elastic does not run inside a testbed yet; leave world.testbed=''"
-    if cfg.checkpoint.policy:
+    if cfg.checkpoint.policy is not None:
         return ("elastic needs a fixed checkpoint interval (checkpoint.every=N, policy=''): the auto policy's "
                 "decisions come from history a worker joining later does not have")
     if cfg.checkpoint.memory_peer:

@@ -349,8 +349,11 @@ class CheckpointDriver:
         self._raise_failed()
 
     def finish(self, state: TrainingState) -> None:
-        """End of training: a final local/remote checkpoint unless this step was just saved; wait for durability."""
-        self.save_now(state)
+        """End of training: a final local/remote checkpoint unless this step was just saved, and the memory
+        level's when this step is due for it (the loop saves the last step here, after the final
+        synchronisation, not in after_step); wait for durability."""
+        disk = [n for n in ("local", "remote") if n in self._by_name]
+        self.save_now(state, (["memory"] if "memory" in self.due(state.step) else []) + disk)
         self.wait()
 
     def restore(self, *, like=None) -> Restored:

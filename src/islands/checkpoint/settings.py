@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from islands.spec import Registry, Spec
 from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND, CheckFreqPolicy,
                                          CombinedIntervalPolicy, YoungDalyInterval)
 
@@ -51,27 +52,15 @@ class AutoInterval:
         return CombinedIntervalPolicy(checkfreq, failures)
 
 
-def parse_policy(text: str) -> AutoInterval | None:
-    """The edge form: "" -> None (a fixed interval); "auto[:bound=0.035,mtbf_days=3748.25,devices=N,first=10,max=N]"
-    -> AutoInterval. Raises ValueError naming the malformed part."""
-    if not text:
+POLICIES = Registry("checkpoint policy", {"auto": AutoInterval}, base=AutoInterval)
+
+
+def parse_policy(text: str | Spec | None) -> AutoInterval | None:
+    """The edge form: "" or None -> None (a fixed interval); "auto[:bound=0.035,mtbf_days=3748.25,devices=N,first=10,
+    max=N]" (or its Spec) -> AutoInterval. Raises ValueError naming the malformed part (islands.spec)."""
+    if text is None or text == "":
         return None
-    name, _, args = text.partition(":")
-    if name != "auto":
-        raise ValueError(f"checkpoint policy must be '' (a fixed interval) or 'auto[:bound=0.035,mtbf_days="
-                         f"{DEFAULT_DEVICE_MTBF_DAYS},devices=N,first=10,max=N]'; got {text!r}")
-    kinds = {f.name: f.type for f in fields(AutoInterval)}
-    casts = {"float": float, "int": int}
-    values = {}
-    for part in filter(None, args.split(",")):
-        key, eq, value = part.partition("=")
-        if key not in kinds or not eq:
-            raise ValueError(f"checkpoint policy: unknown or malformed setting {part!r}; valid: {', '.join(kinds)}")
-        try:
-            values[key] = casts[kinds[key]](value)
-        except ValueError:
-            raise ValueError(f"checkpoint policy: {key} must be {kinds[key]}, got {value!r}") from None
-    return AutoInterval(**values)
+    return POLICIES.build(text)
 
 
 def format_policy(policy: AutoInterval | None) -> str:

@@ -20,17 +20,17 @@ def describe_specs() -> str:
     return COMPRESSORS.describe()
 
 
-def build_compressor(spec: str | Spec) -> CompressorBase:
+def build_compressor(spec: str | Spec, **context) -> CompressorBase:
     """The compressor a spec names, unwrapped, with its error-feedback wish (`ef`) set: what the strategies take
-    (they wrap it in ErrorFeedback themselves, islands.compress.error_feedback.with_error_feedback)."""
+    (they wrap it in ErrorFeedback themselves, islands.compress.error_feedback.with_error_feedback). `context`:
+    values for parameters the spec does not give (the job's seed for torch-powersgd, say)."""
     try:
-        compressor = COMPRESSORS.build(spec)
+        compressor = COMPRESSORS.build(spec, **context)
         with_error_feedback(compressor)  # refuses a non-contractive compressor with ef now, at the edge
-    except SpecError as e:
-        raise SpecError(f"{e.message}\n{describe_specs()}" if "valid compressor specs" not in e.message
-                        else e.message) from None
     except ValueError as e:
-        raise SpecError(f"compressor spec {spec!s}: {e}\n{describe_specs()}") from None
+        what = str(e) if isinstance(e, SpecError) else f"compressor {spec}: {e}"
+        listing = "" if "valid compressor specs" in what else f"\n{describe_specs()}"
+        raise SpecError(f"{what}{listing}") from None
     return compressor
 
 

@@ -199,6 +199,10 @@ def no_attack() -> None:
     return None
 
 
+_WHO = ("`count`: the last k ranks attack (rank 0 stays honest and keeps reporting); `ranks`: the ranks that "
+        "attack, [i,j,...]; give one of them.")
+
+
 def _attack(role: Callable[..., Attack], doc: str | None = None) -> Callable[..., Byzantine]:
     """A registry entry: the role's constructor parameters, plus Byzantine's count= and ranks=."""
     who = [p for p in resolved_signature(Byzantine).parameters.values() if p.name != "role"]
@@ -212,9 +216,6 @@ def _attack(role: Callable[..., Attack], doc: str | None = None) -> Callable[...
     entry.__doc__ = (doc or docs_of(role)) + "\n\n" + _WHO
     return entry
 
-
-_WHO = ("`count`: the last k ranks attack (rank 0 stays honest and keeps reporting); `ranks`: the ranks that "
-        "attack, [i,j,...]; give one of them.")
 
 # Every attack role by spec name: "sign-flip:count=2", "ipm:eps=0.5,ranks=[1,5]", "none".
 ATTACKS = Registry(

@@ -90,14 +90,16 @@ class Progress:
     order, end_order = 1, 99  # the bar exists before anything logs; the table needs the record
 
     def __init__(self, enabled: bool = True, tokens_per_sample: int = 1):
+        # rich: only where a person watches. Imported here, not in on_fit_start: importing rich draws from
+        # Python's global RNG (rich.style's id counter), which must happen before a resume restores that RNG
+        from islands.measure.progress import TrainProgress
+
         self.enabled, self.tokens_per_sample = enabled, tokens_per_sample
-        self.bar = None
+        self.bar, self._bar_type = None, TrainProgress
 
     def on_fit_start(self, trainer) -> None:
-        from islands.measure.progress import TrainProgress  # rich: only where a person watches
-
-        self.bar = TrainProgress(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
-                                 start=trainer.step)
+        self.bar = self._bar_type(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
+                                  start=trainer.step)
         trainer.log = self.bar.log
 
     def on_step_end(self, trainer, loss: float) -> None:

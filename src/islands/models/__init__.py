@@ -10,6 +10,9 @@ import torch.nn.functional as F
 
 from islands.memory.recompute import run_checkpointed, split_segments
 
+# The built-in tasks' models, public so that a user's task or a benchmark can build the same ones.
+__all__ = ["Block", "ByteTransformer", "MLP", "count_parameters", "sequence_loss"]
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int):

@@ -48,6 +48,6 @@ def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy |
     return STRATEGIES.build(check_outer(spec), switch=warmup)
 
 
-__all__ = ["CLASSES", "PARAMS", "STRATEGIES", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec", "OuterStrategy",
-           "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "check_outer",
+__all__ = ["CLASSES", "PARAMS", "STRATEGIES", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec",
+           "OuterStrategy", "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "check_outer",
            "make_outer", "parse_outer", "valid_specs"]

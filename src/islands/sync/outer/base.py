@@ -19,7 +19,9 @@ step, buffers do not. At every full synchronisation the islands' floating-point 
 (one more all-reduce, kind "outer_buffers"; islands then adopt the average), and integer buffers
 (num_batches_tracked) are copied from the island, which counts the same steps as every other; the
 global model then holds both, so evaluating or exporting it sees statistics of the data every island
-trained on. Gossip has no global average: there the global model takes the island's own buffers.
+trained on. Gossip has no global average: there the global model takes the island's own buffers
+(`buffer_policy = "own"`). `buffer_policy = "none"` leaves the global model's buffers as they were at
+wrap: what every outer strategy did before this policy, kept only as the own-model bench's negative control.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class LoneComm:
 
 class OuterStrategy(NoOp):
     name = "outer"
-    average_buffers = True  # gossip: False (no global average to take)
+    buffer_policy = "average"  # average | own (gossip: no global average to take) | none (negative control)
 
     def __init__(self):
         self.comm = None
@@ -118,8 +120,10 @@ class OuterStrategy(NoOp):
     @torch.no_grad()
     def synced_buffers(self) -> None:
         """The buffer policy (module docstring): average floating buffers across islands, copy the rest."""
+        if self.buffer_policy == "none":
+            return
         floating = [b for b in self.local_buffers if b.is_floating_point()]
-        if floating and self.average_buffers and self.comm.size > 1:
+        if floating and self.buffer_policy == "average" and self.comm.size > 1:
             view = FlatView(floating)
             flat = view.read()
             self.comm.all_reduce(flat, kind=BUFFER_KIND)

@@ -107,7 +107,7 @@ def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggr
 class Gossip(OuterStrategy):
     name = "gossip"
 
-    average_buffers = False  # no global average: the eval model takes this island's own buffers
+    buffer_policy = "own"  # no global average: the eval model takes this island's own buffers
 
     def __init__(self, every: int = 4, topology: Topology | str = "exp", aggregator: Aggregator | None = None,
                  seed: int = 0):

