@@ -14,9 +14,11 @@ import torch.multiprocessing as mp
 
 from islands.compress import NoCompression, NonFiniteGradientError, ScaledSign, compress_and_average, ddp_comm_hook, parse_compressor
 from islands.compress.average import FINITE_FLAG_NBYTES
-from islands.compress.optim import OptimizerSynced, build_optimizer, parse_optimizer
+from islands.app.validate import validate
+from islands.compress.optim import build_optimizer, parse_optimizer
+from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.compress.torch_powersgd import bucket_nbytes, parse_torch_powersgd, torch_powersgd_hook_factory
-from islands.config import ConfigError, TrainConfig, from_mapping, validate
+from islands.config import ConfigError, JobConfig, from_mapping
 from islands.runtime.comm import Comm, CommLedger
 
 
@@ -71,17 +73,22 @@ def _init(rank, port):
 
 def _onebit_trainer(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    from torch.nn.parallel import DistributedDataParallel
+
+    from islands.app.build import build_trainer
     from islands.runtime.world import init_world
-    from islands.sync.registry import build_inner
-    from islands.trainer import Trainer
+    from islands.sync.ddp import DDP
 
     world = init_world(1, 30.0)
     cfg = validate(from_mapping(dict(task="digits", hidden=16, workers=2, global_batch=16, steps=7, warmup=2,
                                      eval_every=0, probe=False, progress=False, optimizer="onebit-adam:warmup=3")))
-    trainer = Trainer(cfg, world)
-    assert isinstance(build_inner(cfg, world), OptimizerSynced)
+    trainer = build_trainer(cfg, world)
+    # the optimizer averages itself: DDP only broadcasts the start, the model is not wrapped for an exchange
+    assert isinstance(trainer.optimizer, CommunicatingOptimizer) and isinstance(trainer.strategy.inner, DDP)
+    assert trainer.strategy.name == "synced-by-onebit-adam"
+    assert not isinstance(trainer.model, DistributedDataParallel)
     broadcast_bytes = world.ledger.snapshot()["sent"].get("param_broadcast", 0)
-    trainer.run()
+    trainer.fit(cfg.train.steps)
     named = {n: p.detach() for n, p in trainer.model.named_parameters()}
     # Analytic bytes per rank: warm-up steps all-reduce fp32 gradients, later steps send packed signs
     # + one fp32 scale per tensor (all-gather); every call adds the 4-byte NaN/Inf agreement.
@@ -93,7 +100,7 @@ def _onebit_trainer(rank, port, out_dir):
     # A separate model with rank-dependent values: the wrap broadcast makes it identical.
     torch.manual_seed(rank)
     other = torch.nn.Linear(3, 2)
-    OptimizerSynced("onebit-adam").wrap(other, None, world)
+    DDP().wrap(other, build_optimizer("onebit-adam", other.parameters(), lr=0.1, comm=world.comm("local")), world)
     torch.save({"params": named, "analytic": analytic, "training": training, "grad_allreduce": sent.get("grad_all_reduce", 0),
                 "broadcast": broadcast_bytes, "other": other.state_dict(),
                 "param_bytes": sum(p.numel() * 4 for p in named.values())}, os.path.join(out_dir, f"r{rank}.pt"))
@@ -238,7 +245,7 @@ def test_optimizer_specs():
 
 
 def test_config_validates_optimizer_and_torch_powersgd():
-    assert TrainConfig().optimizer == "adamw"
+    assert JobConfig().train.optimizer == "adamw"
     validate(from_mapping({"optimizer": "onebit-adam:warmup=5", "workers": 2}))
     validate(from_mapping({"compress": "torch-powersgd:rank=2,start=3", "workers": 2}))
     with pytest.raises(ConfigError, match="valid optimizers"):

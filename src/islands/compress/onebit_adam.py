@@ -73,6 +73,8 @@ class _CompressedAdamBase(CommunicatingOptimizer):
 class OneBitAdam(_CompressedAdamBase):
     """Adam whose variance freezes after `warmup_steps`; then 1-bit error-compensated momentum."""
 
+    name = "onebit-adam"  # its optimizer spec's name (islands.compress.optim); DDP records "synced-by-<name>"
+
     def _update(self, named, grads, warm):
         if not warm:
             ms = {}
@@ -102,6 +104,8 @@ class NaiveCompressedAdam(_CompressedAdamBase):
     The error compensation assumes the residual means the same thing next step; dividing by a still
     moving sqrt(v) breaks that, and training suffers. It exists so the experiment can show it.
     """
+
+    name = "naive-compressed-adam"
 
     def _update(self, named, grads, warm):
         updates = {}

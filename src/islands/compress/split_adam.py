@@ -33,6 +33,8 @@ VARIANCE_SOURCES = ("compressed", "exact", "local")
 
 
 class SplitMomentAdamW(CommunicatingOptimizer):
+    name = "split-adamw"  # its optimizer spec's name (islands.compress.optim); DDP records "synced-by-<name>"
+
     def __init__(self, params, compressor: CompressorBase, comm: Comm | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, variance: str = "local", variance_every: int = 20, clip: float = 0.0):
         if lr <= 0 or eps <= 0 or weight_decay < 0 or clip < 0:

@@ -19,7 +19,11 @@ class Stack(NoOp):
             if part is not None and not isinstance(part, Strategy):
                 raise TypeError(f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
                                 f"got {type(part).__name__}")
-        self.name = self.inner.name if outer is None else f"{self.inner.name}+{outer.name}"
+
+    @property
+    def name(self) -> str:
+        """Read when asked: an inner strategy names itself in wrap (DDP under a 1-bit optimizer: synced-by-...)."""
+        return self.inner.name if self.outer is None else f"{self.inner.name}+{self.outer.name}"
 
     def _parts(self):
         return [s for s in (self.inner, self.outer) if s is not None]

@@ -15,7 +15,7 @@ from islands.spec import Spec
 from islands.sync.outer.base import LoneComm, OuterStrategy
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.easgd import EASGD
-from islands.sync.outer.gossip import Gossip
+from islands.sync.outer.gossip import Gossip, consensus_distance, simulate_mixing
 from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
@@ -23,6 +23,7 @@ from islands.sync.outer.slowmo import SlowMo
 from islands.sync.outer.registry import STRATEGIES
 from islands.sync.outer.spec import PARAMS, OuterSpec, check_outer, parse_outer, valid_specs
 from islands.sync.outer.streaming_diloco import StreamingDiLoCo
+from islands.sync.outer.topology import parse_topology
 from islands.sync.outer.warm_start import WarmStart
 
 CLASSES = {
@@ -50,4 +51,6 @@ def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy |
 
 __all__ = ["CLASSES", "PARAMS", "STRATEGIES", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec",
            "OuterStrategy", "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "check_outer",
-           "make_outer", "parse_outer", "valid_specs"]
+           "make_outer", "parse_outer", "valid_specs",
+           # gossip's analysis tools: how far a topology's mixing gets in R rounds, without processes
+           "consensus_distance", "parse_topology", "simulate_mixing"]
