@@ -20,6 +20,7 @@ from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.compress.torch_powersgd import bucket_nbytes, parse_torch_powersgd, torch_powersgd_hook_factory
 from islands.config import ConfigError, JobConfig, from_mapping
 from islands.runtime.comm import Comm, CommLedger
+from islands.spec import Spec
 
 
 def _port() -> int:
@@ -245,10 +246,10 @@ def test_optimizer_specs():
 
 
 def test_config_validates_optimizer_and_torch_powersgd():
-    assert JobConfig().train.optimizer == "adamw"
+    assert JobConfig().train.optimizer == Spec("adamw")
     validate(from_mapping({"optimizer": "onebit-adam:warmup=5", "workers": 2}))
     validate(from_mapping({"compress": "torch-powersgd:rank=2,start=3", "workers": 2}))
-    with pytest.raises(ConfigError, match="valid optimizers"):
+    with pytest.raises(ConfigError, match="unknown optimizer 'sgd'; valid: adamw, onebit-adam"):
         validate(from_mapping({"optimizer": "sgd"}))
     with pytest.raises(ConfigError, match="no gradient exchange to compress"):
         validate(from_mapping({"optimizer": "onebit-adam", "compress": "powersgd:rank=4"}))

@@ -15,13 +15,13 @@ from outer_mp import run_world
 D = 6  # parameters of the tiny model: Linear(2, 2)
 
 
-def _strategy(world, spec: str, total: int = 100):
+def _strategy(world, spec: str):
     from islands.sync.outer import make_outer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    s = make_outer(spec, total_steps=total)
+    s = make_outer(spec)
     s.wrap(model, opt, world)
     return s, model, opt
 
@@ -68,7 +68,7 @@ def _resume(world) -> dict:
 
 
 def _cadence(world) -> list[int]:
-    s, model, opt = _strategy(world, "gossip:every=2,topology=ring", total=5)
+    s, model, opt = _strategy(world, "gossip:every=2,topology=ring")
     synced = []
     for step in range(5):
         x = torch.randn(4, 2, generator=torch.Generator().manual_seed(world.rank * 10 + step))
@@ -79,6 +79,10 @@ def _cadence(world) -> list[int]:
         s.after_step(model, opt, step)
         if s.rounds > before:
             synced.append(step)
+    before = s.rounds
+    s.finish(model)  # the final synchronisation, after the last step
+    if s.rounds > before:
+        synced.append("finish")
     return synced
 
 
@@ -140,5 +144,5 @@ def test_gossip_four_ranks():
         assert np.array_equal(r["resume"]["a"], r["resume"]["b"])
         assert r["resume"]["rounds"] == (3, 3) and r["resume"]["weights"][0] == r["resume"]["weights"][1]
 
-    # cadence: every=2 over 5 steps syncs after steps 1, 3 and the last step 4
-    assert all(r["cadence"] == [1, 3, 4] for r in res)
+    # cadence: every=2 over 5 steps syncs after steps 1, 3 and, in finish, after the last step 4
+    assert all(r["cadence"] == [1, 3, "finish"] for r in res)

@@ -32,7 +32,7 @@ def test_two_worker_job_writes_record_and_plot(tmp_path):
     assert rec["interconnect"]["measured"] and rec["interconnect"]["p2p"]["bandwidth_gbit_s"] > 0
     assert "per worker" in rec["baseline"]["definition"]
     assert [v["step"] for v in rec["series"]["val"]] == [0, 3, 6]
-    assert "git_revision" in rec["versions"] and rec["config"]["workers"] == 2
+    assert "git_revision" in rec["versions"] and rec["config"]["world"]["workers"] == 2
     # every rank handed the same bytes; equal to steps x fp32 gradient payload
     sent = {r["sent"]["grad_all_reduce"] for r in rec["comm"]["per_rank"]}
     assert len(sent) == 1 and sent.pop() % 6 == 0
@@ -75,7 +75,7 @@ def test_raising_worker_shows_its_error(tmp_path):
     out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "3", "--data", str(corpus),
                           "--run-dir", str(tmp_path / "run"), *TINY], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    assert "failed (exit code 1)" in out.stderr and "has no items; use fewer workers or more data" in out.stderr
+    assert "failed (exit code 1)" in out.stderr and "is shorter than one context" in out.stderr
 
 
 def test_busy_port_is_a_clear_error(tmp_path):

@@ -52,7 +52,7 @@ def _worker(rank, env, queue):
         before = world.ledger.snapshot()["sent"].get("grad_all_reduce", 0)
         for b in global_batches():
             mine = b[rank * BATCH:(rank + 1) * BATCH]
-            step(ddp, sequence_loss, mine[:, :-1], mine[:, 1:])
+            step(ddp, (mine[:, :-1], mine[:, 1:]), sequence_loss)
             opt.step()
             opt.zero_grad()
         sent = world.ledger.snapshot()["sent"]["grad_all_reduce"] - before

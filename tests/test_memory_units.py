@@ -22,7 +22,7 @@ def batch(b=6, seed=1):
 
 
 def grads_after(model, step, x, y):
-    step(model, sequence_loss, x, y)
+    step(model, (x, y), sequence_loss)
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -83,7 +83,7 @@ def test_bf16_autocast_trains_with_fp32_parameters_and_holds_less():
     x, y = batch(8)
     losses = []
     for _ in range(15):
-        losses.append(step(model, sequence_loss, x, y).item())
+        losses.append(step(model, (x, y), sequence_loss).item())
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         opt.step()
         opt.zero_grad()
@@ -101,7 +101,7 @@ def test_accumulated_micro_batches_equal_the_whole_batch(micro):
     whole = grads_after(tiny(), ForwardBackward(), x, y)
     model = tiny()
     step = ForwardBackward(micro_batch=micro)
-    loss = step(model, sequence_loss, x, y)
+    loss = step(model, (x, y), sequence_loss)
     assert step.pieces(6) == {1: [1] * 6, 2: [2, 2, 2], 4: [4, 2]}[micro]
     for a, b in zip(whole, [p.grad for p in model.parameters()]):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
@@ -115,8 +115,8 @@ def test_micro_batches_work_for_the_digits_mlp():
     a = MLP()
     torch.manual_seed(0)
     b = MLP()
-    ForwardBackward()(a, torch.nn.functional.cross_entropy, x, y)
-    ForwardBackward(micro_batch=3)(b, torch.nn.functional.cross_entropy, x, y)
+    ForwardBackward()(a, (x, y), torch.nn.functional.cross_entropy)
+    ForwardBackward(micro_batch=3)(b, (x, y), torch.nn.functional.cross_entropy)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6)
 

@@ -26,7 +26,7 @@ STEPS = 6
 class Run:
     """A tiny model, AdamW and one outer strategy, stepped by hand (the trainer's hook order)."""
 
-    def __init__(self, world, spec: str, total: int, inner: str = "adamw"):
+    def __init__(self, world, spec: str, inner: str = "adamw"):
         from islands.sync.outer import make_outer
 
         self.world = world
@@ -35,7 +35,7 @@ class Run:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         else:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.strategy = make_outer(spec, total_steps=total, warmup=2)
+        self.strategy = make_outer(spec, warmup=2)
         self.strategy.wrap(self.model, self.opt, world)
 
     def step(self, i: int) -> None:
@@ -46,6 +46,9 @@ class Run:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.strategy.after_step(self.model, self.opt, i)
+
+    def finish(self) -> None:
+        self.strategy.finish(self.model)  # after the last step: the final synchronisation
 
     def snapshot(self) -> dict:
         return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
@@ -65,9 +68,10 @@ class Run:
 
 def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
     before = world.ledger.snapshot()
-    run = Run(world, spec, steps, inner)
+    run = Run(world, spec, inner)
     for i in range(steps):
         run.step(i)
+    run.finish()
     after = world.ledger.snapshot()
     sent = {k: after["sent"].get(k, 0) - before["sent"].get(k, 0) for k in after["sent"]}
     s = run.strategy
@@ -80,16 +84,18 @@ def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
-    a = Run(world, spec, steps)
+    a = Run(world, spec)
     for i in range(cut):
         a.step(i)
     snap = a.snapshot()
     for i in range(cut, steps):
         a.step(i)
-    b = Run(world, spec, steps)
+    a.finish()
+    b = Run(world, spec)
     b.restore(snap)
     for i in range(cut, steps):
         b.step(i)
+    b.finish()
     return {"a": a.global_np(), "b": b.global_np(), "a_local": a.local_np(), "b_local": b.local_np()}
 
 

@@ -15,7 +15,7 @@ def _outer_step(schedule: str, inner_lr_now: float) -> torch.Tensor:
     torch.manual_seed(0)
     model = MLP(8, 16, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)  # built at the peak lr, as the trainer does
-    s = make_outer(f"diloco:inner_steps=1,outer=sgd,outer_lr=1,momentum=0,outer_schedule={schedule}", total_steps=5)
+    s = make_outer(f"diloco:inner_steps=1,outer=sgd,outer_lr=1,momentum=0,outer_schedule={schedule}")
     s.wrap(model, opt, World.single())
     start = s.global_flat.clone()
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
@@ -37,7 +37,7 @@ def test_inner_schedule_scales_the_outer_step_by_lr_now_over_lr_at_build():
 
 
 def test_bad_outer_schedule_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="outer_schedule must be one of constant, inner"):
-        make_outer("diloco:outer_schedule=cosine", total_steps=5)
+    with pytest.raises(ValueError, match="outer_schedule must be 'constant' or 'inner', got 'cosine'"):
+        make_outer("diloco:outer_schedule=cosine")
     with pytest.raises(ValueError, match="outer_schedule"):
-        make_outer("streaming-diloco:inner_steps=4,fragments=2,outer_schedule=linear", total_steps=9)
+        make_outer("streaming-diloco:inner_steps=4,fragments=2,outer_schedule=linear")

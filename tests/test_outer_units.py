@@ -61,7 +61,7 @@ def test_fragments_cover_every_element_exactly_once(numel, fragments):
 
 @pytest.mark.parametrize("h, f", [(4, 2), (10, 4), (7, 7), (100, 4), (5, 1)])
 def test_each_fragment_starts_exactly_once_per_cycle(h, f):
-    s = DiLoCo(10 * h, inner_steps=h, fragments=f)
+    s = DiLoCo(inner_steps=h, fragments=f)
     for cycle in range(3):
         starts = [p for done in range(cycle * h + 1, (cycle + 1) * h + 1) for p in s.starting(done)]
         assert sorted(starts) == list(range(f)), (cycle, starts)
@@ -99,7 +99,7 @@ def _one_island(spec: str, steps: int, cut: int | None = None):
         torch.manual_seed(0)
         model = MLP(8, 16, 3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        s = make_outer(spec, total_steps=steps)
+        s = make_outer(spec)
         s.wrap(model, opt, World.single())
         return model, opt, s
 
@@ -117,6 +117,7 @@ def _one_island(spec: str, steps: int, cut: int | None = None):
         if i == cut:
             snap = copy.deepcopy((model.state_dict(), opt.state_dict(), s.state_dict()))
         step(model, opt, s, i)
+    s.finish(model)  # the final synchronisation after the last step
     if snap is None:
         return s, None
     m2, o2, s2 = fresh()
@@ -125,6 +126,7 @@ def _one_island(spec: str, steps: int, cut: int | None = None):
     s2.load_state_dict(snap[2])
     for i in range(cut, steps):
         step(m2, o2, s2, i)
+    s2.finish(m2)
     return s, s2
 
 
@@ -147,7 +149,7 @@ def test_eval_model_is_the_last_synchronised_global_model():
 def test_outer_momentum_state_round_trips():
     s, _ = _one_island("diloco:inner_steps=2", steps=4)
     state = copy.deepcopy(s.state_dict())
-    t = make_outer("diloco:inner_steps=2", total_steps=4)
+    t = make_outer("diloco:inner_steps=2")
     from islands.models import MLP
 
     torch.manual_seed(0)
@@ -188,7 +190,7 @@ def test_lr_scale_sqrt_islands_multiplies_the_outer_step_by_sqrt_m():
         torch.manual_seed(0)
         model = MLP(8, 16, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        s = make_outer(f"diloco:inner_steps=1,outer=sgd,outer_lr=1,momentum=0,lr_scale={scale}", total_steps=5)
+        s = make_outer(f"diloco:inner_steps=1,outer=sgd,outer_lr=1,momentum=0,lr_scale={scale}")
         s.wrap(model, opt, World.single())
         s.comm = _SameDeltaComm()
         start = s.global_flat.clone()
@@ -200,7 +202,7 @@ def test_lr_scale_sqrt_islands_multiplies_the_outer_step_by_sqrt_m():
     assert torch.allclose(steps["sqrt-islands"], 2.0 * steps["none"], atol=1e-7)  # sqrt(4) = 2
     assert steps["none"].abs().max() > 0
     with pytest.raises(ValueError, match="lr_scale"):
-        make_outer("diloco:lr_scale=linear", total_steps=5)
+        make_outer("diloco:lr_scale=linear")
 
 
 def test_replay_landing_is_new_global_plus_the_steps_since_the_send():
@@ -210,7 +212,7 @@ def test_replay_landing_is_new_global_plus_the_steps_since_the_send():
     torch.manual_seed(0)
     model = MLP(8, 16, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    s = make_outer("streaming-diloco:inner_steps=2,fragments=1,tau=1,bits=32,landing=replay", total_steps=10)
+    s = make_outer("streaming-diloco:inner_steps=2,fragments=1,tau=1,bits=32,landing=replay")
     s.wrap(model, opt, World.single())
     seen = {}
     for i in range(3):

@@ -153,13 +153,14 @@ def test_partition_is_balanced_and_deterministic():
 
 
 def test_config_wires_zero1_and_rejects_what_it_cannot_combine():
-    from islands.config import ConfigError, TrainConfig, validate
+    from islands.app.build import build_inner, build_task
+    from islands.app.validate import validate
+    from islands.config import ConfigError, from_mapping
     from islands.runtime.world import World
-    from islands.sync.registry import build_inner
     from islands.sync.zero1 import ZeRO1
 
-    cfg = validate(TrainConfig(workers=2, global_batch=4, inner="zero1", bucket_mb=1.0))
-    inner = build_inner(cfg, World.single())
+    cfg = validate(from_mapping(dict(workers=2, global_batch=4, inner="zero1", bucket_mb=1.0)))
+    inner = build_inner(cfg, World.single(), build_task(cfg))
     assert isinstance(inner, ZeRO1) and inner.ddp.bucket_mb == 1.0
-    with pytest.raises(ConfigError, match="inner=zero1"):
-        validate(TrainConfig(workers=2, global_batch=4, inner="zero1", compress="topk:ratio=0.01"))
+    with pytest.raises(ConfigError, match="inner.strategy=zero1"):
+        validate(from_mapping(dict(workers=2, global_batch=4, inner="zero1", compress="topk:ratio=0.01")))

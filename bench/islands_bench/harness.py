@@ -26,6 +26,7 @@ from rich.table import Table
 from islands.app.validate import validate
 from islands.config import JobConfig, from_mapping
 from islands.measure import versions, write_json_atomic
+from islands.spec import Spec
 
 
 @dataclass
@@ -38,6 +39,12 @@ class Experiment:
 
 
 REGISTRY: dict[str, Experiment] = {}
+
+
+def spec_text(value) -> str:
+    """A spec-valued config key as text ("powersgd:rank=4"), from a JobConfig (a Spec) or a run record's
+    config (its JSON form); "none" when unset."""
+    return "none" if value in (None, "") else str(Spec.from_json(value))
 
 
 def experiment(name: str, practices: tuple[str, ...] = (), help: str = "", devices: tuple[str, ...] = ("cpu",)):
@@ -90,8 +97,8 @@ class BenchContext:
             self.runs.append(done)
             return done
         self.log(f"run {label}: workers={cfg.world.workers} islands={cfg.world.islands} steps={cfg.train.steps} "
-                 f"inner={cfg.inner_strategy} outer={cfg.outer.strategy or '-'} compress={cfg.inner.compressor} "
-                 f"testbed={cfg.world.testbed or '-'}")
+                 f"inner={cfg.inner_strategy} outer={spec_text(cfg.outer.strategy)} "
+                 f"compress={spec_text(cfg.inner.compressor)} testbed={cfg.world.testbed or '-'}")
         t = time.perf_counter()
         code = launch(cfg, run_dir)
         if code != 0:
@@ -118,7 +125,7 @@ class BenchContext:
         cfg = self.config(run_dir=str(run_dir), **overrides)
         run_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
-        self.log(f"run {label}: {cfg.world.workers} elastic workers, outer={cfg.outer.strategy}, "
+        self.log(f"run {label}: {cfg.world.workers} elastic workers, outer={spec_text(cfg.outer.strategy)}, "
                  f"steps={cfg.train.steps}")
         code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=on_started)
         if code != 0:

@@ -10,7 +10,7 @@ from islands_bench.experiments.outer_diloco import OUTER_LRS, OUTER_MOMENTA, gap
 def record(loss: float, sent: dict, calls: dict, steps: int = 1000) -> dict:
     total = sum(sent.values())
     return {"summary": {"final_val_loss": loss, "mb_sent_per_worker": total / 1e6, "seconds_per_step": 0.1},
-            "comm": {"per_rank": [{"sent": sent, "calls": calls}]}, "config": {"steps": steps},
+            "comm": {"per_rank": [{"sent": sent, "calls": calls}]}, "config": {"train": {"steps": steps}},
             "interconnect_line": "gloo loopback"}
 
 

@@ -1,8 +1,8 @@
 """byzantine (SOTA-220): every attack against every aggregator at n = 8 workers, f in {0, 1, 2, 3}.
 
-The grid (hundreds of training runs) is SIMULATED IN ONE PROCESS: islands.faults.simulate computes
-the 8 workers' gradients on their own shards and runs the same AttackPlan and aggregator code a real
-job runs (tests/test_robust_training.py checks a simulated run against a real 4-rank one). A few
+The grid (hundreds of training runs) is SIMULATED IN ONE PROCESS: islands_bench.byzantine_sim computes
+the 8 workers' gradients on their own shards and runs the same attack and aggregator objects a real
+job runs (bench/tests/test_byzantine_sim.py checks a simulated run against a real 4-rank one). A few
 cells are then confirmed with real 8-process gloo jobs on digits (ctx.train), side by side with
 their simulated twins. Aggregation time is measured per step against the mean of the same inputs.
 
@@ -19,6 +19,7 @@ import math
 import os
 import statistics
 
+from islands_bench.byzantine_sim import simulated_job
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
 
@@ -77,15 +78,13 @@ def relative(value: float, clean: float, higher: bool) -> float:
 
 
 def simulate_grid(ctx: BenchContext, task: str, fs: list[int], attacks: list[str], aggregators: list[str], steps: int) -> list[dict]:
-    from islands.faults.simulate import simulate
-
     cells = []
     for f in fs:
         for attack in (["none"] if f == 0 else attacks):
             for label in aggregators:
                 cfg = ctx.config(**{**TASKS[task]["config"], "steps": steps, "workers": N, "eval_every": 0,
                                     "probe": False, "threads": 1})
-                run = simulate(cfg, aggregator_spec(label, f), attack_spec(attack, f)).to_dict()
+                run = simulated_job(cfg, aggregator_spec(label, f), attack_spec(attack, f)).run(steps).to_dict()
                 run.update(task=task, f=f, attack_name=attack if f else "none", aggregator=label)
                 cells.append(run)
             ctx.log(f"simulated {task} f={f} {attack}: " + ", ".join(
@@ -132,10 +131,9 @@ def time_aggregators(ctx: BenchContext, task: str, f: int, attack: str, aggregat
     import time
 
     from islands.aggregate import parse_aggregator
-    from islands.faults.simulate import SimulatedWorkers
 
     cfg = ctx.config(**{**TASKS[task]["config"], "workers": N, "eval_every": 0, "probe": False, "threads": 1})
-    sim = SimulatedWorkers(cfg, "mean", attack_spec(attack, f))
+    sim = simulated_job(cfg, "mean", attack_spec(attack, f))
     sent = sim.plan.corrupt_all([sim.worker_gradient(r)[0] for r in range(N)])
     aggs = {label: parse_aggregator(aggregator_spec(label, f)) for label in aggregators}
     best = {label: math.inf for label in aggregators}

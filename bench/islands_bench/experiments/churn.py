@@ -7,6 +7,7 @@ the joiner's wait = rounds committed after its admission that did not yet includ
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -16,28 +17,43 @@ import sys
 import threading
 import time
 
+import torch.distributed as dist
+
 from islands_bench.experiments.churn_torchft import (TorchftSettings, event_stalls, islands_commits, load_torchft,
                                                       run_torchft, stalls_over_survivors, summarise_torchft)
 from islands_bench.harness import BenchContext, experiment
 
 
+# The elastic job's coordinator keeps its keys under this prefix (islands.runtime.membership's protocol,
+# docs/membership.md); the experiment watches them to time its kills and its join.
+STORE_PREFIX = "islands"
+
 _JOINER = """
-import sys, time
-import islands.trainer, islands.task, sklearn.datasets, islands.runtime.elastic_worker as ew
-from islands.runtime.membership import connect
+import datetime, sys, time
+import torch.distributed as dist
+import sklearn.datasets, islands.app.elastic_worker as ew
 host, port = sys.argv[1].rsplit(":", 1)
-store = connect(host, int(port))
+store = dist.PrefixStore(sys.argv[3], dist.TCPStore(host, int(port), is_master=False,
+                                                   timeout=datetime.timedelta(seconds=30)))
 while not store.check(["bench/go"]):
     time.sleep(0.01)
-ew.exit_now(ew.main(sys.argv[1:]))
+ew.exit_now(ew.main(sys.argv[1:3]))
 """
 
 
-def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at: int, log: dict) -> None:
-    from islands.runtime.membership import connect, get_json
+def job_store(address: str):
+    """A client of the elastic job's coordinator store at HOST:PORT, seeing the job's own keys."""
+    host, port = address.rsplit(":", 1)
+    raw = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+    return dist.PrefixStore(STORE_PREFIX, raw)
 
-    host, port = address.split(":")
-    store = connect(host, int(port))
+
+def _get_json(store, key: str, default=None):
+    return json.loads(store.get(key)) if store.check([key]) else default
+
+
+def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at: int, log: dict) -> None:
+    store = job_store(address)
 
     def wait(key):
         while not store.check([key]):
@@ -46,7 +62,8 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
     wait("e/0/members")
     # start the joiner now, with torch imported, so that start-up time does not decide when it asks
     env = dict(os.environ, ISLANDS_NAME="j1", ISLANDS_TOKEN=log["token"], OMP_NUM_THREADS="1")
-    log["joiner"] = subprocess.Popen([sys.executable, "-c", _JOINER, address, str(log["join_dir"])], env=env,
+    log["joiner"] = subprocess.Popen([sys.executable, "-c", _JOINER, address, str(log["join_dir"]), STORE_PREFIX],
+                                     env=env,
                                      stdout=open(log["join_dir"].parent / "logs" / "j1.log", "w"),
                                      stderr=subprocess.STDOUT)
     members = [m[1] for m in json.loads(store.get("e/0/members"))]
@@ -61,7 +78,7 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
             proc = log["joiner"]
             log["released"] = time.time()
             store.set("bench/go", "1")  # the pre-started joiner asks to join now
-            while not any(p[1] == name for p in get_json(store, "pending", [])) and proc.poll() is None:
+            while not any(p[1] == name for p in _get_json(store, "pending", [])) and proc.poll() is None:
                 time.sleep(0.01)
             log["join"] = {"name": name, "asked_round": rnd, "admitted": time.time(), "proc": proc}
             while not store.check([f"ready/{name}"]) and proc.poll() is None:

@@ -208,7 +208,7 @@ def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict |
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
-    rounds = cfg.steps // inner_steps
+    rounds = cfg.train.steps // inner_steps
     # the lighthouse in its own process: its Rust log goes to a file, and a replica's death cannot touch it
     lighthouse = subprocess.Popen(
         [sys.executable, "-c", _LIGHTHOUSE, json.dumps({"join_timeout_ms": settings.join_timeout_ms,

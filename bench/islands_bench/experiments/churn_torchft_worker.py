@@ -2,7 +2,7 @@
 
     python -m islands_bench.experiments.churn_torchft_worker SPEC.json
 
-The replica trains the same task as our elastic run (islands.task.build_task: same model, data shard,
+The replica trains the same task as our elastic run (islands.app.build.build_task: same model, data shard,
 seed, AdamW inner optimizer, lr schedule, grad clip) under torchft's DiLoCo wrapper (inner steps H,
 outer Nesterov SGD lr 0.7, momentum 0.9 as our DiLoCo defaults), one replica group of size 1 per
 worker, coordinated by the controller's torchft Lighthouse. torchft's public API only: Manager,
@@ -37,14 +37,18 @@ def main(spec_path: str) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from islands import WarmupCosine, evaluate
+    from islands.app.build import build_task
     from islands.config import load_json
-    from islands.task import build_task, evaluate
-    from islands.trainer import lr_at
+    from islands.data import batch_source
 
     cfg = load_json(Path(spec["config"]))
-    task = build_task(cfg, spec["shard"], spec["shards"])
+    task = build_task(cfg)
+    batches = batch_source(task.train_data, spec["shard"], spec["shards"], task.batch_size, cfg.train.seed)
+    schedule = WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio)
     model, h, rounds = task.model, spec["inner_steps"], spec["rounds"]
-    inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    inner = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
+                              weight_decay=cfg.train.weight_decay)
     outer = torch.optim.SGD(model.parameters(), lr=spec["outer_lr"], momentum=spec["outer_momentum"], nesterov=True)
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
@@ -74,12 +78,12 @@ def main(spec_path: str) -> int:
         while manager.current_step() < rounds:
             before = manager.current_step()
             for group in inner.param_groups:
-                group["lr"] = lr_at(before * h + inner_steps % h, cfg)
-            x, y = task.loader.next()
+                group["lr"] = cfg.train.lr * schedule(before * h + inner_steps % h)
+            x, y = batches.next()
             loss = task.loss_fn(model(x), y)
             loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             inner.step()  # DiLoCo's post-hook runs the quorum and the outer exchange every h-th call
             inner.zero_grad(set_to_none=True)
             inner_steps += 1
@@ -87,7 +91,8 @@ def main(spec_path: str) -> int:
                 out.write(json.dumps({"t": time.time(), "step": manager.current_step(),
                                       "committed": manager.current_step() > before,
                                       "participants": manager.num_participants(), "loss": loss.item()}) + "\n")
-    final = {"final": True, "t": time.time(), "step": manager.current_step(), **evaluate(model, task, torch.device("cpu"))}
+    metrics = evaluate(model, task.val_data, task.loss_fn, torch.device("cpu"), task.metrics)
+    final = {"final": True, "t": time.time(), "step": manager.current_step(), **metrics}
     out.write(json.dumps(final) + "\n")
     out.close()
     manager.shutdown(wait=False)

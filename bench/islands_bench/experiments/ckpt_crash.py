@@ -1,6 +1,6 @@
 """ckpt-crash: kill -9 at random moments while a process saves checkpoints; count loadable outcomes.
 
-A child process (islands.checkpoint.crash) saves deterministic state trees in a loop into one store,
+A child process (islands_bench.checkpoint_crash) saves deterministic state trees in a loop into one store,
 so nearly every kill lands inside a save (staging, data write, manifest, fsync, rename, pointer,
 retention). After each SIGKILL the parent opens the store as a restarted job would: partial
 directories are cleaned, the newest checkpoint must load and verify, and its content must equal what
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
-from islands.checkpoint.crash import run_crash_trials
+from islands_bench.checkpoint_crash import run_crash_trials
 
 
 def _plot(result: dict, path) -> None:

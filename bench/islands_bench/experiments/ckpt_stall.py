@@ -28,8 +28,8 @@ import torch
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
 from islands.checkpoint import CheckpointStore
-from islands.checkpoint.measure import measure_stall
-from islands.checkpoint.tree import tree_nbytes
+from islands_bench.checkpoint_measure import measure_stall
+from islands.checkpoint import tree_nbytes
 from islands.models import ByteTransformer
 
 

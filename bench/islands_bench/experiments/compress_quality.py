@@ -7,7 +7,7 @@ per step against uncompressed ddp (AdamW) launched in the same invocation.
 from __future__ import annotations
 
 from islands_bench.experiments.compress_common import curve, lm_setting, plot_curves, row
-from islands_bench.harness import BenchContext, experiment
+from islands_bench.harness import BenchContext, experiment, spec_text
 
 
 def _stage_steps(steps: int) -> int:
@@ -19,7 +19,8 @@ def _runs(ctx: BenchContext, runs: list[tuple[str, dict]]) -> tuple[list[dict], 
     common = lm_setting(ctx)
     recs = {label: ctx.train(label, **common, **over) for label, over in runs}
     base = recs["ddp"]
-    rows = [row(label, rec, base, compress=rec["config"]["compress"], optimizer=rec["config"]["optimizer"])
+    rows = [row(label, rec, base, compress=spec_text(rec["config"]["inner"]["compressor"]),
+                optimizer=spec_text(rec["config"]["train"]["optimizer"]))
             for label, rec in recs.items()]
     return rows, recs, {label: curve(rec) for label, rec in recs.items()}
 

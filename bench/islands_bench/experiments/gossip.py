@@ -2,7 +2,7 @@
 
 Three parts, measured side by side in one invocation:
   mixing    consensus distance vs rounds for ring / exponential graph / fresh random peers, pure
-            mixing in one process (islands.sync.outer.gossip.simulate_mixing: the strategy's own
+            mixing in one process (islands.sync.outer.simulate_mixing: the strategy's own
             arithmetic), averaged over seeds; distance relative to the starting one.
   training  digits, workers = islands (8 quick): gossip(exp), gossip(ring), gossip(random:s=1) and
             local-sgd (all-reduce) at the same H. Every run writes one checkpoint per rank at its last
@@ -29,8 +29,7 @@ REL_TARGET = 1e-3  # "agreed" = consensus distance below 0.1% of the starting on
 
 # ---- part 1: pure mixing --------------------------------------------------------------------------
 def mixing_rows(n: int, rounds: int, seeds: int, dim: int = 64) -> tuple[list[dict], dict]:
-    from islands.sync.outer.gossip import simulate_mixing
-    from islands.sync.outer.topology import parse_topology
+    from islands.sync.outer import parse_topology, simulate_mixing
 
     rows, curves = [], {}
     for spec in TOPOLOGIES:
@@ -55,28 +54,26 @@ def mixing_rows(n: int, rounds: int, seeds: int, dim: int = 64) -> tuple[list[di
 # ---- part 2: training on digits -------------------------------------------------------------------
 def _node_models(ctx: BenchContext, label: str, workers: int) -> list[dict]:
     """Each rank's final checkpoint tree (model = that node's own model, strategy.outer.global = its params)."""
-    from islands.checkpoint.manifest import manifest_name
     from islands.checkpoint import CheckpointStore
 
-    run_dir = ctx.out_dir / "runs" / label
-    manifests = sorted(run_dir.rglob(manifest_name(0)))
-    if not manifests:
-        raise RuntimeError(f"no per-rank checkpoint under {run_dir}; did ckpt_every reach the last step?")
-    root = manifests[0].parent.parent
+    root = ctx.out_dir / "runs" / label / "ckpt"  # the job's checkpoint directory (checkpoint.dir "" = RUN_DIR/ckpt)
+    if not root.is_dir():
+        raise RuntimeError(f"no checkpoint under {root}; did ckpt_every reach the last step?")
     return [CheckpointStore(root, rank=r, world_size=workers, barrier=lambda: None, clean=False).load().tree
             for r in range(workers)]
 
 
 def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[dict]:
-    from islands.sync.outer.gossip import consensus_distance
-    from islands.task import build_task, evaluate
+    from islands import evaluate
+    from islands.app.build import build_task
+    from islands.sync.outer import consensus_distance
 
     base = dict(task="digits", steps=steps, global_batch=8 * workers, warmup=max(steps // 10, 1), eval_every=0,
                 workers=workers, islands=workers, log_every=max(steps // 10, 1), ckpt_every=steps)
     runs = [("local-sgd", f"local-sgd:every={h}"), ("gossip-exp", f"gossip:every={h},topology=exp"),
             ("gossip-ring", f"gossip:every={h},topology=ring"),
             ("gossip-random-s1", f"gossip:every={h},topology=random:s=1")]
-    task = build_task(ctx.config(**{**base, "workers": 1, "islands": 1}), shard=0, shards=1)  # val set + model
+    task = build_task(ctx.config(**{**base, "workers": 1, "islands": 1}))  # the val set and a model to load into
     rows = []
     for label, spec in runs:
         rec = ctx.train(label, outer=spec, **base)
@@ -84,7 +81,7 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
         losses = []
         for tree in trees:
             task.model.load_state_dict(tree["model"])
-            losses.append(evaluate(task.model, task, torch.device("cpu"))["val_loss"])
+            losses.append(evaluate(task.model, task.val_data, task.loss_fn, torch.device("cpu"))["val_loss"])
         flats = [tree["strategy"]["outer"]["global"] for tree in trees]  # Stack(inner, outer) state
         ledgers = rec["comm"]["per_rank"]
         sent = [l["sent"].get("outer_params", 0) for l in ledgers]

@@ -93,9 +93,10 @@ def _depth(layer_counts, context: int, batch: int) -> list[dict]:
 
 
 def _losses(ctx: BenchContext, steps: int, batch: int, variants) -> list[dict]:
-    from islands.config import from_mapping, validate
     from islands import World
-    from islands.trainer import Trainer
+    from islands.app.build import run_job
+    from islands.app.validate import validate
+    from islands.config import from_mapping
 
     rows = []
     for name in variants:
@@ -104,7 +105,7 @@ def _losses(ctx: BenchContext, steps: int, batch: int, variants) -> list[dict]:
                                      "eval_every": 0, "eval_batches": 8, "probe": False, "progress": False,
                                      "precision": precision, "activation_checkpointing": bool(segments(4))}))
         ctx.log(f"training {name} for {steps} steps")
-        record = Trainer(cfg, World.single()).run()
+        record = run_job(cfg, World.single())
         s = record["summary"]
         rows.append({"part": "loss", "context": 128, "layers": 4, "batch_per_worker": batch, "variant": name,
                      "steps": steps, "final_val_loss": round(s["final_val_loss"], 4),

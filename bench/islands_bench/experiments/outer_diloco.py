@@ -125,7 +125,7 @@ def gap_row(label: str, rec: dict, ref: dict, extras: dict) -> dict:
     row = row_of(label, rec, **extras)
     ledger = rec["comm"]["per_rank"][0]["sent"]
     warm = extras.get("warm_start", 0)
-    steps = rec["config"]["steps"]
+    steps = rec["config"]["train"]["steps"]
     ddp_bytes = ref["bytes_per_worker"]
     row["loss_gap_pct"] = gap_pct(row["final_val_loss"], ref["final_val_loss"])
     # a run that sends nothing (one island alone) has no ratio

@@ -21,7 +21,7 @@ def _plot(result, path):
 
 def _peak(rec: dict) -> int:
     """Largest single exchange rank 0 sent, from the strategy's outer_exchanges.json (lengths included)."""
-    report = json.loads((Path(rec["config"]["run_dir"]) / "outer_exchanges.json").read_text())
+    report = json.loads((Path(rec["config"]["output"]["run_dir"]) / "outer_exchanges.json").read_text())
     return int(report["peak_sent_bytes"])
 
 

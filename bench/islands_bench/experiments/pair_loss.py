@@ -27,7 +27,7 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
     import torch.nn.functional as F
 
     from islands.measure import describe
-    from islands.parallel.contrastive import sigmoid_pair_loss, softmax_pair_loss
+    from islands.parallel import sigmoid_pair_loss, softmax_pair_loss
     from islands import close_world
 
     world, inter = join_world(rate)
@@ -72,7 +72,7 @@ def _quality(batch: int, loss_name: str, steps: int, seed: int = 0) -> float:
     import torch.nn.functional as F
     from torch import nn
 
-    from islands.parallel.contrastive import sigmoid_pair_loss, softmax_pair_loss
+    from islands.parallel import sigmoid_pair_loss, softmax_pair_loss
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)

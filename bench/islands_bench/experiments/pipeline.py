@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from islands_bench.harness import BenchContext, experiment
+from islands_bench.spawn import free_port
 
 STAGES = 3
 MICROBATCHES = (1, 2, 4, 8)
@@ -112,8 +113,6 @@ def _worker(out_path: str, quick: bool, steps: int, rate: str) -> None:
 
 
 def _launch(out: Path, quick: bool, steps: int, bed=None) -> dict:
-    from islands.runtime.launch import free_port
-
     port = bed.free_port(0) if bed is not None else free_port()
     procs = []
     for rank in range(STAGES):

@@ -33,7 +33,7 @@ def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: st
     import torch
 
     from islands.measure import describe
-    from islands.parallel.ring_attention import ring_attention
+    from islands.parallel import ring_attention
     from islands import close_world
 
     world, inter = join_world(rate)

@@ -20,7 +20,7 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
     import torch
 
     from islands.measure import describe
-    from islands.parallel.sequence import TensorParallelMLP, sequence_shard
+    from islands.parallel import TensorParallelMLP, sequence_shard
     from islands import close_world
 
     world, inter = join_world(rate)

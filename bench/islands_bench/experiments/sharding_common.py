@@ -16,8 +16,8 @@ import statistics
 
 from islands_bench.harness import BenchContext
 from islands.models import ByteTransformer
-from islands.sync.sharded import plan_units, state_bytes_per_rank
-from islands.sync.wrap_policy import parse_wrap
+from islands.sync import plan_units, state_bytes_per_rank
+from islands.sync import parse_wrap
 
 TRAINING_KINDS = ("grad_all_reduce", "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_grad_norm")
 

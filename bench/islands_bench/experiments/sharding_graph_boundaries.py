@@ -13,8 +13,8 @@ from islands_bench.experiments.sharding_common import best_of_two_passes, lm_con
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
 from islands.models import ByteTransformer
-from islands.sync.sharded import plan_units
-from islands.sync.wrap_policy import parse_wrap, trace_order
+from islands.sync import plan_units
+from islands.sync import parse_wrap, trace_order
 
 
 def _shape(cfg: dict, wrap: str, n: int) -> dict:

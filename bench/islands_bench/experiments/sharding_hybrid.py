@@ -16,8 +16,8 @@ import os
 
 from islands_bench.experiments.sharding_common import lm_config, median_step_seconds, model_units
 from islands_bench.harness import BenchContext, experiment
-from islands.sync.shard_group import choose_group, cross_island_wire_bytes
-from islands.sync.sharded import Unit, state_bytes_per_rank
+from islands.sync import choose_group, cross_island_wire_bytes
+from islands.sync import Unit, state_bytes_per_rank
 
 GROUPS = (1, 2, 4)
 KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_replicate_all_reduce")

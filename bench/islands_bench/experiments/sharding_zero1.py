@@ -13,7 +13,7 @@ import os
 from islands_bench.experiments.sharding_common import lm_config, median_step_seconds, ratio
 from islands_bench.harness import BenchContext, experiment
 from islands.models import ByteTransformer
-from islands.sync.zero1 import partition
+from islands.sync import partition
 
 
 def _optimizer_bytes_per_rank(cfg: dict, n: int) -> int:

@@ -71,7 +71,7 @@ def _info_nce(q, k):
 def _encode(model, x, workers: int, key_gen=None):
     """Query/key embeddings with batch norm over `workers` contiguous sub-batches, or over dealt
     groups when key_gen is given (shuffled keys)."""
-    from islands.parallel.shuffle_bn import encode_in_groups, shuffled_group_encode
+    from islands.parallel import encode_in_groups, shuffled_group_encode
 
     def net(v):
         return model["head"](model["backbone"](v))
@@ -168,7 +168,7 @@ def _worker(out_path: str, rows: int, reps: int, rate: str) -> None:
     import torch
 
     from islands.measure import describe
-    from islands.parallel.shuffle_bn import shuffled_encode, shuffled_encode_bytes
+    from islands.parallel import shuffled_encode, shuffled_encode_bytes
     from islands import close_world
 
     world, inter = join_world(rate)

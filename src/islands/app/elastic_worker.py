@@ -103,7 +103,7 @@ def _write_membership(run_dir: Path, name: str, admission, comm: ElasticComm, di
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m islands.runtime.elastic_worker HOST:PORT RUN_DIR (ISLANDS_TOKEN in the environment)",
+        print("usage: python -m islands.app.elastic_worker HOST:PORT RUN_DIR (ISLANDS_TOKEN in the environment)",
               file=sys.stderr)
         return 2
     token = os.environ.get("ISLANDS_TOKEN", "")

@@ -17,6 +17,7 @@ from islands.runtime.launch import Placement, run_ranks
 from islands.testbed import Testbed, wire_bytes
 
 WORKER_MODULE = "islands.app.worker"  # `python -m WORKER_MODULE CONFIG RUN_DIR`
+ELASTIC_WORKER_MODULE = "islands.app.elastic_worker"  # `python -m ELASTIC_WORKER_MODULE HOST:PORT RUN_DIR`
 
 
 def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
@@ -72,6 +73,7 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     experiments inject faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
-    return launch_elastic_workers(cfg.world.workers, json.dumps(shared_config(cfg, run_dir)), run_dir,
-                                  port=cfg.world.port, threads=cfg.world.threads,
-                                  heartbeat_timeout=cfg.elastic.heartbeat_timeout, out=out, on_started=on_started)
+    return launch_elastic_workers([sys.executable, "-m", ELASTIC_WORKER_MODULE], cfg.world.workers,
+                                  json.dumps(shared_config(cfg, run_dir)), run_dir, port=cfg.world.port,
+                                  threads=cfg.world.threads, heartbeat_timeout=cfg.elastic.heartbeat_timeout,
+                                  out=out, on_started=on_started)

@@ -33,6 +33,7 @@ from islands.runtime.world import World
 from islands.sync.outer import parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
+from islands.runtime.launch import LaunchError, load_testbed
 from islands.spec import format as format_spec
 from islands.tasks import is_user_task
 
@@ -120,8 +121,14 @@ def data(cfg: JobConfig) -> str | None:
 
 
 def testbed(cfg: JobConfig) -> str | None:
-    if cfg.world.testbed and cfg.world.port:
+    if not cfg.world.testbed:
+        return None
+    if cfg.world.port:
         return "world.port is chosen inside the testbed; leave port=0 with a testbed"
+    try:
+        load_testbed(cfg.world.testbed)  # it exists and is up, here and under torchrun alike
+    except LaunchError as e:
+        return str(e)
     return None
 
 

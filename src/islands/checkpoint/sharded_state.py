@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from islands.runtime.comm import Comm
+
 GATHER_KIND = "ckpt_shard_gather"
 
 
@@ -50,8 +52,6 @@ def _check_layout(t, where: str) -> None:
 
 def _shard_comm(mesh, world):
     """A counted Comm over the ranks that hold the pieces of one replica: the mesh's last dimension."""
-    from islands.runtime.comm import Comm
-
     if mesh.ndim == 1:
         return world.comm("local") if mesh.size() == world.comm("local").size else Comm(mesh.get_group(0), world.ledger)
     return Comm(mesh.get_group(mesh.ndim - 1), world.ledger)

@@ -14,10 +14,16 @@ import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+# rich at import time, not when a bar first draws: importing it draws from Python's global RNG (rich.style's
+# id counter), which must not happen after a resume has restored that RNG
+from rich.console import Console
+
 from islands.checkpoint.driver import CheckpointDriver
 from islands.loop.evaluate import evaluate
 from islands.measure.probe import describe, probe_interconnect
+from islands.measure.progress import TrainProgress, summary_table
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
+from islands.testbed import Testbed
 
 
 @runtime_checkable
@@ -90,16 +96,12 @@ class Progress:
     order, end_order = 1, 99  # the bar exists before anything logs; the table needs the record
 
     def __init__(self, enabled: bool = True, tokens_per_sample: int = 1):
-        # rich: only where a person watches. Imported here, not in on_fit_start: importing rich draws from
-        # Python's global RNG (rich.style's id counter), which must happen before a resume restores that RNG
-        from islands.measure.progress import TrainProgress
-
         self.enabled, self.tokens_per_sample = enabled, tokens_per_sample
-        self.bar, self._bar_type = None, TrainProgress
+        self.bar = None
 
     def on_fit_start(self, trainer) -> None:
-        self.bar = self._bar_type(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
-                                  start=trainer.step)
+        self.bar = TrainProgress(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
+                                 start=trainer.step)
         trainer.log = self.bar.log
 
     def on_step_end(self, trainer, loss: float) -> None:
@@ -110,10 +112,6 @@ class Progress:
         self.bar.close()
         record = getattr(trainer, "record", None)
         if self.enabled and trainer.world.rank == 0 and record is not None:
-            from rich.console import Console
-
-            from islands.measure.progress import summary_table
-
             Console().print(summary_table(record["summary"], record["interconnect_line"]))
             if record.get("run_dir"):
                 Console().print(f"run record: {Path(record['run_dir']) / 'run.json'}  "
@@ -143,8 +141,6 @@ class RunRecord:
         if self.probe and world.distributed and world.comms is None:
             self.interconnect = probe_interconnect(world)
         if self.testbed:
-            from islands.testbed import Testbed
-
             self.interconnect["testbed"] = Testbed.load(self.testbed).record()
         trainer.log(f"[bold]islands[/] {trainer.strategy.name} · {world.size} workers / {world.islands} island(s) · "
                     f"data: {self.data_source or self.task} · interconnect: {describe(self.interconnect)}")

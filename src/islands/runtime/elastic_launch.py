@@ -36,11 +36,12 @@ def job_token(run_dir: Path, out) -> str:
     return token
 
 
-def launch_elastic_workers(workers: int, config_json: str, run_dir: Path, *, port: int = 0, threads: int = 1,
-                           heartbeat_timeout: float, out=sys.stderr, on_started=None) -> int:
-    """Run an elastic job of `workers` workers; `config_json` is what every worker (joiners included) reads
-    from the store (islands.app.launch.shared_config). `on_started(address, workers, coordinator)` lets
-    experiments inject faults."""
+def launch_elastic_workers(worker_argv: list[str], workers: int, config_json: str, run_dir: Path, *, port: int = 0,
+                           threads: int = 1, heartbeat_timeout: float, out=sys.stderr, on_started=None) -> int:
+    """Run an elastic job of `workers` workers, each `worker_argv + [HOST:PORT, RUN_DIR]` (the app layer names
+    its elastic worker); `config_json` is what every worker (joiners included) reads from the store
+    (islands.app.launch.shared_config). `on_started(address, workers, coordinator)` lets experiments inject
+    faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     if port and not port_is_free(port, "0.0.0.0"):
@@ -59,7 +60,7 @@ def launch_elastic_workers(workers: int, config_json: str, run_dir: Path, *, por
                        OMP_NUM_THREADS=str(threads))
             log = run_dir / "logs" / f"{name}.log"
             with open(log, "w") as f:
-                proc = subprocess.Popen([sys.executable, "-m", "islands.app.elastic_worker", address, str(run_dir)],
+                proc = subprocess.Popen([*worker_argv, address, str(run_dir)],
                                         env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             started.append(WorkerProcess(rank, proc, log))
         if on_started is not None:

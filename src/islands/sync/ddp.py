@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from islands.aggregate.coordinate import Mean
 from islands.compress.base import Compressor
+from islands.compress.ddp_hook import ddp_comm_hook
 from islands.compress.error_feedback import with_error_feedback
 from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.faults.roles import LabelFlip, flip_targets
@@ -78,8 +79,6 @@ class DDP(NoOp):
         if hasattr(self.compressor, "make_hook"):
             return self.compressor.make_hook(comm, model)
         if self.compressor is not None:
-            from islands.compress.ddp_hook import ddp_comm_hook
-
             return ddp_comm_hook(self.compressor, comm, model.named_parameters(),
                                  overlap=self.overlap)
         if self.aggregator is not None or self.attack is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from islands.sync.sharded import Unit, state_bytes_per_rank
+from islands.sync.shard_plan import Unit, state_bytes_per_rank
 
 
 def parse_shard_group(spec: str) -> str | int:

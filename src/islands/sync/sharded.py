@@ -22,94 +22,18 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from islands.runtime.comm import Comm
 from islands.sync.base import NoOp
+from islands.sync.prefetch import set_prefetch
+from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
+from islands.sync.shard_plan import Unit, plan_units, rows_of, state_bytes_per_rank, unit_traffic
 from islands.sync.wrap_policy import WrapPolicy, parse_wrap
 
 DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One FSDP unit: its parameter names and shapes, whether it is the root, and its dtype sizes."""
-
-    name: str
-    shapes: tuple[tuple[int, ...], ...]
-    root: bool
-
-    def padded_numel(self, n: int) -> int:
-        return sum(_padded_rows(s, n) * _row_numel(s) for s in self.shapes)
-
-    def shard_numel(self, n: int, rank: int) -> int:
-        """Elements of the unpadded local slice rank `rank` holds (torch.chunk layout along dim 0)."""
-        return sum(_local_rows(s, n, rank) * _row_numel(s) for s in self.shapes)
-
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
-
-
-def _rows(shape) -> int:
-    return shape[0] if shape else 1
-
-
-def _row_numel(shape) -> int:
-    return math.prod(shape[1:]) if shape else 1
-
-
-def _padded_rows(shape, n: int) -> int:
-    return math.ceil(_rows(shape) / n) * n
-
-
-def _local_rows(shape, n: int, rank: int) -> int:
-    chunk = math.ceil(_rows(shape) / n)
-    return max(0, min(chunk, _rows(shape) - rank * chunk))
-
-
-def plan_units(model: nn.Module, policy: WrapPolicy) -> tuple[list[list[nn.Module]], list[Unit]]:
-    """The module groups a policy asks for, and the units they make (root last), before any sharding."""
-    groups = policy.groups(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    claimed: set[int] = set()
-    units = []
-    for i, group in enumerate(groups):
-        params = [p for m in group for p in m.parameters() if id(p) not in claimed]
-        if not params:
-            raise ValueError(f"wrap policy {policy.spec!r}: unit {i} has no parameters of its own")
-        claimed.update(id(p) for p in params)
-        label = names[id(params[0])].rsplit(".", 1)[0] + (f" +{len(group) - 1}" if len(group) > 1 else "")
-        units.append(Unit(label, tuple(tuple(p.shape) for p in params), root=False))
-    rest = [p for p in model.parameters() if id(p) not in claimed]
-    units.append(Unit("root", tuple(tuple(p.shape) for p in rest), root=True))
-    return groups, units
-
-
-def unit_traffic(units: list[Unit], n: int, reshard_after_forward: bool, param_bytes: int = 4,
-                 grad_bytes: int = 4) -> list[tuple[str, int, int]]:
-    """(kind, sent, received) for every collective FSDP issues in one training step on one rank."""
-    out = []
-    for u in units:
-        full = u.padded_numel(n)
-        gathers = 2 if (reshard_after_forward and not u.root) else 1  # forward, and again in backward
-        out += [("fsdp_all_gather", full // n * param_bytes, (n - 1) * full // n * param_bytes)] * gathers
-        out.append(("fsdp_reduce_scatter", full * grad_bytes, full // n * grad_bytes))
-    return out
-
-
-def state_bytes_per_rank(units: list[Unit], n: int, rank: int = 0, optimizer_slots: int = 2,
-                         bytes_per_elem: int = 4) -> dict:
-    """Resident bytes of parameters, gradients and optimizer state on one rank between steps.
-
-    n=1 gives the replicated (DDP) figure. AdamW keeps two slots (exp_avg, exp_avg_sq); its 0-d step
-    counters are ignored. Rank 0 holds the largest slice.
-    """
-    elems = sum(u.shard_numel(n, rank) for u in units)
-    return {"params": elems * bytes_per_elem, "grads": elems * bytes_per_elem,
-            "optimizer": optimizer_slots * elems * bytes_per_elem,
-            "total": (2 + optimizer_slots) * elems * bytes_per_elem}
 
 
 def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -139,8 +63,6 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict, after: di
 
 def _mesh_comm(mesh, world):
     """A counted Comm over this rank's sharding group of `mesh` (its last dimension)."""
-    from islands.runtime.comm import Comm
-
     return Comm(mesh.get_group(mesh.ndim - 1), world.ledger)
 
 
@@ -164,8 +86,6 @@ class FSDP(NoOp):
         self.grad_clip = grad_clip  # the trainer clips: one scalar all-reduce of the global norm per step
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r}; give 0 (FSDP2's implicit prefetch) or N >= 1 units ahead")
-        from islands.sync.shard_group import parse_shard_group
-
         self.prefetch, self.shard_group = prefetch, parse_shard_group(shard_group)
         self.memory_budget_bytes = int(memory_budget_bytes)
         self.group_size = 0  # ranks per sharding group, resolved in wrap
@@ -181,8 +101,6 @@ class FSDP(NoOp):
             return model  # a world of one has nothing to shard across
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from islands.sync.shard_group import build_mesh, resolve_group
-
         groups, self.units = plan_units(model, self.policy)
         n = self.group_size = resolve_group(self.shard_group, self.units, world, self.memory_budget_bytes)
         mesh = build_mesh(world, n)
@@ -196,8 +114,6 @@ class FSDP(NoOp):
                         reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)  # root: FSDP decides (keeps it gathered for backward)
         if self.prefetch:
-            from islands.sync.prefetch import set_prefetch
-
             set_prefetch(model, groups, self.prefetch)
         _repoint_optimizer(optimizer, before, dict(model.named_parameters()))
         pb = (self.param_dtype or torch.float32).itemsize
@@ -227,11 +143,11 @@ class FSDP(NoOp):
             for name, p in model.named_parameters():
                 q = full[name]
                 local = p.to_local().detach() if hasattr(p, "to_local") else p.detach()
-                rows = math.ceil(_rows(p.shape) / n)
+                rows = math.ceil(rows_of(p.shape) / n)
                 padded = local.new_zeros((rows, *p.shape[1:]) if p.dim() else (1,))
                 padded[: local.shape[0] if p.dim() else 1].copy_(local if p.dim() else local.reshape(1))
                 whole = torch.cat(comm.all_gather(padded, kind="fsdp_eval_gather"))
-                q.copy_(whole[: _rows(p.shape)].reshape(p.shape))
+                q.copy_(whole[: rows_of(p.shape)].reshape(p.shape))
             for b, c in zip(model.buffers(), self.full.buffers()):
                 c.copy_(b)
         self.full.train(model.training)
@@ -247,7 +163,7 @@ class FSDP(NoOp):
                 if not hasattr(p, "to_local"):
                     p.copy_(q)
                     continue
-                rows = math.ceil(_rows(p.shape) / n)
+                rows = math.ceil(rows_of(p.shape) / n)
                 local = p.to_local()
                 if local.numel():
                     local.copy_(q[rank * rows: rank * rows + local.shape[0]])

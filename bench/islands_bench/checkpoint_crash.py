@@ -1,7 +1,7 @@
 """Crash harness (ckpt-crash core): a child process saves in a loop; the parent kills it with SIGKILL at
 random moments and checks that the store still loads an intact checkpoint and cleans the partial one.
 
-Run as a child:  python -m islands.checkpoint.crash ROOT [TENSOR_ELEMS]
+Run as a child:  python -m islands_bench.checkpoint_crash ROOT [TENSOR_ELEMS]
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from islands.checkpoint.errors import NoCheckpoint
-from islands.checkpoint.store import CheckpointStore
+from islands.checkpoint import CheckpointStore, NoCheckpoint
 
 
 def state_for(step: int, elems: int) -> dict:
@@ -54,10 +53,10 @@ class CrashReport:
 def run_crash_trials(root: str | os.PathLike, trials: int, rng: random.Random, *, elems: int = 20_000,
                      max_delay_s: float = 0.5, timeout_s: float = 30.0) -> CrashReport:
     report = CrashReport()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
     for _ in range(trials):
-        proc = subprocess.Popen([sys.executable, "-m", "islands.checkpoint.crash", str(root), str(elems)],
+        proc = subprocess.Popen([sys.executable, "-m", "islands_bench.checkpoint_crash", str(root), str(elems)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         try:
             # Start the clock once the child is saving (torch import takes ~1 s), then kill at random.

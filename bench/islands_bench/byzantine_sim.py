@@ -23,13 +23,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from islands.aggregate import Mean
-from islands.aggregate.base import Aggregator
-from islands.data.source import batch_source
-from islands.faults.attacks import Byzantine
-from islands.faults.roles import LabelFlip, flip_targets
-from islands.loop.evaluate import evaluate
-from islands.loop.task import Task
+from islands import Task, WarmupCosine, evaluate
+from islands.aggregate import AGGREGATORS, Aggregator, Mean
+from islands.app.build import build_task
+from islands.config import JobConfig
+from islands.data import batch_source
+from islands.faults import ATTACKS, flip_targets
+from islands.robust import Byzantine, LabelFlip
 
 
 @dataclass
@@ -173,3 +173,14 @@ def simulate(task: Task, workers: int, steps: int, aggregator: Aggregator | None
              attack: Byzantine | None = None, **step_options) -> SimulatedRun:
     """Train `steps` steps of `workers` simulated workers; see the module doc for what is simulated."""
     return SimulatedWorkers(task, workers, aggregator, attack, **step_options).run(steps)
+
+
+def simulated_job(cfg: JobConfig, aggregator: str = "mean", attack: str = "") -> SimulatedWorkers:
+    """The in-process twin of the job `islands train` would run from `cfg` with these aggregator and attack
+    specs: the same task, AdamW settings, warm-up-cosine schedule, clipping and seed."""
+    return SimulatedWorkers(build_task(cfg), cfg.world.workers,
+                            AGGREGATORS.build(aggregator) if aggregator else None,
+                            ATTACKS.build(attack) if attack else None,
+                            lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                            schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
+                            grad_clip=cfg.train.grad_clip, seed=cfg.train.seed)

@@ -27,12 +27,9 @@ from pathlib import Path
 
 import torch
 
-from islands.checkpoint.driver import CheckpointDriver
-from islands.checkpoint.levels import DiskLevel, MemoryLevel
-from islands.checkpoint.settings import CheckpointSettings
-from islands.checkpoint.store import CheckpointStore
+from islands import World
+from islands.checkpoint import CheckpointDriver, CheckpointSettings, CheckpointStore, DiskLevel, MemoryLevel
 from islands.models import ByteTransformer
-from islands.runtime.world import World
 
 
 def perturbed(tree, step: int):

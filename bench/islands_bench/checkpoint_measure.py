@@ -11,8 +11,7 @@ from collections.abc import Callable
 import torch
 import zstandard
 
-from islands.checkpoint.async_writer import AsyncCheckpointer
-from islands.checkpoint.codec import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
+from islands.checkpoint import AsyncCheckpointer, TensorCodec, decode_tensor, encode_tensor, tensor_bytes
 
 
 # (prepare, compress, decompress): prepare() runs outside the timing and its result is what compress

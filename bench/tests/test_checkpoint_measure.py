@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from islands.checkpoint.codec import tensor_bytes
-from islands.checkpoint.measure import codec_candidates, measure_codecs, per_tensor
+from islands.checkpoint import tensor_bytes
+from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor
 
 
 def _tensors():
@@ -44,7 +44,7 @@ def test_measure_stall_saves_new_bytes_each_time_only_when_the_state_advances(tm
     from itertools import count
 
     from islands.checkpoint import CheckpointStore
-    from islands.checkpoint.measure import measure_stall
+    from islands_bench.checkpoint_measure import measure_stall
 
     tree = {"w": torch.randn(4096), "b": torch.randn(64)}
     n = count()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from islands.bench.experiments import byzantine as B
-from islands.config import from_mapping, validate
-from islands.faults.simulate import SimulatedWorkers, simulate
+from islands.app.validate import validate
+from islands.config import from_mapping
+from islands_bench.byzantine_sim import simulated_job
+from islands_bench.experiments import byzantine as B
 
 CFG = dict(task="digits", workers=8, steps=50, global_batch=64, warmup=5, lr=0.01, eval_every=0,
            progress=False, probe=False)
@@ -18,9 +20,9 @@ CFG = dict(task="digits", workers=8, steps=50, global_batch=64, warmup=5, lr=0.0
 def runs() -> dict:
     cfg = validate(from_mapping(CFG))
     return {
-        "clean": simulate(cfg, "mean", "none"),
-        "mean": simulate(cfg, "mean", "scaled:factor=-10,count=2"),
-        "median": simulate(cfg, "median", "scaled:factor=-10,count=2"),
+        "clean": simulated_job(cfg, "mean", "none").run(cfg.train.steps),
+        "mean": simulated_job(cfg, "mean", "scaled:factor=-10,count=2").run(cfg.train.steps),
+        "median": simulated_job(cfg, "median", "scaled:factor=-10,count=2").run(cfg.train.steps),
     }
 
 
@@ -37,15 +39,15 @@ def test_two_of_eight_scaled_attackers_wreck_mean_but_not_median(runs):
 
 def test_nan_senders_are_dropped_every_step_and_training_is_unharmed(runs):
     cfg = validate(from_mapping({**CFG, "steps": 10}))
-    r = simulate(cfg, "mean", "nan:count=3")
+    r = simulated_job(cfg, "mean", "nan:count=3").run(10)
     assert r.dropped_inputs == 3 * 10 and not r.diverged and math.isfinite(r.final_val_loss)
 
 
 def test_simulation_refuses_what_it_cannot_simulate():
     with pytest.raises(ValueError, match="straggler changes time"):
-        SimulatedWorkers(validate(from_mapping(CFG)), "median", "straggler:delay=1,count=1")
+        simulated_job(validate(from_mapping(CFG)), "median", "straggler:delay=1,count=1")
     with pytest.raises(ValueError, match="at least 2 workers"):
-        SimulatedWorkers(validate(from_mapping({**CFG, "workers": 1})), "median", "none")
+        simulated_job(validate(from_mapping({**CFG, "workers": 1})), "median", "none")
 
 
 def _cell(f, attack, aggregator, acc, diverged=False, error=""):
@@ -81,3 +83,26 @@ def test_specs_the_grid_builds_all_parse():
             parse_aggregator(B.aggregator_spec(label, f))
         for attack in B.ATTACKS:
             assert parse_attack(B.attack_spec(attack, f), B.N).f == f
+
+
+@pytest.mark.slow  # a real 4-rank gloo job
+def test_a_simulated_run_matches_the_real_four_rank_job(tmp_path):
+    """The simulation stands for a real job: the same config trained by 4 gloo ranks (islands' launcher,
+    median over a sign-flipping rank) ends at the simulation's parameters."""
+    from islands.app.launch import launch
+    from islands.checkpoint import CheckpointStore
+
+    steps = 4
+    cfg = validate(from_mapping(dict(task="digits", workers=4, steps=steps, global_batch=16, hidden=16, warmup=1,
+                                     eval_every=0, eval_batches=1, log_every=steps, probe=False, progress=False,
+                                     timeout=30.0, aggregate="median", attack="sign-flip:count=1",
+                                     ckpt_every=steps, ckpt_async=False)))
+    assert launch(cfg, tmp_path / "run") == 0
+    real = CheckpointStore(tmp_path / "run" / "ckpt", clean=False).load()
+    assert real.step == steps
+    sim = simulated_job(cfg, "median", "sign-flip:count=1")
+    sim.run(steps)
+    mine = dict(sim.model.named_parameters())
+    assert set(mine) == set(real.tree["model"])
+    for name, theirs in real.tree["model"].items():
+        torch.testing.assert_close(mine[name].detach(), theirs, rtol=0, atol=1e-6)
