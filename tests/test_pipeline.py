@@ -166,22 +166,24 @@ def test_chooser_and_cuts_reject_bad_input_clearly():
     ({"cuts": "layers"}, "cuts='layers' is not a cut policy"),
     ({"microbatches": "many"}, "give a positive integer dividing the batch, or 'auto'"),
     ({"microbatches": "0"}, "give a positive integer"),
-    ({"pipeline_schedule": "zigzag"}, "choose one of gpipe, 1f1b"),
+    ({"pipeline_schedule": "zigzag"}, "must be one of gpipe, 1f1b"),
     ({"inner": "pipeline", "stages": 3}, "stages=3 needs one worker per stage"),
     ({"inner": "pipeline", "microbatches": "5"}, "microbatches=5 does not divide the pipeline's batch of 32"),
     ({"inner": "pipeline", "task": "digits", "workers": 4}, "only 3 pieces"),
-    ({"inner": "pipeline", "compress": "topk:ratio=0.1"}, "does not yet combine with compress="),
-    ({"inner": "pipeline", "ckpt_every": 5}, "does not yet combine with ckpt_every=5"),
+    ({"inner": "pipeline", "compress": "topk:ratio=0.1"}, "does not yet combine with compressor='topk:ratio=0.1'"),
+    ({"inner": "pipeline", "ckpt_every": 5}, "does not yet combine with checkpoint.every=5"),
 ])
 def test_config_errors_name_the_fix(overrides, message):
-    from islands.config import ConfigError, from_mapping, validate
+    from islands.app.validate import validate
+    from islands.config import ConfigError, from_mapping
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(from_mapping({"workers": 2, "global_batch": 32, **overrides}))
 
 
 def test_config_accepts_a_pipeline_job():
-    from islands.config import from_mapping, validate
+    from islands.app.validate import validate
+    from islands.config import from_mapping
 
     cfg = validate(from_mapping({"workers": 4, "inner": "pipeline", "stages": 4, "microbatches": "auto",
                                  "cuts": "balanced", "n_layers": 2}))

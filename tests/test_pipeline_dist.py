@@ -125,15 +125,17 @@ TRAIN = {"task": "digits", "hidden": 16, "global_batch": 12, "steps": 3, "warmup
 
 def _train(world):
     """A whole `inner=pipeline` job: 3 stages, gpipe, graph cuts, 3 micro-batches, clipped by the global norm."""
-    from islands.config import from_mapping, validate
-    from islands.trainer import Trainer
+    from islands.app.build import build_trainer
+    from islands.app.validate import validate
+    from islands.config import from_mapping
 
     cfg = validate(from_mapping({**TRAIN, "workers": 3, "inner": "pipeline", "stages": 3, "microbatches": "3",
                                  "cuts": "graph", "pipeline_schedule": "gpipe"}))
-    trainer = Trainer(cfg, world)
-    losses = [trainer.train_step() for _ in range(cfg.steps)]
-    return {"type": type(trainer).__name__, "losses": losses, "val": trainer.evaluate()["val_loss"],
-            "plan": trainer.pipeline.describe(), "kinds": sorted(world.ledger.sent)}
+    trainer = build_trainer(cfg, world)
+    losses = [trainer.train_step() for _ in range(cfg.train.steps)]
+    inner = trainer.strategy.inner  # the pipeline is a strategy that supplies its own forward and backward
+    return {"type": type(inner).__name__, "losses": losses, "val": trainer.evaluate()["val_loss"],
+            "plan": inner.describe(), "kinds": sorted(world.ledger.sent)}
 
 
 def _both(world):
@@ -149,15 +151,16 @@ def test_pipeline_on_three_gloo_ranks():
 
 def check_training_equals_one_process(ranks):
     """Same batches, same AdamW, same clipping: the pipeline job's losses are the single process's."""
-    from islands.config import from_mapping, validate
+    from islands.app.build import build_trainer
+    from islands.app.validate import validate
+    from islands.config import from_mapping
     from islands.runtime.world import World
-    from islands.trainer import Trainer
 
     torch.set_num_threads(1)
-    single = Trainer(validate(from_mapping({**TRAIN, "workers": 1})), World.single())
+    single = build_trainer(validate(from_mapping({**TRAIN, "workers": 1})), World.single())
     ref = [single.train_step() for _ in range(3)]
     for r in ranks:
-        assert r["type"] == "PipelineTrainer" and r["plan"]["microbatches"] == 3
+        assert r["type"] == "PipelineStages" and r["plan"]["microbatches"] == 3
         np.testing.assert_allclose(r["losses"], ref, rtol=1e-5)
         np.testing.assert_allclose(r["val"], single.evaluate()["val_loss"], rtol=1e-5)
     assert [r["plan"]["stage"] for r in ranks] == [0, 1, 2]

@@ -12,8 +12,9 @@ ISLANDS = [sys.executable, "-m", "islands", "train", "--task", "digits", "--work
 
 
 @pytest.mark.parametrize("flag, spec, must_say", [
-    ("--aggregate", "bogus", ["unknown aggregator 'bogus'", "aggregators: mean, median", "krum:f=<int>", "nnm:f=<int>"]),
-    ("--attack", "sign-flop:count=1", ["unknown attack 'sign-flop'", "sign-flip", "alie", "label-flip", "count=<k>"]),
+    ("--aggregate", "bogus", ["unknown aggregator 'bogus'", "valid: mean, median", "krum:f=<int>", "nnm:f="]),
+    ("--attack", "sign-flop:count=1", ["unknown attack 'sign-flop'", "did you mean 'sign-flip'", "alie", "label-flip",
+                                       "sign-flip:count="]),
 ])
 def test_bad_spec_exits_2_and_lists_the_valid_choices(tmp_path, flag, spec, must_say):
     run_dir = tmp_path / "run"

@@ -187,14 +187,18 @@ def test_bad_specs_name_the_choices():
 
 
 def test_config_accepts_hybrid_and_rejects_misplaced_knobs():
-    from islands.config import ConfigError, TrainConfig, validate
+    from islands.app.validate import validate
+    from islands.config import ConfigError, from_mapping
 
-    validate(TrainConfig(workers=4, islands=2, global_batch=8, inner="fsdp", shard_group="auto", shard_budget_mb=64))
-    validate(TrainConfig(workers=4, global_batch=8, inner="fsdp", shard_group="2", prefetch=2))
-    for bad, match in ((dict(inner="ddp", shard_group="2"), "inner=fsdp only"),
+    def job(**values):
+        return from_mapping(values)
+
+    validate(job(workers=4, islands=2, global_batch=8, inner="fsdp", shard_group="auto", shard_budget_mb=64))
+    validate(job(workers=4, global_batch=8, inner="fsdp", shard_group="2", prefetch=2))
+    for bad, match in ((dict(inner="ddp", shard_group="2"), "inner.strategy=fsdp only"),
                        (dict(inner="fsdp", shard_group="3"), "must divide"),
                        (dict(inner="fsdp", shard_budget_mb=8), "shard_group='auto'"),
                        (dict(inner="fsdp", prefetch=-1), "prefetch"),
                        (dict(inner="ddp", islands=2), "needs an outer strategy")):
         with pytest.raises(ConfigError, match=match):
-            validate(TrainConfig(workers=4, global_batch=8, **bad))
+            validate(job(workers=4, global_batch=8, **bad))

@@ -12,8 +12,16 @@ import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from islands.cli_more import UsageError
+from rich.console import Console
+
+from islands import practices as P
+from islands.app.launch import launch
+from islands.app.validate import validate
+from islands.app.worker import run_worker
+from islands.cli_more import UsageError, add_more_commands
+from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, from_mapping, keys, load_toml
+from islands.runtime.launch import LaunchError
 from islands.spec import Spec
 from islands.spec import format as format_spec
 from islands.tasks.user import TaskError
@@ -61,8 +69,6 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
-    from islands.app.validate import validate
-
     values = load_toml(args.config) if args.config else {}
     cfg = from_mapping(values)
     overrides = {k: getattr(args, k) for k in keys() if getattr(args, k, None) is not None}
@@ -70,10 +76,6 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_train(args) -> int:
-    from islands.app.launch import launch
-    from islands.app.worker import run_worker
-    from islands.runtime.launch import LaunchError
-
     cfg = config_from_args(args)
     name = cfg.task.name.rpartition(":")[2] or cfg.task.name
     run_dir = Path(cfg.output.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{name}-w{cfg.world.workers}")
@@ -91,10 +93,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_practices(args) -> int:
-    from rich.console import Console
-
-    from islands import practices as P
-
     console = Console()
     if args.papers:
         console.print(P.papers_table(P.load_papers()))
@@ -133,10 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--detail", action="store_true", help="add each claim (or rejection reason) and its sources")
     pr.set_defaults(fn=cmd_practices)
 
-    from islands.cli_more import add_more_commands
 
     add_more_commands(sub)
-    from islands.cli_run import add_run_command
     add_run_command(sub)
     # Other distributions add subcommands (islands-bench adds `bench`); islands never imports them.
     for entry in entry_points(group="islands.commands"):

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+from pathlib import Path
+
+from islands.app.elastic_worker import exit_now, parse_address, run_elastic_worker
+from islands.checkpoint.cli import add_ckpt_command
+from islands.runtime.elastic import Excluded, JobEnded
+from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE, Refused
+from islands.testbed import cli as tcli
 
 
 class UsageError(Exception):
@@ -10,8 +19,6 @@ class UsageError(Exception):
 
 
 def _testbed(args) -> int:
-    from islands.testbed import cli as tcli
-
     try:
         if args.action == "up":
             tcli.cmd_up(args.hosts, args.rate, name=args.name, subnet=args.subnet, measure_seconds=args.measure)
@@ -26,14 +33,6 @@ def _testbed(args) -> int:
 
 def _join(args) -> int:
     """islands join HOST:PORT: one elastic worker entering a running job (islands.app.elastic_worker)."""
-    import os
-    import secrets
-    from pathlib import Path
-
-    from islands.runtime.elastic import Excluded, JobEnded
-    from islands.app.elastic_worker import exit_now, parse_address, run_elastic_worker
-    from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE, Refused
-
     try:
         parse_address(args.address)
     except ValueError as e:
@@ -89,6 +88,5 @@ def add_more_commands(sub: argparse._SubParsersAction) -> None:
     down.add_argument("--all", action="store_true", help="remove every islands testbed on this machine")
     tsub.add_parser("status", help="list testbeds and their measured rates")
     tb.set_defaults(fn=_testbed)
-    from islands.checkpoint.cli import add_ckpt_command
 
     add_ckpt_command(sub, UsageError)  # islands ckpt ls|verify|inspect|diff|compress|decompress

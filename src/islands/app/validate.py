@@ -34,6 +34,7 @@ from islands.sync.outer import parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.runtime.launch import LaunchError, load_testbed
+from islands.spec import Spec
 from islands.spec import format as format_spec
 from islands.tasks import is_user_task
 
@@ -262,7 +263,7 @@ def pipeline(cfg: JobConfig) -> str | None:
         return (f"inner.microbatches={m} does not divide the pipeline's batch of {batch}; choose one of "
                 f"{divisors(batch)} or 'auto'")
     c, mem = cfg.checkpoint, cfg.memory
-    clash = [f"{key}={value!r}" for key, value, ok in
+    clash = [f"{key}={format_spec(value) if isinstance(value, Spec) else value!r}" for key, value, ok in
              (("compressor", inner.compressor, (None,)), ("aggregator", inner.aggregator, (None,)),
               ("attack", inner.attack, (None,)), ("outer", cfg.outer.strategy, (None,)),
               ("elastic", cfg.elastic.enabled, (False,)), ("resume", c.resume, ("",)), ("checkpoint.every", c.every, (0,)),

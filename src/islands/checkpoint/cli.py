@@ -6,14 +6,16 @@ The integrator wires the CLI verbs to these.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from islands.checkpoint import safetensors_codec
-from islands.checkpoint.errors import CorruptCheckpoint
+from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.manifest import data_name, manifest_name, read_manifest
 from islands.checkpoint.store import CheckpointStore, _STEP_DIR
 
@@ -172,12 +174,6 @@ def add_ckpt_command(sub, usage_error: type[Exception]) -> None:
 
 
 def run_ckpt_command(args, usage_error: type[Exception] = ValueError) -> int:
-    import json
-
-    from rich.console import Console
-
-    from islands.checkpoint.errors import CheckpointMismatch, NoCheckpoint
-
     calls = {"ls": lambda: ls(args.root), "verify": lambda: verify(args.path),
              "inspect": lambda: inspect(args.step_dir, rank=args.rank),
              "diff": lambda: diff(args.a, args.b, rank=args.rank),
