@@ -178,14 +178,16 @@ def test_a_batch_the_model_cannot_take_names_its_shape():
 
 
 # ---- several processes ------------------------------------------------------------------------------
-def _bn_diloco_worker(rank, env, queue):
+def _bn_diloco_worker(rank, env, queue, streaming=False):
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     world = islands.init_world(islands=2)
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    strategy = islands.Stack(outer=islands.outer.DiLoCo(inner_steps=5))
+    outer = (islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1) if streaming
+             else islands.outer.DiLoCo(inner_steps=5))
+    strategy = islands.Stack(outer=outer)
     model = strategy.wrap(model, opt, world)
     data = batches(10 + rank, 12)  # each island its own data: their statistics differ
     for step, (x, y) in enumerate(data):
@@ -209,6 +211,52 @@ def test_outer_strategies_carry_batchnorm_statistics_to_the_global_model():
     assert (glob0 != 0).any()  # statistics of the data, not the initial zeros
     for a, b in zip(params0, params1):
         assert (a == b).all()
+
+
+def test_buffers_follow_an_overlapped_exchange_without_deadlock():
+    """Streaming DiLoCo: a fragment's exchange is in flight on a background thread when a cycle's buffers are
+    averaged; both go through the exchange's one thread, so every rank issues them in the same order (two
+    threads on one gloo group deadlocked here)."""
+    (_, live0, glob0, tracked0, _), (_, _, glob1, _, _) = spawn_ranks(_bn_diloco_worker, 2, True, timeout=120)
+    assert tracked0 == 12
+    assert (glob0 == glob1).all() and (live0 == glob0).all()
+
+
+class _TwinComm:
+    """A cross-island Comm of two identical islands, recording which thread issued each collective."""
+
+    size, rank = 2, 0
+
+    def __init__(self):
+        import threading
+
+        self.calls, self._thread = [], threading.current_thread
+
+    def all_reduce(self, tensor, op=None, kind="all_reduce"):
+        self.calls.append((kind, self._thread().name))
+        return tensor.mul_(2)
+
+    def all_gather(self, tensor, kind="all_gather"):
+        self.calls.append((kind, self._thread().name))
+        return [tensor.clone(), tensor.clone()]
+
+
+def test_buffer_averages_queue_behind_the_exchange_in_flight():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1)
+    outer.wrap(model, opt, islands.World.single())
+    outer.comm = comm = _TwinComm()
+    for step, (x, y) in enumerate(batches(0, 9)):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        outer.after_step(model, opt, step)
+    outer.finish(model)
+    buffers = {t for k, t in comm.calls if k == "outer_buffers"}
+    overlapped = {t for k, t in comm.calls if k == "outer_delta"} - {"MainThread"}  # the final sync blocks
+    assert len(buffers) == 1 and buffers == overlapped  # the same one thread: one order on every rank
 
 
 def _existing_group_worker(rank, env, queue):

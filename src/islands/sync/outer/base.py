@@ -126,10 +126,15 @@ class OuterStrategy(NoOp):
         if floating and self.buffer_policy == "average" and self.comm.size > 1:
             view = FlatView(floating)
             flat = view.read()
-            self.comm.all_reduce(flat, kind=BUFFER_KIND)
+            self.in_order(lambda: self.comm.all_reduce(flat, kind=BUFFER_KIND))
             view.write(flat.div_(self.comm.size))
         for own, glob in zip(self.local_buffers, self.global_buffers):
             glob.copy_(own)
+
+    def in_order(self, fn):
+        """Run a collective on self.comm after those the strategy has in flight (an overlapped exchange runs on a
+        background thread: subclasses that have one route through it); at once by default."""
+        return fn()
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -118,6 +118,9 @@ class DiLoCo(OuterStrategy):
     def has_pending(self) -> bool:
         return bool(self.pending)
 
+    def in_order(self, fn):
+        return self.exchange.run(fn)  # behind the fragments in flight, on the exchange's own thread
+
     def final_sync(self) -> None:
         """Land what is in flight, then sync every fragment, blocking: the global model holds all work."""
         for p, _, pending in self.pending:

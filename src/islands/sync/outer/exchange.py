@@ -103,6 +103,14 @@ class Exchange:
         self._count(comm, 8 + longest)
         return [g[:n] for g, n in zip(gathered, lengths)]
 
+    def run(self, fn):
+        """fn() in the order of this exchange's collectives: on its background thread, after every exchange
+        started before, when it has one (two threads issuing collectives on one group would interleave them
+        differently on different ranks); at once otherwise."""
+        if self._pool is None:
+            return fn()
+        return self._pool.submit(fn).result()
+
     def start(self, comm, flat: torch.Tensor, name: str = "params") -> Pending:
         """Begin mean() on a background thread; exchanges run one at a time, in call order."""
         if self._pool is None:

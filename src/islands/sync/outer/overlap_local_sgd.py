@@ -40,6 +40,9 @@ class OverlapLocalSGD(OuterStrategy):
     def has_pending(self) -> bool:
         return self.pending is not None
 
+    def in_order(self, fn):
+        return self.exchange.run(fn)  # behind the average in flight, on the exchange's own thread
+
     def final_sync(self) -> None:
         self._finish()
 
