@@ -1,4 +1,4 @@
-"""Choosing CPU+gloo or CUDA+NCCL per worker, and the benches' --device switch."""
+"""Choosing CPU+gloo or CUDA+NCCL per worker (the bench's --device switch: bench/tests/test_registry.py)."""
 
 import pytest
 import torch

@@ -131,7 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--detail", action="store_true", help="add each claim (or rejection reason) and its sources")
     pr.set_defaults(fn=cmd_practices)
 
-
     add_more_commands(sub)
     add_run_command(sub)
     # Other distributions add subcommands (islands-bench adds `bench`); islands never imports them.

@@ -4,7 +4,7 @@ over the world, and the sizer's choice of group for a few memory budgets.
 Measured: 4 workers in 2 islands train the same model with sharding groups of 1 (replicate only), 2 (the
 island: HSDP) and 4 (full sharding across both islands); per-rank state bytes (FSDP's layout), payload
 bytes per kind from rank 0's ledger, and the step time on loopback. Cross-island bytes are computed for
-ring collectives over consecutive ranks (islands.sync.shard_group.cross_island_wire_bytes): on loopback
+ring collectives over consecutive ranks (islands.sync.cross_island_wire_bytes): on loopback
 every link is equally fast, so the time column cannot show the link the gathers avoid.
 Computed: the group the sizer picks for a 1.3 B-parameter model shape on 8-rank islands of 80 GB devices
 and smaller budgets.

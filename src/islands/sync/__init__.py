@@ -6,7 +6,7 @@ group that fits a memory budget, and the bytes each choice sends.
 """
 
 from islands.sync.shard_group import choose_group, cross_island_wire_bytes
-from islands.sync.sharded import Unit, plan_units, state_bytes_per_rank
+from islands.sync.shard_plan import Unit, plan_units, state_bytes_per_rank
 from islands.sync.wrap_policy import parse_wrap, trace_order
 from islands.sync.zero1 import partition
 
