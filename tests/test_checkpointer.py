@@ -281,7 +281,7 @@ def test_policy_text_round_trips_and_the_auto_policy_saves_first_at_its_first_st
     policy = parse_policy("auto:bound=0.05,devices=8,first=3")
     assert policy == AutoInterval(bound=0.05, devices=8, first=3) and parse_policy(format_policy(policy)) == policy
     assert parse_policy("") is None
-    with pytest.raises(ValueError, match="valid: bound, mtbf_days, devices, first, max"):
+    with pytest.raises(ValueError, match=r"does not take bnd \(did you mean bound\?\); its parameters: bound, mtbf_days, devices, first, max"):
         parse_policy("auto:bnd=0.1")
     model, opt = fresh(0)
     with Checkpointer(tmp_path, policy=AutoInterval(first=3)) as ckpt:

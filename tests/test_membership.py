@@ -134,7 +134,7 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
     import gc
 
     from islands.cli import main
-    from islands.app import elastic_worker
+    from islands import cli_more
     from islands.runtime.elastic import JobEnded
     from islands.runtime.membership import JOB_ENDED_EXIT_CODE
 
@@ -164,7 +164,7 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
     def ended(*args, **kwargs):
         raise outcome[0]
 
-    monkeypatch.setattr(elastic_worker, "run_elastic_worker", ended)
+    monkeypatch.setattr(cli_more, "run_elastic_worker", ended)  # the name `islands join` calls
     with pytest.raises(SystemExit) as exited:
         main(["join", "127.0.0.1:1", "--token", "t", "--name", "j1"])
     assert exited.value.code == JOB_ENDED_EXIT_CODE

@@ -60,14 +60,15 @@ def _endless(make_epoch):
         epoch += 1
 
 
-def make(kind: str, rank: int, size: int, batch: int):
-    """(model, batches of this rank's shard, validation batches, loss_fn or None)."""
+def make(kind: str, rank: int, size: int, batch: int, data_seed: int = 0):
+    """(model, batches of this rank's shard, validation batches, loss_fn or None). `data_seed` changes only the
+    order the batches come in (the same weights, the same shards): two seeds measure run-to-run noise."""
     if kind == "cnn":
         x, y = _digits()
         tx, ty = x[:1500][rank::size], y[:1500][rank::size]
 
         def epoch(e):
-            order = torch.randperm(len(ty), generator=torch.Generator().manual_seed(1000 * e + rank))
+            order = torch.randperm(len(ty), generator=torch.Generator().manual_seed(1000 * e + rank + 10**6 * data_seed))
             for i in range(0, len(ty) - batch + 1, batch):
                 yield tx[order[i:i + batch]], ty[order[i:i + batch]]
 
@@ -83,7 +84,7 @@ def make(kind: str, rank: int, size: int, batch: int):
         mine = torch.arange(windows)[rank::size]
 
         def epoch(e):
-            order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(1000 * e + rank))]
+            order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(1000 * e + rank + 10**6 * data_seed))]
             for i in range(0, len(order) - batch + 1, batch):
                 ids = torch.stack([train[j * GPT2_CONTEXT:(j + 1) * GPT2_CONTEXT] for j in order[i:i + batch]])
                 yield {"input_ids": ids, "labels": ids}
