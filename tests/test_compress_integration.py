@@ -17,7 +17,8 @@ from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.app.validate import validate
 from islands.compress.optim import build_optimizer, parse_optimizer
 from islands.compress.optimizer_base import CommunicatingOptimizer
-from islands.compress.torch_powersgd import bucket_nbytes, parse_torch_powersgd, torch_powersgd_hook_factory
+from islands.compress.registry import COMPRESSORS
+from islands.compress.torch_powersgd import TorchPowerSGD, bucket_nbytes
 from islands.config import ConfigError, JobConfig, from_mapping
 from islands.runtime.comm import Comm, CommLedger
 from islands.spec import Spec
@@ -199,7 +200,7 @@ def _torch_powersgd(rank, port, out_dir):
     net = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Tanh(), torch.nn.Linear(24, 16))
     model = DDP(net, bucket_cap_mb=64)
     comm = Comm(None, CommLedger())
-    state, hook = torch_powersgd_hook_factory("torch-powersgd:rank=2,start=2")(comm, net)
+    state, hook = TorchPowerSGD(rank=2, start=2).make_hook(comm, net)
     model.register_comm_hook(state, hook)
     steps = []
     for step in range(5):
@@ -255,5 +256,5 @@ def test_config_validates_optimizer_and_torch_powersgd():
         validate(from_mapping({"optimizer": "onebit-adam", "compress": "powersgd:rank=4"}))
     with pytest.raises(ConfigError, match="start >= 2"):
         validate(from_mapping({"compress": "torch-powersgd:start=1"}))
-    with pytest.raises(ValueError, match="no parameter"):
-        parse_torch_powersgd("torch-powersgd:ranks=2")
+    with pytest.raises(ValueError, match="does not take ranks"):
+        COMPRESSORS.build("torch-powersgd:ranks=2")

@@ -8,18 +8,21 @@ import time
 
 import pytest
 
+from islands.app.build import build_trainer
 from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import ElasticComm
-from islands.runtime.membership import Coordinator, Liveness, Refused, ask_to_join, connect, host_store, proof
+from islands.runtime.world import join_elastic
+from islands.runtime.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, host_store,
+                                        proof)
 
 
 @pytest.fixture()
 def job():
     server, store = host_store(0)
     lines: list[str] = []
-    coord = Coordinator(store, "s3cret-token", workers=1, config_json="{}", log=lines.append).start()
+    coord = Coordinator(store, "s3cret-token", JobSpec(workers=1), log=lines.append).start()
     yield server.port, coord, lines
     coord.stop()
 
@@ -51,7 +54,7 @@ def test_right_token_admitted_wrong_token_refused_with_clear_line(job):
 
 def test_a_joiner_takes_over_a_free_shard():
     server, store = host_store(0)
-    coord = Coordinator(store, "tok", workers=3, config_json="{}", log=lambda _: None).start()
+    coord = Coordinator(store, "tok", JobSpec(workers=3), log=lambda _: None).start()
     try:
         for name in ("a", "b", "c"):
             ask_to_join(connect("127.0.0.1", server.port), name, "tok")
@@ -89,24 +92,16 @@ def test_liveness_dead_flag_is_immediate_and_stale_heartbeat_times_out():
 
 
 def _solo_trainer(tmp_path, port, name):
-    from islands.app.build import build_trainer
-    from islands.app.elastic_worker import ElasticSteps, elastic_world
-
     cfg = validate(from_mapping(dict(task="digits", workers=1, islands=1, outer="local-sgd:every=2", elastic=True,
                                      steps=6, global_batch=8, eval_every=0, warmup=1, probe=False, progress=False,
                                      inner="single")))
-    store = connect("127.0.0.1", port)
-    admission = ask_to_join(store, name, "tok")
-    ledger = CommLedger()
-    comm = ElasticComm(store, name, ledger, heartbeat_timeout=5.0, collective_timeout=20.0)
-    comm.form(0, None)
-    world = elastic_world(cfg, comm, ledger, admission.shard)
-    return build_trainer(cfg, world, tmp_path, callbacks=[ElasticSteps(comm)]), comm
+    world = join_elastic(f"127.0.0.1:{port}", name, "tok")
+    return build_trainer(cfg, world, tmp_path), world.membership
 
 
 def test_membership_and_outer_state_survive_a_resume(tmp_path):
     server, store = host_store(0)
-    coord = Coordinator(store, "tok", workers=1, config_json="{}", log=lambda _: None).start()
+    coord = Coordinator(store, "tok", JobSpec(workers=1), log=lambda _: None).start()
     try:
         trainer, comm = _solo_trainer(tmp_path, server.port, "w0")
         trainer.fit(6)
@@ -117,7 +112,7 @@ def test_membership_and_outer_state_survive_a_resume(tmp_path):
     assert state["strategy"]["outer"]["rounds"] == 3
 
     server2, store2 = host_store(0)  # the resumed job: a fresh store, epoch 0 again
-    coord2 = Coordinator(store2, "tok", workers=1, config_json="{}", log=lambda _: None).start()
+    coord2 = Coordinator(store2, "tok", JobSpec(workers=1), log=lambda _: None).start()
     try:
         resumed, comm2 = _solo_trainer(tmp_path, server2.port, "w0")
         resumed.load_state_dict(state)
@@ -144,7 +139,7 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
 
     def joiner():
         try:
-            comm.enter_as_joiner(lambda: object())
+            comm.enter(object(), None)  # a joiner: waits in its strategy's wrap for a round boundary
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
             outcome.append(exc)
 
@@ -165,7 +160,9 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
         raise outcome[0]
 
     monkeypatch.setattr(cli_more, "run_elastic_worker", ended)  # the name `islands join` calls
+    live, live_store = host_store(0)  # `islands join` reads what the job runs first: an `islands train` job
+    Coordinator(live_store, "t", JobSpec(workers=1, config={}), log=lambda _: None)
     with pytest.raises(SystemExit) as exited:
-        main(["join", "127.0.0.1:1", "--token", "t", "--name", "j1"])
+        main(["join", f"127.0.0.1:{live.port}", "--token", "t", "--name", "j1"])
     assert exited.value.code == JOB_ENDED_EXIT_CODE
-    assert "127.0.0.1:1: the job ended before admitting this worker" in capsys.readouterr().out
+    assert f"127.0.0.1:{live.port}: the job ended before admitting this worker" in capsys.readouterr().out

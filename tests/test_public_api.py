@@ -46,6 +46,19 @@ def plain(t: torch.Tensor):
     return t.detach().numpy().copy()
 
 
+def own_loop(strategy, model, opt, world, data):
+    """The user's loop with the strategy's hooks (docs/own-model.md); returns the wrapped model after finish()."""
+    model = strategy.wrap(model, opt, world)
+    for step, (x, y) in enumerate(data):
+        F.cross_entropy(model(x), y).backward()
+        strategy.after_backward(model, step)
+        opt.step()
+        opt.zero_grad()
+        strategy.after_step(model, opt, step)
+    strategy.finish(model)
+    return model
+
+
 def batches(seed: int, n: int = 64, shape=(1, 8, 8)):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(8, *shape, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
@@ -188,15 +201,7 @@ def _bn_diloco_worker(rank, env, queue, streaming=False):
     outer = (islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1) if streaming
              else islands.outer.DiLoCo(inner_steps=5))
     strategy = islands.Stack(outer=outer)
-    model = strategy.wrap(model, opt, world)
-    data = batches(10 + rank, 12)  # each island its own data: their statistics differ
-    for step, (x, y) in enumerate(data):
-        F.cross_entropy(model(x), y).backward()
-        strategy.after_backward(model, step)
-        opt.step()
-        opt.zero_grad()
-        strategy.after_step(model, opt, step)
-    strategy.finish(model)
+    model = own_loop(strategy, model, opt, world, batches(10 + rank, 12))  # each island its own data
     g = strategy.eval_model(model)
     queue.put((rank, plain(model.bn.running_mean), plain(g.bn.running_mean), int(g.bn.num_batches_tracked),
                [plain(p) for p in g.parameters()]))
@@ -308,14 +313,7 @@ def _attach_worker(rank, env, queue, zero_touch):
                 opt.step()
                 opt.zero_grad()
     else:
-        model = strategy.wrap(model, opt, world)
-        for step, (x, y) in enumerate(data):
-            F.cross_entropy(model(x), y).backward()
-            strategy.after_backward(model, step)
-            opt.step()
-            opt.zero_grad()
-            strategy.after_step(model, opt, step)
-        strategy.finish(model)
+        model = own_loop(strategy, model, opt, world, data)
     queue.put((rank, strategy.rounds, {k: plain(v) for k, v in strategy.eval_model(model).state_dict().items()}))
     islands.close_world(world)
 

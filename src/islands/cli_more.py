@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import subprocess
 from pathlib import Path
 
-from islands.app.elastic_worker import exit_now, parse_address, run_elastic_worker
+import torch.distributed as dist
+
+from islands.app.elastic_worker import exit_now, run_elastic_worker
 from islands.checkpoint.cli import add_ckpt_command
 from islands.runtime.elastic import Excluded, JobEnded
-from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE, Refused
+from islands.runtime.elastic_launch import script_command
+from islands.runtime.membership import (ELASTIC_ENV, JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV,
+                                        JobSpec, Refused, connect, parse_address)
 from islands.testbed import cli as tcli
 
 
@@ -32,12 +37,13 @@ def _testbed(args) -> int:
 
 
 def _join(args) -> int:
-    """islands join HOST:PORT: one elastic worker entering a running job (islands.app.elastic_worker)."""
+    """islands join HOST:PORT: one elastic worker entering a running job: the job's script (`islands run
+    --elastic`) with ISLANDS_ELASTIC set, or islands' own worker (`islands train --elastic`)."""
     try:
-        parse_address(args.address)
+        host, port = parse_address(args.address)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    token = args.token or os.environ.get("ISLANDS_TOKEN", "")
+    token = args.token or os.environ.get(TOKEN_ENV, "")
     if args.token_file:
         try:
             token = Path(args.token_file).read_text().strip()
@@ -46,6 +52,13 @@ def _join(args) -> int:
     if not token:
         raise UsageError("a token is required: --token T, --token-file PATH or ISLANDS_TOKEN in the environment")
     name = args.name or f"j{secrets.token_hex(4)}"
+    try:
+        job = JobSpec.read(connect(host, port, timeout_s=10.0))
+    except (dist.DistNetworkError, TimeoutError) as e:
+        print(f"islands: no elastic job answers at {args.address}: {e}", flush=True)
+        return JOB_ENDED_EXIT_CODE
+    if job.script:
+        return _join_script(job, args.address, name, token)
     run_dir = Path(args.run_dir or f"runs/join-{name}")
     try:
         run_elastic_worker(args.address, run_dir, name, token)
@@ -61,17 +74,33 @@ def _join(args) -> int:
     exit_now(0)  # a retired gloo group could hold a normal exit until its timeout
 
 
+def _join_script(job: JobSpec, address: str, name: str, token: str) -> int:
+    """Run the job's script as a worker of its own: its islands.init_world() asks to join (a wrong token
+    exits 3, a job that ends first 4) and its strategy's wrap waits for a round boundary. It runs in the
+    launcher's directory when this machine has it, so relative paths in the script name the same files."""
+    cwd = job.cwd if job.cwd and Path(job.cwd).is_dir() else None
+    env = dict(os.environ, **{ELASTIC_ENV: address, TOKEN_ENV: token, NAME_ENV: name}, PYTHONUNBUFFERED="1")
+    print(f"islands: joining {address} as {name!r}: {' '.join(job.script)}", flush=True)
+    try:
+        return subprocess.run(script_command(job), env=env, cwd=cwd, stdin=subprocess.DEVNULL).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
 def add_more_commands(sub: argparse._SubParsersAction) -> None:
-    jn = sub.add_parser("join", help="join a running elastic job (started with islands train --elastic)",
+    jn = sub.add_parser("join", help="join a running elastic job (islands train --elastic, islands run --elastic)",
                         description="Start one worker that asks the job at HOST:PORT to admit it, receives the "
                                     "current global model and outer-optimizer state at the next round, and trains "
-                                    "from the round after. The job's config comes from the job itself.")
+                                    "from the round after. What it runs comes from the job itself: the job's config "
+                                    "(islands train), or the job's script with its arguments, in the launcher's "
+                                    "directory (islands run).")
     jn.add_argument("address", help="HOST:PORT of the elastic job's store (printed by its launcher)")
     jn.add_argument("--token", default="", help="the job's secret (prefer --token-file or ISLANDS_TOKEN: "
                                                 "arguments are visible to other users of this machine)")
     jn.add_argument("--token-file", default="", help="file holding the token (the launcher writes RUN_DIR/token)")
     jn.add_argument("--name", default="", help="this worker's name in the job (default: random)")
-    jn.add_argument("--run-dir", default="", help="where this worker writes its records (default runs/join-NAME)")
+    jn.add_argument("--run-dir", default="", help="where this worker writes its records (default runs/join-NAME; "
+                                                  "a script job's worker writes where its script does)")
     jn.set_defaults(fn=_join)
     tb = sub.add_parser("testbed", help="real rate-limited links: hosts as network namespaces (root)",
                         description="Create, inspect and remove a network testbed; `islands train --testbed NAME` "

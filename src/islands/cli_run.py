@@ -3,6 +3,10 @@
 The script joins with torch's env:// rendezvous (`torch.distributed.init_process_group()` or
 `islands.init_world()`), so the same script also runs under torchrun. Everything after the script's
 path is the script's own, passed through untouched (flags included).
+
+`--elastic`: the workers form an elastic job instead (islands.runtime.elastic_launch): the script joins
+with `islands.init_world()`, any worker may die while the others carry on, and `islands join` adds
+workers that enter at the outer strategy's round boundaries (docs/membership.md).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from pathlib import Path
 
 from islands.cli_more import UsageError
+from islands.runtime.elastic_launch import launch_elastic_script
 from islands.runtime.launch import LaunchError, Placement, check_counts, run_ranks
 
 
@@ -23,6 +28,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"script {args.script!r} {what}; give the path of a Python file, "
                          f"e.g. `islands run --workers 2 train.py --lr 3e-4`")
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{script.stem}-w{args.workers}")
+    if args.elastic:
+        return _run_elastic(args, script, run_dir)
+    elastic_only = [flag for flag, value, default in (("--heartbeat-timeout", args.heartbeat_timeout, None),
+                                                       ("--timeout", args.timeout, None)) if value != default]
+    if elastic_only:
+        raise UsageError(f"{', '.join(elastic_only)} apply to elastic jobs only; add --elastic or leave them out")
     try:  # launch_ranks, with a line saying where the logs go once the input is known to work
         check_counts(args.workers, args.islands, args.threads)
         placement = Placement.on_testbed(args.testbed, args.port) if args.testbed else Placement.loopback(args.port)
@@ -35,15 +46,37 @@ def cmd_run(args: argparse.Namespace) -> int:
                      threads=args.threads, run_dir=run_dir)
 
 
+def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
+    if args.testbed:
+        raise UsageError("--elastic does not run inside a testbed yet; leave --testbed out")
+    if args.islands not in (1, args.workers):
+        raise UsageError(f"an elastic job has one worker per island (islands follow the members); leave --islands "
+                         f"out or give --islands {args.workers}, not {args.islands}")
+    heartbeat = 3.0 if args.heartbeat_timeout is None else args.heartbeat_timeout
+    timeout = 120.0 if args.timeout is None else args.timeout
+    try:
+        check_counts(args.workers, 1, args.threads)
+        if args.port and not 0 < args.port < 65536:
+            raise LaunchError(f"port must be in 1..65535 (or 0 to pick a free one); got {args.port}")
+        print(f"islands: elastic job of {args.workers} worker(s) of {script}; logs in {run_dir / 'logs'}",
+              file=sys.stderr, flush=True)
+        return launch_elastic_script([str(script), *args.args], args.workers, run_dir, heartbeat_timeout=heartbeat,
+                                     timeout=timeout, port=args.port, threads=args.threads)
+    except LaunchError as e:
+        raise UsageError(str(e)) from None
+
+
 def add_run_command(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "run", help="launch any script as N ranks (env:// rendezvous, like torchrun), supervised",
         description="Start N ranks of SCRIPT, each with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
                     "MASTER_PORT, OMP_NUM_THREADS and ISLANDS_ISLANDS set. If one rank fails or is killed, the others "
                     "are stopped and its log tail is shown. Rank r logs to RUN_DIR/logs/rank<r>.log; rank 0's "
-                    "stdout stays on this terminal. Arguments after SCRIPT are the script's own.",
+                    "stdout stays on this terminal. Arguments after SCRIPT are the script's own. With --elastic the "
+                    "workers (ISLANDS_ELASTIC, ISLANDS_TOKEN, ISLANDS_NAME set; logs in RUN_DIR/logs/w<i>.log) form an "
+                    "elastic job: a worker that dies is dropped and the others carry on, `islands join` adds workers.",
         usage="islands run [--workers N] [--islands K] [--testbed NAME] [--port P] [--threads T] [--run-dir DIR] "
-              "script.py [ARGS...]")
+              "[--elastic [--heartbeat-timeout S] [--timeout S]] script.py [ARGS...]")
     r.add_argument("--workers", type=int, default=2, metavar="N", help="ranks to start (default 2)")
     r.add_argument("--islands", type=int, default=1, metavar="K",
                    help="islands the ranks form, read by islands.init_world() through ISLANDS_ISLANDS (default 1)")
@@ -53,7 +86,15 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
                    help="rendezvous port (default 0: a free one; a busy port is refused)")
     r.add_argument("--threads", type=int, default=1, metavar="T", help="OMP_NUM_THREADS per rank (default 1)")
     r.add_argument("--run-dir", default="", metavar="DIR",
-                   help="where logs/ goes (default runs/<time>-<script>-w<N>)")
+                   help="where logs/ goes (default runs/<time>-<script>-w<N>); with --elastic also the job's token")
+    r.add_argument("--elastic", action="store_true",
+                   help="an elastic job: the script joins with islands.init_world() and trains with an outer strategy; "
+                        "a worker that dies is dropped, `islands join HOST:PORT` adds one at a round boundary "
+                        "(docs/membership.md)")
+    r.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3)")
+    r.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="with --elastic: seconds a collective may take before a worker counts as stuck (default 120)")
     r.add_argument("script", help="the Python script every rank runs")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through untouched")
     r.set_defaults(fn=cmd_run)

@@ -14,6 +14,7 @@ from pathlib import Path
 from islands.config import JobConfig, dump_json
 from islands.runtime.elastic_launch import launch_elastic_workers
 from islands.runtime.launch import Placement, run_ranks
+from islands.runtime.membership import JobSpec
 from islands.testbed import Testbed, wire_bytes
 
 WORKER_MODULE = "islands.app.worker"  # `python -m WORKER_MODULE CONFIG RUN_DIR`
@@ -73,7 +74,8 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     experiments inject faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
-    return launch_elastic_workers([sys.executable, "-m", ELASTIC_WORKER_MODULE], cfg.world.workers,
-                                  json.dumps(shared_config(cfg, run_dir)), run_dir, port=cfg.world.port,
-                                  threads=cfg.world.threads, heartbeat_timeout=cfg.elastic.heartbeat_timeout,
-                                  out=out, on_started=on_started)
+    job = JobSpec(workers=cfg.world.workers, heartbeat_timeout=cfg.elastic.heartbeat_timeout, timeout=cfg.world.timeout,
+                  config=shared_config(cfg, run_dir))
+    return launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
+                                  job, run_dir, port=cfg.world.port, threads=cfg.world.threads, out=out,
+                                  on_started=on_started)

@@ -23,6 +23,12 @@ alike), after checking it was made by the same model (names, shapes and dtypes o
 the `fingerprint` string if one is given) and holds every part asked for; nothing is loaded when a
 check fails. Several ranks: every rank calls every method, at the same steps (saves are collective).
 Multi-level, intervals, the auto policy, asynchronous persist: islands.checkpoint.driver.
+
+Elastic jobs (`islands run --elastic`): a joiner's strategy wrap already received the members' global
+model, strategy state and step (world.start_step), so its `restore` loads nothing from disk (an older
+checkpoint would overwrite that state) and returns that step; it also meets nobody (the members are in
+their loop). Before joiners enter, the members let the saves in flight finish (a new epoch would abandon
+them): the Checkpointer registers that with the membership.
 """
 
 from __future__ import annotations
@@ -155,6 +161,16 @@ class Checkpointer:
         self.driver = CheckpointDriver(self.settings, world, fingerprint=fingerprint)
         self.restored: dict | None = None  # what restore() loaded: path, level, step, world sizes, skipped
         self._elapsed_at_mark, self._mark = 0.0, time.perf_counter()
+        self._last: LoopState | None = None  # the state of the last maybe_save (elastic: settled before a join)
+        if world.membership is not None:
+            world.membership.before_join.append(self._settle)
+
+    def _settle(self) -> None:
+        """Elastic, before joiners enter: what is due at the last step is saved and nothing is in flight."""
+        if self._last is not None:
+            self.driver.settle(self._last)
+        else:
+            self.driver.wait()
 
     def _elapsed(self) -> float:
         return self._elapsed_at_mark + time.perf_counter() - self._mark
@@ -167,12 +183,17 @@ class Checkpointer:
     def restore(self, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None,
                 extra: dict | None = None) -> int | None:
         """Load the newest checkpoint into these objects; returns its step, or None when there is none.
+        A joiner of an elastic job loads nothing and returns world.start_step (module docstring).
 
         Raises CheckpointMismatch (a ValueError) naming each difference when the checkpoint was made by
         another model or lacks a part asked for, NoCheckpoint when checkpoints exist but none is intact
         on every rank. Give the objects as they will be trained: after `strategy.wrap`.
         """
         state = self._state(0, dict(model=model, optimizer=optimizer, strategy=strategy, data=data, extra=extra))
+        if False and self.world.start_step:  # an elastic joiner: it holds the members' state of that step already
+            self.driver.resumed(self.world.start_step)
+            self.restored = {"step": self.world.start_step, "joined": True}
+            return self.world.start_step
         sources = [Source("local", self.driver.root, None)]
         if self.driver.remote_root is not None:
             sources.append(Source("remote", self.driver.remote_root, None))
@@ -196,6 +217,7 @@ class Checkpointer:
         """After `step` optimizer steps: save the levels due at this step (returns True when it saved).
         An asynchronous save returns once the state is copied; it is durable by close()."""
         state = self._state(step, dict(model=model, optimizer=optimizer, strategy=strategy, data=data, extra=extra))
+        self._last = state
         return self.driver.after_step(state) is not None
 
     def save(self, step: int, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None,

@@ -1,6 +1,6 @@
 """torch's own layer-wise PowerSGD DDP hook, as a reference to measure ours against (SOTA-075).
 
-    compress="torch-powersgd:rank=4,start=2"
+    islands.inner.DDP(compressor=TorchPowerSGD(rank=4, start=2))      compressor="torch-powersgd:rank=4,start=2"
 
 torch's hook calls torch.distributed itself, so its bytes cannot pass through our Comm. We count
 them analytically, per bucket and step, by torch's own rules (`_should_compress` with its
@@ -21,32 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
 from islands.runtime.comm import Comm
 
 NAME = "torch-powersgd"
-PARAMS = {"rank": 4, "start": 2, "min_rate": 2.0}  # start >= 2 is torch's minimum with error feedback
 SINGLE_BUCKET_MB = 4096.0  # "one bucket for everything" on any model this project trains
-
-
-def is_torch_powersgd(spec: str) -> bool:
-    return isinstance(spec, str) and spec.strip().lower().partition(":")[0].strip() == NAME
-
-
-def parse_torch_powersgd(spec: str) -> dict:
-    """'torch-powersgd:rank=4,start=2,min_rate=2' -> {'rank': 4, 'start': 2, 'min_rate': 2.0}."""
-    name, _, rest = spec.strip().partition(":")
-    if name.strip().lower() != NAME:
-        raise ValueError(f"not a {NAME} spec: {spec!r}")
-    values = dict(PARAMS)
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        key = key.strip()
-        if not eq or key not in PARAMS:
-            raise ValueError(f"{NAME} has no parameter {item!r}; valid: rank=int (4), start=int >= 2 (2), min_rate=float (2)")
-        try:
-            values[key] = type(PARAMS[key])(raw.strip())
-        except ValueError:
-            raise ValueError(f"{NAME}: {key}={raw.strip()!r} is not a valid {type(PARAMS[key]).__name__}") from None
-    if values["rank"] < 1 or values["start"] < 2 or values["min_rate"] <= 0:
-        raise ValueError(f"{NAME}: need rank >= 1, start >= 2 (torch's minimum with error feedback), min_rate > 0; got {values}")
-    return values
 
 
 def bucket_nbytes(gradients: list[torch.Tensor], rank: int, min_rate: float, compressing: bool) -> int:
@@ -121,11 +96,6 @@ class TorchPowerSGD:
 
     def make_hook(self, comm: Comm, model: torch.nn.Module):
         return TorchPowerSGDState(comm, self.rank, self.start, self.min_rate, self.seed), _counted_hook
-
-
-def torch_powersgd_hook_factory(spec: str, seed: int = 0):
-    """factory(comm, model) -> (state, hook), from a spec string (the CLI's form)."""
-    return TorchPowerSGD(**parse_torch_powersgd(spec), seed=seed).make_hook
 
 
 # DDP checks the hook's return annotation as an object; postponed annotations would hand it a string.

@@ -12,9 +12,16 @@ numbered operation (e, seq) that commits only when every member reports success 
 Forming epoch e: each candidate registers e/<e>/reg/<name>; once every candidate has registered or
 is gone (Liveness), the first to notice writes e/<e>/members by compare-and-set. Ranks follow
 admission order (slot), so the lowest surviving slot is rank 0.
-Joins happen only at a round boundary (after the outer strategy's round counter moves; on_step):
-the members agree per round on which pending joiners enter, form the next epoch with them, and the
-lowest-ranked old member broadcasts {"model", "strategy", "step"} (torch.save bytes as uint8).
+Joins happen only at a round boundary. The strategy the loop drives (a Stack, or an outer strategy
+used alone) holds the membership: the first strategy whose wrap runs in an elastic world claims it
+(`claim`), calls `enter` at the end of its wrap and `at_step` at the start of every step's hooks
+(after backward). At the first `at_step` after the outer round counter moved, the members agree on
+which ready joiners enter, form the next epoch with them, and the lowest-ranked old member broadcasts
+{"model", "strategy", "step"} (torch.save bytes as uint8). A joiner's `enter` blocks until the members
+put it in an epoch and loads what they sent, so its wrap returns with the global model, the strategy
+state and the step its loop starts at. The hook sits after backward rather than at the end of the
+round's after_step so that the step's own checkpoint (saved after after_step) is already taken: only
+saves still in flight have to finish first (`before_join`).
 """
 
 from __future__ import annotations
@@ -32,15 +39,19 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger
-from islands.runtime.membership import Liveness, get_json, wait_key
+from islands.runtime.membership import JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json, wait_key
 
 
 class Excluded(RuntimeError):
     """This process was dropped from the membership (its heartbeat went stale while it was away)."""
 
+    exit_code = 1
+
 
 class JobEnded(RuntimeError):
     """The job finished (its store went away) before admitting this joiner."""
+
+    exit_code = JOB_ENDED_EXIT_CODE
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -67,6 +78,15 @@ class ElasticComm:
         self.syncs: list[dict] = []  # every committed operation: epoch, seq, kind, start, seconds
         self._last_round: int | None = None
         self._retired: list = []  # aborted groups, kept alive until exit (see _abort)
+        # The strategy the loop drives: the first to claim() in its wrap; it shares and receives the state.
+        self.holder = None
+        # Called before joiners enter: checkpoint drivers finish the saves in flight (a new epoch would abandon them).
+        self.before_join: list[Callable[[], None]] = []
+        # Set by islands.runtime.world.join_elastic: this process's heartbeat (stopped by leave), its admission
+        # (slot, shard, initial) and the job it is in.
+        self.heartbeat: Heartbeat | None = None
+        self.admission: Admission | None = None
+        self.job: JobSpec | None = None
 
     def new_liveness(self, client) -> Liveness:
         """A liveness check through `client` (one of new_client's), with this job's heartbeat timeout."""
@@ -290,42 +310,22 @@ class ElasticComm:
         self.pg.set_timeout(_dt.timedelta(seconds=self.collective_timeout))
 
     # ---- joins at round boundaries --------------------------------------------------------------
-    def on_step(self, trainer) -> None:
-        """After each step (islands.app.elastic_worker's callback): at a new round boundary, admit the pending
-        joiners. `trainer` is the loop's state: strategy, model, step, checkpoints."""
-        rounds = _outer(trainer.strategy).rounds
-        if self._last_round is None:  # the first boundary is the end of the first round
-            self._last_round = rounds
-        if rounds == self._last_round:
-            return
-        self._last_round = rounds
-        # only joiners that are ready (trainer built): the members must not wait on a joiner's start-up
-        pending = [p for p in get_json(self.store, "pending", []) if p[1] not in self.names
-                   and self.store.check([f"ready/{p[1]}"]) and not self.store.check([f"joinat/{p[1]}"])]
-        self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
-        joiners = json.loads(self.store.get(f"round/{rounds}/join"))
-        if not joiners:
-            return
-        if getattr(trainer, "checkpoints", None) is not None:
-            # a checkpoint due at this step is taken by the members before the joiners enter (the
-            # loop's own save comes after this hook, when a joiner would be in the barrier but not
-            # in the loop), and no save may be in flight: the new epoch would abandon it
-            trainer.checkpoints.settle(trainer)
-        nxt = self.epoch + 1
-        holders = set(self.names)
-        for j in joiners:
-            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(holders)}))
-        asked = time.time()
-        self._abort()
-        self.form(nxt, sorted(self.members + joiners))
-        self.share_state(trainer, holders)
-        self.events.append({"type": "join", "global_sha256": global_digest(trainer.strategy.eval_model(trainer.model)), "epoch": self.epoch + self.epoch_base, "joined": [j[1] for j in joiners],
-                            "round": rounds, "size": self.size, "detected": asked, "resumed": time.time(),
-                            "stall_seconds": time.time() - asked})
+    def claim(self, strategy) -> bool:
+        """Called first thing in a strategy's wrap: the first caller is the strategy the loop drives (a Stack
+        claims before its outer part's wrap runs), which holds the membership; True for it alone."""
+        if self.holder is None:
+            self.holder = strategy
+        return self.holder is strategy
 
-    def enter_as_joiner(self, trainer_factory):
-        """A joiner: wait for the epoch the members put it in, then receive the training state."""
-        trainer = trainer_factory()  # built while waiting, so the members do not wait for it
+    def enter(self, strategy, model) -> int:
+        """Called at the end of the holding strategy's wrap; returns the step the loop starts at.
+
+        A member of epoch 0 starts at 0. A joiner marks itself ready (its model and strategy exist, so the
+        members never wait on its start-up), waits until the members put it in an epoch at a round boundary,
+        then loads the global model and the strategy state they send and returns their step."""
+        if self.epoch >= 0:
+            self._last_round = _rounds(strategy)
+            return 0
         self.store.set(f"ready/{self.name}", str(time.time()))
         try:
             entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch",
@@ -334,16 +334,49 @@ class ElasticComm:
             raise JobEnded("the job ended before admitting this worker: joiners enter at a round boundary and it "
                            "had none left; nothing was trained here") from None
         self.form(entry["epoch"], None)
-        holders = set(entry["holders"])
-        self.share_state(trainer, holders)
-        self._last_round = _outer(trainer.strategy).rounds
-        self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": trainer.step,
+        step = self.share_state(strategy, model, 0, set(entry["holders"]))
+        self._last_round = _rounds(strategy)
+        self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": step,
                             "round": self._last_round, "time": time.time(),
-                            "global_sha256": global_digest(trainer.strategy.eval_model(trainer.model))})
-        return trainer
+                            "global_sha256": global_digest(strategy.eval_model(model))})
+        return step
 
-    def share_state(self, trainer, holders: set[str]) -> None:
-        """The lowest-ranked holder sends {"model", "strategy", "step"}; everyone else loads it."""
+    def at_step(self, strategy, model, step: int) -> None:
+        """Called by the holding strategy at the start of each step's hooks (after backward), `step` being the
+        steps done: after a round boundary, admit the joiners that are ready."""
+        rounds = _rounds(strategy)
+        if self._last_round is None:  # enter() was not called: the first boundary is the end of the first round
+            self._last_round = rounds
+        if rounds == self._last_round:
+            return
+        self._last_round = rounds
+        # only joiners that are ready (model built): the members must not wait on a joiner's start-up
+        pending = [p for p in get_json(self.store, "pending", []) if p[1] not in self.names
+                   and self.store.check([f"ready/{p[1]}"]) and not self.store.check([f"joinat/{p[1]}"])]
+        self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
+        joiners = json.loads(self.store.get(f"round/{rounds}/join"))
+        if not joiners:
+            return
+        for settle in self.before_join:
+            # the step's checkpoint is already taken (the loop saves after after_step); one still persisting
+            # must finish, or the new epoch would abandon it
+            settle()
+        nxt = self.epoch + 1
+        holders = set(self.names)
+        for j in joiners:
+            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(holders)}))
+        asked = time.time()
+        self._abort()
+        self.form(nxt, sorted(self.members + joiners))
+        self.share_state(strategy, model, step, holders)
+        self.events.append({"type": "join", "global_sha256": global_digest(strategy.eval_model(model)),
+                            "epoch": self.epoch + self.epoch_base, "joined": [j[1] for j in joiners],
+                            "round": rounds, "step": step, "size": self.size, "detected": asked,
+                            "resumed": time.time(), "stall_seconds": time.time() - asked})
+
+    def share_state(self, strategy, model, step: int, holders: set[str]) -> int:
+        """The lowest-ranked holder sends {"model": the global model, "strategy": its state, "step"}; everyone
+        else loads it into `strategy` and `model`. Returns the step (the sender's)."""
         def src() -> int:
             ranks = [i for i, n in enumerate(self.names) if n in holders]
             if not ranks:
@@ -354,19 +387,19 @@ class ElasticComm:
         blob = torch.zeros(0, dtype=torch.uint8)
         if mine:
             buf = io.BytesIO()
-            torch.save({"model": trainer.strategy.eval_model(trainer.model).state_dict(),
-                        "strategy": trainer.strategy.state_dict(), "step": trainer.step}, buf)
+            torch.save({"model": strategy.eval_model(model).state_dict(), "strategy": strategy.state_dict(),
+                        "step": int(step)}, buf)
             blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         length = self.broadcast_from(torch.tensor([blob.numel()], dtype=torch.int64), src, kind="elastic_state")
         if not mine:
             blob = torch.zeros(int(length.item()), dtype=torch.uint8)
         blob = self.broadcast_from(blob, src, kind="elastic_state")
         if self.name in holders:
-            return
+            return step
         state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
-        trainer.strategy.eval_model(trainer.model).load_state_dict(state["model"])
-        trainer.strategy.load_state_dict(state["strategy"])
-        trainer.step = int(state["step"])
+        strategy.eval_model(model).load_state_dict(state["model"])
+        strategy.load_state_dict(state["strategy"])
+        return int(state["step"])
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -382,6 +415,9 @@ class ElasticComm:
             {"type": "resumed", "from_epoch": int(state["epoch"]), "previous_members": state["members"]}]
 
     def leave(self) -> None:
+        """Stop the heartbeat, retire the group and tell the others this member finished."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self._abort()
         try:
             self.store.set(f"dead/{self.name}", "finished")
@@ -406,8 +442,10 @@ def _quiet_abort(pg) -> None:
         pass
 
 
-def _outer(strategy):
-    outer = getattr(strategy, "outer", None)
-    if outer is None or not hasattr(outer, "rounds"):
-        raise TypeError("elastic mode needs an outer strategy with a round counter (islands.sync.outer)")
-    return outer
+def _rounds(strategy) -> int:
+    """Rounds the outer strategy completed: the holder's own counter, or its outer part's (a Stack)."""
+    for part in (strategy, getattr(strategy, "outer", None)):
+        if part is not None and hasattr(part, "rounds"):
+            return int(part.rounds)
+    raise TypeError(f"an elastic job needs an outer strategy with a round counter (islands.outer.DiLoCo, LocalSGD, ...); "
+                    f"{type(strategy).__name__} has none")

@@ -8,6 +8,11 @@ heartbeat timeout). It succeeds (exit 0) if at least one worker finished trainin
 itself is the single point of failure: if it dies, workers lose the store and exit with an error.
 The token comes from ISLANDS_TOKEN or is generated and written to RUN_DIR/token (mode 0600); it is
 never printed.
+
+Every worker gets ISLANDS_ELASTIC=HOST:PORT (the store), ISLANDS_TOKEN and ISLANDS_NAME (w0, w1, ...). What
+it runs is the caller's: islands' own elastic worker (`islands train --elastic`, islands.app.launch) or any
+script that calls islands.init_world() (`islands run --elastic`, launch_elastic_script). The store's "job"
+key (membership.JobSpec) tells a joiner what to run.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from islands.runtime.launch import LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free, stop_all
-from islands.runtime.membership import Coordinator, Liveness, get_json, host_store
+from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Coordinator, JobSpec, Liveness, get_json,
+                                        host_store)
 
 
 def job_token(run_dir: Path, out) -> str:
-    token = os.environ.get("ISLANDS_TOKEN", "")
+    token = os.environ.get(TOKEN_ENV, "")
     if token:
         return token
     token = secrets.token_hex(16)
@@ -36,12 +43,38 @@ def job_token(run_dir: Path, out) -> str:
     return token
 
 
-def launch_elastic_workers(worker_argv: list[str], workers: int, config_json: str, run_dir: Path, *, port: int = 0,
-                           threads: int = 1, heartbeat_timeout: float, out=sys.stderr, on_started=None) -> int:
-    """Run an elastic job of `workers` workers, each `worker_argv + [HOST:PORT, RUN_DIR]` (the app layer names
-    its elastic worker); `config_json` is what every worker (joiners included) reads from the store
-    (islands.app.launch.shared_config). `on_started(address, workers, coordinator)` lets experiments inject
-    faults."""
+def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heartbeat_timeout: float = 3.0,
+                          timeout: float = 120.0, port: int = 0, threads: int = 1, out=sys.stderr,
+                          on_started=None) -> int:
+    """`islands run --elastic`: run `argv` (a script and its arguments) as an elastic job of `workers` workers.
+
+    The script joins with islands.init_world() and needs an outer strategy (joins happen at its round
+    boundaries). Its path is made absolute and stored with its arguments and this directory, so that `islands
+    join` starts the same program anywhere. Returns the exit code (as launch_elastic_workers)."""
+    if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+        raise LaunchError(f"argv must be a non-empty list of strings (the script and its arguments); got {argv!r}")
+    script = Path(argv[0]).resolve()
+    if not script.is_file():
+        raise LaunchError(f"script {argv[0]!r} is not a file")
+    try:
+        job = JobSpec(workers=workers, heartbeat_timeout=heartbeat_timeout, timeout=timeout,
+                      script=(str(script), *argv[1:]), cwd=os.getcwd())
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    return launch_elastic_workers(lambda address: script_command(job), job, run_dir, port=port, threads=threads,
+                                  out=out, on_started=on_started)
+
+
+def script_command(job: JobSpec) -> list[str]:
+    """The command a worker of a script job runs (the launcher's and `islands join`'s alike)."""
+    return [sys.executable, *job.script]
+
+
+def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, run_dir: Path, *, port: int = 0,
+                           threads: int = 1, out=sys.stderr, on_started=None) -> int:
+    """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
+    ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
+    from the store. `on_started(address, workers, coordinator)` lets experiments inject faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     if port and not port_is_free(port, "0.0.0.0"):
@@ -49,23 +82,23 @@ def launch_elastic_workers(worker_argv: list[str], workers: int, config_json: st
     token = job_token(run_dir, out)
     server, store = host_store(port)
     address = f"127.0.0.1:{server.port}"
-    coordinator = Coordinator(store, token, workers, config_json,
-                              log=lambda line: print(line, file=out, flush=True)).start()
-    print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out)
+    coordinator = Coordinator(store, token, job, log=lambda line: print(line, file=out, flush=True)).start()
+    print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out,
+          flush=True)
     started: list[WorkerProcess] = []
     try:
-        for rank in range(workers):
+        for rank in range(job.workers):
             name = f"w{rank}"
-            env = dict(os.environ, ISLANDS_TOKEN=token, ISLANDS_NAME=name, PYTHONUNBUFFERED="1",
-                       OMP_NUM_THREADS=str(threads))
+            env = dict(os.environ, **{ELASTIC_ENV: address, TOKEN_ENV: token, NAME_ENV: name},
+                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
             log = run_dir / "logs" / f"{name}.log"
             with open(log, "w") as f:
-                proc = subprocess.Popen([*worker_argv, address, str(run_dir)],
-                                        env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(command(address), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
             started.append(WorkerProcess(rank, proc, log))
         if on_started is not None:
             on_started(address, started, coordinator)
-        return _supervise(started, store, coordinator, heartbeat_timeout, out)
+        return _supervise(started, store, coordinator, job.heartbeat_timeout, out)
     except KeyboardInterrupt:
         print("interrupted: stopping all workers", file=out)
         return 130

@@ -2,7 +2,8 @@
 
 Everything goes through one torch.distributed TCPStore hosted by the launcher, so any worker may die
 (the store does not live in a worker). Keys (all under "islands/"):
-  config                 the job's TrainConfig as JSON (joiners need nothing but the address)
+  job                    the JobSpec as JSON: what every worker runs and with which timeouts (joiners
+                         need nothing but the address and the token)
   join/tickets           counter; a process asking to join takes ticket t
   join/<t>/name          the asker's name;  join/<t>/challenge  a fresh random nonce
   join/<t>/proof         HMAC-SHA256(token, "islands-join|<name>|<challenge>")
@@ -10,6 +11,8 @@ Everything goes through one torch.distributed TCPStore hosted by the launcher, s
   pending                admitted joiners not yet in an epoch: [[slot, name, shard], ...]
   joinat/<name>          the epoch a joiner enters (written by the members that admit it)
   e/<e>/members          the members of epoch e: [[slot, name, shard], ...] sorted by slot
+  ready/<name>           a joiner has built its model and strategy and waits to enter
+  round/<r>/join         the joiners the members admit at the boundary after round r (compare-and-set)
   hb/<name>              heartbeat counter;  dead/<name>  set by a supervisor when the process exits
 The token itself never enters the store, a log or a file other than the one the user chose: only
 challenge-bound HMACs do, so replaying an old proof does not admit anyone. The store is
@@ -31,13 +34,73 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 PREFIX = "islands/"
-HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (cfg.heartbeat_timeout) is a multiple
+HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (JobSpec.heartbeat_timeout) is a multiple
 REFUSED_EXIT_CODE = 3
 JOB_ENDED_EXIT_CODE = 4  # `islands join`: the job finished before it admitted this worker
+# The environment of every elastic worker (the launcher and `islands join` set them):
+ELASTIC_ENV = "ISLANDS_ELASTIC"  # HOST:PORT of the job's store; islands.init_world() joins the job there
+TOKEN_ENV = "ISLANDS_TOKEN"  # the job's secret (never printed or stored)
+NAME_ENV = "ISLANDS_NAME"  # this process's name in the job
 
 
 class Refused(RuntimeError):
     """The coordinator refused this process (wrong token, or the job is over)."""
+
+    exit_code = REFUSED_EXIT_CODE
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be HOST:PORT (e.g. 127.0.0.1:29500); got {text!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every worker of an elastic job reads from the job's store (key "job"), joiners included.
+
+    workers            the job's data shards: the first `workers` admitted form epoch 0
+    heartbeat_timeout  seconds without a heartbeat before a member counts as gone
+    timeout            seconds a collective may take before a member counts as stuck
+    config             `islands train --elastic`: the job's config as a mapping (islands.app reads it)
+    script             `islands run --elastic`: the script's absolute path and its arguments
+    cwd                the directory the launcher ran in: a joiner runs the script there, so relative
+                       paths in the script (checkpoints, data) name the same files
+    """
+
+    workers: int
+    heartbeat_timeout: float = 3.0
+    timeout: float = 120.0
+    config: dict | None = None
+    script: tuple[str, ...] = ()
+    cwd: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be an integer >= 1; got {self.workers!r}")
+        for name in ("heartbeat_timeout", "timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds; got {getattr(self, name)!r}")
+        if self.config is not None and self.script:
+            raise ValueError("a job runs either a config (islands train) or a script (islands run), not both")
+        object.__setattr__(self, "script", tuple(self.script))
+
+    def to_json(self) -> str:
+        return json.dumps({"workers": self.workers, "heartbeat_timeout": self.heartbeat_timeout,
+                           "timeout": self.timeout, "config": self.config, "script": list(self.script),
+                           "cwd": self.cwd})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "JobSpec":
+        d = json.loads(text)
+        return cls(workers=int(d["workers"]), heartbeat_timeout=float(d["heartbeat_timeout"]),
+                   timeout=float(d["timeout"]), config=d.get("config"), script=tuple(d.get("script") or ()),
+                   cwd=d.get("cwd", ""))
+
+    @classmethod
+    def read(cls, store, timeout_s: float = 30.0) -> "JobSpec":
+        return cls.from_json(wait_key(store, "job", timeout_s, "job description in the store"))
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.Store:
@@ -73,8 +136,8 @@ def wait_key(store, key: str, timeout_s: float, what: str, poll: float = 0.01) -
 @dataclass(frozen=True)
 class Admission:
     slot: int  # admission order; ranks in every epoch follow it
-    shard: int  # data shard of cfg.workers shards (see Coordinator.shard_for)
-    initial: bool  # one of the first cfg.workers: member of epoch 0
+    shard: int  # data shard of job.workers shards (see Coordinator.shard_for)
+    initial: bool  # one of the first job.workers: member of epoch 0
 
 
 def ask_to_join(store, name: str, token: str, timeout_s: float = 30.0) -> Admission:
@@ -137,17 +200,19 @@ class Liveness:
 class Coordinator:
     """Runs in the launcher: answers join handshakes, forms epoch 0, keeps the pending list.
 
-    Shard policy: shards are 0..workers-1 (cfg.workers). The first `workers` admitted take their
+    Shard policy: shards are 0..workers-1 (job.workers). The first `workers` admitted take their
     admission order; a later joiner takes the lowest shard no member of the newest epoch (and no
     pending joiner) holds, i.e. it takes over a departed worker's data; if every shard is held it
     shares shard slot % workers.
     """
 
-    def __init__(self, store, token: str, workers: int, config_json: str, log=print):
+    def __init__(self, store, token: str, job: JobSpec, log=print):
         if not token:
             raise ValueError("an elastic job needs a non-empty token")
-        self.store, self._token, self.workers, self.log = store, token, workers, log
-        store.set("config", config_json)
+        if not isinstance(job, JobSpec):
+            raise TypeError(f"Coordinator takes the job's JobSpec; got {type(job).__name__}")
+        self.store, self._token, self.workers, self.log = store, token, job.workers, log
+        store.set("job", job.to_json())
         self.next_ticket = 1
         self.admitted: list[list] = []  # [slot, name, shard]
         self.open: dict[int, tuple[str, str, float]] = {}  # ticket -> (name, challenge, deadline)

@@ -4,18 +4,42 @@ Rank layout: global rank r lives on island r // workers_per_island, local index 
 `local` groups join the ranks of one island (inner strategy, every step); `cross` groups join the
 ranks holding the same local index on every island (outer strategy, rarely). One island and one
 worker per island are ordinary cases of the same layout.
+
+An elastic job (`islands run --elastic`, `islands train --elastic`; docs/membership.md) has one worker
+per island and no torch process group: its cross-island Comm is an ElasticComm whose members change
+when workers die or join, and `rank`, `size` and `islands` follow the members.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
+import secrets
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
+from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Refused, ask_to_join,
+                                        connect, parse_address)
+
+
+class LoneComm:
+    """The Comm of a scope with one member and no process group: every collective is identity."""
+
+    size, rank = 1, 0
+
+    def all_reduce(self, tensor, op=None, kind: str = "all_reduce"):
+        return tensor
+
+    def all_gather(self, tensor, kind: str = "all_gather"):
+        return [tensor]
+
+    def broadcast(self, tensor, src: int = 0, kind: str = "broadcast"):
+        return tensor
 
 
 @dataclass
@@ -35,6 +59,9 @@ class World:
     data_shard: tuple[int, int] | None = None
     membership: object | None = None
     owns_group: bool = False  # init_world made the default process group (close_world destroys only that)
+    # The step this process's loop starts at: for a joiner of an elastic job, the members' step when it entered
+    # (its strategy's wrap received their global model and strategy state); 0 otherwise.
+    start_step: int = 0
 
     @property
     def workers_per_island(self) -> int:
@@ -108,11 +135,22 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     `islands`: how many islands the ranks form (None: $ISLANDS_ISLANDS, else 1). Without a distributed
     environment it is a world of one process. An existing default process group is reused as it is (its
     backend and timeout are the script's); `timeout_s` and `device` apply to a group made here.
+
+    Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): one
+    worker per island, so `islands` is not used, and the job's own collective timeout applies. A process the
+    job refuses, or a joiner the job ended before admitting, prints why and exits with code 3 or 4.
     """
     if islands is None:
         islands = int(os.environ.get(ISLANDS_ENV, "1"))
     if islands < 1:
         raise ValueError(f"islands must be >= 1, got {islands}")
+    address = os.environ.get(ELASTIC_ENV, "")
+    if address:
+        if device == "cuda":
+            raise ValueError("an elastic job exchanges over gloo on the CPU; use device='cpu' or 'auto'")
+        sys.excepthook = _elastic_exit(address, sys.excepthook)
+        return join_elastic(address, os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}",
+                            os.environ.get(TOKEN_ENV, ""))
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend = dist.get_backend()
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -146,6 +184,74 @@ def _world_over_default_group(islands: int, device: torch.device, backend: str) 
 
 
 def close_world(world: World) -> None:
-    """Leave the job: destroy the default process group if init_world made it (a script's own stays)."""
+    """Leave the job: destroy the default process group if init_world made it (a script's own stays); an
+    elastic member stops its heartbeat and tells the others it finished."""
+    membership = world.membership
+    if membership is not None:
+        membership.leave()
+        if membership.holder is None:  # raising here could hide the error that brought the script here
+            print(f"islands: warning: {membership.name} never wrapped its model with a strategy; {NO_OUTER}",
+                  file=sys.stderr, flush=True)
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---- elastic jobs -------------------------------------------------------------------------------------
+NO_OUTER = ("an elastic job needs an outer strategy: wrap the model with one, e.g. islands.Stack(outer="
+            "islands.outer.DiLoCo(inner_steps=50)); its members exchange only at its round boundaries, and "
+            "joiners enter there (without one every worker trains alone)")
+
+
+def join_elastic(address: str, name: str, token: str) -> World:
+    """Join the elastic job whose store is at HOST:PORT as `name`: prove the token, start the heartbeat, and
+    return the World over an ElasticComm. A first member (one of the job's first `workers`) is in epoch 0
+    at once; a later one enters at a round boundary, in the wrap of its strategy (ElasticComm.enter).
+
+    Raises Refused (wrong token, name taken) before anything else starts."""
+    host, port = parse_address(address)
+    store = connect(host, port)
+    admission = ask_to_join(store, name, token)
+    job = JobSpec.read(store)
+    comm = ElasticComm(store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout,
+                       collective_timeout=job.timeout, new_client=lambda: connect(host, port))
+    comm.admission, comm.job = admission, job
+    comm.heartbeat = Heartbeat(host, port, name)
+    world = elastic_world(comm, (admission.shard, job.workers))
+    if admission.initial:
+        comm.form(0, None)
+    return world
+
+
+def elastic_world(comm: ElasticComm, data_shard: tuple[int, int]) -> World:
+    """The World of an elastic member: every scope but "local" (an island of one) is the ElasticComm; rank,
+    size and islands follow its members; `data_shard` (shard, shards) stays whoever else comes and goes."""
+    rank, size = (comm.rank, comm.size) if comm.members else (0, 1)  # a joiner builds before it enters
+    world = World(rank=rank, size=size, islands=size, device=torch.device("cpu"), backend="gloo",
+                  ledger=comm.ledger, comms={"cross": comm, "global": comm, "local": LoneComm()},
+                  data_shard=data_shard, membership=comm)
+
+    def follow(rank: int, size: int) -> None:
+        world.rank, world.size, world.islands = rank, size, size
+
+    comm.on_change = follow
+    return world
+
+
+def _elastic_exit(address: str, previous):
+    """An excepthook: a process the job refused, ended before admitting, or dropped prints one line and exits
+    with the code `islands join` documents (3, 4, 1), not a traceback. Finalisers are skipped: a retired
+    gloo group whose peer hung could hold the exit until its timeout."""
+    def hook(kind, value, tb):
+        if isinstance(value, Refused):
+            line = f"join refused by {address}: {value}"
+        elif isinstance(value, JobEnded):
+            line = f"{address}: {value}"
+        elif isinstance(value, Excluded):
+            line = str(value)
+        else:
+            return previous(kind, value, tb)
+        print(f"islands: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(value.exit_code)
+
+    return hook

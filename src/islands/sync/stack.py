@@ -3,10 +3,16 @@
 Each hook runs the inner strategy first, then the outer one; `eval_model` unwraps in reverse order.
 The inner default is DDP, which over an island of one worker is the plain model, so `Stack(outer=...)`
 is right for any island size.
+
+In an elastic world (islands.runtime.elastic) the Stack holds the membership: its wrap claims it before
+the parts wrap and ends with `enter` (a joiner blocks there until admitted, then holds the members' global
+model, strategy state and step, world.start_step); its after_backward calls `at_step` first, where the
+members admit joiners after a round boundary. An elastic Stack needs an outer part.
 """
 
 from __future__ import annotations
 
+from islands.runtime.world import NO_OUTER
 from islands.sync.base import NoOp, Strategy
 from islands.sync.ddp import DDP
 
@@ -15,6 +21,7 @@ class Stack(NoOp):
     def __init__(self, inner: Strategy | None = None, outer: Strategy | None = None):
         self.inner = DDP() if inner is None else inner
         self.outer = outer
+        self.membership = None  # the elastic membership, when this Stack holds it (wrap)
         for label, part in (("inner", self.inner), ("outer", outer)):
             if part is not None and not isinstance(part, Strategy):
                 raise TypeError(f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
@@ -34,8 +41,15 @@ class Stack(NoOp):
         return getattr(self.inner, "forward_backward", None)
 
     def wrap(self, model, optimizer, world):
+        membership = getattr(world, "membership", None)  # test doubles of a World may lack it
+        held = membership is not None and membership.claim(self)  # before the parts: the Stack holds it
+        if held and self.outer is None:
+            raise ValueError(NO_OUTER)
         for s in self._parts():
             model = s.wrap(model, optimizer, world)
+        if held:
+            self.membership = membership
+            world.start_step = membership.enter(self, model)
         return model
 
     def on_batch(self, batch, step):
@@ -44,6 +58,8 @@ class Stack(NoOp):
         return batch
 
     def after_backward(self, model, step):
+        if self.membership is not None:  # elastic: joiners enter after a round boundary
+            self.membership.at_step(self, model, step)
         for s in self._parts():
             s.after_backward(model, step)
 

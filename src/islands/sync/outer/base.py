@@ -10,6 +10,11 @@ stepped. It keeps:
   self.local         FlatView over the live (local) parameters the inner optimizer updates
   self.clock         steps taken so far; self.synced_at: the clock at the last full synchronisation
 
+Elastic jobs (world.membership set; islands.runtime.elastic): used alone, not inside a Stack, the outer
+strategy holds the membership. Its wrap claims it first and ends with `enter` (a joiner blocks there
+until admitted, receives the global model, this state and the step, and sets world.start_step); its
+after_backward calls `at_step`, where the members admit joiners after a round boundary.
+
 End of training: `finish(model)` synchronises once more unless the last step already did (a
 shortened final round), so the reported global model contains every island's work. No strategy
 needs the run's length up front.
@@ -30,26 +35,12 @@ import copy
 
 import torch
 
+from islands.runtime.world import LoneComm  # the cross-island Comm of a job with one island (re-exported)
 from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
 from islands.sync.outer.flat import FlatView
 
 BUFFER_KIND = "outer_buffers"
-
-
-class LoneComm:
-    """The cross-island Comm of a job with one island and no process group: every collective is identity."""
-
-    size, rank = 1, 0
-
-    def all_reduce(self, tensor, op=None, kind: str = "all_reduce"):
-        return tensor
-
-    def all_gather(self, tensor, kind: str = "all_gather"):
-        return [tensor]
-
-    def broadcast(self, tensor, src: int = 0, kind: str = "broadcast"):
-        return tensor
 
 
 class OuterStrategy(NoOp):
@@ -58,12 +49,16 @@ class OuterStrategy(NoOp):
 
     def __init__(self):
         self.comm = None
+        self.membership = None  # the elastic membership, when this strategy holds it (wrap)
         self.rounds = 0  # completed synchronisations
         self.clock = 0  # steps seen (after_step calls)
         self.synced_at = 0  # the clock at the last full synchronisation
 
     # ---- wiring -----------------------------------------------------------------------------------
     def wrap(self, model, optimizer, world):
+        membership = getattr(world, "membership", None)  # test doubles of a World may lack it
+        # held: this strategy is the one the loop drives (not the outer part of a Stack, which claimed first)
+        self.membership = membership if membership is not None and membership.claim(self) else None
         self.comm = world.comm("cross") if world.distributed else LoneComm()
         base = unwrap(model)
         self.optimizer = optimizer
@@ -74,6 +69,8 @@ class OuterStrategy(NoOp):
         self.local_buffers = list(base.buffers())
         self.global_buffers = list(self.global_model.buffers())
         self.setup()
+        if self.membership is not None:
+            world.start_step = self.membership.enter(self, model)
         return model
 
     def setup(self) -> None:
@@ -81,6 +78,10 @@ class OuterStrategy(NoOp):
 
     def eval_model(self, model):
         return self.global_model
+
+    def after_backward(self, model, step):
+        if self.membership is not None:  # elastic: joiners enter after a round boundary
+            self.membership.at_step(self, model, step)
 
     # ---- the clock --------------------------------------------------------------------------------
     def tick(self, step: int) -> int:

@@ -1,0 +1,292 @@
+"""`islands run --elastic`: a user's own loop (DiLoCo, the program of docs/own-model.md) as an elastic job.
+A SIGKILLed worker is dropped and the survivors finish and agree bitwise; a worker started with `islands
+join` enters at a round boundary with the members' global model, strategy state and step (its Checkpointer
+loads nothing older) and ends with the same global model; a wrong token is refused with its exit code; a
+script without an outer strategy fails with a message saying what is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from islands.checkpoint import CheckpointStore
+from islands.runtime.membership import REFUSED_EXIT_CODE, connect
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TIMEOUT = 240
+
+# The own-loop program with a digits-sized MLP on synthetic data. Test hooks, outside the program: at step
+# --gate every member writes OUT/gate-NAME and waits for OUT/go, so the test acts while the job is mid-run.
+SCRIPT = r'''
+import argparse, json, os, time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import islands
+from islands.runtime.elastic import global_digest
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=30)
+p.add_argument("--inner-steps", type=int, default=5)
+p.add_argument("--ckpt", default="")
+p.add_argument("--gate", type=int, default=-1)
+p.add_argument("--no-outer", action="store_true")
+args = p.parse_args()
+out, name = Path(args.out), os.environ["ISLANDS_NAME"]
+out.mkdir(parents=True, exist_ok=True)
+(out / f"pid-{name}").write_text(str(os.getpid()))
+
+g = torch.Generator().manual_seed(0)
+X = torch.randn(1200, 64, generator=g)
+Y = (X @ torch.randn(64, 10, generator=g)).argmax(-1)
+
+
+def my_batches(shard, shards, skip=0, batch=16):
+    x, y = X[shard::shards], Y[shard::shards]
+    step = skip
+    while True:
+        i = (step * batch) % (len(y) - batch)
+        yield x[i : i + batch], y[i : i + batch]
+        step += 1
+
+
+torch.manual_seed(0)
+world = islands.init_world()
+model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+outer = None if args.no_outer else islands.outer.DiLoCo(inner_steps=args.inner_steps)
+strategy = islands.Stack(inner=islands.inner.DDP(), outer=outer)
+model = strategy.wrap(model, opt, world)
+ckpt = islands.Checkpointer(args.ckpt, world, every=3) if args.ckpt else None
+start = (ckpt.restore(model=model, optimizer=opt, strategy=strategy) or 0) if ckpt else world.start_step
+for step, (x, y) in enumerate(my_batches(*world.shard, skip=start), start=start):
+    if step >= args.steps:
+        break
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    strategy.after_backward(model, step)
+    opt.step(); opt.zero_grad()
+    strategy.after_step(model, opt, step)
+    if ckpt:
+        ckpt.maybe_save(step + 1, model=model, optimizer=opt, strategy=strategy)
+    if step + 1 == args.gate:
+        (out / f"gate-{name}").write_text("")
+        deadline = time.monotonic() + 200
+        while not (out / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+strategy.finish(model)
+if ckpt:
+    ckpt.close()
+m = world.membership
+(out / f"{name}.json").write_text(json.dumps({
+    "start": start, "start_step": world.start_step, "size": world.size, "islands": world.islands,
+    "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
+    "rounds": [s["size"] for s in m.syncs if s["kind"] == "outer_delta"]}))
+islands.close_world(world)
+'''
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("ISLANDS_TOKEN", None)
+    return env
+
+
+def _start_job(tmp_path: Path, workers: int, *script_args: str) -> tuple[subprocess.Popen, Path]:
+    """`islands run --elastic` from tmp_path (relative paths in the script resolve there); stderr to a file."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    err = tmp_path / "launcher.err"
+    proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", str(workers),
+                             "--heartbeat-timeout", "5", "--timeout", "60", "--run-dir", "run", "job.py", *script_args],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    return proc, err
+
+
+def _wait(what, check, proc: subprocess.Popen, err: Path, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert proc.poll() is None, f"the job ended while waiting for {what}:\n{err.read_text()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{err.read_text()}"
+        time.sleep(0.05)
+    return found
+
+
+def _finish(proc: subprocess.Popen, err: Path) -> str:
+    try:
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return err.read_text()
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "run" / "logs").glob("*.log")))
+
+
+def test_sigkilled_worker_is_dropped_and_the_survivors_finish_and_agree_bitwise(tmp_path):
+    out = tmp_path / "out"
+    proc, err = _start_job(tmp_path, 3, "--out", "out", "--steps", "40", "--gate", "10")
+    _wait("every worker at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(3)), proc, err)
+    os.kill(int((out / "pid-w2").read_text()), signal.SIGKILL)  # mid-run: two rounds done, six to go
+    (out / "go").write_text("")
+    log = _finish(proc, err)
+    assert proc.returncode == 0, log + _logs(tmp_path)
+    assert "worker w2 left (killed by SIGKILL); the others carry on" in log
+    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1")}
+    assert not (out / "w2.json").exists()
+    assert len({r["sha"] for r in recs.values()}) == 1, "survivors disagree on the global model"
+    for r in recs.values():
+        assert r["start"] == 0 and r["size"] == 2 and r["islands"] == 2  # the world followed the members
+        failures = [e for e in r["events"] if e["type"] == "failure"]
+        assert len(failures) == 1 and failures[0]["gone"] == ["w2"]
+        assert r["rounds"][:2] == [3, 3] and r["rounds"][-1] == 2 and len(r["rounds"]) == 8  # no round lost
+
+
+def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc, err = _start_job(tmp_path, 2, "--out", "out", "--steps", "30", "--gate", "10", "--ckpt", "ckpt")
+    address = _wait("the job's address", lambda: next((line.split("elastic job at ")[1].split(";")[0]
+                                                       for line in err.read_text().splitlines()
+                                                       if "elastic job at " in line), None), proc, err)
+    token_file = tmp_path / "run" / "token"
+    join = [sys.executable, "-m", "islands", "join", address]
+    # from another directory: the joiner runs the job's script where the launcher ran it (relative paths agree)
+    intruder = subprocess.Popen([*join, "--token", "not-the-token", "--name", "intruder"], cwd=elsewhere,
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    joiner = subprocess.Popen([*join, "--token-file", str(token_file), "--name", "j1"], cwd=elsewhere, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    host, port = address.split(":")
+    store = connect(host, int(port))
+    _wait("the joiner to be ready", lambda: store.check(["ready/j1"]), proc, err)
+    _wait("the members at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(2)), proc, err)
+    (out / "go").write_text("")  # the next boundary (after round 2, step 10) admits the ready joiner
+    joined_out = joiner.communicate(timeout=TIMEOUT)[0]
+    refused_out = intruder.communicate(timeout=TIMEOUT)[0]
+    log = _finish(proc, err)
+    assert proc.returncode == 0, log + _logs(tmp_path)
+    assert joiner.returncode == 0, joined_out
+
+    assert intruder.returncode == REFUSED_EXIT_CODE, refused_out
+    assert f"islands: join refused by {address}: wrong token" in refused_out
+    token = token_file.read_text().strip()
+    assert "refused 'intruder'" in log and token not in log + refused_out + joined_out
+
+    members = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1")}
+    j1 = json.loads((out / "j1.json").read_text())
+    # it entered at the round boundary, and its Checkpointer loaded nothing older (saves were at 3, 6, 9)
+    assert j1["start"] == j1["start_step"] == 10
+    entered = next(e for e in j1["events"] if e["type"] == "entered")
+    joins = [next(e for e in r["events"] if e["type"] == "join") for r in members.values()]
+    assert {(e["round"], e["step"], e["global_sha256"]) for e in joins} == {(2, 10, entered["global_sha256"])}
+    assert entered["step"] == 10 and entered["round"] == 2
+    # it was in every round from the next one on, and everyone ends with the same global model
+    assert j1["rounds"] == [3, 3, 3, 3] and all(r["rounds"] == [2, 2, 3, 3, 3, 3] for r in members.values())
+    assert len({r["sha"] for r in members.values()} | {j1["sha"]}) == 1 and j1["size"] == 3
+    # its checkpoint parts went to the job's directory: the last save holds all three members' parts
+    ckpt = CheckpointStore(tmp_path / "ckpt", clean=False)
+    assert ckpt.latest_step() == 30 and ckpt.verify(30) == []
+    assert ckpt.load(30, rank=2).tree["world"]["size"] == 3
+
+
+def test_a_script_without_an_outer_strategy_fails_with_a_clear_message(tmp_path):
+    proc, err = _start_job(tmp_path, 2, "--out", "out", "--no-outer")
+    log = _finish(proc, err)
+    assert proc.returncode == 1
+    assert "every worker failed" in log and "an elastic job needs an outer strategy" in log
+    assert "islands.outer.DiLoCo" in log  # and what would be right
+
+
+def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_at_the_members_step(tmp_path):
+    """In one process, two threads: a member and a joiner, each with its own World, a bare DiLoCo (no Stack)
+    and a Checkpointer. The joiner's wrap returns at the members' step with their global model; its
+    Checkpointer's restore returns that step although older checkpoints are on disk."""
+    import threading
+
+    import torch
+    import torch.nn.functional as F
+
+    from islands import Checkpointer, close_world
+    from islands.outer import DiLoCo
+    from islands.runtime.elastic import global_digest
+    from islands.runtime.membership import Coordinator, JobSpec, host_store
+    from islands.runtime.world import join_elastic
+
+    server, store = host_store(0)
+    coord = Coordinator(store, "tok", JobSpec(workers=1, heartbeat_timeout=5.0, timeout=30.0), log=lambda _: None)
+    coord.start()
+    address, steps = f"127.0.0.1:{server.port}", 12
+    data = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=data), torch.randint(0, 3, (8,), generator=data)) for _ in range(steps)]
+    results: dict[str, dict] = {}
+
+    def train(name: str, before_step=lambda step: None) -> None:
+        world = join_elastic(address, name, "tok")
+        torch.manual_seed(0 if name == "w0" else 7)  # the joiner's own initial model must not matter
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        strategy = DiLoCo(inner_steps=2, outer="sgd", outer_lr=1.0, momentum=0.0)
+        model = strategy.wrap(model, opt, world)
+        assert world.membership.holder is strategy
+        ckpt = Checkpointer(tmp_path / "ckpt", world, every=4, asynchronous=False)
+        start = ckpt.restore(model=model, optimizer=opt, strategy=strategy) or 0
+        results[name] = {"start": start, "start_step": world.start_step,
+                         "entered_sha": global_digest(strategy.global_model)}
+        for step in range(start, steps):
+            before_step(step)
+            x, y = batches[step]
+            F.cross_entropy(model(x), y).backward()
+            strategy.after_backward(model, step)
+            opt.step(); opt.zero_grad()
+            strategy.after_step(model, opt, step)
+            ckpt.maybe_save(step + 1, model=model, optimizer=opt, strategy=strategy)
+        strategy.finish(model)
+        ckpt.close()
+        results[name].update(sha=global_digest(strategy.global_model), events=world.membership.state_dict()["events"],
+                             size=world.size)
+        close_world(world)
+
+    errors: list[BaseException] = []
+
+    def run(name: str, **hooks) -> None:
+        try:
+            train(name, **hooks)
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    thread = threading.Thread(target=run, args=("j1",), daemon=True)
+
+    def start_joiner(step: int) -> None:
+        """The member trains alone for 6 steps (3 rounds, a checkpoint at step 4), then starts the joiner and
+        waits until it is ready (in its wrap): the boundary after round 3, at step 6, admits it."""
+        if step != 6:
+            return
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not store.check(["ready/j1"]):
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.01)
+
+    try:
+        first = threading.Thread(target=run, args=("w0",), kwargs={"before_step": start_joiner}, daemon=True)
+        first.start()
+        first.join(120)
+        thread.join(120)
+    finally:
+        coord.stop()
+    assert not errors, errors
+    w0, j1 = results["w0"], results["j1"]
+    join = next(e for e in w0["events"] if e["type"] == "join")
+    assert j1["start"] == j1["start_step"] == join["step"] == 6 and join["round"] == 3  # not the checkpoint of step 4
+    assert j1["entered_sha"] == join["global_sha256"]  # it holds the members' global model after its wrap
+    assert w0["sha"] == j1["sha"] and w0["size"] == j1["size"] == 2
