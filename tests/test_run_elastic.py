@@ -161,6 +161,8 @@ def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model
                                                        if "elastic job at " in line), None), proc, err)
     token_file = tmp_path / "run" / "token"
     join = [sys.executable, "-m", "islands", "join", address]
+    # the members wait at step 10, past the boundary after round 1 (step 5) which must not admit anyone
+    _wait("the members at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(2)), proc, err)
     # from another directory: the joiner runs the job's script where the launcher ran it (relative paths agree)
     intruder = subprocess.Popen([*join, "--token", "not-the-token", "--name", "intruder"], cwd=elsewhere,
                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -169,7 +171,6 @@ def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model
     host, port = address.split(":")
     store = connect(host, int(port))
     _wait("the joiner to be ready", lambda: store.check(["ready/j1"]), proc, err)
-    _wait("the members at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(2)), proc, err)
     (out / "go").write_text("")  # the next boundary (after round 2, step 10) admits the ready joiner
     joined_out = joiner.communicate(timeout=TIMEOUT)[0]
     refused_out = intruder.communicate(timeout=TIMEOUT)[0]
@@ -290,3 +291,21 @@ def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_a
     assert j1["start"] == j1["start_step"] == join["step"] == 6 and join["round"] == 3  # not the checkpoint of step 4
     assert j1["entered_sha"] == join["global_sha256"]  # it holds the members' global model after its wrap
     assert w0["sha"] == j1["sha"] and w0["size"] == j1["size"] == 2
+
+
+def test_elastic_run_flags_that_cannot_work_are_refused_before_anything_starts(tmp_path, capsys):
+    import pytest
+
+    from islands.cli import main
+
+    (tmp_path / "job.py").write_text(SCRIPT)
+    cases = [(["--heartbeat-timeout", "5"], "apply to elastic jobs only; add --elastic"),
+             (["--elastic", "--islands", "2", "--workers", "3"], "one worker per island"),
+             (["--elastic", "--testbed", "wan"], "not run inside a testbed"),
+             (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0 seconds")]
+    for flags, needle in cases:
+        with pytest.raises(SystemExit) as exited:
+            main(["run", *flags, "--run-dir", str(tmp_path / "run"), str(tmp_path / "job.py")])
+        assert exited.value.code == 2, flags
+        assert needle in capsys.readouterr().err, flags
+    assert not (tmp_path / "run").exists()

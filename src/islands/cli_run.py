@@ -54,6 +54,9 @@ def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
                          f"out or give --islands {args.workers}, not {args.islands}")
     heartbeat = 3.0 if args.heartbeat_timeout is None else args.heartbeat_timeout
     timeout = 120.0 if args.timeout is None else args.timeout
+    for flag, value in (("--heartbeat-timeout", heartbeat), ("--timeout", timeout)):
+        if not value > 0:
+            raise UsageError(f"{flag} must be > 0 seconds; got {value}")
     try:
         check_counts(args.workers, 1, args.threads)
         if args.port and not 0 < args.port < 65536:

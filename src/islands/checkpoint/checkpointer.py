@@ -190,7 +190,7 @@ class Checkpointer:
         on every rank. Give the objects as they will be trained: after `strategy.wrap`.
         """
         state = self._state(0, dict(model=model, optimizer=optimizer, strategy=strategy, data=data, extra=extra))
-        if False and self.world.start_step:  # an elastic joiner: it holds the members' state of that step already
+        if self.world.start_step:  # an elastic joiner: it holds the members' state of that step already
             self.driver.resumed(self.world.start_step)
             self.restored = {"step": self.world.start_step, "joined": True}
             return self.world.start_step

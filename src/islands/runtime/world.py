@@ -189,8 +189,9 @@ def close_world(world: World) -> None:
     membership = world.membership
     if membership is not None:
         membership.leave()
-        if membership.holder is None:  # raising here could hide the error that brought the script here
-            print(f"islands: warning: {membership.name} never wrapped its model with a strategy; {NO_OUTER}",
+        if membership.holder is None and sys.exc_info()[0] is None:  # not while an error propagates (finally:)
+            print(f"islands: warning: {membership.name} ran without an outer strategy holding the job's membership "
+                  f"(an inner strategy alone does not), so it exchanged nothing with the others; {NO_OUTER}",
                   file=sys.stderr, flush=True)
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -35,10 +35,11 @@ from islands.sync.exchange import RobustBucketState, robust_bucket_hook
 
 def counted_allreduce_hook(comm: Comm, _bucket_state=None):
     """DDP's default exchange (mean of gradients), with bytes and time recorded in comm's ledger."""
+    size = comm.size  # fixed for the life of the group: not looked up per bucket
 
     def hook(state, bucket):
         buf = bucket.buffer()
-        buf.div_(comm.size)
+        buf.div_(size)
         return comm.all_reduce_async(buf, kind="grad_all_reduce")
 
     return hook
