@@ -41,9 +41,7 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
         trainer = build_trainer(cfg, world, run_dir)
         if trainer.checkpoints is not None:
             comm.before_join.append(lambda: trainer.checkpoints.settle(trainer))
-        if world.start_step:
-            trainer.step = world.start_step
-        elif cfg.checkpoint.resume:
+        if cfg.checkpoint.resume and not world.start_step:  # a joiner starts from the members' state instead
             resume_trainer(trainer, cfg)
         record = trainer.fit(cfg.train.steps)
         _write_membership(run_dir, name, comm, global_digest(trainer.eval_model))

@@ -90,7 +90,7 @@ class Trainer:
         self.model = self.strategy.wrap(model.to(self.world.device), optimizer, self.world)
         self._own_step = getattr(self.strategy, "forward_backward", None)  # a pipeline owns its step
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
-        self.step = 0
+        self.step = self.world.start_step  # 0, or where the members were when an elastic joiner entered
         self.total_steps = 0
         self.steps_this_fit = 0
         self.series: dict[str, list] = {"train": [], "val": []}

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from islands.runtime.world import World
+from islands.runtime.world import NO_OUTER, World
 from islands.sync.attach import Attached
 
 
@@ -85,3 +85,11 @@ class NoOp:
         The hooks run from the optimizer's own step hooks; leaving the block runs `finish`
         (islands.sync.attach). The block yields the wrapped model: the same object for outer strategies."""
         return Attached(self, model, optimizer, world)
+
+
+def refuse_alone_in_elastic(strategy, world) -> None:
+    """An inner strategy wrapped first in an elastic world holds the membership and has no outer strategy to
+    meet the others through: say so instead of letting every worker train alone."""
+    membership = getattr(world, "membership", None)
+    if membership is not None and membership.claim(strategy):
+        raise ValueError(NO_OUTER)

@@ -29,7 +29,7 @@ from islands.compress.error_feedback import with_error_feedback
 from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.faults.roles import LabelFlip, flip_targets
 from islands.runtime.comm import Comm
-from islands.sync.base import NoOp
+from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.exchange import RobustBucketState, robust_bucket_hook
 
 
@@ -88,6 +88,7 @@ class DDP(NoOp):
         return None, counted_allreduce_hook(comm)
 
     def wrap(self, model, optimizer, world):
+        refuse_alone_in_elastic(self, world)
         self.rank = world.rank
         if self.attack is not None:
             plan = self.attack.plan(world.size, self.seed)

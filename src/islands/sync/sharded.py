@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from islands.runtime.comm import Comm
-from islands.sync.base import NoOp
+from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.prefetch import set_prefetch
 from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
 from islands.sync.shard_plan import Unit, plan_units, rows_of, state_bytes_per_rank, unit_traffic
@@ -96,6 +96,7 @@ class FSDP(NoOp):
         self.world = None
 
     def wrap(self, model, optimizer, world):
+        refuse_alone_in_elastic(self, world)
         self.world = world
         if world.size == 1:
             return model  # a world of one has nothing to shard across
