@@ -21,13 +21,14 @@ from islands.compress.powersgd import PowerSGD
 from islands.compress.quantize import QSGD, SharedScaleQuant
 from islands.compress.randomk import RandomK
 from islands.compress.sign import MajorityVote, ScaledSign
-from islands.compress.spec import SPECS, describe_specs, parse_compressor
+from islands.compress.registry import COMPRESSORS
+from islands.compress.spec import parse_compressor
 from islands.compress.topk import DGC_SPARSITY_WARMUP, TopK
 
 __all__ = [
     "Agreed", "Cast", "Combine", "CompressionHookState", "Compressor", "CompressorBase",
     "DGC_SPARSITY_WARMUP", "ErrorFeedback", "MajorityVote", "NaiveCompressedAdam", "NoCompression",
-    "NonFiniteGradientError", "OneBitAdam", "Payload", "PowerSGD", "QSGD", "RandomK", "SPECS",
+    "NonFiniteGradientError", "OneBitAdam", "Payload", "PowerSGD", "QSGD", "RandomK", "COMPRESSORS",
     "ScaledSign", "SharedScaleQuant", "TopK", "analytic_nbytes", "compress_and_average",
-    "ddp_comm_hook", "deep_gradient_compression", "describe_specs", "parse_compressor",
+    "ddp_comm_hook", "deep_gradient_compression", "parse_compressor",
 ]

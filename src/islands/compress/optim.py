@@ -4,9 +4,9 @@ signature is the schema). A spec builds an OptimizerSpec, the recipe; build_opti
 once the parameters, lr and comm are known.
 
 The 1-bit optimizers (SOTA-215, LIT-278) average across ranks themselves, so the inner strategy must
-not all-reduce gradients as well: `OptimizerSynced` is that inner strategy. It only makes every rank
-start from rank 0's parameters (one counted broadcast in `wrap`); from then on the optimizer's
-averaged momentum keeps the replicas identical.
+not all-reduce gradients as well: `islands.inner.DDP` sees a CommunicatingOptimizer and only makes
+every rank start from the island's first rank's parameters (one counted broadcast in `wrap`); from then
+on the optimizer's averaged momentum keeps the replicas identical.
 
     spec = parse_optimizer("onebit-adam:warmup=50")
     opt = build_optimizer(spec, model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
@@ -25,7 +25,6 @@ from islands.compress.powersgd import PowerSGD
 from islands.compress.split_adam import VARIANCE_SOURCES, SplitMomentAdamW
 from islands.runtime.comm import Comm
 from islands.spec import Registry, Spec
-from islands.sync.base import NoOp
 
 # Our default warm-up: a fifth of the run uncompressed, so the frozen variance has seen real data.
 DEFAULT_WARMUP_FRACTION = 0.2
@@ -121,24 +120,3 @@ def build_optimizer(spec: OptimizerSpec | str, params, *, lr: float, betas=(0.9,
         return SplitMomentAdamW(params, _split_compressor(o), comm, lr=lr, betas=betas, weight_decay=weight_decay,
                                 variance=o["variance"], variance_every=o["every"], clip=o["clip"])
     return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, warmup_steps=spec.warmup_steps(steps), comm=comm)
-
-
-class OptimizerSynced(NoOp):
-    """Inner strategy for optimizers that communicate: no gradient exchange, one parameter broadcast.
-
-    The broadcast (kind "param_broadcast", from the island's first rank) makes identical starting
-    points a fact rather than an assumption about seeds.
-    """
-
-    def __init__(self, optimizer_name: str):
-        self.name = f"synced-by-{optimizer_name}"
-
-    def wrap(self, model, optimizer, world):
-        if world.workers_per_island == 1:
-            return model
-        comm = world.comm("local")
-        src = world.island * world.workers_per_island  # global rank of this island's first worker
-        with torch.no_grad():
-            for t in list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]:
-                comm.broadcast(t.data, src=src, kind="param_broadcast")
-        return model

@@ -13,27 +13,13 @@ from islands.compress.error_feedback import with_error_feedback
 from islands.compress.registry import COMPRESSORS
 from islands.spec import Spec, SpecError
 
-SPECS = COMPRESSORS  # the older name: `name in SPECS`, `for name in SPECS`
-
-
-def describe_specs() -> str:
-    return COMPRESSORS.describe()
-
-
-def build_compressor(spec: str | Spec, **context) -> CompressorBase:
-    """The compressor a spec names, unwrapped, with its error-feedback wish (`ef`) set: what the strategies take
-    (they wrap it in ErrorFeedback themselves, islands.compress.error_feedback.with_error_feedback). `context`:
-    values for parameters the spec does not give (the job's seed for torch-powersgd, say)."""
+def parse_compressor(spec: str | Spec, **context) -> CompressorBase:
+    """The compressor a spec names, ready to use on its own (wrapped in ErrorFeedback where its `ef` asks for it;
+    the strategies take COMPRESSORS.build(spec) and wrap it themselves). `context`: values for parameters the
+    spec does not give. A non-contractive compressor with ef=true is refused here, at the edge."""
     try:
-        compressor = COMPRESSORS.build(spec, **context)
-        with_error_feedback(compressor)  # refuses a non-contractive compressor with ef now, at the edge
+        return with_error_feedback(COMPRESSORS.build(spec, **context))
     except ValueError as e:
         what = str(e) if isinstance(e, SpecError) else f"compressor {spec}: {e}"
-        listing = "" if "valid compressor specs" in what else f"\n{describe_specs()}"
+        listing = "" if "valid compressor specs" in what else f"\n{COMPRESSORS.describe()}"
         raise SpecError(f"{what}{listing}") from None
-    return compressor
-
-
-def parse_compressor(spec: str | Spec) -> CompressorBase:
-    """The compressor a spec names, ready to use (wrapped in ErrorFeedback where `ef` asks for it)."""
-    return with_error_feedback(build_compressor(spec))

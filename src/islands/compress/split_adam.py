@@ -14,7 +14,7 @@ average; the second moment takes one of:
                 whose mean over workers is all-reduced every `variance_every` steps in bf16; between
                 refreshes every worker uses the last mean, so parameters stay bitwise identical
 
-Give it LOCAL gradients (inner strategy `OptimizerSynced`, like the 1-bit optimizers). It clips the
+Give it LOCAL gradients (`islands.inner.DDP` then only broadcasts the start, as for the 1-bit optimizers). It clips the
 averaged gradient by its global norm (`clip`), as a ddp run clips after its all-reduce; run the
 trainer with grad_clip=0 so local gradients are not clipped first.
 """

@@ -26,16 +26,6 @@ from islands.sync.outer.streaming_diloco import StreamingDiLoCo
 from islands.sync.outer.topology import parse_topology
 from islands.sync.outer.warm_start import WarmStart
 
-CLASSES = {
-    "local-sgd": LocalSGD,
-    "post-local-sgd": PostLocalSGD,
-    "overlap-local-sgd": OverlapLocalSGD,
-    "slowmo": SlowMo,
-    "easgd": EASGD,
-    "diloco": DiLoCo,
-    "streaming-diloco": StreamingDiLoCo,
-    "gossip": Gossip,
-}
 
 
 def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy | WarmStart:
@@ -49,7 +39,7 @@ def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy |
     return STRATEGIES.build(check_outer(spec), switch=warmup)
 
 
-__all__ = ["CLASSES", "PARAMS", "STRATEGIES", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec",
+__all__ = ["PARAMS", "STRATEGIES", "DiLoCo", "EASGD", "Gossip", "LocalSGD", "LoneComm", "OuterSpec",
            "OuterStrategy", "OverlapLocalSGD", "PostLocalSGD", "SlowMo", "StreamingDiLoCo", "WarmStart", "check_outer",
            "make_outer", "parse_outer", "valid_specs",
            # gossip's analysis tools: how far a topology's mixing gets in R rounds, without processes
