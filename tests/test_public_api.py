@@ -191,13 +191,18 @@ def test_a_batch_the_model_cannot_take_names_its_shape():
 
 
 # ---- several processes ------------------------------------------------------------------------------
-def _bn_diloco_worker(rank, env, queue, streaming=False):
+def _bn_rank(rank, env):
+    """(world of 2 islands, the same BNNet on every rank, its AdamW) in a spawned rank."""
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     world = islands.init_world(islands=2)
     torch.manual_seed(0)
     model = BNNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return world, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _bn_diloco_worker(rank, env, queue, streaming=False):
+    world, model, opt = _bn_rank(rank, env)
     outer = (islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1) if streaming
              else islands.outer.DiLoCo(inner_steps=5))
     strategy = islands.Stack(outer=outer)
@@ -298,12 +303,7 @@ def test_init_world_reuses_the_scripts_group_and_the_hook_takes_a_plain_group():
 
 
 def _attach_worker(rank, env, queue, zero_touch):
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    world = islands.init_world(islands=2)
-    torch.manual_seed(0)
-    model = BNNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    world, model, opt = _bn_rank(rank, env)
     strategy = islands.outer.DiLoCo(inner_steps=4)
     data = batches(20 + rank, 10)
     if zero_touch:

@@ -90,10 +90,15 @@ class Comm:
         one if not given; `World.comm()` passes the rank's own)."""
         self.group = group
         self.ledger = CommLedger() if ledger is None else ledger
+        self._size: int | None = None
+        self._pg = None
 
     @property
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        # a process group's size is fixed for its life; looked up once (torch's lookup costs a bucket hook time)
+        if self._size is None:
+            self._size = dist.get_world_size(self.group)
+        return self._size
 
     @property
     def rank(self) -> int:
@@ -124,9 +129,10 @@ class Comm:
         nbytes = _nbytes(tensor)
         self.ledger.record(kind, nbytes, nbytes)
         self.ledger.begin()
-        if op == dist.ReduceOp.SUM:
-            pg = self.group if self.group is not None else dist.group.WORLD
-            work = pg.allreduce([tensor])
+        if op is dist.ReduceOp.SUM or op == dist.ReduceOp.SUM:
+            if self._pg is None:
+                self._pg = self.group if self.group is not None else dist.group.WORLD
+            work = self._pg.allreduce([tensor])
         else:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         ledger = self.ledger
