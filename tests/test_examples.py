@@ -59,7 +59,7 @@ def test_trainer_on_a_transformers_gpt2(tmp_path):
 
 
 def test_cli_task_through_islands_train(tmp_path):
-    run(islands_cli("train", "--task", f"{EXAMPLES / 'cli_task.py'}:make_task", "--workers", "4", "--islands", "2",
+    run(islands_cli("train", "--task", f"{EXAMPLES / 'cli_task.py'}:make_task", "--workers", "2", "--islands", "2",
                     "--outer", "diloco:inner_steps=10", "--steps", "30", "--eval-every", "10", "--ckpt-every", "15",
                     "--run-dir", "run", "--no-progress"), tmp_path)
     record = json.loads((tmp_path / "run" / "run.json").read_text())

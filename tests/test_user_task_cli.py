@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from islands.app.validate import validate
+from islands.config import ConfigError, from_mapping
+
 TASKS = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 import islands
@@ -61,7 +64,21 @@ def train(cwd, task: str) -> subprocess.CompletedProcess:
     ("usertasks:wrong_width", "could not take the batch tuple(Tensor[4, 6] float32, Tensor[4] int64)"),
     ("usertasks", "must be lm, digits or module:function"),  # no function named
 ])
-def test_a_bad_user_task_is_a_message_and_exit_2(tasks, task, message):
+def test_a_bad_user_task_is_refused_before_any_worker_starts(tasks, task, message, monkeypatch):
+    """The CLI's own check (islands.app.validate), in this process: every mistake is a ConfigError with its message."""
+    monkeypatch.chdir(tasks)
+    monkeypatch.syspath_prepend(str(tasks))
+    cfg = from_mapping({"task": task, "workers": 1, "steps": 2})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("task, message", [
+    ("usertasks:wrong_width", "could not take the batch"),
+    ("nosuch.module:make_task", "does not import"),
+])
+def test_the_cli_prints_it_and_exits_2_writing_nothing(tasks, task, message):
     out = train(tasks, task)
     assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr, out.stderr[-2000:]
