@@ -29,12 +29,12 @@ from islands.parallel.pipeline.chooser import divisors
 from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
+from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
+from islands.spec import Spec
 from islands.sync.outer import parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
-from islands.runtime.launch import LaunchError, load_testbed
-from islands.spec import Spec
 from islands.spec import format as format_spec
 from islands.tasks import is_user_task
 
