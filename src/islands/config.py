@@ -8,7 +8,7 @@
     [memory]      activation checkpointing, precision, micro-batches
     [checkpoint]  levels, intervals, resume
     [elastic]     membership that changes while the job runs
-    [output]      where the run record goes, the progress bar
+    [output]      where the run record goes, the progress bar, the loggers
 
 Today's flat keys (`workers = 4`, `--ckpt-every 50`) keep working as aliases of their section keys
 (FLAT, below). Every problem is a ConfigError naming the key, what was given and what would be valid;
@@ -135,6 +135,7 @@ class ElasticConfig:
 class OutputConfig:
     run_dir: str = ""  # "" = runs/<time>-<task>-w<workers>
     progress: bool = True
+    log: str = ""  # loggers besides run.json and live/: tensorboard, mlflow, wandb, comma-separated (docs/observe.md)
 
 
 SECTIONS: dict[str, type] = {
@@ -209,7 +210,7 @@ FLAT: dict[str, str] = {
     "ckpt_keep": "checkpoint.keep", "ckpt_async": "checkpoint.asynchronous",
     "ckpt_share_replicas": "checkpoint.share_replicas", "resume": "checkpoint.resume",
     "elastic": "elastic.enabled", "heartbeat_timeout": "elastic.heartbeat_timeout",
-    "run_dir": "output.run_dir", "progress": "output.progress",
+    "run_dir": "output.run_dir", "progress": "output.progress", "log": "output.log",
 }
 
 

@@ -32,6 +32,8 @@ from islands.loop.task import Task
 from islands.loop.trainer import Trainer
 from islands.memory.sizer import MB, batches_like, plan_micro_batch, synthetic_batches
 from islands.memory.step import ForwardBackward
+from islands.observe import JsonLines, Logging, build_loggers
+from islands.observe.backends import stream_name
 from islands.parallel.pipeline.strategy import PipelineStages
 from islands.runtime.world import World
 from islands.sync.base import Strategy
@@ -163,7 +165,19 @@ def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | No
     settings = checkpoint_settings(cfg)
     if settings.enabled:
         callbacks.append(Checkpointing(CheckpointDriver(settings, world, run_dir, fingerprint(cfg))))
+    if run_dir is not None:  # every rank's live stream (the dashboard reads it) and the loggers output.log names
+        callbacks.append(build_logging(cfg, world, task, Path(run_dir)))
     return callbacks
+
+
+def build_logging(cfg: JobConfig, world: World, task: Task, run_dir: Path) -> Logging:
+    """This process's stream: rank<r>, or the elastic member's name; the job (the run directory's name) groups
+    the streams in MLflow and W&B (islands.observe.backends: the layout)."""
+    stream = stream_name(world.membership.name if world.membership is not None else f"rank{world.rank}")
+    job = run_dir.resolve().name
+    loggers = [JsonLines(run_dir / "live" / f"{stream}.jsonl"),
+               *build_loggers(cfg.output.log, run_dir, stream, job)]
+    return Logging(loggers, tokens_per_sample=task.tokens_per_sample, params={"stream": stream, "job": job})
 
 
 def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: list = ()) -> Trainer:

@@ -25,6 +25,7 @@ from islands.data.batches import compute_loss
 from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
 from islands.memory.step import check_precision
+from islands.observe.backends import missing_packages, parse_logger_names
 from islands.parallel.pipeline.chooser import divisors
 from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.schedule import SCHEDULES
@@ -321,6 +322,19 @@ def elastic(cfg: JobConfig) -> str | None:
     return None
 
 
+def loggers(cfg: JobConfig) -> str | None:
+    """output.log names known loggers whose packages are installed (each worker would fail on a missing one)."""
+    try:
+        names = parse_logger_names(cfg.output.log)
+    except ValueError as e:
+        return f"output.log: {e}"
+    missing = missing_packages(names)
+    if missing:
+        return (f"output.log={cfg.output.log!r}: not installed: {', '.join(missing)}; pip install 'islands[loggers]' "
+                "or drop them from output.log")
+    return None
+
+
 def user_task(cfg: JobConfig) -> str | None:
     """A user's task builds, has something to train, and its model takes its first batch to a scalar loss: tried
     once here, on the CPU and outside the training RNG, so a mistake is a message before any worker starts."""
@@ -341,7 +355,8 @@ RULES: list[tuple[str, Callable[[JobConfig], str | None]]] = [
     ("choices", choices), ("positive", positive), ("device has GPUs", device_has_gpus), ("shapes", shapes),
     ("data", data), ("testbed", testbed), ("specs", specs), ("optimizer and exchange", optimizer_exchange),
     ("islands need an outer strategy", islands_need_outer), ("sharding", sharding), ("memory", memory),
-    ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic), ("user task", user_task),
+    ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic), ("loggers", loggers),
+    ("user task", user_task),
 ]
 
 

@@ -153,6 +153,10 @@ class RunRecord:
         if trainer.world.rank == 0 and self.run_dir is not None:
             finish_record(self.run_dir, trainer.record)
 
+    def baseline_text(self, world) -> str:
+        """What every per-worker figure of this run is relative to."""
+        return BASELINE_PER_WORKER.format(threads=self.threads, device=world.device.type)
+
     def build(self, trainer) -> dict:
         world = trainer.world
         ledgers = [world.ledger.snapshot()]
@@ -162,7 +166,7 @@ class RunRecord:
         total_sent = sum(led["total_sent"] for led in ledgers)
         steps_run = max(trainer.steps_this_fit, 1)
         tokens_per_step = self.tokens_per_sample * trainer.samples_per_step
-        baseline = BASELINE_PER_WORKER.format(threads=self.threads, device=world.device.type)
+        baseline = self.baseline_text(world)
         summary = {
             "task": self.task,
             "strategy": trainer.strategy.name,
