@@ -20,12 +20,15 @@ LAYERS = {
     "runtime": 1, "sync": 1, "compress": 1, "aggregate": 1, "faults": 1, "checkpoint": 1, "memory": 1,
     "parallel": 1, "measure": 1, "models": 1, "data": 1, "testbed": 1, "practices": 1,
     "inner": 1, "outer": 1, "robust": 1,  # the public namespaces over components
+    "dashboard": 1,  # the live page over a run directory (reads live/*.jsonl and run.json)
+    "report": 1,  # the static results site (reads results/ and the practice registry)
+    "observe": 1,  # loggers and the Logging callback (duck-typed on the trainer; below the app that wires them)
     "loop": 2, "tasks": 3, "config": 4, "app": 5,
     "cli": 6, "cli_more": 6, "cli_run": 6, "__main__": 6, "__init__": 6,
 }
 # Modules heavy or optional enough to import where they are used, not at the top of a module
 # (islands.checkpoint.kernels: the codec's numba loops, ~0.5 s to compile-import, for processes that save).
-ALLOWED_LOCAL = {"islands.checkpoint.kernels", "transformers", "matplotlib", "rich", "numba", "zipnn", "torchft", "sklearn", "tokenizers",
+ALLOWED_LOCAL = {"islands.checkpoint.kernels", "transformers", "tensorboard", "torch.utils.tensorboard", "mlflow", "wandb", "plotly", "matplotlib", "rich", "numba", "zipnn", "torchft", "sklearn", "tokenizers",
                  "datasets", "scipy", "safetensors", "zstandard", "xxhash"}
 
 

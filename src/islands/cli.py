@@ -21,6 +21,8 @@ from islands.app.worker import run_worker
 from islands.cli_more import UsageError, add_more_commands
 from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, from_mapping, keys, load_toml
+from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
+from islands.report import add_report_command
 from islands.runtime.launch import LaunchError
 from islands.spec import Spec
 from islands.spec import format as format_spec
@@ -39,6 +41,8 @@ _HELP = {
     "train.global_batch": "sequences per step over all workers", "world.timeout": "collective timeout in seconds",
     "inner.overlap": "with a compressor: compress each DDP bucket on a worker thread while backward goes on "
                      "(default), or inside the hook on the autograd thread",
+    "output.log": "loggers besides run.json and live/*.jsonl, comma-separated: tensorboard, mlflow, wandb "
+                  "(docs/observe.md)",
 }
 
 
@@ -80,16 +84,20 @@ def cmd_train(args) -> int:
     name = cfg.task.name.rpartition(":")[2] or cfg.task.name
     run_dir = Path(cfg.output.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{name}-w{cfg.world.workers}")
     if "RANK" in os.environ:  # started by torchrun: this process is one worker
+        if args.dashboard is not None:
+            raise ExitError("--dashboard is served by islands' own launcher; under torchrun, run "
+                            f"`islands dashboard {run_dir}` beside the job instead")
         run_worker(cfg, run_dir)
         return 0
-    if cfg.world.workers == 1 and not cfg.world.testbed and not cfg.elastic.enabled:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        run_worker(cfg, run_dir)
-        return 0
-    try:
-        return launch(cfg, run_dir)
-    except LaunchError as e:
-        raise ExitError(str(e)) from None
+    with train_dashboard(args, run_dir, ExitError):  # --dashboard: served from here while the job runs
+        if cfg.world.workers == 1 and not cfg.world.testbed and not cfg.elastic.enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_worker(cfg, run_dir)
+            return 0
+        try:
+            return launch(cfg, run_dir)
+        except LaunchError as e:
+            raise ExitError(str(e)) from None
 
 
 def cmd_practices(args) -> int:
@@ -120,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train. Every config key is a flag (--section.key, or today's flat name); "
                                    "--config FILE.toml supplies defaults.")
     _add_config_flags(t)
+    add_train_flags(t)
     t.set_defaults(fn=cmd_train)
 
     pr = sub.add_parser("practices", help="the practice registry: what islands implements and measures")
@@ -133,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_more_commands(sub)
     add_run_command(sub)
+    add_dashboard_command(sub, ExitError)
+    add_report_command(sub)
     # Other distributions add subcommands (islands-bench adds `bench`); islands never imports them.
     for entry in entry_points(group="islands.commands"):
         entry.load()(sub)
