@@ -27,6 +27,7 @@ from islands.app.validate import validate
 from islands.config import JobConfig, from_mapping
 from islands.measure import versions, write_json_atomic
 from islands.spec import Spec
+from islands_bench.progress import Progress, load_previous
 
 
 @dataclass
@@ -74,9 +75,27 @@ class BenchContext:
     reuse: bool = False  # --reuse: a run whose run.json already holds the same config is read, not run again
     console: Console = field(default_factory=Console)
     runs: list[dict] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)  # arms done and left, time left (progress.py)
 
     def log(self, text: str) -> None:
         self.console.print(f"[dim]{self.name}[/] {text}")
+
+    def plan(self, arms: int) -> None:
+        """Declare how many arms (training jobs) this experiment will run, for the progress lines; without
+        it the count comes from the previous result of the same experiment."""
+        self.progress.plan(arms)
+
+    @contextlib.contextmanager
+    def arm(self, label: str):
+        """One arm of the experiment: a progress line when it starts and when it ends. train() and
+        train_elastic() use it; an experiment that runs its arms another way may wrap them in it."""
+        self.log(self.progress.start(label))
+        try:
+            yield
+        except BaseException:
+            self.log(self.progress.fail(label))
+            raise
+        self.log(self.progress.finish(label))
 
     def config(self, **overrides) -> JobConfig:
         """A validated job config from overrides (flat keys such as workers=2, or dotted ones)."""
@@ -94,15 +113,17 @@ class BenchContext:
         done = self._finished(run_dir, cfg) if self.reuse else None
         if done is not None:
             self.log(f"run {label}: reusing {run_dir / 'run.json'} (same config; --reuse)")
+            self.log(self.progress.reused(label))
             self.runs.append(done)
             return done
-        self.log(f"run {label}: workers={cfg.world.workers} islands={cfg.world.islands} steps={cfg.train.steps} "
-                 f"inner={cfg.inner_strategy} outer={spec_text(cfg.outer.strategy)} "
-                 f"compress={spec_text(cfg.inner.compressor)} testbed={cfg.world.testbed or '-'}")
-        t = time.perf_counter()
-        code = launch(cfg, run_dir)
-        if code != 0:
-            raise RuntimeError(f"bench run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+        with self.arm(label):
+            self.log(f"run {label}: workers={cfg.world.workers} islands={cfg.world.islands} steps={cfg.train.steps} "
+                     f"inner={cfg.inner_strategy} outer={spec_text(cfg.outer.strategy)} "
+                     f"compress={spec_text(cfg.inner.compressor)} testbed={cfg.world.testbed or '-'}")
+            t = time.perf_counter()
+            code = launch(cfg, run_dir)
+            if code != 0:
+                raise RuntimeError(f"bench run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
         record = json.loads((run_dir / "run.json").read_text())
         record["label"] = label
         record["launch_seconds"] = time.perf_counter() - t
@@ -125,11 +146,12 @@ class BenchContext:
         cfg = self.config(run_dir=str(run_dir), **overrides)
         run_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
-        self.log(f"run {label}: {cfg.world.workers} elastic workers, outer={spec_text(cfg.outer.strategy)}, "
-                 f"steps={cfg.train.steps}")
-        code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=on_started)
-        if code != 0:
-            raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+        with self.arm(label):
+            self.log(f"run {label}: {cfg.world.workers} elastic workers, outer={spec_text(cfg.outer.strategy)}, "
+                     f"steps={cfg.train.steps}")
+            code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=on_started)
+            if code != 0:
+                raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
         record = json.loads((run_dir / "run.json").read_text())
         record["label"] = label
         self.runs.append(record)
@@ -225,6 +247,7 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
     out_dir = out_root / name / (("quick" if quick else "full") + suffix)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate, device=device, reuse=reuse)
+    ctx.progress.previous = load_previous(out_dir / "result.json")  # the last invocation's arms: the ETA
     started = time.time()
     result = exp.fn(ctx)
     plot = result.pop("plot", None)
@@ -239,6 +262,7 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
         "seconds": time.time() - started, "versions": versions(), **result,
         "runs": [{"label": r["label"], "summary": r["summary"], "interconnect": r["interconnect"],
                   "config": r["config"]} for r in ctx.runs],
+        "arm_times": ctx.progress.record(),
     }
     write_json_atomic(out_dir / "result.json", record)
     if plot is not None:

@@ -86,6 +86,7 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
 
     rates = [ctx.rate] if ctx.rate else (["100mbit"] if ctx.quick else ["20mbit", "100mbit", "1gbit"])
     specs = QUICK if ctx.quick else FULL
+    ctx.plan(sum(len(specs) + (len(COMM_BOUND["specs"]) if rate == "100mbit" or ctx.rate else 0) for rate in rates))
     common = lm_setting(ctx)
     if ctx.quick:
         common.update(steps=24, warmup=3, eval_every=4, eval_batches=2, log_every=4)

@@ -17,6 +17,7 @@ def _stage_steps(steps: int) -> int:
 
 def _runs(ctx: BenchContext, runs: list[tuple[str, dict]]) -> tuple[list[dict], dict, dict]:
     common = lm_setting(ctx)
+    ctx.plan(len(runs))
     recs = {label: ctx.train(label, **common, **over) for label, over in runs}
     base = recs["ddp"]
     rows = [row(label, rec, base, compress=spec_text(rec["config"]["inner"]["compressor"]),

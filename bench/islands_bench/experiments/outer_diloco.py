@@ -21,6 +21,7 @@ def _plot_bytes(result, path):
 def diloco_vs_ddp(ctx: BenchContext) -> dict:
     base = base_config(ctx, quick_steps=200, full_steps=1000)
     sweep = (10, 50, 100) if ctx.quick else (10, 50, 100, 250, 500)
+    ctx.plan(len(sweep) + 2)  # ddp, the sweep, the paper's outer step
     ddp = ctx.train("ddp", islands=1, **base)
     rows = [row_of("ddp", ddp, H=1)]
     ref = rows[0]
@@ -261,6 +262,7 @@ PLAIN = "outer=sgd,outer_lr=1,momentum=0"
 @experiment("diloco-batch", practices=("SOTA-155",),
             help="DiLoCo H=100 vs DDP at global batch 32, 128 and 256 (2 islands): the gap as each island's batch grows")
 def diloco_batch(ctx: BenchContext) -> dict:
+    ctx.plan(2 * len(BATCHES) + (128 in BATCHES))  # ddp and DiLoCo per batch, plain averaging at 128
     rows = []
     for batch in BATCHES:
         base = dict(base_config(ctx, quick_steps=1000, full_steps=1000), global_batch=batch)

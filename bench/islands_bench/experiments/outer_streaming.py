@@ -36,6 +36,7 @@ def streaming(ctx: BenchContext) -> dict:
     for f in (2, 4) if ctx.quick else (2, 4, 8):
         spec = f"streaming-diloco:inner_steps={h},fragments={f},tau=1,bits=4,block={BLOCK},entropy=zstd,{LANDING},{SCALED}"
         runs.append((f"streaming-F{f}-4bit-zstd", spec, f, "4-bit+zstd"))
+    ctx.plan(len(runs))
     rows = []
     for label, spec, f, coding in runs:
         rec = ctx.train(label, islands=2, outer=spec, **base)
