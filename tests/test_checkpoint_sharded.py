@@ -49,8 +49,9 @@ def _continues(rec: dict, resumed_step: int, saved_size: int, size: int) -> None
         assert ledger["sent"]["ckpt_shard_gather"] > 0  # the optimizer gather went through Comm
 
 
-@pytest.mark.slow  # two launcher jobs of 2 processes and one in-process load: ~30 s on an idle 2-core machine
-def test_fsdp_two_ranks_resume_bitwise_and_load_into_one(tmp_path):
+@pytest.mark.slow  # five launcher jobs (2, 2, 4, 2 and 4 processes) and one in-process load: ~70 s idle
+def test_fsdp_resume_bitwise_and_load_on_one_two_and_four_ranks(tmp_path):
+    """One 2-rank run serves three checks: bitwise resume on 2, loading into 1 process, and into 4."""
     rec_a = _launch(tmp_path, "a", 2)
     rec_b = _launch(tmp_path, "b", 2, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
     _continues(rec_b, 3, 2, 2)
@@ -72,20 +73,14 @@ def test_fsdp_two_ranks_resume_bitwise_and_load_into_one(tmp_path):
     names = dict((id(p), n) for n, p in one.model.named_parameters())
     for p, slots in one.optimizer.state.items():
         assert torch.equal(slots["exp_avg"], t0["optimizer"]["state"][names[id(p)]]["exp_avg"])
-    run(one)
-    assert one.step == 6
-
-
-@pytest.mark.slow  # four launcher jobs (4, 2, 2 and 4 processes): ~60 s on an idle 2-core machine
-def test_fsdp_checkpoint_of_four_ranks_loads_on_two_and_two_on_four(tmp_path):
+    # 2 saved ranks -> 4, and 4 saved ranks -> 2
+    rec = _launch(tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
+    _continues(rec, 3, 2, 4)
     _launch(tmp_path, "four", 4, "--steps", "3")  # only its step-3 checkpoint is used
     rec = _launch(tmp_path, "four_to_two", 2, "--resume", str(tmp_path / "four" / "ckpt" / "step-000003"))
     _continues(rec, 3, 4, 2)
     saved = _store(tmp_path, "four").load(3, rank=0).tree
-    _launch(tmp_path, "two", 2, "--steps", "3")
-    rec = _launch(tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "two" / "ckpt" / "step-000003"))
-    _continues(rec, 3, 2, 4)
-    # the resumed jobs' next checkpoint starts from the loaded state: step 6 differs from 3 but keeps its names
+    # the resumed job's next checkpoint starts from the loaded state: step 6 differs from 3 but keeps its names
     after = _store(tmp_path, "four_to_two").load(6, rank=1).tree
     assert set(after["optimizer"]["state"]) == set(saved["optimizer"]["state"])
     assert int(after["step"]) == 6
