@@ -341,7 +341,8 @@ def test_the_page_renders_in_a_browser_with_run_json_numbers(finished_run, serve
 
 
 # ---- islands train --dashboard 0, end to end --------------------------------------------------------------
-def test_train_with_a_dashboard_end_to_end(tmp_path):
+@needs_browser
+def test_train_with_a_dashboard_end_to_end(tmp_path, serve):
     run_dir = tmp_path / "job"
     cmd = [sys.executable, "-m", "islands", "train", "--workers", "2", "--steps", "6", "--d-model", "16",
            "--n-layers", "1", "--n-heads", "2", "--context", "16", "--global-batch", "4", "--eval-batches", "1",
@@ -368,3 +369,12 @@ def test_train_with_a_dashboard_end_to_end(tmp_path):
     s = build_state(run_dir)
     assert s["status"] == "finished" and s["numbers"]["val_loss"] == record["summary"]["final_val_loss"]
     assert [r["name"] for r in s["ranks"]] == ["rank0", "rank1"] and s["source"] == "live"
+    # the real run's page in a real browser: its numbers are run.json's
+    srv = serve(run_dir)
+    dom = render(srv.url)
+    for element_id, value in (("val-loss", f"{record['summary']['final_val_loss']:.4f}"),
+                              ("mb-sent", f"{record['summary']['mb_sent_per_worker']:.3f}"), ("status", "finished")):
+        m = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
+        assert m and m.group(1) == value, (element_id, m and m.group(1), value)
+    assert dom.count('class="main-svg"') >= 5
+    screenshot(srv.url, "dashboard-real-run.png")

@@ -251,3 +251,38 @@ def test_unknown_or_missing_logger_is_refused_before_any_worker(tmp_path, capsys
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if it were not installed
     with pytest.raises(ImportError, match=r"W&B logger needs the wandb package: pip install 'islands\[loggers\]'"):
         Wandb(tmp_path)
+
+
+def test_membership_changes_reach_the_loggers_as_events(tmp_path):
+    """An elastic member's membership events (islands.runtime.elastic) arrive once each, at the step they were
+    seen, and the final line carries no per-step rate for the step-less final synchronisation."""
+    from types import SimpleNamespace
+
+    membership = SimpleNamespace(events=[{"type": "entered", "epoch": 0, "step": 0}])
+    world = SimpleNamespace(membership=membership, ledger=islands.CommLedger(), rank=0, size=2, islands=2, island=0,
+                            backend="gloo", device=torch.device("cpu"))
+    trainer = SimpleNamespace(world=world, series={"train": [], "val": []}, step=0, elapsed=0.0, sync_seconds=0.0,
+                              comm_seconds=0.0, samples_per_step=4, checkpoints=None, callbacks=[],
+                              strategy=SimpleNamespace(name="diloco"), record=None)
+    path = tmp_path / "live" / "m1.jsonl"
+    cb = Logging([JsonLines(path)])
+    cb.on_fit_start(trainer)  # what happened before this fit (entering) is not logged again
+    trainer.step, trainer.elapsed = 5, 1.0
+    world.ledger.record("outer_delta", 800, 800)
+    membership.events.append({"type": "failure", "epoch": 1, "gone": ["m2"], "stall_seconds": 0.12})
+    trainer.series["train"].append({"step": 5, "loss": 2.5, "lr": 1e-3, "elapsed": 1.0, "mb_sent": 0.0008})
+    cb.on_step_end(trainer, 2.5)
+    cb.on_step_end(trainer, 2.5)  # nothing new: nothing logged twice
+    trainer.elapsed = 1.5
+    cb.on_fit_end(trainer)
+    lines = read_lines(path)
+    events = [ln for ln in lines if ln["kind"] == "event"]
+    assert len(events) == 1 and events[0]["step"] == 5
+    assert events[0]["event"]["type"] == "membership" and events[0]["event"]["change.type"] == "failure"
+    assert events[0]["event"]["change.gone"] == '["m2"]'
+    metrics = [ln for ln in lines if ln["kind"] == "metrics"]
+    assert metrics[0]["metrics"]["comm/bytes_per_step/outer_delta"] == 800 / 5
+    assert metrics[0]["metrics"]["train/tokens_per_s"] == 4 * 5 / 1.0
+    final = metrics[-1]["metrics"]
+    assert final["comm/sent_bytes/outer_delta"] == 800 and final["time/elapsed_s"] == 1.5
+    assert not any(k.startswith("comm/bytes_per_step/") or k == "train/tokens_per_s" for k in final)

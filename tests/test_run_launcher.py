@@ -232,6 +232,7 @@ def test_a_known_testbed_keeps_its_label_and_an_old_record_is_not_called_loopbac
     assert describe(_measured(two_ns, testbed={"rate": "100mbit"})).startswith("testbed 100mbit: ")
     assert describe(_measured(None)).startswith("gloo, link not recorded: ")
     assert describe({"measured": False}) == "none (single process)"
+    assert describe({"measured": False, "reason": "gloo, link not probed"}) == "gloo, link not probed"
 
 
 def test_local_address_towards_sends_nothing_and_reports_the_route():

@@ -97,7 +97,10 @@ function layout(xTitle, yTitle, empty, extra) {
 
 function draw(id, traces, lay) { Plotly.react(document.getElementById(id), traces, lay, CONFIG); }
 
-function line(x, y, name, extra) { return Object.assign({ type: "scatter", mode: "lines", x: x, y: y, name: name }, extra || {}); }
+// one point draws no line: show it as a marker until a second point arrives
+function line(x, y, name, extra) {
+  return Object.assign({ type: "scatter", mode: x.length > 1 ? "lines" : "markers", x: x, y: y, name: name }, extra || {});
+}
 
 function renderCharts(s) {
   const ranks = s.ranks;

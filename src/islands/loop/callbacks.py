@@ -140,6 +140,8 @@ class RunRecord:
         world = trainer.world
         if self.probe and world.distributed and world.comms is None:
             self.interconnect = probe_interconnect(world)
+        elif world.distributed:  # several processes, but the link was not measured: say so, not "none"
+            self.interconnect = {"measured": False, "reason": f"{world.backend}, link not probed"}
         if self.testbed:
             self.interconnect["testbed"] = Testbed.load(self.testbed).record()
         trainer.log(f"[bold]islands[/] {trainer.strategy.name} · {world.size} workers / {world.islands} island(s) · "

@@ -176,7 +176,7 @@ def link_name(interconnect: dict) -> str:
 def describe(interconnect: dict) -> str:
     """One line naming the measured link, for tables and plots."""
     if not interconnect.get("measured"):
-        return "none (single process)"
+        return interconnect.get("reason") or "none (single process)"
     p = interconnect.get("p2p", {})
     ar = interconnect.get("all_reduce", [{}])[-1]
     return (f"{link_name(interconnect)}: p2p {p.get('bandwidth_gbit_s', 0):.2f} Gbit/s, "
