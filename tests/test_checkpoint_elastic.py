@@ -19,8 +19,12 @@ from islands.config import ConfigError, from_mapping
 from test_checkpoint_resume import same
 
 
+# LIT-212's outer step (not the default): its Nesterov momentum buffer is the outer state to restore
+OUTER = "diloco:inner_steps=2,outer=nesterov,outer_lr=0.7,momentum=0.9"
+
+
 def _cfg(run: Path, **extra):
-    return validate(from_mapping({**dict(task="digits", workers=2, islands=2, outer="diloco:inner_steps=2",
+    return validate(from_mapping({**dict(task="digits", workers=2, islands=2, outer=OUTER,
                                          elastic=True, steps=8, global_batch=16, eval_every=0, warmup=2,
                                          probe=False, progress=False, timeout=30.0, heartbeat_timeout=5.0,
                                          ckpt_every=4, run_dir=str(run)), **extra}))

@@ -145,7 +145,8 @@ def test_restore_on_cuda_continues_bitwise_with_the_cuda_generator(tmp_path):
 def _diloco_run(root: str, world) -> dict:
     def build(seed: int):
         model, opt = fresh(seed)
-        strategy = Stack(outer=DiLoCo(inner_steps=3))
+        # LIT-212's outer step: its momentum buffer is the outer state this test restores
+        strategy = Stack(outer=DiLoCo(inner_steps=3, outer="nesterov", outer_lr=0.7, momentum=0.9))
         return strategy.wrap(model, opt, world), opt, strategy
 
     def final(model, opt, strategy, sampler) -> dict:

@@ -26,7 +26,10 @@ from islands.compress.bits import pack_bits, pack_nibbles, unpack_bits, unpack_n
 
 SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=16", "qsgd:levels=3", "randomk:ratio=0.2",
          "topk:ratio=0.2,warmup=0", "topk:ratio=0.01,warmup=1,stage_steps=2", "powersgd:rank=2", "sign",
-         "powersgd:rank=2,ef=0", "sign:ef=0", "topk:ratio=0.1,ef=0"]
+         "powersgd:rank=2,ef=0", "sign:ef=0", "topk:ratio=0.1,ef=0",
+         # the outer strategies' pseudo-gradient compressors (issue 19)
+         "topkq:ratio=0.2,bits=2,chunk=8", "topkq:ratio=0.1,bits=32", "dct-topk:ratio=0.2,bits=4,block=4,chunk=16",
+         "randomk-shared:ratio=0.2"]
 SHAPES = [(5, 7), (33,), (4, 3, 2), (1,), (0,), (2, 0), (16, 16)]
 
 

@@ -58,7 +58,9 @@ def test_residual_survives_zero_grad_and_lives_outside_grad():
 
 
 @pytest.mark.parametrize("spec", ["powersgd:rank=2", "topk:ratio=0.05,warmup=1,stage_steps=1,momentum=0.9,clip=5",
-                                  "randomk:ratio=0.1", "qsgd:levels=4", "int4:ef=1", "sign"])
+                                  "randomk:ratio=0.1", "qsgd:levels=4", "int4:ef=1", "sign",
+                                  "topkq:ratio=0.1,bits=2,chunk=32,decay=0.9", "dct-topk:ratio=0.1,block=8",
+                                  "randomk-shared:ratio=0.1"])
 def test_bitwise_resume(spec):
     g = torch.Generator().manual_seed(0)
     grads = [{"a": torch.randn(12, 9, generator=g), "b": torch.randn(9, generator=g)} for _ in range(4)]
@@ -155,7 +157,8 @@ def test_error_feedback_refuses_compressors_that_rescale_to_stay_unbiased(spec):
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01,warmup=0", "int4:ef=1", "int8:ef=1", "fp16:ef=1", "sign",
-                                  "powersgd:rank=1"])
+                                  "powersgd:rank=1", "topkq:ratio=0.01,bits=2,chunk=1024", "dct-topk:ratio=0.01",
+                                  "randomk-shared:ratio=0.01"])
 def test_error_feedback_residual_stays_bounded_for_contractive_compressors(spec):
     """Feeding the same gradient 300 times: what was not sent accumulates, but a contractive compressor
     sends more as the residual grows, so it stays within a multiple of the input (the 1/delta bound)."""

@@ -115,11 +115,15 @@ SCENARIOS = {
     "post-local": ("post-local-sgd:every=2", 6),  # switch = warmup = 2: syncs after 1, 2, 4, 6
     "diloco-median": ("diloco:inner_steps=2,aggregate=median", 4),
 }
+# LIT-212's outer step in the resumes: its momentum buffer is state that must come back bit for bit
+PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 RESUMES = {
-    "diloco": ("diloco:inner_steps=2", 3, 6),
-    "streaming": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16", 5, 9),  # cut with a fragment in flight
+    "diloco": (f"diloco:inner_steps=2,{PAPER}", 3, 6),
+    "diloco-default": ("diloco:inner_steps=2", 3, 6),
+    # cut with a fragment in flight
+    "streaming": (f"streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16,{PAPER}", 5, 9),
     "overlap": ("overlap-local-sgd:tau=2", 3, 6),
-    "streaming-replay": ("streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16,landing=replay", 5, 9),
+    "streaming-replay": (f"streaming-diloco:inner_steps=4,fragments=2,tau=1,block=16,landing=replay,{PAPER}", 5, 9),
 }
 
 

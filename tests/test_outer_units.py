@@ -130,8 +130,13 @@ def _one_island(spec: str, steps: int, cut: int | None = None):
     return s, s2
 
 
-@pytest.mark.parametrize("spec", ["diloco:inner_steps=3", "diloco:inner_steps=3,outer=primal",
-                                  "streaming-diloco:inner_steps=4,fragments=2,block=8", "slowmo:every=2",
+# LIT-212's outer step (PAPER) where the point is that the outer momentum buffer comes back too
+PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
+
+
+@pytest.mark.parametrize("spec", ["diloco:inner_steps=3", f"diloco:inner_steps=3,{PAPER}",
+                                  "diloco:inner_steps=3,outer=primal",
+                                  f"streaming-diloco:inner_steps=4,fragments=2,block=8,{PAPER}", "slowmo:every=2",
                                   "easgd:every=2", "overlap-local-sgd:tau=2"])
 def test_single_island_resume_gives_identical_next_sync(spec):
     a, b = _one_island(spec, steps=10, cut=4)
@@ -147,9 +152,9 @@ def test_eval_model_is_the_last_synchronised_global_model():
 
 
 def test_outer_momentum_state_round_trips():
-    s, _ = _one_island("diloco:inner_steps=2", steps=4)
+    s, _ = _one_island(f"diloco:inner_steps=2,{PAPER}", steps=4)
     state = copy.deepcopy(s.state_dict())
-    t = make_outer("diloco:inner_steps=2")
+    t = make_outer(f"diloco:inner_steps=2,{PAPER}")
     from islands.models import MLP
 
     torch.manual_seed(0)
@@ -203,6 +208,39 @@ def test_lr_scale_sqrt_islands_multiplies_the_outer_step_by_sqrt_m():
     assert steps["none"].abs().max() > 0
     with pytest.raises(ValueError, match="lr_scale"):
         make_outer("diloco:lr_scale=linear")
+
+
+class _TwoIslandComm(_SameDeltaComm):
+    size = 2
+
+    def all_reduce(self, tensor, op=None, kind="all_reduce"):
+        return tensor.mul_(2)
+
+
+def _one_outer_step(spec: str, comm) -> torch.Tensor:
+    from islands.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = make_outer(spec)
+    s.wrap(model, opt, World.single())
+    s.comm = comm
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    s.after_step(model, opt, 0)
+    return s.global_flat.clone()
+
+
+def test_default_outer_step_is_the_measured_sqrt_islands_step_on_two_islands_bitwise():
+    """The default (plain SGD, lr sqrt(2)) is, on 2 islands, bit for bit the step diloco-vs-ddp measured
+    (outer_lr=1, lr_scale=sqrt-islands); on 4 islands it stays at sqrt(2), where sqrt-islands takes 2."""
+    measured = "diloco:inner_steps=1,outer=sgd,outer_lr=1,momentum=0,lr_scale=sqrt-islands"
+    default = _one_outer_step("diloco:inner_steps=1", _TwoIslandComm())
+    assert torch.equal(default, _one_outer_step(measured, _TwoIslandComm()))
+    assert torch.equal(_one_outer_step("diloco:inner_steps=1", _SameDeltaComm()), default)  # no growth with M
+    assert not torch.equal(_one_outer_step(measured, _SameDeltaComm()), default)
 
 
 def test_replay_landing_is_new_global_plus_the_steps_since_the_send():

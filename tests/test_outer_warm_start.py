@@ -89,9 +89,11 @@ def _scenario(world) -> dict:
     out["rounds"] = run.strategy.outer.rounds
     out["global"] = run.strategy.outer.global_flat.numpy().copy()
     out["numel"] = run.strategy.outer.global_flat.numel()
-    # Resume: a state round trip in the warm phase and one in the rounds give the same end model.
+    # Resume: a state round trip in the warm phase and one in the rounds give the same end model; LIT-212's outer
+    # step, so that the rounds carry a Nesterov momentum buffer (the default step has none).
+    resume_spec = f"diloco:inner_steps={H},warm_start={WARM},outer=nesterov,outer_lr=0.7,momentum=0.9"
     for cut in (2, 5):
-        a = Run(world, f"diloco:inner_steps={H},warm_start={WARM}")
+        a = Run(world, resume_spec)
         for i in range(cut):
             a.step(i)
         snap = copy.deepcopy({"model": a.model.state_dict(), "opt": a.opt.state_dict(),
@@ -99,7 +101,7 @@ def _scenario(world) -> dict:
         for i in range(cut, TOTAL):
             a.step(i)
         a.finish()
-        b = Run(world, f"diloco:inner_steps={H},warm_start={WARM}")
+        b = Run(world, resume_spec)
         b.model.load_state_dict(snap["model"])
         b.opt.load_state_dict(snap["opt"])
         b.strategy.load_state_dict(snap["strategy"])

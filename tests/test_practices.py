@@ -77,15 +77,21 @@ def test_every_seed_practice_appears_exactly_once(practices):
     seed = _seed_rows("002_*.txt", "SOTA-")
     ours = [p.id for p in practices if p.id.startswith("SOTA-")]
     assert len(ours) == len(set(ours))
-    assert sorted(ours) == sorted(seed), f"missing {set(seed) - set(ours)}, extra {set(ours) - set(seed)}"
+    assert set(seed) <= set(ours), f"missing {set(seed) - set(ours)}"
     assert {"SOTA-364", "SOTA-376"} <= set(ours)
+    # rows beyond the seed are practices the project filed itself (ids from SOTA-901): each names its issue
+    added = [p for p in practices if p.id.startswith("SOTA-") and p.id not in seed]
+    assert all(int(p.id[5:]) >= 901 and p.issue for p in added), [(p.id, p.issue) for p in added]
 
 
 def test_every_seed_paper_appears_exactly_once(papers):
     seed = _seed_rows("001_*.txt", "LIT-")
     ours = [p.id for p in papers]
     assert len(ours) == len(set(ours))
-    assert sorted(ours) == sorted(seed), f"missing {set(seed) - set(ours)}, extra {set(ours) - set(seed)}"
+    assert set(seed) <= set(ours), f"missing {set(seed) - set(ours)}"
+    # papers beyond the seed (ids from LIT-901) are read for a row the project filed itself, and cited by it
+    added = [p for p in papers if p.id not in seed]
+    assert all(int(p.id[4:]) >= 901 and p.practices for p in added), [(p.id, p.practices) for p in added]
 
 
 def test_statuses_match_the_seed(practices):
@@ -119,6 +125,8 @@ def test_practice_text_is_our_own(practices):
 def test_paper_titles_kept_and_notes_written_fresh(papers):
     seed = _seed_rows("001_*.txt", "LIT-")
     for p in papers:
+        if p.id not in seed:  # a paper the project added (LIT-901 on): no seed text to compare with
+            continue
         assert p.title == seed[p.id][1], f"{p.id}: a paper's title is its name; keep it as published"
         assert _longest_shared_run(p.note, " ".join(seed[p.id][2:])) < 50, f"{p.id} note copies the seed"
 
@@ -164,7 +172,8 @@ def test_issue_assignment(practices):
     assert by_issue[4] == {155, 216, 219, 222}
     assert by_issue[5] == {220}
     assert by_issue[6] == {54, 56, 57, 189, 437}
-    assert set(by_issue) == {0, 3, 4, 5, 6}
+    assert by_issue[19] >= {901}  # MuLoCo (SOTA-901, a row the project filed itself)
+    assert set(by_issue) == {0, 3, 4, 5, 6, 19}
 
 
 def test_implemented_modules_import(practices):

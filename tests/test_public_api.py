@@ -68,7 +68,7 @@ def batches(seed: int, n: int = 64, shape=(1, 8, 8)):
 def test_public_names_resolve_and_compose_from_objects():
     for name in islands.__all__:
         assert getattr(islands, name) is not None, name
-    for ns in (islands.inner, islands.outer, islands.robust, islands.observe):
+    for ns in (islands.inner, islands.outer, islands.robust, islands.observe, islands.optim):
         for name in ns.__all__:
             assert callable(getattr(ns, name)), f"{ns.__name__}.{name}"
     # the program of the issue, built from objects (this raised TypeError: compressor spec must be a str)

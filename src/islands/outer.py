@@ -1,6 +1,7 @@
 """Outer strategies: how islands meet, rarely and cheaply (public names; docs/outer-strategies.md).
 
-    DiLoCo(inner_steps=100, outer="nesterov", outer_lr=0.7, momentum=0.9, compressor=None, aggregator=None)
+    DiLoCo(inner_steps=100, outer="sgd", outer_lr=sqrt(2), momentum=0, compressor=None, aggregator=None)
+                                           the measured best; LIT-212's: outer="nesterov", outer_lr=0.7, momentum=0.9
     StreamingDiLoCo(inner_steps=100, fragments=4, tau=1, bits=4)     fragments, overlap, 4-bit deltas (LIT-214)
     LocalSGD(every=8), PostLocalSGD(switch, every=16), OverlapLocalSGD(tau=2, pull=0.5), SlowMo(every=8),
     EASGD(every=4, beta=0.9), Gossip(every=4, topology=ExponentialGraph())

@@ -27,6 +27,9 @@ from islands_bench.harness import BenchContext, experiment
 # The elastic job's coordinator keeps its keys under this prefix (islands.runtime.membership's protocol,
 # docs/membership.md); the experiment watches them to time its kills and its join.
 STORE_PREFIX = "islands"
+# The outer step of our elastic run: torchft's side runs Nesterov SGD lr 0.7, momentum 0.9 (LIT-212), so ours is
+# given the same one explicitly (DiLoCo's own default is the plain lr sqrt(2) step, docs/outer-strategies.md).
+PAPER_OUTER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 
 _JOINER = """
 import datetime, sys, time
@@ -209,7 +212,7 @@ def churn(ctx: BenchContext) -> dict:
     workers = 4 if ctx.quick else 8  # issue #4: kill two of eight workers and add one
     load_start = os.getloadavg()[0]
     h = 5
-    base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h}",
+    base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h},{PAPER_OUTER}",
                 steps=1500 if ctx.quick else 2400, global_batch=8 * workers, eval_every=50, warmup=10, lr=3e-3,
                 probe=False, timeout=60.0, heartbeat_timeout=3.0, log_every=h)
     rounds = base["steps"] // h

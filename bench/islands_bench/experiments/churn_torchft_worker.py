@@ -4,7 +4,7 @@
 
 The replica trains the same task as our elastic run (islands.app.build.build_task: same model, data shard,
 seed, AdamW inner optimizer, lr schedule, grad clip) under torchft's DiLoCo wrapper (inner steps H,
-outer Nesterov SGD lr 0.7, momentum 0.9 as our DiLoCo defaults), one replica group of size 1 per
+outer Nesterov SGD lr 0.7, momentum 0.9, the step our elastic run is given), one replica group of size 1 per
 worker, coordinated by the controller's torchft Lighthouse. torchft's public API only: Manager,
 ProcessGroupGloo, local_sgd.DiLoCo.
 

@@ -55,7 +55,9 @@ def ckpt_replicas(ctx: BenchContext) -> dict:
     rows = []
     jobs = [(f"{w} DDP ranks", w, dict(inner="ddp")) for w in counts]
     # outer syncs every 6 steps, saves every 5: the islands' states differ at each save
-    jobs.append(("2 DiLoCo islands", 2, dict(islands=2, outer="diloco:inner_steps=6")))
+    # LIT-212's outer step, whose momentum buffer is part of the saved state (the default step has none)
+    jobs.append(("2 DiLoCo islands", 2,
+                 dict(islands=2, outer="diloco:inner_steps=6,outer=nesterov,outer_lr=0.7,momentum=0.9")))
     for job, workers, strategy in jobs:
         for share in (False, True):
             label = f"{job.replace(' ', '-')}-{'shared' if share else 'every-rank'}"

@@ -129,7 +129,9 @@ def ckpt_stall(ctx: BenchContext) -> dict:
 def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int) -> dict:
     """One elastic DiLoCo job of 2 workers saving every `every` steps; its checkpoint stall per save."""
     label = f"elastic-{'async' if mode else 'sync'}"
-    rec = ctx.train_elastic(label, workers=2, islands=2, outer="diloco:inner_steps=5", elastic=True, steps=steps,
+    # LIT-212's outer step, whose momentum buffer is part of each snapshot (the default step has none)
+    outer = "diloco:inner_steps=5,outer=nesterov,outer_lr=0.7,momentum=0.9"
+    rec = ctx.train_elastic(label, workers=2, islands=2, outer=outer, elastic=True, steps=steps,
                             ckpt_every=every, ckpt_async=mode, eval_every=0, probe=False, d_model=256, n_layers=4,
                             n_heads=4, global_batch=16)
     ck, s = rec["checkpoint"], rec["summary"]

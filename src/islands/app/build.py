@@ -152,7 +152,8 @@ def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) ->
     # 1-bit optimizers average through the island's group themselves (SOTA-215)
     comm = world.comm("local") if world.distributed else None
     return build_optimizer(OPTIMIZERS.build(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
-                           weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm)
+                           weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm,
+                           model=model)  # muon splits the model's parameters itself (islands.optim.muon_split)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------

@@ -207,8 +207,8 @@ def sharding(cfg: JobConfig) -> str | None:
     clash = [f"{k}={format_spec(v)!r}" for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator),
                                                    ("attack", inner.attack), ("outer", cfg.outer.strategy))
              if v is not None]
-    if _communicates(cfg):
-        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")
+    if _communicates(cfg) or (cfg.train.optimizer is not None and cfg.train.optimizer.name == "muon"):
+        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")  # muon orthogonalises whole matrices
     if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
         return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
                 "use inner.strategy=ddp for those, or drop them")

@@ -13,6 +13,7 @@ from islands.compress.average import analytic_nbytes, compress_and_average
 from islands.compress.base import Agreed, Combine, Compressor, CompressorBase, NonFiniteGradientError, Payload
 from islands.compress.cast import Cast
 from islands.compress.ddp_hook import CompressionHookState, ddp_comm_hook
+from islands.compress.dct import DCTTopK
 from islands.compress.dgc import deep_gradient_compression
 from islands.compress.error_feedback import ErrorFeedback
 from islands.compress.identity import NoCompression
@@ -20,15 +21,17 @@ from islands.compress.onebit_adam import NaiveCompressedAdam, OneBitAdam
 from islands.compress.powersgd import PowerSGD
 from islands.compress.quantize import QSGD, SharedScaleQuant
 from islands.compress.randomk import RandomK
+from islands.compress.randomk_shared import SharedRandomK
 from islands.compress.sign import MajorityVote, ScaledSign
 from islands.compress.registry import COMPRESSORS
 from islands.compress.spec import parse_compressor
 from islands.compress.topk import DGC_SPARSITY_WARMUP, TopK
+from islands.compress.topkq import TopKQ
 
 __all__ = [
     "Agreed", "Cast", "Combine", "CompressionHookState", "Compressor", "CompressorBase",
-    "DGC_SPARSITY_WARMUP", "ErrorFeedback", "MajorityVote", "NaiveCompressedAdam", "NoCompression",
+    "DCTTopK", "DGC_SPARSITY_WARMUP", "ErrorFeedback", "MajorityVote", "NaiveCompressedAdam", "NoCompression",
     "NonFiniteGradientError", "OneBitAdam", "Payload", "PowerSGD", "QSGD", "RandomK", "COMPRESSORS",
-    "ScaledSign", "SharedScaleQuant", "TopK", "analytic_nbytes", "compress_and_average",
+    "ScaledSign", "SharedRandomK", "SharedScaleQuant", "TopK", "TopKQ", "analytic_nbytes", "compress_and_average",
     "ddp_comm_hook", "deep_gradient_compression", "parse_compressor",
 ]

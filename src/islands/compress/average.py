@@ -81,6 +81,10 @@ def agree_all_finite(named_tensors: dict[str, Tensor], comm: Comm) -> None:
         )
 
 
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _flat_bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -145,11 +149,13 @@ def _fp32_target(out: dict[str, Tensor] | None, name: str) -> Tensor | None:
 
 
 def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor,
-                      out_to: dict[str, Tensor] | None) -> dict[str, Tensor]:
+                      out_to: dict[str, Tensor] | None, sent: list[int] | None = None) -> dict[str, Tensor]:
     parties = comm.size
     agree = {n: compressor.agree(t, states[n]) for n, t in tensors.items()}
     agreed = _sum_round(agree, comm, compressor, compressor.agree_op, "compress_agree")
     payloads = {n: compressor.compress(t, states[n], Agreed(agreed[n], parties)) for n, t in tensors.items()}
+    if sent is not None:
+        sent.append(sum(_nbytes(t) for ts in agree.values() for t in ts) + sum(p.wire_nbytes for p in payloads.values()))
     summed = _sum_round({n: p.tensors for n, p in payloads.items()}, comm, compressor, "sum", "compress_sum")
     out = {}
     for n, p in payloads.items():
@@ -159,8 +165,11 @@ def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
     return out
 
 
-def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor) -> dict[str, Tensor]:
+def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor,
+                      sent: list[int] | None = None) -> dict[str, Tensor]:
     payloads = {n: compressor.compress(t, states[n]) for n, t in tensors.items()}
+    if sent is not None:
+        sent.append(sum(p.wire_nbytes for p in payloads.values()))
     layout = [(n, i, t.shape, t.dtype, t.numel() * t.element_size()) for n, p in payloads.items() for i, t in enumerate(p.tensors)]
     parts = [_flat_bytes(t) for p in payloads.values() for t in p.tensors]
     mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
@@ -177,12 +186,14 @@ def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
 
 
 def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compressor: Compressor,
-                         out: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+                         out: dict[str, Tensor] | None = None, sent: list[int] | None = None) -> dict[str, Tensor]:
     """Mean over comm's group of each named tensor, compressed on the wire; results in input dtypes.
 
     `out` (same names and shapes): tensors the means are written into and returned as; they may be the
     inputs themselves (the DDP hook averages a bucket in place), since inputs are read only before the
     first payload is sent. Without it, new tensors. Large means allocated per call cost page faults.
+    `sent`: a list that gets one entry appended, the bytes this rank handed to the Comm in this call (the NaN/Inf
+    flag, agreement tensors and payloads; with one rank nothing travels, and 0 is appended).
 
     Raises NonFiniteGradientError (a ValueError) naming the parameter if an input is NaN/Inf, or if
     the decoded mean is (a cast overflowed); nothing is sent for a non-finite input.
@@ -197,12 +208,15 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
     states = {n: compressor.state(n, t) for n, t in named_tensors.items()}
     for st in states.values():
         st["_finite"] = True  # checked above on every rank: error feedback need not check again
+    mine = [] if sent is not None else None
     if compressor.combine is Combine.SUMMABLE:
-        means = _average_summable(named_tensors, states, comm, compressor, out)
+        means = _average_summable(named_tensors, states, comm, compressor, out, mine)
     elif compressor.combine is Combine.GATHERED:
-        means = _average_gathered(named_tensors, states, comm, compressor)
+        means = _average_gathered(named_tensors, states, comm, compressor, mine)
     else:
         raise ValueError(f"{compressor!r}: combine must be Combine.SUMMABLE or Combine.GATHERED")
+    if sent is not None:
+        sent.append(FINITE_FLAG_NBYTES + mine[0] if comm.size > 1 else 0)
     if out is not None:
         for n, t in out.items():
             if means[n] is not t:

@@ -39,3 +39,29 @@ def unpack_nibbles(packed: Tensor, n: int) -> Tensor:
     low = (packed & 15).to(torch.int16)
     high = (packed >> 4).to(torch.int16)
     return torch.stack([low, high], dim=1).reshape(-1)[:n]
+
+
+def pack_uint(values: Tensor, width: int) -> Tensor:
+    """Flat non-negative integers below 2**width -> ceil(n * width / 8) bytes: each value's `width` bits,
+    least significant first, one after another across byte boundaries (indices of 12 bits, 2-bit codes)."""
+    if not 1 <= width <= 32:
+        raise ValueError(f"pack_uint width must be in [1, 32], got {width}")
+    v = values.reshape(-1).to(torch.int64)
+    if width == 8:
+        return v.to(torch.uint8)
+    shifts = torch.arange(width, dtype=torch.int64, device=v.device)
+    return pack_bits(((v.view(-1, 1) >> shifts) & 1).reshape(-1).to(torch.bool))
+
+
+def unpack_uint(packed: Tensor, width: int, n: int) -> Tensor:
+    """Inverse of pack_uint: the first n values, as int64."""
+    if width == 8:
+        return packed.reshape(-1)[:n].to(torch.int64)
+    bits = unpack_bits(packed.reshape(-1), n * width).view(n, width).to(torch.int64)
+    weights = torch.ones(width, dtype=torch.int64, device=packed.device) << torch.arange(width, device=packed.device)
+    return (bits * weights).sum(dim=1)
+
+
+def packed_nbytes(n: int, width: int) -> int:
+    """Bytes pack_uint makes of n values of `width` bits."""
+    return (int(n) * int(width) + 7) // 8

@@ -2,7 +2,8 @@
 
 Per parameter NAME (never per bucket, never in p.grad, so zero_grad() and bucket rebuilds lose
 nothing) it keeps a residual r in fp32:
-    x = r + g                 the corrected input (g after optional local clipping / momentum)
+    x = r + g                 the corrected input (g after optional local clipping / momentum);
+                              with decay d < 1, x = d r + g (SparseLoCo's decayed accumulator)
     send compress(x)          in the input's dtype
     r = x - decompress(sent)  this rank's own contribution; exact for top-k, else within fp32
                               rounding: |sent + r - x| <= 2^-23 (|sent| + |x|) per entry
@@ -19,7 +20,8 @@ from islands.compress.base import Agreed, CompressorBase, Payload, as_fp32, cast
 
 
 class ErrorFeedback(CompressorBase):
-    def __init__(self, inner: CompressorBase, momentum: float = 0.0, clip_norm: float | None = None):
+    def __init__(self, inner: CompressorBase, momentum: float = 0.0, clip_norm: float | None = None,
+                 decay: float = 1.0):
         super().__init__()
         if isinstance(inner, ErrorFeedback):
             raise TypeError("ErrorFeedback(ErrorFeedback(...)) would feed the error back twice")
@@ -32,7 +34,10 @@ class ErrorFeedback(CompressorBase):
             raise ValueError(f"error-feedback momentum must be in [0, 1), got {momentum!r}")
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"error-feedback clip_norm must be > 0 or None, got {clip_norm!r}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in (0, 1], got {decay!r}")
         self.inner = inner
+        self.decay = float(decay)
         self.momentum = float(momentum)
         self.clip_norm = clip_norm
         self.name = f"ef({inner.name})"
@@ -71,6 +76,8 @@ class ErrorFeedback(CompressorBase):
         spare = state.get("_spare")
         if spare is None or spare.shape != residual.shape or spare.device != residual.device:
             spare = torch.empty_like(residual)
+        if self.decay != 1.0:
+            return torch.add(g, residual, alpha=self.decay, out=spare)
         return torch.add(residual, g, out=spare)
 
     def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
@@ -131,8 +138,9 @@ def _viewed_by(x: Tensor, payload: Payload) -> bool:
 
 def with_error_feedback(compressor: CompressorBase) -> CompressorBase:
     """The compressor as its consumers run it: wrapped in ErrorFeedback when it asks for it (its `ef`), with
-    TopK's DGC momentum and clipping; an ErrorFeedback or a compressor built with ef=False as given."""
+    TopK's DGC momentum and clipping and a compressor's residual decay (`ef_decay`, TopKQ's); an ErrorFeedback
+    or a compressor built with ef=False as given."""
     if isinstance(compressor, ErrorFeedback) or not getattr(compressor, "ef", False):
         return compressor
     return ErrorFeedback(compressor, momentum=getattr(compressor, "ef_momentum", 0.0),
-                         clip_norm=getattr(compressor, "ef_clip", None))
+                         clip_norm=getattr(compressor, "ef_clip", None), decay=getattr(compressor, "ef_decay", 1.0))

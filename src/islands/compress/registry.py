@@ -14,12 +14,15 @@ import torch
 
 from islands.compress.base import Compressor, CompressorBase
 from islands.compress.cast import Cast
+from islands.compress.dct import DCTTopK
 from islands.compress.identity import NoCompression
 from islands.compress.powersgd import PowerSGD
 from islands.compress.quantize import QSGD, SharedScaleQuant
 from islands.compress.randomk import RandomK
+from islands.compress.randomk_shared import SharedRandomK
 from islands.compress.sign import MajorityVote
 from islands.compress.topk import TopK
+from islands.compress.topkq import TopKQ
 from islands.compress.torch_powersgd import TorchPowerSGD
 from islands.spec import Registry, bind
 
@@ -41,6 +44,10 @@ COMPRESSORS = Registry(
         "powersgd": PowerSGD,
         "sign": MajorityVote,
         "torch-powersgd": TorchPowerSGD,
+        # pseudo-gradient compressors for the outer strategies (issue 19): SparseLoCo's, DeMo's, shared random-k
+        "topkq": TopKQ,
+        "dct-topk": DCTTopK,
+        "randomk-shared": SharedRandomK,
     },
     base=(Compressor, CompressorBase),
     aliases={"stage_steps": "steps_per_stage"},

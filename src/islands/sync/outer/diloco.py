@@ -3,7 +3,7 @@
 A round, on every island:
     delta   = global - local            (where this round started, minus where the island got to)
     mean    = mean of delta over islands (one all-reduce, ledger kind "outer_delta")
-    global  = outer_step(global, mean)   (Nesterov SGD, lr 0.7, momentum 0.9 by default; fp32)
+    global  = outer_step(global, mean)   (plain SGD, lr sqrt(2), no momentum by default; fp32)
     local   = global                     (the next round starts from the new global model)
 The inner optimizer state (Adam moments) stays on its island (SOTA-219); sync_inner_state=1 also
 averages the moments, one more all-reduce of 2x the parameter bytes (kind "outer_inner_state"),
@@ -12,7 +12,8 @@ only for the experiment that measures what that buys.
 The same engine runs the streaming form (streaming_diloco.py): the parameters split into F
 fragments, fragment p starting its exchange at steps (p+1)*H/F + k*H, the exchange landing tau
 steps later while inner steps continue, and the landed global fragment merged into the local one.
-Plain DiLoCo is the case F = 1, tau = 0, fp32 payloads.
+Plain DiLoCo is the case F = 1, tau = 0, fp32 payloads. overlap=delayed|eager (eager.py) delays each exchange by
+a whole round instead: it runs during all H inner steps of the next round and lands with a staleness correction.
 """
 
 from __future__ import annotations
@@ -26,32 +27,47 @@ import torch
 from islands.aggregate.base import Aggregator
 from islands.compress.base import Compressor
 from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.eager import OVERLAPS, EagerOverlap
 from islands.sync.outer.exchange import Exchange, Pending
 from islands.sync.outer.flat import FlatView, fragment_bounds
-from islands.sync.outer.outer_opt import OuterOptimizer, build_outer_optimizer
+from islands.sync.outer.outer_opt import (DEFAULT_OUTER, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OuterOptimizer,
+                                          build_outer_optimizer)
 from islands.sync.outer.quant4 import Quant4
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class DiLoCo(OuterStrategy):
+class DiLoCo(EagerOverlap, OuterStrategy):
     name = "diloco"
 
-    def __init__(self, inner_steps: int = 100, outer: str | OuterOptimizer = "nesterov", outer_lr: float = 0.7,
-                 momentum: float = 0.9, weight: float = 0.5, sync_inner_state: bool = False,
+    def __init__(self, inner_steps: int = 100, outer: str | OuterOptimizer = DEFAULT_OUTER,
+                 outer_lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM, weight: float = 0.5,
+                 sync_inner_state: bool = False,
                  compressor: Compressor | None = None, aggregator: Aggregator | None = None,
                  fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None,
-                 lr_scale: str = "none", landing: str = "mix", outer_schedule: str = "constant"):
+                 lr_scale: str = "none", landing: str = "mix", outer_schedule: str = "constant",
+                 overlap: str = "none"):
         """`inner_steps` H: inner optimizer steps per round. `outer`: the outer optimizer, nesterov | sgd (heavy
         ball, or plain with momentum=0) | primal, or an object with step(params, delta, lo, hi, lr_scale)
-        (islands.outer.OuterSGD, PrimalAveraging); `outer_lr` (LIT-212: 0.7), `momentum` (LIT-212: 0.9) and
+        (islands.outer.OuterSGD, PrimalAveraging); `outer_lr` (default sqrt(2), the best measured; LIT-212: 0.7),
+        `momentum` (default 0; LIT-212: 0.9 with outer=nesterov) and
         `weight` (primal's weight of the new iterate, LIT-276) configure the named ones. `sync_inner_state`:
         also average the inner Adam moments each round (SOTA-219 experiment only). `compressor`: compresses the
         exchanged deltas (error feedback per island, islands.compress); `aggregator`: a robust aggregator across
         islands (islands.robust). `fragments`, `tau`, `merge`, `landing`, `codec`: the streaming form
         (streaming_diloco.py). `lr_scale`: none | sqrt-islands (outer_lr times sqrt(M), M islands in the
-        exchange). `outer_schedule`: constant | inner (the outer lr follows the inner optimizer's lr)."""
+        exchange). `outer_schedule`: constant | inner (the outer lr follows the inner optimizer's lr). `overlap`: none |
+        delayed | eager: each exchange runs during all H inner steps of the next round (per fragment) and lands
+        one round late, as is (delayed) or after an eager stand-in step on the island's own delta (eager.py);
+        it replaces tau (tau, merge and landing apply to overlap=none)."""
         super().__init__()
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}; got {overlap!r}")
+        if overlap != "none" and sync_inner_state:
+            raise ValueError("sync_inner_state needs overlap=none (plain DiLoCo)")
+        self.overlap = overlap
+        if overlap != "none":
+            tau = 0  # the exchange lands a whole round later instead
         if outer_schedule not in ("constant", "inner"):
             raise ValueError(f"outer_schedule must be 'constant' or 'inner', got {outer_schedule!r}")
         if landing not in ("mix", "replay"):
@@ -84,6 +100,7 @@ class DiLoCo(OuterStrategy):
         # outer_schedule=inner: the trainer builds the optimizer at its peak lr and only then schedules
         # it, so the lr seen here is the reference the inner schedule is measured against.
         self.base_lr = float(self.optimizer.param_groups[0]["lr"])
+        self._overlap_setup()
 
     def starting(self, done: int) -> list[int]:
         """Fragments whose exchange starts after `done` steps (the schedule, without the final flush)."""
@@ -91,6 +108,9 @@ class DiLoCo(OuterStrategy):
 
     def after_step(self, model, optimizer, step):
         done = self.tick(step)
+        if self.overlap != "none":
+            self._overlap_after_step(done)
+            return
         for entry in list(self.pending):
             p, lands, pending = entry
             if lands <= done:
@@ -123,11 +143,16 @@ class DiLoCo(OuterStrategy):
 
     def final_sync(self) -> None:
         """Land what is in flight, then sync every fragment, blocking: the global model holds all work."""
+        skip = set()
+        if self.overlap != "none":
+            self._overlap_final()
+            skip = set(self.starting(self.clock))  # a boundary was the last step: no work since, nothing to send
         for p, _, pending in self.pending:
             self._land(p, pending.wait(), adopt=False)
         self.pending = []
         for p in range(self.fragments):
-            self._send(p, blocking=True)
+            if p not in skip:
+                self._send(p, blocking=True)
         self._write_report()
 
     def _write_report(self) -> None:
@@ -189,7 +214,8 @@ class DiLoCo(OuterStrategy):
         inflight = [(p, lands, pending.wait().clone()) for p, lands, pending in self.pending]
         self.pending = [(p, lands, Pending(value=v)) for p, lands, v in inflight]
         return {"outer_opt": self.opt.state_dict(), "inflight": inflight, "sends": list(self.sends),
-                "exchange": self.exchange.state_dict(), "at_send": {p: v.clone() for p, v in self.at_send.items()}}
+                "exchange": self.exchange.state_dict(), "at_send": {p: v.clone() for p, v in self.at_send.items()},
+                **self._overlap_state()}
 
     def load_extra_state(self, state: dict) -> None:
         self.opt.load_state_dict(state["outer_opt"])
@@ -198,3 +224,4 @@ class DiLoCo(OuterStrategy):
         self.sends = list(state.get("sends", [0] * self.fragments))
         self.exchange.load_state_dict(state.get("exchange", {}))
         self.at_send = {int(p): v.to(torch.float32).clone() for p, v in state.get("at_send", {}).items()}
+        self._load_overlap_state(state)

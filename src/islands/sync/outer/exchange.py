@@ -4,12 +4,16 @@ Every byte goes through the `comm` handed to each call (the strategy's `self.com
 Comm), so a different Comm (an elastic one) can be swapped in without touching the strategies. Paths:
   plain mean      one all-reduce (sum) of the fp32 vector, divided by comm.size
   aggregator      all-gather, then the same robust aggregator on every rank (islands.aggregate)
-  compressor      islands.compress.compress_and_average (error-feedback state is per `name`)
+  compressor      islands.compress.compress_and_average (error-feedback state is per `name`); given a
+                  `base` (the last synchronised point, the same bits on every rank), what is compressed
+                  is flat - base, and the result is base + mean(flat - base): the local SGD family
+                  sends its parameters this way, as a pseudo-gradient, since a compressor that keeps the
+                  largest entries of the parameters themselves would keep the wrong ones
   Quant4 codec    all-gather of 4-bit payloads; each rank decodes all and averages in rank order
   variable-length codec (Quant4Zstd)  all-gather of each rank's payload length (int64, ledger kind
                   "<kind>_len"), then of the payloads zero-padded to the longest
-`sent` lists the bytes this rank handed to the Comm in each exchange of the plain and codec paths
-(length gathers included): the per-synchronisation peak is max(sent).
+`sent` lists the bytes this rank handed to the Comm in each exchange of the plain, codec and compressor
+paths (length gathers, NaN flags included): the per-synchronisation peak is max(sent).
 Every path leaves identical bits on every rank. `start` runs the same exchange on a background
 thread so local steps can proceed while it is in flight (LIT-323, LIT-214).
 """
@@ -57,13 +61,19 @@ class Exchange:
         self.compressor = with_error_feedback(compressor) if compressor is not None else None
         self.codec = codec
         self._pool: ThreadPoolExecutor | None = None
-        self.sent: list[int] = []  # bytes this rank sent per exchange (plain and codec paths, comm.size > 1)
+        self.sent: list[int] = []  # bytes this rank sent per exchange (all but the aggregator path, comm.size > 1)
 
-    def mean(self, comm, flat: torch.Tensor, name: str = "params") -> torch.Tensor:
-        """Collective: every rank of comm calls it with a vector of the same size, in the same order."""
+    def mean(self, comm, flat: torch.Tensor, name: str = "params", base: torch.Tensor | None = None) -> torch.Tensor:
+        """Collective: every rank of comm calls it with a vector of the same size, in the same order. `base`: see the
+        module docstring (used by the compressor path only; the other paths average `flat` itself)."""
         flat = flat.detach().to(torch.float32).contiguous()
         if self.compressor is not None:
-            return compress_and_average({name: flat}, comm, self.compressor)[name].to(torch.float32)
+            if base is not None:
+                flat = flat - base
+            sent: list[int] = []
+            mean = compress_and_average({name: flat}, comm, self.compressor, sent=sent)[name].to(torch.float32)
+            self._count(comm, sent[0])
+            return mean if base is None else mean.add_(base)
         if self.codec is not None:
             return self._gathered(comm, flat)
         if self.aggregator is not None:
@@ -111,12 +121,13 @@ class Exchange:
             return fn()
         return self._pool.submit(fn).result()
 
-    def start(self, comm, flat: torch.Tensor, name: str = "params") -> Pending:
+    def start(self, comm, flat: torch.Tensor, name: str = "params", base: torch.Tensor | None = None) -> Pending:
         """Begin mean() on a background thread; exchanges run one at a time, in call order."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="islands-outer")
         flat = flat.detach().to(torch.float32).clone()  # the caller keeps training on its own copy
-        return Pending(self._pool.submit(self.mean, comm, flat, name))
+        base = base.detach().to(torch.float32).clone() if base is not None else None
+        return Pending(self._pool.submit(self.mean, comm, flat, name, base))
 
     def state_dict(self) -> dict:
         out = {}

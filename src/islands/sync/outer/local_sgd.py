@@ -2,11 +2,15 @@
 
 One all-reduce of the fp32 parameters per round (ledger kind "outer_params"). With H = 1 it is
 synchronous parameter averaging: the reference DiLoCo must reproduce with outer SGD lr 1, momentum 0.
+With a compressor, each island sends its change since the last average instead (local - global, a
+pseudo-gradient, error feedback per island), and the new average is global + mean(local - global):
+the same average, of what a compressor can shrink (ledger kinds "compress_*").
 """
 
 from __future__ import annotations
 
 from islands.aggregate.base import Aggregator
+from islands.compress.base import Compressor
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.exchange import Exchange
 
@@ -14,13 +18,14 @@ from islands.sync.outer.exchange import Exchange
 class LocalSGD(OuterStrategy):
     name = "local-sgd"
 
-    def __init__(self, every: int = 8, aggregator: Aggregator | None = None):
-        """`every` H: local steps between parameter averages. `aggregator`: a robust aggregator across islands."""
+    def __init__(self, every: int = 8, aggregator: Aggregator | None = None, compressor: Compressor | None = None):
+        """`every` H: local steps between parameter averages. `aggregator`: a robust aggregator across islands.
+        `compressor`: compresses each island's change since the last average (error feedback per island)."""
         super().__init__()
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = int(every)
-        self.exchange = Exchange("outer_params", aggregator=aggregator)
+        self.exchange = Exchange("outer_params", aggregator=aggregator, compressor=compressor)
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
@@ -35,7 +40,7 @@ class LocalSGD(OuterStrategy):
         self.average()
 
     def average(self) -> None:
-        self.global_flat = self.exchange.mean(self.comm, self.local.read())
+        self.global_flat = self.exchange.mean(self.comm, self.local.read(), base=self.global_flat)
         self.publish()
         self.adopt_global()
         self.rounds += 1

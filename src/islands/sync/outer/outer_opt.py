@@ -8,9 +8,20 @@ so a fragment's momentum lives at the same offsets as its parameters.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 import torch
+
+# DiLoCo's default outer step: plain SGD (no momentum) with lr sqrt(2) on the averaged delta. On 2 islands this
+# is bitwise the `outer=sgd,outer_lr=1,momentum=0,lr_scale=sqrt-islands` step, the best outer step measured
+# (islands bench diloco-vs-ddp: byte LM H=100 +8.7% vs DDP, LIT-212's Nesterov 0.7/0.9 +16.6%); unlike
+# sqrt-islands it stays at 1.41 on 4 islands, where sqrt(4) = 2 over-steps (diloco-gap --quick).
+# Why, with the numbers: docs/outer-strategies.md, "Default outer step". LIT-212's step is one spec away:
+# outer=nesterov,outer_lr=0.7,momentum=0.9.
+DEFAULT_OUTER = "sgd"
+DEFAULT_OUTER_LR = math.sqrt(2)
+DEFAULT_OUTER_MOMENTUM = 0.0
 
 
 @runtime_checkable
@@ -26,7 +37,8 @@ class OuterOptimizer(Protocol):
 
 
 class OuterSGD:
-    """SGD with heavy-ball or Nesterov momentum; DiLoCo's outer step is Nesterov, lr 0.7, momentum 0.9 (LIT-212)."""
+    """SGD with heavy-ball or Nesterov momentum (LIT-212's outer step: Nesterov, lr 0.7, momentum 0.9); DiLoCo's
+    default is plain SGD, lr sqrt(2), no momentum (DEFAULT_OUTER_LR above)."""
 
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False):
         if nesterov and momentum <= 0:

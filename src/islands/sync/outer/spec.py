@@ -57,7 +57,26 @@ _RULES: list[tuple[Callable[[dict, frozenset], bool], str]] = [
     (lambda v, g: v.get("outer") == "primal" and "momentum" in g,
      "outer=primal smooths by its weight, not momentum; drop momentum= or use outer=nesterov"),
     (lambda v, g: "weight" in g and v.get("outer") != "primal", "weight= applies to outer=primal only"),
+    (lambda v, g: v.get("overlap", "none") != "none" and bool(g & {"tau", "merge", "landing"}),
+     "overlap={overlap} lands each exchange a whole round later; tau, merge and landing are overlap=none's partial "
+     "delay, drop them"),
 ]
+
+
+# Strategies that take no compressor= and why (a clearer word than "does not take compressor").
+NO_COMPRESSOR = {
+    "gossip": "gossip mixes whole parameter vectors point to point with each round's peers, and compressing them "
+              "needs every node to keep a public copy of its peers' parameters (CHOCO-style gossip), which islands "
+              "does not implement; use gossip uncompressed, or an averaging strategy with a compressor "
+              "(diloco, streaming-diloco, slowmo, local-sgd, post-local-sgd, overlap-local-sgd, easgd)",
+}
+
+
+def _refuse_compressor(spec: str | Spec) -> None:
+    given = STRATEGIES.as_spec(spec)
+    name = STRATEGIES.lookup(given.name) if isinstance(given.name, str) else None
+    if name in NO_COMPRESSOR and any(k in ("compressor", "compress") for k, _ in given.args):
+        raise SpecError(f"outer strategy {name!r} takes no compressor: {NO_COMPRESSOR[name]}")
 
 
 def _checked(spec: str | Spec | OuterSpec) -> Spec:
@@ -67,6 +86,7 @@ def _checked(spec: str | Spec | OuterSpec) -> Spec:
         return spec.spec
     if isinstance(spec, str) and not spec.strip():
         raise SpecError(f"outer spec must be a non-empty string such as 'diloco:inner_steps=100'\n{valid_specs()}")
+    _refuse_compressor(spec)
     checked = STRATEGIES.check(spec, supplied=SUPPLIED)
     if checked.name == "post-local-sgd" and checked.get("switch") == -1:  # the older "switch=-1: at warm-up's end"
         checked = Spec(checked.name, [(k, v) for k, v in checked.args if k != "switch"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from islands.aggregate.base import Aggregator
 from islands.compress.base import Compressor
 from islands.sync.outer.diloco import DiLoCo
-from islands.sync.outer.outer_opt import OuterOptimizer
+from islands.sync.outer.outer_opt import DEFAULT_OUTER, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OuterOptimizer
 from islands.sync.outer.quant4 import Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
 
@@ -28,16 +28,18 @@ class StreamingDiLoCo(DiLoCo):
     name = "streaming-diloco"
 
     def __init__(self, inner_steps: int = 100, fragments: int = 4, tau: int = 1,
-                 merge: float = 0.5, bits: int = 4, block: int = 1024, outer: str | OuterOptimizer = "nesterov",
-                 outer_lr: float = 0.7, momentum: float = 0.9, weight: float = 0.5,
+                 merge: float = 0.5, bits: int = 4, block: int = 1024, outer: str | OuterOptimizer = DEFAULT_OUTER,
+                 outer_lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM, weight: float = 0.5,
                  compressor: Compressor | None = None, aggregator: Aggregator | None = None, lr_scale: str = "none",
-                 entropy: str = "none", landing: str = "mix", outer_schedule: str = "constant"):
+                 entropy: str = "none", landing: str = "mix", outer_schedule: str = "constant",
+                 overlap: str = "none"):
         """`inner_steps` H: steps between two syncs of the same fragment. `fragments` F: parameter fragments, synced
         in turn every H/F steps. `tau`: inner steps each fragment's exchange overlaps with (0 = blocking).
         `merge`: landing=mix's weight kept of the local fragment when the new global one arrives; `landing`: mix
         (LIT-214) | replay (global + the tau steps since the send). `bits`: 4 (block-scaled, `block` values per
         fp32 scale) or 32 (plain fp32); `entropy`: none | zstd over the 4-bit codes. The outer optimizer,
-        `compressor` (bits=32 only), `aggregator`, `lr_scale` and `outer_schedule` are DiLoCo's."""
+        `compressor` (bits=32 only), `aggregator`, `lr_scale`, `outer_schedule` and `overlap` are DiLoCo's (an
+        overlap other than none replaces tau: each fragment's exchange runs during the next H steps)."""
         if bits not in (4, 32):
             raise ValueError(f"bits must be 4 or 32, got {bits}")
         if entropy not in ("none", "zstd") or (entropy == "zstd" and bits != 4):
@@ -50,4 +52,4 @@ class StreamingDiLoCo(DiLoCo):
         super().__init__(inner_steps=inner_steps, outer=outer, outer_lr=outer_lr, momentum=momentum,
                          weight=weight, compressor=compressor, aggregator=aggregator, fragments=fragments, tau=tau,
                          merge=merge, codec=codec, lr_scale=lr_scale, landing=landing,
-                         outer_schedule=outer_schedule)
+                         outer_schedule=outer_schedule, overlap=overlap)

@@ -1,0 +1,76 @@
+"""DCT-domain top-k: DeMo's idea (a chunked discrete cosine transform, then the largest coefficients).
+
+DeMo (LIT-905, SOTA-903; Peng, Quesnelle, Kingma 2024) transforms chunks of what it sends with a DCT and
+keeps the top-k coefficients of each chunk (its defaults: chunks of 64, 32 coefficients kept), on the
+view that the useful, fast-moving part of an update concentrates in a few frequencies. Ours, on a flat
+tensor: cut it into blocks of `block` values (64; the last one zero-padded), transform each block with the
+orthonormal DCT-II, then select and quantise the coefficient vector exactly as TopKQ does (top `ratio` of
+each chunk of `chunk` coefficients, positions packed, values as `bits`-bit codes with a least-squares
+scale per chunk). Decoding scatters the coefficients and applies the inverse (DCT-III, the transpose).
+
+The transform is one matmul with a cached basis per (block, device): D[k, j] = a_k cos(pi (j + 1/2) k / B),
+a_0 = sqrt(1/B), a_k = sqrt(2/B). D is orthonormal (D D^T = I to fp32 rounding), so a coefficient error has
+the same norm as the error it makes in the tensor: TopKQ's contraction carries over (the padded tail
+only drops error), and error feedback applies unchanged.
+
+Bytes per tensor of n values: TopKQ's formula on ceil(n / block) * block coefficients. Ranks' payloads
+are all-gathered and summed in the coefficient domain (exactly TopKQ's sparse sum), then transformed back
+once: the mean equals the mean of the decoded payloads to fp32 rounding (the inverse is linear).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from islands.compress.topkq import SPARSELOCO_CHUNK, TopKQ
+
+# DeMo's chunk length (its `compression_chunk` default)
+DEMO_BLOCK = 64
+
+_BASES: dict[tuple[int, str], Tensor] = {}
+
+
+def dct_basis(block: int, device: torch.device | str = "cpu") -> Tensor:
+    """The orthonormal DCT-II matrix (block x block, fp32): y = D x transforms, x = D^T y inverts (DCT-III)."""
+    key = (int(block), str(device))
+    basis = _BASES.get(key)
+    if basis is None:
+        j = torch.arange(block, dtype=torch.float64)
+        k = j.view(-1, 1)
+        basis = torch.cos(math.pi * (j + 0.5) * k / block) * math.sqrt(2.0 / block)
+        basis[0] = math.sqrt(1.0 / block)
+        basis = basis.to(device=device, dtype=torch.float32)
+        _BASES[key] = basis
+    return basis
+
+
+class DCTTopK(TopKQ):
+    name = "dct-topk"
+
+    def __init__(self, ratio: float = 0.01, bits: Literal[2, 4, 8, 32] = 2, block: int = DEMO_BLOCK,
+                 chunk: int = SPARSELOCO_CHUNK, decay: float = 1.0, ef: bool = True):
+        """DeMo's transform, then TopKQ on the DCT coefficients. `ratio`: fraction of each chunk of coefficients sent.
+        `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32 for fp32 values. `block`: DCT length
+        (DeMo: 64). `chunk`: coefficients per top-k chunk (4096: a position packs into 12 bits). `decay`: the
+        error-feedback residual's weight each round (1 = plain error feedback). `ef`: error feedback around it."""
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"{self.name} block (DCT length) must be an int >= 1, got {block!r}")
+        super().__init__(ratio=ratio, bits=bits, chunk=chunk, decay=decay, ef=ef)
+        self.block = int(block)
+
+    def coeff_count(self, numel: int) -> int:
+        return -(-numel // self.block) * self.block
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.numel()
+        padded = self.coeff_count(n)
+        if padded != n:
+            x = torch.cat([x, x.new_zeros(padded - n)])
+        return (x.view(-1, self.block) @ dct_basis(self.block, x.device).T).reshape(-1)
+
+    def inverse(self, y: Tensor, numel: int) -> Tensor:
+        return (y.view(-1, self.block) @ dct_basis(self.block, y.device)).reshape(-1)[:numel]

@@ -1,0 +1,230 @@
+"""DiLoCo's overlap=delayed|eager (islands.sync.outer.eager): the exchange of a round overlaps the next round.
+
+Checked: the delayed step with zero delay is plain DiLoCo bit for bit (F=1 and F=2, default and Nesterov outer steps);
+overlap=none is untouched (test_outer_dist's scenarios); both ranks end with the same global model; finish lands
+everything; the exchange is not waited on before the next boundary; bytes once per round; a resume cut with an
+exchange in flight continues bitwise; the update formulas alone (one island); bad specs exit 2 naming the choices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from outer_mp import run_world
+from test_outer_dist import Run
+
+PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
+# name -> (spec, steps, delay override or None)
+SCENARIOS = {
+    "plain": ("diloco:inner_steps=3", 7, None),
+    "delayed-d0": ("diloco:inner_steps=3,overlap=delayed", 7, 0),
+    "plain-paper": (f"diloco:inner_steps=3,{PAPER}", 7, None),
+    "eager-d0-paper": (f"diloco:inner_steps=3,overlap=eager,{PAPER}", 7, 0),
+    "plain-f2": ("streaming-diloco:inner_steps=4,fragments=2,tau=0,bits=32", 9, None),
+    "delayed-f2-d0": ("streaming-diloco:inner_steps=4,fragments=2,bits=32,overlap=delayed", 9, 0),
+    "delayed": ("diloco:inner_steps=3,overlap=delayed", 7, None),
+    "eager": ("diloco:inner_steps=3,overlap=eager", 7, None),
+    "eager-boundary-end": ("diloco:inner_steps=3,overlap=eager", 6, None),
+    "eager-f2-4bit": ("streaming-diloco:inner_steps=4,fragments=2,bits=4,block=16,overlap=eager", 9, None),
+    "eager-topkq": ("diloco:inner_steps=3,overlap=eager,compressor=(topkq:ratio=0.1,bits=4)", 7, None),
+}
+RESUMES = {  # cut after step 4: the exchange of the round ending at step 3 is in flight
+    "delayed": (f"diloco:inner_steps=3,overlap=delayed,{PAPER}", 4, 8),
+    "eager": (f"diloco:inner_steps=3,overlap=eager,{PAPER}", 4, 8),
+    "eager-f2": ("streaming-diloco:inner_steps=4,fragments=2,bits=32,overlap=eager", 5, 9),
+    "eager-topkq": ("diloco:inner_steps=3,overlap=eager,compressor=(topkq:ratio=0.1,bits=4)", 4, 8),
+}
+
+
+def _run(world, spec: str, delay) -> Run:
+    run = Run(world, spec)
+    if delay is not None:
+        run.strategy.delay = delay
+    return run
+
+
+def _scenario(world, spec: str, steps: int, delay) -> dict:
+    before = world.ledger.snapshot()
+    run = _run(world, spec, delay)
+    s = run.strategy
+    unwaited = []  # per step: no exchange in flight has been waited on (only boundaries wait, one round later)
+    for i in range(steps):
+        run.step(i)
+        unwaited.append(all(p._value is None for _, _, p in s.pending))
+    in_flight = [(p, lands) for p, lands, _ in s.pending]
+    run.finish()
+    after = world.ledger.snapshot()
+    sent = {k: after["sent"].get(k, 0) - before["sent"].get(k, 0) for k in after["sent"]}
+    return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
+            "rounds": s.rounds, "sends": list(s.sends), "numel": s.global_flat.numel(), "unwaited": unwaited,
+            "in_flight": in_flight, "pending_after": len(s.pending), "exchanges": len(s.exchange.sent)}
+
+
+def _resume(world, spec: str, cut: int, steps: int) -> dict:
+    a = Run(world, spec)
+    for i in range(cut):
+        a.step(i)
+    in_flight = len(a.strategy.pending)
+    snap = a.snapshot()
+    for i in range(cut, steps):
+        a.step(i)
+    a.finish()
+    b = Run(world, spec)
+    b.restore(snap)
+    for i in range(cut, steps):
+        b.step(i)
+    b.finish()
+    return {"a": a.global_np(), "b": b.global_np(), "a_local": a.local_np(), "b_local": b.local_np(),
+            "in_flight": in_flight}
+
+
+def _all(world) -> dict:
+    torch.manual_seed(world.rank)
+    out = {name: _scenario(world, *args) for name, args in SCENARIOS.items()}
+    out["resume"] = {name: _resume(world, *args) for name, args in RESUMES.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_world(_all, size=2, islands=2)
+
+
+@pytest.mark.parametrize("plain, delayed", [("plain", "delayed-d0"), ("plain-paper", "eager-d0-paper"),
+                                            ("plain-f2", "delayed-f2-d0")])
+def test_delayed_step_with_zero_delay_is_plain_diloco_bitwise(ranks, plain, delayed):
+    for r in ranks:
+        assert r[plain]["global"].tobytes() == r[delayed]["global"].tobytes()
+        assert r[plain]["local"].tobytes() == r[delayed]["local"].tobytes()
+        assert r[plain]["sent"] == r[delayed]["sent"]
+
+
+@pytest.mark.parametrize("name", ["delayed", "eager", "eager-boundary-end", "eager-f2-4bit", "eager-topkq"])
+def test_ranks_end_with_the_same_global_model_holding_all_work(ranks, name):
+    a, b = ranks[0][name], ranks[1][name]
+    assert a["global"].tobytes() == b["global"].tobytes()
+    for r in ranks:  # finish landed everything and every island adopted the global model
+        assert r[name]["pending_after"] == 0
+        assert r[name]["local"].tobytes() == r[name]["global"].tobytes()
+        assert np.isfinite(r[name]["global"]).all()
+    assert np.abs(a["global"] - ranks[0]["plain"]["global"]).max() > 0  # it did train differently from plain
+
+
+def test_overlapped_exchange_is_not_waited_on_before_the_next_boundary(ranks):
+    for r in ranks:
+        for name in ("delayed", "eager", "eager-f2-4bit"):
+            assert all(r[name]["unwaited"]), name
+        # after 7 steps with H=3: the round that ended at step 6 is still in flight, landing at step 9
+        assert r["delayed"]["in_flight"] == [(0, 9)]
+        assert r["eager-f2-4bit"]["in_flight"] == [(0, 10), (1, 12)]
+
+
+def test_bytes_once_per_round(ranks):
+    for r in ranks:
+        n4 = 4 * r["plain"]["numel"]
+        # boundaries at 3 and 6, then the final sync of the work of step 7: three exchanges, as plain DiLoCo
+        for name in ("delayed", "eager"):
+            assert r[name]["sends"] == [3] and r[name]["sent"] == {"outer_delta": 3 * n4}, name
+            assert r[name]["rounds"] == 3
+        # the run ended on a boundary: its exchange lands in finish, and no empty exchange follows
+        assert r["eager-boundary-end"]["sent"] == {"outer_delta": 2 * n4}
+        assert r["eager-topkq"]["exchanges"] == 3 and 0 < sum(r["eager-topkq"]["sent"].values()) < 3 * n4
+
+
+@pytest.mark.parametrize("name", sorted(RESUMES))
+def test_resume_with_an_exchange_in_flight_is_bitwise(ranks, name):
+    for r in ranks:
+        res = r["resume"][name]
+        assert res["in_flight"] >= 1
+        assert res["a"].tobytes() == res["b"].tobytes()
+        assert res["a_local"].tobytes() == res["b_local"].tobytes()
+
+
+# ---- one island (LoneComm): the update formulas -----------------------------------------------------------------
+
+def _lone(spec: str, steps: int):
+    from islands.models import MLP
+    from islands.runtime.world import World
+    from islands.sync.outer import make_outer
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = make_outer(spec)
+    s.wrap(model, opt, World.single())
+    trace = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        trace.append((s.global_flat.clone(), s.local.read()))  # before after_step
+        s.after_step(model, opt, i)
+        trace.append((s.global_flat.clone(), s.local.read()))  # after
+    return s, trace
+
+
+def test_update_formulas_on_one_island():
+    lr = math.sqrt(2)  # the default outer step: plain SGD, lr sqrt(2)
+    _, d = _lone("diloco:inner_steps=2,overlap=delayed", 4)
+    _, e = _lone("diloco:inner_steps=2,overlap=eager", 4)
+    g0, x2 = d[2][0], d[2][1]  # global before the first boundary (after step 2), local there
+    # first boundary: nothing landed; delayed keeps the island's own work, eager steps it with its own delta
+    assert torch.equal(d[3][0], g0) and torch.allclose(d[3][1], x2, atol=1e-6)
+    start_e = e[3][1]
+    assert torch.allclose(start_e, g0 - lr * (g0 - e[2][1]), atol=1e-6)
+    # second boundary: the first round's mean (M=1: own delta) lands on the global model
+    assert torch.allclose(d[7][0], g0 - lr * (g0 - x2), atol=1e-6)
+    assert torch.allclose(e[7][0], g0 - lr * (g0 - e[2][1]), atol=1e-6)
+    fresh_d, fresh_e = d[3][1] - d[6][1], start_e - e[6][1]  # the second round's own work
+    assert torch.allclose(d[7][1], d[7][0] - fresh_d, atol=1e-6)
+    assert torch.allclose(e[7][1], e[7][0] - lr * fresh_e, atol=1e-6)
+
+
+def test_eager_trial_step_leaves_the_outer_state_alone():
+    s, _ = _lone(f"diloco:inner_steps=2,overlap=eager,{PAPER}", 5)
+    before = s.opt.state_dict()["momentum_buffer"].clone()
+    assert before.abs().max() > 0  # a momentum buffer that a full trial step would carry forward
+    d = torch.full((s.global_flat.numel(),), 1e-3)
+    stand_in = s._trial(0, d)
+    assert torch.equal(s.opt.state_dict()["momentum_buffer"], before)
+    # the stand-in is the step d's share: -lr (1 + momentum) d for Nesterov, the carried momentum cancelling
+    assert torch.allclose(stand_in, s.global_flat - 0.7 * 1.9 * d, atol=1e-6)
+
+
+def test_overlap_none_is_the_default_and_a_plain_round_waits():
+    s, _ = _lone("diloco:inner_steps=2", 4)
+    assert s.overlap == "none" and not s.pending and s.synced_at == 4
+
+
+# ---- specs -------------------------------------------------------------------------------------------------------
+
+def test_spec_strings_resolve():
+    from islands.sync.outer.spec import parse_outer
+
+    assert parse_outer("diloco:inner_steps=50,overlap=eager")["overlap"] == "eager"
+    assert parse_outer("diloco:inner_steps=50")["overlap"] == "none"
+    s = parse_outer("streaming-diloco:inner_steps=8,fragments=2,bits=32,overlap=delayed,compressor=(topkq)")
+    assert s["overlap"] == "delayed"
+
+
+@pytest.mark.parametrize("outer, words", [
+    ("diloco:inner_steps=5,overlap=sometimes", ["overlap must be one of none, delayed, eager", "'sometimes'"]),
+    ("streaming-diloco:inner_steps=8,fragments=2,tau=2,overlap=eager", ["whole round later", "tau"]),
+    ("diloco:inner_steps=5,overlap=delayed,sync_inner_state=1", ["sync_inner_state needs overlap=none"]),
+])
+def test_bad_overlap_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
+    from islands.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--workers", "2", "--islands", "2", "--outer", outer, "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    for w in words:
+        assert w in err, (w, err)
+    assert not (tmp_path / "r").exists()
