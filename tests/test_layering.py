@@ -25,7 +25,7 @@ LAYERS = {
     "report": 1,  # the static results site (reads results/ and the practice registry)
     "observe": 1,  # loggers and the Logging callback (duck-typed on the trainer; below the app that wires them)
     "loop": 2, "tasks": 3, "config": 4, "app": 5,
-    "cli": 6, "cli_more": 6, "cli_run": 6, "__main__": 6, "__init__": 6,
+    "cli": 6, "cli_more": 6, "cli_run": 6, "cli_export": 6, "__main__": 6, "__init__": 6,
 }
 # Modules heavy or optional enough to import where they are used, not at the top of a module
 # (islands.checkpoint.kernels: the codec's numba loops, ~0.5 s to compile-import, for processes that save).

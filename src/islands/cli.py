@@ -19,6 +19,7 @@ from islands.app.launch import launch
 from islands.app.validate import validate
 from islands.app.worker import run_worker
 from islands.cli_more import UsageError, add_more_commands
+from islands.cli_export import add_export_command
 from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, from_mapping, keys, load_toml
 from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
@@ -29,9 +30,15 @@ from islands.spec import format as format_spec
 from islands.tasks.user import TaskError
 
 _HELP = {
-    "task.name": "lm (byte-level language model on Python's stdlib source), digits (sklearn digits), or "
-                 "module:function returning an islands.Task (your own model and data)",
+    "task.name": "lm (byte-level language model on Python's stdlib source), digits (sklearn digits), hf-causal-lm "
+                 "(a transformers causal LM; docs/hf-models.md), or module:function returning an islands.Task "
+                 "(your own model and data)",
     "task.data": "text file or directory for task lm (default: Python standard library source)",
+    "task.model": "hf-causal-lm: gpt2, llama, qwen2 (any causal-LM model_type) or a local model directory",
+    "task.model_overrides": "hf-causal-lm: the model config's keys, e.g. 'n_layer=2,n_embd=64'",
+    "task.tokenizer": "hf-causal-lm: auto, bpe (trained on the corpus), byte, or a tokenizer.json path",
+    "task.vocab_size": "hf-causal-lm: the BPE's size and the fresh model's embedding rows",
+    "task.text_column": "hf-causal-lm on JSON lines / Parquet data: the column holding the text",
     "world.workers": "total worker processes", "world.islands": "islands the workers are split into (workers/islands each)",
     "world.device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
     "inner.strategy": "inner strategy inside an island: auto, single, ddp, zero1, fsdp, pipeline",
@@ -144,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_command(sub)
     add_dashboard_command(sub, ExitError)
     add_report_command(sub)
+    add_export_command(sub)
     # Other distributions add subcommands (islands-bench adds `bench`); islands never imports them.
     for entry in entry_points(group="islands.commands"):
         entry.load()(sub)

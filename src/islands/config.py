@@ -1,6 +1,6 @@
 """The job config: nested sections, loaded from TOML tables and flags, read only by islands.app.
 
-    [task]        what to learn: lm | digits | module:function, and the built-in models' shapes
+    [task]        what to learn: lm | digits | hf-causal-lm | module:function, and the built-in models' shapes
     [train]       steps, batch, optimizer and its schedule, evaluation cadence
     [world]       processes, islands, device, timeouts, where the workers run
     [inner]       the strategy inside an island and its exchange (compressor, aggregator, attack, sharding)
@@ -46,6 +46,11 @@ class TaskConfig:
     n_heads: int = 4
     context: int = 128  # lm: bytes per sequence
     hidden: int = 128  # digits: MLP width
+    model: str = "gpt2"  # hf-causal-lm: a family (gpt2 | llama | qwen2 | any causal-LM model_type) or a local directory
+    model_overrides: str = ""  # hf-causal-lm: config keys, e.g. "n_layer=2,n_embd=64" (docs/hf-models.md)
+    tokenizer: str = "auto"  # hf-causal-lm: auto | bpe | byte | path to a tokenizer.json
+    vocab_size: int = 512  # hf-causal-lm: tokens of the BPE trained on the corpus (and the model's embedding rows)
+    text_column: str = "text"  # hf-causal-lm with JSON lines / Parquet data (read through `datasets`): the text's column
     options: dict = field(default_factory=dict)  # free keys for a user's make_task (TOML [task.options])
 
 
@@ -182,8 +187,12 @@ class JobConfig:
 
     def fingerprint_fields(self) -> dict:
         """The fields that define the model's shape: a checkpoint must match these to load."""
-        return {"task": self.task.name, "d_model": self.task.d_model, "n_layers": self.task.n_layers,
-                "n_heads": self.task.n_heads, "context": self.task.context, "hidden": self.task.hidden}
+        out = {"task": self.task.name, "d_model": self.task.d_model, "n_layers": self.task.n_layers,
+               "n_heads": self.task.n_heads, "context": self.task.context, "hidden": self.task.hidden}
+        if self.task.name == "hf-causal-lm":  # only then: older runs' fingerprints stay as they were
+            out.update(model=self.task.model, model_overrides=self.task.model_overrides,
+                       tokenizer=self.task.tokenizer, vocab_size=self.task.vocab_size)
+        return out
 
 
 # Today's flat keys, each an alias of its section key (the CLI flags --ckpt-every etc. follow them).

@@ -44,7 +44,7 @@ from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.single import Single
 from islands.sync.stack import Stack
 from islands.sync.zero1 import ZeRO1
-from islands.tasks import build_user_task, digits_task, is_user_task, lm_task
+from islands.tasks import build_user_task, digits_task, hf_causal_lm, is_user_task, lm_task
 
 BETAS = (0.9, 0.95)  # AdamW's betas for the built-in tasks (nanoGPT's choice for small transformers)
 
@@ -63,8 +63,9 @@ def checkpoint_settings(cfg: JobConfig) -> CheckpointSettings:
 
 
 # ---- the task ---------------------------------------------------------------------------------------
-def build_task(cfg: JobConfig) -> Task:
-    """The built-in lm or digits task, or the user's make_task(cfg) (a TaskError says what is wrong)."""
+def build_task(cfg: JobConfig, run_dir: Path | None = None) -> Task:
+    """The built-in lm, digits or hf-causal-lm task, or the user's make_task(cfg) (a TaskError says what is wrong).
+    hf-causal-lm saves its tokenizer and model config in `run_dir` (islands.tasks.hf_lm)."""
     t, batch = cfg.task, cfg.batch_per_worker
     if cfg.inner_strategy == "pipeline":  # every stage reads the island's batch: all its workers' share at once
         batch *= cfg.workers_per_island
@@ -73,6 +74,10 @@ def build_task(cfg: JobConfig) -> Task:
                        cfg.train.seed)
     if t.name == "digits":
         return digits_task(t.hidden, batch, cfg.train.seed)
+    if t.name == "hf-causal-lm":
+        return hf_causal_lm(t.model, t.model_overrides, t.tokenizer, t.vocab_size, t.data, t.context, batch,
+                            cfg.train.eval_batches, cfg.train.seed, t.d_model, t.n_layers, t.n_heads, run_dir,
+                            cfg.checkpoint.resume, t.text_column)
     torch.manual_seed(cfg.train.seed)  # a user model built in make_task starts the same on every rank
     task = build_user_task(t.name, cfg)
     if task.batch_size is None:
@@ -185,7 +190,7 @@ def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, cal
     torch.set_num_threads(cfg.world.threads)
     if cfg.inner_strategy == "pipeline" and world.data_shard is None:  # all stages of an island read one stream
         world.data_shard = (world.island, world.islands) if world.distributed else (0, 1)
-    task = build_task(cfg)
+    task = build_task(cfg, run_dir)
     model = task.model.to(world.device)
     optimizer = build_optimizer_for(cfg, model, world)
     step_fn = build_step_fn(cfg, task, optimizer, world)

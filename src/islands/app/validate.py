@@ -38,6 +38,7 @@ from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.spec import format as format_spec
 from islands.tasks import is_user_task
+from islands.tasks import hf_lm as hf
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
 DEVICES = ("auto", "cpu", "cuda")
@@ -62,8 +63,9 @@ def _communicates(cfg) -> bool:
 
 # ---- the rules ---------------------------------------------------------------------------------------
 def choices(cfg: JobConfig) -> str | None:
-    if cfg.task.name not in ("lm", "digits") and not is_user_task(cfg.task.name):
-        return f"task.name must be lm, digits or module:function (a user's make_task); got {cfg.task.name!r}"
+    if cfg.task.name not in ("lm", "digits", hf.NAME) and not is_user_task(cfg.task.name):
+        return (f"task.name must be lm, digits, {hf.NAME} or module:function (a user's make_task); "
+                f"got {cfg.task.name!r}")
     if cfg.inner.strategy not in INNER:
         return f"inner.strategy must be one of {', '.join(INNER)}; got {cfg.inner.strategy!r}"
     if cfg.world.device not in DEVICES:
@@ -117,7 +119,8 @@ def shapes(cfg: JobConfig) -> str | None:
 def data(cfg: JobConfig) -> str | None:
     if cfg.task.name == "digits" and cfg.task.data:
         return "task.data applies to task lm only; digits ships with scikit-learn"
-    if cfg.task.data and not Path(cfg.task.data).exists():
+    if cfg.task.data and not Path(cfg.task.data).exists() and not (cfg.task.name == hf.NAME and any(
+            c in cfg.task.data for c in "*?[")):  # hf-causal-lm reads glob patterns (its rule checks them)
         return f"task.data path {cfg.task.data!r} does not exist; give a text file or a directory"
     return None
 
@@ -250,6 +253,9 @@ def pipeline(cfg: JobConfig) -> str | None:
         return None
     if is_user_task(cfg.task.name):
         return "inner.strategy=pipeline cuts the built-in models into pieces; it does not take a user's task yet"
+    if cfg.task.name == hf.NAME:
+        return (f"inner.strategy=pipeline cuts islands' own models into pieces; it does not split a transformers "
+                f"model ({hf.NAME}) yet: use ddp, zero1 or fsdp (docs/hf-models.md)")
     k = inner.stages or cfg.workers_per_island
     if k != cfg.workers_per_island:
         return (f"inner.stages={k} needs one worker per stage: set workers={k * cfg.world.islands} "
@@ -351,12 +357,25 @@ def user_task(cfg: JobConfig) -> str | None:
     return None
 
 
+def hf_task(cfg: JobConfig) -> str | None:
+    """hf-causal-lm: the model, its overrides, the tokenizer and the corpus resolve (islands.tasks.hf_lm.check:
+    no BPE trained, no weights read), before any worker starts or any run directory is written."""
+    t = cfg.task
+    if t.name != hf.NAME:
+        given = [k for k in ("model", "model_overrides", "tokenizer", "vocab_size", "text_column")
+                 if getattr(t, k) != getattr(type(t)(), k)]
+        verb = "applies" if len(given) == 1 else "apply"
+        return f"task.{', task.'.join(given)} {verb} to task {hf.NAME} only" if given else None
+    return hf.check(t.model, t.model_overrides, t.tokenizer, t.vocab_size, t.data, t.context, t.d_model, t.n_layers,
+                    t.n_heads, cfg.checkpoint.resume, t.text_column)
+
+
 RULES: list[tuple[str, Callable[[JobConfig], str | None]]] = [
     ("choices", choices), ("positive", positive), ("device has GPUs", device_has_gpus), ("shapes", shapes),
     ("data", data), ("testbed", testbed), ("specs", specs), ("optimizer and exchange", optimizer_exchange),
     ("islands need an outer strategy", islands_need_outer), ("sharding", sharding), ("memory", memory),
     ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic), ("loggers", loggers),
-    ("user task", user_task),
+    ("user task", user_task), ("hf-causal-lm task", hf_task),
 ]
 
 

@@ -1,6 +1,9 @@
-"""Tasks: the built-in `lm` and `digits`, and a user's `module:function` (islands.tasks.user)."""
+"""Tasks: the built-in `lm` and `digits`, `hf-causal-lm` (a transformers causal LM; islands.tasks.hf_lm), and a
+user's `module:function` (islands.tasks.user)."""
 
 from islands.tasks.builtin import Sharded, digits_task, lm_task
+from islands.tasks.hf_lm import HFTask, hf_causal_lm
 from islands.tasks.user import TaskError, build_user_task, is_user_task, load_factory
 
-__all__ = ["Sharded", "TaskError", "build_user_task", "digits_task", "is_user_task", "lm_task", "load_factory"]
+__all__ = ["HFTask", "Sharded", "TaskError", "build_user_task", "digits_task", "hf_causal_lm", "is_user_task",
+           "lm_task", "load_factory"]
