@@ -62,7 +62,7 @@ def train(cwd, task: str) -> subprocess.CompletedProcess:
     ("usertasks:frozen", "has no trainable parameters"),
     ("usertasks:per_sample_loss", "loss_fn must return a scalar tensor"),
     ("usertasks:wrong_width", "could not take the batch tuple(Tensor[4, 6] float32, Tensor[4] int64)"),
-    ("usertasks", "must be lm, digits or module:function"),  # no function named
+    ("usertasks", "must be lm, digits, hf-causal-lm or module:function"),  # no function named
 ])
 def test_a_bad_user_task_is_refused_before_any_worker_starts(tasks, task, message, monkeypatch):
     """The CLI's own check (islands.app.validate), in this process: every mistake is a ConfigError with its message."""
