@@ -14,7 +14,7 @@ import socket
 import time
 
 import torch
-import torch.multiprocessing as mp
+from conftest import mp_context
 
 
 def tiny_model():
@@ -55,7 +55,7 @@ def _child(rank, size, islands, env, fn, out):
 
 
 def run_world(fn, size: int, islands: int, timeout: float = 150.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     out = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
     procs = [ctx.Process(target=_child, args=(r, size, islands, env, fn, out)) for r in range(size)]

@@ -13,13 +13,13 @@ import queue as queue_mod
 import time
 
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, mp_context
 
 
 def spawn_ranks(worker, n: int, *args, timeout: float = 150.0) -> list[tuple]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
            "OMP_NUM_THREADS": "1"}
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, env, queue, *args)) for r in range(n)]
     for p in procs:

@@ -11,6 +11,7 @@ import socket
 import traceback
 
 import pytest
+from conftest import mp_context
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -88,7 +89,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("robust")
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
     for p in procs:

@@ -8,6 +8,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from conftest import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -85,7 +86,7 @@ def _driver_worker(rank: int, size: int, port: int, out: str) -> None:
 
 
 def test_driver_replicates_memory_level_to_the_next_rank_and_restores_a_lost_rank(tmp_path):
-    mp.start_processes(_driver_worker, args=(2, _port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_driver_worker, args=(2, _port(), str(tmp_path)), nprocs=2, join=True, start_method=forkserver())
     for rank in range(2):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert not text.startswith("error"), text
@@ -120,6 +121,6 @@ def _ring_worker(rank: int, size: int, port: int, out: str) -> None:
 
 @pytest.mark.slow  # three spawned ranks: ~20 s on 2 shared cores
 def test_ring_of_three_holds_the_predecessor_and_counts_every_byte(tmp_path):
-    mp.start_processes(_ring_worker, args=(3, _port(), str(tmp_path)), nprocs=3, join=True, start_method="spawn")
+    mp.start_processes(_ring_worker, args=(3, _port(), str(tmp_path)), nprocs=3, join=True, start_method=forkserver())
     for rank in range(3):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "ok", (tmp_path / f"rank{rank}.txt").read_text()

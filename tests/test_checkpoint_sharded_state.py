@@ -7,6 +7,7 @@ goes through the counted Comm."""
 import socket
 
 import pytest
+from conftest import mp_context
 import torch
 import torch.multiprocessing as mp
 
@@ -88,7 +89,7 @@ def _spawn(size: int, mesh_shape: tuple = ()) -> tuple[list, list]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_worker, args=(r, size, port, errors, mesh_shape)) for r in range(size)]
     for p in procs:

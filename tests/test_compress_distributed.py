@@ -6,6 +6,7 @@ import socket
 import traceback
 
 import pytest
+from conftest import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -145,7 +146,7 @@ def _ddp_worker(rank, port, out_dir):
 
 
 def _run(worker, tmp_path, timeout=90):
-    ctx = mp.start_processes(worker, args=(_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(worker, args=(_port(), str(tmp_path)), nprocs=2, join=False, start_method=forkserver())
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     try:
         while not ctx.join(timeout=1):

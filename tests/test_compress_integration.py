@@ -8,6 +8,7 @@ import time
 import traceback
 
 import pytest
+from conftest import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,7 +38,7 @@ def _run(fn, tmp_path, timeout=90, attempts=3):
         for f in tmp_path.glob("err*.txt"):
             f.unlink()
         ctx = mp.start_processes(_worker, args=(fn.__name__, _port(), str(tmp_path)), nprocs=2, join=False,
-                                 start_method="spawn")
+                                 start_method=forkserver())
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1):
