@@ -83,3 +83,18 @@ def run_world(fn, size: int, islands: int, timeout: float = 150.0) -> list:
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(size)]
+
+
+def assert_train_refuses(outer: str, words: list[str], tmp_path, capsys) -> None:
+    """`islands train --outer OUTER` exits 2 before any worker starts, its message holding every one of `words`."""
+    import pytest
+
+    from islands.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--workers", "2", "--islands", "2", "--outer", outer, "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    for w in words:
+        assert w in err, (w, err)
+    assert not (tmp_path / "r").exists()

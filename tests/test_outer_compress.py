@@ -20,7 +20,8 @@ import torch
 from islands.compress import COMPRESSORS, DCTTopK, ErrorFeedback, SharedRandomK, TopKQ, parse_compressor
 from islands.compress.dct import dct_basis
 from islands.compress.error_feedback import with_error_feedback
-from outer_mp import batch, run_world, tiny_model
+from outer_mp import assert_train_refuses, batch, run_world, tiny_model
+from test_outer_dist import Run
 
 EF_SPECS = ["topkq:ratio=0.05,bits=2,chunk=64", "topkq:ratio=0.05,bits=4,chunk=64", "topkq:ratio=0.05,bits=8,chunk=64",
             "topkq:ratio=0.05,bits=32,chunk=64", "topkq:ratio=0.02,bits=2,chunk=64,decay=0.9",
@@ -184,15 +185,7 @@ def test_bad_compressor_specs_name_the_valid_choices(spec, words):
     ("gossip:every=2,compressor=(topkq)", ["takes no compressor", "CHOCO", "local-sgd"]),
 ])
 def test_bad_outer_compressor_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
-    from islands.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["train", "--workers", "2", "--islands", "2", "--outer", outer, "--run-dir", str(tmp_path / "r")])
-    err = capsys.readouterr().err
-    assert e.value.code == 2
-    for w in words:
-        assert w in err, (w, err)
-    assert not (tmp_path / "r").exists()
+    assert_train_refuses(outer, words, tmp_path, capsys)
 
 
 def test_every_averaging_strategy_takes_a_compressor():
@@ -206,37 +199,6 @@ def test_every_averaging_strategy_takes_a_compressor():
 
 
 # ---- two gloo ranks ---------------------------------------------------------------------------------------------
-class Run:
-    """A tiny model, AdamW and one outer strategy, stepped in the trainer's hook order."""
-
-    def __init__(self, world, spec: str):
-        from islands.sync.outer import make_outer
-
-        self.world = world
-        self.model = tiny_model()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.strategy = make_outer(spec, warmup=2)
-        self.strategy.wrap(self.model, self.opt, world)
-
-    def step(self, i: int) -> None:
-        from islands.models import sequence_loss
-
-        b = batch(self.world.rank, i)
-        sequence_loss(self.model(b[:, :-1]), b[:, 1:]).backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.strategy.after_step(self.model, self.opt, i)
-
-    def snapshot(self) -> dict:
-        return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                              "strategy": self.strategy.state_dict()})
-
-    def restore(self, snap: dict) -> None:
-        self.model.load_state_dict(snap["model"])
-        self.opt.load_state_dict(snap["opt"])
-        self.strategy.load_state_dict(snap["strategy"])
-
-
 COMPRESS_KINDS = ("compress_finite", "compress_gather", "compress_sum", "compress_agree")
 TOPKQ = "compressor=(topkq:ratio=0.02,bits=2,chunk=256)"
 # name -> (spec, steps, exchanges: [(count, vector length or None for the whole model)])

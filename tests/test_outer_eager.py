@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import run_world
+from outer_mp import assert_train_refuses, run_world
 from test_outer_dist import Run
 
 PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
@@ -219,12 +219,4 @@ def test_spec_strings_resolve():
     ("diloco:inner_steps=5,overlap=delayed,sync_inner_state=1", ["sync_inner_state needs overlap=none"]),
 ])
 def test_bad_overlap_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
-    from islands.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["train", "--workers", "2", "--islands", "2", "--outer", outer, "--run-dir", str(tmp_path / "r")])
-    err = capsys.readouterr().err
-    assert e.value.code == 2
-    for w in words:
-        assert w in err, (w, err)
-    assert not (tmp_path / "r").exists()
+    assert_train_refuses(outer, words, tmp_path, capsys)
