@@ -38,9 +38,10 @@ RAW = "r"  # a plane stored as it is, outside zstd (v6: its XXH64 follows in the
 LATEST = 7
 
 
-def _put_varint(out: bytearray, value: int) -> None:
+def put_varint(out: bytearray, value: int, what: str = "header field") -> None:
+    """LEB128: 7 bits a byte, low first (the blob header and the container index both use it)."""
     if value < 0:
-        raise ValueError(f"a header field must be >= 0, got {value}")
+        raise ValueError(f"a {what} must be >= 0, got {value}")
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
@@ -58,26 +59,26 @@ def pack(header: dict, version: int = LATEST) -> bytes:
         out.append(DTYPES.index(name))
     else:
         out.append(_NAMED)
-        _put_varint(out, len(name))
+        put_varint(out, len(name))
         out += name.encode("ascii")
     out.append(LAYOUTS.index(header["layout"]))
     out.append(("content_hash" in header) | (("delta" in header) << 1))
-    _put_varint(out, len(header["shape"]))
+    put_varint(out, len(header["shape"]))
     for d in header["shape"]:
-        _put_varint(out, d)
+        put_varint(out, d)
     if "content_hash" in header:
         out += bytes.fromhex(header["content_hash"])
     if "delta" in header:
         out += bytes.fromhex(header["delta"]["base_hash"])
-    _put_varint(out, len(header["chunks"]))
+    put_varint(out, len(header["chunks"]))
     for chunk in header["chunks"]:
-        _put_varint(out, chunk["bytes"])
-        _put_varint(out, chunk["pair_base"] + 1 if "pair_base" in chunk else 0)
+        put_varint(out, chunk["bytes"])
+        put_varint(out, chunk["pair_base"] + 1 if "pair_base" in chunk else 0)
         out.append(len(chunk["streams"]))
         for s in chunk["streams"]:
             out += s["m"].encode("ascii")
-            _put_varint(out, s["raw"])
-            _put_varint(out, s["enc"])
+            put_varint(out, s["raw"])
+            put_varint(out, s["enc"])
             if v6 and s["m"] == RAW:
                 out += _U64.pack(s["xxh"])
         if not v6:

@@ -181,12 +181,7 @@ def _reduce_header(raw: bytes, header: dict) -> tuple[bytes, int] | None:
 # ---- varints --------------------------------------------------------------------------------------
 
 def _put(out: bytearray, value: int) -> None:
-    if value < 0:
-        raise ValueError(f"a container field must be >= 0, got {value}")
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
+    blob_header.put_varint(out, value, "container field")
 
 
 class _Reader:
