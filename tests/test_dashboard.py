@@ -378,3 +378,15 @@ def test_train_with_a_dashboard_end_to_end(tmp_path, serve):
         assert m and m.group(1) == value, (element_id, m and m.group(1), value)
     assert dom.count('class="main-svg"') >= 5
     screenshot(srv.url, "dashboard-real-run.png")
+
+
+def test_the_dashboard_and_read_lines_agree_on_a_damaged_stream(tmp_path):
+    from islands.observe import read_lines
+    path = tmp_path / "run" / "live" / "rank0.jsonl"
+    path.parent.mkdir(parents=True)
+    good = [{"t": 1.0 + i, "kind": "metrics", "step": i, "metrics": {"val/loss": 5.0 - i}} for i in range(3)]
+    torn = json.dumps(good[1])[:17]  # a writer killed mid-line, then restarted on the next line
+    path.write_text(json.dumps(good[0]) + "\n" + torn + "\n" + json.dumps(good[2]) + "\n" + '{"t": 9, "ki')
+    lines = read_lines(path)
+    assert lines == [good[0], good[2]]
+    assert RunReader(tmp_path / "run").state()["numbers"]["val_loss"] == good[2]["metrics"]["val/loss"]

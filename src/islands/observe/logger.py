@@ -93,14 +93,17 @@ class JsonLines:
 
 
 def read_lines(path: str | Path) -> list[dict]:
-    """A stream's complete lines (a line still being written is left for the next read)."""
+    """A stream's complete lines, as the dashboard reads them: a line still being written is left for the next
+    read, and a damaged complete line (a writer killed mid-line, then restarted) is skipped, not the end."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
                 break
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+                line = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(line, dict):
+                out.append(line)
     return out
