@@ -182,7 +182,8 @@ def test_bad_compressor_specs_name_the_valid_choices(spec, words):
 @pytest.mark.parametrize("outer, words", [
     ("diloco:inner_steps=5,compressor=(topkq:bits=3)", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
     ("diloco:inner_steps=5,compressor=(sparseloco)", ["unknown compressor 'sparseloco'", "topkq", "dct-topk"]),
-    ("gossip:every=2,compressor=(topkq)", ["takes no compressor", "CHOCO", "local-sgd"]),
+    ("gossip:every=2,topology=(random:s=2),compressor=(topkq)", ["regular topology (ring, exp)", "push-sum"]),
+    ("gossip:every=2,compressor=(randomk-shared)", ["self-contained", "topkq"]),
 ])
 def test_bad_outer_compressor_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
     assert_train_refuses(outer, words, tmp_path, capsys)

@@ -63,7 +63,7 @@ def test_older_unparenthesised_nested_specs_and_names_still_read():
     ("streaming-diloco:bits=8", ["bits must be 4 or 32"]),
     ("overlap-local-sgd:pull=0", ["pull in (0, 1]"]),
     ("easgd:beta=1.5", ["beta in (0, 1]"]),
-    ("gossip:compress=topk", ["takes no compressor", "CHOCO", "local-sgd"]),  # mixes parameters point to point
+    ("gossip:topology=(random:s=2),compress=topk", ["regular topology (ring, exp)", "push-sum"]),  # CHOCO needs regular
     ("local-sgd:compress=(topkq:bits=3)", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
     ("diloco:compressor=(powersgd:rnk=2)", ["compressor", "does not take rnk", "rank"]),
     ("diloco:compressor=(topk),aggregator=(median)", ["compressor and a robust aggregator"]),

@@ -21,6 +21,11 @@ replaces its parameters by a mix of its own and what its in-peers sent. Mixing r
       (ring, random:s>=2) to outvote one neighbour. With fewer inputs than the aggregator needs (a
       random round can give a node no in-peer), the node keeps its own parameters (`isolated`).
 
+  compressor=<c>               compressed gossip (choco.py, LIT-920): each directed edge keeps a public
+      estimate of its sender; a round sends c(x_i - estimate) instead of x_i and mixes the estimates.
+      Needs a regular topology (ring, exp) or an aggregator: push-sum's weights ride on exact vectors.
+      Payload: the compressor's payload, once per out-peer.
+
 Evaluation (`eval_model`) is this island's OWN model as of its last gossip round: there is no
 global model in gossip. The last step always gossips. Consensus distance (how far the islands are
 from their average) is measured by the experiments outside training traffic (consensus_distance).
@@ -35,10 +40,13 @@ import torch
 
 from islands.aggregate.base import Aggregator
 from islands.aggregate.coordinate import Mean
+from islands.compress.base import Compressor
 from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.choco import EdgeEstimates, check_compressor
 from islands.sync.outer.topology import Topology, parse_topology
 
 KIND = "outer_params"
+INIT_KIND = "outer_init"  # compressed gossip's one exchange of the common starting point
 
 
 # ---- mixing arithmetic (shared by the strategy and the in-process simulation) ---------------------
@@ -78,12 +86,17 @@ def consensus_distance(vectors: Sequence[torch.Tensor]) -> float:
 
 
 def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggregator: Aggregator | None = None,
+                    compressor=None, gamma: float = 0.3, start: torch.Tensor | None = None,
                     ) -> tuple[list[float], list[torch.Tensor]]:
     """Pure gossip in one process (no training, no sockets), with the strategy's own arithmetic.
 
-    Returns the consensus distance before round 0 and after each round, and the final vectors."""
+    `compressor`: compressed gossip (choco.py) with consensus step `gamma`, every edge estimate starting at `start`
+    (default zeros). Returns the consensus distance before round 0 and after each round, and the final vectors."""
     xs = [v.detach().to(torch.float32).reshape(-1).clone() for v in vectors]
     n = len(xs)
+    if compressor is not None:
+        return _simulate_compressed(topology, xs, rounds, compressor, gamma,
+                                    torch.zeros_like(xs[0]) if start is None else start.reshape(-1))
     aggs = None
     if aggregator is not None and not isinstance(aggregator, Mean):
         aggs = [copy.deepcopy(aggregator) for _ in range(n)]  # one per node: stateful ones keep their own
@@ -103,6 +116,20 @@ def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggr
     return dists, xs
 
 
+def _simulate_compressed(topology, xs, rounds, compressor, gamma, start):
+    n = len(xs)
+    est = [EdgeEstimates(compressor, start, gamma) for _ in range(n)]
+    dists = [consensus_distance(xs)]
+    for t in range(rounds):
+        graph = [topology.peers(t, i, n) for i in range(n)]
+        sent = [est[i].outgoing(i, xs[i], graph[i][0]) for i in range(n)]
+        for i in range(n):
+            est[i].incoming(i, {j: sent[j][i] for j in graph[i][1]})
+        xs = [est[i].mixed(i, xs[i], *graph[i]) for i in range(n)]
+        dists.append(consensus_distance(xs))
+    return dists, xs
+
+
 # ---- the outer strategy ---------------------------------------------------------------------------
 class Gossip(OuterStrategy):
     name = "gossip"
@@ -110,11 +137,14 @@ class Gossip(OuterStrategy):
     buffer_policy = "own"  # no global average: the eval model takes this island's own buffers
 
     def __init__(self, every: int = 4, topology: Topology | str = "exp", aggregator: Aggregator | None = None,
-                 seed: int = 0):
+                 seed: int = 0, compressor: Compressor | None = None, gamma: float = 0.3):
         """`every` H: local steps between gossip rounds. `topology`: exp (one peer at distance 2^k, SOTA-226),
         ring, or random:s=S (S fresh out-peers per round, push-sum, SOTA-223), or a topology object
         (islands.outer.Ring(), ExponentialGraph(), RandomPeers(s, seed)). `aggregator`: robust neighbour
-        averaging. `seed`: seeds topology=random's per-round draws (the same on every rank)."""
+        averaging. `seed`: seeds topology=random's per-round draws (the same on every rank). `compressor`: compressed
+        gossip with per-edge estimates (choco.py; topkq, dct-topk, topk, randomk, sign). `gamma`: its consensus step
+        size in (0, 1] (1 with a lossless compressor is plain gossip; smaller damps a lossy one's lag; 0.3 trained
+        best of 0.1 and 0.3 in `islands bench gossip-compressed`, 1 does not converge with a 5% sketch)."""
         super().__init__()
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -123,6 +153,15 @@ class Gossip(OuterStrategy):
         self.aggregator = None if isinstance(aggregator, Mean) else aggregator
         self.weight = 1.0  # push-sum weight (random topology with mean mixing); stays 1 otherwise
         self.isolated = 0  # robust rounds in which too few inputs arrived to aggregate
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma (consensus step size) must be in (0, 1], got {gamma!r}")
+        if compressor is not None and self.push_sum:
+            raise ValueError(f"compressed gossip needs a regular topology (ring, exp) or an aggregator; "
+                             f"topology={self.topology!r} mixes with push-sum weights, which ride on exact vectors")
+        if compressor is not None:
+            check_compressor(compressor)
+        self.compressor, self.gamma = compressor, float(gamma)
+        self.estimates: EdgeEstimates | None = None
 
     @property
     def push_sum(self) -> bool:
@@ -132,6 +171,16 @@ class Gossip(OuterStrategy):
         if self.comm.size > 1 and not hasattr(self.comm, "exchange"):
             raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
                             f"{type(self.comm).__name__} has none (elastic membership is not supported)")
+        if self.compressor is not None:
+            start = self.local.read()
+            if self.comm.size > 1:  # the edge estimates start from one point every island knows: island 0's
+                if self.comm.rank != 0:  # (a sum with zeros, exact, through any Comm; once per run)
+                    start.zero_()
+                self.comm.all_reduce(start, kind=INIT_KIND)
+                self.local.write(start)
+                self.global_flat = start.clone()
+                self.publish()
+            self.estimates = EdgeEstimates(self.compressor, start, self.gamma)
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
@@ -157,6 +206,8 @@ class Gossip(OuterStrategy):
         self.rounds += 1
 
     def _mix(self, x: torch.Tensor, send_to: list[int], recv_from: list[int]) -> torch.Tensor:
+        if self.estimates is not None:
+            return self._mix_compressed(x, send_to, recv_from)
         if self.push_sum:
             share = push_sum_share(x, self.weight, len(send_to))
             got = self.comm.exchange({p: share for p in send_to}, recv_from, like=share, kind=KIND)
@@ -170,6 +221,16 @@ class Gossip(OuterStrategy):
         self.isolated += int(isolated)
         return x
 
+    def _mix_compressed(self, x: torch.Tensor, send_to: list[int], recv_from: list[int]) -> torch.Tensor:
+        me, est = self.comm.rank, self.estimates
+        got = self.comm.exchange(est.outgoing(me, x, send_to), recv_from, like=est.like(), kind=KIND)
+        est.incoming(me, got)
+        if self.aggregator is None:
+            return est.mixed(me, x, send_to, recv_from)
+        x, isolated = robust_mix(self.aggregator, x, [est.edges[(j, me)] for j in sorted(recv_from)])
+        self.isolated += int(isolated)
+        return x
+
     # ---- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
         # rounds (in the base state) and the topology's seed fix every future round's graph
@@ -177,6 +238,8 @@ class Gossip(OuterStrategy):
                "weight": self.weight, "isolated": self.isolated}
         if self.aggregator is not None:
             out["aggregator"] = self.aggregator.state_dict()
+        if self.estimates is not None:
+            out["estimates"] = self.estimates.state_dict()
         return out
 
     def load_extra_state(self, state: dict) -> None:
@@ -189,3 +252,8 @@ class Gossip(OuterStrategy):
         self.isolated = int(state.get("isolated", 0))
         if self.aggregator is not None and "aggregator" in state:
             self.aggregator.load_state_dict(state["aggregator"])
+        if self.estimates is not None:
+            if "estimates" not in state:
+                raise ValueError("gossip: this run compresses (compressor=...), the checkpoint was written without "
+                                 "a compressor; resume with the same outer spec")
+            self.estimates.load_state_dict(state["estimates"])

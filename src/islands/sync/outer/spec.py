@@ -63,22 +63,6 @@ _RULES: list[tuple[Callable[[dict, frozenset], bool], str]] = [
 ]
 
 
-# Strategies that take no compressor= and why (a clearer word than "does not take compressor").
-NO_COMPRESSOR = {
-    "gossip": "gossip mixes whole parameter vectors point to point with each round's peers, and compressing them "
-              "needs every node to keep a public copy of its peers' parameters (CHOCO-style gossip), which islands "
-              "does not implement; use gossip uncompressed, or an averaging strategy with a compressor "
-              "(diloco, streaming-diloco, slowmo, local-sgd, post-local-sgd, overlap-local-sgd, easgd)",
-}
-
-
-def _refuse_compressor(spec: str | Spec) -> None:
-    given = STRATEGIES.as_spec(spec)
-    name = STRATEGIES.lookup(given.name) if isinstance(given.name, str) else None
-    if name in NO_COMPRESSOR and any(k in ("compressor", "compress") for k, _ in given.args):
-        raise SpecError(f"outer strategy {name!r} takes no compressor: {NO_COMPRESSOR[name]}")
-
-
 def _checked(spec: str | Spec | OuterSpec) -> Spec:
     if isinstance(spec, OuterSpec):
         if spec.spec is None:
@@ -86,7 +70,6 @@ def _checked(spec: str | Spec | OuterSpec) -> Spec:
         return spec.spec
     if isinstance(spec, str) and not spec.strip():
         raise SpecError(f"outer spec must be a non-empty string such as 'diloco:inner_steps=100'\n{valid_specs()}")
-    _refuse_compressor(spec)
     checked = STRATEGIES.check(spec, supplied=SUPPLIED)
     if checked.name == "post-local-sgd" and checked.get("switch") == -1:  # the older "switch=-1: at warm-up's end"
         checked = Spec(checked.name, [(k, v) for k, v in checked.args if k != "switch"])
