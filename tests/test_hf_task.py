@@ -100,7 +100,7 @@ def test_bad_input_is_exit_2_and_nothing_written(tmp_path, capsys):
         (["--task.model_overrides", "n_embd=64,n_layers=3"], "has no key 'n_layers'"),
         (["--task.model", "gpt2", "--context", "64", "--task.model_overrides", "n_positions=32"],
          "task.context=64 exceeds the model's 32 positions"),
-        (["--inner", "pipeline", "--workers", "2"], "does not split a transformers model"),
+        (["--inner", "pipeline", "--workers", "2"], "ties its input and output embeddings"),
     ]
     for n, (extra, message) in enumerate(cases):
         run_dir = tmp_path / f"run{n}"

@@ -95,7 +95,7 @@ def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
         budget = inner.activation_budget_mb * 1e6 if inner.activation_budget_mb > 0 else math.inf
         return PipelineStages(inner.stages or cfg.workers_per_island, inner.microbatches, inner.cuts, inner.schedule,
                               batch=cfg.train.global_batch // cfg.world.islands, loss_fn=task.loss_fn,
-                              budget_bytes=budget, grad_clip=cfg.train.grad_clip)
+                              budget_bytes=budget, grad_clip=cfg.train.grad_clip, sequence=task.tokens_per_sample)
     if kind == "fsdp":
         return FSDP(wrap=WRAP_POLICIES.build(inner.wrap), reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
                     prefetch=inner.prefetch, shard_group=inner.shard_group,

@@ -28,6 +28,7 @@ from islands.memory.step import check_precision
 from islands.observe.backends import missing_packages, parse_logger_names
 from islands.parallel.pipeline.chooser import divisors
 from islands.parallel.pipeline.cuts import parse_cuts
+from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm, tied_embeddings
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
 from islands.runtime.launch import LaunchError, load_testbed
@@ -253,15 +254,16 @@ def pipeline(cfg: JobConfig) -> str | None:
         return None
     if is_user_task(cfg.task.name):
         return "inner.strategy=pipeline cuts the built-in models into pieces; it does not take a user's task yet"
-    if cfg.task.name == hf.NAME:
-        return (f"inner.strategy=pipeline cuts islands' own models into pieces; it does not split a transformers "
-                f"model ({hf.NAME}) yet: use ddp, zero1 or fsdp (docs/hf-models.md)")
     k = inner.stages or cfg.workers_per_island
+    if cfg.task.name == hf.NAME:
+        problem = _hf_pipeline(cfg, k)
+        if problem:
+            return problem
     if k != cfg.workers_per_island:
         return (f"inner.stages={k} needs one worker per stage: set workers={k * cfg.world.islands} "
                 f"(with islands={cfg.world.islands}) or stages={cfg.workers_per_island}")
     pieces = cfg.task.n_layers + 2 if cfg.task.name == "lm" else 3
-    if k > pieces:
+    if k > pieces and cfg.task.name != hf.NAME:
         return (f"inner.stages={k} but the {cfg.task.name} model has only {pieces} pieces to cut between "
                 f"({'n_layers + 2' if cfg.task.name == 'lm' else 'three layers'}); use stages <= {pieces}")
     m = parse_microbatches(inner.microbatches)
@@ -286,6 +288,37 @@ def pipeline(cfg: JobConfig) -> str | None:
     if clash:
         return (f"inner.strategy=pipeline splits one model over the island's ranks and does not yet combine with "
                 f"{', '.join(clash)}; drop them, or use inner.strategy=ddp or fsdp for those")
+    return None
+
+
+def _hf_pipeline(cfg: JobConfig, stages: int) -> str | None:
+    """A transformers model cut into pipeline pieces (islands.parallel.pipeline.hf_pieces): its layout is known, its
+    input and output embeddings are separate parameters, and it has enough pieces. The model is built on the meta
+    device: no memory, no weights read."""
+    from transformers import AutoModelForCausalLM
+
+    t = cfg.task
+    try:
+        config = hf.resolve(t.model, t.model_overrides, t.tokenizer, t.vocab_size, None, t.context, t.d_model,
+                            t.n_layers, t.n_heads, train=False)[2]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except hf.TaskError:
+        return None  # the task rule reports it
+    name = type(model).__name__
+    if not is_causal_lm(model):
+        return (f"inner.strategy=pipeline: {name} is not a layout islands can cut (GPT-2, or Llama-like: Llama, "
+                f"Qwen2, Mistral); use ddp, zero1 or fsdp for it")
+    if tied_embeddings(model):
+        return (f"inner.strategy=pipeline: {name} ties its input and output embeddings, one parameter the first and "
+                f"the last stage would both hold; add task.model_overrides='tie_word_embeddings=false'")
+    try:
+        pieces = len(causal_lm_pieces(model))
+    except TypeError as e:
+        return f"inner.strategy=pipeline: {e}"
+    if stages > pieces:
+        return (f"inner.stages={stages} but {name} has only {pieces} pieces to cut between (its "
+                f"{pieces - 2} layers, the embedding and the head); use stages <= {pieces}")
     return None
 
 

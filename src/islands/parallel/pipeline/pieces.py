@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from islands.models import MLP, ByteTransformer
+from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm
 
 
 class TokenEmbedding(nn.Module):
@@ -55,16 +56,19 @@ def _sequential_pieces(seq: nn.Sequential) -> list[nn.Module]:
 
 
 def pieces_of(model: nn.Module) -> list[nn.Module]:
-    """The ordered pieces of one of our reference models (or any nn.Sequential); running them in order
-    computes exactly model(x)."""
+    """The ordered pieces of one of our reference models, any nn.Sequential, or a transformers causal LM; running
+    them in order computes exactly model(x) (the LM's logits)."""
     if isinstance(model, ByteTransformer):
         return [TokenEmbedding(model), *model.blocks, OutputHead(model)]
     if isinstance(model, MLP):
         return _sequential_pieces(model.net)
     if isinstance(model, nn.Sequential):
         return _sequential_pieces(model)
-    raise TypeError(f"cannot split {type(model).__name__} into pipeline pieces; pass a ByteTransformer, an MLP "
-                    "or an nn.Sequential, or build the list of pieces yourself")
+    if is_causal_lm(model):  # a transformers GPT-2 or Llama-like causal LM (hf_pieces.py)
+        return causal_lm_pieces(model)
+    raise TypeError(f"cannot split {type(model).__name__} into pipeline pieces; pass a ByteTransformer, an MLP, "
+                    "an nn.Sequential or a transformers GPT-2 / Llama-like causal LM, or build the list of pieces "
+                    "yourself")
 
 
 class Stage(nn.Module):

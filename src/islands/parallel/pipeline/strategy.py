@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from islands.parallel.pipeline.chooser import MicrobatchChoice, choose_microbatches, divisors, profile_microbatches
 from islands.parallel.pipeline.cuts import check_stage_count, choose_cuts, parse_cuts
+from islands.parallel.pipeline.hf_pieces import is_causal_lm
 from islands.parallel.pipeline.pieces import Stage, build_stages, parameter_owner, pieces_of
 from islands.parallel.pipeline.runner import PipelineRunner
 from islands.parallel.pipeline.schedule import SCHEDULES, bubble_fraction
@@ -42,10 +43,12 @@ def parse_microbatches(value: str | int) -> int | str:
     return m
 
 
-def example_batch(model: nn.Module, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero inputs and targets of our reference models' shapes (for planning; values do not matter)."""
-    if hasattr(model, "context"):
-        x = torch.zeros(b, int(model.context), dtype=torch.long)
+def example_batch(model: nn.Module, b: int, sequence: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero inputs and targets of the model's shapes (for planning; values do not matter). `sequence`: the task's
+    window length, for a transformers LM (which has no context attribute; 32 when not given)."""
+    if hasattr(model, "context") or is_causal_lm(model):
+        t = int(model.context) if hasattr(model, "context") else int(sequence or 32)
+        x = torch.zeros(b, t, dtype=torch.long)
         return x, x.clone()
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     return torch.zeros(b, first.in_features), torch.zeros(b, dtype=torch.long)
@@ -55,7 +58,8 @@ class PipelineStages(NoOp):
     name = "pipeline"
 
     def __init__(self, stages: int, microbatches: int | str, cuts: str, schedule: str, batch: int,
-                 loss_fn: Callable, budget_bytes: float = math.inf, grad_clip: float = 0.0):
+                 loss_fn: Callable, budget_bytes: float = math.inf, grad_clip: float = 0.0,
+                 sequence: int | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         self.count, self.cuts, self.schedule = stages, parse_cuts(cuts), schedule
@@ -64,6 +68,7 @@ class PipelineStages(NoOp):
             raise ValueError(f"microbatches={self.requested} does not divide the pipeline's batch of {batch}; "
                              f"choose one of {divisors(batch)} or 'auto'")
         self.batch, self.loss_fn, self.budget, self.grad_clip = batch, loss_fn, budget_bytes, grad_clip
+        self.sequence = sequence  # a transformers LM's window length, for the planning batch
         self.starts: list[int] = []
         self.microbatches = 0
         self.choice: MicrobatchChoice | None = None
@@ -97,7 +102,7 @@ class PipelineStages(NoOp):
         plan = torch.zeros(self.count + 1, dtype=torch.long)
         if self.index == 0:
             b = self.batch // (self.requested if self.requested != "auto" else 1)
-            x, y = example_batch(model, b)
+            x, y = example_batch(model, b, self.sequence)
             self.starts = choose_cuts(self.cuts, self.pieces, self.count, x, self.loss_fn, y)
             self.microbatches = self.requested if self.requested != "auto" else self._auto(model)
             plan[:self.count] = torch.tensor(self.starts)
@@ -107,7 +112,7 @@ class PipelineStages(NoOp):
         self.starts, self.microbatches = plan[:self.count].tolist(), int(plan[self.count])
 
     def _auto(self, model: nn.Module) -> int:
-        x, y = example_batch(model, self.batch)
+        x, y = example_batch(model, self.batch, self.sequence)
         sizes = [self.batch // m for m in divisors(self.batch)]
         prof = profile_microbatches(self.pieces, self.starts, x, y, self.loss_fn, sizes)
         self.choice = choose_microbatches(self.count, self.batch, self.schedule, {b: v[0] for b, v in prof.items()},
