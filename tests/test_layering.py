@@ -19,7 +19,7 @@ LAYERS = {
     "spec": 0, "version": 0,
     "runtime": 1, "sync": 1, "compress": 1, "aggregate": 1, "faults": 1, "checkpoint": 1, "memory": 1,
     "parallel": 1, "measure": 1, "models": 1, "data": 1, "testbed": 1, "practices": 1,
-    "inner": 1, "outer": 1, "robust": 1,  # the public namespaces over components
+    "inner": 1, "outer": 1, "robust": 1, "control": 1,  # the public namespaces over components
     "optim": 1,  # optimizers islands adds to torch's (Muon + AdamW as one optimizer)
     "dashboard": 1,  # the live page over a run directory (reads live/*.jsonl and run.json)
     "report": 1,  # the static results site (reads results/ and the practice registry)

@@ -14,7 +14,7 @@ or `with strategy.attach(model, opt, world):` around an unchanged loop.
 Loggers (TensorBoard, MLflow, W&B, a live JSON-lines file) are callbacks: `islands.observe.Logging([...])`.
 """
 
-from islands import compress, inner, observe, optim, outer, robust
+from islands import compress, control, inner, observe, optim, outer, robust
 from islands.checkpoint.checkpointer import Checkpointer
 from islands.data.batches import BatchError
 from islands.loop import (Callback, Checkpointing, Constant, Evaluate, Progress, RunRecord, Task, Trainer,
@@ -27,5 +27,5 @@ from islands.version import __version__
 
 __all__ = ["BatchError", "Callback", "Checkpointer", "Checkpointing", "Comm", "CommLedger", "Constant", "Evaluate",
            "NoOp", "Progress", "RunRecord", "Stack", "Strategy", "Task", "Trainer", "WarmupCosine", "World",
-           "__version__", "close_world", "compress", "evaluate", "init_world", "inner", "observe", "optim", "outer",
+           "__version__", "close_world", "compress", "control", "evaluate", "init_world", "inner", "observe", "optim", "outer",
            "robust"]

@@ -53,10 +53,14 @@ def _join(args) -> int:
         raise UsageError("a token is required: --token T, --token-file PATH or ISLANDS_TOKEN in the environment")
     name = args.name or f"j{secrets.token_hex(4)}"
     try:
-        job = JobSpec.read(connect(host, port, timeout_s=10.0))
+        # verified with the token: a record written without it must not choose what this machine runs
+        job = JobSpec.read(connect(host, port, timeout_s=10.0), token, name=name)
     except (dist.DistNetworkError, TimeoutError) as e:
         print(f"islands: no elastic job answers at {args.address}: {e}", flush=True)
         return JOB_ENDED_EXIT_CODE
+    except Refused as e:
+        print(f"islands: join refused by {args.address}: {e}", flush=True)
+        return REFUSED_EXIT_CODE
     if job.script:
         return _join_script(job, args.address, name, token)
     run_dir = Path(args.run_dir or f"runs/join-{name}")

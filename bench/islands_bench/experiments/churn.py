@@ -7,7 +7,6 @@ the joiner's wait = rounds committed after its admission that did not yet includ
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
@@ -16,8 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-
-import torch.distributed as dist
 
 from islands_bench.experiments.churn_torchft import (TorchftSettings, event_stalls, islands_commits, load_torchft,
                                                       run_torchft, stalls_over_survivors, summarise_torchft)
@@ -44,11 +41,12 @@ ew.exit_now(ew.main(sys.argv[1:3]))
 """
 
 
-def job_store(address: str):
-    """A client of the elastic job's coordinator store at HOST:PORT, seeing the job's own keys."""
-    host, port = address.rsplit(":", 1)
-    raw = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
-    return dist.PrefixStore(STORE_PREFIX, raw)
+def job_store(address: str, token: str):
+    """A client of the elastic job's coordinator store at HOST:PORT, seeing the job's own keys; its values are
+    signed under the job token (docs/membership.md "Security"), so the view verifies them with it."""
+    from islands.control import observe
+
+    return observe(address, token)
 
 
 def _get_json(store, key: str, default=None):
@@ -56,7 +54,7 @@ def _get_json(store, key: str, default=None):
 
 
 def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at: int, log: dict) -> None:
-    store = job_store(address)
+    store = job_store(address, log["token"])
 
     def wait(key):
         while not store.check([key]):

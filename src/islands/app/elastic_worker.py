@@ -54,9 +54,13 @@ def _write_membership(run_dir: Path, name: str, comm: ElasticComm, digest: str) 
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)
     a = comm.admission
+    session = getattr(comm, "control_plane", None)
     (out / f"{name}.json").write_text(json.dumps({
         "name": name, "slot": a.slot, "shard": a.shard, "initial": a.initial,
-        "global_sha256": digest, "final": comm.state_dict(), "syncs": comm.syncs}, indent=1))
+        "global_sha256": digest, "final": comm.state_dict(), "syncs": comm.syncs,
+        "control_plane": session.snapshot() if session is not None else None}, indent=1))
+    if session is not None and session.store.accepted_digests is not None:  # ISLANDS_AUTH_AUDIT: experiments
+        (out / f"{name}.audit").write_text(json.dumps(session.accepted_digests()))
 
 
 def main(argv: list[str] | None = None) -> int:

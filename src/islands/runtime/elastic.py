@@ -4,8 +4,10 @@ Members of epoch e share ProcessGroupGloo(PrefixStore("pg/<e>", store)). Every c
 numbered operation (e, seq) that commits only when every member reports success in the store:
   1. run it on the group, watching for a failed peer: a gloo error, a dead/<name> flag from a
      supervisor, a heartbeat stale past heartbeat_timeout, or another member's "fail" verdict;
-  2. each member adds 1 to e/<e>/s/<seq>/ok; the last one sets the verdict "ok" (compare-and-set),
-     anyone who sees a failure first sets "fail" (compare-and-set: exactly one verdict wins);
+  2. each member sets its own signed e/<e>/s/<seq>/ok/<name>; one that sees all of them sets the
+     verdict "ok" (compare-and-set), anyone who sees a failure first sets "fail" (compare-and-set:
+     exactly one verdict wins). The store is an AuthStore (islands.runtime.auth): values written
+     without the job token are not seen;
   3. on "fail" every survivor aborts the group, forms epoch e+1 (below) and retries the same
      operation from its saved input. A committed operation is never redone, so nothing already
      synchronised is lost, and survivors never restart.
@@ -16,9 +18,10 @@ Joins happen only at a round boundary. The strategy the loop drives (a Stack, or
 used alone) holds the membership: the first strategy whose wrap runs in an elastic world claims it
 (`claim`), calls `enter` at the end of its wrap and `at_step` at the start of every step's hooks
 (after backward). At the first `at_step` after the outer round counter moved, the members agree on
-which ready joiners enter, form the next epoch with them, and the lowest-ranked old member broadcasts
-{"model", "strategy", "step"} (torch.save bytes as uint8). A joiner's `enter` blocks until the members
-put it in an epoch and loads what they sent, so its wrap returns with the global model, the strategy
+which ready joiners enter, form the next epoch with them, and the joiners fetch the lowest-ranked old
+member's {"model", "strategy", "step"} in checksummed chunks from every old member
+(islands.runtime.recovery; `state_transfer = "broadcast"`: one gloo broadcast of torch.save bytes
+instead). A joiner's `enter` blocks until the members put it in an epoch and loads what they sent, so its wrap returns with the global model, the strategy
 state and the step its loop starts at. The hook sits after backward rather than at the end of the
 round's after_step so that the step's own checkpoint (saved after after_step) is already taken: only
 saves still in flight have to finish first (`before_join`).
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import hmac
 import io
 import json
+import os
 import pickle
 import threading
 import time
@@ -38,6 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from islands.runtime import recovery
 from islands.runtime.comm import CommLedger
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json, wait_key
 
@@ -67,6 +73,10 @@ class ElasticComm:
         self.store, self.name, self.ledger = store, name, ledger
         # another client of the same store, for a thread of its own (checkpoint persists: elastic_saves)
         self.new_client = new_client
+        # How a joiner receives the state: "chunks" (islands.runtime.recovery: checksummed chunks from every
+        # holder over TCP, refetched when damaged) or "broadcast" (one gloo broadcast from the lowest holder)
+        self.state_transfer = "chunks"
+        self.transfers: list[dict] = []  # one FetchReport summary per state this process received in chunks
         self.liveness = Liveness(store, heartbeat_timeout)
         self.collective_timeout = collective_timeout
         self.on_change = on_change
@@ -199,7 +209,10 @@ class ElasticComm:
         return self.store.get(f"{key}/done") if self.store.check([f"{key}/done"]) else None
 
     def _fail(self, key: str) -> None:
-        self.store.compare_set(f"{key}/done", "", "fail")
+        try:
+            self.store.compare_set(f"{key}/done", "", "fail")
+        except RuntimeError:  # the key keeps being overwritten from outside (AuthStore): _commit gives up in time
+            pass
 
     def _peer_gone(self) -> bool:
         others = [n for n in self.names if n != self.name]
@@ -225,12 +238,17 @@ class ElasticComm:
         return True
 
     def _commit(self, key: str) -> bool:
-        if self.store.add(f"{key}/ok", 1) == self.size:
+        # each member signs its own "ok" (a shared counter could be bumped from outside the job); whoever
+        # sees all of them sets the verdict: the last to write its own sees the others'
+        self.store.set(f"{key}/ok/{self.name}", "1")
+        if self.store.check([f"{key}/ok/{n}" for n in self.names]):
             self.store.compare_set(f"{key}/done", "", "ok")
         deadline = time.monotonic() + self.collective_timeout
         last_live = 0.0
         while (verdict := self._verdict(key)) is None:
             now = time.monotonic()
+            if now > deadline + self.collective_timeout:
+                return False  # no genuine verdict could be set (the store is being tampered with): fail over
             if now > deadline:
                 self._fail(key)
             elif now - last_live > 0.1:
@@ -338,7 +356,8 @@ class ElasticComm:
         self._last_round = _rounds(strategy)
         self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": step,
                             "round": self._last_round, "time": time.time(),
-                            "global_sha256": global_digest(strategy.eval_model(model))})
+                            "global_sha256": global_digest(strategy.eval_model(model)),
+                            "transfer": self.transfers[-1] if self.transfers else {"via": "broadcast"}})
         return step
 
     def at_step(self, strategy, model, step: int) -> None:
@@ -383,6 +402,8 @@ class ElasticComm:
                 raise RuntimeError("every member holding the training state left during a join")
             return ranks[0]
 
+        if self.state_transfer == "chunks":
+            return self._share_in_chunks(strategy, model, step, holders, src)
         mine = self.names[src()] == self.name
         blob = torch.zeros(0, dtype=torch.uint8)
         if mine:
@@ -400,6 +421,66 @@ class ElasticComm:
         strategy.eval_model(model).load_state_dict(state["model"])
         strategy.load_state_dict(state["strategy"])
         return int(state["step"])
+
+    def _share_in_chunks(self, strategy, model, step: int, holders: set[str], src) -> int:
+        """Live recovery (issue #20): every holder serves its snapshot (recovery.StateServer on the address it
+        reaches the store from) and publishes address + digest under e/<epoch>/state/<name>; a joiner fetches
+        the lowest-ranked holder's state from every holder serving the same digest, in checksummed chunks.
+        A committed all-reduce then keeps the servers up until every joiner has its state (a joiner that
+        fails dies, and the members fail over without it). The joiner loads nothing before it is whole."""
+        key = f"e/{self.epoch}/state"
+        server = None
+        if self.name in holders:
+            image = recovery.StateImage.build({"model": strategy.eval_model(model).state_dict(),
+                                               "strategy": strategy.state_dict(), "step": int(step)})
+            server = recovery.StateServer(image, host=recovery.local_address_towards(_store_host(self.store)),
+                                          secret=self._transfer_secret(key))
+            host, port = server.address
+            self.store.set(f"{key}/{self.name}", json.dumps({"address": f"{host}:{port}",
+                                                            "digest": image.manifest.digest}))
+        try:
+            state = None if server is not None else self._fetch_state(key, holders, src)
+            self.all_reduce(torch.zeros(1), kind="elastic_state_done")
+        finally:
+            if server is not None:
+                server.close()
+                self.ledger.record("elastic_state", server.bytes_sent, 0)
+        if state is None:
+            return step
+        strategy.eval_model(model).load_state_dict(state["model"])
+        strategy.load_state_dict(state["strategy"])
+        return int(state["step"])
+
+    def _fetch_state(self, key: str, holders: set[str], src) -> dict:
+        ranked = [n for n in self.names if n in holders]
+        deadline = time.monotonic() + self.collective_timeout
+        while True:  # every holder published, or is gone (then the others serve without it)
+            published = {n: get_json(self.store, f"{key}/{n}") for n in ranked if self.store.check([f"{key}/{n}"])}
+            missing = set(ranked) - set(published)
+            if not missing or missing <= self.liveness.gone(missing) or time.monotonic() > deadline:
+                break
+            time.sleep(self.POLL)
+        if not published:
+            raise RuntimeError(f"no holder of the training state published it for epoch {self.epoch} within "
+                               f"{self.collective_timeout:.0f} s")
+        first = next(n for n in ranked if n in published)  # the lowest-ranked holder's state is the one to take
+        peers = [published[n]["address"] for n in ranked if n in published]
+        state, report = recovery.fetch_state(peers, secret=self._transfer_secret(key),
+                                             expect_digest=published[first]["digest"], timeout=self.collective_timeout)
+        self.ledger.record("elastic_state", 0, report.payload_bytes)
+        self.transfers.append({"via": "chunks", "epoch": self.epoch + self.epoch_base, "bytes": report.payload_bytes,
+                               "seconds": report.seconds, "peers": len(report.per_peer),
+                               "refetched": report.refetched, "skipped": report.skipped})
+        return state
+
+    def _transfer_secret(self, key: str) -> bytes:
+        """The recovery servers' secret: derived from the job's control-plane key (token and job id) when the
+        store is authenticated (islands.runtime.auth), else a random one the first holder puts in the store."""
+        auth = getattr(self.store, "auth", None)
+        if auth is not None and getattr(auth, "key", None):
+            return hmac.new(auth.key, b"islands-recovery|" + key.encode(), hashlib.sha256).digest()
+        self.store.compare_set(f"{key}/secret", "", os.urandom(16).hex())
+        return self.store.get(f"{key}/secret")
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -433,6 +514,18 @@ def global_digest(model: torch.nn.Module) -> str:
     for t in model.state_dict().values():
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _store_host(store) -> str:
+    """The host of the TCPStore under `store`'s wrappers (AuthStore.inner, PrefixStore.underlying_store)."""
+    for _ in range(8):
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "inner", None) or getattr(store, "underlying_store", None)
+        if store is None:
+            break
+    return "127.0.0.1"
 
 
 def _quiet_abort(pg) -> None:

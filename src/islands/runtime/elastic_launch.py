@@ -2,10 +2,14 @@
 
 Policy (docs/membership.md): the launcher, not a worker, hosts the TCPStore, so any worker may die.
 A worker that exits is reported dead in the store at once (so survivors need not wait for its
-heartbeat to go stale) and the job carries on. The job ends when none of its own workers is still
-running and no member of the newest epoch is alive (joiners started elsewhere included, up to their
-heartbeat timeout). It succeeds (exit 0) if at least one worker finished training; the launcher
-itself is the single point of failure: if it dies, workers lose the store and exit with an error.
+heartbeat to go stale) and the job carries on. A worker that is still running but whose heartbeat has
+not moved for the heartbeat timeout (stopped with SIGSTOP, cut off, hung with the GIL held) is reported
+dead the same way and killed after a grace; so is one the members excluded from their epoch (stuck in a
+collective past its timeout) that does not exit by itself. So the launcher never waits on a process
+the job has given up on. The job ends when none of its own workers is still running and no member of
+the newest epoch is alive (joiners started elsewhere included, up to their heartbeat timeout). It
+succeeds (exit 0) if at least one worker finished training; the launcher itself is the single point of
+failure: if it dies, workers lose the store and exit with an error.
 The token comes from ISLANDS_TOKEN or is generated and written to RUN_DIR/token (mode 0600); it is
 never printed.
 
@@ -19,13 +23,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from islands.runtime.launch import LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free, stop_all
+from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free,
+                                    signal_worker, stop_all)
 from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Coordinator, JobSpec, Liveness, get_json,
                                         host_store)
 
@@ -93,12 +99,13 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
                        PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
             log = run_dir / "logs" / f"{name}.log"
             with open(log, "w") as f:
+                # its own session: Ctrl-C reaches the launcher only, which stops every worker and its children
                 proc = subprocess.Popen(command(address), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
-            started.append(WorkerProcess(rank, proc, log))
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            started.append(WorkerProcess(rank, proc, log, own_group=True))
         if on_started is not None:
             on_started(address, started, coordinator)
-        return _supervise(started, store, coordinator, job.heartbeat_timeout, out)
+        return _supervise(started, coordinator.store, coordinator, job.heartbeat_timeout, out)
     except KeyboardInterrupt:
         print("interrupted: stopping all workers", file=out)
         return 130
@@ -112,15 +119,20 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, he
                out) -> int:
     reported: set[int] = set()
     liveness = Liveness(store, heartbeat_timeout)
+    reaper = _Reaper(store, heartbeat_timeout, out)
     while True:
         for w in workers:
             code = w.proc.poll()
             if code is None or w.rank in reported:
                 continue
             reported.add(w.rank)
+            if w.own_group:  # what it left behind (a data loader worker) goes with it
+                signal_worker(w, signal.SIGKILL)
             coordinator.store.set(f"dead/w{w.rank}", "finished" if code == 0 else describe_exit(code))
             if code != 0:
-                print(f"islands: worker w{w.rank} left ({describe_exit(code)}); the others carry on", file=out)
+                print(f"islands: worker w{w.rank} left ({describe_exit(code)}); the others carry on", file=out,
+                      flush=True)
+        reaper.look([w for w in workers if w.rank not in reported])
         if len(reported) == len(workers) and _no_member_alive(store, liveness):
             break
         time.sleep(0.05)
@@ -130,6 +142,60 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, he
     first = workers[0]
     print(f"\nislands: every worker failed; last lines of {first.log}:\n{log_tail(first.log)}", file=out)
     return 1
+
+
+class _Reaper:
+    """Finds the launcher's own workers that run but are no longer part of the job, and kills them.
+
+    Silent: its heartbeat has not moved for the heartbeat timeout (the heartbeat is a thread of its own, so
+    a process merely busy still beats; a stopped, cut off or GIL-locked one does not). It is reported dead
+    at once (members exclude it without waiting for their own check), sent SIGTERM, and SIGKILLed after
+    KILL_GRACE (a stopped process acts on no other signal). Excluded: it was a member and the newest epoch
+    no longer lists it (its heartbeat may still beat: a main thread stuck past the collective timeout); it
+    gets the heartbeat timeout plus GRACE_SECONDS to notice and exit by itself (it raises Excluded at its
+    next collective), then the same SIGTERM, SIGKILL. A worker that reported itself finished (its heartbeat
+    stops there) is left to exit: a retired group can hold its exit up to its collective timeout."""
+
+    KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for a silent worker
+
+    def __init__(self, store, heartbeat_timeout: float, out):
+        self.store, self.timeout, self.out = store, heartbeat_timeout, out
+        self.liveness = Liveness(store, heartbeat_timeout)
+        self.members_seen: set[str] = set()
+        self.excluded_since: dict[str, float] = {}
+        self.termed: dict[str, float] = {}  # name -> when SIGTERM went out
+
+    def look(self, running: list[WorkerProcess]) -> None:
+        now = time.monotonic()
+        latest = int(self.store.get("latest")) if self.store.check(["latest"]) else 0
+        members = {m[1] for m in get_json(self.store, f"e/{latest}/members", [])}
+        self.members_seen |= members
+        beating = [f"w{w.rank}" for w in running if self.store.check([f"hb/w{w.rank}"])]  # started: not loading
+        silent = self.liveness.silent(beating)
+        for w in running:
+            name = f"w{w.rank}"
+            if self.store.check([f"dead/{name}"]) and self.store.get(f"dead/{name}") == b"finished":
+                continue  # it left the job itself (heartbeat stopped) and is exiting: bounded by its own timeout
+            if name in self.termed:
+                if now - self.termed[name] > self.KILL_GRACE and w.proc.poll() is None:
+                    signal_worker(w, signal.SIGKILL)
+                continue
+            if name in silent:
+                why = f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung)"
+            elif name in self.members_seen and members and name not in members:
+                since = self.excluded_since.setdefault(name, now)
+                if now - since < self.timeout + GRACE_SECONDS:
+                    continue
+                why = f"excluded from epoch {latest} by the members and still running"
+            else:
+                self.excluded_since.pop(name, None)
+                continue
+            if not self.store.check([f"dead/{name}"]):
+                self.store.set(f"dead/{name}", why)  # the members drop it now, not at their own timeout
+            print(f"islands: worker {name}: {why}; stopping it (SIGKILL after {self.KILL_GRACE:.0f} s)",
+                  file=self.out, flush=True)
+            signal_worker(w, signal.SIGTERM)
+            self.termed[name] = now
 
 
 def _no_member_alive(store, liveness: Liveness) -> bool:

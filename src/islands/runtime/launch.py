@@ -69,7 +69,8 @@ def log_tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _signal(w: WorkerProcess, sig: int) -> None:
+def signal_worker(w: WorkerProcess, sig: int) -> None:
+    """Send `sig` to a worker (its whole process group when it has one); nothing if it is gone."""
     try:
         if w.own_group:
             os.killpg(w.proc.pid, sig)
@@ -83,13 +84,13 @@ def stop_all(workers: list[WorkerProcess]) -> None:
     """SIGTERM every rank still running, SIGKILL what is left after GRACE_SECONDS."""
     for w in workers:
         if w.proc.poll() is None:
-            _signal(w, signal.SIGTERM)
+            signal_worker(w, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_SECONDS
     for w in workers:
         try:
             w.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            _signal(w, signal.SIGKILL)
+            signal_worker(w, signal.SIGKILL)
             w.proc.wait()
 
 
@@ -255,7 +256,7 @@ def _start(rank: int, argv: list[str], workers: int, placement: Placement, islan
 def _watch(w: WorkerProcess, exits: queue.Queue) -> None:
     w.proc.wait()
     if w.own_group:  # what the rank left behind (a data loader worker) goes with it; its pid was just reaped
-        _signal(w, signal.SIGKILL)
+        signal_worker(w, signal.SIGKILL)
     exits.put(w)
 
 

@@ -13,11 +13,17 @@ Everything goes through one torch.distributed TCPStore hosted by the launcher, s
   e/<e>/members          the members of epoch e: [[slot, name, shard], ...] sorted by slot
   ready/<name>           a joiner has built its model and strategy and waits to enter
   round/<r>/join         the joiners the members admit at the boundary after round r (compare-and-set)
-  hb/<name>              heartbeat counter;  dead/<name>  set by a supervisor when the process exits
+  hb/<name>              heartbeat count;  dead/<name>  set by a supervisor when the process exits or
+                         stops beating, or by the process itself when it finishes ("finished")
+  e/<e>/s/<seq>/ok/<name>, e/<e>/s/<seq>/done   one collective's per-member success and its verdict
+                         (islands.runtime.elastic); pg/<e>/...  gloo's rendezvous of epoch e's group
 The token itself never enters the store, a log or a file other than the one the user chose: only
-challenge-bound HMACs do, so replaying an old proof does not admit anyone. The store is
-unauthenticated (torch's TCPStore): the token keeps out processes that lack it, not an attacker who
-can inject traffic on the network; run elastic jobs on a private network.
+challenge-bound HMACs do, so replaying an old proof does not admit anyone. torch's TCPStore lets anyone
+who reaches its port write keys, so every value after the handshake is an authenticated envelope
+(islands.runtime.auth): "job" under a key derived from the token alone (it names the job's random id),
+everything else under a key derived from the token and that id, bound to its store key, its sender and a
+growing counter; the verdict carries an HMAC bound to the ticket's challenge. Members read through an
+AuthStore, to which forged, altered and replayed values are absent (docs/membership.md, "Security").
 """
 
 from __future__ import annotations
@@ -26,12 +32,17 @@ import datetime as _dt
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch.distributed as dist
+
+from islands.runtime.auth import AuthStore, ControlAuth
 
 PREFIX = "islands/"
 HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (JobSpec.heartbeat_timeout) is a multiple
@@ -41,6 +52,8 @@ JOB_ENDED_EXIT_CODE = 4  # `islands join`: the job finished before it admitted t
 ELASTIC_ENV = "ISLANDS_ELASTIC"  # HOST:PORT of the job's store; islands.init_world() joins the job there
 TOKEN_ENV = "ISLANDS_TOKEN"  # the job's secret (never printed or stored)
 NAME_ENV = "ISLANDS_NAME"  # this process's name in the job
+LAUNCHER = "launcher"  # the sender name of the launcher's (coordinator's and supervisor's) control messages
+TICKET_NAME_WAIT = 10.0  # seconds a taken ticket may stay without a name before the coordinator skips it
 
 
 class Refused(RuntimeError):
@@ -75,6 +88,7 @@ class JobSpec:
     config: dict | None = None
     script: tuple[str, ...] = ()
     cwd: str = ""
+    job_id: str = ""  # random per launch (the Coordinator draws it): scopes the control plane's MAC key
 
     def __post_init__(self):
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
@@ -89,18 +103,32 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps({"workers": self.workers, "heartbeat_timeout": self.heartbeat_timeout,
                            "timeout": self.timeout, "config": self.config, "script": list(self.script),
-                           "cwd": self.cwd})
+                           "cwd": self.cwd, "job_id": self.job_id})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "JobSpec":
         d = json.loads(text)
         return cls(workers=int(d["workers"]), heartbeat_timeout=float(d["heartbeat_timeout"]),
                    timeout=float(d["timeout"]), config=d.get("config"), script=tuple(d.get("script") or ()),
-                   cwd=d.get("cwd", ""))
+                   cwd=d.get("cwd", ""), job_id=d.get("job_id", ""))
+
+    def seal(self, token: str) -> bytes:
+        """The job record as the store holds it: signed under the token (what a joiner runs comes from it)."""
+        return ControlAuth(token, "job", LAUNCHER).seal("job", self.to_json())
 
     @classmethod
-    def read(cls, store, timeout_s: float = 30.0) -> "JobSpec":
-        return cls.from_json(wait_key(store, "job", timeout_s, "job description in the store"))
+    def read(cls, store, token: str, timeout_s: float = 30.0, name: str = "") -> "JobSpec":
+        """The job record from `store` (a raw client), verified with `token`. A record that does not verify
+        raises Refused; given `name`, the coordinator is asked first, so a wrong token gets its verdict
+        (and the launcher logs the refusal) rather than this process's guess."""
+        raw = wait_key(store, "job", timeout_s, "job description in the store")
+        opened = ControlAuth(token, "job", LAUNCHER).open("job", raw)
+        if not isinstance(opened, str):
+            return cls.from_json(opened[2])
+        if name:
+            ask_to_join(store, name, token, timeout_s)  # raises Refused("wrong token ...") when it is the token
+        raise Refused("the job record in the store does not verify with this token: it was written or altered "
+                      "by a process without it")
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.Store:
@@ -118,6 +146,13 @@ def host_store(port: int = 0, timeout_s: float = 30.0) -> tuple[dist.TCPStore, d
 
 def proof(token: str, name: str, challenge: str) -> str:
     return hmac.new(token.encode(), f"islands-join|{name}|{challenge}".encode(), hashlib.sha256).hexdigest()
+
+
+def verdict_mac(token: str, name: str, challenge: str, verdict: str) -> str:
+    """The coordinator's verdict, bound to the ticket's fresh challenge: a joiner trusts no admission it did
+    not get from a holder of the token, and an old verdict does not verify for a new challenge."""
+    return hmac.new(token.encode(), f"islands-verdict|{name}|{challenge}|{verdict}".encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def get_json(store, key: str, default=None):
@@ -146,27 +181,125 @@ def ask_to_join(store, name: str, token: str, timeout_s: float = 30.0) -> Admiss
     store.set(f"join/{ticket}/name", name)
     challenge = wait_key(store, f"join/{ticket}/challenge", timeout_s, "challenge from the coordinator").decode()
     store.set(f"join/{ticket}/proof", proof(token, name, challenge))
-    verdict = json.loads(wait_key(store, f"join/{ticket}/verdict", timeout_s, "verdict from the coordinator"))
-    if not verdict["admitted"]:
-        raise Refused(verdict["reason"])
-    return Admission(verdict["slot"], verdict["shard"], verdict["initial"])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            signed = json.loads(wait_key(store, f"join/{ticket}/verdict", timeout_s, "verdict from the coordinator"))
+        except ValueError:
+            signed = {}
+        body = signed.get("verdict", "") if isinstance(signed, dict) else ""
+        genuine = isinstance(body, str) and hmac.compare_digest(str(signed.get("mac", "")),
+                                                                verdict_mac(token, name, challenge, body))
+        verdict = json.loads(body) if genuine else {}
+        if genuine and verdict["admitted"]:
+            return Admission(verdict["slot"], verdict["shard"], verdict["initial"])
+        if genuine:
+            raise Refused(verdict["reason"])
+        # A verdict that does not verify: the coordinator's refusal of a wrong token (its MAC is under the
+        # right one) or a forgery. A refusal is believed (it admits nothing); an admission never is.
+        try:
+            claimed = json.loads(body)
+        except (TypeError, ValueError):
+            claimed = {}
+        if isinstance(claimed, dict) and claimed.get("admitted") is False:
+            raise Refused(str(claimed.get("reason", "refused")))
+        if time.monotonic() > deadline:
+            raise Refused("the admission verdict in the store does not verify with this token")
+        time.sleep(0.05)  # a forged one may still be overwritten by the coordinator's
+
+
+@dataclass
+class Session:
+    """What join_job returns: the authenticated store of a member, how it makes more clients, and its place."""
+
+    store: AuthStore
+    auth: ControlAuth
+    admission: Admission
+    job: JobSpec
+    new_client: Callable[[], AuthStore]
+    stores: list | None = None  # every AuthStore of this member (the main one, its heartbeat's, its threads')
+
+    def snapshot(self) -> dict:
+        """Values this member accepted and refused, over all its store clients (for its run record)."""
+        total: dict = {}
+        for store in self.stores or [self.store]:
+            for k, v in store.snapshot().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def accepted_digests(self) -> dict[str, list]:
+        """AuthStore.accepted_digests over all its store clients, the latest acceptance of each (audit mode)."""
+        out: dict[str, list] = {}
+        for store in self.stores or [self.store]:
+            for k, entry in (store.accepted_digests or {}).items():
+                if k not in out or entry[0] > out[k][0]:
+                    out[k] = entry
+        return out
+
+
+def authed(raw, auth: ControlAuth, log=None) -> AuthStore:
+    return AuthStore(raw, auth, log=log if log is not None else _stderr,
+                     audit=bool(os.environ.get(AUDIT_ENV)))
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+AUDIT_ENV = "ISLANDS_AUTH_AUDIT"  # set: AuthStores keep digests of what they accepted (control-plane experiment)
+
+
+def join_job(host: str, port: int, name: str, token: str, timeout_s: float = 30.0) -> Session:
+    """Admission (the token handshake) and the job record, then the member's authenticated store."""
+    raw = connect(host, port, timeout_s)
+    admission = ask_to_join(raw, name, token, timeout_s)
+    job = JobSpec.read(raw, token, timeout_s)
+    auth = ControlAuth(token, job.job_id, name)
+    stores = [authed(raw, auth)]
+
+    def new_client() -> AuthStore:
+        stores.append(authed(connect(host, port, timeout_s), auth))
+        return stores[-1]
+
+    return Session(stores[0], auth, admission, job, new_client, stores)
+
+
+def observe(address: str, token: str, timeout_s: float = 30.0) -> AuthStore:
+    """A verified view of a running job's store at HOST:PORT for a holder of its token that is not a member
+    (experiments and tests watching the job): it reads what members read and signs what it writes."""
+    host, port = parse_address(address)
+    raw = connect(host, port, timeout_s)
+    job = JobSpec.read(raw, token, timeout_s)
+    return authed(raw, ControlAuth(token, job.job_id, "observer"))
 
 
 class Heartbeat:
-    """A thread bumping hb/<name> every HEARTBEAT_INTERVAL on its own store connection."""
+    """A thread bumping hb/<name> every HEARTBEAT_INTERVAL on its own store connection. With `auth` each beat
+    is a signed count written through `new_client()` (an AuthStore; a replayed older beat is no progress to
+    a reader); without, a plain counter on a raw client of HOST:PORT."""
 
-    def __init__(self, host: str, port: int, name: str):
-        self.store = connect(host, port)
-        self.name = name
+    def __init__(self, host: str, port: int, name: str, auth: ControlAuth | None = None, new_client=None):
+        if new_client is not None:
+            self.store = new_client()
+        else:
+            self.store = connect(host, port) if auth is None else authed(connect(host, port), auth)
+        self.name, self.signed, self.count = name, auth is not None, 0
         self._stop = threading.Event()
-        self.store.add(f"hb/{name}", 1)
+        self.beat()
         self._thread = threading.Thread(target=self._run, name="islands-heartbeat", daemon=True)
         self._thread.start()
+
+    def beat(self) -> None:
+        self.count += 1
+        if self.signed:
+            self.store.set(f"hb/{self.name}", str(self.count))
+        else:
+            self.store.add(f"hb/{self.name}", 1)
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL):
             try:
-                self.store.add(f"hb/{self.name}", 1)
+                self.beat()
             except Exception:  # the store is gone: the job is over; the main thread will see it too
                 return
 
@@ -180,21 +313,51 @@ class Liveness:
 
     def __init__(self, store, timeout_s: float):
         self.store, self.timeout = store, timeout_s
-        self._seen: dict[str, tuple[int, float]] = {}
+        self._seen: dict[str, tuple[int, float]] = {}  # name -> (beat, when it was first seen)
+        self._unseen: dict[str, float] = {}  # name -> since when every look found a value that did not verify
+        self._looked: dict[str, float] = {}  # name -> when this Liveness last read its beat
 
     def gone(self, names) -> set[str]:
+        out = {name for name in names if self.store.check([f"dead/{name}"])}
+        return out | self.silent(set(names) - out)
+
+    def silent(self, names) -> set[str]:
+        """The names whose heartbeat has not moved for longer than the timeout (dead flags aside), as seen by
+        looks no further apart than half the timeout: the first look after a longer pause starts the watch
+        again. Through an AuthStore the store may hold an older genuine beat written back, or a forged one,
+        just when a member looks after a round without looking; it then reads a beat it saw long ago, which
+        says nothing about now. Members watch continuously while they wait in an exchange, the launcher
+        always. A look that found a value that does not verify (`fresh` False) neither refreshes nor
+        convicts; if every look fails that way for longer than the timeout the name counts as silent (its
+        beats cannot be seen: an overwrite faster than it beats denies service, docs/membership.md)."""
         now, out = time.monotonic(), set()
+        fresh = getattr(self.store, "fresh", None)
         for name in names:
-            if self.store.check([f"dead/{name}"]):
-                out.add(name)
+            key = f"hb/{name}"  # a signed count through an AuthStore, or a plain counter
+            present = self.store.check([key])
+            beat = int(self.store.get(key)) if present else 0
+            looked, self._looked[name] = self._looked.get(name), now
+            if looked is None or now - looked > self.timeout / 2:
+                self._seen[name] = (beat, now)  # (re)start the watch
+                self._unseen.pop(name, None)
                 continue
-            beat = self.store.add(f"hb/{name}", 0)
+            if fresh is not None and present and not fresh(key):  # fresh: what this get() found
+                since = self._unseen.setdefault(name, now)
+                if now - since > self.timeout:
+                    out.add(name)
+                continue
+            self._unseen.pop(name, None)
             last = self._seen.get(name)
             if last is None or last[0] != beat:
                 self._seen[name] = (beat, now)
             elif now - last[1] > self.timeout:
                 out.add(name)
         return out
+
+    def silent_for(self, name: str) -> float:
+        """Seconds since `name`'s heartbeat last moved, as this Liveness saw it (0 if never looked at)."""
+        last = self._seen.get(name)
+        return 0.0 if last is None else time.monotonic() - last[1]
 
 
 class Coordinator:
@@ -211,9 +374,14 @@ class Coordinator:
             raise ValueError("an elastic job needs a non-empty token")
         if not isinstance(job, JobSpec):
             raise TypeError(f"Coordinator takes the job's JobSpec; got {type(job).__name__}")
-        self.store, self._token, self.workers, self.log = store, token, job.workers, log
-        store.set("job", job.to_json())
+        job = job if job.job_id else replace(job, job_id=secrets.token_hex(16))
+        self.raw, self._token, self.workers, self.log, self.job = store, token, job.workers, log, job
+        self.auth = ControlAuth(token, job.job_id, LAUNCHER)
+        # the launcher's authenticated view: what it writes is signed, what it reads must verify
+        self.store = authed(store, self.auth, log)
+        store.set("job", job.seal(token))
         self.next_ticket = 1
+        self._nameless_since: float | None = None
         self.admitted: list[list] = []  # [slot, name, shard]
         self.open: dict[int, tuple[str, str, float]] = {}  # ticket -> (name, challenge, deadline)
         self.formed = False
@@ -236,28 +404,43 @@ class Coordinator:
         return int(self.store.get("latest")) if self.store.check(["latest"]) else 0
 
     def _loop(self) -> None:
+        said: set[str] = set()
         while not self._stop.wait(0.01):
             try:
                 self.poll()
-            except Exception as e:  # the store closed under us at shutdown
+            except dist.DistNetworkError as e:  # the store closed under us at shutdown
                 if not self._stop.is_set():
                     self.log(f"elastic coordinator: {e}")
                 return
+            except Exception as e:  # noqa: BLE001 - e.g. a key overwritten from outside: keep answering joiners
+                if str(e) not in said and not self._stop.is_set():
+                    said.add(str(e))
+                    self.log(f"elastic coordinator: {e}")
 
     def poll(self) -> None:
-        tickets = self.store.add("join/tickets", 0)
+        raw = self.raw  # the handshake's own keys: the proof and the verdict carry their own HMACs
+        tickets = raw.add("join/tickets", 0)
         while self.next_ticket <= tickets:
             t = self.next_ticket
-            if not self.store.check([f"join/{t}/name"]):
-                break  # its name is on the way
+            if not raw.check([f"join/{t}/name"]):
+                # its name is on the way; a ticket taken by a process that never names itself (a forged
+                # add to the counter) must not hold every later joiner back
+                now = time.monotonic()
+                self._nameless_since = self._nameless_since or now
+                if now - self._nameless_since < TICKET_NAME_WAIT:
+                    break
+                self.next_ticket += 1
+                self._nameless_since = None
+                continue
+            self._nameless_since = None
             challenge = secrets.token_hex(16)
-            self.open[t] = (self.store.get(f"join/{t}/name").decode(), challenge, time.monotonic() + 30)
-            self.store.set(f"join/{t}/challenge", challenge)
+            self.open[t] = (raw.get(f"join/{t}/name").decode(errors="replace"), challenge, time.monotonic() + 30)
+            raw.set(f"join/{t}/challenge", challenge)
             self.next_ticket += 1
         for t, (name, challenge, deadline) in list(self.open.items()):
-            if self.store.check([f"join/{t}/proof"]):
+            if raw.check([f"join/{t}/proof"]):
                 del self.open[t]
-                self._judge(t, name, challenge, self.store.get(f"join/{t}/proof").decode())
+                self._judge(t, name, challenge, raw.get(f"join/{t}/proof").decode(errors="replace"))
             elif time.monotonic() > deadline:
                 del self.open[t]
         if self.formed:
@@ -267,16 +450,17 @@ class Coordinator:
         if not hmac.compare_digest(given, proof(self._token, name, challenge)):
             self.refused += 1
             self.log(f"elastic: refused {name!r}: its token does not match this job's")
-            self._verdict(ticket, admitted=False, reason="wrong token: the join proof does not match this job's token")
+            self._verdict(ticket, name, challenge, admitted=False,
+                          reason="wrong token: the join proof does not match this job's token")
             return
         if any(a[1] == name for a in self.admitted):
-            self._verdict(ticket, admitted=False, reason=f"name {name!r} is already taken in this job")
+            self._verdict(ticket, name, challenge, admitted=False, reason=f"name {name!r} is already taken in this job")
             return
         slot = len(self.admitted)
         initial = not self.formed
         shard = slot if initial else self.shard_for(slot)
         self.admitted.append([slot, name, shard])
-        self._verdict(ticket, admitted=True, slot=slot, shard=shard, initial=initial)
+        self._verdict(ticket, name, challenge, admitted=True, slot=slot, shard=shard, initial=initial)
         if initial and len(self.admitted) == self.workers:
             self.store.set("e/0/members", json.dumps(self.admitted))
             self.formed = True
@@ -286,8 +470,10 @@ class Coordinator:
             self.store.set("pending", json.dumps(pending + [[slot, name, shard]]))
             self.log(f"elastic: admitted {name!r} (slot {slot}, shard {shard}); it joins at the next round")
 
-    def _verdict(self, ticket: int, **verdict) -> None:
-        self.store.set(f"join/{ticket}/verdict", json.dumps(verdict))
+    def _verdict(self, ticket: int, name: str, challenge: str, **verdict) -> None:
+        body = json.dumps(verdict)
+        self.raw.set(f"join/{ticket}/verdict",
+                     json.dumps({"verdict": body, "mac": verdict_mac(self._token, name, challenge, body)}))
 
     def shard_for(self, slot: int) -> int:
         members = get_json(self.store, f"e/{self.latest_epoch()}/members", [])

@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
-from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Refused, ask_to_join,
-                                        connect, parse_address)
+from islands.runtime.membership import ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, Refused, join_job, parse_address
 
 
 class LoneComm:
@@ -210,13 +209,13 @@ def join_elastic(address: str, name: str, token: str) -> World:
 
     Raises Refused (wrong token, name taken) before anything else starts."""
     host, port = parse_address(address)
-    store = connect(host, port)
-    admission = ask_to_join(store, name, token)
-    job = JobSpec.read(store)
-    comm = ElasticComm(store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout,
-                       collective_timeout=job.timeout, new_client=lambda: connect(host, port))
+    session = join_job(host, port, name, token)  # every store value after the handshake is authenticated
+    admission, job = session.admission, session.job
+    comm = ElasticComm(session.store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout,
+                       collective_timeout=job.timeout, new_client=session.new_client)
     comm.admission, comm.job = admission, job
-    comm.heartbeat = Heartbeat(host, port, name)
+    comm.control_plane = session  # its AuthStores' counts of accepted and refused values (run records)
+    comm.heartbeat = Heartbeat(host, port, name, auth=session.auth, new_client=session.new_client)
     world = elastic_world(comm, (admission.shard, job.workers))
     if admission.initial:
         comm.form(0, None)

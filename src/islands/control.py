@@ -1,0 +1,17 @@
+"""The elastic job's control plane and state transfer (public names; docs/membership.md).
+
+Membership store: connect(address, token, job) -> a member's view of the job, JobSpec (what a job is), Refused (a
+    join turned away), observe(address, token) (read a running job's membership without joining)
+Authentication (SOTA-930): ControlAuth (HMAC-SHA256 envelopes under the job token, per-sender counters against
+    replay), AuthStore (a torch Store whose forged, altered and replayed values read as absent), mac_payload (a MAC
+    over a tensor payload, for callers who authenticate their own bytes)
+Live recovery (SOTA-931): StateImage (a state cut into checksummed chunks), StateServer (serves one over TCP),
+    fetch_state(peers, ...) (a joiner pulls the chunks from every peer, refetching damaged ones), RecoveryError
+"""
+
+from islands.runtime.auth import AuthStore, ControlAuth, mac_payload
+from islands.runtime.membership import JobSpec, Refused, connect, observe
+from islands.runtime.recovery import RecoveryError, StateImage, StateServer, fetch_state
+
+__all__ = ["AuthStore", "ControlAuth", "JobSpec", "RecoveryError", "Refused", "StateImage", "StateServer", "connect",
+           "fetch_state", "mac_payload", "observe"]
