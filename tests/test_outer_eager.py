@@ -8,6 +8,7 @@ exchange in flight continues bitwise; the update formulas alone (one island); ba
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -220,3 +221,112 @@ def test_spec_strings_resolve():
 ])
 def test_bad_overlap_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
     assert_train_refuses(outer, words, tmp_path, capsys)
+
+
+# ---- floating buffers (BatchNorm) with fragments in flight ---------------------------------------------------------
+
+BN_SPEC = "streaming-diloco:inner_steps=4,fragments=2,bits=32,overlap=eager"  # cycles end at steps 4 and 8
+
+
+class _BNRun:
+    """A BatchNorm model under BN_SPEC, stepped by hand in the trainer's hook order."""
+
+    def __init__(self, world):
+        from islands.sync.outer import make_outer
+
+        torch.manual_seed(0)
+        self.world = world
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                         torch.nn.Linear(8, 3))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.strategy = make_outer(BN_SPEC)
+        self.strategy.wrap(self.model, self.opt, world)
+
+    def step(self, i: int) -> None:
+        g = torch.Generator().manual_seed(1000 * self.world.rank + i)
+        x = torch.randn(16, 6, generator=g) * (1 + self.world.rank)  # the islands' statistics differ
+        y = torch.randint(0, 3, (16,), generator=g)
+        torch.nn.functional.cross_entropy(self.model(x), y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.strategy.after_step(self.model, self.opt, i)
+
+    def floating(self, which: str) -> np.ndarray:
+        bufs = self.strategy.local_buffers if which == "local" else self.strategy.global_buffers
+        return torch.cat([b.reshape(-1) for b in bufs if b.is_floating_point()]).numpy().copy()
+
+
+def _bn(world) -> dict:
+    run = _BNRun(world)
+    s = run.strategy
+    waited = []
+    run_in_order = s.exchange.run
+    s.exchange.run = lambda fn: waited.append(run.strategy.clock) or run_in_order(fn)  # in_order: waits on the pool
+    local_at, global_at = {}, {}
+    for i in range(9):
+        run.step(i)
+        local_at[i + 1], global_at[i + 1] = run.floating("local"), run.floating("global")
+    in_flight = s.buffers_inflight is not None
+    snap = copy.deepcopy({"model": run.model.state_dict(), "opt": run.opt.state_dict(), "strategy": s.state_dict()})
+    waited_in_steps = list(waited)  # finish waits (it lands everything, then averages blocking): not counted
+    s.finish(run.model)
+    other = _BNRun(world)  # resumed from the snapshot taken with the buffers' average in flight
+    other.model.load_state_dict(snap["model"])
+    other.opt.load_state_dict(snap["opt"])
+    other.strategy.load_state_dict(snap["strategy"])
+    other.strategy.finish(other.model)
+    return {"waited": waited_in_steps, "local_at": local_at, "global_at": global_at, "in_flight": in_flight,
+            "final_local": run.floating("local"), "final_global": run.floating("global"),
+            "resumed_global": other.floating("global"), "params": s.global_flat.numpy().copy(),
+            "resumed_params": other.strategy.global_flat.numpy().copy()}
+
+
+@pytest.fixture(scope="module")
+def bn_ranks():
+    return run_world(_bn, size=2, islands=2)
+
+
+def test_cycle_end_does_not_wait_for_fragments_in_flight_to_average_buffers(bn_ranks):
+    for r in bn_ranks:
+        assert r["waited"] == []  # nothing went through in_order (which waits for every exchange in flight)
+        assert r["in_flight"]  # after step 9 the average started at step 8 is still out
+
+
+def test_buffer_average_lands_one_cycle_late_in_the_global_model(bn_ranks):
+    a, b = bn_ranks
+    started_at_4 = (a["local_at"][4] + b["local_at"][4]) / 2
+    assert np.abs(a["local_at"][4] - b["local_at"][4]).max() > 1e-3  # the islands' statistics differ
+    for r in bn_ranks:
+        assert np.array_equal(r["global_at"][4], r["global_at"][1])  # nothing landed at the first cycle end
+        assert np.allclose(r["global_at"][8], started_at_4, atol=1e-6)  # step 4's average, landed at step 8
+
+
+def test_finish_averages_buffers_everywhere_and_a_resume_with_them_in_flight_matches(bn_ranks):
+    a, b = bn_ranks
+    assert np.array_equal(a["final_global"], b["final_global"])
+    for r in bn_ranks:
+        assert np.array_equal(r["final_local"], r["final_global"])  # the islands adopted the average
+        assert r["resumed_global"].tobytes() == r["final_global"].tobytes()
+        assert r["resumed_params"].tobytes() == r["params"].tobytes()
+
+
+# ---- the utilisation bench's pure parts ------------------------------------------------------------------------------
+
+def test_utilisation_bench_splits_a_model_into_torchft_fragments_sharing_its_parameters():
+    from islands_bench.experiments.utilisation import torchft_fragments, utilisation_of
+    from islands_bench.experiments.utilisation_torchft_worker import fragments_of
+    from islands.models import ByteTransformer
+
+    model = ByteTransformer(d_model=16, n_layers=4, n_heads=2, context=8)
+    params = list(model.parameters())
+    parts = fragments_of(model, 4)
+    got = [p for part in parts for p in part.parameters()]
+    assert len(got) == len(params) and all(a is b for a, b in zip(got, params))  # the same objects, in order
+    sizes = [sum(p.numel() for p in part.parameters()) for part in parts]
+    assert max(sizes) < 2 * sum(sizes) / 4  # about equal
+    with pytest.raises(ValueError, match="fragments must be in 1.."):
+        fragments_of(model, len(params) + 1)
+    assert utilisation_of(1.0, 50.0) == pytest.approx(0.98)
+    with pytest.raises(ValueError, match="blocked <= wall"):
+        utilisation_of(60.0, 50.0)
+    assert [torchft_fragments(h, 4) for h in (20, 50, 16)] == [4, 5, 4]  # a divisor of H (torchft's rule) nearest 4

@@ -20,13 +20,24 @@ one-round-late outer step of LIT-907 (PCCL's async DiLoCo) with the island's own
 1 unless a test sets it) = 0 lands each exchange in the boundary that started it: bitwise plain DiLoCo.
 
 finish: land what is in flight, rebase each local fragment onto the new global (local = global + work since the last
-boundary, the stand-in dropped), then DiLoCo's blocking final sync of the fragments with work since. State: the in-flight results (DiLoCo's
-`inflight`, waited on at save) and `start_at` per fragment. Measured: docs/outer-strategies.md.
+boundary, the stand-in dropped), then DiLoCo's blocking final sync of the fragments with work since. The last round's
+exchange has no inner steps left to hide behind, so finish is where an overlapped run blocks: one exchange (plus
+however far the other islands are behind); with a compressor (topkq) that exchange is a few kB.
+
+Floating buffers (BatchNorm statistics): once per cycle their average starts behind the exchanges in flight and lands
+in the global model at the next cycle's end, one cycle late like the global parameters; waiting for it there instead
+would wait for every fragment still in flight (F > 1). The islands keep their own statistics until finish.
+State: the in-flight results (DiLoCo's `inflight`, waited on at save), `start_at` per fragment and the buffers'
+average in flight. Measured: docs/outer-strategies.md and the `utilisation` bench.
 """
 
 from __future__ import annotations
 
 import torch
+
+from islands.sync.outer.base import BUFFER_KIND
+from islands.sync.outer.exchange import Pending
+from islands.sync.outer.flat import FlatView
 
 OVERLAPS = ("none", "delayed", "eager")
 
@@ -42,6 +53,7 @@ class EagerOverlap:
             raise ValueError(f"overlap={self.overlap} is not supported in an elastic job yet (a member would join "
                              "with a round's exchange in flight); use overlap=none")
         self.start_at: dict[int, torch.Tensor] = {}  # fragment -> the local fragment at its last boundary
+        self.buffers_inflight: Pending | None = None  # the floating buffers' average started at the last cycle end
 
     def _start_of(self, p: int) -> torch.Tensor:
         lo, hi = self.bounds[p]
@@ -58,9 +70,7 @@ class EagerOverlap:
                 self._outer_step(p, entry[2].wait())
         plain = self.delay == 0 and self.fragments == 1
         if not plain and starting[-1] == self.fragments - 1:
-            # once per cycle, before this boundary's exchange starts (in_order runs behind the exchanges in
-            # flight: with F=1 none is; with F>1 the other fragments' may be, and this waits for them)
-            self.synced_buffers()
+            self._cycle_buffers()  # once per cycle, before this boundary's exchange starts
         for p in starting:
             self._boundary(p, done)
         if plain:
@@ -104,8 +114,39 @@ class EagerOverlap:
             moved.append(scratch[lo:hi])
         return self.global_flat[lo:hi] + (moved[0] - moved[1])
 
+    def _cycle_buffers(self) -> None:
+        """The buffer policy once per cycle without waiting: the floating buffers' average starts behind the
+        exchanges in flight and lands at the next cycle's end (or in finish) in the global model, one cycle late
+        like the parameters there; the islands keep their own running statistics until finish's blocking
+        synchronisation adopts the average. Blocking here instead (synced_buffers) would wait for every fragment
+        exchange in flight once per cycle when F > 1, for any model with floating buffers (BatchNorm)."""
+        floating = [b for b in self.local_buffers if b.is_floating_point()]
+        if self.delay == 0 or not floating or self.buffer_policy != "average" or self.comm.size == 1:
+            self.synced_buffers()  # nothing in flight (delay 0) or nothing to send: the blocking policy costs nothing
+            return
+        self._land_buffers()
+        flat, comm = FlatView(floating).read(), self.comm
+
+        def average() -> torch.Tensor:
+            comm.all_reduce(flat, kind=BUFFER_KIND)
+            return flat
+
+        self.buffers_inflight = self.exchange.submit(average)
+
+    def _land_buffers(self) -> None:
+        if self.buffers_inflight is None:
+            return
+        mean = self.buffers_inflight.wait().div(self.comm.size)
+        self.buffers_inflight = None
+        FlatView([b for b in self.global_buffers if b.is_floating_point()]).write(mean)
+        with torch.no_grad():  # integer buffers (num_batches_tracked): the island's own, as in synced_buffers
+            for own, glob in zip(self.local_buffers, self.global_buffers):
+                if not own.is_floating_point():
+                    glob.copy_(own)
+
     def _overlap_final(self) -> None:
         """Land what is in flight; each local fragment becomes global + the work since its last boundary."""
+        self._land_buffers()
         for p, _, pending in self.pending:
             self._outer_step(p, pending.wait())
         self.pending = []
@@ -116,7 +157,13 @@ class EagerOverlap:
         self.start_at = {}
 
     def _overlap_state(self) -> dict:
-        return {"start_at": {p: v.clone() for p, v in self.start_at.items()}}
+        state = {"start_at": {p: v.clone() for p, v in self.start_at.items()}}
+        if self.buffers_inflight is not None:  # waited on here, as the parameters' exchanges are at save
+            state["buffers_inflight"] = self.buffers_inflight.wait().clone()
+            self.buffers_inflight = Pending(value=state["buffers_inflight"])
+        return state
 
     def _load_overlap_state(self, state: dict) -> None:
         self.start_at = {int(p): v.to(torch.float32).clone() for p, v in state.get("start_at", {}).items()}
+        buffers = state.get("buffers_inflight")
+        self.buffers_inflight = Pending(value=buffers.to(torch.float32).clone()) if buffers is not None else None

@@ -121,6 +121,12 @@ class Exchange:
             return fn()
         return self._pool.submit(fn).result()
 
+    def submit(self, fn) -> Pending:
+        """fn() on the background thread, after every exchange started before (as run), without waiting for it."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="islands-outer")
+        return Pending(self._pool.submit(fn))
+
     def start(self, comm, flat: torch.Tensor, name: str = "params", base: torch.Tensor | None = None) -> Pending:
         """Begin mean() on a background thread; exchanges run one at a time, in call order."""
         if self._pool is None:
