@@ -19,6 +19,7 @@ from islands.checkpoint.checkpointer import Checkpointer
 from islands.data.batches import BatchError
 from islands.loop import (Callback, Checkpointing, Constant, Evaluate, Progress, RunRecord, Task, Trainer,
                           WarmupCosine, evaluate)
+from islands.runtime import simulate  # M islands in one process (islands.runtime.simulate)
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.world import World, close_world, init_world
 from islands.sync.base import NoOp, Strategy
@@ -28,4 +29,4 @@ from islands.version import __version__
 __all__ = ["BatchError", "Callback", "Checkpointer", "Checkpointing", "Comm", "CommLedger", "Constant", "Evaluate",
            "NoOp", "Progress", "RunRecord", "Stack", "Strategy", "Task", "Trainer", "WarmupCosine", "World",
            "__version__", "close_world", "compress", "control", "evaluate", "init_world", "inner", "observe", "optim", "outer",
-           "robust"]
+           "robust", "simulate"]

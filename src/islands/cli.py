@@ -45,6 +45,9 @@ _HELP = {
     "outer.strategy": "outer strategy across islands, e.g. diloco:inner_steps=100",
     "inner.compressor": "gradient compressor spec, e.g. powersgd:rank=4", "inner.aggregator": "aggregator spec, e.g. median",
     "inner.attack": "rehearse an attack, e.g. sign-flip:count=2", "world.testbed": "run workers inside this network testbed",
+    "world.slowdown": "make islands compute slower, e.g. 1=2.0 (island 1 at half speed) or rank3=1.5",
+    "world.simulate": "run the islands (one worker each) as threads of this process on one device, with the real "
+                      "strategy code (docs/simulate.md)",
     "train.global_batch": "sequences per step over all workers", "world.timeout": "collective timeout in seconds",
     "inner.overlap": "with a compressor: compress each DDP bucket on a worker thread while backward goes on "
                      "(default), or inside the hook on the autograd thread",

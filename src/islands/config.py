@@ -80,6 +80,8 @@ class WorldConfig:
     port: int = 0  # rendezvous port; 0 = pick a free one
     testbed: str = ""  # run each worker inside a host of this network testbed
     probe: bool = True  # measure the interconnect at start
+    slowdown: str = ""  # e.g. "1=2.0": island 1 computes 2x slower (rank3=1.5: one rank); islands.faults.slowdown
+    simulate: bool = False  # the islands as threads of ONE process on one device (islands.simulate, docs/simulate.md)
 
 
 @dataclass
@@ -205,6 +207,7 @@ FLAT: dict[str, str] = {
     "eval_batches": "train.eval_batches", "log_every": "train.log_every",
     "workers": "world.workers", "islands": "world.islands", "threads": "world.threads", "device": "world.device",
     "timeout": "world.timeout", "port": "world.port", "testbed": "world.testbed", "probe": "world.probe",
+    "slowdown": "world.slowdown", "simulate": "world.simulate",
     "inner": "inner.strategy", "compress": "inner.compressor", "aggregate": "inner.aggregator",
     "attack": "inner.attack", "bucket_mb": "inner.bucket_mb", "hook_overlap": "inner.overlap", "wrap": "inner.wrap",
     "reshard": "inner.reshard", "prefetch": "inner.prefetch", "shard_group": "inner.shard_group",

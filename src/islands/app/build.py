@@ -25,11 +25,13 @@ from islands.compress.registry import COMPRESSORS
 from islands.config import JobConfig
 from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
+from islands.faults.slowdown import parse_slowdown, slow_step
 from islands.faults.roles import LabelFlip
 from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord
 from islands.loop.schedule import WarmupCosine
 from islands.loop.task import Task
 from islands.loop.trainer import Trainer
+from islands.memory.recompute import enable_activation_checkpointing
 from islands.memory.sizer import MB, batches_like, plan_micro_batch, synthetic_batches
 from islands.memory.step import ForwardBackward
 from islands.observe import JsonLines, Logging, build_loggers
@@ -132,13 +134,7 @@ def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer |
     wraps the model: the sizer runs it alone (every rank measures the same shapes, so picks the same size)."""
     m, model = cfg.memory, task.model
     if m.activation_checkpointing:
-        if hasattr(model, "set_activation_checkpointing"):
-            model.set_activation_checkpointing(len(model.blocks))  # one segment per block (islands.memory.recompute)
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()  # a transformers model's own
-        else:
-            raise ValueError(f"activation_checkpointing: {type(model).__name__} has neither islands' "
-                             "set_activation_checkpointing nor transformers' gradient_checkpointing_enable")
+        enable_activation_checkpointing(model)  # islands' blocks, or a transformers model's own (non-reentrant)
     if not m.budget_mb:
         return ForwardBackward(m.micro_batch, m.precision)
     if cfg.task.name in ("lm", "digits"):
@@ -194,6 +190,8 @@ def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, cal
     model = task.model.to(world.device)
     optimizer = build_optimizer_for(cfg, model, world)
     step_fn = build_step_fn(cfg, task, optimizer, world)
+    if cfg.world.slowdown:  # a slower host rehearsed on this one: this process sleeps its share after each step
+        step_fn = slow_step(step_fn, parse_slowdown(cfg.world.slowdown), world.rank, world.island)
     strategy = build_strategy(cfg, world, task, run_dir)
     pipeline = cfg.inner_strategy == "pipeline"  # the pipeline clips by the norm over all stages itself
     return Trainer(model, optimizer, task.loss_fn, task.train_data, task.val_data, strategy=strategy, world=world,

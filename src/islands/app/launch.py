@@ -11,7 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from islands.app.build import run_job
 from islands.config import JobConfig, dump_json
+from islands.runtime import simulate
 from islands.runtime.elastic_launch import launch_elastic_workers
 from islands.runtime.launch import Placement, run_ranks
 from islands.runtime.membership import JobSpec
@@ -26,6 +30,8 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     islands.runtime.launch.LaunchError (a busy port, a testbed that does not exist) before any worker starts."""
     if cfg.elastic.enabled:  # workers may die and join (docs/membership.md)
         return launch_elastic(cfg, run_dir, out)
+    if cfg.world.simulate:  # the islands as threads of this process (docs/simulate.md)
+        return launch_simulated(cfg, run_dir, out)
     world = cfg.world
     placement = Placement.on_testbed(world.testbed, world.port) if world.testbed else Placement.loopback(world.port)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -37,6 +43,22 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     if code == 0 and placement.testbed is not None:
         _record_wire_bytes(run_dir, placement.testbed, before)
     return code
+
+
+def launch_simulated(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
+    """The job's islands as threads of this process on one device (islands.runtime.simulate): each runs the same
+    worker body as a process would; rank 0 writes run.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_json(cfg, run_dir / "config.json")
+    gpu = cfg.world.device == "cuda" or (cfg.world.device == "auto" and torch.cuda.is_available())
+    device = "cuda" if gpu else "cpu"
+    try:  # an island waits for up to M-1 others' steps in turn: never less than the simulation's own timeout
+        simulate.run(lambda world: run_job(cfg, world, run_dir), islands=cfg.world.islands, device=device,
+                     timeout_s=max(cfg.world.timeout, simulate.DEFAULT_TIMEOUT_S))
+    except RuntimeError as e:
+        print(f"islands: {e}", file=out, flush=True)
+        return 1
+    return 0
 
 
 def _wire_counters(testbed: Testbed | None) -> list[tuple[int, int]] | None:

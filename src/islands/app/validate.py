@@ -24,6 +24,7 @@ from islands.config import ConfigError, JobConfig
 from islands.data.batches import compute_loss
 from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
+from islands.faults.slowdown import check_slowdown, parse_slowdown
 from islands.memory.step import check_precision
 from islands.observe.backends import missing_packages, parse_logger_names
 from islands.parallel.pipeline.chooser import divisors
@@ -98,6 +99,8 @@ def device_has_gpus(cfg: JobConfig) -> str | None:
         return None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.workers))  # torchrun sets it per host
+    if cfg.world.simulate:
+        local = 1  # every simulated island on the one device
     if gpus < local:
         return (f"world.device=cuda needs one GPU per local worker: workers={cfg.world.workers}, {gpus} CUDA "
                 f"device(s) visible; use world.device=cpu or auto")
@@ -169,6 +172,42 @@ def specs(cfg: JobConfig) -> str | None:
         if warm >= cfg.train.steps:
             return (f"outer warm_start ({warm}) must be < train.steps ({cfg.train.steps}) so that some steps are "
                     "left for the outer rounds")
+    return None
+
+
+def slowdown(cfg: JobConfig) -> str | None:
+    """world.slowdown names islands and ranks the job has; the pipeline runs its own step, which is not slowed."""
+    if not cfg.world.slowdown:
+        return None
+    parsed = parse_slowdown(cfg.world.slowdown)
+    check_slowdown(parsed, cfg.world.islands, cfg.world.workers)
+    if parsed and cfg.inner_strategy == "pipeline":
+        return "world.slowdown slows the forward and backward step, which inner.strategy=pipeline runs itself; drop one"
+    return None
+
+
+def adaptive_rounds(cfg: JobConfig) -> str | None:
+    """DiLoCo adapt=speed|deadline lets a slower island skip counted steps to its round's end: every collective keyed
+    on the step count (checkpoint saves) must fall on round ends, multiples of H."""
+    if cfg.outer.strategy is None:
+        return None
+    spec = parse_outer(cfg.outer.strategy)
+    if spec.params.get("adapt", "none") == "none":
+        return None
+    h, c = spec.params["inner_steps"], cfg.checkpoint
+    warm = spec.params.get("warm_start", 0)
+    if warm % h and (c.every or c.memory_every or c.remote_every):
+        return (f"outer adapt={spec.params['adapt']} with checkpoints: warm_start ({warm}) must be a multiple of "
+                f"inner_steps ({h}) so that round ends fall on checkpoint steps")
+    if c.policy is not None:
+        return (f"outer adapt={spec.params['adapt']} needs checkpoint intervals that are multiples of inner_steps "
+                f"({h}); checkpoint.policy chooses them at run time: give checkpoint.every instead")
+    for key in ("every", "memory_every", "remote_every"):
+        if getattr(c, key) % h:
+            return (f"outer adapt={spec.params['adapt']}: checkpoint.{key}={getattr(c, key)} must be a multiple of "
+                    f"inner_steps ({h}), where every island is at a round's end; e.g. {h * max(1, getattr(c, key) // h)}")
+    if cfg.elastic.enabled:
+        return f"outer adapt={spec.params['adapt']} is not supported with elastic membership yet; use adapt=none"
     return None
 
 
@@ -330,6 +369,28 @@ def checkpointing(cfg: JobConfig) -> str | None:
     return None
 
 
+def simulated(cfg: JobConfig) -> str | None:
+    """world.simulate: the islands are threads of one process (islands.simulate), one worker each, no network."""
+    w, c = cfg.world, cfg.checkpoint
+    if not w.simulate:
+        return None
+    if w.workers != w.islands:
+        return (f"world.simulate runs one worker per island: set workers={w.islands} (= islands) or islands="
+                f"{w.workers}; got workers={w.workers}, islands={w.islands}")
+    clash = [f"{key}={value!r}" for key, value, off in (
+        ("elastic", cfg.elastic.enabled, False), ("testbed", w.testbed, ""), ("checkpoint.every", c.every, 0),
+        ("checkpoint.memory_every", c.memory_every, 0), ("checkpoint.remote_every", c.remote_every, 0),
+        ("checkpoint.policy", c.policy, None), ("resume", c.resume, "")) if value != off]
+    if cfg.inner_strategy not in ("auto", "single", "ddp"):
+        clash.append(f"inner.strategy={cfg.inner_strategy}")
+    if _communicates(cfg):
+        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")
+    if clash:
+        return (f"world.simulate does not yet combine with {', '.join(clash)}: the simulation has no network, no "
+                f"process group for checkpoints or an inner strategy; drop them, or run real processes")
+    return None
+
+
 def elastic(cfg: JobConfig) -> str | None:
     """Elastic mode: an outer strategy with one worker per island (docs/membership.md)."""
     if not cfg.elastic.enabled:
@@ -405,9 +466,11 @@ def hf_task(cfg: JobConfig) -> str | None:
 
 RULES: list[tuple[str, Callable[[JobConfig], str | None]]] = [
     ("choices", choices), ("positive", positive), ("device has GPUs", device_has_gpus), ("shapes", shapes),
-    ("data", data), ("testbed", testbed), ("specs", specs), ("optimizer and exchange", optimizer_exchange),
+    ("data", data), ("testbed", testbed), ("specs", specs), ("slowdown", slowdown),
+    ("adaptive rounds", adaptive_rounds), ("optimizer and exchange", optimizer_exchange),
     ("islands need an outer strategy", islands_need_outer), ("sharding", sharding), ("memory", memory),
-    ("pipeline", pipeline), ("checkpointing", checkpointing), ("elastic", elastic), ("loggers", loggers),
+    ("pipeline", pipeline), ("checkpointing", checkpointing), ("simulated islands", simulated), ("elastic", elastic),
+    ("loggers", loggers),
     ("user task", user_task), ("hf-causal-lm task", hf_task),
 ]
 

@@ -9,6 +9,7 @@ Each step, read top to bottom:
 
     batch -> strategy.on_batch -> forward + backward (micro-batches, precision: islands.memory.step)
           -> strategy.after_backward -> clip -> optimizer.step -> zero_grad -> strategy.after_step
+          -> step = strategy.next_step(step + 1)   (step + 1, unless the rounds let this island skip ahead)
 
 and after the last step `strategy.finish` (the final synchronisation), then the callbacks' on_fit_end
 (final evaluation, final checkpoint, run record). The loop never knows which strategy runs; a strategy
@@ -135,6 +136,9 @@ class Trainer:
         self.strategy.after_step(self.model, self.optimizer, step)
         self.sync_seconds += time.perf_counter() - t  # the loop blocked on the outer strategy
         self.step += 1
+        skip = getattr(self.strategy, "next_step", None)  # a slower island may skip to its round's end (not the run's)
+        if skip is not None:
+            self.step = max(self.step, min(int(skip(self.step)), self.total_steps))
         return float(loss)
 
     # ---- the loop -------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ See docs/memory.md.
 """
 
 from islands.memory.accounting import SavedTensorMeter, StateBytes, state_bytes
-from islands.memory.recompute import run_checkpointed, sqrt_segments, split_segments
+from islands.memory.recompute import enable_activation_checkpointing, run_checkpointed, sqrt_segments, split_segments
 from islands.memory.sizer import MemoryPlan, activation_peak, plan_micro_batch, synthetic_batches
-from islands.memory.step import ForwardBackward
+from islands.memory.step import ForwardBackward, resolve_precision
 
-__all__ = ["SavedTensorMeter", "StateBytes", "state_bytes", "run_checkpointed", "sqrt_segments", "split_segments",
-           "MemoryPlan", "activation_peak", "plan_micro_batch", "synthetic_batches", "ForwardBackward"]
+__all__ = ["SavedTensorMeter", "StateBytes", "state_bytes", "enable_activation_checkpointing", "run_checkpointed",
+           "sqrt_segments", "split_segments", "MemoryPlan", "activation_peak", "plan_micro_batch", "synthetic_batches",
+           "ForwardBackward", "resolve_precision"]

@@ -50,3 +50,36 @@ def run_checkpointed(layers: Sequence, x: torch.Tensor, segments: int) -> torch.
     for group in split_segments(layers, segments):
         x = checkpoint(_run, group, x, use_reentrant=True)
     return x
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> str:
+    """Switch activation checkpointing on for `model`; returns how: "islands" or "transformers".
+
+    islands' own models (`set_activation_checkpointing`): one segment per block. A transformers PreTrainedModel
+    that supports it: its own `gradient_checkpointing_enable` (`activation_checkpointing_enable` from transformers 5
+    on), which checkpoints each decoder layer where the model knows its layer boundaries and arguments (attention
+    masks, position ids, caches), in the NON-reentrant form: it needs no input that requires grad (the reentrant
+    form does, so transformers then forces the embedding's output to require one), it passes keyword arguments
+    through, and it works inside DDP's no_sync and with parameters a step leaves unused (the reentrant form
+    runs its own backward, which DDP's hooks do not expect). Its saved tensors are hidden from an outer
+    saved_tensors_hooks, so islands.memory.accounting sees the segment inputs only, not the recomputation. The
+    model's KV cache is switched off (`config.use_cache = False`): a cache is incompatible with recomputation and
+    training never reads it. Anything else is a ValueError naming what would work."""
+    if hasattr(model, "set_activation_checkpointing") and hasattr(model, "blocks"):
+        model.set_activation_checkpointing(len(model.blocks))
+        return "islands"
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5 on (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if getattr(model, "config", None) is not None:
+            model.config.use_cache = False
+        return "transformers"
+    if hasattr(model, "gradient_checkpointing_enable"):
+        raise ValueError(f"activation_checkpointing: {type(model).__name__} is a transformers model whose class "
+                         "does not support gradient checkpointing (supports_gradient_checkpointing is False)")
+    raise ValueError(f"activation_checkpointing: {type(model).__name__} has neither islands' "
+                     "set_activation_checkpointing nor transformers' gradient_checkpointing_enable; wrap its blocks "
+                     "with torch.utils.checkpoint yourself, or turn activation_checkpointing off")

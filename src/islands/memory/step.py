@@ -8,7 +8,9 @@ strategies see one gradient per step, as without accumulation.
 
 Precision (SOTA-118): "bf16" runs the forward under autocast to bfloat16. Parameters, gradients and
 optimizer state stay fp32 (the master copy); matmuls and the activations they save are bf16. The loss is
-taken in fp32 from upcast logits.
+taken in fp32 from upcast logits. "auto" is bf16 on a CUDA device that has bf16 arithmetic and fp32 elsewhere:
+on a CPU, bf16 autocast is slower than fp32 where there are no bf16 matrix units and saves memory nobody is short
+of, and the CPU tests compare runs bit for bit in fp32 (resolve_precision; issue #18).
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from islands.data.batches import compute_loss, size as batch_size, split
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "auto": None}  # auto: resolve_precision on the model's device
 
 
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """"auto" -> "bf16" on a CUDA device with bf16 support, else "fp32"; fp32 and bf16 stay as they are."""
+    check_precision(precision)
+    if precision != "auto":
+        return precision
+    device = torch.device(device)
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
 class ForwardBackward:
@@ -44,10 +55,13 @@ class ForwardBackward:
         self.micro_batch = micro_batch
         self.precision = precision
         self.plan = None  # the sizer's MemoryPlan when a memory budget chose micro_batch (islands.memory.build)
+        self.resolved: str | None = None  # what "auto" became on the model's device (set by the first step)
 
     def record(self) -> dict:
         """What the run record keeps about this step's memory settings."""
         out = {"micro_batch": self.micro_batch, "precision": self.precision}
+        if self.precision == "auto" and self.resolved is not None:
+            out["precision_resolved"] = self.resolved
         if self.plan is not None:
             out["plan"] = self.plan.as_dict()
         return out
@@ -59,10 +73,12 @@ class ForwardBackward:
         return [size] * full + ([rest] if rest else [])
 
     def loss(self, model: torch.nn.Module, batch, loss_fn: Callable | None, explain: bool = False) -> torch.Tensor:
-        dtype = PRECISIONS[self.precision]
+        device = next(iter(model.parameters())).device
+        if self.precision == "auto":
+            self.resolved = resolve_precision("auto", device)
+        dtype = PRECISIONS[self.resolved if self.precision == "auto" else self.precision]
         if dtype is None:
             return compute_loss(model, batch, loss_fn, explain)[0]
-        device = next(iter(model.parameters())).device
         with torch.autocast(device_type=device.type, dtype=dtype):
             return compute_loss(model, batch, _upcast(loss_fn), explain)[0]
 

@@ -7,9 +7,10 @@ A strategy never owns the loop. The loop calls, in order, every step:
     strategy.after_backward(model, step)                gradients exist, optimizer not yet stepped
     optimizer.step()
     strategy.after_step(model, optimizer, step)         parameters updated locally
-and, once after the last step, `strategy.finish(model)`: the final synchronisation (a local-update
-strategy folds every island's unsynchronised work into the global model; nothing needs the total step
-count up front). `state_dict()` / `load_state_dict()` are for checkpoints. `eval_model(model)` returns
+then the loop's step count becomes `strategy.next_step(step + 1)` where a strategy has it (one whose
+rounds let a slower island skip counted steps), and, once after the last step, `strategy.finish(model)`:
+the final synchronisation (a local-update strategy folds every island's unsynchronised work into the
+global model; nothing needs the total step count up front). `state_dict()` / `load_state_dict()` are for checkpoints. `eval_model(model)` returns
 the model to evaluate and export, parameters and buffers (for local-update strategies, the last
 synchronised global model).
 
@@ -69,6 +70,11 @@ class NoOp:
 
     def finish(self, model):
         pass
+
+    def next_step(self, done: int) -> int:
+        """The step count the loop continues from after `done` steps: `done`, unless the strategy's rounds skip
+        counted steps (DiLoCo adapt=speed|deadline: a slower island jumps to the round's end after its exchange)."""
+        return done
 
     def eval_model(self, model):
         return model

@@ -71,6 +71,10 @@ class Stack(NoOp):
         for s in self._parts():
             s.finish(model)
 
+    def next_step(self, done: int) -> int:
+        skip = getattr(self.outer, "next_step", None)  # the outer strategy's rounds decide (DiLoCo adapt=...)
+        return skip(done) if skip is not None else done
+
     def eval_model(self, model):
         for s in reversed(self._parts()):
             model = s.eval_model(model)

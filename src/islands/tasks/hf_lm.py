@@ -23,6 +23,12 @@ source), split the same way, each rank tokenising its own shard of the training 
 rank and later run, and read as memory-mapped windows sharded per rank (islands.data.token_cache). Either way the
 loader's position is checkpointed, so a resumed run reads exactly the next batch. Batches are (ids, next ids) and
 the loss is cross-entropy on the model's logits, exactly as transformers' own shifted-label loss computes it.
+
+Precision and memory (issue #18): the task's precision is "auto", bf16 autocast on a CUDA device and plain fp32
+on the CPU (islands.memory.step.resolve_precision; `--precision auto` on the command line, or
+`ForwardBackward(precision=task.precision)` from Python), the parameters and optimizer state fp32 either way.
+`activation_checkpointing` switches on the model's own gradient checkpointing, non-reentrant
+(islands.memory.recompute.enable_activation_checkpointing).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from islands.data.token_cache import ArrayWindows, fixed_val_windows, tokenise_o
 from islands.data.tokenized import text_shard, token_windows
 from islands.loop.task import Task
 from islands.models import sequence_loss
+from islands.runtime import simulate
 from islands.spec import POSITIONAL, SpecError, parse
 from islands.tasks.builtin import Sharded
 from islands.tasks.user import TaskError
@@ -55,6 +62,7 @@ TOKENIZERS = ("auto", "bpe", "byte")  # or a path to a tokenizer.json / a direct
 TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "hf_config.json"  # the model's resolved transformers config, in the run directory
 BPE_SAMPLE_CHARS = 100_000_000  # a BPE trained on documents learns from at most this much of their text
+PRECISION = "auto"  # SOTA-118: bf16 matmuls with fp32 master weights on a GPU; fp32 on a CPU (no bf16 units to gain)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -65,6 +73,7 @@ class HFTask(Task):
 
     tokenizer: Any = None
     hf_config: Any = None
+    precision: str = "auto"  # bf16 autocast on CUDA, fp32 on the CPU (PRECISION)
 
 
 # ---- the model's config -------------------------------------------------------------------------------
@@ -260,6 +269,9 @@ def _encode(kind: str, tok, data: np.ndarray | bytes) -> np.ndarray:
 
 
 def _is_rank0() -> bool:
+    island = simulate.current_island()  # islands simulated in one process share torch.distributed's state
+    if island is not None:
+        return island == 0
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -387,7 +399,7 @@ def hf_causal_lm(model: str = "gpt2", model_overrides: str | dict = "", tokenize
             _encode(kind, tok, text_shard(data_bytes.train, shard, shards)), context, batch_size, shard, seed))
     return HFTask(net, sequence_loss, train, val, batch_size=batch_size, tokens_per_sample=context,
                   classes=embedding_rows(config), name=NAME, data_source=f"{corpus.describe()}; tokenizer: {how}",
-                  tokenizer=tok, hf_config=config)
+                  tokenizer=tok, hf_config=config, precision=PRECISION)
 
 
 def check(model: str = "gpt2", model_overrides: str = "", tokenizer: str = "auto", vocab_size: int = 512,

@@ -14,18 +14,23 @@ fragments, fragment p starting its exchange at steps (p+1)*H/F + k*H, the exchan
 steps later while inner steps continue, and the landed global fragment merged into the local one.
 Plain DiLoCo is the case F = 1, tau = 0, fp32 payloads. overlap=delayed|eager (eager.py) delays each exchange by
 a whole round instead: it runs during all H inner steps of the next round and lands with a staleness correction.
+adapt=speed|deadline (adaptive.py) lets islands of different speeds take different numbers of inner steps per round
+(speed-adaptive H, or a wall-clock deadline) and weighs their deltas by the samples behind them.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from islands.aggregate.base import Aggregator
+from islands.aggregate.coordinate import Mean
 from islands.compress.base import Compressor
+from islands.sync.outer.adaptive import ADAPTS, AdaptiveRounds
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.eager import OVERLAPS, EagerOverlap
 from islands.sync.outer.exchange import Exchange, Pending
@@ -37,7 +42,7 @@ from islands.sync.outer.quant4 import Quant4
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class DiLoCo(EagerOverlap, OuterStrategy):
+class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
     name = "diloco"
 
     def __init__(self, inner_steps: int = 100, outer: str | OuterOptimizer = DEFAULT_OUTER,
@@ -46,7 +51,7 @@ class DiLoCo(EagerOverlap, OuterStrategy):
                  compressor: Compressor | None = None, aggregator: Aggregator | None = None,
                  fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: Quant4 | None = None,
                  lr_scale: str = "none", landing: str = "mix", outer_schedule: str = "constant",
-                 overlap: str = "none"):
+                 overlap: str = "none", adapt: str = "none", deadline: float = 0.0):
         """`inner_steps` H: inner optimizer steps per round. `outer`: the outer optimizer, nesterov | sgd (heavy
         ball, or plain with momentum=0) | primal, or an object with step(params, delta, lo, hi, lr_scale)
         (islands.outer.OuterSGD, PrimalAveraging); `outer_lr` (default sqrt(2), the best measured; LIT-212: 0.7),
@@ -59,13 +64,33 @@ class DiLoCo(EagerOverlap, OuterStrategy):
         exchange). `outer_schedule`: constant | inner (the outer lr follows the inner optimizer's lr). `overlap`: none |
         delayed | eager: each exchange runs during all H inner steps of the next round (per fragment) and lands
         one round late, as is (delayed) or after an eager stand-in step on the island's own delta (eager.py);
-        it replaces tau (tau, merge and landing apply to overlap=none)."""
+        it replaces tau (tau, merge and landing apply to overlap=none). `adapt`: none | speed | deadline: islands of
+        different speeds take different inner steps per round and their deltas are weighted by samples (adaptive.py;
+        speed: the fastest island takes H steps, the others in proportion to their measured speed; deadline: each
+        island steps until a wall-clock budget per round runs out); `deadline`: adapt=deadline's budget in seconds
+        (0: the fastest island's measured time for H steps)."""
         super().__init__()
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}; got {overlap!r}")
         if overlap != "none" and sync_inner_state:
             raise ValueError("sync_inner_state needs overlap=none (plain DiLoCo)")
         self.overlap = overlap
+        if adapt not in ADAPTS:
+            raise ValueError(f"adapt must be one of {', '.join(ADAPTS)}; got {adapt!r}")
+        if not (deadline >= 0 and math.isfinite(deadline)):
+            raise ValueError(f"deadline must be >= 0 seconds (0: the fastest island's time for H steps); got {deadline}")
+        if deadline > 0 and adapt != "deadline":
+            raise ValueError(f"deadline={deadline} applies to adapt=deadline only; got adapt={adapt!r}")
+        if adapt != "none":
+            clash = [f"{k}={v}" for k, v, plain in (("fragments", fragments, 1), ("tau", tau, 0), ("overlap", overlap, "none"),
+                                                    ("sync_inner_state", bool(sync_inner_state), False)) if v != plain]
+            if clash:
+                raise ValueError(f"adapt={adapt} runs plain DiLoCo rounds (fragments=1, tau=0, overlap=none, "
+                                 f"sync_inner_state=0); drop {', '.join(clash)}")
+            if aggregator is not None and not isinstance(aggregator, Mean):
+                raise ValueError(f"adapt={adapt} weighs each island's delta by its samples; a robust aggregator has no "
+                                 "such weights: drop aggregator= or use adapt=none")
+        self.adapt, self.deadline = adapt, float(deadline)
         if overlap != "none":
             tau = 0  # the exchange lands a whole round later instead
         if outer_schedule not in ("constant", "inner"):
@@ -101,13 +126,27 @@ class DiLoCo(EagerOverlap, OuterStrategy):
         # it, so the lr seen here is the reference the inner schedule is measured against.
         self.base_lr = float(self.optimizer.param_groups[0]["lr"])
         self._overlap_setup()
+        if self.adapt != "none":
+            self._adapt_setup(self._world)
 
     def starting(self, done: int) -> list[int]:
         """Fragments whose exchange starts after `done` steps (the schedule, without the final flush)."""
         return [p for p, o in enumerate(self.offsets) if done >= o and (done - o) % self.inner_steps == 0]
 
+    def wrap(self, model, optimizer, world):
+        self._world = world  # setup reads the island's group for adapt (base wrap calls setup)
+        return super().wrap(model, optimizer, world)
+
+    def on_batch(self, batch, step):
+        if self.adapt != "none":
+            self._adapt_on_batch(batch)
+        return batch
+
     def after_step(self, model, optimizer, step):
         done = self.tick(step)
+        if self.adapt != "none":
+            self._adapt_after_step(done)
+            return
         if self.overlap != "none":
             self._overlap_after_step(done)
             return
@@ -138,11 +177,19 @@ class DiLoCo(EagerOverlap, OuterStrategy):
     def has_pending(self) -> bool:
         return bool(self.pending)
 
+    def finish(self, model) -> None:
+        super().finish(model)
+        if self.adapt != "none":  # the steps each island took per round, also when the last step ended a round
+            self._write_report()
+
     def in_order(self, fn):
         return self.exchange.run(fn)  # behind the fragments in flight, on the exchange's own thread
 
     def final_sync(self) -> None:
         """Land what is in flight, then sync every fragment, blocking: the global model holds all work."""
+        if self.adapt != "none":  # this island's partial round, weighted like every other
+            self._adapt_exchange()
+            return
         skip = set()
         if self.overlap != "none":
             self._overlap_final()
@@ -163,7 +210,9 @@ class DiLoCo(EagerOverlap, OuterStrategy):
         path = Path(self.report_dir) / "outer_exchanges.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"strategy": self.name, "fragments": self.fragments, "exchanges": len(sent),
-                                    "peak_sent_bytes": max(sent, default=0), "sent_per_exchange": sent}))
+                                    "peak_sent_bytes": max(sent, default=0), "sent_per_exchange": sent,
+                                    **({"adapt": self.adapt, "steps_per_round": self.history, "last_rates": self.rates}
+                                       if self.adapt != "none" else {})}))
 
     def _land(self, p: int, mean_delta: torch.Tensor, adopt: bool) -> None:
         lo, hi = self.bounds[p]
@@ -215,7 +264,7 @@ class DiLoCo(EagerOverlap, OuterStrategy):
         self.pending = [(p, lands, Pending(value=v)) for p, lands, v in inflight]
         return {"outer_opt": self.opt.state_dict(), "inflight": inflight, "sends": list(self.sends),
                 "exchange": self.exchange.state_dict(), "at_send": {p: v.clone() for p, v in self.at_send.items()},
-                **self._overlap_state()}
+                **self._overlap_state(), **(self._adapt_state() if self.adapt != "none" else {})}
 
     def load_extra_state(self, state: dict) -> None:
         self.opt.load_state_dict(state["outer_opt"])
@@ -225,3 +274,5 @@ class DiLoCo(EagerOverlap, OuterStrategy):
         self.exchange.load_state_dict(state.get("exchange", {}))
         self.at_send = {int(p): v.to(torch.float32).clone() for p, v in state.get("at_send", {}).items()}
         self._load_overlap_state(state)
+        if self.adapt != "none":
+            self._load_adapt_state(state)

@@ -77,6 +77,12 @@ class WarmStart(NoOp):
             self.outer.global_flat = self.outer.local.read()  # the same on every island
             self.outer.publish()
 
+    def on_batch(self, batch, step):
+        return self.outer.on_batch(batch, step - self.steps) if step >= self.steps else batch
+
+    def next_step(self, done: int) -> int:
+        return done if done <= self.steps else self.steps + self.outer.next_step(done - self.steps)
+
     def finish(self, model):
         if not self.warm:  # during warm-up every island already holds the global model
             self.outer.finish(model)

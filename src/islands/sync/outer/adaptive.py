@@ -1,0 +1,207 @@
+"""DiLoCo rounds for islands of different speeds (`adapt=speed|deadline`): a slow island no longer sets the pace.
+
+Synchronous DiLoCo gives every island H inner steps per round, so each round lasts as long as the slowest island's H
+steps and the faster ones wait at the exchange. Here the islands meet at the same wall time instead, each bringing
+what it computed, and the average weights each island's delta by the samples behind it:
+
+    mean = sum_i n_i * delta_i / sum_i n_i          n_i = samples island i stepped on this round
+
+adapt=speed   speed-adaptive local steps (DyLU, LIT-910): every island measures its compute seconds per inner step
+              (from on_batch to after_step: forward, backward, optimizer, any slowdown; not the exchange, data
+              loading or callbacks). At each exchange the islands all-gather (samples, compute seconds per step,
+              steps, wall seconds per step), 32 bytes each (ledger kind "outer_speed"), and plan the next round:
+              the fastest island takes H steps, island i H_i = clamp(round(H * t_fast / t_i), 1, H), t the median
+              compute seconds per step of the island's last round, so every island's round lasts about the
+              fastest island's H steps.
+adapt=deadline  a wall-clock budget per round: `deadline` seconds, or (deadline=0) H times the fastest island's wall
+              seconds per step in its last round (the exchange's wait excluded). Each island takes inner steps
+              until the next one would end more than half a step past the budget (counted from its first step
+              after the last exchange), at most H, then exchanges. It follows a speed change within the round;
+              adapt=speed follows it one round late.
+
+The first round takes H steps on every island (nothing is measured yet), unless a deadline in seconds is given.
+The contribution sent is delta_i * (M n_i / sum n) over the usual exchange (plain all-reduce or a compressor, error
+feedback included), whose mean of M contributions is the weighted mean above; with equal samples the scale is
+skipped, so the rounds are plain DiLoCo's bit for bit. A robust aggregator is refused (it would need the weights
+inside its rule).
+
+The step counter stays the fastest island's: a round spans H counted steps on every island, and an island that
+stopped after H_i < H skips the counter to the round's end (`next_step`, honoured by islands' Trainer), so the lr
+schedule, evaluation, checkpoints and the run's length (train.steps) stay aligned across islands. The last round
+of a run whose length is not a multiple of H ends at the run's end on the fastest island; an island that planned
+more steps than fit sends its delta when it gets there, the others waiting for it.
+
+Islands of several workers agree inside the island before any cross-island step: the seconds per step are the
+island's slowest worker's (an all-reduce MAX on the island's group at each exchange), and under adapt=deadline the
+stop decision is one MAX per step on the island's group (ledger kind "island_deadline"), so DDP inside the island
+never sees its workers take different steps.
+
+Time-based rounds are not bitwise reproducible across runs: H_i and the deadline follow measured times. Everything
+the rounds carry is state, saved and restored exactly (the round's steps, samples and step times so far, the
+time it has run, the plan, the budget, the measured rates and wall times, the per-round history), so a resumed run continues
+the same round; only what later clocks read differs. Not supported yet: elastic membership, fragments > 1, tau,
+overlap, sync_inner_state.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from islands.data.batches import size as batch_size_of
+
+ADAPTS = ("none", "speed", "deadline")
+SPEED_KIND = "outer_speed"  # the per-round (samples, seconds per step, steps, wall per step) all-gather
+DEADLINE_KIND = "island_deadline"  # the per-step stop flag inside a multi-worker island (not cross-island bytes)
+
+
+class AdaptiveRounds:
+    """The adapt=speed|deadline rounds of DiLoCo (mixed into it; DiLoCo's attributes are used directly)."""
+
+    adapt: str = "none"
+    deadline: float = 0.0
+
+    def _adapt_setup(self, world) -> None:
+        if self.membership is not None:
+            raise ValueError(f"adapt={self.adapt} is not supported in an elastic job yet (a joiner would enter with "
+                             "a round planned for other islands); use adapt=none")
+        distributed = getattr(world, "distributed", False) and getattr(world, "workers_per_island", 1) > 1
+        self.island_comm = world.comm("local") if distributed else None  # agreement inside a multi-worker island
+        self.timer = time.perf_counter  # tests replace it with a deterministic clock
+        self.round_base = 0  # the counted step this round started at (a multiple of H)
+        self.round_steps = 0  # inner steps this island took this round
+        self.round_samples = 0  # samples those steps stepped on (steps when the batch size is unknown)
+        self.round_times: list[float] = []  # each step's compute seconds (on_batch to after_step)
+        self.round_elapsed = 0.0  # wall seconds of the round so far, kept at save
+        self.plan = self.inner_steps  # adapt=speed: this island's steps this round
+        self.budget = self.deadline  # adapt=deadline: this round's budget in seconds (0: none measured yet, H steps)
+        self.rates: list[float] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
+        self.walls: list[float] = []  # every island's wall seconds per step in its last round
+        self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
+        self.skip_to = 0  # the counted step the loop continues from after this island's exchange
+        self._began: float | None = None  # timer at this step's on_batch
+        self._round_start: float | None = None  # timer when the round started (its first on_batch)
+        self._last_batch = 0
+
+    # ---- the hooks --------------------------------------------------------------------------------
+    def _adapt_on_batch(self, batch) -> None:
+        self._began = self.timer()
+        if self._round_start is None:  # a round's clock starts with its first step (or again after a resume)
+            self._round_start = self._began - self.round_elapsed
+        try:
+            self._last_batch = int(batch_size_of(batch))
+        except (TypeError, ValueError):  # a batch structure without a size: weigh by steps instead
+            self._last_batch = 0
+
+    def _adapt_after_step(self, done: int) -> None:
+        now = self.timer()
+        began = self._began if self._began is not None else now
+        self._began = None
+        self.round_steps += 1
+        self.round_samples += self._last_batch or 1
+        self.round_times.append(now - began)
+        if self._round_start is None:
+            self._round_start = began
+        self.round_elapsed = now - self._round_start
+        if self._round_over(done):
+            self._adapt_exchange()
+            self.skip_to = self.round_base + self.inner_steps
+            self.round_base = self.skip_to
+            self.synced()
+
+    def _round_over(self, done: int) -> bool:
+        if done - self.round_base >= self.inner_steps:  # the counted round is over (the fastest island's H)
+            return True
+        if self.adapt == "speed":
+            stop = self.round_steps >= self.plan
+        else:
+            per_step = statistics.median(self.round_times)
+            # stop where the next step would end more than half a step past the budget
+            stop = self.budget > 0 and self.round_elapsed + 0.5 * per_step >= self.budget
+            if self.island_comm is not None:  # every worker of the island stops at the same step
+                flag = torch.tensor([1.0 if stop else 0.0])
+                stop = bool(self.island_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                                        kind=DEADLINE_KIND).item() > 0)
+        return stop
+
+    def next_step(self, done: int) -> int:
+        """The counted step the loop continues from after `done` steps: the round's end once this island has sent."""
+        return max(done, self.skip_to) if self.adapt != "none" else done
+
+    # ---- the exchange -----------------------------------------------------------------------------
+    def _adapt_exchange(self) -> None:
+        """Collective: the weighted mean of this round's deltas, the outer step, and the next round's plan."""
+        lo, hi = self.bounds[0]
+        # the median: a round's first step (lazy allocations) or a burst of other load barely moves it
+        per_step = statistics.median(self.round_times) if self.round_times else float("nan")
+        # and the round's wall seconds per step (data loading and the loop's own work too): what a deadline spends
+        wall = self.round_elapsed / self.round_steps if self.round_steps else float("nan")
+        if self.island_comm is not None:  # the island is as fast as its slowest worker
+            t = torch.tensor([per_step, wall], dtype=torch.float64)
+            per_step, wall = self.island_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, kind=DEADLINE_KIND).tolist()
+        mine = torch.tensor([float(self.round_samples), per_step, float(self.round_steps), wall], dtype=torch.float64)
+        gathered = torch.stack(self.comm.all_gather(mine, kind=SPEED_KIND)) if self.comm.size > 1 else mine[None]
+        samples = gathered[:, 0]
+        delta = self.global_flat[lo:hi] - self.local.read(lo, hi)
+        if not bool((samples == samples[0]).all()):
+            delta = delta.mul_(weight_scale(samples.tolist(), self.comm.rank))
+        self.sends[0] += 1
+        self._land(0, self.exchange.mean(self.comm, delta, name="fragment0"), adopt=True)
+        self.history.append([int(s) for s in gathered[:, 2].tolist()])
+        self.rates = [float(r) for r in gathered[:, 1].tolist()]
+        self.walls = [float(r) for r in gathered[:, 3].tolist()]
+        self._plan(self.rates, self.walls)
+        self.round_steps, self.round_samples, self.round_times, self.round_elapsed = 0, 0, [], 0.0
+        self._round_start = None
+
+    def _plan(self, rates: list[float], walls: list[float]) -> None:
+        def fastest(values):
+            measured = [r for r in values if r > 0 and math.isfinite(r)]
+            return min(measured) if measured else None  # None: no island stepped; keep the plan and budget
+
+        if self.adapt == "speed" and fastest(rates) is not None:
+            self.plan = plan_steps(self.inner_steps, fastest(rates), rates[self.comm.rank])
+        elif self.adapt == "deadline" and fastest(walls) is not None:
+            # the fastest island's wall time for H steps (it fits H: it stops half a step before the budget)
+            self.budget = self.deadline if self.deadline > 0 else self.inner_steps * fastest(walls)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def _adapt_state(self) -> dict:
+        return {"adapt": {"round_base": self.round_base, "round_steps": self.round_steps,
+                          "round_samples": self.round_samples, "round_times": list(self.round_times),
+                          "round_elapsed": self.round_elapsed, "plan": self.plan, "budget": self.budget,
+                          "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
+                          "skip_to": self.skip_to}}
+
+    def _load_adapt_state(self, state: dict) -> None:
+        a = state.get("adapt")
+        if a is None:
+            return
+        self.round_base, self.round_steps, self.round_samples = int(a["round_base"]), int(a["round_steps"]), int(
+            a["round_samples"])
+        self.round_times, self.round_elapsed = [float(t) for t in a["round_times"]], float(a["round_elapsed"])
+        self.plan, self.budget = int(a["plan"]), float(a["budget"])
+        self.rates = [float(r) for r in a["rates"]]
+        self.walls = [float(r) for r in a["walls"]]
+        self.history = [[int(s) for s in h] for h in a["history"]]
+        self.skip_to = int(a["skip_to"])
+        self._began = self._round_start = None  # the round's clock restarts from round_elapsed at the next step
+
+
+def plan_steps(inner_steps: int, fastest: float, mine: float) -> int:
+    """DyLU's rule (LIT-910): steps in proportion to speed, the fastest island taking H, every island at least 1."""
+    if not mine > 0 or not math.isfinite(mine):
+        return inner_steps
+    return max(1, min(inner_steps, round(inner_steps * fastest / mine)))
+
+
+def weight_scale(samples: list[float], rank: int) -> float:
+    """What this rank's delta is multiplied by so that the plain mean of M contributions is the samples-weighted
+    mean: M * n_rank / sum(n). Computed in float64 from the gathered counts, the same on every rank."""
+    total = math.fsum(samples)
+    if not total > 0:
+        raise ValueError(f"weighted outer mean: the islands stepped on {samples} samples this round; need > 0")
+    return len(samples) * samples[rank] / total

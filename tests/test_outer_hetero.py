@@ -1,0 +1,482 @@
+"""Islands of different speeds: the slowdown component, DiLoCo adapt=speed|deadline, the samples-weighted mean.
+
+The multi-process checks run 2 (and 3) gloo ranks, one island each, stepped by hand in the trainer's hook order with
+a fake clock: each rank's step "takes" a fixed number of fake seconds between on_batch and after_step, so the plans
+and deadlines are deterministic. One more check runs the real Trainer with a real (sleeping) slowdown.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from outer_mp import assert_train_refuses, batch, run_world, tiny_model
+
+# ---- one process -----------------------------------------------------------------------------------
+
+
+def test_plan_steps_is_proportional_to_speed_and_bounded():
+    from islands.sync.outer.adaptive import plan_steps
+
+    assert plan_steps(50, 0.1, 0.1) == 50  # the fastest island takes H
+    assert plan_steps(50, 0.1, 0.2) == 25  # 2x slower: half
+    assert plan_steps(50, 0.1, 0.3) == 17  # round(16.67)
+    assert plan_steps(50, 0.1, 100.0) == 1  # never fewer than one step
+    assert plan_steps(50, 0.1, float("nan")) == 50  # nothing measured: a plain round
+
+
+def test_weight_scale_makes_the_plain_mean_the_weighted_mean():
+    from islands.sync.outer.adaptive import weight_scale
+
+    samples = [30.0, 10.0, 20.0]
+    d = [np.float64(1.5), np.float64(-2.0), np.float64(4.0)]
+    plain_mean_of_contributions = sum(weight_scale(samples, r) * d[r] for r in range(3)) / 3
+    assert plain_mean_of_contributions == pytest.approx((30 * 1.5 - 10 * 2.0 + 20 * 4.0) / 60, rel=1e-15)
+    assert weight_scale([5.0, 5.0], 0) == 1.0
+    with pytest.raises(ValueError, match="samples"):
+        weight_scale([0.0, 0.0], 0)
+
+
+def test_parse_slowdown_forms_and_errors():
+    from islands.faults.slowdown import SlowdownError, check_slowdown, factor_for, parse_slowdown
+
+    s = parse_slowdown("1=2.0, rank3=1.5,island0=1")
+    assert s == {("island", 1): 2.0, ("rank", 3): 1.5, ("island", 0): 1.0}
+    assert factor_for(s, rank=3, island=1) == 2.0 and factor_for(s, rank=3, island=0) == 1.5
+    assert factor_for(s, rank=0, island=0) == 1.0
+    assert parse_slowdown("") == {}
+    assert parse_slowdown("1=2,floor=0.05")[("floor", 0)] == 0.05
+    check_slowdown(parse_slowdown("1=2,floor=0.05"), islands=2, workers=2)  # floor is not a target
+    for bad, words in (("1", "target=factor"), ("x=2", "target=factor"), ("1=fast", "target=factor"),
+                       ("1=0.5", ">= 1"), ("1=inf", ">= 1"), ("1=2,island1=3", "twice"), ("floor=-1", "floor"),
+                       ("floor=1,floor=2", "once")):
+        with pytest.raises(SlowdownError, match=words):
+            parse_slowdown(bad)
+    with pytest.raises(SlowdownError, match=r"0\.\.1"):
+        check_slowdown(parse_slowdown("2=2"), islands=2, workers=4)
+    check_slowdown(parse_slowdown("rank3=2"), islands=2, workers=4)
+
+
+def test_slow_step_sleeps_factor_minus_one_times_the_call_and_keeps_its_result():
+    from islands.faults.slowdown import SlowStep
+    from islands.memory.step import ForwardBackward
+
+    clock = {"t": 0.0}
+    slept = []
+
+    def work(x):
+        clock["t"] += 0.25  # the call "takes" 0.25 s
+        return x * 2
+
+    step = SlowStep(work, 3.0, sleep=slept.append, timer=lambda: clock["t"])
+    assert step(21) == 42
+    assert slept == [0.5] and step.slept == 0.5 and step.worked == 0.25
+    padded = SlowStep(work, 2.0, floor=1.0, sleep=slept.append, timer=lambda: clock["t"])
+    assert padded(1) == 2 and slept[-1] == 2 * 1.0 - 0.25  # the step counts as the floor, then doubles
+    even = SlowStep(work, 1.0, floor=0.1, sleep=slept.append, timer=lambda: clock["t"])
+    even(1)
+    assert len(slept) == 2  # already over the floor at factor 1: no sleep
+    fb = SlowStep(ForwardBackward(micro_batch=4, precision="bf16"), 2.0)
+    assert fb.micro_batch == 4 and fb.record() == {"micro_batch": 4, "precision": "bf16"}  # the wrapped step's
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("diloco:adapt=fast", ["adapt must be one of none, speed, deadline", "'fast'"]),
+    ("diloco:deadline=3", ["deadline=3.0 applies to adapt=deadline only"]),
+    ("diloco:adapt=deadline,deadline=-1", ["deadline must be >= 0"]),
+    ("diloco:adapt=speed,overlap=eager", ["plain DiLoCo rounds", "overlap=eager"]),
+    ("diloco:adapt=speed,inner_steps=4,fragments=2", ["fragments=2"]),
+    ("diloco:adapt=speed,aggregator=median", ["robust aggregator"]),
+])
+def test_bad_adapt_specs_exit_2_naming_the_choices(spec, words, tmp_path, capsys):
+    assert_train_refuses(spec, words, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--world.slowdown", "5=2"], ["island 5", "0..1", "target=factor"]),
+    (["--world.slowdown", "1=0.5"], [">= 1"]),
+    (["--world.slowdown", "one=2"], ["target=factor", "rank3"]),
+    (["--outer", "diloco:inner_steps=10,adapt=speed", "--ckpt-every", "15"], ["multiple of inner_steps (10)", "10"]),
+])
+def test_bad_slowdown_and_checkpoint_intervals_exit_2(flags, words, tmp_path, capsys):
+    from islands.cli import main
+
+    args = ["train", "--workers", "2", "--islands", "2", "--run-dir", str(tmp_path / "r")]
+    if "--outer" not in flags:
+        args += ["--outer", "diloco:inner_steps=10"]
+    with pytest.raises(SystemExit) as e:
+        main(args + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    for w in words:
+        assert w in err, (w, err)
+    assert not (tmp_path / "r").exists()
+
+
+# ---- several processes, a fake clock ---------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self, start: float = 0.0):
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Run:
+    """A tiny model, AdamW and an adaptive DiLoCo, stepped by hand in the trainer's hook order, the step counter
+    following next_step; each step costs `cost(step)` fake seconds on this rank. Records every exchange."""
+
+    def __init__(self, world, spec: str, rows: int = 4, start: float = 0.0):
+        from islands.sync.outer import make_outer
+
+        self.world, self.rows = world, rows
+        self.model = tiny_model()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.strategy = make_outer(spec)
+        self.strategy.wrap(self.model, self.opt, world)
+        self.clock = FakeClock(start)
+        self.strategy.timer = self.clock
+        self.exchanges: list[dict] = []
+        s, original = self.strategy, self.strategy._adapt_exchange
+
+        def spy():
+            before = {"global": s.global_flat.numpy().copy(), "local": s.local.read().numpy().copy(),
+                      "samples": s.round_samples, "steps": s.round_steps}
+            original()
+            before["after"] = s.global_flat.numpy().copy()
+            self.exchanges.append(before)
+
+        s._adapt_exchange = spy
+        self.step = 0
+        self.visited: list[int] = []
+
+    def one(self, cost: float) -> None:
+        from islands.models import sequence_loss
+
+        i = self.step
+        self.visited.append(i)
+        b = batch(self.world.rank, i)[: self.rows]
+        b = self.strategy.on_batch(b, i)
+        self.clock.t += cost
+        sequence_loss(self.model(b[:, :-1]), b[:, 1:]).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.strategy.after_step(self.model, self.opt, i)
+        self.step = self.strategy.next_step(i + 1)
+
+    def until(self, steps: int, cost) -> None:
+        while self.step < steps:
+            self.one(cost(self.step))
+
+    def snapshot(self) -> dict:
+        return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                              "strategy": self.strategy.state_dict(), "step": self.step})
+
+    def restore(self, snap: dict) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.opt.load_state_dict(snap["opt"])
+        self.strategy.load_state_dict(copy.deepcopy(snap["strategy"]))
+        self.step = snap["step"]
+
+
+H = 8
+
+
+def _speed(world) -> dict:
+    """Rank 1 2x slower for 4 rounds, then 4x slower; run 7 rounds plus a 3-step tail (final sync)."""
+    slow = world.rank == 1
+
+    def cost(step):
+        return (2.0 if step < 4 * H else 4.0) if slow else 1.0
+
+    run = Run(world, f"diloco:inner_steps={H},adapt=speed,outer=sgd,outer_lr=1", rows=2 if slow else 4)
+    run.until(7 * H + 3, cost)
+    run.strategy.finish(run.model)
+    s = run.strategy
+    return {"history": s.history, "visited": run.visited, "exchanges": run.exchanges, "rates": s.rates,
+            "global": s.global_flat.numpy().copy(), "sends": s.sends[0], "rounds": s.rounds}
+
+
+def _deadline(world) -> dict:
+    slow = world.rank == 1
+    out = {}
+    for label, spec in (("auto", f"diloco:inner_steps={H},adapt=deadline"),
+                        ("given", f"diloco:inner_steps={H},adapt=deadline,deadline=3")):
+        run = Run(world, spec)
+        run.until(4 * H, lambda step: 2.0 if slow else 1.0)
+        run.strategy.finish(run.model)
+        out[label] = {"history": run.strategy.history, "budget": run.strategy.budget,
+                      "global": run.strategy.global_flat.numpy().copy()}
+    return out
+
+
+def _equal_speeds_is_plain(world) -> dict:
+    out = {}
+    for label, spec in (("plain", "diloco:inner_steps=3"), ("speed", "diloco:inner_steps=3,adapt=speed"),
+                        ("deadline", "diloco:inner_steps=3,adapt=deadline")):
+        run = Run(world, spec)
+        if label == "plain":
+            for i in range(10):  # no on_batch timing needed; the same hook order
+                run.one(1.0)
+        else:
+            run.until(10, lambda step: 1.0)
+        run.strategy.finish(run.model)
+        out[label] = run.strategy.global_flat.numpy().copy()
+    return out
+
+
+def _resume(world) -> dict:
+    """Cut in the middle of a round in which rank 1 plans fewer steps; the restored run continues bit for bit."""
+    slow = world.rank == 1
+    out = {}
+    for label, spec in (("speed", f"diloco:inner_steps={H},adapt=speed,{PAPER}"),
+                        ("deadline", f"diloco:inner_steps={H},adapt=deadline,compressor=(int4:ef=true)")):
+        cost = (lambda step: 3.0) if slow else (lambda step: 1.0)
+        a = Run(world, spec)
+        a.until(2 * H + 1, cost)  # rank 1 is one step into its short third round
+        snap = a.snapshot()
+        a.until(5 * H + 2, cost)
+        a.strategy.finish(a.model)
+        b = Run(world, spec, start=12345.0)  # another clock origin: only differences count
+        b.restore(snap)
+        restored = b.strategy.state_dict()
+        b.until(5 * H + 2, cost)
+        b.strategy.finish(b.model)
+        out[label] = {"a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
+                      "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
+                      "a_hist": a.strategy.history, "b_hist": b.strategy.history,
+                      "same_state": _same(snap["strategy"], restored), "snap_round_steps": snap["strategy"]["adapt"]["round_steps"]}
+    return out
+
+
+PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"  # a momentum buffer: outer state that must come back too
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    return x == y and type(x) is type(y)
+
+
+def _warm(world) -> dict:
+    """adapt=speed inside WarmStart: 3 steps of gradient averaging, then rounds of 4 on the outer strategy's clock."""
+    from islands.models import sequence_loss
+    from islands.sync.outer import make_outer
+
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ws = make_outer("diloco:inner_steps=4,adapt=speed,warm_start=3")
+    ws.wrap(model, opt, world)
+    clock = FakeClock()
+    ws.outer.timer = clock
+    step, visited = 0, []
+    while step < 3 + 3 * 4:
+        visited.append(step)
+        b = ws.on_batch(batch(world.rank, step), step)
+        clock.t += 2.0 if world.rank == 1 else 1.0
+        sequence_loss(model(b[:, :-1]), b[:, 1:]).backward()
+        ws.after_backward(model, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ws.after_step(model, opt, step)
+        step = ws.next_step(step + 1)
+    ws.finish(model)
+    return {"history": ws.outer.history, "visited": visited, "global": ws.outer.global_flat.numpy().copy()}
+
+
+def _two(world) -> dict:
+    torch.manual_seed(world.rank)
+    return {"speed": _speed(world), "deadline": _deadline(world), "plain": _equal_speeds_is_plain(world),
+            "resume": _resume(world), "warm": _warm(world)}
+
+
+def _three(world) -> dict:
+    torch.manual_seed(world.rank)
+    cost = {0: 1.0, 1: 2.0, 2: 3.0}[world.rank]
+    run = Run(world, "diloco:inner_steps=6,adapt=speed,outer=sgd,outer_lr=1", rows=2 + world.rank)
+    run.until(4 * 6, lambda step: cost)
+    run.strategy.finish(run.model)
+    return {"history": run.strategy.history, "exchanges": run.exchanges, "global": run.strategy.global_flat.numpy()}
+
+
+def _four(world) -> dict:
+    """2 islands x 2 workers: island 1's workers measure 2 and 3 fake s per step; each island must agree."""
+    torch.manual_seed(world.rank)
+    cost = {0: 1.0, 1: 1.0, 2: 2.0, 3: 3.0}[world.rank]
+    out = {}
+    for mode in ("speed", "deadline"):
+        run = Run(world, f"diloco:inner_steps={H},adapt={mode}")
+        run.until(3 * H, lambda step: cost)
+        run.strategy.finish(run.model)
+        out[mode] = {"history": run.strategy.history, "visited": run.visited}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_world(_two, size=2, islands=2)
+
+
+def test_speed_adaptive_h_follows_the_measured_speed(two):
+    for r in two:
+        h = r["speed"]["history"]
+        # round 1: H everywhere (nothing measured); then 2x slower -> H/2; round 5 (counted steps 32..39) is the
+        # first at 4x, measured at its exchange -> H/4 from round 6; the final partial round: rank 0 reaches the
+        # run's end after 3 steps, rank 1 takes its planned 2 and sends (its counter then skips past the end)
+        assert h == [[H, H], [H, H // 2], [H, H // 2], [H, H // 2], [H, H // 2], [H, H // 4], [H, H // 4],
+                     [3, H // 4]], h
+        assert r["speed"]["rounds"] == r["speed"]["sends"] == len(h)
+    assert two[0]["speed"]["rates"] == pytest.approx([1.0, 4.0])
+    # the slow island skips the counted steps it did not compute: it visits step 8..11, then 16..19, ...
+    assert two[1]["speed"]["visited"][H:H + 5] == [H, H + 1, H + 2, H + 3, 2 * H]
+    assert two[0]["speed"]["visited"] == list(range(7 * H + 3))
+
+
+def test_weighted_mean_is_the_samples_weighted_average_two_ranks(two):
+    ex0, ex1 = two[0]["speed"]["exchanges"], two[1]["speed"]["exchanges"]
+    assert len(ex0) == len(ex1) == 8
+    for k, (a, b) in enumerate(zip(ex0, ex1)):
+        g = a["global"]
+        assert g.tobytes() == b["global"].tobytes()
+        n = np.array([a["samples"], b["samples"]], dtype=np.float64)
+        assert n[1] == b["steps"] * 2 and n[0] == a["steps"] * 4  # samples = steps x rows of each rank's batches
+        d = [g.astype(np.float64) - x["local"].astype(np.float64) for x in (a, b)]
+        want = g.astype(np.float64) - (n[0] * d[0] + n[1] * d[1]) / n.sum()  # outer SGD lr 1: global - mean
+        got = a["after"].astype(np.float64)
+        assert np.abs(got - want).max() <= 1e-6 * max(1.0, np.abs(want).max()), k
+        # bit for bit what the two fp32 contributions sum to (a two-rank all-reduce adds them in either order)
+        if n[0] != n[1]:
+            c = [(g - x["local"]) * np.float32(len(n) * n[i] / n.sum()) for i, x in enumerate((a, b))]
+            assert a["after"].tobytes() == (g - (c[0] + c[1]) / np.float32(2)).tobytes(), k
+        # and it is not the unweighted mean whenever the samples differ
+        if n[0] != n[1]:
+            assert np.abs(got - (g - (d[0] + d[1]) / 2)).max() > 1e-6
+    assert two[0]["speed"]["global"].tobytes() == two[1]["speed"]["global"].tobytes()
+
+
+def test_weighted_mean_three_ranks():
+    ranks = run_world(_three, size=3, islands=3)
+    assert ranks[0]["history"][:3] == [[6, 6, 6], [6, 3, 2], [6, 3, 2]]
+    for k in range(len(ranks[0]["exchanges"])):
+        ex = [r["exchanges"][k] for r in ranks]
+        g = ex[0]["global"].astype(np.float64)
+        n = np.array([e["samples"] for e in ex], dtype=np.float64)
+        assert list(n) == [e["steps"] * (2 + i) for i, e in enumerate(ex)]
+        want = g - sum(n[i] * (g - ex[i]["local"].astype(np.float64)) for i in range(3)) / n.sum()
+        for e in ex:
+            assert np.abs(e["after"].astype(np.float64) - want).max() <= 1e-6 * max(1.0, np.abs(want).max())
+    assert ranks[0]["global"].tobytes() == ranks[1]["global"].tobytes() == ranks[2]["global"].tobytes()
+
+
+def test_workers_of_one_island_agree_on_their_steps():
+    ranks = run_world(_four, size=4, islands=2)
+    for r in ranks:
+        # the island is as slow as its slowest worker (3 s/step): speed plans round(8 / 3) = 3; under the deadline
+        # (8 s) the 3 s worker stops after 3 steps (9 + 1.5 >= 8) and takes its island partner (4 alone) with it
+        assert r["speed"]["history"] == [[H, H], [H, 3], [H, 3]]
+        assert r["deadline"]["history"] == [[H, H], [H, 3], [H, 3]]
+    assert ranks[2]["deadline"]["visited"] == ranks[3]["deadline"]["visited"]  # same counted steps on the island
+
+
+def test_adaptive_rounds_after_a_warm_start(two):
+    for r in two:
+        assert r["warm"]["history"] == [[4, 4], [4, 2], [4, 2]]
+    assert two[0]["warm"]["visited"] == list(range(15))
+    assert two[1]["warm"]["visited"] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12]  # skips to each round's end
+    assert two[0]["warm"]["global"].tobytes() == two[1]["warm"]["global"].tobytes()
+
+
+def test_deadline_rounds_stop_at_the_budget(two):
+    for r in two:
+        auto, given = r["deadline"]["auto"], r["deadline"]["given"]
+        # budget = fastest island's H steps = 8 fake s; rank 1 (2 s/step) stops where a next step would end more
+        # than half a step past it: after 4 steps (8 s)
+        assert auto["history"] == [[H, H], [H, 4], [H, 4], [H, 4]] and auto["budget"] == H * 1.0
+        # 3 s given, from the first round: rank 0 stops after 3 steps (3 + 0.5 >= 3), rank 1 after 1 (2 + 1 >= 3)
+        assert given["history"] == [[3, 1]] * 4 and given["budget"] == 3.0
+    assert two[0]["deadline"]["auto"]["global"].tobytes() == two[1]["deadline"]["auto"]["global"].tobytes()
+
+
+def test_equal_speeds_are_plain_diloco_bit_for_bit(two):
+    for r in two:
+        assert r["plain"]["speed"].tobytes() == r["plain"]["plain"].tobytes()
+        assert r["plain"]["deadline"].tobytes() == r["plain"]["plain"].tobytes()
+
+
+@pytest.mark.parametrize("mode", ["speed", "deadline"])
+def test_resume_mid_round_is_bitwise(two, mode):
+    for r in two:
+        res = r["resume"][mode]
+        assert res["same_state"]  # every piece of the adaptive state comes back as saved
+        assert res["a"].tobytes() == res["b"].tobytes()
+        assert res["a_local"].tobytes() == res["b_local"].tobytes()
+        assert res["a_hist"] == res["b_hist"]
+    assert two[1]["resume"][mode]["snap_round_steps"] == 1  # the cut really is inside rank 1's round
+    assert two[0]["resume"][mode]["a_hist"][2][1] < H  # and rank 1's rounds really are short
+
+
+# ---- the Trainer, a real slowdown ------------------------------------------------------------------
+
+def _trainer(world) -> dict:
+    from islands.faults.slowdown import SlowStep
+    from islands.loop.trainer import Trainer
+    from islands.memory.step import ForwardBackward
+    from islands.models import sequence_loss
+    from islands.sync.outer import make_outer
+    from islands.sync.stack import Stack
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    data = [batch(world.rank, i) for i in range(64)]
+    # every step padded to 40 ms (the floor): the speeds are the factors', not the loaded host's CPU shares
+    step_fn = SlowStep(ForwardBackward(), 2.0 if world.island == 1 else 1.0, floor=0.04)
+    outer = make_outer("diloco:inner_steps=8,adapt=speed")
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                      lambda out, y: sequence_loss(out, y), [(b[:, :-1], b[:, 1:]) for b in data],
+                      val_data=[(data[0][:, :-1], data[0][:, 1:])], strategy=Stack(outer=outer), world=world,
+                      step_fn=step_fn)
+    trainer.fit(36)
+    return {"history": outer.history, "step": trainer.step, "global": outer.global_flat.numpy().copy(),
+            "real_steps": trainer.steps_this_fit, "val": trainer.series["val"][-1]["val_loss"]}
+
+
+def test_trainer_with_a_slowed_island_plans_half_the_steps():
+    ranks = run_world(_trainer, size=2, islands=2)
+    h = ranks[0]["history"]
+    assert h[0] == [8, 8]
+    for fast, slow in h[1:4]:  # measured 2x slower: about half (a loaded machine moves it by a step at most)
+        assert fast == 8 and 3 <= slow <= 5, h
+    assert len(h) == 5 and h[4][0] == 4 and 1 <= h[4][1] <= 4  # the last 4 counted steps, then the final sync
+    assert ranks[0]["step"] == ranks[1]["step"] == 36  # both loops ended at the run's length
+    assert ranks[1]["real_steps"] == sum(s for _, s in h) < ranks[0]["real_steps"] == 36
+    assert ranks[0]["global"].tobytes() == ranks[1]["global"].tobytes()
+    assert np.isfinite(ranks[0]["val"])
+
+
+@pytest.mark.slow  # two worker processes through the launcher: ~15 s on an idle 2-core host
+def test_islands_train_with_a_slowed_island_and_adaptive_rounds(tmp_path):
+    """The whole path: `islands train --world.slowdown ... --outer diloco:...,adapt=speed` builds the slowed step on
+    island 1 only, the run ends, and rank 0's report lists the steps each island took per round."""
+    import json
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2", "--islands",
+                          "2", "--steps", "20", "--warmup", "2", "--eval-every", "0", "--no-progress", "--no-probe",
+                          "--outer", "diloco:inner_steps=5,adapt=speed", "--world.slowdown", "1=2.0,floor=0.03",
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = json.loads((run_dir / "outer_exchanges.json").read_text())["steps_per_round"]
+    assert rounds[0] == [5, 5] and len(rounds) == 4
+    assert all(fast == 5 and 1 <= slow <= 4 for fast, slow in rounds[1:]), rounds  # island 1 takes fewer
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["summary"]["steps"] == 20 and record["config"]["world"]["slowdown"] == "1=2.0,floor=0.03"
