@@ -138,3 +138,23 @@ def test_auto_precision_is_bf16_autocast_on_cuda():
     assert model.seen == (True, torch.bfloat16)
     assert model.lin.weight.dtype == torch.float32 and model.lin.weight.grad.dtype == torch.float32
     assert step.record()["precision_resolved"] == "bf16"
+
+
+def test_the_job_leaves_precision_to_the_task_unless_it_is_given():
+    """memory.precision = "task" (the default): the hf task's auto, the built-in tasks' fp32, fp32 under fsdp and
+    pipeline (which take no precision); an explicit value wins."""
+    from hf_ranks import TINY
+
+    from islands.app.build import build_task, step_precision
+    from islands.app.validate import validate
+    from islands.config import from_mapping
+
+    hf_cfg = validate(from_mapping(dict(TINY)))
+    hf_task = build_task(hf_cfg)
+    assert hf_cfg.memory.precision == "task" and step_precision(hf_cfg, hf_task) == "auto"
+    explicit = validate(from_mapping({**TINY, "precision": "fp32"}))
+    assert step_precision(explicit, hf_task) == "fp32"
+    sharded = validate(from_mapping({**TINY, "inner": "fsdp", "workers": 2}))
+    assert step_precision(sharded, hf_task) == "fp32"
+    lm_cfg = validate(from_mapping({"task": "lm", "d_model": 16, "n_layers": 1, "n_heads": 2, "context": 8}))
+    assert step_precision(lm_cfg, build_task(lm_cfg)) == "fp32"

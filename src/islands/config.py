@@ -112,7 +112,10 @@ class OuterConfig:
 @dataclass
 class MemoryConfig:
     activation_checkpointing: bool = False  # recompute each block in backward (SOTA-249)
-    precision: str = "fp32"  # fp32 | bf16: autocast forward, fp32 parameters and optimizer state (SOTA-118)
+    # task | fp32 | bf16 | auto: bf16 = autocast forward, fp32 parameters and optimizer state (SOTA-118); auto = bf16
+    # on CUDA, fp32 on the CPU; task = the task's own choice (Task.precision: fp32 for lm, digits and a user's task
+    # unless it says otherwise, auto for hf-causal-lm), fp32 under fsdp and pipeline, which do not take it
+    precision: str = "task"
     micro_batch: int = 0  # samples per forward/backward; 0 = the whole per-worker batch (SOTA-031)
     budget_mb: float = 0.0  # > 0: the largest micro_batch whose measured memory fits (SOTA-031)
 

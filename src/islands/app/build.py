@@ -129,22 +129,33 @@ def build_strategy(cfg: JobConfig, world: World, task: Task, run_dir: Path | Non
 
 
 # ---- the step ---------------------------------------------------------------------------------------
+def step_precision(cfg: JobConfig, task: Task) -> str:
+    """memory.precision, or the task's own when it is "task" (fp32 under fsdp and pipeline, which own their step's
+    arithmetic and take no precision: validation refuses an explicit one there)."""
+    if cfg.memory.precision != "task":
+        return cfg.memory.precision
+    if cfg.inner_strategy in ("fsdp", "pipeline"):
+        return "fp32"
+    return getattr(task, "precision", "fp32")
+
+
 def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer | None, world: World) -> ForwardBackward:
     """Activation checkpointing switched on the plain model, precision, micro-batch size. Call before the strategy
     wraps the model: the sizer runs it alone (every rank measures the same shapes, so picks the same size)."""
     m, model = cfg.memory, task.model
+    precision = step_precision(cfg, task)
     if m.activation_checkpointing:
         enable_activation_checkpointing(model)  # islands' blocks, or a transformers model's own (non-reentrant)
     if not m.budget_mb:
-        return ForwardBackward(m.micro_batch, m.precision)
+        return ForwardBackward(m.micro_batch, precision)
     if cfg.task.name in ("lm", "digits"):
         make = synthetic_batches(cfg.task.name, cfg.task.context, world.device, cfg.train.seed)
     else:
         with torch.random.fork_rng():  # a sample batch for shapes; the training RNG must not move
             make = batches_like(batch_source(task.train_data, 0, 1, task.batch_size, cfg.train.seed).next())
     plan = plan_micro_batch(model, task.loss_fn, make, task.batch_size or cfg.batch_per_worker,
-                            int(m.budget_mb * MB), optimizer, m.precision)
-    step = ForwardBackward(plan.micro_batch, m.precision)
+                            int(m.budget_mb * MB), optimizer, precision)
+    step = ForwardBackward(plan.micro_batch, precision)
     step.plan = plan
     return step
 

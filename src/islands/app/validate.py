@@ -25,7 +25,7 @@ from islands.data.batches import compute_loss
 from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
 from islands.faults.slowdown import check_slowdown, parse_slowdown
-from islands.memory.step import check_precision
+from islands.memory.step import PRECISIONS
 from islands.observe.backends import missing_packages, parse_logger_names
 from islands.parallel.pipeline.chooser import divisors
 from islands.parallel.pipeline.cuts import parse_cuts
@@ -260,7 +260,9 @@ def sharding(cfg: JobConfig) -> str | None:
 
 def memory(cfg: JobConfig) -> str | None:
     m = cfg.memory
-    check_precision(m.precision)
+    if m.precision != "task" and m.precision not in PRECISIONS:
+        return (f"memory.precision must be one of task (the task's own choice, the default), "
+                f"{', '.join(PRECISIONS)}; got {m.precision!r}")
     per_worker = cfg.batch_per_worker
     if m.micro_batch < 0:
         return f"memory.micro_batch must be >= 0 (0 = the whole per-worker batch); got {m.micro_batch}"
@@ -274,7 +276,7 @@ def memory(cfg: JobConfig) -> str | None:
     if m.activation_checkpointing and cfg.task.name == "digits":
         return ("memory.activation_checkpointing recomputes transformer blocks; the digits MLP holds too little to "
                 "matter (use it with task lm or a model of yours that supports it)")
-    on = m.activation_checkpointing or m.precision != "fp32" or m.micro_batch or m.budget_mb
+    on = m.activation_checkpointing or m.precision not in ("fp32", "task") or m.micro_batch or m.budget_mb
     if cfg.inner_strategy in ("fsdp", "pipeline") and on:
         return (f"memory settings (activation_checkpointing, precision, micro_batch, budget_mb) are not yet wired "
                 f"through inner.strategy={cfg.inner_strategy} (FSDP has its own mixed precision; a pipeline owns its "
@@ -318,7 +320,7 @@ def pipeline(cfg: JobConfig) -> str | None:
               ("checkpoint.memory_every", c.memory_every, (0,)), ("checkpoint.remote_every", c.remote_every, (0,)),
               ("checkpoint.policy", c.policy, (None,)), ("micro_batch", mem.micro_batch, (0,)),
               ("memory.budget_mb", mem.budget_mb, (0.0,)),
-              ("activation_checkpointing", mem.activation_checkpointing, (False,)), ("precision", mem.precision, ("fp32",)))
+              ("activation_checkpointing", mem.activation_checkpointing, (False,)), ("precision", mem.precision, ("fp32", "task")))
              if value not in ok]
     if _communicates(cfg):
         clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")

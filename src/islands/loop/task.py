@@ -17,7 +17,9 @@ class Task:
     fn(prediction, targets) -> float, averaged over validation samples. `batch_size`: samples per batch on each
     worker when train_data is a Dataset (the CLI fills it from global_batch / workers). `tokens_per_sample`:
     what tokens/s counts per sample (a sequence's length for a language model). `classes`: output classes,
-    for a label-flip attack rehearsal. `name` and `data_source` label the run record."""
+    for a label-flip attack rehearsal. `name` and `data_source` label the run record. `precision`: the step's
+    precision when the job leaves it to the task (memory.precision = "task", the default): fp32, bf16 or auto
+    (bf16 autocast on CUDA, fp32 on the CPU; islands.memory.resolve_precision)."""
 
     model: torch.nn.Module
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
@@ -29,6 +31,7 @@ class Task:
     classes: int | None = None
     name: str = "task"
     data_source: str = ""
+    precision: str = "fp32"
 
     def __post_init__(self):
         if not isinstance(self.model, torch.nn.Module):
