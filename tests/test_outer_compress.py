@@ -21,7 +21,7 @@ from islands.compress import COMPRESSORS, DCTTopK, ErrorFeedback, SharedRandomK,
 from islands.compress.dct import dct_basis
 from islands.compress.error_feedback import with_error_feedback
 from outer_mp import assert_train_refuses, batch, run_world, tiny_model
-from test_outer_dist import Run
+from test_outer_dist import Run, cut_and_resume
 
 EF_SPECS = ["topkq:ratio=0.05,bits=2,chunk=64", "topkq:ratio=0.05,bits=4,chunk=64", "topkq:ratio=0.05,bits=8,chunk=64",
             "topkq:ratio=0.05,bits=32,chunk=64", "topkq:ratio=0.02,bits=2,chunk=64,decay=0.9",
@@ -243,18 +243,7 @@ def _scenario(world, spec: str, steps: int) -> dict:
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
-    a = Run(world, spec)
-    for i in range(cut):
-        a.step(i)
-    snap = a.snapshot()
-    for i in range(cut, steps):
-        a.step(i)
-    a.strategy.finish(a.model)
-    b = Run(world, spec)
-    b.restore(snap)
-    for i in range(cut, steps):
-        b.step(i)
-    b.strategy.finish(b.model)
+    a, b = cut_and_resume(world, spec, cut, steps)
     res = lambda r: torch.cat([st["residual"].reshape(-1) for _, st in sorted(r.strategy.exchange.compressor.states.items())])
     return {"a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
             "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),

@@ -83,10 +83,13 @@ def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
             "exchange_sent": list(s.exchange.sent) if hasattr(s, "exchange") else []}
 
 
-def _resume(world, spec: str, cut: int, steps: int) -> dict:
+def cut_and_resume(world, spec: str, cut: int, steps: int, at_cut=lambda run: None) -> tuple[Run, Run]:
+    """(a, b): a runs all `steps`; b is restored from a's snapshot after `cut` steps and runs the rest; both
+    finished. `at_cut(a)` looks at a just before the snapshot (shared by the outer tests' resume scenarios)."""
     a = Run(world, spec)
     for i in range(cut):
         a.step(i)
+    at_cut(a)
     snap = a.snapshot()
     for i in range(cut, steps):
         a.step(i)
@@ -96,6 +99,11 @@ def _resume(world, spec: str, cut: int, steps: int) -> dict:
     for i in range(cut, steps):
         b.step(i)
     b.finish()
+    return a, b
+
+
+def _resume(world, spec: str, cut: int, steps: int) -> dict:
+    a, b = cut_and_resume(world, spec, cut, steps)
     return {"a": a.global_np(), "b": b.global_np(), "a_local": a.local_np(), "b_local": b.local_np()}
 
 

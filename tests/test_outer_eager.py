@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from outer_mp import assert_train_refuses, run_world
-from test_outer_dist import Run
+from test_outer_dist import Run, cut_and_resume
 
 PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 # name -> (spec, steps, delay override or None)
@@ -66,19 +66,9 @@ def _scenario(world, spec: str, steps: int, delay) -> dict:
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
-    a = Run(world, spec)
-    for i in range(cut):
-        a.step(i)
-    in_flight = len(a.strategy.pending)
-    snap = a.snapshot()
-    for i in range(cut, steps):
-        a.step(i)
-    a.finish()
-    b = Run(world, spec)
-    b.restore(snap)
-    for i in range(cut, steps):
-        b.step(i)
-    b.finish()
+    seen = {}
+    a, b = cut_and_resume(world, spec, cut, steps, at_cut=lambda run: seen.update(in_flight=len(run.strategy.pending)))
+    in_flight = seen["in_flight"]
     return {"a": a.global_np(), "b": b.global_np(), "a_local": a.local_np(), "b_local": b.local_np(),
             "in_flight": in_flight}
 
