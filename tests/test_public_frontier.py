@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn as nn
@@ -109,3 +111,47 @@ def test_a_transformers_model_with_compressed_diloco_sends_less_and_agrees():
         for k, v in got[0][1].items():
             assert (got[1][1][k] == v).all(), (name, k)
         assert got[0][2] < dense[0][2] / 4, name  # the compressed exchange is a fraction of the dense one
+
+
+def _bn_outer_worker(rank, env, queue, which):
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    world = islands.init_world(islands=2)
+    # gossip: a different starting model per rank, which compressed gossip replaces by island 0's at setup; DiLoCo
+    # takes every island's start as the global model, so the islands must start alike (the same seed)
+    torch.manual_seed(rank if which == "gossip" else 0)
+    model = BNMLPNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if which == "gossip":
+        strategy = islands.outer.Gossip(every=2, topology="ring", compressor=islands.compress.TopKQ(ratio=0.2, bits=8),
+                                        gamma=0.3)
+    else:
+        strategy = islands.outer.DiLoCo(inner_steps=4, adapt="speed")
+    model = strategy.wrap(model, opt, world)
+    start = {k: _plain(v) for k, v in model.state_dict().items()}
+    for step, (x, y) in enumerate(_batches(30 + rank, 12)):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        strategy.after_step(model, opt, step)
+    strategy.finish(model)
+    g = {k: _plain(v) for k, v in strategy.eval_model(model).state_dict().items()}
+    payload = strategy.estimates.nbytes if which == "gossip" else 0
+    queue.put((rank, g, start, world.ledger.snapshot()["sent"].get("outer_params", 0), strategy.rounds, payload))
+    islands.close_world(world)
+
+
+def test_compressed_gossip_on_a_batchnorm_cnn_through_the_public_api():
+    (_, g0, s0, sent0, rounds, payload), (_, g1, s1, _, _, _) = spawn_ranks(_bn_outer_worker, 2, "gossip")
+    assert all((s0[k] == s1[k]).all() for k in s0 if "bn." not in k)  # one starting point, agreed at setup
+    assert int(g0["bn.num_batches_tracked"]) == 12  # gossip's eval model keeps the island's own statistics
+    assert not (g0["bn.running_mean"] == g1["bn.running_mean"]).all()  # own data, own statistics
+    assert rounds == 6 and sent0 == rounds * payload  # one compressed payload to the one ring peer per round
+    assert all(np.isfinite(v).all() for v in g0.values())
+
+
+def test_speed_adaptive_diloco_on_a_batchnorm_cnn_through_the_public_api():
+    (_, g0, _, _, _, _), (_, g1, _, _, _, _) = spawn_ranks(_bn_outer_worker, 2, "adaptive")
+    for k, v in g0.items():
+        assert (g1[k] == v).all(), k  # one global model, buffers included
+    assert int(g0["bn.num_batches_tracked"]) == 12
