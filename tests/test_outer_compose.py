@@ -46,5 +46,6 @@ def test_two_ddp_islands_with_diloco_across():
     payload = 4 * ranks[0]["numel"]
     for r in ranks:
         sent = {k: v for k, v in r["ledger"]["sent"].items() if v}
-        assert sent == {"grad_all_reduce": STEPS * payload, "outer_delta": (STEPS // H) * payload}
+        # outer_init: the 8-byte digest of each island's start (alike here, so nothing more is sent)
+        assert sent == {"grad_all_reduce": STEPS * payload, "outer_delta": (STEPS // H) * payload, "outer_init": 8}
         assert np.isfinite(r["summary"]["final_val_loss"])

@@ -74,6 +74,8 @@ def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
     run.finish()
     after = world.ledger.snapshot()
     sent = {k: after["sent"].get(k, 0) - before["sent"].get(k, 0) for k in after["sent"]}
+    # wrap's agreement on the start: an 8-byte digest, nothing more, as every rank seeds alike here
+    assert sent.pop("outer_init", 0) == 8, sent
     s = run.strategy
     moments = [run.opt.state[p][k].numpy().copy().ravel() for p in run.model.parameters()
                for k in ("exp_avg", "exp_avg_sq") if k in run.opt.state[p]]

@@ -60,6 +60,8 @@ def _scenario(world, spec: str, steps: int, delay) -> dict:
     run.finish()
     after = world.ledger.snapshot()
     sent = {k: after["sent"].get(k, 0) - before["sent"].get(k, 0) for k in after["sent"]}
+    # wrap's agreement on the start: an 8-byte digest, nothing more, as every rank seeds alike here
+    assert sent.pop("outer_init", 0) == 8, sent
     return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
             "rounds": s.rounds, "sends": list(s.sends), "numel": s.global_flat.numel(), "unwaited": unwaited,
             "in_flight": in_flight, "pending_after": len(s.pending), "exchanges": len(s.exchange.sent)}

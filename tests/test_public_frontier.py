@@ -117,9 +117,9 @@ def _bn_outer_worker(rank, env, queue, which):
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     world = islands.init_world(islands=2)
-    # gossip: a different starting model per rank, which compressed gossip replaces by island 0's at setup; DiLoCo
-    # takes every island's start as the global model, so the islands must start alike (the same seed)
-    torch.manual_seed(rank if which == "gossip" else 0)
+    # a different starting model per rank, as a loop that seeds by rank (or not at all) builds: wrap replaces it
+    # by island 0's, for gossip's edge estimates and for DiLoCo's one global model alike
+    torch.manual_seed(rank)
     model = BNMLPNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if which == "gossip":
@@ -137,13 +137,14 @@ def _bn_outer_worker(rank, env, queue, which):
     strategy.finish(model)
     g = {k: _plain(v) for k, v in strategy.eval_model(model).state_dict().items()}
     payload = strategy.estimates.nbytes if which == "gossip" else 0
-    queue.put((rank, g, start, world.ledger.snapshot()["sent"].get("outer_params", 0), strategy.rounds, payload))
+    queue.put((rank, g, start, world.ledger.snapshot()["sent"].get("outer_params", 0), strategy.rounds, payload,
+               _plain(model.bn.running_var)))
     islands.close_world(world)
 
 
 def test_compressed_gossip_on_a_batchnorm_cnn_through_the_public_api():
-    (_, g0, s0, sent0, rounds, payload), (_, g1, s1, _, _, _) = spawn_ranks(_bn_outer_worker, 2, "gossip")
-    assert all((s0[k] == s1[k]).all() for k in s0 if "bn." not in k)  # one starting point, agreed at setup
+    (_, g0, s0, sent0, rounds, payload, _), (_, g1, s1, _, _, _, _) = spawn_ranks(_bn_outer_worker, 2, "gossip")
+    assert all((s0[k] == s1[k]).all() for k in s0)  # one starting point, agreed at wrap
     assert int(g0["bn.num_batches_tracked"]) == 12  # gossip's eval model keeps the island's own statistics
     assert not (g0["bn.running_mean"] == g1["bn.running_mean"]).all()  # own data, own statistics
     assert rounds == 6 and sent0 == rounds * payload  # one compressed payload to the one ring peer per round
@@ -151,7 +152,9 @@ def test_compressed_gossip_on_a_batchnorm_cnn_through_the_public_api():
 
 
 def test_speed_adaptive_diloco_on_a_batchnorm_cnn_through_the_public_api():
-    (_, g0, _, _, _, _), (_, g1, _, _, _, _) = spawn_ranks(_bn_outer_worker, 2, "adaptive")
+    (_, g0, s0, _, _, _, live0), (_, g1, s1, _, _, _, live1) = spawn_ranks(_bn_outer_worker, 2, "adaptive")
+    assert all((s0[k] == s1[k]).all() for k in s0)  # seeded by rank, started from island 0's model
     for k, v in g0.items():
         assert (g1[k] == v).all(), k  # one global model, buffers included
+    assert (live0 == live1).all()  # the islands adopted the averaged statistics
     assert int(g0["bn.num_batches_tracked"]) == 12

@@ -32,6 +32,7 @@ wrap: what every outer strategy did before this policy, kept only as the own-mod
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import torch
 
@@ -41,6 +42,7 @@ from islands.sync.ddp import unwrap
 from islands.sync.outer.flat import FlatView
 
 BUFFER_KIND = "outer_buffers"
+INIT_KIND = "outer_init"  # the one exchange of island 0's start (agree_start)
 
 
 class OuterStrategy(NoOp):
@@ -68,13 +70,42 @@ class OuterStrategy(NoOp):
         self.global_flat = self.local.read()
         self.local_buffers = list(base.buffers())
         self.global_buffers = list(self.global_model.buffers())
+        joining = membership is not None and getattr(membership, "epoch", 0) < 0  # receives the state in enter()
+        if self.comm.size > 1 and not joining:
+            self.agree_start()
         self.setup()
         if self.membership is not None:
             world.start_step = self.membership.enter(self, model)
         return model
 
+    @torch.no_grad()
+    def agree_start(self) -> None:
+        """Every island starts from island 0's parameters and floating buffers, as DDP starts every rank from
+        rank 0's. Without it a loop whose processes seed differently (or not at all) would give each island its
+        own global model, offset from the others' for the whole run. Once per run, through any Comm: first an
+        8-byte digest from each island (a loop that seeds alike sends nothing more), then, where they differ, a
+        sum in which every island but 0 contributes zeros, which is exact."""
+        floating = [b for b in self.local_buffers if b.is_floating_point()]
+        n = self.global_flat.numel()
+        flat = torch.cat([self.global_flat] + ([FlatView(floating).read()] if floating else []))
+        digest = hashlib.sha256(flat.detach().cpu().numpy().tobytes()).digest()[:8]
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(flat.device)
+        if all(torch.equal(d, mine) for d in self.comm.all_gather(mine, kind=INIT_KIND)):
+            return
+        if self.comm.rank != 0:
+            flat.zero_()
+        self.comm.all_reduce(flat, kind=INIT_KIND)
+        self.global_flat = flat[:n].clone()
+        self.local.write(self.global_flat)
+        self.publish()
+        if floating:
+            FlatView(floating).write(flat[n:])
+        for own, glob in zip(self.local_buffers, self.global_buffers):
+            glob.copy_(own)
+
     def setup(self) -> None:
-        """Subclasses build their exchange and state here (self.local and self.global_flat exist)."""
+        """Subclasses build their exchange and state here (self.local and self.global_flat exist; every island
+        holds the same start)."""
 
     def eval_model(self, model):
         return self.global_model

@@ -46,7 +46,6 @@ from islands.sync.outer.choco import EdgeEstimates, check_compressor
 from islands.sync.outer.topology import Topology, parse_topology
 
 KIND = "outer_params"
-INIT_KIND = "outer_init"  # compressed gossip's one exchange of the common starting point
 
 
 # ---- mixing arithmetic (shared by the strategy and the in-process simulation) ---------------------
@@ -172,15 +171,8 @@ class Gossip(OuterStrategy):
             raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
                             f"{type(self.comm).__name__} has none (elastic membership is not supported)")
         if self.compressor is not None:
-            start = self.local.read()
-            if self.comm.size > 1:  # the edge estimates start from one point every island knows: island 0's
-                if self.comm.rank != 0:  # (a sum with zeros, exact, through any Comm; once per run)
-                    start.zero_()
-                self.comm.all_reduce(start, kind=INIT_KIND)
-                self.local.write(start)
-                self.global_flat = start.clone()
-                self.publish()
-            self.estimates = EdgeEstimates(self.compressor, start, self.gamma)
+            # the edge estimates start from one point every island knows: island 0's (agreed in wrap)
+            self.estimates = EdgeEstimates(self.compressor, self.global_flat.clone(), self.gamma)
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
