@@ -12,7 +12,8 @@ tbf-shaped veth star, docs/testbed.md) and each arm, one training run of the def
 
 Arms: DiLoCo, streaming DiLoCo (F=4, tau=2, fp32 fragments), DiLoCo overlap=delayed ("async": each round's average
 lands one round late, LIT-907) and overlap=eager (the island's own fresh delta stands in until it lands, LIT-906),
-each with fp32 deltas and with the topkq compressor (10% per chunk, 2-bit values, error feedback; SOTA-902),
+each with fp32 deltas and with the topkq compressor (10% per chunk, 2-bit values, error feedback; SOTA-902), eager
+also with outer-compression's 146x payload (`eager+topkq146x`: Elias-Fano positions, SOTA-905, decay 0.95),
 plus torchft 0.2.0's DiLoCo and streaming DiLoCo (torchft.local_sgd.DiLoCo, fragment_sync_delay=2, F=4 at the quick
 tier's H=20 and F=5 at the full tier's H=50: torchft needs F to divide H) on the same links, one torchft replica
 group per island, with the same task, data shards, inner optimizer, schedule and outer step (plain SGD, lr sqrt(2));
@@ -40,6 +41,11 @@ GOALS = {"20mbit": 0.99, "5mbit": 0.97}  # issue 19: utilisation at 20 and 5 Mbi
 # found near fp32 DiLoCo's loss (+2.3%, 23x fewer bytes per round, 30 rounds); at 1% (216x) it was +26.5%, and with
 # the 3 rounds of the quick tier 1% leaves the global model near its initialisation (measured: loss 4.68 vs 2.90)
 COMPRESSOR = "topkq:ratio=0.1,bits=2"
+# The 146x payload of outer-compression's goal arm (Elias-Fano positions, 89 of each 4096, SparseLoCo's decay 0.95):
+# 23 KB a round instead of 154 KB, so the last round's exchange, the one an overlapped run cannot hide, is ~7x
+# shorter on a slow link. Run on the eager arm only: at a handful of rounds its loss is far from fp32's
+# (outer-compression: it needs many rounds).
+COMPRESSOR_146X = "topkq:ratio=0.0215,bits=2,index=elias-fano,decay=0.95"
 STREAM = "fragments=4,tau=2,bits=32"  # the issue's streaming setting; fp32 so the compressor axis is the only codec
 
 
@@ -192,7 +198,7 @@ def _plot(result, path):
         fig.suptitle(f"utilisation{' (quick)' if result['quick'] else ''}: 1 - blocked / wall, 2 islands", fontsize=9)
 
 
-@experiment("utilisation", practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-904"),
+@experiment("utilisation", practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-904", "SOTA-905"),
             help="compute utilisation (1 - blocked/wall) and step time vs no link on 100/20/5 Mbit/s testbed links: "
                  "DiLoCo, streaming, async (delayed) and eager outer steps, fp32 and topkq, against torchft's "
                  "DiLoCo and streaming DiLoCo")
@@ -207,6 +213,7 @@ def utilisation(ctx: BenchContext) -> dict:
     islands_arms = [(f"{name}{'' if c is None else '+topkq'}", with_compressor(spec, c))
                     for c in (None, COMPRESSOR) for name, spec in arms(h)
                     if not (ctx.quick and c is not None and name not in ("diloco", "eager"))]
+    islands_arms.append(("eager+topkq146x", with_compressor(dict(arms(h))["eager"], COMPRESSOR_146X)))
     version, why_not = load_torchft(ctx.log)
     torchft_arms = [("torchft-diloco", 1, 0), ("torchft-streaming", torchft_fragments(h, 4), 2)] if version else []
     ctx.plan((len(links) + 1) * (len(islands_arms) + len(torchft_arms)))

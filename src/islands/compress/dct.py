@@ -52,14 +52,16 @@ class DCTTopK(TopKQ):
     name = "dct-topk"
 
     def __init__(self, ratio: float = 0.01, bits: Literal[2, 4, 8, 32] = 2, block: int = DEMO_BLOCK,
-                 chunk: int = SPARSELOCO_CHUNK, decay: float = 1.0, ef: bool = True):
+                 chunk: int = SPARSELOCO_CHUNK, decay: float = 1.0, ef: bool = True,
+                 index: Literal["fixed", "elias-fano"] = "fixed"):
         """DeMo's transform, then TopKQ on the DCT coefficients. `ratio`: fraction of each chunk of coefficients sent.
         `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32 for fp32 values. `block`: DCT length
         (DeMo: 64). `chunk`: coefficients per top-k chunk (4096: a position packs into 12 bits). `decay`: the
-        error-feedback residual's weight each round (1 = plain error feedback). `ef`: error feedback around it."""
+        error-feedback residual's weight each round (1 = plain error feedback). `ef`: error feedback around it. `index`:
+        how positions travel, fixed (ceil(log2 chunk) bits each) or elias-fano (topkq's)."""
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"{self.name} block (DCT length) must be an int >= 1, got {block!r}")
-        super().__init__(ratio=ratio, bits=bits, chunk=chunk, decay=decay, ef=ef)
+        super().__init__(ratio=ratio, bits=bits, chunk=chunk, decay=decay, ef=ef, index=index)
         self.block = int(block)
 
     def coeff_count(self, numel: int) -> int:

@@ -8,7 +8,10 @@ default, so a position inside a chunk needs ceil(log2 4096) = 12 bits); each chu
 magnitudes, k = ceil(ratio * chunk length). What travels, per tensor of n values (K = sum of the k's,
 C = number of chunks, w = index bits):
 
-    indices   K positions inside their chunk, w bits each, packed into ceil(K w / 8) bytes
+    indices   index=fixed: K positions inside their chunk, w bits each, packed into ceil(K w / 8) bytes;
+              index=elias-fano: each chunk's k positions sorted and Elias-Fano coded (elias_fano.py), all chunks'
+              codes in one bit stream of ceil(sum of nbits(chunk length, k) / 8) bytes: ~log2(chunk / k) + 2 bits a
+              position (7.4 at 89 of 4096), so 146x fits 92 of each 4096 instead of 61
     values    bits=2|4|8: K codes of `bits` bits, packed into ceil(K bits / 8) bytes,
               plus one fp32 scale per chunk (4 C bytes); bits=32: K fp32 values (4 K bytes)
 
@@ -37,9 +40,13 @@ import torch
 from torch import Tensor
 
 from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, numel_of
-from islands.compress.bits import pack_uint, packed_nbytes, unpack_uint
+from islands.compress import elias_fano
+from islands.compress.bits import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
 
 BITS = (2, 4, 8, 32)
+# How positions inside a chunk travel: `fixed`, ceil(log2 chunk) bits each (SparseLoCo's 12); `elias-fano`, the
+# chunk's sorted positions Elias-Fano coded (elias_fano.py: ~log2(chunk / k) + 2 bits each, a size fixed by chunk and k)
+INDEX = ("fixed", "elias-fano")
 # SparseLoCo's chunk: 4096 values, so a position inside it packs into 12 bits.
 SPARSELOCO_CHUNK = 4096
 
@@ -73,12 +80,14 @@ class TopKQ(CompressorBase):
     combine = Combine.GATHERED
 
     def __init__(self, ratio: float = 0.01, bits: Literal[2, 4, 8, 32] = 2, chunk: int = SPARSELOCO_CHUNK,
-                 decay: float = 1.0, ef: bool = True):
+                 decay: float = 1.0, ef: bool = True, index: Literal["fixed", "elias-fano"] = "fixed"):
         """SparseLoCo's payload: the top of each chunk, positions packed, values in a few bits. `ratio`: fraction of each
         chunk sent (SparseLoCo: 1-3%). `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32 for
         fp32 values. `chunk`: values per chunk (4096: a position packs into 12 bits). `decay`: the error-feedback
         residual's weight each round (SparseLoCo decays it, 1 = plain error feedback). `ef`: error feedback around it
-        (the residual keeps what was not selected and the quantisation error)."""
+        (the residual keeps what was not selected and the quantisation error). `index`: fixed (ceil(log2 chunk) bits
+        per position) or elias-fano (each chunk's sorted positions Elias-Fano coded: ~7.4 bits a position at 92 of
+        4096, so the same bytes carry 1.5x the entries)."""
         super().__init__()
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"{self.name} ratio (fraction of each chunk sent) must be in (0, 1], got {ratio!r}")
@@ -90,7 +99,9 @@ class TopKQ(CompressorBase):
             raise ValueError(f"{self.name} decay (weight of the error-feedback residual) must be in (0, 1], got {decay!r}")
         if decay != 1.0 and not ef:
             raise ValueError(f"{self.name} decay acts on the error-feedback residual; it needs ef=1")
-        self.ratio, self.bits, self.chunk = float(ratio), int(bits), int(chunk)
+        if index not in INDEX:
+            raise ValueError(f"{self.name} index (how positions travel) must be one of {', '.join(INDEX)}, got {index!r}")
+        self.ratio, self.bits, self.chunk, self.index = float(ratio), int(bits), int(chunk), index
         self.ef, self.ef_decay = bool(ef), float(decay)
 
     # -- the coefficient vector (identity here; the DCT variant transforms) ------------------------------------
@@ -114,8 +125,16 @@ class TopKQ(CompressorBase):
         return g, full, keep_count(self.ratio, g), tail, keep_count(self.ratio, tail)
 
     def index_bits(self, n: int) -> int:
+        """Bits of one position under index=fixed."""
         g = self.layout(n)[0]
         return max(1, math.ceil(math.log2(g)))
+
+    def index_nbytes(self, n: int) -> int:
+        """Bytes the positions of a coefficient vector of n values take."""
+        g, full, k, tail, k_tail = self.layout(n)
+        if self.index == "fixed":
+            return packed_nbytes(full * k + k_tail, self.index_bits(n))
+        return packed_nbytes(full * elias_fano.nbits(g, k) + elias_fano.nbits(tail, k_tail), 1)
 
     def kept(self, n: int) -> tuple[int, int]:
         """(entries kept K, chunks C) for a coefficient vector of n values."""
@@ -128,7 +147,7 @@ class TopKQ(CompressorBase):
             return 0
         kept, chunks = self.kept(n)
         values = 4 * kept if self.bits == 32 else packed_nbytes(kept, self.bits) + 4 * chunks
-        return packed_nbytes(kept, self.index_bits(n)) + values
+        return self.index_nbytes(n) + values
 
     # -- compress / decode -------------------------------------------------------------------------------------
     def select(self, y: Tensor) -> tuple[list[Tensor], list[Tensor]]:
@@ -137,17 +156,34 @@ class TopKQ(CompressorBase):
         n = y.numel()
         g, full, k, tail, k_tail = self.layout(n)
         pos, vals = [], []
-        if full:
-            rows = y[: full * g].view(full, g)
-            idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices
+        for rows, kk in ((y[: full * g].view(full, g), k), (y[full * g:].view(1, tail), k_tail)):
+            if not rows.numel():
+                continue
+            idx = torch.topk(rows.abs(), kk, dim=1, sorted=False).indices
+            if self.index == "elias-fano":  # the code needs each row ascending; values follow their positions
+                idx = idx.sort(dim=1).values
             pos.append(idx)
             vals.append(rows.gather(1, idx))
-        if tail:
-            rest = y[full * g:].view(1, tail)
-            idx = torch.topk(rest.abs(), k_tail, dim=1, sorted=False).indices
-            pos.append(idx)
-            vals.append(rest.gather(1, idx))
         return pos, vals
+
+    def _pack_positions(self, pos: list[Tensor], n: int) -> Tensor:
+        if self.index == "fixed":
+            return pack_uint(torch.cat([p.reshape(-1) for p in pos]), self.index_bits(n))
+        g, _, _, tail, _ = self.layout(n)
+        lengths = (g, tail)  # pos holds the full chunks' block, then the tail's row when there is a tail
+        return pack_bits(torch.cat([elias_fano.encode_rows(p, m).reshape(-1) for p, m in zip(pos, lengths)]))
+
+    def _unpack_positions(self, packed: Tensor, n: int) -> Tensor:
+        """Positions inside their chunk, (K,) int64, full chunks first, then the tail's."""
+        g, full, k, tail, k_tail = self.layout(n)
+        if self.index == "fixed":
+            return unpack_uint(packed, self.index_bits(n), full * k + k_tail)
+        head = full * elias_fano.nbits(g, k)
+        bits = unpack_bits(packed, head + elias_fano.nbits(tail, k_tail))
+        parts = [elias_fano.decode_rows(bits[:head].view(full, -1), g, k).reshape(-1)] if full else []
+        if tail:
+            parts.append(elias_fano.decode_rows(bits[head:].view(1, -1), tail, k_tail).reshape(-1))
+        return torch.cat(parts)
 
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
         x = as_fp32(tensor).reshape(-1)
@@ -158,7 +194,7 @@ class TopKQ(CompressorBase):
             return Payload([empty, empty] + ([] if self.bits == 32 else [torch.zeros(0, device=x.device)]),
                            tensor.shape, tensor.dtype)
         pos, vals = self.select(y)
-        index = pack_uint(torch.cat([p.reshape(-1) for p in pos]), self.index_bits(n))
+        index = self._pack_positions(pos, n)
         if self.bits == 32:
             return Payload([index, torch.cat([v.reshape(-1) for v in vals]).contiguous()], tensor.shape, tensor.dtype)
         coded = [_quantise_rows(v, self.bits) for v in vals]
@@ -174,7 +210,7 @@ class TopKQ(CompressorBase):
             return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device)
         g, full, k, tail, k_tail = self.layout(n)
         kept, chunks = self.kept(n)
-        local = unpack_uint(payload.tensors[0], self.index_bits(n), kept)
+        local = self._unpack_positions(payload.tensors[0], n)
         row = torch.cat([torch.arange(full, device=device).repeat_interleave(k),
                          torch.full((k_tail,), full, dtype=torch.int64, device=device)])
         where = local + row * g
