@@ -159,7 +159,7 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
 @pytest.mark.parametrize("bad,needle", [
     (dict(outer=""), "needs an outer strategy"),
     (dict(islands=1, outer="local-sgd:every=2", inner="single"), "one worker per island"),
-    (dict(outer="overlap-local-sgd:tau=2"), "in flight"),
+    (dict(outer="diloco:overlap=delayed"), "overlap=delayed"),  # overlap-local-sgd runs elastically (#20 item 4)
     (dict(heartbeat_timeout=0.0), "heartbeat_timeout"),
 ])
 def test_elastic_config_rejects_unsupported_combinations(bad, needle):

@@ -40,6 +40,7 @@ _HELP = {
     "task.vocab_size": "hf-causal-lm: the BPE's size and the fresh model's embedding rows",
     "task.text_column": "hf-causal-lm on JSON lines / Parquet data: the column holding the text",
     "world.workers": "total worker processes", "world.islands": "islands the workers are split into (workers/islands each)",
+    "elastic.max_restarts": "elastic: times the launcher starts a failed island again (it rejoins at a round boundary)",
     "world.device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
     "inner.strategy": "inner strategy inside an island: auto, single, ddp, zero1, fsdp, pipeline",
     "outer.strategy": "outer strategy across islands, e.g. diloco:inner_steps=100",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from islands.cli_more import UsageError
 from islands.runtime.elastic_launch import launch_elastic_script
+from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.launch import LaunchError, Placement, check_counts, run_ranks
 
 
@@ -31,6 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.elastic:
         return _run_elastic(args, script, run_dir)
     elastic_only = [flag for flag, value, default in (("--heartbeat-timeout", args.heartbeat_timeout, None),
+                                                       ("--store", args.store, ""),
                                                        ("--timeout", args.timeout, None)) if value != default]
     if elastic_only:
         raise UsageError(f"{', '.join(elastic_only)} apply to elastic jobs only; add --elastic or leave them out")
@@ -61,12 +63,13 @@ def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
         check_counts(args.workers, 1, args.threads)
         if args.port and not 0 < args.port < 65536:
             raise LaunchError(f"port must be in 1..65535 (or 0 to pick a free one); got {args.port}")
+        store = EtcdAddress.parse(args.store) if args.store else None
         print(f"islands: elastic job of {args.workers} worker(s) of {script}; logs in {run_dir / 'logs'}",
               file=sys.stderr, flush=True)
         return launch_elastic_script([str(script), *args.args], args.workers, run_dir, heartbeat_timeout=heartbeat,
-                                     timeout=timeout, port=args.port, threads=args.threads)
-    except LaunchError as e:
-        raise UsageError(str(e)) from None
+                                     timeout=timeout, port=args.port, threads=args.threads, store=store)
+    except (LaunchError, ValueError) as e:  # ValueError: a --store that is not etcd://HOST:PORT,...
+        raise UsageError(f"--store: {e}" if isinstance(e, ValueError) else str(e)) from None
 
 
 def add_run_command(sub: argparse._SubParsersAction) -> None:
@@ -79,7 +82,7 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
                     "workers (ISLANDS_ELASTIC, ISLANDS_TOKEN, ISLANDS_NAME set; logs in RUN_DIR/logs/w<i>.log) form an "
                     "elastic job: a worker that dies is dropped and the others carry on, `islands join` adds workers.",
         usage="islands run [--workers N] [--islands K] [--testbed NAME] [--port P] [--threads T] [--run-dir DIR] "
-              "[--elastic [--heartbeat-timeout S] [--timeout S]] script.py [ARGS...]")
+              "[--elastic [--heartbeat-timeout S] [--timeout S] [--store etcd://H:P,...]] script.py [ARGS...]")
     r.add_argument("--workers", type=int, default=2, metavar="N", help="ranks to start (default 2)")
     r.add_argument("--islands", type=int, default=1, metavar="K",
                    help="islands the ranks form, read by islands.init_world() through ISLANDS_ISLANDS (default 1)")
@@ -98,6 +101,9 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
                    help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3)")
     r.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="with --elastic: seconds a collective may take before a worker counts as stuck (default 120)")
+    r.add_argument("--store", default="", metavar="etcd://H:P,H:P,...",
+                   help="with --elastic: keep the job in this etcd cluster (its members' client addresses) instead of "
+                        "the job host's embedded store: no single point of failure (docs/membership.md)")
     r.add_argument("script", help="the Python script every rank runs")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through untouched")
     r.set_defaults(fn=cmd_run)

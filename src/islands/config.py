@@ -139,6 +139,12 @@ class CheckpointConfig:
 class ElasticConfig:
     enabled: bool = False  # workers may die and join (docs/membership.md)
     heartbeat_timeout: float = 3.0  # seconds without a heartbeat before a member counts as gone
+    # times the launcher starts a failed island again (it rejoins at a round boundary); 0: the job goes on
+    # without it, as before. Opt-in, so a crash that repeats does not loop (docs/membership.md)
+    max_restarts: int = 0
+    # where the job's store lives: "" the job host's embedded store (one machine), or an etcd cluster
+    # etcd://HOST:PORT,HOST:PORT,... (no single point of failure; docs/membership.md)
+    store: str = ""
 
 
 @dataclass
@@ -225,6 +231,7 @@ FLAT: dict[str, str] = {
     "ckpt_keep": "checkpoint.keep", "ckpt_async": "checkpoint.asynchronous",
     "ckpt_share_replicas": "checkpoint.share_replicas", "resume": "checkpoint.resume",
     "elastic": "elastic.enabled", "heartbeat_timeout": "elastic.heartbeat_timeout",
+    "max_restarts": "elastic.max_restarts", "store": "elastic.store",
     "run_dir": "output.run_dir", "progress": "output.progress", "log": "output.log",
 }
 

@@ -3,6 +3,8 @@
     python -m islands.app.elastic_worker HOST:PORT RUN_DIR
 with ISLANDS_TOKEN (the job's secret) and ISLANDS_NAME (this process's name) in the environment.
 The launcher starts the first job.workers this way; `islands join` starts later ones the same way.
+In a job of k-worker islands (docs/membership.md, "Islands of k workers") the launcher starts each island's k
+workers with ISLANDS_ISLAND (their place) and restarts a failed island itself; `islands join` is refused there.
 Joining, the World and the joins at round boundaries are islands.runtime's, as for any script under
 `islands run --elastic` (the Trainer's Stack holds the membership; there is no callback of its own).
 A refused process logs one line and exits with code 3 (membership.REFUSED_EXIT_CODE).
@@ -20,7 +22,9 @@ from pathlib import Path
 from islands.app.build import build_trainer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded, global_digest
-from islands.runtime.membership import JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV, Refused, parse_address
+from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
+from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV, JobSpec, Refused,
+                                        connect, parse_address)
 from islands.runtime.world import close_world, join_elastic
 
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
@@ -28,39 +32,84 @@ __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
 
 def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> dict:
     """Join the job at `address` and train until it ends; returns the run record."""
-    world = join_elastic(address, name, token)
+    place = IslandPlace.from_env(os.environ.get(ISLAND_ENV))
+    if place is None:
+        _check_one_worker_islands(address, name, token)
+    world = join_elastic(address, name, token, island=place)
     comm: ElasticComm = world.membership
     if comm.job.config is None:
         raise ValueError(f"the elastic job at {address} runs a script, not a config: start it with `islands join "
                          f"{address}`, which runs the job's script")
     cfg = from_mapping(comm.job.config)
-    cfg.inner.strategy, cfg.world.probe = "single", False  # one worker per island; the probe needs a fixed world
+    cfg.world.probe = False  # the probe needs a fixed world
+    if cfg.workers_per_island == 1:
+        cfg.inner.strategy = "single"  # an island of one: nothing to average inside it
+    leader = place is None or place.leader
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # a joiner's strategy wrap (inside the Trainer) waits for a round boundary and receives the training state
         trainer = build_trainer(cfg, world, run_dir)
+        if not leader:  # its leader writes the island's outer-exchange report
+            for part in (trainer.strategy.outer, getattr(trainer.strategy.outer, "outer", None)):
+                if hasattr(part, "report_dir"):
+                    part.report_dir = None
         if trainer.checkpoints is not None:
             comm.before_join.append(lambda: trainer.checkpoints.settle(trainer))
         if cfg.checkpoint.resume and not world.start_step:  # a joiner starts from the members' state instead
             resume_trainer(trainer, cfg)
         record = trainer.fit(cfg.train.steps)
-        _write_membership(run_dir, name, comm, global_digest(trainer.eval_model))
+        if leader:
+            _write_membership(run_dir, name, comm, global_digest(trainer.eval_model), place, world.shard)
+        else:
+            _write_follower(run_dir, name, comm, global_digest(trainer.eval_model), place, world.shard)
         return record
     finally:
         close_world(world)
 
 
-def _write_membership(run_dir: Path, name: str, comm: ElasticComm, digest: str) -> None:
+def _check_one_worker_islands(address: str, name: str, token: str) -> None:
+    """`islands join` (no ISLANDS_ISLAND) starts one worker: refuse it in a job of k-worker islands before it
+    is admitted (a wrong token still gets the coordinator's verdict)."""
+    host, port = parse_address(address)
+    job = JobSpec.read(connect(host, port), token, name=name)
+    if job.config is None:
+        return
+    world = job.config.get("world", {})
+    k = int(world.get("workers", 1)) // max(int(world.get("islands", 1)), 1)
+    if k > 1:
+        raise Refused(f"this job's islands have {k} workers each and join or leave as a whole; `islands join` "
+                      "starts one worker, so it cannot add an island: the launcher restarts a failed island itself "
+                      "(--max-restarts)")
+
+
+def _island(place: IslandPlace | None) -> dict | None:
+    return None if place is None else {"index": place.index, "local": place.local, "size": place.size,
+                                       "incarnation": place.incarnation, "leader": place.name(0)}
+
+
+def _write_membership(run_dir: Path, name: str, comm: ElasticComm, digest: str, place: IslandPlace | None = None,
+                      data_shard: tuple[int, int] | None = None) -> None:
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)
     a = comm.admission
     session = getattr(comm, "control_plane", None)
     (out / f"{name}.json").write_text(json.dumps({
-        "name": name, "slot": a.slot, "shard": a.shard, "initial": a.initial,
+        "name": name, "slot": a.slot, "shard": a.shard, "initial": a.initial, "island": _island(place),
+        "data_shard": list(data_shard) if data_shard else None,  # (shard, shards) it trained on
         "global_sha256": digest, "final": comm.state_dict(), "syncs": comm.syncs,
         "control_plane": session.snapshot() if session is not None else None}, indent=1))
     if session is not None and session.store.accepted_digests is not None:  # ISLANDS_AUTH_AUDIT: experiments
         (out / f"{name}.audit").write_text(json.dumps(session.accepted_digests()))
+
+
+def _write_follower(run_dir: Path, name: str, follower, digest: str, place: IslandPlace,
+                    data_shard: tuple[int, int]) -> None:
+    """A follower's record: its island, the global model's digest (equal to its leader's) and what it saw."""
+    out = run_dir / "elastic"
+    out.mkdir(exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({
+        "name": name, "island": _island(place), "data_shard": list(data_shard), "global_sha256": digest,
+        "final": follower.state_dict()}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as e:
         print(f"islands: join refused by {argv[0]}: {e}", file=sys.stderr)
         return REFUSED_EXIT_CODE
-    except Excluded as e:
+    except (Excluded, IslandBroken) as e:
         print(f"islands: {e}", file=sys.stderr)
         return 1
     except JobEnded as e:

@@ -32,6 +32,7 @@ from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm, tied_embeddings
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
+from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
 from islands.spec import Spec
@@ -44,7 +45,9 @@ from islands.tasks import hf_lm as hf
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
 DEVICES = ("auto", "cpu", "cuda")
-# Outer strategies whose exchanges are in flight across steps: an elastic join needs a quiet round boundary.
+# Outer strategies whose exchanges are in flight across steps (as DiLoCo's tau > 0 and fragments > 1): elastic
+# membership handles them with one worker per island (docs/membership.md, "Exchanges in flight and gossip
+# under churn").
 IN_FLIGHT = ("overlap-local-sgd", "streaming-diloco")
 POSITIVE = ("task.d_model", "task.n_layers", "task.n_heads", "task.context", "task.hidden", "train.steps",
             "train.global_batch", "world.workers", "world.islands", "world.threads", "train.eval_batches",
@@ -394,20 +397,55 @@ def simulated(cfg: JobConfig) -> str | None:
 
 
 def elastic(cfg: JobConfig) -> str | None:
-    """Elastic mode: an outer strategy with one worker per island (docs/membership.md)."""
+    """Elastic mode: an outer strategy; islands of one worker, or of k with ddp/zero1 inside (docs/membership.md)."""
+    restarts = cfg.elastic.max_restarts
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        return f"elastic.max_restarts must be an integer >= 0; got {restarts!r}"
+    if cfg.elastic.store and not cfg.elastic.enabled:
+        return "elastic.store (--store) applies to elastic jobs; add elastic.enabled (--elastic) or leave it out"
     if not cfg.elastic.enabled:
-        return None
+        return ("elastic.max_restarts applies to elastic jobs (a failed island is started again); add "
+                "elastic.enabled (--elastic) or leave it 0") if restarts else None
     if cfg.outer.strategy is None:
         return ("elastic needs an outer strategy (e.g. outer.strategy='diloco:inner_steps=20'): members meet only "
                 "at its synchronisations")
-    if cfg.world.islands != cfg.world.workers or cfg.inner.strategy not in ("auto", "single"):
-        return (f"elastic needs one worker per island (islands == workers, inner single); got workers="
-                f"{cfg.world.workers}, islands={cfg.world.islands}, inner={cfg.inner.strategy!r}")
+    k = cfg.workers_per_island
+    if cfg.inner.strategy in ("fsdp", "pipeline"):
+        why = ("fsdp shards each island's model over its workers, so no one worker holds the island's global model "
+               "to exchange or hand to a joiner, and its device mesh spans all the job's ranks, which membership "
+               "changes cannot rebuild" if cfg.inner.strategy == "fsdp" else
+               "a pipeline splits the model into stages, so no one worker holds the island's global model")
+        return (f"elastic islands of several workers take inner.strategy ddp or zero1 (replicas kept identical, so "
+                f"the island's leader speaks for it); inner.strategy={cfg.inner.strategy} is refused: {why}")
+    if k > 1:
+        given = [f"inner.{key}" for key in ("compressor", "aggregator", "attack") if getattr(cfg.inner, key)]
+        if given:
+            return (f"elastic islands of several workers run plain ddp or zero1 inside; {', '.join(given)} is not "
+                    "supported there yet (robust aggregation and attacks plan by global rank, which changes with "
+                    "membership); leave it out")
+        if cfg.checkpoint.every or cfg.checkpoint.resume or cfg.checkpoint.memory_every or cfg.checkpoint.remote_every:
+            return (f"elastic islands of several workers ({k} per island) do not checkpoint yet: only islands' leaders "
+                    "are members, and an elastic save needs every member's part; leave checkpoint.every, "
+                    "memory_every, remote_every and resume unset, or run one worker per island")
+        if parse_outer(cfg.outer.strategy).name == "gossip":
+            return (f"elastic islands of several workers ({k} per island) relay the leader's all-reduce, all-gather "
+                    "and broadcast to the island; gossip's point-to-point exchange is not relayed yet; use diloco, "
+                    "local-sgd, slowmo or easgd, or one worker per island")
     spec = parse_outer(cfg.outer.strategy)
-    if spec.name in IN_FLIGHT or spec.params.get("tau", 0):
-        return (f"elastic needs an outer strategy without exchanges in flight across steps; "
-                f"{format_spec(cfg.outer.strategy)!r} "
-                "overlaps them. Use local-sgd, post-local-sgd, slowmo, easgd or diloco (tau=0)")
+    in_flight = spec.name in IN_FLIGHT or spec.params.get("tau", 0) or spec.params.get("fragments", 1) > 1
+    if in_flight and k > 1:
+        return (f"elastic islands of several workers ({k} per island) need an outer strategy without exchanges in "
+                f"flight across steps; {format_spec(cfg.outer.strategy)!r} overlaps them (supported with one "
+                "worker per island). Use diloco with tau=0 and fragments=1")
+    if spec.params.get("lr_scale") == "sqrt-islands" and spec.params.get("fragments", 1) > 1:
+        return ("elastic does not support lr_scale=sqrt-islands with fragments > 1 (the island count can change "
+                "while a fragment is in flight); use lr_scale=none or fragments=1")
+    if spec.params.get("overlap", "none") != "none":
+        return (f"elastic does not support outer overlap={spec.params['overlap']} yet; use overlap=none (tau > 0 and "
+                "fragments > 1 are supported)")
+    if spec.name == "gossip" and spec.params.get("compressor"):
+        return ("elastic does not support compressed gossip: its edge estimates belong to pairs of ranks, which "
+                "change when members come and go; drop compressor=")
     if _communicates(cfg):
         return (f"train.optimizer={format_spec(cfg.train.optimizer)!r} communicates inside an island; elastic mode has one worker "
                 "per island, use optimizer='adamw'")
@@ -421,6 +459,11 @@ def elastic(cfg: JobConfig) -> str | None:
                 "leave checkpoint.memory_peer off, the local and remote levels still work")
     if cfg.elastic.heartbeat_timeout <= 0:
         return f"elastic.heartbeat_timeout must be > 0 seconds; got {cfg.elastic.heartbeat_timeout}"
+    if cfg.elastic.store:
+        try:
+            EtcdAddress.parse(cfg.elastic.store)
+        except ValueError as e:
+            return f"elastic.store: {e}"
     return None
 
 

@@ -25,6 +25,17 @@ instead). A joiner's `enter` blocks until the members put it in an epoch and loa
 state and the step its loop starts at. The hook sits after backward rather than at the end of the
 round's after_step so that the step's own checkpoint (saved after after_step) is already taken: only
 saves still in flight have to finish first (`before_join`).
+
+Exchanges in flight across steps (issue #20 item 4: DiLoCo with tau > 0, streaming DiLoCo): the outer strategy
+runs them on its exchange's one background thread, and each of their collectives is an operation as above, so a
+death while one is in flight fails it over like any other: the survivors retry it from its saved input in the
+next epoch and land the same result at the same step. Only that thread issues collectives while exchanges are
+in flight (everything else waits behind them: the strategy's `in_order`). A join first lets them finish
+(`settle` on the outer part), so the new epoch never forms under an operation in flight, and the joiner
+receives their results with the strategy state (DiLoCo's `inflight`): it lands them at the same steps as the
+members. After loading, the joiner's `joined` hook restarts its local model from the global one (a copy of
+the holder's local work would be counted twice). Gossip (`exchange_planned`): a round's peers come from the
+topology over the ranks of the epoch the round commits in, so a retried round re-plans with the survivors.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class ElasticComm:
     POLL = 0.005  # seconds between checks of a running collective (store round trip is ~0.2 ms)
+    elastic = True  # strategies ask this (getattr(comm, "elastic", False)) to refuse what churn would break
 
     def __init__(self, store, name: str, ledger: CommLedger, heartbeat_timeout: float = 3.0,
                  collective_timeout: float = 120.0, on_change: Callable[[int, int], None] | None = None,
@@ -157,6 +169,27 @@ class ElasticComm:
 
         self._operate(kind, attempt)
         return tensor
+
+    def exchange_planned(self, plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
+                         like: torch.Tensor, kind: str = "p2p") -> tuple[dict[int, torch.Tensor], list[int], list[int]]:
+        """Point to point in one committed operation (gossip). `plan(rank, size)` -> (sends {peer: tensor},
+        recv_from [peers]) over the ranks of the epoch the attempt runs in; a failed attempt is planned again
+        with the survivors' ranks (a fixed peer list would name other workers after a change). Returns (what
+        arrived {peer: tensor shaped like `like`}, send_to, recv_from) of the attempt that committed: the same
+        plan on every member."""
+        result: dict = {}
+
+        def attempt(pg, rank, size):
+            sends, recv_from = plan(rank, size)
+            got = {p: torch.empty_like(like) for p in recv_from}
+            result.update(got=got, send_to=sorted(sends), recv_from=list(recv_from))
+            self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()), sum(_nbytes(t) for t in got.values()))
+            sent = [t.contiguous() for t in sends.values()]
+            works = [pg.send([t], p, 0) for p, t in zip(sends, sent)] + [pg.recv([t], p, 0) for p, t in got.items()]
+            return _Waited(works, keep=(sent, got))
+
+        self._operate(kind, attempt, alone=lambda: result.update(got={}, send_to=[], recv_from=[]))
+        return result["got"], result["send_to"], result["recv_from"]
 
     def all_gather_object(self, obj) -> list:
         """Bookkeeping gather (end-of-run ledgers): pickled, padded to the longest, all-gathered."""
@@ -376,6 +409,9 @@ class ElasticComm:
         joiners = json.loads(self.store.get(f"round/{rounds}/join"))
         if not joiners:
             return
+        # exchanges still in flight (DiLoCo tau > 0, streaming) finish in the epoch they started in; their
+        # results travel with the strategy state (a death meanwhile fails them over, the epoch moves on)
+        _call_hook(strategy, "settle")
         for settle in self.before_join:
             # the step's checkpoint is already taken (the loop saves after after_step); one still persisting
             # must finish, or the new epoch would abandon it
@@ -418,9 +454,7 @@ class ElasticComm:
         if self.name in holders:
             return step
         state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
-        strategy.eval_model(model).load_state_dict(state["model"])
-        strategy.load_state_dict(state["strategy"])
-        return int(state["step"])
+        return _load_shared(strategy, model, state)
 
     def _share_in_chunks(self, strategy, model, step: int, holders: set[str], src) -> int:
         """Live recovery (issue #20): every holder serves its snapshot (recovery.StateServer on the address it
@@ -447,9 +481,7 @@ class ElasticComm:
                 self.ledger.record("elastic_state", server.bytes_sent, 0)
         if state is None:
             return step
-        strategy.eval_model(model).load_state_dict(state["model"])
-        strategy.load_state_dict(state["strategy"])
-        return int(state["step"])
+        return _load_shared(strategy, model, state)
 
     def _fetch_state(self, key: str, holders: set[str], src) -> dict:
         ranked = [n for n in self.names if n in holders]
@@ -528,6 +560,45 @@ def _store_host(store) -> str:
     return "127.0.0.1"
 
 
+def _load_shared(strategy, model, state: dict) -> int:
+    """A joiner loads the members' state, then its outer part's `joined` hook runs (DiLoCo: local <- global)."""
+    strategy.eval_model(model).load_state_dict(state["model"])
+    strategy.load_state_dict(state["strategy"])
+    _call_hook(strategy, "joined")
+    return int(state["step"])
+
+
+class _Waited:
+    """Works whose completion gloo does not report by polling (point-to-point send/recv: `is_completed` stays
+    False until `wait`): waited on a thread of their own, so `_watch` can poll them and still see a death."""
+
+    def __init__(self, works: list, keep=None):
+        self._keep = keep  # the tensors must outlive the works
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        if not works:
+            self._done.set()
+        else:
+            threading.Thread(target=self._run, args=(works,), daemon=True, name="islands-p2p").start()
+
+    def _run(self, works: list) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:  # a peer died or the group was aborted: the operation fails over
+            self._error = e
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
 def _quiet_abort(pg) -> None:
     try:
         pg.abort()
@@ -535,10 +606,31 @@ def _quiet_abort(pg) -> None:
         pass
 
 
-def _rounds(strategy) -> int:
-    """Rounds the outer strategy completed: the holder's own counter, or its outer part's (a Stack)."""
+def _outer_part(strategy):
+    """The outer strategy: the holder itself, or its outer part (a Stack); None if neither counts rounds."""
     for part in (strategy, getattr(strategy, "outer", None)):
         if part is not None and hasattr(part, "rounds"):
-            return int(part.rounds)
+            return part
+    return None
+
+
+def _call_hook(strategy, name: str) -> None:
+    """Call the outer strategy's `name` hook (settle, joined): on the holder, or down its `.outer` parts (a Stack,
+    a WarmStart around DiLoCo) to the first that has it; strategies without it need none."""
+    part = strategy
+    for _ in range(4):
+        if part is None:
+            return
+        if callable(getattr(part, name, None)):
+            getattr(part, name)()
+            return
+        part = getattr(part, "outer", None)
+
+
+def _rounds(strategy) -> int:
+    """Rounds the outer strategy completed: the holder's own counter, or its outer part's (a Stack)."""
+    part = _outer_part(strategy)
+    if part is not None:
+        return int(part.rounds)
     raise TypeError(f"an elastic job needs an outer strategy with a round counter (islands.outer.DiLoCo, LocalSGD, ...); "
                     f"{type(strategy).__name__} has none")

@@ -1,15 +1,19 @@
-"""The launcher of an elastic job: host the store, run the coordinator, start and watch the workers.
+"""The launcher of an elastic job: start the job host, start and watch the workers.
 
-Policy (docs/membership.md): the launcher, not a worker, hosts the TCPStore, so any worker may die.
-A worker that exits is reported dead in the store at once (so survivors need not wait for its
-heartbeat to go stale) and the job carries on. A worker that is still running but whose heartbeat has
-not moved for the heartbeat timeout (stopped with SIGSTOP, cut off, hung with the GIL held) is reported
-dead the same way and killed after a grace; so is one the members excluded from their epoch (stuck in a
-collective past its timeout) that does not exit by itself. So the launcher never waits on a process
-the job has given up on. The job ends when none of its own workers is still running and no member of
-the newest epoch is alive (joiners started elsewhere included, up to their heartbeat timeout). It
-succeeds (exit 0) if at least one worker finished training; the launcher itself is the single point of
-failure: if it dies, workers lose the store and exit with an error.
+Policy (docs/membership.md): the store and the coordinator live in the job host (islands.runtime.job_host), a
+detached process in a session of its own, not in the launcher nor in a worker: any worker may die, and so
+may the launcher (issue #20 item 2). A worker that exits is reported dead in the store at once (so
+survivors need not wait for its heartbeat to go stale) and the job carries on. A worker that is still
+running but whose heartbeat has not moved for the heartbeat timeout (stopped with SIGSTOP, cut off, hung
+with the GIL held) is reported dead the same way and killed after a grace; so is one the members excluded
+from their epoch (stuck in a collective past its timeout) that does not exit by itself. So the launcher
+never waits on a process the job has given up on. The job ends when none of its own workers is still
+running and no member of the newest epoch is alive (joiners started elsewhere included, up to their
+heartbeat timeout). It succeeds (exit 0) if at least one worker finished training. If the launcher dies
+(SIGKILL), its workers run on in their own sessions with the job host's store, deaths are then seen by
+heartbeat only, rank 0 of the last epoch still writes run.json, and the job host ends by itself once no
+member is alive. The job host is then what the job cannot lose: with `--store etcd://...` the store is
+an etcd cluster instead (islands.runtime.etcd_store) and no single process is needed.
 The token comes from ISLANDS_TOKEN or is generated and written to RUN_DIR/token (mode 0600); it is
 never printed.
 
@@ -21,19 +25,28 @@ key (membership.JobSpec) tells a joiner what to run.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+from dataclasses import dataclass
+
+from islands.runtime import job_host
+from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
+from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
+from islands.runtime.auth import ControlAuth
+from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free,
                                     signal_worker, stop_all)
-from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Coordinator, JobSpec, Liveness, get_json,
-                                        host_store)
+from islands.runtime.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
+                                        get_json, parse_address)
 
 
 def job_token(run_dir: Path, out) -> str:
@@ -51,7 +64,7 @@ def job_token(run_dir: Path, out) -> str:
 
 def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heartbeat_timeout: float = 3.0,
                           timeout: float = 120.0, port: int = 0, threads: int = 1, out=sys.stderr,
-                          on_started=None) -> int:
+                          on_started=None, store: EtcdAddress | None = None) -> int:
     """`islands run --elastic`: run `argv` (a script and its arguments) as an elastic job of `workers` workers.
 
     The script joins with islands.init_world() and needs an outer strategy (joins happen at its round
@@ -68,7 +81,7 @@ def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heart
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return launch_elastic_workers(lambda address: script_command(job), job, run_dir, port=port, threads=threads,
-                                  out=out, on_started=on_started)
+                                  out=out, on_started=on_started, store=store)
 
 
 def script_command(job: JobSpec) -> list[str]:
@@ -77,62 +90,193 @@ def script_command(job: JobSpec) -> list[str]:
 
 
 def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, run_dir: Path, *, port: int = 0,
-                           threads: int = 1, out=sys.stderr, on_started=None) -> int:
+                           threads: int = 1, out=sys.stderr, on_started=None, island_size: int = 1,
+                           max_restarts: int = 0, store: EtcdAddress | None = None) -> int:
     """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
     ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
-    from the store. `on_started(address, workers, coordinator)` lets experiments inject faults."""
+    from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
+    the JobHost handle; `.store` is the launcher's authenticated client). `store`: an etcd cluster to keep the
+    job in (islands.runtime.etcd_store) instead of the job host's embedded store. `island_size`: workers per
+    island (job.workers then counts islands, whose leaders are the members; islands.runtime.island_comm);
+    `max_restarts`: times a failed island is started again (_supervise)."""
+    if store is not None and not isinstance(store, EtcdAddress):
+        raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    if port and not port_is_free(port, "0.0.0.0"):
+    if port and store is None and not port_is_free(port, "0.0.0.0"):
         raise LaunchError(f"port {port} is busy; choose another or use port=0 to pick a free one")
     token = job_token(run_dir, out)
-    server, store = host_store(port)
-    address = f"127.0.0.1:{server.port}"
-    coordinator = Coordinator(store, token, job, log=lambda line: print(line, file=out, flush=True)).start()
+    host = JobHost.start(job, run_dir, token, port, out, store)
+    address, coordinator = host.address, host
     print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out,
           flush=True)
     started: list[WorkerProcess] = []
     try:
-        for rank in range(job.workers):
-            name = f"w{rank}"
-            env = dict(os.environ, **{ELASTIC_ENV: address, TOKEN_ENV: token, NAME_ENV: name},
-                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-            log = run_dir / "logs" / f"{name}.log"
-            with open(log, "w") as f:
-                # its own session: Ctrl-C reaches the launcher only, which stops every worker and its children
-                proc = subprocess.Popen(command(address), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-            started.append(WorkerProcess(rank, proc, log, own_group=True))
+        # job.workers islands of island_size workers each (one-worker islands: w0, w1, ... as before)
+        islands = _Islands(command, address, token, run_dir, threads, island_size, max_restarts)
+        for index in range(job.workers):
+            started += islands.start(index)
         if on_started is not None:
             on_started(address, started, coordinator)
-        return _supervise(started, coordinator.store, coordinator, job.heartbeat_timeout, out)
+        return _supervise(started, coordinator.store, coordinator, job.heartbeat_timeout, out, islands)
     except KeyboardInterrupt:
         print("interrupted: stopping all workers", file=out)
         return 130
     finally:
         stop_all(started)
-        coordinator.stop()
-        del server
+        host.stop()
 
 
-def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, heartbeat_timeout: float,
-               out) -> int:
-    reported: set[int] = set()
+class JobHost:
+    """The launcher's handle on the job host (islands.runtime.job_host): a detached process, in a session of
+    its own, that hosts the store and runs the coordinator, so the launcher's death leaves the workers their
+    store. `store` is the launcher's authenticated client (it reports its workers' exits there); the host's
+    log lines (admissions, refusals) are relayed to `out` while the launcher lives."""
+
+    START_TIMEOUT_S = 120.0  # importing torch on a loaded machine is most of it
+
+    def __init__(self, proc: subprocess.Popen, address: str, store, log: Path, out):
+        self.proc, self.address, self.store, self.log_path, self.out = proc, address, store, log, out
+        self._stop = threading.Event()
+        self._relay = threading.Thread(target=self._follow, name="islands-job-host-log", daemon=True)
+        self._relay.start()
+
+    @classmethod
+    def start(cls, job: JobSpec, run_dir: Path, token: str, port: int, out,
+              store: EtcdAddress | None = None) -> "JobHost":
+        record = run_dir / job_host.RECORD
+        record.unlink(missing_ok=True)
+        log = run_dir / "logs" / "job_host.log"
+        env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "islands.runtime.job_host", str(run_dir),
+                                     "--launcher-pid", str(os.getpid()), "--port", str(port),
+                                     *(["--store", str(store)] if store is not None else [])],
+                                    env=env, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        proc.stdin.write(job.to_json().encode())
+        proc.stdin.close()
+        deadline = time.monotonic() + cls.START_TIMEOUT_S
+        while True:
+            info = get_json_file(record)
+            if info is not None and info.get("pid") == proc.pid:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is None:
+                    proc.kill()
+                raise LaunchError(f"the elastic job host did not start (exit {proc.poll()}); its log "
+                                  f"{log}:\n{log_tail(log)}")
+            time.sleep(0.05)
+        address = info["address"]
+        host, p = parse_address(address)
+        raw = connect(host, p)
+        store = authed(raw, ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
+                       lambda line: print(line, file=out, flush=True))
+        return cls(proc, address, store, log, out)
+
+    def mark_dead(self, name: str) -> None:
+        self.store.set(f"dead/{name}", "1")
+
+    def latest_epoch(self) -> int:
+        return int(self.store.get("latest")) if self.store.check(["latest"]) else 0
+
+    def _follow(self) -> None:
+        with open(self.log_path, errors="replace") as f:
+            while True:
+                line = f.readline()
+                if line:
+                    if not line.startswith("job host: "):  # its own start and end lines stay in its log
+                        print(line.rstrip("\n"), file=self.out, flush=True)
+                    continue
+                if self._stop.wait(0.05):
+                    return
+
+    def stop(self) -> None:
+        """SIGTERM (it ends its coordinator and writes its record), SIGKILL after GRACE_SECONDS."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        time.sleep(0.1)  # the relay's last lines
+        self._stop.set()
+        self._relay.join(timeout=1)
+
+
+def get_json_file(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", heartbeat_timeout: float,
+               out, islands: "_Islands | None" = None) -> int:
+    """Watch the workers until the job ended. Islands are the unit (docs/membership.md, "Islands of k workers"):
+    a worker of island i that exits non-zero takes its island out (its mates are stopped and reported dead,
+    so the members fail over without its leader at once), and island i starts again as a new incarnation
+    while islands.max_restarts allows and another island is alive to admit it. A restarted island that the
+    job ends before admitting is stopped. `workers` grows with the restarts (the caller stops them all)."""
+    reported: set[str] = set()
     liveness = Liveness(store, heartbeat_timeout)
     reaper = _Reaper(store, heartbeat_timeout, out)
+    stopped: set[str] = set()  # mates the launcher stopped because their island left
+    closing = False  # the job ended: no restarts, waiting restarted islands are stopped
     while True:
-        for w in workers:
+        for w in list(workers):
             code = w.proc.poll()
-            if code is None or w.rank in reported:
+            name = _name(w)
+            if code is None or name in reported:
                 continue
-            reported.add(w.rank)
+            reported.add(name)
             if w.own_group:  # what it left behind (a data loader worker) goes with it
                 signal_worker(w, signal.SIGKILL)
-            coordinator.store.set(f"dead/w{w.rank}", "finished" if code == 0 else describe_exit(code))
-            if code != 0:
-                print(f"islands: worker w{w.rank} left ({describe_exit(code)}); the others carry on", file=out,
-                      flush=True)
-        reaper.look([w for w in workers if w.rank not in reported])
+            if name in stopped:
+                continue  # reported dead when it was stopped
+            coordinator.store.set(f"dead/{name}", "finished" if code == 0 else describe_exit(code))
+            if code == 0:
+                continue
+            print(f"islands: worker {name} left ({describe_exit(code)}); the others carry on", file=out, flush=True)
+            if islands is not None and islands.whole:
+                mates = [m for m in workers if islands.same(m, w) and _name(m) not in reported | stopped]
+                for m in mates:
+                    stopped.add(_name(m))
+                    coordinator.store.set(f"dead/{_name(m)}", f"its island lost {name}")
+                    signal_worker(m, signal.SIGKILL)
+                if islands.size > 1:
+                    print(f"islands: island {w.island} left the job ({name}: {describe_exit(code)})"
+                          + (f"; stopped {', '.join(_name(m) for m in mates)}" if mates else ""), file=out, flush=True)
+                gone = {_name(m) for m in workers if islands.same(m, w)}
+                if closing or code in (REFUSED_EXIT_CODE, JOB_ENDED_EXIT_CODE):
+                    pass
+                elif islands.restarts.get(w.island, 0) >= islands.max_restarts:
+                    if islands.max_restarts:
+                        print(f"islands: island {w.island} is not restarted: its {islands.max_restarts} restart(s) "
+                              "(--max-restarts) are used up", file=out, flush=True)
+                elif not _member_alive_besides(store, liveness, gone):
+                    print(f"islands: island {w.island} is not restarted: no other island is alive to admit it",
+                          file=out, flush=True)
+                else:
+                    fresh = islands.restart(w.island, why=f"{name}: {describe_exit(code)}")
+                    workers += fresh
+                    print(f"islands: restarting island {w.island} (restart {islands.restarts[w.island]} of "
+                          f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins at a round "
+                          "boundary", file=out, flush=True)
+        running = [w for w in workers if _name(w) not in reported]
+        reaper.look([w for w in running if _name(w) not in stopped])
+        ended = store.check(["e/0/members"]) and _no_member_alive(store, liveness)
+        if ended and islands is not None:
+            closing = True
+            waiting = [w for w in running if getattr(w, "incarnation", 0) > 0 and _name(w) not in stopped
+                       and islands.leader_name(w) not in reaper.members_seen]
+            for w in waiting:  # admitted by nobody, ever: the members are gone
+                stopped.add(_name(w))
+                print(f"islands: worker {_name(w)}: the job ended before its island was admitted; stopping it",
+                      file=out, flush=True)
+                coordinator.store.set(f"dead/{_name(w)}", "the job ended before its island was admitted")
+                signal_worker(w, signal.SIGKILL)
         if len(reported) == len(workers) and _no_member_alive(store, liveness):
             break
         time.sleep(0.05)
@@ -142,6 +286,81 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: Coordinator, he
     first = workers[0]
     print(f"\nislands: every worker failed; last lines of {first.log}:\n{log_tail(first.log)}", file=out)
     return 1
+
+
+@dataclass
+class IslandWorker(WorkerProcess):
+    """A worker the elastic launcher started: its name in the job, its island and the island's incarnation."""
+
+    name: str = ""
+    island: int = 0
+    incarnation: int = 0
+
+
+def _name(w: WorkerProcess) -> str:
+    return getattr(w, "name", "") or f"w{w.rank}"
+
+
+class _Islands:
+    """Starts the job's islands: `size` workers each, named by islands.runtime.island_comm.worker_name, with
+    ISLANDS_ISLAND (their place) when an island has several workers or may be restarted. Keeps the restart
+    count per island and writes every restart to RUN_DIR/elastic/restarts.json."""
+
+    def __init__(self, command, address: str, token: str, run_dir: Path, threads: int, size: int, max_restarts: int):
+        if size < 1 or max_restarts < 0:
+            raise LaunchError(f"island_size must be >= 1 and max_restarts >= 0; got {size} and {max_restarts}")
+        self.command, self.address, self.token, self.run_dir = command, address, token, run_dir
+        self.threads, self.size, self.max_restarts = threads, size, max_restarts
+        self.restarts: dict[int, int] = {}
+        self.log: list[dict] = []
+
+    @property
+    def whole(self) -> bool:
+        """Islands leave and come back as a whole (several workers, or restarts allowed)."""
+        return self.size > 1 or self.max_restarts > 0
+
+    def same(self, a: WorkerProcess, b: WorkerProcess) -> bool:
+        return (getattr(a, "island", None), getattr(a, "incarnation", None)) == (b.island, getattr(b, "incarnation", 0))
+
+    def leader_name(self, w: WorkerProcess) -> str:
+        return worker_name(w.island, 0, self.size, w.incarnation)
+
+    def start(self, index: int, incarnation: int = 0) -> list[IslandWorker]:
+        out = []
+        for local in range(self.size):
+            name = worker_name(index, local, self.size, incarnation)
+            env = dict(os.environ, **{ELASTIC_ENV: self.address, TOKEN_ENV: self.token, NAME_ENV: name},
+                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
+            env.pop(ISLAND_ENV, None)
+            if self.whole:
+                env[ISLAND_ENV] = IslandPlace(index, local, self.size, incarnation).to_env()
+            log = self.run_dir / "logs" / f"{name}.log"
+            with open(log, "w") as f:
+                # its own session: Ctrl-C reaches the launcher only, which stops every worker and its children
+                proc = subprocess.Popen(self.command(self.address), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            out.append(IslandWorker(index * self.size + local, proc, log, own_group=True, name=name, island=index,
+                                    incarnation=incarnation))
+        return out
+
+    def restart(self, index: int, why: str) -> list[IslandWorker]:
+        n = self.restarts[index] = self.restarts.get(index, 0) + 1
+        fresh = self.start(index, n)
+        self.log.append({"island": index, "incarnation": n, "time": time.time(), "why": why,
+                         "workers": [w.name for w in fresh]})
+        path = self.run_dir / "elastic" / "restarts.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"max_restarts": self.max_restarts, "restarts": self.log}, indent=1))
+        os.replace(tmp, path)  # never half-written
+        return fresh
+
+
+def _member_alive_besides(store, liveness: Liveness, names: set[str]) -> bool:
+    """Some member of the newest epoch outside `names` is alive (someone can admit a restarted island)."""
+    latest = int(store.get("latest")) if store.check(["latest"]) else 0
+    others = [m[1] for m in get_json(store, f"e/{latest}/members", []) if m[1] not in names]
+    return len(liveness.gone(others)) < len(others)
 
 
 class _Reaper:
@@ -170,10 +389,10 @@ class _Reaper:
         latest = int(self.store.get("latest")) if self.store.check(["latest"]) else 0
         members = {m[1] for m in get_json(self.store, f"e/{latest}/members", [])}
         self.members_seen |= members
-        beating = [f"w{w.rank}" for w in running if self.store.check([f"hb/w{w.rank}"])]  # started: not loading
+        beating = [_name(w) for w in running if self.store.check([f"hb/{_name(w)}"])]  # started: not loading
         silent = self.liveness.silent(beating)
         for w in running:
-            name = f"w{w.rank}"
+            name = _name(w)
             if self.store.check([f"dead/{name}"]) and self.store.get(f"dead/{name}") == b"finished":
                 continue  # it left the job itself (heartbeat stopped) and is exiting: bounded by its own timeout
             if name in self.termed:

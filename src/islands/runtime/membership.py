@@ -1,13 +1,17 @@
 """Who is in an elastic job: the token handshake, heartbeats, liveness, and the coordinator.
 
-Everything goes through one torch.distributed TCPStore hosted by the launcher, so any worker may die
-(the store does not live in a worker). Keys (all under "islands/"):
+Everything goes through one torch.distributed Store that no worker and not the launcher hosts, so any of them
+may die: the TCPStore of the job host (islands.runtime.job_host, a detached process), or, with `--store
+etcd://...`, the job's namespace in an etcd cluster (islands.runtime.etcd_store), where no single process is
+needed: the coordinator then runs wherever a CoordinatorSeat holds the leadership lease. Keys (all under
+"islands/"):
   job                    the JobSpec as JSON: what every worker runs and with which timeouts (joiners
                          need nothing but the address and the token)
   join/tickets           counter; a process asking to join takes ticket t
   join/<t>/name          the asker's name;  join/<t>/challenge  a fresh random nonce
   join/<t>/proof         HMAC-SHA256(token, "islands-join|<name>|<challenge>")
   join/<t>/verdict       {"admitted": true, "slot", "shard", "initial"} or {"admitted": false, "reason"}
+  name/<name>, slot/<n>, slot/<n>/shard   the coordinator's decisions, each a compare-and-set (Coordinator)
   pending                admitted joiners not yet in an epoch: [[slot, name, shard], ...]
   joinat/<name>          the epoch a joiner enters (written by the members that admit it)
   e/<e>/members          the members of epoch e: [[slot, name, shard], ...] sorted by slot
@@ -43,6 +47,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from islands.runtime.auth import AuthStore, ControlAuth
+from islands.runtime.etcd_store import EtcdAddress, EtcdStore, NotLeader, cmp_absent, is_etcd, leader_key, op_put
 
 PREFIX = "islands/"
 HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (JobSpec.heartbeat_timeout) is a multiple
@@ -63,9 +68,14 @@ class Refused(RuntimeError):
 
 
 def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT of an embedded store, or an etcd store's address (etcd://HOST:PORT,...[/NAMESPACE],
+    islands.runtime.etcd_store), which is returned whole as the host with port 0: `connect` takes both."""
+    if is_etcd(text):
+        return str(EtcdAddress.parse(text)), 0
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address must be HOST:PORT (e.g. 127.0.0.1:29500); got {text!r}")
+        raise ValueError(f"address must be HOST:PORT (e.g. 127.0.0.1:29500) or etcd://HOST:PORT,HOST:PORT,.../NAMESPACE; "
+                         f"got {text!r}")
     return host, int(port)
 
 
@@ -132,7 +142,11 @@ class JobSpec:
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.Store:
-    """A client of the job's store, all keys under islands/."""
+    """A client of the job's store, all keys under islands/: the embedded TCPStore at HOST:PORT, or, when
+    `host` is an etcd address (parse_address), the job's namespace in that etcd cluster."""
+    if is_etcd(host):
+        # the prefix inside the store: a PrefixStore over a Python Store would not keep the Python object alive
+        return EtcdStore(EtcdAddress.parse(host), timeout_s=timeout_s, key_prefix=PREFIX)
     raw = dist.TCPStore(host, port, is_master=False, timeout=_dt.timedelta(seconds=timeout_s))
     return dist.PrefixStore(PREFIX.rstrip("/"), raw)
 
@@ -218,6 +232,7 @@ class Session:
     job: JobSpec
     new_client: Callable[[], AuthStore]
     stores: list | None = None  # every AuthStore of this member (the main one, its heartbeat's, its threads')
+    seat: "CoordinatorSeat | None" = None  # with an etcd store: this member's standby coordinator
 
     def snapshot(self) -> dict:
         """Values this member accepted and refused, over all its store clients (for its run record)."""
@@ -261,7 +276,10 @@ def join_job(host: str, port: int, name: str, token: str, timeout_s: float = 30.
         stores.append(authed(connect(host, port, timeout_s), auth))
         return stores[-1]
 
-    return Session(stores[0], auth, admission, job, new_client, stores)
+    session = Session(stores[0], auth, admission, job, new_client, stores)
+    if is_etcd(host):  # a replicated store: every member is a standby coordinator (no single point of failure)
+        session.seat = CoordinatorSeat(host, token, job, name, log=_stderr).start()
+    return session
 
 
 def observe(address: str, token: str, timeout_s: float = 30.0) -> AuthStore:
@@ -361,7 +379,21 @@ class Liveness:
 
 
 class Coordinator:
-    """Runs in the launcher: answers join handshakes, forms epoch 0, keeps the pending list.
+    """Answers join handshakes, forms epoch 0, keeps the pending list. Runs in the job host
+    (islands.runtime.job_host); with a replicated store also as a standby in every worker (CoordinatorSeat).
+
+    Every decision is a compare-and-set in the store and can be re-made from it, so a coordinator that
+    takes over from a dead one continues where it stopped, and two coordinators racing (a deposed leader not
+    yet aware) reach the same verdicts:
+      name/<name>     the ticket that claimed the name (first wins; a later ticket is refused "taken")
+      slot/<n>        {"ticket", "name"}: slots are claimed in order, each ticket takes the first slot that
+                      is free or already its own, so two coordinators judging one ticket agree on its slot
+      slot/<n>/shard  the data shard decided for slot n (first decision wins)
+      join/<t>/verdict  written create-if-absent; one that does not verify under the token (planted by an
+                      outsider) is replaced by compare-and-set against exactly that value
+      e/0/members     create-if-absent, from slots 0..workers-1
+    Judging a ticket is idempotent: a coordinator re-judges every ticket without a genuine verdict, reusing
+    the challenge already in the store, so a proof computed for a dead coordinator's challenge still counts.
 
     Shard policy: shards are 0..workers-1 (job.workers). The first `workers` admitted take their
     admission order; a later joiner takes the lowest shard no member of the newest epoch (and no
@@ -369,20 +401,21 @@ class Coordinator:
     shares shard slot % workers.
     """
 
-    def __init__(self, store, token: str, job: JobSpec, log=print):
+    def __init__(self, store, token: str, job: JobSpec, log=print, publish: bool = True, sender: str = LAUNCHER):
         if not token:
             raise ValueError("an elastic job needs a non-empty token")
         if not isinstance(job, JobSpec):
             raise TypeError(f"Coordinator takes the job's JobSpec; got {type(job).__name__}")
         job = job if job.job_id else replace(job, job_id=secrets.token_hex(16))
         self.raw, self._token, self.workers, self.log, self.job = store, token, job.workers, log, job
-        self.auth = ControlAuth(token, job.job_id, LAUNCHER)
-        # the launcher's authenticated view: what it writes is signed, what it reads must verify
+        self.auth = ControlAuth(token, job.job_id, sender)
+        # the coordinator's authenticated view: what it writes is signed, what it reads must verify
         self.store = authed(store, self.auth, log)
-        store.set("job", job.seal(token))
+        if publish:
+            store.set("job", job.seal(token))
         self.next_ticket = 1
         self._nameless_since: float | None = None
-        self.admitted: list[list] = []  # [slot, name, shard]
+        self.admitted: list[list] = []  # [slot, name, shard], from the slot/<n> keys
         self.open: dict[int, tuple[str, str, float]] = {}  # ticket -> (name, challenge, deadline)
         self.formed = False
         self.refused = 0
@@ -395,7 +428,8 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
 
     def mark_dead(self, name: str) -> None:
         self.store.set(f"dead/{name}", "1")
@@ -433,18 +467,35 @@ class Coordinator:
                 self._nameless_since = None
                 continue
             self._nameless_since = None
-            challenge = secrets.token_hex(16)
-            self.open[t] = (raw.get(f"join/{t}/name").decode(errors="replace"), challenge, time.monotonic() + 30)
-            raw.set(f"join/{t}/challenge", challenge)
             self.next_ticket += 1
+            name = raw.get(f"join/{t}/name").decode(errors="replace")
+            # a challenge already there is kept: another coordinator issued it and the joiner may have answered
+            challenge = _text(raw.compare_set(f"join/{t}/challenge", "", secrets.token_hex(16)))
+            if self._genuine_verdict(t, name, challenge):
+                continue  # judged by a coordinator before this one
+            self.open[t] = (name, challenge, time.monotonic() + 30)
         for t, (name, challenge, deadline) in list(self.open.items()):
             if raw.check([f"join/{t}/proof"]):
                 del self.open[t]
                 self._judge(t, name, challenge, raw.get(f"join/{t}/proof").decode(errors="replace"))
             elif time.monotonic() > deadline:
                 del self.open[t]
+        if not self.formed:
+            self._form()
         if self.formed:
             self._prune_pending()
+
+    def _genuine_verdict(self, ticket: int, name: str, challenge: str) -> bool:
+        key = f"join/{ticket}/verdict"
+        return self.raw.check([key]) and self._verifies(self.raw.get(key), name, challenge)
+
+    def _verifies(self, raw, name: str, challenge: str) -> bool:
+        try:
+            signed = json.loads(raw)
+            return isinstance(signed, dict) and isinstance(signed.get("verdict"), str) and hmac.compare_digest(
+                str(signed.get("mac", "")), verdict_mac(self._token, name, challenge, signed["verdict"]))
+        except (TypeError, ValueError):
+            return False
 
     def _judge(self, ticket: int, name: str, challenge: str, given: str) -> None:
         if not hmac.compare_digest(given, proof(self._token, name, challenge)):
@@ -453,27 +504,55 @@ class Coordinator:
             self._verdict(ticket, name, challenge, admitted=False,
                           reason="wrong token: the join proof does not match this job's token")
             return
-        if any(a[1] == name for a in self.admitted):
+        if _text(self.store.compare_set(f"name/{name}", "", str(ticket))) != str(ticket):
             self._verdict(ticket, name, challenge, admitted=False, reason=f"name {name!r} is already taken in this job")
             return
-        slot = len(self.admitted)
-        initial = not self.formed
-        shard = slot if initial else self.shard_for(slot)
-        self.admitted.append([slot, name, shard])
-        self._verdict(ticket, name, challenge, admitted=True, slot=slot, shard=shard, initial=initial)
-        if initial and len(self.admitted) == self.workers:
-            self.store.set("e/0/members", json.dumps(self.admitted))
+        slot = self._claim_slot(ticket, name)
+        initial = slot < self.workers
+        shard = int(self.store.compare_set(f"slot/{slot}/shard", "", str(slot if initial else self.shard_for(slot))))
+        self._refresh()
+        if not self._verdict(ticket, name, challenge, admitted=True, slot=slot, shard=shard, initial=initial):
+            return
+        if not initial:
+            self._prune_pending()
+            self.log(f"elastic: admitted {name!r} (slot {slot}, shard {shard}); it joins at the next round")
+        elif not self.formed:
+            self._form()
+
+    def _claim_slot(self, ticket: int, name: str) -> int:
+        """The first slot that is free or already this ticket's (compare-and-set, so racing coordinators agree)."""
+        n = 0
+        while True:
+            held = json.loads(self.store.compare_set(f"slot/{n}", "", json.dumps({"ticket": ticket, "name": name})))
+            if held["ticket"] == ticket:
+                return n
+            n += 1
+
+    def _refresh(self) -> None:
+        """self.admitted from the slot keys (another coordinator may have admitted some)."""
+        n = len(self.admitted)
+        while self.store.check([f"slot/{n}", f"slot/{n}/shard"]):
+            self.admitted.append([n, json.loads(self.store.get(f"slot/{n}"))["name"], int(self.store.get(f"slot/{n}/shard"))])
+            n += 1
+
+    def _form(self) -> None:
+        self._refresh()
+        if len(self.admitted) >= self.workers:
+            self.store.compare_set("e/0/members", "", json.dumps(self.admitted[: self.workers]))
             self.formed = True
             self.log(f"elastic: epoch 0 formed with {self.workers} workers")
-        elif not initial:
-            pending = get_json(self.store, "pending", [])
-            self.store.set("pending", json.dumps(pending + [[slot, name, shard]]))
-            self.log(f"elastic: admitted {name!r} (slot {slot}, shard {shard}); it joins at the next round")
 
-    def _verdict(self, ticket: int, name: str, challenge: str, **verdict) -> None:
+    def _verdict(self, ticket: int, name: str, challenge: str, **verdict) -> bool:
+        """Writes the verdict unless a genuine one is there; True when this one (or an equal one) stands."""
         body = json.dumps(verdict)
-        self.raw.set(f"join/{ticket}/verdict",
-                     json.dumps({"verdict": body, "mac": verdict_mac(self._token, name, challenge, body)}))
+        mine = json.dumps({"verdict": body, "mac": verdict_mac(self._token, name, challenge, body)})
+        key = f"join/{ticket}/verdict"
+        current = self.raw.compare_set(key, "", mine)
+        for _ in range(8):  # an outsider's planted verdict is replaced; one racing us each time only delays
+            if self._verifies(current, name, challenge):
+                return json.loads(json.loads(current)["verdict"]) == verdict
+            current = self.raw.compare_set(key, current, mine)
+        raise RuntimeError(f"store key {key!r} keeps being overwritten without the job's token")
 
     def shard_for(self, slot: int) -> int:
         members = get_json(self.store, f"e/{self.latest_epoch()}/members", [])
@@ -482,7 +561,120 @@ class Coordinator:
         return free[0] if free else slot % self.workers
 
     def _prune_pending(self) -> None:
+        """pending = admitted joiners (slots past epoch 0's) not yet given an epoch; recomputed from the slots,
+        so a coordinator that took over, or two that race, write the same list."""
+        self._refresh()
         pending = get_json(self.store, "pending", [])
-        keep = [p for p in pending if not self.store.check([f"joinat/{p[1]}"])]
-        if len(keep) != len(pending):
-            self.store.set("pending", json.dumps(keep))
+        want = [a for a in self.admitted[self.workers:] if not self.store.check([f"joinat/{a[1]}"])]
+        if want != pending and (want or pending):
+            self.store.set("pending", json.dumps(want))
+
+
+def _text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+LEASE_TTL_S = 2  # seconds: a dead coordinator's lease lapses after this (etcd may round it up to its minimum)
+SEAT_POLL_S = 0.05  # a leading seat's poll of joins: each look is a few HTTP round trips to etcd, on a shared machine
+
+
+class CoordinatorSeat:
+    """A Coordinator that runs only while it holds the job's leadership lease in etcd (a replicated store).
+
+    Every candidate (the job host and, as standbys, every worker) keeps a seat. A seat without the lead looks
+    at the leader key every TTL/4; when it is gone (its holder died or was cut off, so its lease lapsed) the
+    seat grants itself a lease and creates the key under it (create-if-absent: one wins). The leader keeps its
+    lease alive every TTL/3 and coordinates through a fenced view of the store: each write is a transaction
+    that holds only while its key still exists with the revision it created, so a deposed leader (frozen past
+    its TTL, then resumed) cannot write a verdict; its next write raises NotLeader and it becomes a standby
+    again. The new leader's Coordinator re-reads every decision from the store (Coordinator docstring)."""
+
+    def __init__(self, address: str, token: str, job: JobSpec, holder: str, log=print, ttl_s: int = LEASE_TTL_S,
+                 timeout_s: float = 30.0):
+        self.etcd = EtcdStore(EtcdAddress.parse(address), timeout_s=timeout_s)
+        self.client, self.key = self.etcd.client, leader_key(self.etcd.root)
+        self.token, self.job, self.holder, self.log, self.ttl = token, job, holder, log, ttl_s
+        self.coordinator: Coordinator | None = None
+        self.lease = 0
+        self.terms: list[dict] = []  # {"holder", "since", "until", "why"}: this seat's terms as leader
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="islands-coordinator-seat", daemon=True)
+
+    def start(self) -> "CoordinatorSeat":
+        self._thread.start()
+        return self
+
+    def stop(self, release: bool = True) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if release and self.lease:
+            try:
+                self.client.revoke(self.lease)  # a clean exit hands the lead over at once, not after the TTL
+            except Exception:  # noqa: BLE001 - etcd unreachable: the lease lapses by itself
+                pass
+
+    @property
+    def leading(self) -> bool:
+        return self.coordinator is not None
+
+    def leader(self) -> str | None:
+        """The holder named in the leader key (None: no leader right now)."""
+        value = self.client.get(self.key)
+        return value.decode(errors="replace") if value is not None else None
+
+    def _try_lead(self) -> bool:
+        if self.client.get(self.key) is not None:
+            return False
+        lease = self.client.grant(self.ttl)
+        answer = self.client.txn([cmp_absent(self.key)], [op_put(self.key, self.holder.encode(), lease)], [])
+        if not answer.get("succeeded"):
+            self.client.revoke(lease)
+            return False
+        revision = int(answer["header"]["revision"])  # the put's revision is the key's create_revision
+        self.lease = lease
+        fenced = EtcdStore(self.etcd.address, self.etcd.timeout_s, fence=(self.key, revision), client=self.client,
+                           key_prefix=PREFIX)
+        self.coordinator = Coordinator(fenced, self.token, self.job, log=self.log, publish=False,
+                                       sender=f"coordinator:{self.holder}")
+        self.terms.append({"holder": self.holder, "since": time.time()})
+        self.log(f"elastic: {self.holder} took the coordinator's lease (revision {revision})")
+        return True
+
+    def _lose(self, why: str) -> None:
+        self.coordinator, self.lease = None, 0
+        if self.terms:
+            self.terms[-1].update(until=time.time(), why=why)
+        self.log(f"elastic: {self.holder} no longer coordinates ({why})")
+
+    def _run(self) -> None:
+        said: set[str] = set()
+        kept = 0.0
+        while not self._stop.is_set():
+            try:
+                if self.coordinator is None:
+                    if not self._try_lead():
+                        self._stop.wait(self.ttl / 4)
+                        continue
+                    kept = time.monotonic()
+                if time.monotonic() - kept > self.ttl / 3:
+                    if not self.client.keepalive(self.lease):
+                        self._lose("its lease expired")
+                        continue
+                    kept = time.monotonic()
+                self.coordinator.poll()
+            except NotLeader:
+                self._lose("another coordinator holds the lease")
+            except dist.DistNetworkError as e:  # no etcd majority reachable, or the job ended
+                if "ended" in str(e):
+                    return
+                if self.coordinator is not None and time.monotonic() - kept > self.ttl:
+                    self._lose("etcd unreachable past the lease's TTL")
+                if str(e) not in said:
+                    said.add(str(e))
+                    self.log(f"elastic coordinator seat {self.holder}: {e}")
+            except Exception as e:  # noqa: BLE001 - a value overwritten from outside: keep answering joiners
+                if str(e) not in said:
+                    said.add(str(e))
+                    self.log(f"elastic coordinator seat {self.holder}: {e}")
+            self._stop.wait(SEAT_POLL_S)

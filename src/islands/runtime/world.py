@@ -5,9 +5,12 @@ Rank layout: global rank r lives on island r // workers_per_island, local index 
 ranks holding the same local index on every island (outer strategy, rarely). One island and one
 worker per island are ordinary cases of the same layout.
 
-An elastic job (`islands run --elastic`, `islands train --elastic`; docs/membership.md) has one worker
-per island and no torch process group: its cross-island Comm is an ElasticComm whose members change
-when workers die or join, and `rank`, `size` and `islands` follow the members.
+An elastic job (`islands run --elastic`, `islands train --elastic`; docs/membership.md) has no torch
+process group across islands: its cross-island Comm is an ElasticComm whose members change when islands
+die or join, and `rank`, `size` and `islands` follow the members. Islands of one worker are members
+themselves; in islands of k workers (`islands train --elastic`, islands.runtime.island_comm) the leader is
+the member, the island's workers share a local gloo group (their default process group), and every
+worker's cross-island Comm is an IslandComm that relays the leader's results.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from islands.runtime.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
-from islands.runtime.membership import ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, Refused, join_job, parse_address
+from islands.runtime.island_comm import IslandComm, IslandFollower, IslandLeader, IslandPlace, local_timeout
+from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
+                                        connect, join_job, parse_address)
 
 
 class LoneComm:
@@ -202,23 +208,98 @@ NO_OUTER = ("an elastic job needs an outer strategy: wrap the model with one, e.
             "joiners enter there (without one every worker trains alone)")
 
 
-def join_elastic(address: str, name: str, token: str) -> World:
+def join_elastic(address: str, name: str, token: str, island: IslandPlace | None = None) -> World:
     """Join the elastic job whose store is at HOST:PORT as `name`: prove the token, start the heartbeat, and
     return the World over an ElasticComm. A first member (one of the job's first `workers`) is in epoch 0
     at once; a later one enters at a round boundary, in the wrap of its strategy (ElasticComm.enter).
 
+    `island`: where the launcher put this process in an island of several workers (ISLANDS_ISLAND): its
+    leader joins as above, a follower only reads the job and joins its island's local group
+    (island_world). The data shard is then the island's own, `index * size + local` of `workers * size`, so
+    a restarted island trains on the data of the one it replaces.
+
     Raises Refused (wrong token, name taken) before anything else starts."""
     host, port = parse_address(address)
+    if island is not None and not island.leader:
+        return _follow_island(host, port, name, token, island)
     session = join_job(host, port, name, token)  # every store value after the handshake is authenticated
     admission, job = session.admission, session.job
-    comm = ElasticComm(session.store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout,
-                       collective_timeout=job.timeout, new_client=session.new_client)
+    several = island is not None and island.size > 1
+    comm = (IslandLeader if several else ElasticComm)(
+        session.store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout, collective_timeout=job.timeout,
+        new_client=session.new_client)
     comm.admission, comm.job = admission, job
     comm.control_plane = session  # its AuthStores' counts of accepted and refused values (run records)
     comm.heartbeat = Heartbeat(host, port, name, auth=session.auth, new_client=session.new_client)
-    world = elastic_world(comm, (admission.shard, job.workers))
+    if island is None:
+        shard = (admission.shard, job.workers)
+    else:  # the island's own shard, whatever admission order a restart has
+        shard = (island.index * island.size + island.local, job.workers * island.size)
+    if not several:
+        world = elastic_world(comm, shard)
+        if admission.initial:
+            comm.form(0, None)
+        return world
+    comm.place = island
+    _island_group(session.store, island, job)
+    comm.island = IslandComm(comm, comm.ledger)
+    world = island_world(comm, comm.island, island, shard)
+    comm.on_change = world.follow
     if admission.initial:
         comm.form(0, None)
+    comm.island.sync()  # the followers learn epoch, rank and size (a joiner's: -1, 0, 0 until it enters)
+    return world
+
+
+def _follow_island(host: str, port: int, name: str, token: str, island: IslandPlace) -> World:
+    """A follower of a k-worker island: not a member of the job's epochs (its leader is), it reads the job record
+    with the token (a wrong token is refused here: the record does not verify), beats like any worker (the
+    launcher watches it), joins the island's local group and learns the rest from its leader."""
+    raw = connect(host, port)
+    job = JobSpec.read(raw, token)
+    auth = ControlAuth(token, job.job_id, name)
+    store = authed(raw, auth)
+    heartbeat = Heartbeat(host, port, name, auth=auth, new_client=lambda: authed(connect(host, port), auth))
+    try:
+        _island_group(store, island, job)
+    except BaseException:
+        heartbeat.stop()
+        raise
+    ledger = CommLedger()
+    relay = IslandComm(None, ledger)
+    follower = IslandFollower(name, island, relay, store, Liveness(store, job.heartbeat_timeout), heartbeat, job)
+    world = island_world(follower, relay, island, (island.index * island.size + island.local, job.workers * island.size))
+    relay.on_change = world.follow
+    relay.sync()
+    return world
+
+
+def _island_group(store, island: IslandPlace, job: JobSpec) -> None:
+    """The island's local gloo group as this process's default group (DDP, ZeRO-1 and Comm(None) use it), over a
+    prefix of the job's authenticated store that no other island or incarnation shares."""
+    timeout = local_timeout(job.timeout, job.heartbeat_timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"{island.tag}/pg", store), rank=island.local,
+                            world_size=island.size, timeout=_dt.timedelta(seconds=timeout))
+
+
+class IslandWorld(World):
+    """The World of one worker of a k-worker island in an elastic job: rank = island rank * k + local index, size =
+    member islands * k; "cross" and "global" are the IslandComm, "local" the island's default group."""
+
+    place: IslandPlace | None = None
+
+    def follow(self, rank: int, size: int) -> None:
+        k = self.place.size
+        self.islands = max(size, 1)  # a joiner before it enters: an island of its own
+        self.size, self.rank = self.islands * k, rank * k + self.place.local
+
+
+def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard: tuple[int, int]) -> IslandWorld:
+    world = IslandWorld(rank=island.local, size=island.size, islands=1, device=torch.device("cpu"), backend="gloo",
+                        ledger=relay.ledger, comms={"cross": relay, "global": relay, "local": Comm(None, relay.ledger)},
+                        data_shard=data_shard, membership=membership, owns_group=True)
+    world.place = island
+    world.follow(relay.rank, relay.size)
     return world
 
 

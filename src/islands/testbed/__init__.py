@@ -9,6 +9,7 @@
 Only bandwidth is shaped (tbf); netem is unavailable, so latency is not emulated.
 """
 
+from islands.testbed.etcd import EtcdCluster
 from islands.testbed.lifecycle import down, down_all, status, up
 from islands.testbed.measure import (
     GOODPUT_PER_WIRE_BYTE, RATE_TOLERANCE, interface_bytes, measure_rate, rate_within, wire_bytes,
@@ -18,7 +19,7 @@ from islands.testbed.spec import parse_rate
 from islands.testbed.system import TestbedError
 
 __all__ = [
-    "GOODPUT_PER_WIRE_BYTE", "Host", "RATE_TOLERANCE", "Testbed", "TestbedError", "TestbedNotFound",
+    "EtcdCluster", "GOODPUT_PER_WIRE_BYTE", "Host", "RATE_TOLERANCE", "Testbed", "TestbedError", "TestbedNotFound",
     "down", "down_all", "interface_bytes", "measure_rate", "parse_rate", "rate_within", "status", "up",
     "wire_bytes",
 ]

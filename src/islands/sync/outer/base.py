@@ -70,16 +70,18 @@ class OuterStrategy(NoOp):
         self.global_flat = self.local.read()
         self.local_buffers = list(base.buffers())
         self.global_buffers = list(self.global_model.buffers())
-        joining = membership is not None and getattr(membership, "epoch", 0) < 0  # receives the state in enter()
+        # an elastic joiner receives its start in enter() (so do the followers of a joining k-worker island: their
+        # epoch stays -1 until their leader enters); members of the first epoch agree here, followers through the relay
+        joining = membership is not None and getattr(membership, "epoch", 0) < 0
         if self.comm.size > 1 and not joining:
-            self.agree_start()
+            self.agree_start(self.comm)
         self.setup()
         if self.membership is not None:
             world.start_step = self.membership.enter(self, model)
         return model
 
     @torch.no_grad()
-    def agree_start(self) -> None:
+    def agree_start(self, comm) -> None:
         """Every island starts from island 0's parameters and floating buffers, as DDP starts every rank from
         rank 0's. Without it a loop whose processes seed differently (or not at all) would give each island its
         own global model, offset from the others' for the whole run. Once per run, through any Comm: first an
@@ -90,11 +92,11 @@ class OuterStrategy(NoOp):
         flat = torch.cat([self.global_flat] + ([FlatView(floating).read()] if floating else []))
         digest = hashlib.sha256(flat.detach().cpu().numpy().tobytes()).digest()[:8]
         mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(flat.device)
-        if all(torch.equal(d, mine) for d in self.comm.all_gather(mine, kind=INIT_KIND)):
+        if all(torch.equal(d, mine) for d in comm.all_gather(mine, kind=INIT_KIND)):
             return
-        if self.comm.rank != 0:
+        if comm.rank != 0:
             flat.zero_()
-        self.comm.all_reduce(flat, kind=INIT_KIND)
+        comm.all_reduce(flat, kind=INIT_KIND)
         self.global_flat = flat[:n].clone()
         self.local.write(self.global_flat)
         self.publish()
@@ -113,6 +115,17 @@ class OuterStrategy(NoOp):
     def after_backward(self, model, step):
         if self.membership is not None:  # elastic: joiners enter after a round boundary
             self.membership.at_step(self, model, step)
+
+    # ---- elastic joins (islands.runtime.elastic) ----------------------------------------------------
+    def settle(self) -> None:
+        """Before a join: let the exchanges in flight finish (their results stay pending, to land at their step
+        on every member, the joiner included, which receives them with the state). Nothing lands here."""
+        self.in_order(lambda: None)
+
+    def joined(self) -> None:
+        """On a joiner, after it loaded the members' state: its own training starts from the global model (the
+        holder's local work since the last synchronisation is the holder's to send, not the joiner's too)."""
+        self.adopt_global()
 
     # ---- the clock --------------------------------------------------------------------------------
     def tick(self, step: int) -> int:

@@ -125,6 +125,11 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
         # outer_schedule=inner: the trainer builds the optimizer at its peak lr and only then schedules
         # it, so the lr seen here is the reference the inner schedule is measured against.
         self.base_lr = float(self.optimizer.param_groups[0]["lr"])
+        if getattr(self.comm, "elastic", False) and self.lr_scale == "sqrt-islands" and self.fragments > 1:
+            # a fragment lands on the training thread while another's exchange may be failing over on the
+            # exchange thread: the member count read at the landing would differ between members
+            raise ValueError("lr_scale=sqrt-islands with fragments > 1 is not supported in an elastic job (the "
+                             "island count can change while a fragment is in flight); use lr_scale=none or fragments=1")
         self._overlap_setup()
         if self.adapt != "none":
             self._adapt_setup(self._world)
@@ -176,6 +181,13 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
 
     def has_pending(self) -> bool:
         return bool(self.pending)
+
+    def joined(self) -> None:
+        """Elastic joiner (base.joined): local <- global; landing=replay measures its own steps from here."""
+        super().joined()
+        for p in list(self.at_send):
+            lo, hi = self.bounds[p]
+            self.at_send[p] = self.local.read(lo, hi)
 
     def finish(self, model) -> None:
         super().finish(model)

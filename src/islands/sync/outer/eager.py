@@ -49,9 +49,12 @@ class EagerOverlap:
     delay: int = 1  # rounds an exchange is in flight; 0 only in tests (the bitwise-plain check)
 
     def _overlap_setup(self) -> None:
-        if self.overlap != "none" and self.membership is not None:
-            raise ValueError(f"overlap={self.overlap} is not supported in an elastic job yet (a member would join "
-                             "with a round's exchange in flight); use overlap=none")
+        if self.overlap != "none" and getattr(self.comm, "elastic", False):
+            # (tau > 0 and fragments are supported: runtime/elastic.py) here a joiner would need the holder's
+            # per-fragment start points and buffer average rebased onto its own start, and eager's stand-in
+            # step reads the island count on the training thread while an exchange may be failing over
+            raise ValueError(f"overlap={self.overlap} is not supported in an elastic job yet; use overlap=none "
+                             "(tau > 0 and fragments > 1 are)")
         self.start_at: dict[int, torch.Tensor] = {}  # fragment -> the local fragment at its last boundary
         self.buffers_inflight: Pending | None = None  # the floating buffers' average started at the last cycle end
 

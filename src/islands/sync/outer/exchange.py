@@ -104,14 +104,19 @@ class Exchange:
 
     def _gather_variable(self, comm, payload: torch.Tensor) -> list[torch.Tensor]:
         """All-gather uint8 payloads of different lengths: lengths first, then payloads padded to the longest."""
-        lengths = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), kind=f"{self.kind}_len")
-        lengths = [int(n.item()) for n in lengths]
-        longest = max(lengths)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        gathered = comm.all_gather(padded, kind=self.kind)
-        self._count(comm, 8 + longest)
-        return [g[:n] for g, n in zip(gathered, lengths)]
+        while True:
+            lengths = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), kind=f"{self.kind}_len")
+            lengths = [int(n.item()) for n in lengths]
+            epoch = getattr(comm, "epoch", None)
+            longest = max(lengths)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: payload.numel()] = payload
+            gathered = comm.all_gather(padded, kind=self.kind)
+            self._count(comm, 8 + longest)
+            # an elastic Comm whose members changed between the two gathers (islands.runtime.elastic): the
+            # lengths are the old members'; every survivor sees the same committed epochs, so all redo both
+            if getattr(comm, "epoch", None) == epoch:
+                return [g[:n] for g, n in zip(gathered, lengths)]
 
     def run(self, fn):
         """fn() in the order of this exchange's collectives: on its background thread, after every exchange

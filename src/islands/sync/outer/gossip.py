@@ -26,6 +26,11 @@ replaces its parameters by a mix of its own and what its in-peers sent. Mixing r
       Needs a regular topology (ring, exp) or an aggregator: push-sum's weights ride on exact vectors.
       Payload: the compressor's payload, once per out-peer.
 
+Elastic membership (islands.runtime.elastic): a round is one committed operation whose graph is the topology
+over the ranks of the epoch it commits in (`_mix_elastic`), so a round a death interrupts is planned again
+with the survivors and every member mixes by the same graph (docs/membership.md). Compressed gossip is refused
+there: its edge estimates belong to pairs of ranks.
+
 Evaluation (`eval_model`) is this island's OWN model as of its last gossip round: there is no
 global model in gossip. The last step always gossips. Consensus distance (how far the islands are
 from their average) is measured by the experiments outside training traffic (consensus_distance).
@@ -167,9 +172,13 @@ class Gossip(OuterStrategy):
         return self.aggregator is None and not self.topology.regular
 
     def setup(self) -> None:
-        if self.comm.size > 1 and not hasattr(self.comm, "exchange"):
+        if getattr(self.comm, "elastic", False):
+            if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
+                raise ValueError("compressed gossip is not supported in an elastic job: its edge estimates belong "
+                                 "to pairs of ranks, which change when members come and go; drop compressor=")
+        elif self.comm.size > 1 and not hasattr(self.comm, "exchange"):
             raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
-                            f"{type(self.comm).__name__} has none (elastic membership is not supported)")
+                            f"{type(self.comm).__name__} has none")
         if self.compressor is not None:
             # the edge estimates start from one point every island knows: island 0's (agreed in wrap)
             self.estimates = EdgeEstimates(self.compressor, self.global_flat.clone(), self.gamma)
@@ -189,7 +198,9 @@ class Gossip(OuterStrategy):
     def gossip_round(self) -> None:
         x = self.local.read()
         n = self.comm.size
-        if n > 1:
+        if getattr(self.comm, "elastic", False):
+            x = self._mix_elastic(x)
+        elif n > 1:
             send_to, recv_from = self.topology.peers(self.rounds, self.comm.rank, n)
             x = self._mix(x, send_to, recv_from)
         self.global_flat = x
@@ -207,6 +218,27 @@ class Gossip(OuterStrategy):
             return x
         got = self.comm.exchange({p: x for p in send_to}, recv_from, like=x, kind=KIND)
         received = [got[p] for p in recv_from]
+        if self.aggregator is None:
+            return uniform_mix(x, received)
+        x, isolated = robust_mix(self.aggregator, x, received)
+        self.isolated += int(isolated)
+        return x
+
+    def _mix_elastic(self, x: torch.Tensor) -> torch.Tensor:
+        """Elastic membership (islands.runtime.elastic): the round's graph is the topology over the members of the
+        epoch the exchange commits in (a member gone mid-round: planned again with the survivors' ranks), so
+        every member mixes by the same graph; push-sum shares follow that graph's out-degrees."""
+        def plan(rank: int, size: int):
+            send_to, recv_from = self.topology.peers(self.rounds, rank, size)
+            payload = push_sum_share(x, self.weight, len(send_to)) if self.push_sum else x
+            return {p: payload for p in send_to}, recv_from
+
+        like = torch.empty(x.numel() + 1 if self.push_sum else x.numel())
+        got, send_to, recv_from = self.comm.exchange_planned(plan, like=like, kind=KIND)
+        received = [got[p] for p in recv_from]
+        if self.push_sum:
+            x, self.weight = push_sum_combine(push_sum_share(x, self.weight, len(send_to)), received)
+            return x
         if self.aggregator is None:
             return uniform_mix(x, received)
         x, isolated = robust_mix(self.aggregator, x, received)

@@ -1,0 +1,323 @@
+"""Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md).
+
+An island's leader (local index 0) is its one member of the ElasticComm: admission, heartbeat-checked
+epochs, joins at round boundaries, as for a one-worker island. The island's k workers share a local gloo
+group, the default process group of each of them (PrefixStore "island/<index>.<incarnation>/pg" on the
+job's authenticated store), which the inner strategy (DDP, ZeRO-1) uses every step.
+
+The outer strategy's cross-island Comm on every worker of the island is an IslandComm: on the leader a
+collective runs on the ElasticComm (fail-over, retries and all) and its result is then broadcast over the
+local group with a small header (the island's rank, the number of member islands, the epoch); a follower
+takes both from that broadcast. Inner DDP keeps the island's replicas bit-identical, so the leader's input
+stands for the island's and every worker of the island holds the leader's result bit for bit: exact.
+
+A worker that dies breaks the local group: its mates fail at their next local collective (gloo reports a
+closed connection at once) and exit non-zero; the launcher stops the rest of the island, the leader's
+dead flag makes the other islands fail over without it, and the launcher starts the island again (a new
+incarnation: new names, a new local group) while `max_restarts` allows. The new leader is admitted as any
+joiner, receives the global state in its strategy's wrap, and hands it to its followers (IslandLeader.enter,
+IslandFollower.enter) before the island trains.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from islands.runtime.comm import CommLedger
+from islands.runtime.elastic import ElasticComm
+
+ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
+RELAY_KIND = "island_relay"  # ledger kind of the leader's local broadcasts (not cross-island traffic)
+
+
+class IslandBroken(RuntimeError):
+    """A worker of this island is gone (the local group failed): the island leaves the job."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class IslandPlace:
+    """Where the launcher put one worker: island `index`, local index `local` of `size`, started for the
+    `incarnation`-th time (0 first, then one per restart)."""
+
+    index: int
+    local: int
+    size: int
+    incarnation: int = 0
+
+    def __post_init__(self):
+        for key in ("index", "local", "incarnation"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"island {key} must be >= 0; got {getattr(self, key)}")
+        if self.size < 1 or self.local >= self.size:
+            raise ValueError(f"island local index {self.local} must be below its size {self.size} (>= 1)")
+
+    @property
+    def leader(self) -> bool:
+        return self.local == 0
+
+    @property
+    def tag(self) -> str:
+        """The store prefix of this incarnation's local group: a restart never meets a dead one's keys."""
+        return f"island/{self.index}.{self.incarnation}"
+
+    def name(self, local: int | None = None) -> str:
+        return worker_name(self.index, self.local if local is None else local, self.size, self.incarnation)
+
+    def to_env(self) -> str:
+        return f"{self.index},{self.local},{self.size},{self.incarnation}"
+
+    @classmethod
+    def from_env(cls, text: str | None) -> "IslandPlace | None":
+        if not text:
+            return None
+        try:
+            parts = [int(p) for p in text.split(",")]
+            if len(parts) != 4:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{ISLAND_ENV} must be INDEX,LOCAL,SIZE,INCARNATION (integers); got {text!r}") from None
+        return cls(*parts)
+
+
+def worker_name(index: int, local: int, size: int, incarnation: int = 0) -> str:
+    """w<i> (one-worker islands, as before) or i<i>w<l>; a restart appends .<incarnation>: names are never
+    reused, so the coordinator admits the restarted leader as a new worker."""
+    base = f"w{index}" if size == 1 else f"i{index}w{local}"
+    return base if incarnation == 0 else f"{base}.{incarnation}"
+
+
+def local_timeout(collective_timeout: float, heartbeat_timeout: float) -> float:
+    """How long a local collective may wait. A follower waits in the relay while its leader's exchange fails
+    over (up to one collective timeout for the failed attempt, one for the new epoch to form, one to
+    connect) and DDP's next all-reduce waits while the leader serves a joiner; a dead mate is not found by
+    this timeout (gloo sees the closed connection, the launcher the exit or the stale heartbeat)."""
+    return 4 * collective_timeout + 2 * heartbeat_timeout
+
+
+class IslandComm:
+    """The cross-island Comm of one worker of a k-worker island (module docstring).
+
+    `cross`: the leader's Comm over the member islands (an ElasticComm in a job; any Comm in tests), None on a
+    follower. `group`: the island's local process group (None: the default group). `rank` and `size` are the
+    island's rank among the member islands and their count, as of the latest collective (a follower learns
+    them from the leader's header)."""
+
+    def __init__(self, cross, ledger: CommLedger, group=None, on_change=None):
+        self.cross, self.ledger, self.group, self.on_change = cross, ledger, group, on_change
+        self._rank, self._size, self._epoch = 0, 0, -1
+
+    @property
+    def leader(self) -> bool:
+        return self.cross is not None
+
+    @property
+    def rank(self) -> int:
+        if self.leader:
+            return self.cross.rank if self.cross.size else 0
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self.cross.size if self.leader else self._size
+
+    @property
+    def epoch(self) -> int:
+        return getattr(self.cross, "epoch", 0) if self.leader else self._epoch
+
+    # ---- the relay --------------------------------------------------------------------------------
+    def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.ledger.record(RELAY_KIND, nbytes if self.leader else 0, 0 if self.leader else nbytes)
+        try:
+            dist.broadcast(tensor, group=self.group, group_src=0)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                               "the island leaves the job") from None
+        return tensor
+
+    def sync(self, extra: int = 0) -> int:
+        """Leader: send the header (rank, size, epoch, `extra`); follower: receive it. Returns `extra`."""
+        head = torch.tensor([self.rank, self.size, self.epoch, extra], dtype=torch.int64) if self.leader \
+            else torch.zeros(4, dtype=torch.int64)
+        self._bcast(head)
+        if not self.leader:
+            rank, size, epoch, extra = (int(v) for v in head.tolist())
+            changed = (rank, size) != (self._rank, self._size)
+            self._rank, self._size, self._epoch = rank, size, epoch
+            if changed and self.on_change is not None:
+                self.on_change(rank, size)
+        return extra
+
+    def relay_object(self, obj=None):
+        """The leader's `obj` on every worker of the island (pickled; bookkeeping and the joiner's state)."""
+        box = [obj if self.leader else None]
+        try:
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                               "the island leaves the job") from None
+        return box[0]
+
+    # ---- the Comm interface -------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        if self.leader:
+            self.cross.all_reduce(tensor, op=op, kind=kind)
+        self.sync()
+        return self._bcast(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
+        tensor = tensor.contiguous()
+        if self.leader:
+            parts = self.cross.all_gather(tensor, kind=kind)
+            stacked = torch.stack([p.reshape(tensor.shape) for p in parts])
+            self.sync(len(parts))
+        else:
+            stacked = torch.empty((self.sync(), *tensor.shape), dtype=tensor.dtype)
+        return list(self._bcast(stacked).unbind(0))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> torch.Tensor:
+        if self.leader:
+            self.cross.broadcast(tensor, src=src, kind=kind)
+        self.sync()
+        return self._bcast(tensor)
+
+    def all_gather_object(self, obj) -> list:
+        """Bookkeeping over every worker of every member island, in global rank order (island rank, then local
+        index): the run record's per-rank ledgers."""
+        mine = [None] * dist.get_world_size(self.group)
+        try:
+            dist.all_gather_object(mine, obj, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})") from None
+        flat = None
+        if self.leader:
+            per_island = (self.cross.all_gather_object(mine) if hasattr(self.cross, "all_gather_object")
+                          else gather_objects(self.cross, mine))
+            flat = [o for island in per_island for o in island]
+        self.sync()
+        return self.relay_object(flat)
+
+
+def gather_objects(comm, obj) -> list:
+    """all_gather of picklable objects through any Comm's tensor all_gather (pickled, padded to the longest)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64), kind="bookkeeping")
+    padded = torch.zeros(int(max(n.item() for n in lengths)), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    parts = comm.all_gather(padded, kind="bookkeeping")
+    return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, lengths)]
+
+
+def rounds_of(strategy) -> int:
+    """Rounds the outer strategy completed (the holder's own counter, or its outer part's): the same on every
+    worker of an island, so leader and followers meet in the same step's relay."""
+    for part in (strategy, getattr(strategy, "outer", None)):
+        if part is not None and hasattr(part, "rounds"):
+            return int(part.rounds)
+    return 0
+
+
+def hand_over(island: IslandComm, strategy, model, step: int) -> int:
+    """After the leader's enter: every worker of the island loads the leader's global model, strategy state and
+    step (a joiner's leader has just received them from the members; a first island's workers already agree,
+    and the hand-over costs one local broadcast at the start)."""
+    state = None
+    if island.leader:
+        state = {"model": strategy.eval_model(model).state_dict(), "strategy": strategy.state_dict(), "step": int(step)}
+    island.sync()
+    state = island.relay_object(state)
+    if not island.leader:
+        strategy.eval_model(model).load_state_dict(state["model"])
+        strategy.load_state_dict(state["strategy"])
+    return int(state["step"])
+
+
+class IslandLeader(ElasticComm):
+    """The ElasticComm of an island's leader: as any member's, and after `enter` (a joiner receives the global
+    state there) and after each round boundary's admissions (`at_step`) it relays to its followers."""
+
+    island: IslandComm | None = None
+    place: IslandPlace | None = None
+
+    def enter(self, strategy, model) -> int:
+        step = super().enter(strategy, model)
+        self.store.set(f"{self.place.tag}/entered", str(step))  # followers wait on it, not in a collective
+        self._island_round = rounds_of(strategy)
+        return hand_over(self.island, strategy, model, step)
+
+    def at_step(self, strategy, model, step: int) -> None:
+        super().at_step(strategy, model, step)
+        rounds = rounds_of(strategy)
+        if rounds != getattr(self, "_island_round", None):  # members may have changed: tell the followers
+            self._island_round = rounds
+            self.island.sync()
+
+
+class IslandFollower:
+    """What a follower (local index > 0) has for `world.membership`: it holds the strategy's place like an
+    ElasticComm (claim/enter/at_step), takes everything from its leader over the local group, and is never a
+    member of the job's epochs itself."""
+
+    def __init__(self, name: str, place: IslandPlace, island: IslandComm, store, liveness, heartbeat=None,
+                 job=None):
+        self.name, self.place, self.island, self.store = name, place, island, store
+        self.liveness, self.heartbeat, self.job = liveness, heartbeat, job
+        self.holder = None
+        self.before_join: list = []
+        self.events: list[dict] = []
+        self.syncs: list[dict] = []
+        self.members: list = []
+        self._island_round: int | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.island.epoch
+
+    def claim(self, strategy) -> bool:
+        if self.holder is None:
+            self.holder = strategy
+        return self.holder is strategy
+
+    def enter(self, strategy, model) -> int:
+        """Wait (on the store, for as long as the leader waits for admission) until the leader entered, then
+        load what it hands over."""
+        leader = self.place.name(0)
+        key = f"{self.place.tag}/entered"
+        while not self.store.check([key]):
+            if self.liveness.gone([leader]):
+                raise IslandBroken(f"{self.name}: the island's leader {leader} is gone before it entered the job")
+            time.sleep(0.05)
+        step = hand_over(self.island, strategy, model, 0)
+        self._island_round = rounds_of(strategy)  # after loading: a joiner's counter is the members'
+        self.events.append({"type": "entered", "via": leader, "step": step, "epoch": self.island.epoch,
+                            "time": time.time()})
+        return step
+
+    def at_step(self, strategy, model, step: int) -> None:
+        rounds = rounds_of(strategy)
+        if self._island_round is None:
+            self._island_round = rounds
+        if rounds != self._island_round:
+            self._island_round = rounds
+            self.island.sync()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.island.epoch, "members": [], "events": list(self.events), "leader": self.place.name(0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def leave(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        try:
+            self.store.set(f"dead/{self.name}", "finished")
+        except dist.DistNetworkError:
+            pass

@@ -1,0 +1,295 @@
+"""Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md, "Islands of k
+workers"). On gloo: the IslandComm relay gives every worker of every island the plain cross-island result; a
+digits-sized job of 2 islands x 2 workers (ddp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL
+goes on with island 0, the launcher restarts island 1 as a new incarnation, which is admitted at a round boundary
+with the global state and ends bit-equal with island 0; with --max-restarts 0 the island stays out and the job
+still finishes; combinations that cannot work exit 2 with a message naming why."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from islands.app.launch import launch_elastic
+from islands.app.validate import validate
+from islands.config import from_mapping
+from islands.runtime.island_comm import IslandComm, IslandPlace, worker_name
+from islands.runtime.membership import connect
+from spawn_world import spawn_ranks
+
+HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
+
+
+# ---- the relay, on 4 gloo ranks (2 islands x 2 workers) ------------------------------------------------
+def _relay_rank(rank, env, queue):
+    os.environ.update(env)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    # every rank makes every group, in the same order (torch's rule)
+    local = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    leaders = dist.new_group([0, 2])
+    from islands.runtime.comm import Comm, CommLedger
+
+    ledger = CommLedger()
+    cross = Comm(leaders, ledger) if rank % 2 == 0 else None
+    relay = IslandComm(cross, ledger, group=local)
+    island = rank // 2
+    # island replicas are identical (inner DDP keeps them so): each island's input depends on the island only
+    x = torch.arange(5, dtype=torch.float32) * (island + 1) + 0.25 * island
+    summed = relay.all_reduce(x.clone(), kind="outer_delta")
+    maxed = relay.all_reduce(x.clone(), op=dist.ReduceOp.MAX, kind="outer_delta")
+    gathered = relay.all_gather(x[:3].clone(), kind="outer_gather")
+    # src in the cross Comm's numbering: island 1's leader is global rank 2 of this plain Comm
+    sent = relay.broadcast(x.clone() if island == 1 else torch.zeros(5), src=2, kind="outer_bcast")
+    objects = relay.all_gather_object({"rank": rank})
+    # plain lists through the queue: a tensor would be passed as a file descriptor of this exiting process
+    queue.put((rank, summed.tolist(), maxed.tolist(), [g.tolist() for g in gathered], sent.tolist(), objects,
+               relay.rank, relay.size, dict(ledger.sent)))
+    dist.destroy_process_group()
+
+
+def test_the_island_relay_gives_every_worker_the_plain_result_over_islands():
+    got = spawn_ranks(_relay_rank, 4, timeout=120)
+    inputs = [torch.arange(5, dtype=torch.float32) * (i + 1) + 0.25 * i for i in range(2)]
+    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes in got:
+        assert summed == (inputs[0] + inputs[1]).tolist()  # the all-reduce over islands, on every worker
+        assert maxed == torch.maximum(inputs[0], inputs[1]).tolist()
+        assert gathered == [inputs[0][:3].tolist(), inputs[1][:3].tolist()]
+        assert sent == inputs[1].tolist()
+        assert objects == [{"rank": r} for r in range(4)]  # bookkeeping: every worker, in global rank order
+        assert (irank, isize) == (rank // 2, 2)
+        # only leaders send cross-island bytes; followers receive the relay only
+        assert ("outer_delta" in sent_bytes) == (rank % 2 == 0)
+
+
+def test_worker_names_and_places():
+    assert [worker_name(0, 0, 1), worker_name(2, 0, 1, 1)] == ["w0", "w2.1"]  # one-worker islands as before
+    assert [worker_name(1, 0, 2), worker_name(1, 1, 2, 3)] == ["i1w0", "i1w1.3"]
+    place = IslandPlace.from_env("1,1,2,3")
+    assert place == IslandPlace(1, 1, 2, 3) and not place.leader and place.name(0) == "i1w0.3"
+    assert IslandPlace.from_env(place.to_env()) == place and IslandPlace.from_env("") is None
+    for bad in ("1,2", "a,b,c,d", "0,2,2,0"):
+        with pytest.raises(ValueError):
+            IslandPlace.from_env(bad)
+
+
+# ---- whole jobs ---------------------------------------------------------------------------------------
+# A user task: the digits MLP behind a gate. While the file HOLD exists every training forward waits, so the
+# test can keep the surviving island at work until the restarted island is built (on a loaded machine its
+# start-up takes longer than the whole job would). Computation is unchanged; only time passes.
+GATED = r'''
+import os, time
+import torch.nn as nn
+from islands.tasks import digits_task
+
+class Gate(nn.Module):
+    def __init__(self, inner, hold):
+        super().__init__()
+        self.inner, self.hold = inner, hold
+    def forward(self, x):
+        while self.training and self.hold and os.path.exists(self.hold):
+            time.sleep(0.02)
+        return self.inner(x)
+
+def make_task(cfg):
+    task = digits_task(cfg.task.hidden, cfg.batch_per_worker, cfg.train.seed)
+    task.model = Gate(task.model, cfg.task.options.get("hold", ""))
+    return task
+'''
+
+
+def _cfg(tmp_path: Path, **over):
+    (tmp_path / "gated.py").write_text(GATED)
+    values = dict(task=f"{tmp_path / 'gated.py'}:make_task", workers=4, islands=2, inner="ddp",
+                  outer="diloco:inner_steps=5", elastic=True, steps=60, global_batch=32, eval_every=0, warmup=2,
+                  probe=False, progress=False, timeout=30.0, heartbeat_timeout=HEARTBEAT, run_dir=str(tmp_path / "run"))
+    values.update(over)
+    cfg = from_mapping(values)
+    cfg.task.options["hold"] = str(tmp_path / "HOLD")
+    return validate(cfg)
+
+
+def _wait(cond, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _records(run_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json") if p.stem != "restarts"}
+
+
+def _run(cfg, run_dir: Path, fault) -> tuple[int, str]:
+    errors: list = []
+
+    def body(address, workers):
+        try:
+            fault(address, workers)
+        except BaseException as e:  # noqa: BLE001 - surfaced after the job
+            errors.append(e)
+        finally:
+            hold = Path(cfg.task.options["hold"])
+            hold.unlink(missing_ok=True)  # never leave the job waiting
+
+    out = io.StringIO()
+    code = launch_elastic(cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(
+        target=body, args=(a, w), daemon=True).start())
+    assert not errors, errors
+    return code, out.getvalue()
+
+
+def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path):
+    cfg = _cfg(tmp_path, max_restarts=1)
+    run_dir = tmp_path / "run"
+    hold = tmp_path / "HOLD"
+    seen: dict = {}
+
+    def fault(address, workers):
+        host, port = address.split(":")
+        store = connect(host, int(port))
+        _wait(lambda: store.check(["round/2/join"]), "two rounds")
+        assert [w.name for w in workers] == ["i0w0", "i0w1", "i1w0", "i1w1"]
+        hold.write_text("")  # island 0 keeps going only once the restarted island is ready
+        os.kill(workers[3].proc.pid, signal.SIGKILL)  # a follower of island 1
+        seen["killed"] = time.time()
+        _wait(lambda: store.check(["ready/i1w0.1"]), "the restarted island's leader to be built")
+        hold.unlink()
+
+    code, log = _run(cfg, run_dir, fault)
+    assert code == 0, log
+    assert "worker i1w1 left (killed by SIGKILL)" in log and "island 1 left the job" in log, log
+    assert "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
+    restarts = json.loads((run_dir / "elastic" / "restarts.json").read_text())
+    assert [(r["island"], r["incarnation"], r["workers"]) for r in restarts["restarts"]] == [
+        (1, 1, ["i1w0.1", "i1w1.1"])]
+    recs = _records(run_dir)
+    assert set(recs) == {"i0w0", "i0w1", "i1w0.1", "i1w1.1"}, log  # the killed island wrote nothing
+    # every surviving worker of both islands holds the same global model, bit for bit
+    assert len({r["global_sha256"] for r in recs.values()}) == 1, {n: r["global_sha256"] for n, r in recs.items()}
+    events = recs["i0w0"]["final"]["events"]
+    failure = next(e for e in events if e["type"] == "failure")
+    assert failure["gone"] == ["i1w0"] and failure["detected"] >= seen["killed"]
+    join = next(e for e in events if e["type"] == "join")
+    assert join["joined"] == ["i1w0.1"] and join["size"] == 2
+    # the restarted leader entered through admission with the members' global model and step ...
+    entered = next(e for e in recs["i1w0.1"]["final"]["events"] if e["type"] == "entered")
+    assert entered["global_sha256"] == join["global_sha256"] and entered["step"] == join["step"] > 10
+    assert recs["i1w0.1"]["initial"] is False and recs["i1w0.1"]["island"]["index"] == 1
+    # each worker keeps its island's shard: index * k + local of islands * k
+    assert [recs[n]["data_shard"] for n in ("i0w0", "i0w1", "i1w0.1", "i1w1.1")] == [[0, 4], [1, 4], [2, 4], [3, 4]]
+    # ... and handed them to its follower, which starts at the same step
+    follower = next(e for e in recs["i1w1.1"]["final"]["events"] if e["type"] == "entered")
+    assert follower["via"] == "i1w0.1" and follower["step"] == entered["step"]
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
+
+
+def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_path):
+    cfg = _cfg(tmp_path, max_restarts=0)
+    run_dir = tmp_path / "run"
+
+    def fault(address, workers):
+        host, port = address.split(":")
+        store = connect(host, int(port))
+        _wait(lambda: store.check(["round/2/join"]), "two rounds")
+        os.kill(workers[3].proc.pid, signal.SIGKILL)
+
+    code, log = _run(cfg, run_dir, fault)
+    assert code == 0, log
+    assert "island 1 left the job" in log and "restarting" not in log, log
+    assert not (run_dir / "elastic" / "restarts.json").exists()
+    recs = _records(run_dir)
+    assert set(recs) == {"i0w0", "i0w1"}, log
+    assert recs["i0w0"]["global_sha256"] == recs["i0w1"]["global_sha256"]
+    failure = next(e for e in recs["i0w0"]["final"]["events"] if e["type"] == "failure")
+    assert failure["gone"] == ["i1w0"] and failure["size"] == 1
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 2 and run["summary"]["islands"] == 1
+
+
+@pytest.mark.parametrize("flags,needle", [
+    # fsdp meets no outer strategy at all (the sharding rule); the elastic rule's own reason is tested below
+    (["--inner", "fsdp"], "inner.strategy=fsdp shards gradients and parameters"),
+    (["--inner", "pipeline"], "inner.strategy=pipeline splits one model over the island"),
+    (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
+    (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
+    (["--no-elastic", "--max-restarts", "2"], "elastic.max_restarts applies to elastic jobs"),
+    (["--ckpt-every", "10"], "do not checkpoint yet"),
+    (["--outer", "gossip"], "gossip's point-to-point exchange is not relayed yet"),
+])
+def test_combinations_that_cannot_work_exit_2_before_anything_starts(tmp_path, capsys, flags, needle):
+    from islands.cli import main
+
+    base = ["train", "--task", "digits", "--workers", "4", "--islands", "2", "--inner", "ddp",
+            "--outer", "diloco:inner_steps=5", "--elastic", "--global-batch", "24", "--run-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as exited:
+        main(base + flags)
+    assert exited.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_elastic_rule_names_why_fsdp_is_refused():
+    from islands.app.validate import elastic
+
+    cfg = from_mapping(dict(task="digits", workers=4, islands=2, inner="fsdp", outer="diloco:inner_steps=5",
+                            elastic=True, global_batch=24))
+    message = elastic(cfg)
+    assert "inner.strategy=fsdp is refused" in message and "no one worker holds the island's global model" in message
+
+
+def test_islands_join_is_refused_in_a_job_of_k_worker_islands_before_admission(tmp_path, monkeypatch, capsys):
+    from islands.app.elastic_worker import main
+    from islands.runtime.membership import REFUSED_EXIT_CODE, Coordinator, JobSpec, host_store
+
+    cfg = _cfg(tmp_path)  # 4 workers in 2 islands
+    server, store = host_store(0)
+    coord = Coordinator(store, "secret", JobSpec(workers=2, config=cfg.to_dict()), log=lambda line: None).start()
+    monkeypatch.delenv("ISLANDS_ISLAND", raising=False)
+    monkeypatch.setenv("ISLANDS_TOKEN", "secret")
+    monkeypatch.setenv("ISLANDS_NAME", "j1")
+    try:
+        code = main([f"127.0.0.1:{server.port}", str(tmp_path / "joiner")])
+    finally:
+        coord.stop()
+    assert code == REFUSED_EXIT_CODE
+    err = capsys.readouterr().err
+    assert "this job's islands have 2 workers each" in err and "--max-restarts" in err, err
+    assert coord.admitted == [] and not (tmp_path / "joiner").exists()  # refused before admission, nothing written
+
+
+def test_a_one_worker_island_is_restarted_the_same_way_on_its_own_shard(tmp_path):
+    cfg = _cfg(tmp_path, workers=2, islands=2, inner="auto", max_restarts=1, global_batch=16)
+    run_dir = tmp_path / "run"
+    hold = tmp_path / "HOLD"
+
+    def fault(address, workers):
+        host, port = address.split(":")
+        store = connect(host, int(port))
+        _wait(lambda: store.check(["round/2/join"]), "two rounds")
+        assert [w.name for w in workers] == ["w0", "w1"]
+        hold.write_text("")
+        os.kill(workers[1].proc.pid, signal.SIGKILL)
+        _wait(lambda: store.check(["ready/w1.1"]), "the restarted worker to be built")
+        hold.unlink()
+
+    code, log = _run(cfg, run_dir, fault)
+    assert code == 0, log
+    assert "restarting island 1 (restart 1 of 1) as w1.1" in log, log
+    recs = _records(run_dir)
+    assert set(recs) == {"w0", "w1.1"}, log
+    assert recs["w0"]["global_sha256"] == recs["w1.1"]["global_sha256"]
+    # the restarted island trains on island 1's data, whatever shard its admission order would have given it
+    assert recs["w1.1"]["island"] == {"index": 1, "local": 0, "size": 1, "incarnation": 1, "leader": "w1.1"}
+    assert recs["w1.1"]["data_shard"] == [1, 2] and recs["w0"]["data_shard"] == [0, 2]
+    join = next(e for e in recs["w0"]["final"]["events"] if e["type"] == "join")
+    assert join["joined"] == ["w1.1"]

@@ -1,0 +1,315 @@
+"""No single point of failure (issue #20 item 2), step 1: a SIGKILLed launcher does not take the job with it.
+
+The store and the coordinator live in the job host (islands.runtime.job_host), a detached process; the
+workers run in sessions of their own. SIGKILL the launcher of `islands train --elastic` mid-run: the workers
+finish every step and agree bitwise, rank 0 of the last epoch writes run.json, the job host writes its
+record and ends by itself, and no process of the job is left. A worker SIGKILLed after the launcher died is
+found by its heartbeat alone (no launcher to flag it) and the others finish without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import islands.testbed.etcd as etcd_cluster
+from islands.runtime.etcd_store import EtcdAddress, EtcdClient, leader_key
+from islands.runtime.membership import connect, parse_address
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+HEARTBEAT = 5.0  # seconds: the job's heartbeat timeout (generous: the test machine is shared and loaded)
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("ISLANDS_TOKEN", None)
+    return env
+
+
+def _wait(cond, what: str, timeout: float = 120.0, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while not (found := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (
+            f":\n{log.read_text()[-3000:]}" if log is not None and log.exists() else "")
+        time.sleep(0.05)
+    return found
+
+
+def _job_processes(marker: str) -> list[int]:
+    """Pids of processes whose command line names `marker` (the run directory: workers and job host)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (p / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            pids.append(int(p.name))
+    return pids
+
+
+def _env_of(pid: int) -> dict:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _record(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _logs(run: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run / "logs").glob("*.log")))
+
+
+def _train(tmp_path: Path, steps: int) -> tuple[subprocess.Popen, Path, Path]:
+    run = tmp_path / "run"
+    err = tmp_path / "launcher.err"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "3", "--islands", "3",
+         "--outer", "local-sgd:every=3", "--elastic", "--steps", str(steps), "--global-batch", "24",
+         "--eval-every", "0", "--warmup", "2", "--no-probe", "--no-progress", "--timeout", "30",
+         "--heartbeat-timeout", str(HEARTBEAT), "--run-dir", str(run)],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    return proc, run, err
+
+
+def _kill_launcher_mid_run(tmp_path: Path, steps: int, kill_a_worker: bool) -> tuple[Path, dict, str]:
+    proc, run, err = _train(tmp_path, steps)
+    leftover: list[int] = []
+    try:
+        host = _wait(lambda: _record(run / "job_host.json"), "the job host", log=err)
+        h, p = parse_address(host["address"])
+        store = connect(h, p)
+        _wait(lambda: store.check(["round/4/join"]), "four rounds", log=err)
+        assert proc.poll() is None, err.read_text()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed_at = time.time()
+        if kill_a_worker:  # after the launcher: nobody sets its dead flag, its heartbeat must tell
+            _wait(lambda: store.check(["round/6/join"]), "two more rounds", log=run / "logs" / "w0.log")
+            victim = next(pid for pid in _job_processes(str(run)) if _env_of(pid).get("ISLANDS_NAME") == "w2")
+            os.kill(victim, signal.SIGKILL)
+        del store
+        ended = _wait(lambda: (r := _record(run / "job_host.json")) and "ended" in r and r, "the job host's end",
+                      timeout=150, log=run / "logs" / "w0.log")
+        _wait(lambda: not _job_processes(str(run)), "every process of the job to exit", timeout=30)
+        return run, ended, killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        leftover = _job_processes(str(run))
+        for pid in leftover:  # never leave a process behind, even when the test failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_sigkilled_launcher_leaves_the_workers_training_and_the_record_is_written(tmp_path):
+    steps = 45
+    run, ended, killed_at = _kill_launcher_mid_run(tmp_path, steps, kill_a_worker=False)
+    logs = _logs(run)
+    assert ended["launcher_alive"] is False and ended["why"] == "no member of the newest epoch is alive", ended
+    assert ended["admitted"] == 3
+    recs = {p.stem: json.loads(p.read_text()) for p in (run / "elastic").glob("*.json")}
+    assert set(recs) == {"w0", "w1", "w2"}, logs
+    assert len({r["global_sha256"] for r in recs.values()}) == 1, "the workers disagree on the global model"
+    for r in recs.values():
+        assert not [e for e in r["final"]["events"] if e["type"] == "failure"], r["final"]["events"]
+    rec = json.loads((run / "run.json").read_text())  # written by rank 0 (a worker), whole (os.replace)
+    assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 3, rec["summary"]
+    assert not list(run.glob("*.tmp*")) and not list(run.glob(".*.tmp*"))
+    assert ended["ended"] > killed_at
+    assert "job host: the launcher" in (run / "logs" / "job_host.log").read_text()
+
+
+def test_after_the_launcher_died_a_killed_worker_is_found_by_its_heartbeat_and_the_others_finish(tmp_path):
+    steps = 60
+    run, ended, _ = _kill_launcher_mid_run(tmp_path, steps, kill_a_worker=True)
+    logs = _logs(run)
+    assert ended["why"] == "no member of the newest epoch is alive", ended
+    recs = {p.stem: json.loads(p.read_text()) for p in (run / "elastic").glob("*.json")}
+    assert set(recs) == {"w0", "w1"}, logs
+    assert len({r["global_sha256"] for r in recs.values()}) == 1
+    for r in recs.values():
+        failures = [e for e in r["final"]["events"] if e["type"] == "failure"]
+        assert len(failures) == 1 and failures[0]["gone"] == ["w2"], failures
+    rec = json.loads((run / "run.json").read_text())
+    assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 2, rec["summary"]
+
+
+# ---- over etcd: no process the job cannot lose ------------------------------------------------------
+# The own-loop program (docs/own-model.md) with a tiny MLP. Test hooks: --gate STEP makes every member write
+# OUT/gate-NAME there and wait for OUT/go; each member records its commits' end times (stall measurement).
+SCRIPT = r'''
+import argparse, json, os, time
+from pathlib import Path
+import torch, torch.nn as nn, torch.nn.functional as F
+import islands
+from islands.runtime.elastic import global_digest
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=30)
+p.add_argument("--gate", type=int, default=-1)
+args = p.parse_args()
+out, name = Path(args.out), os.environ["ISLANDS_NAME"]
+out.mkdir(parents=True, exist_ok=True)
+(out / f"pid-{name}").write_text(str(os.getpid()))
+g = torch.Generator().manual_seed(0)
+X = torch.randn(600, 16, generator=g)
+Y = (X @ torch.randn(16, 4, generator=g)).argmax(-1)
+torch.manual_seed(0)
+world = islands.init_world()
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+strategy = islands.Stack(outer=islands.outer.DiLoCo(inner_steps=3))
+model = strategy.wrap(model, opt, world)
+shard, shards = world.shard
+for step in range(world.start_step, args.steps):
+    x, y = X[shard::shards][step * 8 % 160:][:8], Y[shard::shards][step * 8 % 160:][:8]
+    F.cross_entropy(model(x), y).backward()
+    strategy.after_backward(model, step)
+    opt.step(); opt.zero_grad()
+    strategy.after_step(model, opt, step)
+    if step + 1 == args.gate:
+        (out / f"gate-{name}").write_text("")
+        deadline = time.monotonic() + 200
+        while not (out / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+strategy.finish(model)
+m = world.membership
+(out / f"{name}.json").write_text(json.dumps({
+    "start": world.start_step, "size": world.size, "sha": global_digest(strategy.eval_model(model)),
+    "events": m.state_dict()["events"],
+    "commits": [[s["start"] + s["seconds"], s["size"]] for s in m.syncs if s["kind"] == "outer_delta"]}))
+islands.close_world(world)
+'''
+
+
+@pytest.fixture
+def etcd():
+    if not etcd_cluster.available():
+        pytest.skip("etcd-server is not installed (apt-get install etcd-server)")
+    c = etcd_cluster.EtcdCluster(3).start()
+    yield c
+    c.stop()
+
+
+def _script_job(tmp_path: Path, url: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    (tmp_path / "job.py").write_text(SCRIPT)
+    err = tmp_path / "launcher.err"
+    proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", "3", "--store", url,
+                             "--heartbeat-timeout", "5", "--timeout", "60", "--run-dir", "run", "job.py", *args],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    return proc, err
+
+
+def _address(err: Path) -> str | None:
+    return next((line.split("elastic job at ")[1].split(";")[0] for line in err.read_text().splitlines()
+                 if "elastic job at " in line), None)
+
+
+def _finish(proc: subprocess.Popen, err: Path, where: Path) -> str:
+    """Wait for the launcher; then no process naming `where` (the test's directory: job host, workers) is left."""
+    try:
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _job_processes(str(where)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return err.read_text()
+
+
+def test_over_etcd_the_job_survives_a_sigkilled_etcd_member(tmp_path, etcd):
+    out = tmp_path / "out"
+    proc, err = _script_job(tmp_path, etcd.url, "--out", "out", "--steps", "24", "--gate", "9")
+    try:
+        _wait(lambda: all((out / f"gate-w{i}").exists() for i in range(3)), "every worker at the gate", log=err)
+        assert _address(err).startswith(etcd.url + "/islands-")  # the job's own namespace in the cluster
+        etcd.kill(0)  # the member every client tries first
+        (out / "go").write_text("")
+    finally:
+        log = _finish(proc, err, tmp_path)
+    assert proc.returncode == 0, log + _logs(tmp_path / "run")
+    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1", "w2")}
+    assert len({r["sha"] for r in recs.values()}) == 1, "the workers disagree on the global model"
+    for r in recs.values():
+        assert not [e for e in r["events"] if e["type"] == "failure"] and len(r["commits"]) == 8
+
+
+def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted_by_a_standby(tmp_path, etcd):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc, err = _script_job(tmp_path, etcd.url, "--out", "out", "--steps", "36", "--gate", "18")
+    run = tmp_path / "run"
+    joiner = None
+    try:
+        address = _wait(lambda: _address(err), "the job's address", log=err)
+        ns = address.rsplit("/", 1)[1]
+        client = EtcdClient(EtcdAddress.parse(etcd.url).endpoints)
+        key = leader_key(f"{ns}/".encode())
+        _wait(lambda: client.get(key) == b"job-host", "the job host to lead", log=err)
+        store = connect(*parse_address(address))
+        _wait(lambda: store.check(["round/2/join"]), "two rounds", log=err)
+        host = json.loads((run / "job_host.json").read_text())
+        os.kill(host["pid"], signal.SIGKILL)  # the store's client and the coordinator's lease holder, mid-run
+        killed = time.time()
+        took_over = _wait(lambda: (h := client.get(key)) not in (None, b"job-host") and h, "a standby to lead",
+                          timeout=30, log=err)
+        takeover_s = time.time() - killed
+        assert took_over.decode() in ("w0", "w1", "w2")
+        joiner = subprocess.Popen([sys.executable, "-m", "islands", "join", address, "--token-file",
+                                   str(run / "token"), "--name", "j1"], cwd=elsewhere, env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _wait(lambda: store.check(["ready/j1"]), "the joiner admitted by the new coordinator and ready", log=err)
+        _wait(lambda: all((out / f"gate-w{i}").exists() for i in range(3)), "every worker at the gate", log=err)
+        (out / "go").write_text("")
+        joined = joiner.communicate(timeout=180)[0]
+    finally:
+        log = _finish(proc, err, tmp_path)
+        if joiner is not None and joiner.poll() is None:
+            joiner.kill()
+    assert proc.returncode == 0, log + _logs(run)
+    assert joiner.returncode == 0, joined
+    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1", "w2", "j1")}
+    assert len({r["sha"] for r in recs.values()}) == 1, "the members disagree on the global model"
+    assert recs["j1"]["start"] == 18 and recs["j1"]["size"] == 4
+    for n in ("w0", "w1", "w2"):
+        assert not [e for e in recs[n]["events"] if e["type"] == "failure"]  # nobody died: nothing to re-form
+        assert len(recs[n]["commits"]) == 12
+    # the survivors' stall: on w0's clock, its longest gap between commits from the kill to the gate (where it
+    # waits on purpose), against its usual gap before the kill
+    gate = min((out / f"gate-{n}").stat().st_mtime for n in ("w0", "w1", "w2"))
+    commits = [t for t, _ in recs["w0"]["commits"]]
+    gaps = list(zip(commits, commits[1:]))
+    usual = sorted(b - a for a, b in gaps if b < killed)
+    after = [b - a for a, b in gaps if b >= killed and b <= gate]
+    assert after, "no round committed between the kill and the gate"
+    base = usual[len(usual) // 2] if usual else min(after)
+    stall = max(after) - base
+    print(f"coordinator takeover {takeover_s:.2f} s after SIGKILL; survivors' stall {stall:.2f} s "
+          f"(usual round {base:.2f} s)")
+    # training never waits on the coordinator (it admits joiners, nothing else); the bound is loose for a loaded
+    # machine (measured 0.93 s over a 0.83 s round at load average 18), the issue's goal is 2 s
+    assert stall < 5.0
+    assert takeover_s < 15
