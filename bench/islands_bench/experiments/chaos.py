@@ -1,0 +1,356 @@
+"""chaos: a seeded campaign of faults against one elastic DiLoCo job of 2-worker islands (issue #20).
+
+The job: `islands train --task digits --elastic` with 3 islands of 2 workers (DDP inside each, DiLoCo across),
+`--max-restarts` large enough for every kill, its store in a 3-member etcd cluster on loopback (so that no single
+process holds the job: docs/membership.md "No single point of failure"), the launcher itself a child process of
+this experiment so that it can be killed.
+
+The campaign (seeded, so the same seed gives the same events in the same order): one event every GAP seconds
+(jittered), drawn from
+  kill-worker       SIGKILL one worker of a member island (leader or follower): the island leaves, the launcher
+                    restarts it, it rejoins through admission and receives the global state
+  freeze-worker     SIGSTOP one worker: the heartbeat (leader) or the island's local collective (follower) finds
+                    it; the launcher stops it and restarts its island
+  kill-coordinator  SIGKILL the process holding the coordinator's seat (the job host at first): a standby seat
+                    in a worker takes the lease
+  kill-etcd-member  SIGKILL one etcd member (the cluster keeps its quorum); the next event restarts it (heal)
+  kill-launcher     SIGKILL the launcher, last of all: the workers finish without it and the record is
+                    written by the last epoch's first member
+A fault that needs a victim waits (up to WAIT_S) until at least two islands are whole, so one island always
+carries the job; waiting is reported. Cutting a testbed link is not in the campaign: elastic jobs do not run
+on the testbed yet (validation refuses it), so a link cut has no job to hit.
+
+Measured: events applied; hangs (the job did not end within its deadline: everything is then killed); lost jobs
+(no run record, or a launcher that exited non-zero); events survived (the job ended normally after it); stall per
+event (on each island leader that trained across it, every incarnation included, the gap between its logged steps
+across the event minus its median gap; max over leaders); the finishing members' bitwise agreement
+(global-model SHA-256); the final validation loss against a fault-free run of the same steps, in this invocation.
+A short probe run first measures the training speed, so that the job outlasts the campaign.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from islands_bench.harness import BenchContext, experiment
+
+KINDS = {"kill-worker": 5, "freeze-worker": 2, "kill-coordinator": 1, "kill-etcd-member": 1}  # draw weights
+ISLANDS, WORKERS_PER_ISLAND, H = 3, 2, 5
+HEARTBEAT_S, TIMEOUT_S = 2.0, 20.0  # the job's heartbeat timeout and collective timeout
+WAIT_S = 60.0  # the longest a fault waits for two whole islands before it is skipped
+RESTART_S = 15.0  # about what a restarted 2-worker island takes to train again here (start-up and admission)
+QUICK = dict(events=12, gap=(3.0, 6.0))
+FULL = dict(events=100, gap=(3.0, 6.0))
+
+
+@dataclass
+class Event:
+    kind: str
+    at: float = 0.0  # wall time it was applied (time.time())
+    target: str = ""
+    waited_s: float = 0.0
+    applied: bool = False
+    note: str = ""
+
+
+def campaign(n: int, seed: int) -> list[str]:
+    """n event kinds: a heal follows every etcd kill, the launcher's kill comes last."""
+    rng = random.Random(seed)
+    kinds: list[str] = []
+    names, weights = zip(*KINDS.items())
+    while len(kinds) < n - 1:
+        k = rng.choices(names, weights)[0]
+        if k == "kill-etcd-member":
+            if len(kinds) + 2 > n - 1:
+                continue
+            kinds += [k, "heal-etcd-member"]
+        else:
+            kinds.append(k)
+    return kinds + ["kill-launcher"]
+
+
+def _workers(run_dir: Path) -> list[dict]:
+    """The live elastic worker processes of this run: pid, name, island, local index, whether stopped."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+            if b"islands.app.elastic_worker" not in cmd or str(run_dir).encode() not in cmd:
+                continue
+            env = dict(kv.split("=", 1) for kv in (p / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in kv)
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError):
+            continue
+        place = env.get("ISLANDS_ISLAND", "")
+        index, local = (int(place.split(",")[0]), int(place.split(",")[1])) if place else (-1, 0)
+        out.append({"pid": int(p.name), "name": env.get("ISLANDS_NAME", "?"), "island": index, "local": local,
+                    "state": state, "started": p.stat().st_mtime})
+    return out
+
+
+def _training(run_dir: Path, name: str) -> bool:
+    """The worker has logged a training step (a metrics line in its live stream): it is in the job, past start-up."""
+    path = run_dir / "live" / f"{name}.jsonl"
+    try:
+        return b'"kind": "metrics"' in path.read_bytes()
+    except OSError:
+        return False
+
+
+def _whole_islands(run_dir: Path) -> dict[int, list[dict]]:
+    """Islands all of whose workers run (not stopped, not zombies) and whose leader trains (admitted by now)."""
+    by: dict[int, list[dict]] = {}
+    for w in _workers(run_dir):
+        by.setdefault(w["island"], []).append(w)
+    return {i: ws for i, ws in by.items() if len(ws) == WORKERS_PER_ISLAND
+            and all(w["state"] not in ("T", "Z", "t") for w in ws)
+            and all(_training(run_dir, w["name"]) for w in ws if w["local"] == 0)}
+
+
+def _job_host_pid(run_dir: Path) -> int | None:
+    try:
+        return int(json.loads((run_dir / "job_host.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, rng: random.Random,
+           state: dict) -> None:
+    start = time.time()
+    if ev.kind in ("kill-worker", "freeze-worker"):
+        while True:
+            whole = _whole_islands(run_dir)
+            if len(whole) >= 2 or time.time() - start > WAIT_S or launcher.poll() is not None:
+                break
+            time.sleep(0.2)
+        ev.waited_s = time.time() - start
+        if len(whole) < 2:
+            ev.note = f"skipped: {len(whole)} whole island(s) after {ev.waited_s:.0f} s"
+            return
+        victim = rng.choice(sorted((w for ws in whole.values() for w in ws), key=lambda w: w["name"]))
+        ev.target = victim["name"]
+        os.kill(victim["pid"], signal.SIGKILL if ev.kind == "kill-worker" else signal.SIGSTOP)
+    elif ev.kind == "kill-coordinator":
+        pid = _job_host_pid(run_dir) if not state.get("host_killed") else None
+        if pid is None:  # the job host is gone: the seat is in a worker; killing that worker is kill-worker's job
+            ev.note = "skipped: the coordinator's seat is in a worker now (the job host was killed before)"
+            return
+        ev.target = f"job host pid {pid}"
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            ev.note = "skipped: the job host had already exited"
+            return
+        state["host_killed"] = True
+    elif ev.kind == "kill-etcd-member":
+        i = rng.randrange(etcd.n)
+        ev.target = f"etcd m{i}"
+        etcd.kill(i)
+        state["etcd_down"] = i
+    elif ev.kind == "heal-etcd-member":
+        i = state.pop("etcd_down")
+        ev.target = f"etcd m{i}"
+        etcd.start_member(i, state="existing")
+    elif ev.kind == "kill-launcher":
+        ev.target = f"launcher pid {launcher.pid}"
+        launcher.send_signal(signal.SIGKILL)
+    ev.at, ev.applied = time.time(), True
+
+
+def _members(run_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json")
+            if p.stem not in ("restarts",)}
+
+
+def _progress(run_dir: Path) -> dict[str, list[float]]:
+    """Per island leader (every incarnation), the times of its logged training steps (live stream metrics lines):
+    what shows a pause in training, killed incarnations included."""
+    out = {}
+    for path in (run_dir / "live").glob("i*w0*.jsonl"):
+        times = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by a SIGKILL
+                continue
+            if row.get("kind") == "metrics":
+                times.append(row["t"])
+        out[path.stem] = sorted(times)
+    return out
+
+
+def stall_per_event(progress: dict[str, list[float]], times: list[float]) -> list[float | None]:
+    """Per event time: max over island leaders that trained on both sides of it of (their gap between logged steps
+    across it - their median gap); None when no leader spans it."""
+    out: list[float | None] = []
+    for t in times:
+        stalls = []
+        for c in progress.values():
+            if len(c) < 3:
+                continue
+            normal = statistics.median(b - a for a, b in zip(c, c[1:]))
+            before = [x for x in c if x <= t]
+            after = [x for x in c if x > t]
+            if before and after:
+                stalls.append(max(0.0, after[0] - before[-1] - normal))
+        out.append(max(stalls) if stalls else None)
+    return out
+
+
+def _train_args(run_dir: Path, steps: int, store: str, restarts: int) -> list[str]:
+    return [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers",
+            str(ISLANDS * WORKERS_PER_ISLAND), "--islands", str(ISLANDS), "--inner", "ddp",
+            "--outer", f"diloco:inner_steps={H}", "--elastic", "--heartbeat-timeout", str(HEARTBEAT_S),
+            "--timeout", str(TIMEOUT_S), "--max-restarts", str(restarts), "--store", store, "--steps", str(steps),
+            "--global-batch", str(8 * ISLANDS * WORKERS_PER_ISLAND), "--eval-every", "0", "--run-dir", str(run_dir),
+            "--no-progress"]
+
+
+def _stop_everything(run_dir: Path) -> None:
+    for w in _workers(run_dir):
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(w["pid"], sig)
+            except ProcessLookupError:
+                pass
+    pid = _job_host_pid(run_dir)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int, gap: tuple[float, float],
+         deadline_s: float) -> dict:
+    run_dir = ctx.out_dir / "runs" / label
+    subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+    run_dir.mkdir(parents=True)
+    from islands.testbed import EtcdCluster
+
+    etcd = EtcdCluster(3).start()
+    rng = random.Random(seed + 1)
+    events = [Event(k) for k in kinds]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ISLANDS_TOKEN=os.urandom(16).hex())
+    t0 = time.time()
+    with ctx.arm(label), open(run_dir / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(_train_args(run_dir, steps, etcd.url, len(kinds)), env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        state: dict = {}
+        try:
+            # faults start once every island trains: a fault during start-up (before the first epoch forms) is not
+            # what the campaign measures (a frozen leader then holds the first epoch until the collective timeout)
+            while len(_whole_islands(run_dir)) < ISLANDS and launcher.poll() is None and time.time() - t0 < 300:
+                time.sleep(0.2)
+            for ev in events:
+                time.sleep(rng.uniform(*gap))
+                if not _workers(run_dir) and launcher.poll() is not None:
+                    ev.note = "not applied: the job had ended"
+                    continue
+                _apply(ev, run_dir, launcher, etcd, rng, state)
+                ctx.log(f"{label}: {ev.kind} {ev.target} {ev.note}".rstrip())
+            if "etcd_down" in state:
+                etcd.start_member(state.pop("etcd_down"), state="existing")
+            hung = False
+            while _workers(run_dir) or launcher.poll() is None:  # the launcher may be dead: watch the workers
+                if time.time() - t0 > deadline_s:
+                    hung = True
+                    break
+                time.sleep(0.5)
+        finally:
+            _stop_everything(run_dir)
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.wait()
+            etcd.stop()
+    wall = time.time() - t0
+    record = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else None
+    members = _members(run_dir)
+    return {"events": events, "hung": hung, "record": record, "members": members, "wall_s": wall,
+            "launcher_code": launcher.returncode, "progress": _progress(run_dir)}
+
+
+def _steps_per_second(run_dir: Path) -> float:
+    """Training steps per second of a run once started (its first worker's live stream, start-up excluded)."""
+    rows = [json.loads(line) for line in (run_dir / "live" / "i0w0.jsonl").read_text().splitlines()]
+    steps = [(r["t"], r["step"]) for r in rows if r.get("kind") == "metrics"]
+    (t0, s0), (t1, s1) = steps[0], steps[-1]
+    return (s1 - s0) / max(t1 - t0, 1e-3)
+
+
+def _final_members(members: dict[str, dict]) -> dict[str, str]:
+    """global-model digest of each member record that reports finishing the job."""
+    return {n: m["global_sha256"] for n, m in members.items() if m.get("finished", True) and "global_sha256" in m}
+
+
+@experiment("chaos", practices=("SOTA-932", "SOTA-933"),
+            help="a seeded campaign of faults (kill/freeze workers, kill the coordinator, an etcd member, the "
+                 "launcher) against an elastic DiLoCo job of 2-worker islands on an etcd store")
+def chaos(ctx: BenchContext) -> dict:
+    tier = QUICK if ctx.quick else FULL
+    seed = 0
+    kinds = campaign(tier["events"], seed)
+    ctx.plan(3)
+    # the job should outlast the campaign: steps from a short probe's speed, x1.5 margin
+    probe = _run(ctx, "probe", 400, [], seed, (0.0, 0.0), deadline_s=600)
+    if probe["record"] is None or probe["hung"]:
+        raise RuntimeError(f"the probe run did not finish (see {ctx.out_dir / 'runs' / 'probe'})")
+    rate = _steps_per_second(ctx.out_dir / "runs" / "probe")
+    # each event waits for two whole islands, so a restart (process start-up, admission) paces the campaign
+    campaign_s = len(kinds) * (sum(tier["gap"]) / 2 + RESTART_S)
+    steps = int(max(400, 1.5 * rate * campaign_s) // H * H)
+    run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s))
+    calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s))
+    if calm["record"] is None or calm["hung"]:
+        raise RuntimeError(f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'})")
+    applied = [e for e in run["events"] if e.applied]
+    stalls = stall_per_event(run["progress"], [e.at for e in applied])
+    digests = _final_members(run["members"])
+    lost = run["record"] is None or (run["launcher_code"] not in (0, -signal.SIGKILL))
+    survived = sum(1 for e in applied) if not lost and not run["hung"] else 0
+    rows = []
+    for e, s in zip(applied, stalls):
+        rows.append({"kind": e.kind, "target": e.target, "t_s": round(e.at - applied[0].at, 1),
+                     "waited_s": round(e.waited_s, 1), "stall_s": None if s is None else round(s, 2)})
+    for e in run["events"]:
+        if not e.applied:
+            rows.append({"kind": e.kind, "target": "-", "t_s": None, "waited_s": round(e.waited_s, 1),
+                         "stall_s": None, "note": e.note})
+    measured = [s for s in stalls if s is not None]
+    by_kind: dict[str, list[float]] = {}
+    for e, s in zip(applied, stalls):
+        if s is not None:
+            by_kind.setdefault(e.kind, []).append(s)
+    loss = run["record"]["summary"]["final_val_loss"] if run["record"] else float("nan")
+    calm_loss = calm["record"]["summary"]["final_val_loss"]
+    where = "loopback, one process per worker, the job's store in a 3-member etcd cluster on loopback"
+    headline = [
+        f"{'quick tier: ' if ctx.quick else ''}{len(applied)} of {len(kinds)} events applied ({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(kinds))}) "
+        f"against {ISLANDS} islands of {WORKERS_PER_ISLAND} workers (DDP inside, DiLoCo H={H} across), "
+        f"{steps} steps: hangs {int(run['hung'])}, lost jobs {int(lost)}, events survived {survived} of {len(applied)}",
+        f"stall per event (max over island leaders training across it: the gap between logged steps, minus the "
+        f"usual one): median "
+        f"{statistics.median(measured) if measured else float('nan'):.2f} s, max {max(measured) if measured else float('nan'):.2f} s; "
+        + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items()) + " (goal <= 2 s)",
+        f"members finishing: {len(digests)}, global models bitwise equal: {len(set(digests.values())) == 1}",
+        f"final val loss {loss:.4f} vs {calm_loss:.4f} fault-free ({100 * (loss / calm_loss - 1):+.1f}%)",
+        "not in the campaign: cutting a testbed link (elastic jobs refuse the testbed today); torchft not run "
+        "(its lighthouse is one process by its own design: a coordinator kill ends its job)",
+        f"where: {where}",
+    ]
+    return {"rows": rows, "headline": headline, "interconnect": [where],
+            "baseline": ["the same job without faults, same invocation"],
+            "hangs": int(run["hung"]), "lost_jobs": int(lost), "events_applied": len(applied),
+            "stalls": stalls, "digests": digests}
