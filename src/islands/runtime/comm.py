@@ -12,6 +12,7 @@ The wire bytes of a ring all-reduce are 2(n-1)/n times the payload (nccl-tests' 
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections import defaultdict
@@ -255,3 +256,13 @@ def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> "Comm":
     if hasattr(comm_or_group, "all_reduce") and hasattr(comm_or_group, "ledger"):
         return comm_or_group
     return Comm(comm_or_group, ledger)
+
+
+def gather_objects(comm, obj) -> list:
+    """all_gather of picklable objects through any Comm's tensor all_gather (pickled, padded to the longest)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    lengths = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64), kind="bookkeeping")
+    padded = torch.zeros(int(max(n.item() for n in lengths)), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    parts = comm.all_gather(padded, kind="bookkeeping")
+    return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, lengths)]

@@ -46,7 +46,6 @@ import hmac
 import io
 import json
 import os
-import pickle
 import threading
 import time
 from typing import Callable
@@ -55,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime import recovery
-from islands.runtime.comm import CommLedger
+from islands.runtime.comm import CommLedger, gather_objects
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json, wait_key
 
 
@@ -193,12 +192,7 @@ class ElasticComm:
 
     def all_gather_object(self, obj) -> list:
         """Bookkeeping gather (end-of-run ledgers): pickled, padded to the longest, all-gathered."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64), kind="bookkeeping")
-        padded = torch.zeros(int(max(l.item() for l in lengths)), dtype=torch.uint8)
-        padded[: data.numel()] = data
-        parts = self.all_gather(padded, kind="bookkeeping")
-        return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, lengths)]
+        return gather_objects(self, obj)
 
     # ---- one committed operation ----------------------------------------------------------------
     def _operate(self, kind: str, attempt, alone: Callable[[], None] | None = None) -> None:

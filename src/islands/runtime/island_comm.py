@@ -21,14 +21,13 @@ IslandFollower.enter) before the island trains.
 
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from islands.runtime.comm import CommLedger
+from islands.runtime.comm import CommLedger, gather_objects
 from islands.runtime.elastic import ElasticComm
 
 ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
@@ -203,16 +202,6 @@ class IslandComm:
             flat = [o for island in per_island for o in island]
         self.sync()
         return self.relay_object(flat)
-
-
-def gather_objects(comm, obj) -> list:
-    """all_gather of picklable objects through any Comm's tensor all_gather (pickled, padded to the longest)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    lengths = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64), kind="bookkeeping")
-    padded = torch.zeros(int(max(n.item() for n in lengths)), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    parts = comm.all_gather(padded, kind="bookkeeping")
-    return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, lengths)]
 
 
 def rounds_of(strategy) -> int:
