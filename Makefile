@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 run: $(STAMP)
 	$(VENV)/bin/islands train --workers 4 --islands 2 --outer diloco:inner_steps=50
 
+# three processes (pytest-xdist): most multi-process tests wait on start-up and heartbeats, not on the CPU;
+# a file whose fixtures span the module stays in one process (tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs results/*/quick

@@ -24,6 +24,17 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` spreads tests over processes (pytest-xdist, --dist loadgroup): the tests of a file whose fixtures
+    live for the whole module (a gloo world run once, its results asserted by many tests) stay in one process, so
+    that world runs once; every other test goes wherever a process is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
+        if any(d.scope in ("module", "session") and d.baseid.endswith(".py") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 # Rank processes for the multi-process tests: forked from one server process that has imported torch and
 # islands once, instead of spawned interpreters that import them again (2-3 s of CPU per rank on a 2-core
 # machine; most of the suite's multi-process tests are that start-up). The server only imports, never runs

@@ -176,10 +176,13 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     # every surviving worker of both islands holds the same global model, bit for bit
     assert len({r["global_sha256"] for r in recs.values()}) == 1, {n: r["global_sha256"] for n, r in recs.items()}
     events = recs["i0w0"]["final"]["events"]
-    failure = next(e for e in events if e["type"] == "failure")
-    assert failure["gone"] == ["i1w0"] and failure["detected"] >= seen["killed"]
+    # island 1's old leader leaves through a failed exchange, or, when island 0 reaches no exchange before the
+    # restarted island is ready (it is held), through the join's new epoch, which leaves the dead member out
+    failure = next((e for e in events if e["type"] == "failure"), None)
+    if failure is not None:
+        assert failure["gone"] == ["i1w0"] and failure["detected"] >= seen["killed"]
     join = next(e for e in events if e["type"] == "join")
-    assert join["joined"] == ["i1w0.1"] and join["size"] == 2
+    assert join["joined"] == ["i1w0.1"] and join["size"] == 2  # island 0's leader and the restarted one
     # the restarted leader entered through admission with the members' global model and step ...
     entered = next(e for e in recs["i1w0.1"]["final"]["events"] if e["type"] == "entered")
     assert entered["global_sha256"] == join["global_sha256"] and entered["step"] == join["step"] > 10
