@@ -37,7 +37,7 @@ class Stream:
         self._reset()
 
     def _reset(self) -> None:
-        self.offset, self.ident = 0, None
+        self.offset, self.ident, self.head = 0, None, b""
         self.params: dict = {}
         self.first_t = self.last_t = self.params_t = None
         self.step = None
@@ -52,17 +52,21 @@ class Stream:
         except OSError:
             return False
         ident = (st.st_dev, st.st_ino)
-        if ident != self.ident or st.st_size < self.offset:  # a new file under the same name: start over
-            self._reset()
-            self.ident = ident
-        if st.st_size == self.offset:
-            return False
         with open(self.path, "rb") as f:
+            # A new file under the same name: another inode, a shorter file, or (rewritten in place to
+            # the same length or longer) a different first line. Start over.
+            if ident != self.ident or st.st_size < self.offset or (self.head and f.read(len(self.head)) != self.head):
+                self._reset()
+                self.ident = ident
+            if st.st_size == self.offset:
+                return False
             f.seek(self.offset)
             chunk = f.read(st.st_size - self.offset)
         end = chunk.rfind(b"\n")
         if end < 0:  # only a line still being written
             return False
+        if self.offset == 0:
+            self.head = chunk[: min(end + 1, 256)]
         for raw in chunk[:end].split(b"\n"):
             try:
                 line = json.loads(raw)
