@@ -1,6 +1,6 @@
 """Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md, "Islands of k
 workers"). On gloo: the IslandComm relay gives every worker of every island the plain cross-island result; a
-digits-sized job of 2 islands x 2 workers (ddp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL
+digits job of 2 islands x 2 workers (a BatchNorm CNN, ddp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL
 goes on with island 0, the launcher restarts island 1 as a new incarnation, which is admitted at a round boundary
 with the global state and ends bit-equal with island 0; with --max-restarts 0 the island stays out and the job
 still finishes; combinations that cannot work exit 2 with a message naming why."""
@@ -82,13 +82,22 @@ def test_worker_names_and_places():
 
 
 # ---- whole jobs ---------------------------------------------------------------------------------------
-# A user task: the digits MLP behind a gate. While the file HOLD exists every training forward waits, so the
+# A user task: a BatchNorm CNN of our own on the digits data, behind a gate (its running statistics and
+# num_batches_tracked are part of the state every island must agree on bit for bit, a restarted one included). While the file HOLD exists every training forward waits, so the
 # test can keep the surviving island at work until the restarted island is built (on a loaded machine its
 # start-up takes longer than the whole job would). Computation is unchanged; only time passes.
 GATED = r'''
 import os, time
+import torch
 import torch.nn as nn
 from islands.tasks import digits_task
+
+class BNCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.Linear(6 * 64, 10)
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x.view(-1, 1, 8, 8)))).flatten(1))
 
 class Gate(nn.Module):
     def __init__(self, inner, hold):
@@ -101,7 +110,8 @@ class Gate(nn.Module):
 
 def make_task(cfg):
     task = digits_task(cfg.task.hidden, cfg.batch_per_worker, cfg.train.seed)
-    task.model = Gate(task.model, cfg.task.options.get("hold", ""))
+    torch.manual_seed(cfg.train.seed)
+    task.model = Gate(BNCNN(), cfg.task.options.get("hold", ""))
     return task
 '''
 

@@ -232,6 +232,36 @@ def test_buffers_follow_an_overlapped_exchange_without_deadlock():
     assert (glob0 == glob1).all() and (live0 == glob0).all()
 
 
+def _bn_islands_of_two_worker(rank, env, queue):
+    """4 ranks: 2 islands of 2 workers, DDP inside, DiLoCo across, every rank its own batches."""
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    world = islands.init_world(islands=2)
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    strategy = islands.Stack(inner=islands.inner.DDP(), outer=islands.outer.DiLoCo(inner_steps=4))
+    model = own_loop(strategy, model, opt, world, batches(20 + rank, 10))
+    g = strategy.eval_model(model)
+    queue.put((rank, {k: plain(v) for k, v in g.state_dict().items()}, plain(model.module.bn.running_mean),
+               dict(world.ledger.sent)))
+    islands.close_world(world)
+
+
+def test_every_worker_of_every_island_holds_the_same_global_batchnorm_statistics():
+    """DDP re-sends only rank 0's buffers, at the next forward: after a round each worker of an island holds
+    statistics of its own batch. The cross exchange pairs worker i of every island, so without averaging over
+    the island first, worker 0 and worker 1 reported different global models (silently)."""
+    got = sorted(spawn_ranks(_bn_islands_of_two_worker, 4, timeout=120), key=lambda r: r[0])
+    first = got[0][1]
+    assert int(first["bn.num_batches_tracked"]) == 10
+    for rank, state, live_mean, sent in got:
+        for key, value in state.items():
+            assert (value == first[key]).all(), (rank, key)
+        assert (live_mean == first["bn.running_mean"]).all(), rank  # the live model adopted the same average
+    assert all(sent["island_buffers"] > 0 and sent["outer_buffers"] > 0 for *_, sent in got)
+
+
 class _TwinComm:
     """A cross-island Comm of two identical islands, recording which thread issued each collective."""
 

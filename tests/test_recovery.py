@@ -106,7 +106,7 @@ class Gated(StateServer):
     gate: threading.Event
 
     def chunk(self, index):
-        self.gate.wait(10)
+        self.gate.wait(60)  # generous: on a loaded machine 10 s expired before the flipper reached chunk 3
         return super().chunk(index)
 
 
@@ -127,7 +127,7 @@ def test_a_damaged_chunk_is_detected_and_fetched_again_from_another_peer(servers
     assert bad_stats["chunks"] + good_stats["chunks"] == report.chunks and good_stats["chunks"] >= 1
 
 
-def _wait_for(cond, timeout=10.0):
+def _wait_for(cond, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.001)

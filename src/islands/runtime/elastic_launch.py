@@ -368,14 +368,16 @@ class _Reaper:
 
     Silent: its heartbeat has not moved for the heartbeat timeout (the heartbeat is a thread of its own, so
     a process merely busy still beats; a stopped, cut off or GIL-locked one does not). It is reported dead
-    at once (members exclude it without waiting for their own check), sent SIGTERM, and SIGKILLed after
-    KILL_GRACE (a stopped process acts on no other signal). Excluded: it was a member and the newest epoch
+    and SIGKILLed at once: members exclude it without waiting for their own check, and a stopped or
+    GIL-locked process would act on no gentler signal, so a grace would only hold its island's mates in
+    their local collective for longer (a frozen follower's island leaves as soon as its death is seen,
+    issue #20's 2 s stall goal). Excluded: it was a member and the newest epoch
     no longer lists it (its heartbeat may still beat: a main thread stuck past the collective timeout); it
     gets the heartbeat timeout plus GRACE_SECONDS to notice and exit by itself (it raises Excluded at its
     next collective), then the same SIGTERM, SIGKILL. A worker that reported itself finished (its heartbeat
     stops there) is left to exit: a retired group can hold its exit up to its collective timeout."""
 
-    KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for a silent worker
+    KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an excluded worker that still runs
 
     def __init__(self, store, heartbeat_timeout: float, out):
         self.store, self.timeout, self.out = store, heartbeat_timeout, out
@@ -401,6 +403,12 @@ class _Reaper:
                 continue
             if name in silent:
                 why = f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung)"
+                if not self.store.check([f"dead/{name}"]):
+                    self.store.set(f"dead/{name}", why)
+                print(f"islands: worker {name}: {why}; killing it", file=self.out, flush=True)
+                signal_worker(w, signal.SIGKILL)
+                self.termed[name] = now
+                continue
             elif name in self.members_seen and members and name not in members:
                 since = self.excluded_since.setdefault(name, now)
                 if now - since < self.timeout + GRACE_SECONDS:

@@ -21,7 +21,9 @@ needs the run's length up front.
 
 Buffers (BatchNorm running statistics and counters), the policy: parameters go through the outer
 step, buffers do not. At every full synchronisation the islands' floating-point buffers are averaged
-(one more all-reduce, kind "outer_buffers"; islands then adopt the average), and integer buffers
+(one more all-reduce, kind "outer_buffers", preceded inside an island of several workers by one over the
+island, kind "island_buffers", so every worker of every island holds the same; islands then adopt the
+average), and integer buffers
 (num_batches_tracked) are copied from the island, which counts the same steps as every other; the
 global model then holds both, so evaluating or exporting it sees statistics of the data every island
 trained on. Gossip has no global average: there the global model takes the island's own buffers
@@ -43,6 +45,7 @@ from islands.sync.outer.flat import FlatView
 
 BUFFER_KIND = "outer_buffers"
 INIT_KIND = "outer_init"  # the one exchange of island 0's start (agree_start)
+ISLAND_BUFFER_KIND = "island_buffers"  # inside an island of several workers, before the cross average
 
 
 class OuterStrategy(NoOp):
@@ -62,6 +65,7 @@ class OuterStrategy(NoOp):
         # held: this strategy is the one the loop drives (not the outer part of a Stack, which claimed first)
         self.membership = membership if membership is not None and membership.claim(self) else None
         self.comm = world.comm("cross") if world.distributed else LoneComm()
+        self.island_comm = _island_comm(world)
         base = unwrap(model)
         self.optimizer = optimizer
         self.local = FlatView(base.parameters())
@@ -70,6 +74,9 @@ class OuterStrategy(NoOp):
         self.global_flat = self.local.read()
         self.local_buffers = list(base.buffers())
         self.global_buffers = list(self.global_model.buffers())
+        self._round_buffers, self._round_seen, self._entry_buffers = None, None, None
+        if membership is not None and self.local_buffers:
+            base.register_forward_pre_hook(self._note_round_start)
         # an elastic joiner receives its start in enter() (so do the followers of a joining k-worker island: their
         # epoch stays -1 until their leader enters); members of the first epoch agree here, followers through the relay
         joining = membership is not None and getattr(membership, "epoch", 0) < 0
@@ -124,8 +131,23 @@ class OuterStrategy(NoOp):
 
     def joined(self) -> None:
         """On a joiner, after it loaded the members' state: its own training starts from the global model (the
-        holder's local work since the last synchronisation is the holder's to send, not the joiner's too)."""
+        holder's local work since the last synchronisation is the holder's to send, not the joiner's too), and
+        from the holder's buffers as they were when the admitting step began (`_note_round_start`)."""
         self.adopt_global()
+        if self._entry_buffers is not None:
+            with torch.no_grad():
+                for own, saved in zip(self.local_buffers, self._entry_buffers):
+                    own.copy_(saved)
+        self._entry_buffers = self._round_buffers = None
+
+    def _note_round_start(self, module, args) -> None:
+        """Elastic jobs: the buffers at the first training forward of each round. Members admit a joiner after
+        that step's backward (at_step), when its forward has already moved running statistics and
+        num_batches_tracked; the joiner then runs the same step itself, so it must start from the buffers the
+        step began with, or it counts the step twice and ends a batch ahead of every other island."""
+        if module.training and self._round_seen != self.rounds:
+            self._round_seen = self.rounds
+            self._round_buffers = [b.detach().clone() for b in self.local_buffers]
 
     # ---- the clock --------------------------------------------------------------------------------
     def tick(self, step: int) -> int:
@@ -168,11 +190,21 @@ class OuterStrategy(NoOp):
         if self.buffer_policy == "none":
             return
         floating = [b for b in self.local_buffers if b.is_floating_point()]
-        if floating and self.buffer_policy == "average" and self.comm.size > 1:
+        island = getattr(self, "island_comm", None)
+        if floating and self.buffer_policy == "average" and (self.comm.size > 1 or island is not None):
             view = FlatView(floating)
             flat = view.read()
-            self.in_order(lambda: self.comm.all_reduce(flat, kind=BUFFER_KIND))
-            view.write(flat.div_(self.comm.size))
+            if island is not None:
+                # Workers of one island saw different batches, and DDP only re-sends rank 0's buffers at the next
+                # forward: without this each worker's global model kept its own statistics (the cross exchange
+                # pairs worker i of every island; an elastic island's relay takes only its leader's). On the
+                # main thread, in step with the inner strategy's own collectives on this group.
+                island.all_reduce(flat, kind=ISLAND_BUFFER_KIND)
+                flat.div_(island.size)
+            if self.comm.size > 1:
+                self.in_order(lambda: self.comm.all_reduce(flat, kind=BUFFER_KIND))
+                flat.div_(self.comm.size)
+            view.write(flat)
         for own, glob in zip(self.local_buffers, self.global_buffers):
             glob.copy_(own)
 
@@ -187,7 +219,10 @@ class OuterStrategy(NoOp):
         # is the global model (eval_model), so without them a resume would lose the round's local work.
         return {"global": self.global_flat.clone(), "local": self.local.read(), "rounds": self.rounds,
                 "clock": self.clock, "synced_at": self.synced_at,
-                "local_buffers": [b.detach().clone() for b in self.local_buffers], **self.extra_state()}
+                "local_buffers": [b.detach().clone() for b in self.local_buffers], **self.extra_state(),
+                # for a joiner (joined): only while they are this round's
+                **({"round_buffers": self._round_buffers}
+                   if getattr(self, "_round_buffers", None) is not None and self._round_seen == self.rounds else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
@@ -205,6 +240,7 @@ class OuterStrategy(NoOp):
         with torch.no_grad():
             for own, saved in zip(self.local_buffers, state.get("local_buffers", [])):
                 own.copy_(saved)
+        self._entry_buffers, self._round_buffers = state.get("round_buffers"), None
         self.load_extra_state(state)
 
     def extra_state(self) -> dict:
@@ -212,3 +248,13 @@ class OuterStrategy(NoOp):
 
     def load_extra_state(self, state: dict) -> None:
         pass
+
+
+def _island_comm(world):
+    """The Comm over this worker's island when it has several workers (their buffers are averaged before the
+    cross exchange: synced_buffers), else None. World test doubles without a "local" scope count as one."""
+    try:
+        local = world.comm("local") if world.distributed else None
+    except (KeyError, AttributeError, TypeError):
+        return None
+    return local if local is not None and getattr(local, "size", 1) > 1 else None
