@@ -52,7 +52,9 @@ def _bn_worker(rank, env, queue, compress, overlap):
     muon, rest = islands.optim.muon_split(model)
     assert [id(p) for p in muon] == [id(model.hidden.weight)]
     opt = islands.optim.MuonAdamW(muon, rest, lr=1e-2)
-    compressor = islands.compress.TopKQ(ratio=0.1, bits=2) if compress else None
+    # the synchronous arm codes positions with Elias-Fano (SOTA-905), the overlapped one with fixed-width indices
+    compressor = (islands.compress.TopKQ(ratio=0.1, bits=2, index="elias-fano" if overlap == "none" else "fixed")
+                  if compress else None)
     strategy = islands.outer.DiLoCo(inner_steps=4, compressor=compressor, overlap=overlap)
     model = strategy.wrap(model, opt, world)
     for step, (x, y) in enumerate(_batches(10 + rank, 12)):  # each island its own data

@@ -45,7 +45,7 @@ from islands_bench.harness import BenchContext, experiment
 
 KINDS = {"kill-worker": 5, "freeze-worker": 2, "kill-coordinator": 1, "kill-etcd-member": 1}  # draw weights
 ISLANDS, WORKERS_PER_ISLAND, H = 3, 2, 5
-HEARTBEAT_S, TIMEOUT_S = 2.0, 20.0  # the job's heartbeat timeout and collective timeout
+HEARTBEAT_S, TIMEOUT_S = 1.5, 20.0  # the job's heartbeat timeout (a frozen worker is found after it: the 2 s stall goal) and collective timeout
 WAIT_S = 60.0  # the longest a fault waits for two whole islands before it is skipped
 RESTART_S = 15.0  # about what a restarted 2-worker island takes to train again here (start-up and admission)
 QUICK = dict(events=12, gap=(3.0, 6.0))
@@ -282,6 +282,23 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
             "launcher_code": launcher.returncode, "progress": _progress(run_dir)}
 
 
+def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
+    """Workers the launcher found silent (heartbeat timeout) or saw die although no event hit them: the cost of a
+    short heartbeat timeout on a loaded machine. From the launcher's log, which names each."""
+    try:
+        lines = (run_dir / "launcher.log").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        for marker in (": no heartbeat for", " left ("):
+            if line.startswith("islands: worker ") and marker in line:
+                name = line[len("islands: worker "):].split(marker)[0].split(":")[0]
+                if name not in targets and name not in out:
+                    out.append(name)
+    return out
+
+
 def _steps_per_second(run_dir: Path) -> float:
     """Training steps per second of a run once started (its first worker's live stream, start-up excluded)."""
     rows = [json.loads(line) for line in (run_dir / "live" / "i0w0.jsonl").read_text().splitlines()]
@@ -333,6 +350,9 @@ def chaos(ctx: BenchContext) -> dict:
     for e, s in zip(applied, stalls):
         if s is not None:
             by_kind.setdefault(e.kind, []).append(s)
+    targets = {e.target for e in applied if e.kind in ("kill-worker", "freeze-worker")}
+    false_chaos = false_deaths(ctx.out_dir / "runs" / "chaos", targets)
+    false_calm = false_deaths(ctx.out_dir / "runs" / "fault-free", set())
     loss = run["record"]["summary"]["final_val_loss"] if run["record"] else float("nan")
     calm_loss = calm["record"]["summary"]["final_val_loss"]
     where = "loopback, one process per worker, the job's store in a 3-member etcd cluster on loopback"
@@ -345,6 +365,9 @@ def chaos(ctx: BenchContext) -> dict:
         f"{statistics.median(measured) if measured else float('nan'):.2f} s, max {max(measured) if measured else float('nan'):.2f} s; "
         + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items()) + " (goal <= 2 s)",
         f"members finishing: {len(digests)}, global models bitwise equal: {len(set(digests.values())) == 1}",
+        f"false deaths (a worker no event hit, found silent after the {HEARTBEAT_S:g} s heartbeat timeout or dead): "
+        f"{len(false_chaos)} in the campaign ({', '.join(false_chaos) or 'none'}), {len(false_calm)} in the "
+        f"fault-free run; each costs its island a restart",
         f"final val loss {loss:.4f} vs {calm_loss:.4f} fault-free ({100 * (loss / calm_loss - 1):+.1f}%)",
         "not in the campaign: cutting a testbed link (elastic jobs refuse the testbed today); torchft not run "
         "(its lighthouse is one process by its own design: a coordinator kill ends its job)",
@@ -353,4 +376,4 @@ def chaos(ctx: BenchContext) -> dict:
     return {"rows": rows, "headline": headline, "interconnect": [where],
             "baseline": ["the same job without faults, same invocation"],
             "hangs": int(run["hung"]), "lost_jobs": int(lost), "events_applied": len(applied),
-            "stalls": stalls, "digests": digests}
+            "stalls": stalls, "digests": digests, "false_deaths": {"campaign": false_chaos, "fault_free": false_calm}}

@@ -82,6 +82,7 @@ class ElasticComm:
                  collective_timeout: float = 120.0, on_change: Callable[[int, int], None] | None = None,
                  new_client: Callable[[], object] | None = None):
         self.store, self.name, self.ledger = store, name, ledger
+        self.POLL = max(self.POLL, _store_attr(store, "poll_interval", 0.0))  # an etcd store asks for fewer reads
         # another client of the same store, for a thread of its own (checkpoint persists: elastic_saves)
         self.new_client = new_client
         # How a joiner receives the state: "chunks" (islands.runtime.recovery: checksummed chunks from every
@@ -540,6 +541,17 @@ def global_digest(model: torch.nn.Module) -> str:
     for t in model.state_dict().values():
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _store_attr(store, name: str, default):
+    """An attribute of the store under `store`'s wrappers (AuthStore.inner, PrefixStore.underlying_store)."""
+    for _ in range(8):
+        if store is None:
+            break
+        if hasattr(store, name):
+            return getattr(store, name)
+        store = getattr(store, "inner", None) or getattr(store, "underlying_store", None)
+    return default
 
 
 def _store_host(store) -> str:
