@@ -24,6 +24,7 @@ from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.island_comm import IslandComm, IslandPlace, worker_name
 from islands.runtime.membership import connect
+from elastic_jobs import gated_digits
 from spawn_world import spawn_ranks
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
@@ -82,48 +83,17 @@ def test_worker_names_and_places():
 
 
 # ---- whole jobs ---------------------------------------------------------------------------------------
-# A user task: a BatchNorm CNN of our own on the digits data, behind a gate (its running statistics and
-# num_batches_tracked are part of the state every island must agree on bit for bit, a restarted one included). While the file HOLD exists every training forward waits, so the
-# test can keep the surviving island at work until the restarted island is built (on a loaded machine its
-# start-up takes longer than the whole job would). Computation is unchanged; only time passes.
-GATED = r'''
-import os, time
-import torch
-import torch.nn as nn
-from islands.tasks import digits_task
-
-class BNCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn, self.head = nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.Linear(6 * 64, 10)
-    def forward(self, x):
-        return self.head(torch.relu(self.bn(self.conv(x.view(-1, 1, 8, 8)))).flatten(1))
-
-class Gate(nn.Module):
-    def __init__(self, inner, hold):
-        super().__init__()
-        self.inner, self.hold = inner, hold
-    def forward(self, x):
-        while self.training and self.hold and os.path.exists(self.hold):
-            time.sleep(0.02)
-        return self.inner(x)
-
-def make_task(cfg):
-    task = digits_task(cfg.task.hidden, cfg.batch_per_worker, cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    task.model = Gate(BNCNN(), cfg.task.options.get("hold", ""))
-    return task
-'''
-
-
 def _cfg(tmp_path: Path, **over):
-    (tmp_path / "gated.py").write_text(GATED)
-    values = dict(task=f"{tmp_path / 'gated.py'}:make_task", workers=4, islands=2, inner="ddp",
+    """A digits job of our own BatchNorm CNN behind a gate (tests/elastic_jobs.py): the test holds the surviving
+    island at work until the restarted island is built (on a loaded machine its start-up takes longer than the
+    whole job would)."""
+    task, hold = gated_digits(tmp_path)
+    values = dict(task=task, workers=4, islands=2, inner="ddp",
                   outer="diloco:inner_steps=5", elastic=True, steps=60, global_batch=32, eval_every=0, warmup=2,
                   probe=False, progress=False, timeout=30.0, heartbeat_timeout=HEARTBEAT, run_dir=str(tmp_path / "run"))
     values.update(over)
     cfg = from_mapping(values)
-    cfg.task.options["hold"] = str(tmp_path / "HOLD")
+    cfg.task.options.update(hold=str(hold), model="bn-cnn")
     return validate(cfg)
 
 

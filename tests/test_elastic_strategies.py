@@ -12,25 +12,22 @@ both (kill, then join): process start-up dominates on a loaded machine."""
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
+import threading
 
 import pytest
 
-from torch.distributed import DistNetworkError
+import elastic_jobs
+from islands.runtime.elastic_launch import launch_elastic_script
 
-from islands.runtime.membership import connect
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 TIMEOUT = 400  # seconds per wait: process start-up on a loaded 2-core machine takes minutes
 STEPS = 24
 
 # --die NAME:STEP: that worker SIGKILLs itself right after the strategy's after_step of STEP (streaming and tau=1:
 # the step whose exchange just started). --gate STEP: after STEP every member waits for OUT/go (a joiner gets ready).
+# A joiner (a name starting with "j") asks to join only once OUT/admit exists: the test starts it early, so that
+# its start-up overlaps the job's, and admits it when the survivors are at the gate.
 SCRIPT = r'''
 import argparse, json, os, signal, time
 from pathlib import Path
@@ -52,6 +49,9 @@ g = torch.Generator().manual_seed(0)
 X = torch.randn(960, 16, generator=g)
 Y = (X @ torch.randn(16, 4, generator=g)).argmax(-1)
 torch.manual_seed(0 if name.startswith("w") else 5)  # a joiner's own start must not matter
+deadline = time.monotonic() + 400
+while name.startswith("j") and not (out / "admit").exists() and time.monotonic() < deadline:  # asks on cue
+    time.sleep(0.05)
 world = islands.init_world()
 model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -89,53 +89,6 @@ islands.close_world(world)
 '''
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    env.pop("ISLANDS_TOKEN", None)
-    return env
-
-
-def _start(tmp_path: Path, workers: int, *args: str) -> tuple[subprocess.Popen, Path]:
-    (tmp_path / "job.py").write_text(SCRIPT)
-    err = tmp_path / "launcher.err"
-    proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", str(workers),
-                             "--heartbeat-timeout", "5", "--timeout", "60", "--run-dir", "run", "job.py",
-                             "--out", "out", "--steps", str(STEPS), *args],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
-    return proc, err
-
-
-def _logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "run" / "logs").glob("*.log")))
-
-
-def _wait(what, check, proc: subprocess.Popen, tmp_path: Path, err: Path):
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        try:
-            found = check()
-        except DistNetworkError:  # the job's store went away: say why the job ended
-            proc.wait(timeout=60)
-            raise AssertionError(f"the job ended while waiting for {what}:\n{err.read_text()}{_logs(tmp_path)}") from None
-        if found:
-            break
-        assert proc.poll() is None, f"the job ended while waiting for {what}:\n{err.read_text()}{_logs(tmp_path)}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{err.read_text()}{_logs(tmp_path)}"
-        time.sleep(0.05)
-    return found
-
-
-def _finish(proc: subprocess.Popen, tmp_path: Path, err: Path) -> str:
-    try:
-        proc.wait(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = err.read_text()
-    assert proc.returncode == 0, log + _logs(tmp_path)
-    return log
-
-
 def _expected_sends(outer: str) -> list[int]:
     """Sends per fragment of a run of STEPS steps without churn: the schedule's, plus final_sync's one each."""
     from islands.outer import DiLoCo, StreamingDiLoCo
@@ -148,29 +101,70 @@ def _expected_sends(outer: str) -> list[int]:
 
 
 @pytest.mark.parametrize("outer", ["streaming", "tau1", "gossip", "push-sum", "overlap"])
-def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_with_the_members(tmp_path, outer):
+def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_with_the_members(tmp_path, outer,
+                                                                                                monkeypatch):
     """One job per strategy (process start-up dominates on a loaded machine): 3 workers; w2 SIGKILLs itself after step
     9 (streaming, tau=1: that step just started an exchange; overlap: the average of step 9's boundary is in flight;
     gossip: between rounds); the two
     survivors go on to step 14 and wait there until a worker started with `islands join` is ready; the boundary
     after the next landing admits it (streaming: with fragment 0's exchange in flight); all three finish."""
-    proc, err = _start(tmp_path, 3, "--outer", outer, "--die", "w2:9", "--gate", "14")
-    out = tmp_path / "out"
-    address = _wait("the job's address", lambda: next((line.split("elastic job at ")[1].split(";")[0]
-                                                       for line in err.read_text().splitlines()
-                                                       if "elastic job at " in line), None), proc, tmp_path, err)
-    _wait("the survivors at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(2)), proc, tmp_path, err)
-    assert not (out / "gate-w2").exists()
-    joiner = subprocess.Popen([sys.executable, "-m", "islands", "join", address, "--token-file",
-                               str(tmp_path / "run" / "token"), "--name", "j1"], cwd=tmp_path, env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    host, port = address.split(":")
-    store = connect(host, int(port))
-    _wait("the joiner to be ready", lambda: store.check(["ready/j1"]), proc, tmp_path, err)
-    (out / "go").write_text("")
-    joined_out = joiner.communicate(timeout=TIMEOUT)[0]
-    log = _finish(proc, tmp_path, err)
-    assert joiner.returncode == 0, joined_out + _logs(tmp_path)
+    # the launcher runs in this process (it has imported torch already): one interpreter start fewer per job
+    (tmp_path / "job.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)  # the job's directory: the joiner runs the script here too
+    monkeypatch.delenv("ISLANDS_TOKEN", raising=False)
+    out, launcher = tmp_path / "out", io.StringIO()
+    seen: dict = {}
+    ended = threading.Event()
+
+    def waiting(what, check):
+        def look():
+            if ended.is_set():  # the job ended first: say why
+                raise AssertionError(f"the job ended while waiting for {what}:\n{launcher.getvalue()}"
+                                     + elastic_jobs.logs(tmp_path / "run"))
+            return check()
+        elastic_jobs.wait(look, what, TIMEOUT, log=lambda: launcher.getvalue() + elastic_jobs.logs(tmp_path / "run"))
+
+    def act(address):
+        """The test's side, on a thread: the joiner starts at once (its start-up overlaps the job's) and asks to
+        join once the survivors are at the gate; they go on once it is ready."""
+        joiner = seen["joiner"] = elastic_jobs.join(address, "--token-file", str(tmp_path / "run" / "token"),
+                                                    name="j1", cwd=tmp_path)
+        try:
+            waiting("the survivors at the gate", elastic_jobs.at_gate(out, ["w0", "w1"]))
+            seen["w2 at the gate"] = (out / "gate-w2").exists()
+            (out / "admit").write_text("")
+            waiting("the joiner to be ready", elastic_jobs.has_key(address, "ready/j1"))
+            (out / "go").write_text("")
+            seen["joined"] = joiner.communicate(timeout=TIMEOUT)[0]
+        except BaseException as e:  # noqa: BLE001 - surfaced after the job
+            seen["error"] = e
+            joiner.kill()
+            elastic_jobs.kill_job_processes(f"{tmp_path}/")  # the job's workers and the joiner's script: end the job
+
+    threads: list[threading.Thread] = []
+
+    def started(address, workers, host):
+        threads.append(threading.Thread(target=act, args=(address,), daemon=True))
+        threads[0].start()
+
+    argv = [str(tmp_path / "job.py"), "--out", "out", "--steps", str(STEPS), "--outer", outer, "--die", "w2:9",
+            "--gate", "14"]
+    try:
+        code = launch_elastic_script(argv, 3, tmp_path / "run", heartbeat_timeout=5.0, timeout=60.0, out=launcher,
+                                     on_started=started)
+    finally:
+        ended.set()
+        for t in threads:
+            t.join(timeout=TIMEOUT)
+        if "joiner" in seen and seen["joiner"].poll() is None:
+            seen["joiner"].kill()
+        elastic_jobs.kill_job_processes(f"{tmp_path}/")  # never leave a process behind
+    log = launcher.getvalue()
+    if "error" in seen:
+        raise seen["error"]
+    assert code == 0, log + elastic_jobs.logs(tmp_path / "run")
+    assert not seen["w2 at the gate"]
+    assert seen["joiner"].returncode == 0, seen["joined"] + elastic_jobs.logs(tmp_path / "run")
     assert "worker w2 left (killed by SIGKILL)" in log, log
     assert not (out / "w2.json").exists()
     members = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1")}

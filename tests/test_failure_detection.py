@@ -11,8 +11,8 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
+import elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
@@ -20,17 +20,6 @@ from islands.runtime.elastic_launch import launch_elastic_script
 from islands.runtime.membership import connect
 
 HEARTBEAT = 2.0  # seconds: the heartbeat timeout of these jobs
-
-
-def _wait(cond, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def _records(run_dir: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json")}
 
 
 def _in_thread(fn, errors: list):
@@ -44,7 +33,7 @@ def _in_thread(fn, errors: list):
 
 def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_the_launcher(tmp_path):
     cfg = validate(from_mapping(dict(task="digits", workers=3, islands=3, outer="local-sgd:every=3", elastic=True,
-                                     steps=150, global_batch=24, eval_every=0, warmup=2, probe=False, progress=False,
+                                     steps=60, global_batch=24, eval_every=0, warmup=2, probe=False, progress=False,
                                      timeout=30.0, heartbeat_timeout=HEARTBEAT, run_dir=str(tmp_path / "run"))))
     seen: dict = {}
     errors: list = []
@@ -53,7 +42,7 @@ def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_
     def freeze(address, workers):
         host, port = address.split(":")
         store = connect(host, int(port))
-        _wait(lambda: store.check(["round/4/join"]), "four rounds")
+        elastic_jobs.wait(lambda: store.check(["round/4/join"]), "four rounds", 120)
         victim = workers[2]
         os.kill(victim.proc.pid, signal.SIGSTOP)  # frozen, not dead: no exit for the launcher to see
         frozen.append(victim.proc)
@@ -74,7 +63,7 @@ def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_
     assert code == 0, log
     assert frozen and frozen[0].returncode == -signal.SIGKILL, log  # the launcher killed it; it did not hang
     assert "worker w2: no heartbeat for" in log and "w2 left (killed by SIGKILL)" in log, log
-    recs = _records(tmp_path / "run")
+    recs = elastic_jobs.records(tmp_path / "run")
     assert set(recs) == {"w0", "w1"}
     assert len({r["global_sha256"] for r in recs.values()}) == 1
     for r in recs.values():
@@ -83,7 +72,7 @@ def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_
         # detected within the heartbeat timeout (plus polling and a loaded machine's slack), not the 30 s timeout
         assert failure["detected"] - seen["stopped"] < HEARTBEAT + 3.0, failure["detected"] - seen["stopped"]
     run = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert run["summary"]["steps"] == 150 and run["summary"]["workers"] == 2
+    assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 2
     assert finished - seen["stopped"] < 60  # nothing waited on the frozen process
 
 

@@ -169,3 +169,17 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
         main(["join", f"127.0.0.1:{live.port}", "--token", "t", "--name", "j1"])
     assert exited.value.code == JOB_ENDED_EXIT_CODE
     assert f"127.0.0.1:{live.port}: the job ended before admitting this worker" in capsys.readouterr().out
+
+
+def test_joining_an_address_where_nothing_listens_is_one_clear_line(capsys):
+    from islands.cli import main
+    from islands.runtime.membership import JOB_ENDED_EXIT_CODE
+    from islands.runtime.launch import free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(SystemExit) as exited:
+        main(["join", f"127.0.0.1:{port}", "--token", "t", "--name", "j1"])
+    assert exited.value.code == JOB_ENDED_EXIT_CODE
+    captured = capsys.readouterr()
+    assert f"no elastic job answers at 127.0.0.1:{port}" in captured.out and "address its launcher printed" in captured.out
+    assert "Traceback" not in captured.out + captured.err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,16 +14,15 @@ from pathlib import Path
 
 import pytest
 
+import elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.membership import REFUSED_EXIT_CODE, connect
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from islands.runtime.membership import REFUSED_EXIT_CODE
 
 
-def _cfg(tmp_path: Path, workers: int, steps: int, every: int):
-    return validate(from_mapping(dict(task="digits", workers=workers, islands=workers, outer=f"local-sgd:every={every}",
+def _cfg(tmp_path: Path, workers: int, steps: int, every: int, task: str = "digits"):
+    return validate(from_mapping(dict(task=task, workers=workers, islands=workers, outer=f"local-sgd:every={every}",
                                       elastic=True, steps=steps, global_batch=8 * workers, eval_every=0, warmup=2,
                                       probe=False, progress=False, timeout=30.0, heartbeat_timeout=5.0,
                                       run_dir=str(tmp_path / "run"))))
@@ -35,10 +33,6 @@ def _wait(store, key: str, timeout: float = 120.0) -> None:
     while not store.check([key]):
         assert time.monotonic() < deadline, f"timed out waiting for {key}"
         time.sleep(0.02)
-
-
-def _records(run_dir: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json")}
 
 
 def _run(cfg, tmp_path: Path, during) -> tuple[int, str]:
@@ -69,15 +63,14 @@ def test_sigkill_one_of_four_survivors_finish_and_agree_bitwise(tmp_path):
     killed = {}
 
     def kill_mid_run(address, workers):
-        store = connect(*address.split(":")[:1], int(address.split(":")[1]))
-        _wait(store, "round/4/join")  # four rounds committed: training is well under way
+        _wait(elastic_jobs.store(address), "round/4/join")  # four rounds committed: training is well under way
         workers[2].proc.send_signal(signal.SIGKILL)
         killed["at"] = time.time()
 
     code, log = _run(cfg, tmp_path, kill_mid_run)
     assert code == 0, log
     assert "w2 left (killed by SIGKILL)" in log
-    recs = _records(tmp_path / "run")
+    recs = elastic_jobs.records(tmp_path / "run")
     assert set(recs) == {"w0", "w1", "w3"}  # the killed worker wrote nothing; nobody restarted
     digests = {r["global_sha256"] for r in recs.values()}
     assert len(digests) == 1, "survivors disagree on the global parameters"
@@ -92,36 +85,36 @@ def test_sigkill_one_of_four_survivors_finish_and_agree_bitwise(tmp_path):
     assert run["summary"]["steps"] == 90 and run["summary"]["workers"] == 3
 
 
-# `islands join`, with torch and the trainer imported first, so that start-up time on a loaded machine
-# does not decide whether the joiner is ready before the job ends
-_JOIN = ("import sys, islands.loop, islands.app.build, islands.app.elastic_worker, sklearn.datasets; "
-         "from islands.cli import main; main(sys.argv[1:])")
-
-
 def _join(address: str, token_args: list[str], name: str, run_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    env.pop("ISLANDS_TOKEN", None)
-    return subprocess.run([sys.executable, "-c", _JOIN, "join", address, *token_args, "--name", name,
-                           "--run-dir", str(run_dir)], env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "islands", "join", address, *token_args, "--name", name,
+                           "--run-dir", str(run_dir)], env=elastic_jobs.env(), capture_output=True, text=True,
+                          timeout=240)
 
 
-@pytest.mark.slow  # about a minute on 2 cores: a job plus two `islands join` processes
+@pytest.mark.slow  # a job plus two `islands join` processes
 def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_path):
-    # long enough that the joiner, a fresh process importing torch, is admitted before the job ends even
-    # on a loaded machine (1500 steps were not, twice, with two training jobs running beside the suite)
-    cfg = _cfg(tmp_path, workers=2, steps=3000, every=4)
-    cfg.checkpoint.every = 250  # asynchronous saves around the join: the members finish any in flight first
+    # the members are held at their first training step (the gated task) until the joiner, a fresh process
+    # importing torch, is ready; then the boundary after round 1 admits it and everyone trains 48 steps
+    task, hold = elastic_jobs.gated_digits(tmp_path)
+    cfg = _cfg(tmp_path, workers=2, steps=48, every=4, task=task)
+    cfg.task.options["hold"] = str(hold)
+    cfg.checkpoint.every = 4  # asynchronous saves around the join: the members finish any in flight first
+    hold.write_text("")
     seen = {}
 
     def joins(address, workers):
-        host, port = address.split(":")
-        store = connect(host, int(port))
-        _wait(store, "e/0/members")
-        bad = threading.Thread(target=lambda: seen.update(
-            bad=_join(address, ["--token", "not-the-token"], "intruder", tmp_path / "bad")))
-        bad.start()  # both start at once: the refusal need not delay the good joiner
-        seen["good"] = _join(address, ["--token-file", str(tmp_path / "run" / "token")], "j1", tmp_path / "j1")
-        bad.join(timeout=180)
+        try:
+            bad = threading.Thread(target=lambda: seen.update(
+                bad=_join(address, ["--token", "not-the-token"], "intruder", tmp_path / "bad")))
+            bad.start()  # both start at once: the refusal need not delay the good joiner
+            good = threading.Thread(target=lambda: seen.update(
+                good=_join(address, ["--token-file", str(tmp_path / "run" / "token")], "j1", tmp_path / "j1")))
+            good.start()
+            _wait(elastic_jobs.store(address), "ready/j1", timeout=240)
+        finally:
+            hold.unlink(missing_ok=True)  # never leave the job waiting
+        good.join(timeout=240)
+        bad.join(timeout=240)
 
     code, log = _run(cfg, tmp_path, joins)
     assert code == 0, log
@@ -132,7 +125,7 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
     assert "refused 'intruder'" in log and token not in log and token not in bad.stdout + bad.stderr
     good = seen["good"]
     assert good.returncode == 0, good.stdout + good.stderr
-    members = _records(tmp_path / "run")
+    members = elastic_jobs.records(tmp_path / "run")
     joiner = json.loads((tmp_path / "j1" / "elastic" / "j1.json").read_text())
     # the joiner received exactly the members' global model at its entry round
     entered = next(e for e in joiner["final"]["events"] if e["type"] == "entered")
@@ -152,8 +145,8 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
     from islands.checkpoint import CheckpointStore
 
     store = CheckpointStore(tmp_path / "run" / "ckpt", clean=False)
-    assert store.latest_step() == 3000 and store.verify(3000) == []
-    assert store.load(3000, rank=2).tree["world"]["size"] == 3
+    assert store.latest_step() == 48 and store.verify(48) == []
+    assert store.load(48, rank=2).tree["world"]["size"] == 3
 
 
 @pytest.mark.parametrize("bad,needle", [

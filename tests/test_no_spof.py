@@ -18,43 +18,17 @@ from pathlib import Path
 
 import pytest
 
+import elastic_jobs
 import islands.testbed.etcd as etcd_cluster
+from elastic_jobs import job_processes as _job_processes, logs as _logs
 from islands.runtime.etcd_store import EtcdAddress, EtcdClient, leader_key
 from islands.runtime.membership import connect, parse_address
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 HEARTBEAT = 5.0  # seconds: the job's heartbeat timeout (generous: the test machine is shared and loaded)
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    env.pop("ISLANDS_TOKEN", None)
-    return env
-
-
 def _wait(cond, what: str, timeout: float = 120.0, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while not (found := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (
-            f":\n{log.read_text()[-3000:]}" if log is not None and log.exists() else "")
-        time.sleep(0.05)
-    return found
-
-
-def _job_processes(marker: str) -> list[int]:
-    """Pids of processes whose command line names `marker` (the run directory: workers and job host)."""
-    pids = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit() or int(p.name) == os.getpid():
-            continue
-        try:
-            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (p / "stat").read_text().split()[2]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            pids.append(int(p.name))
-    return pids
+    return elastic_jobs.wait(cond, what, timeout, log=log)
 
 
 def _env_of(pid: int) -> dict:
@@ -72,25 +46,22 @@ def _record(path: Path):
         return None
 
 
-def _logs(run: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run / "logs").glob("*.log")))
-
-
-def _train(tmp_path: Path, steps: int) -> tuple[subprocess.Popen, Path, Path]:
+def _train(tmp_path: Path, steps: int, workers: int) -> tuple[subprocess.Popen, Path, Path]:
     run = tmp_path / "run"
     err = tmp_path / "launcher.err"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "3", "--islands", "3",
+        [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", str(workers),
+         "--islands", str(workers),
          "--outer", "local-sgd:every=3", "--elastic", "--steps", str(steps), "--global-batch", "24",
          "--eval-every", "0", "--warmup", "2", "--no-probe", "--no-progress", "--timeout", "30",
          "--heartbeat-timeout", str(HEARTBEAT), "--run-dir", str(run)],
-        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+        cwd=tmp_path, env=elastic_jobs.env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
     return proc, run, err
 
 
 def _kill_launcher_mid_run(tmp_path: Path, steps: int, kill_a_worker: bool) -> tuple[Path, dict, str]:
-    proc, run, err = _train(tmp_path, steps)
-    leftover: list[int] = []
+    # two workers show the job going on without its launcher; killing one of three leaves two to agree
+    proc, run, err = _train(tmp_path, steps, workers=3 if kill_a_worker else 2)
     try:
         host = _wait(lambda: _record(run / "job_host.json"), "the job host", log=err)
         h, p = parse_address(host["address"])
@@ -112,12 +83,7 @@ def _kill_launcher_mid_run(tmp_path: Path, steps: int, kill_a_worker: bool) -> t
     finally:
         if proc.poll() is None:
             proc.kill()
-        leftover = _job_processes(str(run))
-        for pid in leftover:  # never leave a process behind, even when the test failed
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        elastic_jobs.kill_job_processes(str(run))  # never leave a process behind, even when the test failed
 
 
 def test_a_sigkilled_launcher_leaves_the_workers_training_and_the_record_is_written(tmp_path):
@@ -125,14 +91,14 @@ def test_a_sigkilled_launcher_leaves_the_workers_training_and_the_record_is_writ
     run, ended, killed_at = _kill_launcher_mid_run(tmp_path, steps, kill_a_worker=False)
     logs = _logs(run)
     assert ended["launcher_alive"] is False and ended["why"] == "no member of the newest epoch is alive", ended
-    assert ended["admitted"] == 3
-    recs = {p.stem: json.loads(p.read_text()) for p in (run / "elastic").glob("*.json")}
-    assert set(recs) == {"w0", "w1", "w2"}, logs
+    assert ended["admitted"] == 2
+    recs = elastic_jobs.records(run)
+    assert set(recs) == {"w0", "w1"}, logs
     assert len({r["global_sha256"] for r in recs.values()}) == 1, "the workers disagree on the global model"
     for r in recs.values():
         assert not [e for e in r["final"]["events"] if e["type"] == "failure"], r["final"]["events"]
     rec = json.loads((run / "run.json").read_text())  # written by rank 0 (a worker), whole (os.replace)
-    assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 3, rec["summary"]
+    assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 2, rec["summary"]
     assert not list(run.glob("*.tmp*")) and not list(run.glob(".*.tmp*"))
     assert ended["ended"] > killed_at
     assert "job host: the launcher" in (run / "logs" / "job_host.log").read_text()
@@ -143,7 +109,7 @@ def test_after_the_launcher_died_a_killed_worker_is_found_by_its_heartbeat_and_t
     run, ended, _ = _kill_launcher_mid_run(tmp_path, steps, kill_a_worker=True)
     logs = _logs(run)
     assert ended["why"] == "no member of the newest epoch is alive", ended
-    recs = {p.stem: json.loads(p.read_text()) for p in (run / "elastic").glob("*.json")}
+    recs = elastic_jobs.records(run)
     assert set(recs) == {"w0", "w1"}, logs
     assert len({r["global_sha256"] for r in recs.values()}) == 1
     for r in recs.values():
@@ -155,7 +121,9 @@ def test_after_the_launcher_died_a_killed_worker_is_found_by_its_heartbeat_and_t
 
 # ---- over etcd: no process the job cannot lose ------------------------------------------------------
 # The own-loop program (docs/own-model.md) with a tiny MLP. Test hooks: --gate STEP makes every member write
-# OUT/gate-NAME there and wait for OUT/go; each member records its commits' end times (stall measurement).
+# OUT/gate-NAME there and wait for OUT/go; each member records its commits' end times (stall measurement); a
+# joiner (a name starting with "j", started early so that its start-up overlaps the job's) asks to join only
+# once OUT/admit exists.
 SCRIPT = r'''
 import argparse, json, os, time
 from pathlib import Path
@@ -175,6 +143,9 @@ g = torch.Generator().manual_seed(0)
 X = torch.randn(600, 16, generator=g)
 Y = (X @ torch.randn(16, 4, generator=g)).argmax(-1)
 torch.manual_seed(0)
+deadline = time.monotonic() + 200
+while name.startswith("j") and not (out / "admit").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 world = islands.init_world()
 model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -212,46 +183,30 @@ def etcd():
 
 
 def _script_job(tmp_path: Path, url: str, *args: str) -> tuple[subprocess.Popen, Path]:
-    (tmp_path / "job.py").write_text(SCRIPT)
-    err = tmp_path / "launcher.err"
-    proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", "3", "--store", url,
-                             "--heartbeat-timeout", "5", "--timeout", "60", "--run-dir", "run", "job.py", *args],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
-    return proc, err
-
-
-def _address(err: Path) -> str | None:
-    return next((line.split("elastic job at ")[1].split(";")[0] for line in err.read_text().splitlines()
-                 if "elastic job at " in line), None)
+    # two workers: enough to agree bitwise, and for a standby coordinator among them
+    return elastic_jobs.start_job(tmp_path, SCRIPT, 2, *args, store_url=url, heartbeat=HEARTBEAT)
 
 
 def _finish(proc: subprocess.Popen, err: Path, where: Path) -> str:
     """Wait for the launcher; then no process naming `where` (the test's directory: job host, workers) is left."""
     try:
-        proc.wait(timeout=180)
+        return elastic_jobs.finish(proc, err, timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in _job_processes(str(where)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return err.read_text()
+        elastic_jobs.kill_job_processes(f"{where}/")
 
 
 def test_over_etcd_the_job_survives_a_sigkilled_etcd_member(tmp_path, etcd):
     out = tmp_path / "out"
     proc, err = _script_job(tmp_path, etcd.url, "--out", "out", "--steps", "24", "--gate", "9")
     try:
-        _wait(lambda: all((out / f"gate-w{i}").exists() for i in range(3)), "every worker at the gate", log=err)
-        assert _address(err).startswith(etcd.url + "/islands-")  # the job's own namespace in the cluster
+        _wait(elastic_jobs.at_gate(out, ["w0", "w1"]), "every worker at the gate", log=err)
+        assert elastic_jobs.address(err).startswith(etcd.url + "/islands-")  # the job's own namespace in the cluster
         etcd.kill(0)  # the member every client tries first
         (out / "go").write_text("")
     finally:
         log = _finish(proc, err, tmp_path)
     assert proc.returncode == 0, log + _logs(tmp_path / "run")
-    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1", "w2")}
+    recs = elastic_jobs.outputs(out, ["w0", "w1"])
     assert len({r["sha"] for r in recs.values()}) == 1, "the workers disagree on the global model"
     for r in recs.values():
         assert not [e for e in r["events"] if e["type"] == "failure"] and len(r["commits"]) == 8
@@ -264,7 +219,9 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
     run = tmp_path / "run"
     joiner = None
     try:
-        address = _wait(lambda: _address(err), "the job's address", log=err)
+        address = _wait(lambda: elastic_jobs.address(err), "the job's address", log=err)
+        # started now, so that its start-up overlaps the job's; its script asks to join once OUT/admit exists
+        joiner = elastic_jobs.join(address, "--token-file", str(run / "token"), name="j1", cwd=elsewhere)
         ns = address.rsplit("/", 1)[1]
         client = EtcdClient(EtcdAddress.parse(etcd.url).endpoints)
         key = leader_key(f"{ns}/".encode())
@@ -277,29 +234,27 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
         took_over = _wait(lambda: (h := client.get(key)) not in (None, b"job-host") and h, "a standby to lead",
                           timeout=30, log=err)
         takeover_s = time.time() - killed
-        assert took_over.decode() in ("w0", "w1", "w2")
-        joiner = subprocess.Popen([sys.executable, "-m", "islands", "join", address, "--token-file",
-                                   str(run / "token"), "--name", "j1"], cwd=elsewhere, env=_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert took_over.decode() in ("w0", "w1")
+        (out / "admit").write_text("")
         _wait(lambda: store.check(["ready/j1"]), "the joiner admitted by the new coordinator and ready", log=err)
-        _wait(lambda: all((out / f"gate-w{i}").exists() for i in range(3)), "every worker at the gate", log=err)
+        _wait(elastic_jobs.at_gate(out, ["w0", "w1"]), "every worker at the gate", log=err)
         (out / "go").write_text("")
         joined = joiner.communicate(timeout=180)[0]
     finally:
-        log = _finish(proc, err, tmp_path)
         if joiner is not None and joiner.poll() is None:
             joiner.kill()
+        log = _finish(proc, err, tmp_path)
     assert proc.returncode == 0, log + _logs(run)
     assert joiner.returncode == 0, joined
-    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1", "w2", "j1")}
+    recs = elastic_jobs.outputs(out, ["w0", "w1", "j1"])
     assert len({r["sha"] for r in recs.values()}) == 1, "the members disagree on the global model"
-    assert recs["j1"]["start"] == 18 and recs["j1"]["size"] == 4
-    for n in ("w0", "w1", "w2"):
+    assert recs["j1"]["start"] == 18 and recs["j1"]["size"] == 3
+    for n in ("w0", "w1"):
         assert not [e for e in recs[n]["events"] if e["type"] == "failure"]  # nobody died: nothing to re-form
         assert len(recs[n]["commits"]) == 12
     # the survivors' stall: on w0's clock, its longest gap between commits from the kill to the gate (where it
     # waits on purpose), against its usual gap before the kill
-    gate = min((out / f"gate-{n}").stat().st_mtime for n in ("w0", "w1", "w2"))
+    gate = min((out / f"gate-{n}").stat().st_mtime for n in ("w0", "w1"))
     commits = [t for t, _ in recs["w0"]["commits"]]
     gaps = list(zip(commits, commits[1:]))
     usual = sorted(b - a for a, b in gaps if b < killed)

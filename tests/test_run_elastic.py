@@ -10,18 +10,18 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import elastic_jobs
 from islands.checkpoint import CheckpointStore
-from islands.runtime.membership import REFUSED_EXIT_CODE, connect
+from islands.runtime.membership import REFUSED_EXIT_CODE
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 TIMEOUT = 240
 
 # The own-loop program with a digits-sized MLP on synthetic data. Test hooks, outside the program: at step
-# --gate every member writes OUT/gate-NAME and waits for OUT/go, so the test acts while the job is mid-run.
+# --gate every member writes OUT/gate-NAME and waits for OUT/go, so the test acts while the job is mid-run; a
+# joiner (a name starting with "j") asks to join only once OUT/admit exists.
 SCRIPT = r'''
 import argparse, json, os, time
 from pathlib import Path
@@ -60,6 +60,9 @@ def my_batches(shard, shards, skip=0, batch=16):
 
 
 torch.manual_seed(0)
+deadline = time.monotonic() + 200
+while name.startswith("j") and not (out / "admit").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)  # a joiner (started early, so that its start-up overlaps the job's) asks to join on cue
 world = islands.init_world()
 model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -95,51 +98,21 @@ islands.close_world(world)
 '''
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    env.pop("ISLANDS_TOKEN", None)
-    return env
-
-
-def _start_job(tmp_path: Path, workers: int, *script_args: str) -> tuple[subprocess.Popen, Path]:
-    """`islands run --elastic` from tmp_path (relative paths in the script resolve there); stderr to a file."""
-    (tmp_path / "job.py").write_text(SCRIPT)
-    err = tmp_path / "launcher.err"
-    proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", str(workers),
-                             "--heartbeat-timeout", "5", "--timeout", "60", "--run-dir", "run", "job.py", *script_args],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
-    return proc, err
-
-
-def _wait(what, check, proc: subprocess.Popen, err: Path, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert proc.poll() is None, f"the job ended while waiting for {what}:\n{err.read_text()}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{err.read_text()}"
-        time.sleep(0.05)
-    return found
-
-
-def _finish(proc: subprocess.Popen, err: Path) -> str:
-    try:
-        proc.wait(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return err.read_text()
+def _wait(what, check, proc: subprocess.Popen, err: Path):
+    return elastic_jobs.wait(check, what, TIMEOUT, proc=proc, log=err)
 
 
 def _logs(tmp_path: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "run" / "logs").glob("*.log")))
+    return elastic_jobs.logs(tmp_path / "run")
 
 
 def test_sigkilled_worker_is_dropped_and_the_survivors_finish_and_agree_bitwise(tmp_path):
     out = tmp_path / "out"
-    proc, err = _start_job(tmp_path, 3, "--out", "out", "--steps", "40", "--gate", "10")
-    _wait("every worker at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(3)), proc, err)
+    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 3, "--out", "out", "--steps", "40", "--gate", "10")
+    _wait("every worker at the gate", elastic_jobs.at_gate(out, ["w0", "w1", "w2"]), proc, err)
     os.kill(int((out / "pid-w2").read_text()), signal.SIGKILL)  # mid-run: two rounds done, six to go
     (out / "go").write_text("")
-    log = _finish(proc, err)
+    log = elastic_jobs.finish(proc, err, TIMEOUT)
     assert proc.returncode == 0, log + _logs(tmp_path)
     assert "worker w2 left (killed by SIGKILL); the others carry on" in log
     recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1")}
@@ -155,26 +128,28 @@ def test_sigkilled_worker_is_dropped_and_the_survivors_finish_and_agree_bitwise(
 def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model(tmp_path):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc, err = _start_job(tmp_path, 2, "--out", "out", "--steps", "30", "--gate", "10", "--ckpt", "ckpt")
-    address = _wait("the job's address", lambda: next((line.split("elastic job at ")[1].split(";")[0]
-                                                       for line in err.read_text().splitlines()
-                                                       if "elastic job at " in line), None), proc, err)
+    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 2, "--out", "out", "--steps", "30", "--gate", "10",
+                                       "--ckpt", "ckpt")
+    address = _wait("the job's address", lambda: elastic_jobs.address(err), proc, err)
     token_file = tmp_path / "run" / "token"
-    join = [sys.executable, "-m", "islands", "join", address]
-    # the members wait at step 10, past the boundary after round 1 (step 5) which must not admit anyone
-    _wait("the members at the gate", lambda: all((out / f"gate-w{i}").exists() for i in range(2)), proc, err)
-    # from another directory: the joiner runs the job's script where the launcher ran it (relative paths agree)
-    intruder = subprocess.Popen([*join, "--token", "not-the-token", "--name", "intruder"], cwd=elsewhere,
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    joiner = subprocess.Popen([*join, "--token-file", str(token_file), "--name", "j1"], cwd=elsewhere, env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    host, port = address.split(":")
-    store = connect(host, int(port))
-    _wait("the joiner to be ready", lambda: store.check(["ready/j1"]), proc, err)
-    (out / "go").write_text("")  # the next boundary (after round 2, step 10) admits the ready joiner
-    joined_out = joiner.communicate(timeout=TIMEOUT)[0]
-    refused_out = intruder.communicate(timeout=TIMEOUT)[0]
-    log = _finish(proc, err)
+    # from another directory: the joiner runs the job's script where the launcher ran it (relative paths agree);
+    # started now, its start-up overlaps the job's, and it asks to join once OUT/admit exists
+    intruder = elastic_jobs.join(address, "--token", "not-the-token", name="intruder", cwd=elsewhere)
+    joiner = elastic_jobs.join(address, "--token-file", str(token_file), name="j1", cwd=elsewhere)
+    try:
+        # the members wait at step 10, past the boundary after round 1 (step 5) which must not admit anyone
+        _wait("the members at the gate", elastic_jobs.at_gate(out, ["w0", "w1"]), proc, err)
+        (out / "admit").write_text("")
+        _wait("the joiner to be ready", elastic_jobs.has_key(address, "ready/j1"), proc, err)
+        (out / "go").write_text("")  # the next boundary (after round 2, step 10) admits the ready joiner
+        joined_out = joiner.communicate(timeout=TIMEOUT)[0]
+        refused_out = intruder.communicate(timeout=TIMEOUT)[0]
+        log = elastic_jobs.finish(proc, err, TIMEOUT)
+    finally:
+        for p in (joiner, intruder, proc):
+            if p.poll() is None:
+                p.kill()
+        elastic_jobs.kill_job_processes(f"{tmp_path}/")  # the joiner's script, when the test failed early
     assert proc.returncode == 0, log + _logs(tmp_path)
     assert joiner.returncode == 0, joined_out
 
@@ -201,8 +176,8 @@ def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model
 
 
 def test_a_script_without_an_outer_strategy_fails_with_a_clear_message(tmp_path):
-    proc, err = _start_job(tmp_path, 2, "--out", "out", "--no-outer")
-    log = _finish(proc, err)
+    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 1, "--out", "out", "--no-outer")  # one worker is enough
+    log = elastic_jobs.finish(proc, err, TIMEOUT)
     assert proc.returncode == 1
     assert "every worker failed" in log and "an elastic job needs an outer strategy" in log
     assert "islands.outer.DiLoCo" in log  # and what would be right

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import subprocess
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def _testbed(args) -> int:
     return 0
 
 
+JOIN_CONNECT_S = 10.0  # how long `islands join` tries to reach the job's store
+
+
 def _join(args) -> int:
     """islands join HOST:PORT: one elastic worker entering a running job: the job's script (`islands run
     --elastic`) with ISLANDS_ELASTIC set, or islands' own worker (`islands train --elastic`)."""
@@ -52,9 +56,16 @@ def _join(args) -> int:
     if not token:
         raise UsageError("a token is required: --token T, --token-file PATH or ISLANDS_TOKEN in the environment")
     name = args.name or f"j{secrets.token_hex(4)}"
+    if port:  # an embedded store: a plain connect first, so that nobody listening is one clear line, not torch's
+        try:  # C++ retry log and stack dump (an etcd address has port 0: its client reports cleanly itself)
+            socket.create_connection((host, port), timeout=JOIN_CONNECT_S).close()
+        except OSError as e:
+            print(f"islands: no elastic job answers at {args.address}: {e.strerror or e} (is the job running, and "
+                  "is this the address its launcher printed?)", flush=True)
+            return JOB_ENDED_EXIT_CODE
     try:
         # verified with the token: a record written without it must not choose what this machine runs
-        job = JobSpec.read(connect(host, port, timeout_s=10.0), token, name=name)
+        job = JobSpec.read(connect(host, port, timeout_s=JOIN_CONNECT_S), token, name=name)
     except (dist.DistNetworkError, TimeoutError) as e:
         print(f"islands: no elastic job answers at {args.address}: {e}", flush=True)
         return JOB_ENDED_EXIT_CODE
