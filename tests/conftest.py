@@ -24,10 +24,12 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks into the test ids
 def pytest_collection_modifyitems(config, items):
     """`make test` spreads tests over processes (pytest-xdist, --dist loadgroup): the tests of a file whose fixtures
     live for the whole module (a gloo world run once, its results asserted by many tests) stay in one process, so
-    that world runs once; every other test goes wherever a process is free."""
+    that world runs once; every other test goes wherever a process is free. (Run after xdist's hook, as this was
+    until 2026-12-02, the marks grouped nothing: such fixtures ran once per process.)"""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]

@@ -2,8 +2,8 @@
 levels and the auto interval policy in run.json, and a foreign model config refused with exit code 2."""
 
 import json
-import subprocess
-import sys
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from islands.checkpoint import CheckpointMismatch, CheckpointStore
 from islands.checkpoint.manifest import data_name
 from islands.app.build import build_trainer, fingerprint, resume_trainer
 from islands.app.validate import validate
+from islands.cli import main
 from islands.config import ConfigError, from_mapping
 from islands.loop import Trainer
 from islands.runtime.world import World
@@ -25,6 +26,27 @@ TINY_FLAGS = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context
               "--eval-batches", "2", "--threads", "1", "--eval-every", "0", "--warmup", "2", "--log-every", "2",
               "--no-progress"]
 EXACT = ("model", "optimizer", "strategy", "rng", "loader", "step")
+
+
+def islands_cli(*argv: str, timeout: float = 300) -> int:
+    """`islands ARGV` with this process as the CLI: the launcher (islands.runtime.launch) starts and supervises the
+    rank processes exactly as from a shell, without a fresh interpreter importing torch just to launch them.
+    Returns the exit code. A job still running after `timeout` s gets SIGTERM, which the launcher turns into
+    stopping every rank and exit code 143 (its handler is in place only on the main thread, hence the check)."""
+    rank = os.environ.pop("RANK", None)  # a torchrun variable left in the environment would make this a worker
+    on_main = threading.current_thread() is threading.main_thread()
+    watchdog = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
+    if on_main:
+        watchdog.start()
+    try:
+        main(list(argv))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        watchdog.cancel()
+        if rank is not None:
+            os.environ["RANK"] = rank
+    return 0
 
 
 def same(x, y) -> bool:
@@ -128,18 +150,19 @@ def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
     assert (info["level"], info["step"]) == ("remote", 9)
 
 
-def test_foreign_model_config_refused_naming_the_field(tmp_path):
+def test_foreign_model_config_refused_naming_the_field(tmp_path, capsys):
     run(trainer(tmp_path, "a", steps=2, ckpt_every=2))
     with pytest.raises(ConfigError, match=r"d_model: checkpoint 32, current 64"):
         validate(from_mapping({**TINY, "d_model": 64, "resume": str(tmp_path / "a")}))
     bad = trainer(tmp_path, "b", steps=2, n_layers=2)
     with pytest.raises(CheckpointMismatch, match="n_layers"):
         resume_at(bad, tmp_path / "a")
-    out = subprocess.run([sys.executable, "-m", "islands", "train", *TINY_FLAGS, "--workers", "1", "--steps", "2",
-                          "--n-heads", "4", "--resume", str(tmp_path / "a"), "--run-dir", str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert "n_heads: checkpoint 2, current 4" in out.stderr + out.stdout
+    capsys.readouterr()
+    code = islands_cli("train", *TINY_FLAGS, "--workers", "1", "--steps", "2", "--n-heads", "4",
+                       "--resume", str(tmp_path / "a"), "--run-dir", str(tmp_path / "x"))
+    out = capsys.readouterr()
+    assert code == 2, out.err
+    assert "n_heads: checkpoint 2, current 4" in out.err + out.out and not (tmp_path / "x").exists()
     with pytest.raises(ConfigError, match=r"chooses the local-disk interval itself; leave every=0 \(got every=5\)"):
         validate(from_mapping({**TINY, "ckpt_every": 5, "ckpt_policy": "auto"}))
     with pytest.raises(ConfigError, match="remote_dir and remote_every go together"):
@@ -149,14 +172,13 @@ def test_foreign_model_config_refused_naming_the_field(tmp_path):
 
 
 def _launch(tmp: Path, name: str, *extra: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "islands", "train", *TINY_FLAGS, "--workers", "2", "--steps", "6",
-                          "--ckpt-every", "3", "--no-probe", "--timeout", "30", "--run-dir", str(tmp / name), *extra],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr + "".join(p.read_text() for p in (tmp / name / "logs").glob("*.log"))
+    code = islands_cli("train", *TINY_FLAGS, "--workers", "2", "--steps", "6", "--ckpt-every", "3", "--no-probe",
+                       "--timeout", "30", "--run-dir", str(tmp / name), *extra, timeout=240)
+    assert code == 0, "".join(p.read_text() for p in (tmp / name / "logs").glob("*.log"))
     return json.loads((tmp / name / "run.json").read_text())
 
 
-@pytest.mark.slow  # two launcher jobs of 2 processes each: ~25 s on an idle 2-core machine
+@pytest.mark.slow  # two launcher jobs of 2 rank processes each (the launcher runs in this process)
 def test_two_gloo_ranks_resume_bitwise_and_reshard_to_one(tmp_path):
     rec_a = _launch(tmp_path, "a")
     rec_b = _launch(tmp_path, "b", "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))

@@ -1,11 +1,10 @@
 """FSDP (inner=fsdp) checkpoints: bitwise resume on the same world size and loading into another one.
 
 The optimizer state is stored full and keyed by parameter name (islands.checkpoint.sharded_state), so
-a checkpoint of N ranks loads on M: each rank takes its own rows. Runs go through the real launcher."""
+a checkpoint of N ranks loads on M: each rank takes its own rows. Runs go through the real launcher (started from
+this process: islands_cli)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,17 +12,16 @@ import torch
 
 from islands.checkpoint import CheckpointStore
 
-from test_checkpoint_resume import EXACT, TINY_FLAGS, resume_at, run, same, trainer
+from test_checkpoint_resume import EXACT, TINY_FLAGS, islands_cli, resume_at, same, trainer
 
 FSDP_FLAGS = [*TINY_FLAGS, "--inner", "fsdp", "--n-layers", "2", "--steps", "6", "--ckpt-every", "3",
               "--no-probe", "--timeout", "30"]
 
 
 def _launch(tmp: Path, name: str, workers: int, *extra: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "islands", "train", *FSDP_FLAGS, "--workers", str(workers),
-                          "--run-dir", str(tmp / name), *extra], capture_output=True, text=True, timeout=300)
+    code = islands_cli("train", *FSDP_FLAGS, "--workers", str(workers), "--run-dir", str(tmp / name), *extra)
     logs = "".join(p.read_text() for p in (tmp / name / "logs").glob("*.log")) if (tmp / name / "logs").is_dir() else ""
-    assert out.returncode == 0, out.stderr[-3000:] + logs[-3000:]
+    assert code == 0, logs[-6000:]
     return json.loads((tmp / name / "run.json").read_text())
 
 
@@ -49,9 +47,10 @@ def _continues(rec: dict, resumed_step: int, saved_size: int, size: int) -> None
         assert ledger["sent"]["ckpt_shard_gather"] > 0  # the optimizer gather went through Comm
 
 
-@pytest.mark.slow  # five launcher jobs (2, 2, 4, 2 and 4 processes) and one in-process load: ~70 s idle
+@pytest.mark.slow  # four launcher jobs (2, 2, 4 and 2 rank processes) and one in-process load
 def test_fsdp_resume_bitwise_and_load_on_one_two_and_four_ranks(tmp_path):
-    """One 2-rank run serves three checks: bitwise resume on 2, loading into 1 process, and into 4."""
+    """One 2-rank run serves three checks: bitwise resume on 2, loading into 1 process, and into 4; the 4-rank job
+    then serves the fourth, loading a checkpoint of 4 ranks into 2."""
     rec_a = _launch(tmp_path, "a", 2)
     rec_b = _launch(tmp_path, "b", 2, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
     _continues(rec_b, 3, 2, 2)
@@ -73,14 +72,14 @@ def test_fsdp_resume_bitwise_and_load_on_one_two_and_four_ranks(tmp_path):
     names = dict((id(p), n) for n, p in one.model.named_parameters())
     for p, slots in one.optimizer.state.items():
         assert torch.equal(slots["exp_avg"], t0["optimizer"]["state"][names[id(p)]]["exp_avg"])
-    # 2 saved ranks -> 4, and 4 saved ranks -> 2
-    rec = _launch(tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
+    # 2 saved ranks -> 4 (saving every 2 steps: 4 and 6), and its 4-rank checkpoint at step 4 -> 2
+    rec = _launch(tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"),
+                  "--ckpt-every", "2")
     _continues(rec, 3, 2, 4)
-    _launch(tmp_path, "four", 4, "--steps", "3")  # only its step-3 checkpoint is used
-    rec = _launch(tmp_path, "four_to_two", 2, "--resume", str(tmp_path / "four" / "ckpt" / "step-000003"))
-    _continues(rec, 3, 4, 2)
-    saved = _store(tmp_path, "four").load(3, rank=0).tree
-    # the resumed job's next checkpoint starts from the loaded state: step 6 differs from 3 but keeps its names
+    rec = _launch(tmp_path, "four_to_two", 2, "--resume", str(tmp_path / "two_to_four" / "ckpt" / "step-000004"))
+    _continues(rec, 4, 4, 2)
+    saved = _store(tmp_path, "two_to_four").load(4, rank=0).tree
+    # the resumed job's next checkpoint starts from the loaded state: step 6 differs from 4 but keeps its names
     after = _store(tmp_path, "four_to_two").load(6, rank=1).tree
     assert set(after["optimizer"]["state"]) == set(saved["optimizer"]["state"])
     assert int(after["step"]) == 6

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,8 @@ from islands.cli import main
 from islands.config import ConfigError, from_mapping
 from islands.observe import JsonLines, Logging, MLflow, TensorBoard, Wandb, read_lines
 from islands.observe.mlflow import mlflow_key
+
+from test_checkpoint_resume import islands_cli
 
 STEPS, LOG_EVERY, EVAL_EVERY, CKPT_EVERY = 12, 2, 4, 5
 KINDS = ("grad_all_reduce", "outer:delta")  # the second has a character MLflow refuses in a name
@@ -208,13 +209,12 @@ TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32
         "--no-progress", "--no-probe", "--timeout", "60"]
 
 
-@pytest.mark.slow  # two gloo workers through the launcher: ~15 s on an idle 2-core machine
+@pytest.mark.slow  # two gloo workers through the launcher, which runs in this process
 def test_two_ranks_each_log_their_own_stream(tmp_path):
     run_dir = tmp_path / "two"
-    out = subprocess.run([sys.executable, "-m", "islands", "train", *TINY, "--workers", "2", "--steps", "6",
-                          "--run-dir", str(run_dir), "--log", "tensorboard"],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr + "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    code = islands_cli("train", *TINY, "--workers", "2", "--steps", "6", "--run-dir", str(run_dir), "--log",
+                       "tensorboard", timeout=240)
+    assert code == 0, "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     rec = json.loads((run_dir / "run.json").read_text())
     assert sorted(p.name for p in (run_dir / "tb").iterdir()) == ["rank0", "rank1"]
     assert sorted(p.name for p in (run_dir / "live").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
