@@ -452,8 +452,8 @@ def test_trainer_with_a_slowed_island_plans_half_the_steps():
     ranks = run_world(_trainer, size=2, islands=2)
     h = ranks[0]["history"]
     assert h[0] == [8, 8]
-    for fast, slow in h[1:4]:  # measured 2x slower: about half (a loaded machine moves it by a step at most)
-        assert fast == 8 and 3 <= slow <= 5, h
+    for fast, slow in h[1:4]:  # measured 2x slower: about half (a loaded machine stretches the fast island's
+        assert fast == 8 and 3 <= slow <= 6, h  # steps past the 40 ms floor too: 6 was seen in a full suite)
     assert len(h) == 5 and h[4][0] == 4 and 1 <= h[4][1] <= 4  # the last 4 counted steps, then the final sync
     assert ranks[0]["step"] == ranks[1]["step"] == 36  # both loops ended at the run's length
     assert ranks[1]["real_steps"] == sum(s for _, s in h) < ranks[0]["real_steps"] == 36
