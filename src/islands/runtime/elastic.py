@@ -543,27 +543,24 @@ def global_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _store_attr(store, name: str, default):
-    """An attribute of the store under `store`'s wrappers (AuthStore.inner, PrefixStore.underlying_store)."""
+def _store_layers(store):
+    """`store` and the stores under its wrappers (AuthStore.inner, PrefixStore.underlying_store), outermost first."""
     for _ in range(8):
         if store is None:
-            break
-        if hasattr(store, name):
-            return getattr(store, name)
+            return
+        yield store
         store = getattr(store, "inner", None) or getattr(store, "underlying_store", None)
-    return default
+
+
+def _store_attr(store, name: str, default):
+    """An attribute of the first store under `store`'s wrappers that has it."""
+    return next((getattr(s, name) for s in _store_layers(store) if hasattr(s, name)), default)
 
 
 def _store_host(store) -> str:
-    """The host of the TCPStore under `store`'s wrappers (AuthStore.inner, PrefixStore.underlying_store)."""
-    for _ in range(8):
-        host = getattr(store, "host", None)
-        if isinstance(host, str) and host:
-            return host
-        store = getattr(store, "inner", None) or getattr(store, "underlying_store", None)
-        if store is None:
-            break
-    return "127.0.0.1"
+    """The host of the TCPStore under `store`'s wrappers."""
+    return next((s.host for s in _store_layers(store) if isinstance(getattr(s, "host", None), str) and s.host),
+                "127.0.0.1")
 
 
 def _load_shared(strategy, model, state: dict) -> int:

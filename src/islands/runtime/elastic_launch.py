@@ -412,27 +412,22 @@ class _Reaper:
                 if now - self.termed[name] > self.KILL_GRACE and w.proc.poll() is None:
                     signal_worker(w, signal.SIGKILL)
                 continue
-            if name in silent:
+            if name in silent:  # a stopped or GIL-locked process acts on no gentler signal: SIGKILL at once
                 why = f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung)"
-                if not self.store.check([f"dead/{name}"]):
-                    self.store.set(f"dead/{name}", why)
-                print(f"islands: worker {name}: {why}; killing it", file=self.out, flush=True)
-                signal_worker(w, signal.SIGKILL)
-                self.termed[name] = now
-                continue
+                sig, doing = signal.SIGKILL, "killing it"
             elif name in self.members_seen and members and name not in members:
                 since = self.excluded_since.setdefault(name, now)
                 if now - since < self.timeout + GRACE_SECONDS:
                     continue
                 why = f"excluded from epoch {latest} by the members and still running"
+                sig, doing = signal.SIGTERM, f"stopping it (SIGKILL after {self.KILL_GRACE:.0f} s)"
             else:
                 self.excluded_since.pop(name, None)
                 continue
             if not self.store.check([f"dead/{name}"]):
                 self.store.set(f"dead/{name}", why)  # the members drop it now, not at their own timeout
-            print(f"islands: worker {name}: {why}; stopping it (SIGKILL after {self.KILL_GRACE:.0f} s)",
-                  file=self.out, flush=True)
-            signal_worker(w, signal.SIGTERM)
+            print(f"islands: worker {name}: {why}; {doing}", file=self.out, flush=True)
+            signal_worker(w, sig)
             self.termed[name] = now
 
 
