@@ -220,6 +220,33 @@ def test_a_rank_that_loses_rank_0_after_its_commit_counts_the_save_and_not_befor
     assert CheckpointStore(tmp_path).latest_step() == 5 and len(calls) == 4
 
 
+def test_a_rank_that_loses_rank_0_between_its_rename_and_latest_counts_the_save(tmp_path):
+    # CI, stop 25: rank 0 SIGKILLed after renaming the staging directory but before moving `latest`;
+    # the step's directory is whole and listed, so the survivor must count it, not call it abandoned.
+    class Killed(RuntimeError):
+        pass
+
+    def die_before_latest(phase):
+        if phase == "root_fsync":  # right after os.replace(staging, final)
+            raise Killed(phase)
+
+    rank0 = CheckpointStore(tmp_path, rank=0, world_size=2, barrier=lambda: None, fault_hook=die_before_latest)
+    calls = []
+
+    def rank1_barrier():
+        calls.append(1)
+        if len(calls) == 1:
+            with pytest.raises(Killed):
+                rank0.save({"shard": torch.zeros(4)}, 5, token="e0")
+        else:
+            raise RuntimeError("rank 0 left while it committed")
+
+    rank1 = CheckpointStore(tmp_path, rank=1, world_size=2, barrier=rank1_barrier, clean=False)
+    rank1.save({"shard": torch.ones(4)}, 5, token="e0")  # no raise: the save counts
+    assert rank1.steps() == [5] and rank1.latest_step() is None and rank1.verify(5) == []
+    assert torch.equal(rank1.load(5, rank=1).tree["shard"], torch.ones(4))
+
+
 def _ranks(world, target):
     """Run target(rank, barrier) on `world` threads standing for ranks; returns their errors."""
     barrier = threading.Barrier(world, timeout=30)

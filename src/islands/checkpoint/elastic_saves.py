@@ -81,7 +81,8 @@ class PersistBarrier:
     thread's current epoch. Waiting for the parts ends with MembershipChanged when a member of the
     save's epoch is gone, the epoch moved, or `timeout_s` passed; waiting for the commit, only when rank
     0 is gone or `timeout_s` passed (once every part is in, a member leaving does not undo the commit;
-    and the store then counts the save anyway if `latest` names it: rank 0 may have died just after).
+    and the store then counts the save anyway if rank 0 renamed the staging directory: it may have died
+    just after, before or after moving `latest`).
     Rank 0 deletes a save's keys once every part of the next save is in: by then every member has
     finished that save (one persist at a time), so no one waits on them any more.
     """

@@ -230,8 +230,9 @@ class CheckpointStore:
                 self.barrier()  # no rank reports success before the pointer moved
             except Exception:
                 # Rank 0 left before saying it committed (an elastic member killed right after its
-                # commit): the checkpoint counts if `latest` names it, as it does for a load.
-                if self.rank == 0 or self.latest_step() != step:
+                # commit): the checkpoint counts if it was committed, which is the rename of the
+                # staging directory; rank 0 may have died before it also moved `latest`.
+                if self.rank == 0 or not self._renamed(staging, step):
                     raise
         self._previous = body
         if is_base:
@@ -240,6 +241,10 @@ class CheckpointStore:
             self._since_base += 1
         result.seconds = time.perf_counter() - start
         return result
+
+    def _renamed(self, staging: Path, step: int) -> bool:
+        """Whether rank 0 committed `step` from `staging`: the staging directory became the step's."""
+        return not staging.exists() and (self.path_for(step) / manifest_name(self.rank)).exists()
 
     def _commit(self, staging: Path, step: int) -> None:
         missing = [r for r in range(self.world_size) if not (staging / manifest_name(r)).exists()]
