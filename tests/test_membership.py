@@ -128,6 +128,41 @@ def test_membership_and_outer_state_survive_a_resume(tmp_path):
     assert outer.rounds == 3 and outer.global_flat.equal(saved["global"]) and resumed.step == 6
 
 
+def test_a_joiner_stops_waiting_when_no_member_is_alive_though_the_store_stays_up():
+    # chaos, session 14: the job host and the launcher both dead, the store an etcd cluster that nobody
+    # marks ended; the members finish and a restarted island waited for admission forever.
+    from islands.runtime.elastic import ADMIT_LINGER_S, JobEnded
+
+    server, prefixed = host_store(0)
+    store = connect("127.0.0.1", server.port)
+    store.set("e/0/members", json.dumps([[0, "w0", 0], [1, "w1", 1]]))
+    store.set("dead/w0", "finished")  # w1 still beats: the wait must go on while it does
+    comm = ElasticComm(connect("127.0.0.1", server.port), "j1", CommLedger(), heartbeat_timeout=1.0)
+    outcome: list[BaseException] = []
+
+    def joiner():
+        try:
+            comm.enter(object(), None)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=joiner, daemon=True)
+    thread.start()
+    beat, deadline = 0, time.monotonic() + 1.0 + ADMIT_LINGER_S + 2.0
+    while time.monotonic() < deadline:  # w1 alive for longer than the joiner's whole patience
+        beat += 1
+        store.set("hb/w1", str(beat))
+        time.sleep(0.1)
+    assert thread.is_alive() and not outcome, outcome
+    store.set("dead/w1", "finished")
+    gone = time.monotonic()
+    thread.join(1.0 + ADMIT_LINGER_S + 10)
+    assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], JobEnded), outcome
+    assert "no member of the job's newest epoch has been alive" in str(outcome[0])
+    assert time.monotonic() - gone >= 1.0 + ADMIT_LINGER_S - 0.3  # not before its patience ran out
+    del prefixed
+
+
 def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit_code(monkeypatch, capsys):
     import gc
 

@@ -55,7 +55,13 @@ import torch.distributed as dist
 
 from islands.runtime import recovery
 from islands.runtime.comm import CommLedger, gather_objects
-from islands.runtime.membership import JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json, wait_key
+from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json,
+                                        no_member_alive, wait_key)
+
+
+# Seconds past the heartbeat timeout a joiner waits, with no member of the newest epoch alive, before it
+# calls the job over: the last members' final writes land, and one false death alone does not end a wait.
+ADMIT_LINGER_S = 2.0
 
 
 class Excluded(RuntimeError):
@@ -374,8 +380,7 @@ class ElasticComm:
             return 0
         self.store.set(f"ready/{self.name}", str(time.time()))
         try:
-            entry = json.loads(wait_key(self.store, f"joinat/{self.name}", 24 * 3600.0, "admission to an epoch",
-                                        poll=0.02))
+            entry = json.loads(self._await_admission())
         except dist.DistNetworkError:
             raise JobEnded("the job ended before admitting this worker: joiners enter at a round boundary and it "
                            "had none left; nothing was trained here") from None
@@ -387,6 +392,29 @@ class ElasticComm:
                             "global_sha256": global_digest(strategy.eval_model(model)),
                             "transfer": self.transfers[-1] if self.transfers else {"via": "broadcast"}})
         return step
+
+    def _await_admission(self) -> bytes:
+        """The members' entry for this joiner (joinat/<name>), once they put it in an epoch. Only members
+        admit, so the wait ends with JobEnded when none of the newest epoch's has been alive for the
+        heartbeat timeout plus ADMIT_LINGER_S: the job is over, or lost. A closed store (the job host ended
+        it) raises DistNetworkError. This is the joiner's own rule, not the launcher's nor the job host's:
+        with both dead (chaos, session 14) a restarted island otherwise waited forever."""
+        key, timeout = f"joinat/{self.name}", self.liveness.timeout
+        look_s = min(0.25, timeout / 4)  # Liveness wants looks closer than half the timeout
+        quiet_since, next_look = None, 0.0
+        while not self.store.check([key]):
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + look_s
+                if not no_member_alive(self.store, self.liveness):
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = now
+                elif now - quiet_since > timeout + ADMIT_LINGER_S:
+                    raise JobEnded(f"no member of the job's newest epoch has been alive for {now - quiet_since:.1f} "
+                                   "s, so nobody can admit this worker: the job is over; nothing was trained here")
+            time.sleep(0.02)
+        return self.store.get(key)
 
     def at_step(self, strategy, model, step: int) -> None:
         """Called by the holding strategy at the start of each step's hooks (after backward), `step` being the

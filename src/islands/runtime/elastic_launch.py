@@ -46,7 +46,7 @@ from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free,
                                     signal_worker, stop_all)
 from islands.runtime.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
-                                        get_json, parse_address)
+                                        get_json, no_member_alive, parse_address)
 
 
 def job_token(run_dir: Path, out) -> str:
@@ -271,7 +271,7 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", hear
             continue
         next_look = time.monotonic() + LOOK_S
         reaper.look([w for w in running if _name(w) not in stopped])
-        ended = store.check(["e/0/members"]) and _no_member_alive(store, liveness)
+        ended = no_member_alive(store, liveness)
         if ended and islands is not None:
             closing = True
             waiting = [w for w in running if getattr(w, "incarnation", 0) > 0 and _name(w) not in stopped
@@ -282,7 +282,7 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", hear
                       file=out, flush=True)
                 coordinator.store.set(f"dead/{_name(w)}", "the job ended before its island was admitted")
                 signal_worker(w, signal.SIGKILL)
-        if len(reported) == len(workers) and _no_member_alive(store, liveness):
+        if len(reported) == len(workers) and (not store.check(["e/0/members"]) or no_member_alive(store, liveness)):
             break
         time.sleep(0.05)
     finished = [w for w in workers if w.proc.returncode == 0]
@@ -430,8 +430,3 @@ class _Reaper:
             signal_worker(w, sig)
             self.termed[name] = now
 
-
-def _no_member_alive(store, liveness: Liveness) -> bool:
-    latest = int(store.get("latest")) if store.check(["latest"]) else 0
-    names = [m[1] for m in get_json(store, f"e/{latest}/members", [])]
-    return len(liveness.gone(names)) == len(names)

@@ -42,7 +42,7 @@ from pathlib import Path
 from islands.runtime.auth import ControlAuth
 from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.membership import (TOKEN_ENV, Coordinator, CoordinatorSeat, JobSpec, Liveness, authed, connect,
-                                        get_json, host_store)
+                                        host_store, no_member_alive)
 
 RECORD = "job_host.json"  # in the run directory
 LINGER_S = 2.0  # seconds the "no member alive" rule must hold before a host whose launcher died exits
@@ -54,13 +54,6 @@ def write_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
-
-
-def no_member_alive(store, liveness: Liveness) -> bool:
-    """Every member of the newest epoch is gone (finished, reported dead, or silent past the timeout)."""
-    latest = int(store.get("latest")) if store.check(["latest"]) else 0
-    names = [m[1] for m in get_json(store, f"e/{latest}/members", [])]
-    return bool(names) and len(liveness.gone(names)) == len(names)
 
 
 class HostLoop:

@@ -378,6 +378,13 @@ class Liveness:
         return 0.0 if last is None else time.monotonic() - last[1]
 
 
+def no_member_alive(store, liveness: Liveness) -> bool:
+    """Every member of the newest epoch is gone (finished, reported dead, or silent past the timeout)."""
+    latest = int(store.get("latest")) if store.check(["latest"]) else 0
+    names = [m[1] for m in get_json(store, f"e/{latest}/members", [])]
+    return bool(names) and len(liveness.gone(names)) == len(names)
+
+
 class Coordinator:
     """Answers join handshakes, forms epoch 0, keeps the pending list. Runs in the job host
     (islands.runtime.job_host); with a replicated store also as a standby in every worker (CoordinatorSeat).
@@ -538,9 +545,11 @@ class Coordinator:
     def _form(self) -> None:
         self._refresh()
         if len(self.admitted) >= self.workers:
-            self.store.compare_set("e/0/members", "", json.dumps(self.admitted[: self.workers]))
+            mine = json.dumps(self.admitted[: self.workers])
             self.formed = True
-            self.log(f"elastic: epoch 0 formed with {self.workers} workers")
+            if _text(self.store.compare_set("e/0/members", "", mine)) == mine:
+                self.log(f"elastic: epoch 0 formed with {self.workers} workers")
+            # else a coordinator before this one formed it (this one took over): nothing to say
 
     def _verdict(self, ticket: int, name: str, challenge: str, **verdict) -> bool:
         """Writes the verdict unless a genuine one is there; True when this one (or an equal one) stands."""
