@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint_resume import islands_cli as cli
+from cli_jobs import islands_cli as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
