@@ -39,9 +39,16 @@ def test_two_worker_job_writes_record_and_plot(tmp_path):
     assert "islands run summary" in out.stdout
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
+def _writing_to(log: Path) -> list[int]:
+    """The processes whose stderr is `log` (a rank's; forked from the fork server, it is not the launcher's child)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and os.readlink(p / "fd" / "2") == str(log):
+                found.append(int(p.name))
+        except OSError:
+            continue
+    return found
 
 
 @pytest.mark.slow
@@ -51,13 +58,13 @@ def test_sigkilled_worker_ends_job_nonzero_within_timeout(tmp_path):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
+        log = tmp_path / "run" / "logs" / "rank1.log"
         while time.monotonic() < deadline:  # wait until training is under way on rank 1
-            log = tmp_path / "run" / "logs" / "rank1.log"
-            if len(_children(job.pid)) == 2 and log.exists():
+            if log.exists() and _writing_to(log):
                 time.sleep(6)
                 break
             time.sleep(0.5)
-        victim = _children(job.pid)[1]
+        [victim] = _writing_to(log)
         t = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         _, err = job.communicate(timeout=40)

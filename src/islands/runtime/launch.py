@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from islands.runtime import spawn
 from islands.testbed import Testbed, TestbedError, TestbedNotFound
 from islands.testbed.system import list_netns, require_root
 
@@ -57,7 +58,7 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
 @dataclass
 class WorkerProcess:
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # or a spawn.ForkedProcess, driven the same way
     log: Path
     own_group: bool = False  # started in its own process group: stopping it stops its children too
 
@@ -248,8 +249,7 @@ def _start(rank: int, argv: list[str], workers: int, placement: Placement, islan
     with open(log, "w") as f:
         stdout = None if rank == 0 else f  # rank 0 talks to the user; its stderr (errors) is in its log
         # Its own session: Ctrl-C reaches the launcher only, which then stops every rank (and their children).
-        proc = subprocess.Popen(placement.command(rank, argv), env=env, stdout=stdout, stderr=f,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = spawn.start(placement.command(rank, argv), env, stdout=stdout, stderr=f)
     return WorkerProcess(rank, proc, log, own_group=True)
 
 

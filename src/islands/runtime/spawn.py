@@ -1,0 +1,226 @@
+"""Start islands' own worker processes from a preloaded fork server instead of fresh interpreters.
+
+A worker (`python -m islands ...`, the job host) spends 2-3 s of CPU importing torch and islands before it
+does anything; a launcher of 4 workers pays that 4 times, and an elastic island restarted after a failure
+pays it again before it can rejoin (the chaos experiment's restarts took 18-25 s on a 2-core machine). So
+the launcher asks a fork server that imported them once (multiprocessing's "forkserver", with PRELOAD) for
+a copy. The server only imports: no collective, no parallel region, no CUDA call happens in it, so each
+copy is as clean as a new interpreter. A copy then behaves as `subprocess.Popen` would have made it: its
+own session (start_new_session), stdin from /dev/null, stdout and stderr on the descriptors given, the
+environment given and nothing else, `sys.argv` as `-m` sets it, atexit handlers run at the end, and an exit
+code that is the process's (negative: killed by that signal).
+
+Only `[sys.executable, "-m", "islands...", ...]` is forked; anything else (a user's script, a command
+wrapped to run inside a testbed's network namespace) is started with subprocess.Popen. ISLANDS_SPAWN=exec
+turns the fork server off (every process a fresh interpreter).
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import multiprocessing
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, util
+from multiprocessing import process as mp_process
+from multiprocessing import spawn as mp_spawn
+
+SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
+PRELOAD = ["torch", "torch.distributed", "numpy", "islands.cli", "islands.app.elastic_worker", "islands.runtime.job_host"]
+
+_lock = threading.Lock()
+_context = None
+
+
+def forks(argv: list[str], env: dict | None = None) -> bool:
+    """Whether start() forks `argv` from the fork server (islands' own modules, run by this interpreter)."""
+    env = os.environ if env is None else env
+    return (env.get(SPAWN_ENV, "fork") != "exec" and len(argv) >= 3 and argv[0] == sys.executable
+            and argv[1] == "-m" and (argv[2] == "islands" or argv[2].startswith("islands.")))
+
+
+def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None = None):
+    """Start `argv` in a session of its own with stdin from /dev/null; `stdout`/`stderr`: an open file,
+    subprocess.STDOUT (stderr only) or None (this process's). Returns a subprocess.Popen or a ForkedProcess
+    (the same poll, wait, returncode, pid, send_signal, kill, terminate)."""
+    if not forks(argv, env):
+        return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
+                                start_new_session=True)
+    out = 1 if stdout is None else stdout.fileno()
+    err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
+    return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd)
+
+
+def _forkserver():
+    global _context
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            _context = ctx
+        return _context
+
+
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen, without re-running this process's __main__ in the child: the
+    child runs an islands module, not the caller's program (a user's script that launches would otherwise
+    start again inside every worker)."""
+
+    def _launch(self, process_obj):
+        prep_data = mp_spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)  # as the stdlib does: the child's sentinel of this process
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _ServerProcess(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+class _Fd:
+    """A descriptor of this process that the fork server's child receives as its own (over the server's socket)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _Fd._opened, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _opened(dup) -> int:
+        return dup.detach()
+
+
+class ForkedProcess:
+    """A worker forked from the fork server, driven like a subprocess.Popen."""
+
+    def __init__(self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None):
+        _forkserver()
+        self._process = _ServerProcess(target=_child, args=(module, args, env, _Fd(out), _Fd(err), cwd),
+                                       name=f"islands-{module}")
+        self._process.start()
+        # not multiprocessing's child to look after: its exit handler would wait for it (or kill it) when
+        # this process exits, and a worker must outlive a launcher that dies (docs/membership.md)
+        mp_process._children.discard(self._process)
+        self._popen = self._process._popen
+        self.pid = self._process.pid
+        self.args = [sys.executable, "-m", module, *args]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            while self._popen.wait(1.0) is None:
+                pass
+        elif self._popen.wait(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _stream(fd: int):
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                            line_buffering=True, write_through=True)
+
+
+def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None) -> None:
+    """In the forked copy: become what `python -m module args` in a new session would have been."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {null, out, err} - {0, 1, 2}:
+        os.close(fd)
+    sys.stdout = sys.__stdout__ = _stream(1)
+    sys.stderr = sys.__stderr__ = _stream(2)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has them
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # the server imported the module already (PRELOAD); `-m` runs it again as __main__, which is what we want
+    warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
+    sys.argv = [module, *args]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.exit(code or 0)
+
+
+
+def describe_self() -> dict:
+    """What this process looks like to a worker: `python -m islands.runtime.spawn [ARGS]` prints it (one JSON
+    line), forked or not, to check what a worker started by start() gets."""
+    import json
+
+    return json.loads(json.dumps({"pid": os.getpid(), "session": os.getsid(0), "argv": sys.argv[1:],
+                                  "cwd": os.getcwd(), "env": dict(os.environ), "stdin": sys.stdin.read(),
+                                  "parent": os.getppid()}))
+
+
+if __name__ == "__main__":  # SPAWN_SLEEP=S: then sleep S seconds; SPAWN_EXIT=CODE: then exit with it
+    import json
+
+    print(json.dumps(describe_self()), flush=True)
+    time.sleep(float(os.environ.get("SPAWN_SLEEP", "0")))
+    code = os.environ.get("SPAWN_EXIT", "0")
+    sys.exit(int(code) if code.lstrip("-").isdigit() else code)

@@ -1,0 +1,60 @@
+"""Workers forked from the preloaded fork server (islands.runtime.spawn) look like fresh interpreters."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from islands.runtime import spawn
+
+ME = [sys.executable, "-m", "islands.runtime.spawn"]
+
+
+def start(tmp_path, argv, env=None, **kw):
+    log = tmp_path / "out.log"
+    with open(log, "w") as f:
+        proc = spawn.start(argv, {"PATH": os.environ["PATH"], **(env or {})}, stdout=f, stderr=subprocess.STDOUT, **kw)
+    return proc, log
+
+
+def test_islands_modules_are_forked_and_see_only_the_given_environment_argv_and_cwd(tmp_path):
+    assert spawn.forks(ME + ["x"]) and not spawn.forks([sys.executable, "train.py"])
+    assert not spawn.forks(ME, {spawn.SPAWN_ENV: "exec"})
+    proc, log = start(tmp_path, ME + ["a", "--b"], {"OMP_NUM_THREADS": "1", "ONLY": "this"}, cwd=str(tmp_path))
+    assert isinstance(proc, spawn.ForkedProcess) and proc.wait(60) == 0 and proc.returncode == 0
+    seen = json.loads(log.read_text().strip().splitlines()[-1])
+    assert seen["pid"] == proc.pid and seen["session"] == proc.pid  # a session of its own, as start_new_session
+    assert seen["argv"] == ["a", "--b"] and seen["cwd"] == str(tmp_path) and seen["stdin"] == ""
+    assert seen["env"] == {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "ONLY": "this"}
+    assert seen["parent"] != os.getpid()  # the fork server's child, not an interpreter this process started
+
+
+def test_exit_codes_and_signals_read_as_popen_reads_them(tmp_path):
+    for given, want in (("3", 3), ("a message", 1)):
+        proc, log = start(tmp_path, ME, {"SPAWN_EXIT": given})
+        assert proc.wait(60) == want
+    assert "a message" in log.read_text()  # sys.exit(str) prints it, as the interpreter does
+    missing, log = start(tmp_path, [sys.executable, "-m", "islands.no_such_module"])
+    assert missing.wait(60) == 1 and "No module named islands.no_such_module" in log.read_text()
+    sleeper, log = start(tmp_path, ME, {"SPAWN_SLEEP": "60"})
+    deadline = time.monotonic() + 60
+    while not log.read_text():  # it runs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(0.1)
+    os.killpg(sleeper.pid, signal.SIGTERM)  # the launcher signals a worker's whole group
+    assert sleeper.wait(30) == -signal.SIGTERM
+    sleeper.kill()  # gone: nothing to signal, no error
+
+
+def test_other_commands_and_exec_mode_start_with_popen(tmp_path):
+    proc, log = start(tmp_path, ME, {spawn.SPAWN_ENV: "exec"})
+    assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
+    seen = json.loads(log.read_text().strip().splitlines()[-1])
+    assert seen["session"] == proc.pid and seen["parent"] == os.getpid()  # a fresh interpreter of ours
