@@ -145,6 +145,19 @@ def job_processes(marker: str) -> list[int]:
     return pids
 
 
+def worker_pid(run: Path, name: str) -> int:
+    """The pid of the elastic worker `name` of a run: the process whose stdout is RUN_DIR/logs/<name>.log
+    (forked from the launcher's fork server, its environment is the server's, so that does not name it)."""
+    log = str(run / "logs" / f"{name}.log")
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and os.readlink(p / "fd" / "1") == log:
+                return int(p.name)
+        except OSError:
+            continue
+    raise LookupError(f"no live process writes {log}")
+
+
 def kill_job_processes(marker: str) -> None:
     """SIGKILL what is left of a job (never leave a process behind, even when the test failed)."""
     for pid in job_processes(marker):

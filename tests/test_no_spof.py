@@ -31,14 +31,6 @@ def _wait(cond, what: str, timeout: float = 120.0, log: Path | None = None):
     return elastic_jobs.wait(cond, what, timeout, log=log)
 
 
-def _env_of(pid: int) -> dict:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-
-
 def _record(path: Path):
     try:
         return json.loads(path.read_text())
@@ -73,7 +65,7 @@ def _kill_launcher_mid_run(tmp_path: Path, steps: int, kill_a_worker: bool) -> t
         killed_at = time.time()
         if kill_a_worker:  # after the launcher: nobody sets its dead flag, its heartbeat must tell
             _wait(lambda: store.check(["round/6/join"]), "two more rounds", log=run / "logs" / "w0.log")
-            victim = next(pid for pid in _job_processes(str(run)) if _env_of(pid).get("ISLANDS_NAME") == "w2")
+            victim = elastic_jobs.worker_pid(run, "w2")
             os.kill(victim, signal.SIGKILL)
         del store
         ended = _wait(lambda: (r := _record(run / "job_host.json")) and "ended" in r and r, "the job host's end",

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,8 @@ def test_exit_codes_and_signals_read_as_popen_reads_them(tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert sleeper.poll() is None
+    shown = Path(f"/proc/{sleeper.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    assert shown == " ".join(ME)  # what ps and pgrep -f show: the command, not the fork server's
     with pytest.raises(subprocess.TimeoutExpired):
         sleeper.wait(0.1)
     os.killpg(sleeper.pid, signal.SIGTERM)  # the launcher signals a worker's whole group

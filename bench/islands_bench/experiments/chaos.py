@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -78,24 +79,30 @@ def campaign(n: int, seed: int) -> list[str]:
     return kinds + ["kill-launcher"]
 
 
+_NAME = re.compile(r"^(?:i(\d+)w(\d+)|w(\d+))(?:\.\d+)?$")  # island_comm.worker_name: i<i>w<l>[.n] or w<i>[.n]
+
+
 def _workers(run_dir: Path) -> list[dict]:
-    """The live elastic worker processes of this run: pid, name, island, local index, whether stopped."""
-    out = []
+    """The live elastic worker processes of this run: pid, name, island, local index, whether stopped. A worker
+    is found by its stdout, RUN_DIR/logs/<name>.log (forked from the launcher's fork server, its command line
+    and environment are the server's, so neither names it)."""
+    logs, out = str(run_dir / "logs") + "/", []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
-            cmd = (p / "cmdline").read_bytes().split(b"\0")
-            if b"islands.app.elastic_worker" not in cmd or str(run_dir).encode() not in cmd:
-                continue
-            env = dict(kv.split("=", 1) for kv in (p / "environ").read_bytes().decode(errors="replace").split("\0")
-                       if "=" in kv)
+            target = os.readlink(p / "fd" / "1")
             state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             continue
-        place = env.get("ISLANDS_ISLAND", "")
-        index, local = (int(place.split(",")[0]), int(place.split(",")[1])) if place else (-1, 0)
-        out.append({"pid": int(p.name), "name": env.get("ISLANDS_NAME", "?"), "island": index, "local": local,
+        if not target.startswith(logs) or not target.endswith(".log"):
+            continue
+        name = target[len(logs):-len(".log")]
+        m = _NAME.match(name)
+        if m is None:  # the job host's log, or not a worker's
+            continue
+        index, local = (int(m.group(1)), int(m.group(2))) if m.group(1) is not None else (int(m.group(3)), 0)
+        out.append({"pid": int(p.name), "name": name, "island": index, "local": local,
                     "state": state, "started": p.stat().st_mtime})
     return out
 

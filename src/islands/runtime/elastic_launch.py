@@ -38,7 +38,7 @@ from typing import Callable
 
 from dataclasses import dataclass
 
-from islands.runtime import job_host
+from islands.runtime import job_host, spawn
 from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from islands.runtime.auth import ControlAuth
@@ -342,8 +342,7 @@ class _Islands:
             log = self.run_dir / "logs" / f"{name}.log"
             with open(log, "w") as f:
                 # its own session: Ctrl-C reaches the launcher only, which stops every worker and its children
-                proc = subprocess.Popen(self.command(self.address), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                proc = spawn.start(self.command(self.address), env, stdout=f, stderr=subprocess.STDOUT)
             out.append(IslandWorker(index * self.size + local, proc, log, own_group=True, name=name, island=index,
                                     incarnation=incarnation))
         return out

@@ -7,8 +7,10 @@ the launcher asks a fork server that imported them once (multiprocessing's "fork
 a copy. The server only imports: no collective, no parallel region, no CUDA call happens in it, so each
 copy is as clean as a new interpreter. A copy then behaves as `subprocess.Popen` would have made it: its
 own session (start_new_session), stdin from /dev/null, stdout and stderr on the descriptors given, the
-environment given and nothing else, `sys.argv` as `-m` sets it, atexit handlers run at the end, and an exit
-code that is the process's (negative: killed by that signal).
+environment given and nothing else, `sys.argv` as `-m` sets it, the same command line in `ps` (setproctitle),
+atexit handlers run at the end, and an exit code that is the process's (negative: killed by that signal).
+Two things differ: its parent is the fork server, not the launcher, and /proc/PID/environ shows the
+server's environment (os.environ is the one given); find a worker by its log (/proc/PID/fd/1) instead.
 
 Only `[sys.executable, "-m", "islands...", ...]` is forked; anything else (a user's script, a command
 wrapped to run inside a testbed's network namespace) is started with subprocess.Popen. ISLANDS_SPAWN=exec
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import json
 import os
 import runpy
 import signal
@@ -26,12 +29,15 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
 import multiprocessing
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, util
 from multiprocessing import process as mp_process
 from multiprocessing import spawn as mp_spawn
+
+import setproctitle
 
 SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
 PRELOAD = ["torch", "torch.distributed", "numpy", "islands.cli", "islands.app.elastic_worker", "islands.runtime.job_host"]
@@ -164,6 +170,9 @@ def _stream(fd: int):
 
 def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None) -> None:
     """In the forked copy: become what `python -m module args` in a new session would have been."""
+    # `ps`, `pgrep -f` and /proc/PID/cmdline show the command it stands for, not the fork server's; first,
+    # while the inherited environment is in place (setproctitle finds argv's memory through it)
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -189,8 +198,6 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
     except SystemExit as e:
         code = e.code
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
-        import traceback
-
         traceback.print_exc()
         code = 1
     finally:
@@ -210,16 +217,12 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
 def describe_self() -> dict:
     """What this process looks like to a worker: `python -m islands.runtime.spawn [ARGS]` prints it (one JSON
     line), forked or not, to check what a worker started by start() gets."""
-    import json
-
     return json.loads(json.dumps({"pid": os.getpid(), "session": os.getsid(0), "argv": sys.argv[1:],
                                   "cwd": os.getcwd(), "env": dict(os.environ), "stdin": sys.stdin.read(),
                                   "parent": os.getppid()}))
 
 
 if __name__ == "__main__":  # SPAWN_SLEEP=S: then sleep S seconds; SPAWN_EXIT=CODE: then exit with it
-    import json
-
     print(json.dumps(describe_self()), flush=True)
     time.sleep(float(os.environ.get("SPAWN_SLEEP", "0")))
     code = os.environ.get("SPAWN_EXIT", "0")
