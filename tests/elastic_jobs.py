@@ -148,7 +148,7 @@ def job_processes(marker: str) -> list[int]:
 def worker_pid(run: Path, name: str) -> int:
     """The pid of the elastic worker `name` of a run: the process whose stdout is RUN_DIR/logs/<name>.log
     (forked from the launcher's fork server, its environment is the server's, so that does not name it)."""
-    log = str(run / "logs" / f"{name}.log")
+    log = str(Path(run).resolve() / "logs" / f"{name}.log")
     for p in Path("/proc").iterdir():
         try:
             if p.name.isdigit() and os.readlink(p / "fd" / "1") == log:

@@ -86,7 +86,7 @@ def _workers(run_dir: Path) -> list[dict]:
     """The live elastic worker processes of this run: pid, name, island, local index, whether stopped. A worker
     is found by its stdout, RUN_DIR/logs/<name>.log (forked from the launcher's fork server, its command line
     and environment are the server's, so neither names it)."""
-    logs, out = str(run_dir / "logs") + "/", []
+    logs, out = str(Path(run_dir).resolve() / "logs") + "/", []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
