@@ -62,6 +62,7 @@ def test_two_coordinators_racing_give_each_joiner_one_slot_and_agree_on_epoch_0(
             time.sleep(0.02)
         assert sorted(p[0] for p in get_json(store, "pending", [])) == [3, 4, 5]
         for c in coords:
+            c.stop()  # its poll thread refreshes too: two refreshes at once would append a slot twice
             c._refresh()
         assert coords[0].admitted == coords[1].admitted and len(coords[0].admitted) == 6
     finally:

@@ -138,8 +138,13 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, sig, code):
         while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
             time.sleep(0.1)
         pids = _pids(tmp_path, 2)
+        masks = [line for line in Path(f"/proc/{job.pid}/status").read_text().splitlines()
+                 if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]  # what the launcher does with `sig`
         job.send_signal(sig)
-        _, err = job.communicate(timeout=30)
+        try:
+            _, err = job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the launcher ignored {sig.name}; its signal masks then: {masks}") from None
     finally:
         if job.poll() is None:
             job.kill()

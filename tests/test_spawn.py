@@ -61,3 +61,16 @@ def test_other_commands_and_exec_mode_start_with_popen(tmp_path):
     assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     seen = json.loads(log.read_text().strip().splitlines()[-1])
     assert seen["session"] == proc.pid and seen["parent"] == os.getpid()  # a fresh interpreter of ours
+
+
+def test_without_the_stdlib_internals_it_needs_workers_start_as_fresh_interpreters(tmp_path, monkeypatch):
+    def moved(*args, **kwargs):
+        raise AttributeError("module 'multiprocessing.forkserver' has no attribute 'connect_to_new_process'")
+
+    monkeypatch.setattr(spawn, "ForkedProcess", moved)
+    monkeypatch.setattr(spawn, "_unavailable", [])
+    with pytest.warns(RuntimeWarning, match="fork server is unavailable"):
+        proc, log = start(tmp_path, ME)
+    assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
+    assert not spawn.forks(ME)  # decided once for this process
+    assert json.loads(log.read_text().strip().splitlines()[-1])["parent"] == os.getpid()

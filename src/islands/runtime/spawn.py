@@ -44,12 +44,13 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "islands.cli", "islands.app.el
 
 _lock = threading.Lock()
 _context = None
+_unavailable: list[str] = []  # why the fork server cannot be used in this Python, once found
 
 
 def forks(argv: list[str], env: dict | None = None) -> bool:
     """Whether start() forks `argv` from the fork server (islands' own modules, run by this interpreter)."""
     env = os.environ if env is None else env
-    return (env.get(SPAWN_ENV, "fork") != "exec" and len(argv) >= 3 and argv[0] == sys.executable
+    return (env.get(SPAWN_ENV, "fork") != "exec" and not _unavailable and len(argv) >= 3 and argv[0] == sys.executable
             and argv[1] == "-m" and (argv[2] == "islands" or argv[2].startswith("islands.")))
 
 
@@ -62,7 +63,14 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
                                 start_new_session=True)
     out = 1 if stdout is None else stdout.fileno()
     err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
-    return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd)
+    try:
+        return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd)
+    except (AttributeError, TypeError) as e:  # multiprocessing's internals moved (another Python): no fork server
+        warnings.warn(f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
+                      RuntimeWarning, stacklevel=2)
+        _unavailable.append(str(e))  # said once; from now on every worker is a fresh interpreter
+        return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
+                                start_new_session=True)
 
 
 def _forkserver():
