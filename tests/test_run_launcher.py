@@ -131,8 +131,11 @@ def test_a_failing_rank_ends_the_job_fast_and_its_log_tail_is_shown(tmp_path, ho
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_stopping_the_launcher_stops_every_rank(tmp_path, sig, code):
     script = _script(tmp_path, WAITING)
+    # SIGINT as a terminal gives it: a suite started in the background (`nohup make test &`) hands its
+    # processes SIGINT ignored, and a launcher that inherits that rightly ignores Ctrl-C too
     job = subprocess.Popen([*ISLANDS_RUN, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script),
-                            str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
