@@ -6,7 +6,8 @@ keeps serving while a majority of its members is up (Raft), so no single process
 
 How it talks to etcd: the v3 API through etcd's JSON gateway over plain HTTP (POST /v3/kv/range, /kv/put,
 /kv/txn, /kv/deleterange, /lease/*; keys and values base64), with the standard library's http.client: no
-new dependency. /v3/ is the gateway's path from etcd 3.4 on (3.3 had /v3beta/, which 3.4 still accepts).
+new dependency. `etcds://` is the same over HTTPS, with a client certificate when the cluster asks for one
+(EtcdTLS: ISLANDS_ETCD_CA, ISLANDS_ETCD_CERT, ISLANDS_ETCD_KEY). /v3/ is the gateway's path from etcd 3.4 on (3.3 had /v3beta/, which 3.4 still accepts).
 Every key of the job is under its namespace (`EtcdAddress.namespace`), so jobs can share a cluster.
 
 Fail-over: a request that cannot reach its endpoint (refused, reset, timed out) or that the member cannot
@@ -31,6 +32,8 @@ import base64
 import datetime as _dt
 import http.client
 import json
+import os
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +41,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 SCHEME = "etcd://"
+TLS_SCHEME = "etcds://"  # the same over TLS, with the certificates named by CA_ENV, CERT_ENV and KEY_ENV
+CA_ENV = "ISLANDS_ETCD_CA"  # PEM file of the CA that signed the members' certificates (default: the system's)
+CERT_ENV = "ISLANDS_ETCD_CERT"  # PEM client certificate, for a cluster that admits clients by certificate
+KEY_ENV = "ISLANDS_ETCD_KEY"  # its private key
 ENDED_KEY = "__islands_job_ended__"  # under the namespace: the job is over (see EtcdStore.end)
 REQUEST_TIMEOUT_S = 3.0  # one HTTP request to one member: a frozen or cut-off member costs at most this
 POLL_S = 0.005  # blocking get/wait poll (a linearizable read is one round trip to the leader)
@@ -56,13 +63,15 @@ class EtcdAddress:
 
     endpoints: tuple[tuple[str, int], ...]
     namespace: str = ""
+    tls: bool = False  # etcds://: HTTPS to the members (EtcdTLS.from_env: the CA and the client certificate)
 
     @classmethod
     def parse(cls, text: str) -> "EtcdAddress":
-        if not isinstance(text, str) or not text.startswith(SCHEME):
-            raise ValueError(f"an etcd store address starts with {SCHEME} (e.g. etcd://127.0.0.1:2379,"
+        if not is_etcd(text):
+            raise ValueError(f"an etcd store address starts with {SCHEME} or {TLS_SCHEME} (e.g. etcd://127.0.0.1:2379,"
                              f"127.0.0.1:22379,127.0.0.1:32379); got {text!r}")
-        rest = text[len(SCHEME):]
+        tls = text.startswith(TLS_SCHEME)
+        rest = text[len(TLS_SCHEME if tls else SCHEME):]
         hosts, _, namespace = rest.partition("/")
         endpoints = []
         for part in hosts.split(","):
@@ -73,18 +82,60 @@ class EtcdAddress:
             endpoints.append((host, int(port)))
         if not all(c.isalnum() or c in "-_." for c in namespace):
             raise ValueError(f"the namespace {namespace!r} in {text!r} may hold letters, digits, '-', '_', '.'")
-        return cls(tuple(endpoints), namespace)
+        return cls(tuple(endpoints), namespace, tls)
 
     def with_namespace(self, namespace: str) -> "EtcdAddress":
-        return EtcdAddress(self.endpoints, namespace)
+        return EtcdAddress(self.endpoints, namespace, self.tls)
 
     def __str__(self) -> str:
         hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
-        return f"{SCHEME}{hosts}" + (f"/{self.namespace}" if self.namespace else "")
+        return f"{TLS_SCHEME if self.tls else SCHEME}{hosts}" + (f"/{self.namespace}" if self.namespace else "")
 
 
 def is_etcd(text: str) -> bool:
-    return isinstance(text, str) and text.startswith(SCHEME)
+    return isinstance(text, str) and (text.startswith(SCHEME) or text.startswith(TLS_SCHEME))
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """How a client verifies the members and proves itself to them: the CA bundle (empty: the system's) and a
+    client certificate with its key (empty: none; a cluster started with --client-cert-auth then refuses the
+    client). With client certificates the store admits only holders of a certificate its CA signed: nothing
+    else can read or write the job's keys, on top of the control plane's MACs (docs/membership.md)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    @classmethod
+    def from_env(cls, env=None) -> "EtcdTLS":
+        env = os.environ if env is None else env
+        tls = cls(env.get(CA_ENV, ""), env.get(CERT_ENV, ""), env.get(KEY_ENV, ""))
+        missing = [f"{name}={path}" for name, path in ((CA_ENV, tls.ca), (CERT_ENV, tls.cert), (KEY_ENV, tls.key))
+                   if path and not os.path.isfile(path)]
+        if missing:
+            raise ValueError(f"etcd TLS files not found: {', '.join(missing)}")
+        if bool(tls.cert) != bool(tls.key):
+            raise ValueError(f"a client certificate needs both {CERT_ENV} and {KEY_ENV}; got only "
+                             f"{CERT_ENV if tls.cert else KEY_ENV}")
+        return tls
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca or None)
+        if self.cert:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
+
+
+def _tls_refusal(e: ssl.SSLError) -> str | None:
+    """What is wrong when a TLS handshake failed for a reason of configuration, not of availability."""
+    text = str(e).lower()
+    if isinstance(e, ssl.SSLCertVerificationError) or "certificate verify failed" in text:
+        return f"the member's certificate does not verify ({e}); set {CA_ENV} to the CA that signed it"
+    if "certificate required" in text or "bad certificate" in text or "unknown ca" in text:
+        return (f"the member refused this client's certificate ({e}); set {CERT_ENV} and {KEY_ENV} to a client "
+                "certificate the cluster's CA signed")
+    return None
 
 
 def _b64(data: bytes) -> str:
@@ -119,11 +170,12 @@ class EtcdClient:
     """JSON-over-HTTP calls to an etcd v3 cluster with fail-over between its client endpoints. Thread-safe:
     each thread keeps its own keep-alive connection."""
 
-    def __init__(self, endpoints, timeout_s: float = 30.0):
+    def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None):
         self.endpoints = list(endpoints)
         if not self.endpoints:
             raise ValueError("an etcd client needs at least one endpoint")
         self.timeout_s = timeout_s
+        self._ssl = tls.context() if tls is not None else None
         self._current = 0  # the endpoint that answered last: tried first
         self._local = threading.local()
         self.failovers = 0  # requests that moved to another endpoint (for reports and tests)
@@ -134,7 +186,8 @@ class EtcdClient:
             conns = self._local.conns = {}
         if i not in conns:
             host, port = self.endpoints[i]
-            conns[i] = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
+            conns[i] = (http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S) if self._ssl is None else
+                        http.client.HTTPSConnection(host, port, timeout=REQUEST_TIMEOUT_S, context=self._ssl))
         return conns[i]
 
     def _drop(self, i: int) -> None:
@@ -155,6 +208,12 @@ class EtcdClient:
                 resp = conn.getresponse()
                 payload = resp.read()
                 status = resp.status
+            except ssl.SSLError as e:
+                self._drop(i)
+                why = _tls_refusal(e)
+                if why is not None:
+                    raise EtcdError(f"etcd {self.endpoints[i][0]}:{self.endpoints[i][1]}: {why}") from None
+                errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(e).__name__}: {e}")
             except (OSError, http.client.HTTPException) as e:
                 self._drop(i)
                 errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(e).__name__}: {e}")
@@ -169,13 +228,18 @@ class EtcdClient:
                         self.failovers += 1
                     return answer
                 message = str(answer.get("error") or answer.get("message") or payload[:200])
+                if "HTTPS server" in message:  # plain HTTP to a member that speaks TLS
+                    raise EtcdError(f"etcd {path}: the members speak TLS; address them as {TLS_SCHEME}... "
+                                    f"(with {CA_ENV}, {CERT_ENV} and {KEY_ENV} as needed)")
                 if status < 500 and not _unavailable(message):
                     raise EtcdError(f"etcd {path}: {message}")
                 errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {message}")
             attempt += 1
             if time.monotonic() > deadline:
+                hint = (f" (if the members speak TLS, address them as {TLS_SCHEME}...)"
+                        if self._ssl is None and any("RemoteDisconnected" in e for e in errors) else "")
                 raise dist.DistNetworkError(f"no etcd member answered {path} within {self.timeout_s:.0f} s: "
-                                            + "; ".join(errors[-len(self.endpoints):]))
+                                            + "; ".join(errors[-len(self.endpoints):]) + hint)
             if attempt % len(self.endpoints) == 0:
                 time.sleep(0.1)  # every member refused: an election may be under way
 
@@ -271,7 +335,8 @@ class EtcdStore(dist.Store):
                  client: EtcdClient | None = None, key_prefix: str = ""):
         super().__init__()
         self.address = EtcdAddress.parse(address) if isinstance(address, str) else address
-        self.client = client or EtcdClient(self.address.endpoints, timeout_s)
+        self.client = client or EtcdClient(self.address.endpoints, timeout_s,
+                                           EtcdTLS.from_env() if self.address.tls else None)
         self.timeout_s = timeout_s
         self.fence = fence
         self.root = (self.address.namespace + "/").encode() if self.address.namespace else b""

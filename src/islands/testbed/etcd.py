@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -37,10 +38,16 @@ def _free_ports(n: int) -> list[int]:
 
 
 class EtcdCluster:
-    def __init__(self, members: int = 3, root: Path | None = None):
+    def __init__(self, members: int = 3, root: Path | None = None, tls: bool = False):
+        """`tls`: the members serve clients over TLS and admit only clients with a certificate their own CA
+        signed (etcd's --client-cert-auth); `env()` names the files a client needs (a throwaway CA, made with
+        openssl in the cluster's directory)."""
         self.n = members
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.root = Path(tempfile.mkdtemp(prefix="islands-etcd-", dir=root or base))
+        self.tls = tls
+        if tls:
+            _make_certificates(self.root / "pki")
         ports = _free_ports(2 * members)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen | None] = [None] * members
@@ -52,14 +59,25 @@ class EtcdCluster:
 
     @property
     def url(self) -> str:
-        return "etcd://" + ",".join(self.endpoints)
+        return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
+
+    def env(self) -> dict[str, str]:
+        """The variables a client of this cluster needs (islands.runtime.etcd_store.EtcdTLS.from_env)."""
+        if not self.tls:
+            return {}
+        pki = self.root / "pki"
+        return {"ISLANDS_ETCD_CA": str(pki / "ca.crt"), "ISLANDS_ETCD_CERT": str(pki / "client.crt"),
+                "ISLANDS_ETCD_KEY": str(pki / "client.key")}
 
     def start_member(self, i: int, state: str = "new") -> None:
         c, p = self.client_ports[i], self.peer_ports[i]
         log = open(self.root / f"m{i}.log", "a")
+        scheme, pki = ("https" if self.tls else "http"), self.root / "pki"
+        tls = ["--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"), "--client-cert-auth",
+               "--trusted-ca-file", str(pki / "ca.crt")] if self.tls else []
         self.procs[i] = subprocess.Popen(
-            [ETCD, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"),
-             "--listen-client-urls", f"http://127.0.0.1:{c}", "--advertise-client-urls", f"http://127.0.0.1:{c}",
+            [ETCD, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"), *tls,
+             "--listen-client-urls", f"{scheme}://127.0.0.1:{c}", "--advertise-client-urls", f"{scheme}://127.0.0.1:{c}",
              "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
              "--initial-cluster", self.initial, "--initial-cluster-state", state,
              "--initial-cluster-token", self.root.name, "--heartbeat-interval", "100",
@@ -78,8 +96,15 @@ class EtcdCluster:
         return self
 
     def healthy(self, i: int) -> bool:
+        context = None
+        if self.tls:
+            pki = self.root / "pki"
+            context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+            context.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
+        scheme = "https" if self.tls else "http"
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_ports[i]}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.client_ports[i]}/health", timeout=2,
+                                        context=context) as r:
                 return b'"true"' in r.read()
         except OSError:
             return False
@@ -98,3 +123,22 @@ class EtcdCluster:
     def logs(self) -> str:
         return "\n".join(f"--- m{i}\n" + (self.root / f"m{i}.log").read_text()[-2000:]
                          for i in range(self.n) if (self.root / f"m{i}.log").exists())
+
+
+def _make_certificates(pki: Path) -> None:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA (openssl)."""
+    pki.mkdir(mode=0o700)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], cwd=pki, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stderr[-500:]}")
+
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=islands-test-ca")
+    (pki / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name, subject in (("server", "/CN=127.0.0.1"), ("client", "/CN=islands-client")):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject)
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
