@@ -4,6 +4,7 @@ clear error, not a hang."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,8 +18,8 @@ import elastic_jobs
 
 @pytest.fixture(scope="module")
 def secure():
-    if not etcd_cluster.available():
-        pytest.skip("etcd-server is not installed (apt-get install etcd-server)")
+    if not etcd_cluster.available() or shutil.which("openssl") is None:
+        pytest.skip("etcd-server or openssl is not installed (apt-get install etcd-server openssl; .ci/run does)")
     c = etcd_cluster.EtcdCluster(3, tls=True).start()
     yield c
     c.stop()
