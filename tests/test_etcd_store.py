@@ -4,6 +4,7 @@ writes refused, and gloo's rendezvous over it (2 ranks all-reduce over a PrefixS
 
 from __future__ import annotations
 
+import base64
 import datetime as _dt
 import time
 
@@ -12,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import islands.testbed.etcd as etcd_cluster
-from islands.runtime.etcd_store import (EtcdAddress, EtcdClient, EtcdStore, NotLeader, cmp_absent, leader_key,
-                                        op_put)
+from islands.runtime.etcd_store import (ENDED_KEY, EtcdAddress, EtcdClient, EtcdStore, NotLeader, cmp_absent,
+                                        leader_key, op_put)
 from spawn_world import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not etcd_cluster.available(), reason="etcd-server is not installed (apt-get install etcd-server)")
@@ -73,10 +74,15 @@ def test_store_round_trip_with_tcpstore_semantics(cluster):
     assert not other.check(["b"]) and other.num_keys() == 0
     # the end mark: every client of the namespace then sees the store as gone (a joiner learns the job ended)
     other.set("x", "1")
-    other.end()
+    other.set("y/z", "2")
+    other.end(keep_s=60)
     with pytest.raises(dist.DistNetworkError, match="ended"):
         _store(cluster, "rt-other").check(["x"])
-    assert s.check(["b"])
+    assert s.check(["b"])  # another namespace keeps its keys
+    # ... and the ended job leaves only its mark, under a lease that lapses
+    left = other.client.range(other.root, prefix=True).get("kvs", [])
+    assert [base64.b64decode(kv["key"]) for kv in left] == [other.root + ENDED_KEY.encode()]
+    assert int(left[0].get("lease", 0)) > 0
 
 
 def test_a_python_store_works_under_prefix_store_and_fenced_writes_hold_only_while_the_lease_key_lives(cluster):

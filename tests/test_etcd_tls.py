@@ -2,6 +2,7 @@
 holder of a certificate the cluster's CA signed reads or writes the job's keys; a wrong or missing file is a
 clear error, not a hang."""
 
+import base64
 import json
 import os
 import shutil
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from islands.runtime.etcd_store import CA_ENV, CERT_ENV, KEY_ENV, EtcdAddress, EtcdClient, EtcdError, EtcdStore, EtcdTLS
+from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, ENDED_KEY, KEY_ENV, EtcdAddress, EtcdClient, EtcdError,
+                                        EtcdStore, EtcdTLS)
 from islands.testbed import etcd as etcd_cluster
 
 import elastic_jobs
@@ -84,8 +86,9 @@ def test_an_elastic_job_runs_over_the_tls_store_and_its_keys_are_closed_to_other
     rec = json.loads((run / "run.json").read_text())
     assert rec["summary"]["steps"] == 9
     client = EtcdClient(EtcdAddress.parse(secure.url).endpoints, timeout_s=10, tls=EtcdTLS.from_env())
-    keys = client.range(b"islands-", prefix=True).get("kvs", [])
-    assert keys, "the job kept no keys in the cluster"  # it did use the TLS store
+    keys = [base64.b64decode(kv["key"]) for kv in client.range(b"islands-", prefix=True).get("kvs", [])]
+    # it used the TLS store, and at its end left only its end mark there (EtcdStore.end)
+    assert len(keys) == 1 and keys[0].endswith(ENDED_KEY.encode()), keys
     bare = EtcdClient(EtcdAddress.parse(secure.url).endpoints, timeout_s=10,
                       tls=EtcdTLS(ca=os.environ[CA_ENV]))  # verifies the members, has no certificate of its own
     with pytest.raises(EtcdError, match="refused this client's certificate"):

@@ -23,7 +23,8 @@ PrefixStore of it) and islands' AuthStore run over it unchanged. Semantics follo
 `compare_set(key, expected, desired)` sets when the current value equals `expected` (a missing key when
 `expected` is empty) and returns the value the key then holds. `end()` marks the job's namespace over:
 every later `check`/`get`/`wait` of any client raises DistNetworkError, as a client of a TCPStore whose
-server went away does (a joiner waiting for admission then knows the job ended).
+server went away does (a joiner waiting for admission then knows the job ended); the namespace's other
+keys go in the same transaction and the mark lapses after END_MARK_KEEP_S.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ CA_ENV = "ISLANDS_ETCD_CA"  # PEM file of the CA that signed the members' certif
 CERT_ENV = "ISLANDS_ETCD_CERT"  # PEM client certificate, for a cluster that admits clients by certificate
 KEY_ENV = "ISLANDS_ETCD_KEY"  # its private key
 ENDED_KEY = "__islands_job_ended__"  # under the namespace: the job is over (see EtcdStore.end)
+END_MARK_KEEP_S = 3600  # how long that mark outlives the job's other keys (a joiner arriving later finds no job)
 REQUEST_TIMEOUT_S = 3.0  # one HTTP request to one member: a frozen or cut-off member costs at most this
 POLL_S = 0.005  # blocking get/wait poll (a linearizable read is one round trip to the leader)
 CHECKED_FRESH_S = 0.05  # a get this soon after a check that read the key returns what the check read
@@ -485,9 +487,18 @@ class EtcdStore(dist.Store):
         return int(self.client.range(self._k(""), prefix=True, count_only=True).get("count", 0))
 
     # ---- the job's end ----------------------------------------------------------------------------------
-    def end(self) -> None:
-        """Mark the job's namespace over (clients then see the store as gone)."""
-        self.client.put(self.root + ENDED_KEY.encode(), b"1")
+    def end(self, keep_s: int = END_MARK_KEEP_S) -> None:
+        """Mark the job's namespace over (clients then see the store as gone) and delete every other key of it,
+        in one transaction; the mark itself lapses after `keep_s` (an etcd lease), so a finished job leaves
+        nothing in the cluster. Without a namespace only the mark is written (the rest is not this job's)."""
+        mark = self.root + ENDED_KEY.encode()
+        put = op_put(mark, b"1", self.client.grant(keep_s))
+        if not self.root:
+            self.client.txn([], [put], [])
+            return
+        around = [{"request_delete_range": {"key": _b64(self.root), "range_end": _b64(mark)}},
+                  {"request_delete_range": {"key": _b64(mark + b"\0"), "range_end": _b64(_prefix_end(self.root))}}]
+        self.client.txn([], [*around, put], [])
 
     def ended(self) -> bool:
         return self.client.get(self.root + ENDED_KEY.encode()) is not None
