@@ -316,6 +316,74 @@ def _store_cost(n: int = 2000) -> dict:
     return out
 
 
+def _etcd_outsiders(tries: int) -> dict | None:
+    """Writes and deletes of one key of a job's namespace in an etcd cluster over TLS with client certificates
+    (`--store etcds://`), by a client with the cluster's certificate (the control) and by outsiders: plain
+    HTTP, TLS without a client certificate, and TLS with a certificate from another CA. An attempt counts as
+    accepted when etcd answered 200 or the key no longer holds the job's value. None without etcd or openssl."""
+    import base64
+    import http.client
+    import shutil
+    import ssl
+    import tempfile
+    from pathlib import Path
+
+    from islands.testbed import EtcdCluster
+
+    if shutil.which("openssl") is None or shutil.which("etcd") is None:
+        return None
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    key, value = b"islands-bench/islands/e/0/members", b"the job's own value"
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = EtcdCluster(1, tls=True).start()
+        other = EtcdCluster(1, root=Path(tmp), tls=True)  # its own CA, never started: a foreign certificate
+        try:
+            host, port = cluster.endpoints[0].split(":")
+            env, foreign = cluster.env(), other.env()
+
+            def context(cert: dict | None) -> ssl.SSLContext:
+                ctx = ssl.create_default_context(cafile=env["ISLANDS_ETCD_CA"])
+                if cert:
+                    ctx.load_cert_chain(cert["ISLANDS_ETCD_CERT"], cert["ISLANDS_ETCD_KEY"])
+                return ctx
+
+            def call(ctx, path: str, body: dict) -> int:
+                conn = (http.client.HTTPConnection(host, int(port), timeout=5) if ctx is None else
+                        http.client.HTTPSConnection(host, int(port), timeout=5, context=ctx))
+                try:
+                    conn.request("POST", f"/v3/{path}", body=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+                    return conn.getresponse().status
+                except OSError:  # refused in the handshake, or the connection closed on plain HTTP
+                    return 0
+                finally:
+                    conn.close()
+
+            def holds() -> bool:
+                conn = http.client.HTTPSConnection(host, int(port), timeout=5, context=context(env))
+                conn.request("POST", "/v3/kv/range", body=json.dumps({"key": b64(key)}).encode())
+                kvs = json.loads(conn.getresponse().read()).get("kvs", [])
+                conn.close()
+                return bool(kvs) and base64.b64decode(kvs[0]["value"]) == value
+
+            out = {}
+            for label, ctx in (("with the cluster's certificate (control)", context(env)),
+                               ("plain HTTP", None), ("TLS, no client certificate", context(None)),
+                               ("TLS, a certificate from another CA", context(foreign))):
+                accepted = 0
+                for i in range(tries):
+                    call(context(env), "kv/put", {"key": b64(key), "value": b64(value)})  # the job's value back
+                    op = ("kv/put", {"key": b64(key), "value": b64(b"forged %d" % i)}) if i % 2 == 0 else \
+                         ("kv/deleterange", {"key": b64(key)})
+                    status = call(ctx, *op)
+                    accepted += int(status == 200 or not holds())
+                out[label] = {"tried": tries, "accepted": accepted}
+            return out
+        finally:
+            other.stop()
+            cluster.stop()
+
+
 def _payload_cost(sizes_mb: list[int]) -> list[dict]:
     """HMAC-SHA256 over a float32 tensor of N MB (MB/s) against a 2-rank gloo all-reduce of it (loopback)."""
     from islands.control import mac_payload
@@ -373,6 +441,7 @@ def control_plane(ctx: BenchContext) -> dict:
     effects = {"no-attacker": _effects(calm, workers, steps), "attacked": _effects(attacked, workers, steps)}
     store_us = _store_cost(500 if ctx.quick else 2000)
     payload = _payload_cost([1, 16] if ctx.quick else [1, 16, 64])
+    outsiders = _etcd_outsiders(20 if ctx.quick else 100)
     tried = sum(k["tried"] for k in kinds.values())
     accepted = sum(k["accepted"] for k in kinds.values())
     ctx.log(f"control plane: {accepted} of {tried} attacker values accepted; per kind {kinds}")
@@ -401,11 +470,14 @@ def control_plane(ctx: BenchContext) -> dict:
         "payload MAC (HMAC-SHA256, one core): " + "; ".join(
             f"{p['mb']} MB {p['hmac_mb_per_s']:.0f} MB/s = {p['hmac_over_allreduce']:.2f}x a 2-rank gloo all-reduce "
             f"of it" for p in payload),
+        ("etcd over TLS with client certificates (--store etcds://), writes and deletes of a job key: " + "; ".join(
+            f"{label}: {o['accepted']} of {o['tried']} accepted" for label, o in outsiders.items())
+         if outsiders else "etcd over TLS: not measured (etcd-server or openssl missing)"),
         f"machine load (1-min average) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
         f"{os.cpu_count()} cores (shared with other jobs): times are noisy",
     ]
     return {"rows": rows, "headline": headline, "kinds": kinds, "effects": effects, "store_us": store_us,
-            "payload": payload, "seconds": {"no-attacker": calm["seconds"], "attacked": attacked["seconds"]},
+            "payload": payload, "etcd_tls_outsiders": outsiders, "seconds": {"no-attacker": calm["seconds"], "attacked": attacked["seconds"]},
             "interconnect": ["loopback: launcher, workers and attacker as processes on this machine, gloo and "
                              "TCPStore over 127.0.0.1"],
             "baseline": ["the same elastic job without the attacker, same invocation; the raw store for the MAC "
