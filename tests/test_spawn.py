@@ -74,3 +74,13 @@ def test_without_the_stdlib_internals_it_needs_workers_start_as_fresh_interprete
     assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     assert not spawn.forks(ME)  # decided once for this process
     assert json.loads(log.read_text().strip().splitlines()[-1])["parent"] == os.getpid()
+
+
+def test_a_server_that_initialised_cuda_makes_each_copy_a_fresh_interpreter(monkeypatch):
+    import types
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert spawn._server_touched_cuda()  # then _child execs `python -m module args` instead of running it forked
+    fake.cuda.is_initialized = lambda: False
+    assert not spawn._server_touched_cuda()

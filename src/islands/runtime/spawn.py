@@ -5,7 +5,8 @@ does anything; a launcher of 4 workers pays that 4 times, and an elastic island 
 pays it again before it can rejoin (the chaos experiment's restarts took 18-25 s on a 2-core machine). So
 the launcher asks a fork server that imported them once (multiprocessing's "forkserver", with PRELOAD) for
 a copy. The server only imports: no collective, no parallel region, no CUDA call happens in it, so each
-copy is as clean as a new interpreter. A copy then behaves as `subprocess.Popen` would have made it: its
+copy is as clean as a new interpreter (should an imported library have initialised CUDA after all, each copy
+execs a fresh interpreter instead: a forked process cannot use CUDA then). A copy then behaves as `subprocess.Popen` would have made it: its
 own session (start_new_session), stdin from /dev/null, stdout and stderr on the descriptors given, the
 environment given and nothing else, `sys.argv` as `-m` sets it, the same command line in `ps` (setproctitle),
 atexit handlers run at the end, and an exit code that is the process's (negative: killed by that signal).
@@ -176,6 +177,13 @@ def _stream(fd: int):
                             line_buffering=True, write_through=True)
 
 
+def _server_touched_cuda() -> bool:
+    """Whether something the fork server imported initialised CUDA (a library calling torch.cuda at import): a
+    forked child could then not use the GPU ("Cannot re-initialize CUDA in forked subprocess")."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
 def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None) -> None:
     """In the forked copy: become what `python -m module args` in a new session would have been."""
     # `ps`, `pgrep -f` and /proc/PID/cmdline show the command it stands for, not the fork server's; first,
@@ -197,6 +205,8 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has them
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if _server_touched_cuda():  # a forked copy cannot use CUDA then: become a fresh interpreter instead
+        os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
     # the server imported the module already (PRELOAD); `-m` runs it again as __main__, which is what we want
     warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
     sys.argv = [module, *args]
