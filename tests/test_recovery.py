@@ -100,6 +100,25 @@ class Flipper(StateServer):
         return memoryview(out)
 
 
+class FlipsFirst(StateServer):
+    """A peer that damages the first chunk it serves, whichever index the fetcher asks it for first (which
+    chunks go to which peer depends on who connects first: under load the healthy peer may take chunk 3)."""
+
+    def __init__(self, *args, **kwargs):
+        self._first = threading.Lock()
+        self.damaged_index = None
+        super().__init__(*args, **kwargs)
+
+    def chunk(self, index):
+        data = super().chunk(index)
+        if not self._first.acquire(blocking=False):
+            return data
+        self.damaged_index = index
+        out = bytearray(data)
+        out[len(out) // 2] ^= 0x40
+        return memoryview(out)
+
+
 class Gated(StateServer):
     """A healthy peer that serves nothing until `gate` is set (so the flipper is asked for chunk 3 first)."""
 
@@ -113,12 +132,11 @@ class Gated(StateServer):
 def test_a_damaged_chunk_is_detected_and_fetched_again_from_another_peer(servers):
     state = mixed_state()
     image = StateImage.build(state, chunk_bytes=512)
-    bad = servers(image, Flipper)
+    bad = servers(image, FlipsFirst)
     good = servers(image, Gated)
     good.gate = threading.Event()
-    # the flipper serves chunks 0.. until the good peer opens; by then it has sent chunk 3 damaged
-    threading.Thread(target=lambda: (_wait_for(lambda: bad.served > Flipper.bad_index), good.gate.set()),
-                     daemon=True).start()
+    # the healthy peer serves nothing until the other has served a chunk, and that first one went out damaged
+    threading.Thread(target=lambda: (_wait_for(lambda: bad.served >= 1), good.gate.set()), daemon=True).start()
     got, report = fetch_state([bad.address, good.address], secret=SECRET, depth=1)
     assert_bitwise(state, got)
     bad_stats = report.per_peer[f"{bad.address[0]}:{bad.address[1]}"]
