@@ -87,6 +87,9 @@ def test_a_coordinator_started_after_another_stopped_mid_handshake_admits_the_jo
     try:
         assert json.loads(json.loads(wait_key(raw, f"join/{ticket}/verdict", 10, "verdict"))["verdict"]) == {
             "admitted": True, "slot": 1, "shard": 0, "initial": False}
+        deadline = time.monotonic() + 10
+        while not new.formed and time.monotonic() < deadline:  # its poll writes the verdict, then re-reads epoch 0
+            time.sleep(0.01)
         assert new.formed and [a[1] for a in new.admitted] == ["w0", "late"]
         with pytest.raises(Refused, match="already taken"):  # the name stays taken across coordinators
             ask_to_join(connect("127.0.0.1", server.port), "w0", TOKEN)
