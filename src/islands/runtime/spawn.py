@@ -59,9 +59,12 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
     """Start `argv` in a session of its own with stdin from /dev/null; `stdout`/`stderr`: an open file,
     subprocess.STDOUT (stderr only) or None (this process's). Returns a subprocess.Popen or a ForkedProcess
     (the same poll, wait, returncode, pid, send_signal, kill, terminate)."""
-    if not forks(argv, env):
+    def fresh():
         return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
                                 start_new_session=True)
+
+    if not forks(argv, env):
+        return fresh()
     out = 1 if stdout is None else stdout.fileno()
     err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
     try:
@@ -70,8 +73,7 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
         warnings.warn(f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
                       RuntimeWarning, stacklevel=2)
         _unavailable.append(str(e))  # said once; from now on every worker is a fresh interpreter
-        return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
-                                start_new_session=True)
+        return fresh()
 
 
 def _forkserver():
