@@ -146,7 +146,8 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
 
     code, log = _run(cfg, run_dir, fault)
     assert code == 0, log
-    assert "worker i1w1 left (killed by SIGKILL)" in log and "island 1 left the job" in log, log
+    # the launcher may see the killed follower's exit first, or its leader's (its local collective failed) first
+    assert "island 1 left the job" in log and ("worker i1w1 left (killed by SIGKILL)" in log or "stopped i1w1" in log), log
     assert "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
     restarts = json.loads((run_dir / "elastic" / "restarts.json").read_text())
     assert [(r["island"], r["incarnation"], r["workers"]) for r in restarts["restarts"]] == [

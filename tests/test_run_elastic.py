@@ -276,7 +276,7 @@ def test_elastic_run_flags_that_cannot_work_are_refused_before_anything_starts(t
     (tmp_path / "job.py").write_text(SCRIPT)
     cases = [(["--heartbeat-timeout", "5"], "apply to elastic jobs only; add --elastic"),
              (["--elastic", "--islands", "2", "--workers", "3"], "one worker per island"),
-             (["--elastic", "--testbed", "wan"], "not run inside a testbed"),
+             (["--elastic", "--testbed", "nosuchbed"], "no testbed named 'nosuchbed'"),
              (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0 seconds")]
     for flags, needle in cases:
         with pytest.raises(SystemExit) as exited:

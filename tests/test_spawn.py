@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,3 +85,22 @@ def test_a_server_that_initialised_cuda_makes_each_copy_a_fresh_interpreter(monk
     assert spawn._server_touched_cuda()  # then _child execs `python -m module args` instead of running it forked
     fake.cuda.is_initialized = lambda: False
     assert not spawn._server_touched_cuda()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root and iproute2")
+def test_a_worker_started_for_a_namespace_runs_inside_it_forked_or_not(tmp_path):
+    """An elastic island on a testbed host (islands.runtime.elastic_launch): a forked copy enters the namespace
+    itself, a fresh interpreter runs under `ip netns exec`; either way the worker's network is the host's."""
+    ns = "isl-spawn" + str(os.getpid())
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        inode = os.stat(f"/var/run/netns/{ns}").st_ino
+        for env in ({}, {spawn.SPAWN_ENV: "exec"}):
+            proc, log = start(tmp_path, ME, env, netns=ns)
+            assert isinstance(proc, spawn.ForkedProcess) == (not env) and proc.wait(60) == 0, log.read_text()
+            seen = json.loads(log.read_text().strip().splitlines()[-1])
+            assert seen["netns"] == f"net:[{inode}]" != os.readlink("/proc/self/ns/net")
+            assert seen["session"] == proc.pid
+        assert os.readlink("/proc/self/ns/net") != f"net:[{inode}]"  # the launcher itself never moved
+    finally:
+        subprocess.run(["ip", "netns", "delete", ns], check=False)

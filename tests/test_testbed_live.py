@@ -7,6 +7,7 @@ the testbed down even when the test fails.
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import os
 import secrets
@@ -176,6 +177,10 @@ def test_cli_up_status_down(name):
     assert f"isl-{name}-h1" in out.getvalue() and "Mbit/s TCP goodput" in out.getvalue()
     rows = cli.cmd_status(console=console)
     assert [r["state"] for r in rows if r["name"] == name] == ["up"]
+    assert cli.cmd_link("cut", name, 1, console=console) is True and f"host 1's link is cut" in out.getvalue()
+    assert cli.cmd_link("heal", name, 1, console=console) is False and f"host 1's link is up" in out.getvalue()
+    with pytest.raises(ValueError, match=r"host_index 5 is outside 0\.\.1"):
+        cli.cmd_link("cut", name, 5, console=console)
     [result] = cli.cmd_down(name, console=console)
     assert f"testbed {name} is down" in out.getvalue() and _leftovers(name) == []
     cli.cmd_down(name, console=console)
@@ -193,3 +198,49 @@ def test_rate_probe_failure_is_an_error_naming_the_host(name):
         testbed.measure_rate(tb, 1, 1)
     with pytest.raises(ValueError, match="seconds"):
         testbed.measure_rate(tb, 0, 1, seconds=0)
+
+
+def _reaches(tb, host: int, address: str, port: int) -> bool:
+    code = f"import socket; socket.create_connection(({address!r}, {port}), timeout=2); print('ok')"
+    done = system.in_netns(tb.hosts[host].netns, [sys.executable, "-c", code], check=False)
+    return done.stdout.strip() == "ok"
+
+
+def test_the_hub_has_an_address_a_cut_link_isolates_one_host_and_heal_brings_it_back(name):
+    """An elastic job's store lives on the hub (islands.runtime.elastic_launch): every host reaches it over its own
+    link; a cut takes one host off the network (it keeps its own loopback and address) and heal restores it."""
+    from islands.runtime import netns
+
+    tb = testbed.up(name, 3, "100mbit")
+    assert tb.hub_ip == str(ipaddress.ip_network(tb.subnet).broadcast_address - 1) and f"inet {tb.hub_ip}/24" in _in(
+        tb.hub, "ip", "addr", "show", "br0")
+    server = subprocess.Popen(tb.wrap_hub([sys.executable, "-c", textwrap.dedent("""
+        import socket
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5599))
+        s.listen(64); print("listening", flush=True)
+        while True:
+            c, _ = s.accept(); c.sendall(b"hub"); c.close()
+        """)]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        assert all(_reaches(tb, i, tb.hub_ip, 5599) for i in range(3)) and not tb.is_cut(1)
+        # the launcher's side: a socket made inside the hub for one moment talks to the hub; the thread comes back
+        own = netns.current()
+        with netns.entered(tb.hub):
+            assert netns.current() != own
+            import socket
+            conn = socket.create_connection((tb.hub_ip, 5599), timeout=5)
+        assert netns.current() == own and conn.recv(3) == b"hub"
+        conn.close()
+        tb.cut(1)
+        assert tb.is_cut(1) and not tb.is_cut(0)
+        assert not _reaches(tb, 1, tb.hub_ip, 5599)
+        assert _reaches(tb, 0, tb.hub_ip, 5599) and _reaches(tb, 2, tb.hub_ip, 5599)  # the others are untouched
+        tb.heal(1)
+        assert not tb.is_cut(1) and _reaches(tb, 1, tb.hub_ip, 5599)  # at once: failed neighbours are flushed
+    finally:
+        server.kill()
+    with pytest.raises(OSError, match="does not exist"):
+        with netns.entered(f"isl-{name}-nope"):
+            pass
+    assert netns.current() == own

@@ -95,14 +95,17 @@ def test_default_subnet_skips_taken_ones():
 
 
 def test_explicit_subnet_checks():
-    assert str(spec.choose_subnet("192.168.50.0/29", 6, [])) == "192.168.50.0/29"
+    assert str(spec.choose_subnet("192.168.50.0/29", 5, [])) == "192.168.50.0/29"  # 6 usable: 5 hosts and the hub
+    assert spec.hub_address(spec.choose_subnet("192.168.50.0/29", 5, [])) == "192.168.50.6"
+    with pytest.raises(ValueError, match="room for 5 hosts and the hub, 6 hosts asked"):
+        spec.choose_subnet("192.168.50.0/29", 6, [])
     with pytest.raises(ValueError, match="private IPv4"):
         spec.choose_subnet("8.8.8.0/24", 2, [])
     with pytest.raises(ValueError, match="private IPv4"):
         spec.choose_subnet("127.0.0.0/8", 2, [])
     with pytest.raises(ValueError, match="not an IPv4 network"):
         spec.choose_subnet("10.77.5.1/24", 2, [])  # host bits set
-    with pytest.raises(ValueError, match="room for 2 hosts, 3 asked"):
+    with pytest.raises(ValueError, match="room for 1 hosts and the hub, 3 hosts asked"):
         spec.choose_subnet("10.1.0.0/30", 3, [])
     with pytest.raises(ValueError, match="overlaps another testbed's subnet 10.77.0.0/24"):
         spec.choose_subnet("10.77.0.0/16", 2, ["10.77.0.0/24"])

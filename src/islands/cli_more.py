@@ -30,9 +30,11 @@ def _testbed(args) -> int:
             tcli.cmd_up(args.hosts, args.rate, name=args.name, subnet=args.subnet, measure_seconds=args.measure)
         elif args.action == "down":
             tcli.cmd_down(None if args.all else args.name, all_testbeds=args.all)
+        elif args.action in ("cut", "heal"):
+            tcli.cmd_link(args.action, args.name, args.host)
         else:
             tcli.cmd_status()
-    except (ValueError, TypeError, PermissionError) as e:
+    except (ValueError, TypeError, PermissionError, LookupError) as e:
         raise UsageError(str(e)) from None
     return 0
 
@@ -131,6 +133,11 @@ def add_more_commands(sub: argparse._SubParsersAction) -> None:
     down.add_argument("name", nargs="?", default="default")
     down.add_argument("--all", action="store_true", help="remove every islands testbed on this machine")
     tsub.add_parser("status", help="list testbeds and their measured rates")
+    for action, what in (("cut", "take host HOST's link down at the bridge (a network partition)"),
+                         ("heal", "bring a cut link back up")):
+        link = tsub.add_parser(action, help=what)
+        link.add_argument("host", type=int, help="the host's index (0 .. hosts-1)")
+        link.add_argument("--name", default="default")
     tb.set_defaults(fn=_testbed)
 
     add_ckpt_command(sub, UsageError)  # islands ckpt ls|verify|inspect|diff|compress|decompress

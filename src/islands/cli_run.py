@@ -19,7 +19,7 @@ from pathlib import Path
 from islands.cli_more import UsageError
 from islands.runtime.elastic_launch import launch_elastic_script
 from islands.runtime.etcd_store import EtcdAddress
-from islands.runtime.launch import LaunchError, Placement, check_counts, run_ranks
+from islands.runtime.launch import LaunchError, Placement, check_counts, load_testbed, run_ranks
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -49,8 +49,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
-    if args.testbed:
-        raise UsageError("--elastic does not run inside a testbed yet; leave --testbed out")
     if args.islands not in (1, args.workers):
         raise UsageError(f"an elastic job has one worker per island (islands follow the members); leave --islands "
                          f"out or give --islands {args.workers}, not {args.islands}")
@@ -64,10 +62,12 @@ def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
         if args.port and not 0 < args.port < 65536:
             raise LaunchError(f"port must be in 1..65535 (or 0 to pick a free one); got {args.port}")
         store = EtcdAddress.parse(args.store) if args.store else None
+        testbed = load_testbed(args.testbed) if args.testbed else None  # worker i on host i % hosts
         print(f"islands: elastic job of {args.workers} worker(s) of {script}; logs in {run_dir / 'logs'}",
               file=sys.stderr, flush=True)
         return launch_elastic_script([str(script), *args.args], args.workers, run_dir, heartbeat_timeout=heartbeat,
-                                     timeout=timeout, port=args.port, threads=args.threads, store=store)
+                                     timeout=timeout, port=args.port, threads=args.threads, store=store,
+                                     testbed=testbed)
     except (LaunchError, ValueError) as e:  # ValueError: a --store that is not etcd://HOST:PORT,...
         raise UsageError(f"--store: {e}" if isinstance(e, ValueError) else str(e)) from None
 

@@ -1,9 +1,10 @@
 """chaos: a seeded campaign of faults against one elastic DiLoCo job of 2-worker islands (issue #20).
 
-The job: `islands train --task digits --elastic` with 3 islands of 2 workers (DDP inside each, DiLoCo across),
-`--max-restarts` large enough for every kill, its store in a 3-member etcd cluster on loopback (so that no single
-process holds the job: docs/membership.md "No single point of failure"), the launcher itself a child process of
-this experiment so that it can be killed.
+The job: `islands train --task digits --elastic` with 3 islands of 2 workers (DDP inside each, DiLoCo across) on a
+3-host testbed of 100 Mbit/s links (island i inside host i; islands.testbed), `--max-restarts` large enough for
+every kill, its store in a 3-member etcd cluster on the testbed's hub (so that no single process holds the job:
+docs/membership.md "No single point of failure"; every host reaches it over its own link), the launcher itself a
+child process of this experiment so that it can be killed.
 
 The campaign (seeded, so the same seed gives the same events in the same order): one event every GAP seconds
 (jittered), drawn from
@@ -14,11 +15,13 @@ The campaign (seeded, so the same seed gives the same events in the same order):
   kill-coordinator  SIGKILL the process holding the coordinator's seat (the job host at first): a standby seat
                     in a worker takes the lease
   kill-etcd-member  SIGKILL one etcd member (the cluster keeps its quorum); the next event restarts it (heal)
+  cut-link          take a whole island's host link down (Testbed.cut): its workers can reach neither the store nor
+                    the other islands; the launcher finds them silent, kills them and restarts the island, whose
+                    new workers wait for the store until the next event heals the link (heal-link), then rejoin
   kill-launcher     SIGKILL the launcher, last of all: the workers finish without it and the record is
                     written by the last epoch's first member
 A fault that needs a victim waits (up to WAIT_S) until at least two islands are whole, so one island always
-carries the job; waiting is reported. Cutting a testbed link is not in the campaign: elastic jobs do not run
-on the testbed yet (validation refuses it), so a link cut has no job to hit.
+carries the job; waiting is reported.
 
 Measured: events applied; hangs (the job did not end within its deadline: everything is then killed); lost jobs
 (no run record, or a launcher that exited non-zero); events survived (the job ended normally after it); stall per
@@ -44,11 +47,13 @@ from pathlib import Path
 
 from islands_bench.harness import BenchContext, experiment
 
-KINDS = {"kill-worker": 5, "freeze-worker": 2, "kill-coordinator": 1, "kill-etcd-member": 1}  # draw weights
+KINDS = {"kill-worker": 5, "freeze-worker": 2, "kill-coordinator": 1, "kill-etcd-member": 1, "cut-link": 2}  # weights
+HEALS = {"kill-etcd-member": "heal-etcd-member", "cut-link": "heal-link"}  # the event after it undoes it
 ISLANDS, WORKERS_PER_ISLAND, H = 3, 2, 5
 HEARTBEAT_S, TIMEOUT_S = 1.5, 20.0  # the job's heartbeat timeout (a frozen worker is found after it: the 2 s stall goal) and collective timeout
 WAIT_S = 60.0  # the longest a fault waits for two whole islands before it is skipped
-RESTART_S = 15.0  # about what a restarted 2-worker island takes to train again here (start-up and admission)
+RESTART_S = 8.0  # about what a restarted 2-worker island takes to train again here (forked start-up, admission)
+RATE, HOSTS = "100mbit", ISLANDS  # the testbed: one island per host
 QUICK = dict(events=12, gap=(3.0, 6.0))
 FULL = dict(events=100, gap=(3.0, 6.0))
 
@@ -58,22 +63,23 @@ class Event:
     kind: str
     at: float = 0.0  # wall time it was applied (time.time())
     target: str = ""
+    hit: tuple[str, ...] = ()  # the workers it hit (kill, freeze, cut): their deaths are not false ones
     waited_s: float = 0.0
     applied: bool = False
     note: str = ""
 
 
 def campaign(n: int, seed: int) -> list[str]:
-    """n event kinds: a heal follows every etcd kill, the launcher's kill comes last."""
+    """n event kinds: a heal follows every etcd kill and link cut, the launcher's kill comes last."""
     rng = random.Random(seed)
     kinds: list[str] = []
     names, weights = zip(*KINDS.items())
     while len(kinds) < n - 1:
         k = rng.choices(names, weights)[0]
-        if k == "kill-etcd-member":
+        if k in HEALS:
             if len(kinds) + 2 > n - 1:
                 continue
-            kinds += [k, "heal-etcd-member"]
+            kinds += [k, HEALS[k]]
         else:
             kinds.append(k)
     return kinds + ["kill-launcher"]
@@ -133,10 +139,10 @@ def _job_host_pid(run_dir: Path) -> int | None:
         return None
 
 
-def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, rng: random.Random,
+def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng: random.Random,
            state: dict) -> None:
     start = time.time()
-    if ev.kind in ("kill-worker", "freeze-worker"):
+    if ev.kind in ("kill-worker", "freeze-worker", "cut-link"):
         while True:
             whole = _whole_islands(run_dir)
             if len(whole) >= 2 or time.time() - start > WAIT_S or launcher.poll() is not None:
@@ -146,9 +152,16 @@ def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, rng: rand
         if len(whole) < 2:
             ev.note = f"skipped: {len(whole)} whole island(s) after {ev.waited_s:.0f} s"
             return
-        victim = rng.choice(sorted((w for ws in whole.values() for w in ws), key=lambda w: w["name"]))
-        ev.target = victim["name"]
-        os.kill(victim["pid"], signal.SIGKILL if ev.kind == "kill-worker" else signal.SIGSTOP)
+        if ev.kind == "cut-link":
+            island = rng.choice(sorted(whole))
+            host = island % len(bed.hosts)
+            ev.target, ev.hit = f"island {island} (host {host})", tuple(w["name"] for w in whole[island])
+            bed.cut(host)
+            state["cut"] = host
+        else:
+            victim = rng.choice(sorted((w for ws in whole.values() for w in ws), key=lambda w: w["name"]))
+            ev.target, ev.hit = victim["name"], (victim["name"],)
+            os.kill(victim["pid"], signal.SIGKILL if ev.kind == "kill-worker" else signal.SIGSTOP)
     elif ev.kind == "kill-coordinator":
         pid = _job_host_pid(run_dir) if not state.get("host_killed") else None
         if pid is None:  # the job host is gone: the seat is in a worker; killing that worker is kill-worker's job
@@ -170,6 +183,13 @@ def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, rng: rand
         i = state.pop("etcd_down")
         ev.target = f"etcd m{i}"
         etcd.start_member(i, state="existing")
+    elif ev.kind == "heal-link":
+        if "cut" not in state:
+            ev.note = "skipped: no link is cut (the cut was skipped)"
+            return
+        host = state.pop("cut")
+        ev.target = f"host {host}"
+        bed.heal(host)
     elif ev.kind == "kill-launcher":
         ev.target = f"launcher pid {launcher.pid}"
         launcher.send_signal(signal.SIGKILL)
@@ -216,11 +236,12 @@ def stall_per_event(progress: dict[str, list[float]], times: list[float]) -> lis
     return out
 
 
-def _train_args(run_dir: Path, steps: int, store: str, restarts: int) -> list[str]:
+def _train_args(run_dir: Path, steps: int, store: str, restarts: int, bed: str) -> list[str]:
     return [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers",
             str(ISLANDS * WORKERS_PER_ISLAND), "--islands", str(ISLANDS), "--inner", "ddp",
             "--outer", f"diloco:inner_steps={H}", "--elastic", "--heartbeat-timeout", str(HEARTBEAT_S),
-            "--timeout", str(TIMEOUT_S), "--max-restarts", str(restarts), "--store", store, "--steps", str(steps),
+            "--timeout", str(TIMEOUT_S), "--max-restarts", str(restarts), "--store", store, "--testbed", bed,
+            "--steps", str(steps),
             "--global-batch", str(8 * ISLANDS * WORKERS_PER_ISLAND), "--eval-every", "0", "--run-dir", str(run_dir),
             "--no-progress"]
 
@@ -241,19 +262,19 @@ def _stop_everything(run_dir: Path) -> None:
 
 
 def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int, gap: tuple[float, float],
-         deadline_s: float) -> dict:
+         deadline_s: float, bed) -> dict:
     run_dir = ctx.out_dir / "runs" / label
     subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     run_dir.mkdir(parents=True)
     from islands.testbed import EtcdCluster
 
-    etcd = EtcdCluster(3).start()
+    etcd = EtcdCluster(3, netns=bed.hub, host=bed.hub_ip).start()  # every host reaches it over its own link
     rng = random.Random(seed + 1)
     events = [Event(k) for k in kinds]
     env = dict(os.environ, OMP_NUM_THREADS="1", ISLANDS_TOKEN=os.urandom(16).hex())
     t0 = time.time()
     with ctx.arm(label), open(run_dir / "launcher.log", "w") as log:
-        launcher = subprocess.Popen(_train_args(run_dir, steps, etcd.url, len(kinds)), env=env, stdout=log,
+        launcher = subprocess.Popen(_train_args(run_dir, steps, etcd.url, len(kinds), bed.name), env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         state: dict = {}
         try:
@@ -266,10 +287,12 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
                 if not _workers(run_dir) and launcher.poll() is not None:
                     ev.note = "not applied: the job had ended"
                     continue
-                _apply(ev, run_dir, launcher, etcd, rng, state)
+                _apply(ev, run_dir, launcher, etcd, bed, rng, state)
                 ctx.log(f"{label}: {ev.kind} {ev.target} {ev.note}".rstrip())
             if "etcd_down" in state:
                 etcd.start_member(state.pop("etcd_down"), state="existing")
+            if "cut" in state:
+                bed.heal(state.pop("cut"))
             hung = False
             while _workers(run_dir) or launcher.poll() is None:  # the launcher may be dead: watch the workers
                 if time.time() - t0 > deadline_s:
@@ -277,6 +300,8 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
                     break
                 time.sleep(0.5)
         finally:
+            if "cut" in state:
+                bed.heal(state.pop("cut"))
             _stop_everything(run_dir)
             if launcher.poll() is None:
                 launcher.kill()
@@ -320,23 +345,33 @@ def _final_members(members: dict[str, dict]) -> dict[str, str]:
 
 
 @experiment("chaos", practices=("SOTA-932", "SOTA-933"),
-            help="a seeded campaign of faults (kill/freeze workers, kill the coordinator, an etcd member, the "
-                 "launcher) against an elastic DiLoCo job of 2-worker islands on an etcd store")
+            help="a seeded campaign of faults (kill/freeze workers, cut a testbed link, kill the coordinator, an etcd "
+                 "member, the launcher) against an elastic DiLoCo job of 2-worker islands on a 100 Mbit/s testbed")
 def chaos(ctx: BenchContext) -> dict:
     tier = QUICK if ctx.quick else FULL
     seed = 0
     kinds = campaign(tier["events"], seed)
     ctx.plan(3)
+    from islands.testbed import down, up
+
+    bed = up("chaos", hosts=HOSTS, rate=RATE)
+    try:
+        return _campaign(ctx, tier, kinds, seed, bed)
+    finally:
+        down("chaos")
+
+
+def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -> dict:
     # the job should outlast the campaign: steps from a short probe's speed, x1.5 margin
-    probe = _run(ctx, "probe", 400, [], seed, (0.0, 0.0), deadline_s=600)
+    probe = _run(ctx, "probe", 400, [], seed, (0.0, 0.0), deadline_s=600, bed=bed)
     if probe["record"] is None or probe["hung"]:
         raise RuntimeError(f"the probe run did not finish (see {ctx.out_dir / 'runs' / 'probe'})")
     rate = _steps_per_second(ctx.out_dir / "runs" / "probe")
     # each event waits for two whole islands, so a restart (process start-up, admission) paces the campaign
     campaign_s = len(kinds) * (sum(tier["gap"]) / 2 + RESTART_S)
     steps = int(max(400, 1.5 * rate * campaign_s) // H * H)
-    run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s))
-    calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s))
+    run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed)
+    calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed)
     if calm["record"] is None or calm["hung"]:
         raise RuntimeError(f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'})")
     applied = [e for e in run["events"] if e.applied]
@@ -357,12 +392,13 @@ def chaos(ctx: BenchContext) -> dict:
     for e, s in zip(applied, stalls):
         if s is not None:
             by_kind.setdefault(e.kind, []).append(s)
-    targets = {e.target for e in applied if e.kind in ("kill-worker", "freeze-worker")}
+    targets = {name for e in applied for name in e.hit}
     false_chaos = false_deaths(ctx.out_dir / "runs" / "chaos", targets)
     false_calm = false_deaths(ctx.out_dir / "runs" / "fault-free", set())
     loss = run["record"]["summary"]["final_val_loss"] if run["record"] else float("nan")
     calm_loss = calm["record"]["summary"]["final_val_loss"]
-    where = "loopback, one process per worker, the job's store in a 3-member etcd cluster on loopback"
+    where = (f"testbed of {len(bed.hosts)} hosts, {bed.rate} links (tbf, both directions; no added latency), one island "
+             "per host, one process per worker, the job's store in a 3-member etcd cluster on the testbed's hub")
     headline = [
         f"{'quick tier: ' if ctx.quick else ''}{len(applied)} of {len(kinds)} events applied ({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(kinds))}) "
         f"against {ISLANDS} islands of {WORKERS_PER_ISLAND} workers (DDP inside, DiLoCo H={H} across), "
@@ -376,7 +412,7 @@ def chaos(ctx: BenchContext) -> dict:
         f"{len(false_chaos)} in the campaign ({', '.join(false_chaos) or 'none'}), {len(false_calm)} in the "
         f"fault-free run; each costs its island a restart",
         f"final val loss {loss:.4f} vs {calm_loss:.4f} fault-free ({100 * (loss / calm_loss - 1):+.1f}%)",
-        "not in the campaign: cutting a testbed link (elastic jobs refuse the testbed today); torchft not run "
+        "torchft not run "
         "(its lighthouse is one process by its own design: a coordinator kill ends its job)",
         f"where: {where}",
     ]

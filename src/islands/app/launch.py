@@ -18,7 +18,7 @@ from islands.config import JobConfig, dump_json
 from islands.runtime import simulate
 from islands.runtime.elastic_launch import launch_elastic_workers
 from islands.runtime.etcd_store import EtcdAddress
-from islands.runtime.launch import Placement, run_ranks
+from islands.runtime.launch import Placement, load_testbed, run_ranks
 from islands.runtime.membership import JobSpec
 from islands.testbed import Testbed, wire_bytes
 
@@ -100,8 +100,14 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     # the members are the islands (their leaders); each island's workers_per_island workers start together
     job = JobSpec(workers=cfg.world.islands, heartbeat_timeout=cfg.elastic.heartbeat_timeout, timeout=cfg.world.timeout,
                   config=shared_config(cfg, run_dir))
-    return launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
+    testbed = load_testbed(cfg.world.testbed) if cfg.world.testbed else None  # island i on host i % hosts
+    before = _wire_counters(testbed)
+    code = launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
                                   job, run_dir, port=cfg.world.port, threads=cfg.world.threads, out=out,
                                   on_started=on_started, island_size=cfg.workers_per_island,
                                   max_restarts=cfg.elastic.max_restarts,
-                                  store=EtcdAddress.parse(cfg.elastic.store) if cfg.elastic.store else None)
+                                  store=EtcdAddress.parse(cfg.elastic.store) if cfg.elastic.store else None,
+                                  testbed=testbed)
+    if code == 0 and testbed is not None:
+        _record_wire_bytes(run_dir, testbed, before)
+    return code

@@ -449,8 +449,6 @@ def elastic(cfg: JobConfig) -> str | None:
     if _communicates(cfg):
         return (f"train.optimizer={format_spec(cfg.train.optimizer)!r} communicates inside an island; elastic mode has one worker "
                 "per island, use optimizer='adamw'")
-    if cfg.world.testbed:
-        return "elastic does not run inside a testbed yet; leave world.testbed=''"
     if cfg.checkpoint.policy is not None:
         return ("elastic needs a fixed checkpoint interval (checkpoint.every=N, policy=''): the auto policy's "
                 "decisions come from history a worker joining later does not have")

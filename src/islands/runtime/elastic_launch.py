@@ -45,6 +45,7 @@ from islands.runtime.auth import ControlAuth
 from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free,
                                     signal_worker, stop_all)
+from islands.testbed import Testbed
 from islands.runtime.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
                                         get_json, no_member_alive, parse_address)
 
@@ -64,7 +65,7 @@ def job_token(run_dir: Path, out) -> str:
 
 def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heartbeat_timeout: float = 3.0,
                           timeout: float = 120.0, port: int = 0, threads: int = 1, out=sys.stderr,
-                          on_started=None, store: EtcdAddress | None = None) -> int:
+                          on_started=None, store: EtcdAddress | None = None, testbed: Testbed | None = None) -> int:
     """`islands run --elastic`: run `argv` (a script and its arguments) as an elastic job of `workers` workers.
 
     The script joins with islands.init_world() and needs an outer strategy (joins happen at its round
@@ -81,7 +82,7 @@ def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heart
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return launch_elastic_workers(lambda address: script_command(job), job, run_dir, port=port, threads=threads,
-                                  out=out, on_started=on_started, store=store)
+                                  out=out, on_started=on_started, store=store, testbed=testbed)
 
 
 def script_command(job: JobSpec) -> list[str]:
@@ -91,29 +92,35 @@ def script_command(job: JobSpec) -> list[str]:
 
 def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, run_dir: Path, *, port: int = 0,
                            threads: int = 1, out=sys.stderr, on_started=None, island_size: int = 1,
-                           max_restarts: int = 0, store: EtcdAddress | None = None) -> int:
+                           max_restarts: int = 0, store: EtcdAddress | None = None,
+                           testbed: Testbed | None = None) -> int:
     """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
     ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
     from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
     the JobHost handle; `.store` is the launcher's authenticated client). `store`: an etcd cluster to keep the
     job in (islands.runtime.etcd_store) instead of the job host's embedded store. `island_size`: workers per
     island (job.workers then counts islands, whose leaders are the members; islands.runtime.island_comm);
-    `max_restarts`: times a failed island is started again (_supervise)."""
+    `max_restarts`: times a failed island is started again (_supervise). `testbed`: run island i inside host
+    i % hosts of this network testbed (all its workers on that host, gloo bound to its link) and the job host on
+    the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on
+    an address the hosts reach (the hub's, islands.testbed.EtcdCluster(netns=...))."""
     if store is not None and not isinstance(store, EtcdAddress):
         raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
+    if port and testbed is not None:
+        raise LaunchError(f"the port is chosen inside the testbed; leave port 0 with a testbed (got {port})")
     if port and store is None and not port_is_free(port, "0.0.0.0"):
         raise LaunchError(f"port {port} is busy; choose another or use port=0 to pick a free one")
     token = job_token(run_dir, out)
-    host = JobHost.start(job, run_dir, token, port, out, store)
+    host = JobHost.start(job, run_dir, token, port, out, store, testbed)
     address, coordinator = host.address, host
     print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out,
           flush=True)
     started: list[WorkerProcess] = []
     try:
         # job.workers islands of island_size workers each (one-worker islands: w0, w1, ... as before)
-        islands = _Islands(command, address, token, run_dir, threads, island_size, max_restarts)
+        islands = _Islands(command, address, token, run_dir, threads, island_size, max_restarts, testbed)
         for index in range(job.workers):
             started += islands.start(index)
         if on_started is not None:
@@ -143,15 +150,18 @@ class JobHost:
 
     @classmethod
     def start(cls, job: JobSpec, run_dir: Path, token: str, port: int, out,
-              store: EtcdAddress | None = None) -> "JobHost":
+              store: EtcdAddress | None = None, testbed: Testbed | None = None) -> "JobHost":
         record = run_dir / job_host.RECORD
         record.unlink(missing_ok=True)
         log = run_dir / "logs" / "job_host.log"
         env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        argv = [sys.executable, "-m", "islands.runtime.job_host", str(run_dir), "--launcher-pid", str(os.getpid()),
+                "--port", str(port), *(["--store", str(store)] if store is not None else [])]
+        if testbed is not None:  # `ip netns exec` execs: the host's parent is still this launcher
+            argv = testbed.wrap_hub(argv + ["--advertise", testbed.hub_ip])
+        netns = testbed.hub if testbed is not None else None
         with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "islands.runtime.job_host", str(run_dir),
-                                     "--launcher-pid", str(os.getpid()), "--port", str(port),
-                                     *(["--store", str(store)] if store is not None else [])],
+            proc = subprocess.Popen(argv,
                                     env=env, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         proc.stdin.write(job.to_json().encode())
@@ -169,7 +179,7 @@ class JobHost:
             time.sleep(0.05)
         address = info["address"]
         host, p = parse_address(address)
-        raw = connect(host, p)
+        raw = connect(host, p, netns=netns)  # on a testbed, from inside its hub (islands.runtime.netns)
         store = authed(raw, ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
                        lambda line: print(line, file=out, flush=True))
         return cls(proc, address, store, log, out)
@@ -311,11 +321,13 @@ class _Islands:
     ISLANDS_ISLAND (their place) when an island has several workers or may be restarted. Keeps the restart
     count per island and writes every restart to RUN_DIR/elastic/restarts.json."""
 
-    def __init__(self, command, address: str, token: str, run_dir: Path, threads: int, size: int, max_restarts: int):
+    def __init__(self, command, address: str, token: str, run_dir: Path, threads: int, size: int, max_restarts: int,
+                 testbed: Testbed | None = None):
         if size < 1 or max_restarts < 0:
             raise LaunchError(f"island_size must be >= 1 and max_restarts >= 0; got {size} and {max_restarts}")
         self.command, self.address, self.token, self.run_dir = command, address, token, run_dir
         self.threads, self.size, self.max_restarts = threads, size, max_restarts
+        self.testbed = testbed
         self.restarts: dict[int, int] = {}
         self.log: list[dict] = []
 
@@ -339,10 +351,15 @@ class _Islands:
             env.pop(ISLAND_ENV, None)
             if self.whole:
                 env[ISLAND_ENV] = IslandPlace(index, local, self.size, incarnation).to_env()
+            netns = None
+            if self.testbed is not None:  # the island on its host: its workers talk over loopback, others over the link
+                host = self.testbed.host(index % len(self.testbed.hosts))
+                env.update(self.testbed.env(host.index))
+                netns = host.netns
             log = self.run_dir / "logs" / f"{name}.log"
             with open(log, "w") as f:
                 # its own session: Ctrl-C reaches the launcher only, which stops every worker and its children
-                proc = spawn.start(self.command(self.address), env, stdout=f, stderr=subprocess.STDOUT)
+                proc = spawn.start(self.command(self.address), env, stdout=f, stderr=subprocess.STDOUT, netns=netns)
             out.append(IslandWorker(index * self.size + local, proc, log, own_group=True, name=name, island=index,
                                     incarnation=incarnation))
         return out

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from islands.runtime.netns import entered as netns_entered
+
 SCHEME = "etcd://"
 TLS_SCHEME = "etcds://"  # the same over TLS, with the certificates named by CA_ENV, CERT_ENV and KEY_ENV
 CA_ENV = "ISLANDS_ETCD_CA"  # PEM file of the CA that signed the members' certificates (default: the system's)
@@ -168,12 +170,31 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+class _HTTP(http.client.HTTPConnection):
+    netns: str | None = None
+
+    def connect(self):
+        with netns_entered(self.netns):  # the socket lives in the namespace it was made in
+            super().connect()
+
+
+class _HTTPS(http.client.HTTPSConnection):
+    netns: str | None = None
+
+    def connect(self):
+        with netns_entered(self.netns):
+            super().connect()
+
+
 class EtcdClient:
     """JSON-over-HTTP calls to an etcd v3 cluster with fail-over between its client endpoints. Thread-safe:
     each thread keeps its own keep-alive connection."""
 
-    def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None):
+    def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None, netns: str | None = None):
+        """`netns`: a named network namespace to open connections in (islands.runtime.netns: a launcher outside
+        a testbed whose etcd serves on the testbed's hub)."""
         self.endpoints = list(endpoints)
+        self.netns = netns
         if not self.endpoints:
             raise ValueError("an etcd client needs at least one endpoint")
         self.timeout_s = timeout_s
@@ -188,8 +209,9 @@ class EtcdClient:
             conns = self._local.conns = {}
         if i not in conns:
             host, port = self.endpoints[i]
-            conns[i] = (http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S) if self._ssl is None else
-                        http.client.HTTPSConnection(host, port, timeout=REQUEST_TIMEOUT_S, context=self._ssl))
+            conns[i] = (_HTTP(host, port, timeout=REQUEST_TIMEOUT_S) if self._ssl is None else
+                        _HTTPS(host, port, timeout=REQUEST_TIMEOUT_S, context=self._ssl))
+            conns[i].netns = self.netns
         return conns[i]
 
     def _drop(self, i: int) -> None:
@@ -334,11 +356,11 @@ class EtcdStore(dist.Store):
     leadership key, islands.runtime.membership): a deposed leader's writes are refused (NotLeader)."""
 
     def __init__(self, address: EtcdAddress | str, timeout_s: float = 30.0, fence: tuple[bytes, int] | None = None,
-                 client: EtcdClient | None = None, key_prefix: str = ""):
+                 client: EtcdClient | None = None, key_prefix: str = "", netns: str | None = None):
         super().__init__()
         self.address = EtcdAddress.parse(address) if isinstance(address, str) else address
         self.client = client or EtcdClient(self.address.endpoints, timeout_s,
-                                           EtcdTLS.from_env() if self.address.tls else None)
+                                           EtcdTLS.from_env() if self.address.tls else None, netns=netns)
         self.timeout_s = timeout_s
         self.fence = fence
         self.root = (self.address.namespace + "/").encode() if self.address.namespace else b""

@@ -1,6 +1,7 @@
 """The job host of an elastic job: a detached process that hosts the store and runs the coordinator.
 
     python -m islands.runtime.job_host RUN_DIR --launcher-pid PID [--port P | --store etcd://H:P,H:P,...]
+                                       [--advertise ADDRESS]
     (the JobSpec as JSON on stdin, ISLANDS_TOKEN in the environment)
 
 Why a process of its own (issue #20 item 2, docs/membership.md "No single point of failure"): the launcher
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher-pid", type=int, required=True)
     p.add_argument("--port", type=int, default=0, help="the embedded store's port (0: a free one)")
     p.add_argument("--store", default="", help="etcd://HOST:PORT,... : keep the job in this etcd cluster instead")
+    p.add_argument("--advertise", default="127.0.0.1",
+                   help="the address workers reach the embedded store at (a testbed's hub address)")
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # not inherited by anything this process might start
     job = JobSpec.from_json(sys.stdin.read())
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         server, raw = host_store(args.port)
         coordinator = Coordinator(raw, token, job, log=log)
-        address, store = f"127.0.0.1:{server.port}", coordinator.store
+        address, store = f"{args.advertise}:{server.port}", coordinator.store
         formed = lambda: coordinator.formed  # noqa: E731
     loop = HostLoop(store, job, formed, args.launcher_pid, log=log)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop.set())

@@ -47,6 +47,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from islands.runtime.auth import AuthStore, ControlAuth
+from islands.runtime.netns import entered as netns_entered
 from islands.runtime.etcd_store import EtcdAddress, EtcdStore, NotLeader, cmp_absent, is_etcd, leader_key, op_put
 
 PREFIX = "islands/"
@@ -141,13 +142,16 @@ class JobSpec:
                       "by a process without it")
 
 
-def connect(host: str, port: int, timeout_s: float = 30.0) -> dist.Store:
+def connect(host: str, port: int, timeout_s: float = 30.0, netns: str | None = None) -> dist.Store:
     """A client of the job's store, all keys under islands/: the embedded TCPStore at HOST:PORT, or, when
-    `host` is an etcd address (parse_address), the job's namespace in that etcd cluster."""
+    `host` is an etcd address (parse_address), the job's namespace in that etcd cluster. `netns`: a named
+    network namespace to connect from (a launcher outside a testbed whose store is on the testbed's hub,
+    islands.runtime.netns); the process's other threads are not moved."""
     if is_etcd(host):
         # the prefix inside the store: a PrefixStore over a Python Store would not keep the Python object alive
-        return EtcdStore(EtcdAddress.parse(host), timeout_s=timeout_s, key_prefix=PREFIX)
-    raw = dist.TCPStore(host, port, is_master=False, timeout=_dt.timedelta(seconds=timeout_s))
+        return EtcdStore(EtcdAddress.parse(host), timeout_s=timeout_s, key_prefix=PREFIX, netns=netns)
+    with netns_entered(netns):  # TCPStore's client makes its one socket in its constructor
+        raw = dist.TCPStore(host, port, is_master=False, timeout=_dt.timedelta(seconds=timeout_s))
     return dist.PrefixStore(PREFIX.rstrip("/"), raw)
 
 

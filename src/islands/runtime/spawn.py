@@ -40,6 +40,9 @@ from multiprocessing import spawn as mp_spawn
 
 import setproctitle
 
+from islands.runtime.netns import NETNS_DIR, setns
+from islands.testbed.system import netns_exec_prefix
+
 SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
 PRELOAD = ["torch", "torch.distributed", "numpy", "islands.cli", "islands.app.elastic_worker", "islands.runtime.job_host"]
 
@@ -55,12 +58,14 @@ def forks(argv: list[str], env: dict | None = None) -> bool:
             and argv[1] == "-m" and (argv[2] == "islands" or argv[2].startswith("islands.")))
 
 
-def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None = None):
+def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None = None, netns: str | None = None):
     """Start `argv` in a session of its own with stdin from /dev/null; `stdout`/`stderr`: an open file,
-    subprocess.STDOUT (stderr only) or None (this process's). Returns a subprocess.Popen or a ForkedProcess
-    (the same poll, wait, returncode, pid, send_signal, kill, terminate)."""
+    subprocess.STDOUT (stderr only) or None (this process's); `netns`: a named network namespace to run it in
+    (a testbed's host: a forked copy enters it itself, anything else runs under `ip netns exec`). Returns a
+    subprocess.Popen or a ForkedProcess (the same poll, wait, returncode, pid, send_signal, kill, terminate)."""
     def fresh():
-        return subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
+        command = netns_exec_prefix(netns) + list(argv) if netns else argv
+        return subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
                                 start_new_session=True)
 
     if not forks(argv, env):
@@ -68,7 +73,7 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
     out = 1 if stdout is None else stdout.fileno()
     err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
     try:
-        return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd)
+        return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd, netns)
     except (AttributeError, TypeError) as e:  # multiprocessing's internals moved (another Python): no fork server
         warnings.warn(f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
                       RuntimeWarning, stacklevel=2)
@@ -133,9 +138,10 @@ class _Fd:
 class ForkedProcess:
     """A worker forked from the fork server, driven like a subprocess.Popen."""
 
-    def __init__(self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None):
+    def __init__(self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None,
+                 netns: str | None = None):
         _forkserver()
-        self._process = _ServerProcess(target=_child, args=(module, args, env, _Fd(out), _Fd(err), cwd),
+        self._process = _ServerProcess(target=_child, args=(module, args, env, _Fd(out), _Fd(err), cwd, netns),
                                        name=f"islands-{module}")
         self._process.start()
         # not multiprocessing's child to look after: its exit handler would wait for it (or kill it) when
@@ -186,8 +192,15 @@ def _server_touched_cuda() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None) -> None:
+def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None,
+           netns: str | None = None) -> None:
     """In the forked copy: become what `python -m module args` in a new session would have been."""
+    if netns:  # before anything opens a socket; the copy has one thread, so the whole process moves
+        fd = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            setns(fd)
+        finally:
+            os.close(fd)
     # `ps`, `pgrep -f` and /proc/PID/cmdline show the command it stands for, not the fork server's; first,
     # while the inherited environment is in place (setproctitle finds argv's memory through it)
     setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
@@ -239,7 +252,7 @@ def describe_self() -> dict:
     line), forked or not, to check what a worker started by start() gets."""
     return json.loads(json.dumps({"pid": os.getpid(), "session": os.getsid(0), "argv": sys.argv[1:],
                                   "cwd": os.getcwd(), "env": dict(os.environ), "stdin": sys.stdin.read(),
-                                  "parent": os.getppid()}))
+                                  "parent": os.getppid(), "netns": os.readlink("/proc/self/ns/net")}))
 
 
 if __name__ == "__main__":  # SPAWN_SLEEP=S: then sleep S seconds; SPAWN_EXIT=CODE: then exit with it

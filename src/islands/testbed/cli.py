@@ -1,4 +1,4 @@
-"""`islands testbed up|down|status`: plain-argument functions the main CLI wires to argparse.
+"""`islands testbed up|down|status|cut|heal`: plain-argument functions the main CLI wires to argparse.
 
 Each returns data (for tests and scripts) and prints with rich. Errors are raised, not printed:
 ValueError/TypeError for bad input (the CLI maps them to exit code 2), PermissionError when not
@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from islands.testbed import lifecycle, measure
+from islands.testbed.model import Testbed
 
 DEFAULT_NAME = "default"
 
@@ -60,6 +61,17 @@ def cmd_down(name: str | None = None, all_testbeds: bool = False, console: Conso
         for ns, pids in r["lingering_pids"].items():
             console.print(f"[yellow]note:[/] processes {pids} were still running in {ns}; its link is gone")
     return results
+
+
+def cmd_link(action: str, name: str, host: int, console: Console | None = None) -> bool:
+    """`cut` or `heal` host `host`'s link of testbed `name`; returns whether the link is cut afterwards."""
+    console = console or Console()
+    tb = Testbed.load(name)
+    tb.host(host)  # a ValueError naming the valid range
+    {"cut": tb.cut, "heal": tb.heal}[action](host)
+    cut = tb.is_cut(host)
+    console.print(f"testbed {name}: host {host}'s link is {'cut' if cut else 'up'}")
+    return cut
 
 
 def cmd_status(console: Console | None = None) -> list[dict]:

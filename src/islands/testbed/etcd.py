@@ -18,6 +18,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from islands.runtime.netns import entered as netns_entered
+from islands.testbed.system import netns_exec_prefix
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
@@ -25,11 +28,11 @@ def available() -> bool:
     return os.path.exists(ETCD)
 
 
-def _free_ports(n: int) -> list[int]:
+def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         socks.append(s)
         ports.append(s.getsockname()[1])
     for s in socks:
@@ -38,24 +41,29 @@ def _free_ports(n: int) -> list[int]:
 
 
 class EtcdCluster:
-    def __init__(self, members: int = 3, root: Path | None = None, tls: bool = False):
+    def __init__(self, members: int = 3, root: Path | None = None, tls: bool = False, netns: str | None = None,
+                 host: str = "127.0.0.1"):
         """`tls`: the members serve clients over TLS and admit only clients with a certificate their own CA
         signed (etcd's --client-cert-auth); `env()` names the files a client needs (a throwaway CA, made with
-        openssl in the cluster's directory)."""
+        openssl in the cluster's directory). `netns`, `host`: run the members inside that network namespace,
+        serving on that address (a testbed's hub and its hub_ip, so that every host of the testbed reaches
+        the cluster over its own link)."""
         self.n = members
+        self.netns, self.host = netns, host
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.root = Path(tempfile.mkdtemp(prefix="islands-etcd-", dir=root or base))
         self.tls = tls
         if tls:
-            _make_certificates(self.root / "pki")
-        ports = _free_ports(2 * members)
+            _make_certificates(self.root / "pki", host)
+        with netns_entered(netns):
+            ports = _free_ports(2 * members, host)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen | None] = [None] * members
-        self.initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(self.peer_ports))
+        self.initial = ",".join(f"m{i}=http://{host}:{p}" for i, p in enumerate(self.peer_ports))
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.client_ports]
+        return [f"{self.host}:{p}" for p in self.client_ports]
 
     @property
     def url(self) -> str:
@@ -75,10 +83,12 @@ class EtcdCluster:
         scheme, pki = ("https" if self.tls else "http"), self.root / "pki"
         tls = ["--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"), "--client-cert-auth",
                "--trusted-ca-file", str(pki / "ca.crt")] if self.tls else []
-        self.procs[i] = subprocess.Popen(
-            [ETCD, "--name", f"m{i}", "--data-dir", str(self.root / f"m{i}"), *tls,
-             "--listen-client-urls", f"{scheme}://127.0.0.1:{c}", "--advertise-client-urls", f"{scheme}://127.0.0.1:{c}",
-             "--listen-peer-urls", f"http://127.0.0.1:{p}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
+        h = self.host
+        self.procs[i] = subprocess.Popen(  # `ip netns exec` execs etcd: the pid is the member's
+            [*(netns_exec_prefix(self.netns) if self.netns else []), ETCD, "--name", f"m{i}",
+             "--data-dir", str(self.root / f"m{i}"), *tls,
+             "--listen-client-urls", f"{scheme}://{h}:{c}", "--advertise-client-urls", f"{scheme}://{h}:{c}",
+             "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls", f"http://{h}:{p}",
              "--initial-cluster", self.initial, "--initial-cluster-state", state,
              "--initial-cluster-token", self.root.name, "--heartbeat-interval", "100",
              "--election-timeout", "1500", "--log-level", "warn", "--logger", "zap"],
@@ -103,8 +113,8 @@ class EtcdCluster:
             context.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
         scheme = "https" if self.tls else "http"
         try:
-            with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.client_ports[i]}/health", timeout=2,
-                                        context=context) as r:
+            with netns_entered(self.netns), urllib.request.urlopen(
+                    f"{scheme}://{self.host}:{self.client_ports[i]}/health", timeout=2, context=context) as r:
                 return b'"true"' in r.read()
         except OSError:
             return False
@@ -125,8 +135,8 @@ class EtcdCluster:
                          for i in range(self.n) if (self.root / f"m{i}.log").exists())
 
 
-def _make_certificates(pki: Path) -> None:
-    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA (openssl)."""
+def _make_certificates(pki: Path, host: str = "127.0.0.1") -> None:
+    """A throwaway CA, a server certificate for `host` and a client certificate, all signed by the CA (openssl)."""
     pki.mkdir(mode=0o700)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
@@ -136,9 +146,9 @@ def _make_certificates(pki: Path) -> None:
             raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stderr[-500:]}")
 
     run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=islands-test-ca")
-    (pki / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    (pki / "server.ext").write_text(f"subjectAltName=IP:{host}\nextendedKeyUsage=serverAuth,clientAuth\n")
     (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name, subject in (("server", "/CN=127.0.0.1"), ("client", "/CN=islands-client")):
+    for name, subject in (("server", f"/CN={host}"), ("client", "/CN=islands-client")):
         run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject)
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")

@@ -38,7 +38,7 @@ def up(name: str, hosts: int, rate: str, subnet: str | None = None) -> Testbed:
     with state.locked():
         _teardown(name)  # leftovers of a crashed testbed with this name
         tb = Testbed(
-            name=name, rate_bps=rate_bps, subnet=str(net), hub=hub_netns(name),
+            name=name, rate_bps=rate_bps, subnet=str(net), hub=hub_netns(name), hub_ip=spec.hub_address(net),
             hosts=[Host(i, host_netns(name, i), str(addresses[i]), host_ifname(i), hub_port(i))
                    for i in range(hosts)],
             phase="building", builder_pid=os.getpid(), created_at=time.time(),
@@ -104,6 +104,9 @@ def _build(tb: Testbed, prefixlen: int) -> None:
     # No IPv6 link-local addresses: their neighbour discovery would add chatter to byte counters.
     system.ip("link", "set", "dev", BRIDGE, "addrgenmode", "none", netns=hub)
     system.ip("link", "set", BRIDGE, "up", netns=hub)
+    # The hub's own address: an elastic job's store lives here, reached by every host over its own shaped link
+    # (a cut link cuts the host off from the store too, as a real WAN cut would).
+    system.ip("addr", "add", f"{tb.hub_ip}/{prefixlen}", "dev", BRIDGE, netns=hub)
     shape = spec.tbf_args(tb.rate_bps)
     for host in tb.hosts:
         system.ip("netns", "add", host.netns)

@@ -72,6 +72,7 @@ class Testbed:
     created_at: float = 0.0
     measured: dict | None = None  # the last measure_rate() result
     extra: dict = field(default_factory=dict)
+    hub_ip: str = ""  # the hub's address on the bridge (testbeds built before it existed have none)
 
     # ---- what a launcher calls -------------------------------------------------------------
     @property
@@ -104,6 +105,37 @@ class Testbed:
         if isinstance(argv, str) or not all(isinstance(a, str) for a in argv):
             raise TypeError(f"argv must be a list of strings, got {argv!r}")
         return system.netns_exec_prefix(self.host(host_index).netns) + list(argv)
+
+    def wrap_hub(self, argv: list[str]) -> list[str]:
+        """argv run inside the hub's namespace, where the bridge and hub_ip are (an elastic job's store)."""
+        self.require_hub_ip()
+        return system.netns_exec_prefix(self.hub) + list(argv)
+
+    def require_hub_ip(self) -> str:
+        if not self.hub_ip:
+            raise TestbedNotFound(f"testbed {self.name!r} was built before hubs had an address; rebuild it with "
+                                  f"`islands testbed up --name {self.name} --hosts {len(self.hosts)} --rate {self.rate}`")
+        return self.hub_ip
+
+    # ---- faults ------------------------------------------------------------------------------
+    def cut(self, host_index: int) -> None:
+        """Take host `host_index`'s link down at the hub: the host keeps its address and loopback (its own
+        processes still talk to each other) but reaches nothing beyond, and nothing reaches it."""
+        system.ip("link", "set", self.host(host_index).hub_port, "down", netns=self.hub)
+
+    def heal(self, host_index: int) -> None:
+        """Bring a cut link back; connections that have not timed out carry on. The neighbour entries that failed
+        while it was cut are flushed on both sides, so a new connection does not meet a cached "no route to
+        host" for the next second."""
+        host = self.host(host_index)
+        system.ip("link", "set", host.hub_port, "up", netns=self.hub)
+        system.ip("neigh", "flush", "dev", host.ifname, netns=host.netns, check=False)
+        system.ip("neigh", "flush", "dev", "br0", netns=self.hub, check=False)
+
+    def is_cut(self, host_index: int) -> bool:
+        out = system.ip("-o", "link", "show", self.host(host_index).hub_port, netns=self.hub).stdout
+        flags = out.partition("<")[2].partition(">")[0].split(",")  # "<BROADCAST,MULTICAST,UP,LOWER_UP>"
+        return "UP" not in flags
 
     def env(self, host_index: int) -> dict[str, str]:
         """Environment additions for a worker on this host: gloo bound to the host's link, the

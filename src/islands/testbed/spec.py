@@ -67,6 +67,11 @@ def format_rate(bps: int) -> str:
     return f"{bps}bit"
 
 
+def hub_address(net: ipaddress.IPv4Network) -> str:
+    """The hub's address on the bridge: the subnet's last usable one, clear of the hosts (which take the first)."""
+    return str(net.broadcast_address - 1)
+
+
 def tbf_burst_bytes(rate_bps: int) -> int:
     return max(_MIN_BURST, math.ceil(_BURST_AT_100MBIT * rate_bps / 100e6))
 
@@ -101,8 +106,9 @@ def choose_subnet(subnet: str | None, hosts: int, taken: list[str]) -> ipaddress
             f"subnet {subnet!r} must be a private IPv4 range (10.0.0.0/8, 172.16.0.0/12 or "
             "192.168.0.0/16), not loopback or link-local"
         )
-    if net.num_addresses - 2 < hosts:
-        raise ValueError(f"subnet {subnet!r} has room for {net.num_addresses - 2} hosts, {hosts} asked")
+    if net.num_addresses - 3 < hosts:  # the hub's own address is the subnet's last (hub_address)
+        raise ValueError(f"subnet {subnet!r} has room for {max(net.num_addresses - 3, 0)} hosts and the hub, "
+                         f"{hosts} hosts asked")
     clash = [str(t) for t in taken_nets if net.overlaps(t)]
     if clash:
         raise ValueError(f"subnet {subnet!r} overlaps another testbed's subnet {clash[0]}; choose another")
