@@ -93,15 +93,16 @@ def outputs(out: Path, names) -> dict[str, dict]:
 
 
 def start_job(tmp_path: Path, script: str, workers: int, *args: str, heartbeat: float = 5.0, timeout: float = 60.0,
-              store_url: str = "") -> tuple[subprocess.Popen, Path]:
+              store_url: str = "", launcher_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     """`islands run --elastic` of `script` (written to tmp_path/job.py) from tmp_path, run directory tmp_path/run;
-    the launcher's stderr goes to tmp_path/launcher.err (returned with the process)."""
+    the launcher's stderr goes to tmp_path/launcher.err (returned with the process). `launcher_args`: more flags
+    of `islands run` (before the script)."""
     (tmp_path / "job.py").write_text(script)
     err = tmp_path / "launcher.err"
     with open(err, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", str(workers),
                                  *(["--store", store_url] if store_url else []), "--heartbeat-timeout", str(heartbeat),
-                                 "--timeout", str(timeout), "--run-dir", "run", "job.py", *args],
+                                 "--timeout", str(timeout), *launcher_args, "--run-dir", "run", "job.py", *args],
                                 cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=f)
     return proc, err
 

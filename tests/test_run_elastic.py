@@ -39,6 +39,7 @@ p.add_argument("--steps", type=int, default=30)
 p.add_argument("--inner-steps", type=int, default=5)
 p.add_argument("--ckpt", default="")
 p.add_argument("--gate", type=int, default=-1)
+p.add_argument("--hold-at", type=int, default=-1)
 p.add_argument("--no-outer", action="store_true")
 args = p.parse_args()
 out, name = Path(args.out), os.environ["ISLANDS_NAME"]
@@ -85,6 +86,10 @@ for step, (x, y) in enumerate(my_batches(*world.shard, skip=start), start=start)
         (out / f"gate-{name}").write_text("")
         deadline = time.monotonic() + 200
         while not (out / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if step + 1 == args.hold_at:  # a second wait, for OUT/go2 (a restarted island gets ready meanwhile)
+        deadline = time.monotonic() + 200
+        while not (out / "go2").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 strategy.finish(model)
 if ckpt:
@@ -268,6 +273,38 @@ def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_a
     assert w0["sha"] == j1["sha"] and w0["size"] == j1["size"] == 2
 
 
+def test_a_script_job_of_two_worker_islands_loses_a_follower_and_its_restarted_island_rejoins(tmp_path):
+    """`islands run --elastic --workers 4 --islands 2 --max-restarts 1`: the script's own loop with DDP inside each
+    island (its local group) and DiLoCo across. A follower SIGKILLed mid-run takes island 1 out; the launcher
+    restarts it, it enters with the global state, and all four final workers agree bitwise; `islands join`
+    (one worker) is refused by such a job."""
+    out = tmp_path / "out"
+    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 4, "--out", "out", "--steps", "40", "--gate", "10",
+                                       "--hold-at", "20", launcher_args=("--islands", "2", "--max-restarts", "1"))
+    names = ["i0w0", "i0w1", "i1w0", "i1w1"]
+    _wait("every worker at the gate", elastic_jobs.at_gate(out, names), proc, err)
+    address = elastic_jobs.address(err)
+    lone = elastic_jobs.join(address, "--token-file", str(tmp_path / "run" / "token"), name="j9", cwd=tmp_path)
+    assert lone.wait(TIMEOUT) == REFUSED_EXIT_CODE
+    assert "islands have 2 workers each" in lone.stdout.read()
+    os.kill(int((out / "pid-i1w1").read_text()), signal.SIGKILL)  # a follower: its island leaves as a whole
+    (out / "go").write_text("")
+    _wait("the restarted island's leader", elastic_jobs.has_key(address, "ready/i1w0.1"), proc, err)
+    (out / "go2").write_text("")
+    log = elastic_jobs.finish(proc, err, TIMEOUT)
+    assert proc.returncode == 0, log + _logs(tmp_path)
+    assert "island 1 left the job" in log and "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
+    final = ["i0w0", "i0w1", "i1w0.1", "i1w1.1"]
+    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in final}
+    assert not (out / "i1w0.json").exists() and not (out / "i1w1.json").exists()
+    assert len({r["sha"] for r in recs.values()}) == 1, {n: r["sha"] for n, r in recs.items()}
+    for n, r in recs.items():
+        assert r["size"] == 4 and r["islands"] == 2, (n, r)  # two islands of two workers at the end
+    joined = [e for e in recs["i0w0"]["events"] if e["type"] == "join"]
+    assert joined and joined[-1]["joined"] == ["i1w0.1"]
+    assert recs["i1w0.1"]["start_step"] == recs["i1w1.1"]["start_step"] > 10  # entered mid-run, the follower too
+
+
 def test_elastic_run_flags_that_cannot_work_are_refused_before_anything_starts(tmp_path, capsys):
     import pytest
 
@@ -275,7 +312,8 @@ def test_elastic_run_flags_that_cannot_work_are_refused_before_anything_starts(t
 
     (tmp_path / "job.py").write_text(SCRIPT)
     cases = [(["--heartbeat-timeout", "5"], "apply to elastic jobs only; add --elastic"),
-             (["--elastic", "--islands", "2", "--workers", "3"], "one worker per island"),
+             (["--elastic", "--islands", "2", "--workers", "3"], "does not divide --workers 3"),
+             (["--max-restarts", "2"], "apply to elastic jobs only"),
              (["--elastic", "--testbed", "nosuchbed"], "no testbed named 'nosuchbed'"),
              (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0 seconds")]
     for flags, needle in cases:

@@ -6,6 +6,7 @@ islands never imports the bench; its parser calls `add_command(subparsers)` for 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -26,12 +27,19 @@ def add_command(subparsers) -> argparse.ArgumentParser:
     return b
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_bench(args) -> int:
     from islands_bench import harness
 
     if args.list or not args.name:
         harness.print_list()
         return 0
+    # SIGTERM (a `kill`, a CI timeout) unwinds like Ctrl-C: experiments' finally blocks stop their jobs, etcd
+    # clusters and testbeds instead of leaving them running
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         harness.run(args.name, quick=args.quick, out_root=Path(args.out), rate=args.testbed_rate or "",
                     device=args.device, reuse=args.reuse)

@@ -75,6 +75,10 @@ def _join(args) -> int:
         print(f"islands: join refused by {args.address}: {e}", flush=True)
         return REFUSED_EXIT_CODE
     if job.script:
+        refusal = job.lone_joiner_refusal()
+        if refusal:
+            print(f"islands: join refused by {args.address}: {refusal}", flush=True)
+            return REFUSED_EXIT_CODE
         return _join_script(job, args.address, name, token)
     run_dir = Path(args.run_dir or f"runs/join-{name}")
     try:

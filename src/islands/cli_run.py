@@ -33,6 +33,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_elastic(args, script, run_dir)
     elastic_only = [flag for flag, value, default in (("--heartbeat-timeout", args.heartbeat_timeout, None),
                                                        ("--store", args.store, ""),
+                                                       ("--max-restarts", args.max_restarts, 0),
                                                        ("--timeout", args.timeout, None)) if value != default]
     if elastic_only:
         raise UsageError(f"{', '.join(elastic_only)} apply to elastic jobs only; add --elastic or leave them out")
@@ -49,9 +50,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
-    if args.islands not in (1, args.workers):
-        raise UsageError(f"an elastic job has one worker per island (islands follow the members); leave --islands "
-                         f"out or give --islands {args.workers}, not {args.islands}")
+    islands = args.workers if args.islands == 1 else args.islands  # default: one worker per island
+    if islands < 1 or args.workers % islands:
+        raise UsageError(f"--islands {args.islands} does not divide --workers {args.workers} into islands of equal "
+                         f"size; give a divisor of {args.workers} (or leave --islands out: one worker per island)")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     heartbeat = 3.0 if args.heartbeat_timeout is None else args.heartbeat_timeout
     timeout = 120.0 if args.timeout is None else args.timeout
     for flag, value in (("--heartbeat-timeout", heartbeat), ("--timeout", timeout)):
@@ -67,7 +71,7 @@ def _run_elastic(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
               file=sys.stderr, flush=True)
         return launch_elastic_script([str(script), *args.args], args.workers, run_dir, heartbeat_timeout=heartbeat,
                                      timeout=timeout, port=args.port, threads=args.threads, store=store,
-                                     testbed=testbed)
+                                     testbed=testbed, islands=islands, max_restarts=args.max_restarts)
     except (LaunchError, ValueError) as e:  # ValueError: a --store that is not etcd://HOST:PORT,...
         raise UsageError(f"--store: {e}" if isinstance(e, ValueError) else str(e)) from None
 
@@ -82,10 +86,12 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
                     "workers (ISLANDS_ELASTIC, ISLANDS_TOKEN, ISLANDS_NAME set; logs in RUN_DIR/logs/w<i>.log) form an "
                     "elastic job: a worker that dies is dropped and the others carry on, `islands join` adds workers.",
         usage="islands run [--workers N] [--islands K] [--testbed NAME] [--port P] [--threads T] [--run-dir DIR] "
-              "[--elastic [--heartbeat-timeout S] [--timeout S] [--store etcd://H:P,...]] script.py [ARGS...]")
+              "[--elastic [--heartbeat-timeout S] [--timeout S] [--max-restarts N] [--store etcd://H:P,...]] "
+              "script.py [ARGS...]")
     r.add_argument("--workers", type=int, default=2, metavar="N", help="ranks to start (default 2)")
     r.add_argument("--islands", type=int, default=1, metavar="K",
-                   help="islands the ranks form, read by islands.init_world() through ISLANDS_ISLANDS (default 1)")
+                   help="islands the ranks form, read by islands.init_world() through ISLANDS_ISLANDS (default 1; with "
+                        "--elastic default one worker per island, and an island of several joins and leaves whole)")
     r.add_argument("--testbed", default="", metavar="NAME",
                    help="run rank r inside host r %% hosts of this network testbed (`islands testbed up`)")
     r.add_argument("--port", type=int, default=0, metavar="P",
@@ -101,6 +107,8 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
                    help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3)")
     r.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="with --elastic: seconds a collective may take before a worker counts as stuck (default 120)")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --elastic: times the launcher starts a failed island again (default 0)")
     r.add_argument("--store", default="", metavar="etcd://H:P,H:P,...",
                    help="with --elastic: keep the job in this etcd cluster (its members' client addresses) instead of "
                         "the job host's embedded store: no single point of failure; etcds://... over TLS, with "

@@ -71,15 +71,9 @@ def _check_one_worker_islands(address: str, name: str, token: str) -> None:
     """`islands join` (no ISLANDS_ISLAND) starts one worker: refuse it in a job of k-worker islands before it
     is admitted (a wrong token still gets the coordinator's verdict)."""
     host, port = parse_address(address)
-    job = JobSpec.read(connect(host, port), token, name=name)
-    if job.config is None:
-        return
-    world = job.config.get("world", {})
-    k = int(world.get("workers", 1)) // max(int(world.get("islands", 1)), 1)
-    if k > 1:
-        raise Refused(f"this job's islands have {k} workers each and join or leave as a whole; `islands join` "
-                      "starts one worker, so it cannot add an island: the launcher restarts a failed island itself "
-                      "(--max-restarts)")
+    refusal = JobSpec.read(connect(host, port), token, name=name).lone_joiner_refusal()
+    if refusal:
+        raise Refused(refusal)
 
 
 def _island(place: IslandPlace | None) -> dict | None:

@@ -99,7 +99,7 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     dump_json(cfg, run_dir / "config.json")
     # the members are the islands (their leaders); each island's workers_per_island workers start together
     job = JobSpec(workers=cfg.world.islands, heartbeat_timeout=cfg.elastic.heartbeat_timeout, timeout=cfg.world.timeout,
-                  config=shared_config(cfg, run_dir))
+                  config=shared_config(cfg, run_dir), island_size=cfg.workers_per_island)
     testbed = load_testbed(cfg.world.testbed) if cfg.world.testbed else None  # island i on host i % hosts
     before = _wire_counters(testbed)
     code = launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],

@@ -65,24 +65,31 @@ def job_token(run_dir: Path, out) -> str:
 
 def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heartbeat_timeout: float = 3.0,
                           timeout: float = 120.0, port: int = 0, threads: int = 1, out=sys.stderr,
-                          on_started=None, store: EtcdAddress | None = None, testbed: Testbed | None = None) -> int:
+                          on_started=None, store: EtcdAddress | None = None, testbed: Testbed | None = None,
+                          islands: int | None = None, max_restarts: int = 0) -> int:
     """`islands run --elastic`: run `argv` (a script and its arguments) as an elastic job of `workers` workers.
 
     The script joins with islands.init_world() and needs an outer strategy (joins happen at its round
     boundaries). Its path is made absolute and stored with its arguments and this directory, so that `islands
-    join` starts the same program anywhere. Returns the exit code (as launch_elastic_workers)."""
+    join` starts the same program anywhere. `islands`: the workers form that many islands of workers/islands
+    each (default: one worker per island), which join and leave as a whole; `max_restarts`: times a failed
+    island is started again. Returns the exit code (as launch_elastic_workers)."""
     if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
         raise LaunchError(f"argv must be a non-empty list of strings (the script and its arguments); got {argv!r}")
     script = Path(argv[0]).resolve()
     if not script.is_file():
         raise LaunchError(f"script {argv[0]!r} is not a file")
+    islands = workers if islands is None else islands
+    if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1 or workers % islands:
+        raise LaunchError(f"islands must divide the {workers} workers into islands of equal size; got {islands!r}")
     try:
-        job = JobSpec(workers=workers, heartbeat_timeout=heartbeat_timeout, timeout=timeout,
-                      script=(str(script), *argv[1:]), cwd=os.getcwd())
+        job = JobSpec(workers=islands, heartbeat_timeout=heartbeat_timeout, timeout=timeout,
+                      script=(str(script), *argv[1:]), cwd=os.getcwd(), island_size=workers // islands)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     return launch_elastic_workers(lambda address: script_command(job), job, run_dir, port=port, threads=threads,
-                                  out=out, on_started=on_started, store=store, testbed=testbed)
+                                  out=out, on_started=on_started, store=store, testbed=testbed,
+                                  island_size=job.island_size, max_restarts=max_restarts)
 
 
 def script_command(job: JobSpec) -> list[str]:
@@ -91,7 +98,7 @@ def script_command(job: JobSpec) -> list[str]:
 
 
 def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, run_dir: Path, *, port: int = 0,
-                           threads: int = 1, out=sys.stderr, on_started=None, island_size: int = 1,
+                           threads: int = 1, out=sys.stderr, on_started=None, island_size: int | None = None,
                            max_restarts: int = 0, store: EtcdAddress | None = None,
                            testbed: Testbed | None = None) -> int:
     """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
@@ -99,11 +106,14 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
     from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
     the JobHost handle; `.store` is the launcher's authenticated client). `store`: an etcd cluster to keep the
     job in (islands.runtime.etcd_store) instead of the job host's embedded store. `island_size`: workers per
-    island (job.workers then counts islands, whose leaders are the members; islands.runtime.island_comm);
+    island, as the job record says (job.workers then counts islands, whose leaders are the members; islands.runtime.island_comm);
     `max_restarts`: times a failed island is started again (_supervise). `testbed`: run island i inside host
     i % hosts of this network testbed (all its workers on that host, gloo bound to its link) and the job host on
     the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on
     an address the hosts reach (the hub's, islands.testbed.EtcdCluster(netns=...))."""
+    island_size = job.island_size if island_size is None else island_size
+    if island_size != job.island_size:
+        raise LaunchError(f"island_size {island_size} differs from the job record's {job.island_size}")
     if store is not None and not isinstance(store, EtcdAddress):
         raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,8 @@ class JobSpec:
     script             `islands run --elastic`: the script's absolute path and its arguments
     cwd                the directory the launcher ran in: a joiner runs the script there, so relative
                        paths in the script (checkpoints, data) name the same files
+    island_size        workers per island (the members are the islands' leaders; islands.runtime.island_comm):
+                       `islands join` starts one worker, so it refuses a job whose islands have more
     """
 
     workers: int
@@ -100,6 +102,7 @@ class JobSpec:
     script: tuple[str, ...] = ()
     cwd: str = ""
     job_id: str = ""  # random per launch (the Coordinator draws it): scopes the control plane's MAC key
+    island_size: int = 1
 
     def __post_init__(self):
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
@@ -107,6 +110,8 @@ class JobSpec:
         for name in ("heartbeat_timeout", "timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds; got {getattr(self, name)!r}")
+        if isinstance(self.island_size, bool) or not isinstance(self.island_size, int) or self.island_size < 1:
+            raise ValueError(f"island_size must be an integer >= 1; got {self.island_size!r}")
         if self.config is not None and self.script:
             raise ValueError("a job runs either a config (islands train) or a script (islands run), not both")
         object.__setattr__(self, "script", tuple(self.script))
@@ -114,14 +119,26 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps({"workers": self.workers, "heartbeat_timeout": self.heartbeat_timeout,
                            "timeout": self.timeout, "config": self.config, "script": list(self.script),
-                           "cwd": self.cwd, "job_id": self.job_id})
+                           "cwd": self.cwd, "job_id": self.job_id, "island_size": self.island_size})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "JobSpec":
         d = json.loads(text)
         return cls(workers=int(d["workers"]), heartbeat_timeout=float(d["heartbeat_timeout"]),
                    timeout=float(d["timeout"]), config=d.get("config"), script=tuple(d.get("script") or ()),
-                   cwd=d.get("cwd", ""), job_id=d.get("job_id", ""))
+                   cwd=d.get("cwd", ""), job_id=d.get("job_id", ""), island_size=int(d.get("island_size", 1)))
+
+    def lone_joiner_refusal(self) -> str | None:
+        """Why `islands join` (one worker, no island place) cannot enter this job, or None when it can."""
+        k = self.island_size
+        if k == 1 and self.config is not None:  # a record written without island_size: the config says it
+            world = self.config.get("world", {})
+            k = int(world.get("workers", 1)) // max(int(world.get("islands", 1)), 1)
+        if k == 1:
+            return None
+        return (f"this job's islands have {k} workers each and join or leave as a whole; `islands "
+                "join` starts one worker, so it cannot add an island: the launcher restarts a failed island itself "
+                "(--max-restarts)")
 
     def seal(self, token: str) -> bytes:
         """The job record as the store holds it: signed under the token (what a joiner runs comes from it)."""

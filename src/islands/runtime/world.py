@@ -27,7 +27,8 @@ import torch.distributed as dist
 from islands.runtime.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
-from islands.runtime.island_comm import IslandComm, IslandFollower, IslandLeader, IslandPlace, local_timeout
+from islands.runtime.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, IslandFollower, IslandLeader, IslandPlace,
+                                        local_timeout)
 from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
                                         connect, join_job, parse_address)
 
@@ -141,9 +142,11 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     environment it is a world of one process. An existing default process group is reused as it is (its
     backend and timeout are the script's); `timeout_s` and `device` apply to a group made here.
 
-    Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): one
-    worker per island, so `islands` is not used, and the job's own collective timeout applies. A process the
-    job refuses, or a joiner the job ended before admitting, prints why and exits with code 3 or 4.
+    Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): its
+    island is where the launcher put it (ISLANDS_ISLAND; one worker per island without it), so `islands` is
+    not used, and the job's own collective timeout applies. A process the job refuses, or a joiner the job
+    ended before admitting, prints why and exits with code 3 or 4; a worker whose island lost a worker (or
+    that the members excluded) prints why and exits 1.
     """
     if islands is None:
         islands = int(os.environ.get(ISLANDS_ENV, "1"))
@@ -155,7 +158,7 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
             raise ValueError("an elastic job exchanges over gloo on the CPU; use device='cpu' or 'auto'")
         sys.excepthook = _elastic_exit(address, sys.excepthook)
         return join_elastic(address, os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}",
-                            os.environ.get(TOKEN_ENV, ""))
+                            os.environ.get(TOKEN_ENV, ""), island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)))
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend = dist.get_backend()
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -327,7 +330,7 @@ def _elastic_exit(address: str, previous):
             line = f"join refused by {address}: {value}"
         elif isinstance(value, JobEnded):
             line = f"{address}: {value}"
-        elif isinstance(value, Excluded):
+        elif isinstance(value, (Excluded, IslandBroken)):
             line = str(value)
         else:
             return previous(kind, value, tb)
