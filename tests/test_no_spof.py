@@ -8,6 +8,7 @@ found by its heartbeat alone (no launcher to flag it) and the others finish with
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 import elastic_jobs
 import islands.testbed.etcd as etcd_cluster
 from elastic_jobs import job_processes as _job_processes, logs as _logs
-from islands.runtime.etcd_store import EtcdAddress, EtcdClient, leader_key
+from islands.runtime.etcd_store import ENDED_KEY, EtcdAddress, EtcdClient, leader_key
 from islands.runtime.membership import connect, parse_address
 
 HEARTBEAT = 5.0  # seconds: the job's heartbeat timeout (generous: the test machine is shared and loaded)
@@ -238,6 +239,10 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
         log = _finish(proc, err, tmp_path)
     assert proc.returncode == 0, log + _logs(run)
     assert joiner.returncode == 0, joined
+    # the dead job host never ended the job: the launcher did, and the cluster keeps only the end mark
+    assert "the launcher marked the job ended in etcd and removed its keys" in log, log
+    left = [base64.b64decode(kv["key"]) for kv in client.range(f"{ns}/".encode(), prefix=True).get("kvs", [])]
+    assert left == [f"{ns}/{ENDED_KEY}".encode()], left
     recs = elastic_jobs.outputs(out, ["w0", "w1", "j1"])
     assert len({r["sha"] for r in recs.values()}) == 1, "the members disagree on the global model"
     assert recs["j1"]["start"] == 18 and recs["j1"]["size"] == 3

@@ -42,7 +42,7 @@ from islands.runtime import job_host, spawn
 from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from islands.runtime.auth import ControlAuth
-from islands.runtime.etcd_store import EtcdAddress
+from islands.runtime.etcd_store import EtcdAddress, EtcdStore
 from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free,
                                     signal_worker, stop_all)
 from islands.testbed import Testbed
@@ -152,8 +152,9 @@ class JobHost:
 
     START_TIMEOUT_S = 120.0  # importing torch on a loaded machine is most of it
 
-    def __init__(self, proc: subprocess.Popen, address: str, store, log: Path, out):
+    def __init__(self, proc: subprocess.Popen, address: str, store, log: Path, out, raw=None, record: Path | None = None):
         self.proc, self.address, self.store, self.log_path, self.out = proc, address, store, log, out
+        self.raw, self.record = raw, record  # the unauthenticated client (EtcdStore.end) and job_host.json
         self._stop = threading.Event()
         self._relay = threading.Thread(target=self._follow, name="islands-job-host-log", daemon=True)
         self._relay.start()
@@ -192,7 +193,7 @@ class JobHost:
         raw = connect(host, p, netns=netns)  # on a testbed, from inside its hub (islands.runtime.netns)
         store = authed(raw, ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
                        lambda line: print(line, file=out, flush=True))
-        return cls(proc, address, store, log, out)
+        return cls(proc, address, store, log, out, raw=raw, record=record)
 
     def mark_dead(self, name: str) -> None:
         self.store.set(f"dead/{name}", "1")
@@ -223,6 +224,25 @@ class JobHost:
         time.sleep(0.1)  # the relay's last lines
         self._stop.set()
         self._relay.join(timeout=1)
+        self._end_orphaned_store()
+
+    def _end_orphaned_store(self) -> None:
+        """An etcd job whose job host died (SIGKILL, a lost machine) was not marked ended: its keys would stay in
+        the cluster and a joiner still waiting elsewhere would wait out its own rule. The launcher, which
+        outlived it, ends the namespace instead (EtcdStore.end: the mark, every other key deleted). A host
+        that ended the job itself says so in its record ("ended")."""
+        if not isinstance(self.raw, EtcdStore) or self.record is None:
+            return
+        if "ended" in (get_json_file(self.record) or {}):
+            return
+        try:
+            if not self.raw.ended():
+                self.raw.end()
+                print("islands: the job host had died; the launcher marked the job ended in etcd and removed its "
+                      "keys", file=self.out, flush=True)
+        except Exception as e:  # noqa: BLE001 - no etcd majority: the keys stay (docs/membership.md)
+            print(f"islands: could not mark the job ended in etcd ({e}); its keys stay under "
+                  f"{self.address.rsplit('/', 1)[-1]}/", file=self.out, flush=True)
 
 
 def get_json_file(path: Path):
