@@ -1,4 +1,4 @@
-"""A local etcd cluster on loopback, for tests and experiments of an elastic job's replicated store (etcd-server
+"""A local etcd cluster, on loopback or inside a network namespace (a testbed's hub), for tests and experiments of an elastic job's replicated store (etcd-server
 3.4, /usr/bin/etcd; CI installs it in .ci/run; `EtcdCluster(3).start().url` is what `--store` takes).
 
 Each member gets two free ports (client, peer) and a data directory on tmpfs when there is one (fsync is
