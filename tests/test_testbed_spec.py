@@ -192,3 +192,18 @@ def test_bad_input_fails_before_any_system_call(monkeypatch, state_dir):
         up("Wan", 2, "100mbit")
     with pytest.raises(ValueError, match="private IPv4"):
         up("wan", 2, "100mbit", subnet="1.2.3.0/24")
+
+
+def test_an_elastic_job_on_a_testbed_without_a_hub_address_says_to_rebuild_it(tmp_path):
+    """Testbeds recorded before hubs had an address load with hub_ip "" and are refused before anything starts."""
+    from islands.runtime.elastic_launch import launch_elastic_workers
+    from islands.runtime.launch import LaunchError
+    from islands.runtime.membership import JobSpec
+    from islands.testbed import Host, Testbed
+
+    old = Testbed.from_dict({"name": "old", "rate_bps": 10**8, "subnet": "10.77.9.0/24", "hub": "isl-old-hub",
+                             "hosts": [Host(0, "isl-old-h0", "10.77.9.1", "isl-h0", "port0").__dict__]})
+    assert old.hub_ip == ""
+    with pytest.raises(LaunchError, match="rebuild it with `islands testbed up --name old"):
+        launch_elastic_workers(lambda a: ["true"], JobSpec(workers=1), tmp_path / "run", testbed=old)
+    assert not (tmp_path / "run").exists()

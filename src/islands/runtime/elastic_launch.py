@@ -116,12 +116,17 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
         raise LaunchError(f"island_size {island_size} differs from the job record's {job.island_size}")
     if store is not None and not isinstance(store, EtcdAddress):
         raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    if testbed is not None:
+        try:
+            testbed.require_hub_ip()  # a testbed built before hubs had an address: say to rebuild it
+        except LookupError as e:
+            raise LaunchError(str(e)) from None
     if port and testbed is not None:
         raise LaunchError(f"the port is chosen inside the testbed; leave port 0 with a testbed (got {port})")
     if port and store is None and not port_is_free(port, "0.0.0.0"):
         raise LaunchError(f"port {port} is busy; choose another or use port=0 to pick a free one")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
     token = job_token(run_dir, out)
     host = JobHost.start(job, run_dir, token, port, out, store, testbed)
     address, coordinator = host.address, host
