@@ -104,7 +104,7 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     before = _wire_counters(testbed)
     code = launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
                                   job, run_dir, port=cfg.world.port, threads=cfg.world.threads, out=out,
-                                  on_started=on_started, island_size=cfg.workers_per_island,
+                                  on_started=on_started,
                                   max_restarts=cfg.elastic.max_restarts,
                                   store=EtcdAddress.parse(cfg.elastic.store) if cfg.elastic.store else None,
                                   testbed=testbed)

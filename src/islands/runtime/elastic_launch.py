@@ -89,7 +89,7 @@ def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heart
         raise LaunchError(str(e)) from None
     return launch_elastic_workers(lambda address: script_command(job), job, run_dir, port=port, threads=threads,
                                   out=out, on_started=on_started, store=store, testbed=testbed,
-                                  island_size=job.island_size, max_restarts=max_restarts)
+                                  max_restarts=max_restarts)
 
 
 def script_command(job: JobSpec) -> list[str]:
@@ -98,22 +98,18 @@ def script_command(job: JobSpec) -> list[str]:
 
 
 def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, run_dir: Path, *, port: int = 0,
-                           threads: int = 1, out=sys.stderr, on_started=None, island_size: int | None = None,
-                           max_restarts: int = 0, store: EtcdAddress | None = None,
+                           threads: int = 1, out=sys.stderr, on_started=None, max_restarts: int = 0, store: EtcdAddress | None = None,
                            testbed: Testbed | None = None) -> int:
     """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
     ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
     from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
     the JobHost handle; `.store` is the launcher's authenticated client). `store`: an etcd cluster to keep the
-    job in (islands.runtime.etcd_store) instead of the job host's embedded store. `island_size`: workers per
-    island, as the job record says (job.workers then counts islands, whose leaders are the members; islands.runtime.island_comm);
+    job in (islands.runtime.etcd_store) instead of the job host's embedded store. Each island has
+    `job.island_size` workers (job.workers counts islands, whose leaders are the members; islands.runtime.island_comm);
     `max_restarts`: times a failed island is started again (_supervise). `testbed`: run island i inside host
     i % hosts of this network testbed (all its workers on that host, gloo bound to its link) and the job host on
     the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on
     an address the hosts reach (the hub's, islands.testbed.EtcdCluster(netns=...))."""
-    island_size = job.island_size if island_size is None else island_size
-    if island_size != job.island_size:
-        raise LaunchError(f"island_size {island_size} differs from the job record's {job.island_size}")
     if store is not None and not isinstance(store, EtcdAddress):
         raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
     if testbed is not None:
@@ -135,7 +131,7 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
     started: list[WorkerProcess] = []
     try:
         # job.workers islands of island_size workers each (one-worker islands: w0, w1, ... as before)
-        islands = _Islands(command, address, token, run_dir, threads, island_size, max_restarts, testbed)
+        islands = _Islands(command, address, token, run_dir, threads, job.island_size, max_restarts, testbed)
         for index in range(job.workers):
             started += islands.start(index)
         if on_started is not None:

@@ -38,11 +38,7 @@ def entered(name: str | None):
     if not name:
         yield
         return
-    path = os.path.join(NETNS_DIR, name)
-    try:
-        target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise OSError(f"network namespace {name!r} does not exist ({path} is missing)") from None
+    target = _open(name)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         setns(target)
@@ -53,6 +49,24 @@ def entered(name: str | None):
     finally:
         os.close(target)
         os.close(own)
+
+
+def enter(name: str) -> None:
+    """Move the calling thread into namespace `name` for good (a freshly forked, single-threaded process: all of
+    it, and every thread it starts later)."""
+    fd = _open(name)
+    try:
+        setns(fd)
+    finally:
+        os.close(fd)
+
+
+def _open(name: str) -> int:
+    path = os.path.join(NETNS_DIR, name)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise OSError(f"network namespace {name!r} does not exist ({path} is missing)") from None
 
 
 def current() -> str:

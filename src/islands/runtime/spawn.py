@@ -40,7 +40,7 @@ from multiprocessing import spawn as mp_spawn
 
 import setproctitle
 
-from islands.runtime.netns import NETNS_DIR, setns
+from islands.runtime.netns import enter as enter_netns
 from islands.testbed.system import netns_exec_prefix
 
 SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
@@ -196,11 +196,7 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
            netns: str | None = None) -> None:
     """In the forked copy: become what `python -m module args` in a new session would have been."""
     if netns:  # before anything opens a socket; the copy has one thread, so the whole process moves
-        fd = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            setns(fd)
-        finally:
-            os.close(fd)
+        enter_netns(netns)
     # `ps`, `pgrep -f` and /proc/PID/cmdline show the command it stands for, not the fork server's; first,
     # while the inherited environment is in place (setproctitle finds argv's memory through it)
     setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
