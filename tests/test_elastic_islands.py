@@ -36,12 +36,21 @@ def _relay_rank(rank, env, queue):
     dist.init_process_group("gloo", rank=rank, world_size=4)
     # every rank makes every group, in the same order (torch's rule)
     local = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    side = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     leaders = dist.new_group([0, 2])
     from islands.runtime.comm import Comm, CommLedger
 
+    class Planned(Comm):  # exchange_planned as an ElasticComm has it, over a fixed group
+        def exchange_planned(self, plan, like, kind="p2p"):
+            sends, recv_from = plan(self.rank, self.size)
+            return self.exchange(sends, recv_from, like=like, kind=kind), sorted(sends), list(recv_from)
+
+    def never(rank, size):
+        raise AssertionError("a follower's plan is never called")
+
     ledger = CommLedger()
-    cross = Comm(leaders, ledger) if rank % 2 == 0 else None
-    relay = IslandComm(cross, ledger, group=local)
+    cross = Planned(leaders, ledger) if rank % 2 == 0 else None
+    relay = IslandComm(cross, ledger, group=local, side=side)
     island = rank // 2
     # island replicas are identical (inner DDP keeps them so): each island's input depends on the island only
     x = torch.arange(5, dtype=torch.float32) * (island + 1) + 0.25 * island
@@ -50,21 +59,42 @@ def _relay_rank(rank, env, queue):
     gathered = relay.all_gather(x[:3].clone(), kind="outer_gather")
     # src in the cross Comm's numbering: island 1's leader is global rank 2 of this plain Comm
     sent = relay.broadcast(x.clone() if island == 1 else torch.zeros(5), src=2, kind="outer_bcast")
+    # gossip's round: a ring of the 2 islands, planned by the leader only
+    got, send_to, recv_from = relay.exchange_planned(
+        (lambda r, n: ({(r + 1) % n: x.clone()}, [(r - 1) % n])) if cross is not None else never,
+        like=torch.empty(5), kind="gossip")
+    # an exchange in flight on another thread relays over the side group while the training thread's own
+    # collectives go on over the local group: neither waits on nor mixes with the other
+    box: dict = {}
+
+    def in_flight():
+        box["sums"] = [relay.all_reduce(x.clone() * i, kind="outer_delta").tolist() for i in range(1, 4)]
+
+    thread = threading.Thread(target=in_flight)
+    thread.start()
+    local_sums = [dist.all_reduce(t := torch.full((3,), float(i + rank)), group=local) or t.tolist() for i in range(6)]
+    thread.join(60)
     objects = relay.all_gather_object({"rank": rank})
     # plain lists through the queue: a tensor would be passed as a file descriptor of this exiting process
     queue.put((rank, summed.tolist(), maxed.tolist(), [g.tolist() for g in gathered], sent.tolist(), objects,
-               relay.rank, relay.size, dict(ledger.sent)))
+               relay.rank, relay.size, dict(ledger.sent),
+               ({p: t.tolist() for p, t in got.items()}, send_to, recv_from), box.get("sums"), local_sums))
     dist.destroy_process_group()
 
 
 def test_the_island_relay_gives_every_worker_the_plain_result_over_islands():
     got = spawn_ranks(_relay_rank, 4, timeout=120)
     inputs = [torch.arange(5, dtype=torch.float32) * (i + 1) + 0.25 * i for i in range(2)]
-    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes in got:
+    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes, gossip, sums, local_sums in got:
         assert summed == (inputs[0] + inputs[1]).tolist()  # the all-reduce over islands, on every worker
         assert maxed == torch.maximum(inputs[0], inputs[1]).tolist()
         assert gathered == [inputs[0][:3].tolist(), inputs[1][:3].tolist()]
         assert sent == inputs[1].tolist()
+        other = 1 - rank // 2
+        assert gossip == ({other: inputs[other].tolist()}, [other], [other])  # the leader's round, relayed
+        assert sums == [((inputs[0] + inputs[1]) * i).tolist() for i in range(1, 4)]
+        mates = [rank - rank % 2, rank - rank % 2 + 1]
+        assert local_sums == [[float(sum(i + m for m in mates))] * 3 for i in range(6)]
         assert objects == [{"rank": r} for r in range(4)]  # bookkeeping: every worker, in global rank order
         assert (irank, isize) == (rank // 2, 2)
         # only leaders send cross-island bytes; followers receive the relay only
@@ -177,6 +207,43 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
 
 
+@pytest.mark.parametrize("outer,across", [
+    # streaming DiLoCo: 2 fragments, each landing one step after it left, on the strategy's exchange thread
+    ("diloco:inner_steps=6,fragments=2,tau=1", True),
+    # gossip on a ring: the leader's point-to-point round relayed to its follower (islands need not agree)
+    ("gossip:every=5,topology=ring", False),
+])
+def test_exchanges_in_flight_and_gossip_survive_a_killed_worker_in_k_worker_islands(tmp_path, outer, across):
+    cfg = _cfg(tmp_path, max_restarts=1, outer=outer)
+    run_dir, hold = tmp_path / "run", tmp_path / "HOLD"
+
+    def fault(address, workers):
+        host, port = address.split(":")
+        store = connect(host, int(port))
+        _wait(lambda: store.check(["round/2/join"]), "two rounds")
+        hold.write_text("")
+        os.kill(workers[3].proc.pid, signal.SIGKILL)  # a follower of island 1
+        _wait(lambda: store.check(["ready/i1w0.1"]), "the restarted island's leader to be built")
+        hold.unlink()
+
+    code, log = _run(cfg, run_dir, fault)
+    assert code == 0, log
+    assert "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
+    recs = _records(run_dir)
+    assert set(recs) == {"i0w0", "i0w1", "i1w0.1", "i1w1.1"}, log
+    digest = {n: r["global_sha256"] for n, r in recs.items()}
+    # the workers of an island hold one model, bit for bit (the relay is exact) ...
+    assert digest["i0w0"] == digest["i0w1"] and digest["i1w0.1"] == digest["i1w1.1"], digest
+    if across:  # ... and DiLoCo's islands the same global model
+        assert len(set(digest.values())) == 1, digest
+    join = next(e for e in recs["i0w0"]["final"]["events"] if e["type"] == "join")
+    entered = next(e for e in recs["i1w0.1"]["final"]["events"] if e["type"] == "entered")
+    follower = next(e for e in recs["i1w1.1"]["final"]["events"] if e["type"] == "entered")
+    assert join["joined"] == ["i1w0.1"] and entered["step"] == join["step"] == follower["step"] > 5
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["summary"]["steps"] == 60 and run["summary"]["islands"] == 2
+
+
 def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_path):
     cfg = _cfg(tmp_path, max_restarts=0)
     run_dir = tmp_path / "run"
@@ -208,7 +275,6 @@ def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_pat
     (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
     (["--no-elastic", "--max-restarts", "2"], "elastic.max_restarts applies to elastic jobs"),
     (["--ckpt-every", "10"], "do not checkpoint yet"),
-    (["--outer", "gossip"], "gossip's point-to-point exchange is not relayed yet"),
 ])
 def test_combinations_that_cannot_work_exit_2_before_anything_starts(tmp_path, capsys, flags, needle):
     from islands.cli import main

@@ -232,15 +232,16 @@ def test_buffers_follow_an_overlapped_exchange_without_deadlock():
     assert (glob0 == glob1).all() and (live0 == glob0).all()
 
 
-def _bn_islands_of_two_worker(rank, env, queue):
-    """4 ranks: 2 islands of 2 workers, DDP inside, DiLoCo across, every rank its own batches."""
+def _bn_islands_of_two_worker(rank, env, queue, gossip=False):
+    """4 ranks: 2 islands of 2 workers, DDP inside, DiLoCo (or gossip) across, every rank its own batches."""
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     world = islands.init_world(islands=2)
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    strategy = islands.Stack(inner=islands.inner.DDP(), outer=islands.outer.DiLoCo(inner_steps=4))
+    outer = islands.outer.Gossip(every=4, topology="ring") if gossip else islands.outer.DiLoCo(inner_steps=4)
+    strategy = islands.Stack(inner=islands.inner.DDP(), outer=outer)
     model = own_loop(strategy, model, opt, world, batches(20 + rank, 10))
     g = strategy.eval_model(model)
     queue.put((rank, {k: plain(v) for k, v in g.state_dict().items()}, plain(model.module.bn.running_mean),
@@ -260,6 +261,19 @@ def test_every_worker_of_every_island_holds_the_same_global_batchnorm_statistics
             assert (value == first[key]).all(), (rank, key)
         assert (live_mean == first["bn.running_mean"]).all(), rank  # the live model adopted the same average
     assert all(sent["island_buffers"] > 0 and sent["outer_buffers"] > 0 for *_, sent in got)
+
+
+def test_gossip_keeps_each_islands_own_batchnorm_statistics_the_same_on_all_its_workers():
+    """Gossip has no global average of buffers (buffer_policy "own"), but the workers of one island are one
+    replica: without averaging over the island, worker 0 and 1 of an island reported different models."""
+    got = sorted(spawn_ranks(_bn_islands_of_two_worker, 4, True, timeout=120), key=lambda r: r[0])
+    for island in (0, 1):
+        (_, a, live_a, _), (_, b, live_b, _) = got[2 * island: 2 * island + 2]
+        for key in a:
+            assert (a[key] == b[key]).all(), (island, key)
+        assert (live_a == live_b).all()
+    assert not (got[0][1]["bn.running_mean"] == got[2][1]["bn.running_mean"]).all()  # islands keep their own
+    assert all(sent["island_buffers"] > 0 and "outer_buffers" not in sent for *_, sent in got)
 
 
 class _TwinComm:

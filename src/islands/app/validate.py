@@ -45,10 +45,6 @@ from islands.tasks import hf_lm as hf
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
 DEVICES = ("auto", "cpu", "cuda")
-# Outer strategies whose exchanges are in flight across steps (as DiLoCo's tau > 0 and fragments > 1): elastic
-# membership handles them with one worker per island (docs/membership.md, "Exchanges in flight and gossip
-# under churn").
-IN_FLIGHT = ("overlap-local-sgd", "streaming-diloco")
 POSITIVE = ("task.d_model", "task.n_layers", "task.n_heads", "task.context", "task.hidden", "train.steps",
             "train.global_batch", "world.workers", "world.islands", "world.threads", "train.eval_batches",
             "train.log_every")
@@ -427,16 +423,7 @@ def elastic(cfg: JobConfig) -> str | None:
             return (f"elastic islands of several workers ({k} per island) do not checkpoint yet: only islands' leaders "
                     "are members, and an elastic save needs every member's part; leave checkpoint.every, "
                     "memory_every, remote_every and resume unset, or run one worker per island")
-        if parse_outer(cfg.outer.strategy).name == "gossip":
-            return (f"elastic islands of several workers ({k} per island) relay the leader's all-reduce, all-gather "
-                    "and broadcast to the island; gossip's point-to-point exchange is not relayed yet; use diloco, "
-                    "local-sgd, slowmo or easgd, or one worker per island")
     spec = parse_outer(cfg.outer.strategy)
-    in_flight = spec.name in IN_FLIGHT or spec.params.get("tau", 0) or spec.params.get("fragments", 1) > 1
-    if in_flight and k > 1:
-        return (f"elastic islands of several workers ({k} per island) need an outer strategy without exchanges in "
-                f"flight across steps; {format_spec(cfg.outer.strategy)!r} overlaps them (supported with one "
-                "worker per island). Use diloco with tau=0 and fragments=1")
     if spec.params.get("lr_scale") == "sqrt-islands" and spec.params.get("fragments", 1) > 1:
         return ("elastic does not support lr_scale=sqrt-islands with fragments > 1 (the island count can change "
                 "while a fragment is in flight); use lr_scale=none or fragments=1")

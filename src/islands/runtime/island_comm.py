@@ -10,6 +10,14 @@ collective runs on the ElasticComm (fail-over, retries and all) and its result i
 local group with a small header (the island's rank, the number of member islands, the epoch); a follower
 takes both from that broadcast. Inner DDP keeps the island's replicas bit-identical, so the leader's input
 stands for the island's and every worker of the island holds the leader's result bit for bit: exact.
+Gossip's point-to-point round (`exchange_planned`) is relayed the same way: the leader's plan and what arrived.
+
+Exchanges in flight across steps (DiLoCo tau > 0, streaming fragments) run on the strategy's exchange thread
+while the training thread's DDP all-reduces go on over the local group. Two threads issuing collectives on one
+gloo group would interleave them differently on different workers, so a relay from any thread but the one that
+built the IslandComm goes over a second local group (`side`), made beside the first on every worker of the
+island; the exchange thread is one thread that runs exchanges in call order, so the side group's order is the
+same on every worker too.
 
 A worker that dies breaks the local group: its mates fail at their next local collective (gloo reports a
 closed connection at once) and exit non-zero; the launcher stops the rest of the island, the leader's
@@ -21,6 +29,7 @@ IslandFollower.enter) before the island trains.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -106,11 +115,16 @@ class IslandComm:
     `cross`: the leader's Comm over the member islands (an ElasticComm in a job; any Comm in tests), None on a
     follower. `group`: the island's local process group (None: the default group). `rank` and `size` are the
     island's rank among the member islands and their count, as of the latest collective (a follower learns
-    them from the leader's header)."""
+    them from the leader's header). `side`: the island's second local group, for relays from another thread
+    than the one that built this (module docstring; None: such relays are refused)."""
 
-    def __init__(self, cross, ledger: CommLedger, group=None, on_change=None):
-        self.cross, self.ledger, self.group, self.on_change = cross, ledger, group, on_change
+    elastic = True  # strategies ask this (getattr(comm, "elastic", False)) to refuse what churn would break
+
+    def __init__(self, cross, ledger: CommLedger, group=None, on_change=None, side=None):
+        self.cross, self.ledger, self.group, self.on_change, self.side = cross, ledger, group, on_change, side
         self._rank, self._size, self._epoch = 0, 0, -1
+        self._home = threading.get_ident()
+        self._away: int | None = None  # the one other thread that relays over `side`
 
     @property
     def leader(self) -> bool:
@@ -131,11 +145,26 @@ class IslandComm:
         return getattr(self.cross, "epoch", 0) if self.leader else self._epoch
 
     # ---- the relay --------------------------------------------------------------------------------
+    def _local(self):
+        """The local group this thread relays over: `group` on the building thread, `side` on the one other."""
+        me = threading.get_ident()
+        if me == self._home:
+            return self.group
+        if self.side is None:
+            raise RuntimeError("this island relay has no side group, so it relays only on the thread that built it; "
+                               "an exchange in flight on another thread needs one (world.py makes it)")
+        if self._away is None:
+            self._away = me
+        elif self._away != me:
+            raise RuntimeError("an island relay serves two threads at most (training and one exchange thread): the "
+                               "order of collectives on its side group would differ between workers")
+        return self.side
+
     def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
         self.ledger.record(RELAY_KIND, nbytes if self.leader else 0, 0 if self.leader else nbytes)
         try:
-            dist.broadcast(tensor, group=self.group, group_src=0)
+            dist.broadcast(tensor, group=self._local(), group_src=0)
         except (RuntimeError, dist.DistError) as e:
             raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
                                "the island leaves the job") from None
@@ -158,7 +187,7 @@ class IslandComm:
         """The leader's `obj` on every worker of the island (pickled; bookkeeping and the joiner's state)."""
         box = [obj if self.leader else None]
         try:
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
+            dist.broadcast_object_list(box, group=self._local(), group_src=0)
         except (RuntimeError, dist.DistError) as e:
             raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
                                "the island leaves the job") from None
@@ -187,12 +216,31 @@ class IslandComm:
         self.sync()
         return self._bcast(tensor)
 
+    def exchange_planned(self, plan, like: torch.Tensor, kind: str = "p2p"):
+        """Gossip's round (ElasticComm.exchange_planned): the leader runs it over the member islands with `plan`;
+        every worker of the island gets (what arrived {peer: tensor}, send_to, recv_from) of the committed attempt.
+        A follower's `plan` is never called: its payload is the leader's, bit for bit."""
+        if self.leader:
+            got, send_to, recv_from = self.cross.exchange_planned(plan, like=like, kind=kind)
+            self.sync()
+            self.relay_object((list(send_to), list(recv_from)))
+            stacked = (torch.stack([got[p].reshape(like.shape) for p in recv_from]) if recv_from
+                       else torch.empty((0, *like.shape), dtype=like.dtype))
+        else:
+            self.sync()
+            send_to, recv_from = self.relay_object()
+            stacked = torch.empty((len(recv_from), *like.shape), dtype=like.dtype)
+        if recv_from:
+            self._bcast(stacked)
+        return dict(zip(recv_from, stacked.unbind(0))), list(send_to), list(recv_from)
+
     def all_gather_object(self, obj) -> list:
         """Bookkeeping over every worker of every member island, in global rank order (island rank, then local
         index): the run record's per-rank ledgers."""
-        mine = [None] * dist.get_world_size(self.group)
+        group = self._local()
+        mine = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(mine, obj, group=self.group)
+            dist.all_gather_object(mine, obj, group=group)
         except (RuntimeError, dist.DistError) as e:
             raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})") from None
         flat = None

@@ -244,8 +244,8 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
             comm.form(0, None)
         return world
     comm.place = island
-    _island_group(session.store, island, job)
-    comm.island = IslandComm(comm, comm.ledger)
+    side = _island_group(session.store, island, job)
+    comm.island = IslandComm(comm, comm.ledger, side=side)
     world = island_world(comm, comm.island, island, shard)
     comm.on_change = world.follow
     if admission.initial:
@@ -264,12 +264,12 @@ def _follow_island(host: str, port: int, name: str, token: str, island: IslandPl
     store = authed(raw, auth)
     heartbeat = Heartbeat(host, port, name, auth=auth, new_client=lambda: authed(connect(host, port), auth))
     try:
-        _island_group(store, island, job)
+        side = _island_group(store, island, job)
     except BaseException:
         heartbeat.stop()
         raise
     ledger = CommLedger()
-    relay = IslandComm(None, ledger)
+    relay = IslandComm(None, ledger, side=side)
     follower = IslandFollower(name, island, relay, store, Liveness(store, job.heartbeat_timeout), heartbeat, job)
     world = island_world(follower, relay, island, (island.index * island.size + island.local, job.workers * island.size))
     relay.on_change = world.follow
@@ -277,12 +277,14 @@ def _follow_island(host: str, port: int, name: str, token: str, island: IslandPl
     return world
 
 
-def _island_group(store, island: IslandPlace, job: JobSpec) -> None:
+def _island_group(store, island: IslandPlace, job: JobSpec):
     """The island's local gloo group as this process's default group (DDP, ZeRO-1 and Comm(None) use it), over a
-    prefix of the job's authenticated store that no other island or incarnation shares."""
-    timeout = local_timeout(job.timeout, job.heartbeat_timeout)
+    prefix of the job's authenticated store that no other island or incarnation shares. Returns a second group of
+    the same workers: the relay of exchanges in flight on the strategy's exchange thread (island_comm docstring)."""
+    timeout = _dt.timedelta(seconds=local_timeout(job.timeout, job.heartbeat_timeout))
     dist.init_process_group("gloo", store=dist.PrefixStore(f"{island.tag}/pg", store), rank=island.local,
-                            world_size=island.size, timeout=_dt.timedelta(seconds=timeout))
+                            world_size=island.size, timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 class IslandWorld(World):

@@ -26,8 +26,8 @@ island, kind "island_buffers", so every worker of every island holds the same; i
 average), and integer buffers
 (num_batches_tracked) are copied from the island, which counts the same steps as every other; the
 global model then holds both, so evaluating or exporting it sees statistics of the data every island
-trained on. Gossip has no global average: there the global model takes the island's own buffers
-(`buffer_policy = "own"`). `buffer_policy = "none"` leaves the global model's buffers as they were at
+trained on. Gossip has no global average: there the global model takes the island's own buffers, averaged over
+the island's workers when it has several (`buffer_policy = "own"`). `buffer_policy = "none"` leaves the global model's buffers as they were at
 wrap: what every outer strategy did before this policy, kept only as the own-model bench's negative control.
 """
 
@@ -191,7 +191,10 @@ class OuterStrategy(NoOp):
             return
         floating = [b for b in self.local_buffers if b.is_floating_point()]
         island = getattr(self, "island_comm", None)
-        if floating and self.buffer_policy == "average" and (self.comm.size > 1 or island is not None):
+        across = self.buffer_policy == "average" and self.comm.size > 1
+        if floating and (across or island is not None):
+            # "own" (gossip) still averages inside a k-worker island: its workers are one replica, and each
+            # one's running statistics saw only its own batches since DDP last broadcast them
             view = FlatView(floating)
             flat = view.read()
             if island is not None:
@@ -201,7 +204,7 @@ class OuterStrategy(NoOp):
                 # main thread, in step with the inner strategy's own collectives on this group.
                 island.all_reduce(flat, kind=ISLAND_BUFFER_KIND)
                 flat.div_(island.size)
-            if self.comm.size > 1:
+            if across:
                 self.in_order(lambda: self.comm.all_reduce(flat, kind=BUFFER_KIND))
                 flat.div_(self.comm.size)
             view.write(flat)
