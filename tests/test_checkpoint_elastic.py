@@ -37,9 +37,9 @@ def _launch(run: Path, **extra) -> None:
     assert code == 0, out.getvalue() + logs
 
 
-def _by_shard(root: Path, step: int) -> dict[int, dict]:
+def _by_shard(root: Path, step: int, parts: int = 2) -> dict[int, dict]:
     store = CheckpointStore(root, clean=False)
-    trees = [store.load(step, rank=r).tree for r in range(2)]
+    trees = [store.load(step, rank=r).tree for r in range(parts)]
     return {t["world"]["shard"]: t for t in trees}
 
 
@@ -71,6 +71,25 @@ def test_elastic_resume_restores_outer_optimizer_and_membership_bitwise(tmp_path
         assert resumed == [{"type": "resumed", "from_epoch": 0, "previous_members": members}]
     b_members = b8[0]["membership"]
     assert b_members["epoch"] == 1 and b_members["events"][-1]["type"] == "resumed"
+
+
+@pytest.mark.slow  # two elastic jobs of 4 workers
+@pytest.mark.parametrize("inner", ["ddp", "zero1"])
+def test_elastic_islands_of_two_workers_save_every_workers_part_and_resume_bitwise(tmp_path, inner):
+    """2 islands x 2 workers: only the leaders are members, but every worker saves its own part (its data shard's
+    position, its RNG); the resumed job equals the uninterrupted one on every worker, under ddp and zero1."""
+    shape = dict(workers=4, islands=2, inner=inner, global_batch=32)
+    _launch(tmp_path / "a", **shape)
+    saved = _by_shard(tmp_path / "a" / "ckpt", 4, parts=4)
+    assert sorted(saved) == [0, 1, 2, 3]
+    _launch(tmp_path / "b", resume=str(tmp_path / "a" / "ckpt" / "step-000004"), **shape)
+    a8, b8 = _by_shard(tmp_path / "a" / "ckpt", 8, 4), _by_shard(tmp_path / "b" / "ckpt", 8, 4)
+    for shard in range(4):
+        for key in ("strategy", "model", "optimizer", "loader", "rng", "step"):
+            assert same(a8[shard][key], b8[shard][key]), (shard, key)
+    rec = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert rec["checkpoint"]["resumed_from"]["step"] == 4 and rec["checkpoint"]["resumed_from"]["shard_matched"]
+    assert rec["checkpoint"]["abandoned_membership_change"] == []
 
 
 def test_elastic_checkpoint_settings_that_cannot_work_are_refused(tmp_path):

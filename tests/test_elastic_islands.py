@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 
 from islands.app.launch import launch_elastic
+from islands.checkpoint import CheckpointStore
 from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.island_comm import IslandComm, IslandPlace, worker_name
 from islands.runtime.membership import connect
 from elastic_jobs import gated_digits
 from spawn_world import spawn_ranks
+from test_checkpoint_resume import same
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
 
@@ -207,14 +209,17 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
 
 
-@pytest.mark.parametrize("outer,across", [
+@pytest.mark.parametrize("outer,across,ckpt", [
     # streaming DiLoCo: 2 fragments, each landing one step after it left, on the strategy's exchange thread
-    ("diloco:inner_steps=6,fragments=2,tau=1", True),
+    ("diloco:inner_steps=6,fragments=2,tau=1", True, 0),
     # gossip on a ring: the leader's point-to-point round relayed to its follower (islands need not agree)
-    ("gossip:every=5,topology=ring", False),
+    ("gossip:every=5,topology=ring", False, 0),
+    # checkpoints every round: every worker saves its part, the join waits for the due save on all of them
+    ("diloco:inner_steps=5", True, 5),
 ])
-def test_exchanges_in_flight_and_gossip_survive_a_killed_worker_in_k_worker_islands(tmp_path, outer, across):
-    cfg = _cfg(tmp_path, max_restarts=1, outer=outer)
+def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k_worker_islands(
+        tmp_path, outer, across, ckpt):
+    cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt)
     run_dir, hold = tmp_path / "run", tmp_path / "HOLD"
 
     def fault(address, workers):
@@ -242,6 +247,14 @@ def test_exchanges_in_flight_and_gossip_survive_a_killed_worker_in_k_worker_isla
     assert join["joined"] == ["i1w0.1"] and entered["step"] == join["step"] == follower["step"] > 5
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 60 and run["summary"]["islands"] == 2
+    if ckpt:
+        store = CheckpointStore(run_dir / "ckpt", clean=False)
+        assert store.latest_step() == 60
+        # the last checkpoint has a part per worker, each on its own data shard, all of one global model
+        parts = [store.load(60, rank=r).tree for r in range(4)]
+        assert sorted(t["world"]["shard"] for t in parts) == [0, 1, 2, 3]
+        assert all(same(parts[0]["model"], t["model"]) for t in parts[1:])
+        assert run["checkpoint"]["saves"]["local"] >= 10
 
 
 def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_path):
@@ -274,7 +287,6 @@ def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_pat
     (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
     (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
     (["--no-elastic", "--max-restarts", "2"], "elastic.max_restarts applies to elastic jobs"),
-    (["--ckpt-every", "10"], "do not checkpoint yet"),
 ])
 def test_combinations_that_cannot_work_exit_2_before_anything_starts(tmp_path, capsys, flags, needle):
     from islands.cli import main

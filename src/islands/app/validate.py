@@ -419,10 +419,6 @@ def elastic(cfg: JobConfig) -> str | None:
             return (f"elastic islands of several workers run plain ddp or zero1 inside; {', '.join(given)} is not "
                     "supported there yet (robust aggregation and attacks plan by global rank, which changes with "
                     "membership); leave it out")
-        if cfg.checkpoint.every or cfg.checkpoint.resume or cfg.checkpoint.memory_every or cfg.checkpoint.remote_every:
-            return (f"elastic islands of several workers ({k} per island) do not checkpoint yet: only islands' leaders "
-                    "are members, and an elastic save needs every member's part; leave checkpoint.every, "
-                    "memory_every, remote_every and resume unset, or run one worker per island")
     spec = parse_outer(cfg.outer.strategy)
     if spec.params.get("lr_scale") == "sqrt-islands" and spec.params.get("fragments", 1) > 1:
         return ("elastic does not support lr_scale=sqrt-islands with fragments > 1 (the island count can change "

@@ -45,7 +45,9 @@ class Member:
     @classmethod
     def now(cls, world) -> "Member":
         m = world.membership
-        return cls(epoch=m.epoch, rank=world.rank, size=world.size, names=tuple(m.names))
+        # islands of k workers: every worker saves its part; the members are the islands' leaders
+        names = getattr(world, "worker_names", None) or m.names
+        return cls(epoch=m.epoch, rank=world.rank, size=world.size, names=tuple(names))
 
 
 class ElasticBarrier:

@@ -94,6 +94,19 @@ class IslandPlace:
         return cls(*parts)
 
 
+JOINING = 1  # a header's `extra` at a round boundary: joiners enter now (followers settle their saves first)
+
+
+def island_workers(leader: str, size: int) -> list[str]:
+    """The names of the workers of the island whose leader is `leader` (worker_name's inverse)."""
+    if size == 1:
+        return [leader]
+    base, _, inc = leader.partition(".")
+    if not (base.startswith("i") and base.endswith("w0") and base[1:-2].isdigit() and (not inc or inc.isdigit())):
+        raise ValueError(f"{leader!r} is not the name of an island's leader (i<index>w0[.<incarnation>])")
+    return [worker_name(int(base[1:-2]), local, size, int(inc or 0)) for local in range(size)]
+
+
 def worker_name(index: int, local: int, size: int, incarnation: int = 0) -> str:
     """w<i> (one-worker islands, as before) or i<i>w<l>; a restart appends .<incarnation>: names are never
     reused, so the coordinator admits the restarted leader as a new worker."""
@@ -123,6 +136,8 @@ class IslandComm:
     def __init__(self, cross, ledger: CommLedger, group=None, on_change=None, side=None):
         self.cross, self.ledger, self.group, self.on_change, self.side = cross, ledger, group, on_change, side
         self._rank, self._size, self._epoch = 0, 0, -1
+        self._named: int | None = None  # the epoch whose member names were last relayed
+        self.names: list[str] = []  # the member islands' leaders, in rank order (as the leader last relayed)
         self._home = threading.get_ident()
         self._away: int | None = None  # the one other thread that relays over `side`
 
@@ -171,17 +186,25 @@ class IslandComm:
         return tensor
 
     def sync(self, extra: int = 0) -> int:
-        """Leader: send the header (rank, size, epoch, `extra`); follower: receive it. Returns `extra`."""
+        """Leader: send the header (rank, size, epoch, `extra`); follower: receive it. Returns `extra`. When the
+        epoch is new to this relay, the members' names follow (a checkpoint's parts are named after them)."""
         head = torch.tensor([self.rank, self.size, self.epoch, extra], dtype=torch.int64) if self.leader \
             else torch.zeros(4, dtype=torch.int64)
         self._bcast(head)
+        rank, size, epoch, extra = (int(v) for v in head.tolist())
         if not self.leader:
-            rank, size, epoch, extra = (int(v) for v in head.tolist())
             changed = (rank, size) != (self._rank, self._size)
             self._rank, self._size, self._epoch = rank, size, epoch
             if changed and self.on_change is not None:
                 self.on_change(rank, size)
+        if epoch != self._named:  # decided from the header alone: leader and followers relay alike
+            self._named = epoch
+            self.names = list(self.relay_object(list(getattr(self.cross, "names", [])) if self.leader else None))
         return extra
+
+    def worker_names(self, k: int) -> list[str]:
+        """Every worker of the member islands in global rank order (island rank * k + local index)."""
+        return [name for leader in self.names for name in island_workers(leader, k)]
 
     def relay_object(self, obj=None):
         """The leader's `obj` on every worker of the island (pickled; bookkeeping and the joiner's state)."""
@@ -290,7 +313,16 @@ class IslandLeader(ElasticComm):
         return hand_over(self.island, strategy, model, step)
 
     def at_step(self, strategy, model, step: int) -> None:
-        super().at_step(strategy, model, step)
+        """As a member's; when joiners enter at this boundary the followers are told first (a JOINING header), so
+        that they finish the step's checkpoint save with their leader before the epoch changes."""
+        def tell() -> None:
+            self.island.sync(JOINING)
+
+        self.before_join.insert(0, tell)
+        try:
+            super().at_step(strategy, model, step)
+        finally:
+            self.before_join.remove(tell)
         rounds = rounds_of(strategy)
         if rounds != getattr(self, "_island_round", None):  # members may have changed: tell the followers
             self._island_round = rounds
@@ -303,9 +335,10 @@ class IslandFollower:
     member of the job's epochs itself."""
 
     def __init__(self, name: str, place: IslandPlace, island: IslandComm, store, liveness, heartbeat=None,
-                 job=None):
+                 job=None, new_client=None):
         self.name, self.place, self.island, self.store = name, place, island, store
         self.liveness, self.heartbeat, self.job = liveness, heartbeat, job
+        self.new_client = new_client  # a store client of its own for the checkpoint persist thread
         self.holder = None
         self.before_join: list = []
         self.events: list[dict] = []
@@ -316,6 +349,14 @@ class IslandFollower:
     @property
     def epoch(self) -> int:
         return self.island.epoch
+
+    @property
+    def names(self) -> list[str]:
+        return self.island.names
+
+    def new_liveness(self, client):
+        """A liveness check through `client` (one of new_client's), with this job's heartbeat timeout."""
+        return type(self.liveness)(client, self.liveness.timeout)
 
     def claim(self, strategy) -> bool:
         if self.holder is None:
@@ -343,7 +384,10 @@ class IslandFollower:
             self._island_round = rounds
         if rounds != self._island_round:
             self._island_round = rounds
-            self.island.sync()
+            if self.island.sync() == JOINING:  # the leader settles its saves now: the same ones as here
+                for settle in self.before_join:
+                    settle()
+                self.island.sync()
 
     def state_dict(self) -> dict:
         return {"epoch": self.island.epoch, "members": [], "events": list(self.events), "leader": self.place.name(0)}

@@ -614,7 +614,10 @@ class CoordinatorSeat:
     Every candidate (the job host and, as standbys, every worker) keeps a seat. A seat without the lead looks
     at the leader key every TTL/4; when it is gone (its holder died or was cut off, so its lease lapsed) the
     seat grants itself a lease and creates the key under it (create-if-absent: one wins). The leader keeps its
-    lease alive every TTL/3 and coordinates through a fenced view of the store: each write is a transaction
+    lease alive every TTL/3 on a thread of its own (a poll may take longer than the TTL: a new leader re-reads
+    every ticket of the job, and on a loaded machine that took more than 2 s after ~90 restarts; with the
+    keep-alive behind the poll the lease lapsed before the first poll ended, again and again, and no joiner
+    was answered: chaos run 8, docs/membership.md) and coordinates through a fenced view of the store: each write is a transaction
     that holds only while its key still exists with the revision it created, so a deposed leader (frozen past
     its TTL, then resumed) cannot write a verdict; its next write raises NotLeader and it becomes a standby
     again. The new leader's Coordinator re-reads every decision from the store (Coordinator docstring)."""
@@ -627,17 +630,22 @@ class CoordinatorSeat:
         self.coordinator: Coordinator | None = None
         self.lease = 0
         self.terms: list[dict] = []  # {"holder", "since", "until", "why"}: this seat's terms as leader
+        self._kept = 0.0  # monotonic time of the lease's last successful keep-alive (or grant)
+        self._lapsed = 0  # a lease the keeper found expired
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="islands-coordinator-seat", daemon=True)
+        self._keeper = threading.Thread(target=self._keep, name="islands-coordinator-lease", daemon=True)
 
     def start(self) -> "CoordinatorSeat":
         self._thread.start()
+        self._keeper.start()
         return self
 
     def stop(self, release: bool = True) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._keeper):
+            if thread.is_alive():
+                thread.join(timeout=5)
         if release and self.lease:
             try:
                 self.client.revoke(self.lease)  # a clean exit hands the lead over at once, not after the TTL
@@ -662,7 +670,7 @@ class CoordinatorSeat:
             self.client.revoke(lease)
             return False
         revision = int(answer["header"]["revision"])  # the put's revision is the key's create_revision
-        self.lease = lease
+        self._kept, self.lease = time.monotonic(), lease
         fenced = EtcdStore(self.etcd.address, self.etcd.timeout_s, fence=(self.key, revision), client=self.client,
                            key_prefix=PREFIX)
         self.coordinator = Coordinator(fenced, self.token, self.job, log=self.log, publish=False,
@@ -677,28 +685,40 @@ class CoordinatorSeat:
             self.terms[-1].update(until=time.time(), why=why)
         self.log(f"elastic: {self.holder} no longer coordinates ({why})")
 
+    def _keep(self) -> None:
+        """The lease's keep-alive, every TTL/3 whatever the poll is doing (the class docstring). The client keeps
+        one connection per thread, so this thread's requests never wait behind the poll's."""
+        while not self._stop.wait(self.ttl / 3):
+            lease = self.lease
+            if not lease:
+                continue
+            try:
+                alive = self.client.keepalive(lease)
+            except Exception:  # noqa: BLE001 - etcd unreachable: the poll's TTL rule decides
+                continue
+            if alive:
+                self._kept = time.monotonic()
+            elif lease == self.lease:
+                self._lapsed = lease
+
     def _run(self) -> None:
         said: set[str] = set()
-        kept = 0.0
         while not self._stop.is_set():
             try:
                 if self.coordinator is None:
                     if not self._try_lead():
                         self._stop.wait(self.ttl / 4)
                         continue
-                    kept = time.monotonic()
-                if time.monotonic() - kept > self.ttl / 3:
-                    if not self.client.keepalive(self.lease):
-                        self._lose("its lease expired")
-                        continue
-                    kept = time.monotonic()
+                if self._lapsed and self._lapsed == self.lease:
+                    self._lose("its lease expired")
+                    continue
                 self.coordinator.poll()
             except NotLeader:
                 self._lose("another coordinator holds the lease")
             except dist.DistNetworkError as e:  # no etcd majority reachable, or the job ended
                 if "ended" in str(e):
                     return
-                if self.coordinator is not None and time.monotonic() - kept > self.ttl:
+                if self.coordinator is not None and time.monotonic() - self._kept > self.ttl:
                     self._lose("etcd unreachable past the lease's TTL")
                 if str(e) not in said:
                     said.add(str(e))

@@ -270,7 +270,8 @@ def _follow_island(host: str, port: int, name: str, token: str, island: IslandPl
         raise
     ledger = CommLedger()
     relay = IslandComm(None, ledger, side=side)
-    follower = IslandFollower(name, island, relay, store, Liveness(store, job.heartbeat_timeout), heartbeat, job)
+    follower = IslandFollower(name, island, relay, store, Liveness(store, job.heartbeat_timeout), heartbeat, job,
+                              new_client=lambda: authed(connect(host, port), auth))
     world = island_world(follower, relay, island, (island.index * island.size + island.local, job.workers * island.size))
     relay.on_change = world.follow
     relay.sync()
@@ -292,6 +293,12 @@ class IslandWorld(World):
     member islands * k; "cross" and "global" are the IslandComm, "local" the island's default group."""
 
     place: IslandPlace | None = None
+    relay: IslandComm | None = None
+
+    @property
+    def worker_names(self) -> list[str]:
+        """Every worker of the member islands, in rank order (checkpoint parts are named by it)."""
+        return self.relay.worker_names(self.place.size)
 
     def follow(self, rank: int, size: int) -> None:
         k = self.place.size
@@ -303,7 +310,7 @@ def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard:
     world = IslandWorld(rank=island.local, size=island.size, islands=1, device=torch.device("cpu"), backend="gloo",
                         ledger=relay.ledger, comms={"cross": relay, "global": relay, "local": Comm(None, relay.ledger)},
                         data_shard=data_shard, membership=membership, owns_group=True)
-    world.place = island
+    world.place, world.relay = island, relay
     world.follow(relay.rank, relay.size)
     return world
 
