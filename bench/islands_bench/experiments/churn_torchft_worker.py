@@ -16,6 +16,7 @@ loss}. The controller reads these lines to time its events and to measure the st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -92,7 +93,10 @@ def main(spec_path: str) -> int:
                                       "committed": manager.current_step() > before,
                                       "participants": manager.num_participants(), "loss": loss.item()}) + "\n")
     metrics = evaluate(model, task.val_data, task.loss_fn, torch.device("cpu"), task.metrics)
-    final = {"final": True, "t": time.time(), "step": manager.current_step(), **metrics}
+    digest = hashlib.sha256()  # the replicas' models, compared bit for bit by chaos-torchft
+    for t in model.state_dict().values():
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    final = {"final": True, "t": time.time(), "step": manager.current_step(), "sha256": digest.hexdigest(), **metrics}
     out.write(json.dumps(final) + "\n")
     out.close()
     manager.shutdown(wait=False)
