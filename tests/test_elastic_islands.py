@@ -159,6 +159,23 @@ def _run(cfg, run_dir: Path, fault) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+def _kill_after_two_rounds(hold: Path, index: int, ready: str, names: list[str] | None = None):
+    """A fault: after two rounds, SIGKILL worker `index`; hold the other islands until `ready` (the restarted
+    leader) is built (on a loaded machine its start-up takes longer than the whole job would)."""
+    def fault(address, workers):
+        host, port = address.split(":")
+        store = connect(host, int(port))
+        _wait(lambda: store.check(["round/2/join"]), "two rounds")
+        if names is not None:
+            assert [w.name for w in workers] == names
+        hold.write_text("")
+        os.kill(workers[index].proc.pid, signal.SIGKILL)
+        _wait(lambda: store.check([f"ready/{ready}"]), "the restarted island's leader to be built")
+        hold.unlink()
+
+    return fault
+
+
 def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path):
     cfg = _cfg(tmp_path, max_restarts=1)
     run_dir = tmp_path / "run"
@@ -222,16 +239,7 @@ def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k
     cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt)
     run_dir, hold = tmp_path / "run", tmp_path / "HOLD"
 
-    def fault(address, workers):
-        host, port = address.split(":")
-        store = connect(host, int(port))
-        _wait(lambda: store.check(["round/2/join"]), "two rounds")
-        hold.write_text("")
-        os.kill(workers[3].proc.pid, signal.SIGKILL)  # a follower of island 1
-        _wait(lambda: store.check(["ready/i1w0.1"]), "the restarted island's leader to be built")
-        hold.unlink()
-
-    code, log = _run(cfg, run_dir, fault)
+    code, log = _run(cfg, run_dir, _kill_after_two_rounds(hold, 3, "i1w0.1"))  # a follower of island 1
     assert code == 0, log
     assert "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
     recs = _records(run_dir)
@@ -334,17 +342,7 @@ def test_a_one_worker_island_is_restarted_the_same_way_on_its_own_shard(tmp_path
     run_dir = tmp_path / "run"
     hold = tmp_path / "HOLD"
 
-    def fault(address, workers):
-        host, port = address.split(":")
-        store = connect(host, int(port))
-        _wait(lambda: store.check(["round/2/join"]), "two rounds")
-        assert [w.name for w in workers] == ["w0", "w1"]
-        hold.write_text("")
-        os.kill(workers[1].proc.pid, signal.SIGKILL)
-        _wait(lambda: store.check(["ready/w1.1"]), "the restarted worker to be built")
-        hold.unlink()
-
-    code, log = _run(cfg, run_dir, fault)
+    code, log = _run(cfg, run_dir, _kill_after_two_rounds(hold, 1, "w1.1", names=["w0", "w1"]))
     assert code == 0, log
     assert "restarting island 1 (restart 1 of 1) as w1.1" in log, log
     recs = _records(run_dir)
