@@ -40,6 +40,15 @@ def test_address_text_is_parsed_once_and_bad_text_names_the_right_form():
             EtcdAddress.parse(bad)
 
 
+def test_the_cluster_reads_a_raw_key_for_an_experiment(cluster):
+    s = _store(cluster, "raw")
+    assert cluster.get(b"raw/k") is None
+    s.set("k", "v")
+    s.set("empty", "")
+    assert cluster.get(b"raw/k") == b"v"  # the namespace is the raw key's root
+    assert cluster.get(b"raw/empty") == b""  # present and empty is not absent
+
+
 def test_store_round_trip_with_tcpstore_semantics(cluster):
     s = _store(cluster, "rt")
     s.set("a", "1")

@@ -40,6 +40,7 @@ def test_a_client_with_the_clusters_certificate_reads_and_writes(secure, monkeyp
     store = EtcdStore(secure.url + "/t1", timeout_s=10)
     store.set("k", "v")
     assert store.get("k") == b"v" and store.compare_set("k", "v", "w") == b"w"
+    assert secure.get(b"t1/k") == b"w"  # the cluster's own reads go over TLS with its client certificate
 
 
 def test_without_the_ca_or_the_client_certificate_the_member_refuses_with_a_clear_message(secure, monkeypatch):

@@ -30,3 +30,32 @@ def test_false_deaths_are_the_workers_no_event_hit(tmp_path):
         "islands: island 1 left the job (i1w1: killed by SIGKILL)\n")
     assert false_deaths(run, {"i0w0"}) == ["i1w1", "i2w1.1"]  # i0w0 was frozen by an event
     assert false_deaths(tmp_path / "missing", set()) == []
+
+
+class _Etcd:
+    def __init__(self, holder):
+        self.holder, self.asked = holder, []
+
+    def coordinator(self, namespace):
+        self.asked.append(namespace)
+        return self.holder
+
+
+def test_kill_coordinator_kills_whoever_holds_the_lease(tmp_path):
+    import json
+    import random
+    import subprocess
+
+    from islands_bench.experiments.chaos import Event, _apply
+
+    host = subprocess.Popen(["sleep", "60"])
+    (tmp_path / "job_host.json").write_text(json.dumps({"address": "etcd://10.0.0.1:2379/islands-abc", "pid": host.pid}))
+    etcd, state = _Etcd("job-host"), {}
+    ev = Event("kill-coordinator")
+    _apply(ev, tmp_path, launcher=None, etcd=etcd, bed=None, rng=random.Random(0), state=state)
+    assert host.wait(timeout=10) == -9 and ev.applied and ev.target == "job host" and state["host_killed"]
+    assert etcd.asked == ["islands-abc"]
+    # later the lease is a worker's; one that is no process of this run is skipped, saying who
+    ev = Event("kill-coordinator")
+    _apply(ev, tmp_path, launcher=None, etcd=_Etcd("i1w0.3"), bed=None, rng=random.Random(0), state=state)
+    assert not ev.applied and "'i1w0.3' is no process of this job" in ev.note

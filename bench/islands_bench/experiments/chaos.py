@@ -12,8 +12,8 @@ The campaign (seeded, so the same seed gives the same events in the same order):
                     restarts it, it rejoins through admission and receives the global state
   freeze-worker     SIGSTOP one worker: the heartbeat (leader) or the island's local collective (follower) finds
                     it; the launcher stops it and restarts its island
-  kill-coordinator  SIGKILL the process holding the coordinator's seat (the job host at first): a standby seat
-                    in a worker takes the lease
+  kill-coordinator  SIGKILL the process holding the coordinator's lease (the job host at first, later the worker
+                    whose seat took it over): a standby seat takes the lease; a worker's island restarts
   kill-etcd-member  SIGKILL one etcd member (the cluster keeps its quorum); the next event restarts it (heal)
   cut-link          take a whole island's host link down (Testbed.cut): its workers can reach neither the store nor
                     the other islands; the launcher finds them silent, kills them and restarts the island, whose
@@ -132,6 +132,11 @@ def _whole_islands(run_dir: Path) -> dict[int, list[dict]]:
             and all(_training(run_dir, w["name"]) for w in ws if w["local"] == 0)}
 
 
+def _job_namespace(run_dir: Path) -> str:
+    """The job's namespace in the etcd cluster (the last part of the store address the job host published)."""
+    return json.loads((run_dir / "job_host.json").read_text())["address"].rsplit("/", 1)[1]
+
+
 def _job_host_pid(run_dir: Path) -> int | None:
     try:
         return int(json.loads((run_dir / "job_host.json").read_text())["pid"])
@@ -163,17 +168,26 @@ def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng:
             ev.target, ev.hit = victim["name"], (victim["name"],)
             os.kill(victim["pid"], signal.SIGKILL if ev.kind == "kill-worker" else signal.SIGSTOP)
     elif ev.kind == "kill-coordinator":
-        pid = _job_host_pid(run_dir) if not state.get("host_killed") else None
-        if pid is None:  # the job host is gone: the seat is in a worker; killing that worker is kill-worker's job
-            ev.note = "skipped: the coordinator's seat is in a worker now (the job host was killed before)"
+        # the process holding the coordinator's lease: the job host, or after its death a worker's seat
+        try:
+            holder = etcd.coordinator(_job_namespace(run_dir))
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            ev.note = f"skipped: who holds the coordinator's lease could not be read ({e})"
             return
-        ev.target = f"job host pid {pid}"
+        workers = {w["name"]: w for w in _workers(run_dir)}
+        if holder == "job-host" and not state.get("host_killed"):
+            pid, ev.target = _job_host_pid(run_dir), "job host"
+        elif holder in workers:
+            pid, ev.target, ev.hit = workers[holder]["pid"], f"worker {holder} (holding the seat)", (holder,)
+        else:
+            ev.note = f"skipped: the lease's holder {holder!r} is no process of this job right now"
+            return
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            ev.note = "skipped: the job host had already exited"
+        except (ProcessLookupError, TypeError):
+            ev.note = f"skipped: {ev.target} had already exited"
             return
-        state["host_killed"] = True
+        state["host_killed"] = state.get("host_killed") or holder == "job-host"
     elif ev.kind == "kill-etcd-member":
         i = rng.randrange(etcd.n)
         ev.target = f"etcd m{i}"

@@ -7,6 +7,8 @@ other jobs: heartbeat 100 ms, election timeout 1.5 s."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 import signal
@@ -18,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from islands.runtime.etcd_store import leader_key
 from islands.runtime.netns import entered as netns_entered
 from islands.testbed.system import netns_exec_prefix
 
@@ -105,19 +108,45 @@ class EtcdCluster:
             time.sleep(0.1)
         return self
 
+    def _context(self):
+        if not self.tls:
+            return None
+        pki = self.root / "pki"
+        context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        context.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
+        return context
+
+    def _url(self, i: int, path: str) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_ports[i]}{path}"
+
     def healthy(self, i: int) -> bool:
-        context = None
-        if self.tls:
-            pki = self.root / "pki"
-            context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-            context.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
-        scheme = "https" if self.tls else "http"
         try:
-            with netns_entered(self.netns), urllib.request.urlopen(
-                    f"{scheme}://{self.host}:{self.client_ports[i]}/health", timeout=2, context=context) as r:
+            with netns_entered(self.netns), urllib.request.urlopen(self._url(i, "/health"), timeout=2,
+                                                                   context=self._context()) as r:
                 return b'"true"' in r.read()
         except OSError:
             return False
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value of `key` (None: absent), from the first member that answers (an experiment reads who holds
+        the coordinator's lease this way)."""
+        body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
+        for i in range(self.n):
+            try:
+                with netns_entered(self.netns), urllib.request.urlopen(urllib.request.Request(
+                        self._url(i, "/v3/kv/range"), data=body, method="POST"), timeout=2,
+                        context=self._context()) as r:
+                    kvs = json.loads(r.read()).get("kvs") or []
+            except OSError:
+                continue
+            return base64.b64decode(kvs[0]["value"]) if kvs and "value" in kvs[0] else (b"" if kvs else None)
+        raise RuntimeError(f"no member of the etcd cluster at {self.url} answered")
+
+    def coordinator(self, namespace: str) -> str | None:
+        """Who holds the coordinator's lease of the elastic job whose keys live under `namespace` (the last part
+        of its store address, islands-<job id>): the job host or a worker's name; None while nobody does."""
+        value = self.get(leader_key((namespace.strip("/") + "/").encode()))
+        return None if value is None else value.decode(errors="replace")
 
     def kill(self, i: int) -> None:
         proc = self.procs[i]
