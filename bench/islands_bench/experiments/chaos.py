@@ -426,8 +426,7 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
         f"{len(false_chaos)} in the campaign ({', '.join(false_chaos) or 'none'}), {len(false_calm)} in the "
         f"fault-free run; each costs its island a restart",
         f"final val loss {loss:.4f} vs {calm_loss:.4f} fault-free ({100 * (loss / calm_loss - 1):+.1f}%)",
-        "torchft not run "
-        "(its lighthouse is one process by its own design: a coordinator kill ends its job)",
+        "torchft: the same campaign runs as `islands bench chaos-torchft` (its model: replicas and a lighthouse)",
         f"where: {where}",
     ]
     return {"rows": rows, "headline": headline, "interconnect": [where],
