@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from islands_bench.experiments.chaos import FULL, H, ISLANDS, QUICK, RESTART_S, TIMEOUT_S, WAIT_S, campaign, stall_per_event
-from islands_bench.experiments.churn_torchft import TorchftSettings, load_torchft, read_round_log
+from islands_bench.experiments.churn_torchft import Lighthouse, TorchftSettings, load_torchft, read_round_log
 from islands_bench.harness import BenchContext, experiment
 
 NOT_APPLICABLE = {
@@ -48,51 +48,6 @@ NOT_APPLICABLE = {
     "heal-link": "no link was cut (see cut-link)",
     "kill-launcher": "torchft has no launcher of its own; this harness starts and restarts the replicas",
 }
-
-_LIGHTHOUSE = """
-import json, sys, time
-from torchft._torchft import LighthouseServer
-server = LighthouseServer(bind="[::]:" + sys.argv[2], min_replicas=1, **json.loads(sys.argv[1]))
-print(server.address().rsplit(":", 1)[1], flush=True)
-while True:
-    time.sleep(3600)
-"""
-
-
-class Lighthouse:
-    """torchft's Lighthouse in a process of its own, restartable on the port it first got."""
-
-    def __init__(self, run_dir: Path, settings: TorchftSettings):
-        self.run_dir, self.settings = run_dir, settings
-        self.port = 0
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self) -> "Lighthouse":
-        knobs = json.dumps({"join_timeout_ms": self.settings.join_timeout_ms,
-                            "quorum_tick_ms": self.settings.quorum_tick_ms,
-                            "heartbeat_timeout_ms": self.settings.heartbeat_timeout_ms})
-        log = self.run_dir / "logs" / f"lighthouse.{self.starts}.log"
-        for _ in range(50):  # a restart on the same port may find it still held for a moment
-            self.proc = subprocess.Popen([sys.executable, "-c", _LIGHTHOUSE, knobs, str(self.port)],
-                                         stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-            port = self.proc.stdout.readline().strip()
-            if port.isdigit():
-                self.port, self.starts = int(port), self.starts + 1
-                return self
-            self.proc.wait()
-            time.sleep(0.1)
-        raise RuntimeError(f"torchft lighthouse did not start on port {self.port}: {log.read_text()[-600:]}")
-
-    @property
-    def address(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
 
 @dataclass
 class Replica:

@@ -171,11 +171,47 @@ def stalls_over_survivors(per_survivor: dict[str, list[dict]]) -> list[dict]:
 _LIGHTHOUSE = """
 import json, sys, time
 from torchft._torchft import LighthouseServer
-server = LighthouseServer(bind="[::]:0", min_replicas=1, **json.loads(sys.argv[1]))
+server = LighthouseServer(bind="[::]:" + sys.argv[2], min_replicas=1, **json.loads(sys.argv[1]))
 print(server.address().rsplit(":", 1)[1], flush=True)
 while True:
     time.sleep(3600)
 """
+
+
+class Lighthouse:
+    """torchft's Lighthouse in a process of its own, restartable on the port it first got."""
+
+    def __init__(self, run_dir: Path, settings: TorchftSettings):
+        self.run_dir, self.settings = run_dir, settings
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> "Lighthouse":
+        knobs = json.dumps({"join_timeout_ms": self.settings.join_timeout_ms,
+                            "quorum_tick_ms": self.settings.quorum_tick_ms,
+                            "heartbeat_timeout_ms": self.settings.heartbeat_timeout_ms})
+        log = self.run_dir / "logs" / ("lighthouse.log" if not self.starts else f"lighthouse.{self.starts}.log")
+        for _ in range(50 if self.port else 1):  # a restart on the same port may find it still held for a moment
+            self.proc = subprocess.Popen([sys.executable, "-c", _LIGHTHOUSE, knobs, str(self.port)],
+                                         stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+            port = self.proc.stdout.readline().strip()
+            if port.isdigit():
+                self.port, self.starts = int(port), self.starts + 1
+                return self
+            self.proc.kill()
+            self.proc.wait()
+            time.sleep(0.1)
+        raise RuntimeError(f"torchft lighthouse did not start on port {self.port}: {log.read_text()[-600:]}")
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 def _wait(cond, limit_s: float, what: str, procs=()) -> None:
@@ -210,16 +246,8 @@ def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict |
     dump_json(cfg, run_dir / "config.json")
     rounds = cfg.train.steps // inner_steps
     # the lighthouse in its own process: its Rust log goes to a file, and a replica's death cannot touch it
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-c", _LIGHTHOUSE, json.dumps({"join_timeout_ms": settings.join_timeout_ms,
-                                                       "quorum_tick_ms": settings.quorum_tick_ms,
-                                                       "heartbeat_timeout_ms": settings.heartbeat_timeout_ms})],
-        stdout=subprocess.PIPE, stderr=open(run_dir / "logs" / "lighthouse.log", "w"), text=True)
-    port = lighthouse.stdout.readline().strip()
-    if not port.isdigit():
-        lighthouse.kill()
-        raise RuntimeError(f"torchft lighthouse did not start: {(run_dir / 'logs' / 'lighthouse.log').read_text()[-800:]}")
-    address = f"http://127.0.0.1:{port}"
+    lighthouse = Lighthouse(run_dir, settings).start()
+    address = lighthouse.address
     barrier = run_dir / "go-all"
     procs: dict[str, subprocess.Popen] = {}
 
@@ -274,7 +302,6 @@ def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict |
             if proc.poll() is None:
                 proc.kill()
         lighthouse.kill()
-        lighthouse.wait(timeout=30)
     logs = {name: read_round_log(run_dir / f"{name}.jsonl") for name in procs}
     ready = {name: float((run_dir / f"{name}.jsonl.ready").read_text()) for name in procs
              if (run_dir / f"{name}.jsonl.ready").exists()}

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger, gather_objects
 from islands.runtime.elastic import ElasticComm
+from islands.runtime.membership import Liveness
 
 ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
 RELAY_KIND = "island_relay"  # ledger kind of the leader's local broadcasts (not cross-island traffic)
@@ -312,17 +313,14 @@ class IslandLeader(ElasticComm):
         self._island_round = rounds_of(strategy)
         return hand_over(self.island, strategy, model, step)
 
-    def at_step(self, strategy, model, step: int) -> None:
-        """As a member's; when joiners enter at this boundary the followers are told first (a JOINING header), so
-        that they finish the step's checkpoint save with their leader before the epoch changes."""
-        def tell() -> None:
-            self.island.sync(JOINING)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # first of the things done before joiners enter (a checkpoint driver's settle comes after): the followers
+        # are told (a JOINING header), so that they finish the step's save with their leader before the epoch changes
+        self.before_join.append(lambda: self.island.sync(JOINING))
 
-        self.before_join.insert(0, tell)
-        try:
-            super().at_step(strategy, model, step)
-        finally:
-            self.before_join.remove(tell)
+    def at_step(self, strategy, model, step: int) -> None:
+        super().at_step(strategy, model, step)
         rounds = rounds_of(strategy)
         if rounds != getattr(self, "_island_round", None):  # members may have changed: tell the followers
             self._island_round = rounds
@@ -354,9 +352,9 @@ class IslandFollower:
     def names(self) -> list[str]:
         return self.island.names
 
-    def new_liveness(self, client):
+    def new_liveness(self, client) -> Liveness:
         """A liveness check through `client` (one of new_client's), with this job's heartbeat timeout."""
-        return type(self.liveness)(client, self.liveness.timeout)
+        return Liveness(client, self.liveness.timeout)
 
     def claim(self, strategy) -> bool:
         if self.holder is None:

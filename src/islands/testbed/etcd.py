@@ -7,8 +7,6 @@ other jobs: heartbeat 100 ms, election timeout 1.5 s."""
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import shutil
 import signal
@@ -20,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from islands.runtime.etcd_store import leader_key
+from islands.runtime.etcd_store import EtcdClient, EtcdTLS, leader_key
 from islands.runtime.netns import entered as netns_entered
 from islands.testbed.system import netns_exec_prefix
 
@@ -128,19 +126,12 @@ class EtcdCluster:
             return False
 
     def get(self, key: bytes) -> bytes | None:
-        """The value of `key` (None: absent), from the first member that answers (an experiment reads who holds
-        the coordinator's lease this way)."""
-        body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
-        for i in range(self.n):
-            try:
-                with netns_entered(self.netns), urllib.request.urlopen(urllib.request.Request(
-                        self._url(i, "/v3/kv/range"), data=body, method="POST"), timeout=2,
-                        context=self._context()) as r:
-                    kvs = json.loads(r.read()).get("kvs") or []
-            except OSError:
-                continue
-            return base64.b64decode(kvs[0]["value"]) if kvs and "value" in kvs[0] else (b"" if kvs else None)
-        raise RuntimeError(f"no member of the etcd cluster at {self.url} answered")
+        """The value of `key` (None: absent), through islands' own etcd client with this cluster's certificates
+        (an experiment reads who holds the coordinator's lease this way)."""
+        pki = self.root / "pki"
+        tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
+            if self.tls else None
+        return EtcdClient([(self.host, p) for p in self.client_ports], timeout_s=5.0, tls=tls, netns=self.netns).get(key)
 
     def coordinator(self, namespace: str) -> str | None:
         """Who holds the coordinator's lease of the elastic job whose keys live under `namespace` (the last part
