@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from islands.app.build import build_trainer
 from islands.app.validate import validate
@@ -218,3 +219,42 @@ def test_joining_an_address_where_nothing_listens_is_one_clear_line(capsys):
     captured = capsys.readouterr()
     assert f"no elastic job answers at 127.0.0.1:{port}" in captured.out and "address its launcher printed" in captured.out
     assert "Traceback" not in captured.out + captured.err
+
+
+def test_a_member_cut_off_after_registering_does_not_hold_the_new_epochs_connect():
+    # chaos, session 17: a join's new epoch listed a leader whose link was cut just after it registered; the
+    # others sat in gloo's connect (timeout 4 x heartbeat + 5 s) until it failed, a 4.5 s stall. The connect
+    # is now watched like a collective, so the silent member is dropped once its heartbeat is stale.
+    from islands.runtime.membership import Heartbeat
+
+    timeout = 2.0
+    connect_timeout = 4 * timeout + 5  # ElasticComm._build's, with collective_timeout above it
+    server, prefixed = host_store(0)
+    store = connect("127.0.0.1", server.port)
+    candidates = [[0, "w0", 0], [1, "w1", 1], [2, "w2", 2]]
+    store.set("e/1/reg/w2", "1")  # w2 registered, then went silent: it never beats nor connects
+    beats = [Heartbeat("127.0.0.1", server.port, n) for n in ("w0", "w1")]
+    out, errors = {}, []
+
+    def member(name):
+        try:
+            comm = ElasticComm(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=timeout,
+                               collective_timeout=60.0, new_client=lambda: connect("127.0.0.1", server.port))
+            start = time.monotonic()
+            comm.form(1, candidates)
+            out[name] = (time.monotonic() - start, comm.epoch, list(comm.names))
+            comm.all_reduce(torch.ones(1))  # the group formed without w2 works
+            comm.leave()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=member, args=(n,)) for n in ("w0", "w1")]
+    [t.start() for t in threads]
+    [t.join(90) for t in threads]
+    [b.stop() for b in beats]
+    assert not errors, errors
+    for name in ("w0", "w1"):
+        seconds, epoch, names = out[name]
+        assert epoch == 2 and names == ["w0", "w1"], out[name]
+        assert seconds < connect_timeout - 3, f"{name} waited {seconds:.1f} s: the connect was not abandoned"
+    del prefixed

@@ -48,7 +48,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,7 @@ class ElasticComm:
         self.syncs: list[dict] = []  # every committed operation: epoch, seq, kind, start, seconds
         self._last_round: int | None = None
         self._retired: list = []  # aborted groups, kept alive until exit (see _abort)
+        self._connect_store = None  # _connect_client's
         # The strategy the loop drives: the first to claim() in its wrap; it shares and receives the state.
         self.holder = None
         # Called before joiners enter: checkpoint drivers finish the saves in flight (a new epoch would abandon them).
@@ -346,11 +347,20 @@ class ElasticComm:
         if self.size == 1:
             self.pg = None
             return
-        prefix = dist.PrefixStore(f"pg/{self.epoch}", self.store)
+        prefix = dist.PrefixStore(f"pg/{self.epoch}", self._connect_client())
         # a short connect timeout: everyone registered moments ago, so a slow connect means a death
         connect = _dt.timedelta(seconds=min(self.collective_timeout, 4 * self.liveness.timeout + 5))
-        self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.size, connect)
         key = f"e/{self.epoch}/connect"
+        # gloo's constructor blocks until every rank answered: a member that registered and then died or was
+        # cut off would hold the join for the connect timeout (chaos, session 17: 4.5 s), so the connect
+        # runs on a thread and is watched for deaths like any collective
+        connecting = _Connecting(lambda: dist.ProcessGroupGloo(prefix, self.rank, self.size, connect))
+        if not self._watch(connecting, key):
+            connecting.abandon()
+            self._connect_store = None  # still busy in the abandoned connect until its timeout
+            self._fail(key)
+            raise RuntimeError(f"epoch {self.epoch}: a member failed while the group connected")
+        self.pg = connecting.pg
         try:
             ok = self._watch(self.pg.allreduce([torch.zeros(1)]), key)
         except RuntimeError:
@@ -360,6 +370,15 @@ class ElasticComm:
         if not self._commit(key):
             raise RuntimeError(f"epoch {self.epoch}: a member failed while the group connected")
         self.pg.set_timeout(_dt.timedelta(seconds=self.collective_timeout))
+
+    def _connect_client(self):
+        """The store client gloo's connect waits in. Not the shared one: a TCPStore client serves one request at
+        a time, so the watch's own reads would queue behind the connect's blocking wait for a missing peer."""
+        if self.new_client is None:
+            return self.store
+        if self._connect_store is None:
+            self._connect_store = self.new_client()
+        return self._connect_store
 
     # ---- joins at round boundaries --------------------------------------------------------------
     def claim(self, strategy) -> bool:
@@ -597,6 +616,48 @@ def _load_shared(strategy, model, state: dict) -> int:
     strategy.load_state_dict(state["strategy"])
     _call_hook(strategy, "joined")
     return int(state["step"])
+
+
+class _Connecting:
+    """A gloo group being built on a thread of its own, pollable like a work (`is_completed`, `wait`). When the
+    builder gives up on it (`abandon`), a group that connects after all is aborted, not leaked."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self.pg = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        threading.Thread(target=self._run, args=(build,), daemon=True, name="islands-connect").start()
+
+    def _run(self, build) -> None:
+        try:
+            pg = build()
+        except RuntimeError as e:  # a peer refused or timed out (DistError is a RuntimeError)
+            self._error = e
+        else:
+            with self._lock:
+                if self._abandoned:
+                    _quiet_abort(pg)
+                else:
+                    self.pg = pg
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            pg, self.pg = self.pg, None
+        if pg is not None:
+            threading.Thread(target=_quiet_abort, args=(pg,), daemon=True).start()
 
 
 class _Waited:
