@@ -251,9 +251,12 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     if not probe["finals"] or probe["hung"]:
         raise RuntimeError(f"the torchft probe run did not finish (see {ctx.out_dir / 'runs' / 'probe'})")
     applies = [k for k in kinds if k not in NOT_APPLICABLE]
-    campaign_s = len(applies) * (sum(tier["gap"]) / 2 + RESTART_S)
-    base["steps"] = int(max(400, 1.5 * _rate(probe) * campaign_s) // H * H)
-    deadline = max(900, 4 * campaign_s)
+    # The replicas train between events, not through torchft's stalls (one heartbeat or Manager timeout per
+    # event): size the job by the training time the gaps leave, x2 margin. Sizing it by the whole campaign's
+    # wall time at the probe's quiet rate (session 18's full run) left 17k rounds after the last event.
+    train_s = len(applies) * sum(tier["gap"]) / 2
+    base["steps"] = int(max(400, 2 * _rate(probe) * train_s) // H * H)
+    deadline = max(900, 2 * len(applies) * (sum(tier["gap"]) / 2 + TIMEOUT_S + RESTART_S))
     run = run_campaign(ctx, "chaos", base, kinds, seed, tier["gap"], settings, deadline)
     calm = run_campaign(ctx, "fault-free", base, [], seed, (0.0, 0.0), settings, deadline)
     applied = [e for e in run["events"] if e.applied]
