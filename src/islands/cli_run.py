@@ -112,7 +112,8 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--store", default="", metavar="etcd://H:P,H:P,...",
                    help="with --elastic: keep the job in this etcd cluster (its members' client addresses) instead of "
                         "the job host's embedded store: no single point of failure; etcds://... over TLS, with "
-                        "ISLANDS_ETCD_CA, ISLANDS_ETCD_CERT, ISLANDS_ETCD_KEY (docs/membership.md)")
+                        "ISLANDS_ETCD_CA, ISLANDS_ETCD_CERT, ISLANDS_ETCD_KEY; a cluster with etcd's own login "
+                        "needs ISLANDS_ETCD_USER and ISLANDS_ETCD_PASSWORD_FILE (docs/membership.md)")
     r.add_argument("script", help="the Python script every rank runs")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed through untouched")
     r.set_defaults(fn=cmd_run)

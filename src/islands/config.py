@@ -143,7 +143,8 @@ class ElasticConfig:
     # without it, as before. Opt-in, so a crash that repeats does not loop (docs/membership.md)
     max_restarts: int = 0
     # where the job's store lives: "" the job host's embedded store (one machine), or an etcd cluster
-    # etcd://HOST:PORT,HOST:PORT,... or etcds://... over TLS (no single point of failure; docs/membership.md)
+    # etcd://HOST:PORT,HOST:PORT,... or etcds://... over TLS (no single point of failure; docs/membership.md;
+    # a cluster with etcd's login: ISLANDS_ETCD_USER and ISLANDS_ETCD_PASSWORD_FILE in the environment)
     store: str = ""
 
 

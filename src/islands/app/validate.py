@@ -32,7 +32,7 @@ from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm, tied_embeddings
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
-from islands.runtime.etcd_store import EtcdAddress
+from islands.runtime.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
 from islands.spec import Spec
@@ -442,7 +442,10 @@ def elastic(cfg: JobConfig) -> str | None:
         return f"elastic.heartbeat_timeout must be > 0 seconds; got {cfg.elastic.heartbeat_timeout}"
     if cfg.elastic.store:
         try:
-            EtcdAddress.parse(cfg.elastic.store)
+            address = EtcdAddress.parse(cfg.elastic.store)
+            if address.tls:
+                EtcdTLS.from_env()
+            EtcdLogin.from_env()  # every process reads the same environment: a bad setting is named here, once
         except ValueError as e:
             return f"elastic.store: {e}"
     return None

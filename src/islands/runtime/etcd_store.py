@@ -37,7 +37,7 @@ import os
 import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -48,6 +48,8 @@ TLS_SCHEME = "etcds://"  # the same over TLS, with the certificates named by CA_
 CA_ENV = "ISLANDS_ETCD_CA"  # PEM file of the CA that signed the members' certificates (default: the system's)
 CERT_ENV = "ISLANDS_ETCD_CERT"  # PEM client certificate, for a cluster that admits clients by certificate
 KEY_ENV = "ISLANDS_ETCD_KEY"  # its private key
+USER_ENV = "ISLANDS_ETCD_USER"  # etcd's own user/password authentication (EtcdLogin): the user name
+PASSWORD_FILE_ENV = "ISLANDS_ETCD_PASSWORD_FILE"  # a file holding its password (not the password: env leaks)
 ENDED_KEY = "__islands_job_ended__"  # under the namespace: the job is over (see EtcdStore.end)
 END_MARK_KEEP_S = 3600  # how long that mark outlives the job's other keys (a joiner arriving later finds no job)
 REQUEST_TIMEOUT_S = 3.0  # one HTTP request to one member: a frozen or cut-off member costs at most this
@@ -131,6 +133,35 @@ class EtcdTLS:
         return ctx
 
 
+@dataclass(frozen=True)
+class EtcdLogin:
+    """A user of etcd's own authentication (`etcdctl auth enable`): the client asks each member it talks to for
+    a token (POST /v3/auth/authenticate) and sends it with every request. With it, nothing without the
+    password reads or writes the job's keys, even over plain HTTP (the password and tokens then travel in
+    the clear: pair it with etcds:// where the links are not yours). `repr` hides the password."""
+
+    user: str
+    password: str = field(repr=False)
+
+    @classmethod
+    def from_env(cls, env=None) -> "EtcdLogin | None":
+        """ISLANDS_ETCD_USER and ISLANDS_ETCD_PASSWORD_FILE (both or neither); None when neither is set."""
+        env = os.environ if env is None else env
+        user, path = env.get(USER_ENV, ""), env.get(PASSWORD_FILE_ENV, "")
+        if not user and not path:
+            return None
+        if not user or not path:
+            raise ValueError(f"etcd authentication needs both {USER_ENV} (the user) and {PASSWORD_FILE_ENV} (a file "
+                             f"holding its password); got only {USER_ENV if user else PASSWORD_FILE_ENV}")
+        try:
+            password = open(path, encoding="utf-8").read().rstrip("\r\n")
+        except OSError as e:
+            raise ValueError(f"{PASSWORD_FILE_ENV}={path}: cannot read the etcd password ({e.strerror})") from None
+        if not password:
+            raise ValueError(f"{PASSWORD_FILE_ENV}={path} is empty: it should hold the etcd user's password")
+        return cls(user, password)
+
+
 def _tls_refusal(e: ssl.SSLError) -> str | None:
     """What is wrong when a TLS handshake failed for a reason of configuration, not of availability."""
     text = str(e).lower()
@@ -190,10 +221,17 @@ class EtcdClient:
     """JSON-over-HTTP calls to an etcd v3 cluster with fail-over between its client endpoints. Thread-safe:
     each thread keeps its own keep-alive connection."""
 
-    def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None, netns: str | None = None):
+    def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None, netns: str | None = None,
+                 login: EtcdLogin | None = None):
         """`netns`: a named network namespace to open connections in (islands.runtime.netns: a launcher outside
-        a testbed whose etcd serves on the testbed's hub)."""
+        a testbed whose etcd serves on the testbed's hub). `login`: a user of the cluster's own authentication."""
         self.endpoints = list(endpoints)
+        self.login = login
+        # endpoint -> auth token: etcd's default ("simple") tokens are known only to the member that issued
+        # them and lapse after its --auth-token-ttl (300 s) unused, so each member gets its own, renewed on refusal
+        self._tokens: dict[int, str] = {}
+        self._tokens_lock = threading.Lock()
+        self.logins = 0  # tokens asked for (for tests: a lapsed token is renewed)
         self.netns = netns
         if not self.endpoints:
             raise ValueError("an etcd client needs at least one endpoint")
@@ -219,19 +257,55 @@ class EtcdClient:
         if conn is not None:
             conn.close()
 
+    def _post(self, i: int, path: str, data: bytes, token: str | None) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = token
+        conn = self._conn(i)
+        conn.request("POST", f"/v3/{path}", body=data, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+
+    def _token(self, i: int) -> str | None:
+        """Member i's token for self.login (asked for once, then kept); None without a login."""
+        if self.login is None:
+            return None
+        with self._tokens_lock:
+            token = self._tokens.get(i)
+        if token is not None:
+            return token
+        data = json.dumps({"name": self.login.user, "password": self.login.password}).encode()
+        status, payload = self._post(i, "auth/authenticate", data, None)
+        try:
+            answer = json.loads(payload) if payload else {}
+        except ValueError:
+            answer = {"error": payload[:200].decode(errors="replace")}
+        if status == 200 and answer.get("token"):
+            with self._tokens_lock:
+                self._tokens[i] = answer["token"]
+                self.logins += 1
+            return answer["token"]
+        message = str(answer.get("error") or answer.get("message") or payload[:200])
+        if "authentication is not enabled" in message:
+            with self._tokens_lock:
+                self._tokens[i] = ""  # the cluster does not ask for one: send none
+            return ""
+        if status < 500 and not _unavailable(message):
+            raise EtcdError(f"etcd refused the login of user {self.login.user!r} ({message}); check "
+                            f"{USER_ENV} and the password in {PASSWORD_FILE_ENV}")
+        raise http.client.HTTPException(message)  # the member cannot serve now: fail over like any request
+
     def call(self, path: str, body: dict) -> dict:
         data = json.dumps(body).encode()
         deadline = time.monotonic() + self.timeout_s
         start, errors = self._current, []
         attempt = 0
+        renewed: set[int] = set()  # members whose token was renewed during this call (once each)
         while True:
             i = (start + attempt) % len(self.endpoints)
             try:
-                conn = self._conn(i)
-                conn.request("POST", f"/v3/{path}", body=data, headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                payload = resp.read()
-                status = resp.status
+                token = self._token(i)
+                status, payload = self._post(i, path, data, token or None)
             except ssl.SSLError as e:
                 self._drop(i)
                 why = _tls_refusal(e)
@@ -252,6 +326,20 @@ class EtcdClient:
                         self.failovers += 1
                     return answer
                 message = str(answer.get("error") or answer.get("message") or payload[:200])
+                asks_login = "invalid auth token" in message or "user name is empty" in message
+                if asks_login and self.login is not None and i not in renewed:
+                    # the token lapsed, the member restarted, or auth was enabled since: ask again, same member
+                    renewed.add(i)
+                    with self._tokens_lock:
+                        self._tokens.pop(i, None)
+                    continue
+                if asks_login:
+                    raise EtcdError(f"etcd {path}: the cluster requires a login ({message}); set {USER_ENV} and "
+                                    f"{PASSWORD_FILE_ENV} (a file holding the password) for every process of the job")
+                if "permission denied" in message:
+                    who = f"user {self.login.user!r}" if self.login is not None else "this client"
+                    raise EtcdError(f"etcd {path}: permission denied to {who}: grant its role read and write on "
+                                    "the job's key prefix (etcdctl role grant-permission --prefix)")
                 if "HTTPS server" in message:  # plain HTTP to a member that speaks TLS
                     raise EtcdError(f"etcd {path}: the members speak TLS; address them as {TLS_SCHEME}... "
                                     f"(with {CA_ENV}, {CERT_ENV} and {KEY_ENV} as needed)")
@@ -360,7 +448,8 @@ class EtcdStore(dist.Store):
         super().__init__()
         self.address = EtcdAddress.parse(address) if isinstance(address, str) else address
         self.client = client or EtcdClient(self.address.endpoints, timeout_s,
-                                           EtcdTLS.from_env() if self.address.tls else None, netns=netns)
+                                           EtcdTLS.from_env() if self.address.tls else None, netns=netns,
+                                           login=EtcdLogin.from_env())
         self.timeout_s = timeout_s
         self.fence = fence
         self.root = (self.address.namespace + "/").encode() if self.address.namespace else b""

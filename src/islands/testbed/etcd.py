@@ -7,7 +7,9 @@ other jobs: heartbeat 100 ms, election timeout 1.5 s."""
 
 from __future__ import annotations
 
+import base64
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -18,11 +20,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from islands.runtime.etcd_store import EtcdClient, EtcdTLS, leader_key
+from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, KEY_ENV, PASSWORD_FILE_ENV, USER_ENV, EtcdClient, EtcdLogin,
+                                        EtcdTLS, leader_key)
 from islands.runtime.netns import entered as netns_entered
 from islands.testbed.system import netns_exec_prefix
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+USER = "islands"  # the user EtcdCluster(login=True) makes for the job's processes
 
 
 def available() -> bool:
@@ -43,13 +47,16 @@ def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 class EtcdCluster:
     def __init__(self, members: int = 3, root: Path | None = None, tls: bool = False, netns: str | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", login: bool = False, token_ttl_s: int | None = None):
         """`tls`: the members serve clients over TLS and admit only clients with a certificate their own CA
         signed (etcd's --client-cert-auth); `env()` names the files a client needs (a throwaway CA, made with
         openssl in the cluster's directory). `netns`, `host`: run the members inside that network namespace,
         serving on that address (a testbed's hub and its hub_ip, so that every host of the testbed reaches
-        the cluster over its own link)."""
+        the cluster over its own link). `login`: etcd's own authentication is enabled once the cluster is up,
+        with a root user and a user USER (role: read and write on every key) whose random passwords are in the
+        cluster's directory; `env()` names them. `token_ttl_s`: the members' --auth-token-ttl (etcd: 300 s)."""
         self.n = members
+        self.login, self.token_ttl_s = login, token_ttl_s
         self.netns, self.host = netns, host
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.root = Path(tempfile.mkdtemp(prefix="islands-etcd-", dir=root or base))
@@ -71,12 +78,38 @@ class EtcdCluster:
         return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
 
     def env(self) -> dict[str, str]:
-        """The variables a client of this cluster needs (islands.runtime.etcd_store.EtcdTLS.from_env)."""
-        if not self.tls:
-            return {}
+        """The variables a client of this cluster needs (islands.runtime.etcd_store: EtcdTLS.from_env,
+        EtcdLogin.from_env)."""
+        out = {}
+        if self.tls:
+            pki = self.root / "pki"
+            out.update({CA_ENV: str(pki / "ca.crt"), CERT_ENV: str(pki / "client.crt"), KEY_ENV: str(pki / "client.key")})
+        if self.login:
+            out.update({USER_ENV: USER, PASSWORD_FILE_ENV: str(self.root / f"{USER}.password")})
+        return out
+
+    def _client(self, login: EtcdLogin | None) -> EtcdClient:
         pki = self.root / "pki"
-        return {"ISLANDS_ETCD_CA": str(pki / "ca.crt"), "ISLANDS_ETCD_CERT": str(pki / "client.crt"),
-                "ISLANDS_ETCD_KEY": str(pki / "client.key")}
+        tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
+            if self.tls else None
+        return EtcdClient([(self.host, p) for p in self.client_ports], timeout_s=5.0, tls=tls, netns=self.netns,
+                          login=login)
+
+    def _enable_login(self) -> None:
+        """Users root and USER with random passwords (files readable by their owner only), then auth enable."""
+        client = self._client(None)
+        everything = {"permType": "READWRITE", "key": base64.b64encode(b"\0").decode(),
+                      "range_end": base64.b64encode(b"\0").decode()}  # from key \0 to range end \0: every key
+        for user, role in (("root", "root"), (USER, USER)):
+            password = secrets.token_urlsafe(24)
+            path = self.root / f"{user}.password"
+            path.write_text(password + "\n")
+            path.chmod(0o600)
+            client.call("auth/role/add", {"name": role})
+            client.call("auth/user/add", {"name": user, "password": password})
+            client.call("auth/user/grant", {"user": user, "role": role})
+        client.call("auth/role/grant", {"name": USER, "perm": everything})
+        client.call("auth/enable", {})
 
     def start_member(self, i: int, state: str = "new") -> None:
         c, p = self.client_ports[i], self.peer_ports[i]
@@ -92,7 +125,8 @@ class EtcdCluster:
              "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls", f"http://{h}:{p}",
              "--initial-cluster", self.initial, "--initial-cluster-state", state,
              "--initial-cluster-token", self.root.name, "--heartbeat-interval", "100",
-             "--election-timeout", "1500", "--log-level", "warn", "--logger", "zap"],
+             "--election-timeout", "1500", "--log-level", "warn", "--logger", "zap",
+             *(["--auth-token-ttl", str(self.token_ttl_s)] if self.token_ttl_s else [])],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, timeout: float = 60.0) -> "EtcdCluster":
@@ -104,6 +138,8 @@ class EtcdCluster:
                 self.stop()
                 raise RuntimeError("the etcd cluster did not become healthy:\n" + self.logs())
             time.sleep(0.1)
+        if self.login and not (self.root / "root.password").exists():  # a restart keeps the users (data dirs)
+            self._enable_login()
         return self
 
     def _context(self):
@@ -128,10 +164,8 @@ class EtcdCluster:
     def get(self, key: bytes) -> bytes | None:
         """The value of `key` (None: absent), through islands' own etcd client with this cluster's certificates
         (an experiment reads who holds the coordinator's lease this way)."""
-        pki = self.root / "pki"
-        tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
-            if self.tls else None
-        return EtcdClient([(self.host, p) for p in self.client_ports], timeout_s=5.0, tls=tls, netns=self.netns).get(key)
+        login = EtcdLogin.from_env(self.env()) if self.login else None
+        return self._client(login).get(key)
 
     def coordinator(self, namespace: str) -> str | None:
         """Who holds the coordinator's lease of the elastic job whose keys live under `namespace` (the last part
