@@ -203,11 +203,64 @@ def test_a_forged_verdict_does_not_commit_an_operation_and_a_forged_rendezvous_d
     assert sum(s.snapshot()["rejected"] for s in sessions) > 0
 
 
-def test_a_ticket_taken_without_a_name_does_not_hold_later_joiners(job, monkeypatch):
+def test_tickets_taken_without_a_name_do_not_hold_later_joiners(job, monkeypatch):
+    # each forged ticket used to cost every joiner after it TICKET_NAME_WAIT: the patience is an hour here
     port, coord, lines = job
-    monkeypatch.setattr(membership, "TICKET_NAME_WAIT", 0.3)
-    _attacker(port).add("join/tickets", 1)  # a ticket nobody will ever name
+    monkeypatch.setattr(membership, "TICKET_NAME_WAIT", 3600.0)
+    for _ in range(3):
+        _attacker(port).add("join/tickets", 1)  # tickets nobody will ever name
     assert ask_to_join(connect("127.0.0.1", port), "w0", TOKEN, timeout_s=10.0).slot == 0
+    assert sorted(coord.nameless) == [1, 2, 3]  # still watched, skipped in time; ticket 4 was w0's
+
+
+def test_a_flood_of_forged_tickets_is_cut_and_a_joiner_still_gets_in(job, monkeypatch):
+    port, coord, lines = job
+    monkeypatch.setattr(membership, "NAMELESS_MAX", 16)
+    _attacker(port).add("join/tickets", 200)  # a whole flood at once
+    assert ask_to_join(connect("127.0.0.1", port), "w0", TOKEN, timeout_s=10.0).slot == 0
+    assert len(coord.nameless) <= 16
+
+
+def test_a_coordinator_taking_over_starts_at_the_settled_floor(job, monkeypatch):
+    """join/floor: below it every ticket is answered or skipped; a new coordinator (a seat taking the lease)
+    starts there instead of re-reading every ticket of the job, and still answers the next joiner."""
+    port, coord, lines = job
+    monkeypatch.setattr(membership, "TICKET_NAME_WAIT", 0.2)
+    _attacker(port).add("join/tickets", 1)  # ticket 1: never named, skipped
+    assert ask_to_join(connect("127.0.0.1", port), "w0", TOKEN, timeout_s=10.0).slot == 0  # ticket 2
+    raw = connect("127.0.0.1", port)
+    reader = AuthStore(connect("127.0.0.1", port), ControlAuth(TOKEN, coord.job.job_id, "r"))
+    deadline = time.monotonic() + 10
+    while not (reader.check(["join/floor"]) and int(reader.get("join/floor")) == 3):
+        assert time.monotonic() < deadline, coord.floor
+        time.sleep(0.05)
+    coord.stop()
+
+    def take_over(joiner: str) -> tuple[int, set[int]]:
+        """A new coordinator on the job's store admits `joiner`; its slot and the tickets whose keys it read."""
+        looked: list[str] = []
+
+        class Watched:  # the raw view, recording the keys it checks
+            def __getattr__(self, name):
+                return getattr(raw, name)
+
+            def check(self, keys):
+                looked.extend(keys)
+                return raw.check(keys)
+
+        new = Coordinator(Watched(), TOKEN, coord.job, log=lines.append, publish=False).start()
+        try:
+            slot = ask_to_join(connect("127.0.0.1", port), joiner, TOKEN, timeout_s=10.0).slot
+        finally:
+            new.stop()
+        return slot, {int(k.split("/")[1]) for k in looked if k.startswith("join/") and k.split("/")[1].isdigit()}
+
+    assert take_over("w1") == (1, {3})  # ticket 3: nothing below the floor was read again
+    # a floor written without the token (here: past every ticket) is not believed: the next coordinator reads
+    # from the first ticket again (slower, as before the floor existed) and skips no joiner
+    _attacker(port).set("join/floor", "999")
+    slot, tickets = take_over("w2")
+    assert slot == 2 and min(tickets) == 1 and 4 in tickets
 
 
 def test_gloo_rendezvous_through_an_auth_store_waits_out_a_planted_address():

@@ -8,6 +8,7 @@ needed: the coordinator then runs wherever a CoordinatorSeat holds the leadershi
   job                    the JobSpec as JSON: what every worker runs and with which timeouts (joiners
                          need nothing but the address and the token)
   join/tickets           counter; a process asking to join takes ticket t
+  join/floor             every ticket below it is answered or skipped (a coordinator taking over starts there)
   join/<t>/name          the asker's name;  join/<t>/challenge  a fresh random nonce
   join/<t>/proof         HMAC-SHA256(token, "islands-join|<name>|<challenge>")
   join/<t>/verdict       {"admitted": true, "slot", "shard", "initial"} or {"admitted": false, "reason"}
@@ -60,6 +61,7 @@ TOKEN_ENV = "ISLANDS_TOKEN"  # the job's secret (never printed or stored)
 NAME_ENV = "ISLANDS_NAME"  # this process's name in the job
 LAUNCHER = "launcher"  # the sender name of the launcher's (coordinator's and supervisor's) control messages
 TICKET_NAME_WAIT = 10.0  # seconds a taken ticket may stay without a name before the coordinator skips it
+NAMELESS_MAX = 256  # nameless tickets watched at once; past it the oldest are skipped (a flood of counter bumps)
 
 
 class Refused(RuntimeError):
@@ -441,8 +443,10 @@ class Coordinator:
         self.store = authed(store, self.auth, log)
         if publish:
             store.set("job", job.seal(token))
-        self.next_ticket = 1
-        self._nameless_since: float | None = None
+        self.next_ticket: int | None = None  # read from join/floor at the first poll
+        self.nameless: dict[int, float] = {}  # ticket -> when first seen, while it has no name
+        self.settled: set[int] = set()  # tickets at or above the floor that need no more looks
+        self.floor = 1  # every ticket below it is settled (answered, expired or skipped)
         self.admitted: list[list] = []  # [slot, name, shard], from the slot/<n> keys
         self.open: dict[int, tuple[str, str, float]] = {}  # ticket -> (name, challenge, deadline)
         self.formed = False
@@ -481,37 +485,60 @@ class Coordinator:
 
     def poll(self) -> None:
         raw = self.raw  # the handshake's own keys: the proof and the verdict carry their own HMACs
+        if self.next_ticket is None:  # a coordinator taking over starts where its predecessor settled
+            self.floor = self.next_ticket = int(self.store.get("join/floor")) if self.store.check(["join/floor"]) else 1
         tickets = raw.add("join/tickets", 0)
+        now = time.monotonic()
         while self.next_ticket <= tickets:
-            t = self.next_ticket
-            if not raw.check([f"join/{t}/name"]):
-                # its name is on the way; a ticket taken by a process that never names itself (a forged
-                # add to the counter) must not hold every later joiner back
-                now = time.monotonic()
-                self._nameless_since = self._nameless_since or now
-                if now - self._nameless_since < TICKET_NAME_WAIT:
-                    break
-                self.next_ticket += 1
-                self._nameless_since = None
-                continue
-            self._nameless_since = None
+            self.nameless[self.next_ticket] = now
             self.next_ticket += 1
-            name = raw.get(f"join/{t}/name").decode(errors="replace")
-            # a challenge already there is kept: another coordinator issued it and the joiner may have answered
-            challenge = _text(raw.compare_set(f"join/{t}/challenge", "", secrets.token_hex(16)))
-            if self._genuine_verdict(t, name, challenge):
-                continue  # judged by a coordinator before this one
-            self.open[t] = (name, challenge, time.monotonic() + 30)
+        # The counter is the one key an outsider can move (an add carries no MAC): a ticket nobody names holds no
+        # later joiner back (each is looked at on its own), and a flood of them is cut to the newest NAMELESS_MAX.
+        for t in sorted(self.nameless)[:max(0, len(self.nameless) - NAMELESS_MAX)]:
+            del self.nameless[t]
+            self.settled.add(t)
+        for t, seen in sorted(self.nameless.items()):
+            if raw.check([f"join/{t}/name"]):
+                del self.nameless[t]
+                self._open(t, raw.get(f"join/{t}/name").decode(errors="replace"))
+            elif now - seen > TICKET_NAME_WAIT:
+                del self.nameless[t]
+                self.settled.add(t)
         for t, (name, challenge, deadline) in list(self.open.items()):
             if raw.check([f"join/{t}/proof"]):
                 del self.open[t]
-                self._judge(t, name, challenge, raw.get(f"join/{t}/proof").decode(errors="replace"))
+                try:
+                    self._judge(t, name, challenge, raw.get(f"join/{t}/proof").decode(errors="replace"))
+                finally:
+                    self.settled.add(t)
             elif time.monotonic() > deadline:
                 del self.open[t]
+                self.settled.add(t)
+        self._raise_floor()
         if not self.formed:
             self._form()
         if self.formed:
             self._prune_pending()
+
+    def _open(self, t: int, name: str) -> None:
+        """Issue ticket t's challenge, or find it judged already."""
+        # a challenge already there is kept: another coordinator issued it and the joiner may have answered
+        challenge = _text(self.raw.compare_set(f"join/{t}/challenge", "", secrets.token_hex(16)))
+        if self._genuine_verdict(t, name, challenge):
+            self.settled.add(t)  # judged by a coordinator before this one
+        else:
+            self.open[t] = (name, challenge, time.monotonic() + 30)
+
+    def _raise_floor(self) -> None:
+        """join/floor: below it every ticket is settled, so a coordinator taking over reads only the tickets from
+        there on (it used to re-read every ticket of the job, which after ~90 restarts outlasted its lease)."""
+        floor = self.floor
+        while floor in self.settled:
+            self.settled.discard(floor)
+            floor += 1
+        if floor != self.floor:
+            self.store.set("join/floor", str(floor))  # authenticated, and fenced under a lease: only the leader's
+            self.floor = floor
 
     def _genuine_verdict(self, ticket: int, name: str, challenge: str) -> bool:
         key = f"join/{ticket}/verdict"
@@ -614,8 +641,8 @@ class CoordinatorSeat:
     Every candidate (the job host and, as standbys, every worker) keeps a seat. A seat without the lead looks
     at the leader key every TTL/4; when it is gone (its holder died or was cut off, so its lease lapsed) the
     seat grants itself a lease and creates the key under it (create-if-absent: one wins). The leader keeps its
-    lease alive every TTL/3 on a thread of its own (a poll may take longer than the TTL: a new leader re-reads
-    every ticket of the job, and on a loaded machine that took more than 2 s after ~90 restarts; with the
+    lease alive every TTL/3 on a thread of its own (a poll may take longer than the TTL: a new leader re-read
+    every ticket of the job, before join/floor, and on a loaded machine that took more than 2 s after ~90 restarts; with the
     keep-alive behind the poll the lease lapsed before the first poll ended, again and again, and no joiner
     was answered: chaos run 8, docs/membership.md) and coordinates through a fenced view of the store: each write is a transaction
     that holds only while its key still exists with the revision it created, so a deposed leader (frozen past
