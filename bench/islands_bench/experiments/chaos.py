@@ -147,7 +147,10 @@ def _job_host_pid(run_dir: Path) -> int | None:
 def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng: random.Random,
            state: dict) -> None:
     start = time.time()
-    if ev.kind in ("kill-worker", "freeze-worker", "cut-link"):
+    # a kill of the coordinator's holder may hit a worker (its seat took the lease): it waits like any fault on
+    # a worker. It did not at first (session 18): the seat's worker was killed while the two other islands were
+    # still restarting, the job lost its last member, and the run was lost.
+    if ev.kind in ("kill-worker", "freeze-worker", "cut-link", "kill-coordinator"):
         while True:
             whole = _whole_islands(run_dir)
             if len(whole) >= 2 or time.time() - start > WAIT_S or launcher.poll() is not None:
@@ -157,6 +160,7 @@ def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng:
         if len(whole) < 2:
             ev.note = f"skipped: {len(whole)} whole island(s) after {ev.waited_s:.0f} s"
             return
+    if ev.kind in ("kill-worker", "freeze-worker", "cut-link"):
         if ev.kind == "cut-link":
             island = rng.choice(sorted(whole))
             host = island % len(bed.hosts)
