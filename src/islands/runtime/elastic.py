@@ -618,31 +618,26 @@ def _load_shared(strategy, model, state: dict) -> int:
     return int(state["step"])
 
 
-class _Connecting:
-    """A gloo group being built on a thread of its own, pollable like a work (`is_completed`, `wait`). When the
-    builder gives up on it (`abandon`), a group that connects after all is aborted, not leaked."""
+class _OnThread:
+    """A blocking call run on a thread of its own, pollable like a gloo work (`is_completed`, `wait`), so `_watch`
+    can wait on it and still see a death. A RuntimeError of the call (a peer died, refused or timed out; torch's
+    DistError is one) is raised by `wait`; `_finish` receives the call's result."""
 
-    def __init__(self, build: Callable[[], Any]):
-        self.pg = None
+    def __init__(self, call: Callable[[], Any], name: str):
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._abandoned = False
-        threading.Thread(target=self._run, args=(build,), daemon=True, name="islands-connect").start()
+        threading.Thread(target=self._run, args=(call,), daemon=True, name=name).start()
 
-    def _run(self, build) -> None:
+    def _run(self, call) -> None:
         try:
-            pg = build()
-        except RuntimeError as e:  # a peer refused or timed out (DistError is a RuntimeError)
+            self._finish(call())
+        except RuntimeError as e:
             self._error = e
-        else:
-            with self._lock:
-                if self._abandoned:
-                    _quiet_abort(pg)
-                else:
-                    self.pg = pg
         finally:
             self._done.set()
+
+    def _finish(self, result) -> None:
+        pass
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -651,6 +646,24 @@ class _Connecting:
         self._done.wait()
         if self._error is not None:
             raise self._error
+
+
+class _Connecting(_OnThread):
+    """A gloo group being built (its constructor blocks until every rank connected). When the builder gives up on
+    it (`abandon`), a group that connects after all is aborted, not leaked."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self.pg = None
+        self._lock = threading.Lock()
+        self._abandoned = False
+        super().__init__(build, "islands-connect")
+
+    def _finish(self, pg) -> None:
+        with self._lock:
+            if self._abandoned:
+                _quiet_abort(pg)
+            else:
+                self.pg = pg
 
     def abandon(self) -> None:
         with self._lock:
@@ -660,35 +673,13 @@ class _Connecting:
             threading.Thread(target=_quiet_abort, args=(pg,), daemon=True).start()
 
 
-class _Waited:
+class _Waited(_OnThread):
     """Works whose completion gloo does not report by polling (point-to-point send/recv: `is_completed` stays
-    False until `wait`): waited on a thread of their own, so `_watch` can poll them and still see a death."""
+    False until `wait`), waited on in turn."""
 
     def __init__(self, works: list, keep=None):
         self._keep = keep  # the tensors must outlive the works
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        if not works:
-            self._done.set()
-        else:
-            threading.Thread(target=self._run, args=(works,), daemon=True, name="islands-p2p").start()
-
-    def _run(self, works: list) -> None:
-        try:
-            for w in works:
-                w.wait()
-        except RuntimeError as e:  # a peer died or the group was aborted: the operation fails over
-            self._error = e
-        finally:
-            self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
+        super().__init__(lambda: [w.wait() for w in works], "islands-p2p")
 
 
 def _quiet_abort(pg) -> None:
