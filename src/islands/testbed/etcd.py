@@ -47,31 +47,41 @@ def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 class EtcdCluster:
     def __init__(self, members: int = 3, root: Path | None = None, tls: bool = False, netns: str | None = None,
-                 host: str = "127.0.0.1", login: bool = False, token_ttl_s: int | None = None):
+                 host: str = "127.0.0.1", login: bool = False, token_ttl_s: int | None = None,
+                 places: list[tuple[str | None, str]] | None = None):
         """`tls`: the members serve clients over TLS and admit only clients with a certificate their own CA
         signed (etcd's --client-cert-auth); `env()` names the files a client needs (a throwaway CA, made with
         openssl in the cluster's directory). `netns`, `host`: run the members inside that network namespace,
         serving on that address (a testbed's hub and its hub_ip, so that every host of the testbed reaches
         the cluster over its own link). `login`: etcd's own authentication is enabled once the cluster is up,
         with a root user and a user USER (role: read and write on every key) whose random passwords are in the
-        cluster's directory; `env()` names them. `token_ttl_s`: the members' --auth-token-ttl (etcd: 300 s)."""
+        cluster's directory; `env()` names them. `token_ttl_s`: the members' --auth-token-ttl (etcd: 300 s).
+        `places`: (namespace, address) of each member instead, e.g. one per testbed host, so that a cut link
+        leaves a member on each side (the clients, this object's own included, still connect from `netns`)."""
         self.n = members
         self.login, self.token_ttl_s = login, token_ttl_s
         self.netns, self.host = netns, host
+        self.places = list(places) if places is not None else [(netns, host)] * members
+        if len(self.places) != members:
+            raise ValueError(f"places names {len(self.places)} members; the cluster has {members}")
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.root = Path(tempfile.mkdtemp(prefix="islands-etcd-", dir=root or base))
         self.tls = tls
         if tls:
-            _make_certificates(self.root / "pki", host)
-        with netns_entered(netns):
-            ports = _free_ports(2 * members, host)
-        self.client_ports, self.peer_ports = ports[:members], ports[members:]
+            _make_certificates(self.root / "pki", sorted({ip for _, ip in self.places}))
+        self.client_ports, self.peer_ports = [], []
+        for place_netns, ip in self.places:
+            with netns_entered(place_netns):
+                client, peer = _free_ports(2, ip)
+            self.client_ports.append(client)
+            self.peer_ports.append(peer)
         self.procs: list[subprocess.Popen | None] = [None] * members
-        self.initial = ",".join(f"m{i}=http://{host}:{p}" for i, p in enumerate(self.peer_ports))
+        self.initial = ",".join(f"m{i}=http://{ip}:{p}" for i, ((_, ip), p) in enumerate(zip(self.places,
+                                                                                           self.peer_ports)))
 
     @property
     def endpoints(self) -> list[str]:
-        return [f"{self.host}:{p}" for p in self.client_ports]
+        return [f"{ip}:{p}" for (_, ip), p in zip(self.places, self.client_ports)]
 
     @property
     def url(self) -> str:
@@ -92,8 +102,8 @@ class EtcdCluster:
         pki = self.root / "pki"
         tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
             if self.tls else None
-        return EtcdClient([(self.host, p) for p in self.client_ports], timeout_s=5.0, tls=tls, netns=self.netns,
-                          login=login)
+        return EtcdClient([(ip, p) for (_, ip), p in zip(self.places, self.client_ports)], timeout_s=5.0, tls=tls,
+                          netns=self.netns, login=login)
 
     def _enable_login(self) -> None:
         """Users root and USER with random passwords (files readable by their owner only), then auth enable."""
@@ -117,9 +127,9 @@ class EtcdCluster:
         scheme, pki = ("https" if self.tls else "http"), self.root / "pki"
         tls = ["--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"), "--client-cert-auth",
                "--trusted-ca-file", str(pki / "ca.crt")] if self.tls else []
-        h = self.host
+        where, h = self.places[i]
         self.procs[i] = subprocess.Popen(  # `ip netns exec` execs etcd: the pid is the member's
-            [*(netns_exec_prefix(self.netns) if self.netns else []), ETCD, "--name", f"m{i}",
+            [*(netns_exec_prefix(where) if where else []), ETCD, "--name", f"m{i}",
              "--data-dir", str(self.root / f"m{i}"), *tls,
              "--listen-client-urls", f"{scheme}://{h}:{c}", "--advertise-client-urls", f"{scheme}://{h}:{c}",
              "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls", f"http://{h}:{p}",
@@ -151,7 +161,7 @@ class EtcdCluster:
         return context
 
     def _url(self, i: int, path: str) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_ports[i]}{path}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoints[i]}{path}"
 
     def healthy(self, i: int) -> bool:
         try:
@@ -189,8 +199,9 @@ class EtcdCluster:
                          for i in range(self.n) if (self.root / f"m{i}.log").exists())
 
 
-def _make_certificates(pki: Path, host: str = "127.0.0.1") -> None:
-    """A throwaway CA, a server certificate for `host` and a client certificate, all signed by the CA (openssl)."""
+def _make_certificates(pki: Path, hosts: list[str]) -> None:
+    """A throwaway CA, a server certificate for `hosts` (its addresses) and a client certificate, all signed by the
+    CA (openssl)."""
     pki.mkdir(mode=0o700)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
@@ -200,9 +211,10 @@ def _make_certificates(pki: Path, host: str = "127.0.0.1") -> None:
             raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stderr[-500:]}")
 
     run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=islands-test-ca")
-    (pki / "server.ext").write_text(f"subjectAltName=IP:{host}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    sans = ",".join(f"IP:{h}" for h in hosts)
+    (pki / "server.ext").write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n")
     (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name, subject in (("server", f"/CN={host}"), ("client", "/CN=islands-client")):
+    for name, subject in (("server", f"/CN={hosts[0]}"), ("client", "/CN=islands-client")):
         run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject)
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
