@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from islands_bench.harness import BenchContext, experiment
@@ -307,6 +307,7 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
                     continue
                 _apply(ev, run_dir, launcher, etcd, bed, rng, state)
                 ctx.log(f"{label}: {ev.kind} {ev.target} {ev.note}".rstrip())
+                _save_events(run_dir, events)  # on disk as they happen: a run that fails later keeps its campaign
             if "etcd_down" in state:
                 etcd.start_member(state.pop("etcd_down"), state="existing")
             if "cut" in state:
@@ -330,6 +331,12 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
     members = _members(run_dir)
     return {"events": events, "hung": hung, "record": record, "members": members, "wall_s": wall,
             "launcher_code": launcher.returncode, "progress": _progress(run_dir)}
+
+
+def _save_events(run_dir: Path, events: list[Event]) -> None:
+    tmp = run_dir / "events.json.tmp"
+    tmp.write_text(json.dumps([asdict(e) for e in events], indent=1))
+    tmp.replace(run_dir / "events.json")
 
 
 def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
@@ -390,8 +397,10 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     steps = int(max(400, 1.5 * rate * campaign_s) // H * H)
     run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed)
     calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed)
-    if calm["record"] is None or calm["hung"]:
-        raise RuntimeError(f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'})")
+    # the baseline failing (session 18: every worker found silent at start-up while tests loaded the machine)
+    # costs the loss comparison, not the campaign's own counts
+    calm_note = "" if calm["record"] is not None and not calm["hung"] else (
+        f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'}/launcher.log)")
     applied = [e for e in run["events"] if e.applied]
     stalls = stall_per_event(run["progress"], [e.at for e in applied])
     digests = _final_members(run["members"])
@@ -414,7 +423,7 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     false_chaos = false_deaths(ctx.out_dir / "runs" / "chaos", targets)
     false_calm = false_deaths(ctx.out_dir / "runs" / "fault-free", set())
     loss = run["record"]["summary"]["final_val_loss"] if run["record"] else float("nan")
-    calm_loss = calm["record"]["summary"]["final_val_loss"]
+    calm_loss = calm["record"]["summary"]["final_val_loss"] if not calm_note else float("nan")
     where = (f"testbed of {len(bed.hosts)} hosts, {bed.rate} links (tbf, both directions; no added latency), one island "
              "per host, one process per worker, the job's store in a 3-member etcd cluster on the testbed's hub")
     headline = [
@@ -429,7 +438,8 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
         f"false deaths (a worker no event hit, found silent after the {HEARTBEAT_S:g} s heartbeat timeout or dead): "
         f"{len(false_chaos)} in the campaign ({', '.join(false_chaos) or 'none'}), {len(false_calm)} in the "
         f"fault-free run; each costs its island a restart",
-        f"final val loss {loss:.4f} vs {calm_loss:.4f} fault-free ({100 * (loss / calm_loss - 1):+.1f}%)",
+        f"final val loss {loss:.4f} vs {calm_loss:.4f} fault-free ({100 * (loss / calm_loss - 1):+.1f}%)"
+        + (f"; {calm_note}" if calm_note else ""),
         "torchft: the same campaign runs as `islands bench chaos-torchft` (its model: replicas and a lighthouse)",
         f"where: {where}",
     ]
