@@ -1,6 +1,8 @@
 """The chaos experiment's bookkeeping (no job needed): its seeded campaign, the stall per event and the false
 deaths it reads from the launcher's log."""
 
+import json
+
 from islands_bench.experiments.chaos import campaign, false_deaths, stall_per_event
 
 
@@ -30,6 +32,12 @@ def test_false_deaths_are_the_workers_no_event_hit(tmp_path):
         "islands: island 1 left the job (i1w1: killed by SIGKILL)\n")
     assert false_deaths(run, {"i0w0"}) == ["i1w1", "i2w1.1"]  # i0w0 was frozen by an event
     assert false_deaths(tmp_path / "missing", set()) == []
+    # an event on a follower takes its island's leader out too (exit code 1): by design, not a false death
+    (run / "launcher.log").write_text(
+        "islands: worker i2w1.20: no heartbeat for 1.6 s (stopped, cut off or hung); killing it\n"
+        "islands: worker i2w0.20 left (exit code 1); the others carry on\n"
+        "islands: worker i2w0.21 left (exit code 1); the others carry on\n")
+    assert false_deaths(run, {"i2w1.20"}) == ["i2w0.21"]  # another incarnation's leader was not hit
 
 
 class _Etcd:
@@ -41,21 +49,48 @@ class _Etcd:
         return self.holder
 
 
-def test_kill_coordinator_kills_whoever_holds_the_lease(tmp_path):
-    import json
+class _Running:  # the launcher, as _apply sees it: still running
+    def poll(self):
+        return None
+
+
+def test_kill_coordinator_kills_whoever_holds_the_lease(tmp_path, monkeypatch):
     import random
     import subprocess
 
+    from islands_bench.experiments import chaos
     from islands_bench.experiments.chaos import Event, _apply
 
+    whole = {0: [], 1: []}
+    monkeypatch.setattr(chaos, "_whole_islands", lambda run_dir: whole)
     host = subprocess.Popen(["sleep", "60"])
     (tmp_path / "job_host.json").write_text(json.dumps({"address": "etcd://10.0.0.1:2379/islands-abc", "pid": host.pid}))
     etcd, state = _Etcd("job-host"), {}
     ev = Event("kill-coordinator")
-    _apply(ev, tmp_path, launcher=None, etcd=etcd, bed=None, rng=random.Random(0), state=state)
+    _apply(ev, tmp_path, launcher=_Running(), etcd=etcd, bed=None, rng=random.Random(0), state=state)
     assert host.wait(timeout=10) == -9 and ev.applied and ev.target == "job host" and state["host_killed"]
     assert etcd.asked == ["islands-abc"]
     # later the lease is a worker's; one that is no process of this run is skipped, saying who
     ev = Event("kill-coordinator")
-    _apply(ev, tmp_path, launcher=None, etcd=_Etcd("i1w0.3"), bed=None, rng=random.Random(0), state=state)
+    _apply(ev, tmp_path, launcher=_Running(), etcd=_Etcd("i1w0.3"), bed=None, rng=random.Random(0), state=state)
     assert not ev.applied and "'i1w0.3' is no process of this job" in ev.note
+    # and like any fault on a worker it waits for two whole islands: with one, it is skipped (session 18: the
+    # seat's worker was killed while both other islands restarted, and the job lost its last member)
+    monkeypatch.setattr(chaos, "WAIT_S", 0.3)
+    del whole[1]
+    ev, asker = Event("kill-coordinator"), _Etcd("i0w0.3")
+    _apply(ev, tmp_path, launcher=_Running(), etcd=asker, bed=None, rng=random.Random(0), state=state)
+    assert not ev.applied and ev.note.startswith("skipped: 1 whole island(s)") and asker.asked == []
+
+
+def test_events_are_on_disk_as_they_happen(tmp_path):
+    # a run that fails after its campaign (session 18: the fault-free baseline) keeps what was applied, and when
+    from islands_bench.experiments.chaos import Event, _save_events
+
+    events = [Event("kill-worker", at=12.5, target="i0w1", hit=("i0w1",), applied=True), Event("freeze-worker")]
+    _save_events(tmp_path, events)
+    saved = json.loads((tmp_path / "events.json").read_text())
+    assert saved[0] == {"kind": "kill-worker", "at": 12.5, "target": "i0w1", "hit": ["i0w1"], "waited_s": 0.0,
+                        "applied": True, "note": ""}
+    assert saved[1]["kind"] == "freeze-worker" and not saved[1]["applied"]
+    assert not (tmp_path / "events.json.tmp").exists()  # written whole, then moved into place

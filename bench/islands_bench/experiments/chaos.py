@@ -308,6 +308,7 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
                 _apply(ev, run_dir, launcher, etcd, bed, rng, state)
                 ctx.log(f"{label}: {ev.kind} {ev.target} {ev.note}".rstrip())
                 _save_events(run_dir, events)  # on disk as they happen: a run that fails later keeps its campaign
+            _save_events(run_dir, events)  # with the notes of those not applied
             if "etcd_down" in state:
                 etcd.start_member(state.pop("etcd_down"), state="existing")
             if "cut" in state:
@@ -339,9 +340,24 @@ def _save_events(run_dir: Path, events: list[Event]) -> None:
     tmp.replace(run_dir / "events.json")
 
 
+def island_mates(names: set[str]) -> set[str]:
+    """`names` and their island's other workers of the same incarnation (i<I>w<L>[.<N>]): an island leaves as a
+    whole, so when an event hits one worker its mates leave by design (a leader whose follower was frozen exits
+    with code 1), and that is no false death (the session-18 run counted 6 such leaders as false deaths)."""
+    out = set(names)
+    for name in names:
+        island, sep, rest = name.partition("w")
+        local, dot, incarnation = rest.partition(".")
+        if island.startswith("i") and sep and local.isdigit():
+            out |= {f"{island}w{k}{dot}{incarnation}" for k in range(WORKERS_PER_ISLAND)}
+    return out
+
+
 def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
-    """Workers the launcher found silent (heartbeat timeout) or saw die although no event hit them: the cost of a
-    short heartbeat timeout on a loaded machine. From the launcher's log, which names each."""
+    """Workers the launcher found silent (heartbeat timeout) or saw die although no event hit them or their island
+    (island_mates): the cost of a short heartbeat timeout on a loaded machine. From the launcher's log, which
+    names each."""
+    targets = island_mates(targets)
     try:
         lines = (run_dir / "launcher.log").read_text().splitlines()
     except OSError:

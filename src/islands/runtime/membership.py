@@ -595,9 +595,10 @@ class Coordinator:
         if len(self.admitted) >= self.workers:
             mine = json.dumps(self.admitted[: self.workers])
             self.formed = True
-            if _text(self.store.compare_set("e/0/members", "", mine)) == mine:
+            # a coordinator taking over finds it formed (slots are decided in the store, so its own list is the
+            # same): nothing to say then; the line used to repeat at every takeover, like a second epoch 0
+            if not self.store.check(["e/0/members"]) and _text(self.store.compare_set("e/0/members", "", mine)) == mine:
                 self.log(f"elastic: epoch 0 formed with {self.workers} workers")
-            # else a coordinator before this one formed it (this one took over): nothing to say
 
     def _verdict(self, ticket: int, name: str, challenge: str, **verdict) -> bool:
         """Writes the verdict unless a genuine one is there; True when this one (or an equal one) stands."""
