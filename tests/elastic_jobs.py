@@ -77,6 +77,16 @@ def at_gate(out: Path, names) -> Callable[[], bool]:
     return lambda: all((out / f"gate-{n}").exists() for n in names)
 
 
+def train_over_store(store_url: str, run: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """`islands train` of a small elastic job (2 one-worker islands, digits, DiLoCo H=3, 9 steps) whose store is
+    the etcd cluster at `store_url`; the cluster's client variables come from this process's environment."""
+    return subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2",
+                           "--islands", "2", "--outer", "diloco:inner_steps=3", "--elastic", "--store", store_url,
+                           "--steps", "9", "--global-batch", "16", "--eval-every", "0", "--no-probe", "--no-progress",
+                           "--heartbeat-timeout", "5", "--run-dir", str(run)], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=300)
+
+
 def logs(run: Path) -> str:
     """The tail of every worker's and the job host's log (for failure messages)."""
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run / "logs").glob("*.log")))

@@ -91,11 +91,7 @@ def test_an_elastic_job_runs_over_the_locked_store_and_its_keys_are_closed_to_ot
     for k, v in locked.env().items():
         monkeypatch.setenv(k, v)
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2",
-                           "--islands", "2", "--outer", "diloco:inner_steps=3", "--elastic", "--store", locked.url,
-                           "--steps", "9", "--global-batch", "16", "--eval-every", "0", "--no-probe", "--no-progress",
-                           "--heartbeat-timeout", "5", "--run-dir", str(run)], cwd=tmp_path, env=elastic_jobs.env(),
-                          capture_output=True, text=True, timeout=300)
+    done = elastic_jobs.train_over_store(locked.url, run, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:] + elastic_jobs.logs(run)
     assert json.loads((run / "run.json").read_text())["summary"]["steps"] == 9
     client = EtcdClient(_endpoints(locked), timeout_s=10, login=EtcdLogin.from_env())

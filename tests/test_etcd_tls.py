@@ -6,8 +6,6 @@ import base64
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -78,11 +76,7 @@ def test_an_elastic_job_runs_over_the_tls_store_and_its_keys_are_closed_to_other
     for k, v in secure.env().items():
         monkeypatch.setenv(k, v)
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2",
-                           "--islands", "2", "--outer", "diloco:inner_steps=3", "--elastic", "--store", secure.url,
-                           "--steps", "9", "--global-batch", "16", "--eval-every", "0", "--no-probe", "--no-progress",
-                           "--heartbeat-timeout", "5", "--run-dir", str(run)], cwd=tmp_path, env=elastic_jobs.env(),
-                          capture_output=True, text=True, timeout=300)
+    done = elastic_jobs.train_over_store(secure.url, run, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:] + elastic_jobs.logs(run)
     rec = json.loads((run / "run.json").read_text())
     assert rec["summary"]["steps"] == 9
