@@ -276,16 +276,12 @@ class EtcdClient:
             return token
         data = json.dumps({"name": self.login.user, "password": self.login.password}).encode()
         status, payload = self._post(i, "auth/authenticate", data, None)
-        try:
-            answer = json.loads(payload) if payload else {}
-        except ValueError:
-            answer = {"error": payload[:200].decode(errors="replace")}
+        answer, message = _decode(payload)
         if status == 200 and answer.get("token"):
             with self._tokens_lock:
                 self._tokens[i] = answer["token"]
                 self.logins += 1
             return answer["token"]
-        message = str(answer.get("error") or answer.get("message") or payload[:200])
         if "authentication is not enabled" in message:
             with self._tokens_lock:
                 self._tokens[i] = ""  # the cluster does not ask for one: send none
@@ -316,16 +312,12 @@ class EtcdClient:
                 self._drop(i)
                 errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {type(e).__name__}: {e}")
             else:
-                try:
-                    answer = json.loads(payload) if payload else {}
-                except ValueError:
-                    answer = {"error": payload[:200].decode(errors="replace")}
+                answer, message = _decode(payload)
                 if status == 200 and "error" not in answer:
                     if i != self._current:
                         self._current = i
                         self.failovers += 1
                     return answer
-                message = str(answer.get("error") or answer.get("message") or payload[:200])
                 asks_login = "invalid auth token" in message or "user name is empty" in message
                 if asks_login and self.login is not None and i not in renewed:
                     # the token lapsed, the member restarted, or auth was enabled since: ask again, same member
@@ -397,6 +389,16 @@ class EtcdClient:
             self.call("lease/revoke", {"ID": str(lease)})
         except EtcdError:
             pass  # already gone
+
+
+def _decode(payload: bytes) -> tuple[dict, str]:
+    """A member's answer as JSON (a body that is not JSON becomes {"error": its start}) and its error message
+    (meaningful only when the request failed)."""
+    try:
+        answer = json.loads(payload) if payload else {}
+    except ValueError:
+        answer = {"error": payload[:200].decode(errors="replace")}
+    return answer, str(answer.get("error") or answer.get("message") or payload[:200])
 
 
 def _unavailable(message: str) -> bool:

@@ -60,7 +60,7 @@ class EtcdCluster:
         leaves a member on each side (the clients, this object's own included, still connect from `netns`)."""
         self.n = members
         self.login, self.token_ttl_s = login, token_ttl_s
-        self.netns, self.host = netns, host
+        self.netns = netns  # where clients connect from (the members are at `places`)
         self.places = list(places) if places is not None else [(netns, host)] * members
         if len(self.places) != members:
             raise ValueError(f"places names {len(self.places)} members; the cluster has {members}")
