@@ -153,3 +153,70 @@ def test_gloo_rendezvous_over_the_etcd_store(cluster):
     url = str(EtcdAddress.parse(cluster.url).with_namespace(f"gloo-{time.time_ns()}"))
     got = spawn_ranks(_gloo_rank, 2, url, timeout=90)
     assert [r[1] for r in got] == [[3.0, 30.0], [3.0, 30.0]]
+
+
+class _Member:
+    """A stand-in etcd member on loopback: it reads each request and answers `answer` after `delay_s` (None:
+    never, like a follower that dropped a write because its leader was just killed)."""
+
+    def __init__(self, delay_s: float | None, answer: bytes = b'{"header": {}}'):
+        import socket
+        import threading
+
+        self.delay_s, self.answer, self.requests = delay_s, answer, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn):
+        with conn:
+            while True:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                self.requests += 1
+                if self.delay_s is None:
+                    time.sleep(3600)
+                time.sleep(self.delay_s)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(self.answer)).encode() + b"\r\n\r\n" + self.answer)
+
+
+def test_a_member_that_holds_a_request_costs_the_first_try_not_the_whole_request_timeout():
+    from islands.runtime import etcd_store
+
+    silent, healthy = _Member(None), _Member(0.0)
+    client = EtcdClient([("127.0.0.1", silent.port), ("127.0.0.1", healthy.port)], timeout_s=20.0)
+    t = time.monotonic()
+    client.call("kv/put", {"key": "YQ==", "value": "Yg=="})
+    took = time.monotonic() - t
+    assert silent.requests == 1 and healthy.requests == 1 and client.failovers == 1
+    # the silent member held it for the first try only (the old fixed 3 s per request made a killed leader cost 3 s)
+    assert etcd_store.FIRST_TRY_S <= took < etcd_store.REQUEST_TIMEOUT_S, took
+
+
+def test_members_all_slower_than_the_first_try_are_waited_for_longer_on_the_next_pass():
+    from islands.runtime import etcd_store
+
+    slow = [_Member(etcd_store.FIRST_TRY_S * 1.4) for _ in range(2)]  # answers within the second pass's wait
+    client = EtcdClient([("127.0.0.1", m.port) for m in slow], timeout_s=20.0)
+    assert client.call("kv/put", {"key": "YQ==", "value": "Yg=="}) == {"header": {}}
+    assert sum(m.requests for m in slow) == 3  # both timed out on the first pass, the first answered on the second

@@ -3,7 +3,7 @@ deaths it reads from the launcher's log."""
 
 import json
 
-from islands_bench.experiments.chaos import campaign, false_deaths, stall_per_event
+from islands_bench.experiments.chaos import Event, _failures, campaign, detection_per_event, false_deaths, stall_per_event
 
 
 def test_the_campaign_is_seeded_heals_every_etcd_kill_and_ends_with_the_launcher():
@@ -19,6 +19,30 @@ def test_stall_is_the_gap_across_an_event_minus_the_usual_gap_max_over_leaders()
     (stall, none) = stall_per_event(progress, [1.0, 10.0])
     assert abs(stall - 1.9) < 1e-9  # i0w0's 2.0 s gap minus its usual 0.1 s; i1w0 spans no part of it
     assert none is None  # no leader trained on both sides
+
+
+def test_the_failover_chain_times_the_first_failure_naming_the_hit_island(tmp_path):
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def failure(t, gone):
+        ev = {"type": "membership", "change.type": "failure", "change.gone": json.dumps(gone),
+              "change.detected": t, "change.formed": t + 0.05}
+        return json.dumps({"t": t + 0.1, "kind": "event", "event": ev})
+
+    (live / "i1w0.jsonl").write_text("\n".join([
+        json.dumps({"t": 0.0, "kind": "metrics", "step": 10}),
+        failure(9.0, ["i2w0"]),  # before the event: another one's
+        failure(11.6, ["i0w0.3"]),  # the frozen follower's leader: its island
+        failure(11.9, ["i0w0.3"]),  # a later member's view of the same failure
+        '{"t": 12, "kind": "ev',  # a line cut by a SIGKILL
+    ]))
+    (live / "i2w0.jsonl").write_text(failure(11.7, ["i0w0.3"]))
+    events = [Event("freeze-worker", at=10.0, hit=("i0w1.3",)), Event("kill-etcd-member", at=10.5),
+              Event("kill-worker", at=20.0, hit=("i1w0",))]
+    frozen, etcd, unseen = detection_per_event(_failures(tmp_path), events)
+    assert abs(frozen["detect_s"] - 1.6) < 1e-9 and abs(frozen["form_s"] - 0.05) < 1e-9
+    assert etcd is None and unseen is None  # it hit no worker; no member logged its failure
 
 
 def test_false_deaths_are_the_workers_no_event_hit(tmp_path):

@@ -52,6 +52,7 @@ HEALS = {"kill-etcd-member": "heal-etcd-member", "cut-link": "heal-link"}  # the
 ISLANDS, WORKERS_PER_ISLAND, H = 3, 2, 5
 HEARTBEAT_S, TIMEOUT_S = 1.5, 20.0  # the job's heartbeat timeout (a frozen worker is found after it: the 2 s stall goal) and collective timeout
 WAIT_S = 60.0  # the longest a fault waits for two whole islands before it is skipped
+ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS = 500, 50  # the store's Raft timing (see _run)
 RESTART_S = 8.0  # about what a restarted 2-worker island takes to train again here (forked start-up, admission)
 RATE, HOSTS = "100mbit", ISLANDS  # the testbed: one island per host
 QUICK = dict(events=12, gap=(3.0, 6.0))
@@ -236,6 +237,33 @@ def _progress(run_dir: Path) -> dict[str, list[float]]:
     return out
 
 
+def _failures(run_dir: Path) -> list[tuple[float, float, set[str]]]:
+    """Every failure a member logged (live stream membership events): (detected, formed, names gone), by time."""
+    out = []
+    for path in (run_dir / "live").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line).get("event") or {}
+            except ValueError:  # a line cut by a SIGKILL
+                continue
+            if ev.get("type") == "membership" and ev.get("change.type") == "failure":
+                out.append((float(ev["change.detected"]), float(ev["change.formed"]),
+                            set(json.loads(ev.get("change.gone", "[]")))))
+    return sorted(out, key=lambda f: f[0])
+
+
+def detection_per_event(failures: list[tuple[float, float, set[str]]], events: list[Event]) -> list[dict | None]:
+    """Per event that hit workers: seconds from the event to the first failure a member detected naming one of the
+    hit islands' workers, and from there to the next epoch's forming (the failover chain, the stall's first
+    parts); None for an event that hit nobody or whose failure no member logged."""
+    out: list[dict | None] = []
+    for e in events:
+        names = island_mates(set(e.hit))
+        first = next((f for f in failures if f[0] >= e.at and f[2] & names), None) if names else None
+        out.append(None if first is None else {"detect_s": first[0] - e.at, "form_s": first[1] - first[0]})
+    return out
+
+
 def stall_per_event(progress: dict[str, list[float]], times: list[float]) -> list[float | None]:
     """Per event time: max over island leaders that trained on both sides of it of (their gap between logged steps
     across it - their median gap); None when no leader spans it."""
@@ -251,6 +279,16 @@ def stall_per_event(progress: dict[str, list[float]], times: list[float]) -> lis
             if before and after:
                 stalls.append(max(0.0, after[0] - before[-1] - normal))
         out.append(max(stalls) if stalls else None)
+    return out
+
+
+def _by_kind(events: list[Event], chain: list[dict | None]) -> dict[str, tuple[list[float], list[float]]]:
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for e, c in zip(events, chain):
+        if c is not None:
+            detect, form = out.setdefault(e.kind, ([], []))
+            detect.append(c["detect_s"])
+            form.append(c["form_s"])
     return out
 
 
@@ -286,7 +324,9 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
     run_dir.mkdir(parents=True)
     from islands.testbed import EtcdCluster
 
-    etcd = EtcdCluster(3, netns=bed.hub, host=bed.hub_ip).start()  # every host reaches it over its own link
+    # every host reaches it over its own link; election timing from etcd's tuning range for a local cluster, so
+    # that the leader's death costs ~0.75 s, not 3 s (islands.testbed.etcd)
+    etcd = EtcdCluster(3, netns=bed.hub, host=bed.hub_ip, election_ms=ETCD_ELECTION_MS, heartbeat_ms=ETCD_HEARTBEAT_MS).start()
     rng = random.Random(seed + 1)
     events = [Event(k) for k in kinds]
     env = dict(os.environ, OMP_NUM_THREADS="1", ISLANDS_TOKEN=os.urandom(16).hex())
@@ -403,14 +443,16 @@ def chaos(ctx: BenchContext) -> dict:
 
 
 def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -> dict:
-    # the job should outlast the campaign: steps from a short probe's speed, x1.5 margin
+    # the job should outlast the campaign: steps from a short probe's speed (all 3 islands training), x2. Under the
+    # campaign an island is often out (restarting), and on 2 cores the others then step faster: session 18's job
+    # trained at 2x the probe's rate and ran out of steps at event 92 with a x1.5 margin
     probe = _run(ctx, "probe", 400, [], seed, (0.0, 0.0), deadline_s=600, bed=bed)
     if probe["record"] is None or probe["hung"]:
         raise RuntimeError(f"the probe run did not finish (see {ctx.out_dir / 'runs' / 'probe'})")
     rate = _steps_per_second(ctx.out_dir / "runs" / "probe")
     # each event waits for two whole islands, so a restart (process start-up, admission) paces the campaign
     campaign_s = len(kinds) * (sum(tier["gap"]) / 2 + RESTART_S)
-    steps = int(max(400, 1.5 * rate * campaign_s) // H * H)
+    steps = int(max(400, 2.0 * rate * campaign_s) // H * H)
     run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed)
     calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed)
     # the baseline failing (session 18: every worker found silent at start-up while tests loaded the machine)
@@ -422,10 +464,13 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     digests = _final_members(run["members"])
     lost = run["record"] is None or (run["launcher_code"] not in (0, -signal.SIGKILL))
     survived = sum(1 for e in applied) if not lost and not run["hung"] else 0
+    chain = detection_per_event(_failures(ctx.out_dir / "runs" / "chaos"), applied)
     rows = []
-    for e, s in zip(applied, stalls):
+    for e, s, c in zip(applied, stalls, chain):
         rows.append({"kind": e.kind, "target": e.target, "t_s": round(e.at - applied[0].at, 1),
-                     "waited_s": round(e.waited_s, 1), "stall_s": None if s is None else round(s, 2)})
+                     "waited_s": round(e.waited_s, 1), "stall_s": None if s is None else round(s, 2),
+                     "detect_s": None if c is None else round(c["detect_s"], 2),
+                     "form_s": None if c is None else round(c["form_s"], 2)})
     for e in run["events"]:
         if not e.applied:
             rows.append({"kind": e.kind, "target": "-", "t_s": None, "waited_s": round(e.waited_s, 1),
@@ -450,6 +495,10 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
         f"usual one): median "
         f"{statistics.median(measured) if measured else float('nan'):.2f} s, max {max(measured) if measured else float('nan'):.2f} s; "
         + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items()) + " (goal <= 2 s)",
+        "failover chain (event to the first member's failure naming a hit worker's island; then to the next epoch "
+        "formed): " + "; ".join(
+            f"{k} detect median {statistics.median(v[0]):.2f} max {max(v[0]):.2f} s, form max {max(v[1]):.2f} s"
+            for k, v in _by_kind(applied, chain).items()),
         f"members finishing: {len(digests)}, global models bitwise equal: {len(set(digests.values())) == 1}",
         f"false deaths (a worker no event hit, found silent after the {HEARTBEAT_S:g} s heartbeat timeout or dead): "
         f"{len(false_chaos)} in the campaign ({', '.join(false_chaos) or 'none'}), {len(false_calm)} in the "

@@ -262,7 +262,7 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", hear
     job ends before admitting is stopped. `workers` grows with the restarts (the caller stops them all)."""
     reported: set[str] = set()
     liveness = Liveness(store, heartbeat_timeout)
-    reaper = _Reaper(store, heartbeat_timeout, out)
+    reaper = _Reaper(store, heartbeat_timeout, out, islands)
     stopped: set[str] = set()  # mates the launcher stopped because their island left
     closing = False  # the job ended: no restarts, waiting restarted islands are stopped
     next_look = 0.0
@@ -428,8 +428,9 @@ class _Reaper:
     a process merely busy still beats; a stopped, cut off or GIL-locked one does not). It is reported dead
     and SIGKILLed at once: members exclude it without waiting for their own check, and a stopped or
     GIL-locked process would act on no gentler signal, so a grace would only hold its island's mates in
-    their local collective for longer (a frozen follower's island leaves as soon as its death is seen,
-    issue #20's 2 s stall goal). Excluded: it was a member and the newest epoch
+    their local collective for longer (issue #20's 2 s stall goal). With `islands` whole, its island mates are
+    reported dead in the same look: the members stop waiting for a leader whose follower is frozen at once, not
+    when the killed follower's exit has been polled. Excluded: it was a member and the newest epoch
     no longer lists it (its heartbeat may still beat: a main thread stuck past the collective timeout); it
     gets the heartbeat timeout plus GRACE_SECONDS to notice and exit by itself (it raises Excluded at its
     next collective), then the same SIGTERM, SIGKILL. A worker that reported itself finished (its heartbeat
@@ -437,8 +438,8 @@ class _Reaper:
 
     KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an excluded worker that still runs
 
-    def __init__(self, store, heartbeat_timeout: float, out):
-        self.store, self.timeout, self.out = store, heartbeat_timeout, out
+    def __init__(self, store, heartbeat_timeout: float, out, islands: "_Islands | None" = None):
+        self.store, self.timeout, self.out, self.islands = store, heartbeat_timeout, out, islands
         self.liveness = Liveness(store, heartbeat_timeout)
         self.members_seen: set[str] = set()
         self.excluded_since: dict[str, float] = {}
@@ -473,6 +474,12 @@ class _Reaper:
                 continue
             if not self.store.check([f"dead/{name}"]):
                 self.store.set(f"dead/{name}", why)  # the members drop it now, not at their own timeout
+            if name in silent and self.islands is not None and self.islands.whole:
+                # its island leaves with it: flag the mates too (the leader is the member the others wait for),
+                # not after the kill's exit is polled (the chaos run's frozen followers cost 0.3-0.8 s that way)
+                for m in running:
+                    if m is not w and self.islands.same(m, w) and not self.store.check([f"dead/{_name(m)}"]):
+                        self.store.set(f"dead/{_name(m)}", f"its island lost {name}")
             print(f"islands: worker {name}: {why}; {doing}", file=self.out, flush=True)
             signal_worker(w, sig)
             self.termed[name] = now

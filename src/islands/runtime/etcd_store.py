@@ -53,6 +53,12 @@ PASSWORD_FILE_ENV = "ISLANDS_ETCD_PASSWORD_FILE"  # a file holding its password 
 ENDED_KEY = "__islands_job_ended__"  # under the namespace: the job is over (see EtcdStore.end)
 END_MARK_KEEP_S = 3600  # how long that mark outlives the job's other keys (a joiner arriving later finds no job)
 REQUEST_TIMEOUT_S = 3.0  # one HTTP request to one member: a frozen or cut-off member costs at most this
+# The first pass over the members waits this long for each; each later pass as long again, up to
+# REQUEST_TIMEOUT_S. A follower whose leader was just killed holds a request without answering (etcd waits
+# its own request timeout, several seconds): at 3 s a killed leader cost every client 3 s, where the new
+# leader is elected within 1-2 election timeouts. A member merely slow (a loaded machine: ~20 ms here) is
+# far below it, and a pass that finds every member slow waits longer next time.
+FIRST_TRY_S = 0.75
 POLL_S = 0.005  # blocking get/wait poll (a linearizable read is one round trip to the leader)
 CHECKED_FRESH_S = 0.05  # a get this soon after a check that read the key returns what the check read
 
@@ -257,11 +263,15 @@ class EtcdClient:
         if conn is not None:
             conn.close()
 
-    def _post(self, i: int, path: str, data: bytes, token: str | None) -> tuple[int, bytes]:
+    def _post(self, i: int, path: str, data: bytes, token: str | None,
+              wait_s: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"}
         if token is not None:
             headers["Authorization"] = token
         conn = self._conn(i)
+        conn.timeout = wait_s  # a new connection's connect and reads
+        if conn.sock is not None:  # a kept-alive one's reads
+            conn.sock.settimeout(wait_s)
         conn.request("POST", f"/v3/{path}", body=data, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
@@ -301,7 +311,8 @@ class EtcdClient:
             i = (start + attempt) % len(self.endpoints)
             try:
                 token = self._token(i)
-                status, payload = self._post(i, path, data, token or None)
+                wait_s = min(REQUEST_TIMEOUT_S, FIRST_TRY_S * (1 + attempt // len(self.endpoints)))
+                status, payload = self._post(i, path, data, token or None, wait_s)
             except ssl.SSLError as e:
                 self._drop(i)
                 why = _tls_refusal(e)

@@ -1,0 +1,91 @@
+"""The elastic launcher's reaper (islands.runtime.elastic_launch._Reaper) on its own, with a store in a dict and
+sleeping processes for workers: which workers it reports dead, and when, decides how long the other islands wait
+(issue #20's 2 s stall goal)."""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from islands.runtime.elastic_launch import IslandWorker, _Islands, _Reaper
+
+TIMEOUT = 0.4  # seconds: the heartbeat timeout of these looks
+
+
+class DictStore:
+    def __init__(self):
+        self.kv: dict[str, bytes] = {}
+
+    def check(self, keys) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
+
+    def set(self, key: str, value) -> None:
+        self.kv[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _worker(name: str, island: int, tmp_path: Path) -> IslandWorker:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return IslandWorker(rank=0, proc=proc, log=tmp_path / f"{name}.log", name=name, island=island)
+
+
+def _look_until_silent(reaper: _Reaper, store: DictStore, workers: list[IslandWorker], beating: set[str]) -> None:
+    """Looks every 50 ms; the names in `beating` beat before each look, the others stay still."""
+    deadline = time.monotonic() + 10 * TIMEOUT
+    beat = 0
+    while time.monotonic() < deadline and not any(w.proc.poll() is not None for w in workers):
+        beat += 1
+        for w in workers:
+            if w.name in beating or beat == 1:
+                store.set(f"hb/{w.name}", str(beat))
+        reaper.look(workers)
+        time.sleep(0.05)
+
+
+def _run(tmp_path, size: int, max_restarts: int):
+    store = DictStore()
+    islands = _Islands([], "127.0.0.1:1", "t", tmp_path, 1, size, max_restarts)
+    names = [("i0w0", 0), ("i0w1", 0), ("i1w0", 1), ("i1w1", 1)] if size == 2 else [("w0", 0), ("w1", 1)]
+    workers = [_worker(n, i, tmp_path) for n, i in names]
+    store.set("latest", "0")
+    leaders = [n for n, _ in names if n.endswith("w0") or size == 1]
+    store.set("e/0/members", "[" + ",".join(f'[{k}, "{n}"]' for k, n in enumerate(leaders)) + "]")
+    return store, islands, workers
+
+
+def test_a_silent_follower_has_its_leader_reported_dead_in_the_same_look(tmp_path):
+    store, islands, workers = _run(tmp_path, size=2, max_restarts=3)
+    out = io.StringIO()
+    try:
+        _look_until_silent(_Reaper(store, TIMEOUT, out, islands), store, workers,
+                           beating={"i0w0", "i1w0", "i0w1"})  # i1w1 is frozen
+        frozen, leader = workers[3], workers[2]
+        assert frozen.proc.wait(5) == -signal.SIGKILL, out.getvalue()
+        # the members wait for island 1's leader, which still runs: it is reported gone now, with the reason
+        assert store.get("dead/i1w0") == b"its island lost i1w1", store.kv
+        assert leader.proc.poll() is None  # stopping it is the supervisor's part, once the exit is seen
+        assert not store.check(["dead/i0w0"]) and not store.check(["dead/i0w1"])  # the other island untouched
+    finally:
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def test_islands_of_one_that_are_never_restarted_report_only_the_silent_worker(tmp_path):
+    store, islands, workers = _run(tmp_path, size=1, max_restarts=0)
+    out = io.StringIO()
+    try:
+        _look_until_silent(_Reaper(store, TIMEOUT, out, islands), store, workers, beating={"w0"})
+        assert workers[1].proc.wait(5) == -signal.SIGKILL
+        assert store.get("dead/w1").startswith(b"no heartbeat for")
+        assert not store.check(["dead/w0"]) and workers[0].proc.poll() is None
+    finally:
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
