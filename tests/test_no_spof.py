@@ -39,12 +39,12 @@ def _record(path: Path):
         return None
 
 
-def _train(tmp_path: Path, steps: int, workers: int) -> tuple[subprocess.Popen, Path, Path]:
+def _train(tmp_path: Path, steps: int, workers: int, islands: int | None = None) -> tuple[subprocess.Popen, Path, Path]:
     run = tmp_path / "run"
     err = tmp_path / "launcher.err"
     proc = subprocess.Popen(
         [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", str(workers),
-         "--islands", str(workers),
+         "--islands", str(islands or workers), *(["--inner", "ddp"] if islands else []),
          "--outer", "local-sgd:every=3", "--elastic", "--steps", str(steps), "--global-batch", "24",
          "--eval-every", "0", "--warmup", "2", "--no-probe", "--no-progress", "--timeout", "30",
          "--heartbeat-timeout", str(HEARTBEAT), "--run-dir", str(run)],
@@ -110,6 +110,47 @@ def test_after_the_launcher_died_a_killed_worker_is_found_by_its_heartbeat_and_t
         assert len(failures) == 1 and failures[0]["gone"] == ["w2"], failures
     rec = json.loads((run / "run.json").read_text())
     assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 2, rec["summary"]
+
+
+def test_after_the_launcher_died_a_frozen_follower_takes_its_island_out_within_the_heartbeat_timeout(tmp_path):
+    # 2 islands of 2 workers; with no launcher to find the stopped follower, its leader's FollowerWatch must: the
+    # leader's heartbeat beats on while it waits in the island's all-reduce, so without the watch the other island
+    # would wait for the 30 s collective timeout (and the leader for minutes)
+    proc, run, err = _train(tmp_path, 90, workers=4, islands=2)
+    frozen = None
+    try:
+        host = _wait(lambda: _record(run / "job_host.json"), "the job host", log=err)
+        h, p = parse_address(host["address"])
+        store = connect(h, p)
+        _wait(lambda: store.check(["round/4/join"]), "four rounds", log=err)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _wait(lambda: store.check(["round/6/join"]), "two more rounds", log=run / "logs" / "i0w0.log")
+        frozen = elastic_jobs.worker_pid(run, "i1w1")
+        os.kill(frozen, signal.SIGSTOP)
+        stopped = time.time()
+        del store
+        ended = _wait(lambda: (r := _record(run / "job_host.json")) and "ended" in r and r, "the job host's end",
+                      timeout=150, log=run / "logs" / "i0w0.log")
+        # everything of the job but the stopped process exits by itself (the leader within its grace)
+        _wait(lambda: [p for p in _job_processes(str(run)) if p != frozen] == [], "the job's other processes to exit",
+              timeout=30)
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+        elastic_jobs.kill_job_processes(str(run))
+    logs = _logs(run)
+    assert ended["why"] == "no member of the newest epoch is alive", ended
+    recs = elastic_jobs.records(run)
+    assert set(recs) == {"i0w0", "i0w1"}, logs
+    assert len({r["global_sha256"] for r in recs.values()}) == 1
+    failure = next(e for e in recs["i0w0"]["final"]["events"] if e["type"] == "failure")
+    assert failure["gone"] == ["i1w0"], failure
+    # found through the leader's watch of its follower: the heartbeat timeout and polling, not the 30 s timeout
+    assert failure["detected"] - stopped < HEARTBEAT + 3.0, (failure["detected"] - stopped, logs)
+    assert "its follower i1w1 is silent" in (run / "logs" / "i1w0.log").read_text(), logs
 
 
 # ---- over etcd: no process the job cannot lose ------------------------------------------------------

@@ -25,10 +25,19 @@ dead flag makes the other islands fail over without it, and the launcher starts 
 incarnation: new names, a new local group) while `max_restarts` allows. The new leader is admitted as any
 joiner, receives the global state in its strategy's wrap, and hands it to its followers (IslandLeader.enter,
 IslandFollower.enter) before the island trains.
+
+A follower that stops without dying (SIGSTOP, cut off, a main thread that holds the GIL) breaks nothing that
+gloo sees: its leader waits in the local collective while its own heartbeat beats on, so the other islands
+would wait for it until their collective timeout. The leader's FollowerWatch reads its followers' heartbeats
+and, when one is silent past the heartbeat timeout or reported dead, reports the leader itself dead: the
+members fail over without the island then, with or without a launcher (one killed, or islands started by
+hand), and the launcher's own reaper, when there is one, stops and restarts the island.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +50,7 @@ from islands.runtime.elastic import ElasticComm
 from islands.runtime.membership import Liveness
 
 ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
+FOLLOWER_LOOK_S = 0.1  # between a leader's looks at its followers' heartbeats (Liveness wants < timeout / 2)
 RELAY_KIND = "island_relay"  # ledger kind of the leader's local broadcasts (not cross-island traffic)
 
 
@@ -300,12 +310,81 @@ def hand_over(island: IslandComm, strategy, model, step: int) -> int:
     return int(state["step"])
 
 
+class FollowerWatch:
+    """A leader's thread that reports the leader dead (dead/<leader>, with the reason) once one of `followers` is
+    silent past `timeout_s` or reported dead, other than finished (module docstring). It looks only at followers
+    that have beaten (a follower still starting has no hb key). After its one verdict it gives the process
+    `exit_after_s` (default `timeout_s`) to fail by itself, then exits it (code 1, as IslandBroken would): the
+    training thread may wait in the local collective with a stopped follower for minutes. stop() (the leader
+    leaving) ends it.
+    `store`: a client of its own (the training thread's may be blocked)."""
+
+    def __init__(self, leader: str, followers: list[str], store, timeout_s: float, exit_after_s: float | None = None):
+        self.leader, self.followers, self.store = leader, list(followers), store
+        self.exit_after_s = timeout_s if exit_after_s is None else exit_after_s
+        self.liveness = Liveness(store, timeout_s)
+        self.verdict: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="islands-follower-watch", daemon=True)
+
+    def start(self) -> "FollowerWatch":
+        self._thread.start()
+        return self
+
+    def look(self) -> str | None:
+        """One look: the reason to report the leader dead, or None."""
+        beating = [f for f in self.followers if self.store.check([f"hb/{f}"])]
+        for f in sorted(self.liveness.gone(beating)):
+            flag = self.store.get(f"dead/{f}") if self.store.check([f"dead/{f}"]) else None
+            if flag == b"finished":
+                continue  # it ended the job with its leader: nothing to report
+            why = f"reported dead ({flag.decode(errors='replace')})" if flag is not None else \
+                f"silent for {self.liveness.silent_for(f):.1f} s"
+            return f"its follower {f} is {why}: the island cannot take part"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(FOLLOWER_LOOK_S):
+            try:
+                why = self.look()
+                if why is not None and not self._stop.is_set():
+                    if not self.store.check([f"dead/{self.leader}"]):
+                        self.store.set(f"dead/{self.leader}", why)
+                    self.verdict = why
+                    break
+            except Exception:  # the store is gone: the job is over, the training thread sees it too
+                return
+        # the training thread waits in the local collective with the silent follower (up to local_timeout, minutes)
+        # and the members no longer wait for this island: give it a heartbeat timeout to fail by itself (a killed
+        # follower breaks gloo's connection at once), then end the process as the launcher would
+        if self.verdict is not None and not self._stop.wait(self.exit_after_s):
+            print(f"islands: {self.leader}: {self.verdict}; leaving the job", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)
+
+
 class IslandLeader(ElasticComm):
     """The ElasticComm of an island's leader: as any member's, and after `enter` (a joiner receives the global
     state there) and after each round boundary's admissions (`at_step`) it relays to its followers."""
 
     island: IslandComm | None = None
     place: IslandPlace | None = None
+    follower_watch: FollowerWatch | None = None
+
+    def watch_followers(self) -> None:
+        """Start the FollowerWatch over this island's followers, on a store client of its own."""
+        followers = island_workers(self.name, self.place.size)[1:]
+        store = self.new_client() if self.new_client is not None else self.store
+        self.follower_watch = FollowerWatch(self.name, followers, store, self.liveness.timeout).start()
+
+    def leave(self) -> None:
+        if self.follower_watch is not None:  # the followers stop beating as they finish
+            self.follower_watch.stop()
+        super().leave()
 
     def enter(self, strategy, model) -> int:
         step = super().enter(strategy, model)

@@ -246,6 +246,7 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
     comm.place = island
     side = _island_group(session.store, island, job)
     comm.island = IslandComm(comm, comm.ledger, side=side)
+    comm.watch_followers()  # a frozen follower takes the island out within the heartbeat timeout, launcher or not
     world = island_world(comm, comm.island, island, shard)
     comm.on_change = world.follow
     if admission.initial:

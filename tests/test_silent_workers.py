@@ -1,6 +1,7 @@
-"""The elastic launcher's reaper (islands.runtime.elastic_launch._Reaper) on its own, with a store in a dict and
-sleeping processes for workers: which workers it reports dead, and when, decides how long the other islands wait
-(issue #20's 2 s stall goal)."""
+"""Who reports a silent worker dead, on their own with a store in a dict: the elastic launcher's reaper
+(islands.runtime.elastic_launch._Reaper, sleeping processes for workers) and an island leader's FollowerWatch
+(islands.runtime.island_comm). Which names they flag, and when, decides how long the other islands wait (issue
+#20's 2 s stall goal)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from islands.runtime.elastic_launch import IslandWorker, _Islands, _Reaper
+from islands.runtime.island_comm import FollowerWatch
 
 TIMEOUT = 0.4  # seconds: the heartbeat timeout of these looks
 
@@ -89,3 +91,43 @@ def test_islands_of_one_that_are_never_restarted_report_only_the_silent_worker(t
         for w in workers:
             w.proc.kill()
             w.proc.wait()
+
+
+def _beat_until(store: DictStore, watch: FollowerWatch, beating: set[str], names: list[str], seconds: float) -> None:
+    beat, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline and watch.verdict is None:
+        beat += 1
+        for n in names:
+            if n in beating or beat == 1:
+                store.set(f"hb/{n}", str(beat))
+        time.sleep(0.05)
+
+
+def test_a_leader_reports_itself_dead_when_its_follower_goes_silent():
+    store = DictStore()
+    names = ["i1w0.2", "i1w1.2", "i1w2.2"]
+    watch = FollowerWatch("i1w0.2", names[1:], store, TIMEOUT, exit_after_s=600).start()  # not this test's process
+    try:
+        _beat_until(store, watch, set(names), names, 3 * TIMEOUT)  # all beat: no verdict
+        assert watch.verdict is None and not store.check(["dead/i1w0.2"])
+        t = time.monotonic()
+        _beat_until(store, watch, {"i1w0.2", "i1w1.2"}, names, 10 * TIMEOUT)  # i1w2.2 stops
+        assert watch.verdict is not None and time.monotonic() - t < 10 * TIMEOUT
+        flag = store.get("dead/i1w0.2").decode()
+        assert flag.startswith("its follower i1w2.2 is silent for") and "cannot take part" in flag, flag
+        assert not store.check(["dead/i1w2.2"])  # the follower is the launcher's to stop, if there is one
+    finally:
+        watch.stop()
+
+
+def test_a_follower_that_finished_is_no_reason_but_one_reported_dead_is():
+    store = DictStore()
+    watch = FollowerWatch("i0w0", ["i0w1"], store, TIMEOUT)
+    store.set("hb/i0w1", "1")
+    assert watch.look() is None  # beating (first look starts the watch)
+    store.set("dead/i0w1", "finished")
+    assert watch.look() is None
+    store.set("dead/i0w1", "killed by SIGKILL")
+    assert watch.look() == "its follower i0w1 is reported dead (killed by SIGKILL): the island cannot take part"
+    # a follower still starting (no beat yet) is not watched
+    assert FollowerWatch("i0w0", ["i0w9"], store, TIMEOUT).look() is None
