@@ -50,7 +50,9 @@ from islands.runtime.elastic import ElasticComm
 from islands.runtime.membership import Liveness
 
 ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
-FOLLOWER_LOOK_S = 0.1  # between a leader's looks at its followers' heartbeats (Liveness wants < timeout / 2)
+# between a leader's looks at its followers' heartbeats (Liveness wants < timeout / 2); each look is ~3 store
+# reads per follower, and an etcd store on a 2-core machine shared with the workers feels every request
+FOLLOWER_LOOK_S = 0.25
 RELAY_KIND = "island_relay"  # ledger kind of the leader's local broadcasts (not cross-island traffic)
 
 
@@ -323,6 +325,7 @@ class FollowerWatch:
         self.leader, self.followers, self.store = leader, list(followers), store
         self.exit_after_s = timeout_s if exit_after_s is None else exit_after_s
         self.liveness = Liveness(store, timeout_s)
+        self.look_s = min(FOLLOWER_LOOK_S, timeout_s / 4)  # Liveness restarts its watch after a look > timeout / 2
         self.verdict: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="islands-follower-watch", daemon=True)
@@ -344,7 +347,7 @@ class FollowerWatch:
         return None
 
     def _run(self) -> None:
-        while not self._stop.wait(FOLLOWER_LOOK_S):
+        while not self._stop.wait(self.look_s):
             try:
                 why = self.look()
                 if why is not None and not self._stop.is_set():
