@@ -3,7 +3,7 @@ deaths it reads from the launcher's log."""
 
 import json
 
-from islands_bench.experiments.chaos import Event, _failures, campaign, detection_per_event, false_deaths, stall_per_event
+from islands_bench.experiments.chaos import Event, _failures, _steps_per_second, campaign, detection_per_event, false_deaths, stall_per_event
 
 
 def test_the_campaign_is_seeded_heals_every_etcd_kill_and_ends_with_the_launcher():
@@ -118,3 +118,23 @@ def test_events_are_on_disk_as_they_happen(tmp_path):
                         "applied": True, "note": ""}
     assert saved[1]["kind"] == "freeze-worker" and not saved[1]["applied"]
     assert not (tmp_path / "events.json.tmp").exists()  # written whole, then moved into place
+
+
+def test_the_probe_rate_is_read_while_every_island_trained(tmp_path):
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def stream(name, rows):
+        (live / f"{name}.jsonl").write_text("\n".join(json.dumps({"t": t, "kind": "metrics", "step": s})
+                                                     for t, s in rows))
+
+    # three islands at 10 steps/s until t=10; island 1 then left and the other two ran at 20 steps/s
+    stream("i0w0", [(t, 10 * t) for t in range(11)] + [(10 + t, 100 + 20 * t) for t in range(1, 11)])
+    stream("i1w0", [(t, 10 * t) for t in range(11)])
+    stream("i2w0", [(t, 10 * t) for t in range(11)] + [(10 + t, 100 + 20 * t) for t in range(1, 11)])
+    assert abs(_steps_per_second(tmp_path) - 10.0) < 1e-9
+    # only two islands ever trained (one lost at start-up): their rate, scaled to three islands' share of the CPUs
+    (live / "i1w0.jsonl").unlink()
+    stream("i0w0", [(t, 30 * t) for t in range(11)])
+    stream("i2w0", [(t, 30 * t) for t in range(11)])
+    assert abs(_steps_per_second(tmp_path) - 20.0) < 1e-9

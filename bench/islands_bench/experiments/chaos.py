@@ -422,9 +422,11 @@ def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
 
 
 def _steps_per_second(run_dir: Path) -> float:
-    """Training steps per second of a run once started (start-up excluded), from the island leader that logged
-    the most steps (session 19's probe lost i0w0 to a false death, and only its stream was read)."""
-    best = []
+    """Training steps per second of the probe with all ISLANDS islands training, start-up excluded. On 2 cores a
+    job of fewer islands steps faster (fewer processes share them), so a probe that lost an island to a start-up
+    false death is read only over the time every island still logged, or else scaled by the islands it had
+    (session 19: a probe of 2 islands measured 20 steps/s against 13 for 3, and the job came out 60% too long)."""
+    streams = []
     for path in (run_dir / "live").glob("i*w0*.jsonl"):
         rows = []
         for line in path.read_text().splitlines():
@@ -433,12 +435,19 @@ def _steps_per_second(run_dir: Path) -> float:
             except ValueError:  # a line cut by a SIGKILL
                 continue
         steps = [(r["t"], r["step"]) for r in rows if r.get("kind") == "metrics"]
-        if len(steps) > len(best):
-            best = steps
-    if len(best) < 2:
+        if len(steps) >= 2:
+            streams.append(steps)
+    if not streams:
         raise RuntimeError(f"no island leader of {run_dir} logged two training steps")
+    best = max(streams, key=len)
+    if len(streams) >= ISLANDS:  # the window in which every island logged
+        lo, hi = max(s[0][0] for s in streams), min(s[-1][0] for s in streams)
+        window = [(t, step) for t, step in best if lo <= t <= hi]
+        if len(window) >= 2:
+            (t0, s0), (t1, s1) = window[0], window[-1]
+            return (s1 - s0) / max(t1 - t0, 1e-3)
     (t0, s0), (t1, s1) = best[0], best[-1]
-    return (s1 - s0) / max(t1 - t0, 1e-3)
+    return (s1 - s0) / max(t1 - t0, 1e-3) * min(len(streams), ISLANDS) / ISLANDS
 
 
 def _final_members(members: dict[str, dict]) -> dict[str, str]:
