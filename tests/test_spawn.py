@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from islands.runtime import spawn
+from islands.tasks import heavy_imports
 
 ME = [sys.executable, "-m", "islands.runtime.spawn"]
 
@@ -104,3 +105,20 @@ def test_a_worker_started_for_a_namespace_runs_inside_it_forked_or_not(tmp_path)
         assert os.readlink("/proc/self/ns/net") != f"net:[{inode}]"  # the launcher itself never moved
     finally:
         subprocess.run(["ip", "netns", "delete", ns], check=False)
+
+
+def test_a_jobs_heavy_imports_are_preloaded_by_the_fork_server(tmp_path):
+    # a fresh interpreter, so that its fork server starts after preload(); a module that is not installed is skipped
+    script = (
+        "import json, os, subprocess, sys\n"
+        "from islands.runtime import spawn\n"
+        "from islands.tasks import heavy_imports\n"
+        "spawn.preload(['colorsys', 'no_such_module_here', *heavy_imports('digits')])\n"
+        "env = {'PATH': os.environ['PATH'], 'SPAWN_MODULES': 'colorsys,sklearn.datasets,wave'}\n"
+        "proc = spawn.start([sys.executable, '-m', 'islands.runtime.spawn'], env, stdout=sys.stdout)\n"
+        "sys.exit(proc.wait(120))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["imported"] == ["colorsys", "sklearn.datasets"]  # preloaded; wave was not asked for
+    assert heavy_imports("lm") == () and heavy_imports("digits") == ("sklearn.datasets",)

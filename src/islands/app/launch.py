@@ -15,11 +15,12 @@ import torch
 
 from islands.app.build import run_job
 from islands.config import JobConfig, dump_json
-from islands.runtime import simulate
+from islands.runtime import simulate, spawn
 from islands.runtime.elastic_launch import launch_elastic_workers
 from islands.runtime.etcd_store import EtcdAddress
 from islands.runtime.launch import Placement, load_testbed, run_ranks
 from islands.runtime.membership import JobSpec
+from islands.tasks import heavy_imports
 from islands.testbed import Testbed, wire_bytes
 
 WORKER_MODULE = "islands.app.worker"  # `python -m WORKER_MODULE CONFIG RUN_DIR`
@@ -102,6 +103,7 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
                   config=shared_config(cfg, run_dir), island_size=cfg.workers_per_island)
     testbed = load_testbed(cfg.world.testbed) if cfg.world.testbed else None  # island i on host i % hosts
     before = _wire_counters(testbed)
+    spawn.preload(heavy_imports(cfg.task.name))  # not imported by a worker whose heartbeat runs already
     code = launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
                                   job, run_dir, port=cfg.world.port, threads=cfg.world.threads, out=out,
                                   on_started=on_started,

@@ -45,6 +45,7 @@ from islands.testbed.system import netns_exec_prefix
 
 SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
 PRELOAD = ["torch", "torch.distributed", "numpy", "islands.cli", "islands.app.elastic_worker", "islands.runtime.job_host"]
+_more: list[str] = []  # a job's own heavy imports (preload())
 
 _lock = threading.Lock()
 _context = None
@@ -81,12 +82,23 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
         return fresh()
 
 
+def preload(modules) -> None:
+    """Have the fork server import `modules` too: a job's heavy imports (its task's data library, its model's
+    package), so that a forked worker does not import them itself after its heartbeat thread has started. An
+    import holds the GIL for long stretches and the beats wait: in session 19's chaos run 9 restarted workers
+    of the digits task, which imports scikit-learn, were found silent within their first seconds. Takes effect
+    for a fork server not started yet; a module that is not installed is skipped (the server ignores its
+    ImportError, and the worker then fails on it where it would have anyway)."""
+    with _lock:
+        _more.extend(m for m in modules if m not in _more and m not in PRELOAD)
+
+
 def _forkserver():
     global _context
     with _lock:
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOAD)
+            ctx.set_forkserver_preload(PRELOAD + _more)
             _context = ctx
         return _context
 
@@ -245,10 +257,13 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
 
 def describe_self() -> dict:
     """What this process looks like to a worker: `python -m islands.runtime.spawn [ARGS]` prints it (one JSON
-    line), forked or not, to check what a worker started by start() gets."""
+    line), forked or not, to check what a worker started by start() gets. `imported`: those of the modules named
+    in SPAWN_MODULES (comma-separated) that were imported before this process ran anything (preload())."""
+    asked = [m for m in os.environ.get("SPAWN_MODULES", "").split(",") if m]
     return json.loads(json.dumps({"pid": os.getpid(), "session": os.getsid(0), "argv": sys.argv[1:],
                                   "cwd": os.getcwd(), "env": dict(os.environ), "stdin": sys.stdin.read(),
-                                  "parent": os.getppid(), "netns": os.readlink("/proc/self/ns/net")}))
+                                  "parent": os.getppid(), "netns": os.readlink("/proc/self/ns/net"),
+                                  "imported": [m for m in asked if m in sys.modules]}))
 
 
 if __name__ == "__main__":  # SPAWN_SLEEP=S: then sleep S seconds; SPAWN_EXIT=CODE: then exit with it

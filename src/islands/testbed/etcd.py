@@ -62,9 +62,9 @@ class EtcdCluster:
         leaves a member on each side (the clients, this object's own included, still connect from `netns`).
         `election_ms`, `heartbeat_ms`: etcd's --election-timeout and --heartbeat-interval. With the leader killed
         nothing is written or read (reads are linearizable) until a follower's randomised election timeout, 1 to
-        2 times `election_ms`, has passed (measured here: a put through islands' client 3.1 s after the
-        leader's SIGKILL at 1500/100 ms, 0.75 s at 500/50 ms, with no spurious election in 30 s beside six
-        busy processes on two cores)."""
+        2 times `election_ms`, has passed (`islands bench etcd-failover`: a put through islands' client
+        2.3 s after the leader's SIGKILL at 1500/100 ms, 0.76 s at 500/50 ms, with no spurious election in
+        30 s beside six busy processes on two cores)."""
         if heartbeat_ms <= 0 or election_ms < 5 * heartbeat_ms:
             raise ValueError(f"etcd needs an election timeout of at least 5 heartbeats; got election_ms={election_ms} "
                              f"and heartbeat_ms={heartbeat_ms}")
