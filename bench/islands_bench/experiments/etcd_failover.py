@@ -31,6 +31,7 @@ import urllib.request
 from islands_bench.harness import BenchContext, experiment
 
 TIMINGS = [(1500, 100), (1000, 100), (500, 50)]
+PATIENT_S = 3.0  # the old client's wait per member (islands.runtime.etcd_store's request timeout)
 QUICK = dict(busy=3, calm_s=10.0, kills=2)
 FULL = dict(busy=6, calm_s=30.0, kills=6)
 
@@ -57,17 +58,13 @@ def _leader(cluster) -> int:
 
 
 def _arm(timing: tuple[int, int], patient: bool, tier: dict) -> dict:
-    from islands.runtime import etcd_store
     from islands.testbed import EtcdCluster
 
     election, heartbeat = timing
     cluster = EtcdCluster(3, election_ms=election, heartbeat_ms=heartbeat).start()
-    saved = etcd_store.FIRST_TRY_S
-    if patient:  # the client before session 19: every member gets the whole request timeout
-        etcd_store.FIRST_TRY_S = etcd_store.REQUEST_TIMEOUT_S
     try:
-        endpoints = [(e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1])) for e in cluster.endpoints]
-        client = etcd_store.EtcdClient(endpoints, timeout_s=30.0)
+        # patient: the client before session 19, every member given the whole 3 s request timeout
+        client = cluster.client(timeout_s=30.0, first_try_s=PATIENT_S if patient else None)
         put = {"key": "Y2hhb3M=", "value": "MQ=="}
         terms, latencies, t0 = set(), [], time.monotonic()
         while time.monotonic() - t0 < tier["calm_s"]:
@@ -88,13 +85,12 @@ def _arm(timing: tuple[int, int], patient: bool, tier: dict) -> dict:
             cluster.start_member(i, state="existing")
             time.sleep(3.0)  # it rejoins and catches up before the next kill
         return {"election_ms": election, "heartbeat_ms": heartbeat,
-                "client": "wait 3 s per member" if patient else f"first pass {saved:g} s per member",
+                "client": "wait 3 s per member" if patient else f"first pass {client.first_try_s:g} s per member",
                 "calm_terms": len(terms), "put_p50_ms": round(1000 * statistics.median(latencies), 1),
                 "put_max_ms": round(1000 * max(latencies), 1),
                 "kill_to_put_median_s": round(statistics.median(outages), 2),
                 "kill_to_put_max_s": round(max(outages), 2), "kills": outages}
     finally:
-        etcd_store.FIRST_TRY_S = saved
         cluster.stop()
 
 
@@ -102,9 +98,9 @@ def _arm(timing: tuple[int, int], patient: bool, tier: dict) -> dict:
             help="what a killed etcd leader costs a client of the job's store, by election timing and client "
                  "(islands' escalating per-member wait against a fixed 3 s), beside busy processes")
 def etcd_failover(ctx: BenchContext) -> dict:
-    from islands.testbed import etcd as etcd_cluster
+    from islands.testbed import EtcdCluster
 
-    if not etcd_cluster.available():
+    if not EtcdCluster.installed():
         raise RuntimeError("etcd-server is not installed (apt-get install etcd-server)")
     tier = QUICK if ctx.quick else FULL
     arms = [(t, patient) for t in TIMINGS for patient in (True, False)]

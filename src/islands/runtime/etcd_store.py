@@ -228,9 +228,13 @@ class EtcdClient:
     each thread keeps its own keep-alive connection."""
 
     def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None, netns: str | None = None,
-                 login: EtcdLogin | None = None):
+                 login: EtcdLogin | None = None, first_try_s: float = FIRST_TRY_S):
         """`netns`: a named network namespace to open connections in (islands.runtime.netns: a launcher outside
-        a testbed whose etcd serves on the testbed's hub). `login`: a user of the cluster's own authentication."""
+        a testbed whose etcd serves on the testbed's hub). `login`: a user of the cluster's own authentication.
+        `first_try_s`: how long the first pass over the members waits on each (FIRST_TRY_S)."""
+        if first_try_s <= 0:
+            raise ValueError(f"first_try_s must be > 0 seconds, got {first_try_s}")
+        self.first_try_s = first_try_s
         self.endpoints = list(endpoints)
         self.login = login
         # endpoint -> auth token: etcd's default ("simple") tokens are known only to the member that issued
@@ -311,7 +315,7 @@ class EtcdClient:
             i = (start + attempt) % len(self.endpoints)
             try:
                 token = self._token(i)
-                wait_s = min(REQUEST_TIMEOUT_S, FIRST_TRY_S * (1 + attempt // len(self.endpoints)))
+                wait_s = min(REQUEST_TIMEOUT_S, self.first_try_s * (1 + attempt // len(self.endpoints)))
                 status, payload = self._post(i, path, data, token or None, wait_s)
             except ssl.SSLError as e:
                 self._drop(i)

@@ -109,12 +109,23 @@ class EtcdCluster:
             out.update({USER_ENV: USER, PASSWORD_FILE_ENV: str(self.root / f"{USER}.password")})
         return out
 
-    def _client(self, login: EtcdLogin | None) -> EtcdClient:
+    @staticmethod
+    def installed() -> bool:
+        """Whether etcd-server is installed here (apt-get install etcd-server)."""
+        return available()
+
+    def client(self, timeout_s: float = 30.0, first_try_s: float | None = None) -> EtcdClient:
+        """islands' etcd client for this cluster (its certificates with `tls`; no login), for experiments that
+        time the store itself. `first_try_s`: the client's first wait per member (default FIRST_TRY_S)."""
+        return self._client(None, timeout_s, first_try_s)
+
+    def _client(self, login: EtcdLogin | None, timeout_s: float = 5.0, first_try_s: float | None = None) -> EtcdClient:
         pki = self.root / "pki"
         tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
             if self.tls else None
-        return EtcdClient([(ip, p) for (_, ip), p in zip(self.places, self.client_ports)], timeout_s=5.0, tls=tls,
-                          netns=self.netns, login=login)
+        more = {} if first_try_s is None else {"first_try_s": first_try_s}
+        return EtcdClient([(ip, p) for (_, ip), p in zip(self.places, self.client_ports)], timeout_s=timeout_s,
+                          tls=tls, netns=self.netns, login=login, **more)
 
     def _enable_login(self) -> None:
         """Users root and USER with random passwords (files readable by their owner only), then auth enable."""
