@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -220,32 +221,30 @@ def _members(run_dir: Path) -> dict[str, dict]:
             if p.stem not in ("restarts",)}
 
 
+def _rows(path: Path) -> list[dict]:
+    """The rows of a live stream (one JSON object per line), a line cut by a SIGKILL skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def _progress(run_dir: Path) -> dict[str, list[float]]:
     """Per island leader (every incarnation), the times of its logged training steps (live stream metrics lines):
     what shows a pause in training, killed incarnations included."""
-    out = {}
-    for path in (run_dir / "live").glob("i*w0*.jsonl"):
-        times = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:  # a line cut by a SIGKILL
-                continue
-            if row.get("kind") == "metrics":
-                times.append(row["t"])
-        out[path.stem] = sorted(times)
-    return out
+    return {path.stem: sorted(r["t"] for r in _rows(path) if r.get("kind") == "metrics")
+            for path in (run_dir / "live").glob("i*w0*.jsonl")}
 
 
 def _failures(run_dir: Path) -> list[tuple[float, float, set[str]]]:
     """Every failure a member logged (live stream membership events): (detected, formed, names gone), by time."""
     out = []
     for path in (run_dir / "live").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                ev = json.loads(line).get("event") or {}
-            except ValueError:  # a line cut by a SIGKILL
-                continue
+        for row in _rows(path):
+            ev = row.get("event") or {}
             if ev.get("type") == "membership" and ev.get("change.type") == "failure":
                 out.append((float(ev["change.detected"]), float(ev["change.formed"]),
                             set(json.loads(ev.get("change.gone", "[]")))))
@@ -326,7 +325,8 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
 
     # every host reaches it over its own link; election timing from etcd's tuning range for a local cluster, so
     # that the leader's death costs ~0.75 s, not 3 s (islands.testbed.etcd)
-    etcd = EtcdCluster(3, netns=bed.hub, host=bed.hub_ip, election_ms=ETCD_ELECTION_MS, heartbeat_ms=ETCD_HEARTBEAT_MS).start()
+    etcd = EtcdCluster(3, netns=bed.hub, host=bed.hub_ip, election_ms=ETCD_ELECTION_MS,
+                       heartbeat_ms=ETCD_HEARTBEAT_MS).start()
     rng = random.Random(seed + 1)
     events = [Event(k) for k in kinds]
     env = dict(os.environ, OMP_NUM_THREADS="1", ISLANDS_TOKEN=os.urandom(16).hex())
@@ -380,7 +380,7 @@ def _keep_logs(etcd, run_dir: Path) -> None:
     directory goes."""
     (run_dir / "etcd").mkdir(exist_ok=True)
     for log in Path(etcd.root).glob("m*.log"):
-        subprocess.run(["cp", str(log), str(run_dir / "etcd" / log.name)], check=False)
+        shutil.copyfile(log, run_dir / "etcd" / log.name)
 
 
 def _save_events(run_dir: Path, events: list[Event]) -> None:
@@ -428,13 +428,7 @@ def _steps_per_second(run_dir: Path) -> float:
     (session 19: a probe of 2 islands measured 20 steps/s against 13 for 3, and the job came out 60% too long)."""
     streams = []
     for path in (run_dir / "live").glob("i*w0*.jsonl"):
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line cut by a SIGKILL
-                continue
-        steps = [(r["t"], r["step"]) for r in rows if r.get("kind") == "metrics"]
+        steps = [(r["t"], r["step"]) for r in _rows(path) if r.get("kind") == "metrics"]
         if len(steps) >= 2:
             streams.append(steps)
     if not streams:

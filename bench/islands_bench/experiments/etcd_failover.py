@@ -64,7 +64,7 @@ def _arm(timing: tuple[int, int], patient: bool, tier: dict) -> dict:
     cluster = EtcdCluster(3, election_ms=election, heartbeat_ms=heartbeat).start()
     try:
         # patient: the client before session 19, every member given the whole 3 s request timeout
-        client = cluster.client(timeout_s=30.0, first_try_s=PATIENT_S if patient else None)
+        client = cluster.client(30.0, PATIENT_S) if patient else cluster.client(30.0)
         put = {"key": "Y2hhb3M=", "value": "MQ=="}
         terms, latencies, t0 = set(), [], time.monotonic()
         while time.monotonic() - t0 < tier["calm_s"]:

@@ -336,15 +336,18 @@ class FollowerWatch:
 
     def look(self) -> str | None:
         """One look: the reason to report the leader dead, or None."""
-        beating = [f for f in self.followers if self.store.check([f"hb/{f}"])]
-        for f in sorted(self.liveness.gone(beating)):
-            flag = self.store.get(f"dead/{f}") if self.store.check([f"dead/{f}"]) else None
-            if flag == b"finished":
-                continue  # it ended the job with its leader: nothing to report
-            why = f"reported dead ({flag.decode(errors='replace')})" if flag is not None else \
-                f"silent for {self.liveness.silent_for(f):.1f} s"
-            return f"its follower {f} is {why}: the island cannot take part"
-        return None
+        flagged = [f for f in self.followers if self.store.check([f"dead/{f}"])]
+        for f in flagged:
+            flag = self.store.get(f"dead/{f}")
+            if flag != b"finished":  # finished: it ended the job with its leader, nothing to report
+                why = f"reported dead ({flag.decode(errors='replace')})"
+                return f"its follower {f} is {why}: the island cannot take part"
+        beating = [f for f in self.followers if f not in flagged and self.store.check([f"hb/{f}"])]
+        silent = sorted(self.liveness.silent(beating))
+        if not silent:
+            return None
+        f = silent[0]
+        return f"its follower {f} is silent for {self.liveness.silent_for(f):.1f} s: the island cannot take part"
 
     def _run(self) -> None:
         while not self._stop.wait(self.look_s):

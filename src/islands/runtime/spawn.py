@@ -85,8 +85,8 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
 def preload(modules) -> None:
     """Have the fork server import `modules` too: a job's heavy imports (its task's data library, its model's
     package), so that a forked worker does not import them itself after its heartbeat thread has started. An
-    import holds the GIL for long stretches and the beats wait: in session 19's chaos run 9 restarted workers
-    of the digits task, which imports scikit-learn, were found silent within their first seconds. Takes effect
+    import holds the GIL for long stretches and the beats wait (beside 4 busy processes, importing
+    scikit-learn stretched a 0.2 s tick to 0.5 s; docs/membership.md, chaos run 10). Takes effect
     for a fork server not started yet; a module that is not installed is skipped (the server ignores its
     ImportError, and the worker then fails on it where it would have anyway)."""
     with _lock:

@@ -21,8 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, KEY_ENV, PASSWORD_FILE_ENV, USER_ENV, EtcdClient, EtcdLogin,
-                                        EtcdTLS, leader_key)
+from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, FIRST_TRY_S, KEY_ENV, PASSWORD_FILE_ENV, USER_ENV,
+                                        EtcdClient, EtcdLogin, EtcdTLS, leader_key)
 from islands.runtime.netns import entered as netns_entered
 from islands.testbed.system import netns_exec_prefix
 
@@ -114,18 +114,17 @@ class EtcdCluster:
         """Whether etcd-server is installed here (apt-get install etcd-server)."""
         return available()
 
-    def client(self, timeout_s: float = 30.0, first_try_s: float | None = None) -> EtcdClient:
+    def client(self, timeout_s: float = 30.0, first_try_s: float = FIRST_TRY_S) -> EtcdClient:
         """islands' etcd client for this cluster (its certificates with `tls`; no login), for experiments that
-        time the store itself. `first_try_s`: the client's first wait per member (default FIRST_TRY_S)."""
+        time the store itself. `first_try_s`: the client's first wait per member."""
         return self._client(None, timeout_s, first_try_s)
 
-    def _client(self, login: EtcdLogin | None, timeout_s: float = 5.0, first_try_s: float | None = None) -> EtcdClient:
+    def _client(self, login: EtcdLogin | None, timeout_s: float = 5.0, first_try_s: float = FIRST_TRY_S) -> EtcdClient:
         pki = self.root / "pki"
         tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
             if self.tls else None
-        more = {} if first_try_s is None else {"first_try_s": first_try_s}
         return EtcdClient([(ip, p) for (_, ip), p in zip(self.places, self.client_ports)], timeout_s=timeout_s,
-                          tls=tls, netns=self.netns, login=login, **more)
+                          tls=tls, netns=self.netns, login=login, first_try_s=first_try_s)
 
     def _enable_login(self) -> None:
         """Users root and USER with random passwords (files readable by their owner only), then auth enable."""
