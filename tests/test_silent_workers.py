@@ -131,3 +131,67 @@ def test_a_follower_that_finished_is_no_reason_but_one_reported_dead_is():
     assert watch.look() == "its follower i0w1 is reported dead (killed by SIGKILL): the island cannot take part"
     # a follower still starting (no beat yet) is not watched
     assert FollowerWatch("i0w0", ["i0w9"], store, TIMEOUT).look() is None
+
+
+def test_a_silent_worker_that_can_answer_leaves_its_stacks_and_state_in_its_log_before_the_kill(tmp_path):
+    """A false death must leave its cause behind: the reaper reads the silent process's state and, as it catches
+    islands.runtime.stacks.DUMP_SIGNAL, asks it for its threads' stacks; the SIGKILL follows."""
+    log = tmp_path / "w1.log"
+    code = ("import sys, time; sys.path[:0] = %r; from islands.runtime import stacks; stacks.enable(); "
+            "print('ready', flush=True)\ndef stuck_in_start_up():\n    time.sleep(60)\nstuck_in_start_up()" % sys.path)
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=f)
+        assert proc.stdout.readline() == b"ready\n"
+    silent = IslandWorker(rank=1, proc=proc, log=log, name="w1", island=1)
+    beating = _worker("w0", 0, tmp_path)
+    store, out = DictStore(), io.StringIO()
+    store.set("latest", "0")
+    store.set("e/0/members", '[[0, "w0"], [1, "w1"]]')
+    try:
+        _look_until_silent(_Reaper(store, TIMEOUT, out, None), store, [beating, silent], beating={"w0"})
+        assert proc.wait(5) == -signal.SIGKILL, out.getvalue()
+        said = out.getvalue()
+        assert "worker w1: no heartbeat for" in said and "its process is sleeping" in said, said
+        assert f"its threads' stacks: {log}" in said, said
+        assert store.get("dead/w1").startswith(b"no heartbeat for")
+        dump = log.read_text()
+        assert "stuck_in_start_up" in dump and "most recent call first" in dump, dump
+        assert beating.proc.poll() is None
+    finally:
+        for p in (beating.proc, proc):
+            p.kill()
+            p.wait()
+
+
+class FlakyStore(DictStore):
+    """Raises on the first `fail` sets (a reset connection), then works."""
+
+    def __init__(self, fail: int):
+        super().__init__()
+        self.fail = fail
+
+    def set(self, key, value) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionResetError("Connection reset by peer")
+        super().set(key, value)
+
+
+def test_a_heartbeat_beats_on_after_its_store_raised():
+    """One transient store error must not end the heartbeat thread: the worker would be killed as silent while
+    it trains on. The thread says so once on stderr, reconnects and beats on."""
+    from islands.runtime.membership import Heartbeat
+    from islands.runtime.auth import ControlAuth
+
+    first, second = FlakyStore(fail=0), DictStore()
+    clients = iter([first, second])
+    hb = Heartbeat("127.0.0.1", 1, "w0", auth=ControlAuth("t", "job", "w0"), new_client=lambda: next(clients))
+    try:
+        assert first.kv["hb/w0"] == b"1"  # the first beat is written before the thread starts
+        first.fail = 10**6  # the connection breaks for good: the thread moves to a new client
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and int(second.kv.get("hb/w0", b"0")) < 3:
+            time.sleep(0.05)
+        assert int(second.kv["hb/w0"]) >= 3 and hb.failures == 1
+    finally:
+        hb.stop()

@@ -38,7 +38,7 @@ from typing import Callable
 
 from dataclasses import dataclass
 
-from islands.runtime import job_host, spawn
+from islands.runtime import job_host, spawn, stacks
 from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from islands.runtime.auth import ControlAuth
@@ -434,7 +434,10 @@ class _Reaper:
     no longer lists it (its heartbeat may still beat: a main thread stuck past the collective timeout); it
     gets the heartbeat timeout plus GRACE_SECONDS to notice and exit by itself (it raises Excluded at its
     next collective), then the same SIGTERM, SIGKILL. A worker that reported itself finished (its heartbeat
-    stops there) is left to exit: a retired group can hold its exit up to its collective timeout."""
+    stops there) is left to exit: a retired group can hold its exit up to its collective timeout.
+
+    Before a silent worker's SIGKILL the reaper reads its process state and asks it for its threads' stacks
+    (islands.runtime.stacks): a false death (a live process that could not beat) leaves its cause in the log."""
 
     KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an excluded worker that still runs
 
@@ -461,7 +464,9 @@ class _Reaper:
                     signal_worker(w, signal.SIGKILL)
                 continue
             if name in silent:  # a stopped or GIL-locked process acts on no gentler signal: SIGKILL at once
-                why = f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung)"
+                state = stacks.state(w.proc.pid)
+                why = (f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung"
+                       + (f"; its process is {state})" if state else ")"))
                 sig, doing = signal.SIGKILL, "killing it"
             elif name in self.members_seen and members and name not in members:
                 since = self.excluded_since.setdefault(name, now)
@@ -480,6 +485,11 @@ class _Reaper:
                 for m in running:
                     if m is not w and self.islands.same(m, w) and not self.store.check([f"dead/{_name(m)}"]):
                         self.store.set(f"dead/{_name(m)}", f"its island lost {name}")
+            if sig == signal.SIGKILL and stacks.request(w.proc.pid):  # what it was doing, in its log, then the kill
+                print(f"islands: worker {name}: {why}; killing it (its threads' stacks: {w.log})", file=self.out,
+                      flush=True)
+                self.termed[name] = now - self.KILL_GRACE + stacks.DUMP_S  # the SIGKILL goes out DUMP_S later
+                continue
             print(f"islands: worker {name}: {why}; {doing}", file=self.out, flush=True)
             signal_worker(w, sig)
             self.termed[name] = now

@@ -320,11 +320,13 @@ class Heartbeat:
     a reader); without, a plain counter on a raw client of HOST:PORT."""
 
     def __init__(self, host: str, port: int, name: str, auth: ControlAuth | None = None, new_client=None):
-        if new_client is not None:
-            self.store = new_client()
-        else:
-            self.store = connect(host, port) if auth is None else authed(connect(host, port), auth)
+        if new_client is None:
+            def new_client():
+                return connect(host, port) if auth is None else authed(connect(host, port), auth)
+        self._new_client = new_client
+        self.store = new_client()
         self.name, self.signed, self.count = name, auth is not None, 0
+        self.failures = 0  # beats that raised (the thread reconnected and went on)
         self._stop = threading.Event()
         self.beat()
         self._thread = threading.Thread(target=self._run, name="islands-heartbeat", daemon=True)
@@ -338,11 +340,21 @@ class Heartbeat:
             self.store.add(f"hb/{self.name}", 1)
 
     def _run(self) -> None:
+        # A beat that raises does not end the thread: a worker whose heartbeat stopped over one transient store
+        # error (a reset connection, a timeout under load) would be killed as silent while it trains on. It
+        # reconnects and beats on; if the store is gone for good the main thread ends the process anyway.
         while not self._stop.wait(HEARTBEAT_INTERVAL):
             try:
                 self.beat()
-            except Exception:  # the store is gone: the job is over; the main thread will see it too
-                return
+            except Exception as e:
+                self.failures += 1
+                if self.failures == 1:
+                    print(f"islands: {self.name}: a heartbeat failed ({type(e).__name__}: {e}); beating on over a "
+                          "new connection", file=sys.stderr, flush=True)
+                try:
+                    self.store = self._new_client()
+                except Exception:
+                    pass  # the next beat tries again
 
     def stop(self) -> None:
         self._stop.set()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from islands.runtime import stacks
 from islands.runtime.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
@@ -223,6 +224,7 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
 
     Raises Refused (wrong token, name taken) before anything else starts."""
     host, port = parse_address(address)
+    stacks.enable()  # a launcher that finds it silent asks for its threads' stacks before the kill
     if island is not None and not island.leader:
         return _follow_island(host, port, name, token, island)
     session = join_job(host, port, name, token)  # every store value after the handshake is authenticated

@@ -1,0 +1,65 @@
+"""What a silent worker was doing when the launcher gave up on it: its process state and its threads' stacks.
+
+A worker whose heartbeat stops for the heartbeat timeout is killed (islands.runtime.elastic_launch._Reaper). When
+the worker was in fact alive (a false death: issue #20's start-up deaths, a loaded CI machine) the only evidence
+used to be "no heartbeat for 5.1 s". Now the launcher first reads the process's state from /proc (R running, S
+sleeping, D waiting on the disk, T stopped) and, when the process catches DUMP_SIGNAL, sends it: faulthandler
+writes every thread's Python stack to the worker's stderr (its log) from the signal handler itself, without the
+GIL, so a process whose main thread holds the GIL still answers. The SIGKILL follows DUMP_S later.
+
+Workers catch the signal from `enable()`, which joining an elastic job calls (islands.runtime.world). A real-time
+signal, not SIGUSR1: a user's script may use SIGUSR1 for its own purposes, and a process that does not catch the
+signal is never sent it (its default action would kill it with the wrong exit code).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+
+DUMP_SIGNAL = signal.SIGRTMIN + 3  # SIGRTMIN..+2 may be glibc's own; Python's SIGRTMIN already skips those
+DUMP_S = 0.2  # seconds from the dump signal to SIGKILL: the handler writes at once, a few KB
+
+_STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped by a tracer",
+           "Z": "exited", "X": "exited"}
+
+
+def enable(file=None) -> None:
+    """Dump every thread's stack to `file` (stderr) on DUMP_SIGNAL, for as long as the process runs."""
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr if file is None else file, all_threads=True, chain=False)
+
+
+def state(pid: int) -> str | None:
+    """The process's scheduler state in words ("stopped", "waiting on I/O", ...), None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    code = text.rsplit(")", 1)[-1].split()[0]  # the command name in (...) may hold spaces
+    return _STATES.get(code, code)
+
+
+def catches(pid: int) -> bool:
+    """Whether the process has a handler for DUMP_SIGNAL (/proc's SigCgt mask), so sending it cannot kill it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(DUMP_SIGNAL) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def request(pid: int) -> bool:
+    """Ask the process for its stacks (only if it catches the signal and is not stopped); True if asked."""
+    if state(pid) in (None, "stopped", "stopped by a tracer", "exited") or not catches(pid):
+        return False
+    try:
+        os.kill(pid, DUMP_SIGNAL)
+    except ProcessLookupError:
+        return False
+    return True
