@@ -22,12 +22,16 @@ from test_checkpoint_resume import same
 
 # LIT-212's outer step (not the default): its Nesterov momentum buffer is the outer state to restore
 OUTER = "diloco:inner_steps=2,outer=nesterov,outer_lr=0.7,momentum=0.9"
+# These jobs test saves and resumes, not failure detection (test_failure_detection, test_silent_workers): a CI
+# machine under load stalled every member of them past a 5 s heartbeat timeout at once (2026-12-03) and the
+# launcher killed them all. So a heartbeat timeout well past such stalls; a SIGKILLed worker is seen by its exit.
+HB_S = 15.0
 
 
 def _cfg(run: Path, **extra):
     return validate(from_mapping({**dict(task="digits", workers=2, islands=2, outer=OUTER,
                                          elastic=True, steps=8, global_batch=16, eval_every=0, warmup=2,
-                                         probe=False, progress=False, timeout=30.0, heartbeat_timeout=5.0,
+                                         probe=False, progress=False, timeout=30.0, heartbeat_timeout=HB_S,
                                          ckpt_every=4, run_dir=str(run)), **extra}))
 
 
@@ -281,7 +285,7 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
     run = tmp_path / "run"
     cfg = validate(from_mapping(dict(task="digits", workers=3, islands=3, outer="local-sgd:every=3", elastic=True,
                                      steps=60, global_batch=24, eval_every=0, warmup=2, probe=False,
-                                     progress=False, timeout=30.0, heartbeat_timeout=3.0, ckpt_every=5,
+                                     progress=False, timeout=30.0, heartbeat_timeout=HB_S, ckpt_every=5,
                                      ckpt_keep=100, run_dir=str(run))))
     out, errors = io.StringIO(), []
 
