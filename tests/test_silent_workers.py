@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -195,3 +196,13 @@ def test_a_heartbeat_beats_on_after_its_store_raised():
         assert int(second.kv["hb/w0"]) >= 3 and hb.failures == 1
     finally:
         hb.stop()
+
+
+def test_the_stack_handler_installs_where_stderr_has_no_file_descriptor(monkeypatch):
+    """join_elastic installs it in whatever process joins, a test runner's or a notebook's too, whose stderr may be
+    an object without a descriptor: it must fall back to the original stderr, never fail the join."""
+    from islands.runtime import stacks
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert stacks.enable() is True
+    assert stacks.catches(os.getpid())

@@ -1,4 +1,4 @@
-"""Subcommands whose libraries live in their own packages: testbed, ckpt (and join, with membership)."""
+"""Subcommands whose libraries live in their own packages: testbed, ckpt (and join and stop, with membership)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from islands.checkpoint.cli import add_ckpt_command
 from islands.runtime.elastic import Excluded, JobEnded
 from islands.runtime.elastic_launch import script_command
 from islands.runtime.membership import (ELASTIC_ENV, JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV,
-                                        JobSpec, Refused, connect, parse_address)
+                                        JobSpec, Refused, connect, observe, parse_address)
+from islands.runtime.stop import request_stop
 from islands.testbed import cli as tcli
 
 
@@ -39,7 +40,21 @@ def _testbed(args) -> int:
     return 0
 
 
-JOIN_CONNECT_S = 10.0  # how long `islands join` tries to reach the job's store
+JOIN_CONNECT_S = 10.0  # how long `islands join` and `islands stop` try to reach the job's store
+
+
+def _answers(address: str, host: str, port: int) -> bool:
+    """Whether an embedded store listens at HOST:PORT, said in one clear line when not (torch's own client would
+    print its C++ retry log and a stack dump instead). An etcd address has port 0: its client reports cleanly."""
+    if not port:
+        return True
+    try:
+        socket.create_connection((host, port), timeout=JOIN_CONNECT_S).close()
+    except OSError as e:
+        print(f"islands: no elastic job answers at {address}: {e.strerror or e} (is the job running, and is this the "
+              "address its launcher printed?)", flush=True)
+        return False
+    return True
 
 
 def _join(args) -> int:
@@ -49,22 +64,10 @@ def _join(args) -> int:
         host, port = parse_address(args.address)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    token = args.token or os.environ.get(TOKEN_ENV, "")
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read --token-file {args.token_file!r}: {e.strerror}") from None
-    if not token:
-        raise UsageError("a token is required: --token T, --token-file PATH or ISLANDS_TOKEN in the environment")
+    token = _token(args)
     name = args.name or f"j{secrets.token_hex(4)}"
-    if port:  # an embedded store: a plain connect first, so that nobody listening is one clear line, not torch's
-        try:  # C++ retry log and stack dump (an etcd address has port 0: its client reports cleanly itself)
-            socket.create_connection((host, port), timeout=JOIN_CONNECT_S).close()
-        except OSError as e:
-            print(f"islands: no elastic job answers at {args.address}: {e.strerror or e} (is the job running, and "
-                  "is this the address its launcher printed?)", flush=True)
-            return JOB_ENDED_EXIT_CODE
+    if not _answers(args.address, host, port):
+        return JOB_ENDED_EXIT_CODE
     try:
         # verified with the token: a record written without it must not choose what this machine runs
         job = JobSpec.read(connect(host, port, timeout_s=JOIN_CONNECT_S), token, name=name)
@@ -95,6 +98,44 @@ def _join(args) -> int:
     exit_now(0)  # a retired gloo group could hold a normal exit until its timeout
 
 
+def _token(args) -> str:
+    """The job's token from --token-file, --token or ISLANDS_TOKEN (in that order of preference)."""
+    token = args.token or os.environ.get(TOKEN_ENV, "")
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read --token-file {args.token_file!r}: {e.strerror}") from None
+    if not token:
+        raise UsageError("a token is required: --token T, --token-file PATH or ISLANDS_TOKEN in the environment")
+    return token
+
+
+def _stop(args) -> int:
+    """islands stop HOST:PORT --at-step N: every worker of the running elastic job ends at step N (islands.runtime.stop)."""
+    try:
+        host, port = parse_address(args.address)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.at_step < 1:
+        raise UsageError(f"--at-step must be >= 1; got {args.at_step}")
+    token = _token(args)
+    if not _answers(args.address, host, port):
+        return JOB_ENDED_EXIT_CODE
+    try:
+        store = observe(args.address, token, timeout_s=JOIN_CONNECT_S)
+    except (dist.DistNetworkError, TimeoutError, ConnectionError) as e:
+        print(f"islands: no elastic job answers at {args.address}: {e}", flush=True)
+        return JOB_ENDED_EXIT_CODE
+    except Refused as e:
+        print(f"islands: {args.address} refused the request: {e}", flush=True)
+        return REFUSED_EXIT_CODE
+    request_stop(store, args.at_step)
+    print(f"islands: asked the job at {args.address} to end at step {args.at_step}; a worker already past it goes on "
+          "to the configured end and says so in its log", flush=True)
+    return 0
+
+
 def _join_script(job: JobSpec, address: str, name: str, token: str) -> int:
     """Run the job's script as a worker of its own: its islands.init_world() asks to join (a wrong token
     exits 3, a job that ends first 4) and its strategy's wrap waits for a round boundary. It runs in the
@@ -123,6 +164,17 @@ def add_more_commands(sub: argparse._SubParsersAction) -> None:
     jn.add_argument("--run-dir", default="", help="where this worker writes its records (default runs/join-NAME; "
                                                   "a script job's worker writes where its script does)")
     jn.set_defaults(fn=_join)
+    st = sub.add_parser("stop", help="end a running elastic job at a step: every worker stops there, cleanly",
+                        description="Ask every worker of the elastic job at HOST:PORT to end at step N: each looks "
+                                    "at the request every 0.5 s and ends there as at its configured last step (the "
+                                    "final synchronisation, the records, exit 0). N must lie ahead of the job's "
+                                    "furthest worker by more than half a second of training and a round; a worker "
+                                    "already past it goes on to the configured end and says so in its log.")
+    st.add_argument("address", help="HOST:PORT (or etcd://...) of the elastic job's store (printed by its launcher)")
+    st.add_argument("--at-step", type=int, required=True, help="the step every worker ends at")
+    st.add_argument("--token", default="", help="the job's secret (prefer --token-file or ISLANDS_TOKEN)")
+    st.add_argument("--token-file", default="", help="file holding the token (the launcher writes RUN_DIR/token)")
+    st.set_defaults(fn=_stop)
     tb = sub.add_parser("testbed", help="real rate-limited links: hosts as network namespaces (root)",
                         description="Create, inspect and remove a network testbed; `islands train --testbed NAME` "
                                     "then runs each worker inside one of its hosts.")

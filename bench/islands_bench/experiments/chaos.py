@@ -28,7 +28,11 @@ Measured: events applied; hangs (the job did not end within its deadline: everyt
 event (on each island leader that trained across it, every incarnation included, the gap between its logged steps
 across the event minus its median gap; max over leaders); the finishing members' bitwise agreement
 (global-model SHA-256); the final validation loss against a fault-free run of the same steps, in this invocation.
-A short probe run first measures the training speed, so that the job outlasts the campaign.
+A short probe run first measures the training speed, so that the job outlasts the campaign; once the campaign is
+over (and every island trains again, or SETTLE_S passed) the experiment asks the job to end STOP_AHEAD_ROUNDS
+rounds past its furthest island (`islands stop`, islands.runtime.stop), and the fault-free run is asked to end at
+the same step from its start: both follow the same learning-rate schedule to the same step, and the chaos job no
+longer trains on after its last event (session 19: the campaign took 18 of the job's 51 minutes).
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ WAIT_S = 60.0  # the longest a fault waits for two whole islands before it is sk
 ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS = 500, 50  # the store's Raft timing (see _run)
 RESTART_S = 8.0  # about what a restarted 2-worker island takes to train again here (forked start-up, admission)
 RATE, HOSTS = "100mbit", ISLANDS  # the testbed: one island per host
+SETTLE_S = 90.0  # after the campaign, the longest wait for a restarting island to train again before the stop request
+STOP_AHEAD_ROUNDS = 40  # the stop step lies this many rounds past the furthest logged step: every worker reads the
+#                         request (islands.runtime.stop.POLL_S) long before it gets there, a restarted island too
 QUICK = dict(events=12, gap=(3.0, 6.0))
 FULL = dict(events=100, gap=(3.0, 6.0))
 
@@ -317,7 +324,9 @@ def _stop_everything(run_dir: Path) -> None:
 
 
 def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int, gap: tuple[float, float],
-         deadline_s: float, bed) -> dict:
+         deadline_s: float, bed, stop_at: int | None = None) -> dict:
+    """One job. `stop_at`: ask it to end at that step as soon as its store is up (the fault-free arm); with a
+    campaign the job is asked to end after the campaign instead (STOP_AHEAD_ROUNDS)."""
     run_dir = ctx.out_dir / "runs" / label
     subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     run_dir.mkdir(parents=True)
@@ -340,6 +349,8 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
             # what the campaign measures (a frozen leader then holds the first epoch until the collective timeout)
             while len(_whole_islands(run_dir)) < ISLANDS and launcher.poll() is None and time.time() - t0 < 300:
                 time.sleep(0.2)
+            if stop_at is not None:
+                state["stop_at"] = _request_stop(run_dir, env, stop_at, bed)
             for ev in events:
                 time.sleep(rng.uniform(*gap))
                 if not _workers(run_dir) and launcher.poll() is not None:
@@ -353,6 +364,13 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
                 etcd.start_member(state.pop("etcd_down"), state="existing")
             if "cut" in state:
                 bed.heal(state.pop("cut"))
+            if kinds and _workers(run_dir):
+                settle = time.time() + SETTLE_S
+                # a restart in flight (its island's workers run, not all of them train yet) trains again first
+                while time.time() < settle and len(_whole_islands(run_dir)) < len({w["island"] for w in _workers(run_dir)}):
+                    time.sleep(0.5)
+                state["stop_at"] = _request_stop(run_dir, env, _furthest_step(run_dir) + STOP_AHEAD_ROUNDS * H, bed)
+                ctx.log(f"{label}: asked the job to end at step {state['stop_at']}")
             hung = False
             while _workers(run_dir) or launcher.poll() is None:  # the launcher may be dead: watch the workers
                 if time.time() - t0 > deadline_s:
@@ -372,7 +390,27 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
     record = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else None
     members = _members(run_dir)
     return {"events": events, "hung": hung, "record": record, "members": members, "wall_s": wall,
-            "launcher_code": launcher.returncode, "progress": _progress(run_dir)}
+            "launcher_code": launcher.returncode, "progress": _progress(run_dir), "stop_at": state.get("stop_at")}
+
+
+def _furthest_step(run_dir: Path) -> int:
+    """The highest training step any island leader logged so far (live streams)."""
+    return max((int(r["step"]) for path in (run_dir / "live").glob("i*w0*.jsonl") for r in _rows(path)
+                if r.get("kind") == "metrics"), default=0)
+
+
+def _request_stop(run_dir: Path, env: dict, step: int, bed) -> int | None:
+    """Ask the running job to end at `step`: `islands stop` inside the testbed's hub (where the store is reached),
+    with the job's token from the environment (islands.runtime.stop). Returns the step, None if it failed."""
+    from islands.testbed.system import netns_exec_prefix
+
+    address = json.loads((run_dir / "job_host.json").read_text())["address"]
+    done = subprocess.run(netns_exec_prefix(bed.hub) + [sys.executable, "-m", "islands", "stop", address, "--at-step",
+                                                        str(step)], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:  # the job then trains to its configured steps: longer, not wrong
+        print(f"chaos: islands stop failed (exit {done.returncode}): {done.stdout}{done.stderr}", file=sys.stderr)
+        return None
+    return step
 
 
 def _keep_logs(etcd, run_dir: Path) -> None:
@@ -478,7 +516,10 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     campaign_s = len(kinds) * (sum(tier["gap"]) / 2 + RESTART_S)
     steps = int(max(400, 2.0 * rate * campaign_s) // H * H)
     run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed)
-    calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed)
+    # the same configured steps (so the same learning-rate schedule), ended at the step the chaos job ended at
+    ended = (run["record"] or {}).get("summary", {}).get("steps") or run["stop_at"]
+    calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed,
+                stop_at=ended)
     # the baseline failing (session 18: every worker found silent at start-up while tests loaded the machine)
     # costs the loss comparison, not the campaign's own counts
     calm_note = "" if calm["record"] is not None and not calm["hung"] else (
@@ -514,7 +555,8 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     headline = [
         f"{'quick tier: ' if ctx.quick else ''}{len(applied)} of {len(kinds)} events applied ({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(kinds))}) "
         f"against {ISLANDS} islands of {WORKERS_PER_ISLAND} workers (DDP inside, DiLoCo H={H} across), "
-        f"{steps} steps: hangs {int(run['hung'])}, lost jobs {int(lost)}, events survived {survived} of {len(applied)}",
+        f"{ended or steps} steps" + (f" (asked to end there after the campaign; configured {steps})" if ended else "")
+        + f": hangs {int(run['hung'])}, lost jobs {int(lost)}, events survived {survived} of {len(applied)}",
         f"stall per event (max over island leaders training across it: the gap between logged steps, minus the "
         f"usual one): median "
         f"{statistics.median(measured) if measured else float('nan'):.2f} s, max {max(measured) if measured else float('nan'):.2f} s; "
@@ -535,4 +577,4 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     return {"rows": rows, "headline": headline, "interconnect": [where],
             "baseline": ["the same job without faults, same invocation"],
             "hangs": int(run["hung"]), "lost_jobs": int(lost), "events_applied": len(applied),
-            "stalls": stalls, "digests": digests, "false_deaths": {"campaign": false_chaos, "fault_free": false_calm}}
+            "stalls": stalls, "ended_at_step": ended, "digests": digests, "false_deaths": {"campaign": false_chaos, "fault_free": false_calm}}

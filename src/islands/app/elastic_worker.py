@@ -23,6 +23,7 @@ from islands.app.build import build_trainer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded, global_digest
 from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
+from islands.runtime.stop import StopAt
 from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV, JobSpec, Refused,
                                         connect, parse_address)
 from islands.runtime.world import close_world, join_elastic
@@ -57,6 +58,7 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
             comm.before_join.append(lambda: trainer.checkpoints.settle(trainer))
         if cfg.checkpoint.resume and not world.start_step:  # a joiner starts from the members' state instead
             resume_trainer(trainer, cfg)
+        trainer.add_callback(StopAt(comm.store, name))  # `islands stop`: every worker ends at the requested step
         record = trainer.fit(cfg.train.steps)
         if leader:
             _write_membership(run_dir, name, comm, global_digest(trainer.eval_model), place, world.shard)

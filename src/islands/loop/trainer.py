@@ -142,6 +142,10 @@ class Trainer:
         return float(loss)
 
     # ---- the loop -------------------------------------------------------------------------------
+    def add_callback(self, callback) -> None:
+        """Add a callback after construction; it runs in its `order` among the others."""
+        self.callbacks = sorted([*self.callbacks, callback], key=_order)
+
     def fit(self, steps: int) -> dict:
         """Train until `steps` steps are done (counting from 0, so a resumed trainer continues); returns the run
         record when a RunRecord callback made one, else the summary of the series."""

@@ -105,7 +105,7 @@ class ElasticComm:
         self.events: list[dict] = []  # membership changes, with timings (for reports)
         self.syncs: list[dict] = []  # every committed operation: epoch, seq, kind, start, seconds
         self._last_round: int | None = None
-        # An exchange failed over since the last at_step: that step admits nobody (at_step)
+        # An exchange failed over since the last round boundary: that boundary proposes no joiners (at_step)
         self.failed_over = False
         self._retired: list = []  # aborted groups, kept alive until exit (see _abort)
         self._connect_store = None  # _connect_client's
@@ -446,17 +446,17 @@ class ElasticComm:
             self._last_round = rounds
         if rounds == self._last_round:
             return
-        if self.failed_over:
-            # this round's exchange failed over: admit at the next step, so that the gap between two steps holds
-            # one membership change, not a failover and an admission (chaos, session 19: 1.64 + 0.53 s = the
-            # campaign's one stall over 2 s). Every survivor formed that epoch, so all skip; should one skip late
-            # (an exchange thread's failover), the store's round/<r>/join still gives every member one verdict.
-            self.failed_over = False
-            return
         self._last_round = rounds
-        # only joiners that are ready (model built): the members must not wait on a joiner's start-up
-        pending = [p for p in get_json(self.store, "pending", []) if p[1] not in self.names
-                   and self.store.check([f"ready/{p[1]}"]) and not self.store.check([f"joinat/{p[1]}"])]
+        # only joiners that are ready (model built): the members must not wait on a joiner's start-up. A member
+        # whose exchange of this round failed over proposes none: the failover and an admission in the same gap
+        # between two steps add up (chaos, session 19: 1.64 + 0.53 s, the campaign's one stall over 2 s), so the
+        # joiners wait for the next round. Joins happen only at a round's first step (the joiner runs that step
+        # itself), and the first proposal stored is every member's verdict, so members that disagree (a
+        # failover seen late on an exchange thread) still admit alike.
+        failed_over, self.failed_over = self.failed_over, False
+        pending = [] if failed_over else [
+            p for p in get_json(self.store, "pending", []) if p[1] not in self.names
+            and self.store.check([f"ready/{p[1]}"]) and not self.store.check([f"joinat/{p[1]}"])]
         self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
         joiners = json.loads(self.store.get(f"round/{rounds}/join"))
         if not joiners:

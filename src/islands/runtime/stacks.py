@@ -26,9 +26,20 @@ _STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped
            "Z": "exited", "X": "exited"}
 
 
-def enable(file=None) -> None:
-    """Dump every thread's stack to `file` (stderr) on DUMP_SIGNAL, for as long as the process runs."""
-    faulthandler.register(DUMP_SIGNAL, file=sys.stderr if file is None else file, all_threads=True, chain=False)
+def enable(file=None) -> bool:
+    """Dump every thread's stack to `file` (stderr) on DUMP_SIGNAL, for as long as the process runs. The handler
+    writes to a file descriptor: a stderr replaced by an object without one (pytest's capture, a notebook) falls
+    back to the process's original stderr. False if no handler could be installed; the process runs on without."""
+    target = sys.stderr if file is None else file
+    try:
+        target.fileno()
+    except (AttributeError, OSError, ValueError):
+        target = sys.__stderr__
+    try:
+        faulthandler.register(DUMP_SIGNAL, file=target, all_threads=True, chain=False)
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def state(pid: int) -> str | None:
