@@ -206,3 +206,46 @@ def test_the_stack_handler_installs_where_stderr_has_no_file_descriptor(monkeypa
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert stacks.enable() is True
     assert stacks.catches(os.getpid())
+
+
+def _silent_w1(tmp_path, monkeypatch, cpu_per_read: float) -> tuple[str, bytes]:
+    """w0 beats, w1 stops; /proc reads w1's process as runnable, its CPU time growing `cpu_per_read` per read."""
+    from islands.runtime import stacks
+
+    used = {"cpu": 0.0}
+
+    def cpu_seconds(pid):
+        used["cpu"] += cpu_per_read
+        return used["cpu"]
+
+    monkeypatch.setattr(stacks, "state", lambda pid: "running")
+    monkeypatch.setattr(stacks, "cpu_seconds", cpu_seconds)
+    workers = [_worker("w0", 0, tmp_path), _worker("w1", 1, tmp_path)]
+    store, out = DictStore(), io.StringIO()
+    store.set("latest", "0")
+    store.set("e/0/members", '[[0, "w0"], [1, "w1"]]')
+    try:
+        _look_until_silent(_Reaper(store, TIMEOUT, out, None), store, workers, beating={"w0"})
+        assert workers[1].proc.wait(5) == -signal.SIGKILL, out.getvalue()
+        return out.getvalue(), store.get("dead/w1")
+    finally:
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def test_a_silent_process_waiting_for_a_cpu_is_spared_up_to_the_starved_limit(tmp_path, monkeypatch):
+    """Runnable (state R) but using no CPU: it waits for one (a loaded machine, a VM's stolen vCPU), it is not hung.
+    The reaper says so once and kills it only after STARVED_LIMIT heartbeat timeouts of silence."""
+    said, flag = _silent_w1(tmp_path, monkeypatch, cpu_per_read=0.0)
+    assert said.count("but its process is waiting for a CPU") == 1, said
+    silent_s = float(flag.decode().split("no heartbeat for ")[1].split(" s")[0])
+    assert silent_s >= _Reaper.STARVED_LIMIT * TIMEOUT - 0.05, flag  # printed to 0.1 s
+
+
+def test_a_silent_process_that_uses_its_cpu_is_killed_at_the_heartbeat_timeout(tmp_path, monkeypatch):
+    """Runnable and burning CPU while silent: a C call holding the GIL, hung for all that matters. No grace."""
+    said, flag = _silent_w1(tmp_path, monkeypatch, cpu_per_read=1.0)
+    assert "waiting for a CPU" not in said, said
+    silent_s = float(flag.decode().split("no heartbeat for ")[1].split(" s")[0])
+    assert silent_s < 2 * TIMEOUT, flag

@@ -29,8 +29,8 @@ event (on each island leader that trained across it, every incarnation included,
 across the event minus its median gap; max over leaders); the finishing members' bitwise agreement
 (global-model SHA-256); the final validation loss against a fault-free run of the same steps, in this invocation.
 A short probe run first measures the training speed, so that the job outlasts the campaign; once the campaign is
-over (and every island trains again, or SETTLE_S passed) the experiment asks the job to end STOP_AHEAD_ROUNDS
-rounds past its furthest island (`islands stop`, islands.runtime.stop), and the fault-free run is asked to end at
+over (and every island trains again, or SETTLE_S passed) the experiment asks the job to end STOP_AHEAD_S seconds
+of training past its furthest island (`islands stop`, islands.runtime.stop), and the fault-free run is asked to end at
 the same step from its start: both follow the same learning-rate schedule to the same step, and the chaos job no
 longer trains on after its last event (session 19: the campaign took 18 of the job's 51 minutes).
 """
@@ -61,8 +61,10 @@ ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS = 500, 50  # the store's Raft timing (see _r
 RESTART_S = 8.0  # about what a restarted 2-worker island takes to train again here (forked start-up, admission)
 RATE, HOSTS = "100mbit", ISLANDS  # the testbed: one island per host
 SETTLE_S = 90.0  # after the campaign, the longest wait for a restarting island to train again before the stop request
-STOP_AHEAD_ROUNDS = 40  # the stop step lies this many rounds past the furthest logged step: every worker reads the
-#                         request (islands.runtime.stop.POLL_S) long before it gets there, a restarted island too
+STOP_AHEAD_S = 30.0  # the stop step lies this many seconds of training (at the probe's rate) past the furthest
+#                     logged step: `islands stop` takes seconds to start in the hub, live streams lag, and every
+#                     worker must read the request (islands.runtime.stop.POLL_S) before it gets there (the quick tier
+#                     of session 20 asked 200 steps ahead and every worker had passed the step by then)
 QUICK = dict(events=12, gap=(3.0, 6.0))
 FULL = dict(events=100, gap=(3.0, 6.0))
 
@@ -324,9 +326,9 @@ def _stop_everything(run_dir: Path) -> None:
 
 
 def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int, gap: tuple[float, float],
-         deadline_s: float, bed, stop_at: int | None = None) -> dict:
+         deadline_s: float, bed, stop_at: int | None = None, stop_ahead: int = 0) -> dict:
     """One job. `stop_at`: ask it to end at that step as soon as its store is up (the fault-free arm); with a
-    campaign the job is asked to end after the campaign instead (STOP_AHEAD_ROUNDS)."""
+    campaign the job is asked to end `stop_ahead` steps past its furthest island once the campaign is over."""
     run_dir = ctx.out_dir / "runs" / label
     subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     run_dir.mkdir(parents=True)
@@ -364,12 +366,12 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
                 etcd.start_member(state.pop("etcd_down"), state="existing")
             if "cut" in state:
                 bed.heal(state.pop("cut"))
-            if kinds and _workers(run_dir):
+            if kinds and stop_ahead and _workers(run_dir):
                 settle = time.time() + SETTLE_S
                 # a restart in flight (its island's workers run, not all of them train yet) trains again first
                 while time.time() < settle and len(_whole_islands(run_dir)) < len({w["island"] for w in _workers(run_dir)}):
                     time.sleep(0.5)
-                state["stop_at"] = _request_stop(run_dir, env, _furthest_step(run_dir) + STOP_AHEAD_ROUNDS * H, bed)
+                state["stop_at"] = _request_stop(run_dir, env, _furthest_step(run_dir) + stop_ahead, bed)
                 ctx.log(f"{label}: asked the job to end at step {state['stop_at']}")
             hung = False
             while _workers(run_dir) or launcher.poll() is None:  # the launcher may be dead: watch the workers
@@ -515,7 +517,9 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     # each event waits for two whole islands, so a restart (process start-up, admission) paces the campaign
     campaign_s = len(kinds) * (sum(tier["gap"]) / 2 + RESTART_S)
     steps = int(max(400, 2.0 * rate * campaign_s) // H * H)
-    run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed)
+    ahead = int(rate * STOP_AHEAD_S) // H * H + H
+    run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed,
+               stop_ahead=ahead)
     # the same configured steps (so the same learning-rate schedule), ended at the step the chaos job ended at
     ended = (run["record"] or {}).get("summary", {}).get("steps") or run["stop_at"]
     calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed,

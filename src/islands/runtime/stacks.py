@@ -53,6 +53,16 @@ def state(pid: int) -> str | None:
     return _STATES.get(code, code)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time the process has used (user + system, /proc/PID/stat), None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[-1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def catches(pid: int) -> bool:
     """Whether the process has a handler for DUMP_SIGNAL (/proc's SigCgt mask), so sending it cannot kill it."""
     try:
