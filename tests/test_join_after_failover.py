@@ -11,25 +11,7 @@ import json
 
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import ElasticComm
-
-
-class DictStore:
-    def __init__(self):
-        self.kv: dict[str, bytes] = {}
-
-    def check(self, keys) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.kv[key]
-
-    def set(self, key: str, value) -> None:
-        self.kv[key] = value.encode() if isinstance(value, str) else bytes(value)
-
-    def compare_set(self, key: str, expected, desired) -> bytes:
-        if key not in self.kv:
-            self.set(key, desired)
-        return self.kv[key]
+from dict_store import DictStore
 
 
 class Outer:

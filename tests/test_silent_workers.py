@@ -15,22 +15,9 @@ from pathlib import Path
 
 from islands.runtime.elastic_launch import IslandWorker, _Islands, _Reaper
 from islands.runtime.island_comm import FollowerWatch
+from dict_store import DictStore
 
 TIMEOUT = 0.4  # seconds: the heartbeat timeout of these looks
-
-
-class DictStore:
-    def __init__(self):
-        self.kv: dict[str, bytes] = {}
-
-    def check(self, keys) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.kv[key]
-
-    def set(self, key: str, value) -> None:
-        self.kv[key] = value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _worker(name: str, island: int, tmp_path: Path) -> IslandWorker:

@@ -17,20 +17,7 @@ from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.stop import POLL_S, STOP_KEY, StopAt, request_stop, requested_stop
-
-
-class DictStore:
-    def __init__(self):
-        self.kv: dict[str, bytes] = {}
-
-    def check(self, keys) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.kv[key]
-
-    def set(self, key: str, value) -> None:
-        self.kv[key] = value.encode() if isinstance(value, str) else bytes(value)
+from dict_store import DictStore
 
 
 class FakeTrainer:

@@ -19,7 +19,11 @@ start from its first rank's parameters and floating buffers (one counted broadca
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from islands.aggregate.coordinate import Mean
@@ -104,7 +108,7 @@ class DDP(NoOp):
         if world.workers_per_island == 1:
             return model  # an island of one has nobody to average with
         comm = world.comm("local")
-        ddp = DistributedDataParallel(model, process_group=world.local_group, bucket_cap_mb=self.bucket_mb)
+        ddp = start_ddp(model, world.local_group, self.bucket_mb)
         self.hook_state, hook = self._hook(comm, model, world)
         ddp.register_comm_hook(self.hook_state, hook)
         return ddp
@@ -129,6 +133,35 @@ class DDP(NoOp):
     def load_state_dict(self, state: dict) -> None:
         if state.get("hook") and hasattr(self.hook_state, "load_state_dict"):
             self.hook_state.load_state_dict(state["hook"])
+
+
+def start_ddp(model: torch.nn.Module, group, bucket_mb: float) -> DistributedDataParallel:
+    """torch's DDP over `group`, its start-up synchronisation done with plain collectives.
+
+    DDP's own start-up (checking the parameters' shapes across ranks, broadcasting parameters and buffers from the
+    first rank) held the GIL for long stretches: beside 4 busy processes the gap between a heartbeat thread's 50 ms
+    ticks reached 0.43 s, and 1.12 s on the chaos experiment's loaded machine, against 0.17 s with these
+    collectives (session 20). A worker whose heartbeat thread cannot run is found silent and killed: the chaos
+    runs' start-up false deaths came just after epoch 0 formed, when every island builds its DDP. Same result:
+    every rank starts from the group's first rank's parameters and buffers, and models that differ are refused."""
+    if "init_sync" not in inspect.signature(DistributedDataParallel.__init__).parameters:  # torch before 2.5
+        return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+    group = group if group is not None else dist.group.WORLD
+    src = dist.get_global_rank(group, 0)
+    tensors = list(model.parameters()) + list(model.buffers())
+    shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
+    mine = torch.tensor([int.from_bytes(hashlib.sha256(shapes).digest()[:7], "big")], dtype=torch.int64)
+    first = mine.clone()
+    dist.broadcast(first, src, group=group)
+    same = torch.tensor([int(bool(first == mine))], dtype=torch.int64)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+    if not int(same):
+        raise ValueError(f"the model's parameters and buffers differ in shape or dtype across the ranks of this "
+                         f"island ({len(tensors)} tensors here): every rank must build the same model")
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src, group=group)
+    return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb, init_sync=False)
 
 
 def broadcast_start(model: torch.nn.Module, world) -> None:
