@@ -404,11 +404,9 @@ def _furthest_step(run_dir: Path) -> int:
 def _request_stop(run_dir: Path, env: dict, step: int, bed) -> int | None:
     """Ask the running job to end at `step`: `islands stop` inside the testbed's hub (where the store is reached),
     with the job's token from the environment (islands.runtime.stop). Returns the step, None if it failed."""
-    from islands.testbed.system import netns_exec_prefix
-
     address = json.loads((run_dir / "job_host.json").read_text())["address"]
-    done = subprocess.run(netns_exec_prefix(bed.hub) + [sys.executable, "-m", "islands", "stop", address, "--at-step",
-                                                        str(step)], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(bed.wrap_hub([sys.executable, "-m", "islands", "stop", address, "--at-step", str(step)]),
+                          env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:  # the job then trains to its configured steps: longer, not wrong
         print(f"chaos: islands stop failed (exit {done.returncode}): {done.stdout}{done.stderr}", file=sys.stderr)
         return None
