@@ -236,3 +236,74 @@ def test_a_silent_process_that_uses_its_cpu_is_killed_at_the_heartbeat_timeout(t
     assert "waiting for a CPU" not in said, said
     silent_s = float(flag.decode().split("no heartbeat for ")[1].split(" s")[0])
     assert silent_s < 2 * TIMEOUT, flag
+
+
+def _watch_silent_follower(monkeypatch, cpu_per_read: float, ident: str | None) -> tuple[FollowerWatch, str, float]:
+    """A leader watches one follower that beats, then stops; the follower published `ident` (a sleeping child
+    process on this machine by default) and /proc reads it as runnable, its CPU time growing `cpu_per_read` per
+    read. Returns the watch, what it said, and the silence when it gave its verdict."""
+    from islands.runtime import stacks
+    from islands.runtime.starvation import PROC_KEY, identity
+
+    used = {"cpu": 0.0}
+
+    def cpu_seconds(pid):
+        used["cpu"] += cpu_per_read
+        return used["cpu"]
+
+    monkeypatch.setattr(stacks, "state", lambda pid: "running")
+    monkeypatch.setattr(stacks, "cpu_seconds", cpu_seconds)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    store, out = DictStore(), io.StringIO()
+    store.set(PROC_KEY.format("i0w1"), identity(child.pid) if ident is None else ident)
+    watch = FollowerWatch("i0w0", ["i0w1"], store, TIMEOUT, exit_after_s=600, out=out)
+    try:
+        for beat in range(6):  # beating: the watch samples its CPU
+            store.set("hb/i0w1", str(beat))
+            assert watch.look() is None
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10 * TIMEOUT
+        while (why := watch.look()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert why is not None, out.getvalue()
+        return watch, out.getvalue(), float(why.split("silent for ")[1].split(" s")[0])
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_leader_spares_a_follower_that_waits_for_a_cpu_up_to_the_starved_limit(monkeypatch):
+    """The restarted islands' false deaths of session 20's chaos run: the reaper spared a starved follower while
+    its leader's watch convicted it at the plain timeout. The watch now spares it too, for as long as the reaper."""
+    from islands.runtime.starvation import LIMIT
+
+    _, said, silent_s = _watch_silent_follower(monkeypatch, cpu_per_read=0.0, ident=None)
+    assert said.count("waits for a CPU") == 1, said
+    assert silent_s >= LIMIT * TIMEOUT - 0.05, (silent_s, said)
+
+
+def test_a_leader_gives_a_follower_that_burns_its_cpu_the_plain_timeout(monkeypatch):
+    _, said, silent_s = _watch_silent_follower(monkeypatch, cpu_per_read=1.0, ident=None)
+    assert said == "" and silent_s < 2 * TIMEOUT, (silent_s, said)
+
+
+def test_a_follower_on_another_machine_or_a_reused_pid_gets_the_plain_timeout(monkeypatch):
+    """Its published identity names no process here: another boot id, or this pid with another start time."""
+    from islands.runtime.starvation import identity
+
+    boot, pid, start = identity().split(":")
+    for ident in (f"{'0' * len(boot)}:{pid}:{start}", f"{boot}:{pid}:{int(start) + 1}", "not an identity"):
+        _, said, silent_s = _watch_silent_follower(monkeypatch, cpu_per_read=0.0, ident=ident)
+        assert said == "" and silent_s < 2 * TIMEOUT, (ident, silent_s, said)
+
+
+def test_a_process_identity_names_one_live_process_on_this_machine():
+    from islands.runtime.starvation import identity, local_pid
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ident = identity(child.pid)
+    assert local_pid(ident) == child.pid and local_pid(ident.encode()) == child.pid
+    assert local_pid(identity()) == os.getpid()
+    child.kill()
+    child.wait()
+    assert local_pid(ident) is None  # gone: no process, or a later one with another start time

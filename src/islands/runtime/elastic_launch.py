@@ -38,7 +38,7 @@ from typing import Callable
 
 from dataclasses import dataclass
 
-from islands.runtime import job_host, spawn, stacks
+from islands.runtime import job_host, spawn, stacks, starvation
 from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from islands.runtime.auth import ControlAuth
@@ -439,13 +439,13 @@ class _Reaper:
     Before a silent worker's SIGKILL the reaper reads its process state and asks it for its threads' stacks
     (islands.runtime.stacks): a false death (a live process that could not beat) leaves its cause in the log. A
     silent process that is runnable but got almost no CPU during its silence waits for one; it is spared up to
-    STARVED_LIMIT heartbeat timeouts."""
+    STARVED_LIMIT heartbeat timeouts (islands.runtime.starvation)."""
 
     KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an excluded worker that still runs
-    # A silent process that is runnable (state R) but used less CPU than STARVED_SHARE of its silence was waiting
-    # for a CPU, not hung: a loaded machine or a VM's stolen vCPU (CI's false deaths; its dump signal went
-    # unanswered for 0.3 s). It gets up to STARVED_LIMIT heartbeat timeouts before it counts as silent.
-    STARVED_SHARE, STARVED_LIMIT = 0.25, 3.0
+    # A silent process that is runnable (state R) but used less CPU than starvation.SHARE of its silence was
+    # waiting for a CPU, not hung: a loaded machine or a VM's stolen vCPU (CI's false deaths; its dump signal
+    # went unanswered for 0.3 s). It gets up to starvation.LIMIT heartbeat timeouts before it counts as silent.
+    STARVED_LIMIT = starvation.LIMIT
 
     def __init__(self, store, heartbeat_timeout: float, out, islands: "_Islands | None" = None):
         self.store, self.timeout, self.out, self.islands = store, heartbeat_timeout, out, islands
@@ -453,36 +453,21 @@ class _Reaper:
         self.members_seen: set[str] = set()
         self.excluded_since: dict[str, float] = {}
         self.termed: dict[str, float] = {}  # name -> when SIGTERM went out
-        self._cpu: dict[str, list[tuple[float, float]]] = {}  # name -> (when, CPU seconds) of its process, per look
+        self.starvation = starvation.Starvation(heartbeat_timeout)  # CPU samples of the beating workers, per look
         self.starved: set[str] = set()  # names once spared as waiting for a CPU (said once)
 
-    def _sample_cpu(self, workers: list[WorkerProcess], now: float) -> None:
-        keep = now - self.STARVED_LIMIT * self.timeout - 1.0
-        for w in workers:
-            cpu = stacks.cpu_seconds(w.proc.pid)
-            if cpu is not None:
-                samples = self._cpu.setdefault(_name(w), [])
-                samples.append((now, cpu))
-                while len(samples) > 2 and samples[1][0] < keep:
-                    samples.pop(0)
-
     def _waits_for_cpu(self, w: WorkerProcess, now: float) -> bool:
-        """Whether silent `w` is runnable but starved of CPU since its silence began (STARVED_SHARE), and still
-        within STARVED_LIMIT heartbeat timeouts: then it is spared this look (said once)."""
+        """Whether silent `w` is runnable but starved of CPU since its silence began, and still within
+        STARVED_LIMIT heartbeat timeouts: then it is spared this look (said once)."""
         name = _name(w)
         silent_for = self.liveness.silent_for(name)
-        samples = self._cpu.get(name, [])
-        if silent_for >= self.STARVED_LIMIT * self.timeout or len(samples) < 2 or stacks.state(w.proc.pid) != "running":
-            return False
-        start = now - silent_for
-        then = next((s for s in samples if s[0] >= start), samples[0])
-        wall, used = samples[-1][0] - then[0], samples[-1][1] - then[1]
-        if wall <= 0 or used >= self.STARVED_SHARE * wall:
+        starved = self.starvation.waits_for_cpu(name, w.proc.pid, silent_for, now)
+        if starved is None:
             return False
         if name not in self.starved:
             self.starved.add(name)
             print(f"islands: worker {name}: no heartbeat for {silent_for:.1f} s, but its process is waiting for a CPU "
-                  f"(it used {used:.2f} s of CPU in {wall:.1f} s); not killing it before "
+                  f"(it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not killing it before "
                   f"{self.STARVED_LIMIT * self.timeout:.1f} s of silence", file=self.out, flush=True)
         return True
 
@@ -493,7 +478,9 @@ class _Reaper:
         self.members_seen |= members
         beating = [_name(w) for w in running if self.store.check([f"hb/{_name(w)}"])]  # started: not loading
         silent = self.liveness.silent(beating)
-        self._sample_cpu([w for w in running if _name(w) in beating], now)
+        for w in running:
+            if _name(w) in beating:
+                self.starvation.sample(_name(w), w.proc.pid, now)
         for w in running:
             name = _name(w)
             if self.store.check([f"dead/{name}"]) and self.store.get(f"dead/{name}") == b"finished":

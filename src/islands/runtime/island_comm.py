@@ -48,6 +48,7 @@ import torch.distributed as dist
 from islands.runtime.comm import CommLedger, gather_objects
 from islands.runtime.elastic import ElasticComm
 from islands.runtime.membership import Liveness
+from islands.runtime.starvation import PROC_KEY, Starvation, local_pid
 
 ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
 # between a leader's looks at its followers' heartbeats (Liveness wants < timeout / 2); each look is ~3 store
@@ -321,18 +322,46 @@ class FollowerWatch:
     leaving) ends it.
     `store`: a client of its own (the training thread's may be blocked)."""
 
-    def __init__(self, leader: str, followers: list[str], store, timeout_s: float, exit_after_s: float | None = None):
+    def __init__(self, leader: str, followers: list[str], store, timeout_s: float, exit_after_s: float | None = None,
+                 out=None):
         self.leader, self.followers, self.store = leader, list(followers), store
         self.exit_after_s = timeout_s if exit_after_s is None else exit_after_s
         self.liveness = Liveness(store, timeout_s)
         self.look_s = min(FOLLOWER_LOOK_S, timeout_s / 4)  # Liveness restarts its watch after a look > timeout / 2
+        self.starvation = Starvation(timeout_s)
+        self.out = sys.stderr if out is None else out
         self.verdict: str | None = None
+        self._pids: dict[str, int | None] = {}  # follower -> its pid on this machine, once it published its identity
+        self._spared: set[str] = set()  # followers once spared as waiting for a CPU (said once)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="islands-follower-watch", daemon=True)
 
     def start(self) -> "FollowerWatch":
         self._thread.start()
         return self
+
+    def _pid(self, follower: str) -> int | None:
+        """The follower's pid if its process runs on this machine (an island is one machine when the launcher
+        places it; a follower started by hand elsewhere gets the plain timeout)."""
+        if follower not in self._pids:
+            key = PROC_KEY.format(follower)
+            if not self.store.check([key]):
+                return None  # not published yet: look again next time
+            self._pids[follower] = local_pid(self.store.get(key))
+        return self._pids[follower]
+
+    def _waits_for_cpu(self, follower: str, now: float) -> bool:
+        """A silent follower whose process is runnable but starved of CPU is spared, as the launcher's reaper
+        spares it (islands.runtime.starvation), up to its limit of heartbeat timeouts."""
+        pid = self._pid(follower)
+        silent_for = self.liveness.silent_for(follower)
+        starved = None if pid is None else self.starvation.waits_for_cpu(follower, pid, silent_for, now)
+        if starved is not None and follower not in self._spared:
+            self._spared.add(follower)
+            print(f"islands: {self.leader}: its follower {follower} is silent for {silent_for:.1f} s but its process "
+                  f"waits for a CPU (it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not leaving before "
+                  f"{self.starvation.limit * self.liveness.timeout:.1f} s of silence", file=self.out, flush=True)
+        return starved is not None
 
     def look(self) -> str | None:
         """One look: the reason to report the leader dead, or None."""
@@ -343,11 +372,15 @@ class FollowerWatch:
                 why = f"reported dead ({flag.decode(errors='replace')})"
                 return f"its follower {f} is {why}: the island cannot take part"
         beating = [f for f in self.followers if f not in flagged and self.store.check([f"hb/{f}"])]
-        silent = sorted(self.liveness.silent(beating))
-        if not silent:
-            return None
-        f = silent[0]
-        return f"its follower {f} is silent for {self.liveness.silent_for(f):.1f} s: the island cannot take part"
+        now = time.monotonic()
+        for f in beating:
+            pid = self._pid(f)
+            if pid is not None:
+                self.starvation.sample(f, pid, now)
+        for f in sorted(self.liveness.silent(beating)):
+            if not self._waits_for_cpu(f, now):
+                return f"its follower {f} is silent for {self.liveness.silent_for(f):.1f} s: the island cannot take part"
+        return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.look_s):

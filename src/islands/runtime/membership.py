@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from islands.runtime.auth import AuthStore, ControlAuth
 from islands.runtime.netns import entered as netns_entered
+from islands.runtime.starvation import PROC_KEY, identity
 from islands.runtime.etcd_store import EtcdAddress, EtcdStore, NotLeader, cmp_absent, is_etcd, leader_key, op_put
 
 PREFIX = "islands/"
@@ -328,6 +329,9 @@ class Heartbeat:
         self.name, self.signed, self.count = name, auth is not None, 0
         self.failures = 0  # beats that raised (the thread reconnected and went on)
         self._stop = threading.Event()
+        ident = identity()
+        if ident is not None:  # before the first beat: a watcher on this machine that sees the beat can tell a
+            self.store.set(PROC_KEY.format(name), ident)  # starved process from a hung one (runtime.starvation)
         self.beat()
         self._thread = threading.Thread(target=self._run, name="islands-heartbeat", daemon=True)
         self._thread.start()
