@@ -138,3 +138,16 @@ def test_the_probe_rate_is_read_while_every_island_trained(tmp_path):
     stream("i0w0", [(t, 30 * t) for t in range(11)])
     stream("i2w0", [(t, 30 * t) for t in range(11)])
     assert abs(_steps_per_second(tmp_path) - 20.0) < 1e-9
+
+
+def test_a_worker_the_reaper_spared_as_waiting_for_a_cpu_is_no_false_death_unless_killed_later(tmp_path):
+    """Session 21's full run counted the reaper's spare line (it contains "no heartbeat for") as a death."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "launcher.log").write_text(
+        "islands: worker i2w1: no heartbeat for 1.7 s, but its process is waiting for a CPU (it used 0.35 s of CPU in "
+        "1.6 s); not killing it before 4.5 s of silence\n"
+        "islands: worker i0w1: no heartbeat for 1.6 s, but its process is waiting for a CPU (it used 0.01 s of CPU in "
+        "1.6 s); not killing it before 4.5 s of silence\n"
+        "islands: worker i0w1: no heartbeat for 4.5 s (stopped, cut off or hung; its process is running); killing it\n")
+    assert false_deaths(run, set()) == ["i0w1"]

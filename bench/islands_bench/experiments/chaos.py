@@ -440,6 +440,9 @@ def island_mates(names: set[str]) -> set[str]:
     return out
 
 
+SPARED = "but its process is waiting for a CPU"  # the reaper's line for a silent worker it does not kill (yet)
+
+
 def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
     """Workers the launcher found silent (heartbeat timeout) or saw die although no event hit them or their island
     (island_mates): the cost of a short heartbeat timeout on a loaded machine. From the launcher's log, which
@@ -451,6 +454,8 @@ def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
         return []
     out = []
     for line in lines:
+        if SPARED in line:  # the reaper spared it (waiting for a CPU): no death unless a later line kills it
+            continue
         for marker in (": no heartbeat for", " left ("):
             if line.startswith("islands: worker ") and marker in line:
                 name = line[len("islands: worker "):].split(marker)[0].split(":")[0]

@@ -44,7 +44,11 @@ from islands.runtime.netns import enter as enter_netns
 from islands.testbed.system import netns_exec_prefix
 
 SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
-PRELOAD = ["torch", "torch.distributed", "numpy", "islands.cli", "islands.app.elastic_worker", "islands.runtime.job_host"]
+# torch._dynamo: torch's DDP constructor imports it (794 modules, 2.1 s of CPU on this machine) in every worker; in a
+# restarted island that import ran beside the others' training and held the leader silent past the heartbeat
+# timeout (session 21's full chaos run: its one false death, its stack in torch._dynamo's imports)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "islands.cli", "islands.app.elastic_worker",
+           "islands.runtime.job_host"]
 _more: list[str] = []  # a job's own heavy imports (preload())
 
 _lock = threading.Lock()
