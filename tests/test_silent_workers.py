@@ -195,8 +195,8 @@ def test_the_stack_handler_installs_where_stderr_has_no_file_descriptor(monkeypa
     assert stacks.catches(os.getpid())
 
 
-def _silent_w1(tmp_path, monkeypatch, cpu_per_read: float) -> tuple[str, bytes]:
-    """w0 beats, w1 stops; /proc reads w1's process as runnable, its CPU time growing `cpu_per_read` per read."""
+def _runnable_using(monkeypatch, cpu_per_read: float) -> None:
+    """/proc reads every process as runnable, its CPU time growing `cpu_per_read` per read."""
     from islands.runtime import stacks
 
     used = {"cpu": 0.0}
@@ -207,6 +207,11 @@ def _silent_w1(tmp_path, monkeypatch, cpu_per_read: float) -> tuple[str, bytes]:
 
     monkeypatch.setattr(stacks, "state", lambda pid: "running")
     monkeypatch.setattr(stacks, "cpu_seconds", cpu_seconds)
+
+
+def _silent_w1(tmp_path, monkeypatch, cpu_per_read: float) -> tuple[str, bytes]:
+    """w0 beats, w1 stops; /proc reads w1's process as runnable, its CPU time growing `cpu_per_read` per read."""
+    _runnable_using(monkeypatch, cpu_per_read)
     workers = [_worker("w0", 0, tmp_path), _worker("w1", 1, tmp_path)]
     store, out = DictStore(), io.StringIO()
     store.set("latest", "0")
@@ -242,17 +247,9 @@ def _watch_silent_follower(monkeypatch, cpu_per_read: float, ident: str | None) 
     """A leader watches one follower that beats, then stops; the follower published `ident` (a sleeping child
     process on this machine by default) and /proc reads it as runnable, its CPU time growing `cpu_per_read` per
     read. Returns the watch, what it said, and the silence when it gave its verdict."""
-    from islands.runtime import stacks
     from islands.runtime.starvation import PROC_KEY, identity
 
-    used = {"cpu": 0.0}
-
-    def cpu_seconds(pid):
-        used["cpu"] += cpu_per_read
-        return used["cpu"]
-
-    monkeypatch.setattr(stacks, "state", lambda pid: "running")
-    monkeypatch.setattr(stacks, "cpu_seconds", cpu_seconds)
+    _runnable_using(monkeypatch, cpu_per_read)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     store, out = DictStore(), io.StringIO()
     store.set(PROC_KEY.format("i0w1"), identity(child.pid) if ident is None else ident)

@@ -45,10 +45,15 @@ def test_the_failover_chain_times_the_first_failure_naming_the_hit_island(tmp_pa
     assert etcd is None and unseen is None  # it hit no worker; no member logged its failure
 
 
-def test_false_deaths_are_the_workers_no_event_hit(tmp_path):
+def _launcher_log(tmp_path, text: str):
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "launcher.log").write_text(
+    run.mkdir(exist_ok=True)
+    (run / "launcher.log").write_text(text)
+    return run
+
+
+def test_false_deaths_are_the_workers_no_event_hit(tmp_path):
+    run = _launcher_log(tmp_path,
         "islands: worker i1w1: no heartbeat for 1.6 s (stopped, cut off or hung); killing it\n"
         "islands: worker i1w1 left (killed by SIGKILL); the others carry on\n"
         "islands: worker i0w0: no heartbeat for 1.6 s (stopped, cut off or hung); killing it\n"
@@ -142,9 +147,7 @@ def test_the_probe_rate_is_read_while_every_island_trained(tmp_path):
 
 def test_a_worker_the_reaper_spared_as_waiting_for_a_cpu_is_no_false_death_unless_killed_later(tmp_path):
     """Session 21's full run counted the reaper's spare line (it contains "no heartbeat for") as a death."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "launcher.log").write_text(
+    run = _launcher_log(tmp_path,
         "islands: worker i2w1: no heartbeat for 1.7 s, but its process is waiting for a CPU (it used 0.35 s of CPU in "
         "1.6 s); not killing it before 4.5 s of silence\n"
         "islands: worker i0w1: no heartbeat for 1.6 s, but its process is waiting for a CPU (it used 0.01 s of CPU in "
