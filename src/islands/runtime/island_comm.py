@@ -316,7 +316,10 @@ def hand_over(island: IslandComm, strategy, model, step: int) -> int:
 class FollowerWatch:
     """A leader's thread that reports the leader dead (dead/<leader>, with the reason) once one of `followers` is
     silent past `timeout_s` or reported dead, other than finished (module docstring). It looks only at followers
-    that have beaten (a follower still starting has no hb key). After its one verdict it gives the process
+    that have beaten (a follower still starting has no hb key). A silent follower whose process runs on this
+    machine, runnable but starved of CPU, is spared up to islands.runtime.starvation.LIMIT heartbeat timeouts, as
+    the launcher's reaper spares it (the follower's heartbeat publishes its process identity under proc/<name>).
+    After its one verdict it gives the process
     `exit_after_s` (default `timeout_s`) to fail by itself, then exits it (code 1, as IslandBroken would): the
     training thread may wait in the local collective with a stopped follower for minutes. stop() (the leader
     leaving) ends it.
