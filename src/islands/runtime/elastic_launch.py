@@ -454,7 +454,6 @@ class _Reaper:
         self.excluded_since: dict[str, float] = {}
         self.termed: dict[str, float] = {}  # name -> when SIGTERM went out
         self.starvation = starvation.Starvation(heartbeat_timeout)  # CPU samples of the beating workers, per look
-        self.starved: set[str] = set()  # names once spared as waiting for a CPU (said once)
 
     def _waits_for_cpu(self, w: WorkerProcess, now: float) -> bool:
         """Whether silent `w` is runnable but starved of CPU since its silence began, and still within
@@ -464,8 +463,7 @@ class _Reaper:
         starved = self.starvation.waits_for_cpu(name, w.proc.pid, silent_for, now)
         if starved is None:
             return False
-        if name not in self.starved:
-            self.starved.add(name)
+        if starved[2]:
             print(f"islands: worker {name}: no heartbeat for {silent_for:.1f} s, but its process is waiting for a CPU "
                   f"(it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not killing it before "
                   f"{self.STARVED_LIMIT * self.timeout:.1f} s of silence", file=self.out, flush=True)

@@ -335,7 +335,6 @@ class FollowerWatch:
         self.out = sys.stderr if out is None else out
         self.verdict: str | None = None
         self._pids: dict[str, int | None] = {}  # follower -> its pid on this machine, once it published its identity
-        self._spared: set[str] = set()  # followers once spared as waiting for a CPU (said once)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="islands-follower-watch", daemon=True)
 
@@ -359,8 +358,7 @@ class FollowerWatch:
         pid = self._pid(follower)
         silent_for = self.liveness.silent_for(follower)
         starved = None if pid is None else self.starvation.waits_for_cpu(follower, pid, silent_for, now)
-        if starved is not None and follower not in self._spared:
-            self._spared.add(follower)
+        if starved is not None and starved[2]:
             print(f"islands: {self.leader}: its follower {follower} is silent for {silent_for:.1f} s but its process "
                   f"waits for a CPU (it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not leaving before "
                   f"{self.starvation.limit * self.liveness.timeout:.1f} s of silence", file=self.out, flush=True)

@@ -71,6 +71,7 @@ class Starvation:
     def __init__(self, timeout_s: float, share: float = SHARE, limit: float = LIMIT):
         self.timeout, self.share, self.limit = timeout_s, share, limit
         self._samples: dict[str, list[tuple[float, float]]] = {}  # name -> (when, CPU seconds)
+        self.spared: set[str] = set()  # names ever spared (their watcher says so the first time only)
 
     def sample(self, name: str, pid: int, now: float) -> None:
         cpu = stacks.cpu_seconds(pid)
@@ -85,10 +86,10 @@ class Starvation:
     def forget(self, name: str) -> None:
         self._samples.pop(name, None)
 
-    def waits_for_cpu(self, name: str, pid: int, silent_for: float, now: float) -> tuple[float, float] | None:
-        """(CPU seconds used, wall seconds) since `name`'s silence began when its process is runnable, used less
-        than `share` of that time, and the silence is still under `limit` timeouts; None otherwise (it counts as
-        silent)."""
+    def waits_for_cpu(self, name: str, pid: int, silent_for: float, now: float) -> tuple[float, float, bool] | None:
+        """(CPU seconds used, wall seconds, first time) since `name`'s silence began when its process is runnable,
+        used less than `share` of that time, and the silence is still under `limit` timeouts; None otherwise (it
+        counts as silent). `first time`: this is the first spare of `name` (said once by its watcher)."""
         samples = self._samples.get(name, [])
         if silent_for >= self.limit * self.timeout or len(samples) < 2 or stacks.state(pid) != "running":
             return None
@@ -97,4 +98,6 @@ class Starvation:
         wall, used = samples[-1][0] - then[0], samples[-1][1] - then[1]
         if wall <= 0 or used >= self.share * wall:
             return None
-        return used, wall
+        first = name not in self.spared
+        self.spared.add(name)
+        return used, wall, first
