@@ -23,6 +23,7 @@ from islands import testbed
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
+from islands.runtime import starvation
 from islands.runtime.membership import connect, parse_address
 from islands.testbed import etcd as etcd_cluster
 from islands.testbed import state
@@ -110,7 +111,11 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
     # next exchange (a failure) or at the join's new epoch; the detection is the launcher's silence report
     if failure is not None:
         assert failure["gone"] == ["i1w0"] and failure["detected"] >= seen["cut"], failure
-    assert seen["dead"] - seen["cut"] < HEARTBEAT + 3.0, seen  # within the heartbeat timeout, not the 30 s one
+    # found by the heartbeat timeout, not the 30 s collective one. On a loaded machine (CI runs three tests beside
+    # it on two cores) the launcher may spare a cut worker that is still computing but starved of CPU, up to
+    # starvation.LIMIT heartbeat timeouts, or restart its watch after a look it was too starved to take in time
+    reports = [line for line in log.splitlines() if "heartbeat" in line and "i1w" in line]
+    assert seen["dead"] - seen["cut"] < starvation.LIMIT * HEARTBEAT + 3.0, (seen, reports)
     join = next(e for e in events if e["type"] == "join")
     assert join["joined"] == ["i1w0.1"] and join["size"] == 2
     entered = next(e for e in recs["i1w0.1"]["final"]["events"] if e["type"] == "entered")
