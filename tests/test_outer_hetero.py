@@ -28,6 +28,16 @@ def test_plan_steps_is_proportional_to_speed_and_bounded():
     assert plan_steps(50, 0.1, float("nan")) == 50  # nothing measured: a plain round
 
 
+def test_catch_up_ends_two_budgets_after_the_earliest_island_within_half_a_budget():
+    from islands.sync.outer.adaptive import catch_up
+
+    assert catch_up(8.0, 0.0, 8.0) == 8.0  # on time: a full budget
+    assert catch_up(8.0, 2.0, 8.0) == 6.0  # 2 s behind: 2 s shorter
+    assert catch_up(8.0, 0.0, 9.5) == 6.5  # the round in progress ran long: the next one is shorter
+    assert catch_up(8.0, 0.0, 5.0) == 8.0  # never more than a budget (the fastest island takes at most H steps)
+    assert catch_up(8.0, 30.0, 8.0) == 4.0  # far behind, or clocks that disagree: never under half a budget
+
+
 def test_weight_scale_makes_the_plain_mean_the_weighted_mean():
     from islands.sync.outer.adaptive import weight_scale
 
@@ -87,8 +97,8 @@ def test_slow_step_sleeps_factor_minus_one_times_the_call_and_keeps_its_result()
     ("diloco:adapt=fast", ["adapt must be one of none, speed, deadline", "'fast'"]),
     ("diloco:deadline=3", ["deadline=3.0 applies to adapt=deadline only"]),
     ("diloco:adapt=deadline,deadline=-1", ["deadline must be >= 0"]),
-    ("diloco:adapt=speed,overlap=eager", ["plain DiLoCo rounds", "overlap=eager"]),
-    ("diloco:adapt=speed,inner_steps=4,fragments=2", ["fragments=2"]),
+    ("diloco:adapt=speed,inner_steps=4,fragments=2", ["whole-model DiLoCo rounds", "fragments=2"]),
+    ("diloco:adapt=deadline,overlap=eager,inner_steps=4,fragments=2", ["whole-model", "fragments=2"]),
     ("diloco:adapt=speed,aggregator=median", ["robust aggregator"]),
 ])
 def test_bad_adapt_specs_exit_2_naming_the_choices(spec, words, tmp_path, capsys):
@@ -139,7 +149,7 @@ class Run:
         self.strategy = make_outer(spec)
         self.strategy.wrap(self.model, self.opt, world)
         self.clock = FakeClock(start)
-        self.strategy.timer = self.clock
+        self.strategy.timer = self.strategy.wallclock = self.clock  # every rank's clock starts at `start`
         self.exchanges: list[dict] = []
         s, original = self.strategy, self.strategy._adapt_exchange
 
@@ -292,10 +302,82 @@ def _warm(world) -> dict:
     return {"history": ws.outer.history, "visited": visited, "global": ws.outer.global_flat.numpy().copy()}
 
 
+def _spy_weighted(run: Run) -> list[dict]:
+    """Every weighted exchange of an overlapped run: this island's contribution and the mean that came back."""
+    s, original, seen = run.strategy, run.strategy._weighted_mean, []
+
+    def spy(mine, delta):
+        entry = {"samples": float(mine[0]), "delta": delta.numpy().copy()}
+        gathered, mean = original(mine, delta)
+        entry.update(n=gathered[:, 0].tolist(), mean=mean.numpy().copy())
+        seen.append(entry)
+        return gathered, mean
+
+    s._weighted_mean = spy
+    return seen
+
+
+def _overlapped(world) -> dict:
+    """adapt with overlap=eager|delayed: zero delay is plain adaptive rounds; a round's delay plans one round later;
+    a resume with an exchange in flight continues bit for bit."""
+    slow = world.rank == 1
+    cost = (lambda step: 2.0) if slow else (lambda step: 1.0)
+    out = {}
+    for label, spec, delay in (("plain", f"diloco:inner_steps={H},adapt=speed,{PAPER}", None),
+                               ("eager-d0", f"diloco:inner_steps={H},adapt=speed,overlap=eager,{PAPER}", 0),
+                               ("delayed-d0", f"diloco:inner_steps={H},adapt=speed,overlap=delayed,{PAPER}", 0)):
+        run = Run(world, spec, rows=2 if slow else 4)
+        if delay is not None:
+            run.strategy.delay = delay
+        run.until(5 * H + 3, cost)
+        run.strategy.finish(run.model)
+        out[label] = {"global": run.strategy.global_flat.numpy().copy(), "history": run.strategy.history}
+    for mode in ("eager", "delayed"):
+        run = Run(world, f"diloco:inner_steps={H},adapt=deadline,overlap={mode},outer=sgd,outer_lr=1",
+                  rows=2 if slow else 4)
+        seen = _spy_weighted(run)
+        boundary_globals = []
+        original = run.strategy._land_round
+
+        def land(run=run, original=original, boundary_globals=boundary_globals):
+            before = run.strategy.global_flat.numpy().copy()
+            had = run.strategy.round_inflight is not None
+            original()
+            if had:
+                boundary_globals.append((before, run.strategy.global_flat.numpy().copy()))
+
+        run.strategy._land_round = land
+        run.until(5 * H, cost)
+        inflight_at_end = run.strategy.round_inflight is not None
+        run.strategy.finish(run.model)
+        out[mode] = {"history": run.strategy.history, "seen": seen, "landed": boundary_globals,
+                     "visited": run.visited, "inflight_at_end": inflight_at_end, "rounds": run.strategy.rounds,
+                     "global": run.strategy.global_flat.numpy().copy(), "local": run.strategy.local.read().numpy().copy()}
+    spec = f"diloco:inner_steps={H},adapt=deadline,overlap=eager,compressor=(topkq:ratio=0.2,bits=4),{PAPER}"
+    a = Run(world, spec)
+    a.until(2 * H + 1, cost)  # round 2's exchange in flight, rank 1 one step into its 2-step third round
+    snap, at = a.snapshot(), a.clock.t
+    a.until(5 * H + 2, cost)
+    a.strategy.finish(a.model)
+    # the islands' clocks go on from where they were, shifted alike: catching up reads how far apart the islands
+    # ended their rounds on the wall clock, which a restart of both resets in a real run
+    b = Run(world, spec, start=at + 777.0)
+    b.restore(snap)
+    restored = b.strategy.state_dict()
+    b.until(5 * H + 2, cost)
+    b.strategy.finish(b.model)
+    out["resume"] = {"same_state": _same(snap["strategy"], restored), "inflight": "inflight_mean" in snap["strategy"]["adapt"],
+                     "snap_step": snap["step"], "snap_round_steps": snap["strategy"]["adapt"]["round_steps"],
+                     "a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
+                     "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
+                     "a_hist": a.strategy.history, "b_hist": b.strategy.history}
+    return out
+
+
 def _two(world) -> dict:
     torch.manual_seed(world.rank)
     return {"speed": _speed(world), "deadline": _deadline(world), "plain": _equal_speeds_is_plain(world),
-            "resume": _resume(world), "warm": _warm(world)}
+            "resume": _resume(world), "warm": _warm(world), "overlap": _overlapped(world)}
 
 
 def _three(world) -> dict:
@@ -421,6 +503,53 @@ def test_resume_mid_round_is_bitwise(two, mode):
         assert res["a_hist"] == res["b_hist"]
     assert two[1]["resume"][mode]["snap_round_steps"] == 1  # the cut really is inside rank 1's round
     assert two[0]["resume"][mode]["a_hist"][2][1] < H  # and rank 1's rounds really are short
+
+
+def test_overlapped_adaptive_rounds_with_zero_delay_are_the_plain_ones_bit_for_bit(two):
+    for r in two:
+        o = r["overlap"]
+        assert o["plain"]["history"][1][1] == H // 2  # the slow island really plans short rounds
+        for label in ("eager-d0", "delayed-d0"):
+            assert o[label]["history"] == o["plain"]["history"], label
+            assert o[label]["global"].tobytes() == o["plain"]["global"].tobytes(), label
+
+
+@pytest.mark.parametrize("mode", ["eager", "delayed"])
+def test_overlapped_deadline_rounds_plan_one_round_later_and_weigh_by_samples(two, mode):
+    for r in two:
+        o = r["overlap"][mode]
+        # rounds 1 and 2 take H (round 1's speeds land only at round 2's end); then the budget is the fastest
+        # island's 8 fake s, and rank 1 (2 s a step), 8 s behind rank 0 at round 1's end and 16 s into round 2,
+        # catches up: budget clamp(2 * 8 - 8 - 16, 4, 8) = 4 s, 2 steps, in rounds 3 to 5 (lags 16 and 12 s);
+        # without catching up it would take 4 (the plain deadline rounds above) and stay 16 s behind. The run
+        # ends on a boundary: nothing is left unsent, finish only lands the last round
+        assert o["history"] == [[H, H], [H, H], [H, 2], [H, 2], [H, 2]], o["history"]
+        assert o["rounds"] == 5 and o["inflight_at_end"]
+        assert len(o["landed"]) == 5  # every exchange landed at the next boundary or in finish
+    assert two[1]["overlap"][mode]["visited"][2 * H:2 * H + 3] == [2 * H, 2 * H + 1, 3 * H]
+    a, b = two[0]["overlap"][mode], two[1]["overlap"][mode]
+    assert a["global"].tobytes() == b["global"].tobytes()
+    for k, (x, y) in enumerate(zip(a["seen"], b["seen"])):
+        n = np.array([x["samples"], y["samples"]])
+        assert x["n"] == y["n"] == n.tolist()
+        want = (n[0] * x["delta"].astype(np.float64) + n[1] * y["delta"].astype(np.float64)) / n.sum()
+        assert np.abs(x["mean"] - want).max() <= 1e-6 * max(1.0, np.abs(want).max()), k
+        assert x["mean"].tobytes() == y["mean"].tobytes()
+        before, after = a["landed"][k]  # outer SGD lr 1: the landing steps global by exactly that mean
+        assert np.abs(after.astype(np.float64) - (before - x["mean"])).max() <= 1e-6 * max(1.0, np.abs(before).max())
+    assert a["seen"][2]["n"] == [H * 4, 2 * 2]  # round 3: 8 steps of 4 rows against 2 of 2 rows
+    # after finish both islands hold the global model (the last landing adopted it)
+    assert a["local"].tobytes() == a["global"].tobytes() and b["local"].tobytes() == b["global"].tobytes()
+
+
+def test_overlapped_adaptive_resume_with_an_exchange_in_flight_is_bitwise(two):
+    for r in two:
+        res = r["overlap"]["resume"]
+        assert res["inflight"] and res["same_state"]
+        assert res["a"].tobytes() == res["b"].tobytes() and res["a_local"].tobytes() == res["b_local"].tobytes()
+        assert res["a_hist"] == res["b_hist"] and res["a_hist"][2][1] < H
+        assert res["snap_step"] == 2 * H + 1  # a checkpoint's counted step, the same on both ranks
+    assert two[1]["overlap"]["resume"]["snap_round_steps"] == 1  # the cut is inside rank 1's short round
 
 
 # ---- the Trainer, a real slowdown ------------------------------------------------------------------

@@ -13,7 +13,9 @@ tbf-shaped veth star, docs/testbed.md) and each arm, one training run of the def
 Arms: DiLoCo, streaming DiLoCo (F=4, tau=2, fp32 fragments), DiLoCo overlap=delayed ("async": each round's average
 lands one round late, LIT-907) and overlap=eager (the island's own fresh delta stands in until it lands, LIT-906),
 each with fp32 deltas and with the topkq compressor (10% per chunk, 2-bit values, error feedback; SOTA-902), eager
-also with outer-compression's 146x payload (`eager+topkq146x`: Elias-Fano positions, SOTA-905, decay 0.95),
+also with outer-compression's 146x payload (`eager+topkq146x`: Elias-Fano positions, SOTA-905, decay 0.95), both
+eager+topkq arms also with deadline rounds (`+deadline`: adapt=deadline, each island catching up with the earliest,
+SOTA-912),
 plus torchft 0.2.0's DiLoCo and streaming DiLoCo (torchft.local_sgd.DiLoCo, fragment_sync_delay=2, F=4 at the quick
 tier's H=20 and F=5 at the full tier's H=50: torchft needs F to divide H) on the same links, one torchft replica
 group per island, with the same task, data shards, inner optimizer, schedule and outer step (plain SGD, lr sqrt(2));
@@ -198,7 +200,7 @@ def _plot(result, path):
         fig.suptitle(f"utilisation{' (quick)' if result['quick'] else ''}: 1 - blocked / wall, 2 islands", fontsize=9)
 
 
-@experiment("utilisation", practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-904", "SOTA-905"),
+@experiment("utilisation", practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-904", "SOTA-905", "SOTA-912"),
             help="compute utilisation (1 - blocked/wall) and step time vs no link on 100/20/5 Mbit/s testbed links: "
                  "DiLoCo, streaming, async (delayed) and eager outer steps, fp32 and topkq, against torchft's "
                  "DiLoCo and streaming DiLoCo")
@@ -214,6 +216,10 @@ def utilisation(ctx: BenchContext) -> dict:
                     for c in (None, COMPRESSOR) for name, spec in arms(h)
                     if not (ctx.quick and c is not None and name not in ("diloco", "eager"))]
     islands_arms.append(("eager+topkq146x", with_compressor(dict(arms(h))["eager"], COMPRESSOR_146X)))
+    # deadline rounds behind the overlap: the islands end each round at the same wall time, so the skew of two
+    # islands on shared cores is not paid at the end (adaptive.py, catching up)
+    islands_arms += [(f"{arm}+deadline", f"{with_compressor(dict(arms(h))['eager'], c)},adapt=deadline")
+                     for arm, c in (("eager+topkq", COMPRESSOR), ("eager+topkq146x", COMPRESSOR_146X))]
     version, why_not = load_torchft(ctx.log)
     torchft_arms = [("torchft-diloco", 1, 0), ("torchft-streaming", torchft_fragments(h, 4), 2)] if version else []
     ctx.plan((len(links) + 1) * (len(islands_arms) + len(torchft_arms)))

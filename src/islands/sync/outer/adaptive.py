@@ -9,7 +9,8 @@ what it computed, and the average weights each island's delta by the samples beh
 adapt=speed   speed-adaptive local steps (DyLU, LIT-910): every island measures its compute seconds per inner step
               (from on_batch to after_step: forward, backward, optimizer, any slowdown; not the exchange, data
               loading or callbacks). At each exchange the islands all-gather (samples, compute seconds per step,
-              steps, wall seconds per step), 32 bytes each (ledger kind "outer_speed"), and plan the next round:
+              steps, wall seconds per step, wall-clock time at the round's end), 40 bytes each (ledger kind
+              "outer_speed"), and plan the next round:
               the fastest island takes H steps, island i H_i = clamp(round(H * t_fast / t_i), 1, H), t the median
               compute seconds per step of the island's last round, so every island's round lasts about the
               fastest island's H steps.
@@ -36,11 +37,32 @@ island's slowest worker's (an all-reduce MAX on the island's group at each excha
 stop decision is one MAX per step on the island's group (ledger kind "island_deadline"), so DDP inside the island
 never sees its workers take different steps.
 
+With overlap=eager|delayed (eager.py) a round's exchange runs behind the next round's inner steps: at a round's
+end the island lands the exchange started at the previous one (the outer step, and the plan from the speeds it
+carried), then starts its own on the exchange thread: the 40-byte speed all-gather and the weighted delta, one
+after the other, so no island waits for another at the boundary. The stand-in is eager's (own fresh delta at
+weight 1/M, or kept at full weight under delayed), replaced by the true weighted mean a round later. Plans and
+deadlines therefore follow the speeds one round later than without overlap (the first two rounds take H steps
+unless a deadline in seconds is given). This is what removes the skew of islands that should be equally fast
+but are not (shared cores, a noisy neighbour): each round ends at the same wall time on every island, so the
+exchange in flight is complete when the next boundary comes. Islands that drifted apart before the budget was
+known (the first two rounds, or a burst of load) would stay apart, and the drift would be paid at the end, in
+finish, by the island that arrives first; so under adapt=deadline each island also catches up: the speeds carry
+each island's wall-clock time at its round's end, and when round k's speeds land (at round k+1's end) round k+2
+is planned to end two budgets after the earliest island ended round k,
+
+    budget_i = clamp(2 B - lag_i - d_i, B / 2, B)     B: the round's budget; lag_i: how far (wall clock) island i
+                                                      ended round k behind the earliest; d_i: its round k+1
+
+never cutting a round below half a budget (machines' clocks that disagree, NTP's milliseconds aside, cost at
+most that). finish lands the exchange in flight, rebases the local model onto the new global one and sends the
+last partial round, if this island has one, blocking.
+
 Time-based rounds are not bitwise reproducible across runs: H_i and the deadline follow measured times. Everything
 the rounds carry is state, saved and restored exactly (the round's steps, samples and step times so far, the
-time it has run, the plan, the budget, the measured rates and wall times, the per-round history), so a resumed run continues
-the same round; only what later clocks read differs. Not supported yet: elastic membership, fragments > 1, tau,
-overlap, sync_inner_state.
+time it has run, the plan, the budget, the measured rates and wall times, the per-round history, the exchange in
+flight with the speeds it carries), so a resumed run continues the same round; only what later clocks read
+differs. Not supported yet: elastic membership, fragments > 1, tau, sync_inner_state.
 """
 
 from __future__ import annotations
@@ -52,9 +74,10 @@ import time
 import torch
 
 from islands.data.batches import size as batch_size_of
+from islands.sync.outer.exchange import Pending
 
 ADAPTS = ("none", "speed", "deadline")
-SPEED_KIND = "outer_speed"  # the per-round (samples, seconds per step, steps, wall per step) all-gather
+SPEED_KIND = "outer_speed"  # the per-round (samples, seconds per step, steps, wall per step, end) all-gather
 DEADLINE_KIND = "island_deadline"  # the per-step stop flag inside a multi-worker island (not cross-island bytes)
 
 
@@ -77,11 +100,14 @@ class AdaptiveRounds:
         self.round_times: list[float] = []  # each step's compute seconds (on_batch to after_step)
         self.round_elapsed = 0.0  # wall seconds of the round so far, kept at save
         self.plan = self.inner_steps  # adapt=speed: this island's steps this round
-        self.budget = self.deadline  # adapt=deadline: this round's budget in seconds (0: none measured yet, H steps)
+        self.budget = self.deadline  # adapt=deadline: the rounds' budget in seconds (0: none measured yet, H steps)
+        self.round_budget = self.deadline  # this island's budget for the round in progress (overlap: catching up)
+        self.wallclock = time.time  # the round ends' common clock across machines (tests replace it)
         self.rates: list[float] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
         self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
         self.skip_to = 0  # the counted step the loop continues from after this island's exchange
+        self.round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
         self._began: float | None = None  # timer at this step's on_batch
         self._round_start: float | None = None  # timer when the round started (its first on_batch)
         self._last_batch = 0
@@ -107,10 +133,14 @@ class AdaptiveRounds:
             self._round_start = began
         self.round_elapsed = now - self._round_start
         if self._round_over(done):
-            self._adapt_exchange()
+            if self.overlap == "none":
+                self._adapt_exchange()
+            else:
+                self._adapt_boundary()
             self.skip_to = self.round_base + self.inner_steps
             self.round_base = self.skip_to
-            self.synced()
+            if self.overlap == "none":
+                self.synced()
 
     def _round_over(self, done: int) -> bool:
         if done - self.round_base >= self.inner_steps:  # the counted round is over (the fastest island's H)
@@ -120,7 +150,7 @@ class AdaptiveRounds:
         else:
             per_step = statistics.median(self.round_times)
             # stop where the next step would end more than half a step past the budget
-            stop = self.budget > 0 and self.round_elapsed + 0.5 * per_step >= self.budget
+            stop = self.round_budget > 0 and self.round_elapsed + 0.5 * per_step >= self.round_budget
             if self.island_comm is not None:  # every worker of the island stops at the same step
                 flag = torch.tensor([1.0 if stop else 0.0])
                 stop = bool(self.island_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
@@ -135,27 +165,86 @@ class AdaptiveRounds:
     def _adapt_exchange(self) -> None:
         """Collective: the weighted mean of this round's deltas, the outer step, and the next round's plan."""
         lo, hi = self.bounds[0]
+        gathered, mean = self._weighted_mean(self._my_speeds(), self.global_flat[lo:hi] - self.local.read(lo, hi))
+        self.sends[0] += 1
+        self._land(0, mean, adopt=True)
+        self._learn(gathered)
+        self._new_round()
+
+    def _my_speeds(self) -> torch.Tensor:
+        """(samples, compute s/step, steps, wall s/step, wall-clock end) of this island's round, agreed inside the
+        island (its slowest worker's rates, its latest worker's end)."""
         # the median: a round's first step (lazy allocations) or a burst of other load barely moves it
         per_step = statistics.median(self.round_times) if self.round_times else float("nan")
         # and the round's wall seconds per step (data loading and the loop's own work too): what a deadline spends
         wall = self.round_elapsed / self.round_steps if self.round_steps else float("nan")
+        end = float(self.wallclock())
         if self.island_comm is not None:  # the island is as fast as its slowest worker
-            t = torch.tensor([per_step, wall], dtype=torch.float64)
-            per_step, wall = self.island_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, kind=DEADLINE_KIND).tolist()
-        mine = torch.tensor([float(self.round_samples), per_step, float(self.round_steps), wall], dtype=torch.float64)
+            t = torch.tensor([per_step, wall, end], dtype=torch.float64)
+            per_step, wall, end = self.island_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                                              kind=DEADLINE_KIND).tolist()
+        return torch.tensor([float(self.round_samples), per_step, float(self.round_steps), wall, end],
+                            dtype=torch.float64)
+
+    def _weighted_mean(self, mine: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective (on either thread): every island's speeds, then the samples-weighted mean of the deltas."""
         gathered = torch.stack(self.comm.all_gather(mine, kind=SPEED_KIND)) if self.comm.size > 1 else mine[None]
         samples = gathered[:, 0]
-        delta = self.global_flat[lo:hi] - self.local.read(lo, hi)
         if not bool((samples == samples[0]).all()):
             delta = delta.mul_(weight_scale(samples.tolist(), self.comm.rank))
-        self.sends[0] += 1
-        self._land(0, self.exchange.mean(self.comm, delta, name="fragment0"), adopt=True)
+        return gathered, self.exchange.mean(self.comm, delta, name="fragment0")
+
+    def _learn(self, gathered: torch.Tensor) -> None:
+        """A round's speeds, landed: the history and the next round's plan or budget."""
         self.history.append([int(s) for s in gathered[:, 2].tolist()])
         self.rates = [float(r) for r in gathered[:, 1].tolist()]
         self.walls = [float(r) for r in gathered[:, 3].tolist()]
         self._plan(self.rates, self.walls)
+        if self.adapt == "deadline" and self.overlap != "none" and self.delay > 0 and self.budget > 0:
+            self.round_budget = catch_up(self.budget, float(gathered[self.comm.rank, 4] - gathered[:, 4].min()),
+                                         self.round_elapsed)
+
+    def _new_round(self) -> None:
         self.round_steps, self.round_samples, self.round_times, self.round_elapsed = 0, 0, [], 0.0
         self._round_start = None
+
+    # ---- overlap=eager|delayed: the exchange behind the next round ----------------------------------
+    def _land_round(self) -> None:
+        """The exchange started at the last round's end: the outer step on its weighted mean, its speeds learnt."""
+        if self.round_inflight is None:
+            return
+        gathered, mean = self.round_inflight.wait()
+        self.round_inflight = None
+        self._outer_step(0, mean)
+        self._learn(gathered)
+
+    def _adapt_boundary(self) -> None:
+        """A round's end under overlap: land the previous round, start this one's exchange, step on a stand-in."""
+        lo, hi = self.bounds[0]
+        self._land_round()
+        if self.delay > 0:
+            self._cycle_buffers()
+        mine = self._my_speeds()
+        fresh = self._start_of(0) - self.local.read(lo, hi)
+        self.sends[0] += 1
+        self.round_inflight = self.exchange.submit(lambda: self._weighted_mean(mine, fresh.clone()))
+        self._new_round()
+        if self.delay == 0:  # lands at once (tests): plain adaptive rounds, bit for bit
+            self._land_round()
+            self.adopt_global(lo, hi)
+            self.start_at[0] = self.global_flat[lo:hi].clone()
+            self.synced()
+            return
+        local = self._trial(0, fresh / self.comm.size) if self.overlap == "eager" else self.global_flat[lo:hi] - fresh
+        self.local.write(local, lo)
+        self.start_at[0] = local.clone()
+
+    def _adapt_final(self) -> None:
+        """finish under overlap: land what is in flight, rebase onto the new global model, send the partial round."""
+        self._land_round()
+        self._overlap_final()  # the floating buffers' average lands; local = global + work since the last boundary
+        if self.round_steps > 0:  # every worker of an island agrees on its steps; islands pair this with a boundary
+            self._adapt_exchange()
 
     def _plan(self, rates: list[float], walls: list[float]) -> None:
         def fastest(values):
@@ -167,14 +256,23 @@ class AdaptiveRounds:
         elif self.adapt == "deadline" and fastest(walls) is not None:
             # the fastest island's wall time for H steps (it fits H: it stops half a step before the budget)
             self.budget = self.deadline if self.deadline > 0 else self.inner_steps * fastest(walls)
+            self.round_budget = self.budget
 
     # ---- state ------------------------------------------------------------------------------------
     def _adapt_state(self) -> dict:
         return {"adapt": {"round_base": self.round_base, "round_steps": self.round_steps,
                           "round_samples": self.round_samples, "round_times": list(self.round_times),
                           "round_elapsed": self.round_elapsed, "plan": self.plan, "budget": self.budget,
+                          "round_budget": self.round_budget,
                           "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
-                          "skip_to": self.skip_to}}
+                          "skip_to": self.skip_to, **self._inflight_state()}}
+
+    def _inflight_state(self) -> dict:
+        if self.round_inflight is None:
+            return {}
+        gathered, mean = self.round_inflight.wait()  # waited on at save, as every exchange in flight is
+        self.round_inflight = Pending(value=(gathered, mean))
+        return {"inflight_speeds": gathered.clone(), "inflight_mean": mean.clone()}
 
     def _load_adapt_state(self, state: dict) -> None:
         a = state.get("adapt")
@@ -184,10 +282,15 @@ class AdaptiveRounds:
             a["round_samples"])
         self.round_times, self.round_elapsed = [float(t) for t in a["round_times"]], float(a["round_elapsed"])
         self.plan, self.budget = int(a["plan"]), float(a["budget"])
+        self.round_budget = float(a.get("round_budget", self.budget))
         self.rates = [float(r) for r in a["rates"]]
         self.walls = [float(r) for r in a["walls"]]
         self.history = [[int(s) for s in h] for h in a["history"]]
         self.skip_to = int(a["skip_to"])
+        self.round_inflight = None
+        if "inflight_mean" in a:
+            self.round_inflight = Pending(value=(a["inflight_speeds"].to(torch.float64).clone(),
+                                                 a["inflight_mean"].to(torch.float32).clone()))
         self._began = self._round_start = None  # the round's clock restarts from round_elapsed at the next step
 
 
@@ -196,6 +299,14 @@ def plan_steps(inner_steps: int, fastest: float, mine: float) -> int:
     if not mine > 0 or not math.isfinite(mine):
         return inner_steps
     return max(1, min(inner_steps, round(inner_steps * fastest / mine)))
+
+
+def catch_up(budget: float, lag: float, just_ended: float) -> float:
+    """Overlapped deadline rounds: this island's budget for its next round. Round k's speeds land at the end of
+    round k+1, which took this island `just_ended` seconds; it ended round k `lag` seconds after the earliest
+    island, so round k+2 should end two budgets after that earliest end: 2 budget - lag - just_ended from now.
+    Never below half a budget (clocks that disagree cost at most that), nor above one."""
+    return min(budget, max(0.5 * budget, 2 * budget - lag - just_ended))
 
 
 def weight_scale(samples: list[float], rank: int) -> float:

@@ -82,11 +82,11 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
         if deadline > 0 and adapt != "deadline":
             raise ValueError(f"deadline={deadline} applies to adapt=deadline only; got adapt={adapt!r}")
         if adapt != "none":
-            clash = [f"{k}={v}" for k, v, plain in (("fragments", fragments, 1), ("tau", tau, 0), ("overlap", overlap, "none"),
+            clash = [f"{k}={v}" for k, v, plain in (("fragments", fragments, 1), ("tau", tau, 0),
                                                     ("sync_inner_state", bool(sync_inner_state), False)) if v != plain]
             if clash:
-                raise ValueError(f"adapt={adapt} runs plain DiLoCo rounds (fragments=1, tau=0, overlap=none, "
-                                 f"sync_inner_state=0); drop {', '.join(clash)}")
+                raise ValueError(f"adapt={adapt} runs whole-model DiLoCo rounds (fragments=1, tau=0, "
+                                 f"sync_inner_state=0; overlap=eager|delayed is fine); drop {', '.join(clash)}")
             if aggregator is not None and not isinstance(aggregator, Mean):
                 raise ValueError(f"adapt={adapt} weighs each island's delta by its samples; a robust aggregator has no "
                                  "such weights: drop aggregator= or use adapt=none")
@@ -180,7 +180,7 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
         self.pending.append((p, self.clock + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
 
     def has_pending(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending) or getattr(self, "round_inflight", None) is not None
 
     def joined(self) -> None:
         """Elastic joiner (base.joined): local <- global; landing=replay measures its own steps from here."""
@@ -200,7 +200,10 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
     def final_sync(self) -> None:
         """Land what is in flight, then sync every fragment, blocking: the global model holds all work."""
         if self.adapt != "none":  # this island's partial round, weighted like every other
-            self._adapt_exchange()
+            if self.overlap == "none":
+                self._adapt_exchange()
+            else:
+                self._adapt_final()
             return
         skip = set()
         if self.overlap != "none":
@@ -271,12 +274,14 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
 
     # ---- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
-        # Exchanges in flight were started on every rank: wait for them here and keep their results.
+        # Exchanges in flight were started on every rank: wait for them here and keep their results (first: an
+        # exchange in flight still updates the compressor's error feedback saved below).
+        adapt = self._adapt_state() if self.adapt != "none" else {}
         inflight = [(p, lands, pending.wait().clone()) for p, lands, pending in self.pending]
         self.pending = [(p, lands, Pending(value=v)) for p, lands, v in inflight]
         return {"outer_opt": self.opt.state_dict(), "inflight": inflight, "sends": list(self.sends),
                 "exchange": self.exchange.state_dict(), "at_send": {p: v.clone() for p, v in self.at_send.items()},
-                **self._overlap_state(), **(self._adapt_state() if self.adapt != "none" else {})}
+                **self._overlap_state(), **adapt}
 
     def load_extra_state(self, state: dict) -> None:
         self.opt.load_state_dict(state["outer_opt"])
