@@ -9,6 +9,8 @@ which would shrink a sleep-made 2x and time the host's load instead of the islan
     diloco           2 islands, synchronous rounds of H steps: the fast island waits at every exchange
     diloco-speed     adapt=speed: the slow island plans H x (its speed / the fastest's) steps per round (DyLU)
     diloco-deadline  adapt=deadline: every island steps until the fastest island's time for H steps runs out
+    diloco-deadline-eager  the same deadline rounds behind an overlapped exchange (overlap=eager, SOTA-912): no
+                     island waits at a boundary, budgets follow one round later, each island catching up
     diloco-even      synchronous DiLoCo with no island slowed: the pace both islands could keep (reference)
 Each arm evaluates the global model at every round's end (eval_every = H). Time to target is rank 0's training wall
 time (evaluation excluded; waiting at exchanges included) at the first evaluation at or under the target; rank 0 is
@@ -55,6 +57,7 @@ def arms(ctx: BenchContext) -> list[tuple[str, dict]]:
         ("diloco", dict(longer, outer=diloco, slowdown=slow)),
         ("diloco-speed", dict(longer, outer=f"{diloco},adapt=speed", slowdown=slow)),
         ("diloco-deadline", dict(longer, outer=f"{diloco},adapt=deadline", slowdown=slow)),
+        ("diloco-deadline-eager", dict(longer, outer=f"{diloco},adapt=deadline,overlap=eager", slowdown=slow)),
         ("diloco-even", dict(longer, outer=diloco, slowdown=even)),
     ]
 
@@ -92,7 +95,8 @@ def _plot(result, path):
 
 
 @experiment("heterogeneous", practices=("SOTA-910", "SOTA-911"),
-            help="one island 2x slower: time to DDP's loss for synchronous DiLoCo, speed-adaptive H and deadline rounds")
+            help="one island 2x slower: time to DDP's loss for synchronous DiLoCo, speed-adaptive H and deadline rounds "
+                 "(also behind an overlapped exchange)")
 def heterogeneous(ctx: BenchContext) -> dict:
     cfg, h, floor = base(ctx)
     plan = arms(ctx)
@@ -135,12 +139,13 @@ def heterogeneous(ctx: BenchContext) -> dict:
              f"{LONGER * cfg['steps']} at H={h}, every step padded to {1000 * floor:.0f} ms")
     headline = [
         f"island 1 {FACTOR}x slower ({words}, 2 workers, gloo loopback): time to the target {target:.4f} ({target_from}): "
-        f"synchronous diloco {base_time:.1f} s; " + "; ".join(arm(k) for k in ("diloco-speed", "diloco-deadline"))
+        f"synchronous diloco {base_time:.1f} s; " + "; ".join(arm(k) for k in ("diloco-speed", "diloco-deadline", "diloco-deadline-eager"))
         + " (goal: >= 1.5x sooner)" if base_time else
         f"synchronous DiLoCo never reached the target {target:.4f} ({target_from})",
         f"final val loss: ddp {final['ddp']:.4f} in {by['ddp']['wall_s']:.1f} s, diloco {final['diloco']:.4f} in "
         f"{by['diloco']['wall_s']:.1f} s, speed {final['diloco-speed']:.4f} in {by['diloco-speed']['wall_s']:.1f} s, "
-        f"deadline {final['diloco-deadline']:.4f} in {by['diloco-deadline']['wall_s']:.1f} s, no island slowed "
+        f"deadline {final['diloco-deadline']:.4f} in {by['diloco-deadline']['wall_s']:.1f} s, deadline+eager "
+        f"{final['diloco-deadline-eager']:.4f} in {by['diloco-deadline-eager']['wall_s']:.1f} s, no island slowed "
         f"{final['diloco-even']:.4f} in {by['diloco-even']['wall_s']:.1f} s; interconnect: {by['diloco']['interconnect']}",
         f"times are rank 0's training seconds (evaluation excluded), on a shared {os.cpu_count()}-core host at load "
         + (f"average up to {load:.1f}" if ran else "average not measured (runs read back with --reuse)")
