@@ -218,26 +218,29 @@ def test_bad_overlap_specs_exit_2_naming_the_choices(outer, words, tmp_path, cap
 # ---- floating buffers (BatchNorm) with fragments in flight ---------------------------------------------------------
 
 BN_SPEC = "streaming-diloco:inner_steps=4,fragments=2,bits=32,overlap=eager"  # cycles end at steps 4 and 8
+# adaptive rounds behind the overlap (adaptive.py): equal speeds, so rounds of 4 on both islands, ending at 4 and 8
+BN_ADAPT_SPEC = "diloco:inner_steps=4,overlap=eager,adapt=speed"
 
 
 class _BNRun:
     """A BatchNorm model under BN_SPEC, stepped by hand in the trainer's hook order."""
 
-    def __init__(self, world):
+    def __init__(self, world, spec: str = BN_SPEC):
         from islands.sync.outer import make_outer
 
         torch.manual_seed(0)
-        self.world = world
+        self.world, self.spec = world, spec
         self.model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
                                          torch.nn.Linear(8, 3))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.strategy = make_outer(BN_SPEC)
+        self.strategy = make_outer(spec)
         self.strategy.wrap(self.model, self.opt, world)
 
     def step(self, i: int) -> None:
         g = torch.Generator().manual_seed(1000 * self.world.rank + i)
         x = torch.randn(16, 6, generator=g) * (1 + self.world.rank)  # the islands' statistics differ
         y = torch.randint(0, 3, (16,), generator=g)
+        self.strategy.on_batch(x, i)
         torch.nn.functional.cross_entropy(self.model(x), y).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -248,8 +251,8 @@ class _BNRun:
         return torch.cat([b.reshape(-1) for b in bufs if b.is_floating_point()]).numpy().copy()
 
 
-def _bn(world) -> dict:
-    run = _BNRun(world)
+def _bn(world, spec: str = BN_SPEC) -> dict:
+    run = _BNRun(world, spec)
     s = run.strategy
     waited = []
     run_in_order = s.exchange.run
@@ -262,7 +265,7 @@ def _bn(world) -> dict:
     snap = copy.deepcopy({"model": run.model.state_dict(), "opt": run.opt.state_dict(), "strategy": s.state_dict()})
     waited_in_steps = list(waited)  # finish waits (it lands everything, then averages blocking): not counted
     s.finish(run.model)
-    other = _BNRun(world)  # resumed from the snapshot taken with the buffers' average in flight
+    other = _BNRun(world, spec)  # resumed from the snapshot taken with the buffers' average in flight
     other.model.load_state_dict(snap["model"])
     other.opt.load_state_dict(snap["opt"])
     other.strategy.load_state_dict(snap["strategy"])
@@ -273,9 +276,13 @@ def _bn(world) -> dict:
             "resumed_params": other.strategy.global_flat.numpy().copy()}
 
 
-@pytest.fixture(scope="module")
-def bn_ranks():
-    return run_world(_bn, size=2, islands=2)
+def _bn_adapt(world) -> dict:
+    return _bn(world, BN_ADAPT_SPEC)
+
+
+@pytest.fixture(scope="module", params=["streaming", "adaptive"])
+def bn_ranks(request):
+    return run_world(_bn if request.param == "streaming" else _bn_adapt, size=2, islands=2)
 
 
 def test_cycle_end_does_not_wait_for_fragments_in_flight_to_average_buffers(bn_ranks):
