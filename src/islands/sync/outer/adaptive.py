@@ -86,6 +86,7 @@ class AdaptiveRounds:
 
     adapt: str = "none"
     deadline: float = 0.0
+    round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
 
     def _adapt_setup(self, world) -> None:
         if self.membership is not None:
@@ -107,7 +108,7 @@ class AdaptiveRounds:
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
         self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
         self.skip_to = 0  # the counted step the loop continues from after this island's exchange
-        self.round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
+        self.round_inflight = None
         self._began: float | None = None  # timer at this step's on_batch
         self._round_start: float | None = None  # timer when the round started (its first on_batch)
         self._last_batch = 0
@@ -135,12 +136,11 @@ class AdaptiveRounds:
         if self._round_over(done):
             if self.overlap == "none":
                 self._adapt_exchange()
+                self.synced()
             else:
                 self._adapt_boundary()
             self.skip_to = self.round_base + self.inner_steps
             self.round_base = self.skip_to
-            if self.overlap == "none":
-                self.synced()
 
     def _round_over(self, done: int) -> bool:
         if done - self.round_base >= self.inner_steps:  # the counted round is over (the fastest island's H)
@@ -270,8 +270,7 @@ class AdaptiveRounds:
     def _inflight_state(self) -> dict:
         if self.round_inflight is None:
             return {}
-        gathered, mean = self.round_inflight.wait()  # waited on at save, as every exchange in flight is
-        self.round_inflight = Pending(value=(gathered, mean))
+        gathered, mean = self.round_inflight.wait()  # waited on at save (Pending keeps the result for the landing)
         return {"inflight_speeds": gathered.clone(), "inflight_mean": mean.clone()}
 
     def _load_adapt_state(self, state: dict) -> None:

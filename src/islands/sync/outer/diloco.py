@@ -180,7 +180,7 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
         self.pending.append((p, self.clock + self.tau, self.exchange.start(self.comm, delta, name=f"fragment{p}")))
 
     def has_pending(self) -> bool:
-        return bool(self.pending) or getattr(self, "round_inflight", None) is not None
+        return bool(self.pending) or self.round_inflight is not None
 
     def joined(self) -> None:
         """Elastic joiner (base.joined): local <- global; landing=replay measures its own steps from here."""
