@@ -9,6 +9,7 @@ exchange in flight continues bitwise; the update formulas alone (one island); ba
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import numpy as np
@@ -218,7 +219,8 @@ def test_bad_overlap_specs_exit_2_naming_the_choices(outer, words, tmp_path, cap
 # ---- floating buffers (BatchNorm) with fragments in flight ---------------------------------------------------------
 
 BN_SPEC = "streaming-diloco:inner_steps=4,fragments=2,bits=32,overlap=eager"  # cycles end at steps 4 and 8
-# adaptive rounds behind the overlap (adaptive.py): equal speeds, so rounds of 4 on both islands, ending at 4 and 8
+# adaptive rounds behind the overlap (adaptive.py): equal speeds (a deterministic clock: measured ones made CI's
+# islands unequal and their last rounds unpaired), so rounds of 4 on both islands, ending at 4 and 8
 BN_ADAPT_SPEC = "diloco:inner_steps=4,overlap=eager,adapt=speed"
 
 
@@ -235,6 +237,9 @@ class _BNRun:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.strategy = make_outer(spec)
         self.strategy.wrap(self.model, self.opt, world)
+        if "adapt=" in spec:  # a clock of its own (each reading half a second on): equal speeds whatever the load
+            ticks = itertools.count()
+            self.strategy.timer = self.strategy.wallclock = lambda: float(next(ticks)) * 0.5
 
     def step(self, i: int) -> None:
         g = torch.Generator().manual_seed(1000 * self.world.rank + i)
