@@ -28,14 +28,15 @@ def test_plan_steps_is_proportional_to_speed_and_bounded():
     assert plan_steps(50, 0.1, float("nan")) == 50  # nothing measured: a plain round
 
 
-def test_catch_up_ends_two_budgets_after_the_earliest_island_within_half_a_budget():
+def test_catch_up_cuts_only_the_lag_behind_the_earliest_island_within_half_a_budget():
     from islands.sync.outer.adaptive import catch_up
 
-    assert catch_up(8.0, 0.0, 8.0) == 8.0  # on time: a full budget
-    assert catch_up(8.0, 2.0, 8.0) == 6.0  # 2 s behind: 2 s shorter
-    assert catch_up(8.0, 0.0, 9.5) == 6.5  # the round in progress ran long: the next one is shorter
-    assert catch_up(8.0, 0.0, 5.0) == 8.0  # never more than a budget (the fastest island takes at most H steps)
-    assert catch_up(8.0, 30.0, 8.0) == 4.0  # far behind, or clocks that disagree: never under half a budget
+    assert catch_up(8.0, 0.0, 0.0) == 8.0  # the earliest island: a full budget
+    assert catch_up(8.0, 2.0, 0.0) == 6.0  # 2 s behind, nothing cut yet: 2 s shorter
+    assert catch_up(8.0, 2.0, 2.0) == 8.0  # the round in progress already made it up
+    assert catch_up(8.0, 3.0, 2.0) == 7.0  # and the rest
+    assert catch_up(8.0, 0.0, 3.0) == 8.0  # never lengthened (the fastest island takes at most H steps)
+    assert catch_up(8.0, 30.0, 0.0) == 4.0  # far behind, or clocks that disagree: never under half a budget
 
 
 def test_weight_scale_makes_the_plain_mean_the_weighted_mean():
@@ -371,6 +372,12 @@ def _overlapped(world) -> dict:
                      "a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
                      "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
                      "a_hist": a.strategy.history, "b_hist": b.strategy.history}
+    # both islands equally fast, 1 s a step in round 1 and 1.5 s after it: round 2 runs 12 s against the 8 s
+    # budget learnt from round 1, on both islands alike, which is no lag to make up
+    run = Run(world, f"diloco:inner_steps={H},adapt=deadline,overlap=eager,{PAPER}")
+    run.until(5 * H, lambda step: 1.0 if step < H else 1.5)
+    run.strategy.finish(run.model)
+    out["slower_everywhere"] = {"history": run.strategy.history, "budget": run.strategy.budget}
     return out
 
 
@@ -519,10 +526,10 @@ def test_overlapped_deadline_rounds_plan_one_round_later_and_weigh_by_samples(tw
     for r in two:
         o = r["overlap"][mode]
         # rounds 1 and 2 take H (round 1's speeds land only at round 2's end); then the budget is the fastest
-        # island's 8 fake s, and rank 1 (2 s a step), 8 s behind rank 0 at round 1's end and 16 s into round 2,
-        # catches up: budget clamp(2 * 8 - 8 - 16, 4, 8) = 4 s, 2 steps, in rounds 3 to 5 (lags 16 and 12 s);
-        # without catching up it would take 4 (the plain deadline rounds above) and stay 16 s behind. The run
-        # ends on a boundary: nothing is left unsent, finish only lands the last round
+        # island's 8 fake s, and rank 1 (2 s a step), 8 s behind rank 0 at round 1's end, catches up: round 3 is
+        # cut by min(8 - 0, 8 / 2) = 4 s to 4 s, 2 steps; rounds 4 and 5 by min(16 - 4, 4) and min(12 - 4, 4) (lags
+        # 16 and 12 s at rounds 2 and 3); without catching up it would take 4 (the plain deadline rounds above)
+        # and stay 16 s behind. The run ends on a boundary: nothing is left unsent, finish only lands the last round
         assert o["history"] == [[H, H], [H, H], [H, 2], [H, 2], [H, 2]], o["history"]
         assert o["rounds"] == 5 and o["inflight_at_end"]
         assert len(o["landed"]) == 5  # every exchange landed at the next boundary or in finish
@@ -540,6 +547,16 @@ def test_overlapped_deadline_rounds_plan_one_round_later_and_weigh_by_samples(tw
     assert a["seen"][2]["n"] == [H * 4, 2 * 2]  # round 3: 8 steps of 4 rows against 2 of 2 rows
     # after finish both islands hold the global model (the last landing adopted it)
     assert a["local"].tobytes() == a["global"].tobytes() and b["local"].tobytes() == b["global"].tobytes()
+
+
+def test_overlapped_deadline_rounds_that_all_run_long_cut_nobody(two):
+    for r in two:
+        o = r["overlap"]["slower_everywhere"]
+        # round 3's budget is round 1's 8 s: 5 steps of 1.5 s (a sixth would end more than half a step past it),
+        # the same on both islands (a grid of absolute round ends had cut both to 4 s, 3 steps: the Llama run
+        # of session 22); from round 4 the budget is round 2's 12 s, H steps
+        assert o["history"] == [[H, H], [H, H], [5, 5], [H, H], [H, H]], o["history"]
+        assert o["budget"] == 12.0
 
 
 def test_overlapped_adaptive_resume_with_an_exchange_in_flight_is_bitwise(two):

@@ -48,14 +48,16 @@ but are not (shared cores, a noisy neighbour): each round ends at the same wall 
 exchange in flight is complete when the next boundary comes. Islands that drifted apart before the budget was
 known (the first two rounds, or a burst of load) would stay apart, and the drift would be paid at the end, in
 finish, by the island that arrives first; so under adapt=deadline each island also catches up: the speeds carry
-each island's wall-clock time at its round's end, and when round k's speeds land (at round k+1's end) round k+2
-is planned to end two budgets after the earliest island ended round k,
+each island's wall-clock time at its round's end, and when round k's speeds land (at round k+1's end) an island
+that ended round k behind the earliest cuts round k+2 by what round k+1's own cut has not made up yet,
 
-    budget_i = clamp(2 B - lag_i - d_i, B / 2, B)     B: the round's budget; lag_i: how far (wall clock) island i
-                                                      ended round k behind the earliest; d_i: its round k+1
+    cut_i(k+2) = clamp(lag_i(k) - cut_i(k+1), 0, B / 2)     budget_i = B - cut_i     B: the rounds' budget;
+                                                            lag_i(k): how far (wall clock) island i ended round
+                                                            k behind the earliest island
 
-never cutting a round below half a budget (machines' clocks that disagree, NTP's milliseconds aside, cost at
-most that). finish lands the exchange in flight, rebases the local model onto the new global one and sends the
+so only lag relative to the other islands is cut: rounds that all run longer than B (a landing, a slow first
+step) cut nobody's, and the earliest island never cuts. A round is never cut below half a budget (machines'
+clocks that disagree, NTP's milliseconds aside, cost at most that). finish lands the exchange in flight, rebases the local model onto the new global one and sends the
 last partial round, if this island has one, blocking.
 
 Time-based rounds are not bitwise reproducible across runs: H_i and the deadline follow measured times. Everything
@@ -103,6 +105,7 @@ class AdaptiveRounds:
         self.plan = self.inner_steps  # adapt=speed: this island's steps this round
         self.budget = self.deadline  # adapt=deadline: the rounds' budget in seconds (0: none measured yet, H steps)
         self.round_budget = self.deadline  # this island's budget for the round in progress (overlap: catching up)
+        self.round_cut = 0.0  # the budget minus round_budget: what this round makes up of the island's lag
         self.wallclock = time.time  # the round ends' common clock across machines (tests replace it)
         self.rates: list[float] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
@@ -196,13 +199,15 @@ class AdaptiveRounds:
 
     def _learn(self, gathered: torch.Tensor) -> None:
         """A round's speeds, landed: the history and the next round's plan or budget."""
+        cut_before = self.round_cut  # the cut of the round that just ended (its budget is replaced below)
         self.history.append([int(s) for s in gathered[:, 2].tolist()])
         self.rates = [float(r) for r in gathered[:, 1].tolist()]
         self.walls = [float(r) for r in gathered[:, 3].tolist()]
         self._plan(self.rates, self.walls)
         if self.adapt == "deadline" and self.overlap != "none" and self.delay > 0 and self.budget > 0:
-            self.round_budget = catch_up(self.budget, float(gathered[self.comm.rank, 4] - gathered[:, 4].min()),
-                                         self.round_elapsed)
+            lag = float(gathered[self.comm.rank, 4] - gathered[:, 4].min())
+            self.round_budget = catch_up(self.budget, lag, cut_before)
+            self.round_cut = self.budget - self.round_budget
 
     def _new_round(self) -> None:
         self.round_steps, self.round_samples, self.round_times, self.round_elapsed = 0, 0, [], 0.0
@@ -256,14 +261,14 @@ class AdaptiveRounds:
         elif self.adapt == "deadline" and fastest(walls) is not None:
             # the fastest island's wall time for H steps (it fits H: it stops half a step before the budget)
             self.budget = self.deadline if self.deadline > 0 else self.inner_steps * fastest(walls)
-            self.round_budget = self.budget
+            self.round_budget, self.round_cut = self.budget, 0.0
 
     # ---- state ------------------------------------------------------------------------------------
     def _adapt_state(self) -> dict:
         return {"adapt": {"round_base": self.round_base, "round_steps": self.round_steps,
                           "round_samples": self.round_samples, "round_times": list(self.round_times),
                           "round_elapsed": self.round_elapsed, "plan": self.plan, "budget": self.budget,
-                          "round_budget": self.round_budget,
+                          "round_budget": self.round_budget, "round_cut": self.round_cut,
                           "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
                           "skip_to": self.skip_to, **self._inflight_state()}}
 
@@ -282,6 +287,7 @@ class AdaptiveRounds:
         self.round_times, self.round_elapsed = [float(t) for t in a["round_times"]], float(a["round_elapsed"])
         self.plan, self.budget = int(a["plan"]), float(a["budget"])
         self.round_budget = float(a.get("round_budget", self.budget))
+        self.round_cut = float(a.get("round_cut", 0.0))
         self.rates = [float(r) for r in a["rates"]]
         self.walls = [float(r) for r in a["walls"]]
         self.history = [[int(s) for s in h] for h in a["history"]]
@@ -300,12 +306,12 @@ def plan_steps(inner_steps: int, fastest: float, mine: float) -> int:
     return max(1, min(inner_steps, round(inner_steps * fastest / mine)))
 
 
-def catch_up(budget: float, lag: float, just_ended: float) -> float:
-    """Overlapped deadline rounds: this island's budget for its next round. Round k's speeds land at the end of
-    round k+1, which took this island `just_ended` seconds; it ended round k `lag` seconds after the earliest
-    island, so round k+2 should end two budgets after that earliest end: 2 budget - lag - just_ended from now.
-    Never below half a budget (clocks that disagree cost at most that), nor above one."""
-    return min(budget, max(0.5 * budget, 2 * budget - lag - just_ended))
+def catch_up(budget: float, lag: float, cut_before: float) -> float:
+    """Overlapped deadline rounds: this island's budget for its next round (k+2). Round k's speeds land at the end
+    of round k+1; the island ended round k `lag` seconds after the earliest island and has since cut round k+1 by
+    `cut_before` seconds, so round k+2 is cut by the rest of the lag: relative to the other islands only, never by
+    more than half a budget (clocks that disagree cost at most that), never lengthened."""
+    return budget - min(0.5 * budget, max(0.0, lag - cut_before))
 
 
 def weight_scale(samples: list[float], rank: int) -> float:
