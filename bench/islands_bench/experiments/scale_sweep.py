@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
-import time
+import shutil
 
 import torch
 
@@ -33,6 +33,7 @@ from islands.memory import ForwardBackward
 from islands.models import count_parameters
 from islands.outer import DiLoCo, StreamingDiLoCo
 from islands.tasks import lm_task
+from islands_bench.experiments.arm_snapshots import ArmSnapshots
 from islands_bench.experiments.outer_common import gap_pct
 from islands_bench.harness import BenchContext, experiment
 
@@ -40,6 +41,7 @@ FULL = dict(sizes=((96, 4, 4), (192, 6, 6), (384, 6, 6)), context=128, islands=4
             tokens_per_param=20.0, lr=3e-3)
 QUICK = dict(sizes=((12, 1, 2), (32, 2, 2), (64, 2, 4)), context=32, islands=2, steps=200, H=20,
              tokens_per_param=4.0, lr=3e-3)
+SNAPSHOT_ROUNDS = 5  # an arm's state is kept every 5 rounds (arm_snapshots): --reuse resumes a cut arm from there
 FRAGMENTS, TAU, BITS = 4, 1, 4  # streaming DiLoCo's setting in LIT-214
 OUTER = dict(outer="sgd", outer_lr=1.0, momentum=0.0, lr_scale="sqrt-islands")  # diloco-vs-ddp's best (SCALED)
 ARMS = ("ddp", "diloco", "streaming")
@@ -61,15 +63,20 @@ def _strategy(arm: str, h: int):
     return islands.Stack()
 
 
-def _fit(task, world, arm: str, tier: dict) -> dict:
-    """Train one island (or the DDP model) with the Trainer; the global model's validation loss on rank 0."""
+def _fit(task, world, arm: str, tier: dict, snapshots: ArmSnapshots | None = None, callbacks=()) -> dict:
+    """Train one island (or the DDP model) with the Trainer, from the arm's last snapshot when resuming; the
+    global model's validation loss on rank 0."""
     model = copy.deepcopy(task.model)  # every island starts from the same weights
     opt = torch.optim.AdamW(model.parameters(), lr=tier["lr"], betas=BETAS, weight_decay=WEIGHT_DECAY)
     steps = tier["steps"]
+    saving = [snapshots.callback(world.rank)] if snapshots is not None else []
     trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=task.loss_fn, train_data=task.train_data,
-                              world=world, strategy=_strategy(arm, tier["H"]), callbacks=[], grad_clip=GRAD_CLIP,
+                              world=world, strategy=_strategy(arm, tier["H"]), callbacks=[*saving, *callbacks],
+                              grad_clip=GRAD_CLIP,
                               schedule=islands.WarmupCosine(max(1, int(steps * WARMUP_FRACTION)), steps),
                               step_fn=ForwardBackward(precision="auto"), batch_size=task.batch_size)
+    if snapshots is not None:
+        snapshots.restore(trainer, world.rank)
     trainer.fit(steps)
     out = {"ledger": world.ledger.snapshot(), "train_loss": trainer.series["train"][-1]["loss"]}
     if world.rank == 0:
@@ -93,21 +100,25 @@ def _arm(ctx: BenchContext, label: str, spec: dict, device: str) -> dict:
     with ctx.arm(label):
         task = lm_task(d_model=d, n_layers=n_layers, n_heads=heads, context=tier["context"], batch_size=batch,
                        eval_batches=EVAL_BATCHES, seed=0)
+        snapshots = ArmSnapshots(ctx.out_dir / "runs" / f"{label}.snapshots", SNAPSHOT_ROUNDS * tier["H"], m, spec)
+        at = snapshots.prepare(ctx.reuse)
+        if at is not None:
+            ctx.log(f"run {label}: resuming at step {at} of {tier['steps']} from {snapshots.root} (--reuse)")
         threads = torch.get_num_threads()
         if device == "cpu":  # every arm alike; on a shared CPU, 2 intra-op threads ran DDP ~40x slower (spinning)
             torch.set_num_threads(1)
-        t = time.perf_counter()
         try:  # DDP too runs as a simulation (of one island): the same thread setup for every arm
-            results = islands.simulate.run(lambda w: _fit(task, w, spec["arm"], tier), islands=m,
+            results = islands.simulate.run(lambda w: _fit(task, w, spec["arm"], tier, snapshots), islands=m,
                                            device=device)
         finally:
             torch.set_num_threads(threads)
-        wall = time.perf_counter() - t
+        wall = snapshots.wall_s()  # earlier sessions' part of a resumed arm included
     ledger = results[0]["ledger"]
     result = {"val_loss": results[0]["val_loss"], "train_loss": results[0]["train_loss"], "wall_s": wall,
               "sent": ledger["total_sent"], "calls": ledger["calls"], "sent_by_kind": ledger["sent"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"spec": spec, "result": result}, indent=1))
+    shutil.rmtree(snapshots.root, ignore_errors=True)  # the arm is done: its result is what --reuse reads now
     return result
 
 
