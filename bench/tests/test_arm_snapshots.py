@@ -59,8 +59,8 @@ def test_a_cut_arm_resumes_from_its_last_complete_snapshot_bit_for_bit(tmp_path,
     assert first.complete(40) and first.complete(32) and not (root / "step24").exists()
     again = ArmSnapshots(root, EVERY, TIER["islands"], spec)
     assert again.prepare(reuse=True) == 40
-    assert again.wall_before > 0
     resumed = _run(arm, again)
+    assert again.wall_before > 0  # the earlier session's wall time, read back with island 0's state
     assert resumed[0]["val_loss"] == whole[0]["val_loss"]  # bit for bit
     for a, b in zip(resumed, whole):
         assert a["train_loss"] == b["train_loss"]

@@ -38,7 +38,7 @@ class ArmSnapshots:
             raise ValueError(f"snapshot interval must be > 0 steps; got {every}")
         self.root, self.every, self.islands, self.spec = Path(root), int(every), int(islands), spec
         self.resume_step: int | None = None
-        self.wall_before = 0.0  # the arm's wall seconds in earlier sessions (from the resumed set)
+        self.wall_before = 0.0  # the arm's wall seconds in earlier sessions (island 0's restore reads it)
         self.started = time.perf_counter()
 
     # ---- the main thread, before the islands start ------------------------------------------------------------
@@ -55,9 +55,6 @@ class ArmSnapshots:
             return None
         steps = sorted((int(m.group(1)) for p in self.root.iterdir() if (m := _STEP.match(p.name))), reverse=True)
         self.resume_step = next((s for s in steps if self.complete(s)), None)
-        if self.resume_step is not None:
-            self.wall_before = float(torch.load(self._file(self.resume_step, 0), weights_only=False)["wall_s"])
-        self.started = time.perf_counter()
         return self.resume_step
 
     def complete(self, step: int) -> bool:
@@ -74,6 +71,8 @@ class ArmSnapshots:
             return
         state = torch.load(self._file(self.resume_step, island), weights_only=False)
         trainer.load_state_dict(state["trainer"])
+        if island == 0:  # every island stored the same arm clock; read once, with the state it came with
+            self.wall_before = float(state["wall_s"])
         ledger = trainer.world.ledger  # continues from the stored counts: the arm's traffic, as if never cut (this
         for name in ("sent", "received", "calls"):  # session's start-up check, 8 bytes, was the wrap's, not the arm's)
             counts = getattr(ledger, name)

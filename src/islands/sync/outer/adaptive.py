@@ -55,10 +55,11 @@ that ended round k behind the earliest cuts round k+2 by what round k+1's own cu
                                                             lag_i(k): how far (wall clock) island i ended round
                                                             k behind the earliest island
 
-so only lag relative to the other islands is cut: rounds that all run longer than B (a landing, a slow first
-step) cut nobody's, and the earliest island never cuts. A round is never cut below half a budget (machines'
-clocks that disagree, NTP's milliseconds aside, cost at most that). finish lands the exchange in flight, rebases the local model onto the new global one and sends the
-last partial round, if this island has one, blocking.
+(cut_i(k+1) is B - round k+1's budget_i) so only lag relative to the other islands is cut: rounds that all run
+longer than B (a landing, a slow first step) add no cut, and the earliest island never cuts. A round is never
+cut below half a budget (machines' clocks that disagree, NTP's milliseconds aside, cost at most that). finish
+lands the exchange in flight, rebases the local model onto the new global one and sends the last partial round,
+if this island has one, blocking.
 
 Time-based rounds are not bitwise reproducible across runs: H_i and the deadline follow measured times. Everything
 the rounds carry is state, saved and restored exactly (the round's steps, samples and step times so far, the
@@ -105,7 +106,6 @@ class AdaptiveRounds:
         self.plan = self.inner_steps  # adapt=speed: this island's steps this round
         self.budget = self.deadline  # adapt=deadline: the rounds' budget in seconds (0: none measured yet, H steps)
         self.round_budget = self.deadline  # this island's budget for the round in progress (overlap: catching up)
-        self.round_cut = 0.0  # the budget minus round_budget: what this round makes up of the island's lag
         self.wallclock = time.time  # the round ends' common clock across machines (tests replace it)
         self.rates: list[float] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
@@ -199,7 +199,7 @@ class AdaptiveRounds:
 
     def _learn(self, gathered: torch.Tensor) -> None:
         """A round's speeds, landed: the history and the next round's plan or budget."""
-        cut_before = self.round_cut  # the cut of the round that just ended (its budget is replaced below)
+        cut_before = self.budget - self.round_budget  # what the round that just ended made up of the lag
         self.history.append([int(s) for s in gathered[:, 2].tolist()])
         self.rates = [float(r) for r in gathered[:, 1].tolist()]
         self.walls = [float(r) for r in gathered[:, 3].tolist()]
@@ -207,7 +207,6 @@ class AdaptiveRounds:
         if self.adapt == "deadline" and self.overlap != "none" and self.delay > 0 and self.budget > 0:
             lag = float(gathered[self.comm.rank, 4] - gathered[:, 4].min())
             self.round_budget = catch_up(self.budget, lag, cut_before)
-            self.round_cut = self.budget - self.round_budget
 
     def _new_round(self) -> None:
         self.round_steps, self.round_samples, self.round_times, self.round_elapsed = 0, 0, [], 0.0
@@ -261,14 +260,14 @@ class AdaptiveRounds:
         elif self.adapt == "deadline" and fastest(walls) is not None:
             # the fastest island's wall time for H steps (it fits H: it stops half a step before the budget)
             self.budget = self.deadline if self.deadline > 0 else self.inner_steps * fastest(walls)
-            self.round_budget, self.round_cut = self.budget, 0.0
+            self.round_budget = self.budget
 
     # ---- state ------------------------------------------------------------------------------------
     def _adapt_state(self) -> dict:
         return {"adapt": {"round_base": self.round_base, "round_steps": self.round_steps,
                           "round_samples": self.round_samples, "round_times": list(self.round_times),
                           "round_elapsed": self.round_elapsed, "plan": self.plan, "budget": self.budget,
-                          "round_budget": self.round_budget, "round_cut": self.round_cut,
+                          "round_budget": self.round_budget,
                           "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
                           "skip_to": self.skip_to, **self._inflight_state()}}
 
@@ -287,7 +286,6 @@ class AdaptiveRounds:
         self.round_times, self.round_elapsed = [float(t) for t in a["round_times"]], float(a["round_elapsed"])
         self.plan, self.budget = int(a["plan"]), float(a["budget"])
         self.round_budget = float(a.get("round_budget", self.budget))
-        self.round_cut = float(a.get("round_cut", 0.0))
         self.rates = [float(r) for r in a["rates"]]
         self.walls = [float(r) for r in a["walls"]]
         self.history = [[int(s) for s in h] for h in a["history"]]
