@@ -107,9 +107,11 @@ class ArmSnapshots:
 class _Save:
     """A Trainer callback: this island's snapshot at every multiple of the interval before the arm's last step."""
 
+    reads_loss = False
+
     def __init__(self, snapshots: ArmSnapshots, island: int):
         self.snapshots, self.island = snapshots, island
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
         if trainer.step % self.snapshots.every == 0 and trainer.step < trainer.total_steps:
             self.snapshots.save(trainer, self.island)

@@ -87,8 +87,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_loop(tier: dict, device) -> float:
-    """Seconds for tier["steps"] timed steps of the hand-written loop (after tier["warmup"] untimed ones)."""
+def plain_loop(tier: dict, device, read_loss: bool = False) -> float:
+    """Seconds for tier["steps"] timed steps of the hand-written loop (after tier["warmup"] untimed ones);
+    `read_loss`: the loop a user writes with `loss.item()` every step (a wait on the device each step)."""
     model = _gpt2(tier, tier["vocab"], tier["context"], device)
     opt = _optimizer(model, device)
     batches = _batches(tier, device)
@@ -105,17 +106,25 @@ def plain_loop(tier: dict, device) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if read_loss:
+            loss.item()
     _sync(device)
     return time.perf_counter() - start
+
+
+def plain_loop_reading_loss(tier: dict, device) -> float:
+    return plain_loop(tier, device, read_loss=True)
 
 
 class _Clock:
     """A callback that starts the clock after the warm-up steps (the Trainer's callbacks see every step end)."""
 
+    reads_loss = False  # a callback that read each step's loss would make the GPU wait every step
+
     def __init__(self, warmup: int, device):
         self.warmup, self.device, self.start = warmup, device, None
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
         if trainer.step == self.warmup:
             _sync(self.device)
             self.start = time.perf_counter()
@@ -182,10 +191,10 @@ def _diloco_arm(tier: dict, device, arm: str) -> dict:
 def gpu_throughput(ctx: BenchContext) -> dict:
     tier = dict(QUICK if ctx.quick else FULL)
     device = torch.device("cuda" if ctx.device == "cuda" else "cpu")
-    ctx.plan(2 * tier["repeats"] + 2)
-    times: dict[str, list[float]] = {"plain": [], "islands": []}
+    ctx.plan(3 * tier["repeats"] + 2)
+    times: dict[str, list[float]] = {"plain": [], "islands": [], "plain+item": []}
     for r in range(tier["repeats"]):
-        for name, fn in (("plain", plain_loop), ("islands", islands_loop)):
+        for name, fn in (("plain", plain_loop), ("islands", islands_loop), ("plain+item", plain_loop_reading_loss)):
             with ctx.arm(f"{name}-{r}"):
                 times[name].append(fn(tier, device))
             if device.type == "cuda":
@@ -202,8 +211,9 @@ def gpu_throughput(ctx: BenchContext) -> dict:
         rows.append({"part": "loop", "arm": name, "params": params, "tokens_per_step": tier["batch"] * tier["context"],
                      "seconds": [round(t, 3) for t in ts], "tokens_per_s": round(tps, 1),
                      "mfu_pct": round(100 * tps * flops_token / peak, 2) if peak else None})
-    plain, ours = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
+    plain, ours, reading = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"], rows[2]["tokens_per_s"]
     cost_pct = 100.0 * (plain / ours - 1.0)
+    read_pct = 100.0 * (plain / reading - 1.0)
     arms = {}
     for arm in ("single", "diloco"):
         with ctx.arm(f"diloco-part-{arm}"):
@@ -225,6 +235,8 @@ def gpu_throughput(ctx: BenchContext) -> dict:
         f"GPT-2 {params / 1e6:.1f}M, batch {tier['batch']} x {tier['context']} tokens, "
         f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}: plain loop {plain:,.0f} tokens/s, islands' loop "
         f"{ours:,.0f} tokens/s: islands costs {cost_pct:+.2f}% (goal <= 3%){mfu}",
+        f"the plain loop reading loss.item() every step: {reading:,.0f} tokens/s ({read_pct:+.2f}% against the "
+        f"plain loop; islands' loop reads the loss only at its log entries)",
         f"DiLoCo, {d['islands']} simulated islands, H={d['H']}, {d['steps']} steps, against one replica on "
         f"{d['islands']}x the batch (equal tokens, {arms['diloco']['tokens']:,}): final val loss "
         f"{arms['diloco']['val_loss']:.4f} vs {arms['single']['val_loss']:.4f} ({gap:+.2f}%)",
@@ -233,4 +245,5 @@ def gpu_throughput(ctx: BenchContext) -> dict:
     return {"rows": rows, "headline": headline, "interconnect": [where],
             "baseline": ["part 1: a hand-written PyTorch loop of the same model, optimizer, precision and batches, "
                          "alternated with islands' loop in this run; part 2: one replica at equal tokens"],
-            "loop_cost_pct": cost_pct, "diloco_gap_pct": gap}
+            "loop_cost_pct": cost_pct, "loss_read_cost_pct": read_pct,
+            "diloco_gap_pct": gap}

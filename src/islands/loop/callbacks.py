@@ -3,7 +3,9 @@
 A callback is any object with some of these methods; the Trainer calls those it has, in `order`
 (lower first; a callback without `order` counts as 50; on_fit_end follows `end_order` where one is given):
     on_fit_start(trainer)            before the first step of this fit
-    on_step_end(trainer, loss)       after each step (trainer.step counts the steps done)
+    on_step_end(trainer, loss)       after each step (trainer.step counts the steps done); `loss` is the step's
+                                     loss as a float, or None for a callback whose `reads_loss` is False (reading
+                                     it waits for the device; trainer.loss reads it on demand)
     on_fit_end(trainer)              after the last step and the strategy's final synchronisation
     state_dict() / load_state_dict()  kept in checkpoints under "callbacks" when present
 """
@@ -36,6 +38,7 @@ class Evaluate:
     `every` > 0 (where the curve starts), and after the final synchronisation. Results go to
     trainer.series["val"]."""
 
+    reads_loss = False
     order = 10
 
     def __init__(self, every: int = 0, max_batches: int | None = None):
@@ -56,7 +59,7 @@ class Evaluate:
         if trainer.val_data is not None and trainer.step == 0 and self.every:
             self.run(trainer)
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
         if (trainer.val_data is not None and self.every and trainer.step % self.every == 0
                 and trainer.step != trainer.total_steps):  # the last one comes after the final sync
             self.run(trainer)
@@ -73,6 +76,7 @@ class Checkpointing:
     after each step; the final checkpoint after the strategy's final synchronisation, durable before the
     run record is written."""
 
+    reads_loss = False
     order = 20
     record_key = "checkpoint"
 
@@ -82,7 +86,7 @@ class Checkpointing:
     def record(self) -> dict:
         return self.driver.record()
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
         if trainer.step != trainer.total_steps:  # the last step is saved after the final synchronisation
             self.driver.after_step(trainer)
 
@@ -93,6 +97,7 @@ class Checkpointing:
 class Progress:
     """Rank 0's live bar (a terminal) or log lines, and the summary table at the end (islands.measure.progress)."""
 
+    reads_loss = False
     order, end_order = 1, 99  # the bar exists before anything logs; the table needs the record
 
     def __init__(self, enabled: bool = True, tokens_per_sample: int = 1):
@@ -104,7 +109,12 @@ class Progress:
                                  start=trainer.step)
         trainer.log = self.bar.log
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
+        if not self.bar.live:
+            return
+        # the latest logged mean: a fresh float each step would make a GPU wait for every step
+        train = trainer.series["train"]
+        loss = train[-1]["loss"] if train else trainer.loss
         tps = self.tokens_per_sample * trainer.samples_per_step * trainer.step / max(trainer.elapsed, 1e-9)
         self.bar.update(trainer.step, loss, tps, trainer.world.ledger.total_sent / 1e6)
 
@@ -126,6 +136,7 @@ class RunRecord:
     record as the job's configuration (a plain dict); `task`, `data_source`, `tokens_per_sample`: labels and
     the tokens/s definition; `testbed`: a testbed whose shaped links the run used (its record is kept)."""
 
+    reads_loss = False
     order = 90
 
     def __init__(self, run_dir: str | Path | None = None, config: dict | None = None, probe: bool = True,
@@ -147,7 +158,7 @@ class RunRecord:
         trainer.log(f"[bold]islands[/] {trainer.strategy.name} · {world.size} workers / {world.islands} island(s) · "
                     f"data: {self.data_source or self.task} · interconnect: {describe(self.interconnect)}")
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
         pass
 
     def on_fit_end(self, trainer) -> None:

@@ -103,7 +103,12 @@ class Trainer:
         self.started = time.time()
         self.record: dict | None = None
         self.log: Callable[[str], None] = lambda text: None  # the Progress callback gives it a console
-        self._losses: list[float] = []
+        # the loss is read on the host only where someone reads it (a log entry, a callback that asks): on a GPU
+        # a float() each step would stall the queue of kernels every step
+        self._loss: torch.Tensor | None = None  # the last step's loss, float64, where the step left it
+        self._loss_value: float | None = None
+        self._loss_sum: torch.Tensor | None = None  # since the last log entry
+        self._loss_count = 0
 
     # ---- one step -------------------------------------------------------------------------------
     def _set_lr(self, step: int) -> None:
@@ -116,6 +121,18 @@ class Trainer:
             group["lr"] = base * factor
 
     def train_step(self) -> float:
+        """One step; returns its loss as a float (which waits for the device: the fit loop reads it lazily)."""
+        self._step()
+        return self.loss
+
+    @property
+    def loss(self) -> float:
+        """The last step's loss on the host (read from the device once, on first use)."""
+        if self._loss_value is None and self._loss is not None:
+            self._loss_value = float(self._loss)
+        return self._loss_value if self._loss_value is not None else float("nan")
+
+    def _step(self) -> None:
         step = self.step
         self._set_lr(step)
         batch = to_device(self.strategy.on_batch(self.data.next(), step), self.world.device)
@@ -139,7 +156,9 @@ class Trainer:
         skip = getattr(self.strategy, "next_step", None)  # a slower island may skip to its round's end (not the run's)
         if skip is not None:
             self.step = max(self.step, min(int(skip(self.step)), self.total_steps))
-        return float(loss)
+        # float64 on the device: the series' means equal those of the host floats, added in the same order
+        self._loss = torch.as_tensor(loss).detach().reshape(()).to(torch.float64)
+        self._loss_value = None
 
     # ---- the loop -------------------------------------------------------------------------------
     def add_callback(self, callback) -> None:
@@ -158,7 +177,7 @@ class Trainer:
                 cb.on_fit_start(self)
         while self.step < self.total_steps:
             t0, busy0 = time.perf_counter(), ledger.busy_seconds
-            loss = self.train_step()
+            self._step()
             dt = time.perf_counter() - t0
             self.steps_this_fit += 1
             self.elapsed += dt
@@ -166,10 +185,10 @@ class Trainer:
             busy = ledger.busy_seconds - busy0
             self.comm_seconds += busy
             self.compute_seconds += dt - busy
-            self._log_train(loss)
-            for cb in self.callbacks:
+            self._log_train()
+            for cb in self.callbacks:  # one that says it does not read the loss gets None (no wait on the device)
                 if hasattr(cb, "on_step_end"):
-                    cb.on_step_end(self, loss)
+                    cb.on_step_end(self, self.loss if getattr(cb, "reads_loss", True) else None)
         t = time.perf_counter()
         self.strategy.finish(self.model)  # the final synchronisation: the global model holds every island's work
         dt = time.perf_counter() - t
@@ -180,13 +199,15 @@ class Trainer:
                 cb.on_fit_end(self)
         return self.record if self.record is not None else {"series": self.series, "steps": self.step}
 
-    def _log_train(self, loss: float) -> None:
-        self._losses.append(loss)
+    def _log_train(self) -> None:
+        self._loss_sum = self._loss if self._loss_sum is None else self._loss_sum + self._loss
+        self._loss_count += 1
         if self.step % self.log_every == 0 or self.step == self.total_steps:
             lr = self.optimizer.param_groups[0]["lr"]
-            self.series["train"].append({"step": self.step, "loss": sum(self._losses) / len(self._losses), "lr": lr,
+            mean = float(self._loss_sum) / self._loss_count
+            self.series["train"].append({"step": self.step, "loss": mean, "lr": lr,
                                          "elapsed": self.elapsed, "mb_sent": self.world.ledger.total_sent / 1e6})
-            self._losses = []
+            self._loss_sum, self._loss_count = None, 0
 
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Validation of the model the strategy reports (the global model under an outer strategy)."""

@@ -25,6 +25,7 @@ from islands.observe.logger import Logger, finite, flatten
 
 
 class Logging:
+    reads_loss = False  # its numbers come from the series and the ledger
     order = 95  # after Evaluate (10) and the run record's probe (90): their numbers exist when this logs
     end_order = 95  # after the run record is built (90), before the progress table (99)
 
@@ -136,7 +137,7 @@ class Logging:
             lg.log_params(params)
         self._flush(trainer)  # an evaluation at step 0
 
-    def on_step_end(self, trainer, loss: float) -> None:
+    def on_step_end(self, trainer, loss) -> None:
         self._flush(trainer)
 
     def on_fit_end(self, trainer) -> None:

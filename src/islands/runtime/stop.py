@@ -44,6 +44,7 @@ def requested_stop(store) -> int | None:
 class StopAt:
     """Trainer callback: lowers trainer.total_steps to a requested stop step (module docstring)."""
 
+    reads_loss = False
     order = 5  # before the callbacks that act on the last step (evaluation, checkpoints) see this one
 
     def __init__(self, store, name: str = "", poll_s: float = POLL_S, out=None):
