@@ -34,3 +34,21 @@ def test_config_rejects_cuda_without_enough_gpus_and_unknown_devices(monkeypatch
     with pytest.raises(ConfigError, match="auto, cpu, cuda"):
         validate(from_mapping({"device": "tpu"}))
     assert validate(from_mapping({"device": "cpu"})).world.device == "cpu"
+
+
+def test_a_job_started_without_local_world_size_counts_its_world_as_one_host(monkeypatch):
+    """Processes that set RANK/LOCAL_RANK/WORLD_SIZE by hand (no LOCAL_WORLD_SIZE): on a host with fewer GPUs than
+    workers, every one of them takes gloo on the CPU; none asks for a GPU index the host lacks."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    workers = _gpus() + 1
+    monkeypatch.setenv("WORLD_SIZE", str(workers))
+    for rank in range(workers):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert pick_backend("auto") == ("gloo", torch.device("cpu"))
+        with pytest.raises(ValueError, match="one GPU per worker"):
+            pick_backend("cuda")
+    # a LOCAL_RANK past LOCAL_WORLD_SIZE (a wrong launcher) is not a GPU index either
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", str(_gpus()))
+    assert pick_backend("auto") == ("gloo", torch.device("cpu"))

@@ -190,7 +190,7 @@ def test_islands_on_one_gpu_are_reproducible_and_agree():
 
 CLI_JOB = ["train", "--workers", "2", "--islands", "2", "--outer", "diloco:inner_steps=5", "--steps", "12",
            "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "8",
-           "--no-progress"]
+           "--no-progress", "--device", "cpu"]  # on a GPU machine --simulate would take the GPU, the 2 processes gloo
 
 
 def test_cli_simulate_equals_the_launched_job(tmp_path):

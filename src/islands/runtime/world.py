@@ -116,12 +116,18 @@ def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
     """(backend, device) for this process: NCCL on its own GPU, or gloo on the CPU.
 
     NCCL refuses two ranks on one GPU, so "auto" takes CUDA only when every worker on this host
-    (LOCAL_WORLD_SIZE, set by our launcher and by torchrun) gets its own device.
+    (LOCAL_WORLD_SIZE, set by our launcher and by torchrun) gets its own device. A job started by hand
+    without LOCAL_WORLD_SIZE counts as one host: WORLD_SIZE workers, this one's index LOCAL_RANK (else RANK).
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" in env:
+        local_workers, local = int(env["LOCAL_WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    else:
+        local_workers = int(env.get("WORLD_SIZE", "1"))
+        local = int(env.get("LOCAL_RANK", env.get("RANK", "0")))
+    local_workers = max(local_workers, local + 1)  # a worker's own index says at least this many share the host
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and local_workers > gpus:
         raise ValueError(f"device=cuda needs one GPU per worker on this host: {local_workers} worker(s), "
