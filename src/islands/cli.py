@@ -44,6 +44,8 @@ _HELP = {
     "world.device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
     "inner.strategy": "inner strategy inside an island: auto, single, ddp, zero1, fsdp, pipeline",
     "outer.strategy": "outer strategy across islands, e.g. diloco:inner_steps=100",
+    "outer.authenticate": "every tensor sent between islands carries an HMAC under the job's token (ISLANDS_TOKEN; "
+                          "islands train makes one for its workers): an altered or replayed payload is refused",
     "inner.compressor": "gradient compressor spec, e.g. powersgd:rank=4", "inner.aggregator": "aggregator spec, e.g. median",
     "inner.attack": "rehearse an attack, e.g. sign-flip:count=2", "world.testbed": "run workers inside this network testbed",
     "world.slowdown": "make islands compute slower, e.g. 1=2.0 (island 1 at half speed) or rank3=1.5",

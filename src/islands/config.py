@@ -107,6 +107,8 @@ class InnerConfig:
 @dataclass
 class OuterConfig:
     strategy: Spec | None = None  # e.g. diloco:inner_steps=100 (None: one island, or no outer strategy)
+    # every payload between islands carries an HMAC under the job's token (islands.runtime.payload_auth)
+    authenticate: bool = False
 
 
 @dataclass
@@ -223,7 +225,7 @@ FLAT: dict[str, str] = {
     "reshard": "inner.reshard", "prefetch": "inner.prefetch", "shard_group": "inner.shard_group",
     "shard_budget_mb": "inner.shard_budget_mb", "stages": "inner.stages", "microbatches": "inner.microbatches",
     "cuts": "inner.cuts", "pipeline_schedule": "inner.schedule", "activation_budget_mb": "inner.activation_budget_mb",
-    "outer": "outer.strategy",
+    "outer": "outer.strategy", "authenticate_payloads": "outer.authenticate",
     "activation_checkpointing": "memory.activation_checkpointing", "precision": "memory.precision",
     "micro_batch": "memory.micro_batch", "memory_budget_mb": "memory.budget_mb",
     "ckpt_dir": "checkpoint.dir", "ckpt_every": "checkpoint.every", "ckpt_policy": "checkpoint.policy",

@@ -4,14 +4,16 @@ Membership store: connect(address, token, job) -> a member's view of the job, Jo
     join turned away), observe(address, token) (read a running job's membership without joining)
 Authentication (SOTA-930): ControlAuth (HMAC-SHA256 envelopes under the job token, per-sender counters against
     replay), AuthStore (a torch Store whose forged, altered and replayed values read as absent), mac_payload (a MAC
-    over a tensor payload, for callers who authenticate their own bytes)
+    over a tensor payload, for callers who authenticate their own bytes), authenticate_payloads(world, token) (every
+    outer strategy built on `world` afterwards exchanges HMAC-tagged payloads; AuthenticatedComm, PayloadAuthError)
 Live recovery (SOTA-931): StateImage (a state cut into checksummed chunks), StateServer (serves one over TCP),
     fetch_state(peers, ...) (a joiner pulls the chunks from every peer, refetching damaged ones), RecoveryError
 """
 
 from islands.runtime.auth import AuthStore, ControlAuth, mac_payload
 from islands.runtime.membership import JobSpec, Refused, connect, observe
+from islands.runtime.payload_auth import AuthenticatedComm, PayloadAuthError, authenticate_payloads
 from islands.runtime.recovery import RecoveryError, StateImage, StateServer, fetch_state
 
-__all__ = ["AuthStore", "ControlAuth", "JobSpec", "RecoveryError", "Refused", "StateImage", "StateServer", "connect",
-           "fetch_state", "mac_payload", "observe"]
+__all__ = ["AuthStore", "AuthenticatedComm", "ControlAuth", "JobSpec", "PayloadAuthError", "RecoveryError", "Refused",
+           "StateImage", "StateServer", "authenticate_payloads", "connect", "fetch_state", "mac_payload", "observe"]

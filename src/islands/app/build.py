@@ -37,6 +37,7 @@ from islands.memory.step import ForwardBackward
 from islands.observe import JsonLines, Logging, build_loggers
 from islands.observe.backends import stream_name
 from islands.parallel.pipeline.strategy import PipelineStages
+from islands.runtime.payload_auth import authenticate_payloads
 from islands.runtime.world import World
 from islands.sync.base import Strategy
 from islands.sync.ddp import DDP
@@ -203,6 +204,8 @@ def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, cal
     step_fn = build_step_fn(cfg, task, optimizer, world)
     if cfg.world.slowdown:  # a slower host rehearsed on this one: this process sleeps its share after each step
         step_fn = slow_step(step_fn, parse_slowdown(cfg.world.slowdown), world.rank, world.island)
+    if cfg.outer.authenticate and world.distributed:  # before the outer strategy takes its Comm; collective
+        authenticate_payloads(world)
     strategy = build_strategy(cfg, world, task, run_dir)
     pipeline = cfg.inner_strategy == "pipeline"  # the pipeline clips by the norm over all stages itself
     return Trainer(model, optimizer, task.loss_fn, task.train_data, task.val_data, strategy=strategy, world=world,

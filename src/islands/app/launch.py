@@ -8,6 +8,8 @@ bytes a testbed's shaped links carried (into run.json), and the elastic launcher
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -40,8 +42,11 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     cfg_path = run_dir / "config.json"
     dump_json(cfg, cfg_path)
     before = _wire_counters(placement.testbed)
+    # authenticated payloads: the workers' shared secret, made here unless the user gave one (never written down)
+    env = {"ISLANDS_TOKEN": secrets.token_hex(32)} if cfg.outer.authenticate and not os.environ.get("ISLANDS_TOKEN") \
+        else {}
     code = run_ranks([sys.executable, "-m", WORKER_MODULE, str(cfg_path), str(run_dir)], world.workers, placement,
-                     islands=world.islands, threads=world.threads, run_dir=run_dir, out=out)
+                     islands=world.islands, threads=world.threads, run_dir=run_dir, out=out, env=env)
     if code == 0 and placement.testbed is not None:
         _record_wire_bytes(run_dir, placement.testbed, before)
     return code

@@ -493,13 +493,28 @@ def hf_task(cfg: JobConfig) -> str | None:
                     t.n_heads, cfg.checkpoint.resume, t.text_column)
 
 
+def payload_auth(cfg: JobConfig) -> str | None:
+    """outer.authenticate: a static job whose islands exchange through an outer strategy, as processes."""
+    if not cfg.outer.authenticate:
+        return None
+    if cfg.outer.strategy is None or cfg.world.islands < 2:
+        return ("outer.authenticate signs what islands send each other; it needs world.islands >= 2 and an outer "
+                "strategy (e.g. outer.strategy='diloco:inner_steps=100')")
+    if cfg.elastic.enabled:
+        return ("outer.authenticate is not supported with elastic yet: its exchanges are numbered per static group, "
+                "and an elastic job re-forms its groups mid-run; drop one of them")
+    if cfg.world.simulate:
+        return "outer.authenticate applies to islands as processes; simulated islands exchange inside one process"
+    return None
+
+
 RULES: list[tuple[str, Callable[[JobConfig], str | None]]] = [
     ("choices", choices), ("positive", positive), ("device has GPUs", device_has_gpus), ("shapes", shapes),
     ("data", data), ("testbed", testbed), ("specs", specs), ("slowdown", slowdown),
     ("adaptive rounds", adaptive_rounds), ("optimizer and exchange", optimizer_exchange),
     ("islands need an outer strategy", islands_need_outer), ("sharding", sharding), ("memory", memory),
     ("pipeline", pipeline), ("checkpointing", checkpointing), ("simulated islands", simulated), ("elastic", elastic),
-    ("loggers", loggers),
+    ("authenticated payloads", payload_auth), ("loggers", loggers),
     ("user task", user_task), ("hf-causal-lm task", hf_task),
 ]
 

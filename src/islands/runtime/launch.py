@@ -214,9 +214,9 @@ def _install(handlers: dict, saved: dict) -> None:
 
 
 def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: int = 1, threads: int = 1,
-              run_dir: Path, out=sys.stderr) -> int:
+              run_dir: Path, out=sys.stderr, env: dict[str, str] | None = None) -> int:
     """launch_ranks once the placement is chosen (the app layer places a testbed job itself to read its
-    wire counters around the run)."""
+    wire counters around the run). `env`: variables every rank gets on top of the launcher's."""
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     saved = _handlers()
@@ -224,7 +224,7 @@ def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: i
     started: list[WorkerProcess] = []
     try:
         for rank in range(workers):
-            started.append(_start(rank, argv, workers, placement, islands, threads, logs))
+            started.append(_start(rank, argv, workers, placement, islands, threads, logs, env or {}))
         return _supervise(started, out)
     except KeyboardInterrupt:
         print("islands: interrupted; stopping every rank", file=out, flush=True)
@@ -243,8 +243,8 @@ def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: i
 
 
 def _start(rank: int, argv: list[str], workers: int, placement: Placement, islands: int, threads: int,
-           logs: Path) -> WorkerProcess:
-    env = {**os.environ, **rank_env(rank, workers, placement, islands, threads)}
+           logs: Path, extra: dict[str, str]) -> WorkerProcess:
+    env = {**os.environ, **extra, **rank_env(rank, workers, placement, islands, threads)}
     log = logs / f"rank{rank}.log"
     with open(log, "w") as f:
         stdout = None if rank == 0 else f  # rank 0 talks to the user; its stderr (errors) is in its log
