@@ -422,7 +422,26 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
     return rows
 
 
-@experiment("control-plane", practices=("SOTA-930",),
+def _authenticated_training(ctx: BenchContext) -> dict:
+    """The same DiLoCo job (byte LM, 2 islands of one worker, loopback) with and without outer.authenticate,
+    side by side: time blocked in the outer exchange, wall time and bytes."""
+    steps, h = (40, 10) if ctx.quick else (300, 20)
+    base = dict(workers=2, islands=2, outer=f"diloco:inner_steps={h}", steps=steps, global_batch=16, probe=False,
+                eval_every=0)
+    runs = {}
+    for label, extra in (("plain", {}), ("authenticated", {"outer.authenticate": True})):
+        record = ctx.train(f"payload-{label}", **base, **extra)
+        s = record["summary"]
+        runs[label] = {"wall": s["wall_seconds"], "blocked": s["sync_blocked_seconds"], "loss": s["final_val_loss"],
+                       "bytes": sum(record["comm"]["per_rank"][0]["sent"].values())}
+    plain, auth = runs["plain"], runs["authenticated"]
+    extra_blocked = auth["blocked"] - plain["blocked"]
+    return {"setting": f"byte LM, {steps} steps, H={h}, {steps // h} exchanges of the whole model",
+            "runs": runs, "extra_blocked": extra_blocked, "extra_blocked_pct": 100 * extra_blocked / plain["wall"],
+            "extra_bytes": auth["bytes"] - plain["bytes"], "same_loss": auth["loss"] == plain["loss"]}
+
+
+@experiment("control-plane", practices=("SOTA-930", "SOTA-934"),
             help="forged, replayed and tampered membership messages and store writes from a process without the "
                  "token against a running elastic job: how many are accepted (goal 0); MAC costs")
 def control_plane(ctx: BenchContext) -> dict:
@@ -442,6 +461,7 @@ def control_plane(ctx: BenchContext) -> dict:
     store_us = _store_cost(500 if ctx.quick else 2000)
     payload = _payload_cost([1, 16] if ctx.quick else [1, 16, 64])
     outsiders = _etcd_outsiders(20 if ctx.quick else 100)
+    trained = _authenticated_training(ctx)
     tried = sum(k["tried"] for k in kinds.values())
     accepted = sum(k["accepted"] for k in kinds.values())
     ctx.log(f"control plane: {accepted} of {tried} attacker values accepted; per kind {kinds}")
@@ -470,6 +490,11 @@ def control_plane(ctx: BenchContext) -> dict:
         "payload MAC (HMAC-SHA256, one core): " + "; ".join(
             f"{p['mb']} MB {p['hmac_mb_per_s']:.0f} MB/s = {p['hmac_over_allreduce']:.2f}x a 2-rank gloo all-reduce "
             f"of it" for p in payload),
+        "authenticated payloads in training (outer.authenticate; " + trained["setting"] + "): " + "; ".join(
+            f"{label} wall {r['wall']:.1f} s, blocked in the outer step {r['blocked']:.2f} s, {r['bytes']:,} B sent "
+            f"by rank 0" for label, r in trained["runs"].items()) + f"; authentication added {trained['extra_blocked']:+.2f} s "
+        f"blocked ({trained['extra_blocked_pct']:+.2f}% of the plain run's wall), {trained['extra_bytes']:,} B "
+        f"(32 B a contribution, 16 B of nonce), final val loss equal: {trained['same_loss']}",
         ("etcd over TLS with client certificates (--store etcds://), writes and deletes of a job key: " + "; ".join(
             f"{label}: {o['accepted']} of {o['tried']} accepted" for label, o in outsiders.items())
          if outsiders else "etcd over TLS: not measured (etcd-server or openssl missing)"),
@@ -477,7 +502,7 @@ def control_plane(ctx: BenchContext) -> dict:
         f"{os.cpu_count()} cores (shared with other jobs): times are noisy",
     ]
     return {"rows": rows, "headline": headline, "kinds": kinds, "effects": effects, "store_us": store_us,
-            "payload": payload, "etcd_tls_outsiders": outsiders, "seconds": {"no-attacker": calm["seconds"], "attacked": attacked["seconds"]},
+            "payload": payload, "authenticated_training": trained, "etcd_tls_outsiders": outsiders, "seconds": {"no-attacker": calm["seconds"], "attacked": attacked["seconds"]},
             "interconnect": ["loopback: launcher, workers and attacker as processes on this machine, gloo and "
                              "TCPStore over 127.0.0.1"],
             "baseline": ["the same elastic job without the attacker, same invocation; the raw store for the MAC "
