@@ -222,3 +222,23 @@ def gated_digits(tmp_path: Path) -> tuple[str, Path]:
     path = tmp_path / "gated_digits.py"
     path.write_text(GATED_DIGITS)
     return f"{path}:make_task", tmp_path / "HOLD"
+
+
+def assert_nothing_half_written(run_dir: Path) -> None:
+    """What an event left on disk is whole: no temporary file of an atomic write is left over, every JSON record
+    parses, and every committed checkpoint verifies (all its parts there, every checksum right)."""
+    from islands.checkpoint.store import CheckpointStore
+
+    run_dir = Path(run_dir)
+    leftovers = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if ".tmp" in p.name]
+    assert not leftovers, f"half-written files left in {run_dir}: {leftovers}"
+    for path in run_dir.rglob("*.json"):
+        try:
+            json.loads(path.read_text())
+        except ValueError as e:
+            raise AssertionError(f"{path} is not whole JSON: {e}") from None
+    ckpt = run_dir / "ckpt"
+    if ckpt.is_dir() and any(ckpt.iterdir()):
+        store = CheckpointStore(ckpt, clean=False)
+        for step in store.steps():
+            assert store.verify(step) == [], f"checkpoint step {step} in {ckpt} does not verify"

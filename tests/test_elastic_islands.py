@@ -25,7 +25,7 @@ from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.island_comm import IslandComm, IslandPlace, worker_name
 from islands.runtime.membership import connect
-from elastic_jobs import gated_digits
+from elastic_jobs import assert_nothing_half_written, gated_digits
 from spawn_world import spawn_ranks
 from test_checkpoint_resume import same
 
@@ -224,6 +224,7 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     assert follower["via"] == "i1w0.1" and follower["step"] == entered["step"]
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
+    assert_nothing_half_written(run_dir)
 
 
 @pytest.mark.parametrize("outer,across,ckpt", [

@@ -123,6 +123,7 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
     assert run["interconnect"]["testbed"]["rate"] == "100mbit"
+    elastic_jobs.assert_nothing_half_written(run_dir)  # the cut island's processes were killed mid-run
     wire = run["interconnect"]["wire_bytes_per_host"]
     assert [w["host"] for w in wire] == [0, 1] and all(w["tx"] > 0 and w["rx"] > 0 for w in wire)
     if etcd is not None:  # the cut side's member ran throughout: the island was out by the majority rule alone

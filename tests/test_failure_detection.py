@@ -66,6 +66,7 @@ def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_
     recs = elastic_jobs.records(tmp_path / "run")
     assert set(recs) == {"w0", "w1"}
     assert len({r["global_sha256"] for r in recs.values()}) == 1
+    elastic_jobs.assert_nothing_half_written(tmp_path / "run")
     for r in recs.values():
         failure = next(e for e in r["final"]["events"] if e["type"] == "failure")
         assert failure["gone"] == ["w2"]
@@ -134,6 +135,7 @@ def test_a_collective_that_times_out_is_detected_and_the_stuck_worker_is_exclude
     text = log.getvalue()
     assert code == 0, text
     assert "worker w2: excluded from epoch 1 by the members and still running" in text, text
+    elastic_jobs.assert_nothing_half_written(tmp_path / "run")
     recs = {n: json.loads((out_dir / f"{n}.json").read_text()) for n in ("w0", "w1")}
     assert not (out_dir / "w2.json").exists()
     assert len({r["sha"] for r in recs.values()}) == 1 and {r["size"] for r in recs.values()} == {2}

@@ -93,6 +93,7 @@ def test_a_sigkilled_launcher_leaves_the_workers_training_and_the_record_is_writ
     rec = json.loads((run / "run.json").read_text())  # written by rank 0 (a worker), whole (os.replace)
     assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 2, rec["summary"]
     assert not list(run.glob("*.tmp*")) and not list(run.glob(".*.tmp*"))
+    elastic_jobs.assert_nothing_half_written(run)
     assert ended["ended"] > killed_at
     assert "job host: the launcher" in (run / "logs" / "job_host.log").read_text()
 
@@ -110,6 +111,7 @@ def test_after_the_launcher_died_a_killed_worker_is_found_by_its_heartbeat_and_t
         assert len(failures) == 1 and failures[0]["gone"] == ["w2"], failures
     rec = json.loads((run / "run.json").read_text())
     assert rec["summary"]["steps"] == steps and rec["summary"]["workers"] == 2, rec["summary"]
+    elastic_jobs.assert_nothing_half_written(run)
 
 
 def test_after_the_launcher_died_a_frozen_follower_takes_its_island_out_within_the_heartbeat_timeout(tmp_path):
@@ -151,6 +153,7 @@ def test_after_the_launcher_died_a_frozen_follower_takes_its_island_out_within_t
     # found through the leader's watch of its follower: the heartbeat timeout and polling, not the 30 s timeout
     assert failure["detected"] - stopped < HEARTBEAT + 3.0, (failure["detected"] - stopped, logs)
     assert "its follower i1w1 is silent" in (run / "logs" / "i1w0.log").read_text(), logs
+    elastic_jobs.assert_nothing_half_written(run)
 
 
 # ---- over etcd: no process the job cannot lose ------------------------------------------------------
@@ -244,6 +247,7 @@ def test_over_etcd_the_job_survives_a_sigkilled_etcd_member(tmp_path, etcd):
     assert len({r["sha"] for r in recs.values()}) == 1, "the workers disagree on the global model"
     for r in recs.values():
         assert not [e for e in r["events"] if e["type"] == "failure"] and len(r["commits"]) == 8
+    elastic_jobs.assert_nothing_half_written(tmp_path / "run")
 
 
 def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted_by_a_standby(tmp_path, etcd):
@@ -286,6 +290,7 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
     assert left == [f"{ns}/{ENDED_KEY}".encode()], left
     recs = elastic_jobs.outputs(out, ["w0", "w1", "j1"])
     assert len({r["sha"] for r in recs.values()}) == 1, "the members disagree on the global model"
+    elastic_jobs.assert_nothing_half_written(run)
     assert recs["j1"]["start"] == 18 and recs["j1"]["size"] == 3
     for n in ("w0", "w1"):
         assert not [e for e in recs[n]["events"] if e["type"] == "failure"]  # nobody died: nothing to re-form

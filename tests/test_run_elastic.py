@@ -128,6 +128,7 @@ def test_sigkilled_worker_is_dropped_and_the_survivors_finish_and_agree_bitwise(
         failures = [e for e in r["events"] if e["type"] == "failure"]
         assert len(failures) == 1 and failures[0]["gone"] == ["w2"]
         assert r["rounds"][:2] == [3, 3] and r["rounds"][-1] == 2 and len(r["rounds"]) == 8  # no round lost
+    elastic_jobs.assert_nothing_half_written(tmp_path / "run")
 
 
 def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model(tmp_path):
