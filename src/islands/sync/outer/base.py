@@ -69,7 +69,7 @@ class OuterStrategy(NoOp):
         base = unwrap(model)
         self.optimizer = optimizer
         self.local = FlatView(base.parameters())
-        self.global_model = copy.deepcopy(base).requires_grad_(False)
+        self.global_model = global_copy(base)
         self.global_view = FlatView(self.global_model.parameters())
         self.global_flat = self.local.read()
         self.local_buffers = list(base.buffers())
@@ -251,6 +251,49 @@ class OuterStrategy(NoOp):
 
     def load_extra_state(self, state: dict) -> None:
         pass
+
+
+def global_copy(base: torch.nn.Module) -> torch.nn.Module:
+    """The module that holds the global model: a plain copy, or, when the inner strategy shards the parameters
+    (fsdp: they are DTensors, and FSDP2 refuses deepcopy), a ShardedGlobal of this rank's shards."""
+    if any(hasattr(p, "to_local") for p in base.parameters()):
+        return ShardedGlobal(base)
+    return copy.deepcopy(base).requires_grad_(False)
+
+
+class ShardedGlobal(torch.nn.Module):
+    """The global model of a sharded island: for every parameter a DTensor laid out like the live one (same mesh,
+    placements and global shape) over a copy of this rank's shard, and a copy of every buffer. The outer strategy
+    updates only the shards (its flat vectors are per shard, flat.py), so it never holds more than 1/N of the
+    model. It does not run forward: the inner strategy's eval_model (FSDP.eval_model) gathers it into a full
+    module, so the Stack's eval_model (outer first, then inner) returns the full global model."""
+
+    def __init__(self, base: torch.nn.Module):
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        def shard_copy(p):
+            if not hasattr(p, "to_local"):
+                return p.detach().clone()
+            return DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+
+        # kept outside nn.Module's registries (not Parameters: no autograd), listed under the live model's names
+        self.named = [(name, shard_copy(p)) for name, p in base.named_parameters()]
+        self.held_buffers = [b.detach().clone() for b in base.buffers()]
+        self.train(base.training)
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self.named)
+
+    def parameters(self, *args, **kwargs):
+        return (p for _, p in self.named)
+
+    def buffers(self, *args, **kwargs):
+        return iter(self.held_buffers)
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("the sharded global model holds shards only; evaluate the Stack's eval_model (gathered)")
 
 
 def _island_comm(world):

@@ -1,0 +1,136 @@
+"""FSDP inside each island, DiLoCo across islands (2 islands x 2 gloo workers).
+
+The outer exchange runs per shard: worker j of every island all-reduces its shard j with the others holding
+shard j. Averaging shard-wise is averaging whole tensors, so the global model must equal DDP-inside DiLoCo's
+on the same data (to float tolerance: reduce-scatter and all-reduce sum in different orders). The model has an
+odd first dimension (7 rows over 2 workers: 4 + 3) and a one-row layer whose second shard is empty, so FSDP's
+padding matters, and a BatchNorm (buffers)."""
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+from outer_mp import run_world
+
+H, STEPS, STOP = 3, 9, 4  # DiLoCo rounds end after steps 3, 6, 9; the resume test stops mid-round (after 4)
+OUTER = dict(inner_steps=H, outer="nesterov", outer_lr=0.7, momentum=0.9)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 1))
+
+
+def data(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x = torch.randn(6, 5, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def _build(world, inner: str):
+    from islands.inner import DDP, FSDP
+    from islands.outer import DiLoCo
+    from islands.sync.stack import Stack
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    strategy = Stack(FSDP(wrap="block") if inner == "fsdp" else DDP(), DiLoCo(**OUTER))
+    return strategy.wrap(model, opt, world), opt, strategy
+
+
+def _steps(model, opt, strategy, world, steps):
+    for step in steps:
+        x, y = strategy.on_batch(data(world.rank, step), step)
+        nn.functional.mse_loss(model(x), y).backward()
+        strategy.after_backward(model, step)
+        opt.step()
+        strategy.after_step(model, opt, step)
+        opt.zero_grad()
+
+
+def _global(strategy, model) -> dict:
+    """The full global model (a collective under fsdp), as numpy."""
+    return {k: v.detach().clone().numpy() for k, v in strategy.eval_model(model).state_dict().items()}
+
+
+def _run(world, inner: str):
+    before = world.ledger.sent.get("outer_delta", 0)  # one ledger per process: both runs record into it
+    model, opt, strategy = _build(world, inner)
+    _steps(model, opt, strategy, world, range(STEPS))  # the last step ends a round: finish sends nothing more
+    strategy.finish(model)
+    outer = strategy.outer
+    return {"global": _global(strategy, model), "rounds": outer.rounds,
+            "outer_sent": world.ledger.sent.get("outer_delta", 0) - before,
+            "shard_numel": outer.global_flat.numel(), "sent": list(outer.exchange.sent)}
+
+
+def _run_both(world):
+    return {inner: _run(world, inner) for inner in ("fsdp", "ddp")}
+
+
+@pytest.fixture(scope="module")
+def both():
+    return run_world(_run_both, size=4, islands=2)
+
+
+def test_fsdp_diloco_equals_ddp_diloco(both):
+    for rank in both:
+        fsdp, ddp = rank["fsdp"]["global"], rank["ddp"]["global"]
+        assert fsdp.keys() == ddp.keys()
+        for k in fsdp:
+            if "running" in k:  # DDP re-broadcasts rank 0's statistics every forward, FSDP does not (see docs)
+                continue
+            torch.testing.assert_close(torch.from_numpy(fsdp[k]), torch.from_numpy(ddp[k]), rtol=1e-5, atol=1e-5)
+        assert rank["fsdp"]["rounds"] == rank["ddp"]["rounds"] == STEPS // H
+    start = make_model().state_dict()
+    assert not torch.allclose(torch.from_numpy(both[0]["fsdp"]["global"]["0.weight"]), start["0.weight"])
+
+
+def test_every_worker_of_every_island_holds_the_same_global_model(both):
+    first = both[0]["fsdp"]["global"]
+    for rank in both[1:]:
+        for k, v in rank["fsdp"]["global"].items():
+            assert v.tobytes() == first[k].tobytes(), k
+    assert int(first["1.num_batches_tracked"]) == STEPS
+
+
+def test_outer_bytes_are_each_workers_shard(both):
+    """Each worker sends its shard per round: rows ceil(7/2)=4 then 3 of Linear(5, 7) and BatchNorm(7); of the
+    one-row Linear(7, 1) worker 0 holds all, worker 1 nothing. DDP inside sends the whole model from every worker."""
+    whole = 7 * 5 + 7 + 7 + 7 + 7 + 1
+    shard = {0: 4 * 5 + 4 + 4 + 4 + 7 + 1, 1: 3 * 5 + 3 + 3 + 3}
+    assert shard[0] + shard[1] == whole
+    for rank, r in enumerate(both):
+        j = rank % 2
+        assert r["fsdp"]["shard_numel"] == shard[j]
+        assert r["fsdp"]["outer_sent"] == STEPS // H * shard[j] * 4 == sum(r["fsdp"]["sent"])
+        assert r["ddp"]["outer_sent"] == STEPS // H * whole * 4
+
+
+def _resume(world):
+    """Save between steps 4 and 5 (mid-round: local work the global model lacks), rebuild everything, load, go on."""
+    from islands.checkpoint.checkpointer import LoopState
+
+    model, opt, strategy = _build(world, "fsdp")
+    _steps(model, opt, strategy, world, range(STOP))
+    buf = io.BytesIO()
+    torch.save(LoopState(world, STOP, 0.0, model, opt, strategy).state_dict(), buf)
+    _steps(model, opt, strategy, world, range(STOP, STEPS))  # the uninterrupted run goes on
+    strategy.finish(model)
+    straight = _global(strategy, model)
+
+    model, opt, strategy = _build(world, "fsdp")  # a new model, optimizer and strategy: what a restart builds
+    buf.seek(0)
+    LoopState(world, 0, 0.0, model, opt, strategy).load_state_dict(torch.load(buf, weights_only=False))
+    _steps(model, opt, strategy, world, range(STOP, STEPS))
+    strategy.finish(model)
+    return {"straight": straight, "resumed": _global(strategy, model)}
+
+
+def test_a_mid_round_save_and_load_resumes_bitwise():
+    for rank in run_world(_resume, size=4, islands=2):
+        assert rank["straight"].keys() == rank["resumed"].keys()
+        for k, v in rank["straight"].items():
+            assert v.tobytes() == rank["resumed"][k].tobytes(), k
