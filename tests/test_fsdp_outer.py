@@ -134,3 +134,35 @@ def test_a_mid_round_save_and_load_resumes_bitwise():
         assert rank["straight"].keys() == rank["resumed"].keys()
         for k, v in rank["straight"].items():
             assert v.tobytes() == rank["resumed"][k].tobytes(), k
+
+
+@pytest.mark.parametrize("outer, refused", [
+    ("diloco:inner_steps=5", None),
+    ("diloco:inner_steps=5,outer=nesterov,outer_lr=0.7,momentum=0.9,compressor=(fp16)", None),
+    ("local-sgd:every=4", "'local-sgd' is not wired for sharded parameters"),
+    ("diloco:inner_steps=6,fragments=2", "fragments=2 is not wired"),
+    ("diloco:inner_steps=6,overlap=eager", "overlap=eager is not wired"),
+    ("diloco:inner_steps=6,aggregator=(median)", "aggregator="),
+])
+def test_validate_takes_fsdp_with_plain_diloco_only(outer, refused):
+    from islands.app.validate import sharding
+    from islands.config import from_mapping
+
+    cfg = from_mapping({"workers": 4, "islands": 2, "global_batch": 32, "inner": "fsdp", "outer": outer})
+    message = sharding(cfg)
+    if refused is None:
+        assert message is None
+    else:
+        assert refused in message and "diloco:inner_steps=H" in message, message
+
+
+def test_validate_keeps_refusing_fsdp_in_elastic_jobs_and_shard_groups_across_the_outer_exchange():
+    from islands.app.validate import elastic, sharding
+    from islands.config import from_mapping
+
+    cfg = from_mapping(dict(workers=4, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5",
+                            elastic=True))
+    assert sharding(cfg) is None and "inner.strategy=fsdp is refused" in elastic(cfg)
+    cfg = from_mapping(dict(workers=8, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5",
+                            shard_group="2"))
+    assert "leave shard_group ''" in sharding(cfg)

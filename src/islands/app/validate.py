@@ -247,13 +247,39 @@ def sharding(cfg: JobConfig) -> str | None:
     if inner.shard_budget_mb and group != "auto":
         return "inner.shard_budget_mb is the budget of shard_group='auto'; set shard_group='auto' or drop it"
     clash = [f"{k}={format_spec(v)!r}" for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator),
-                                                   ("attack", inner.attack), ("outer", cfg.outer.strategy))
-             if v is not None]
+                                                   ("attack", inner.attack)) if v is not None]
     if _communicates(cfg) or (cfg.train.optimizer is not None and cfg.train.optimizer.name == "muon"):
         clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")  # muon orthogonalises whole matrices
     if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
         return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
                 "use inner.strategy=ddp for those, or drop them")
+    return fsdp_outer(cfg) if cfg.outer.strategy is not None else None
+
+
+# What fsdp inside takes across islands: plain DiLoCo rounds, run per shard (docs/sharding.md). The values are the
+# defaults a spec must keep; every other DiLoCo parameter (inner_steps, outer, outer_lr, momentum, weight, lr_scale,
+# outer_schedule, compressor) is free.
+FSDP_OUTER = "diloco"
+FSDP_DILOCO_FIXED = {"fragments": (1,), "tau": (0,), "overlap": ("none",), "adapt": ("none",),
+                     "aggregator": (None, "mean"), "sync_inner_state": (False,), "warm_start": (0,)}
+
+
+def fsdp_outer(cfg: JobConfig) -> str | None:
+    """inner.strategy=fsdp with an outer strategy: each worker exchanges its own shard with the workers holding the
+    same shard on the other islands, which needs every island sharded the same way over its own workers."""
+    spec = parse_outer(cfg.outer.strategy)
+    supported = (f"{FSDP_OUTER}:inner_steps=H with outer, outer_lr, momentum, weight, lr_scale, outer_schedule and "
+                 "compressor=")
+    if spec.name != FSDP_OUTER:
+        return (f"inner.strategy=fsdp combines with outer.strategy={supported} (its exchange runs per shard); "
+                f"{spec.name!r} is not wired for sharded parameters yet: use inner.strategy=ddp for it")
+    given = [f"{k}={spec[k]}" for k, plain in FSDP_DILOCO_FIXED.items() if spec[k] not in plain]
+    if given:
+        return (f"inner.strategy=fsdp with diloco runs plain rounds per shard; {', '.join(given)} is not wired for "
+                f"sharded parameters yet (supported: {supported}); drop it or use inner.strategy=ddp")
+    if parse_shard_group(cfg.inner.shard_group) != "":
+        return (f"inner.shard_group={cfg.inner.shard_group!r}: under an outer strategy fsdp shards over each island's "
+                "own workers (the outer exchange pairs the workers holding the same shard); leave shard_group ''")
     return None
 
 
