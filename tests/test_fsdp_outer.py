@@ -12,10 +12,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from islands.compress.average import FINITE_FLAG_NBYTES
 from outer_mp import run_world
 
 H, STEPS, STOP = 3, 9, 4  # DiLoCo rounds end after steps 3, 6, 9; the resume test stops mid-round (after 4)
-OUTER = dict(inner_steps=H, outer="nesterov", outer_lr=0.7, momentum=0.9)
+OUTER = f"diloco:inner_steps={H},outer=nesterov,outer_lr=0.7,momentum=0.9"
+# fp16 casts each value alone: per shard or whole, the same payload, so fsdp must still equal ddp
+COMPRESSED = OUTER + ",compressor=(fp16)"
 
 
 def make_model():
@@ -29,14 +32,14 @@ def data(rank: int, step: int):
     return x, x.sum(1, keepdim=True).sin()
 
 
-def _build(world, inner: str):
+def _build(world, inner: str, outer: str = OUTER):
     from islands.inner import DDP, FSDP
-    from islands.outer import DiLoCo
+    from islands.sync.outer import make_outer
     from islands.sync.stack import Stack
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    strategy = Stack(FSDP(wrap="block") if inner == "fsdp" else DDP(), DiLoCo(**OUTER))
+    strategy = Stack(FSDP(wrap="block") if inner == "fsdp" else DDP(), make_outer(outer))
     return strategy.wrap(model, opt, world), opt, strategy
 
 
@@ -55,9 +58,9 @@ def _global(strategy, model) -> dict:
     return {k: v.detach().clone().numpy() for k, v in strategy.eval_model(model).state_dict().items()}
 
 
-def _run(world, inner: str):
-    before = world.ledger.sent.get("outer_delta", 0)  # one ledger per process: both runs record into it
-    model, opt, strategy = _build(world, inner)
+def _run(world, inner: str, outer: str = OUTER):
+    before = world.ledger.sent.get("outer_delta", 0)  # one ledger per process: every run records into it
+    model, opt, strategy = _build(world, inner, outer)
     _steps(model, opt, strategy, world, range(STEPS))  # the last step ends a round: finish sends nothing more
     strategy.finish(model)
     outer = strategy.outer
@@ -67,7 +70,9 @@ def _run(world, inner: str):
 
 
 def _run_both(world):
-    return {inner: _run(world, inner) for inner in ("fsdp", "ddp")}
+    runs = {inner: _run(world, inner) for inner in ("fsdp", "ddp")}
+    runs.update({f"{inner}-fp16": _run(world, inner, COMPRESSED) for inner in ("fsdp", "ddp")})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +80,27 @@ def both():
     return run_world(_run_both, size=4, islands=2)
 
 
-def test_fsdp_diloco_equals_ddp_diloco(both):
+@pytest.mark.parametrize("run", ["", "-fp16"])
+def test_fsdp_diloco_equals_ddp_diloco(both, run):
     for rank in both:
-        fsdp, ddp = rank["fsdp"]["global"], rank["ddp"]["global"]
+        fsdp, ddp = rank["fsdp" + run]["global"], rank["ddp" + run]["global"]
         assert fsdp.keys() == ddp.keys()
         for k in fsdp:
             if "running" in k:  # DDP re-broadcasts rank 0's statistics every forward, FSDP does not (see docs)
                 continue
             torch.testing.assert_close(torch.from_numpy(fsdp[k]), torch.from_numpy(ddp[k]), rtol=1e-5, atol=1e-5)
-        assert rank["fsdp"]["rounds"] == rank["ddp"]["rounds"] == STEPS // H
+        assert rank["fsdp" + run]["rounds"] == rank["ddp" + run]["rounds"] == STEPS // H
     start = make_model().state_dict()
-    assert not torch.allclose(torch.from_numpy(both[0]["fsdp"]["global"]["0.weight"]), start["0.weight"])
+    assert not torch.allclose(torch.from_numpy(both[0]["fsdp" + run]["global"]["0.weight"]), start["0.weight"])
+    if run:  # the compressed payload is really in use: the model differs from the uncompressed run's
+        assert both[0]["fsdp"]["global"]["0.weight"].tobytes() != both[0]["fsdp" + run]["global"]["0.weight"].tobytes()
 
 
-def test_every_worker_of_every_island_holds_the_same_global_model(both):
-    first = both[0]["fsdp"]["global"]
+@pytest.mark.parametrize("run", ["fsdp", "fsdp-fp16"])
+def test_every_worker_of_every_island_holds_the_same_global_model(both, run):
+    first = both[0][run]["global"]
     for rank in both[1:]:
-        for k, v in rank["fsdp"]["global"].items():
+        for k, v in rank[run]["global"].items():
             assert v.tobytes() == first[k].tobytes(), k
     assert int(first["1.num_batches_tracked"]) == STEPS
 
@@ -107,13 +116,23 @@ def test_outer_bytes_are_each_workers_shard(both):
         assert r["fsdp"]["shard_numel"] == shard[j]
         assert r["fsdp"]["outer_sent"] == STEPS // H * shard[j] * 4 == sum(r["fsdp"]["sent"])
         assert r["ddp"]["outer_sent"] == STEPS // H * whole * 4
+        # the compressor runs on the shard: 2 bytes a value, plus compress_and_average's 4-byte finite flag
+        assert r["fsdp-fp16"]["sent"] == [shard[j] * 2 + FINITE_FLAG_NBYTES] * (STEPS // H)
+
+
+# topk keeps error feedback per worker: under fsdp a residual of the worker's own shard, which must survive too
+RESUMED = {"plain": OUTER, "topk": OUTER + ",compressor=(topk:ratio=0.5)"}
 
 
 def _resume(world):
+    return {name: _resume_one(world, outer) for name, outer in RESUMED.items()}
+
+
+def _resume_one(world, outer):
     """Save between steps 4 and 5 (mid-round: local work the global model lacks), rebuild everything, load, go on."""
     from islands.checkpoint.checkpointer import LoopState
 
-    model, opt, strategy = _build(world, "fsdp")
+    model, opt, strategy = _build(world, "fsdp", outer)
     _steps(model, opt, strategy, world, range(STOP))
     buf = io.BytesIO()
     torch.save(LoopState(world, STOP, 0.0, model, opt, strategy).state_dict(), buf)
@@ -121,7 +140,7 @@ def _resume(world):
     strategy.finish(model)
     straight = _global(strategy, model)
 
-    model, opt, strategy = _build(world, "fsdp")  # a new model, optimizer and strategy: what a restart builds
+    model, opt, strategy = _build(world, "fsdp", outer)  # a new model, optimizer and strategy: what a restart builds
     buf.seek(0)
     LoopState(world, 0, 0.0, model, opt, strategy).load_state_dict(torch.load(buf, weights_only=False))
     _steps(model, opt, strategy, world, range(STOP, STEPS))
@@ -130,10 +149,14 @@ def _resume(world):
 
 
 def test_a_mid_round_save_and_load_resumes_bitwise():
-    for rank in run_world(_resume, size=4, islands=2):
-        assert rank["straight"].keys() == rank["resumed"].keys()
-        for k, v in rank["straight"].items():
-            assert v.tobytes() == rank["resumed"][k].tobytes(), k
+    ranks = run_world(_resume, size=4, islands=2)
+    for name in RESUMED:
+        for rank in ranks:
+            run = rank[name]
+            assert run["straight"].keys() == run["resumed"].keys()
+            for k, v in run["straight"].items():
+                assert v.tobytes() == run["resumed"][k].tobytes(), (name, k)
+    assert ranks[0]["plain"]["straight"]["0.weight"].tobytes() != ranks[0]["topk"]["straight"]["0.weight"].tobytes()
 
 
 @pytest.mark.parametrize("outer, refused", [
