@@ -72,7 +72,24 @@ def _run(world, inner: str, outer: str = OUTER):
 def _run_both(world):
     runs = {inner: _run(world, inner) for inner in ("fsdp", "ddp")}
     runs.update({f"{inner}-fp16": _run(world, inner, COMPRESSED) for inner in ("fsdp", "ddp")})
+    runs["refusals"] = [_refusal(world, outer) for outer in ("local-sgd:every=2", OUTER + ",warm_start=2")]
     return runs
+
+
+def _refusal(world, outer: str) -> str:
+    """A library user's Stack(FSDP(), <unsupported outer>) fails at wrap, on every rank, before any collective."""
+    try:
+        _build(world, "fsdp", outer)
+    except ValueError as e:
+        return str(e)
+    return "wrapped"
+
+
+def test_a_stack_refuses_an_outer_strategy_not_wired_for_shards(both):
+    for rank in both:
+        local_sgd, warm = rank["refusals"]
+        assert "'local-sgd' is not wired for sharded parameters" in local_sgd and "diloco:inner_steps=H" in local_sgd
+        assert "warm_start=2 is not wired" in warm
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +183,8 @@ def test_a_mid_round_save_and_load_resumes_bitwise():
     ("diloco:inner_steps=6,fragments=2", "fragments=2 is not wired"),
     ("diloco:inner_steps=6,overlap=eager", "overlap=eager is not wired"),
     ("diloco:inner_steps=6,aggregator=(median)", "aggregator="),
+    ("diloco:inner_steps=6,warm_start=10", "warm_start=10 is not wired"),
+    ("slowmo:every=6", "'slowmo' is not wired"),
 ])
 def test_validate_takes_fsdp_with_plain_diloco_only(outer, refused):
     from islands.app.validate import sharding

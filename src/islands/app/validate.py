@@ -36,7 +36,7 @@ from islands.runtime.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
 from islands.spec import Spec
-from islands.sync.outer import parse_outer
+from islands.sync.outer import make_outer, parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.spec import format as format_spec
@@ -256,27 +256,13 @@ def sharding(cfg: JobConfig) -> str | None:
     return fsdp_outer(cfg) if cfg.outer.strategy is not None else None
 
 
-# What fsdp inside takes across islands: plain DiLoCo rounds, run per shard (docs/sharding.md). The values are the
-# defaults a spec must keep; every other DiLoCo parameter (inner_steps, outer, outer_lr, momentum, weight, lr_scale,
-# outer_schedule, compressor) is free.
-FSDP_OUTER = "diloco"
-FSDP_DILOCO_FIXED = {"fragments": (1,), "tau": (0,), "overlap": ("none",), "adapt": ("none",),
-                     "aggregator": (None, "mean"), "sync_inner_state": (False,), "warm_start": (0,)}
-
-
 def fsdp_outer(cfg: JobConfig) -> str | None:
     """inner.strategy=fsdp with an outer strategy: each worker exchanges its own shard with the workers holding the
-    same shard on the other islands, which needs every island sharded the same way over its own workers."""
-    spec = parse_outer(cfg.outer.strategy)
-    supported = (f"{FSDP_OUTER}:inner_steps=H with outer, outer_lr, momentum, weight, lr_scale, outer_schedule and "
-                 "compressor=")
-    if spec.name != FSDP_OUTER:
-        return (f"inner.strategy=fsdp combines with outer.strategy={supported} (its exchange runs per shard); "
-                f"{spec.name!r} is not wired for sharded parameters yet: use inner.strategy=ddp for it")
-    given = [f"{k}={spec[k]}" for k, plain in FSDP_DILOCO_FIXED.items() if spec[k] not in plain]
-    if given:
-        return (f"inner.strategy=fsdp with diloco runs plain rounds per shard; {', '.join(given)} is not wired for "
-                f"sharded parameters yet (supported: {supported}); drop it or use inner.strategy=ddp")
+    same shard on the other islands, which needs every island sharded the same way over its own workers. The
+    strategy itself says whether it runs on shards (OuterStrategy.sharded_refusal): built here, as parse_outer does."""
+    why = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup).sharded_refusal()
+    if why:
+        return f"inner.strategy=fsdp shards the parameters: {why}; or use inner.strategy=ddp"
     if parse_shard_group(cfg.inner.shard_group) != "":
         return (f"inner.shard_group={cfg.inner.shard_group!r}: under an outer strategy fsdp shards over each island's "
                 "own workers (the outer exchange pairs the workers holding the same shard); leave shard_group ''")

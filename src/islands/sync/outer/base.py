@@ -43,6 +43,9 @@ from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
 from islands.sync.outer.flat import FlatView
 
+# What inner fsdp (sharded parameters) takes across islands: plain DiLoCo rounds, each worker exchanging its shard
+SHARDED_OUTER = ("diloco:inner_steps=H, with any of outer, outer_lr, momentum, weight, lr_scale, outer_schedule, "
+                 "compressor")
 BUFFER_KIND = "outer_buffers"
 INIT_KIND = "outer_init"  # the one exchange of island 0's start (agree_start)
 ISLAND_BUFFER_KIND = "island_buffers"  # inside an island of several workers, before the cross average
@@ -67,6 +70,9 @@ class OuterStrategy(NoOp):
         self.comm = world.comm("cross") if world.distributed else LoneComm()
         self.island_comm = _island_comm(world)
         base = unwrap(model)
+        why = self.sharded_refusal() if is_sharded(base) else None
+        if why:  # before any collective: every rank refuses alike
+            raise ValueError(f"inner fsdp shards the parameters: {why}")
         self.optimizer = optimizer
         self.local = FlatView(base.parameters())
         self.global_model = global_copy(base)
@@ -111,6 +117,12 @@ class OuterStrategy(NoOp):
             FlatView(floating).write(flat[n:])
         for own, glob in zip(self.local_buffers, self.global_buffers):
             glob.copy_(own)
+
+    def sharded_refusal(self) -> str | None:
+        """Why this strategy, as configured, cannot run on sharded parameters (inner fsdp: each worker holds and
+        exchanges only its shard of every parameter); None when it can. Validation asks the same (app/validate)."""
+        return (f"outer strategy {self.name!r} is not wired for sharded parameters yet; with inner fsdp use "
+                f"{SHARDED_OUTER}")
 
     def setup(self) -> None:
         """Subclasses build their exchange and state here (self.local and self.global_flat exist; every island
@@ -253,10 +265,15 @@ class OuterStrategy(NoOp):
         pass
 
 
+def is_sharded(base: torch.nn.Module) -> bool:
+    """True when the inner strategy shards the parameters (fsdp: they are DTensors)."""
+    return any(hasattr(p, "to_local") for p in base.parameters())
+
+
 def global_copy(base: torch.nn.Module) -> torch.nn.Module:
     """The module that holds the global model: a plain copy, or, when the inner strategy shards the parameters
-    (fsdp: they are DTensors, and FSDP2 refuses deepcopy), a ShardedGlobal of this rank's shards."""
-    if any(hasattr(p, "to_local") for p in base.parameters()):
+    (FSDP2 refuses deepcopy), a ShardedGlobal of this rank's shards."""
+    if is_sharded(base):
         return ShardedGlobal(base)
     return copy.deepcopy(base).requires_grad_(False)
 
