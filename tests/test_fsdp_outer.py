@@ -208,3 +208,26 @@ def test_validate_keeps_refusing_fsdp_in_elastic_jobs_and_shard_groups_across_th
     cfg = from_mapping(dict(workers=8, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5",
                             shard_group="2"))
     assert "leave shard_group ''" in sharding(cfg)
+
+
+@pytest.mark.slow  # two launcher jobs of 4 gloo ranks: ~30 s on a 2-core host
+def test_islands_train_fsdp_diloco_resumes_mid_round_to_the_same_loss(tmp_path):
+    """The whole path: `islands train --inner fsdp --outer diloco:...` through the launcher and the Trainer's own
+    checkpoints; a resume from a mid-round save (step 4, rounds end at 3 and 6) ends at the same bits."""
+    import json
+
+    from cli_jobs import TINY_FLAGS, islands_cli
+
+    job = [*TINY_FLAGS, "--global-batch", "8", "--workers", "4", "--islands", "2", "--inner", "fsdp",
+           "--outer", "diloco:inner_steps=3", "--steps", "8", "--eval-every", "4"]
+    assert islands_cli("train", *job, "--ckpt-every", "4", "--run-dir", str(tmp_path / "a")) == 0
+    assert islands_cli("train", *job, "--resume", str(tmp_path / "a" / "ckpt" / "step-000004"),
+                       "--run-dir", str(tmp_path / "b")) == 0
+    a, b = (json.loads((tmp_path / r / "run.json").read_text()) for r in "ab")
+    assert a["summary"]["strategy"] == "fsdp+diloco"
+    assert b["checkpoint"]["resumed_from"]["step"] == 4
+    assert a["summary"]["final_val_loss"] == b["summary"]["final_val_loss"]
+    val = a["series"]["val"]
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+    for ledger in a["comm"]["per_rank"]:  # each worker sent its shard in each of the 3 rounds (6 + the final sync)
+        assert ledger["calls"]["outer_delta"] == 3 and 0 < ledger["sent"]["outer_delta"]
