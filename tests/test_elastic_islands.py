@@ -290,8 +290,8 @@ def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_pat
 
 
 @pytest.mark.parametrize("flags,needle", [
-    # fsdp meets no outer strategy at all (the sharding rule); the elastic rule's own reason is tested below
-    (["--inner", "fsdp"], "inner.strategy=fsdp shards gradients and parameters"),
+    # fsdp takes diloco in a fixed world (the sharding rule), not in an elastic one (the elastic rule, also below)
+    (["--inner", "fsdp"], "inner.strategy=fsdp is refused"),
     (["--inner", "pipeline"], "inner.strategy=pipeline splits one model over the island"),
     (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
     (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),

@@ -36,7 +36,7 @@ from islands.runtime.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
 from islands.spec import Spec
-from islands.sync.outer import parse_outer
+from islands.sync.outer import make_outer, parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.spec import format as format_spec
@@ -247,13 +247,25 @@ def sharding(cfg: JobConfig) -> str | None:
     if inner.shard_budget_mb and group != "auto":
         return "inner.shard_budget_mb is the budget of shard_group='auto'; set shard_group='auto' or drop it"
     clash = [f"{k}={format_spec(v)!r}" for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator),
-                                                   ("attack", inner.attack), ("outer", cfg.outer.strategy))
-             if v is not None]
+                                                   ("attack", inner.attack)) if v is not None]
     if _communicates(cfg) or (cfg.train.optimizer is not None and cfg.train.optimizer.name == "muon"):
         clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")  # muon orthogonalises whole matrices
     if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
         return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
                 "use inner.strategy=ddp for those, or drop them")
+    return fsdp_outer(cfg) if cfg.outer.strategy is not None else None
+
+
+def fsdp_outer(cfg: JobConfig) -> str | None:
+    """inner.strategy=fsdp with an outer strategy: each worker exchanges its own shard with the workers holding the
+    same shard on the other islands, which needs every island sharded the same way over its own workers. The
+    strategy itself says whether it runs on shards (OuterStrategy.sharded_refusal): built here, as parse_outer does."""
+    why = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup).sharded_refusal()
+    if why:
+        return f"inner.strategy=fsdp shards the parameters: {why}; or use inner.strategy=ddp"
+    if parse_shard_group(cfg.inner.shard_group) != "":
+        return (f"inner.shard_group={cfg.inner.shard_group!r}: under an outer strategy fsdp shards over each island's "
+                "own workers (the outer exchange pairs the workers holding the same shard); leave shard_group ''")
     return None
 
 

@@ -16,6 +16,11 @@ tests/test_sharded.py checks these numbers against the bytes FSDP hands to torch
 
 Evaluation and checkpoints see a full copy: `eval_model` gathers every parameter through our counted
 Comm into a plain module; loading a state dict into that copy writes each rank's slice back.
+
+Islands: alone, FSDP over several islands is HSDP (each island one replica, gradient shards all-reduced
+across islands every step). Under an outer strategy (a Stack calls `keep_islands_apart`) each island shards
+over its own workers only and trains apart; the outer strategy meets across islands shard by shard (each
+worker exchanges its 1/N with the workers holding the same shard on the other islands: the "cross" group).
 """
 
 from __future__ import annotations
@@ -94,17 +99,28 @@ class FSDP(NoOp):
         self.traffic: list[tuple[str, int, int]] = []
         self.full: nn.Module | None = None
         self.world = None
+        self.islands_apart = False  # set by a Stack with an outer strategy: no replication across islands
+
+    def keep_islands_apart(self) -> None:
+        """An outer strategy joins the islands: shard inside each island and replicate nothing across them
+        (HSDP's per-step all-reduce across islands would make every island the same replica)."""
+        self.islands_apart = True
 
     def wrap(self, model, optimizer, world):
         refuse_alone_in_elastic(self, world)
         self.world = world
-        if world.size == 1:
-            return model  # a world of one has nothing to shard across
+        if world.size == 1 or (self.islands_apart and world.workers_per_island == 1):
+            return model  # a world (or, under an outer strategy, an island) of one has nothing to shard across
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         groups, self.units = plan_units(model, self.policy)
         n = self.group_size = resolve_group(self.shard_group, self.units, world, self.memory_budget_bytes)
-        mesh = build_mesh(world, n)
+        if self.islands_apart and n != world.workers_per_island:
+            raise ValueError(f"fsdp under an outer strategy shards over each island's {world.workers_per_island} "
+                             f"workers; shard_group={self.shard_group!r} asks for groups of {n}: leave it ''")
+        # under an outer strategy: the island's own 1-D mesh (the world's ("island", "local") mesh sliced), so
+        # FSDP replicates nothing across islands
+        mesh = world.mesh["local"] if self.islands_apart else build_mesh(world, n)
         self.shard_comm = world.comm("local") if n == world.workers_per_island else _mesh_comm(mesh, world)
         self.full = copy.deepcopy(model)  # plain copy for evaluation and checkpoints, refreshed on demand
         self.full.register_load_state_dict_post_hook(lambda module, keys: self._scatter_full(model))
@@ -121,7 +137,7 @@ class FSDP(NoOp):
         gb = (self.reduce_dtype or self.param_dtype or torch.float32).itemsize
         # a group of one gathers and scatters nothing (FSDP skips both); it only all-reduces across groups
         self.traffic = unit_traffic(self.units, n, self.reshard_after_forward, pb, gb) if n > 1 else []
-        if world.size > n:  # HSDP: each unit's reduced 1/n gradient shard is all-reduced across the groups
+        if mesh.ndim > 1:  # HSDP: each unit's reduced 1/n gradient shard is all-reduced across the groups
             self.traffic += [("fsdp_replicate_all_reduce", u.padded_numel(n) // n * gb, u.padded_numel(n) // n * gb)
                              for u in self.units]
         if self.grad_clip:

@@ -26,6 +26,9 @@ class Stack(NoOp):
             if part is not None and not isinstance(part, Strategy):
                 raise TypeError(f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
                                 f"got {type(part).__name__}")
+        apart = getattr(self.inner, "keep_islands_apart", None)
+        if outer is not None and apart is not None:  # fsdp: shard inside each island, the outer part joins them
+            apart()
 
     @property
     def name(self) -> str:

@@ -43,6 +43,9 @@ from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
 from islands.sync.outer.flat import FlatView
 
+# What inner fsdp (sharded parameters) takes across islands: plain DiLoCo rounds, each worker exchanging its shard
+SHARDED_OUTER = ("diloco:inner_steps=H, with any of outer, outer_lr, momentum, weight, lr_scale, outer_schedule, "
+                 "compressor")
 BUFFER_KIND = "outer_buffers"
 INIT_KIND = "outer_init"  # the one exchange of island 0's start (agree_start)
 ISLAND_BUFFER_KIND = "island_buffers"  # inside an island of several workers, before the cross average
@@ -67,9 +70,12 @@ class OuterStrategy(NoOp):
         self.comm = world.comm("cross") if world.distributed else LoneComm()
         self.island_comm = _island_comm(world)
         base = unwrap(model)
+        why = self.sharded_refusal() if is_sharded(base) else None
+        if why:  # before any collective: every rank refuses alike
+            raise ValueError(f"inner fsdp shards the parameters: {why}")
         self.optimizer = optimizer
         self.local = FlatView(base.parameters())
-        self.global_model = copy.deepcopy(base).requires_grad_(False)
+        self.global_model = global_copy(base)
         self.global_view = FlatView(self.global_model.parameters())
         self.global_flat = self.local.read()
         self.local_buffers = list(base.buffers())
@@ -111,6 +117,12 @@ class OuterStrategy(NoOp):
             FlatView(floating).write(flat[n:])
         for own, glob in zip(self.local_buffers, self.global_buffers):
             glob.copy_(own)
+
+    def sharded_refusal(self) -> str | None:
+        """Why this strategy, as configured, cannot run on sharded parameters (inner fsdp: each worker holds and
+        exchanges only its shard of every parameter); None when it can. Validation asks the same (app/validate)."""
+        return (f"outer strategy {self.name!r} is not wired for sharded parameters yet; with inner fsdp use "
+                f"{SHARDED_OUTER}")
 
     def setup(self) -> None:
         """Subclasses build their exchange and state here (self.local and self.global_flat exist; every island
@@ -251,6 +263,54 @@ class OuterStrategy(NoOp):
 
     def load_extra_state(self, state: dict) -> None:
         pass
+
+
+def is_sharded(base: torch.nn.Module) -> bool:
+    """True when the inner strategy shards the parameters (fsdp: they are DTensors)."""
+    return any(hasattr(p, "to_local") for p in base.parameters())
+
+
+def global_copy(base: torch.nn.Module) -> torch.nn.Module:
+    """The module that holds the global model: a plain copy, or, when the inner strategy shards the parameters
+    (FSDP2 refuses deepcopy), a ShardedGlobal of this rank's shards."""
+    if is_sharded(base):
+        return ShardedGlobal(base)
+    return copy.deepcopy(base).requires_grad_(False)
+
+
+class ShardedGlobal(torch.nn.Module):
+    """The global model of a sharded island: for every parameter a DTensor laid out like the live one (same mesh,
+    placements and global shape) over a copy of this rank's shard, and a copy of every buffer. The outer strategy
+    updates only the shards (its flat vectors are per shard, flat.py), so it never holds more than 1/N of the
+    model. It does not run forward: the inner strategy's eval_model (FSDP.eval_model) gathers it into a full
+    module, so the Stack's eval_model (outer first, then inner) returns the full global model."""
+
+    def __init__(self, base: torch.nn.Module):
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        def shard_copy(p):
+            if not hasattr(p, "to_local"):
+                return p.detach().clone()
+            return DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+
+        # kept outside nn.Module's registries (not Parameters: no autograd), listed under the live model's names
+        self.named = [(name, shard_copy(p)) for name, p in base.named_parameters()]
+        self.held_buffers = [b.detach().clone() for b in base.buffers()]
+        self.train(base.training)
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self.named)
+
+    def parameters(self, *args, **kwargs):
+        return (p for _, p in self.named)
+
+    def buffers(self, *args, **kwargs):
+        return iter(self.held_buffers)
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("the sharded global model holds shards only; evaluate the Stack's eval_model (gathered)")
 
 
 def _island_comm(world):

@@ -31,7 +31,7 @@ from islands.aggregate.base import Aggregator
 from islands.aggregate.coordinate import Mean
 from islands.compress.base import Compressor
 from islands.sync.outer.adaptive import ADAPTS, AdaptiveRounds
-from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.base import SHARDED_OUTER, OuterStrategy
 from islands.sync.outer.eager import OVERLAPS, EagerOverlap
 from islands.sync.outer.exchange import Exchange, Pending
 from islands.sync.outer.flat import FlatView, fragment_bounds
@@ -133,6 +133,22 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
         self._overlap_setup()
         if self.adapt != "none":
             self._adapt_setup(self._world)
+
+    def sharded_refusal(self) -> str | None:
+        """Plain rounds run per shard unchanged (the mean of shards is the shard of the mean; an elementwise or
+        per-vector compressor acts on each worker's shard vector). Fragments, delayed landings and adaptive rounds
+        are untested on shards, and a robust aggregator would rank each shard's deltas on their own: refused."""
+        if self.name != "diloco":
+            return super().sharded_refusal()
+        given = [f"{k}={v}" for k, v, plain in (
+            ("fragments", self.fragments, 1), ("tau", self.tau, 0), ("overlap", self.overlap, "none"),
+            ("adapt", self.adapt, "none"), ("sync_inner_state", int(self.sync_inner_state), 0),
+            ("aggregator", type(self.exchange.aggregator).__name__ if self.exchange.aggregator else None, None))
+            if v != plain]
+        if given:
+            return (f"diloco with {', '.join(given)} is not wired for sharded parameters yet; with inner fsdp use "
+                    f"{SHARDED_OUTER}")
+        return None
 
     def starting(self, done: int) -> list[int]:
         """Fragments whose exchange starts after `done` steps (the schedule, without the final flush)."""

@@ -21,7 +21,7 @@ import torch
 
 from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
-from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.base import SHARDED_OUTER, OuterStrategy, is_sharded
 
 WARM_KIND = "outer_warm_grad"
 
@@ -46,7 +46,13 @@ class WarmStart(NoOp):
         """True while the islands still train as one data-parallel job."""
         return self._done < self.steps
 
+    def sharded_refusal(self) -> str | None:
+        """The warm-up averages whole gradients across islands; under inner fsdp they are shards: not wired."""
+        return f"warm_start={self.steps} is not wired for sharded parameters yet; with inner fsdp use {SHARDED_OUTER}"
+
     def wrap(self, model, optimizer, world):
+        if is_sharded(unwrap(model)):
+            raise ValueError(f"inner fsdp shards the parameters: {self.sharded_refusal()}")
         self._done = 0
         model = self.outer.wrap(model, optimizer, world)
         self.params = [p for p in unwrap(model).parameters() if p.requires_grad]
