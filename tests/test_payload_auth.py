@@ -237,3 +237,26 @@ def test_authenticated_payloads_need_islands_to_exchange(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--workers", "2", "--outer.authenticate", "--run-dir", str(tmp_path / "r")])
     assert e.value.code == 2 and "world.islands >= 2" in capsys.readouterr().err
+
+
+def _fsdp_diloco(world, authenticate: bool):
+    """FSDP inside each island (2 workers), DiLoCo across per shard: each worker's shard exchange is tagged."""
+    from test_fsdp_outer import _global, _steps, _build
+    from islands.runtime.payload_auth import authenticate_payloads
+
+    if authenticate:
+        authenticate_payloads(world, TOKEN)
+    model, opt, strategy = _build(world, "fsdp")
+    _steps(model, opt, strategy, world, range(6))
+    strategy.finish(model)
+    return _global(strategy, model)
+
+
+def _fsdp_both(world):
+    return {"plain": _fsdp_diloco(world, False), "auth": _fsdp_diloco(world, True)}
+
+
+def test_fsdp_islands_exchange_authenticated_shards_with_the_same_result():
+    for got in run_world(_fsdp_both, size=4, islands=2):
+        for key in got["plain"]:
+            np.testing.assert_array_equal(got["plain"][key], got["auth"][key], err_msg=key)
