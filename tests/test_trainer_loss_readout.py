@@ -99,3 +99,21 @@ def test_the_builtin_callbacks_do_not_ask_for_the_loss():
 
     for cls in (Evaluate, Checkpointing, Progress, RunRecord, Logging, StopAt):
         assert cls.reads_loss is False, cls.__name__
+
+
+def test_a_subclass_that_overrides_train_step_still_has_it_called_by_fit():
+    class Counting(islands.Trainer):
+        calls = 0
+
+        def train_step(self):
+            Counting.calls += 1
+            return super().train_step()
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    trainer = Counting(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _data(), log_every=5)
+    reads = Reads()
+    trainer.add_callback(reads)
+    trainer.fit(10)
+    assert Counting.calls == 10 and len(trainer.series["train"]) == 2
+    assert reads.seen[-1] == trainer.loss and type(reads.seen[-1]) is float

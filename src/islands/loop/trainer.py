@@ -172,12 +172,17 @@ class Trainer:
             raise ValueError(f"steps must be >= 0; got {steps}")
         self.total_steps, self.steps_this_fit = int(steps), 0
         ledger = self.world.ledger
+        overridden = type(self).train_step is not Trainer.train_step
         for cb in self.callbacks:
             if hasattr(cb, "on_fit_start"):
                 cb.on_fit_start(self)
         while self.step < self.total_steps:
             t0, busy0 = time.perf_counter(), ledger.busy_seconds
-            self._step()
+            if overridden:  # a subclass's own train_step (it returns the loss as a float) runs as it always did
+                self._loss_value = float(self.train_step())
+                self._loss = torch.tensor(self._loss_value, dtype=torch.float64)
+            else:
+                self._step()
             dt = time.perf_counter() - t0
             self.steps_this_fit += 1
             self.elapsed += dt
