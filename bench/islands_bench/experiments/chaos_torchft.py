@@ -82,6 +82,7 @@ class Job:
         self.ended: dict[str, int] = {}  # name -> exit code
         self.incarnation = [0] * replicas
         self.barrier = run_dir / "go-all"
+        self.stop_at = run_dir / "stop-at"  # the round the replicas end at, once the harness writes it
 
     def start(self, shard: int, first: bool) -> Replica:
         n = self.incarnation[shard]
@@ -91,7 +92,7 @@ class Job:
                 "outer_momentum": 0.9, "log": str(self.run_dir / f"{name}.jsonl"), "go": None,
                 "barrier": str(self.barrier) if first else None, "start_limit_s": 600.0,
                 "timeout_s": self.settings.timeout_s, "quorum_timeout_s": self.settings.quorum_timeout_s,
-                "heartbeat_interval_ms": self.settings.heartbeat_interval_ms}
+                "heartbeat_interval_ms": self.settings.heartbeat_interval_ms, "stop_at": str(self.stop_at)}
         (self.run_dir / f"{name}.spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         proc = subprocess.Popen([sys.executable, "-m", "islands_bench.experiments.churn_torchft_worker",
@@ -179,8 +180,17 @@ def _apply(ev: Event, job: Job, rng: random.Random, log) -> None:
     ev.at, ev.applied = time.time(), True
 
 
+def _latest_round(run_dir: Path) -> int:
+    """The highest round any replica logged as committed."""
+    rows = [row for p in run_dir.glob("*.jsonl") for row in read_round_log(p)]
+    return max((row["step"] for row in rows if row.get("committed")), default=0)
+
+
 def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], seed: int, gap: tuple[float, float],
-                 settings: TorchftSettings, deadline_s: float) -> dict:
+                 settings: TorchftSettings, deadline_s: float, stop_round: int | None = None) -> dict:
+    """One torchft job under `kinds` of events. A campaign ends its job END_ROUNDS rounds after its last event
+    (as islands' chaos arm ends with `islands stop`); `stop_round` ends a job at that round from the start (the
+    fault-free arm, at the campaign's length)."""
     run_dir = ctx.out_dir / "runs" / label
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "logs").mkdir(parents=True)
@@ -191,6 +201,8 @@ def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], se
     events = [Event(k) for k in kinds]
     rng = random.Random(seed + 1)
     t0, hung = time.time(), False
+    if stop_round is not None:
+        job.stop_at.write_text(str(stop_round))
     with ctx.arm(label):
         try:
             for shard in range(ISLANDS):
@@ -209,6 +221,10 @@ def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], se
                     continue
                 _apply(ev, job, rng, ctx.log)
                 ctx.log(f"{label}: {ev.kind} {ev.target} {ev.note}".rstrip())
+            if kinds and stop_round is None:
+                stop_round = _latest_round(run_dir) + END_ROUNDS
+                job.stop_at.write_text(str(stop_round))
+                ctx.log(f"{label}: the campaign is over; the replicas end at round {stop_round}")
             while job.live:
                 if time.time() - t0 > deadline_s:
                     hung = True
@@ -221,7 +237,8 @@ def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], se
     finals = {n: rows[-1] for n, rows in logs.items() if rows and rows[-1].get("final")}
     progress = {n: sorted(r["t"] for r in rows if not r.get("final") and r.get("committed")) for n, rows in logs.items()}
     return {"events": events, "hung": hung, "finals": finals, "progress": progress, "wall_s": time.time() - t0,
-            "restarts": job.restarts, "lighthouse_starts": lighthouse.starts, "rounds": rounds}
+            "restarts": job.restarts, "lighthouse_starts": lighthouse.starts, "rounds": rounds,
+            "stop_round": stop_round}
 
 
 def _rate(run: dict) -> float:
@@ -231,6 +248,9 @@ def _rate(run: dict) -> float:
         if len(times) >= 2:
             best = max(best, (len(times) - 1) * H / max(times[-1] - times[0], 1e-3))
     return best
+
+
+END_ROUNDS = 40  # rounds the replicas train after the last event: every stall is over, the survivors meet again
 
 
 @experiment("chaos-torchft", practices=("SOTA-932",),
@@ -258,7 +278,7 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     base["steps"] = int(max(400, 2 * _rate(probe) * train_s) // H * H)
     deadline = max(900, 2 * len(applies) * (sum(tier["gap"]) / 2 + TIMEOUT_S + RESTART_S))
     run = run_campaign(ctx, "chaos", base, kinds, seed, tier["gap"], settings, deadline)
-    calm = run_campaign(ctx, "fault-free", base, [], seed, (0.0, 0.0), settings, deadline)
+    calm = run_campaign(ctx, "fault-free", base, [], seed, (0.0, 0.0), settings, deadline, stop_round=run["stop_round"])
     applied = [e for e in run["events"] if e.applied]
     stalls = stall_per_event(run["progress"], [e.at for e in applied])
     lost = not run["finals"]

@@ -76,8 +76,13 @@ def main(spec_path: str) -> int:
     out = open(spec["log"], "a", buffering=1)
     inner_steps = 0
     with DiLoCo(manager, [model], inner, outer, sync_every=h, backup_device=torch.device("cpu"), pin_memory=False):
+        stop_at = Path(spec["stop_at"]) if spec.get("stop_at") else None
         while manager.current_step() < rounds:
             before = manager.current_step()
+            if stop_at is not None and inner_steps % h == 0 and stop_at.exists():
+                rounds = min(rounds, int(stop_at.read_text()))  # the harness ends the job at a round all reach
+                if before >= rounds:
+                    break
             for group in inner.param_groups:
                 group["lr"] = cfg.train.lr * schedule(before * h + inner_steps % h)
             x, y = batches.next()
