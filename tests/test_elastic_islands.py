@@ -252,17 +252,19 @@ def test_an_elastic_fsdp_job_without_faults_ends_with_the_fixed_world_jobs_globa
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
 
 
-@pytest.mark.parametrize("outer,across,ckpt", [
+@pytest.mark.parametrize("outer,across,ckpt,inner", [
     # streaming DiLoCo: 2 fragments, each landing one step after it left, on the strategy's exchange thread
-    ("diloco:inner_steps=6,fragments=2,tau=1", True, 0),
+    ("diloco:inner_steps=6,fragments=2,tau=1", True, 0, "ddp"),
     # gossip on a ring: the leader's point-to-point round relayed to its follower (islands need not agree)
-    ("gossip:every=5,topology=ring", False, 0),
+    ("gossip:every=5,topology=ring", False, 0, "ddp"),
     # checkpoints every round: every worker saves its part, the join waits for the due save on all of them
-    ("diloco:inner_steps=5", True, 5),
+    ("diloco:inner_steps=5", True, 5, "ddp"),
+    # the same under fsdp: a holder's followers settle the save, then build the island's state with their leader
+    ("diloco:inner_steps=5", True, 5, "fsdp"),
 ])
 def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k_worker_islands(
-        tmp_path, outer, across, ckpt):
-    cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt)
+        tmp_path, outer, across, ckpt, inner):
+    cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt, inner=inner)
     run_dir, hold = tmp_path / "run", tmp_path / "HOLD"
 
     code, log = _run(cfg, run_dir, _kill_after_two_rounds(hold, 3, "i1w0.1"))  # a follower of island 1
@@ -315,9 +317,9 @@ def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_pat
 
 
 @pytest.mark.parametrize("flags,needle", [
-    # fsdp takes plain diloco rounds (the sharding rule), in elastic jobs too, but no checkpoints there yet
+    # fsdp takes plain diloco rounds only (the sharding rule), in elastic jobs too
     (["--inner", "fsdp", "--outer", "gossip:every=5"], "'gossip' is not wired for sharded parameters"),
-    (["--inner", "fsdp", "--ckpt-every", "5"], "inner.strategy=fsdp do not take checkpoints yet"),
+    (["--inner", "fsdp", "--outer", "diloco:inner_steps=6,fragments=2"], "fragments=2 is not wired"),
     (["--inner", "pipeline"], "inner.strategy=pipeline splits one model over the island"),
     (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
     (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
@@ -335,14 +337,12 @@ def test_combinations_that_cannot_work_exit_2_before_anything_starts(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
-def test_the_elastic_rule_takes_fsdp_and_names_why_it_refuses_its_checkpoints_and_pipelines():
+def test_the_elastic_rule_takes_fsdp_with_checkpoints_and_names_why_it_refuses_pipelines():
     from islands.app.validate import elastic
 
     base = dict(task="digits", workers=4, islands=2, outer="diloco:inner_steps=5", elastic=True, global_batch=24)
     assert elastic(from_mapping(dict(base, inner="fsdp"))) is None
-    for key in ("ckpt_every", "ckpt_memory_every", "ckpt_remote_every"):
-        message = elastic(from_mapping(dict(base, inner="fsdp", **{key: 5})))
-        assert "do not take checkpoints yet" in message and "untested" in message, message
+    assert elastic(from_mapping(dict(base, inner="fsdp", ckpt_every=5))) is None  # test_checkpoint_elastic resumes one
     message = elastic(from_mapping(dict(base, inner="pipeline")))
     assert "inner.strategy=pipeline is refused" in message and "no one worker holds the island's global model" in message
 

@@ -423,14 +423,6 @@ def elastic(cfg: JobConfig) -> str | None:
         return ("elastic islands of several workers take inner.strategy ddp, zero1 or fsdp; inner.strategy=pipeline "
                 "is refused: a pipeline splits the model into stages, so no one worker holds the island's global "
                 "model, and its stage schedule has no per-shard outer exchange")
-    saves = [f"checkpoint.{key}={getattr(cfg.checkpoint, key)}" for key in ("every", "memory_every", "remote_every")
-             if getattr(cfg.checkpoint, key)]
-    if cfg.inner.strategy == "fsdp" and saves:
-        # the elastic save/join path (every worker's part, settled at a join) is untested with shards: refuse
-        # rather than write checkpoints nobody has resumed from
-        return (f"elastic islands with inner.strategy=fsdp do not take checkpoints yet ({', '.join(saves)}): "
-                "resuming an elastic fsdp job from its per-worker parts is untested; drop the checkpoint "
-                "intervals (--ckpt-every), or use inner.strategy=ddp or zero1 with checkpoints")
     if k > 1:
         given = [f"inner.{key}" for key in ("compressor", "aggregator", "attack") if getattr(cfg.inner, key)]
         if given:
