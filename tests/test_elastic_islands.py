@@ -1,9 +1,11 @@
 """Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md, "Islands of k
-workers"). On gloo: the IslandComm relay gives every worker of every island the plain cross-island result; a
-digits job of 2 islands x 2 workers (a BatchNorm CNN, ddp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL
-goes on with island 0, the launcher restarts island 1 as a new incarnation, which is admitted at a round boundary
-with the global state and ends bit-equal with island 0; with --max-restarts 0 the island stays out and the job
-still finishes; combinations that cannot work exit 2 with a message naming why."""
+workers"). On gloo: the IslandComm relay gives every worker of every island the plain cross-island result, and its
+per-slot form (fsdp's shards) worker j of every island the result of the workers j; a digits job of 2 islands x 2
+workers (a BatchNorm CNN, ddp or fsdp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL goes on with
+island 0, the launcher restarts island 1 as a new incarnation, which is admitted at a round boundary with the global
+state and ends bit-equal with island 0; without faults elastic fsdp ends where a fixed world does; with
+--max-restarts 0 the island stays out and the job still finishes; combinations that cannot work exit 2 with a
+message naming why."""
 
 from __future__ import annotations
 
@@ -77,17 +79,25 @@ def _relay_rank(rank, env, queue):
     local_sums = [dist.all_reduce(t := torch.full((3,), float(i + rank)), group=local) or t.tolist() for i in range(6)]
     thread.join(60)
     objects = relay.all_gather_object({"rank": rank})
+    # fsdp's shards: worker j of each island holds slot j, of its own length (3 and 2 values, as FSDP's padding
+    # leaves a last shard short), and meets only slot j of the other island
+    slots = relay.per_slot()
+    mine = torch.arange(3.0 - rank % 2) + 10 * island + 100 * (rank % 2)
+    slot_sum = slots.all_reduce(mine.clone(), kind="outer_delta")
+    slot_gathered = slots.all_gather(mine.clone(), kind="outer_gather")
+    slot_sent = slots.broadcast(mine.clone(), src=2, kind="outer_bcast")
     # plain lists through the queue: a tensor would be passed as a file descriptor of this exiting process
     queue.put((rank, summed.tolist(), maxed.tolist(), [g.tolist() for g in gathered], sent.tolist(), objects,
                relay.rank, relay.size, dict(ledger.sent),
-               ({p: t.tolist() for p, t in got.items()}, send_to, recv_from), box.get("sums"), local_sums))
+               ({p: t.tolist() for p, t in got.items()}, send_to, recv_from), box.get("sums"), local_sums,
+               (slot_sum.tolist(), [g.tolist() for g in slot_gathered], slot_sent.tolist())))
     dist.destroy_process_group()
 
 
 def test_the_island_relay_gives_every_worker_the_plain_result_over_islands():
     got = spawn_ranks(_relay_rank, 4, timeout=120)
     inputs = [torch.arange(5, dtype=torch.float32) * (i + 1) + 0.25 * i for i in range(2)]
-    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes, gossip, sums, local_sums in got:
+    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes, gossip, sums, local_sums, slot in got:
         assert summed == (inputs[0] + inputs[1]).tolist()  # the all-reduce over islands, on every worker
         assert maxed == torch.maximum(inputs[0], inputs[1]).tolist()
         assert gathered == [inputs[0][:3].tolist(), inputs[1][:3].tolist()]
@@ -101,6 +111,9 @@ def test_the_island_relay_gives_every_worker_the_plain_result_over_islands():
         assert (irank, isize) == (rank // 2, 2)
         # only leaders send cross-island bytes; followers receive the relay only
         assert ("outer_delta" in sent_bytes) == (rank % 2 == 0)
+        j = rank % 2  # the slot: worker j of island 0 and worker j of island 1, nobody else
+        ours = [(torch.arange(3.0 - j) + 10 * i + 100 * j).tolist() for i in range(2)]
+        assert slot == ([a + b for a, b in zip(*ours)], ours, ours[1])
 
 
 def test_worker_names_and_places():
