@@ -243,6 +243,16 @@ class IslandComm:
                                "the island leaves the job") from None
         return out
 
+    def scatter_object(self, objs: list | None = None):
+        """The leader's objs[j] on worker j of the island (objs: one per worker, in local order; None on a follower)."""
+        box = [None]
+        try:
+            dist.scatter_object_list(box, objs if self.leader else None, group=self._local(), group_src=0)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                               "the island leaves the job") from None
+        return box[0]
+
     def per_slot(self) -> "SlotComm":
         """The cross-island Comm of a sharded island (inner fsdp): worker j meets worker j of every other island,
         as the "cross" group of a fixed world has it (SlotComm)."""
@@ -415,17 +425,20 @@ def hand_over(island: IslandComm, strategy, model, step: int, received: dict | N
 
 def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: dict | None) -> tuple[int, str | None]:
     """hand_over of a sharded island: no worker holds the island's state alone, so the leader relays what the
-    members served (None for an island of the first epoch: its workers' shards already form the common start) and
-    every worker loads it, collectively: the whole global model (FSDP scatters each worker's slice), its own
-    slot of the strategy state, then the joined hook (local <- global), as a one-worker joiner's _load_shared."""
+    members served (None for an island of the first epoch: its workers' shards already form the common start):
+    the global model and step to every worker, strategy slot j to worker j only. Every worker loads them,
+    collectively: the whole global model (FSDP writes each worker's slice), its own slot, then the joined hook
+    (local <- global), as a one-worker joiner's _load_shared."""
     island.sync()
-    state = island.relay_object(received if island.leader else None)
-    if state is None:
+    head = None if received is None else {"model": received["model"], "step": received["step"]}
+    head = island.relay_object(head if island.leader else None)
+    if head is None:
         return int(step), None
-    strategy.eval_model(model).load_state_dict(state["model"])
-    strategy.load_state_dict(state["strategy"][ISLAND_SLOTS][dist.get_rank(island.group)])
+    mine = island.scatter_object(received["strategy"][ISLAND_SLOTS] if island.leader else None)
+    strategy.eval_model(model).load_state_dict(head["model"])
+    strategy.load_state_dict(mine)
     _call_hook(strategy, "joined")
-    return int(state["step"]), global_digest(strategy.eval_model(model))
+    return int(head["step"]), global_digest(strategy.eval_model(model))
 
 
 class FollowerWatch:
