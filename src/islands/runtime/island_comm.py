@@ -12,6 +12,13 @@ takes both from that broadcast. Inner DDP keeps the island's replicas bit-identi
 stands for the island's and every worker of the island holds the leader's result bit for bit: exact.
 Gossip's point-to-point round (`exchange_planned`) is relayed the same way: the leader's plan and what arrived.
 
+With fsdp inside, worker j of an island holds shard j of every parameter and its outer strategy works on that
+shard alone, so the leader's tensors no longer stand for the island. The outer strategy then talks to a SlotComm
+(`IslandComm.per_slot`), which packs the island's shard vectors for the leader's one collective and gives each
+worker its own slot of the result: worker j meets worker j of every other island, as the fixed world's "cross"
+group pairs them. A join serves the island's whole state: a holder's followers build it with their leader
+(`island_state`), and a restarted island's workers each load the global model and their own slot (hand_over).
+
 Exchanges in flight across steps (DiLoCo tau > 0, streaming fragments) run on the strategy's exchange thread
 while the training thread's DDP all-reduces go on over the local group. Two threads issuing collectives on one
 gloo group would interleave them differently on different workers, so a relay from any thread but the one that
