@@ -357,7 +357,8 @@ def test_the_elastic_rule_takes_fsdp_with_checkpoints_and_names_why_it_refuses_p
     assert elastic(from_mapping(dict(base, inner="fsdp"))) is None
     assert elastic(from_mapping(dict(base, inner="fsdp", ckpt_every=5))) is None  # test_checkpoint_elastic resumes one
     message = elastic(from_mapping(dict(base, inner="pipeline")))
-    assert "inner.strategy=pipeline is refused" in message and "no one worker holds the island's global model" in message
+    assert "inner.strategy=pipeline is refused" in message
+    assert "no one worker holds the island's global model" in message
 
 
 def test_islands_join_is_refused_in_a_job_of_k_worker_islands_before_admission(tmp_path, monkeypatch, capsys):

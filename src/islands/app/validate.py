@@ -426,7 +426,7 @@ def elastic(cfg: JobConfig) -> str | None:
     if k > 1:
         given = [f"inner.{key}" for key in ("compressor", "aggregator", "attack") if getattr(cfg.inner, key)]
         if given:
-            return (f"elastic islands of several workers run plain ddp or zero1 inside; {', '.join(given)} is not "
+            return (f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} is not "
                     "supported there yet (robust aggregation and attacks plan by global rank, which changes with "
                     "membership); leave it out")
     spec = parse_outer(cfg.outer.strategy)
