@@ -426,9 +426,9 @@ def elastic(cfg: JobConfig) -> str | None:
     if k > 1:
         given = [f"inner.{key}" for key in ("compressor", "aggregator", "attack") if getattr(cfg.inner, key)]
         if given:
-            return (f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} is not "
-                    "supported there yet (robust aggregation and attacks plan by global rank, which changes with "
-                    "membership); leave it out")
+            return (f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} "
+                    "is not supported there yet (robust aggregation and attacks plan by global rank, which changes "
+                    "with membership); leave it out")
     spec = parse_outer(cfg.outer.strategy)
     if spec.params.get("lr_scale") == "sqrt-islands" and spec.params.get("fragments", 1) > 1:
         return ("elastic does not support lr_scale=sqrt-islands with fragments > 1 (the island count can change "
