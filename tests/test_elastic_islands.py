@@ -245,19 +245,22 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     assert_nothing_half_written(run_dir)
 
 
-def test_an_elastic_fsdp_job_without_faults_ends_with_the_fixed_world_jobs_global_model(tmp_path):
+# topk: each worker compresses its own shard (error feedback per shard) and the payloads are all-gathered per slot
+@pytest.mark.parametrize("outer", ["diloco:inner_steps=5", "diloco:inner_steps=5,compressor=(topk:ratio=0.1)"])
+def test_an_elastic_fsdp_job_without_faults_ends_with_the_fixed_world_jobs_global_model(tmp_path, outer):
     """Elastic fsdp+diloco (each island's packed shards exchanged by its leader) against the same job in a fixed
-    world (worker j of each island all-reducing shard j over the "cross" group): same data shards, same sums of two
-    values in fp32, so the same global model bit for bit."""
+    world (worker j of each island exchanging shard j over the "cross" group): same data shards, same payloads,
+    same sums of two values in fp32, so the same global model bit for bit."""
     from islands.app.launch import launch
     from islands.runtime.elastic import state_digest
 
     elastic_run, fixed_run = tmp_path / "elastic", tmp_path / "fixed"
-    code, log = _run(_cfg(tmp_path, inner="fsdp", run_dir=str(elastic_run)), elastic_run, lambda address, workers: None)
+    cfg = _cfg(tmp_path, inner="fsdp", outer=outer, run_dir=str(elastic_run))
+    code, log = _run(cfg, elastic_run, lambda address, workers: None)
     assert code == 0, log
     digests = {n: r["global_sha256"] for n, r in _records(elastic_run).items()}
     assert set(digests) == {"i0w0", "i0w1", "i1w0", "i1w1"} and len(set(digests.values())) == 1, digests
-    fixed = _cfg(tmp_path, inner="fsdp", elastic=False, ckpt_every=60, run_dir=str(fixed_run))
+    fixed = _cfg(tmp_path, inner="fsdp", outer=outer, elastic=False, ckpt_every=60, run_dir=str(fixed_run))
     assert launch(fixed, fixed_run, out=io.StringIO()) == 0
     final = CheckpointStore(fixed_run / "ckpt", clean=False).load(60, rank=0).tree["model"]
     assert state_digest(final) == digests["i0w0"]
