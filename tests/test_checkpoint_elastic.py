@@ -79,11 +79,12 @@ def test_elastic_resume_restores_outer_optimizer_and_membership_bitwise(tmp_path
 
 
 @pytest.mark.slow  # two elastic jobs of 4 workers
-@pytest.mark.parametrize("inner,model", [("ddp", "mlp"), ("zero1", "mlp"), ("ddp", "bn-cnn")])
+@pytest.mark.parametrize("inner,model", [("ddp", "mlp"), ("zero1", "mlp"), ("ddp", "bn-cnn"), ("fsdp", "bn-cnn")])
 def test_elastic_islands_of_two_workers_save_every_workers_part_and_resume_bitwise(tmp_path, inner, model):
     """2 islands x 2 workers: only the leaders are members, but every worker saves its own part (its data shard's
     position, its RNG); the resumed job equals the uninterrupted one on every worker, under ddp and zero1, and
-    with a BatchNorm CNN of the test's own (running statistics are state the resume must bring back too)."""
+    with a BatchNorm CNN of the test's own (running statistics are state the resume must bring back too), also
+    under fsdp (each worker's part holds its own shards' strategy state and the gathered global model)."""
     shape = dict(workers=4, islands=2, inner=inner, global_batch=32)
     if model == "bn-cnn":
         shape["task"] = elastic_jobs.gated_digits(tmp_path)[0]  # no hold file: the gate never waits

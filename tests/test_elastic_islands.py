@@ -1,9 +1,11 @@
 """Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md, "Islands of k
-workers"). On gloo: the IslandComm relay gives every worker of every island the plain cross-island result; a
-digits job of 2 islands x 2 workers (a BatchNorm CNN, ddp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL
-goes on with island 0, the launcher restarts island 1 as a new incarnation, which is admitted at a round boundary
-with the global state and ends bit-equal with island 0; with --max-restarts 0 the island stays out and the job
-still finishes; combinations that cannot work exit 2 with a message naming why."""
+workers"). On gloo: the IslandComm relay gives every worker of every island the plain cross-island result, and its
+per-slot form (fsdp's shards) worker j of every island the result of the workers j; a digits job of 2 islands x 2
+workers (a BatchNorm CNN, ddp or fsdp inside, DiLoCo across) whose island 1 loses a worker to SIGKILL goes on with
+island 0, the launcher restarts island 1 as a new incarnation, which is admitted at a round boundary with the global
+state and ends bit-equal with island 0; without faults elastic fsdp ends where a fixed world does; with
+--max-restarts 0 the island stays out and the job still finishes; combinations that cannot work exit 2 with a
+message naming why."""
 
 from __future__ import annotations
 
@@ -77,17 +79,25 @@ def _relay_rank(rank, env, queue):
     local_sums = [dist.all_reduce(t := torch.full((3,), float(i + rank)), group=local) or t.tolist() for i in range(6)]
     thread.join(60)
     objects = relay.all_gather_object({"rank": rank})
+    # fsdp's shards: worker j of each island holds slot j, of its own length (3 and 2 values, as FSDP's padding
+    # leaves a last shard short), and meets only slot j of the other island
+    slots = relay.per_slot()
+    mine = torch.arange(3.0 - rank % 2) + 10 * island + 100 * (rank % 2)
+    slot_sum = slots.all_reduce(mine.clone(), kind="outer_delta")
+    slot_gathered = slots.all_gather(mine.clone(), kind="outer_gather")
+    slot_sent = slots.broadcast(mine.clone(), src=2, kind="outer_bcast")
     # plain lists through the queue: a tensor would be passed as a file descriptor of this exiting process
     queue.put((rank, summed.tolist(), maxed.tolist(), [g.tolist() for g in gathered], sent.tolist(), objects,
                relay.rank, relay.size, dict(ledger.sent),
-               ({p: t.tolist() for p, t in got.items()}, send_to, recv_from), box.get("sums"), local_sums))
+               ({p: t.tolist() for p, t in got.items()}, send_to, recv_from), box.get("sums"), local_sums,
+               (slot_sum.tolist(), [g.tolist() for g in slot_gathered], slot_sent.tolist())))
     dist.destroy_process_group()
 
 
 def test_the_island_relay_gives_every_worker_the_plain_result_over_islands():
     got = spawn_ranks(_relay_rank, 4, timeout=120)
     inputs = [torch.arange(5, dtype=torch.float32) * (i + 1) + 0.25 * i for i in range(2)]
-    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes, gossip, sums, local_sums in got:
+    for rank, summed, maxed, gathered, sent, objects, irank, isize, sent_bytes, gossip, sums, local_sums, slot in got:
         assert summed == (inputs[0] + inputs[1]).tolist()  # the all-reduce over islands, on every worker
         assert maxed == torch.maximum(inputs[0], inputs[1]).tolist()
         assert gathered == [inputs[0][:3].tolist(), inputs[1][:3].tolist()]
@@ -101,6 +111,9 @@ def test_the_island_relay_gives_every_worker_the_plain_result_over_islands():
         assert (irank, isize) == (rank // 2, 2)
         # only leaders send cross-island bytes; followers receive the relay only
         assert ("outer_delta" in sent_bytes) == (rank % 2 == 0)
+        j = rank % 2  # the slot: worker j of island 0 and worker j of island 1, nobody else
+        ours = [(torch.arange(3.0 - j) + 10 * i + 100 * j).tolist() for i in range(2)]
+        assert slot == ([a + b for a, b in zip(*ours)], ours, ours[1])
 
 
 def test_worker_names_and_places():
@@ -176,8 +189,11 @@ def _kill_after_two_rounds(hold: Path, index: int, ready: str, names: list[str] 
     return fault
 
 
-def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path):
-    cfg = _cfg(tmp_path, max_restarts=1)
+# fsdp: each worker holds its shard; the leader exchanges the island's packed shards, holders serve the island's
+# whole global model and every worker's own strategy state, and the restarted island's workers load their slots
+@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path, inner):
+    cfg = _cfg(tmp_path, max_restarts=1, inner=inner)
     run_dir = tmp_path / "run"
     hold = tmp_path / "HOLD"
     seen: dict = {}
@@ -222,22 +238,49 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     # ... and handed them to its follower, which starts at the same step
     follower = next(e for e in recs["i1w1.1"]["final"]["events"] if e["type"] == "entered")
     assert follower["via"] == "i1w0.1" and follower["step"] == entered["step"]
+    if inner == "fsdp":  # the restarted island's workers, having loaded their slots, hold the members' model together
+        assert follower["global_sha256"] == entered["global_sha256"]
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
     assert_nothing_half_written(run_dir)
 
 
-@pytest.mark.parametrize("outer,across,ckpt", [
+# topk: each worker compresses its own shard (error feedback per shard) and the payloads are all-gathered per slot
+@pytest.mark.parametrize("outer", ["diloco:inner_steps=5", "diloco:inner_steps=5,compressor=(topk:ratio=0.1)"])
+def test_an_elastic_fsdp_job_without_faults_ends_with_the_fixed_world_jobs_global_model(tmp_path, outer):
+    """Elastic fsdp+diloco (each island's packed shards exchanged by its leader) against the same job in a fixed
+    world (worker j of each island exchanging shard j over the "cross" group): same data shards, same payloads,
+    same sums of two values in fp32, so the same global model bit for bit."""
+    from islands.app.launch import launch
+    from islands.runtime.elastic import state_digest
+
+    elastic_run, fixed_run = tmp_path / "elastic", tmp_path / "fixed"
+    cfg = _cfg(tmp_path, inner="fsdp", outer=outer, run_dir=str(elastic_run))
+    code, log = _run(cfg, elastic_run, lambda address, workers: None)
+    assert code == 0, log
+    digests = {n: r["global_sha256"] for n, r in _records(elastic_run).items()}
+    assert set(digests) == {"i0w0", "i0w1", "i1w0", "i1w1"} and len(set(digests.values())) == 1, digests
+    fixed = _cfg(tmp_path, inner="fsdp", outer=outer, elastic=False, ckpt_every=60, run_dir=str(fixed_run))
+    assert launch(fixed, fixed_run, out=io.StringIO()) == 0
+    final = CheckpointStore(fixed_run / "ckpt", clean=False).load(60, rank=0).tree["model"]
+    assert state_digest(final) == digests["i0w0"]
+    summaries = [json.loads((run / "run.json").read_text())["summary"] for run in (elastic_run, fixed_run)]
+    assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+
+
+@pytest.mark.parametrize("outer,across,ckpt,inner", [
     # streaming DiLoCo: 2 fragments, each landing one step after it left, on the strategy's exchange thread
-    ("diloco:inner_steps=6,fragments=2,tau=1", True, 0),
+    ("diloco:inner_steps=6,fragments=2,tau=1", True, 0, "ddp"),
     # gossip on a ring: the leader's point-to-point round relayed to its follower (islands need not agree)
-    ("gossip:every=5,topology=ring", False, 0),
+    ("gossip:every=5,topology=ring", False, 0, "ddp"),
     # checkpoints every round: every worker saves its part, the join waits for the due save on all of them
-    ("diloco:inner_steps=5", True, 5),
+    ("diloco:inner_steps=5", True, 5, "ddp"),
+    # the same under fsdp: a holder's followers settle the save, then build the island's state with their leader
+    ("diloco:inner_steps=5", True, 5, "fsdp"),
 ])
 def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k_worker_islands(
-        tmp_path, outer, across, ckpt):
-    cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt)
+        tmp_path, outer, across, ckpt, inner):
+    cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt, inner=inner)
     run_dir, hold = tmp_path / "run", tmp_path / "HOLD"
 
     code, log = _run(cfg, run_dir, _kill_after_two_rounds(hold, 3, "i1w0.1"))  # a follower of island 1
@@ -290,8 +333,9 @@ def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_pat
 
 
 @pytest.mark.parametrize("flags,needle", [
-    # fsdp takes diloco in a fixed world (the sharding rule), not in an elastic one (the elastic rule, also below)
-    (["--inner", "fsdp"], "inner.strategy=fsdp is refused"),
+    # fsdp takes plain diloco rounds only (the sharding rule), in elastic jobs too
+    (["--inner", "fsdp", "--outer", "gossip:every=5"], "'gossip' is not wired for sharded parameters"),
+    (["--inner", "fsdp", "--outer", "diloco:inner_steps=6,fragments=2"], "fragments=2 is not wired"),
     (["--inner", "pipeline"], "inner.strategy=pipeline splits one model over the island"),
     (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
     (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
@@ -309,13 +353,15 @@ def test_combinations_that_cannot_work_exit_2_before_anything_starts(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
-def test_the_elastic_rule_names_why_fsdp_is_refused():
+def test_the_elastic_rule_takes_fsdp_with_checkpoints_and_names_why_it_refuses_pipelines():
     from islands.app.validate import elastic
 
-    cfg = from_mapping(dict(task="digits", workers=4, islands=2, inner="fsdp", outer="diloco:inner_steps=5",
-                            elastic=True, global_batch=24))
-    message = elastic(cfg)
-    assert "inner.strategy=fsdp is refused" in message and "no one worker holds the island's global model" in message
+    base = dict(task="digits", workers=4, islands=2, outer="diloco:inner_steps=5", elastic=True, global_batch=24)
+    assert elastic(from_mapping(dict(base, inner="fsdp"))) is None
+    assert elastic(from_mapping(dict(base, inner="fsdp", ckpt_every=5))) is None  # test_checkpoint_elastic resumes one
+    message = elastic(from_mapping(dict(base, inner="pipeline")))
+    assert "inner.strategy=pipeline is refused" in message
+    assert "no one worker holds the island's global model" in message
 
 
 def test_islands_join_is_refused_in_a_job_of_k_worker_islands_before_admission(tmp_path, monkeypatch, capsys):

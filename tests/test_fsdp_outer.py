@@ -198,13 +198,13 @@ def test_validate_takes_fsdp_with_plain_diloco_only(outer, refused):
         assert refused in message and "diloco:inner_steps=H" in message, message
 
 
-def test_validate_keeps_refusing_fsdp_in_elastic_jobs_and_shard_groups_across_the_outer_exchange():
+def test_validate_takes_fsdp_in_elastic_jobs_and_refuses_shard_groups_across_the_outer_exchange():
     from islands.app.validate import elastic, sharding
     from islands.config import from_mapping
 
     cfg = from_mapping(dict(workers=4, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5",
                             elastic=True))
-    assert sharding(cfg) is None and "inner.strategy=fsdp is refused" in elastic(cfg)
+    assert sharding(cfg) is None and elastic(cfg) is None  # tests/test_elastic_islands.py runs such jobs
     cfg = from_mapping(dict(workers=8, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5",
                             shard_group="2"))
     assert "leave shard_group ''" in sharding(cfg)

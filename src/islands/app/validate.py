@@ -405,7 +405,8 @@ def simulated(cfg: JobConfig) -> str | None:
 
 
 def elastic(cfg: JobConfig) -> str | None:
-    """Elastic mode: an outer strategy; islands of one worker, or of k with ddp/zero1 inside (docs/membership.md)."""
+    """Elastic mode: an outer strategy; islands of one worker, or of k with ddp, zero1 or fsdp inside
+    (docs/membership.md; fsdp takes what the sharding rule lets through: plain diloco rounds, per shard)."""
     restarts = cfg.elastic.max_restarts
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         return f"elastic.max_restarts must be an integer >= 0; got {restarts!r}"
@@ -418,19 +419,16 @@ def elastic(cfg: JobConfig) -> str | None:
         return ("elastic needs an outer strategy (e.g. outer.strategy='diloco:inner_steps=20'): members meet only "
                 "at its synchronisations")
     k = cfg.workers_per_island
-    if cfg.inner.strategy in ("fsdp", "pipeline"):
-        why = ("fsdp shards each island's model over its workers, so no one worker holds the island's global model "
-               "to exchange or hand to a joiner, and its device mesh spans all the job's ranks, which membership "
-               "changes cannot rebuild" if cfg.inner.strategy == "fsdp" else
-               "a pipeline splits the model into stages, so no one worker holds the island's global model")
-        return (f"elastic islands of several workers take inner.strategy ddp or zero1 (replicas kept identical, so "
-                f"the island's leader speaks for it); inner.strategy={cfg.inner.strategy} is refused: {why}")
+    if cfg.inner.strategy == "pipeline":
+        return ("elastic islands of several workers take inner.strategy ddp, zero1 or fsdp; inner.strategy=pipeline "
+                "is refused: a pipeline splits the model into stages, so no one worker holds the island's global "
+                "model, and its stage schedule has no per-shard outer exchange")
     if k > 1:
         given = [f"inner.{key}" for key in ("compressor", "aggregator", "attack") if getattr(cfg.inner, key)]
         if given:
-            return (f"elastic islands of several workers run plain ddp or zero1 inside; {', '.join(given)} is not "
-                    "supported there yet (robust aggregation and attacks plan by global rank, which changes with "
-                    "membership); leave it out")
+            return (f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} "
+                    "is not supported there yet (robust aggregation and attacks plan by global rank, which changes "
+                    "with membership); leave it out")
     spec = parse_outer(cfg.outer.strategy)
     if spec.params.get("lr_scale") == "sqrt-islands" and spec.params.get("fragments", 1) > 1:
         return ("elastic does not support lr_scale=sqrt-islands with fragments > 1 (the island count can change "

@@ -411,7 +411,7 @@ class ElasticComm:
         self._last_round = _rounds(strategy)
         self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": step,
                             "round": self._last_round, "time": time.time(),
-                            "global_sha256": global_digest(strategy.eval_model(model)),
+                            "global_sha256": self.global_sha(strategy, model),
                             "transfer": self.transfers[-1] if self.transfers else {"via": "broadcast"}})
         return step
 
@@ -476,7 +476,7 @@ class ElasticComm:
         self._abort()
         self.form(nxt, sorted(self.members + joiners))
         self.share_state(strategy, model, step, holders)
-        self.events.append({"type": "join", "global_sha256": global_digest(strategy.eval_model(model)),
+        self.events.append({"type": "join", "global_sha256": self.global_sha(strategy, model),
                             "epoch": self.epoch + self.epoch_base, "joined": [j[1] for j in joiners],
                             "round": rounds, "step": step, "size": self.size, "detected": asked,
                             "resumed": time.time(), "stall_seconds": time.time() - asked})
@@ -496,8 +496,7 @@ class ElasticComm:
         blob = torch.zeros(0, dtype=torch.uint8)
         if mine:
             buf = io.BytesIO()
-            torch.save({"model": strategy.eval_model(model).state_dict(), "strategy": strategy.state_dict(),
-                        "step": int(step)}, buf)
+            torch.save(self.snapshot(strategy, model, step), buf)
             blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         length = self.broadcast_from(torch.tensor([blob.numel()], dtype=torch.int64), src, kind="elastic_state")
         if not mine:
@@ -506,7 +505,21 @@ class ElasticComm:
         if self.name in holders:
             return step
         state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
+        return self.load_shared(strategy, model, state)
+
+    # What a holder serves and a joiner loads. An island of k workers whose inner strategy shards the model
+    # (fsdp) overrides all three (island_comm.IslandLeader): there the state is spread over the island's workers.
+    def snapshot(self, strategy, model, step: int) -> dict:
+        """The state a holder serves: {"model": the global model, "strategy": its state, "step"}."""
+        return {"model": strategy.eval_model(model).state_dict(), "strategy": strategy.state_dict(), "step": int(step)}
+
+    def load_shared(self, strategy, model, state: dict) -> int:
+        """A joiner loads what it received; returns the step its loop starts at."""
         return _load_shared(strategy, model, state)
+
+    def global_sha(self, strategy, model) -> str:
+        """The global model's digest for the join and entry events."""
+        return global_digest(strategy.eval_model(model))
 
     def _share_in_chunks(self, strategy, model, step: int, holders: set[str], src) -> int:
         """Live recovery (issue #20): every holder serves its snapshot (recovery.StateServer on the address it
@@ -517,8 +530,7 @@ class ElasticComm:
         key = f"e/{self.epoch}/state"
         server = None
         if self.name in holders:
-            image = recovery.StateImage.build({"model": strategy.eval_model(model).state_dict(),
-                                               "strategy": strategy.state_dict(), "step": int(step)})
+            image = recovery.StateImage.build(self.snapshot(strategy, model, step))
             server = recovery.StateServer(image, host=recovery.local_address_towards(_store_host(self.store)),
                                           secret=self._transfer_secret(key))
             host, port = server.address
@@ -533,7 +545,7 @@ class ElasticComm:
                 self.ledger.record("elastic_state", server.bytes_sent, 0)
         if state is None:
             return step
-        return _load_shared(strategy, model, state)
+        return self.load_shared(strategy, model, state)
 
     def _fetch_state(self, key: str, holders: set[str], src) -> dict:
         ranked = [n for n in self.names if n in holders]
@@ -594,8 +606,13 @@ class ElasticComm:
 
 def global_digest(model: torch.nn.Module) -> str:
     """SHA-256 of a model's state (parameters and buffers): survivors must agree on the global model bit for bit."""
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict) -> str:
+    """global_digest of a model whose state_dict() is `state`."""
     h = hashlib.sha256()
-    for t in model.state_dict().values():
+    for t in state.values():
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 

@@ -12,6 +12,13 @@ takes both from that broadcast. Inner DDP keeps the island's replicas bit-identi
 stands for the island's and every worker of the island holds the leader's result bit for bit: exact.
 Gossip's point-to-point round (`exchange_planned`) is relayed the same way: the leader's plan and what arrived.
 
+With fsdp inside, worker j of an island holds shard j of every parameter and its outer strategy works on that
+shard alone, so the leader's tensors no longer stand for the island. The outer strategy then talks to a SlotComm
+(`IslandComm.per_slot`), which packs the island's shard vectors for the leader's one collective and gives each
+worker its own slot of the result: worker j meets worker j of every other island, as the fixed world's "cross"
+group pairs them. A join serves the island's whole state: a holder's followers build it with their leader
+(`island_state`), and a restarted island's workers each load the global model and their own slot (hand_over).
+
 Exchanges in flight across steps (DiLoCo tau > 0, streaming fragments) run on the strategy's exchange thread
 while the training thread's DDP all-reduces go on over the local group. Two threads issuing collectives on one
 gloo group would interleave them differently on different workers, so a relay from any thread but the one that
@@ -46,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger, gather_objects
-from islands.runtime.elastic import ElasticComm
+from islands.runtime.elastic import ElasticComm, _call_hook, _rounds, global_digest, state_digest
 from islands.runtime.membership import Liveness
 from islands.runtime.starvation import PROC_KEY, Starvation, local_pid
 
@@ -154,6 +161,9 @@ class IslandComm:
         self.names: list[str] = []  # the member islands' leaders, in rank order (as the leader last relayed)
         self._home = threading.get_ident()
         self._away: int | None = None  # the one other thread that relays over `side`
+        # inner fsdp: each worker holds its own shard, so the leader's tensors no longer speak for the island
+        # (per_slot); the joins' state is then the island's, built by all its workers (island_state)
+        self.sharded = False
 
     @property
     def leader(self) -> bool:
@@ -230,6 +240,32 @@ class IslandComm:
                                "the island leaves the job") from None
         return box[0]
 
+    def gather_object(self, obj) -> list | None:
+        """Every worker's `obj` on the leader, in local order (None on a follower)."""
+        out = [None] * dist.get_world_size(self.group) if self.leader else None
+        try:
+            dist.gather_object(obj, out, group=self._local(), group_dst=0)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                               "the island leaves the job") from None
+        return out
+
+    def scatter_object(self, objs: list | None = None):
+        """The leader's objs[j] on worker j of the island (objs: one per worker, in local order; None on a follower)."""
+        box = [None]
+        try:
+            dist.scatter_object_list(box, objs if self.leader else None, group=self._local(), group_src=0)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                               "the island leaves the job") from None
+        return box[0]
+
+    def per_slot(self) -> "SlotComm":
+        """The cross-island Comm of a sharded island (inner fsdp): worker j meets worker j of every other island,
+        as the "cross" group of a fixed world has it (SlotComm)."""
+        self.sharded = True
+        return SlotComm(self)
+
     # ---- the Comm interface -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         if self.leader:
@@ -289,6 +325,83 @@ class IslandComm:
         return self.relay_object(flat)
 
 
+class SlotComm:
+    """The cross-island Comm of every worker of a sharded island (inner fsdp; IslandComm.per_slot).
+
+    Under fsdp worker j of an island holds shard j of every parameter, and an outer strategy exchanges per shard:
+    worker j's vector meets worker j's of every other island (in a fixed world, over the "cross" group). Only the
+    leader is a member of the job, so each collective packs the island's vectors in local order (an all-gather
+    over the local group, each padded to the longest), the leader runs it once on the packed vector over the
+    member islands (IslandComm: fail-over and all), the relay brings the packed result back, and each worker
+    keeps its own slot. Every island has the same model and k, so slot j has the same length on every island
+    and an elementwise collective of the packed vectors is the per-slot one, bit for bit."""
+
+    elastic = True
+
+    def __init__(self, island: IslandComm):
+        self.island = island
+
+    rank = property(lambda self: self.island.rank)
+    size = property(lambda self: self.island.size)
+    epoch = property(lambda self: self.island.epoch)
+    names = property(lambda self: self.island.names)
+
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """(the island's vectors in local order, where this worker's starts, where it ends)."""
+        flat = tensor.detach().contiguous().reshape(-1)
+        group = self.island._local()
+        k, me = dist.get_world_size(group), dist.get_rank(group)
+        try:
+            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
+            dist.all_gather(lengths, torch.tensor([flat.numel()], dtype=torch.int64), group=group)
+            lengths = [int(n.item()) for n in lengths]
+            padded = flat.new_zeros(max(lengths))
+            padded[: flat.numel()] = flat
+            parts = [torch.empty_like(padded) for _ in range(k)]
+            dist.all_gather(parts, padded, group=group)
+        except (RuntimeError, dist.DistError) as e:
+            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                               "the island leaves the job") from None
+        nbytes = padded.numel() * padded.element_size()
+        self.island.ledger.record(RELAY_KIND, nbytes, nbytes * (k - 1))
+        lo = sum(lengths[:me])
+        return torch.cat([p[:n] for p, n in zip(parts, lengths)]), lo, lo + flat.numel()
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        packed, lo, hi = self._pack(tensor)
+        self.island.all_reduce(packed, op=op, kind=kind)
+        tensor.view(-1).copy_(packed[lo:hi])
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
+        packed, lo, hi = self._pack(tensor)
+        return [p[lo:hi].reshape(tensor.shape) for p in self.island.all_gather(packed, kind=kind)]
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> torch.Tensor:
+        packed, lo, hi = self._pack(tensor)
+        self.island.broadcast(packed, src=src, kind=kind)
+        tensor.view(-1).copy_(packed[lo:hi])
+        return tensor
+
+    def all_gather_object(self, obj) -> list:
+        return self.island.all_gather_object(obj)
+
+    def exchange_planned(self, plan, like, kind: str = "p2p"):
+        raise TypeError("gossip is not wired for sharded parameters (inner fsdp); use diloco")
+
+
+ISLAND_SLOTS = "island_slots"  # a sharded island's strategy state: every worker's own, in local order
+
+
+def island_state(island: IslandComm, strategy, model, step: int) -> dict | None:
+    """Collective over a sharded island (every worker calls it): what its leader serves a joiner. The global model
+    whole (the inner strategy's eval_model gathers it) and every worker's own strategy state (DiLoCo's flat vectors
+    and outer optimizer state are its shard's), gathered to the leader in local order; None on a follower."""
+    full = {k: v.detach().clone() for k, v in strategy.eval_model(model).state_dict().items()}
+    slots = island.gather_object(strategy.state_dict())
+    return {"model": full, "strategy": {ISLAND_SLOTS: slots}, "step": int(step)} if island.leader else None
+
+
 def rounds_of(strategy) -> int:
     """Rounds the outer strategy completed (the holder's own counter, or its outer part's): the same on every
     worker of an island, so leader and followers meet in the same step's relay."""
@@ -298,10 +411,14 @@ def rounds_of(strategy) -> int:
     return 0
 
 
-def hand_over(island: IslandComm, strategy, model, step: int) -> int:
+def hand_over(island: IslandComm, strategy, model, step: int, received: dict | None = None) -> tuple[int, str | None]:
     """After the leader's enter: every worker of the island loads the leader's global model, strategy state and
     step (a joiner's leader has just received them from the members; a first island's workers already agree,
-    and the hand-over costs one local broadcast at the start)."""
+    and the hand-over costs one local broadcast at the start). A sharded island hands over `received` (the
+    leader's load_shared kept it: island_state's form) instead, each worker loading its own slot. Returns the step
+    and, when a sharded island loaded a state, the digest of the global model its workers now hold together."""
+    if island.sharded:
+        return _hand_over_slots(island, strategy, model, step, received)
     state = None
     if island.leader:
         state = {"model": strategy.eval_model(model).state_dict(), "strategy": strategy.state_dict(), "step": int(step)}
@@ -310,7 +427,25 @@ def hand_over(island: IslandComm, strategy, model, step: int) -> int:
     if not island.leader:
         strategy.eval_model(model).load_state_dict(state["model"])
         strategy.load_state_dict(state["strategy"])
-    return int(state["step"])
+    return int(state["step"]), None
+
+
+def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: dict | None) -> tuple[int, str | None]:
+    """hand_over of a sharded island: no worker holds the island's state alone, so the leader relays what the
+    members served (None for an island of the first epoch: its workers' shards already form the common start):
+    the global model and step to every worker, strategy slot j to worker j only. Every worker loads them,
+    collectively: the whole global model (FSDP writes each worker's slice), its own slot, then the joined hook
+    (local <- global), as a one-worker joiner's _load_shared."""
+    island.sync()
+    head = None if received is None else {"model": received["model"], "step": received["step"]}
+    head = island.relay_object(head if island.leader else None)
+    if head is None:
+        return int(step), None
+    mine = island.scatter_object(received["strategy"][ISLAND_SLOTS] if island.leader else None)
+    strategy.eval_model(model).load_state_dict(head["model"])
+    strategy.load_state_dict(mine)
+    _call_hook(strategy, "joined")
+    return int(head["step"]), global_digest(strategy.eval_model(model))
 
 
 class FollowerWatch:
@@ -429,8 +564,47 @@ class IslandLeader(ElasticComm):
     def enter(self, strategy, model) -> int:
         step = super().enter(strategy, model)
         self.store.set(f"{self.place.tag}/entered", str(step))  # followers wait on it, not in a collective
-        self._island_round = rounds_of(strategy)
-        return hand_over(self.island, strategy, model, step)
+        received, self._received = self._received, None
+        step, digest = hand_over(self.island, strategy, model, step, received)
+        self._island_round = rounds_of(strategy)  # after a sharded island's workers loaded the members' counter
+        if digest is not None:
+            # the entry event tells what the island holds now, not only what arrived; the round it entered at is
+            # the members' (the next boundary must not take this join for a new one)
+            self._last_round = _rounds(strategy)
+            self.events[-1].update(global_sha256=digest, round=self._last_round)
+        return step
+
+    # A sharded island (inner fsdp): its state is spread over its workers, so a holder's leader builds what it serves
+    # together with its followers (they call island_state in at_step when told JOINING), and a joining leader keeps
+    # what it received until its island's workers load it together (hand_over).
+    _snapshot: dict | None = None
+    _snapshot_digest: str | None = None
+    _received: dict | None = None
+
+    def share_state(self, strategy, model, step: int, holders: set[str]) -> int:
+        if self.island.sharded and self.name in holders:
+            self._snapshot = island_state(self.island, strategy, model, step)
+        try:
+            return super().share_state(strategy, model, step, holders)
+        finally:
+            self._snapshot_digest = None if self._snapshot is None else state_digest(self._snapshot["model"])
+            self._snapshot = None
+
+    def snapshot(self, strategy, model, step: int) -> dict:
+        return self._snapshot if self.island.sharded else super().snapshot(strategy, model, step)
+
+    def load_shared(self, strategy, model, state: dict) -> int:
+        if not self.island.sharded:
+            return super().load_shared(strategy, model, state)
+        self._received = state
+        return int(state["step"])
+
+    def global_sha(self, strategy, model) -> str:
+        """Sharded: gathering the global model is a collective of the island, which its followers are not in at the
+        join (the holder's digest is its snapshot's) nor at entry (what arrived; enter replaces it once loaded)."""
+        if not self.island.sharded:
+            return super().global_sha(strategy, model)
+        return self._snapshot_digest if self._received is None else state_digest(self._received["model"])
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -489,10 +663,10 @@ class IslandFollower:
             if self.liveness.gone([leader]):
                 raise IslandBroken(f"{self.name}: the island's leader {leader} is gone before it entered the job")
             time.sleep(0.05)
-        step = hand_over(self.island, strategy, model, 0)
+        step, digest = hand_over(self.island, strategy, model, 0)
         self._island_round = rounds_of(strategy)  # after loading: a joiner's counter is the members'
         self.events.append({"type": "entered", "via": leader, "step": step, "epoch": self.island.epoch,
-                            "time": time.time()})
+                            "time": time.time(), **({"global_sha256": digest} if digest else {})})
         return step
 
     def at_step(self, strategy, model, step: int) -> None:
@@ -504,6 +678,8 @@ class IslandFollower:
             if self.island.sync() == JOINING:  # the leader settles its saves now: the same ones as here
                 for settle in self.before_join:
                     settle()
+                if self.island.sharded:  # the leader serves the island's state, which its workers hold together
+                    island_state(self.island, strategy, model, step)
                 self.island.sync()
 
     def state_dict(self) -> dict:

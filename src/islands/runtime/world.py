@@ -321,6 +321,13 @@ def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard:
                         data_shard=data_shard, membership=membership, owns_group=True)
     world.place, world.relay = island, relay
     world.follow(relay.rank, relay.size)
+    if island.size > 1:
+        # FSDP under an outer strategy shards over mesh["local"]: here a 1-D mesh over the island's own group (the
+        # default one), made once per process. Membership epochs change rank, size and islands (follow), never
+        # this group, so the mesh stays right; a restarted island is new processes with a new group and mesh.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world.mesh = init_device_mesh("cpu", (island.size,), mesh_dim_names=("local",))
     return world
 
 

@@ -70,9 +70,15 @@ class OuterStrategy(NoOp):
         self.comm = world.comm("cross") if world.distributed else LoneComm()
         self.island_comm = _island_comm(world)
         base = unwrap(model)
-        why = self.sharded_refusal() if is_sharded(base) else None
+        self.sharded = is_sharded(base)
+        why = self.sharded_refusal() if self.sharded else None
         if why:  # before any collective: every rank refuses alike
             raise ValueError(f"inner fsdp shards the parameters: {why}")
+        per_slot = getattr(self.comm, "per_slot", None)
+        if self.sharded and per_slot is not None:
+            # an elastic island of k workers: its leader alone is a member, so the island's shards travel together
+            # (island_comm.SlotComm); in a fixed world the "cross" group already pairs the workers of one shard
+            self.comm = per_slot()
         self.optimizer = optimizer
         self.local = FlatView(base.parameters())
         self.global_model = global_copy(base)
@@ -235,6 +241,10 @@ class OuterStrategy(NoOp):
         return {"global": self.global_flat.clone(), "local": self.local.read(), "rounds": self.rounds,
                 "clock": self.clock, "synced_at": self.synced_at,
                 "local_buffers": [b.detach().clone() for b in self.local_buffers], **self.extra_state(),
+                # sharded: the global model's buffers live only here (its "model" entry, loaded through the inner
+                # strategy's full copy, reaches the live model, not the ShardedGlobal), e.g. for an elastic joiner
+                **({"global_buffers": [b.detach().clone() for b in self.global_buffers]}
+                   if getattr(self, "sharded", False) else {}),
                 # for a joiner (joined): only while they are this round's
                 **({"round_buffers": self._round_buffers}
                    if getattr(self, "_round_buffers", None) is not None and self._round_seen == self.rounds else {})}
@@ -255,6 +265,8 @@ class OuterStrategy(NoOp):
         with torch.no_grad():
             for own, saved in zip(self.local_buffers, state.get("local_buffers", [])):
                 own.copy_(saved)
+            for glob, saved in zip(self.global_buffers, state.get("global_buffers", [])):
+                glob.copy_(saved)
         self._entry_buffers, self._round_buffers = state.get("round_buffers"), None
         self.load_extra_state(state)
 
