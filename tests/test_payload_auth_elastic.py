@@ -154,3 +154,81 @@ def test_a_member_without_the_token_is_refused_by_the_others():
             assert isinstance(errors[name], PayloadAuthError) and f"from member {other}" in str(errors[name])
         else:
             assert results[name] == {"a": 1.0, "b": 2.0}[name]  # its own contribution alone, never the other's
+
+
+# ---- whole elastic jobs (islands train --elastic, in this process's launcher) ------------------------------
+def _job(tmp_path, name: str, workers: int, steps: int, authenticate: bool, during=None):
+    """An elastic DiLoCo job of `workers` one-worker digits islands; `during(address, workers)` runs on a thread
+    once the workers started. Returns (exit code, launcher log, {member: its record}, run.json)."""
+    import io
+    import json
+
+    from islands.app.launch import launch_elastic
+    from islands.app.validate import validate
+    from islands.config import from_mapping
+
+    import elastic_jobs
+
+    run = tmp_path / name
+    cfg = validate(from_mapping(dict(task="digits", workers=workers, islands=workers, outer="diloco:inner_steps=3",
+                                     elastic=True, steps=steps, global_batch=8 * workers, eval_every=0, warmup=2,
+                                     probe=False, progress=False, timeout=30.0, heartbeat_timeout=5.0,
+                                     authenticate_payloads=authenticate, run_dir=str(run))))
+    out, errors, threads = io.StringIO(), [], []
+
+    def started(address, procs, coordinator):
+        def body():
+            try:
+                during(address, procs)
+            except BaseException as e:  # noqa: BLE001 - surfaced after the job ends
+                errors.append(e)
+        if during is not None:
+            threads.append(threading.Thread(target=body, daemon=True))
+            threads[0].start()
+
+    code = launch_elastic(cfg, run, out=out, on_started=started)
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return code, out.getvalue(), elastic_jobs.records(run), json.loads((run / "run.json").read_text())
+
+
+def test_an_authenticated_elastic_job_ends_bitwise_as_the_plain_one(tmp_path):
+    """Two islands: a sum of two contributions is the same in either order, so the tagged job's global model is
+    the plain job's bit for bit; every outer exchange carried 32-byte tags."""
+    runs = {flag: _job(tmp_path, f"auth-{flag}", 2, 12, flag) for flag in (False, True)}
+    digests = {}
+    for flag, (code, log, recs, run) in runs.items():
+        assert code == 0, log
+        assert set(recs) == {"w0", "w1"}, log
+        digests[flag] = {r["global_sha256"] for r in recs.values()}
+        assert len(digests[flag]) == 1, f"members disagree (authenticate={flag})"
+    assert digests[True] == digests[False]
+    plain, auth = (runs[f][3]["comm"]["per_rank"][0]["sent"] for f in (False, True))
+    assert auth["outer_delta"] - plain["outer_delta"] == 32 * runs[True][3]["comm"]["per_rank"][0]["calls"]["outer_delta"]
+
+
+def test_a_worker_killed_in_an_authenticated_elastic_job_is_dropped_and_the_others_agree(tmp_path):
+    """w2 is SIGKILLed after three rounds: the survivors fail over to a new epoch, where every retried and later
+    exchange is tagged under that epoch's operation keys (a tag under the old key would be refused there), finish,
+    and hold the same global model."""
+    import signal
+
+    import elastic_jobs
+
+    def kill_mid_run(address, procs):
+        elastic_jobs.wait(elastic_jobs.has_key(address, "round/3/join"), "three rounds", timeout=60)
+        procs[2].proc.send_signal(signal.SIGKILL)
+
+    code, log, recs, run = _job(tmp_path, "killed", 3, 150, True, during=kill_mid_run)
+    assert code == 0, log
+    assert "w2 left (killed by SIGKILL)" in log, log
+    assert set(recs) == {"w0", "w1"}, log
+    assert len({r["global_sha256"] for r in recs.values()}) == 1, "the survivors disagree on the global model"
+    for r in recs.values():
+        failures = [e for e in r["final"]["events"] if e["type"] == "failure"]
+        assert len(failures) == 1 and failures[0]["gone"] == ["w2"], failures
+        deltas = [(s["epoch"], s["size"]) for s in r["syncs"] if s["kind"] == "outer_delta"]
+        assert deltas[0] == (0, 3) and deltas[-1][1] == 2 and deltas[-1][0] > 0, deltas
+    assert run["summary"]["steps"] == 150
