@@ -232,3 +232,45 @@ def test_a_worker_killed_in_an_authenticated_elastic_job_is_dropped_and_the_othe
         deltas = [(s["epoch"], s["size"]) for s in r["syncs"] if s["kind"] == "outer_delta"]
         assert deltas[0] == (0, 3) and deltas[-1][1] == 2 and deltas[-1][0] > 0, deltas
     assert run["summary"]["steps"] == 150
+
+
+# ---- islands of k workers: their leader's ElasticComm tags what crosses islands -----------------------------
+def test_fsdp_islands_of_two_workers_exchange_tagged_shards_with_the_plain_result(tmp_path):
+    """2 islands x 2 workers under fsdp: each leader packs its island's shards (SlotComm) into one tagged
+    operation; the followers send nothing across islands. Two islands: the same global model as untagged."""
+    import json
+
+    from test_elastic_islands import _cfg, _records, _run
+
+    digests, sent = {}, {}
+    for flag in (False, True):
+        run = tmp_path / f"fsdp-{flag}"
+        cfg = _cfg(tmp_path, inner="fsdp", steps=20, authenticate_payloads=flag, run_dir=str(run))
+        code, log = _run(cfg, run, lambda address, workers: None)
+        assert code == 0, log
+        found = {n: r["global_sha256"] for n, r in _records(run).items()}
+        assert set(found) == {"i0w0", "i0w1", "i1w0", "i1w1"} and len(set(found.values())) == 1, found
+        digests[flag] = found["i0w0"]
+        sent[flag] = json.loads((run / "run.json").read_text())["comm"]["per_rank"][0]
+    assert digests[True] == digests[False]
+    calls = sent[True]["calls"]["outer_delta"]
+    assert sent[True]["sent"]["outer_delta"] - sent[False]["sent"]["outer_delta"] == 32 * calls  # one tag each
+
+
+def test_a_restarted_island_enters_an_authenticated_job_and_ends_with_the_members(tmp_path):
+    """A follower of island 1 is SIGKILLed after two rounds; the launcher restarts the island, whose new leader
+    authenticates like every member (the job's key needs no trade) and enters at a round boundary: the state
+    hand-over's operations and every later exchange are tagged under the new epochs' keys, and all four
+    workers end with the same global model."""
+    from test_elastic_islands import _cfg, _kill_after_two_rounds, _records, _run
+
+    run = tmp_path / "run"
+    cfg = _cfg(tmp_path, max_restarts=1, authenticate_payloads=True)
+    code, log = _run(cfg, run, _kill_after_two_rounds(tmp_path / "HOLD", 3, "i1w0.1"))
+    assert code == 0, log
+    assert "restarting island 1 (restart 1 of 1)" in log, log
+    recs = _records(run)
+    assert set(recs) == {"i0w0", "i0w1", "i1w0.1", "i1w1.1"}, log
+    assert len({r["global_sha256"] for r in recs.values()}) == 1, {n: r["global_sha256"] for n, r in recs.items()}
+    syncs = recs["i1w0.1"]["syncs"]
+    assert any(s["kind"] == "outer_delta" and s["size"] == 2 for s in syncs), syncs  # the joiner exchanged, tagged
