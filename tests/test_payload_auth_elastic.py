@@ -274,3 +274,87 @@ def test_a_restarted_island_enters_an_authenticated_job_and_ends_with_the_member
     assert len({r["global_sha256"] for r in recs.values()}) == 1, {n: r["global_sha256"] for n, r in recs.items()}
     syncs = recs["i1w0.1"]["syncs"]
     assert any(s["kind"] == "outer_delta" and s["size"] == 2 for s in syncs), syncs  # the joiner exchanged, tagged
+
+
+# ---- a refused payload in a whole job: the receiver leaves, the others go on --------------------------------
+# `islands run --elastic` of a small DiLoCo program whose w0 has something on its network path that flips one bit
+# of w1's contribution to one outer exchange (a wrapper in front of w0's check, as Tamper above).
+TAMPERED_JOB = r'''
+import json, os, sys
+from pathlib import Path
+import torch, torch.nn as nn, torch.nn.functional as F
+import islands
+from islands.runtime.elastic import global_digest
+
+out, name = Path(sys.argv[1]), os.environ["ISLANDS_NAME"]
+out.mkdir(exist_ok=True)
+world = islands.init_world()
+islands.control.authenticate_payloads(world)
+m = world.membership
+
+
+class FlipOne:
+    def __init__(self, tags):
+        self.tags = tags
+
+    def pack(self, t, fields):
+        return self.tags.pack(t, fields)
+
+    def open(self, packed, like, fields):
+        kind, key, sender, receiver = fields
+        if name == "w0" and sender == "w1" and kind == "outer_delta" and key == "e/0/s/3":
+            packed = packed.clone()
+            packed[0] ^= 1
+        return self.tags.open(packed, like, fields)
+
+
+m.tags = FlipOne(m.tags)
+g = torch.Generator().manual_seed(0)
+X = torch.randn(480, 16, generator=g)
+Y = (X @ torch.randn(16, 4, generator=g)).argmax(-1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+strategy = islands.Stack(outer=islands.outer.DiLoCo(inner_steps=3))
+model = strategy.wrap(model, opt, world)
+shard, shards = world.shard
+for step in range(world.start_step, 24):
+    x, y = X[shard::shards][step * 8 % 150:][:8], Y[shard::shards][step * 8 % 150:][:8]
+    F.cross_entropy(model(x), y).backward()
+    strategy.after_backward(model, step)
+    opt.step(); opt.zero_grad()
+    strategy.after_step(model, opt, step)
+strategy.finish(model)
+(out / f"{name}.json").write_text(json.dumps({
+    "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
+    "deltas": [[s["epoch"], s["seq"], s["size"]] for s in m.syncs if s["kind"] == "outer_delta"]}))
+islands.close_world(world)
+'''
+
+
+def test_a_worker_that_refuses_a_payload_exits_1_with_one_line_and_the_others_finish_without_it(tmp_path):
+    import json
+
+    import elastic_jobs
+
+    out = tmp_path / "out"
+    proc, err = elastic_jobs.start_job(tmp_path, TAMPERED_JOB, 3, "out")
+    try:
+        log = elastic_jobs.finish(proc, err, 240)
+    finally:
+        elastic_jobs.kill_job_processes(f"{tmp_path}/")
+    logs = elastic_jobs.logs(tmp_path / "run")
+    assert proc.returncode == 0, log + logs
+    assert "worker w0 left (exit code 1); the others carry on" in log, log
+    w0 = (tmp_path / "run" / "logs" / "w0.log").read_text()
+    assert "islands: the outer_delta payload from member w1 (operation e/0/s/3, epoch 0) failed its MAC" in w0, w0
+    assert "Traceback" not in w0, w0
+    assert not (out / "w0.json").exists()
+    recs = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w1", "w2")}
+    assert recs["w1"]["sha"] == recs["w2"]["sha"], "the others disagree on the global model"
+    for r in recs.values():
+        failures = [e for e in r["events"] if e["type"] == "failure"]
+        assert [f["gone"] for f in failures] == [["w0"]], failures
+        # the refused exchange never committed in epoch 0: it was retried by w1 and w2 in epoch 1, tagged anew
+        assert [d for d in r["deltas"] if d[0] == 0] == [[0, 1, 3], [0, 2, 3]], r["deltas"]
+        assert r["deltas"][2][0] > 0 and r["deltas"][2][2] == 2, r["deltas"]
