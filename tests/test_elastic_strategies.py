@@ -41,6 +41,7 @@ p.add_argument("--outer", required=True)
 p.add_argument("--steps", type=int, default=24)
 p.add_argument("--die", default="")
 p.add_argument("--gate", type=int, default=-1)
+p.add_argument("--authenticate", action="store_true")
 args = p.parse_args()
 out, name = Path(args.out), os.environ["ISLANDS_NAME"]
 out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +54,8 @@ deadline = time.monotonic() + 400
 while name.startswith("j") and not (out / "admit").exists() and time.monotonic() < deadline:  # asks on cue
     time.sleep(0.05)
 world = islands.init_world()
+if args.authenticate:  # every payload tagged under the job key (the launcher and islands join set ISLANDS_TOKEN)
+    islands.control.authenticate_payloads(world)
 model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 outer = {"streaming": lambda: islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=2),
@@ -83,7 +86,7 @@ strategy.finish(model)
 m = world.membership
 (out / f"{name}.json").write_text(json.dumps({
     "entered": entered, "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
-    "rounds": outer.rounds, "sends": list(getattr(outer, "sends", [])), "size": world.size,
+    "rounds": outer.rounds, "sends": list(getattr(outer, "sends", [])), "size": world.size, "tagged": m.tags is not None,
     "syncs": [[s["epoch"], s["size"]] for s in m.syncs if s["kind"] in ("outer_delta", "outer_params")]}))
 islands.close_world(world)
 '''
@@ -100,8 +103,13 @@ def _expected_sends(outer: str) -> list[int]:
     return [n + 1 for n in sends]
 
 
-@pytest.mark.parametrize("outer", ["streaming", "tau1", "gossip", "push-sum", "overlap"])
+# +auth: outer.authenticate (tests/test_payload_auth_elastic.py): every tensor of every operation tagged, the
+# streaming exchange thread's and gossip's point-to-point rounds included; the retries and the joiner tag anew
+@pytest.mark.parametrize("outer, authenticate", [
+    ("streaming", False), ("tau1", False), ("gossip", False), ("push-sum", False), ("overlap", False),
+    pytest.param("streaming", True, id="streaming+auth"), pytest.param("gossip", True, id="gossip+auth")])
 def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_with_the_members(tmp_path, outer,
+                                                                                                authenticate,
                                                                                                 monkeypatch):
     """One job per strategy (process start-up dominates on a loaded machine): 3 workers; w2 SIGKILLs itself after step
     9 (streaming, tau=1: that step just started an exchange; overlap: the average of step 9's boundary is in flight;
@@ -148,7 +156,7 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
         threads[0].start()
 
     argv = [str(tmp_path / "job.py"), "--out", "out", "--steps", str(STEPS), "--outer", outer, "--die", "w2:9",
-            "--gate", "14"]
+            "--gate", "14", *(["--authenticate"] if authenticate else [])]
     try:
         code = launch_elastic_script(argv, 3, tmp_path / "run", heartbeat_timeout=5.0, timeout=60.0, out=launcher,
                                      on_started=started)
@@ -169,6 +177,7 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
     assert not (out / "w2.json").exists()
     members = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1")}
     j1 = json.loads((out / "j1.json").read_text())
+    assert {r["tagged"] for r in (*members.values(), j1)} == {authenticate}
 
     # the death: dropped at the exchange in flight (streaming, tau=1) or the next one (gossip), retried with the
     # survivors; every exchange committed in the same epoch with the same members on both

@@ -217,7 +217,6 @@ def test_islands_train_authenticates_its_outer_exchanges(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--elastic"], "not supported with elastic"),
     (["--simulate"], "simulated islands"),
 ])
 def test_authenticated_payloads_refuse_what_they_do_not_cover(tmp_path, capsys, extra, message):

@@ -23,6 +23,7 @@ from islands.app.build import build_trainer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded, global_digest
 from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
+from islands.runtime.payload_auth import PayloadAuthError
 from islands.runtime.stop import StopAt
 from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV, JobSpec, Refused,
                                         connect, parse_address)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as e:
         print(f"islands: join refused by {argv[0]}: {e}", file=sys.stderr)
         return REFUSED_EXIT_CODE
-    except (Excluded, IslandBroken) as e:
+    except (Excluded, IslandBroken, PayloadAuthError) as e:  # one line, exit 1: the others go on without it
         print(f"islands: {e}", file=sys.stderr)
         return 1
     except JobEnded as e:

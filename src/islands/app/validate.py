@@ -504,15 +504,12 @@ def hf_task(cfg: JobConfig) -> str | None:
 
 
 def payload_auth(cfg: JobConfig) -> str | None:
-    """outer.authenticate: a static job whose islands exchange through an outer strategy, as processes."""
+    """outer.authenticate: islands (static or elastic) that exchange through an outer strategy, as processes."""
     if not cfg.outer.authenticate:
         return None
     if cfg.outer.strategy is None or cfg.world.islands < 2:
         return ("outer.authenticate signs what islands send each other; it needs world.islands >= 2 and an outer "
                 "strategy (e.g. outer.strategy='diloco:inner_steps=100')")
-    if cfg.elastic.enabled:
-        return ("outer.authenticate is not supported with elastic yet: its exchanges are numbered per static group, "
-                "and an elastic job re-forms its groups mid-run; drop one of them")
     if cfg.world.simulate:
         return "outer.authenticate applies to islands as processes; simulated islands exchange inside one process"
     return None

@@ -36,6 +36,15 @@ receives their results with the strategy state (DiLoCo's `inflight`): it lands t
 members. After loading, the joiner's `joined` hook restarts its local model from the global one (a copy of
 the holder's local work would be counted twice). Gossip (`exchange_planned`): a round's peers come from the
 topology over the ranks of the epoch the round commits in, so a retried round re-plans with the survivors.
+
+Authenticated payloads (`outer.authenticate`, `authenticate`): every tensor an operation sends carries an HMAC
+tag (islands.runtime.payload_auth.PayloadTags) under a key from the job's token and id, binding the kind, the
+operation's key e/<epoch>/s/<seq> (every member's the same; a retry in a new epoch tags anew under the new key),
+the sender's name (stable across epochs), the receiver's name for point to point, dtype, shape and bytes. An
+all-reduce then runs as an all-gather of tagged contributions that each member checks and sums itself in rank
+order. Checks run after the bytes land and before the member's "ok": a contribution that fails sets the
+verdict "fail" (so no member commits that operation, and nothing tampered is used) and raises
+PayloadAuthError naming the sender and the operation; that worker leaves, and the others retry without it.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from islands.runtime import recovery
 from islands.runtime.comm import CommLedger, gather_objects
 from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json,
                                         no_member_alive, wait_key)
+from islands.runtime.payload_auth import PayloadAuthError, PayloadTags, combine_in_order, elastic_tags
 
 
 # Seconds past the heartbeat timeout a joiner waits, with no member of the newest epoch alive, before it
@@ -118,6 +128,13 @@ class ElasticComm:
         self.heartbeat: Heartbeat | None = None
         self.admission: Admission | None = None
         self.job: JobSpec | None = None
+        self.tags: PayloadTags | None = None  # set by authenticate: every operation's payloads are tagged
+
+    def authenticate(self, token: str, job_id: str | None = None) -> None:
+        """Tag and check every payload of this member's operations from now on (module docstring), under a key
+        from `token` and the job's id (default: the job record's). Every member must call it, joiners too,
+        before their first operation after entering; it trades nothing."""
+        self.tags = elastic_tags(token, job_id if job_id is not None else (self.job.job_id if self.job else ""))
 
     def new_liveness(self, client) -> Liveness:
         """A liveness check through `client` (one of new_client's), with this job's heartbeat timeout."""
@@ -137,6 +154,9 @@ class ElasticComm:
         return [m[1] for m in self.members]
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        if self.tags is not None:  # checked contributions, summed here in rank order
+            self._gather_tagged(tensor, kind, lambda parts: tensor.copy_(combine_in_order(parts, op)))
+            return tensor
         saved = tensor.detach().clone()
 
         def attempt(pg, rank, size):
@@ -152,6 +172,9 @@ class ElasticComm:
     def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
         tensor = tensor.contiguous()
         out: list[torch.Tensor] = []
+        if self.tags is not None:
+            self._gather_tagged(tensor, kind, lambda parts: out.__setitem__(slice(None), parts))
+            return out
 
         def attempt(pg, rank, size):
             out[:] = [torch.empty_like(tensor) for _ in range(size)]
@@ -166,6 +189,8 @@ class ElasticComm:
         return self.broadcast_from(tensor, lambda: min(src, self.size - 1), kind)
 
     def broadcast_from(self, tensor: torch.Tensor, pick_src: Callable[[], int], kind: str = "broadcast"):
+        if self.tags is not None:
+            return self._broadcast_tagged(tensor, pick_src, kind)
         saved = tensor.detach().clone()
 
         def attempt(pg, rank, size):
@@ -186,6 +211,8 @@ class ElasticComm:
         with the survivors' ranks (a fixed peer list would name other workers after a change). Returns (what
         arrived {peer: tensor shaped like `like`}, send_to, recv_from) of the attempt that committed: the same
         plan on every member."""
+        if self.tags is not None:
+            return self._exchange_tagged(plan, like, kind)
         result: dict = {}
 
         def attempt(pg, rank, size):
@@ -200,12 +227,90 @@ class ElasticComm:
         self._operate(kind, attempt, alone=lambda: result.update(got={}, send_to=[], recv_from=[]))
         return result["got"], result["send_to"], result["recv_from"]
 
+    # ---- the same operations with tagged payloads (authenticate) ----------------------------------------
+    def _op_key(self) -> str:
+        """The key of the operation being attempted, the same on every member of the epoch."""
+        return f"e/{self.epoch}/s/{self.seq}"
+
+    def _open(self, packed: torch.Tensor, like: torch.Tensor, kind: str, sender: str, receiver: str = "") -> torch.Tensor:
+        key = self._op_key()
+        got = self.tags.open(packed, like, (kind, key, sender, receiver))
+        if got is None:
+            raise PayloadAuthError(
+                f"the {kind} payload from member {sender} (operation {key}, epoch {self.epoch + self.epoch_base}) "
+                "failed its MAC: it was altered, injected or replayed on the way, or its sender holds another token; "
+                f"it was not used, the operation does not commit, and {self.name} leaves the job")
+        return got
+
+    def _gather_tagged(self, tensor: torch.Tensor, kind: str, use: Callable[[list[torch.Tensor]], Any]) -> None:
+        """One operation that all-gathers every member's tagged `tensor`; `use` receives the contributions in rank
+        order, each checked (this member's own as it is), before this member's ok. A retry packs the saved input
+        again under its new operation key."""
+        mine = tensor.detach().contiguous().clone()
+        sent: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+
+        def attempt(pg, rank, size):
+            sent[:] = [self.tags.pack(mine, (kind, self._op_key(), self.name, ""))]
+            parts[:] = [torch.empty_like(sent[0]) for _ in range(size)]
+            self.ledger.record(kind, _nbytes(sent[0]), (size - 1) * _nbytes(sent[0]))
+            return pg.allgather([parts], sent)
+
+        def landed():
+            use([mine if n == self.name else self._open(p, mine, kind, n) for n, p in zip(self.names, parts)])
+
+        self._operate(kind, attempt, alone=lambda: use([mine]), landed=landed)
+
+    def _broadcast_tagged(self, tensor: torch.Tensor, pick_src: Callable[[], int], kind: str) -> torch.Tensor:
+        mine = tensor.detach().contiguous().clone()
+        sent: dict = {}
+
+        def attempt(pg, rank, size):
+            src = pick_src()
+            buf = self.tags.pack(mine, (kind, self._op_key(), self.name, "")) if rank == src else PayloadTags.shell(mine)
+            sent.update(src=src, buf=buf)
+            self.ledger.record(kind, _nbytes(buf) if rank == src else 0, 0 if rank == src else _nbytes(buf))
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
+            return pg.broadcast([buf], opts)
+
+        def landed():
+            src = sent["src"]
+            tensor.copy_(mine if self.rank == src else self._open(sent["buf"], mine, kind, self.names[src]))
+
+        self._operate(kind, attempt, alone=lambda: tensor.copy_(mine), landed=landed)
+        return tensor
+
+    def _exchange_tagged(self, plan, like: torch.Tensor, kind: str):
+        """exchange_planned with each message tagged for its receiver's name."""
+        result: dict = {}
+
+        def attempt(pg, rank, size):
+            sends, recv_from = plan(rank, size)
+            key, names = self._op_key(), self.names
+            packed = {p: self.tags.pack(t, (kind, key, self.name, names[p])) for p, t in sends.items()}
+            shells = {p: PayloadTags.shell(like) for p in recv_from}
+            result.update(raw=shells, send_to=sorted(sends), recv_from=list(recv_from))
+            self.ledger.record(kind, sum(_nbytes(t) for t in packed.values()), sum(_nbytes(t) for t in shells.values()))
+            works = [pg.send([t], p, 0) for p, t in packed.items()] + [pg.recv([t], p, 0) for p, t in shells.items()]
+            return _Waited(works, keep=(packed, shells))
+
+        def landed():
+            names = self.names
+            result["got"] = {p: self._open(raw, like, kind, names[p], self.name) for p, raw in result["raw"].items()}
+
+        self._operate(kind, attempt, alone=lambda: result.update(got={}, send_to=[], recv_from=[]), landed=landed)
+        return result["got"], result["send_to"], result["recv_from"]
+
     def all_gather_object(self, obj) -> list:
         """Bookkeeping gather (end-of-run ledgers): pickled, padded to the longest, all-gathered."""
         return gather_objects(self, obj)
 
     # ---- one committed operation ----------------------------------------------------------------
-    def _operate(self, kind: str, attempt, alone: Callable[[], None] | None = None) -> None:
+    def _operate(self, kind: str, attempt, alone: Callable[[], None] | None = None,
+                 landed: Callable[[], None] | None = None) -> None:
+        """Run `attempt(pg, rank, size)` (it returns the work to wait on) until an attempt commits; `alone` runs
+        instead in an epoch of one; `landed` (tagged payloads) checks and uses what arrived, before the ok."""
         start = time.time()
         failed_at = None
         while True:
@@ -215,7 +320,7 @@ class ElasticComm:
                                    "seconds": time.time() - start, "size": 1})
                 self.seq += 1
                 return
-            key = f"e/{self.epoch}/s/{self.seq}"
+            key = self._op_key()
             ok = self._verdict(key) != b"fail"
             if ok:
                 try:
@@ -223,6 +328,12 @@ class ElasticComm:
                     ok = self._watch(work, key)
                 except RuntimeError:
                     ok = False
+            if ok and landed is not None:
+                try:
+                    landed()
+                except PayloadAuthError:
+                    self._fail(key)  # nobody commits what one member refused; the others retry without it
+                    raise
             if ok:
                 ok = self._commit(key)
             if ok:

@@ -20,14 +20,19 @@ combines the contributions itself, in rank order, so every rank computes the sam
 Costs: an all-reduce becomes an all-gather (each rank receives n-1 contributions instead of a ring's
 2(n-1)/n; the same bytes at 2 islands) plus one HMAC per contribution sent and received (islands bench
 control-plane measures both). The sum differs from the unauthenticated ring's in rounding (a fixed order
-here). Static groups only: an elastic job re-forms its groups mid-exchange, which this call numbering does
-not follow (validate refuses the combination).
+here).
+
+Elastic jobs re-form their groups mid-exchange, which this call numbering does not follow; there the
+ElasticComm tags its own operations (`ElasticComm.authenticate`, `elastic_tags`): the key comes from the token
+and the job's random id, and each tag binds the operation's agreed key e/<epoch>/s/<seq> and the members'
+names instead of a call number and ranks (docs/membership.md, "Security").
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import threading
 
@@ -38,17 +43,61 @@ from islands.runtime.auth import derive_key
 
 TAG = 32  # bytes of an HMAC-SHA256
 _DOMAIN = b"islands-payload-v1|"
+_ELASTIC_DOMAIN = b"islands-elastic-payload-v1|"
 _NONCE = 16
 
 
 class PayloadAuthError(RuntimeError):
     """A contribution whose tag did not verify: altered, injected or replayed on the way."""
 
+    exit_code = 1  # an elastic worker that refused a payload leaves the job (islands.runtime.world's excepthook)
+
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes (a copy for a non-contiguous one), on the CPU for hashing."""
     flat = t.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+class PayloadTags:
+    """Packs tensors with a tag under one key and opens them again. `fields`: what a tag binds besides the dtype,
+    shape and bytes (here: kind, call number, sender and receiver ranks; an elastic job's: kind, operation key,
+    sender and receiver names), JSON-encoded so that no two field lists hash alike."""
+
+    def __init__(self, key: bytes, domain: bytes):
+        self.key, self.domain = key, domain
+
+    def tag(self, fields: tuple, like: torch.Tensor, data: torch.Tensor) -> bytes:
+        head = json.dumps([*map(str, fields), str(like.dtype), list(like.shape)]).encode() + b"\0"
+        return hmac.new(self.key, self.domain + head + memoryview(data.cpu().numpy()), hashlib.sha256).digest()
+
+    def pack(self, t: torch.Tensor, fields: tuple) -> torch.Tensor:
+        """t's bytes followed by their 32-byte tag, one flat uint8 tensor."""
+        data = _as_bytes(t)
+        tag = self.tag(fields, t, data)
+        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(data.device)])
+
+    def open(self, packed: torch.Tensor, like: torch.Tensor, fields: tuple) -> torch.Tensor | None:
+        """What `packed` carries, shaped like `like`, or None when its tag does not verify (nothing is used)."""
+        data, tag = packed[:-TAG], packed[-TAG:]
+        if data.numel() != _as_bytes(like).numel():
+            return None
+        if not hmac.compare_digest(bytes(tag.cpu().tolist()), self.tag(fields, like, data)):
+            return None
+        return data.clone().view(like.dtype).reshape(like.shape)
+
+    @staticmethod
+    def shell(like: torch.Tensor) -> torch.Tensor:
+        """A receive buffer for a packed `like`."""
+        return torch.empty(_as_bytes(like).numel() + TAG, dtype=torch.uint8, device=like.device)
+
+
+def elastic_tags(token: str, job_id: str) -> PayloadTags:
+    """An elastic job's payload tags: a key from the token and the job's random id, so a payload recorded in
+    another job (the same token) does not verify in this one; no nonces to trade, so joiners need none."""
+    if not job_id:
+        raise ValueError("authenticated elastic payloads need the job's id (JobSpec.job_id)")
+    return PayloadTags(derive_key(token, "elastic-payload|" + job_id), _ELASTIC_DOMAIN)
 
 
 class AuthenticatedComm:
@@ -65,7 +114,7 @@ class AuthenticatedComm:
         nonce = torch.frombuffer(bytearray(os.urandom(_NONCE)), dtype=torch.uint8)
         nonces = inner.all_gather(nonce, kind="payload_auth_nonce") if inner.size > 1 else [nonce]
         scope = b"".join(bytes(n.tolist()) for n in nonces)
-        self._key = derive_key(token, "payload|" + scope.hex())
+        self._tags = PayloadTags(derive_key(token, "payload|" + scope.hex()), _DOMAIN)
 
     # ---- what the wrapped Comm already says -----------------------------------------------------------
     @property
@@ -90,23 +139,17 @@ class AuthenticatedComm:
             self._calls += 1
             return self._calls
 
-    def _tag(self, kind: str, call: int, sender: int, receiver: int, like: torch.Tensor, data: torch.Tensor) -> bytes:
-        head = f"{kind}|{call}|{sender}|{receiver}|{like.dtype}|{tuple(like.shape)}|".encode()
-        return hmac.new(self._key, _DOMAIN + head + memoryview(data.cpu().numpy()), hashlib.sha256).digest()
-
     def _pack(self, t: torch.Tensor, kind: str, call: int, receiver: int) -> torch.Tensor:
-        data = _as_bytes(t)
-        tag = self._tag(kind, call, self.rank, receiver, t, data)
-        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(data.device)])
+        return self._tags.pack(t, (kind, call, self.rank, receiver))
 
     def _open(self, packed: torch.Tensor, like: torch.Tensor, kind: str, call: int, sender: int,
               receiver: int) -> torch.Tensor:
-        data, tag = packed[:-TAG], packed[-TAG:]
-        if not hmac.compare_digest(bytes(tag.cpu().tolist()), self._tag(kind, call, sender, receiver, like, data)):
+        got = self._tags.open(packed, like, (kind, call, sender, receiver))
+        if got is None:
             raise PayloadAuthError(
                 f"the {kind} payload from rank {sender} (exchange {call}) failed its MAC: it was altered, injected "
                 "or replayed on the way, or the sender holds another token; it was not used")
-        return data.clone().view(like.dtype).reshape(like.shape)
+        return got
 
     def _gathered(self, t: torch.Tensor, kind: str, call: int, packed_parts: list[torch.Tensor]) -> list[torch.Tensor]:
         me = self.rank
@@ -126,7 +169,7 @@ class AuthenticatedComm:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         if self.size == 1:
             return tensor
-        combined = _combine(self.all_gather(tensor.clone(), kind=kind), op)
+        combined = combine_in_order(self.all_gather(tensor.clone(), kind=kind), op)
         tensor.copy_(combined)
         return tensor
 
@@ -150,7 +193,7 @@ class AuthenticatedComm:
         def landed(f):
             ledger.end()
             f.wait()  # raises the collective's own error, if any
-            tensor.copy_(_combine(self._gathered(mine, kind, call, parts), op))
+            tensor.copy_(combine_in_order(self._gathered(mine, kind, call, parts), op))
             return tensor
 
         return work.get_future().then(landed)
@@ -162,7 +205,7 @@ class AuthenticatedComm:
         call = self._call()
         me = dist.get_rank()
         packed = self._pack(tensor, kind, call, -1) if me == src else \
-            torch.empty(_as_bytes(tensor).numel() + TAG, dtype=torch.uint8, device=tensor.device)
+            PayloadTags.shell(tensor)
         self.inner.broadcast(packed, src=src, kind=kind)
         if me != src:
             group_src = dist.get_group_rank(self.group, src) if self.group is not None else src
@@ -185,7 +228,7 @@ class AuthenticatedComm:
                 raise ValueError("exchange: pass like= (shape and dtype of what arrives) when sending nothing")
             like = next(iter(sends.values()))
         packed = {p: self._pack(t, kind, call, p) for p, t in sends.items()}
-        shell = torch.empty(_as_bytes(like).numel() + TAG, dtype=torch.uint8, device=like.device) if recv_from else None
+        shell = PayloadTags.shell(like) if recv_from else None
         raw, wait_inner = self.inner.exchange_async(packed, recv_from, like=shell, kind=kind)
         got: dict[int, torch.Tensor] = {p: torch.empty_like(like) for p in recv_from}
 
@@ -205,7 +248,7 @@ class AuthenticatedComm:
         raise NotImplementedError("authenticated payloads do not run reduce-scatter (no outer strategy uses it)")
 
 
-def _combine(parts: list[torch.Tensor], op) -> torch.Tensor:
+def combine_in_order(parts: list[torch.Tensor], op) -> torch.Tensor:
     """The contributions combined in rank order (the same on every rank)."""
     out = parts[0].clone()
     if op == dist.ReduceOp.SUM:
@@ -226,14 +269,22 @@ def _combine(parts: list[torch.Tensor], op) -> torch.Tensor:
     return out
 
 
-def authenticate_payloads(world, token: str | None = None) -> AuthenticatedComm:
-    """Make every outer strategy built on `world` from now on exchange authenticated payloads (collective over
-    the islands: call it on every rank, before building the strategy). `token`: the job's secret (default
-    ISLANDS_TOKEN, which `islands train` sets for its workers)."""
+def authenticate_payloads(world, token: str | None = None):
+    """Make every outer strategy built on `world` from now on exchange authenticated payloads (call it on every
+    rank, before building the strategy). `token`: the job's secret (default ISLANDS_TOKEN, which `islands train`
+    sets for its workers). A static world: collective over the islands (the ranks trade nonces); returns the
+    AuthenticatedComm. An elastic world: its ElasticComm tags its own operations from now on (nothing to
+    trade; a joiner does the same before it enters); returns the membership. A follower of a k-worker island
+    sends nothing across islands (its leader does): nothing to do there."""
     token = token if token is not None else os.environ.get("ISLANDS_TOKEN", "")
     if not token:
         raise ValueError("authenticated payloads need the job's token: pass token=... or set ISLANDS_TOKEN on "
                          "every worker (the same secret)")
+    membership = getattr(world, "membership", None)
+    if membership is not None:
+        if hasattr(membership, "authenticate"):  # an ElasticComm (an island's leader is one too)
+            membership.authenticate(token)
+        return membership
     comm = AuthenticatedComm(world.comm("cross"), token)
     world.comms = {**(world.comms or {}), "cross": comm}
     return comm

@@ -32,6 +32,7 @@ from islands.runtime.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, I
                                         local_timeout)
 from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
                                         connect, join_job, parse_address)
+from islands.runtime.payload_auth import PayloadAuthError
 
 
 class LoneComm:
@@ -355,7 +356,7 @@ def _elastic_exit(address: str, previous):
             line = f"join refused by {address}: {value}"
         elif isinstance(value, JobEnded):
             line = f"{address}: {value}"
-        elif isinstance(value, (Excluded, IslandBroken)):
+        elif isinstance(value, (Excluded, IslandBroken, PayloadAuthError)):
             line = str(value)
         else:
             return previous(kind, value, tb)
