@@ -20,7 +20,7 @@ TOKEN = "the-elastic-job-secret"
 NAMES = ("a", "b", "c")
 
 
-def _members(body, names=NAMES, token_of=lambda name: TOKEN) -> tuple[dict, dict]:
+def _members(body, names=NAMES, token_of=lambda name: TOKEN, authenticate: bool = True) -> tuple[dict, dict]:
     """Run `body(comm, index)` on one thread per member of a fresh job (each member authenticated with
     `token_of(name)`); returns ({name: body's result}, {name: the exception it raised}). A member that raises
     leaves as a worker does (close_world: heartbeat stopped, dead flag set), so the others can go on."""
@@ -36,7 +36,8 @@ def _members(body, names=NAMES, token_of=lambda name: TOKEN) -> tuple[dict, dict
                                               new_client=s.new_client)
         try:
             comm.form(0, None)
-            comm.authenticate(token_of(s.auth.sender))
+            if authenticate:
+                comm.authenticate(token_of(s.auth.sender))
             results[s.auth.sender] = body(comm, i)
         except BaseException as e:  # noqa: BLE001 - the test reads it
             errors[s.auth.sender] = e
@@ -358,3 +359,48 @@ def test_a_worker_that_refuses_a_payload_exits_1_with_one_line_and_the_others_fi
         # the refused exchange never committed in epoch 0: it was retried by w1 and w2 in epoch 1, tagged anew
         assert [d for d in r["deltas"] if d[0] == 0] == [[0, 1, 3], [0, 2, 3]], r["deltas"]
         assert r["deltas"][2][0] > 0 and r["deltas"][2][2] == 2, r["deltas"]
+
+
+class CorruptThenFail:
+    """A process group whose collectives scribble over their tensors and then fail (a peer dying mid-transfer)."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+    def _broken(self, tensors):
+        for t in tensors if isinstance(tensors[0], torch.Tensor) else tensors[0]:
+            t.fill_(999)
+        raise RuntimeError("Connection closed by peer (test)")
+
+    def allreduce(self, tensors, opts=None):
+        self._broken(tensors)
+
+    def broadcast(self, tensors, opts=None):
+        self._broken(tensors)
+
+    def allgather(self, outs, tensors):
+        self._broken(outs)
+
+
+@pytest.mark.parametrize("authenticate", [False, True], ids=["plain", "tagged"])
+def test_a_member_left_alone_by_a_failed_operation_keeps_its_own_input(authenticate):
+    """b leaves as the second round of operations starts, and a's attempts fail having written into their buffers:
+    a re-forms alone, and each operation's result is a's own input (the one-member sum, gather and broadcast)."""
+    def body(comm, i):
+        first = comm.all_reduce(torch.tensor([1.0 + i])).item()
+        if comm.name == "b":
+            raise RuntimeError("b leaves")
+        import time
+        time.sleep(1.5)  # b's dead flag is up before a tries
+        comm.pg = CorruptThenFail(comm.pg)
+        return first, (comm.all_reduce(torch.tensor([5.0])).item(), [t.tolist() for t in comm.all_gather(
+            torch.tensor([6.0]))], comm.broadcast(torch.tensor([7.0])).item(), comm.size)
+
+    results, errors = _members(body, names=("a", "b"), authenticate=authenticate)
+    assert set(errors) == {"b"}, errors
+    first, (summed, gathered, broadcast, size) = results["a"]
+    assert first == 3.0 and size == 1
+    assert (summed, gathered, broadcast) == (5.0, [[6.0]], 7.0)

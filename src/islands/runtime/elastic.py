@@ -166,7 +166,9 @@ class ElasticComm:
             opts.reduceOp = op
             return pg.allreduce([tensor], opts)
 
-        self._operate(kind, attempt)
+        # alone after a failed attempt: the sum of the survivors is this member's own input, not what the failed
+        # attempt left in the tensor
+        self._operate(kind, attempt, alone=lambda: tensor.copy_(saved))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
@@ -181,7 +183,7 @@ class ElasticComm:
             self.ledger.record(kind, _nbytes(tensor), (size - 1) * _nbytes(tensor))
             return pg.allgather([out], [tensor])
 
-        self._operate(kind, attempt, alone=lambda: out.append(tensor.clone()))
+        self._operate(kind, attempt, alone=lambda: out.__setitem__(slice(None), [tensor.clone()]))  # not a failed try's
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> torch.Tensor:
@@ -201,7 +203,7 @@ class ElasticComm:
             opts.rootRank, opts.rootTensor = src, 0
             return pg.broadcast([tensor], opts)
 
-        self._operate(kind, attempt)
+        self._operate(kind, attempt, alone=lambda: tensor.copy_(saved))  # alone, it is its own source
         return tensor
 
     def exchange_planned(self, plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
