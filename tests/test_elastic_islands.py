@@ -309,25 +309,30 @@ def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k
         assert run["checkpoint"]["saves"]["local"] >= 10
 
 
-def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_path):
-    cfg = _cfg(tmp_path, max_restarts=0)
+@pytest.mark.parametrize("inner,victim", [("ddp", 3), ("fsdp", 3), ("fsdp", 2), ("fsdp", 0)],
+                         ids=["ddp-follower-1", "fsdp-follower-1", "fsdp-leader-1", "fsdp-leader-0"])
+def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_path, inner, victim):
+    """Any worker killed (a follower or a leader, of either island, fsdp or ddp inside): its island leaves as a
+    whole and the other finishes the job alone, its two workers agreeing."""
+    cfg = _cfg(tmp_path, max_restarts=0, inner=inner)
     run_dir = tmp_path / "run"
+    gone, kept = (1, 0) if victim >= 2 else (0, 1)
 
     def fault(address, workers):
         host, port = address.split(":")
         store = connect(host, int(port))
         _wait(lambda: store.check(["round/2/join"]), "two rounds")
-        os.kill(workers[3].proc.pid, signal.SIGKILL)
+        os.kill(workers[victim].proc.pid, signal.SIGKILL)
 
     code, log = _run(cfg, run_dir, fault)
     assert code == 0, log
-    assert "island 1 left the job" in log and "restarting" not in log, log
+    assert f"island {gone} left the job" in log and "restarting" not in log, log
     assert not (run_dir / "elastic" / "restarts.json").exists()
     recs = _records(run_dir)
-    assert set(recs) == {"i0w0", "i0w1"}, log
-    assert recs["i0w0"]["global_sha256"] == recs["i0w1"]["global_sha256"]
-    failure = next(e for e in recs["i0w0"]["final"]["events"] if e["type"] == "failure")
-    assert failure["gone"] == ["i1w0"] and failure["size"] == 1
+    assert set(recs) == {f"i{kept}w0", f"i{kept}w1"}, log
+    assert recs[f"i{kept}w0"]["global_sha256"] == recs[f"i{kept}w1"]["global_sha256"]
+    failure = next(e for e in recs[f"i{kept}w0"]["final"]["events"] if e["type"] == "failure")
+    assert failure["gone"] == [f"i{gone}w0"] and failure["size"] == 1
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 2 and run["summary"]["islands"] == 1
 
