@@ -191,8 +191,10 @@ def _kill_after_two_rounds(hold: Path, index: int, ready: str, names: list[str] 
 
 # fsdp: each worker holds its shard; the leader exchanges the island's packed shards, holders serve the island's
 # whole global model and every worker's own strategy state, and the restarted island's workers load their slots
-@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
-def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path, inner):
+@pytest.mark.parametrize("inner,victim", [("ddp", 3), ("fsdp", 3), ("fsdp", 2)],
+                         ids=["ddp-follower", "fsdp-follower", "fsdp-leader"])
+def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path, inner,
+                                                                                                      victim):
     cfg = _cfg(tmp_path, max_restarts=1, inner=inner)
     run_dir = tmp_path / "run"
     hold = tmp_path / "HOLD"
@@ -204,7 +206,7 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
         _wait(lambda: store.check(["round/2/join"]), "two rounds")
         assert [w.name for w in workers] == ["i0w0", "i0w1", "i1w0", "i1w1"]
         hold.write_text("")  # island 0 keeps going only once the restarted island is ready
-        os.kill(workers[3].proc.pid, signal.SIGKILL)  # a follower of island 1
+        os.kill(workers[victim].proc.pid, signal.SIGKILL)  # island 1's follower (3) or leader (2)
         seen["killed"] = time.time()
         _wait(lambda: store.check(["ready/i1w0.1"]), "the restarted island's leader to be built")
         hold.unlink()
@@ -212,7 +214,8 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     code, log = _run(cfg, run_dir, fault)
     assert code == 0, log
     # the launcher may see the killed follower's exit first, or its leader's (its local collective failed) first
-    assert "island 1 left the job" in log and ("worker i1w1 left (killed by SIGKILL)" in log or "stopped i1w1" in log), log
+    dead = f"i1w{victim - 2}"
+    assert "island 1 left the job" in log and (f"worker {dead} left (killed by SIGKILL)" in log or f"stopped {dead}" in log), log
     assert "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
     restarts = json.loads((run_dir / "elastic" / "restarts.json").read_text())
     assert [(r["island"], r["incarnation"], r["workers"]) for r in restarts["restarts"]] == [
