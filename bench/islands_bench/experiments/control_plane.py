@@ -424,21 +424,26 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
 
 def _authenticated_training(ctx: BenchContext) -> dict:
     """The same DiLoCo job (byte LM, 2 islands of one worker, loopback) with and without outer.authenticate,
-    side by side: time blocked in the outer exchange, wall time and bytes."""
+    side by side, in a fixed world and as an elastic job: time blocked in the outer exchange, wall time, bytes."""
     steps, h = (40, 10) if ctx.quick else (300, 20)
     base = dict(workers=2, islands=2, outer=f"diloco:inner_steps={h}", steps=steps, global_batch=16, probe=False,
                 eval_every=0)
     runs = {}
-    for label, extra in (("plain", {}), ("authenticated", {"outer.authenticate": True})):
-        record = ctx.train(f"payload-{label}", **base, **extra)
+    arms = [(f"{mode}{label}", extra, mode) for mode in ("", "elastic-")
+            for label, extra in (("plain", {}), ("authenticated", {"outer.authenticate": True}))]
+    for label, extra, mode in arms:  # a fixed world (a wrapped Comm) and an elastic one (ElasticComm's own tags)
+        run = ctx.train_elastic if mode else ctx.train
+        record = run(f"payload-{label}", **base, **extra, **({"elastic": True} if mode else {}))
         s = record["summary"]
         runs[label] = {"wall": s["wall_seconds"], "blocked": s["sync_blocked_seconds"], "loss": s["final_val_loss"],
                        "bytes": sum(record["comm"]["per_rank"][0]["sent"].values())}
-    plain, auth = runs["plain"], runs["authenticated"]
-    extra_blocked = auth["blocked"] - plain["blocked"]
-    return {"setting": f"byte LM, {steps} steps, H={h}, {steps // h} exchanges of the whole model",
-            "runs": runs, "extra_blocked": extra_blocked, "extra_blocked_pct": 100 * extra_blocked / plain["wall"],
-            "extra_bytes": auth["bytes"] - plain["bytes"], "same_loss": auth["loss"] == plain["loss"]}
+    out = {"setting": f"byte LM, {steps} steps, H={h}, {steps // h} exchanges of the whole model", "runs": runs}
+    for mode in ("", "elastic-"):
+        plain, auth = runs[f"{mode}plain"], runs[f"{mode}authenticated"]
+        extra_blocked = auth["blocked"] - plain["blocked"]
+        out[mode or "fixed-"] = {"extra_blocked": extra_blocked, "extra_blocked_pct": 100 * extra_blocked / plain["wall"],
+                                 "extra_bytes": auth["bytes"] - plain["bytes"], "same_loss": auth["loss"] == plain["loss"]}
+    return out
 
 
 @experiment("control-plane", practices=("SOTA-930", "SOTA-934"),
@@ -452,7 +457,7 @@ def control_plane(ctx: BenchContext) -> dict:
     base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h}",
                 steps=steps, global_batch=8 * workers, eval_every=0, warmup=10, lr=3e-3, probe=False,
                 timeout=60.0, heartbeat_timeout=3.0)
-    ctx.plan(2)
+    ctx.plan(6)
     calm = _run(ctx, "no-attacker", base, None)
     attack_s = 3600.0  # the attacker runs until the job ends (the bench stops it then)
     attacked = _run(ctx, "attacked", base, attack_s)
@@ -492,9 +497,11 @@ def control_plane(ctx: BenchContext) -> dict:
             f"of it" for p in payload),
         "authenticated payloads in training (outer.authenticate; " + trained["setting"] + "): " + "; ".join(
             f"{label} wall {r['wall']:.1f} s, blocked in the outer step {r['blocked']:.2f} s, {r['bytes']:,} B sent "
-            f"by rank 0" for label, r in trained["runs"].items()) + f"; authentication added {trained['extra_blocked']:+.2f} s "
-        f"blocked ({trained['extra_blocked_pct']:+.2f}% of the plain run's wall), {trained['extra_bytes']:,} B "
-        f"(32 B a contribution, 16 B of nonce), final val loss equal: {trained['same_loss']}",
+            f"by rank 0" for label, r in trained["runs"].items()) + "; " + "; ".join(
+            f"{world} world: authentication added {d['extra_blocked']:+.2f} s blocked ({d['extra_blocked_pct']:+.2f}% "
+            f"of the plain run's wall), {d['extra_bytes']:,} B (32 B a contribution{', 16 B of nonce' if world == 'fixed' else ''}), "
+            f"final val loss equal: {d['same_loss']}"
+            for world, d in (("fixed", trained["fixed-"]), ("elastic", trained["elastic-"]))),
         ("etcd over TLS with client certificates (--store etcds://), writes and deletes of a job key: " + "; ".join(
             f"{label}: {o['accepted']} of {o['tried']} accepted" for label, o in outsiders.items())
          if outsiders else "etcd over TLS: not measured (etcd-server or openssl missing)"),
