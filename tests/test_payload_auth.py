@@ -123,6 +123,19 @@ def _collectives(world, authenticate: bool):
     peer = (r + 1) % comm.size
     got = comm.exchange({peer: torch.full((3,), float(r))}, [(r - 1) % comm.size])
     out["p2p"] = next(iter(got.values())).numpy()
+    out["product"] = comm.all_reduce(torch.tensor([r + 1.0, 2.0]), op=dist.ReduceOp.PRODUCT).numpy()
+    out["bxor"] = comm.all_reduce(torch.tensor([r + 1, 6], dtype=torch.int64), op=dist.ReduceOp.BXOR).numpy()
+    out["avg"] = comm.all_reduce(torch.full((2,), 3.0 * r), op=dist.ReduceOp.AVG).numpy()
+    # reduce-scatter: dim 0 of 6 over 3 ranks, each keeps its 2 rows of the sum
+    out["rs"] = comm.reduce_scatter(torch.arange(12, dtype=torch.float32).reshape(6, 2) * (r + 1)).numpy()
+    # a lone send and receive around the ring, twice (each pair numbers its own messages)
+    for k in range(2):
+        if r == 0:
+            comm.send(torch.full((2,), 10.0 * k + r), dst=1)
+            out[f"recv{k}"] = comm.recv(torch.empty(2), src=comm.size - 1).numpy()
+        else:
+            out[f"recv{k}"] = comm.recv(torch.empty(2), src=r - 1).numpy()
+            comm.send(torch.full((2,), 10.0 * k + r), dst=(r + 1) % comm.size)
     return out
 
 
@@ -140,6 +153,51 @@ def test_authenticated_collectives_give_the_plain_results():
         assert p.keys() == a.keys()
         for key in p:
             np.testing.assert_array_equal(np.asarray(p[key]), np.asarray(a[key]), err_msg=key)
+    np.testing.assert_array_equal(auth[1]["rs"], (np.arange(12).reshape(6, 2) * 6)[2:4])
+    np.testing.assert_array_equal(auth[0]["recv1"], [12.0, 12.0])  # rank 2's second message
+    assert auth[0]["bxor"].tolist() == [1 ^ 2 ^ 3, 6 ^ 6 ^ 6]
+
+
+def test_an_op_whose_factor_a_comparison_cannot_read_is_refused_with_the_ops_that_work():
+    from islands.runtime.payload_auth import combine_in_order
+
+    with pytest.raises(ValueError, match="SUM, AVG, PRODUCT, MAX, MIN, BAND, BOR or BXOR"):
+        combine_in_order([torch.ones(2), torch.ones(2)], dist.ReduceOp.PREMUL_SUM)
+
+
+class TamperSend:
+    """In front of rank 1's receives: flips a bit of what arrives (a message altered on the way)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def recv(self, tensor, src, kind="p2p"):
+        got = self.inner.recv(tensor, src, kind=kind)
+        got[0] ^= 1
+        return got
+
+
+def _tampered_send(world):
+    from islands.runtime.payload_auth import AuthenticatedComm, PayloadAuthError
+
+    inner = world.comm("cross")
+    comm = AuthenticatedComm(TamperSend(inner) if world.rank == 1 else inner, TOKEN)
+    if world.rank == 0:
+        comm.send(torch.ones(3), dst=1)
+        return "sent"
+    try:
+        comm.recv(torch.empty(3), src=0)
+    except PayloadAuthError as e:
+        return f"refused: {e}"
+    return "accepted"
+
+
+def test_a_lone_message_altered_on_the_way_is_refused():
+    got = run_world(_tampered_send, size=2, islands=2)
+    assert got[0] == "sent" and got[1].startswith("refused") and "from rank 0" in got[1], got
 
 
 def _train_auth(spec):

@@ -16,6 +16,8 @@ combines the contributions itself, in rank order, so every rank computes the sam
   * the call number: ranks make the same collectives in the same order, so call n's payload replayed into
     call n+1 does not verify; a payload moved to another kind of exchange does not either;
   * sender and receiver: a contribution relabelled as another rank's does not verify.
+A lone send or receive, which only two ranks make, is numbered per (sender, receiver) pair instead of by the
+group's call count; a reduce-scatter runs as the checked all-gather, each rank keeping its slice.
 
 Costs: an all-reduce becomes an all-gather (each rank receives n-1 contributions instead of a ring's
 2(n-1)/n; the same bytes at 2 islands) plus one HMAC per contribution sent and received (islands bench
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.auth import derive_key
+from islands.runtime.comm import Comm
 
 TAG = 32  # bytes of an HMAC-SHA256
 _DOMAIN = b"islands-payload-v1|"
@@ -110,6 +113,7 @@ class AuthenticatedComm:
     def __init__(self, inner, token: str):
         self.inner = inner
         self._calls = 0
+        self._pairs: dict[tuple[int, int], int] = {}  # messages per (sender, receiver), for send and recv
         self._lock = threading.Lock()
         nonce = torch.frombuffer(bytearray(os.urandom(_NONCE)), dtype=torch.uint8)
         nonces = inner.all_gather(nonce, kind="payload_auth_nonce") if inner.size > 1 else [nonce]
@@ -212,11 +216,7 @@ class AuthenticatedComm:
             tensor.copy_(self._open(packed, tensor, kind, call, group_src, -1))
         return tensor
 
-    def exchange(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                 kind: str = "p2p") -> dict[int, torch.Tensor]:
-        got, wait = self.exchange_async(sends, recv_from, like, kind)
-        wait()
-        return got
+    exchange = Comm.exchange  # exchange_async, then wait: the same for any Comm
 
     def exchange_async(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
                        kind: str = "p2p"):
@@ -239,33 +239,58 @@ class AuthenticatedComm:
 
         return got, wait
 
+    # A lone send or receive involves two ranks only, so it cannot take a number from the group's call count;
+    # each ordered pair (sender, receiver) counts its own messages instead: the n-th send from a to b is the
+    # n-th receive by b from a. Ranks here are global, as in torch.distributed's send and recv.
+    def _pair(self, sender: int, receiver: int) -> int:
+        with self._lock:
+            n = self._pairs.get((sender, receiver), 0) + 1
+            self._pairs[(sender, receiver)] = n
+            return n
+
     def send(self, tensor: torch.Tensor, dst: int, kind: str = "p2p") -> None:
-        raise NotImplementedError("authenticated payloads run point to point through exchange() only")
+        me = dist.get_rank()
+        self.inner.send(self._tags.pack(tensor, (kind, f"pair{self._pair(me, dst)}", me, dst)), dst, kind=kind)
 
-    recv = send
+    def recv(self, tensor: torch.Tensor, src: int, kind: str = "p2p") -> torch.Tensor:
+        me = dist.get_rank()
+        n = self._pair(src, me)
+        packed = self.inner.recv(PayloadTags.shell(tensor), src, kind=kind)
+        got = self._tags.open(packed, tensor, (kind, f"pair{n}", src, me))
+        if got is None:
+            raise PayloadAuthError(f"the {kind} message {n} from rank {src} failed its MAC: it was altered, injected or "
+                                   "replayed on the way, or the sender holds another token; it was not used")
+        return tensor.copy_(got)
 
-    def reduce_scatter(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "reduce_scatter"):
-        raise NotImplementedError("authenticated payloads do not run reduce-scatter (no outer strategy uses it)")
+    def reduce_scatter(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "reduce_scatter") -> torch.Tensor:
+        """Every rank's tagged tensor gathered and checked, combined in rank order; rank r keeps the r-th of n
+        equal slices along dim 0 (an all-gather's bytes instead of a reduce-scatter's)."""
+        n = self.size
+        if n == 1:
+            return tensor
+        if tensor.shape[0] % n:
+            raise ValueError(f"reduce_scatter: dim 0 of {tuple(tensor.shape)} must divide evenly over {n} ranks")
+        whole = combine_in_order(self.all_gather(tensor.contiguous(), kind=kind), op)
+        return whole.chunk(n)[self.rank].clone()
+
+
+# How two contributions combine, per reduce op (AVG: a sum, divided once at the end). PREMUL_SUM is absent: its
+# factor lives inside the op object, which a plain comparison cannot read.
+_COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.AVG: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
+            dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.BAND: torch.bitwise_and,
+            dist.ReduceOp.BOR: torch.bitwise_or, dist.ReduceOp.BXOR: torch.bitwise_xor}
 
 
 def combine_in_order(parts: list[torch.Tensor], op) -> torch.Tensor:
     """The contributions combined in rank order (the same on every rank)."""
+    fn = next((f for known, f in _COMBINE.items() if op == known), None)
+    if fn is None:
+        raise ValueError(f"authenticated payloads combine with SUM, AVG, PRODUCT, MAX, MIN, BAND, BOR or BXOR; got {op}")
     out = parts[0].clone()
-    if op == dist.ReduceOp.SUM:
-        for p in parts[1:]:
-            out += p
-    elif op == dist.ReduceOp.MAX:
-        for p in parts[1:]:
-            out = torch.maximum(out, p)
-    elif op == dist.ReduceOp.MIN:
-        for p in parts[1:]:
-            out = torch.minimum(out, p)
-    elif op == dist.ReduceOp.AVG:
-        for p in parts[1:]:
-            out += p
-        out /= len(parts)
-    else:
-        raise NotImplementedError(f"authenticated all_reduce supports SUM, AVG, MAX and MIN; got {op}")
+    for p in parts[1:]:
+        out = fn(out, p)
+    if op == dist.ReduceOp.AVG:
+        out = out / len(parts) if out.is_floating_point() else out // len(parts)
     return out
 
 
