@@ -86,6 +86,9 @@ def _nbytes(t: torch.Tensor) -> int:
 class Comm:
     """Collectives over one process group, each counted in a ledger. Synchronous unless stated."""
 
+    elastic = False  # members never change (islands.runtime.elastic.ElasticComm says True)
+    epoch: int | None = None  # an elastic Comm's membership epoch; a fixed group has none
+
     def __init__(self, group: dist.ProcessGroup | None = None, ledger: CommLedger | None = None):
         """`group`: a torch process group (None: the default group). `ledger`: where bytes are counted (a new
         one if not given; `World.comm()` passes the rank's own)."""

@@ -109,6 +109,8 @@ class AuthenticatedComm:
     rank of `inner`'s group constructs it at the same point (the ranks trade their nonces)."""
 
     authenticated = True
+    elastic = False  # fixed worlds only: an elastic job's ElasticComm tags its own operations (authenticate)
+    epoch: int | None = None
 
     def __init__(self, inner, token: str):
         self.inner = inner

@@ -221,6 +221,9 @@ def _reduce(op, values: list[torch.Tensor]) -> torch.Tensor:
 class SimComm:
     """The Comm interface (islands.runtime.comm.Comm) over a _Hub: same methods, same ledger entries."""
 
+    elastic = False
+    epoch: int | None = None
+
     def __init__(self, hub: _Hub, rank: int, ledger: CommLedger):
         self.hub, self._rank, self.ledger = hub, rank, ledger
         self.group = None

@@ -39,6 +39,8 @@ class LoneComm:
     """The Comm of a scope with one member and no process group: every collective is identity."""
 
     size, rank = 1, 0
+    elastic = False
+    epoch: int | None = None
 
     def all_reduce(self, tensor, op=None, kind: str = "all_reduce"):
         return tensor
