@@ -21,42 +21,11 @@ from islands.app.worker import run_worker
 from islands.cli_more import UsageError, add_more_commands
 from islands.cli_export import add_export_command
 from islands.cli_run import add_run_command
-from islands.config import FLAT, ConfigError, JobConfig, from_mapping, keys, load_toml
+from islands.config import FLAT, ConfigError, JobConfig, default_text, descriptions, from_mapping, keys, load_toml
 from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
 from islands.report import add_report_command
 from islands.runtime.launch import LaunchError
-from islands.spec import Spec
-from islands.spec import format as format_spec
 from islands.tasks.user import TaskError
-
-_HELP = {
-    "task.name": "lm (byte-level language model on Python's stdlib source), digits (sklearn digits), hf-causal-lm "
-                 "(a transformers causal LM; docs/hf-models.md), or module:function returning an islands.Task "
-                 "(your own model and data)",
-    "task.data": "text file or directory for task lm (default: Python standard library source)",
-    "task.model": "hf-causal-lm: gpt2, llama, qwen2 (any causal-LM model_type) or a local model directory",
-    "task.model_overrides": "hf-causal-lm: the model config's keys, e.g. 'n_layer=2,n_embd=64'",
-    "task.tokenizer": "hf-causal-lm: auto, bpe (trained on the corpus), byte, or a tokenizer.json path",
-    "task.vocab_size": "hf-causal-lm: the BPE's size and the fresh model's embedding rows",
-    "task.text_column": "hf-causal-lm on JSON lines / Parquet data: the column holding the text",
-    "world.workers": "total worker processes", "world.islands": "islands the workers are split into (workers/islands each)",
-    "elastic.max_restarts": "elastic: times the launcher starts a failed island again (it rejoins at a round boundary)",
-    "world.device": "auto (CUDA + NCCL when each local worker has its own GPU, else CPU + gloo), cpu or cuda",
-    "inner.strategy": "inner strategy inside an island: auto, single, ddp, zero1, fsdp, pipeline",
-    "outer.strategy": "outer strategy across islands, e.g. diloco:inner_steps=100",
-    "outer.authenticate": "every tensor sent between islands carries an HMAC under the job's token (ISLANDS_TOKEN; "
-                          "islands train makes one for its workers): an altered or replayed payload is refused",
-    "inner.compressor": "gradient compressor spec, e.g. powersgd:rank=4", "inner.aggregator": "aggregator spec, e.g. median",
-    "inner.attack": "rehearse an attack, e.g. sign-flip:count=2", "world.testbed": "run workers inside this network testbed",
-    "world.slowdown": "make islands compute slower, e.g. 1=2.0 (island 1 at half speed) or rank3=1.5",
-    "world.simulate": "run the islands (one worker each) as threads of this process on one device, with the real "
-                      "strategy code (docs/simulate.md)",
-    "train.global_batch": "sequences per step over all workers", "world.timeout": "collective timeout in seconds",
-    "inner.overlap": "with a compressor: compress each DDP bucket on a worker thread while backward goes on "
-                     "(default), or inside the hook on the autograd thread",
-    "output.log": "loggers besides run.json and live/*.jsonl, comma-separated: tensorboard, mlflow, wandb "
-                  "(docs/observe.md)",
-}
 
 
 class ExitError(Exception):
@@ -67,7 +36,7 @@ class ExitError(Exception):
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file of config tables ([train] steps = 300; flags override it)")
-    defaults = JobConfig()
+    text = descriptions()
     aliases: dict[str, list[str]] = {}
     for flat, dotted in FLAT.items():
         aliases.setdefault(dotted, []).append(flat)
@@ -75,9 +44,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         if typ == "dict":
             continue
         flags = ["--" + dotted] + ["--" + a.replace("_", "-") for a in aliases.get(dotted, [])]
-        default = defaults.get(dotted)
-        shown = format_spec(default) if isinstance(default, Spec) else default
-        help_text = _HELP.get(dotted, "") + f" (default {shown!r})"
+        # the key's one description (islands.config), its default; argparse reads % as a format: escape it
+        help_text = f"{text[dotted]} (default {default_text(dotted)})".replace("%", "%%")
         if typ == "bool":
             p.add_argument(*flags, dest=dotted, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

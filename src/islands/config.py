@@ -10,6 +10,9 @@
     [elastic]     membership that changes while the job runs
     [output]      where the run record goes, the progress bar, the loggers
 
+Every key has one description, beside its definition (`_key(default, help)`); `descriptions()` reads them for
+`islands train --help` and docs/config.md's key reference (`write_reference`).
+
 Today's flat keys (`workers = 4`, `--ckpt-every 50`) keep working as aliases of their section keys
 (FLAT, below). Every problem is a ConfigError naming the key, what was given and what would be valid;
 the CLI turns it into exit code 2. Cross-section rules live in islands.app.validate.
@@ -26,135 +29,188 @@ import dataclasses
 import difflib
 import json
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from islands.spec import Spec, SpecError, parse
+from islands.spec import format as format_spec
 
 
 class ConfigError(ValueError):
     """A bad job configuration; the message says what is wrong and what would be right."""
 
 
+def _key(default=MISSING, help: str = "", *, factory=MISSING):
+    """A config key: its default and its one-line description, the only one (`islands train --help` and
+    docs/config.md read it through `description`). `factory` for mutable defaults (specs, tables)."""
+    return field(default=default, default_factory=factory, metadata={"help": help})
+
+
 @dataclass
 class TaskConfig:
-    name: str = "lm"  # lm: byte-level language model; digits: sklearn digits; or module:function (a user's Task)
-    data: str = ""  # text file or directory for lm; "" = the Python standard library's source
-    d_model: int = 128  # lm: width
-    n_layers: int = 4
-    n_heads: int = 4
-    context: int = 128  # lm: bytes per sequence
-    hidden: int = 128  # digits: MLP width
-    model: str = "gpt2"  # hf-causal-lm: a family (gpt2 | llama | qwen2 | any causal-LM model_type) or a local directory
-    model_overrides: str = ""  # hf-causal-lm: config keys, e.g. "n_layer=2,n_embd=64" (docs/hf-models.md)
-    tokenizer: str = "auto"  # hf-causal-lm: auto | bpe | byte | path to a tokenizer.json
-    vocab_size: int = 512  # hf-causal-lm: tokens of the BPE trained on the corpus (and the model's embedding rows)
-    text_column: str = "text"  # hf-causal-lm with JSON lines / Parquet data (read through `datasets`): the text's column
-    options: dict = field(default_factory=dict)  # free keys for a user's make_task (TOML [task.options])
+    name: str = _key("lm", "what to train: lm (byte-level transformer), digits (MLP on sklearn's 8x8 digits), "
+                     "hf-causal-lm (a transformers causal LM; docs/hf-models.md) or module:function returning an "
+                     "islands.Task (docs/own-model.md)")
+    data: str = _key("", "training text for lm and hf-causal-lm: a text file or directory (hf-causal-lm also JSON "
+                     "lines, Parquet or a glob); \"\" = the Python standard library's source")
+    d_model: int = _key(128, "model width (lm, and an hf-causal-lm family built fresh)")
+    n_layers: int = _key(4, "transformer blocks (lm, and an hf-causal-lm family built fresh)")
+    n_heads: int = _key(4, "attention heads, a divisor of d_model (lm, and an hf-causal-lm family built fresh)")
+    context: int = _key(128, "tokens per training sequence (bytes for lm; hf-causal-lm: at most the model's positions)")
+    hidden: int = _key(128, "digits: width of the MLP's hidden layer")
+    model: str = _key("gpt2", "hf-causal-lm: a family built fresh (gpt2, llama, qwen2 or any causal-LM model_type) "
+                      "or a local model directory")
+    model_overrides: str = _key("", "hf-causal-lm: model config keys to set, e.g. 'n_layer=2,n_embd=64' (an unknown "
+                                "key is an error; docs/hf-models.md)")
+    tokenizer: str = _key("auto", "hf-causal-lm: auto (the model directory's tokenizer.json, else bpe), bpe (trained "
+                          "on the training text), byte, or a tokenizer.json path")
+    vocab_size: int = _key(512, "hf-causal-lm: tokens of the BPE trained on the training text, and the fresh "
+                           "model's embedding rows")
+    text_column: str = _key("text", "hf-causal-lm with JSON lines or Parquet data (read through `datasets`): the "
+                            "column holding the text")
+    options: dict = _key(help="free keys for a user's make_task, read as cfg.task.options (TOML table "
+                         "[task.options]; no flag)", factory=dict)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    global_batch: int = 32  # sequences (or images) per step summed over all workers
-    lr: float = 3e-3
-    warmup: int = 30  # linear warm-up steps, then cosine decay
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    optimizer: Spec | None = field(default_factory=lambda: Spec("adamw"))  # adamw | onebit-adam | split-adamw ...
-    eval_every: int = 25
-    eval_batches: int = 8
-    log_every: int = 10
+    steps: int = _key(200, "optimizer steps to train for; the lr schedule ends its decay here")
+    global_batch: int = _key(32, "samples (sequences or images) per step summed over all workers; a multiple of "
+                             "world.workers")
+    lr: float = _key(3e-3, "peak learning rate, reached at the end of the warm-up")
+    warmup: int = _key(30, "steps of linear lr warm-up before the cosine decay (also post-local-sgd's switch step "
+                       "unless its spec gives one)")  # SOTA-216
+    min_lr_ratio: float = _key(0.1, "the cosine decay's final lr as a fraction of lr, in [0, 1]")
+    weight_decay: float = _key(0.1, "the optimizer's decoupled weight decay (AdamW's)")
+    grad_clip: float = _key(1.0, "largest global gradient norm: larger gradients are scaled down to it; 0 = no "
+                            "clipping")
+    seed: int = _key(0, "seed of the model's initialisation, the data order, and seeded compressors and attacks")
+    optimizer: Spec | None = _key(help="optimizer spec: adamw, onebit-adam, naive-compressed-adam, split-adamw or "
+                                  "muon (with key=value arguments)", factory=lambda: Spec("adamw"))
+    eval_every: int = _key(25, "steps between validation passes (also at step 0 and at the end); 0 = only at the end")
+    eval_batches: int = _key(8, "validation batches per evaluation (lm and hf-causal-lm; digits evaluates its whole "
+                             "validation split)")
+    log_every: int = _key(10, "steps per point of the recorded training-loss series (the mean over those steps)")
 
 
 @dataclass
 class WorldConfig:
-    workers: int = 4
-    islands: int = 1
-    threads: int = 1  # torch threads per worker: one worker per core is the fair CPU comparison
-    device: str = "auto"  # auto (cuda+nccl when every local worker gets its own GPU, else cpu+gloo) | cpu | cuda
-    timeout: float = 120.0  # seconds a collective may block before the job is declared dead
-    port: int = 0  # rendezvous port; 0 = pick a free one
-    testbed: str = ""  # run each worker inside a host of this network testbed
-    probe: bool = True  # measure the interconnect at start
-    slowdown: str = ""  # e.g. "1=2.0": island 1 computes 2x slower (rank3=1.5: one rank); islands.faults.slowdown
-    simulate: bool = False  # the islands as threads of ONE process on one device (islands.simulate, docs/simulate.md)
+    workers: int = _key(4, "worker processes in all, over every island")
+    islands: int = _key(1, "islands the workers are split into (workers/islands each); more than one needs an "
+                        "outer strategy (or inner.strategy fsdp)")
+    threads: int = _key(1, "torch threads (OMP_NUM_THREADS) per worker; one worker per core is the fair CPU "
+                        "comparison")
+    device: str = _key("auto", "auto (cuda + nccl when every local worker gets its own GPU, else cpu + gloo), cpu or "
+                       "cuda")
+    timeout: float = _key(120.0, "seconds a collective (or a checkpoint barrier) may block before the job is "
+                          "declared dead")
+    port: int = _key(0, "rendezvous port; 0 = pick a free one (keep 0 with a testbed)")
+    testbed: str = _key("", "run each worker inside a host of this network testbed (`islands testbed up`); \"\" = "
+                        "plain local processes")
+    probe: bool = _key(True, "measure the interconnect between workers at the start and record it in run.json")
+    slowdown: str = _key("", "rehearse slower hosts: \"1=2.0\" makes island 1 compute 2x slower, \"rank3=1.5\" one "
+                         "rank (islands.faults.slowdown); \"\" = none")
+    simulate: bool = _key(False, "run the islands (one worker each) as threads of this process on one device, with "
+                          "the real strategy code (docs/simulate.md)")
 
 
 @dataclass
 class InnerConfig:
-    strategy: str = "auto"  # auto | single | ddp | zero1 | fsdp | pipeline
-    compressor: Spec | None = None  # for the gradient exchange, e.g. powersgd:rank=4 (none: DDP's plain mean)
-    aggregator: Spec | None = None  # e.g. median, nnm+krum:f=1 (mean: DDP's plain mean)
-    attack: Spec | None = None  # to rehearse, e.g. sign-flip:count=1
-    bucket_mb: float = 25.0  # DDP bucket size; torch's default 25 MB, Horovod's fusion buffer 64 MB (LIT-220)
-    overlap: bool = True  # compressor: compress each bucket on a worker thread while backward goes on
-    wrap: Spec | None = field(default_factory=lambda: Spec("block"))  # fsdp: model | block | params:N | split:K | graph:K
-    reshard: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2-like)
-    prefetch: int = 0  # fsdp: gather N units ahead (SOTA-117); 0 = FSDP2's own
-    shard_group: str = ""  # fsdp: ranks per sharding group: "" the island, "auto", or N (SOTA-119)
-    shard_budget_mb: float = 0.0  # fsdp shard_group=auto: MiB of state per rank; 0 = device memory
-    stages: int = 0  # pipeline: stages, one per worker of the island; 0 = workers per island
-    microbatches: str = "auto"  # pipeline: micro-batches per step, or auto (SOTA-019 chooser)
-    cuts: str = "equal"  # pipeline: equal (parameters) | graph (traced cut sizes) | balanced (SOTA-018)
-    schedule: str = "1f1b"  # pipeline: gpipe | 1f1b
-    activation_budget_mb: float = 0.0  # pipeline microbatches=auto: held-activation bytes per stage; 0 = no limit
+    strategy: str = _key("auto", "the strategy inside an island: auto (single for one worker, else ddp), single, "
+                         "ddp, zero1, fsdp or pipeline")
+    compressor: Spec | None = _key(None, "ddp: gradient compressor spec, e.g. powersgd:rank=4, topk, int8; none = "
+                                   "DDP's plain mean")
+    aggregator: Spec | None = _key(None, "ddp: robust gradient aggregator spec, e.g. median, nnm+krum:f=1; mean = "
+                                   "DDP's plain mean")
+    attack: Spec | None = _key(None, "ddp: a Byzantine attack to rehearse, e.g. sign-flip:count=1; none = no attack")
+    bucket_mb: float = _key(25.0, "ddp and zero1: MiB per gradient bucket (torch's default 25, Horovod's fusion "
+                            "buffer 64)")  # LIT-220
+    overlap: bool = _key(True, "ddp with a compressor: compress each bucket on a worker thread while backward goes "
+                         "on; off: inside the hook on the autograd thread")
+    wrap: Spec | None = _key(help="fsdp: the shard units: model, block (each block of a ModuleList or Sequential), "
+                             "params:N, split:K or graph:K", factory=lambda: Spec("block"))
+    reshard: bool = _key(True, "fsdp: free gathered parameters after forward and gather them again for backward "
+                         "(ZeRO-3); off: keep them (ZeRO-2-like)")
+    prefetch: int = _key(0, "fsdp: shard units gathered ahead in forward and backward; 0 = FSDP2's own "
+                         "prefetching")  # SOTA-117
+    shard_group: str = _key("", "fsdp: ranks per sharding group: \"\" = the island, auto = the smallest group that "
+                            "fits shard_budget_mb, or N (groups replicate each other: HSDP)")  # SOTA-119
+    shard_budget_mb: float = _key(0.0, "fsdp with shard_group auto: MiB of state per rank the group must fit; 0 = "
+                                  "the device's memory")
+    stages: int = _key(0, "pipeline: stages, one worker each; 0 = the workers of an island")
+    microbatches: str = _key("auto", "pipeline: micro-batches per step (a divisor of the island's batch), or auto "
+                             "(the fastest predicted count that fits activation_budget_mb)")  # SOTA-019
+    cuts: str = _key("equal", "pipeline: where stages are cut: equal (parameter bytes), graph (the smallest cut "
+                     "tensors) or balanced (measured compute per stage)")  # SOTA-018
+    schedule: str = _key("1f1b", "pipeline: gpipe (every forward, then every backward) or 1f1b (alternating: fewer "
+                         "activations held)")
+    activation_budget_mb: float = _key(0.0, "pipeline with microbatches auto: MB (10^6 bytes) of activations a stage "
+                                       "may hold; 0 = no limit")
 
 
 @dataclass
 class OuterConfig:
-    strategy: Spec | None = None  # e.g. diloco:inner_steps=100 (None: one island, or no outer strategy)
-    # every payload between islands carries an HMAC under the job's token (islands.runtime.payload_auth)
-    authenticate: bool = False
+    strategy: Spec | None = _key(None, "the strategy across islands, e.g. diloco:inner_steps=100 or "
+                                 "local-sgd:every=8; none = no outer strategy")
+    authenticate: bool = _key(False, "every payload between islands carries an HMAC under the job's token "
+                              "(ISLANDS_TOKEN, made for the workers if unset): altered or replayed ones are refused")
 
 
 @dataclass
 class MemoryConfig:
-    activation_checkpointing: bool = False  # recompute each block in backward (SOTA-249)
-    # task | fp32 | bf16 | auto: bf16 = autocast forward, fp32 parameters and optimizer state (SOTA-118); auto = bf16
-    # on CUDA, fp32 on the CPU; task = the task's own choice (Task.precision: fp32 for lm, digits and a user's task
-    # unless it says otherwise, auto for hf-causal-lm), fp32 under fsdp and pipeline, which do not take it
-    precision: str = "task"
-    micro_batch: int = 0  # samples per forward/backward; 0 = the whole per-worker batch (SOTA-031)
-    budget_mb: float = 0.0  # > 0: the largest micro_batch whose measured memory fits (SOTA-031)
+    activation_checkpointing: bool = _key(False, "recompute each transformer block in backward instead of keeping "
+                                          "its activations")  # SOTA-249
+    precision: str = _key("task", "task (the task's own choice: auto for hf-causal-lm, else fp32), fp32, bf16 "
+                          "(autocast forward; fp32 parameters and optimizer state) or auto (bf16 on CUDA, fp32 on "
+                          "the CPU); fsdp and pipeline take only task, fp32 there")  # SOTA-118
+    micro_batch: int = _key(0, "samples per forward/backward, gradients accumulated over the per-worker batch; 0 = "
+                            "the whole per-worker batch")  # SOTA-031
+    budget_mb: float = _key(0.0, "MB (10^6 bytes) a worker's step may use: > 0 picks the largest micro_batch whose "
+                            "measured memory fits; 0 = no budget")  # SOTA-031
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # local-disk level; "" = <run_dir>/ckpt
-    every: int = 0  # steps between local-disk checkpoints; 0 = none (or the policy's choice)
-    policy: Spec | None = None  # None = a fixed `every`; auto[:bound=0.035,mtbf_days=3748.25,devices=N] (SOTA-054/189)
-    memory_every: int = 0  # steps between in-memory snapshots; 0 = none
-    memory_peer: bool = False  # the memory level also held by rank (r+1) % n (SOTA-057)
-    remote_dir: str = ""  # a second directory standing for remote storage
-    remote_every: int = 0  # steps between saves to remote_dir
-    keep: int = 3  # checkpoints kept per disk level
-    asynchronous: bool = True  # snapshot, then persist in the background (SOTA-056)
-    share_replicas: bool = True  # ranks > 0 reference rank 0's copy of identical tensors, not write them
-    resume: str = ""  # run dir, checkpoint dir or step dir to resume from
+    dir: str = _key("", "root of the local-disk checkpoints; \"\" = <run_dir>/ckpt")
+    every: int = _key(0, "steps between local-disk checkpoints; 0 = none (or the policy's choice)")
+    policy: Spec | None = _key(None, "choose the local-disk interval from measurements: "
+                               "auto[:bound=0.035,mtbf_days=3748.25,devices=N]; \"\" = a fixed every")  # SOTA-054/189
+    memory_every: int = _key(0, "steps between in-memory snapshots (packed, checksummed, in the process); 0 = none")
+    memory_peer: bool = _key(False, "rank r's in-memory snapshot is also held by rank (r+1) % n (needs "
+                             "memory_every)")  # SOTA-057
+    remote_dir: str = _key("", "a second checkpoint directory standing for remote storage (with remote_every); "
+                           "\"\" = none")
+    remote_every: int = _key(0, "steps between saves to remote_dir; 0 = none")
+    keep: int = _key(3, "checkpoints kept per disk level (the newest always)")
+    asynchronous: bool = _key(True, "snapshot, then write to disk in the background; off: blocking "
+                              "saves")  # SOTA-056
+    share_replicas: bool = _key(True, "ranks > 0 reference rank 0's copy of tensors identical across ranks instead "
+                                "of writing them again")
+    resume: str = _key("", "resume from a run dir (its ckpt/), a checkpoint dir (its newest intact step) or one step "
+                       "dir; \"\" = start fresh")
 
 
 @dataclass
 class ElasticConfig:
-    enabled: bool = False  # workers may die and join (docs/membership.md)
-    heartbeat_timeout: float = 3.0  # seconds without a heartbeat before a member counts as gone
-    # times the launcher starts a failed island again (it rejoins at a round boundary); 0: the job goes on
-    # without it, as before. Opt-in, so a crash that repeats does not loop (docs/membership.md)
-    max_restarts: int = 0
-    # where the job's store lives: "" the job host's embedded store (one machine), or an etcd cluster
-    # etcd://HOST:PORT,HOST:PORT,... or etcds://... over TLS (no single point of failure; docs/membership.md;
-    # a cluster with etcd's login: ISLANDS_ETCD_USER and ISLANDS_ETCD_PASSWORD_FILE in the environment)
-    store: str = ""
+    enabled: bool = _key(False, "workers may die and join while the job runs; needs an outer strategy "
+                         "(docs/membership.md)")
+    heartbeat_timeout: float = _key(3.0, "elastic: seconds without a heartbeat before a member counts as gone")
+    # opt-in, so that a crash that repeats does not loop
+    max_restarts: int = _key(0, "elastic: times the launcher starts a failed island again (it rejoins at a round "
+                             "boundary); 0 = the job goes on without it")
+    store: str = _key("", "elastic: the job's store: \"\" = the job host's embedded one, or an etcd cluster "
+                      "etcd://HOST:PORT,... (etcds:// over TLS; docs/membership.md)")
 
 
 @dataclass
 class OutputConfig:
-    run_dir: str = ""  # "" = runs/<time>-<task>-w<workers>
-    progress: bool = True
-    log: str = ""  # loggers besides run.json and live/: tensorboard, mlflow, wandb, comma-separated (docs/observe.md)
+    run_dir: str = _key("", "where the run record goes (config.json, run.json, loss.png, live/); \"\" = "
+                        "runs/<time>-<task>-w<workers>")
+    progress: bool = _key(True, "rank 0 prints a progress bar (on a terminal), log lines and the summary table; "
+                          "off: quiet")
+    log: str = _key("", "loggers besides run.json and live/*.jsonl, comma-separated: tensorboard, mlflow, wandb "
+                    "(docs/observe.md); \"\" = none")
 
 
 SECTIONS: dict[str, type] = {
@@ -256,6 +312,59 @@ def keys() -> dict[str, str]:
             typ = f.type if isinstance(f.type, str) else f.type.__name__
             out[f"{section}.{f.name}"] = "spec" if typ.startswith("Spec") else typ
     return out
+
+
+def descriptions() -> dict[str, str]:
+    """Every dotted key's one-line description, as written beside its definition (`_key(default, help)`): the one
+    source of `islands train --help` and of docs/config.md's key reference."""
+    return {f"{section}.{f.name}": f.metadata.get("help", "") for section, cls in SECTIONS.items() for f in fields(cls)}
+
+
+def default_text(dotted: str) -> str:
+    """A key's default as `--help` and docs/config.md show it: repr of the value, a spec in its text form."""
+    value = JobConfig().get(dotted)
+    return repr(format_spec(value) if isinstance(value, Spec) else value)
+
+
+REFERENCE_START = "<!-- keys: made by islands.config.write_reference from the descriptions in config.py; do not edit -->"
+REFERENCE_END = "<!-- /keys -->"
+
+
+def reference_markdown() -> str:
+    """The key reference of docs/config.md: one table per section, every key with its flat alias, default and
+    description."""
+    aliases: dict[str, list[str]] = {}
+    for flat, dotted in FLAT.items():
+        aliases.setdefault(dotted, []).append(flat)
+    text = descriptions()
+    lines = []
+    for section in SECTIONS:
+        lines += [f"### [{section}]", "", "| key | flat name | default | what it does |", "|---|---|---|---|"]
+        for dotted in text:
+            if dotted.split(".", 1)[0] == section:
+                flat = ", ".join(f"`{a}`" for a in aliases.get(dotted, []))
+                # markdown: | would end the cell, <name> would be read as an HTML tag
+                cells = (f"`{dotted}`", flat, f"`{default_text(dotted)}`",
+                         text[dotted].replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;"))
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_reference(path: str | Path = "docs/config.md") -> bool:
+    """Rewrite the key reference between REFERENCE_START and REFERENCE_END in `path` (run from the repository
+    root after changing a key: python -c 'from islands.config import write_reference; write_reference()').
+    Returns whether the file changed."""
+    p = Path(path)
+    old = p.read_text()
+    head, start, rest = old.partition(REFERENCE_START)
+    _, end, tail = rest.partition(REFERENCE_END)
+    if not start or not end:
+        raise ValueError(f"{p} has no {REFERENCE_START!r} ... {REFERENCE_END!r} block to fill")
+    new = head + start + "\n\n" + reference_markdown() + "\n" + end + tail
+    if new != old:
+        p.write_text(new)
+    return new != old
 
 
 def parse_spec(key: str, value) -> Spec | None:
