@@ -15,15 +15,30 @@ from dict_store import DictStore
 
 
 class Outer:
+    """The holder and its round-counting participant (runtime.contracts.Holder and ElasticParticipant)."""
+
     rounds = 0
 
     def eval_model(self, model):
         return model
 
+    def state_dict(self) -> dict:
+        return {}
 
-def _member(store: DictStore, name: str = "w0") -> tuple[ElasticComm, list]:
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def joined(self) -> None:
+        pass
+
+
+def _member(store: DictStore, outer: Outer, name: str = "w0") -> tuple[ElasticComm, list]:
     """A member of epoch 0 with w0 and w1, a ready joiner j1 pending; admissions are recorded, not run."""
     comm = ElasticComm(store, name, CommLedger())
+    comm.participate(outer)
     comm.epoch, comm.members = 0, [[0, "w0", 0], [1, "w1", 1]]
     admitted: list = []
     comm._abort = lambda: None
@@ -37,7 +52,7 @@ def _member(store: DictStore, name: str = "w0") -> tuple[ElasticComm, list]:
 def test_a_round_that_failed_over_proposes_no_joiner_and_the_next_round_admits_it(monkeypatch):
     monkeypatch.setattr("islands.runtime.elastic.global_digest", lambda model: "d")
     store, outer = DictStore(), Outer()
-    comm, admitted = _member(store)
+    comm, admitted = _member(store, outer)
     comm.at_step(outer, None, step=4)  # the first call only notes the round count
     outer.rounds = 1
     comm.failed_over = True  # this round's exchange lost a member and formed a new epoch
@@ -53,8 +68,8 @@ def test_a_round_that_failed_over_proposes_no_joiner_and_the_next_round_admits_i
 
 def test_a_member_that_saw_no_failover_follows_the_stored_verdict_of_one_that_did():
     store, outer = DictStore(), Outer()
-    first, _ = _member(store, "w0")
-    late, admitted = _member(store, "w1")
+    first, _ = _member(store, outer, "w0")
+    late, admitted = _member(store, outer, "w1")
     for comm in (first, late):
         comm.at_step(outer, None, step=4)
     outer.rounds = 1

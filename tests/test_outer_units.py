@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from islands.runtime.world import World
+from islands.runtime.world import LoneComm, World
 from islands.sync.outer import make_outer
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.flat import FlatView, fragment_bounds
@@ -178,8 +178,9 @@ def test_zstd_stage_decodes_exactly_what_quant4_decodes_and_beats_4_bits_on_bell
         z.decode(torch.zeros(10, dtype=torch.uint8), x.numel())
 
 
-class _SameDeltaComm:
-    """Four islands that all send this rank's vector: the all-reduce sum is 4x it, the mean is it."""
+class _SameDeltaComm(LoneComm):
+    """Four islands that all send this rank's vector: the all-reduce sum is 4x it, the mean is it (the rest of the
+    Comm contract, runtime.contracts.Collectives, as a lone Comm has it)."""
 
     size, rank = 4, 0
 

@@ -21,8 +21,23 @@ class Tamper:
     def __init__(self, inner, edit, victim: int = 0):
         self.inner, self.edit, self.victim, self.calls = inner, edit, victim, 0
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # exchange, exchange_async, ...: the wrapped Comm's
         return getattr(self.inner, name)
+
+    # the Comm contract (runtime.contracts.Collectives), stated: what the wrapped Comm says
+    elastic, epoch = False, None
+    size = property(lambda self: self.inner.size)
+    rank = property(lambda self: self.inner.rank)
+    ledger = property(lambda self: self.inner.ledger)
+
+    def all_reduce(self, tensor, op=None, kind="all_reduce"):
+        return self.inner.all_reduce(tensor, kind=kind) if op is None else self.inner.all_reduce(tensor, op, kind)
+
+    def broadcast(self, tensor, src, kind="broadcast"):
+        return self.inner.broadcast(tensor, src, kind=kind)
+
+    def all_gather_object(self, obj):
+        return self.inner.all_gather_object(obj)
 
     def all_gather(self, tensor, kind="all_gather"):
         parts = self.inner.all_gather(tensor, kind=kind)
@@ -171,8 +186,23 @@ class TamperSend:
     def __init__(self, inner):
         self.inner = inner
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # exchange, exchange_async, ...: the wrapped Comm's
         return getattr(self.inner, name)
+
+    # the Comm contract (runtime.contracts.Collectives), stated: what the wrapped Comm says
+    elastic, epoch = False, None
+    size = property(lambda self: self.inner.size)
+    rank = property(lambda self: self.inner.rank)
+    ledger = property(lambda self: self.inner.ledger)
+
+    def all_reduce(self, tensor, op=None, kind="all_reduce"):
+        return self.inner.all_reduce(tensor, kind=kind) if op is None else self.inner.all_reduce(tensor, op, kind)
+
+    def broadcast(self, tensor, src, kind="broadcast"):
+        return self.inner.broadcast(tensor, src, kind=kind)
+
+    def all_gather_object(self, obj):
+        return self.inner.all_gather_object(obj)
 
     def recv(self, tensor, src, kind="p2p"):
         got = self.inner.recv(tensor, src, kind=kind)

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import islands
+from islands.runtime.world import LoneComm
 from spawn_world import spawn_ranks
 
 
@@ -276,8 +277,9 @@ def test_gossip_keeps_each_islands_own_batchnorm_statistics_the_same_on_all_its_
     assert all(sent["island_buffers"] > 0 and "outer_buffers" not in sent for *_, sent in got)
 
 
-class _TwinComm:
-    """A cross-island Comm of two identical islands, recording which thread issued each collective."""
+class _TwinComm(LoneComm):
+    """A cross-island Comm of two identical islands, recording which thread issued each collective (the rest of
+    the Comm contract, runtime.contracts.Collectives, as a lone Comm has it)."""
 
     size, rank = 2, 0
 

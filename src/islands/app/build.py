@@ -39,7 +39,7 @@ from islands.observe.backends import stream_name
 from islands.parallel.pipeline.strategy import PipelineStages
 from islands.runtime.payload_auth import authenticate_payloads
 from islands.runtime.world import World
-from islands.sync.base import Strategy
+from islands.sync.base import Strategy, WritesReport
 from islands.sync.ddp import DDP
 from islands.sync.outer import WarmStart, make_outer
 from islands.sync.sharded import FSDP
@@ -119,10 +119,16 @@ def build_outer(cfg: JobConfig, run_dir: Path | None) -> Strategy | None:
     if not cfg.outer.strategy:
         return None
     outer = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup)
-    target = outer.outer if isinstance(outer, WarmStart) else outer
-    if hasattr(target, "report_dir"):
+    target = report_writer(outer)
+    if target is not None:
         target.report_dir = str(run_dir) if run_dir is not None else None
     return outer
+
+
+def report_writer(outer: Strategy | None) -> WritesReport | None:
+    """The outer strategy (inside a warm start too) that writes a report of its own, if it does."""
+    target = outer.outer if isinstance(outer, WarmStart) else outer
+    return target if isinstance(target, WritesReport) else None
 
 
 def build_strategy(cfg: JobConfig, world: World, task: Task, run_dir: Path | None = None) -> Stack:

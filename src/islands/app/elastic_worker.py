@@ -19,7 +19,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from islands.app.build import build_trainer, resume_trainer
+from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded, global_digest
 from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
@@ -52,9 +52,9 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
         # a joiner's strategy wrap (inside the Trainer) waits for a round boundary and receives the training state
         trainer = build_trainer(cfg, world, run_dir)
         if not leader:  # its leader writes the island's outer-exchange report
-            for part in (trainer.strategy.outer, getattr(trainer.strategy.outer, "outer", None)):
-                if hasattr(part, "report_dir"):
-                    part.report_dir = None
+            writer = report_writer(trainer.strategy.outer)
+            if writer is not None:
+                writer.report_dir = None
         if trainer.checkpoints is not None:
             comm.before_join.append(lambda: trainer.checkpoints.settle(trainer))
         if cfg.checkpoint.resume and not world.start_step:  # a joiner starts from the members' state instead
@@ -89,7 +89,7 @@ def _write_membership(run_dir: Path, name: str, comm: ElasticComm, digest: str, 
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)
     a = comm.admission
-    session = getattr(comm, "control_plane", None)
+    session = comm.control_plane
     (out / f"{name}.json").write_text(json.dumps({
         "name": name, "slot": a.slot, "shard": a.shard, "initial": a.initial, "island": _island(place),
         "data_shard": list(data_shard) if data_shard else None,  # (shard, shards) it trained on

@@ -46,7 +46,7 @@ class Member:
     def now(cls, world) -> "Member":
         m = world.membership
         # islands of k workers: every worker saves its part; the members are the islands' leaders
-        names = getattr(world, "worker_names", None) or m.names
+        names = world.worker_names or m.names
         return cls(epoch=m.epoch, rank=world.rank, size=world.size, names=tuple(names))
 
 
@@ -146,12 +146,12 @@ class PersistBarrier:
 
 
 def is_elastic(world) -> bool:
-    return getattr(world, "membership", None) is not None
+    return world.membership is not None
 
 
 def can_persist_async(world) -> bool:
     """Whether this elastic world can give the persist thread a store client of its own."""
-    return getattr(world.membership, "new_client", None) is not None
+    return world.membership.new_client is not None
 
 
 def opens_clean(world) -> bool:

@@ -167,7 +167,7 @@ def _load_for_rank(state, store: CheckpointStore, step: int, fingerprint: str) -
         raise CheckpointMismatch([f"checkpoint {store.path_for(step)} holds another model:"] + diffs)
     saved = len(bodies)
     info = {"saved_world_size": saved, "world_size": world.size, "resharded": saved != world.size}
-    if getattr(world, "membership", None) is not None:
+    if world.membership is not None:
         return _load_elastic(state, store, step, bodies, info)
     if saved == world.size:
         return store.load(step, rank=world.rank).tree, info

@@ -37,7 +37,7 @@ from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
 from islands.memory.step import ForwardBackward
 from islands.runtime.world import World
-from islands.sync.base import Strategy
+from islands.sync.base import Describes, OwnsStep, SkipsSteps, Strategy, capability
 from islands.sync.stack import Stack
 
 
@@ -89,7 +89,9 @@ class Trainer:
         if self.val_data is not None and not any(isinstance(cb, Evaluate) for cb in self.callbacks):
             self.callbacks = sorted([*self.callbacks, Evaluate()], key=_order)  # at least the final model
         self.model = self.strategy.wrap(model.to(self.world.device), optimizer, self.world)
-        self._own_step = getattr(self.strategy, "forward_backward", None)  # a pipeline owns its step
+        owner = capability(self.strategy, OwnsStep)  # a pipeline owns its step
+        self._own_step = owner.forward_backward if owner is not None else None
+        self._skips = capability(self.strategy, SkipsSteps)
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.step = self.world.start_step  # 0, or where the members were when an elastic joiner entered
         self.total_steps = 0
@@ -153,9 +155,8 @@ class Trainer:
         self.strategy.after_step(self.model, self.optimizer, step)
         self.sync_seconds += time.perf_counter() - t  # the loop blocked on the outer strategy
         self.step += 1
-        skip = getattr(self.strategy, "next_step", None)  # a slower island may skip to its round's end (not the run's)
-        if skip is not None:
-            self.step = max(self.step, min(int(skip(self.step)), self.total_steps))
+        if self._skips is not None:  # a slower island may skip to its round's end (not the run's)
+            self.step = max(self.step, min(int(self._skips.next_step(self.step)), self.total_steps))
         # float64 on the device: the series' means equal those of the host floats, added in the same order
         self._loss = torch.as_tensor(loss).detach().reshape(()).to(torch.float64)
         self._loss_value = None
@@ -238,9 +239,9 @@ class Trainer:
         parts = {}
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
-        describe = getattr(getattr(self.strategy, "inner", self.strategy), "describe", None)
-        if describe is not None:  # a pipeline: every stage's measured activations
-            mine = describe()
+        described = capability(self.strategy, Describes)
+        if described is not None:  # a pipeline: every stage's measured activations
+            mine = described.describe()
             parts["pipeline"] = {"stages": self.world.all_gather_object(mine) if self.world.distributed else [mine],
                                  "definition": "held_activation_bytes_peak: storages autograd saved plus the stage's "
                                                "input and output, for micro-batches in flight at once"}

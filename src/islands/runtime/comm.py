@@ -84,7 +84,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Comm:
-    """Collectives over one process group, each counted in a ledger. Synchronous unless stated."""
+    """Collectives over one process group, each counted in a ledger. Synchronous unless stated.
+
+    The concrete class of the runtime.contracts.Collectives protocol (and PointToPoint) over a torch process group."""
 
     elastic = False  # members never change (islands.runtime.elastic.ElasticComm says True)
     epoch: int | None = None  # an elastic Comm's membership epoch; a fixed group has none
@@ -190,6 +192,12 @@ class Comm:
             self._timed(lambda: dist.broadcast(tensor, src=src, group=self.group))
         return tensor
 
+    def all_gather_object(self, obj) -> list:
+        """Bookkeeping gather of picklable objects over this group (torch's, not counted: not training traffic)."""
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def send(self, tensor: torch.Tensor, dst: int, kind: str = "p2p") -> None:
         self.ledger.record(kind, _nbytes(tensor), 0)
         self._timed(lambda: dist.send(tensor, dst=dst, group=self.group))
@@ -256,9 +264,9 @@ BUS_FACTOR = {
 def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> "Comm":
     """A counted Comm from what a caller has: one of ours (as it is), a torch process group, or None (the
     default group). Lets the library's hooks take a plain process group, as torch's own hooks do."""
-    if hasattr(comm_or_group, "all_reduce") and hasattr(comm_or_group, "ledger"):
-        return comm_or_group
-    return Comm(comm_or_group, ledger)
+    if comm_or_group is None or isinstance(comm_or_group, dist.ProcessGroup):
+        return Comm(comm_or_group, ledger)
+    return comm_or_group
 
 
 def gather_objects(comm, obj) -> list:

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from islands.runtime import recovery
 from islands.runtime.comm import CommLedger, gather_objects
+from islands.runtime.contracts import ElasticParticipant, Holder
 from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json,
                                         no_member_alive, wait_key)
 from islands.runtime.payload_auth import PayloadAuthError, PayloadTags, combine_in_order, elastic_tags
@@ -92,7 +93,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class ElasticComm:
     POLL = 0.005  # seconds between checks of a running collective (store round trip is ~0.2 ms)
-    elastic = True  # strategies ask this (getattr(comm, "elastic", False)) to refuse what churn would break
+    elastic = True  # strategies read this to refuse what churn would break (contracts.Collectives)
+    control_plane = None  # the job session, set by islands.runtime.world.join_elastic (run records)
 
     def __init__(self, store, name: str, ledger: CommLedger, heartbeat_timeout: float = 3.0,
                  collective_timeout: float = 120.0, on_change: Callable[[int, int], None] | None = None,
@@ -121,6 +123,8 @@ class ElasticComm:
         self._connect_store = None  # _connect_client's
         # The strategy the loop drives: the first to claim() in its wrap; it shares and receives the state.
         self.holder = None
+        # The outer strategy that counts the rounds joins wait for (participate(), from its wrap)
+        self.participant: ElasticParticipant | None = None
         # Called before joiners enter: checkpoint drivers finish the saves in flight (a new epoch would abandon them).
         self.before_join: list[Callable[[], None]] = []
         # Set by islands.runtime.world.join_elastic: this process's heartbeat (stopped by leave), its admission
@@ -504,6 +508,11 @@ class ElasticComm:
             self.holder = strategy
         return self.holder is strategy
 
+    def participate(self, participant: ElasticParticipant) -> None:
+        """Called by the outer strategy's wrap (inside a Stack or a WarmStart too): the part whose round counter
+        joins wait for, whose exchanges in flight settle before a join and whose `joined` runs on a joiner."""
+        self.participant = take_part(self.participant, participant)
+
     def enter(self, strategy, model) -> int:
         """Called at the end of the holding strategy's wrap; returns the step the loop starts at.
 
@@ -511,7 +520,7 @@ class ElasticComm:
         members never wait on its start-up), waits until the members put it in an epoch at a round boundary,
         then loads the global model and the strategy state they send and returns their step."""
         if self.epoch >= 0:
-            self._last_round = _rounds(strategy)
+            self._last_round = _rounds(self.participant)
             return 0
         self.store.set(f"ready/{self.name}", str(time.time()))
         try:
@@ -521,7 +530,7 @@ class ElasticComm:
                            "had none left; nothing was trained here") from None
         self.form(entry["epoch"], None)
         step = self.share_state(strategy, model, 0, set(entry["holders"]))
-        self._last_round = _rounds(strategy)
+        self._last_round = _rounds(self.participant)
         self.events.append({"type": "entered", "epoch": self.epoch + self.epoch_base, "step": step,
                             "round": self._last_round, "time": time.time(),
                             "global_sha256": self.global_sha(strategy, model),
@@ -554,7 +563,7 @@ class ElasticComm:
     def at_step(self, strategy, model, step: int) -> None:
         """Called by the holding strategy at the start of each step's hooks (after backward), `step` being the
         steps done: after a round boundary, admit the joiners that are ready."""
-        rounds = _rounds(strategy)
+        rounds = _rounds(self.participant)
         if self._last_round is None:  # enter() was not called: the first boundary is the end of the first round
             self._last_round = rounds
         if rounds == self._last_round:
@@ -576,7 +585,7 @@ class ElasticComm:
             return
         # exchanges still in flight (DiLoCo tau > 0, streaming) finish in the epoch they started in; their
         # results travel with the strategy state (a death meanwhile fails them over, the epoch moves on)
-        _call_hook(strategy, "settle")
+        self.participant.settle()
         for settle in self.before_join:
             # the step's checkpoint is already taken (the loop saves after after_step); one still persisting
             # must finish, or the new epoch would abandon it
@@ -628,7 +637,7 @@ class ElasticComm:
 
     def load_shared(self, strategy, model, state: dict) -> int:
         """A joiner loads what it received; returns the step its loop starts at."""
-        return _load_shared(strategy, model, state)
+        return _load_shared(strategy, model, state, self.participant)
 
     def global_sha(self, strategy, model) -> str:
         """The global model's digest for the join and entry events."""
@@ -750,11 +759,11 @@ def _store_host(store) -> str:
                 "127.0.0.1")
 
 
-def _load_shared(strategy, model, state: dict) -> int:
-    """A joiner loads the members' state, then its outer part's `joined` hook runs (DiLoCo: local <- global)."""
+def _load_shared(strategy: Holder, model, state: dict, participant: ElasticParticipant) -> int:
+    """A joiner loads the members' state, then its participant's `joined` hook runs (DiLoCo: local <- global)."""
     strategy.eval_model(model).load_state_dict(state["model"])
     strategy.load_state_dict(state["strategy"])
-    _call_hook(strategy, "joined")
+    participant.joined()
     return int(state["step"])
 
 
@@ -829,31 +838,17 @@ def _quiet_abort(pg) -> None:
         pass
 
 
-def _outer_part(strategy):
-    """The outer strategy: the holder itself, or its outer part (a Stack); None if neither counts rounds."""
-    for part in (strategy, getattr(strategy, "outer", None)):
-        if part is not None and hasattr(part, "rounds"):
-            return part
-    return None
+def take_part(current: ElasticParticipant | None, participant: ElasticParticipant) -> ElasticParticipant:
+    """The one participant of a membership: a second outer strategy wrapping in the same world is a mistake."""
+    if current is not None and current is not participant:
+        raise ValueError(f"two outer strategies take part in one elastic job ({type(current).__name__} and "
+                         f"{type(participant).__name__}); a job has one outer strategy")
+    return participant
 
 
-def _call_hook(strategy, name: str) -> None:
-    """Call the outer strategy's `name` hook (settle, joined): on the holder, or down its `.outer` parts (a Stack,
-    a WarmStart around DiLoCo) to the first that has it; strategies without it need none."""
-    part = strategy
-    for _ in range(4):
-        if part is None:
-            return
-        if callable(getattr(part, name, None)):
-            getattr(part, name)()
-            return
-        part = getattr(part, "outer", None)
-
-
-def _rounds(strategy) -> int:
-    """Rounds the outer strategy completed: the holder's own counter, or its outer part's (a Stack)."""
-    part = _outer_part(strategy)
-    if part is not None:
-        return int(part.rounds)
-    raise TypeError(f"an elastic job needs an outer strategy with a round counter (islands.outer.DiLoCo, LocalSGD, ...); "
-                    f"{type(strategy).__name__} has none")
+def _rounds(participant: ElasticParticipant | None) -> int:
+    """Rounds the outer strategy (the membership's participant) completed."""
+    if participant is not None:
+        return int(participant.rounds)
+    raise TypeError("an elastic job needs an outer strategy with a round counter (islands.outer.DiLoCo, LocalSGD, "
+                    "...); none took part in this one (an outer strategy's wrap hands it to world.membership)")

@@ -52,8 +52,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from islands.runtime.comm import CommLedger, gather_objects
-from islands.runtime.elastic import ElasticComm, _call_hook, _rounds, global_digest, state_digest
+from islands.runtime.comm import CommLedger
+from islands.runtime.contracts import Collectives, ElasticParticipant
+from islands.runtime.elastic import ElasticComm, _rounds, global_digest, state_digest, take_part
 from islands.runtime.membership import Liveness
 from islands.runtime.starvation import PROC_KEY, Starvation, local_pid
 
@@ -152,9 +153,9 @@ class IslandComm:
     them from the leader's header). `side`: the island's second local group, for relays from another thread
     than the one that built this (module docstring; None: such relays are refused)."""
 
-    elastic = True  # strategies ask this (getattr(comm, "elastic", False)) to refuse what churn would break
+    elastic = True  # strategies read this to refuse what churn would break (contracts.Collectives)
 
-    def __init__(self, cross, ledger: CommLedger, group=None, on_change=None, side=None):
+    def __init__(self, cross: Collectives | None, ledger: CommLedger, group=None, on_change=None, side=None):
         self.cross, self.ledger, self.group, self.on_change, self.side = cross, ledger, group, on_change, side
         self._rank, self._size, self._epoch = 0, 0, -1
         self._named: int | None = None  # the epoch whose member names were last relayed
@@ -181,7 +182,9 @@ class IslandComm:
 
     @property
     def epoch(self) -> int:
-        return getattr(self.cross, "epoch", 0) if self.leader else self._epoch
+        if not self.leader:
+            return self._epoch
+        return 0 if self.cross.epoch is None else self.cross.epoch  # a fixed-group cross (tests) has no epochs
 
     # ---- the relay --------------------------------------------------------------------------------
     def _local(self):
@@ -223,7 +226,9 @@ class IslandComm:
                 self.on_change(rank, size)
         if epoch != self._named:  # decided from the header alone: leader and followers relay alike
             self._named = epoch
-            self.names = list(self.relay_object(list(getattr(self.cross, "names", [])) if self.leader else None))
+            # a fixed-group cross (tests) names no members
+            names = list(self.cross.names) if self.leader and self.cross.elastic else []
+            self.names = list(self.relay_object(names if self.leader else None))
         return extra
 
     def worker_names(self, k: int) -> list[str]:
@@ -318,8 +323,7 @@ class IslandComm:
             raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})") from None
         flat = None
         if self.leader:
-            per_island = (self.cross.all_gather_object(mine) if hasattr(self.cross, "all_gather_object")
-                          else gather_objects(self.cross, mine))
+            per_island = self.cross.all_gather_object(mine)
             flat = [o for island in per_island for o in island]
         self.sync()
         return self.relay_object(flat)
@@ -402,23 +406,21 @@ def island_state(island: IslandComm, strategy, model, step: int) -> dict | None:
     return {"model": full, "strategy": {ISLAND_SLOTS: slots}, "step": int(step)} if island.leader else None
 
 
-def rounds_of(strategy) -> int:
-    """Rounds the outer strategy completed (the holder's own counter, or its outer part's): the same on every
-    worker of an island, so leader and followers meet in the same step's relay."""
-    for part in (strategy, getattr(strategy, "outer", None)):
-        if part is not None and hasattr(part, "rounds"):
-            return int(part.rounds)
-    return 0
+def rounds_of(participant: ElasticParticipant | None) -> int:
+    """Rounds the outer strategy (the membership's participant) completed: the same on every worker of an island,
+    so leader and followers meet in the same step's relay."""
+    return 0 if participant is None else int(participant.rounds)
 
 
-def hand_over(island: IslandComm, strategy, model, step: int, received: dict | None = None) -> tuple[int, str | None]:
+def hand_over(island: IslandComm, strategy, model, step: int, received: dict | None = None,
+              participant: ElasticParticipant | None = None) -> tuple[int, str | None]:
     """After the leader's enter: every worker of the island loads the leader's global model, strategy state and
     step (a joiner's leader has just received them from the members; a first island's workers already agree,
     and the hand-over costs one local broadcast at the start). A sharded island hands over `received` (the
     leader's load_shared kept it: island_state's form) instead, each worker loading its own slot. Returns the step
     and, when a sharded island loaded a state, the digest of the global model its workers now hold together."""
     if island.sharded:
-        return _hand_over_slots(island, strategy, model, step, received)
+        return _hand_over_slots(island, strategy, model, step, received, participant)
     state = None
     if island.leader:
         state = {"model": strategy.eval_model(model).state_dict(), "strategy": strategy.state_dict(), "step": int(step)}
@@ -430,7 +432,8 @@ def hand_over(island: IslandComm, strategy, model, step: int, received: dict | N
     return int(state["step"]), None
 
 
-def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: dict | None) -> tuple[int, str | None]:
+def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: dict | None,
+                     participant: ElasticParticipant | None) -> tuple[int, str | None]:
     """hand_over of a sharded island: no worker holds the island's state alone, so the leader relays what the
     members served (None for an island of the first epoch: its workers' shards already form the common start):
     the global model and step to every worker, strategy slot j to worker j only. Every worker loads them,
@@ -444,7 +447,8 @@ def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: d
     mine = island.scatter_object(received["strategy"][ISLAND_SLOTS] if island.leader else None)
     strategy.eval_model(model).load_state_dict(head["model"])
     strategy.load_state_dict(mine)
-    _call_hook(strategy, "joined")
+    if participant is not None:
+        participant.joined()
     return int(head["step"]), global_digest(strategy.eval_model(model))
 
 
@@ -565,12 +569,12 @@ class IslandLeader(ElasticComm):
         step = super().enter(strategy, model)
         self.store.set(f"{self.place.tag}/entered", str(step))  # followers wait on it, not in a collective
         received, self._received = self._received, None
-        step, digest = hand_over(self.island, strategy, model, step, received)
-        self._island_round = rounds_of(strategy)  # after a sharded island's workers loaded the members' counter
+        step, digest = hand_over(self.island, strategy, model, step, received, self.participant)
+        self._island_round = rounds_of(self.participant)  # after a sharded island's workers loaded the members' counter
         if digest is not None:
             # the entry event tells what the island holds now, not only what arrived; the round it entered at is
             # the members' (the next boundary must not take this join for a new one)
-            self._last_round = _rounds(strategy)
+            self._last_round = _rounds(self.participant)
             self.events[-1].update(global_sha256=digest, round=self._last_round)
         return step
 
@@ -608,14 +612,15 @@ class IslandLeader(ElasticComm):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._island_round: int | None = None  # the rounds at the latest relay of the members to the followers
         # first of the things done before joiners enter (a checkpoint driver's settle comes after): the followers
         # are told (a JOINING header), so that they finish the step's save with their leader before the epoch changes
         self.before_join.append(lambda: self.island.sync(JOINING))
 
     def at_step(self, strategy, model, step: int) -> None:
         super().at_step(strategy, model, step)
-        rounds = rounds_of(strategy)
-        if rounds != getattr(self, "_island_round", None):  # members may have changed: tell the followers
+        rounds = rounds_of(self.participant)
+        if rounds != self._island_round:  # members may have changed: tell the followers
             self._island_round = rounds
             self.island.sync()
 
@@ -631,6 +636,8 @@ class IslandFollower:
         self.liveness, self.heartbeat, self.job = liveness, heartbeat, job
         self.new_client = new_client  # a store client of its own for the checkpoint persist thread
         self.holder = None
+        self.participant: ElasticParticipant | None = None
+        self.control_plane = None  # its leader's session counts the control plane
         self.before_join: list = []
         self.events: list[dict] = []
         self.syncs: list[dict] = []
@@ -654,6 +661,12 @@ class IslandFollower:
             self.holder = strategy
         return self.holder is strategy
 
+    def participate(self, participant: ElasticParticipant) -> None:
+        self.participant = take_part(self.participant, participant)
+
+    def authenticate(self, token: str, job_id: str | None = None) -> None:
+        """Nothing to do: a follower sends nothing across islands (its leader tags what does)."""
+
     def enter(self, strategy, model) -> int:
         """Wait (on the store, for as long as the leader waits for admission) until the leader entered, then
         load what it hands over."""
@@ -663,14 +676,14 @@ class IslandFollower:
             if self.liveness.gone([leader]):
                 raise IslandBroken(f"{self.name}: the island's leader {leader} is gone before it entered the job")
             time.sleep(0.05)
-        step, digest = hand_over(self.island, strategy, model, 0)
-        self._island_round = rounds_of(strategy)  # after loading: a joiner's counter is the members'
+        step, digest = hand_over(self.island, strategy, model, 0, participant=self.participant)
+        self._island_round = rounds_of(self.participant)  # after loading: a joiner's counter is the members'
         self.events.append({"type": "entered", "via": leader, "step": step, "epoch": self.island.epoch,
                             "time": time.time(), **({"global_sha256": digest} if digest else {})})
         return step
 
     def at_step(self, strategy, model, step: int) -> None:
-        rounds = rounds_of(strategy)
+        rounds = rounds_of(self.participant)
         if self._island_round is None:
             self._island_round = rounds
         if rounds != self._island_round:

@@ -139,6 +139,10 @@ class AuthenticatedComm:
     def group(self):
         return self.inner.group
 
+    def all_gather_object(self, obj) -> list:
+        """Bookkeeping (run records), not training traffic: the wrapped Comm's, untagged."""
+        return self.inner.all_gather_object(obj)
+
     # ---- tags -----------------------------------------------------------------------------------------
     def _call(self) -> int:
         with self._lock:
@@ -307,10 +311,9 @@ def authenticate_payloads(world, token: str | None = None):
     if not token:
         raise ValueError("authenticated payloads need the job's token: pass token=... or set ISLANDS_TOKEN on "
                          "every worker (the same secret)")
-    membership = getattr(world, "membership", None)
+    membership = world.membership
     if membership is not None:
-        if hasattr(membership, "authenticate"):  # an ElasticComm (an island's leader is one too)
-            membership.authenticate(token)
+        membership.authenticate(token)  # a follower of a k-worker island has nothing to tag (its leader does)
         return membership
     comm = AuthenticatedComm(world.comm("cross"), token)
     world.comms = {**(world.comms or {}), "cross": comm}

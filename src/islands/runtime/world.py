@@ -27,6 +27,7 @@ import torch.distributed as dist
 from islands.runtime import stacks
 from islands.runtime.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.contracts import Collectives, ElasticMembership
 from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
 from islands.runtime.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, IslandFollower, IslandLeader, IslandPlace,
                                         local_timeout)
@@ -51,6 +52,9 @@ class LoneComm:
     def broadcast(self, tensor, src: int = 0, kind: str = "broadcast"):
         return tensor
 
+    def all_gather_object(self, obj) -> list:
+        return [obj]
+
 
 @dataclass
 class World:
@@ -67,11 +71,17 @@ class World:
     # (shard, shards) that survives rank changes, and the membership whose state is checkpointed
     comms: dict | None = None
     data_shard: tuple[int, int] | None = None
-    membership: object | None = None
+    membership: ElasticMembership | None = None  # runtime.contracts; None in a fixed world
     owns_group: bool = False  # init_world made the default process group (close_world destroys only that)
     # The step this process's loop starts at: for a joiner of an elastic job, the members' step when it entered
     # (its strategy's wrap received their global model and strategy state); 0 otherwise.
     start_step: int = 0
+
+    @property
+    def worker_names(self) -> list[str] | None:
+        """Every worker of an elastic job in rank order, where they are not the members themselves (islands of k
+        workers: IslandWorld); None otherwise (the members' names are the workers')."""
+        return None
 
     @property
     def workers_per_island(self) -> int:
@@ -94,7 +104,7 @@ class World:
     def distributed(self) -> bool:
         return self.size > 1 or self.membership is not None  # an elastic world of one may grow
 
-    def comm(self, scope: str = "global") -> Comm:
+    def comm(self, scope: str = "global") -> Collectives:
         """Counted collectives over 'global', 'local' (this island) or 'cross' (same slot, all islands)."""
         if self.comms and scope in self.comms:
             return self.comms[scope]
@@ -103,12 +113,7 @@ class World:
 
     def all_gather_object(self, obj) -> list:
         """Bookkeeping gather over every rank (not training traffic)."""
-        gather = getattr(self.comm("global"), "all_gather_object", None)
-        if gather is not None:
-            return gather(obj)
-        out = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
+        return self.comm("global").all_gather_object(obj)
 
     @staticmethod
     def single(device: str | torch.device = "cpu") -> "World":

@@ -16,13 +16,19 @@ synchronised global model).
 
 Inner strategies (single, ddp, zero1, fsdp) act every step inside an island; outer strategies (local
 SGD, DiLoCo, gossip) act rarely across islands. `Stack` (sync/stack.py) composes one of each.
-A strategy whose step is not forward-then-backward (a pipeline) also has `forward_backward`, which
-the loop then calls instead of its own.
+Optional capabilities are written protocols, each one method, found by isinstance (never by looking a name
+up): `OwnsStep` (`forward_backward`: a pipeline's step is not forward-then-backward, and the loop calls it
+instead of its own), `KeepsIslandsApart` (fsdp: a Stack with an outer part asks it to shard inside each
+island only), `Describes` (`describe`: what a rank holds, for the run record) and `SkipsSteps` (`next_step`;
+NoOp's default skips nothing, DiLoCo's adapt=... rounds skip to the round's end). A strategy made of others
+(`Composite`: Stack) names the part that provides a capability (`capability(strategy, OwnsStep)`). In an
+elastic world the outer strategy hands `world.membership` itself as the round-counting participant
+(islands.runtime.contracts.ElasticParticipant: rounds, settle, joined) from its wrap.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -49,6 +55,61 @@ class Strategy(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class OwnsStep(Protocol):
+    """A strategy whose step is not forward-then-backward (a pipeline): the loop calls this instead."""
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+
+
+@runtime_checkable
+class KeepsIslandsApart(Protocol):
+    """An inner strategy that would otherwise span islands (fsdp): under an outer strategy it keeps inside each."""
+
+    def keep_islands_apart(self) -> None: ...
+
+
+@runtime_checkable
+class Describes(Protocol):
+    """A strategy with something of its own for the run record (a pipeline: every stage's measured activations)."""
+
+    def describe(self) -> dict: ...
+
+
+@runtime_checkable
+class SkipsSteps(Protocol):
+    """A strategy whose rounds may skip counted steps: the loop continues from `next_step(done)`."""
+
+    def next_step(self, done: int) -> int: ...
+
+
+@runtime_checkable
+class WritesReport(Protocol):
+    """A strategy that writes a report of its own at the end (DiLoCo adapt=...: outer_exchanges.json); the app
+    sets where (None: not on this worker)."""
+
+    report_dir: str | None
+
+
+C = TypeVar("C")
+
+
+@runtime_checkable
+class Composite(Protocol):
+    """A strategy made of others (Stack): which of its parts provides a capability it does not itself."""
+
+    def part_with(self, kind: type[C]) -> C | None: ...
+
+
+def capability(strategy, kind: type[C]) -> C | None:
+    """`strategy` as a `kind` (one of the capability protocols above), or the part of it that is one; else None."""
+    if isinstance(strategy, kind):
+        return strategy
+    if isinstance(strategy, Composite):
+        return strategy.part_with(kind)
+    return None
 
 
 class NoOp:
@@ -96,6 +157,6 @@ class NoOp:
 def refuse_alone_in_elastic(strategy, world) -> None:
     """An inner strategy wrapped first in an elastic world holds the membership and has no outer strategy to
     meet the others through: say so instead of letting every worker train alone."""
-    membership = getattr(world, "membership", None)
+    membership = world.membership
     if membership is not None and membership.claim(strategy):
         raise ValueError(NO_OUTER)

@@ -13,7 +13,7 @@ members admit joiners after a round boundary. An elastic Stack needs an outer pa
 from __future__ import annotations
 
 from islands.runtime.world import NO_OUTER
-from islands.sync.base import NoOp, Strategy
+from islands.sync.base import KeepsIslandsApart, NoOp, SkipsSteps, Strategy, capability
 from islands.sync.ddp import DDP
 
 
@@ -26,9 +26,9 @@ class Stack(NoOp):
             if part is not None and not isinstance(part, Strategy):
                 raise TypeError(f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
                                 f"got {type(part).__name__}")
-        apart = getattr(self.inner, "keep_islands_apart", None)
+        apart = capability(self.inner, KeepsIslandsApart)
         if outer is not None and apart is not None:  # fsdp: shard inside each island, the outer part joins them
-            apart()
+            apart.keep_islands_apart()
 
     @property
     def name(self) -> str:
@@ -38,13 +38,17 @@ class Stack(NoOp):
     def _parts(self):
         return [s for s in (self.inner, self.outer) if s is not None]
 
-    @property
-    def forward_backward(self):
-        """The inner strategy's own step body, if it has one (a pipeline owns forward and backward)."""
-        return getattr(self.inner, "forward_backward", None)
+    def part_with(self, kind):
+        """The part that provides a capability the Stack does not (base.Composite): the inner strategy's own step
+        body (a pipeline owns forward and backward) and record (describe), or its outer part's."""
+        for part in self._parts():
+            found = capability(part, kind)
+            if found is not None:
+                return found
+        return None
 
     def wrap(self, model, optimizer, world):
-        membership = getattr(world, "membership", None)  # test doubles of a World may lack it
+        membership = world.membership
         held = membership is not None and membership.claim(self)  # before the parts: the Stack holds it
         if held and self.outer is None:
             raise ValueError(NO_OUTER)
@@ -75,8 +79,8 @@ class Stack(NoOp):
             s.finish(model)
 
     def next_step(self, done: int) -> int:
-        skip = getattr(self.outer, "next_step", None)  # the outer strategy's rounds decide (DiLoCo adapt=...)
-        return skip(done) if skip is not None else done
+        skip = capability(self.outer, SkipsSteps)  # the outer strategy's rounds decide (DiLoCo adapt=...)
+        return skip.next_step(done) if skip is not None else done
 
     def eval_model(self, model):
         for s in reversed(self._parts()):

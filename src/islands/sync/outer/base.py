@@ -13,7 +13,9 @@ stepped. It keeps:
 Elastic jobs (world.membership set; islands.runtime.elastic): used alone, not inside a Stack, the outer
 strategy holds the membership. Its wrap claims it first and ends with `enter` (a joiner blocks there
 until admitted, receives the global model, this state and the step, and sets world.start_step); its
-after_backward calls `at_step`, where the members admit joiners after a round boundary.
+after_backward calls `at_step`, where the members admit joiners after a round boundary. Held or not (inside
+a Stack or a WarmStart), its wrap hands the membership itself as the participant whose rounds joins wait
+for (`participate`; islands.runtime.contracts.ElasticParticipant: rounds, settle, joined).
 
 End of training: `finish(model)` synchronises once more unless the last step already did (a
 shortened final round), so the reported global model contains every island's work. No strategy
@@ -38,6 +40,7 @@ import hashlib
 
 import torch
 
+from islands.runtime.island_comm import IslandComm
 from islands.runtime.world import LoneComm  # the cross-island Comm of a job with one island (re-exported)
 from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
@@ -61,12 +64,17 @@ class OuterStrategy(NoOp):
         self.rounds = 0  # completed synchronisations
         self.clock = 0  # steps seen (after_step calls)
         self.synced_at = 0  # the clock at the last full synchronisation
+        self.island_comm = None  # the Comm over this worker's island when it has several workers (wrap)
+        self.sharded = False  # the inner strategy shards the parameters (fsdp; wrap)
+        self._round_buffers, self._round_seen, self._entry_buffers = None, None, None
 
     # ---- wiring -----------------------------------------------------------------------------------
     def wrap(self, model, optimizer, world):
-        membership = getattr(world, "membership", None)  # test doubles of a World may lack it
+        membership = world.membership
         # held: this strategy is the one the loop drives (not the outer part of a Stack, which claimed first)
         self.membership = membership if membership is not None and membership.claim(self) else None
+        if membership is not None:  # held or not, its rounds are the ones joins wait for
+            membership.participate(self)
         self.comm = world.comm("cross") if world.distributed else LoneComm()
         self.island_comm = _island_comm(world)
         base = unwrap(model)
@@ -74,11 +82,10 @@ class OuterStrategy(NoOp):
         why = self.sharded_refusal() if self.sharded else None
         if why:  # before any collective: every rank refuses alike
             raise ValueError(f"inner fsdp shards the parameters: {why}")
-        per_slot = getattr(self.comm, "per_slot", None)
-        if self.sharded and per_slot is not None:
+        if self.sharded and isinstance(self.comm, IslandComm):
             # an elastic island of k workers: its leader alone is a member, so the island's shards travel together
             # (island_comm.SlotComm); in a fixed world the "cross" group already pairs the workers of one shard
-            self.comm = per_slot()
+            self.comm = self.comm.per_slot()
         self.optimizer = optimizer
         self.local = FlatView(base.parameters())
         self.global_model = global_copy(base)
@@ -91,7 +98,7 @@ class OuterStrategy(NoOp):
             base.register_forward_pre_hook(self._note_round_start)
         # an elastic joiner receives its start in enter() (so do the followers of a joining k-worker island: their
         # epoch stays -1 until their leader enters); members of the first epoch agree here, followers through the relay
-        joining = membership is not None and getattr(membership, "epoch", 0) < 0
+        joining = membership is not None and membership.epoch < 0
         if self.comm.size > 1 and not joining:
             self.agree_start(self.comm)
         self.setup()
@@ -208,7 +215,7 @@ class OuterStrategy(NoOp):
         if self.buffer_policy == "none":
             return
         floating = [b for b in self.local_buffers if b.is_floating_point()]
-        island = getattr(self, "island_comm", None)
+        island = self.island_comm
         across = self.buffer_policy == "average" and self.comm.size > 1
         if floating and (across or island is not None):
             # "own" (gossip) still averages inside a k-worker island: its workers are one replica, and each
@@ -244,10 +251,10 @@ class OuterStrategy(NoOp):
                 # sharded: the global model's buffers live only here (its "model" entry, loaded through the inner
                 # strategy's full copy, reaches the live model, not the ShardedGlobal), e.g. for an elastic joiner
                 **({"global_buffers": [b.detach().clone() for b in self.global_buffers]}
-                   if getattr(self, "sharded", False) else {}),
+                   if self.sharded else {}),
                 # for a joiner (joined): only while they are this round's
                 **({"round_buffers": self._round_buffers}
-                   if getattr(self, "_round_buffers", None) is not None and self._round_seen == self.rounds else {})}
+                   if self._round_buffers is not None and self._round_seen == self.rounds else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
@@ -332,4 +339,4 @@ def _island_comm(world):
         local = world.comm("local") if world.distributed else None
     except (KeyError, AttributeError, TypeError):
         return None
-    return local if local is not None and getattr(local, "size", 1) > 1 else None
+    return local if local is not None and local.size > 1 else None

@@ -46,6 +46,7 @@ import torch
 from islands.aggregate.base import Aggregator
 from islands.aggregate.coordinate import Mean
 from islands.compress.base import Compressor
+from islands.runtime.contracts import PointToPoint
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.choco import EdgeEstimates, check_compressor
 from islands.sync.outer.topology import Topology, parse_topology
@@ -172,11 +173,11 @@ class Gossip(OuterStrategy):
         return self.aggregator is None and not self.topology.regular
 
     def setup(self) -> None:
-        if getattr(self.comm, "elastic", False):
+        if self.comm.elastic:
             if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
                 raise ValueError("compressed gossip is not supported in an elastic job: its edge estimates belong "
                                  "to pairs of ranks, which change when members come and go; drop compressor=")
-        elif self.comm.size > 1 and not hasattr(self.comm, "exchange"):
+        elif self.comm.size > 1 and not isinstance(self.comm, PointToPoint):
             raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
                             f"{type(self.comm).__name__} has none")
         if self.compressor is not None:
@@ -198,7 +199,7 @@ class Gossip(OuterStrategy):
     def gossip_round(self) -> None:
         x = self.local.read()
         n = self.comm.size
-        if getattr(self.comm, "elastic", False):
+        if self.comm.elastic:
             x = self._mix_elastic(x)
         elif n > 1:
             send_to, recv_from = self.topology.peers(self.rounds, self.comm.rank, n)
