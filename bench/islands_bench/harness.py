@@ -12,7 +12,8 @@ Ratios are always measured side by side in one invocation, never against stored 
 Tiers: full (the published numbers), quick (--quick: a smaller version whose numbers still mean something)
 and smoke (--smoke: the quick version shrunk until it only shows the experiment still runs end to end;
 its numbers mean nothing). A smoke run has ctx.quick and ctx.smoke set; every training job it starts
-is cut to SMOKE_STEPS steps (ctx.config), and an experiment that sizes its own work reads ctx.smoke.
+is cut to ctx.smoke_steps (SMOKE_STEPS) steps (ctx.config), and an experiment that sizes its own work reads
+ctx.smoke; one whose events need longer jobs (a kill at round k) raises ctx.smoke_steps.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ REGISTRY: dict[str, Experiment] = {}
 SMOKE_STEPS = 8  # training steps of every job a smoke run starts
 
 
-def smoke_sized(cfg: JobConfig) -> JobConfig:
-    """cfg cut to a smoke run's length: at most SMOKE_STEPS steps, warm-up, evaluation and logging within them."""
+def smoke_sized(cfg: JobConfig, steps: int = SMOKE_STEPS) -> JobConfig:
+    """cfg cut to a smoke run's length: at most `steps` steps, warm-up, evaluation and logging within them."""
     t = cfg.train
-    t.steps = min(t.steps, SMOKE_STEPS)
+    t.steps = min(t.steps, steps)
     t.warmup = min(t.warmup, t.steps // 2)
     t.eval_every = min(t.eval_every, t.steps)
     t.eval_batches = min(t.eval_batches, 2)
@@ -88,6 +89,7 @@ class BenchContext:
     quick: bool
     out_dir: Path
     smoke: bool = False  # --smoke (quick is set too): only that it runs end to end counts (see the module doc)
+    smoke_steps: int = SMOKE_STEPS  # a smoke run's jobs' length
     rate: str = ""  # --testbed-rate: run the distributed configurations on a real rate-limited testbed
     device: str = "cpu"  # --device: where the experiment's tensors live (only experiments that declare it)
     reuse: bool = False  # --reuse: a run whose run.json already holds the same config is read, not run again
@@ -119,7 +121,7 @@ class BenchContext:
         """A validated job config from overrides (flat keys such as workers=2, or dotted ones); a smoke run's
         is cut to SMOKE_STEPS steps."""
         cfg = from_mapping({"progress": False, **overrides})
-        return validate(smoke_sized(cfg) if self.smoke else cfg)
+        return validate(smoke_sized(cfg, self.smoke_steps) if self.smoke else cfg)
 
     def train(self, label: str, **overrides) -> dict:
         """Run one training job in its own processes; returns its run record (run.json)."""
