@@ -8,6 +8,12 @@ An experiment is a function `fn(ctx) -> dict` registered with @experiment. It re
 The harness adds what every published number must carry: the interconnect each run measured, the
 baseline definition, versions and git revision, the command that reproduces it, and the quick flag.
 Ratios are always measured side by side in one invocation, never against stored numbers.
+
+Tiers: full (the published numbers), quick (--quick: a smaller version whose numbers still mean something)
+and smoke (--smoke: the quick version shrunk until it only shows the experiment still runs end to end;
+its numbers mean nothing). A smoke run has ctx.quick and ctx.smoke set; every training job it starts
+is cut to ctx.smoke_steps (SMOKE_STEPS) steps (ctx.config), and an experiment that sizes its own work reads
+ctx.smoke; one whose events need longer jobs (a kill at round k) raises ctx.smoke_steps.
 """
 
 from __future__ import annotations
@@ -40,6 +46,18 @@ class Experiment:
 
 
 REGISTRY: dict[str, Experiment] = {}
+SMOKE_STEPS = 8  # training steps of every job a smoke run starts
+
+
+def smoke_sized(cfg: JobConfig, steps: int = SMOKE_STEPS) -> JobConfig:
+    """cfg cut to a smoke run's length: at most `steps` steps, warm-up, evaluation and logging within them."""
+    t = cfg.train
+    t.steps = min(t.steps, steps)
+    t.warmup = min(t.warmup, t.steps // 2)
+    t.eval_every = min(t.eval_every, t.steps)
+    t.eval_batches = min(t.eval_batches, 2)
+    t.log_every = min(t.log_every, t.steps)
+    return cfg
 
 
 def spec_text(value) -> str:
@@ -70,6 +88,8 @@ class BenchContext:
     name: str
     quick: bool
     out_dir: Path
+    smoke: bool = False  # --smoke (quick is set too): only that it runs end to end counts (see the module doc)
+    smoke_steps: int = SMOKE_STEPS  # a smoke run's jobs' length
     rate: str = ""  # --testbed-rate: run the distributed configurations on a real rate-limited testbed
     device: str = "cpu"  # --device: where the experiment's tensors live (only experiments that declare it)
     reuse: bool = False  # --reuse: a run whose run.json already holds the same config is read, not run again
@@ -98,8 +118,10 @@ class BenchContext:
         self.log(self.progress.finish(label))
 
     def config(self, **overrides) -> JobConfig:
-        """A validated job config from overrides (flat keys such as workers=2, or dotted ones)."""
-        return validate(from_mapping({"progress": False, **overrides}))
+        """A validated job config from overrides (flat keys such as workers=2, or dotted ones); a smoke run's
+        is cut to SMOKE_STEPS steps."""
+        cfg = from_mapping({"progress": False, **overrides})
+        return validate(smoke_sized(cfg, self.smoke_steps) if self.smoke else cfg)
 
     def train(self, label: str, **overrides) -> dict:
         """Run one training job in its own processes; returns its run record (run.json)."""
@@ -229,7 +251,7 @@ def _rich_table(title: str, rows: list[dict]) -> Table:
 
 
 def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: str = "",
-        device: str = "cpu", reuse: bool = False) -> Path:
+        device: str = "cpu", reuse: bool = False, smoke: bool = False) -> Path:
     registry = load_all()
     if name not in registry:
         raise KeyError(f"unknown experiment {name!r}; available: {', '.join(sorted(registry))}")
@@ -243,10 +265,12 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
 
         if not torch.cuda.is_available():
             raise KeyError("--device cuda but torch sees no CUDA device on this machine")
+    quick = quick or smoke
+    tier = "smoke" if smoke else "quick" if quick else "full"
     suffix = (f"-{rate}" if rate else "") + (f"-{device}" if device != "cpu" else "")
-    out_dir = out_root / name / (("quick" if quick else "full") + suffix)
+    out_dir = out_root / name / (tier + suffix)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = BenchContext(name=name, quick=quick, out_dir=out_dir, rate=rate, device=device, reuse=reuse)
+    ctx = BenchContext(name=name, quick=quick, smoke=smoke, out_dir=out_dir, rate=rate, device=device, reuse=reuse)
     ctx.progress.previous = load_previous(out_dir / "result.json")  # the last invocation's arms: the ETA
     started = time.time()
     result = exp.fn(ctx)
@@ -254,10 +278,10 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
     interconnects = sorted({r.get("interconnect_line", "") for r in ctx.runs} - {""})
     result.setdefault("interconnect", interconnects or ["see rows"])
     result.setdefault("baseline", sorted({r["baseline"]["definition"] for r in ctx.runs}) or ["see rows"])
-    command = ("islands bench " + name + (" --quick" if quick else "") + (f" --testbed-rate {rate}" if rate else "")
+    command = ("islands bench " + name + (" --smoke" if smoke else " --quick" if quick else "") + (f" --testbed-rate {rate}" if rate else "")
                + (f" --device {device}" if device != "cpu" else ""))
     record = {
-        "experiment": name, "practices": list(exp.practices), "quick": quick, "command": command,
+        "experiment": name, "practices": list(exp.practices), "quick": quick, "smoke": smoke, "command": command,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "seconds": time.time() - started, "versions": versions(), **result,
         "runs": [{"label": r["label"], "summary": r["summary"], "interconnect": r["interconnect"],
@@ -267,7 +291,8 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
     write_json_atomic(out_dir / "result.json", record)
     if plot is not None:
         plot(record, out_dir / "plot.png")
-    md = [f"# {name}{' (quick)' if quick else ''}", "", exp.help, "",
+    label = f" ({tier})" if quick else ""
+    md = [f"# {name}{label}", "", exp.help, "",
           f"Practices: {', '.join(exp.practices) or '-'}  ", f"Reproduce: `{command}`  ",
           f"Measured: {record['started']}, git {record['versions']['git_revision']}, torch {record['versions']['torch']}",
           "", "## Headline", ""]
@@ -278,7 +303,7 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
     if plot is not None:
         md += ["![plot](plot.png)", ""]
     (out_dir / "summary.md").write_text("\n".join(md))
-    ctx.console.print(_rich_table(f"{name}{' (quick)' if quick else ''}", result.get("rows", [])))
+    ctx.console.print(_rich_table(f"{name}{label}", result.get("rows", [])))
     for h in result.get("headline", []):
         ctx.console.print(f"• {h}")
     ctx.console.print(f"written: {out_dir}/result.json, summary.md" + (", plot.png" if plot else ""))

@@ -152,7 +152,7 @@ def confirm_real(ctx: BenchContext, rows: list[dict], cells: list[dict], attacks
     out = []
     for attack in attacks:
         row = next(r for r in rows if r["task"] == "digits" and r["f"] == 2 and r["attack"] == attack)
-        for label in dict.fromkeys(["mean", "median", row["best"]]):
+        for label in dict.fromkeys(["mean"] if ctx.smoke else ["mean", "median", row["best"]]):  # smoke: one 8-rank job
             agg, att = aggregator_spec(label, 2), attack_spec(attack, 2)
             rec = ctx.train(f"real-{attack.split(':')[0]}-{label}", **{**digits["config"], "steps": steps},
                             workers=N, eval_every=0, log_every=steps, aggregate=agg, attack=att, threads=1)
@@ -234,7 +234,7 @@ def headline(rows: list[dict], cost: dict, real: list[dict], tasks: list[str], s
                  "real gloo confirmations); final metric vs clean and aggregation cost vs mean")
 def byzantine(ctx: BenchContext) -> dict:
     if ctx.quick:
-        tasks, fs, steps = ["digits"], [0, 2], {"digits": 100}
+        tasks, fs, steps = ["digits"], [0, 2], {"digits": 2 if ctx.smoke else 100}
         real_attacks = None  # chosen below: the attack that hurts mean most
     else:
         tasks, fs = ["digits", "lm"], [0, 1, 2, 3]
@@ -249,7 +249,8 @@ def byzantine(ctx: BenchContext) -> dict:
     worst = min(digits_f2, key=lambda r: r["mean_vs_clean"])["attack"]
     chosen = list(dict.fromkeys([worst] + (real_attacks or [])))
     real = confirm_real(ctx, rows, cells, chosen, steps["digits"])
-    cost = {t: time_aggregators(ctx, t, 2, "sign-flip", AGGREGATORS, 15 if ctx.quick else 40) for t in tasks}
+    cost = {t: time_aggregators(ctx, t, 2, "sign-flip", AGGREGATORS, 2 if ctx.smoke else 15 if ctx.quick else 40)
+            for t in tasks}
     load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     lines = headline(rows, cost, real, tasks, steps)
     lines.append(f"machine load average {load['before']:.1f} before / {load['after']:.1f} after on {load['cpus']} CPUs "
@@ -271,11 +272,12 @@ LM_AGGREGATORS = ["mean", "median", "trimmed-mean", "cclip"]
             help="the byzantine grid's language-model half at reduced size: n=8, f in {0, 2}, four attacks x four "
                  "aggregators on the default byte LM (simulated in one process)")
 def byzantine_lm(ctx: BenchContext) -> dict:
-    steps = 30 if ctx.quick else TASKS["lm"]["config"]["steps"]
+    steps = 1 if ctx.smoke else 30 if ctx.quick else TASKS["lm"]["config"]["steps"]
     load_before = os.getloadavg()[0]
-    cells = simulate_grid(ctx, "lm", [0, 2], LM_ATTACKS, LM_AGGREGATORS, steps)
+    attacks = LM_ATTACKS[:1] if ctx.smoke else LM_ATTACKS
+    cells = simulate_grid(ctx, "lm", [0, 2], attacks, LM_AGGREGATORS, steps)
     rows = pivot(cells, "lm")[0]
-    cost = {"lm": time_aggregators(ctx, "lm", 2, "sign-flip", LM_AGGREGATORS, 10 if ctx.quick else 30)}
+    cost = {"lm": time_aggregators(ctx, "lm", 2, "sign-flip", LM_AGGREGATORS, 1 if ctx.smoke else 10 if ctx.quick else 30)}
     lines = headline(rows, cost, [], ["lm"], {"lm": steps})
     lines.append(f"reduced grid: attacks {', '.join(LM_ATTACKS)}; aggregators {', '.join(LM_AGGREGATORS)}; "
                  f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

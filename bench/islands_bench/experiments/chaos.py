@@ -65,6 +65,7 @@ STOP_AHEAD_S = 30.0  # the stop step lies this many seconds of training (at the 
 #                     logged step: `islands stop` takes seconds to start in the hub, live streams lag, and every
 #                     worker must read the request (islands.runtime.stop.POLL_S) before it gets there (the quick tier
 #                     of session 20 asked 200 steps ahead and every worker had passed the step by then)
+SMOKE = dict(events=3, gap=(1.0, 2.0))  # runs end to end: a few events, short gaps
 QUICK = dict(events=12, gap=(3.0, 6.0))
 FULL = dict(events=100, gap=(3.0, 6.0))
 
@@ -496,7 +497,7 @@ def _final_members(members: dict[str, dict]) -> dict[str, str]:
             help="a seeded campaign of faults (kill/freeze workers, cut a testbed link, kill the coordinator, an etcd "
                  "member, the launcher) against an elastic DiLoCo job of 2-worker islands on a 100 Mbit/s testbed")
 def chaos(ctx: BenchContext) -> dict:
-    tier = QUICK if ctx.quick else FULL
+    tier = SMOKE if ctx.smoke else QUICK if ctx.quick else FULL
     seed = 0
     kinds = campaign(tier["events"], seed)
     ctx.plan(3)

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from islands_bench.experiments.chaos import FULL, H, ISLANDS, QUICK, RESTART_S, TIMEOUT_S, WAIT_S, campaign, stall_per_event
+from islands_bench.experiments.chaos import FULL, H, ISLANDS, QUICK, RESTART_S, SMOKE, TIMEOUT_S, WAIT_S, campaign, stall_per_event
 from islands_bench.experiments.churn_torchft import Lighthouse, TorchftSettings, load_torchft, read_round_log
 from islands_bench.harness import BenchContext, experiment
 
@@ -260,7 +260,7 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     version, why = load_torchft(ctx.log)
     if version is None:
         raise RuntimeError(f"torchft is not available here: {why}")
-    tier = QUICK if ctx.quick else FULL
+    tier = SMOKE if ctx.smoke else QUICK if ctx.quick else FULL
     seed = 0
     kinds = campaign(tier["events"], seed)
     settings = TorchftSettings(timeout_s=TIMEOUT_S, quorum_timeout_s=TIMEOUT_S)  # our job's collective timeout

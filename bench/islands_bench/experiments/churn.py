@@ -210,8 +210,10 @@ def churn(ctx: BenchContext) -> dict:
     workers = 4 if ctx.quick else 8  # issue #4: kill two of eight workers and add one
     load_start = os.getloadavg()[0]
     h = 5
+    if ctx.smoke:  # the kills and the join need rounds to happen in
+        ctx.smoke_steps = 300
     base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h},{PAPER_OUTER}",
-                steps=1500 if ctx.quick else 2400, global_batch=8 * workers, eval_every=50, warmup=10, lr=3e-3,
+                steps=ctx.smoke_steps if ctx.smoke else 1500 if ctx.quick else 2400, global_batch=8 * workers, eval_every=50, warmup=10, lr=3e-3,
                 probe=False, timeout=60.0, heartbeat_timeout=3.0, log_every=h)
     rounds = base["steps"] // h
     # the joiner is started right after the second kill; python+torch start-up decides when it is admitted

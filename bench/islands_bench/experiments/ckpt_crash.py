@@ -32,7 +32,7 @@ def _plot(result: dict, path) -> None:
 @experiment("ckpt-crash", practices=("SOTA-056", "SOTA-057"),
             help="repeated kill -9 at random points during saves: loadable outcomes and silent corruptions")
 def ckpt_crash(ctx: BenchContext) -> dict:
-    trials = 30 if ctx.quick else 200
+    trials = 3 if ctx.smoke else 30 if ctx.quick else 200
     rows = []
     for elems in ((200_000,) if ctx.quick else (20_000, 2_000_000)):
         root = Path(tempfile.mkdtemp(prefix="ckpt-crash-", dir=ctx.out_dir))

@@ -88,13 +88,15 @@ def _plot(result: dict, path) -> None:
                  "class, a rank loss restored from the peer's memory copy")
 def ckpt_levels(ctx: BenchContext) -> dict:
     torch.set_num_threads(1)
-    plan = ({"memory_every": 2, "local_every": 10, "remote_every": 20, "fail_at": 37, "d_model": 128, "n_layers": 2}
+    plan = ({"memory_every": 2, "local_every": 4, "remote_every": 8, "fail_at": 13, "d_model": 32, "n_layers": 1}
+            if ctx.smoke else
+            {"memory_every": 2, "local_every": 10, "remote_every": 20, "fail_at": 37, "d_model": 128, "n_layers": 2}
             if ctx.quick else
             {"memory_every": 5, "local_every": 50, "remote_every": 200, "fail_at": 397, "d_model": 256, "n_layers": 4})
     tree, _ = state_tree(plan["d_model"], plan["n_layers"])  # the job's own model: costs and steps match
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-levels-", dir=ctx.out_dir))
     try:
-        costs = level_costs(tree, tmp, samples=3 if ctx.quick else 5)
+        costs = level_costs(tree, tmp, samples=1 if ctx.smoke else 3 if ctx.quick else 5)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     state_mb = tree_nbytes(tree) / 1e6

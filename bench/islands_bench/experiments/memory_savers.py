@@ -158,12 +158,12 @@ def memory_savers(ctx: BenchContext) -> dict:
     torch.set_num_threads(1)  # one thread per worker, the baseline; more threads spin and inflate CPU time
     # bf16 matmuls run ~10x slower than fp32 on a CPU without bf16 instructions (AVX2 only here), so the
     # quick run keeps samples few; bytes scale linearly in batch, so the ratios are unaffected.
-    reps = 2 if quick else 7
-    rows = _savings(ctx, ((128, 8), (512, 2) if quick else (512, 8)), reps=reps)
+    reps = 1 if ctx.smoke else 2 if quick else 7
+    rows = _savings(ctx, ((128, 1), (512, 1)) if ctx.smoke else ((128, 8), (512, 2) if quick else (512, 8)), reps=reps)
     rows += _depth((4, 16) if quick else (4, 9, 16, 25), context=128, batch=4)
-    rows += _losses(ctx, 40 if quick else 300, batch=4 if quick else 8,
+    rows += _losses(ctx, 2 if ctx.smoke else 40 if quick else 300, batch=4 if quick else 8,
                     variants=("fp32", "checkpoint", "bf16") if quick else tuple(VARIANTS))
-    rows += _sizer(ctx, batch=16 if quick else 32, fp32_fits=4 if quick else 8, reps=reps)
+    rows += _sizer(ctx, batch=4 if ctx.smoke else 16 if quick else 32, fp32_fits=4 if quick else 8, reps=reps)
     return {"rows": rows, "headline": _headline(rows), "interconnect": ["none: one process, no communication"],
             "baseline": ["per worker: one process, 1 torch thread, CPU; bytes exact (saved-tensor hooks), "
                          "times are medians of interleaved steps"]}

@@ -108,6 +108,8 @@ def _worker(out_path: str, spec_json: str, rate: str) -> None:
 
 def _rows(ctx: BenchContext, kind: str) -> list[dict]:
     settings = _settings(kind, ctx.quick)
+    if ctx.smoke:
+        settings.update(steps=4, inner_steps=2, warmup=1)
     rows = []
     for arm in ARMS[kind]:
         ctx.log(f"{kind}: {arm} ({WORKERS} workers, {settings['steps']} steps)")

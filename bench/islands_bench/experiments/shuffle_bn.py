@@ -209,10 +209,10 @@ def shuffle_bn(ctx: BenchContext) -> dict:
     from islands.data import load_digits
 
     rows_per_rank = 64
-    cost = run_module_ranks("islands_bench.experiments.shuffle_bn", [str(rows_per_rank), "10" if ctx.quick else "30"],
+    cost = run_module_ranks("islands_bench.experiments.shuffle_bn", [str(rows_per_rank), "2" if ctx.smoke else "10" if ctx.quick else "30"],
                             2, ctx.out_dir / "cost.json")
     ctx.log(f"cost: {cost}")
-    steps, seeds = (250, (0, 1)) if ctx.quick else (600, (0, 1, 2, 3, 4))
+    steps, seeds = (2, (0,)) if ctx.smoke else (250, (0, 1)) if ctx.quick else (600, (0, 1, 2, 3, 4))
     batch, workers = 128, 8
     digits = load_digits()
     rows = []

@@ -50,7 +50,7 @@ def _run(ctx: BenchContext, kind: str, mode: str, workers: int, rep: int) -> dic
 
 @experiment("startup", help="job start-up with workers forked from the preloaded fork server vs fresh interpreters")
 def startup(ctx: BenchContext) -> dict:
-    workers, reps = (4, 2) if ctx.quick else (4, 5)
+    workers, reps = (2, 1) if ctx.smoke else (4, 2) if ctx.quick else (4, 5)
     kinds, modes = ("ddp", "elastic"), ("fork", "exec")
     ctx.plan(len(kinds) * len(modes) * reps)
     runs = [_run(ctx, kind, mode, workers, rep) for rep in range(reps) for kind in kinds for mode in modes]

@@ -207,8 +207,7 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
 
     def finish(self, model) -> None:
         super().finish(model)
-        if self.adapt != "none":  # the steps each island took per round, also when the last step ended a round
-            self._write_report()
+        self._write_report()  # also when the last step ended a round (then finish runs no final_sync)
 
     def in_order(self, fn):
         return self.exchange.run(fn)  # behind the fragments in flight, on the exchange's own thread
@@ -231,7 +230,6 @@ class DiLoCo(AdaptiveRounds, EagerOverlap, OuterStrategy):
         for p in range(self.fragments):
             if p not in skip:
                 self._send(p, blocking=True)
-        self._write_report()
 
     def _write_report(self) -> None:
         """Bytes this rank sent per exchange, for the peak-per-sync figure (the ledger keeps only totals)."""
