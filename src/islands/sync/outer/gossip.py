@@ -171,12 +171,15 @@ class Gossip(OuterStrategy):
     def push_sum(self) -> bool:
         return self.aggregator is None and not self.topology.regular
 
+    def elastic_refusal(self) -> str | None:
+        if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
+            return ("compressed gossip is not supported in an elastic job: its edge estimates belong to pairs of "
+                    "ranks, which change when members come and go; drop compressor=")
+        return None
+
     def setup(self) -> None:
-        if getattr(self.comm, "elastic", False):
-            if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
-                raise ValueError("compressed gossip is not supported in an elastic job: its edge estimates belong "
-                                 "to pairs of ranks, which change when members come and go; drop compressor=")
-        elif self.comm.size > 1 and not hasattr(self.comm, "exchange"):
+        # an elastic comm: wrap has asked elastic_refusal before any collective
+        if not getattr(self.comm, "elastic", False) and self.comm.size > 1 and not hasattr(self.comm, "exchange"):
             raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
                             f"{type(self.comm).__name__} has none")
         if self.compressor is not None:
