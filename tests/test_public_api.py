@@ -240,7 +240,7 @@ def _bn_islands_of_two_worker(rank, env, queue, gossip=False):
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    outer = islands.outer.Gossip(every=4, topology="ring") if gossip else islands.outer.DiLoCo(inner_steps=4)
+    outer = islands.outer.Gossip(every=4, topology=islands.outer.Ring()) if gossip else islands.outer.DiLoCo(inner_steps=4)
     strategy = islands.Stack(inner=islands.inner.DDP(), outer=outer)
     model = own_loop(strategy, model, opt, world, batches(20 + rank, 10))
     g = strategy.eval_model(model)

@@ -48,7 +48,7 @@ from islands.aggregate.coordinate import Mean
 from islands.compress.base import Compressor
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.choco import EdgeEstimates, check_compressor
-from islands.sync.outer.topology import Topology, parse_topology
+from islands.sync.outer.topology import ExponentialGraph, Topology
 
 KIND = "outer_params"
 
@@ -140,12 +140,13 @@ class Gossip(OuterStrategy):
 
     buffer_policy = "own"  # no global average: the eval model takes this island's own buffers
 
-    def __init__(self, every: int = 4, topology: Topology | str = "exp", aggregator: Aggregator | None = None,
+    def __init__(self, every: int = 4, topology: Topology | None = None, aggregator: Aggregator | None = None,
                  seed: int = 0, compressor: Compressor | None = None, gamma: float = 0.3):
-        """`every` H: local steps between gossip rounds. `topology`: exp (one peer at distance 2^k, SOTA-226),
-        ring, or random:s=S (S fresh out-peers per round, push-sum, SOTA-223), or a topology object
-        (islands.outer.Ring(), ExponentialGraph(), RandomPeers(s, seed)). `aggregator`: robust neighbour
-        averaging. `seed`: seeds topology=random's per-round draws (the same on every rank). `compressor`: compressed
+        """`every` H: local steps between gossip rounds. `topology`: exp when none (ExponentialGraph(), one peer at
+        distance 2^k, SOTA-226), ring (Ring()) or random:s=S (RandomPeers(s, seed), S fresh out-peers per round,
+        push-sum, SOTA-223), given as the object (a spec names it in text). `aggregator`:
+        robust neighbour averaging. `seed`: seeds topology=random's per-round draws (the same on every rank) when a
+        spec names the topology; a RandomPeers object carries its own. `compressor`: compressed
         gossip with per-edge estimates (choco.py; topkq, dct-topk, topk, randomk, sign). `gamma`: its consensus step
         size in (0, 1] (1 with a lossless compressor is plain gossip; smaller damps a lossy one's lag; 0.3 trained
         best of 0.1 and 0.3 in `islands bench gossip-compressed`, 1 does not converge with a 5% sketch)."""
@@ -153,7 +154,13 @@ class Gossip(OuterStrategy):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = int(every)
-        self.topology = parse_topology(topology, seed=seed) if isinstance(topology, str) else topology
+        topology = ExponentialGraph() if topology is None else topology
+        if not isinstance(topology, Topology) or isinstance(topology, str):
+            hint = (f"; parse text at the edge: islands.sync.outer.parse_topology({topology!r}, seed={seed})"
+                    if isinstance(topology, str) else "")
+            raise TypeError(f"Gossip takes a topology object (ExponentialGraph(), Ring(), RandomPeers(s, seed)); "
+                            f"got {type(topology).__name__} {topology!r}{hint}")
+        self.topology, self.seed = topology, int(seed)
         self.aggregator = None if isinstance(aggregator, Mean) else aggregator
         self.weight = 1.0  # push-sum weight (random topology with mean mixing); stays 1 otherwise
         self.isolated = 0  # robust rounds in which too few inputs arrived to aggregate
