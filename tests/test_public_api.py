@@ -73,7 +73,7 @@ def test_public_names_resolve_and_compose_from_objects():
             assert callable(getattr(ns, name)), f"{ns.__name__}.{name}"
     # the program of the issue, built from objects (this raised TypeError: compressor spec must be a str)
     strategy = islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
-                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.Median()))
+                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()))
     assert strategy.name == "ddp+diloco"
     outer = islands.outer.DiLoCo(compressor=islands.compress.PowerSGD(rank=2))
     assert type(outer.exchange.compressor).__name__ == "ErrorFeedback"  # PowerSGD asks for error feedback
