@@ -529,15 +529,16 @@ Rule = Callable[[JobConfig], "str | list[str] | None"]
 # (a rule that divides by world.workers needs workers >= 1; one that builds the task needs its shapes and data).
 VALUES = ("choices", "positive", "shapes", "specs")
 TASK = VALUES + ("data",)
+CLEAN = ("*",)  # builds the task or model: runs only when no rule before it found a problem
 RULES: list[tuple[str, Rule, tuple[str, ...]]] = [
     ("choices", choices, ()), ("positive", positive, ()), ("device has GPUs", device_has_gpus, ("choices", "positive")),
     ("shapes", shapes, ("positive",)), ("data", data, ("choices",)), ("testbed", testbed, ()), ("specs", specs, ()),
     ("slowdown", slowdown, VALUES), ("adaptive rounds", adaptive_rounds, VALUES),
     ("optimizer and exchange", optimizer_exchange, VALUES), ("islands need an outer strategy", islands_need_outer, VALUES),
     ("sharding", sharding, VALUES), ("memory", memory, TASK), ("pipeline", pipeline, TASK),
-    ("checkpointing", checkpointing, TASK), ("simulated islands", simulated, VALUES), ("elastic", elastic, VALUES),
+    ("checkpointing", checkpointing, CLEAN), ("simulated islands", simulated, VALUES), ("elastic", elastic, VALUES),
     ("authenticated payloads", payload_auth, ()), ("loggers", loggers, ()),
-    ("user task", user_task, TASK), ("hf-causal-lm task", hf_task, ("choices", "positive", "data")),
+    ("user task", user_task, CLEAN), ("hf-causal-lm task", hf_task, ("choices", "positive", "data")),
 ]
 
 
@@ -547,12 +548,16 @@ def problems(cfg: JobConfig) -> list[str]:
     found: list[str] = []
     failed: set[str] = set()
     for name, rule, needs in RULES:
-        if failed.intersection(needs):
+        if failed.intersection(needs) or (found and "*" in needs):
             continue
         try:
             result = rule(cfg)
         except ValueError as e:  # a component's parser or settings refused a value: its message says why
             result = str(e)
+        except Exception:
+            if found:  # a rule tripping over a value already reported: that report says it
+                continue
+            raise
         new = [m for m in ([result] if isinstance(result, str) else result or ()) if m and m not in found]
         if new:
             failed.add(name)
