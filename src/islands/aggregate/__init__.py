@@ -2,7 +2,8 @@
 
 Every aggregator drops NaN/Inf inputs before it or its state sees them (aggregate/base.py).
 The aggregators themselves (Mean, CoordinateMedian, Krum, ...) have their public home in islands.robust; this
-package exports the machinery around them. Build one from a spec string with `parse_aggregator("nnm+krum:f=2")`; aggregate across ranks with
+package exports the machinery around them.
+Build one from a spec string with `parse_aggregator("nnm+krum:f=2")`; aggregate across ranks with
 `robust_all_reduce(tensor, comm, aggregator)`.
 """
 

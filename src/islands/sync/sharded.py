@@ -73,7 +73,8 @@ def _mesh_comm(mesh, world):
 
 class FSDP(NoOp):
     """FSDP2 over the island's local ranks. `wrap` is a wrap policy object (islands.sync.wrap_policy; islands.inner
-    exports them: BlockWrap(), ModelWrap(), ParamThreshold(n), SplitByParams(k), GraphWrap(k)); BlockWrap() when None."""
+    exports them: BlockWrap(), ModelWrap(), ParamThreshold(n), SplitByParams(k), GraphWrap(k)); None is
+    BlockWrap()."""
 
     name = "fsdp"
 
