@@ -85,7 +85,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     strategy = islands.Stack(
         inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
-        outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.Median()),
+        outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()),
     )
     model = strategy.wrap(model, opt, world)
     ckpt = islands.Checkpointer(RUN_DIR, world, every=100)     # async, multi-level, checksummed; RNG included

@@ -60,8 +60,8 @@ model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 outer = {"streaming": lambda: islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=2),
          "tau1": lambda: islands.outer.DiLoCo(inner_steps=5, tau=1),
-         "gossip": lambda: islands.outer.Gossip(every=3, topology="exp"),
-         "push-sum": lambda: islands.outer.Gossip(every=3, topology="random:s=1", seed=3),
+         "gossip": lambda: islands.outer.Gossip(every=3, topology=islands.outer.ExponentialGraph()),
+         "push-sum": lambda: islands.outer.Gossip(every=3, topology=islands.outer.RandomPeers(1, seed=3)),
          "overlap": lambda: islands.outer.OverlapLocalSGD(tau=3)}[args.outer]()
 strategy = islands.Stack(outer=outer)
 model = strategy.wrap(model, opt, world)

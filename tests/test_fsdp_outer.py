@@ -39,7 +39,7 @@ def _build(world, inner: str, outer: str = OUTER):
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    strategy = Stack(FSDP(wrap="block") if inner == "fsdp" else DDP(), make_outer(outer))
+    strategy = Stack(FSDP() if inner == "fsdp" else DDP(), make_outer(outer))
     return strategy.wrap(model, opt, world), opt, strategy
 
 

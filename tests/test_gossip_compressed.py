@@ -10,6 +10,7 @@ from islands.compress import QSGD, RandomK, SharedRandomK, TopK, TopKQ
 from islands.sync.outer import make_outer, parse_topology, simulate_mixing
 from islands.sync.outer.choco import EdgeEstimates
 from islands.sync.outer.gossip import Gossip
+from islands.sync.outer.topology import RandomPeers
 from outer_mp import run_world
 
 LOSSLESS = TopKQ(ratio=1.0, bits=32)  # every entry, fp32 values: decode(compress(x)) == x
@@ -73,7 +74,7 @@ def test_state_round_trip_continues_bit_for_bit():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: Gossip(topology="random:s=2", compressor=TopKQ()), ["regular topology (ring, exp)", "push-sum"]),
+    (lambda: Gossip(topology=RandomPeers(2), compressor=TopKQ()), ["regular topology (ring, exp)", "push-sum"]),
     (lambda: Gossip(compressor=SharedRandomK()), ["self-contained", "topkq"]),
     (lambda: Gossip(compressor=TopK(warmup=True)), ["fixed layout", "warmup=0"]),
     (lambda: Gossip(compressor=TopKQ(), gamma=0.0), ["gamma", "(0, 1]"]),

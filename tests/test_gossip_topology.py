@@ -131,3 +131,15 @@ def test_outer_spec_accepts_gossip():
     for bad in ("gossip:topology=star", "gossip:every=0", "gossip:aggregate=nope"):
         with pytest.raises(ValueError):
             parse_outer(bad)
+
+
+def test_gossip_takes_a_topology_object_and_text_is_parsed_at_the_edge():
+    from islands.outer import ExponentialGraph, Gossip, RandomPeers, Ring
+    from islands.sync.outer import make_outer
+
+    assert isinstance(Gossip().topology, ExponentialGraph)
+    assert isinstance(Gossip(topology=Ring()).topology, Ring)
+    with pytest.raises(TypeError, match=r"topology object .*parse_topology\('ring'"):
+        Gossip(topology="ring")
+    built = make_outer("gossip:topology=random:s=2,seed=3").topology  # the spec's seed reaches the topology
+    assert isinstance(built, RandomPeers) and (built.s, built.seed) == (2, 3)

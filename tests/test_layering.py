@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Layer of each top-level name under islands; a module may import its own layer and lower ones.
 LAYERS = {
     "spec": 0, "version": 0,
+    "_deprecated": 0,  # the table of deprecated aliases; it imports their new homes by name, when one is used
     "runtime": 1, "sync": 1, "compress": 1, "aggregate": 1, "faults": 1, "checkpoint": 1, "memory": 1,
     "parallel": 1, "measure": 1, "models": 1, "data": 1, "testbed": 1, "practices": 1,
     "inner": 1, "outer": 1, "robust": 1, "control": 1,  # the public namespaces over components

@@ -74,7 +74,7 @@ def test_public_names_resolve_and_compose_from_objects():
             assert callable(getattr(ns, name)), f"{ns.__name__}.{name}"
     # the program of the issue, built from objects (this raised TypeError: compressor spec must be a str)
     strategy = islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
-                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.Median()))
+                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()))
     assert strategy.name == "ddp+diloco"
     outer = islands.outer.DiLoCo(compressor=islands.compress.PowerSGD(rank=2))
     assert type(outer.exchange.compressor).__name__ == "ErrorFeedback"  # PowerSGD asks for error feedback
@@ -241,7 +241,7 @@ def _bn_islands_of_two_worker(rank, env, queue, gossip=False):
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    outer = islands.outer.Gossip(every=4, topology="ring") if gossip else islands.outer.DiLoCo(inner_steps=4)
+    outer = islands.outer.Gossip(every=4, topology=islands.outer.Ring()) if gossip else islands.outer.DiLoCo(inner_steps=4)
     strategy = islands.Stack(inner=islands.inner.DDP(), outer=outer)
     model = own_loop(strategy, model, opt, world, batches(20 + rank, 10))
     g = strategy.eval_model(model)

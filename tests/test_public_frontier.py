@@ -125,7 +125,7 @@ def _bn_outer_worker(rank, env, queue, which):
     model = BNMLPNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if which == "gossip":
-        strategy = islands.outer.Gossip(every=2, topology="ring", compressor=islands.compress.TopKQ(ratio=0.2, bits=8),
+        strategy = islands.outer.Gossip(every=2, topology=islands.outer.Ring(), compressor=islands.compress.TopKQ(ratio=0.2, bits=8),
                                         gamma=0.3)
     else:
         strategy = islands.outer.DiLoCo(inner_steps=4, adapt="speed")

@@ -68,6 +68,7 @@ def _worker(rank, env, queue):
     torch.set_num_threads(1)
     from islands.runtime.world import close_world, init_world
     from islands.sync.sharded import FSDP, measured_state_bytes, state_bytes_per_rank
+    from islands.sync.wrap_policy import parse_wrap
 
     world = init_world(islands=1, timeout_s=30)
     out = []
@@ -75,7 +76,7 @@ def _worker(rank, env, queue):
         world.ledger.reset()
         model = tiny_model()
         opt = make_optimizer(model.parameters())
-        strategy = FSDP(wrap=wrap, reshard_after_forward=reshard, param_dtype=dtype)
+        strategy = FSDP(wrap=parse_wrap(wrap), reshard_after_forward=reshard, param_dtype=dtype)
         model = strategy.wrap(model, opt, world)
         wire = WireCounter()
         for b in global_batches():

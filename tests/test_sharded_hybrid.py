@@ -78,7 +78,7 @@ def _worker(rank, env, queue):
         world.ledger.reset()
         model = tiny_model()
         opt = make_optimizer(model.parameters())
-        strategy = FSDP(wrap="block", shard_group=group, prefetch=prefetch)
+        strategy = FSDP(shard_group=group, prefetch=prefetch)
         model = strategy.wrap(model, opt, world)
         wire = WireCounter()
         for b in global_batches():

@@ -106,3 +106,14 @@ def test_too_many_units_is_a_clear_error():
         plan_units(model(layers=1), parse_wrap("graph:500"))
     with pytest.raises(TypeError):
         parse_wrap(3)
+
+
+def test_fsdp_takes_a_wrap_policy_object_and_text_is_parsed_at_the_edge():
+    from islands.inner import FSDP, BlockWrap, GraphWrap
+    from islands.sync.wrap_policy import parse_wrap
+
+    assert isinstance(FSDP().policy, BlockWrap)
+    assert FSDP(wrap=GraphWrap(3)).policy.units == 3
+    with pytest.raises(TypeError, match=r"wrap policy object .*parse_wrap\('graph:3'\)"):
+        FSDP(wrap="graph:3")
+    assert isinstance(parse_wrap("graph:3"), GraphWrap)

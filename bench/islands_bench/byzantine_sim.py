@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from islands import Task, WarmupCosine, evaluate
-from islands.aggregate import AGGREGATORS, Aggregator, Mean
+from islands.aggregate import AGGREGATORS, Aggregator
 from islands.app.build import build_task
 from islands.config import JobConfig
 from islands.data import batch_source
 from islands.faults import ATTACKS, flip_targets
-from islands.robust import Byzantine, LabelFlip
+from islands.robust import Byzantine, LabelFlip, Mean
 
 
 @dataclass

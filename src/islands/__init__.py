@@ -4,7 +4,7 @@ One import gives what a user composes (docs/own-model.md):
 
     world = islands.init_world(islands=2)
     strategy = islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
-                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.Median()))
+                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()))
     model = strategy.wrap(model, opt, world)
     ... loss.backward(); strategy.after_backward(model, step); opt.step(); strategy.after_step(model, opt, step)
     strategy.finish(model); global_model = strategy.eval_model(model)

@@ -44,9 +44,9 @@ ew.exit_now(ew.main(sys.argv[1:3]))
 def job_store(address: str, token: str):
     """A client of the elastic job's coordinator store at HOST:PORT, seeing the job's own keys; its values are
     signed under the job token (docs/membership.md "Security"), so the view verifies them with it."""
-    from islands.control import observe
+    from islands.control import observe_job
 
-    return observe(address, token)
+    return observe_job(address, token)
 
 
 def _get_json(store, key: str, default=None):

@@ -1,6 +1,8 @@
 """Robust aggregation (SOTA-220): combine one tensor per worker into one, tolerating faulty workers.
 
 Every aggregator drops NaN/Inf inputs before it or its state sees them (aggregate/base.py).
+The aggregators themselves (Mean, CoordinateMedian, Krum, ...) have their public home in islands.robust; this
+package exports the machinery around them.
 Build one from a spec string with `parse_aggregator("nnm+krum:f=2")`; aggregate across ranks with
 `robust_all_reduce(tensor, comm, aggregator)`.
 """
@@ -25,16 +27,7 @@ __all__ = [
     "AggregationReport",
     "Aggregator",
     "BaseAggregator",
-    "Bucketing",
-    "CenteredClipping",
-    "CoordinateMedian",
-    "GeometricMedian",
-    "Krum",
-    "Mean",
-    "MultiKrum",
-    "NearestNeighborMixing",
     "TooFewInputsError",
-    "TrimmedMean",
     "flatten_named",
     "pairwise_sq_distances",
     "parse_aggregator",

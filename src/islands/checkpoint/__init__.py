@@ -30,7 +30,7 @@ from islands.checkpoint.store import CheckpointStore, LoadedCheckpoint, SaveResu
 from islands.checkpoint.tree import copy_tree, flatten_tree, tree_nbytes, unflatten_tree
 
 __all__ = [
-    "Checkpointer", "CheckpointSettings", "AutoInterval", "TrainingState", "CheckpointDriver", "parse_policy",
+    "CheckpointSettings", "AutoInterval", "TrainingState", "CheckpointDriver", "parse_policy",
     "fingerprint_of", "resume", "check_resume",
     "AsyncCheckpointer", "SaveHandle", "TensorCodec", "content_hash", "decode_tensor", "encode_tensor",
     "CheckpointMismatch", "CorruptCheckpoint", "NoCheckpoint", "CheckFreqPolicy", "CombinedIntervalPolicy",

@@ -108,6 +108,17 @@ def _peer_comm(world, timeout_s: float) -> Comm:
 class CheckpointDriver:
     """Decides, per step, which levels save; snapshots once; persists in the background."""
 
+    @staticmethod
+    def check_elastic(settings: CheckpointSettings) -> None:
+        """What an elastic job's checkpoints cannot do (members come and go): a ValueError saying why, raised by the
+        driver of an elastic world and asked by validation (app/validate) before any worker starts."""
+        if settings.policy is not None:
+            raise ValueError("an elastic job needs a fixed checkpoint interval (every=N, no policy): the auto "
+                             "policy's decisions come from history a worker joining later does not have")
+        if settings.memory_peer:
+            raise ValueError("an elastic job does not replicate the memory level to a peer (ring neighbours change "
+                             "with membership); leave memory_peer off, the local and remote levels still work")
+
     def __init__(self, settings: CheckpointSettings, world: World, run_dir: str | Path | None = None,
                  fingerprint: str = ""):
         if not isinstance(settings, CheckpointSettings):
@@ -123,12 +134,8 @@ class CheckpointDriver:
         self.settings, self.world, self.fingerprint = settings, world, fingerprint
         self.root = Path(settings.dir) if settings.dir is not None else Path(run_dir) / "ckpt"
         self.elastic = is_elastic(world)
-        if self.elastic and settings.policy is not None:
-            raise ValueError("an elastic job needs a fixed checkpoint interval (every=N, policy=None): the auto "
-                             "policy's decisions come from history a worker joining later does not have")
-        if self.elastic and settings.memory_peer:
-            raise ValueError("an elastic job does not replicate the memory level to a peer (ring neighbours change "
-                             "with membership); leave memory_peer off, the local and remote levels still work")
+        if self.elastic:
+            self.check_elastic(settings)
         torch_dist = world.size > 1 and not self.elastic and world.comms is None
         barrier = None
         if torch_dist:

@@ -36,7 +36,7 @@ from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.prefetch import set_prefetch
 from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
 from islands.sync.shard_plan import Unit, plan_units, rows_of, state_bytes_per_rank, unit_traffic
-from islands.sync.wrap_policy import WrapPolicy, parse_wrap
+from islands.sync.wrap_policy import BlockWrap, WrapPolicy
 
 DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,17 +72,23 @@ def _mesh_comm(mesh, world):
 
 
 class FSDP(NoOp):
-    """FSDP2 over the island's local ranks. `wrap` is a policy spec (islands.sync.wrap_policy)."""
+    """FSDP2 over the island's local ranks. `wrap` is a wrap policy object (islands.sync.wrap_policy; islands.inner
+    exports them: BlockWrap(), ModelWrap(), ParamThreshold(n), SplitByParams(k), GraphWrap(k)); None is
+    BlockWrap()."""
 
     name = "fsdp"
 
-    def __init__(self, wrap: str | WrapPolicy = "block", reshard_after_forward: bool = True,
+    def __init__(self, wrap: WrapPolicy | None = None, reshard_after_forward: bool = True,
                  param_dtype: str = "", reduce_dtype: str = "", grad_clip: bool = False, prefetch: int = 0,
                  shard_group: str | int = "", memory_budget_bytes: int = 0):
         """`prefetch` N >= 1: gather the next N units ahead, forward and backward (SOTA-117; 0 = FSDP2's own).
         `shard_group`: "" (the island), "auto" (smallest group fitting `memory_budget_bytes`) or a rank count;
         groups smaller than the data-parallel world replicate across each other (HSDP, SOTA-119)."""
-        self.policy = parse_wrap(wrap) if isinstance(wrap, str) else wrap
+        if wrap is not None and not isinstance(wrap, WrapPolicy):
+            hint = (f"; parse text at the edge: islands.sync.parse_wrap({wrap!r})" if isinstance(wrap, str) else "")
+            raise TypeError(f"FSDP takes a wrap policy object (BlockWrap(), ModelWrap(), ParamThreshold(n), "
+                            f"SplitByParams(k), GraphWrap(k)); got {type(wrap).__name__} {wrap!r}{hint}")
+        self.policy = BlockWrap() if wrap is None else wrap
         self.reshard_after_forward = bool(reshard_after_forward)
         for label, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if value not in DTYPES:

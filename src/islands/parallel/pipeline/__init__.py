@@ -3,7 +3,8 @@
     pieces_of(model) -> pieces;  equal_cuts / graph_cuts / balanced_cuts -> stage starts
     build_stages(pieces, starts) -> stages;  PipelineRunner(pieces, stage, comm, "gpipe"|"1f1b", loss_fn)
     choose_microbatches(...)  (SOTA-019);  simulate(...) / bubble_fraction(K, M)  (SOTA-017)
-    PipelineStages: the inner strategy `islands train --inner pipeline` builds (docs/pipeline.md)
+    PipelineStages: the inner strategy `islands train --inner pipeline` builds (docs/pipeline.md); its public
+    home is islands.inner.Pipeline (one home per name), so it is not in __all__ here
 """
 
 from islands.parallel.pipeline.chooser import (MicrobatchChoice, MicrobatchOption, choose_microbatches, held_bytes,
@@ -19,7 +20,7 @@ from islands.parallel.pipeline.strategy import PipelineStages
 
 __all__ = [
     "ACTIVATION", "CUT_KINDS", "GRADIENT", "SCHEDULES", "MicrobatchChoice", "MicrobatchOption", "PieceCost",
-    "PipelineRunner", "PipelineStages", "SavedTensorMeter", "Stage", "Timeline", "balanced_cuts",
+    "PipelineRunner", "SavedTensorMeter", "Stage", "Timeline", "balanced_cuts",
     "bubble_fraction", "build_stages", "choose_cuts", "choose_microbatches", "equal_cuts", "gpipe", "graph_cuts",
     "held_bytes", "one_f_one_b", "output_bytes", "param_bytes", "parameter_owner", "peak_in_flight", "piece_costs",
     "pieces_of", "profile_microbatches", "saved_bytes_of_forward", "schedule_for", "simulate", "split_batch",

@@ -76,6 +76,9 @@ class OuterStrategy(NoOp):
         if membership is not None:  # held or not, its rounds are the ones joins wait for
             membership.participate(self)
         self.comm = world.comm("cross") if world.distributed else LoneComm()
+        why = self.elastic_refusal() if getattr(self.comm, "elastic", False) else None
+        if why:  # before any collective: every member refuses alike
+            raise ValueError(why)
         self.island_comm = _island_comm(world)
         base = unwrap(model)
         self.sharded = is_sharded(base)
@@ -136,6 +139,11 @@ class OuterStrategy(NoOp):
         exchanges only its shard of every parameter); None when it can. Validation asks the same (app/validate)."""
         return (f"outer strategy {self.name!r} is not wired for sharded parameters yet; with inner fsdp use "
                 f"{SHARDED_OUTER}")
+
+    def elastic_refusal(self) -> str | None:
+        """Why this strategy, as configured, cannot run in an elastic job (members come and go between rounds);
+        None when it can. wrap raises it on an elastic comm; validation asks the same (app/validate)."""
+        return None
 
     def setup(self) -> None:
         """Subclasses build their exchange and state here (self.local and self.global_flat exist; every island

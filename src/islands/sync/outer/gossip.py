@@ -49,7 +49,7 @@ from islands.compress.base import Compressor
 from islands.runtime.contracts import PointToPoint
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.choco import EdgeEstimates, check_compressor
-from islands.sync.outer.topology import Topology, parse_topology
+from islands.sync.outer.topology import ExponentialGraph, Topology
 
 KIND = "outer_params"
 
@@ -141,12 +141,13 @@ class Gossip(OuterStrategy):
 
     buffer_policy = "own"  # no global average: the eval model takes this island's own buffers
 
-    def __init__(self, every: int = 4, topology: Topology | str = "exp", aggregator: Aggregator | None = None,
+    def __init__(self, every: int = 4, topology: Topology | None = None, aggregator: Aggregator | None = None,
                  seed: int = 0, compressor: Compressor | None = None, gamma: float = 0.3):
-        """`every` H: local steps between gossip rounds. `topology`: exp (one peer at distance 2^k, SOTA-226),
-        ring, or random:s=S (S fresh out-peers per round, push-sum, SOTA-223), or a topology object
-        (islands.outer.Ring(), ExponentialGraph(), RandomPeers(s, seed)). `aggregator`: robust neighbour
-        averaging. `seed`: seeds topology=random's per-round draws (the same on every rank). `compressor`: compressed
+        """`every` H: local steps between gossip rounds. `topology`: exp when none (ExponentialGraph(), one peer at
+        distance 2^k, SOTA-226), ring (Ring()) or random:s=S (RandomPeers(s, seed), S fresh out-peers per round,
+        push-sum, SOTA-223), given as the object (a spec names it in text). `aggregator`:
+        robust neighbour averaging. `seed`: seeds topology=random's per-round draws (the same on every rank) when a
+        spec names the topology; a RandomPeers object carries its own. `compressor`: compressed
         gossip with per-edge estimates (choco.py; topkq, dct-topk, topk, randomk, sign). `gamma`: its consensus step
         size in (0, 1] (1 with a lossless compressor is plain gossip; smaller damps a lossy one's lag; 0.3 trained
         best of 0.1 and 0.3 in `islands bench gossip-compressed`, 1 does not converge with a 5% sketch)."""
@@ -154,7 +155,13 @@ class Gossip(OuterStrategy):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = int(every)
-        self.topology = parse_topology(topology, seed=seed) if isinstance(topology, str) else topology
+        topology = ExponentialGraph() if topology is None else topology
+        if not isinstance(topology, Topology) or isinstance(topology, str):
+            hint = (f"; parse text at the edge: islands.sync.outer.parse_topology({topology!r}, seed={seed})"
+                    if isinstance(topology, str) else "")
+            raise TypeError(f"Gossip takes a topology object (ExponentialGraph(), Ring(), RandomPeers(s, seed)); "
+                            f"got {type(topology).__name__} {topology!r}{hint}")
+        self.topology, self.seed = topology, int(seed)
         self.aggregator = None if isinstance(aggregator, Mean) else aggregator
         self.weight = 1.0  # push-sum weight (random topology with mean mixing); stays 1 otherwise
         self.isolated = 0  # robust rounds in which too few inputs arrived to aggregate
@@ -172,12 +179,15 @@ class Gossip(OuterStrategy):
     def push_sum(self) -> bool:
         return self.aggregator is None and not self.topology.regular
 
+    def elastic_refusal(self) -> str | None:
+        if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
+            return ("compressed gossip is not supported in an elastic job: its edge estimates belong to pairs of "
+                    "ranks, which change when members come and go; drop compressor=")
+        return None
+
     def setup(self) -> None:
-        if self.comm.elastic:
-            if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
-                raise ValueError("compressed gossip is not supported in an elastic job: its edge estimates belong "
-                                 "to pairs of ranks, which change when members come and go; drop compressor=")
-        elif self.comm.size > 1 and not isinstance(self.comm, PointToPoint):
+        # an elastic comm: wrap has asked elastic_refusal before any collective
+        if not self.comm.elastic and self.comm.size > 1 and not isinstance(self.comm, PointToPoint):
             raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
                             f"{type(self.comm).__name__} has none")
         if self.compressor is not None:

@@ -1,0 +1,78 @@
+"""Validation reports every problem at once, and the rules about one component live in that component
+(issue #33 item 5): validate asks the component, which raises the same message a library user gets."""
+
+import types
+
+import pytest
+import torch
+
+from islands.app.validate import problems, validate
+from islands.checkpoint.driver import CheckpointDriver
+from islands.checkpoint.settings import CheckpointSettings
+from islands.cli import main
+from islands.compress import TopKQ
+from islands.config import ConfigError, from_mapping
+from islands.sync.outer.gossip import Gossip
+
+ELASTIC = dict(task="digits", workers=3, islands=3, elastic=True, global_batch=24)
+
+
+def test_independent_mistakes_are_all_reported_in_one_run_with_exit_2(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--run-dir", str(tmp_path / "r"), "--lr", "-1", "--data", "/nonexistent/corpus.txt",
+              "--outer", "dilocoo:inner_steps=5", "--log", "tensorbord"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "4 problems in the config" in err
+    lines = err.splitlines()
+    for needle in ("train.lr must be > 0", "does not exist", "did you mean 'diloco'", "did you mean tensorboard"):
+        assert sum(needle in line and line.startswith("- ") for line in lines) == 1, (needle, err)
+    assert not (tmp_path / "r").exists()
+
+
+def test_one_problem_reads_as_before():
+    with pytest.raises(ConfigError) as e:
+        validate(from_mapping(dict(lr=-1.0)))
+    assert str(e.value) == "train.lr must be > 0; got -1.0"
+
+
+def test_a_rule_reading_a_refused_value_is_skipped_not_repeated():
+    # workers=0 fails `positive`; `shapes` (which divides by it) and every cross-section rule stay quiet
+    found = problems(from_mapping(dict(workers=0)))
+    assert found == ["world.workers must be >= 1; got 0"]
+
+
+def test_compressed_gossip_in_an_elastic_job_is_refused_by_gossip_itself():
+    gossip = Gossip(compressor=TopKQ())
+    why = gossip.elastic_refusal()
+    assert "compressed gossip is not supported in an elastic job" in why
+    assert Gossip().elastic_refusal() is None
+    # the library path: wrap on an elastic cross-island comm raises it before any collective
+    world = types.SimpleNamespace(membership=None, distributed=True,
+                                  comm=lambda name: types.SimpleNamespace(elastic=True, size=3))
+    with pytest.raises(ValueError) as raised:
+        gossip.wrap(torch.nn.Linear(2, 2), None, world)
+    assert str(raised.value) == why
+    # the CLI path: validate asks the same strategy
+    assert problems(from_mapping(dict(ELASTIC, outer="gossip:compressor=(topkq)"))) == [f"outer.strategy: {why}"]
+
+
+@pytest.mark.parametrize("settings,needle", [
+    (CheckpointSettings(every=0, policy=None, memory_every=2, memory_peer=True), "leave memory_peer off"),
+    (dict(ckpt_every=0, ckpt_policy="auto"), "fixed checkpoint interval"),
+])
+def test_what_elastic_checkpoints_cannot_do_is_the_drivers_rule(settings, needle):
+    if isinstance(settings, dict):  # the same settings the config gives
+        cfg = from_mapping(dict(ELASTIC, outer="diloco:inner_steps=5", **settings))
+        from islands.app.build import checkpoint_settings
+        settings, config = checkpoint_settings(cfg), cfg
+    else:
+        config = from_mapping(dict(ELASTIC, outer="diloco:inner_steps=5", ckpt_memory_every=2, ckpt_memory_peer=True))
+    with pytest.raises(ValueError) as raised:
+        CheckpointDriver.check_elastic(settings)
+    assert needle in str(raised.value)
+    elastic_world = types.SimpleNamespace(membership=object(), size=3, comms=None)
+    with pytest.raises(ValueError) as built:
+        CheckpointDriver(settings, elastic_world, run_dir="unused")
+    assert str(built.value) == str(raised.value)
+    assert problems(config) == [f"checkpoint: {raised.value}"]
