@@ -76,7 +76,7 @@ class OuterStrategy(NoOp):
         if membership is not None:  # held or not, its rounds are the ones joins wait for
             membership.participate(self)
         self.comm = world.comm("cross") if world.distributed else LoneComm()
-        why = self.elastic_refusal() if getattr(self.comm, "elastic", False) else None
+        why = self.elastic_refusal() if self.comm.elastic else None
         if why:  # before any collective: every member refuses alike
             raise ValueError(why)
         self.island_comm = _island_comm(world)
