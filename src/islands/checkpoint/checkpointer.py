@@ -235,7 +235,7 @@ class Checkpointer:
         """Wait until every save is durable; raises if one failed. Saves nothing itself."""
         self.driver.wait()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,7 +17,7 @@ from rich.text import Text
 from islands.checkpoint import safetensors_codec
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.manifest import data_name, manifest_name, read_manifest
-from islands.checkpoint.store import CheckpointStore, _STEP_DIR
+from islands.checkpoint.store import _STEP_DIR, CheckpointStore
 
 
 def _locate(path: str | os.PathLike) -> tuple[CheckpointStore, int]:

@@ -14,9 +14,9 @@ Blob (format 7): magic, version, the streams, the header (binary: blob_header.py
 returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
 
 Integrity: every chunk's stored bytes carry an XXH3-64, checked once the chunk is decoded and before
-the tensor is returned (_check_stored); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256 content
-hash when one is known (in the blob, or passed in from the store's manifest; collision resistant, so the
-store also dedups on it). The input tensor is only ever read.
+the tensor is returned (_check_stored); the header carries its own CRC-32; the decoded tensor is checked
+against a SHA-256 content hash when one is known (in the blob, or passed in from the store's manifest;
+collision resistant, so the store also dedups on it). The input tensor is only ever read.
 """
 
 from __future__ import annotations
@@ -35,8 +35,16 @@ import torch
 from islands.checkpoint import blob_header
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.streams import (FRAME_HEAD, coders, decode_frame, decode_frame_into, frame, mantissa_frame,
-                                       raw_stream, stored_checksum)
+from islands.checkpoint.streams import (
+    FRAME_HEAD,
+    coders,
+    decode_frame,
+    decode_frame_into,
+    frame,
+    mantissa_frame,
+    raw_stream,
+    stored_checksum,
+)
 
 MAGIC = b"ISLT"
 # 7: one XXH3-64 per chunk over its stored bytes instead of a checksum of every decoded plane (zstd's
@@ -435,7 +443,7 @@ _SCRATCH_TAGS = tuple(f"decode.{i}" for i in range(256))
 class _ChunkName:
     """Where a stream is, for error messages only: formatted when one is raised, not for every stream."""
 
-    __slots__ = ("index", "dtype", "shape")
+    __slots__ = ("dtype", "index", "shape")
 
     def __init__(self, index: int, dtype: str, shape: list[int]):
         self.index, self.dtype, self.shape = index, dtype, shape

@@ -55,7 +55,7 @@ class MemoryLevel:
         if self.fetch is not None:
             try:
                 remote = self.fetch()
-            except Exception:  # an unreachable peer is one fewer level, not a failed restore
+            except Exception:  # noqa: BLE001 - an unreachable peer is one fewer level, not a failed restore
                 remote = None
             if remote is not None:
                 try:

@@ -29,8 +29,16 @@ import torch
 from islands.checkpoint import fsio
 from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.manifest import (blob_checksum, blob_intact, data_name, encode_manifest, manifest_name,
-                                         raise_if_mismatch, read_manifest, referenced_dirs)
+from islands.checkpoint.manifest import (
+    blob_checksum,
+    blob_intact,
+    data_name,
+    encode_manifest,
+    manifest_name,
+    raise_if_mismatch,
+    read_manifest,
+    referenced_dirs,
+)
 from islands.checkpoint.replicas import ReplicaShare, take_entries
 from islands.checkpoint.tree import flatten_tree, unflatten_tree
 
@@ -360,7 +368,9 @@ class CheckpointStore:
     def _read_blob(self, entry: dict, files: dict) -> bytes:
         rel = entry["file"]
         try:
-            f = files.get(rel) or files.setdefault(rel, open(self.root / rel, "rb"))
+            f = files.get(rel)
+            if f is None:  # one handle per data file for the whole load; the caller owning `files` closes them
+                f = files[rel] = open(self.root / rel, "rb")  # noqa: SIM115
         except FileNotFoundError as exc:
             raise CorruptCheckpoint(f"data file {rel} referenced by the manifest is missing") from exc
         f.seek(entry["offset"])

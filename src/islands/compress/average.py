@@ -26,8 +26,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from islands.compress.base import (Agreed, Combine, Compressor, NonFiniteGradientError, Payload, all_finite, cast, check_finite,
-                                   check_float)
+from islands.compress.base import (
+    Agreed,
+    Combine,
+    Compressor,
+    NonFiniteGradientError,
+    Payload,
+    all_finite,
+    cast,
+    check_finite,
+    check_float,
+)
 from islands.runtime.comm import Comm
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -106,7 +115,7 @@ def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind
         for i, t in enumerate(ts):
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append((name, i))
-    for dtype, slots in by_dtype.items():
+    for slots in by_dtype.values():
         flat = torch.cat([groups[n][i].detach().reshape(-1) for n, i in slots])
         comm.all_reduce(flat, op=_OPS[op], kind=kind)
         offset = 0

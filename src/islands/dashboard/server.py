@@ -105,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the stdlib's name)
+    def log_message(self, format, *args) -> None:  # `format`: the stdlib's name
         pass  # quiet: a page polling every 2 s would fill the terminal
 
     def __getattr__(self, name: str):

@@ -527,7 +527,7 @@ def _parse_time(text) -> float | None:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"
     if seconds < 3600:

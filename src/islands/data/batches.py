@@ -15,8 +15,8 @@ The leading dimension of every tensor in a batch is the sample dimension: micro-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 

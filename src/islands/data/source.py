@@ -15,7 +15,8 @@ the batches the uninterrupted one would have, provided the data itself is determ
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler

@@ -22,8 +22,9 @@ and their parameters are ATTACKS, read from the role constructors.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,7 @@ from islands.faults.roles import (
     flip_targets,
 )
 from islands.runtime.comm import Comm
-from islands.spec import Registry, Spec, SpecError, bind, docs_of, resolved_signature
-from islands.spec import format as format_spec
+from islands.spec import Registry, Spec, SpecError, bind, docs_of, format as format_spec, resolved_signature
 
 ATTACK_KIND = "attack"  # ledger kind of the omniscient attackers' extra all-gather
 
@@ -73,7 +73,8 @@ class AttackPlan:
         if bad:
             raise ValueError(f"Byzantine ranks {bad} are outside the world of {self.world_size} ranks (0..{self.world_size - 1})")
         if self.attack is not None and len(self.byzantine) >= self.world_size:
-            raise ValueError(f"{len(self.byzantine)} Byzantine ranks in a world of {self.world_size}: at least one rank must stay honest")
+            raise ValueError(f"{len(self.byzantine)} Byzantine ranks in a world of {self.world_size}: "
+                             "at least one rank must stay honest")
         if self.attack is None:
             self.byzantine = frozenset()
 

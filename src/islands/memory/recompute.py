@@ -10,7 +10,7 @@ forward pass. `memory-savers` measures both.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -16,7 +16,7 @@ of, and the CPU tests compare runs bit for bit in fp32 (resolve_precision; issue
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel

@@ -20,7 +20,6 @@ Metric names (one namespace for every backend):
 from __future__ import annotations
 
 from islands.measure.probe import describe
-from islands.measure.probe import describe
 from islands.observe.logger import Logger, finite, flatten
 
 

@@ -69,7 +69,7 @@ class JsonLines:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open across writes; close() closes it
 
     def _write(self, line: dict) -> None:
         if self._file is None:

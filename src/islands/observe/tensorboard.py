@@ -40,7 +40,7 @@ def _hparam(value):
 class TensorBoard:
     def __init__(self, log_dir: str | Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (heavy, optional)
+            from torch.utils.tensorboard import SummaryWriter  # heavy, optional: imported on first use
         except ImportError as e:  # torch raises ImportError when the tensorboard package is missing
             raise needs("tensorboard", "TensorBoard") from e
         self.log_dir = Path(log_dir)
@@ -50,7 +50,7 @@ class TensorBoard:
     def log_params(self, params: dict) -> None:
         if self.writer is None or not params:
             return
-        from torch.utils.tensorboard.summary import hparams  # noqa: PLC0415 (loaded with SummaryWriter)
+        from torch.utils.tensorboard.summary import hparams  # loaded with SummaryWriter
         self.writer.add_text("params", params_table(params), 0)
         for summary in hparams({k: _hparam(v) for k, v in params.items()}, {}):
             self.writer.file_writer.add_summary(summary)

@@ -29,7 +29,7 @@ class Wandb:
     def __init__(self, dir: str | Path, project: str = "islands", group: str | None = None, name: str | None = None,
                  config: dict | None = None, mode: str = "offline"):
         try:
-            import wandb  # noqa: PLC0415 (heavy, optional)
+            import wandb  # heavy, optional: imported on first use
         except ImportError as e:
             raise needs("wandb", "W&B") from e
         self.dir = Path(dir)

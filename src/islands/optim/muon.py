@@ -34,7 +34,7 @@ Defaults and where they come from:
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -117,7 +117,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._children = children
 
     @classmethod
-    def for_model(cls, model: nn.Module, head: str | Sequence[str] | None = None, **kwargs) -> "MuonAdamW":
+    def for_model(cls, model: nn.Module, head: str | Sequence[str] | None = None, **kwargs) -> MuonAdamW:
         """MuonAdamW over `model`'s parameters, split by muon_split(model, head)."""
         muon, rest = muon_split(model, head)
         return cls(muon, rest, **kwargs)

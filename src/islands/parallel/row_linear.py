@@ -46,7 +46,7 @@ class RowParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, chunks: int = 1) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, comm: Comm, chunks: int = 1) -> RowParallelLinear:
         """This rank's shard of an existing Linear (same result as the whole layer on the whole input)."""
         layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, chunks=chunks)
         layer = layer.to(dtype=linear.weight.dtype, device=linear.weight.device)

@@ -36,15 +36,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from islands.data import load_text
-from islands.data import tokenizer as tk
+from islands.data import load_text, tokenizer as tk
 from islands.data.documents import DocumentSource, is_document_source
 from islands.data.loader import fixed_val_batches_lm
 from islands.data.token_cache import ArrayWindows, fixed_val_windows, tokenise_once

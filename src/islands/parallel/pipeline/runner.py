@@ -14,7 +14,7 @@ equal those of one pass over the whole batch (mean-reduced loss, equal micro-bat
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
