@@ -289,7 +289,7 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     else:
         raise CorruptCheckpoint(f"{src}: container format {version} is not supported (this build reads "
                                 f"{' and '.join(map(str, READS))})")
-    Path(dst).write_bytes(out)
+    Path(dst).write_bytes(out.data)
     return {"src": str(src), "dst": str(dst), "bytes_in": len(data), "bytes_out": len(out), "tensors": tensors,
             "format": version}
 
@@ -348,7 +348,7 @@ def _decompress_v2(data: memoryview, src) -> tuple[np.ndarray, int]:
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(f"{src}: tensor {name!r}: {exc}") from None
         pos += stored
-    if xxhash.xxh3_128_digest(out) != want:
+    if xxhash.xxh3_128_digest(out.data) != want:
         raise CorruptCheckpoint(f"{src}: the rebuilt file does not match the original's XXH3-128")
     return out, len(heads)
 

@@ -173,6 +173,7 @@ class Byzantine:
                 raise ValueError(f"attack {self.name}: count={self.count} must be between 1 and {world_size - 1} "
                                  f"(world size {world_size}; one rank stays honest)")
             return frozenset(range(world_size - self.count, world_size))
+        assert self.ranks is not None  # __init__ sets exactly one of count and ranks
         return frozenset(self.ranks)
 
     @staticmethod
@@ -187,7 +188,7 @@ class Byzantine:
         role = copy.deepcopy(self.role)
         if seed is not None and hasattr(role, "seed"):
             role.seed = int(seed)
-        who = "count=" + str(self.count) if self.count is not None else "ranks=" + ",".join(map(str, self.ranks))
+        who = "count=" + str(self.count) if self.count is not None else "ranks=" + ",".join(map(str, self.ranks or ()))
         return AttackPlan(role, self.ranks_in(world_size), world_size, spec=f"{self.name}:{who}")
 
     def __repr__(self) -> str:
@@ -213,7 +214,9 @@ def _attack(role: Callable[..., Attack], doc: str | None = None) -> Callable[...
         chosen = {p.name: kwargs.pop(p.name) for p in who if p.name in kwargs}
         return Byzantine(role(**kwargs), **chosen)
 
-    entry.__signature__ = inspect.Signature([p.replace(kind=p.KEYWORD_ONLY) for p in own + who])
+    # inspect.signature reads __signature__; mypy knows no such attribute on a function
+    signature = inspect.Signature([p.replace(kind=p.KEYWORD_ONLY) for p in own + who])
+    entry.__signature__ = signature  # type: ignore[attr-defined]
     entry.__doc__ = (doc or docs_of(role)) + "\n\n" + _WHO
     return entry
 

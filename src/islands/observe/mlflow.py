@@ -33,9 +33,11 @@ import os
 import re
 import time
 from pathlib import Path
+from types import ModuleType
 
 from islands.observe.logger import needs
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; concurrent first runs of one experiment may then race

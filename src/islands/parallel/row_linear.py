@@ -52,7 +52,7 @@ class RowParallelLinear(nn.Module):
         layer = layer.to(dtype=linear.weight.dtype, device=linear.weight.device)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, layer.input_slice()])
-            if linear.bias is not None:
+            if linear.bias is not None and layer.bias is not None:  # (the one has a bias when the other does)
                 layer.bias.copy_(linear.bias)
         return layer
 

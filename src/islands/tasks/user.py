@@ -34,6 +34,7 @@ def load_factory(path: str) -> Callable[[Any], Task]:
             if not file.is_file():
                 raise TaskError(f"task {path!r}: no file {str(file)!r}")
             spec = importlib.util.spec_from_file_location(file.stem, file)
+            assert spec is not None and spec.loader is not None  # a .py file always gets a source loader
             module = importlib.util.module_from_spec(spec)
             sys.modules.setdefault(file.stem, module)
             spec.loader.exec_module(module)
