@@ -4,12 +4,12 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PIP     = $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: run test clean
+.PHONY: run test lint clean
 
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[test,hf,peers,loggers,dashboard]' -e bench/
+	$(PIP) -e '.[test,lint,hf,peers,loggers,dashboard]' -e bench/
 	touch $(STAMP)
 
 # the main job: two islands of two workers, DDP inside each, DiLoCo across them
@@ -20,6 +20,12 @@ run: $(STAMP)
 # a file whose fixtures span the module stays in one process (tests/conftest.py)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup
+
+# lint, format and types (pyproject.toml: [tool.ruff], [tool.mypy]); every rule turned off is listed there with why
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) runs results/*/quick

@@ -1,3 +1,4 @@
 from islands.cli import main
+
 if __name__ == '__main__':
     main()

@@ -13,8 +13,9 @@ n = 4, f = 1 Krum could not survive the very NaN it is meant to tolerate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 

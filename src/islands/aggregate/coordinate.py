@@ -68,7 +68,7 @@ class TrimmedMean(BaseAggregator):
 
     def trim_count(self, n: int) -> int:
         # The small epsilon keeps beta = f/n from flooring to f - 1 through float rounding.
-        return min(int(math.floor(self.beta * n + 1e-9)), (n - 1) // 2)
+        return min(math.floor(self.beta * n + 1e-9), (n - 1) // 2)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]

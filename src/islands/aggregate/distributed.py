@@ -14,7 +14,7 @@ into a flat vector, aggregates it once, and splits the result back.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -17,9 +17,16 @@ from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, e
 from islands.checkpoint.driver import CheckpointDriver, TrainingState
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.fingerprint import fingerprint_of
-from islands.checkpoint.interval import (DEFAULT_DEVICE_MTBF_DAYS, CheckFreqPolicy, CombinedIntervalPolicy,
-                                         IntervalDecision, YoungDalyInterval, checkfreq_interval,
-                                         expected_waste_fraction, young_daly_seconds)
+from islands.checkpoint.interval import (
+                                         DEFAULT_DEVICE_MTBF_DAYS,
+                                         CheckFreqPolicy,
+                                         CombinedIntervalPolicy,
+                                         IntervalDecision,
+                                         YoungDalyInterval,
+                                         checkfreq_interval,
+                                         expected_waste_fraction,
+                                         young_daly_seconds,
+)
 from islands.checkpoint.interval_sim import SimulationResult, simulate_failures
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
 from islands.checkpoint.packed import pack_tree, unpack_tree

@@ -14,7 +14,8 @@ Policies, stated:
   persist in flight at most, staging memory never exceeds one snapshot within the budget.
 - staging buffers: pinned host memory when the state lives on a CUDA device (asynchronous DMA copies,
   one stream sync before the persist starts), ordinary memory otherwise; views into one block per
-  snapshot (tree.staging_block). They are reused by the next snapshot once their persist has ended, so repeated saves allocate (and pin) once.
+  snapshot (tree.staging_block). They are reused by the next snapshot once their persist has ended, so
+  repeated saves allocate (and pin) once.
 - reserve(tree): allocate and touch (or pin) those buffers in a background thread ahead of the first
   save, so that save copies into mapped memory as every later one does. Without it the first snapshot
   pays for the allocation: one page fault per 4 KiB (~3 us each on the 2-core bench machine, 104 ms
@@ -178,7 +179,7 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         try:
             result = self.sink.save(tree, step, **kwargs)
-        except BaseException as exc:  # reported on the handle; the training thread decides what to do
+        except BaseException as exc:  # noqa: BLE001 - reported on the handle; the training thread decides what to do
             handle.persist_s = time.perf_counter() - start
             handle._finish(error=exc)
             return

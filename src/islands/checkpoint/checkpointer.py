@@ -116,11 +116,12 @@ class LoopState:
             self.strategy.load_state_dict(tree["strategy"])
         if self.data is not None:
             self.data.load_state_dict(tree["data"])
-        for k, v in (self.extra or {}).items():
+        extra = self.extra or {}
+        for k, v in extra.items():
             if callable(getattr(v, "load_state_dict", None)):
                 v.load_state_dict(tree["extra"][k])
             else:
-                self.extra[k] = tree["extra"][k]
+                extra[k] = tree["extra"][k]
         set_rng_state(tree["rng"])
         self.step, self.elapsed = int(tree["step"]), float(tree.get("elapsed", 0.0))
 
@@ -235,7 +236,7 @@ class Checkpointer:
         """Wait until every save is durable; raises if one failed. Saves nothing itself."""
         self.driver.wait()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -17,7 +19,7 @@ from rich.text import Text
 from islands.checkpoint import safetensors_codec
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.manifest import data_name, manifest_name, read_manifest
-from islands.checkpoint.store import CheckpointStore, _STEP_DIR
+from islands.checkpoint.store import _STEP_DIR, CheckpointStore
 
 
 def _locate(path: str | os.PathLike) -> tuple[CheckpointStore, int]:
@@ -106,7 +108,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, rank: int = 0) -> tuple[dic
     ma = read_manifest(sa.path_for(stepa) / manifest_name(rank))
     mb = read_manifest(sb.path_for(stepb) / manifest_name(rank))
     ta, tb = ma["tensors"], mb["tensors"]
-    result = {"only_a": sorted(set(ta) - set(tb)), "only_b": sorted(set(tb) - set(ta)), "changed": [], "same": [],
+    result: dict[str, Any] = {"only_a": sorted(set(ta) - set(tb)), "only_b": sorted(set(tb) - set(ta)), "changed": [], "same": [],
               "reshaped": [], "fingerprint_a": ma.get("config_fingerprint"),
               "fingerprint_b": mb.get("config_fingerprint")}
     for name in sorted(set(ta) & set(tb)):
@@ -174,7 +176,7 @@ def add_ckpt_command(sub, usage_error: type[Exception]) -> None:
 
 
 def run_ckpt_command(args, usage_error: type[Exception] = ValueError) -> int:
-    calls = {"ls": lambda: ls(args.root), "verify": lambda: verify(args.path),
+    calls: dict[str, Callable[[], tuple[Any, Any]]] = {"ls": lambda: ls(args.root), "verify": lambda: verify(args.path),
              "inspect": lambda: inspect(args.step_dir, rank=args.rank),
              "diff": lambda: diff(args.a, args.b, rank=args.rank),
              "compress": lambda: compress_file(args.src, args.dst),

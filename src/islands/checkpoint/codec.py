@@ -14,9 +14,9 @@ Blob (format 7): magic, version, the streams, the header (binary: blob_header.py
 returns it as a read-only memoryview over one numpy buffer (see encode_tensor for why).
 
 Integrity: every chunk's stored bytes carry an XXH3-64, checked once the chunk is decoded and before
-the tensor is returned (_check_stored); the header carries its own CRC-32; the decoded tensor is checked against a SHA-256 content
-hash when one is known (in the blob, or passed in from the store's manifest; collision resistant, so the
-store also dedups on it). The input tensor is only ever read.
+the tensor is returned (_check_stored); the header carries its own CRC-32; the decoded tensor is checked
+against a SHA-256 content hash when one is known (in the blob, or passed in from the store's manifest;
+collision resistant, so the store also dedups on it). The input tensor is only ever read.
 """
 
 from __future__ import annotations
@@ -35,8 +35,16 @@ import torch
 from islands.checkpoint import blob_header
 from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.streams import (FRAME_HEAD, coders, decode_frame, decode_frame_into, frame, mantissa_frame,
-                                       raw_stream, stored_checksum)
+from islands.checkpoint.streams import (
+    FRAME_HEAD,
+    coders,
+    decode_frame,
+    decode_frame_into,
+    frame,
+    mantissa_frame,
+    raw_stream,
+    stored_checksum,
+)
 
 MAGIC = b"ISLT"
 # 7: one XXH3-64 per chunk over its stored bytes instead of a checksum of every decoded plane (zstd's
@@ -119,7 +127,7 @@ def content_hash(tensor: torch.Tensor) -> str:
 
 def _content_hash_of(dtype: str, shape: list[int], raw: np.ndarray) -> str:
     h = hashlib.sha256(f"{dtype}{shape}".encode())
-    h.update(memoryview(raw))
+    h.update(raw.data)
     return h.hexdigest()
 
 
@@ -133,7 +141,8 @@ def _layout_for(dtype: torch.dtype, requested: str):
 
 def _split_streams(planes, piece: np.ndarray, c) -> tuple[list, dict]:
     exponent, others = planes.split(piece)
-    streams, extra = [], {}
+    streams: list[tuple[dict, bytes | memoryview]] = []
+    extra: dict = {}
     if isinstance(exponent, tuple):  # packed pairs of 4-bit codes and the escaped exponents
         base, codes, escaped = exponent
         streams += [frame(codes, c.pairs, "p"), frame(escaped, c.pairs, "x")]
@@ -193,7 +202,7 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     # plus a frame and block overhead per stream.
     n_chunks = -(-len(raw) // step)
     out = np.empty(_PREFIX.size + len(raw) + len(raw) // 128 + 2048 * n_chunks + 4096, dtype=np.uint8)
-    _PREFIX.pack_into(out, 0, MAGIC, VERSION)
+    _PREFIX.pack_into(out.data, 0, MAGIC, VERSION)
     pos, chunks = _PREFIX.size, []
     for start in range(0, len(raw), step):
         piece = raw[start:start + step]
@@ -216,7 +225,7 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     out, pos = _put(out, pos, _FOOTER.pack(zlib.crc32(head), len(head)))
     if pos < out.size // 2:  # small or very compressible: do not keep the whole bound alive with the blob
         out = out[:pos].copy()
-    return memoryview(out[:pos]).toreadonly()
+    return out[:pos].data.toreadonly()
 
 
 def _put(out: np.ndarray, pos: int, data) -> tuple[np.ndarray, int]:
@@ -279,15 +288,16 @@ def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray,
     n, odd = divmod(out.size, planes.size)
     if odd:
         raise CorruptCheckpoint(f"chunk {index} holds {out.size} bytes, not whole {planes.size}-byte elements")
-    exponent = None
+    exponent: tuple[np.ndarray, np.ndarray, int] | np.ndarray | None = None
     if "pair_base" in chunk:
         if not hasattr(planes, "shift") or len(decoded) < 2 or decoded[0].size != (n + 1) // 2 or not 0 <= int(chunk["pair_base"]) <= 255:
             raise CorruptCheckpoint(f"chunk {index}: packed exponents do not fit {n} elements")
         exponent, decoded = (decoded[0], decoded[1], int(chunk["pair_base"])), decoded[2:]
     elif hasattr(planes, "shift"):
-        exponent, decoded = (decoded[0] if decoded else None), decoded[1:]
-        if exponent is None or exponent.size != n:
+        plane = decoded[0] if decoded else None
+        if plane is None or plane.size != n:
             raise CorruptCheckpoint(f"chunk {index}: exponent plane does not hold {n} exponents")
+        exponent, decoded = plane, decoded[1:]
     if [d.size for d in decoded] not in planes.plane_sizes(n):
         raise CorruptCheckpoint(f"chunk {index} has planes that do not add up to {out.size} bytes")
     try:
@@ -380,7 +390,7 @@ def _decode_body(view: memoryview, header: dict, pos: int, stop: int, version: i
         where = _ChunkName(index, name, shape)
         # A chunk held in one stream (integers, bools, the raw layout) decodes straight into the output.
         direct = planes is None and len(streams) == 1 and streams[0]["raw"] == n
-        decoded = []
+        decoded: list[np.ndarray] = []
         for meta in streams:
             end = pos + meta["enc"]
             if end > stop:
@@ -435,7 +445,7 @@ _SCRATCH_TAGS = tuple(f"decode.{i}" for i in range(256))
 class _ChunkName:
     """Where a stream is, for error messages only: formatted when one is raised, not for every stream."""
 
-    __slots__ = ("index", "dtype", "shape")
+    __slots__ = ("dtype", "index", "shape")
 
     def __init__(self, index: int, dtype: str, shape: list[int]):
         self.index, self.dtype, self.shape = index, dtype, shape

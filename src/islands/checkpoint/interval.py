@@ -83,7 +83,8 @@ def checkfreq_interval(iter_s: float, stall_s: float, persist_s: float, bound: f
 
 class _Ewma:
     def __init__(self, alpha: float):
-        self.alpha, self.value = alpha, None
+        self.alpha = alpha
+        self.value: float | None = None
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
@@ -116,7 +117,8 @@ class CheckFreqPolicy:
         return self._stall.value
 
     def decide(self) -> IntervalDecision:
-        if self._iter.value is None or self._stall.value is None:
+        # (stall and persist are observed together)
+        if self._iter.value is None or self._stall.value is None or self._persist.value is None:
             return IntervalDecision(self.initial_steps, float("nan"), "min",
                                     f"every {self.initial_steps} steps: no checkpoint profiled yet (initial guess)")
         return checkfreq_interval(self._iter.value, self._stall.value, self._persist.value, self.overhead_bound,
@@ -186,11 +188,15 @@ class CombinedIntervalPolicy:
 
     def observe_iteration(self, seconds: float) -> None:
         self.checkfreq.observe_iteration(seconds)
-        self.failures.observe_iteration(self.checkfreq.iter_s)
+        iter_s = self.checkfreq.iter_s
+        assert iter_s is not None  # it has just observed one
+        self.failures.observe_iteration(iter_s)
 
     def observe_checkpoint(self, stall_s: float, persist_s: float) -> None:
         self.checkfreq.observe_checkpoint(stall_s, persist_s)
-        self.failures.observe_checkpoint(self.checkfreq.stall_s)
+        stall = self.checkfreq.stall_s
+        assert stall is not None  # it has just observed one
+        self.failures.observe_checkpoint(stall)
 
     def observe_failure(self, count: int = 1) -> None:
         self.failures.observe_failure(count)

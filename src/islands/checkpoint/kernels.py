@@ -20,14 +20,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_KERNEL = dict(nogil=True, cache=True, boundscheck=False)
+# every kernel: no GIL, compiled once per machine (on-disk cache), no bounds checks
+_kernel = njit(nogil=True, cache=True, boundscheck=False)
 
 _NIBBLE_LOW3 = np.uint64(0x7777777777777777)
 _NIBBLE_ONES = np.uint64(0x1111111111111111)
 _NIBBLE_HIGH_BITS = np.uint64(0x8888888888888888)
 
 
-@njit(**_KERNEL)
+@_kernel
 def _code(exponent, base):
     """(exponent - base) mod 256, clamped to the escape code 15."""
     return min((exponent - base) & np.uint32(0xFF), np.uint32(15))
@@ -37,19 +38,19 @@ def _code(exponent, base):
 # Each split and join works on whole pairs through `*_pairs` views of the arrays and finishes an odd
 # last element from the arrays themselves, with the same bit formulas.
 
-@njit(**_KERNEL)
+@_kernel
 def _bf16_low(w):
     """[s m6..m0] of the bf16 word(s) in the low 16 bits of w."""
     return ((w >> 8) & 0x80) | (w & 0x7F)
 
 
-@njit(**_KERNEL)
-def _bf16_rest(l):
+@_kernel
+def _bf16_rest(lo):
     """The sign and mantissa bits of a bf16 word from its [s m6..m0] byte."""
-    return (l & 0x7F) | ((l & 0x80) << 8)
+    return (lo & 0x7F) | ((lo & 0x80) << 8)
 
 
-@njit(**_KERNEL)
+@_kernel
 def split_bf16(pairs, base, packed, low_pairs, words, low):
     """pairs: `words` two at a time (uint32); fills packed (one byte per pair) and low_pairs (uint16, the
     same memory as `low`)."""
@@ -64,23 +65,23 @@ def split_bf16(pairs, base, packed, low_pairs, words, low):
         low[low.size - 1] = np.uint8(_bf16_low(w))
 
 
-@njit(**_KERNEL)
+@_kernel
 def join_bf16(packed, base, low_pairs, out_pairs, low, out):
     """Inverse of split_bf16; escaped codes come out as base + 15 (see patch_escapes)."""
     b = np.uint32(base) * np.uint32(0x00800080)  # base at both words' exponent fields
     for j in range(out_pairs.size):
         p = np.uint32(packed[j])
-        l = np.uint32(low_pairs[j])
+        lo = np.uint32(low_pairs[j])
         # p * (1 << 7 | 1 << 19): the low nibble lands at bits 7-10, the high one at 23-26; the rest is
         # _bf16_rest of both bytes, spelled out on the pair (two calls on masked bytes measured slower)
         e = ((p * np.uint32(0x00080080)) & np.uint32(0x07800780)) + b
-        out_pairs[j] = e | (l & 0x7F) | ((l & 0x80) << 8) | ((l & 0x7F00) << 8) | ((l & 0x8000) << 16)
+        out_pairs[j] = e | (lo & 0x7F) | ((lo & 0x80) << 8) | ((lo & 0x7F00) << 8) | ((lo & 0x8000) << 16)
     if out.size & 1:
         p = np.uint32(packed[packed.size - 1])
         out[out.size - 1] = np.uint16((((p & 15) + np.uint32(base)) << 7) | _bf16_rest(np.uint32(low[low.size - 1])))
 
 
-@njit(**_KERNEL)
+@_kernel
 def join_bf16_plain(exponent, low, out):
     """bf16 words from a whole exponent plane (too many escapes to pack) and the [s m6..m0] plane."""
     for i in range(out.size):
@@ -89,7 +90,7 @@ def join_bf16_plain(exponent, low, out):
 
 # ---- fp32: s|E8|m23 -> packed E codes + [s m22..m16] + ([m15..m8], [m7..m0]) or [m15..m0] --------------
 
-@njit(**_KERNEL)
+@_kernel
 def _fp32_split_one(w, top, mid, low, i, words):
     """Element i's planes from its word w (uint32): the [s m22..m16] byte and the low 16 bits."""
     top[i] = np.uint8(((w >> 24) & 0x80) | ((w >> 16) & 0x7F))
@@ -100,7 +101,7 @@ def _fp32_split_one(w, top, mid, low, i, words):
         low[i] = np.uint8(w & 0xFF)
 
 
-@njit(**_KERNEL)
+@_kernel
 def split_fp32(pairs, base, packed, top, mid, low, words_in):
     """pairs: `words_in` two at a time (uint64); fills packed, the [s m22..m16] plane `top`, and the low
     16 bits as two byte planes (`mid` and `low` uint8, one per element) or, when `mid` is empty, as one
@@ -121,7 +122,7 @@ def split_fp32(pairs, base, packed, top, mid, low, words_in):
         _fp32_split_one(w, top, mid, low, n - 1, words)
 
 
-@njit(**_KERNEL)
+@_kernel
 def _fp32_rest(t, mid, low, i, words):
     """Every bit of an fp32 word but its exponent, from the top plane's byte t and the low planes."""
     r = ((t & np.uint32(0x80)) << 24) | ((t & np.uint32(0x7F)) << 16)
@@ -130,7 +131,7 @@ def _fp32_rest(t, mid, low, i, words):
     return r | (np.uint32(mid[i]) << 8) | np.uint32(low[i])
 
 
-@njit(**_KERNEL)
+@_kernel
 def join_fp32(packed, base, top, mid, low, out):
     """Inverse of split_fp32 (`out` uint32, even or odd length); escaped codes come out as base + 15."""
     b = np.uint32(base)
@@ -145,7 +146,7 @@ def join_fp32(packed, base, top, mid, low, out):
         out[n - 1] = (((p & 15) + b) << 23) | _fp32_rest(np.uint32(top[n - 1]), mid, low, n - 1, words)
 
 
-@njit(**_KERNEL)
+@_kernel
 def join_fp32_plain(exponent, top, mid, low, out):
     words = mid.size == 0
     for i in range(out.size):
@@ -154,7 +155,7 @@ def join_fp32_plain(exponent, top, mid, low, out):
 
 # ---- fp16: the high and low bytes as they are --------------------------------------------------------
 
-@njit(**_KERNEL)
+@_kernel
 def split_fp16(words, high, low):
     for i in range(words.size):
         w = np.uint16(words[i])
@@ -162,7 +163,7 @@ def split_fp16(words, high, low):
         low[i] = np.uint8(w & 0xFF)
 
 
-@njit(**_KERNEL)
+@_kernel
 def join_fp16(high, low, out):
     for i in range(out.size):
         out[i] = (np.uint16(high[i]) << 8) | np.uint16(low[i])
@@ -170,13 +171,13 @@ def join_fp16(high, low, out):
 
 # ---- escapes ---------------------------------------------------------------------------------------
 
-@njit(**_KERNEL)
+@_kernel
 def _escape_bits(x):
     """Bit 4k+3 set iff nibble k of x is 15: its low three bits carry into bit 3, and bit 3 was set."""
     return ((x & _NIBBLE_LOW3) + _NIBBLE_ONES) & x & _NIBBLE_HIGH_BITS
 
 
-@njit(**_KERNEL)
+@_kernel
 def _escape_positions(packed, n, pos):
     """Write the indices (< n) of the codes equal to 15 into `pos`, in order, sixteen codes per 64-bit
     word; returns how many there are, counting on past pos.size (those are not written)."""
@@ -202,7 +203,7 @@ def _escape_positions(packed, n, pos):
     return k
 
 
-@njit(**_KERNEL)
+@_kernel
 def collect_escapes(packed, n, words, shift, escaped):
     """Write the exponents ((word >> shift) & 0xFF) of the first n codes equal to 15 into `escaped`, in
     order; returns how many there are, or -1 if there are more than escaped.size."""
@@ -215,7 +216,7 @@ def collect_escapes(packed, n, words, shift, escaped):
     return k
 
 
-@njit(**_KERNEL)
+@_kernel
 def patch_escapes(packed, n, escaped, out, shift):
     """Put the escaped exponents (in order) into the exponent fields of `out` at the codes equal to 15.
 
@@ -231,7 +232,7 @@ def patch_escapes(packed, n, escaped, out, shift):
     return k
 
 
-@njit(**_KERNEL)
+@_kernel
 def _lowest_set_bit(t):
     """Index of the lowest set bit of a non-zero uint64."""
     i = 0

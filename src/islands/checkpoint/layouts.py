@@ -28,11 +28,12 @@ Planes are per-thread scratch: valid until the same thread splits again.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 
-from islands.checkpoint.planes import (BLOCK_WORDS, MAX_ESCAPE_SHARE, SAMPLE_SIZE, compiled_kernels, scratch,
-                                      window_base)
+from islands.checkpoint.planes import BLOCK_WORDS, MAX_ESCAPE_SHARE, SAMPLE_SIZE, compiled_kernels, scratch, window_base
 from islands.checkpoint.streams import GATE_MIN_BYTES, is_noise
 
 
@@ -52,6 +53,20 @@ class _ExponentWords:
     the calls of the compiled loops: _split_pairs(x, even, base, packed, planes), _join_packed(packed,
     base, planes, out) and _join_plain(exponent, planes, out); the loops finish an odd last element.
     """
+
+    size: int
+    word: type[np.unsignedinteger]
+    shift: int
+    planes: int
+
+    def _split_pairs(self, x: np.ndarray, even: int, base: int, packed: np.ndarray, planes: list[np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _join_packed(self, packed: np.ndarray, base: int, planes: list[np.ndarray], o: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _join_plain(self, exponent: np.ndarray, planes: list[np.ndarray], o: np.ndarray) -> None:
+        raise NotImplementedError
 
     def split(self, raw: np.ndarray):
         """Exponents as 4-bit codes two per byte, the other planes from the same pass; the plain
@@ -167,7 +182,8 @@ class Fp16Layout:
 class RotatedLayout:
     """Any width: rotate left one bit (exponent on a byte boundary), cut into byte planes, top first."""
 
-    planes_entropy = {8: 2}  # fp64's 11-bit exponent spans the top byte and 3 bits of the next
+    # fp64's 11-bit exponent spans the top byte and 3 bits of the next
+    planes_entropy: ClassVar[dict[int, int]] = {8: 2}
 
     def __init__(self, size: int):
         self.size, self.bits, self.planes = size, 8 * size, size

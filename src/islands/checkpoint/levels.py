@@ -49,13 +49,14 @@ class MemoryLevel:
         return len(data)
 
     def candidates(self) -> list[tuple[int, Callable]]:
-        found = []
+        found: list[tuple[int, Callable]] = []
         if self.data is not None:
+            assert self.step is not None  # save() sets both
             found.append((self.step, lambda like, fp, data=self.data: unpack_tree(data, like=like, fingerprint=fp)[1]))
         if self.fetch is not None:
             try:
                 remote = self.fetch()
-            except Exception:  # an unreachable peer is one fewer level, not a failed restore
+            except Exception:  # noqa: BLE001 - an unreachable peer is one fewer level, not a failed restore
                 remote = None
             if remote is not None:
                 try:

@@ -44,7 +44,7 @@ class PeerReplica:
         head = torch.tensor([n, -1 if step is None else step], dtype=torch.int64)
         got_head = self.comm.exchange({to: head}, [frm], kind=self.kind)[frm]
         m, got_step = int(got_head[0]), int(got_head[1])
-        sends = {to: torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())} if n else {}
+        sends = {to: torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())} if data else {}  # data: n bytes
         recv = [frm] if m else []
         if sends or recv:
             got = self.comm.exchange(sends, recv, like=torch.empty(m, dtype=torch.uint8), kind=self.kind)

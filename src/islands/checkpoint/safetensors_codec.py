@@ -18,17 +18,17 @@ Container format 2 (`islands ckpt compress` since issue #20 item 7):
         varint tensor count, part*      part := varint length, the tensor's binary codec header (blob_header.py)
         16 bytes: XXH3-128 of the whole original file
 
-Why (issue #20 item 7): the first container (format 1, below) spent ~350 bytes per tensor beside the
-codec's streams (its JSON index, a SHA-256 and a blob frame per tensor), which left the CLI's output
-0.07-0.09% larger than ZipNN's per-tensor output on bf16 and fp16 MiniLM although the streams were
-smaller. Format 2 spends 18.5-23.4 bytes per tensor there (docs/checkpointing.md, "Container"). Each tensor is now stored as its codec streams
-alone; its header (the XXH3 of every chunk, the stream sizes) sits in the index, where the headers of
-all tensors and the safetensors header compress together. Fields the index implies are not stored:
-every tensor's position in the blob region is the sum of the stream sizes before it, and when the
-safetensors header lists its tensors contiguously in data order (what the safetensors library writes)
-its data offsets follow from the tensors' sizes and are dropped from the text; the writer rebuilds the
-exact header bytes from the reduced text and keeps the full text whenever they differ. Small integer
-tensors are coded at zstd level 19 (MiniLM's int64 position ids: 581 against 794 bytes at level 3).
+Why (issue #20 item 7): the first container (format 1, below) spent ~350 bytes per tensor beside the codec's
+streams (its JSON index, a SHA-256 and a blob frame per tensor), which left the CLI's output 0.07-0.09%
+larger than ZipNN's per-tensor output on bf16 and fp16 MiniLM although the streams were smaller. Format 2
+spends 18.5-23.4 bytes per tensor there (docs/checkpointing.md, "Container"). Each tensor is now stored as
+its codec streams alone; its header (the XXH3 of every chunk, the stream sizes) sits in the index, where the
+headers of all tensors and the safetensors header compress together. Fields the index implies are not
+stored: every tensor's position in the blob region is the sum of the stream sizes before it, and when the
+safetensors header lists its tensors contiguously in data order (what the safetensors library writes) its
+data offsets follow from the tensors' sizes and are dropped from the text; the writer rebuilds the exact
+header bytes from the reduced text and keeps the full text whenever they differ. Small integer tensors are
+coded at zstd level 19 (MiniLM's int64 position ids: 581 against 794 bytes at level 3).
 
 Integrity: the CRC-32 covers the magic, version and the compressed index; each chunk of stored stream
 bytes is checked against its XXH3-64 from the index as it is decoded (codec format 7); the stream sizes
@@ -56,9 +56,16 @@ import xxhash
 import zstandard
 
 from islands.checkpoint import blob_header
-from islands.checkpoint.codec import VERSION as CODEC_VERSION
-from islands.checkpoint.codec import (TensorCodec, _layout_for, blob_parts, decode_parts, decode_tensor,
-                                      encode_tensor, tensor_bytes)
+from islands.checkpoint.codec import (
+    VERSION as CODEC_VERSION,
+    TensorCodec,
+    _layout_for,
+    blob_parts,
+    decode_parts,
+    decode_tensor,
+    encode_tensor,
+    tensor_bytes,
+)
 from islands.checkpoint.errors import CorruptCheckpoint
 
 _MAGIC = b"ISLS"
@@ -282,7 +289,7 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     else:
         raise CorruptCheckpoint(f"{src}: container format {version} is not supported (this build reads "
                                 f"{' and '.join(map(str, READS))})")
-    Path(dst).write_bytes(out)
+    Path(dst).write_bytes(out.data)
     return {"src": str(src), "dst": str(dst), "bytes_in": len(data), "bytes_out": len(out), "tensors": tensors,
             "format": version}
 
@@ -341,7 +348,7 @@ def _decompress_v2(data: memoryview, src) -> tuple[np.ndarray, int]:
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(f"{src}: tensor {name!r}: {exc}") from None
         pos += stored
-    if xxhash.xxh3_128_digest(out) != want:
+    if xxhash.xxh3_128_digest(out.data) != want:
         raise CorruptCheckpoint(f"{src}: the rebuilt file does not match the original's XXH3-128")
     return out, len(heads)
 

@@ -7,12 +7,18 @@ application layer reads) are the edge. Every rule about which settings go togeth
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from islands.checkpoint.interval import (
+    DAY_S,
+    DEFAULT_DEVICE_MTBF_DAYS,
+    DEFAULT_OVERHEAD_BOUND,
+    CheckFreqPolicy,
+    CombinedIntervalPolicy,
+    YoungDalyInterval,
+)
 from islands.spec import Registry, Spec
-from islands.checkpoint.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND, CheckFreqPolicy,
-                                         CombinedIntervalPolicy, YoungDalyInterval)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ fsdp <-> ddp/single resumes work both ways.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 
@@ -88,9 +89,10 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     dtensor = _dtensor_type()
-    sharded = get_optimizer_state_dict(model, optimizer)  # name keys, DTensor values; no collective
-    comms = {}
-    state = {}
+    # name keys, DTensor values; no collective. torch types each value as the union of every state shape
+    sharded = cast(dict[str, Any], get_optimizer_state_dict(model, optimizer))
+    comms: dict[int, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
     for fqn, slots in sharded["state"].items():  # same order on every rank: the model's parameter order
         state[fqn] = {}
         for k, v in slots.items():

@@ -23,14 +23,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from islands.checkpoint import fsio
 from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.manifest import (blob_checksum, blob_intact, data_name, encode_manifest, manifest_name,
-                                         raise_if_mismatch, read_manifest, referenced_dirs)
+from islands.checkpoint.manifest import (
+    blob_checksum,
+    blob_intact,
+    data_name,
+    encode_manifest,
+    manifest_name,
+    raise_if_mismatch,
+    read_manifest,
+    referenced_dirs,
+)
 from islands.checkpoint.replicas import ReplicaShare, take_entries
 from islands.checkpoint.tree import flatten_tree, unflatten_tree
 
@@ -165,7 +174,10 @@ class CheckpointStore:
                     if not (is_base and e.get("delta_base"))}
 
         by_hash = usable(previous)
-        share = ReplicaShare(staging, self.rank, self.barrier, self._phase) if self.share_replicas else None
+        share = None
+        if self.share_replicas:
+            assert self.barrier is not None  # share_replicas needs world_size > 1, which needs a barrier
+            share = ReplicaShare(staging, self.rank, self.barrier, self._phase)
         digests = {tname: content_hash(t) for tname, t in tensors.items()} if share else {}
         rank0_holds = share.rank0_hashes(digests) if share else set()
         deferred: dict[str, str] = {}  # name -> hash of the tensors rank 0 writes for this rank
@@ -269,7 +281,7 @@ class CheckpointStore:
                 or entry["dtype"] != str(tensor.dtype).removeprefix("torch.")):
             return None, None
         if tname not in self._base_cache:
-            files: dict = {}
+            files: dict[str, BinaryIO] = {}
             try:
                 self._base_cache[tname] = self._read_tensor(entry, files)
             finally:
@@ -337,7 +349,7 @@ class CheckpointStore:
             raise NoCheckpoint(f"no checkpoint for step {step} under {self.root}")
         body = read_manifest(path / manifest_name(rank))
         raise_if_mismatch(body, like, fingerprint)
-        files: dict[str, object] = {}
+        files: dict[str, BinaryIO] = {}
         try:
             tensors = {name: self._read_tensor(entry, files, verify) for name, entry in body["tensors"].items()}
         finally:
@@ -357,10 +369,12 @@ class CheckpointStore:
                                  expect_hash=base_entry.get("content_hash"))
         return decode_tensor(blob, base=base, verify=verify, expect_hash=entry["content_hash"])
 
-    def _read_blob(self, entry: dict, files: dict) -> bytes:
+    def _read_blob(self, entry: dict, files: dict[str, BinaryIO]) -> bytes:
         rel = entry["file"]
         try:
-            f = files.get(rel) or files.setdefault(rel, open(self.root / rel, "rb"))
+            f = files.get(rel)
+            if f is None:  # one handle per data file for the whole load; the caller owning `files` closes them
+                f = files[rel] = open(self.root / rel, "rb")  # noqa: SIM115
         except FileNotFoundError as exc:
             raise CorruptCheckpoint(f"data file {rel} referenced by the manifest is missing") from exc
         f.seek(entry["offset"])

@@ -36,7 +36,7 @@ import xxhash
 import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.planes import compiled_kernels, sampled_entropy_bits, scratch
+from islands.checkpoint.planes import sampled_entropy_bits, scratch
 
 FRAME_HEAD = 64  # formats 3-5: leading bytes of each frame covered by the stream's header CRC-32
 # Block sizes as window logs. Measured on the MiniLM bench (docs/checkpointing.md): exponent pairs 64 KiB
@@ -111,7 +111,7 @@ def is_noise(sample: np.ndarray) -> bool:
     return sampled_entropy_bits(sample, samples=sample.size) >= GATE_BITS
 
 
-def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes]:
+def mantissa_frame(plane: np.ndarray, c: Coders) -> tuple[dict, bytes | memoryview]:
     """Huffman-code a mantissa plane only if a sample across it has structure: in trained weights it is
     noise, and is stored raw."""
     if plane.size < GATE_MIN_BYTES or sampled_entropy_bits(plane) < GATE_BITS:
@@ -128,7 +128,7 @@ def raw_stream(plane: np.ndarray) -> tuple[dict, memoryview]:
     """A plane stored as it is (the gate found it to be noise): no zstd call on either side. Decoding
     reads it where it lies in the blob: as a zstd stored frame it was copied out and checksummed by
     zstd, 0.41 ms per 2 MiB against 0.07 ms for the chunk's XXH3 over it."""
-    data = memoryview(np.ascontiguousarray(plane)).cast("B")
+    data = np.ascontiguousarray(plane).data.cast("B")  # .data: the array's memoryview
     return {"m": "r", "raw": len(data), "enc": len(data)}, data
 
 
@@ -141,7 +141,7 @@ def raw_plane(enc: memoryview, meta: dict, where) -> np.ndarray:
     return plane
 
 
-def _check_head(enc: memoryview, meta: dict, where: str) -> None:
+def _check_head(enc: memoryview, meta: dict, where: object) -> None:
     """Formats 3-5: the stream's own header CRC-32 (format 6 checks all heads at once: heads_crc)."""
     if "hcrc" in meta and zlib.crc32(enc[:FRAME_HEAD]) != meta["hcrc"]:
         raise CorruptCheckpoint(f"checksum mismatch in a stream header of {where}: stored bytes are damaged")
@@ -150,7 +150,7 @@ def _check_head(enc: memoryview, meta: dict, where: str) -> None:
 SMALL_STREAM = 64 << 10  # decoded bytes up to which one decompress call beats a reader into scratch
 
 
-def decode_frame(decompressor, enc: memoryview, meta: dict, scratch_tag: str, where: str) -> np.ndarray:
+def decode_frame(decompressor, enc: memoryview, meta: dict, scratch_tag: str, where: object) -> np.ndarray:
     """Check one stream's header CRC (formats 3-5) and decode its frame; returns a byte array, valid until
     this thread decodes into `scratch_tag` again.
 
@@ -180,7 +180,7 @@ def decode_frame(decompressor, enc: memoryview, meta: dict, scratch_tag: str, wh
     return np.frombuffer(data, np.uint8)
 
 
-def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray, where: str) -> np.ndarray:
+def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray, where: object) -> np.ndarray:
     """decode_frame, but into `buf` (exactly meta["raw"] bytes; a chunk that is one stream decodes straight
     into the tensor's output); returns `buf`.
 
@@ -193,7 +193,7 @@ def decode_frame_into(decompressor, enc: memoryview, meta: dict, buf: np.ndarray
     _check_head(enc, meta, where)
     try:
         with decompressor.stream_reader(enc) as reader:
-            view, got = memoryview(buf), 0
+            view, got = buf.data, 0
             while got < buf.size:
                 step = reader.readinto(view[got:])
                 if step == 0:

@@ -102,7 +102,7 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
     snapshot copies instead of faulting in fresh pages (or pinning new ones: see staging_block).
     """
     skeleton, tensors = flatten_tree(tree)
-    pool = {}
+    pool: dict[str, torch.Tensor] = {}
     for name, old in (reuse or {}).items():  # keep only buffers that fit; the rest go before we allocate
         src = tensors.get(name)
         if (src is not None and old.shape == src.shape and old.dtype == src.dtype
@@ -115,11 +115,11 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
     for name, t in tensors.items():
         src = t.detach()
         gpu = src.device.type == "cuda"
-        old = pool.pop(name, None)
-        if old is None:
-            old = fresh[name]
+        buf = pool.pop(name, None)
+        if buf is None:
+            buf = fresh[name]
         # device -> pinned host copies run asynchronously on the current stream; one sync below
-        copies[name] = old.copy_(src, non_blocking=gpu)
+        copies[name] = buf.copy_(src, non_blocking=gpu)
         from_gpu |= gpu
     if from_gpu:
         torch.cuda.current_stream().synchronize()  # the snapshot is complete before anyone reads it

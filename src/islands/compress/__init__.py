@@ -12,8 +12,8 @@ See docs/compression.md for the policies (NaN/Inf, empty, non-contiguous, dtypes
 from islands.compress.average import analytic_nbytes, compress_and_average
 from islands.compress.base import Agreed, Combine, Compressor, CompressorBase, NonFiniteGradientError, Payload
 from islands.compress.cast import Cast
-from islands.compress.ddp_hook import CompressionHookState, ddp_comm_hook
 from islands.compress.dct import DCTTopK
+from islands.compress.ddp_hook import CompressionHookState, ddp_comm_hook
 from islands.compress.dgc import deep_gradient_compression
 from islands.compress.error_feedback import ErrorFeedback
 from islands.compress.identity import NoCompression
@@ -22,8 +22,8 @@ from islands.compress.powersgd import PowerSGD
 from islands.compress.quantize import QSGD, SharedScaleQuant
 from islands.compress.randomk import RandomK
 from islands.compress.randomk_shared import SharedRandomK
-from islands.compress.sign import MajorityVote, ScaledSign
 from islands.compress.registry import COMPRESSORS
+from islands.compress.sign import MajorityVote, ScaledSign
 from islands.compress.spec import parse_compressor
 from islands.compress.topk import DGC_SPARSITY_WARMUP, TopK
 from islands.compress.topkq import TopKQ

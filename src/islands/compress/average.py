@@ -20,14 +20,25 @@ that saw the NaN raised alone and the others blocked in their next collective un
 
 from __future__ import annotations
 
+import typing
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from islands.compress.base import (Agreed, Combine, Compressor, NonFiniteGradientError, Payload, all_finite, cast, check_finite,
-                                   check_float)
+from islands.compress.base import (
+    Agreed,
+    Combine,
+    Compressor,
+    CompressorBase,
+    NonFiniteGradientError,
+    Payload,
+    all_finite,
+    cast,
+    check_finite,
+    check_float,
+)
 from islands.runtime.comm import Comm
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -106,7 +117,7 @@ def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind
         for i, t in enumerate(ts):
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append((name, i))
-    for dtype, slots in by_dtype.items():
+    for slots in by_dtype.values():
         flat = torch.cat([groups[n][i].detach().reshape(-1) for n, i in slots])
         comm.all_reduce(flat, op=_OPS[op], kind=kind)
         offset = 0
@@ -138,7 +149,8 @@ def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind
 
 def _sum_round(groups: dict[str, list[Tensor]], comm: Comm, compressor: Compressor, op: str, kind: str) -> dict[str, list[Tensor]]:
     if getattr(compressor, "sum_transport", "all_reduce") == "gather":
-        return _gather_merge_fused(groups, comm, compressor.merge, kind)
+        # only CompressorBase subclasses set sum_transport, and `merge` comes with it
+        return _gather_merge_fused(groups, comm, typing.cast(CompressorBase, compressor).merge, kind)
     return _all_reduce_fused(groups, comm, op, kind)
 
 
@@ -208,14 +220,14 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
     states = {n: compressor.state(n, t) for n, t in named_tensors.items()}
     for st in states.values():
         st["_finite"] = True  # checked above on every rank: error feedback need not check again
-    mine = [] if sent is not None else None
+    mine: list[int] | None = [] if sent is not None else None
     if compressor.combine is Combine.SUMMABLE:
         means = _average_summable(named_tensors, states, comm, compressor, out, mine)
     elif compressor.combine is Combine.GATHERED:
         means = _average_gathered(named_tensors, states, comm, compressor, mine)
     else:
         raise ValueError(f"{compressor!r}: combine must be Combine.SUMMABLE or Combine.GATHERED")
-    if sent is not None:
+    if sent is not None and mine is not None:  # set together
         sent.append(FINITE_FLAG_NBYTES + mine[0] if comm.size > 1 else 0)
     if out is not None:
         for n, t in out.items():

@@ -199,6 +199,16 @@ class CompressorBase:
             raise ValueError(f"{self.name}: state_dict lacks 'states' (keys: {sorted(state_dict)})")
         self.states = {n: _clone_state(s) for n, s in state_dict["states"].items()}
 
+    # -- the maths: every compressor implements these --------------------------------------------
+    def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload) -> Tensor:
+        raise NotImplementedError
+
+    def payload_nbytes(self, shape, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
     # -- defaults ----------------------------------------------------------------------------------
     def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
         return []

@@ -10,8 +10,8 @@ failure mode of launching collectives from future callbacks), while backward kee
 """
 
 
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def _hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures
         try:
             compress_and_average(named, state.comm, state.compressor, out=named)  # the bucket, averaged in place
             fut.set_result(buffer)
-        except BaseException as exc:  # surfaces in loss.backward() on this rank
+        except BaseException as exc:  # noqa: BLE001 - surfaces in loss.backward() on this rank
             fut.set_exception(exc)
 
     if state._executor is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from islands.compress.error_feedback import ErrorFeedback
 from islands.compress.topk import DGC_SPARSITY_WARMUP, TopK

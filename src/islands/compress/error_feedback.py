@@ -13,10 +13,15 @@ the compressor sent something (momentum factor masking), so the optimizer must r
 
 from __future__ import annotations
 
+import typing
+from typing import TypeVar
+
 import torch
 from torch import Tensor
 
-from islands.compress.base import Agreed, CompressorBase, Payload, as_fp32, cast, check_finite
+from islands.compress.base import Agreed, Compressor, CompressorBase, Payload, as_fp32, cast, check_finite
+
+_C = TypeVar("_C", bound=Compressor)
 
 
 class ErrorFeedback(CompressorBase):
@@ -136,11 +141,12 @@ def _viewed_by(x: Tensor, payload: Payload) -> bool:
     return any(t.untyped_storage().data_ptr() == ptr for t in (*payload.tensors, *payload.shared))
 
 
-def with_error_feedback(compressor: CompressorBase) -> CompressorBase:
+def with_error_feedback(compressor: _C) -> _C | ErrorFeedback:
     """The compressor as its consumers run it: wrapped in ErrorFeedback when it asks for it (its `ef`), with
     TopK's DGC momentum and clipping and a compressor's residual decay (`ef_decay`, TopKQ's); an ErrorFeedback
     or a compressor built with ef=False as given."""
     if isinstance(compressor, ErrorFeedback) or not getattr(compressor, "ef", False):
         return compressor
-    return ErrorFeedback(compressor, momentum=getattr(compressor, "ef_momentum", 0.0),
+    # `ef` is a CompressorBase attribute: a compressor asking for error feedback is one
+    return ErrorFeedback(typing.cast(CompressorBase, compressor), momentum=getattr(compressor, "ef_momentum", 0.0),
                          clip_norm=getattr(compressor, "ef_clip", None), decay=getattr(compressor, "ef_decay", 1.0))

@@ -17,6 +17,7 @@ on the optimizer's averaged momentum keeps the replicas identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from islands.spec import Registry, Spec
 
 # Our default warm-up: a fifth of the run uncompressed, so the frozen variance has seen real data.
 DEFAULT_WARMUP_FRACTION = 0.2
-_CLASSES = {
+_CLASSES: dict[str, type[OneBitAdam] | type[NaiveCompressedAdam] | type[SplitMomentAdamW] | None] = {
     "adamw": None,  # torch.optim.AdamW; gradients averaged by the inner strategy
     "onebit-adam": OneBitAdam,
     "naive-compressed-adam": NaiveCompressedAdam,  # negative control only
@@ -43,7 +44,7 @@ _CLASSES = {
 class OptimizerSpec:
     name: str
     warmup: int | None = None  # steps of uncompressed Adam before 1-bit; None = a fifth of the run
-    options: tuple[tuple[str, object], ...] = ()  # split-adamw's parameters, as (key, value) pairs
+    options: tuple[tuple[str, Any], ...] = ()  # split-adamw's parameters, as (key, value) pairs
 
     @property
     def communicates(self) -> bool:
@@ -144,7 +145,7 @@ def build_optimizer(spec: OptimizerSpec | str, params, *, lr: float, betas=(0.9,
     cls = _CLASSES[spec.name]
     if cls is None:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    if cls is SplitMomentAdamW:
+    if issubclass(cls, SplitMomentAdamW):
         o = dict(spec.options)
         return SplitMomentAdamW(params, _split_compressor(o), comm, lr=lr, betas=betas, weight_decay=weight_decay,
                                 variance=o["variance"], variance_every=o["every"], clip=o["clip"])

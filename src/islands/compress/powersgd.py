@@ -44,7 +44,6 @@ from islands.compress.base import (
     numel_of,
 )
 
-
 WIRE_DTYPES = {32: torch.float32, 16: torch.bfloat16, 8: torch.int8}  # bf16, not fp16: gradients reach 1e-8
 INT8_LEVELS = 127
 
@@ -88,10 +87,10 @@ class PowerSGD(CompressorBase):
 
     def __init__(self, rank: int = 4, seed: int = 0, start: int = 0, min_rate: float = 1.0, bits: int = 32,
                  dense_bits: int = 32, ef: bool = True):
-        """Low-rank factors of each matrix (LIT-206); `rank`: their rank. `seed`: Q's initialisation, the same on every rank.
-        `start`: uncompressed steps first (torch's start_powerSGD_iter). `min_rate`: send a matrix uncompressed
-        unless n*m >= min_rate*(n+m)*rank. `bits`: factor precision on the wire (32 fp32, 16 bf16, 8 int8 with
-        shared scales). `dense_bits`: precision of tensors sent uncompressed (biases, norms): 32 or 16 (bf16).
+        """Low-rank factors of each matrix (LIT-206); `rank`: their rank. `seed`: Q's initialisation, the same on
+        every rank. `start`: uncompressed steps first (torch's start_powerSGD_iter). `min_rate`: send a matrix
+        uncompressed unless n*m >= min_rate*(n+m)*rank. `bits`: factor precision on the wire (32 fp32, 16 bf16, 8 int8
+        with shared scales). `dense_bits`: precision of tensors sent uncompressed (biases, norms): 32 or 16 (bf16).
         `ef`: error feedback around it (SOTA-214)."""
         super().__init__()
         self.ef = bool(ef)

@@ -39,7 +39,8 @@ class QSGD(SeededMixin, CompressorBase):
     contractive = False  # unbiased: error variance up to min(n/s^2, sqrt(n)/s) x ||x||^2, above 1 for big tensors
 
     def __init__(self, levels: int = 16, seed: int = 0, ef: bool = False):
-        """Stochastic quantisation to `levels` per sign (1..127); `seed`: rounding RNG seed. `ef`: error feedback around it."""
+        """Stochastic quantisation to `levels` per sign (1..127); `seed`: rounding RNG seed. `ef`: error feedback
+        around it."""
         super().__init__()
         self.ef = bool(ef)
         if not isinstance(levels, int) or not 1 <= levels <= 127:
@@ -94,7 +95,8 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
     agree_op = "max"
 
     def __init__(self, bits: int = 8, seed: int = 0, ef: bool = False):
-        """`bits` (8 or 4) per value with one scale shared by every rank; `seed`: rounding RNG seed. `ef`: error feedback around it."""
+        """`bits` (8 or 4) per value with one scale shared by every rank; `seed`: rounding RNG seed. `ef`: error
+        feedback around it."""
         super().__init__()
         self.ef = bool(ef)
         if bits not in (8, 4):
@@ -127,10 +129,7 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
         else:
             # clamp: another rank's max may equal ours only up to rounding; codes must stay in range
             codes = _stochastic_round((x / scale * s).clamp(-s, s), self.generator(x.device))
-        if self.bits == 8:
-            wire = codes.to(torch.int8)
-        else:
-            wire = pack_nibbles((codes + s).to(torch.uint8))
+        wire = codes.to(torch.int8) if self.bits == 8 else pack_nibbles((codes + s).to(torch.uint8))
         return Payload([wire], tensor.shape, tensor.dtype, shared=[scale], meta={"levels": s}, agreed_nbytes=4)
 
     def decompress(self, payload: Payload) -> Tensor:

@@ -31,7 +31,8 @@ class RandomK(SparsePayload, SeededMixin, CompressorBase):
     contractive = False  # the n/k rescaling: |decoded| is n/k times the input on the kept entries
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, ef: bool = False):
-        """Random `ratio` of the entries, rescaled by n/k to stay unbiased; `seed`: index RNG seed. `ef`: error feedback around it."""
+        """Random `ratio` of the entries, rescaled by n/k to stay unbiased; `seed`: index RNG seed. `ef`: error
+        feedback around it."""
         super().__init__()
         self.ef = bool(ef)
         if not 0.0 < ratio <= 1.0:

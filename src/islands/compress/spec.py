@@ -13,6 +13,7 @@ from islands.compress.error_feedback import with_error_feedback
 from islands.compress.registry import COMPRESSORS
 from islands.spec import Spec, SpecError
 
+
 def parse_compressor(spec: str | Spec, **context) -> CompressorBase:
     """The compressor a spec names, ready to use on its own (wrapped in ErrorFeedback where its `ef` asks for it;
     the strategies take COMPRESSORS.build(spec) and wrap it themselves). `context`: values for parameters the

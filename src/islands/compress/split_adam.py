@@ -83,7 +83,7 @@ class SplitMomentAdamW(CommunicatingOptimizer):
             check_finite(n, g)
         avg = self._average(local, self.compressor)
         scale = self._clip_scale(avg)
-        for n, p, group in named:
+        for _n, p, _group in named:
             st = self.state[p]
             if not st:
                 st["step"] = 0
@@ -110,7 +110,7 @@ class SplitMomentAdamW(CommunicatingOptimizer):
             for n, p, _ in named:
                 self.state[p]["exp_avg_sq"] = shared[n]
                 self.state[p]["variance_step"] = step
-        for n, p, group in named:
+        for _n, p, group in named:
             st = self.state[p]
             b1, b2 = group["betas"]
             v_step = st.get("variance_step", step)  # a refreshed mean carries the bias of its own step

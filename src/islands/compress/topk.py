@@ -8,7 +8,7 @@ owns the accumulated residual they act on; `deep_gradient_compression()` compose
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -39,8 +39,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, numel_of
 from islands.compress import elias_fano
+from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, numel_of
 from islands.compress.bits import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
 
 BITS = (2, 4, 8, 32)
@@ -81,9 +81,9 @@ class TopKQ(CompressorBase):
 
     def __init__(self, ratio: float = 0.01, bits: Literal[2, 4, 8, 32] = 2, chunk: int = SPARSELOCO_CHUNK,
                  decay: float = 1.0, ef: bool = True, index: Literal["fixed", "elias-fano"] = "fixed"):
-        """SparseLoCo's payload: the top of each chunk, positions packed, values in a few bits. `ratio`: fraction of each
-        chunk sent (SparseLoCo: 1-3%). `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32 for
-        fp32 values. `chunk`: values per chunk (4096: a position packs into 12 bits). `decay`: the error-feedback
+        """SparseLoCo's payload: the top of each chunk, positions packed, values in a few bits. `ratio`: fraction of
+        each chunk sent (SparseLoCo: 1-3%). `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32
+        for fp32 values. `chunk`: values per chunk (4096: a position packs into 12 bits). `decay`: the error-feedback
         residual's weight each round (SparseLoCo decays it, 1 = plain error feedback). `ef`: error feedback around it
         (the residual keeps what was not selected and the quantisation error). `index`: fixed (ceil(log2 chunk) bits
         per position) or elias-fano (each chunk's sorted positions Elias-Fano coded: ~7.4 bits a position at 92 of

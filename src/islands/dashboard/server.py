@@ -105,7 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the stdlib's name)
+    def log_message(self, format, *args) -> None:  # `format`: the stdlib's name
         pass  # quiet: a page polling every 2 s would fill the terminal
 
     def __getattr__(self, name: str):
@@ -152,8 +152,8 @@ class _Handler(BaseHTTPRequestHandler):
                        extra={"Cache-Control": "max-age=86400"})
         elif path in ASSETS:
             name, ctype = ASSETS[path]
-            data = resources.files("islands.dashboard").joinpath(name).read_bytes()
-            self._send(HTTPStatus.OK, data, ctype, body=body, extra={"Cache-Control": "no-cache"})
+            asset = resources.files("islands.dashboard").joinpath(name).read_bytes()
+            self._send(HTTPStatus.OK, asset, ctype, body=body, extra={"Cache-Control": "no-cache"})
         else:
             self._send(HTTPStatus.NOT_FOUND, b"not found: the dashboard serves /, its assets and /api/state\n",
                        "text/plain; charset=utf-8", body=body)
@@ -213,23 +213,26 @@ class DashboardServer:
             return f"dashboard host {self.host!r} is not an address of this machine: {e.strerror or e}"
         return f"dashboard cannot listen on {self.host}:{self.port}: {e.strerror or e}"
 
-    def start(self) -> DashboardServer:
-        """Bind (if not yet) and serve in a daemon thread."""
+    def _bound(self) -> _Server:
         if self._server is None:
             self.bind()
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+        assert self._server is not None  # bind() sets it or raises
+        return self._server
+
+    def start(self) -> DashboardServer:
+        """Bind (if not yet) and serve in a daemon thread."""
+        self._thread = threading.Thread(target=self._bound().serve_forever, kwargs={"poll_interval": 0.2},
                                         name="islands-dashboard", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
         """Bind (if not yet) and serve in this thread until KeyboardInterrupt or stop()."""
-        if self._server is None:
-            self.bind()
+        server = self._bound()
         try:
-            self._server.serve_forever(poll_interval=0.2)
+            server.serve_forever(poll_interval=0.2)
         finally:
-            self._server.server_close()
+            server.server_close()
 
     def stop(self) -> None:
         if self._server is None:

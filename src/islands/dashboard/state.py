@@ -32,6 +32,12 @@ MAX_POINTS = 2000  # per series sent to the page; longer series are thinned (the
 class Stream:
     """One `live/<name>.jsonl`, folded into series as its lines arrive."""
 
+    ident: tuple[int, int] | None  # (device, inode) of the file read so far
+    first_t: float | None
+    last_t: float | None
+    params_t: float | None
+    step: int | None
+
     def __init__(self, path: Path):
         self.path, self.name = path, path.stem
         self._reset()
@@ -337,7 +343,7 @@ def _ranks_from_record(record) -> list[dict]:
     for r, led in enumerate(per_rank):
         busy, total = _num(led.get("busy_seconds")), _num(led.get("total_sent"))
         link = total * 8 / busy / 1e9 if busy and total is not None else None
-        empty = {"step": [], "value": []}
+        empty: dict[str, list] = {"step": [], "value": []}
         out.append({
             "name": f"rank{r}", "rank": r, "island": r // per_island, "first_t": None, "last_t": None,
             "step": final_step,
@@ -373,7 +379,8 @@ def _link_reference(params: dict, record) -> dict:
 def _membership(streams: list[Stream], record, members: list[dict], t0) -> dict:
     """One row per process (grouped by island): the time it was seen active, and the membership events.
     Times are seconds since the run's first line (t0)."""
-    rows, events = [], []
+    rows: list[dict] = []
+    events: list[dict] = []
 
     def rel(t):
         return None if t is None or t0 is None else t - t0
@@ -527,7 +534,7 @@ def _parse_time(text) -> float | None:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     if seconds < 60:
         return f"{seconds} s"
     if seconds < 3600:

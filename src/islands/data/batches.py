@@ -15,8 +15,8 @@ The leading dimension of every tensor in a batch is the sample dimension: micro-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -69,8 +69,8 @@ def split(batch: Any, sizes: list[int]) -> list[Any]:
         parts = {k: split(v, sizes) for k, v in batch.items()}
         return [{k: parts[k][i] for k in parts} for i in range(len(sizes))]
     if isinstance(batch, (tuple, list)):
-        parts = [split(v, sizes) for v in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(len(sizes))]
+        columns = [split(v, sizes) for v in batch]
+        return [type(batch)(p[i] for p in columns) for i in range(len(sizes))]
     return [batch] * len(sizes)
 
 

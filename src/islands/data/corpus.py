@@ -49,7 +49,7 @@ def load_text(path: str = "") -> TextCorpus:
         cut = len(data) - max(len(data) // VAL_EVERY, 1)
         train, val = data[:cut], data[cut:]
     else:
-        parts = {True: [], False: []}
+        parts: dict[bool, list[bytes]] = {True: [], False: []}
         for f in files:
             rel = str(f.relative_to(root)).encode()
             parts[zlib.crc32(rel) % VAL_EVERY == 0].append(f.read_bytes())

@@ -16,8 +16,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 VAL_EVERY = 20  # one document in twenty goes to validation (5%), as the byte corpus holds out one file in twenty
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".md": "text"}

@@ -15,7 +15,8 @@ the batches the uninterrupted one would have, provided the data itself is determ
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -76,10 +77,11 @@ def batch_source(data: Any, shard: int = 0, shards: int = 1, batch_size: int | N
     if isinstance(data, Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
         if batch_size is None or batch_size < 1:
             raise ValueError("train_data is a Dataset: give batch_size= (samples per batch on each worker)")
-        sampler = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=True, seed=seed, drop_last=True)
+        sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=True,
+                                                              seed=seed, drop_last=True)
         loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
-        if len(loader) == 0:
-            raise ValueError(f"train_data has {len(data)} samples: too few for {shards} worker(s) at batch_size="
+        if len(loader) == 0:  # (a map-style Dataset has a len(): the sampler has just taken it)
+            raise ValueError(f"train_data has {len(cast(Sized, data))} samples: too few for {shards} worker(s) at batch_size="
                              f"{batch_size}; use a smaller batch or more data")
         return IterableSource(_with_epoch(loader), reiterable=True, items=len(sampler))
     if callable(data) and not isinstance(data, Iterable):

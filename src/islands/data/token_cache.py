@@ -24,9 +24,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 import torch

@@ -22,8 +22,9 @@ and their parameters are ATTACKS, read from the role constructors.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,7 @@ from islands.faults.roles import (
     flip_targets,
 )
 from islands.runtime.comm import Comm
-from islands.spec import Registry, Spec, SpecError, bind, docs_of, resolved_signature
-from islands.spec import format as format_spec
+from islands.spec import Registry, Spec, SpecError, bind, docs_of, format as format_spec, resolved_signature
 
 ATTACK_KIND = "attack"  # ledger kind of the omniscient attackers' extra all-gather
 
@@ -73,7 +73,8 @@ class AttackPlan:
         if bad:
             raise ValueError(f"Byzantine ranks {bad} are outside the world of {self.world_size} ranks (0..{self.world_size - 1})")
         if self.attack is not None and len(self.byzantine) >= self.world_size:
-            raise ValueError(f"{len(self.byzantine)} Byzantine ranks in a world of {self.world_size}: at least one rank must stay honest")
+            raise ValueError(f"{len(self.byzantine)} Byzantine ranks in a world of {self.world_size}: "
+                             "at least one rank must stay honest")
         if self.attack is None:
             self.byzantine = frozenset()
 
@@ -172,6 +173,7 @@ class Byzantine:
                 raise ValueError(f"attack {self.name}: count={self.count} must be between 1 and {world_size - 1} "
                                  f"(world size {world_size}; one rank stays honest)")
             return frozenset(range(world_size - self.count, world_size))
+        assert self.ranks is not None  # __init__ sets exactly one of count and ranks
         return frozenset(self.ranks)
 
     @staticmethod
@@ -186,7 +188,7 @@ class Byzantine:
         role = copy.deepcopy(self.role)
         if seed is not None and hasattr(role, "seed"):
             role.seed = int(seed)
-        who = "count=" + str(self.count) if self.count is not None else "ranks=" + ",".join(map(str, self.ranks))
+        who = "count=" + str(self.count) if self.count is not None else "ranks=" + ",".join(map(str, self.ranks or ()))
         return AttackPlan(role, self.ranks_in(world_size), world_size, spec=f"{self.name}:{who}")
 
     def __repr__(self) -> str:
@@ -212,7 +214,9 @@ def _attack(role: Callable[..., Attack], doc: str | None = None) -> Callable[...
         chosen = {p.name: kwargs.pop(p.name) for p in who if p.name in kwargs}
         return Byzantine(role(**kwargs), **chosen)
 
-    entry.__signature__ = inspect.Signature([p.replace(kind=p.KEYWORD_ONLY) for p in own + who])
+    # inspect.signature reads __signature__; mypy knows no such attribute on a function
+    signature = inspect.Signature([p.replace(kind=p.KEYWORD_ONLY) for p in own + who])
+    entry.__signature__ = signature  # type: ignore[attr-defined]
     entry.__doc__ = (doc or docs_of(role)) + "\n\n" + _WHO
     return entry
 

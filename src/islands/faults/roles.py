@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,7 +26,7 @@ class HonestView:
     byzantine: int  # how many Byzantine ranks take part in the same exchange
 
     @staticmethod
-    def of(tensors: Sequence[torch.Tensor], byzantine: int) -> "HonestView":
+    def of(tensors: Sequence[torch.Tensor], byzantine: int) -> HonestView:
         if not tensors:
             raise ValueError("an omniscient attack needs at least one honest rank in the same group")
         x = torch.stack([t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors])

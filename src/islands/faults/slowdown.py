@@ -23,7 +23,7 @@ sleep-made 2x to less). The real computation still runs every step; only its dur
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class SlowdownError(ValueError):
@@ -71,7 +71,7 @@ def parse_slowdown(text: str) -> dict[tuple[str, int], float]:
 
 def check_slowdown(slowdown: dict[tuple[str, int], float], islands: int, workers: int) -> None:
     """Every target exists in a world of `workers` ranks in `islands` islands."""
-    for (kind, index), _ in slowdown.items():
+    for kind, index in slowdown:
         if (kind, index) == FLOOR:
             continue
         limit = islands if kind == "island" else workers

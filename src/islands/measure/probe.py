@@ -18,6 +18,7 @@ import os
 import socket
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -140,7 +141,7 @@ def topology(master_addr: str, ranks: list[dict]) -> dict:
 
 def probe_topology() -> dict:
     """Every rank's connection_facts, gathered (a collective: every rank calls it)."""
-    ranks = [None] * dist.get_world_size()
+    ranks: list[Any] = [None] * dist.get_world_size()  # all_gather_object fills in every rank's dict
     dist.all_gather_object(ranks, connection_facts())
     return topology(os.environ.get("MASTER_ADDR", ""), ranks)
 

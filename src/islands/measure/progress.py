@@ -25,16 +25,16 @@ class TrainProgress:
             self.bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, mb_sent: float) -> None:
-        if self.live:
+        if self.bar is not None:  # set exactly when live
             self.bar.update(self.task, completed=step, loss=loss, tps=tokens_per_s, mb=mb_sent)
 
     def log(self, text: str) -> None:
         if self.enabled:
-            (self.bar.console if self.live else self.console).print(text)
+            (self.bar.console if self.bar is not None else self.console).print(text)
             sys.stdout.flush()
 
     def close(self) -> None:
-        if self.live:
+        if self.bar is not None:
             self.bar.stop()
 
 

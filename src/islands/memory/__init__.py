@@ -9,7 +9,7 @@ See docs/memory.md.
 """
 
 from islands.memory.accounting import SavedTensorMeter, StateBytes, state_bytes
-from islands.memory.recompute import enable_activation_checkpointing, run_checkpointed, sqrt_segments, split_segments
+from islands.memory.recompute import enable_activation_checkpointing, run_checkpointed, split_segments, sqrt_segments
 from islands.memory.sizer import MemoryPlan, activation_peak, plan_micro_batch, synthetic_batches
 from islands.memory.step import ForwardBackward, resolve_precision
 

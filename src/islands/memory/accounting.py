@@ -29,7 +29,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
 class _Held:
     """What autograd keeps instead of the tensor; its death means autograd let the tensor go."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -78,7 +78,7 @@ class SavedTensorMeter:
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
         return self
 

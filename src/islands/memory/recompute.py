@@ -10,7 +10,8 @@ forward pass. `memory-savers` measures both.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -21,7 +22,7 @@ def sqrt_segments(n_layers: int) -> int:
     return max(1, round(math.sqrt(n_layers)))
 
 
-def split_segments(layers: Sequence, segments: int) -> list[list]:
+def split_segments(layers: Sequence | torch.nn.ModuleList, segments: int) -> list[list]:
     """Consecutive groups, sizes differing by at most one, earlier groups larger."""
     if not 1 <= segments <= len(layers):
         raise ValueError(f"segments must be in 1..{len(layers)} (the number of layers); got {segments}")
@@ -40,7 +41,7 @@ def _run(group, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def run_checkpointed(layers: Sequence, x: torch.Tensor, segments: int) -> torch.Tensor:
+def run_checkpointed(layers: Sequence | torch.nn.ModuleList, x: torch.Tensor, segments: int) -> torch.Tensor:
     """x through `layers`, holding only each segment's input for backward.
 
     Reentrant form on purpose: its saved input and its recomputation pass through the caller's
@@ -65,17 +66,18 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> str:
     saved_tensors_hooks, so islands.memory.accounting sees the segment inputs only, not the recomputation. The
     model's KV cache is switched off (`config.use_cache = False`): a cache is incompatible with recomputation and
     training never reads it. Anything else is a ValueError naming what would work."""
+    m: Any = model  # duck-typed: the methods below are islands' or transformers', found by hasattr
     if hasattr(model, "set_activation_checkpointing") and hasattr(model, "blocks"):
-        model.set_activation_checkpointing(len(model.blocks))
+        m.set_activation_checkpointing(len(m.blocks))
         return "islands"
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5 on (the old one warns)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if getattr(model, "config", None) is not None:
-            model.config.use_cache = False
+            m.config.use_cache = False
         return "transformers"
     if hasattr(model, "gradient_checkpointing_enable"):
         raise ValueError(f"activation_checkpointing: {type(model).__name__} is a transformers model whose class "

@@ -9,8 +9,8 @@ measures that b and steps down if the prediction was optimistic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 

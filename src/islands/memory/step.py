@@ -16,7 +16,7 @@ of, and the CPU tests compare runs bit for bit in fp32 (resolve_precision; issue
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -76,7 +76,9 @@ class ForwardBackward:
         device = next(iter(model.parameters())).device
         if self.precision == "auto":
             self.resolved = resolve_precision("auto", device)
-        dtype = PRECISIONS[self.resolved if self.precision == "auto" else self.precision]
+            dtype = PRECISIONS[self.resolved]
+        else:
+            dtype = PRECISIONS[self.precision]
         if dtype is None:
             return compute_loss(model, batch, loss_fn, explain)[0]
         with torch.autocast(device_type=device.type, dtype=dtype):
@@ -96,6 +98,7 @@ class ForwardBackward:
                 loss = self.loss(model, piece, loss_fn, explain and i == 0) * (sizes[i] / whole)
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None  # two or more pieces ran
         return total
 
 

@@ -43,12 +43,13 @@ class ByteTransformer(nn.Module):
         self.context = context
         self.embed = nn.Embedding(256, d_model)
         self.pos = nn.Parameter(torch.zeros(context, d_model))
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        blocks = [Block(d_model, n_heads) for _ in range(n_layers)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, 256, bias=False)
         self.checkpoint_segments = 0  # 0 = hold every activation; k > 0 = recompute in k segments (SOTA-249)
         self.apply(self._init)
-        for b in self.blocks:  # scale residual projections by depth (GPT-2 convention)
+        for b in blocks:  # scale residual projections by depth (GPT-2 convention)
             for lin in (b.proj, b.out):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * n_layers))
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Callable
 
 from islands.observe.logger import Logger
 from islands.observe.mlflow import MLflow

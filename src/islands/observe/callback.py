@@ -19,7 +19,8 @@ Metric names (one namespace for every backend):
 
 from __future__ import annotations
 
-from islands.measure.probe import describe
+from typing import Any
+
 from islands.measure.probe import describe
 from islands.observe.logger import Logger, finite, flatten
 
@@ -40,7 +41,7 @@ class Logging:
         self.tokens_per_sample, self.extra, self.close_at_end = int(tokens_per_sample), dict(params or {}), close
         self._train_seen = self._val_seen = self._events_seen = 0
         self._saves: dict = {}
-        self._last = {"step": 0, "elapsed": 0.0, "sent": {}, "busy": 0.0, "total": 0}
+        self._last: dict[str, Any] = {"step": 0, "elapsed": 0.0, "sent": {}, "busy": 0.0, "total": 0}
 
     # ---- what is logged ----------------------------------------------------------------------------
     def params(self, trainer) -> dict:

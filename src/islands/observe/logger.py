@@ -17,7 +17,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TextIO, runtime_checkable
 
 
 @runtime_checkable
@@ -69,7 +69,8 @@ class JsonLines:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # held open across writes; close() closes it
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def _write(self, line: dict) -> None:
         if self._file is None:

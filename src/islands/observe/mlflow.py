@@ -33,9 +33,11 @@ import os
 import re
 import time
 from pathlib import Path
+from types import ModuleType
 
 from islands.observe.logger import needs
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; concurrent first runs of one experiment may then race
@@ -84,7 +86,7 @@ class MLflow:
                  tags: dict | None = None):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # read when the client opens the store
         try:
-            from mlflow.tracking import MlflowClient  # noqa: PLC0415 (heavy, optional)
+            from mlflow.tracking import MlflowClient  # heavy, optional: imported on first use
         except ImportError as e:
             raise needs("mlflow-skinny", "MLflow") from e
         self.tracking_dir = Path(tracking_dir).resolve()
@@ -102,7 +104,7 @@ class MLflow:
         self._open = True
 
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param  # noqa: PLC0415 (loaded with the client)
+        from mlflow.entities import Param  # loaded with the client
         new = []
         for key, value in params.items():
             k = mlflow_key(key)
@@ -113,7 +115,7 @@ class MLflow:
             self.client.log_batch(self.run_id, params=new[i:i + PARAMS_PER_BATCH])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric  # noqa: PLC0415
+        from mlflow.entities import Metric
         now = int(time.time() * 1000)
         batch = [Metric(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
         for i in range(0, len(batch), METRICS_PER_BATCH):

@@ -40,20 +40,22 @@ def _hparam(value):
 class TensorBoard:
     def __init__(self, log_dir: str | Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (heavy, optional)
+            from torch.utils.tensorboard import SummaryWriter  # heavy, optional: imported on first use
         except ImportError as e:  # torch raises ImportError when the tensorboard package is missing
             raise needs("tensorboard", "TensorBoard") from e
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.writer: SummaryWriter | None = SummaryWriter(log_dir=str(self.log_dir))
 
     def log_params(self, params: dict) -> None:
         if self.writer is None or not params:
             return
-        from torch.utils.tensorboard.summary import hparams  # noqa: PLC0415 (loaded with SummaryWriter)
+        from torch.utils.tensorboard.summary import hparams  # loaded with SummaryWriter
         self.writer.add_text("params", params_table(params), 0)
+        file_writer = self.writer.file_writer
+        assert file_writer is not None  # SummaryWriter opens it in __init__
         for summary in hparams({k: _hparam(v) for k, v in params.items()}, {}):
-            self.writer.file_writer.add_summary(summary)
+            file_writer.add_summary(summary)
         self.writer.flush()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

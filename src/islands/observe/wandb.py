@@ -21,23 +21,28 @@ metadata, no job artifact. Each process starts wandb's service (`wandb-core`) on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from islands.observe.logger import needs
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
 
 
 class Wandb:
     def __init__(self, dir: str | Path, project: str = "islands", group: str | None = None, name: str | None = None,
                  config: dict | None = None, mode: str = "offline"):
         try:
-            import wandb  # noqa: PLC0415 (heavy, optional)
+            import wandb  # heavy, optional: imported on first use
         except ImportError as e:
             raise needs("wandb", "W&B") from e
         self.dir = Path(dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        settings = wandb.Settings(mode=mode, console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+        # `mode` is checked by wandb itself (online, offline, disabled, ...)
+        settings = wandb.Settings(mode=cast(Any, mode), console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                                   x_disable_machine_info=True, disable_code=True, save_code=False, disable_git=True,
                                   x_save_requirements=False, disable_job_creation=True)
-        self.run = wandb.init(dir=str(self.dir), project=project, group=group, name=name, config=dict(config or {}),
+        self.run: Run | None = wandb.init(dir=str(self.dir), project=project, group=group, name=name, config=dict(config or {}),
                               settings=settings, reinit="create_new")  # its own run, beside any other in the process
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")

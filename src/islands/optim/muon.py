@@ -34,7 +34,7 @@ Defaults and where they come from:
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -69,7 +69,8 @@ def muon_split(model: nn.Module, head: str | Sequence[str] | None = None) -> tup
                              f"its linear modules are {[n for n, _ in linear]}")
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     to_muon = {id(m.weight) for name, m in linear if name not in heads and id(m.weight) not in embedded}
-    muon, rest = [], []
+    muon: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for p in model.parameters():  # deduplicated: a tied weight appears once
         (muon if id(p) in to_muon else rest).append(p)
     return muon, rest
@@ -101,7 +102,7 @@ class MuonAdamW(torch.optim.Optimizer):
         bad = [tuple(p.shape) for p in muon_params if p.ndim != 2]
         if bad:
             raise ValueError(f"Muon takes 2-D weight matrices only; got shapes {bad} (give those to AdamW)")
-        children = {}
+        children: dict[str, torch.optim.Optimizer] = {}
         if muon_params:
             children["muon"] = torch.optim.Muon(muon_params, lr=lr * muon_lr_ratio, weight_decay=weight_decay,
                                                 momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -117,7 +118,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._children = children
 
     @classmethod
-    def for_model(cls, model: nn.Module, head: str | Sequence[str] | None = None, **kwargs) -> "MuonAdamW":
+    def for_model(cls, model: nn.Module, head: str | Sequence[str] | None = None, **kwargs) -> MuonAdamW:
         """MuonAdamW over `model`'s parameters, split by muon_split(model, head)."""
         muon, rest = muon_split(model, head)
         return cls(muon, rest, **kwargs)

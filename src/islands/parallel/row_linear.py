@@ -46,13 +46,13 @@ class RowParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, chunks: int = 1) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, comm: Comm, chunks: int = 1) -> RowParallelLinear:
         """This rank's shard of an existing Linear (same result as the whole layer on the whole input)."""
         layer = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None, chunks=chunks)
         layer = layer.to(dtype=linear.weight.dtype, device=linear.weight.device)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, layer.input_slice()])
-            if linear.bias is not None:
+            if linear.bias is not None and layer.bias is not None:  # (the one has a bias when the other does)
                 layer.bias.copy_(linear.bias)
         return layer
 

@@ -69,7 +69,7 @@ class TensorParallelMLP(nn.Module):
 
     @classmethod
     def from_full(cls, norm: nn.LayerNorm, up: nn.Linear, down: nn.Linear, comm: Comm,
-                  sequence_parallel: bool = False, dropout: float = 0.0) -> "TensorParallelMLP":
+                  sequence_parallel: bool = False, dropout: float = 0.0) -> TensorParallelMLP:
         """This rank's shard of an unsplit block (norm, up: d->h, down: h->d)."""
         block = cls(up.in_features, up.out_features, comm, sequence_parallel, dropout)
         block = block.to(dtype=up.weight.dtype)

@@ -24,7 +24,7 @@ every rank and called in the same order, it agrees without a collective.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

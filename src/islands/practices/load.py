@@ -7,13 +7,14 @@ edits the TOML to fill in their module/experiment sees exactly what to fix.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 from importlib import resources
 
-try:  # Python 3.11+
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from islands.practices.model import PRACTICE_STATUSES, QUESTION_STATUS, STATUSES, Paper, Practice
 
@@ -26,11 +27,11 @@ _PAPER_ID = re.compile(r"LIT-\d{3}")
 _MODULE_PATH = re.compile(r"islands(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _EXPERIMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
-_PRACTICE_FIELDS = {
+_PRACTICE_FIELDS: dict[str, type] = {
     "id": str, "title": str, "status": str, "sources": list, "reason": str,
     "claim": str, "module": str, "experiment": str, "issue": int,
 }
-_PAPER_FIELDS = {
+_PAPER_FIELDS: dict[str, type] = {
     "id": str, "authors_year": str, "ref": str, "title": str, "note": str, "practices": list,
 }
 

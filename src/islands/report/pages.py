@@ -98,7 +98,8 @@ def _runs(variant: Variant) -> str:
         return ""
     rows = []
     for r in runs:
-        summary = r.get("summary") if isinstance(r.get("summary"), dict) else {}
+        summary = r.get("summary")
+        summary = summary if isinstance(summary, dict) else {}
         rows.append({"label": r.get("label", ""), **{k: summary.get(k) for k in _RUN_KEYS if k in summary}})
     return (f"<details class=\"runs\"><summary>The {len(runs)} training runs behind the table</summary>"
             f"{table(rows, css='runs')}</details>")
@@ -225,7 +226,7 @@ def index_page(experiments: list[ExperimentResults], without: list[str], registr
     by_name = {e.name: e for e in experiments}
     practices = [p for p in registry if not p.is_question]
     questions = [p for p in registry if p.is_question]
-    counts = {}
+    counts: dict[str, int] = {}
     for p in practices:
         counts[p.status] = counts.get(p.status, 0) + 1
     body = ["<h1>islands results</h1>",

@@ -61,6 +61,7 @@ def _write(tmp: Path, experiments: list[ExperimentResults], without: list[str], 
                 shutil.copyfile(variant.summary, tmp / summary_file(variant))
             has_plot = variant.plot is not None and not variant.error
             if has_plot:
+                assert variant.plot is not None
                 shutil.copyfile(variant.plot, tmp / plot_file(variant))
             name = page_name(results, variant)
             (tmp / name).write_text(experiment_page(results, variant, practices, has_plot), encoding="utf-8")

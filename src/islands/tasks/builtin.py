@@ -8,7 +8,7 @@ The model is built right after `torch.manual_seed(seed)`, so every rank starts f
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -36,15 +36,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from islands.data import load_text
-from islands.data import tokenizer as tk
+from islands.data import TextCorpus, load_text, tokenizer as tk
 from islands.data.documents import DocumentSource, is_document_source
 from islands.data.loader import fixed_val_batches_lm
 from islands.data.token_cache import ArrayWindows, fixed_val_windows, tokenise_once
@@ -145,7 +145,7 @@ def family_config(family: str, *, d_model: int, n_layers: int, n_heads: int, con
     if eos is not None:
         shape.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     _check_keys(default, overrides, family)
-    kwargs = {_own_name(cls, k): v for k, v in shape.items()}
+    kwargs: dict[str, Any] = {_own_name(cls, k): v for k, v in shape.items()}
     kwargs.update({_own_name(cls, k): v for k, v in overrides.items()})  # before construction: derived keys follow
     try:
         return cls(**kwargs)
@@ -276,7 +276,7 @@ def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def save_run_files(run_dir: str | Path, tok, config) -> None:
+def save_run_files(run_dir: str | os.PathLike, tok, config) -> None:
     """RUN_DIR/tokenizer.json and RUN_DIR/hf_config.json, each written whole or not at all."""
     run_dir = Path(run_dir)
     tk.save(tok, run_dir / TOKENIZER_FILE)
@@ -305,6 +305,8 @@ def resolve(model: str = "gpt2", model_overrides: str | dict = "", tokenizer: st
     elif kind == "byte":
         tok, how = tk.byte_tokenizer(), "bytes"
     elif train:
+        if texts is None:
+            raise TypeError("resolve: training a BPE (train=True) needs texts")
         tok = tk.train_bpe(texts(), vocab_size)
         how = f"byte-level BPE trained here ({tk.vocab_size(tok)} tokens)"
     else:
@@ -335,18 +337,22 @@ class _Corpus:
         self.documents = DocumentSource(data, text_column) if data and is_document_source(data) else None
         self.bytes = None if self.documents is not None else load_text(data)
 
+    def _bytes(self) -> TextCorpus:
+        assert self.bytes is not None  # set exactly when there are no documents
+        return self.bytes
+
     def problem(self) -> str | None:
         if self.documents is not None:
             return self.documents.check()
-        if len(self.bytes.train) == 0:
-            return (f"the corpus {self.bytes.source!r} holds no text to train on; give a non-empty text file or "
+        if len(self._bytes().train) == 0:
+            return (f"the corpus {self._bytes().source!r} holds no text to train on; give a non-empty text file or "
                     "directory (task.data)")
         return None
 
     def texts(self) -> Iterator[str]:
         """The training text a BPE learns from (documents: the first BPE_SAMPLE_CHARS characters)."""
         if self.documents is None:
-            yield _text(self.bytes.train)
+            yield _text(self._bytes().train)
             return
         seen = 0
         for text in self.documents.documents("train"):
@@ -358,7 +364,7 @@ class _Corpus:
     def describe(self) -> str:
         if self.documents is not None:
             return self.documents.describe()
-        return f"{self.bytes.source} ({self.bytes.files} files)"
+        return f"{self._bytes().source} ({self._bytes().files} files)"
 
 
 def _encoder(kind: str, tok) -> Callable[[list[str]], list[list[int]]]:
@@ -393,7 +399,7 @@ def hf_causal_lm(model: str = "gpt2", model_overrides: str | dict = "", tokenize
         val = fixed_val_windows(cached.val, context, batch_size, eval_batches)
         train = Sharded(lambda shard, shards: ArrayWindows(cached.train, context, batch_size, shard, shards, seed))
     else:
-        data_bytes = corpus.bytes
+        data_bytes = corpus._bytes()
         val = fixed_val_batches_lm(_encode(kind, tok, data_bytes.val), context, batch_size, eval_batches)
         train = Sharded(lambda shard, shards: token_windows(
             _encode(kind, tok, text_shard(data_bytes.train, shard, shards)), context, batch_size, shard, seed))

@@ -7,8 +7,9 @@ import difflib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from islands.loop.task import Task
 
@@ -33,6 +34,7 @@ def load_factory(path: str) -> Callable[[Any], Task]:
             if not file.is_file():
                 raise TaskError(f"task {path!r}: no file {str(file)!r}")
             spec = importlib.util.spec_from_file_location(file.stem, file)
+            assert spec is not None and spec.loader is not None  # a .py file always gets a source loader
             module = importlib.util.module_from_spec(spec)
             sys.modules.setdefault(file.stem, module)
             spec.loader.exec_module(module)
@@ -42,7 +44,7 @@ def load_factory(path: str) -> Callable[[Any], Task]:
             module = importlib.import_module(module_name)
     except TaskError:
         raise
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's module: say which and why
+    except Exception as e:  # any import failure is the user's module: say which and why
         raise TaskError(f"task {path!r}: module {module_name!r} does not import: {type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
     if fn is None:
@@ -60,7 +62,7 @@ def build_user_task(path: str, config: Any) -> Task:
     fn = load_factory(path)
     try:
         task = fn(config)
-    except Exception as e:  # noqa: BLE001 - the user's factory failed: report it as their input, not our crash
+    except Exception as e:  # the user's factory failed: report it as their input, not our crash
         raise TaskError(f"task {path!r}: make_task raised {type(e).__name__}: {e}") from e
     if not isinstance(task, Task):
         raise TaskError(f"task {path!r}: make_task returned a {type(task).__name__}; it must return "

@@ -12,7 +12,12 @@ Only bandwidth is shaped (tbf); netem is unavailable, so latency is not emulated
 from islands.testbed.etcd import EtcdCluster
 from islands.testbed.lifecycle import down, down_all, status, up
 from islands.testbed.measure import (
-    GOODPUT_PER_WIRE_BYTE, RATE_TOLERANCE, interface_bytes, measure_rate, rate_within, wire_bytes,
+    GOODPUT_PER_WIRE_BYTE,
+    RATE_TOLERANCE,
+    interface_bytes,
+    measure_rate,
+    rate_within,
+    wire_bytes,
 )
 from islands.testbed.model import Host, Testbed, TestbedNotFound
 from islands.testbed.spec import parse_rate

@@ -33,7 +33,7 @@ def receiver(addr: str) -> None:
         if first is None:
             first = last
         received += len(data)
-    seconds = (last - first) if first is not None else 0.0
+    seconds = (last - first) if first is not None and last is not None else 0.0  # both set by the first read
     print(json.dumps({"bytes": received, "seconds": seconds}), flush=True)
 
 

@@ -1,5 +1,6 @@
-"""A local etcd cluster, on loopback or inside a network namespace (a testbed's hub), for tests and experiments of an elastic job's replicated store (etcd-server
-3.4, /usr/bin/etcd; CI installs it in .ci/run; `EtcdCluster(3).start().url` is what `--store` takes).
+"""A local etcd cluster, on loopback or inside a network namespace (a testbed's hub), for tests and experiments
+of an elastic job's replicated store (etcd-server 3.4, /usr/bin/etcd; CI installs it in .ci/run;
+`EtcdCluster(3).start().url` is what `--store` takes).
 
 Each member gets two free ports (client, peer) and a data directory on tmpfs when there is one (fsync is
 cheap there, so a loaded machine does not stall Raft). Election timing is relaxed by default for a machine
@@ -21,8 +22,18 @@ import time
 import urllib.request
 from pathlib import Path
 
-from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, FIRST_TRY_S, KEY_ENV, PASSWORD_FILE_ENV, USER_ENV,
-                                        EtcdClient, EtcdLogin, EtcdTLS, leader_key)
+from islands.runtime.etcd_store import (
+    CA_ENV,
+    CERT_ENV,
+    FIRST_TRY_S,
+    KEY_ENV,
+    PASSWORD_FILE_ENV,
+    USER_ENV,
+    EtcdClient,
+    EtcdLogin,
+    EtcdTLS,
+    leader_key,
+)
 from islands.runtime.netns import entered as netns_entered
 from islands.testbed.system import netns_exec_prefix
 
@@ -144,23 +155,24 @@ class EtcdCluster:
 
     def start_member(self, i: int, state: str = "new") -> None:
         c, p = self.client_ports[i], self.peer_ports[i]
-        log = open(self.root / f"m{i}.log", "a")
         scheme, pki = ("https" if self.tls else "http"), self.root / "pki"
         tls = ["--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"), "--client-cert-auth",
                "--trusted-ca-file", str(pki / "ca.crt")] if self.tls else []
         where, h = self.places[i]
-        self.procs[i] = subprocess.Popen(  # `ip netns exec` execs etcd: the pid is the member's
-            [*(netns_exec_prefix(where) if where else []), ETCD, "--name", f"m{i}",
-             "--data-dir", str(self.root / f"m{i}"), *tls,
-             "--listen-client-urls", f"{scheme}://{h}:{c}", "--advertise-client-urls", f"{scheme}://{h}:{c}",
-             "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls", f"http://{h}:{p}",
-             "--initial-cluster", self.initial, "--initial-cluster-state", state,
-             "--initial-cluster-token", self.root.name, "--heartbeat-interval", str(self.heartbeat_ms),
-             "--election-timeout", str(self.election_ms), "--log-level", "warn", "--logger", "zap",
-             *(["--auth-token-ttl", str(self.token_ttl_s)] if self.token_ttl_s else [])],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # etcd inherits its own descriptor for the log; ours is closed once Popen returns
+        with open(self.root / f"m{i}.log", "a") as log:
+            self.procs[i] = subprocess.Popen(  # `ip netns exec` execs etcd: the pid is the member's
+                [*(netns_exec_prefix(where) if where else []), ETCD, "--name", f"m{i}",
+                 "--data-dir", str(self.root / f"m{i}"), *tls,
+                 "--listen-client-urls", f"{scheme}://{h}:{c}", "--advertise-client-urls", f"{scheme}://{h}:{c}",
+                 "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls", f"http://{h}:{p}",
+                 "--initial-cluster", self.initial, "--initial-cluster-state", state,
+                 "--initial-cluster-token", self.root.name, "--heartbeat-interval", str(self.heartbeat_ms),
+                 "--election-timeout", str(self.election_ms), "--log-level", "warn", "--logger", "zap",
+                 *(["--auth-token-ttl", str(self.token_ttl_s)] if self.token_ttl_s else [])],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def start(self, timeout: float = 60.0) -> "EtcdCluster":
+    def start(self, timeout: float = 60.0) -> EtcdCluster:
         for i in range(self.n):
             self.start_member(i)
         deadline = time.monotonic() + timeout

@@ -19,7 +19,13 @@ import time
 
 from islands.testbed import spec, state, system
 from islands.testbed.model import (
-    Host, Testbed, host_ifname, host_netns, hub_netns, hub_port, testbed_of_netns,
+    Host,
+    Testbed,
+    host_ifname,
+    host_netns,
+    hub_netns,
+    hub_port,
+    testbed_of_netns,
 )
 
 BRIDGE = "br0"
@@ -146,7 +152,7 @@ def _undone_on_failure(name: str):
     except BaseException as exc:
         try:
             _teardown(name)
-        except Exception as cleanup_error:  # keep the original error; say clean-up also failed
+        except Exception as cleanup_error:  # noqa: BLE001 - keep the original error; say clean-up also failed
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"clean-up of testbed {name!r} also failed: {cleanup_error}")
         raise

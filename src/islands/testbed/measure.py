@@ -57,8 +57,10 @@ def measure_rate(tb: Testbed, src: int = 0, dst: int = 1, seconds: float = 2.0) 
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Bounded wait for the port line, so a receiver that never starts cannot hang the caller.
-        ready, _, _ = select.select([receiver.stdout], [], [], PROBE_START_TIMEOUT_S)
-        port = receiver.stdout.readline().strip() if ready else ""
+        pipe = receiver.stdout
+        assert pipe is not None  # stdout=PIPE
+        ready, _, _ = select.select([pipe], [], [], PROBE_START_TIMEOUT_S)
+        port = pipe.readline().strip() if ready else ""
         if not port.isdigit():
             receiver.kill()
             _, err = receiver.communicate(timeout=10)

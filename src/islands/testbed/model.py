@@ -156,7 +156,7 @@ class Testbed:
     def free_port(self, host_index: int = 0) -> int:
         """A TCP port free on the host's address (asks the kernel inside the namespace for port 0)."""
         host = self.host(host_index)
-        code = ("import socket; s = socket.socket(); s.bind((%r, 0)); print(s.getsockname()[1])" % host.ip)
+        code = f"import socket; s = socket.socket(); s.bind(({host.ip!r}, 0)); print(s.getsockname()[1])"
         done = system.in_netns(host.netns, [sys.executable, "-I", "-S", "-c", code])
         return int(done.stdout.strip())
 
@@ -184,7 +184,7 @@ class Testbed:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Testbed":
+    def from_dict(cls, data: dict) -> Testbed:
         data = dict(data)
         data["hosts"] = [Host(**h) for h in data["hosts"]]
         return cls(**data)
@@ -193,7 +193,7 @@ class Testbed:
         state.save(self.name, self.to_dict())
 
     @classmethod
-    def load(cls, name: str) -> "Testbed":
+    def load(cls, name: str) -> Testbed:
         spec.validate_name(name)
         data = state.load(name)
         if data is None:

@@ -91,7 +91,7 @@ def choose_subnet(subnet: str | None, hosts: int, taken: list[str]) -> ipaddress
     taken_nets = [ipaddress.ip_network(t) for t in taken]
     if subnet is None:
         for k in range(256):
-            candidate = ipaddress.ip_network(f"10.77.{k}.0/24")
+            candidate = ipaddress.IPv4Network(f"10.77.{k}.0/24")
             if not any(candidate.overlaps(t) for t in taken_nets):
                 return candidate
         raise ValueError("all 256 default subnets 10.77.<k>.0/24 are taken; pass subnet= explicitly")
@@ -101,7 +101,7 @@ def choose_subnet(subnet: str | None, hosts: int, taken: list[str]) -> ipaddress
         net = ipaddress.ip_network(subnet, strict=True)
     except ValueError as exc:
         raise ValueError(f"subnet {subnet!r} is not an IPv4 network like '10.77.5.0/24': {exc}") from None
-    if net.version != 4 or not net.is_private or net.is_loopback or net.is_link_local or net.is_multicast:
+    if not isinstance(net, ipaddress.IPv4Network) or not net.is_private or net.is_loopback or net.is_link_local or net.is_multicast:
         raise ValueError(
             f"subnet {subnet!r} must be a private IPv4 range (10.0.0.0/8, 172.16.0.0/12 or "
             "192.168.0.0/16), not loopback or link-local"

@@ -7,15 +7,38 @@
     home is islands.inner.Pipeline (one home per name), so it is not in __all__ here
 """
 
-from islands.parallel.pipeline.chooser import (MicrobatchChoice, MicrobatchOption, choose_microbatches, held_bytes,
-                                               profile_microbatches)
-from islands.parallel.pipeline.cuts import (CUT_KINDS, PieceCost, balanced_cuts, choose_cuts, equal_cuts, graph_cuts,
-                                            output_bytes, param_bytes, piece_costs, stage_sums)
+from islands.parallel.pipeline.chooser import (
+                                               MicrobatchChoice,
+                                               MicrobatchOption,
+                                               choose_microbatches,
+                                               held_bytes,
+                                               profile_microbatches,
+)
+from islands.parallel.pipeline.cuts import (
+                                               CUT_KINDS,
+                                               PieceCost,
+                                               balanced_cuts,
+                                               choose_cuts,
+                                               equal_cuts,
+                                               graph_cuts,
+                                               output_bytes,
+                                               param_bytes,
+                                               piece_costs,
+                                               stage_sums,
+)
 from islands.parallel.pipeline.memory import SavedTensorMeter, saved_bytes_of_forward
 from islands.parallel.pipeline.pieces import Stage, build_stages, parameter_owner, pieces_of
 from islands.parallel.pipeline.runner import ACTIVATION, GRADIENT, PipelineRunner, split_batch
-from islands.parallel.pipeline.schedule import (SCHEDULES, Timeline, bubble_fraction, gpipe, one_f_one_b,
-                                                peak_in_flight, schedule_for, simulate)
+from islands.parallel.pipeline.schedule import (
+                                               SCHEDULES,
+                                               Timeline,
+                                               bubble_fraction,
+                                               gpipe,
+                                               one_f_one_b,
+                                               peak_in_flight,
+                                               schedule_for,
+                                               simulate,
+)
 from islands.parallel.pipeline.strategy import PipelineStages
 
 __all__ = [

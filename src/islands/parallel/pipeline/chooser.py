@@ -14,9 +14,10 @@ fixed per-micro-batch cost that is the largest M that fits, the registry's claim
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -127,7 +128,7 @@ def profile_microbatches(pieces: list[nn.Module], starts: list[int], x: torch.Te
             nxt = run(s, h, b, meter)  # also the warm-up
             per_stage.append(meter.per_microbatch[0])
             if time_it:  # the metered run above was the warm-up
-                seconds.append(best_seconds(lambda: run(s, h, b, None), repeats, warm=False))
+                seconds.append(best_seconds(functools.partial(run, s, h, b, None), repeats, warm=False))
             h = nxt
         for p in params:
             p.grad = None

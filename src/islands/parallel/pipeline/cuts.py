@@ -13,15 +13,15 @@ exactly the tensor a cut after it sends (not a lower bound as for leaf modules).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from islands.measure.timing import best_seconds
-from islands.sync.wrap_policy import GRAPH_SLACK, split_cheapest_cuts
-from islands.sync.wrap_policy import _min_bottleneck as min_bottleneck
+from islands.sync.wrap_policy import GRAPH_SLACK, _min_bottleneck as min_bottleneck, split_cheapest_cuts
 
 CUT_KINDS = ("equal", "graph", "balanced")
 
@@ -114,7 +114,7 @@ def piece_costs(pieces: list[nn.Module], example: torch.Tensor, measure: str = "
                 _fwd_bwd(piece, inp, lf, target)
             costs.append(int(counter.get_total_flops()))
         else:
-            costs.append(round(1e9 * best_seconds(lambda: _fwd_bwd(piece, inp, lf, target), repeats)))
+            costs.append(round(1e9 * best_seconds(functools.partial(_fwd_bwd, piece, inp, lf, target), repeats)))
         for p in piece.parameters():
             p.grad = None
     # a zero-cost piece (a parameter-free layer under the FLOP counter) still has to go somewhere

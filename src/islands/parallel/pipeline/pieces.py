@@ -9,6 +9,8 @@ tensors the full model holds, and the full model is what evaluation and checkpoi
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -97,7 +99,7 @@ class Stage(nn.Module):
 
 def check_starts(starts: list[int], pieces: int) -> None:
     """Stage start indices must begin at 0 and rise strictly inside 0..pieces-1."""
-    if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= pieces:
+    if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= pieces:
         raise ValueError(f"stage starts {starts} must begin at 0 and rise strictly below {pieces} pieces, "
                          f"e.g. [0, {pieces // 2}] for two stages")
 

@@ -14,7 +14,7 @@ equal those of one pass over the whole batch (mean-reduced loss, equal micro-bat
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -50,6 +50,10 @@ class PipelineRunner:
         self._shapes: dict[tuple, tuple] = {}
         self.wait_seconds = 0.0  # last step: time blocked on a message (the bubble plus transfer time)
 
+    def _peers(self) -> Comm:
+        assert self.comm is not None  # only a pipeline of 2+ stages talks, and __init__ made it have a Comm
+        return self.comm
+
     def _boundary(self, sample: torch.Tensor) -> tuple:
         """(input shape, input dtype, output shape, output dtype) of this stage for one sample."""
         key = (tuple(sample.shape), sample.dtype)
@@ -67,7 +71,7 @@ class PipelineRunner:
     def step(self, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> torch.Tensor | None:
         """One batch through the pipeline; gradients accumulate on this stage's parameters.
         Returns the batch's loss on the last stage (detached), None elsewhere."""
-        st, comm = self.stage, self.comm
+        st = self.stage
         batch = x.shape[0]
         xs = split_batch(x, microbatches) if st.is_first else None
         ys = split_batch(y, microbatches) if st.is_last else None
@@ -80,7 +84,7 @@ class PipelineRunner:
         self.wait_seconds = 0.0
         for kind, i in self.plan(st.index, st.count, microbatches):
             if kind == "F":
-                if st.is_first:
+                if xs is not None:  # the first stage
                     inp = xs[i]
                 else:
                     like = torch.empty((b, *in_shape), dtype=in_dtype)
@@ -88,12 +92,12 @@ class PipelineRunner:
                     inp.requires_grad_(inp.is_floating_point())
                 with self.meter.forward_of(i):
                     out = st(inp)
-                    if st.is_last:
+                    if ys is not None:  # the last stage
                         out = self.loss_fn(out, ys[i]) * (b / batch)
                 self.meter.hold(i, inp)
                 if not st.is_last:
                     self.meter.hold(i, out)
-                    waits.append(comm.exchange_async({st.index + 1: out.detach()}, [], kind=ACTIVATION)[1])
+                    waits.append(self._peers().exchange_async({st.index + 1: out.detach()}, [], kind=ACTIVATION)[1])
                 held[i] = (inp, out)
             else:
                 inp, out = held.pop(i)
@@ -106,7 +110,8 @@ class PipelineRunner:
                     torch.autograd.backward(out, grad)
                 self.meter.release(i)
                 if not st.is_first:
-                    waits.append(comm.exchange_async({st.index - 1: inp.grad}, [], kind=GRADIENT)[1])
+                    assert inp.grad is not None  # a received activation requires grad; backward has run
+                    waits.append(self._peers().exchange_async({st.index - 1: inp.grad}, [], kind=GRADIENT)[1])
         t = time.perf_counter()
         for wait in waits:
             wait()
@@ -115,6 +120,6 @@ class PipelineRunner:
 
     def _recv(self, peer: int, like: torch.Tensor, kind: str) -> torch.Tensor:
         t = time.perf_counter()
-        got = self.comm.exchange({}, [peer], like=like, kind=kind)[peer]
+        got = self._peers().exchange({}, [peer], like=like, kind=kind)[peer]
         self.wait_seconds += time.perf_counter() - t
         return got
