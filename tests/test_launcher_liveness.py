@@ -70,6 +70,7 @@ def _bounded(fn, timeout: float):
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the test
             box["error"] = e
+        box["ended"] = time.monotonic()
 
     t = threading.Thread(target=body, daemon=True)
     t.start()
@@ -213,3 +214,26 @@ def test_a_loopback_placement_holds_its_port_until_it_is_dropped():
     port = placement.port
     del placement
     assert port_is_free(port)
+
+
+@pytest.mark.slow
+def test_a_stopped_job_host_ends_the_elastic_job_with_a_clear_error_within_the_heartbeat_timeout(tmp_path):
+    run = tmp_path / "run"
+    hosts: list = []
+    when: dict = {}
+
+    def on_started(address, workers, coordinator):
+        hosts.append(coordinator.proc.pid)
+        os.kill(hosts[0], signal.SIGSTOP)  # the job's store with it: no worker can join, beat or finish
+        when["stopped"] = time.monotonic()
+
+    out = io.StringIO()
+    ok, box, thread = _bounded(lambda: launch_elastic(_elastic_cfg(run), run, out=out, on_started=on_started), 120)
+    try:
+        assert ok, f"the launcher waits on its stopped job host:\n{out.getvalue()}"
+        assert box.get("value") == 1, (box, out.getvalue())  # an error, not an exception from a store call
+        assert "job host" in out.getvalue() and "stopped" in out.getvalue(), out.getvalue()
+        assert box["ended"] - when["stopped"] < HEARTBEAT + 2 * HEARTBEAT + 10  # detection, one store call, stop
+    finally:
+        _thaw_or_kill(hosts[0] if hosts else None, kill=True)
+        thread.join(60)

@@ -193,9 +193,7 @@ class JobHost:
             time.sleep(0.05)
         address = info["address"]
         host, p = parse_address(address)
-        # on a testbed, from inside its hub (islands.runtime.netns); an operation that outlasts twice the heartbeat
-        # timeout fails (the workers' beats could not land either) instead of holding the launcher for 30 s
-        raw = connect(host, p, timeout_s=max(2 * job.heartbeat_timeout, 5.0), netns=netns)
+        raw = connect(host, p, netns=netns)  # on a testbed, from inside its hub (islands.runtime.netns)
         store = authed(raw, ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
                        lambda line: print(line, file=out, flush=True))
         return cls(proc, address, store, log, out, raw=raw, record=record)
@@ -283,26 +281,55 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", hear
                out, islands: "_Islands | None" = None) -> int:
     """_watch, ended with a clear error when the job host is lost (exited, or stopped for the heartbeat timeout):
     the workers cannot go on without their store, so they are stopped, unless every one of them had finished
-    (exit 0) already, which is a finished job. A store operation the lost host cannot answer fails within twice
-    the heartbeat timeout (JobHost.start), never holding the launcher for longer."""
+    (exit 0) already, which is a finished job. A watchdog thread looks at the host; a stopped host is SIGKILLed
+    once it counts as lost, so that no store operation of the launcher stays blocked on it (a TCPStore client
+    waits for a stopped server's answer for ever)."""
+    watchdog = _HostWatchdog(coordinator, heartbeat_timeout)
     try:
-        return _watch(workers, store, coordinator, heartbeat_timeout, out, islands)
+        return _watch(workers, store, watchdog, heartbeat_timeout, out, islands)
     except _HostLost as e:
         if workers and all(w.proc.poll() == 0 for w in workers):
             print(f"islands: {e} after every worker had finished", file=out, flush=True)
             return 0
         print(f"\nislands: {e}; the job cannot go on without its store: stopping the workers", file=out, flush=True)
         return 1
+    finally:
+        watchdog.stop.set()
 
 
-def _host_check(coordinator, patience: float) -> None:
-    trouble = getattr(coordinator, "trouble", None)
-    why = trouble(patience) if trouble is not None else None
-    if why:
-        raise _HostLost(why)
+class _HostWatchdog(threading.Thread):
+    """Looks at the job host every 0.2 s (JobHost.trouble); once it is lost, says why (`why`) and SIGKILLs it if it
+    still exists (stopped), which fails the launcher's store operation that waits on it. `coordinator` is passed
+    on to _watch (its `.store`)."""
+
+    def __init__(self, coordinator, patience: float):
+        super().__init__(name="islands-job-host-watchdog", daemon=True)
+        self.coordinator, self.store, self.patience = coordinator, coordinator.store, patience
+        self.why: str | None = None
+        self.stop = threading.Event()
+        if hasattr(coordinator, "trouble"):
+            self.start()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            why = self.coordinator.trouble(self.patience)
+            if why:
+                self.why = why
+                if self.coordinator.proc.poll() is None:
+                    self.coordinator.proc.kill()
+                return
+
+    def check(self, wait: float = 0.0) -> None:
+        """Raise _HostLost when the host is lost; `wait`: seconds to give the watchdog to tell (a store operation
+        just failed: the host's fault, or not)."""
+        deadline = time.monotonic() + wait
+        while self.why is None and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.why:
+            raise _HostLost(self.why)
 
 
-def _watch(workers: list[WorkerProcess], store, coordinator: "JobHost", heartbeat_timeout: float,
+def _watch(workers: list[WorkerProcess], store, coordinator: "_HostWatchdog", heartbeat_timeout: float,
            out, islands: "_Islands | None" = None) -> int:
     """Watch the workers until the job ended. Islands are the unit (docs/membership.md, "Islands of k workers"):
     a worker of island i that exits non-zero takes its island out (its mates are stopped and reported dead,
@@ -317,7 +344,7 @@ def _watch(workers: list[WorkerProcess], store, coordinator: "JobHost", heartbea
     next_look = 0.0
     try:
         while True:
-            _host_check(coordinator, heartbeat_timeout)
+            coordinator.check()
             for w in list(workers):
                 code = w.proc.poll()
                 name = _name(w)
@@ -379,7 +406,7 @@ def _watch(workers: list[WorkerProcess], store, coordinator: "JobHost", heartbea
                 break
             time.sleep(0.05)
     except RuntimeError:  # a store operation failed: the host's fault (a clear error), or not (raised as it was)
-        _host_check(coordinator, 0.0)
+        coordinator.check(wait=1.0)
         raise
     finished = [w for w in workers if w.proc.returncode == 0]
     if finished:
