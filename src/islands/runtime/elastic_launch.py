@@ -43,8 +43,8 @@ from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
 from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from islands.runtime.auth import ControlAuth
 from islands.runtime.etcd_store import EtcdAddress, EtcdStore
-from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, log_tail, port_is_free,
-                                    signal_worker, stop_all)
+from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, exit_of, log_tail,
+                                    port_is_free, signal_worker, stop_all)
 from islands.testbed import Testbed
 from islands.runtime.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
                                         get_json, no_member_alive, parse_address)
@@ -143,6 +143,7 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
     finally:
         stop_all(started)
         host.stop()
+        spawn.release_stopped_server(out)
 
 
 class JobHost:
@@ -156,6 +157,7 @@ class JobHost:
     def __init__(self, proc: subprocess.Popen, address: str, store, log: Path, out, raw=None, record: Path | None = None):
         self.proc, self.address, self.store, self.log_path, self.out = proc, address, store, log, out
         self.raw, self.record = raw, record  # the unauthenticated client (EtcdStore.end) and job_host.json
+        self._stopped_since: float | None = None  # since when the host process is stopped (trouble)
         self._stop = threading.Event()
         self._relay = threading.Thread(target=self._follow, name="islands-job-host-log", daemon=True)
         self._relay.start()
@@ -195,6 +197,24 @@ class JobHost:
         store = authed(raw, ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
                        lambda line: print(line, file=out, flush=True))
         return cls(proc, address, store, log, out, raw=raw, record=record)
+
+    def trouble(self, patience: float) -> str | None:
+        """Why the job cannot go on with its store, or None: the job host exited, or has been stopped (SIGSTOP) for
+        `patience` seconds. An etcd job's keys do not live in the host (its death loses nothing): never then."""
+        if isinstance(self.raw, EtcdStore):
+            return None
+        code = self.proc.poll()
+        if code is not None:
+            return f"the job host (pid {self.proc.pid}, the job's store) ended ({describe_exit(code)})"
+        now = time.monotonic()
+        if spawn.process_state(self.proc.pid) not in ("T", "t"):
+            self._stopped_since = None
+            return None
+        self._stopped_since = self._stopped_since or now
+        if now - self._stopped_since < patience:
+            return None
+        return (f"the job host (pid {self.proc.pid}, the job's store) has been stopped for "
+                f"{now - self._stopped_since:.1f} s")
 
     def mark_dead(self, name: str) -> None:
         self.store.set(f"dead/{name}", "1")
@@ -253,8 +273,64 @@ def get_json_file(path: Path):
         return None
 
 
+class _HostLost(Exception):
+    """The job host, whose store the job runs on, is gone or stopped (JobHost.trouble says how)."""
+
+
 def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", heartbeat_timeout: float,
                out, islands: "_Islands | None" = None) -> int:
+    """_watch, ended with a clear error when the job host is lost (exited, or stopped for the heartbeat timeout):
+    the workers cannot go on without their store, so they are stopped, unless every one of them had finished
+    (exit 0) already, which is a finished job. A watchdog thread looks at the host; a stopped host is SIGKILLed
+    once it counts as lost, so that no store operation of the launcher stays blocked on it (a TCPStore client
+    waits for a stopped server's answer for ever)."""
+    watchdog = _HostWatchdog(coordinator, heartbeat_timeout)
+    try:
+        return _watch(workers, store, watchdog, heartbeat_timeout, out, islands)
+    except _HostLost as e:
+        if workers and all(w.proc.poll() == 0 for w in workers):
+            print(f"islands: {e} after every worker had finished", file=out, flush=True)
+            return 0
+        print(f"\nislands: {e}; the job cannot go on without its store: stopping the workers", file=out, flush=True)
+        return 1
+    finally:
+        watchdog.stop.set()
+
+
+class _HostWatchdog(threading.Thread):
+    """Looks at the job host every 0.2 s (JobHost.trouble); once it is lost, says why (`why`) and SIGKILLs it if it
+    still exists (stopped), which fails the launcher's store operation that waits on it. `coordinator` is passed
+    on to _watch (its `.store`)."""
+
+    def __init__(self, coordinator, patience: float):
+        super().__init__(name="islands-job-host-watchdog", daemon=True)
+        self.coordinator, self.store, self.patience = coordinator, coordinator.store, patience
+        self.why: str | None = None
+        self.stop = threading.Event()
+        if hasattr(coordinator, "trouble"):
+            self.start()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            why = self.coordinator.trouble(self.patience)
+            if why:
+                self.why = why
+                if self.coordinator.proc.poll() is None:
+                    self.coordinator.proc.kill()
+                return
+
+    def check(self, wait: float = 0.0) -> None:
+        """Raise _HostLost when the host is lost; `wait`: seconds to give the watchdog to tell (a store operation
+        just failed: the host's fault, or not)."""
+        deadline = time.monotonic() + wait
+        while self.why is None and self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.why:
+            raise _HostLost(self.why)
+
+
+def _watch(workers: list[WorkerProcess], store, coordinator: "_HostWatchdog", heartbeat_timeout: float,
+           out, islands: "_Islands | None" = None) -> int:
     """Watch the workers until the job ended. Islands are the unit (docs/membership.md, "Islands of k workers"):
     a worker of island i that exits non-zero takes its island out (its mates are stopped and reported dead,
     so the members fail over without its leader at once), and island i starts again as a new incarnation
@@ -266,66 +342,72 @@ def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", hear
     stopped: set[str] = set()  # mates the launcher stopped because their island left
     closing = False  # the job ended: no restarts, waiting restarted islands are stopped
     next_look = 0.0
-    while True:
-        for w in list(workers):
-            code = w.proc.poll()
-            name = _name(w)
-            if code is None or name in reported:
+    try:
+        while True:
+            coordinator.check()
+            for w in list(workers):
+                code = w.proc.poll()
+                name = _name(w)
+                if code is None or name in reported:
+                    continue
+                reported.add(name)
+                if w.own_group:  # what it left behind (a data loader worker) goes with it
+                    signal_worker(w, signal.SIGKILL)
+                if name in stopped:
+                    continue  # reported dead when it was stopped
+                why = exit_of(w.proc)
+                coordinator.store.set(f"dead/{name}", "finished" if code == 0 else why)
+                if code == 0:
+                    continue
+                print(f"islands: worker {name} left ({why}); the others carry on", file=out, flush=True)
+                if islands is not None and islands.whole:
+                    mates = [m for m in workers if islands.same(m, w) and _name(m) not in reported | stopped]
+                    for m in mates:
+                        stopped.add(_name(m))
+                        coordinator.store.set(f"dead/{_name(m)}", f"its island lost {name}")
+                        signal_worker(m, signal.SIGKILL)
+                    if islands.size > 1:
+                        print(f"islands: island {w.island} left the job ({name}: {why})"
+                              + (f"; stopped {', '.join(_name(m) for m in mates)}" if mates else ""), file=out, flush=True)
+                    gone = {_name(m) for m in workers if islands.same(m, w)}
+                    if closing or code in (REFUSED_EXIT_CODE, JOB_ENDED_EXIT_CODE):
+                        pass
+                    elif islands.restarts.get(w.island, 0) >= islands.max_restarts:
+                        if islands.max_restarts:
+                            print(f"islands: island {w.island} is not restarted: its {islands.max_restarts} restart(s) "
+                                  "(--max-restarts) are used up", file=out, flush=True)
+                    elif not _member_alive_besides(store, liveness, gone):
+                        print(f"islands: island {w.island} is not restarted: no other island is alive to admit it",
+                              file=out, flush=True)
+                    else:
+                        fresh = islands.restart(w.island, why=f"{name}: {why}")
+                        workers += fresh
+                        print(f"islands: restarting island {w.island} (restart {islands.restarts[w.island]} of "
+                              f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins at a round "
+                              "boundary", file=out, flush=True)
+            running = [w for w in workers if _name(w) not in reported]
+            if time.monotonic() < next_look:  # exits are polled every 50 ms; the store (etcd: HTTP) every LOOK_S
+                time.sleep(0.05)
                 continue
-            reported.add(name)
-            if w.own_group:  # what it left behind (a data loader worker) goes with it
-                signal_worker(w, signal.SIGKILL)
-            if name in stopped:
-                continue  # reported dead when it was stopped
-            coordinator.store.set(f"dead/{name}", "finished" if code == 0 else describe_exit(code))
-            if code == 0:
-                continue
-            print(f"islands: worker {name} left ({describe_exit(code)}); the others carry on", file=out, flush=True)
-            if islands is not None and islands.whole:
-                mates = [m for m in workers if islands.same(m, w) and _name(m) not in reported | stopped]
-                for m in mates:
-                    stopped.add(_name(m))
-                    coordinator.store.set(f"dead/{_name(m)}", f"its island lost {name}")
-                    signal_worker(m, signal.SIGKILL)
-                if islands.size > 1:
-                    print(f"islands: island {w.island} left the job ({name}: {describe_exit(code)})"
-                          + (f"; stopped {', '.join(_name(m) for m in mates)}" if mates else ""), file=out, flush=True)
-                gone = {_name(m) for m in workers if islands.same(m, w)}
-                if closing or code in (REFUSED_EXIT_CODE, JOB_ENDED_EXIT_CODE):
-                    pass
-                elif islands.restarts.get(w.island, 0) >= islands.max_restarts:
-                    if islands.max_restarts:
-                        print(f"islands: island {w.island} is not restarted: its {islands.max_restarts} restart(s) "
-                              "(--max-restarts) are used up", file=out, flush=True)
-                elif not _member_alive_besides(store, liveness, gone):
-                    print(f"islands: island {w.island} is not restarted: no other island is alive to admit it",
+            next_look = time.monotonic() + LOOK_S
+            reaper.look([w for w in running if _name(w) not in stopped])
+            ended = no_member_alive(store, liveness)
+            if ended and islands is not None:
+                closing = True
+                waiting = [w for w in running if getattr(w, "incarnation", 0) > 0 and _name(w) not in stopped
+                           and islands.leader_name(w) not in reaper.members_seen]
+                for w in waiting:  # admitted by nobody, ever: the members are gone
+                    stopped.add(_name(w))
+                    print(f"islands: worker {_name(w)}: the job ended before its island was admitted; stopping it",
                           file=out, flush=True)
-                else:
-                    fresh = islands.restart(w.island, why=f"{name}: {describe_exit(code)}")
-                    workers += fresh
-                    print(f"islands: restarting island {w.island} (restart {islands.restarts[w.island]} of "
-                          f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins at a round "
-                          "boundary", file=out, flush=True)
-        running = [w for w in workers if _name(w) not in reported]
-        if time.monotonic() < next_look:  # exits are polled every 50 ms; the store (etcd: HTTP) every LOOK_S
+                    coordinator.store.set(f"dead/{_name(w)}", "the job ended before its island was admitted")
+                    signal_worker(w, signal.SIGKILL)
+            if len(reported) == len(workers) and (not store.check(["e/0/members"]) or no_member_alive(store, liveness)):
+                break
             time.sleep(0.05)
-            continue
-        next_look = time.monotonic() + LOOK_S
-        reaper.look([w for w in running if _name(w) not in stopped])
-        ended = no_member_alive(store, liveness)
-        if ended and islands is not None:
-            closing = True
-            waiting = [w for w in running if getattr(w, "incarnation", 0) > 0 and _name(w) not in stopped
-                       and islands.leader_name(w) not in reaper.members_seen]
-            for w in waiting:  # admitted by nobody, ever: the members are gone
-                stopped.add(_name(w))
-                print(f"islands: worker {_name(w)}: the job ended before its island was admitted; stopping it",
-                      file=out, flush=True)
-                coordinator.store.set(f"dead/{_name(w)}", "the job ended before its island was admitted")
-                signal_worker(w, signal.SIGKILL)
-        if len(reported) == len(workers) and (not store.check(["e/0/members"]) or no_member_alive(store, liveness)):
-            break
-        time.sleep(0.05)
+    except RuntimeError:  # a store operation failed: the host's fault (a clear error), or not (raised as it was)
+        coordinator.check(wait=1.0)
+        raise
     finished = [w for w in workers if w.proc.returncode == 0]
     if finished:
         return 0

@@ -9,6 +9,11 @@ non-zero. Ranks blocked in a collective are additionally bounded by their collec
 
 Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 OMP_NUM_THREADS, PYTHONUNBUFFERED=1 and ISLANDS_ISLANDS (read by islands.runtime.world.init_world).
+On this machine the launcher owns the rendezvous port: it hosts the env:// store itself (a TCPStore on port 0,
+or on the port asked for, bound before any rank starts) and every rank, rank 0 included, connects to it as a
+client (TORCHELASTIC_USE_AGENT_STORE=True, as torchrun's agent does). A port picked and freed for rank 0 to
+bind later could be taken by another process meanwhile (rank 0 then died with EADDRINUSE); a port held from
+the start cannot, so concurrent jobs never collide. On a testbed, rank 0 still hosts the store inside host 0.
 All ranks run on this machine, so LOCAL_RANK = RANK even inside testbed hosts (a GPU per rank).
 Rank r writes RUN_DIR/logs/rank<r>.log; rank 0's stdout stays on the launcher's stdout.
 """
@@ -38,6 +43,9 @@ ISLANDS_ENV = "ISLANDS_ISLANDS"  # the variable islands.runtime.world.init_world
 class LaunchError(RuntimeError):
     """Launch input that cannot work (a busy port, a testbed that does not exist, bad counts); the CLI
     prints it and exits 2 before any rank starts."""
+
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # torch's env:// then connects every rank to MASTER_PORT as a client
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -95,13 +103,21 @@ def stop_all(workers: list[WorkerProcess]) -> None:
             w.proc.wait()
 
 
-def describe_exit(code: int) -> str:
+def describe_exit(code: int, note: str = "") -> str:
+    """`code` in words; `note`: why it is not known exactly (spawn.ForkedProcess.note), added when there is one."""
+    if note:
+        return f"exit code {code}: {note}"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def exit_of(proc) -> str:
+    """How a worker's process ended, in words."""
+    return describe_exit(proc.returncode, getattr(proc, "note", ""))
 
 
 # ---- where ranks run -------------------------------------------------------------------------
@@ -129,16 +145,18 @@ class Placement:
     master_addr: str
     port: int
     testbed: Testbed | None = field(default=None, compare=False)
+    store: object = field(default=None, compare=False, repr=False)  # the launcher's own rendezvous store, if any
 
     @classmethod
     def loopback(cls, port: int = 0) -> "Placement":
-        if port:
-            if not 0 < port < 65536:
-                raise LaunchError(f"port must be in 1..65535 (or 0 to pick a free one); got {port}")
-            if not port_is_free(port):
-                raise LaunchError(f"port {port} is busy on {LOOPBACK}; choose another or use port 0 to pick a free one")
-            return cls(LOOPBACK, port)
-        return cls(LOOPBACK, free_port())
+        """On this machine, with the rendezvous store listening (in this process) before anything starts: on
+        `port`, or on a port the kernel picks (0). The port is held for as long as the placement lives."""
+        if port and not 0 < port < 65536:
+            raise LaunchError(f"port must be in 1..65535 (or 0 to pick a free one); got {port}")
+        if port and not port_is_free(port):
+            raise LaunchError(f"port {port} is busy on {LOOPBACK}; choose another or use port 0 to pick a free one")
+        store = rendezvous_store(port)
+        return cls(LOOPBACK, store.port, store=store)
 
     @classmethod
     def on_testbed(cls, testbed: str | Testbed, port: int = 0) -> "Placement":
@@ -154,7 +172,27 @@ class Placement:
 
     def env(self, rank: int) -> dict[str, str]:
         extra = {} if self.testbed is None else self.testbed.env(self.testbed.host_for_rank(rank))
+        if self.store is not None:
+            extra[AGENT_STORE_ENV] = "True"
         return {**extra, "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port)}
+
+
+STORE_TIMEOUT_S = 300.0  # the launcher's store's own operations (it makes none; a rank's come with their own)
+
+
+def rendezvous_store(port: int = 0):
+    """A TCPStore server for the ranks' env:// rendezvous, in this process, on `port` (0: the kernel picks one,
+    so no other process can take it between the choice and the use). LaunchError when `port` is busy."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    except RuntimeError as e:  # DistNetworkError: EADDRINUSE (another process took it meanwhile)
+        raise LaunchError(f"port {port} is busy on {LOOPBACK}; choose another or use port 0 to pick a free one "
+                          f"({e})") from None
 
 
 def rank_env(rank: int, workers: int, placement: Placement, islands: int = 1, threads: int = 1) -> dict[str, str]:
@@ -238,6 +276,7 @@ def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: i
         _install({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}, saved)
         try:
             stop_all(started)
+            spawn.release_stopped_server(out)
         finally:
             _install(saved, saved)
 
@@ -276,7 +315,7 @@ def _supervise(workers: list[WorkerProcess], out) -> int:
                 continue
         if w.proc.returncode != 0:
             stop_all(workers)
-            print(f"\nislands: worker rank {w.rank} failed ({describe_exit(w.proc.returncode)}); "
+            print(f"\nislands: worker rank {w.rank} failed ({exit_of(w.proc)}); "
                   f"stopped the other workers.", file=out)
             print(f"--- last lines of rank {w.rank}'s log ({w.log}) ---\n{log_tail(w.log)}", file=out, flush=True)
             return 1

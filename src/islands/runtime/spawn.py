@@ -13,6 +13,16 @@ atexit handlers run at the end, and an exit code that is the process's (negative
 Two things differ: its parent is the fork server, not the launcher, and /proc/PID/environ shows the
 server's environment (os.environ is the one given); find a worker by its log (/proc/PID/fd/1) instead.
 
+The launcher never depends on the fork server to learn that a worker ended (issue #33 item 9): the server
+only forwards each child's exit status when it reaps it, so a server stopped with SIGSTOP left finished workers
+zombies and the launcher waiting for ever, and a killed one read as "exit 255" for workers still running.
+ForkedProcess.poll takes the server's word when it comes, and otherwise watches the process itself (a pidfd):
+once it has exited, its status comes from the copy's own report (a pipe it writes its exit code to as it
+exits, os._exit included) or, while it is an unreaped zombie, from /proc/PID/stat; with neither, it is an
+exit of unknown status (UNKNOWN_EXIT, `note` says why), never a wait. A start request the server does not
+answer (stopped for STOPPED_LIMIT_S, or silent for START_TIMEOUT_S) gives the server up: it is killed (its
+pending request dies with it; the next start gets a new server) and the worker starts as a fresh interpreter.
+
 Only `[sys.executable, "-m", "islands...", ...]` is forked; anything else (a user's script, a command
 wrapped to run inside a testbed's network namespace) is started with subprocess.Popen. ISLANDS_SPAWN=exec
 turns the fork server off (every process a fresh interpreter).
@@ -25,13 +35,16 @@ import io
 import json
 import os
 import runpy
+import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
 import warnings
+import weakref
 import multiprocessing
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, util
@@ -50,6 +63,12 @@ SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands'
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "islands.cli", "islands.app.elastic_worker",
            "islands.runtime.job_host"]
 _more: list[str] = []  # a job's own heavy imports (preload())
+
+START_TIMEOUT_S = 120.0  # a start request unanswered this long gives the server up (its first start imports torch)
+STOPPED_LIMIT_S = 2.0  # ... and one to a server stopped (SIGSTOP) this long
+SERVER_GRACE_S = 2.0  # a worker that exited and was reaped: how long its status may take to come from the server
+UNKNOWN_EXIT = 255  # the exit code of a worker whose status nobody could tell (its server was killed, no report)
+_REPORT = struct.Struct("=qi")  # what a copy writes as it exits: its pid and its exit status
 
 _lock = threading.Lock()
 _context = None
@@ -83,6 +102,10 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
         warnings.warn(f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
                       RuntimeWarning, stacklevel=2)
         _unavailable.append(str(e))  # said once; from now on every worker is a fresh interpreter
+        return fresh()
+    except (ServerUnresponsive, EOFError, OSError) as e:  # stopped, hung or killed: this worker starts without it
+        print(f"islands: {e}; this worker starts as a fresh interpreter", file=sys.stderr, flush=True)
+        _abandon_server()
         return fresh()
 
 
@@ -128,7 +151,90 @@ class _Popen(popen_forkserver.Popen):
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        self.pid = _await_pid(self.sentinel)
+
+
+class ServerUnresponsive(RuntimeError):
+    """The fork server did not answer a start request (stopped with SIGSTOP, or hung)."""
+
+
+def _server_pid() -> int | None:
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def _await_pid(sentinel: int) -> int:
+    """The new child's pid, as the server sends it; never a wait without end: ServerUnresponsive when the server
+    stays stopped for STOPPED_LIMIT_S or silent for START_TIMEOUT_S, EOFError when it died."""
+    server = _server_pid()
+    now = time.monotonic()
+    deadline, stopped_since = now + START_TIMEOUT_S, None
+    while not select.select([sentinel], [], [], 0.05)[0]:
+        now = time.monotonic()
+        stopped = server is not None and process_state(server) in ("T", "t")
+        stopped_since = (stopped_since or now) if stopped else None
+        if stopped_since is not None and now - stopped_since > STOPPED_LIMIT_S:
+            raise ServerUnresponsive(f"the fork server (pid {server}) is stopped and did not start a worker within "
+                                     f"{STOPPED_LIMIT_S:.0f} s")
+        if now > deadline:
+            raise ServerUnresponsive(f"the fork server (pid {server}) did not start a worker within "
+                                     f"{START_TIMEOUT_S:.0f} s")
+    return forkserver.read_signed(sentinel)
+
+
+def _abandon_server() -> None:
+    """Kill a fork server that failed to answer: its pending start requests die with it (no late copy of a worker
+    the launcher gave up on), its children (running workers) live on, and the next start gets a new server
+    (multiprocessing starts one when it finds the old one dead)."""
+    server = _server_pid()
+    if server is None:
+        return
+    try:
+        os.kill(server, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 2.0
+    while process_state(server) not in (None, "Z", "X") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def release_stopped_server(out=None) -> bool:
+    """At the end of a job: a fork server left stopped (SIGSTOP) would hold its exited children as zombies for as
+    long as it stays stopped; it is killed instead (a later start gets a new one). Returns whether it was."""
+    server = _server_pid()
+    if server is None or process_state(server) not in ("T", "t"):
+        return False
+    print(f"islands: the fork server (pid {server}) is stopped; ending it so that its exited workers are reaped",
+          file=out if out is not None else sys.stderr, flush=True)
+    _abandon_server()
+    return True
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` in /proc (R, S, D, T, t, Z, ...), or None when there is no such process."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (field 3 is [0]), or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return text.rpartition(")")[2].split()
+
+
+def zombie_status(pid: int) -> int | None:
+    """The exit code (Popen's convention) of `pid` while it is a zombie nobody reaped (its parent is stopped), read
+    from /proc/PID/stat's exit_code field; None when it is not a zombie (running, or reaped)."""
+    fields = _stat(pid)
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    try:
+        return os.waitstatus_to_exitcode(int(fields[49]))
+    except ValueError:
+        return None
 
 
 class _ServerProcess(mp_context.ForkServerProcess):
@@ -152,35 +258,113 @@ class _Fd:
 
 
 class ForkedProcess:
-    """A worker forked from the fork server, driven like a subprocess.Popen."""
+    """A worker forked from the fork server, driven like a subprocess.Popen. Its exit is learned without relying on
+    the server (module docstring): poll and wait never wait on a stopped or killed server."""
 
     def __init__(self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None,
                  netns: str | None = None):
         _forkserver()
-        self._process = _ServerProcess(target=_child, args=(module, args, env, _Fd(out), _Fd(err), cwd, netns),
-                                       name=f"islands-{module}")
-        self._process.start()
+        report_r, report_w = os.pipe()  # the copy writes its exit status here as it exits
+        try:
+            self._process = _ServerProcess(target=_child, name=f"islands-{module}",
+                                           args=(module, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w),
+                                                 time.time() + START_TIMEOUT_S))
+            self._process.start()
+        except BaseException:
+            os.close(report_r)
+            raise
+        finally:
+            os.close(report_w)
         # not multiprocessing's child to look after: its exit handler would wait for it (or kill it) when
         # this process exits, and a worker must outlive a launcher that dies (docs/membership.md)
         mp_process._children.discard(self._process)
         self._popen = self._process._popen
         self.pid = self._process.pid
         self.args = [sys.executable, "-m", module, *args]
+        os.set_blocking(report_r, False)
+        self._report, self._reported = report_r, None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)  # readable once it has exited, whoever reaps it
+        except (AttributeError, OSError):  # no pidfd (old kernel), or gone already: /proc is looked at instead
+            self._pidfd = None
+        weakref.finalize(self, _close, [fd for fd in (report_r, self._pidfd) if fd is not None])
+        self._code: int | None = None
+        self._server_gone = False
+        self._exited_since: float | None = None
+        self.note = ""  # why the exit status is UNKNOWN_EXIT, when it is
 
     @property
     def returncode(self) -> int | None:
-        return self._popen.returncode
+        return self._code
 
     def poll(self) -> int | None:
-        return self._popen.poll()
+        if self._code is None:
+            code = self._server_word()
+            if code is None and self._exited():
+                code = self._without_server()
+            if code is not None:
+                self._code = self._popen.returncode = code
+        return self._code
 
     def wait(self, timeout: float | None = None) -> int:
-        if timeout is None:
-            while self._popen.wait(1.0) is None:
-                pass
-        elif self._popen.wait(timeout) is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._popen.returncode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.5 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            watched = [fd for fd in (None if self._server_gone else self._popen.sentinel, self._pidfd)
+                       if fd is not None]
+            if self._exited_since is not None or not watched:
+                time.sleep(min(0.05, left))  # exited, its status not told yet: look again shortly
+            else:
+                select.select(watched, [], [], min(0.5, left))
+        return self._code
+
+    def _server_word(self) -> int | None:
+        """The exit status the fork server sent (it reaped the child), without waiting; notes a server that died."""
+        if self._server_gone or not select.select([self._popen.sentinel], [], [], 0)[0]:
+            return None
+        try:
+            return forkserver.read_signed(self._popen.sentinel)
+        except (OSError, EOFError):  # the server died: its children live on, re-parented; watch them ourselves
+            self._server_gone = True
+            return None
+
+    def _exited(self) -> bool:
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        return process_state(self.pid) in (None, "Z", "X")
+
+    def _own_report(self) -> int | None:
+        while True:
+            try:
+                data = os.read(self._report, _REPORT.size * 64)
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            for off in range(0, len(data) - len(data) % _REPORT.size, _REPORT.size):
+                pid, code = _REPORT.unpack_from(data, off)
+                if pid == self.pid:
+                    self._reported = code
+        return self._reported
+
+    def _without_server(self) -> int | None:
+        """The status of a process that has exited while the server has not said it: its own report, or its zombie
+        status; failing both, UNKNOWN_EXIT once the server is known dead or SERVER_GRACE_S passed."""
+        code = self._own_report()
+        if code is None:
+            code = zombie_status(self.pid)
+        if code is not None:
+            return code
+        now = time.monotonic()
+        if self._exited_since is None:
+            self._exited_since = now
+        if not self._server_gone and now - self._exited_since < SERVER_GRACE_S:
+            return None  # reaped by a live server: its word is on the way
+        self.note = (f"its exit status is unknown: the fork server {'died' if self._server_gone else 'did not report it'}"
+                     " and the worker did not report one itself (killed by a signal?)")
+        return UNKNOWN_EXIT
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -196,6 +380,14 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _close(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _stream(fd: int):
     return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
                             line_buffering=True, write_through=True)
@@ -208,9 +400,31 @@ def _server_touched_cuda() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
+def _reporting_exit(report: int) -> None:
+    """Make this copy write its exit status to `report` as it exits, whichever way it exits: sys.exit and the end of
+    its module go through multiprocessing's os._exit, and a worker may call os._exit itself (the elastic worker
+    does). Processes it forks inherit the hook but report nothing (another pid)."""
+    os.set_inheritable(report, False)
+    me, real_exit = os.getpid(), os._exit
+
+    def _exit(code):
+        if os.getpid() == me:
+            try:
+                os.write(report, _REPORT.pack(me, int(code) & 0xFF))  # the status the kernel keeps
+            except (OSError, ValueError, TypeError):
+                pass
+        real_exit(code)
+
+    os._exit = _exit
+
+
 def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None,
-           netns: str | None = None) -> None:
+           netns: str | None = None, report: int | None = None, start_by: float | None = None) -> None:
     """In the forked copy: become what `python -m module args` in a new session would have been."""
+    if start_by is not None and time.time() > start_by:  # the launcher gave this start up (a stopped server)
+        os._exit(UNKNOWN_EXIT)
+    if report is not None:
+        _reporting_exit(report)
     if netns:  # before anything opens a socket; the copy has one thread, so the whole process moves
         enter_netns(netns)
     # `ps`, `pgrep -f` and /proc/PID/cmdline show the command it stands for, not the fork server's; first,
@@ -233,6 +447,8 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if _server_touched_cuda():  # a forked copy cannot use CUDA then: become a fresh interpreter instead
+        if report is not None:
+            os.close(report)  # the fresh interpreter reports nothing: its status comes from the server or /proc
         os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
     # the server imported the module already (PRELOAD); `-m` runs it again as __main__, which is what we want
     warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
