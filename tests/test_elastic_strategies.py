@@ -58,7 +58,7 @@ if args.authenticate:  # every payload tagged under the job key (the launcher an
     islands.control.authenticate_payloads(world)
 model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-outer = {"streaming": lambda: islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=2),
+outer = {"streaming": lambda: islands.outer.StreamingDiLoCo.from_options(inner_steps=4, fragments=2, tau=2),
          "tau1": lambda: islands.outer.DiLoCo(inner_steps=5, tau=1),
          "gossip": lambda: islands.outer.Gossip(every=3, topology="exp"),
          "push-sum": lambda: islands.outer.Gossip(every=3, topology="random:s=1", seed=3),
@@ -95,7 +95,8 @@ islands.close_world(world)
 def _expected_sends(outer: str) -> list[int]:
     """Sends per fragment of a run of STEPS steps without churn: the schedule's, plus final_sync's one each."""
     from islands.outer import DiLoCo, StreamingDiLoCo
-    s = StreamingDiLoCo(inner_steps=4, fragments=2, tau=2) if outer == "streaming" else DiLoCo(inner_steps=5, tau=1)
+    s = (StreamingDiLoCo.from_options(inner_steps=4, fragments=2, tau=2) if outer == "streaming"
+         else DiLoCo.from_options(inner_steps=5, tau=1)).schedule
     sends = [0] * s.fragments
     for done in range(1, STEPS + 1):
         for p in s.starting(done):
