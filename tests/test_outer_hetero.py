@@ -143,6 +143,7 @@ class Run:
 
     def __init__(self, world, spec: str, rows: int = 4, start: float = 0.0):
         from islands.sync.outer import make_outer
+        from islands.sync.outer.adaptive import Adaptive
 
         self.world, self.rows = world, rows
         self.model = tiny_model()
@@ -150,9 +151,13 @@ class Run:
         self.strategy = make_outer(spec)
         self.strategy.wrap(self.model, self.opt, world)
         self.clock = FakeClock(start)
-        self.strategy.schedule.meter.timer = self.strategy.schedule.meter.wallclock = self.clock  # every rank's clock starts at `start`
         self.exchanges: list[dict] = []
-        s, original = self.strategy, self.strategy._adapt_exchange
+        s = self.strategy
+        if not isinstance(s.schedule, Adaptive):  # plain rounds: nothing measured, no weighted exchange to spy on
+            self.step, self.visited = 0, []
+            return
+        s.schedule.meter.timer = s.schedule.meter.wallclock = self.clock  # every rank's clock starts at `start`
+        original = s.schedule._exchange
 
         def spy():
             before = {"global": s.global_flat.numpy().copy(), "local": s.local.read().numpy().copy(),
@@ -161,7 +166,7 @@ class Run:
             before["after"] = s.global_flat.numpy().copy()
             self.exchanges.append(before)
 
-        s._adapt_exchange = spy
+        s.schedule._exchange = spy
         self.step = 0
         self.visited: list[int] = []
 
@@ -305,7 +310,7 @@ def _warm(world) -> dict:
 
 def _spy_weighted(run: Run) -> list[dict]:
     """Every weighted exchange of an overlapped run: this island's contribution and the mean that came back."""
-    s, original, seen = run.strategy, run.strategy._weighted_mean, []
+    s, original, seen = run.strategy, run.strategy.schedule._weighted_mean, []
 
     def spy(mine, delta):
         entry = {"samples": float(mine[0]), "delta": delta.numpy().copy()}
@@ -314,7 +319,7 @@ def _spy_weighted(run: Run) -> list[dict]:
         seen.append(entry)
         return gathered, mean
 
-    s._weighted_mean = spy
+    s.schedule._weighted_mean = spy
     return seen
 
 
@@ -338,7 +343,7 @@ def _overlapped(world) -> dict:
                   rows=2 if slow else 4)
         seen = _spy_weighted(run)
         boundary_globals = []
-        original = run.strategy._land_round
+        original = run.strategy.schedule._land_round
 
         def land(run=run, original=original, boundary_globals=boundary_globals):
             before = run.strategy.global_flat.numpy().copy()
@@ -347,7 +352,7 @@ def _overlapped(world) -> dict:
             if had:
                 boundary_globals.append((before, run.strategy.global_flat.numpy().copy()))
 
-        run.strategy._land_round = land
+        run.strategy.schedule._land_round = land
         run.until(5 * H, cost)
         inflight_at_end = run.strategy.schedule.round_inflight is not None
         run.strategy.finish(run.model)

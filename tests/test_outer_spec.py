@@ -134,4 +134,4 @@ def test_outer_optimizer_choice():
     assert not make_outer("diloco:outer=sgd,momentum=0.9").outer.opt.nesterov  # heavy ball
     assert isinstance(make_outer("diloco:outer=primal,weight=0.3").outer.opt, PrimalAveraging)
     with pytest.raises(ValueError, match="sync_inner_state needs fragments=1"):
-        DiLoCo(inner_steps=4, fragments=2, sync_inner_state=True)
+        DiLoCo.from_options(inner_steps=4, fragments=2, sync_inner_state=True)

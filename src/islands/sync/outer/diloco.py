@@ -77,8 +77,7 @@ class DiLoCo(OuterStrategy):
             inner_steps, outer_optimizer, exchange, schedule, sync_inner_state = (
                 parts["inner_steps"], parts["outer_optimizer"], parts["exchange"], parts["schedule"],
                 parts["sync_inner_state"])
-        if schedule is None:
-            schedule, exchange = self.default_parts(exchange)
+        schedule, exchange = self.default_parts(schedule, exchange)
         self.inner_steps = int(inner_steps)
         self.outer = outer_optimizer if isinstance(outer_optimizer, OuterStep) else OuterStep(outer_optimizer)
         self.exchange = exchange if exchange is not None else Exchange("outer_delta")
@@ -102,9 +101,10 @@ class DiLoCo(OuterStrategy):
         overlap, adapt, deadline; streaming: bits, block, entropy), checked as before, built into the parts."""
         return cls(**cls.parts(**options))
 
-    def default_parts(self, exchange: Exchange | None) -> tuple[Schedule, Exchange | None]:
-        """The schedule (and exchange) when none is given: plain rounds (StreamingDiLoCo: its fragments, 4-bit)."""
-        return Rounds(), exchange
+    def default_parts(self, schedule: Schedule | None, exchange: Exchange | None) -> tuple[Schedule, Exchange | None]:
+        """The parts not given: plain rounds and (exchange None) the plain mean; StreamingDiLoCo: its fragments and
+        4-bit deltas."""
+        return (schedule if schedule is not None else Rounds()), exchange
 
     @property
     def sync_inner_state(self) -> bool:

@@ -34,7 +34,7 @@ class StreamingDiLoCo(DiLoCo):
     name = "streaming-diloco"
     parts = staticmethod(streaming_parts)
 
-    def default_parts(self, exchange: Exchange | None) -> tuple[Schedule, Exchange | None]:
-        """No schedule given: 4 fragments, tau=1, and (no exchange given either) 4-bit deltas."""
-        return Fragments(fragments=4, tau=1), (exchange if exchange is not None
-                                                    else Exchange("outer_delta", compressor=streaming_codec()))
+    def default_parts(self, schedule: Schedule | None, exchange: Exchange | None) -> tuple[Schedule, Exchange | None]:
+        """The parts not given: Fragments(4, tau=1) and 4-bit deltas (Quant4, blocks of 1024)."""
+        return (schedule if schedule is not None else Fragments(fragments=4, tau=1),
+                exchange if exchange is not None else Exchange("outer_delta", compressor=streaming_codec()))
