@@ -22,6 +22,7 @@ from islands.checkpoint.settings import format_policy
 from islands.data.loader import ShardSampler
 from islands.runtime.world import World
 from islands.sync.outer import DiLoCo
+from islands.sync.outer.outer_opt import OuterSGD
 from islands.sync.stack import Stack
 from outer_mp import run_world
 
@@ -146,7 +147,7 @@ def _diloco_run(root: str, world) -> dict:
     def build(seed: int):
         model, opt = fresh(seed)
         # LIT-212's outer step: its momentum buffer is the outer state this test restores
-        strategy = Stack(outer=DiLoCo(inner_steps=3, outer="nesterov", outer_lr=0.7, momentum=0.9))
+        strategy = Stack(outer=DiLoCo(3, outer_optimizer=OuterSGD(0.7, 0.9, nesterov=True)))
         return strategy.wrap(model, opt, world), opt, strategy
 
     def final(model, opt, strategy, sampler) -> dict:

@@ -58,14 +58,15 @@ if args.authenticate:  # every payload tagged under the job key (the launcher an
     islands.control.authenticate_payloads(world)
 model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-outer = {"streaming": lambda: islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=2),
-         "tau1": lambda: islands.outer.DiLoCo(inner_steps=5, tau=1),
+outer = {"streaming": lambda: islands.outer.StreamingDiLoCo.from_options(inner_steps=4, fragments=2, tau=2),
+         "tau1": lambda: islands.outer.DiLoCo.from_options(inner_steps=5, tau=1),
          "gossip": lambda: islands.outer.Gossip(every=3, topology=islands.outer.ExponentialGraph()),
          "push-sum": lambda: islands.outer.Gossip(every=3, topology=islands.outer.RandomPeers(1, seed=3)),
          "overlap": lambda: islands.outer.OverlapLocalSGD(tau=3)}[args.outer]()
 strategy = islands.Stack(outer=outer)
 model = strategy.wrap(model, opt, world)
-pending = getattr(outer, "pending", None)
+part = getattr(outer, "schedule", outer)  # DiLoCo: its schedule holds the exchanges in flight and sends
+pending = getattr(part, "pending", None)
 entered = {"start": world.start_step, "inflight": len(pending) if isinstance(pending, list) else int(pending is not None),
            "rounds": outer.rounds, "sha": global_digest(strategy.eval_model(model))}
 shard, shards = world.shard
@@ -86,7 +87,7 @@ strategy.finish(model)
 m = world.membership
 (out / f"{name}.json").write_text(json.dumps({
     "entered": entered, "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
-    "rounds": outer.rounds, "sends": list(getattr(outer, "sends", [])), "size": world.size, "tagged": m.tags is not None,
+    "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size, "tagged": m.tags is not None,
     "syncs": [[s["epoch"], s["size"]] for s in m.syncs if s["kind"] in ("outer_delta", "outer_params")]}))
 islands.close_world(world)
 '''
@@ -95,7 +96,8 @@ islands.close_world(world)
 def _expected_sends(outer: str) -> list[int]:
     """Sends per fragment of a run of STEPS steps without churn: the schedule's, plus final_sync's one each."""
     from islands.outer import DiLoCo, StreamingDiLoCo
-    s = StreamingDiLoCo(inner_steps=4, fragments=2, tau=2) if outer == "streaming" else DiLoCo(inner_steps=5, tau=1)
+    s = (StreamingDiLoCo.from_options(inner_steps=4, fragments=2, tau=2) if outer == "streaming"
+         else DiLoCo.from_options(inner_steps=5, tau=1)).schedule
     sends = [0] * s.fragments
     for done in range(1, STEPS + 1):
         for p in s.starting(done):

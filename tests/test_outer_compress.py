@@ -234,9 +234,9 @@ def _scenario(world, spec: str, steps: int) -> dict:
     sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
     s = run.strategy
     c = s.exchange.compressor
-    lengths = [hi - lo for lo, hi in getattr(s, "bounds", [(0, s.global_flat.numel())])]
+    lengths = [hi - lo for lo, hi in getattr(getattr(s, "schedule", s), "bounds", [(0, s.global_flat.numel())])]
     return {"global": s.global_flat.numpy().copy(), "sent": sent, "exchange_sent": list(s.exchange.sent),
-            "rounds": s.rounds, "sends": list(getattr(s, "sends", [])), "lengths": lengths,
+            "rounds": s.rounds, "sends": list(getattr(getattr(s, "schedule", s), "sends", [])), "lengths": lengths,
             "payload": [c.payload_nbytes((n,), torch.float32) for n in lengths],
             "states": sorted(c.states), "residual_norm": sum(float(st["residual"].norm()) for st in c.states.values()
                                                              if "residual" in st)}

@@ -80,8 +80,8 @@ def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
     moments = [run.opt.state[p][k].numpy().copy().ravel() for p in run.model.parameters()
                for k in ("exp_avg", "exp_avg_sq") if k in run.opt.state[p]]
     return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
-            "rounds": s.rounds, "sends": list(getattr(s, "sends", [])), "numel": s.global_flat.numel(),
-            "bounds": list(getattr(s, "bounds", [])), "moments": np.concatenate(moments) if moments else None,
+            "rounds": s.rounds, "sends": list(getattr(getattr(s, "schedule", s), "sends", [])), "numel": s.global_flat.numel(),
+            "bounds": list(getattr(getattr(s, "schedule", s), "bounds", [])), "moments": np.concatenate(moments) if moments else None,
             "exchange_sent": list(s.exchange.sent) if hasattr(s, "exchange") else []}
 
 

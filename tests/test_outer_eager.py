@@ -45,7 +45,7 @@ RESUMES = {  # cut after step 4: the exchange of the round ending at step 3 is i
 def _run(world, spec: str, delay) -> Run:
     run = Run(world, spec)
     if delay is not None:
-        run.strategy.delay = delay
+        run.strategy.schedule.delay = delay
     return run
 
 
@@ -56,21 +56,21 @@ def _scenario(world, spec: str, steps: int, delay) -> dict:
     unwaited = []  # per step: no exchange in flight has been waited on (only boundaries wait, one round later)
     for i in range(steps):
         run.step(i)
-        unwaited.append(all(p._value is None for _, _, p in s.pending))
-    in_flight = [(p, lands) for p, lands, _ in s.pending]
+        unwaited.append(all(p._value is None for _, _, p in s.schedule.pending))
+    in_flight = [(p, lands) for p, lands, _ in s.schedule.pending]
     run.finish()
     after = world.ledger.snapshot()
     sent = {k: after["sent"].get(k, 0) - before["sent"].get(k, 0) for k in after["sent"]}
     # wrap's agreement on the start: an 8-byte digest, nothing more, as every rank seeds alike here
     assert sent.pop("outer_init", 0) == 8, sent
     return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
-            "rounds": s.rounds, "sends": list(s.sends), "numel": s.global_flat.numel(), "unwaited": unwaited,
-            "in_flight": in_flight, "pending_after": len(s.pending), "exchanges": len(s.exchange.sent)}
+            "rounds": s.rounds, "sends": list(s.schedule.sends), "numel": s.global_flat.numel(), "unwaited": unwaited,
+            "in_flight": in_flight, "pending_after": len(s.schedule.pending), "exchanges": len(s.exchange.sent)}
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
     seen = {}
-    a, b = cut_and_resume(world, spec, cut, steps, at_cut=lambda run: seen.update(in_flight=len(run.strategy.pending)))
+    a, b = cut_and_resume(world, spec, cut, steps, at_cut=lambda run: seen.update(in_flight=len(run.strategy.schedule.pending)))
     in_flight = seen["in_flight"]
     return {"a": a.global_np(), "b": b.global_np(), "a_local": a.local_np(), "b_local": b.local_np(),
             "in_flight": in_flight}
@@ -182,18 +182,18 @@ def test_update_formulas_on_one_island():
 
 def test_eager_trial_step_leaves_the_outer_state_alone():
     s, _ = _lone(f"diloco:inner_steps=2,overlap=eager,{PAPER}", 5)
-    before = s.opt.state_dict()["momentum_buffer"].clone()
+    before = s.outer.opt.state_dict()["momentum_buffer"].clone()
     assert before.abs().max() > 0  # a momentum buffer that a full trial step would carry forward
     d = torch.full((s.global_flat.numel(),), 1e-3)
-    stand_in = s._trial(0, d)
-    assert torch.equal(s.opt.state_dict()["momentum_buffer"], before)
+    stand_in = s.schedule._trial(0, d)
+    assert torch.equal(s.outer.opt.state_dict()["momentum_buffer"], before)
     # the stand-in is the step d's share: -lr (1 + momentum) d for Nesterov, the carried momentum cancelling
     assert torch.allclose(stand_in, s.global_flat - 0.7 * 1.9 * d, atol=1e-6)
 
 
 def test_overlap_none_is_the_default_and_a_plain_round_waits():
     s, _ = _lone("diloco:inner_steps=2", 4)
-    assert s.overlap == "none" and not s.pending and s.synced_at == 4
+    assert s.schedule.options()["overlap"] == "none" and not s.schedule.pending and s.synced_at == 4
 
 
 # ---- specs -------------------------------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ class _BNRun:
         self.strategy.wrap(self.model, self.opt, world)
         if "adapt=" in spec:  # a clock of its own (each reading half a second on): equal speeds whatever the load
             ticks = itertools.count()
-            self.strategy.timer = self.strategy.wallclock = lambda: float(next(ticks)) * 0.5
+            self.strategy.schedule.meter.timer = self.strategy.schedule.meter.wallclock = lambda: float(next(ticks)) * 0.5
 
     def step(self, i: int) -> None:
         g = torch.Generator().manual_seed(1000 * self.world.rank + i)
@@ -266,7 +266,7 @@ def _bn(world, spec: str = BN_SPEC) -> dict:
     for i in range(9):
         run.step(i)
         local_at[i + 1], global_at[i + 1] = run.floating("local"), run.floating("global")
-    in_flight = s.buffers_inflight is not None
+    in_flight = s.schedule.buffers_inflight is not None
     snap = copy.deepcopy({"model": run.model.state_dict(), "opt": run.opt.state_dict(), "strategy": s.state_dict()})
     waited_in_steps = list(waited)  # finish waits (it lands everything, then averages blocking): not counted
     s.finish(run.model)

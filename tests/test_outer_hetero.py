@@ -143,6 +143,7 @@ class Run:
 
     def __init__(self, world, spec: str, rows: int = 4, start: float = 0.0):
         from islands.sync.outer import make_outer
+        from islands.sync.outer.adaptive import Adaptive
 
         self.world, self.rows = world, rows
         self.model = tiny_model()
@@ -150,18 +151,22 @@ class Run:
         self.strategy = make_outer(spec)
         self.strategy.wrap(self.model, self.opt, world)
         self.clock = FakeClock(start)
-        self.strategy.timer = self.strategy.wallclock = self.clock  # every rank's clock starts at `start`
         self.exchanges: list[dict] = []
-        s, original = self.strategy, self.strategy._adapt_exchange
+        s = self.strategy
+        if not isinstance(s.schedule, Adaptive):  # plain rounds: nothing measured, no weighted exchange to spy on
+            self.step, self.visited = 0, []
+            return
+        s.schedule.meter.timer = s.schedule.meter.wallclock = self.clock  # every rank's clock starts at `start`
+        original = s.schedule._exchange
 
         def spy():
             before = {"global": s.global_flat.numpy().copy(), "local": s.local.read().numpy().copy(),
-                      "samples": s.round_samples, "steps": s.round_steps}
+                      "samples": s.schedule.meter.samples, "steps": s.schedule.meter.steps}
             original()
             before["after"] = s.global_flat.numpy().copy()
             self.exchanges.append(before)
 
-        s._adapt_exchange = spy
+        s.schedule._exchange = spy
         self.step = 0
         self.visited: list[int] = []
 
@@ -208,8 +213,8 @@ def _speed(world) -> dict:
     run.until(7 * H + 3, cost)
     run.strategy.finish(run.model)
     s = run.strategy
-    return {"history": s.history, "visited": run.visited, "exchanges": run.exchanges, "rates": s.rates,
-            "global": s.global_flat.numpy().copy(), "sends": s.sends[0], "rounds": s.rounds}
+    return {"history": s.schedule.history, "visited": run.visited, "exchanges": run.exchanges, "rates": s.schedule.rates,
+            "global": s.global_flat.numpy().copy(), "sends": s.schedule.sends[0], "rounds": s.rounds}
 
 
 def _deadline(world) -> dict:
@@ -220,7 +225,7 @@ def _deadline(world) -> dict:
         run = Run(world, spec)
         run.until(4 * H, lambda step: 2.0 if slow else 1.0)
         run.strategy.finish(run.model)
-        out[label] = {"history": run.strategy.history, "budget": run.strategy.budget,
+        out[label] = {"history": run.strategy.schedule.history, "budget": run.strategy.schedule.budget,
                       "global": run.strategy.global_flat.numpy().copy()}
     return out
 
@@ -259,7 +264,7 @@ def _resume(world) -> dict:
         b.strategy.finish(b.model)
         out[label] = {"a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
                       "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
-                      "a_hist": a.strategy.history, "b_hist": b.strategy.history,
+                      "a_hist": a.strategy.schedule.history, "b_hist": b.strategy.schedule.history,
                       "same_state": _same(snap["strategy"], restored), "snap_round_steps": snap["strategy"]["adapt"]["round_steps"]}
     return out
 
@@ -287,7 +292,7 @@ def _warm(world) -> dict:
     ws = make_outer("diloco:inner_steps=4,adapt=speed,warm_start=3")
     ws.wrap(model, opt, world)
     clock = FakeClock()
-    ws.outer.timer = clock
+    ws.outer.schedule.meter.timer = clock
     step, visited = 0, []
     while step < 3 + 3 * 4:
         visited.append(step)
@@ -300,12 +305,12 @@ def _warm(world) -> dict:
         ws.after_step(model, opt, step)
         step = ws.next_step(step + 1)
     ws.finish(model)
-    return {"history": ws.outer.history, "visited": visited, "global": ws.outer.global_flat.numpy().copy()}
+    return {"history": ws.outer.schedule.history, "visited": visited, "global": ws.outer.global_flat.numpy().copy()}
 
 
 def _spy_weighted(run: Run) -> list[dict]:
     """Every weighted exchange of an overlapped run: this island's contribution and the mean that came back."""
-    s, original, seen = run.strategy, run.strategy._weighted_mean, []
+    s, original, seen = run.strategy, run.strategy.schedule._weighted_mean, []
 
     def spy(mine, delta):
         entry = {"samples": float(mine[0]), "delta": delta.numpy().copy()}
@@ -314,7 +319,7 @@ def _spy_weighted(run: Run) -> list[dict]:
         seen.append(entry)
         return gathered, mean
 
-    s._weighted_mean = spy
+    s.schedule._weighted_mean = spy
     return seen
 
 
@@ -329,29 +334,29 @@ def _overlapped(world) -> dict:
                                ("delayed-d0", f"diloco:inner_steps={H},adapt=speed,overlap=delayed,{PAPER}", 0)):
         run = Run(world, spec, rows=2 if slow else 4)
         if delay is not None:
-            run.strategy.delay = delay
+            run.strategy.schedule.delay = delay
         run.until(5 * H + 3, cost)
         run.strategy.finish(run.model)
-        out[label] = {"global": run.strategy.global_flat.numpy().copy(), "history": run.strategy.history}
+        out[label] = {"global": run.strategy.global_flat.numpy().copy(), "history": run.strategy.schedule.history}
     for mode in ("eager", "delayed"):
         run = Run(world, f"diloco:inner_steps={H},adapt=deadline,overlap={mode},outer=sgd,outer_lr=1",
                   rows=2 if slow else 4)
         seen = _spy_weighted(run)
         boundary_globals = []
-        original = run.strategy._land_round
+        original = run.strategy.schedule._land_round
 
         def land(run=run, original=original, boundary_globals=boundary_globals):
             before = run.strategy.global_flat.numpy().copy()
-            had = run.strategy.round_inflight is not None
+            had = run.strategy.schedule.round_inflight is not None
             original()
             if had:
                 boundary_globals.append((before, run.strategy.global_flat.numpy().copy()))
 
-        run.strategy._land_round = land
+        run.strategy.schedule._land_round = land
         run.until(5 * H, cost)
-        inflight_at_end = run.strategy.round_inflight is not None
+        inflight_at_end = run.strategy.schedule.round_inflight is not None
         run.strategy.finish(run.model)
-        out[mode] = {"history": run.strategy.history, "seen": seen, "landed": boundary_globals,
+        out[mode] = {"history": run.strategy.schedule.history, "seen": seen, "landed": boundary_globals,
                      "visited": run.visited, "inflight_at_end": inflight_at_end, "rounds": run.strategy.rounds,
                      "global": run.strategy.global_flat.numpy().copy(), "local": run.strategy.local.read().numpy().copy()}
     spec = f"diloco:inner_steps={H},adapt=deadline,overlap=eager,compressor=(topkq:ratio=0.2,bits=4),{PAPER}"
@@ -371,13 +376,13 @@ def _overlapped(world) -> dict:
                      "snap_step": snap["step"], "snap_round_steps": snap["strategy"]["adapt"]["round_steps"],
                      "a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
                      "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
-                     "a_hist": a.strategy.history, "b_hist": b.strategy.history}
+                     "a_hist": a.strategy.schedule.history, "b_hist": b.strategy.schedule.history}
     # both islands equally fast, 1 s a step in round 1 and 1.5 s after it: round 2 runs 12 s against the 8 s
     # budget learnt from round 1, on both islands alike, which is no lag to make up
     run = Run(world, f"diloco:inner_steps={H},adapt=deadline,overlap=eager,{PAPER}")
     run.until(5 * H, lambda step: 1.0 if step < H else 1.5)
     run.strategy.finish(run.model)
-    out["slower_everywhere"] = {"history": run.strategy.history, "budget": run.strategy.budget}
+    out["slower_everywhere"] = {"history": run.strategy.schedule.history, "budget": run.strategy.schedule.budget}
     return out
 
 
@@ -393,7 +398,7 @@ def _three(world) -> dict:
     run = Run(world, "diloco:inner_steps=6,adapt=speed,outer=sgd,outer_lr=1", rows=2 + world.rank)
     run.until(4 * 6, lambda step: cost)
     run.strategy.finish(run.model)
-    return {"history": run.strategy.history, "exchanges": run.exchanges, "global": run.strategy.global_flat.numpy()}
+    return {"history": run.strategy.schedule.history, "exchanges": run.exchanges, "global": run.strategy.global_flat.numpy()}
 
 
 def _four(world) -> dict:
@@ -405,7 +410,7 @@ def _four(world) -> dict:
         run = Run(world, f"diloco:inner_steps={H},adapt={mode}")
         run.until(3 * H, lambda step: cost)
         run.strategy.finish(run.model)
-        out[mode] = {"history": run.strategy.history, "visited": run.visited}
+        out[mode] = {"history": run.strategy.schedule.history, "visited": run.visited}
     return out
 
 
@@ -590,7 +595,7 @@ def _trainer(world) -> dict:
                       val_data=[(data[0][:, :-1], data[0][:, 1:])], strategy=Stack(outer=outer), world=world,
                       step_fn=step_fn)
     trainer.fit(36)
-    return {"history": outer.history, "step": trainer.step, "global": outer.global_flat.numpy().copy(),
+    return {"history": outer.schedule.history, "step": trainer.step, "global": outer.global_flat.numpy().copy(),
             "real_steps": trainer.steps_this_fit, "val": trainer.series["val"][-1]["val_loss"]}
 
 

@@ -18,7 +18,7 @@ def test_defaults_follow_the_measurements_and_the_papers():
     st = parse_outer("streaming-diloco")
     assert (st["outer"], st["outer_lr"], st["momentum"]) == ("sgd", 2 ** 0.5, 0.0)
     # LIT-212's outer step is one spec away
-    paper = make_outer("diloco:outer=nesterov,outer_lr=0.7,momentum=0.9").opt
+    paper = make_outer("diloco:outer=nesterov,outer_lr=0.7,momentum=0.9").outer.opt
     assert (paper.lr, paper.momentum, paper.nesterov) == (0.7, 0.9, True)
     st = parse_outer("streaming-diloco")
     assert st["bits"] == 4 and st["fragments"] >= 2 and st["tau"] >= 1  # LIT-214: streamed, overlapped, 4-bit
@@ -128,10 +128,10 @@ def test_nested_specs_become_objects():
 
 
 def test_outer_optimizer_choice():
-    default = make_outer("diloco").opt
+    default = make_outer("diloco").outer.opt
     assert isinstance(default, OuterSGD) and not default.nesterov and default.momentum == 0
-    assert make_outer("diloco:outer=nesterov,momentum=0.9").opt.nesterov
-    assert not make_outer("diloco:outer=sgd,momentum=0.9").opt.nesterov  # heavy ball
-    assert isinstance(make_outer("diloco:outer=primal,weight=0.3").opt, PrimalAveraging)
+    assert make_outer("diloco:outer=nesterov,momentum=0.9").outer.opt.nesterov
+    assert not make_outer("diloco:outer=sgd,momentum=0.9").outer.opt.nesterov  # heavy ball
+    assert isinstance(make_outer("diloco:outer=primal,weight=0.3").outer.opt, PrimalAveraging)
     with pytest.raises(ValueError, match="sync_inner_state needs fragments=1"):
-        DiLoCo(inner_steps=4, fragments=2, sync_inner_state=True)
+        DiLoCo.from_options(inner_steps=4, fragments=2, sync_inner_state=True)

@@ -61,11 +61,11 @@ def test_fragments_cover_every_element_exactly_once(numel, fragments):
 
 @pytest.mark.parametrize("h, f", [(4, 2), (10, 4), (7, 7), (100, 4), (5, 1)])
 def test_each_fragment_starts_exactly_once_per_cycle(h, f):
-    s = DiLoCo(inner_steps=h, fragments=f)
+    s = DiLoCo.from_options(inner_steps=h, fragments=f)
     for cycle in range(3):
-        starts = [p for done in range(cycle * h + 1, (cycle + 1) * h + 1) for p in s.starting(done)]
+        starts = [p for done in range(cycle * h + 1, (cycle + 1) * h + 1) for p in s.schedule.starting(done)]
         assert sorted(starts) == list(range(f)), (cycle, starts)
-        per_step = [len(s.starting(d)) for d in range(cycle * h + 1, (cycle + 1) * h + 1)]
+        per_step = [len(s.schedule.starting(d)) for d in range(cycle * h + 1, (cycle + 1) * h + 1)]
         assert max(per_step) == 1  # staggered: at most one fragment's exchange starts at a time
 
 
@@ -161,7 +161,7 @@ def test_outer_momentum_state_round_trips():
     m = MLP(8, 16, 3)
     t.wrap(m, torch.optim.AdamW(m.parameters()), World.single())
     t.load_state_dict(state)
-    assert torch.equal(t.opt.buf, s.opt.buf) and torch.equal(t.global_flat, s.global_flat)
+    assert torch.equal(t.outer.opt.buf, s.outer.opt.buf) and torch.equal(t.global_flat, s.global_flat)
     with pytest.raises(ValueError, match="another model"):
         t.load_state_dict({**state, "global": torch.zeros(3), "local": torch.zeros(3)})
 
@@ -263,8 +263,8 @@ def test_replay_landing_is_new_global_plus_the_steps_since_the_send():
         s.after_step(model, opt, i)
         seen[i] = before
         if i == 1:
-            at_send = s.at_send[0].clone()
+            at_send = s.schedule.at_send[0].clone()
             assert torch.equal(at_send, before)  # the send after step 2 keeps the local fragment it left with
     # landing after step 3: local = global + (local before landing - local at send)
     assert torch.allclose(s.local.read(), s.global_flat + (seen[2] - at_send), atol=1e-7)
-    assert not s.at_send
+    assert not s.schedule.at_send

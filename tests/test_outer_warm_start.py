@@ -115,7 +115,7 @@ def _scenario(world) -> dict:
         s.step(i)
     s.finish()
     out["streaming_global"] = s.strategy.outer.global_flat.numpy().copy()
-    out["streaming_sends"] = list(s.strategy.outer.sends)
+    out["streaming_sends"] = list(s.strategy.outer.schedule.sends)
     return out
 
 

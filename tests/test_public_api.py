@@ -74,9 +74,9 @@ def test_public_names_resolve_and_compose_from_objects():
             assert callable(getattr(ns, name)), f"{ns.__name__}.{name}"
     # the program of the issue, built from objects (this raised TypeError: compressor spec must be a str)
     strategy = islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
-                             outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()))
+                             outer=islands.outer.DiLoCo(50, exchange=islands.outer.Exchange(aggregator=islands.robust.CoordinateMedian())))
     assert strategy.name == "ddp+diloco"
-    outer = islands.outer.DiLoCo(compressor=islands.compress.PowerSGD(rank=2))
+    outer = islands.outer.DiLoCo(exchange=islands.outer.Exchange(compressor=islands.compress.PowerSGD(rank=2)))
     assert type(outer.exchange.compressor).__name__ == "ErrorFeedback"  # PowerSGD asks for error feedback
     with pytest.raises(TypeError, match="takes a strategy"):
         islands.Stack(inner="ddp")
@@ -89,7 +89,7 @@ def test_outer_strategies_need_no_step_count_and_finish_is_idempotent():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     world = islands.World.single()
     for outer in (islands.outer.DiLoCo(inner_steps=4), islands.outer.LocalSGD(every=3),
-                  islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1), islands.outer.EASGD(every=2),
+                  islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1)), islands.outer.EASGD(every=2),
                   islands.outer.OverlapLocalSGD(tau=2), islands.outer.Gossip(every=2), islands.outer.SlowMo(every=2)):
         m = outer.wrap(model, opt, world)
         for step in range(5):
@@ -204,7 +204,7 @@ def _bn_rank(rank, env):
 
 def _bn_diloco_worker(rank, env, queue, streaming=False):
     world, model, opt = _bn_rank(rank, env)
-    outer = (islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1) if streaming
+    outer = (islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1)) if streaming
              else islands.outer.DiLoCo(inner_steps=5))
     strategy = islands.Stack(outer=outer)
     model = own_loop(strategy, model, opt, world, batches(10 + rank, 12))  # each island its own data
@@ -301,7 +301,7 @@ def test_buffer_averages_queue_behind_the_exchange_in_flight():
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = islands.outer.StreamingDiLoCo(inner_steps=4, fragments=2, tau=1)
+    outer = islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1))
     outer.wrap(model, opt, islands.World.single())
     outer.comm = comm = _TwinComm()
     for step, (x, y) in enumerate(batches(0, 9)):

@@ -55,7 +55,7 @@ def _bn_worker(rank, env, queue, compress, overlap):
     # the synchronous arm codes positions with Elias-Fano (SOTA-905), the overlapped one with fixed-width indices
     compressor = (islands.compress.TopKQ(ratio=0.1, bits=2, index="elias-fano" if overlap == "none" else "fixed")
                   if compress else None)
-    strategy = islands.outer.DiLoCo(inner_steps=4, compressor=compressor, overlap=overlap)
+    strategy = islands.outer.DiLoCo.from_options(inner_steps=4, compressor=compressor, overlap=overlap)
     model = strategy.wrap(model, opt, world)
     for step, (x, y) in enumerate(_batches(10 + rank, 12)):  # each island its own data
         F.cross_entropy(model(x), y).backward()
@@ -90,7 +90,7 @@ def _hf_worker(rank, env, queue, compressor_name):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     compressor = {"none": None, "topkq": islands.compress.TopKQ(ratio=0.05, bits=2),
                   "dct": islands.compress.DCTTopK()}[compressor_name]
-    strategy = islands.outer.DiLoCo(inner_steps=3, compressor=compressor)
+    strategy = islands.outer.DiLoCo(3, exchange=islands.outer.Exchange(compressor=compressor))
     g = torch.Generator().manual_seed(rank)
     data = [{"input_ids": (ids := torch.randint(0, 64, (4, 16), generator=g)), "labels": ids} for _ in range(6)]
     model = strategy.wrap(model, opt, world)
@@ -128,7 +128,7 @@ def _bn_outer_worker(rank, env, queue, which):
         strategy = islands.outer.Gossip(every=2, topology=islands.outer.Ring(), compressor=islands.compress.TopKQ(ratio=0.2, bits=8),
                                         gamma=0.3)
     else:
-        strategy = islands.outer.DiLoCo(inner_steps=4, adapt="speed")
+        strategy = islands.outer.DiLoCo(4, schedule=islands.outer.Adaptive("speed"))
     model = strategy.wrap(model, opt, world)
     start = {k: _plain(v) for k, v in model.state_dict().items()}
     for step, (x, y) in enumerate(_batches(30 + rank, 12)):

@@ -199,7 +199,7 @@ def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_a
     import torch.nn.functional as F
 
     from islands import Checkpointer, close_world
-    from islands.outer import DiLoCo
+    from islands.outer import DiLoCo, OuterSGD
     from islands.runtime.elastic import global_digest
     from islands.runtime.membership import Coordinator, JobSpec, host_store
     from islands.runtime.world import join_elastic
@@ -217,7 +217,7 @@ def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_a
         torch.manual_seed(0 if name == "w0" else 7)  # the joiner's own initial model must not matter
         model = torch.nn.Linear(4, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        strategy = DiLoCo(inner_steps=2, outer="sgd", outer_lr=1.0, momentum=0.0)
+        strategy = DiLoCo(2, outer_optimizer=OuterSGD(1.0, 0.0))
         model = strategy.wrap(model, opt, world)
         assert world.membership.holder is strategy
         ckpt = Checkpointer(tmp_path / "ckpt", world, every=4, asynchronous=False)

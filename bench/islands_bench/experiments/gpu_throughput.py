@@ -167,7 +167,7 @@ def _diloco_arm(tier: dict, device, arm: str) -> dict:
     def fit(world):
         model = copy.deepcopy(task.model).to(world.device)
         opt = torch.optim.AdamW(model.parameters(), lr=d["lr"], betas=BETAS, weight_decay=WEIGHT_DECAY)
-        strategy = islands.Stack(outer=DiLoCo(inner_steps=d["H"], **OUTER)) if arm == "diloco" else islands.Stack()
+        strategy = islands.Stack(outer=DiLoCo.from_options(inner_steps=d["H"], **OUTER)) if arm == "diloco" else islands.Stack()
         trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=task.loss_fn, train_data=task.train_data,
                                   world=world, strategy=strategy, grad_clip=GRAD_CLIP,
                                   schedule=islands.WarmupCosine(max(1, d["steps"] // 10), d["steps"]),

@@ -66,7 +66,7 @@ def _worker(out_path: str, spec_json: str, rate: str) -> None:
             if arm == "diloco-params":
                 outer.buffer_policy = "none"  # the negative control: buffers never reach the global model
         elif arm == "streaming":
-            outer = islands.outer.StreamingDiLoCo(inner_steps=spec["inner_steps"], fragments=2, tau=1)
+            outer = islands.outer.StreamingDiLoCo(spec["inner_steps"], schedule=islands.outer.Fragments(2, tau=1))
         inner = islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4) if arm == "powersgd" else None)
         strategy = islands.Stack(inner=inner, outer=outer)
         model = strategy.wrap(model, opt, world)

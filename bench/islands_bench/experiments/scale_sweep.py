@@ -57,9 +57,9 @@ def _batch_per_island(params: int, tier: dict) -> int:
 
 def _strategy(arm: str, h: int):
     if arm == "diloco":
-        return islands.Stack(outer=DiLoCo(inner_steps=h, **OUTER))
+        return islands.Stack(outer=DiLoCo.from_options(inner_steps=h, **OUTER))
     if arm == "streaming":
-        return islands.Stack(outer=StreamingDiLoCo(inner_steps=h, fragments=FRAGMENTS, tau=TAU, bits=BITS, **OUTER))
+        return islands.Stack(outer=StreamingDiLoCo.from_options(inner_steps=h, fragments=FRAGMENTS, tau=TAU, bits=BITS, **OUTER))
     return islands.Stack()
 
 

@@ -93,7 +93,7 @@ def _islands_diloco_worker(out_path: str, spec_json: str, rate: str) -> None:
     inter = probe_interconnect(world)
     model, batches, val, loss_fn = make(spec["model"], world.rank, world.size, spec["batch"], spec.get("data_seed", 0))
     inner = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    strategy = islands.outer.DiLoCo(inner_steps=spec["inner_steps"], outer="nesterov", outer_lr=0.7, momentum=0.9)
+    strategy = islands.outer.DiLoCo(spec["inner_steps"], outer_optimizer=islands.outer.OuterSGD(0.7, 0.9, nesterov=True))
     model = strategy.wrap(model, inner, world)
     inner_t, sync_t = [], []
     for step in range(spec["steps"]):

@@ -437,16 +437,6 @@ def elastic(cfg: JobConfig) -> str | None:
             return (f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} "
                     "is not supported there yet (robust aggregation and attacks plan by global rank, which changes "
                     "with membership); leave it out")
-    spec = parse_outer(cfg.outer.strategy)
-    # TODO(issue #33 item 5, lead): DiLoCo owns this rule; its setup (diloco.py) raises the same under an elastic
-    # comm. Once DiLoCo/StreamingDiLoCo override OuterStrategy.elastic_refusal() with it, drop these lines: the
-    # elastic_refusal call below then reports it.
-    if spec.params.get("lr_scale") == "sqrt-islands" and spec.params.get("fragments", 1) > 1:
-        return ("elastic does not support lr_scale=sqrt-islands with fragments > 1 (the island count can change "
-                "while a fragment is in flight); use lr_scale=none or fragments=1")
-    if spec.params.get("overlap", "none") != "none":
-        return (f"elastic does not support outer overlap={spec.params['overlap']} yet; use overlap=none (tau > 0 and "
-                "fragments > 1 are supported)")
     refusal = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup).elastic_refusal()  # the strategy's own rule
     if refusal:
         return f"outer.strategy: {refusal}"

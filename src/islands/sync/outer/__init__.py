@@ -1,12 +1,13 @@
 """Outer strategies: how islands meet, rarely and cheaply, across the cross-island process group.
 
-    DiLoCo(inner_steps=100, aggregator=CoordinateMedian())                         objects inside
+    DiLoCo(100, exchange=Exchange(aggregator=CoordinateMedian()))                   objects inside (the parts)
     make_outer("diloco:inner_steps=100,aggregator=(median)")                         a spec string, at the edge
 
 Strategies (one module each): local-sgd, post-local-sgd, overlap-local-sgd, slowmo, easgd, diloco
 (outer=nesterov|sgd|primal, sync_inner_state), streaming-diloco, gossip (topology=exp|ring|(random:s=S)). Each runs
 after the inner strategy (ddp inside an island) at every hook; all cross-island traffic goes through `strategy.comm`.
-Their spec names and parameters: STRATEGIES (registry.py), read from the constructors.
+Their spec names and parameters: STRATEGIES (registry.py), read from the constructors (diloco and streaming-diloco:
+from DiLoCo.parts, the keyword options of before, which DiLoCo.from_options builds into the parts).
 """
 
 from __future__ import annotations

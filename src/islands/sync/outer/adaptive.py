@@ -1,4 +1,5 @@
-"""DiLoCo rounds for islands of different speeds (`adapt=speed|deadline`): a slow island no longer sets the pace.
+"""DiLoCo rounds for islands of different speeds, the schedule part `Adaptive(mode="speed"|"deadline", deadline=0,
+overlap="none"|"delayed"|"eager")` (the spec's `adapt=speed|deadline`): a slow island no longer sets the pace.
 
 Synchronous DiLoCo gives every island H inner steps per round, so each round lasts as long as the slowest island's H
 steps and the faster ones wait at the exchange. Here the islands meet at the same wall time instead, each bringing
@@ -76,7 +77,9 @@ import time
 
 import torch
 
+from islands.aggregate.coordinate import Mean
 from islands.data.batches import size as batch_size_of
+from islands.sync.outer.eager import Overlapped
 from islands.sync.outer.exchange import Pending
 
 ADAPTS = ("none", "speed", "deadline")
@@ -84,64 +87,115 @@ SPEED_KIND = "outer_speed"  # the per-round (samples, seconds per step, steps, w
 DEADLINE_KIND = "island_deadline"  # the per-step stop flag inside a multi-worker island (not cross-island bytes)
 
 
-class AdaptiveRounds:
-    """The adapt=speed|deadline rounds of DiLoCo (mixed into it; DiLoCo's attributes are used directly)."""
+class RoundMeter:
+    """This island's round so far: steps, samples, each step's compute seconds, the round's wall seconds.
+    `timer` (per step) and `wallclock` (the rounds' end, comparable across machines) are replaced by tests."""
 
-    adapt: str = "none"
-    deadline: float = 0.0
-    round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
+    def __init__(self):
+        self.timer = time.perf_counter
+        self.wallclock = time.time
+        self.steps = 0  # inner steps this island took this round
+        self.samples = 0  # samples those steps stepped on (steps when the batch size is unknown)
+        self.times: list[float] = []  # each step's compute seconds (on_batch to after_step)
+        self.elapsed = 0.0  # wall seconds of the round so far, kept at save
+        self.began: float | None = None  # timer at this step's on_batch
+        self.round_start: float | None = None  # timer when the round started (its first on_batch)
+        self.last_batch = 0
 
-    def _adapt_setup(self, world) -> None:
-        if self.membership is not None:
-            raise ValueError(f"adapt={self.adapt} is not supported in an elastic job yet (a joiner would enter with "
-                             "a round planned for other islands); use adapt=none")
-        distributed = getattr(world, "distributed", False) and getattr(world, "workers_per_island", 1) > 1
-        self.island_comm = world.comm("local") if distributed else None  # agreement inside a multi-worker island
-        self.timer = time.perf_counter  # tests replace it with a deterministic clock
+    def on_batch(self, batch) -> None:
+        self.began = self.timer()
+        if self.round_start is None:  # a round's clock starts with its first step (or again after a resume)
+            self.round_start = self.began - self.elapsed
+        try:
+            self.last_batch = int(batch_size_of(batch))
+        except (TypeError, ValueError):  # a batch structure without a size: weigh by steps instead
+            self.last_batch = 0
+
+    def after_step(self) -> None:
+        now = self.timer()
+        began = self.began if self.began is not None else now
+        self.began = None
+        self.steps += 1
+        self.samples += self.last_batch or 1
+        self.times.append(now - began)
+        if self.round_start is None:
+            self.round_start = began
+        self.elapsed = now - self.round_start
+
+    def reset(self) -> None:
+        self.steps, self.samples, self.times, self.elapsed = 0, 0, [], 0.0
+        self.round_start = None
+
+
+class Adaptive(Overlapped):
+    """DiLoCo's rounds for islands of different speeds (module docstring). `mode`: speed (the fastest island takes
+    H steps, the others in proportion to their measured speed) | deadline (each island steps until a wall-clock
+    budget per round runs out); `deadline`: mode=deadline's budget in seconds (0: the fastest island's measured
+    time for H steps); `overlap`: none | delayed | eager, each round's exchange behind the next round's steps."""
+
+    modes = ("none", "delayed", "eager")  # of `overlap` here
+
+    def __init__(self, mode: str = "speed", deadline: float = 0.0, overlap: str = "none"):
+        super().__init__(overlap, fragments=1)
+        if mode not in ADAPTS[1:]:
+            raise ValueError(f"adapt must be one of {', '.join(ADAPTS)}; got {mode!r}")
+        if not (deadline >= 0 and math.isfinite(deadline)):
+            raise ValueError(f"deadline must be >= 0 seconds (0: the fastest island's time for H steps); got {deadline}")
+        if deadline > 0 and mode != "deadline":
+            raise ValueError(f"deadline={deadline} applies to adapt=deadline only; got adapt={mode!r}")
+        self.adapt, self.deadline = mode, float(deadline)
+        self.meter = RoundMeter()
+        self.island_comm = None  # agreement inside a multi-worker island (bind)
         self.round_base = 0  # the counted step this round started at (a multiple of H)
-        self.round_steps = 0  # inner steps this island took this round
-        self.round_samples = 0  # samples those steps stepped on (steps when the batch size is unknown)
-        self.round_times: list[float] = []  # each step's compute seconds (on_batch to after_step)
-        self.round_elapsed = 0.0  # wall seconds of the round so far, kept at save
-        self.plan = self.inner_steps  # adapt=speed: this island's steps this round
+        self.plan = 0  # adapt=speed: this island's steps this round (bind: H)
         self.budget = self.deadline  # adapt=deadline: the rounds' budget in seconds (0: none measured yet, H steps)
         self.round_budget = self.deadline  # this island's budget for the round in progress (overlap: catching up)
-        self.wallclock = time.time  # the round ends' common clock across machines (tests replace it)
         self.rates: list[float] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
         self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
         self.skip_to = 0  # the counted step the loop continues from after this island's exchange
+        self.round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
+
+    def options(self) -> dict:
+        return {**super().options(), "adapt": self.adapt}
+
+    def refusal(self, exchange, sync_inner_state: bool) -> str | None:
+        """Adaptive rounds weigh each island's delta by its samples: no robust aggregator, no sync_inner_state."""
+        if sync_inner_state:  # (the base's message names plain rounds; this one says what adaptive rounds allow)
+            return (f"adapt={self.adapt} runs whole-model DiLoCo rounds (fragments=1, tau=0, sync_inner_state=0; "
+                    f"overlap=eager|delayed is fine); drop sync_inner_state=1")
+        if exchange.aggregator is not None and not isinstance(exchange.aggregator, Mean):
+            return (f"adapt={self.adapt} weighs each island's delta by its samples; a robust aggregator has no such "
+                    "weights: drop aggregator= or use adapt=none")
+        return None
+
+    def bind(self, d, world) -> None:
+        super().bind(d, world)
+        if d.membership is not None:
+            raise ValueError(f"adapt={self.adapt} is not supported in an elastic job yet (a joiner would enter with "
+                             "a round planned for other islands); use adapt=none")
+        distributed = world.distributed and world.workers_per_island > 1
+        self.island_comm = world.comm("local") if distributed else None
+        self.meter = RoundMeter()
+        self.round_base = 0
+        self.plan = self.inner_steps
+        self.budget = self.round_budget = self.deadline
+        self.rates, self.walls, self.history = [], [], []
+        self.skip_to = 0
         self.round_inflight = None
-        self._began: float | None = None  # timer at this step's on_batch
-        self._round_start: float | None = None  # timer when the round started (its first on_batch)
-        self._last_batch = 0
 
     # ---- the hooks --------------------------------------------------------------------------------
-    def _adapt_on_batch(self, batch) -> None:
-        self._began = self.timer()
-        if self._round_start is None:  # a round's clock starts with its first step (or again after a resume)
-            self._round_start = self._began - self.round_elapsed
-        try:
-            self._last_batch = int(batch_size_of(batch))
-        except (TypeError, ValueError):  # a batch structure without a size: weigh by steps instead
-            self._last_batch = 0
+    def on_batch(self, batch) -> None:
+        self.meter.on_batch(batch)
 
-    def _adapt_after_step(self, done: int) -> None:
-        now = self.timer()
-        began = self._began if self._began is not None else now
-        self._began = None
-        self.round_steps += 1
-        self.round_samples += self._last_batch or 1
-        self.round_times.append(now - began)
-        if self._round_start is None:
-            self._round_start = began
-        self.round_elapsed = now - self._round_start
+    def after_step(self, done: int) -> None:
+        self.meter.after_step()
         if self._round_over(done):
             if self.overlap == "none":
-                self._adapt_exchange()
-                self.synced()
+                self._exchange()
+                self.d.synced()
             else:
-                self._adapt_boundary()
+                self._boundary_overlapped()
             self.skip_to = self.round_base + self.inner_steps
             self.round_base = self.skip_to
 
@@ -149,11 +203,11 @@ class AdaptiveRounds:
         if done - self.round_base >= self.inner_steps:  # the counted round is over (the fastest island's H)
             return True
         if self.adapt == "speed":
-            stop = self.round_steps >= self.plan
+            stop = self.meter.steps >= self.plan
         else:
-            per_step = statistics.median(self.round_times)
+            per_step = statistics.median(self.meter.times)
             # stop where the next step would end more than half a step past the budget
-            stop = self.round_budget > 0 and self.round_elapsed + 0.5 * per_step >= self.round_budget
+            stop = self.round_budget > 0 and self.meter.elapsed + 0.5 * per_step >= self.round_budget
             if self.island_comm is not None:  # every worker of the island stops at the same step
                 flag = torch.tensor([1.0 if stop else 0.0])
                 stop = bool(self.island_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
@@ -162,40 +216,44 @@ class AdaptiveRounds:
 
     def next_step(self, done: int) -> int:
         """The counted step the loop continues from after `done` steps: the round's end once this island has sent."""
-        return max(done, self.skip_to) if self.adapt != "none" else done
+        return max(done, self.skip_to)
+
+    def has_pending(self) -> bool:
+        return super().has_pending() or self.round_inflight is not None
 
     # ---- the exchange -----------------------------------------------------------------------------
-    def _adapt_exchange(self) -> None:
+    def _exchange(self) -> None:
         """Collective: the weighted mean of this round's deltas, the outer step, and the next round's plan."""
-        lo, hi = self.bounds[0]
-        gathered, mean = self._weighted_mean(self._my_speeds(), self.global_flat[lo:hi] - self.local.read(lo, hi))
+        d, (lo, hi) = self.d, self.bounds[0]
+        gathered, mean = self._weighted_mean(self._my_speeds(), d.global_flat[lo:hi] - d.local.read(lo, hi))
         self.sends[0] += 1
-        self._land(0, mean, adopt=True)
+        self._adopt(0, mean)
         self._learn(gathered)
-        self._new_round()
+        self.meter.reset()
 
     def _my_speeds(self) -> torch.Tensor:
         """(samples, compute s/step, steps, wall s/step, wall-clock end) of this island's round, agreed inside the
         island (its slowest worker's rates, its latest worker's end)."""
+        m = self.meter
         # the median: a round's first step (lazy allocations) or a burst of other load barely moves it
-        per_step = statistics.median(self.round_times) if self.round_times else float("nan")
+        per_step = statistics.median(m.times) if m.times else float("nan")
         # and the round's wall seconds per step (data loading and the loop's own work too): what a deadline spends
-        wall = self.round_elapsed / self.round_steps if self.round_steps else float("nan")
-        end = float(self.wallclock())
+        wall = m.elapsed / m.steps if m.steps else float("nan")
+        end = float(m.wallclock())
         if self.island_comm is not None:  # the island is as fast as its slowest worker
             t = torch.tensor([per_step, wall, end], dtype=torch.float64)
             per_step, wall, end = self.island_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
                                                               kind=DEADLINE_KIND).tolist()
-        return torch.tensor([float(self.round_samples), per_step, float(self.round_steps), wall, end],
-                            dtype=torch.float64)
+        return torch.tensor([float(m.samples), per_step, float(m.steps), wall, end], dtype=torch.float64)
 
     def _weighted_mean(self, mine: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective (on either thread): every island's speeds, then the samples-weighted mean of the deltas."""
-        gathered = torch.stack(self.comm.all_gather(mine, kind=SPEED_KIND)) if self.comm.size > 1 else mine[None]
+        comm = self.d.comm
+        gathered = torch.stack(comm.all_gather(mine, kind=SPEED_KIND)) if comm.size > 1 else mine[None]
         samples = gathered[:, 0]
         if not bool((samples == samples[0]).all()):
-            delta = delta.mul_(weight_scale(samples.tolist(), self.comm.rank))
-        return gathered, self.exchange.mean(self.comm, delta, name="fragment0")
+            delta = delta.mul_(weight_scale(samples.tolist(), comm.rank))
+        return gathered, self.d.exchange.mean(comm, delta, name="fragment0")
 
     def _learn(self, gathered: torch.Tensor) -> None:
         """A round's speeds, landed: the history and the next round's plan or budget."""
@@ -205,12 +263,8 @@ class AdaptiveRounds:
         self.walls = [float(r) for r in gathered[:, 3].tolist()]
         self._plan(self.rates, self.walls)
         if self.adapt == "deadline" and self.overlap != "none" and self.delay > 0 and self.budget > 0:
-            lag = float(gathered[self.comm.rank, 4] - gathered[:, 4].min())
+            lag = float(gathered[self.d.comm.rank, 4] - gathered[:, 4].min())
             self.round_budget = catch_up(self.budget, lag, cut_before)
-
-    def _new_round(self) -> None:
-        self.round_steps, self.round_samples, self.round_times, self.round_elapsed = 0, 0, [], 0.0
-        self._round_start = None
 
     # ---- overlap=eager|delayed: the exchange behind the next round ----------------------------------
     def _land_round(self) -> None:
@@ -219,36 +273,41 @@ class AdaptiveRounds:
             return
         gathered, mean = self.round_inflight.wait()
         self.round_inflight = None
-        self._outer_step(0, mean)
+        self.d.outer_step(0, mean)
         self._learn(gathered)
 
-    def _adapt_boundary(self) -> None:
+    def _boundary_overlapped(self) -> None:
         """A round's end under overlap: land the previous round, start this one's exchange, step on a stand-in."""
-        lo, hi = self.bounds[0]
+        d, (lo, hi) = self.d, self.bounds[0]
         self._land_round()
         if self.delay > 0:
             self._cycle_buffers()
         mine = self._my_speeds()
-        fresh = self._start_of(0) - self.local.read(lo, hi)
+        fresh = self._start_of(0) - d.local.read(lo, hi)
         self.sends[0] += 1
-        self.round_inflight = self.exchange.submit(lambda: self._weighted_mean(mine, fresh.clone()))
-        self._new_round()
+        self.round_inflight = d.exchange.submit(lambda: self._weighted_mean(mine, fresh.clone()))
+        self.meter.reset()
         if self.delay == 0:  # lands at once (tests): plain adaptive rounds, bit for bit
             self._land_round()
-            self.adopt_global(lo, hi)
-            self.start_at[0] = self.global_flat[lo:hi].clone()
-            self.synced()
+            d.adopt_global(lo, hi)
+            self.start_at[0] = d.global_flat[lo:hi].clone()
+            d.synced()
             return
-        local = self._trial(0, fresh / self.comm.size) if self.overlap == "eager" else self.global_flat[lo:hi] - fresh
-        self.local.write(local, lo)
-        self.start_at[0] = local.clone()
+        self._stand_in(0, fresh)
 
-    def _adapt_final(self) -> None:
-        """finish under overlap: land what is in flight, rebase onto the new global model, send the partial round."""
+    def final_sync(self) -> None:
+        """This island's partial round, weighted like every other (under overlap: land what is in flight, rebase
+        onto the new global model, then send the partial round, if any)."""
+        if self.overlap == "none":
+            self._exchange()
+            return
         self._land_round()
-        self._overlap_final()  # the floating buffers' average lands; local = global + work since the last boundary
-        if self.round_steps > 0:  # every worker of an island agrees on its steps; islands pair this with a boundary
-            self._adapt_exchange()
+        self._rebase()  # the floating buffers' average lands; local = global + work since the last boundary
+        if self.meter.steps > 0:  # every worker of an island agrees on its steps; islands pair this with a boundary
+            self._exchange()
+
+    def report(self) -> dict:
+        return {"adapt": self.adapt, "steps_per_round": self.history, "last_rates": self.rates}
 
     def _plan(self, rates: list[float], walls: list[float]) -> None:
         def fastest(values):
@@ -256,34 +315,33 @@ class AdaptiveRounds:
             return min(measured) if measured else None  # None: no island stepped; keep the plan and budget
 
         if self.adapt == "speed" and fastest(rates) is not None:
-            self.plan = plan_steps(self.inner_steps, fastest(rates), rates[self.comm.rank])
+            self.plan = plan_steps(self.inner_steps, fastest(rates), rates[self.d.comm.rank])
         elif self.adapt == "deadline" and fastest(walls) is not None:
             # the fastest island's wall time for H steps (it fits H: it stops half a step before the budget)
             self.budget = self.deadline if self.deadline > 0 else self.inner_steps * fastest(walls)
             self.round_budget = self.budget
 
     # ---- state ------------------------------------------------------------------------------------
-    def _adapt_state(self) -> dict:
-        return {"adapt": {"round_base": self.round_base, "round_steps": self.round_steps,
-                          "round_samples": self.round_samples, "round_times": list(self.round_times),
-                          "round_elapsed": self.round_elapsed, "plan": self.plan, "budget": self.budget,
-                          "round_budget": self.round_budget,
-                          "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
-                          "skip_to": self.skip_to, **self._inflight_state()}}
+    def state_dict(self) -> dict:
+        m = self.meter
+        adapt = {"round_base": self.round_base, "round_steps": m.steps, "round_samples": m.samples,
+                 "round_times": list(m.times), "round_elapsed": m.elapsed, "plan": self.plan, "budget": self.budget,
+                 "round_budget": self.round_budget,
+                 "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
+                 "skip_to": self.skip_to}
+        if self.round_inflight is not None:
+            gathered, mean = self.round_inflight.wait()  # waited on at save (Pending keeps the result for the landing)
+            adapt.update(inflight_speeds=gathered.clone(), inflight_mean=mean.clone())
+        return {**super().state_dict(), "adapt": adapt}
 
-    def _inflight_state(self) -> dict:
-        if self.round_inflight is None:
-            return {}
-        gathered, mean = self.round_inflight.wait()  # waited on at save (Pending keeps the result for the landing)
-        return {"inflight_speeds": gathered.clone(), "inflight_mean": mean.clone()}
-
-    def _load_adapt_state(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
         a = state.get("adapt")
         if a is None:
             return
-        self.round_base, self.round_steps, self.round_samples = int(a["round_base"]), int(a["round_steps"]), int(
-            a["round_samples"])
-        self.round_times, self.round_elapsed = [float(t) for t in a["round_times"]], float(a["round_elapsed"])
+        m = self.meter
+        self.round_base, m.steps, m.samples = int(a["round_base"]), int(a["round_steps"]), int(a["round_samples"])
+        m.times, m.elapsed = [float(t) for t in a["round_times"]], float(a["round_elapsed"])
         self.plan, self.budget = int(a["plan"]), float(a["budget"])
         self.round_budget = float(a.get("round_budget", self.budget))
         self.rates = [float(r) for r in a["rates"]]
@@ -294,7 +352,7 @@ class AdaptiveRounds:
         if "inflight_mean" in a:
             self.round_inflight = Pending(value=(a["inflight_speeds"].to(torch.float64).clone(),
                                                  a["inflight_mean"].to(torch.float32).clone()))
-        self._began = self._round_start = None  # the round's clock restarts from round_elapsed at the next step
+        m.began = m.round_start = None  # the round's clock restarts from round_elapsed at the next step
 
 
 def plan_steps(inner_steps: int, fastest: float, mine: float) -> int:

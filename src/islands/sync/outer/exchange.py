@@ -9,18 +9,24 @@ Comm), so a different Comm (an elastic one) can be swapped in without touching t
                   is flat - base, and the result is base + mean(flat - base): the local SGD family
                   sends its parameters this way, as a pseudo-gradient, since a compressor that keeps the
                   largest entries of the parameters themselves would keep the wrong ones
-  Quant4 codec    all-gather of 4-bit payloads; each rank decodes all and averages in rank order
+  payload codec   a compressor of the PayloadCodec kind (Quant4: 4-bit payloads): all-gather of the payloads;
+                  each rank decodes all and averages in rank order
   variable-length codec (Quant4Zstd)  all-gather of each rank's payload length (int64, ledger kind
                   "<kind>_len"), then of the payloads zero-padded to the longest
 `sent` lists the bytes this rank handed to the Comm in each exchange of the plain, codec and compressor
 paths (length gathers, NaN flags included): the per-synchronisation peak is max(sent).
 Every path leaves identical bits on every rank. `start` runs the same exchange on a background
 thread so local steps can proceed while it is in flight (LIT-323, LIT-214).
+
+One `compressor=` names how a payload is compressed: an islands.compress compressor (error feedback per island)
+or a PayloadCodec (quant4.py, zstd4.py). The older `codec=` spelling lives at the string edge only
+(streaming-diloco's bits=4/entropy=zstd and diloco's codec build a PayloadCodec compressor: options.py).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -28,7 +34,16 @@ from islands.aggregate.coordinate import Mean
 from islands.aggregate.distributed import robust_all_reduce
 from islands.compress.average import compress_and_average
 from islands.compress.error_feedback import with_error_feedback
-from islands.sync.outer.quant4 import Quant4
+from islands.sync.outer.quant4 import PayloadCodec
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part whose state a checkpoint keeps (a compressor's error feedback, a stateful aggregator)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Pending:
@@ -45,21 +60,19 @@ class Pending:
 
 
 class Exchange:
-    def __init__(self, kind: str, aggregator=None, compressor=None, codec: Quant4 | None = None):
-        """`aggregator`: a robust aggregator (Mean or None: the plain mean); `compressor`: compresses the
-        vector on the wire (error feedback per island where it asks for it); `codec`: Quant4-style payloads."""
+    def __init__(self, kind: str = "outer_delta", aggregator=None, compressor=None):
+        """`kind`: the ledger kind of its bytes (DiLoCo's deltas: outer_delta). `aggregator`: a robust aggregator
+        (Mean or None: the plain mean); `compressor`: compresses the vector on the wire, an islands.compress
+        compressor (error feedback per island where it asks for it) or a PayloadCodec (Quant4, Quant4Zstd)."""
         if isinstance(aggregator, Mean):
             aggregator = None
-        if compressor is not None and aggregator is not None:
+        if compressor is not None and aggregator is not None and not isinstance(compressor, PayloadCodec):
             raise ValueError("a compressor and a robust aggregator together are not supported: a robust aggregator "
                              "needs each island's uncompressed delta; pick one")
-        if compressor is not None and codec is not None:
-            raise ValueError("a compressor and the built-in 4-bit codec together are not supported; pick one "
-                             "(streaming DiLoCo: bits=32 with a compressor)")
         self.kind = kind
         self.aggregator = aggregator
-        self.compressor = with_error_feedback(compressor) if compressor is not None else None
-        self.codec = codec
+        self.codec = compressor if isinstance(compressor, PayloadCodec) else None
+        self.compressor = with_error_feedback(compressor) if compressor is not None and self.codec is None else None
         self._pool: ThreadPoolExecutor | None = None
         self.sent: list[int] = []  # bytes this rank sent per exchange (all but the aggregator path, comm.size > 1)
 
@@ -89,7 +102,7 @@ class Exchange:
 
     def _gathered(self, comm, flat: torch.Tensor) -> torch.Tensor:
         payload = self.codec.encode(flat)
-        if getattr(self.codec, "variable_length", False):
+        if self.codec.variable_length:
             payloads = self._gather_variable(comm, payload)
         else:
             payloads = comm.all_gather(payload, kind=self.kind)
@@ -107,7 +120,7 @@ class Exchange:
         while True:
             lengths = comm.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), kind=f"{self.kind}_len")
             lengths = [int(n.item()) for n in lengths]
-            epoch = getattr(comm, "epoch", None)
+            epoch = comm.epoch
             longest = max(lengths)
             padded = torch.zeros(longest, dtype=torch.uint8)
             padded[: payload.numel()] = payload
@@ -115,7 +128,7 @@ class Exchange:
             self._count(comm, 8 + longest)
             # an elastic Comm whose members changed between the two gathers (islands.runtime.elastic): the
             # lengths are the old members'; every survivor sees the same committed epochs, so all redo both
-            if getattr(comm, "epoch", None) == epoch:
+            if comm.epoch == epoch:
                 return [g[:n] for g, n in zip(gathered, lengths)]
 
     def run(self, fn):
@@ -141,14 +154,10 @@ class Exchange:
         return Pending(self._pool.submit(self.mean, comm, flat, name, base))
 
     def state_dict(self) -> dict:
-        out = {}
-        for key, part in (("compressor", self.compressor), ("aggregator", self.aggregator)):
-            sd = getattr(part, "state_dict", None)
-            if sd is not None:
-                out[key] = sd()
-        return out
+        return {key: part.state_dict() for key, part in (("compressor", self.compressor),
+                                                          ("aggregator", self.aggregator)) if isinstance(part, Stateful)}
 
     def load_state_dict(self, state: dict) -> None:
         for key, part in (("compressor", self.compressor), ("aggregator", self.aggregator)):
-            if key in state and hasattr(part, "load_state_dict"):
+            if key in state and isinstance(part, Stateful):
                 part.load_state_dict(state[key])

@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: its shard of a DTensor, else `t` itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FlatView:

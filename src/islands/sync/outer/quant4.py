@@ -20,7 +20,22 @@ import torch
 LEVELS = 7  # 15 of the 16 nibble codes: symmetric, so zero is exact and the sign costs nothing extra
 
 
-class Quant4:
+class PayloadCodec:
+    """A compressor of the exchange's payload codec kind (Exchange(compressor=...)): encode each island's vector into
+    uint8 bytes, all-gather them, decode all and average in rank order on every rank. Quant4 and Quant4Zstd are
+    the two; `variable_length` payloads (Quant4Zstd) are gathered with their lengths first."""
+
+    name = "codec"
+    variable_length = False
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Quant4(PayloadCodec):
     name = "quant4"
 
     def __init__(self, block: int = 1024):

@@ -4,6 +4,8 @@
     gossip:every=4,topology=(random:s=2),seed=3               gossip's seed seeds its random topology
     streaming-diloco:fragments=4,warm_start=200               inside WarmStart for its first 200 steps
 
+diloco and streaming-diloco keep their keyword options of before the parts (outer=, outer_lr=, overlap=, adapt=,
+bits=, ...): their schema is `DiLoCo.parts`' signature (options.py) and they build through `from_options`.
 `compress=` and `aggregate=` are the older names of `compressor=` and `aggregator=`. post-local-sgd's `switch`
 has no default: the caller supplies it (make_outer: the end of the lr warm-up, SOTA-216).
 """
@@ -29,20 +31,21 @@ from islands.sync.outer.topology import TOPOLOGIES  # noqa: F401 - registers the
 from islands.sync.outer.warm_start import WarmStart
 
 
-def warm_startable(cls: Callable[..., OuterStrategy]) -> Callable[..., OuterStrategy | WarmStart]:
-    """cls's constructor plus `warm_start`, a registry entry: the strategy inside WarmStart(strategy, W) when
-    W > 0 (LIT-212 starts DiLoCo from a model pretrained with ordinary data parallelism)."""
-    own = list(resolved_signature(cls).parameters.values())
+def warm_startable(cls: type[DiLoCo]) -> Callable[..., OuterStrategy | WarmStart]:
+    """cls.from_options (the spec's keys: cls.parts' signature) plus `warm_start`, a registry entry: the strategy
+    inside WarmStart(strategy, W) when W > 0 (LIT-212 starts DiLoCo from a model pretrained with ordinary data
+    parallelism)."""
+    own = list(resolved_signature(cls.parts).parameters.values())
     warm = inspect.Parameter("warm_start", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=int)
 
     def entry(*args: Any, warm_start: int = 0, **kwargs: Any) -> OuterStrategy | WarmStart:
         if warm_start < 0:
             raise ValueError(f"warm_start must be >= 0 steps (0 = no warm start), got {warm_start}")
-        outer = cls(*args, **kwargs)
+        outer = cls.from_options(*args, **kwargs)
         return WarmStart(outer, warm_start) if warm_start else outer
 
     entry.__signature__ = inspect.Signature(own + [warm])
-    entry.__doc__ = docs_of(cls) + (
+    entry.__doc__ = docs_of(cls).split("\n\n")[0] + "\n\n" + docs_of(cls.parts) + (
         "\n\n`warm_start`: steps of ordinary data parallelism across islands (gradients averaged every step) "
         "before the first round, as LIT-212 starts from a pretrained model; 0 = none.")
     entry.__name__ = entry.__qualname__ = cls.__name__

@@ -12,6 +12,8 @@ from __future__ import annotations
 from islands.aggregate.base import Aggregator
 from islands.compress.base import Compressor
 from islands.sync.outer.diloco import DiLoCo
+from islands.sync.outer.exchange import Exchange
+from islands.sync.outer.outer_opt import OuterSGD
 
 
 class SlowMo(DiLoCo):
@@ -21,5 +23,5 @@ class SlowMo(DiLoCo):
                  compressor: Compressor | None = None, aggregator: Aggregator | None = None):
         """`every` H: local steps between outer steps. `slow_lr`: the outer (slow) learning rate. `momentum`: slow
         heavy-ball momentum over the averaged iterates. `compressor`/`aggregator`: as DiLoCo's."""
-        super().__init__(inner_steps=every, outer="sgd", outer_lr=slow_lr, momentum=momentum,
-                         compressor=compressor, aggregator=aggregator)
+        super().__init__(inner_steps=every, outer_optimizer=OuterSGD(slow_lr, momentum),
+                         exchange=Exchange("outer_delta", aggregator=aggregator, compressor=compressor))

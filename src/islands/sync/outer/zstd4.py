@@ -16,12 +16,12 @@ import numpy as np
 import torch
 import zstandard
 
-from islands.sync.outer.quant4 import Quant4
+from islands.sync.outer.quant4 import PayloadCodec, Quant4
 
 LEVEL = 1  # zstd level 1: on 4-bit codes levels 1..9 compress within 1% of each other; 1 is the fastest
 
 
-class Quant4Zstd:
+class Quant4Zstd(PayloadCodec):
     name = "quant4+zstd"
     variable_length = True
 
