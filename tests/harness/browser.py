@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 

@@ -22,7 +22,7 @@ from torch.distributed import DistNetworkError
 
 from islands.runtime.membership import connect, parse_address
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def env() -> dict:

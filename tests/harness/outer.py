@@ -14,7 +14,7 @@ import socket
 import time
 
 import torch
-from conftest import mp_context
+from harness.procs import mp_context
 
 
 def tiny_model():

@@ -13,7 +13,7 @@ import queue as queue_mod
 import time
 
 import torch.multiprocessing as mp
-from conftest import free_port, mp_context
+from harness.procs import free_port, mp_context
 
 
 def spawn_ranks(worker, n: int, *args, timeout: float = 150.0) -> list[tuple]:

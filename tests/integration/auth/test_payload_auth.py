@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from outer_mp import run_world
+from harness.outer import run_world
 from test_simulate import train
 
 TOKEN = "the-job-secret"

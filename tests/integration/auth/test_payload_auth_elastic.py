@@ -168,7 +168,7 @@ def _job(tmp_path, name: str, workers: int, steps: int, authenticate: bool, duri
     from islands.app.validate import validate
     from islands.config import from_mapping
 
-    import elastic_jobs
+    import harness.elastic as elastic_jobs
 
     run = tmp_path / name
     cfg = validate(from_mapping(dict(task="digits", workers=workers, islands=workers, outer="diloco:inner_steps=3",
@@ -216,7 +216,7 @@ def test_a_worker_killed_in_an_authenticated_elastic_job_is_dropped_and_the_othe
     and hold the same global model."""
     import signal
 
-    import elastic_jobs
+    import harness.elastic as elastic_jobs
 
     def kill_mid_run(address, procs):
         elastic_jobs.wait(elastic_jobs.has_key(address, "round/3/join"), "three rounds", timeout=60)
@@ -336,7 +336,7 @@ islands.close_world(world)
 def test_a_worker_that_refuses_a_payload_exits_1_with_one_line_and_the_others_finish_without_it(tmp_path):
     import json
 
-    import elastic_jobs
+    import harness.elastic as elastic_jobs
 
     out = tmp_path / "out"
     proc, err = elastic_jobs.start_job(tmp_path, TAMPERED_JOB, 3, "out")

@@ -16,7 +16,7 @@ from islands.checkpoint.elastic_saves import ElasticBarrier, Member, MembershipC
 from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 from test_checkpoint_resume import same
 
 

@@ -8,7 +8,7 @@ import traceback
 from pathlib import Path
 
 import pytest
-from conftest import forkserver
+from harness.procs import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

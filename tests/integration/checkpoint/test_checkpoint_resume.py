@@ -14,7 +14,7 @@ from islands.app.build import fingerprint
 from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping
 
-from cli_jobs import EXACT, TINY, TINY_FLAGS, islands_cli, resume_at, run, same, trainer
+from harness.cli import EXACT, TINY, TINY_FLAGS, islands_cli, resume_at, run, same, trainer
 
 
 def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from islands.checkpoint import CheckpointStore
 
-from cli_jobs import EXACT, TINY_FLAGS, islands_cli, resume_at, same, trainer
+from harness.cli import EXACT, TINY_FLAGS, islands_cli, resume_at, same, trainer
 
 FSDP_FLAGS = [*TINY_FLAGS, "--inner", "fsdp", "--n-layers", "2", "--steps", "6", "--ckpt-every", "3",
               "--no-probe", "--timeout", "30"]

@@ -7,7 +7,7 @@ goes through the counted Comm."""
 import socket
 
 import pytest
-from conftest import mp_context
+from harness.procs import mp_context
 import torch
 import torch.multiprocessing as mp
 

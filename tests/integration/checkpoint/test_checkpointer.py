@@ -23,7 +23,7 @@ from islands.data.loader import ShardSampler
 from islands.runtime.world import World
 from islands.sync.outer import DiLoCo
 from islands.sync.stack import Stack
-from outer_mp import run_world
+from harness.outer import run_world
 
 N = 4  # steps before the checkpoint; DiLoCo's rounds of 3 put it mid-round
 DATA = torch.Generator().manual_seed(99)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from cli_jobs import islands_cli as cli
+from harness.cli import islands_cli as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import socket
 import traceback
 
 import pytest
-from conftest import forkserver
+from harness.procs import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

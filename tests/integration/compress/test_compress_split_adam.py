@@ -15,7 +15,7 @@ from islands.compress import NoCompression, analytic_nbytes
 from islands.compress.optim import build_optimizer, parse_optimizer
 from islands.compress.split_adam import SplitMomentAdamW
 from islands.runtime.comm import Comm, CommLedger
-from spawn_world import spawn_ranks
+from harness.world import spawn_ranks
 
 
 def _net(seed=0):

@@ -13,7 +13,7 @@ import torch
 
 from islands.compress import DCTTopK, ErrorFeedback, TopKQ, parse_compressor
 from islands.compress import elias_fano as ef
-from outer_mp import assert_train_refuses, run_world
+from harness.outer import assert_train_refuses, run_world
 from test_outer_compress import _resume, _scenario
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping

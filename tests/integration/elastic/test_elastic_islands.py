@@ -27,8 +27,8 @@ from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.island_comm import IslandComm, IslandPlace, worker_name
 from islands.runtime.membership import connect
-from elastic_jobs import assert_nothing_half_written, gated_digits
-from spawn_world import spawn_ranks
+from harness.elastic import assert_nothing_half_written, gated_digits
+from harness.world import spawn_ranks
 from test_checkpoint_resume import same
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)

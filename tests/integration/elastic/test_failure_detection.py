@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping

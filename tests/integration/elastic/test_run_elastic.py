@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 from islands.checkpoint import CheckpointStore
 from islands.runtime.membership import REFUSED_EXIT_CODE
 

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.stop import POLL_S, STOP_KEY, StopAt, request_stop, requested_stop
-from dict_store import DictStore
+from harness.dict_store import DictStore
 
 
 class FakeTrainer:

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_ranks import JSON_PKG, run_hf_job  # noqa: E402
+from harness.hf import JSON_PKG, run_hf_job  # noqa: E402
 from islands.app import export as ex  # noqa: E402
 from islands.cli import main  # noqa: E402
 from islands.config import JobConfig, dump_json  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 import islands  # noqa: E402
-from hf_ranks import JSON_PKG, TINY, run_hf_job  # noqa: E402
+from harness.hf import JSON_PKG, TINY, run_hf_job  # noqa: E402
 from islands.app.validate import validate  # noqa: E402
 from islands.cli import main  # noqa: E402
 from islands.config import ConfigError, from_mapping  # noqa: E402

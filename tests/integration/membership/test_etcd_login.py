@@ -14,7 +14,7 @@ from islands.runtime.etcd_store import (ENDED_KEY, PASSWORD_FILE_ENV, USER_ENV, 
                                         EtcdLogin, EtcdStore)
 from islands.testbed import etcd as etcd_cluster
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 
 TOKEN_TTL_S = 1  # the members' --auth-token-ttl: short, so a test sees a token lapse
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import islands.testbed.etcd as etcd_cluster
 from islands.runtime.etcd_store import (ENDED_KEY, EtcdAddress, EtcdClient, EtcdStore, NotLeader, cmp_absent,
                                         leader_key, op_put)
-from spawn_world import spawn_ranks
+from harness.world import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not etcd_cluster.available(), reason="etcd-server is not installed (apt-get install etcd-server)")
 

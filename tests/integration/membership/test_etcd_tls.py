@@ -13,7 +13,7 @@ from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, ENDED_KEY, KEY_ENV, Et
                                         EtcdStore, EtcdTLS)
 from islands.testbed import etcd as etcd_cluster
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 
 
 @pytest.fixture(scope="module")

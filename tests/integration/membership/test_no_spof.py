@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 import islands.testbed.etcd as etcd_cluster
-from elastic_jobs import job_processes as _job_processes, logs as _logs
+from harness.elastic import job_processes as _job_processes, logs as _logs
 from islands.runtime.etcd_store import ENDED_KEY, EtcdAddress, EtcdClient, leader_key
 from islands.runtime.membership import connect, parse_address
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from islands.runtime.elastic_launch import IslandWorker, _Islands, _Reaper
 from islands.runtime.island_comm import FollowerWatch
-from dict_store import DictStore
+from harness.dict_store import DictStore
 
 TIMEOUT = 0.4  # seconds: the heartbeat timeout of these looks
 

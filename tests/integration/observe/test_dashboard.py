@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from browser import needs_browser, render, screenshot
+from harness.browser import needs_browser, render, screenshot
 
 from islands.cli import main
 from islands.dashboard import DashboardError, DashboardServer, RunReader, build_state

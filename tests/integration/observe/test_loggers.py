@@ -23,7 +23,7 @@ from islands.config import ConfigError, from_mapping
 from islands.observe import JsonLines, Logging, MLflow, TensorBoard, Wandb, read_lines
 from islands.observe.mlflow import mlflow_key
 
-from cli_jobs import islands_cli
+from harness.cli import islands_cli
 
 STEPS, LOG_EVERY, EVAL_EVERY, CKPT_EVERY = 12, 2, 4, 5
 KINDS = ("grad_all_reduce", "outer:delta")  # the second has a character MLflow refuses in a name

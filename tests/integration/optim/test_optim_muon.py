@@ -29,7 +29,7 @@ from islands.models import MLP, ByteTransformer, sequence_loss
 from islands.optim import MuonAdamW, muon_split
 from islands.runtime.world import World
 
-from outer_mp import run_world
+from harness.outer import run_world
 from test_checkpoint_resume import EXACT, TINY, same
 
 

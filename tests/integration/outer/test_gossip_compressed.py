@@ -10,7 +10,7 @@ from islands.compress import QSGD, RandomK, SharedRandomK, TopK, TopKQ
 from islands.sync.outer import make_outer, parse_topology, simulate_mixing
 from islands.sync.outer.choco import EdgeEstimates
 from islands.sync.outer.gossip import Gossip
-from outer_mp import run_world
+from harness.outer import run_world
 
 LOSSLESS = TopKQ(ratio=1.0, bits=32)  # every entry, fp32 values: decode(compress(x)) == x
 

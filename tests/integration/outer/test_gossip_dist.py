@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outer_mp import run_world
+from harness.outer import run_world
 
 D = 6  # parameters of the tiny model: Linear(2, 2)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from outer_mp import run_world
+from harness.outer import run_world
 
 STEPS, H = 4, 2
 

@@ -20,7 +20,7 @@ import torch
 from islands.compress import COMPRESSORS, DCTTopK, ErrorFeedback, SharedRandomK, TopKQ, parse_compressor
 from islands.compress.dct import dct_basis
 from islands.compress.error_feedback import with_error_feedback
-from outer_mp import assert_train_refuses, batch, run_world, tiny_model
+from harness.outer import assert_train_refuses, batch, run_world, tiny_model
 from test_outer_dist import Run, cut_and_resume
 
 EF_SPECS = ["topkq:ratio=0.05,bits=2,chunk=64", "topkq:ratio=0.05,bits=4,chunk=64", "topkq:ratio=0.05,bits=8,chunk=64",

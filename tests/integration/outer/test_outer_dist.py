@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import batch, run_world, tiny_model
+from harness.outer import batch, run_world, tiny_model
 
 STEPS = 6
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import assert_train_refuses, run_world
+from harness.outer import assert_train_refuses, run_world
 from test_outer_dist import Run, cut_and_resume
 
 PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"

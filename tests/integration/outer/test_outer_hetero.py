@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import assert_train_refuses, batch, run_world, tiny_model
+from harness.outer import assert_train_refuses, batch, run_world, tiny_model
 
 # ---- one process -----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import batch, run_world, tiny_model
+from harness.outer import batch, run_world, tiny_model
 
 TOTAL, WARM, H = 7, 3, 2  # rounds after the warm-up end at local steps 2, 4 (shortened final round)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from islands.models import ByteTransformer, count_parameters, sequence_loss
-from lm_reference import lm_batches, train_reference
-from spawn_world import spawn_ranks
+from harness.lm_reference import lm_batches, train_reference
+from harness.world import spawn_ranks
 
 STEPS, WORKERS, BATCH, CONTEXT = 5, 2, 4, 16
 

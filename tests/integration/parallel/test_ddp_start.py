@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from spawn_world import spawn_ranks
+from harness.world import spawn_ranks
 
 
 class Model(nn.Module):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from islands.parallel.contrastive import sigmoid_pair_loss, softmax_pair_loss
-from outer_mp import run_world
+from harness.outer import run_world
 
 PER_RANK, DIM = 3, 5
 

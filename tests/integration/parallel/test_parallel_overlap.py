@@ -8,7 +8,7 @@ from torch import nn
 
 from islands.parallel import RowParallelLinear, matmul_all_reduce
 from islands.parallel.overlap import check_chunks
-from outer_mp import run_world
+from harness.outer import run_world
 
 
 def _reference():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from islands.parallel.ring_attention import ring_attention, ring_kv_bytes
-from outer_mp import run_world
+from harness.outer import run_world
 
 SEQ, HEADS, DIM = 12, 2, 4
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from islands.parallel.sequence import TensorParallelMLP, sequence_shard
-from outer_mp import run_world
+from harness.outer import run_world
 
 S, D, H = 8, 6, 10
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outer_mp import run_world
+from harness.outer import run_world
 
 BATCH = 4
 

@@ -12,10 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_ranks import JSON_PKG, run_hf_job  # noqa: E402
+from harness.hf import JSON_PKG, run_hf_job  # noqa: E402
 from islands.cli import main  # noqa: E402
 from islands.parallel.pipeline import pieces_of  # noqa: E402
-from outer_mp import run_world  # noqa: E402
+from harness.outer import run_world  # noqa: E402
 
 V = 64
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from islands.parallel.shuffle_bn import (dealt_permutation, encode_in_groups, shuffled_encode, shuffled_encode_bytes,
                                          shuffled_group_encode)
-from outer_mp import run_world
+from harness.outer import run_world
 
 ROWS, IN, OUT, SEED = 6, 5, 3, 11
 

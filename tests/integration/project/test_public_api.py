@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import islands
-from spawn_world import spawn_ranks
+from harness.world import spawn_ranks
 
 
 class BNNet(nn.Module):

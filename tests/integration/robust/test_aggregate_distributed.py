@@ -11,7 +11,7 @@ import socket
 import traceback
 
 import pytest
-from conftest import mp_context
+from harness.procs import mp_context
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

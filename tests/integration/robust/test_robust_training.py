@@ -13,7 +13,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
-from spawn_world import spawn_ranks
+from harness.world import spawn_ranks
 
 WORLD, STEPS, DELAY = 4, 4, 0.25
 ROBUST = ["median", "trimmed-mean:beta=0.25", "krum:f=1", "multi-krum:f=1,m=2", "geomed", "cclip:tau=0.5",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from harness.procs import free_port
 
 from islands.compress import Agreed, Combine, compress_and_average, ddp_comm_hook, parse_compressor
 from islands.runtime.comm import Comm, CommLedger

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from islands.compress.average import FINITE_FLAG_NBYTES
-from outer_mp import run_world
+from harness.outer import run_world
 
 H, STEPS, STOP = 3, 9, 4  # DiLoCo rounds end after steps 3, 6, 9; the resume test stops mid-round (after 4)
 OUTER = f"diloco:inner_steps={H},outer=nesterov,outer_lr=0.7,momentum=0.9"
@@ -216,7 +216,7 @@ def test_islands_train_fsdp_diloco_resumes_mid_round_to_the_same_loss(tmp_path):
     checkpoints; a resume from a mid-round save (step 4, rounds end at 3 and 6) ends at the same bits."""
     import json
 
-    from cli_jobs import TINY_FLAGS, islands_cli
+    from harness.cli import TINY_FLAGS, islands_cli
 
     job = [*TINY_FLAGS, "--global-batch", "8", "--workers", "4", "--islands", "2", "--inner", "fsdp",
            "--outer", "diloco:inner_steps=3", "--steps", "8", "--eval-every", "4"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from islands.models import ByteTransformer, sequence_loss
-from lm_reference import lm_batches, train_reference
-from spawn_world import spawn_ranks
+from harness.lm_reference import lm_batches, train_reference
+from harness.world import spawn_ranks
 
 STEPS, WORKERS, BATCH, CONTEXT = 4, 2, 4, 16
 # (wrap, reshard_after_forward, param_dtype); the bf16 case is checked for bytes only

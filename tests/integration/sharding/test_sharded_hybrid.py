@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from islands.models import ByteTransformer, sequence_loss
-from lm_reference import lm_batches, train_reference
-from spawn_world import spawn_ranks
+from harness.lm_reference import lm_batches, train_reference
+from harness.world import spawn_ranks
 
 STEPS, WORKERS, ISLANDS, BATCH, CONTEXT = 3, 4, 2, 2, 16
 # (shard_group, prefetch)

@@ -11,7 +11,7 @@ import torch
 
 from islands.models import ByteTransformer, sequence_loss
 from islands.sync.zero1 import param_gather_bytes, partition
-from spawn_world import spawn_ranks
+from harness.world import spawn_ranks
 
 STEPS, BATCH, CONTEXT = 4, 2, 16
 

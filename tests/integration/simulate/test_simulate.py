@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from outer_mp import batch, run_world, tiny_model
+from harness.outer import batch, run_world, tiny_model
 
 STEPS = 8  # streaming H=4, F=2: fragment 1 starts an exchange at the last step, which finish() then awaits
 SPECS = ["diloco:inner_steps=3", "streaming-diloco:inner_steps=4,fragments=2,tau=1", "gossip:every=2"]

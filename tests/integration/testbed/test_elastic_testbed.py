@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import elastic_jobs
+import harness.elastic as elastic_jobs
 from islands import testbed
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate

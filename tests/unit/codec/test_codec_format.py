@@ -14,7 +14,7 @@ import xxhash
 from islands.checkpoint import blob_header, codec
 from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
-from legacy_blobs import as_version
+from harness.legacy_blobs import as_version
 
 
 def _weights(n=50_000, dtype=torch.bfloat16):

@@ -10,12 +10,12 @@ import zstandard
 
 from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.planes import sampled_entropy_bits
-from legacy_blobs import legacy_blob, legacy_parts, ordinary_frame
+from harness.legacy_blobs import legacy_blob, legacy_parts, ordinary_frame
 
 
 def _streams(blob):
     """(metadata, ordinary zstd frame, or the plane itself for a raw stream) of every stream."""
-    from legacy_blobs import frames
+    from harness.legacy_blobs import frames
 
     return [(meta, f if meta["m"] == "r" else ordinary_frame(f)) for meta, f in frames(blob)]
 

@@ -80,7 +80,7 @@ def test_error_feedback_with_reused_buffers_matches_fresh_state_each_step():
 
 @pytest.fixture
 def one_rank_comm():
-    from conftest import free_port
+    from harness.procs import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -143,7 +143,7 @@ def test_auto_precision_is_bf16_autocast_on_cuda():
 def test_the_job_leaves_precision_to_the_task_unless_it_is_given():
     """memory.precision = "task" (the default): the hf task's auto, the built-in tasks' fp32, fp32 under fsdp and
     pipeline (which take no precision); an explicit value wins."""
-    from hf_ranks import TINY
+    from harness.hf import TINY
 
     from islands.app.build import build_task, step_precision
     from islands.app.validate import validate

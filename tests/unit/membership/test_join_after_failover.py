@@ -11,7 +11,7 @@ import json
 
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import ElasticComm
-from dict_store import DictStore
+from harness.dict_store import DictStore
 
 
 class Outer:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 # Layer of each top-level name under islands; a module may import its own layer and lower ones.
 LAYERS = {

@@ -28,7 +28,7 @@ from islands.practices import (
 from islands.practices.__main__ import main as practices_main
 from islands.practices.__main__ import render_docs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SEEDS = REPO.parent / "shared" / "seeds"
 
 

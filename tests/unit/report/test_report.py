@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from browser import needs_browser, render, screenshot
+from harness.browser import needs_browser, render, screenshot
 
 from islands.cli import main
 from islands.practices import load_practices
@@ -23,7 +23,7 @@ from islands.report import site as site_mod
 from islands.report.html import fmt
 from islands.report.results import page_name
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 
 class _Refs(HTMLParser):
