@@ -4,7 +4,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PIP     = $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: run test clean
+.PHONY: run test test-fast clean
 
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -20,6 +20,11 @@ run: $(STAMP)
 # a file whose fixtures span the module stays in one process (tests/conftest.py)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup
+
+# the quick lane, for a developer between edits: tests that start no process and run in seconds (tests/unit; the
+# bench's own such tests, bench/tests minus those marked integration, slow or experiments), in two processes
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests/unit bench/tests -m "not integration and not slow and not experiments"
 
 clean:
 	rm -rf $(VENV) runs results/*/quick
