@@ -4,7 +4,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PIP     = $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: run test lint clean
+.PHONY: run test test-fast lint clean
 
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# the quick lane, for a developer between edits: tests that start no process and run in seconds (tests/unit; the
+# bench's own such tests, bench/tests minus those marked integration, slow or experiments), in two processes
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 tests/unit bench/tests -m "not integration and not slow and not experiments"
 
 clean:
 	rm -rf $(VENV) runs results/*/quick

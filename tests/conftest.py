@@ -1,13 +1,19 @@
 import os
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 
+# Helpers live in the harness package (tests/harness); the names stay here for code that still imports them
+# from conftest, but tests import them from harness.procs.
+from harness.procs import FORKSERVER_PRELOAD, forkserver, free_port, mp_context  # noqa: F401
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# A few test files import another's helpers by its module name (`from test_checkpoint_resume import same`), as
+# they did when tests/ was one flat folder: every folder of test files is on sys.path before any is collected, so
+# such an import does not depend on the order pytest collects the folders in. (Test file names stay unique.)
+for _folder in sorted({p.parent for p in Path(__file__).resolve().parent.glob("*/*/test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture
@@ -24,6 +30,12 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Every test under tests/integration starts processes (ranks, a launcher, the CLI as a subprocess, a fork server) or
+# runs long: it is marked `integration` here, by its path, so `-m "not integration"` leaves the quick lane
+# (tests/unit, `make test-fast`). A process-starting test outside tests/ (bench/tests) carries the mark itself.
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks into the test ids
 def pytest_collection_modifyitems(config, items):
     """`make test` spreads tests over processes (pytest-xdist, --dist loadgroup): the tests of a file whose fixtures
@@ -31,28 +43,9 @@ def pytest_collection_modifyitems(config, items):
     that world runs once; every other test goes wherever a process is free. (Run after xdist's hook, as this was
     until 2026-12-02, the marks grouped nothing: such fixtures ran once per process.)"""
     for item in items:
+        if INTEGRATION in item.path.resolve().parents:
+            item.add_marker(pytest.mark.integration)
         info = getattr(item, "_fixtureinfo", None)
         defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
         if any(d.scope in ("module", "session") and d.baseid.endswith(".py") for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-# Rank processes for the multi-process tests: forked from one server process that has imported torch and
-# islands once, instead of spawned interpreters that import them again (2-3 s of CPU per rank on a 2-core
-# machine; most of the suite's multi-process tests are that start-up). The server only imports, never runs
-# a collective or a parallel region, so what its children inherit is a clean interpreter.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "islands", "islands.runtime.world", "islands.app.build"]
-
-
-def mp_context():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    return ctx
-
-
-def forkserver() -> str:
-    """The start method for torch.multiprocessing.start_processes, with the preload above in place."""
-    mp_context()
-    return "forkserver"

@@ -26,6 +26,7 @@ def runs() -> dict:
     }
 
 
+@pytest.mark.integration  # three simulated 8-worker runs: long for the quick lane
 def test_two_of_eight_scaled_attackers_wreck_mean_but_not_median(runs):
     clean, mean, median = runs["clean"], runs["mean"], runs["median"]
     assert clean.final_val_accuracy > 0.85
@@ -37,6 +38,7 @@ def test_two_of_eight_scaled_attackers_wreck_mean_but_not_median(runs):
         assert r.aggregate_step_seconds > 0 and r.mean_step_seconds > 0 and r.cost_vs_mean > 0
 
 
+@pytest.mark.integration  # needs the three runs above
 def test_nan_senders_are_dropped_every_step_and_training_is_unharmed(runs):
     cfg = validate(from_mapping({**CFG, "steps": 10}))
     r = simulated_job(cfg, "mean", "nan:count=3").run(10)
@@ -86,6 +88,7 @@ def test_specs_the_grid_builds_all_parse():
 
 
 @pytest.mark.slow  # a real 4-rank gloo job
+@pytest.mark.integration
 def test_a_simulated_run_matches_the_real_four_rank_job(tmp_path):
     """The simulation stands for a real job: the same config trained by 4 gloo ranks (islands' launcher,
     median over a sign-flipping rank) ends at the simulation's parameters."""

@@ -3,6 +3,8 @@ deaths it reads from the launcher's log."""
 
 import json
 
+import pytest
+
 from islands_bench.experiments.chaos import Event, _failures, _steps_per_second, campaign, detection_per_event, false_deaths, stall_per_event
 
 
@@ -83,6 +85,7 @@ class _Running:  # the launcher, as _apply sees it: still running
         return None
 
 
+@pytest.mark.integration  # starts a process to kill
 def test_kill_coordinator_kills_whoever_holds_the_lease(tmp_path, monkeypatch):
     import random
     import subprocess

@@ -11,10 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from islands_bench.experiments import chaos, chaos_torchft
 from islands_bench.experiments.churn_torchft import TorchftSettings
 from islands.app.validate import validate
 from islands.config import from_mapping
+
 
 
 def test_every_event_kind_is_applied_or_named_not_applicable():
@@ -43,6 +46,7 @@ def _job(tmp_path: Path, max_restarts: int) -> _Sleeper:
     return _Sleeper(cfg, tmp_path, 2, 2, lighthouse=None, settings=settings, max_restarts=max_restarts)
 
 
+@pytest.mark.integration  # the harness's replicas are processes
 def test_the_harness_restarts_a_killed_replica_and_a_frozen_one_after_the_heartbeat_timeout(tmp_path):
     job = _job(tmp_path, max_restarts=5)
     try:
@@ -65,6 +69,7 @@ def test_the_harness_restarts_a_killed_replica_and_a_frozen_one_after_the_heartb
         job.stop()
 
 
+@pytest.mark.integration  # the harness's replicas are processes
 def test_once_a_replica_finished_a_failed_one_is_not_restarted(tmp_path):
     job = _job(tmp_path, max_restarts=5)
     try:

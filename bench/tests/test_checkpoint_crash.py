@@ -10,6 +10,7 @@ from islands_bench.checkpoint_crash import run_crash_trials
 
 
 @pytest.mark.slow  # spawns 2 interpreters that import torch
+@pytest.mark.integration
 def test_each_kill_is_judged_and_leaves_a_loadable_checkpoint(tmp_path):
     report = run_crash_trials(tmp_path / "store", 2, random.Random(1), elems=50_000, max_delay_s=0.4)
     assert report.trials == 2

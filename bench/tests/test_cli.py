@@ -27,6 +27,7 @@ def test_an_unknown_experiment_exits_2_naming_the_known_ones(capsys):
     assert "unknown experiment 'no-such-experiment'" in err and "ddp-scaling" in err
 
 
+@pytest.mark.integration  # the CLI as a subprocess
 def test_islands_bench_list_runs_as_a_command():
     out = subprocess.run([sys.executable, "-m", "islands", "bench", "--list"], capture_output=True, text=True,
                          timeout=300)

@@ -1,0 +1,110 @@
+"""`islands export RUN_DIR OUT`: the global model of a run (under DiLoCo: the outer model, not an island's) and its
+tokenizer in the Hugging Face format; transformers loads it, its logits equal the islands model's, it generates.
+Bad input is exit code 2 and nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from harness.hf import JSON_PKG, run_hf_job  # noqa: E402
+from islands.app import export as ex  # noqa: E402
+from islands.cli import main  # noqa: E402
+from islands.config import JobConfig, dump_json  # noqa: E402
+from islands.tasks import hf_causal_lm, hf_lm  # noqa: E402
+
+pytestmark = pytest.mark.slow  # one job of 2 gloo ranks forked from this process (tests/hf_ranks.py)
+ATOL = 1e-5
+
+
+def _cli(argv: list[str]) -> int:
+    try:
+        main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory):
+    """GPT-2 on two islands of one worker, DiLoCo every 4 steps, checkpoints at steps 3 (mid-round) and 6."""
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    # the worker's own code on 2 ranks, as `islands train --task hf-causal-lm --task.model gpt2 --workers 2 --islands 2
+    # --outer diloco:inner_steps=4 --steps 6 --ckpt-every 3` runs it (hf_ranks.TINY: the rest of the tiny shape)
+    run_hf_job(run_dir, timeout=300, **{"task.model": "gpt2", "workers": 2, "islands": 2,
+                                        "outer": "diloco:inner_steps=4", "steps": 6, "ckpt_every": 3})
+    return run_dir
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def test_export_round_trip_is_the_outer_model(diloco_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    assert _cli(["export", str(diloco_run), str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ours, tok, step = ex.global_model(diloco_run)
+    assert step == 6 and type(model).__name__ == "GPT2LMHeadModel"
+    text = "import json\nprint(json.dumps({'a': 1}))\n"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == tok.encode(text, add_special_tokens=False).ids  # the run's own tokenizer
+    assert tokenizer.decode(ids[0]) == text
+    ids = ids[:, :16]  # within the model's 32 positions, generated tokens included
+    assert torch.allclose(_logits(model, ids), _logits(ours, ids), atol=ATOL, rtol=0)
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 5)
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+    # Step 3 falls inside DiLoCo's first round (4 inner steps): the global model there is still the initial one,
+    # while each island has trained 3 steps. Export writes the global (outer) model.
+    mid = tmp_path / "mid"
+    assert _cli(["export", str(diloco_run), str(mid), "--step", "3"]) == 0
+    at3 = AutoModelForCausalLM.from_pretrained(str(mid), dtype=torch.float32).eval()
+    config = json.loads((diloco_run / hf_lm.HF_CONFIG_FILE).read_text())
+    from transformers import AutoConfig
+    initial = hf_lm.build_model(AutoConfig.for_model(config.pop("model_type"), **config), seed=0).eval()
+    assert torch.allclose(_logits(at3, ids), _logits(initial, ids), atol=ATOL, rtol=0)
+    assert not torch.allclose(_logits(at3, ids), _logits(model, ids), atol=1e-3)
+
+
+def test_an_exported_directory_trains_on(diloco_run, tmp_path):
+    """`--task.model OUT`: from_pretrained of the export, with its own tokenizer (tokenizer=auto)."""
+    out = tmp_path / "hf"
+    assert ex.export(diloco_run, out, verify=False)["step"] == 6
+    task = hf_causal_lm(model=str(out), data=str(JSON_PKG), context=32, batch_size=2, eval_batches=1)
+    ours, tok, _ = ex.global_model(diloco_run)
+    assert all(torch.equal(a, b) for a, b in zip(task.model.state_dict().values(), ours.state_dict().values()))
+    assert task.tokenizer.to_str() == tok.to_str() and "loaded" in task.data_source
+
+
+def test_bad_exports_are_exit_2_and_nothing_half_written(diloco_run, tmp_path, capsys, monkeypatch):
+    lm_run = tmp_path / "lm-run"
+    lm_run.mkdir()
+    dump_json(JobConfig(), lm_run / "config.json")  # the built-in byte-level lm task
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    cases = [([str(lm_run), str(tmp_path / "a")], "trained task 'lm'"),
+             ([str(tmp_path / "nowhere"), str(tmp_path / "b")], "is not a run directory"),
+             ([str(diloco_run), str(taken)], "exists; export writes a new directory"),
+             ([str(diloco_run), str(tmp_path / "c"), "--step", "5"], "no checkpoint for step 5")]
+    for argv, message in cases:
+        assert _cli(["export", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lm-run", "taken"]
+
+    def broken(*args, **kwargs):
+        raise ex.ExportError("simulated failure after the files were written")
+
+    monkeypatch.setattr(ex, "_check_loads", broken)
+    assert _cli(["export", str(diloco_run), str(tmp_path / "d")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lm-run", "taken"]  # no OUT, no temporary sibling
