@@ -4,7 +4,7 @@ PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 PIP     = $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: run test test-fast lint clean
+.PHONY: run test test-fast test-experiments lint clean
 
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -16,10 +16,15 @@ $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 run: $(STAMP)
 	$(VENV)/bin/islands train --workers 4 --islands 2 --outer diloco:inner_steps=50
 
-# three processes (pytest-xdist): most multi-process tests wait on start-up and heartbeats, not on the CPU;
-# a file whose fixtures span the module stays in one process (tests/conftest.py)
+# every unit and integration test, in three processes (pytest-xdist): most multi-process tests wait on start-up and
+# heartbeats, not on the CPU; a file whose fixtures span the module stays in one process (tests/conftest.py).
+# The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 3 --dist loadgroup
+	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not experiments"
+
+# every registered `islands bench` experiment in its smoke tier, from a fresh directory, so none breaks unseen
+test-experiments: $(STAMP)
+	$(PY) -m pytest -q -n 2 bench/tests -m experiments --durations=10
 
 # lint, format and types (pyproject.toml: [tool.ruff], [tool.mypy]); every rule turned off is listed there with why
 lint: $(STAMP)
