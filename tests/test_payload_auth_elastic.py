@@ -309,7 +309,7 @@ class FlipOne:
         return self.tags.open(packed, like, fields)
 
 
-m.tags = FlipOne(m.tags)
+m.comm.tags = FlipOne(m.comm.tags)
 g = torch.Generator().manual_seed(0)
 X = torch.randn(480, 16, generator=g)
 Y = (X @ torch.randn(16, 4, generator=g)).argmax(-1)
