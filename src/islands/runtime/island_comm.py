@@ -1,9 +1,10 @@
 """Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md).
 
-An island's leader (local index 0) is its one member of the job's epochs (IslandLeader, a Membership): admission, heartbeat-checked
-epochs, joins at round boundaries, as for a one-worker island. The island's k workers share a local gloo
-group, the default process group of each of them (PrefixStore "island/<index>.<incarnation>/pg" on the
-job's authenticated store), which the inner strategy (DDP, ZeRO-1) uses every step.
+An island's leader (local index 0) is its one member of the job's epochs (IslandLeader, a Membership):
+admission, heartbeat-checked epochs, joins at round boundaries, as for a one-worker island. The island's k
+workers share a local gloo group, the default process group of each of them (PrefixStore
+"island/<index>.<incarnation>/pg" on the job's authenticated store), which the inner strategy (DDP, ZeRO-1)
+uses every step.
 
 The outer strategy's cross-island Comm on every worker of the island is an IslandComm: on the leader a
 collective runs on the ElasticComm (fail-over, retries and all) and its result is then broadcast over the

@@ -8,9 +8,10 @@ worker per island are ordinary cases of the same layout.
 An elastic job (`islands run --elastic`, `islands train --elastic`; docs/membership.md) has no torch
 process group across islands: its cross-island Comm is an ElasticComm whose members change when islands
 die or join (`world.membership`: the Membership of islands.runtime.elastic that forms the epochs and admits
-joiners), and `rank`, `size` and `islands` follow the members. Islands of one worker are members themselves; in islands of k workers (`islands train --elastic`, islands.runtime.island_comm) the leader is
-the member, the island's workers share a local gloo group (their default process group), and every
-worker's cross-island Comm is an IslandComm that relays the leader's results.
+joiners), and `rank`, `size` and `islands` follow the members. Islands of one worker are members themselves;
+in islands of k workers (`islands train --elastic`, islands.runtime.island_comm) the leader is the member, the
+island's workers share a local gloo group (their default process group), and every worker's cross-island Comm
+is an IslandComm that relays the leader's results.
 """
 
 from __future__ import annotations

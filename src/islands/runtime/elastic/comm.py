@@ -64,7 +64,7 @@ class ElasticComm:
     @property
     def name(self) -> str:
         """This member's name (stable across epochs)."""
-        return self.epochs.name
+        return self.name
 
     @property
     def epoch(self) -> int:
@@ -80,7 +80,7 @@ class ElasticComm:
 
     @property
     def names(self) -> list[str]:
-        return self.epochs.names
+        return self.names
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         if self.tags is not None:  # checked contributions, summed here in rank order
@@ -160,13 +160,13 @@ class ElasticComm:
 
     # ---- the same operations with tagged payloads (authenticate) ----------------------------------------
     def _open(self, packed: torch.Tensor, like: torch.Tensor, kind: str, sender: str, receiver: str = "") -> torch.Tensor:
-        key = self.epochs.op_key()
+        key, epoch = self.epochs.op_key(), self.epochs.epoch + self.epochs.epoch_base
         got = self.tags.open(packed, like, (kind, key, sender, receiver))
         if got is None:
             raise PayloadAuthError(
-                f"the {kind} payload from member {sender} (operation {key}, epoch {self.epochs.epoch + self.epochs.epoch_base}) "
+                f"the {kind} payload from member {sender} (operation {key}, epoch {epoch}) "
                 "failed its MAC: it was altered, injected or replayed on the way, or its sender holds another token; "
-                f"it was not used, the operation does not commit, and {self.epochs.name} leaves the job")
+                f"it was not used, the operation does not commit, and {self.name} leaves the job")
         return got
 
     def _gather_tagged(self, tensor: torch.Tensor, kind: str, use: Callable[[list[torch.Tensor]], Any]) -> None:
@@ -178,13 +178,13 @@ class ElasticComm:
         parts: list[torch.Tensor] = []
 
         def attempt(pg, rank, size):
-            sent[:] = [self.tags.pack(mine, (kind, self.epochs.op_key(), self.epochs.name, ""))]
+            sent[:] = [self.tags.pack(mine, (kind, self.epochs.op_key(), self.name, ""))]
             parts[:] = [torch.empty_like(sent[0]) for _ in range(size)]
             self.ledger.record(kind, _nbytes(sent[0]), (size - 1) * _nbytes(sent[0]))
             return pg.allgather([parts], sent)
 
         def landed():
-            use([mine if n == self.epochs.name else self._open(p, mine, kind, n) for n, p in zip(self.epochs.names, parts)])
+            use([mine if n == self.name else self._open(p, mine, kind, n) for n, p in zip(self.names, parts)])
 
         self._operate(kind, attempt, alone=lambda: use([mine]), landed=landed)
 
@@ -194,7 +194,7 @@ class ElasticComm:
 
         def attempt(pg, rank, size):
             src = pick_src()
-            buf = self.tags.pack(mine, (kind, self.epochs.op_key(), self.epochs.name, "")) if rank == src else PayloadTags.shell(mine)
+            buf = self.tags.pack(mine, (kind, self.epochs.op_key(), self.name, "")) if rank == src else PayloadTags.shell(mine)
             sent.update(src=src, buf=buf)
             self.ledger.record(kind, _nbytes(buf) if rank == src else 0, 0 if rank == src else _nbytes(buf))
             opts = dist.BroadcastOptions()
@@ -203,7 +203,7 @@ class ElasticComm:
 
         def landed():
             src = sent["src"]
-            tensor.copy_(mine if self.rank == src else self._open(sent["buf"], mine, kind, self.epochs.names[src]))
+            tensor.copy_(mine if self.rank == src else self._open(sent["buf"], mine, kind, self.names[src]))
 
         self._operate(kind, attempt, alone=lambda: tensor.copy_(mine), landed=landed)
         return tensor
@@ -214,8 +214,8 @@ class ElasticComm:
 
         def attempt(pg, rank, size):
             sends, recv_from = plan(rank, size)
-            key, names = self.epochs.op_key(), self.epochs.names
-            packed = {p: self.tags.pack(t, (kind, key, self.epochs.name, names[p])) for p, t in sends.items()}
+            key, names = self.epochs.op_key(), self.names
+            packed = {p: self.tags.pack(t, (kind, key, self.name, names[p])) for p, t in sends.items()}
             shells = {p: PayloadTags.shell(like) for p in recv_from}
             result.update(raw=shells, send_to=sorted(sends), recv_from=list(recv_from))
             self.ledger.record(kind, sum(_nbytes(t) for t in packed.values()), sum(_nbytes(t) for t in shells.values()))
@@ -223,8 +223,8 @@ class ElasticComm:
             return Waited(works, keep=(packed, shells))
 
         def landed():
-            names = self.epochs.names
-            result["got"] = {p: self._open(raw, like, kind, names[p], self.epochs.name) for p, raw in result["raw"].items()}
+            names = self.names
+            result["got"] = {p: self._open(raw, like, kind, names[p], self.name) for p, raw in result["raw"].items()}
 
         self._operate(kind, attempt, alone=lambda: result.update(got={}, send_to=[], recv_from=[]), landed=landed)
         return result["got"], result["send_to"], result["recv_from"]
