@@ -64,7 +64,7 @@ class ElasticComm:
     @property
     def name(self) -> str:
         """This member's name (stable across epochs)."""
-        return self.name
+        return self.epochs.name
 
     @property
     def epoch(self) -> int:
@@ -80,7 +80,7 @@ class ElasticComm:
 
     @property
     def names(self) -> list[str]:
-        return self.names
+        return self.epochs.names
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         if self.tags is not None:  # checked contributions, summed here in rank order
