@@ -21,7 +21,7 @@ from pathlib import Path
 
 from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
-from islands.runtime.elastic import ElasticComm, Excluded, JobEnded, global_digest
+from islands.runtime.elastic import Excluded, JobEnded, Membership, global_digest
 from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
 from islands.runtime.payload_auth import PayloadAuthError
 from islands.runtime.stop import StopAt
@@ -38,7 +38,7 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
     if place is None:
         _check_one_worker_islands(address, name, token)
     world = join_elastic(address, name, token, island=place)
-    comm: ElasticComm = world.membership
+    comm: Membership = world.membership
     if comm.job.config is None:
         raise ValueError(f"the elastic job at {address} runs a script, not a config: start it with `islands join "
                          f"{address}`, which runs the job's script")
@@ -84,7 +84,7 @@ def _island(place: IslandPlace | None) -> dict | None:
                                        "incarnation": place.incarnation, "leader": place.name(0)}
 
 
-def _write_membership(run_dir: Path, name: str, comm: ElasticComm, digest: str, place: IslandPlace | None = None,
+def _write_membership(run_dir: Path, name: str, comm: Membership, digest: str, place: IslandPlace | None = None,
                       data_shard: tuple[int, int] | None = None) -> None:
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)

@@ -101,8 +101,8 @@ class Holder(Protocol):
 
 @runtime_checkable
 class ElasticMembership(Protocol):
-    """`world.membership` of an elastic World: epochs and admission (islands.runtime.elastic; a follower of a
-    k-worker island has one that follows its leader)."""
+    """`world.membership` of an elastic World: epochs and admission (islands.runtime.elastic.Membership, an island
+    leader's IslandLeader; a follower of a k-worker island has an IslandFollower that follows its leader)."""
 
     name: str
     events: list[dict]  # membership changes, for reports and loggers

@@ -472,8 +472,8 @@ class EtcdStore(dist.Store):
         self.root = (self.address.namespace + "/").encode() if self.address.namespace else b""
         self.key_prefix = key_prefix  # inside the namespace (membership's "islands/"), like a PrefixStore
         self._checked = threading.local()  # the values the thread's last check read (get serves them once)
-        self.host = self.address.endpoints[0][0]  # islands.runtime.elastic._store_host: the interface to serve on
-        # how often a waiting member should read this store (islands.runtime.elastic.ElasticComm): each read is an
+        self.host = self.address.endpoints[0][0]  # islands.runtime.elastic.transfer.store_host: the interface to serve on
+        # how often a waiting member should read this store (islands.runtime.elastic.commit.Commit): each read is an
         # HTTP request that costs etcd CPU, ~1 ms here against ~0.2 ms for a TCPStore
         self.poll_interval = 0.02
 

@@ -1,9 +1,10 @@
 """Islands of k workers as the unit of elastic membership (issue #20 item 1; docs/membership.md).
 
-An island's leader (local index 0) is its one member of the ElasticComm: admission, heartbeat-checked
-epochs, joins at round boundaries, as for a one-worker island. The island's k workers share a local gloo
-group, the default process group of each of them (PrefixStore "island/<index>.<incarnation>/pg" on the
-job's authenticated store), which the inner strategy (DDP, ZeRO-1) uses every step.
+An island's leader (local index 0) is its one member of the job's epochs (IslandLeader, a Membership):
+admission, heartbeat-checked epochs, joins at round boundaries, as for a one-worker island. The island's k
+workers share a local gloo group, the default process group of each of them (PrefixStore
+"island/<index>.<incarnation>/pg" on the job's authenticated store), which the inner strategy (DDP, ZeRO-1)
+uses every step.
 
 The outer strategy's cross-island Comm on every worker of the island is an IslandComm: on the leader a
 collective runs on the ElasticComm (fail-over, retries and all) and its result is then broadcast over the
@@ -54,7 +55,8 @@ import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger
 from islands.runtime.contracts import Collectives, ElasticParticipant
-from islands.runtime.elastic import ElasticComm, _rounds, global_digest, state_digest, take_part
+from islands.runtime.elastic import (ElasticComm, Epochs, Membership, StateTransfer, counted_rounds, global_digest,
+                                     state_digest, take_part)
 from islands.runtime.membership import Liveness
 from islands.runtime.starvation import PROC_KEY, Starvation, local_pid
 
@@ -438,7 +440,7 @@ def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: d
     members served (None for an island of the first epoch: its workers' shards already form the common start):
     the global model and step to every worker, strategy slot j to worker j only. Every worker loads them,
     collectively: the whole global model (FSDP writes each worker's slice), its own slot, then the joined hook
-    (local <- global), as a one-worker joiner's _load_shared."""
+    (local <- global), as a one-worker joiner's transfer.load_state."""
     island.sync()
     head = None if received is None else {"model": received["model"], "step": received["step"]}
     head = island.relay_object(head if island.leader else None)
@@ -546,47 +548,26 @@ class FollowerWatch:
             self._thread.join(timeout=2)
 
 
-class IslandLeader(ElasticComm):
-    """The ElasticComm of an island's leader: as any member's, and after `enter` (a joiner receives the global
-    state there) and after each round boundary's admissions (`at_step`) it relays to its followers."""
+class IslandTransfer(StateTransfer):
+    """The state transfer of an island's leader. A sharded island (inner fsdp): its state is spread over its workers,
+    so a holder's leader builds what it serves together with its followers (they call island_state in at_step when
+    told JOINING), and a joining leader keeps what it received until its island's workers load it together
+    (hand_over). `island`: the leader's relay (IslandLeader.join_island)."""
 
-    island: IslandComm | None = None
-    place: IslandPlace | None = None
-    follower_watch: FollowerWatch | None = None
+    def __init__(self, comm: ElasticComm, participant):
+        super().__init__(comm, participant)
+        self.island: IslandComm | None = None
+        self._snapshot: dict | None = None
+        self._snapshot_digest: str | None = None
+        self._received: dict | None = None
 
-    def watch_followers(self) -> None:
-        """Start the FollowerWatch over this island's followers, on a store client of its own."""
-        followers = island_workers(self.name, self.place.size)[1:]
-        store = self.new_client() if self.new_client is not None else self.store
-        self.follower_watch = FollowerWatch(self.name, followers, store, self.liveness.timeout).start()
-
-    def leave(self) -> None:
-        if self.follower_watch is not None:  # the followers stop beating as they finish
-            self.follower_watch.stop()
-        super().leave()
-
-    def enter(self, strategy, model) -> int:
-        step = super().enter(strategy, model)
-        self.store.set(f"{self.place.tag}/entered", str(step))  # followers wait on it, not in a collective
+    def take_received(self) -> dict | None:
+        """What a sharded island's joining leader received and kept for hand_over (None otherwise), once."""
         received, self._received = self._received, None
-        step, digest = hand_over(self.island, strategy, model, step, received, self.participant)
-        self._island_round = rounds_of(self.participant)  # after a sharded island's workers loaded the members' counter
-        if digest is not None:
-            # the entry event tells what the island holds now, not only what arrived; the round it entered at is
-            # the members' (the next boundary must not take this join for a new one)
-            self._last_round = _rounds(self.participant)
-            self.events[-1].update(global_sha256=digest, round=self._last_round)
-        return step
-
-    # A sharded island (inner fsdp): its state is spread over its workers, so a holder's leader builds what it serves
-    # together with its followers (they call island_state in at_step when told JOINING), and a joining leader keeps
-    # what it received until its island's workers load it together (hand_over).
-    _snapshot: dict | None = None
-    _snapshot_digest: str | None = None
-    _received: dict | None = None
+        return received
 
     def share_state(self, strategy, model, step: int, holders: set[str]) -> int:
-        if self.island.sharded and self.name in holders:
+        if self.island.sharded and self.comm.epochs.name in holders:
             self._snapshot = island_state(self.island, strategy, model, step)
         try:
             return super().share_state(strategy, model, step, holders)
@@ -610,12 +591,51 @@ class IslandLeader(ElasticComm):
             return super().global_sha(strategy, model)
         return self._snapshot_digest if self._received is None else state_digest(self._received["model"])
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+
+class IslandLeader(Membership):
+    """The membership of an island's leader: as any member's (its ElasticComm is the island's one member of the
+    job's epochs), and after `enter` (a joiner receives the global state there) and after each round boundary's
+    admissions (`at_step`) it relays to its followers over its IslandComm (`island`, from join_island)."""
+
+    def __init__(self, epochs: Epochs, comm: ElasticComm):
+        super().__init__(epochs, comm, IslandTransfer(comm, lambda: self.participant))
+        self.island: IslandComm | None = None
+        self.place: IslandPlace | None = None
+        self.follower_watch: FollowerWatch | None = None
         self._island_round: int | None = None  # the rounds at the latest relay of the members to the followers
         # first of the things done before joiners enter (a checkpoint driver's settle comes after): the followers
         # are told (a JOINING header), so that they finish the step's save with their leader before the epoch changes
         self.before_join.append(lambda: self.island.sync(JOINING))
+
+    def join_island(self, place: IslandPlace, side=None) -> IslandComm:
+        """The leader of the island at `place`: its relay to its followers over the island's local groups."""
+        self.place = place
+        self.island = self.transfer.island = IslandComm(self.comm, self.comm.ledger, side=side)
+        return self.island
+
+    def watch_followers(self) -> None:
+        """Start the FollowerWatch over this island's followers, on a store client of its own."""
+        followers = island_workers(self.name, self.place.size)[1:]
+        store = self.new_client() if self.new_client is not None else self.store
+        self.follower_watch = FollowerWatch(self.name, followers, store, self.liveness.timeout).start()
+
+    def leave(self) -> None:
+        if self.follower_watch is not None:  # the followers stop beating as they finish
+            self.follower_watch.stop()
+        super().leave()
+
+    def enter(self, strategy, model) -> int:
+        step = super().enter(strategy, model)
+        self.store.set(f"{self.place.tag}/entered", str(step))  # followers wait on it, not in a collective
+        received = self.transfer.take_received()
+        step, digest = hand_over(self.island, strategy, model, step, received, self.participant)
+        self._island_round = rounds_of(self.participant)  # after a sharded island's workers loaded the members' counter
+        if digest is not None:
+            # the entry event tells what the island holds now, not only what arrived; the round it entered at is
+            # the members' (the next boundary must not take this join for a new one)
+            self._last_round = counted_rounds(self.participant)
+            self.events[-1].update(global_sha256=digest, round=self._last_round)
+        return step
 
     def at_step(self, strategy, model, step: int) -> None:
         super().at_step(strategy, model, step)
@@ -626,8 +646,8 @@ class IslandLeader(ElasticComm):
 
 
 class IslandFollower:
-    """What a follower (local index > 0) has for `world.membership`: it holds the strategy's place like an
-    ElasticComm (claim/enter/at_step), takes everything from its leader over the local group, and is never a
+    """What a follower (local index > 0) has for `world.membership`: it holds the strategy's place like a
+    Membership (claim/enter/at_step), takes everything from its leader over the local group, and is never a
     member of the job's epochs itself."""
 
     def __init__(self, name: str, place: IslandPlace, island: IslandComm, store, liveness, heartbeat=None,

@@ -7,10 +7,11 @@ worker per island are ordinary cases of the same layout.
 
 An elastic job (`islands run --elastic`, `islands train --elastic`; docs/membership.md) has no torch
 process group across islands: its cross-island Comm is an ElasticComm whose members change when islands
-die or join, and `rank`, `size` and `islands` follow the members. Islands of one worker are members
-themselves; in islands of k workers (`islands train --elastic`, islands.runtime.island_comm) the leader is
-the member, the island's workers share a local gloo group (their default process group), and every
-worker's cross-island Comm is an IslandComm that relays the leader's results.
+die or join (`world.membership`: the Membership of islands.runtime.elastic that forms the epochs and admits
+joiners), and `rank`, `size` and `islands` follow the members. Islands of one worker are members themselves;
+in islands of k workers (`islands train --elastic`, islands.runtime.island_comm) the leader is the member, the
+island's workers share a local gloo group (their default process group), and every worker's cross-island Comm
+is an IslandComm that relays the leader's results.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from islands.runtime import stacks
 from islands.runtime.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.contracts import Collectives, ElasticMembership
-from islands.runtime.elastic import ElasticComm, Excluded, JobEnded
+from islands.runtime.elastic import Excluded, JobEnded, Membership, elastic_member
 from islands.runtime.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, IslandFollower, IslandLeader, IslandPlace,
                                         local_timeout)
 from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
@@ -228,8 +229,9 @@ NO_OUTER = ("an elastic job needs an outer strategy: wrap the model with one, e.
 
 def join_elastic(address: str, name: str, token: str, island: IslandPlace | None = None) -> World:
     """Join the elastic job whose store is at HOST:PORT as `name`: prove the token, start the heartbeat, and
-    return the World over an ElasticComm. A first member (one of the job's first `workers`) is in epoch 0
-    at once; a later one enters at a round boundary, in the wrap of its strategy (ElasticComm.enter).
+    return the World over its Membership (elastic_member) and ElasticComm. A first member (one of the job's first
+    `workers`) is in epoch 0 at once; a later one enters at a round boundary, in the wrap of its strategy
+    (Membership.enter).
 
     `island`: where the launcher put this process in an island of several workers (ISLANDS_ISLAND): its
     leader joins as above, a follower only reads the job and joins its island's local group
@@ -244,30 +246,29 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
     session = join_job(host, port, name, token)  # every store value after the handshake is authenticated
     admission, job = session.admission, session.job
     several = island is not None and island.size > 1
-    comm = (IslandLeader if several else ElasticComm)(
-        session.store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout, collective_timeout=job.timeout,
-        new_client=session.new_client)
-    comm.admission, comm.job = admission, job
-    comm.control_plane = session  # its AuthStores' counts of accepted and refused values (run records)
-    comm.heartbeat = Heartbeat(host, port, name, auth=session.auth, new_client=session.new_client)
+    member = elastic_member(session.store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout,
+                            collective_timeout=job.timeout, new_client=session.new_client,
+                            membership=IslandLeader if several else Membership)
+    member.admission, member.job = admission, job
+    member.control_plane = session  # its AuthStores' counts of accepted and refused values (run records)
+    member.heartbeat = Heartbeat(host, port, name, auth=session.auth, new_client=session.new_client)
     if island is None:
         shard = (admission.shard, job.workers)
     else:  # the island's own shard, whatever admission order a restart has
         shard = (island.index * island.size + island.local, job.workers * island.size)
     if not several:
-        world = elastic_world(comm, shard)
+        world = elastic_world(member, shard)
         if admission.initial:
-            comm.form(0, None)
+            member.epochs.form(0, None)
         return world
-    comm.place = island
     side = _island_group(session.store, island, job)
-    comm.island = IslandComm(comm, comm.ledger, side=side)
-    comm.watch_followers()  # a frozen follower takes the island out within the heartbeat timeout, launcher or not
-    world = island_world(comm, comm.island, island, shard)
-    comm.on_change = world.follow
+    relay = member.join_island(island, side=side)
+    member.watch_followers()  # a frozen follower takes the island out within the heartbeat timeout, launcher or not
+    world = island_world(member, relay, island, shard)
+    member.epochs.on_change = world.follow
     if admission.initial:
-        comm.form(0, None)
-    comm.island.sync()  # the followers learn epoch, rank and size (a joiner's: -1, 0, 0 until it enters)
+        member.epochs.form(0, None)
+    relay.sync()  # the followers learn epoch, rank and size (a joiner's: -1, 0, 0 until it enters)
     return world
 
 
@@ -339,18 +340,19 @@ def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard:
     return world
 
 
-def elastic_world(comm: ElasticComm, data_shard: tuple[int, int]) -> World:
-    """The World of an elastic member: every scope but "local" (an island of one) is the ElasticComm; rank,
-    size and islands follow its members; `data_shard` (shard, shards) stays whoever else comes and goes."""
-    rank, size = (comm.rank, comm.size) if comm.members else (0, 1)  # a joiner builds before it enters
+def elastic_world(membership: Membership, data_shard: tuple[int, int]) -> World:
+    """The World of an elastic member: every scope but "local" (an island of one) is the membership's ElasticComm;
+    rank, size and islands follow its members; `data_shard` (shard, shards) stays whoever else comes and goes."""
+    comm = membership.comm
+    rank, size = (comm.rank, comm.size) if membership.epochs.members else (0, 1)  # a joiner builds before it enters
     world = World(rank=rank, size=size, islands=size, device=torch.device("cpu"), backend="gloo",
                   ledger=comm.ledger, comms={"cross": comm, "global": comm, "local": LoneComm()},
-                  data_shard=data_shard, membership=comm)
+                  data_shard=data_shard, membership=membership)
 
     def follow(rank: int, size: int) -> None:
         world.rank, world.size, world.islands = rank, size, size
 
-    comm.on_change = follow
+    membership.epochs.on_change = follow
     return world
 
 

@@ -12,7 +12,7 @@ import torch
 
 from islands.runtime import membership
 from islands.runtime.comm import CommLedger
-from islands.runtime.elastic import ElasticComm
+from islands.runtime.elastic import elastic_member
 from islands.runtime.membership import Coordinator, JobSpec, host_store, join_job
 from islands.runtime.payload_auth import PayloadAuthError
 
@@ -30,19 +30,19 @@ def _members(body, names=NAMES, token_of=lambda name: TOKEN, authenticate: bool 
     results, errors = {}, {}
 
     def member(i, s):
-        comm = ElasticComm(s.store, s.auth.sender, CommLedger(), heartbeat_timeout=1.0, collective_timeout=10.0)
-        comm.job = s.job
-        comm.heartbeat = membership.Heartbeat("127.0.0.1", server.port, s.auth.sender, auth=s.auth,
-                                              new_client=s.new_client)
+        member = elastic_member(s.store, s.auth.sender, CommLedger(), heartbeat_timeout=1.0, collective_timeout=10.0)
+        member.job = s.job
+        member.heartbeat = membership.Heartbeat("127.0.0.1", server.port, s.auth.sender, auth=s.auth,
+                                                new_client=s.new_client)
         try:
-            comm.form(0, None)
+            member.epochs.form(0, None)
             if authenticate:
-                comm.authenticate(token_of(s.auth.sender))
-            results[s.auth.sender] = body(comm, i)
+                member.authenticate(token_of(s.auth.sender))
+            results[s.auth.sender] = body(member.comm, i)
         except BaseException as e:  # noqa: BLE001 - the test reads it
             errors[s.auth.sender] = e
         finally:
-            comm.leave()
+            member.leave()
 
     threads = [threading.Thread(target=member, args=(i, s)) for i, s in enumerate(sessions)]
     try:
@@ -104,7 +104,7 @@ def _sums_with_a_tampering(edit):
         if comm.name == "a":
             comm.tags = Tamper(comm.tags, edit)
         out = [comm.all_reduce(torch.tensor([float(i + 1) * (k + 1)])).item() for k in range(3)]
-        failures = [e for e in comm.events if e["type"] == "failure"]
+        failures = [e for e in comm.epochs.events if e["type"] == "failure"]
         return out, [(s["epoch"], s["seq"], s["size"]) for s in comm.syncs], failures
 
     return _members(body)
@@ -309,7 +309,7 @@ class FlipOne:
         return self.tags.open(packed, like, fields)
 
 
-m.tags = FlipOne(m.tags)
+m.comm.tags = FlipOne(m.comm.tags)
 g = torch.Generator().manual_seed(0)
 X = torch.randn(480, 16, generator=g)
 Y = (X @ torch.randn(16, 4, generator=g)).argmax(-1)
@@ -403,7 +403,7 @@ def test_a_member_left_alone_by_a_failed_operation_keeps_its_own_input(authentic
             raise RuntimeError("b leaves")
         import time
         time.sleep(1.5)  # b's dead flag is up before a tries
-        comm.pg = CorruptThenFail(comm.pg)
+        comm.epochs.pg = CorruptThenFail(comm.epochs.pg)
         return first, run(comm), comm.size
 
     results, errors = _members(body, names=("a", "b"), authenticate=authenticate)

@@ -87,7 +87,7 @@ strategy.finish(model)
 m = world.membership
 (out / f"{name}.json").write_text(json.dumps({
     "entered": entered, "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
-    "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size, "tagged": m.tags is not None,
+    "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size, "tagged": m.comm.tags is not None,
     "syncs": [[s["epoch"], s["size"]] for s in m.syncs if s["kind"] in ("outer_delta", "outer_params")]}))
 islands.close_world(world)
 '''

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from islands.runtime import membership
 from islands.runtime.auth import AuthStore, ControlAuth, mac_payload
 from islands.runtime.comm import CommLedger
-from islands.runtime.elastic import ElasticComm
+from islands.runtime.elastic import elastic_member
 from islands.runtime.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, get_json,
                                         host_store, join_job)
 
@@ -180,12 +180,13 @@ def test_a_forged_verdict_does_not_commit_an_operation_and_a_forged_rendezvous_d
 
     def member(i, s):
         try:
-            comm = ElasticComm(s.store, s.auth.sender, CommLedger(), heartbeat_timeout=5.0, collective_timeout=10.0)
-            comm.form(0, None)
+            member = elastic_member(s.store, s.auth.sender, CommLedger(), heartbeat_timeout=5.0, collective_timeout=10.0)
+            comm = member.comm
+            member.epochs.form(0, None)
             out = []
             for k in range(3):
                 out.append(comm.all_reduce(torch.tensor([float(i + 1) * (k + 1)])).item())
-            results[s.auth.sender] = out + [comm.epoch, len(comm.events)]
+            results[s.auth.sender] = out + [comm.epoch, len(member.events)]
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

@@ -288,13 +288,19 @@ class _Strategy:
     def load_state_dict(self, state):
         self.rounds, self.momentum = state["rounds"], state["momentum"].clone()
 
+    def settle(self):  # and the membership's participant (runtime.contracts.ElasticParticipant)
+        pass
+
+    def joined(self):
+        pass
+
 
 @pytest.mark.parametrize("transfer", ["chunks", "broadcast"])
 def test_elastic_join_receives_the_lowest_holders_state_from_every_holder(transfer):
     """Two members of epoch 1 serve their (identical) state; a joiner entering with them gets it bit for bit, with
-    the members' step, through ElasticComm.share_state (the join path of islands.runtime.elastic)."""
+    the members' step, through StateTransfer.share_state (the join path of islands.runtime.elastic)."""
     from islands.runtime.comm import CommLedger
-    from islands.runtime.elastic import ElasticComm
+    from islands.runtime.elastic import elastic_member
     from islands.runtime.membership import connect, host_store
 
     server, store = host_store(0)
@@ -312,13 +318,14 @@ def test_elastic_join_receives_the_lowest_holders_state_from_every_holder(transf
             if name != "j":
                 model.load_state_dict(reference.state_dict())
                 strategy = _Strategy(5, momentum.clone())
-            comm = ElasticComm(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=10.0,
-                               collective_timeout=30.0)
-            comm.state_transfer = transfer
-            comm.form(1, None)
-            step = comm.share_state(strategy, model, 0 if name == "j" else 40, {"h0", "h1"})
-            out[name] = (step, model, strategy, comm)
-            comm.leave()
+            member = elastic_member(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=10.0,
+                                    collective_timeout=30.0)
+            member.transfer.mode = transfer
+            member.participate(strategy)
+            member.epochs.form(1, None)
+            step = member.transfer.share_state(strategy, model, 0 if name == "j" else 40, {"h0", "h1"})
+            out[name] = (step, model, strategy, member.comm, member.transfer)
+            member.leave()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((name, e))
 
@@ -326,14 +333,14 @@ def test_elastic_join_receives_the_lowest_holders_state_from_every_holder(transf
     [t.start() for t in threads]
     [t.join(60) for t in threads]
     assert not errors, errors
-    step, model, strategy, comm = out["j"]
+    step, model, strategy, comm, joiner = out["j"]
     assert step == 40 and strategy.rounds == 5
     assert_bitwise(reference.state_dict(), model.state_dict())
     assert_bitwise(momentum, strategy.momentum)
     received = comm.ledger.received["elastic_state"]
     assert received >= sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     if transfer == "chunks":
-        [t] = comm.transfers
+        [t] = joiner.transfers
         assert t["peers"] == 2 and t["refetched"] == 0 and t["skipped"] == {}
         # what the holders served is what the joiner received (no chunk twice)
         sent = out["h0"][3].ledger.sent["elastic_state"] + out["h1"][3].ledger.sent["elastic_state"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from islands.runtime.comm import CommLedger
-from islands.runtime.elastic import ElasticComm
+from islands.runtime.elastic import Membership, elastic_member
 from harness.dict_store import DictStore
 
 
@@ -35,29 +35,29 @@ class Outer:
         pass
 
 
-def _member(store: DictStore, outer: Outer, name: str = "w0") -> tuple[ElasticComm, list]:
+def _member(store: DictStore, outer: Outer, name: str = "w0") -> tuple[Membership, list]:
     """A member of epoch 0 with w0 and w1, a ready joiner j1 pending; admissions are recorded, not run."""
-    comm = ElasticComm(store, name, CommLedger())
+    comm = elastic_member(store, name, CommLedger())
     comm.participate(outer)
-    comm.epoch, comm.members = 0, [[0, "w0", 0], [1, "w1", 1]]
+    comm.epochs.epoch, comm.epochs.members = 0, [[0, "w0", 0], [1, "w1", 1]]
     admitted: list = []
-    comm._abort = lambda: None
-    comm.form = lambda epoch, members: admitted.append((epoch, [m[1] for m in members]))
-    comm.share_state = lambda strategy, model, step, holders: step
+    comm.epochs.abort = lambda: None
+    comm.epochs.form = lambda epoch, members: admitted.append((epoch, [m[1] for m in members]))
+    comm.transfer.share_state = lambda strategy, model, step, holders: step
     store.set("pending", json.dumps([[2, "j1", 2]]))
     store.set("ready/j1", "1")
     return comm, admitted
 
 
 def test_a_round_that_failed_over_proposes_no_joiner_and_the_next_round_admits_it(monkeypatch):
-    monkeypatch.setattr("islands.runtime.elastic.global_digest", lambda model: "d")
+    monkeypatch.setattr("islands.runtime.elastic.transfer.global_digest", lambda model: "d")
     store, outer = DictStore(), Outer()
     comm, admitted = _member(store, outer)
     comm.at_step(outer, None, step=4)  # the first call only notes the round count
     outer.rounds = 1
-    comm.failed_over = True  # this round's exchange lost a member and formed a new epoch
+    comm.epochs.failed_over = True  # this round's exchange lost a member and formed a new epoch
     comm.at_step(outer, None, step=5)
-    assert json.loads(store.get("round/1/join")) == [] and admitted == [] and not comm.failed_over
+    assert json.loads(store.get("round/1/join")) == [] and admitted == [] and not comm.epochs.failed_over
     comm.at_step(outer, None, step=6)  # the same round: nothing more
     assert admitted == []
     outer.rounds = 2
@@ -73,7 +73,7 @@ def test_a_member_that_saw_no_failover_follows_the_stored_verdict_of_one_that_di
     for comm in (first, late):
         comm.at_step(outer, None, step=4)
     outer.rounds = 1
-    first.failed_over = True
+    first.epochs.failed_over = True
     first.at_step(outer, None, step=5)  # proposes none, first
     late.at_step(outer, None, step=5)  # would have proposed j1: reads the verdict instead
     assert json.loads(store.get("round/1/join")) == [] and admitted == []

@@ -13,7 +13,7 @@ from islands.app.build import build_trainer
 from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.comm import CommLedger
-from islands.runtime.elastic import ElasticComm
+from islands.runtime.elastic import elastic_member
 from islands.runtime.world import join_elastic
 from islands.runtime.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, host_store,
                                         proof)
@@ -138,7 +138,7 @@ def test_a_joiner_stops_waiting_when_no_member_is_alive_though_the_store_stays_u
     store = connect("127.0.0.1", server.port)
     store.set("e/0/members", json.dumps([[0, "w0", 0], [1, "w1", 1]]))
     store.set("dead/w0", "finished")  # w1 still beats: the wait must go on while it does
-    comm = ElasticComm(connect("127.0.0.1", server.port), "j1", CommLedger(), heartbeat_timeout=1.0)
+    comm = elastic_member(connect("127.0.0.1", server.port), "j1", CommLedger(), heartbeat_timeout=1.0)
     outcome: list[BaseException] = []
 
     def joiner():
@@ -173,7 +173,7 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
     from islands.runtime.membership import JOB_ENDED_EXIT_CODE
 
     server, prefixed = host_store(0)
-    comm = ElasticComm(connect("127.0.0.1", server.port), "j1", CommLedger())
+    comm = elastic_member(connect("127.0.0.1", server.port), "j1", CommLedger())
     outcome: list[BaseException] = []
 
     def joiner():
@@ -228,7 +228,7 @@ def test_a_member_cut_off_after_registering_does_not_hold_the_new_epochs_connect
     from islands.runtime.membership import Heartbeat
 
     timeout = 2.0
-    connect_timeout = 4 * timeout + 5  # ElasticComm._build's, with collective_timeout above it
+    connect_timeout = 4 * timeout + 5  # Epochs._build's, with collective_timeout above it
     server, prefixed = host_store(0)
     store = connect("127.0.0.1", server.port)
     candidates = [[0, "w0", 0], [1, "w1", 1], [2, "w2", 2]]
@@ -238,13 +238,13 @@ def test_a_member_cut_off_after_registering_does_not_hold_the_new_epochs_connect
 
     def member(name):
         try:
-            comm = ElasticComm(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=timeout,
-                               collective_timeout=60.0, new_client=lambda: connect("127.0.0.1", server.port))
+            member = elastic_member(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=timeout,
+                                    collective_timeout=60.0, new_client=lambda: connect("127.0.0.1", server.port))
             start = time.monotonic()
-            comm.form(1, candidates)
-            out[name] = (time.monotonic() - start, comm.epoch, list(comm.names))
-            comm.all_reduce(torch.ones(1))  # the group formed without w2 works
-            comm.leave()
+            member.epochs.form(1, candidates)
+            out[name] = (time.monotonic() - start, member.epoch, list(member.names))
+            member.comm.all_reduce(torch.ones(1))  # the group formed without w2 works
+            member.leave()
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((name, e))
 

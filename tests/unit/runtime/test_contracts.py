@@ -16,7 +16,7 @@ from islands.parallel.pipeline.strategy import PipelineStages
 from islands.runtime.comm import Comm
 from islands.runtime.contracts import (Collectives, ElasticCollectives, ElasticMembership, ElasticParticipant, Holder,
                                        PointToPoint)
-from islands.runtime.elastic import ElasticComm
+from islands.runtime.elastic import ElasticComm, Membership
 from islands.runtime.island_comm import IslandComm, IslandFollower, IslandLeader, SlotComm
 from islands.runtime.payload_auth import AuthenticatedComm
 from islands.runtime.simulate import SimComm
@@ -41,7 +41,7 @@ COMMS = [Comm, LoneComm, SimComm, ElasticComm, IslandComm, SlotComm, Authenticat
 COMM_DOUBLES = [_SameDeltaComm, _TwoIslandComm, _TwinComm, Tamper]
 ELASTIC_COMMS = [ElasticComm, IslandComm, SlotComm]
 POINT_TO_POINT = [Comm, SimComm, AuthenticatedComm]
-MEMBERSHIPS = [ElasticComm, IslandLeader, IslandFollower]
+MEMBERSHIPS = [Membership, IslandLeader, IslandFollower]
 PARTICIPANTS = [DiLoCo, StreamingDiLoCo, LocalSGD, Gossip, EASGD]
 
 
