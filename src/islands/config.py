@@ -28,10 +28,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import tomllib
+import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from islands.spec import Spec, SpecError, parse
 from islands.spec import format as format_spec
@@ -454,6 +459,8 @@ def parse_flag_value(key: str, text: str):
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError
             return text.lower() in ("true", "1", "yes")
+        if typ is None:
+            raise KeyError(key)  # not a key: the message below, as for an unknown type
         return {"int": int, "float": float, "str": str}[typ](text)
     except (ValueError, KeyError):
         raise ConfigError(f"{key} must be {typ}, got {text!r}") from None

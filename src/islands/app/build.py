@@ -11,6 +11,7 @@ parsed from strings at the config's edge, become objects here through their pack
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -95,11 +96,13 @@ def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
     if kind == "single":
         return Single()
     if kind == "pipeline":
+        assert task.loss_fn is not None  # the last stage computes the loss (PipelineRunner calls loss_fn)
         budget = inner.activation_budget_mb * 1e6 if inner.activation_budget_mb > 0 else math.inf
         return PipelineStages(inner.stages or cfg.workers_per_island, inner.microbatches, inner.cuts, inner.schedule,
                               batch=cfg.train.global_batch // cfg.world.islands, loss_fn=task.loss_fn,
                               budget_bytes=budget, grad_clip=cfg.train.grad_clip, sequence=task.tokens_per_sample)
     if kind == "fsdp":
+        assert inner.wrap is not None  # validate: "inner.wrap needs a value"
         return FSDP(wrap=WRAP_POLICIES.build(inner.wrap), reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
                     prefetch=inner.prefetch, shard_group=inner.shard_group,
                     memory_budget_bytes=int(inner.shard_budget_mb * 2**20))
@@ -170,6 +173,7 @@ def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer |
 def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:
     # 1-bit optimizers average through the island's group themselves (SOTA-215)
     comm = world.comm("local") if world.distributed else None
+    assert cfg.train.optimizer is not None  # validate: "train.optimizer needs a value"
     return build_optimizer(OPTIMIZERS.build(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
                            weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm,
                            model=model)  # muon splits the model's parameters itself (islands.optim.muon_split)
@@ -200,7 +204,7 @@ def build_logging(cfg: JobConfig, world: World, task: Task, run_dir: Path) -> Lo
     return Logging(loggers, tokens_per_sample=task.tokens_per_sample, params={"stream": stream, "job": job})
 
 
-def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: list = ()) -> Trainer:
+def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: Sequence = ()) -> Trainer:
     torch.set_num_threads(cfg.world.threads)
     if cfg.inner_strategy == "pipeline" and world.data_shard is None:  # all stages of an island read one stream
         world.data_shard = (world.island, world.islands) if world.distributed else (0, 1)

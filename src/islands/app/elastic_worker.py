@@ -17,6 +17,7 @@ import os
 import secrets
 import sys
 import traceback
+from typing import NoReturn
 from pathlib import Path
 
 from islands.app.build import build_trainer, report_writer, resume_trainer
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """Exit without finalisers: a retired gloo group with a hung op would hold exit until its timeout."""
     sys.stdout.flush()
     sys.stderr.flush()

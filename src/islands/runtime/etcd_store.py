@@ -364,7 +364,7 @@ class EtcdClient:
 
     # ---- kv -----------------------------------------------------------------------------------------
     def range(self, key: bytes, *, prefix: bool = False, count_only: bool = False) -> dict:
-        body = {"key": _b64(key)}
+        body: dict[str, str | bool] = {"key": _b64(key)}
         if prefix:
             body["range_end"] = _b64(_prefix_end(key))
         if count_only:
@@ -602,7 +602,7 @@ class EtcdStore(dist.Store):
         while True:
             kvs = self._read(keys)
             if all(kv is not None for kv in kvs):
-                return [_unb64(kv.get("value", "")) for kv in kvs]
+                return [_unb64(kv.get("value", "")) for kv in kvs if kv is not None]  # all are
             if time.monotonic() > deadline:
                 missing = [k for k, kv in zip(keys, kvs) if kv is None]
                 raise dist.DistStoreError(f"etcd store: keys {missing} not set within {self._timeout(timeout):.0f} s")

@@ -255,7 +255,7 @@ class SimComm:
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
-        fut = torch.futures.Future()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(self.all_reduce(tensor, op, kind))
         return fut
 
