@@ -38,8 +38,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from islands.spec import Spec, SpecError, parse
-from islands.spec import format as format_spec
+from islands.spec import Spec, SpecError, format as format_spec, parse
 
 
 class ConfigError(ValueError):
@@ -411,7 +410,7 @@ def _coerce(key: str, value: Any, typ: str):
     want = {"int": int, "float": float, "str": str, "bool": bool}[typ]
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if want is int and isinstance(value, bool) or not isinstance(value, want):
+    if (want is int and isinstance(value, bool)) or not isinstance(value, want):
         raise ConfigError(f"{key} must be {typ}, got {type(value).__name__} {value!r}")
     return value
 

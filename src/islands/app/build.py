@@ -26,8 +26,8 @@ from islands.compress.registry import COMPRESSORS
 from islands.config import JobConfig
 from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
-from islands.faults.slowdown import parse_slowdown, slow_step
 from islands.faults.roles import LabelFlip
+from islands.faults.slowdown import parse_slowdown, slow_step
 from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord
 from islands.loop.schedule import WarmupCosine
 from islands.loop.task import Task
@@ -44,11 +44,11 @@ from islands.sync.base import Strategy, WritesReport
 from islands.sync.ddp import DDP
 from islands.sync.outer import WarmStart, make_outer
 from islands.sync.sharded import FSDP
-from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.single import Single
 from islands.sync.stack import Stack
+from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.zero1 import ZeRO1
-from islands.tasks import build_user_task, digits_task, hf_causal_lm, is_user_task, lm_task
+from islands.tasks import build_user_task, digits_task, hf_causal_lm, lm_task
 
 BETAS = (0.9, 0.95)  # AdamW's betas for the built-in tasks (nanoGPT's choice for small transformers)
 

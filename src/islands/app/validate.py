@@ -12,9 +12,9 @@ config sections.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,13 +40,11 @@ from islands.parallel.pipeline.strategy import parse_microbatches
 from islands.runtime.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
-from islands.spec import Spec
+from islands.spec import Spec, format as format_spec
 from islands.sync.outer import make_outer, parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
-from islands.spec import format as format_spec
-from islands.tasks import is_user_task
-from islands.tasks import hf_lm as hf
+from islands.tasks import hf_lm as hf, is_user_task
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
 DEVICES = ("auto", "cpu", "cuda")

@@ -33,7 +33,7 @@ import hmac
 import json
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 

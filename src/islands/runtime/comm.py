@@ -264,7 +264,7 @@ BUS_FACTOR = {
 }
 
 
-def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> "Comm":
+def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> Comm:
     """A counted Comm from what a caller has: one of ours (as it is), a torch process group, or None (the
     default group). Lets the library's hooks take a plain process group, as torch's own hooks do."""
     if comm_or_group is None or isinstance(comm_or_group, dist.ProcessGroup):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import math
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +36,13 @@ from islands.runtime.comm import Comm
 from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.prefetch import set_prefetch
 from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
-from islands.sync.shard_plan import Unit, plan_units, rows_of, state_bytes_per_rank, unit_traffic
+from islands.sync.shard_plan import (
+    Unit,
+    plan_units,
+    rows_of,
+    state_bytes_per_rank,  # noqa: F401 - imported from here by tests/test_sharded_hybrid.py
+    unit_traffic,
+)
 from islands.sync.wrap_policy import BlockWrap, WrapPolicy
 
 if TYPE_CHECKING:

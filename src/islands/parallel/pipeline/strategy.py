@@ -13,7 +13,7 @@ through islands.parallel.pipeline.trainer.PipelineTrainer.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -39,7 +39,7 @@ from their average) is measured by the experiments outside training traffic (con
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
