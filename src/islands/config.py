@@ -28,13 +28,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import tomllib
+import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from islands.spec import Spec, SpecError, parse
-from islands.spec import format as format_spec
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from islands.spec import Spec, SpecError, format as format_spec, parse
 
 
 class ConfigError(ValueError):
@@ -406,7 +410,7 @@ def _coerce(key: str, value: Any, typ: str):
     want = {"int": int, "float": float, "str": str, "bool": bool}[typ]
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if want is int and isinstance(value, bool) or not isinstance(value, want):
+    if (want is int and isinstance(value, bool)) or not isinstance(value, want):
         raise ConfigError(f"{key} must be {typ}, got {type(value).__name__} {value!r}")
     return value
 
@@ -454,6 +458,8 @@ def parse_flag_value(key: str, text: str):
             if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError
             return text.lower() in ("true", "1", "yes")
+        if typ is None:
+            raise KeyError(key)  # not a key: the message below, as for an unknown type
         return {"int": int, "float": float, "str": str}[typ](text)
     except (ValueError, KeyError):
         raise ConfigError(f"{key} must be {typ}, got {text!r}") from None

@@ -11,6 +11,7 @@ parsed from strings at the config's edge, become objects here through their pack
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,8 +26,8 @@ from islands.compress.registry import COMPRESSORS
 from islands.config import JobConfig
 from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
-from islands.faults.slowdown import parse_slowdown, slow_step
 from islands.faults.roles import LabelFlip
+from islands.faults.slowdown import parse_slowdown, slow_step
 from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord
 from islands.loop.schedule import WarmupCosine
 from islands.loop.task import Task
@@ -43,11 +44,11 @@ from islands.sync.base import Strategy, WritesReport
 from islands.sync.ddp import DDP
 from islands.sync.outer import WarmStart, make_outer
 from islands.sync.sharded import FSDP
-from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.single import Single
 from islands.sync.stack import Stack
+from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.zero1 import ZeRO1
-from islands.tasks import build_user_task, digits_task, hf_causal_lm, is_user_task, lm_task
+from islands.tasks import build_user_task, digits_task, hf_causal_lm, lm_task
 
 BETAS = (0.9, 0.95)  # AdamW's betas for the built-in tasks (nanoGPT's choice for small transformers)
 
@@ -95,11 +96,13 @@ def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
     if kind == "single":
         return Single()
     if kind == "pipeline":
+        assert task.loss_fn is not None  # the last stage computes the loss (PipelineRunner calls loss_fn)
         budget = inner.activation_budget_mb * 1e6 if inner.activation_budget_mb > 0 else math.inf
         return PipelineStages(inner.stages or cfg.workers_per_island, inner.microbatches, inner.cuts, inner.schedule,
                               batch=cfg.train.global_batch // cfg.world.islands, loss_fn=task.loss_fn,
                               budget_bytes=budget, grad_clip=cfg.train.grad_clip, sequence=task.tokens_per_sample)
     if kind == "fsdp":
+        assert inner.wrap is not None  # validate: "inner.wrap needs a value"
         return FSDP(wrap=WRAP_POLICIES.build(inner.wrap), reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
                     prefetch=inner.prefetch, shard_group=inner.shard_group,
                     memory_budget_bytes=int(inner.shard_budget_mb * 2**20))
@@ -170,6 +173,7 @@ def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer |
 def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) -> torch.optim.Optimizer:
     # 1-bit optimizers average through the island's group themselves (SOTA-215)
     comm = world.comm("local") if world.distributed else None
+    assert cfg.train.optimizer is not None  # validate: "train.optimizer needs a value"
     return build_optimizer(OPTIMIZERS.build(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
                            weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm,
                            model=model)  # muon splits the model's parameters itself (islands.optim.muon_split)
@@ -200,7 +204,7 @@ def build_logging(cfg: JobConfig, world: World, task: Task, run_dir: Path) -> Lo
     return Logging(loggers, tokens_per_sample=task.tokens_per_sample, params={"stream": stream, "job": job})
 
 
-def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: list = ()) -> Trainer:
+def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: Sequence = ()) -> Trainer:
     torch.set_num_threads(cfg.world.threads)
     if cfg.inner_strategy == "pipeline" and world.data_shard is None:  # all stages of an island read one stream
         world.data_shard = (world.island, world.islands) if world.distributed else (0, 1)

@@ -18,15 +18,24 @@ import secrets
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import Excluded, JobEnded, Membership, global_digest
 from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
+from islands.runtime.membership import (
+    JOB_ENDED_EXIT_CODE,
+    NAME_ENV,
+    REFUSED_EXIT_CODE,
+    TOKEN_ENV,
+    JobSpec,
+    Refused,
+    connect,
+    parse_address,
+)
 from islands.runtime.payload_auth import PayloadAuthError
 from islands.runtime.stop import StopAt
-from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV, JobSpec, Refused,
-                                        connect, parse_address)
 from islands.runtime.world import close_world, join_elastic
 
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """Exit without finalisers: a retired gloo group with a hung op would hold exit until its timeout."""
     sys.stdout.flush()
     sys.stderr.flush()

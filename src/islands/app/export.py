@@ -87,13 +87,16 @@ def global_model(run_dir: str | os.PathLike, step: int | None = None):
     except (NoCheckpoint, CorruptCheckpoint, CheckpointMismatch) as e:
         raise ExportError(f"run {str(run_dir)!r}: {e}") from None
     model = hf_lm.build_model(config, seed=cfg.train.seed)
+    assert isinstance(loaded.tree, dict)  # a run's checkpoint: the driver's tree (CheckpointDriver.tree)
     state = loaded.tree["model"]
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise ExportError(f"run {str(run_dir)!r}: checkpoint step {loaded.step} does not fit the model of "
                           f"{hf_lm.HF_CONFIG_FILE}: {e}") from None
-    model.config.use_cache = True  # generation reads a KV cache; training switched it off
+    # generation reads a KV cache; training switched it off. The ignore: build_model's nn.Module return makes
+    # .config Tensor | Module (nn.Module.__getattr__); it is a transformers model's PretrainedConfig
+    model.config.use_cache = True  # type: ignore[union-attr]
     return model.eval(), tok, loaded.step
 
 

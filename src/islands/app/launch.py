@@ -77,6 +77,7 @@ def _wire_counters(testbed: Testbed | None) -> list[tuple[int, int]] | None:
 def _record_wire_bytes(run_dir: Path, testbed: Testbed, before) -> None:
     """Bytes the shaped links really carried (headers included), next to the ledger's payload count."""
     after = _wire_counters(testbed)
+    assert after is not None  # a testbed is given
     path = run_dir / "run.json"
     if not path.exists():
         return

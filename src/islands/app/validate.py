@@ -12,8 +12,9 @@ config sections.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -39,13 +40,11 @@ from islands.parallel.pipeline.strategy import parse_microbatches
 from islands.runtime.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch import LaunchError, load_testbed
 from islands.runtime.world import World
-from islands.spec import Spec
+from islands.spec import Spec, format as format_spec
 from islands.sync.outer import make_outer, parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
 from islands.sync.wrap_policy import WRAP_POLICIES
-from islands.spec import format as format_spec
-from islands.tasks import is_user_task
-from islands.tasks import hf_lm as hf
+from islands.tasks import hf_lm as hf, is_user_task
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
 DEVICES = ("auto", "cpu", "cuda")
@@ -64,6 +63,12 @@ def _robust(cfg) -> bool:
 
 def _communicates(cfg) -> bool:
     return cfg.train.optimizer is not None and OPTIMIZERS.build(cfg.train.optimizer).communicates
+
+
+def _optimizer_text(cfg: JobConfig) -> str:
+    """train.optimizer as text, where the rules name it (after _communicates or a look at its name: it is set)."""
+    assert cfg.train.optimizer is not None
+    return format_spec(cfg.train.optimizer)
 
 
 # ---- the rules ---------------------------------------------------------------------------------------
@@ -158,6 +163,9 @@ def specs(cfg: JobConfig) -> list[str]:
             return False
         return True
 
+    def attack_fits(spec: Spec) -> object:
+        return ATTACKS.build(spec).ranks_in(cfg.world.workers)
+
     for key, registry, value in (("inner.compressor", COMPRESSORS, inner.compressor),
                                  ("inner.aggregator", AGGREGATORS, inner.aggregator),
                                  ("inner.attack", ATTACKS, inner.attack), ("train.optimizer", OPTIMIZERS, cfg.train.optimizer),
@@ -167,15 +175,15 @@ def specs(cfg: JobConfig) -> list[str]:
                 found.append(f"{key} needs a value; e.g. {'adamw' if key == 'train.optimizer' else 'block'}")
             continue
         # the constructors' own checks too, before any worker starts; an attack's count/ranks fit the world
-        ask(key, (lambda r=registry, v=value: r.build(v)) if key != "inner.attack" else
-            (lambda: ATTACKS.build(inner.attack).ranks_in(cfg.world.workers)))
+        ask(key, partial(attack_fits, value) if key == "inner.attack" else partial(registry.build, value))
     ask("inner.shard_group", lambda: parse_shard_group(inner.shard_group))
     ask("inner.cuts", lambda: parse_cuts(inner.cuts))
     ask("inner.microbatches", lambda: parse_microbatches(inner.microbatches))
     if inner.schedule not in SCHEDULES:
         found.append(f"inner.schedule (pipeline) must be one of {', '.join(SCHEDULES)}; got {inner.schedule!r}")
-    if cfg.outer.strategy is not None and ask("outer.strategy", lambda: parse_outer(cfg.outer.strategy)):
-        warm = parse_outer(cfg.outer.strategy).params.get("warm_start", 0)
+    outer = cfg.outer.strategy
+    if outer is not None and ask("outer.strategy", lambda: parse_outer(outer)):
+        warm = parse_outer(outer).params.get("warm_start", 0)
         if warm >= cfg.train.steps:
             found.append(f"outer warm_start ({warm}) must be < train.steps ({cfg.train.steps}) so that some steps "
                          "are left for the outer rounds")
@@ -220,7 +228,7 @@ def adaptive_rounds(cfg: JobConfig) -> str | None:
 
 def optimizer_exchange(cfg: JobConfig) -> str | None:
     if _communicates(cfg) and (_compress(cfg) or _robust(cfg)):
-        return (f"train.optimizer={format_spec(cfg.train.optimizer)!r} averages 1-bit momentum itself, so there is no gradient "
+        return (f"train.optimizer={_optimizer_text(cfg)!r} averages 1-bit momentum itself, so there is no gradient "
                 "exchange to compress or aggregate; leave inner.compressor='none', inner.aggregator='mean', "
                 "inner.attack=''")
     if _compress(cfg) and _robust(cfg):
@@ -257,7 +265,7 @@ def sharding(cfg: JobConfig) -> str | None:
     clash = [f"{k}={format_spec(v)!r}" for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator),
                                                    ("attack", inner.attack)) if v is not None]
     if _communicates(cfg) or (cfg.train.optimizer is not None and cfg.train.optimizer.name == "muon"):
-        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")  # muon orthogonalises whole matrices
+        clash.append(f"optimizer={_optimizer_text(cfg)!r}")  # muon orthogonalises whole matrices
     if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
         return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
                 "use inner.strategy=ddp for those, or drop them")
@@ -268,6 +276,7 @@ def fsdp_outer(cfg: JobConfig) -> str | None:
     """inner.strategy=fsdp with an outer strategy: each worker exchanges its own shard with the workers holding the
     same shard on the other islands, which needs every island sharded the same way over its own workers. The
     strategy itself says whether it runs on shards (OuterStrategy.sharded_refusal): built here, as parse_outer does."""
+    assert cfg.outer.strategy is not None  # asked only of a job with an outer strategy
     why = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup).sharded_refusal()
     if why:
         return f"inner.strategy=fsdp shards the parameters: {why}; or use inner.strategy=ddp"
@@ -328,7 +337,7 @@ def pipeline(cfg: JobConfig) -> str | None:
                 f"({'n_layers + 2' if cfg.task.name == 'lm' else 'three layers'}); use stages <= {pieces}")
     m = parse_microbatches(inner.microbatches)
     batch = cfg.train.global_batch // cfg.world.islands
-    if m != "auto" and batch % m:
+    if isinstance(m, int) and batch % m:  # an int, or "auto"
         return (f"inner.microbatches={m} does not divide the pipeline's batch of {batch}; choose one of "
                 f"{divisors(batch)} or 'auto'")
     c, mem = cfg.checkpoint, cfg.memory
@@ -342,7 +351,7 @@ def pipeline(cfg: JobConfig) -> str | None:
               ("activation_checkpointing", mem.activation_checkpointing, (False,)), ("precision", mem.precision, ("fp32", "task")))
              if value not in ok]
     if _communicates(cfg):
-        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")
+        clash.append(f"optimizer={_optimizer_text(cfg)!r}")
     if cfg.world.islands != 1:
         clash.append(f"islands={cfg.world.islands}")
     if clash:
@@ -405,7 +414,7 @@ def simulated(cfg: JobConfig) -> str | None:
     if cfg.inner_strategy not in ("auto", "single", "ddp"):
         clash.append(f"inner.strategy={cfg.inner_strategy}")
     if _communicates(cfg):
-        clash.append(f"optimizer={format_spec(cfg.train.optimizer)!r}")
+        clash.append(f"optimizer={_optimizer_text(cfg)!r}")
     if clash:
         return (f"world.simulate does not yet combine with {', '.join(clash)}: the simulation has no network, no "
                 f"process group for checkpoints or an inner strategy; drop them, or run real processes")
@@ -441,7 +450,7 @@ def elastic(cfg: JobConfig) -> str | None:
     if refusal:
         return f"outer.strategy: {refusal}"
     if _communicates(cfg):
-        return (f"train.optimizer={format_spec(cfg.train.optimizer)!r} communicates inside an island; elastic mode has one worker "
+        return (f"train.optimizer={_optimizer_text(cfg)!r} communicates inside an island; elastic mode has one worker "
                 "per island, use optimizer='adamw'")
     try:
         CheckpointDriver.check_elastic(checkpoint_settings(cfg))  # the driver's own rule

@@ -65,7 +65,8 @@ class LoopState:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model= takes the torch.nn.Module being trained; got {type(model).__name__}")
         if extra is not None and not isinstance(extra, dict):
-            raise TypeError(f"extra= takes a dict of more state ({{'scheduler': sched, ...}}); got {type(extra).__name__}")
+            raise TypeError("extra= takes a dict of more state ({'scheduler': sched, ...}); "
+                            f"got {type(extra).__name__}")
         for name, obj, needs in (("optimizer", optimizer, ("state_dict", "load_state_dict")),
                                  ("strategy", strategy, ("state_dict", "load_state_dict", "eval_model")),
                                  ("data", data, ("state_dict", "load_state_dict"))):
@@ -143,7 +144,8 @@ class Checkpointer:
                  asynchronous: bool = True, share_replicas: bool = True, timeout: float = 120.0,
                  fingerprint: str = ""):
         if not dir:
-            raise ValueError("Checkpointer needs a directory for its checkpoints, e.g. Checkpointer('runs/mine', world, every=100)")
+            raise ValueError("Checkpointer needs a directory for its checkpoints, "
+                             "e.g. Checkpointer('runs/mine', world, every=100)")
         if world is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 raise ValueError(f"this process is rank {dist.get_rank()} of {dist.get_world_size()}: pass "

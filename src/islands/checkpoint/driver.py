@@ -27,14 +27,23 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
-from islands.checkpoint.elastic_saves import (ElasticBarrier, Member, MembershipChanged, PersistBarrier, bind,
-                                              can_persist_async, is_elastic, opens_clean)
+from islands.checkpoint.elastic_saves import (
+    ElasticBarrier,
+    Member,
+    MembershipChanged,
+    PersistBarrier,
+    bind,
+    can_persist_async,
+    is_elastic,
+    opens_clean,
+)
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
 from islands.checkpoint.packed import unpack_tree
 from islands.checkpoint.peer import PeerReplica
@@ -75,7 +84,9 @@ class TrainingState(Protocol):
     step: int
     elapsed: float
     model: torch.nn.Module
-    shard_items: int
+
+    @property
+    def shard_items(self) -> int: ...  # read-only: implementers derive it (LoopState, Trainer)
 
     def state_dict(self) -> dict: ...
 
@@ -130,25 +141,37 @@ class CheckpointDriver:
             raise ValueError("checkpointing needs a directory: CheckpointSettings(dir=...) or a run directory "
                              "(<run_dir>/ckpt)")
         if not isinstance(fingerprint, str):
-            raise TypeError(f"fingerprint is an opaque str (e.g. fingerprint_of(fields)); got {type(fingerprint).__name__}")
+            raise TypeError("fingerprint is an opaque str (e.g. fingerprint_of(fields)); "
+                            f"got {type(fingerprint).__name__}")
         self.settings, self.world, self.fingerprint = settings, world, fingerprint
-        self.root = Path(settings.dir) if settings.dir is not None else Path(run_dir) / "ckpt"
+        if settings.dir is not None:
+            self.root = Path(settings.dir)
+        else:
+            assert run_dir is not None  # checked above
+            self.root = Path(run_dir) / "ckpt"
         self.elastic = is_elastic(world)
         if self.elastic:
             self.check_elastic(settings)
         torch_dist = world.size > 1 and not self.elastic and world.comms is None
-        barrier = None
+        barrier: Callable[[], None] | None = None
+        self.elastic_barrier: ElasticBarrier | PersistBarrier | None = None
         if torch_dist:
             barrier = _Barrier(world, settings.timeout)
         elif self.elastic:  # members change between saves: islands.checkpoint.elastic_saves
             if settings.asynchronous and can_persist_async(world):
                 m = world.membership
-                barrier = PersistBarrier(m.new_client, m.new_liveness, lambda: m.epoch, settings.timeout)
+                assert m is not None and m.new_client is not None  # is_elastic, can_persist_async
+                # ElasticComm has new_liveness; contracts.ElasticMembership does not declare it (yet)
+                liveness = m.new_liveness  # type: ignore[attr-defined]
+                self.elastic_barrier = PersistBarrier(m.new_client, liveness, lambda: m.epoch, settings.timeout)
             else:
-                barrier = ElasticBarrier(world)
-            self.elastic_barrier = barrier
+                self.elastic_barrier = ElasticBarrier(world)
+            barrier = self.elastic_barrier
         elif world.size > 1:  # other comms without a torch group of their own: meet on the main thread
-            barrier = lambda: world.all_gather_object(None)  # noqa: E731
+            def meet() -> None:
+                world.all_gather_object(None)
+
+            barrier = meet
         self.async_ok = settings.asynchronous and (world.size == 1 or torch_dist or isinstance(barrier, PersistBarrier))
         self.abandoned: list[int] = []  # steps whose save a membership change abandoned (elastic)
         self.abandoned_why: list[str] = []
@@ -161,7 +184,7 @@ class CheckpointDriver:
 
         # Peer copies need every rank at every memory save: only with a torch group (not elastic).
         self.peer = PeerReplica(_peer_comm(world, settings.timeout)) if settings.memory_peer and torch_dist else None
-        levels = []
+        levels: list[MemoryLevel | DiskLevel] = []
         if settings.memory_every:
             levels.append(MemoryLevel(every=settings.memory_every,
                                       replicate=self.peer.replicate if self.peer is not None else None))
@@ -171,7 +194,8 @@ class CheckpointDriver:
             levels.append(DiskLevel(store(Path(settings.remote_dir)), every=settings.remote_every, name="remote"))
         self.levels = MultiLevelCheckpointer(levels)
         self._by_name = {lv.name: lv for lv in levels}
-        self.writer = AsyncCheckpointer(self, when_busy="wait")
+        # Sink.save takes **kwargs; this save takes exactly the keywords its own writer passes (levels, member)
+        self.writer = AsyncCheckpointer(self, when_busy="wait")  # type: ignore[arg-type]
         self.policy = settings.policy.build(world.size) if settings.policy is not None else None
         self.next_local: int | None = None  # auto: the step of the next local-disk save
         self.decisions: list[dict] = []
@@ -183,7 +207,7 @@ class CheckpointDriver:
         self.last_saved_step: int | None = None
         self.last_step_of: dict[str, int] = {}
         self.resumed_from: dict | None = None
-        self._last_elapsed = 0.0
+        self._last_elapsed: float | None = 0.0
         self._iter_sum, self._iter_n = 0.0, 0
         self._uptime_mark = time.perf_counter()
         self._reserve_tried = False
@@ -196,10 +220,10 @@ class CheckpointDriver:
     def save(self, tree, step: int, *, levels: list[str], member: Member | None = None) -> dict:
         extra = {}
         if member is not None:  # elastic: as the member this process was at the snapshot
-            stores = [self._by_name[n].store for n in levels if hasattr(self._by_name[n], "store")]
+            stores = [lv.store for lv in (self._by_name[n] for n in levels) if isinstance(lv, DiskLevel)]
             extra["token"] = bind(stores, member, step, self.elastic_barrier)
         return {name: self._by_name[name].save(tree, step, fingerprint=self.fingerprint,
-                                               **(extra if hasattr(self._by_name[name], "store") else {}))
+                                               **(extra if isinstance(self._by_name[name], DiskLevel) else {}))
                 for name in levels}
 
     # ---- called by the loop ---------------------------------------------------------------------
@@ -211,7 +235,7 @@ class CheckpointDriver:
         self.last_step_of = {lv.name: step for lv in self.levels.levels}
         if info is not None:
             self.resumed_from = info
-        if self.policy is not None:
+        if self.settings.policy is not None:  # self.policy was built from it
             self.next_local = step + self.settings.policy.first
 
     def due(self, step: int) -> list[str]:
@@ -219,6 +243,7 @@ class CheckpointDriver:
         for lv in self.levels.levels:
             if lv.name == "local" and self.policy is not None:
                 if self.next_local is None:
+                    assert self.settings.policy is not None  # self.policy was built from it
                     self.next_local = self.settings.policy.first
                 hit = step >= self.next_local
             else:
@@ -310,7 +335,8 @@ class CheckpointDriver:
     def _account(self, previous: SaveHandle | None) -> None:
         if previous is not None and previous.done():
             self.persist_s += previous.persist_s
-            for res in (previous.result or {}).values():  # disk levels: this rank's bytes, per save
+            results: dict[str, object] = previous.result or {}
+            for res in results.values():  # disk levels: this rank's bytes, per save
                 if isinstance(res, SaveResult):
                     for key in self.disk_bytes:
                         self.disk_bytes[key] += getattr(res, f"bytes_{key}")
@@ -324,10 +350,12 @@ class CheckpointDriver:
             local = [max(col) for col in zip(*self.world.all_gather_object(local))]
         self._iter_sum, self._iter_n, self._uptime_mark = 0.0, 0, now
         iter_s, stall, persist, uptime = local
-        self.policy.observe_iteration(max(iter_s, 1e-9))
-        self.policy.observe_checkpoint(stall, persist)
-        self.policy.observe_uptime(uptime)
-        decision = self.policy.decide()
+        policy = self.policy
+        assert policy is not None  # _save decides only with a policy
+        policy.observe_iteration(max(iter_s, 1e-9))
+        policy.observe_checkpoint(stall, persist)
+        policy.observe_uptime(uptime)
+        decision = policy.decide()
         self.next_local = step + decision.steps
         entry = {"step": step, "interval_steps": decision.steps, "binding": decision.binding,
                  "reason": decision.reason, "iter_s": iter_s, "stall_s": stall, "persist_s": persist}
@@ -359,7 +387,7 @@ class CheckpointDriver:
         """End of training: a final local/remote checkpoint unless this step was just saved, and the memory
         level's when this step is due for it (the loop saves the last step here, after the final
         synchronisation, not in after_step); wait for durability."""
-        disk = [n for n in ("local", "remote") if n in self._by_name]
+        disk: list[str] = [n for n in ("local", "remote") if n in self._by_name]
         self.save_now(state, (["memory"] if "memory" in self.due(state.step) else []) + disk)
         self.wait()
 
@@ -377,6 +405,7 @@ class CheckpointDriver:
         if self.peer is None:
             return None
         memory = self._by_name.get("memory")
+        assert memory is None or isinstance(memory, MemoryLevel)  # the level named "memory" is one
         if lost and memory is not None:
             memory.data, memory.step = None, None
         self.writer.wait()  # no replication may be in flight while the copies travel back

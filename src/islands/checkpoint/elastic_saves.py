@@ -26,7 +26,12 @@ whose rank and size change when a worker dies or joins. So, per disk save:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from islands.runtime.membership import Liveness
 
 
 class MembershipChanged(RuntimeError):
@@ -43,7 +48,7 @@ class Member:
     names: tuple[str, ...]
 
     @classmethod
-    def now(cls, world) -> "Member":
+    def now(cls, world) -> Member:
         m = world.membership
         # islands of k workers: every worker saves its part; the members are the islands' leaders
         names = world.worker_names or m.names
@@ -91,10 +96,12 @@ class PersistBarrier:
 
     POLL = 0.01  # seconds between looks at the store (a round trip is ~0.2 ms)
 
-    def __init__(self, client, liveness, epoch_now, timeout_s: float):
+    def __init__(self, client: Callable[[], Any], liveness: Callable[[Any], Liveness], epoch_now: Callable[[], int],
+                 timeout_s: float):
         self._make_client, self._make_liveness = client, liveness
         self.epoch_now, self.timeout_s = epoch_now, timeout_s
-        self._client = self._liveness = None
+        self._client: Any = None  # a store client (TCPStore or its authenticated wrapper), made in the persist thread
+        self._liveness: Liveness | None = None
         self.member: Member | None = None
         self.step, self.calls = -1, 0
         self._keys: list[str] = []  # rank 0: the keys of this save
@@ -110,6 +117,7 @@ class PersistBarrier:
             self._client = self._make_client()
             self._liveness = self._make_liveness(self._client)
         m, self.calls = self.member, self.calls + 1
+        assert m is not None  # begin() names the member before a store calls its barrier
         key = f"ckpt/s{self.step}/e{m.epoch}/{(self.calls - 1) // 2}"
         if self.calls % 2 == 1:  # before the commit: every part written? Anyone leaving abandons the save.
             self._client.set(f"{key}/part/{m.rank}", "1")
@@ -130,6 +138,7 @@ class PersistBarrier:
 
     def _wait(self, keys: list[str], when: str, watched: list[str], epoch_matters: bool) -> None:
         m, deadline = self.member, time.monotonic() + self.timeout_s
+        assert m is not None and self._liveness is not None  # set by begin() and __call__
         while not self._client.check(keys):
             now_epoch = self.epoch_now()
             if epoch_matters and now_epoch != m.epoch:

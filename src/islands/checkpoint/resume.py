@@ -32,6 +32,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.fingerprint import fingerprint_differences
@@ -127,7 +128,7 @@ def _check_replicated(bodies: list[dict], new_size: int) -> None:
                                           "state such as error feedback cannot be resharded)"])
 
 
-def _is_position(pos) -> bool:
+def _is_position(pos: object) -> TypeGuard[dict]:
     return isinstance(pos, dict) and set(pos) == {"epoch", "cursor"}
 
 
@@ -142,7 +143,8 @@ def reshard_position(trees: list[dict], key: str, own_items: int, fallback):
         progress.append(pos["epoch"] + pos["cursor"] / items)
     mean = sum(progress) / len(progress)
     epoch = math.floor(mean)
-    return {"epoch": epoch, "cursor": min(int(round((mean - epoch) * own_items)), own_items - 1)}
+    cursor = int(round((mean - epoch) * own_items))  # noqa: RUF046 - saved positions may be tensors: round() keeps them
+    return {"epoch": epoch, "cursor": min(cursor, own_items - 1)}
 
 
 def _reshard_data(state, trees: list[dict], tree: dict, info: dict) -> None:
@@ -151,7 +153,14 @@ def _reshard_data(state, trees: list[dict], tree: dict, info: dict) -> None:
         if key in tree:
             kept = tree[key]
             tree[key] = reshard_position(trees, key, int(state.shard_items), kept)
-            info["data_policy"] = "saved rank r mod N's data position, as it was" if tree[key] is kept else LOADER_POLICY
+            as_saved = "saved rank r mod N's data position, as it was"
+            info["data_policy"] = as_saved if tree[key] is kept else LOADER_POLICY
+
+
+def _load_tree(store: CheckpointStore, step: int, rank: int) -> dict:
+    tree = store.load(step, rank=rank).tree
+    assert isinstance(tree, dict)  # the driver saves dicts (CheckpointDriver.tree)
+    return tree
 
 
 def _load_for_rank(state, store: CheckpointStore, step: int, fingerprint: str) -> tuple[dict, dict]:
@@ -170,9 +179,9 @@ def _load_for_rank(state, store: CheckpointStore, step: int, fingerprint: str) -
     if world.membership is not None:
         return _load_elastic(state, store, step, bodies, info)
     if saved == world.size:
-        return store.load(step, rank=world.rank).tree, info
+        return _load_tree(store, step, world.rank), info
     _check_replicated(bodies, world.size)
-    trees = [store.load(step, rank=r).tree for r in range(saved)]
+    trees = [_load_tree(store, step, r) for r in range(saved)]
     tree = dict(trees[world.rank % saved])
     for key in FROM_RANK_0:
         if key in trees[0]:
@@ -200,13 +209,13 @@ def _load_elastic(state, store: CheckpointStore, step: int, bodies: list[dict], 
     shards = [_saved_shard(b) for b in bodies]
     match = shards.index(own) if own in shards else None
     part = match if match is not None else world.rank % len(bodies)
-    tree = dict(store.load(step, rank=part).tree)
-    first = tree if part == 0 else store.load(step, rank=0).tree
+    tree = dict(_load_tree(store, step, part))
+    first = tree if part == 0 else _load_tree(store, step, 0)
     for key in FROM_RANK_0 + ("membership",):
         if key in first:
             tree[key] = first[key]
     if match is None:
-        trees = [store.load(step, rank=r).tree for r in range(len(bodies))]
+        trees = [_load_tree(store, step, r) for r in range(len(bodies))]
         _reshard_data(state, trees, tree, info)
     info.update(elastic=True, shard=own, saved_part=part, shard_matched=match is not None)
     return tree, info
@@ -217,15 +226,18 @@ def resume_from(state, sources: list[Source], fingerprint: str = "") -> dict:
     loaded (path, level, step, world sizes, what was skipped). Raises NoCheckpoint when none loads
     everywhere, CheckpointMismatch when one was made by another model (no fallback past it)."""
     world = state.world
-    skipped = []
+    skipped: list[dict] = []
     for step, _, src, store in candidates(sources):
-        tree, info, error = None, None, None
+        tree: dict | None = None
+        info: dict | None = None
+        error: str | None = None
         try:
             tree, info = _load_for_rank(state, store, step, fingerprint)
         except (CorruptCheckpoint, NoCheckpoint) as exc:
             error = str(exc)
         oks = world.all_gather_object(error is None) if world.size > 1 else [error is None]
         if all(oks):
+            assert tree is not None and info is not None  # this rank's own load raised nothing
             state.load_state_dict(tree)
             return {"path": str(store.path_for(step)), "level": src.name, "step": step, **info, "skipped": skipped}
         bad = [r for r, ok in enumerate(oks) if not ok]

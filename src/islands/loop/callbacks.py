@@ -21,7 +21,6 @@ from typing import Protocol, runtime_checkable
 from rich.console import Console
 
 from islands.checkpoint.driver import CheckpointDriver
-from islands.loop.evaluate import evaluate
 from islands.measure.probe import describe, probe_interconnect
 from islands.measure.progress import TrainProgress, summary_table
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
@@ -102,7 +101,7 @@ class Progress:
 
     def __init__(self, enabled: bool = True, tokens_per_sample: int = 1):
         self.enabled, self.tokens_per_sample = enabled, tokens_per_sample
-        self.bar = None
+        self.bar: TrainProgress | None = None  # made at the start of each fit
 
     def on_fit_start(self, trainer) -> None:
         self.bar = TrainProgress(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
@@ -110,6 +109,7 @@ class Progress:
         trainer.log = self.bar.log
 
     def on_step_end(self, trainer, loss) -> None:
+        assert self.bar is not None  # on_fit_start came first
         if not self.bar.live:
             return
         # the latest logged mean: a fresh float each step would make a GPU wait for every step
@@ -119,6 +119,7 @@ class Progress:
         self.bar.update(trainer.step, loss, tps, trainer.world.ledger.total_sent / 1e6)
 
     def on_fit_end(self, trainer) -> None:
+        assert self.bar is not None  # on_fit_start came first
         self.bar.close()
         record = getattr(trainer, "record", None)
         if self.enabled and trainer.world.rank == 0 and record is not None:
@@ -215,13 +216,13 @@ class RunRecord:
             "interconnect": self.interconnect,
             "interconnect_line": describe(self.interconnect),
             "baseline": {"definition": baseline, "unit": "worker"},
-            "comm": {"per_rank": ledgers, "definition": "payload bytes handed to collectives (see islands.runtime.comm)"},
+            "comm": {"per_rank": ledgers,
+                     "definition": "payload bytes handed to collectives (see islands.runtime.comm)"},
             "series": trainer.series,
             "summary": summary,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(trainer.started)),
         }
         if self.run_dir is not None:
             record["run_dir"] = str(self.run_dir)
-        for key, part in trainer.record_parts().items():
-            record[key] = part
+        record.update(trainer.record_parts())
         return record

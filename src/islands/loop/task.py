@@ -3,8 +3,9 @@ a user's `make_task(config)` returns one for `islands train --task my.module:mak
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -23,15 +23,15 @@ position, the RNG, the loss series, and each callback's state.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
 from islands.checkpoint.rng import rng_state, set_rng_state
 from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
-from islands.data.batches import size as batch_size_of
-from islands.data.batches import to_device
+from islands.data.batches import size as batch_size_of, to_device
 from islands.data.source import batch_source, val_batches
 from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
@@ -69,7 +69,8 @@ class Trainer:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters; "
                             f"got {type(optimizer).__name__}")
         if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (prediction, targets) -> scalar, or None; got {type(loss_fn).__name__}")
+            raise TypeError("loss_fn must be callable (prediction, targets) -> scalar, or None; "
+                            f"got {type(loss_fn).__name__}")
         if grad_clip < 0 or log_every < 1:
             raise ValueError(f"need grad_clip >= 0 and log_every >= 1; got {grad_clip}, {log_every}")
         self.world = world or World.single()
@@ -82,16 +83,17 @@ class Trainer:
         self.data = batch_source(train_data, shard, shards, batch_size, seed)
         self.val_data = val_batches(val_data, batch_size)
         self.metrics = dict(metrics or {})
-        self.schedule = schedule
+        self.schedule: Any = schedule  # duck-typed: a function step -> factor, or a torch LRScheduler
         self.grad_clip, self.log_every = float(grad_clip), int(log_every)
         self.step_fn = step_fn or ForwardBackward()
         self.callbacks = sorted(callbacks, key=_order)
         if self.val_data is not None and not any(isinstance(cb, Evaluate) for cb in self.callbacks):
             self.callbacks = sorted([*self.callbacks, Evaluate()], key=_order)  # at least the final model
         self.model = self.strategy.wrap(model.to(self.world.device), optimizer, self.world)
-        owner = capability(self.strategy, OwnsStep)  # a pipeline owns its step
+        # a pipeline owns its step. The ignores: mypy#4717, a Protocol class refused as type[C] (isinstance takes it)
+        owner = capability(self.strategy, OwnsStep)  # type: ignore[type-abstract]
         self._own_step = owner.forward_backward if owner is not None else None
-        self._skips = capability(self.strategy, SkipsSteps)
+        self._skips = capability(self.strategy, SkipsSteps)  # type: ignore[type-abstract]
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.step = self.world.start_step  # 0, or where the members were when an elastic joiner entered
         self.total_steps = 0
@@ -104,6 +106,7 @@ class Trainer:
         self.step_times: list[float] = []  # the median resists other processes' bursts on a shared machine
         self.started = time.time()
         self.record: dict | None = None
+        self.resumed_from: dict | None = None  # what resume loaded, when no checkpoint driver keeps it (app.build)
         self.log: Callable[[str], None] = lambda text: None  # the Progress callback gives it a console
         # the loss is read on the host only where someone reads it (a log entry, a callback that asks): on a GPU
         # a float() each step would stall the queue of kernels every step
@@ -140,6 +143,7 @@ class Trainer:
         batch = to_device(self.strategy.on_batch(self.data.next(), step), self.world.device)
         if not self.samples_per_step:
             self.samples_per_step = batch_size_of(batch) * self.world.size
+        loss: float | torch.Tensor
         if self._own_step is not None:
             loss = self._own_step(*batch)
         else:  # all micro-batches, one gradient; the first step explains a batch the model cannot take
@@ -206,7 +210,9 @@ class Trainer:
         return self.record if self.record is not None else {"series": self.series, "steps": self.step}
 
     def _log_train(self) -> None:
-        self._loss_sum = self._loss if self._loss_sum is None else self._loss_sum + self._loss
+        loss = self._loss
+        assert loss is not None  # the step just taken left it
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._loss_count += 1
         if self.step % self.log_every == 0 or self.step == self.total_steps:
             lr = self.optimizer.param_groups[0]["lr"]
@@ -239,7 +245,7 @@ class Trainer:
         parts = {}
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
-        described = capability(self.strategy, Describes)
+        described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (see __init__)
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()
             parts["pipeline"] = {"stages": self.world.all_gather_object(mine) if self.world.distributed else [mine],
@@ -251,7 +257,7 @@ class Trainer:
                 part = extra()
                 if part is not None:
                     parts[getattr(cb, "record_key", type(cb).__name__.lower())] = part
-        resumed = getattr(self, "resumed_from", None)
+        resumed = self.resumed_from
         if resumed is not None:
             parts.setdefault("checkpoint", {})["resumed_from"] = resumed
         return parts

@@ -33,7 +33,7 @@ import hmac
 import json
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -93,7 +93,9 @@ class ControlAuth:
             return "unsigned"
         head, sep, value = raw[len(MAGIC):].partition(b"\n")
         try:
-            h = json.loads(head) if sep else None
+            if not sep:
+                raise TypeError  # no header line: malformed, as a missing field is
+            h = json.loads(head)
             sender, n, mac = h["s"], h["n"], h["m"]
             if not (isinstance(sender, str) and isinstance(n, int) and isinstance(mac, str)):
                 raise TypeError

@@ -97,7 +97,7 @@ class Comm:
         self.group = group
         self.ledger = CommLedger() if ledger is None else ledger
         self._size: int | None = None
-        self._pg = None
+        self._pg: dist.ProcessGroup | None = None
 
     @property
     def size(self) -> int:
@@ -129,7 +129,7 @@ class Comm:
         A sum goes straight to the process group object, as torch's own DDP hooks do: torch.distributed's
         all_reduce wrapper checks and looks up more than a bucket hook on a small model can afford every step."""
         if self.size == 1:
-            fut = torch.futures.Future()
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(tensor)
             return fut
         nbytes = _nbytes(tensor)
@@ -138,6 +138,7 @@ class Comm:
         if op is dist.ReduceOp.SUM or op == dist.ReduceOp.SUM:
             if self._pg is None:
                 self._pg = self.group if self.group is not None else dist.group.WORLD
+            assert self._pg is not None  # size > 1: the default group exists
             work = self._pg.allreduce([tensor])
         else:
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
@@ -225,11 +226,13 @@ class Comm:
         for p in [*sends, *recv_from]:
             if not 0 <= p < n or p == me:
                 raise ValueError(f"exchange peer {p} must be another rank of this group (0..{n - 1}, not {me})")
-        if like is None and recv_from:
-            if not sends:
-                raise ValueError("exchange: pass like= (shape and dtype of what arrives) when sending nothing")
-            like = next(iter(sends.values()))
-        got = {p: torch.empty_like(like) for p in recv_from}
+        got: dict[int, torch.Tensor] = {}
+        if recv_from:
+            if like is None:
+                if not sends:
+                    raise ValueError("exchange: pass like= (shape and dtype of what arrives) when sending nothing")
+                like = next(iter(sends.values()))
+            got = {p: torch.empty_like(like) for p in recv_from}
         ops = [dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=p) for p, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for p, t in got.items()]
         if not ops:
@@ -237,7 +240,7 @@ class Comm:
         self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()), sum(_nbytes(t) for t in got.values()))
         self.ledger.begin()
         works = dist.batch_isend_irecv(ops)
-        done = []
+        done: list[bool] = []
 
         def wait() -> None:
             if done:
@@ -261,7 +264,7 @@ BUS_FACTOR = {
 }
 
 
-def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> "Comm":
+def as_comm(comm_or_group=None, ledger: CommLedger | None = None) -> Comm:
     """A counted Comm from what a caller has: one of ours (as it is), a torch process group, or None (the
     default group). Lets the library's hooks take a plain process group, as torch's own hooks do."""
     if comm_or_group is None or isinstance(comm_or_group, dist.ProcessGroup):

@@ -78,7 +78,7 @@ class EtcdAddress:
     tls: bool = False  # etcds://: HTTPS to the members (EtcdTLS.from_env: the CA and the client certificate)
 
     @classmethod
-    def parse(cls, text: str) -> "EtcdAddress":
+    def parse(cls, text: str) -> EtcdAddress:
         if not is_etcd(text):
             raise ValueError(f"an etcd store address starts with {SCHEME} or {TLS_SCHEME} (e.g. etcd://127.0.0.1:2379,"
                              f"127.0.0.1:22379,127.0.0.1:32379); got {text!r}")
@@ -96,7 +96,7 @@ class EtcdAddress:
             raise ValueError(f"the namespace {namespace!r} in {text!r} may hold letters, digits, '-', '_', '.'")
         return cls(tuple(endpoints), namespace, tls)
 
-    def with_namespace(self, namespace: str) -> "EtcdAddress":
+    def with_namespace(self, namespace: str) -> EtcdAddress:
         return EtcdAddress(self.endpoints, namespace, self.tls)
 
     def __str__(self) -> str:
@@ -120,7 +120,7 @@ class EtcdTLS:
     key: str = ""
 
     @classmethod
-    def from_env(cls, env=None) -> "EtcdTLS":
+    def from_env(cls, env=None) -> EtcdTLS:
         env = os.environ if env is None else env
         tls = cls(env.get(CA_ENV, ""), env.get(CERT_ENV, ""), env.get(KEY_ENV, ""))
         missing = [f"{name}={path}" for name, path in ((CA_ENV, tls.ca), (CERT_ENV, tls.cert), (KEY_ENV, tls.key))
@@ -150,7 +150,7 @@ class EtcdLogin:
     password: str = field(repr=False)
 
     @classmethod
-    def from_env(cls, env=None) -> "EtcdLogin | None":
+    def from_env(cls, env=None) -> EtcdLogin | None:
         """ISLANDS_ETCD_USER and ISLANDS_ETCD_PASSWORD_FILE (both or neither); None when neither is set."""
         env = os.environ if env is None else env
         user, path = env.get(USER_ENV, ""), env.get(PASSWORD_FILE_ENV, "")
@@ -364,7 +364,7 @@ class EtcdClient:
 
     # ---- kv -----------------------------------------------------------------------------------------
     def range(self, key: bytes, *, prefix: bool = False, count_only: bool = False) -> dict:
-        body = {"key": _b64(key)}
+        body: dict[str, str | bool] = {"key": _b64(key)}
         if prefix:
             body["range_end"] = _b64(_prefix_end(key))
         if count_only:
@@ -477,7 +477,7 @@ class EtcdStore(dist.Store):
         # HTTP request that costs etcd CPU, ~1 ms here against ~0.2 ms for a TCPStore
         self.poll_interval = 0.02
 
-    def fenced(self, key: bytes, revision: int) -> "EtcdStore":
+    def fenced(self, key: bytes, revision: int) -> EtcdStore:
         """A view of the same cluster and namespace whose writes hold only while `key` has `revision`."""
         return EtcdStore(self.address, self.timeout_s, fence=(key, revision), client=self.client,
                          key_prefix=self.key_prefix)
@@ -602,7 +602,7 @@ class EtcdStore(dist.Store):
         while True:
             kvs = self._read(keys)
             if all(kv is not None for kv in kvs):
-                return [_unb64(kv.get("value", "")) for kv in kvs]
+                return [_unb64(kv.get("value", "")) for kv in kvs if kv is not None]  # all are
             if time.monotonic() > deadline:
                 missing = [k for k, kv in zip(keys, kvs) if kv is None]
                 raise dist.DistStoreError(f"etcd store: keys {missing} not set within {self._timeout(timeout):.0f} s")

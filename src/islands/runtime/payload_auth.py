@@ -37,6 +37,7 @@ import hmac
 import json
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,9 @@ class PayloadTags:
 
     def tag(self, fields: tuple, like: torch.Tensor, data: torch.Tensor) -> bytes:
         head = json.dumps([*map(str, fields), str(like.dtype), list(like.shape)]).encode() + b"\0"
-        return hmac.new(self.key, self.domain + head + memoryview(data.cpu().numpy()), hashlib.sha256).digest()
+        # the ignore: numpy's stubs give ndarray __buffer__ only for Python >= 3.12 (mypy checks as 3.10)
+        body = memoryview(data.cpu().numpy())  # type: ignore[arg-type]
+        return hmac.new(self.key, self.domain + head + body, hashlib.sha256).digest()
 
     def pack(self, t: torch.Tensor, fields: tuple) -> torch.Tensor:
         """t's bytes followed by their 32-byte tag, one flat uint8 tensor."""
@@ -187,7 +190,7 @@ class AuthenticatedComm:
         """The gather is issued now, in the caller's order on the group (as the plain Comm issues its
         all-reduce); the checks and the sum run when it lands. A Future of the tensor."""
         if self.size == 1:
-            fut = torch.futures.Future()
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(tensor)
             return fut
         call = self._call()
@@ -234,13 +237,14 @@ class AuthenticatedComm:
                 raise ValueError("exchange: pass like= (shape and dtype of what arrives) when sending nothing")
             like = next(iter(sends.values()))
         packed = {p: self._pack(t, kind, call, p) for p, t in sends.items()}
-        shell = PayloadTags.shell(like) if recv_from else None
+        shell = PayloadTags.shell(like) if recv_from and like is not None else None  # like is set when any arrive
         raw, wait_inner = self.inner.exchange_async(packed, recv_from, like=shell, kind=kind)
-        got: dict[int, torch.Tensor] = {p: torch.empty_like(like) for p in recv_from}
+        got: dict[int, torch.Tensor] = {p: torch.empty_like(like) for p in recv_from} if like is not None else {}
 
         def wait() -> None:
             wait_inner()
             for p in recv_from:
+                assert like is not None  # set above when anything arrives
                 got[p].copy_(self._open(raw[p], like, kind, call, p, me))
 
         return got, wait
@@ -282,7 +286,7 @@ class AuthenticatedComm:
 
 # How two contributions combine, per reduce op (AVG: a sum, divided once at the end). PREMUL_SUM is absent: its
 # factor lives inside the op object, which a plain comparison cannot read.
-_COMBINE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.AVG: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
+_COMBINE: dict[object, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.AVG: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
             dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.BAND: torch.bitwise_and,
             dist.ReduceOp.BOR: torch.bitwise_or, dist.ReduceOp.BXOR: torch.bitwise_xor}
 

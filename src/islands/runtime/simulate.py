@@ -33,8 +33,9 @@ from __future__ import annotations
 import random
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -255,7 +256,7 @@ class SimComm:
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
-        fut = torch.futures.Future()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(self.all_reduce(tensor, op, kind))
         return fut
 
@@ -356,7 +357,7 @@ def worlds(islands: int, device: str | torch.device = "cpu", timeout_s: float = 
         world = World(rank=i, size=islands, islands=islands, device=dev, backend="simulated", ledger=ledger,
                       comms={"global": SimComm(hubs["global"], i, ledger), "cross": SimComm(hubs["cross"], i, ledger),
                              "local": LoneComm()}, data_shard=(i, islands))
-        world._sim = (turns, hubs)  # noqa: SLF001 - what run() needs; a World is a plain dataclass
+        world._sim = (turns, hubs)
         out.append(world)
     return out
 
@@ -367,7 +368,7 @@ def run(main: Callable[[World], Any], islands: int, device: str | torch.device =
     Returns main's results in island order. The first island to raise stops the others at their next
     collective; that error is re-raised here (naming the island)."""
     ws = worlds(islands, device, timeout_s)
-    turns, hubs = ws[0]._sim  # noqa: SLF001
+    turns, hubs = ws[0]._sim
     results: list = [None] * islands
     errors: list = [None] * islands
 

@@ -54,9 +54,11 @@ def local_pid(ident: str | bytes | None) -> int | None:
     """The pid of the process `ident` names if it runs on this machine (same boot id and start time), else None."""
     if isinstance(ident, bytes):
         ident = ident.decode(errors="replace")
+    if ident is None:
+        return None
     try:
-        boot, pid, start = ident.split(":")
-        pid, start = int(pid), int(start)
+        boot, pid_text, start_text = ident.split(":")
+        pid, start = int(pid_text), int(start_text)
     except (AttributeError, ValueError):
         return None
     return pid if boot == _boot_id() and _start_ticks(pid) == start else None

@@ -38,7 +38,8 @@ from islands.sync.attach import Attached
 
 @runtime_checkable
 class Strategy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only here: a Stack derives its name from its parts
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> torch.nn.Module: ...
 

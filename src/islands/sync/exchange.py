@@ -57,7 +57,7 @@ def robust_bucket_hook(state: RobustBucketState, bucket) -> torch.futures.Future
     aggregator, attack = state.lane(bucket.index(), buf.numel())
     sent = attack.corrupt(buf, state.rank, state.comm) if attack is not None else buf
     buf.copy_(robust_all_reduce(sent, state.comm, aggregator, kind="grad_all_gather"))
-    fut = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut
 

@@ -13,11 +13,14 @@ units of gathered parameters held in memory. Bytes are unchanged: the same gathe
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 
-def fsdp_handle(group: list[nn.Module]) -> nn.Module:
+def fsdp_handle(group: list[nn.Module]) -> FSDPModule:
     """The FSDPModule that carries a unit's state (a grouped unit shares one state across its modules)."""
-    return group[0]
+    unit = group[0]
+    assert isinstance(unit, FSDPModule)  # fully_shard made every module of the group one
+    return unit
 
 
 def set_prefetch(root: nn.Module, groups: list[list[nn.Module]], n: int) -> None:
@@ -28,6 +31,7 @@ def set_prefetch(root: nn.Module, groups: list[list[nn.Module]], n: int) -> None
     units = [fsdp_handle(g) for g in groups]
     if not units:
         return
+    assert isinstance(root, FSDPModule)  # fully_shard(root) came first (sharded.FSDP.wrap)
     root.set_modules_to_forward_prefetch(units[:n])
     root.set_modules_to_backward_prefetch(units[::-1][:n])
     for i, u in enumerate(units):

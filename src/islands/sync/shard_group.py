@@ -18,7 +18,7 @@ import os
 from islands.sync.shard_plan import Unit, state_bytes_per_rank
 
 
-def parse_shard_group(spec: str) -> str | int:
+def parse_shard_group(spec: str | int) -> str | int:
     """"" | "auto" | a positive integer (as text). Returns "", "auto" or the int."""
     text = str(spec).strip()
     if text in ("", "auto"):

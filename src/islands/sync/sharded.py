@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -35,8 +36,17 @@ from islands.runtime.comm import Comm
 from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.prefetch import set_prefetch
 from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
-from islands.sync.shard_plan import Unit, plan_units, rows_of, state_bytes_per_rank, unit_traffic
+from islands.sync.shard_plan import (
+    Unit,
+    plan_units,
+    rows_of,
+    state_bytes_per_rank,  # noqa: F401 - imported from here by tests/test_sharded_hybrid.py
+    unit_traffic,
+)
 from islands.sync.wrap_policy import BlockWrap, WrapPolicy
+
+if TYPE_CHECKING:
+    from islands.runtime.contracts import Collectives
 
 DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -100,7 +110,7 @@ class FSDP(NoOp):
         self.prefetch, self.shard_group = prefetch, parse_shard_group(shard_group)
         self.memory_budget_bytes = int(memory_budget_bytes)
         self.group_size = 0  # ranks per sharding group, resolved in wrap
-        self.shard_comm = None  # counted Comm over this rank's sharding group (evaluation gathers)
+        self.shard_comm: Collectives | None = None  # counted Comm over this rank's sharding group (evaluation gathers)
         self.units: list[Unit] = []
         self.traffic: list[tuple[str, int, int]] = []
         self.full: nn.Module | None = None
@@ -178,6 +188,7 @@ class FSDP(NoOp):
 
     def _scatter_full(self, model) -> None:
         """After a state dict was loaded into the full copy: write each rank's slice into the shards."""
+        assert self.shard_comm is not None and self.full is not None  # wrap made both before registering this hook
         n, rank = self.shard_comm.size, self.shard_comm.rank
         full = dict(self.full.named_parameters())
         with torch.no_grad():

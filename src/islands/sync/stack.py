@@ -26,7 +26,7 @@ class Stack(NoOp):
             if part is not None and not isinstance(part, Strategy):
                 raise TypeError(f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
                                 f"got {type(part).__name__}")
-        apart = capability(self.inner, KeepsIslandsApart)
+        apart = capability(self.inner, KeepsIslandsApart)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         if outer is not None and apart is not None:  # fsdp: shard inside each island, the outer part joins them
             apart.keep_islands_apart()
 
@@ -34,6 +34,10 @@ class Stack(NoOp):
     def name(self) -> str:
         """Read when asked: an inner strategy names itself in wrap (DDP under a 1-bit optimizer: synced-by-...)."""
         return self.inner.name if self.outer is None else f"{self.inner.name}+{self.outer.name}"
+
+    @name.setter
+    def name(self, value: str) -> None:  # NoOp's name is writeable; a Stack's is not (as before: AttributeError)
+        raise AttributeError(f"a Stack's name comes from its parts; cannot set it to {value!r}")
 
     def _parts(self):
         return [s for s in (self.inner, self.outer) if s is not None]
@@ -79,7 +83,8 @@ class Stack(NoOp):
             s.finish(model)
 
     def next_step(self, done: int) -> int:
-        skip = capability(self.outer, SkipsSteps)  # the outer strategy's rounds decide (DiLoCo adapt=...)
+        # the outer strategy's rounds decide (DiLoCo adapt=...); the ignore: mypy#4717 (a Protocol as type[C])
+        skip = capability(self.outer, SkipsSteps)  # type: ignore[type-abstract]
         return skip.next_step(done) if skip is not None else done
 
     def eval_model(self, model):

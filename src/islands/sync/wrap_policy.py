@@ -49,7 +49,8 @@ def example_input(model: nn.Module, batch: int = 1) -> torch.Tensor:
     """A zero input of the right shape for our reference models (byte transformer or MLP)."""
     device = next(model.parameters()).device
     if hasattr(model, "context"):
-        return torch.zeros(batch, int(model.context), dtype=torch.long, device=device)
+        # the ignore: nn.Module.__getattr__ is typed Tensor | Module; `context` is a plain int attribute
+        return torch.zeros(batch, int(model.context), dtype=torch.long, device=device)  # type: ignore[arg-type]
     first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
     if first is None:
         raise TypeError(f"graph wrapping needs an example input for {type(model).__name__}; "

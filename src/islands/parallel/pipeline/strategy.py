@@ -13,7 +13,7 @@ through islands.parallel.pipeline.trainer.PipelineTrainer.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -47,7 +47,8 @@ def example_batch(model: nn.Module, b: int, sequence: int | None = None) -> tupl
     """Zero inputs and targets of the model's shapes (for planning; values do not matter). `sequence`: the task's
     window length, for a transformers LM (which has no context attribute; 32 when not given)."""
     if hasattr(model, "context") or is_causal_lm(model):
-        t = int(model.context) if hasattr(model, "context") else int(sequence or 32)
+        # the ignore: nn.Module.__getattr__ is typed Tensor | Module; `context` is a plain int attribute
+        t = int(model.context) if hasattr(model, "context") else int(sequence or 32)  # type: ignore[arg-type]
         x = torch.zeros(b, t, dtype=torch.long)
         return x, x.clone()
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
@@ -64,7 +65,7 @@ class PipelineStages(NoOp):
             raise ValueError(f"pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         self.count, self.cuts, self.schedule = stages, parse_cuts(cuts), schedule
         self.requested = parse_microbatches(microbatches)
-        if self.requested != "auto" and batch % self.requested:
+        if isinstance(self.requested, int) and batch % self.requested:  # an int, or "auto"
             raise ValueError(f"microbatches={self.requested} does not divide the pipeline's batch of {batch}; "
                              f"choose one of {divisors(batch)} or 'auto'")
         self.batch, self.loss_fn, self.budget, self.grad_clip = batch, loss_fn, budget_bytes, grad_clip
@@ -101,10 +102,10 @@ class PipelineStages(NoOp):
         """Rank 0 picks cuts and M; everyone receives them (a measured choice differs between ranks)."""
         plan = torch.zeros(self.count + 1, dtype=torch.long)
         if self.index == 0:
-            b = self.batch // (self.requested if self.requested != "auto" else 1)
+            b = self.batch // (self.requested if isinstance(self.requested, int) else 1)
             x, y = example_batch(model, b, self.sequence)
             self.starts = choose_cuts(self.cuts, self.pieces, self.count, x, self.loss_fn, y)
-            self.microbatches = self.requested if self.requested != "auto" else self._auto(model)
+            self.microbatches = self.requested if isinstance(self.requested, int) else self._auto(model)
             plan[:self.count] = torch.tensor(self.starts)
             plan[self.count] = self.microbatches
         if self.comm is not None:

@@ -39,7 +39,7 @@ from their average) is measured by the experiments outside training traffic (con
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -258,6 +258,7 @@ class Gossip(OuterStrategy):
 
     def _mix_compressed(self, x: torch.Tensor, send_to: list[int], recv_from: list[int]) -> torch.Tensor:
         me, est = self.comm.rank, self.estimates
+        assert est is not None  # _mix comes here only with estimates
         got = self.comm.exchange(est.outgoing(me, x, send_to), recv_from, like=est.like(), kind=KIND)
         est.incoming(me, got)
         if self.aggregator is None:
