@@ -20,6 +20,7 @@ Rank r writes RUN_DIR/logs/rank<r>.log; rank 0's stdout stays on the launcher's 
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import signal
@@ -183,9 +184,7 @@ STORE_TIMEOUT_S = 300.0  # the launcher's store's own operations (it makes none;
 def rendezvous_store(port: int = 0):
     """A TCPStore server for the ranks' env:// rendezvous, in this process, on `port` (0: the kernel picks one,
     so no other process can take it between the choice and the use). LaunchError when `port` is busy."""
-    import datetime
-
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # torch only where a launcher hosts the store (the module stays light)
 
     try:
         return TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,

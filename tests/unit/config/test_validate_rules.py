@@ -76,3 +76,15 @@ def test_what_elastic_checkpoints_cannot_do_is_the_drivers_rule(settings, needle
         CheckpointDriver(settings, elastic_world, run_dir="unused")
     assert str(built.value) == str(raised.value)
     assert problems(config) == [f"checkpoint: {raised.value}"]
+
+
+def test_an_elastic_warm_start_asks_the_strategy_it_wraps():
+    """validate asks the built outer strategy for its elastic rule; WarmStart answers with its DiLoCo's (it had no
+    elastic_refusal, so validating any elastic job with warm_start raised AttributeError)."""
+    ok = from_mapping(dict(task="digits", workers=2, islands=2, outer="diloco:inner_steps=5,warm_start=3",
+                           elastic=True, global_batch=16))
+    assert validate(ok).elastic.enabled
+    bad = from_mapping(dict(task="digits", workers=2, islands=2, elastic=True, global_batch=16,
+                            outer="diloco:inner_steps=5,warm_start=3,overlap=delayed"))
+    with pytest.raises(ConfigError, match="overlap=delayed is not supported in an elastic job"):
+        validate(bad)

@@ -50,6 +50,10 @@ class WarmStart(NoOp):
         """The warm-up averages whole gradients across islands; under inner fsdp they are shards: not wired."""
         return f"warm_start={self.steps} is not wired for sharded parameters yet; with inner fsdp use {SHARDED_OUTER}"
 
+    def elastic_refusal(self) -> str | None:
+        """The wrapped strategy's own rule: the warm-up's gradient averages go through its (elastic) comm."""
+        return self.outer.elastic_refusal()
+
     def wrap(self, model, optimizer, world):
         if is_sharded(unwrap(model)):
             raise ValueError(f"inner fsdp shards the parameters: {self.sharded_refusal()}")
