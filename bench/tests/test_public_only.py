@@ -4,7 +4,7 @@ Allowed: `import islands`; `from islands import NAME`; `from islands.SUB import 
 islands.SUB's `__all__` (islands.memory, islands.outer, ...), and the same from a subpackage's `__init__`
 at any depth (islands.parallel.pipeline); anything from `islands.config` and `islands.app.*` (the job API:
 config -> validate -> launch). A module below the top level (`islands.sync.sharded`,
-`islands.runtime.launch`, ...) is internal and may change without notice.
+`islands.runtime.launch.ranks`, ...) is internal and may change without notice.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_the_bench_imports_islands_public_names_only():
 
 def test_the_walk_catches_deep_and_unexported_imports():
     bad = ("from islands.sync.sharded import plan_units\n"
-           "import islands.runtime.launch\n"
+           "import islands.runtime.launch.ranks\n"
            "from islands.memory import not_a_public_name\n"
            "from islands.parallel.pipeline.cuts import param_bytes\n"
            "from islands.no_such_module import x\n")

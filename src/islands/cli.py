@@ -24,7 +24,7 @@ from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, default_text, descriptions, from_mapping, keys, load_toml
 from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
 from islands.report import add_report_command
-from islands.runtime.launch import LaunchError
+from islands.runtime.launch.ranks import LaunchError
 from islands.tasks.user import TaskError
 
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from islands.app.elastic_worker import exit_now, run_elastic_worker
 from islands.checkpoint.cli import add_ckpt_command
 from islands.runtime.elastic import Excluded, JobEnded
-from islands.runtime.elastic_launch import script_command
-from islands.runtime.membership import (ELASTIC_ENV, JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV,
+from islands.runtime.launch.elastic import script_command
+from islands.runtime.elastic.membership import (ELASTIC_ENV, JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV,
                                         JobSpec, Refused, connect, observe, parse_address)
-from islands.runtime.stop import request_stop
+from islands.runtime.launch.stop import request_stop
 from islands.testbed import cli as tcli
 
 
@@ -112,7 +112,7 @@ def _token(args) -> str:
 
 
 def _stop(args) -> int:
-    """islands stop HOST:PORT --at-step N: every worker of the running elastic job ends at step N (islands.runtime.stop)."""
+    """islands stop HOST:PORT --at-step N: every worker of the running elastic job ends at step N (islands.runtime.launch.stop)."""
     try:
         host, port = parse_address(args.address)
     except ValueError as e:

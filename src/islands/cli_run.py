@@ -4,7 +4,7 @@ The script joins with torch's env:// rendezvous (`torch.distributed.init_process
 `islands.init_world()`), so the same script also runs under torchrun. Everything after the script's
 path is the script's own, passed through untouched (flags included).
 
-`--elastic`: the workers form an elastic job instead (islands.runtime.elastic_launch): the script joins
+`--elastic`: the workers form an elastic job instead (islands.runtime.launch.elastic): the script joins
 with `islands.init_world()`, any worker may die while the others carry on, and `islands join` adds
 workers that enter at the outer strategy's round boundaries (docs/membership.md).
 """
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from islands.cli_more import UsageError
-from islands.runtime.elastic_launch import launch_elastic_script
-from islands.runtime.etcd_store import EtcdAddress
-from islands.runtime.launch import LaunchError, Placement, check_counts, load_testbed, run_ranks
+from islands.runtime.launch.elastic import launch_elastic_script
+from islands.runtime.elastic.etcd_store import EtcdAddress
+from islands.runtime.launch.ranks import LaunchError, Placement, check_counts, load_testbed, run_ranks
 
 
 def cmd_run(args: argparse.Namespace) -> int:

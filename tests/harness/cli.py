@@ -25,7 +25,7 @@ EXACT = ("model", "optimizer", "strategy", "rng", "loader", "step")
 
 
 def islands_cli(*argv: str, timeout: float = 300) -> int:
-    """`islands ARGV` with this process as the CLI: the launcher (islands.runtime.launch) starts and supervises the
+    """`islands ARGV` with this process as the CLI: the launcher (islands.runtime.launch.ranks) starts and supervises the
     rank processes exactly as from a shell, without a fresh interpreter importing torch just to launch them.
     Returns the exit code. A job still running after `timeout` s gets SIGTERM, which the launcher turns into
     stopping every rank and exit code 143 (its handler is in place only on the main thread, hence the check)."""

@@ -20,7 +20,7 @@ from typing import Callable
 
 from torch.distributed import DistNetworkError
 
-from islands.runtime.membership import connect, parse_address
+from islands.runtime.elastic.membership import connect, parse_address
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -30,7 +30,7 @@ across the event minus its median gap; max over leaders); the finishing members'
 (global-model SHA-256); the final validation loss against a fault-free run of the same steps, in this invocation.
 A short probe run first measures the training speed, so that the job outlasts the campaign; once the campaign is
 over (and every island trains again, or SETTLE_S passed) the experiment asks the job to end STOP_AHEAD_S seconds
-of training past its furthest island (`islands stop`, islands.runtime.stop), and the fault-free run is asked to end at
+of training past its furthest island (`islands stop`, islands.runtime.launch.stop), and the fault-free run is asked to end at
 the same step from its start: both follow the same learning-rate schedule to the same step, and the chaos job no
 longer trains on after its last event (session 19: the campaign took 18 of the job's 51 minutes).
 """
@@ -63,7 +63,7 @@ RATE, HOSTS = "100mbit", ISLANDS  # the testbed: one island per host
 SETTLE_S = 90.0  # after the campaign, the longest wait for a restarting island to train again before the stop request
 STOP_AHEAD_S = 30.0  # the stop step lies this many seconds of training (at the probe's rate) past the furthest
 #                     logged step: `islands stop` takes seconds to start in the hub, live streams lag, and every
-#                     worker must read the request (islands.runtime.stop.POLL_S) before it gets there (the quick tier
+#                     worker must read the request (islands.runtime.launch.stop.POLL_S) before it gets there (the quick tier
 #                     of session 20 asked 200 steps ahead and every worker had passed the step by then)
 SMOKE = dict(events=3, gap=(1.0, 2.0))  # runs end to end: a few events, short gaps
 QUICK = dict(events=12, gap=(3.0, 6.0))
@@ -404,7 +404,7 @@ def _furthest_step(run_dir: Path) -> int:
 
 def _request_stop(run_dir: Path, env: dict, step: int, bed) -> int | None:
     """Ask the running job to end at `step`: `islands stop` inside the testbed's hub (where the store is reached),
-    with the job's token from the environment (islands.runtime.stop). Returns the step, None if it failed."""
+    with the job's token from the environment (islands.runtime.launch.stop). Returns the step, None if it failed."""
     address = json.loads((run_dir / "job_host.json").read_text())["address"]
     done = subprocess.run(bed.wrap_hub([sys.executable, "-m", "islands", "stop", address, "--at-step", str(step)]),
                           env=env, capture_output=True, text=True, timeout=120)

@@ -21,7 +21,7 @@ from islands_bench.experiments.churn_torchft import (TorchftSettings, event_stal
 from islands_bench.harness import BenchContext, experiment
 
 
-# The elastic job's coordinator keeps its keys under this prefix (islands.runtime.membership's protocol,
+# The elastic job's coordinator keeps its keys under this prefix (islands.runtime.elastic.membership's protocol,
 # docs/membership.md); the experiment watches them to time its kills and its join.
 STORE_PREFIX = "islands"
 # The outer step of our elastic run: torchft's side runs Nesterov SGD lr 0.7, momentum 0.9 (LIT-212), so ours is

@@ -31,7 +31,7 @@ import urllib.request
 from islands_bench.harness import BenchContext, experiment
 
 TIMINGS = [(1500, 100), (1000, 100), (500, 50)]
-PATIENT_S = 3.0  # the old client's wait per member (islands.runtime.etcd_store's request timeout)
+PATIENT_S = 3.0  # the old client's wait per member (islands.runtime.elastic.etcd_store's request timeout)
 QUICK = dict(busy=3, calm_s=10.0, kills=2)
 FULL = dict(busy=6, calm_s=30.0, kills=6)
 

@@ -1,7 +1,7 @@
 """recovery (issue #20 item 5): how fast a joiner receives the global state over a shaped link.
 
 A joiner in testbed host 0 fetches a state of S MB (fp32 tensors drawn N(0, 0.02), a model plus an
-outer-momentum buffer; 100 MB full, 20 MB quick) with islands.runtime.recovery from 1, 2 and 3 serving
+outer-momentum buffer; 100 MB full, 20 MB quick) with islands.runtime.elastic.recovery from 1, 2 and 3 serving
 peers in hosts 1..3, each a separate process serving its own copy of the same state. Measured at the
 joiner: seconds from the first connection to the tree rebuilt (manifest, every chunk checked, tensors
 ready), as payload Mbit/s against the configured link rate (goal: >= 80%).

@@ -1,7 +1,7 @@
 """startup: how long a job takes to start its workers, forked from the fork server or as fresh interpreters.
 
 islands forks the ranks of its own modules from one process that imported torch and islands once
-(islands.runtime.spawn); ISLANDS_SPAWN=exec starts each as a fresh interpreter, as torchrun and
+(islands.runtime.launch.spawn); ISLANDS_SPAWN=exec starts each as a fresh interpreter, as torchrun and
 subprocess-based launchers do. Both arms run the same short job through the CLI (`python -m islands train`,
 a fresh launcher each time, so the fork server's own start is counted), interleaved, in one invocation:
 a DDP job of N workers and an elastic DiLoCo job of N one-worker islands (job host, admission, epoch 0).

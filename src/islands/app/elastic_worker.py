@@ -23,8 +23,8 @@ from typing import NoReturn
 from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import Excluded, JobEnded, Membership, global_digest
-from islands.runtime.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
-from islands.runtime.membership import (
+from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
+from islands.runtime.elastic.membership import (
     JOB_ENDED_EXIT_CODE,
     NAME_ENV,
     REFUSED_EXIT_CODE,
@@ -35,7 +35,7 @@ from islands.runtime.membership import (
     parse_address,
 )
 from islands.runtime.payload_auth import PayloadAuthError
-from islands.runtime.stop import StopAt
+from islands.runtime.launch.stop import StopAt
 from islands.runtime.world import close_world, join_elastic
 
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]

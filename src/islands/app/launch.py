@@ -1,6 +1,6 @@
 """Launch a configured job: the config becomes a config.json, the ranks run islands' worker on it.
 
-The supervision, ports and testbed placement are islands.runtime.launch's (`islands run` uses the same
+The supervision, ports and testbed placement are islands.runtime.launch.ranks's (`islands run` uses the same
 launcher for any script); this module adds what only a configured job has: its config file, the wire
 bytes a testbed's shaped links carried (into run.json), and the elastic launcher's shared config.
 """
@@ -17,11 +17,12 @@ import torch
 
 from islands.app.build import run_job
 from islands.config import JobConfig, dump_json
-from islands.runtime import simulate, spawn
-from islands.runtime.elastic_launch import launch_elastic_workers
-from islands.runtime.etcd_store import EtcdAddress
-from islands.runtime.launch import Placement, load_testbed, run_ranks
-from islands.runtime.membership import JobSpec
+from islands.runtime import simulate
+from islands.runtime.launch import spawn
+from islands.runtime.launch.elastic import launch_elastic_workers
+from islands.runtime.elastic.etcd_store import EtcdAddress
+from islands.runtime.launch.ranks import Placement, load_testbed, run_ranks
+from islands.runtime.elastic.membership import JobSpec
 from islands.tasks import heavy_imports
 from islands.testbed import Testbed, wire_bytes
 
@@ -31,7 +32,7 @@ ELASTIC_WORKER_MODULE = "islands.app.elastic_worker"  # `python -m ELASTIC_WORKE
 
 def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     """Run the job; returns the exit code the CLI should use (0 on success). Raises
-    islands.runtime.launch.LaunchError (a busy port, a testbed that does not exist) before any worker starts."""
+    islands.runtime.launch.ranks.LaunchError (a busy port, a testbed that does not exist) before any worker starts."""
     if cfg.elastic.enabled:  # workers may die and join (docs/membership.md)
         return launch_elastic(cfg, run_dir, out)
     if cfg.world.simulate:  # the islands as threads of this process (docs/simulate.md)
@@ -100,7 +101,7 @@ def shared_config(cfg: JobConfig, run_dir: Path) -> dict:
 
 
 def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=None) -> int:
-    """Run an elastic job (islands.runtime.elastic_launch); `on_started(address, workers, coordinator)` lets
+    """Run an elastic job (islands.runtime.launch.elastic); `on_started(address, workers, coordinator)` lets
     experiments inject faults."""
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")

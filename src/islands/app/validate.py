@@ -37,8 +37,8 @@ from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm, tied_embeddings
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
-from islands.runtime.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
-from islands.runtime.launch import LaunchError, load_testbed
+from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
+from islands.runtime.launch.ranks import LaunchError, load_testbed
 from islands.runtime.world import World
 from islands.spec import Spec, format as format_spec
 from islands.sync.outer import make_outer, parse_outer

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from islands.runtime.membership import Liveness
+    from islands.runtime.elastic.membership import Liveness
 
 
 class MembershipChanged(RuntimeError):

@@ -3,7 +3,7 @@ carries an HMAC-SHA256 under a key only the job's members hold, so a tensor alte
 the network path is refused instead of averaged into the model.
 
 gloo and NCCL move tensors over their own connections with no integrity check; the control plane
-(islands.runtime.auth) authenticates the store, not these bytes. `AuthenticatedComm` wraps the Comm an outer
+(islands.runtime.elastic.auth) authenticates the store, not these bytes. `AuthenticatedComm` wraps the Comm an outer
 strategy exchanges over ("cross") and changes how each collective runs:
 
     every contribution is packed as  bytes of the tensor + 32-byte tag,
@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from islands.runtime.auth import derive_key
+from islands.runtime.elastic.auth import derive_key
 from islands.runtime.comm import Comm
 
 TAG = 32  # bytes of an HMAC-SHA256

@@ -1,6 +1,6 @@
 """What a silent worker was doing when the launcher gave up on it: its process state and its threads' stacks.
 
-A worker whose heartbeat stops for the heartbeat timeout is killed (islands.runtime.elastic_launch._Reaper). When
+A worker whose heartbeat stops for the heartbeat timeout is killed (islands.runtime.launch.elastic._Reaper). When
 the worker was in fact alive (a false death: issue #20's start-up deaths, a loaded CI machine) the only evidence
 used to be "no heartbeat for 5.1 s". Now the launcher first reads the process's state from /proc (R running, S
 sleeping, D waiting on the disk, T stopped) and, when the process catches DUMP_SIGNAL, sends it: faulthandler

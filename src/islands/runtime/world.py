@@ -9,7 +9,7 @@ An elastic job (`islands run --elastic`, `islands train --elastic`; docs/members
 process group across islands: its cross-island Comm is an ElasticComm whose members change when islands
 die or join (`world.membership`: the Membership of islands.runtime.elastic that forms the epochs and admits
 joiners), and `rank`, `size` and `islands` follow the members. Islands of one worker are members themselves;
-in islands of k workers (`islands train --elastic`, islands.runtime.island_comm) the leader is the member, the
+in islands of k workers (`islands train --elastic`, islands.runtime.elastic.island_comm) the leader is the member, the
 island's workers share a local gloo group (their default process group), and every worker's cross-island Comm
 is an IslandComm that relays the leader's results.
 """
@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime import stacks
-from islands.runtime.auth import ControlAuth
+from islands.runtime.elastic.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.contracts import Collectives, ElasticMembership
 from islands.runtime.elastic import Excluded, JobEnded, Membership, elastic_member
-from islands.runtime.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, IslandFollower, IslandLeader, IslandPlace,
+from islands.runtime.elastic.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, IslandFollower, IslandLeader, IslandPlace,
                                         local_timeout)
-from islands.runtime.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
+from islands.runtime.elastic.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
                                         connect, join_job, parse_address)
 from islands.runtime.payload_auth import PayloadAuthError
 

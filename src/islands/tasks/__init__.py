@@ -9,7 +9,7 @@ __all__ = ["HFTask", "Sharded", "TaskError", "build_user_task", "digits_task", "
            "is_user_task", "lm_task", "load_factory"]
 
 # What a built-in task's workers import when they build it, each a second or more of interpreter time: a
-# launcher's fork server imports them once (islands.runtime.spawn.preload)
+# launcher's fork server imports them once (islands.runtime.launch.spawn.preload)
 _HEAVY = {"digits": ("sklearn.datasets",), "hf-causal-lm": ("transformers",)}
 
 

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from islands.runtime.etcd_store import (
+from islands.runtime.elastic.etcd_store import (
     CA_ENV,
     CERT_ENV,
     FIRST_TRY_S,
@@ -110,7 +110,7 @@ class EtcdCluster:
         return ("etcds://" if self.tls else "etcd://") + ",".join(self.endpoints)
 
     def env(self) -> dict[str, str]:
-        """The variables a client of this cluster needs (islands.runtime.etcd_store: EtcdTLS.from_env,
+        """The variables a client of this cluster needs (islands.runtime.elastic.etcd_store: EtcdTLS.from_env,
         EtcdLogin.from_env)."""
         out = {}
         if self.tls:

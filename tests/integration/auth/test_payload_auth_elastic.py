@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from islands.runtime import membership
+from islands.runtime.elastic import membership
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import elastic_member
-from islands.runtime.membership import Coordinator, JobSpec, host_store, join_job
+from islands.runtime.elastic.membership import Coordinator, JobSpec, host_store, join_job
 from islands.runtime.payload_auth import PayloadAuthError
 
 TOKEN = "the-elastic-job-secret"

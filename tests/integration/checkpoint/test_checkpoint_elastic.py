@@ -148,7 +148,7 @@ def test_barrier_abandons_a_save_only_before_the_commit():
 
 @pytest.fixture
 def job_store():
-    from islands.runtime.membership import host_store
+    from islands.runtime.elastic.membership import host_store
 
     raw, store = host_store(0)
     yield raw.port, store
@@ -156,7 +156,7 @@ def job_store():
 
 
 def _persist_barrier(port: int, epoch_now=lambda: 0, timeout_s: float = 20.0, heartbeat_s: float = 1.0):
-    from islands.runtime.membership import Liveness, connect
+    from islands.runtime.elastic.membership import Liveness, connect
 
     return PersistBarrier(lambda: connect("127.0.0.1", port), lambda c: Liveness(c, heartbeat_s),
                           epoch_now, timeout_s)
@@ -176,7 +176,7 @@ def _members_in_threads(beats, member, args: list[tuple]) -> None:
 
 
 def _beat(port: int, *names: str):
-    from islands.runtime.membership import Heartbeat
+    from islands.runtime.elastic.membership import Heartbeat
 
     return [Heartbeat("127.0.0.1", port, n) for n in names]
 
@@ -281,7 +281,7 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
     import signal
     import threading
 
-    from islands.runtime.membership import connect
+    from islands.runtime.elastic.membership import connect
 
     run = tmp_path / "run"
     cfg = validate(from_mapping(dict(task="digits", workers=3, islands=3, outer="local-sgd:every=3", elastic=True,

@@ -19,7 +19,7 @@ import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.membership import connect
+from islands.runtime.elastic.membership import connect
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

@@ -25,8 +25,8 @@ from islands.app.launch import launch_elastic
 from islands.checkpoint import CheckpointStore
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.island_comm import IslandComm, IslandPlace, worker_name
-from islands.runtime.membership import connect
+from islands.runtime.elastic.island_comm import IslandComm, IslandPlace, worker_name
+from islands.runtime.elastic.membership import connect
 from harness.elastic import assert_nothing_half_written, gated_digits
 from harness.world import spawn_ranks
 from test_checkpoint_resume import same
@@ -374,7 +374,7 @@ def test_the_elastic_rule_takes_fsdp_with_checkpoints_and_names_why_it_refuses_p
 
 def test_islands_join_is_refused_in_a_job_of_k_worker_islands_before_admission(tmp_path, monkeypatch, capsys):
     from islands.app.elastic_worker import main
-    from islands.runtime.membership import REFUSED_EXIT_CODE, Coordinator, JobSpec, host_store
+    from islands.runtime.elastic.membership import REFUSED_EXIT_CODE, Coordinator, JobSpec, host_store
 
     cfg = _cfg(tmp_path)  # 4 workers in 2 islands
     server, store = host_store(0)

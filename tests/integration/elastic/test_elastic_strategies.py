@@ -19,7 +19,7 @@ import threading
 import pytest
 
 import harness.elastic as elastic_jobs
-from islands.runtime.elastic_launch import launch_elastic_script
+from islands.runtime.launch.elastic import launch_elastic_script
 
 TIMEOUT = 400  # seconds per wait: process start-up on a loaded 2-core machine takes minutes
 STEPS = 24

@@ -16,8 +16,8 @@ import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.elastic_launch import launch_elastic_script
-from islands.runtime.membership import connect
+from islands.runtime.launch.elastic import launch_elastic_script
+from islands.runtime.elastic.membership import connect
 
 HEARTBEAT = 2.0  # seconds: the heartbeat timeout of these jobs
 

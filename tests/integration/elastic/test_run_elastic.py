@@ -15,7 +15,7 @@ from pathlib import Path
 
 import harness.elastic as elastic_jobs
 from islands.checkpoint import CheckpointStore
-from islands.runtime.membership import REFUSED_EXIT_CODE
+from islands.runtime.elastic.membership import REFUSED_EXIT_CODE
 
 TIMEOUT = 240
 
@@ -201,7 +201,7 @@ def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_a
     from islands import Checkpointer, close_world
     from islands.outer import DiLoCo, OuterSGD
     from islands.runtime.elastic import global_digest
-    from islands.runtime.membership import Coordinator, JobSpec, host_store
+    from islands.runtime.elastic.membership import Coordinator, JobSpec, host_store
     from islands.runtime.world import join_elastic
 
     server, store = host_store(0)

@@ -1,4 +1,4 @@
-"""Ending a running elastic job at a requested step (islands.runtime.stop, `islands stop`): every worker, leader
+"""Ending a running elastic job at a requested step (islands.runtime.launch.stop, `islands stop`): every worker, leader
 and follower, ends at that step with the final synchronisation, and they agree bitwise."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.stop import POLL_S, STOP_KEY, StopAt, request_stop, requested_stop
+from islands.runtime.launch.stop import POLL_S, STOP_KEY, StopAt, request_stop, requested_stop
 from harness.dict_store import DictStore
 
 
@@ -78,7 +78,7 @@ def test_a_garbled_value_is_no_request():
 
 @pytest.mark.slow  # an elastic job of 2 islands x 2 workers, ended early: ~30 s on an idle 2-core machine
 def test_islands_stop_ends_every_worker_of_a_running_job_at_the_step_and_they_agree(tmp_path):
-    from islands.runtime.membership import REFUSED_EXIT_CODE
+    from islands.runtime.elastic.membership import REFUSED_EXIT_CODE
 
     run = tmp_path / "run"
     task, hold = elastic_jobs.gated_digits(tmp_path)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from islands.runtime.etcd_store import (ENDED_KEY, PASSWORD_FILE_ENV, USER_ENV, EtcdAddress, EtcdClient, EtcdError,
+from islands.runtime.elastic.etcd_store import (ENDED_KEY, PASSWORD_FILE_ENV, USER_ENV, EtcdAddress, EtcdClient, EtcdError,
                                         EtcdLogin, EtcdStore)
 from islands.testbed import etcd as etcd_cluster
 

@@ -1,4 +1,4 @@
-"""islands.runtime.etcd_store against a real 3-member etcd cluster on loopback (islands.testbed.etcd): the
+"""islands.runtime.elastic.etcd_store against a real 3-member etcd cluster on loopback (islands.testbed.etcd): the
 Store API with torch's TCPStore semantics, fail-over when a member is SIGKILLed, a deposed leader's fenced
 writes refused, and gloo's rendezvous over it (2 ranks all-reduce over a PrefixStore of an EtcdStore)."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import islands.testbed.etcd as etcd_cluster
-from islands.runtime.etcd_store import (ENDED_KEY, EtcdAddress, EtcdClient, EtcdStore, NotLeader, cmp_absent,
+from islands.runtime.elastic.etcd_store import (ENDED_KEY, EtcdAddress, EtcdClient, EtcdStore, NotLeader, cmp_absent,
                                         leader_key, op_put)
 from harness.world import spawn_ranks
 
@@ -201,7 +201,7 @@ class _Member:
 
 
 def test_a_member_that_holds_a_request_costs_the_first_try_not_the_whole_request_timeout():
-    from islands.runtime import etcd_store
+    from islands.runtime.elastic import etcd_store
 
     silent, healthy = _Member(None), _Member(0.0)
     client = EtcdClient([("127.0.0.1", silent.port), ("127.0.0.1", healthy.port)], timeout_s=20.0)
@@ -214,7 +214,7 @@ def test_a_member_that_holds_a_request_costs_the_first_try_not_the_whole_request
 
 
 def test_members_all_slower_than_the_first_try_are_waited_for_longer_on_the_next_pass():
-    from islands.runtime import etcd_store
+    from islands.runtime.elastic import etcd_store
 
     slow = [_Member(etcd_store.FIRST_TRY_S * 1.4) for _ in range(2)]  # answers within the second pass's wait
     client = EtcdClient([("127.0.0.1", m.port) for m in slow], timeout_s=20.0)

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from islands.runtime.etcd_store import (CA_ENV, CERT_ENV, ENDED_KEY, KEY_ENV, EtcdAddress, EtcdClient, EtcdError,
+from islands.runtime.elastic.etcd_store import (CA_ENV, CERT_ENV, ENDED_KEY, KEY_ENV, EtcdAddress, EtcdClient, EtcdError,
                                         EtcdStore, EtcdTLS)
 from islands.testbed import etcd as etcd_cluster
 

@@ -18,7 +18,7 @@ import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.membership import REFUSED_EXIT_CODE
+from islands.runtime.elastic.membership import REFUSED_EXIT_CODE
 
 
 def _cfg(tmp_path: Path, workers: int, steps: int, every: int, task: str = "digits"):

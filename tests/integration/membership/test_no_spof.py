@@ -1,6 +1,6 @@
 """No single point of failure (issue #20 item 2), step 1: a SIGKILLed launcher does not take the job with it.
 
-The store and the coordinator live in the job host (islands.runtime.job_host), a detached process; the
+The store and the coordinator live in the job host (islands.runtime.launch.job_host), a detached process; the
 workers run in sessions of their own. SIGKILL the launcher of `islands train --elastic` mid-run: the workers
 finish every step and agree bitwise, rank 0 of the last epoch writes run.json, the job host writes its
 record and ends by itself, and no process of the job is left. A worker SIGKILLed after the launcher died is
@@ -22,8 +22,8 @@ import pytest
 import harness.elastic as elastic_jobs
 import islands.testbed.etcd as etcd_cluster
 from harness.elastic import job_processes as _job_processes, logs as _logs
-from islands.runtime.etcd_store import ENDED_KEY, EtcdAddress, EtcdClient, leader_key
-from islands.runtime.membership import connect, parse_address
+from islands.runtime.elastic.etcd_store import ENDED_KEY, EtcdAddress, EtcdClient, leader_key
+from islands.runtime.elastic.membership import connect, parse_address
 
 HEARTBEAT = 5.0  # seconds: the job's heartbeat timeout (generous: the test machine is shared and loaded)
 
@@ -317,7 +317,7 @@ def test_a_coordinator_whose_poll_outlasts_the_lease_ttl_keeps_the_lease(etcd, m
     """The lease is kept alive on a thread of its own. When the keep-alive waited behind the poll, a poll longer
     than the TTL (a new leader re-reading ~90 tickets on a loaded machine, chaos run 8) let the lease lapse
     before each poll ended: the seat took and lost the lead over and over and answered no joiner."""
-    from islands.runtime import membership
+    from islands.runtime.elastic import membership
 
     polls: list[float] = []
 

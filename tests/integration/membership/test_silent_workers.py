@@ -1,6 +1,6 @@
 """Who reports a silent worker dead, on their own with a store in a dict: the elastic launcher's reaper
-(islands.runtime.elastic_launch._Reaper, sleeping processes for workers) and an island leader's FollowerWatch
-(islands.runtime.island_comm). Which names they flag, and when, decides how long the other islands wait (issue
+(islands.runtime.launch.elastic._Reaper, sleeping processes for workers) and an island leader's FollowerWatch
+(islands.runtime.elastic.island_comm). Which names they flag, and when, decides how long the other islands wait (issue
 #20's 2 s stall goal)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from islands.runtime.elastic_launch import IslandWorker, _Islands, _Reaper
-from islands.runtime.island_comm import FollowerWatch
+from islands.runtime.launch.elastic import IslandWorker, _Islands, _Reaper
+from islands.runtime.elastic.island_comm import FollowerWatch
 from harness.dict_store import DictStore
 
 TIMEOUT = 0.4  # seconds: the heartbeat timeout of these looks
@@ -168,8 +168,8 @@ class FlakyStore(DictStore):
 def test_a_heartbeat_beats_on_after_its_store_raised():
     """One transient store error must not end the heartbeat thread: the worker would be killed as silent while
     it trains on. The thread says so once on stderr, reconnects and beats on."""
-    from islands.runtime.membership import Heartbeat
-    from islands.runtime.auth import ControlAuth
+    from islands.runtime.elastic.membership import Heartbeat
+    from islands.runtime.elastic.auth import ControlAuth
 
     first, second = FlakyStore(fail=0), DictStore()
     clients = iter([first, second])
@@ -247,7 +247,7 @@ def _watch_silent_follower(monkeypatch, cpu_per_read: float, ident: str | None) 
     """A leader watches one follower that beats, then stops; the follower published `ident` (a sleeping child
     process on this machine by default) and /proc reads it as runnable, its CPU time growing `cpu_per_read` per
     read. Returns the watch, what it said, and the silence when it gave its verdict."""
-    from islands.runtime.starvation import PROC_KEY, identity
+    from islands.runtime.elastic.starvation import PROC_KEY, identity
 
     _runnable_using(monkeypatch, cpu_per_read)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -272,7 +272,7 @@ def _watch_silent_follower(monkeypatch, cpu_per_read: float, ident: str | None) 
 def test_a_leader_spares_a_follower_that_waits_for_a_cpu_up_to_the_starved_limit(monkeypatch):
     """The restarted islands' false deaths of session 20's chaos run: the reaper spared a starved follower while
     its leader's watch convicted it at the plain timeout. The watch now spares it too, for as long as the reaper."""
-    from islands.runtime.starvation import LIMIT
+    from islands.runtime.elastic.starvation import LIMIT
 
     _, said, silent_s = _watch_silent_follower(monkeypatch, cpu_per_read=0.0, ident=None)
     assert said.count("waits for a CPU") == 1, said
@@ -286,7 +286,7 @@ def test_a_leader_gives_a_follower_that_burns_its_cpu_the_plain_timeout(monkeypa
 
 def test_a_follower_on_another_machine_or_a_reused_pid_gets_the_plain_timeout(monkeypatch):
     """Its published identity names no process here: another boot id, or this pid with another start time."""
-    from islands.runtime.starvation import identity
+    from islands.runtime.elastic.starvation import identity
 
     boot, pid, start = identity().split(":")
     for ident in (f"{'0' * len(boot)}:{pid}:{start}", f"{boot}:{pid}:{int(start) + 1}", "not an identity"):
@@ -295,7 +295,7 @@ def test_a_follower_on_another_machine_or_a_reused_pid_gets_the_plain_timeout(mo
 
 
 def test_a_process_identity_names_one_live_process_on_this_machine():
-    from islands.runtime.starvation import identity, local_pid
+    from islands.runtime.elastic.starvation import identity, local_pid
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     ident = identity(child.pid)

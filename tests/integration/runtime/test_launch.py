@@ -13,7 +13,7 @@ import pytest
 
 from islands.app.launch import launch
 from islands.config import from_mapping
-from islands.runtime.launch import LaunchError
+from islands.runtime.launch.ranks import LaunchError
 
 ISLANDS = [sys.executable, "-m", "islands"]
 TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",

@@ -1,6 +1,6 @@
 """No process of a job can hang its launcher, and no launch races (issue #33 item 9).
 
-The fork server (islands.runtime.spawn) stopped with SIGSTOP or killed: the launcher still learns how each worker
+The fork server (islands.runtime.launch.spawn) stopped with SIGSTOP or killed: the launcher still learns how each worker
 ended, a start request to a stopped server does not hang, and an elastic job whose workers finished is reported
 finished, also after the server is thawed. The rendezvous port of `islands run` belongs to the launcher from the
 moment it is chosen: another process cannot take it before rank 0 uses it. (A frozen or killed worker is
@@ -24,11 +24,11 @@ import pytest
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime import spawn
-from islands.runtime.launch import Placement, port_is_free
+from islands.runtime.launch import spawn
+from islands.runtime.launch.ranks import Placement, port_is_free
 
 HEARTBEAT = 3.0  # seconds: the elastic jobs' heartbeat timeout
-SPAWN = [sys.executable, "-m", "islands.runtime.spawn"]
+SPAWN = [sys.executable, "-m", "islands.runtime.launch.spawn"]
 
 
 def _server() -> int | None:

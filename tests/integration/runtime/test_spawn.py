@@ -1,4 +1,4 @@
-"""Workers forked from the preloaded fork server (islands.runtime.spawn) look like fresh interpreters."""
+"""Workers forked from the preloaded fork server (islands.runtime.launch.spawn) look like fresh interpreters."""
 
 import json
 import os
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from islands.runtime import spawn
+from islands.runtime.launch import spawn
 from islands.tasks import heavy_imports
 
-ME = [sys.executable, "-m", "islands.runtime.spawn"]
+ME = [sys.executable, "-m", "islands.runtime.launch.spawn"]
 
 
 def start(tmp_path, argv, env=None, **kw):
@@ -90,7 +90,7 @@ def test_a_server_that_initialised_cuda_makes_each_copy_a_fresh_interpreter(monk
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root and iproute2")
 def test_a_worker_started_for_a_namespace_runs_inside_it_forked_or_not(tmp_path):
-    """An elastic island on a testbed host (islands.runtime.elastic_launch): a forked copy enters the namespace
+    """An elastic island on a testbed host (islands.runtime.launch.elastic): a forked copy enters the namespace
     itself, a fresh interpreter runs under `ip netns exec`; either way the worker's network is the host's."""
     ns = "isl-spawn" + str(os.getpid())
     subprocess.run(["ip", "netns", "add", ns], check=True)
@@ -115,7 +115,7 @@ def test_a_jobs_heavy_imports_are_preloaded_by_the_fork_server(tmp_path):
         "from islands.tasks import heavy_imports\n"
         "spawn.preload(['colorsys', 'no_such_module_here', *heavy_imports('digits')])\n"
         "env = {'PATH': os.environ['PATH'], 'SPAWN_MODULES': 'colorsys,sklearn.datasets,wave'}\n"
-        "proc = spawn.start([sys.executable, '-m', 'islands.runtime.spawn'], env, stdout=sys.stdout)\n"
+        "proc = spawn.start([sys.executable, '-m', 'islands.runtime.launch.spawn'], env, stdout=sys.stdout)\n"
         "sys.exit(proc.wait(120))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -23,8 +23,8 @@ from islands import testbed
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime import starvation
-from islands.runtime.membership import connect, parse_address
+from islands.runtime.elastic import starvation
+from islands.runtime.elastic.membership import connect, parse_address
 from islands.testbed import etcd as etcd_cluster
 from islands.testbed import state
 

@@ -207,7 +207,7 @@ def _reaches(tb, host: int, address: str, port: int) -> bool:
 
 
 def test_the_hub_has_an_address_a_cut_link_isolates_one_host_and_heal_brings_it_back(name):
-    """An elastic job's store lives on the hub (islands.runtime.elastic_launch): every host reaches it over its own
+    """An elastic job's store lives on the hub (islands.runtime.launch.elastic): every host reaches it over its own
     link; a cut takes one host off the network (it keeps its own loopback and address) and heal restores it."""
     from islands.runtime import netns
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from islands.runtime import membership
-from islands.runtime.auth import AuthStore, ControlAuth, mac_payload
+from islands.runtime.elastic import membership
+from islands.runtime.elastic.auth import AuthStore, ControlAuth, mac_payload
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import elastic_member
-from islands.runtime.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, get_json,
+from islands.runtime.elastic.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, get_json,
                                         host_store, join_job)
 
 TOKEN = "s3cret-token"

@@ -1,4 +1,4 @@
-"""Live recovery (islands.runtime.recovery): a joiner fetches a state from several peers in checksummed chunks.
+"""Live recovery (islands.runtime.elastic.recovery): a joiner fetches a state from several peers in checksummed chunks.
 
 Servers run as threads in this process over loopback; damage and deaths are injected by subclassing the
 server (a peer that flips a byte of one chunk, a peer that breaks its connections mid-transfer).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from islands.checkpoint import TensorCodec, decode_tensor
-from islands.runtime.recovery import Manifest, RecoveryError, StateImage, StateServer, fetch_state
+from islands.runtime.elastic.recovery import Manifest, RecoveryError, StateImage, StateServer, fetch_state
 
 SECRET = b"job-token"
 
@@ -301,7 +301,7 @@ def test_elastic_join_receives_the_lowest_holders_state_from_every_holder(transf
     the members' step, through StateTransfer.share_state (the join path of islands.runtime.elastic)."""
     from islands.runtime.comm import CommLedger
     from islands.runtime.elastic import elastic_member
-    from islands.runtime.membership import connect, host_store
+    from islands.runtime.elastic.membership import connect, host_store
 
     server, store = host_store(0)
     store.set("e/1/members", '[[0, "h0", 0], [1, "h1", 1], [2, "j", 2]]')

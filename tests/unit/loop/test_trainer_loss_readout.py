@@ -95,7 +95,7 @@ def test_train_step_returns_the_steps_loss_as_a_float():
 
 def test_the_builtin_callbacks_do_not_ask_for_the_loss():
     from islands.observe.callback import Logging
-    from islands.runtime.stop import StopAt
+    from islands.runtime.launch.stop import StopAt
 
     for cls in (Evaluate, Checkpointing, Progress, RunRecord, Logging, StopAt):
         assert cls.reads_loss is False, cls.__name__

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from islands.runtime.membership import (Coordinator, JobSpec, Refused, ask_to_join, connect, get_json, host_store,
+from islands.runtime.elastic.membership import (Coordinator, JobSpec, Refused, ask_to_join, connect, get_json, host_store,
                                         proof, wait_key)
 
 TOKEN = "race-token"

@@ -15,7 +15,7 @@ from islands.config import from_mapping
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import elastic_member
 from islands.runtime.world import join_elastic
-from islands.runtime.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, host_store,
+from islands.runtime.elastic.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, host_store,
                                         proof)
 
 
@@ -170,7 +170,7 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
     from islands.cli import main
     from islands import cli_more
     from islands.runtime.elastic import JobEnded
-    from islands.runtime.membership import JOB_ENDED_EXIT_CODE
+    from islands.runtime.elastic.membership import JOB_ENDED_EXIT_CODE
 
     server, prefixed = host_store(0)
     comm = elastic_member(connect("127.0.0.1", server.port), "j1", CommLedger())
@@ -209,8 +209,8 @@ def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit
 
 def test_joining_an_address_where_nothing_listens_is_one_clear_line(capsys):
     from islands.cli import main
-    from islands.runtime.membership import JOB_ENDED_EXIT_CODE
-    from islands.runtime.launch import free_port
+    from islands.runtime.elastic.membership import JOB_ENDED_EXIT_CODE
+    from islands.runtime.launch.ranks import free_port
 
     port = free_port()  # nothing listens there
     with pytest.raises(SystemExit) as exited:
@@ -225,7 +225,7 @@ def test_a_member_cut_off_after_registering_does_not_hold_the_new_epochs_connect
     # chaos, session 17: a join's new epoch listed a leader whose link was cut just after it registered; the
     # others sat in gloo's connect (timeout 4 x heartbeat + 5 s) until it failed, a 4.5 s stall. The connect
     # is now watched like a collective, so the silent member is dropped once its heartbeat is stale.
-    from islands.runtime.membership import Heartbeat
+    from islands.runtime.elastic.membership import Heartbeat
 
     timeout = 2.0
     connect_timeout = 4 * timeout + 5  # Epochs._build's, with collective_timeout above it

@@ -66,7 +66,7 @@ def test_a_deprecated_alias_resolves_to_its_new_name_with_a_warning(old, new):
 def test_the_control_plane_view_no_longer_shadows_the_observe_package():
     import islands.control
 
-    assert islands.control.observe_job.__module__ == "islands.runtime.membership"
+    assert islands.control.observe_job.__module__ == "islands.runtime.elastic.membership"
     assert isinstance(islands.observe, types.ModuleType)
     with pytest.warns(DeprecationWarning):
         from islands.control import observe  # noqa: F401 - the old spelling still imports, for one release

@@ -17,7 +17,7 @@ from islands.runtime.comm import Comm
 from islands.runtime.contracts import (Collectives, ElasticCollectives, ElasticMembership, ElasticParticipant, Holder,
                                        PointToPoint)
 from islands.runtime.elastic import ElasticComm, Membership
-from islands.runtime.island_comm import IslandComm, IslandFollower, IslandLeader, SlotComm
+from islands.runtime.elastic.island_comm import IslandComm, IslandFollower, IslandLeader, SlotComm
 from islands.runtime.payload_auth import AuthenticatedComm
 from islands.runtime.simulate import SimComm
 from islands.runtime.world import LoneComm, World

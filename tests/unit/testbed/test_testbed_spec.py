@@ -196,9 +196,9 @@ def test_bad_input_fails_before_any_system_call(monkeypatch, state_dir):
 
 def test_an_elastic_job_on_a_testbed_without_a_hub_address_says_to_rebuild_it(tmp_path):
     """Testbeds recorded before hubs had an address load with hub_ip "" and are refused before anything starts."""
-    from islands.runtime.elastic_launch import launch_elastic_workers
-    from islands.runtime.launch import LaunchError
-    from islands.runtime.membership import JobSpec
+    from islands.runtime.launch.elastic import launch_elastic_workers
+    from islands.runtime.launch.ranks import LaunchError
+    from islands.runtime.elastic.membership import JobSpec
     from islands.testbed import Host, Testbed
 
     old = Testbed.from_dict({"name": "old", "rate_bps": 10**8, "subnet": "10.77.9.0/24", "hub": "isl-old-hub",

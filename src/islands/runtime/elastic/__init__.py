@@ -20,7 +20,7 @@ from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import Commit
 from islands.runtime.elastic.epochs import Epochs, Excluded
 from islands.runtime.elastic.transfer import StateTransfer, global_digest, state_digest
-from islands.runtime.membership import Liveness
+from islands.runtime.elastic.membership import Liveness
 
 __all__ = ["ADMIT_LINGER_S", "Commit", "ElasticComm", "Epochs", "Excluded", "JobEnded", "Membership",
            "StateTransfer", "counted_rounds", "elastic_member", "global_digest", "state_digest", "take_part"]

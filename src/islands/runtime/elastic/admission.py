@@ -28,7 +28,7 @@ from islands.runtime.contracts import ElasticParticipant
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.epochs import Epochs
 from islands.runtime.elastic.transfer import StateTransfer
-from islands.runtime.membership import (JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json,
+from islands.runtime.elastic.membership import (JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json,
                                         no_member_alive)
 
 # Seconds past the heartbeat timeout a joiner waits, with no member of the newest epoch alive, before it

@@ -5,7 +5,7 @@ Each member watches its local part (`watch`: a gloo error, a dead/<name> flag fr
 stale past the heartbeat timeout, or another member's "fail" verdict end the wait), then signs its own
 <key>/ok/<name>; one that sees all of them sets the verdict <key>/done "ok" by compare-and-set, anyone who sees a
 failure first sets "fail" (compare-and-set: exactly one verdict wins). The store is an AuthStore
-(islands.runtime.auth): values written without the job token are not seen. `Commit` is shared by the collectives
+(islands.runtime.elastic.auth): values written without the job token are not seen. `Commit` is shared by the collectives
 (islands.runtime.elastic.comm.ElasticComm) and the epochs they form (islands.runtime.elastic.epochs.Epochs).
 
 What a watch waits on is pollable like a gloo work (`is_completed`, `wait`): a work itself, or a blocking call on
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from islands.runtime.membership import Liveness
+from islands.runtime.elastic.membership import Liveness
 
 
 class Commit:

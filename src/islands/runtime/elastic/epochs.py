@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.elastic.commit import Commit, Connecting, quiet_abort
-from islands.runtime.membership import wait_key
+from islands.runtime.elastic.membership import wait_key
 
 
 class Excluded(RuntimeError):

@@ -458,7 +458,7 @@ class EtcdStore(dist.Store):
     """torch.distributed.Store over an etcd v3 cluster (module docstring). Keys are put under
     `address.namespace` + "/" + `key_prefix`. `fence`, when given as (key, create_revision), makes every write a
     transaction that succeeds only while that key still exists with that creation revision (a coordinator's
-    leadership key, islands.runtime.membership): a deposed leader's writes are refused (NotLeader)."""
+    leadership key, islands.runtime.elastic.membership): a deposed leader's writes are refused (NotLeader)."""
 
     def __init__(self, address: EtcdAddress | str, timeout_s: float = 30.0, fence: tuple[bytes, int] | None = None,
                  client: EtcdClient | None = None, key_prefix: str = "", netns: str | None = None):

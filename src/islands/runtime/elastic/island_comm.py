@@ -57,8 +57,8 @@ from islands.runtime.comm import CommLedger
 from islands.runtime.contracts import Collectives, ElasticParticipant
 from islands.runtime.elastic import (ElasticComm, Epochs, Membership, StateTransfer, counted_rounds, global_digest,
                                      state_digest, take_part)
-from islands.runtime.membership import Liveness
-from islands.runtime.starvation import PROC_KEY, Starvation, local_pid
+from islands.runtime.elastic.membership import Liveness
+from islands.runtime.elastic.starvation import PROC_KEY, Starvation, local_pid
 
 ISLAND_ENV = "ISLANDS_ISLAND"  # "INDEX,LOCAL,SIZE,INCARNATION": the launcher's placement of one island worker
 # between a leader's looks at its followers' heartbeats (Liveness wants < timeout / 2); each look is ~3 store
@@ -458,7 +458,7 @@ class FollowerWatch:
     """A leader's thread that reports the leader dead (dead/<leader>, with the reason) once one of `followers` is
     silent past `timeout_s` or reported dead, other than finished (module docstring). It looks only at followers
     that have beaten (a follower still starting has no hb key). A silent follower whose process runs on this
-    machine, runnable but starved of CPU, is spared up to islands.runtime.starvation.LIMIT heartbeat timeouts, as
+    machine, runnable but starved of CPU, is spared up to islands.runtime.elastic.starvation.LIMIT heartbeat timeouts, as
     the launcher's reaper spares it (the follower's heartbeat publishes its process identity under proc/<name>).
     After its one verdict it gives the process
     `exit_after_s` (default `timeout_s`) to fail by itself, then exits it (code 1, as IslandBroken would): the
@@ -495,7 +495,7 @@ class FollowerWatch:
 
     def _waits_for_cpu(self, follower: str, now: float) -> bool:
         """A silent follower whose process is runnable but starved of CPU is spared, as the launcher's reaper
-        spares it (islands.runtime.starvation), up to its limit of heartbeat timeouts."""
+        spares it (islands.runtime.elastic.starvation), up to its limit of heartbeat timeouts."""
         pid = self._pid(follower)
         silent_for = self.liveness.silent_for(follower)
         starved = None if pid is None else self.starvation.waits_for_cpu(follower, pid, silent_for, now)

@@ -1,8 +1,8 @@
 """Who is in an elastic job: the token handshake, heartbeats, liveness, and the coordinator.
 
 Everything goes through one torch.distributed Store that no worker and not the launcher hosts, so any of them
-may die: the TCPStore of the job host (islands.runtime.job_host, a detached process), or, with `--store
-etcd://...`, the job's namespace in an etcd cluster (islands.runtime.etcd_store), where no single process is
+may die: the TCPStore of the job host (islands.runtime.launch.job_host, a detached process), or, with `--store
+etcd://...`, the job's namespace in an etcd cluster (islands.runtime.elastic.etcd_store), where no single process is
 needed: the coordinator then runs wherever a CoordinatorSeat holds the leadership lease. Keys (all under
 "islands/"):
   job                    the JobSpec as JSON: what every worker runs and with which timeouts (joiners
@@ -25,7 +25,7 @@ needed: the coordinator then runs wherever a CoordinatorSeat holds the leadershi
 The token itself never enters the store, a log or a file other than the one the user chose: only
 challenge-bound HMACs do, so replaying an old proof does not admit anyone. torch's TCPStore lets anyone
 who reaches its port write keys, so every value after the handshake is an authenticated envelope
-(islands.runtime.auth): "job" under a key derived from the token alone (it names the job's random id),
+(islands.runtime.elastic.auth): "job" under a key derived from the token alone (it names the job's random id),
 everything else under a key derived from the token and that id, bound to its store key, its sender and a
 growing counter; the verdict carries an HMAC bound to the ticket's challenge. Members read through an
 AuthStore, to which forged, altered and replayed values are absent (docs/membership.md, "Security").
@@ -47,10 +47,10 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from islands.runtime.auth import AuthStore, ControlAuth
+from islands.runtime.elastic.auth import AuthStore, ControlAuth
 from islands.runtime.netns import entered as netns_entered
-from islands.runtime.starvation import PROC_KEY, identity
-from islands.runtime.etcd_store import EtcdAddress, EtcdStore, NotLeader, cmp_absent, is_etcd, leader_key, op_put
+from islands.runtime.elastic.starvation import PROC_KEY, identity
+from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdStore, NotLeader, cmp_absent, is_etcd, leader_key, op_put
 
 PREFIX = "islands/"
 HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (JobSpec.heartbeat_timeout) is a multiple
@@ -73,7 +73,7 @@ class Refused(RuntimeError):
 
 def parse_address(text: str) -> tuple[str, int]:
     """HOST:PORT of an embedded store, or an etcd store's address (etcd://HOST:PORT,...[/NAMESPACE],
-    islands.runtime.etcd_store), which is returned whole as the host with port 0: `connect` takes both."""
+    islands.runtime.elastic.etcd_store), which is returned whole as the host with port 0: `connect` takes both."""
     if is_etcd(text):
         return str(EtcdAddress.parse(text)), 0
     host, sep, port = text.rpartition(":")
@@ -94,7 +94,7 @@ class JobSpec:
     script             `islands run --elastic`: the script's absolute path and its arguments
     cwd                the directory the launcher ran in: a joiner runs the script there, so relative
                        paths in the script (checkpoints, data) name the same files
-    island_size        workers per island (the members are the islands' leaders; islands.runtime.island_comm):
+    island_size        workers per island (the members are the islands' leaders; islands.runtime.elastic.island_comm):
                        `islands join` starts one worker, so it refuses a job whose islands have more
     """
 
@@ -426,7 +426,7 @@ def no_member_alive(store, liveness: Liveness) -> bool:
 
 class Coordinator:
     """Answers join handshakes, forms epoch 0, keeps the pending list. Runs in the job host
-    (islands.runtime.job_host); with a replicated store also as a standby in every worker (CoordinatorSeat).
+    (islands.runtime.launch.job_host); with a replicated store also as a standby in every worker (CoordinatorSeat).
 
     Every decision is a compare-and-set in the store and can be re-made from it, so a coordinator that
     takes over from a dead one continues where it stopped, and two coordinators racing (a deposed leader not

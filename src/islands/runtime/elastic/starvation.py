@@ -11,7 +11,7 @@ A process is named across processes by `identity()`: the machine's boot id, its 
 clock ticks since boot). A reader finds the same process with `local_pid(identity)` only on the same machine
 and only while that very process runs (a reused pid has another start time; another pid namespace on the same
 kernel would show another start time or no such pid). Workers publish theirs under `proc/<name>` in the job's
-store when their heartbeat starts (islands.runtime.membership.Heartbeat).
+store when their heartbeat starts (islands.runtime.elastic.membership.Heartbeat).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """State transfer of an elastic job (islands.runtime.elastic): what a joiner receives from the members.
 
 At a join the members and the joiners share the lowest-ranked old member's {"model", "strategy", "step"}: by
-default in checksummed chunks from every old member (islands.runtime.recovery; `mode = "chunks"`), or as one gloo
+default in checksummed chunks from every old member (islands.runtime.elastic.recovery; `mode = "chunks"`), or as one gloo
 broadcast of torch.save bytes (`mode = "broadcast"`). A joiner loads nothing before it is whole, then its
 participant's `joined` hook restarts its local work from the global model (a copy of the holder's local work
 would be counted twice). An island of k workers whose inner strategy shards the model (fsdp) serves and loads the
-island's state instead (islands.runtime.island_comm.IslandTransfer overrides `snapshot`, `load_shared` and
+island's state instead (islands.runtime.elastic.island_comm.IslandTransfer overrides `snapshot`, `load_shared` and
 `global_sha`).
 """
 
@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from islands.runtime import recovery
+from islands.runtime.elastic import recovery
 from islands.runtime.contracts import ElasticParticipant, Holder
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import store_layers
-from islands.runtime.membership import get_json
+from islands.runtime.elastic.membership import get_json
 
 
 class StateTransfer:
@@ -34,7 +34,7 @@ class StateTransfer:
 
     def __init__(self, comm: ElasticComm, participant: Callable[[], ElasticParticipant | None]):
         self.comm, self.participant = comm, participant
-        # How a joiner receives the state: "chunks" (islands.runtime.recovery: checksummed chunks from every
+        # How a joiner receives the state: "chunks" (islands.runtime.elastic.recovery: checksummed chunks from every
         # holder over TCP, refetched when damaged) or "broadcast" (one gloo broadcast from the lowest holder)
         self.mode = "chunks"
         self.transfers: list[dict] = []  # one FetchReport summary per state this process received in chunks
@@ -134,7 +134,7 @@ class StateTransfer:
 
     def secret(self, key: str) -> bytes:
         """The recovery servers' secret: derived from the job's control-plane key (token and job id) when the
-        store is authenticated (islands.runtime.auth), else a random one the first holder puts in the store."""
+        store is authenticated (islands.runtime.elastic.auth), else a random one the first holder puts in the store."""
         store = self.comm.epochs.store
         auth = getattr(store, "auth", None)
         if auth is not None and getattr(auth, "key", None):

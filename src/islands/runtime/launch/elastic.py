@@ -1,6 +1,6 @@
 """The launcher of an elastic job: start the job host, start and watch the workers.
 
-Policy (docs/membership.md): the store and the coordinator live in the job host (islands.runtime.job_host), a
+Policy (docs/membership.md): the store and the coordinator live in the job host (islands.runtime.launch.job_host), a
 detached process in a session of its own, not in the launcher nor in a worker: any worker may die, and so
 may the launcher (issue #20 item 2). A worker that exits is reported dead in the store at once (so
 survivors need not wait for its heartbeat to go stale) and the job carries on. A worker that is still
@@ -13,7 +13,7 @@ heartbeat timeout). It succeeds (exit 0) if at least one worker finished trainin
 (SIGKILL), its workers run on in their own sessions with the job host's store, deaths are then seen by
 heartbeat only, rank 0 of the last epoch still writes run.json, and the job host ends by itself once no
 member is alive. The job host is then what the job cannot lose: with `--store etcd://...` the store is
-an etcd cluster instead (islands.runtime.etcd_store) and no single process is needed.
+an etcd cluster instead (islands.runtime.elastic.etcd_store) and no single process is needed.
 The token comes from ISLANDS_TOKEN or is generated and written to RUN_DIR/token (mode 0600); it is
 never printed.
 
@@ -38,15 +38,19 @@ from typing import Callable
 
 from dataclasses import dataclass
 
-from islands.runtime import job_host, spawn, stacks, starvation
-from islands.runtime.island_comm import ISLAND_ENV, IslandPlace, worker_name
-from islands.runtime.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
-from islands.runtime.auth import ControlAuth
-from islands.runtime.etcd_store import EtcdAddress, EtcdStore
-from islands.runtime.launch import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, exit_of, log_tail,
+from islands.runtime.launch import job_host, spawn
+
+from islands.runtime import stacks
+
+from islands.runtime.elastic import starvation
+from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandPlace, worker_name
+from islands.runtime.elastic.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
+from islands.runtime.elastic.auth import ControlAuth
+from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdStore
+from islands.runtime.launch.ranks import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, exit_of, log_tail,
                                     port_is_free, signal_worker, stop_all)
 from islands.testbed import Testbed
-from islands.runtime.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
+from islands.runtime.elastic.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
                                         get_json, no_member_alive, parse_address)
 
 
@@ -104,8 +108,8 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
     ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
     from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
     the JobHost handle; `.store` is the launcher's authenticated client). `store`: an etcd cluster to keep the
-    job in (islands.runtime.etcd_store) instead of the job host's embedded store. Each island has
-    `job.island_size` workers (job.workers counts islands, whose leaders are the members; islands.runtime.island_comm);
+    job in (islands.runtime.elastic.etcd_store) instead of the job host's embedded store. Each island has
+    `job.island_size` workers (job.workers counts islands, whose leaders are the members; islands.runtime.elastic.island_comm);
     `max_restarts`: times a failed island is started again (_supervise). `testbed`: run island i inside host
     i % hosts of this network testbed (all its workers on that host, gloo bound to its link) and the job host on
     the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on
@@ -147,7 +151,7 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
 
 
 class JobHost:
-    """The launcher's handle on the job host (islands.runtime.job_host): a detached process, in a session of
+    """The launcher's handle on the job host (islands.runtime.launch.job_host): a detached process, in a session of
     its own, that hosts the store and runs the coordinator, so the launcher's death leaves the workers their
     store. `store` is the launcher's authenticated client (it reports its workers' exits there); the host's
     log lines (admissions, refusals) are relayed to `out` while the launcher lives."""
@@ -169,7 +173,7 @@ class JobHost:
         record.unlink(missing_ok=True)
         log = run_dir / "logs" / "job_host.log"
         env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "islands.runtime.job_host", str(run_dir), "--launcher-pid", str(os.getpid()),
+        argv = [sys.executable, "-m", "islands.runtime.launch.job_host", str(run_dir), "--launcher-pid", str(os.getpid()),
                 "--port", str(port), *(["--store", str(store)] if store is not None else [])]
         if testbed is not None:  # `ip netns exec` execs: the host's parent is still this launcher
             argv = testbed.wrap_hub(argv + ["--advertise", testbed.hub_ip])
@@ -430,7 +434,7 @@ def _name(w: WorkerProcess) -> str:
 
 
 class _Islands:
-    """Starts the job's islands: `size` workers each, named by islands.runtime.island_comm.worker_name, with
+    """Starts the job's islands: `size` workers each, named by islands.runtime.elastic.island_comm.worker_name, with
     ISLANDS_ISLAND (their place) when an island has several workers or may be restarted. Keeps the restart
     count per island and writes every restart to RUN_DIR/elastic/restarts.json."""
 
@@ -521,7 +525,7 @@ class _Reaper:
     Before a silent worker's SIGKILL the reaper reads its process state and asks it for its threads' stacks
     (islands.runtime.stacks): a false death (a live process that could not beat) leaves its cause in the log. A
     silent process that is runnable but got almost no CPU during its silence waits for one; it is spared up to
-    STARVED_LIMIT heartbeat timeouts (islands.runtime.starvation)."""
+    STARVED_LIMIT heartbeat timeouts (islands.runtime.elastic.starvation)."""
 
     KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL for an excluded worker that still runs
     # A silent process that is runnable (state R) but used less CPU than starvation.SHARE of its silence was

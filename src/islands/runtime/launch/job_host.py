@@ -1,6 +1,6 @@
 """The job host of an elastic job: a detached process that hosts the store and runs the coordinator.
 
-    python -m islands.runtime.job_host RUN_DIR --launcher-pid PID [--port P | --store etcd://H:P,H:P,...]
+    python -m islands.runtime.launch.job_host RUN_DIR --launcher-pid PID [--port P | --store etcd://H:P,H:P,...]
                                        [--advertise ADDRESS]
     (the JobSpec as JSON on stdin, ISLANDS_TOKEN in the environment)
 
@@ -40,9 +40,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from islands.runtime.auth import ControlAuth
-from islands.runtime.etcd_store import EtcdAddress
-from islands.runtime.membership import (TOKEN_ENV, Coordinator, CoordinatorSeat, JobSpec, Liveness, authed, connect,
+from islands.runtime.elastic.auth import ControlAuth
+from islands.runtime.elastic.etcd_store import EtcdAddress
+from islands.runtime.elastic.membership import (TOKEN_ENV, Coordinator, CoordinatorSeat, JobSpec, Liveness, authed, connect,
                                         host_store, no_member_alive)
 
 RECORD = "job_host.json"  # in the run directory
@@ -102,7 +102,7 @@ class HostLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m islands.runtime.job_host")
+    p = argparse.ArgumentParser(prog="python -m islands.runtime.launch.job_host")
     p.add_argument("run_dir")
     p.add_argument("--launcher-pid", type=int, required=True)
     p.add_argument("--port", type=int, default=0, help="the embedded store's port (0: a free one)")

@@ -61,7 +61,7 @@ SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands'
 # restarted island that import ran beside the others' training and held the leader silent past the heartbeat
 # timeout (session 21's full chaos run: its one false death, its stack in torch._dynamo's imports)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "islands.cli", "islands.app.elastic_worker",
-           "islands.runtime.job_host"]
+           "islands.runtime.launch.job_host"]
 _more: list[str] = []  # a job's own heavy imports (preload())
 
 START_TIMEOUT_S = 120.0  # a start request unanswered this long gives the server up (its first start imports torch)
@@ -476,7 +476,7 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
 
 
 def describe_self() -> dict:
-    """What this process looks like to a worker: `python -m islands.runtime.spawn [ARGS]` prints it (one JSON
+    """What this process looks like to a worker: `python -m islands.runtime.launch.spawn [ARGS]` prints it (one JSON
     line), forked or not, to check what a worker started by start() gets. `imported`: those of the modules named
     in SPAWN_MODULES (comma-separated) that were imported before this process ran anything (preload())."""
     asked = [m for m in os.environ.get("SPAWN_MODULES", "").split(",") if m]

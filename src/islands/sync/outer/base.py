@@ -40,7 +40,7 @@ import hashlib
 
 import torch
 
-from islands.runtime.island_comm import IslandComm
+from islands.runtime.elastic.island_comm import IslandComm
 from islands.runtime.world import LoneComm  # the cross-island Comm of a job with one island (re-exported)
 from islands.sync.base import NoOp
 from islands.sync.ddp import unwrap
