@@ -111,7 +111,7 @@ def test_a_jobs_heavy_imports_are_preloaded_by_the_fork_server(tmp_path):
     # a fresh interpreter, so that its fork server starts after preload(); a module that is not installed is skipped
     script = (
         "import json, os, subprocess, sys\n"
-        "from islands.runtime import spawn\n"
+        "from islands.runtime.launch import spawn\n"
         "from islands.tasks import heavy_imports\n"
         "spawn.preload(['colorsys', 'no_such_module_here', *heavy_imports('digits')])\n"
         "env = {'PATH': os.environ['PATH'], 'SPAWN_MODULES': 'colorsys,sklearn.datasets,wave'}\n"
