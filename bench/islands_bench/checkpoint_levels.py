@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 from islands import World
-from islands.checkpoint import CheckpointDriver, CheckpointSettings, CheckpointStore, DiskLevel, MemoryLevel
+from islands.checkpoint import CheckpointSettings, CheckpointStore
+from islands.checkpoint.policy import CheckpointDriver
+from islands.checkpoint.store import DiskLevel, MemoryLevel
 from islands.models import ByteTransformer
 
 
@@ -66,7 +68,7 @@ def level_costs(tree, root: Path, *, samples: int = 3) -> list[dict]:
 
 
 class _LoopTrainer:
-    """A TrainingState (islands.checkpoint.driver) around a real model and AdamW."""
+    """A TrainingState (islands.checkpoint.policy.driver) around a real model and AdamW."""
 
     shard_items = -1  # no data shard: batches are drawn from a generator
 

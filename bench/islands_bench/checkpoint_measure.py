@@ -11,7 +11,8 @@ from collections.abc import Callable
 import torch
 import zstandard
 
-from islands.checkpoint import AsyncCheckpointer, TensorCodec, decode_tensor, encode_tensor, tensor_bytes
+from islands.checkpoint.codec import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
+from islands.checkpoint.store import AsyncCheckpointer
 
 
 # (prepare, compress, decompress): prepare() runs outside the timing and its result is what compress

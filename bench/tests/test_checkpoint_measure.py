@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from islands.checkpoint import tensor_bytes
+from islands.checkpoint.codec import tensor_bytes
 from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor
 
 

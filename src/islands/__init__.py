@@ -15,7 +15,7 @@ Loggers (TensorBoard, MLflow, W&B, a live JSON-lines file) are callbacks: `islan
 """
 
 from islands import compress, control, inner, observe, optim, outer, robust
-from islands.checkpoint.checkpointer import Checkpointer
+from islands.checkpoint.policy.checkpointer import Checkpointer
 from islands.data.batches import BatchError
 from islands.loop import (Callback, Checkpointing, Constant, Evaluate, Progress, RunRecord, Task, Trainer,
                           WarmupCosine, evaluate)

@@ -227,7 +227,7 @@ def gated_digits(tmp_path: Path) -> tuple[str, Path]:
 def assert_nothing_half_written(run_dir: Path) -> None:
     """What an event left on disk is whole: no temporary file of an atomic write is left over, every JSON record
     parses, and every committed checkpoint verifies (all its parts there, every checksum right)."""
-    from islands.checkpoint.store import CheckpointStore
+    from islands.checkpoint.store.directory import CheckpointStore
 
     run_dir = Path(run_dir)
     leftovers = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if ".tmp" in p.name]

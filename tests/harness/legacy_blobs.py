@@ -13,8 +13,8 @@ import zlib
 import xxhash
 import zstandard
 
-from islands.checkpoint import blob_header
-from islands.checkpoint.codec import read_header
+from islands.checkpoint.codec import blob_header
+from islands.checkpoint.codec.tensor import read_header
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAGICLESS = zstandard.FORMAT_ZSTD1_MAGICLESS

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from islands.checkpoint.codec import encode_tensor
-from islands.checkpoint.safetensors_codec import _as_tensor, read_safetensors_header
+from islands.checkpoint.codec.tensor import encode_tensor
+from islands.checkpoint.codec.safetensors_codec import _as_tensor, read_safetensors_header
 
 V1_SOURCE_SHA256 = "1ca9899ee1f4ff9728ce78bed59dcad4a583fa9c5a152f3dd705b07deef7f60b"
 V1_FILE = base64.b64decode(

@@ -36,7 +36,8 @@ import torch
 
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
-from islands.checkpoint import compress_file, decompress_file, tensor_bytes
+from islands.checkpoint import compress_file, decompress_file
+from islands.checkpoint.codec import tensor_bytes
 from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor, settle_allocator
 
 ZIPNN = "zipnn==0.5.4"

@@ -1,7 +1,7 @@
 """ckpt-interval (SOTA-054, SOTA-189): expected lost work plus checkpoint overhead, policy vs fixed intervals.
 
 Failures arrive as a Poisson process at devices / per-device MTBF (3,748.25 days per device, LIT-222),
-from 8 to 16,384 devices. The simulated job (islands.checkpoint.simulate_failures) must finish a fixed
+from 8 to 16,384 devices. The simulated job (islands.checkpoint.policy.simulate_failures) must finish a fixed
 amount of useful work; each checkpoint stalls it, becomes durable after an asynchronous persist, and a
 failure loses the work since the last durable checkpoint plus a restart. Stated job model (a large
 synchronous job, not this machine): 1 s per step, 10 s stall per checkpoint, 60 s persist, 300 s
@@ -17,8 +17,8 @@ import statistics
 
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
-from islands.checkpoint import (DEFAULT_DEVICE_MTBF_DAYS, CheckFreqPolicy, CombinedIntervalPolicy, YoungDalyInterval,
-                                simulate_failures)
+from islands.checkpoint.policy import (DEFAULT_DEVICE_MTBF_DAYS, CheckFreqPolicy, CombinedIntervalPolicy,
+                                       YoungDalyInterval, simulate_failures)
 
 ITER_S, STALL_S, PERSIST_S, RESTART_S = 1.0, 10.0, 60.0, 300.0  # stated job model (module docstring)
 DAY_S = 86400.0

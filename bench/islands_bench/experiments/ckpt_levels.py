@@ -29,7 +29,7 @@ from islands_bench.experiments.ckpt_stall import state_tree
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
 from islands_bench.checkpoint_levels import level_costs, rank_loss_job
-from islands.checkpoint import tree_nbytes
+from islands.checkpoint.store import tree_nbytes
 
 # Failure classes and the levels that survive each (SOTA-057: tiers exist because failures differ in
 # what they take down). A peer copy survives a machine loss only if the successor rank is on another

@@ -29,7 +29,7 @@ from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
 from islands.checkpoint import CheckpointStore
 from islands_bench.checkpoint_measure import measure_stall
-from islands.checkpoint import tree_nbytes
+from islands.checkpoint.store import tree_nbytes
 from islands.models import ByteTransformer
 
 

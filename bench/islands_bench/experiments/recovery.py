@@ -53,7 +53,7 @@ def make_state(mb: int, seed: int = 0) -> dict:
 def _serve(out: str, mb: str, host: str, codec: str) -> None:
     import torch
 
-    from islands.checkpoint import TensorCodec
+    from islands.checkpoint.codec import TensorCodec
     from islands.control import StateImage, StateServer
 
     torch.set_num_threads(1)
@@ -71,7 +71,7 @@ def _serve(out: str, mb: str, host: str, codec: str) -> None:
 
 
 def _fetch(out: str, *peers: str) -> None:
-    from islands.checkpoint import decode_tensor
+    from islands.checkpoint.codec import decode_tensor
     from islands.control import fetch_state
 
     state, report = fetch_state(list(peers), secret=b"bench", timeout=60, decode=decode_tensor)

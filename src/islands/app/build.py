@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from islands.aggregate.registry import AGGREGATORS
-from islands.checkpoint.driver import CheckpointDriver
-from islands.checkpoint.fingerprint import fingerprint_of
-from islands.checkpoint.resume import resume
-from islands.checkpoint.settings import CheckpointSettings, parse_policy
+from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.checkpoint.policy.fingerprint import fingerprint_of
+from islands.checkpoint.policy.resume import resume
+from islands.checkpoint.policy.settings import CheckpointSettings, parse_policy
 from islands.compress.optim import OPTIMIZERS, build_optimizer
 from islands.compress.registry import COMPRESSORS
 from islands.config import JobConfig

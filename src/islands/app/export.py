@@ -26,7 +26,7 @@ import torch
 
 from islands.app.build import fingerprint
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.store import CheckpointStore
+from islands.checkpoint.store.directory import CheckpointStore
 from islands.config import ConfigError, JobConfig, from_mapping, load_json
 from islands.data import tokenizer as tk
 from islands.tasks import hf_lm

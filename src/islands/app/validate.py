@@ -20,9 +20,9 @@ import torch
 
 from islands.aggregate.registry import AGGREGATORS
 from islands.app.build import build_step_fn, build_task, checkpoint_settings, fingerprint
-from islands.checkpoint.driver import CheckpointDriver
-from islands.checkpoint.resume import check_resume
-from islands.checkpoint.settings import POLICIES
+from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.checkpoint.policy.resume import check_resume
+from islands.checkpoint.policy.settings import POLICIES
 from islands.compress.optim import OPTIMIZERS
 from islands.compress.registry import COMPRESSORS
 from islands.config import ConfigError, JobConfig

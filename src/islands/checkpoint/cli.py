@@ -16,10 +16,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from islands.checkpoint import safetensors_codec
+from islands.checkpoint.codec import safetensors_codec
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.manifest import data_name, manifest_name, read_manifest
-from islands.checkpoint.store import _STEP_DIR, CheckpointStore
+from islands.checkpoint.store.manifest import data_name, manifest_name, read_manifest
+from islands.checkpoint.store.directory import _STEP_DIR, CheckpointStore
 
 
 def _locate(path: str | os.PathLike) -> tuple[CheckpointStore, int]:

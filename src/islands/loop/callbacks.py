@@ -20,7 +20,8 @@ from typing import Protocol, runtime_checkable
 # id counter), which must not happen after a resume has restored that RNG
 from rich.console import Console
 
-from islands.checkpoint.driver import CheckpointDriver
+from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.loop.evaluate import evaluate
 from islands.measure.probe import describe, probe_interconnect
 from islands.measure.progress import TrainProgress, summary_table
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
@@ -71,7 +72,7 @@ class Evaluate:
 
 
 class Checkpointing:
-    """Saves through a CheckpointDriver (levels, intervals, asynchronous persist; islands.checkpoint.driver)
+    """Saves through a CheckpointDriver (levels, intervals, asynchronous persist; islands.checkpoint.policy.driver)
     after each step; the final checkpoint after the strategy's final synchronisation, durable before the
     run record is written."""
 

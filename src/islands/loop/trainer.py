@@ -15,7 +15,7 @@ and after the last step `strategy.finish` (the final synchronisation), then the 
 (final evaluation, final checkpoint, run record). The loop never knows which strategy runs; a strategy
 never owns the loop. A strategy that owns forward and backward (a pipeline) supplies `forward_backward`.
 
-The Trainer is also the state a checkpoint saves (islands.checkpoint.driver's TrainingState): step, the
+The Trainer is also the state a checkpoint saves (islands.checkpoint.policy.driver's TrainingState): step, the
 model to evaluate (parameters and buffers), the optimizer (full under FSDP), the strategy, the data
 position, the RNG, the loss series, and each callback's state.
 """
@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from islands.checkpoint.rng import rng_state, set_rng_state
-from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
-from islands.data.batches import size as batch_size_of, to_device
+from islands.checkpoint.policy.rng import rng_state, set_rng_state
+from islands.checkpoint.policy.sharded_state import load_optimizer_state_dict, optimizer_state_dict
+from islands.data.batches import size as batch_size_of
+from islands.data.batches import to_device
 from islands.data.source import batch_source, val_batches
 from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
@@ -262,7 +263,7 @@ class Trainer:
             parts.setdefault("checkpoint", {})["resumed_from"] = resumed
         return parts
 
-    # ---- state (islands.checkpoint.driver.TrainingState) --------------------------------------------
+    # ---- state (islands.checkpoint.policy.driver.TrainingState) --------------------------------------------
     @property
     def shard_items(self) -> int:
         sampler = getattr(self.data, "sampler", None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from islands.checkpoint import CheckpointStore, cli
-from islands.checkpoint.manifest import data_name
+from islands.checkpoint.store.manifest import data_name
 
 
 def test_cli_functions_report_and_detect_damage(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from islands.app.launch import launch_elastic
 from islands.checkpoint import CheckpointStore
-from islands.checkpoint.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
+from islands.checkpoint.policy.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
 from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from islands.checkpoint.driver import CheckpointDriver
-from islands.checkpoint.peer import KIND, PeerReplica
-from islands.checkpoint.settings import CheckpointSettings
+from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.checkpoint.store.peer import KIND, PeerReplica
+from islands.checkpoint.policy.settings import CheckpointSettings
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.world import World
 
@@ -33,7 +33,7 @@ def _init(rank: int, size: int, port: int) -> None:
 
 
 class FakeState:
-    """A TrainingState (islands.checkpoint.driver) whose weights are a function of rank and step."""
+    """A TrainingState (islands.checkpoint.policy.driver) whose weights are a function of rank and step."""
 
     shard_items = 10
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from islands.checkpoint import CheckpointMismatch, CheckpointStore
-from islands.checkpoint.manifest import data_name
+from islands.checkpoint.store.manifest import data_name
 from islands.app.build import fingerprint
 from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping

@@ -1,6 +1,6 @@
 """FSDP (inner=fsdp) checkpoints: bitwise resume on the same world size and loading into another one.
 
-The optimizer state is stored full and keyed by parameter name (islands.checkpoint.sharded_state), so
+The optimizer state is stored full and keyed by parameter name (islands.checkpoint.policy.sharded_state), so
 a checkpoint of N ranks loads on M: each rank takes its own rows. Runs go through the real launcher (started from
 this process: islands_cli)."""
 

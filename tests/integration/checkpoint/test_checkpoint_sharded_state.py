@@ -1,4 +1,4 @@
-"""islands.checkpoint.sharded_state on real FSDP2 shards (gloo, 3 processes, uneven rows).
+"""islands.checkpoint.policy.sharded_state on real FSDP2 shards (gloo, 3 processes, uneven rows).
 
 A full name-keyed optimizer state made anywhere (here: by one plain process) loads on M ranks so that
 gathering it again gives it back bit for bit, each rank holding exactly its torch.chunk rows; the gather
@@ -11,8 +11,8 @@ from harness.procs import mp_context
 import torch
 import torch.multiprocessing as mp
 
-from islands.checkpoint.sharded_state import (GATHER_KIND, is_sharded, load_optimizer_state_dict,
-                                              optimizer_state_dict)
+from islands.checkpoint.policy.sharded_state import (GATHER_KIND, is_sharded, load_optimizer_state_dict,
+                                                     optimizer_state_dict)
 from islands.runtime.comm import Comm, CommLedger
 
 
@@ -131,6 +131,6 @@ def test_plain_models_keep_torch_form_and_accept_the_named_form():
         model2 = _model()
         model2.load_state_dict(weights)
         opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
-        from islands.checkpoint.sharded_state import _to_names
+        from islands.checkpoint.policy.sharded_state import _to_names
 
         _to_names(model2, opt2, {"state": {9: {}}, "param_groups": [{"params": [9]}]})

@@ -16,9 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from islands.checkpoint import (AutoInterval, Checkpointer, CheckpointMismatch, CheckpointSettings, CheckpointStore,
-                                TrainingState, check_resume, fingerprint_of, parse_policy, resume)
-from islands.checkpoint.checkpointer import LoopState
-from islands.checkpoint.settings import format_policy
+                                check_resume, fingerprint_of, resume)
+from islands.checkpoint.policy import TrainingState, parse_policy
+from islands.checkpoint.policy.checkpointer import LoopState
+from islands.checkpoint.policy.settings import format_policy
 from islands.data.loader import ShardSampler
 from islands.runtime.world import World
 from islands.sync.outer import DiLoCo
@@ -319,7 +320,7 @@ def _save_two_ranks(root, data: list, fingerprint: str) -> None:
     """Step 6 of a 2-rank job, each rank's part written by a thread through the driver's tree."""
     import threading
 
-    from islands.checkpoint.driver import CheckpointDriver
+    from islands.checkpoint.policy.driver import CheckpointDriver
 
     barrier = threading.Barrier(2, timeout=20)
     errors = []

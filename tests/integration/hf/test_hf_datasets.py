@@ -14,7 +14,7 @@ pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from harness.hf import JSON_PKG  # noqa: E402
-from islands.checkpoint.store import CheckpointStore  # noqa: E402
+from islands.checkpoint.store.directory import CheckpointStore  # noqa: E402
 from islands.cli import main  # noqa: E402
 from islands.data import tokenizer as tk  # noqa: E402
 from islands.data import token_cache  # noqa: E402

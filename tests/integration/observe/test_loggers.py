@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import islands
 from islands.app.validate import validate
-from islands.checkpoint.driver import CheckpointDriver
-from islands.checkpoint.settings import CheckpointSettings
+from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.checkpoint.policy.settings import CheckpointSettings
 from islands.cli import main
 from islands.config import ConfigError, from_mapping
 from islands.observe import JsonLines, Logging, MLflow, TensorBoard, Wandb, read_lines

@@ -154,7 +154,8 @@ def test_device_cuda_refuses_more_workers_than_gpus(tmp_path):
 
 
 def test_checkpoint_of_cuda_state_round_trips_sync_and_async(tmp_path):
-    from islands.checkpoint import AsyncCheckpointer, CheckpointStore
+    from islands.checkpoint import CheckpointStore
+    from islands.checkpoint.store import AsyncCheckpointer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 128).cuda()

@@ -147,7 +147,7 @@ def _resume(world):
 
 def _resume_one(world, outer):
     """Save between steps 4 and 5 (mid-round: local work the global model lacks), rebuild everything, load, go on."""
-    from islands.checkpoint.checkpointer import LoopState
+    from islands.checkpoint.policy.checkpointer import LoopState
 
     model, opt, strategy = _build(world, "fsdp", outer)
     _steps(model, opt, strategy, world, range(STOP))

@@ -5,9 +5,10 @@ import threading
 import pytest
 import torch
 
-from islands.checkpoint import (AsyncCheckpointer, CheckpointStore, CorruptCheckpoint, DiskLevel, MemoryLevel,
-                                MultiLevelCheckpointer, NoCheckpoint, pack_tree, unpack_tree)
-from islands.checkpoint.manifest import data_name
+from islands.checkpoint import CheckpointStore, CorruptCheckpoint, NoCheckpoint
+from islands.checkpoint.store import (AsyncCheckpointer, DiskLevel, MemoryLevel, MultiLevelCheckpointer, pack_tree,
+                                      unpack_tree)
+from islands.checkpoint.store.manifest import data_name
 
 
 class SlowSink:

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from islands.checkpoint import (CheckFreqPolicy, CombinedIntervalPolicy, YoungDalyInterval, checkfreq_interval,
-                                expected_waste_fraction, simulate_failures, young_daly_seconds)
-from islands.checkpoint.interval import DAY_S
+from islands.checkpoint.policy import (CheckFreqPolicy, CombinedIntervalPolicy, YoungDalyInterval, checkfreq_interval,
+                                       expected_waste_fraction, simulate_failures, young_daly_seconds)
+from islands.checkpoint.policy.interval import DAY_S
 
 
 def test_checkfreq_keeps_overhead_under_the_bound():

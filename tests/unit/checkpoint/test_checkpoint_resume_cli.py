@@ -44,7 +44,7 @@ def test_ckpt_verbs(tmp_path, capsys):
 
 
 def test_async_snapshot_reuses_finished_staging_buffers_only():
-    from islands.checkpoint import AsyncCheckpointer
+    from islands.checkpoint.store import AsyncCheckpointer
 
     class Keep:
         def __init__(self):

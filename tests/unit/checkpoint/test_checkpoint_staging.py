@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from islands.checkpoint import AsyncCheckpointer
-from islands.checkpoint.tree import copy_tree, staging_buffers, staging_tensor
+from islands.checkpoint.store import AsyncCheckpointer
+from islands.checkpoint.store.tree import copy_tree, staging_buffers, staging_tensor
 
 
 class Keep:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from islands.checkpoint import CheckpointMismatch, CheckpointStore, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.codec import tensor_bytes
-from islands.checkpoint.manifest import data_name
+from islands.checkpoint.codec.tensor import tensor_bytes
+from islands.checkpoint.store.manifest import data_name
 
 PHASES = ["staging_mkdir", "data_write", "manifest_write", "staging_fsync", "commit_rename", "root_fsync",
           "latest_tmp_write", "latest_rename", "latest_dir_fsync", "retention"]
@@ -117,7 +117,7 @@ def test_damaged_latest_falls_back_to_previous_and_explicit_step_raises(tmp_path
 def test_manifests_of_before_session_9_with_a_crc32_per_blob_still_load_and_catch_damage(tmp_path):
     import zlib
 
-    from islands.checkpoint.manifest import encode_manifest, manifest_name, read_manifest
+    from islands.checkpoint.store.manifest import encode_manifest, manifest_name, read_manifest
 
     store = CheckpointStore(tmp_path)
     store.save({"w": torch.arange(5000.0)}, 1)

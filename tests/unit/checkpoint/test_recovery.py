@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from islands.checkpoint import TensorCodec, decode_tensor
+from islands.checkpoint.codec import TensorCodec, decode_tensor
 from islands.runtime.elastic.recovery import Manifest, RecoveryError, StateImage, StateServer, fetch_state
 
 SECRET = b"job-token"
@@ -71,7 +71,7 @@ def test_round_trip_is_bitwise_for_mixed_dtypes_from_three_peers(servers, codec)
     image = StateImage.build(state, chunk_bytes=512, codec=codec)
     peers = [servers(image).address for _ in range(3)]
     if codec is not None:
-        with pytest.raises(RecoveryError, match="pass decode=islands.checkpoint.decode_tensor"):
+        with pytest.raises(RecoveryError, match="pass decode=islands.checkpoint.codec.decode_tensor"):
             fetch_state(peers, secret=SECRET)
     got, report = fetch_state(peers, secret=SECRET, decode=decode_tensor)
     assert_bitwise(state, got)

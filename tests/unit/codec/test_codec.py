@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from islands.checkpoint.codec import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
+from islands.checkpoint.codec.tensor import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.safetensors_codec import compress_file, decompress_file
+from islands.checkpoint.codec.safetensors_codec import compress_file, decompress_file
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 ALL_DTYPES = FLOATS + [torch.complex64, torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from islands.checkpoint import blob_header
-from islands.checkpoint.codec import blob_parts, decode_parts, encode_tensor
+from islands.checkpoint.codec import blob_header
+from islands.checkpoint.codec.tensor import blob_parts, decode_parts, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.safetensors_codec import _Reader, compress_file, decompress_file
+from islands.checkpoint.codec.safetensors_codec import _Reader, compress_file, decompress_file
 from harness.legacy_containers import V1_FILE, V1_SOURCE_SHA256, v1_source, write_v1
 
 import zstandard

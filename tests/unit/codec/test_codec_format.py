@@ -11,8 +11,8 @@ import pytest
 import torch
 import xxhash
 
-from islands.checkpoint import blob_header, codec
-from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
+from islands.checkpoint.codec import blob_header, tensor as codec
+from islands.checkpoint.codec.tensor import decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
 from harness.legacy_blobs import as_version
 
@@ -143,7 +143,7 @@ def test_fp32_with_structured_low_bytes_keeps_three_byte_planes_and_codes_them()
 
 
 def test_v4_fp32_blobs_with_three_byte_planes_still_decode(monkeypatch):
-    from islands.checkpoint.layouts import Fp32Layout, _ExponentWords
+    from islands.checkpoint.codec.layouts import Fp32Layout, _ExponentWords
 
     t = _fp32_weights(300_000)
     monkeypatch.setattr(Fp32Layout, "_new_planes", _ExponentWords._new_planes)  # what v4 wrote

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 import zstandard
 
-from islands.checkpoint.codec import decode_tensor, encode_tensor, read_header, tensor_bytes
-from islands.checkpoint.planes import sampled_entropy_bits
+from islands.checkpoint.codec.tensor import decode_tensor, encode_tensor, read_header, tensor_bytes
+from islands.checkpoint.codec.planes import sampled_entropy_bits
 from harness.legacy_blobs import legacy_blob, legacy_parts, ordinary_frame
 
 

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor, read_header, tensor_bytes
+from islands.checkpoint.codec.tensor import (TensorCodec, content_hash, decode_tensor, encode_tensor, read_header,
+                                             tensor_bytes)
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.layouts import layout_for
-from islands.checkpoint import kernels
-from islands.checkpoint.planes import ESCAPE, pack_exponents, unpack_exponents
+from islands.checkpoint.codec.layouts import layout_for
+from islands.checkpoint.codec import kernels
+from islands.checkpoint.codec.planes import ESCAPE, pack_exponents, unpack_exponents
 
 
 def weights_with_outliers(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from islands.aggregate.registry import AGGREGATORS
-from islands.checkpoint.settings import POLICIES
+from islands.checkpoint.policy.settings import POLICIES
 from islands.compress.optim import OPTIMIZERS
 from islands.compress.registry import COMPRESSORS
 from islands.faults.attacks import ATTACKS

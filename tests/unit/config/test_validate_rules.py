@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from islands.app.validate import problems, validate
-from islands.checkpoint.driver import CheckpointDriver
-from islands.checkpoint.settings import CheckpointSettings
+from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.checkpoint.policy.settings import CheckpointSettings
 from islands.cli import main
 from islands.compress import TopKQ
 from islands.config import ConfigError, from_mapping

@@ -29,8 +29,8 @@ LAYERS = {
     "cli": 6, "cli_more": 6, "cli_run": 6, "cli_export": 6, "__main__": 6, "__init__": 6,
 }
 # Modules heavy or optional enough to import where they are used, not at the top of a module
-# (islands.checkpoint.kernels: the codec's numba loops, ~0.5 s to compile-import, for processes that save).
-ALLOWED_LOCAL = {"islands.checkpoint.kernels", "transformers", "tensorboard", "torch.utils.tensorboard", "mlflow", "wandb", "plotly", "matplotlib", "rich", "numba", "zipnn", "torchft", "sklearn", "tokenizers",
+# (islands.checkpoint.codec.kernels: the codec's numba loops, ~0.5 s to compile-import, for processes that save).
+ALLOWED_LOCAL = {"islands.checkpoint.codec.kernels", "transformers", "tensorboard", "torch.utils.tensorboard", "mlflow", "wandb", "plotly", "matplotlib", "rich", "numba", "zipnn", "torchft", "sklearn", "tokenizers",
                  "datasets", "scipy", "safetensors", "zstandard", "xxhash"}
 
 
@@ -159,3 +159,34 @@ def test_imports_inside_functions_are_heavy_optional_modules_only():
                                "tempfile", "threading", "random", "copy", "pickle", "hashlib", "statistics"):
                     bad.append(f"{f.relative_to(SRC)}:{line} imports {name} inside a function")
     assert not bad, f"{len(bad)} function-local imports outside ALLOWED_LOCAL:\n" + "\n".join(bad)
+
+
+# Inside islands.checkpoint (docs/architecture.md, "Checkpointing"): errors < codec < store < policy < the CLI and
+# the package's public face (its __init__), each importing only its own rank and lower ones.
+CHECKPOINT_RANKS = {"errors": 0, "codec": 1, "store": 2, "policy": 3, "cli": 4, "": 4}
+
+
+def checkpoint_rank(module: str) -> int:
+    part = module.removeprefix("islands.checkpoint").lstrip(".").split(".")[0]
+    assert part in CHECKPOINT_RANKS, f"{module}: add its part to CHECKPOINT_RANKS (and docs/architecture.md)"
+    return CHECKPOINT_RANKS[part]
+
+
+def test_checkpoint_is_codec_then_store_then_policy():
+    mods = modules()
+    inside = {m: f for m, f in mods.items() if m == "islands.checkpoint" or m.startswith("islands.checkpoint.")}
+    assert {"islands.checkpoint.codec", "islands.checkpoint.store", "islands.checkpoint.policy"} <= set(inside)
+    bad = []
+    for m, f in inside.items():
+        by_line: dict[int, set[str]] = {}
+        for name, _, line in imports(f, m):
+            t = resolve(name, mods)
+            if t is not None and (t == "islands.checkpoint" or t.startswith("islands.checkpoint.")):
+                by_line.setdefault(line, set()).add(t)
+        for line, targets in by_line.items():
+            # `from islands.checkpoint.codec import blob_header` imports the submodule, not the package's face
+            targets = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
+            for t in sorted(targets - {m}):
+                if checkpoint_rank(t) > checkpoint_rank(m):
+                    bad.append(f"{f.relative_to(SRC)}:{line} ({m}) imports {t}, a later part of islands.checkpoint")
+    assert not bad, "imports against codec < store < policy:\n" + "\n".join(bad)

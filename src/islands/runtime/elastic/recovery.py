@@ -165,7 +165,7 @@ class StateImage:
 
     @classmethod
     def build(cls, state, chunk_bytes: int = CHUNK_BYTES, codec=None) -> "StateImage":
-        """`state`: any picklable tree of tensors and plain values. `codec`: an islands.checkpoint.TensorCodec
+        """`state`: any picklable tree of tensors and plain values. `codec`: an islands.checkpoint.codec.TensorCodec
         to store each tensor compressed (lossless), or None for raw bytes. Tensors are only read."""
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive integer; got {chunk_bytes!r}")
@@ -196,9 +196,9 @@ class StateImage:
 
 def rebuild(manifest: Manifest, payload, decode=None) -> object:
     """The tree from a verified payload. Raw tensors are views of `payload` (no copy); coded ones go through
-    `decode` (islands.checkpoint.decode_tensor: passed in, as the checkpoint package imports the runtime)."""
+    `decode` (islands.checkpoint.codec.decode_tensor: passed in, as the checkpoint package imports the runtime)."""
     if decode is None and any(t[4] for t in manifest.tensors):
-        raise RecoveryError("this state was served through the checkpoint codec: pass decode=islands.checkpoint."
+        raise RecoveryError("this state was served through the checkpoint codec: pass decode=islands.checkpoint.codec."
                             "decode_tensor to fetch_state to read it")
     tensors = []
     for dtype_name, shape, at, length, encoded in manifest.tensors:
@@ -456,7 +456,7 @@ def fetch_state(peers, *, secret: bytes | None = None, expect_digest: str | None
     Returns (the tree, a FetchReport). The manifest comes from the first peer that answers, or must have
     `expect_digest` when given (a peer serving another state is skipped; if none serves it: RecoveryError).
     `timeout`: seconds a connection may stay silent before its peer counts as failed. `decode`: for a state the
-    peers built with a codec, islands.checkpoint.decode_tensor (checks each blob again). Raises RecoveryError
+    peers built with a codec, islands.checkpoint.codec.decode_tensor (checks each blob again). Raises RecoveryError
     when the state cannot be received whole; nothing partial is ever returned.
     """
     addrs = [_addr(p) for p in peers]

@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from islands.checkpoint.driver import CheckpointDriver
+from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.errors import CheckpointMismatch
-from islands.checkpoint.resume import Source, candidates, resume_from
-from islands.checkpoint.rng import rng_state, set_rng_state
-from islands.checkpoint.settings import AutoInterval, CheckpointSettings
-from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
+from islands.checkpoint.policy.resume import Source, candidates, resume_from
+from islands.checkpoint.policy.rng import rng_state, set_rng_state
+from islands.checkpoint.policy.settings import AutoInterval, CheckpointSettings
+from islands.checkpoint.policy.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.data.loader import ShardSampler
 from islands.runtime.world import World
 

@@ -33,8 +33,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from islands.checkpoint.planes import BLOCK_WORDS, MAX_ESCAPE_SHARE, SAMPLE_SIZE, compiled_kernels, scratch, window_base
-from islands.checkpoint.streams import GATE_MIN_BYTES, is_noise
+from islands.checkpoint.codec.planes import (BLOCK_WORDS, MAX_ESCAPE_SHARE, SAMPLE_SIZE, compiled_kernels, scratch,
+                                             window_base)
+from islands.checkpoint.codec.streams import GATE_MIN_BYTES, is_noise
 
 
 def _blocks(n: int):

@@ -16,7 +16,7 @@ from pathlib import Path
 import xxhash
 
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint
-from islands.checkpoint.tree import flatten_tree
+from islands.checkpoint.store.tree import flatten_tree
 
 FORMAT = "islands-checkpoint/1"
 

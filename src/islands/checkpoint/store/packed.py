@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import struct
 
-from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
+from islands.checkpoint.codec.tensor import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.manifest import blob_checksum, blob_intact, decode_manifest, encode_manifest, raise_if_mismatch
-from islands.checkpoint.tree import flatten_tree, unflatten_tree
+from islands.checkpoint.store.manifest import (blob_checksum, blob_intact, decode_manifest, encode_manifest,
+                                               raise_if_mismatch)
+from islands.checkpoint.store.tree import flatten_tree, unflatten_tree
 
 _MAGIC = b"ISLP"
 _HEAD = struct.Struct("<4sI")

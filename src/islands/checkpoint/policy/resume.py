@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import TypeGuard
 
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.fingerprint import fingerprint_differences
-from islands.checkpoint.manifest import compare_with, manifest_name, read_manifest
-from islands.checkpoint.store import _STEP_DIR, LATEST, CheckpointStore
+from islands.checkpoint.policy.fingerprint import fingerprint_differences
+from islands.checkpoint.store.manifest import compare_with, manifest_name, read_manifest
+from islands.checkpoint.store.directory import _STEP_DIR, LATEST, CheckpointStore
 
 REPLICATED = ("model", "optimizer", "strategy")
 DATA_KEYS = ("data", "loader")  # the data position's entry; "loader" in checkpoints of islands <= session 9

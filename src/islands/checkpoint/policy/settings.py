@@ -10,14 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from islands.checkpoint.interval import (
-    DAY_S,
-    DEFAULT_DEVICE_MTBF_DAYS,
-    DEFAULT_OVERHEAD_BOUND,
-    CheckFreqPolicy,
-    CombinedIntervalPolicy,
-    YoungDalyInterval,
-)
+from islands.checkpoint.policy.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND,
+                                                CheckFreqPolicy, CombinedIntervalPolicy, YoungDalyInterval)
 from islands.spec import Registry, Spec
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.manifest import manifest_name, read_manifest
+from islands.checkpoint.store.manifest import manifest_name, read_manifest
 
 HASHES = "replicas.json"
 

@@ -27,21 +27,13 @@ from typing import BinaryIO
 
 import torch
 
-from islands.checkpoint import fsio
-from islands.checkpoint.codec import TensorCodec, content_hash, decode_tensor, encode_tensor
+from islands.checkpoint.store import fsio
+from islands.checkpoint.codec.tensor import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.manifest import (
-    blob_checksum,
-    blob_intact,
-    data_name,
-    encode_manifest,
-    manifest_name,
-    raise_if_mismatch,
-    read_manifest,
-    referenced_dirs,
-)
-from islands.checkpoint.replicas import ReplicaShare, take_entries
-from islands.checkpoint.tree import flatten_tree, unflatten_tree
+from islands.checkpoint.store.manifest import (blob_checksum, blob_intact, data_name, encode_manifest, manifest_name,
+                                               raise_if_mismatch, read_manifest, referenced_dirs)
+from islands.checkpoint.store.replicas import ReplicaShare, take_entries
+from islands.checkpoint.store.tree import flatten_tree, unflatten_tree
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 LATEST = "latest"

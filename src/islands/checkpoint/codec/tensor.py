@@ -32,19 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from islands.checkpoint import blob_header
+from islands.checkpoint.codec import blob_header
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.layouts import layout_for
-from islands.checkpoint.streams import (
-    FRAME_HEAD,
-    coders,
-    decode_frame,
-    decode_frame_into,
-    frame,
-    mantissa_frame,
-    raw_stream,
-    stored_checksum,
-)
+from islands.checkpoint.codec.layouts import layout_for
+from islands.checkpoint.codec.streams import (FRAME_HEAD, coders, decode_frame, decode_frame_into, frame,
+                                              mantissa_frame, raw_stream, stored_checksum)
 
 MAGIC = b"ISLT"
 # 7: one XXH3-64 per chunk over its stored bytes instead of a checksum of every decoded plane (zstd's

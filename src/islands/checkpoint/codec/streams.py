@@ -36,7 +36,7 @@ import xxhash
 import zstandard
 
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.planes import sampled_entropy_bits, scratch
+from islands.checkpoint.codec.planes import sampled_entropy_bits, scratch
 
 FRAME_HEAD = 64  # formats 3-5: leading bytes of each frame covered by the stream's header CRC-32
 # Block sizes as window logs. Measured on the MiniLM bench (docs/checkpointing.md): exponent pairs 64 KiB

@@ -33,23 +33,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from islands.checkpoint.async_writer import AsyncCheckpointer, SaveHandle
-from islands.checkpoint.elastic_saves import (
-    ElasticBarrier,
-    Member,
-    MembershipChanged,
-    PersistBarrier,
-    bind,
-    can_persist_async,
-    is_elastic,
-    opens_clean,
-)
-from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
-from islands.checkpoint.packed import unpack_tree
-from islands.checkpoint.peer import PeerReplica
-from islands.checkpoint.settings import CheckpointSettings, format_policy
-from islands.checkpoint.sharded_state import is_sharded
-from islands.checkpoint.store import CheckpointStore, SaveResult
+from islands.checkpoint.store.async_writer import AsyncCheckpointer, SaveHandle
+from islands.checkpoint.policy.elastic_saves import (ElasticBarrier, Member, MembershipChanged, PersistBarrier, bind,
+                                                     can_persist_async, is_elastic, opens_clean)
+from islands.checkpoint.store.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
+from islands.checkpoint.store.packed import unpack_tree
+from islands.checkpoint.store.peer import PeerReplica
+from islands.checkpoint.policy.settings import CheckpointSettings, format_policy
+from islands.checkpoint.policy.sharded_state import is_sharded
+from islands.checkpoint.store.directory import CheckpointStore, SaveResult
 from islands.runtime.comm import Comm
 from islands.runtime.world import World
 

@@ -13,11 +13,11 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from islands.checkpoint.codec import TensorCodec
+from islands.checkpoint.codec.tensor import TensorCodec
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.manifest import decode_manifest
-from islands.checkpoint.packed import pack_tree, unpack_tree
-from islands.checkpoint.store import CheckpointStore
+from islands.checkpoint.store.manifest import decode_manifest
+from islands.checkpoint.store.packed import pack_tree, unpack_tree
+from islands.checkpoint.store.directory import CheckpointStore
 
 
 def _check_every(every: int) -> int:

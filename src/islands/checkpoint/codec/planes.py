@@ -97,7 +97,7 @@ def compiled_kernels():
     touches a checkpoint (most test workers, `islands train` without --ckpt-dir) should not pay."""
     global _KERNELS
     if _KERNELS is None:
-        import islands.checkpoint.kernels as kernels
+        import islands.checkpoint.codec.kernels as kernels
 
         _KERNELS = kernels
     return _KERNELS

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from islands.checkpoint.interval import DAY_S, DEFAULT_DEVICE_MTBF_DAYS
+from islands.checkpoint.policy.interval import DAY_S, DEFAULT_DEVICE_MTBF_DAYS
 
 
 @dataclass

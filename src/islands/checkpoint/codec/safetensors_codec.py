@@ -55,17 +55,9 @@ import torch
 import xxhash
 import zstandard
 
-from islands.checkpoint import blob_header
-from islands.checkpoint.codec import (
-    VERSION as CODEC_VERSION,
-    TensorCodec,
-    _layout_for,
-    blob_parts,
-    decode_parts,
-    decode_tensor,
-    encode_tensor,
-    tensor_bytes,
-)
+from islands.checkpoint.codec import blob_header
+from islands.checkpoint.codec.tensor import (VERSION as CODEC_VERSION, TensorCodec, _layout_for, blob_parts,
+                                             decode_parts, decode_tensor, encode_tensor, tensor_bytes)
 from islands.checkpoint.errors import CorruptCheckpoint
 
 _MAGIC = b"ISLS"

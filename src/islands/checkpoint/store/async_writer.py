@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Protocol
 
-from islands.checkpoint.tree import copy_tree, flatten_tree, staging_block, staging_buffers, tree_nbytes
+from islands.checkpoint.store.tree import copy_tree, flatten_tree, staging_block, staging_buffers, tree_nbytes
 
 
 class Sink(Protocol):
