@@ -37,6 +37,11 @@ def make_task(config) -> islands.Task:
     x = torch.tensor(d.images[order] / 16.0, dtype=torch.float32).unsqueeze(1)
     y = torch.tensor(d.target[order])
     width = int(config.task.options.get("width", 16))
-    return islands.Task(model=SmallCNN(width), loss_fn=F.cross_entropy,
-                        train_data=TensorDataset(x[:1500], y[:1500]),
-                        val_data=[(x[1500:], y[1500:])], classes=10, name="digits-cnn")
+    return islands.Task(
+        model=SmallCNN(width),
+        loss_fn=F.cross_entropy,
+        train_data=TensorDataset(x[:1500], y[:1500]),
+        val_data=[(x[1500:], y[1500:])],
+        classes=10,
+        name="digits-cnn",
+    )

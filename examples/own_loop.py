@@ -80,7 +80,9 @@ def accuracy(model):
 def main():
     torch.manual_seed(0)  # the same initial model on every rank
     # --- the program from the README, as a user writes it ---------------------------------------
-    world = islands.init_world(islands=2)        # env:// from `islands run` or torchrun; reuses an existing default process group
+    world = islands.init_world(
+        islands=2
+    )  # env:// from `islands run` or torchrun; reuses an existing default process group
     model = MyModel().to(world.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     strategy = islands.Stack(
@@ -88,7 +90,7 @@ def main():
         outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()),
     )
     model = strategy.wrap(model, opt, world)
-    ckpt = islands.Checkpointer(RUN_DIR, world, every=100)     # async, multi-level, checksummed; RNG included
+    ckpt = islands.Checkpointer(RUN_DIR, world, every=100)  # async, multi-level, checksummed; RNG included
     start = ckpt.restore(model=model, optimizer=opt, strategy=strategy) or 0
     for step, (x, y) in enumerate(my_batches(world.rank, world.size, skip=start), start=start):
         if step >= STEPS:
@@ -96,19 +98,22 @@ def main():
         loss = my_loss(model(x), y)
         loss.backward()
         strategy.after_backward(model, step)
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         strategy.after_step(model, opt, step)
         ckpt.maybe_save(step + 1, model=model, optimizer=opt, strategy=strategy)
-    strategy.finish(model)                        # the final synchronisation; no total step count needed up front
-    global_model = strategy.eval_model(model)     # what to evaluate and export: parameters AND buffers
+    strategy.finish(model)  # the final synchronisation; no total step count needed up front
+    global_model = strategy.eval_model(model)  # what to evaluate and export: parameters AND buffers
     # ---------------------------------------------------------------------------------------------
     ckpt.close()
     acc = accuracy(global_model)
     tracked = int(global_model.bn1.num_batches_tracked)
     if world.rank == 0:
-        print(f"own_loop: {world.size} worker(s), {world.islands} island(s), strategy {strategy.name}: "
-              f"global model validation accuracy {acc:.3f}, bn1.num_batches_tracked {tracked}, "
-              f"sent {world.ledger.total_sent / 1e6:.2f} MB by rank 0")
+        print(
+            f"own_loop: {world.size} worker(s), {world.islands} island(s), strategy {strategy.name}: "
+            f"global model validation accuracy {acc:.3f}, bn1.num_batches_tracked {tracked}, "
+            f"sent {world.ledger.total_sent / 1e6:.2f} MB by rank 0"
+        )
     islands.close_world(world)
     return acc
 

@@ -51,16 +51,26 @@ def main():
     model = GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     outer = islands.outer.StreamingDiLoCo(inner_steps=20, fragments=2, tau=1) if world.islands > 1 else None
-    trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=None, train_data=train,
-                              val_data=torch.utils.data.Subset(val, range(32)), batch_size=8,
-                              strategy=islands.Stack(outer=outer), world=world,
-                              schedule=islands.WarmupCosine(warmup=10, total=STEPS),
-                              callbacks=[islands.Evaluate(every=20)], grad_clip=1.0)
+    trainer = islands.Trainer(
+        model=model,
+        optimizer=opt,
+        loss_fn=None,
+        train_data=train,
+        val_data=torch.utils.data.Subset(val, range(32)),
+        batch_size=8,
+        strategy=islands.Stack(outer=outer),
+        world=world,
+        schedule=islands.WarmupCosine(warmup=10, total=STEPS),
+        callbacks=[islands.Evaluate(every=20)],
+        grad_clip=1.0,
+    )
     trainer.fit(STEPS)
     first, last = trainer.series["val"][0]["val_loss"], trainer.series["val"][-1]["val_loss"]
     if world.rank == 0:
-        print(f"trainer_gpt2: {world.size} worker(s), strategy {trainer.strategy.name}: validation loss "
-              f"{first:.3f} -> {last:.3f}")
+        print(
+            f"trainer_gpt2: {world.size} worker(s), strategy {trainer.strategy.name}: validation loss "
+            f"{first:.3f} -> {last:.3f}"
+        )
     islands.close_world(world)
     return last < first
 

@@ -23,7 +23,7 @@ STEPS = int(os.environ.get("STEPS", "150"))
 
 def main():
     torch.manual_seed(0)
-    world = islands.init_world()                   # islands from `islands run --islands`, else 1
+    world = islands.init_world()  # islands from `islands run --islands`, else 1
     d = load_digits()
     x = torch.tensor(d.data / 16.0, dtype=torch.float32)
     y = torch.tensor(d.target)
@@ -32,7 +32,7 @@ def main():
     strategy = islands.outer.DiLoCo(inner_steps=50)
     g = torch.Generator().manual_seed(world.rank)  # each island its own data order
     with strategy.attach(model, opt, world):
-        for step in range(STEPS):                  # --- the unchanged loop ---
+        for step in range(STEPS):  # --- the unchanged loop ---
             idx = torch.randint(0, 1500, (32,), generator=g)
             loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
@@ -42,8 +42,10 @@ def main():
     with torch.no_grad():
         acc = (global_model(x[1500:]).argmax(-1) == y[1500:]).float().mean().item()
     if world.rank == 0:
-        print(f"zero_touch: {world.size} worker(s), {world.islands} island(s), {strategy.rounds} DiLoCo rounds: "
-              f"global model validation accuracy {acc:.3f}")
+        print(
+            f"zero_touch: {world.size} worker(s), {world.islands} island(s), {strategy.rounds} DiLoCo rounds: "
+            f"global model validation accuracy {acc:.3f}"
+        )
     islands.close_world(world)
     return acc
 

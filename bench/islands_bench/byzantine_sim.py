@@ -67,14 +67,27 @@ class SimulatedWorkers:
     `lr`, `weight_decay`, `betas`, `schedule` (step -> factor of lr), `grad_clip`: the Trainer's AdamW step,
     so that a simulated cell and a real run of the same job agree. `seed`: the data order and attack noise."""
 
-    def __init__(self, task: Task, workers: int, aggregator: Aggregator | None = None, attack: Byzantine | None = None,
-                 *, lr: float = 3e-3, weight_decay: float = 0.1, betas=(0.9, 0.95), schedule=None,
-                 grad_clip: float = 1.0, seed: int = 0):
+    def __init__(
+        self,
+        task: Task,
+        workers: int,
+        aggregator: Aggregator | None = None,
+        attack: Byzantine | None = None,
+        *,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas=(0.9, 0.95),
+        schedule=None,
+        grad_clip: float = 1.0,
+        seed: int = 0,
+    ):
         if workers < 2:
             raise ValueError(f"simulating an attack needs at least 2 workers, got workers={workers}")
         if attack is not None and getattr(attack.role, "name", "") == "straggler":
-            raise ValueError("a straggler changes time, not values: simulating it in one process only sleeps; "
-                             "rehearse it on a real job (islands train --attack straggler:delay=...)")
+            raise ValueError(
+                "a straggler changes time, not values: simulating it in one process only sleeps; "
+                "rehearse it on a real job (islands train --attack straggler:delay=...)"
+            )
         self.task, self.workers = task, workers
         self.sources = [batch_source(task.train_data, r, workers, task.batch_size, seed) for r in range(workers)]
         self.model = task.model
@@ -157,11 +170,21 @@ class SimulatedWorkers:
         if diverged or not math.isfinite(val_loss):
             diverged, val_loss = True, float("inf")
         return SimulatedRun(
-            aggregate=repr(self.aggregator), attack=self.plan.spec, workers=self.workers, byzantine=self.plan.f,
-            steps=self.step, final_val_loss=val_loss, final_val_accuracy=metrics["val_accuracy"], diverged=diverged,
-            aggregate_seconds=sum(self.aggregate_times), mean_seconds=sum(self.mean_times),
-            aggregate_step_seconds=_median(self.aggregate_times), mean_step_seconds=_median(self.mean_times),
-            dropped_inputs=self.aggregator.dropped_total, wall_seconds=time.perf_counter() - start, error=error,
+            aggregate=repr(self.aggregator),
+            attack=self.plan.spec,
+            workers=self.workers,
+            byzantine=self.plan.f,
+            steps=self.step,
+            final_val_loss=val_loss,
+            final_val_accuracy=metrics["val_accuracy"],
+            diverged=diverged,
+            aggregate_seconds=sum(self.aggregate_times),
+            mean_seconds=sum(self.mean_times),
+            aggregate_step_seconds=_median(self.aggregate_times),
+            mean_step_seconds=_median(self.mean_times),
+            dropped_inputs=self.aggregator.dropped_total,
+            wall_seconds=time.perf_counter() - start,
+            error=error,
         )
 
 
@@ -169,8 +192,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def simulate(task: Task, workers: int, steps: int, aggregator: Aggregator | None = None,
-             attack: Byzantine | None = None, **step_options) -> SimulatedRun:
+def simulate(
+    task: Task,
+    workers: int,
+    steps: int,
+    aggregator: Aggregator | None = None,
+    attack: Byzantine | None = None,
+    **step_options,
+) -> SimulatedRun:
     """Train `steps` steps of `workers` simulated workers; see the module doc for what is simulated."""
     return SimulatedWorkers(task, workers, aggregator, attack, **step_options).run(steps)
 
@@ -178,9 +207,14 @@ def simulate(task: Task, workers: int, steps: int, aggregator: Aggregator | None
 def simulated_job(cfg: JobConfig, aggregator: str = "mean", attack: str = "") -> SimulatedWorkers:
     """The in-process twin of the job `islands train` would run from `cfg` with these aggregator and attack
     specs: the same task, AdamW settings, warm-up-cosine schedule, clipping and seed."""
-    return SimulatedWorkers(build_task(cfg), cfg.world.workers,
-                            AGGREGATORS.build(aggregator) if aggregator else None,
-                            ATTACKS.build(attack) if attack else None,
-                            lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                            schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
-                            grad_clip=cfg.train.grad_clip, seed=cfg.train.seed)
+    return SimulatedWorkers(
+        build_task(cfg),
+        cfg.world.workers,
+        AGGREGATORS.build(aggregator) if aggregator else None,
+        ATTACKS.build(attack) if attack else None,
+        lr=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay,
+        schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
+        grad_clip=cfg.train.grad_clip,
+        seed=cfg.train.seed,
+    )

@@ -24,8 +24,11 @@ from islands.checkpoint import CheckpointStore, NoCheckpoint
 def state_for(step: int, elems: int) -> dict:
     """Deterministic state for a step, so the parent can check exactly what it loaded."""
     g = torch.Generator().manual_seed(step)
-    return {"step": step, "model": {"w": torch.randn(elems, generator=g), "frozen": torch.ones(64)},
-            "loader": {"cursor": step * 3}}
+    return {
+        "step": step,
+        "model": {"w": torch.randn(elems, generator=g), "frozen": torch.ones(64)},
+        "loader": {"cursor": step * 3},
+    }
 
 
 def child_main(root: str, elems: int) -> None:
@@ -50,14 +53,27 @@ class CrashReport:
     problems: list[str] = field(default_factory=list)
 
 
-def run_crash_trials(root: str | os.PathLike, trials: int, rng: random.Random, *, elems: int = 20_000,
-                     max_delay_s: float = 0.5, timeout_s: float = 30.0) -> CrashReport:
+def run_crash_trials(
+    root: str | os.PathLike,
+    trials: int,
+    rng: random.Random,
+    *,
+    elems: int = 20_000,
+    max_delay_s: float = 0.5,
+    timeout_s: float = 30.0,
+) -> CrashReport:
     report = CrashReport()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     for _ in range(trials):
-        proc = subprocess.Popen([sys.executable, "-m", "islands_bench.checkpoint_crash", str(root), str(elems)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "islands_bench.checkpoint_crash", str(root), str(elems)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         try:
             # Start the clock once the child is saving (torch import takes ~1 s), then kill at random.
             ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
@@ -83,8 +99,9 @@ def run_crash_trials(root: str | os.PathLike, trials: int, rng: random.Random, *
         if loaded.skipped:  # a committed checkpoint that does not load is a failure, even with a fallback
             report.problems.extend(f"{d}: {why}" for d, why in loaded.skipped)
         expect = state_for(loaded.step, elems)
-        if not (torch.equal(loaded.tree["model"]["w"], expect["model"]["w"])
-                and loaded.tree["loader"] == expect["loader"]):
+        if not (
+            torch.equal(loaded.tree["model"]["w"], expect["model"]["w"]) and loaded.tree["loader"] == expect["loader"]
+        ):
             report.silent_corruptions += 1
     return report
 

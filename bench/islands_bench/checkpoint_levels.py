@@ -45,9 +45,11 @@ def perturbed(tree, step: int):
 
 def level_costs(tree, root: Path, *, samples: int = 3) -> list[dict]:
     """Save cost and restore time per level (seconds, median of `samples`), on the same state tree."""
-    levels = [MemoryLevel(every=1),
-              DiskLevel(CheckpointStore(root / "local", keep_last=2), every=1, name="local"),
-              DiskLevel(CheckpointStore(root / "remote", keep_last=2), every=1, name="remote")]
+    levels = [
+        MemoryLevel(every=1),
+        DiskLevel(CheckpointStore(root / "local", keep_last=2), every=1, name="local"),
+        DiskLevel(CheckpointStore(root / "remote", keep_last=2), every=1, name="remote"),
+    ]
     rows = []
     for level in levels:
         saves, loads = [], []
@@ -115,15 +117,20 @@ def _same(a, b) -> bool:
 def _worker(rank: int, size: int, port: int, out: str, plan: dict) -> None:
     import torch.distributed as dist
 
-
     result: dict = {"rank": rank}
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=60))
-        settings = CheckpointSettings(dir=f"{out}/local", every=plan["local_every"], memory_every=plan["memory_every"],
-                                      memory_peer=True, remote_dir=f"{out}/remote", remote_every=plan["remote_every"],
-                                      timeout=60.0)
+        settings = CheckpointSettings(
+            dir=f"{out}/local",
+            every=plan["local_every"],
+            memory_every=plan["memory_every"],
+            memory_peer=True,
+            remote_dir=f"{out}/remote",
+            remote_every=plan["remote_every"],
+            timeout=60.0,
+        )
         world = World(rank=rank, size=size, islands=1, device=torch.device("cpu"), backend="gloo")
         driver = CheckpointDriver(settings, world)
         trainer = _LoopTrainer(rank, plan["d_model"], plan["n_layers"], world)
@@ -141,15 +148,18 @@ def _worker(rank: int, size: int, port: int, out: str, plan: dict) -> None:
         restored = driver.restore_peer(lost=(rank == 1))
         peer_s = time.perf_counter() - t0
         peer_ok = restored is not None and _same(restored.tree, history.get(restored.step))
-        result["levels"] = {"memory-peer": {"step": restored.step if restored else None, "restore_s": peer_s,
-                                            "bitwise": bool(peer_ok)}}
+        result["levels"] = {
+            "memory-peer": {"step": restored.step if restored else None, "restore_s": peer_s, "bitwise": bool(peer_ok)}
+        }
         for name in ("local", "remote"):
             level = driver._by_name[name]
             t0 = time.perf_counter()
             loaded = level.store.load()
-            result["levels"][name] = {"step": loaded.step, "restore_s": time.perf_counter() - t0,
-                                      "bitwise": _same(loaded.tree, history[loaded.step])
-                                      if loaded.step in history else None}
+            result["levels"][name] = {
+                "step": loaded.step,
+                "restore_s": time.perf_counter() - t0,
+                "bitwise": _same(loaded.tree, history[loaded.step]) if loaded.step in history else None,
+            }
         result["ledger_replicate_bytes"] = world.ledger.sent.get("ckpt_replicate", 0)
         result["fail_at"] = plan["fail_at"]
         dist.destroy_process_group()

@@ -14,7 +14,6 @@ import zstandard
 from islands.checkpoint.codec import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
 from islands.checkpoint.store import AsyncCheckpointer
 
-
 # (prepare, compress, decompress): prepare() runs outside the timing and its result is what compress
 # gets (ZipNN writes into its input, so it needs a fresh copy each round); decompress returns bytes-like
 # or a tensor.
@@ -34,10 +33,16 @@ def codec_candidates(tensor: torch.Tensor, *, codec: TensorCodec | None = None) 
     z, dz = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
     none = lambda: None  # noqa: E731
     return {
-        "islands": (none, lambda _: encode_tensor(tensor, codec=codec, content_hash=False),
-                    lambda blob: decode_tensor(blob, verify=False)),
-        "islands+sha256": (none, lambda _: encode_tensor(tensor, codec=codec),
-                           lambda blob: decode_tensor(blob, verify=True)),
+        "islands": (
+            none,
+            lambda _: encode_tensor(tensor, codec=codec, content_hash=False),
+            lambda blob: decode_tensor(blob, verify=False),
+        ),
+        "islands+sha256": (
+            none,
+            lambda _: encode_tensor(tensor, codec=codec),
+            lambda blob: decode_tensor(blob, verify=True),
+        ),
         "zstd-3": (none, lambda _: z.compress(raw), dz.decompress),
     }
 
@@ -45,13 +50,16 @@ def codec_candidates(tensor: torch.Tensor, *, codec: TensorCodec | None = None) 
 def per_tensor(codecs: list[Codec]) -> Codec:
     """One candidate out of one `Codec` per tensor, called in a row as a checkpoint store does; its blob
     and its output are the lists of theirs (measure_codecs sums and joins them outside the timing)."""
-    return (lambda: [prepare() for prepare, _, _ in codecs],
-            lambda given: [compress(g) for (_, compress, _), g in zip(codecs, given)],
-            lambda blobs: [decompress(b) for (_, _, decompress), b in zip(codecs, blobs)])
+    return (
+        lambda: [prepare() for prepare, _, _ in codecs],
+        lambda given: [compress(g) for (_, compress, _), g in zip(codecs, given)],
+        lambda blobs: [decompress(b) for (_, _, decompress), b in zip(codecs, blobs)],
+    )
 
 
-def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5,
-                   settle: bool = True) -> dict[str, dict]:
+def measure_codecs(
+    raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5, settle: bool = True
+) -> dict[str, dict]:
     """Ratio and single-threaded MB/s of each candidate on the same bytes, rounds interleaved.
 
     Time is this process's CPU time (time.process_time), best of `repeats`: on a machine shared with
@@ -82,10 +90,16 @@ def measure_codecs(raw: bytes, candidates: dict[str, Codec], *, repeats: int = 5
                 raise AssertionError(f"{name} round trip is not byte-exact")
             blobs[name] = blob
     mb = len(raw) / 1e6
-    return {name: {"ratio": _size(blobs[name]) / max(1, len(raw)), "bytes": _size(blobs[name]),
-                   "compress_MBps": mb / max(min(enc[name]), 1e-9), "decompress_MBps": mb / max(min(dec[name]), 1e-9),
-                   "compress_s_median": sorted(enc[name])[len(enc[name]) // 2]}
-            for name in candidates}
+    return {
+        name: {
+            "ratio": _size(blobs[name]) / max(1, len(raw)),
+            "bytes": _size(blobs[name]),
+            "compress_MBps": mb / max(min(enc[name]), 1e-9),
+            "decompress_MBps": mb / max(min(dec[name]), 1e-9),
+            "compress_s_median": sorted(enc[name])[len(enc[name]) // 2],
+        }
+        for name in candidates
+    }
 
 
 def settle_allocator() -> None:
@@ -169,8 +183,15 @@ def measure_stall(make_sink, tree, steps: list[int], *, advance: Callable[[], No
         persist_s.append(handle.persist_s)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     steady = stall_s[1:] or stall_s
-    return {"sync_save_s": mean(sync_s), "async_stall_s": mean(stall_s), "async_persist_s": mean(persist_s),
-            "stall_ratio": mean(stall_s) / mean(sync_s), "samples": len(steps),
-            "async_stall_first_s": stall_s[0], "async_stall_steady_s": mean(steady),
-            "steady_stall_ratio": mean(steady) / mean(sync_s), "reserve_s": writer.reserve_s,
-            "sync_deduped_bytes": deduped}
+    return {
+        "sync_save_s": mean(sync_s),
+        "async_stall_s": mean(stall_s),
+        "async_persist_s": mean(persist_s),
+        "stall_ratio": mean(stall_s) / mean(sync_s),
+        "samples": len(steps),
+        "async_stall_first_s": stall_s[0],
+        "async_stall_steady_s": mean(steady),
+        "steady_stall_ratio": mean(steady) / mean(sync_s),
+        "reserve_s": writer.reserve_s,
+        "sync_deduped_bytes": deduped,
+    }

@@ -22,9 +22,9 @@ import contextlib
 import importlib
 import pkgutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -39,7 +39,7 @@ from islands_bench.progress import Progress, load_previous
 @dataclass
 class Experiment:
     name: str
-    fn: Callable[["BenchContext"], dict]
+    fn: Callable[[BenchContext], dict]
     practices: tuple[str, ...]
     help: str
     devices: tuple[str, ...] = ("cpu",)  # where its measurement means something (bench --device)
@@ -68,8 +68,9 @@ def spec_text(value) -> str:
 
 def experiment(name: str, practices: tuple[str, ...] = (), help: str = "", devices: tuple[str, ...] = ("cpu",)):
     def register(fn):
-        REGISTRY[name] = Experiment(name, fn, tuple(practices), help or (fn.__doc__ or "").strip().split("\n")[0],
-                                    tuple(devices))
+        REGISTRY[name] = Experiment(
+            name, fn, tuple(practices), help or (fn.__doc__ or "").strip().split("\n")[0], tuple(devices)
+        )
         return fn
 
     return register
@@ -139,9 +140,11 @@ class BenchContext:
             self.runs.append(done)
             return done
         with self.arm(label):
-            self.log(f"run {label}: workers={cfg.world.workers} islands={cfg.world.islands} steps={cfg.train.steps} "
-                     f"inner={cfg.inner_strategy} outer={spec_text(cfg.outer.strategy)} "
-                     f"compress={spec_text(cfg.inner.compressor)} testbed={cfg.world.testbed or '-'}")
+            self.log(
+                f"run {label}: workers={cfg.world.workers} islands={cfg.world.islands} steps={cfg.train.steps} "
+                f"inner={cfg.inner_strategy} outer={spec_text(cfg.outer.strategy)} "
+                f"compress={spec_text(cfg.inner.compressor)} testbed={cfg.world.testbed or '-'}"
+            )
             t = time.perf_counter()
             code = launch(cfg, run_dir)
             if code != 0:
@@ -169,8 +172,10 @@ class BenchContext:
         run_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())
         with self.arm(label):
-            self.log(f"run {label}: {cfg.world.workers} elastic workers, outer={spec_text(cfg.outer.strategy)}, "
-                     f"steps={cfg.train.steps}")
+            self.log(
+                f"run {label}: {cfg.world.workers} elastic workers, outer={spec_text(cfg.outer.strategy)}, "
+                f"steps={cfg.train.steps}"
+            )
             code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=on_started)
             if code != 0:
                 raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
@@ -250,16 +255,25 @@ def _rich_table(title: str, rows: list[dict]) -> Table:
     return t
 
 
-def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: str = "",
-        device: str = "cpu", reuse: bool = False, smoke: bool = False) -> Path:
+def run(
+    name: str,
+    quick: bool = False,
+    out_root: Path = Path("results"),
+    rate: str = "",
+    device: str = "cpu",
+    reuse: bool = False,
+    smoke: bool = False,
+) -> Path:
     registry = load_all()
     if name not in registry:
         raise KeyError(f"unknown experiment {name!r}; available: {', '.join(sorted(registry))}")
     exp = registry[name]
     if device not in exp.devices:
-        raise KeyError(f"experiment {name!r} runs on {', '.join(exp.devices)} only, not --device {device}; "
-                       f"experiments with a cuda variant: "
-                       f"{', '.join(sorted(n for n, e in registry.items() if 'cuda' in e.devices))}")
+        raise KeyError(
+            f"experiment {name!r} runs on {', '.join(exp.devices)} only, not --device {device}; "
+            f"experiments with a cuda variant: "
+            f"{', '.join(sorted(n for n, e in registry.items() if 'cuda' in e.devices))}"
+        )
     if device == "cuda":
         import torch
 
@@ -278,24 +292,45 @@ def run(name: str, quick: bool = False, out_root: Path = Path("results"), rate: 
     interconnects = sorted({r.get("interconnect_line", "") for r in ctx.runs} - {""})
     result.setdefault("interconnect", interconnects or ["see rows"])
     result.setdefault("baseline", sorted({r["baseline"]["definition"] for r in ctx.runs}) or ["see rows"])
-    command = ("islands bench " + name + (" --smoke" if smoke else " --quick" if quick else "") + (f" --testbed-rate {rate}" if rate else "")
-               + (f" --device {device}" if device != "cpu" else ""))
+    command = (
+        "islands bench "
+        + name
+        + (" --smoke" if smoke else " --quick" if quick else "")
+        + (f" --testbed-rate {rate}" if rate else "")
+        + (f" --device {device}" if device != "cpu" else "")
+    )
     record = {
-        "experiment": name, "practices": list(exp.practices), "quick": quick, "smoke": smoke, "command": command,
+        "experiment": name,
+        "practices": list(exp.practices),
+        "quick": quick,
+        "smoke": smoke,
+        "command": command,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "seconds": time.time() - started, "versions": versions(), **result,
-        "runs": [{"label": r["label"], "summary": r["summary"], "interconnect": r["interconnect"],
-                  "config": r["config"]} for r in ctx.runs],
+        "seconds": time.time() - started,
+        "versions": versions(),
+        **result,
+        "runs": [
+            {"label": r["label"], "summary": r["summary"], "interconnect": r["interconnect"], "config": r["config"]}
+            for r in ctx.runs
+        ],
         "arm_times": ctx.progress.record(),
     }
     write_json_atomic(out_dir / "result.json", record)
     if plot is not None:
         plot(record, out_dir / "plot.png")
     label = f" ({tier})" if quick else ""
-    md = [f"# {name}{label}", "", exp.help, "",
-          f"Practices: {', '.join(exp.practices) or '-'}  ", f"Reproduce: `{command}`  ",
-          f"Measured: {record['started']}, git {record['versions']['git_revision']}, torch {record['versions']['torch']}",
-          "", "## Headline", ""]
+    md = [
+        f"# {name}{label}",
+        "",
+        exp.help,
+        "",
+        f"Practices: {', '.join(exp.practices) or '-'}  ",
+        f"Reproduce: `{command}`  ",
+        f"Measured: {record['started']}, git {record['versions']['git_revision']}, torch {record['versions']['torch']}",
+        "",
+        "## Headline",
+        "",
+    ]
     md += [f"- {h}" for h in result.get("headline", [])]
     md += ["", "## Interconnect", ""] + [f"- {i}" for i in record["interconnect"]]
     md += ["", "## Baseline", ""] + [f"- {b}" for b in record["baseline"]]

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 
 def clock(seconds: float) -> str:
@@ -125,8 +125,11 @@ class Progress:
         """This invocation's speed relative to the previous one, on the arms both ran (1 when none)."""
         if not self.previous:
             return 1.0
-        pairs = [(a.seconds, self.previous.seconds[a.label]) for a in self.done
-                 if not a.reused and self.previous.seconds.get(a.label)]
+        pairs = [
+            (a.seconds, self.previous.seconds[a.label])
+            for a in self.done
+            if not a.reused and self.previous.seconds.get(a.label)
+        ]
         now, then = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
         return now / then if pairs and then > 0 else 1.0
 
@@ -141,8 +144,13 @@ class Progress:
         measured = [a.seconds for a in self.done if not a.reused]
         scale = self._scale()
         before = self.previous.seconds if self.previous else {}
-        default = (sum(measured) / len(measured) if measured
-                   else scale * sum(before.values()) / len(before) if before else None)
+        default = (
+            sum(measured) / len(measured)
+            if measured
+            else scale * sum(before.values()) / len(before)
+            if before
+            else None
+        )
         finished = {a.label for a in self.done}
         # Labels the previous invocation ran that this one has not finished: likely the arms still to come.
         pool = [label for label in before if label not in finished and label != self.current]

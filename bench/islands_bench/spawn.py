@@ -26,8 +26,15 @@ def run_module_ranks(module: str, args: list[str], ranks: int, out: Path, bed=No
     port = bed.free_port(0) if bed is not None else free_port()
     procs = []
     for rank in range(ranks):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), MASTER_PORT=str(port),
-                   MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(ranks),
+            MASTER_PORT=str(port),
+            MASTER_ADDR="127.0.0.1",
+            OMP_NUM_THREADS="1",
+        )
         argv = [sys.executable, "-m", module, str(out), *args, bed.rate if bed is not None else ""]
         if bed is not None:
             env.update(bed.env(bed.host_for_rank(rank)))
@@ -91,7 +98,7 @@ def time_interleaved(ops: dict, reps: int) -> dict[str, float]:
     together = dist.is_initialized() and dist.get_world_size() > 1
     names, times = list(ops), {name: [] for name in ops}
     for rep in range(reps + 1):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             if together:
                 dist.barrier()
             start = time.perf_counter()

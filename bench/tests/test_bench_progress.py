@@ -20,8 +20,15 @@ class Clock:
 
 
 def test_clock_format():
-    assert [clock(s) for s in (0, 4.4, 59.6, 100, 250, 3600, 3725)] == ["0s", "4s", "1m00s", "1m40s", "4m10s",
-                                                                          "1h00m", "1h02m"]
+    assert [clock(s) for s in (0, 4.4, 59.6, 100, 250, 3600, 3725)] == [
+        "0s",
+        "4s",
+        "1m00s",
+        "1m40s",
+        "4m10s",
+        "1h00m",
+        "1h02m",
+    ]
 
 
 def test_the_line_names_the_arm_the_count_and_the_time_left():
@@ -89,12 +96,18 @@ def test_reused_arms_count_as_done_at_once_and_not_as_speed():
 
 
 def test_previous_arms_from_arm_times_and_from_older_runs():
-    newer = {"arm_times": [{"label": "a", "seconds": 12.0, "reused": False},
-                           {"label": "b", "seconds": 0.0, "reused": True}]}
+    newer = {
+        "arm_times": [{"label": "a", "seconds": 12.0, "reused": False}, {"label": "b", "seconds": 0.0, "reused": True}]
+    }
     assert previous_arms(newer) == Previous(count=2, seconds={"a": 12.0})
-    older = {"seconds": 400.0, "runs": [{"label": "a", "summary": {"wall_seconds": 100.0}},
-                                        {"label": "b", "summary": {"wall_seconds": 200.0}},
-                                        {"label": "c", "summary": {}}]}
+    older = {
+        "seconds": 400.0,
+        "runs": [
+            {"label": "a", "summary": {"wall_seconds": 100.0}},
+            {"label": "b", "summary": {"wall_seconds": 200.0}},
+            {"label": "c", "summary": {}},
+        ],
+    }
     # 100 s the runs' wall clocks leave out (start-up, probes), spread over the 3 runs
     got = previous_arms(older)
     assert got.count == 3 and got.seconds == pytest.approx({"a": 100 + 100 / 3, "b": 200 + 100 / 3})
@@ -125,8 +138,12 @@ def fake_launch(monkeypatch):
     def launch(cfg, run_dir):
         calls.append(run_dir.name)
         run_dir.mkdir(parents=True, exist_ok=True)
-        record = {"config": cfg.to_dict(), "summary": {"final_val_loss": 1.0}, "interconnect": {},
-                  "baseline": {"definition": "one worker"}}
+        record = {
+            "config": cfg.to_dict(),
+            "summary": {"final_val_loss": 1.0},
+            "interconnect": {},
+            "baseline": {"definition": "one worker"},
+        }
         (run_dir / "run.json").write_text(json.dumps(record))
         return 0 if run_dir.name != "broken" else 3
 

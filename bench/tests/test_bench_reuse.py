@@ -73,8 +73,16 @@ def test_a_record_with_the_flat_config_of_before_the_sections_is_still_read(tmp_
     ctx = _ctx(tmp_path)
     run_dir = tmp_path / "runs" / "ddp"
     run_dir.mkdir(parents=True)
-    flat = {"task": "digits", "steps": 30, "workers": 2, "compress": "none", "hook_overlap": True, "extra": {},
-            "run_dir": "/elsewhere", "progress": True}
+    flat = {
+        "task": "digits",
+        "steps": 30,
+        "workers": 2,
+        "compress": "none",
+        "hook_overlap": True,
+        "extra": {},
+        "run_dir": "/elsewhere",
+        "progress": True,
+    }
     (run_dir / "run.json").write_text(json.dumps({"config": flat, "summary": {"final_val_loss": 1.5}}))
     assert ctx.train("ddp", task="digits", steps=30, workers=2)["summary"]["final_val_loss"] == 1.5
     assert launches == []

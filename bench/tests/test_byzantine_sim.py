@@ -12,8 +12,9 @@ from islands.config import from_mapping
 from islands_bench.byzantine_sim import simulated_job
 from islands_bench.experiments import byzantine as B
 
-CFG = dict(task="digits", workers=8, steps=50, global_batch=64, warmup=5, lr=0.01, eval_every=0,
-           progress=False, probe=False)
+CFG = dict(
+    task="digits", workers=8, steps=50, global_batch=64, warmup=5, lr=0.01, eval_every=0, progress=False, probe=False
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +54,27 @@ def test_simulation_refuses_what_it_cannot_simulate():
 
 
 def _cell(f, attack, aggregator, acc, diverged=False, error=""):
-    return {"task": "digits", "f": f, "attack_name": attack, "aggregator": aggregator, "final_val_accuracy": acc,
-            "final_val_loss": 1.0, "diverged": diverged, "error": error}
+    return {
+        "task": "digits",
+        "f": f,
+        "attack_name": attack,
+        "aggregator": aggregator,
+        "final_val_accuracy": acc,
+        "final_val_loss": 1.0,
+        "diverged": diverged,
+        "error": error,
+    }
 
 
 def test_pivot_picks_the_best_robust_aggregator_and_judges_against_the_clean_mean():
-    cells = [_cell(0, "none", "mean", 0.90), _cell(0, "none", "median", 0.88),
-             _cell(2, "scaled", "mean", 0.10), _cell(2, "scaled", "median", 0.86),
-             _cell(2, "alie", "mean", 0.89), _cell(2, "alie", "median", 0.99, diverged=True)]
+    cells = [
+        _cell(0, "none", "mean", 0.90),
+        _cell(0, "none", "median", 0.88),
+        _cell(2, "scaled", "mean", 0.10),
+        _cell(2, "scaled", "median", 0.86),
+        _cell(2, "alie", "mean", 0.89),
+        _cell(2, "alie", "median", 0.99, diverged=True),
+    ]
     rows, clean = B.pivot(cells, "digits")
     assert clean == 0.90
     scaled = next(r for r in rows if r["attack"] == "scaled")
@@ -96,10 +110,28 @@ def test_a_simulated_run_matches_the_real_four_rank_job(tmp_path):
     from islands.checkpoint import CheckpointStore
 
     steps = 4
-    cfg = validate(from_mapping(dict(task="digits", workers=4, steps=steps, global_batch=16, hidden=16, warmup=1,
-                                     eval_every=0, eval_batches=1, log_every=steps, probe=False, progress=False,
-                                     timeout=30.0, aggregate="median", attack="sign-flip:count=1",
-                                     ckpt_every=steps, ckpt_async=False)))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=4,
+                steps=steps,
+                global_batch=16,
+                hidden=16,
+                warmup=1,
+                eval_every=0,
+                eval_batches=1,
+                log_every=steps,
+                probe=False,
+                progress=False,
+                timeout=30.0,
+                aggregate="median",
+                attack="sign-flip:count=1",
+                ckpt_every=steps,
+                ckpt_async=False,
+            )
+        )
+    )
     assert launch(cfg, tmp_path / "run") == 0
     real = CheckpointStore(tmp_path / "run" / "ckpt", clean=False).load()
     assert real.step == steps

@@ -5,7 +5,15 @@ import json
 
 import pytest
 
-from islands_bench.experiments.chaos import Event, _failures, _steps_per_second, campaign, detection_per_event, false_deaths, stall_per_event
+from islands_bench.experiments.chaos import (
+    Event,
+    _failures,
+    _steps_per_second,
+    campaign,
+    detection_per_event,
+    false_deaths,
+    stall_per_event,
+)
 
 
 def test_the_campaign_is_seeded_heals_every_etcd_kill_and_ends_with_the_launcher():
@@ -28,20 +36,32 @@ def test_the_failover_chain_times_the_first_failure_naming_the_hit_island(tmp_pa
     live.mkdir()
 
     def failure(t, gone):
-        ev = {"type": "membership", "change.type": "failure", "change.gone": json.dumps(gone),
-              "change.detected": t, "change.formed": t + 0.05}
+        ev = {
+            "type": "membership",
+            "change.type": "failure",
+            "change.gone": json.dumps(gone),
+            "change.detected": t,
+            "change.formed": t + 0.05,
+        }
         return json.dumps({"t": t + 0.1, "kind": "event", "event": ev})
 
-    (live / "i1w0.jsonl").write_text("\n".join([
-        json.dumps({"t": 0.0, "kind": "metrics", "step": 10}),
-        failure(9.0, ["i2w0"]),  # before the event: another one's
-        failure(11.6, ["i0w0.3"]),  # the frozen follower's leader: its island
-        failure(11.9, ["i0w0.3"]),  # a later member's view of the same failure
-        '{"t": 12, "kind": "ev',  # a line cut by a SIGKILL
-    ]))
+    (live / "i1w0.jsonl").write_text(
+        "\n".join(
+            [
+                json.dumps({"t": 0.0, "kind": "metrics", "step": 10}),
+                failure(9.0, ["i2w0"]),  # before the event: another one's
+                failure(11.6, ["i0w0.3"]),  # the frozen follower's leader: its island
+                failure(11.9, ["i0w0.3"]),  # a later member's view of the same failure
+                '{"t": 12, "kind": "ev',  # a line cut by a SIGKILL
+            ]
+        )
+    )
     (live / "i2w0.jsonl").write_text(failure(11.7, ["i0w0.3"]))
-    events = [Event("freeze-worker", at=10.0, hit=("i0w1.3",)), Event("kill-etcd-member", at=10.5),
-              Event("kill-worker", at=20.0, hit=("i1w0",))]
+    events = [
+        Event("freeze-worker", at=10.0, hit=("i0w1.3",)),
+        Event("kill-etcd-member", at=10.5),
+        Event("kill-worker", at=20.0, hit=("i1w0",)),
+    ]
     frozen, etcd, unseen = detection_per_event(_failures(tmp_path), events)
     assert abs(frozen["detect_s"] - 1.6) < 1e-9 and abs(frozen["form_s"] - 0.05) < 1e-9
     assert etcd is None and unseen is None  # it hit no worker; no member logged its failure
@@ -55,19 +75,22 @@ def _launcher_log(tmp_path, text: str):
 
 
 def test_false_deaths_are_the_workers_no_event_hit(tmp_path):
-    run = _launcher_log(tmp_path,
+    run = _launcher_log(
+        tmp_path,
         "islands: worker i1w1: no heartbeat for 1.6 s (stopped, cut off or hung); killing it\n"
         "islands: worker i1w1 left (killed by SIGKILL); the others carry on\n"
         "islands: worker i0w0: no heartbeat for 1.6 s (stopped, cut off or hung); killing it\n"
         "islands: worker i2w1.1 left (exit code 1); the others carry on\n"
-        "islands: island 1 left the job (i1w1: killed by SIGKILL)\n")
+        "islands: island 1 left the job (i1w1: killed by SIGKILL)\n",
+    )
     assert false_deaths(run, {"i0w0"}) == ["i1w1", "i2w1.1"]  # i0w0 was frozen by an event
     assert false_deaths(tmp_path / "missing", set()) == []
     # an event on a follower takes its island's leader out too (exit code 1): by design, not a false death
     (run / "launcher.log").write_text(
         "islands: worker i2w1.20: no heartbeat for 1.6 s (stopped, cut off or hung); killing it\n"
         "islands: worker i2w0.20 left (exit code 1); the others carry on\n"
-        "islands: worker i2w0.21 left (exit code 1); the others carry on\n")
+        "islands: worker i2w0.21 left (exit code 1); the others carry on\n"
+    )
     assert false_deaths(run, {"i2w1.20"}) == ["i2w0.21"]  # another incarnation's leader was not hit
 
 
@@ -96,7 +119,9 @@ def test_kill_coordinator_kills_whoever_holds_the_lease(tmp_path, monkeypatch):
     whole = {0: [], 1: []}
     monkeypatch.setattr(chaos, "_whole_islands", lambda run_dir: whole)
     host = subprocess.Popen(["sleep", "60"])
-    (tmp_path / "job_host.json").write_text(json.dumps({"address": "etcd://10.0.0.1:2379/islands-abc", "pid": host.pid}))
+    (tmp_path / "job_host.json").write_text(
+        json.dumps({"address": "etcd://10.0.0.1:2379/islands-abc", "pid": host.pid})
+    )
     etcd, state = _Etcd("job-host"), {}
     ev = Event("kill-coordinator")
     _apply(ev, tmp_path, launcher=_Running(), etcd=etcd, bed=None, rng=random.Random(0), state=state)
@@ -122,8 +147,15 @@ def test_events_are_on_disk_as_they_happen(tmp_path):
     events = [Event("kill-worker", at=12.5, target="i0w1", hit=("i0w1",), applied=True), Event("freeze-worker")]
     _save_events(tmp_path, events)
     saved = json.loads((tmp_path / "events.json").read_text())
-    assert saved[0] == {"kind": "kill-worker", "at": 12.5, "target": "i0w1", "hit": ["i0w1"], "waited_s": 0.0,
-                        "applied": True, "note": ""}
+    assert saved[0] == {
+        "kind": "kill-worker",
+        "at": 12.5,
+        "target": "i0w1",
+        "hit": ["i0w1"],
+        "waited_s": 0.0,
+        "applied": True,
+        "note": "",
+    }
     assert saved[1]["kind"] == "freeze-worker" and not saved[1]["applied"]
     assert not (tmp_path / "events.json.tmp").exists()  # written whole, then moved into place
 
@@ -133,8 +165,9 @@ def test_the_probe_rate_is_read_while_every_island_trained(tmp_path):
     live.mkdir()
 
     def stream(name, rows):
-        (live / f"{name}.jsonl").write_text("\n".join(json.dumps({"t": t, "kind": "metrics", "step": s})
-                                                     for t, s in rows))
+        (live / f"{name}.jsonl").write_text(
+            "\n".join(json.dumps({"t": t, "kind": "metrics", "step": s}) for t, s in rows)
+        )
 
     # three islands at 10 steps/s until t=10; island 1 then left and the other two ran at 20 steps/s
     stream("i0w0", [(t, 10 * t) for t in range(11)] + [(10 + t, 100 + 20 * t) for t in range(1, 11)])
@@ -150,10 +183,12 @@ def test_the_probe_rate_is_read_while_every_island_trained(tmp_path):
 
 def test_a_worker_the_reaper_spared_as_waiting_for_a_cpu_is_no_false_death_unless_killed_later(tmp_path):
     """Session 21's full run counted the reaper's spare line (it contains "no heartbeat for") as a death."""
-    run = _launcher_log(tmp_path,
+    run = _launcher_log(
+        tmp_path,
         "islands: worker i2w1: no heartbeat for 1.7 s, but its process is waiting for a CPU (it used 0.35 s of CPU in "
         "1.6 s); not killing it before 4.5 s of silence\n"
         "islands: worker i0w1: no heartbeat for 1.6 s, but its process is waiting for a CPU (it used 0.01 s of CPU in "
         "1.6 s); not killing it before 4.5 s of silence\n"
-        "islands: worker i0w1: no heartbeat for 4.5 s (stopped, cut off or hung; its process is running); killing it\n")
+        "islands: worker i0w1: no heartbeat for 4.5 s (stopped, cut off or hung; its process is running); killing it\n",
+    )
     assert false_deaths(run, set()) == ["i0w1"]

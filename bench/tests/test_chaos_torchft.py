@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from islands_bench.experiments import chaos, chaos_torchft
-from islands_bench.experiments.churn_torchft import TorchftSettings
 from islands.app.validate import validate
 from islands.config import from_mapping
-
+from islands_bench.experiments import chaos, chaos_torchft
+from islands_bench.experiments.churn_torchft import TorchftSettings
 
 
 def test_every_event_kind_is_applied_or_named_not_applicable():
@@ -40,8 +39,19 @@ class _Sleeper(chaos_torchft.Job):
 
 
 def _job(tmp_path: Path, max_restarts: int) -> _Sleeper:
-    cfg = validate(from_mapping(dict(task="digits", workers=2, islands=2, outer="diloco:inner_steps=5", steps=10,
-                                     progress=False, run_dir=str(tmp_path))))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=2,
+                islands=2,
+                outer="diloco:inner_steps=5",
+                steps=10,
+                progress=False,
+                run_dir=str(tmp_path),
+            )
+        )
+    )
     settings = TorchftSettings(heartbeat_timeout_ms=200)
     return _Sleeper(cfg, tmp_path, 2, 2, lighthouse=None, settings=settings, max_restarts=max_restarts)
 

@@ -4,8 +4,14 @@ import json
 
 import pytest
 
-from islands_bench.experiments.churn_torchft import (event_stalls, islands_commits, join_wait_rounds,
-                                                      read_round_log, stalls_over_survivors, torchft_commits)
+from islands_bench.experiments.churn_torchft import (
+    event_stalls,
+    islands_commits,
+    join_wait_rounds,
+    read_round_log,
+    stalls_over_survivors,
+    torchft_commits,
+)
 
 
 def _rounds(start, count, every, size):
@@ -83,9 +89,11 @@ def test_join_wait_rounds():
 
 def test_round_log_parsing_drops_a_line_cut_by_sigkill(tmp_path):
     path = tmp_path / "r2.jsonl"
-    rows = [{"t": 1.0, "step": 1, "committed": True, "participants": 3, "loss": 2.3},
-            {"t": 1.1, "step": 1, "committed": False, "participants": 3, "loss": 2.2},
-            {"t": 1.2, "step": 2, "committed": True, "participants": 2, "loss": 2.1}]
+    rows = [
+        {"t": 1.0, "step": 1, "committed": True, "participants": 3, "loss": 2.3},
+        {"t": 1.1, "step": 1, "committed": False, "participants": 3, "loss": 2.2},
+        {"t": 1.2, "step": 2, "committed": True, "participants": 2, "loss": 2.1},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"t": 1.3, "ste')
     parsed = read_round_log(path)
     assert parsed == rows
@@ -94,7 +102,11 @@ def test_round_log_parsing_drops_a_line_cut_by_sigkill(tmp_path):
 
 
 def test_islands_commits_from_an_elastic_record():
-    member = {"syncs": [{"kind": "outer_delta", "start": 2.0, "seconds": 0.5, "size": 3},
-                        {"kind": "elastic_state", "start": 1.0, "seconds": 0.1, "size": 3},
-                        {"kind": "outer_delta", "start": 1.0, "seconds": 0.2, "size": 4}]}
+    member = {
+        "syncs": [
+            {"kind": "outer_delta", "start": 2.0, "seconds": 0.5, "size": 3},
+            {"kind": "elastic_state", "start": 1.0, "seconds": 0.1, "size": 3},
+            {"kind": "outer_delta", "start": 1.0, "seconds": 0.2, "size": 4},
+        ]
+    }
     assert islands_commits(member) == [(1.2, 4), (2.5, 3)]

@@ -29,7 +29,8 @@ def test_an_unknown_experiment_exits_2_naming_the_known_ones(capsys):
 
 @pytest.mark.integration  # the CLI as a subprocess
 def test_islands_bench_list_runs_as_a_command():
-    out = subprocess.run([sys.executable, "-m", "islands", "bench", "--list"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "islands", "bench", "--list"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert "ddp-scaling" in out.stdout and "ckpt-crash" in out.stdout

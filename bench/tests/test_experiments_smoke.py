@@ -58,8 +58,15 @@ def _bench(name: str, out: Path, cwd: Path) -> tuple[int, str, str]:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root / "bench"), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, "-m", "islands", "bench", name, "--smoke", "--out", str(out)], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "islands", "bench", name, "--smoke", "--out", str(out)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -104,8 +111,12 @@ def test_smoke_tier_cuts_every_job_to_a_few_steps(tmp_path):
     ctx = harness.BenchContext(name="t", quick=True, smoke=True, out_dir=tmp_path)
     cfg = ctx.config(task="digits", steps=200, warmup=20, eval_every=50, log_every=10, workers=1)
     t = cfg.train
-    assert (t.steps, t.warmup, t.eval_every, t.log_every) == (harness.SMOKE_STEPS, harness.SMOKE_STEPS // 2,
-                                                              harness.SMOKE_STEPS, harness.SMOKE_STEPS)
+    assert (t.steps, t.warmup, t.eval_every, t.log_every) == (
+        harness.SMOKE_STEPS,
+        harness.SMOKE_STEPS // 2,
+        harness.SMOKE_STEPS,
+        harness.SMOKE_STEPS,
+    )
     assert ctx.config(task="digits", steps=3, eval_every=0, workers=1).train.steps == 3  # never lengthened
     quick = harness.BenchContext(name="t", quick=True, out_dir=tmp_path)
     assert quick.config(task="digits", steps=200, workers=1).train.steps == 200

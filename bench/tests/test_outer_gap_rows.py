@@ -9,17 +9,21 @@ from islands_bench.experiments.outer_diloco import OUTER_LRS, OUTER_MOMENTA, gap
 
 def record(loss: float, sent: dict, calls: dict, steps: int = 1000) -> dict:
     total = sum(sent.values())
-    return {"summary": {"final_val_loss": loss, "mb_sent_per_worker": total / 1e6, "seconds_per_step": 0.1},
-            "comm": {"per_rank": [{"sent": sent, "calls": calls}]}, "config": {"train": {"steps": steps}},
-            "interconnect_line": "gloo loopback"}
+    return {
+        "summary": {"final_val_loss": loss, "mb_sent_per_worker": total / 1e6, "seconds_per_step": 0.1},
+        "comm": {"per_rank": [{"sent": sent, "calls": calls}]},
+        "config": {"train": {"steps": steps}},
+        "interconnect_line": "gloo loopback",
+    }
 
 
 def test_warm_start_row_counts_the_compared_phase_and_the_whole_run():
     p4 = 4_000  # 4 bytes x 1,000 parameters per exchange
     ddp = record(1.0, {"grad_all_reduce": 1000 * p4}, {"grad_all_reduce": 1000})
     ref = gap_row("ddp", ddp, {"bytes_per_worker": 1000 * p4, "final_val_loss": 1.0}, {})
-    warm = record(1.05, {"outer_warm_grad": 250 * p4, "outer_delta": 8 * p4},
-                  {"outer_warm_grad": 250, "outer_delta": 8})
+    warm = record(
+        1.05, {"outer_warm_grad": 250 * p4, "outer_delta": 8 * p4}, {"outer_warm_grad": 250, "outer_delta": 8}
+    )
     row = gap_row("warm", warm, ref, {"warm_start": 250})
     assert row["loss_gap_pct"] == pytest.approx(5.0)
     assert row["warm_bytes_per_worker"] == 250 * p4
@@ -49,8 +53,11 @@ def test_outer_grid_specs():
 def test_ddp_steps_to_reach_interpolates_the_curve():
     from islands_bench.experiments.outer_diloco import ddp_steps_to_reach
 
-    rec = {"series": {"val": [{"step": 0, "val_loss": 5.0}, {"step": 100, "val_loss": 3.0},
-                              {"step": 200, "val_loss": 2.0}]}}
+    rec = {
+        "series": {
+            "val": [{"step": 0, "val_loss": 5.0}, {"step": 100, "val_loss": 3.0}, {"step": 200, "val_loss": 2.0}]
+        }
+    }
     assert ddp_steps_to_reach(rec, 2.5) == pytest.approx(150.0)
     assert ddp_steps_to_reach(rec, 3.0) == pytest.approx(100.0)
     assert ddp_steps_to_reach(rec, 1.9) is None  # better than DDP ever got

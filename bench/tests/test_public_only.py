@@ -74,14 +74,18 @@ def test_the_bench_imports_islands_public_names_only():
 
 
 def test_the_walk_catches_deep_and_unexported_imports():
-    bad = ("from islands.sync.sharded import plan_units\n"
-           "import islands.runtime.launch.ranks\n"
-           "from islands.memory import not_a_public_name\n"
-           "from islands.parallel.pipeline.cuts import param_bytes\n"
-           "from islands.no_such_module import x\n")
+    bad = (
+        "from islands.sync.sharded import plan_units\n"
+        "import islands.runtime.launch.ranks\n"
+        "from islands.memory import not_a_public_name\n"
+        "from islands.parallel.pipeline.cuts import param_bytes\n"
+        "from islands.no_such_module import x\n"
+    )
     found = violations_in(bad, "x.py")
     assert len(found) == 5, found
-    good = ("import islands\nfrom islands import Trainer\nfrom islands.memory import plan_micro_batch\n"
-            "from islands.config import from_mapping\nfrom islands.app.launch import launch\n"
-            "from islands.parallel.pipeline import param_bytes\n")
+    good = (
+        "import islands\nfrom islands import Trainer\nfrom islands.memory import plan_micro_batch\n"
+        "from islands.config import from_mapping\nfrom islands.app.launch import launch\n"
+        "from islands.parallel.pipeline import param_bytes\n"
+    )
     assert violations_in(good, "y.py") == []

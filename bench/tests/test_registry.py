@@ -23,8 +23,13 @@ def test_named_experiments_are_registered_benches_for_that_practice():
 
 def test_compression_experiments_registered_with_their_practices():
     reg = harness.load_all()
-    expect = {"ef-ablation": "SOTA-214", "sparsity-warmup": "SOTA-224", "onebit-adam": "SOTA-215",
-              "compression-vs-bandwidth": "SOTA-075", "compressor-throughput": "SOTA-075"}
+    expect = {
+        "ef-ablation": "SOTA-214",
+        "sparsity-warmup": "SOTA-224",
+        "onebit-adam": "SOTA-215",
+        "compression-vs-bandwidth": "SOTA-075",
+        "compressor-throughput": "SOTA-075",
+    }
     for name, practice in expect.items():
         assert practice in reg[name].practices, (name, reg[name].practices)
 

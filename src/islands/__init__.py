@@ -17,8 +17,18 @@ Loggers (TensorBoard, MLflow, W&B, a live JSON-lines file) are callbacks: `islan
 from islands import compress, control, inner, observe, optim, outer, robust
 from islands.checkpoint.policy.checkpointer import Checkpointer
 from islands.data.batches import BatchError
-from islands.loop import (Callback, Checkpointing, Constant, Evaluate, Progress, RunRecord, Task, Trainer,
-                          WarmupCosine, evaluate)
+from islands.loop import (
+    Callback,
+    Checkpointing,
+    Constant,
+    Evaluate,
+    Progress,
+    RunRecord,
+    Task,
+    Trainer,
+    WarmupCosine,
+    evaluate,
+)
 from islands.runtime import simulate  # M islands in one process (islands.runtime.simulate)
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.world import World, close_world, init_world
@@ -26,7 +36,34 @@ from islands.sync.base import NoOp, Strategy
 from islands.sync.stack import Stack
 from islands.version import __version__
 
-__all__ = ["BatchError", "Callback", "Checkpointer", "Checkpointing", "Comm", "CommLedger", "Constant", "Evaluate",
-           "NoOp", "Progress", "RunRecord", "Stack", "Strategy", "Task", "Trainer", "WarmupCosine", "World",
-           "__version__", "close_world", "compress", "control", "evaluate", "init_world", "inner", "observe", "optim", "outer",
-           "robust", "simulate"]
+__all__ = [
+    "BatchError",
+    "Callback",
+    "Checkpointer",
+    "Checkpointing",
+    "Comm",
+    "CommLedger",
+    "Constant",
+    "Evaluate",
+    "NoOp",
+    "Progress",
+    "RunRecord",
+    "Stack",
+    "Strategy",
+    "Task",
+    "Trainer",
+    "WarmupCosine",
+    "World",
+    "__version__",
+    "close_world",
+    "compress",
+    "control",
+    "evaluate",
+    "init_world",
+    "inner",
+    "observe",
+    "optim",
+    "outer",
+    "robust",
+    "simulate",
+]

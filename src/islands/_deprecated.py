@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 REMOVED_IN = "0.3.0"  # deprecated in 0.2.0: one release
 
@@ -64,8 +65,11 @@ def alias_getattr(module: str) -> Callable[[str], Any]:
         if target is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         new_module, new_name = target
-        warnings.warn(f"{module}.{name} is deprecated and will be removed in islands {REMOVED_IN}; use "
-                      f"{new_module}.{new_name}", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{module}.{name} is deprecated and will be removed in islands {REMOVED_IN}; use {new_module}.{new_name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(importlib.import_module(new_module), new_name)
 
     return __getattr__

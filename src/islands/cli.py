@@ -18,8 +18,8 @@ from islands import practices as P
 from islands.app.launch import launch
 from islands.app.validate import validate
 from islands.app.worker import run_worker
-from islands.cli_more import UsageError, add_more_commands
 from islands.cli_export import add_export_command
+from islands.cli_more import UsageError, add_more_commands
 from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, default_text, descriptions, from_mapping, keys, load_toml
 from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
@@ -66,8 +66,10 @@ def cmd_train(args) -> int:
     run_dir = Path(cfg.output.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{name}-w{cfg.world.workers}")
     if "RANK" in os.environ:  # started by torchrun: this process is one worker
         if args.dashboard is not None:
-            raise ExitError("--dashboard is served by islands' own launcher; under torchrun, run "
-                            f"`islands dashboard {run_dir}` beside the job instead")
+            raise ExitError(
+                "--dashboard is served by islands' own launcher; under torchrun, run "
+                f"`islands dashboard {run_dir}` beside the job instead"
+            )
         run_worker(cfg, run_dir)
         return 0
     with train_dashboard(args, run_dir, ExitError):  # --dashboard: served from here while the job runs
@@ -96,18 +98,25 @@ def cmd_practices(args) -> int:
 
 
 def _bench_not_installed(args) -> int:
-    raise ExitError("`islands bench` comes with the benchmark suite, a separate package: "
-                    "pip install -e bench/ (from a checkout of islands)")
+    raise ExitError(
+        "`islands bench` comes with the benchmark suite, a separate package: "
+        "pip install -e bench/ (from a checkout of islands)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="islands", description=(
-        "Train PyTorch models across poorly connected, unreliable islands of devices, and measure it."))
+    p = argparse.ArgumentParser(
+        prog="islands",
+        description=("Train PyTorch models across poorly connected, unreliable islands of devices, and measure it."),
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a model with local workers (or one torchrun worker)",
-                       description="Train. Every config key is a flag (--section.key, or today's flat name); "
-                                   "--config FILE.toml supplies defaults.")
+    t = sub.add_parser(
+        "train",
+        help="train a model with local workers (or one torchrun worker)",
+        description="Train. Every config key is a flag (--section.key, or today's flat name); "
+        "--config FILE.toml supplies defaults.",
+    )
     _add_config_flags(t)
     add_train_flags(t)
     t.set_defaults(fn=cmd_train)
@@ -132,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     if "bench" not in sub.choices:
         # A stub that says where `bench` comes from; prefix_chars no option can start with, so that
         # `islands bench --list` reaches the hint instead of an "unrecognized arguments" error.
-        stub = sub.add_parser("bench", help="the benchmarks (not installed: pip install -e bench/)",
-                              add_help=False, prefix_chars="\0")
+        stub = sub.add_parser(
+            "bench", help="the benchmarks (not installed: pip install -e bench/)", add_help=False, prefix_chars="\0"
+        )
         stub.add_argument("ignored", nargs="*")
         stub.set_defaults(fn=_bench_not_installed)
     return p

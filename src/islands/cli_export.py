@@ -17,20 +17,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"exported {summary['model']} ({summary['parameters']:,} parameters, {summary['vocab']} tokens) from "
-              f"step {summary['step']} of {args.run_dir} to {summary['out']}")
+        print(
+            f"exported {summary['model']} ({summary['parameters']:,} parameters, {summary['vocab']} tokens) from "
+            f"step {summary['step']} of {args.run_dir} to {summary['out']}"
+        )
     return 0
 
 
 def add_export_command(sub) -> None:
-    p = sub.add_parser("export", help="write a run's global model and tokenizer in the Hugging Face format",
-                       description="Write the global model of an hf-causal-lm run (under DiLoCo and the other outer "
-                                   "strategies: the outer model) and its tokenizer to OUT, loadable with "
-                                   "transformers' AutoModelForCausalLM.from_pretrained(OUT) (docs/hf-models.md).")
+    p = sub.add_parser(
+        "export",
+        help="write a run's global model and tokenizer in the Hugging Face format",
+        description="Write the global model of an hf-causal-lm run (under DiLoCo and the other outer "
+        "strategies: the outer model) and its tokenizer to OUT, loadable with "
+        "transformers' AutoModelForCausalLM.from_pretrained(OUT) (docs/hf-models.md).",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory `islands train` wrote")
     p.add_argument("out", metavar="OUT", help="the directory to write; it must not exist")
     p.add_argument("--step", type=int, default=None, help="the checkpoint step to export (default: the newest intact)")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip loading OUT back with transformers and comparing its logits before it is renamed")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip loading OUT back with transformers and comparing its logits before it is renamed",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(fn=cmd_export)

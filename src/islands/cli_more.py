@@ -14,9 +14,19 @@ import torch.distributed as dist
 from islands.app.elastic_worker import exit_now, run_elastic_worker
 from islands.checkpoint.cli import add_ckpt_command
 from islands.runtime.elastic import Excluded, JobEnded
+from islands.runtime.elastic.membership import (
+    ELASTIC_ENV,
+    JOB_ENDED_EXIT_CODE,
+    NAME_ENV,
+    REFUSED_EXIT_CODE,
+    TOKEN_ENV,
+    JobSpec,
+    Refused,
+    connect,
+    observe,
+    parse_address,
+)
 from islands.runtime.launch.elastic import script_command
-from islands.runtime.elastic.membership import (ELASTIC_ENV, JOB_ENDED_EXIT_CODE, NAME_ENV, REFUSED_EXIT_CODE, TOKEN_ENV,
-                                        JobSpec, Refused, connect, observe, parse_address)
 from islands.runtime.launch.stop import request_stop
 from islands.testbed import cli as tcli
 
@@ -51,8 +61,11 @@ def _answers(address: str, host: str, port: int) -> bool:
     try:
         socket.create_connection((host, port), timeout=JOIN_CONNECT_S).close()
     except OSError as e:
-        print(f"islands: no elastic job answers at {address}: {e.strerror or e} (is the job running, and is this the "
-              "address its launcher printed?)", flush=True)
+        print(
+            f"islands: no elastic job answers at {address}: {e.strerror or e} (is the job running, and is this the "
+            "address its launcher printed?)",
+            flush=True,
+        )
         return False
     return True
 
@@ -131,8 +144,11 @@ def _stop(args) -> int:
         print(f"islands: {args.address} refused the request: {e}", flush=True)
         return REFUSED_EXIT_CODE
     request_stop(store, args.at_step)
-    print(f"islands: asked the job at {args.address} to end at step {args.at_step}; a worker already past it goes on "
-          "to the configured end and says so in its log", flush=True)
+    print(
+        f"islands: asked the job at {args.address} to end at step {args.at_step}; a worker already past it goes on "
+        "to the configured end and says so in its log",
+        flush=True,
+    )
     return 0
 
 
@@ -150,34 +166,51 @@ def _join_script(job: JobSpec, address: str, name: str, token: str) -> int:
 
 
 def add_more_commands(sub: argparse._SubParsersAction) -> None:
-    jn = sub.add_parser("join", help="join a running elastic job (islands train --elastic, islands run --elastic)",
-                        description="Start one worker that asks the job at HOST:PORT to admit it, receives the "
-                                    "current global model and outer-optimizer state at the next round, and trains "
-                                    "from the round after. What it runs comes from the job itself: the job's config "
-                                    "(islands train), or the job's script with its arguments, in the launcher's "
-                                    "directory (islands run).")
+    jn = sub.add_parser(
+        "join",
+        help="join a running elastic job (islands train --elastic, islands run --elastic)",
+        description="Start one worker that asks the job at HOST:PORT to admit it, receives the "
+        "current global model and outer-optimizer state at the next round, and trains "
+        "from the round after. What it runs comes from the job itself: the job's config "
+        "(islands train), or the job's script with its arguments, in the launcher's "
+        "directory (islands run).",
+    )
     jn.add_argument("address", help="HOST:PORT of the elastic job's store (printed by its launcher)")
-    jn.add_argument("--token", default="", help="the job's secret (prefer --token-file or ISLANDS_TOKEN: "
-                                                "arguments are visible to other users of this machine)")
+    jn.add_argument(
+        "--token",
+        default="",
+        help="the job's secret (prefer --token-file or ISLANDS_TOKEN: "
+        "arguments are visible to other users of this machine)",
+    )
     jn.add_argument("--token-file", default="", help="file holding the token (the launcher writes RUN_DIR/token)")
     jn.add_argument("--name", default="", help="this worker's name in the job (default: random)")
-    jn.add_argument("--run-dir", default="", help="where this worker writes its records (default runs/join-NAME; "
-                                                  "a script job's worker writes where its script does)")
+    jn.add_argument(
+        "--run-dir",
+        default="",
+        help="where this worker writes its records (default runs/join-NAME; "
+        "a script job's worker writes where its script does)",
+    )
     jn.set_defaults(fn=_join)
-    st = sub.add_parser("stop", help="end a running elastic job at a step: every worker stops there, cleanly",
-                        description="Ask every worker of the elastic job at HOST:PORT to end at step N: each looks "
-                                    "at the request every 0.5 s and ends there as at its configured last step (the "
-                                    "final synchronisation, the records, exit 0). N must lie ahead of the job's "
-                                    "furthest worker by more than half a second of training and a round; a worker "
-                                    "already past it goes on to the configured end and says so in its log.")
+    st = sub.add_parser(
+        "stop",
+        help="end a running elastic job at a step: every worker stops there, cleanly",
+        description="Ask every worker of the elastic job at HOST:PORT to end at step N: each looks "
+        "at the request every 0.5 s and ends there as at its configured last step (the "
+        "final synchronisation, the records, exit 0). N must lie ahead of the job's "
+        "furthest worker by more than half a second of training and a round; a worker "
+        "already past it goes on to the configured end and says so in its log.",
+    )
     st.add_argument("address", help="HOST:PORT (or etcd://...) of the elastic job's store (printed by its launcher)")
     st.add_argument("--at-step", type=int, required=True, help="the step every worker ends at")
     st.add_argument("--token", default="", help="the job's secret (prefer --token-file or ISLANDS_TOKEN)")
     st.add_argument("--token-file", default="", help="file holding the token (the launcher writes RUN_DIR/token)")
     st.set_defaults(fn=_stop)
-    tb = sub.add_parser("testbed", help="real rate-limited links: hosts as network namespaces (root)",
-                        description="Create, inspect and remove a network testbed; `islands train --testbed NAME` "
-                                    "then runs each worker inside one of its hosts.")
+    tb = sub.add_parser(
+        "testbed",
+        help="real rate-limited links: hosts as network namespaces (root)",
+        description="Create, inspect and remove a network testbed; `islands train --testbed NAME` "
+        "then runs each worker inside one of its hosts.",
+    )
     tsub = tb.add_subparsers(dest="action", required=True)
     up = tsub.add_parser("up", help="create N hosts behind a bridge, every link shaped to RATE")
     up.add_argument("--hosts", type=int, default=2)
@@ -189,8 +222,10 @@ def add_more_commands(sub: argparse._SubParsersAction) -> None:
     down.add_argument("name", nargs="?", default="default")
     down.add_argument("--all", action="store_true", help="remove every islands testbed on this machine")
     tsub.add_parser("status", help="list testbeds and their measured rates")
-    for action, what in (("cut", "take host HOST's link down at the bridge (a network partition)"),
-                         ("heal", "bring a cut link back up")):
+    for action, what in (
+        ("cut", "take host HOST's link down at the bridge (a network partition)"),
+        ("heal", "bring a cut link back up"),
+    ):
         link = tsub.add_parser(action, help=what)
         link.add_argument("host", type=int, help="the host's index (0 .. hosts-1)")
         link.add_argument("--name", default="default")

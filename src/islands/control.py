@@ -13,12 +13,25 @@ Live recovery (SOTA-931): StateImage (a state cut into checksummed chunks), Stat
 
 from islands._deprecated import alias_getattr
 from islands.runtime.elastic.auth import AuthStore, ControlAuth, mac_payload
-from islands.runtime.elastic.membership import JobSpec, Refused, connect
-from islands.runtime.elastic.membership import observe as observe_job
-from islands.runtime.payload_auth import AuthenticatedComm, PayloadAuthError, authenticate_payloads
+from islands.runtime.elastic.membership import JobSpec, Refused, connect, observe as observe_job
 from islands.runtime.elastic.recovery import RecoveryError, StateImage, StateServer, fetch_state
+from islands.runtime.payload_auth import AuthenticatedComm, PayloadAuthError, authenticate_payloads
 
-__all__ = ["AuthStore", "AuthenticatedComm", "ControlAuth", "JobSpec", "PayloadAuthError", "RecoveryError", "Refused",
-           "StateImage", "StateServer", "authenticate_payloads", "connect", "fetch_state", "mac_payload", "observe_job"]
+__all__ = [
+    "AuthStore",
+    "AuthenticatedComm",
+    "ControlAuth",
+    "JobSpec",
+    "PayloadAuthError",
+    "RecoveryError",
+    "Refused",
+    "StateImage",
+    "StateServer",
+    "authenticate_payloads",
+    "connect",
+    "fetch_state",
+    "mac_payload",
+    "observe_job",
+]
 
 __getattr__ = alias_getattr(__name__)  # observe: deprecated, now observe_job (docs/deprecations.md)

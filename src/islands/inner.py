@@ -15,5 +15,15 @@ from islands.sync.single import Single
 from islands.sync.wrap_policy import BlockWrap, GraphWrap, ModelWrap, ParamThreshold, SplitByParams
 from islands.sync.zero1 import ZeRO1
 
-__all__ = ["DDP", "FSDP", "BlockWrap", "GraphWrap", "ModelWrap", "ParamThreshold", "Pipeline", "Single",
-           "SplitByParams", "ZeRO1"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "BlockWrap",
+    "GraphWrap",
+    "ModelWrap",
+    "ParamThreshold",
+    "Pipeline",
+    "Single",
+    "SplitByParams",
+    "ZeRO1",
+]

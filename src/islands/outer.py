@@ -20,8 +20,8 @@ the last step (the Trainer does), and `eval_model(model)` is the global model, p
 from islands.sync.outer.adaptive import Adaptive
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.eager import Overlapped
-from islands.sync.outer.exchange import Exchange
 from islands.sync.outer.easgd import EASGD
+from islands.sync.outer.exchange import Exchange
 from islands.sync.outer.gossip import Gossip
 from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.outer_opt import OuterSGD, OuterStep, PrimalAveraging
@@ -35,6 +35,27 @@ from islands.sync.outer.topology import ExponentialGraph, RandomPeers, Ring
 from islands.sync.outer.warm_start import WarmStart
 from islands.sync.outer.zstd4 import Quant4Zstd
 
-__all__ = ["Adaptive", "DiLoCo", "EASGD", "Exchange", "ExponentialGraph", "Fragments", "Gossip", "LocalSGD", "OuterSGD",
-           "OuterStep", "OverlapLocalSGD", "Overlapped", "PostLocalSGD", "PrimalAveraging", "Quant4", "Quant4Zstd",
-           "RandomPeers", "Ring", "Rounds", "SlowMo", "StreamingDiLoCo", "WarmStart"]
+__all__ = [
+    "Adaptive",
+    "DiLoCo",
+    "EASGD",
+    "Exchange",
+    "ExponentialGraph",
+    "Fragments",
+    "Gossip",
+    "LocalSGD",
+    "OuterSGD",
+    "OuterStep",
+    "OverlapLocalSGD",
+    "Overlapped",
+    "PostLocalSGD",
+    "PrimalAveraging",
+    "Quant4",
+    "Quant4Zstd",
+    "RandomPeers",
+    "Ring",
+    "Rounds",
+    "SlowMo",
+    "StreamingDiLoCo",
+    "WarmStart",
+]

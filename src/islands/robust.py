@@ -14,11 +14,38 @@ from islands.aggregate.geomed import GeometricMedian
 from islands.aggregate.krum import Krum, MultiKrum
 from islands.aggregate.mixing import Bucketing, NearestNeighborMixing
 from islands.faults.attacks import Byzantine
-from islands.faults.roles import (ALIE, GaussianNoise, InnerProductManipulation, LabelFlip, NonFinite, Scaled,
-                                  SignFlip, SilentDropout, Straggler)
+from islands.faults.roles import (
+    ALIE,
+    GaussianNoise,
+    InnerProductManipulation,
+    LabelFlip,
+    NonFinite,
+    Scaled,
+    SignFlip,
+    SilentDropout,
+    Straggler,
+)
 
 __getattr__ = alias_getattr(__name__)  # Median: deprecated, now CoordinateMedian (docs/deprecations.md)
 
-__all__ = ["ALIE", "Bucketing", "Byzantine", "CenteredClipping", "CoordinateMedian", "GaussianNoise", "GeometricMedian",
-           "InnerProductManipulation", "Krum", "LabelFlip", "Mean", "MultiKrum", "NearestNeighborMixing",
-           "NonFinite", "Scaled", "SignFlip", "SilentDropout", "Straggler", "TrimmedMean"]
+__all__ = [
+    "ALIE",
+    "Bucketing",
+    "Byzantine",
+    "CenteredClipping",
+    "CoordinateMedian",
+    "GaussianNoise",
+    "GeometricMedian",
+    "InnerProductManipulation",
+    "Krum",
+    "LabelFlip",
+    "Mean",
+    "MultiKrum",
+    "NearestNeighborMixing",
+    "NonFinite",
+    "Scaled",
+    "SignFlip",
+    "SilentDropout",
+    "Straggler",
+    "TrimmedMean",
+]

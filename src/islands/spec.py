@@ -44,7 +44,8 @@ import re
 import sys
 import types
 import typing
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
 POSITIONAL = "*"  # reserved key: a value given without a key (the entry's first parameter)
 CHAIN = "+"  # reserved key: what follows '+' (a+b)
@@ -57,8 +58,14 @@ _FLOAT = re.compile(r"-?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?\Z")
 _MANTISSA_E = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)[eE]\Z")  # "1e" in "1e+3": the '+' belongs to the number
 _NEXT_KEY = re.compile(r",\s*([A-Za-z_][A-Za-z0-9_\-]*)\s*=")
 _BARE = re.compile(r"[A-Za-z_][^\s:,=+()\[\]'\"\\]*\Z")  # text `format` may write without quotes
-_WORDS: dict[str, Any] = {"true": True, "false": False, "none": None, "inf": math.inf, "-inf": -math.inf,
-                          "nan": math.nan}
+_WORDS: dict[str, Any] = {
+    "true": True,
+    "false": False,
+    "none": None,
+    "inf": math.inf,
+    "-inf": -math.inf,
+    "nan": math.nan,
+}
 
 
 class SpecError(ValueError):
@@ -72,6 +79,7 @@ class SpecError(ValueError):
 
 
 # -- the value ---------------------------------------------------------------------------------------------------
+
 
 def _arg_order(item: tuple[str, Any]) -> tuple[int, str]:
     key = item[0]
@@ -190,6 +198,7 @@ def _from_json(v: Any) -> Any:
 
 # -- text -> Spec ------------------------------------------------------------------------------------------------
 
+
 def _atom_value(raw: str) -> Any:
     low = raw.lower()
     if low in _WORDS:
@@ -259,8 +268,10 @@ class _Parser:
                 extra = self.value(nested_stop=None, keyed=False)
                 args[extendable] = (prev if isinstance(prev, tuple) else (prev,)) + (extra,)
             else:
-                self.fail(f"{name}: expected key=value (a value without a key may come first, as the first "
-                          f"parameter, or follow a plain key=value as more items of it)")
+                self.fail(
+                    f"{name}: expected key=value (a value without a key may come first, as the first "
+                    f"parameter, or follow a plain key=value as more items of it)"
+                )
             if self.peek() != ",":
                 return list(args.items())
             if stop is not None:
@@ -288,9 +299,12 @@ class _Parser:
             self.i += 1
             inner = self.spec(depth=1)
             if self.peek() != ")":
-                self.fail("expected ')' to close this '('" if not self.peek() else
-                          "expected ')' or ',' and the next key=value of the nested spec",
-                          start if not self.peek() else None)
+                self.fail(
+                    "expected ')' to close this '('"
+                    if not self.peek()
+                    else "expected ')' or ',' and the next key=value of the nested spec",
+                    start if not self.peek() else None,
+                )
             self.i += 1
             return inner
         if c == "[":
@@ -303,8 +317,10 @@ class _Parser:
                         break
                     self.i += 1
             if self.peek() != "]":
-                self.fail("expected ']' to close this '['" if not self.peek() else "expected ',' or ']'",
-                          start if not self.peek() else None)
+                self.fail(
+                    "expected ']' to close this '['" if not self.peek() else "expected ',' or ']'",
+                    start if not self.peek() else None,
+                )
             self.i += 1
             return tuple(items)
         if c in ("'", '"'):
@@ -330,7 +346,7 @@ class _Parser:
                     continue
                 break
             j += 1
-        raw, self.i = text[self.i:j], j
+        raw, self.i = text[self.i : j], j
         return raw
 
     def quoted(self, quote: str) -> str:
@@ -365,13 +381,17 @@ def parse(text: str, keys: Callable[[str], Iterable[str] | None] | None = None) 
     spec = p.spec(depth=0)
     c = p.peek()
     if c:
-        hint = {")": "a ')' without its '('", "]": "a ']' without its '['",
-                "=": "keys are words such as rank, before the ="}
+        hint = {
+            ")": "a ')' without its '('",
+            "]": "a ']' without its '['",
+            "=": "keys are words such as rank, before the =",
+        }
         p.fail(f"unexpected {c!r}: expected ',', '+' or the end" + (f" ({hint[c]})" if c in hint else ""))
     return spec
 
 
 # -- Spec -> text ------------------------------------------------------------------------------------------------
+
 
 def _format_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -393,7 +413,7 @@ def _format_value(v: Any) -> str:
     raise TypeError(f"not a spec value: {v!r}")
 
 
-def format(spec: Spec) -> str:  # noqa: A001 - the module's verb, as in spec.parse / spec.format
+def format(spec: Spec) -> str:  # (shadows the builtin on purpose) the module's verb, as in spec.parse / spec.format
     """The canonical text of a Spec: keys sorted, lists in brackets, nested specs in parentheses."""
     if not isinstance(spec, Spec):
         raise TypeError(f"format takes a Spec, got {type(spec).__name__}")
@@ -561,6 +581,7 @@ def _check_nested(value: Spec, registries: list[Registry]) -> Spec:
 
 # -- the registry ------------------------------------------------------------------------------------------------
 
+
 class _Required:
     def __repr__(self) -> str:
         return "REQUIRED"
@@ -617,8 +638,11 @@ def _unwrap(fn: Any) -> Any:
 
 def _own_doc(obj: Any) -> str:
     """A docstring written for obj itself (a dataclass's generated 'Name(field: type)' does not count)."""
-    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) or isinstance(obj, functools.partial) else \
-        getattr(obj, "__doc__", None)
+    doc = (
+        obj.__dict__.get("__doc__")
+        if inspect.isclass(obj) or isinstance(obj, functools.partial)
+        else getattr(obj, "__doc__", None)
+    )
     if not doc or (inspect.isclass(obj) and doc.startswith(obj.__name__ + "(")):
         return ""
     return inspect.cleandoc(doc)
@@ -652,7 +676,7 @@ def _param_help(doc: str, name: str) -> str:
         if tick in clause:
             text = " ".join(clause.split())
             if text.startswith(tick + ":"):
-                text = text[len(tick) + 1:].lstrip()
+                text = text[len(tick) + 1 :].lstrip()
             text = text.replace("`", "")
             return text[:-1] if text.endswith((";", ".")) and not text.endswith("..") else text
     return ""
@@ -678,7 +702,7 @@ def _resolve(annotation: Any, name: str, hints: dict, namespace: dict) -> Any:
     if name in hints:
         return hints[name]
     try:
-        return eval(annotation, namespace, {})  # noqa: S307 - an annotation string from our own source
+        return eval(annotation, namespace, {})  # eval: an annotation string from our own source
     except Exception:  # noqa: BLE001 - unresolvable: a type with no spec form
         return object
 
@@ -688,8 +712,12 @@ def resolved_signature(fn: Callable) -> inspect.Signature:
     that add parameters to a constructor's (`inspect.Signature(params)` as the wrapper's `__signature__`)."""
     sig = inspect.signature(fn)
     hints, namespace = _hints(fn)
-    return sig.replace(parameters=[p.replace(annotation=_resolve(p.annotation, p.name, hints, namespace))
-                                   for p in sig.parameters.values()], return_annotation=inspect.Signature.empty)
+    return sig.replace(
+        parameters=[
+            p.replace(annotation=_resolve(p.annotation, p.name, hints, namespace)) for p in sig.parameters.values()
+        ],
+        return_annotation=inspect.Signature.empty,
+    )
 
 
 def _read_schema(fn: Callable) -> list[Param]:
@@ -706,8 +734,9 @@ def _read_schema(fn: Callable) -> list[Param]:
             tp = type(default)  # unannotated: the default's type
         opts = _options(tp)
         spellable = any(o.spellable() or o.kind == "any" for o in opts if o.kind != "none")
-        params.append(Param(p.name, tp, default, required, _param_help(doc, p.name), opts, spellable,
-                            p.kind == p.POSITIONAL_ONLY))
+        params.append(
+            Param(p.name, tp, default, required, _param_help(doc, p.name), opts, spellable, p.kind == p.POSITIONAL_ONLY)
+        )
     return params
 
 
@@ -725,9 +754,14 @@ class Registry:
     `param` is built with (gossip's seed seeds its random topology).
     """
 
-    def __init__(self, kind: str, entries: Mapping[str, Callable], base: type | tuple | None = None,
-                 aliases: Mapping[str, str] | None = None,
-                 shared: Mapping[str, Mapping[str, Iterable[str]]] | None = None):
+    def __init__(
+        self,
+        kind: str,
+        entries: Mapping[str, Callable],
+        base: type | tuple | None = None,
+        aliases: Mapping[str, str] | None = None,
+        shared: Mapping[str, Mapping[str, Iterable[str]]] | None = None,
+    ):
         if not entries:
             raise ValueError(f"registry {kind!r} needs at least one entry")
         for name in entries:
@@ -830,8 +864,7 @@ class Registry:
         if found is None:
             close = difflib.get_close_matches(str(name).lower(), list(self._lower), n=1, cutoff=0.6)
             hint = f" (did you mean {self._lower[close[0]]!r}?)" if close else ""
-            raise SpecError(f"unknown {self.kind} {name!r}{hint}; valid: {', '.join(self._entries)}\n"
-                            f"{self.describe()}")
+            raise SpecError(f"unknown {self.kind} {name!r}{hint}; valid: {', '.join(self._entries)}\n{self.describe()}")
         return found
 
     def _keys(self, name: str) -> list[str] | None:
@@ -851,8 +884,10 @@ class Registry:
             return parse(spec, keys=self._keys)
         if isinstance(spec, Mapping):
             return Spec.from_json(spec)
-        raise TypeError(f"a {self.kind} spec is text such as {self.usage(next(iter(self._entries)))!r} or a Spec; "
-                        f"got {type(spec).__name__}")
+        raise TypeError(
+            f"a {self.kind} spec is text such as {self.usage(next(iter(self._entries)))!r} or a Spec; "
+            f"got {type(spec).__name__}"
+        )
 
     def check(self, spec: Spec | str | Mapping, *, supplied: Iterable[str] = ()) -> Spec:
         """The spec normalised against the schema: the entry's own name, aliases resolved, values coerced to the
@@ -870,29 +905,39 @@ class Registry:
             if key == CHAIN:
                 if chain is None:
                     chainers = self.chaining()
-                    raise SpecError(f"{name!r} takes no {self.kind} to chain with '+'; only "
-                                    f"{', '.join(chainers) or 'none'} do (a step must come before the "
-                                    f"{self.kind} it feeds)")
+                    raise SpecError(
+                        f"{name!r} takes no {self.kind} to chain with '+'; only "
+                        f"{', '.join(chainers) or 'none'} do (a step must come before the "
+                        f"{self.kind} it feeds)"
+                    )
                 key = chain.name
             elif key == POSITIONAL:
                 first = self.positional_param(name)
                 if first is None:
-                    raise SpecError(f"{self.kind} {name} takes no parameters, got the value "
-                                    f"{_format_value(value)}: write {self.usage(name)}")
+                    raise SpecError(
+                        f"{self.kind} {name} takes no parameters, got the value "
+                        f"{_format_value(value)}: write {self.usage(name)}"
+                    )
                 key = first.name
             elif key not in params:
                 key = self._resolve_key(name, key, params)
             if key in out:
                 ways = {spelled[key], given_as} - {key}
-                why = "" if not ways else " (the value without a key is it)" if POSITIONAL in ways else \
-                    f" ({ways.pop()} is another name for it)"
+                why = (
+                    ""
+                    if not ways
+                    else " (the value without a key is it)"
+                    if POSITIONAL in ways
+                    else f" ({ways.pop()} is another name for it)"
+                )
                 raise SpecError(f"{self.kind} {name}: {key} is given twice{why}")
             spelled[key] = given_as
             out[key] = self._coerce_arg(name, params[key], value, positional=given_as == POSITIONAL)
         for p in params.values():
             if p.required and p.name not in out and p.name not in supplied and p is chain:
-                raise SpecError(f"{self.kind} {name} needs the {self.kind} it feeds after a '+': write "
-                                f"{self.usage(name)}")
+                raise SpecError(
+                    f"{self.kind} {name} needs the {self.kind} it feeds after a '+': write {self.usage(name)}"
+                )
             if p.required and p.name not in out and p.name not in supplied:
                 raise SpecError(f"{self.kind} {name} needs {p.name}=<{p.type_text}>: write {self.usage(name)}")
         if chain is not None and chain.name in out and isinstance(out[chain.name], Spec):
@@ -908,8 +953,9 @@ class Registry:
         close = difflib.get_close_matches(key, list(params), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]}?)" if close else ""
         listed = ", ".join(params) or "none"
-        raise SpecError(f"{self.kind} {name} does not take {key}{hint}; its parameters: {listed}\n"
-                        f"{self.describe(name)}")
+        raise SpecError(
+            f"{self.kind} {name} does not take {key}{hint}; its parameters: {listed}\n{self.describe(name)}"
+        )
 
     def _coerce_arg(self, name: str, p: Param, value: Any, positional: bool) -> Any:
         where = f"{self.kind} {name}, {p.name}"
@@ -918,9 +964,11 @@ class Registry:
         except _Mismatch:
             shown = _format_value(value)
             if positional:
-                raise SpecError(f"{self.kind} {name}: the value {shown} given without a key is its first "
-                                f"parameter, {p.name}, which takes {p.type_text}; write key=value "
-                                f"({self.usage(name)})") from None
+                raise SpecError(
+                    f"{self.kind} {name}: the value {shown} given without a key is its first "
+                    f"parameter, {p.name}, which takes {p.type_text}; write key=value "
+                    f"({self.usage(name)})"
+                ) from None
             raise SpecError(f"{self.kind} {name}: {p.name}={shown} is not a valid {p.type_text}") from None
         except SpecError as e:
             if e.message.startswith(where):
@@ -957,8 +1005,7 @@ class Registry:
             elif p.name in context:
                 value = context[p.name]
             elif p.required:
-                raise SpecError(f"{self.kind} {name} needs {p.name}, which the caller supplies "
-                                f"(it has no spec form)")
+                raise SpecError(f"{self.kind} {name} needs {p.name}, which the caller supplies (it has no spec form)")
             else:
                 continue
             if p.positional_only:
@@ -989,6 +1036,7 @@ def _materialise(value: Any, opts: tuple[_Opt, ...], context: Mapping[str, Any])
 
 # -- small choices ----------------------------------------------------------------------------------------------
 
+
 def choice(value: Any, words: Iterable[str], number: type = int, what: str = "value") -> Any:
     """One of a few words or a number (`microbatches=auto|N`): the word, or the number as `number`."""
     words = tuple(words)
@@ -1001,5 +1049,19 @@ def choice(value: Any, words: Iterable[str], number: type = int, what: str = "va
     raise SpecError(f"{what} must be {' or '.join(repr(w) for w in words)} or {number.__name__}; got {value!r}")
 
 
-__all__ = ["CHAIN", "POSITIONAL", "Param", "Registry", "Spec", "SpecError", "bind", "choice", "format", "parse",
-           "docs_of", "registries", "registry_for", "resolved_signature"]
+__all__ = [
+    "CHAIN",
+    "POSITIONAL",
+    "Param",
+    "Registry",
+    "Spec",
+    "SpecError",
+    "bind",
+    "choice",
+    "format",
+    "parse",
+    "docs_of",
+    "registries",
+    "registry_for",
+    "resolved_signature",
+]

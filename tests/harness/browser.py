@@ -27,8 +27,10 @@ def chromium() -> str | None:
     return None
 
 
-needs_browser = pytest.mark.skipif(chromium() is None and not os.environ.get("CI"),
-                                   reason="no chromium installed (apt-get install -y chromium; .ci/run does)")
+needs_browser = pytest.mark.skipif(
+    chromium() is None and not os.environ.get("CI"),
+    reason="no chromium installed (apt-get install -y chromium; .ci/run does)",
+)
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -36,9 +38,18 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     if exe is None:
         raise RuntimeError("chromium is not installed: apt-get install -y chromium (.ci/run does this)")
     with tempfile.TemporaryDirectory(prefix="islands-chromium-") as profile:
-        cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               "--no-first-run", "--disable-extensions", "--disable-background-networking",
-               f"--user-data-dir={profile}", *args]
+        cmd = [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            f"--user-data-dir={profile}",
+            *args,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -55,8 +66,10 @@ def screenshot(url: str, name: str, wait_ms: int = 4000, size: str = "1280,1600"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     out = ARTIFACTS / name
     out.unlink(missing_ok=True)
-    proc = _run([f"--virtual-time-budget={wait_ms}", f"--window-size={size}", f"--screenshot={out}",
-                 "--hide-scrollbars", url], timeout)
+    proc = _run(
+        [f"--virtual-time-budget={wait_ms}", f"--window-size={size}", f"--screenshot={out}", "--hide-scrollbars", url],
+        timeout,
+    )
     if proc.returncode != 0 or not out.exists() or out.stat().st_size == 0:
         raise AssertionError(f"chromium made no screenshot of {url}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     return out

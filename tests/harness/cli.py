@@ -16,11 +16,42 @@ from islands.config import from_mapping
 from islands.loop import Trainer
 from islands.runtime.world import World
 
-TINY = dict(d_model=32, n_layers=1, n_heads=2, context=32, global_batch=4, eval_batches=2, threads=1,
-            progress=False, eval_every=0, warmup=2, log_every=2)
-TINY_FLAGS = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",
-              "--eval-batches", "2", "--threads", "1", "--eval-every", "0", "--warmup", "2", "--log-every", "2",
-              "--no-progress"]
+TINY = dict(
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    context=32,
+    global_batch=4,
+    eval_batches=2,
+    threads=1,
+    progress=False,
+    eval_every=0,
+    warmup=2,
+    log_every=2,
+)
+TINY_FLAGS = [
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--context",
+    "32",
+    "--global-batch",
+    "4",
+    "--eval-batches",
+    "2",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--warmup",
+    "2",
+    "--log-every",
+    "2",
+    "--no-progress",
+]
 EXACT = ("model", "optimizer", "strategy", "rng", "loader", "step")
 
 

@@ -15,8 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from torch.distributed import DistNetworkError
 
@@ -80,11 +80,42 @@ def at_gate(out: Path, names) -> Callable[[], bool]:
 def train_over_store(store_url: str, run: Path, cwd: Path) -> subprocess.CompletedProcess:
     """`islands train` of a small elastic job (2 one-worker islands, digits, DiLoCo H=3, 9 steps) whose store is
     the etcd cluster at `store_url`; the cluster's client variables come from this process's environment."""
-    return subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2",
-                           "--islands", "2", "--outer", "diloco:inner_steps=3", "--elastic", "--store", store_url,
-                           "--steps", "9", "--global-batch", "16", "--eval-every", "0", "--no-probe", "--no-progress",
-                           "--heartbeat-timeout", "5", "--run-dir", str(run)], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "train",
+            "--task",
+            "digits",
+            "--workers",
+            "2",
+            "--islands",
+            "2",
+            "--outer",
+            "diloco:inner_steps=3",
+            "--elastic",
+            "--store",
+            store_url,
+            "--steps",
+            "9",
+            "--global-batch",
+            "16",
+            "--eval-every",
+            "0",
+            "--no-probe",
+            "--no-progress",
+            "--heartbeat-timeout",
+            "5",
+            "--run-dir",
+            str(run),
+        ],
+        cwd=cwd,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def logs(run: Path) -> str:
@@ -102,32 +133,73 @@ def outputs(out: Path, names) -> dict[str, dict]:
     return {n: json.loads((out / f"{n}.json").read_text()) for n in names}
 
 
-def start_job(tmp_path: Path, script: str, workers: int, *args: str, heartbeat: float = 5.0, timeout: float = 60.0,
-              store_url: str = "", launcher_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+def start_job(
+    tmp_path: Path,
+    script: str,
+    workers: int,
+    *args: str,
+    heartbeat: float = 5.0,
+    timeout: float = 60.0,
+    store_url: str = "",
+    launcher_args: tuple[str, ...] = (),
+) -> tuple[subprocess.Popen, Path]:
     """`islands run --elastic` of `script` (written to tmp_path/job.py) from tmp_path, run directory tmp_path/run;
     the launcher's stderr goes to tmp_path/launcher.err (returned with the process). `launcher_args`: more flags
     of `islands run` (before the script)."""
     (tmp_path / "job.py").write_text(script)
     err = tmp_path / "launcher.err"
     with open(err, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "islands", "run", "--elastic", "--workers", str(workers),
-                                 *(["--store", store_url] if store_url else []), "--heartbeat-timeout", str(heartbeat),
-                                 "--timeout", str(timeout), *launcher_args, "--run-dir", "run", "job.py", *args],
-                                cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=f)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "islands",
+                "run",
+                "--elastic",
+                "--workers",
+                str(workers),
+                *(["--store", store_url] if store_url else []),
+                "--heartbeat-timeout",
+                str(heartbeat),
+                "--timeout",
+                str(timeout),
+                *launcher_args,
+                "--run-dir",
+                "run",
+                "job.py",
+                *args,
+            ],
+            cwd=tmp_path,
+            env=env(),
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
     return proc, err
 
 
 def address(err: Path) -> str | None:
     """The job's address, once the launcher has printed it."""
-    return next((line.split("elastic job at ")[1].split(";")[0] for line in err.read_text().splitlines()
-                 if "elastic job at " in line), None)
+    return next(
+        (
+            line.split("elastic job at ")[1].split(";")[0]
+            for line in err.read_text().splitlines()
+            if "elastic job at " in line
+        ),
+        None,
+    )
 
 
 def join(where: str, *token_args: str, name: str, cwd: Path) -> subprocess.Popen:
     """`islands join WHERE TOKEN-ARGS --name NAME` from `cwd` (WHERE: the job's address), its output (stdout and
     stderr) on one pipe."""
-    return subprocess.Popen([sys.executable, "-m", "islands", "join", where, *token_args, "--name", name],
-                            cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "islands", "join", where, *token_args, "--name", name],
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, err: Path, timeout: float = 240.0) -> str:
@@ -183,7 +255,7 @@ def kill_job_processes(marker: str) -> None:
 # restarted worker is ready, instead of running thousands of steps; computation is unchanged, only time passes.
 # With the task option model=bn-cnn the model is a BatchNorm CNN of the test's own instead of islands' MLP (its
 # running statistics and num_batches_tracked are state every island must agree on bit for bit).
-GATED_DIGITS = r'''
+GATED_DIGITS = r"""
 import os, time
 import torch
 import torch.nn as nn
@@ -213,7 +285,7 @@ def make_task(cfg):
         model = BNCNN()
     task.model = Gate(model, cfg.task.options.get("hold", ""))
     return task
-'''
+"""
 
 
 def gated_digits(tmp_path: Path) -> tuple[str, Path]:

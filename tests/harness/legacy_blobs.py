@@ -21,9 +21,20 @@ _MAGICLESS = zstandard.FORMAT_ZSTD1_MAGICLESS
 
 
 def _coder(fmt, **params) -> zstandard.ZstdCompressor:
-    return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
-        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7, window_log=17, hash_log=6,
-        chain_log=6, search_log=1, write_checksum=True, format=fmt, **params))
+    return zstandard.ZstdCompressor(
+        compression_params=zstandard.ZstdCompressionParameters(
+            compression_level=1,
+            strategy=zstandard.STRATEGY_FAST,
+            min_match=7,
+            window_log=17,
+            hash_log=6,
+            chain_log=6,
+            search_log=1,
+            write_checksum=True,
+            format=fmt,
+            **params,
+        )
+    )
 
 
 _HUFFMAN = {fmt: _coder(fmt) for fmt in (zstandard.FORMAT_ZSTD1, _MAGICLESS)}
@@ -36,7 +47,7 @@ def frames(blob) -> list[tuple[dict, bytes]]:
     out = []
     for chunk in header["chunks"]:
         for meta in chunk["streams"]:
-            out.append((meta, bytes(memoryview(blob)[offset:offset + meta["enc"]])))
+            out.append((meta, bytes(memoryview(blob)[offset : offset + meta["enc"]])))
             offset += meta["enc"]
     return out
 
@@ -103,9 +114,15 @@ def legacy_blob(header: dict, streams: list[bytes], version: int = 5) -> bytes:
     """A format 3, 4 or 5 blob from its header dict and ordinary frames."""
     head = json.dumps(header, separators=(",", ":")).encode()
     if version == 3:
-        return struct.pack("<4sBI", b"ISLT", 3, len(head)) + head + struct.pack("<I", zlib.crc32(head)) + b"".join(streams)
-    return (struct.pack("<4sB", b"ISLT", version) + b"".join(streams) + head
-            + struct.pack("<II", zlib.crc32(head), len(head)))
+        return (
+            struct.pack("<4sBI", b"ISLT", 3, len(head)) + head + struct.pack("<I", zlib.crc32(head)) + b"".join(streams)
+        )
+    return (
+        struct.pack("<4sB", b"ISLT", version)
+        + b"".join(streams)
+        + head
+        + struct.pack("<II", zlib.crc32(head), len(head))
+    )
 
 
 def as_version(blob, version: int) -> bytes:

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from islands.checkpoint.codec.tensor import encode_tensor
 from islands.checkpoint.codec.safetensors_codec import _as_tensor, read_safetensors_header
+from islands.checkpoint.codec.tensor import encode_tensor
 
 V1_SOURCE_SHA256 = "1ca9899ee1f4ff9728ce78bed59dcad4a583fa9c5a152f3dd705b07deef7f60b"
 V1_FILE = base64.b64decode(
@@ -56,9 +56,15 @@ V1_FILE = base64.b64decode(
 def v1_source() -> dict[str, torch.Tensor]:
     """The tensors of V1_FILE's source (saved with metadata {"note": "kept"}): exact in every dtype."""
     a = torch.arange(96, dtype=torch.float32)
-    return {"w": ((a - 40) * 0.015625).reshape(12, 8), "h": ((a[:30] - 7) * 0.25).half(),
-            "b": ((a[:33] - 16) * 0.0078125).bfloat16(), "i": torch.arange(7), "m": torch.tensor([True, False, True]),
-            "e": torch.zeros(0, 4), "d": (a[:5].double() / 3)}
+    return {
+        "w": ((a - 40) * 0.015625).reshape(12, 8),
+        "h": ((a[:30] - 7) * 0.25).half(),
+        "b": ((a[:33] - 16) * 0.0078125).bfloat16(),
+        "i": torch.arange(7),
+        "m": torch.tensor([True, False, True]),
+        "e": torch.zeros(0, 4),
+        "d": (a[:5].double() / 3),
+    }
 
 
 def write_v1(src, dst) -> int:
@@ -74,20 +80,22 @@ def write_v1(src, dst) -> int:
         if name == "__metadata__":
             continue
         b, e = info["data_offsets"]
-        blob = encode_tensor(_as_tensor(np.frombuffer(bytearray(data[start + b:start + e]), dtype=np.uint8), info))
-        index.append({"name": name, "begin": b, "end": e, "offset": offset, "length": len(blob),
-                      "crc": zlib.crc32(blob)})
+        blob = encode_tensor(_as_tensor(np.frombuffer(bytearray(data[start + b : start + e]), dtype=np.uint8), info))
+        index.append(
+            {"name": name, "begin": b, "end": e, "offset": offset, "length": len(blob), "crc": zlib.crc32(blob)}
+        )
         blobs.append(blob)
         offset += len(blob)
     gaps, pos = [], 0
     for b, e in sorted((t["begin"], t["end"]) for t in index):
         if b > pos:
-            gaps.append([pos, b, bytes(data[start + pos:start + b]).hex()])
+            gaps.append([pos, b, bytes(data[start + pos : start + b]).hex()])
         pos = max(pos, e)
     if pos < data_len:
-        gaps.append([pos, data_len, bytes(data[start + pos:]).hex()])
-    meta = json.dumps({"header": raw_header.decode("utf-8"), "data_len": data_len, "tensors": index,
-                       "gaps": gaps}).encode()
+        gaps.append([pos, data_len, bytes(data[start + pos :]).hex()])
+    meta = json.dumps(
+        {"header": raw_header.decode("utf-8"), "data_len": data_len, "tensors": index, "gaps": gaps}
+    ).encode()
     out = b"".join([struct.pack("<4sIQ", b"ISLS", 1, len(meta)), meta, struct.pack("<I", zlib.crc32(meta)), *blobs])
     Path(dst).write_bytes(out)
     return len(out)

@@ -14,6 +14,7 @@ import socket
 import time
 
 import torch
+
 from harness.procs import mp_context
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 import queue as queue_mod
 import time
 
-import torch.multiprocessing as mp
 from harness.procs import free_port, mp_context
 
 
 def spawn_ranks(worker, n: int, *args, timeout: float = 150.0) -> list[tuple]:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
-           "OMP_NUM_THREADS": "1"}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1"}
     ctx = mp_context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, env, queue, *args)) for r in range(n)]

@@ -80,7 +80,7 @@ class ArmSnapshots:
             counts.update(state["ledger"][name])
         ledger.busy_seconds = state["ledger"]["busy_seconds"]
 
-    def callback(self, island: int) -> "_Save":
+    def callback(self, island: int) -> _Save:
         return _Save(self, island)
 
     def save(self, trainer, island: int) -> None:
@@ -88,8 +88,9 @@ class ArmSnapshots:
         path = self._file(step, island)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"trainer": trainer.state_dict(), "ledger": trainer.world.ledger.snapshot(),
-                    "wall_s": self.wall_s()}, tmp)
+        torch.save(
+            {"trainer": trainer.state_dict(), "ledger": trainer.world.ledger.snapshot(), "wall_s": self.wall_s()}, tmp
+        )
         os.replace(tmp, path)
         for old in self.root.glob(f"step*/island{island}.pt"):  # this island's files two intervals back
             m = _STEP.match(old.parent.name)

@@ -25,16 +25,40 @@ from islands_bench.plots import figure
 
 N = 8
 TOLERANCE = 0.05  # the goal: within 5% of the clean run's metric (issue 5, SOTA-220)
-ATTACKS = ["sign-flip", "scaled:factor=-10", "gaussian:sigma=1", "alie", "ipm:eps=0.1", "nan", "inf",
-           "dropout", "label-flip"]
-AGGREGATORS = ["mean", "median", "trimmed-mean", "krum", "multi-krum", "geomed", "cclip", "nnm+median",
-               "bucketing+median"]
+ATTACKS = [
+    "sign-flip",
+    "scaled:factor=-10",
+    "gaussian:sigma=1",
+    "alie",
+    "ipm:eps=0.1",
+    "nan",
+    "inf",
+    "dropout",
+    "label-flip",
+]
+AGGREGATORS = [
+    "mean",
+    "median",
+    "trimmed-mean",
+    "krum",
+    "multi-krum",
+    "geomed",
+    "cclip",
+    "nnm+median",
+    "bucketing+median",
+]
 # Per task: config of every run, and how to read the metric.
 TASKS = {
-    "digits": {"metric": "val_accuracy", "higher_is_better": True,
-               "config": dict(task="digits", global_batch=64, steps=200, warmup=20)},
-    "lm": {"metric": "val_loss", "higher_is_better": False,
-           "config": dict(task="lm", global_batch=32, steps=150, warmup=15)},
+    "digits": {
+        "metric": "val_accuracy",
+        "higher_is_better": True,
+        "config": dict(task="digits", global_batch=64, steps=200, warmup=20),
+    },
+    "lm": {
+        "metric": "val_loss",
+        "higher_is_better": False,
+        "config": dict(task="lm", global_batch=32, steps=150, warmup=15),
+    },
 }
 
 
@@ -77,19 +101,33 @@ def relative(value: float, clean: float, higher: bool) -> float:
     return clean / value if value and math.isfinite(value) else 0.0
 
 
-def simulate_grid(ctx: BenchContext, task: str, fs: list[int], attacks: list[str], aggregators: list[str], steps: int) -> list[dict]:
+def simulate_grid(
+    ctx: BenchContext, task: str, fs: list[int], attacks: list[str], aggregators: list[str], steps: int
+) -> list[dict]:
     cells = []
     for f in fs:
-        for attack in (["none"] if f == 0 else attacks):
+        for attack in ["none"] if f == 0 else attacks:
             for label in aggregators:
-                cfg = ctx.config(**{**TASKS[task]["config"], "steps": steps, "workers": N, "eval_every": 0,
-                                    "probe": False, "threads": 1})
+                cfg = ctx.config(
+                    **{
+                        **TASKS[task]["config"],
+                        "steps": steps,
+                        "workers": N,
+                        "eval_every": 0,
+                        "probe": False,
+                        "threads": 1,
+                    }
+                )
                 run = simulated_job(cfg, aggregator_spec(label, f), attack_spec(attack, f)).run(steps).to_dict()
                 run.update(task=task, f=f, attack_name=attack if f else "none", aggregator=label)
                 cells.append(run)
-            ctx.log(f"simulated {task} f={f} {attack}: " + ", ".join(
-                f"{c['aggregator']}={score(c, TASKS[task]['higher_is_better']):.3f}"
-                for c in cells[-len(aggregators):]))
+            ctx.log(
+                f"simulated {task} f={f} {attack}: "
+                + ", ".join(
+                    f"{c['aggregator']}={score(c, TASKS[task]['higher_is_better']):.3f}"
+                    for c in cells[-len(aggregators) :]
+                )
+            )
     return cells
 
 
@@ -104,11 +142,21 @@ def pivot(cells: list[dict], task: str) -> tuple[list[dict], float]:
             group = {c["aggregator"]: score(c, higher) for c in mine if c["f"] == f and c["attack_name"] == attack}
             robust = {k: v for k, v in group.items() if k != "mean"}
             best = (max if higher else min)(robust, key=robust.get)
-            rows.append({"task": task, "metric": TASKS[task]["metric"], "f": f, "attack": attack, **group,
-                         "clean": clean, "best": best, "best_vs_clean": relative(robust[best], clean, higher),
-                         "best_ok": within(robust[best], clean, higher),
-                         "mean_vs_clean": relative(group["mean"], clean, higher),
-                         "mean_ok": within(group["mean"], clean, higher)})
+            rows.append(
+                {
+                    "task": task,
+                    "metric": TASKS[task]["metric"],
+                    "f": f,
+                    "attack": attack,
+                    **group,
+                    "clean": clean,
+                    "best": best,
+                    "best_vs_clean": relative(robust[best], clean, higher),
+                    "best_ok": within(robust[best], clean, higher),
+                    "mean_vs_clean": relative(group["mean"], clean, higher),
+                    "mean_ok": within(group["mean"], clean, higher),
+                }
+            )
     return rows, clean
 
 
@@ -117,14 +165,18 @@ def cost_ratios(cells: list[dict]) -> dict[str, dict]:
     out = {}
     for label in dict.fromkeys(c["aggregator"] for c in cells):
         mine = [c for c in cells if c["aggregator"] == label and c["steps"]]
-        out[label] = {"ratio_to_mean": statistics.median(c["cost_vs_mean"] for c in mine),
-                      "ms_per_step": 1e3 * statistics.median(c["aggregate_step_seconds"] for c in mine),
-                      "mean_ms_per_step": 1e3 * statistics.median(c["mean_step_seconds"] for c in mine),
-                      "runs": len(mine)}
+        out[label] = {
+            "ratio_to_mean": statistics.median(c["cost_vs_mean"] for c in mine),
+            "ms_per_step": 1e3 * statistics.median(c["aggregate_step_seconds"] for c in mine),
+            "mean_ms_per_step": 1e3 * statistics.median(c["mean_step_seconds"] for c in mine),
+            "runs": len(mine),
+        }
     return out
 
 
-def time_aggregators(ctx: BenchContext, task: str, f: int, attack: str, aggregators: list[str], rounds: int) -> dict[str, dict]:
+def time_aggregators(
+    ctx: BenchContext, task: str, f: int, attack: str, aggregators: list[str], rounds: int
+) -> dict[str, dict]:
     """Aggregation time on ONE set of real inputs (n gradients of `task`, f of them forged by `attack`),
     every aggregator timed in turn within each round so that machine load hits them alike; the
     per-aggregator minimum over rounds is the cost (as timeit does), divided by the mean's."""
@@ -138,7 +190,7 @@ def time_aggregators(ctx: BenchContext, task: str, f: int, attack: str, aggregat
     aggs = {label: parse_aggregator(aggregator_spec(label, f)) for label in aggregators}
     best = {label: math.inf for label in aggregators}
     for i in range(rounds):
-        order = aggregators[i % len(aggregators):] + aggregators[: i % len(aggregators)]  # rotate who goes first
+        order = aggregators[i % len(aggregators) :] + aggregators[: i % len(aggregators)]  # rotate who goes first
         for label in order:
             t0 = time.perf_counter()
             aggs[label].aggregate(sent)
@@ -154,20 +206,43 @@ def confirm_real(ctx: BenchContext, rows: list[dict], cells: list[dict], attacks
         row = next(r for r in rows if r["task"] == "digits" and r["f"] == 2 and r["attack"] == attack)
         for label in dict.fromkeys(["mean"] if ctx.smoke else ["mean", "median", row["best"]]):  # smoke: one 8-rank job
             agg, att = aggregator_spec(label, 2), attack_spec(attack, 2)
-            rec = ctx.train(f"real-{attack.split(':')[0]}-{label}", **{**digits["config"], "steps": steps},
-                            workers=N, eval_every=0, log_every=steps, aggregate=agg, attack=att, threads=1)
-            twin = next(c for c in cells if c["task"] == "digits" and c["f"] == 2
-                        and c["attack_name"] == attack and c["aggregator"] == label)
+            rec = ctx.train(
+                f"real-{attack.split(':')[0]}-{label}",
+                **{**digits["config"], "steps": steps},
+                workers=N,
+                eval_every=0,
+                log_every=steps,
+                aggregate=agg,
+                attack=att,
+                threads=1,
+            )
+            twin = next(
+                c
+                for c in cells
+                if c["task"] == "digits" and c["f"] == 2 and c["attack_name"] == attack and c["aggregator"] == label
+            )
             s = rec["summary"]
-            out.append({"attack": att, "aggregate": agg, "real_accuracy": s["final_val_accuracy"],
-                        "simulated_accuracy": twin["final_val_accuracy"], "real_seconds_per_step": s["seconds_per_step"],
-                        "interconnect": rec["interconnect_line"]})
+            out.append(
+                {
+                    "attack": att,
+                    "aggregate": agg,
+                    "real_accuracy": s["final_val_accuracy"],
+                    "simulated_accuracy": twin["final_val_accuracy"],
+                    "real_seconds_per_step": s["seconds_per_step"],
+                    "interconnect": rec["interconnect_line"],
+                }
+            )
     return out
 
 
 def _plot(result: dict, path) -> None:
     rows = result["rows"]
-    panels = [(t, f) for t in dict.fromkeys(r["task"] for r in rows) for f in sorted({r["f"] for r in rows if r["task"] == t}) if f]
+    panels = [
+        (t, f)
+        for t in dict.fromkeys(r["task"] for r in rows)
+        for f in sorted({r["f"] for r in rows if r["task"] == t})
+        if f
+    ]
     with figure(path, 1, len(panels) + 1, figsize=(4.6 * (len(panels) + 1), 4.4), squeeze=False) as (fig, axes):
         for ax, (task, f) in zip(axes[0], panels):
             mine = [r for r in rows if r["task"] == task and r["f"] == f]
@@ -192,46 +267,71 @@ def _plot(result: dict, path) -> None:
         ax.set_xlabel("aggregation time / mean's, same inputs", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.set_title("aggregation cost vs mean (best of rounds)", fontsize=8)
-        fig.suptitle("byzantine: grid simulated in one process (n=8); see summary for real gloo confirmations", fontsize=9)
+        fig.suptitle(
+            "byzantine: grid simulated in one process (n=8); see summary for real gloo confirmations", fontsize=9
+        )
 
 
 def headline(rows: list[dict], cost: dict, real: list[dict], tasks: list[str], steps: dict) -> list[str]:
-    lines = [f"The attack x aggregator x f grid is SIMULATED IN ONE PROCESS (n={N} workers' gradients on their own "
-             f"shards, the real AttackPlan and aggregator code); tasks {', '.join(tasks)}, steps "
-             + ", ".join(f"{t} {s}" for t, s in steps.items()) + "; only the confirmations below ran as real processes."]
+    lines = [
+        f"The attack x aggregator x f grid is SIMULATED IN ONE PROCESS (n={N} workers' gradients on their own "
+        f"shards, the real AttackPlan and aggregator code); tasks {', '.join(tasks)}, steps "
+        + ", ".join(f"{t} {s}" for t, s in steps.items())
+        + "; only the confirmations below ran as real processes."
+    ]
     for task in tasks:
         low = [r for r in rows if r["task"] == task and 1 <= r["f"] <= 2]
         ok = [r for r in low if r["best_ok"]]
-        miss = [f"{r['attack']} f={r['f']} (best {r['best']} {r['best_vs_clean']:.2f}x)" for r in low if not r["best_ok"]]
+        miss = [
+            f"{r['attack']} f={r['f']} (best {r['best']} {r['best_vs_clean']:.2f}x)" for r in low if not r["best_ok"]
+        ]
         mean_fails = [f"{r['attack']} f={r['f']} ({r['mean_vs_clean']:.2f}x)" for r in low if not r["mean_ok"]]
         clean = low[0]["clean"] if low else float("nan")
         goal = bool(low) and len(ok) == len(low) and bool(mean_fails)
-        lines.append(f"{task} (clean {TASKS[task]['metric']} {clean:.4f}): with f <= 2 of {N}, the best robust "
-                     f"aggregator stays within {TOLERANCE:.0%} of clean in {len(ok)}/{len(low)} (attack, f) cells"
-                     + (f"; misses: {'; '.join(miss)}" if miss else "")
-                     + f"; mean falls outside {TOLERANCE:.0%} under {len(mean_fails)}: {'; '.join(mean_fails) or 'none'}"
-                     + f". Goal {'MET' if goal else 'NOT MET'} (ratios are metric vs clean, 1.00 = clean).")
+        lines.append(
+            f"{task} (clean {TASKS[task]['metric']} {clean:.4f}): with f <= 2 of {N}, the best robust "
+            f"aggregator stays within {TOLERANCE:.0%} of clean in {len(ok)}/{len(low)} (attack, f) cells"
+            + (f"; misses: {'; '.join(miss)}" if miss else "")
+            + f"; mean falls outside {TOLERANCE:.0%} under {len(mean_fails)}: {'; '.join(mean_fails) or 'none'}"
+            + f". Goal {'MET' if goal else 'NOT MET'} (ratios are metric vs clean, 1.00 = clean)."
+        )
         zero = next((r for r in rows if r["task"] == task and r["f"] == 0), None)
         if zero:
-            lines.append(f"{task}, all honest (f=0), metric vs clean per aggregator: " + ", ".join(
-                f"{a} {relative(zero[a], zero['clean'], TASKS[task]['higher_is_better']):.3f}" for a in AGGREGATORS if a in zero))
+            lines.append(
+                f"{task}, all honest (f=0), metric vs clean per aggregator: "
+                + ", ".join(
+                    f"{a} {relative(zero[a], zero['clean'], TASKS[task]['higher_is_better']):.3f}"
+                    for a in AGGREGATORS
+                    if a in zero
+                )
+            )
         three = [r for r in rows if r["task"] == task and r["f"] == 3]
         if three:
-            lines.append(f"{task}, f=3 of {N} (beyond Krum's n > 2f+2 bound): best within {TOLERANCE:.0%} of clean in "
-                         f"{sum(r['best_ok'] for r in three)}/{len(three)} attacks")
+            lines.append(
+                f"{task}, f=3 of {N} (beyond Krum's n > 2f+2 bound): best within {TOLERANCE:.0%} of clean in "
+                f"{sum(r['best_ok'] for r in three)}/{len(three)} attacks"
+            )
     for task, timing in cost.items():
-        lines.append(f"{task}: aggregation time relative to mean, one step's {N} gradients (f=2 sign-flip), all timed "
-                     "in turn in this run, best of the rounds: " + ", ".join(f"{a} {c['ratio_to_mean']:.2f}x" for a, c in timing.items())
-                     + f" (mean {timing['mean']['ms']:.3f} ms)")
+        lines.append(
+            f"{task}: aggregation time relative to mean, one step's {N} gradients (f=2 sign-flip), all timed "
+            "in turn in this run, best of the rounds: "
+            + ", ".join(f"{a} {c['ratio_to_mean']:.2f}x" for a, c in timing.items())
+            + f" (mean {timing['mean']['ms']:.3f} ms)"
+        )
     for r in real:
-        lines.append(f"real {N}-process gloo run, digits, {r['attack']} + {r['aggregate']}: accuracy "
-                     f"{r['real_accuracy']:.3f} (simulated twin {r['simulated_accuracy']:.3f}), {r['real_seconds_per_step']:.3f} s/step")
+        lines.append(
+            f"real {N}-process gloo run, digits, {r['attack']} + {r['aggregate']}: accuracy "
+            f"{r['real_accuracy']:.3f} (simulated twin {r['simulated_accuracy']:.3f}), {r['real_seconds_per_step']:.3f} s/step"
+        )
     return lines
 
 
-@experiment("byzantine", practices=("SOTA-220",),
-            help="n=8, f in 0..3: every attack vs every aggregator (grid simulated in one process, "
-                 "real gloo confirmations); final metric vs clean and aggregation cost vs mean")
+@experiment(
+    "byzantine",
+    practices=("SOTA-220",),
+    help="n=8, f in 0..3: every attack vs every aggregator (grid simulated in one process, "
+    "real gloo confirmations); final metric vs clean and aggregation cost vs mean",
+)
 def byzantine(ctx: BenchContext) -> dict:
     if ctx.quick:
         tasks, fs, steps = ["digits"], [0, 2], {"digits": 2 if ctx.smoke else 100}
@@ -249,17 +349,30 @@ def byzantine(ctx: BenchContext) -> dict:
     worst = min(digits_f2, key=lambda r: r["mean_vs_clean"])["attack"]
     chosen = list(dict.fromkeys([worst] + (real_attacks or [])))
     real = confirm_real(ctx, rows, cells, chosen, steps["digits"])
-    cost = {t: time_aggregators(ctx, t, 2, "sign-flip", AGGREGATORS, 2 if ctx.smoke else 15 if ctx.quick else 40)
-            for t in tasks}
+    cost = {
+        t: time_aggregators(ctx, t, 2, "sign-flip", AGGREGATORS, 2 if ctx.smoke else 15 if ctx.quick else 40)
+        for t in tasks
+    }
     load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     lines = headline(rows, cost, real, tasks, steps)
-    lines.append(f"machine load average {load['before']:.1f} before / {load['after']:.1f} after on {load['cpus']} CPUs "
-                 "(other jobs share it): absolute times are inflated; ratios compare like with like")
-    return {"rows": rows, "headline": lines, "plot": _plot, "load_average": load,
-            "simulated": True, "workers": N, "tolerance": TOLERANCE, "aggregation_cost": cost,
-            "aggregation_cost_per_run": cost_ratios(cells),
-            "real_confirmations": real, "cells": cells,
-            "aggregator_specs": {f: {a: aggregator_spec(a, f) for a in AGGREGATORS} for f in fs}}
+    lines.append(
+        f"machine load average {load['before']:.1f} before / {load['after']:.1f} after on {load['cpus']} CPUs "
+        "(other jobs share it): absolute times are inflated; ratios compare like with like"
+    )
+    return {
+        "rows": rows,
+        "headline": lines,
+        "plot": _plot,
+        "load_average": load,
+        "simulated": True,
+        "workers": N,
+        "tolerance": TOLERANCE,
+        "aggregation_cost": cost,
+        "aggregation_cost_per_run": cost_ratios(cells),
+        "real_confirmations": real,
+        "cells": cells,
+        "aggregator_specs": {f: {a: aggregator_spec(a, f) for a in AGGREGATORS} for f in fs},
+    }
 
 
 # The LM half of the grid at a size one session can run: the attacks that separate aggregators on
@@ -268,18 +381,33 @@ LM_ATTACKS = ["sign-flip", "scaled:factor=-10", "alie", "label-flip"]
 LM_AGGREGATORS = ["mean", "median", "trimmed-mean", "cclip"]
 
 
-@experiment("byzantine-lm", practices=("SOTA-220",),
-            help="the byzantine grid's language-model half at reduced size: n=8, f in {0, 2}, four attacks x four "
-                 "aggregators on the default byte LM (simulated in one process)")
+@experiment(
+    "byzantine-lm",
+    practices=("SOTA-220",),
+    help="the byzantine grid's language-model half at reduced size: n=8, f in {0, 2}, four attacks x four "
+    "aggregators on the default byte LM (simulated in one process)",
+)
 def byzantine_lm(ctx: BenchContext) -> dict:
     steps = 1 if ctx.smoke else 30 if ctx.quick else TASKS["lm"]["config"]["steps"]
     load_before = os.getloadavg()[0]
     attacks = LM_ATTACKS[:1] if ctx.smoke else LM_ATTACKS
     cells = simulate_grid(ctx, "lm", [0, 2], attacks, LM_AGGREGATORS, steps)
     rows = pivot(cells, "lm")[0]
-    cost = {"lm": time_aggregators(ctx, "lm", 2, "sign-flip", LM_AGGREGATORS, 1 if ctx.smoke else 10 if ctx.quick else 30)}
+    cost = {
+        "lm": time_aggregators(ctx, "lm", 2, "sign-flip", LM_AGGREGATORS, 1 if ctx.smoke else 10 if ctx.quick else 30)
+    }
     lines = headline(rows, cost, [], ["lm"], {"lm": steps})
-    lines.append(f"reduced grid: attacks {', '.join(LM_ATTACKS)}; aggregators {', '.join(LM_AGGREGATORS)}; "
-                 f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    return {"rows": rows, "headline": lines, "plot": _plot, "simulated": True, "workers": N,
-            "tolerance": TOLERANCE, "aggregation_cost": cost, "cells": cells}
+    lines.append(
+        f"reduced grid: attacks {', '.join(LM_ATTACKS)}; aggregators {', '.join(LM_AGGREGATORS)}; "
+        f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    return {
+        "rows": rows,
+        "headline": lines,
+        "plot": _plot,
+        "simulated": True,
+        "workers": N,
+        "tolerance": TOLERANCE,
+        "aggregation_cost": cost,
+        "cells": cells,
+    }

@@ -55,7 +55,10 @@ from islands_bench.harness import BenchContext, experiment
 KINDS = {"kill-worker": 5, "freeze-worker": 2, "kill-coordinator": 1, "kill-etcd-member": 1, "cut-link": 2}  # weights
 HEALS = {"kill-etcd-member": "heal-etcd-member", "cut-link": "heal-link"}  # the event after it undoes it
 ISLANDS, WORKERS_PER_ISLAND, H = 3, 2, 5
-HEARTBEAT_S, TIMEOUT_S = 1.5, 20.0  # the job's heartbeat timeout (a frozen worker is found after it: the 2 s stall goal) and collective timeout
+HEARTBEAT_S, TIMEOUT_S = (
+    1.5,
+    20.0,
+)  # the job's heartbeat timeout (a frozen worker is found after it: the 2 s stall goal) and collective timeout
 WAIT_S = 60.0  # the longest a fault waits for two whole islands before it is skipped
 ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS = 500, 50  # the store's Raft timing (see _run)
 RESTART_S = 8.0  # about what a restarted 2-worker island takes to train again here (forked start-up, admission)
@@ -115,13 +118,21 @@ def _workers(run_dir: Path) -> list[dict]:
             continue
         if not target.startswith(logs) or not target.endswith(".log"):
             continue
-        name = target[len(logs):-len(".log")]
+        name = target[len(logs) : -len(".log")]
         m = _NAME.match(name)
         if m is None:  # the job host's log, or not a worker's
             continue
         index, local = (int(m.group(1)), int(m.group(2))) if m.group(1) is not None else (int(m.group(3)), 0)
-        out.append({"pid": int(p.name), "name": name, "island": index, "local": local,
-                    "state": state, "started": p.stat().st_mtime})
+        out.append(
+            {
+                "pid": int(p.name),
+                "name": name,
+                "island": index,
+                "local": local,
+                "state": state,
+                "started": p.stat().st_mtime,
+            }
+        )
     return out
 
 
@@ -139,9 +150,13 @@ def _whole_islands(run_dir: Path) -> dict[int, list[dict]]:
     by: dict[int, list[dict]] = {}
     for w in _workers(run_dir):
         by.setdefault(w["island"], []).append(w)
-    return {i: ws for i, ws in by.items() if len(ws) == WORKERS_PER_ISLAND
-            and all(w["state"] not in ("T", "Z", "t") for w in ws)
-            and all(_training(run_dir, w["name"]) for w in ws if w["local"] == 0)}
+    return {
+        i: ws
+        for i, ws in by.items()
+        if len(ws) == WORKERS_PER_ISLAND
+        and all(w["state"] not in ("T", "Z", "t") for w in ws)
+        and all(_training(run_dir, w["name"]) for w in ws if w["local"] == 0)
+    }
 
 
 def _job_namespace(run_dir: Path) -> str:
@@ -156,8 +171,7 @@ def _job_host_pid(run_dir: Path) -> int | None:
         return None
 
 
-def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng: random.Random,
-           state: dict) -> None:
+def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng: random.Random, state: dict) -> None:
     start = time.time()
     # a kill of the coordinator's holder may hit a worker (its seat took the lease): it waits like any fault on
     # a worker. It did not at first (session 18): the seat's worker was killed while the two other islands were
@@ -227,8 +241,9 @@ def _apply(ev: Event, run_dir: Path, launcher: subprocess.Popen, etcd, bed, rng:
 
 
 def _members(run_dir: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json")
-            if p.stem not in ("restarts",)}
+    return {
+        p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json") if p.stem not in ("restarts",)
+    }
 
 
 def _rows(path: Path) -> list[dict]:
@@ -245,8 +260,10 @@ def _rows(path: Path) -> list[dict]:
 def _progress(run_dir: Path) -> dict[str, list[float]]:
     """Per island leader (every incarnation), the times of its logged training steps (live stream metrics lines):
     what shows a pause in training, killed incarnations included."""
-    return {path.stem: sorted(r["t"] for r in _rows(path) if r.get("kind") == "metrics")
-            for path in (run_dir / "live").glob("i*w0*.jsonl")}
+    return {
+        path.stem: sorted(r["t"] for r in _rows(path) if r.get("kind") == "metrics")
+        for path in (run_dir / "live").glob("i*w0*.jsonl")
+    }
 
 
 def _failures(run_dir: Path) -> list[tuple[float, float, set[str]]]:
@@ -256,8 +273,13 @@ def _failures(run_dir: Path) -> list[tuple[float, float, set[str]]]:
         for row in _rows(path):
             ev = row.get("event") or {}
             if ev.get("type") == "membership" and ev.get("change.type") == "failure":
-                out.append((float(ev["change.detected"]), float(ev["change.formed"]),
-                            set(json.loads(ev.get("change.gone", "[]")))))
+                out.append(
+                    (
+                        float(ev["change.detected"]),
+                        float(ev["change.formed"]),
+                        set(json.loads(ev.get("change.gone", "[]"))),
+                    )
+                )
     return sorted(out, key=lambda f: f[0])
 
 
@@ -302,13 +324,42 @@ def _by_kind(events: list[Event], chain: list[dict | None]) -> dict[str, tuple[l
 
 
 def _train_args(run_dir: Path, steps: int, store: str, restarts: int, bed: str) -> list[str]:
-    return [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers",
-            str(ISLANDS * WORKERS_PER_ISLAND), "--islands", str(ISLANDS), "--inner", "ddp",
-            "--outer", f"diloco:inner_steps={H}", "--elastic", "--heartbeat-timeout", str(HEARTBEAT_S),
-            "--timeout", str(TIMEOUT_S), "--max-restarts", str(restarts), "--store", store, "--testbed", bed,
-            "--steps", str(steps),
-            "--global-batch", str(8 * ISLANDS * WORKERS_PER_ISLAND), "--eval-every", "0", "--run-dir", str(run_dir),
-            "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "islands",
+        "train",
+        "--task",
+        "digits",
+        "--workers",
+        str(ISLANDS * WORKERS_PER_ISLAND),
+        "--islands",
+        str(ISLANDS),
+        "--inner",
+        "ddp",
+        "--outer",
+        f"diloco:inner_steps={H}",
+        "--elastic",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+        "--timeout",
+        str(TIMEOUT_S),
+        "--max-restarts",
+        str(restarts),
+        "--store",
+        store,
+        "--testbed",
+        bed,
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(8 * ISLANDS * WORKERS_PER_ISLAND),
+        "--eval-every",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
 
 
 def _stop_everything(run_dir: Path) -> None:
@@ -326,8 +377,18 @@ def _stop_everything(run_dir: Path) -> None:
             pass
 
 
-def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int, gap: tuple[float, float],
-         deadline_s: float, bed, stop_at: int | None = None, stop_ahead: int = 0) -> dict:
+def _run(
+    ctx: BenchContext,
+    label: str,
+    steps: int,
+    kinds: list[str],
+    seed: int,
+    gap: tuple[float, float],
+    deadline_s: float,
+    bed,
+    stop_at: int | None = None,
+    stop_ahead: int = 0,
+) -> dict:
     """One job. `stop_at`: ask it to end at that step as soon as its store is up (the fault-free arm); with a
     campaign the job is asked to end `stop_ahead` steps past its furthest island once the campaign is over."""
     run_dir = ctx.out_dir / "runs" / label
@@ -337,15 +398,21 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
 
     # every host reaches it over its own link; election timing from etcd's tuning range for a local cluster, so
     # that the leader's death costs ~0.75 s, not 3 s (islands.testbed.etcd)
-    etcd = EtcdCluster(3, netns=bed.hub, host=bed.hub_ip, election_ms=ETCD_ELECTION_MS,
-                       heartbeat_ms=ETCD_HEARTBEAT_MS).start()
+    etcd = EtcdCluster(
+        3, netns=bed.hub, host=bed.hub_ip, election_ms=ETCD_ELECTION_MS, heartbeat_ms=ETCD_HEARTBEAT_MS
+    ).start()
     rng = random.Random(seed + 1)
     events = [Event(k) for k in kinds]
     env = dict(os.environ, OMP_NUM_THREADS="1", ISLANDS_TOKEN=os.urandom(16).hex())
     t0 = time.time()
     with ctx.arm(label), open(run_dir / "launcher.log", "w") as log:
-        launcher = subprocess.Popen(_train_args(run_dir, steps, etcd.url, len(kinds), bed.name), env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        launcher = subprocess.Popen(
+            _train_args(run_dir, steps, etcd.url, len(kinds), bed.name),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         state: dict = {}
         try:
             # faults start once every island trains: a fault during start-up (before the first epoch forms) is not
@@ -370,7 +437,9 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
             if kinds and stop_ahead and _workers(run_dir):
                 settle = time.time() + SETTLE_S
                 # a restart in flight (its island's workers run, not all of them train yet) trains again first
-                while time.time() < settle and len(_whole_islands(run_dir)) < len({w["island"] for w in _workers(run_dir)}):
+                while time.time() < settle and len(_whole_islands(run_dir)) < len(
+                    {w["island"] for w in _workers(run_dir)}
+                ):
                     time.sleep(0.5)
                 state["stop_at"] = _request_stop(run_dir, env, _furthest_step(run_dir) + stop_ahead, bed)
                 ctx.log(f"{label}: asked the job to end at step {state['stop_at']}")
@@ -392,22 +461,42 @@ def _run(ctx: BenchContext, label: str, steps: int, kinds: list[str], seed: int,
     wall = time.time() - t0
     record = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else None
     members = _members(run_dir)
-    return {"events": events, "hung": hung, "record": record, "members": members, "wall_s": wall,
-            "launcher_code": launcher.returncode, "progress": _progress(run_dir), "stop_at": state.get("stop_at")}
+    return {
+        "events": events,
+        "hung": hung,
+        "record": record,
+        "members": members,
+        "wall_s": wall,
+        "launcher_code": launcher.returncode,
+        "progress": _progress(run_dir),
+        "stop_at": state.get("stop_at"),
+    }
 
 
 def _furthest_step(run_dir: Path) -> int:
     """The highest training step any island leader logged so far (live streams)."""
-    return max((int(r["step"]) for path in (run_dir / "live").glob("i*w0*.jsonl") for r in _rows(path)
-                if r.get("kind") == "metrics"), default=0)
+    return max(
+        (
+            int(r["step"])
+            for path in (run_dir / "live").glob("i*w0*.jsonl")
+            for r in _rows(path)
+            if r.get("kind") == "metrics"
+        ),
+        default=0,
+    )
 
 
 def _request_stop(run_dir: Path, env: dict, step: int, bed) -> int | None:
     """Ask the running job to end at `step`: `islands stop` inside the testbed's hub (where the store is reached),
     with the job's token from the environment (islands.runtime.launch.stop). Returns the step, None if it failed."""
     address = json.loads((run_dir / "job_host.json").read_text())["address"]
-    done = subprocess.run(bed.wrap_hub([sys.executable, "-m", "islands", "stop", address, "--at-step", str(step)]),
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        bed.wrap_hub([sys.executable, "-m", "islands", "stop", address, "--at-step", str(step)]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode != 0:  # the job then trains to its configured steps: longer, not wrong
         print(f"chaos: islands stop failed (exit {done.returncode}): {done.stdout}{done.stderr}", file=sys.stderr)
         return None
@@ -459,7 +548,7 @@ def false_deaths(run_dir: Path, targets: set[str]) -> list[str]:
             continue
         for marker in (": no heartbeat for", " left ("):
             if line.startswith("islands: worker ") and marker in line:
-                name = line[len("islands: worker "):].split(marker)[0].split(":")[0]
+                name = line[len("islands: worker ") :].split(marker)[0].split(":")[0]
                 if name not in targets and name not in out:
                     out.append(name)
     return out
@@ -493,9 +582,12 @@ def _final_members(members: dict[str, dict]) -> dict[str, str]:
     return {n: m["global_sha256"] for n, m in members.items() if m.get("finished", True) and "global_sha256" in m}
 
 
-@experiment("chaos", practices=("SOTA-932", "SOTA-933"),
-            help="a seeded campaign of faults (kill/freeze workers, cut a testbed link, kill the coordinator, an etcd "
-                 "member, the launcher) against an elastic DiLoCo job of 2-worker islands on a 100 Mbit/s testbed")
+@experiment(
+    "chaos",
+    practices=("SOTA-932", "SOTA-933"),
+    help="a seeded campaign of faults (kill/freeze workers, cut a testbed link, kill the coordinator, an etcd "
+    "member, the launcher) against an elastic DiLoCo job of 2-worker islands on a 100 Mbit/s testbed",
+)
 def chaos(ctx: BenchContext) -> dict:
     tier = SMOKE if ctx.smoke else QUICK if ctx.quick else FULL
     seed = 0
@@ -522,16 +614,21 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     campaign_s = len(kinds) * (sum(tier["gap"]) / 2 + RESTART_S)
     steps = int(max(400, 2.0 * rate * campaign_s) // H * H)
     ahead = int(rate * STOP_AHEAD_S) // H * H + H
-    run = _run(ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed,
-               stop_ahead=ahead)
+    run = _run(
+        ctx, "chaos", steps, kinds, seed, tier["gap"], deadline_s=max(900, 4 * campaign_s), bed=bed, stop_ahead=ahead
+    )
     # the same configured steps (so the same learning-rate schedule), ended at the step the chaos job ended at
     ended = (run["record"] or {}).get("summary", {}).get("steps") or run["stop_at"]
-    calm = _run(ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed,
-                stop_at=ended)
+    calm = _run(
+        ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed, stop_at=ended
+    )
     # the baseline failing (session 18: every worker found silent at start-up while tests loaded the machine)
     # costs the loss comparison, not the campaign's own counts
-    calm_note = "" if calm["record"] is not None and not calm["hung"] else (
-        f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'}/launcher.log)")
+    calm_note = (
+        ""
+        if calm["record"] is not None and not calm["hung"]
+        else (f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'}/launcher.log)")
+    )
     applied = [e for e in run["events"] if e.applied]
     stalls = stall_per_event(run["progress"], [e.at for e in applied])
     digests = _final_members(run["members"])
@@ -540,14 +637,29 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     chain = detection_per_event(_failures(ctx.out_dir / "runs" / "chaos"), applied)
     rows = []
     for e, s, c in zip(applied, stalls, chain):
-        rows.append({"kind": e.kind, "target": e.target, "t_s": round(e.at - applied[0].at, 1),
-                     "waited_s": round(e.waited_s, 1), "stall_s": None if s is None else round(s, 2),
-                     "detect_s": None if c is None else round(c["detect_s"], 2),
-                     "form_s": None if c is None else round(c["form_s"], 2)})
+        rows.append(
+            {
+                "kind": e.kind,
+                "target": e.target,
+                "t_s": round(e.at - applied[0].at, 1),
+                "waited_s": round(e.waited_s, 1),
+                "stall_s": None if s is None else round(s, 2),
+                "detect_s": None if c is None else round(c["detect_s"], 2),
+                "form_s": None if c is None else round(c["form_s"], 2),
+            }
+        )
     for e in run["events"]:
         if not e.applied:
-            rows.append({"kind": e.kind, "target": "-", "t_s": None, "waited_s": round(e.waited_s, 1),
-                         "stall_s": None, "note": e.note})
+            rows.append(
+                {
+                    "kind": e.kind,
+                    "target": "-",
+                    "t_s": None,
+                    "waited_s": round(e.waited_s, 1),
+                    "stall_s": None,
+                    "note": e.note,
+                }
+            )
     measured = [s for s in stalls if s is not None]
     by_kind: dict[str, list[float]] = {}
     for e, s in zip(applied, stalls):
@@ -558,21 +670,27 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     false_calm = false_deaths(ctx.out_dir / "runs" / "fault-free", set())
     loss = run["record"]["summary"]["final_val_loss"] if run["record"] else float("nan")
     calm_loss = calm["record"]["summary"]["final_val_loss"] if not calm_note else float("nan")
-    where = (f"testbed of {len(bed.hosts)} hosts, {bed.rate} links (tbf, both directions; no added latency), one island "
-             "per host, one process per worker, the job's store in a 3-member etcd cluster on the testbed's hub")
+    where = (
+        f"testbed of {len(bed.hosts)} hosts, {bed.rate} links (tbf, both directions; no added latency), one island "
+        "per host, one process per worker, the job's store in a 3-member etcd cluster on the testbed's hub"
+    )
     headline = [
         f"{'quick tier: ' if ctx.quick else ''}{len(applied)} of {len(kinds)} events applied ({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(kinds))}) "
         f"against {ISLANDS} islands of {WORKERS_PER_ISLAND} workers (DDP inside, DiLoCo H={H} across), "
-        f"{ended or steps} steps" + (f" (asked to end there after the campaign; configured {steps})" if ended else "")
+        f"{ended or steps} steps"
+        + (f" (asked to end there after the campaign; configured {steps})" if ended else "")
         + f": hangs {int(run['hung'])}, lost jobs {int(lost)}, events survived {survived} of {len(applied)}",
         f"stall per event (max over island leaders training across it: the gap between logged steps, minus the "
         f"usual one): median "
         f"{statistics.median(measured) if measured else float('nan'):.2f} s, max {max(measured) if measured else float('nan'):.2f} s; "
-        + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items()) + " (goal <= 2 s)",
+        + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items())
+        + " (goal <= 2 s)",
         "failover chain (event to the first member's failure naming a hit worker's island; then to the next epoch "
-        "formed): " + "; ".join(
+        "formed): "
+        + "; ".join(
             f"{k} detect median {statistics.median(v[0]):.2f} max {max(v[0]):.2f} s, form max {max(v[1]):.2f} s"
-            for k, v in _by_kind(applied, chain).items()),
+            for k, v in _by_kind(applied, chain).items()
+        ),
         f"members finishing: {len(digests)}, global models bitwise equal: {len(set(digests.values())) == 1}",
         f"false deaths (a worker no event hit, found silent after the {HEARTBEAT_S:g} s heartbeat timeout or dead): "
         f"{len(false_chaos)} in the campaign ({', '.join(false_chaos) or 'none'}), {len(false_calm)} in the "
@@ -582,7 +700,16 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
         "torchft: the same campaign runs as `islands bench chaos-torchft` (its model: replicas and a lighthouse)",
         f"where: {where}",
     ]
-    return {"rows": rows, "headline": headline, "interconnect": [where],
-            "baseline": ["the same job without faults, same invocation"],
-            "hangs": int(run["hung"]), "lost_jobs": int(lost), "events_applied": len(applied),
-            "stalls": stalls, "ended_at_step": ended, "digests": digests, "false_deaths": {"campaign": false_chaos, "fault_free": false_calm}}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": [where],
+        "baseline": ["the same job without faults, same invocation"],
+        "hangs": int(run["hung"]),
+        "lost_jobs": int(lost),
+        "events_applied": len(applied),
+        "stalls": stalls,
+        "ended_at_step": ended,
+        "digests": digests,
+        "false_deaths": {"campaign": false_chaos, "fault_free": false_calm},
+    }

@@ -37,7 +37,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from islands_bench.experiments.chaos import FULL, H, ISLANDS, QUICK, RESTART_S, SMOKE, TIMEOUT_S, WAIT_S, campaign, stall_per_event
+from islands_bench.experiments.chaos import (
+    FULL,
+    ISLANDS,
+    QUICK,
+    RESTART_S,
+    SMOKE,
+    TIMEOUT_S,
+    WAIT_S,
+    H,
+    campaign,
+    stall_per_event,
+)
 from islands_bench.experiments.churn_torchft import Lighthouse, TorchftSettings, load_torchft, read_round_log
 from islands_bench.harness import BenchContext, experiment
 
@@ -48,6 +59,7 @@ NOT_APPLICABLE = {
     "heal-link": "no link was cut (see cut-link)",
     "kill-launcher": "torchft has no launcher of its own; this harness starts and restarts the replicas",
 }
+
 
 @dataclass
 class Replica:
@@ -71,11 +83,25 @@ class Event:
 class Job:
     """The replicas of one torchft run and the harness's launcher duties (start, restart, watchdog)."""
 
-    def __init__(self, cfg, run_dir: Path, replicas: int, rounds: int, lighthouse: Lighthouse,
-                 settings: TorchftSettings, max_restarts: int):
+    def __init__(
+        self,
+        cfg,
+        run_dir: Path,
+        replicas: int,
+        rounds: int,
+        lighthouse: Lighthouse,
+        settings: TorchftSettings,
+        max_restarts: int,
+    ):
         from islands.config import dump_json
 
-        self.run_dir, self.n, self.rounds, self.lighthouse, self.settings = run_dir, replicas, rounds, lighthouse, settings
+        self.run_dir, self.n, self.rounds, self.lighthouse, self.settings = (
+            run_dir,
+            replicas,
+            rounds,
+            lighthouse,
+            settings,
+        )
         self.max_restarts, self.restarts = max_restarts, 0
         dump_json(cfg, run_dir / "config.json")
         self.live: dict[str, Replica] = {}
@@ -87,17 +113,38 @@ class Job:
     def start(self, shard: int, first: bool) -> Replica:
         n = self.incarnation[shard]
         name = f"r{shard}" if n == 0 else f"r{shard}.{n}"
-        spec = {"config": str(self.run_dir / "config.json"), "lighthouse": self.lighthouse.address, "name": name,
-                "shard": shard, "shards": self.n, "inner_steps": H, "rounds": self.rounds, "outer_lr": 0.7,
-                "outer_momentum": 0.9, "log": str(self.run_dir / f"{name}.jsonl"), "go": None,
-                "barrier": str(self.barrier) if first else None, "start_limit_s": 600.0,
-                "timeout_s": self.settings.timeout_s, "quorum_timeout_s": self.settings.quorum_timeout_s,
-                "heartbeat_interval_ms": self.settings.heartbeat_interval_ms, "stop_at": str(self.stop_at)}
+        spec = {
+            "config": str(self.run_dir / "config.json"),
+            "lighthouse": self.lighthouse.address,
+            "name": name,
+            "shard": shard,
+            "shards": self.n,
+            "inner_steps": H,
+            "rounds": self.rounds,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.9,
+            "log": str(self.run_dir / f"{name}.jsonl"),
+            "go": None,
+            "barrier": str(self.barrier) if first else None,
+            "start_limit_s": 600.0,
+            "timeout_s": self.settings.timeout_s,
+            "quorum_timeout_s": self.settings.quorum_timeout_s,
+            "heartbeat_interval_ms": self.settings.heartbeat_interval_ms,
+            "stop_at": str(self.stop_at),
+        }
         (self.run_dir / f"{name}.spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, "-m", "islands_bench.experiments.churn_torchft_worker",
-                                 str(self.run_dir / f"{name}.spec.json")], env=env,
-                                stdout=open(self.run_dir / "logs" / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "islands_bench.experiments.churn_torchft_worker",
+                str(self.run_dir / f"{name}.spec.json"),
+            ],
+            env=env,
+            stdout=open(self.run_dir / "logs" / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         self.live[name] = Replica(name, shard, proc)
         return self.live[name]
 
@@ -186,8 +233,17 @@ def _latest_round(run_dir: Path) -> int:
     return max((row["step"] for row in rows if row.get("committed")), default=0)
 
 
-def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], seed: int, gap: tuple[float, float],
-                 settings: TorchftSettings, deadline_s: float, stop_round: int | None = None) -> dict:
+def run_campaign(
+    ctx: BenchContext,
+    label: str,
+    base: dict,
+    kinds: list[str],
+    seed: int,
+    gap: tuple[float, float],
+    settings: TorchftSettings,
+    deadline_s: float,
+    stop_round: int | None = None,
+) -> dict:
     """One torchft job under `kinds` of events. A campaign ends its job END_ROUNDS rounds after its last event
     (as islands' chaos arm ends with `islands stop`); `stop_round` ends a job at that round from the start (the
     fault-free arm, at the campaign's length)."""
@@ -196,8 +252,15 @@ def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], se
     (run_dir / "logs").mkdir(parents=True)
     rounds = base["steps"] // H
     lighthouse = Lighthouse(run_dir, settings).start()
-    job = Job(ctx.config(run_dir=str(run_dir), **base), run_dir, ISLANDS, rounds, lighthouse, settings,
-              max_restarts=len(kinds))
+    job = Job(
+        ctx.config(run_dir=str(run_dir), **base),
+        run_dir,
+        ISLANDS,
+        rounds,
+        lighthouse,
+        settings,
+        max_restarts=len(kinds),
+    )
     events = [Event(k) for k in kinds]
     rng = random.Random(seed + 1)
     t0, hung = time.time(), False
@@ -233,12 +296,22 @@ def run_campaign(ctx: BenchContext, label: str, base: dict, kinds: list[str], se
         finally:
             job.stop()
             lighthouse.kill()
-    logs = {p.name[:-len(".jsonl")]: read_round_log(p) for p in run_dir.glob("*.jsonl")}
+    logs = {p.name[: -len(".jsonl")]: read_round_log(p) for p in run_dir.glob("*.jsonl")}
     finals = {n: rows[-1] for n, rows in logs.items() if rows and rows[-1].get("final")}
-    progress = {n: sorted(r["t"] for r in rows if not r.get("final") and r.get("committed")) for n, rows in logs.items()}
-    return {"events": events, "hung": hung, "finals": finals, "progress": progress, "wall_s": time.time() - t0,
-            "restarts": job.restarts, "lighthouse_starts": lighthouse.starts, "rounds": rounds,
-            "stop_round": stop_round}
+    progress = {
+        n: sorted(r["t"] for r in rows if not r.get("final") and r.get("committed")) for n, rows in logs.items()
+    }
+    return {
+        "events": events,
+        "hung": hung,
+        "finals": finals,
+        "progress": progress,
+        "wall_s": time.time() - t0,
+        "restarts": job.restarts,
+        "lighthouse_starts": lighthouse.starts,
+        "rounds": rounds,
+        "stop_round": stop_round,
+    }
 
 
 def _rate(run: dict) -> float:
@@ -253,9 +326,12 @@ def _rate(run: dict) -> float:
 END_ROUNDS = 40  # rounds the replicas train after the last event: every stall is over, the survivors meet again
 
 
-@experiment("chaos-torchft", practices=("SOTA-932",),
-            help="chaos's seeded campaign against torchft 0.2.0 (kill/freeze replicas, kill its lighthouse), "
-                 "its own launcher and watchdog played by the harness")
+@experiment(
+    "chaos-torchft",
+    practices=("SOTA-932",),
+    help="chaos's seeded campaign against torchft 0.2.0 (kill/freeze replicas, kill its lighthouse), "
+    "its own launcher and watchdog played by the harness",
+)
 def chaos_torchft(ctx: BenchContext) -> dict:
     version, why = load_torchft(ctx.log)
     if version is None:
@@ -265,8 +341,17 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     kinds = campaign(tier["events"], seed)
     settings = TorchftSettings(timeout_s=TIMEOUT_S, quorum_timeout_s=TIMEOUT_S)  # our job's collective timeout
     ctx.plan(3)
-    base = dict(task="digits", workers=ISLANDS, islands=ISLANDS, outer=f"diloco:inner_steps={H}", steps=400,
-                global_batch=8 * ISLANDS, eval_every=0, probe=False, timeout=TIMEOUT_S)
+    base = dict(
+        task="digits",
+        workers=ISLANDS,
+        islands=ISLANDS,
+        outer=f"diloco:inner_steps={H}",
+        steps=400,
+        global_batch=8 * ISLANDS,
+        eval_every=0,
+        probe=False,
+        timeout=TIMEOUT_S,
+    )
     probe = run_campaign(ctx, "probe", base, [], seed, (0.0, 0.0), settings, deadline_s=600)
     if not probe["finals"] or probe["hung"]:
         raise RuntimeError(f"the torchft probe run did not finish (see {ctx.out_dir / 'runs' / 'probe'})")
@@ -284,10 +369,21 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     lost = not run["finals"]
     survived = len(applied) if not lost and not run["hung"] else 0
     digests = {n: f.get("sha256") for n, f in run["finals"].items()}
-    rows = [{"kind": e.kind, "target": e.target, "t_s": round(e.at - applied[0].at, 1), "waited_s": round(e.waited_s, 1),
-             "stall_s": None if s is None else round(s, 2)} for e, s in zip(applied, stalls)]
-    rows += [{"kind": e.kind, "target": "-", "t_s": None, "waited_s": round(e.waited_s, 1), "stall_s": None,
-              "note": e.note} for e in run["events"] if not e.applied]
+    rows = [
+        {
+            "kind": e.kind,
+            "target": e.target,
+            "t_s": round(e.at - applied[0].at, 1),
+            "waited_s": round(e.waited_s, 1),
+            "stall_s": None if s is None else round(s, 2),
+        }
+        for e, s in zip(applied, stalls)
+    ]
+    rows += [
+        {"kind": e.kind, "target": "-", "t_s": None, "waited_s": round(e.waited_s, 1), "stall_s": None, "note": e.note}
+        for e in run["events"]
+        if not e.applied
+    ]
     by_kind: dict[str, list[float]] = {}
     for e, s in zip(applied, stalls):
         if s is not None:
@@ -295,8 +391,10 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     measured = [s for s in stalls if s is not None]
     loss = statistics.mean(f["val_loss"] for f in run["finals"].values()) if run["finals"] else float("nan")
     calm_loss = statistics.mean(f["val_loss"] for f in calm["finals"].values()) if calm["finals"] else float("nan")
-    where = (f"loopback on one 2-core machine; {ISLANDS} torchft {version} replicas of one process each "
-             f"(ProcessGroupGloo), its Lighthouse in a process of its own; {settings.describe()}")
+    where = (
+        f"loopback on one 2-core machine; {ISLANDS} torchft {version} replicas of one process each "
+        f"(ProcessGroupGloo), its Lighthouse in a process of its own; {settings.describe()}"
+    )
     headline = [
         f"{'quick tier: ' if ctx.quick else ''}torchft {version}: {len(applied)} of {len(kinds)} events applied "
         f"({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(applies))}; "
@@ -311,8 +409,16 @@ def chaos_torchft(ctx: BenchContext) -> dict:
         f"final val loss (mean over finishing replicas) {loss:.4f} vs {calm_loss:.4f} fault-free",
         f"where: {where}",
     ]
-    return {"rows": rows, "headline": headline, "interconnect": [where],
-            "baseline": ["the same torchft job without faults, same invocation; islands' own campaign: `islands bench chaos`"],
-            "hangs": int(run["hung"]), "lost_jobs": int(lost), "events_applied": len(applied), "digests": digests,
-            "restarts": run["restarts"]}
-
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": [where],
+        "baseline": [
+            "the same torchft job without faults, same invocation; islands' own campaign: `islands bench chaos`"
+        ],
+        "hangs": int(run["hung"]),
+        "lost_jobs": int(lost),
+        "events_applied": len(applied),
+        "digests": digests,
+        "restarts": run["restarts"],
+    }

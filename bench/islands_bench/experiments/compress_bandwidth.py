@@ -14,8 +14,16 @@ from islands_bench.plots import figure
 
 # rank 16 with int8 factors costs rank 4's fp32 bytes and ends within 1.4% of ddp (powersgd-adamw)
 BEST_POWERSGD = "powersgd:rank=16,bits=8,dense_bits=16"
-QUICK = ["none", "fp16", "int8", "powersgd:rank=4", BEST_POWERSGD, "torch-powersgd:rank=4",
-         "topk:ratio=0.01,warmup=0", "sign"]
+QUICK = [
+    "none",
+    "fp16",
+    "int8",
+    "powersgd:rank=4",
+    BEST_POWERSGD,
+    "torch-powersgd:rank=4",
+    "topk:ratio=0.01,warmup=0",
+    "sign",
+]
 FULL = QUICK + ["bf16", "int4", "qsgd:levels=16", "randomk:ratio=0.01"]
 # A step here computes ~100x slower than on a GPU, which hides what a slow link costs. The comm-bound
 # regime cuts compute per step 4x (8 sequences per step instead of 32) on the same link and model.
@@ -56,9 +64,16 @@ def _rows_for(rate: str, regime: str, measured: dict, recs: dict) -> tuple[list[
     rows = []
     for spec, rec in recs.items():
         t = _time_to(curve(rec), target)
-        rows.append({"rate": rate, "regime": regime, "achieved_goodput_mbit": measured["goodput_mbit"],
-                     **row(spec, rec, base, compress=spec),
-                     "time_to_target_s": t, "target_speedup_vs_ddp": (t_base / t) if (t and t_base) else None})
+        rows.append(
+            {
+                "rate": rate,
+                "regime": regime,
+                "achieved_goodput_mbit": measured["goodput_mbit"],
+                **row(spec, rec, base, compress=spec),
+                "time_to_target_s": t,
+                "target_speedup_vs_ddp": (t_base / t) if (t and t_base) else None,
+            }
+        )
     by = {r["compress"]: r for r in rows}
     reached = [r for r in rows if r["time_to_target_s"] is not None and r["compress"] != "none"]
     best = max(reached, key=lambda r: r["target_speedup_vs_ddp"] or 0, default=None)
@@ -67,20 +82,28 @@ def _rows_for(rate: str, regime: str, measured: dict, recs: dict) -> tuple[list[
         f"{rate} shaped (measured {measured['goodput_mbit']:.0f} Mbit/s TCP), {regime}: ddp {by['none']['s_per_step']:.2f} "
         f"s/step; fastest {fastest['compress']} {fastest['s_per_step']:.2f} s/step "
         f"({by['none']['s_per_step'] / fastest['s_per_step']:.1f}x); "
-        + (f"best time to ddp's loss x{TARGET_SLACK:g} ({target:.3f}): {best['compress']} {best['time_to_target_s']:.1f} s vs "
-           f"ddp {t_base:.1f} s ({best['target_speedup_vs_ddp']:.1f}x)" if best and t_base else
-           f"no compressor reached ddp's loss x{TARGET_SLACK:g} ({target:.3f}) within the run")]
+        + (
+            f"best time to ddp's loss x{TARGET_SLACK:g} ({target:.3f}): {best['compress']} {best['time_to_target_s']:.1f} s vs "
+            f"ddp {t_base:.1f} s ({best['target_speedup_vs_ddp']:.1f}x)"
+            if best and t_base
+            else f"no compressor reached ddp's loss x{TARGET_SLACK:g} ({target:.3f}) within the run"
+        )
+    ]
     if "powersgd:rank=4" in by and "torch-powersgd:rank=4" in by:
         ours, theirs = by["powersgd:rank=4"], by["torch-powersgd:rank=4"]
         lines.append(
             f"{rate}: our PowerSGD rank 4 {ours['s_per_step']:.3f} s/step, {ours['bytes_per_step']:,.0f} B/step vs torch's "
             f"PowerSGD hook {theirs['s_per_step']:.3f} s/step, {theirs['bytes_per_step']:,.0f} B/step (torch: first 2 steps "
-            f"uncompressed, its default; ratio {ours['s_per_step'] / theirs['s_per_step']:.2f})")
+            f"uncompressed, its default; ratio {ours['s_per_step'] / theirs['s_per_step']:.2f})"
+        )
     return rows, lines
 
 
-@experiment("compression-vs-bandwidth", practices=("SOTA-075", "SOTA-047", "SOTA-048"),
-            help="step time and time-to-target loss per compressor vs ddp on tc-shaped links; torch's PowerSGD hook side by side")
+@experiment(
+    "compression-vs-bandwidth",
+    practices=("SOTA-075", "SOTA-047", "SOTA-048"),
+    help="step time and time-to-target loss per compressor vs ddp on tc-shaped links; torch's PowerSGD hook side by side",
+)
 def compression_vs_bandwidth(ctx: BenchContext) -> dict:
     from islands import testbed as tb
 
@@ -99,23 +122,34 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
             rates_mbit[rate] = measured["goodput_mbit"]
             regimes = [("default: global batch %d" % common["global_batch"], specs, {})]
             if rate == "100mbit" or ctx.rate:
-                regimes.append((COMM_BOUND["regime"], COMM_BOUND["specs"], {"global_batch": COMM_BOUND["global_batch"]}))
+                regimes.append(
+                    (COMM_BOUND["regime"], COMM_BOUND["specs"], {"global_batch": COMM_BOUND["global_batch"]})
+                )
             for regime, regime_specs, overrides in regimes:
                 recs = {}
                 for spec in regime_specs:
                     label = f"{rate}/{spec.split(':')[0]}" + ("" if not overrides else "/comm-bound")
                     if spec == BEST_POWERSGD:
                         label += "-r16-int8"
-                    recs[spec] = ctx.train(label.replace("/", "-"), compress=spec, testbed=bed.name,
-                                           **{**common, **overrides})
+                    recs[spec] = ctx.train(
+                        label.replace("/", "-"), compress=spec, testbed=bed.name, **{**common, **overrides}
+                    )
                     curves[label] = curve(recs[spec])
                 mine, lines = _rows_for(rate, regime, measured, recs)
                 rows += mine
                 headline += lines
-    headline.append(f"{common['steps']} steps of the default LM, 2 workers in 2 namespaces, tbf-shaped veth links, no latency "
-                    "emulation" + ("; quick: one rate, few steps, far from converged" if ctx.quick else ""))
-    return {"rows": rows, "headline": headline, "curves": curves, "rates_mbit": rates_mbit,
-            "target_slack": TARGET_SLACK, "plot": _plot}
+    headline.append(
+        f"{common['steps']} steps of the default LM, 2 workers in 2 namespaces, tbf-shaped veth links, no latency "
+        "emulation" + ("; quick: one rate, few steps, far from converged" if ctx.quick else "")
+    )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "curves": curves,
+        "rates_mbit": rates_mbit,
+        "target_slack": TARGET_SLACK,
+        "plot": _plot,
+    }
 
 
 # A GPU computes this model's step ~100x faster than one CPU thread, so there the link is nearly the
@@ -124,8 +158,11 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
 LINK_BOUND_BATCHES = (8, 4)
 
 
-@experiment("compression-time-to-target", practices=("SOTA-075",),
-            help="time to ddp's loss x1.03, ddp vs rank-16 int8 PowerSGD, on one shaped link as compute per step shrinks")
+@experiment(
+    "compression-time-to-target",
+    practices=("SOTA-075",),
+    help="time to ddp's loss x1.03, ddp vs rank-16 int8 PowerSGD, on one shaped link as compute per step shrinks",
+)
 def compression_time_to_target(ctx: BenchContext) -> dict:
     from islands import testbed as tb
 
@@ -143,7 +180,9 @@ def compression_time_to_target(ctx: BenchContext) -> dict:
             recs = {}
             for spec in ("none", BEST_POWERSGD):
                 label = f"{rate}/b{batch}-" + ("ddp" if spec == "none" else "powersgd-r16-int8")
-                recs[spec] = ctx.train(label.replace("/", "-"), compress=spec, testbed=bed.name, **{**common, "global_batch": batch})
+                recs[spec] = ctx.train(
+                    label.replace("/", "-"), compress=spec, testbed=bed.name, **{**common, "global_batch": batch}
+                )
                 curves[label] = curve(recs[spec])
             mine, lines = _rows_for(rate, regime, measured, recs)
             ddp = next(r for r in mine if r["compress"] == "none")
@@ -151,7 +190,15 @@ def compression_time_to_target(ctx: BenchContext) -> dict:
                 r["compute_share_of_ddp_step"] = ddp["compute_s_per_step"] / ddp["s_per_step"]
             rows += mine
             headline += lines[:1]
-    headline.append(f"{common['steps']} steps of the default LM, 2 workers in 2 namespaces, tbf-shaped veth link; the "
-                    "share of ddp's step spent computing says how link-bound each regime is (a GPU is near 0)")
-    return {"rows": rows, "headline": headline, "curves": curves, "rates_mbit": {rate: measured["goodput_mbit"]},
-            "target_slack": TARGET_SLACK, "plot": _plot}
+    headline.append(
+        f"{common['steps']} steps of the default LM, 2 workers in 2 namespaces, tbf-shaped veth link; the "
+        "share of ddp's step spent computing says how link-bound each regime is (a GPU is near 0)"
+    )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "curves": curves,
+        "rates_mbit": {rate: measured["goodput_mbit"]},
+        "target_slack": TARGET_SLACK,
+        "plot": _plot,
+    }

@@ -15,9 +15,16 @@ from islands_bench.plots import figure
 def lm_setting(ctx: BenchContext) -> dict:
     """Config overrides for the default LM: 2 workers, the quick or full length."""
     steps = 40 if ctx.quick else 300
-    return dict(task="lm", workers=2, global_batch=16 if ctx.quick else 32, steps=steps,
-                warmup=max(2, steps // 10), eval_every=max(1, steps // 5), eval_batches=4 if ctx.quick else 8,
-                log_every=max(1, steps // 10))
+    return dict(
+        task="lm",
+        workers=2,
+        global_batch=16 if ctx.quick else 32,
+        steps=steps,
+        warmup=max(2, steps // 10),
+        eval_every=max(1, steps // 5),
+        eval_batches=4 if ctx.quick else 8,
+        log_every=max(1, steps // 10),
+    )
 
 
 def curve(rec: dict) -> list[dict]:
@@ -28,10 +35,16 @@ def curve(rec: dict) -> list[dict]:
 def row(label: str, rec: dict, base: dict | None = None, **extra) -> dict:
     """One result row; `base` (the uncompressed ddp run) gives the ratios."""
     s = rec["summary"]
-    out = {"run": label, **extra, "final_val_loss": s["final_val_loss"],
-           "bytes_per_step": s["bytes_sent_per_worker_per_step"], "s_per_step": s["seconds_per_step"],
-           # compute time shows how much of a step-time gap is load on the shared cores, not the link
-           "compute_s_per_step": s["compute_seconds"] / max(s["steps"], 1), "comm_fraction": s["comm_fraction"]}
+    out = {
+        "run": label,
+        **extra,
+        "final_val_loss": s["final_val_loss"],
+        "bytes_per_step": s["bytes_sent_per_worker_per_step"],
+        "s_per_step": s["seconds_per_step"],
+        # compute time shows how much of a step-time gap is load on the shared cores, not the link
+        "compute_s_per_step": s["compute_seconds"] / max(s["steps"], 1),
+        "comm_fraction": s["comm_fraction"],
+    }
     if base is not None:
         b = base["summary"]
         out["bytes_reduction_x"] = b["bytes_sent_per_worker_per_step"] / max(s["bytes_sent_per_worker_per_step"], 1)

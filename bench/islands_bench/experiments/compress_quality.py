@@ -20,9 +20,16 @@ def _runs(ctx: BenchContext, runs: list[tuple[str, dict]]) -> tuple[list[dict], 
     ctx.plan(len(runs))
     recs = {label: ctx.train(label, **common, **over) for label, over in runs}
     base = recs["ddp"]
-    rows = [row(label, rec, base, compress=spec_text(rec["config"]["inner"]["compressor"]),
-                optimizer=spec_text(rec["config"]["train"]["optimizer"]))
-            for label, rec in recs.items()]
+    rows = [
+        row(
+            label,
+            rec,
+            base,
+            compress=spec_text(rec["config"]["inner"]["compressor"]),
+            optimizer=spec_text(rec["config"]["train"]["optimizer"]),
+        )
+        for label, rec in recs.items()
+    ]
     return rows, recs, {label: curve(rec) for label, rec in recs.items()}
 
 
@@ -33,30 +40,38 @@ def _fmt(r: dict) -> str:
 def _setting(ctx: BenchContext, recs: dict) -> str:
     """The sentence every quality headline ends with: run length, world and the measured link."""
     ddp = recs["ddp"]
-    return (f"{ddp['summary']['steps']} steps of the default 0.9 M-parameter LM, 2 workers, on "
-            f"{ddp['interconnect_line']}" + ("; quick runs are far from converged" if ctx.quick else ""))
+    return (
+        f"{ddp['summary']['steps']} steps of the default 0.9 M-parameter LM, 2 workers, on "
+        f"{ddp['interconnect_line']}" + ("; quick runs are far from converged" if ctx.quick else "")
+    )
 
 
-@experiment("ef-ablation", practices=("SOTA-214",),
-            help="PowerSGD rank 4 and top-k 99.9% with and without error feedback vs ddp on the default LM")
+@experiment(
+    "ef-ablation",
+    practices=("SOTA-214",),
+    help="PowerSGD rank 4 and top-k 99.9% with and without error feedback vs ddp on the default LM",
+)
 def ef_ablation(ctx: BenchContext) -> dict:
     stage = _stage_steps(lm_setting(ctx)["steps"])
     warm = lm_setting(ctx)["warmup"]
     topk = f"topk:ratio=0.001,warmup=1,stage_steps={stage}"
-    rows, recs, curves = _runs(ctx, [
-        ("ddp", dict(compress="none")),
-        ("powersgd-r4-ef", dict(compress="powersgd:rank=4,ef=1")),
-        ("powersgd-r4-no-ef", dict(compress="powersgd:rank=4,ef=0")),
-        # references for the PowerSGD rows: torch's own hook (its default 2 uncompressed steps), and ours
-        # with torch's start_powerSGD_iter idea at the LR warm-up length (bytes counted over the whole run)
-        ("torch-powersgd-r4", dict(compress="torch-powersgd:rank=4")),
-        (f"powersgd-r4-ef-start{warm}", dict(compress=f"powersgd:rank=4,start={warm},ef=1")),
-        # the same bytes per matrix spent on rank instead of mantissa (int8 factors, bf16 biases; powersgd-adamw)
-        ("powersgd-r16-int8-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=1")),
-        ("powersgd-r16-int8-no-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=0")),
-        ("topk-99.9-ef", dict(compress=topk + ",ef=1")),
-        ("topk-99.9-no-ef", dict(compress=topk + ",ef=0")),
-    ])
+    rows, recs, curves = _runs(
+        ctx,
+        [
+            ("ddp", dict(compress="none")),
+            ("powersgd-r4-ef", dict(compress="powersgd:rank=4,ef=1")),
+            ("powersgd-r4-no-ef", dict(compress="powersgd:rank=4,ef=0")),
+            # references for the PowerSGD rows: torch's own hook (its default 2 uncompressed steps), and ours
+            # with torch's start_powerSGD_iter idea at the LR warm-up length (bytes counted over the whole run)
+            ("torch-powersgd-r4", dict(compress="torch-powersgd:rank=4")),
+            (f"powersgd-r4-ef-start{warm}", dict(compress=f"powersgd:rank=4,start={warm},ef=1")),
+            # the same bytes per matrix spent on rank instead of mantissa (int8 factors, bf16 biases; powersgd-adamw)
+            ("powersgd-r16-int8-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=1")),
+            ("powersgd-r16-int8-no-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=0")),
+            ("topk-99.9-ef", dict(compress=topk + ",ef=1")),
+            ("topk-99.9-no-ef", dict(compress=topk + ",ef=0")),
+        ],
+    )
     by = {r["run"]: r for r in rows}
     headline = [
         f"PowerSGD rank 4: final val loss with EF {_fmt(by['powersgd-r4-ef'])} vs without EF "
@@ -71,15 +86,21 @@ def ef_ablation(ctx: BenchContext) -> dict:
     return {"rows": rows, "headline": headline, "curves": curves, "plot": plot_curves("ef-ablation: validation loss")}
 
 
-@experiment("sparsity-warmup", practices=("SOTA-224",),
-            help="top-k 99.9% with DGC's exponential sparsity warm-up vs starting at the target sparsity")
+@experiment(
+    "sparsity-warmup",
+    practices=("SOTA-224",),
+    help="top-k 99.9% with DGC's exponential sparsity warm-up vs starting at the target sparsity",
+)
 def sparsity_warmup(ctx: BenchContext) -> dict:
     stage = _stage_steps(lm_setting(ctx)["steps"])
-    rows, recs, curves = _runs(ctx, [
-        ("ddp", dict(compress="none")),
-        ("topk-ramped", dict(compress=f"topk:ratio=0.001,warmup=1,stage_steps={stage}")),
-        ("topk-at-target", dict(compress="topk:ratio=0.001,warmup=0")),
-    ])
+    rows, recs, curves = _runs(
+        ctx,
+        [
+            ("ddp", dict(compress="none")),
+            ("topk-ramped", dict(compress=f"topk:ratio=0.001,warmup=1,stage_steps={stage}")),
+            ("topk-at-target", dict(compress="topk:ratio=0.001,warmup=0")),
+        ],
+    )
     by = {r["run"]: r for r in rows}
     early = {}
     for label, pts in curves.items():  # loss at the first evaluation after the warm-up ends
@@ -94,25 +115,37 @@ def sparsity_warmup(ctx: BenchContext) -> dict:
         f"{by['topk-ramped']['bytes_per_step'] / by['topk-at-target']['bytes_per_step']:.1f}x the bytes per step on average",
         _setting(ctx, recs),
     ]
-    return {"rows": rows, "headline": headline, "curves": curves, "plot": plot_curves("sparsity-warmup: validation loss")}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "curves": curves,
+        "plot": plot_curves("sparsity-warmup: validation loss"),
+    }
 
 
-@experiment("onebit-adam", practices=("SOTA-215",),
-            help="1-bit Adam (frozen variance, 1-bit momentum) vs naive compressed Adam vs AdamW on the default LM")
+@experiment(
+    "onebit-adam",
+    practices=("SOTA-215",),
+    help="1-bit Adam (frozen variance, 1-bit momentum) vs naive compressed Adam vs AdamW on the default LM",
+)
 def onebit_adam(ctx: BenchContext) -> dict:
     steps = lm_setting(ctx)["steps"]
     warm = max(1, steps // 5)
-    rows, recs, curves = _runs(ctx, [
-        ("ddp", dict(optimizer="adamw")),
-        ("onebit-adam", dict(optimizer=f"onebit-adam:warmup={warm}")),
-        ("naive-compressed-adam", dict(optimizer=f"naive-compressed-adam:warmup={warm}")),
-    ])
+    rows, recs, curves = _runs(
+        ctx,
+        [
+            ("ddp", dict(optimizer="adamw")),
+            ("onebit-adam", dict(optimizer=f"onebit-adam:warmup={warm}")),
+            ("naive-compressed-adam", dict(optimizer=f"naive-compressed-adam:warmup={warm}")),
+        ],
+    )
     by = {r["run"]: r for r in rows}
     for r in rows:  # bytes after the warm-up: the 1-bit phase alone
         rec = recs[r["run"]]
         sent = rec["comm"]["per_rank"][0]["sent"]
-        r["bytes_per_step_after_warmup"] = (sent.get("compress_gather", 0) / max(steps - warm, 1)
-                                            if r["run"] != "ddp" else r["bytes_per_step"])
+        r["bytes_per_step_after_warmup"] = (
+            sent.get("compress_gather", 0) / max(steps - warm, 1) if r["run"] != "ddp" else r["bytes_per_step"]
+        )
     ob, nv = by["onebit-adam"], by["naive-compressed-adam"]
     headline = [
         f"final val loss: 1-bit Adam {ob['final_val_loss']:.3f} ({ob['val_loss_vs_ddp_pct']:+.1f}% vs AdamW) vs naive "
@@ -125,18 +158,24 @@ def onebit_adam(ctx: BenchContext) -> dict:
     return {"rows": rows, "headline": headline, "curves": curves, "plot": plot_curves("onebit-adam: validation loss")}
 
 
-@experiment("powersgd-adamw", practices=("SOTA-214", "SOTA-215"),
-            help="PowerSGD at 1/20 of ddp's bytes under AdamW: spend the bytes on rank (bf16, int8 factors), not mantissa")
+@experiment(
+    "powersgd-adamw",
+    practices=("SOTA-214", "SOTA-215"),
+    help="PowerSGD at 1/20 of ddp's bytes under AdamW: spend the bytes on rank (bf16, int8 factors), not mantissa",
+)
 def powersgd_adamw(ctx: BenchContext) -> dict:
     # issue 3's goal: >= 20x fewer bytes than fp32 ddp and within 3% of its final validation loss.
     # Rank 8 bf16 and rank 16 int8 cost what rank 4 fp32 costs per matrix (ef-ablation's
     # powersgd-r4-ef row); dense_bits=16 sends biases and norms in bf16 so the whole step clears 20x.
-    rows, recs, curves = _runs(ctx, [
-        ("ddp", dict(compress="none")),
-        ("powersgd-r8-bf16", dict(compress="powersgd:rank=8,bits=16,dense_bits=16")),
-        ("powersgd-r16-int8", dict(compress="powersgd:rank=16,bits=8,dense_bits=16")),
-        ("powersgd-r16-int8-no-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=0")),
-    ])
+    rows, recs, curves = _runs(
+        ctx,
+        [
+            ("ddp", dict(compress="none")),
+            ("powersgd-r8-bf16", dict(compress="powersgd:rank=8,bits=16,dense_bits=16")),
+            ("powersgd-r16-int8", dict(compress="powersgd:rank=16,bits=8,dense_bits=16")),
+            ("powersgd-r16-int8-no-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=0")),
+        ],
+    )
     by = {r["run"]: r for r in rows}
     best = by["powersgd-r16-int8"]
     met = best["bytes_reduction_x"] >= 20 and best["val_loss_vs_ddp_pct"] <= 3
@@ -148,5 +187,10 @@ def powersgd_adamw(ctx: BenchContext) -> dict:
         f"({best['bytes_reduction_x']:.2f}x, {best['val_loss_vs_ddp_pct']:+.2f}%)",
         _setting(ctx, recs) + ("; loss gaps show direction only" if ctx.quick else ""),
     ]
-    return {"rows": rows, "headline": headline, "curves": curves, "goal_met": met,
-            "plot": plot_curves("powersgd-adamw: validation loss")}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "curves": curves,
+        "goal_met": met,
+        "plot": plot_curves("powersgd-adamw: validation loss"),
+    }

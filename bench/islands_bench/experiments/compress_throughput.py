@@ -10,15 +10,27 @@ from __future__ import annotations
 
 import torch
 
-from islands_bench.harness import BenchContext, experiment
-from islands_bench.plots import figure
 from islands.compress import Agreed, Combine, parse_compressor
 from islands.measure import best_seconds
 from islands.models import ByteTransformer
+from islands_bench.harness import BenchContext, experiment
+from islands_bench.plots import figure
 
-SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=16", "randomk:ratio=0.01",
-         "topk:ratio=0.01,warmup=0", "topk:ratio=0.001,warmup=0", "topk:ratio=0.01,warmup=0,sample=0.01",
-         "topk:ratio=0.001,warmup=0,sample=0.01", "powersgd:rank=4", "sign"]
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int4",
+    "qsgd:levels=16",
+    "randomk:ratio=0.01",
+    "topk:ratio=0.01,warmup=0",
+    "topk:ratio=0.001,warmup=0",
+    "topk:ratio=0.01,warmup=0,sample=0.01",
+    "topk:ratio=0.001,warmup=0,sample=0.01",
+    "powersgd:rank=4",
+    "sign",
+]
 
 
 def _roundtrip(c, grads: dict[str, torch.Tensor]) -> None:
@@ -47,9 +59,12 @@ def _plot(result: dict, path) -> None:
         ax.set_title(f"compressor-throughput, {result['gradient_mb']:.1f} MB gradient, {result['where']}", fontsize=9)
 
 
-@experiment("compressor-throughput", practices=("SOTA-075",),
-            help="GB/s of gradient processed by each compressor (compress + decode) next to a memory copy, one thread",
-            devices=("cpu", "cuda"))
+@experiment(
+    "compressor-throughput",
+    practices=("SOTA-075",),
+    help="GB/s of gradient processed by each compressor (compress + decode) next to a memory copy, one thread",
+    devices=("cpu", "cuda"),
+)
 def compressor_throughput(ctx: BenchContext) -> dict:
     torch.set_num_threads(1)
     device = torch.device(ctx.device)
@@ -60,7 +75,9 @@ def compressor_throughput(ctx: BenchContext) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in grads.values())
     out = {n: torch.empty_like(t) for n, t in grads.items()}
     copy_s = best_seconds(lambda: _copy(grads, out), reps * 3, device=device)
-    rows = [{"compressor": "memcpy (reference)", "seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9, "vs_memcpy": 1.0}]
+    rows = [
+        {"compressor": "memcpy (reference)", "seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9, "vs_memcpy": 1.0}
+    ]
     for spec in SPECS:
         c = parse_compressor(spec)
         s = best_seconds(lambda c=c: _roundtrip(c, grads), reps, device=device)
@@ -71,7 +88,9 @@ def compressor_throughput(ctx: BenchContext) -> dict:
     by = {r["compressor"]: r for r in rows}
     sampled = "; ".join(
         f"top-k {d} exact {by[f'topk:ratio={d},warmup=0']['gb_per_s']:.3f} vs sampled threshold "
-        f"{by[f'topk:ratio={d},warmup=0,sample=0.01']['gb_per_s']:.3f} GB/s" for d in ("0.01", "0.001"))
+        f"{by[f'topk:ratio={d},warmup=0,sample=0.01']['gb_per_s']:.3f} GB/s"
+        for d in ("0.01", "0.001")
+    )
     headline = [
         f"memcpy of the same {nbytes / 1e6:.1f} MB of gradients: {rows[0]['gb_per_s']:.2f} GB/s on {where}",
         f"fastest compressor {fast['compressor']} {fast['gb_per_s']:.2f} GB/s ({fast['vs_memcpy']:.2f}x memcpy); slowest "
@@ -82,6 +101,12 @@ def compressor_throughput(ctx: BenchContext) -> dict:
         f"T (1 - 1/c) (x8 for Gbit/s), e.g. PowerSGD here below {8 * psgd['gb_per_s']:.2f} Gbit/s; best of {reps} "
         f"repetitions on {where}",
     ]
-    return {"rows": rows, "headline": headline, "gradient_mb": nbytes / 1e6, "plot": _plot, "where": where,
-            "interconnect": [f"none: in-process compute only, {where}"],
-            "baseline": [f"copy of the same tensors into preallocated buffers on the same device ({where}), same run"]}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "gradient_mb": nbytes / 1e6,
+        "plot": _plot,
+        "where": where,
+        "interconnect": [f"none: in-process compute only, {where}"],
+        "baseline": [f"copy of the same tensors into preallocated buffers on the same device ({where}), same run"],
+    }

@@ -14,16 +14,22 @@ import statistics
 
 from islands_bench.experiments.compress_common import lm_setting
 from islands_bench.harness import BenchContext, experiment
+
 ONE_BUCKET_MB = 4096.0  # one DDP bucket for every gradient of the bench's models, as torch's hook runs in
 
-ARMS = (("ours", "powersgd:rank=4", {}),
-        ("ours-one-bucket", "powersgd:rank=4", {"bucket_mb": ONE_BUCKET_MB}),
-        ("ours-inline", "powersgd:rank=4", {"hook_overlap": False}),
-        ("torch-hook", "torch-powersgd:rank=4", {}))
+ARMS = (
+    ("ours", "powersgd:rank=4", {}),
+    ("ours-one-bucket", "powersgd:rank=4", {"bucket_mb": ONE_BUCKET_MB}),
+    ("ours-inline", "powersgd:rank=4", {"hook_overlap": False}),
+    ("torch-hook", "torch-powersgd:rank=4", {}),
+)
 
 
-@experiment("powersgd-vs-torch-hook", practices=("SOTA-075",),
-            help="our PowerSGD rank 4 vs torch's PowerSGD hook on one shaped link, runs interleaved round by round")
+@experiment(
+    "powersgd-vs-torch-hook",
+    practices=("SOTA-075",),
+    help="our PowerSGD rank 4 vs torch's PowerSGD hook on one shaped link, runs interleaved round by round",
+)
 def powersgd_vs_torch_hook(ctx: BenchContext) -> dict:
     from islands import testbed as tb
 
@@ -37,16 +43,29 @@ def powersgd_vs_torch_hook(ctx: BenchContext) -> dict:
             for label, spec, over in ARMS:
                 rec = ctx.train(f"{label}-round{r}", compress=spec, testbed=bed.name, **common, **over)
                 s = rec["summary"]
-                runs[label].append({"median_s_per_step": s["median_seconds_per_step"],
-                                    "bytes_per_step": s["bytes_sent_per_worker_per_step"],
-                                    "interconnect": rec["interconnect_line"]})
+                runs[label].append(
+                    {
+                        "median_s_per_step": s["median_seconds_per_step"],
+                        "bytes_per_step": s["bytes_sent_per_worker_per_step"],
+                        "interconnect": rec["interconnect_line"],
+                    }
+                )
     rows = []
     for label, spec, over in ARMS:
         times = [x["median_s_per_step"] for x in runs[label]]
-        rows.append({"arm": label, "compress": spec, **over, "rounds": len(times),
-                     "median_s_per_step": statistics.median(times), "min_s_per_step": min(times),
-                     "max_s_per_step": max(times), "bytes_per_step": runs[label][-1]["bytes_per_step"],
-                     "interconnect": runs[label][-1]["interconnect"]})
+        rows.append(
+            {
+                "arm": label,
+                "compress": spec,
+                **over,
+                "rounds": len(times),
+                "median_s_per_step": statistics.median(times),
+                "min_s_per_step": min(times),
+                "max_s_per_step": max(times),
+                "bytes_per_step": runs[label][-1]["bytes_per_step"],
+                "interconnect": runs[label][-1]["interconnect"],
+            }
+        )
     torch_row = rows[-1]
     torch_times = [x["median_s_per_step"] for x in runs["torch-hook"]]
     for row in rows:
@@ -57,12 +76,16 @@ def powersgd_vs_torch_hook(ctx: BenchContext) -> dict:
     headline = [
         f"{rate} tbf-shaped link (measured {measured['goodput_mbit']:.0f} Mbit/s TCP), 2 workers, default LM, global batch "
         f"{common['global_batch']}, {common['steps']} steps x {rounds} interleaved rounds per arm; median step time: "
-        + ", ".join(f"{r['arm']} {r['median_s_per_step']:.3f} s ({r['vs_torch_hook']:.2f}x torch's hook, paired by round "
-                    f"{r['paired_median']:.2f}x; rounds "
-                    f"{r['min_s_per_step']:.3f}-{r['max_s_per_step']:.3f}), {r['bytes_per_step']:,.0f} B/step" for r in rows),
+        + ", ".join(
+            f"{r['arm']} {r['median_s_per_step']:.3f} s ({r['vs_torch_hook']:.2f}x torch's hook, paired by round "
+            f"{r['paired_median']:.2f}x; rounds "
+            f"{r['min_s_per_step']:.3f}-{r['max_s_per_step']:.3f}), {r['bytes_per_step']:,.0f} B/step"
+            for r in rows
+        ),
         # the like-for-like arm: the same single bucket torch's hook runs in
-        f"goal (issue 3), ours in the same one bucket <= 1.00x torch's hook: "
-        + ("met" if rows[1]["vs_torch_hook"] <= 1.0 else "not met") + f" ({rows[1]['vs_torch_hook']:.2f}x); with DDP's "
+        "goal (issue 3), ours in the same one bucket <= 1.00x torch's hook: "
+        + ("met" if rows[1]["vs_torch_hook"] <= 1.0 else "not met")
+        + f" ({rows[1]['vs_torch_hook']:.2f}x); with DDP's "
         f"default buckets {rows[0]['vs_torch_hook']:.2f}x, compressed inside the hook {rows[2]['vs_torch_hook']:.2f}x",
     ]
     return {"rows": rows, "headline": headline, "rounds": runs, "rate_mbit": measured["goodput_mbit"]}

@@ -183,15 +183,18 @@ while time.time() - start < duration:
 def _attack(address: str, out_path, duration: float, workers: int, log_path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("ISLANDS_TOKEN", "ISLANDS_AUTH_AUDIT")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen([sys.executable, "-c", ATTACKER, address, str(out_path), str(duration), str(workers),
-                             STORE_PREFIX], env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-c", ATTACKER, address, str(out_path), str(duration), str(workers), STORE_PREFIX],
+        env=env,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _joiner_reads_job(address: str, token: str, seen: dict) -> None:
     """What `islands join` does first: read the job record, verified with the token. Once the attacker has
     replaced it, a joiner must refuse it (exit 3), not run the script it names."""
-    from islands.control import ControlAuth
-    from islands.control import JobSpec, Refused, connect
+    from islands.control import ControlAuth, JobSpec, Refused, connect
 
     host, port = address.rsplit(":", 1)
     store = connect(host, int(port))
@@ -214,10 +217,12 @@ def _run(ctx: BenchContext, label: str, base: dict, attack_s: float | None) -> d
         seen["coordinator"], seen["address"] = coordinator, address
         if attack_s is not None:
             runs = ctx.out_dir / "runs"  # the attacker's journal and log stay out of the committed results
-            seen["attacker"] = _attack(address, runs / f"attacks-{label}.jsonl", attack_s, len(workers),
-                                       runs / f"attacker-{label}.log")
-            threading.Thread(target=_joiner_reads_job, args=(address, os.environ["ISLANDS_TOKEN"], seen),
-                             daemon=True).start()
+            seen["attacker"] = _attack(
+                address, runs / f"attacks-{label}.jsonl", attack_s, len(workers), runs / f"attacker-{label}.log"
+            )
+            threading.Thread(
+                target=_joiner_reads_job, args=(address, os.environ["ISLANDS_TOKEN"], seen), daemon=True
+            ).start()
 
     os.environ["ISLANDS_AUTH_AUDIT"] = "1"  # every reader keeps when it accepted which (key, value)
     t = time.perf_counter()
@@ -240,8 +245,10 @@ def _run(ctx: BenchContext, label: str, base: dict, attack_s: float | None) -> d
         proc.wait(timeout=60)
         journal = (ctx.out_dir / "runs" / f"attacks-{label}.jsonl").read_text().splitlines()
         lines = [json.loads(x) for x in journal if x]
-        out["attacks"] = {"writes": [x for x in lines if "kind" in x],
-                          "joins": [x["join"] for x in lines if "join" in x]}
+        out["attacks"] = {
+            "writes": [x for x in lines if "kind" in x],
+            "joins": [x["join"] for x in lines if "join" in x],
+        }
         out["job_read"] = seen.get("job_read", {"tried": 0, "accepted": 0, "error": seen.get("job_read_error")})
     del coord
     return out
@@ -279,9 +286,10 @@ def _effects(run: dict, workers: int, steps: int) -> dict:
     events = [e for m in members.values() for e in m["final"]["events"]]
     final_members = {n: sorted(x[1] for x in m["final"]["members"]) for n, m in members.items()}
     return {
-        "finished": sorted(members), "steps": run["record"]["summary"]["steps"],
-        "all_finished": sorted(members) == [f"w{i}" for i in range(workers)] and
-        run["record"]["summary"]["steps"] == steps,
+        "finished": sorted(members),
+        "steps": run["record"]["summary"]["steps"],
+        "all_finished": sorted(members) == [f"w{i}" for i in range(workers)]
+        and run["record"]["summary"]["steps"] == steps,
         "failovers": len({e["epoch"] for e in events if e["type"] == "failure"}),  # each member logs each one
         "final_epochs": sorted({m["final"]["epoch"] for m in members.values()}),
         "mallory_anywhere": any("mallory" in json.dumps(m["final"]) for m in members.values()),
@@ -296,10 +304,12 @@ def _store_cost(n: int = 2000) -> dict:
     """Microseconds per set+get of a 64-byte value: the raw store vs through an AuthStore (loopback TCPStore)."""
     from islands.control import AuthStore, ControlAuth
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-    raw = dist.PrefixStore("b", dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                             timeout=datetime.timedelta(seconds=30)))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    raw = dist.PrefixStore(
+        "b", dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    )
     authed = AuthStore(raw, ControlAuth("bench-token", "bench-job", "w0"))
     value = b"x" * 64
     out = {}
@@ -348,11 +358,18 @@ def _etcd_outsiders(tries: int) -> dict | None:
                 return ctx
 
             def call(ctx, path: str, body: dict) -> int:
-                conn = (http.client.HTTPConnection(host, int(port), timeout=5) if ctx is None else
-                        http.client.HTTPSConnection(host, int(port), timeout=5, context=ctx))
+                conn = (
+                    http.client.HTTPConnection(host, int(port), timeout=5)
+                    if ctx is None
+                    else http.client.HTTPSConnection(host, int(port), timeout=5, context=ctx)
+                )
                 try:
-                    conn.request("POST", f"/v3/{path}", body=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                    conn.request(
+                        "POST",
+                        f"/v3/{path}",
+                        body=json.dumps(body).encode(),
+                        headers={"Content-Type": "application/json"},
+                    )
                     return conn.getresponse().status
                 except OSError:  # refused in the handshake, or the connection closed on plain HTTP
                     return 0
@@ -367,14 +384,20 @@ def _etcd_outsiders(tries: int) -> dict | None:
                 return bool(kvs) and base64.b64decode(kvs[0]["value"]) == value
 
             out = {}
-            for label, ctx in (("with the cluster's certificate (control)", context(env)),
-                               ("plain HTTP", None), ("TLS, no client certificate", context(None)),
-                               ("TLS, a certificate from another CA", context(foreign))):
+            for label, ctx in (
+                ("with the cluster's certificate (control)", context(env)),
+                ("plain HTTP", None),
+                ("TLS, no client certificate", context(None)),
+                ("TLS, a certificate from another CA", context(foreign)),
+            ):
                 accepted = 0
                 for i in range(tries):
                     call(context(env), "kv/put", {"key": b64(key), "value": b64(value)})  # the job's value back
-                    op = ("kv/put", {"key": b64(key), "value": b64(b"forged %d" % i)}) if i % 2 == 0 else \
-                         ("kv/deleterange", {"key": b64(key)})
+                    op = (
+                        ("kv/put", {"key": b64(key), "value": b64(b"forged %d" % i)})
+                        if i % 2 == 0
+                        else ("kv/deleterange", {"key": b64(key)})
+                    )
                     status = call(ctx, *op)
                     accepted += int(status == 200 or not holds())
                 out[label] = {"tried": tries, "accepted": accepted}
@@ -389,8 +412,9 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
     from islands.control import mac_payload
 
     rows = []
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=60))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
     for mb in sizes_mb:
         x = torch.randn(mb * 2**20 // 4)
         key = os.urandom(32)
@@ -402,8 +426,10 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
         times: list[float] = []
 
         def rank(r):
-            s = dist.PrefixStore(f"ar{mb}", dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                                         timeout=datetime.timedelta(seconds=60)))
+            s = dist.PrefixStore(
+                f"ar{mb}",
+                dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=60)),
+            )
             pg = dist.ProcessGroupGloo(s, r, 2, datetime.timedelta(seconds=60))
             y = x.clone()
             pg.allreduce([y]).wait()  # warm
@@ -416,8 +442,15 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
         [th.start() for th in threads]
         [th.join() for th in threads]
-        rows.append({"mb": mb, "hmac_s": best, "hmac_mb_per_s": mb / best, "allreduce_s": times[0],
-                     "hmac_over_allreduce": best / times[0]})
+        rows.append(
+            {
+                "mb": mb,
+                "hmac_s": best,
+                "hmac_mb_per_s": mb / best,
+                "allreduce_s": times[0],
+                "hmac_over_allreduce": best / times[0],
+            }
+        )
     del server
     return rows
 
@@ -426,37 +459,64 @@ def _authenticated_training(ctx: BenchContext) -> dict:
     """The same DiLoCo job (byte LM, 2 islands of one worker, loopback) with and without outer.authenticate,
     side by side, in a fixed world and as an elastic job: time blocked in the outer exchange, wall time, bytes."""
     steps, h = (40, 10) if ctx.quick else (300, 20)
-    base = dict(workers=2, islands=2, outer=f"diloco:inner_steps={h}", steps=steps, global_batch=16, probe=False,
-                eval_every=0)
+    base = dict(
+        workers=2, islands=2, outer=f"diloco:inner_steps={h}", steps=steps, global_batch=16, probe=False, eval_every=0
+    )
     runs = {}
-    arms = [(f"{mode}{label}", extra, mode) for mode in ("", "elastic-")
-            for label, extra in (("plain", {}), ("authenticated", {"outer.authenticate": True}))]
+    arms = [
+        (f"{mode}{label}", extra, mode)
+        for mode in ("", "elastic-")
+        for label, extra in (("plain", {}), ("authenticated", {"outer.authenticate": True}))
+    ]
     for label, extra, mode in arms:  # a fixed world (a wrapped Comm) and an elastic one (ElasticComm's own tags)
         run = ctx.train_elastic if mode else ctx.train
         record = run(f"payload-{label}", **base, **extra, **({"elastic": True} if mode else {}))
         s = record["summary"]
-        runs[label] = {"wall": s["wall_seconds"], "blocked": s["sync_blocked_seconds"], "loss": s["final_val_loss"],
-                       "bytes": sum(record["comm"]["per_rank"][0]["sent"].values())}
+        runs[label] = {
+            "wall": s["wall_seconds"],
+            "blocked": s["sync_blocked_seconds"],
+            "loss": s["final_val_loss"],
+            "bytes": sum(record["comm"]["per_rank"][0]["sent"].values()),
+        }
     out = {"setting": f"byte LM, {steps} steps, H={h}, {steps // h} exchanges of the whole model", "runs": runs}
     for mode in ("", "elastic-"):
         plain, auth = runs[f"{mode}plain"], runs[f"{mode}authenticated"]
         extra_blocked = auth["blocked"] - plain["blocked"]
-        out[mode or "fixed-"] = {"extra_blocked": extra_blocked, "extra_blocked_pct": 100 * extra_blocked / plain["wall"],
-                                 "extra_bytes": auth["bytes"] - plain["bytes"], "same_loss": auth["loss"] == plain["loss"]}
+        out[mode or "fixed-"] = {
+            "extra_blocked": extra_blocked,
+            "extra_blocked_pct": 100 * extra_blocked / plain["wall"],
+            "extra_bytes": auth["bytes"] - plain["bytes"],
+            "same_loss": auth["loss"] == plain["loss"],
+        }
     return out
 
 
-@experiment("control-plane", practices=("SOTA-930", "SOTA-934"),
-            help="forged, replayed and tampered membership messages and store writes from a process without the "
-                 "token against a running elastic job: how many are accepted (goal 0); MAC costs")
+@experiment(
+    "control-plane",
+    practices=("SOTA-930", "SOTA-934"),
+    help="forged, replayed and tampered membership messages and store writes from a process without the "
+    "token against a running elastic job: how many are accepted (goal 0); MAC costs",
+)
 def control_plane(ctx: BenchContext) -> dict:
     workers = 3 if ctx.quick else 4
     steps = 400 if ctx.quick else 1500
     h = 5
     load_start = os.getloadavg()[0]
-    base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h}",
-                steps=steps, global_batch=8 * workers, eval_every=0, warmup=10, lr=3e-3, probe=False,
-                timeout=60.0, heartbeat_timeout=3.0)
+    base = dict(
+        task="digits",
+        workers=workers,
+        islands=workers,
+        elastic=True,
+        outer=f"diloco:inner_steps={h}",
+        steps=steps,
+        global_batch=8 * workers,
+        eval_every=0,
+        warmup=10,
+        lr=3e-3,
+        probe=False,
+        timeout=60.0,
+        heartbeat_timeout=3.0,
+    )
     ctx.plan(6)
     calm = _run(ctx, "no-attacker", base, None)
     # the attacker runs until the job ends (the bench stops it then), or for at most this long: on an idle machine
@@ -473,9 +533,19 @@ def control_plane(ctx: BenchContext) -> dict:
     tried = sum(k["tried"] for k in kinds.values())
     accepted = sum(k["accepted"] for k in kinds.values())
     ctx.log(f"control plane: {accepted} of {tried} attacker values accepted; per kind {kinds}")
-    rows = [{"attack": kind, "tried": k["tried"], "accepted": k["accepted"],
-             "of_which": (f"{k.get('rollbacks', 0)} rollbacks, {k.get('late_genuine', 0)} late genuine"
-                          if kind == "replay" else "-")} for kind, k in sorted(kinds.items())]
+    rows = [
+        {
+            "attack": kind,
+            "tried": k["tried"],
+            "accepted": k["accepted"],
+            "of_which": (
+                f"{k.get('rollbacks', 0)} rollbacks, {k.get('late_genuine', 0)} late genuine"
+                if kind == "replay"
+                else "-"
+            ),
+        }
+        for kind, k in sorted(kinds.items())
+    ]
     rows.append({"attack": "all", "tried": tried, "accepted": accepted, "of_which": "-"})
     rollbacks = sum(k.get("rollbacks", 0) for k in kinds.values())
     late = sum(k.get("late_genuine", 0) for k in kinds.values())
@@ -495,25 +565,51 @@ def control_plane(ctx: BenchContext) -> dict:
         f"fail-over(s); run time {calm['seconds']:.1f} s vs {attacked['seconds']:.1f} s attacked",
         f"control-plane MAC cost per store set+get (64 B, loopback TCPStore): {store_us['raw']:.0f} us raw vs "
         f"{store_us['authenticated']:.0f} us authenticated",
-        "payload MAC (HMAC-SHA256, one core): " + "; ".join(
+        "payload MAC (HMAC-SHA256, one core): "
+        + "; ".join(
             f"{p['mb']} MB {p['hmac_mb_per_s']:.0f} MB/s = {p['hmac_over_allreduce']:.2f}x a 2-rank gloo all-reduce "
-            f"of it" for p in payload),
-        "authenticated payloads in training (outer.authenticate; " + trained["setting"] + "): " + "; ".join(
+            f"of it"
+            for p in payload
+        ),
+        "authenticated payloads in training (outer.authenticate; "
+        + trained["setting"]
+        + "): "
+        + "; ".join(
             f"{label} wall {r['wall']:.1f} s, blocked in the outer step {r['blocked']:.2f} s, {r['bytes']:,} B sent "
-            f"by rank 0" for label, r in trained["runs"].items()) + "; " + "; ".join(
+            f"by rank 0"
+            for label, r in trained["runs"].items()
+        )
+        + "; "
+        + "; ".join(
             f"{world} world: authentication added {d['extra_blocked']:+.2f} s blocked ({d['extra_blocked_pct']:+.2f}% "
             f"of the plain run's wall), {d['extra_bytes']:,} B (32 B a contribution{', 16 B of nonce' if world == 'fixed' else ''}), "
             f"final val loss equal: {d['same_loss']}"
-            for world, d in (("fixed", trained["fixed-"]), ("elastic", trained["elastic-"]))),
-        ("etcd over TLS with client certificates (--store etcds://), writes and deletes of a job key: " + "; ".join(
-            f"{label}: {o['accepted']} of {o['tried']} accepted" for label, o in outsiders.items())
-         if outsiders else "etcd over TLS: not measured (etcd-server or openssl missing)"),
+            for world, d in (("fixed", trained["fixed-"]), ("elastic", trained["elastic-"]))
+        ),
+        (
+            "etcd over TLS with client certificates (--store etcds://), writes and deletes of a job key: "
+            + "; ".join(f"{label}: {o['accepted']} of {o['tried']} accepted" for label, o in outsiders.items())
+            if outsiders
+            else "etcd over TLS: not measured (etcd-server or openssl missing)"
+        ),
         f"machine load (1-min average) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
         f"{os.cpu_count()} cores (shared with other jobs): times are noisy",
     ]
-    return {"rows": rows, "headline": headline, "kinds": kinds, "effects": effects, "store_us": store_us,
-            "payload": payload, "authenticated_training": trained, "etcd_tls_outsiders": outsiders, "seconds": {"no-attacker": calm["seconds"], "attacked": attacked["seconds"]},
-            "interconnect": ["loopback: launcher, workers and attacker as processes on this machine, gloo and "
-                             "TCPStore over 127.0.0.1"],
-            "baseline": ["the same elastic job without the attacker, same invocation; the raw store for the MAC "
-                         "cost; a 2-rank gloo all-reduce of the same bytes for the payload MAC"]}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "kinds": kinds,
+        "effects": effects,
+        "store_us": store_us,
+        "payload": payload,
+        "authenticated_training": trained,
+        "etcd_tls_outsiders": outsiders,
+        "seconds": {"no-attacker": calm["seconds"], "attacked": attacked["seconds"]},
+        "interconnect": [
+            "loopback: launcher, workers and attacker as processes on this machine, gloo and TCPStore over 127.0.0.1"
+        ],
+        "baseline": [
+            "the same elastic job without the attacker, same invocation; the raw store for the MAC "
+            "cost; a 2-rank gloo all-reduce of the same bytes for the payload MAC"
+        ],
+    }

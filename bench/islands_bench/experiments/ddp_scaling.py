@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
+from islands.models import ByteTransformer, count_parameters
 from islands_bench.harness import BenchContext, experiment
 from islands_bench.plots import figure
-from islands.models import ByteTransformer, count_parameters
 
 
 def _plot(result: dict, path) -> None:
@@ -22,9 +22,12 @@ def _plot(result: dict, path) -> None:
         ax.legend(fontsize=8)
 
 
-@experiment("ddp-scaling", practices=("SOTA-047", "SOTA-048", "Q-5"),
-            help="steps/s and scaling efficiency of DDP at 1, 2, 4 workers on one global batch, against a "
-                 "per-worker and a per-node baseline; bytes/step vs analytic")
+@experiment(
+    "ddp-scaling",
+    practices=("SOTA-047", "SOTA-048", "Q-5"),
+    help="steps/s and scaling efficiency of DDP at 1, 2, 4 workers on one global batch, against a "
+    "per-worker and a per-node baseline; bytes/step vs analytic",
+)
 def ddp_scaling(ctx: BenchContext) -> dict:
     steps = 20 if ctx.quick else 60
     common = dict(steps=steps, global_batch=32, eval_every=0, warmup=5, log_every=steps)
@@ -49,16 +52,27 @@ def ddp_scaling(ctx: BenchContext) -> dict:
         base = base or sps
         measured = s["bytes_sent_per_worker_per_step"]
         expect = analytic if workers > 1 else 0
-        rows.append({
-            "workers": workers, "link": ctx.rate if shaped else "loopback", "strategy": s["strategy"],
-            "global_batch": 32, "s_per_step": s["median_seconds_per_step"], "steps_per_s": sps,
-            "speedup_vs_1_worker": sps / base, "efficiency": sps / base / workers,
-            "speedup_vs_node": sps / node_sps,
-            "compute_s_per_step": s["compute_seconds"] / s["steps"], "comm_s_per_step": s["comm_seconds"] / s["steps"],
-            "comm_fraction": s["comm_fraction"], "bytes_per_step": measured, "analytic_bytes": expect,
-            "bytes_match": measured == expect, "final_val_loss": s["final_val_loss"],
-            "interconnect": rec["interconnect_line"],
-        })
+        rows.append(
+            {
+                "workers": workers,
+                "link": ctx.rate if shaped else "loopback",
+                "strategy": s["strategy"],
+                "global_batch": 32,
+                "s_per_step": s["median_seconds_per_step"],
+                "steps_per_s": sps,
+                "speedup_vs_1_worker": sps / base,
+                "efficiency": sps / base / workers,
+                "speedup_vs_node": sps / node_sps,
+                "compute_s_per_step": s["compute_seconds"] / s["steps"],
+                "comm_s_per_step": s["comm_seconds"] / s["steps"],
+                "comm_fraction": s["comm_fraction"],
+                "bytes_per_step": measured,
+                "analytic_bytes": expect,
+                "bytes_match": measured == expect,
+                "final_val_loss": s["final_val_loss"],
+                "interconnect": rec["interconnect_line"],
+            }
+        )
     four = next(r for r in rows if r["workers"] == 4 and r["link"] == "loopback")
     per_node_eff = four["speedup_vs_node"] / (four["workers"] / cores)  # 4 workers fill 4/cores nodes
     headline = [
@@ -79,5 +93,6 @@ def ddp_scaling(ctx: BenchContext) -> dict:
             f"{slow['workers']} workers on {slow['interconnect']}: {slow['s_per_step']:.2f} s/step vs "
             f"{fast['s_per_step']:.2f} on loopback in the same run; collective in flight "
             f"{100 * slow['comm_fraction']:.0f}% of the step ({slow['comm_s_per_step']:.2f} s), so the slow link "
-            f"costs {100 * (1 - fast['s_per_step'] / slow['s_per_step']):.0f}% of the step time")
+            f"costs {100 * (1 - fast['s_per_step'] / slow['s_per_step']):.0f}% of the step time"
+        )
     return {"rows": rows, "headline": headline, "plot": _plot, "parameters": params}

@@ -84,19 +84,27 @@ def _arm(timing: tuple[int, int], patient: bool, tier: dict) -> dict:
             outages.append(time.monotonic() - a)
             cluster.start_member(i, state="existing")
             time.sleep(3.0)  # it rejoins and catches up before the next kill
-        return {"election_ms": election, "heartbeat_ms": heartbeat,
-                "client": "wait 3 s per member" if patient else f"first pass {client.first_try_s:g} s per member",
-                "calm_terms": len(terms), "put_p50_ms": round(1000 * statistics.median(latencies), 1),
-                "put_max_ms": round(1000 * max(latencies), 1),
-                "kill_to_put_median_s": round(statistics.median(outages), 2),
-                "kill_to_put_max_s": round(max(outages), 2), "kills": outages}
+        return {
+            "election_ms": election,
+            "heartbeat_ms": heartbeat,
+            "client": "wait 3 s per member" if patient else f"first pass {client.first_try_s:g} s per member",
+            "calm_terms": len(terms),
+            "put_p50_ms": round(1000 * statistics.median(latencies), 1),
+            "put_max_ms": round(1000 * max(latencies), 1),
+            "kill_to_put_median_s": round(statistics.median(outages), 2),
+            "kill_to_put_max_s": round(max(outages), 2),
+            "kills": outages,
+        }
     finally:
         cluster.stop()
 
 
-@experiment("etcd-failover", practices=("SOTA-932",),
-            help="what a killed etcd leader costs a client of the job's store, by election timing and client "
-                 "(islands' escalating per-member wait against a fixed 3 s), beside busy processes")
+@experiment(
+    "etcd-failover",
+    practices=("SOTA-932",),
+    help="what a killed etcd leader costs a client of the job's store, by election timing and client "
+    "(islands' escalating per-member wait against a fixed 3 s), beside busy processes",
+)
 def etcd_failover(ctx: BenchContext) -> dict:
     from islands.testbed import EtcdCluster
 
@@ -116,8 +124,10 @@ def etcd_failover(ctx: BenchContext) -> dict:
         for p in busy:
             p.kill()
             p.wait()
-    where = (f"loopback, 3 etcd members on this machine beside {tier['busy']} busy processes "
-             f"({'quick' if ctx.quick else 'full'} tier: {tier['kills']} leader kills per arm)")
+    where = (
+        f"loopback, 3 etcd members on this machine beside {tier['busy']} busy processes "
+        f"({'quick' if ctx.quick else 'full'} tier: {tier['kills']} leader kills per arm)"
+    )
     chaos = next(r for r in rows if (r["election_ms"], r["heartbeat_ms"]) == (500, 50) and "first" in r["client"])
     base = next(r for r in rows if (r["election_ms"], r["heartbeat_ms"]) == (1500, 100) and "3 s" in r["client"])
     spurious = [r for r in rows if r["calm_terms"] > 1]
@@ -126,13 +136,17 @@ def etcd_failover(ctx: BenchContext) -> dict:
         f"{base['kill_to_put_max_s']:.2f}) at 1500/100 ms with a fixed 3 s per member (before); "
         f"{chaos['kill_to_put_median_s']:.2f} s median (max {chaos['kill_to_put_max_s']:.2f}) at 500/50 ms with "
         "the escalating wait (the chaos experiment's store) (goal: well inside 2 s)",
-        "; ".join(f"{r['election_ms']}/{r['heartbeat_ms']} ms {r['client']}: {r['kill_to_put_median_s']:.2f} s"
-                  for r in rows),
+        "; ".join(
+            f"{r['election_ms']}/{r['heartbeat_ms']} ms {r['client']}: {r['kill_to_put_median_s']:.2f} s" for r in rows
+        ),
         f"spurious elections in the calm windows: {len(spurious)} of {len(rows)} arms saw a term change"
         + (f" ({', '.join(str(r['election_ms']) for r in spurious)})" if spurious else ""),
         f"where: {where}",
     ]
-    return {"rows": [{k: v for k, v in r.items() if k != "kills"} for r in rows], "headline": headline,
-            "interconnect": [where],
-            "baseline": ["islands' test timing (1500/100 ms) with the client waiting a fixed 3 s per member"],
-            "arms": rows}
+    return {
+        "rows": [{k: v for k, v in r.items() if k != "kills"} for r in rows],
+        "headline": headline,
+        "interconnect": [where],
+        "baseline": ["islands' test timing (1500/100 ms) with the client waiting a fixed 3 s per member"],
+        "arms": rows,
+    }

@@ -11,22 +11,44 @@ from islands_bench.harness import BenchContext, experiment
 
 def base(ctx: BenchContext) -> tuple[dict, int]:
     if ctx.quick:
-        return dict(task="lm", d_model=64, n_layers=2, n_heads=4, context=64, steps=60, global_batch=16, warmup=6,
-                    eval_batches=8, workers=4, islands=2, log_every=10), 10
+        return dict(
+            task="lm",
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            context=64,
+            steps=60,
+            global_batch=16,
+            warmup=6,
+            eval_batches=8,
+            workers=4,
+            islands=2,
+            log_every=10,
+        ), 10
     return dict(task="lm", steps=400, global_batch=32, warmup=40, workers=4, islands=2, log_every=20), 50
 
 
-@experiment("fsdp-outer", practices=("SOTA-935",),
-            help="FSDP inside islands with DiLoCo across per shard vs DDP inside with the same DiLoCo: final val loss "
-                 "and cross-island bytes per worker")
+@experiment(
+    "fsdp-outer",
+    practices=("SOTA-935",),
+    help="FSDP inside islands with DiLoCo across per shard vs DDP inside with the same DiLoCo: final val loss "
+    "and cross-island bytes per worker",
+)
 def fsdp_outer(ctx: BenchContext) -> dict:
     cfg, h = base(ctx)
     ctx.plan(2)
     rows = []
     for inner in ("ddp", "fsdp"):
         rec = ctx.train(f"{inner}-diloco", **cfg, inner=inner, outer=f"diloco:inner_steps={h}")
-        rows.append(row_of(f"{inner}-diloco", rec, inner=inner, H=h,
-                           cross_island_bytes_per_worker=int(rec["summary"]["cross_island_mb_per_worker"] * 1e6)))
+        rows.append(
+            row_of(
+                f"{inner}-diloco",
+                rec,
+                inner=inner,
+                H=h,
+                cross_island_bytes_per_worker=int(rec["summary"]["cross_island_mb_per_worker"] * 1e6),
+            )
+        )
     ddp, fsdp = rows
     gap = gap_pct(fsdp["final_val_loss"], ddp["final_val_loss"])
     ratio = ddp["cross_island_bytes_per_worker"] / max(fsdp["cross_island_bytes_per_worker"], 1)
@@ -36,6 +58,11 @@ def fsdp_outer(ctx: BenchContext) -> dict:
         f"cross-island bytes per worker {fsdp['cross_island_bytes_per_worker']:,} vs "
         f"{ddp['cross_island_bytes_per_worker']:,} ({ratio:.2f}x fewer); interconnect: {ddp['interconnect']}",
     ]
-    return {"rows": rows, "headline": headline, "loss_gap_pct": gap, "cross_bytes_ratio": ratio,
-            "interconnect": [ddp["interconnect"]],
-            "baseline": ["ddp inside each island with the same DiLoCo rounds, data and steps, in this invocation"]}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "loss_gap_pct": gap,
+        "cross_bytes_ratio": ratio,
+        "interconnect": [ddp["interconnect"]],
+        "baseline": ["ddp inside each island with the same DiLoCo rounds, data and steps, in this invocation"],
+    }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+
 import torch
 
 from islands_bench.harness import BenchContext, experiment
@@ -43,11 +44,18 @@ def mixing_rows(n: int, rounds: int, seeds: int, dim: int = 64) -> tuple[list[di
         curves[f"n={n} {spec}"] = curve
         hit = next((t for t, d in enumerate(curve) if d <= REL_TARGET), None)
         log_n = math.ceil(math.log2(n))
-        rows.append({"part": "mixing", "run": f"n={n} {spec}", "nodes": n, "topology": spec,
-                     "vectors_per_node_per_round": VECTORS_PER_ROUND[spec],
-                     "rel_distance_after_log2n_rounds": curve[log_n],
-                     "rounds_to_0.1pct": hit,
-                     "vectors_to_0.1pct": hit * VECTORS_PER_ROUND[spec] if hit is not None else None})
+        rows.append(
+            {
+                "part": "mixing",
+                "run": f"n={n} {spec}",
+                "nodes": n,
+                "topology": spec,
+                "vectors_per_node_per_round": VECTORS_PER_ROUND[spec],
+                "rel_distance_after_log2n_rounds": curve[log_n],
+                "rounds_to_0.1pct": hit,
+                "vectors_to_0.1pct": hit * VECTORS_PER_ROUND[spec] if hit is not None else None,
+            }
+        )
     return rows, curves
 
 
@@ -59,8 +67,10 @@ def _node_models(ctx: BenchContext, label: str, workers: int) -> list[dict]:
     root = ctx.out_dir / "runs" / label / "ckpt"  # the job's checkpoint directory (checkpoint.dir "" = RUN_DIR/ckpt)
     if not root.is_dir():
         raise RuntimeError(f"no checkpoint under {root}; did ckpt_every reach the last step?")
-    return [CheckpointStore(root, rank=r, world_size=workers, barrier=lambda: None, clean=False).load().tree
-            for r in range(workers)]
+    return [
+        CheckpointStore(root, rank=r, world_size=workers, barrier=lambda: None, clean=False).load().tree
+        for r in range(workers)
+    ]
 
 
 def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[dict]:
@@ -68,11 +78,23 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
     from islands.app.build import build_task
     from islands.sync.outer import consensus_distance
 
-    base = dict(task="digits", steps=steps, global_batch=8 * workers, warmup=max(steps // 10, 1), eval_every=0,
-                workers=workers, islands=workers, log_every=max(steps // 10, 1), ckpt_every=steps)
-    runs = [("local-sgd", f"local-sgd:every={h}"), ("gossip-exp", f"gossip:every={h},topology=exp"),
-            ("gossip-ring", f"gossip:every={h},topology=ring"),
-            ("gossip-random-s1", f"gossip:every={h},topology=random:s=1")]
+    base = dict(
+        task="digits",
+        steps=steps,
+        global_batch=8 * workers,
+        warmup=max(steps // 10, 1),
+        eval_every=0,
+        workers=workers,
+        islands=workers,
+        log_every=max(steps // 10, 1),
+        ckpt_every=steps,
+    )
+    runs = [
+        ("local-sgd", f"local-sgd:every={h}"),
+        ("gossip-exp", f"gossip:every={h},topology=exp"),
+        ("gossip-ring", f"gossip:every={h},topology=ring"),
+        ("gossip-random-s1", f"gossip:every={h},topology=random:s=1"),
+    ]
     task = build_task(ctx.config(**{**base, "workers": 1, "islands": 1}))  # the val set and a model to load into
     rows = []
     for label, spec in runs:
@@ -90,24 +112,49 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
         # gloo's ring all-reduce puts 2(n-1)/n payloads on each node's link; a p2p send puts one
         wire = payload * (2 * (workers - 1) / workers if spec.startswith("local-sgd") else 1.0)
         s = rec["summary"]
-        rows.append({"part": "training", "run": label, "spec": spec, "nodes": workers, "H": h,
-                     "final_val_loss": s["final_val_loss"], "node_val_loss_mean": sum(losses) / len(losses),
-                     "node_val_loss_max": max(losses), "consensus_distance": consensus_distance(flats),
-                     "param_norm": float(torch.stack(flats).mean(0).norm()),
-                     "bytes_per_node_per_sync": payload, "wire_bytes_per_node_per_sync": wire,
-                     "syncs": max(calls), "s_per_step": s["seconds_per_step"],
-                     "interconnect": rec["interconnect_line"]})
+        rows.append(
+            {
+                "part": "training",
+                "run": label,
+                "spec": spec,
+                "nodes": workers,
+                "H": h,
+                "final_val_loss": s["final_val_loss"],
+                "node_val_loss_mean": sum(losses) / len(losses),
+                "node_val_loss_max": max(losses),
+                "consensus_distance": consensus_distance(flats),
+                "param_norm": float(torch.stack(flats).mean(0).norm()),
+                "bytes_per_node_per_sync": payload,
+                "wire_bytes_per_node_per_sync": wire,
+                "syncs": max(calls),
+                "s_per_step": s["seconds_per_step"],
+                "interconnect": rec["interconnect_line"],
+            }
+        )
     return rows
 
 
 # ---- part 3: step time on a shaped link (SOTA-225) ------------------------------------------------
 def link_rows(ctx: BenchContext, rates: list[str], workers: int, steps: int, hidden: int) -> list[dict]:
-    base = dict(task="digits", hidden=hidden, steps=steps, global_batch=8 * workers, warmup=1, eval_every=0,
-                workers=workers, islands=workers, log_every=steps)  # probe on: each record names its link
-    runs = [("all-reduce", "local-sgd:every=1"), ("gossip-exp", "gossip:every=1,topology=exp"),
-            ("gossip-ring", "gossip:every=1,topology=ring")]
+    base = dict(
+        task="digits",
+        hidden=hidden,
+        steps=steps,
+        global_batch=8 * workers,
+        warmup=1,
+        eval_every=0,
+        workers=workers,
+        islands=workers,
+        log_every=steps,
+    )  # probe on: each record names its link
+    runs = [
+        ("all-reduce", "local-sgd:every=1"),
+        ("gossip-exp", "gossip:every=1,topology=exp"),
+        ("gossip-ring", "gossip:every=1,topology=ring"),
+    ]
     rows = []
     for rate in rates:
+
         def one(label, spec, bed=None):
             extra = {"testbed": bed.name} if bed is not None else {}
             rec = ctx.train(f"link-{rate}-{label}", outer=spec, **extra, **base)
@@ -115,14 +162,24 @@ def link_rows(ctx: BenchContext, rates: list[str], workers: int, steps: int, hid
             sent = rec["comm"]["per_rank"][0]["sent"].get("outer_params", 0) / s["steps"]
             wire = sent * (2 * (workers - 1) / workers if spec.startswith("local-sgd") else 1.0)
             blocked = s["sync_blocked_seconds"] / s["steps"]
-            rows.append({"part": "link", "run": f"{rate} {label}", "link": rate, "spec": spec, "nodes": workers,
-                         "s_per_step": s["seconds_per_step"],
-                         "blocked_s_per_step": s["sync_blocked_seconds"] / s["steps"],
-                         "compute_s_per_step": (s["wall_seconds"] - s["sync_blocked_seconds"]) / s["steps"],
-                         "bytes_per_node_per_sync": sent, "wire_bytes_per_node_per_sync": wire,
-                         # what one node's uplink achieved while the loop was blocked on the exchange
-                         "achieved_mbit_per_node": wire * 8 / 1e6 / max(blocked, 1e-9),
-                         "interconnect": rec["interconnect_line"]})
+            rows.append(
+                {
+                    "part": "link",
+                    "run": f"{rate} {label}",
+                    "link": rate,
+                    "spec": spec,
+                    "nodes": workers,
+                    "s_per_step": s["seconds_per_step"],
+                    "blocked_s_per_step": s["sync_blocked_seconds"] / s["steps"],
+                    "compute_s_per_step": (s["wall_seconds"] - s["sync_blocked_seconds"]) / s["steps"],
+                    "bytes_per_node_per_sync": sent,
+                    "wire_bytes_per_node_per_sync": wire,
+                    # what one node's uplink achieved while the loop was blocked on the exchange
+                    "achieved_mbit_per_node": wire * 8 / 1e6 / max(blocked, 1e-9),
+                    "interconnect": rec["interconnect_line"],
+                }
+            )
+
         if rate == "loopback":
             for label, spec in runs:
                 one(label, spec)
@@ -156,13 +213,16 @@ def _rounds(row: dict, curves: dict) -> str:
     return str(hit) if hit is not None else f"> {len(curves[row['run']]) - 1}"
 
 
-@experiment("gossip", practices=("SOTA-223", "SOTA-225", "SOTA-226"),
-            help="gossip: consensus vs rounds per topology, digits training vs all-reduce local SGD, "
-                 "step time of all-reduce vs gossip on a tc-shaped link")
+@experiment(
+    "gossip",
+    practices=("SOTA-223", "SOTA-225", "SOTA-226"),
+    help="gossip: consensus vs rounds per topology, digits training vs all-reduce local SGD, "
+    "step time of all-reduce vs gossip on a tc-shaped link",
+)
 def gossip(ctx: BenchContext) -> dict:
     quick = ctx.quick
     mix, curves = [], {}
-    for n in ((8, 16, 12) if quick else (8, 16, 32, 12)):
+    for n in (8, 16, 12) if quick else (8, 16, 32, 12):
         r, c = mixing_rows(n, rounds=30 if quick else 40, seeds=5 if quick else 20)
         mix += r
         curves.update(c)
@@ -187,11 +247,13 @@ def gossip(ctx: BenchContext) -> dict:
         f"{s16['rounds_to_0.1pct']} rounds at n=16 vs exp {e16['rounds_to_0.1pct']}; random s=2 "
         f"{m['n=16 random:s=2']['rounds_to_0.1pct']} vs ring {_rounds(r16, curves)} (pure consensus, no training)",
         f"training, digits, {workers} nodes (islands = workers), H=4: mean over nodes of each node's own final val loss "
-        + ", ".join(f"{r['run']} {r['node_val_loss_mean']:.4f} (consensus distance {r['consensus_distance']:.3g})"
-                    for r in train)
+        + ", ".join(
+            f"{r['run']} {r['node_val_loss_mean']:.4f} (consensus distance {r['consensus_distance']:.3g})"
+            for r in train
+        )
         + f"; payload per node per sync: all-reduce {ref['bytes_per_node_per_sync']:,.0f} B "
-          f"(~{ref['wire_bytes_per_node_per_sync']:,.0f} B on the wire for a ring all-reduce), "
-          f"gossip exp {t['gossip-exp']['bytes_per_node_per_sync']:,.0f} B, ring {t['gossip-ring']['bytes_per_node_per_sync']:,.0f} B",
+        f"(~{ref['wire_bytes_per_node_per_sync']:,.0f} B on the wire for a ring all-reduce), "
+        f"gossip exp {t['gossip-exp']['bytes_per_node_per_sync']:,.0f} B, ring {t['gossip-ring']['bytes_per_node_per_sync']:,.0f} B",
     ]
     for rate in rates:
         lr = {r["run"].split(" ", 1)[1]: r for r in link if r["link"] == rate}
@@ -202,7 +264,10 @@ def gossip(ctx: BenchContext) -> dict:
             f"gossip exp {ge['s_per_step']:.3f} ({ar['s_per_step'] / ge['s_per_step']:.2f}x), "
             f"gossip ring {gr['s_per_step']:.3f} ({ar['s_per_step'] / gr['s_per_step']:.2f}x); achieved uplink while "
             f"blocked: all-reduce {ar['achieved_mbit_per_node']:.0f}, exp {ge['achieved_mbit_per_node']:.0f}, ring "
-            f"{gr['achieved_mbit_per_node']:.0f} Mbit/s; {ar['interconnect']}")
-    headline.append(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-                    + ("quick: 2 links, few steps; the full run sweeps 5 links" if quick else "full sweep"))
+            f"{gr['achieved_mbit_per_node']:.0f} Mbit/s; {ar['interconnect']}"
+        )
+    headline.append(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+        + ("quick: 2 links, few steps; the full run sweeps 5 links" if quick else "full sweep")
+    )
     return {"rows": rows, "headline": headline, "plot": _plot, "mixing_curves": curves, "rel_target": REL_TARGET}

@@ -24,7 +24,6 @@ measurement. The claim is `islands bench gpu-throughput --device cuda` on a GPU 
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 
 import torch
@@ -39,10 +38,26 @@ from islands_bench.harness import BenchContext, experiment
 # Dense bf16 peak of one GPU, FLOP/s (vendor data sheets; SXM parts). H200 has H100's tensor cores.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 # shape: (width, layers, heads); GPT-2 124M is (768, 12, 12) with a 50,257-token vocabulary
-FULL = dict(shape=(768, 12, 12), vocab=50257, context=1024, batch=8, warmup=5, steps=30, repeats=2,
-            diloco=dict(islands=4, H=50, steps=300, batch=8, context=256, vocab=50257, lr=6e-4))
-QUICK = dict(shape=(64, 2, 2), vocab=512, context=64, batch=4, warmup=2, steps=6, repeats=1,
-             diloco=dict(islands=2, H=5, steps=20, batch=4, context=32, vocab=300, lr=3e-3))
+FULL = dict(
+    shape=(768, 12, 12),
+    vocab=50257,
+    context=1024,
+    batch=8,
+    warmup=5,
+    steps=30,
+    repeats=2,
+    diloco=dict(islands=4, H=50, steps=300, batch=8, context=256, vocab=50257, lr=6e-4),
+)
+QUICK = dict(
+    shape=(64, 2, 2),
+    vocab=512,
+    context=64,
+    batch=4,
+    warmup=2,
+    steps=6,
+    repeats=1,
+    diloco=dict(islands=2, H=5, steps=20, batch=4, context=32, vocab=300, lr=3e-3),
+)
 OUTER = dict(outer="sgd", outer_lr=1.0, momentum=0.0, lr_scale="sqrt-islands")  # diloco-vs-ddp's best
 GRAD_CLIP, LR, BETAS, WEIGHT_DECAY = 1.0, 6e-4, (0.9, 0.95), 0.1  # GPT-2-style AdamW (nanoGPT's defaults)
 
@@ -51,13 +66,14 @@ def _gpt2(tier: dict, vocab: int, context: int, device) -> torch.nn.Module:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
-        raise SystemExit("gpu-throughput builds GPT-2 with transformers, which is not installed here: "
-                         "pip install 'islands[hf]' (a GPU machine without the network: docs/gpu.md)") from None
+        raise SystemExit(
+            "gpu-throughput builds GPT-2 with transformers, which is not installed here: "
+            "pip install 'islands[hf]' (a GPU machine without the network: docs/gpu.md)"
+        ) from None
 
     torch.manual_seed(0)
     d, layers, heads = tier["shape"]
-    config = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=d, n_layer=layers, n_head=heads,
-                        use_cache=False)
+    config = GPT2Config(vocab_size=vocab, n_positions=context, n_embd=d, n_layer=layers, n_head=heads, use_cache=False)
     return GPT2LMHeadModel(config).to(device)
 
 
@@ -135,9 +151,18 @@ def islands_loop(tier: dict, device) -> float:
     opt = _optimizer(model, device)
     batches = _batches(tier, device)
     clock = _Clock(tier["warmup"], device)
-    trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=lm_loss, train_data=batches,
-                              world=islands.World.single(device), strategy=islands.Stack(), callbacks=[clock],
-                              grad_clip=GRAD_CLIP, step_fn=ForwardBackward(precision="auto"), log_every=10 ** 9)
+    trainer = islands.Trainer(
+        model=model,
+        optimizer=opt,
+        loss_fn=lm_loss,
+        train_data=batches,
+        world=islands.World.single(device),
+        strategy=islands.Stack(),
+        callbacks=[clock],
+        grad_clip=GRAD_CLIP,
+        step_fn=ForwardBackward(precision="auto"),
+        log_every=10**9,
+    )
     trainer.fit(tier["warmup"] + tier["steps"])
     _sync(device)
     return time.perf_counter() - clock.start
@@ -160,18 +185,39 @@ def _diloco_arm(tier: dict, device, arm: str) -> dict:
     d = tier["diloco"]
     m = d["islands"] if arm == "diloco" else 1
     width, layers, heads = tier["shape"]
-    task = hf_causal_lm(model="gpt2", d_model=width, n_layers=layers, n_heads=heads, tokenizer="bpe",
-                        vocab_size=d["vocab"], context=d["context"],
-                        batch_size=d["batch"] * (1 if arm == "diloco" else d["islands"]), eval_batches=8, seed=0)
+    task = hf_causal_lm(
+        model="gpt2",
+        d_model=width,
+        n_layers=layers,
+        n_heads=heads,
+        tokenizer="bpe",
+        vocab_size=d["vocab"],
+        context=d["context"],
+        batch_size=d["batch"] * (1 if arm == "diloco" else d["islands"]),
+        eval_batches=8,
+        seed=0,
+    )
 
     def fit(world):
         model = copy.deepcopy(task.model).to(world.device)
         opt = torch.optim.AdamW(model.parameters(), lr=d["lr"], betas=BETAS, weight_decay=WEIGHT_DECAY)
-        strategy = islands.Stack(outer=DiLoCo.from_options(inner_steps=d["H"], **OUTER)) if arm == "diloco" else islands.Stack()
-        trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=task.loss_fn, train_data=task.train_data,
-                                  world=world, strategy=strategy, grad_clip=GRAD_CLIP,
-                                  schedule=islands.WarmupCosine(max(1, d["steps"] // 10), d["steps"]),
-                                  step_fn=ForwardBackward(precision="auto"), batch_size=task.batch_size)
+        strategy = (
+            islands.Stack(outer=DiLoCo.from_options(inner_steps=d["H"], **OUTER))
+            if arm == "diloco"
+            else islands.Stack()
+        )
+        trainer = islands.Trainer(
+            model=model,
+            optimizer=opt,
+            loss_fn=task.loss_fn,
+            train_data=task.train_data,
+            world=world,
+            strategy=strategy,
+            grad_clip=GRAD_CLIP,
+            schedule=islands.WarmupCosine(max(1, d["steps"] // 10), d["steps"]),
+            step_fn=ForwardBackward(precision="auto"),
+            batch_size=task.batch_size,
+        )
         trainer.fit(d["steps"])
         out = {"sent": world.ledger.snapshot()["total_sent"]}
         if world.rank == 0:
@@ -180,14 +226,22 @@ def _diloco_arm(tier: dict, device, arm: str) -> dict:
 
     t = time.perf_counter()
     results = islands.simulate.run(fit, islands=m, device=str(device))
-    return {"val_loss": results[0]["val_loss"], "sent": results[0]["sent"], "wall_s": time.perf_counter() - t,
-            "params": sum(p.numel() for p in task.model.parameters()),
-            "tokens": d["steps"] * d["islands"] * d["batch"] * d["context"]}
+    return {
+        "val_loss": results[0]["val_loss"],
+        "sent": results[0]["sent"],
+        "wall_s": time.perf_counter() - t,
+        "params": sum(p.numel() for p in task.model.parameters()),
+        "tokens": d["steps"] * d["islands"] * d["batch"] * d["context"],
+    }
 
 
-@experiment("gpu-throughput", practices=("SOTA-118", "SOTA-155"), devices=("cuda", "cpu"),
-            help="islands' loop vs a plain PyTorch loop on GPT-2 124M in bf16 (tokens/s, MFU), then DiLoCo with M "
-                 "simulated islands vs one replica at equal tokens; meant for --device cuda")
+@experiment(
+    "gpu-throughput",
+    practices=("SOTA-118", "SOTA-155"),
+    devices=("cuda", "cpu"),
+    help="islands' loop vs a plain PyTorch loop on GPT-2 124M in bf16 (tokens/s, MFU), then DiLoCo with M "
+    "simulated islands vs one replica at equal tokens; meant for --device cuda",
+)
 def gpu_throughput(ctx: BenchContext) -> dict:
     tier = dict(QUICK if ctx.quick else FULL)
     device = torch.device("cuda" if ctx.device == "cuda" else "cpu")
@@ -208,9 +262,17 @@ def gpu_throughput(ctx: BenchContext) -> dict:
     for name, ts in times.items():
         best = min(ts)  # the least disturbed run of each, alternated
         tps = tokens / best
-        rows.append({"part": "loop", "arm": name, "params": params, "tokens_per_step": tier["batch"] * tier["context"],
-                     "seconds": [round(t, 3) for t in ts], "tokens_per_s": round(tps, 1),
-                     "mfu_pct": round(100 * tps * flops_token / peak, 2) if peak else None})
+        rows.append(
+            {
+                "part": "loop",
+                "arm": name,
+                "params": params,
+                "tokens_per_step": tier["batch"] * tier["context"],
+                "seconds": [round(t, 3) for t in ts],
+                "tokens_per_s": round(tps, 1),
+                "mfu_pct": round(100 * tps * flops_token / peak, 2) if peak else None,
+            }
+        )
     plain, ours, reading = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"], rows[2]["tokens_per_s"]
     cost_pct = 100.0 * (plain / ours - 1.0)
     read_pct = 100.0 * (plain / reading - 1.0)
@@ -223,13 +285,25 @@ def gpu_throughput(ctx: BenchContext) -> dict:
     d = tier["diloco"]
     gap = 100.0 * (arms["diloco"]["val_loss"] / arms["single"]["val_loss"] - 1.0)
     for arm, r in arms.items():
-        rows.append({"part": "diloco", "arm": arm, "params": r["params"], "islands": d["islands"] if arm == "diloco"
-                     else 1, "tokens": r["tokens"], "final_val_loss": r["val_loss"], "wall_s": round(r["wall_s"], 1),
-                     "bytes_sent": r["sent"]})
+        rows.append(
+            {
+                "part": "diloco",
+                "arm": arm,
+                "params": r["params"],
+                "islands": d["islands"] if arm == "diloco" else 1,
+                "tokens": r["tokens"],
+                "final_val_loss": r["val_loss"],
+                "wall_s": round(r["wall_s"], 1),
+                "bytes_sent": r["sent"],
+            }
+        )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     where = f"one {gpu}, one process (no link: part 2's islands are simulated, bytes are ledger payload)"
-    mfu = (f"; MFU plain {rows[0]['mfu_pct']}%, islands {rows[1]['mfu_pct']}% of {peak / 1e12:.0f} TFLOP/s bf16"
-           if peak else "; MFU not stated (no bf16 peak known for this device)")
+    mfu = (
+        f"; MFU plain {rows[0]['mfu_pct']}%, islands {rows[1]['mfu_pct']}% of {peak / 1e12:.0f} TFLOP/s bf16"
+        if peak
+        else "; MFU not stated (no bf16 peak known for this device)"
+    )
     headline = [
         f"{'quick tier (tiny GPT-2, a check that the parts run, not a measurement): ' if ctx.quick else ''}"
         f"GPT-2 {params / 1e6:.1f}M, batch {tier['batch']} x {tier['context']} tokens, "
@@ -242,8 +316,15 @@ def gpu_throughput(ctx: BenchContext) -> dict:
         f"{arms['diloco']['val_loss']:.4f} vs {arms['single']['val_loss']:.4f} ({gap:+.2f}%)",
         f"where: {where}",
     ]
-    return {"rows": rows, "headline": headline, "interconnect": [where],
-            "baseline": ["part 1: a hand-written PyTorch loop of the same model, optimizer, precision and batches, "
-                         "alternated with islands' loop in this run; part 2: one replica at equal tokens"],
-            "loop_cost_pct": cost_pct, "loss_read_cost_pct": read_pct,
-            "diloco_gap_pct": gap}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": [where],
+        "baseline": [
+            "part 1: a hand-written PyTorch loop of the same model, optimizer, precision and batches, "
+            "alternated with islands' loop in this run; part 2: one replica at equal tokens"
+        ],
+        "loop_cost_pct": cost_pct,
+        "loss_read_cost_pct": read_pct,
+        "diloco_gap_pct": gap,
+    }

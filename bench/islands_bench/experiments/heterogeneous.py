@@ -90,13 +90,19 @@ def _plot(result, path):
         ax[1].bar(labels, [r["time_to_target_s"] or 0 for r in result["rows"]])
         ax[1].set_ylabel("seconds to the target loss")
         ax[1].tick_params(axis="x", rotation=30, labelsize=7)
-        fig.suptitle(f"heterogeneous{' (quick)' if result['quick'] else ''}: island 1 {FACTOR}x slower\n"
-                     f"{result['interconnect'][-1]}", fontsize=8)
+        fig.suptitle(
+            f"heterogeneous{' (quick)' if result['quick'] else ''}: island 1 {FACTOR}x slower\n"
+            f"{result['interconnect'][-1]}",
+            fontsize=8,
+        )
 
 
-@experiment("heterogeneous", practices=("SOTA-910", "SOTA-911"),
-            help="one island 2x slower: time to DDP's loss for synchronous DiLoCo, speed-adaptive H and deadline rounds "
-                 "(also behind an overlapped exchange)")
+@experiment(
+    "heterogeneous",
+    practices=("SOTA-910", "SOTA-911"),
+    help="one island 2x slower: time to DDP's loss for synchronous DiLoCo, speed-adaptive H and deadline rounds "
+    "(also behind an overlapped exchange)",
+)
 def heterogeneous(ctx: BenchContext) -> dict:
     cfg, h, floor = base(ctx)
     plan = arms(ctx)
@@ -117,12 +123,19 @@ def heterogeneous(ctx: BenchContext) -> dict:
         t = time_to(series[label], target)
         rounds = steps_per_round(rec)
         s = rec["summary"]
-        rows.append(row_of(label, rec, time_to_target_s=t,
-                           speedup_vs_diloco=(base_time / t) if t and base_time else None,
-                           wall_s=s["wall_seconds"], gap_vs_ddp_pct=gap_pct(final[label], final["ddp"]),
-                           sync_blocked_s=s["sync_blocked_seconds"],
-                           slow_island_steps=sum(r[1] for r in rounds) if rounds else None,
-                           fast_island_steps=sum(r[0] for r in rounds) if rounds else None))
+        rows.append(
+            row_of(
+                label,
+                rec,
+                time_to_target_s=t,
+                speedup_vs_diloco=(base_time / t) if t and base_time else None,
+                wall_s=s["wall_seconds"],
+                gap_vs_ddp_pct=gap_pct(final[label], final["ddp"]),
+                sync_blocked_s=s["sync_blocked_seconds"],
+                slow_island_steps=sum(r[1] for r in rounds) if rounds else None,
+                fast_island_steps=sum(r[0] for r in rounds) if rounds else None,
+            )
+        )
         per_round[label] = rounds
     by = {r["run"]: r for r in rows}
 
@@ -130,18 +143,25 @@ def heterogeneous(ctx: BenchContext) -> dict:
         r = by[label]
         t = r["time_to_target_s"]
         reached = f"{t:.1f} s ({r['speedup_vs_diloco']:.2f}x sooner)" if t else "not reached"
-        steps = (f", slow island {r['slow_island_steps']} of {r['fast_island_steps']} steps"
-                 if r["slow_island_steps"] is not None else "")
+        steps = (
+            f", slow island {r['slow_island_steps']} of {r['fast_island_steps']} steps"
+            if r["slow_island_steps"] is not None
+            else ""
+        )
         return f"{label} {reached}, final {r['final_val_loss']:.4f}{steps}"
 
     model = "digits MLP (quick; the byte LM runs without --quick)" if ctx.quick else "byte LM"
-    words = (f"{model}, {cfg['global_batch']} samples per step, DDP {cfg['steps']} steps, DiLoCo "
-             f"{LONGER * cfg['steps']} at H={h}, every step padded to {1000 * floor:.0f} ms")
+    words = (
+        f"{model}, {cfg['global_batch']} samples per step, DDP {cfg['steps']} steps, DiLoCo "
+        f"{LONGER * cfg['steps']} at H={h}, every step padded to {1000 * floor:.0f} ms"
+    )
     headline = [
         f"island 1 {FACTOR}x slower ({words}, 2 workers, gloo loopback): time to the target {target:.4f} ({target_from}): "
-        f"synchronous diloco {base_time:.1f} s; " + "; ".join(arm(k) for k in ("diloco-speed", "diloco-deadline", "diloco-deadline-eager"))
-        + " (goal: >= 1.5x sooner)" if base_time else
-        f"synchronous DiLoCo never reached the target {target:.4f} ({target_from})",
+        f"synchronous diloco {base_time:.1f} s; "
+        + "; ".join(arm(k) for k in ("diloco-speed", "diloco-deadline", "diloco-deadline-eager"))
+        + " (goal: >= 1.5x sooner)"
+        if base_time
+        else f"synchronous DiLoCo never reached the target {target:.4f} ({target_from})",
         f"final val loss: ddp {final['ddp']:.4f} in {by['ddp']['wall_s']:.1f} s, diloco {final['diloco']:.4f} in "
         f"{by['diloco']['wall_s']:.1f} s, speed {final['diloco-speed']:.4f} in {by['diloco-speed']['wall_s']:.1f} s, "
         f"deadline {final['diloco-deadline']:.4f} in {by['diloco-deadline']['wall_s']:.1f} s, deadline+eager "
@@ -151,7 +171,16 @@ def heterogeneous(ctx: BenchContext) -> dict:
         + (f"average up to {load:.1f}" if ran else "average not measured (runs read back with --reuse)")
         + ": ratios within one invocation, each arm run once",
     ]
-    return {"rows": rows, "headline": headline, "plot": _plot, "target": target, "target_from": target_from,
-            "H": h, "factor": FACTOR, "floor_s": floor, "load_average": load if ran else None,
-            "steps_per_round": {k: v for k, v in per_round.items() if v},  # [fast island, slow island] per round
-            "val_series": {k: [(p["elapsed"], p["val_loss"]) for p in v] for k, v in series.items()}}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "target": target,
+        "target_from": target_from,
+        "H": h,
+        "factor": FACTOR,
+        "floor_s": floor,
+        "load_average": load if ran else None,
+        "steps_per_round": {k: v for k, v in per_round.items() if v},  # [fast island, slow island] per round
+        "val_series": {k: [(p["elapsed"], p["val_loss"]) for p in v] for k, v in series.items()},
+    }

@@ -23,10 +23,10 @@ CITED_SPEEDUP = 1.36  # LIT-735's chunked matmul + collective vs back to back
 def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> None:
     import torch
 
-    from islands_bench.spawn import join_world
+    from islands import close_world
     from islands.measure import describe
     from islands.parallel import matmul_all_reduce
-    from islands import close_world
+    from islands_bench.spawn import join_world
 
     world, inter = join_world(rate)
     comm = world.comm("global")
@@ -40,8 +40,9 @@ def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> Non
         seconds = time_interleaved(ops, reps)
         rows.append({"shape": [m, k, n], "ms": {name: 1000 * v for name, v in seconds.items()}})
     if world.rank == 0:
-        Path(out_path).write_text(json.dumps({"rows": rows, "interconnect": inter,
-                                              "interconnect_line": describe(inter)}))
+        Path(out_path).write_text(
+            json.dumps({"rows": rows, "interconnect": inter, "interconnect_line": describe(inter)})
+        )
     close_world(world)
 
 
@@ -56,10 +57,19 @@ def _rows_of(link: dict, label: str) -> list[dict]:
         base, compute, comm = ms["chunks=1"], ms["matmul only"], ms["all-reduce only"]
         ideal = (compute + comm) / max(compute, comm)
         for c in CHUNKS:
-            rows.append({"link": label, "m_k_n": "x".join(map(str, r["shape"])), "chunks": c,
-                         "ms": round(ms[f"chunks={c}"], 2), "speedup_vs_back_to_back": round(base / ms[f"chunks={c}"], 3),
-                         "matmul_ms": round(compute, 2), "all_reduce_ms": round(comm, 2),
-                         "ideal_speedup": round(ideal, 3), "interconnect": link["interconnect_line"]})
+            rows.append(
+                {
+                    "link": label,
+                    "m_k_n": "x".join(map(str, r["shape"])),
+                    "chunks": c,
+                    "ms": round(ms[f"chunks={c}"], 2),
+                    "speedup_vs_back_to_back": round(base / ms[f"chunks={c}"], 3),
+                    "matmul_ms": round(compute, 2),
+                    "all_reduce_ms": round(comm, 2),
+                    "ideal_speedup": round(ideal, 3),
+                    "interconnect": link["interconnect_line"],
+                }
+            )
     return rows
 
 
@@ -69,8 +79,12 @@ def _plot(result, path):
     with figure(path, figsize=(7, 4)) as (fig, ax):
         for key in sorted({(r["link"], r["m_k_n"]) for r in result["rows"]}):
             pts = [r for r in result["rows"] if (r["link"], r["m_k_n"]) == key]
-            ax.plot([r["chunks"] for r in pts], [r["speedup_vs_back_to_back"] for r in pts], marker="o",
-                    label=f"{key[0]} {key[1]}")
+            ax.plot(
+                [r["chunks"] for r in pts],
+                [r["speedup_vs_back_to_back"] for r in pts],
+                marker="o",
+                label=f"{key[0]} {key[1]}",
+            )
         ax.axhline(CITED_SPEEDUP, ls="--", c="grey", label=f"cited {CITED_SPEEDUP}x (LIT-735)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("chunks")
@@ -78,12 +92,18 @@ def _plot(result, path):
         ax.legend(fontsize=7)
 
 
-@experiment("matmul-overlap", practices=("SOTA-059",),
-            help="a row-parallel matmul and its all-reduce pipelined in chunks vs back to back, per link")
+@experiment(
+    "matmul-overlap",
+    practices=("SOTA-059",),
+    help="a row-parallel matmul and its all-reduce pipelined in chunks vs back to back, per link",
+)
 def matmul_overlap(ctx: BenchContext) -> dict:
     # k sets the balance: flops 2mkn against 4mn bytes, so k/2 flop per byte sent
-    shapes = [[1024, 256, 1024], [1024, 1024, 1024]] if ctx.quick else [[1024, 256, 1024], [1024, 1024, 1024],
-                                                                       [1024, 4096, 1024]]
+    shapes = (
+        [[1024, 256, 1024], [1024, 1024, 1024]]
+        if ctx.quick
+        else [[1024, 256, 1024], [1024, 1024, 1024], [1024, 4096, 1024]]
+    )
     reps = 9 if ctx.quick else 21
     rates = testbed_rates(ctx)
     rows, lines = [], []
@@ -105,11 +125,19 @@ def matmul_overlap(ctx: BenchContext) -> dict:
             f"{best['interconnect']}: best {best['speedup_vs_back_to_back']:.2f}x faster than matmul-then-all-reduce "
             f"at {best['chunks']} chunks for m x k x n = {best['m_k_n']} (matmul {best['matmul_ms']} ms, "
             f"all-reduce {best['all_reduce_ms']} ms alone; ideal overlap {best['ideal_speedup']:.2f}x; "
-            f"cited {CITED_SPEEDUP}x); same bytes sent for every chunk count")
-    return {"rows": rows, "headline": headline, "plot": _plot, "interconnect": lines,
-            "baseline": ["the same matmul followed by one all-reduce of its whole output (chunks=1), same ranks, "
-                         "same run, interleaved; 2 processes with 1 thread each, fp32, times = max over ranks "
-                         "of the median"]}
+            f"cited {CITED_SPEEDUP}x); same bytes sent for every chunk count"
+        )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "interconnect": lines,
+        "baseline": [
+            "the same matmul followed by one all-reduce of its whole output (chunks=1), same ranks, "
+            "same run, interleaved; 2 processes with 1 thread each, fp32, times = max over ranks "
+            "of the median"
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -14,10 +14,16 @@ import time
 
 import torch
 
-from islands_bench.harness import BenchContext, experiment
-from islands.memory import (ForwardBackward, activation_peak, plan_micro_batch, sqrt_segments, state_bytes,
-                            synthetic_batches)
+from islands.memory import (
+    ForwardBackward,
+    activation_peak,
+    plan_micro_batch,
+    sqrt_segments,
+    state_bytes,
+    synthetic_batches,
+)
 from islands.models import ByteTransformer, sequence_loss
+from islands_bench.harness import BenchContext, experiment
 
 VARIANTS = {  # name: (checkpoint segments per layer count -> int, precision)
     "fp32": (lambda n: 0, "fp32"),
@@ -43,7 +49,7 @@ def _timed_steps(setups: dict, reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in setups}
     names = list(setups)
     for rep in range(reps + 1):  # repetition 0 warms every variant up
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             model, opt, step, x, y = setups[name]
             t = time.process_time()
             step(model, sequence_loss, x, y)
@@ -69,12 +75,21 @@ def _savings(ctx: BenchContext, settings, reps: int) -> list[dict]:
         ctx.log(f"context {context}: timing {len(setups)} variants x {reps} interleaved steps")
         ms = _timed_steps(setups, reps)
         for name, (model, opt, _, _, _) in setups.items():
-            rows.append({"part": "savings", "context": context, "layers": 4, "batch_per_worker": batch,
-                         "tokens_per_worker": batch * context,
-                         "variant": name, "held_activation_mb": round(held[name] / MB, 3),
-                         "held_vs_fp32": round(held[name] / held["fp32"], 3),
-                         "state_mb": round(state_bytes(model, opt).total / MB, 3),
-                         "step_cpu_ms": round(ms[name], 1), "step_time_vs_fp32": round(ms[name] / ms["fp32"], 3)})
+            rows.append(
+                {
+                    "part": "savings",
+                    "context": context,
+                    "layers": 4,
+                    "batch_per_worker": batch,
+                    "tokens_per_worker": batch * context,
+                    "variant": name,
+                    "held_activation_mb": round(held[name] / MB, 3),
+                    "held_vs_fp32": round(held[name] / held["fp32"], 3),
+                    "state_mb": round(state_bytes(model, opt).total / MB, 3),
+                    "step_cpu_ms": round(ms[name], 1),
+                    "step_time_vs_fp32": round(ms[name] / ms["fp32"], 3),
+                }
+            )
     return rows
 
 
@@ -84,11 +99,22 @@ def _depth(layer_counts, context: int, batch: int) -> list[dict]:
     make = synthetic_batches("lm", context)
     step = ForwardBackward()
     for n in layer_counts:
-        held = {k: activation_peak(_model(n, context, d_model=64, segments=s), sequence_loss, make, batch, step)
-                for k, s in (("none", 0), ("sqrt(n) segments", sqrt_segments(n)), ("per block", n))}
+        held = {
+            k: activation_peak(_model(n, context, d_model=64, segments=s), sequence_loss, make, batch, step)
+            for k, s in (("none", 0), ("sqrt(n) segments", sqrt_segments(n)), ("per block", n))
+        }
         for k, v in held.items():
-            rows.append({"part": "depth", "context": context, "layers": n, "batch_per_worker": batch, "variant": k,
-                         "held_activation_mb": round(v / MB, 3), "held_vs_fp32": round(v / held["none"], 3)})
+            rows.append(
+                {
+                    "part": "depth",
+                    "context": context,
+                    "layers": n,
+                    "batch_per_worker": batch,
+                    "variant": k,
+                    "held_activation_mb": round(v / MB, 3),
+                    "held_vs_fp32": round(v / held["none"], 3),
+                }
+            )
     return rows
 
 
@@ -101,15 +127,37 @@ def _losses(ctx: BenchContext, steps: int, batch: int, variants) -> list[dict]:
     rows = []
     for name in variants:
         segments, precision = VARIANTS[name]
-        cfg = validate(from_mapping({"steps": steps, "workers": 1, "global_batch": batch, "warmup": min(30, steps // 5),
-                                     "eval_every": 0, "eval_batches": 8, "probe": False, "progress": False,
-                                     "precision": precision, "activation_checkpointing": bool(segments(4))}))
+        cfg = validate(
+            from_mapping(
+                {
+                    "steps": steps,
+                    "workers": 1,
+                    "global_batch": batch,
+                    "warmup": min(30, steps // 5),
+                    "eval_every": 0,
+                    "eval_batches": 8,
+                    "probe": False,
+                    "progress": False,
+                    "precision": precision,
+                    "activation_checkpointing": bool(segments(4)),
+                }
+            )
+        )
         ctx.log(f"training {name} for {steps} steps")
         record = run_job(cfg, World.single())
         s = record["summary"]
-        rows.append({"part": "loss", "context": 128, "layers": 4, "batch_per_worker": batch, "variant": name,
-                     "steps": steps, "final_val_loss": round(s["final_val_loss"], 4),
-                     "median_step_ms": round(1000 * s["median_seconds_per_step"], 1)})
+        rows.append(
+            {
+                "part": "loss",
+                "context": 128,
+                "layers": 4,
+                "batch_per_worker": batch,
+                "variant": name,
+                "steps": steps,
+                "final_val_loss": round(s["final_val_loss"], 4),
+                "median_step_ms": round(1000 * s["median_seconds_per_step"], 1),
+            }
+        )
     base = rows[0]["final_val_loss"]
     for r in rows:
         r["loss_gap_vs_fp32"] = round(r["final_val_loss"] - base, 4)
@@ -134,25 +182,36 @@ def _sizer(ctx: BenchContext, batch: int, fp32_fits: int, reps: int) -> list[dic
     sizes = sorted({1, 2, 4, 8, 16, 32} & set(range(1, batch + 1)) | {picked["fp32"].micro_batch})
     for m in sizes:  # the claim's premise: throughput against micro-batch size, memory aside
         model = _model(4, 128)
-        setups[f"fp32 micro={m}"] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                     ForwardBackward(m), x, y)
+        setups[f"fp32 micro={m}"] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), ForwardBackward(m), x, y)
     ctx.log(f"sizer: budget {budget / MB:.2f} MB; timing {len(setups)} setups x {reps} steps of {batch} samples")
     ms = _timed_steps(setups, reps)
     rows = []
     for name, t in ms.items():
         plan = picked.get(name)
         micro = plan.micro_batch if plan else int(name.split("=")[1])
-        rows.append({"part": "sizer" if plan else "micro-batch curve", "context": 128, "layers": 4,
-                     "batch_per_worker": batch, "variant": name if plan else "fp32",
-                     "budget_mb": round(budget / MB, 3) if plan else "", "micro_batch": micro,
-                     "planned_total_mb": round(plan.total_bytes / MB, 3) if plan else "",
-                     "step_cpu_ms": round(t, 1), "samples_per_cpu_s": round(batch / (t / 1000), 1)})
+        rows.append(
+            {
+                "part": "sizer" if plan else "micro-batch curve",
+                "context": 128,
+                "layers": 4,
+                "batch_per_worker": batch,
+                "variant": name if plan else "fp32",
+                "budget_mb": round(budget / MB, 3) if plan else "",
+                "micro_batch": micro,
+                "planned_total_mb": round(plan.total_bytes / MB, 3) if plan else "",
+                "step_cpu_ms": round(t, 1),
+                "samples_per_cpu_s": round(batch / (t / 1000), 1),
+            }
+        )
     return rows
 
 
-@experiment("memory-savers", practices=("SOTA-249", "SOTA-118", "SOTA-031"),
-            help="Held activation bytes, step time and loss for checkpointing and bf16; micro-batch the sizer picks "
-                 "under one budget, and the throughput it buys")
+@experiment(
+    "memory-savers",
+    practices=("SOTA-249", "SOTA-118", "SOTA-031"),
+    help="Held activation bytes, step time and loss for checkpointing and bf16; micro-batch the sizer picks "
+    "under one budget, and the throughput it buys",
+)
 def memory_savers(ctx: BenchContext) -> dict:
     quick = ctx.quick
     torch.set_num_threads(1)  # one thread per worker, the baseline; more threads spin and inflate CPU time
@@ -161,12 +220,22 @@ def memory_savers(ctx: BenchContext) -> dict:
     reps = 1 if ctx.smoke else 2 if quick else 7
     rows = _savings(ctx, ((128, 1), (512, 1)) if ctx.smoke else ((128, 8), (512, 2) if quick else (512, 8)), reps=reps)
     rows += _depth((4, 16) if quick else (4, 9, 16, 25), context=128, batch=4)
-    rows += _losses(ctx, 2 if ctx.smoke else 40 if quick else 300, batch=4 if quick else 8,
-                    variants=("fp32", "checkpoint", "bf16") if quick else tuple(VARIANTS))
+    rows += _losses(
+        ctx,
+        2 if ctx.smoke else 40 if quick else 300,
+        batch=4 if quick else 8,
+        variants=("fp32", "checkpoint", "bf16") if quick else tuple(VARIANTS),
+    )
     rows += _sizer(ctx, batch=4 if ctx.smoke else 16 if quick else 32, fp32_fits=4 if quick else 8, reps=reps)
-    return {"rows": rows, "headline": _headline(rows), "interconnect": ["none: one process, no communication"],
-            "baseline": ["per worker: one process, 1 torch thread, CPU; bytes exact (saved-tensor hooks), "
-                         "times are medians of interleaved steps"]}
+    return {
+        "rows": rows,
+        "headline": _headline(rows),
+        "interconnect": ["none: one process, no communication"],
+        "baseline": [
+            "per worker: one process, 1 torch thread, CPU; bytes exact (saved-tensor hooks), "
+            "times are medians of interleaved steps"
+        ],
+    }
 
 
 def _headline(rows: list[dict]) -> list[str]:
@@ -176,30 +245,44 @@ def _headline(rows: list[dict]) -> list[str]:
     out = []
     for context in (128, 512):
         s = {r["variant"]: r for r in pick("savings", context=context)}
-        out.append(f"context {context}, 4 layers, {s['fp32']['batch_per_worker']} samples "
-                   f"({s['fp32']['tokens_per_worker']} tokens)/worker: activations held fp32 "
-                   f"{s['fp32']['held_activation_mb']} MB; checkpointing x{s['checkpoint']['held_vs_fp32']} "
-                   f"at x{s['checkpoint']['step_time_vs_fp32']} step time; bf16 x{s['bf16']['held_vs_fp32']} "
-                   f"at x{s['bf16']['step_time_vs_fp32']}; both x{s['checkpoint+bf16']['held_vs_fp32']} "
-                   f"at x{s['checkpoint+bf16']['step_time_vs_fp32']}.")
+        out.append(
+            f"context {context}, 4 layers, {s['fp32']['batch_per_worker']} samples "
+            f"({s['fp32']['tokens_per_worker']} tokens)/worker: activations held fp32 "
+            f"{s['fp32']['held_activation_mb']} MB; checkpointing x{s['checkpoint']['held_vs_fp32']} "
+            f"at x{s['checkpoint']['step_time_vs_fp32']} step time; bf16 x{s['bf16']['held_vs_fp32']} "
+            f"at x{s['bf16']['step_time_vs_fp32']}; both x{s['checkpoint+bf16']['held_vs_fp32']} "
+            f"at x{s['checkpoint+bf16']['step_time_vs_fp32']}."
+        )
     deep = max(r["layers"] for r in pick("depth"))
     d = {r["variant"]: r for r in pick("depth", layers=deep)}
-    out.append(f"{deep} layers: sqrt(n) segments hold x{d['sqrt(n) segments']['held_vs_fp32']} of no checkpointing, "
-               f"one segment per block x{d['per block']['held_vs_fp32']} (SOTA-249's sqrt(n) assumes a layer holds "
-               f"no more than its input; a transformer block holds far more).")
+    out.append(
+        f"{deep} layers: sqrt(n) segments hold x{d['sqrt(n) segments']['held_vs_fp32']} of no checkpointing, "
+        f"one segment per block x{d['per block']['held_vs_fp32']} (SOTA-249's sqrt(n) assumes a layer holds "
+        f"no more than its input; a transformer block holds far more)."
+    )
     loss = {r["variant"]: r for r in pick("loss")}
     gaps = ", ".join(f"{k} {v['loss_gap_vs_fp32']:+}" for k, v in loss.items() if k != "fp32")
-    out.append(f"after {loss['fp32']['steps']} steps of {loss['fp32']['batch_per_worker']} samples, val loss fp32 "
-               f"{loss['fp32']['final_val_loss']}; gaps: {gaps}.")
+    out.append(
+        f"after {loss['fp32']['steps']} steps of {loss['fp32']['batch_per_worker']} samples, val loss fp32 "
+        f"{loss['fp32']['final_val_loss']}; gaps: {gaps}."
+    )
     sz = {r["variant"]: r for r in pick("sizer")}
     base = sz["fp32"]
-    parts = [f"{k} micro-batch {v['micro_batch']} at x{round(v['samples_per_cpu_s'] / base['samples_per_cpu_s'], 3)} "
-             f"samples/s"
-             for k, v in sz.items() if k != "fp32"]
-    out.append(f"one budget ({base['budget_mb']} MB, fp32 fits micro-batch {base['micro_batch']}): " + "; ".join(parts)
-               + " (SOTA-031 holds where the ratio exceeds 1).")
+    parts = [
+        f"{k} micro-batch {v['micro_batch']} at x{round(v['samples_per_cpu_s'] / base['samples_per_cpu_s'], 3)} "
+        f"samples/s"
+        for k, v in sz.items()
+        if k != "fp32"
+    ]
+    out.append(
+        f"one budget ({base['budget_mb']} MB, fp32 fits micro-batch {base['micro_batch']}): "
+        + "; ".join(parts)
+        + " (SOTA-031 holds where the ratio exceeds 1)."
+    )
     curve = pick("micro-batch curve")
-    out.append("fp32 samples per CPU second by micro-batch: "
-               + ", ".join(f"{r['micro_batch']}: {r['samples_per_cpu_s']}" for r in curve)
-               + ".")
+    out.append(
+        "fp32 samples per CPU second by micro-batch: "
+        + ", ".join(f"{r['micro_batch']}: {r['samples_per_cpu_s']}" for r in curve)
+        + "."
+    )
     return out

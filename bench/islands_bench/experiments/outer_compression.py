@@ -70,14 +70,24 @@ def round_bytes(rec: dict) -> tuple[int, float]:
 def row_of(label: str, rec: dict, **extra) -> dict:
     s = rec["summary"]
     exchanges, per_round = round_bytes(rec)
-    return {"run": label, **extra, "rounds": exchanges, "bytes_per_round": per_round,
-            "final_val_loss": s["final_val_loss"], "bytes_per_worker": int(s["mb_sent_per_worker"] * 1e6),
-            "s_per_step": s["seconds_per_step"], "interconnect": rec["interconnect_line"]}
+    return {
+        "run": label,
+        **extra,
+        "rounds": exchanges,
+        "bytes_per_round": per_round,
+        "final_val_loss": s["final_val_loss"],
+        "bytes_per_worker": int(s["mb_sent_per_worker"] * 1e6),
+        "s_per_step": s["seconds_per_step"],
+        "interconnect": rec["interconnect_line"],
+    }
 
 
-@experiment("outer-compression", practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-903", "SOTA-905"),
-            help="DiLoCo's pseudo-gradients through topkq (SparseLoCo), dct-topk (DeMo), shared random-k and top-k, "
-                 "with and without error feedback: bytes per round and final loss vs fp32 DiLoCo at the same H")
+@experiment(
+    "outer-compression",
+    practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-903", "SOTA-905"),
+    help="DiLoCo's pseudo-gradients through topkq (SparseLoCo), dct-topk (DeMo), shared random-k and top-k, "
+    "with and without error feedback: bytes per round and final loss vs fp32 DiLoCo at the same H",
+)
 def outer_compression(ctx: BenchContext) -> dict:
     # quick: the digits MLP, 40 rounds (at H=50 it would have 4); full: the byte LM, 30 rounds (600 steps keep the
     # 15 runs near an hour on 2 shared cores)
@@ -86,8 +96,14 @@ def outer_compression(ctx: BenchContext) -> dict:
     diloco = f"diloco:inner_steps={h},{SCALED}"
     goal_hs = (h,) if ctx.quick else (h, FULL_GOAL_H)
     ctx.plan(len(goal_hs) * len(SEEDS) * 2 + 2 * len(COMPRESSORS) + len(DENSITIES) + len(AT_GOAL) - 1)
-    ref = row_of("diloco-fp32", ctx.train("diloco-fp32", islands=2, outer=diloco, **base),
-                 compressor="none", ef=None, H=h, seed=0)
+    ref = row_of(
+        "diloco-fp32",
+        ctx.train("diloco-fp32", islands=2, outer=diloco, **base),
+        compressor="none",
+        ef=None,
+        H=h,
+        seed=0,
+    )
     rows = [ref]
     goal_label, goal_spec, goal_outer = AT_GOAL[0]
     pairs = []  # (fp32 row, goal arm row) per H and seed, each compared with fp32 DiLoCo of its own seed and H
@@ -95,19 +111,44 @@ def outer_compression(ctx: BenchContext) -> dict:
         suffix = "" if gh == h else f"-H{gh}"
         for seed in SEEDS:
             fp32_label = f"diloco-fp32{suffix}{f'-seed{seed}' if seed else ''}"
-            fp32 = ref if (seed, gh) == (0, h) else row_of(fp32_label, ctx.train(
-                fp32_label, islands=2, outer=f"diloco:inner_steps={gh},{SCALED}", seed=seed, **base),
-                compressor="none", ef=None, H=gh, seed=seed)
+            fp32 = (
+                ref
+                if (seed, gh) == (0, h)
+                else row_of(
+                    fp32_label,
+                    ctx.train(fp32_label, islands=2, outer=f"diloco:inner_steps={gh},{SCALED}", seed=seed, **base),
+                    compressor="none",
+                    ef=None,
+                    H=gh,
+                    seed=seed,
+                )
+            )
             run = f"{goal_label}{suffix}{f'-seed{seed}' if seed else ''}"
             outer = f"diloco:inner_steps={gh},{goal_outer},compressor=({goal_spec})"
-            arm = row_of(run, ctx.train(run, islands=2, outer=outer, seed=seed, **base),
-                         compressor=goal_spec, ef=True, H=gh, seed=seed, outer=goal_outer)
+            arm = row_of(
+                run,
+                ctx.train(run, islands=2, outer=outer, seed=seed, **base),
+                compressor=goal_spec,
+                ef=True,
+                H=gh,
+                seed=seed,
+                outer=goal_outer,
+            )
             rows += [arm] if fp32 is ref else [fp32, arm]
             pairs.append((fp32, arm))
     for label, spec, step in AT_GOAL[1:]:
         outer = f"diloco:inner_steps={h},{step},compressor=({spec})"
-        rows.append(row_of(label, ctx.train(label, islands=2, outer=outer, **base),
-                           compressor=spec, ef=True, H=h, seed=0, outer=step))
+        rows.append(
+            row_of(
+                label,
+                ctx.train(label, islands=2, outer=outer, **base),
+                compressor=spec,
+                ef=True,
+                H=h,
+                seed=0,
+                outer=step,
+            )
+        )
     for label, with_ef, without_ef in COMPRESSORS:
         for ef, spec in ((True, with_ef), (False, without_ef)):
             run = f"{label}-{'ef' if ef else 'no-ef'}"
@@ -116,8 +157,15 @@ def outer_compression(ctx: BenchContext) -> dict:
     for density in DENSITIES:
         spec = f"topkq:ratio={density},bits=2"
         run = f"topkq-2bit-{density:g}-ef"
-        rows.append(row_of(run, ctx.train(run, islands=2, outer=f"{diloco},compressor=({spec})", **base),
-                           compressor=spec, ef=True, H=h))
+        rows.append(
+            row_of(
+                run,
+                ctx.train(run, islands=2, outer=f"{diloco},compressor=({spec})", **base),
+                compressor=spec,
+                ef=True,
+                H=h,
+            )
+        )
     refs = {(fp32["seed"], fp32["H"]): fp32 for fp32, _ in pairs}
     for r in rows:
         mine = refs.get((r.get("seed", 0), r["H"]), ref)  # against fp32 DiLoCo of the same seed and H
@@ -127,28 +175,37 @@ def outer_compression(ctx: BenchContext) -> dict:
     by = {r["run"]: r for r in rows}
     sparse = by["topkq-2bit-ef"]
     met = [r["run"] for r in rows[1:] if r["goal_met"]]
-    at_goal = "; ".join(f"H={fp32['H']} seed {fp32['seed']}: {arm['cut_vs_fp32']:.0f}x, {arm['final_val_loss']:.4f} "
-                        f"vs {fp32['final_val_loss']:.4f} ({arm['loss_gap_pct']:+.2f}%)" for fp32, arm in pairs)
+    at_goal = "; ".join(
+        f"H={fp32['H']} seed {fp32['seed']}: {arm['cut_vs_fp32']:.0f}x, {arm['final_val_loss']:.4f} "
+        f"vs {fp32['final_val_loss']:.4f} ({arm['loss_gap_pct']:+.2f}%)"
+        for fp32, arm in pairs
+    )
     met_at = [gh for gh in goal_hs if all(arm["goal_met"] for fp32, arm in pairs if fp32["H"] == gh)]
     headline = [
         f"goal arm {goal_label} ({goal_spec}, {goal_outer}) against fp32 DiLoCo of the same seed ({SCALED}): "
         f"{at_goal}; goal (>= {GOAL_CUT:.0f}x and within {GOAL_GAP_PCT:.0f}% at every seed) met at "
         f"{', '.join(f'H={gh}' for gh in met_at) or 'no H'}; seed 0 at fp32's outer step, then with fixed 12-bit positions (60 "
-        "of 4096) at the same bytes: " + "; ".join(f"{label} {by[label]['cut_vs_fp32']:.0f}x "
-                                                   f"{by[label]['loss_gap_pct']:+.2f}%" for label, _, _ in AT_GOAL[1:]),
+        "of 4096) at the same bytes: "
+        + "; ".join(
+            f"{label} {by[label]['cut_vs_fp32']:.0f}x {by[label]['loss_gap_pct']:+.2f}%" for label, _, _ in AT_GOAL[1:]
+        ),
         f"{task_words(ctx)}, {base['steps']} steps, H={h}, 2 islands: topkq 1% with 2-bit values and error feedback "
         f"(SparseLoCo's payload) sends {sparse['bytes_per_round']:,.0f} B per round against fp32 DiLoCo's "
         f"{ref['bytes_per_round']:,.0f} ({sparse['cut_vs_fp32']:.0f}x fewer; goal {GOAL_CUT:.0f}x), final val loss "
         f"{sparse['final_val_loss']:.4f} vs {ref['final_val_loss']:.4f} ({sparse['loss_gap_pct']:+.2f}%; goal within "
         f"{GOAL_GAP_PCT:.0f}%): goal {'met' if sparse['goal_met'] else 'not met'}",
-        "with / without error feedback (cut, loss gap): " + "; ".join(
+        "with / without error feedback (cut, loss gap): "
+        + "; ".join(
             f"{label} {by[label + '-ef']['cut_vs_fp32']:.0f}x {by[label + '-ef']['loss_gap_pct']:+.1f}% / "
             f"{by[label + '-no-ef']['cut_vs_fp32']:.0f}x {by[label + '-no-ef']['loss_gap_pct']:+.1f}%"
-            for label, _, _ in COMPRESSORS),
+            for label, _, _ in COMPRESSORS
+        ),
         "denser topkq 2-bit with error feedback (cut, loss gap): 1% " + f"{sparse['cut_vs_fp32']:.0f}x "
-        f"{sparse['loss_gap_pct']:+.1f}%; " + "; ".join(
+        f"{sparse['loss_gap_pct']:+.1f}%; "
+        + "; ".join(
             f"{d * 100:g}% {by[f'topkq-2bit-{d:g}-ef']['cut_vs_fp32']:.0f}x {by[f'topkq-2bit-{d:g}-ef']['loss_gap_pct']:+.1f}%"
-            for d in DENSITIES),
+            for d in DENSITIES
+        ),
         f"runs meeting both goals (>= {GOAL_CUT:.0f}x, within {GOAL_GAP_PCT:.0f}%): {', '.join(met) or 'none'}; "
         f"outer step everywhere: {SCALED}; bytes per round = every byte of rank 0's outer exchanges (NaN flag "
         f"included) / exchanges; interconnect: {ref['interconnect']}",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from islands_bench.experiments.outer_common import OUTER_KINDS, bar_plot, base_config, gap_pct, row_of, task_words
 from islands_bench.harness import BenchContext, experiment
 
-
 # The outer step the sweep runs: plain SGD, lr sqrt(M), no momentum (lr_scale=sqrt-islands; why in
 # docs/outer-strategies.md). LIT-212's Nesterov 0.7/0.9 runs once at H=100 as the paper reference.
 SCALED = "outer=sgd,outer_lr=1,momentum=0,lr_scale=sqrt-islands"
@@ -16,8 +15,11 @@ def _plot_bytes(result, path):
     bar_plot(result, path, "bytes_per_worker", "bytes sent per worker (log)", log=True)
 
 
-@experiment("diloco-vs-ddp", practices=("SOTA-155",),
-            help="DiLoCo across 2 islands vs DDP at equal tokens: final val loss and total bytes, H swept")
+@experiment(
+    "diloco-vs-ddp",
+    practices=("SOTA-155",),
+    help="DiLoCo across 2 islands vs DDP at equal tokens: final val loss and total bytes, H swept",
+)
 def diloco_vs_ddp(ctx: BenchContext) -> dict:
     base = base_config(ctx, quick_steps=200, full_steps=1000)
     sweep = (10, 50, 100) if ctx.quick else (10, 50, 100, 250, 500)
@@ -51,8 +53,11 @@ def diloco_vs_ddp(ctx: BenchContext) -> dict:
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
 
 
-@experiment("sync-inner-state", practices=("SOTA-219",),
-            help="DiLoCo with and without averaging the inner Adam moments: loss and bytes per outer round")
+@experiment(
+    "sync-inner-state",
+    practices=("SOTA-219",),
+    help="DiLoCo with and without averaging the inner Adam moments: loss and bytes per outer round",
+)
 def sync_inner_state(ctx: BenchContext) -> dict:
     base = base_config(ctx, quick_steps=200, full_steps=600)
     h = 20 if ctx.quick else 50
@@ -95,29 +100,58 @@ def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
 
     # quick only (digits costs seconds): the 4-island row with the sqrt(M) step too, which over-steps there
     # and its references: plain averaging over 4 islands, and DDP over 4 workers (the same global batch)
-    wide_sqrt = [
-        (f"diloco-H100-{ISLANDS_WIDE}islands-sqrt", dict(wide, outer=f"diloco:inner_steps=100,{SCALED}"),
-         dict(H=100, islands=ISLANDS_WIDE, outer=SCALED)),
-        (f"diloco-H100-{ISLANDS_WIDE}islands-plain", dict(wide, outer=f"diloco:inner_steps=100,{plain}"),
-         dict(H=100, islands=ISLANDS_WIDE, outer=plain)),
-        (f"ddp-{ISLANDS_WIDE}workers", dict(wide, islands=1), dict(H=1, islands=1, batch_per_island=base["global_batch"])),
-    ] if ctx.quick else []
+    wide_sqrt = (
+        [
+            (
+                f"diloco-H100-{ISLANDS_WIDE}islands-sqrt",
+                dict(wide, outer=f"diloco:inner_steps=100,{SCALED}"),
+                dict(H=100, islands=ISLANDS_WIDE, outer=SCALED),
+            ),
+            (
+                f"diloco-H100-{ISLANDS_WIDE}islands-plain",
+                dict(wide, outer=f"diloco:inner_steps=100,{plain}"),
+                dict(H=100, islands=ISLANDS_WIDE, outer=plain),
+            ),
+            (
+                f"ddp-{ISLANDS_WIDE}workers",
+                dict(wide, islands=1),
+                dict(H=1, islands=1, batch_per_island=base["global_batch"]),
+            ),
+        ]
+        if ctx.quick
+        else []
+    )
     return [
         ("ddp", dict(base, islands=1), dict(H=1, islands=1, batch_per_island=base["global_batch"])),
-        (f"diloco-H100-warm{WARM_START}", diloco(f"{SCALED},warm_start={WARM_START}"),
-         dict(H=100, islands=2, outer=SCALED, warm_start=WARM_START)),
+        (
+            f"diloco-H100-warm{WARM_START}",
+            diloco(f"{SCALED},warm_start={WARM_START}"),
+            dict(H=100, islands=2, outer=SCALED, warm_start=WARM_START),
+        ),
         ("one-island-half-batch", half, dict(H=0, islands=1, batch_per_island=half["global_batch"])),
         ("diloco-H100", diloco(SCALED), dict(H=100, islands=2, outer=SCALED)),
-        (f"diloco-H100-{ISLANDS_WIDE}islands", dict(wide, outer=f"diloco:inner_steps=100,{FIXED_SQRT2}"),
-         dict(H=100, islands=ISLANDS_WIDE, outer=FIXED_SQRT2)),
+        (
+            f"diloco-H100-{ISLANDS_WIDE}islands",
+            dict(wide, outer=f"diloco:inner_steps=100,{FIXED_SQRT2}"),
+            dict(H=100, islands=ISLANDS_WIDE, outer=FIXED_SQRT2),
+        ),
         ("diloco-H100-plain", diloco(plain), dict(H=100, islands=2, outer=plain)),
-        ("diloco-H100-nesterov-0.7-0.5", diloco("outer=nesterov,outer_lr=0.7,momentum=0.5"),
-         dict(H=100, islands=2, outer="outer=nesterov,outer_lr=0.7,momentum=0.5")),
+        (
+            "diloco-H100-nesterov-0.7-0.5",
+            diloco("outer=nesterov,outer_lr=0.7,momentum=0.5"),
+            dict(H=100, islands=2, outer="outer=nesterov,outer_lr=0.7,momentum=0.5"),
+        ),
         # inner lr per island: Adam's square-root batch rule gives half the batch 1/sqrt(2) of the lr
-        ("diloco-H100-inner-lr-0.7x", diloco(SCALED, lr=INNER_LR_HALF_BATCH),
-         dict(H=100, islands=2, outer=SCALED, inner_lr=INNER_LR_HALF_BATCH)),
-        ("diloco-H100-outer-schedule", diloco(f"{SCALED},outer_schedule=inner"),
-         dict(H=100, islands=2, outer=f"{SCALED},outer_schedule=inner")),
+        (
+            "diloco-H100-inner-lr-0.7x",
+            diloco(SCALED, lr=INNER_LR_HALF_BATCH),
+            dict(H=100, islands=2, outer=SCALED, inner_lr=INNER_LR_HALF_BATCH),
+        ),
+        (
+            "diloco-H100-outer-schedule",
+            diloco(f"{SCALED},outer_schedule=inner"),
+            dict(H=100, islands=2, outer=f"{SCALED},outer_schedule=inner"),
+        ),
     ] + wide_sqrt
 
 
@@ -151,9 +185,12 @@ def ddp_steps_to_reach(ddp_rec: dict, loss: float) -> float | None:
     return None
 
 
-@experiment("diloco-gap", practices=("SOTA-155",),
-            help="Why DiLoCo H=100 trails DDP: one island alone, plain vs sqrt(M) vs Nesterov outer steps, "
-                 "4 islands, and LIT-212's warm start from a data-parallel model")
+@experiment(
+    "diloco-gap",
+    practices=("SOTA-155",),
+    help="Why DiLoCo H=100 trails DDP: one island alone, plain vs sqrt(M) vs Nesterov outer steps, "
+    "4 islands, and LIT-212's warm start from a data-parallel model",
+)
 def diloco_gap(ctx: BenchContext) -> dict:
     rows, ref, ddp_rec = [], None, None
     for label, overrides, extras in gap_runs(ctx):
@@ -174,9 +211,12 @@ def diloco_gap(ctx: BenchContext) -> dict:
         f"{warm['final_val_loss']:.4f} ({warm['loss_gap_pct']:+.1f}% vs DDP for the same {steps} steps), "
         f"{warm['bytes_ratio_compared_phase']:.0f}x fewer bytes than DDP over the compared phase, "
         f"{warm['bytes_ratio_ddp_over_run']:.1f}x fewer including the warm-up; interconnect: {ddp['interconnect']}",
-        "other outer steps at H=100: " + ", ".join(
-            f"{r['run']} {r['final_val_loss']:.4f} ({r['loss_gap_pct']:+.1f}%)" for r in rows
-            if r["run"] not in ("ddp", warm["run"], alone["run"], scratch["run"])),
+        "other outer steps at H=100: "
+        + ", ".join(
+            f"{r['run']} {r['final_val_loss']:.4f} ({r['loss_gap_pct']:+.1f}%)"
+            for r in rows
+            if r["run"] not in ("ddp", warm["run"], alone["run"], scratch["run"])
+        ),
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
 
@@ -188,20 +228,25 @@ OUTER_MOMENTA = (0.0, 0.5, 0.9)
 
 def outer_spec(lr: float, momentum: float) -> str:
     # momentum 0 is plain SGD (Nesterov without momentum is the same step)
-    return (f"outer=sgd,outer_lr={lr},momentum=0" if momentum == 0
-            else f"outer=nesterov,outer_lr={lr},momentum={momentum}")
+    return (
+        f"outer=sgd,outer_lr={lr},momentum=0" if momentum == 0 else f"outer=nesterov,outer_lr={lr},momentum={momentum}"
+    )
 
 
-@experiment("diloco-outer-sweep", practices=("SOTA-155",),
-            help="DiLoCo H=100 outer optimizer grid: Nesterov lr {0.5,0.7,1,1.4} x momentum {0,0.5,0.9} vs DDP")
+@experiment(
+    "diloco-outer-sweep",
+    practices=("SOTA-155",),
+    help="DiLoCo H=100 outer optimizer grid: Nesterov lr {0.5,0.7,1,1.4} x momentum {0,0.5,0.9} vs DDP",
+)
 def diloco_outer_sweep(ctx: BenchContext) -> dict:
     base = base_config(ctx, quick_steps=1000, full_steps=1000)  # quick: digits, 10 rounds as on the LM
     ddp = ctx.train("ddp", islands=1, **base)
     ref = row_of("ddp", ddp, H=1)
     rows = [ref]
-    runs = [(f"lr{lr}-m{m}", outer_spec(lr, m), dict(outer_lr=lr, momentum=m)) for m in OUTER_MOMENTA
-            for lr in OUTER_LRS]
-    runs.append(("sqrt-islands", SCALED, dict(outer_lr=2 ** 0.5, momentum=0.0)))
+    runs = [
+        (f"lr{lr}-m{m}", outer_spec(lr, m), dict(outer_lr=lr, momentum=m)) for m in OUTER_MOMENTA for lr in OUTER_LRS
+    ]
+    runs.append(("sqrt-islands", SCALED, dict(outer_lr=2**0.5, momentum=0.0)))
     for label, spec, extra in runs:
         rec = ctx.train(label, islands=2, outer=f"diloco:inner_steps=100,{spec}", **base)
         rows.append(row_of(label, rec, H=100, outer=spec, **extra))
@@ -215,9 +260,16 @@ def diloco_outer_sweep(ctx: BenchContext) -> dict:
         f"{task_words(ctx)}, {base['steps']} steps, 2 islands, H=100 ({base['steps'] // 100} rounds): best outer step "
         f"{best['outer']} at {best['final_val_loss']:.4f} ({best['loss_gap_pct']:+.1f}% vs DDP "
         f"{ref['final_val_loss']:.4f}); interconnect: {ref['interconnect']}",
-        "by momentum: " + "; ".join(
-            f"m={m}: " + ", ".join(f"lr {r['outer_lr']} {r['loss_gap_pct']:+.1f}%" for r in rows[1:]
-                                    if r["momentum"] == m and r["run"] != "sqrt-islands") for m in OUTER_MOMENTA),
+        "by momentum: "
+        + "; ".join(
+            f"m={m}: "
+            + ", ".join(
+                f"lr {r['outer_lr']} {r['loss_gap_pct']:+.1f}%"
+                for r in rows[1:]
+                if r["momentum"] == m and r["run"] != "sqrt-islands"
+            )
+            for m in OUTER_MOMENTA
+        ),
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
 
@@ -226,8 +278,11 @@ def diloco_outer_sweep(ctx: BenchContext) -> dict:
 LONG_STEPS = 3000  # 30 outer rounds at H=100, against diloco-gap's 10
 
 
-@experiment("diloco-long", practices=("SOTA-155",),
-            help="DiLoCo H=100 vs DDP over 3000 steps (30 outer rounds): does the gap of the 1000-step runs close?")
+@experiment(
+    "diloco-long",
+    practices=("SOTA-155",),
+    help="DiLoCo H=100 vs DDP over 3000 steps (30 outer rounds): does the gap of the 1000-step runs close?",
+)
 def diloco_long(ctx: BenchContext) -> dict:
     base = dict(base_config(ctx, quick_steps=LONG_STEPS, full_steps=LONG_STEPS), log_every=100)
     ddp_rec = ctx.train("ddp", islands=1, **base)
@@ -243,9 +298,13 @@ def diloco_long(ctx: BenchContext) -> dict:
         f"{task_words(ctx)}, {LONG_STEPS} steps x {base['global_batch']} sequences, equal tokens: DiLoCo H=100 "
         f"(sqrt(M) outer step, {LONG_STEPS // 100} rounds) {d['final_val_loss']:.4f} vs DDP {ref['final_val_loss']:.4f} "
         f"({d['loss_gap_pct']:+.1f}%), sending {d['bytes_ratio_ddp_over_run']:.0f}x fewer bytes per worker; "
-        + ("that is below DDP's final loss" if d["final_val_loss"] <= ref["final_val_loss"] else
-           f"DDP reached that loss at step {d['ddp_steps_to_match']:.0f} ({share:.0%} of the run)" if share else
-           "DDP's evaluations do not bracket that loss")
+        + (
+            "that is below DDP's final loss"
+            if d["final_val_loss"] <= ref["final_val_loss"]
+            else f"DDP reached that loss at step {d['ddp_steps_to_match']:.0f} ({share:.0%} of the run)"
+            if share
+            else "DDP's evaluations do not bracket that loss"
+        )
         + f"; interconnect: {ref['interconnect']}",
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
@@ -259,8 +318,11 @@ BATCHES = (32, 128, 256)
 PLAIN = "outer=sgd,outer_lr=1,momentum=0"
 
 
-@experiment("diloco-batch", practices=("SOTA-155",),
-            help="DiLoCo H=100 vs DDP at global batch 32, 128 and 256 (2 islands): the gap as each island's batch grows")
+@experiment(
+    "diloco-batch",
+    practices=("SOTA-155",),
+    help="DiLoCo H=100 vs DDP at global batch 32, 128 and 256 (2 islands): the gap as each island's batch grows",
+)
 def diloco_batch(ctx: BenchContext) -> dict:
     ctx.plan(2 * len(BATCHES) + (128 in BATCHES))  # ddp and DiLoCo per batch, plain averaging at 128
     rows = []
@@ -283,12 +345,18 @@ def diloco_batch(ctx: BenchContext) -> dict:
     steps = base_config(ctx, 1000, 1000)["steps"]
     headline = [
         f"{task_words(ctx)}, {steps} steps, 2 islands, equal tokens per batch size: DiLoCo H=100 (sqrt(M) outer step) "
-        "vs DDP " + "; ".join(
+        "vs DDP "
+        + "; ".join(
             f"global batch {b} ({b // 2} per island): {by[(b, 100)]['final_val_loss']:.4f} vs "
             f"{by[(b, 1)]['final_val_loss']:.4f} ({by[(b, 100)]['loss_gap_pct']:+.1f}%, worth "
-            + (f"{by[(b, 100)]['ddp_steps_to_match']:.0f}" if by[(b, 100)]['ddp_steps_to_match'] else "all")
-            + f" DDP steps), {by[(b, 100)]['bytes_ratio_ddp_over_run']:.0f}x fewer bytes" for b in BATCHES)
+            + (f"{by[(b, 100)]['ddp_steps_to_match']:.0f}" if by[(b, 100)]["ddp_steps_to_match"] else "all")
+            + f" DDP steps), {by[(b, 100)]['bytes_ratio_ddp_over_run']:.0f}x fewer bytes"
+            for b in BATCHES
+        )
         + f"; interconnect: {rows[0]['interconnect']}",
-    ] + [f"plain averaging (outer lr 1) at global batch {r['global_batch']}: {r['final_val_loss']:.4f} "
-         f"({r['loss_gap_pct']:+.1f}%)" for r in plain]
+    ] + [
+        f"plain averaging (outer lr 1) at global batch {r['global_batch']}: {r['final_val_loss']:.4f} "
+        f"({r['loss_gap_pct']:+.1f}%)"
+        for r in plain
+    ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}

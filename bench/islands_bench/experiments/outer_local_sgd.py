@@ -10,13 +10,19 @@ def _plot(result, path):
     bar_plot(result, path, "bytes_per_worker", "bytes sent per worker (log)", log=True)
 
 
-@experiment("post-local", practices=("SOTA-216",),
-            help="post-local SGD vs averaging every step and vs local SGD from the start: loss and bytes")
+@experiment(
+    "post-local",
+    practices=("SOTA-216",),
+    help="post-local SGD vs averaging every step and vs local SGD from the start: loss and bytes",
+)
 def post_local(ctx: BenchContext) -> dict:
     base = base_config(ctx, quick_steps=200, full_steps=800)
     h = 16
-    runs = [("every-step", "local-sgd:every=1"), (f"post-local-H{h}", f"post-local-sgd:every={h}"),
-            (f"local-H{h}", f"local-sgd:every={h}")]
+    runs = [
+        ("every-step", "local-sgd:every=1"),
+        (f"post-local-H{h}", f"post-local-sgd:every={h}"),
+        (f"local-H{h}", f"local-sgd:every={h}"),
+    ]
     rows = [row_of(label, ctx.train(label, islands=2, outer=spec, **base), spec=spec) for label, spec in runs]
     ref, post, local = rows
     for r in rows:

@@ -24,28 +24,46 @@ def _plot(result, path):
 
 def base(ctx: BenchContext) -> tuple[dict, int]:
     if ctx.quick:
-        return dict(task="lm", d_model=64, n_layers=2, n_heads=4, context=64, steps=300, global_batch=16, warmup=30,
-                    eval_every=50, eval_batches=8, workers=2, log_every=15), 50
+        return dict(
+            task="lm",
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            context=64,
+            steps=300,
+            global_batch=16,
+            warmup=30,
+            eval_every=50,
+            eval_batches=8,
+            workers=2,
+            log_every=15,
+        ), 50
     return dict(task="lm", steps=1000, global_batch=32, warmup=100, eval_every=100, workers=2, log_every=20), 100
 
 
 def arms(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
     """(label, config overrides, row extras) of every arm, the references first."""
     cfg, h = base(ctx)
-    out = [(f"ddp-{opt}", dict(cfg, islands=1, optimizer=opt), dict(optimizer=opt, H=1, compressor="none"))
-           for opt in ("adamw", "muon")]
+    out = [
+        (f"ddp-{opt}", dict(cfg, islands=1, optimizer=opt), dict(optimizer=opt, H=1, compressor="none"))
+        for opt in ("adamw", "muon")
+    ]
     for comp in ("none", COMPRESSOR):
         outer = f"diloco:inner_steps={h}" + ("" if comp == "none" else f",compressor=({comp})")
         for opt, name in (("adamw", "diloco"), ("muon", "muloco")):
             label = name + ("" if comp == "none" else "-int4ef")
-            out.append((label, dict(cfg, islands=2, optimizer=opt, outer=outer),
-                        dict(optimizer=opt, H=h, compressor=comp)))
+            out.append(
+                (label, dict(cfg, islands=2, optimizer=opt, outer=outer), dict(optimizer=opt, H=h, compressor=comp))
+            )
     return out
 
 
-@experiment("muloco", practices=("SOTA-901",),
-            help="MuLoCo (DiLoCo with Muon inner steps) vs DiLoCo with AdamW inside at the same H, fp32 and int4+EF "
-                 "deltas, with DDP-AdamW and DDP-Muon references: final val loss and bytes")
+@experiment(
+    "muloco",
+    practices=("SOTA-901",),
+    help="MuLoCo (DiLoCo with Muon inner steps) vs DiLoCo with AdamW inside at the same H, fp32 and int4+EF "
+    "deltas, with DDP-AdamW and DDP-Muon references: final val loss and bytes",
+)
 def muloco(ctx: BenchContext) -> dict:
     cfg, h = base(ctx)
     plan = arms(ctx)
@@ -66,13 +84,17 @@ def muloco(ctx: BenchContext) -> dict:
         r["loss_gap_pct"] = gap_pct(r["final_val_loss"], ref["final_val_loss"])  # against DDP-AdamW
         r["gap_vs_own_ddp_pct"] = gap_pct(r["final_val_loss"], own["final_val_loss"])
         r["bytes_ratio_ddp_over_run"] = ref["bytes_per_worker"] / max(r["bytes_per_worker"], 1)
-    words = (f"byte LM d{cfg.get('d_model', 128)} L{cfg.get('n_layers', 4)} ctx{cfg.get('context', 128)}, "
-             f"{cfg['steps']} steps x {cfg['global_batch']} sequences, 2 workers")
+    words = (
+        f"byte LM d{cfg.get('d_model', 128)} L{cfg.get('n_layers', 4)} ctx{cfg.get('context', 128)}, "
+        f"{cfg['steps']} steps x {cfg['global_batch']} sequences, 2 workers"
+    )
 
     def vs(a: str, b: str) -> str:
         x, y = by[a], by[b]
-        return (f"{x['final_val_loss']:.4f} vs {y['final_val_loss']:.4f} "
-                f"({gap_pct(x['final_val_loss'], y['final_val_loss']):+.1f}%)")
+        return (
+            f"{x['final_val_loss']:.4f} vs {y['final_val_loss']:.4f} "
+            f"({gap_pct(x['final_val_loss'], y['final_val_loss']):+.1f}%)"
+        )
 
     headline = [
         f"MuLoCo vs DiLoCo-AdamW at H={h} ({words}, 2 islands, DiLoCo's default outer step): fp32 deltas "

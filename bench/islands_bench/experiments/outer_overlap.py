@@ -28,17 +28,32 @@ def _plot(result, path):
         ax.set_title(f"overlap-tau at {result['rate']}\n{result['interconnect'][-1]}", fontsize=8)
 
 
-@experiment("overlap-tau", practices=("SOTA-222",),
-            help="overlap local SGD: communication-to-computation ratio at tau 0, 1, 2 on a rate-limited testbed link")
+@experiment(
+    "overlap-tau",
+    practices=("SOTA-222",),
+    help="overlap local SGD: communication-to-computation ratio at tau 0, 1, 2 on a rate-limited testbed link",
+)
 def overlap_tau(ctx: BenchContext) -> dict:
     rate = ctx.rate or DEFAULT_RATE
     steps = 24 if ctx.quick else 120
     # the default byte LM (0.9 M parameters, 3.5 MB per exchange): at 100mbit one exchange takes
     # about as long as one or two steps of compute on this machine, which is where overlap matters
-    base = dict(task="lm", steps=steps, global_batch=32, warmup=max(steps // 10, 1), eval_every=0,
-                workers=2, islands=2, log_every=max(steps // 12, 1))
-    runs = [("compute-only", f"local-sgd:every={steps}", None), ("tau=0", "overlap-local-sgd:tau=0", 0),
-            ("tau=1", "overlap-local-sgd:tau=1", 1), ("tau=2", "overlap-local-sgd:tau=2", 2)]
+    base = dict(
+        task="lm",
+        steps=steps,
+        global_batch=32,
+        warmup=max(steps // 10, 1),
+        eval_every=0,
+        workers=2,
+        islands=2,
+        log_every=max(steps // 12, 1),
+    )
+    runs = [
+        ("compute-only", f"local-sgd:every={steps}", None),
+        ("tau=0", "overlap-local-sgd:tau=0", 0),
+        ("tau=1", "overlap-local-sgd:tau=1", 1),
+        ("tau=2", "overlap-local-sgd:tau=2", 2),
+    ]
     recs = {}
     load_before = os.getloadavg()[0]
     with ctx.testbed(rate, hosts=2) as bed:
@@ -49,10 +64,17 @@ def overlap_tau(ctx: BenchContext) -> dict:
     for label, spec, tau in runs:
         s = recs[label]["summary"]
         blocked = s["sync_blocked_seconds"]
-        rows.append(row_of(label, recs[label], tau=tau, spec=spec,
-                           comm_to_compute=blocked / max(s["wall_seconds"] - blocked, 1e-9),
-                           blocked_s_per_step=blocked / s["steps"],
-                           ledger_comm_fraction=s["comm_fraction"]))
+        rows.append(
+            row_of(
+                label,
+                recs[label],
+                tau=tau,
+                spec=spec,
+                comm_to_compute=blocked / max(s["wall_seconds"] - blocked, 1e-9),
+                blocked_s_per_step=blocked / s["steps"],
+                ledger_comm_fraction=s["comm_fraction"],
+            )
+        )
     compute = (recs["tau=0"]["summary"]["wall_seconds"] - recs["tau=0"]["summary"]["sync_blocked_seconds"]) / steps
     base_loss = rows[1]["final_val_loss"]
     for r in rows:
@@ -69,5 +91,11 @@ def overlap_tau(ctx: BenchContext) -> dict:
         f"load average {load:.1f} on {os.cpu_count()} cores during the runs (compute per step at tau 0: "
         f"{1000 * compute:.0f} ms)",
     ]
-    return {"rows": rows, "headline": headline, "plot": _plot, "rate": rate, "compute_s_per_step": compute,
-            "load_average": load}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "rate": rate,
+        "compute_s_per_step": compute,
+        "load_average": load,
+    }

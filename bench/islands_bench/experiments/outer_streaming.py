@@ -25,16 +25,27 @@ def _peak(rec: dict) -> int:
     return int(report["peak_sent_bytes"])
 
 
-@experiment("streaming", practices=("SOTA-155",),
-            help="Streaming DiLoCo (F fragments, overlap tau, 4-bit deltas) vs DiLoCo: peak/total bytes per sync at equal loss")
+@experiment(
+    "streaming",
+    practices=("SOTA-155",),
+    help="Streaming DiLoCo (F fragments, overlap tau, 4-bit deltas) vs DiLoCo: peak/total bytes per sync at equal loss",
+)
 def streaming(ctx: BenchContext) -> dict:
     base = base_config(ctx, quick_steps=200, full_steps=1000)
     h = 50 if ctx.quick else 100
     runs = [("diloco", f"diloco:inner_steps={h},{SCALED}", 1, "fp32")]
-    runs.append(("streaming-F4-4bit", f"streaming-diloco:inner_steps={h},fragments=4,tau=1,bits=4,block={BLOCK},{LANDING},{SCALED}",
-                 4, "4-bit"))
+    runs.append(
+        (
+            "streaming-F4-4bit",
+            f"streaming-diloco:inner_steps={h},fragments=4,tau=1,bits=4,block={BLOCK},{LANDING},{SCALED}",
+            4,
+            "4-bit",
+        )
+    )
     for f in (2, 4) if ctx.quick else (2, 4, 8):
-        spec = f"streaming-diloco:inner_steps={h},fragments={f},tau=1,bits=4,block={BLOCK},entropy=zstd,{LANDING},{SCALED}"
+        spec = (
+            f"streaming-diloco:inner_steps={h},fragments={f},tau=1,bits=4,block={BLOCK},entropy=zstd,{LANDING},{SCALED}"
+        )
         runs.append((f"streaming-F{f}-4bit-zstd", spec, f, "4-bit+zstd"))
     ctx.plan(len(runs))
     rows = []
@@ -54,6 +65,8 @@ def streaming(ctx: BenchContext) -> dict:
         f"and total bytes {r['total_cut']:.1f}x vs DiLoCo, final val loss {r['final_val_loss']:.4f} vs "
         f"{ref['final_val_loss']:.4f} ({r['loss_gap_pct']:+.1f}%)"
         for r in rows[1:]
-    ] + [f"outer step everywhere: {SCALED}; streaming lands fragments with {LANDING}; peak = the largest "
-         f"single exchange rank 0 sent, measured per exchange (zstd payloads padded to the longest rank's, plus its 8-byte length); interconnect: {ref['interconnect']}"]
+    ] + [
+        f"outer step everywhere: {SCALED}; streaming lands fragments with {LANDING}; peak = the largest "
+        f"single exchange rank 0 sent, measured per exchange (zstd payloads padded to the longest rank's, plus its 8-byte length); interconnect: {ref['interconnect']}"
+    ]
     return {"rows": rows, "headline": headline, "plot": _plot}

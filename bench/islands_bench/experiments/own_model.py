@@ -28,13 +28,21 @@ from islands_bench.harness import BenchContext, experiment
 from islands_bench.spawn import run_module_ranks
 
 WORKERS = 4
-ARMS = {"cnn": ("torch-ddp", "ddp", "powersgd", "diloco", "streaming", "diloco-params"),
-        "gpt2": ("torch-ddp", "ddp", "powersgd", "diloco", "streaming")}
+ARMS = {
+    "cnn": ("torch-ddp", "ddp", "powersgd", "diloco", "streaming", "diloco-params"),
+    "gpt2": ("torch-ddp", "ddp", "powersgd", "diloco", "streaming"),
+}
 
 
 def _settings(kind: str, quick: bool) -> dict:
     if kind == "cnn":
-        return {"steps": 80 if quick else 200, "batch": 16, "lr": 3e-3, "inner_steps": 20 if quick else 50, "warmup": 10}
+        return {
+            "steps": 80 if quick else 200,
+            "batch": 16,
+            "lr": 3e-3,
+            "inner_steps": 20 if quick else 50,
+            "warmup": 10,
+        }
     return {"steps": 40 if quick else 150, "batch": 8, "lr": 2e-3, "inner_steps": 10 if quick else 25, "warmup": 10}
 
 
@@ -98,11 +106,20 @@ def _worker(out_path: str, spec_json: str, rate: str) -> None:
         across = sum(v for led in ledgers for k, v in led["sent"].items() if k.startswith("outer")) / world.size
         if arm == "torch-ddp":  # torch's all-reduce is not counted by islands: its payload is one gradient a step
             sent = across = grad_bytes * spec["steps"]
-        Path(out_path).write_text(json.dumps({
-            **metrics, "mb_sent_per_worker": sent / 1e6, "mb_across_islands_per_worker": across / 1e6,
-            "counted": arm != "torch-ddp", "median_step_s": sorted(times)[len(times) // 2],
-            "parameters": sum(p.numel() for p in final.parameters()),
-            "interconnect": inter, "interconnect_line": describe(inter)}))
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    **metrics,
+                    "mb_sent_per_worker": sent / 1e6,
+                    "mb_across_islands_per_worker": across / 1e6,
+                    "counted": arm != "torch-ddp",
+                    "median_step_s": sorted(times)[len(times) // 2],
+                    "parameters": sum(p.numel() for p in final.parameters()),
+                    "interconnect": inter,
+                    "interconnect_line": describe(inter),
+                }
+            )
+        )
     islands.close_world(world)
 
 
@@ -114,21 +131,35 @@ def _rows(ctx: BenchContext, kind: str) -> list[dict]:
     for arm in ARMS[kind]:
         ctx.log(f"{kind}: {arm} ({WORKERS} workers, {settings['steps']} steps)")
         spec = {"model": kind, "arm": arm, **settings}
-        got = run_module_ranks("islands_bench.experiments.own_model", [json.dumps(spec)], WORKERS,
-                               ctx.out_dir / f"{kind}-{arm}.json")
-        rows.append({"model": kind, "arm": arm, "parameters": got["parameters"], "steps": settings["steps"],
-                     "inner_steps": settings["inner_steps"] if arm in ("diloco", "streaming", "diloco-params") else "",
-                     "final_val_loss": got["val_loss"], "val_accuracy": got.get("val_accuracy"),
-                     "mb_sent_per_worker": got["mb_sent_per_worker"],
-                     "mb_across_islands_per_worker": got["mb_across_islands_per_worker"],
-                     "bytes": "ledger" if got["counted"] else "analytic (1 fp32 gradient/step)",
-                     "median_step_ms": 1000 * got["median_step_s"], "interconnect": got["interconnect_line"]})
+        got = run_module_ranks(
+            "islands_bench.experiments.own_model", [json.dumps(spec)], WORKERS, ctx.out_dir / f"{kind}-{arm}.json"
+        )
+        rows.append(
+            {
+                "model": kind,
+                "arm": arm,
+                "parameters": got["parameters"],
+                "steps": settings["steps"],
+                "inner_steps": settings["inner_steps"] if arm in ("diloco", "streaming", "diloco-params") else "",
+                "final_val_loss": got["val_loss"],
+                "val_accuracy": got.get("val_accuracy"),
+                "mb_sent_per_worker": got["mb_sent_per_worker"],
+                "mb_across_islands_per_worker": got["mb_across_islands_per_worker"],
+                "bytes": "ledger" if got["counted"] else "analytic (1 fp32 gradient/step)",
+                "median_step_ms": 1000 * got["median_step_s"],
+                "interconnect": got["interconnect_line"],
+            }
+        )
     base = rows[0]
     for r in rows:
         r["loss_vs_torch_ddp_pct"] = 100 * (r["final_val_loss"] / base["final_val_loss"] - 1)
         r["bytes_vs_torch_ddp"] = r["mb_sent_per_worker"] / base["mb_sent_per_worker"]
         # across islands plain DDP sends everything it sends: every all-reduce crosses the island boundary
-        across = r["mb_across_islands_per_worker"] if r["arm"] in ("diloco", "streaming", "diloco-params") else r["mb_sent_per_worker"]
+        across = (
+            r["mb_across_islands_per_worker"]
+            if r["arm"] in ("diloco", "streaming", "diloco-params")
+            else r["mb_sent_per_worker"]
+        )
         r["across_islands_x_fewer_than_torch_ddp"] = base["mb_sent_per_worker"] / max(across, 1e-12)
     return rows
 
@@ -141,19 +172,25 @@ def _headline(rows: list[dict]) -> list[str]:
         parts = []
         for arm in ("ddp", "powersgd", "diloco", "streaming"):
             r = mine[arm]
-            parts.append(f"{arm} loss {r['final_val_loss']:.3f} ({r['loss_vs_torch_ddp_pct']:+.1f}%), "
-                         f"{r['across_islands_x_fewer_than_torch_ddp']:.0f}x fewer bytes across islands"
-                         if arm in ("diloco", "streaming") else
-                         f"{arm} loss {r['final_val_loss']:.3f} ({r['loss_vs_torch_ddp_pct']:+.1f}%), "
-                         f"{r['bytes_vs_torch_ddp']:.3f}x torch DDP's bytes")
-        out.append(f"{kind} ({base['parameters']:,} parameters, {WORKERS} workers): torch DDP loss "
-                   f"{base['final_val_loss']:.3f}; " + "; ".join(parts))
+            parts.append(
+                f"{arm} loss {r['final_val_loss']:.3f} ({r['loss_vs_torch_ddp_pct']:+.1f}%), "
+                f"{r['across_islands_x_fewer_than_torch_ddp']:.0f}x fewer bytes across islands"
+                if arm in ("diloco", "streaming")
+                else f"{arm} loss {r['final_val_loss']:.3f} ({r['loss_vs_torch_ddp_pct']:+.1f}%), "
+                f"{r['bytes_vs_torch_ddp']:.3f}x torch DDP's bytes"
+            )
+        out.append(
+            f"{kind} ({base['parameters']:,} parameters, {WORKERS} workers): torch DDP loss "
+            f"{base['final_val_loss']:.3f}; " + "; ".join(parts)
+        )
         if "diloco-params" in mine:
             with_b, without = mine["diloco"], mine["diloco-params"]
-            out.append(f"{kind}: the global DiLoCo model with BatchNorm statistics averaged across islands reaches "
-                       f"validation accuracy {with_b['val_accuracy']:.3f} (loss {with_b['final_val_loss']:.3f}); "
-                       f"with parameters only, as before, {without['val_accuracy']:.3f} "
-                       f"(loss {without['final_val_loss']:.3f})")
+            out.append(
+                f"{kind}: the global DiLoCo model with BatchNorm statistics averaged across islands reaches "
+                f"validation accuracy {with_b['val_accuracy']:.3f} (loss {with_b['final_val_loss']:.3f}); "
+                f"with parameters only, as before, {without['val_accuracy']:.3f} "
+                f"(loss {without['final_val_loss']:.3f})"
+            )
     return out
 
 
@@ -164,8 +201,16 @@ def _plot(result, path):
         for ax, kind in zip(axes, ("cnn", "gpt2")):
             rows = [r for r in result["rows"] if r["model"] == kind]
             for r in rows:
-                ax.scatter(max(r["mb_across_islands_per_worker"] if r["arm"] in ("diloco", "streaming", "diloco-params")
-                               else r["mb_sent_per_worker"], 1e-3), r["final_val_loss"], label=r["arm"])
+                ax.scatter(
+                    max(
+                        r["mb_across_islands_per_worker"]
+                        if r["arm"] in ("diloco", "streaming", "diloco-params")
+                        else r["mb_sent_per_worker"],
+                        1e-3,
+                    ),
+                    r["final_val_loss"],
+                    label=r["arm"],
+                )
             ax.set_xscale("log")
             ax.set_xlabel("MB per worker across islands (log)")
             ax.set_ylabel("final validation loss")
@@ -173,9 +218,12 @@ def _plot(result, path):
             ax.legend(fontsize=7)
 
 
-@experiment("own-model", practices=("SOTA-155", "SOTA-214", "SOTA-048"),
-            help="a BatchNorm CNN and a transformers GPT-2 through the public API: DDP, PowerSGD, DiLoCo, streaming "
-                 "DiLoCo against plain torch DDP")
+@experiment(
+    "own-model",
+    practices=("SOTA-155", "SOTA-214", "SOTA-048"),
+    help="a BatchNorm CNN and a transformers GPT-2 through the public API: DDP, PowerSGD, DiLoCo, streaming "
+    "DiLoCo against plain torch DDP",
+)
 def own_model(ctx: BenchContext) -> dict:
     rows = _rows(ctx, "cnn")
     try:
@@ -188,10 +236,16 @@ def own_model(ctx: BenchContext) -> dict:
         r["final_val_loss"] = round(r["final_val_loss"], 4)
         if r.get("val_accuracy") is not None and not math.isnan(r["val_accuracy"]):
             r["val_accuracy"] = round(r["val_accuracy"], 4)
-    return {"rows": rows, "headline": _headline(rows), "plot": _plot,
-            "interconnect": sorted({r["interconnect"] for r in rows}),
-            "baseline": [f"the same model, data order, AdamW and schedule under torch's DistributedDataParallel alone, "
-                         f"{WORKERS} processes with 1 thread each on gloo, same run; bytes: payload per worker"]}
+    return {
+        "rows": rows,
+        "headline": _headline(rows),
+        "plot": _plot,
+        "interconnect": sorted({r["interconnect"] for r in rows}),
+        "baseline": [
+            f"the same model, data order, AdamW and schedule under torch's DistributedDataParallel alone, "
+            f"{WORKERS} processes with 1 thread each on gloo, same run; bytes: payload per worker"
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
     import torch
     import torch.nn.functional as F
 
+    from islands import close_world
     from islands.measure import describe
     from islands.parallel import sigmoid_pair_loss, softmax_pair_loss
-    from islands import close_world
 
     world, inter = join_world(rate)
     comm = world.comm("global")
@@ -38,8 +38,10 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
         x0 = F.normalize(torch.randn(b, DIM, generator=g), dim=1)
         y0 = F.normalize(torch.randn(b, DIM, generator=g), dim=1)
         t, bias = torch.tensor(2.3, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
-        losses = {"sigmoid-ring": lambda x, y: sigmoid_pair_loss(x, y, t, bias, comm),
-                  "softmax-gather": lambda x, y: softmax_pair_loss(x, y, t, comm)}
+        losses = {
+            "sigmoid-ring": lambda x, y: sigmoid_pair_loss(x, y, t, bias, comm),
+            "softmax-gather": lambda x, y: softmax_pair_loss(x, y, t, comm),
+        }
 
         def step(name):
             x, y = x0.clone().requires_grad_(True), y0.clone().requires_grad_(True)
@@ -76,7 +78,7 @@ def _quality(batch: int, loss_name: str, steps: int, seed: int = 0) -> float:
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    mix = torch.randn(32, 32, generator=gen) / 32 ** 0.5
+    mix = torch.randn(32, 32, generator=gen) / 32**0.5
     towers = [nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)) for _ in range(2)]
     # sigmoid: t = 10 and a bias at the prior log-odds of a pair being positive, -ln(batch) (LIT-605
     # starts at -10 for its 32k batches: the same prior at that size); softmax: CLIP's t = 1/0.07
@@ -97,24 +99,43 @@ def _quality(batch: int, loss_name: str, steps: int, seed: int = 0) -> float:
         return float((x @ y.T).argmax(1).eq(torch.arange(HELD_OUT)).float().mean())
 
 
-@experiment("pair-loss", practices=("SOTA-376",),
-            help="sigmoid pair loss on a ring vs all-gathered softmax: bytes, held memory, time, retrieval accuracy")
+@experiment(
+    "pair-loss",
+    practices=("SOTA-376",),
+    help="sigmoid pair loss on a ring vs all-gathered softmax: bytes, held memory, time, retrieval accuracy",
+)
 def pair_loss(ctx: BenchContext) -> dict:
     sizes = [128, 512] if ctx.quick else [256, 1024, 4096]
-    res = run_module_ranks("islands_bench.experiments.pair_loss", [json.dumps(sizes), "5" if ctx.quick else "15"], 2,
-                           ctx.out_dir / "cost.json")
+    res = run_module_ranks(
+        "islands_bench.experiments.pair_loss",
+        [json.dumps(sizes), "5" if ctx.quick else "15"],
+        2,
+        ctx.out_dir / "cost.json",
+    )
     rows = []
     for r in res["rows"]:
-        rows.append({"part": "cost", "batch_per_rank": r["batch_per_rank"],
-                     **{k: (round(v, 2) if k.startswith("ms_") else v) for k, v in r.items() if k != "batch_per_rank"},
-                     "interconnect": res["interconnect_line"]})
+        rows.append(
+            {
+                "part": "cost",
+                "batch_per_rank": r["batch_per_rank"],
+                **{k: (round(v, 2) if k.startswith("ms_") else v) for k, v in r.items() if k != "batch_per_rank"},
+                "interconnect": res["interconnect_line"],
+            }
+        )
     steps = 300 if ctx.quick else 1000
     batches = (32, 128) if ctx.quick else (32, 128, 512)
     for batch in batches:
         acc = {name: _quality(batch, name, steps) for name in ("sigmoid", "softmax")}
         ctx.log(f"batch {batch}: retrieval top-1 {acc}")
-        rows.append({"part": "quality", "batch": batch, "steps": steps, "top1_sigmoid": round(acc["sigmoid"], 4),
-                     "top1_softmax": round(acc["softmax"], 4)})
+        rows.append(
+            {
+                "part": "quality",
+                "batch": batch,
+                "steps": steps,
+                "top1_sigmoid": round(acc["sigmoid"], 4),
+                "top1_softmax": round(acc["softmax"], 4),
+            }
+        )
     big = next(r for r in rows if r["part"] == "cost" and r["batch_per_rank"] == max(sizes))
     qual = [r for r in rows if r["part"] == "quality"]
     headline = [
@@ -124,12 +145,19 @@ def pair_loss(ctx: BenchContext) -> dict:
         f"{big['sent_sigmoid-ring']:,} vs {big['sent_softmax-gather']:,} B per step; step "
         f"{big['ms_sigmoid-ring']:.1f} vs {big['ms_softmax-gather']:.1f} ms",
         f"paired-view retrieval (top-1 match among {HELD_OUT} held-out pairs; one process, {steps} steps): "
-        + "; ".join(f"batch {r['batch']}: sigmoid {r['top1_sigmoid']:.3f} vs softmax {r['top1_softmax']:.3f}"
-                    for r in qual),
+        + "; ".join(
+            f"batch {r['batch']}: sigmoid {r['top1_sigmoid']:.3f} vs softmax {r['top1_softmax']:.3f}" for r in qual
+        ),
     ]
-    return {"rows": rows, "headline": headline, "interconnect": [res["interconnect_line"]],
-            "baseline": ["softmax (InfoNCE, both directions) over the all-gathered batch, same ranks, same inputs, "
-                         "interleaved; quality: the same towers, data, views, optimizer and steps with each loss"]}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": [res["interconnect_line"]],
+        "baseline": [
+            "softmax (InfoNCE, both directions) over the all-gathered batch, same ranks, same inputs, "
+            "interleaved; quality: the same towers, data, views, optimizer and steps with each loss"
+        ],
+    }
 
 
 if __name__ == "__main__":

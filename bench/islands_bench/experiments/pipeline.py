@@ -40,7 +40,12 @@ def _model(name: str, quick: bool):
         d, layers, context, batch = (64, 4, 32, 16) if quick else (128, 6, 64, 16)
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, 256, (batch, context), generator=g)
-        return ByteTransformer(d, layers, 4, context), x, torch.randint(0, 256, (batch, context), generator=g), sequence_loss
+        return (
+            ByteTransformer(d, layers, 4, context),
+            x,
+            torch.randint(0, 256, (batch, context), generator=g),
+            sequence_loss,
+        )
     layers = []
     for a, b in zip(BOTTLENECK, BOTTLENECK[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
@@ -53,10 +58,17 @@ def _model(name: str, quick: bool):
 def _worker(out_path: str, quick: bool, steps: int, rate: str) -> None:
     import torch
 
-    from islands.measure import describe, probe_interconnect
-    from islands.parallel.pipeline import PipelineRunner, build_stages, choose_cuts, output_bytes, pieces_of, stage_sums
-    from islands.parallel.pipeline import param_bytes
     from islands import close_world, init_world
+    from islands.measure import describe, probe_interconnect
+    from islands.parallel.pipeline import (
+        PipelineRunner,
+        build_stages,
+        choose_cuts,
+        output_bytes,
+        param_bytes,
+        pieces_of,
+        stage_sums,
+    )
 
     torch.set_num_threads(1)
     world = init_world(islands=1, timeout_s=300)
@@ -96,19 +108,29 @@ def _worker(out_path: str, quick: bool, steps: int, rate: str) -> None:
                     held = comm.all_gather(torch.tensor([runner.meter.peak]), kind="bookkeeping")
                     sent_all = comm.all_gather(torch.tensor([sent]), kind="bookkeeping")
                     step_s = max(float(v[0]) for v in every)
-                    rows.append({
-                        "model": name, "cuts": cuts, "starts": "/".join(map(str, starts)), "schedule": schedule,
-                        "M": m, "s_per_step": round(step_s, 4),
-                        "bubble_analytic": round((STAGES - 1) / (m + STAGES - 1), 3),
-                        "waiting_share": round(sum(float(v[1]) for v in every) / (STAGES * step_s), 3),
-                        "held_kb_per_stage": "/".join(f"{int(h) / 1e3:.0f}" for h in held),
-                        "held_kb_max": round(max(int(h) for h in held) / 1e3, 1),
-                        "cut_kb_per_step": round(sum(acts[s - 1] for s in starts[1:]) / 1e3, 1),
-                        "sent_kb_per_step": round(sum(int(v) for v in sent_all) / 1e3, 1),
-                        "stage_param_mb": "/".join(f"{v / 1e6:.2f}" for v in stage_sums([param_bytes(p) for p in pieces], starts)),
-                    })
+                    rows.append(
+                        {
+                            "model": name,
+                            "cuts": cuts,
+                            "starts": "/".join(map(str, starts)),
+                            "schedule": schedule,
+                            "M": m,
+                            "s_per_step": round(step_s, 4),
+                            "bubble_analytic": round((STAGES - 1) / (m + STAGES - 1), 3),
+                            "waiting_share": round(sum(float(v[1]) for v in every) / (STAGES * step_s), 3),
+                            "held_kb_per_stage": "/".join(f"{int(h) / 1e3:.0f}" for h in held),
+                            "held_kb_max": round(max(int(h) for h in held) / 1e3, 1),
+                            "cut_kb_per_step": round(sum(acts[s - 1] for s in starts[1:]) / 1e3, 1),
+                            "sent_kb_per_step": round(sum(int(v) for v in sent_all) / 1e3, 1),
+                            "stage_param_mb": "/".join(
+                                f"{v / 1e6:.2f}" for v in stage_sums([param_bytes(p) for p in pieces], starts)
+                            ),
+                        }
+                    )
     if world.rank == 0:
-        Path(out_path).write_text(json.dumps({"rows": rows, "interconnect": inter, "interconnect_line": describe(inter)}))
+        Path(out_path).write_text(
+            json.dumps({"rows": rows, "interconnect": inter, "interconnect_line": describe(inter)})
+        )
     close_world(world)
 
 
@@ -116,10 +138,24 @@ def _launch(out: Path, quick: bool, steps: int, bed=None) -> dict:
     port = bed.free_port(0) if bed is not None else free_port()
     procs = []
     for rank in range(STAGES):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(STAGES), MASTER_PORT=str(port),
-                   MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "islands_bench.experiments.pipeline", str(out), "1" if quick else "0",
-                str(steps), bed.rate if bed is not None else ""]
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(STAGES),
+            MASTER_PORT=str(port),
+            MASTER_ADDR="127.0.0.1",
+            OMP_NUM_THREADS="1",
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "islands_bench.experiments.pipeline",
+            str(out),
+            "1" if quick else "0",
+            str(steps),
+            bed.rate if bed is not None else "",
+        ]
         if bed is not None:
             env.update(bed.env(rank))
             argv = bed.wrap(rank, argv)
@@ -161,25 +197,35 @@ def _headline(rows: list[dict]) -> list[str]:
         lm = {(r["schedule"], r["M"]): r for r in mine if r["model"] == "lm" and r["cuts"] == "equal"}
         g1, g8 = lm[("gpipe", 1)], lm[("gpipe", 8)]
         f8 = lm[("1f1b", 8)]
-        out.append(f"{link}, byte LM, {STAGES} stages, equal cuts: the M=8 step takes {g8['s_per_step'] / g1['s_per_step']:.2f}x "
-                   f"the M=1 step under gpipe (analytic idle share {g1['bubble_analytic']} -> {g8['bubble_analytic']}, "
-                   f"measured waiting share {g1['waiting_share']} -> {g8['waiting_share']}); at M=8 1f1b holds "
-                   f"{f8['held_kb_max']:.0f} kB on its worst stage vs gpipe's {g8['held_kb_max']:.0f} kB "
-                   f"({f8['s_per_step'] / g8['s_per_step']:.2f}x gpipe's step)")
+        out.append(
+            f"{link}, byte LM, {STAGES} stages, equal cuts: the M=8 step takes {g8['s_per_step'] / g1['s_per_step']:.2f}x "
+            f"the M=1 step under gpipe (analytic idle share {g1['bubble_analytic']} -> {g8['bubble_analytic']}, "
+            f"measured waiting share {g1['waiting_share']} -> {g8['waiting_share']}); at M=8 1f1b holds "
+            f"{f8['held_kb_max']:.0f} kB on its worst stage vs gpipe's {g8['held_kb_max']:.0f} kB "
+            f"({f8['s_per_step'] / g8['s_per_step']:.2f}x gpipe's step)"
+        )
         for model in ("lm", "bottleneck-mlp"):
             at = {r["cuts"]: r for r in mine if r["model"] == model and r["schedule"] == "1f1b" and r["M"] == 4}
             e, g, b = at["equal"], at["graph"], at["balanced"]
-            out.append(f"{link}, {model}, 1f1b M=4 (Q-3, SOTA-018): graph cuts {g['starts']} send "
-                       f"{g['sent_kb_per_step']:.0f} kB/step vs equal {e['starts']} {e['sent_kb_per_step']:.0f} kB, step "
-                       f"{g['s_per_step'] / e['s_per_step']:.2f}x equal's; balanced {b['starts']} step "
-                       f"{b['s_per_step'] / e['s_per_step']:.2f}x equal's"
-                       + ("; graph and equal cut alike here, so their step ratio is run-to-run noise"
-                          if g["starts"] == e["starts"] else ""))
+            out.append(
+                f"{link}, {model}, 1f1b M=4 (Q-3, SOTA-018): graph cuts {g['starts']} send "
+                f"{g['sent_kb_per_step']:.0f} kB/step vs equal {e['starts']} {e['sent_kb_per_step']:.0f} kB, step "
+                f"{g['s_per_step'] / e['s_per_step']:.2f}x equal's; balanced {b['starts']} step "
+                f"{b['s_per_step'] / e['s_per_step']:.2f}x equal's"
+                + (
+                    "; graph and equal cut alike here, so their step ratio is run-to-run noise"
+                    if g["starts"] == e["starts"]
+                    else ""
+                )
+            )
     return out
 
 
-@experiment("pipeline", practices=("SOTA-017", "SOTA-018", "SOTA-019", "Q-3"),
-            help="K-stage pipeline: step time, idle share and held activations vs micro-batches, schedule and cuts")
+@experiment(
+    "pipeline",
+    practices=("SOTA-017", "SOTA-018", "SOTA-019", "Q-3"),
+    help="K-stage pipeline: step time, idle share and held activations vs micro-batches, schedule and cuts",
+)
 def pipeline(ctx: BenchContext) -> dict:
     steps = 3 if ctx.quick else 8
     rates = [ctx.rate or "100mbit"] if ctx.quick else [ctx.rate] if ctx.rate else ["1gbit", "100mbit"]
@@ -195,11 +241,20 @@ def pipeline(ctx: BenchContext) -> dict:
         rows += [{"link": rate, **r} for r in link["rows"]]
         lines.append(link["interconnect_line"])
     load = os.getloadavg()[0]
-    return {"rows": rows, "headline": _headline(rows) + [f"load average {load:.1f} at the end on this machine; "
-                                                         "timings are noisy under load, bytes and held bytes exact"],
-            "plot": _plot, "interconnect": lines,
-            "baseline": [f"{STAGES} processes with 1 thread each, one stage per process, fp32; step time = max over "
-                         "ranks of the median step; M=1 (no micro-batching) and equal-parameter cuts are the baselines"]}
+    return {
+        "rows": rows,
+        "headline": _headline(rows)
+        + [
+            f"load average {load:.1f} at the end on this machine; "
+            "timings are noisy under load, bytes and held bytes exact"
+        ],
+        "plot": _plot,
+        "interconnect": lines,
+        "baseline": [
+            f"{STAGES} processes with 1 thread each, one stage per process, fp32; step time = max over "
+            "ranks of the median step; M=1 (no micro-batching) and equal-parameter cuts are the baselines"
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -62,9 +62,16 @@ def _serve(out: str, mb: str, host: str, codec: str) -> None:
     image = StateImage.build(state, codec=TensorCodec() if codec == "codec" else None)
     built = time.perf_counter() - start
     server = StateServer(image, host=host, secret=b"bench")
-    Path(out + ".tmp").write_text(json.dumps({"address": f"{server.address[0]}:{server.address[1]}",
-                                              "digest": image.manifest.digest, "build_s": built,
-                                              "payload_bytes": image.manifest.total}))
+    Path(out + ".tmp").write_text(
+        json.dumps(
+            {
+                "address": f"{server.address[0]}:{server.address[1]}",
+                "digest": image.manifest.digest,
+                "build_s": built,
+                "payload_bytes": image.manifest.total,
+            }
+        )
+    )
     os.replace(out + ".tmp", out)
     sys.stdin.read()  # serve until the bench closes our stdin
     server.close()
@@ -75,9 +82,18 @@ def _fetch(out: str, *peers: str) -> None:
     from islands.control import fetch_state
 
     state, report = fetch_state(list(peers), secret=b"bench", timeout=60, decode=decode_tensor)
-    Path(out).write_text(json.dumps({"seconds": report.seconds, "payload_bytes": report.payload_bytes,
-                                     "per_peer": report.per_peer, "refetched": report.refetched,
-                                     "digest": report.digest, "step": state["step"]}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "seconds": report.seconds,
+                "payload_bytes": report.payload_bytes,
+                "per_peer": report.per_peer,
+                "refetched": report.refetched,
+                "digest": report.digest,
+                "step": state["step"],
+            }
+        )
+    )
 
 
 def _gloo(out: str, nbytes: str) -> None:
@@ -104,8 +120,14 @@ def _gloo(out: str, nbytes: str) -> None:
 # ---- orchestration ------------------------------------------------------------------------------------
 def _worker(bed, host: int, args: list[str], env: dict | None = None, stdin=None) -> subprocess.Popen:
     argv = bed.wrap(host, [sys.executable, "-m", "islands_bench.experiments.recovery", *args])
-    return subprocess.Popen(argv, env={**os.environ, **bed.env(host), "OMP_NUM_THREADS": "1", **(env or {})},
-                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        argv,
+        env={**os.environ, **bed.env(host), "OMP_NUM_THREADS": "1", **(env or {})},
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_file(path: Path, proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -128,8 +150,9 @@ class _Servers:
         for h in hosts:
             out = work / f"serve-{codec}-h{h}.json"
             out.unlink(missing_ok=True)
-            self.procs.append((_worker(bed, h, ["serve", str(out), str(mb), bed.hosts[h].ip, codec],
-                                       stdin=subprocess.PIPE), out))
+            self.procs.append(
+                (_worker(bed, h, ["serve", str(out), str(mb), bed.hosts[h].ip, codec], stdin=subprocess.PIPE), out)
+            )
         self.info = [_wait_file(out, p) for p, out in self.procs]
         if len({i["digest"] for i in self.info}) != 1:
             raise RuntimeError("the serving peers built different states; the bench's state is not deterministic")
@@ -151,10 +174,18 @@ def _fetch_row(ctx, bed, work: Path, label: str, servers: _Servers, peers: int, 
         got = _wait_file(out, proc)
         proc.wait(timeout=60)
     mbit = got["payload_bytes"] * 8 / got["seconds"] / 1e6
-    return {"run": label, "transport": "recovery", "peers": peers, "link": link,
-            "payload_MB": got["payload_bytes"] / 1e6, "seconds": got["seconds"], "payload_mbit_s": mbit,
-            "chunks_per_peer": "/".join(str(p["chunks"]) for p in got["per_peer"].values()),
-            "refetched": got["refetched"], "server_build_s": max(i["build_s"] for i in servers.info[:peers])}
+    return {
+        "run": label,
+        "transport": "recovery",
+        "peers": peers,
+        "link": link,
+        "payload_MB": got["payload_bytes"] / 1e6,
+        "seconds": got["seconds"],
+        "payload_mbit_s": mbit,
+        "chunks_per_peer": "/".join(str(p["chunks"]) for p in got["per_peer"].values()),
+        "refetched": got["refetched"],
+        "server_build_s": max(i["build_s"] for i in servers.info[:peers]),
+    }
 
 
 def _gloo_row(ctx, bed, work: Path, nbytes: int) -> dict:
@@ -162,18 +193,31 @@ def _gloo_row(ctx, bed, work: Path, nbytes: int) -> dict:
     out.unlink(missing_ok=True)
     port = bed.free_port(1)
     with ctx.arm("gloo broadcast"):
-        procs = [_worker(bed, host, ["gloo", str(out), str(nbytes)],
-                         env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": bed.hosts[1].ip,
-                              "MASTER_PORT": str(port)})
-                 for rank, host in ((0, 1), (1, 0))]
+        procs = [
+            _worker(
+                bed,
+                host,
+                ["gloo", str(out), str(nbytes)],
+                env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": bed.hosts[1].ip, "MASTER_PORT": str(port)},
+            )
+            for rank, host in ((0, 1), (1, 0))
+        ]
         logs = [p.communicate(timeout=600)[0] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError("gloo broadcast failed:\n" + "\n".join(log[-2000:] for log in logs))
     got = json.loads(out.read_text())
-    return {"run": "gloo broadcast (today's join transport)", "transport": "gloo", "peers": 1, "link": RATE,
-            "payload_MB": nbytes / 1e6, "seconds": got["seconds"],
-            "payload_mbit_s": nbytes * 8 / got["seconds"] / 1e6,
-            "chunks_per_peer": "", "refetched": 0, "server_build_s": 0.0}
+    return {
+        "run": "gloo broadcast (today's join transport)",
+        "transport": "gloo",
+        "peers": 1,
+        "link": RATE,
+        "payload_MB": nbytes / 1e6,
+        "seconds": got["seconds"],
+        "payload_mbit_s": nbytes * 8 / got["seconds"] / 1e6,
+        "chunks_per_peer": "",
+        "refetched": 0,
+        "server_build_s": 0.0,
+    }
 
 
 def _shape_upload(bed, host: int, rate: str) -> None:
@@ -183,8 +227,27 @@ def _shape_upload(bed, host: int, rate: str) -> None:
     bps = parse_rate(rate)
     burst = max(8 * 1514, 64 * 1024 * bps // 100_000_000)  # docs/testbed.md's shape: ~5 ms of traffic
     limit = burst + bps // 8 // 10  # + 100 ms of queue, as the testbed's own
-    subprocess.run(bed.wrap(host, ["tc", "qdisc", "replace", "dev", bed.hosts[host].ifname, "root", "tbf",
-                                   "rate", rate, "burst", str(burst), "limit", str(limit)]), check=True)
+    subprocess.run(
+        bed.wrap(
+            host,
+            [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                bed.hosts[host].ifname,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                str(burst),
+                "limit",
+                str(limit),
+            ],
+        ),
+        check=True,
+    )
 
 
 def _plot(result, path):
@@ -195,13 +258,18 @@ def _plot(result, path):
         ax.set_xlabel("payload Mbit/s at the joiner")
         ax.tick_params(axis="y", labelsize=7)
         ax.legend(fontsize=7)
-        fig.suptitle(f"recovery{' (quick)' if result['quick'] else ''}: {result['state_MB']} MB state, testbed {RATE}",
-                     fontsize=8)
+        fig.suptitle(
+            f"recovery{' (quick)' if result['quick'] else ''}: {result['state_MB']} MB state, testbed {RATE}",
+            fontsize=8,
+        )
 
 
-@experiment("recovery", practices=("SOTA-931",),
-            help="live recovery: a joiner fetches a 100 MB state from 1-3 peers over a 100 Mbit/s testbed link in "
-                 "checksummed chunks, vs the link rate and a gloo broadcast")
+@experiment(
+    "recovery",
+    practices=("SOTA-931",),
+    help="live recovery: a joiner fetches a 100 MB state from 1-3 peers over a 100 Mbit/s testbed link in "
+    "checksummed chunks, vs the link rate and a gloo broadcast",
+)
 def recovery(ctx: BenchContext) -> dict:
     from islands import testbed
 
@@ -220,8 +288,11 @@ def recovery(ctx: BenchContext) -> dict:
                 _shape_upload(bed, h, SLOW_UPLINK)
             slow = f"peers' upload {SLOW_UPLINK}, joiner's download {RATE}"
             for peers in (1, 3):
-                rows.append(_fetch_row(ctx, bed, work, f"{peers} peer{'s' if peers > 1 else ''}, slow uplinks",
-                                       raw, peers, slow))
+                rows.append(
+                    _fetch_row(
+                        ctx, bed, work, f"{peers} peer{'s' if peers > 1 else ''}, slow uplinks", raw, peers, slow
+                    )
+                )
             for h in (1, 2, 3):
                 _shape_upload(bed, h, RATE)
         finally:
@@ -262,11 +333,18 @@ def recovery(ctx: BenchContext) -> dict:
         f"peer, not in the time; decode is)",
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (machine shared with other jobs)",
     ]
-    return {"rows": rows, "headline": headline, "plot": _plot, "state_MB": mb,
-            "interconnect": [f"testbed {RATE} (tbf on both veth ends, star through a hub; latency not emulated); "
-                             f"one TCP stream host 1 -> host 0: {measured['goodput_mbit']:.1f} Mbit/s goodput, "
-                             f"{measured['wire_mbit']:.1f} on the wire"],
-            "testbed": interconnect}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "state_MB": mb,
+        "interconnect": [
+            f"testbed {RATE} (tbf on both veth ends, star through a hub; latency not emulated); "
+            f"one TCP stream host 1 -> host 0: {measured['goodput_mbit']:.1f} Mbit/s goodput, "
+            f"{measured['wire_mbit']:.1f} on the wire"
+        ],
+        "testbed": interconnect,
+    }
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ class _NoLinkRing:
 def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: str) -> None:
     import torch
 
+    from islands import close_world
     from islands.measure import describe
     from islands.parallel import ring_attention
-    from islands import close_world
 
     world, inter = join_world(rate)
     comm, n, r = world.comm("global"), world.size, world.rank
@@ -52,19 +52,27 @@ def _worker(out_path: str, block: int, heads: int, dim: int, reps: int, rate: st
 
     def block_attention():
         qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-        (torch.softmax(qq @ kk.transpose(-2, -1) / dim ** 0.5, -1) @ vv).sum().backward()
+        (torch.softmax(qq @ kk.transpose(-2, -1) / dim**0.5, -1) @ vv).sum().backward()
 
     ops = {"ring": lambda: step(comm), "no_link": lambda: step(fake), "hop": hop, "block": block_attention}
     seconds = time_interleaved(ops, reps)
     held_ring = held_bytes(lambda: ring_attention(q, k, v, fake, causal=False))
     seq = n * block
     qf, kf, vf = (torch.randn(1, heads, seq, dim, requires_grad=True) for _ in range(3))
-    held_full = held_bytes(lambda: torch.softmax(qf @ kf.transpose(-2, -1) / dim ** 0.5, -1) @ vf)
+    held_full = held_bytes(lambda: torch.softmax(qf @ kf.transpose(-2, -1) / dim**0.5, -1) @ vf)
     if r == 0:
         with open(out_path, "w") as f:
-            json.dump({"ms": {name: 1000 * x for name, x in seconds.items()}, "held_ring": held_ring,
-                       "held_full": held_full, "ranks": n, "seq": seq,
-                       "interconnect_line": describe(inter) if n > 1 else "none (one rank)"}, f)
+            json.dump(
+                {
+                    "ms": {name: 1000 * x for name, x in seconds.items()},
+                    "held_ring": held_ring,
+                    "held_full": held_full,
+                    "ranks": n,
+                    "seq": seq,
+                    "interconnect_line": describe(inter) if n > 1 else "none (one rank)",
+                },
+                f,
+            )
     close_world(world)
 
 
@@ -79,15 +87,23 @@ def _plot(result, path):
         a.set_ylabel("step time the link adds (%)")
         a.legend(fontsize=7)
         pts = [r for r in result["rows"] if r["link"] == "loopback"]
-        b.plot([r["seq"] for r in pts], [r["held_full_bytes"] / 2**20 for r in pts], marker="o", label="whole sequence, 1 device")
+        b.plot(
+            [r["seq"] for r in pts],
+            [r["held_full_bytes"] / 2**20 for r in pts],
+            marker="o",
+            label="whole sequence, 1 device",
+        )
         b.plot([r["seq"] for r in pts], [r["held_ring_bytes"] / 2**20 for r in pts], marker="o", label="ring, per rank")
         b.set_xlabel("sequence length")
         b.set_ylabel("held activations (MiB)")
         b.legend(fontsize=7)
 
 
-@experiment("ring-attention", practices=("SOTA-181",),
-            help="ring attention over 1-4 ranks: step time the link adds, one hop vs one block, held bytes per rank")
+@experiment(
+    "ring-attention",
+    practices=("SOTA-181",),
+    help="ring attention over 1-4 ranks: step time the link adds, one hop vs one block, held bytes per rank",
+)
 def ring_attention_bench(ctx: BenchContext) -> dict:
     block, heads, dim = (256, 4, 32) if ctx.quick else (512, 4, 32)
     reps = 7 if ctx.quick else 15
@@ -99,12 +115,21 @@ def ring_attention_bench(ctx: BenchContext) -> dict:
 
     def add(link: str, res: dict) -> None:
         ms = res["ms"]
-        rows.append({"link": link, "ranks": res["ranks"], "seq": res["seq"], "ring_ms": round(ms["ring"], 2),
-                     "no_link_ms": round(ms["no_link"], 2),
-                     "link_overhead_pct": round(100 * (ms["ring"] / ms["no_link"] - 1), 1),
-                     "hop_ms": round(ms["hop"], 2), "block_attention_ms": round(ms["block"], 2),
-                     "held_ring_bytes": res["held_ring"], "held_full_bytes": res["held_full"],
-                     "interconnect": res["interconnect_line"]})
+        rows.append(
+            {
+                "link": link,
+                "ranks": res["ranks"],
+                "seq": res["seq"],
+                "ring_ms": round(ms["ring"], 2),
+                "no_link_ms": round(ms["no_link"], 2),
+                "link_overhead_pct": round(100 * (ms["ring"] / ms["no_link"] - 1), 1),
+                "hop_ms": round(ms["hop"], 2),
+                "block_attention_ms": round(ms["block"], 2),
+                "held_ring_bytes": res["held_ring"],
+                "held_full_bytes": res["held_full"],
+                "interconnect": res["interconnect_line"],
+            }
+        )
         if res["ranks"] > 1:
             lines.append(res["interconnect_line"])
 
@@ -124,17 +149,26 @@ def ring_attention_bench(ctx: BenchContext) -> dict:
             f"{row['interconnect']}: a {row['seq']}-position sequence over {top} ranks ({block} each, {heads} heads x "
             f"{dim}): ring forward+backward {row['ring_ms']} ms vs {row['no_link_ms']} ms for the same arithmetic with "
             f"no link ({row['link_overhead_pct']:+.1f}%); one k/v hop {row['hop_ms']} ms vs one block's attention "
-            f"{row['block_attention_ms']} ms")
+            f"{row['block_attention_ms']} ms"
+        )
     one = next(r for r in rows if r["link"] == "loopback" and r["ranks"] == top)
     headline.append(
         f"held activations for {one['seq']} positions: {one['held_ring_bytes']:,} B per rank with the ring vs "
         f"{one['held_full_bytes']:,} B for whole-sequence attention on one device "
         f"({one['held_full_bytes'] / one['held_ring_bytes']:.1f}x); per-rank bytes stay flat as ranks are added "
-        f"at a fixed block, so the longest sequence under a memory budget grows with the rank count")
-    return {"rows": rows, "headline": headline, "plot": _plot, "interconnect": sorted(set(lines)),
-            "baseline": ["the same ring attention arithmetic in the same processes with the link removed (no_link), "
-                         "interleaved; whole-sequence softmax attention on one device for held bytes; 1 thread "
-                         "per rank, fp32, times = max over ranks of the median"]}
+        f"at a fixed block, so the longest sequence under a memory budget grows with the rank count"
+    )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "interconnect": sorted(set(lines)),
+        "baseline": [
+            "the same ring attention arithmetic in the same processes with the link removed (no_link), "
+            "interleaved; whole-sequence softmax attention on one device for held bytes; 1 thread "
+            "per rank, fp32, times = max over ranks of the median"
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -37,10 +37,18 @@ from islands_bench.experiments.arm_snapshots import ArmSnapshots
 from islands_bench.experiments.outer_common import gap_pct
 from islands_bench.harness import BenchContext, experiment
 
-FULL = dict(sizes=((96, 4, 4), (192, 6, 6), (384, 6, 6)), context=128, islands=4, steps=2000, H=100,
-            tokens_per_param=20.0, lr=3e-3)
-QUICK = dict(sizes=((12, 1, 2), (32, 2, 2), (64, 2, 4)), context=32, islands=2, steps=200, H=20,
-             tokens_per_param=4.0, lr=3e-3)
+FULL = dict(
+    sizes=((96, 4, 4), (192, 6, 6), (384, 6, 6)),
+    context=128,
+    islands=4,
+    steps=2000,
+    H=100,
+    tokens_per_param=20.0,
+    lr=3e-3,
+)
+QUICK = dict(
+    sizes=((12, 1, 2), (32, 2, 2), (64, 2, 4)), context=32, islands=2, steps=200, H=20, tokens_per_param=4.0, lr=3e-3
+)
 SNAPSHOT_ROUNDS = 5  # an arm's state is kept every 5 rounds (arm_snapshots): --reuse resumes a cut arm from there
 FRAGMENTS, TAU, BITS = 4, 1, 4  # streaming DiLoCo's setting in LIT-214
 OUTER = dict(outer="sgd", outer_lr=1.0, momentum=0.0, lr_scale="sqrt-islands")  # diloco-vs-ddp's best (SCALED)
@@ -59,7 +67,9 @@ def _strategy(arm: str, h: int):
     if arm == "diloco":
         return islands.Stack(outer=DiLoCo.from_options(inner_steps=h, **OUTER))
     if arm == "streaming":
-        return islands.Stack(outer=StreamingDiLoCo.from_options(inner_steps=h, fragments=FRAGMENTS, tau=TAU, bits=BITS, **OUTER))
+        return islands.Stack(
+            outer=StreamingDiLoCo.from_options(inner_steps=h, fragments=FRAGMENTS, tau=TAU, bits=BITS, **OUTER)
+        )
     return islands.Stack()
 
 
@@ -70,11 +80,19 @@ def _fit(task, world, arm: str, tier: dict, snapshots: ArmSnapshots | None = Non
     opt = torch.optim.AdamW(model.parameters(), lr=tier["lr"], betas=BETAS, weight_decay=WEIGHT_DECAY)
     steps = tier["steps"]
     saving = [snapshots.callback(world.rank)] if snapshots is not None else []
-    trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=task.loss_fn, train_data=task.train_data,
-                              world=world, strategy=_strategy(arm, tier["H"]), callbacks=[*saving, *callbacks],
-                              grad_clip=GRAD_CLIP,
-                              schedule=islands.WarmupCosine(max(1, int(steps * WARMUP_FRACTION)), steps),
-                              step_fn=ForwardBackward(precision="auto"), batch_size=task.batch_size)
+    trainer = islands.Trainer(
+        model=model,
+        optimizer=opt,
+        loss_fn=task.loss_fn,
+        train_data=task.train_data,
+        world=world,
+        strategy=_strategy(arm, tier["H"]),
+        callbacks=[*saving, *callbacks],
+        grad_clip=GRAD_CLIP,
+        schedule=islands.WarmupCosine(max(1, int(steps * WARMUP_FRACTION)), steps),
+        step_fn=ForwardBackward(precision="auto"),
+        batch_size=task.batch_size,
+    )
     if snapshots is not None:
         snapshots.restore(trainer, world.rank)
     trainer.fit(steps)
@@ -98,8 +116,15 @@ def _arm(ctx: BenchContext, label: str, spec: dict, device: str) -> dict:
     m = tier["islands"] if spec["arm"] != "ddp" else 1
     batch = spec["batch"] * (tier["islands"] if spec["arm"] == "ddp" else 1)  # DDP: the global batch at once
     with ctx.arm(label):
-        task = lm_task(d_model=d, n_layers=n_layers, n_heads=heads, context=tier["context"], batch_size=batch,
-                       eval_batches=EVAL_BATCHES, seed=0)
+        task = lm_task(
+            d_model=d,
+            n_layers=n_layers,
+            n_heads=heads,
+            context=tier["context"],
+            batch_size=batch,
+            eval_batches=EVAL_BATCHES,
+            seed=0,
+        )
         snapshots = ArmSnapshots(ctx.out_dir / "runs" / f"{label}.snapshots", SNAPSHOT_ROUNDS * tier["H"], m, spec)
         at = snapshots.prepare(ctx.reuse)
         if at is not None:
@@ -108,23 +133,34 @@ def _arm(ctx: BenchContext, label: str, spec: dict, device: str) -> dict:
         if device == "cpu":  # every arm alike; on a shared CPU, 2 intra-op threads ran DDP ~40x slower (spinning)
             torch.set_num_threads(1)
         try:  # DDP too runs as a simulation (of one island): the same thread setup for every arm
-            results = islands.simulate.run(lambda w: _fit(task, w, spec["arm"], tier, snapshots), islands=m,
-                                           device=device)
+            results = islands.simulate.run(
+                lambda w: _fit(task, w, spec["arm"], tier, snapshots), islands=m, device=device
+            )
         finally:
             torch.set_num_threads(threads)
         wall = snapshots.wall_s()  # earlier sessions' part of a resumed arm included
     ledger = results[0]["ledger"]
-    result = {"val_loss": results[0]["val_loss"], "train_loss": results[0]["train_loss"], "wall_s": wall,
-              "sent": ledger["total_sent"], "calls": ledger["calls"], "sent_by_kind": ledger["sent"]}
+    result = {
+        "val_loss": results[0]["val_loss"],
+        "train_loss": results[0]["train_loss"],
+        "wall_s": wall,
+        "sent": ledger["total_sent"],
+        "calls": ledger["calls"],
+        "sent_by_kind": ledger["sent"],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"spec": spec, "result": result}, indent=1))
     shutil.rmtree(snapshots.root, ignore_errors=True)  # the arm is done: its result is what --reuse reads now
     return result
 
 
-@experiment("scale-sweep", practices=("SOTA-155",), devices=("cpu", "cuda"),
-            help="DiLoCo (H=100) and streaming DiLoCo (F=4, 4-bit) vs DDP at equal tokens for three model sizes "
-                 "spanning >= 16x parameters, tokens per parameter fixed; islands simulated in one process")
+@experiment(
+    "scale-sweep",
+    practices=("SOTA-155",),
+    devices=("cpu", "cuda"),
+    help="DiLoCo (H=100) and streaming DiLoCo (F=4, 4-bit) vs DDP at equal tokens for three model sizes "
+    "spanning >= 16x parameters, tokens per parameter fixed; islands simulated in one process",
+)
 def scale_sweep(ctx: BenchContext) -> dict:
     tier = dict(QUICK if ctx.quick else FULL)
     device = ctx.device
@@ -132,30 +168,51 @@ def scale_sweep(ctx: BenchContext) -> dict:
     rows = []
     for size in tier["sizes"]:
         d, n_layers, heads = size
-        params = count_parameters(lm_task(d_model=d, n_layers=n_layers, n_heads=heads, context=tier["context"],
-                                          batch_size=1, eval_batches=1).model)
+        params = count_parameters(
+            lm_task(
+                d_model=d, n_layers=n_layers, n_heads=heads, context=tier["context"], batch_size=1, eval_batches=1
+            ).model
+        )
         batch = _batch_per_island(params, tier)
         tokens = tier["steps"] * tier["islands"] * batch * tier["context"]
         by_arm = {}
         for arm in ARMS:
-            spec = {"size": list(size), "arm": arm, "batch": batch, "device": device,
-                    "tier": {k: (list(map(list, v)) if k == "sizes" else v) for k, v in tier.items()}}
+            spec = {
+                "size": list(size),
+                "arm": arm,
+                "batch": batch,
+                "device": device,
+                "tier": {k: (list(map(list, v)) if k == "sizes" else v) for k, v in tier.items()},
+            }
             by_arm[arm] = _arm(ctx, f"{params}-{arm}", spec, device)
         ddp_bytes = tier["steps"] * 4 * params  # one fp32 gradient all-reduce per step (payload, not wire)
         for arm in ARMS:
             r = by_arm[arm]
             sent = ddp_bytes if arm == "ddp" else r["sent"]
             syncs = tier["steps"] if arm == "ddp" else r["calls"].get("outer_delta", 0)
-            rows.append({"params": params, "d_model": d, "n_layers": n_layers, "arm": arm,
-                         "islands": 1 if arm == "ddp" else tier["islands"], "batch_per_island": batch,
-                         "tokens": tokens, "tokens_per_param": round(tokens / params, 2),
-                         "final_val_loss": r["val_loss"], "gap_vs_ddp_pct": gap_pct(r["val_loss"],
-                                                                                    by_arm["ddp"]["val_loss"]),
-                         "bytes_per_worker": sent, "bytes_cut_vs_ddp": ddp_bytes / max(sent, 1),
-                         "peak_bytes_per_sync": sent / max(syncs, 1), "wall_s": round(r["wall_s"], 1)})
+            rows.append(
+                {
+                    "params": params,
+                    "d_model": d,
+                    "n_layers": n_layers,
+                    "arm": arm,
+                    "islands": 1 if arm == "ddp" else tier["islands"],
+                    "batch_per_island": batch,
+                    "tokens": tokens,
+                    "tokens_per_param": round(tokens / params, 2),
+                    "final_val_loss": r["val_loss"],
+                    "gap_vs_ddp_pct": gap_pct(r["val_loss"], by_arm["ddp"]["val_loss"]),
+                    "bytes_per_worker": sent,
+                    "bytes_cut_vs_ddp": ddp_bytes / max(sent, 1),
+                    "peak_bytes_per_sync": sent / max(syncs, 1),
+                    "wall_s": round(r["wall_s"], 1),
+                }
+            )
     sizes = sorted({r["params"] for r in rows})
-    gaps = {arm: [next(r["gap_vs_ddp_pct"] for r in rows if r["params"] == p and r["arm"] == arm) for p in sizes]
-            for arm in ("diloco", "streaming")}
+    gaps = {
+        arm: [next(r["gap_vs_ddp_pct"] for r in rows if r["params"] == p and r["arm"] == arm) for p in sizes]
+        for arm in ("diloco", "streaming")
+    }
     trend = {arm: ("shrinks" if g[-1] < g[0] else "grows") for arm, g in gaps.items()}
     where = f"{device}, islands simulated in one process (islands.simulate; no link: bytes are ledger payload)"
     headline = [
@@ -164,14 +221,19 @@ def scale_sweep(ctx: BenchContext) -> dict:
         f"({sizes[-1] / sizes[0]:.0f}x), {tier['tokens_per_param']:g} tokens/param (rounded batches: "
         f"{', '.join(str(r['tokens_per_param']) for r in rows if r['arm'] == 'ddp')}), {tier['islands']} islands, "
         f"{tier['steps']} steps, H={tier['H']}",
-        "final val loss gap to DDP at equal tokens, smallest -> largest: DiLoCo " +
-        " -> ".join(f"{g:+.2f}%" for g in gaps["diloco"]) + f" ({trend['diloco']}); streaming DiLoCo F={FRAGMENTS} "
+        "final val loss gap to DDP at equal tokens, smallest -> largest: DiLoCo "
+        + " -> ".join(f"{g:+.2f}%" for g in gaps["diloco"])
+        + f" ({trend['diloco']}); streaming DiLoCo F={FRAGMENTS} "
         f"{BITS}-bit " + " -> ".join(f"{g:+.2f}%" for g in gaps["streaming"]) + f" ({trend['streaming']})",
-        "bytes per worker vs DDP's per-step fp32 gradient all-reduce: DiLoCo " + ", ".join(
-            f"{r['bytes_cut_vs_ddp']:.0f}x" for r in rows if r["arm"] == "diloco") + "; streaming " + ", ".join(
-            f"{r['bytes_cut_vs_ddp']:.0f}x" for r in rows if r["arm"] == "streaming"),
+        "bytes per worker vs DDP's per-step fp32 gradient all-reduce: DiLoCo "
+        + ", ".join(f"{r['bytes_cut_vs_ddp']:.0f}x" for r in rows if r["arm"] == "diloco")
+        + "; streaming "
+        + ", ".join(f"{r['bytes_cut_vs_ddp']:.0f}x" for r in rows if r["arm"] == "streaming"),
         f"where: {where}; outer step sgd lr sqrt(M) (diloco-vs-ddp's best); DDP = one model on the global batch",
     ]
-    return {"rows": rows, "headline": headline, "interconnect": [where],
-            "baseline": ["DDP at equal tokens: one model on M x b samples per step (synchronous data parallelism)"]}
-
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": [where],
+        "baseline": ["DDP at equal tokens: one model on M x b samples per step (synchronous data parallelism)"],
+    }

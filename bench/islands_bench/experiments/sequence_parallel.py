@@ -19,9 +19,9 @@ D_MODEL, HIDDEN, DROPOUT = 256, 1024, 0.1
 def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
     import torch
 
+    from islands import close_world
     from islands.measure import describe
     from islands.parallel import TensorParallelMLP, sequence_shard
-    from islands import close_world
 
     world, inter = join_world(rate)
     comm = world.comm("global")
@@ -70,8 +70,11 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
     close_world(world)
 
 
-@experiment("sequence-parallel", practices=("SOTA-058",),
-            help="tensor-parallel MLP block with vs without sequence parallelism: held bytes, bytes sent, step time")
+@experiment(
+    "sequence-parallel",
+    practices=("SOTA-058",),
+    help="tensor-parallel MLP block with vs without sequence parallelism: held bytes, bytes sent, step time",
+)
 def sequence_parallel(ctx: BenchContext) -> dict:
     seqs = [256, 1024] if ctx.quick else [256, 1024, 4096]
     reps = 7 if ctx.quick else 15
@@ -89,12 +92,25 @@ def sequence_parallel(ctx: BenchContext) -> dict:
         lines.append(res["interconnect_line"])
         for r in res["rows"]:
             replicated = r["sent_1"].get("sp_grad_all_reduce", 0)
-            rows.append({"link": label, "seq": r["seq"], "held_tp_bytes": r["held_0"], "held_tp_sp_bytes": r["held_1"],
-                         "held_ratio": round(r["held_0"] / r["held_1"], 3), "region_tp_bytes": r["region_0"],
-                         "region_tp_sp_bytes": r["region_1"], "region_ratio": round(r["region_0"] / r["region_1"], 3),
-                         "sent_tp_bytes": sum(r["sent_0"].values()),
-                         "sent_tp_sp_bytes": sum(r["sent_1"].values()) - replicated, "sent_replicated_grads": replicated, "ms_tp": round(r["ms_0"], 2), "ms_tp_sp": round(r["ms_1"], 2),
-                         "time_ratio_sp_over_tp": round(r["ms_1"] / r["ms_0"], 3), "interconnect": res["interconnect_line"]})
+            rows.append(
+                {
+                    "link": label,
+                    "seq": r["seq"],
+                    "held_tp_bytes": r["held_0"],
+                    "held_tp_sp_bytes": r["held_1"],
+                    "held_ratio": round(r["held_0"] / r["held_1"], 3),
+                    "region_tp_bytes": r["region_0"],
+                    "region_tp_sp_bytes": r["region_1"],
+                    "region_ratio": round(r["region_0"] / r["region_1"], 3),
+                    "sent_tp_bytes": sum(r["sent_0"].values()),
+                    "sent_tp_sp_bytes": sum(r["sent_1"].values()) - replicated,
+                    "sent_replicated_grads": replicated,
+                    "ms_tp": round(r["ms_0"], 2),
+                    "ms_tp_sp": round(r["ms_1"], 2),
+                    "time_ratio_sp_over_tp": round(r["ms_1"] / r["ms_0"], 3),
+                    "interconnect": res["interconnect_line"],
+                }
+            )
     big = max(seqs)
     headline = []
     for label, _ in links:
@@ -105,10 +121,17 @@ def sequence_parallel(ctx: BenchContext) -> dict:
             f"without ({r['region_ratio']:.2f}x less; the whole block {r['held_ratio']:.2f}x less), while each rank "
             f"sends {r['sent_tp_sp_bytes']:,} vs {r['sent_tp_bytes']:,} B per forward+backward (plus "
             f"{r['sent_replicated_grads']:,} B of replicated norm/bias gradients); step {r['ms_tp_sp']} vs {r['ms_tp']} ms "
-            f"({r['time_ratio_sp_over_tp']:.2f}x)")
-    return {"rows": rows, "headline": headline, "interconnect": lines,
-            "baseline": ["the same tensor-parallel block without sequence parallelism (whole sequence on every rank, "
-                         "all-reduce), same ranks and run, interleaved; 1 thread per rank, fp32"]}
+            f"({r['time_ratio_sp_over_tp']:.2f}x)"
+        )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": lines,
+        "baseline": [
+            "the same tensor-parallel block without sequence parallelism (whole sequence on every rank, "
+            "all-reduce), same ranks and run, interleaved; 1 thread per rank, fp32"
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -14,19 +14,30 @@ from __future__ import annotations
 import os
 import statistics
 
-from islands_bench.harness import BenchContext
 from islands.models import ByteTransformer
-from islands.sync import plan_units, state_bytes_per_rank
-from islands.sync import parse_wrap
+from islands.sync import parse_wrap, plan_units, state_bytes_per_rank
+from islands_bench.harness import BenchContext
 
 TRAINING_KINDS = ("grad_all_reduce", "fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_grad_norm")
 
 
 def lm_config(d_model: int, n_layers: int, steps: int, workers: int, **more) -> dict:
     heads = max(1, d_model // 64)
-    return dict(task="lm", d_model=d_model, n_layers=n_layers, n_heads=heads, context=64,
-                global_batch=4 * workers, steps=steps, warmup=1, eval_every=0, eval_batches=1,
-                log_every=1, workers=workers, **more)
+    return dict(
+        task="lm",
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=heads,
+        context=64,
+        global_batch=4 * workers,
+        steps=steps,
+        warmup=1,
+        eval_every=0,
+        eval_batches=1,
+        log_every=1,
+        workers=workers,
+        **more,
+    )
 
 
 def model_units(cfg: dict, wrap: str):
@@ -47,8 +58,11 @@ def bytes_per_step(rec: dict) -> tuple[float, float]:
     sent = ledger["sent"]
     payload = sum(sent.get(k, 0) for k in TRAINING_KINDS)
     ring = (n - 1) / n
-    wire = (ledger["received"].get("fsdp_all_gather", 0) + ring * sent.get("fsdp_reduce_scatter", 0)
-            + 2 * ring * (sent.get("grad_all_reduce", 0) + sent.get("fsdp_grad_norm", 0)))
+    wire = (
+        ledger["received"].get("fsdp_all_gather", 0)
+        + ring * sent.get("fsdp_reduce_scatter", 0)
+        + 2 * ring * (sent.get("grad_all_reduce", 0) + sent.get("fsdp_grad_norm", 0))
+    )
     return payload / steps, wire / steps
 
 
@@ -62,12 +76,20 @@ def run_row(ctx: BenchContext, label: str, cfg: dict, testbed: str = "") -> dict
     memory = state_bytes_per_rank(units, n if fsdp else 1)["total"]
     payload, wire = bytes_per_step(rec)
     return {
-        "run": label, "strategy": "fsdp" if fsdp else "ddp", "wrap": cfg.get("wrap", "-") if fsdp else "-",
-        "reshard": cfg.get("reshard", True) if fsdp else "-", "workers": n, "d_model": cfg["d_model"],
-        "params": sum(u.numel() for u in units), "units": len(units) if fsdp else 0,
-        "state_mb_per_rank": memory / 1e6, "s_per_step": median_step_seconds(rec),
-        "payload_mb_per_step": payload / 1e6, "wire_mb_per_step": wire / 1e6,
-        "final_val_loss": rec["summary"]["final_val_loss"], "load_avg": load_before,
+        "run": label,
+        "strategy": "fsdp" if fsdp else "ddp",
+        "wrap": cfg.get("wrap", "-") if fsdp else "-",
+        "reshard": cfg.get("reshard", True) if fsdp else "-",
+        "workers": n,
+        "d_model": cfg["d_model"],
+        "params": sum(u.numel() for u in units),
+        "units": len(units) if fsdp else 0,
+        "state_mb_per_rank": memory / 1e6,
+        "s_per_step": median_step_seconds(rec),
+        "payload_mb_per_step": payload / 1e6,
+        "wire_mb_per_step": wire / 1e6,
+        "final_val_loss": rec["summary"]["final_val_loss"],
+        "load_avg": load_before,
         "interconnect": rec["interconnect_line"],
     }
 

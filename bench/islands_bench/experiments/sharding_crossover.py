@@ -44,19 +44,29 @@ def _pairs(rows: list[dict]) -> dict:
     for r in rows:
         if r["strategy"] != "fsdp":
             continue
-        ddp = next(x for x in rows if x["strategy"] == "ddp" and x["link"] == r["link"]
-                   and x["workers"] == r["workers"] and x["d_model"] == r["d_model"])
+        ddp = next(
+            x
+            for x in rows
+            if x["strategy"] == "ddp"
+            and x["link"] == r["link"]
+            and x["workers"] == r["workers"]
+            and x["d_model"] == r["d_model"]
+        )
         out.setdefault((r["link"], r["workers"]), {})[r["d_model"]] = {
             "time_ratio": ratio(r["s_per_step"], ddp["s_per_step"]),
             "extra_s": r["s_per_step"] - ddp["s_per_step"],
             "wire_ratio": ratio(r["wire_mb_per_step"], ddp["wire_mb_per_step"]),
             "memory_ratio": ratio(r["state_mb_per_rank"], ddp["state_mb_per_rank"]),
-            "saved_mb": ddp["state_mb_per_rank"] - r["state_mb_per_rank"]}
+            "saved_mb": ddp["state_mb_per_rank"] - r["state_mb_per_rank"],
+        }
     return out
 
 
-@experiment("sharding-crossover", practices=("Q-1", "SOTA-116", "SOTA-030"),
-            help="DDP vs FSDP across model sizes on loopback and rate-limited links: memory saved, time paid")
+@experiment(
+    "sharding-crossover",
+    practices=("Q-1", "SOTA-116", "SOTA-030"),
+    help="DDP vs FSDP across model sizes on loopback and rate-limited links: memory saved, time paid",
+)
 def sharding_crossover(ctx: BenchContext) -> dict:
     quick = ctx.quick
     layers, steps, bed_steps = (2, 6, 4) if quick else (4, 20, 10)
@@ -66,11 +76,18 @@ def sharding_crossover(ctx: BenchContext) -> dict:
     plan += [(link, 2, (64, 512) if quick else widths) for link in links]
     rows = []
     for link, workers, ds in plan:
+
         def one(testbed=""):
             for d in ds:
                 for inner in ("ddp", "fsdp"):
-                    cfg = lm_config(d, layers, bed_steps if testbed else steps, workers, inner=inner,
-                                    **({"wrap": "block"} if inner == "fsdp" else {}))
+                    cfg = lm_config(
+                        d,
+                        layers,
+                        bed_steps if testbed else steps,
+                        workers,
+                        inner=inner,
+                        **({"wrap": "block"} if inner == "fsdp" else {}),
+                    )
                     rows.append({"link": link, **run_row(ctx, f"{link}-{workers}w-d{d}-{inner}", cfg, testbed)})
 
         if link == "loopback":
@@ -86,13 +103,17 @@ def sharding_crossover(ctx: BenchContext) -> dict:
         headline.append(
             f"{link}, {workers} workers: FSDP holds {100 * b['memory_ratio']:.0f}% of DDP's per-rank state "
             f"(saves {b['saved_mb']:.1f} MB at d={d_big}) and steps {b['time_ratio']:.2f}x DDP's time at d={d_big} "
-            f"({b['extra_s']:+.3f} s/step), {s['time_ratio']:.2f}x at d={d_small}; wire bytes {b['wire_ratio']:.2f}x")
+            f"({b['extra_s']:+.3f} s/step), {s['time_ratio']:.2f}x at d={d_small}; wire bytes {b['wire_ratio']:.2f}x"
+        )
     faster = [f"{k[0]} {k[1]}w d={d}" for k, g in pairs.items() for d, v in g.items() if v["time_ratio"] < 1]
-    headline.append(f"FSDP stepped faster than DDP in {len(faster)} of {sum(len(g) for g in pairs.values())} "
-                    f"pairs ({', '.join(faster) or 'none'}); every replica here fits in memory, so sharding only "
-                    "buys memory; it pays where a replica no longer fits one device (SOTA-116), which these sizes "
-                    "do not reach")
-    headline.append("baseline: per worker, one process with 1 thread; 4 workers share 2 cores, so their time "
-                    "ratios include oversubscription; load_avg in each row shows what else ran on the machine")
-    return {"rows": rows, "headline": headline, "plot": _plot,
-            "pairs": {f"{k[0]}|{k[1]}": v for k, v in pairs.items()}}
+    headline.append(
+        f"FSDP stepped faster than DDP in {len(faster)} of {sum(len(g) for g in pairs.values())} "
+        f"pairs ({', '.join(faster) or 'none'}); every replica here fits in memory, so sharding only "
+        "buys memory; it pays where a replica no longer fits one device (SOTA-116), which these sizes "
+        "do not reach"
+    )
+    headline.append(
+        "baseline: per worker, one process with 1 thread; 4 workers share 2 cores, so their time "
+        "ratios include oversubscription; load_avg in each row shows what else ran on the machine"
+    )
+    return {"rows": rows, "headline": headline, "plot": _plot, "pairs": {f"{k[0]}|{k[1]}": v for k, v in pairs.items()}}

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import os
 
+from islands.sync import Unit, choose_group, cross_island_wire_bytes, state_bytes_per_rank
 from islands_bench.experiments.sharding_common import lm_config, median_step_seconds, model_units
 from islands_bench.harness import BenchContext, experiment
-from islands.sync import choose_group, cross_island_wire_bytes
-from islands.sync import Unit, state_bytes_per_rank
 
 GROUPS = (1, 2, 4)
 KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_replicate_all_reduce")
@@ -36,14 +35,26 @@ def _sizer_rows() -> list[dict]:
             need = state_bytes_per_rank(units, g)["total"] / 1e9
         except ValueError:
             g, need = 0, float("nan")
-        rows.append({"params_b": params / 1e9, "budget_gb": budget_gb, "world": 64, "island": 8, "chosen_group": g,
-                     "state_gb_per_rank": need, "replicated_gb": state_bytes_per_rank(units, 1)["total"] / 1e9})
+        rows.append(
+            {
+                "params_b": params / 1e9,
+                "budget_gb": budget_gb,
+                "world": 64,
+                "island": 8,
+                "chosen_group": g,
+                "state_gb_per_rank": need,
+                "replicated_gb": state_bytes_per_rank(units, 1)["total"] / 1e9,
+            }
+        )
     return rows
 
 
-@experiment("shard-group", practices=("SOTA-119",),
-            help="HSDP (shard in a group, replicate across) vs full sharding: state per rank, cross-island bytes, "
-                 "the sizer's choice per memory budget")
+@experiment(
+    "shard-group",
+    practices=("SOTA-119",),
+    help="HSDP (shard in a group, replicate across) vs full sharding: state per rank, cross-island bytes, "
+    "the sizer's choice per memory budget",
+)
 def shard_group(ctx: BenchContext) -> dict:
     d, layers, steps = (128, 3, 8) if ctx.quick else (256, 4, 30)
     rows = []
@@ -54,11 +65,17 @@ def shard_group(ctx: BenchContext) -> dict:
         n_steps = rec["summary"]["steps"]
         sent = rec["comm"]["per_rank"][0]["sent"]
         units = model_units(cfg, "block")
-        row = {"run": f"group{g}", "shard_group": g, "replicas": 4 // g,
-               "state_mb_per_rank": state_bytes_per_rank(units, g)["total"] / 1e6,
-               "cross_island_wire_mb_per_step": cross_island_wire_bytes(units, 4, 2, g, True) / 1e6,
-               "s_per_step": median_step_seconds(rec), "final_val_loss": rec["summary"]["final_val_loss"],
-               "load_avg": load, "interconnect": rec["interconnect_line"]}
+        row = {
+            "run": f"group{g}",
+            "shard_group": g,
+            "replicas": 4 // g,
+            "state_mb_per_rank": state_bytes_per_rank(units, g)["total"] / 1e6,
+            "cross_island_wire_mb_per_step": cross_island_wire_bytes(units, 4, 2, g, True) / 1e6,
+            "s_per_step": median_step_seconds(rec),
+            "final_val_loss": rec["summary"]["final_val_loss"],
+            "load_avg": load,
+            "interconnect": rec["interconnect_line"],
+        }
         row.update({f"{k}_mb_per_step": sent.get(k, 0) / n_steps / 1e6 for k in KINDS})
         rows.append(row)
     sizer = _sizer_rows()
@@ -73,9 +90,12 @@ def shard_group(ctx: BenchContext) -> dict:
         f"loopback s/step {by[1]['s_per_step']:.3f} / {by[2]['s_per_step']:.3f} / {by[4]['s_per_step']:.3f} "
         f"(load {min(r['load_avg'] for r in rows):.0f}-{max(r['load_avg'] for r in rows):.0f}; loopback has no slow "
         "cross-island link, so this column does not test the claim)",
-        "sizer, %.2f B parameters, 8-rank islands in a 64-rank world: " % sizer[0]["params_b"] + ", ".join(
+        "sizer, %.2f B parameters, 8-rank islands in a 64-rank world: " % sizer[0]["params_b"]
+        + ", ".join(
             f"{r['budget_gb']} GB -> group {r['chosen_group'] or 'none'}"
-            + (f" ({r['state_gb_per_rank']:.1f} GB/rank)" if r["chosen_group"] else "") for r in sizer)
+            + (f" ({r['state_gb_per_rank']:.1f} GB/rank)" if r["chosen_group"] else "")
+            for r in sizer
+        )
         + f"; replicated state {sizer[0]['replicated_gb']:.1f} GB (fp32 parameters, gradients, two AdamW slots)",
     ]
     return {"rows": rows + sizer, "headline": headline}

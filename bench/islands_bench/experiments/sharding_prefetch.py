@@ -19,23 +19,37 @@ def _row(ctx, label, cfg, link, testbed="") -> dict:
     load = os.getloadavg()[0]
     rec = ctx.train(label, **cfg, **({"testbed": testbed} if testbed else {}))
     steps = rec["summary"]["steps"]
-    sent = {k: v for k, v in rec["comm"]["per_rank"][0]["sent"].items() if k.startswith("fsdp_") and k != "fsdp_eval_gather"}
-    return {"run": label, "link": link, "prefetch": cfg["prefetch"], "s_per_step": median_step_seconds(rec),
-            "payload_mb_per_step": sum(sent.values()) / steps / 1e6, "sent_by_kind": sent,
-            "final_val_loss": rec["summary"]["final_val_loss"], "load_avg": load,
-            "interconnect": rec["interconnect_line"]}
+    sent = {
+        k: v for k, v in rec["comm"]["per_rank"][0]["sent"].items() if k.startswith("fsdp_") and k != "fsdp_eval_gather"
+    }
+    return {
+        "run": label,
+        "link": link,
+        "prefetch": cfg["prefetch"],
+        "s_per_step": median_step_seconds(rec),
+        "payload_mb_per_step": sum(sent.values()) / steps / 1e6,
+        "sent_by_kind": sent,
+        "final_val_loss": rec["summary"]["final_val_loss"],
+        "load_avg": load,
+        "interconnect": rec["interconnect_line"],
+    }
 
 
-@experiment("fsdp-prefetch", practices=("SOTA-117",),
-            help="FSDP step time with explicit prefetch of 0/1/2 units, loopback and a rate-limited testbed link")
+@experiment(
+    "fsdp-prefetch",
+    practices=("SOTA-117",),
+    help="FSDP step time with explicit prefetch of 0/1/2 units, loopback and a rate-limited testbed link",
+)
 def fsdp_prefetch(ctx: BenchContext) -> dict:
     d, layers, steps = (256, 4, 8) if ctx.quick else (384, 6, 30)
     rate = ctx.rate or "200mbit"
     links = [("loopback", None), (rate, rate)]
     rows = []
     for link, shaped in links:
-        configs = [(f"prefetch{p}-{link}", lm_config(d, layers, steps, 2, inner="fsdp", wrap="block", prefetch=p))
-                   for p in DEPTHS]
+        configs = [
+            (f"prefetch{p}-{link}", lm_config(d, layers, steps, 2, inner="fsdp", wrap="block", prefetch=p))
+            for p in DEPTHS
+        ]
         best: dict[str, dict] = {}
         for order in (configs, configs[::-1]):
             for label, cfg in order:
@@ -56,13 +70,23 @@ def fsdp_prefetch(ctx: BenchContext) -> dict:
         base = mine[0]
         for r in mine:
             r["time_vs_prefetch0"] = ratio(r["s_per_step"], base["s_per_step"])
-        headline.append(f"{mine[0]['interconnect']}: s/step " + ", ".join(
-            f"prefetch {r['prefetch']} {r['s_per_step']:.3f} ({r['time_vs_prefetch0']:.2f}x; passes "
-            + "/".join(f"{p:.3f}" for p in r["passes"]) + ")" for r in mine)
-            + f"; load {min(r['load_avg'] for r in mine):.0f}-{max(r['load_avg'] for r in mine):.0f}")
+        headline.append(
+            f"{mine[0]['interconnect']}: s/step "
+            + ", ".join(
+                f"prefetch {r['prefetch']} {r['s_per_step']:.3f} ({r['time_vs_prefetch0']:.2f}x; passes "
+                + "/".join(f"{p:.3f}" for p in r["passes"])
+                + ")"
+                for r in mine
+            )
+            + f"; load {min(r['load_avg'] for r in mine):.0f}-{max(r['load_avg'] for r in mine):.0f}"
+        )
     same = all(r["sent_by_kind"] == rows[0]["sent_by_kind"] for r in rows)
-    headline.append(f"bytes per step identical across prefetch depths and links: {same} "
-                    f"({rows[0]['payload_mb_per_step']:.2f} MB payload sent per rank per step)")
-    headline.append(f"byte LM d={d}, {layers} layers, wrap=block, 2 workers, faster of two passes; per-worker "
-                    "baseline = prefetch 0 (FSDP2's implicit prefetch: each gather blocks on CPU)")
+    headline.append(
+        f"bytes per step identical across prefetch depths and links: {same} "
+        f"({rows[0]['payload_mb_per_step']:.2f} MB payload sent per rank per step)"
+    )
+    headline.append(
+        f"byte LM d={d}, {layers} layers, wrap=block, 2 workers, faster of two passes; per-worker "
+        "baseline = prefetch 0 (FSDP2's implicit prefetch: each gather blocks on CPU)"
+    )
     return {"rows": rows, "headline": headline}

@@ -14,8 +14,12 @@ from islands_bench.plots import figure
 def _policies(d: int) -> list[tuple[str, str, bool]]:
     """(label, wrap spec, reshard_after_forward)."""
     per_linear = d * d  # every Linear in a block holds at least d^2 weights: one unit per layer
-    return [("model", "model", True), ("block", "block", True), ("block-keep", "block", False),
-            ("per-layer", f"params:{per_linear}", True)]
+    return [
+        ("model", "model", True),
+        ("block", "block", True),
+        ("block-keep", "block", False),
+        ("per-layer", f"params:{per_linear}", True),
+    ]
 
 
 def _plot(result: dict, path) -> None:
@@ -31,13 +35,18 @@ def _plot(result: dict, path) -> None:
         fig.suptitle(f"wrap-policy: FSDP by wrap policy vs DDP\n{result['interconnect'][-1]}", fontsize=8)
 
 
-@experiment("wrap-policy", practices=("Q-2", "SOTA-029", "SOTA-030"),
-            help="FSDP step time and bytes under whole-model, per-block, per-layer wrapping vs DDP")
+@experiment(
+    "wrap-policy",
+    practices=("Q-2", "SOTA-029", "SOTA-030"),
+    help="FSDP step time and bytes under whole-model, per-block, per-layer wrapping vs DDP",
+)
 def wrap_policy(ctx: BenchContext) -> dict:
     d, layers, steps = (256, 4, 8) if ctx.quick else (384, 6, 30)
     configs = [("ddp", lm_config(d, layers, steps, 2))]
-    configs += [(f"fsdp-{label}", lm_config(d, layers, steps, 2, inner="fsdp", wrap=wrap, reshard=reshard))
-                for label, wrap, reshard in _policies(d)]
+    configs += [
+        (f"fsdp-{label}", lm_config(d, layers, steps, 2, inner="fsdp", wrap=wrap, reshard=reshard))
+        for label, wrap, reshard in _policies(d)
+    ]
     rows = best_of_two_passes(ctx, configs)
     ddp = rows[0]
     for r in rows:
@@ -49,19 +58,26 @@ def wrap_policy(ctx: BenchContext) -> dict:
     over_best, over_worst = best["s_per_step"] - ddp["s_per_step"], worst["s_per_step"] - ddp["s_per_step"]
     spread = worst["s_per_step"] - best["s_per_step"]
     if over_worst <= 0:
-        share = (f"every policy stepped no slower than DDP (worst {over_worst:+.3f} s/step): on this link neither "
-                 f"the policy nor sharding costs measurable time; the policies differ by {spread:.3f} s/step")
+        share = (
+            f"every policy stepped no slower than DDP (worst {over_worst:+.3f} s/step): on this link neither "
+            f"the policy nor sharding costs measurable time; the policies differ by {spread:.3f} s/step"
+        )
     elif over_best <= 0:
-        share = (f"under the best policy FSDP costs nothing measurable over DDP ({over_best:+.3f} s/step), so all of "
-                 f"the worst policy's {over_worst:+.3f} s/step is the policy's, none is sharding's, on this link")
+        share = (
+            f"under the best policy FSDP costs nothing measurable over DDP ({over_best:+.3f} s/step), so all of "
+            f"the worst policy's {over_worst:+.3f} s/step is the policy's, none is sharding's, on this link"
+        )
     else:
-        share = (f"the policy moves {spread:.3f} s of the worst policy's {over_worst:+.3f} s/step overhead "
-                 f"({100 * ratio(spread, over_worst):.0f}%); {over_best:+.3f} s/step stays under the best policy")
+        share = (
+            f"the policy moves {spread:.3f} s of the worst policy's {over_worst:+.3f} s/step overhead "
+            f"({100 * ratio(spread, over_worst):.0f}%); {over_best:+.3f} s/step stays under the best policy"
+        )
     headline = [
         f"FSDP over DDP ({ddp['s_per_step']:.3f} s/step): best policy {best['run']} {best['time_vs_ddp']:.2f}x, "
         f"worst {worst['run']} {worst['time_vs_ddp']:.2f}x at d={d}, {layers} layers, 2 workers (faster of two passes)",
         share,
-        "wire bytes per step: " + ", ".join(f"{r['run']} {r['wire_vs_ddp']:.2f}x" for r in fsdp)
+        "wire bytes per step: "
+        + ", ".join(f"{r['run']} {r['wire_vs_ddp']:.2f}x" for r in fsdp)
         + " of DDP's (the root unit is gathered once; other units twice unless kept, SOTA-030)",
         "baseline: per worker, one process with 1 thread, 2 workers on loopback; load_avg per row shows other load",
     ]

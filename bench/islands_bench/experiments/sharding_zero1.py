@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 
-from islands_bench.experiments.sharding_common import lm_config, median_step_seconds, ratio
-from islands_bench.harness import BenchContext, experiment
 from islands.models import ByteTransformer
 from islands.sync import partition
+from islands_bench.experiments.sharding_common import lm_config, median_step_seconds, ratio
+from islands_bench.harness import BenchContext, experiment
 
 
 def _optimizer_bytes_per_rank(cfg: dict, n: int) -> int:
@@ -31,16 +31,26 @@ def _row(ctx: BenchContext, label: str, cfg: dict) -> dict:
     sent, received = rec["comm"]["per_rank"][0]["sent"], rec["comm"]["per_rank"][0]["received"]
     ar, gather_in = sent.get("grad_all_reduce", 0) / steps, received.get("zero1_param_gather", 0) / steps
     zero1 = cfg["inner"] == "zero1"
-    return {"run": label, "strategy": cfg["inner"], "workers": n,
-            "optimizer_mb_per_rank": _optimizer_bytes_per_rank(cfg, n if zero1 else 1) / 1e6,
-            "grad_all_reduce_mb_per_step": ar / 1e6, "param_gather_mb_per_step": (sent.get("zero1_param_gather", 0) / steps) / 1e6,
-            "wire_mb_per_step": (2 * (n - 1) / n * ar + gather_in) / 1e6,  # ring all-reduce + all-gather received
-            "s_per_step": median_step_seconds(rec), "final_val_loss": rec["summary"]["final_val_loss"],
-            "load_avg": load, "interconnect": rec["interconnect_line"]}
+    return {
+        "run": label,
+        "strategy": cfg["inner"],
+        "workers": n,
+        "optimizer_mb_per_rank": _optimizer_bytes_per_rank(cfg, n if zero1 else 1) / 1e6,
+        "grad_all_reduce_mb_per_step": ar / 1e6,
+        "param_gather_mb_per_step": (sent.get("zero1_param_gather", 0) / steps) / 1e6,
+        "wire_mb_per_step": (2 * (n - 1) / n * ar + gather_in) / 1e6,  # ring all-reduce + all-gather received
+        "s_per_step": median_step_seconds(rec),
+        "final_val_loss": rec["summary"]["final_val_loss"],
+        "load_avg": load,
+        "interconnect": rec["interconnect_line"],
+    }
 
 
-@experiment("zero1-memory", practices=("SOTA-028",),
-            help="ZeRO-1 vs DDP: optimizer state per rank, loss, bytes and step time at 2 and 4 workers")
+@experiment(
+    "zero1-memory",
+    practices=("SOTA-028",),
+    help="ZeRO-1 vs DDP: optimizer state per rank, loss, bytes and step time at 2 and 4 workers",
+)
 def zero1_memory(ctx: BenchContext) -> dict:
     d, layers, steps = (128, 2, 12) if ctx.quick else (256, 4, 60)
     rows = []
@@ -59,7 +69,10 @@ def zero1_memory(ctx: BenchContext) -> dict:
             f"{z['grad_all_reduce_mb_per_step']:.3f} vs {dd['grad_all_reduce_mb_per_step']:.3f} MB/step, plus "
             f"{z['param_gather_mb_per_step']:.3f} MB/step parameter gather sent (ring wire "
             f"{ratio(z['wire_mb_per_step'], dd['wire_mb_per_step']):.2f}x DDP's); step "
-            f"{z['s_per_step']:.3f} vs {dd['s_per_step']:.3f} s (load {z['load_avg']:.0f})")
-    headline.append(f"byte LM d={d}, {layers} layers, AdamW, {steps} steps, 4 sequences per worker; per-worker "
-                    "baseline, one process with 1 thread per worker, loopback")
+            f"{z['s_per_step']:.3f} vs {dd['s_per_step']:.3f} s (load {z['load_avg']:.0f})"
+        )
+    headline.append(
+        f"byte LM d={d}, {layers} layers, AdamW, {steps} steps, 4 sequences per worker; per-worker "
+        "baseline, one process with 1 thread per worker, loopback"
+    )
     return {"rows": rows, "headline": headline}

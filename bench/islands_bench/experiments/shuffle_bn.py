@@ -118,8 +118,13 @@ def _probe(model, digits, per_class: int = 10, draws: int = 5) -> tuple[float, f
     few = []
     for d in range(draws):
         rng = np.random.default_rng(d)  # the same labelled subsets for every run
-        few.append(fit(np.concatenate([rng.choice(np.flatnonzero(digits.y_train == c), per_class, replace=False)
-                                       for c in range(10)])))
+        few.append(
+            fit(
+                np.concatenate(
+                    [rng.choice(np.flatnonzero(digits.y_train == c), per_class, replace=False) for c in range(10)]
+                )
+            )
+        )
     return full, float(np.mean(few))
 
 
@@ -151,25 +156,30 @@ def pretrain(condition: str, seed: int, steps: int, batch: int, workers: int, di
     # held-out contrastive loss with batch statistics as in training; then the leak gap: queries per
     # worker, keys in the query's own sub-batch vs dealt (zero for a model that cannot read statistics)
     val_gen = torch.Generator().manual_seed(30_000)
-    x = torch.from_numpy(digits.x_val[:(len(digits.x_val) // workers) * workers])
+    x = torch.from_numpy(digits.x_val[: (len(digits.x_val) // workers) * workers])
     v1, v2 = _augment(x, val_gen), _augment(x, val_gen)
     with torch.no_grad():
         as_trained = _losses(query, key, v1, v2, qw, kw, torch.Generator().manual_seed(1) if dealt else None).item()
         same_sub_batch = _losses(query, key, v1, v2, workers, workers, None).item()
         keys_dealt = _losses(query, key, v1, v2, workers, workers, torch.Generator().manual_seed(1)).item()
     tail = max(1, steps // 10)
-    return {"condition": condition, "seed": seed, "train_loss": statistics.fmean(losses[-tail:]),
-            "val_loss": as_trained, "leak_gap": keys_dealt - same_sub_batch,
-            **dict(zip(("probe_acc", "probe_acc_10_per_class"), _probe(query, digits)))}
+    return {
+        "condition": condition,
+        "seed": seed,
+        "train_loss": statistics.fmean(losses[-tail:]),
+        "val_loss": as_trained,
+        "leak_gap": keys_dealt - same_sub_batch,
+        **dict(zip(("probe_acc", "probe_acc_10_per_class"), _probe(query, digits))),
+    }
 
 
 def _worker(out_path: str, rows: int, reps: int, rate: str) -> None:
     """One rank of the cost part: one no-grad key encoding of `rows` rows, local vs shuffled."""
     import torch
 
+    from islands import close_world
     from islands.measure import describe
     from islands.parallel import shuffled_encode, shuffled_encode_bytes
-    from islands import close_world
 
     world, inter = join_world(rate)
     comm = world.comm("global")
@@ -190,9 +200,19 @@ def _worker(out_path: str, rows: int, reps: int, rate: str) -> None:
     want = shuffled_encode_bytes(rows, (64,), (EMBED,), world.size)
     if world.rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "ranks": world.size, "sent": sent, "received": received, "expected": want,
-                       "ms_local": 1000 * seconds["local"], "ms_shuffled": 1000 * seconds["shuffled"],
-                       "interconnect_line": describe(inter)}, f)
+            json.dump(
+                {
+                    "rows": rows,
+                    "ranks": world.size,
+                    "sent": sent,
+                    "received": received,
+                    "expected": want,
+                    "ms_local": 1000 * seconds["local"],
+                    "ms_shuffled": 1000 * seconds["shuffled"],
+                    "interconnect_line": describe(inter),
+                },
+                f,
+            )
     close_world(world)
 
 
@@ -200,17 +220,24 @@ def _mean(rows: list[dict], condition: str, key: str) -> float:
     return statistics.fmean(r[key] for r in rows if r.get("condition") == condition)
 
 
-@experiment("shuffle-bn", practices=("SOTA-364",),
-            help="contrastive pretraining on digits: per-worker vs shuffled vs global batch norm vs layernorm, "
-                 "linear-probe accuracy and the batch-statistics leak; cost of the cross-rank shuffle")
+@experiment(
+    "shuffle-bn",
+    practices=("SOTA-364",),
+    help="contrastive pretraining on digits: per-worker vs shuffled vs global batch norm vs layernorm, "
+    "linear-probe accuracy and the batch-statistics leak; cost of the cross-rank shuffle",
+)
 def shuffle_bn(ctx: BenchContext) -> dict:
     import torch
 
     from islands.data import load_digits
 
     rows_per_rank = 64
-    cost = run_module_ranks("islands_bench.experiments.shuffle_bn", [str(rows_per_rank), "2" if ctx.smoke else "10" if ctx.quick else "30"],
-                            2, ctx.out_dir / "cost.json")
+    cost = run_module_ranks(
+        "islands_bench.experiments.shuffle_bn",
+        [str(rows_per_rank), "2" if ctx.smoke else "10" if ctx.quick else "30"],
+        2,
+        ctx.out_dir / "cost.json",
+    )
     ctx.log(f"cost: {cost}")
     steps, seeds = (2, (0,)) if ctx.smoke else (250, (0, 1)) if ctx.quick else (600, (0, 1, 2, 3, 4))
     batch, workers = 128, 8
@@ -222,21 +249,44 @@ def shuffle_bn(ctx: BenchContext) -> dict:
     for seed in seeds:
         for condition in CONDITIONS:
             r = pretrain(condition, seed, steps, batch, workers, digits)
-            ctx.log(f"seed {seed} {condition}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()
-                                                              if isinstance(v, float)))
-            rows.append({"part": "quality", **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
-                         "steps": steps, "batch": batch, "workers": workers, "interconnect": "in-process"})
+            ctx.log(
+                f"seed {seed} {condition}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items() if isinstance(v, float))
+            )
+            rows.append(
+                {
+                    "part": "quality",
+                    **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
+                    "steps": steps,
+                    "batch": batch,
+                    "workers": workers,
+                    "interconnect": "in-process",
+                }
+            )
     torch.set_num_threads(threads)
-    rows.append({"part": "cost", "rows_per_rank": cost["rows"], "ranks": cost["ranks"], "sent": cost["sent"],
-                 "received": cost["received"], "ms_local": round(cost["ms_local"], 3),
-                 "ms_shuffled": round(cost["ms_shuffled"], 3), "interconnect": cost["interconnect_line"]})
+    rows.append(
+        {
+            "part": "cost",
+            "rows_per_rank": cost["rows"],
+            "ranks": cost["ranks"],
+            "sent": cost["sent"],
+            "received": cost["received"],
+            "ms_local": round(cost["ms_local"], 3),
+            "ms_shuffled": round(cost["ms_shuffled"], 3),
+            "interconnect": cost["interconnect_line"],
+        }
+    )
     q = [r for r in rows if r["part"] == "quality"]
-    summary = "; ".join(f"{c} {_mean(q, c, 'probe_acc'):.4f} / {_mean(q, c, 'probe_acc_10_per_class'):.4f}"
-                        for c in CONDITIONS)
+    summary = "; ".join(
+        f"{c} {_mean(q, c, 'probe_acc'):.4f} / {_mean(q, c, 'probe_acc_10_per_class'):.4f}" for c in CONDITIONS
+    )
+
     def paired(key):
         """shuffled-bn minus local-bn, seed by seed (same data, views and initial weights)."""
-        d = [next(r[key] for r in q if r["condition"] == "shuffled-bn" and r["seed"] == s)
-             - next(r[key] for r in q if r["condition"] == "local-bn" and r["seed"] == s) for s in seeds]
+        d = [
+            next(r[key] for r in q if r["condition"] == "shuffled-bn" and r["seed"] == s)
+            - next(r[key] for r in q if r["condition"] == "local-bn" and r["seed"] == s)
+            for s in seeds
+        ]
         spread = f" (seeds {min(d):+.4f}..{max(d):+.4f})" if len(d) > 1 else ""
         return f"{statistics.fmean(d):+.4f}{spread}"
 
@@ -244,8 +294,8 @@ def shuffle_bn(ctx: BenchContext) -> dict:
         f"digits, momentum-encoder InfoNCE, {steps} steps, global batch {batch} as {workers} workers of "
         f"{batch // workers}, mean of {len(seeds)} seeds; held-out linear-probe accuracy (all labels / 10 per class): "
         + summary,
-        "final training loss (lower with a leak): " + "; ".join(f"{c} {_mean(q, c, 'train_loss'):.3f}"
-                                                                 for c in CONDITIONS)
+        "final training loss (lower with a leak): "
+        + "; ".join(f"{c} {_mean(q, c, 'train_loss'):.3f}" for c in CONDITIONS)
         + "; leak gap (held-out loss rise when keys leave the query's sub-batch): "
         + "; ".join(f"{c} {_mean(q, c, 'leak_gap'):+.3f}" for c in CONDITIONS),
         f"shuffled-bn minus local-bn, paired by seed: probe accuracy {paired('probe_acc')}, 10 per class "
@@ -254,12 +304,19 @@ def shuffle_bn(ctx: BenchContext) -> dict:
         f"{cost['sent']:,} B per rank (formula {cost['expected']['sent']:,}) and takes {cost['ms_shuffled']:.2f} ms vs "
         f"{cost['ms_local']:.2f} ms local",
     ]
-    return {"rows": rows, "headline": headline,
-            "interconnect": ["quality: in-process (the G workers emulated in one process, no link)",
-                             f"cost: {cost['interconnect_line']}"],
-            "baseline": ["local-bn: per-worker batch norm, each worker's queries and keys in one sub-batch (the "
-                         "ordinary data-parallel BN, where the leak exists); same data, views, seeds and steps for "
-                         "every condition; cost baseline: the same key encoding on each rank alone"]}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "interconnect": [
+            "quality: in-process (the G workers emulated in one process, no link)",
+            f"cost: {cost['interconnect_line']}",
+        ],
+        "baseline": [
+            "local-bn: per-worker batch norm, each worker's queries and keys in one sub-batch (the "
+            "ordinary data-parallel BN, where the leak exists); same data, views, seeds and steps for "
+            "every condition; cost baseline: the same key encoding on each rank alone"
+        ],
+    }
 
 
 if __name__ == "__main__":

@@ -25,9 +25,28 @@ STEPS = 5
 
 
 def _job(kind: str, workers: int, run_dir: Path) -> list[str]:
-    args = [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", str(workers),
-            "--steps", str(STEPS), "--global-batch", str(8 * workers), "--eval-every", "0", "--no-probe",
-            "--no-progress", "--warmup", "1", "--run-dir", str(run_dir)]
+    args = [
+        sys.executable,
+        "-m",
+        "islands",
+        "train",
+        "--task",
+        "digits",
+        "--workers",
+        str(workers),
+        "--steps",
+        str(STEPS),
+        "--global-batch",
+        str(8 * workers),
+        "--eval-every",
+        "0",
+        "--no-probe",
+        "--no-progress",
+        "--warmup",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     if kind == "elastic":
         args += ["--islands", str(workers), "--elastic", "--outer", "diloco:inner_steps=5"]
     return args
@@ -56,16 +75,33 @@ def startup(ctx: BenchContext) -> dict:
     runs = [_run(ctx, kind, mode, workers, rep) for rep in range(reps) for kind in kinds for mode in modes]
     rows, headline = [], []
     for kind in kinds:
-        med = {mode: {k: statistics.median(r[k] for r in runs if r["kind"] == kind and r["mode"] == mode)
-                      for k in ("wall_s", "train_s", "rest_s")} for mode in modes}
+        med = {
+            mode: {
+                k: statistics.median(r[k] for r in runs if r["kind"] == kind and r["mode"] == mode)
+                for k in ("wall_s", "train_s", "rest_s")
+            }
+            for mode in modes
+        }
         for mode in modes:
-            rows.append({"job": kind, "workers": workers, "spawn": mode, **{k: round(v, 2) for k, v in med[mode].items()}})
-        headline.append(f"{kind} job of {workers} workers, {STEPS} steps: start-up and shutdown {med['fork']['rest_s']:.1f} s "
-                        f"forked vs {med['exec']['rest_s']:.1f} s fresh interpreters "
-                        f"({med['exec']['rest_s'] / max(med['fork']['rest_s'], 1e-9):.2f}x); whole job "
-                        f"{med['fork']['wall_s']:.1f} s vs {med['exec']['wall_s']:.1f} s (median of {reps})")
-    headline.append(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end (shared: times are noisy)")
-    return {"rows": rows, "headline": headline, "runs": runs,
-            "interconnect": ["loopback: launcher and workers as processes on this machine, gloo over 127.0.0.1"],
-            "baseline": ["the same job with ISLANDS_SPAWN=exec (one fresh interpreter per worker), interleaved in the "
-                         "same invocation"]}
+            rows.append(
+                {"job": kind, "workers": workers, "spawn": mode, **{k: round(v, 2) for k, v in med[mode].items()}}
+            )
+        headline.append(
+            f"{kind} job of {workers} workers, {STEPS} steps: start-up and shutdown {med['fork']['rest_s']:.1f} s "
+            f"forked vs {med['exec']['rest_s']:.1f} s fresh interpreters "
+            f"({med['exec']['rest_s'] / max(med['fork']['rest_s'], 1e-9):.2f}x); whole job "
+            f"{med['fork']['wall_s']:.1f} s vs {med['exec']['wall_s']:.1f} s (median of {reps})"
+        )
+    headline.append(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end (shared: times are noisy)"
+    )
+    return {
+        "rows": rows,
+        "headline": headline,
+        "runs": runs,
+        "interconnect": ["loopback: launcher and workers as processes on this machine, gloo over 127.0.0.1"],
+        "baseline": [
+            "the same job with ISLANDS_SPAWN=exec (one fresh interpreter per worker), interleaved in the "
+            "same invocation"
+        ],
+    }

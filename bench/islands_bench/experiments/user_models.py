@@ -68,9 +68,11 @@ def make(kind: str, rank: int, size: int, batch: int, data_seed: int = 0):
         tx, ty = x[:1500][rank::size], y[:1500][rank::size]
 
         def epoch(e):
-            order = torch.randperm(len(ty), generator=torch.Generator().manual_seed(1000 * e + rank + 10**6 * data_seed))
+            order = torch.randperm(
+                len(ty), generator=torch.Generator().manual_seed(1000 * e + rank + 10**6 * data_seed)
+            )
             for i in range(0, len(ty) - batch + 1, batch):
-                yield tx[order[i:i + batch]], ty[order[i:i + batch]]
+                yield tx[order[i : i + batch]], ty[order[i : i + batch]]
 
         torch.manual_seed(0)
         return DigitsCNN(), _endless(epoch), [(x[1500:], y[1500:])], F.cross_entropy
@@ -84,17 +86,20 @@ def make(kind: str, rank: int, size: int, batch: int, data_seed: int = 0):
         mine = torch.arange(windows)[rank::size]
 
         def epoch(e):
-            order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(1000 * e + rank + 10**6 * data_seed))]
+            order = mine[
+                torch.randperm(len(mine), generator=torch.Generator().manual_seed(1000 * e + rank + 10**6 * data_seed))
+            ]
             for i in range(0, len(order) - batch + 1, batch):
-                ids = torch.stack([train[j * GPT2_CONTEXT:(j + 1) * GPT2_CONTEXT] for j in order[i:i + batch]])
+                ids = torch.stack([train[j * GPT2_CONTEXT : (j + 1) * GPT2_CONTEXT] for j in order[i : i + batch]])
                 yield {"input_ids": ids, "labels": ids}
 
         starts = torch.linspace(0, len(val) - GPT2_CONTEXT - 1, 64).long()
-        vids = torch.stack([val[s:s + GPT2_CONTEXT] for s in starts])
-        val_batches = [{"input_ids": vids[i:i + 16], "labels": vids[i:i + 16]} for i in range(0, 64, 16)]
+        vids = torch.stack([val[s : s + GPT2_CONTEXT] for s in starts])
+        val_batches = [{"input_ids": vids[i : i + 16], "labels": vids[i : i + 16]} for i in range(0, 64, 16)]
         torch.manual_seed(0)
-        config = GPT2Config(vocab_size=256, n_positions=GPT2_CONTEXT, n_embd=64, n_layer=2, n_head=4,
-                            bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(
+            vocab_size=256, n_positions=GPT2_CONTEXT, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+        )
         return GPT2LMHeadModel(config), _endless(epoch), val_batches, None
     raise ValueError(f"unknown model kind {kind!r}: cnn or gpt2")
 

@@ -52,10 +52,12 @@ STREAM = "fragments=4,tau=2,bits=32"  # the issue's streaming setting; fp32 so t
 
 
 def arms(h: int) -> list[tuple[str, str]]:
-    return [("diloco", f"diloco:inner_steps={h}"),
-            ("streaming", f"streaming-diloco:inner_steps={h},{STREAM}"),
-            ("async", f"diloco:inner_steps={h},overlap=delayed"),
-            ("eager", f"diloco:inner_steps={h},overlap=eager")]
+    return [
+        ("diloco", f"diloco:inner_steps={h}"),
+        ("streaming", f"streaming-diloco:inner_steps={h},{STREAM}"),
+        ("async", f"diloco:inner_steps={h},overlap=delayed"),
+        ("eager", f"diloco:inner_steps={h},overlap=eager"),
+    ]
 
 
 def with_compressor(spec: str, compressor: str | None) -> str:
@@ -106,8 +108,17 @@ while True:
 """
 
 
-def run_torchft(ctx: BenchContext, label: str, base: dict, h: int, fragments: int, delay: int, bed=None,
-                threads: int = 1, limit_s: float = 600.0) -> dict:
+def run_torchft(
+    ctx: BenchContext,
+    label: str,
+    base: dict,
+    h: int,
+    fragments: int,
+    delay: int,
+    bed=None,
+    threads: int = 1,
+    limit_s: float = 600.0,
+) -> dict:
     """Two torchft replicas (one per island; on the testbed's hosts 0 and 1, or on loopback without `bed`)."""
     from islands.config import dump_json
 
@@ -121,47 +132,87 @@ def run_torchft(ctx: BenchContext, label: str, base: dict, h: int, fragments: in
         return bed.wrap(host, args) if bed is not None else args
 
     def env(host: int) -> dict:
-        return {**os.environ, **(bed.env(host) if bed is not None else {}), "OMP_NUM_THREADS": str(threads),
-                "PYTHONUNBUFFERED": "1"}
+        return {
+            **os.environ,
+            **(bed.env(host) if bed is not None else {}),
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def ip(host: int) -> str:
         return bed.host(host).ip if bed is not None else "127.0.0.1"
 
     with ctx.arm(label):
-        ctx.log(f"run {label}: torchft DiLoCo, 2 replicas, H={h}, fragments={fragments}, delay={delay}, "
-                f"link={bed.rate if bed is not None else 'loopback'}")
-        settings = {"min_replicas": replicas, "join_timeout_ms": 60000, "quorum_tick_ms": 100,
-                    "heartbeat_timeout_ms": 5000}
-        lighthouse = subprocess.Popen(argv(0, [sys.executable, "-c", _LIGHTHOUSE, json.dumps(settings)]), env=env(0),
-                                      stdout=subprocess.PIPE, stderr=open(run_dir / "logs" / "lighthouse.log", "w"),
-                                      text=True)
+        ctx.log(
+            f"run {label}: torchft DiLoCo, 2 replicas, H={h}, fragments={fragments}, delay={delay}, "
+            f"link={bed.rate if bed is not None else 'loopback'}"
+        )
+        settings = {
+            "min_replicas": replicas,
+            "join_timeout_ms": 60000,
+            "quorum_tick_ms": 100,
+            "heartbeat_timeout_ms": 5000,
+        }
+        lighthouse = subprocess.Popen(
+            argv(0, [sys.executable, "-c", _LIGHTHOUSE, json.dumps(settings)]),
+            env=env(0),
+            stdout=subprocess.PIPE,
+            stderr=open(run_dir / "logs" / "lighthouse.log", "w"),
+            text=True,
+        )
         procs = []
         load0, t0 = _load(), time.perf_counter()
         try:
             port = lighthouse.stdout.readline().strip()
             if not port.isdigit():
-                raise RuntimeError(f"torchft lighthouse did not start: "
-                                   f"{(run_dir / 'logs' / 'lighthouse.log').read_text()[-800:]}")
+                raise RuntimeError(
+                    f"torchft lighthouse did not start: {(run_dir / 'logs' / 'lighthouse.log').read_text()[-800:]}"
+                )
             barrier = run_dir / "go"
             barrier.unlink(missing_ok=True)
             for r in range(replicas):
-                spec = {"config": str(run_dir / "config.json"), "lighthouse": f"http://{ip(0)}:{port}",
-                        "name": f"r{r}", "shard": r, "shards": replicas, "inner_steps": h, "fragments": fragments,
-                        "delay": delay, "outer_lr": 2 ** 0.5, "ip": ip(r), "threads": threads,
-                        "out": str(run_dir / f"r{r}.json"), "barrier": str(barrier), "start_limit_s": limit_s,
-                        "timeout_s": 120.0}
+                spec = {
+                    "config": str(run_dir / "config.json"),
+                    "lighthouse": f"http://{ip(0)}:{port}",
+                    "name": f"r{r}",
+                    "shard": r,
+                    "shards": replicas,
+                    "inner_steps": h,
+                    "fragments": fragments,
+                    "delay": delay,
+                    "outer_lr": 2**0.5,
+                    "ip": ip(r),
+                    "threads": threads,
+                    "out": str(run_dir / f"r{r}.json"),
+                    "barrier": str(barrier),
+                    "start_limit_s": limit_s,
+                    "timeout_s": 120.0,
+                }
                 Path(spec["out"]).unlink(missing_ok=True)
                 (run_dir / f"r{r}.spec.json").write_text(json.dumps(spec))
-                procs.append(subprocess.Popen(
-                    argv(r, [sys.executable, "-m", "islands_bench.experiments.utilisation_torchft_worker",
-                             str(run_dir / f"r{r}.spec.json")]),
-                    env=env(r), stdout=open(run_dir / "logs" / f"r{r}.log", "w"), stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        argv(
+                            r,
+                            [
+                                sys.executable,
+                                "-m",
+                                "islands_bench.experiments.utilisation_torchft_worker",
+                                str(run_dir / f"r{r}.spec.json"),
+                            ],
+                        ),
+                        env=env(r),
+                        stdout=open(run_dir / "logs" / f"r{r}.log", "w"),
+                        stderr=subprocess.STDOUT,
+                    )
+                )
             deadline = time.time() + limit_s
             while not all((run_dir / f"r{r}.json.ready").exists() for r in range(replicas)):
                 dead = [p.poll() for p in procs if p.poll() is not None]
                 if dead or time.time() > deadline:
-                    raise RuntimeError(f"torchft replicas did not start (exit codes {dead}); "
-                                       f"logs in {run_dir / 'logs'}")
+                    raise RuntimeError(
+                        f"torchft replicas did not start (exit codes {dead}); logs in {run_dir / 'logs'}"
+                    )
                 time.sleep(0.02)
             barrier.write_text(str(time.time()))
             for r, p in enumerate(procs):
@@ -177,12 +228,17 @@ def run_torchft(ctx: BenchContext, label: str, base: dict, h: int, fragments: in
             lighthouse.wait(timeout=30)
     out = json.loads((run_dir / "r0.json").read_text())
     per = [json.loads((run_dir / f"r{r}.json").read_text()) for r in range(replicas)]
-    out.update(label=label, load=max(load0, _load()), launch_seconds=time.perf_counter() - t0,
-               workers_utilisation=[utilisation_of(o["blocked_seconds"], o["wall_seconds"]) for o in per])
+    out.update(
+        label=label,
+        load=max(load0, _load()),
+        launch_seconds=time.perf_counter() - t0,
+        workers_utilisation=[utilisation_of(o["blocked_seconds"], o["wall_seconds"]) for o in per],
+    )
     return out
 
 
 # ---- the experiment -------------------------------------------------------------------------------------
+
 
 def _plot(result, path):
     rows = [r for r in result["rows"] if r["link"] != "loopback"]
@@ -200,26 +256,41 @@ def _plot(result, path):
         fig.suptitle(f"utilisation{' (quick)' if result['quick'] else ''}: 1 - blocked / wall, 2 islands", fontsize=9)
 
 
-@experiment("utilisation", practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-904", "SOTA-905", "SOTA-912"),
-            help="compute utilisation (1 - blocked/wall) and step time vs no link on 100/20/5 Mbit/s testbed links: "
-                 "DiLoCo, streaming, async (delayed) and eager outer steps, fp32 and topkq, against torchft's "
-                 "DiLoCo and streaming DiLoCo")
+@experiment(
+    "utilisation",
+    practices=("SOTA-155", "SOTA-214", "SOTA-902", "SOTA-904", "SOTA-905", "SOTA-912"),
+    help="compute utilisation (1 - blocked/wall) and step time vs no link on 100/20/5 Mbit/s testbed links: "
+    "DiLoCo, streaming, async (delayed) and eager outer steps, fp32 and topkq, against torchft's "
+    "DiLoCo and streaming DiLoCo",
+)
 def utilisation(ctx: BenchContext) -> dict:
     from islands_bench.experiments.churn_torchft import load_torchft
 
     links = ("20mbit", "5mbit") if ctx.quick else ("100mbit", "20mbit", "5mbit")
     # full: the issue's setting (200 steps, H=50); quick: 3 rounds of H=20, the compressor on DiLoCo and eager only
     steps, h = (60, 20) if ctx.quick else (200, 50)
-    base = dict(task="lm", steps=steps, global_batch=32, warmup=max(steps // 10, 1), eval_every=0, workers=2,
-                log_every=max(steps // 10, 1))
-    islands_arms = [(f"{name}{'' if c is None else '+topkq'}", with_compressor(spec, c))
-                    for c in (None, COMPRESSOR) for name, spec in arms(h)
-                    if not (ctx.quick and c is not None and name not in ("diloco", "eager"))]
+    base = dict(
+        task="lm",
+        steps=steps,
+        global_batch=32,
+        warmup=max(steps // 10, 1),
+        eval_every=0,
+        workers=2,
+        log_every=max(steps // 10, 1),
+    )
+    islands_arms = [
+        (f"{name}{'' if c is None else '+topkq'}", with_compressor(spec, c))
+        for c in (None, COMPRESSOR)
+        for name, spec in arms(h)
+        if not (ctx.quick and c is not None and name not in ("diloco", "eager"))
+    ]
     islands_arms.append(("eager+topkq146x", with_compressor(dict(arms(h))["eager"], COMPRESSOR_146X)))
     # deadline rounds behind the overlap: the islands end each round at the same wall time, so the skew of two
     # islands on shared cores is not paid at the end (adaptive.py, catching up)
-    islands_arms += [(f"{arm}+deadline", f"{with_compressor(dict(arms(h))['eager'], c)},adapt=deadline")
-                     for arm, c in (("eager+topkq", COMPRESSOR), ("eager+topkq146x", COMPRESSOR_146X))]
+    islands_arms += [
+        (f"{arm}+deadline", f"{with_compressor(dict(arms(h))['eager'], c)},adapt=deadline")
+        for arm, c in (("eager+topkq", COMPRESSOR), ("eager+topkq146x", COMPRESSOR_146X))
+    ]
     version, why_not = load_torchft(ctx.log)
     torchft_arms = [("torchft-diloco", 1, 0), ("torchft-streaming", torchft_fragments(h, 4), 2)] if version else []
     ctx.plan((len(links) + 1) * (len(islands_arms) + len(torchft_arms)))
@@ -229,23 +300,43 @@ def utilisation(ctx: BenchContext) -> dict:
     def islands_row(label, arm, spec, link, rec, load):
         s = rec["summary"]
         workers = worker_utilisation(ctx.out_dir / "runs" / label, s["workers"])
-        return {"run": label, "arm": arm, "link": link, "utilisation": sum(workers) / len(workers),
-                "utilisation_rank0": utilisation_of(s["sync_blocked_seconds"], s["wall_seconds"]),
-                "blocked_s": s["sync_blocked_seconds"], "wall_s": s["wall_seconds"],
-                "s_per_step": s["wall_seconds"] / s["steps"], "median_s_per_step": s["median_seconds_per_step"],
-                "final_val_loss": s["final_val_loss"], "mb_per_worker": s["mb_sent_per_worker"], "load": load,
-                "spec": spec, "interconnect": rec["interconnect_line"]}
+        return {
+            "run": label,
+            "arm": arm,
+            "link": link,
+            "utilisation": sum(workers) / len(workers),
+            "utilisation_rank0": utilisation_of(s["sync_blocked_seconds"], s["wall_seconds"]),
+            "blocked_s": s["sync_blocked_seconds"],
+            "wall_s": s["wall_seconds"],
+            "s_per_step": s["wall_seconds"] / s["steps"],
+            "median_s_per_step": s["median_seconds_per_step"],
+            "final_val_loss": s["final_val_loss"],
+            "mb_per_worker": s["mb_sent_per_worker"],
+            "load": load,
+            "spec": spec,
+            "interconnect": rec["interconnect_line"],
+        }
 
     def torchft_row(label, arm, link, out, fragments, delay):
         workers = out["workers_utilisation"]
-        return {"run": label, "arm": arm, "link": link, "utilisation": sum(workers) / len(workers),
-                "utilisation_rank0": utilisation_of(out["blocked_seconds"], out["wall_seconds"]),
-                "blocked_s": out["blocked_seconds"], "wall_s": out["wall_seconds"],
-                "s_per_step": out["wall_seconds"] / out["steps"], "median_s_per_step": None,
-                "final_val_loss": out["final_val_loss"], "mb_per_worker": None, "load": out["load"],
-                "spec": f"torchft {version} DiLoCo sync_every={h} fragments={fragments} fragment_sync_delay={delay}",
-                "interconnect": f"testbed {link} (torchft's ProcessGroupGloo)" if link != "loopback"
-                else "gloo loopback (torchft's ProcessGroupGloo)"}
+        return {
+            "run": label,
+            "arm": arm,
+            "link": link,
+            "utilisation": sum(workers) / len(workers),
+            "utilisation_rank0": utilisation_of(out["blocked_seconds"], out["wall_seconds"]),
+            "blocked_s": out["blocked_seconds"],
+            "wall_s": out["wall_seconds"],
+            "s_per_step": out["wall_seconds"] / out["steps"],
+            "median_s_per_step": None,
+            "final_val_loss": out["final_val_loss"],
+            "mb_per_worker": None,
+            "load": out["load"],
+            "spec": f"torchft {version} DiLoCo sync_every={h} fragments={fragments} fragment_sync_delay={delay}",
+            "interconnect": f"testbed {link} (torchft's ProcessGroupGloo)"
+            if link != "loopback"
+            else "gloo loopback (torchft's ProcessGroupGloo)",
+        }
 
     def run_all(link: str, bed) -> None:
         kw = {} if bed is None else {"testbed": bed.name}
@@ -286,24 +377,39 @@ def utilisation(ctx: BenchContext) -> dict:
         ft = [r for r in here if r["arm"].startswith("torchft")]
         ft_best = max(ft, key=lambda r: r["utilisation"]) if ft else None
         goal = GOALS.get(link)
-        words = (f"testbed link {link}: " + ", ".join(f"{r['arm']} {100 * r['utilisation']:.1f}%" for r in here)
-                 + f"; best {best['arm']} {100 * best['utilisation']:.2f}% (rank 0 "
-                   f"{100 * best['utilisation_rank0']:.2f}%, step time x{best['step_time_vs_no_link']:.2f} of its "
-                   f"no-link run, loss {best['final_val_loss']:.4f})")
+        words = (
+            f"testbed link {link}: "
+            + ", ".join(f"{r['arm']} {100 * r['utilisation']:.1f}%" for r in here)
+            + f"; best {best['arm']} {100 * best['utilisation']:.2f}% (rank 0 "
+            f"{100 * best['utilisation_rank0']:.2f}%, step time x{best['step_time_vs_no_link']:.2f} of its "
+            f"no-link run, loss {best['final_val_loss']:.4f})"
+        )
         if goal is not None:
             met = best["utilisation"] >= goal and (ft_best is None or best["utilisation"] > ft_best["utilisation"])
             ft_words = f"best torchft {100 * ft_best['utilisation']:.1f}%" if ft_best else "torchft not run"
             words += f"; goal >= {100 * goal:.0f}% and ahead of torchft ({ft_words}): {'met' if met else 'not met'}"
         headline.append(words)
-    headline.append(f"final val loss (no link), vs DiLoCo {ref_loss:.4f}: " + ", ".join(
-        f"{r['arm']} {r['loss_vs_diloco_pct']:+.1f}%" for r in rows if r["link"] == "loopback"))
-    headline.append(f"byte LM, {steps} steps, H={h}, 2 islands of 1 worker, global batch 32; utilisation = the "
-                    f"workers' mean of 1 - blocked/wall (utilisation_rank0: rank 0's alone; blocked includes the "
-                    f"faster island waiting for the slower; torchft: the time in its optimizer post-hook, and it ends "
-                    f"without a final synchronisation); blocked_s, wall_s: rank 0's; the no-link runs are "
-                    f"gloo loopback; load average (2 cores shared with other jobs): {'; '.join(uptime)}")
+    headline.append(
+        f"final val loss (no link), vs DiLoCo {ref_loss:.4f}: "
+        + ", ".join(f"{r['arm']} {r['loss_vs_diloco_pct']:+.1f}%" for r in rows if r["link"] == "loopback")
+    )
+    headline.append(
+        f"byte LM, {steps} steps, H={h}, 2 islands of 1 worker, global batch 32; utilisation = the "
+        f"workers' mean of 1 - blocked/wall (utilisation_rank0: rank 0's alone; blocked includes the "
+        f"faster island waiting for the slower; torchft: the time in its optimizer post-hook, and it ends "
+        f"without a final synchronisation); blocked_s, wall_s: rank 0's; the no-link runs are "
+        f"gloo loopback; load average (2 cores shared with other jobs): {'; '.join(uptime)}"
+    )
     if not version:
         headline.append(f"torchft not run: {why_not}")
     headline += [f"torchft run failed: {e}" for e in torchft_errors]
-    return {"rows": rows, "headline": headline, "plot": _plot, "torchft": version, "torchft_errors": torchft_errors,
-            "uptime": uptime, "steps": steps, "inner_steps": h}
+    return {
+        "rows": rows,
+        "headline": headline,
+        "plot": _plot,
+        "torchft": version,
+        "torchft_errors": torchft_errors,
+        "uptime": uptime,
+        "steps": steps,
+        "inner_steps": h,
+    }

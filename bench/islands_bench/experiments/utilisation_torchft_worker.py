@@ -18,7 +18,6 @@ our runs). Written to SPEC["out"] as one JSON object.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -50,8 +49,10 @@ def fragments_of(model, count: int):
         parts[min(count - 1, int((done + p.numel() / 2) * count / total))].register_parameter(name.replace(".", "_"), p)
         done += p.numel()
     if any(not part._parameters for part in parts):
-        raise ValueError(f"cannot split the model into {count} fragments of about equal size: one would be empty "
-                         f"(tensor sizes {[p.numel() for _, p in params]})")
+        raise ValueError(
+            f"cannot split the model into {count} fragments of about equal size: one would be empty "
+            f"(tensor sizes {[p.numel() for _, p in params]})"
+        )
     return parts
 
 
@@ -70,8 +71,9 @@ def main(spec_path: str) -> int:
     batches = batch_source(task.train_data, spec["shard"], spec["shards"], task.batch_size, cfg.train.seed)
     schedule = WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio)
     model, h, steps = task.model, spec["inner_steps"], cfg.train.steps
-    inner = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
-                              weight_decay=cfg.train.weight_decay)
+    inner = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay
+    )
     frags = fragments_of(model, spec["fragments"])
     outer = [torch.optim.SGD(f.parameters(), lr=spec["outer_lr"], momentum=0.0) for f in frags]
     from torchft import Manager, ProcessGroupGloo
@@ -84,13 +86,22 @@ def main(spec_path: str) -> int:
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
         state_dict=lambda: {"model": model.state_dict()},
-        min_replica_size=spec["shards"], use_async_quorum=False,  # DiLoCo requires a synchronous quorum
+        min_replica_size=spec["shards"],
+        use_async_quorum=False,  # DiLoCo requires a synchronous quorum
         # every replica builds the same model from the seed, as our islands do; healing at step 0 would fetch it
         # over torchft's HTTP transport, which advertises socket.gethostname(): not reachable from a testbed host
         init_sync=False,
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-        rank=0, world_size=1, store_addr=ip, store_port=store.port,
-        lighthouse_addr=spec["lighthouse"], replica_id=spec["name"], hostname=ip)
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr=ip,
+        store_port=store.port,
+        lighthouse_addr=spec["lighthouse"],
+        replica_id=spec["name"],
+        hostname=ip,
+    )
     Path(spec["out"] + ".ready").write_text(str(time.time()))
     _wait_for(Path(spec["barrier"]), spec["start_limit_s"])
 
@@ -98,8 +109,16 @@ def main(spec_path: str) -> int:
     syncs: list[tuple[int, float]] = []
     inner.register_step_post_hook(lambda *_: marks.append(time.perf_counter()))  # before torchft's hook
     step = 0
-    with DiLoCo(manager, frags, inner, outer, sync_every=h, backup_device=torch.device("cpu"), pin_memory=False,
-                fragment_sync_delay=spec["delay"]):
+    with DiLoCo(
+        manager,
+        frags,
+        inner,
+        outer,
+        sync_every=h,
+        backup_device=torch.device("cpu"),
+        pin_memory=False,
+        fragment_sync_delay=spec["delay"],
+    ):
         # after torchft's hook: the gap to the mark above is what torchft did in this step (quorum, exchange, outer)
         inner.register_step_post_hook(lambda *_: syncs.append((step, time.perf_counter() - marks[-1])))
         wall0 = time.perf_counter()
@@ -117,9 +136,14 @@ def main(spec_path: str) -> int:
     metrics = evaluate(model, task.val_data, task.loss_fn, torch.device("cpu"), task.metrics)
     blocked = [s for _, s in syncs]
     heavy = sorted(((round(s, 4), i) for i, s in syncs if s > 0.005), key=lambda t: t[1])
-    result = {"wall_seconds": wall, "blocked_seconds": sum(blocked), "steps": steps,
-              "committed": manager.current_step(), "final_val_loss": metrics["val_loss"],
-              "blocked_over_5ms": [{"step": i + 1, "seconds": s} for s, i in heavy]}
+    result = {
+        "wall_seconds": wall,
+        "blocked_seconds": sum(blocked),
+        "steps": steps,
+        "committed": manager.current_step(),
+        "final_val_loss": metrics["val_loss"],
+        "blocked_over_5ms": [{"step": i + 1, "seconds": s} for s, i in heavy],
+    }
     Path(spec["out"]).write_text(json.dumps(result))
     manager.shutdown(wait=False)
     return 0

@@ -52,7 +52,9 @@ def robust_all_reduce(
     return result
 
 
-def flatten_named(tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[str, torch.Size, torch.dtype]]]:
+def flatten_named(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor, list[tuple[str, torch.Size, torch.dtype]]]:
     """Concatenate named floating tensors (in mapping order) into one flat vector plus a layout."""
     if not tensors:
         raise ValueError("need at least one named tensor to flatten")

@@ -32,8 +32,9 @@ def nearest_neighbor_mixing(inner: BaseAggregator, f: int | None = None) -> Near
     if f is None:
         f = _final_f(inner)
         if f is None:
-            raise ValueError(f"nnm needs f=<int>, or an aggregator after it that has f (nnm+krum:f=2); "
-                             f"{inner!r} has none")
+            raise ValueError(
+                f"nnm needs f=<int>, or an aggregator after it that has f (nnm+krum:f=2); {inner!r} has none"
+            )
     return NearestNeighborMixing(inner, f)
 
 

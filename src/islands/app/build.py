@@ -60,10 +60,19 @@ def fingerprint(cfg: JobConfig) -> str:
 
 def checkpoint_settings(cfg: JobConfig) -> CheckpointSettings:
     c = cfg.checkpoint
-    return CheckpointSettings(dir=c.dir or None, every=c.every, policy=parse_policy(c.policy),
-                              memory_every=c.memory_every, memory_peer=c.memory_peer, remote_dir=c.remote_dir or None,
-                              remote_every=c.remote_every, keep=c.keep, asynchronous=c.asynchronous,
-                              share_replicas=c.share_replicas, timeout=cfg.world.timeout)
+    return CheckpointSettings(
+        dir=c.dir or None,
+        every=c.every,
+        policy=parse_policy(c.policy),
+        memory_every=c.memory_every,
+        memory_peer=c.memory_peer,
+        remote_dir=c.remote_dir or None,
+        remote_every=c.remote_every,
+        keep=c.keep,
+        asynchronous=c.asynchronous,
+        share_replicas=c.share_replicas,
+        timeout=cfg.world.timeout,
+    )
 
 
 # ---- the task ---------------------------------------------------------------------------------------
@@ -74,14 +83,29 @@ def build_task(cfg: JobConfig, run_dir: Path | None = None) -> Task:
     if cfg.inner_strategy == "pipeline":  # every stage reads the island's batch: all its workers' share at once
         batch *= cfg.workers_per_island
     if t.name == "lm":
-        return lm_task(t.data, t.d_model, t.n_layers, t.n_heads, t.context, batch, cfg.train.eval_batches,
-                       cfg.train.seed)
+        return lm_task(
+            t.data, t.d_model, t.n_layers, t.n_heads, t.context, batch, cfg.train.eval_batches, cfg.train.seed
+        )
     if t.name == "digits":
         return digits_task(t.hidden, batch, cfg.train.seed)
     if t.name == "hf-causal-lm":
-        return hf_causal_lm(t.model, t.model_overrides, t.tokenizer, t.vocab_size, t.data, t.context, batch,
-                            cfg.train.eval_batches, cfg.train.seed, t.d_model, t.n_layers, t.n_heads, run_dir,
-                            cfg.checkpoint.resume, t.text_column)
+        return hf_causal_lm(
+            t.model,
+            t.model_overrides,
+            t.tokenizer,
+            t.vocab_size,
+            t.data,
+            t.context,
+            batch,
+            cfg.train.eval_batches,
+            cfg.train.seed,
+            t.d_model,
+            t.n_layers,
+            t.n_heads,
+            run_dir,
+            cfg.checkpoint.resume,
+            t.text_column,
+        )
     torch.manual_seed(cfg.train.seed)  # a user model built in make_task starts the same on every rank
     task = build_user_task(t.name, cfg)
     if task.batch_size is None:
@@ -98,14 +122,27 @@ def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
     if kind == "pipeline":
         assert task.loss_fn is not None  # the last stage computes the loss (PipelineRunner calls loss_fn)
         budget = inner.activation_budget_mb * 1e6 if inner.activation_budget_mb > 0 else math.inf
-        return PipelineStages(inner.stages or cfg.workers_per_island, inner.microbatches, inner.cuts, inner.schedule,
-                              batch=cfg.train.global_batch // cfg.world.islands, loss_fn=task.loss_fn,
-                              budget_bytes=budget, grad_clip=cfg.train.grad_clip, sequence=task.tokens_per_sample)
+        return PipelineStages(
+            inner.stages or cfg.workers_per_island,
+            inner.microbatches,
+            inner.cuts,
+            inner.schedule,
+            batch=cfg.train.global_batch // cfg.world.islands,
+            loss_fn=task.loss_fn,
+            budget_bytes=budget,
+            grad_clip=cfg.train.grad_clip,
+            sequence=task.tokens_per_sample,
+        )
     if kind == "fsdp":
         assert inner.wrap is not None  # validate: "inner.wrap needs a value"
-        return FSDP(wrap=WRAP_POLICIES.build(inner.wrap), reshard_after_forward=inner.reshard, grad_clip=cfg.train.grad_clip > 0,
-                    prefetch=inner.prefetch, shard_group=inner.shard_group,
-                    memory_budget_bytes=int(inner.shard_budget_mb * 2**20))
+        return FSDP(
+            wrap=WRAP_POLICIES.build(inner.wrap),
+            reshard_after_forward=inner.reshard,
+            grad_clip=cfg.train.grad_clip > 0,
+            prefetch=inner.prefetch,
+            shard_group=inner.shard_group,
+            memory_budget_bytes=int(inner.shard_budget_mb * 2**20),
+        )
     if kind == "zero1":  # DDP's exchange, optimizer state partitioned (SOTA-028)
         return ZeRO1(bucket_mb=inner.bucket_mb)
     # the job's seed is every seeded compressor's default (rank-identical: every rank agrees on it)
@@ -114,8 +151,14 @@ def build_inner(cfg: JobConfig, world: World, task: Task) -> Strategy:
     attack = ATTACKS.build(inner.attack) if inner.attack else None
     if attack is not None and isinstance(attack.role, LabelFlip) and attack.role.classes is None:
         attack.role.classes = task.classes
-    return DDP(compressor=compressor, aggregator=aggregator, attack=attack, bucket_mb=inner.bucket_mb,
-               overlap=inner.overlap, seed=cfg.train.seed)
+    return DDP(
+        compressor=compressor,
+        aggregator=aggregator,
+        attack=attack,
+        bucket_mb=inner.bucket_mb,
+        overlap=inner.overlap,
+        seed=cfg.train.seed,
+    )
 
 
 def build_outer(cfg: JobConfig, run_dir: Path | None) -> Strategy | None:
@@ -163,8 +206,9 @@ def build_step_fn(cfg: JobConfig, task: Task, optimizer: torch.optim.Optimizer |
     else:
         with torch.random.fork_rng():  # a sample batch for shapes; the training RNG must not move
             make = batches_like(batch_source(task.train_data, 0, 1, task.batch_size, cfg.train.seed).next())
-    plan = plan_micro_batch(model, task.loss_fn, make, task.batch_size or cfg.batch_per_worker,
-                            int(m.budget_mb * MB), optimizer, precision)
+    plan = plan_micro_batch(
+        model, task.loss_fn, make, task.batch_size or cfg.batch_per_worker, int(m.budget_mb * MB), optimizer, precision
+    )
     step = ForwardBackward(plan.micro_batch, precision)
     step.plan = plan
     return step
@@ -174,18 +218,34 @@ def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) ->
     # 1-bit optimizers average through the island's group themselves (SOTA-215)
     comm = world.comm("local") if world.distributed else None
     assert cfg.train.optimizer is not None  # validate: "train.optimizer needs a value"
-    return build_optimizer(OPTIMIZERS.build(cfg.train.optimizer), model.parameters(), lr=cfg.train.lr, betas=BETAS,
-                           weight_decay=cfg.train.weight_decay, steps=cfg.train.steps, comm=comm,
-                           model=model)  # muon splits the model's parameters itself (islands.optim.muon_split)
+    return build_optimizer(
+        OPTIMIZERS.build(cfg.train.optimizer),
+        model.parameters(),
+        lr=cfg.train.lr,
+        betas=BETAS,
+        weight_decay=cfg.train.weight_decay,
+        steps=cfg.train.steps,
+        comm=comm,
+        model=model,
+    )  # muon splits the model's parameters itself (islands.optim.muon_split)
 
 
 # ---- the trainer ------------------------------------------------------------------------------------
 def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | None) -> list:
-    callbacks = [Progress(enabled=cfg.output.progress, tokens_per_sample=task.tokens_per_sample),
-                 Evaluate(every=cfg.train.eval_every),
-                 RunRecord(run_dir, config=cfg.to_dict(), probe=cfg.world.probe, task=task.name,
-                           data_source=task.data_source, tokens_per_sample=task.tokens_per_sample,
-                           testbed=cfg.world.testbed, threads=cfg.world.threads)]
+    callbacks = [
+        Progress(enabled=cfg.output.progress, tokens_per_sample=task.tokens_per_sample),
+        Evaluate(every=cfg.train.eval_every),
+        RunRecord(
+            run_dir,
+            config=cfg.to_dict(),
+            probe=cfg.world.probe,
+            task=task.name,
+            data_source=task.data_source,
+            tokens_per_sample=task.tokens_per_sample,
+            testbed=cfg.world.testbed,
+            threads=cfg.world.threads,
+        ),
+    ]
     settings = checkpoint_settings(cfg)
     if settings.enabled:
         callbacks.append(Checkpointing(CheckpointDriver(settings, world, run_dir, fingerprint(cfg))))
@@ -199,8 +259,7 @@ def build_logging(cfg: JobConfig, world: World, task: Task, run_dir: Path) -> Lo
     the streams in MLflow and W&B (islands.observe.backends: the layout)."""
     stream = stream_name(world.membership.name if world.membership is not None else f"rank{world.rank}")
     job = run_dir.resolve().name
-    loggers = [JsonLines(run_dir / "live" / f"{stream}.jsonl"),
-               *build_loggers(cfg.output.log, run_dir, stream, job)]
+    loggers = [JsonLines(run_dir / "live" / f"{stream}.jsonl"), *build_loggers(cfg.output.log, run_dir, stream, job)]
     return Logging(loggers, tokens_per_sample=task.tokens_per_sample, params={"stream": stream, "job": job})
 
 
@@ -218,16 +277,29 @@ def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, cal
         authenticate_payloads(world)
     strategy = build_strategy(cfg, world, task, run_dir)
     pipeline = cfg.inner_strategy == "pipeline"  # the pipeline clips by the norm over all stages itself
-    return Trainer(model, optimizer, task.loss_fn, task.train_data, task.val_data, strategy=strategy, world=world,
-                   schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
-                   callbacks=[*build_callbacks(cfg, world, task, run_dir), *callbacks], metrics=task.metrics,
-                   batch_size=task.batch_size, grad_clip=0.0 if pipeline else cfg.train.grad_clip, step_fn=step_fn,
-                   seed=cfg.train.seed, log_every=cfg.train.log_every)
+    return Trainer(
+        model,
+        optimizer,
+        task.loss_fn,
+        task.train_data,
+        task.val_data,
+        strategy=strategy,
+        world=world,
+        schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
+        callbacks=[*build_callbacks(cfg, world, task, run_dir), *callbacks],
+        metrics=task.metrics,
+        batch_size=task.batch_size,
+        grad_clip=0.0 if pipeline else cfg.train.grad_clip,
+        step_fn=step_fn,
+        seed=cfg.train.seed,
+        log_every=cfg.train.log_every,
+    )
 
 
 def resume_trainer(trainer: Trainer, cfg: JobConfig) -> dict:
-    info = resume(trainer, cfg.checkpoint.resume, remote_dir=cfg.checkpoint.remote_dir or None,
-                  fingerprint=fingerprint(cfg))
+    info = resume(
+        trainer, cfg.checkpoint.resume, remote_dir=cfg.checkpoint.remote_dir or None, fingerprint=fingerprint(cfg)
+    )
     if trainer.checkpoints is not None:  # intervals count from here; its record keeps where we came from
         trainer.checkpoints.resumed(trainer.step, info)
     else:

@@ -34,8 +34,8 @@ from islands.runtime.elastic.membership import (
     connect,
     parse_address,
 )
-from islands.runtime.payload_auth import PayloadAuthError
 from islands.runtime.launch.stop import StopAt
+from islands.runtime.payload_auth import PayloadAuthError
 from islands.runtime.world import close_world, join_elastic
 
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
@@ -49,8 +49,10 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
     world = join_elastic(address, name, token, island=place)
     comm: Membership = world.membership
     if comm.job.config is None:
-        raise ValueError(f"the elastic job at {address} runs a script, not a config: start it with `islands join "
-                         f"{address}`, which runs the job's script")
+        raise ValueError(
+            f"the elastic job at {address} runs a script, not a config: start it with `islands join "
+            f"{address}`, which runs the job's script"
+        )
     cfg = from_mapping(comm.job.config)
     cfg.world.probe = False  # the probe needs a fixed world
     if cfg.workers_per_island == 1:
@@ -89,40 +91,79 @@ def _check_one_worker_islands(address: str, name: str, token: str) -> None:
 
 
 def _island(place: IslandPlace | None) -> dict | None:
-    return None if place is None else {"index": place.index, "local": place.local, "size": place.size,
-                                       "incarnation": place.incarnation, "leader": place.name(0)}
+    return (
+        None
+        if place is None
+        else {
+            "index": place.index,
+            "local": place.local,
+            "size": place.size,
+            "incarnation": place.incarnation,
+            "leader": place.name(0),
+        }
+    )
 
 
-def _write_membership(run_dir: Path, name: str, comm: Membership, digest: str, place: IslandPlace | None = None,
-                      data_shard: tuple[int, int] | None = None) -> None:
+def _write_membership(
+    run_dir: Path,
+    name: str,
+    comm: Membership,
+    digest: str,
+    place: IslandPlace | None = None,
+    data_shard: tuple[int, int] | None = None,
+) -> None:
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)
     a = comm.admission
     session = comm.control_plane
-    (out / f"{name}.json").write_text(json.dumps({
-        "name": name, "slot": a.slot, "shard": a.shard, "initial": a.initial, "island": _island(place),
-        "data_shard": list(data_shard) if data_shard else None,  # (shard, shards) it trained on
-        "global_sha256": digest, "final": comm.state_dict(), "syncs": comm.syncs,
-        "control_plane": session.snapshot() if session is not None else None}, indent=1))
+    (out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "slot": a.slot,
+                "shard": a.shard,
+                "initial": a.initial,
+                "island": _island(place),
+                "data_shard": list(data_shard) if data_shard else None,  # (shard, shards) it trained on
+                "global_sha256": digest,
+                "final": comm.state_dict(),
+                "syncs": comm.syncs,
+                "control_plane": session.snapshot() if session is not None else None,
+            },
+            indent=1,
+        )
+    )
     if session is not None and session.store.accepted_digests is not None:  # ISLANDS_AUTH_AUDIT: experiments
         (out / f"{name}.audit").write_text(json.dumps(session.accepted_digests()))
 
 
-def _write_follower(run_dir: Path, name: str, follower, digest: str, place: IslandPlace,
-                    data_shard: tuple[int, int]) -> None:
+def _write_follower(
+    run_dir: Path, name: str, follower, digest: str, place: IslandPlace, data_shard: tuple[int, int]
+) -> None:
     """A follower's record: its island, the global model's digest (equal to its leader's) and what it saw."""
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({
-        "name": name, "island": _island(place), "data_shard": list(data_shard), "global_sha256": digest,
-        "final": follower.state_dict()}, indent=1))
+    (out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "name": name,
+                "island": _island(place),
+                "data_shard": list(data_shard),
+                "global_sha256": digest,
+                "final": follower.state_dict(),
+            },
+            indent=1,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m islands.app.elastic_worker HOST:PORT RUN_DIR (ISLANDS_TOKEN in the environment)",
-              file=sys.stderr)
+        print(
+            "usage: python -m islands.app.elastic_worker HOST:PORT RUN_DIR (ISLANDS_TOKEN in the environment)",
+            file=sys.stderr,
+        )
         return 2
     token = os.environ.get(TOKEN_ENV, "")
     name = os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}"

@@ -43,15 +43,19 @@ def run_config(run_dir: Path) -> JobConfig:
     single-worker or torchrun job, which has no launcher)."""
     path, record = run_dir / "config.json", run_dir / "run.json"
     if not path.is_file() and not record.is_file():
-        raise ExportError(f"{str(run_dir)!r} is not a run directory: it has neither config.json nor run.json "
-                          "(give the directory `islands train` wrote, e.g. runs/<time>-hf-causal-lm-w2)")
+        raise ExportError(
+            f"{str(run_dir)!r} is not a run directory: it has neither config.json nor run.json "
+            "(give the directory `islands train` wrote, e.g. runs/<time>-hf-causal-lm-w2)"
+        )
     try:
         cfg = load_json(path) if path.is_file() else from_mapping(json.loads(record.read_text())["config"])
     except (ConfigError, ValueError, KeyError) as e:
         raise ExportError(f"{path if path.is_file() else record}: not an islands job config: {e}") from None
     if cfg.task.name != hf_lm.NAME:
-        raise ExportError(f"run {str(run_dir)!r} trained task {cfg.task.name!r}; `islands export` writes "
-                          f"{hf_lm.NAME} runs (a transformers model) only. Train with --task {hf_lm.NAME}")
+        raise ExportError(
+            f"run {str(run_dir)!r} trained task {cfg.task.name!r}; `islands export` writes "
+            f"{hf_lm.NAME} runs (a transformers model) only. Train with --task {hf_lm.NAME}"
+        )
     return cfg
 
 
@@ -70,8 +74,10 @@ def global_model(run_dir: str | os.PathLike, step: int | None = None):
     cfg = run_config(run_dir)
     for name in (hf_lm.HF_CONFIG_FILE, hf_lm.TOKENIZER_FILE):
         if not (run_dir / name).is_file():
-            raise ExportError(f"run {str(run_dir)!r} has no {name} (rank 0 writes it when the task is built); "
-                              "was the run started by an older islands?")
+            raise ExportError(
+                f"run {str(run_dir)!r} has no {name} (rank 0 writes it when the task is built); "
+                "was the run started by an older islands?"
+            )
     data = json.loads((run_dir / hf_lm.HF_CONFIG_FILE).read_text())
     config = AutoConfig.for_model(data.pop("model_type"), **data)
     tok = tk.load(run_dir / hf_lm.TOKENIZER_FILE)
@@ -80,8 +86,10 @@ def global_model(run_dir: str | os.PathLike, step: int | None = None):
         raise ExportError(problem)
     root = checkpoint_root(cfg, run_dir)
     if not root.is_dir():
-        raise ExportError(f"run {str(run_dir)!r} has no checkpoint directory ({root}): train with "
-                          "--checkpoint.every N (the final step is then always saved)")
+        raise ExportError(
+            f"run {str(run_dir)!r} has no checkpoint directory ({root}): train with "
+            "--checkpoint.every N (the final step is then always saved)"
+        )
     try:
         loaded = CheckpointStore(root, clean=False).load(step, rank=0, fingerprint=fingerprint(cfg))
     except (NoCheckpoint, CorruptCheckpoint, CheckpointMismatch) as e:
@@ -92,8 +100,9 @@ def global_model(run_dir: str | os.PathLike, step: int | None = None):
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise ExportError(f"run {str(run_dir)!r}: checkpoint step {loaded.step} does not fit the model of "
-                          f"{hf_lm.HF_CONFIG_FILE}: {e}") from None
+        raise ExportError(
+            f"run {str(run_dir)!r}: checkpoint step {loaded.step} does not fit the model of {hf_lm.HF_CONFIG_FILE}: {e}"
+        ) from None
     # generation reads a KV cache; training switched it off. The ignore: build_model's nn.Module return makes
     # .config Tensor | Module (nn.Module.__getattr__); it is a transformers model's PretrainedConfig
     model.config.use_cache = True  # type: ignore[union-attr]
@@ -123,8 +132,9 @@ def _check_loads(tmp: Path, model, tok) -> float:
     with torch.no_grad():
         diff = (back(x).logits - model(x).logits).abs().max().item()
     if not diff <= ATOL:
-        raise ExportError(f"the exported model's logits differ from the islands model's by {diff:.3g} (> {ATOL}); "
-                          "nothing was written")
+        raise ExportError(
+            f"the exported model's logits differ from the islands model's by {diff:.3g} (> {ATOL}); nothing was written"
+        )
     return diff
 
 
@@ -144,8 +154,11 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
             setattr(model.config, key, eos)
     gen = getattr(model, "generation_config", None)
     if gen is not None:
-        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (model.config.bos_token_id, model.config.eos_token_id,
-                                                                 model.config.pad_token_id)
+        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
+            model.config.bos_token_id,
+            model.config.eos_token_id,
+            model.config.pad_token_id,
+        )
         gen.use_cache = True
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -157,5 +170,11 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return {"out": str(out), "step": at, "model": type(model).__name__, "parameters": sum(p.numel() for p in
-            model.parameters()), "vocab": tk.vocab_size(tok), "max_logit_difference": diff}
+    return {
+        "out": str(out),
+        "step": at,
+        "model": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab": tk.vocab_size(tok),
+        "max_logit_difference": diff,
+    }

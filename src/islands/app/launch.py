@@ -18,11 +18,11 @@ import torch
 from islands.app.build import run_job
 from islands.config import JobConfig, dump_json
 from islands.runtime import simulate
+from islands.runtime.elastic.etcd_store import EtcdAddress
+from islands.runtime.elastic.membership import JobSpec
 from islands.runtime.launch import spawn
 from islands.runtime.launch.elastic import launch_elastic_workers
-from islands.runtime.elastic.etcd_store import EtcdAddress
 from islands.runtime.launch.ranks import Placement, load_testbed, run_ranks
-from islands.runtime.elastic.membership import JobSpec
 from islands.tasks import heavy_imports
 from islands.testbed import Testbed, wire_bytes
 
@@ -44,10 +44,21 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     dump_json(cfg, cfg_path)
     before = _wire_counters(placement.testbed)
     # authenticated payloads: the workers' shared secret, made here unless the user gave one (never written down)
-    env = {"ISLANDS_TOKEN": secrets.token_hex(32)} if cfg.outer.authenticate and not os.environ.get("ISLANDS_TOKEN") \
+    env = (
+        {"ISLANDS_TOKEN": secrets.token_hex(32)}
+        if cfg.outer.authenticate and not os.environ.get("ISLANDS_TOKEN")
         else {}
-    code = run_ranks([sys.executable, "-m", WORKER_MODULE, str(cfg_path), str(run_dir)], world.workers, placement,
-                     islands=world.islands, threads=world.threads, run_dir=run_dir, out=out, env=env)
+    )
+    code = run_ranks(
+        [sys.executable, "-m", WORKER_MODULE, str(cfg_path), str(run_dir)],
+        world.workers,
+        placement,
+        islands=world.islands,
+        threads=world.threads,
+        run_dir=run_dir,
+        out=out,
+        env=env,
+    )
     if code == 0 and placement.testbed is not None:
         _record_wire_bytes(run_dir, placement.testbed, before)
     return code
@@ -61,8 +72,12 @@ def launch_simulated(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     gpu = cfg.world.device == "cuda" or (cfg.world.device == "auto" and torch.cuda.is_available())
     device = "cuda" if gpu else "cpu"
     try:  # an island waits for up to M-1 others' steps in turn: never less than the simulation's own timeout
-        simulate.run(lambda world: run_job(cfg, world, run_dir), islands=cfg.world.islands, device=device,
-                     timeout_s=max(cfg.world.timeout, simulate.DEFAULT_TIMEOUT_S))
+        simulate.run(
+            lambda world: run_job(cfg, world, run_dir),
+            islands=cfg.world.islands,
+            device=device,
+            timeout_s=max(cfg.world.timeout, simulate.DEFAULT_TIMEOUT_S),
+        )
     except RuntimeError as e:
         print(f"islands: {e}", file=out, flush=True)
         return 1
@@ -84,7 +99,8 @@ def _record_wire_bytes(run_dir: Path, testbed: Testbed, before) -> None:
         return
     rec = json.loads(path.read_text())
     rec["interconnect"]["wire_bytes_per_host"] = [
-        {"host": i, "tx": a[0] - b[0], "rx": a[1] - b[1]} for i, (a, b) in enumerate(zip(after, before))]
+        {"host": i, "tx": a[0] - b[0], "rx": a[1] - b[1]} for i, (a, b) in enumerate(zip(after, before))
+    ]
     path.write_text(json.dumps(rec, indent=2, default=str))
 
 
@@ -106,17 +122,28 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
     # the members are the islands (their leaders); each island's workers_per_island workers start together
-    job = JobSpec(workers=cfg.world.islands, heartbeat_timeout=cfg.elastic.heartbeat_timeout, timeout=cfg.world.timeout,
-                  config=shared_config(cfg, run_dir), island_size=cfg.workers_per_island)
+    job = JobSpec(
+        workers=cfg.world.islands,
+        heartbeat_timeout=cfg.elastic.heartbeat_timeout,
+        timeout=cfg.world.timeout,
+        config=shared_config(cfg, run_dir),
+        island_size=cfg.workers_per_island,
+    )
     testbed = load_testbed(cfg.world.testbed) if cfg.world.testbed else None  # island i on host i % hosts
     before = _wire_counters(testbed)
     spawn.preload(heavy_imports(cfg.task.name))  # not imported by a worker whose heartbeat runs already
-    code = launch_elastic_workers(lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
-                                  job, run_dir, port=cfg.world.port, threads=cfg.world.threads, out=out,
-                                  on_started=on_started,
-                                  max_restarts=cfg.elastic.max_restarts,
-                                  store=EtcdAddress.parse(cfg.elastic.store) if cfg.elastic.store else None,
-                                  testbed=testbed)
+    code = launch_elastic_workers(
+        lambda address: [sys.executable, "-m", ELASTIC_WORKER_MODULE, address, str(run_dir)],
+        job,
+        run_dir,
+        port=cfg.world.port,
+        threads=cfg.world.threads,
+        out=out,
+        on_started=on_started,
+        max_restarts=cfg.elastic.max_restarts,
+        store=EtcdAddress.parse(cfg.elastic.store) if cfg.elastic.store else None,
+        testbed=testbed,
+    )
     if code == 0 and testbed is not None:
         _record_wire_bytes(run_dir, testbed, before)
     return code

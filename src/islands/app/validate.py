@@ -48,9 +48,20 @@ from islands.tasks import hf_lm as hf, is_user_task
 
 INNER = ("auto", "single", "ddp", "zero1", "fsdp", "pipeline")
 DEVICES = ("auto", "cpu", "cuda")
-POSITIVE = ("task.d_model", "task.n_layers", "task.n_heads", "task.context", "task.hidden", "train.steps",
-            "train.global_batch", "world.workers", "world.islands", "world.threads", "train.eval_batches",
-            "train.log_every")
+POSITIVE = (
+    "task.d_model",
+    "task.n_layers",
+    "task.n_heads",
+    "task.context",
+    "task.hidden",
+    "train.steps",
+    "train.global_batch",
+    "world.workers",
+    "world.islands",
+    "world.threads",
+    "train.eval_batches",
+    "train.log_every",
+)
 
 
 def _compress(cfg) -> bool:
@@ -75,8 +86,9 @@ def _optimizer_text(cfg: JobConfig) -> str:
 def choices(cfg: JobConfig) -> list[str]:
     found = []
     if cfg.task.name not in ("lm", "digits", hf.NAME) and not is_user_task(cfg.task.name):
-        found.append(f"task.name must be lm, digits, {hf.NAME} or module:function (a user's make_task); "
-                     f"got {cfg.task.name!r}")
+        found.append(
+            f"task.name must be lm, digits, {hf.NAME} or module:function (a user's make_task); got {cfg.task.name!r}"
+        )
     if cfg.inner.strategy not in INNER:
         found.append(f"inner.strategy must be one of {', '.join(INNER)}; got {cfg.inner.strategy!r}")
     if cfg.world.device not in DEVICES:
@@ -97,8 +109,10 @@ def positive(cfg: JobConfig) -> list[str]:
     if not 0 <= cfg.world.port <= 65535:
         found.append(f"world.port must be 0 (pick a free one) or 1..65535; got {cfg.world.port}")
     if cfg.inner.prefetch < 0 or cfg.inner.shard_budget_mb < 0:
-        found.append(f"inner.prefetch and inner.shard_budget_mb must be >= 0; got {cfg.inner.prefetch}, "
-                     f"{cfg.inner.shard_budget_mb}")
+        found.append(
+            f"inner.prefetch and inner.shard_budget_mb must be >= 0; got {cfg.inner.prefetch}, "
+            f"{cfg.inner.shard_budget_mb}"
+        )
     return found
 
 
@@ -110,8 +124,10 @@ def device_has_gpus(cfg: JobConfig) -> str | None:
     if cfg.world.simulate:
         local = 1  # every simulated island on the one device
     if gpus < local:
-        return (f"world.device=cuda needs one GPU per local worker: workers={cfg.world.workers}, {gpus} CUDA "
-                f"device(s) visible; use world.device=cpu or auto")
+        return (
+            f"world.device=cuda needs one GPU per local worker: workers={cfg.world.workers}, {gpus} CUDA "
+            f"device(s) visible; use world.device=cpu or auto"
+        )
     return None
 
 
@@ -122,9 +138,11 @@ def shapes(cfg: JobConfig) -> list[str]:
     if cfg.world.workers % cfg.world.islands:
         found.append(f"world.workers ({cfg.world.workers}) must be divisible by world.islands ({cfg.world.islands})")
     if cfg.train.global_batch % cfg.world.workers:
-        found.append(f"train.global_batch ({cfg.train.global_batch}) must be divisible by world.workers "
-                     f"({cfg.world.workers}); try global_batch="
-                     f"{cfg.world.workers * max(1, cfg.train.global_batch // cfg.world.workers)}")
+        found.append(
+            f"train.global_batch ({cfg.train.global_batch}) must be divisible by world.workers "
+            f"({cfg.world.workers}); try global_batch="
+            f"{cfg.world.workers * max(1, cfg.train.global_batch // cfg.world.workers)}"
+        )
     if cfg.inner.strategy == "single" and cfg.workers_per_island > 1:
         found.append("inner.strategy=single needs one worker per island; use ddp or auto")
     return found
@@ -133,8 +151,11 @@ def shapes(cfg: JobConfig) -> list[str]:
 def data(cfg: JobConfig) -> str | None:
     if cfg.task.name == "digits" and cfg.task.data:
         return "task.data applies to task lm only; digits ships with scikit-learn"
-    if cfg.task.data and not Path(cfg.task.data).exists() and not (cfg.task.name == hf.NAME and any(
-            c in cfg.task.data for c in "*?[")):  # hf-causal-lm reads glob patterns (its rule checks them)
+    if (
+        cfg.task.data
+        and not Path(cfg.task.data).exists()
+        and not (cfg.task.name == hf.NAME and any(c in cfg.task.data for c in "*?["))
+    ):  # hf-causal-lm reads glob patterns (its rule checks them)
         return f"task.data path {cfg.task.data!r} does not exist; give a text file or a directory"
     return None
 
@@ -166,10 +187,14 @@ def specs(cfg: JobConfig) -> list[str]:
     def attack_fits(spec: Spec) -> object:
         return ATTACKS.build(spec).ranks_in(cfg.world.workers)
 
-    for key, registry, value in (("inner.compressor", COMPRESSORS, inner.compressor),
-                                 ("inner.aggregator", AGGREGATORS, inner.aggregator),
-                                 ("inner.attack", ATTACKS, inner.attack), ("train.optimizer", OPTIMIZERS, cfg.train.optimizer),
-                                 ("inner.wrap", WRAP_POLICIES, inner.wrap), ("checkpoint.policy", POLICIES, cfg.checkpoint.policy)):
+    for key, registry, value in (
+        ("inner.compressor", COMPRESSORS, inner.compressor),
+        ("inner.aggregator", AGGREGATORS, inner.aggregator),
+        ("inner.attack", ATTACKS, inner.attack),
+        ("train.optimizer", OPTIMIZERS, cfg.train.optimizer),
+        ("inner.wrap", WRAP_POLICIES, inner.wrap),
+        ("checkpoint.policy", POLICIES, cfg.checkpoint.policy),
+    ):
         if value is None:
             if key in ("train.optimizer", "inner.wrap"):
                 found.append(f"{key} needs a value; e.g. {'adamw' if key == 'train.optimizer' else 'block'}")
@@ -185,8 +210,10 @@ def specs(cfg: JobConfig) -> list[str]:
     if outer is not None and ask("outer.strategy", lambda: parse_outer(outer)):
         warm = parse_outer(outer).params.get("warm_start", 0)
         if warm >= cfg.train.steps:
-            found.append(f"outer warm_start ({warm}) must be < train.steps ({cfg.train.steps}) so that some steps "
-                         "are left for the outer rounds")
+            found.append(
+                f"outer warm_start ({warm}) must be < train.steps ({cfg.train.steps}) so that some steps "
+                "are left for the outer rounds"
+            )
     return found
 
 
@@ -212,15 +239,21 @@ def adaptive_rounds(cfg: JobConfig) -> str | None:
     h, c = spec.params["inner_steps"], cfg.checkpoint
     warm = spec.params.get("warm_start", 0)
     if warm % h and (c.every or c.memory_every or c.remote_every):
-        return (f"outer adapt={spec.params['adapt']} with checkpoints: warm_start ({warm}) must be a multiple of "
-                f"inner_steps ({h}) so that round ends fall on checkpoint steps")
+        return (
+            f"outer adapt={spec.params['adapt']} with checkpoints: warm_start ({warm}) must be a multiple of "
+            f"inner_steps ({h}) so that round ends fall on checkpoint steps"
+        )
     if c.policy is not None:
-        return (f"outer adapt={spec.params['adapt']} needs checkpoint intervals that are multiples of inner_steps "
-                f"({h}); checkpoint.policy chooses them at run time: give checkpoint.every instead")
+        return (
+            f"outer adapt={spec.params['adapt']} needs checkpoint intervals that are multiples of inner_steps "
+            f"({h}); checkpoint.policy chooses them at run time: give checkpoint.every instead"
+        )
     for key in ("every", "memory_every", "remote_every"):
         if getattr(c, key) % h:
-            return (f"outer adapt={spec.params['adapt']}: checkpoint.{key}={getattr(c, key)} must be a multiple of "
-                    f"inner_steps ({h}), where every island is at a round's end; e.g. {h * max(1, getattr(c, key) // h)}")
+            return (
+                f"outer adapt={spec.params['adapt']}: checkpoint.{key}={getattr(c, key)} must be a multiple of "
+                f"inner_steps ({h}), where every island is at a round's end; e.g. {h * max(1, getattr(c, key) // h)}"
+            )
     if cfg.elastic.enabled:
         return f"outer adapt={spec.params['adapt']} is not supported with elastic membership yet; use adapt=none"
     return None
@@ -228,22 +261,37 @@ def adaptive_rounds(cfg: JobConfig) -> str | None:
 
 def optimizer_exchange(cfg: JobConfig) -> str | None:
     if _communicates(cfg) and (_compress(cfg) or _robust(cfg)):
-        return (f"train.optimizer={_optimizer_text(cfg)!r} averages 1-bit momentum itself, so there is no gradient "
-                "exchange to compress or aggregate; leave inner.compressor='none', inner.aggregator='mean', "
-                "inner.attack=''")
+        return (
+            f"train.optimizer={_optimizer_text(cfg)!r} averages 1-bit momentum itself, so there is no gradient "
+            "exchange to compress or aggregate; leave inner.compressor='none', inner.aggregator='mean', "
+            "inner.attack=''"
+        )
     if _compress(cfg) and _robust(cfg):
-        return ("inner.compressor and a robust inner.aggregator/attack cannot be combined in the per-step exchange; "
-                "use one of them, or robust aggregation in an outer strategy")
+        return (
+            "inner.compressor and a robust inner.aggregator/attack cannot be combined in the per-step exchange; "
+            "use one of them, or robust aggregation in an outer strategy"
+        )
     return None
 
 
 def islands_need_outer(cfg: JobConfig) -> str | None:
-    if cfg.world.islands > 1 and cfg.outer.strategy is None and cfg.inner_strategy != "fsdp":  # fsdp: HSDP across islands
-        return (f"world.islands={cfg.world.islands} needs an outer strategy to meet across islands, e.g. "
-                "outer.strategy='diloco:inner_steps=100' or 'local-sgd:every=8'; or use islands=1")
-    if cfg.outer.strategy is not None and cfg.world.islands == 1 and cfg.world.workers > 1 and cfg.inner_strategy == "ddp":
-        return ("an outer strategy acts across islands, but world.islands=1 puts every worker in one island; "
-                f"set islands={cfg.world.workers} (one worker per island) or a divisor of workers")
+    if (
+        cfg.world.islands > 1 and cfg.outer.strategy is None and cfg.inner_strategy != "fsdp"
+    ):  # fsdp: HSDP across islands
+        return (
+            f"world.islands={cfg.world.islands} needs an outer strategy to meet across islands, e.g. "
+            "outer.strategy='diloco:inner_steps=100' or 'local-sgd:every=8'; or use islands=1"
+        )
+    if (
+        cfg.outer.strategy is not None
+        and cfg.world.islands == 1
+        and cfg.world.workers > 1
+        and cfg.inner_strategy == "ddp"
+    ):
+        return (
+            "an outer strategy acts across islands, but world.islands=1 puts every worker in one island; "
+            f"set islands={cfg.world.workers} (one worker per island) or a divisor of workers"
+        )
     return None
 
 
@@ -251,24 +299,33 @@ def sharding(cfg: JobConfig) -> str | None:
     inner, kind = cfg.inner, cfg.inner_strategy
     group = parse_shard_group(inner.shard_group)
     if kind == "zero1" and (_compress(cfg) or _robust(cfg) or _communicates(cfg)):
-        return ("inner.strategy=zero1 partitions an ordinary optimizer over DDP's plain mean; compressor, aggregator, "
-                "attack and 1-bit optimizers are wired for inner.strategy=ddp only")
+        return (
+            "inner.strategy=zero1 partitions an ordinary optimizer over DDP's plain mean; compressor, aggregator, "
+            "attack and 1-bit optimizers are wired for inner.strategy=ddp only"
+        )
     if kind != "fsdp":
         if group != "" or inner.prefetch or inner.shard_budget_mb:
-            return (f"inner.shard_group={inner.shard_group!r}, inner.shard_budget_mb and inner.prefetch="
-                    f"{inner.prefetch} apply to inner.strategy=fsdp only")
+            return (
+                f"inner.shard_group={inner.shard_group!r}, inner.shard_budget_mb and inner.prefetch="
+                f"{inner.prefetch} apply to inner.strategy=fsdp only"
+            )
         return None
     if isinstance(group, int):
         check_group(group, cfg.world.workers)
     if inner.shard_budget_mb and group != "auto":
         return "inner.shard_budget_mb is the budget of shard_group='auto'; set shard_group='auto' or drop it"
-    clash = [f"{k}={format_spec(v)!r}" for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator),
-                                                   ("attack", inner.attack)) if v is not None]
+    clash = [
+        f"{k}={format_spec(v)!r}"
+        for k, v in (("compressor", inner.compressor), ("aggregator", inner.aggregator), ("attack", inner.attack))
+        if v is not None
+    ]
     if _communicates(cfg) or (cfg.train.optimizer is not None and cfg.train.optimizer.name == "muon"):
         clash.append(f"optimizer={_optimizer_text(cfg)!r}")  # muon orthogonalises whole matrices
     if clash:  # FSDP owns its reduce-scatter; these act on a replicated gradient or a full local model
-        return (f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
-                "use inner.strategy=ddp for those, or drop them")
+        return (
+            f"inner.strategy=fsdp shards gradients and parameters, so it does not combine with {', '.join(clash)}; "
+            "use inner.strategy=ddp for those, or drop them"
+        )
     return fsdp_outer(cfg) if cfg.outer.strategy is not None else None
 
 
@@ -281,34 +338,44 @@ def fsdp_outer(cfg: JobConfig) -> str | None:
     if why:
         return f"inner.strategy=fsdp shards the parameters: {why}; or use inner.strategy=ddp"
     if parse_shard_group(cfg.inner.shard_group) != "":
-        return (f"inner.shard_group={cfg.inner.shard_group!r}: under an outer strategy fsdp shards over each island's "
-                "own workers (the outer exchange pairs the workers holding the same shard); leave shard_group ''")
+        return (
+            f"inner.shard_group={cfg.inner.shard_group!r}: under an outer strategy fsdp shards over each island's "
+            "own workers (the outer exchange pairs the workers holding the same shard); leave shard_group ''"
+        )
     return None
 
 
 def memory(cfg: JobConfig) -> str | None:
     m = cfg.memory
     if m.precision != "task" and m.precision not in PRECISIONS:
-        return (f"memory.precision must be one of task (the task's own choice, the default), "
-                f"{', '.join(PRECISIONS)}; got {m.precision!r}")
+        return (
+            f"memory.precision must be one of task (the task's own choice, the default), "
+            f"{', '.join(PRECISIONS)}; got {m.precision!r}"
+        )
     per_worker = cfg.batch_per_worker
     if m.micro_batch < 0:
         return f"memory.micro_batch must be >= 0 (0 = the whole per-worker batch); got {m.micro_batch}"
     if m.micro_batch > per_worker:
-        return (f"memory.micro_batch ({m.micro_batch}) exceeds the per-worker batch global_batch/workers = "
-                f"{per_worker}; use 0 (whole batch) or 1..{per_worker}")
+        return (
+            f"memory.micro_batch ({m.micro_batch}) exceeds the per-worker batch global_batch/workers = "
+            f"{per_worker}; use 0 (whole batch) or 1..{per_worker}"
+        )
     if m.budget_mb < 0:
         return f"memory.budget_mb must be >= 0 (0 = no budget); got {m.budget_mb}"
     if m.budget_mb and m.micro_batch:
         return f"memory.budget_mb={m.budget_mb} chooses micro_batch itself; set micro_batch=0 or drop the budget"
     if m.activation_checkpointing and cfg.task.name == "digits":
-        return ("memory.activation_checkpointing recomputes transformer blocks; the digits MLP holds too little to "
-                "matter (use it with task lm or a model of yours that supports it)")
+        return (
+            "memory.activation_checkpointing recomputes transformer blocks; the digits MLP holds too little to "
+            "matter (use it with task lm or a model of yours that supports it)"
+        )
     on = m.activation_checkpointing or m.precision not in ("fp32", "task") or m.micro_batch or m.budget_mb
     if cfg.inner_strategy in ("fsdp", "pipeline") and on:
-        return (f"memory settings (activation_checkpointing, precision, micro_batch, budget_mb) are not yet wired "
-                f"through inner.strategy={cfg.inner_strategy} (FSDP has its own mixed precision; a pipeline owns its "
-                f"forward, backward and micro-batches); use inner.strategy=ddp or single with them")
+        return (
+            f"memory settings (activation_checkpointing, precision, micro_batch, budget_mb) are not yet wired "
+            f"through inner.strategy={cfg.inner_strategy} (FSDP has its own mixed precision; a pipeline owns its "
+            f"forward, backward and micro-batches); use inner.strategy=ddp or single with them"
+        )
     if m.budget_mb:  # sizing is a few small passes on the CPU: a budget too small fails before any worker starts
         with torch.random.fork_rng():
             build_step_fn(cfg, build_task(cfg), None, World.single())  # AdamW-sized state before one exists
@@ -329,34 +396,53 @@ def pipeline(cfg: JobConfig) -> str | None:
         if problem:
             return problem
     if k != cfg.workers_per_island:
-        return (f"inner.stages={k} needs one worker per stage: set workers={k * cfg.world.islands} "
-                f"(with islands={cfg.world.islands}) or stages={cfg.workers_per_island}")
+        return (
+            f"inner.stages={k} needs one worker per stage: set workers={k * cfg.world.islands} "
+            f"(with islands={cfg.world.islands}) or stages={cfg.workers_per_island}"
+        )
     pieces = cfg.task.n_layers + 2 if cfg.task.name == "lm" else 3
     if k > pieces and cfg.task.name != hf.NAME:
-        return (f"inner.stages={k} but the {cfg.task.name} model has only {pieces} pieces to cut between "
-                f"({'n_layers + 2' if cfg.task.name == 'lm' else 'three layers'}); use stages <= {pieces}")
+        return (
+            f"inner.stages={k} but the {cfg.task.name} model has only {pieces} pieces to cut between "
+            f"({'n_layers + 2' if cfg.task.name == 'lm' else 'three layers'}); use stages <= {pieces}"
+        )
     m = parse_microbatches(inner.microbatches)
     batch = cfg.train.global_batch // cfg.world.islands
     if isinstance(m, int) and batch % m:  # an int, or "auto"
-        return (f"inner.microbatches={m} does not divide the pipeline's batch of {batch}; choose one of "
-                f"{divisors(batch)} or 'auto'")
+        return (
+            f"inner.microbatches={m} does not divide the pipeline's batch of {batch}; choose one of "
+            f"{divisors(batch)} or 'auto'"
+        )
     c, mem = cfg.checkpoint, cfg.memory
-    clash = [f"{key}={format_spec(value) if isinstance(value, Spec) else value!r}" for key, value, ok in
-             (("compressor", inner.compressor, (None,)), ("aggregator", inner.aggregator, (None,)),
-              ("attack", inner.attack, (None,)), ("outer", cfg.outer.strategy, (None,)),
-              ("elastic", cfg.elastic.enabled, (False,)), ("resume", c.resume, ("",)), ("checkpoint.every", c.every, (0,)),
-              ("checkpoint.memory_every", c.memory_every, (0,)), ("checkpoint.remote_every", c.remote_every, (0,)),
-              ("checkpoint.policy", c.policy, (None,)), ("micro_batch", mem.micro_batch, (0,)),
-              ("memory.budget_mb", mem.budget_mb, (0.0,)),
-              ("activation_checkpointing", mem.activation_checkpointing, (False,)), ("precision", mem.precision, ("fp32", "task")))
-             if value not in ok]
+    clash = [
+        f"{key}={format_spec(value) if isinstance(value, Spec) else value!r}"
+        for key, value, ok in (
+            ("compressor", inner.compressor, (None,)),
+            ("aggregator", inner.aggregator, (None,)),
+            ("attack", inner.attack, (None,)),
+            ("outer", cfg.outer.strategy, (None,)),
+            ("elastic", cfg.elastic.enabled, (False,)),
+            ("resume", c.resume, ("",)),
+            ("checkpoint.every", c.every, (0,)),
+            ("checkpoint.memory_every", c.memory_every, (0,)),
+            ("checkpoint.remote_every", c.remote_every, (0,)),
+            ("checkpoint.policy", c.policy, (None,)),
+            ("micro_batch", mem.micro_batch, (0,)),
+            ("memory.budget_mb", mem.budget_mb, (0.0,)),
+            ("activation_checkpointing", mem.activation_checkpointing, (False,)),
+            ("precision", mem.precision, ("fp32", "task")),
+        )
+        if value not in ok
+    ]
     if _communicates(cfg):
         clash.append(f"optimizer={_optimizer_text(cfg)!r}")
     if cfg.world.islands != 1:
         clash.append(f"islands={cfg.world.islands}")
     if clash:
-        return (f"inner.strategy=pipeline splits one model over the island's ranks and does not yet combine with "
-                f"{', '.join(clash)}; drop them, or use inner.strategy=ddp or fsdp for those")
+        return (
+            f"inner.strategy=pipeline splits one model over the island's ranks and does not yet combine with "
+            f"{', '.join(clash)}; drop them, or use inner.strategy=ddp or fsdp for those"
+        )
     return None
 
 
@@ -368,26 +454,42 @@ def _hf_pipeline(cfg: JobConfig, stages: int) -> str | None:
 
     t = cfg.task
     try:
-        config = hf.resolve(t.model, t.model_overrides, t.tokenizer, t.vocab_size, None, t.context, t.d_model,
-                            t.n_layers, t.n_heads, train=False)[2]
+        config = hf.resolve(
+            t.model,
+            t.model_overrides,
+            t.tokenizer,
+            t.vocab_size,
+            None,
+            t.context,
+            t.d_model,
+            t.n_layers,
+            t.n_heads,
+            train=False,
+        )[2]
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except hf.TaskError:
         return None  # the task rule reports it
     name = type(model).__name__
     if not is_causal_lm(model):
-        return (f"inner.strategy=pipeline: {name} is not a layout islands can cut (GPT-2, or Llama-like: Llama, "
-                f"Qwen2, Mistral); use ddp, zero1 or fsdp for it")
+        return (
+            f"inner.strategy=pipeline: {name} is not a layout islands can cut (GPT-2, or Llama-like: Llama, "
+            f"Qwen2, Mistral); use ddp, zero1 or fsdp for it"
+        )
     if tied_embeddings(model):
-        return (f"inner.strategy=pipeline: {name} ties its input and output embeddings, one parameter the first and "
-                f"the last stage would both hold; add task.model_overrides='tie_word_embeddings=false'")
+        return (
+            f"inner.strategy=pipeline: {name} ties its input and output embeddings, one parameter the first and "
+            f"the last stage would both hold; add task.model_overrides='tie_word_embeddings=false'"
+        )
     try:
         pieces = len(causal_lm_pieces(model))
     except TypeError as e:
         return f"inner.strategy=pipeline: {e}"
     if stages > pieces:
-        return (f"inner.stages={stages} but {name} has only {pieces} pieces to cut between (its "
-                f"{pieces - 2} layers, the embedding and the head); use stages <= {pieces}")
+        return (
+            f"inner.stages={stages} but {name} has only {pieces} pieces to cut between (its "
+            f"{pieces - 2} layers, the embedding and the head); use stages <= {pieces}"
+        )
     return None
 
 
@@ -405,19 +507,32 @@ def simulated(cfg: JobConfig) -> str | None:
     if not w.simulate:
         return None
     if w.workers != w.islands:
-        return (f"world.simulate runs one worker per island: set workers={w.islands} (= islands) or islands="
-                f"{w.workers}; got workers={w.workers}, islands={w.islands}")
-    clash = [f"{key}={value!r}" for key, value, off in (
-        ("elastic", cfg.elastic.enabled, False), ("testbed", w.testbed, ""), ("checkpoint.every", c.every, 0),
-        ("checkpoint.memory_every", c.memory_every, 0), ("checkpoint.remote_every", c.remote_every, 0),
-        ("checkpoint.policy", c.policy, None), ("resume", c.resume, "")) if value != off]
+        return (
+            f"world.simulate runs one worker per island: set workers={w.islands} (= islands) or islands="
+            f"{w.workers}; got workers={w.workers}, islands={w.islands}"
+        )
+    clash = [
+        f"{key}={value!r}"
+        for key, value, off in (
+            ("elastic", cfg.elastic.enabled, False),
+            ("testbed", w.testbed, ""),
+            ("checkpoint.every", c.every, 0),
+            ("checkpoint.memory_every", c.memory_every, 0),
+            ("checkpoint.remote_every", c.remote_every, 0),
+            ("checkpoint.policy", c.policy, None),
+            ("resume", c.resume, ""),
+        )
+        if value != off
+    ]
     if cfg.inner_strategy not in ("auto", "single", "ddp"):
         clash.append(f"inner.strategy={cfg.inner_strategy}")
     if _communicates(cfg):
         clash.append(f"optimizer={_optimizer_text(cfg)!r}")
     if clash:
-        return (f"world.simulate does not yet combine with {', '.join(clash)}: the simulation has no network, no "
-                f"process group for checkpoints or an inner strategy; drop them, or run real processes")
+        return (
+            f"world.simulate does not yet combine with {', '.join(clash)}: the simulation has no network, no "
+            f"process group for checkpoints or an inner strategy; drop them, or run real processes"
+        )
     return None
 
 
@@ -430,28 +545,42 @@ def elastic(cfg: JobConfig) -> str | None:
     if cfg.elastic.store and not cfg.elastic.enabled:
         return "elastic.store (--store) applies to elastic jobs; add elastic.enabled (--elastic) or leave it out"
     if not cfg.elastic.enabled:
-        return ("elastic.max_restarts applies to elastic jobs (a failed island is started again); add "
-                "elastic.enabled (--elastic) or leave it 0") if restarts else None
+        return (
+            (
+                "elastic.max_restarts applies to elastic jobs (a failed island is started again); add "
+                "elastic.enabled (--elastic) or leave it 0"
+            )
+            if restarts
+            else None
+        )
     if cfg.outer.strategy is None:
-        return ("elastic needs an outer strategy (e.g. outer.strategy='diloco:inner_steps=20'): members meet only "
-                "at its synchronisations")
+        return (
+            "elastic needs an outer strategy (e.g. outer.strategy='diloco:inner_steps=20'): members meet only "
+            "at its synchronisations"
+        )
     k = cfg.workers_per_island
     if cfg.inner.strategy == "pipeline":
-        return ("elastic islands of several workers take inner.strategy ddp, zero1 or fsdp; inner.strategy=pipeline "
-                "is refused: a pipeline splits the model into stages, so no one worker holds the island's global "
-                "model, and its stage schedule has no per-shard outer exchange")
+        return (
+            "elastic islands of several workers take inner.strategy ddp, zero1 or fsdp; inner.strategy=pipeline "
+            "is refused: a pipeline splits the model into stages, so no one worker holds the island's global "
+            "model, and its stage schedule has no per-shard outer exchange"
+        )
     if k > 1:
         given = [f"inner.{key}" for key in ("compressor", "aggregator", "attack") if getattr(cfg.inner, key)]
         if given:
-            return (f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} "
-                    "is not supported there yet (robust aggregation and attacks plan by global rank, which changes "
-                    "with membership); leave it out")
+            return (
+                f"elastic islands of several workers run plain ddp, zero1 or fsdp inside; {', '.join(given)} "
+                "is not supported there yet (robust aggregation and attacks plan by global rank, which changes "
+                "with membership); leave it out"
+            )
     refusal = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup).elastic_refusal()  # the strategy's own rule
     if refusal:
         return f"outer.strategy: {refusal}"
     if _communicates(cfg):
-        return (f"train.optimizer={_optimizer_text(cfg)!r} communicates inside an island; elastic mode has one worker "
-                "per island, use optimizer='adamw'")
+        return (
+            f"train.optimizer={_optimizer_text(cfg)!r} communicates inside an island; elastic mode has one worker "
+            "per island, use optimizer='adamw'"
+        )
     try:
         CheckpointDriver.check_elastic(checkpoint_settings(cfg))  # the driver's own rule
     except ValueError as e:
@@ -477,8 +606,10 @@ def loggers(cfg: JobConfig) -> str | None:
         return f"output.log: {e}"
     missing = missing_packages(names)
     if missing:
-        return (f"output.log={cfg.output.log!r}: not installed: {', '.join(missing)}; pip install 'islands[loggers]' "
-                "or drop them from output.log")
+        return (
+            f"output.log={cfg.output.log!r}: not installed: {', '.join(missing)}; pip install 'islands[loggers]' "
+            "or drop them from output.log"
+        )
     return None
 
 
@@ -490,8 +621,10 @@ def user_task(cfg: JobConfig) -> str | None:
     with torch.random.fork_rng():
         task = build_task(cfg)
         if not any(p.requires_grad for p in task.model.parameters()):
-            return (f"task {cfg.task.name!r}: the model ({type(task.model).__name__}) has no trainable parameters; "
-                    "nothing to train")
+            return (
+                f"task {cfg.task.name!r}: the model ({type(task.model).__name__}) has no trainable parameters; "
+                "nothing to train"
+            )
         batch = batch_source(task.train_data, 0, cfg.world.workers, task.batch_size, cfg.train.seed).next()
         with torch.no_grad():
             compute_loss(task.model, batch, task.loss_fn, explain=True)
@@ -503,12 +636,26 @@ def hf_task(cfg: JobConfig) -> str | None:
     no BPE trained, no weights read), before any worker starts or any run directory is written."""
     t = cfg.task
     if t.name != hf.NAME:
-        given = [k for k in ("model", "model_overrides", "tokenizer", "vocab_size", "text_column")
-                 if getattr(t, k) != getattr(type(t)(), k)]
+        given = [
+            k
+            for k in ("model", "model_overrides", "tokenizer", "vocab_size", "text_column")
+            if getattr(t, k) != getattr(type(t)(), k)
+        ]
         verb = "applies" if len(given) == 1 else "apply"
         return f"task.{', task.'.join(given)} {verb} to task {hf.NAME} only" if given else None
-    return hf.check(t.model, t.model_overrides, t.tokenizer, t.vocab_size, t.data, t.context, t.d_model, t.n_layers,
-                    t.n_heads, cfg.checkpoint.resume, t.text_column)
+    return hf.check(
+        t.model,
+        t.model_overrides,
+        t.tokenizer,
+        t.vocab_size,
+        t.data,
+        t.context,
+        t.d_model,
+        t.n_layers,
+        t.n_heads,
+        cfg.checkpoint.resume,
+        t.text_column,
+    )
 
 
 def payload_auth(cfg: JobConfig) -> str | None:
@@ -516,8 +663,10 @@ def payload_auth(cfg: JobConfig) -> str | None:
     if not cfg.outer.authenticate:
         return None
     if cfg.outer.strategy is None or cfg.world.islands < 2:
-        return ("outer.authenticate signs what islands send each other; it needs world.islands >= 2 and an outer "
-                "strategy (e.g. outer.strategy='diloco:inner_steps=100')")
+        return (
+            "outer.authenticate signs what islands send each other; it needs world.islands >= 2 and an outer "
+            "strategy (e.g. outer.strategy='diloco:inner_steps=100')"
+        )
     if cfg.world.simulate:
         return "outer.authenticate applies to islands as processes; simulated islands exchange inside one process"
     return None
@@ -530,15 +679,27 @@ VALUES = ("choices", "positive", "shapes", "specs")
 TASK = VALUES + ("data",)
 CLEAN = ("*",)  # builds the task or model: runs only when no rule before it found a problem
 RULES: list[tuple[str, Rule, tuple[str, ...]]] = [
-    ("choices", choices, ()), ("positive", positive, ()), ("device has GPUs", device_has_gpus, ("choices", "positive")),
-    ("shapes", shapes, ("positive",)), ("data", data, ("choices",)), ("testbed", testbed, ()), ("specs", specs, ()),
-    ("slowdown", slowdown, VALUES), ("adaptive rounds", adaptive_rounds, VALUES),
+    ("choices", choices, ()),
+    ("positive", positive, ()),
+    ("device has GPUs", device_has_gpus, ("choices", "positive")),
+    ("shapes", shapes, ("positive",)),
+    ("data", data, ("choices",)),
+    ("testbed", testbed, ()),
+    ("specs", specs, ()),
+    ("slowdown", slowdown, VALUES),
+    ("adaptive rounds", adaptive_rounds, VALUES),
     ("optimizer and exchange", optimizer_exchange, VALUES),
     ("islands need an outer strategy", islands_need_outer, VALUES),
-    ("sharding", sharding, VALUES), ("memory", memory, TASK), ("pipeline", pipeline, TASK),
-    ("checkpointing", checkpointing, CLEAN), ("simulated islands", simulated, VALUES), ("elastic", elastic, VALUES),
-    ("authenticated payloads", payload_auth, ()), ("loggers", loggers, ()),
-    ("user task", user_task, CLEAN), ("hf-causal-lm task", hf_task, ("choices", "positive", "data")),
+    ("sharding", sharding, VALUES),
+    ("memory", memory, TASK),
+    ("pipeline", pipeline, TASK),
+    ("checkpointing", checkpointing, CLEAN),
+    ("simulated islands", simulated, VALUES),
+    ("elastic", elastic, VALUES),
+    ("authenticated payloads", payload_auth, ()),
+    ("loggers", loggers, ()),
+    ("user task", user_task, CLEAN),
+    ("hf-causal-lm task", hf_task, ("choices", "positive", "data")),
 ]
 
 

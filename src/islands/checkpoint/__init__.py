@@ -28,9 +28,15 @@ from islands.checkpoint.store.directory import CheckpointStore
 __getattr__ = alias_getattr(__name__)  # the names that moved to codec/store/policy: deprecated here
 
 __all__ = [
-    "CheckpointSettings", "AutoInterval",
-    "resume", "check_resume", "fingerprint_of",
+    "CheckpointSettings",
+    "AutoInterval",
+    "resume",
+    "check_resume",
+    "fingerprint_of",
     "CheckpointStore",
-    "compress_file", "decompress_file",
-    "CheckpointMismatch", "CorruptCheckpoint", "NoCheckpoint",
+    "compress_file",
+    "decompress_file",
+    "CheckpointMismatch",
+    "CorruptCheckpoint",
+    "NoCheckpoint",
 ]

@@ -18,8 +18,8 @@ from rich.text import Text
 
 from islands.checkpoint.codec import safetensors_codec
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.store.manifest import data_name, manifest_name, read_manifest
 from islands.checkpoint.store.directory import _STEP_DIR, CheckpointStore
+from islands.checkpoint.store.manifest import data_name, manifest_name, read_manifest
 
 
 def _locate(path: str | os.PathLike) -> tuple[CheckpointStore, int]:
@@ -49,14 +49,29 @@ def ls(root: str | os.PathLike) -> tuple[list[dict], Table]:
             tensors, world, status = None, None, f"damaged: {exc}"
         if latest is not None and step > latest:  # see CheckpointStore.steps_by_preference
             status += " (past latest: left by a run that resumed from an older step)"
-        rows.append({"step": step, "path": str(path), "latest": step == latest, "bytes": size,
-                     "tensors": tensors, "world_size": world, "status": status})
+        rows.append(
+            {
+                "step": step,
+                "path": str(path),
+                "latest": step == latest,
+                "bytes": size,
+                "tensors": tensors,
+                "world_size": world,
+                "status": status,
+            }
+        )
     table = Table(title=f"checkpoints in {root}")
     for col in ("step", "latest", "MB on disk", "tensors", "ranks", "manifest"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["step"]), "*" if r["latest"] else "", f"{r['bytes'] / 1e6:.3f}", str(r["tensors"]),
-                      str(r["world_size"]), r["status"])
+        table.add_row(
+            str(r["step"]),
+            "*" if r["latest"] else "",
+            f"{r['bytes'] / 1e6:.3f}",
+            str(r["tensors"]),
+            str(r["world_size"]),
+            r["status"],
+        )
     return rows, table
 
 
@@ -65,6 +80,7 @@ def verify(path: str | os.PathLike) -> tuple[dict, Text]:
     p = Path(path)
     if p.is_file():
         import tempfile
+
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 safetensors_codec.decompress_file(p, Path(tmp) / "check.safetensors")
@@ -79,8 +95,11 @@ def verify(path: str | os.PathLike) -> tuple[dict, Text]:
         problems = {store.path_for(s).name: store.verify(s) for s in store.steps()}
     problems = {k: v for k, v in problems.items() if v}
     data = {"path": str(p), "ok": not problems, "problems": problems}
-    text = Text(f"{p}: intact", style="green") if data["ok"] else Text(
-        f"{p}: DAMAGED\n" + "\n".join(f"  {k}: {'; '.join(v)}" for k, v in problems.items()), style="red")
+    text = (
+        Text(f"{p}: intact", style="green")
+        if data["ok"]
+        else Text(f"{p}: DAMAGED\n" + "\n".join(f"  {k}: {'; '.join(v)}" for k, v in problems.items()), style="red")
+    )
     return data, text
 
 
@@ -96,8 +115,15 @@ def inspect(path: str | os.PathLike, rank: int = 0) -> tuple[dict, Table]:
     for name, e in body["tensors"].items():
         src = e["file"].split("/", 1)[0]
         where = "this" if e["file"] == own_file else (f"this, {e['file'].split('/', 1)[1]}" if src == own else src)
-        table.add_row(name, e["dtype"], str(tuple(e["shape"])), e["codec"], f"{e['length'] / 1e3:.1f}",
-                      where, "yes" if e.get("delta_base") else "")
+        table.add_row(
+            name,
+            e["dtype"],
+            str(tuple(e["shape"])),
+            e["codec"],
+            f"{e['length'] / 1e3:.1f}",
+            where,
+            "yes" if e.get("delta_base") else "",
+        )
     return body, table
 
 
@@ -108,9 +134,15 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, rank: int = 0) -> tuple[dic
     ma = read_manifest(sa.path_for(stepa) / manifest_name(rank))
     mb = read_manifest(sb.path_for(stepb) / manifest_name(rank))
     ta, tb = ma["tensors"], mb["tensors"]
-    result: dict[str, Any] = {"only_a": sorted(set(ta) - set(tb)), "only_b": sorted(set(tb) - set(ta)), "changed": [], "same": [],
-              "reshaped": [], "fingerprint_a": ma.get("config_fingerprint"),
-              "fingerprint_b": mb.get("config_fingerprint")}
+    result: dict[str, Any] = {
+        "only_a": sorted(set(ta) - set(tb)),
+        "only_b": sorted(set(tb) - set(ta)),
+        "changed": [],
+        "same": [],
+        "reshaped": [],
+        "fingerprint_a": ma.get("config_fingerprint"),
+        "fingerprint_b": mb.get("config_fingerprint"),
+    }
     for name in sorted(set(ta) & set(tb)):
         x, y = ta[name], tb[name]
         if (x["shape"], x["dtype"]) != (y["shape"], y["dtype"]):
@@ -162,8 +194,11 @@ _VERBS = {
 
 def add_ckpt_command(sub, usage_error: type[Exception]) -> None:
     """`islands ckpt ls|verify|inspect|diff|compress|decompress`; bad input raises `usage_error` (exit 2)."""
-    ck = sub.add_parser("ckpt", help="inspect, verify, diff and compress checkpoints",
-                        description="Checkpoint tools (islands.checkpoint). Add --json for machine-readable output.")
+    ck = sub.add_parser(
+        "ckpt",
+        help="inspect, verify, diff and compress checkpoints",
+        description="Checkpoint tools (islands.checkpoint). Add --json for machine-readable output.",
+    )
     verbs = ck.add_subparsers(dest="verb", required=True)
     for verb, (text, positionals) in _VERBS.items():
         p = verbs.add_parser(verb, help=text, description=text)
@@ -176,11 +211,14 @@ def add_ckpt_command(sub, usage_error: type[Exception]) -> None:
 
 
 def run_ckpt_command(args, usage_error: type[Exception] = ValueError) -> int:
-    calls: dict[str, Callable[[], tuple[Any, Any]]] = {"ls": lambda: ls(args.root), "verify": lambda: verify(args.path),
-             "inspect": lambda: inspect(args.step_dir, rank=args.rank),
-             "diff": lambda: diff(args.a, args.b, rank=args.rank),
-             "compress": lambda: compress_file(args.src, args.dst),
-             "decompress": lambda: decompress_file(args.src, args.dst)}
+    calls: dict[str, Callable[[], tuple[Any, Any]]] = {
+        "ls": lambda: ls(args.root),
+        "verify": lambda: verify(args.path),
+        "inspect": lambda: inspect(args.step_dir, rank=args.rank),
+        "diff": lambda: diff(args.a, args.b, rank=args.rank),
+        "compress": lambda: compress_file(args.src, args.dst),
+        "decompress": lambda: decompress_file(args.src, args.dst),
+    }
     try:
         data, renderable = calls[args.verb]()
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, NoCheckpoint, CheckpointMismatch) as e:

@@ -52,7 +52,9 @@ def _tiling(tensors: list[Tensor]) -> Tensor | None:
         return None
     first = tensors[0]
     storage = first.untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() != storage or t.dtype != first.dtype or t.device != first.device for t in tensors):
+    if any(
+        t.untyped_storage().data_ptr() != storage or t.dtype != first.dtype or t.device != first.device for t in tensors
+    ):
         return None
     spans = sorted((t.storage_offset(), t.numel()) for t in tensors)
     start, end = spans[0][0], spans[0][0]
@@ -131,7 +133,9 @@ def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind
 def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind: str) -> dict[str, list[Tensor]]:
     """The sum over ranks of each name's tensors when they do not add on the wire: one all-gather of
     everything's bytes, then `merge([rank 0's tensors, rank 1's, ...])` per name, in rank order."""
-    layout = [(n, i, t.shape, t.dtype, t.numel() * t.element_size()) for n, ts in groups.items() for i, t in enumerate(ts)]
+    layout = [
+        (n, i, t.shape, t.dtype, t.numel() * t.element_size()) for n, ts in groups.items() for i, t in enumerate(ts)
+    ]
     parts = [_flat_bytes(t) for ts in groups.values() for t in ts if t.numel()]
     if not parts:
         return {n: list(ts) for n, ts in groups.items()}
@@ -147,7 +151,9 @@ def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind
     return {n: (merge([r[n] for r in per_rank]) if ts else []) for n, ts in groups.items()}
 
 
-def _sum_round(groups: dict[str, list[Tensor]], comm: Comm, compressor: Compressor, op: str, kind: str) -> dict[str, list[Tensor]]:
+def _sum_round(
+    groups: dict[str, list[Tensor]], comm: Comm, compressor: Compressor, op: str, kind: str
+) -> dict[str, list[Tensor]]:
     if getattr(compressor, "sum_transport", "all_reduce") == "gather":
         # only CompressorBase subclasses set sum_transport, and `merge` comes with it
         return _gather_merge_fused(groups, comm, typing.cast(CompressorBase, compressor).merge, kind)
@@ -160,14 +166,22 @@ def _fp32_target(out: dict[str, Tensor] | None, name: str) -> Tensor | None:
     return t if t is not None and t.dtype == torch.float32 and t.is_contiguous() else None
 
 
-def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor,
-                      out_to: dict[str, Tensor] | None, sent: list[int] | None = None) -> dict[str, Tensor]:
+def _average_summable(
+    tensors: dict[str, Tensor],
+    states: dict,
+    comm: Comm,
+    compressor: Compressor,
+    out_to: dict[str, Tensor] | None,
+    sent: list[int] | None = None,
+) -> dict[str, Tensor]:
     parties = comm.size
     agree = {n: compressor.agree(t, states[n]) for n, t in tensors.items()}
     agreed = _sum_round(agree, comm, compressor, compressor.agree_op, "compress_agree")
     payloads = {n: compressor.compress(t, states[n], Agreed(agreed[n], parties)) for n, t in tensors.items()}
     if sent is not None:
-        sent.append(sum(_nbytes(t) for ts in agree.values() for t in ts) + sum(p.wire_nbytes for p in payloads.values()))
+        sent.append(
+            sum(_nbytes(t) for ts in agree.values() for t in ts) + sum(p.wire_nbytes for p in payloads.values())
+        )
     summed = _sum_round({n: p.tensors for n, p in payloads.items()}, comm, compressor, "sum", "compress_sum")
     out = {}
     for n, p in payloads.items():
@@ -177,12 +191,17 @@ def _average_summable(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
     return out
 
 
-def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor,
-                      sent: list[int] | None = None) -> dict[str, Tensor]:
+def _average_gathered(
+    tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor, sent: list[int] | None = None
+) -> dict[str, Tensor]:
     payloads = {n: compressor.compress(t, states[n]) for n, t in tensors.items()}
     if sent is not None:
         sent.append(sum(p.wire_nbytes for p in payloads.values()))
-    layout = [(n, i, t.shape, t.dtype, t.numel() * t.element_size()) for n, p in payloads.items() for i, t in enumerate(p.tensors)]
+    layout = [
+        (n, i, t.shape, t.dtype, t.numel() * t.element_size())
+        for n, p in payloads.items()
+        for i, t in enumerate(p.tensors)
+    ]
     parts = [_flat_bytes(t) for p in payloads.values() for t in p.tensors]
     mine = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     everyone = comm.all_gather(mine, kind="compress_gather") if mine.numel() else [mine] * comm.size
@@ -197,8 +216,13 @@ def _average_gathered(tensors: dict[str, Tensor], states: dict, comm: Comm, comp
     return {n: cast(compressor.combine_gathered([r[n] for r in per_rank]), torch.float32) for n in payloads}
 
 
-def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compressor: Compressor,
-                         out: dict[str, Tensor] | None = None, sent: list[int] | None = None) -> dict[str, Tensor]:
+def compress_and_average(
+    named_tensors: dict[str, Tensor],
+    comm: Comm,
+    compressor: Compressor,
+    out: dict[str, Tensor] | None = None,
+    sent: list[int] | None = None,
+) -> dict[str, Tensor]:
     """Mean over comm's group of each named tensor, compressed on the wire; results in input dtypes.
 
     `out` (same names and shapes): tensors the means are written into and returned as; they may be the
@@ -242,10 +266,13 @@ def compress_and_average(named_tensors: dict[str, Tensor], comm: Comm, compresso
 
 
 def _check_out(named_tensors: dict[str, Tensor], out: dict[str, Tensor]) -> None:
-    if list(out) != list(named_tensors) or any((out[n].shape, out[n].dtype) != (t.shape, t.dtype)
-                                               for n, t in named_tensors.items()):
-        raise ValueError("compress_and_average: out must hold the same names, in the same order, with the same "
-                         f"shapes and dtypes as named_tensors; got {[(n, tuple(t.shape), t.dtype) for n, t in out.items()]}")
+    if list(out) != list(named_tensors) or any(
+        (out[n].shape, out[n].dtype) != (t.shape, t.dtype) for n, t in named_tensors.items()
+    ):
+        raise ValueError(
+            "compress_and_average: out must hold the same names, in the same order, with the same "
+            f"shapes and dtypes as named_tensors; got {[(n, tuple(t.shape), t.dtype) for n, t in out.items()]}"
+        )
 
 
 def analytic_nbytes(named_tensors: dict[str, Tensor], compressor: Compressor, **kw) -> int:

@@ -234,7 +234,10 @@ class CompressorBase:
 
     def merge(self, parts: list[list[Tensor]]) -> list[Tensor]:
         """With sum_transport="gather": the sum of every rank's tensors (parts[rank]), in rank order."""
-        return [torch.stack([p[i].to(torch.float32) for p in parts]).sum(0).to(parts[0][i].dtype) for i in range(len(parts[0]))]
+        return [
+            torch.stack([p[i].to(torch.float32) for p in parts]).sum(0).to(parts[0][i].dtype)
+            for i in range(len(parts[0]))
+        ]
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         """Mean of the decoded payloads, summed in rank order so every rank gets the same bits."""

@@ -33,7 +33,12 @@ class Cast(CompressorBase):
                     f"{state.get('_name', '?')}: |value| {float(x.abs().max()):.3g} overflows fp16 "
                     f"(max {_FP16_MAX}); use bf16 or fp32"
                 )
-        return Payload([x.to(self.wire_dtype)], tensor.shape, tensor.dtype, meta={"prescale": 1.0 / parties if self.wire_dtype == torch.float16 else 1.0})
+        return Payload(
+            [x.to(self.wire_dtype)],
+            tensor.shape,
+            tensor.dtype,
+            meta={"prescale": 1.0 / parties if self.wire_dtype == torch.float16 else 1.0},
+        )
 
     def decompress(self, payload: Payload) -> Tensor:
         out = payload.tensors[0].to(torch.float32) / payload.meta.get("prescale", 1.0)

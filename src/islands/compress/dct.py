@@ -51,9 +51,16 @@ def dct_basis(block: int, device: torch.device | str = "cpu") -> Tensor:
 class DCTTopK(TopKQ):
     name = "dct-topk"
 
-    def __init__(self, ratio: float = 0.01, bits: Literal[2, 4, 8, 32] = 2, block: int = DEMO_BLOCK,
-                 chunk: int = SPARSELOCO_CHUNK, decay: float = 1.0, ef: bool = True,
-                 index: Literal["fixed", "elias-fano"] = "fixed"):
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        bits: Literal[2, 4, 8, 32] = 2,
+        block: int = DEMO_BLOCK,
+        chunk: int = SPARSELOCO_CHUNK,
+        decay: float = 1.0,
+        ef: bool = True,
+        index: Literal["fixed", "elias-fano"] = "fixed",
+    ):
         """DeMo's transform, then TopKQ on the DCT coefficients. `ratio`: fraction of each chunk of coefficients sent.
         `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32 for fp32 values. `block`: DCT length
         (DeMo: 64). `chunk`: coefficients per top-k chunk (4096: a position packs into 12 bits). `decay`: the

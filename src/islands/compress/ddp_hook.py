@@ -9,7 +9,6 @@ DDP hands buckets over. One thread means every rank issues its collectives in th
 failure mode of launching collectives from future callbacks), while backward keeps computing.
 """
 
-
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +25,9 @@ from islands.runtime.comm import Comm, as_comm
 class CompressionHookState:
     """The `state` object DDP passes to the hook; checkpoint it with state_dict()/load_state_dict()."""
 
-    def __init__(self, compressor: Compressor, comm: Comm, named_parameters: Iterable[tuple[str, Tensor]], overlap: bool = True):
+    def __init__(
+        self, compressor: Compressor, comm: Comm, named_parameters: Iterable[tuple[str, Tensor]], overlap: bool = True
+    ):
         self.compressor = compressor
         self.comm = comm
         self.by_id: dict[int, str] = {}
@@ -42,7 +43,9 @@ class CompressionHookState:
     def name_of(self, p: Tensor) -> str:
         name = self.by_id.get(id(p)) or self.by_ptr.get(p.data_ptr())
         if name is None:
-            raise KeyError(f"a bucket parameter of shape {tuple(p.shape)} is not in the named_parameters given to ddp_comm_hook")
+            raise KeyError(
+                f"a bucket parameter of shape {tuple(p.shape)} is not in the named_parameters given to ddp_comm_hook"
+            )
         return name
 
     def split(self, buffer: Tensor, params: list[Tensor]) -> dict[str, Tensor]:

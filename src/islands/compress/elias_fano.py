@@ -59,11 +59,13 @@ def decode_rows(bits: Tensor, n: int, k: int) -> Tensor:
     if k == 0:
         return torch.zeros(rows, 0, dtype=torch.int64, device=bits.device)
     lo = low_bits(n, k)
-    high = bits[:, k * lo:]
+    high = bits[:, k * lo :]
     # a well-formed row has exactly k set high bits; nonzero lists them row by row, ascending within a row
     set_bits = torch.nonzero(high)[:, 1]
     if set_bits.numel() != rows * k:
-        raise ValueError(f"Elias-Fano rows hold {set_bits.numel()} set high bits, expected {rows} x {k}: corrupt payload")
+        raise ValueError(
+            f"Elias-Fano rows hold {set_bits.numel()} set high bits, expected {rows} x {k}: corrupt payload"
+        )
     pos = (set_bits.view(rows, k) - torch.arange(k, device=bits.device)) << lo
     if lo:
         weights = torch.ones(lo, dtype=torch.int64, device=bits.device) << torch.arange(lo, device=bits.device)

@@ -25,8 +25,9 @@ _C = TypeVar("_C", bound=Compressor)
 
 
 class ErrorFeedback(CompressorBase):
-    def __init__(self, inner: CompressorBase, momentum: float = 0.0, clip_norm: float | None = None,
-                 decay: float = 1.0):
+    def __init__(
+        self, inner: CompressorBase, momentum: float = 0.0, clip_norm: float | None = None, decay: float = 1.0
+    ):
         super().__init__()
         if isinstance(inner, ErrorFeedback):
             raise TypeError("ErrorFeedback(ErrorFeedback(...)) would feed the error back twice")
@@ -34,7 +35,8 @@ class ErrorFeedback(CompressorBase):
             raise ValueError(
                 f"error feedback needs a contractive compressor (one whose error is smaller than its input); "
                 f"{inner.name} rescales to stay unbiased, so the residual would grow without bound. "
-                f"Use it without error feedback (ef=0, its default), or topk, int8/int4, sign or powersgd with ef=1")
+                f"Use it without error feedback (ef=0, its default), or topk, int8/int4, sign or powersgd with ef=1"
+            )
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"error-feedback momentum must be in [0, 1), got {momentum!r}")
         if clip_norm is not None and not clip_norm > 0:
@@ -148,5 +150,9 @@ def with_error_feedback(compressor: _C) -> _C | ErrorFeedback:
     if isinstance(compressor, ErrorFeedback) or not getattr(compressor, "ef", False):
         return compressor
     # `ef` is a CompressorBase attribute: a compressor asking for error feedback is one
-    return ErrorFeedback(typing.cast(CompressorBase, compressor), momentum=getattr(compressor, "ef_momentum", 0.0),
-                         clip_norm=getattr(compressor, "ef_clip", None), decay=getattr(compressor, "ef_decay", 1.0))
+    return ErrorFeedback(
+        typing.cast(CompressorBase, compressor),
+        momentum=getattr(compressor, "ef_momentum", 0.0),
+        clip_norm=getattr(compressor, "ef_clip", None),
+        decay=getattr(compressor, "ef_decay", 1.0),
+    )

@@ -23,9 +23,20 @@ from islands.runtime.comm import Comm
 
 
 class _CompressedAdamBase(CommunicatingOptimizer):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=100, comm: Comm | None = None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        warmup_steps=100,
+        comm: Comm | None = None,
+    ):
         if lr <= 0 or eps <= 0 or weight_decay < 0:
-            raise ValueError(f"need lr > 0, eps > 0, weight_decay >= 0; got lr={lr}, eps={eps}, weight_decay={weight_decay}")
+            raise ValueError(
+                f"need lr > 0, eps > 0, weight_decay >= 0; got lr={lr}, eps={eps}, weight_decay={weight_decay}"
+            )
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
         if warmup_steps < 1:
@@ -121,5 +132,3 @@ class NaiveCompressedAdam(_CompressedAdamBase):
         for n, p, group in named:
             self._decay(p, group)
             p.add_(updates[n].to(p.dtype), alpha=-group["lr"])
-
-

@@ -79,8 +79,9 @@ def naive_compressed_adam(warmup: int | None = None) -> OptimizerSpec:
     return _warmup("naive-compressed-adam", warmup)
 
 
-def split_adamw(variance: str = "local", every: int = 20, clip: float = 1.0, rank: int = 4, bits: int = 32,
-                dense_bits: int = 32) -> OptimizerSpec:
+def split_adamw(
+    variance: str = "local", every: int = 20, clip: float = 1.0, rank: int = 4, bits: int = 32, dense_bits: int = 32
+) -> OptimizerSpec:
     """AdamW whose first moment takes the PowerSGD-compressed average, its variance a separate source.
     `variance`: the second-moment source, compressed | exact | local. `every`: steps between bf16 all-reduces of
     the workers' local variance (variance=local). `clip`: max global norm of the averaged gradient (run the
@@ -95,25 +96,39 @@ def split_adamw(variance: str = "local", every: int = 20, clip: float = 1.0, ran
     return OptimizerSpec("split-adamw", options=tuple(options.items()))
 
 
-def muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, adjust_lr: str = "match_rms_adamw",
-         lr_ratio: float = 1.0) -> OptimizerSpec:
+def muon(
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    adjust_lr: str = "match_rms_adamw",
+    lr_ratio: float = 1.0,
+) -> OptimizerSpec:
     """torch's Muon on the hidden weight matrices, AdamW on embeddings, the head, biases and norms (islands.optim).
     `momentum`: Muon's momentum (0.95, Keller Jordan's and torch's default). `nesterov`: Nesterov momentum in Muon.
     `ns_steps`: Newton-Schulz iterations per update. `adjust_lr`: match_rms_adamw (Liu et al. 2025: update RMS as
     AdamW's, so the job's lr and weight decay carry over) | original (Keller Jordan's; wants lr_ratio near 10).
     `lr_ratio`: Muon's lr over the job's lr."""
     if not 0 <= momentum < 1 or ns_steps < 1 or not lr_ratio > 0:
-        raise ValueError(f"optimizer 'muon': need 0 <= momentum < 1, ns_steps >= 1 and lr_ratio > 0; got "
-                         f"momentum={momentum}, ns_steps={ns_steps}, lr_ratio={lr_ratio}")
+        raise ValueError(
+            f"optimizer 'muon': need 0 <= momentum < 1, ns_steps >= 1 and lr_ratio > 0; got "
+            f"momentum={momentum}, ns_steps={ns_steps}, lr_ratio={lr_ratio}"
+        )
     if adjust_lr not in ADJUST_LR:
         raise ValueError(f"optimizer 'muon': adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
     options = dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr=adjust_lr, lr_ratio=lr_ratio)
     return OptimizerSpec("muon", options=tuple(options.items()))
 
 
-OPTIMIZERS = Registry("optimizer", {"adamw": adamw, "onebit-adam": onebit_adam,
-                                    "naive-compressed-adam": naive_compressed_adam, "split-adamw": split_adamw,
-                                    "muon": muon})
+OPTIMIZERS = Registry(
+    "optimizer",
+    {
+        "adamw": adamw,
+        "onebit-adam": onebit_adam,
+        "naive-compressed-adam": naive_compressed_adam,
+        "split-adamw": split_adamw,
+        "muon": muon,
+    },
+)
 
 
 def describe_optimizers() -> str:
@@ -129,24 +144,52 @@ def parse_optimizer(spec: str | Spec) -> OptimizerSpec:
     return OPTIMIZERS.build(spec)
 
 
-def build_optimizer(spec: OptimizerSpec | str, params, *, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0,
-                    steps: int = 1, comm: Comm | None = None, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    spec: OptimizerSpec | str,
+    params,
+    *,
+    lr: float,
+    betas=(0.9, 0.95),
+    weight_decay: float = 0.0,
+    steps: int = 1,
+    comm: Comm | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.optim.Optimizer:
     """The torch optimizer a spec names; `comm` (the local group) is used by the 1-bit ones; `model` by muon, which
     splits the model's parameters itself (islands.optim.muon_split; `params` is then unused)."""
     spec = parse_optimizer(spec) if isinstance(spec, str) else spec
     if spec.name == "muon":
         if model is None:
-            raise ValueError("optimizer 'muon' needs the model (build_optimizer(..., model=model)): it tells the hidden "
-                             "weight matrices, which Muon takes, from embeddings and the output head, which AdamW takes")
+            raise ValueError(
+                "optimizer 'muon' needs the model (build_optimizer(..., model=model)): it tells the hidden "
+                "weight matrices, which Muon takes, from embeddings and the output head, which AdamW takes"
+            )
         o = dict(spec.options)
-        return MuonAdamW.for_model(model, lr=lr, betas=betas, weight_decay=weight_decay, momentum=o["momentum"],
-                                   nesterov=o["nesterov"], ns_steps=o["ns_steps"], adjust_lr_fn=o["adjust_lr"],
-                                   muon_lr_ratio=o["lr_ratio"])
+        return MuonAdamW.for_model(
+            model,
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            momentum=o["momentum"],
+            nesterov=o["nesterov"],
+            ns_steps=o["ns_steps"],
+            adjust_lr_fn=o["adjust_lr"],
+            muon_lr_ratio=o["lr_ratio"],
+        )
     cls = _CLASSES[spec.name]
     if cls is None:
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if issubclass(cls, SplitMomentAdamW):
         o = dict(spec.options)
-        return SplitMomentAdamW(params, _split_compressor(o), comm, lr=lr, betas=betas, weight_decay=weight_decay,
-                                variance=o["variance"], variance_every=o["every"], clip=o["clip"])
+        return SplitMomentAdamW(
+            params,
+            _split_compressor(o),
+            comm,
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            variance=o["variance"],
+            variance_every=o["every"],
+            clip=o["clip"],
+        )
     return cls(params, lr=lr, betas=betas, weight_decay=weight_decay, warmup_steps=spec.warmup_steps(steps), comm=comm)

@@ -26,11 +26,17 @@ class CommunicatingOptimizer(torch.optim.Optimizer):
 
     def _named(self) -> list[tuple[str, Tensor, dict]]:
         """(stable name "group.index", parameter, its group) for every parameter that has a gradient."""
-        return [(f"{gi}.{pi}", p, g) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
-                if p.grad is not None]
+        return [
+            (f"{gi}.{pi}", p, g)
+            for gi, g in enumerate(self.param_groups)
+            for pi, p in enumerate(g["params"])
+            if p.grad is not None
+        ]
 
     def _average(self, tensors: dict[str, Tensor], compressor) -> dict[str, Tensor]:
         if self.comm is None:
-            return {n: compressor.decompress(compressor.compress(t, compressor.state(n, t))).float()
-                    for n, t in tensors.items()}
+            return {
+                n: compressor.decompress(compressor.compress(t, compressor.state(n, t))).float()
+                for n, t in tensors.items()
+            }
         return compress_and_average(tensors, self.comm, compressor)

@@ -51,7 +51,9 @@ INT8_LEVELS = 127
 def wire_dtype(what: str, bits: int, allowed=(32, 16)) -> torch.dtype:
     if bits not in allowed:
         names = {32: "fp32", 16: "bf16", 8: "int8"}
-        raise ValueError(f"powersgd {what} must be one of " + ", ".join(f"{b} ({names[b]})" for b in allowed) + f", got {bits!r}")
+        raise ValueError(
+            f"powersgd {what} must be one of " + ", ".join(f"{b} ({names[b]})" for b in allowed) + f", got {bits!r}"
+        )
     return WIRE_DTYPES[bits]
 
 
@@ -85,8 +87,16 @@ class PowerSGD(CompressorBase):
     combine = Combine.SUMMABLE
     agree_op = "sum"
 
-    def __init__(self, rank: int = 4, seed: int = 0, start: int = 0, min_rate: float = 1.0, bits: int = 32,
-                 dense_bits: int = 32, ef: bool = True):
+    def __init__(
+        self,
+        rank: int = 4,
+        seed: int = 0,
+        start: int = 0,
+        min_rate: float = 1.0,
+        bits: int = 32,
+        dense_bits: int = 32,
+        ef: bool = True,
+    ):
         """Low-rank factors of each matrix (LIT-206); `rank`: their rank. `seed`: Q's initialisation, the same on
         every rank. `start`: uncompressed steps first (torch's start_powerSGD_iter). `min_rate`: send a matrix
         uncompressed unless n*m >= min_rate*(n+m)*rank. `bits`: factor precision on the wire (32 fp32, 16 bf16, 8 int8
@@ -99,7 +109,9 @@ class PowerSGD(CompressorBase):
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise ValueError(f"powersgd start (uncompressed steps first) must be an int >= 0, got {start!r}")
         if not min_rate >= 1.0:
-            raise ValueError(f"powersgd min_rate (least n*m / ((n+m)*rank) worth compressing) must be >= 1, got {min_rate!r}")
+            raise ValueError(
+                f"powersgd min_rate (least n*m / ((n+m)*rank) worth compressing) must be >= 1, got {min_rate!r}"
+            )
         self.rank = rank
         self.seed = int(seed)  # same on every rank: Q must start identical everywhere
         self.start = start

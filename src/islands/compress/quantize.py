@@ -34,6 +34,7 @@ class QSGD(SeededMixin, CompressorBase):
     Codes travel as int8, or packed two per byte when levels <= 7 (they then fit a signed nibble).
     Payload: codes + one fp32 norm. Gathered: each rank's norm differs, so codes cannot be summed.
     """
+
     name = "qsgd"
     combine = Combine.GATHERED
     contractive = False  # unbiased: error variance up to min(n/s^2, sqrt(n)/s) x ||x||^2, above 1 for big tensors

@@ -37,8 +37,10 @@ class SharedRandomK(CompressorBase):
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"{self.name} ratio (fraction of entries sent) must be in (0, 1], got {ratio!r}")
         if rescale and ef:
-            raise ValueError(f"{self.name}: rescale=1 makes it unbiased but not contractive, so error feedback would "
-                             "grow without bound; use rescale=0 (the default) with ef=1, or rescale=1 with ef=0")
+            raise ValueError(
+                f"{self.name}: rescale=1 makes it unbiased but not contractive, so error feedback would "
+                "grow without bound; use rescale=0 (the default) with ef=1, or rescale=1 with ef=0"
+            )
         self.ratio, self.seed, self.rescale, self.ef = float(ratio), int(seed), bool(rescale), bool(ef)
         self.contractive = not self.rescale
 

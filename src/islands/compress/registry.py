@@ -30,13 +30,25 @@ COMPRESSORS = Registry(
     "compressor",
     {
         "none": NoCompression,
-        "fp16": bind(Cast, torch.float16, doc="Each value cast to fp16 on the wire, prescaled by 1/ranks so the sum "
-                                              "cannot overflow; `ef`: error feedback around it."),
+        "fp16": bind(
+            Cast,
+            torch.float16,
+            doc="Each value cast to fp16 on the wire, prescaled by 1/ranks so the sum "
+            "cannot overflow; `ef`: error feedback around it.",
+        ),
         "bf16": bind(Cast, torch.bfloat16, doc="Each value cast to bf16 on the wire; `ef`: error feedback around it."),
-        "int8": bind(SharedScaleQuant, 8, doc="int8 codes against one scale every rank agrees on, summable; "
-                                              "`seed`: rounding RNG seed. `ef`: error feedback around it."),
-        "int4": bind(SharedScaleQuant, 4, doc="int4 codes against one scale every rank agrees on (at most 7 ranks); "
-                                              "`seed`: rounding RNG seed. `ef`: error feedback around it."),
+        "int8": bind(
+            SharedScaleQuant,
+            8,
+            doc="int8 codes against one scale every rank agrees on, summable; "
+            "`seed`: rounding RNG seed. `ef`: error feedback around it.",
+        ),
+        "int4": bind(
+            SharedScaleQuant,
+            4,
+            doc="int4 codes against one scale every rank agrees on (at most 7 ranks); "
+            "`seed`: rounding RNG seed. `ef`: error feedback around it.",
+        ),
         "qsgd": QSGD,
         "randomk": RandomK,
         # DGC's sparsity warm-up is on in the spec form (the constructor leaves it off for direct use)

@@ -35,17 +35,32 @@ VARIANCE_SOURCES = ("compressed", "exact", "local")
 class SplitMomentAdamW(CommunicatingOptimizer):
     name = "split-adamw"  # its optimizer spec's name (islands.compress.optim); DDP records "synced-by-<name>"
 
-    def __init__(self, params, compressor: CompressorBase, comm: Comm | None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, variance: str = "local", variance_every: int = 20, clip: float = 0.0):
+    def __init__(
+        self,
+        params,
+        compressor: CompressorBase,
+        comm: Comm | None,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        variance: str = "local",
+        variance_every: int = 20,
+        clip: float = 0.0,
+    ):
         if lr <= 0 or eps <= 0 or weight_decay < 0 or clip < 0:
-            raise ValueError(f"need lr > 0, eps > 0, weight_decay >= 0, clip >= 0; got lr={lr}, eps={eps}, "
-                             f"weight_decay={weight_decay}, clip={clip}")
+            raise ValueError(
+                f"need lr > 0, eps > 0, weight_decay >= 0, clip >= 0; got lr={lr}, eps={eps}, "
+                f"weight_decay={weight_decay}, clip={clip}"
+            )
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
         if variance not in VARIANCE_SOURCES:
             raise ValueError(f"variance must be one of {VARIANCE_SOURCES}, got {variance!r}")
         if not isinstance(variance_every, int) or variance_every < 1:
-            raise ValueError(f"variance_every (steps between variance all-reduces) must be an int >= 1, got {variance_every!r}")
+            raise ValueError(
+                f"variance_every (steps between variance all-reduces) must be an int >= 1, got {variance_every!r}"
+            )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.compressor = compressor
         self.comm = comm

@@ -91,8 +91,10 @@ class TopK(SparsePayload, CompressorBase):
         self.schedule = tuple(float(s) for s in schedule)
         self.steps_per_stage = int(steps_per_stage)
         if not 0.0 <= sample <= 1.0:
-            raise ValueError(f"topk sample (fraction of entries sampled to estimate the threshold; 0 = exact topk) "
-                             f"must be in [0, 1], got {sample!r}")
+            raise ValueError(
+                f"topk sample (fraction of entries sampled to estimate the threshold; 0 = exact topk) "
+                f"must be in [0, 1], got {sample!r}"
+            )
         self.sample = float(sample)
 
     def density(self, step: int | None = None) -> float:
@@ -117,7 +119,9 @@ class TopK(SparsePayload, CompressorBase):
         if not k:
             idx = flat.new_zeros(0, dtype=torch.long)
         elif self.sample and k < flat.numel() and flat.numel() >= MIN_SAMPLED_NUMEL:
-            idx = sampled_topk_indices(as_fp32(flat).abs(), k, self.sample, name_seed(state["step"], state.get("_name", "")))
+            idx = sampled_topk_indices(
+                as_fp32(flat).abs(), k, self.sample, name_seed(state["step"], state.get("_name", ""))
+            )
         else:
             idx = torch.topk(as_fp32(flat).abs(), k, sorted=False).indices
         state["step"] += 1

@@ -79,8 +79,15 @@ class TopKQ(CompressorBase):
     name = "topkq"
     combine = Combine.GATHERED
 
-    def __init__(self, ratio: float = 0.01, bits: Literal[2, 4, 8, 32] = 2, chunk: int = SPARSELOCO_CHUNK,
-                 decay: float = 1.0, ef: bool = True, index: Literal["fixed", "elias-fano"] = "fixed"):
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        bits: Literal[2, 4, 8, 32] = 2,
+        chunk: int = SPARSELOCO_CHUNK,
+        decay: float = 1.0,
+        ef: bool = True,
+        index: Literal["fixed", "elias-fano"] = "fixed",
+    ):
         """SparseLoCo's payload: the top of each chunk, positions packed, values in a few bits. `ratio`: fraction of
         each chunk sent (SparseLoCo: 1-3%). `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32
         for fp32 values. `chunk`: values per chunk (4096: a position packs into 12 bits). `decay`: the error-feedback
@@ -92,15 +99,21 @@ class TopKQ(CompressorBase):
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"{self.name} ratio (fraction of each chunk sent) must be in (0, 1], got {ratio!r}")
         if bits not in BITS:
-            raise ValueError(f"{self.name} bits must be one of {', '.join(map(str, BITS))} (32: fp32 values), got {bits!r}")
+            raise ValueError(
+                f"{self.name} bits must be one of {', '.join(map(str, BITS))} (32: fp32 values), got {bits!r}"
+            )
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"{self.name} chunk (values per top-k chunk) must be an int >= 1, got {chunk!r}")
         if not 0.0 < decay <= 1.0:
-            raise ValueError(f"{self.name} decay (weight of the error-feedback residual) must be in (0, 1], got {decay!r}")
+            raise ValueError(
+                f"{self.name} decay (weight of the error-feedback residual) must be in (0, 1], got {decay!r}"
+            )
         if decay != 1.0 and not ef:
             raise ValueError(f"{self.name} decay acts on the error-feedback residual; it needs ef=1")
         if index not in INDEX:
-            raise ValueError(f"{self.name} index (how positions travel) must be one of {', '.join(INDEX)}, got {index!r}")
+            raise ValueError(
+                f"{self.name} index (how positions travel) must be one of {', '.join(INDEX)}, got {index!r}"
+            )
         self.ratio, self.bits, self.chunk, self.index = float(ratio), int(bits), int(chunk), index
         self.ef, self.ef_decay = bool(ef), float(decay)
 
@@ -156,7 +169,7 @@ class TopKQ(CompressorBase):
         n = y.numel()
         g, full, k, tail, k_tail = self.layout(n)
         pos, vals = [], []
-        for rows, kk in ((y[: full * g].view(full, g), k), (y[full * g:].view(1, tail), k_tail)):
+        for rows, kk in ((y[: full * g].view(full, g), k), (y[full * g :].view(1, tail), k_tail)):
             if not rows.numel():
                 continue
             idx = torch.topk(rows.abs(), kk, dim=1, sorted=False).indices
@@ -191,8 +204,11 @@ class TopKQ(CompressorBase):
         n = y.numel()
         if n == 0:
             empty = torch.zeros(0, dtype=torch.uint8, device=x.device)
-            return Payload([empty, empty] + ([] if self.bits == 32 else [torch.zeros(0, device=x.device)]),
-                           tensor.shape, tensor.dtype)
+            return Payload(
+                [empty, empty] + ([] if self.bits == 32 else [torch.zeros(0, device=x.device)]),
+                tensor.shape,
+                tensor.dtype,
+            )
         pos, vals = self.select(y)
         index = self._pack_positions(pos, n)
         if self.bits == 32:
@@ -211,8 +227,12 @@ class TopKQ(CompressorBase):
         g, full, k, tail, k_tail = self.layout(n)
         kept, chunks = self.kept(n)
         local = self._unpack_positions(payload.tensors[0], n)
-        row = torch.cat([torch.arange(full, device=device).repeat_interleave(k),
-                         torch.full((k_tail,), full, dtype=torch.int64, device=device)])
+        row = torch.cat(
+            [
+                torch.arange(full, device=device).repeat_interleave(k),
+                torch.full((k_tail,), full, dtype=torch.int64, device=device),
+            ]
+        )
         where = local + row * g
         if self.bits == 32:
             return where, payload.tensors[1].to(torch.float32)

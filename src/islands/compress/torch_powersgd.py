@@ -46,8 +46,11 @@ class TorchPowerSGDState:
         self.comm = comm
         self.rank, self.min_rate = rank, min_rate
         self.torch_state = tp.PowerSGDState(
-            process_group=comm.group, matrix_approximation_rank=rank, start_powerSGD_iter=start,
-            min_compression_rate=min_rate, random_seed=seed,
+            process_group=comm.group,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=start,
+            min_compression_rate=min_rate,
+            random_seed=seed,
         )
 
     def state_dict(self) -> dict:
@@ -59,8 +62,10 @@ class TorchPowerSGDState:
 
 def _counted_hook(state: TorchPowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     if bucket.index() > 0:
-        raise RuntimeError(f"{NAME}: DDP made a second bucket; torch's PowerSGD hook crashes on gloo with two or "
-                           f"more buckets, so run it with bucket_mb >= the model's gradient size (e.g. {SINGLE_BUCKET_MB:g})")
+        raise RuntimeError(
+            f"{NAME}: DDP made a second bucket; torch's PowerSGD hook crashes on gloo with two or "
+            f"more buckets, so run it with bucket_mb >= the model's gradient size (e.g. {SINGLE_BUCKET_MB:g})"
+        )
     ts = state.torch_state
     compressing = ts.iter >= ts.start_powerSGD_iter  # the same test torch's hook makes
     sent = bucket_nbytes(list(bucket.gradients()), state.rank, state.min_rate, compressing)
@@ -90,8 +95,10 @@ class TorchPowerSGD:
 
     def __init__(self, rank: int = 4, start: int = 2, min_rate: float = 2.0, seed: int = 0):
         if rank < 1 or start < 2 or min_rate <= 0:
-            raise ValueError(f"{NAME}: need rank >= 1, start >= 2 (torch's minimum with error feedback), min_rate > 0; "
-                             f"got rank={rank}, start={start}, min_rate={min_rate}")
+            raise ValueError(
+                f"{NAME}: need rank >= 1, start >= 2 (torch's minimum with error feedback), min_rate > 0; "
+                f"got rank={rank}, start={start}, min_rate={min_rate}"
+            )
         self.rank, self.start, self.min_rate, self.seed = int(rank), int(start), float(min_rate), int(seed)
 
     def make_hook(self, comm: Comm, model: torch.nn.Module):

@@ -43,8 +43,10 @@ ASSETS = {  # path -> (package file, content type)
 PLOTLY_PATH = "/plotly.min.js"
 STATE_PATH = "/api/state"
 # the page's own scripts and styles, the plotly bundle from here; plotly sets inline styles on its charts
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-       "connect-src 'self'; font-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; font-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 class DashboardError(Exception):
@@ -55,15 +57,19 @@ def plotly_bundle() -> Path:
     """The plotly.min.js inside the installed `plotly` package."""
     spec = find_spec("plotly")
     if spec is None or not spec.submodule_search_locations:
-        raise DashboardError("the dashboard draws its charts with plotly, which is not installed: "
-                             "pip install 'islands[dashboard]' (or pip install plotly)")
+        raise DashboardError(
+            "the dashboard draws its charts with plotly, which is not installed: "
+            "pip install 'islands[dashboard]' (or pip install plotly)"
+        )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / "package_data" / "plotly.min.js"
         if path.is_file():
             return path
-    raise DashboardError(f"the installed plotly has no package_data/plotly.min.js (looked in "
-                         f"{list(spec.submodule_search_locations)}); reinstall it: "
-                         f"pip install --force-reinstall plotly")
+    raise DashboardError(
+        f"the installed plotly has no package_data/plotly.min.js (looked in "
+        f"{list(spec.submodule_search_locations)}); reinstall it: "
+        f"pip install --force-reinstall plotly"
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -116,8 +122,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _not_allowed(self) -> None:
         self.close_connection = True  # its body (if any) is not read
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET and HEAD only\n", "text/plain; charset=utf-8",
-                   extra={"Allow": "GET, HEAD"})
+        self._send(
+            HTTPStatus.METHOD_NOT_ALLOWED,
+            b"read-only: GET and HEAD only\n",
+            "text/plain; charset=utf-8",
+            extra={"Allow": "GET, HEAD"},
+        )
 
     def do_HEAD(self) -> None:
         self._serve(body=False)
@@ -136,8 +146,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         if not self._host_ok():
-            self._send(HTTPStatus.FORBIDDEN, b"this dashboard answers to localhost only\n",
-                       "text/plain; charset=utf-8", body=body)
+            self._send(
+                HTTPStatus.FORBIDDEN,
+                b"this dashboard answers to localhost only\n",
+                "text/plain; charset=utf-8",
+                body=body,
+            )
             return
         path = urlsplit(self.path).path
         if path == STATE_PATH:
@@ -145,18 +159,28 @@ class _Handler(BaseHTTPRequestHandler):
                 data, status = json.dumps(self.server.reader.state(), allow_nan=False, separators=(",", ":")), 200
             except Exception as e:  # noqa: BLE001 (the page shows the reason; the server keeps serving)
                 data, status = json.dumps({"error": f"{type(e).__name__}: {e}"}), 500
-            self._send(HTTPStatus(status), data.encode(), "application/json", body=body,
-                       extra={"Cache-Control": "no-store"})
+            self._send(
+                HTTPStatus(status), data.encode(), "application/json", body=body, extra={"Cache-Control": "no-store"}
+            )
         elif path == PLOTLY_PATH:
-            self._send(HTTPStatus.OK, self.server.plotly.read_bytes(), "text/javascript; charset=utf-8", body=body,
-                       extra={"Cache-Control": "max-age=86400"})
+            self._send(
+                HTTPStatus.OK,
+                self.server.plotly.read_bytes(),
+                "text/javascript; charset=utf-8",
+                body=body,
+                extra={"Cache-Control": "max-age=86400"},
+            )
         elif path in ASSETS:
             name, ctype = ASSETS[path]
             asset = resources.files("islands.dashboard").joinpath(name).read_bytes()
             self._send(HTTPStatus.OK, asset, ctype, body=body, extra={"Cache-Control": "no-cache"})
         else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found: the dashboard serves /, its assets and /api/state\n",
-                       "text/plain; charset=utf-8", body=body)
+            self._send(
+                HTTPStatus.NOT_FOUND,
+                b"not found: the dashboard serves /, its assets and /api/state\n",
+                "text/plain; charset=utf-8",
+                body=body,
+            )
 
     def _send(self, status: HTTPStatus, data: bytes, ctype: str, body: bool = True, extra: dict | None = None) -> None:
         self.send_response(status)
@@ -175,8 +199,7 @@ class _Handler(BaseHTTPRequestHandler):
 class DashboardServer:
     """The dashboard of one run directory, served on host:port (port 0: a free one)."""
 
-    def __init__(self, run_dir: str | Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 flag: str = "--port"):
+    def __init__(self, run_dir: str | Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, flag: str = "--port"):
         """`flag`: the option that sets the port, named in the message about a port in use."""
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise DashboardError(f"dashboard port must be in 0..65535 (0 picks a free one); got {port}")
@@ -196,19 +219,24 @@ class DashboardServer:
     def bind(self) -> None:
         """Take the port now (a busy port raises DashboardError, nothing started)."""
         try:
-            self._server = _Server((self.host.strip("[]"), self.port), _Handler, RunReader(self.run_dir), self.plotly,
-                                   self.loopback)
+            self._server = _Server(
+                (self.host.strip("[]"), self.port), _Handler, RunReader(self.run_dir), self.plotly, self.loopback
+            )
         except OSError as e:
             raise DashboardError(self._bind_message(e)) from None
         self.port = self._server.server_address[1]
 
     def _bind_message(self, e: OSError) -> str:
         if e.errno == errno.EADDRINUSE:
-            return (f"dashboard port {self.port} on {self.host} is already in use; pick another with "
-                    f"{self.flag} PORT, or {self.flag} 0 for a free one")
+            return (
+                f"dashboard port {self.port} on {self.host} is already in use; pick another with "
+                f"{self.flag} PORT, or {self.flag} 0 for a free one"
+            )
         if e.errno == errno.EACCES:
-            return (f"dashboard port {self.port} needs privileges on this machine; pick one above 1023 with "
-                    f"{self.flag} PORT, or {self.flag} 0 for a free one")
+            return (
+                f"dashboard port {self.port} needs privileges on this machine; pick one above 1023 with "
+                f"{self.flag} PORT, or {self.flag} 0 for a free one"
+            )
         if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
             return f"dashboard host {self.host!r} is not an address of this machine: {e.strerror or e}"
         return f"dashboard cannot listen on {self.host}:{self.port}: {e.strerror or e}"
@@ -221,8 +249,9 @@ class DashboardServer:
 
     def start(self) -> DashboardServer:
         """Bind (if not yet) and serve in a daemon thread."""
-        self._thread = threading.Thread(target=self._bound().serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="islands-dashboard", daemon=True)
+        self._thread = threading.Thread(
+            target=self._bound().serve_forever, kwargs={"poll_interval": 0.2}, name="islands-dashboard", daemon=True
+        )
         self._thread.start()
         return self
 

@@ -170,8 +170,11 @@ class RunReader:
         record = self._json_file(self.run_dir / "run.json")
         record = record if isinstance(record, dict) else None
         elastic_dir = self.run_dir / "elastic"
-        members = [m for p in (sorted(elastic_dir.glob("*.json")) if elastic_dir.is_dir() else [])
-                   if isinstance(m := self._json_file(p), dict)]
+        members = [
+            m
+            for p in (sorted(elastic_dir.glob("*.json")) if elastic_dir.is_dir() else [])
+            if isinstance(m := self._json_file(p), dict)
+        ]
         seen = ([(s.name, s.offset) for s in streams], sorted((str(p), k[0]) for p, (k, _) in self._files.items()))
         rev = hashlib.sha1(repr(seen).encode()).hexdigest()[:16]  # the page redraws its charts when this changes
         return streams, record, members, rev
@@ -188,8 +191,7 @@ def build_state(run_dir: str | Path) -> dict:
 
 
 # ---- the state -------------------------------------------------------------------------------------
-def build(run_dir: Path, streams: list[Stream], record: dict | None, members: list[dict], rev: str,
-          now: float) -> dict:
+def build(run_dir: Path, streams: list[Stream], record: dict | None, members: list[dict], rev: str, now: float) -> dict:
     summary = (record or {}).get("summary") or {}
     first = streams[0] if streams else None
     params = first.params if first else {}
@@ -249,17 +251,27 @@ def _job(params: dict, record, summary: dict, steps_total) -> dict:
         "islands": _int(summary.get("islands")) or _int(params.get("world.islands")),
         "steps_total": steps_total,
         "interconnect": record.get("interconnect_line") or params.get("interconnect"),
-        "baseline": (record.get("baseline") or {}).get("definition") or summary.get("baseline")
-                    or params.get("baseline"),
+        "baseline": (record.get("baseline") or {}).get("definition")
+        or summary.get("baseline")
+        or params.get("baseline"),
     }
 
 
 def _numbers(streams: list[Stream], summary: dict, status: str) -> dict:
     """The key numbers: run.json's summary once the run finished (equal to what it reports), else the
     latest live values."""
-    out: dict = {"val_loss": None, "val_step": None, "val_accuracy": None, "train_loss": None,
-                 "mb_sent_per_worker": None, "utilisation": None, "utilisation_of": None, "tokens_per_s": None,
-                 "wall_s": None, "from": "live"}
+    out: dict = {
+        "val_loss": None,
+        "val_step": None,
+        "val_accuracy": None,
+        "train_loss": None,
+        "mb_sent_per_worker": None,
+        "utilisation": None,
+        "utilisation_of": None,
+        "tokens_per_s": None,
+        "wall_s": None,
+        "from": "live",
+    }
     with_val = [s for s in streams if s.get("val/loss")[0]]
     if with_val:
         steps, losses = with_val[0].get("val/loss")
@@ -282,9 +294,14 @@ def _numbers(streams: list[Stream], summary: dict, status: str) -> dict:
         out["wall_s"] = streams[0].latest["time/elapsed_s"]
     if summary and status == "finished":
         out["from"] = "run.json"
-        for key, name in (("val_loss", "final_val_loss"), ("val_accuracy", "final_val_accuracy"),
-                          ("train_loss", "final_train_loss"), ("mb_sent_per_worker", "mb_sent_per_worker"),
-                          ("tokens_per_s", "tokens_per_second"), ("wall_s", "wall_seconds")):
+        for key, name in (
+            ("val_loss", "final_val_loss"),
+            ("val_accuracy", "final_val_accuracy"),
+            ("train_loss", "final_train_loss"),
+            ("mb_sent_per_worker", "mb_sent_per_worker"),
+            ("tokens_per_s", "tokens_per_second"),
+            ("wall_s", "wall_seconds"),
+        ):
             if _num(summary.get(name)) is not None:
                 out[key] = _num(summary[name])
         if out["val_loss"] is not None and summary.get("steps") is not None:
@@ -302,8 +319,12 @@ def _val(streams: list[Stream], record) -> dict:
     series = ((record or {}).get("series") or {}).get("val") or []
     if series:
         rows = [v for v in series if _num(v.get("val_loss")) is not None]
-        return {"step": [v["step"] for v in rows], "loss": [v["val_loss"] for v in rows],
-                "sent_mb": [v.get("mb_sent") for v in rows], "source": "run.json"}
+        return {
+            "step": [v["step"] for v in rows],
+            "loss": [v["val_loss"] for v in rows],
+            "sent_mb": [v.get("mb_sent") for v in rows],
+            "source": "run.json",
+        }
     for s in streams:
         points = s.val_points()
         if points["step"]:
@@ -317,16 +338,28 @@ def _rank(s: Stream) -> dict:
         return {"step": steps, "value": values}
 
     return {
-        "name": s.name, "rank": s.rank, "island": s.island, "first_t": s.first_t, "last_t": s.last_t,
+        "name": s.name,
+        "rank": s.rank,
+        "island": s.island,
+        "first_t": s.first_t,
+        "last_t": s.last_t,
         "step": s.step,
         "train_loss": pair("train/loss"),
         "utilisation": pair("time/utilisation"),
         "link_gbit_s": pair("link/achieved_gbit_s"),
         "sent_mb": pair("comm/sent_mb"),
-        "latest": {k: s.latest.get(m) for k, m in (
-            ("utilisation", "time/utilisation"), ("link_gbit_s", "link/achieved_gbit_s"),
-            ("sent_mb", "comm/sent_mb"), ("tokens_per_s", "train/tokens_per_s"), ("train_loss", "train/loss"),
-            ("blocked_s", "time/blocked_s"), ("elapsed_s", "time/elapsed_s"))},
+        "latest": {
+            k: s.latest.get(m)
+            for k, m in (
+                ("utilisation", "time/utilisation"),
+                ("link_gbit_s", "link/achieved_gbit_s"),
+                ("sent_mb", "comm/sent_mb"),
+                ("tokens_per_s", "train/tokens_per_s"),
+                ("train_loss", "train/loss"),
+                ("blocked_s", "time/blocked_s"),
+                ("elapsed_s", "time/elapsed_s"),
+            )
+        },
     }
 
 
@@ -344,25 +377,40 @@ def _ranks_from_record(record) -> list[dict]:
         busy, total = _num(led.get("busy_seconds")), _num(led.get("total_sent"))
         link = total * 8 / busy / 1e9 if busy and total is not None else None
         empty: dict[str, list] = {"step": [], "value": []}
-        out.append({
-            "name": f"rank{r}", "rank": r, "island": r // per_island, "first_t": None, "last_t": None,
-            "step": final_step,
-            "train_loss": ({"step": [e["step"] for e in train], "value": [e["loss"] for e in train]}
-                           if r == 0 else empty),
-            "utilisation": empty,
-            "link_gbit_s": {"step": [final_step], "value": [link]} if link is not None else empty,
-            "sent_mb": {"step": [final_step], "value": [total / 1e6]} if total is not None else empty,
-            "latest": {"utilisation": None, "link_gbit_s": link, "sent_mb": None if total is None else total / 1e6,
-                       "tokens_per_s": None, "train_loss": None, "blocked_s": None, "elapsed_s": None},
-        })
+        out.append(
+            {
+                "name": f"rank{r}",
+                "rank": r,
+                "island": r // per_island,
+                "first_t": None,
+                "last_t": None,
+                "step": final_step,
+                "train_loss": (
+                    {"step": [e["step"] for e in train], "value": [e["loss"] for e in train]} if r == 0 else empty
+                ),
+                "utilisation": empty,
+                "link_gbit_s": {"step": [final_step], "value": [link]} if link is not None else empty,
+                "sent_mb": {"step": [final_step], "value": [total / 1e6]} if total is not None else empty,
+                "latest": {
+                    "utilisation": None,
+                    "link_gbit_s": link,
+                    "sent_mb": None if total is None else total / 1e6,
+                    "tokens_per_s": None,
+                    "train_loss": None,
+                    "blocked_s": None,
+                    "elapsed_s": None,
+                },
+            }
+        )
     return out
 
 
 def _link_reference(params: dict, record) -> dict:
     """The interconnect probe's rates, the ceiling the achieved rates are read against (Gbit/s)."""
     inter = (record or {}).get("interconnect") or {}
-    p2p = (_num((inter.get("p2p") or {}).get("bandwidth_gbit_s"))
-           or _num(params.get("interconnect.p2p.bandwidth_gbit_s")))
+    p2p = _num((inter.get("p2p") or {}).get("bandwidth_gbit_s")) or _num(
+        params.get("interconnect.p2p.bandwidth_gbit_s")
+    )
     busbw = None
     rows = inter.get("all_reduce")
     if not isinstance(rows, list) and isinstance(params.get("interconnect.all_reduce"), str):
@@ -387,15 +435,25 @@ def _membership(streams: list[Stream], record, members: list[dict], t0) -> dict:
 
     for s in streams:
         island = s.island
-        rows.append({"label": f"island {island if island is not None else '?'} · {s.name}", "island": island,
-                     "name": s.name, "start": rel(s.first_t), "end": rel(s.last_t), "source": "live"})
+        rows.append(
+            {
+                "label": f"island {island if island is not None else '?'} · {s.name}",
+                "island": island,
+                "name": s.name,
+                "start": rel(s.first_t),
+                "end": rel(s.last_t),
+                "source": "live",
+            }
+        )
     live_names = {s.name for s in streams}
     spans = {}  # an elastic member without a live stream: active from its first to its last synchronisation
     for m in members:
         syncs = [x for x in m.get("syncs") or [] if isinstance(x, dict) and _num(x.get("start")) is not None]
         if str(m.get("name", "?")) not in live_names and syncs:
-            spans[str(m.get("name", "?"))] = (min(x["start"] for x in syncs),
-                                              max(x["start"] + (_num(x.get("seconds")) or 0.0) for x in syncs))
+            spans[str(m.get("name", "?"))] = (
+                min(x["start"] for x in syncs),
+                max(x["start"] + (_num(x.get("seconds")) or 0.0) for x in syncs),
+            )
     if t0 is None and spans:
         t0 = min(a for a, _ in spans.values())  # an elastic run without live/: time from its first sync
     seen: set = set()
@@ -408,10 +466,18 @@ def _membership(streams: list[Stream], record, members: list[dict], t0) -> dict:
     for m in members:
         name = str(m.get("name", "?"))
         if name in spans:
-            rows.append({"label": f"member {name}", "island": _int(m.get("slot")), "name": name,
-                         "start": rel(spans[name][0]), "end": rel(spans[name][1]), "source": "elastic"})
+            rows.append(
+                {
+                    "label": f"member {name}",
+                    "island": _int(m.get("slot")),
+                    "name": name,
+                    "start": rel(spans[name][0]),
+                    "end": rel(spans[name][1]),
+                    "source": "elastic",
+                }
+            )
         if not any(s.name == name and any(e.get("type") == "membership" for e in s.events) for s in streams):
-            for change in ((m.get("final") or {}).get("events") or []):
+            for change in (m.get("final") or {}).get("events") or []:
                 if isinstance(change, dict):
                     _add_event(events, seen, change, name, None, change.get("step"), rel)
     if not rows and record:
@@ -419,9 +485,16 @@ def _membership(streams: list[Stream], record, members: list[dict], t0) -> dict:
         size, per_island = _int(world.get("size")) or 0, _int(world.get("workers_per_island")) or 1
         wall = _num((record.get("summary") or {}).get("wall_seconds"))
         for r in range(size):
-            rows.append({"label": f"island {r // per_island} · rank{r}", "island": r // per_island,
-                         "name": f"rank{r}", "start": 0.0 if wall is not None else None, "end": wall,
-                         "source": "run.json"})
+            rows.append(
+                {
+                    "label": f"island {r // per_island} · rank{r}",
+                    "island": r // per_island,
+                    "name": f"rank{r}",
+                    "start": 0.0 if wall is not None else None,
+                    "end": wall,
+                    "source": "run.json",
+                }
+            )
     rows.sort(key=lambda r: (r["island"] is None, r["island"] or 0, r["name"]))
     events.sort(key=lambda e: (e["t_s"] is None, e["t_s"] or 0.0))
     return {"t0": t0, "rows": rows, "events": events}
@@ -429,17 +502,29 @@ def _membership(streams: list[Stream], record, members: list[dict], t0) -> dict:
 
 def _add_event(events: list, seen: set, change: dict, stream: str, line_t, step, rel) -> None:
     kind = str(change.get("type", "?"))
-    key = (kind, change.get("epoch"), change.get("from_epoch"), json.dumps(change.get("gone"), default=str),
-           json.dumps(change.get("joined"), default=str), change.get("step") if kind == "entered" else None,
-           stream if kind in ("entered", "resumed") else None)
+    key = (
+        kind,
+        change.get("epoch"),
+        change.get("from_epoch"),
+        json.dumps(change.get("gone"), default=str),
+        json.dumps(change.get("joined"), default=str),
+        change.get("step") if kind == "entered" else None,
+        stream if kind in ("entered", "resumed") else None,
+    )
     if key in seen:  # every member logs the same failure or join
         return
     seen.add(key)
     t = next((_num(change.get(k)) for k in ("detected", "time", "formed", "resumed") if _num(change.get(k))), None)
     t = t if t is not None else _num(line_t)
-    events.append({"t_s": rel(t), "type": kind, "stream": stream,
-                   "step": _int(change.get("step")) if change.get("step") is not None else step,
-                   "text": _describe(kind, change)})
+    events.append(
+        {
+            "t_s": rel(t),
+            "type": kind,
+            "stream": stream,
+            "step": _int(change.get("step")) if change.get("step") is not None else step,
+            "text": _describe(kind, change),
+        }
+    )
 
 
 def _describe(kind: str, c: dict) -> str:
@@ -456,8 +541,10 @@ def _describe(kind: str, c: dict) -> str:
     if kind == "failure":
         return f"failure: {names(c.get('gone'))} gone; epoch {c.get('epoch')} of {c.get('size')}{stall_text}"
     if kind == "join":
-        return (f"join: {names(c.get('joined'))} at step {c.get('step')}; epoch {c.get('epoch')} of {c.get('size')}"
-                f"{stall_text}")
+        return (
+            f"join: {names(c.get('joined'))} at step {c.get('step')}; epoch {c.get('epoch')} of {c.get('size')}"
+            f"{stall_text}"
+        )
     if kind == "entered":
         return f"entered at step {c.get('step')} (epoch {c.get('epoch')})"
     if kind == "resumed":
@@ -469,24 +556,39 @@ def _describe(kind: str, c: dict) -> str:
 def _checkpoint(streams: list[Stream], record, params: dict) -> dict:
     """Saves per level, the last saved step and the time training stalled for them (rank 0's view)."""
     ck_cfg = ((record or {}).get("config") or {}).get("checkpoint") or {
-        k[len("config.checkpoint."):]: v for k, v in params.items() if k.startswith("config.checkpoint.")}
-    levels = {lv: ck_cfg.get(key) for lv, key in (("local", "every"), ("memory", "memory_every"),
-                                                   ("remote", "remote_every")) if _int(ck_cfg.get(key))}
+        k[len("config.checkpoint.") :]: v for k, v in params.items() if k.startswith("config.checkpoint.")
+    }
+    levels = {
+        lv: ck_cfg.get(key)
+        for lv, key in (("local", "every"), ("memory", "memory_every"), ("remote", "remote_every"))
+        if _int(ck_cfg.get(key))
+    }
     if ck_cfg.get("policy") not in (None, "", "null", "None"):
         levels["local"] = "policy"
-    out = {"configured": bool(levels), "levels": levels, "saves": {}, "last_saved_step": None, "stall_s": None,
-           "resumed_from": None, "source": None}
+    out = {
+        "configured": bool(levels),
+        "levels": levels,
+        "saves": {},
+        "last_saved_step": None,
+        "stall_s": None,
+        "resumed_from": None,
+        "source": None,
+    }
     part = (record or {}).get("checkpoint")
     if isinstance(part, dict) and ("saves" in part or "resumed_from" in part):
-        out.update(saves=dict(part.get("saves") or {}), last_saved_step=part.get("last_saved_step"),
-                   stall_s=_num(part.get("stall_seconds_total")), resumed_from=part.get("resumed_from"),
-                   source="run.json")
+        out.update(
+            saves=dict(part.get("saves") or {}),
+            last_saved_step=part.get("last_saved_step"),
+            stall_s=_num(part.get("stall_seconds_total")),
+            resumed_from=part.get("resumed_from"),
+            source="run.json",
+        )
         if isinstance(part.get("levels"), dict):
             out["levels"] = {k: v for k, v in part["levels"].items() if v}
             out["configured"] = True
         return out
     for s in streams:
-        saves = {k[len("ckpt/saves/"):]: int(v) for k, v in s.latest.items() if k.startswith("ckpt/saves/")}
+        saves = {k[len("ckpt/saves/") :]: int(v) for k, v in s.latest.items() if k.startswith("ckpt/saves/")}
         cks = [e for e in s.events if e.get("type") == "checkpoint"]
         if saves or cks:
             out.update(saves=saves, stall_s=s.latest.get("ckpt/stall_s"), source=s.name)

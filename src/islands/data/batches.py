@@ -85,8 +85,10 @@ def inputs_and_target(batch: Any) -> tuple[Callable[[torch.nn.Module], Any], Any
         return (lambda model: model(*inputs)), target
     if torch.is_tensor(batch):
         return (lambda model: model(batch)), batch
-    raise BatchError(f"a batch must be a tensor, a tuple (inputs..., targets) or a dict of model keyword "
-                     f"arguments; got {describe(batch)}")
+    raise BatchError(
+        f"a batch must be a tensor, a tuple (inputs..., targets) or a dict of model keyword "
+        f"arguments; got {describe(batch)}"
+    )
 
 
 def prediction(output: Any) -> torch.Tensor:
@@ -98,20 +100,25 @@ def prediction(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
         return output[0]
-    raise BatchError(f"cannot read a prediction from the model's output {describe(output)}: return a tensor, a "
-                     "tuple whose first element is the prediction, or an object with `logits`")
+    raise BatchError(
+        f"cannot read a prediction from the model's output {describe(output)}: return a tensor, a "
+        "tuple whose first element is the prediction, or an object with `logits`"
+    )
 
 
 def own_loss(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if not torch.is_tensor(loss):
-        raise BatchError(f"loss_fn=None needs a model output that carries its loss (`output.loss`, as a transformers "
-                         f"model given labels= does); this model returned {describe(output)}. Pass loss_fn=...")
+        raise BatchError(
+            f"loss_fn=None needs a model output that carries its loss (`output.loss`, as a transformers "
+            f"model given labels= does); this model returned {describe(output)}. Pass loss_fn=..."
+        )
     return loss
 
 
-def compute_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None,
-                 explain: bool = False) -> tuple[torch.Tensor, Any]:
+def compute_loss(
+    model: torch.nn.Module, batch: Any, loss_fn: Callable | None, explain: bool = False
+) -> tuple[torch.Tensor, Any]:
     """(scalar loss, raw output) of one forward on the batch. `explain` (the loop's first step): a model that
     cannot take the batch, or a loss that cannot take the prediction, raises BatchError naming the structures,
     with the original error."""
@@ -121,8 +128,9 @@ def compute_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None,
     except Exception as e:
         if not explain:
             raise
-        raise BatchError(f"the model ({type(model).__name__}) could not take the batch {describe(batch)}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise BatchError(
+            f"the model ({type(model).__name__}) could not take the batch {describe(batch)}: {type(e).__name__}: {e}"
+        ) from e
     if loss_fn is None:
         loss = own_loss(output)
     else:
@@ -132,8 +140,10 @@ def compute_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None,
         except Exception as e:
             if not explain:
                 raise
-            raise BatchError(f"loss_fn could not take (prediction {describe(pred)}, targets {describe(target)}): "
-                             f"{type(e).__name__}: {e}") from e
+            raise BatchError(
+                f"loss_fn could not take (prediction {describe(pred)}, targets {describe(target)}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
     if not torch.is_tensor(loss) or loss.dim() != 0:
         got = describe(loss) if torch.is_tensor(loss) else type(loss).__name__
         raise BatchError(f"loss_fn must return a scalar tensor (the mean over the batch); it returned {got}")

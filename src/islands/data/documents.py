@@ -48,8 +48,10 @@ class DocumentSource:
         if len(suffixes) > 1:
             return f"task.data={self.data!r} matches files of several formats ({', '.join(suffixes)}); give one format"
         if self.builder is None:
-            return (f"task.data={self.data!r}: {suffixes[0] or 'files without a suffix'} is not a format islands reads "
-                    f"through datasets; use {', '.join(BUILDERS)}")
+            return (
+                f"task.data={self.data!r}: {suffixes[0] or 'files without a suffix'} is not a format islands reads "
+                f"through datasets; use {', '.join(BUILDERS)}"
+            )
         return None
 
     def _stream(self):
@@ -81,8 +83,10 @@ class DocumentSource:
         if not columns:
             return f"task.data={self.data!r} holds no documents; give files with text in them"
         if column not in columns:
-            return (f"task.text_column={column!r} is not a column of {self.data!r}; its columns are "
-                    f"{', '.join(map(repr, columns)) or '(none)'}")
+            return (
+                f"task.text_column={column!r} is not a column of {self.data!r}; its columns are "
+                f"{', '.join(map(repr, columns)) or '(none)'}"
+            )
         feature = ds.features.get(column) if ds.features is not None else None
         if feature is not None and getattr(feature, "dtype", "string") not in ("string", "large_string"):
             return f"task.text_column={column!r} of {self.data!r} holds {feature.dtype}, not text"

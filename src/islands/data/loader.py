@@ -91,7 +91,9 @@ class ArrayLoader:
         self.sampler.load_state_dict(state)
 
 
-def fixed_val_batches_lm(val: np.ndarray, context: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fixed_val_batches_lm(
+    val: np.ndarray, context: int, batch: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same validation batches on every rank and every run: evenly spaced windows."""
     data = torch.from_numpy(val.astype(np.int64))
     windows = (len(data) - 1) // context

@@ -38,9 +38,11 @@ class IterableSource:
             batch = next(self._it)
         except StopIteration:
             if not self.reiterable or self.consumed == 0:
-                raise DataExhausted(f"the training data ran out after {self.consumed} batches of epoch {self.epoch}; "
-                                    "give a re-iterable (a list, a Dataset, a DataLoader, or a function "
-                                    "(shard, shards) -> batches) or train for fewer steps") from None
+                raise DataExhausted(
+                    f"the training data ran out after {self.consumed} batches of epoch {self.epoch}; "
+                    "give a re-iterable (a list, a Dataset, a DataLoader, or a function "
+                    "(shard, shards) -> batches) or train for fewer steps"
+                ) from None
             self.epoch, self.consumed = self.epoch + 1, 0
             self._it = iter(self._make(self.epoch))
             batch = next(self._it)
@@ -52,8 +54,10 @@ class IterableSource:
 
     def load_state_dict(self, state: dict) -> None:
         if not self.reiterable:
-            raise ValueError("cannot restore the position of a one-shot iterator of batches: pass a re-iterable "
-                             "(a list, a Dataset, a DataLoader, or a function (shard, shards) -> batches)")
+            raise ValueError(
+                "cannot restore the position of a one-shot iterator of batches: pass a re-iterable "
+                "(a list, a Dataset, a DataLoader, or a function (shard, shards) -> batches)"
+            )
         self.epoch, self.consumed = int(state["epoch"]), 0
         self._it = iter(self._make(self.epoch))
         for _ in range(int(state["consumed"])):  # replay: the same batches, not stored ones
@@ -77,12 +81,15 @@ def batch_source(data: Any, shard: int = 0, shards: int = 1, batch_size: int | N
     if isinstance(data, Dataset) and not isinstance(data, torch.utils.data.IterableDataset):
         if batch_size is None or batch_size < 1:
             raise ValueError("train_data is a Dataset: give batch_size= (samples per batch on each worker)")
-        sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=True,
-                                                              seed=seed, drop_last=True)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            data, num_replicas=shards, rank=shard, shuffle=True, seed=seed, drop_last=True
+        )
         loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
         if len(loader) == 0:  # (a map-style Dataset has a len(): the sampler has just taken it)
-            raise ValueError(f"train_data has {len(cast(Sized, data))} samples: too few for {shards} worker(s) at batch_size="
-                             f"{batch_size}; use a smaller batch or more data")
+            raise ValueError(
+                f"train_data has {len(cast(Sized, data))} samples: too few for {shards} worker(s) at batch_size="
+                f"{batch_size}; use a smaller batch or more data"
+            )
         return IterableSource(_with_epoch(loader), reiterable=True, items=len(sampler))
     if callable(data) and not isinstance(data, Iterable):
         made = data(shard, shards)
@@ -95,8 +102,10 @@ def batch_source(data: Any, shard: int = 0, shards: int = 1, batch_size: int | N
         return IterableSource(_with_epoch(data), reiterable=True)
     if isinstance(data, Iterable):
         return IterableSource(lambda epoch: data, reiterable=iter(data) is not data)
-    raise TypeError(f"train_data must be a Dataset, a DataLoader, an iterable of batches or a function "
-                    f"(shard, shards) -> batches; got {type(data).__name__}")
+    raise TypeError(
+        f"train_data must be a Dataset, a DataLoader, an iterable of batches or a function "
+        f"(shard, shards) -> batches; got {type(data).__name__}"
+    )
 
 
 def val_batches(data: Any, batch_size: int | None = None) -> list | Iterable | None:

@@ -48,8 +48,9 @@ class CachedTokens:
     meta: dict
 
 
-def _write(path: Path, docs: Iterable[str], encode: Callable[[list[str]], list[list[int]]], eos: int,
-           dtype: np.dtype) -> tuple[int, int]:
+def _write(
+    path: Path, docs: Iterable[str], encode: Callable[[list[str]], list[list[int]]], eos: int, dtype: np.dtype
+) -> tuple[int, int]:
     """Append each document's ids and EOS to `path`; (documents, tokens)."""
     n_docs = n_tokens = 0
     with open(path, "wb") as f:
@@ -84,8 +85,14 @@ def _open(entry: Path, meta: dict) -> CachedTokens:
     return CachedTokens(mm("train"), mm("val"), entry, meta)
 
 
-def tokenise_once(docs: Callable[[str], Iterable[str]], encode: Callable[[list[str]], list[list[int]]], eos: int,
-                  vocab: int, key: str, root: Path | None = None) -> CachedTokens:
+def tokenise_once(
+    docs: Callable[[str], Iterable[str]],
+    encode: Callable[[list[str]], list[list[int]]],
+    eos: int,
+    vocab: int,
+    key: str,
+    root: Path | None = None,
+) -> CachedTokens:
     """The cached tokens of `docs(split)` for split "train" and "val" (module docstring); filled on first use."""
     entry = (root or cache_root()) / key
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -114,15 +121,18 @@ class ArrayWindows:
         self.lo, hi = shard_bounds(len(tokens), shard, shards)
         windows = (hi - self.lo - 1) // context
         if windows < 1:
-            raise ValueError(f"shard {shard} of {shards} holds {hi - self.lo} tokens, fewer than one window of "
-                             f"context {context} + 1; use fewer workers, a shorter context or more data")
+            raise ValueError(
+                f"shard {shard} of {shards} holds {hi - self.lo} tokens, fewer than one window of "
+                f"context {context} + 1; use fewer workers, a shorter context or more data"
+            )
         self.tokens, self.context, self.batch = tokens, context, batch
         self.sampler = ShardSampler(windows, seed, shard)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = self.lo + self.sampler.take(self.batch) * self.context
-        chunk = torch.from_numpy(np.stack([np.asarray(self.tokens[s : s + self.context + 1], dtype=np.int64)
-                                           for s in starts]))
+        chunk = torch.from_numpy(
+            np.stack([np.asarray(self.tokens[s : s + self.context + 1], dtype=np.int64) for s in starts])
+        )
         return chunk[:, :-1], chunk[:, 1:]
 
     def state_dict(self) -> dict:
@@ -132,13 +142,17 @@ class ArrayWindows:
         self.sampler.load_state_dict(state)
 
 
-def fixed_val_windows(tokens: np.ndarray, context: int, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fixed_val_windows(
+    tokens: np.ndarray, context: int, batch: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Up to batch * count evenly spaced windows of the validation tokens, in batches: the same on every rank."""
     windows = (len(tokens) - 1) // context
     want = min(windows, batch * count)
     if want < 1:
-        raise ValueError(f"the validation split holds {len(tokens)} tokens, fewer than one window of context "
-                         f"{context} + 1; give more documents (one in twenty is held out) or a shorter context")
+        raise ValueError(
+            f"the validation split holds {len(tokens)} tokens, fewer than one window of context "
+            f"{context} + 1; give more documents (one in twenty is held out) or a shorter context"
+        )
     starts = np.linspace(0, windows - 1, want).astype(np.int64) * context
     chunk = torch.from_numpy(np.stack([np.asarray(tokens[s : s + context + 1], dtype=np.int64) for s in starts]))
     return [(chunk[i : i + batch, :-1], chunk[i : i + batch, 1:]) for i in range(0, want, batch)]

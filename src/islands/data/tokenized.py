@@ -35,8 +35,10 @@ def token_windows(tokens: np.ndarray, context: int, batch: int, shard: int, seed
     """Windows of `context` ids (x) and the next ids (y) over one shard's tokens, in per-epoch permutations seeded
     by (seed, shard, epoch)."""
     if (len(tokens) - 1) // context < 1:
-        raise ValueError(f"shard {shard} holds {len(tokens)} tokens, fewer than one window of context {context} + 1; "
-                         "use fewer workers, a shorter context or more text")
+        raise ValueError(
+            f"shard {shard} holds {len(tokens)} tokens, fewer than one window of context {context} + 1; "
+            "use fewer workers, a shorter context or more text"
+        )
     loader = WindowLoader(tokens, context, batch, 0, 1, seed)  # the array is this shard's already
     loader.sampler = ShardSampler(loader.sampler.n, seed, shard)
     return loader

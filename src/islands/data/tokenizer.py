@@ -87,11 +87,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_BPE_VOCAB:
-        raise TokenizerError(f"vocab_size={vocab_size} is too small for a byte-level BPE: it holds the 256 byte "
-                             f"symbols and {EOS} before any merge; use vocab_size >= {MIN_BPE_VOCAB}")
+        raise TokenizerError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE: it holds the 256 byte "
+            f"symbols and {EOS} before any merge; use vocab_size >= {MIN_BPE_VOCAB}"
+        )
     tok = _byte_level(Tokenizer(models.BPE()), use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     seen = [0]
 
     def counted() -> Iterator[str]:
@@ -123,9 +129,11 @@ def check_fits(tok, rows: int, where: str = "the tokenizer") -> str | None:
     A tokenizer smaller than the embedding is fine: the extra rows are simply never looked up."""
     n = vocab_size(tok)
     if n > rows:
-        return (f"{where} has {n} tokens but the model's embedding has {rows} rows: ids {rows}..{n - 1} would "
-                f"index past it; give the model vocab_size >= {n} (task.vocab_size or model_overrides) or a "
-                "tokenizer of at most that many tokens")
+        return (
+            f"{where} has {n} tokens but the model's embedding has {rows} rows: ids {rows}..{n - 1} would "
+            f"index past it; give the model vocab_size >= {n} (task.vocab_size or model_overrides) or a "
+            "tokenizer of at most that many tokens"
+        )
     return None
 
 

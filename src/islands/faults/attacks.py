@@ -71,10 +71,14 @@ class AttackPlan:
         self.byzantine = frozenset(int(r) for r in self.byzantine)
         bad = sorted(r for r in self.byzantine if not 0 <= r < self.world_size)
         if bad:
-            raise ValueError(f"Byzantine ranks {bad} are outside the world of {self.world_size} ranks (0..{self.world_size - 1})")
+            raise ValueError(
+                f"Byzantine ranks {bad} are outside the world of {self.world_size} ranks (0..{self.world_size - 1})"
+            )
         if self.attack is not None and len(self.byzantine) >= self.world_size:
-            raise ValueError(f"{len(self.byzantine)} Byzantine ranks in a world of {self.world_size}: "
-                             "at least one rank must stay honest")
+            raise ValueError(
+                f"{len(self.byzantine)} Byzantine ranks in a world of {self.world_size}: "
+                "at least one rank must stay honest"
+            )
         if self.attack is None:
             self.byzantine = frozenset()
 
@@ -89,7 +93,9 @@ class AttackPlan:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's world of {self.world_size} ranks")
         if not self._checked_world and dist.is_initialized() and dist.get_world_size() != self.world_size:
-            raise ValueError(f"attack plan was built for {self.world_size} ranks but this job has {dist.get_world_size()}")
+            raise ValueError(
+                f"attack plan was built for {self.world_size} ranks but this job has {dist.get_world_size()}"
+            )
         self._checked_world = True
 
     def corrupt(self, tensor: torch.Tensor, rank: int, comm: Comm) -> torch.Tensor:
@@ -155,8 +161,9 @@ class Byzantine:
 
     def __init__(self, role: Attack, count: int | None = None, ranks: Sequence[int] | None = None):
         if not hasattr(role, "forge"):
-            raise TypeError(f"Byzantine(role, ...) takes an attack role (islands.robust.SignFlip(), ...); "
-                            f"got {type(role).__name__}")
+            raise TypeError(
+                f"Byzantine(role, ...) takes an attack role (islands.robust.SignFlip(), ...); got {type(role).__name__}"
+            )
         if (count is None) == (ranks is None):
             raise ValueError("say which ranks attack: count=<k> (the last k ranks) or ranks=(i, j, ...), not both")
         if count is not None and count < 1:
@@ -170,8 +177,10 @@ class Byzantine:
     def ranks_in(self, world_size: int) -> frozenset[int]:
         if self.count is not None:
             if not 1 <= self.count < world_size:
-                raise ValueError(f"attack {self.name}: count={self.count} must be between 1 and {world_size - 1} "
-                                 f"(world size {world_size}; one rank stays honest)")
+                raise ValueError(
+                    f"attack {self.name}: count={self.count} must be between 1 and {world_size - 1} "
+                    f"(world size {world_size}; one rank stays honest)"
+                )
             return frozenset(range(world_size - self.count, world_size))
         assert self.ranks is not None  # __init__ sets exactly one of count and ranks
         return frozenset(self.ranks)
@@ -201,8 +210,10 @@ def no_attack() -> None:
     return None
 
 
-_WHO = ("`count`: the last k ranks attack (rank 0 stays honest and keeps reporting); `ranks`: the ranks that "
-        "attack, [i,j,...]; give one of them.")
+_WHO = (
+    "`count`: the last k ranks attack (rank 0 stays honest and keeps reporting); `ranks`: the ranks that "
+    "attack, [i,j,...]; give one of them."
+)
 
 
 def _attack(role: Callable[..., Attack], doc: str | None = None) -> Callable[..., Byzantine]:
@@ -227,20 +238,30 @@ ATTACKS = Registry(
     {
         "none": no_attack,
         "sign-flip": _attack(SignFlip, "Sends its tensor with the sign flipped."),
-        "scaled": _attack(Scaled, "Sends its tensor times `factor`: the scale (negative: a reversed, amplified "
-                                  "gradient)."),
+        "scaled": _attack(
+            Scaled, "Sends its tensor times `factor`: the scale (negative: a reversed, amplified gradient)."
+        ),
         # the spec form keeps its noise scale of 1 (the constructor has no default)
-        "gaussian": _attack(bind(GaussianNoise, sigma=1.0),
-                            "Sends its tensor plus N(0, sigma^2) noise. `sigma`: the noise's standard deviation; "
-                            "`seed`: seeds each Byzantine rank's noise stream (by default the job's seed)."),
-        "alie": _attack(ALIE, "A little is enough: every Byzantine rank sends mean - z * std of the honest tensors. "
-                              "`z`: none takes the paper's z_max for the world's size."),
-        "ipm": _attack(InnerProductManipulation, "Inner-product manipulation: sends -eps times the honest mean. "
-                                                 "`eps`: the factor."),
+        "gaussian": _attack(
+            bind(GaussianNoise, sigma=1.0),
+            "Sends its tensor plus N(0, sigma^2) noise. `sigma`: the noise's standard deviation; "
+            "`seed`: seeds each Byzantine rank's noise stream (by default the job's seed).",
+        ),
+        "alie": _attack(
+            ALIE,
+            "A little is enough: every Byzantine rank sends mean - z * std of the honest tensors. "
+            "`z`: none takes the paper's z_max for the world's size.",
+        ),
+        "ipm": _attack(
+            InnerProductManipulation, "Inner-product manipulation: sends -eps times the honest mean. `eps`: the factor."
+        ),
         "nan": _attack(bind(NonFinite, float("nan")), "Sends a tensor full of NaN: a diverged worker."),
         "inf": _attack(bind(NonFinite, float("inf")), "Sends a tensor full of +Inf: an overflowed worker."),
-        "dropout": _attack(SilentDropout, "A worker that stopped computing but keeps answering. `mode`: zeros "
-                                          "sends zeros, stale repeats the first tensor it sent."),
+        "dropout": _attack(
+            SilentDropout,
+            "A worker that stopped computing but keeps answering. `mode`: zeros "
+            "sends zeros, stale repeats the first tensor it sent.",
+        ),
         "straggler": _attack(Straggler),
         "label-flip": _attack(LabelFlip),
     },

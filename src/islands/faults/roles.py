@@ -155,7 +155,9 @@ class SilentDropout:
             return torch.zeros_like(tensor)
         frozen = self.stale.setdefault(rank, tensor.detach().clone())
         if frozen.shape != tensor.shape:
-            raise ValueError(f"stale dropout on rank {rank}: first tensor was {tuple(frozen.shape)}, now {tuple(tensor.shape)}")
+            raise ValueError(
+                f"stale dropout on rank {rank}: first tensor was {tuple(frozen.shape)}, now {tuple(tensor.shape)}"
+            )
         return frozen.clone()
 
     def state_dict(self) -> dict:

@@ -30,8 +30,10 @@ class SlowdownError(ValueError):
     """A bad slowdown spec; the message names the piece and the right form."""
 
 
-FORM = ("comma-separated target=factor pairs, target an island (1 or island1) or a rank (rank3), factor >= 1, "
-        "and optionally floor=SECONDS (each step lasts at least that long): '1=2.0' or '1=2.0,floor=0.05'")
+FORM = (
+    "comma-separated target=factor pairs, target an island (1 or island1) or a rank (rank3), factor >= 1, "
+    "and optionally floor=SECONDS (each step lasts at least that long): '1=2.0' or '1=2.0,floor=0.05'"
+)
 FLOOR = ("floor", 0)  # the key floor=S is kept under, beside the (kind, index) targets
 
 
@@ -53,7 +55,7 @@ def parse_slowdown(text: str) -> dict[tuple[str, int], float]:
             out[FLOOR] = floor
             continue
         kind = "rank" if target.startswith("rank") else "island"
-        number = target[len(kind):] if target.startswith(kind) else target
+        number = target[len(kind) :] if target.startswith(kind) else target
         try:
             index, factor = int(number), float(value)
         except ValueError:
@@ -61,8 +63,9 @@ def parse_slowdown(text: str) -> dict[tuple[str, int], float]:
         if not eq or index < 0:
             raise SlowdownError(f"slowdown piece {piece!r} is not target=factor; use {FORM}")
         if not factor >= 1 or factor == float("inf"):
-            raise SlowdownError(f"slowdown factor in {piece!r} must be a finite number >= 1 (1 = full speed); "
-                                f"got {value.strip()!r}")
+            raise SlowdownError(
+                f"slowdown factor in {piece!r} must be a finite number >= 1 (1 = full speed); got {value.strip()!r}"
+            )
         if (kind, index) in out:
             raise SlowdownError(f"slowdown names {kind} {index} twice; give it once")
         out[(kind, index)] = factor
@@ -76,8 +79,9 @@ def check_slowdown(slowdown: dict[tuple[str, int], float], islands: int, workers
             continue
         limit = islands if kind == "island" else workers
         if index >= limit:
-            raise SlowdownError(f"slowdown names {kind} {index}, but the job has {limit} {kind}s "
-                                f"(0..{limit - 1}); {FORM}")
+            raise SlowdownError(
+                f"slowdown names {kind} {index}, but the job has {limit} {kind}s (0..{limit - 1}); {FORM}"
+            )
 
 
 def factor_for(slowdown: dict[tuple[str, int], float], rank: int, island: int) -> float:
@@ -89,8 +93,14 @@ class SlowStep:
     long: it sleeps (factor - 1) x the call's own duration after it (`floor`: the duration counted as at least
     that many seconds). Other attributes are the wrapped step's."""
 
-    def __init__(self, step_fn: Callable, factor: float, floor: float = 0.0, sleep: Callable[[float], None] = time.sleep,
-                 timer: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        step_fn: Callable,
+        factor: float,
+        floor: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+        timer: Callable[[], float] = time.perf_counter,
+    ):
         if not factor >= 1 or factor == float("inf"):
             raise SlowdownError(f"SlowStep factor must be a finite number >= 1; got {factor!r}")
         if not 0 <= floor < float("inf"):

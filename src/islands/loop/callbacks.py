@@ -21,7 +21,6 @@ from typing import Protocol, runtime_checkable
 from rich.console import Console
 
 from islands.checkpoint.policy.driver import CheckpointDriver
-from islands.loop.evaluate import evaluate
 from islands.measure.probe import describe, probe_interconnect
 from islands.measure.progress import TrainProgress, summary_table
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
@@ -48,11 +47,19 @@ class Evaluate:
 
     def run(self, trainer) -> dict:
         metrics = trainer.evaluate(self.max_batches)
-        trainer.series["val"].append({"step": trainer.step, "elapsed": trainer.elapsed,
-                                      "mb_sent": trainer.world.ledger.total_sent / 1e6, **metrics})
-        trainer.log(f"step {trainer.step:>5}  val loss {metrics['val_loss']:.4f}"
-                    + (f"  acc {100 * metrics['val_accuracy']:.1f}%" if metrics.get("val_accuracy") is not None else "")
-                    + f"  sent {trainer.world.ledger.total_sent / 1e6:.2f} MB")
+        trainer.series["val"].append(
+            {
+                "step": trainer.step,
+                "elapsed": trainer.elapsed,
+                "mb_sent": trainer.world.ledger.total_sent / 1e6,
+                **metrics,
+            }
+        )
+        trainer.log(
+            f"step {trainer.step:>5}  val loss {metrics['val_loss']:.4f}"
+            + (f"  acc {100 * metrics['val_accuracy']:.1f}%" if metrics.get("val_accuracy") is not None else "")
+            + f"  sent {trainer.world.ledger.total_sent / 1e6:.2f} MB"
+        )
         return metrics
 
     def on_fit_start(self, trainer) -> None:
@@ -60,8 +67,12 @@ class Evaluate:
             self.run(trainer)
 
     def on_step_end(self, trainer, loss) -> None:
-        if (trainer.val_data is not None and self.every and trainer.step % self.every == 0
-                and trainer.step != trainer.total_steps):  # the last one comes after the final sync
+        if (
+            trainer.val_data is not None
+            and self.every
+            and trainer.step % self.every == 0
+            and trainer.step != trainer.total_steps
+        ):  # the last one comes after the final sync
             self.run(trainer)
 
     def on_fit_end(self, trainer) -> None:
@@ -105,8 +116,9 @@ class Progress:
         self.bar: TrainProgress | None = None  # made at the start of each fit
 
     def on_fit_start(self, trainer) -> None:
-        self.bar = TrainProgress(trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0,
-                                 start=trainer.step)
+        self.bar = TrainProgress(
+            trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0, start=trainer.step
+        )
         trainer.log = self.bar.log
 
     def on_step_end(self, trainer, loss) -> None:
@@ -126,8 +138,9 @@ class Progress:
         if self.enabled and trainer.world.rank == 0 and record is not None:
             Console().print(summary_table(record["summary"], record["interconnect_line"]))
             if record.get("run_dir"):
-                Console().print(f"run record: {Path(record['run_dir']) / 'run.json'}  "
-                                f"plot: {Path(record['run_dir']) / 'loss.png'}")
+                Console().print(
+                    f"run record: {Path(record['run_dir']) / 'run.json'}  plot: {Path(record['run_dir']) / 'loss.png'}"
+                )
 
 
 class RunRecord:
@@ -141,9 +154,17 @@ class RunRecord:
     reads_loss = False
     order = 90
 
-    def __init__(self, run_dir: str | Path | None = None, config: dict | None = None, probe: bool = True,
-                 task: str = "task", data_source: str = "", tokens_per_sample: int = 1, testbed: str = "",
-                 threads: int = 1):
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        config: dict | None = None,
+        probe: bool = True,
+        task: str = "task",
+        data_source: str = "",
+        tokens_per_sample: int = 1,
+        testbed: str = "",
+        threads: int = 1,
+    ):
         self.run_dir = Path(run_dir) if run_dir else None
         self.config, self.probe, self.task, self.data_source = config or {}, probe, task, data_source
         self.tokens_per_sample, self.testbed, self.threads = tokens_per_sample, testbed, threads
@@ -157,8 +178,10 @@ class RunRecord:
             self.interconnect = {"measured": False, "reason": f"{world.backend}, link not probed"}
         if self.testbed:
             self.interconnect["testbed"] = Testbed.load(self.testbed).record()
-        trainer.log(f"[bold]islands[/] {trainer.strategy.name} · {world.size} workers / {world.islands} island(s) · "
-                    f"data: {self.data_source or self.task} · interconnect: {describe(self.interconnect)}")
+        trainer.log(
+            f"[bold]islands[/] {trainer.strategy.name} · {world.size} workers / {world.islands} island(s) · "
+            f"data: {self.data_source or self.task} · interconnect: {describe(self.interconnect)}"
+        )
 
     def on_step_end(self, trainer, loss) -> None:
         pass
@@ -200,8 +223,11 @@ class RunRecord:
             # (payload definition of islands.runtime.comm: one fp32 gradient per step per worker)
             "ddp_mb_per_worker": trainer.gradient_bytes() * trainer.step / 1e6 if world.size > 1 else 0.0,
             # what crossed between islands: the outer strategy's traffic (ledger kinds outer_*)
-            "cross_island_mb_per_worker": sum(v for led in ledgers for k, v in led["sent"].items()
-                                              if k.startswith("outer")) / world.size / 1e6,
+            "cross_island_mb_per_worker": sum(
+                v for led in ledgers for k, v in led["sent"].items() if k.startswith("outer")
+            )
+            / world.size
+            / 1e6,
             "bytes_sent_per_worker_per_step": total_sent / world.size / steps_run,
             "compute_seconds": trainer.compute_seconds,
             "comm_seconds": trainer.comm_seconds,
@@ -212,13 +238,21 @@ class RunRecord:
         record = {
             "versions": versions(),
             "config": self.config,
-            "world": {"size": world.size, "islands": world.islands, "workers_per_island": world.workers_per_island,
-                      "backend": world.backend, "device": str(world.device), "threads_per_worker": self.threads},
+            "world": {
+                "size": world.size,
+                "islands": world.islands,
+                "workers_per_island": world.workers_per_island,
+                "backend": world.backend,
+                "device": str(world.device),
+                "threads_per_worker": self.threads,
+            },
             "interconnect": self.interconnect,
             "interconnect_line": describe(self.interconnect),
             "baseline": {"definition": baseline, "unit": "worker"},
-            "comm": {"per_rank": ledgers,
-                     "definition": "payload bytes handed to collectives (see islands.runtime.comm)"},
+            "comm": {
+                "per_rank": ledgers,
+                "definition": "payload bytes handed to collectives (see islands.runtime.comm)",
+            },
             "series": trainer.series,
             "summary": summary,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(trainer.started)),

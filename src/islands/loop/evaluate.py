@@ -23,8 +23,14 @@ def _correct(pred: torch.Tensor, target: Any) -> int | None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable, loss_fn: Callable | None, device: torch.device,
-             metrics: dict[str, Callable] | None = None, max_batches: int | None = None) -> dict:
+def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable,
+    loss_fn: Callable | None,
+    device: torch.device,
+    metrics: dict[str, Callable] | None = None,
+    max_batches: int | None = None,
+) -> dict:
     """{"val_loss", "val_accuracy" (None where targets are not class indices), **metrics} over `batches`."""
     was_training = model.training
     model.eval()

@@ -12,8 +12,9 @@ class WarmupCosine:
 
     def __init__(self, warmup: int, total: int, min_ratio: float = 0.1):
         if warmup < 0 or total < 1 or not 0 <= min_ratio <= 1:
-            raise ValueError("need warmup >= 0, total >= 1 and min_ratio in [0, 1]; "
-                             f"got {warmup}, {total}, {min_ratio}")
+            raise ValueError(
+                f"need warmup >= 0, total >= 1 and min_ratio in [0, 1]; got {warmup}, {total}, {min_ratio}"
+            )
         self.warmup, self.total, self.min_ratio = int(warmup), int(total), float(min_ratio)
 
     def __call__(self, step: int) -> float:

@@ -38,8 +38,12 @@ class Task:
         if not isinstance(self.model, torch.nn.Module):
             raise TypeError(f"Task.model must be a torch.nn.Module; got {type(self.model).__name__}")
         if self.loss_fn is not None and not callable(self.loss_fn):
-            raise TypeError(f"Task.loss_fn must be callable (prediction, targets) -> scalar, or None; "
-                            f"got {type(self.loss_fn).__name__}")
+            raise TypeError(
+                f"Task.loss_fn must be callable (prediction, targets) -> scalar, or None; "
+                f"got {type(self.loss_fn).__name__}"
+            )
         if self.train_data is None:
-            raise ValueError("Task.train_data is required: a Dataset, DataLoader, iterable of batches or "
-                             "a function (shard, shards) -> batches")
+            raise ValueError(
+                "Task.train_data is required: a Dataset, DataLoader, iterable of batches or "
+                "a function (shard, shards) -> batches"
+            )

@@ -31,8 +31,7 @@ import torch
 
 from islands.checkpoint.policy.rng import rng_state, set_rng_state
 from islands.checkpoint.policy.sharded_state import load_optimizer_state_dict, optimizer_state_dict
-from islands.data.batches import size as batch_size_of
-from islands.data.batches import to_device
+from islands.data.batches import size as batch_size_of, to_device
 from islands.data.source import batch_source, val_batches
 from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
@@ -47,11 +46,25 @@ def _order(cb, end: bool = False) -> int:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable | None = None,
-                 train_data: Any = None, val_data: Any = None, *, strategy: Strategy | None = None,
-                 world: World | None = None, schedule: Callable[[int], float] | Any = None,
-                 callbacks: Iterable = (), metrics: dict[str, Callable] | None = None, batch_size: int | None = None,
-                 grad_clip: float = 0.0, step_fn: ForwardBackward | None = None, seed: int = 0, log_every: int = 10):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable | None = None,
+        train_data: Any = None,
+        val_data: Any = None,
+        *,
+        strategy: Strategy | None = None,
+        world: World | None = None,
+        schedule: Callable[[int], float] | Any = None,
+        callbacks: Iterable = (),
+        metrics: dict[str, Callable] | None = None,
+        batch_size: int | None = None,
+        grad_clip: float = 0.0,
+        step_fn: ForwardBackward | None = None,
+        seed: int = 0,
+        log_every: int = 10,
+    ):
         """`model` and `optimizer`: the user's own (the optimizer built on the model's parameters). `loss_fn(prediction,
         targets)` -> scalar, or None when the model's output carries its loss. `train_data`: a Dataset (with
         `batch_size`), a DataLoader, an iterable of batches, or a function (shard, shards) -> batches; this rank's
@@ -64,21 +77,28 @@ class Trainer:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(f"the model ({type(model).__name__}) has no trainable parameters: nothing to train "
-                             "(were they all frozen with requires_grad_(False)?)")
+            raise ValueError(
+                f"the model ({type(model).__name__}) has no trainable parameters: nothing to train "
+                "(were they all frozen with requires_grad_(False)?)"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters; "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer built on the model's parameters; "
+                f"got {type(optimizer).__name__}"
+            )
         if loss_fn is not None and not callable(loss_fn):
-            raise TypeError("loss_fn must be callable (prediction, targets) -> scalar, or None; "
-                            f"got {type(loss_fn).__name__}")
+            raise TypeError(
+                f"loss_fn must be callable (prediction, targets) -> scalar, or None; got {type(loss_fn).__name__}"
+            )
         if grad_clip < 0 or log_every < 1:
             raise ValueError(f"need grad_clip >= 0 and log_every >= 1; got {grad_clip}, {log_every}")
         self.world = world or World.single()
         self.strategy = Stack() if strategy is None else strategy
         if not isinstance(self.strategy, Strategy):
-            raise TypeError(f"strategy must be an islands strategy (islands.Stack(...), islands.inner.DDP(), "
-                            f"islands.outer.DiLoCo(...)); got {type(self.strategy).__name__}")
+            raise TypeError(
+                f"strategy must be an islands strategy (islands.Stack(...), islands.inner.DDP(), "
+                f"islands.outer.DiLoCo(...)); got {type(self.strategy).__name__}"
+            )
         self.optimizer, self.loss_fn = optimizer, loss_fn
         shard, shards = self.world.shard
         self.data = batch_source(train_data, shard, shards, batch_size, seed)
@@ -218,16 +238,29 @@ class Trainer:
         if self.step % self.log_every == 0 or self.step == self.total_steps:
             lr = self.optimizer.param_groups[0]["lr"]
             mean = float(self._loss_sum) / self._loss_count
-            self.series["train"].append({"step": self.step, "loss": mean, "lr": lr,
-                                         "elapsed": self.elapsed, "mb_sent": self.world.ledger.total_sent / 1e6})
+            self.series["train"].append(
+                {
+                    "step": self.step,
+                    "loss": mean,
+                    "lr": lr,
+                    "elapsed": self.elapsed,
+                    "mb_sent": self.world.ledger.total_sent / 1e6,
+                }
+            )
             self._loss_sum, self._loss_count = None, 0
 
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Validation of the model the strategy reports (the global model under an outer strategy)."""
         if self.val_data is None:
             raise ValueError("no val_data was given to the Trainer")
-        return evaluate(self.strategy.eval_model(self.model), self.val_data, self.loss_fn, self.world.device,
-                        self.metrics, max_batches)
+        return evaluate(
+            self.strategy.eval_model(self.model),
+            self.val_data,
+            self.loss_fn,
+            self.world.device,
+            self.metrics,
+            max_batches,
+        )
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -249,9 +282,11 @@ class Trainer:
         described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (see __init__)
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()
-            parts["pipeline"] = {"stages": self.world.all_gather_object(mine) if self.world.distributed else [mine],
-                                 "definition": "held_activation_bytes_peak: storages autograd saved plus the stage's "
-                                               "input and output, for micro-batches in flight at once"}
+            parts["pipeline"] = {
+                "stages": self.world.all_gather_object(mine) if self.world.distributed else [mine],
+                "definition": "held_activation_bytes_peak: storages autograd saved plus the stage's "
+                "input and output, for micro-batches in flight at once",
+            }
         for cb in self.callbacks:
             extra = getattr(cb, "record", None)
             if callable(extra):
@@ -285,8 +320,11 @@ class Trainer:
         }
         if hasattr(self.schedule, "state_dict"):
             state["schedule"] = self.schedule.state_dict()
-        kept = {type(cb).__name__: cb.state_dict() for cb in self.callbacks if hasattr(cb, "state_dict")
-                and hasattr(cb, "load_state_dict")}
+        kept = {
+            type(cb).__name__: cb.state_dict()
+            for cb in self.callbacks
+            if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")
+        }
         if kept:
             state["callbacks"] = kept
         if self.world.membership is not None:  # elastic: epoch and members (islands.runtime.elastic)

@@ -88,8 +88,9 @@ def probe_all_reduce(world: World, reps: int = 3) -> list[dict]:
             dist.all_reduce(t)
         sec = (time.perf_counter() - start) / reps
         algbw = size / sec
-        out.append({"bytes": size, "seconds": sec, "algbw_gb_s": algbw / 1e9,
-                    "busbw_gb_s": algbw * 2 * (n - 1) / n / 1e9})
+        out.append(
+            {"bytes": size, "seconds": sec, "algbw_gb_s": algbw / 1e9, "busbw_gb_s": algbw * 2 * (n - 1) / n / 1e9}
+        )
     return out
 
 
@@ -117,9 +118,12 @@ def _netns() -> str:
 
 def connection_facts() -> dict:
     """This rank's side of the topology: who it is and how it reaches the rendezvous host."""
-    return {"hostname": socket.gethostname(), "netns": _netns(),
-            "local_addr": local_address_towards(os.environ.get("MASTER_ADDR", "")),
-            "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", "")}
+    return {
+        "hostname": socket.gethostname(),
+        "netns": _netns(),
+        "local_addr": local_address_towards(os.environ.get("MASTER_ADDR", "")),
+        "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""),
+    }
 
 
 def is_loopback(address: str | None) -> bool:
@@ -153,8 +157,14 @@ def probe_interconnect(world: World) -> dict:
     topo = probe_topology()
     p2p = probe_p2p(world)
     ar = probe_all_reduce(world)
-    return {"measured": True, "backend": world.backend, "topology": topo, "p2p": p2p, "all_reduce": ar,
-            "probe_seconds": time.perf_counter() - t}
+    return {
+        "measured": True,
+        "backend": world.backend,
+        "topology": topo,
+        "p2p": p2p,
+        "all_reduce": ar,
+        "probe_seconds": time.perf_counter() - t,
+    }
 
 
 def link_name(interconnect: dict) -> str:
@@ -180,5 +190,7 @@ def describe(interconnect: dict) -> str:
         return interconnect.get("reason") or "none (single process)"
     p = interconnect.get("p2p", {})
     ar = interconnect.get("all_reduce", [{}])[-1]
-    return (f"{link_name(interconnect)}: p2p {p.get('bandwidth_gbit_s', 0):.2f} Gbit/s, "
-            f"{p.get('latency_us', 0):.0f} us; all-reduce busbw {ar.get('busbw_gb_s', 0):.3f} GB/s")
+    return (
+        f"{link_name(interconnect)}: p2p {p.get('bandwidth_gbit_s', 0):.2f} Gbit/s, "
+        f"{p.get('latency_us', 0):.0f} us; all-reduce busbw {ar.get('busbw_gb_s', 0):.3f} GB/s"
+    )

@@ -17,9 +17,14 @@ class TrainProgress:
         self.bar = None
         if self.live:
             self.bar = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-                TextColumn("{task.fields[mb]:.1f} MB sent"), TimeElapsedColumn(), console=self.console,
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"),
+                TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                TextColumn("{task.fields[mb]:.1f} MB sent"),
+                TimeElapsedColumn(),
+                console=self.console,
             )
             self.task = self.bar.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0, mb=0.0)
             self.bar.start()

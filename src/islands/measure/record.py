@@ -24,16 +24,27 @@ def git_revision() -> str:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
         rev = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return (rev + ("-dirty" if dirty else "")) if rev else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 def versions() -> dict:
-    return {"islands": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "git_revision": git_revision(), "cpu_count": os.cpu_count()}
+    return {
+        "islands": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_revision": git_revision(),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -63,8 +74,10 @@ def plot_loss(record: dict, path: Path) -> None:
     b.set_xlabel("MB sent per worker (payload)")
     b.set_ylabel("validation loss")
     s = record["summary"]
-    fig.suptitle(f"{s['strategy']}, {s['workers']} workers / {s['islands']} island(s) — {record['interconnect_line']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"{s['strategy']}, {s['workers']} workers / {s['islands']} island(s) — {record['interconnect_line']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import torch
 
 
-def best_seconds(fn: Callable[[], object], repeats: int, *, warm: bool = True,
-                 device: torch.device | str | None = None) -> float:
+def best_seconds(
+    fn: Callable[[], object], repeats: int, *, warm: bool = True, device: torch.device | str | None = None
+) -> float:
     """Least wall seconds over `repeats` calls of fn, after one untimed warm-up call (allocator and
     first-call costs) unless warm=False. The minimum is the sample least disturbed by other processes
     on shared cores. With a CUDA `device` each timing ends only when the device's queue has drained."""

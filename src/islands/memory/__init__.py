@@ -13,6 +13,18 @@ from islands.memory.recompute import enable_activation_checkpointing, run_checkp
 from islands.memory.sizer import MemoryPlan, activation_peak, plan_micro_batch, synthetic_batches
 from islands.memory.step import ForwardBackward, resolve_precision
 
-__all__ = ["SavedTensorMeter", "StateBytes", "state_bytes", "enable_activation_checkpointing", "run_checkpointed",
-           "sqrt_segments", "split_segments", "MemoryPlan", "activation_peak", "plan_micro_batch", "synthetic_batches",
-           "ForwardBackward", "resolve_precision"]
+__all__ = [
+    "SavedTensorMeter",
+    "StateBytes",
+    "state_bytes",
+    "enable_activation_checkpointing",
+    "run_checkpointed",
+    "sqrt_segments",
+    "split_segments",
+    "MemoryPlan",
+    "activation_peak",
+    "plan_micro_batch",
+    "synthetic_batches",
+    "ForwardBackward",
+    "resolve_precision",
+]

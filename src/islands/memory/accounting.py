@@ -99,8 +99,9 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None, params_bytes: int) 
     """Bytes of optimizer state: counted from its tensors once it has stepped, else estimated."""
     if optimizer is None:
         return 0
-    tensors = [v for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.numel() > 1]  # scalar step counters are noise
+    tensors = [
+        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]  # scalar step counters are noise
     if tensors:
         return tensor_bytes(tensors)
     return UNSTEPPED_STATE_RATIO * params_bytes

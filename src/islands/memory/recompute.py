@@ -30,7 +30,7 @@ def split_segments(layers: Sequence | torch.nn.ModuleList, segments: int) -> lis
     out, start = [], 0
     for i in range(segments):
         size = base + (1 if i < extra else 0)
-        out.append(list(layers[start:start + size]))
+        out.append(list(layers[start : start + size]))
         start += size
     return out
 
@@ -80,8 +80,12 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> str:
             m.config.use_cache = False
         return "transformers"
     if hasattr(model, "gradient_checkpointing_enable"):
-        raise ValueError(f"activation_checkpointing: {type(model).__name__} is a transformers model whose class "
-                         "does not support gradient checkpointing (supports_gradient_checkpointing is False)")
-    raise ValueError(f"activation_checkpointing: {type(model).__name__} has neither islands' "
-                     "set_activation_checkpointing nor transformers' gradient_checkpointing_enable; wrap its blocks "
-                     "with torch.utils.checkpoint yourself, or turn activation_checkpointing off")
+        raise ValueError(
+            f"activation_checkpointing: {type(model).__name__} is a transformers model whose class "
+            "does not support gradient checkpointing (supports_gradient_checkpointing is False)"
+        )
+    raise ValueError(
+        f"activation_checkpointing: {type(model).__name__} has neither islands' "
+        "set_activation_checkpointing nor transformers' gradient_checkpointing_enable; wrap its blocks "
+        "with torch.utils.checkpoint yourself, or turn activation_checkpointing off"
+    )

@@ -41,8 +41,13 @@ class MemoryPlan:
         return out
 
 
-def activation_peak(model: torch.nn.Module, loss_fn: Callable | None, make_batch: Callable[[int], object],
-                    samples: int, step: ForwardBackward) -> int:
+def activation_peak(
+    model: torch.nn.Module,
+    loss_fn: Callable | None,
+    make_batch: Callable[[int], object],
+    samples: int,
+    step: ForwardBackward,
+) -> int:
     """Peak bytes held for backward over one forward and backward of `samples` samples (grads are cleared).
     `make_batch(b)` returns a batch of b samples in any structure the loop takes (islands.data.batches)."""
     params = list(model.parameters())
@@ -54,9 +59,15 @@ def activation_peak(model: torch.nn.Module, loss_fn: Callable | None, make_batch
     return meter.peak
 
 
-def plan_micro_batch(model: torch.nn.Module, loss_fn: Callable | None, make_batch: Callable[[int], object],
-                     batch: int, budget_bytes: int, optimizer: torch.optim.Optimizer | None = None,
-                     precision: str = "fp32") -> MemoryPlan:
+def plan_micro_batch(
+    model: torch.nn.Module,
+    loss_fn: Callable | None,
+    make_batch: Callable[[int], object],
+    batch: int,
+    budget_bytes: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str = "fp32",
+) -> MemoryPlan:
     """The largest micro-batch in 1..batch whose state + activation peak fits `budget_bytes`.
 
     Raises ValueError when not even one sample fits, saying how much would.
@@ -74,7 +85,8 @@ def plan_micro_batch(model: torch.nn.Module, loss_fn: Callable | None, make_batc
             f"memory budget {budget_bytes / MB:.2f} MB does not fit one sample: parameters, gradients and "
             f"optimizer state take {state.total / MB:.2f} MB and one sample's activations {measured[1] / MB:.2f} MB; "
             f"raise the budget to at least {need / MB:.2f} MB, or cut activations with activation_checkpointing "
-            f"or precision=bf16")
+            f"or precision=bf16"
+        )
     if batch == 1:
         return MemoryPlan(budget_bytes, state, measured[1], 0, 1, measured[1])
     measured[2] = activation_peak(model, loss_fn, make_batch, 2, step)

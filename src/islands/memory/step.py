@@ -32,7 +32,7 @@ def check_precision(precision: str) -> None:
 
 
 def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """"auto" -> "bf16" on a CUDA device with bf16 support, else "fp32"; fp32 and bf16 stay as they are."""
+    """ "auto" -> "bf16" on a CUDA device with bf16 support, else "fp32"; fp32 and bf16 stay as they are."""
     check_precision(precision)
     if precision != "auto":
         return precision

@@ -82,8 +82,9 @@ class ByteTransformer(nn.Module):
 class MLP(nn.Module):
     def __init__(self, inputs: int = 64, hidden: int = 128, classes: int = 10):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

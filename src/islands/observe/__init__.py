@@ -15,5 +15,15 @@ from islands.observe.mlflow import MLflow
 from islands.observe.tensorboard import TensorBoard
 from islands.observe.wandb import Wandb
 
-__all__ = ["JsonLines", "Logger", "Logging", "MLflow", "TensorBoard", "Wandb", "build_loggers", "flatten",
-           "parse_logger_names", "read_lines"]
+__all__ = [
+    "JsonLines",
+    "Logger",
+    "Logging",
+    "MLflow",
+    "TensorBoard",
+    "Wandb",
+    "build_loggers",
+    "flatten",
+    "parse_logger_names",
+    "read_lines",
+]

@@ -32,8 +32,9 @@ def _tensorboard(run_dir: Path, stream: str, job: str, params: dict) -> Logger:
 
 
 def _mlflow(run_dir: Path, stream: str, job: str, params: dict) -> Logger:
-    logger = MLflow(Path(run_dir) / "mlruns", experiment=job, run_name=stream,
-                    tags={"islands.stream": stream, "islands.job": job})
+    logger = MLflow(
+        Path(run_dir) / "mlruns", experiment=job, run_name=stream, tags={"islands.stream": stream, "islands.job": job}
+    )
     if params:
         logger.log_params(params)
     return logger
@@ -45,12 +46,15 @@ def _wandb(run_dir: Path, stream: str, job: str, params: dict) -> Logger:
 
 LOGGERS: dict[str, Factory] = {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}
 # the module each needs (what validation looks for before any worker starts) and the package that installs it
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny"),
-            "wandb": ("wandb", "wandb")}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "wandb": ("wandb", "wandb"),
+}
 
 
 def parse_logger_names(text: str | list | tuple | None) -> list[str]:
-    """"tensorboard,mlflow" -> ["tensorboard", "mlflow"] (order kept, repeats dropped; "" and "none": no
+    """ "tensorboard,mlflow" -> ["tensorboard", "mlflow"] (order kept, repeats dropped; "" and "none": no
     logger). An unknown name is a ValueError listing the valid ones."""
     if text is None:
         return []
@@ -63,8 +67,10 @@ def parse_logger_names(text: str | list | tuple | None) -> list[str]:
         if name not in LOGGERS:
             close = difflib.get_close_matches(name, list(LOGGERS), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"unknown logger {name!r}{hint}; choose from {', '.join(LOGGERS)}, comma-separated "
-                             "(e.g. tensorboard,mlflow)")
+            raise ValueError(
+                f"unknown logger {name!r}{hint}; choose from {', '.join(LOGGERS)}, comma-separated "
+                "(e.g. tensorboard,mlflow)"
+            )
         if name not in names:
             names.append(name)
     return names

@@ -30,8 +30,9 @@ class Logging:
     order = 95  # after Evaluate (10) and the run record's probe (90): their numbers exist when this logs
     end_order = 95  # after the run record is built (90), before the progress table (99)
 
-    def __init__(self, loggers: list[Logger], tokens_per_sample: int = 1, params: dict | None = None,
-                 close: bool = True):
+    def __init__(
+        self, loggers: list[Logger], tokens_per_sample: int = 1, params: dict | None = None, close: bool = True
+    ):
         """`loggers`: this process's logger objects. `tokens_per_sample`: what train/tokens_per_s counts
         (1: samples/s). `params`: extra run parameters to log. `close`: close the loggers at the fit's end."""
         for lg in loggers:
@@ -46,9 +47,15 @@ class Logging:
     # ---- what is logged ----------------------------------------------------------------------------
     def params(self, trainer) -> dict:
         world = trainer.world
-        params = {"strategy": trainer.strategy.name, "world.size": world.size, "world.islands": world.islands,
-                  "world.rank": world.rank, "world.island": world.island, "world.backend": world.backend,
-                  "world.device": str(world.device)}
+        params = {
+            "strategy": trainer.strategy.name,
+            "world.size": world.size,
+            "world.islands": world.islands,
+            "world.rank": world.rank,
+            "world.island": world.island,
+            "world.backend": world.backend,
+            "world.device": str(world.device),
+        }
         record = next((cb for cb in trainer.callbacks if hasattr(cb, "interconnect") and hasattr(cb, "config")), None)
         if record is not None:  # the run record's callback: the job's config, interconnect and baseline
             params.update(flatten(record.config, "config"))
@@ -65,7 +72,9 @@ class Logging:
         steps = trainer.step - last["step"]  # 0 at the end: the final synchronisation is no step of its own
         out = {f"comm/sent_bytes/{k}": v for k, v in snap["sent"].items()}
         if steps > 0:
-            out.update({f"comm/bytes_per_step/{k}": (v - last["sent"].get(k, 0)) / steps for k, v in snap["sent"].items()})
+            out.update(
+                {f"comm/bytes_per_step/{k}": (v - last["sent"].get(k, 0)) / steps for k, v in snap["sent"].items()}
+            )
         out["comm/sent_mb"] = snap["total_sent"] / 1e6
         out["time/elapsed_s"] = trainer.elapsed
         out["time/blocked_s"] = trainer.sync_seconds
@@ -77,10 +86,16 @@ class Logging:
             out["link/achieved_gbit_s"] = (snap["total_sent"] - last["total"]) * 8 / busy / 1e9
         dt = trainer.elapsed - last["elapsed"]
         if dt > 0 and steps > 0 and trainer.samples_per_step:
-            out["train/tokens_per_s"] = (self.tokens_per_sample * trainer.samples_per_step
-                                         * (trainer.step - last["step"]) / dt)
-        self._last = {"step": trainer.step, "elapsed": trainer.elapsed, "sent": dict(snap["sent"]),
-                      "busy": snap["busy_seconds"], "total": snap["total_sent"]}
+            out["train/tokens_per_s"] = (
+                self.tokens_per_sample * trainer.samples_per_step * (trainer.step - last["step"]) / dt
+            )
+        self._last = {
+            "step": trainer.step,
+            "elapsed": trainer.elapsed,
+            "sent": dict(snap["sent"]),
+            "busy": snap["busy_seconds"],
+            "total": snap["total_sent"],
+        }
         return out
 
     def _emit(self, metrics: dict, step: int) -> None:
@@ -95,22 +110,25 @@ class Logging:
 
     def _flush(self, trainer) -> None:
         train, val = trainer.series["train"], trainer.series["val"]
-        for entry in train[self._train_seen:]:
+        for entry in train[self._train_seen :]:
             metrics = {"train/loss": entry["loss"], "train/lr": entry.get("lr")}
             if entry["step"] == trainer.step:  # the ledger and clocks are as of this entry
                 metrics.update(self._state_metrics(trainer))
             self._emit(metrics, entry["step"])
         self._train_seen = len(train)
-        for entry in val[self._val_seen:]:
-            metrics = {f"val/{k[4:] if k.startswith('val_') else k}": v for k, v in entry.items()
-                       if k not in ("step", "elapsed", "mb_sent")}
+        for entry in val[self._val_seen :]:
+            metrics = {
+                f"val/{k[4:] if k.startswith('val_') else k}": v
+                for k, v in entry.items()
+                if k not in ("step", "elapsed", "mb_sent")
+            }
             metrics["val/sent_mb"] = entry.get("mb_sent")
             metrics["val/elapsed_s"] = entry.get("elapsed")
             self._emit(metrics, entry["step"])
         self._val_seen = len(val)
         membership = trainer.world.membership
         if membership is not None:
-            for ev in membership.events[self._events_seen:]:
+            for ev in membership.events[self._events_seen :]:
                 self._event({"type": "membership", **flatten({"change": ev}, "")}, trainer.step)
             self._events_seen = len(membership.events)
         driver = trainer.checkpoints
@@ -118,8 +136,15 @@ class Logging:
             self._saves = dict(driver.saves)
             saves = {f"ckpt/saves/{level}": n for level, n in self._saves.items()}
             self._emit({**saves, "ckpt/stall_s": driver.stall_s}, trainer.step)
-            self._event({"type": "checkpoint", "last_saved_step": driver.last_saved_step,
-                         "stall_s": driver.stall_s, **{f"saves.{k}": v for k, v in self._saves.items()}}, trainer.step)
+            self._event(
+                {
+                    "type": "checkpoint",
+                    "last_saved_step": driver.last_saved_step,
+                    "stall_s": driver.stall_s,
+                    **{f"saves.{k}": v for k, v in self._saves.items()},
+                },
+                trainer.step,
+            )
 
     # ---- callback hooks ----------------------------------------------------------------------------
     def on_fit_start(self, trainer) -> None:
@@ -131,8 +156,13 @@ class Logging:
         driver = trainer.checkpoints
         self._saves = {} if driver is None else dict(driver.saves)
         snap = trainer.world.ledger.snapshot()
-        self._last = {"step": trainer.step, "elapsed": trainer.elapsed, "sent": dict(snap["sent"]),
-                      "busy": snap["busy_seconds"], "total": snap["total_sent"]}
+        self._last = {
+            "step": trainer.step,
+            "elapsed": trainer.elapsed,
+            "sent": dict(snap["sent"]),
+            "busy": snap["busy_seconds"],
+            "total": snap["total_sent"],
+        }
         params = self.params(trainer)
         for lg in self.loggers:
             lg.log_params(params)

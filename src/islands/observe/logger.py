@@ -58,8 +58,9 @@ def finite(metrics: dict) -> dict[str, float]:
 
 def needs(package: str, logger: str) -> ImportError:
     """The error a backend raises when its package is missing: what to install."""
-    return ImportError(f"the {logger} logger needs the {package} package: pip install 'islands[loggers]' "
-                       f"(or pip install {package})")
+    return ImportError(
+        f"the {logger} logger needs the {package} package: pip install 'islands[loggers]' (or pip install {package})"
+    )
 
 
 class JsonLines:

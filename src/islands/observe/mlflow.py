@@ -82,8 +82,13 @@ class _Lock:
 
 
 class MLflow:
-    def __init__(self, tracking_dir: str | Path, experiment: str = "islands", run_name: str | None = None,
-                 tags: dict | None = None):
+    def __init__(
+        self,
+        tracking_dir: str | Path,
+        experiment: str = "islands",
+        run_name: str | None = None,
+        tags: dict | None = None,
+    ):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # read when the client opens the store
         try:
             from mlflow.tracking import MlflowClient  # heavy, optional: imported on first use
@@ -96,8 +101,11 @@ class MLflow:
         with _Lock(self.tracking_dir / ".islands.lock"):
             found = self.client.get_experiment_by_name(experiment)
             self.experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-            run = self.client.create_run(self.experiment_id, run_name=run_name,
-                                         tags={mlflow_key(k): cut(v, MAX_TAG) for k, v in (tags or {}).items()})
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=run_name,
+                tags={mlflow_key(k): cut(v, MAX_TAG) for k, v in (tags or {}).items()},
+            )
         self.run_id = run.info.run_id
         self._params: set[str] = set()
         self._events: list[str] = []
@@ -105,6 +113,7 @@ class MLflow:
 
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param  # loaded with the client
+
         new = []
         for key, value in params.items():
             k = mlflow_key(key)
@@ -112,14 +121,15 @@ class MLflow:
                 self._params.add(k)
                 new.append(Param(k, cut("" if value is None else value, MAX_PARAM)))
         for i in range(0, len(new), PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=new[i:i + PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=new[i : i + PARAMS_PER_BATCH])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         batch = [Metric(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()]
         for i in range(0, len(batch), METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + METRICS_PER_BATCH])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + METRICS_PER_BATCH])
 
     def log_event(self, event: dict, step: int) -> None:
         self._events.append(json.dumps({"step": int(step), **event}, default=str))

@@ -51,6 +51,7 @@ class TensorBoard:
         if self.writer is None or not params:
             return
         from torch.utils.tensorboard.summary import hparams  # loaded with SummaryWriter
+
         self.writer.add_text("params", params_table(params), 0)
         file_writer = self.writer.file_writer
         assert file_writer is not None  # SummaryWriter opens it in __init__

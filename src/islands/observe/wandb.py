@@ -30,8 +30,15 @@ if TYPE_CHECKING:
 
 
 class Wandb:
-    def __init__(self, dir: str | Path, project: str = "islands", group: str | None = None, name: str | None = None,
-                 config: dict | None = None, mode: str = "offline"):
+    def __init__(
+        self,
+        dir: str | Path,
+        project: str = "islands",
+        group: str | None = None,
+        name: str | None = None,
+        config: dict | None = None,
+        mode: str = "offline",
+    ):
         try:
             import wandb  # heavy, optional: imported on first use
         except ImportError as e:
@@ -39,11 +46,28 @@ class Wandb:
         self.dir = Path(dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         # `mode` is checked by wandb itself (online, offline, disabled, ...)
-        settings = wandb.Settings(mode=cast(Any, mode), console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
-                                  x_disable_machine_info=True, disable_code=True, save_code=False, disable_git=True,
-                                  x_save_requirements=False, disable_job_creation=True)
-        self.run: Run | None = wandb.init(dir=str(self.dir), project=project, group=group, name=name, config=dict(config or {}),
-                              settings=settings, reinit="create_new")  # its own run, beside any other in the process
+        settings = wandb.Settings(
+            mode=cast(Any, mode),
+            console="off",
+            silent=True,
+            x_disable_stats=True,
+            x_disable_meta=True,
+            x_disable_machine_info=True,
+            disable_code=True,
+            save_code=False,
+            disable_git=True,
+            x_save_requirements=False,
+            disable_job_creation=True,
+        )
+        self.run: Run | None = wandb.init(
+            dir=str(self.dir),
+            project=project,
+            group=group,
+            name=name,
+            config=dict(config or {}),
+            settings=settings,
+            reinit="create_new",
+        )  # its own run, beside any other in the process
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.run_dir = Path(self.run.dir).parent  # <dir>/wandb/offline-run-...: what `wandb sync` takes

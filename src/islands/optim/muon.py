@@ -46,11 +46,16 @@ ADJUST_LR = ("match_rms_adamw", "original")
 def _is_matrix_module(module: nn.Module) -> bool:
     """A linear map with a 2-D weight: nn.Linear, or transformers' Conv1D (GPT-2's linear with a transposed weight)."""
     weight = getattr(module, "weight", None)
-    return (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D") and \
-        isinstance(weight, nn.Parameter) and weight.ndim == 2
+    return (
+        (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
+        and isinstance(weight, nn.Parameter)
+        and weight.ndim == 2
+    )
 
 
-def muon_split(model: nn.Module, head: str | Sequence[str] | None = None) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+def muon_split(
+    model: nn.Module, head: str | Sequence[str] | None = None
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(parameters for Muon, parameters for AdamW), each parameter once, in the model's parameter order.
 
     Muon: the weight of every linear module except the head. AdamW: everything else (biases, norms, embeddings,
@@ -65,8 +70,10 @@ def muon_split(model: nn.Module, head: str | Sequence[str] | None = None) -> tup
         known = {name for name, _ in model.named_modules()}
         unknown = sorted(heads - known)
         if unknown:
-            raise ValueError(f"muon_split: head {unknown} names no module of {type(model).__name__}; "
-                             f"its linear modules are {[n for n, _ in linear]}")
+            raise ValueError(
+                f"muon_split: head {unknown} names no module of {type(model).__name__}; "
+                f"its linear modules are {[n for n, _ in linear]}"
+            )
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     to_muon = {id(m.weight) for name, m in linear if name not in heads and id(m.weight) not in embedded}
     muon: list[nn.Parameter] = []
@@ -85,10 +92,21 @@ class MuonAdamW(torch.optim.Optimizer):
     decoupled, both halves. `betas`, `eps`: AdamW's. `momentum`, `nesterov`, `ns_steps`, `adjust_lr_fn`: Muon's.
     """
 
-    def __init__(self, muon_params: Iterable[nn.Parameter], adamw_params: Iterable[nn.Parameter], *, lr: float = 1e-3,
-                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 adjust_lr_fn: str = "match_rms_adamw", muon_lr_ratio: float = 1.0):
+    def __init__(
+        self,
+        muon_params: Iterable[nn.Parameter],
+        adamw_params: Iterable[nn.Parameter],
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "match_rms_adamw",
+        muon_lr_ratio: float = 1.0,
+    ):
         muon_params, adamw_params = list(muon_params), list(adamw_params)
         if not muon_params and not adamw_params:
             raise ValueError("MuonAdamW got no parameters")
@@ -104,9 +122,15 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"Muon takes 2-D weight matrices only; got shapes {bad} (give those to AdamW)")
         children: dict[str, torch.optim.Optimizer] = {}
         if muon_params:
-            children["muon"] = torch.optim.Muon(muon_params, lr=lr * muon_lr_ratio, weight_decay=weight_decay,
-                                                momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                                adjust_lr_fn=adjust_lr_fn)
+            children["muon"] = torch.optim.Muon(
+                muon_params,
+                lr=lr * muon_lr_ratio,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn,
+            )
         if adamw_params:
             children["adamw"] = torch.optim.AdamW(adamw_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         groups = []

@@ -93,14 +93,17 @@ class _RingSigmoid(torch.autograd.Function):
 
 def _check(x: torch.Tensor, y: torch.Tensor) -> None:
     if x.dim() != 2 or x.shape != y.shape or x.shape[0] == 0:
-        raise ValueError(f"x and y must be matching (pairs, dim) embeddings with at least one pair; "
-                         f"got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise ValueError(
+            f"x and y must be matching (pairs, dim) embeddings with at least one pair; "
+            f"got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
     if x.dtype != y.dtype or not x.is_floating_point():
         raise TypeError(f"x and y must share one floating dtype; got {x.dtype} and {y.dtype}")
 
 
-def sigmoid_pair_loss(x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor, bias: torch.Tensor,
-                      comm: Comm | None = None) -> torch.Tensor:
+def sigmoid_pair_loss(
+    x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor, bias: torch.Tensor, comm: Comm | None = None
+) -> torch.Tensor:
     """Per-pair sigmoid loss of this rank's rows against every rank's y (SOTA-376); comm=None: one
     process, the whole batch local. Every rank must hold the same number of pairs."""
     _check(x, y)
@@ -110,8 +113,9 @@ def sigmoid_pair_loss(x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor,
     return _RingSigmoid.apply(x.contiguous(), y.contiguous(), log_scale, bias, comm)
 
 
-def softmax_pair_loss(x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor,
-                      comm: Comm | None = None) -> torch.Tensor:
+def softmax_pair_loss(
+    x: torch.Tensor, y: torch.Tensor, log_scale: torch.Tensor, comm: Comm | None = None
+) -> torch.Tensor:
     """Symmetric softmax (InfoNCE) loss of this rank's pairs, normalised over the global batch: both
     embedding sets are all-gathered so every row and every column sees the whole batch."""
     _check(x, y)

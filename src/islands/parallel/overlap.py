@@ -20,16 +20,19 @@ def check_chunks(chunks) -> int:
     return chunks
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, comm: Comm, chunks: int = 1,
-                      kind: str = "tp_all_reduce") -> torch.Tensor:
+def matmul_all_reduce(
+    x: torch.Tensor, weight: torch.Tensor, comm: Comm, chunks: int = 1, kind: str = "tp_all_reduce"
+) -> torch.Tensor:
     """sum over ranks of x @ weight.T, computed as `chunks` row blocks whose all-reduces overlap the
     next block's matmul. x: (..., k) on every rank, weight: (n, k); returns (..., n).
 
     Every rank must pass the same shapes and chunk count (the collectives pair up in order)."""
     chunks = check_chunks(chunks)
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"shapes do not multiply: x {tuple(x.shape)} @ weight.T with weight {tuple(weight.shape)}; "
-                         "need x (..., k) and weight (n, k)")
+        raise ValueError(
+            f"shapes do not multiply: x {tuple(x.shape)} @ weight.T with weight {tuple(weight.shape)}; "
+            "need x (..., k) and weight (n, k)"
+        )
     if x.dtype != weight.dtype:
         raise TypeError(f"x is {x.dtype} but weight is {weight.dtype}; cast one so both match")
     rows = x.reshape(-1, x.shape[-1])

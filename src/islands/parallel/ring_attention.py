@@ -118,8 +118,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     """Attention of this rank's query block over the whole sequence, whose blocks are spread over
     `comm`'s ranks in rank order. q, k, v: (..., block, head_dim), the same shape on every rank."""
     if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have one shape (..., block, head_dim); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must have one shape (..., block, head_dim); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.dim() < 2 or q.shape[-2] == 0:
         raise ValueError(f"need at least one position per rank, shaped (..., block, head_dim); got {tuple(q.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():

@@ -37,13 +37,12 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         n = comm.size
         if in_features % n:
-            raise ValueError(f"in_features {in_features} must divide evenly over {n} ranks; "
-                             f"pick a multiple of {n}")
+            raise ValueError(f"in_features {in_features} must divide evenly over {n} ranks; pick a multiple of {n}")
         self.comm, self.chunks = comm, check_chunks(chunks)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // n))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Comm, chunks: int = 1) -> RowParallelLinear:
@@ -62,11 +61,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"expected this rank's input slice of width {self.weight.shape[1]} "
-                             f"(in_features {self.in_features} / {self.comm.size} ranks), got {x.shape[-1]}")
+            raise ValueError(
+                f"expected this rank's input slice of width {self.weight.shape[1]} "
+                f"(in_features {self.in_features} / {self.comm.size} ranks), got {x.shape[-1]}"
+            )
         y = _ReducedMatmul.apply(x, self.weight, self.comm, self.chunks)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (shard {self.weight.shape[1]}), out_features={self.out_features}, "
-                f"chunks={self.chunks}")
+        return (
+            f"in_features={self.in_features} (shard {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"chunks={self.chunks}"
+        )

@@ -57,7 +57,9 @@ class TensorParallelMLP(nn.Module):
         super().__init__()
         n = comm.size
         if hidden % n:
-            raise ValueError(f"hidden {hidden} must divide evenly over {n} tensor-parallel ranks; pick a multiple of {n}")
+            raise ValueError(
+                f"hidden {hidden} must divide evenly over {n} tensor-parallel ranks; pick a multiple of {n}"
+            )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.comm, self.sequence_parallel = comm, bool(sequence_parallel)
@@ -68,8 +70,15 @@ class TensorParallelMLP(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     @classmethod
-    def from_full(cls, norm: nn.LayerNorm, up: nn.Linear, down: nn.Linear, comm: Comm,
-                  sequence_parallel: bool = False, dropout: float = 0.0) -> TensorParallelMLP:
+    def from_full(
+        cls,
+        norm: nn.LayerNorm,
+        up: nn.Linear,
+        down: nn.Linear,
+        comm: Comm,
+        sequence_parallel: bool = False,
+        dropout: float = 0.0,
+    ) -> TensorParallelMLP:
         """This rank's shard of an unsplit block (norm, up: d->h, down: h->d)."""
         block = cls(up.in_features, up.out_features, comm, sequence_parallel, dropout)
         block = block.to(dtype=up.weight.dtype)
@@ -111,4 +120,4 @@ def sequence_shard(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     if x.shape[0] % n:
         raise ValueError(f"sequence length {x.shape[0]} must divide evenly over {n} ranks")
     width = x.shape[0] // n
-    return x[comm.rank * width:(comm.rank + 1) * width]
+    return x[comm.rank * width : (comm.rank + 1) * width]

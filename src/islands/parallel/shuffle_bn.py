@@ -36,17 +36,23 @@ Encoder = Callable[[torch.Tensor], torch.Tensor]
 
 def _check_generator(generator) -> None:
     if not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator seeded alike on every rank (the global RNG is never "
-                        f"used), got {type(generator).__name__}")
+        raise TypeError(
+            f"generator must be a torch.Generator seeded alike on every rank (the global RNG is never "
+            f"used), got {type(generator).__name__}"
+        )
 
 
 def _check_rows(x: torch.Tensor, groups: int, what: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        raise ValueError(f"{what}: x must be a (rows, features...) tensor, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        raise ValueError(
+            f"{what}: x must be a (rows, features...) tensor, got "
+            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+        )
     if x.shape[0] == 0 or x.shape[0] % groups:
-        raise ValueError(f"{what}: {x.shape[0]} rows cannot be split into {groups} equal groups; "
-                         f"use a batch that is a positive multiple of {groups}")
+        raise ValueError(
+            f"{what}: {x.shape[0]} rows cannot be split into {groups} equal groups; "
+            f"use a batch that is a positive multiple of {groups}"
+        )
 
 
 def dealt_permutation(rows: int, groups: int, generator: torch.Generator) -> torch.Tensor:
@@ -62,8 +68,10 @@ def dealt_permutation(rows: int, groups: int, generator: torch.Generator) -> tor
     if not isinstance(groups, int) or groups < 2:
         raise ValueError(f"groups must be an int >= 2 (with one group the statistics are shared); got {groups!r}")
     if rows <= 0 or rows % groups or rows // groups < 2:
-        raise ValueError(f"{rows} rows cannot be split into {groups} equal groups of at least 2 rows (one row "
-                         f"would keep its own statistics); use a multiple of {groups} of at least {2 * groups}")
+        raise ValueError(
+            f"{rows} rows cannot be split into {groups} equal groups of at least 2 rows (one row "
+            f"would keep its own statistics); use a multiple of {groups} of at least {2 * groups}"
+        )
     m = rows // groups
     order = torch.cat([g * m + torch.randperm(m, generator=generator) for g in range(groups)])
     start = int(torch.randint(groups, (1,), generator=generator))
@@ -103,8 +111,9 @@ def shuffled_group_encode(encoder: Encoder, x: torch.Tensor, groups: int, genera
     return encode_in_groups(encoder, x, groups, perm)
 
 
-def shuffled_encode(encoder: Encoder, x: torch.Tensor, comm: Comm, generator: torch.Generator,
-                    prefix: str = "shuffle_bn") -> torch.Tensor:
+def shuffled_encode(
+    encoder: Encoder, x: torch.Tensor, comm: Comm, generator: torch.Generator, prefix: str = "shuffle_bn"
+) -> torch.Tensor:
     """Form (a), across ranks: this rank's key rows encoded inside a shard of the dealt global batch.
 
     Every rank must call it with the same number of rows, the same encoder weights and a generator
@@ -114,26 +123,36 @@ def shuffled_encode(encoder: Encoder, x: torch.Tensor, comm: Comm, generator: to
     """
     _check_generator(generator)
     if comm is None or comm.size < 2:
-        raise ValueError("shuffled_encode needs a Comm over 2 or more ranks; in one process use "
-                         "shuffled_group_encode(encoder, x, groups, generator)")
+        raise ValueError(
+            "shuffled_encode needs a Comm over 2 or more ranks; in one process use "
+            "shuffled_group_encode(encoder, x, groups, generator)"
+        )
     n, r = comm.size, comm.rank
     _check_rows(x, 1, "shuffled_encode")
     rows = x.shape[0]
     perm = dealt_permutation(n * rows, n, generator).to(x.device)
     everyone = gather_rows(x.contiguous(), comm, prefix)
-    mine = encoder(everyone[perm[r * rows:(r + 1) * rows]])
+    mine = encoder(everyone[perm[r * rows : (r + 1) * rows]])
     shuffled_out = gather_rows(mine.contiguous(), comm, prefix)
     unshuffled = torch.empty_like(shuffled_out)
     unshuffled[perm] = shuffled_out
-    return unshuffled[r * rows:(r + 1) * rows]
+    return unshuffled[r * rows : (r + 1) * rows]
 
 
-def shuffled_encode_bytes(rows: int, in_shape: tuple[int, ...], out_shape: tuple[int, ...], ranks: int,
-                          itemsize: int = 4, grad_outputs: bool = False, grad_inputs: bool = False) -> dict[str, int]:
+def shuffled_encode_bytes(
+    rows: int,
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    ranks: int,
+    itemsize: int = 4,
+    grad_outputs: bool = False,
+    grad_inputs: bool = False,
+) -> dict[str, int]:
     """Bytes one rank sends and receives in one shuffled_encode of `rows` rows per rank, as the ledger
     counts them (all_gather: own chunk sent, n-1 received; reduce_scatter: n-1 slices each way).
     `in_shape`/`out_shape` exclude the row dimension. grad_outputs: the outputs need a gradient (the
     encoder's weights or x do), so backward reduce-scatters them; grad_inputs: x itself needs one."""
+
     def chunk(shape):
         k = rows * itemsize
         for d in shape:

@@ -1,8 +1,8 @@
 """`python -m islands.practices`: print the registry, or regenerate the tables in docs/practices.md.
 
-    python -m islands.practices --markdown                 # practices as markdown
-    python -m islands.practices --markdown --papers        # reading list as markdown
-    python -m islands.practices --update-docs docs/practices.md
+python -m islands.practices --markdown                 # practices as markdown
+python -m islands.practices --markdown --papers        # reading list as markdown
+python -m islands.practices --update-docs docs/practices.md
 """
 
 from __future__ import annotations

@@ -28,11 +28,23 @@ _MODULE_PATH = re.compile(r"islands(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _EXPERIMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 _PRACTICE_FIELDS: dict[str, type] = {
-    "id": str, "title": str, "status": str, "sources": list, "reason": str,
-    "claim": str, "module": str, "experiment": str, "issue": int,
+    "id": str,
+    "title": str,
+    "status": str,
+    "sources": list,
+    "reason": str,
+    "claim": str,
+    "module": str,
+    "experiment": str,
+    "issue": int,
 }
 _PAPER_FIELDS: dict[str, type] = {
-    "id": str, "authors_year": str, "ref": str, "title": str, "note": str, "practices": list,
+    "id": str,
+    "authors_year": str,
+    "ref": str,
+    "title": str,
+    "note": str,
+    "practices": list,
 }
 
 
@@ -97,10 +109,16 @@ def parse_papers(text: str, *, origin: str = READING_FILE) -> list[Paper]:
         for pid in row["practices"]:
             if not _PRACTICE_ID.fullmatch(pid):
                 raise ValueError(f"{where}: practices entry {pid!r} is not a registry id like 'SOTA-155'")
-        papers.append(Paper(
-            id=row["id"], authors_year=row["authors_year"], ref=row["ref"], title=row["title"],
-            note=row["note"], practices=tuple(row["practices"]),
-        ))
+        papers.append(
+            Paper(
+                id=row["id"],
+                authors_year=row["authors_year"],
+                ref=row["ref"],
+                title=row["title"],
+                note=row["note"],
+                practices=tuple(row["practices"]),
+            )
+        )
     return papers
 
 
@@ -119,7 +137,9 @@ def _check_status_fields(row: dict, where: str) -> None:
         if row["claim"].strip():
             raise ValueError(f"{where}: Rejected entry has a claim; a rejected practice has nothing to test")
         if row["module"] or row["experiment"]:
-            raise ValueError(f"{where}: Rejected entry names a module/experiment; nothing implements a rejected practice")
+            raise ValueError(
+                f"{where}: Rejected entry names a module/experiment; nothing implements a rejected practice"
+            )
     else:
         if row["reason"].strip():
             raise ValueError(f"{where}: only Rejected entries carry a 'reason' (status is {status!r})")
@@ -127,7 +147,9 @@ def _check_status_fields(row: dict, where: str) -> None:
             raise ValueError(f"{where}: {status} entry needs a 'claim': the measurable statement an experiment tests")
 
 
-def parse_practices(text: str, paper_ids: Iterable[str] | None = None, *, origin: str = REGISTRY_FILE) -> list[Practice]:
+def parse_practices(
+    text: str, paper_ids: Iterable[str] | None = None, *, origin: str = REGISTRY_FILE
+) -> list[Practice]:
     """Parse and validate registry TOML text; `paper_ids`, when given, is what `sources` may cite."""
     known = None if paper_ids is None else set(paper_ids)
     practices: list[Practice] = []
@@ -149,16 +171,26 @@ def parse_practices(text: str, paper_ids: Iterable[str] | None = None, *, origin
         if len(set(row["sources"])) != len(row["sources"]):
             raise ValueError(f"{where}: 'sources' lists a paper twice: {row['sources']}")
         if row["module"] and not _MODULE_PATH.fullmatch(row["module"]):
-            raise ValueError(f"{where}: module {row['module']!r} must be a dotted path inside islands, e.g. 'islands.sync.ddp'")
+            raise ValueError(
+                f"{where}: module {row['module']!r} must be a dotted path inside islands, e.g. 'islands.sync.ddp'"
+            )
         if row["experiment"] and not _EXPERIMENT_NAME.fullmatch(row["experiment"]):
             raise ValueError(f"{where}: experiment {row['experiment']!r} must be a bench name like 'ddp-scaling'")
         if row["issue"] < 0:
             raise ValueError(f"{where}: issue must be a project issue number, or 0 for not yet planned")
-        practices.append(Practice(
-            id=row["id"], title=row["title"], status=row["status"], sources=tuple(row["sources"]),
-            reason=row["reason"], claim=row["claim"], module=row["module"], experiment=row["experiment"],
-            issue=row["issue"],
-        ))
+        practices.append(
+            Practice(
+                id=row["id"],
+                title=row["title"],
+                status=row["status"],
+                sources=tuple(row["sources"]),
+                reason=row["reason"],
+                claim=row["claim"],
+                module=row["module"],
+                experiment=row["experiment"],
+                issue=row["issue"],
+            )
+        )
     return practices
 
 

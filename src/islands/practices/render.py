@@ -33,7 +33,8 @@ def filter_practices(
         raise TypeError(f"implemented must be True, False or None, got {implemented!r}")
     statuses = None if status is None else _normalise_statuses(status)
     return [
-        p for p in items
+        p
+        for p in items
         if (statuses is None or p.status in statuses) and (implemented is None or p.implemented == implemented)
     ]
 

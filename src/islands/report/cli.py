@@ -21,12 +21,20 @@ def cmd_report(args) -> int:
 
 
 def add_report_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("report", help="write a static HTML site of the bench results (open OUT/index.html)",
-                       description="Write a self-contained HTML site from the bench's results: an index of "
-                                   "every practice and open question linked to its experiment, and one page per "
-                                   "experiment with its headline, table, plot, interconnect, baseline and command.")
-    p.add_argument("results_dir", nargs="?", default="results", metavar="RESULTS_DIR",
-                   help="the bench's results directory (default results)")
+    p = sub.add_parser(
+        "report",
+        help="write a static HTML site of the bench results (open OUT/index.html)",
+        description="Write a self-contained HTML site from the bench's results: an index of "
+        "every practice and open question linked to its experiment, and one page per "
+        "experiment with its headline, table, plot, interconnect, baseline and command.",
+    )
+    p.add_argument(
+        "results_dir",
+        nargs="?",
+        default="results",
+        metavar="RESULTS_DIR",
+        help="the bench's results directory (default results)",
+    )
     p.add_argument("out", metavar="OUT", help="directory to write the site into (replaced if an earlier report)")
     p.set_defaults(fn=cmd_report)
     return p

@@ -92,8 +92,10 @@ def table(rows, css: str = "rows") -> str:
             cls = ' class="num"' if num else ""
             cells.append(f"<td{cls}{title}>{esc(fmt(v))}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return (f'<div class="scroll"><table class="{esc(css)}"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>")
+    return (
+        f'<div class="scroll"><table class="{esc(css)}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def link(href: str, text: str, css: str = "") -> str:
@@ -102,9 +104,11 @@ def link(href: str, text: str, css: str = "") -> str:
 
 
 def page(title: str, body: str, nav: str = "") -> str:
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-            f"<title>{esc(title)}</title>\n<link rel=\"stylesheet\" href=\"{STYLESHEET}\">\n</head>\n<body>\n"
-            f"<nav>{nav}</nav>\n<main>\n{body}\n</main>\n"
-            "<footer>Made by <code>islands report</code> from the bench's result.json files.</footer>\n"
-            "</body>\n</html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f'<title>{esc(title)}</title>\n<link rel="stylesheet" href="{STYLESHEET}">\n</head>\n<body>\n'
+        f"<nav>{nav}</nav>\n<main>\n{body}\n</main>\n"
+        "<footer>Made by <code>islands report</code> from the bench's result.json files.</footer>\n"
+        "</body>\n</html>\n"
+    )

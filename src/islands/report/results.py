@@ -82,20 +82,27 @@ def scan(results_dir: Path) -> tuple[list[ExperimentResults], list[str]]:
     """
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
-        raise ReportError(f"{results_dir}: no such directory; expected a results directory "
-                          f"holding <experiment>/<quick|full>/result.json (as `islands bench` writes)")
+        raise ReportError(
+            f"{results_dir}: no such directory; expected a results directory "
+            f"holding <experiment>/<quick|full>/result.json (as `islands bench` writes)"
+        )
     experiments: list[ExperimentResults] = []
     without: list[str] = []
     for exp_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        variants = [read_variant(exp_dir.name, v) for v in sorted(exp_dir.iterdir())
-                    if v.is_dir() and (v / "result.json").is_file()]
+        variants = [
+            read_variant(exp_dir.name, v)
+            for v in sorted(exp_dir.iterdir())
+            if v.is_dir() and (v / "result.json").is_file()
+        ]
         if variants:
             experiments.append(ExperimentResults(exp_dir.name, sorted(variants, key=_variant_rank)))
         else:
             without.append(exp_dir.name)
     if not experiments:
-        raise ReportError(f"{results_dir}: holds no result.json; expected "
-                          f"{results_dir}/<experiment>/<quick|full>/result.json (as `islands bench` writes)")
+        raise ReportError(
+            f"{results_dir}: holds no result.json; expected "
+            f"{results_dir}/<experiment>/<quick|full>/result.json (as `islands bench` writes)"
+        )
     return experiments, without
 
 

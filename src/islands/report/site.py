@@ -43,8 +43,10 @@ def check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ReportError(f"{out}: exists and is not a directory; expected a directory to write the site into")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise ReportError(f"{out}: is a non-empty directory that `islands report` did not make; "
-                          f"expected a new or empty directory, or an earlier report to replace")
+        raise ReportError(
+            f"{out}: is a non-empty directory that `islands report` did not make; "
+            f"expected a new or empty directory, or an earlier report to replace"
+        )
 
 
 def _write(tmp: Path, experiments: list[ExperimentResults], without: list[str], source: str) -> list[str]:
@@ -66,8 +68,9 @@ def _write(tmp: Path, experiments: list[ExperimentResults], without: list[str], 
             name = page_name(results, variant)
             (tmp / name).write_text(experiment_page(results, variant, practices, has_plot), encoding="utf-8")
             pages.append(name)
-    (tmp / "index.html").write_text(index_page(experiments, without, practices, papers, registry_error, source),
-                                    encoding="utf-8")
+    (tmp / "index.html").write_text(
+        index_page(experiments, without, practices, papers, registry_error, source), encoding="utf-8"
+    )
     return pages
 
 

@@ -208,8 +208,9 @@ class Comm:
         self._timed(lambda: dist.recv(tensor, src=src, group=self.group))
         return tensor
 
-    def exchange(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                 kind: str = "p2p") -> dict[int, torch.Tensor]:
+    def exchange(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ) -> dict[int, torch.Tensor]:
         """Point-to-point in one batch: send sends[p] to each peer p, receive one tensor shaped like `like`
         (default: the first sent tensor) from each peer in recv_from. Peers are ranks of this Comm's
         group. Every send must be matched by the peer's receive in the same call (gossip, LIT-302)."""
@@ -217,8 +218,9 @@ class Comm:
         wait()
         return got
 
-    def exchange_async(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                       kind: str = "p2p"):
+    def exchange_async(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ):
         """`exchange` started but not awaited: returns (tensors that will arrive, wait()). Compute that
         does not need them can run before wait() (ring attention's rotation, SOTA-181). The sent
         tensors must not be modified until wait() returns."""

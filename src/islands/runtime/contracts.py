@@ -23,7 +23,8 @@ import the strategies (tests/test_layering.py); they satisfy these protocols str
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -56,8 +57,9 @@ class Collectives(Protocol):
 class PointToPoint(Collectives, Protocol):
     """A fixed-group Comm that also sends point to point in one batch (gossip's round)."""
 
-    def exchange(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                 kind: str = "p2p") -> dict[int, torch.Tensor]: ...
+    def exchange(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ) -> dict[int, torch.Tensor]: ...
 
 
 @runtime_checkable
@@ -70,8 +72,12 @@ class ElasticCollectives(Collectives, Protocol):
         """The members' names in rank order, as of the latest collective."""
         ...
 
-    def exchange_planned(self, plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
-                         like: torch.Tensor, kind: str = "p2p") -> tuple[dict[int, torch.Tensor], list[int], list[int]]: ...
+    def exchange_planned(
+        self,
+        plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
+        like: torch.Tensor,
+        kind: str = "p2p",
+    ) -> tuple[dict[int, torch.Tensor], list[int], list[int]]: ...
 
 
 @runtime_checkable

@@ -42,8 +42,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from islands.runtime.elastic.auth import derive_key
 from islands.runtime.comm import Comm
+from islands.runtime.elastic.auth import derive_key
 
 TAG = 32  # bytes of an HMAC-SHA256
 _DOMAIN = b"islands-payload-v1|"
@@ -155,13 +155,15 @@ class AuthenticatedComm:
     def _pack(self, t: torch.Tensor, kind: str, call: int, receiver: int) -> torch.Tensor:
         return self._tags.pack(t, (kind, call, self.rank, receiver))
 
-    def _open(self, packed: torch.Tensor, like: torch.Tensor, kind: str, call: int, sender: int,
-              receiver: int) -> torch.Tensor:
+    def _open(
+        self, packed: torch.Tensor, like: torch.Tensor, kind: str, call: int, sender: int, receiver: int
+    ) -> torch.Tensor:
         got = self._tags.open(packed, like, (kind, call, sender, receiver))
         if got is None:
             raise PayloadAuthError(
                 f"the {kind} payload from rank {sender} (exchange {call}) failed its MAC: it was altered, injected "
-                "or replayed on the way, or the sender holds another token; it was not used")
+                "or replayed on the way, or the sender holds another token; it was not used"
+            )
         return got
 
     def _gathered(self, t: torch.Tensor, kind: str, call: int, packed_parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -217,8 +219,7 @@ class AuthenticatedComm:
             return tensor
         call = self._call()
         me = dist.get_rank()
-        packed = self._pack(tensor, kind, call, -1) if me == src else \
-            PayloadTags.shell(tensor)
+        packed = self._pack(tensor, kind, call, -1) if me == src else PayloadTags.shell(tensor)
         self.inner.broadcast(packed, src=src, kind=kind)
         if me != src:
             group_src = dist.get_group_rank(self.group, src) if self.group is not None else src
@@ -227,8 +228,9 @@ class AuthenticatedComm:
 
     exchange = Comm.exchange  # exchange_async, then wait: the same for any Comm
 
-    def exchange_async(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                       kind: str = "p2p"):
+    def exchange_async(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ):
         """Point to point, each message tagged for its receiver; checked in wait()."""
         call = self._call()
         me = self.rank
@@ -268,8 +270,10 @@ class AuthenticatedComm:
         packed = self.inner.recv(PayloadTags.shell(tensor), src, kind=kind)
         got = self._tags.open(packed, tensor, (kind, f"pair{n}", src, me))
         if got is None:
-            raise PayloadAuthError(f"the {kind} message {n} from rank {src} failed its MAC: it was altered, injected or "
-                                   "replayed on the way, or the sender holds another token; it was not used")
+            raise PayloadAuthError(
+                f"the {kind} message {n} from rank {src} failed its MAC: it was altered, injected or "
+                "replayed on the way, or the sender holds another token; it was not used"
+            )
         return tensor.copy_(got)
 
     def reduce_scatter(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "reduce_scatter") -> torch.Tensor:
@@ -286,16 +290,25 @@ class AuthenticatedComm:
 
 # How two contributions combine, per reduce op (AVG: a sum, divided once at the end). PREMUL_SUM is absent: its
 # factor lives inside the op object, which a plain comparison cannot read.
-_COMBINE: dict[object, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.AVG: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
-            dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.BAND: torch.bitwise_and,
-            dist.ReduceOp.BOR: torch.bitwise_or, dist.ReduceOp.BXOR: torch.bitwise_xor}
+_COMBINE: dict[object, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    dist.ReduceOp.SUM: torch.add,
+    dist.ReduceOp.AVG: torch.add,
+    dist.ReduceOp.PRODUCT: torch.mul,
+    dist.ReduceOp.MAX: torch.maximum,
+    dist.ReduceOp.MIN: torch.minimum,
+    dist.ReduceOp.BAND: torch.bitwise_and,
+    dist.ReduceOp.BOR: torch.bitwise_or,
+    dist.ReduceOp.BXOR: torch.bitwise_xor,
+}
 
 
 def combine_in_order(parts: list[torch.Tensor], op) -> torch.Tensor:
     """The contributions combined in rank order (the same on every rank)."""
     fn = next((f for known, f in _COMBINE.items() if op == known), None)
     if fn is None:
-        raise ValueError(f"authenticated payloads combine with SUM, AVG, PRODUCT, MAX, MIN, BAND, BOR or BXOR; got {op}")
+        raise ValueError(
+            f"authenticated payloads combine with SUM, AVG, PRODUCT, MAX, MIN, BAND, BOR or BXOR; got {op}"
+        )
     out = parts[0].clone()
     for p in parts[1:]:
         out = fn(out, p)
@@ -313,8 +326,10 @@ def authenticate_payloads(world, token: str | None = None):
     sends nothing across islands (its leader does): nothing to do there."""
     token = token if token is not None else os.environ.get("ISLANDS_TOKEN", "")
     if not token:
-        raise ValueError("authenticated payloads need the job's token: pass token=... or set ISLANDS_TOKEN on "
-                         "every worker (the same secret)")
+        raise ValueError(
+            "authenticated payloads need the job's token: pass token=... or set ISLANDS_TOKEN on "
+            "every worker (the same secret)"
+        )
     membership = world.membership
     if membership is not None:
         membership.authenticate(token)  # a follower of a k-worker island has nothing to tag (its leader does)

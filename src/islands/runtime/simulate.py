@@ -73,8 +73,12 @@ class _Turns:
         self.local = threading.local()  # .island: this thread's island while it is an island's main thread
 
     def _capture(self):
-        return (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda else None,
-                np.random.get_state(), random.getstate())
+        return (
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state(self.device) if self.cuda else None,
+            np.random.get_state(),
+            random.getstate(),
+        )
 
     def _restore(self, state) -> None:
         cpu, cuda, npy, py = state
@@ -154,8 +158,10 @@ class _Hub:
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
         if not self.cv.wait_for(lambda: done() or self.error is not None, timeout=self.timeout_s):
-            error = TimeoutError(f"simulated {what}: not every island arrived within {self.timeout_s:.0f} s (does "
-                                 f"every island call the same collectives in the same order?)")
+            error = TimeoutError(
+                f"simulated {what}: not every island arrived within {self.timeout_s:.0f} s (does "
+                f"every island call the same collectives in the same order?)"
+            )
             self.error = self.error or error
             self.cv.notify_all()
             raise error
@@ -167,8 +173,10 @@ class _Hub:
             self._check()
             r = self.rounds.setdefault(seq, {"what": what, "values": [None] * self.size, "arrived": 0, "left": 0})
             if r["what"] != what:
-                self.error = RuntimeError(f"simulated collective #{seq}: island {rank} called {what} where another "
-                                          f"island called {r['what']}: the islands' collectives differ")
+                self.error = RuntimeError(
+                    f"simulated collective #{seq}: island {rank} called {what} where another "
+                    f"island called {r['what']}: the islands' collectives differ"
+                )
                 self.cv.notify_all()
                 raise self.error
             r["values"][rank] = value
@@ -282,7 +290,7 @@ class SimComm:
         piece = tensor.shape[0] // n
         self.ledger.record(kind, (n - 1) * _nbytes(tensor) // n, (n - 1) * _nbytes(tensor) // n)
         total = self._meet(f"reduce_scatter {tuple(tensor.shape)}", tensor, lambda vs: _reduce(op, vs))
-        return total[self._rank * piece:(self._rank + 1) * piece].clone()
+        return total[self._rank * piece : (self._rank + 1) * piece].clone()
 
     def broadcast(self, tensor: torch.Tensor, src: int, kind: str = "broadcast") -> torch.Tensor:
         if self.size > 1:
@@ -296,22 +304,27 @@ class SimComm:
     def all_gather_object(self, obj) -> list:
         return self._meet("all_gather_object", obj, list)
 
-    def exchange(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                 kind: str = "p2p") -> dict[int, torch.Tensor]:
+    def exchange(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ) -> dict[int, torch.Tensor]:
         got, wait = self.exchange_async(sends, recv_from, like, kind)
         wait()
         return got
 
-    def exchange_async(self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None,
-                       kind: str = "p2p"):
+    def exchange_async(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ):
         me, n = self._rank, self.size
         for p in [*sends, *recv_from]:
             if not 0 <= p < n or p == me:
                 raise ValueError(f"exchange peer {p} must be another rank of this group (0..{n - 1}, not {me})")
         if like is None and recv_from and not sends:
             raise ValueError("exchange: pass like= (shape and dtype of what arrives) when sending nothing")
-        self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()),
-                           sum(_nbytes(like if like is not None else next(iter(sends.values()))) for _ in recv_from))
+        self.ledger.record(
+            kind,
+            sum(_nbytes(t) for t in sends.values()),
+            sum(_nbytes(like if like is not None else next(iter(sends.values()))) for _ in recv_from),
+        )
         for p, t in sends.items():
             self.hub.post(me, p, t.detach().clone())
         got: dict[int, torch.Tensor] = {}
@@ -354,16 +367,28 @@ def worlds(islands: int, device: str | torch.device = "cpu", timeout_s: float = 
     out = []
     for i in range(islands):
         ledger = CommLedger()
-        world = World(rank=i, size=islands, islands=islands, device=dev, backend="simulated", ledger=ledger,
-                      comms={"global": SimComm(hubs["global"], i, ledger), "cross": SimComm(hubs["cross"], i, ledger),
-                             "local": LoneComm()}, data_shard=(i, islands))
+        world = World(
+            rank=i,
+            size=islands,
+            islands=islands,
+            device=dev,
+            backend="simulated",
+            ledger=ledger,
+            comms={
+                "global": SimComm(hubs["global"], i, ledger),
+                "cross": SimComm(hubs["cross"], i, ledger),
+                "local": LoneComm(),
+            },
+            data_shard=(i, islands),
+        )
         world._sim = (turns, hubs)
         out.append(world)
     return out
 
 
-def run(main: Callable[[World], Any], islands: int, device: str | torch.device = "cpu",
-        timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+def run(
+    main: Callable[[World], Any], islands: int, device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list:
     """main(world) on each of `islands` simulated islands (module docstring), concurrently, in this process.
     Returns main's results in island order. The first island to raise stops the others at their next
     collective; that error is re-raised here (naming the island)."""
@@ -411,8 +436,10 @@ def run(main: Callable[[World], Any], islands: int, device: str | torch.device =
         Future.result = result
         hook.remove()
         _RUNNING.release()
-    first = next((i for i, e in enumerate(errors) if e is not None and not isinstance(e, SimulationAborted)),
-                 next((i for i, e in enumerate(errors) if e is not None), None))
+    first = next(
+        (i for i, e in enumerate(errors) if e is not None and not isinstance(e, SimulationAborted)),
+        next((i for i, e in enumerate(errors) if e is not None), None),
+    )
     if first is not None:
         raise RuntimeError(f"simulated island {first} of {islands} failed: {errors[first]!r}") from errors[first]
     return results

@@ -22,8 +22,15 @@ import sys
 DUMP_SIGNAL = signal.SIGRTMIN + 3  # SIGRTMIN..+2 may be glibc's own; Python's SIGRTMIN already skips those
 DUMP_S = 0.2  # seconds from the dump signal to SIGKILL: the handler writes at once, a few KB
 
-_STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped by a tracer",
-           "Z": "exited", "X": "exited"}
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "waiting on I/O",
+    "T": "stopped",
+    "t": "stopped by a tracer",
+    "Z": "exited",
+    "X": "exited",
+}
 
 
 def enable(file=None) -> bool:

@@ -26,14 +26,32 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime import stacks
-from islands.runtime.elastic.auth import ControlAuth
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.contracts import Collectives, ElasticMembership
 from islands.runtime.elastic import Excluded, JobEnded, Membership, elastic_member
-from islands.runtime.elastic.island_comm import (ISLAND_ENV, IslandBroken, IslandComm, IslandFollower, IslandLeader, IslandPlace,
-                                        local_timeout)
-from islands.runtime.elastic.membership import (ELASTIC_ENV, NAME_ENV, TOKEN_ENV, Heartbeat, JobSpec, Liveness, Refused, authed,
-                                        connect, join_job, parse_address)
+from islands.runtime.elastic.auth import ControlAuth
+from islands.runtime.elastic.island_comm import (
+    ISLAND_ENV,
+    IslandBroken,
+    IslandComm,
+    IslandFollower,
+    IslandLeader,
+    IslandPlace,
+    local_timeout,
+)
+from islands.runtime.elastic.membership import (
+    ELASTIC_ENV,
+    NAME_ENV,
+    TOKEN_ENV,
+    Heartbeat,
+    JobSpec,
+    Liveness,
+    Refused,
+    authed,
+    connect,
+    join_job,
+    parse_address,
+)
 from islands.runtime.payload_auth import PayloadAuthError
 
 
@@ -117,7 +135,7 @@ class World:
         return self.comm("global").all_gather_object(obj)
 
     @staticmethod
-    def single(device: str | torch.device = "cpu") -> "World":
+    def single(device: str | torch.device = "cpu") -> World:
         return World(rank=0, size=1, islands=1, device=torch.device(device), backend="none")
 
 
@@ -139,8 +157,10 @@ def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
     local_workers = max(local_workers, local + 1)  # a worker's own index says at least this many share the host
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and local_workers > gpus:
-        raise ValueError(f"device=cuda needs one GPU per worker on this host: {local_workers} worker(s), "
-                         f"{gpus} GPU(s) visible; use device=cpu (gloo) or at most {gpus} worker(s) per host")
+        raise ValueError(
+            f"device=cuda needs one GPU per worker on this host: {local_workers} worker(s), "
+            f"{gpus} GPU(s) visible; use device=cpu (gloo) or at most {gpus} worker(s) per host"
+        )
     if device == "cpu" or local_workers > gpus:
         return "gloo", torch.device("cpu")
     torch.cuda.set_device(local)
@@ -173,16 +193,22 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
         if device == "cuda":
             raise ValueError("an elastic job exchanges over gloo on the CPU; use device='cpu' or 'auto'")
         sys.excepthook = _elastic_exit(address, sys.excepthook)
-        return join_elastic(address, os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}",
-                            os.environ.get(TOKEN_ENV, ""), island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)))
+        return join_elastic(
+            address,
+            os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}",
+            os.environ.get(TOKEN_ENV, ""),
+            island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)),
+        )
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend = dist.get_backend()
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         return _world_over_default_group(islands, dev, backend)
     if "RANK" not in os.environ:
         if islands != 1:
-            raise ValueError(f"islands={islands} needs several processes: start the script with "
-                             f"`islands run --workers N` or torchrun; a single process is one island")
+            raise ValueError(
+                f"islands={islands} needs several processes: start the script with "
+                f"`islands run --workers N` or torchrun; a single process is one island"
+            )
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
@@ -214,17 +240,22 @@ def close_world(world: World) -> None:
     if membership is not None:
         membership.leave()
         if membership.holder is None and sys.exc_info()[0] is None:  # not while an error propagates (finally:)
-            print(f"islands: warning: {membership.name} ran without an outer strategy holding the job's membership "
-                  f"(an inner strategy alone does not), so it exchanged nothing with the others; {NO_OUTER}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"islands: warning: {membership.name} ran without an outer strategy holding the job's membership "
+                f"(an inner strategy alone does not), so it exchanged nothing with the others; {NO_OUTER}",
+                file=sys.stderr,
+                flush=True,
+            )
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
 # ---- elastic jobs -------------------------------------------------------------------------------------
-NO_OUTER = ("an elastic job needs an outer strategy: wrap the model with one, e.g. islands.Stack(outer="
-            "islands.outer.DiLoCo(inner_steps=50)); its members exchange only at its round boundaries, and "
-            "joiners enter there (without one every worker trains alone)")
+NO_OUTER = (
+    "an elastic job needs an outer strategy: wrap the model with one, e.g. islands.Stack(outer="
+    "islands.outer.DiLoCo(inner_steps=50)); its members exchange only at its round boundaries, and "
+    "joiners enter there (without one every worker trains alone)"
+)
 
 
 def join_elastic(address: str, name: str, token: str, island: IslandPlace | None = None) -> World:
@@ -246,9 +277,15 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
     session = join_job(host, port, name, token)  # every store value after the handshake is authenticated
     admission, job = session.admission, session.job
     several = island is not None and island.size > 1
-    member = elastic_member(session.store, name, CommLedger(), heartbeat_timeout=job.heartbeat_timeout,
-                            collective_timeout=job.timeout, new_client=session.new_client,
-                            membership=IslandLeader if several else Membership)
+    member = elastic_member(
+        session.store,
+        name,
+        CommLedger(),
+        heartbeat_timeout=job.heartbeat_timeout,
+        collective_timeout=job.timeout,
+        new_client=session.new_client,
+        membership=IslandLeader if several else Membership,
+    )
     member.admission, member.job = admission, job
     member.control_plane = session  # its AuthStores' counts of accepted and refused values (run records)
     member.heartbeat = Heartbeat(host, port, name, auth=session.auth, new_client=session.new_client)
@@ -288,9 +325,19 @@ def _follow_island(host: str, port: int, name: str, token: str, island: IslandPl
         raise
     ledger = CommLedger()
     relay = IslandComm(None, ledger, side=side)
-    follower = IslandFollower(name, island, relay, store, Liveness(store, job.heartbeat_timeout), heartbeat, job,
-                              new_client=lambda: authed(connect(host, port), auth))
-    world = island_world(follower, relay, island, (island.index * island.size + island.local, job.workers * island.size))
+    follower = IslandFollower(
+        name,
+        island,
+        relay,
+        store,
+        Liveness(store, job.heartbeat_timeout),
+        heartbeat,
+        job,
+        new_client=lambda: authed(connect(host, port), auth),
+    )
+    world = island_world(
+        follower, relay, island, (island.index * island.size + island.local, job.workers * island.size)
+    )
     relay.on_change = world.follow
     relay.sync()
     return world
@@ -301,8 +348,13 @@ def _island_group(store, island: IslandPlace, job: JobSpec):
     prefix of the job's authenticated store that no other island or incarnation shares. Returns a second group of
     the same workers: the relay of exchanges in flight on the strategy's exchange thread (island_comm docstring)."""
     timeout = _dt.timedelta(seconds=local_timeout(job.timeout, job.heartbeat_timeout))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"{island.tag}/pg", store), rank=island.local,
-                            world_size=island.size, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"{island.tag}/pg", store),
+        rank=island.local,
+        world_size=island.size,
+        timeout=timeout,
+    )
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
@@ -325,9 +377,18 @@ class IslandWorld(World):
 
 
 def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard: tuple[int, int]) -> IslandWorld:
-    world = IslandWorld(rank=island.local, size=island.size, islands=1, device=torch.device("cpu"), backend="gloo",
-                        ledger=relay.ledger, comms={"cross": relay, "global": relay, "local": Comm(None, relay.ledger)},
-                        data_shard=data_shard, membership=membership, owns_group=True)
+    world = IslandWorld(
+        rank=island.local,
+        size=island.size,
+        islands=1,
+        device=torch.device("cpu"),
+        backend="gloo",
+        ledger=relay.ledger,
+        comms={"cross": relay, "global": relay, "local": Comm(None, relay.ledger)},
+        data_shard=data_shard,
+        membership=membership,
+        owns_group=True,
+    )
     world.place, world.relay = island, relay
     world.follow(relay.rank, relay.size)
     if island.size > 1:
@@ -345,9 +406,17 @@ def elastic_world(membership: Membership, data_shard: tuple[int, int]) -> World:
     rank, size and islands follow its members; `data_shard` (shard, shards) stays whoever else comes and goes."""
     comm = membership.comm
     rank, size = (comm.rank, comm.size) if membership.epochs.members else (0, 1)  # a joiner builds before it enters
-    world = World(rank=rank, size=size, islands=size, device=torch.device("cpu"), backend="gloo",
-                  ledger=comm.ledger, comms={"cross": comm, "global": comm, "local": LoneComm()},
-                  data_shard=data_shard, membership=membership)
+    world = World(
+        rank=rank,
+        size=size,
+        islands=size,
+        device=torch.device("cpu"),
+        backend="gloo",
+        ledger=comm.ledger,
+        comms={"cross": comm, "global": comm, "local": LoneComm()},
+        data_shard=data_shard,
+        membership=membership,
+    )
 
     def follow(rank: int, size: int) -> None:
         world.rank, world.size, world.islands = rank, size, size
@@ -360,6 +429,7 @@ def _elastic_exit(address: str, previous):
     """An excepthook: a process the job refused, ended before admitting, or dropped prints one line and exits
     with the code `islands join` documents (3, 4, 1), not a traceback. Finalisers are skipped: a retired
     gloo group whose peer hung could hold the exit until its timeout."""
+
     def hook(kind, value, tb):
         if isinstance(value, Refused):
             line = f"join refused by {address}: {value}"

@@ -26,8 +26,10 @@ class Attached:
     def __enter__(self):
         self.model = self.strategy.wrap(self.model, self.optimizer, self.world)
         self.step = max(self.step, self.world.start_step)  # an elastic joiner starts where it entered
-        self._handles = [self.optimizer.register_step_pre_hook(self._before_step),
-                         self.optimizer.register_step_post_hook(self._after_step)]
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._before_step),
+            self.optimizer.register_step_post_hook(self._after_step),
+        ]
         return self.model
 
     def _before_step(self, optimizer, args, kwargs):

@@ -52,8 +52,15 @@ def counted_allreduce_hook(comm: Comm, _bucket_state=None):
 class DDP(NoOp):
     name = "ddp"
 
-    def __init__(self, compressor: Compressor | None = None, aggregator=None, attack=None, bucket_mb: float = 25.0,
-                 overlap: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        compressor: Compressor | None = None,
+        aggregator=None,
+        attack=None,
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+        seed: int = 0,
+    ):
         """`compressor`: any islands Compressor (biased ones get error feedback unless built with ef=False) or
         TorchPowerSGD. `aggregator`: a robust aggregator (islands.robust); Mean or None is DDP's plain mean.
         `attack`: a Byzantine plan to rehearse. `bucket_mb`: DDP's bucket size (torch's default 25 MB, Horovod's
@@ -64,12 +71,16 @@ class DDP(NoOp):
         if isinstance(aggregator, Mean):
             aggregator = None
         if compressor is not None and (aggregator is not None or attack is not None):
-            raise ValueError("a compressor and a robust aggregator/attack cannot be combined in the per-step exchange: "
-                             "robust aggregators need each rank's uncompressed gradient; use one of them, or robust "
-                             "aggregation in an outer strategy")
+            raise ValueError(
+                "a compressor and a robust aggregator/attack cannot be combined in the per-step exchange: "
+                "robust aggregators need each rank's uncompressed gradient; use one of them, or robust "
+                "aggregation in an outer strategy"
+            )
         if compressor is not None and not (isinstance(compressor, Compressor) or hasattr(compressor, "make_hook")):
-            raise TypeError(f"DDP(compressor=...) takes a compressor (islands.compress.PowerSGD(rank=4), ...); "
-                            f"got {type(compressor).__name__}")
+            raise TypeError(
+                f"DDP(compressor=...) takes a compressor (islands.compress.PowerSGD(rank=4), ...); "
+                f"got {type(compressor).__name__}"
+            )
         if isinstance(compressor, Compressor):
             compressor = with_error_feedback(compressor)  # early: a non-contractive compressor with ef fails here
         self.compressor, self.aggregator, self.attack = compressor, aggregator, attack
@@ -84,11 +95,11 @@ class DDP(NoOp):
         if hasattr(self.compressor, "make_hook"):
             return self.compressor.make_hook(comm, model)
         if self.compressor is not None:
-            return ddp_comm_hook(self.compressor, comm, model.named_parameters(),
-                                 overlap=self.overlap)
+            return ddp_comm_hook(self.compressor, comm, model.named_parameters(), overlap=self.overlap)
         if self.aggregator is not None or self.attack is not None:
-            return RobustBucketState(comm, self.aggregator or Mean(), self.attack, world.rank, world.size,
-                                     self.seed), robust_bucket_hook
+            return RobustBucketState(
+                comm, self.aggregator or Mean(), self.attack, world.rank, world.size, self.seed
+            ), robust_bucket_hook
         return None, counted_allreduce_hook(comm)
 
     def wrap(self, model, optimizer, world):
@@ -100,8 +111,10 @@ class DDP(NoOp):
                 self.label_flip = plan
         if isinstance(optimizer, CommunicatingOptimizer):
             if self.compressor is not None or self.aggregator is not None or self.attack is not None:
-                raise ValueError(f"{type(optimizer).__name__} averages across ranks itself, so there is no gradient "
-                                 "exchange to compress or aggregate; use DDP() with it")
+                raise ValueError(
+                    f"{type(optimizer).__name__} averages across ranks itself, so there is no gradient "
+                    "exchange to compress or aggregate; use DDP() with it"
+                )
             self.name = f"synced-by-{getattr(optimizer, 'name', type(optimizer).__name__)}"
             broadcast_start(model, world)
             return model
@@ -156,8 +169,10 @@ def start_ddp(model: torch.nn.Module, group, bucket_mb: float) -> DistributedDat
     same = torch.tensor([int(bool(first == mine))], dtype=torch.int64)
     dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
     if not int(same):
-        raise ValueError(f"the model's parameters and buffers differ in shape or dtype across the ranks of this "
-                         f"island ({len(tensors)} tensors here): every rank must build the same model")
+        raise ValueError(
+            f"the model's parameters and buffers differ in shape or dtype across the ranks of this "
+            f"island ({len(tensors)} tensors here): every rank must build the same model"
+        )
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src, group=group)

@@ -40,8 +40,12 @@ class RobustBucketState:
         return self.lanes[key]
 
     def state_dict(self) -> dict:
-        return {"lanes": {k: {"aggregator": agg.state_dict(), "attack": plan.state_dict() if plan else {}}
-                          for k, (agg, plan) in self.lanes.items()}}
+        return {
+            "lanes": {
+                k: {"aggregator": agg.state_dict(), "attack": plan.state_dict() if plan else {}}
+                for k, (agg, plan) in self.lanes.items()
+            }
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key, saved in state.get("lanes", {}).items():

@@ -35,8 +35,8 @@ def set_prefetch(root: nn.Module, groups: list[list[nn.Module]], n: int) -> None
     root.set_modules_to_forward_prefetch(units[:n])
     root.set_modules_to_backward_prefetch(units[::-1][:n])
     for i, u in enumerate(units):
-        if units[i + 1: i + 1 + n]:
-            u.set_modules_to_forward_prefetch(units[i + 1: i + 1 + n])
+        if units[i + 1 : i + 1 + n]:
+            u.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + n])
         if i:
-            u.set_modules_to_backward_prefetch(units[max(0, i - n): i][::-1])
+            u.set_modules_to_backward_prefetch(units[max(0, i - n) : i][::-1])
     root._set_unshard_async_op(True)  # walks every FSDP module below the root

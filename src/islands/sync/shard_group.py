@@ -19,14 +19,16 @@ from islands.sync.shard_plan import Unit, state_bytes_per_rank
 
 
 def parse_shard_group(spec: str | int) -> str | int:
-    """"" | "auto" | a positive integer (as text). Returns "", "auto" or the int."""
+    """ "" | "auto" | a positive integer (as text). Returns "", "auto" or the int."""
     text = str(spec).strip()
     if text in ("", "auto"):
         return text
     if text.isdigit() and int(text) >= 1:
         return int(text)
-    raise ValueError(f"shard_group={spec!r}; give '' (the island), 'auto' (sized from the memory budget) "
-                     "or a positive number of ranks such as '2'")
+    raise ValueError(
+        f"shard_group={spec!r}; give '' (the island), 'auto' (sized from the memory budget) "
+        "or a positive number of ranks such as '2'"
+    )
 
 
 def candidate_groups(world_size: int, island_size: int) -> list[int]:
@@ -43,8 +45,14 @@ def check_group(g: int, world_size: int) -> None:
         raise ValueError(f"shard_group={g} must divide the {world_size} data-parallel ranks; choose one of {divisors}")
 
 
-def choose_group(units: list[Unit], world_size: int, island_size: int, budget_bytes: int,
-                 optimizer_slots: int = 2, bytes_per_elem: int = 4) -> int:
+def choose_group(
+    units: list[Unit],
+    world_size: int,
+    island_size: int,
+    budget_bytes: int,
+    optimizer_slots: int = 2,
+    bytes_per_elem: int = 4,
+) -> int:
     """The smallest sharding group whose largest per-rank state (parameters + gradients + optimizer slots,
     as FSDP lays them out) fits `budget_bytes`. Activations are not counted: leave room for them."""
     if budget_bytes <= 0:
@@ -55,9 +63,11 @@ def choose_group(units: list[Unit], world_size: int, island_size: int, budget_by
         if need[g] <= budget_bytes:
             return g
     smallest = min(need.values())
-    raise ValueError(f"no sharding group fits: the state needs {smallest / 2**20:.1f} MiB per rank even sharded over "
-                     f"all {world_size} ranks, above the budget of {budget_bytes / 2**20:.1f} MiB; raise "
-                     "shard_budget_mb, add workers, or shrink the model")
+    raise ValueError(
+        f"no sharding group fits: the state needs {smallest / 2**20:.1f} MiB per rank even sharded over "
+        f"all {world_size} ranks, above the budget of {budget_bytes / 2**20:.1f} MiB; raise "
+        "shard_budget_mb, add workers, or shrink the model"
+    )
 
 
 def resolve_group(spec: str | int, units: list[Unit], world, budget_bytes: int = 0) -> int:
@@ -100,8 +110,9 @@ def build_mesh(world, g: int):
     return init_device_mesh(world.device.type, (world.size // g, g), mesh_dim_names=("replicate", "shard"))
 
 
-def cross_island_wire_bytes(units: list[Unit], world_size: int, islands: int, g: int, reshard: bool,
-                            elem_bytes: int = 4) -> float:
+def cross_island_wire_bytes(
+    units: list[Unit], world_size: int, islands: int, g: int, reshard: bool, elem_bytes: int = 4
+) -> float:
     """Bytes per step that cross island boundaries, summed over all such links, for ring collectives over
     consecutive ranks (islands hold consecutive ranks). A ring of m ranks moves (m-1)/m of the tensor over
     each of its m links for an all-gather or reduce-scatter, twice that for an all-reduce; we count the

@@ -71,8 +71,9 @@ def plan_units(model: nn.Module, policy: WrapPolicy) -> tuple[list[list[nn.Modul
     return groups, units
 
 
-def unit_traffic(units: list[Unit], n: int, reshard_after_forward: bool, param_bytes: int = 4,
-                 grad_bytes: int = 4) -> list[tuple[str, int, int]]:
+def unit_traffic(
+    units: list[Unit], n: int, reshard_after_forward: bool, param_bytes: int = 4, grad_bytes: int = 4
+) -> list[tuple[str, int, int]]:
     """(kind, sent, received) for every collective FSDP issues in one training step on one rank."""
     out = []
     for u in units:
@@ -83,14 +84,18 @@ def unit_traffic(units: list[Unit], n: int, reshard_after_forward: bool, param_b
     return out
 
 
-def state_bytes_per_rank(units: list[Unit], n: int, rank: int = 0, optimizer_slots: int = 2,
-                         bytes_per_elem: int = 4) -> dict:
+def state_bytes_per_rank(
+    units: list[Unit], n: int, rank: int = 0, optimizer_slots: int = 2, bytes_per_elem: int = 4
+) -> dict:
     """Resident bytes of parameters, gradients and optimizer state on one rank between steps.
 
     n=1 gives the replicated (DDP) figure. AdamW keeps two slots (exp_avg, exp_avg_sq); its 0-d step
     counters are ignored. Rank 0 holds the largest slice.
     """
     elems = sum(u.shard_numel(n, rank) for u in units)
-    return {"params": elems * bytes_per_elem, "grads": elems * bytes_per_elem,
-            "optimizer": optimizer_slots * elems * bytes_per_elem,
-            "total": (2 + optimizer_slots) * elems * bytes_per_elem}
+    return {
+        "params": elems * bytes_per_elem,
+        "grads": elems * bytes_per_elem,
+        "optimizer": optimizer_slots * elems * bytes_per_elem,
+        "total": (2 + optimizer_slots) * elems * bytes_per_elem,
+    }

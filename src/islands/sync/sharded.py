@@ -62,8 +62,12 @@ def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     params = sum(size(local(p)) for p in model.parameters())
     grads = sum(size(local(p.grad)) for p in model.parameters() if p.grad is not None)
-    opt = sum(size(local(v)) for s in optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.dim() > 0)
+    opt = sum(
+        size(local(v))
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
@@ -88,16 +92,26 @@ class FSDP(NoOp):
 
     name = "fsdp"
 
-    def __init__(self, wrap: WrapPolicy | None = None, reshard_after_forward: bool = True,
-                 param_dtype: str = "", reduce_dtype: str = "", grad_clip: bool = False, prefetch: int = 0,
-                 shard_group: str | int = "", memory_budget_bytes: int = 0):
+    def __init__(
+        self,
+        wrap: WrapPolicy | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: str = "",
+        reduce_dtype: str = "",
+        grad_clip: bool = False,
+        prefetch: int = 0,
+        shard_group: str | int = "",
+        memory_budget_bytes: int = 0,
+    ):
         """`prefetch` N >= 1: gather the next N units ahead, forward and backward (SOTA-117; 0 = FSDP2's own).
         `shard_group`: "" (the island), "auto" (smallest group fitting `memory_budget_bytes`) or a rank count;
         groups smaller than the data-parallel world replicate across each other (HSDP, SOTA-119)."""
         if wrap is not None and not isinstance(wrap, WrapPolicy):
-            hint = (f"; parse text at the edge: islands.sync.parse_wrap({wrap!r})" if isinstance(wrap, str) else "")
-            raise TypeError(f"FSDP takes a wrap policy object (BlockWrap(), ModelWrap(), ParamThreshold(n), "
-                            f"SplitByParams(k), GraphWrap(k)); got {type(wrap).__name__} {wrap!r}{hint}")
+            hint = f"; parse text at the edge: islands.sync.parse_wrap({wrap!r})" if isinstance(wrap, str) else ""
+            raise TypeError(
+                f"FSDP takes a wrap policy object (BlockWrap(), ModelWrap(), ParamThreshold(n), "
+                f"SplitByParams(k), GraphWrap(k)); got {type(wrap).__name__} {wrap!r}{hint}"
+            )
         self.policy = BlockWrap() if wrap is None else wrap
         self.reshard_after_forward = bool(reshard_after_forward)
         for label, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -132,8 +146,10 @@ class FSDP(NoOp):
         groups, self.units = plan_units(model, self.policy)
         n = self.group_size = resolve_group(self.shard_group, self.units, world, self.memory_budget_bytes)
         if self.islands_apart and n != world.workers_per_island:
-            raise ValueError(f"fsdp under an outer strategy shards over each island's {world.workers_per_island} "
-                             f"workers; shard_group={self.shard_group!r} asks for groups of {n}: leave it ''")
+            raise ValueError(
+                f"fsdp under an outer strategy shards over each island's {world.workers_per_island} "
+                f"workers; shard_group={self.shard_group!r} asks for groups of {n}: leave it ''"
+            )
         # under an outer strategy: the island's own 1-D mesh (the world's ("island", "local") mesh sliced), so
         # FSDP replicates nothing across islands
         mesh = world.mesh["local"] if self.islands_apart else build_mesh(world, n)
@@ -143,8 +159,12 @@ class FSDP(NoOp):
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         before = dict(model.named_parameters())
         for group in groups:
-            fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
-                        reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+            fully_shard(
+                group if len(group) > 1 else group[0],
+                mesh=mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=mp,
+            )
         fully_shard(model, mesh=mesh, mp_policy=mp)  # root: FSDP decides (keeps it gathered for backward)
         if self.prefetch:
             set_prefetch(model, groups, self.prefetch)
@@ -154,8 +174,10 @@ class FSDP(NoOp):
         # a group of one gathers and scatters nothing (FSDP skips both); it only all-reduces across groups
         self.traffic = unit_traffic(self.units, n, self.reshard_after_forward, pb, gb) if n > 1 else []
         if mesh.ndim > 1:  # HSDP: each unit's reduced 1/n gradient shard is all-reduced across the groups
-            self.traffic += [("fsdp_replicate_all_reduce", u.padded_numel(n) // n * gb, u.padded_numel(n) // n * gb)
-                             for u in self.units]
+            self.traffic += [
+                ("fsdp_replicate_all_reduce", u.padded_numel(n) // n * gb, u.padded_numel(n) // n * gb)
+                for u in self.units
+            ]
         if self.grad_clip:
             self.traffic.append(("fsdp_grad_norm", 4, 4))  # the fp32 global norm, reduced once
         return model
@@ -200,7 +222,7 @@ class FSDP(NoOp):
                 rows = math.ceil(rows_of(p.shape) / n)
                 local = p.to_local()
                 if local.numel():
-                    local.copy_(q[rank * rows: rank * rows + local.shape[0]])
+                    local.copy_(q[rank * rows : rank * rows + local.shape[0]])
             for b, c in zip(model.buffers(), self.full.buffers()):
                 b.copy_(c)
 

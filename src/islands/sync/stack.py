@@ -24,8 +24,10 @@ class Stack(NoOp):
         self.membership = None  # the elastic membership, when this Stack holds it (wrap)
         for label, part in (("inner", self.inner), ("outer", outer)):
             if part is not None and not isinstance(part, Strategy):
-                raise TypeError(f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
-                                f"got {type(part).__name__}")
+                raise TypeError(
+                    f"Stack({label}=...) takes a strategy (islands.inner.DDP(), islands.outer.DiLoCo(...)); "
+                    f"got {type(part).__name__}"
+                )
         apart = capability(self.inner, KeepsIslandsApart)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         if outer is not None and apart is not None:  # fsdp: shard inside each island, the outer part joins them
             apart.keep_islands_apart()

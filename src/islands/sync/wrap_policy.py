@@ -53,8 +53,9 @@ def example_input(model: nn.Module, batch: int = 1) -> torch.Tensor:
         return torch.zeros(batch, int(model.context), dtype=torch.long, device=device)  # type: ignore[arg-type]
     first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
     if first is None:
-        raise TypeError(f"graph wrapping needs an example input for {type(model).__name__}; "
-                        "pass GraphWrap(units, example=tensor)")
+        raise TypeError(
+            f"graph wrapping needs an example input for {type(model).__name__}; pass GraphWrap(units, example=tensor)"
+        )
     return torch.zeros(batch, first.in_features, device=device)
 
 
@@ -237,8 +238,13 @@ class GraphWrap:
         acts = [a for _, _, a in trace]
         cap = _min_bottleneck(weights, self.units) * (1 + self.slack)
         starts = split_cheapest_cuts(weights, acts, self.units, cap)
-        return {"modules": mods, "starts": starts, "param_bytes": weights, "activation_bytes": acts,
-                "cut_activation_bytes": [acts[s - 1] for s in starts[1:]]}
+        return {
+            "modules": mods,
+            "starts": starts,
+            "param_bytes": weights,
+            "activation_bytes": acts,
+            "cut_activation_bytes": [acts[s - 1] for s in starts[1:]],
+        }
 
     def groups(self, model: nn.Module) -> list[list[nn.Module]]:
         p = self.plan(model)
@@ -247,8 +253,7 @@ class GraphWrap:
 
 def _check_units(units: int, modules: int) -> None:
     if not 1 <= units <= modules:
-        raise ValueError(f"cannot make {units} units from {modules} parameter-owning modules; "
-                         f"choose 1..{modules}")
+        raise ValueError(f"cannot make {units} units from {modules} parameter-owning modules; choose 1..{modules}")
 
 
 WrapPolicy = ModelWrap | BlockWrap | ParamThreshold | SplitByParams | GraphWrap

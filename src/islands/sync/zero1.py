@@ -105,7 +105,7 @@ class OptimizerPartition:
             for i, o in enumerate(self.owner):
                 if o == r:
                     p = self.params[i]
-                    p.copy_(parts[r][offset: offset + p.numel()].view_as(p))
+                    p.copy_(parts[r][offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
 
     # ---- checkpoints: the full state in torch's ordinary layout ----------------------------------
@@ -121,18 +121,29 @@ class OptimizerPartition:
     def _gather_state(self, optimizer, state_dict: dict) -> dict:
         """Collective over the island: every rank must call optimizer.state_dict() together."""
         local = state_dict["state"]  # integer keys in param_groups order, owned parameters only
-        meta = {i: {k: (("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v))
-                    for k, v in s.items()} for i, s in local.items()}
+        meta = {
+            i: {
+                k: (("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v))
+                for k, v in s.items()
+            }
+            for i, s in local.items()
+        }
         metas = self._gather_objects(meta)
         dtypes = sorted({d[2] for m in metas for s in m.values() for d in s.values() if d[0] == "tensor"})
         full: dict[int, dict] = {}
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name.removeprefix("torch."))
-            lengths = [sum(_numel(d[1]) for s in m.values() for d in s.values() if d[0] == "tensor" and d[2] == dtype_name)
-                       for m in metas]
+            lengths = [
+                sum(_numel(d[1]) for s in m.values() for d in s.values() if d[0] == "tensor" and d[2] == dtype_name)
+                for m in metas
+            ]
             flat = torch.zeros(max(lengths), dtype=dtype)
-            mine = [v.reshape(-1) for i in sorted(local) for k, v in sorted(local[i].items())
-                    if isinstance(v, torch.Tensor) and str(v.dtype) == dtype_name]
+            mine = [
+                v.reshape(-1)
+                for i in sorted(local)
+                for k, v in sorted(local[i].items())
+                if isinstance(v, torch.Tensor) and str(v.dtype) == dtype_name
+            ]
             if mine:
                 torch.cat(mine, out=flat[: lengths[self.rank]])
             parts = self.comm.all_gather(flat, kind=STATE_KIND)
@@ -142,7 +153,7 @@ class OptimizerPartition:
                     for k, d in sorted(m[i].items()):
                         if d[0] == "tensor" and d[2] == dtype_name:
                             size = _numel(d[1])
-                            full.setdefault(i, {})[k] = parts[r][offset: offset + size].clone().view(d[1])
+                            full.setdefault(i, {})[k] = parts[r][offset : offset + size].clone().view(d[1])
                             offset += size
         for m in metas:
             for i, s in m.items():

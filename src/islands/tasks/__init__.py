@@ -5,8 +5,18 @@ from islands.tasks.builtin import Sharded, digits_task, lm_task
 from islands.tasks.hf_lm import HFTask, hf_causal_lm
 from islands.tasks.user import TaskError, build_user_task, is_user_task, load_factory
 
-__all__ = ["HFTask", "Sharded", "TaskError", "build_user_task", "digits_task", "hf_causal_lm", "heavy_imports",
-           "is_user_task", "lm_task", "load_factory"]
+__all__ = [
+    "HFTask",
+    "Sharded",
+    "TaskError",
+    "build_user_task",
+    "digits_task",
+    "hf_causal_lm",
+    "heavy_imports",
+    "is_user_task",
+    "lm_task",
+    "load_factory",
+]
 
 # What a built-in task's workers import when they build it, each a second or more of interpreter time: a
 # launcher's fork server imports them once (islands.runtime.launch.spawn.preload)

@@ -29,16 +29,33 @@ class Sharded:
         return self.make(shard, shards)
 
 
-def lm_task(data: str = "", d_model: int = 128, n_layers: int = 4, n_heads: int = 4, context: int = 128,
-            batch_size: int = 8, eval_batches: int = 8, seed: int = 0) -> Task:
+def lm_task(
+    data: str = "",
+    d_model: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    context: int = 128,
+    batch_size: int = 8,
+    eval_batches: int = 8,
+    seed: int = 0,
+) -> Task:
     """Causal byte-level transformer (vocabulary 256) on a text file or directory ("" = the stdlib's source)."""
     corpus = load_text(data)
     torch.manual_seed(seed)
     model = ByteTransformer(d_model, n_layers, n_heads, context)
     train = Sharded(lambda shard, shards: WindowLoader(corpus.train, context, batch_size, shard, shards, seed))
     val = fixed_val_batches_lm(corpus.val, context, batch_size, eval_batches)
-    return Task(model, sequence_loss, train, val, batch_size=batch_size, tokens_per_sample=context, classes=256,
-                name="lm", data_source=f"{corpus.source} ({corpus.files} files)")
+    return Task(
+        model,
+        sequence_loss,
+        train,
+        val,
+        batch_size=batch_size,
+        tokens_per_sample=context,
+        classes=256,
+        name="lm",
+        data_source=f"{corpus.source} ({corpus.files} files)",
+    )
 
 
 def digits_task(hidden: int = 128, batch_size: int = 8, seed: int = 0) -> Task:
@@ -48,5 +65,14 @@ def digits_task(hidden: int = 128, batch_size: int = 8, seed: int = 0) -> Task:
     model = MLP(64, hidden, 10)
     train = Sharded(lambda shard, shards: ArrayLoader(digits.x_train, digits.y_train, batch_size, shard, shards, seed))
     val = fixed_val_batches_array(digits.x_val, digits.y_val, 128)
-    return Task(model, F.cross_entropy, train, val, batch_size=batch_size, tokens_per_sample=1, classes=10,
-                name="digits", data_source="sklearn digits")
+    return Task(
+        model,
+        F.cross_entropy,
+        train,
+        val,
+        batch_size=batch_size,
+        tokens_per_sample=1,
+        classes=10,
+        name="digits",
+        data_source="sklearn digits",
+    )

@@ -63,8 +63,12 @@ TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "hf_config.json"  # the model's resolved transformers config, in the run directory
 BPE_SAMPLE_CHARS = 100_000_000  # a BPE trained on documents learns from at most this much of their text
 PRECISION = "auto"  # SOTA-118: bf16 matmuls with fp32 master weights on a GPU; fp32 on a CPU (no bf16 units to gain)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 @dataclass
@@ -78,7 +82,7 @@ class HFTask(Task):
 
 # ---- the model's config -------------------------------------------------------------------------------
 def parse_overrides(text: str | dict | None) -> dict:
-    """"n_layer=2,n_embd=64" (the spec grammar's key=value list; quote text with grammar characters) -> a dict."""
+    """ "n_layer=2,n_embd=64" (the spec grammar's key=value list; quote text with grammar characters) -> a dict."""
     if not text:
         return {}
     if isinstance(text, dict):
@@ -86,8 +90,9 @@ def parse_overrides(text: str | dict | None) -> dict:
     try:
         spec = parse(f"overrides:{text}")
     except SpecError as e:
-        raise TaskError(f"task.model_overrides={text!r} is not a key=value list such as 'n_layer=2,n_embd=64': "
-                        f"{e}") from None
+        raise TaskError(
+            f"task.model_overrides={text!r} is not a key=value list such as 'n_layer=2,n_embd=64': {e}"
+        ) from None
     args = dict(spec.args)
     if POSITIONAL in args:
         raise TaskError(f"task.model_overrides={text!r}: every entry needs a key, e.g. 'n_layer=2,n_embd=64'")
@@ -107,8 +112,9 @@ def _check_keys(default, overrides: dict, where: str) -> None:
             known += list(getattr(type(default), "attribute_map", {}))
             near = difflib.get_close_matches(key, known, n=3)
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise TaskError(f"task.model_overrides: {where}'s config ({type(default).__name__}) has no key "
-                            f"{key!r}{hint}")
+            raise TaskError(
+                f"task.model_overrides: {where}'s config ({type(default).__name__}) has no key {key!r}{hint}"
+            )
 
 
 def _apply(config, overrides: dict, where: str):
@@ -124,20 +130,36 @@ def _causal_lm_types() -> dict:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def family_config(family: str, *, d_model: int, n_layers: int, n_heads: int, context: int, vocab: int,
-                  eos: int | None, overrides: dict):
+def family_config(
+    family: str,
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    context: int,
+    vocab: int,
+    eos: int | None,
+    overrides: dict,
+):
     """A fresh config of `family` (a transformers model_type) shaped small by the task's keys, then `overrides`."""
     from transformers import CONFIG_MAPPING
 
     if family not in _causal_lm_types() or family not in CONFIG_MAPPING:
         near = difflib.get_close_matches(family, list(_causal_lm_types()), n=3)
         hint = f"; did you mean {', '.join(near)}?" if near else ""
-        raise TaskError(f"task.model={family!r} is neither a causal-LM family transformers knows (e.g. "
-                        f"{', '.join(FAMILIES)}) nor a local directory{hint}")
+        raise TaskError(
+            f"task.model={family!r} is neither a causal-LM family transformers knows (e.g. "
+            f"{', '.join(FAMILIES)}) nor a local directory{hint}"
+        )
     cls = CONFIG_MAPPING[family]
     default = cls()
-    shape = {"hidden_size": d_model, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
-             "max_position_embeddings": context, "vocab_size": vocab}
+    shape = {
+        "hidden_size": d_model,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "max_position_embeddings": context,
+        "vocab_size": vocab,
+    }
     if getattr(default, "intermediate_size", None) is not None:
         shape["intermediate_size"] = 4 * d_model  # the families' defaults are billions-of-parameters sized
     if hasattr(default, "num_key_value_heads"):
@@ -165,11 +187,15 @@ def local_config(path: str, overrides: dict):
     p = Path(path)
     file = p if p.is_file() else p / "config.json"
     if not p.exists():
-        raise TaskError(f"task.model={path!r}: no such directory; give a family ({', '.join(FAMILIES)}) or a "
-                        "local directory holding a transformers config.json")
+        raise TaskError(
+            f"task.model={path!r}: no such directory; give a family ({', '.join(FAMILIES)}) or a "
+            "local directory holding a transformers config.json"
+        )
     if not file.is_file():
-        raise TaskError(f"task.model={path!r}: the directory has no config.json, so there is no model to build; "
-                        "give a directory written by save_pretrained (or `islands export`), or a family name")
+        raise TaskError(
+            f"task.model={path!r}: the directory has no config.json, so there is no model to build; "
+            "give a directory written by save_pretrained (or `islands export`), or a family name"
+        )
     try:
         config = AutoConfig.from_pretrained(str(file.parent)) if file.name == "config.json" else None
         if config is None:
@@ -178,8 +204,10 @@ def local_config(path: str, overrides: dict):
     except Exception as e:  # noqa: BLE001 - transformers raises several types for a config it cannot read
         raise TaskError(f"task.model={path!r}: {file} is not a transformers config: {type(e).__name__}: {e}") from None
     if type(config).model_type not in _causal_lm_types():
-        raise TaskError(f"task.model={path!r}: model_type {type(config).model_type!r} is not a causal language "
-                        "model transformers can build (AutoModelForCausalLM)")
+        raise TaskError(
+            f"task.model={path!r}: model_type {type(config).model_type!r} is not a causal language "
+            "model transformers can build (AutoModelForCausalLM)"
+        )
     return _apply(config, overrides, path)
 
 
@@ -242,9 +270,11 @@ def tokenizer_source(tokenizer: str, model: str, resume: str = "") -> tuple[str,
     if resume:
         found = resumed_tokenizer(resume)
         if found is None:
-            raise TaskError(f"resuming from {resume!r}, whose run has no {TOKENIZER_FILE} (looked in it and the two "
-                            f"directories above): the tokenizer is not retrained on resume; give task.tokenizer="
-                            "PATH/tokenizer.json of the run")
+            raise TaskError(
+                f"resuming from {resume!r}, whose run has no {TOKENIZER_FILE} (looked in it and the two "
+                f"directories above): the tokenizer is not retrained on resume; give task.tokenizer="
+                "PATH/tokenizer.json of the run"
+            )
         return "bpe", found
     return "bpe", None
 
@@ -289,17 +319,29 @@ def save_run_files(run_dir: str | os.PathLike, tok, config) -> None:
 
 
 # ---- the task -----------------------------------------------------------------------------------------
-def resolve(model: str = "gpt2", model_overrides: str | dict = "", tokenizer: str = "auto", vocab_size: int = 512,
-            texts: Callable[[], Iterable[str]] | None = None, context: int = 128, d_model: int = 128,
-            n_layers: int = 4, n_heads: int = 4, resume: str = "", train: bool = True):
+def resolve(
+    model: str = "gpt2",
+    model_overrides: str | dict = "",
+    tokenizer: str = "auto",
+    vocab_size: int = 512,
+    texts: Callable[[], Iterable[str]] | None = None,
+    context: int = 128,
+    d_model: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    resume: str = "",
+    train: bool = True,
+):
     """(tokenizer kind, tokenizer, config, how the tokenizer was obtained) for these options; `texts()` gives the
     training text a BPE learns from. `train=False` skips training a BPE (validation: the tokenizer is then None and
     the model's vocabulary is vocab_size)."""
     overrides = parse_overrides(model_overrides)
     kind, path = tokenizer_source(tokenizer, model, resume)
     if kind == "bpe" and vocab_size < tk.MIN_BPE_VOCAB:  # before any training: validation reports it too
-        raise TaskError(f"task.vocab_size={vocab_size} is too small for a byte-level BPE: it holds the 256 byte "
-                        f"symbols and the end-of-text token; use vocab_size >= {tk.MIN_BPE_VOCAB}")
+        raise TaskError(
+            f"task.vocab_size={vocab_size} is too small for a byte-level BPE: it holds the 256 byte "
+            f"symbols and the end-of-text token; use vocab_size >= {tk.MIN_BPE_VOCAB}"
+        )
     if path is not None:
         tok, how = tk.load(path), f"loaded {path}"
     elif kind == "byte":
@@ -316,8 +358,16 @@ def resolve(model: str = "gpt2", model_overrides: str | dict = "", tokenizer: st
     if is_local(model):
         config = local_config(model, overrides)
     else:
-        config = family_config(model, d_model=d_model, n_layers=n_layers, n_heads=n_heads, context=context,
-                               vocab=rows, eos=eos, overrides=overrides)
+        config = family_config(
+            model,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            context=context,
+            vocab=rows,
+            eos=eos,
+            overrides=overrides,
+        )
     limit = max_positions(config)
     if limit is not None and context > limit:
         raise TaskError(f"task.context={context} exceeds the model's {limit} positions; use context <= {limit}")
@@ -345,8 +395,10 @@ class _Corpus:
         if self.documents is not None:
             return self.documents.check()
         if len(self._bytes().train) == 0:
-            return (f"the corpus {self._bytes().source!r} holds no text to train on; give a non-empty text file or "
-                    "directory (task.data)")
+            return (
+                f"the corpus {self._bytes().source!r} holds no text to train on; give a non-empty text file or "
+                "directory (task.data)"
+            )
         return None
 
     def texts(self) -> Iterator[str]:
@@ -373,10 +425,23 @@ def _encoder(kind: str, tok) -> Callable[[list[str]], list[list[int]]]:
     return lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
-def hf_causal_lm(model: str = "gpt2", model_overrides: str | dict = "", tokenizer: str = "auto",
-                 vocab_size: int = 512, data: str = "", context: int = 128, batch_size: int = 8,
-                 eval_batches: int = 8, seed: int = 0, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
-                 run_dir: str | os.PathLike | None = None, resume: str = "", text_column: str = "text") -> HFTask:
+def hf_causal_lm(
+    model: str = "gpt2",
+    model_overrides: str | dict = "",
+    tokenizer: str = "auto",
+    vocab_size: int = 512,
+    data: str = "",
+    context: int = 128,
+    batch_size: int = 8,
+    eval_batches: int = 8,
+    seed: int = 0,
+    d_model: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    run_dir: str | os.PathLike | None = None,
+    resume: str = "",
+    text_column: str = "text",
+) -> HFTask:
     """A transformers causal LM on a text corpus as an islands Task (module docstring). `data`: a text file or
     directory ("" = the standard library's source), or JSON lines / Parquet / a glob of files read through
     `datasets` (`text_column` names the text). `run_dir`: where rank 0 saves tokenizer.json and hf_config.json
@@ -386,8 +451,9 @@ def hf_causal_lm(model: str = "gpt2", model_overrides: str | dict = "", tokenize
     problem = corpus.problem()
     if problem:
         raise TaskError(problem)
-    kind, tok, config, how = resolve(model, model_overrides, tokenizer, vocab_size, corpus.texts, context, d_model,
-                                     n_layers, n_heads, resume)
+    kind, tok, config, how = resolve(
+        model, model_overrides, tokenizer, vocab_size, corpus.texts, context, d_model, n_layers, n_heads, resume
+    )
     net = build_model(config, model if is_local(model) else None, seed)
     if run_dir is not None and _is_rank0():
         save_run_files(run_dir, tok, config)
@@ -401,16 +467,40 @@ def hf_causal_lm(model: str = "gpt2", model_overrides: str | dict = "", tokenize
     else:
         data_bytes = corpus._bytes()
         val = fixed_val_batches_lm(_encode(kind, tok, data_bytes.val), context, batch_size, eval_batches)
-        train = Sharded(lambda shard, shards: token_windows(
-            _encode(kind, tok, text_shard(data_bytes.train, shard, shards)), context, batch_size, shard, seed))
-    return HFTask(net, sequence_loss, train, val, batch_size=batch_size, tokens_per_sample=context,
-                  classes=embedding_rows(config), name=NAME, data_source=f"{corpus.describe()}; tokenizer: {how}",
-                  tokenizer=tok, hf_config=config, precision=PRECISION)
+        train = Sharded(
+            lambda shard, shards: token_windows(
+                _encode(kind, tok, text_shard(data_bytes.train, shard, shards)), context, batch_size, shard, seed
+            )
+        )
+    return HFTask(
+        net,
+        sequence_loss,
+        train,
+        val,
+        batch_size=batch_size,
+        tokens_per_sample=context,
+        classes=embedding_rows(config),
+        name=NAME,
+        data_source=f"{corpus.describe()}; tokenizer: {how}",
+        tokenizer=tok,
+        hf_config=config,
+        precision=PRECISION,
+    )
 
 
-def check(model: str = "gpt2", model_overrides: str = "", tokenizer: str = "auto", vocab_size: int = 512,
-          data: str = "", context: int = 128, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
-          resume: str = "", text_column: str = "text") -> str | None:
+def check(
+    model: str = "gpt2",
+    model_overrides: str = "",
+    tokenizer: str = "auto",
+    vocab_size: int = 512,
+    data: str = "",
+    context: int = 128,
+    d_model: int = 128,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    resume: str = "",
+    text_column: str = "text",
+) -> str | None:
     """What `islands train` checks before any worker starts (no BPE is trained, no weights are read, documents are
     not tokenised): the model resolves (a directory has a config.json, a family and every override key exist), the
     context fits its positions, a tokenizer file (given, the model directory's or the resumed run's) fits its
@@ -422,8 +512,19 @@ def check(model: str = "gpt2", model_overrides: str = "", tokenizer: str = "auto
         problem = corpus.problem()
         if problem:
             return problem
-        resolve(model, model_overrides, tokenizer, vocab_size, corpus.texts, context, d_model, n_layers, n_heads,
-                resume, train=False)
+        resolve(
+            model,
+            model_overrides,
+            tokenizer,
+            vocab_size,
+            corpus.texts,
+            context,
+            d_model,
+            n_layers,
+            n_heads,
+            resume,
+            train=False,
+        )
     except (TaskError, tk.TokenizerError) as e:
         return str(e)
     except ValueError as e:  # load_text: no text files under a directory

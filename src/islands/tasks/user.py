@@ -26,8 +26,9 @@ def load_factory(path: str) -> Callable[[Any], Task]:
     """The function `path` names; TaskError if the module does not import or has no such callable."""
     module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
-        raise TaskError(f"task {path!r}: write module:function, e.g. my_project.tasks:make_task "
-                        f"or path/to/file.py:make_task")
+        raise TaskError(
+            f"task {path!r}: write module:function, e.g. my_project.tasks:make_task or path/to/file.py:make_task"
+        )
     try:
         if module_name.endswith(".py"):
             file = Path(module_name)
@@ -65,6 +66,8 @@ def build_user_task(path: str, config: Any) -> Task:
     except Exception as e:  # the user's factory failed: report it as their input, not our crash
         raise TaskError(f"task {path!r}: make_task raised {type(e).__name__}: {e}") from e
     if not isinstance(task, Task):
-        raise TaskError(f"task {path!r}: make_task returned a {type(task).__name__}; it must return "
-                        f"islands.Task(model, loss_fn, train_data, val_data)")
+        raise TaskError(
+            f"task {path!r}: make_task returned a {type(task).__name__}; it must return "
+            f"islands.Task(model, loss_fn, train_data, val_data)"
+        )
     return task

@@ -24,7 +24,20 @@ from islands.testbed.spec import parse_rate
 from islands.testbed.system import TestbedError
 
 __all__ = [
-    "EtcdCluster", "GOODPUT_PER_WIRE_BYTE", "Host", "RATE_TOLERANCE", "Testbed", "TestbedError", "TestbedNotFound",
-    "down", "down_all", "interface_bytes", "measure_rate", "parse_rate", "rate_within", "status", "up",
+    "EtcdCluster",
+    "GOODPUT_PER_WIRE_BYTE",
+    "Host",
+    "RATE_TOLERANCE",
+    "Testbed",
+    "TestbedError",
+    "TestbedNotFound",
+    "down",
+    "down_all",
+    "interface_bytes",
+    "measure_rate",
+    "parse_rate",
+    "rate_within",
+    "status",
+    "up",
     "wire_bytes",
 ]

@@ -16,8 +16,14 @@ from islands.testbed.model import Testbed
 DEFAULT_NAME = "default"
 
 
-def cmd_up(hosts: int, rate: str, name: str = DEFAULT_NAME, subnet: str | None = None,
-           measure_seconds: float = 2.0, console: Console | None = None) -> dict:
+def cmd_up(
+    hosts: int,
+    rate: str,
+    name: str = DEFAULT_NAME,
+    subnet: str | None = None,
+    measure_seconds: float = 2.0,
+    console: Console | None = None,
+) -> dict:
     """Bring testbed `name` up, measure host 0 -> host 1 for `measure_seconds` (0 skips it), and
     return its record (the dict run.json stores)."""
     console = console or Console()
@@ -39,8 +45,10 @@ def cmd_up(hosts: int, rate: str, name: str = DEFAULT_NAME, subnet: str | None =
     if tb.measured:
         m = tb.measured
         verdict = "ok" if measure.rate_within(m) else "OUTSIDE 10% of configured"
-        console.print(f"measured host 0 -> 1: {m['goodput_mbit']:.1f} Mbit/s TCP goodput, "
-                      f"{m['wire_mbit']:.1f} Mbit/s on the wire, configured {m['configured_mbit']:g} ({verdict})")
+        console.print(
+            f"measured host 0 -> 1: {m['goodput_mbit']:.1f} Mbit/s TCP goodput, "
+            f"{m['wire_mbit']:.1f} Mbit/s on the wire, configured {m['configured_mbit']:g} ({verdict})"
+        )
     return record
 
 
@@ -85,9 +93,16 @@ def cmd_status(console: Console | None = None) -> list[dict]:
         table.add_column(column)
     for r in rows:
         measured = r["measured_goodput_mbit"]
-        table.add_row(r["name"], r["state"], _text(r["hosts"]), _text(r["rate"]), _text(r["subnet"]),
-                      _text(r["master_addr"]), f"{r['namespaces']}/{_text(r['expected_namespaces'])}",
-                      "-" if measured is None else f"{measured:.1f}")
+        table.add_row(
+            r["name"],
+            r["state"],
+            _text(r["hosts"]),
+            _text(r["rate"]),
+            _text(r["subnet"]),
+            _text(r["master_addr"]),
+            f"{r['namespaces']}/{_text(r['expected_namespaces'])}",
+            "-" if measured is None else f"{measured:.1f}",
+        )
     console.print(table)
     return rows
 

@@ -58,10 +58,19 @@ def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 class EtcdCluster:
-    def __init__(self, members: int = 3, root: Path | None = None, tls: bool = False, netns: str | None = None,
-                 host: str = "127.0.0.1", login: bool = False, token_ttl_s: int | None = None,
-                 places: list[tuple[str | None, str]] | None = None, election_ms: int = 1500,
-                 heartbeat_ms: int = 100):
+    def __init__(
+        self,
+        members: int = 3,
+        root: Path | None = None,
+        tls: bool = False,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
+        login: bool = False,
+        token_ttl_s: int | None = None,
+        places: list[tuple[str | None, str]] | None = None,
+        election_ms: int = 1500,
+        heartbeat_ms: int = 100,
+    ):
         """`tls`: the members serve clients over TLS and admit only clients with a certificate their own CA
         signed (etcd's --client-cert-auth); `env()` names the files a client needs (a throwaway CA, made with
         openssl in the cluster's directory). `netns`, `host`: run the members inside that network namespace,
@@ -77,8 +86,10 @@ class EtcdCluster:
         2.3 s after the leader's SIGKILL at 1500/100 ms, 0.76 s at 500/50 ms, with no spurious election in
         30 s beside six busy processes on two cores)."""
         if heartbeat_ms <= 0 or election_ms < 5 * heartbeat_ms:
-            raise ValueError(f"etcd needs an election timeout of at least 5 heartbeats; got election_ms={election_ms} "
-                             f"and heartbeat_ms={heartbeat_ms}")
+            raise ValueError(
+                f"etcd needs an election timeout of at least 5 heartbeats; got election_ms={election_ms} "
+                f"and heartbeat_ms={heartbeat_ms}"
+            )
         self.election_ms, self.heartbeat_ms = election_ms, heartbeat_ms
         self.n = members
         self.login, self.token_ttl_s = login, token_ttl_s
@@ -98,8 +109,9 @@ class EtcdCluster:
             self.client_ports.append(client)
             self.peer_ports.append(peer)
         self.procs: list[subprocess.Popen | None] = [None] * members
-        self.initial = ",".join(f"m{i}=http://{ip}:{p}" for i, ((_, ip), p) in enumerate(zip(self.places,
-                                                                                           self.peer_ports)))
+        self.initial = ",".join(
+            f"m{i}=http://{ip}:{p}" for i, ((_, ip), p) in enumerate(zip(self.places, self.peer_ports))
+        )
 
     @property
     def endpoints(self) -> list[str]:
@@ -115,7 +127,9 @@ class EtcdCluster:
         out = {}
         if self.tls:
             pki = self.root / "pki"
-            out.update({CA_ENV: str(pki / "ca.crt"), CERT_ENV: str(pki / "client.crt"), KEY_ENV: str(pki / "client.key")})
+            out.update(
+                {CA_ENV: str(pki / "ca.crt"), CERT_ENV: str(pki / "client.crt"), KEY_ENV: str(pki / "client.key")}
+            )
         if self.login:
             out.update({USER_ENV: USER, PASSWORD_FILE_ENV: str(self.root / f"{USER}.password")})
         return out
@@ -132,16 +146,28 @@ class EtcdCluster:
 
     def _client(self, login: EtcdLogin | None, timeout_s: float = 5.0, first_try_s: float = FIRST_TRY_S) -> EtcdClient:
         pki = self.root / "pki"
-        tls = EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key")) \
-            if self.tls else None
-        return EtcdClient([(ip, p) for (_, ip), p in zip(self.places, self.client_ports)], timeout_s=timeout_s,
-                          tls=tls, netns=self.netns, login=login, first_try_s=first_try_s)
+        tls = (
+            EtcdTLS(ca=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key"))
+            if self.tls
+            else None
+        )
+        return EtcdClient(
+            [(ip, p) for (_, ip), p in zip(self.places, self.client_ports)],
+            timeout_s=timeout_s,
+            tls=tls,
+            netns=self.netns,
+            login=login,
+            first_try_s=first_try_s,
+        )
 
     def _enable_login(self) -> None:
         """Users root and USER with random passwords (files readable by their owner only), then auth enable."""
         client = self._client(None)
-        everything = {"permType": "READWRITE", "key": base64.b64encode(b"\0").decode(),
-                      "range_end": base64.b64encode(b"\0").decode()}  # from key \0 to range end \0: every key
+        everything = {
+            "permType": "READWRITE",
+            "key": base64.b64encode(b"\0").decode(),
+            "range_end": base64.b64encode(b"\0").decode(),
+        }  # from key \0 to range end \0: every key
         for user, role in (("root", "root"), (USER, USER)):
             password = secrets.token_urlsafe(24)
             path = self.root / f"{user}.password"
@@ -156,21 +182,59 @@ class EtcdCluster:
     def start_member(self, i: int, state: str = "new") -> None:
         c, p = self.client_ports[i], self.peer_ports[i]
         scheme, pki = ("https" if self.tls else "http"), self.root / "pki"
-        tls = ["--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"), "--client-cert-auth",
-               "--trusted-ca-file", str(pki / "ca.crt")] if self.tls else []
+        tls = (
+            [
+                "--cert-file",
+                str(pki / "server.crt"),
+                "--key-file",
+                str(pki / "server.key"),
+                "--client-cert-auth",
+                "--trusted-ca-file",
+                str(pki / "ca.crt"),
+            ]
+            if self.tls
+            else []
+        )
         where, h = self.places[i]
         # etcd inherits its own descriptor for the log; ours is closed once Popen returns
         with open(self.root / f"m{i}.log", "a") as log:
             self.procs[i] = subprocess.Popen(  # `ip netns exec` execs etcd: the pid is the member's
-                [*(netns_exec_prefix(where) if where else []), ETCD, "--name", f"m{i}",
-                 "--data-dir", str(self.root / f"m{i}"), *tls,
-                 "--listen-client-urls", f"{scheme}://{h}:{c}", "--advertise-client-urls", f"{scheme}://{h}:{c}",
-                 "--listen-peer-urls", f"http://{h}:{p}", "--initial-advertise-peer-urls", f"http://{h}:{p}",
-                 "--initial-cluster", self.initial, "--initial-cluster-state", state,
-                 "--initial-cluster-token", self.root.name, "--heartbeat-interval", str(self.heartbeat_ms),
-                 "--election-timeout", str(self.election_ms), "--log-level", "warn", "--logger", "zap",
-                 *(["--auth-token-ttl", str(self.token_ttl_s)] if self.token_ttl_s else [])],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    *(netns_exec_prefix(where) if where else []),
+                    ETCD,
+                    "--name",
+                    f"m{i}",
+                    "--data-dir",
+                    str(self.root / f"m{i}"),
+                    *tls,
+                    "--listen-client-urls",
+                    f"{scheme}://{h}:{c}",
+                    "--advertise-client-urls",
+                    f"{scheme}://{h}:{c}",
+                    "--listen-peer-urls",
+                    f"http://{h}:{p}",
+                    "--initial-advertise-peer-urls",
+                    f"http://{h}:{p}",
+                    "--initial-cluster",
+                    self.initial,
+                    "--initial-cluster-state",
+                    state,
+                    "--initial-cluster-token",
+                    self.root.name,
+                    "--heartbeat-interval",
+                    str(self.heartbeat_ms),
+                    "--election-timeout",
+                    str(self.election_ms),
+                    "--log-level",
+                    "warn",
+                    "--logger",
+                    "zap",
+                    *(["--auth-token-ttl", str(self.token_ttl_s)] if self.token_ttl_s else []),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def start(self, timeout: float = 60.0) -> EtcdCluster:
         for i in range(self.n):
@@ -198,8 +262,10 @@ class EtcdCluster:
 
     def healthy(self, i: int) -> bool:
         try:
-            with netns_entered(self.netns), urllib.request.urlopen(self._url(i, "/health"), timeout=2,
-                                                                   context=self._context()) as r:
+            with (
+                netns_entered(self.netns),
+                urllib.request.urlopen(self._url(i, "/health"), timeout=2, context=self._context()) as r,
+            ):
                 return b'"true"' in r.read()
         except OSError:
             return False
@@ -228,8 +294,11 @@ class EtcdCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def logs(self) -> str:
-        return "\n".join(f"--- m{i}\n" + (self.root / f"m{i}.log").read_text()[-2000:]
-                         for i in range(self.n) if (self.root / f"m{i}.log").exists())
+        return "\n".join(
+            f"--- m{i}\n" + (self.root / f"m{i}.log").read_text()[-2000:]
+            for i in range(self.n)
+            if (self.root / f"m{i}.log").exists()
+        )
 
 
 def _make_certificates(pki: Path, hosts: list[str]) -> None:
@@ -249,5 +318,20 @@ def _make_certificates(pki: Path, hosts: list[str]) -> None:
     (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for name, subject in (("server", f"/CN={hosts[0]}"), ("client", "/CN=islands-client")):
         run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject)
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )

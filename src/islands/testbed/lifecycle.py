@@ -44,10 +44,15 @@ def up(name: str, hosts: int, rate: str, subnet: str | None = None) -> Testbed:
     with state.locked():
         _teardown(name)  # leftovers of a crashed testbed with this name
         tb = Testbed(
-            name=name, rate_bps=rate_bps, subnet=str(net), hub=hub_netns(name), hub_ip=spec.hub_address(net),
-            hosts=[Host(i, host_netns(name, i), str(addresses[i]), host_ifname(i), hub_port(i))
-                   for i in range(hosts)],
-            phase="building", builder_pid=os.getpid(), created_at=time.time(),
+            name=name,
+            rate_bps=rate_bps,
+            subnet=str(net),
+            hub=hub_netns(name),
+            hub_ip=spec.hub_address(net),
+            hosts=[Host(i, host_netns(name, i), str(addresses[i]), host_ifname(i), hub_port(i)) for i in range(hosts)],
+            phase="building",
+            builder_pid=os.getpid(),
+            created_at=time.time(),
         )
         tb.save()  # before creating anything, so status/down from elsewhere see a half-built bed
         with _undone_on_failure(name):
@@ -80,9 +85,19 @@ def status() -> list[dict]:
         present = sorted(ns for ns in all_netns if testbed_of_netns(ns) == name)
         data = state.load(name)
         if data is None:
-            rows.append({"name": name, "state": "orphaned", "hosts": None, "rate": None, "subnet": None,
-                         "master_addr": None, "namespaces": len(present), "expected_namespaces": None,
-                         "measured_goodput_mbit": None})
+            rows.append(
+                {
+                    "name": name,
+                    "state": "orphaned",
+                    "hosts": None,
+                    "rate": None,
+                    "subnet": None,
+                    "master_addr": None,
+                    "namespaces": len(present),
+                    "expected_namespaces": None,
+                    "measured_goodput_mbit": None,
+                }
+            )
             continue
         tb = Testbed.from_dict(data)
         expected = {tb.hub} | {h.netns for h in tb.hosts}
@@ -94,10 +109,19 @@ def status() -> list[dict]:
             phase = "down"  # a record without namespaces, e.g. after a reboot
         else:
             phase = "partial"
-        rows.append({"name": name, "state": phase, "hosts": len(tb.hosts), "rate": tb.rate,
-                     "subnet": tb.subnet, "master_addr": tb.master_addr, "namespaces": len(present),
-                     "expected_namespaces": len(expected),
-                     "measured_goodput_mbit": (tb.measured or {}).get("goodput_mbit")})
+        rows.append(
+            {
+                "name": name,
+                "state": phase,
+                "hosts": len(tb.hosts),
+                "rate": tb.rate,
+                "subnet": tb.subnet,
+                "master_addr": tb.master_addr,
+                "namespaces": len(present),
+                "expected_namespaces": len(expected),
+                "measured_goodput_mbit": (tb.measured or {}).get("goodput_mbit"),
+            }
+        )
     return rows
 
 
@@ -118,8 +142,9 @@ def _build(tb: Testbed, prefixlen: int) -> None:
         system.ip("netns", "add", host.netns)
         system.ip("link", "set", "lo", "up", netns=host.netns)
         # Both veth ends are born in their namespaces: the root namespace never sees them.
-        system.ip("link", "add", host.hub_port, "type", "veth", "peer", "name", host.ifname,
-                  "netns", host.netns, netns=hub)
+        system.ip(
+            "link", "add", host.hub_port, "type", "veth", "peer", "name", host.ifname, "netns", host.netns, netns=hub
+        )
         system.ip("link", "set", "dev", host.hub_port, "addrgenmode", "none", netns=hub)
         system.ip("link", "set", host.hub_port, "master", BRIDGE, "up", netns=hub)
         system.ip("link", "set", "dev", host.ifname, "addrgenmode", "none", netns=host.netns)
@@ -135,8 +160,7 @@ def _teardown(name: str) -> dict:
     owned.sort(key=lambda ns: not ns.endswith("-hub"))  # hub first: it takes every veth pair with it
     lingering = {ns: pids for ns in owned if (pids := system.netns_pids(ns))}
     removed = [ns for ns in owned if system.delete_netns(ns)]
-    return {"name": name, "removed_netns": removed, "removed_state": state.remove(name),
-            "lingering_pids": lingering}
+    return {"name": name, "removed_netns": removed, "removed_state": state.remove(name), "lingering_pids": lingering}
 
 
 @contextlib.contextmanager
@@ -144,8 +168,10 @@ def _undone_on_failure(name: str):
     """Tear the half-built testbed down on any exception, Ctrl-C or SIGTERM, then re-raise."""
     previous = None
     if threading.current_thread() is threading.main_thread():
+
         def _terminate(signum, frame):
             raise SystemExit(128 + signum)
+
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         yield

@@ -53,8 +53,9 @@ def measure_rate(tb: Testbed, src: int = 0, dst: int = 1, seconds: float = 2.0) 
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"seconds must be a number in (0, {MAX_SECONDS:g}], got {seconds!r}")
     python = [sys.executable, "-I", "-S", PROBE]
-    receiver = subprocess.Popen(tb.wrap(dst, python + ["receiver", d.ip]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    receiver = subprocess.Popen(
+        tb.wrap(dst, python + ["receiver", d.ip]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         # Bounded wait for the port line, so a receiver that never starts cannot hang the caller.
         pipe = receiver.stdout
@@ -64,8 +65,10 @@ def measure_rate(tb: Testbed, src: int = 0, dst: int = 1, seconds: float = 2.0) 
         if not port.isdigit():
             receiver.kill()
             _, err = receiver.communicate(timeout=10)
-            raise system.TestbedError(f"rate probe receiver in {d.netns} did not start: "
-                                      f"{err.strip() or f'no port within {PROBE_START_TIMEOUT_S:g} s'}")
+            raise system.TestbedError(
+                f"rate probe receiver in {d.netns} did not start: "
+                f"{err.strip() or f'no port within {PROBE_START_TIMEOUT_S:g} s'}"
+            )
         before = wire_bytes(tb, src)
         system.in_netns(s.netns, python + ["sender", d.ip, port, str(seconds)], timeout=seconds + 30)
         out, err = receiver.communicate(timeout=30)
@@ -83,8 +86,12 @@ def measure_rate(tb: Testbed, src: int = 0, dst: int = 1, seconds: float = 2.0) 
     goodput = got["bytes"] * 8 / got["seconds"] / 1e6
     wire = (after[0] - before[0]) * 8 / got["seconds"] / 1e6
     result = {
-        "src": src, "dst": dst, "seconds": got["seconds"], "requested_seconds": float(seconds),
-        "bytes": got["bytes"], "wire_bytes": after[0] - before[0],
+        "src": src,
+        "dst": dst,
+        "seconds": got["seconds"],
+        "requested_seconds": float(seconds),
+        "bytes": got["bytes"],
+        "wire_bytes": after[0] - before[0],
         "configured_mbit": configured,
         "goodput_mbit": goodput,
         "wire_mbit": wire,
@@ -105,8 +112,10 @@ def rate_within(measurement: dict, tolerance: float = RATE_TOLERANCE) -> bool:
     the wire rate (frames with headers, tbf's own count) is within `tolerance` of the configured
     rate, and the TCP goodput is at least (1 - tolerance) of it. Goodput sits ~4.4% below the wire
     rate from headers alone (GOODPUT_PER_WIRE_BYTE), so 10% leaves ~5.6% for tbf dynamics."""
-    return (abs(measurement["wire_ratio"] - 1.0) <= tolerance
-            and 1.0 - tolerance <= measurement["goodput_ratio"] <= 1.0 + tolerance)
+    return (
+        abs(measurement["wire_ratio"] - 1.0) <= tolerance
+        and 1.0 - tolerance <= measurement["goodput_ratio"] <= 1.0 + tolerance
+    )
 
 
 def _qdisc_bytes(netns: str, dev: str) -> int:

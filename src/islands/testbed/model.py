@@ -113,8 +113,10 @@ class Testbed:
 
     def require_hub_ip(self) -> str:
         if not self.hub_ip:
-            raise TestbedNotFound(f"testbed {self.name!r} was built before hubs had an address; rebuild it with "
-                                  f"`islands testbed up --name {self.name} --hosts {len(self.hosts)} --rate {self.rate}`")
+            raise TestbedNotFound(
+                f"testbed {self.name!r} was built before hubs had an address; rebuild it with "
+                f"`islands testbed up --name {self.name} --hosts {len(self.hosts)} --rate {self.rate}`"
+            )
         return self.hub_ip
 
     # ---- faults ------------------------------------------------------------------------------
@@ -146,9 +148,14 @@ class Testbed:
             "GLOO_SOCKET_IFNAME": host.ifname,
             "TP_SOCKET_IFNAME": host.ifname,  # tensorpipe (torch RPC) reads its own variable
             "MASTER_ADDR": self.master_addr,
-            "NO_PROXY": no_proxy, "no_proxy": no_proxy,
-            "HTTP_PROXY": "", "http_proxy": "", "HTTPS_PROXY": "", "https_proxy": "",
-            "ALL_PROXY": "", "all_proxy": "",
+            "NO_PROXY": no_proxy,
+            "no_proxy": no_proxy,
+            "HTTP_PROXY": "",
+            "http_proxy": "",
+            "HTTPS_PROXY": "",
+            "https_proxy": "",
+            "ALL_PROXY": "",
+            "all_proxy": "",
             "ISLANDS_TESTBED": self.name,
             "ISLANDS_TESTBED_HOST": str(host.index),
         }

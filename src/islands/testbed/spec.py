@@ -82,8 +82,15 @@ def tbf_limit_bytes(rate_bps: int) -> int:
 
 def tbf_args(rate_bps: int) -> list[str]:
     """The tc arguments after `root` for one shaped link end."""
-    return ["tbf", "rate", format_rate(rate_bps), "burst", str(tbf_burst_bytes(rate_bps)),
-            "limit", str(tbf_limit_bytes(rate_bps))]
+    return [
+        "tbf",
+        "rate",
+        format_rate(rate_bps),
+        "burst",
+        str(tbf_burst_bytes(rate_bps)),
+        "limit",
+        str(tbf_limit_bytes(rate_bps)),
+    ]
 
 
 def choose_subnet(subnet: str | None, hosts: int, taken: list[str]) -> ipaddress.IPv4Network:
@@ -101,14 +108,21 @@ def choose_subnet(subnet: str | None, hosts: int, taken: list[str]) -> ipaddress
         net = ipaddress.ip_network(subnet, strict=True)
     except ValueError as exc:
         raise ValueError(f"subnet {subnet!r} is not an IPv4 network like '10.77.5.0/24': {exc}") from None
-    if not isinstance(net, ipaddress.IPv4Network) or not net.is_private or net.is_loopback or net.is_link_local or net.is_multicast:
+    if (
+        not isinstance(net, ipaddress.IPv4Network)
+        or not net.is_private
+        or net.is_loopback
+        or net.is_link_local
+        or net.is_multicast
+    ):
         raise ValueError(
             f"subnet {subnet!r} must be a private IPv4 range (10.0.0.0/8, 172.16.0.0/12 or "
             "192.168.0.0/16), not loopback or link-local"
         )
     if net.num_addresses - 3 < hosts:  # the hub's own address is the subnet's last (hub_address)
-        raise ValueError(f"subnet {subnet!r} has room for {max(net.num_addresses - 3, 0)} hosts and the hub, "
-                         f"{hosts} hosts asked")
+        raise ValueError(
+            f"subnet {subnet!r} has room for {max(net.num_addresses - 3, 0)} hosts and the hub, {hosts} hosts asked"
+        )
     clash = [str(t) for t in taken_nets if net.overlaps(t)]
     if clash:
         raise ValueError(f"subnet {subnet!r} overlaps another testbed's subnet {clash[0]}; choose another")

@@ -21,9 +21,7 @@ def tool(name: str) -> str:
     """Absolute path of `ip` or `tc`, or a clear error naming the package that provides it."""
     found = shutil.which(name) or shutil.which(name, path=_SBIN_PATH)
     if found is None:
-        raise TestbedError(
-            f"the '{name}' command is missing; the testbed needs iproute2 (apt-get install iproute2)"
-        )
+        raise TestbedError(f"the '{name}' command is missing; the testbed needs iproute2 (apt-get install iproute2)")
     return found
 
 

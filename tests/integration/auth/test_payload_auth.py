@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from test_simulate import train
 
 from harness.outer import run_world
-from test_simulate import train
 
 TOKEN = "the-job-secret"
 
@@ -264,8 +264,11 @@ def _gossip_auth(world):
     return _train_auth("gossip:every=2")(world)
 
 
-@pytest.mark.parametrize("plain, auth", [(_diloco_plain, _diloco_auth), (_eager_plain, _eager_auth),
-                                         (_gossip_plain, _gossip_auth)], ids=["diloco", "eager", "gossip"])
+@pytest.mark.parametrize(
+    "plain, auth",
+    [(_diloco_plain, _diloco_auth), (_eager_plain, _eager_auth), (_gossip_plain, _gossip_auth)],
+    ids=["diloco", "eager", "gossip"],
+)
 def test_training_with_authenticated_payloads_equals_plain_training_bit_for_bit(plain, auth):
     """Two islands: a sum of two contributions is the same in either order, so the models match exactly; the
     ledger counts each exchange's 32-byte tag on top (and the nonces traded at the start)."""
@@ -287,9 +290,31 @@ def test_islands_train_authenticates_its_outer_exchanges(tmp_path):
 
     from islands.cli import main
 
-    job = ["train", "--workers", "2", "--islands", "2", "--outer", "diloco:inner_steps=4", "--steps", "8",
-           "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "8",
-           "--no-progress", "--device", "cpu", "--no-probe"]
+    job = [
+        "train",
+        "--workers",
+        "2",
+        "--islands",
+        "2",
+        "--outer",
+        "diloco:inner_steps=4",
+        "--steps",
+        "8",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "1",
+        "--n-heads",
+        "2",
+        "--context",
+        "32",
+        "--global-batch",
+        "8",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--no-probe",
+    ]
     runs = {}
     for name, extra in (("plain", []), ("auth", ["--outer.authenticate"])):
         with pytest.raises(SystemExit) as e:
@@ -304,15 +329,33 @@ def test_islands_train_authenticates_its_outer_exchanges(tmp_path):
     assert not (tmp_path / "auth" / "token").exists()  # the secret is never written down
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--simulate"], "simulated islands"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--simulate"], "simulated islands"),
+    ],
+)
 def test_authenticated_payloads_refuse_what_they_do_not_cover(tmp_path, capsys, extra, message):
     from islands.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["train", "--workers", "2", "--islands", "2", "--outer", "diloco:inner_steps=4", "--steps", "4",
-              "--outer.authenticate", *extra, "--run-dir", str(tmp_path / "r")])
+        main(
+            [
+                "train",
+                "--workers",
+                "2",
+                "--islands",
+                "2",
+                "--outer",
+                "diloco:inner_steps=4",
+                "--steps",
+                "4",
+                "--outer.authenticate",
+                *extra,
+                "--run-dir",
+                str(tmp_path / "r"),
+            ]
+        )
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # refused before anything is written
@@ -328,7 +371,8 @@ def test_authenticated_payloads_need_islands_to_exchange(tmp_path, capsys):
 
 def _fsdp_diloco(world, authenticate: bool):
     """FSDP inside each island (2 workers), DiLoCo across per shard: each worker's shard exchange is tagged."""
-    from test_fsdp_outer import _global, _steps, _build
+    from test_fsdp_outer import _build, _global, _steps
+
     from islands.runtime.payload_auth import authenticate_payloads
 
     if authenticate:

@@ -10,9 +10,8 @@ import threading
 import pytest
 import torch
 
-from islands.runtime.elastic import membership
 from islands.runtime.comm import CommLedger
-from islands.runtime.elastic import elastic_member
+from islands.runtime.elastic import elastic_member, membership
 from islands.runtime.elastic.membership import Coordinator, JobSpec, host_store, join_job
 from islands.runtime.payload_auth import PayloadAuthError
 
@@ -32,8 +31,9 @@ def _members(body, names=NAMES, token_of=lambda name: TOKEN, authenticate: bool 
     def member(i, s):
         member = elastic_member(s.store, s.auth.sender, CommLedger(), heartbeat_timeout=1.0, collective_timeout=10.0)
         member.job = s.job
-        member.heartbeat = membership.Heartbeat("127.0.0.1", server.port, s.auth.sender, auth=s.auth,
-                                                new_client=s.new_client)
+        member.heartbeat = membership.Heartbeat(
+            "127.0.0.1", server.port, s.auth.sender, auth=s.auth, new_client=s.new_client
+        )
         try:
             member.epochs.form(0, None)
             if authenticate:
@@ -57,12 +57,15 @@ def _members(body, names=NAMES, token_of=lambda name: TOKEN, authenticate: bool 
 def test_tagged_operations_give_the_plain_results():
     def body(comm, i):
         r = comm.rank
-        out = {"sum": comm.all_reduce(torch.arange(4.0) * (r + 1)).tolist(),
-               "max": comm.all_reduce(torch.tensor([r, -r], dtype=torch.int64),
-                                      op=torch.distributed.ReduceOp.MAX).tolist(),
-               "gather": [t.tolist() for t in comm.all_gather(torch.full((2, 2), r, dtype=torch.bfloat16))],
-               "bcast": comm.broadcast(torch.full((3,), float(r)), src=1).tolist(),
-               "objects": comm.all_gather_object({"name": comm.name})}
+        out = {
+            "sum": comm.all_reduce(torch.arange(4.0) * (r + 1)).tolist(),
+            "max": comm.all_reduce(
+                torch.tensor([r, -r], dtype=torch.int64), op=torch.distributed.ReduceOp.MAX
+            ).tolist(),
+            "gather": [t.tolist() for t in comm.all_gather(torch.full((2, 2), r, dtype=torch.bfloat16))],
+            "bcast": comm.broadcast(torch.full((3,), float(r)), src=1).tolist(),
+            "objects": comm.all_gather_object({"name": comm.name}),
+        }
         ring = lambda rank, size: ({(rank + 1) % size: torch.full((2,), float(rank))}, [(rank - 1) % size])
         got, send_to, recv_from = comm.exchange_planned(ring, torch.zeros(2))
         out["p2p"] = {p: t.tolist() for p, t in got.items()}
@@ -100,6 +103,7 @@ class Tamper:
 
 def _sums_with_a_tampering(edit):
     """a, b, c all-reduce three times while a's inbound payloads pass `edit`. Returns what each finished with."""
+
     def body(comm, i):
         if comm.name == "a":
             comm.tags = Tamper(comm.tags, edit)
@@ -164,17 +168,33 @@ def _job(tmp_path, name: str, workers: int, steps: int, authenticate: bool, duri
     import io
     import json
 
+    import harness.elastic as elastic_jobs
     from islands.app.launch import launch_elastic
     from islands.app.validate import validate
     from islands.config import from_mapping
 
-    import harness.elastic as elastic_jobs
-
     run = tmp_path / name
-    cfg = validate(from_mapping(dict(task="digits", workers=workers, islands=workers, outer="diloco:inner_steps=3",
-                                     elastic=True, steps=steps, global_batch=8 * workers, eval_every=0, warmup=2,
-                                     probe=False, progress=False, timeout=30.0, heartbeat_timeout=5.0,
-                                     authenticate_payloads=authenticate, run_dir=str(run))))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=workers,
+                islands=workers,
+                outer="diloco:inner_steps=3",
+                elastic=True,
+                steps=steps,
+                global_batch=8 * workers,
+                eval_every=0,
+                warmup=2,
+                probe=False,
+                progress=False,
+                timeout=30.0,
+                heartbeat_timeout=5.0,
+                authenticate_payloads=authenticate,
+                run_dir=str(run),
+            )
+        )
+    )
     out, errors, threads = io.StringIO(), [], []
 
     def started(address, procs, coordinator):
@@ -183,6 +203,7 @@ def _job(tmp_path, name: str, workers: int, steps: int, authenticate: bool, duri
                 during(address, procs)
             except BaseException as e:  # noqa: BLE001 - surfaced after the job ends
                 errors.append(e)
+
         if during is not None:
             threads.append(threading.Thread(target=body, daemon=True))
             threads[0].start()
@@ -207,7 +228,9 @@ def test_an_authenticated_elastic_job_ends_bitwise_as_the_plain_one(tmp_path):
         assert len(digests[flag]) == 1, f"members disagree (authenticate={flag})"
     assert digests[True] == digests[False]
     plain, auth = (runs[f][3]["comm"]["per_rank"][0]["sent"] for f in (False, True))
-    assert auth["outer_delta"] - plain["outer_delta"] == 32 * runs[True][3]["comm"]["per_rank"][0]["calls"]["outer_delta"]
+    assert (
+        auth["outer_delta"] - plain["outer_delta"] == 32 * runs[True][3]["comm"]["per_rank"][0]["calls"]["outer_delta"]
+    )
 
 
 def test_a_worker_killed_in_an_authenticated_elastic_job_is_dropped_and_the_others_agree(tmp_path):
@@ -280,7 +303,7 @@ def test_a_restarted_island_enters_an_authenticated_job_and_ends_with_the_member
 # ---- a refused payload in a whole job: the receiver leaves, the others go on --------------------------------
 # `islands run --elastic` of a small DiLoCo program whose w0 has something on its network path that flips one bit
 # of w1's contribution to one outer exchange (a wrapper in front of w0's check, as Tamper above).
-TAMPERED_JOB = r'''
+TAMPERED_JOB = r"""
 import json, os, sys
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -330,7 +353,7 @@ strategy.finish(model)
     "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
     "deltas": [[s["epoch"], s["seq"], s["size"]] for s in m.syncs if s["kind"] == "outer_delta"]}))
 islands.close_world(world)
-'''
+"""
 
 
 def test_a_worker_that_refuses_a_payload_exits_1_with_one_line_and_the_others_finish_without_it(tmp_path):
@@ -385,9 +408,11 @@ class CorruptThenFail:
         self._broken(outs)
 
 
-OPS = {"all_reduce": (lambda comm: comm.all_reduce(torch.tensor([5.0])).item(), 5.0),
-       "all_gather": (lambda comm: [t.tolist() for t in comm.all_gather(torch.tensor([6.0]))], [[6.0]]),
-       "broadcast": (lambda comm: comm.broadcast(torch.tensor([7.0])).item(), 7.0)}
+OPS = {
+    "all_reduce": (lambda comm: comm.all_reduce(torch.tensor([5.0])).item(), 5.0),
+    "all_gather": (lambda comm: [t.tolist() for t in comm.all_gather(torch.tensor([6.0]))], [[6.0]]),
+    "broadcast": (lambda comm: comm.broadcast(torch.tensor([7.0])).item(), 7.0),
+}
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
@@ -402,6 +427,7 @@ def test_a_member_left_alone_by_a_failed_operation_keeps_its_own_input(authentic
         if comm.name == "b":
             raise RuntimeError("b leaves")
         import time
+
         time.sleep(1.5)  # b's dead flag is up before a tries
         comm.epochs.pg = CorruptThenFail(comm.epochs.pg)
         return first, run(comm), comm.size

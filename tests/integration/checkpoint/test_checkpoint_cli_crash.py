@@ -36,6 +36,7 @@ def test_cli_functions_report_and_detect_damage(tmp_path):
 
 def test_cli_compress_decompress(tmp_path):
     from safetensors.torch import save_file
+
     save_file({"w": torch.randn(50, 20)}, str(tmp_path / "m.safetensors"))
     stats, _ = cli.compress_file(tmp_path / "m.safetensors", tmp_path / "m.isc")
     cli.decompress_file(tmp_path / "m.isc", tmp_path / "n.safetensors")
@@ -63,8 +64,9 @@ while True:
 def test_sigkill_during_saves_never_loses_the_previous_checkpoint(tmp_path):
     rng, root = random.Random(1), tmp_path / "store"
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(root)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(root)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
         try:
             ready, _, _ = select.select([proc.stdout], [], [], 60)  # saving has begun: one save is done
             assert ready, "the saver never finished a save"

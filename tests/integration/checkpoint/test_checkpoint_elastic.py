@@ -9,16 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from islands.app.launch import launch_elastic
-from islands.checkpoint import CheckpointStore
-from islands.checkpoint.policy.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
-from islands.app.validate import validate
-from islands.config import ConfigError, from_mapping
-
-import harness.elastic as elastic_jobs
 from test_checkpoint_resume import same
 
+import harness.elastic as elastic_jobs
+from islands.app.launch import launch_elastic
+from islands.app.validate import validate
+from islands.checkpoint import CheckpointStore
+from islands.checkpoint.policy.elastic_saves import ElasticBarrier, Member, MembershipChanged, PersistBarrier
+from islands.config import ConfigError, from_mapping
 
 # LIT-212's outer step (not the default): its Nesterov momentum buffer is the outer state to restore
 OUTER = "diloco:inner_steps=2,outer=nesterov,outer_lr=0.7,momentum=0.9"
@@ -29,10 +27,30 @@ HB_S = 15.0
 
 
 def _cfg(run: Path, **extra):
-    return validate(from_mapping({**dict(task="digits", workers=2, islands=2, outer=OUTER,
-                                         elastic=True, steps=8, global_batch=16, eval_every=0, warmup=2,
-                                         probe=False, progress=False, timeout=30.0, heartbeat_timeout=HB_S,
-                                         ckpt_every=4, run_dir=str(run)), **extra}))
+    return validate(
+        from_mapping(
+            {
+                **dict(
+                    task="digits",
+                    workers=2,
+                    islands=2,
+                    outer=OUTER,
+                    elastic=True,
+                    steps=8,
+                    global_batch=16,
+                    eval_every=0,
+                    warmup=2,
+                    probe=False,
+                    progress=False,
+                    timeout=30.0,
+                    heartbeat_timeout=HB_S,
+                    ckpt_every=4,
+                    run_dir=str(run),
+                ),
+                **extra,
+            }
+        )
+    )
 
 
 def _launch(run: Path, **extra) -> None:
@@ -146,6 +164,7 @@ def test_barrier_abandons_a_save_only_before_the_commit():
 
 # ---- PersistBarrier: the stores' barrier of asynchronous elastic saves, through a real TCPStore ----
 
+
 @pytest.fixture
 def job_store():
     from islands.runtime.elastic.membership import host_store
@@ -158,8 +177,7 @@ def job_store():
 def _persist_barrier(port: int, epoch_now=lambda: 0, timeout_s: float = 20.0, heartbeat_s: float = 1.0):
     from islands.runtime.elastic.membership import Liveness, connect
 
-    return PersistBarrier(lambda: connect("127.0.0.1", port), lambda c: Liveness(c, heartbeat_s),
-                          epoch_now, timeout_s)
+    return PersistBarrier(lambda: connect("127.0.0.1", port), lambda c: Liveness(c, heartbeat_s), epoch_now, timeout_s)
 
 
 def _members_in_threads(beats, member, args: list[tuple]) -> None:
@@ -284,10 +302,28 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
     from islands.runtime.elastic.membership import connect
 
     run = tmp_path / "run"
-    cfg = validate(from_mapping(dict(task="digits", workers=3, islands=3, outer="local-sgd:every=3", elastic=True,
-                                     steps=60, global_batch=24, eval_every=0, warmup=2, probe=False,
-                                     progress=False, timeout=30.0, heartbeat_timeout=HB_S, ckpt_every=5,
-                                     ckpt_keep=100, run_dir=str(run))))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=3,
+                islands=3,
+                outer="local-sgd:every=3",
+                elastic=True,
+                steps=60,
+                global_batch=24,
+                eval_every=0,
+                warmup=2,
+                probe=False,
+                progress=False,
+                timeout=30.0,
+                heartbeat_timeout=HB_S,
+                ckpt_every=5,
+                ckpt_keep=100,
+                run_dir=str(run),
+            )
+        )
+    )
     out, errors = io.StringIO(), []
 
     def started(address, workers, coordinator):
@@ -302,6 +338,7 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
                 workers[1].proc.send_signal(signal.SIGKILL)
             except BaseException as exc:
                 errors.append(exc)
+
         threading.Thread(target=kill, daemon=True).start()
 
     code = launch_elastic(cfg, run, out=out, on_started=started)
@@ -313,8 +350,11 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
     steps = store.steps()
     assert steps[-1] == 60 and 5 in steps  # saved before the kill, and to the end without a restart
     abandoned = rec["abandoned_membership_change"]
-    assert set(steps) | set(abandoned) == set(range(5, 61, 5)) and not set(steps) & set(abandoned), \
-        (steps, abandoned, rec["abandoned_why"])  # session 9: 15 in both when the killed w1 was rank 0
+    assert set(steps) | set(abandoned) == set(range(5, 61, 5)) and not set(steps) & set(abandoned), (
+        steps,
+        abandoned,
+        rec["abandoned_why"],
+    )  # session 9: 15 in both when the killed w1 was rank 0
     # the saves in flight around the kill: usually 1-2 are abandoned (steps 15 and 20 here so far); none when
     # every part was already written when w1 died, so no lower bound (PersistBarrier's own tests cover it)
     assert len(abandoned) <= 3 and rec["saves"]["local"] == len(steps)

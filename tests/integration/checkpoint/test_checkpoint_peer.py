@@ -8,14 +8,14 @@ import traceback
 from pathlib import Path
 
 import pytest
-from harness.procs import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from harness.procs import forkserver
 from islands.checkpoint.policy.driver import CheckpointDriver
-from islands.checkpoint.store.peer import KIND, PeerReplica
 from islands.checkpoint.policy.settings import CheckpointSettings
+from islands.checkpoint.store.peer import KIND, PeerReplica
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.world import World
 
@@ -74,12 +74,17 @@ def _driver_worker(rank: int, size: int, port: int, out: str) -> None:
         rec = driver.record()
         # rank 1 is replaced: its memory and trainer state are gone; its successor still holds a copy
         restored = driver.restore_peer(lost=(rank == 1))
-        ok = (restored is not None and restored.step == 6 and restored.level == "memory-peer"
-              and torch.equal(restored.tree["model"]["w"], trainer.weights(6))
-              and restored.tree["rng"]["seed"] == rank)
+        ok = (
+            restored is not None
+            and restored.step == 6
+            and restored.level == "memory-peer"
+            and torch.equal(restored.tree["model"]["w"], trainer.weights(6))
+            and restored.tree["rng"]["seed"] == rank
+        )
         Path(f"{out}/rank{rank}.txt").write_text(
             f"{int(ok)} {held_step} {int(sent > 0)} {int(rec['memory_peer']['bytes_sent'] + 3 * 16 == sent)} "
-            f"{rec['saves']['memory']} {rec['memory_skipped_busy']}")
+            f"{rec['saves']['memory']} {rec['memory_skipped_busy']}"
+        )
         dist.destroy_process_group()
     except Exception:
         Path(f"{out}/rank{rank}.txt").write_text("error\n" + traceback.format_exc())

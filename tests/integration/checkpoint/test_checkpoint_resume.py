@@ -8,21 +8,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from islands.checkpoint import CheckpointMismatch, CheckpointStore
-from islands.checkpoint.store.manifest import data_name
+from harness.cli import EXACT, TINY, TINY_FLAGS, islands_cli, resume_at, run, same, trainer
 from islands.app.build import fingerprint
 from islands.app.validate import validate
+from islands.checkpoint import CheckpointMismatch, CheckpointStore
+from islands.checkpoint.store.manifest import data_name
 from islands.config import ConfigError, from_mapping
-
-from harness.cli import EXACT, TINY, TINY_FLAGS, islands_cli, resume_at, run, same, trainer
 
 
 def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_path):
     plain = run(trainer(tmp_path, "plain", steps=8))
     a = trainer(tmp_path, "a", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "ca"))
     rec_a = run(a)
-    b = trainer(tmp_path, "b", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "cb"),
-                resume=str(tmp_path / "ca" / "step-000004"))
+    b = trainer(
+        tmp_path, "b", steps=8, ckpt_every=4, ckpt_dir=str(tmp_path / "cb"), resume=str(tmp_path / "ca" / "step-000004")
+    )
     info = resume_at(b, tmp_path / "ca" / "step-000004")
     assert info["step"] == 4 and b.step == 4 and not info["resharded"]
     rec_b = run(b)
@@ -32,7 +32,9 @@ def test_single_process_resume_is_bitwise_and_checkpointing_changes_nothing(tmp_
         assert same(ta[key], tb[key]), key
     assert ta["config_fingerprint"] == json.dumps(a.job.fingerprint_fields(), sort_keys=True) == fingerprint(a.job)
     # checkpointing does not perturb training: same final loss bit for bit as a run without it
-    assert plain["summary"]["final_val_loss"] == rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
+    assert (
+        plain["summary"]["final_val_loss"] == rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
+    )
     assert rec_a["checkpoint"]["saves"] == {"local": 2} and rec_a["checkpoint"]["policy"] == "fixed"
     # the staging buffers were made after step 1, ahead of the first save (step 4), which copied into them
     assert rec_a["checkpoint"]["staging_reserve_s"] is not None
@@ -63,8 +65,15 @@ def test_resume_from_a_root_follows_latest_not_an_abandoned_timelines_newer_step
 
 
 def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
-    t = trainer(tmp_path, "run", steps=9, ckpt_policy="auto:first=2,mtbf_days=0.00002", ckpt_memory_every=1,
-                ckpt_remote_dir=str(tmp_path / "remote"), ckpt_remote_every=3)
+    t = trainer(
+        tmp_path,
+        "run",
+        steps=9,
+        ckpt_policy="auto:first=2,mtbf_days=0.00002",
+        ckpt_memory_every=1,
+        ckpt_remote_dir=str(tmp_path / "remote"),
+        ckpt_remote_every=3,
+    )
     rec = run(t)
     ck = rec["checkpoint"]
     assert ck["levels"] == {"memory": 1, "local": "policy", "remote": 3}
@@ -77,10 +86,14 @@ def test_levels_memory_remote_and_auto_policy_recorded(tmp_path):
     assert CheckpointStore(tmp_path / "run" / "ckpt", clean=False).latest_step() == 9
     restored = t.checkpoints.restore()
     assert restored.step == 9 and restored.level == "memory"  # newest, and memory wins the tie
-    assert torch.equal(restored.tree["model"]["head.weight"] if "head.weight" in restored.tree["model"]
-                       else next(iter(restored.tree["model"].values())),
-                       t.model.state_dict()["head.weight"] if "head.weight" in restored.tree["model"]
-                       else next(iter(t.model.state_dict().values())))
+    assert torch.equal(
+        restored.tree["model"]["head.weight"]
+        if "head.weight" in restored.tree["model"]
+        else next(iter(restored.tree["model"].values())),
+        t.model.state_dict()["head.weight"]
+        if "head.weight" in restored.tree["model"]
+        else next(iter(t.model.state_dict().values())),
+    )
     # local damaged at step 9 -> resume takes the remote level's step 9
     for f in (tmp_path / "run" / "ckpt" / "step-000009").glob("*.data"):
         f.write_bytes(b"\0" * f.stat().st_size)
@@ -97,8 +110,20 @@ def test_foreign_model_config_refused_naming_the_field(tmp_path, capsys):
     with pytest.raises(CheckpointMismatch, match="n_layers"):
         resume_at(bad, tmp_path / "a")
     capsys.readouterr()
-    code = islands_cli("train", *TINY_FLAGS, "--workers", "1", "--steps", "2", "--n-heads", "4",
-                       "--resume", str(tmp_path / "a"), "--run-dir", str(tmp_path / "x"))
+    code = islands_cli(
+        "train",
+        *TINY_FLAGS,
+        "--workers",
+        "1",
+        "--steps",
+        "2",
+        "--n-heads",
+        "4",
+        "--resume",
+        str(tmp_path / "a"),
+        "--run-dir",
+        str(tmp_path / "x"),
+    )
     out = capsys.readouterr()
     assert code == 2, out.err
     assert "n_heads: checkpoint 2, current 4" in out.err + out.out and not (tmp_path / "x").exists()
@@ -111,8 +136,23 @@ def test_foreign_model_config_refused_naming_the_field(tmp_path, capsys):
 
 
 def _launch(tmp: Path, name: str, *extra: str) -> dict:
-    code = islands_cli("train", *TINY_FLAGS, "--workers", "2", "--steps", "6", "--ckpt-every", "3", "--no-probe",
-                       "--timeout", "30", "--run-dir", str(tmp / name), *extra, timeout=240)
+    code = islands_cli(
+        "train",
+        *TINY_FLAGS,
+        "--workers",
+        "2",
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "3",
+        "--no-probe",
+        "--timeout",
+        "30",
+        "--run-dir",
+        str(tmp / name),
+        *extra,
+        timeout=240,
+    )
     assert code == 0, "".join(p.read_text() for p in (tmp / name / "logs").glob("*.log"))
     return json.loads((tmp / name / "run.json").read_text())
 
@@ -123,7 +163,10 @@ def test_two_gloo_ranks_resume_bitwise_and_reshard_to_one(tmp_path):
     rec_b = _launch(tmp_path, "b", "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"))
     assert rec_b["checkpoint"]["resumed_from"]["step"] == 3
     assert rec_a["summary"]["final_val_loss"] == rec_b["summary"]["final_val_loss"]
-    sa, sb = CheckpointStore(tmp_path / "a" / "ckpt", clean=False), CheckpointStore(tmp_path / "b" / "ckpt", clean=False)
+    sa, sb = (
+        CheckpointStore(tmp_path / "a" / "ckpt", clean=False),
+        CheckpointStore(tmp_path / "b" / "ckpt", clean=False),
+    )
     for rank in (0, 1):
         ta, tb = sa.load(6, rank=rank).tree, sb.load(6, rank=rank).tree
         for key in EXACT:
@@ -151,8 +194,11 @@ def test_per_rank_state_is_not_resharded(tmp_path):
     gate = threading.Barrier(2, timeout=20)
     stores = [CheckpointStore(tmp_path, rank=r, world_size=2, barrier=gate.wait) for r in (0, 1)]
     t = trainer(tmp_path, "t", steps=2)
-    base = {"config_fingerprint": fingerprint(t.job),
-            "world": {"rank": 0, "size": 2, "shard_items": 10}, **t.state_dict()}
+    base = {
+        "config_fingerprint": fingerprint(t.job),
+        "world": {"rank": 0, "size": 2, "shard_items": 10},
+        **t.state_dict(),
+    }
     trees = [dict(base, strategy={"error": torch.full((3,), float(r))}) for r in (0, 1)]
     threads = [threading.Thread(target=stores[r].save, args=(trees[r], 5)) for r in (0, 1)]
     for th in threads:

@@ -10,12 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cli import EXACT, TINY_FLAGS, islands_cli, resume_at, same, trainer
 from islands.checkpoint import CheckpointStore
 
-from harness.cli import EXACT, TINY_FLAGS, islands_cli, resume_at, same, trainer
-
-FSDP_FLAGS = [*TINY_FLAGS, "--inner", "fsdp", "--n-layers", "2", "--steps", "6", "--ckpt-every", "3",
-              "--no-probe", "--timeout", "30"]
+FSDP_FLAGS = [
+    *TINY_FLAGS,
+    "--inner",
+    "fsdp",
+    "--n-layers",
+    "2",
+    "--steps",
+    "6",
+    "--ckpt-every",
+    "3",
+    "--no-probe",
+    "--timeout",
+    "30",
+]
 
 
 def _launch(tmp: Path, name: str, workers: int, *extra: str) -> dict:
@@ -73,8 +84,9 @@ def test_fsdp_resume_bitwise_and_load_on_one_two_and_four_ranks(tmp_path):
     for p, slots in one.optimizer.state.items():
         assert torch.equal(slots["exp_avg"], t0["optimizer"]["state"][names[id(p)]]["exp_avg"])
     # 2 saved ranks -> 4 (saving every 2 steps: 4 and 6), and its 4-rank checkpoint at step 4 -> 2
-    rec = _launch(tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"),
-                  "--ckpt-every", "2")
+    rec = _launch(
+        tmp_path, "two_to_four", 4, "--resume", str(tmp_path / "a" / "ckpt" / "step-000003"), "--ckpt-every", "2"
+    )
     _continues(rec, 3, 2, 4)
     rec = _launch(tmp_path, "four_to_two", 2, "--resume", str(tmp_path / "two_to_four" / "ckpt" / "step-000004"))
     _continues(rec, 4, 4, 2)

@@ -7,12 +7,15 @@ goes through the counted Comm."""
 import socket
 
 import pytest
-from harness.procs import mp_context
 import torch
-import torch.multiprocessing as mp
 
-from islands.checkpoint.policy.sharded_state import (GATHER_KIND, is_sharded, load_optimizer_state_dict,
-                                                     optimizer_state_dict)
+from harness.procs import mp_context
+from islands.checkpoint.policy.sharded_state import (
+    GATHER_KIND,
+    is_sharded,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+)
 from islands.runtime.comm import Comm, CommLedger
 
 
@@ -56,8 +59,13 @@ def _worker(rank: int, size: int, port: int, errors, mesh_shape: tuple = ()) -> 
     from torch.distributed.fsdp import fully_shard
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=30),
+        )
         weights, full = _reference()
         model = _model()
         model.load_state_dict(weights)
@@ -71,7 +79,7 @@ def _worker(rank: int, size: int, port: int, errors, mesh_shape: tuple = ()) -> 
         for name, p in model.named_parameters():
             local = opt.state[p]["exp_avg"].to_local()
             rows = -(-p.shape[0] // shards)
-            assert torch.equal(local, full[name]["exp_avg"][shard_rank * rows: shard_rank * rows + rows]), (name, rank)
+            assert torch.equal(local, full[name]["exp_avg"][shard_rank * rows : shard_rank * rows + rows]), (name, rank)
         ledger = CommLedger()
         back = optimizer_state_dict(model, opt, _World(ledger))
         for name, slots in full.items():

@@ -15,8 +15,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from islands.checkpoint import (AutoInterval, Checkpointer, CheckpointMismatch, CheckpointSettings, CheckpointStore,
-                                check_resume, fingerprint_of, resume)
+from harness.outer import run_world
+from islands.checkpoint import (
+    AutoInterval,
+    Checkpointer,
+    CheckpointMismatch,
+    CheckpointSettings,
+    CheckpointStore,
+    check_resume,
+    fingerprint_of,
+    resume,
+)
 from islands.checkpoint.policy import TrainingState, parse_policy
 from islands.checkpoint.policy.checkpointer import LoopState
 from islands.checkpoint.policy.settings import format_policy
@@ -25,7 +34,6 @@ from islands.runtime.world import World
 from islands.sync.outer import DiLoCo
 from islands.sync.outer.outer_opt import OuterSGD
 from islands.sync.stack import Stack
-from harness.outer import run_world
 
 N = 4  # steps before the checkpoint; DiLoCo's rounds of 3 put it mid-round
 DATA = torch.Generator().manual_seed(99)
@@ -66,8 +74,14 @@ def train(model, opt, start: int, stop: int, sampler, ckpt=None, strategy=None, 
         if sched is not None:
             sched.step()
         if ckpt is not None:
-            ckpt.maybe_save(step + 1, model=model, optimizer=opt, strategy=strategy, data=sampler,
-                            extra={"sched": sched} if sched is not None else None)
+            ckpt.maybe_save(
+                step + 1,
+                model=model,
+                optimizer=opt,
+                strategy=strategy,
+                data=sampler,
+                extra={"sched": sched} if sched is not None else None,
+            )
 
 
 def differences(a, b, path: str = "") -> list[str]:
@@ -86,16 +100,21 @@ def differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
-def _single_run(tmp_path, reseed_after_restore: int | None = None, device: str = "cpu",
-                move_cuda_after_restore: bool = False):
+def _single_run(
+    tmp_path, reseed_after_restore: int | None = None, device: str = "cpu", move_cuda_after_restore: bool = False
+):
     """2N steps straight, and N + save + fresh restore + N; returns both final states."""
     seed_all(0)
     model, opt = fresh(0, device=device)
     sampler = ShardSampler(64, seed=1, shard=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     train(model, opt, 0, 2 * N, sampler, sched=sched)
-    straight = {"model": model.state_dict(), "optimizer": opt.state_dict(), "data": sampler.state_dict(),
-                "sched": sched.state_dict()}
+    straight = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "data": sampler.state_dict(),
+        "sched": sched.state_dict(),
+    }
 
     seed_all(0)
     model, opt = fresh(0, device=device)
@@ -117,8 +136,12 @@ def _single_run(tmp_path, reseed_after_restore: int | None = None, device: str =
         if move_cuda_after_restore:
             torch.cuda.manual_seed(123)
         train(model, opt, start, 2 * N, sampler, ckpt, sched=sched)
-    resumed = {"model": model.state_dict(), "optimizer": opt.state_dict(), "data": sampler.state_dict(),
-               "sched": sched.state_dict()}
+    resumed = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "data": sampler.state_dict(),
+        "sched": sched.state_dict(),
+    }
     return straight, resumed
 
 
@@ -132,7 +155,9 @@ def test_restore_continues_bitwise_with_dropout_batchnorm_and_every_generator(tm
     assert any(d.startswith("/model/") for d in differences(straight, moved))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (dropout drawing from the CUDA generator)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (dropout drawing from the CUDA generator)"
+)
 def test_restore_on_cuda_continues_bitwise_with_the_cuda_generator(tmp_path):
     straight, resumed = _single_run(tmp_path / "a", device="cuda")
     assert differences(straight, resumed) == []
@@ -144,6 +169,7 @@ def test_restore_on_cuda_continues_bitwise_with_the_cuda_generator(tmp_path):
 
 # ---- two gloo ranks, DiLoCo across two islands -------------------------------------------------------
 
+
 def _diloco_run(root: str, world) -> dict:
     def build(seed: int):
         model, opt = fresh(seed)
@@ -152,8 +178,13 @@ def _diloco_run(root: str, world) -> dict:
         return strategy.wrap(model, opt, world), opt, strategy
 
     def final(model, opt, strategy, sampler) -> dict:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "strategy": strategy.state_dict(),
-                "global": strategy.eval_model(model).state_dict(), "data": sampler.state_dict()}
+        return {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "strategy": strategy.state_dict(),
+            "global": strategy.eval_model(model).state_dict(),
+            "data": sampler.state_dict(),
+        }
 
     rank = world.rank
     seed_all(10 + rank)
@@ -177,9 +208,13 @@ def _diloco_run(root: str, world) -> dict:
         saves = ckpt.record()["saves"]
     resumed = final(model, opt, strategy, sampler)
     momentum = straight["strategy"]["outer"]["outer_opt"]["momentum_buffer"]
-    return {"start": start, "diffs": differences(straight, resumed), "saves": saves,
-            "momentum": momentum is not None and bool(momentum.abs().sum() > 0),
-            "islands_differ": bool(differences(straight["model"], straight["global"]))}
+    return {
+        "start": start,
+        "diffs": differences(straight, resumed),
+        "saves": saves,
+        "momentum": momentum is not None and bool(momentum.abs().sum() > 0),
+        "islands_differ": bool(differences(straight["model"], straight["global"])),
+    }
 
 
 @pytest.mark.slow  # two spawned gloo ranks: ~15 s on 2 shared cores
@@ -196,6 +231,7 @@ def test_two_ranks_with_diloco_restore_bitwise_strategy_state_included(tmp_path)
 
 
 # ---- refusals, durability, nothing to restore ----------------------------------------------------------
+
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_differences_and_nothing_is_loaded(tmp_path):
     model, opt = fresh(0, width=16)
@@ -280,11 +316,15 @@ def test_the_loop_state_is_a_training_state():
 
 # ---- the driver and resume without a trainer ------------------------------------------------------------
 
+
 def test_policy_text_round_trips_and_the_auto_policy_saves_first_at_its_first_step(tmp_path):
     policy = parse_policy("auto:bound=0.05,devices=8,first=3")
     assert policy == AutoInterval(bound=0.05, devices=8, first=3) and parse_policy(format_policy(policy)) == policy
     assert parse_policy("") is None
-    with pytest.raises(ValueError, match=r"does not take bnd \(did you mean bound\?\); its parameters: bound, mtbf_days, devices, first, max"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not take bnd \(did you mean bound\?\); its parameters: bound, mtbf_days, devices, first, max",
+    ):
         parse_policy("auto:bnd=0.1")
     model, opt = fresh(0)
     with Checkpointer(tmp_path, policy=AutoInterval(first=3)) as ckpt:
@@ -309,8 +349,14 @@ class _State:
         return self.model.state_dict()
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "model": self.model_state_dict(), "optimizer": {"lr": 0.1},
-                "strategy": {}, "data": self.data, "rng": {"tag": torch.tensor([self.rank_tag])}}
+        return {
+            "step": self.step,
+            "model": self.model_state_dict(),
+            "optimizer": {"lr": 0.1},
+            "strategy": {},
+            "data": self.data,
+            "rng": {"tag": torch.tensor([self.rank_tag])},
+        }
 
     def load_state_dict(self, tree: dict) -> None:
         self.loaded = tree
@@ -335,8 +381,11 @@ def _save_two_ranks(root, data: list, fingerprint: str) -> None:
             world = _World(rank=rank, size=2, islands=1, device=torch.device("cpu"), backend="none", comms={})
             state = _State(world, 10, data[rank], rank_tag=rank)
             state.step = 6
-            driver = CheckpointDriver(CheckpointSettings(dir=root, every=3, asynchronous=False,
-                                                         share_replicas=False), world, fingerprint=fingerprint)
+            driver = CheckpointDriver(
+                CheckpointSettings(dir=root, every=3, asynchronous=False, share_replicas=False),
+                world,
+                fingerprint=fingerprint,
+            )
             barrier.wait()  # rank 0's store removes partial saves when it opens: before any rank saves
             driver.after_step(state)
             driver.wait()

@@ -25,8 +25,14 @@ pytestmark = pytest.mark.slow
 
 
 def run(argv: list[str], cwd: Path, timeout: float = 600, **env) -> subprocess.CompletedProcess:
-    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    out = subprocess.run(
+        argv,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
     logs = "".join(p.read_text() for p in cwd.glob("runs/*/logs/*.log"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:] + logs[-3000:]
     return out
@@ -54,8 +60,9 @@ def torchrun(n: int, script: Path) -> list[str]:
 
 
 def test_own_loop_under_islands_run_then_resumed_under_torchrun(tmp_path, monkeypatch, capfd):
-    first = run_here(["run", "--workers", "4", str(EXAMPLES / "own_loop.py")], tmp_path, monkeypatch, capfd,
-                     STEPS="110")
+    first = run_here(
+        ["run", "--workers", "4", str(EXAMPLES / "own_loop.py")], tmp_path, monkeypatch, capfd, STEPS="110"
+    )
     assert "2 island(s), strategy ddp+diloco" in first
     assert "bn1.num_batches_tracked 110" in first  # the global model carries the BatchNorm counters
     # the same program under torchrun restores step 100 (checkpoint every 100) and continues to 120
@@ -66,22 +73,50 @@ def test_own_loop_under_islands_run_then_resumed_under_torchrun(tmp_path, monkey
 
 
 def test_zero_touch_under_islands_run(tmp_path, monkeypatch, capfd):
-    out = run_here(["run", "--workers", "2", "--islands", "2", str(EXAMPLES / "zero_touch.py")], tmp_path,
-                   monkeypatch, capfd)
+    out = run_here(
+        ["run", "--workers", "2", "--islands", "2", str(EXAMPLES / "zero_touch.py")], tmp_path, monkeypatch, capfd
+    )
     assert "2 island(s), 3 DiLoCo rounds" in out
 
 
 def test_trainer_on_a_transformers_gpt2(tmp_path, monkeypatch, capfd):
     pytest.importorskip("transformers")
-    out = run_here(["run", "--workers", "2", "--islands", "2", str(EXAMPLES / "trainer_gpt2.py")], tmp_path,
-                   monkeypatch, capfd, STEPS="40")
+    out = run_here(
+        ["run", "--workers", "2", "--islands", "2", str(EXAMPLES / "trainer_gpt2.py")],
+        tmp_path,
+        monkeypatch,
+        capfd,
+        STEPS="40",
+    )
     assert "strategy ddp+streaming-diloco" in out
 
 
 def test_cli_task_through_islands_train(tmp_path, monkeypatch, capfd):
-    run_here(["train", "--task", f"{EXAMPLES / 'cli_task.py'}:make_task", "--workers", "2", "--islands", "2",
-              "--outer", "diloco:inner_steps=10", "--steps", "30", "--eval-every", "10", "--ckpt-every", "15",
-              "--run-dir", "run", "--no-progress"], tmp_path, monkeypatch, capfd)
+    run_here(
+        [
+            "train",
+            "--task",
+            f"{EXAMPLES / 'cli_task.py'}:make_task",
+            "--workers",
+            "2",
+            "--islands",
+            "2",
+            "--outer",
+            "diloco:inner_steps=10",
+            "--steps",
+            "30",
+            "--eval-every",
+            "10",
+            "--ckpt-every",
+            "15",
+            "--run-dir",
+            "run",
+            "--no-progress",
+        ],
+        tmp_path,
+        monkeypatch,
+        capfd,
+    )
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["summary"]["task"] == "digits-cnn"
     assert record["summary"]["strategy"] == "ddp+diloco"
@@ -92,8 +127,10 @@ def test_cli_task_through_islands_train(tmp_path, monkeypatch, capfd):
 def test_cli_task_by_module_path_with_options_from_toml(tmp_path):
     (tmp_path / "mytasks").mkdir()
     (tmp_path / "mytasks" / "__init__.py").write_text((EXAMPLES / "cli_task.py").read_text())
-    (tmp_path / "job.toml").write_text('[task]\nname = "mytasks:make_task"\n[task.options]\nwidth = 8\n'
-                                       '[train]\nsteps = 5\neval_every = 0\n[world]\nworkers = 1\n')
+    (tmp_path / "job.toml").write_text(
+        '[task]\nname = "mytasks:make_task"\n[task.options]\nwidth = 8\n'
+        "[train]\nsteps = 5\neval_every = 0\n[world]\nworkers = 1\n"
+    )
     run(islands_cli("train", "--config", "job.toml", "--run-dir", "run", "--no-progress"), tmp_path)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["summary"]["steps"] == 5

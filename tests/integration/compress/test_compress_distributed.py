@@ -6,18 +6,39 @@ import socket
 import traceback
 
 import pytest
-from harness.procs import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from islands.compress import ErrorFeedback, MajorityVote, PowerSGD, TopK, analytic_nbytes, compress_and_average, ddp_comm_hook, parse_compressor
+from harness.procs import forkserver
+from islands.compress import (
+    ErrorFeedback,
+    MajorityVote,
+    PowerSGD,
+    TopK,
+    analytic_nbytes,
+    compress_and_average,
+    ddp_comm_hook,
+    parse_compressor,
+)
 from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.runtime.comm import Comm, CommLedger
 
-AVG_SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=8", "randomk:ratio=0.3,seed=1",
-             "topk:ratio=0.2,warmup=1,stage_steps=1", "powersgd:rank=2", "powersgd:rank=2,start=1",
-             "powersgd:rank=2,bits=16,dense_bits=16", "powersgd:rank=2,bits=8", "sign"]
+AVG_SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int4",
+    "qsgd:levels=8",
+    "randomk:ratio=0.3,seed=1",
+    "topk:ratio=0.2,warmup=1,stage_steps=1",
+    "powersgd:rank=2",
+    "powersgd:rank=2,start=1",
+    "powersgd:rank=2,bits=16,dense_bits=16",
+    "powersgd:rank=2,bits=8",
+    "sign",
+]
 DDP_SPECS = ["none", "powersgd:rank=2", "powersgd:rank=2,bits=8", "topk:ratio=0.2,warmup=0", "int8", "sign"]
 
 
@@ -29,8 +50,9 @@ def _port() -> int:
 
 def _init(rank, port):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
 
 
 def _inputs(rank, step):
@@ -60,11 +82,18 @@ def _avg_worker(rank, port, out_dir):
                 got_in_place = compress_and_average(own, comm, in_place, out=own)
                 comm.ledger.reset()
                 out = compress_and_average(tensors, comm, c)
-                results[(spec, step, "out")] = (all(got[n] is dest[n] and torch.equal(got[n], out[n]) for n in out),
-                                                all(got_in_place[n] is own[n] and torch.equal(own[n], out[n]) for n in out))
+                results[(spec, step, "out")] = (
+                    all(got[n] is dest[n] and torch.equal(got[n], out[n]) for n in out),
+                    all(got_in_place[n] is own[n] and torch.equal(own[n], out[n]) for n in out),
+                )
                 inner = c.inner if isinstance(c, ErrorFeedback) else c
                 kw = {"step": step} if isinstance(inner, (TopK, PowerSGD)) else {}
-                results[(spec, step)] = (out, comm.ledger.total_sent, analytic_nbytes(tensors, c, **kw), comm.ledger.total_received)
+                results[(spec, step)] = (
+                    out,
+                    comm.ledger.total_sent,
+                    analytic_nbytes(tensors, c, **kw),
+                    comm.ledger.total_received,
+                )
             if spec.startswith("powersgd"):
                 results[(spec, "Q")] = c.inner.states["w"]["Q"]
         torch.save(results, os.path.join(out_dir, f"avg{rank}.pt"))
@@ -119,15 +148,29 @@ def _ddp_worker(rank, port, out_dir):
                 model(x).pow(2).mean().backward()
                 local = torch.autograd.grad(net(x).pow(2).mean(), list(net.parameters()))
                 # plus the 4-byte NaN/Inf agreement of every bucket's exchange
-                analytic = sum(c.payload_nbytes(p.shape, p.dtype) for p in net.parameters()) + FINITE_FLAG_NBYTES * calls[0]
-                steps.append(([p.grad.clone() for p in net.parameters()], [l.clone() for l in local],
-                              comm.ledger.total_sent, analytic))
-            results[spec if overlap else f"{spec}|inline"] = (steps, max(i for _, i, _ in buckets) + 1, state.state_dict())
+                analytic = (
+                    sum(c.payload_nbytes(p.shape, p.dtype) for p in net.parameters()) + FINITE_FLAG_NBYTES * calls[0]
+                )
+                steps.append(
+                    (
+                        [p.grad.clone() for p in net.parameters()],
+                        [l.clone() for l in local],
+                        comm.ledger.total_sent,
+                        analytic,
+                    )
+                )
+            results[spec if overlap else f"{spec}|inline"] = (
+                steps,
+                max(i for _, i, _ in buckets) + 1,
+                state.state_dict(),
+            )
             state.close()
         # policy: a NaN gradient raises, naming the parameter (both ranks see it, so neither waits)
         net = _Net()
         model = DDP(net, bucket_cap_mb=0.004)
-        state, hook = ddp_comm_hook(parse_compressor("powersgd:rank=2"), Comm(None, CommLedger()), net.named_parameters())
+        state, hook = ddp_comm_hook(
+            parse_compressor("powersgd:rank=2"), Comm(None, CommLedger()), net.named_parameters()
+        )
         model.register_comm_hook(state, hook)
         x = torch.randn(8, 16)
         x[0, 0] = float("nan")

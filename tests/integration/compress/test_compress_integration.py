@@ -8,14 +8,21 @@ import time
 import traceback
 
 import pytest
-from harness.procs import forkserver
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from islands.compress import NoCompression, NonFiniteGradientError, ScaledSign, compress_and_average, ddp_comm_hook, parse_compressor
-from islands.compress.average import FINITE_FLAG_NBYTES
+from harness.procs import forkserver
 from islands.app.validate import validate
+from islands.compress import (
+    NoCompression,
+    NonFiniteGradientError,
+    ScaledSign,
+    compress_and_average,
+    ddp_comm_hook,
+    parse_compressor,
+)
+from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.compress.optim import build_optimizer, parse_optimizer
 from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.compress.registry import COMPRESSORS
@@ -37,8 +44,9 @@ def _run(fn, tmp_path, timeout=90, attempts=3):
     for attempt in range(attempts):
         for f in tmp_path.glob("err*.txt"):
             f.unlink()
-        ctx = mp.start_processes(_worker, args=(fn.__name__, _port(), str(tmp_path)), nprocs=2, join=False,
-                                 start_method=forkserver())
+        ctx = mp.start_processes(
+            _worker, args=(fn.__name__, _port(), str(tmp_path)), nprocs=2, join=False, start_method=forkserver()
+        )
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=1):
@@ -68,11 +76,13 @@ def _worker(rank, name, port, out_dir):
 
 
 def _init(rank, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
 
 
 # ---- 1-bit Adam through the real Trainer -------------------------------------------------------
+
 
 def _onebit_trainer(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
@@ -83,8 +93,22 @@ def _onebit_trainer(rank, port, out_dir):
     from islands.sync.ddp import DDP
 
     world = init_world(1, 30.0)
-    cfg = validate(from_mapping(dict(task="digits", hidden=16, workers=2, global_batch=16, steps=7, warmup=2,
-                                     eval_every=0, probe=False, progress=False, optimizer="onebit-adam:warmup=3")))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                hidden=16,
+                workers=2,
+                global_batch=16,
+                steps=7,
+                warmup=2,
+                eval_every=0,
+                probe=False,
+                progress=False,
+                optimizer="onebit-adam:warmup=3",
+            )
+        )
+    )
     trainer = build_trainer(cfg, world)
     # the optimizer averages itself: DDP only broadcasts the start, the model is not wrapped for an exchange
     assert isinstance(trainer.optimizer, CommunicatingOptimizer) and isinstance(trainer.strategy.inner, DDP)
@@ -104,9 +128,18 @@ def _onebit_trainer(rank, port, out_dir):
     torch.manual_seed(rank)
     other = torch.nn.Linear(3, 2)
     DDP().wrap(other, build_optimizer("onebit-adam", other.parameters(), lr=0.1, comm=world.comm("local")), world)
-    torch.save({"params": named, "analytic": analytic, "training": training, "grad_allreduce": sent.get("grad_all_reduce", 0),
-                "broadcast": broadcast_bytes, "other": other.state_dict(),
-                "param_bytes": sum(p.numel() * 4 for p in named.values())}, os.path.join(out_dir, f"r{rank}.pt"))
+    torch.save(
+        {
+            "params": named,
+            "analytic": analytic,
+            "training": training,
+            "grad_allreduce": sent.get("grad_all_reduce", 0),
+            "broadcast": broadcast_bytes,
+            "other": other.state_dict(),
+            "param_bytes": sum(p.numel() * 4 for p in named.values()),
+        },
+        os.path.join(out_dir, f"r{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
@@ -125,6 +158,7 @@ def test_onebit_adam_trainer_keeps_ranks_identical_and_bytes_analytic(tmp_path):
 
 
 # ---- NaN on one rank only: every rank raises promptly ------------------------------------------
+
 
 def _nan_one_rank(rank, port, out_dir):
     _init(rank, port)
@@ -145,8 +179,11 @@ def _nan_one_rank(rank, port, out_dir):
             results[spec] = ("no error", 0.0, False)
         except NonFiniteGradientError as exc:
             after = c.state_dict()
-            same = all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-                       for n in before["states"] for a, b in zip(before["states"][n].values(), after["states"][n].values()))
+            same = all(
+                torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                for n in before["states"]
+                for a, b in zip(before["states"][n].values(), after["states"][n].values())
+            )
             results[spec] = (str(exc), time.monotonic() - t, same)
         compress_and_average(good, comm, c)  # the group is still usable afterwards
     # the same through DDP's hook, where the error surfaces from backward()
@@ -184,6 +221,7 @@ def test_nan_on_one_rank_raises_on_every_rank_promptly(tmp_path):
 
 
 # ---- torch's PowerSGD hook: our analytic count equals what it hands to all_reduce --------------
+
 
 def _torch_powersgd(rank, port, out_dir):
     _init(rank, port)
@@ -233,14 +271,19 @@ def test_torch_powersgd_bytes_counted_analytically(tmp_path):
 
 # ---- specs and config validation (no processes) -------------------------------------------------
 
+
 def test_optimizer_specs():
     assert parse_optimizer("adamw").communicates is False
     s = parse_optimizer("onebit-adam:warmup=7")
     assert s.communicates and s.warmup_steps(1000) == 7
     assert parse_optimizer("naive-compressed-adam").warmup_steps(100) == 20
-    for bad, words in [("lamb", "unknown optimizer"), ("onebit-adam:warmup=0", ">= 1"),
-                       ("onebit-adam:wu=3", "does not take wu"), ("adamw:warmup=3", "does not take warmup"),
-                       ("onebit-adam:warmup=x", "warmup=x is not a valid int")]:
+    for bad, words in [
+        ("lamb", "unknown optimizer"),
+        ("onebit-adam:warmup=0", ">= 1"),
+        ("onebit-adam:wu=3", "does not take wu"),
+        ("adamw:warmup=3", "does not take warmup"),
+        ("onebit-adam:warmup=x", "warmup=x is not a valid int"),
+    ]:
         with pytest.raises(ValueError, match=words):
             parse_optimizer(bad)
     opt = build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))], lr=0.1)

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.world import spawn_ranks
 from islands.compress import NoCompression, analytic_nbytes
 from islands.compress.optim import build_optimizer, parse_optimizer
 from islands.compress.split_adam import SplitMomentAdamW
 from islands.runtime.comm import Comm, CommLedger
-from harness.world import spawn_ranks
 
 
 def _net(seed=0):
@@ -92,9 +92,16 @@ def test_split_specs_parse_and_reject_clearly():
     s = parse_optimizer("split-adamw:variance=exact,rank=8,bits=16,every=5")
     o = dict(s.options)
     assert s.communicates and o["variance"] == "exact" and o["rank"] == 8 and o["bits"] == 16 and o["every"] == 5
-    assert dict(parse_optimizer("split-adamw").options) == dict(variance="local", every=20, clip=1.0, rank=4, bits=32, dense_bits=32)
-    for bad, word in (("split-adamw:variance=ema", "variance"), ("split-adamw:every=0", "every"),
-                      ("split-adamw:bits=4", "bits"), ("split-adamw:warmup=3", "warmup"), ("split-adamw:rank=x", "rank")):
+    assert dict(parse_optimizer("split-adamw").options) == dict(
+        variance="local", every=20, clip=1.0, rank=4, bits=32, dense_bits=32
+    )
+    for bad, word in (
+        ("split-adamw:variance=ema", "variance"),
+        ("split-adamw:every=0", "every"),
+        ("split-adamw:bits=4", "bits"),
+        ("split-adamw:warmup=3", "warmup"),
+        ("split-adamw:rank=x", "rank"),
+    ):
         with pytest.raises(ValueError, match=word):
             parse_optimizer(bad)
     with pytest.raises(ValueError, match="variance"):
@@ -103,11 +110,13 @@ def test_split_specs_parse_and_reject_clearly():
 
 # ---- two gloo ranks --------------------------------------------------------------------------------
 
+
 def _worker(rank, env, queue):
     os.environ.update(env, RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     out = {}
     for variance in ("local", "exact", "compressed"):
         comm = Comm(None, CommLedger())

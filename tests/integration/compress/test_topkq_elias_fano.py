@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
-
-from islands.compress import DCTTopK, ErrorFeedback, TopKQ, parse_compressor
-from islands.compress import elias_fano as ef
-from harness.outer import assert_train_refuses, run_world
 from test_outer_compress import _resume, _scenario
+
+from harness.outer import assert_train_refuses, run_world
+from islands.compress import DCTTopK, ErrorFeedback, TopKQ, elias_fano as ef, parse_compressor
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -26,8 +25,22 @@ def _rows(n: int, k: int, rows: int, seed: int) -> torch.Tensor:
     return torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(rows)])
 
 
-@pytest.mark.parametrize("n, k", [(4096, 89), (4096, 41), (4096, 4096), (4096, 1), (1000, 10), (64, 40), (7, 7),
-                                  (1, 1), (5, 2), (300, 150), (300, 151)])
+@pytest.mark.parametrize(
+    "n, k",
+    [
+        (4096, 89),
+        (4096, 41),
+        (4096, 4096),
+        (4096, 1),
+        (1000, 10),
+        (64, 40),
+        (7, 7),
+        (1, 1),
+        (5, 2),
+        (300, 150),
+        (300, 151),
+    ],
+)
 def test_elias_fano_round_trips_at_its_fixed_size(n, k):
     pos = _rows(n, k, 6, seed=n * 31 + k)
     bits = ef.encode_rows(pos, n)
@@ -39,8 +52,11 @@ def test_elias_fano_round_trips_at_its_fixed_size(n, k):
 
 def test_elias_fano_extremes_and_corruption():
     n, k = 4096, 89
-    for pos in (torch.arange(k).view(1, k), torch.arange(n - k, n).view(1, k),  # packed at either end
-                torch.arange(0, n, n // k)[:k].view(1, k)):  # evenly spread
+    for pos in (
+        torch.arange(k).view(1, k),
+        torch.arange(n - k, n).view(1, k),  # packed at either end
+        torch.arange(0, n, n // k)[:k].view(1, k),
+    ):  # evenly spread
         assert torch.equal(ef.decode_rows(ef.encode_rows(pos, n), n, k), pos)
     assert ef.nbits(4096, 92) == 680 < 92 * 12  # the 146x setting: 7.4 bits a position against 12
     bits = ef.encode_rows(_rows(n, k, 1, seed=1), n)
@@ -79,9 +95,14 @@ def test_146x_with_half_again_the_entries():
     assert cut(DCTTopK(89 / 4096, bits=2, index="elias-fano")) >= 146  # the bench's setting, 89 of 4096 (2.17%)
 
 
-@pytest.mark.parametrize("spec", ["topkq:ratio=0.05,bits=2,chunk=64,index=elias-fano,decay=0.95",
-                                  "topkq:ratio=0.05,bits=32,chunk=64,index=elias-fano",
-                                  "dct-topk:ratio=0.05,bits=2,block=16,chunk=64,index=elias-fano,decay=0.9"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topkq:ratio=0.05,bits=2,chunk=64,index=elias-fano,decay=0.95",
+        "topkq:ratio=0.05,bits=32,chunk=64,index=elias-fano",
+        "dct-topk:ratio=0.05,bits=2,block=16,chunk=64,index=elias-fano,decay=0.9",
+    ],
+)
 def test_error_feedback_accounting_with_decay(spec):
     c = parse_compressor(spec)
     assert isinstance(c, ErrorFeedback) and c.inner.index == "elias-fano"
@@ -124,8 +145,12 @@ def test_bad_index_names_the_choices(spec):
 
 
 def test_bad_index_in_an_outer_spec_exits_2_naming_the_choices(tmp_path, capsys):
-    assert_train_refuses("diloco:inner_steps=5,compressor=(topkq:ratio=0.0215,index=rice)", ["index", "fixed", "elias-fano"],
-                         tmp_path, capsys)
+    assert_train_refuses(
+        "diloco:inner_steps=5,compressor=(topkq:ratio=0.0215,index=rice)",
+        ["index", "fixed", "elias-fano"],
+        tmp_path,
+        capsys,
+    )
 
 
 # ---- two gloo ranks ---------------------------------------------------------------------------------------------
@@ -134,9 +159,11 @@ EF_TOPKQ = "compressor=(topkq:ratio=0.03,bits=2,chunk=256,index=elias-fano,decay
 
 def _both(world) -> dict:
     torch.manual_seed(world.rank)
-    return {"diloco": _scenario(world, f"diloco:inner_steps=3,{EF_TOPKQ}", 7),
-            "eager": _scenario(world, f"diloco:inner_steps=2,overlap=eager,{EF_TOPKQ}", 6),
-            "resume": _resume(world, f"diloco:inner_steps=2,{EF_TOPKQ}", 3, 6)}
+    return {
+        "diloco": _scenario(world, f"diloco:inner_steps=3,{EF_TOPKQ}", 7),
+        "eager": _scenario(world, f"diloco:inner_steps=2,overlap=eager,{EF_TOPKQ}", 6),
+        "resume": _resume(world, f"diloco:inner_steps=2,{EF_TOPKQ}", 3, 6),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +178,10 @@ def test_two_ranks_agree_and_ledger_is_the_analytic_payload(ranks, name):
         s = r[name]
         per_exchange = 4 + s["payload"][0]  # the NaN/Inf flag, then the payload
         assert s["exchange_sent"] and set(s["exchange_sent"]) == {per_exchange}
-        assert sum(s["sent"].get(k, 0) for k in ("compress_finite", "compress_gather")) == len(s["exchange_sent"]) * per_exchange
+        assert (
+            sum(s["sent"].get(k, 0) for k in ("compress_finite", "compress_gather"))
+            == len(s["exchange_sent"]) * per_exchange
+        )
         assert s["residual_norm"] > 0
 
 

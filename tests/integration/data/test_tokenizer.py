@@ -38,11 +38,18 @@ def test_bpe_train_save_load_round_trip(tmp_path):
 
 def test_bpe_training_is_the_same_in_another_process():
     """Every rank trains its own copy: another process (other hash seed, one thread) must get the same tokenizer."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import tokenizer as tk; "
-            "print(tk.digest(tk.train_bpe([open(sys.argv[2]).read()], 320)))")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import tokenizer as tk; "
+        "print(tk.digest(tk.train_bpe([open(sys.argv[2]).read()], 320)))"
+    )
     corpus = JSON_PKG / "decoder.py"
-    out = subprocess.run([sys.executable, "-c", code, str(Path(tk.__file__).parent), str(corpus)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "7", "RAYON_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(Path(tk.__file__).parent), str(corpus)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "7", "RAYON_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == tk.digest(tk.train_bpe([corpus.read_text()], 320))
 
@@ -76,9 +83,36 @@ def test_text_shards_cover_the_corpus_at_line_breaks():
     assert all(p.endswith(b"\n") for p in parts[:-1])
 
 
-TINY = ["--task", "hf-causal-lm", "--task.model", "gpt2", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-        "--context", "32", "--task.vocab_size", "320", "--data", str(JSON_PKG), "--workers", "1", "--global-batch", "2",
-        "--eval-every", "0", "--eval-batches", "1", "--no-probe", "--no-progress", "--threads", "1"]
+TINY = [
+    "--task",
+    "hf-causal-lm",
+    "--task.model",
+    "gpt2",
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--context",
+    "32",
+    "--task.vocab_size",
+    "320",
+    "--data",
+    str(JSON_PKG),
+    "--workers",
+    "1",
+    "--global-batch",
+    "2",
+    "--eval-every",
+    "0",
+    "--eval-batches",
+    "1",
+    "--no-probe",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def train(*argv: str) -> int:
@@ -97,8 +131,19 @@ def test_resume_loads_the_runs_tokenizer_instead_of_training_one(tmp_path, capsy
     # Replace the run's tokenizer by another one: a resume that retrained would write the original back.
     other = tk.train_bpe([(JSON_PKG / "encoder.py").read_text()], 300)
     tk.save(other, first)
-    assert train("--steps", "3", "--ckpt-every", "3", "--resume", str(tmp_path / "a" / "ckpt" / "step-000002"),
-                 "--run-dir", str(tmp_path / "b")) == 0
+    assert (
+        train(
+            "--steps",
+            "3",
+            "--ckpt-every",
+            "3",
+            "--resume",
+            str(tmp_path / "a" / "ckpt" / "step-000002"),
+            "--run-dir",
+            str(tmp_path / "b"),
+        )
+        == 0
+    )
     assert (tmp_path / "b" / "tokenizer.json").read_text() == first.read_text()
     # A saved tokenizer larger than the model's embedding: exit 2 with the reason, before anything is written.
     tk.save(tk.train_bpe([TEXT], 400), first)

@@ -28,7 +28,7 @@ JSON_PKG = Path(sysconfig.get_paths()["stdlib"]) / "json"  # a few files of text
 
 # The hf-causal-lm task of the public API, its model behind a gate that holds training forwards while the task
 # option "hold" names an existing file (the test holds island 0 until the restarted island is ready).
-GATED_GPT2 = r'''
+GATED_GPT2 = r"""
 import os, time
 import torch.nn as nn
 import islands
@@ -48,23 +48,42 @@ def make_task(cfg):
                                       n_heads=2, seed=cfg.train.seed)
     task.model = Gate(task.model, cfg.task.options.get("hold", ""))
     return task
-'''
+"""
 
 
-@pytest.mark.parametrize("outer", [
-    "diloco:inner_steps=4",
-    # streaming DiLoCo, 2 fragments landing a step late: GPT-2's tied embedding and head are one parameter,
-    # which must sit in exactly one fragment
-    "diloco:inner_steps=4,fragments=2,tau=1",
-])
+@pytest.mark.parametrize(
+    "outer",
+    [
+        "diloco:inner_steps=4",
+        # streaming DiLoCo, 2 fragments landing a step late: GPT-2's tied embedding and head are one parameter,
+        # which must sit in exactly one fragment
+        "diloco:inner_steps=4,fragments=2,tau=1",
+    ],
+)
 def test_a_gpt2_job_of_two_worker_islands_survives_a_killed_follower_bitwise(tmp_path, outer):
     path = tmp_path / "gated_gpt2.py"
     path.write_text(GATED_GPT2)
     hold = tmp_path / "HOLD"
-    cfg = from_mapping(dict(task=f"{path}:make_task", workers=4, islands=2, inner="ddp", outer=outer,
-                            elastic=True, steps=40, global_batch=8, eval_every=0, warmup=2, probe=False,
-                            progress=False, timeout=30.0, heartbeat_timeout=5.0, max_restarts=1,
-                            run_dir=str(tmp_path / "run")))
+    cfg = from_mapping(
+        dict(
+            task=f"{path}:make_task",
+            workers=4,
+            islands=2,
+            inner="ddp",
+            outer=outer,
+            elastic=True,
+            steps=40,
+            global_batch=8,
+            eval_every=0,
+            warmup=2,
+            probe=False,
+            progress=False,
+            timeout=30.0,
+            heartbeat_timeout=5.0,
+            max_restarts=1,
+            run_dir=str(tmp_path / "run"),
+        )
+    )
     cfg.task.options.update(hold=str(hold), corpus=str(JSON_PKG))
     cfg = validate(cfg)
     run_dir = tmp_path / "run"
@@ -84,8 +103,12 @@ def test_a_gpt2_job_of_two_worker_islands_survives_a_killed_follower_bitwise(tmp
             hold.unlink(missing_ok=True)
 
     out = io.StringIO()
-    code = launch_elastic(cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(
-        target=fault, args=(a, w), daemon=True).start())
+    code = launch_elastic(
+        cfg,
+        run_dir,
+        out=out,
+        on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w), daemon=True).start(),
+    )
     log = out.getvalue()
     assert not errors, (errors, log)
     assert code == 0, log + elastic_jobs.logs(run_dir)

@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint_resume import same
 
+from harness.elastic import assert_nothing_half_written, gated_digits
+from harness.world import spawn_ranks
 from islands.app.launch import launch_elastic
-from islands.checkpoint import CheckpointStore
 from islands.app.validate import validate
+from islands.checkpoint import CheckpointStore
 from islands.config import from_mapping
 from islands.runtime.elastic.island_comm import IslandComm, IslandPlace, worker_name
 from islands.runtime.elastic.membership import connect
-from harness.elastic import assert_nothing_half_written, gated_digits
-from harness.world import spawn_ranks
-from test_checkpoint_resume import same
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
 
@@ -66,7 +66,9 @@ def _relay_rank(rank, env, queue):
     # gossip's round: a ring of the 2 islands, planned by the leader only
     got, send_to, recv_from = relay.exchange_planned(
         (lambda r, n: ({(r + 1) % n: x.clone()}, [(r - 1) % n])) if cross is not None else never,
-        like=torch.empty(5), kind="gossip")
+        like=torch.empty(5),
+        kind="gossip",
+    )
     # an exchange in flight on another thread relays over the side group while the training thread's own
     # collectives go on over the local group: neither waits on nor mixes with the other
     box: dict = {}
@@ -87,10 +89,23 @@ def _relay_rank(rank, env, queue):
     slot_gathered = slots.all_gather(mine.clone(), kind="outer_gather")
     slot_sent = slots.broadcast(mine.clone(), src=2, kind="outer_bcast")
     # plain lists through the queue: a tensor would be passed as a file descriptor of this exiting process
-    queue.put((rank, summed.tolist(), maxed.tolist(), [g.tolist() for g in gathered], sent.tolist(), objects,
-               relay.rank, relay.size, dict(ledger.sent),
-               ({p: t.tolist() for p, t in got.items()}, send_to, recv_from), box.get("sums"), local_sums,
-               (slot_sum.tolist(), [g.tolist() for g in slot_gathered], slot_sent.tolist())))
+    queue.put(
+        (
+            rank,
+            summed.tolist(),
+            maxed.tolist(),
+            [g.tolist() for g in gathered],
+            sent.tolist(),
+            objects,
+            relay.rank,
+            relay.size,
+            dict(ledger.sent),
+            ({p: t.tolist() for p, t in got.items()}, send_to, recv_from),
+            box.get("sums"),
+            local_sums,
+            (slot_sum.tolist(), [g.tolist() for g in slot_gathered], slot_sent.tolist()),
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -133,9 +148,23 @@ def _cfg(tmp_path: Path, **over):
     island at work until the restarted island is built (on a loaded machine its start-up takes longer than the
     whole job would)."""
     task, hold = gated_digits(tmp_path)
-    values = dict(task=task, workers=4, islands=2, inner="ddp",
-                  outer="diloco:inner_steps=5", elastic=True, steps=60, global_batch=32, eval_every=0, warmup=2,
-                  probe=False, progress=False, timeout=30.0, heartbeat_timeout=HEARTBEAT, run_dir=str(tmp_path / "run"))
+    values = dict(
+        task=task,
+        workers=4,
+        islands=2,
+        inner="ddp",
+        outer="diloco:inner_steps=5",
+        elastic=True,
+        steps=60,
+        global_batch=32,
+        eval_every=0,
+        warmup=2,
+        probe=False,
+        progress=False,
+        timeout=30.0,
+        heartbeat_timeout=HEARTBEAT,
+        run_dir=str(tmp_path / "run"),
+    )
     values.update(over)
     cfg = from_mapping(values)
     cfg.task.options.update(hold=str(hold), model="bn-cnn")
@@ -166,8 +195,12 @@ def _run(cfg, run_dir: Path, fault) -> tuple[int, str]:
             hold.unlink(missing_ok=True)  # never leave the job waiting
 
     out = io.StringIO()
-    code = launch_elastic(cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(
-        target=body, args=(a, w), daemon=True).start())
+    code = launch_elastic(
+        cfg,
+        run_dir,
+        out=out,
+        on_started=lambda a, w, c: threading.Thread(target=body, args=(a, w), daemon=True).start(),
+    )
     assert not errors, errors
     return code, out.getvalue()
 
@@ -175,6 +208,7 @@ def _run(cfg, run_dir: Path, fault) -> tuple[int, str]:
 def _kill_after_two_rounds(hold: Path, index: int, ready: str, names: list[str] | None = None):
     """A fault: after two rounds, SIGKILL worker `index`; hold the other islands until `ready` (the restarted
     leader) is built (on a loaded machine its start-up takes longer than the whole job would)."""
+
     def fault(address, workers):
         host, port = address.split(":")
         store = connect(host, int(port))
@@ -191,10 +225,12 @@ def _kill_after_two_rounds(hold: Path, index: int, ready: str, names: list[str] 
 
 # fsdp: each worker holds its shard; the leader exchanges the island's packed shards, holders serve the island's
 # whole global model and every worker's own strategy state, and the restarted island's workers load their slots
-@pytest.mark.parametrize("inner,victim", [("ddp", 3), ("fsdp", 3), ("fsdp", 2)],
-                         ids=["ddp-follower", "fsdp-follower", "fsdp-leader"])
-def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(tmp_path, inner,
-                                                                                                      victim):
+@pytest.mark.parametrize(
+    "inner,victim", [("ddp", 3), ("fsdp", 3), ("fsdp", 2)], ids=["ddp-follower", "fsdp-follower", "fsdp-leader"]
+)
+def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_with_the_global_state(
+    tmp_path, inner, victim
+):
     cfg = _cfg(tmp_path, max_restarts=1, inner=inner)
     run_dir = tmp_path / "run"
     hold = tmp_path / "HOLD"
@@ -215,11 +251,14 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     assert code == 0, log
     # the launcher may see the killed follower's exit first, or its leader's (its local collective failed) first
     dead = f"i1w{victim - 2}"
-    assert "island 1 left the job" in log and (f"worker {dead} left (killed by SIGKILL)" in log or f"stopped {dead}" in log), log
+    assert "island 1 left the job" in log and (
+        f"worker {dead} left (killed by SIGKILL)" in log or f"stopped {dead}" in log
+    ), log
     assert "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
     restarts = json.loads((run_dir / "elastic" / "restarts.json").read_text())
     assert [(r["island"], r["incarnation"], r["workers"]) for r in restarts["restarts"]] == [
-        (1, 1, ["i1w0.1", "i1w1.1"])]
+        (1, 1, ["i1w0.1", "i1w1.1"])
+    ]
     recs = _records(run_dir)
     assert set(recs) == {"i0w0", "i0w1", "i1w0.1", "i1w1.1"}, log  # the killed island wrote nothing
     # every surviving worker of both islands holds the same global model, bit for bit
@@ -271,18 +310,22 @@ def test_an_elastic_fsdp_job_without_faults_ends_with_the_fixed_world_jobs_globa
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
 
 
-@pytest.mark.parametrize("outer,across,ckpt,inner", [
-    # streaming DiLoCo: 2 fragments, each landing one step after it left, on the strategy's exchange thread
-    ("diloco:inner_steps=6,fragments=2,tau=1", True, 0, "ddp"),
-    # gossip on a ring: the leader's point-to-point round relayed to its follower (islands need not agree)
-    ("gossip:every=5,topology=ring", False, 0, "ddp"),
-    # checkpoints every round: every worker saves its part, the join waits for the due save on all of them
-    ("diloco:inner_steps=5", True, 5, "ddp"),
-    # the same under fsdp: a holder's followers settle the save, then build the island's state with their leader
-    ("diloco:inner_steps=5", True, 5, "fsdp"),
-])
+@pytest.mark.parametrize(
+    "outer,across,ckpt,inner",
+    [
+        # streaming DiLoCo: 2 fragments, each landing one step after it left, on the strategy's exchange thread
+        ("diloco:inner_steps=6,fragments=2,tau=1", True, 0, "ddp"),
+        # gossip on a ring: the leader's point-to-point round relayed to its follower (islands need not agree)
+        ("gossip:every=5,topology=ring", False, 0, "ddp"),
+        # checkpoints every round: every worker saves its part, the join waits for the due save on all of them
+        ("diloco:inner_steps=5", True, 5, "ddp"),
+        # the same under fsdp: a holder's followers settle the save, then build the island's state with their leader
+        ("diloco:inner_steps=5", True, 5, "fsdp"),
+    ],
+)
 def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k_worker_islands(
-        tmp_path, outer, across, ckpt, inner):
+    tmp_path, outer, across, ckpt, inner
+):
     cfg = _cfg(tmp_path, max_restarts=1, outer=outer, ckpt_every=ckpt, inner=inner)
     run_dir, hold = tmp_path / "run", tmp_path / "HOLD"
 
@@ -312,8 +355,11 @@ def test_exchanges_in_flight_gossip_and_checkpoints_survive_a_killed_worker_in_k
         assert run["checkpoint"]["saves"]["local"] >= 10
 
 
-@pytest.mark.parametrize("inner,victim", [("ddp", 3), ("fsdp", 3), ("fsdp", 2), ("fsdp", 0)],
-                         ids=["ddp-follower-1", "fsdp-follower-1", "fsdp-leader-1", "fsdp-leader-0"])
+@pytest.mark.parametrize(
+    "inner,victim",
+    [("ddp", 3), ("fsdp", 3), ("fsdp", 2), ("fsdp", 0)],
+    ids=["ddp-follower-1", "fsdp-follower-1", "fsdp-leader-1", "fsdp-leader-0"],
+)
 def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_path, inner, victim):
     """Any worker killed (a follower or a leader, of either island, fsdp or ddp inside): its island leaves as a
     whole and the other finishes the job alone, its two workers agreeing."""
@@ -340,20 +386,39 @@ def test_with_no_restarts_left_the_island_stays_out_and_the_job_finishes(tmp_pat
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 2 and run["summary"]["islands"] == 1
 
 
-@pytest.mark.parametrize("flags,needle", [
-    # fsdp takes plain diloco rounds only (the sharding rule), in elastic jobs too
-    (["--inner", "fsdp", "--outer", "gossip:every=5"], "'gossip' is not wired for sharded parameters"),
-    (["--inner", "fsdp", "--outer", "diloco:inner_steps=6,fragments=2"], "fragments=2 is not wired"),
-    (["--inner", "pipeline"], "inner.strategy=pipeline splits one model over the island"),
-    (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
-    (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
-    (["--no-elastic", "--max-restarts", "2"], "elastic.max_restarts applies to elastic jobs"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        # fsdp takes plain diloco rounds only (the sharding rule), in elastic jobs too
+        (["--inner", "fsdp", "--outer", "gossip:every=5"], "'gossip' is not wired for sharded parameters"),
+        (["--inner", "fsdp", "--outer", "diloco:inner_steps=6,fragments=2"], "fragments=2 is not wired"),
+        (["--inner", "pipeline"], "inner.strategy=pipeline splits one model over the island"),
+        (["--workers", "3"], "world.workers (3) must be divisible by world.islands (2)"),
+        (["--max-restarts", "-1"], "elastic.max_restarts must be an integer >= 0"),
+        (["--no-elastic", "--max-restarts", "2"], "elastic.max_restarts applies to elastic jobs"),
+    ],
+)
 def test_combinations_that_cannot_work_exit_2_before_anything_starts(tmp_path, capsys, flags, needle):
     from islands.cli import main
 
-    base = ["train", "--task", "digits", "--workers", "4", "--islands", "2", "--inner", "ddp",
-            "--outer", "diloco:inner_steps=5", "--elastic", "--global-batch", "24", "--run-dir", str(tmp_path / "run")]
+    base = [
+        "train",
+        "--task",
+        "digits",
+        "--workers",
+        "4",
+        "--islands",
+        "2",
+        "--inner",
+        "ddp",
+        "--outer",
+        "diloco:inner_steps=5",
+        "--elastic",
+        "--global-batch",
+        "24",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     with pytest.raises(SystemExit) as exited:
         main(base + flags)
     assert exited.value.code == 2

@@ -28,7 +28,7 @@ STEPS = 24
 # the step whose exchange just started). --gate STEP: after STEP every member waits for OUT/go (a joiner gets ready).
 # A joiner (a name starting with "j") asks to join only once OUT/admit exists: the test starts it early, so that
 # its start-up overlaps the job's, and admits it when the survivors are at the gate.
-SCRIPT = r'''
+SCRIPT = r"""
 import argparse, json, os, signal, time
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -90,14 +90,18 @@ m = world.membership
     "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size, "tagged": m.comm.tags is not None,
     "syncs": [[s["epoch"], s["size"]] for s in m.syncs if s["kind"] in ("outer_delta", "outer_params")]}))
 islands.close_world(world)
-'''
+"""
 
 
 def _expected_sends(outer: str) -> list[int]:
     """Sends per fragment of a run of STEPS steps without churn: the schedule's, plus final_sync's one each."""
     from islands.outer import DiLoCo, StreamingDiLoCo
-    s = (StreamingDiLoCo.from_options(inner_steps=4, fragments=2, tau=2) if outer == "streaming"
-         else DiLoCo.from_options(inner_steps=5, tau=1)).schedule
+
+    s = (
+        StreamingDiLoCo.from_options(inner_steps=4, fragments=2, tau=2)
+        if outer == "streaming"
+        else DiLoCo.from_options(inner_steps=5, tau=1)
+    ).schedule
     sends = [0] * s.fragments
     for done in range(1, STEPS + 1):
         for p in s.starting(done):
@@ -107,12 +111,21 @@ def _expected_sends(outer: str) -> list[int]:
 
 # +auth: outer.authenticate (tests/test_payload_auth_elastic.py): every tensor of every operation tagged, the
 # streaming exchange thread's and gossip's point-to-point rounds included; the retries and the joiner tag anew
-@pytest.mark.parametrize("outer, authenticate", [
-    ("streaming", False), ("tau1", False), ("gossip", False), ("push-sum", False), ("overlap", False),
-    pytest.param("streaming", True, id="streaming+auth"), pytest.param("gossip", True, id="gossip+auth")])
-def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_with_the_members(tmp_path, outer,
-                                                                                                authenticate,
-                                                                                                monkeypatch):
+@pytest.mark.parametrize(
+    "outer, authenticate",
+    [
+        ("streaming", False),
+        ("tau1", False),
+        ("gossip", False),
+        ("push-sum", False),
+        ("overlap", False),
+        pytest.param("streaming", True, id="streaming+auth"),
+        pytest.param("gossip", True, id="gossip+auth"),
+    ],
+)
+def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_with_the_members(
+    tmp_path, outer, authenticate, monkeypatch
+):
     """One job per strategy (process start-up dominates on a loaded machine): 3 workers; w2 SIGKILLs itself after step
     9 (streaming, tau=1: that step just started an exchange; overlap: the average of step 9's boundary is in flight;
     gossip: between rounds); the two
@@ -129,16 +142,20 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
     def waiting(what, check):
         def look():
             if ended.is_set():  # the job ended first: say why
-                raise AssertionError(f"the job ended while waiting for {what}:\n{launcher.getvalue()}"
-                                     + elastic_jobs.logs(tmp_path / "run"))
+                raise AssertionError(
+                    f"the job ended while waiting for {what}:\n{launcher.getvalue()}"
+                    + elastic_jobs.logs(tmp_path / "run")
+                )
             return check()
+
         elastic_jobs.wait(look, what, TIMEOUT, log=lambda: launcher.getvalue() + elastic_jobs.logs(tmp_path / "run"))
 
     def act(address):
         """The test's side, on a thread: the joiner starts at once (its start-up overlaps the job's) and asks to
         join once the survivors are at the gate; they go on once it is ready."""
-        joiner = seen["joiner"] = elastic_jobs.join(address, "--token-file", str(tmp_path / "run" / "token"),
-                                                    name="j1", cwd=tmp_path)
+        joiner = seen["joiner"] = elastic_jobs.join(
+            address, "--token-file", str(tmp_path / "run" / "token"), name="j1", cwd=tmp_path
+        )
         try:
             waiting("the survivors at the gate", elastic_jobs.at_gate(out, ["w0", "w1"]))
             seen["w2 at the gate"] = (out / "gate-w2").exists()
@@ -157,11 +174,24 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
         threads.append(threading.Thread(target=act, args=(address,), daemon=True))
         threads[0].start()
 
-    argv = [str(tmp_path / "job.py"), "--out", "out", "--steps", str(STEPS), "--outer", outer, "--die", "w2:9",
-            "--gate", "14", *(["--authenticate"] if authenticate else [])]
+    argv = [
+        str(tmp_path / "job.py"),
+        "--out",
+        "out",
+        "--steps",
+        str(STEPS),
+        "--outer",
+        outer,
+        "--die",
+        "w2:9",
+        "--gate",
+        "14",
+        *(["--authenticate"] if authenticate else []),
+    ]
     try:
-        code = launch_elastic_script(argv, 3, tmp_path / "run", heartbeat_timeout=5.0, timeout=60.0, out=launcher,
-                                     on_started=started)
+        code = launch_elastic_script(
+            argv, 3, tmp_path / "run", heartbeat_timeout=5.0, timeout=60.0, out=launcher, on_started=started
+        )
     finally:
         ended.set()
         for t in threads:
@@ -222,15 +252,18 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
             assert r["sends"] == _expected_sends(outer) and r["rounds"] == sum(r["sends"])
 
 
-@pytest.mark.parametrize("outer,needle", [
-    ("diloco:inner_steps=5,tau=1", None),
-    ("streaming-diloco:inner_steps=8,fragments=2,tau=2", None),
-    ("gossip:every=3,topology=random:s=1", None),
-    ("overlap-local-sgd:tau=2", None),
-    ("diloco:overlap=delayed", "overlap=delayed"),
-    ("streaming-diloco:lr_scale=sqrt-islands", "lr_scale=sqrt-islands with fragments > 1"),
-    ("gossip:compressor=(topk:warmup=0)", "compressed gossip"),
-])
+@pytest.mark.parametrize(
+    "outer,needle",
+    [
+        ("diloco:inner_steps=5,tau=1", None),
+        ("streaming-diloco:inner_steps=8,fragments=2,tau=2", None),
+        ("gossip:every=3,topology=random:s=1", None),
+        ("overlap-local-sgd:tau=2", None),
+        ("diloco:overlap=delayed", "overlap=delayed"),
+        ("streaming-diloco:lr_scale=sqrt-islands", "lr_scale=sqrt-islands with fragments > 1"),
+        ("gossip:compressor=(topk:warmup=0)", "compressed gossip"),
+    ],
+)
 def test_elastic_validation_lifts_what_works_under_churn_and_names_what_does_not(outer, needle):
     from islands.app.validate import validate
     from islands.config import ConfigError, from_mapping

@@ -16,8 +16,8 @@ import harness.elastic as elastic_jobs
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
-from islands.runtime.launch.elastic import launch_elastic_script
 from islands.runtime.elastic.membership import connect
+from islands.runtime.launch.elastic import launch_elastic_script
 
 HEARTBEAT = 2.0  # seconds: the heartbeat timeout of these jobs
 
@@ -28,13 +28,31 @@ def _in_thread(fn, errors: list):
             fn(*args)
         except BaseException as e:  # noqa: BLE001 - surfaced by the test after the job
             errors.append(e)
+
     return body
 
 
 def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_the_launcher(tmp_path):
-    cfg = validate(from_mapping(dict(task="digits", workers=3, islands=3, outer="local-sgd:every=3", elastic=True,
-                                     steps=60, global_batch=24, eval_every=0, warmup=2, probe=False, progress=False,
-                                     timeout=30.0, heartbeat_timeout=HEARTBEAT, run_dir=str(tmp_path / "run"))))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=3,
+                islands=3,
+                outer="local-sgd:every=3",
+                elastic=True,
+                steps=60,
+                global_batch=24,
+                eval_every=0,
+                warmup=2,
+                probe=False,
+                progress=False,
+                timeout=30.0,
+                heartbeat_timeout=HEARTBEAT,
+                run_dir=str(tmp_path / "run"),
+            )
+        )
+    )
     seen: dict = {}
     errors: list = []
     frozen: list = []
@@ -50,8 +68,14 @@ def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_
 
     out = io.StringIO()
     try:
-        code = launch_elastic(cfg, tmp_path / "run", out=out, on_started=lambda a, w, c: threading.Thread(
-            target=_in_thread(freeze, errors), args=(a, w), daemon=True).start())
+        code = launch_elastic(
+            cfg,
+            tmp_path / "run",
+            out=out,
+            on_started=lambda a, w, c: threading.Thread(
+                target=_in_thread(freeze, errors), args=(a, w), daemon=True
+            ).start(),
+        )
         finished = time.time()
     finally:
         for proc in frozen:  # never leave a stopped process behind
@@ -79,7 +103,7 @@ def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_
 
 # A digits-sized MLP on synthetic data, the own-loop program; --hang NAME:STEP makes that worker's main thread
 # sleep forever at STEP while its heartbeat thread keeps beating (alive but stuck: only a timeout can tell).
-SCRIPT = r'''
+SCRIPT = r"""
 import argparse, json, os, time
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -118,7 +142,7 @@ m = world.membership
 (out / f"{name}.json").write_text(json.dumps({"sha": global_digest(strategy.eval_model(model)),
                                                "events": m.state_dict()["events"], "size": world.size}))
 islands.close_world(world)
-'''
+"""
 
 
 def test_a_collective_that_times_out_is_detected_and_the_stuck_worker_is_excluded_then_killed(tmp_path, monkeypatch):
@@ -129,8 +153,14 @@ def test_a_collective_that_times_out_is_detected_and_the_stuck_worker_is_exclude
     log = io.StringIO()
     timeout = 3.0  # the collective timeout: the only thing that can tell a live but stuck member
     started = time.time()
-    code = launch_elastic_script([str(tmp_path / "job.py"), "--out", str(out_dir), "--hang", "w2:9"], 3,
-                                 tmp_path / "run", heartbeat_timeout=HEARTBEAT, timeout=timeout, out=log)
+    code = launch_elastic_script(
+        [str(tmp_path / "job.py"), "--out", str(out_dir), "--hang", "w2:9"],
+        3,
+        tmp_path / "run",
+        heartbeat_timeout=HEARTBEAT,
+        timeout=timeout,
+        out=log,
+    )
     took = time.time() - started
     text = log.getvalue()
     assert code == 0, text

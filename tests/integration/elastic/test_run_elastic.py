@@ -22,7 +22,7 @@ TIMEOUT = 240
 # The own-loop program with a digits-sized MLP on synthetic data. Test hooks, outside the program: at step
 # --gate every member writes OUT/gate-NAME and waits for OUT/go, so the test acts while the job is mid-run; a
 # joiner (a name starting with "j") asks to join only once OUT/admit exists.
-SCRIPT = r'''
+SCRIPT = r"""
 import argparse, json, os, time
 from pathlib import Path
 
@@ -100,7 +100,7 @@ m = world.membership
     "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
     "rounds": [s["size"] for s in m.syncs if s["kind"] == "outer_delta"]}))
 islands.close_world(world)
-'''
+"""
 
 
 def _wait(what, check, proc: subprocess.Popen, err: Path):
@@ -134,8 +134,9 @@ def test_sigkilled_worker_is_dropped_and_the_survivors_finish_and_agree_bitwise(
 def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model(tmp_path):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 2, "--out", "out", "--steps", "30", "--gate", "10",
-                                       "--ckpt", "ckpt")
+    proc, err = elastic_jobs.start_job(
+        tmp_path, SCRIPT, 2, "--out", "out", "--steps", "30", "--gate", "10", "--ckpt", "ckpt"
+    )
     address = _wait("the job's address", lambda: elastic_jobs.address(err), proc, err)
     token_file = tmp_path / "run" / "token"
     # from another directory: the joiner runs the job's script where the launcher ran it (relative paths agree);
@@ -222,20 +223,25 @@ def test_an_outer_strategy_used_alone_holds_the_membership_and_a_joiner_starts_a
         assert world.membership.holder is strategy
         ckpt = Checkpointer(tmp_path / "ckpt", world, every=4, asynchronous=False)
         start = ckpt.restore(model=model, optimizer=opt, strategy=strategy) or 0
-        results[name] = {"start": start, "start_step": world.start_step,
-                         "entered_sha": global_digest(strategy.global_model)}
+        results[name] = {
+            "start": start,
+            "start_step": world.start_step,
+            "entered_sha": global_digest(strategy.global_model),
+        }
         for step in range(start, steps):
             before_step(step)
             x, y = batches[step]
             F.cross_entropy(model(x), y).backward()
             strategy.after_backward(model, step)
-            opt.step(); opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
             strategy.after_step(model, opt, step)
             ckpt.maybe_save(step + 1, model=model, optimizer=opt, strategy=strategy)
         strategy.finish(model)
         ckpt.close()
-        results[name].update(sha=global_digest(strategy.global_model), events=world.membership.state_dict()["events"],
-                             size=world.size)
+        results[name].update(
+            sha=global_digest(strategy.global_model), events=world.membership.state_dict()["events"], size=world.size
+        )
         close_world(world)
 
     errors: list[BaseException] = []
@@ -280,8 +286,20 @@ def test_a_script_job_of_two_worker_islands_loses_a_follower_and_its_restarted_i
     restarts it, it enters with the global state, and all four final workers agree bitwise; `islands join`
     (one worker) is refused by such a job."""
     out = tmp_path / "out"
-    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 4, "--out", "out", "--steps", "40", "--gate", "10",
-                                       "--hold-at", "20", launcher_args=("--islands", "2", "--max-restarts", "1"))
+    proc, err = elastic_jobs.start_job(
+        tmp_path,
+        SCRIPT,
+        4,
+        "--out",
+        "out",
+        "--steps",
+        "40",
+        "--gate",
+        "10",
+        "--hold-at",
+        "20",
+        launcher_args=("--islands", "2", "--max-restarts", "1"),
+    )
     names = ["i0w0", "i0w1", "i1w0", "i1w1"]
     _wait("every worker at the gate", elastic_jobs.at_gate(out, names), proc, err)
     address = elastic_jobs.address(err)
@@ -312,11 +330,13 @@ def test_elastic_run_flags_that_cannot_work_are_refused_before_anything_starts(t
     from islands.cli import main
 
     (tmp_path / "job.py").write_text(SCRIPT)
-    cases = [(["--heartbeat-timeout", "5"], "apply to elastic jobs only; add --elastic"),
-             (["--elastic", "--islands", "2", "--workers", "3"], "does not divide --workers 3"),
-             (["--max-restarts", "2"], "apply to elastic jobs only"),
-             (["--elastic", "--testbed", "nosuchbed"], "no testbed named 'nosuchbed'"),
-             (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0 seconds")]
+    cases = [
+        (["--heartbeat-timeout", "5"], "apply to elastic jobs only; add --elastic"),
+        (["--elastic", "--islands", "2", "--workers", "3"], "does not divide --workers 3"),
+        (["--max-restarts", "2"], "apply to elastic jobs only"),
+        (["--elastic", "--testbed", "nosuchbed"], "no testbed named 'nosuchbed'"),
+        (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0 seconds"),
+    ]
     for flags, needle in cases:
         with pytest.raises(SystemExit) as exited:
             main(["run", *flags, "--run-dir", str(tmp_path / "run"), str(tmp_path / "job.py")])

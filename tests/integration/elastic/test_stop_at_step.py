@@ -8,16 +8,15 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 import harness.elastic as elastic_jobs
+from harness.dict_store import DictStore
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.launch.stop import POLL_S, STOP_KEY, StopAt, request_stop, requested_stop
-from harness.dict_store import DictStore
 
 
 class FakeTrainer:
@@ -82,16 +81,40 @@ def test_islands_stop_ends_every_worker_of_a_running_job_at_the_step_and_they_ag
 
     run = tmp_path / "run"
     task, hold = elastic_jobs.gated_digits(tmp_path)
-    cfg = validate(from_mapping({**dict(task=task, workers=4, islands=2, outer="diloco:inner_steps=5", elastic=True,
-                                        steps=2000, global_batch=32, eval_every=0, warmup=2, probe=False,
-                                        progress=False, timeout=30.0, heartbeat_timeout=10.0, run_dir=str(run)),
-                                 "task.options.hold": str(hold)}))
+    cfg = validate(
+        from_mapping(
+            {
+                **dict(
+                    task=task,
+                    workers=4,
+                    islands=2,
+                    outer="diloco:inner_steps=5",
+                    elastic=True,
+                    steps=2000,
+                    global_batch=32,
+                    eval_every=0,
+                    warmup=2,
+                    probe=False,
+                    progress=False,
+                    timeout=30.0,
+                    heartbeat_timeout=10.0,
+                    run_dir=str(run),
+                ),
+                "task.options.hold": str(hold),
+            }
+        )
+    )
     hold.write_text("")  # the workers wait in their first forward until the requests are in (validate's does not)
     out, said, threads = io.StringIO(), [], []
 
     def stop(address: str, *token: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "islands", "stop", address, "--at-step", "42", *token],
-                              env=elastic_jobs.env(), capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "islands", "stop", address, "--at-step", "42", *token],
+            env=elastic_jobs.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def started(address, workers, coordinator):
         def requests():
@@ -100,6 +123,7 @@ def test_islands_stop_ends_every_worker_of_a_running_job_at_the_step_and_they_ag
                 said.append(stop(address, "--token-file", str(run / "token")))
             finally:
                 hold.unlink()
+
         threads.append(threading.Thread(target=requests, daemon=True))
         threads[0].start()
 
@@ -119,6 +143,10 @@ def test_islands_stop_ends_every_worker_of_a_running_job_at_the_step_and_they_ag
 
 
 def test_islands_stop_refuses_a_step_below_one_before_reaching_for_the_job():
-    result = subprocess.run([sys.executable, "-m", "islands", "stop", "127.0.0.1:1", "--at-step", "0", "--token", "x"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "islands", "stop", "127.0.0.1:1", "--at-step", "0", "--token", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--at-step must be >= 1" in result.stderr + result.stdout

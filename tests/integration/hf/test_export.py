@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from harness.hf import JSON_PKG, run_hf_job  # noqa: E402
-from islands.app import export as ex  # noqa: E402
-from islands.cli import main  # noqa: E402
-from islands.config import JobConfig, dump_json  # noqa: E402
-from islands.tasks import hf_causal_lm, hf_lm  # noqa: E402
+from harness.hf import JSON_PKG, run_hf_job
+from islands.app import export as ex
+from islands.cli import main
+from islands.config import JobConfig, dump_json
+from islands.tasks import hf_causal_lm, hf_lm
 
 pytestmark = pytest.mark.slow  # one job of 2 gloo ranks forked from this process (tests/hf_ranks.py)
 ATOL = 1e-5
@@ -35,8 +35,18 @@ def diloco_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("export") / "run"
     # the worker's own code on 2 ranks, as `islands train --task hf-causal-lm --task.model gpt2 --workers 2 --islands 2
     # --outer diloco:inner_steps=4 --steps 6 --ckpt-every 3` runs it (hf_ranks.TINY: the rest of the tiny shape)
-    run_hf_job(run_dir, timeout=300, **{"task.model": "gpt2", "workers": 2, "islands": 2,
-                                        "outer": "diloco:inner_steps=4", "steps": 6, "ckpt_every": 3})
+    run_hf_job(
+        run_dir,
+        timeout=300,
+        **{
+            "task.model": "gpt2",
+            "workers": 2,
+            "islands": 2,
+            "outer": "diloco:inner_steps=4",
+            "steps": 6,
+            "ckpt_every": 3,
+        },
+    )
     return run_dir
 
 
@@ -71,6 +81,7 @@ def test_export_round_trip_is_the_outer_model(diloco_run, tmp_path):
     at3 = AutoModelForCausalLM.from_pretrained(str(mid), dtype=torch.float32).eval()
     config = json.loads((diloco_run / hf_lm.HF_CONFIG_FILE).read_text())
     from transformers import AutoConfig
+
     initial = hf_lm.build_model(AutoConfig.for_model(config.pop("model_type"), **config), seed=0).eval()
     assert torch.allclose(_logits(at3, ids), _logits(initial, ids), atol=ATOL, rtol=0)
     assert not torch.allclose(_logits(at3, ids), _logits(model, ids), atol=1e-3)
@@ -92,10 +103,12 @@ def test_bad_exports_are_exit_2_and_nothing_half_written(diloco_run, tmp_path, c
     dump_json(JobConfig(), lm_run / "config.json")  # the built-in byte-level lm task
     taken = tmp_path / "taken"
     taken.mkdir()
-    cases = [([str(lm_run), str(tmp_path / "a")], "trained task 'lm'"),
-             ([str(tmp_path / "nowhere"), str(tmp_path / "b")], "is not a run directory"),
-             ([str(diloco_run), str(taken)], "exists; export writes a new directory"),
-             ([str(diloco_run), str(tmp_path / "c"), "--step", "5"], "no checkpoint for step 5")]
+    cases = [
+        ([str(lm_run), str(tmp_path / "a")], "trained task 'lm'"),
+        ([str(tmp_path / "nowhere"), str(tmp_path / "b")], "is not a run directory"),
+        ([str(diloco_run), str(taken)], "exists; export writes a new directory"),
+        ([str(diloco_run), str(tmp_path / "c"), "--step", "5"], "no checkpoint for step 5"),
+    ]
     for argv, message in cases:
         assert _cli(["export", *argv]) == 2, argv
         err = capsys.readouterr().err

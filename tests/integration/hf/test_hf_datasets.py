@@ -13,13 +13,15 @@ import torch
 pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
-from harness.hf import JSON_PKG  # noqa: E402
-from islands.checkpoint.store.directory import CheckpointStore  # noqa: E402
-from islands.cli import main  # noqa: E402
-from islands.data import tokenizer as tk  # noqa: E402
-from islands.data import token_cache  # noqa: E402
-from islands.data.documents import DocumentSource  # noqa: E402
-from islands.data.token_cache import ArrayWindows, tokenise_once  # noqa: E402
+from harness.hf import JSON_PKG
+from islands.checkpoint.store.directory import CheckpointStore
+from islands.cli import main
+from islands.data import (
+    token_cache,
+    tokenizer as tk,
+)
+from islands.data.documents import DocumentSource
+from islands.data.token_cache import ArrayWindows, tokenise_once
 
 # ~48 KB of text as 130-odd documents: the json package's source cut into blank-line-separated pieces
 DOCS = [d for p in sorted(JSON_PKG.glob("*.py")) for d in p.read_text().split("\n\n") if d.strip()]
@@ -90,9 +92,38 @@ def test_loader_resumes_at_the_exact_next_batch_and_shards_by_rank(corpus):
 
 def _train(*argv: str) -> int:
     try:
-        main(["train", "--task", "hf-causal-lm", "--task.model", "llama", "--d-model", "32", "--n-layers", "1",
-              "--n-heads", "2", "--context", "32", "--task.vocab_size", "320", "--workers", "1", "--global-batch", "2",
-              "--eval-every", "0", "--eval-batches", "1", "--warmup", "0", "--no-probe", "--no-progress", *argv])
+        main(
+            [
+                "train",
+                "--task",
+                "hf-causal-lm",
+                "--task.model",
+                "llama",
+                "--d-model",
+                "32",
+                "--n-layers",
+                "1",
+                "--n-heads",
+                "2",
+                "--context",
+                "32",
+                "--task.vocab_size",
+                "320",
+                "--workers",
+                "1",
+                "--global-batch",
+                "2",
+                "--eval-every",
+                "0",
+                "--eval-batches",
+                "1",
+                "--warmup",
+                "0",
+                "--no-probe",
+                "--no-progress",
+                *argv,
+            ]
+        )
     except SystemExit as e:
         return int(e.code or 0)
     return 0
@@ -101,8 +132,20 @@ def _train(*argv: str) -> int:
 def test_parquet_run_resumes_bitwise_and_bad_columns_exit_2(corpus, capsys):
     data = ["--data", str(corpus / "part*.parquet"), "--task.text_column", "body"]
     assert _train(*data, "--steps", "4", "--ckpt-every", "2", "--run-dir", str(corpus / "a")) == 0
-    assert _train(*data, "--steps", "4", "--ckpt-every", "2", "--resume", str(corpus / "a" / "ckpt" / "step-000002"),
-                  "--run-dir", str(corpus / "b")) == 0
+    assert (
+        _train(
+            *data,
+            "--steps",
+            "4",
+            "--ckpt-every",
+            "2",
+            "--resume",
+            str(corpus / "a" / "ckpt" / "step-000002"),
+            "--run-dir",
+            str(corpus / "b"),
+        )
+        == 0
+    )
     a = CheckpointStore(corpus / "a" / "ckpt", clean=False).load(4).tree
     b = CheckpointStore(corpus / "b" / "ckpt", clean=False).load(4).tree
     assert a["loader"] == b["loader"] and a["loader"]["cursor"] > 0

@@ -12,14 +12,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-import islands  # noqa: E402
-from harness.hf import JSON_PKG, TINY, run_hf_job  # noqa: E402
-from islands.app.validate import validate  # noqa: E402
-from islands.cli import main  # noqa: E402
-from islands.config import ConfigError, from_mapping  # noqa: E402
-from islands.sync.wrap_policy import BlockWrap  # noqa: E402
-from islands.tasks import hf_lm  # noqa: E402
-from islands.tasks.user import TaskError  # noqa: E402
+import islands
+from harness.hf import JSON_PKG, TINY, run_hf_job
+from islands.app.validate import validate
+from islands.cli import main
+from islands.config import ConfigError, from_mapping
+from islands.sync.wrap_policy import BlockWrap
+from islands.tasks import hf_lm
+from islands.tasks.user import TaskError
 
 SHAPE = dict(d_model=32, n_layers=2, n_heads=2, context=32, vocab=320, eos=0)
 
@@ -27,7 +27,12 @@ SHAPE = dict(d_model=32, n_layers=2, n_heads=2, context=32, vocab=320, eos=0)
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_family_configs_are_small_and_take_overrides(family):
     config = hf_lm.family_config(family, **SHAPE, overrides={})
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.vocab_size) == (32, 2, 2, 320)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.vocab_size) == (
+        32,
+        2,
+        2,
+        320,
+    )
     assert hf_lm.max_positions(config) == 32 and config.eos_token_id == 0
     model = hf_lm.build_model(config, seed=0)
     assert sum(p.numel() for p in model.parameters()) < 100_000
@@ -42,7 +47,11 @@ def test_family_configs_are_small_and_take_overrides(family):
 
 def test_overrides_parse_and_typos_are_named():
     assert hf_lm.parse_overrides("n_layer=2,n_embd=64,activation_function=gelu_new,tie_word_embeddings=false") == {
-        "n_layer": 2, "n_embd": 64, "activation_function": "gelu_new", "tie_word_embeddings": False}
+        "n_layer": 2,
+        "n_embd": 64,
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": False,
+    }
     with pytest.raises(TaskError, match="has no key 'n_layers' \\(did you mean n_layer"):
         hf_lm.family_config("gpt2", **SHAPE, overrides={"n_layers": 2})
     with pytest.raises(TaskError, match="every entry needs a key"):
@@ -52,23 +61,43 @@ def test_overrides_parse_and_typos_are_named():
 
 
 def test_public_api_task_trains_with_the_trainer():
-    task = islands.tasks.hf_causal_lm(model="qwen2", tokenizer="byte", data=str(JSON_PKG), context=32, batch_size=2,
-                                      eval_batches=2, d_model=32, n_layers=1, n_heads=2)
+    task = islands.tasks.hf_causal_lm(
+        model="qwen2",
+        tokenizer="byte",
+        data=str(JSON_PKG),
+        context=32,
+        batch_size=2,
+        eval_batches=2,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+    )
     assert isinstance(task, islands.Task) and task.hf_config.vocab_size == 257 and task.classes == 257
     opt = torch.optim.AdamW(task.model.parameters(), lr=3e-3)
-    trainer = islands.Trainer(model=task.model, optimizer=opt, loss_fn=task.loss_fn, train_data=task.train_data,
-                              val_data=task.val_data, batch_size=task.batch_size, world=islands.World.single(),
-                              callbacks=[islands.Evaluate(every=0)])
+    trainer = islands.Trainer(
+        model=task.model,
+        optimizer=opt,
+        loss_fn=task.loss_fn,
+        train_data=task.train_data,
+        val_data=task.val_data,
+        batch_size=task.batch_size,
+        world=islands.World.single(),
+        callbacks=[islands.Evaluate(every=0)],
+    )
     trainer.fit(3)
     assert math.isfinite(trainer.series["val"][-1]["val_loss"])
 
 
 @pytest.mark.slow  # four jobs of 2-4 gloo ranks forked from this process: 1-10 s each on a shared 2-core machine
-@pytest.mark.parametrize("family,strategy", [("gpt2", "ddp"), ("gpt2", "fsdp"), ("llama", "fsdp"), ("llama", "ddp+diloco")])
+@pytest.mark.parametrize(
+    "family,strategy", [("gpt2", "ddp"), ("gpt2", "fsdp"), ("llama", "fsdp"), ("llama", "ddp+diloco")]
+)
 def test_tiny_models_train_on_gloo_ranks(tmp_path, family, strategy):
     """GPT-2 and Llama through ddp, fsdp and DiLoCo (GPT-2 DiLoCo, exported after, is in tests/test_export.py)."""
     # ddp+diloco: two islands of two workers, DDP inside each, DiLoCo across them
-    extra = {"outer": "diloco:inner_steps=2", "islands": 2, "workers": 4} if "diloco" in strategy else {"inner": strategy}
+    extra = (
+        {"outer": "diloco:inner_steps=2", "islands": 2, "workers": 4} if "diloco" in strategy else {"inner": strategy}
+    )
     record = run_hf_job(tmp_path / "run", **{"workers": 2, "task.model": family, **extra})
     s = record["summary"]
     assert s["strategy"] == strategy and s["workers"] == (4 if "diloco" in strategy else 2)
@@ -91,15 +120,20 @@ def test_bad_input_is_exit_2_and_nothing_written(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     big = tmp_path / "big.json"
     from islands.data import tokenizer as tk
+
     tk.save(tk.train_bpe([(JSON_PKG / "decoder.py").read_text()], 600), big)
     cases = [
         (["--task.model", str(empty_dir)], "the directory has no config.json"),
         (["--data", str(tmp_path / "empty.txt")], "holds no text to train on"),
-        (["--task.tokenizer", str(big), "--task.model_overrides", "vocab_size=512"],
-         "has 600 tokens but the model's embedding has 512 rows"),
+        (
+            ["--task.tokenizer", str(big), "--task.model_overrides", "vocab_size=512"],
+            "has 600 tokens but the model's embedding has 512 rows",
+        ),
         (["--task.model_overrides", "n_embd=64,n_layers=3"], "has no key 'n_layers'"),
-        (["--task.model", "gpt2", "--context", "64", "--task.model_overrides", "n_positions=32"],
-         "task.context=64 exceeds the model's 32 positions"),
+        (
+            ["--task.model", "gpt2", "--context", "64", "--task.model_overrides", "n_positions=32"],
+            "task.context=64 exceeds the model's 32 positions",
+        ),
         (["--inner", "pipeline", "--workers", "2"], "ties its input and output embeddings"),
     ]
     for n, (extra, message) in enumerate(cases):

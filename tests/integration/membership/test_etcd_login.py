@@ -10,11 +10,18 @@ import time
 
 import pytest
 
-from islands.runtime.elastic.etcd_store import (ENDED_KEY, PASSWORD_FILE_ENV, USER_ENV, EtcdAddress, EtcdClient, EtcdError,
-                                        EtcdLogin, EtcdStore)
-from islands.testbed import etcd as etcd_cluster
-
 import harness.elastic as elastic_jobs
+from islands.runtime.elastic.etcd_store import (
+    ENDED_KEY,
+    PASSWORD_FILE_ENV,
+    USER_ENV,
+    EtcdAddress,
+    EtcdClient,
+    EtcdError,
+    EtcdLogin,
+    EtcdStore,
+)
+from islands.testbed import etcd as etcd_cluster
 
 TOKEN_TTL_S = 1  # the members' --auth-token-ttl: short, so a test sees a token lapse
 
@@ -104,10 +111,36 @@ def test_an_elastic_job_runs_over_the_locked_store_and_its_keys_are_closed_to_ot
 
 def test_a_bad_login_setting_stops_the_cli_with_one_line(locked, tmp_path):
     env = {**elastic_jobs.env(), USER_ENV: "islands", PASSWORD_FILE_ENV: str(tmp_path / "missing")}
-    done = subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2",
-                           "--islands", "2", "--outer", "diloco:inner_steps=3", "--elastic", "--store", locked.url,
-                           "--steps", "3", "--no-probe", "--no-progress", "--run-dir", str(tmp_path / "run")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "train",
+            "--task",
+            "digits",
+            "--workers",
+            "2",
+            "--islands",
+            "2",
+            "--outer",
+            "diloco:inner_steps=3",
+            "--elastic",
+            "--store",
+            locked.url,
+            "--steps",
+            "3",
+            "--no-probe",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"{PASSWORD_FILE_ENV}=" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "run.json").exists()

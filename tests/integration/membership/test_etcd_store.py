@@ -13,11 +13,21 @@ import torch
 import torch.distributed as dist
 
 import islands.testbed.etcd as etcd_cluster
-from islands.runtime.elastic.etcd_store import (ENDED_KEY, EtcdAddress, EtcdClient, EtcdStore, NotLeader, cmp_absent,
-                                        leader_key, op_put)
 from harness.world import spawn_ranks
+from islands.runtime.elastic.etcd_store import (
+    ENDED_KEY,
+    EtcdAddress,
+    EtcdClient,
+    EtcdStore,
+    NotLeader,
+    cmp_absent,
+    leader_key,
+    op_put,
+)
 
-pytestmark = pytest.mark.skipif(not etcd_cluster.available(), reason="etcd-server is not installed (apt-get install etcd-server)")
+pytestmark = pytest.mark.skipif(
+    not etcd_cluster.available(), reason="etcd-server is not installed (apt-get install etcd-server)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -188,16 +198,28 @@ class _Member:
                         return
                     data += chunk
                 head, _, body = data.partition(b"\r\n\r\n")
-                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
-                                   if line.lower().startswith(b"content-length")), b"0"))
+                length = int(
+                    next(
+                        (
+                            line.split(b":")[1]
+                            for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length")
+                        ),
+                        b"0",
+                    )
+                )
                 while len(body) < length:
                     body += conn.recv(65536)
                 self.requests += 1
                 if self.delay_s is None:
                     time.sleep(3600)
                 time.sleep(self.delay_s)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                             + str(len(self.answer)).encode() + b"\r\n\r\n" + self.answer)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                    + str(len(self.answer)).encode()
+                    + b"\r\n\r\n"
+                    + self.answer
+                )
 
 
 def test_a_member_that_holds_a_request_costs_the_first_try_not_the_whole_request_timeout():

@@ -9,11 +9,19 @@ import shutil
 
 import pytest
 
-from islands.runtime.elastic.etcd_store import (CA_ENV, CERT_ENV, ENDED_KEY, KEY_ENV, EtcdAddress, EtcdClient, EtcdError,
-                                        EtcdStore, EtcdTLS)
-from islands.testbed import etcd as etcd_cluster
-
 import harness.elastic as elastic_jobs
+from islands.runtime.elastic.etcd_store import (
+    CA_ENV,
+    CERT_ENV,
+    ENDED_KEY,
+    KEY_ENV,
+    EtcdAddress,
+    EtcdClient,
+    EtcdError,
+    EtcdStore,
+    EtcdTLS,
+)
+from islands.testbed import etcd as etcd_cluster
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +92,8 @@ def test_an_elastic_job_runs_over_the_tls_store_and_its_keys_are_closed_to_other
     keys = [base64.b64decode(kv["key"]) for kv in client.range(b"islands-", prefix=True).get("kvs", [])]
     # it used the TLS store, and at its end left only its end mark there (EtcdStore.end)
     assert len(keys) == 1 and keys[0].endswith(ENDED_KEY.encode()), keys
-    bare = EtcdClient(EtcdAddress.parse(secure.url).endpoints, timeout_s=10,
-                      tls=EtcdTLS(ca=os.environ[CA_ENV]))  # verifies the members, has no certificate of its own
+    bare = EtcdClient(
+        EtcdAddress.parse(secure.url).endpoints, timeout_s=10, tls=EtcdTLS(ca=os.environ[CA_ENV])
+    )  # verifies the members, has no certificate of its own
     with pytest.raises(EtcdError, match="refused this client's certificate"):
         bare.range(b"islands-", prefix=True)

@@ -22,10 +22,26 @@ from islands.runtime.elastic.membership import REFUSED_EXIT_CODE
 
 
 def _cfg(tmp_path: Path, workers: int, steps: int, every: int, task: str = "digits"):
-    return validate(from_mapping(dict(task=task, workers=workers, islands=workers, outer=f"local-sgd:every={every}",
-                                      elastic=True, steps=steps, global_batch=8 * workers, eval_every=0, warmup=2,
-                                      probe=False, progress=False, timeout=30.0, heartbeat_timeout=5.0,
-                                      run_dir=str(tmp_path / "run"))))
+    return validate(
+        from_mapping(
+            dict(
+                task=task,
+                workers=workers,
+                islands=workers,
+                outer=f"local-sgd:every={every}",
+                elastic=True,
+                steps=steps,
+                global_batch=8 * workers,
+                eval_every=0,
+                warmup=2,
+                probe=False,
+                progress=False,
+                timeout=30.0,
+                heartbeat_timeout=5.0,
+                run_dir=str(tmp_path / "run"),
+            )
+        )
+    )
 
 
 def _wait(store, key: str, timeout: float = 120.0) -> None:
@@ -48,6 +64,7 @@ def _run(cfg, tmp_path: Path, during) -> tuple[int, str]:
                 during(address, workers)
             except BaseException as e:  # surfaced after the job ends
                 errors.append(e)
+
         threads.append(threading.Thread(target=body, daemon=True))
         threads[0].start()
 
@@ -86,9 +103,13 @@ def test_sigkill_one_of_four_survivors_finish_and_agree_bitwise(tmp_path):
 
 
 def _join(address: str, token_args: list[str], name: str, run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "islands", "join", address, *token_args, "--name", name,
-                           "--run-dir", str(run_dir)], env=elastic_jobs.env(), capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "islands", "join", address, *token_args, "--name", name, "--run-dir", str(run_dir)],
+        env=elastic_jobs.env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.mark.slow  # a job plus two `islands join` processes
@@ -104,11 +125,17 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
 
     def joins(address, workers):
         try:
-            bad = threading.Thread(target=lambda: seen.update(
-                bad=_join(address, ["--token", "not-the-token"], "intruder", tmp_path / "bad")))
+            bad = threading.Thread(
+                target=lambda: seen.update(
+                    bad=_join(address, ["--token", "not-the-token"], "intruder", tmp_path / "bad")
+                )
+            )
             bad.start()  # both start at once: the refusal need not delay the good joiner
-            good = threading.Thread(target=lambda: seen.update(
-                good=_join(address, ["--token-file", str(tmp_path / "run" / "token")], "j1", tmp_path / "j1")))
+            good = threading.Thread(
+                target=lambda: seen.update(
+                    good=_join(address, ["--token-file", str(tmp_path / "run" / "token")], "j1", tmp_path / "j1")
+                )
+            )
             good.start()
             _wait(elastic_jobs.store(address), "ready/j1", timeout=240)
         finally:
@@ -149,12 +176,15 @@ def test_wrong_token_refused_and_joiner_gets_global_model_and_contributes(tmp_pa
     assert store.load(48, rank=2).tree["world"]["size"] == 3
 
 
-@pytest.mark.parametrize("bad,needle", [
-    (dict(outer=""), "needs an outer strategy"),
-    (dict(islands=1, outer="local-sgd:every=2", inner="single"), "one worker per island"),
-    (dict(outer="diloco:overlap=delayed"), "overlap=delayed"),  # overlap-local-sgd runs elastically (#20 item 4)
-    (dict(heartbeat_timeout=0.0), "heartbeat_timeout"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (dict(outer=""), "needs an outer strategy"),
+        (dict(islands=1, outer="local-sgd:every=2", inner="single"), "one worker per island"),
+        (dict(outer="diloco:overlap=delayed"), "overlap=delayed"),  # overlap-local-sgd runs elastically (#20 item 4)
+        (dict(heartbeat_timeout=0.0), "heartbeat_timeout"),
+    ],
+)
 def test_elastic_config_rejects_unsupported_combinations(bad, needle):
     from islands.config import ConfigError
 

@@ -43,12 +43,43 @@ def _train(tmp_path: Path, steps: int, workers: int, islands: int | None = None)
     run = tmp_path / "run"
     err = tmp_path / "launcher.err"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", str(workers),
-         "--islands", str(islands or workers), *(["--inner", "ddp"] if islands else []),
-         "--outer", "local-sgd:every=3", "--elastic", "--steps", str(steps), "--global-batch", "24",
-         "--eval-every", "0", "--warmup", "2", "--no-probe", "--no-progress", "--timeout", "30",
-         "--heartbeat-timeout", str(HEARTBEAT), "--run-dir", str(run)],
-        cwd=tmp_path, env=elastic_jobs.env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "train",
+            "--task",
+            "digits",
+            "--workers",
+            str(workers),
+            "--islands",
+            str(islands or workers),
+            *(["--inner", "ddp"] if islands else []),
+            "--outer",
+            "local-sgd:every=3",
+            "--elastic",
+            "--steps",
+            str(steps),
+            "--global-batch",
+            "24",
+            "--eval-every",
+            "0",
+            "--warmup",
+            "2",
+            "--no-probe",
+            "--no-progress",
+            "--timeout",
+            "30",
+            "--heartbeat-timeout",
+            str(HEARTBEAT),
+            "--run-dir",
+            str(run),
+        ],
+        cwd=tmp_path,
+        env=elastic_jobs.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=open(err, "w"),
+    )
     return proc, run, err
 
 
@@ -69,8 +100,12 @@ def _kill_launcher_mid_run(tmp_path: Path, steps: int, kill_a_worker: bool) -> t
             victim = elastic_jobs.worker_pid(run, "w2")
             os.kill(victim, signal.SIGKILL)
         del store
-        ended = _wait(lambda: (r := _record(run / "job_host.json")) and "ended" in r and r, "the job host's end",
-                      timeout=150, log=run / "logs" / "w0.log")
+        ended = _wait(
+            lambda: (r := _record(run / "job_host.json")) and "ended" in r and r,
+            "the job host's end",
+            timeout=150,
+            log=run / "logs" / "w0.log",
+        )
         _wait(lambda: not _job_processes(str(run)), "every process of the job to exit", timeout=30)
         return run, ended, killed_at
     finally:
@@ -132,11 +167,18 @@ def test_after_the_launcher_died_a_frozen_follower_takes_its_island_out_within_t
         os.kill(frozen, signal.SIGSTOP)
         stopped = time.time()
         del store
-        ended = _wait(lambda: (r := _record(run / "job_host.json")) and "ended" in r and r, "the job host's end",
-                      timeout=150, log=run / "logs" / "i0w0.log")
+        ended = _wait(
+            lambda: (r := _record(run / "job_host.json")) and "ended" in r and r,
+            "the job host's end",
+            timeout=150,
+            log=run / "logs" / "i0w0.log",
+        )
         # everything of the job but the stopped process exits by itself (the leader within its grace)
-        _wait(lambda: [p for p in _job_processes(str(run)) if p != frozen] == [], "the job's other processes to exit",
-              timeout=30)
+        _wait(
+            lambda: [p for p in _job_processes(str(run)) if p != frozen] == [],
+            "the job's other processes to exit",
+            timeout=30,
+        )
     finally:
         if frozen is not None:
             os.kill(frozen, signal.SIGCONT)
@@ -161,7 +203,7 @@ def test_after_the_launcher_died_a_frozen_follower_takes_its_island_out_within_t
 # OUT/gate-NAME there and wait for OUT/go; each member records its commits' end times (stall measurement); a
 # joiner (a name starting with "j", started early so that its start-up overlaps the job's) asks to join only
 # once OUT/admit exists.
-SCRIPT = r'''
+SCRIPT = r"""
 import argparse, json, os, time
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -207,7 +249,7 @@ m = world.membership
     "events": m.state_dict()["events"],
     "commits": [[s["start"] + s["seconds"], s["size"]] for s in m.syncs if s["kind"] == "outer_delta"]}))
 islands.close_world(world)
-'''
+"""
 
 
 @pytest.fixture
@@ -269,8 +311,9 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
         host = json.loads((run / "job_host.json").read_text())
         os.kill(host["pid"], signal.SIGKILL)  # the store's client and the coordinator's lease holder, mid-run
         killed = time.time()
-        took_over = _wait(lambda: (h := client.get(key)) not in (None, b"job-host") and h, "a standby to lead",
-                          timeout=30, log=err)
+        took_over = _wait(
+            lambda: (h := client.get(key)) not in (None, b"job-host") and h, "a standby to lead", timeout=30, log=err
+        )
         takeover_s = time.time() - killed
         assert took_over.decode() in ("w0", "w1")
         (out / "admit").write_text("")
@@ -305,8 +348,10 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
     assert after, "no round committed between the kill and the gate"
     base = usual[len(usual) // 2] if usual else min(after)
     stall = max(after) - base
-    print(f"coordinator takeover {takeover_s:.2f} s after SIGKILL; survivors' stall {stall:.2f} s "
-          f"(usual round {base:.2f} s)")
+    print(
+        f"coordinator takeover {takeover_s:.2f} s after SIGKILL; survivors' stall {stall:.2f} s "
+        f"(usual round {base:.2f} s)"
+    )
     # training never waits on the coordinator (it admits joiners, nothing else); the bound is loose for a loaded
     # machine (measured 0.93 s over a 0.83 s round at load average 18), the issue's goal is 2 s
     assert stall < 5.0

@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from islands.runtime.launch.elastic import IslandWorker, _Islands, _Reaper
-from islands.runtime.elastic.island_comm import FollowerWatch
 from harness.dict_store import DictStore
+from islands.runtime.elastic.island_comm import FollowerWatch
+from islands.runtime.launch.elastic import IslandWorker, _Islands, _Reaper
 
 TIMEOUT = 0.4  # seconds: the heartbeat timeout of these looks
 
@@ -53,8 +53,9 @@ def test_a_silent_follower_has_its_leader_reported_dead_in_the_same_look(tmp_pat
     store, islands, workers = _run(tmp_path, size=2, max_restarts=3)
     out = io.StringIO()
     try:
-        _look_until_silent(_Reaper(store, TIMEOUT, out, islands), store, workers,
-                           beating={"i0w0", "i1w0", "i0w1"})  # i1w1 is frozen
+        _look_until_silent(
+            _Reaper(store, TIMEOUT, out, islands), store, workers, beating={"i0w0", "i1w0", "i0w1"}
+        )  # i1w1 is frozen
         frozen, leader = workers[3], workers[2]
         assert frozen.proc.wait(5) == -signal.SIGKILL, out.getvalue()
         # the members wait for island 1's leader, which still runs: it is reported gone now, with the reason
@@ -125,8 +126,10 @@ def test_a_silent_worker_that_can_answer_leaves_its_stacks_and_state_in_its_log_
     """A false death must leave its cause behind: the reaper reads the silent process's state and, as it catches
     islands.runtime.stacks.DUMP_SIGNAL, asks it for its threads' stacks; the SIGKILL follows."""
     log = tmp_path / "w1.log"
-    code = ("import sys, time; sys.path[:0] = %r; from islands.runtime import stacks; stacks.enable(); "
-            "print('ready', flush=True)\ndef stuck_in_start_up():\n    time.sleep(60)\nstuck_in_start_up()" % sys.path)
+    code = (
+        "import sys, time; sys.path[:0] = %r; from islands.runtime import stacks; stacks.enable(); "
+        "print('ready', flush=True)\ndef stuck_in_start_up():\n    time.sleep(60)\nstuck_in_start_up()" % sys.path
+    )
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=f)
         assert proc.stdout.readline() == b"ready\n"
@@ -168,8 +171,8 @@ class FlakyStore(DictStore):
 def test_a_heartbeat_beats_on_after_its_store_raised():
     """One transient store error must not end the heartbeat thread: the worker would be killed as silent while
     it trains on. The thread says so once on stderr, reconnects and beats on."""
-    from islands.runtime.elastic.membership import Heartbeat
     from islands.runtime.elastic.auth import ControlAuth
+    from islands.runtime.elastic.membership import Heartbeat
 
     first, second = FlakyStore(fail=0), DictStore()
     clients = iter([first, second])

@@ -5,10 +5,10 @@ import os
 
 import torch
 
-from islands.memory import ForwardBackward
-from islands.models import ByteTransformer, count_parameters, sequence_loss
 from harness.lm_reference import lm_batches, train_reference
 from harness.world import spawn_ranks
+from islands.memory import ForwardBackward
+from islands.models import ByteTransformer, count_parameters, sequence_loss
 
 STEPS, WORKERS, BATCH, CONTEXT = 3, 2, 4, 16
 
@@ -51,7 +51,7 @@ def _worker(rank, env, queue):
         step = ForwardBackward(micro_batch=micro)
         before = world.ledger.snapshot()["sent"].get("grad_all_reduce", 0)
         for b in global_batches():
-            mine = b[rank * BATCH:(rank + 1) * BATCH]
+            mine = b[rank * BATCH : (rank + 1) * BATCH]
             step(ddp, (mine[:, :-1], mine[:, 1:]), sequence_loss)
             opt.step()
             opt.zero_grad()

@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.browser import needs_browser, render, screenshot
 
+from harness.browser import needs_browser, render, screenshot
 from islands.cli import main
-from islands.dashboard import DashboardError, DashboardServer, RunReader, build_state
-from islands.dashboard import server as server_mod
+from islands.dashboard import DashboardError, DashboardServer, RunReader, build_state, server as server_mod
 from islands.observe import JsonLines
 
 STEPS, EVERY = 40, 10
@@ -35,24 +34,57 @@ def sent_mb(rank: int, step: int) -> float:
 def write_stream(run_dir: Path, rank: int, islands: int = 2, upto: int = STEPS) -> JsonLines:
     """A rank's live stream as islands' Logging callback writes it (islands.observe.callback)."""
     lg = JsonLines(run_dir / "live" / f"rank{rank}.jsonl")
-    lg.log_params({"strategy": "diloco", "task": "lm", "world.size": 2, "world.islands": islands,
-                   "world.rank": rank, "world.island": rank % islands, "interconnect": "gloo loopback: p2p 9.5 Gbit/s",
-                   "interconnect.p2p.bandwidth_gbit_s": 9.5, "baseline": "per worker: one process",
-                   "config.train.steps": STEPS, "config.checkpoint.every": 20})
+    lg.log_params(
+        {
+            "strategy": "diloco",
+            "task": "lm",
+            "world.size": 2,
+            "world.islands": islands,
+            "world.rank": rank,
+            "world.island": rank % islands,
+            "interconnect": "gloo loopback: p2p 9.5 Gbit/s",
+            "interconnect.p2p.bandwidth_gbit_s": 9.5,
+            "baseline": "per worker: one process",
+            "config.train.steps": STEPS,
+            "config.checkpoint.every": 20,
+        }
+    )
     for step in range(0, upto + 1, EVERY):
         if step:
-            lg.log_metrics({"train/loss": val_loss(step) + 0.1 + rank / 100, "train/lr": 1e-3,
-                            "comm/sent_mb": sent_mb(rank, step), "time/elapsed_s": step * 0.1,
-                            "time/blocked_s": step * 0.01 * (rank + 1), "time/utilisation": 1 - 0.1 * (rank + 1),
-                            "link/achieved_gbit_s": 0.5 + rank, "train/tokens_per_s": 1000.0 + step}, step)
-        lg.log_metrics({"val/loss": val_loss(step), "val/accuracy": 0.01 * step, "val/sent_mb": sent_mb(rank, step)},
-                       step)
+            lg.log_metrics(
+                {
+                    "train/loss": val_loss(step) + 0.1 + rank / 100,
+                    "train/lr": 1e-3,
+                    "comm/sent_mb": sent_mb(rank, step),
+                    "time/elapsed_s": step * 0.1,
+                    "time/blocked_s": step * 0.01 * (rank + 1),
+                    "time/utilisation": 1 - 0.1 * (rank + 1),
+                    "link/achieved_gbit_s": 0.5 + rank,
+                    "train/tokens_per_s": 1000.0 + step,
+                },
+                step,
+            )
+        lg.log_metrics(
+            {"val/loss": val_loss(step), "val/accuracy": 0.01 * step, "val/sent_mb": sent_mb(rank, step)}, step
+        )
         if step and step % 20 == 0:
             lg.log_metrics({"ckpt/saves/local": step // 20, "ckpt/stall_s": 0.05 * step / 20}, step)
-            lg.log_event({"type": "checkpoint", "last_saved_step": step, "stall_s": 0.05 * step / 20,
-                          "saves.local": step // 20}, step)
-    lg.log_event({"type": "membership", "change.type": "failure", "change.epoch": 1, "change.gone": '["w9"]',
-                  "change.size": 2, "change.detected": time.time(), "change.stall_seconds": 0.4}, upto)
+            lg.log_event(
+                {"type": "checkpoint", "last_saved_step": step, "stall_s": 0.05 * step / 20, "saves.local": step // 20},
+                step,
+            )
+    lg.log_event(
+        {
+            "type": "membership",
+            "change.type": "failure",
+            "change.epoch": 1,
+            "change.gone": '["w9"]',
+            "change.size": 2,
+            "change.detected": time.time(),
+            "change.stall_seconds": 0.4,
+        },
+        upto,
+    )
     return lg
 
 
@@ -65,15 +97,32 @@ def write_record(run_dir: Path) -> dict:
         "interconnect_line": "gloo loopback: p2p 9.5 Gbit/s",
         "baseline": {"definition": "per worker: one process", "unit": "worker"},
         "comm": {"per_rank": [{"total_sent": sent_mb(r, STEPS) * 1e6, "busy_seconds": 2.0} for r in (0, 1)]},
-        "series": {"train": [{"step": s, "loss": val_loss(s) + 0.1} for s in steps if s],
-                   "val": [{"step": s, "val_loss": val_loss(s), "val_accuracy": 0.01 * s, "mb_sent": sent_mb(0, s)}
-                           for s in steps]},
-        "summary": {"task": "lm", "strategy": "diloco", "workers": 2, "islands": 2, "steps": STEPS,
-                    "wall_seconds": 4.0, "final_val_loss": val_loss(STEPS), "final_val_accuracy": 0.4,
-                    "final_train_loss": val_loss(STEPS) + 0.1, "mb_sent_per_worker": 20.2, "tokens_per_second": 1040.0,
-                    "sync_blocked_seconds": 0.4},
-        "checkpoint": {"saves": {"local": 2}, "last_saved_step": 40, "stall_seconds_total": 0.1,
-                       "levels": {"local": 20, "memory": 0, "remote": 0}},
+        "series": {
+            "train": [{"step": s, "loss": val_loss(s) + 0.1} for s in steps if s],
+            "val": [
+                {"step": s, "val_loss": val_loss(s), "val_accuracy": 0.01 * s, "mb_sent": sent_mb(0, s)} for s in steps
+            ],
+        },
+        "summary": {
+            "task": "lm",
+            "strategy": "diloco",
+            "workers": 2,
+            "islands": 2,
+            "steps": STEPS,
+            "wall_seconds": 4.0,
+            "final_val_loss": val_loss(STEPS),
+            "final_val_accuracy": 0.4,
+            "final_train_loss": val_loss(STEPS) + 0.1,
+            "mb_sent_per_worker": 20.2,
+            "tokens_per_second": 1040.0,
+            "sync_blocked_seconds": 0.4,
+        },
+        "checkpoint": {
+            "saves": {"local": 2},
+            "last_saved_step": 40,
+            "stall_seconds_total": 0.1,
+            "levels": {"local": 20, "memory": 0, "remote": 0},
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - 5)),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -128,8 +177,15 @@ def test_a_finished_run_shows_run_json_numbers_and_the_live_series(finished_run)
     assert s["val"]["source"] == "run.json"
     assert s["val"]["loss"] == [v["val_loss"] for v in record["series"]["val"]]
     assert s["val"]["sent_mb"] == [v["mb_sent"] for v in record["series"]["val"]]
-    assert s["job"] == {"task": "lm", "strategy": "diloco", "workers": 2, "islands": 2, "steps_total": STEPS,
-                        "interconnect": "gloo loopback: p2p 9.5 Gbit/s", "baseline": "per worker: one process"}
+    assert s["job"] == {
+        "task": "lm",
+        "strategy": "diloco",
+        "workers": 2,
+        "islands": 2,
+        "steps_total": STEPS,
+        "interconnect": "gloo loopback: p2p 9.5 Gbit/s",
+        "baseline": "per worker: one process",
+    }
     assert [r["name"] for r in s["ranks"]] == ["rank0", "rank1"]
     r1 = s["ranks"][1]
     assert r1["island"] == 1 and r1["utilisation"]["value"] == [0.8] * 4 and r1["link_gbit_s"]["value"] == [1.5] * 4
@@ -155,8 +211,12 @@ def test_a_running_run_shows_the_latest_live_numbers(tmp_path):
     assert n["from"] == "live" and n["val_loss"] == val_loss(20) and n["val_step"] == 20
     assert n["mb_sent_per_worker"] == pytest.approx((sent_mb(0, 20) + sent_mb(1, 20)) / 2)
     assert n["train_loss"] == val_loss(20) + 0.1 and n["tokens_per_s"] == 1020.0
-    assert s["val"] == {"step": [0, 10, 20], "loss": [val_loss(0), val_loss(10), val_loss(20)],
-                        "sent_mb": [sent_mb(0, 0), sent_mb(0, 10), sent_mb(0, 20)], "source": "rank0"}
+    assert s["val"] == {
+        "step": [0, 10, 20],
+        "loss": [val_loss(0), val_loss(10), val_loss(20)],
+        "sent_mb": [sent_mb(0, 0), sent_mb(0, 10), sent_mb(0, 20)],
+        "source": "rank0",
+    }
     ck = s["checkpoint"]
     assert ck["source"] == "rank0" and ck["saves"] == {"local": 1} and ck["last_saved_step"] == 20
     assert ck["configured"] and ck["levels"] == {"local": 20}
@@ -183,11 +243,30 @@ def test_elastic_membership_records_give_rows_and_events(tmp_path):
     (run_dir / "elastic").mkdir(parents=True)
     t = 1_700_000_000.0
     for name, slot, (a, b) in (("w0", 0, (t, t + 30)), ("w1", 1, (t + 1, t + 12))):
-        (run_dir / "elastic" / f"{name}.json").write_text(json.dumps({
-            "name": name, "slot": slot, "syncs": [{"start": a, "seconds": 0.5}, {"start": b, "seconds": 0.5}],
-            "final": {"epoch": 1, "events": [{"type": "failure", "epoch": 1, "gone": ["w2"], "size": 2,
-                                              "detected": t + 10, "formed": t + 11, "resumed": t + 11.5,
-                                              "stall_seconds": 1.5}]}}))
+        (run_dir / "elastic" / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "slot": slot,
+                    "syncs": [{"start": a, "seconds": 0.5}, {"start": b, "seconds": 0.5}],
+                    "final": {
+                        "epoch": 1,
+                        "events": [
+                            {
+                                "type": "failure",
+                                "epoch": 1,
+                                "gone": ["w2"],
+                                "size": 2,
+                                "detected": t + 10,
+                                "formed": t + 11,
+                                "resumed": t + 11.5,
+                                "stall_seconds": 1.5,
+                            }
+                        ],
+                    },
+                }
+            )
+        )
     s = build_state(run_dir)
     m = s["membership"]
     assert [(r["name"], r["start"], r["end"]) for r in m["rows"]] == [("w0", 0.0, 30.5), ("w1", 1.0, 12.5)]
@@ -228,8 +307,16 @@ def test_the_server_answers_the_page_its_assets_and_the_state_and_nothing_else(f
     assert json.loads(body)["numbers"]["val_loss"] == record["summary"]["final_val_loss"]
     status, headers, body = get(srv, "/", method="HEAD")
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
-    for path in ("/../run.json", "/run.json", "/live/rank0.jsonl", "/api/state/../../run.json", "//etc/passwd",
-                 "/%2e%2e/run.json", "/config.json", "/api"):
+    for path in (
+        "/../run.json",
+        "/run.json",
+        "/live/rank0.jsonl",
+        "/api/state/../../run.json",
+        "//etc/passwd",
+        "/%2e%2e/run.json",
+        "/config.json",
+        "/api",
+    ):
         assert get(srv, path)[0] == 404, path
     for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
         status, headers, _ = get(srv, "/api/state", method=method, body=b"{}")
@@ -277,8 +364,9 @@ def test_a_busy_port_is_one_clear_line_and_exit_2(busy_port, finished_run, capsy
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     # islands train --dashboard: refused before any worker starts
     with pytest.raises(SystemExit) as e:
-        main(["train", "--workers", "2", "--steps", "2", "--run-dir", str(run_dir / "t"),
-              "--dashboard", str(busy_port)])
+        main(
+            ["train", "--workers", "2", "--steps", "2", "--run-dir", str(run_dir / "t"), "--dashboard", str(busy_port)]
+        )
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"port {busy_port}" in err and "--dashboard 0" in err and "Traceback" not in err
@@ -344,9 +432,36 @@ def test_the_page_renders_in_a_browser_with_run_json_numbers(finished_run, serve
 @needs_browser
 def test_train_with_a_dashboard_end_to_end(tmp_path, serve):
     run_dir = tmp_path / "job"
-    cmd = [sys.executable, "-m", "islands", "train", "--workers", "2", "--steps", "6", "--d-model", "16",
-           "--n-layers", "1", "--n-heads", "2", "--context", "16", "--global-batch", "4", "--eval-batches", "1",
-           "--eval-every", "3", "--no-progress", "--no-probe", "--run-dir", str(run_dir), "--dashboard", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "islands",
+        "train",
+        "--workers",
+        "2",
+        "--steps",
+        "6",
+        "--d-model",
+        "16",
+        "--n-layers",
+        "1",
+        "--n-heads",
+        "2",
+        "--context",
+        "16",
+        "--global-batch",
+        "4",
+        "--eval-batches",
+        "1",
+        "--eval-every",
+        "3",
+        "--no-progress",
+        "--no-probe",
+        "--run-dir",
+        str(run_dir),
+        "--dashboard",
+        "0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -372,8 +487,11 @@ def test_train_with_a_dashboard_end_to_end(tmp_path, serve):
     # the real run's page in a real browser: its numbers are run.json's
     srv = serve(run_dir)
     dom = render(srv.url)
-    for element_id, value in (("val-loss", f"{record['summary']['final_val_loss']:.4f}"),
-                              ("mb-sent", f"{record['summary']['mb_sent_per_worker']:.3f}"), ("status", "finished")):
+    for element_id, value in (
+        ("val-loss", f"{record['summary']['final_val_loss']:.4f}"),
+        ("mb-sent", f"{record['summary']['mb_sent_per_worker']:.3f}"),
+        ("status", "finished"),
+    ):
         m = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', dom)
         assert m and m.group(1) == value, (element_id, m and m.group(1), value)
     assert dom.count('class="main-svg"') >= 5
@@ -382,6 +500,7 @@ def test_train_with_a_dashboard_end_to_end(tmp_path, serve):
 
 def test_the_dashboard_and_read_lines_agree_on_a_damaged_stream(tmp_path):
     from islands.observe import read_lines
+
     path = tmp_path / "run" / "live" / "rank0.jsonl"
     path.parent.mkdir(parents=True)
     good = [{"t": 1.0 + i, "kind": "metrics", "step": i, "metrics": {"val/loss": 5.0 - i}} for i in range(3)]

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import islands
+from harness.cli import islands_cli
 from islands.app.validate import validate
 from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.policy.settings import CheckpointSettings
@@ -22,8 +23,6 @@ from islands.cli import main
 from islands.config import ConfigError, from_mapping
 from islands.observe import JsonLines, Logging, MLflow, TensorBoard, Wandb, read_lines
 from islands.observe.mlflow import mlflow_key
-
-from harness.cli import islands_cli
 
 STEPS, LOG_EVERY, EVAL_EVERY, CKPT_EVERY = 12, 2, 4, 5
 KINDS = ("grad_all_reduce", "outer:delta")  # the second has a character MLflow refuses in a name
@@ -43,6 +42,7 @@ class Traffic:
 
 def tb_reader(path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     ea = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     ea.Reload()
     return ea
@@ -60,6 +60,7 @@ def wandb_records(path: Path):
     (":W&B", magic, version), then 32 KiB blocks of chunks, each with a 7-byte header (checksum, length, type:
     1 whole, 2 first, 3 middle, 4 last); a block's tail shorter than a header is padding."""
     from wandb.proto import wandb_internal_pb2 as pb
+
     data, block, head = path.read_bytes(), 32768, 7
     assert data[:4] == b":W&B", data[:7]
     pos, pending = head, b""
@@ -68,8 +69,8 @@ def wandb_records(path: Path):
         if left < head:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + head])
-        chunk, pos = data[pos + head:pos + head + length], pos + head + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + head])
+        chunk, pos = data[pos + head : pos + head + length], pos + head + length
         if kind == 0:  # zero fill to the block's end
             pos += left - head
             continue
@@ -112,17 +113,32 @@ def logged(tmp_path_factory):
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(STEPS)]
     world = islands.World.single()
-    loggers = [JsonLines(root / "live" / "rank0.jsonl"), TensorBoard(root / "tb" / "rank0"),
-               MLflow(root / "mlruns", experiment="job-a", run_name="rank0", tags={"islands.stream": "rank0"}),
-               Wandb(root, project="islands-test", group="job-a", name="rank0")]
+    loggers = [
+        JsonLines(root / "live" / "rank0.jsonl"),
+        TensorBoard(root / "tb" / "rank0"),
+        MLflow(root / "mlruns", experiment="job-a", run_name="rank0", tags={"islands.stream": "rank0"}),
+        Wandb(root, project="islands-test", group="job-a", name="rank0"),
+    ]
     driver = CheckpointDriver(CheckpointSettings(every=CKPT_EVERY, asynchronous=False), world, root)
-    trainer = islands.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.cross_entropy, data,
-                              val_data=data[:2], world=world, log_every=LOG_EVERY,
-                              callbacks=[islands.Evaluate(every=EVAL_EVERY), Traffic(), islands.Checkpointing(driver),
-                                         islands.RunRecord(root, config={"train": {"lr": 1e-2, "steps": STEPS}}),
-                                         Logging(loggers, params={"stream": "rank0"})])
+    trainer = islands.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        F.cross_entropy,
+        data,
+        val_data=data[:2],
+        world=world,
+        log_every=LOG_EVERY,
+        callbacks=[
+            islands.Evaluate(every=EVAL_EVERY),
+            Traffic(),
+            islands.Checkpointing(driver),
+            islands.RunRecord(root, config={"train": {"lr": 1e-2, "steps": STEPS}}),
+            Logging(loggers, params={"stream": "rank0"}),
+        ],
+    )
     trainer.fit(STEPS)
     import wandb
+
     wandb.teardown()  # the service process this test started
     return root, json.loads((root / "run.json").read_text()), loggers[2]
 
@@ -148,6 +164,7 @@ def test_tensorboard_reads_back_the_run_record(logged):
 
 def test_mlflow_reads_back_the_run_record(logged):
     from mlflow.tracking import MlflowClient
+
     root, rec, logger = logged
     client = MlflowClient(tracking_uri=(root / "mlruns").resolve().as_uri())  # a fresh client: only the files
     experiment = client.get_experiment_by_name("job-a")
@@ -189,12 +206,18 @@ def test_a_checkpoint_save_is_a_metric_and_an_event(logged):
     assert saves == 3  # steps 5, 10 and the final 12
     lines = read_lines(root / "live" / "rank0.jsonl")
     assert [ln["kind"] for ln in lines][0] == "params"
-    counts = [(ln["step"], ln["metrics"]["ckpt/saves/local"]) for ln in lines
-              if ln["kind"] == "metrics" and "ckpt/saves/local" in ln["metrics"]]
+    counts = [
+        (ln["step"], ln["metrics"]["ckpt/saves/local"])
+        for ln in lines
+        if ln["kind"] == "metrics" and "ckpt/saves/local" in ln["metrics"]
+    ]
     assert counts == [(5, 1), (10, 2), (12, 3)]
     events = [ln for ln in lines if ln["kind"] == "event"]
-    assert [(e["step"], e["event"]["type"], e["event"]["last_saved_step"]) for e in events] == \
-        [(5, "checkpoint", 5), (10, "checkpoint", 10), (12, "checkpoint", 12)]
+    assert [(e["step"], e["event"]["type"], e["event"]["last_saved_step"]) for e in events] == [
+        (5, "checkpoint", 5),
+        (10, "checkpoint", 10),
+        (12, "checkpoint", 12),
+    ]
     ea = tb_reader(root / "tb" / "rank0")
     assert [(s.step, s.value) for s in ea.Scalars("ckpt/saves/local")] == [(5, 1), (10, 2), (12, 3)]
     assert [t.step for t in ea.Tensors("events/checkpoint/text_summary")] == [5, 10, 12]
@@ -204,16 +227,40 @@ def test_a_checkpoint_save_is_a_metric_and_an_event(logged):
     assert series_of(rows, "event/checkpoint") == [(5, 1), (10, 1), (12, 1)]
 
 
-TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",
-        "--eval-batches", "2", "--threads", "1", "--eval-every", "3", "--warmup", "2", "--log-every", "2",
-        "--no-progress", "--no-probe", "--timeout", "60"]
+TINY = [
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--context",
+    "32",
+    "--global-batch",
+    "4",
+    "--eval-batches",
+    "2",
+    "--threads",
+    "1",
+    "--eval-every",
+    "3",
+    "--warmup",
+    "2",
+    "--log-every",
+    "2",
+    "--no-progress",
+    "--no-probe",
+    "--timeout",
+    "60",
+]
 
 
 @pytest.mark.slow  # two gloo workers through the launcher, which runs in this process
 def test_two_ranks_each_log_their_own_stream(tmp_path):
     run_dir = tmp_path / "two"
-    code = islands_cli("train", *TINY, "--workers", "2", "--steps", "6", "--run-dir", str(run_dir), "--log",
-                       "tensorboard", timeout=240)
+    code = islands_cli(
+        "train", *TINY, "--workers", "2", "--steps", "6", "--run-dir", str(run_dir), "--log", "tensorboard", timeout=240
+    )
     assert code == 0, "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     rec = json.loads((run_dir / "run.json").read_text())
     assert sorted(p.name for p in (run_dir / "tb").iterdir()) == ["rank0", "rank1"]
@@ -224,8 +271,9 @@ def test_two_ranks_each_log_their_own_stream(tmp_path):
         lines = read_lines(run_dir / "live" / f"rank{rank}.jsonl")
         assert lines[0]["params"]["world.rank"] == rank and lines[0]["params"]["stream"] == f"rank{rank}"
         last = [ln["metrics"] for ln in lines if ln["kind"] == "metrics" and "comm/sent_mb" in ln["metrics"]][-1]
-        assert {k.removeprefix("comm/sent_bytes/"): v for k, v in last.items()
-                if k.startswith("comm/sent_bytes/")} == sent  # exact: JSON keeps the integer counts
+        assert {
+            k.removeprefix("comm/sent_bytes/"): v for k, v in last.items() if k.startswith("comm/sent_bytes/")
+        } == sent  # exact: JSON keeps the integer counts
         ea = tb_reader(run_dir / "tb" / f"rank{rank}")
         for kind, total in sent.items():
             assert ea.Scalars(f"comm/sent_bytes/{kind}")[-1].value == pytest.approx(total, rel=1e-6), (rank, kind)
@@ -259,11 +307,29 @@ def test_membership_changes_reach_the_loggers_as_events(tmp_path):
     from types import SimpleNamespace
 
     membership = SimpleNamespace(events=[{"type": "entered", "epoch": 0, "step": 0}])
-    world = SimpleNamespace(membership=membership, ledger=islands.CommLedger(), rank=0, size=2, islands=2, island=0,
-                            backend="gloo", device=torch.device("cpu"))
-    trainer = SimpleNamespace(world=world, series={"train": [], "val": []}, step=0, elapsed=0.0, sync_seconds=0.0,
-                              comm_seconds=0.0, samples_per_step=4, checkpoints=None, callbacks=[],
-                              strategy=SimpleNamespace(name="diloco"), record=None)
+    world = SimpleNamespace(
+        membership=membership,
+        ledger=islands.CommLedger(),
+        rank=0,
+        size=2,
+        islands=2,
+        island=0,
+        backend="gloo",
+        device=torch.device("cpu"),
+    )
+    trainer = SimpleNamespace(
+        world=world,
+        series={"train": [], "val": []},
+        step=0,
+        elapsed=0.0,
+        sync_seconds=0.0,
+        comm_seconds=0.0,
+        samples_per_step=4,
+        checkpoints=None,
+        callbacks=[],
+        strategy=SimpleNamespace(name="diloco"),
+        record=None,
+    )
     path = tmp_path / "live" / "m1.jsonl"
     cb = Logging([JsonLines(path)])
     cb.on_fit_start(trainer)  # what happened before this fit (entering) is not logged again

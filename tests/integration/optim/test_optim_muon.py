@@ -17,8 +17,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from test_checkpoint_resume import EXACT, TINY, same
 from torch import nn
 
+from harness.outer import run_world
 from islands.app.build import build_trainer
 from islands.app.validate import validate
 from islands.checkpoint import CheckpointStore
@@ -28,9 +30,6 @@ from islands.config import ConfigError, from_mapping
 from islands.models import MLP, ByteTransformer, sequence_loss
 from islands.optim import MuonAdamW, muon_split
 from islands.runtime.world import World
-
-from harness.outer import run_world
-from test_checkpoint_resume import EXACT, TINY, same
 
 
 def names(model, params):
@@ -104,8 +103,9 @@ def test_each_half_steps_exactly_as_torchs_own_optimizer():
     a, b = lm(), lm()
     opt = MuonAdamW.for_model(a, lr=3e-3, weight_decay=0.1)
     muon_b, rest_b = muon_split(b)
-    ref_muon = torch.optim.Muon(muon_b, lr=3e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                                adjust_lr_fn="match_rms_adamw")
+    ref_muon = torch.optim.Muon(
+        muon_b, lr=3e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw"
+    )
     ref_adamw = torch.optim.AdamW(rest_b, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     for batch in lm_batches(3):
         for model, step in ((a, [opt]), (b, [ref_muon, ref_adamw])):
@@ -192,12 +192,19 @@ def _train_job(overrides: dict, world):
     trainer = build_trainer(cfg, world)
     record = trainer.fit(cfg.train.steps)
     outer = getattr(trainer.strategy, "outer", None)
-    flat = (outer.global_flat if outer is not None
-            else torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]))
-    return {"params": flat.numpy().copy(), "sent": dict(world.ledger.snapshot()["sent"]),
-            "exchanges": list(outer.exchange.sent) if outer is not None else [],
-            "loss": record["summary"]["final_val_loss"], "kind": type(trainer.optimizer).__name__,
-            "numel": flat.numel()}
+    flat = (
+        outer.global_flat
+        if outer is not None
+        else torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+    )
+    return {
+        "params": flat.numpy().copy(),
+        "sent": dict(world.ledger.snapshot()["sent"]),
+        "exchanges": list(outer.exchange.sent) if outer is not None else [],
+        "loss": record["summary"]["final_val_loss"],
+        "kind": type(trainer.optimizer).__name__,
+        "numel": flat.numel(),
+    }
 
 
 def _ddp_then_zero1(world):
@@ -214,8 +221,7 @@ def test_muon_under_ddp_zero1_and_muloco_under_diloco_keep_ranks_identical():
     # ZeRO-1 partitions whole parameters, so each matrix is still orthogonalised whole: the same model as DDP
     assert zero1[0]["params"].tobytes() == zero1[1]["params"].tobytes() == ddp[0]["params"].tobytes()
     outer = "diloco:inner_steps=3,compressor=(int4:ef=true)"  # MuLoCo: Muon inside, EF-compressed deltas across
-    muloco = run_world(functools.partial(_train_job, {"workers": 2, "islands": 2, "outer": outer}), size=2,
-                       islands=2)
+    muloco = run_world(functools.partial(_train_job, {"workers": 2, "islands": 2, "outer": outer}), size=2, islands=2)
     assert muloco[0]["params"].tobytes() == muloco[1]["params"].tobytes(), "islands disagree on the global model"
     n = muloco[0]["numel"]
     exchanges = muloco[0]["exchanges"]
@@ -231,12 +237,15 @@ def run_cli(args, capsys):
     return e.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec,needles", [
-    ("muonn", ["muon", "adamw"]),  # a misspelt name: the valid optimizers are listed
-    ("muon:adjust_lr=spectral", ["adjust_lr", "match_rms_adamw", "original"]),
-    ("muon:momentm=0.9", ["momentm", "momentum"]),
-    ("muon:momentum=1.5", ["momentum"]),
-])
+@pytest.mark.parametrize(
+    "spec,needles",
+    [
+        ("muonn", ["muon", "adamw"]),  # a misspelt name: the valid optimizers are listed
+        ("muon:adjust_lr=spectral", ["adjust_lr", "match_rms_adamw", "original"]),
+        ("muon:momentm=0.9", ["momentm", "momentum"]),
+        ("muon:momentum=1.5", ["momentum"]),
+    ],
+)
 def test_bad_muon_specs_exit_2_naming_the_choices(spec, needles, capsys, tmp_path):
     code, err = run_cli(["train", "--run-dir", str(tmp_path / "r"), "--optimizer", spec], capsys)
     assert code == 2, err

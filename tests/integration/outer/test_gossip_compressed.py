@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from harness.outer import run_world
 from islands.compress import QSGD, RandomK, SharedRandomK, TopK, TopKQ
 from islands.sync.outer import make_outer, parse_topology, simulate_mixing
 from islands.sync.outer.choco import EdgeEstimates
 from islands.sync.outer.gossip import Gossip
 from islands.sync.outer.topology import RandomPeers
-from harness.outer import run_world
 
 LOSSLESS = TopKQ(ratio=1.0, bits=32)  # every entry, fp32 values: decode(compress(x)) == x
 
@@ -73,12 +73,15 @@ def test_state_round_trip_continues_bit_for_bit():
         EdgeEstimates(RandomK(ratio=0.2), torch.zeros(65)).load_state_dict(saved)
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda: Gossip(topology=RandomPeers(2), compressor=TopKQ()), ["regular topology (ring, exp)", "push-sum"]),
-    (lambda: Gossip(compressor=SharedRandomK()), ["self-contained", "topkq"]),
-    (lambda: Gossip(compressor=TopK(warmup=True)), ["fixed layout", "warmup=0"]),
-    (lambda: Gossip(compressor=TopKQ(), gamma=0.0), ["gamma", "(0, 1]"]),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: Gossip(topology=RandomPeers(2), compressor=TopKQ()), ["regular topology (ring, exp)", "push-sum"]),
+        (lambda: Gossip(compressor=SharedRandomK()), ["self-contained", "topkq"]),
+        (lambda: Gossip(compressor=TopK(warmup=True)), ["fixed layout", "warmup=0"]),
+        (lambda: Gossip(compressor=TopKQ(), gamma=0.0), ["gamma", "(0, 1]"]),
+    ],
+)
 def test_bad_compressed_gossip_is_refused_with_the_reason(make, words):
     with pytest.raises(ValueError) as e:
         make()
@@ -120,6 +123,7 @@ def _four(world) -> dict:
     s.gossip_round()
     snap = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
     import copy
+
     snap = copy.deepcopy(snap)
     for _ in range(3):
         s.gossip_round()
@@ -128,16 +132,22 @@ def _four(world) -> dict:
     b.load_state_dict(snap)
     for _ in range(3):
         b.gossip_round()
-    return {"x": s.local.read().numpy(), "resumed": b.local.read().numpy(), "sent": sent,
-            "payload": s.estimates.nbytes, "wrapped_start": wrapped_start}
+    return {
+        "x": s.local.read().numpy(),
+        "resumed": b.local.read().numpy(),
+        "sent": sent,
+        "payload": s.estimates.nbytes,
+        "wrapped_start": wrapped_start,
+    }
 
 
 def test_compressed_gossip_on_four_ranks_equals_the_simulation_and_resumes():
     res = run_world(_four, size=4, islands=4, timeout=120)
     for r in res:  # every island started from island 0's initial parameters
         assert np.array_equal(r["wrapped_start"], res[0]["wrapped_start"])
-    _, want = simulate_mixing(parse_topology("exp"), [_start(r) for r in range(4)], 4,
-                              compressor=TopKQ(ratio=0.5, bits=8), gamma=0.5)
+    _, want = simulate_mixing(
+        parse_topology("exp"), [_start(r) for r in range(4)], 4, compressor=TopKQ(ratio=0.5, bits=8), gamma=0.5
+    )
     for r, w in zip(res, want):
         assert np.array_equal(r["x"], w.numpy())  # the strategy's rounds are the simulation's, bit for bit
         assert np.array_equal(r["resumed"], r["x"])  # resumed after round 1: the same next three rounds

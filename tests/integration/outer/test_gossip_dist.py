@@ -32,8 +32,10 @@ def _start(rank: int) -> torch.Tensor:
 
 def _sent(world, before) -> tuple[int, int]:
     after = world.ledger.snapshot()
-    return (after["sent"].get("outer_params", 0) - before["sent"].get("outer_params", 0),
-            after["received"].get("outer_params", 0) - before["received"].get("outer_params", 0))
+    return (
+        after["sent"].get("outer_params", 0) - before["sent"].get("outer_params", 0),
+        after["received"].get("outer_params", 0) - before["received"].get("outer_params", 0),
+    )
 
 
 def _mixing(world, spec: str, rounds: int, byzantine: int | None = None) -> dict:
@@ -47,9 +49,16 @@ def _mixing(world, spec: str, rounds: int, byzantine: int | None = None) -> dict
         peers.append(s.topology.peers(s.rounds, world.rank, world.size))
         s.gossip_round()
     sent, received = _sent(world, before)
-    return {"x": s.local.read().numpy(), "sent": sent, "received": received, "peers": peers,
-            "weight": s.weight, "eval_equals_local": bool(torch.equal(
-                torch.cat([p.reshape(-1) for p in s.eval_model(None).parameters()]), s.local.read()))}
+    return {
+        "x": s.local.read().numpy(),
+        "sent": sent,
+        "received": received,
+        "peers": peers,
+        "weight": s.weight,
+        "eval_equals_local": bool(
+            torch.equal(torch.cat([p.reshape(-1) for p in s.eval_model(None).parameters()]), s.local.read())
+        ),
+    }
 
 
 def _resume(world) -> dict:
@@ -63,8 +72,12 @@ def _resume(world) -> dict:
     b.load_state_dict(snap)
     b.gossip_round()
     b.gossip_round()
-    return {"a": a.local.read().numpy(), "b": b.local.read().numpy(), "rounds": (a.rounds, b.rounds),
-            "weights": (a.weight, b.weight)}
+    return {
+        "a": a.local.read().numpy(),
+        "b": b.local.read().numpy(),
+        "rounds": (a.rounds, b.rounds),
+        "weights": (a.weight, b.weight),
+    }
 
 
 def _cadence(world) -> list[int]:

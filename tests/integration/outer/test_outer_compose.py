@@ -21,17 +21,40 @@ def _train(world) -> dict:
     from islands.app.validate import validate
     from islands.config import from_mapping
 
-    cfg = validate(from_mapping({
-        "task": "lm", "d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16, "global_batch": 8,
-        "steps": STEPS, "warmup": 1, "workers": 4, "islands": 2, "outer": f"diloco:inner_steps={H}",
-        "probe": False, "progress": False, "eval_every": 0, "eval_batches": 1, "log_every": 1,
-    }))
+    cfg = validate(
+        from_mapping(
+            {
+                "task": "lm",
+                "d_model": 16,
+                "n_layers": 1,
+                "n_heads": 2,
+                "context": 16,
+                "global_batch": 8,
+                "steps": STEPS,
+                "warmup": 1,
+                "workers": 4,
+                "islands": 2,
+                "outer": f"diloco:inner_steps={H}",
+                "probe": False,
+                "progress": False,
+                "eval_every": 0,
+                "eval_batches": 1,
+                "log_every": 1,
+            }
+        )
+    )
     trainer = build_trainer(cfg, world)
     record = trainer.fit(cfg.train.steps)
     outer = trainer.strategy.outer
-    return {"global": outer.global_flat.numpy().copy(), "local": outer.local.read().numpy().copy(),
-            "ledger": world.ledger.snapshot(), "name": trainer.strategy.name, "island": world.island,
-            "numel": outer.global_flat.numel(), "summary": record["summary"]}
+    return {
+        "global": outer.global_flat.numpy().copy(),
+        "local": outer.local.read().numpy().copy(),
+        "ledger": world.ledger.snapshot(),
+        "name": trainer.strategy.name,
+        "island": world.island,
+        "numel": outer.global_flat.numel(),
+        "summary": record["summary"],
+    }
 
 
 @pytest.mark.slow  # four processes on two cores: about 40 s

@@ -16,17 +16,23 @@ import copy
 import numpy as np
 import pytest
 import torch
-
-from islands.compress import COMPRESSORS, DCTTopK, ErrorFeedback, SharedRandomK, TopKQ, parse_compressor
-from islands.compress.dct import dct_basis
-from islands.compress.error_feedback import with_error_feedback
-from harness.outer import assert_train_refuses, batch, run_world, tiny_model
 from test_outer_dist import Run, cut_and_resume
 
-EF_SPECS = ["topkq:ratio=0.05,bits=2,chunk=64", "topkq:ratio=0.05,bits=4,chunk=64", "topkq:ratio=0.05,bits=8,chunk=64",
-            "topkq:ratio=0.05,bits=32,chunk=64", "topkq:ratio=0.02,bits=2,chunk=64,decay=0.9",
-            "dct-topk:ratio=0.05,bits=2,block=16,chunk=64", "dct-topk:ratio=0.1,bits=32,block=8,chunk=32",
-            "randomk-shared:ratio=0.05", "randomk-shared:ratio=0.05,seed=7"]
+from harness.outer import assert_train_refuses, run_world
+from islands.compress import COMPRESSORS, DCTTopK, ErrorFeedback, SharedRandomK, TopKQ, parse_compressor
+from islands.compress.dct import dct_basis
+
+EF_SPECS = [
+    "topkq:ratio=0.05,bits=2,chunk=64",
+    "topkq:ratio=0.05,bits=4,chunk=64",
+    "topkq:ratio=0.05,bits=8,chunk=64",
+    "topkq:ratio=0.05,bits=32,chunk=64",
+    "topkq:ratio=0.02,bits=2,chunk=64,decay=0.9",
+    "dct-topk:ratio=0.05,bits=2,block=16,chunk=64",
+    "dct-topk:ratio=0.1,bits=32,block=8,chunk=32",
+    "randomk-shared:ratio=0.05",
+    "randomk-shared:ratio=0.05,seed=7",
+]
 EXACT = ("bits=32,chunk=64", "randomk-shared")  # no quantisation, no transform: the residual is exact
 
 
@@ -56,16 +62,27 @@ def test_error_feedback_accounting(spec):
         assert 0 < residual.norm() < incoming.norm()  # something kept back, less than came in
 
 
-@pytest.mark.parametrize("make", [lambda: TopKQ(0.01, bits=2), lambda: TopKQ(0.05, bits=4, chunk=100),
-                                  lambda: TopKQ(0.3, bits=8, chunk=7), lambda: DCTTopK(0.02, bits=2),
-                                  lambda: SharedRandomK(0.05)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TopKQ(0.01, bits=2),
+        lambda: TopKQ(0.05, bits=4, chunk=100),
+        lambda: TopKQ(0.3, bits=8, chunk=7),
+        lambda: DCTTopK(0.02, bits=2),
+        lambda: SharedRandomK(0.05),
+    ],
+)
 def test_contractive_even_on_lopsided_chunks(make):
     """The least-squares scale makes quantisation contractive even where one huge value dwarfs the rest."""
     c = make()
     assert c.contractive
     g = _gen(2)
-    cases = [torch.randn(9000, generator=g), torch.randn(9000, generator=g) ** 5,
-             torch.cat([torch.tensor([1e4]), 1e-3 * torch.randn(4095, generator=g)]), torch.zeros(50)]
+    cases = [
+        torch.randn(9000, generator=g),
+        torch.randn(9000, generator=g) ** 5,
+        torch.cat([torch.tensor([1e4]), 1e-3 * torch.randn(4095, generator=g)]),
+        torch.zeros(50),
+    ]
     for x in cases:
         d = c.decompress(c.compress(x, c.state(f"x{len(x)}{float(x.sum())}", x)))
         assert float((x.double() - d.double()).norm()) < float(x.double().norm()) or not x.any()
@@ -98,8 +115,14 @@ def test_payload_bytes_are_the_formula():
     assert ratio[2] > 210 and ratio[4] > 180 and ratio[8] > 146 > ratio[32] > 70, ratio
 
 
-@pytest.mark.parametrize("make", [lambda: TopKQ(0.03, 2, chunk=256), lambda: TopKQ(0.03, 32, chunk=256),
-                                  lambda: DCTTopK(0.03, 4, block=16, chunk=256)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TopKQ(0.03, 2, chunk=256),
+        lambda: TopKQ(0.03, 32, chunk=256),
+        lambda: DCTTopK(0.03, 4, block=16, chunk=256),
+    ],
+)
 def test_gathered_sparse_sum_is_the_dense_sum_of_what_was_sent(make):
     c = make()
     xs = [torch.randn(1000, generator=_gen(10 + r)) for r in range(3)]
@@ -135,8 +158,10 @@ def test_dct_basis_is_orthonormal_and_round_trips():
     assert float(err) < 0.02
 
 
-@pytest.mark.parametrize("spec", ["topkq:ratio=0.05,bits=2,chunk=64,decay=0.95", "dct-topk:ratio=0.05,block=8,chunk=64",
-                                  "randomk-shared:ratio=0.1"])
+@pytest.mark.parametrize(
+    "spec",
+    ["topkq:ratio=0.05,bits=2,chunk=64,decay=0.95", "dct-topk:ratio=0.05,block=8,chunk=64", "randomk-shared:ratio=0.1"],
+)
 def test_compressor_state_resumes_bitwise(spec):
     g = _gen(5)
     steps = [torch.randn(200, generator=g) for _ in range(4)]
@@ -164,14 +189,17 @@ def test_randomk_shared_draws_the_same_positions_on_every_rank_and_new_ones_each
     assert not torch.equal(other.compress(x, other.state("v", x)).shared[0], pa[0])  # per name
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("topkq:bits=3", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
-    ("topkq:ratio=0", ["ratio", "(0, 1]"]),
-    ("topkq:decay=0.9,ef=0", ["needs ef=1"]),
-    ("dct-topk:block=0", ["block"]),
-    ("randomk-shared:rescale=1", ["rescale=0 (the default) with ef=1"]),
-    ("topq", ["unknown compressor", "did you mean 'topk", "topkq", "dct-topk", "randomk-shared"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("topkq:bits=3", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
+        ("topkq:ratio=0", ["ratio", "(0, 1]"]),
+        ("topkq:decay=0.9,ef=0", ["needs ef=1"]),
+        ("dct-topk:block=0", ["block"]),
+        ("randomk-shared:rescale=1", ["rescale=0 (the default) with ef=1"]),
+        ("topq", ["unknown compressor", "did you mean 'topk", "topkq", "dct-topk", "randomk-shared"]),
+    ],
+)
 def test_bad_compressor_specs_name_the_valid_choices(spec, words):
     with pytest.raises(ValueError) as e:
         parse_compressor(spec)
@@ -179,12 +207,15 @@ def test_bad_compressor_specs_name_the_valid_choices(spec, words):
         assert w in str(e.value), (w, str(e.value))
 
 
-@pytest.mark.parametrize("outer, words", [
-    ("diloco:inner_steps=5,compressor=(topkq:bits=3)", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
-    ("diloco:inner_steps=5,compressor=(sparseloco)", ["unknown compressor 'sparseloco'", "topkq", "dct-topk"]),
-    ("gossip:every=2,topology=(random:s=2),compressor=(topkq)", ["regular topology (ring, exp)", "push-sum"]),
-    ("gossip:every=2,compressor=(randomk-shared)", ["self-contained", "topkq"]),
-])
+@pytest.mark.parametrize(
+    "outer, words",
+    [
+        ("diloco:inner_steps=5,compressor=(topkq:bits=3)", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
+        ("diloco:inner_steps=5,compressor=(sparseloco)", ["unknown compressor 'sparseloco'", "topkq", "dct-topk"]),
+        ("gossip:every=2,topology=(random:s=2),compressor=(topkq)", ["regular topology (ring, exp)", "push-sum"]),
+        ("gossip:every=2,compressor=(randomk-shared)", ["self-contained", "topkq"]),
+    ],
+)
 def test_bad_outer_compressor_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
     assert_train_refuses(outer, words, tmp_path, capsys)
 
@@ -192,8 +223,15 @@ def test_bad_outer_compressor_specs_exit_2_naming_the_choices(outer, words, tmp_
 def test_every_averaging_strategy_takes_a_compressor():
     from islands.sync.outer import make_outer
 
-    for spec in ("diloco", "streaming-diloco:bits=32", "slowmo", "local-sgd", "post-local-sgd:switch=3",
-                 "overlap-local-sgd", "easgd"):
+    for spec in (
+        "diloco",
+        "streaming-diloco:bits=32",
+        "slowmo",
+        "local-sgd",
+        "post-local-sgd:switch=3",
+        "overlap-local-sgd",
+        "easgd",
+    ):
         s = make_outer(f"{spec}{',' if ':' in spec else ':'}compressor=(topkq:ratio=0.01,bits=2)")
         assert isinstance(s.exchange.compressor, ErrorFeedback) and isinstance(s.exchange.compressor.inner, TopKQ)
     assert COMPRESSORS.lookup("topkq") and COMPRESSORS.lookup("dct-topk") and COMPRESSORS.lookup("randomk-shared")
@@ -217,7 +255,11 @@ SCENARIOS = {
 }
 RESUMES = {  # name -> (spec, cut, steps)
     "diloco-topkq": (f"diloco:inner_steps=2,{TOPKQ}", 3, 6),
-    "streaming-topkq": (f"streaming-diloco:inner_steps=4,fragments=2,tau=1,bits=32,{TOPKQ}", 5, 9),  # fragment in flight
+    "streaming-topkq": (
+        f"streaming-diloco:inner_steps=4,fragments=2,tau=1,bits=32,{TOPKQ}",
+        5,
+        9,
+    ),  # fragment in flight
     "local-sgd-randomk-shared": ("local-sgd:every=2,compressor=(randomk-shared:ratio=0.05)", 3, 6),
     "overlap-dct": ("overlap-local-sgd:tau=2,compressor=(dct-topk:ratio=0.05,block=16,chunk=256)", 3, 6),
     "easgd-topkq": (f"easgd:every=2,{TOPKQ}", 3, 6),
@@ -235,19 +277,32 @@ def _scenario(world, spec: str, steps: int) -> dict:
     s = run.strategy
     c = s.exchange.compressor
     lengths = [hi - lo for lo, hi in getattr(getattr(s, "schedule", s), "bounds", [(0, s.global_flat.numel())])]
-    return {"global": s.global_flat.numpy().copy(), "sent": sent, "exchange_sent": list(s.exchange.sent),
-            "rounds": s.rounds, "sends": list(getattr(getattr(s, "schedule", s), "sends", [])), "lengths": lengths,
-            "payload": [c.payload_nbytes((n,), torch.float32) for n in lengths],
-            "states": sorted(c.states), "residual_norm": sum(float(st["residual"].norm()) for st in c.states.values()
-                                                             if "residual" in st)}
+    return {
+        "global": s.global_flat.numpy().copy(),
+        "sent": sent,
+        "exchange_sent": list(s.exchange.sent),
+        "rounds": s.rounds,
+        "sends": list(getattr(getattr(s, "schedule", s), "sends", [])),
+        "lengths": lengths,
+        "payload": [c.payload_nbytes((n,), torch.float32) for n in lengths],
+        "states": sorted(c.states),
+        "residual_norm": sum(float(st["residual"].norm()) for st in c.states.values() if "residual" in st),
+    }
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
     a, b = cut_and_resume(world, spec, cut, steps)
-    res = lambda r: torch.cat([st["residual"].reshape(-1) for _, st in sorted(r.strategy.exchange.compressor.states.items())])
-    return {"a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
-            "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
-            "a_res": res(a).numpy().copy(), "b_res": res(b).numpy().copy()}
+    res = lambda r: torch.cat(
+        [st["residual"].reshape(-1) for _, st in sorted(r.strategy.exchange.compressor.states.items())]
+    )
+    return {
+        "a": a.strategy.global_flat.numpy().copy(),
+        "b": b.strategy.global_flat.numpy().copy(),
+        "a_local": a.strategy.local.read().numpy().copy(),
+        "b_local": b.strategy.local.read().numpy().copy(),
+        "a_res": res(a).numpy().copy(),
+        "b_res": res(b).numpy().copy(),
+    }
 
 
 def _gathered_against_dense(world) -> dict:
@@ -258,8 +313,11 @@ def _gathered_against_dense(world) -> dict:
 
     comm = world.comm("cross")
     out = {}
-    for spec in ("topkq:ratio=0.02,bits=2,chunk=256,ef=0", "dct-topk:ratio=0.05,bits=4,block=16,chunk=256,ef=0",
-                 "randomk-shared:ratio=0.05,ef=0"):
+    for spec in (
+        "topkq:ratio=0.02,bits=2,chunk=256,ef=0",
+        "dct-topk:ratio=0.05,bits=4,block=16,chunk=256,ef=0",
+        "randomk-shared:ratio=0.05,ef=0",
+    ):
         x = torch.randn(3000, generator=_gen(100 + world.rank))
         mean = compress_and_average({"v": x}, comm, COMPRESSORS.build(spec))["v"]
         mine = COMPRESSORS.build(spec)

@@ -51,8 +51,9 @@ class Run:
         self.strategy.finish(self.model)  # after the last step: the final synchronisation
 
     def snapshot(self) -> dict:
-        return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                              "strategy": self.strategy.state_dict()})
+        return copy.deepcopy(
+            {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "strategy": self.strategy.state_dict()}
+        )
 
     def restore(self, snap: dict) -> None:
         self.model.load_state_dict(snap["model"])
@@ -77,12 +78,23 @@ def _scenario(world, spec: str, steps: int, inner: str = "adamw") -> dict:
     # wrap's agreement on the start: an 8-byte digest, nothing more, as every rank seeds alike here
     assert sent.pop("outer_init", 0) == 8, sent
     s = run.strategy
-    moments = [run.opt.state[p][k].numpy().copy().ravel() for p in run.model.parameters()
-               for k in ("exp_avg", "exp_avg_sq") if k in run.opt.state[p]]
-    return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
-            "rounds": s.rounds, "sends": list(getattr(getattr(s, "schedule", s), "sends", [])), "numel": s.global_flat.numel(),
-            "bounds": list(getattr(getattr(s, "schedule", s), "bounds", [])), "moments": np.concatenate(moments) if moments else None,
-            "exchange_sent": list(s.exchange.sent) if hasattr(s, "exchange") else []}
+    moments = [
+        run.opt.state[p][k].numpy().copy().ravel()
+        for p in run.model.parameters()
+        for k in ("exp_avg", "exp_avg_sq")
+        if k in run.opt.state[p]
+    ]
+    return {
+        "global": run.global_np(),
+        "local": run.local_np(),
+        "sent": {k: v for k, v in sent.items() if v},
+        "rounds": s.rounds,
+        "sends": list(getattr(getattr(s, "schedule", s), "sends", [])),
+        "numel": s.global_flat.numel(),
+        "bounds": list(getattr(getattr(s, "schedule", s), "bounds", [])),
+        "moments": np.concatenate(moments) if moments else None,
+        "exchange_sent": list(s.exchange.sent) if hasattr(s, "exchange") else [],
+    }
 
 
 def cut_and_resume(world, spec: str, cut: int, steps: int, at_cut=lambda run: None) -> tuple[Run, Run]:

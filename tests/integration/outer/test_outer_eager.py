@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_outer_dist import Run, cut_and_resume
 
 from harness.outer import assert_train_refuses, run_world
-from test_outer_dist import Run, cut_and_resume
 
 PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 # name -> (spec, steps, delay override or None)
@@ -63,17 +63,33 @@ def _scenario(world, spec: str, steps: int, delay) -> dict:
     sent = {k: after["sent"].get(k, 0) - before["sent"].get(k, 0) for k in after["sent"]}
     # wrap's agreement on the start: an 8-byte digest, nothing more, as every rank seeds alike here
     assert sent.pop("outer_init", 0) == 8, sent
-    return {"global": run.global_np(), "local": run.local_np(), "sent": {k: v for k, v in sent.items() if v},
-            "rounds": s.rounds, "sends": list(s.schedule.sends), "numel": s.global_flat.numel(), "unwaited": unwaited,
-            "in_flight": in_flight, "pending_after": len(s.schedule.pending), "exchanges": len(s.exchange.sent)}
+    return {
+        "global": run.global_np(),
+        "local": run.local_np(),
+        "sent": {k: v for k, v in sent.items() if v},
+        "rounds": s.rounds,
+        "sends": list(s.schedule.sends),
+        "numel": s.global_flat.numel(),
+        "unwaited": unwaited,
+        "in_flight": in_flight,
+        "pending_after": len(s.schedule.pending),
+        "exchanges": len(s.exchange.sent),
+    }
 
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
     seen = {}
-    a, b = cut_and_resume(world, spec, cut, steps, at_cut=lambda run: seen.update(in_flight=len(run.strategy.schedule.pending)))
+    a, b = cut_and_resume(
+        world, spec, cut, steps, at_cut=lambda run: seen.update(in_flight=len(run.strategy.schedule.pending))
+    )
     in_flight = seen["in_flight"]
-    return {"a": a.global_np(), "b": b.global_np(), "a_local": a.local_np(), "b_local": b.local_np(),
-            "in_flight": in_flight}
+    return {
+        "a": a.global_np(),
+        "b": b.global_np(),
+        "a_local": a.local_np(),
+        "b_local": b.local_np(),
+        "in_flight": in_flight,
+    }
 
 
 def _all(world) -> dict:
@@ -88,8 +104,9 @@ def ranks():
     return run_world(_all, size=2, islands=2)
 
 
-@pytest.mark.parametrize("plain, delayed", [("plain", "delayed-d0"), ("plain-paper", "eager-d0-paper"),
-                                            ("plain-f2", "delayed-f2-d0")])
+@pytest.mark.parametrize(
+    "plain, delayed", [("plain", "delayed-d0"), ("plain-paper", "eager-d0-paper"), ("plain-f2", "delayed-f2-d0")]
+)
 def test_delayed_step_with_zero_delay_is_plain_diloco_bitwise(ranks, plain, delayed):
     for r in ranks:
         assert r[plain]["global"].tobytes() == r[delayed]["global"].tobytes()
@@ -139,6 +156,7 @@ def test_resume_with_an_exchange_in_flight_is_bitwise(ranks, name):
 
 
 # ---- one island (LoneComm): the update formulas -----------------------------------------------------------------
+
 
 def _lone(spec: str, steps: int):
     from islands.models import MLP
@@ -198,6 +216,7 @@ def test_overlap_none_is_the_default_and_a_plain_round_waits():
 
 # ---- specs -------------------------------------------------------------------------------------------------------
 
+
 def test_spec_strings_resolve():
     from islands.sync.outer.spec import parse_outer
 
@@ -207,11 +226,14 @@ def test_spec_strings_resolve():
     assert s["overlap"] == "delayed"
 
 
-@pytest.mark.parametrize("outer, words", [
-    ("diloco:inner_steps=5,overlap=sometimes", ["overlap must be one of none, delayed, eager", "'sometimes'"]),
-    ("streaming-diloco:inner_steps=8,fragments=2,tau=2,overlap=eager", ["whole round later", "tau"]),
-    ("diloco:inner_steps=5,overlap=delayed,sync_inner_state=1", ["sync_inner_state needs overlap=none"]),
-])
+@pytest.mark.parametrize(
+    "outer, words",
+    [
+        ("diloco:inner_steps=5,overlap=sometimes", ["overlap must be one of none, delayed, eager", "'sometimes'"]),
+        ("streaming-diloco:inner_steps=8,fragments=2,tau=2,overlap=eager", ["whole round later", "tau"]),
+        ("diloco:inner_steps=5,overlap=delayed,sync_inner_state=1", ["sync_inner_state needs overlap=none"]),
+    ],
+)
 def test_bad_overlap_specs_exit_2_naming_the_choices(outer, words, tmp_path, capsys):
     assert_train_refuses(outer, words, tmp_path, capsys)
 
@@ -232,14 +254,17 @@ class _BNRun:
 
         torch.manual_seed(0)
         self.world, self.spec = world, spec
-        self.model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                         torch.nn.Linear(8, 3))
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.strategy = make_outer(spec)
         self.strategy.wrap(self.model, self.opt, world)
         if "adapt=" in spec:  # a clock of its own (each reading half a second on): equal speeds whatever the load
             ticks = itertools.count()
-            self.strategy.schedule.meter.timer = self.strategy.schedule.meter.wallclock = lambda: float(next(ticks)) * 0.5
+            self.strategy.schedule.meter.timer = self.strategy.schedule.meter.wallclock = lambda: (
+                float(next(ticks)) * 0.5
+            )
 
     def step(self, i: int) -> None:
         g = torch.Generator().manual_seed(1000 * self.world.rank + i)
@@ -275,10 +300,17 @@ def _bn(world, spec: str = BN_SPEC) -> dict:
     other.opt.load_state_dict(snap["opt"])
     other.strategy.load_state_dict(snap["strategy"])
     other.strategy.finish(other.model)
-    return {"waited": waited_in_steps, "local_at": local_at, "global_at": global_at, "in_flight": in_flight,
-            "final_local": run.floating("local"), "final_global": run.floating("global"),
-            "resumed_global": other.floating("global"), "params": s.global_flat.numpy().copy(),
-            "resumed_params": other.strategy.global_flat.numpy().copy()}
+    return {
+        "waited": waited_in_steps,
+        "local_at": local_at,
+        "global_at": global_at,
+        "in_flight": in_flight,
+        "final_local": run.floating("local"),
+        "final_global": run.floating("global"),
+        "resumed_global": other.floating("global"),
+        "params": s.global_flat.numpy().copy(),
+        "resumed_params": other.strategy.global_flat.numpy().copy(),
+    }
 
 
 def _bn_adapt(world) -> dict:
@@ -316,10 +348,11 @@ def test_finish_averages_buffers_everywhere_and_a_resume_with_them_in_flight_mat
 
 # ---- the utilisation bench's pure parts ------------------------------------------------------------------------------
 
+
 def test_utilisation_bench_splits_a_model_into_torchft_fragments_sharing_its_parameters():
+    from islands.models import ByteTransformer
     from islands_bench.experiments.utilisation import torchft_fragments, utilisation_of
     from islands_bench.experiments.utilisation_torchft_worker import fragments_of
-    from islands.models import ByteTransformer
 
     model = ByteTransformer(d_model=16, n_layers=4, n_heads=2, context=8)
     params = list(model.parameters())

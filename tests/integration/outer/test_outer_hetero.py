@@ -61,9 +61,16 @@ def test_parse_slowdown_forms_and_errors():
     assert parse_slowdown("") == {}
     assert parse_slowdown("1=2,floor=0.05")[("floor", 0)] == 0.05
     check_slowdown(parse_slowdown("1=2,floor=0.05"), islands=2, workers=2)  # floor is not a target
-    for bad, words in (("1", "target=factor"), ("x=2", "target=factor"), ("1=fast", "target=factor"),
-                       ("1=0.5", ">= 1"), ("1=inf", ">= 1"), ("1=2,island1=3", "twice"), ("floor=-1", "floor"),
-                       ("floor=1,floor=2", "once")):
+    for bad, words in (
+        ("1", "target=factor"),
+        ("x=2", "target=factor"),
+        ("1=fast", "target=factor"),
+        ("1=0.5", ">= 1"),
+        ("1=inf", ">= 1"),
+        ("1=2,island1=3", "twice"),
+        ("floor=-1", "floor"),
+        ("floor=1,floor=2", "once"),
+    ):
         with pytest.raises(SlowdownError, match=words):
             parse_slowdown(bad)
     with pytest.raises(SlowdownError, match=r"0\.\.1"):
@@ -94,24 +101,33 @@ def test_slow_step_sleeps_factor_minus_one_times_the_call_and_keeps_its_result()
     assert fb.micro_batch == 4 and fb.record() == {"micro_batch": 4, "precision": "bf16"}  # the wrapped step's
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("diloco:adapt=fast", ["adapt must be one of none, speed, deadline", "'fast'"]),
-    ("diloco:deadline=3", ["deadline=3.0 applies to adapt=deadline only"]),
-    ("diloco:adapt=deadline,deadline=-1", ["deadline must be >= 0"]),
-    ("diloco:adapt=speed,inner_steps=4,fragments=2", ["whole-model DiLoCo rounds", "fragments=2"]),
-    ("diloco:adapt=deadline,overlap=eager,inner_steps=4,fragments=2", ["whole-model", "fragments=2"]),
-    ("diloco:adapt=speed,aggregator=median", ["robust aggregator"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("diloco:adapt=fast", ["adapt must be one of none, speed, deadline", "'fast'"]),
+        ("diloco:deadline=3", ["deadline=3.0 applies to adapt=deadline only"]),
+        ("diloco:adapt=deadline,deadline=-1", ["deadline must be >= 0"]),
+        ("diloco:adapt=speed,inner_steps=4,fragments=2", ["whole-model DiLoCo rounds", "fragments=2"]),
+        ("diloco:adapt=deadline,overlap=eager,inner_steps=4,fragments=2", ["whole-model", "fragments=2"]),
+        ("diloco:adapt=speed,aggregator=median", ["robust aggregator"]),
+    ],
+)
 def test_bad_adapt_specs_exit_2_naming_the_choices(spec, words, tmp_path, capsys):
     assert_train_refuses(spec, words, tmp_path, capsys)
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--world.slowdown", "5=2"], ["island 5", "0..1", "target=factor"]),
-    (["--world.slowdown", "1=0.5"], [">= 1"]),
-    (["--world.slowdown", "one=2"], ["target=factor", "rank3"]),
-    (["--outer", "diloco:inner_steps=10,adapt=speed", "--ckpt-every", "15"], ["multiple of inner_steps (10)", "10"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--world.slowdown", "5=2"], ["island 5", "0..1", "target=factor"]),
+        (["--world.slowdown", "1=0.5"], [">= 1"]),
+        (["--world.slowdown", "one=2"], ["target=factor", "rank3"]),
+        (
+            ["--outer", "diloco:inner_steps=10,adapt=speed", "--ckpt-every", "15"],
+            ["multiple of inner_steps (10)", "10"],
+        ),
+    ],
+)
 def test_bad_slowdown_and_checkpoint_intervals_exit_2(flags, words, tmp_path, capsys):
     from islands.cli import main
 
@@ -128,6 +144,7 @@ def test_bad_slowdown_and_checkpoint_intervals_exit_2(flags, words, tmp_path, ca
 
 
 # ---- several processes, a fake clock ---------------------------------------------------------------
+
 
 class FakeClock:
     def __init__(self, start: float = 0.0):
@@ -160,8 +177,12 @@ class Run:
         original = s.schedule._exchange
 
         def spy():
-            before = {"global": s.global_flat.numpy().copy(), "local": s.local.read().numpy().copy(),
-                      "samples": s.schedule.meter.samples, "steps": s.schedule.meter.steps}
+            before = {
+                "global": s.global_flat.numpy().copy(),
+                "local": s.local.read().numpy().copy(),
+                "samples": s.schedule.meter.samples,
+                "steps": s.schedule.meter.steps,
+            }
             original()
             before["after"] = s.global_flat.numpy().copy()
             self.exchanges.append(before)
@@ -189,8 +210,14 @@ class Run:
             self.one(cost(self.step))
 
     def snapshot(self) -> dict:
-        return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                              "strategy": self.strategy.state_dict(), "step": self.step})
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "strategy": self.strategy.state_dict(),
+                "step": self.step,
+            }
+        )
 
     def restore(self, snap: dict) -> None:
         self.model.load_state_dict(snap["model"])
@@ -213,27 +240,42 @@ def _speed(world) -> dict:
     run.until(7 * H + 3, cost)
     run.strategy.finish(run.model)
     s = run.strategy
-    return {"history": s.schedule.history, "visited": run.visited, "exchanges": run.exchanges, "rates": s.schedule.rates,
-            "global": s.global_flat.numpy().copy(), "sends": s.schedule.sends[0], "rounds": s.rounds}
+    return {
+        "history": s.schedule.history,
+        "visited": run.visited,
+        "exchanges": run.exchanges,
+        "rates": s.schedule.rates,
+        "global": s.global_flat.numpy().copy(),
+        "sends": s.schedule.sends[0],
+        "rounds": s.rounds,
+    }
 
 
 def _deadline(world) -> dict:
     slow = world.rank == 1
     out = {}
-    for label, spec in (("auto", f"diloco:inner_steps={H},adapt=deadline"),
-                        ("given", f"diloco:inner_steps={H},adapt=deadline,deadline=3")):
+    for label, spec in (
+        ("auto", f"diloco:inner_steps={H},adapt=deadline"),
+        ("given", f"diloco:inner_steps={H},adapt=deadline,deadline=3"),
+    ):
         run = Run(world, spec)
         run.until(4 * H, lambda step: 2.0 if slow else 1.0)
         run.strategy.finish(run.model)
-        out[label] = {"history": run.strategy.schedule.history, "budget": run.strategy.schedule.budget,
-                      "global": run.strategy.global_flat.numpy().copy()}
+        out[label] = {
+            "history": run.strategy.schedule.history,
+            "budget": run.strategy.schedule.budget,
+            "global": run.strategy.global_flat.numpy().copy(),
+        }
     return out
 
 
 def _equal_speeds_is_plain(world) -> dict:
     out = {}
-    for label, spec in (("plain", "diloco:inner_steps=3"), ("speed", "diloco:inner_steps=3,adapt=speed"),
-                        ("deadline", "diloco:inner_steps=3,adapt=deadline")):
+    for label, spec in (
+        ("plain", "diloco:inner_steps=3"),
+        ("speed", "diloco:inner_steps=3,adapt=speed"),
+        ("deadline", "diloco:inner_steps=3,adapt=deadline"),
+    ):
         run = Run(world, spec)
         if label == "plain":
             for i in range(10):  # no on_batch timing needed; the same hook order
@@ -249,8 +291,10 @@ def _resume(world) -> dict:
     """Cut in the middle of a round in which rank 1 plans fewer steps; the restored run continues bit for bit."""
     slow = world.rank == 1
     out = {}
-    for label, spec in (("speed", f"diloco:inner_steps={H},adapt=speed,{PAPER}"),
-                        ("deadline", f"diloco:inner_steps={H},adapt=deadline,compressor=(int4:ef=true)")):
+    for label, spec in (
+        ("speed", f"diloco:inner_steps={H},adapt=speed,{PAPER}"),
+        ("deadline", f"diloco:inner_steps={H},adapt=deadline,compressor=(int4:ef=true)"),
+    ):
         cost = (lambda step: 3.0) if slow else (lambda step: 1.0)
         a = Run(world, spec)
         a.until(2 * H + 1, cost)  # rank 1 is one step into its short third round
@@ -262,10 +306,16 @@ def _resume(world) -> dict:
         restored = b.strategy.state_dict()
         b.until(5 * H + 2, cost)
         b.strategy.finish(b.model)
-        out[label] = {"a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
-                      "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
-                      "a_hist": a.strategy.schedule.history, "b_hist": b.strategy.schedule.history,
-                      "same_state": _same(snap["strategy"], restored), "snap_round_steps": snap["strategy"]["adapt"]["round_steps"]}
+        out[label] = {
+            "a": a.strategy.global_flat.numpy().copy(),
+            "b": b.strategy.global_flat.numpy().copy(),
+            "a_local": a.strategy.local.read().numpy().copy(),
+            "b_local": b.strategy.local.read().numpy().copy(),
+            "a_hist": a.strategy.schedule.history,
+            "b_hist": b.strategy.schedule.history,
+            "same_state": _same(snap["strategy"], restored),
+            "snap_round_steps": snap["strategy"]["adapt"]["round_steps"],
+        }
     return out
 
 
@@ -329,9 +379,11 @@ def _overlapped(world) -> dict:
     slow = world.rank == 1
     cost = (lambda step: 2.0) if slow else (lambda step: 1.0)
     out = {}
-    for label, spec, delay in (("plain", f"diloco:inner_steps={H},adapt=speed,{PAPER}", None),
-                               ("eager-d0", f"diloco:inner_steps={H},adapt=speed,overlap=eager,{PAPER}", 0),
-                               ("delayed-d0", f"diloco:inner_steps={H},adapt=speed,overlap=delayed,{PAPER}", 0)):
+    for label, spec, delay in (
+        ("plain", f"diloco:inner_steps={H},adapt=speed,{PAPER}", None),
+        ("eager-d0", f"diloco:inner_steps={H},adapt=speed,overlap=eager,{PAPER}", 0),
+        ("delayed-d0", f"diloco:inner_steps={H},adapt=speed,overlap=delayed,{PAPER}", 0),
+    ):
         run = Run(world, spec, rows=2 if slow else 4)
         if delay is not None:
             run.strategy.schedule.delay = delay
@@ -339,8 +391,9 @@ def _overlapped(world) -> dict:
         run.strategy.finish(run.model)
         out[label] = {"global": run.strategy.global_flat.numpy().copy(), "history": run.strategy.schedule.history}
     for mode in ("eager", "delayed"):
-        run = Run(world, f"diloco:inner_steps={H},adapt=deadline,overlap={mode},outer=sgd,outer_lr=1",
-                  rows=2 if slow else 4)
+        run = Run(
+            world, f"diloco:inner_steps={H},adapt=deadline,overlap={mode},outer=sgd,outer_lr=1", rows=2 if slow else 4
+        )
         seen = _spy_weighted(run)
         boundary_globals = []
         original = run.strategy.schedule._land_round
@@ -356,9 +409,16 @@ def _overlapped(world) -> dict:
         run.until(5 * H, cost)
         inflight_at_end = run.strategy.schedule.round_inflight is not None
         run.strategy.finish(run.model)
-        out[mode] = {"history": run.strategy.schedule.history, "seen": seen, "landed": boundary_globals,
-                     "visited": run.visited, "inflight_at_end": inflight_at_end, "rounds": run.strategy.rounds,
-                     "global": run.strategy.global_flat.numpy().copy(), "local": run.strategy.local.read().numpy().copy()}
+        out[mode] = {
+            "history": run.strategy.schedule.history,
+            "seen": seen,
+            "landed": boundary_globals,
+            "visited": run.visited,
+            "inflight_at_end": inflight_at_end,
+            "rounds": run.strategy.rounds,
+            "global": run.strategy.global_flat.numpy().copy(),
+            "local": run.strategy.local.read().numpy().copy(),
+        }
     spec = f"diloco:inner_steps={H},adapt=deadline,overlap=eager,compressor=(topkq:ratio=0.2,bits=4),{PAPER}"
     a = Run(world, spec)
     a.until(2 * H + 1, cost)  # round 2's exchange in flight, rank 1 one step into its 2-step third round
@@ -372,11 +432,18 @@ def _overlapped(world) -> dict:
     restored = b.strategy.state_dict()
     b.until(5 * H + 2, cost)
     b.strategy.finish(b.model)
-    out["resume"] = {"same_state": _same(snap["strategy"], restored), "inflight": "inflight_mean" in snap["strategy"]["adapt"],
-                     "snap_step": snap["step"], "snap_round_steps": snap["strategy"]["adapt"]["round_steps"],
-                     "a": a.strategy.global_flat.numpy().copy(), "b": b.strategy.global_flat.numpy().copy(),
-                     "a_local": a.strategy.local.read().numpy().copy(), "b_local": b.strategy.local.read().numpy().copy(),
-                     "a_hist": a.strategy.schedule.history, "b_hist": b.strategy.schedule.history}
+    out["resume"] = {
+        "same_state": _same(snap["strategy"], restored),
+        "inflight": "inflight_mean" in snap["strategy"]["adapt"],
+        "snap_step": snap["step"],
+        "snap_round_steps": snap["strategy"]["adapt"]["round_steps"],
+        "a": a.strategy.global_flat.numpy().copy(),
+        "b": b.strategy.global_flat.numpy().copy(),
+        "a_local": a.strategy.local.read().numpy().copy(),
+        "b_local": b.strategy.local.read().numpy().copy(),
+        "a_hist": a.strategy.schedule.history,
+        "b_hist": b.strategy.schedule.history,
+    }
     # both islands equally fast, 1 s a step in round 1 and 1.5 s after it: round 2 runs 12 s against the 8 s
     # budget learnt from round 1, on both islands alike, which is no lag to make up
     run = Run(world, f"diloco:inner_steps={H},adapt=deadline,overlap=eager,{PAPER}")
@@ -388,8 +455,14 @@ def _overlapped(world) -> dict:
 
 def _two(world) -> dict:
     torch.manual_seed(world.rank)
-    return {"speed": _speed(world), "deadline": _deadline(world), "plain": _equal_speeds_is_plain(world),
-            "resume": _resume(world), "warm": _warm(world), "overlap": _overlapped(world)}
+    return {
+        "speed": _speed(world),
+        "deadline": _deadline(world),
+        "plain": _equal_speeds_is_plain(world),
+        "resume": _resume(world),
+        "warm": _warm(world),
+        "overlap": _overlapped(world),
+    }
 
 
 def _three(world) -> dict:
@@ -398,7 +471,11 @@ def _three(world) -> dict:
     run = Run(world, "diloco:inner_steps=6,adapt=speed,outer=sgd,outer_lr=1", rows=2 + world.rank)
     run.until(4 * 6, lambda step: cost)
     run.strategy.finish(run.model)
-    return {"history": run.strategy.schedule.history, "exchanges": run.exchanges, "global": run.strategy.global_flat.numpy()}
+    return {
+        "history": run.strategy.schedule.history,
+        "exchanges": run.exchanges,
+        "global": run.strategy.global_flat.numpy(),
+    }
 
 
 def _four(world) -> dict:
@@ -425,12 +502,20 @@ def test_speed_adaptive_h_follows_the_measured_speed(two):
         # round 1: H everywhere (nothing measured); then 2x slower -> H/2; round 5 (counted steps 32..39) is the
         # first at 4x, measured at its exchange -> H/4 from round 6; the final partial round: rank 0 reaches the
         # run's end after 3 steps, rank 1 takes its planned 2 and sends (its counter then skips past the end)
-        assert h == [[H, H], [H, H // 2], [H, H // 2], [H, H // 2], [H, H // 2], [H, H // 4], [H, H // 4],
-                     [3, H // 4]], h
+        assert h == [
+            [H, H],
+            [H, H // 2],
+            [H, H // 2],
+            [H, H // 2],
+            [H, H // 2],
+            [H, H // 4],
+            [H, H // 4],
+            [3, H // 4],
+        ], h
         assert r["speed"]["rounds"] == r["speed"]["sends"] == len(h)
     assert two[0]["speed"]["rates"] == pytest.approx([1.0, 4.0])
     # the slow island skips the counted steps it did not compute: it visits step 8..11, then 16..19, ...
-    assert two[1]["speed"]["visited"][H:H + 5] == [H, H + 1, H + 2, H + 3, 2 * H]
+    assert two[1]["speed"]["visited"][H : H + 5] == [H, H + 1, H + 2, H + 3, 2 * H]
     assert two[0]["speed"]["visited"] == list(range(7 * H + 3))
 
 
@@ -538,7 +623,7 @@ def test_overlapped_deadline_rounds_plan_one_round_later_and_weigh_by_samples(tw
         assert o["history"] == [[H, H], [H, H], [H, 2], [H, 2], [H, 2]], o["history"]
         assert o["rounds"] == 5 and o["inflight_at_end"]
         assert len(o["landed"]) == 5  # every exchange landed at the next boundary or in finish
-    assert two[1]["overlap"][mode]["visited"][2 * H:2 * H + 3] == [2 * H, 2 * H + 1, 3 * H]
+    assert two[1]["overlap"][mode]["visited"][2 * H : 2 * H + 3] == [2 * H, 2 * H + 1, 3 * H]
     a, b = two[0]["overlap"][mode], two[1]["overlap"][mode]
     assert a["global"].tobytes() == b["global"].tobytes()
     for k, (x, y) in enumerate(zip(a["seen"], b["seen"])):
@@ -576,6 +661,7 @@ def test_overlapped_adaptive_resume_with_an_exchange_in_flight_is_bitwise(two):
 
 # ---- the Trainer, a real slowdown ------------------------------------------------------------------
 
+
 def _trainer(world) -> dict:
     from islands.faults.slowdown import SlowStep
     from islands.loop.trainer import Trainer
@@ -590,13 +676,24 @@ def _trainer(world) -> dict:
     # every step padded to 40 ms (the floor): the speeds are the factors', not the loaded host's CPU shares
     step_fn = SlowStep(ForwardBackward(), 2.0 if world.island == 1 else 1.0, floor=0.04)
     outer = make_outer("diloco:inner_steps=8,adapt=speed")
-    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                      lambda out, y: sequence_loss(out, y), [(b[:, :-1], b[:, 1:]) for b in data],
-                      val_data=[(data[0][:, :-1], data[0][:, 1:])], strategy=Stack(outer=outer), world=world,
-                      step_fn=step_fn)
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        lambda out, y: sequence_loss(out, y),
+        [(b[:, :-1], b[:, 1:]) for b in data],
+        val_data=[(data[0][:, :-1], data[0][:, 1:])],
+        strategy=Stack(outer=outer),
+        world=world,
+        step_fn=step_fn,
+    )
     trainer.fit(36)
-    return {"history": outer.schedule.history, "step": trainer.step, "global": outer.global_flat.numpy().copy(),
-            "real_steps": trainer.steps_this_fit, "val": trainer.series["val"][-1]["val_loss"]}
+    return {
+        "history": outer.schedule.history,
+        "step": trainer.step,
+        "global": outer.global_flat.numpy().copy(),
+        "real_steps": trainer.steps_this_fit,
+        "val": trainer.series["val"][-1]["val_loss"],
+    }
 
 
 def test_trainer_with_a_slowed_island_plans_half_the_steps():
@@ -621,10 +718,37 @@ def test_islands_train_with_a_slowed_island_and_adaptive_rounds(tmp_path):
     import sys
 
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "islands", "train", "--task", "digits", "--workers", "2", "--islands",
-                          "2", "--steps", "20", "--warmup", "2", "--eval-every", "0", "--no-progress", "--no-probe",
-                          "--outer", "diloco:inner_steps=5,adapt=speed", "--world.slowdown", "1=2.0,floor=0.03",
-                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "train",
+            "--task",
+            "digits",
+            "--workers",
+            "2",
+            "--islands",
+            "2",
+            "--steps",
+            "20",
+            "--warmup",
+            "2",
+            "--eval-every",
+            "0",
+            "--no-progress",
+            "--no-probe",
+            "--outer",
+            "diloco:inner_steps=5,adapt=speed",
+            "--world.slowdown",
+            "1=2.0,floor=0.03",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rounds = json.loads((run_dir / "outer_exchanges.json").read_text())["steps_per_round"]
     assert rounds[0] == [5, 5] and len(rounds) == 4

@@ -7,9 +7,9 @@ import functools
 import json
 
 import pytest
+from test_outer_dist import Run
 
 from harness.outer import run_world
-from test_outer_dist import Run
 
 CASES = {  # spec, steps: the first ends on a round boundary, the others mid-round or with a fragment in flight
     "diloco-on-boundary": ("diloco:inner_steps=2", 4),
@@ -30,7 +30,8 @@ def _reports(world, root: str) -> None:
 @pytest.mark.slow  # two spawned gloo ranks: a few seconds
 def test_every_diloco_run_writes_its_exchange_report(tmp_path):
     run_world(functools.partial(_reports, root=str(tmp_path)), size=2, islands=2)
-    exchanges = {name: json.loads((tmp_path / name / "outer_exchanges.json").read_text())["exchanges"]
-                 for name in CASES}
+    exchanges = {
+        name: json.loads((tmp_path / name / "outer_exchanges.json").read_text())["exchanges"] for name in CASES
+    }
     # streaming: a fragment every 2 steps (4 sends), then the final synchronisation sends both fragments
     assert exchanges == {"diloco-on-boundary": 2, "diloco-mid-round": 2, "streaming": 6}

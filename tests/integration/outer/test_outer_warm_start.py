@@ -96,8 +96,9 @@ def _scenario(world) -> dict:
         a = Run(world, resume_spec)
         for i in range(cut):
             a.step(i)
-        snap = copy.deepcopy({"model": a.model.state_dict(), "opt": a.opt.state_dict(),
-                              "strategy": a.strategy.state_dict()})
+        snap = copy.deepcopy(
+            {"model": a.model.state_dict(), "opt": a.opt.state_dict(), "strategy": a.strategy.state_dict()}
+        )
         for i in range(cut, TOTAL):
             a.step(i)
         a.finish()
@@ -190,7 +191,12 @@ def test_warm_start_as_long_as_the_run_is_refused_before_any_worker_starts():
     from islands.config import ConfigError, from_mapping
 
     with pytest.raises(ConfigError, match=r"warm_start \(50\) must be < train.steps \(50\)"):
-        validate(from_mapping({"workers": 2, "islands": 2, "steps": 50,
-                               "outer": "diloco:inner_steps=10,warm_start=50"}))
-    assert validate(from_mapping({"workers": 2, "islands": 2, "steps": 50,
-                                  "outer": "diloco:inner_steps=10,warm_start=49"})).train.steps == 50
+        validate(
+            from_mapping({"workers": 2, "islands": 2, "steps": 50, "outer": "diloco:inner_steps=10,warm_start=50"})
+        )
+    assert (
+        validate(
+            from_mapping({"workers": 2, "islands": 2, "steps": 50, "outer": "diloco:inner_steps=10,warm_start=49"})
+        ).train.steps
+        == 50
+    )

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from islands.models import ByteTransformer, count_parameters, sequence_loss
 from harness.lm_reference import lm_batches, train_reference
 from harness.world import spawn_ranks
+from islands.models import ByteTransformer, count_parameters, sequence_loss
 
 STEPS, WORKERS, BATCH, CONTEXT = 5, 2, 4, 16
 
@@ -44,7 +44,7 @@ def _worker(rank, env, queue, bucket_mb):
     opt = make_optimizer(model)
     ddp = DDP(bucket_mb=bucket_mb).wrap(model, opt, world)
     for b in global_batches():
-        mine = b[rank * BATCH:(rank + 1) * BATCH]
+        mine = b[rank * BATCH : (rank + 1) * BATCH]
         sequence_loss(ddp(mine[:, :-1]), mine[:, 1:]).backward()
         opt.step()
         opt.zero_grad()

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from islands.parallel.contrastive import sigmoid_pair_loss, softmax_pair_loss
 from harness.outer import run_world
+from islands.parallel.contrastive import sigmoid_pair_loss, softmax_pair_loss
 
 PER_RANK, DIM = 3, 5
 
@@ -30,8 +30,13 @@ def _run(world):
         t, b = t.clone().requires_grad_(True), b.clone().requires_grad_(True)
         loss = sigmoid_pair_loss(xs, ys, t, b, comm) if name == "sigmoid" else softmax_pair_loss(xs, ys, t, comm)
         loss.backward()
-        out[name] = {"loss": loss.item(), "dx": xs.grad.numpy(), "dy": ys.grad.numpy(), "dt": t.grad.item(),
-                     "db": 0.0 if b.grad is None else b.grad.item()}
+        out[name] = {
+            "loss": loss.item(),
+            "dx": xs.grad.numpy(),
+            "dy": ys.grad.numpy(),
+            "dt": t.grad.item(),
+            "db": 0.0 if b.grad is None else b.grad.item(),
+        }
     return out
 
 
@@ -48,8 +53,10 @@ def _reference(n, name):
             loss = -F.logsigmoid(labels * z).sum() / PER_RANK
         else:
             target = torch.arange(r * PER_RANK, (r + 1) * PER_RANK)
-            loss = (F.cross_entropy(t.exp() * x[part] @ y.T, target, reduction="sum")
-                    + F.cross_entropy(t.exp() * y[part] @ x.T, target, reduction="sum")) / (2 * PER_RANK)
+            loss = (
+                F.cross_entropy(t.exp() * x[part] @ y.T, target, reduction="sum")
+                + F.cross_entropy(t.exp() * y[part] @ x.T, target, reduction="sum")
+            ) / (2 * PER_RANK)
         losses.append(loss.item())
         total = total + loss
     total.backward()

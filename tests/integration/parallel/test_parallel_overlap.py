@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from harness.outer import run_world
 from islands.parallel import RowParallelLinear, matmul_all_reduce
 from islands.parallel.overlap import check_chunks
-from harness.outer import run_world
 
 
 def _reference():
@@ -33,9 +33,15 @@ def _row_parallel(world):
         y.pow(2).sum().backward()
         sent = world.ledger.sent.get("tp_all_reduce", 0) - before.get("tp_all_reduce", 0)
         calls = world.ledger.calls["tp_all_reduce"]
-        out[chunks] = {"y": y.detach().numpy(), "gx": xs.grad.numpy(), "gw": layer.weight.grad.numpy(),
-                       "gb": layer.bias.grad.numpy(), "sent": sent, "calls": calls,
-                       "slice": (layer.input_slice().start, layer.input_slice().stop)}
+        out[chunks] = {
+            "y": y.detach().numpy(),
+            "gx": xs.grad.numpy(),
+            "gw": layer.weight.grad.numpy(),
+            "gb": layer.bias.grad.numpy(),
+            "sent": sent,
+            "calls": calls,
+            "slice": (layer.input_slice().start, layer.input_slice().stop),
+        }
     return out
 
 
@@ -64,8 +70,10 @@ def _empty_and_errors(world):
     w = torch.ones(4, 3)
     empty = matmul_all_reduce(torch.zeros(0, 3), w, comm, chunks=2)
     errors = []
-    for bad in (lambda: matmul_all_reduce(torch.ones(2, 5), w, comm),
-                lambda: matmul_all_reduce(torch.ones(2, 3, dtype=torch.float64), w, comm)):
+    for bad in (
+        lambda: matmul_all_reduce(torch.ones(2, 5), w, comm),
+        lambda: matmul_all_reduce(torch.ones(2, 3, dtype=torch.float64), w, comm),
+    ):
         try:
             bad()
         except (ValueError, TypeError) as e:

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from islands.parallel.ring_attention import ring_attention, ring_kv_bytes
 from harness.outer import run_world
+from islands.parallel.ring_attention import ring_attention, ring_kv_bytes
 
 SEQ, HEADS, DIM = 12, 2, 4
 
@@ -23,13 +23,19 @@ def _ring(world):
     block = SEQ // n
     out = {}
     for causal in (True, False):
-        q, k, v = (t[:, :, r * block:(r + 1) * block].clone().requires_grad_(True) for t in _full_inputs())
+        q, k, v = (t[:, :, r * block : (r + 1) * block].clone().requires_grad_(True) for t in _full_inputs())
         before = world.ledger.total_sent
         y = ring_attention(q, k, v, comm, causal=causal)
         weights = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) / y.numel()
         (y * weights).sum().backward()  # a loss that differs per position
-        out[causal] = {"y": y.detach().numpy(), "dq": q.grad.numpy(), "dk": k.grad.numpy(), "dv": v.grad.numpy(),
-                       "sent": world.ledger.total_sent - before, "block": tuple(q.shape)}
+        out[causal] = {
+            "y": y.detach().numpy(),
+            "dq": q.grad.numpy(),
+            "dk": k.grad.numpy(),
+            "dv": v.grad.numpy(),
+            "sent": world.ledger.total_sent - before,
+            "block": tuple(q.shape),
+        }
     return out
 
 

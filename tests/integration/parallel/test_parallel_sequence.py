@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from islands.parallel.sequence import TensorParallelMLP, sequence_shard
 from harness.outer import run_world
+from islands.parallel.sequence import TensorParallelMLP, sequence_shard
 
 S, D, H = 8, 6, 10
 
@@ -35,11 +35,17 @@ def _run(world):
         w = sequence_shard(weights, comm) if sp else weights
         (y * w).sum().backward()
         after = world.ledger.snapshot()["sent"]
-        moved = sum(v - before.get(k, 0) for k, v in after.items() if k in
-                    ("tp_all_reduce", "sp_all_gather", "sp_reduce_scatter"))
+        moved = sum(
+            v - before.get(k, 0)
+            for k, v in after.items()
+            if k in ("tp_all_reduce", "sp_all_gather", "sp_reduce_scatter")
+        )
         block.reduce_replicated_grads()
-        out[sp] = {"y": y.detach().numpy(), "moved": moved,
-                   "grads": {k: p.grad.numpy() for k, p in block.named_parameters()}}
+        out[sp] = {
+            "y": y.detach().numpy(),
+            "moved": moved,
+            "grads": {k: p.grad.numpy() for k, p in block.named_parameters()},
+        }
     return out
 
 
@@ -52,7 +58,7 @@ def test_sequence_parallel_and_plain_tensor_parallel_equal_the_unsplit_block_and
         rows = slice(r * H // 2, (r + 1) * H // 2)
         for sp in (False, True):
             g = got[sp]
-            expect_y = y.detach()[r * S // 2:(r + 1) * S // 2] if sp else y.detach()
+            expect_y = y.detach()[r * S // 2 : (r + 1) * S // 2] if sp else y.detach()
             torch.testing.assert_close(torch.from_numpy(g["y"]), expect_y)
             gr = {k: torch.from_numpy(v) for k, v in g["grads"].items()}
             torch.testing.assert_close(gr["up.weight"], up.weight.grad[rows])

@@ -30,9 +30,17 @@ def _mlp():
 
 
 # (model, cuts, schedule, microbatches); balanced uses FLOP costs so every rank cuts the same way
-CASES = [("lm", "equal", "gpipe", 4), ("lm", "equal", "1f1b", 4), ("lm", "graph", "gpipe", 2),
-         ("lm", "graph", "1f1b", 4), ("lm", "balanced", "gpipe", 4), ("lm", "balanced", "1f1b", 1),
-         ("mlp", "equal", "1f1b", 2), ("mlp", "graph", "gpipe", 4), ("mlp", "balanced", "1f1b", 4)]
+CASES = [
+    ("lm", "equal", "gpipe", 4),
+    ("lm", "equal", "1f1b", 4),
+    ("lm", "graph", "gpipe", 2),
+    ("lm", "graph", "1f1b", 4),
+    ("lm", "balanced", "gpipe", 4),
+    ("lm", "balanced", "1f1b", 1),
+    ("mlp", "equal", "1f1b", 2),
+    ("mlp", "graph", "gpipe", 4),
+    ("mlp", "balanced", "1f1b", 4),
+]
 
 
 def _setup(name: str, cuts: str, stages: int):
@@ -63,11 +71,20 @@ def _pipelined(world):
         before = {k: dict(getattr(world.ledger, k)) for k in ("sent", "received")}
         loss = runner.step(x, y, m)
         names = {id(p): n for n, p in model.named_parameters()}
-        delta = {k: {kind: v - before[k].get(kind, 0) for kind, v in getattr(world.ledger, k).items()}
-                 for k in ("sent", "received")}
-        out.append({"starts": starts, "loss": None if loss is None else float(loss),
-                    "grads": {names[id(p)]: p.grad.numpy().copy() for p in stage.parameters()},
-                    "bytes": delta, "peak": runner.meter.peak, "live": runner.meter.live})
+        delta = {
+            k: {kind: v - before[k].get(kind, 0) for kind, v in getattr(world.ledger, k).items()}
+            for k in ("sent", "received")
+        }
+        out.append(
+            {
+                "starts": starts,
+                "loss": None if loss is None else float(loss),
+                "grads": {names[id(p)]: p.grad.numpy().copy() for p in stage.parameters()},
+                "bytes": delta,
+                "peak": runner.meter.peak,
+                "live": runner.meter.live,
+            }
+        )
     return out
 
 
@@ -119,8 +136,18 @@ def _held(world):
     return out
 
 
-TRAIN = {"task": "digits", "hidden": 16, "global_batch": 12, "steps": 3, "warmup": 1, "eval_every": 0,
-         "probe": False, "progress": False, "grad_clip": 0.05, "seed": 3}
+TRAIN = {
+    "task": "digits",
+    "hidden": 16,
+    "global_batch": 12,
+    "steps": 3,
+    "warmup": 1,
+    "eval_every": 0,
+    "probe": False,
+    "progress": False,
+    "grad_clip": 0.05,
+    "seed": 3,
+}
 
 
 def _train(world):
@@ -129,13 +156,29 @@ def _train(world):
     from islands.app.validate import validate
     from islands.config import from_mapping
 
-    cfg = validate(from_mapping({**TRAIN, "workers": 3, "inner": "pipeline", "stages": 3, "microbatches": "3",
-                                 "cuts": "graph", "pipeline_schedule": "gpipe"}))
+    cfg = validate(
+        from_mapping(
+            {
+                **TRAIN,
+                "workers": 3,
+                "inner": "pipeline",
+                "stages": 3,
+                "microbatches": "3",
+                "cuts": "graph",
+                "pipeline_schedule": "gpipe",
+            }
+        )
+    )
     trainer = build_trainer(cfg, world)
     losses = [trainer.train_step() for _ in range(cfg.train.steps)]
     inner = trainer.strategy.inner  # the pipeline is a strategy that supplies its own forward and backward
-    return {"type": type(inner).__name__, "losses": losses, "val": trainer.evaluate()["val_loss"],
-            "plan": inner.describe(), "kinds": sorted(world.ledger.sent)}
+    return {
+        "type": type(inner).__name__,
+        "losses": losses,
+        "val": trainer.evaluate()["val_loss"],
+        "plan": inner.describe(),
+        "kinds": sorted(world.ledger.sent),
+    }
 
 
 def _both(world):

@@ -13,9 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from harness.hf import JSON_PKG, run_hf_job  # noqa: E402
+from harness.outer import run_world  # noqa: E402
 from islands.cli import main  # noqa: E402
 from islands.parallel.pipeline import pieces_of  # noqa: E402
-from harness.outer import run_world  # noqa: E402
 
 V = 64
 
@@ -23,11 +23,29 @@ V = 64
 def _model(family: str, attn: str = "sdpa", tie: bool = False):
     torch.manual_seed(0)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
-                                      eos_token_id=0, tie_word_embeddings=tie, attn_implementation=attn)
+        cfg = transformers.GPT2Config(
+            vocab_size=V,
+            n_positions=32,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=tie,
+            attn_implementation=attn,
+        )
         return transformers.GPT2LMHeadModel(cfg)
-    kw = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=tie, attn_implementation=attn)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+        attn_implementation=attn,
+    )
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
@@ -77,8 +95,10 @@ def _two_stages(world):
         ids = _ids(2, t=9)
         loss = runner.step(ids[:, :-1], ids[:, 1:], 2)
         names = {id(p): n for n, p in model.named_parameters()}
-        out[family] = {"loss": None if loss is None else float(loss),
-                       "grads": {names[id(p)]: p.grad.numpy().copy() for p in stage.parameters()}}
+        out[family] = {
+            "loss": None if loss is None else float(loss),
+            "grads": {names[id(p)]: p.grad.numpy().copy() for p in stage.parameters()},
+        }
     return out
 
 
@@ -101,8 +121,13 @@ def test_a_two_stage_pipeline_equals_the_unsplit_model():
 @pytest.mark.slow  # two jobs of 2 gloo ranks forked from this process
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_cli_trains_a_transformers_model_as_a_pipeline(tmp_path, family):
-    record = run_hf_job(tmp_path / "run", workers=2, inner="pipeline", microbatches="2",
-                        **{"task.model": family, "task.model_overrides": "tie_word_embeddings=false"})
+    record = run_hf_job(
+        tmp_path / "run",
+        workers=2,
+        inner="pipeline",
+        microbatches="2",
+        **{"task.model": family, "task.model_overrides": "tie_word_embeddings=false"},
+    )
     s = record["summary"]
     assert s["strategy"] == "pipeline" and s["workers"] == 2
     assert s["final_val_loss"] < math.log(320)  # below a uniform guess after 4 steps: it learns
@@ -117,11 +142,42 @@ def _exit_2(argv, capsys) -> str:
 
 
 def test_what_cannot_be_cut_exits_2_before_any_worker(tmp_path, capsys):
-    flags = ["train", "--task", "hf-causal-lm", "--steps", "1", "--no-probe", "--no-progress", "--data", str(JSON_PKG),
-             "--inner", "pipeline", "--d-model", "32", "--n-heads", "2", "--context", "32"]
+    flags = [
+        "train",
+        "--task",
+        "hf-causal-lm",
+        "--steps",
+        "1",
+        "--no-probe",
+        "--no-progress",
+        "--data",
+        str(JSON_PKG),
+        "--inner",
+        "pipeline",
+        "--d-model",
+        "32",
+        "--n-heads",
+        "2",
+        "--context",
+        "32",
+    ]
     err = _exit_2([*flags, "--workers", "2", "--run-dir", str(tmp_path / "a")], capsys)
     assert "ties its input and output embeddings" in err and "tie_word_embeddings=false" in err
-    err = _exit_2([*flags, "--workers", "5", "--global-batch", "10", "--n-layers", "2", "--task.model", "llama",
-                   "--run-dir", str(tmp_path / "b")], capsys)
+    err = _exit_2(
+        [
+            *flags,
+            "--workers",
+            "5",
+            "--global-batch",
+            "10",
+            "--n-layers",
+            "2",
+            "--task.model",
+            "llama",
+            "--run-dir",
+            str(tmp_path / "b"),
+        ],
+        capsys,
+    )
     assert "inner.stages=5" in err and "only 4 pieces" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

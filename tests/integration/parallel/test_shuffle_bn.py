@@ -6,9 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from islands.parallel.shuffle_bn import (dealt_permutation, encode_in_groups, shuffled_encode, shuffled_encode_bytes,
-                                         shuffled_group_encode)
 from harness.outer import run_world
+from islands.parallel.shuffle_bn import (
+    dealt_permutation,
+    encode_in_groups,
+    shuffled_encode,
+    shuffled_encode_bytes,
+    shuffled_group_encode,
+)
 
 ROWS, IN, OUT, SEED = 6, 5, 3, 11
 
@@ -43,12 +48,16 @@ def _rank(world):
     world.ledger.reset()
     with torch.no_grad():
         shuffled_encode(enc, x, comm, gen)
-    return {"out": out.detach().numpy(), "dx": x.grad.numpy(), "perm": perm_seen.numpy(),
-            "rng_untouched": rng_untouched,
-            "grads": {k: p.grad.numpy() for k, p in enc.named_parameters()},
-            "bytes": (with_grad["total_sent"], with_grad["total_received"]),
-            "kinds": sorted(with_grad["sent"]),
-            "bytes_no_grad": (world.ledger.total_sent, world.ledger.total_received)}
+    return {
+        "out": out.detach().numpy(),
+        "dx": x.grad.numpy(),
+        "perm": perm_seen.numpy(),
+        "rng_untouched": rng_untouched,
+        "grads": {k: p.grad.numpy() for k, p in enc.named_parameters()},
+        "bytes": (with_grad["total_sent"], with_grad["total_received"]),
+        "kinds": sorted(with_grad["sent"]),
+        "bytes_no_grad": (world.ledger.total_sent, world.ledger.total_received),
+    }
 
 
 def test_shuffled_encode_on_two_ranks_matches_the_dealt_batch_in_one_process():
@@ -65,7 +74,7 @@ def test_shuffled_encode_on_two_ranks_matches_the_dealt_batch_in_one_process():
     perm = dealt_permutation(ranks * ROWS, ranks, torch.Generator().manual_seed(SEED))
     assert torch.equal(perm, torch.from_numpy(results[0]["perm"]))
     shuffled = x[perm]
-    groups_out = torch.cat([enc(shuffled[g * ROWS:(g + 1) * ROWS]) for g in range(ranks)])
+    groups_out = torch.cat([enc(shuffled[g * ROWS : (g + 1) * ROWS]) for g in range(ranks)])
     ref = torch.empty_like(groups_out)
     ref[perm] = groups_out  # row perm[i] of the batch came out as row i of the dealt encoding
     (ref * _loss_weights(ranks)).sum().backward()
@@ -100,12 +109,14 @@ def test_dealt_permutation_spreads_every_source_group_evenly():
         perm = dealt_permutation(rows, groups, torch.Generator().manual_seed(rows))
         assert sorted(perm.tolist()) == list(range(rows))
         for j in range(groups):
-            counts = torch.bincount(perm[j * m:(j + 1) * m] // m, minlength=groups)
+            counts = torch.bincount(perm[j * m : (j + 1) * m] // m, minlength=groups)
             assert counts.max() - counts.min() <= 1, (rows, groups, counts)
         # seeded: the same generator state gives the same permutation, a different one another
         assert torch.equal(perm, dealt_permutation(rows, groups, torch.Generator().manual_seed(rows)))
         # no key group is the same set of rows as a query (source) group
-        assert all(set((perm[j * m:(j + 1) * m] // m).tolist()) != {j2} for j in range(groups) for j2 in range(groups))
+        assert all(
+            set((perm[j * m : (j + 1) * m] // m).tolist()) != {j2} for j in range(groups) for j2 in range(groups)
+        )
     a = dealt_permutation(64, 4, torch.Generator().manual_seed(1))
     assert not torch.equal(a, dealt_permutation(64, 4, torch.Generator().manual_seed(2)))
 
@@ -120,7 +131,7 @@ def test_group_encoding_restores_row_order_and_uses_each_groups_statistics():
     perm = dealt_permutation(8, 2, torch.Generator().manual_seed(5))
     out = encode_in_groups(bn, x, 2, perm)
     for g in range(2):
-        idx = perm[g * 4:(g + 1) * 4]
+        idx = perm[g * 4 : (g + 1) * 4]
         block = x[idx]
         want = (block - block.mean(0)) / torch.sqrt(block.var(0, unbiased=False) + bn.eps)
         torch.testing.assert_close(out[idx], want)
@@ -130,7 +141,7 @@ def test_group_encoding_restores_row_order_and_uses_each_groups_statistics():
     # a positive pair's key never shares its statistics with the query's block: with the deal, each
     # key group holds rows of both source blocks
     for g in range(2):
-        assert set((perm[g * 4:(g + 1) * 4] // 4).tolist()) == {0, 1}
+        assert set((perm[g * 4 : (g + 1) * 4] // 4).tolist()) == {0, 1}
 
 
 def test_bad_input_is_named():

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import islands
-from islands.runtime.world import LoneComm
 from harness.world import spawn_ranks
+from islands.runtime.world import LoneComm
 
 
 class BNNet(nn.Module):
@@ -73,8 +73,10 @@ def test_public_names_resolve_and_compose_from_objects():
         for name in ns.__all__:
             assert callable(getattr(ns, name)), f"{ns.__name__}.{name}"
     # the program of the issue, built from objects (this raised TypeError: compressor spec must be a str)
-    strategy = islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
-                             outer=islands.outer.DiLoCo(50, exchange=islands.outer.Exchange(aggregator=islands.robust.CoordinateMedian())))
+    strategy = islands.Stack(
+        inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=4)),
+        outer=islands.outer.DiLoCo(50, exchange=islands.outer.Exchange(aggregator=islands.robust.CoordinateMedian())),
+    )
     assert strategy.name == "ddp+diloco"
     outer = islands.outer.DiLoCo(exchange=islands.outer.Exchange(compressor=islands.compress.PowerSGD(rank=2)))
     assert type(outer.exchange.compressor).__name__ == "ErrorFeedback"  # PowerSGD asks for error feedback
@@ -88,9 +90,15 @@ def test_outer_strategies_need_no_step_count_and_finish_is_idempotent():
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     world = islands.World.single()
-    for outer in (islands.outer.DiLoCo(inner_steps=4), islands.outer.LocalSGD(every=3),
-                  islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1)), islands.outer.EASGD(every=2),
-                  islands.outer.OverlapLocalSGD(tau=2), islands.outer.Gossip(every=2), islands.outer.SlowMo(every=2)):
+    for outer in (
+        islands.outer.DiLoCo(inner_steps=4),
+        islands.outer.LocalSGD(every=3),
+        islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1)),
+        islands.outer.EASGD(every=2),
+        islands.outer.OverlapLocalSGD(tau=2),
+        islands.outer.Gossip(every=2),
+        islands.outer.SlowMo(every=2),
+    ):
         m = outer.wrap(model, opt, world)
         for step in range(5):
             m(torch.randn(4, 3)).sum().backward()
@@ -113,8 +121,14 @@ def test_trainer_takes_a_tuple_output_and_reports_accuracy():
     torch.manual_seed(0)
     model = TupleNet()
     data = batches(1, 40, shape=(6,))
-    trainer = islands.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), F.cross_entropy, data,
-                              val_data=data[:4], callbacks=[islands.Evaluate(every=10)])
+    trainer = islands.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        F.cross_entropy,
+        data,
+        val_data=data[:4],
+        callbacks=[islands.Evaluate(every=10)],
+    )
     trainer.fit(20)
     val = trainer.series["val"]
     assert [v["step"] for v in val] == [0, 10, 20]
@@ -152,8 +166,11 @@ def test_evaluate_reads_logits_and_loss_from_a_model_output():
 def test_evaluate_a_transformers_model_built_from_a_config():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
-                                                                 n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+    )
     ids = torch.randint(0, 50, (4, 16))
     got = islands.evaluate(model, [{"input_ids": ids, "labels": ids}], None, torch.device("cpu"))
     assert model.training  # evaluate() puts the model back as it found it
@@ -161,8 +178,13 @@ def test_evaluate_a_transformers_model_built_from_a_config():
         expected = model.eval()(input_ids=ids, labels=ids).loss.item()  # dropout off, as evaluate runs it
     model.train()
     assert got["val_loss"] == pytest.approx(expected, rel=1e-6)
-    trainer = islands.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), None,
-                              [{"input_ids": ids, "labels": ids}] * 10, val_data=[{"input_ids": ids, "labels": ids}])
+    trainer = islands.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        None,
+        [{"input_ids": ids, "labels": ids}] * 10,
+        val_data=[{"input_ids": ids, "labels": ids}],
+    )
     trainer.fit(10)
     assert trainer.series["val"][-1]["val_loss"] < got["val_loss"]
 
@@ -177,16 +199,16 @@ def test_a_model_with_nothing_to_train_is_refused():
 def test_a_loss_that_is_not_a_scalar_is_named():
     model = nn.Linear(6, 3)
     per_sample = lambda pred, y: F.cross_entropy(pred, y, reduction="none")  # noqa: E731
-    trainer = islands.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample,
-                              batches(0, 4, shape=(6,)))
+    trainer = islands.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample, batches(0, 4, shape=(6,)))
     with pytest.raises(islands.BatchError, match="scalar"):
         trainer.fit(1)
 
 
 def test_a_batch_the_model_cannot_take_names_its_shape():
     model = nn.Linear(6, 3)
-    trainer = islands.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
-                              batches(0, 4, shape=(5,)))
+    trainer = islands.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, batches(0, 4, shape=(5,))
+    )
     with pytest.raises(islands.BatchError, match=r"could not take the batch tuple\(Tensor\[8, 5\] float32"):
         trainer.fit(1)
 
@@ -204,13 +226,23 @@ def _bn_rank(rank, env):
 
 def _bn_diloco_worker(rank, env, queue, streaming=False):
     world, model, opt = _bn_rank(rank, env)
-    outer = (islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1)) if streaming
-             else islands.outer.DiLoCo(inner_steps=5))
+    outer = (
+        islands.outer.StreamingDiLoCo(4, schedule=islands.outer.Fragments(2, tau=1))
+        if streaming
+        else islands.outer.DiLoCo(inner_steps=5)
+    )
     strategy = islands.Stack(outer=outer)
     model = own_loop(strategy, model, opt, world, batches(10 + rank, 12))  # each island its own data
     g = strategy.eval_model(model)
-    queue.put((rank, plain(model.bn.running_mean), plain(g.bn.running_mean), int(g.bn.num_batches_tracked),
-               [plain(p) for p in g.parameters()]))
+    queue.put(
+        (
+            rank,
+            plain(model.bn.running_mean),
+            plain(g.bn.running_mean),
+            int(g.bn.num_batches_tracked),
+            [plain(p) for p in g.parameters()],
+        )
+    )
     islands.close_world(world)
 
 
@@ -241,12 +273,20 @@ def _bn_islands_of_two_worker(rank, env, queue, gossip=False):
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    outer = islands.outer.Gossip(every=4, topology=islands.outer.Ring()) if gossip else islands.outer.DiLoCo(inner_steps=4)
+    outer = (
+        islands.outer.Gossip(every=4, topology=islands.outer.Ring()) if gossip else islands.outer.DiLoCo(inner_steps=4)
+    )
     strategy = islands.Stack(inner=islands.inner.DDP(), outer=outer)
     model = own_loop(strategy, model, opt, world, batches(20 + rank, 10))
     g = strategy.eval_model(model)
-    queue.put((rank, {k: plain(v) for k, v in g.state_dict().items()}, plain(model.module.bn.running_mean),
-               dict(world.ledger.sent)))
+    queue.put(
+        (
+            rank,
+            {k: plain(v) for k, v in g.state_dict().items()},
+            plain(model.module.bn.running_mean),
+            dict(world.ledger.sent),
+        )
+    )
     islands.close_world(world)
 
 
@@ -269,7 +309,7 @@ def test_gossip_keeps_each_islands_own_batchnorm_statistics_the_same_on_all_its_
     replica: without averaging over the island, worker 0 and 1 of an island reported different models."""
     got = sorted(spawn_ranks(_bn_islands_of_two_worker, 4, True, timeout=120), key=lambda r: r[0])
     for island in (0, 1):
-        (_, a, live_a, _), (_, b, live_b, _) = got[2 * island: 2 * island + 2]
+        (_, a, live_a, _), (_, b, live_b, _) = got[2 * island : 2 * island + 2]
         for key in a:
             assert (a[key] == b[key]).all(), (island, key)
         assert (live_a == live_b).all()

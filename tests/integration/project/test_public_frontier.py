@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn as nn
@@ -53,8 +52,11 @@ def _bn_worker(rank, env, queue, compress, overlap):
     assert [id(p) for p in muon] == [id(model.hidden.weight)]
     opt = islands.optim.MuonAdamW(muon, rest, lr=1e-2)
     # the synchronous arm codes positions with Elias-Fano (SOTA-905), the overlapped one with fixed-width indices
-    compressor = (islands.compress.TopKQ(ratio=0.1, bits=2, index="elias-fano" if overlap == "none" else "fixed")
-                  if compress else None)
+    compressor = (
+        islands.compress.TopKQ(ratio=0.1, bits=2, index="elias-fano" if overlap == "none" else "fixed")
+        if compress
+        else None
+    )
     strategy = islands.outer.DiLoCo.from_options(inner_steps=4, compressor=compressor, overlap=overlap)
     model = strategy.wrap(model, opt, world)
     for step, (x, y) in enumerate(_batches(10 + rank, 12)):  # each island its own data
@@ -84,12 +86,21 @@ def _hf_worker(rank, env, queue, compressor_name):
     torch.set_num_threads(1)
     world = islands.init_world(islands=2)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=16))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    compressor = {"none": None, "topkq": islands.compress.TopKQ(ratio=0.05, bits=2),
-                  "dct": islands.compress.DCTTopK()}[compressor_name]
+    compressor = {"none": None, "topkq": islands.compress.TopKQ(ratio=0.05, bits=2), "dct": islands.compress.DCTTopK()}[
+        compressor_name
+    ]
     strategy = islands.outer.DiLoCo(3, exchange=islands.outer.Exchange(compressor=compressor))
     g = torch.Generator().manual_seed(rank)
     data = [{"input_ids": (ids := torch.randint(0, 64, (4, 16), generator=g)), "labels": ids} for _ in range(6)]
@@ -125,8 +136,9 @@ def _bn_outer_worker(rank, env, queue, which):
     model = BNMLPNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if which == "gossip":
-        strategy = islands.outer.Gossip(every=2, topology=islands.outer.Ring(), compressor=islands.compress.TopKQ(ratio=0.2, bits=8),
-                                        gamma=0.3)
+        strategy = islands.outer.Gossip(
+            every=2, topology=islands.outer.Ring(), compressor=islands.compress.TopKQ(ratio=0.2, bits=8), gamma=0.3
+        )
     else:
         strategy = islands.outer.DiLoCo(4, schedule=islands.outer.Adaptive("speed"))
     model = strategy.wrap(model, opt, world)
@@ -139,8 +151,17 @@ def _bn_outer_worker(rank, env, queue, which):
     strategy.finish(model)
     g = {k: _plain(v) for k, v in strategy.eval_model(model).state_dict().items()}
     payload = strategy.estimates.nbytes if which == "gossip" else 0
-    queue.put((rank, g, start, world.ledger.snapshot()["sent"].get("outer_params", 0), strategy.rounds, payload,
-               _plain(model.bn.running_var)))
+    queue.put(
+        (
+            rank,
+            g,
+            start,
+            world.ledger.snapshot()["sent"].get("outer_params", 0),
+            strategy.rounds,
+            payload,
+            _plain(model.bn.running_var),
+        )
+    )
     islands.close_world(world)
 
 

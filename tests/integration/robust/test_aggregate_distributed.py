@@ -11,15 +11,22 @@ import socket
 import traceback
 
 import pytest
-from harness.procs import mp_context
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from harness.procs import mp_context
 
 WORLD = 4
 SPECS = [
-    "mean", "median", "trimmed-mean:beta=0.25", "krum:f=1", "multi-krum:f=1,m=2", "geomed",
-    "cclip:tau=0.5", "nnm+krum:f=1", "bucketing:s=2+median",
+    "mean",
+    "median",
+    "trimmed-mean:beta=0.25",
+    "krum:f=1",
+    "multi-krum:f=1,m=2",
+    "geomed",
+    "cclip:tau=0.5",
+    "nnm+krum:f=1",
+    "bucketing:s=2+median",
 ]
 
 
@@ -50,7 +57,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     saved: dict = {}
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
             timeout=datetime.timedelta(seconds=30),
         )
         ledger = CommLedger()
@@ -76,7 +86,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # The same attack over a subgroup whose group ranks differ from global ranks.
         sub = dist.new_group([0, 2, 3])
         if rank in (0, 2, 3):
-            saved["sub_sent"] = parse_attack("ipm:eps=2,ranks=2", WORLD).corrupt(rank_tensor(rank), rank, Comm(sub, CommLedger()))
+            saved["sub_sent"] = parse_attack("ipm:eps=2,ranks=2", WORLD).corrupt(
+                rank_tensor(rank), rank, Comm(sub, CommLedger())
+            )
         dist.barrier()
     except Exception:  # the parent shows this instead of a bare exit code
         saved["error"] = traceback.format_exc()

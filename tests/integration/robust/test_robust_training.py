@@ -13,13 +13,34 @@ import traceback
 import numpy as np
 import pytest
 import torch
+
 from harness.world import spawn_ranks
 
 WORLD, STEPS, DELAY = 4, 4, 0.25
-ROBUST = ["median", "trimmed-mean:beta=0.25", "krum:f=1", "multi-krum:f=1,m=2", "geomed", "cclip:tau=0.5",
-          "nnm:f=1+median", "bucketing:s=2+median"]
-TINY = dict(task="digits", workers=WORLD, steps=STEPS, global_batch=16, hidden=16, warmup=1, eval_every=0,
-            eval_batches=1, log_every=STEPS, probe=False, progress=False, timeout=30.0)
+ROBUST = [
+    "median",
+    "trimmed-mean:beta=0.25",
+    "krum:f=1",
+    "multi-krum:f=1,m=2",
+    "geomed",
+    "cclip:tau=0.5",
+    "nnm:f=1+median",
+    "bucketing:s=2+median",
+]
+TINY = dict(
+    task="digits",
+    workers=WORLD,
+    steps=STEPS,
+    global_batch=16,
+    hidden=16,
+    warmup=1,
+    eval_every=0,
+    eval_batches=1,
+    log_every=STEPS,
+    probe=False,
+    progress=False,
+    timeout=30.0,
+)
 
 # label -> (aggregate, attack, extra config)
 SCENARIOS: dict[str, tuple[str, str, dict]] = {
@@ -54,8 +75,12 @@ def _worker(rank: int, env: dict, queue) -> None:
             trainer = build_trainer(cfg, world, run_dir=None)
             record = trainer.fit(cfg.train.steps)
             params = [p.detach().numpy().copy() for p in trainer.strategy.eval_model(trainer.model).parameters()]
-            out[label] = {"params": params, "steps": trainer.step, "elapsed": trainer.elapsed,
-                          "loss": record["summary"]["final_val_loss"]}
+            out[label] = {
+                "params": params,
+                "steps": trainer.step,
+                "elapsed": trainer.elapsed,
+                "loss": record["summary"]["final_val_loss"],
+            }
         close_world(world)
         queue.put((rank, out))
     except Exception:

@@ -16,24 +16,38 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness.procs import free_port
 
+from harness.procs import free_port
 from islands.compress import Agreed, Combine, compress_and_average, ddp_comm_hook, parse_compressor
 from islands.runtime.comm import Comm, CommLedger
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Same inputs give the same payload on both devices (up to float rounding of the kernels).
-DETERMINISTIC = ["none", "fp16", "bf16", "topk:ratio=0.05,warmup=0", "powersgd:rank=2", "sign",
-                 "powersgd:rank=4,bits=16,dense_bits=16", "powersgd:rank=4,bits=8,dense_bits=16"]  # bits=8: gathered sums
+DETERMINISTIC = [
+    "none",
+    "fp16",
+    "bf16",
+    "topk:ratio=0.05,warmup=0",
+    "powersgd:rank=2",
+    "sign",
+    "powersgd:rank=4,bits=16,dense_bits=16",
+    "powersgd:rank=4,bits=8,dense_bits=16",
+]  # bits=8: gathered sums
 # Draw from the compressor's own per-device generator: equal in law, not in value, across devices.
 STOCHASTIC = ["int8", "int4", "qsgd:levels=16", "randomk:ratio=0.25"]
 
 
 @pytest.fixture(scope="module")
 def groups():
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+        device_id=torch.device("cuda", 0),
+    )
     gloo = dist.new_group(backend="gloo")
     yield {"cuda": None, "cpu": gloo}
     dist.destroy_process_group()
@@ -123,16 +137,40 @@ def test_ddp_hook_over_nccl_equals_the_standalone_average(groups):
 
 def _train(tmp_path: Path, *args: str) -> dict:
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "islands", "train", "--steps", "6", "--eval-every", "0", "--log-every", "2",
-           "--d-model", "64", "--n-layers", "2", "--global-batch", "8", "--run-dir", str(run), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "islands",
+        "train",
+        "--steps",
+        "6",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "2",
+        "--d-model",
+        "64",
+        "--n-layers",
+        "2",
+        "--global-batch",
+        "8",
+        "--run-dir",
+        str(run),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads((run / "run.json").read_text())
 
 
-@pytest.mark.parametrize("args", [("--workers", "1", "--device", "cuda"),
-                                  ("--workers", "1", "--device", "cuda", "--inner", "fsdp"),
-                                  ("--workers", "1", "--device", "cuda", "--precision", "bf16")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--workers", "1", "--device", "cuda"),
+        ("--workers", "1", "--device", "cuda", "--inner", "fsdp"),
+        ("--workers", "1", "--device", "cuda", "--precision", "bf16"),
+    ],
+)
 def test_training_runs_on_cuda_with_nccl(tmp_path, args):
     rec = _train(tmp_path, *args)
     assert rec["world"]["device"].startswith("cuda") and rec["summary"]["steps"] == 6
@@ -148,8 +186,25 @@ def test_auto_device_falls_back_to_gloo_when_workers_outnumber_gpus(tmp_path):
 
 def test_device_cuda_refuses_more_workers_than_gpus(tmp_path):
     workers = torch.cuda.device_count() + 1
-    proc = subprocess.run([sys.executable, "-m", "islands", "train", "--device", "cuda", "--workers", str(workers),
-                           "--steps", "1", "--run-dir", str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "train",
+            "--device",
+            "cuda",
+            "--workers",
+            str(workers),
+            "--steps",
+            "1",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "one GPU per local worker" in proc.stderr
 
 

@@ -16,15 +16,46 @@ from islands.config import from_mapping
 from islands.runtime.launch.ranks import LaunchError
 
 ISLANDS = [sys.executable, "-m", "islands"]
-TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "4",
-        "--eval-batches", "2", "--threads", "1"]
+TINY = [
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--context",
+    "32",
+    "--global-batch",
+    "4",
+    "--eval-batches",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def test_two_worker_job_writes_record_and_plot(tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "6", "--eval-every", "3",
-                          "--log-every", "2", "--run-dir", str(run), *TINY],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            *ISLANDS,
+            "train",
+            "--workers",
+            "2",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--log-every",
+            "2",
+            "--run-dir",
+            str(run),
+            *TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr
     rec = json.loads((run / "run.json").read_text())
     assert (run / "loss.png").stat().st_size > 1000
@@ -53,9 +84,26 @@ def _writing_to(log: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_sigkilled_worker_ends_job_nonzero_within_timeout(tmp_path):
-    job = subprocess.Popen([*ISLANDS, "train", "--workers", "2", "--steps", "100000", "--timeout", "20",
-                            "--eval-every", "0", "--run-dir", str(tmp_path / "run"), *TINY],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [
+            *ISLANDS,
+            "train",
+            "--workers",
+            "2",
+            "--steps",
+            "100000",
+            "--timeout",
+            "20",
+            "--eval-every",
+            "0",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *TINY,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         log = tmp_path / "run" / "logs" / "rank1.log"
@@ -79,8 +127,24 @@ def test_sigkilled_worker_ends_job_nonzero_within_timeout(tmp_path):
 def test_raising_worker_shows_its_error(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("x" * 40)  # too short for one validation window: every worker raises
-    out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "3", "--data", str(corpus),
-                          "--run-dir", str(tmp_path / "run"), *TINY], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            *ISLANDS,
+            "train",
+            "--workers",
+            "2",
+            "--steps",
+            "3",
+            "--data",
+            str(corpus),
+            "--run-dir",
+            str(tmp_path / "run"),
+            *TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "failed (exit code 1)" in out.stderr and "is shorter than one context" in out.stderr
 
@@ -103,9 +167,25 @@ def test_a_testbed_that_does_not_exist_is_refused_before_any_worker_starts(tmp_p
 
 
 def test_train_with_an_unknown_testbed_exits_2_with_a_message(tmp_path):
-    out = subprocess.run([*ISLANDS, "train", "--workers", "2", "--steps", "1", "--testbed", "nosuchbed",
-                          "--run-dir", str(tmp_path / "run"), *TINY], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "ISLANDS_TESTBED_DIR": str(tmp_path / "testbeds")})
+    out = subprocess.run(
+        [
+            *ISLANDS,
+            "train",
+            "--workers",
+            "2",
+            "--steps",
+            "1",
+            "--testbed",
+            "nosuchbed",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ISLANDS_TESTBED_DIR": str(tmp_path / "testbeds")},
+    )
     assert out.returncode == 2, out.stderr
     assert "no testbed named 'nosuchbed'" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "logs").exists()

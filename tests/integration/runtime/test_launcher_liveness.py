@@ -139,9 +139,25 @@ def _forked_or_fresh(tmp_path: Path):
 
 
 def _elastic_cfg(run: Path):
-    return validate(from_mapping(dict(task="digits", workers=2, islands=2, outer="diloco:inner_steps=4",
-                                      elastic=True, steps=12, global_batch=16, eval_every=0, probe=False,
-                                      progress=False, timeout=30.0, heartbeat_timeout=HEARTBEAT, run_dir=str(run))))
+    return validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=2,
+                islands=2,
+                outer="diloco:inner_steps=4",
+                elastic=True,
+                steps=12,
+                global_batch=16,
+                eval_every=0,
+                probe=False,
+                progress=False,
+                timeout=30.0,
+                heartbeat_timeout=HEARTBEAT,
+                run_dir=str(run),
+            )
+        )
+    )
 
 
 @pytest.mark.slow
@@ -200,8 +216,23 @@ print("rendezvous done", flush=True)
 def test_the_rendezvous_port_cannot_be_taken_between_its_choice_and_its_use(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(STEALING)
-    done = subprocess.run([sys.executable, "-m", "islands", "run", "--workers", "2", "--run-dir", str(tmp_path / "run"),
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "run",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert (tmp_path / "thief").read_text() == "False", "another process could take the job's port"
     assert done.returncode == 0, done.stderr
     assert "rendezvous done" in done.stdout

@@ -89,26 +89,57 @@ def _pids(out: Path, ranks: int) -> list[int]:
 def test_run_starts_ranks_that_join_all_reduce_and_get_their_arguments(tmp_path):
     script = _script(tmp_path, TINY)
     run = tmp_path / "run"
-    done = subprocess.run([*ISLANDS_RUN, "--workers", "2", "--islands", "2", "--threads", "2", "--run-dir", str(run),
-                           str(script), "--flag", "x", "--workers", "7", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [
+            *ISLANDS_RUN,
+            "--workers",
+            "2",
+            "--islands",
+            "2",
+            "--threads",
+            "2",
+            "--run-dir",
+            str(run),
+            str(script),
+            "--flag",
+            "x",
+            "--workers",
+            "7",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, rec in enumerate(ranks):
         assert rec["rank"] == r and rec["size"] == 2 and rec["sum"] == 3.0
         # everything after the script is the script's, flags the launcher also has included
         assert rec["argv"] == ["--flag", "x", "--workers", "7", "--out", str(tmp_path)]
-        assert rec["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
-                              "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1",
-                              "ISLANDS_ISLANDS": "2"}
+        assert rec["env"] == {
+            "RANK": str(r),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "OMP_NUM_THREADS": "2",
+            "PYTHONUNBUFFERED": "1",
+            "ISLANDS_ISLANDS": "2",
+        }
     assert "rank 0 done" in done.stdout  # rank 0's stdout stays on the terminal
     assert "rank 1 done" in (run / "logs" / "rank1.log").read_text()
 
 
 def test_one_worker_still_goes_through_the_launcher(tmp_path):
     script = _script(tmp_path, TINY)
-    done = subprocess.run([*ISLANDS_RUN, "--workers", "1", "--run-dir", str(tmp_path / "run"), str(script),
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [*ISLANDS_RUN, "--workers", "1", "--run-dir", str(tmp_path / "run"), str(script), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["size"] == 1 and rec["env"]["ISLANDS_ISLANDS"] == "1"
@@ -119,8 +150,12 @@ def test_one_worker_still_goes_through_the_launcher(tmp_path):
 def test_a_failing_rank_ends_the_job_fast_and_its_log_tail_is_shown(tmp_path, how, shown):
     script = _script(tmp_path, FAILING)
     t = time.monotonic()
-    done = subprocess.run([*ISLANDS_RUN, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script),
-                           str(tmp_path), how], capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [*ISLANDS_RUN, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 1
     assert time.monotonic() - t < 60  # rank 0's barrier would have waited 600 s
     assert f"worker rank 1 failed ({shown})" in done.stderr  # the rank that failed first, not its peer
@@ -133,16 +168,23 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, sig, code):
     script = _script(tmp_path, WAITING)
     # SIGINT as a terminal gives it: a suite started in the background (`nohup make test &`) hands its
     # processes SIGINT ignored, and a launcher that inherits that rightly ignores Ctrl-C too
-    job = subprocess.Popen([*ISLANDS_RUN, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script),
-                            str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
+    job = subprocess.Popen(
+        [*ISLANDS_RUN, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
             time.sleep(0.1)
         pids = _pids(tmp_path, 2)
-        masks = [line for line in Path(f"/proc/{job.pid}/status").read_text().splitlines()
-                 if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]  # what the launcher does with `sig`
+        masks = [
+            line
+            for line in Path(f"/proc/{job.pid}/status").read_text().splitlines()
+            if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+        ]  # what the launcher does with `sig`
         job.send_signal(sig)
         try:
             _, err = job.communicate(timeout=30)
@@ -157,8 +199,12 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, sig, code):
 
 
 def test_a_missing_script_is_a_usage_error(tmp_path):
-    done = subprocess.run([*ISLANDS_RUN, "--workers", "2", str(tmp_path / "nope.py"), "--flag"],
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [*ISLANDS_RUN, "--workers", "2", str(tmp_path / "nope.py"), "--flag"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 2
     assert "nope.py' does not exist" in done.stderr and "Traceback" not in done.stderr
 
@@ -166,8 +212,12 @@ def test_a_missing_script_is_a_usage_error(tmp_path):
 def test_an_unknown_testbed_is_a_usage_error_before_any_rank_starts(tmp_path, monkeypatch):
     monkeypatch.setenv("ISLANDS_TESTBED_DIR", str(tmp_path / "testbeds"))  # no testbeds known here
     script = _script(tmp_path, WAITING)
-    done = subprocess.run([*ISLANDS_RUN, "--testbed", "nosuchbed", "--run-dir", str(tmp_path / "run"), str(script),
-                           str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [*ISLANDS_RUN, "--testbed", "nosuchbed", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 2
     assert "no testbed named 'nosuchbed'" in done.stderr and "islands testbed up --name nosuchbed" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
@@ -178,20 +228,44 @@ def test_a_busy_port_and_uneven_islands_are_usage_errors(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        busy = subprocess.run([*ISLANDS_RUN, "--port", str(s.getsockname()[1]), str(script), str(tmp_path)],
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        busy = subprocess.run(
+            [*ISLANDS_RUN, "--port", str(s.getsockname()[1]), str(script), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
     assert busy.returncode == 2 and "is busy" in busy.stderr
-    uneven = subprocess.run([*ISLANDS_RUN, "--workers", "3", "--islands", "2", str(script), str(tmp_path)],
-                            capture_output=True, text=True, timeout=TIMEOUT)
+    uneven = subprocess.run(
+        [*ISLANDS_RUN, "--workers", "3", "--islands", "2", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert uneven.returncode == 2 and "must be divisible by islands (2)" in uneven.stderr
     assert not list(tmp_path.glob("pid*"))
 
 
 def test_the_same_script_runs_under_torchrun(tmp_path):
     script = _script(tmp_path, TINY)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), "--flag", "x", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "--flag",
+            "x",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["sum"] for r in ranks] == [3.0, 3.0] and ranks[1]["argv"] == ["--flag", "x", "--out", str(tmp_path)]
@@ -203,8 +277,13 @@ def _rank(host="box", netns="net:[1]", addr="127.0.0.1") -> dict:
 
 
 def _measured(topo: dict | None, **extra) -> dict:
-    rec = {"measured": True, "backend": "gloo", "p2p": {"bandwidth_gbit_s": 0.1, "latency_us": 300},
-           "all_reduce": [{"busbw_gb_s": 0.01}], **extra}
+    rec = {
+        "measured": True,
+        "backend": "gloo",
+        "p2p": {"bandwidth_gbit_s": 0.1, "latency_us": 300},
+        "all_reduce": [{"busbw_gb_s": 0.01}],
+        **extra,
+    }
     if topo is not None:
         rec["topology"] = topo
     return rec
@@ -225,8 +304,10 @@ def test_two_testbed_hosts_under_torchrun_are_a_network_not_loopback():
 
 
 def test_two_machines_and_one_machine_over_its_own_address():
-    machines = topology("node0", [_rank("node0", addr="192.168.1.10"), _rank("node0", addr="192.168.1.10"),
-                                  _rank("node1", addr="192.168.1.11")])
+    machines = topology(
+        "node0",
+        [_rank("node0", addr="192.168.1.10"), _rank("node0", addr="192.168.1.10"), _rank("node1", addr="192.168.1.11")],
+    )
     assert machines["hosts"] == 2 and "gloo network (2 hosts)" in describe(_measured(machines))
     # MASTER_ADDR = this machine's LAN address: one host, but not a loopback address, so not called one
     own_ip = topology("192.168.1.10", [_rank(addr="192.168.1.10"), _rank(addr="192.168.1.10")])
@@ -270,8 +351,12 @@ os._exit(0)
 def test_the_probe_records_how_launched_ranks_are_connected(tmp_path):
     script = _script(tmp_path, PROBING)
     out = tmp_path / "probe.json"
-    done = subprocess.run([*ISLANDS_RUN, "--workers", "2", "--islands", "2", "--run-dir", str(tmp_path / "run"),
-                           str(script), str(out)], capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(
+        [*ISLANDS_RUN, "--workers", "2", "--islands", "2", "--run-dir", str(tmp_path / "run"), str(script), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr
     rec = json.loads(out.read_text())
     topo = rec["interconnect"]["topology"]
@@ -296,8 +381,22 @@ def test_ranks_on_two_testbed_hosts_are_a_network(tmp_path, monkeypatch):
     try:
         script = _script(tmp_path, PROBING)
         out = tmp_path / "probe.json"
-        done = subprocess.run([*ISLANDS_RUN, "--workers", "2", "--testbed", name, "--run-dir", str(tmp_path / "run"),
-                               str(script), str(out)], capture_output=True, text=True, timeout=TIMEOUT)
+        done = subprocess.run(
+            [
+                *ISLANDS_RUN,
+                "--workers",
+                "2",
+                "--testbed",
+                name,
+                "--run-dir",
+                str(tmp_path / "run"),
+                str(script),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
     finally:
         lifecycle.down(name)
     assert done.returncode == 0, done.stderr

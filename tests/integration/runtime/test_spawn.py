@@ -116,7 +116,8 @@ def test_a_jobs_heavy_imports_are_preloaded_by_the_fork_server(tmp_path):
         "spawn.preload(['colorsys', 'no_such_module_here', *heavy_imports('digits')])\n"
         "env = {'PATH': os.environ['PATH'], 'SPAWN_MODULES': 'colorsys,sklearn.datasets,wave'}\n"
         "proc = spawn.start([sys.executable, '-m', 'islands.runtime.launch.spawn'], env, stdout=sys.stdout)\n"
-        "sys.exit(proc.wait(120))\n")
+        "sys.exit(proc.wait(120))\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,14 +7,22 @@ import os
 import pytest
 import torch
 
-from islands.models import ByteTransformer, sequence_loss
 from harness.lm_reference import lm_batches, train_reference
 from harness.world import spawn_ranks
+from islands.models import ByteTransformer, sequence_loss
 
 STEPS, WORKERS, BATCH, CONTEXT = 4, 2, 4, 16
 # (wrap, reshard_after_forward, param_dtype); the bf16 case is checked for bytes only
-CASES = [("model", True, ""), ("block", True, ""), ("block", False, ""), ("params:3000", True, ""),
-         ("split:3", True, ""), ("graph:3", True, ""), ("graph:5", False, ""), ("block", True, "bf16")]
+CASES = [
+    ("model", True, ""),
+    ("block", True, ""),
+    ("block", False, ""),
+    ("params:3000", True, ""),
+    ("split:3", True, ""),
+    ("graph:3", True, ""),
+    ("graph:5", False, ""),
+    ("block", True, "bf16"),
+]
 
 
 def tiny_model():
@@ -80,7 +88,7 @@ def _worker(rank, env, queue):
         model = strategy.wrap(model, opt, world)
         wire = WireCounter()
         for b in global_batches():
-            mine = b[rank * BATCH:(rank + 1) * BATCH]
+            mine = b[rank * BATCH : (rank + 1) * BATCH]
             sequence_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
             strategy.after_backward(model, 0)
             opt.step()
@@ -90,11 +98,20 @@ def _worker(rank, env, queue):
         ledger = world.ledger.snapshot()
         full = strategy.eval_model(model)
         state = {k: v.detach().numpy().copy() for k, v in full.state_dict().items()}
-        out.append({"case": (wrap, reshard, dtype), "units": len(strategy.units), "state": state,
-                    "ledger_sent": ledger["sent"], "ledger_received": ledger["received"],
-                    "wire_sent": wire.sent, "wire_received": wire.received, "memory": memory,
-                    "analytic_memory": state_bytes_per_rank(strategy.units, WORKERS, rank, optimizer_slots=1),
-                    "replicated_memory": state_bytes_per_rank(strategy.units, 1, 0, optimizer_slots=1)})
+        out.append(
+            {
+                "case": (wrap, reshard, dtype),
+                "units": len(strategy.units),
+                "state": state,
+                "ledger_sent": ledger["sent"],
+                "ledger_received": ledger["received"],
+                "wire_sent": wire.sent,
+                "wire_received": wire.received,
+                "memory": memory,
+                "analytic_memory": state_bytes_per_rank(strategy.units, WORKERS, rank, optimizer_slots=1),
+                "replicated_memory": state_bytes_per_rank(strategy.units, 1, 0, optimizer_slots=1),
+            }
+        )
     # loading into the full copy writes each rank's slice back into the shards
     new = {k: torch.full_like(v, 0.5 + i) for i, (k, v) in enumerate(full.state_dict().items())}
     full.load_state_dict(new)
@@ -103,7 +120,7 @@ def _worker(rank, env, queue):
     # the trainer's clip_grad_norm_ on sharded gradients: FSDP(grad_clip=True) records one scalar all-reduce
     from torch.distributed.tensor.debug import CommDebugMode
 
-    mine = global_batches()[0][rank * BATCH:(rank + 1) * BATCH]
+    mine = global_batches()[0][rank * BATCH : (rank + 1) * BATCH]
     sequence_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
     with CommDebugMode() as debug:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

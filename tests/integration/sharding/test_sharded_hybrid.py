@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from islands.models import ByteTransformer, sequence_loss
 from harness.lm_reference import lm_batches, train_reference
 from harness.world import spawn_ranks
+from islands.models import ByteTransformer, sequence_loss
 
 STEPS, WORKERS, ISLANDS, BATCH, CONTEXT = 3, 4, 2, 2, 16
 # (shard_group, prefetch)
@@ -82,7 +82,7 @@ def _worker(rank, env, queue):
         model = strategy.wrap(model, opt, world)
         wire = WireCounter()
         for b in global_batches():
-            mine = b[rank * BATCH:(rank + 1) * BATCH]
+            mine = b[rank * BATCH : (rank + 1) * BATCH]
             sequence_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
             strategy.after_backward(model, 0)
             opt.step()
@@ -91,9 +91,19 @@ def _worker(rank, env, queue):
         wire.close()
         sent = {k: v for k, v in world.ledger.snapshot()["sent"].items() if k != "fsdp_eval_gather"}
         full = strategy.eval_model(model)
-        out.append({"case": (group, prefetch), "group_size": strategy.group_size, "ledger": sent, "wire": wire.sent,
-                    "state": {k: v.detach().numpy().copy() for k, v in full.state_dict().items()}, "memory": memory["total"],
-                    "analytic_memory": state_bytes_per_rank(strategy.units, group, rank % group, optimizer_slots=1)["total"]})
+        out.append(
+            {
+                "case": (group, prefetch),
+                "group_size": strategy.group_size,
+                "ledger": sent,
+                "wire": wire.sent,
+                "state": {k: v.detach().numpy().copy() for k, v in full.state_dict().items()},
+                "memory": memory["total"],
+                "analytic_memory": state_bytes_per_rank(strategy.units, group, rank % group, optimizer_slots=1)[
+                    "total"
+                ],
+            }
+        )
     queue.put((rank, out))
     close_world(world)
 
@@ -195,10 +205,12 @@ def test_config_accepts_hybrid_and_rejects_misplaced_knobs():
 
     validate(job(workers=4, islands=2, global_batch=8, inner="fsdp", shard_group="auto", shard_budget_mb=64))
     validate(job(workers=4, global_batch=8, inner="fsdp", shard_group="2", prefetch=2))
-    for bad, match in ((dict(inner="ddp", shard_group="2"), "inner.strategy=fsdp only"),
-                       (dict(inner="fsdp", shard_group="3"), "must divide"),
-                       (dict(inner="fsdp", shard_budget_mb=8), "shard_group='auto'"),
-                       (dict(inner="fsdp", prefetch=-1), "prefetch"),
-                       (dict(inner="ddp", islands=2), "needs an outer strategy")):
+    for bad, match in (
+        (dict(inner="ddp", shard_group="2"), "inner.strategy=fsdp only"),
+        (dict(inner="fsdp", shard_group="3"), "must divide"),
+        (dict(inner="fsdp", shard_budget_mb=8), "shard_group='auto'"),
+        (dict(inner="fsdp", prefetch=-1), "prefetch"),
+        (dict(inner="ddp", islands=2), "needs an outer strategy"),
+    ):
         with pytest.raises(ConfigError, match=match):
             validate(job(workers=4, global_batch=8, **bad))

@@ -14,11 +14,46 @@ from islands.config import ConfigError, from_mapping
 @pytest.mark.slow  # one real job: about 15 s idle, far more on a shared machine
 def test_fsdp_job_trains_and_records_its_bytes(tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "islands", "train", "--workers", "2", "--inner", "fsdp",
-                          "--wrap", "graph:3", "--steps", "6", "--eval-every", "3", "--log-every", "3",
-                          "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--context", "32",
-                          "--global-batch", "4", "--eval-batches", "2", "--threads", "1", "--no-progress",
-                          "--run-dir", str(run)], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "train",
+            "--workers",
+            "2",
+            "--inner",
+            "fsdp",
+            "--wrap",
+            "graph:3",
+            "--steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--log-every",
+            "3",
+            "--d-model",
+            "32",
+            "--n-layers",
+            "2",
+            "--n-heads",
+            "2",
+            "--context",
+            "32",
+            "--global-batch",
+            "4",
+            "--eval-batches",
+            "2",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((run / "run.json").read_text())
     assert rec["summary"]["strategy"] == "fsdp" and rec["summary"]["steps"] == 6
@@ -31,12 +66,15 @@ def test_fsdp_job_trains_and_records_its_bytes(tmp_path):
         assert ledger["sent"]["fsdp_eval_gather"] > 0  # the gathered copy for evaluation went through Comm
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"wrap": "graph:x"}, "units, which takes int"),
-    ({"wrap": "layers"}, "unknown wrap policy"),
-    ({"inner": "fsdp", "compress": "topk:ratio=0.1"}, "inner.strategy=fsdp"),
-    ({"inner": "fsdp", "islands": 2, "outer": "local-sgd:every=4"}, "inner.strategy=fsdp"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"wrap": "graph:x"}, "units, which takes int"),
+        ({"wrap": "layers"}, "unknown wrap policy"),
+        ({"inner": "fsdp", "compress": "topk:ratio=0.1"}, "inner.strategy=fsdp"),
+        ({"inner": "fsdp", "islands": 2, "outer": "local-sgd:every=4"}, "inner.strategy=fsdp"),
+    ],
+)
 def test_bad_fsdp_configs_are_rejected_with_the_fix(bad, message):
     cfg = from_mapping({"workers": 4, "global_batch": 32, **bad})
     with pytest.raises(ConfigError, match=message):

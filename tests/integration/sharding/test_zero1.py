@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
+from harness.world import spawn_ranks
 from islands.models import ByteTransformer, sequence_loss
 from islands.sync.zero1 import param_gather_bytes, partition
-from harness.world import spawn_ranks
 
 STEPS, BATCH, CONTEXT = 4, 2, 16
 
@@ -32,7 +32,7 @@ def batches(n):
 
 def _train(model, opt, strategy, rank, steps):
     for b in steps:
-        mine = b[rank * BATCH:(rank + 1) * BATCH]
+        mine = b[rank * BATCH : (rank + 1) * BATCH]
         sequence_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
         strategy.after_backward(model, 0)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the trainer clips: needs the full gradient
@@ -41,8 +41,12 @@ def _train(model, opt, strategy, rank, steps):
 
 
 def _state_bytes(opt):
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def _worker(rank, env, queue, n):
@@ -65,18 +69,31 @@ def _worker(rank, env, queue, n):
         ledger = world.ledger.snapshot()
         state_bytes = _state_bytes(opt)
         full = opt.state_dict()  # collective under zero1
-        runs[name] = {"model": model, "opt": opt, "strategy": strategy, "ledger": ledger, "state_bytes": state_bytes,
-                      "full_state": full, "params": [p.detach().clone() for p in model.parameters()]}
+        runs[name] = {
+            "model": model,
+            "opt": opt,
+            "strategy": strategy,
+            "ledger": ledger,
+            "state_bytes": state_bytes,
+            "full_state": full,
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
     z, d = runs["zero1"], runs["ddp"]
-    out = {"max_param_diff": max((a - b).abs().max().item() for a, b in zip(z["params"], d["params"])),
-           "state_bytes": {k: runs[k]["state_bytes"] for k in runs},
-           "sent": {k: runs[k]["ledger"]["sent"] for k in runs}, "received": {k: runs[k]["ledger"]["received"] for k in runs},
-           "calls": z["ledger"]["calls"]}
+    out = {
+        "max_param_diff": max((a - b).abs().max().item() for a, b in zip(z["params"], d["params"])),
+        "state_bytes": {k: runs[k]["state_bytes"] for k in runs},
+        "sent": {k: runs[k]["ledger"]["sent"] for k in runs},
+        "received": {k: runs[k]["ledger"]["received"] for k in runs},
+        "calls": z["ledger"]["calls"],
+    }
     # the gathered state is DDP's state, in DDP's layout
     zs, ds = z["full_state"], d["full_state"]
     out["same_keys"] = sorted(zs["state"]) == sorted(ds["state"]) and zs["param_groups"] == ds["param_groups"]
-    out["max_state_diff"] = max((zs["state"][i][k].float() - ds["state"][i][k].float()).abs().max().item()
-                                for i in ds["state"] for k in ds["state"][i])
+    out["max_state_diff"] = max(
+        (zs["state"][i][k].float() - ds["state"][i][k].float()).abs().max().item()
+        for i in ds["state"]
+        for k in ds["state"][i]
+    )
     # reload: DDP's full state into a fresh zero1 optimizer keeps only the owned part; training then goes on
     # exactly as a fresh DDP loaded from the same state (both fresh: same DDP bucket history)
     sd = {k.removeprefix("module."): v.detach().clone() for k, v in d["model"].state_dict().items()}

@@ -37,8 +37,15 @@ def train(world, spec: str) -> dict:
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     strategy = islands.Stack(outer=make_outer(spec))
-    trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=sequence_loss, train_data=_data, world=world,
-                              strategy=strategy, callbacks=[])
+    trainer = islands.Trainer(
+        model=model,
+        optimizer=opt,
+        loss_fn=sequence_loss,
+        train_data=_data,
+        world=world,
+        strategy=strategy,
+        callbacks=[],
+    )
     trainer.fit(STEPS)
     glob = strategy.eval_model(trainer.model)
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().copy()  # noqa: E731
@@ -175,8 +182,15 @@ def test_islands_on_one_gpu_are_reproducible_and_agree():
         model = tiny_model().to(world.device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         strategy = islands.Stack(outer=make_outer(SPECS[0]))
-        trainer = islands.Trainer(model=model, optimizer=opt, loss_fn=sequence_loss, train_data=_data, world=world,
-                                  strategy=strategy, callbacks=[])
+        trainer = islands.Trainer(
+            model=model,
+            optimizer=opt,
+            loss_fn=sequence_loss,
+            train_data=_data,
+            world=world,
+            strategy=strategy,
+            callbacks=[],
+        )
         trainer.fit(STEPS)
         glob = strategy.eval_model(trainer.model)
         assert next(glob.parameters()).device.type == "cuda"
@@ -188,9 +202,30 @@ def test_islands_on_one_gpu_are_reproducible_and_agree():
     np.testing.assert_array_equal(a[0], b[0])
 
 
-CLI_JOB = ["train", "--workers", "2", "--islands", "2", "--outer", "diloco:inner_steps=5", "--steps", "12",
-           "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32", "--global-batch", "8",
-           "--no-progress", "--device", "cpu"]  # on a GPU machine --simulate would take the GPU, the 2 processes gloo
+CLI_JOB = [
+    "train",
+    "--workers",
+    "2",
+    "--islands",
+    "2",
+    "--outer",
+    "diloco:inner_steps=5",
+    "--steps",
+    "12",
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--context",
+    "32",
+    "--global-batch",
+    "8",
+    "--no-progress",
+    "--device",
+    "cpu",
+]  # on a GPU machine --simulate would take the GPU, the 2 processes gloo
 
 
 def test_cli_simulate_equals_the_launched_job(tmp_path):
@@ -217,11 +252,14 @@ def test_cli_simulate_equals_the_launched_job(tmp_path):
     assert sim["interconnect"]["reason"].startswith("simulated")
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--workers", "4"], ["one worker per island", "workers=2 (= islands)"]),
-    (["--ckpt-every", "5"], ["does not yet combine with checkpoint.every=5"]),
-    (["--inner", "fsdp"], ["inner.strategy=fsdp"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--workers", "4"], ["one worker per island", "workers=2 (= islands)"]),
+        (["--ckpt-every", "5"], ["does not yet combine with checkpoint.every=5"]),
+        (["--inner", "fsdp"], ["inner.strategy=fsdp"]),
+    ],
+)
 def test_cli_simulate_refuses_what_it_cannot_run(tmp_path, capsys, extra, words):
     from islands.cli import main
 

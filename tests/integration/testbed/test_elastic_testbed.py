@@ -25,12 +25,15 @@ from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.elastic import starvation
 from islands.runtime.elastic.membership import connect, parse_address
-from islands.testbed import etcd as etcd_cluster
-from islands.testbed import state
+from islands.testbed import etcd as etcd_cluster, state
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
-                                 reason="the testbed needs root and iproute2 (ip, tc); CI runs as root"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+        reason="the testbed needs root and iproute2 (ip, tc); CI runs as root",
+    ),
+    pytest.mark.slow,
+]
 
 HEARTBEAT = 5.0  # seconds; generous on a shared, loaded machine (a false death would fail the test)
 
@@ -47,14 +50,18 @@ def _records(run_dir: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json") if p.stem != "restarts"}
 
 
-@pytest.mark.parametrize("store_kind", [
-    "embedded",  # the job host's store, on the hub: no cut reaches it
-    # etcd with a member on each side of the cut (host 0, host 1, the hub): the cut island's host keeps its own
-    # member, which without the majority serves nothing, so the island can neither heartbeat nor commit
-    "etcd-spread",
-])
-def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_once_the_link_heals(tmp_path, bed,
-                                                                                                    store_kind, request):
+@pytest.mark.parametrize(
+    "store_kind",
+    [
+        "embedded",  # the job host's store, on the hub: no cut reaches it
+        # etcd with a member on each side of the cut (host 0, host 1, the hub): the cut island's host keeps its own
+        # member, which without the majority serves nothing, so the island can neither heartbeat nor commit
+        "etcd-spread",
+    ],
+)
+def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_once_the_link_heals(
+    tmp_path, bed, store_kind, request
+):
     etcd = None
     if store_kind == "etcd-spread":
         if not etcd_cluster.available():
@@ -63,10 +70,28 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
         etcd = etcd_cluster.EtcdCluster(3, netns=bed.hub, host=bed.hub_ip, places=places).start()
         request.addfinalizer(etcd.stop)
     task, hold = elastic_jobs.gated_digits(tmp_path)
-    cfg = from_mapping(dict(task=task, workers=4, islands=2, inner="ddp", outer="diloco:inner_steps=5", elastic=True,
-                            steps=60, global_batch=32, eval_every=0, warmup=2, probe=False, progress=False,
-                            timeout=30.0, heartbeat_timeout=HEARTBEAT, max_restarts=1, testbed=bed.name,
-                            store=etcd.url if etcd else "", run_dir=str(tmp_path / "run")))
+    cfg = from_mapping(
+        dict(
+            task=task,
+            workers=4,
+            islands=2,
+            inner="ddp",
+            outer="diloco:inner_steps=5",
+            elastic=True,
+            steps=60,
+            global_batch=32,
+            eval_every=0,
+            warmup=2,
+            probe=False,
+            progress=False,
+            timeout=30.0,
+            heartbeat_timeout=HEARTBEAT,
+            max_restarts=1,
+            testbed=bed.name,
+            store=etcd.url if etcd else "",
+            run_dir=str(tmp_path / "run"),
+        )
+    )
     cfg.task.options.update(hold=str(hold), model="bn-cnn")  # our BatchNorm CNN: its buffers travel too
     cfg = validate(cfg)
     run_dir = tmp_path / "run"
@@ -95,8 +120,12 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
             hold.unlink(missing_ok=True)  # never leave the job waiting
 
     out = io.StringIO()
-    code = launch_elastic(cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(
-        target=fault, args=(a, w, c), daemon=True).start())
+    code = launch_elastic(
+        cfg,
+        run_dir,
+        out=out,
+        on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w, c), daemon=True).start(),
+    )
     log = out.getvalue()
     assert not errors, (errors, log)
     assert code == 0, log
@@ -130,7 +159,7 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
         assert all(p is not None and p.poll() is None for p in etcd.procs), etcd.logs()
 
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -159,7 +188,7 @@ strategy.finish(model)
     "sha": global_digest(strategy.eval_model(model)), "netns": os.readlink("/proc/self/ns/net"),
     "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}))
 islands.close_world(world)
-'''
+"""
 
 
 def test_islands_run_elastic_puts_each_worker_of_a_script_on_its_own_testbed_host(tmp_path, bed):
@@ -167,9 +196,29 @@ def test_islands_run_elastic_puts_each_worker_of_a_script_on_its_own_testbed_hos
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run([sys.executable, "-m", "islands", "run", "--elastic", "--workers", "2", "--testbed", bed.name,
-                           "--heartbeat-timeout", str(HEARTBEAT), "--run-dir", str(tmp_path / "run"), str(script),
-                           str(out)], capture_output=True, text=True, timeout=300, env=elastic_jobs.env())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "islands",
+            "run",
+            "--elastic",
+            "--workers",
+            "2",
+            "--testbed",
+            bed.name,
+            "--heartbeat-timeout",
+            str(HEARTBEAT),
+            "--run-dir",
+            str(tmp_path / "run"),
+            str(script),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=elastic_jobs.env(),
+    )
     assert done.returncode == 0, done.stderr
     assert f"elastic job at {bed.hub_ip}:" in done.stderr
     got = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}

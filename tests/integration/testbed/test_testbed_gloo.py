@@ -20,8 +20,11 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         os.geteuid() != 0 or bool(_MISSING),
-        reason=("network testbed tests need root (not root here)" if os.geteuid() != 0
-                else f"network testbed tests need iproute2; missing: {', '.join(_MISSING)}"),
+        reason=(
+            "network testbed tests need root (not root here)"
+            if os.geteuid() != 0
+            else f"network testbed tests need iproute2; missing: {', '.join(_MISSING)}"
+        ),
     ),
 ]
 
@@ -63,8 +66,15 @@ def test_gloo_all_reduce_across_hosts_at_100mbit(tb, tmp_path):
     for rank in range(2):
         host = tb.host_for_rank(rank)
         env = {**os.environ, **tb.env(host), "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen(tb.wrap(host, [sys.executable, str(script)]), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                tb.wrap(host, [sys.executable, str(script)]),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results, deadline = [], time.monotonic() + 90
     try:
         for p in procs:

@@ -26,8 +26,11 @@ from islands.testbed import cli, lifecycle, state, system
 _MISSING = [t for t in ("ip", "tc") if not (shutil.which(t) or shutil.which(t, path="/usr/sbin:/sbin"))]
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or bool(_MISSING),
-    reason=("network testbed tests need root (not root here)" if os.geteuid() != 0
-            else f"network testbed tests need iproute2; missing: {', '.join(_MISSING)}"),
+    reason=(
+        "network testbed tests need root (not root here)"
+        if os.geteuid() != 0
+        else f"network testbed tests need iproute2; missing: {', '.join(_MISSING)}"
+    ),
 )
 
 
@@ -53,7 +56,8 @@ def test_up_builds_the_star_and_down_leaves_nothing(name):
     root_links_before = set(system.root_link_names())
     tb = testbed.up(name, 3, "100mbit")
     assert sorted(ns for ns in system.list_netns() if ns.startswith(f"isl-{name}-")) == sorted(
-        [f"isl-{name}-hub"] + [f"isl-{name}-h{i}" for i in range(3)])
+        [f"isl-{name}-hub"] + [f"isl-{name}-h{i}" for i in range(3)]
+    )
     assert set(system.root_link_names()) == root_links_before  # the hub keeps the root namespace clean
     for host in tb.hosts:
         assert "UP" in _in(host.netns, "ip", "link", "show", "lo").split(">")[0]
@@ -138,7 +142,8 @@ def test_sigterm_during_up_cleans_up_and_sigkill_leftovers_are_removed_by_the_ne
     assert row["state"] == "partial"  # ...which status reports, since its builder is dead
     tb = testbed.up(name, 2, "100mbit")  # ...and the next up of that name clears first
     assert sorted(ns for ns in system.list_netns() if ns.startswith(f"isl-{name}-")) == sorted(
-        [tb.hub] + [h.netns for h in tb.hosts])
+        [tb.hub] + [h.netns for h in tb.hosts]
+    )
     testbed.down(name)
     assert _leftovers(name) == []
 
@@ -159,8 +164,9 @@ def test_down_all_removes_every_testbed(name, monkeypatch):
         testbed.up(other, 2, "1gbit")
         # Only see our own namespaces, so a testbed someone else runs on this machine is left alone.
         real_list = system.list_netns
-        monkeypatch.setattr(system, "list_netns",
-                            lambda: [ns for ns in real_list() if ns.startswith((f"isl-{name}-", f"isl-{other}-"))])
+        monkeypatch.setattr(
+            system, "list_netns", lambda: [ns for ns in real_list() if ns.startswith((f"isl-{name}-", f"isl-{other}-"))]
+        )
         assert sorted(r["name"] for r in testbed.down_all()) == sorted([name, other])
         monkeypatch.setattr(system, "list_netns", real_list)
         assert _leftovers(name) == [] and _leftovers(other) == []
@@ -177,8 +183,8 @@ def test_cli_up_status_down(name):
     assert f"isl-{name}-h1" in out.getvalue() and "Mbit/s TCP goodput" in out.getvalue()
     rows = cli.cmd_status(console=console)
     assert [r["state"] for r in rows if r["name"] == name] == ["up"]
-    assert cli.cmd_link("cut", name, 1, console=console) is True and f"host 1's link is cut" in out.getvalue()
-    assert cli.cmd_link("heal", name, 1, console=console) is False and f"host 1's link is up" in out.getvalue()
+    assert cli.cmd_link("cut", name, 1, console=console) is True and "host 1's link is cut" in out.getvalue()
+    assert cli.cmd_link("heal", name, 1, console=console) is False and "host 1's link is up" in out.getvalue()
     with pytest.raises(ValueError, match=r"host_index 5 is outside 0\.\.1"):
         cli.cmd_link("cut", name, 5, console=console)
     [result] = cli.cmd_down(name, console=console)
@@ -213,14 +219,25 @@ def test_the_hub_has_an_address_a_cut_link_isolates_one_host_and_heal_brings_it_
 
     tb = testbed.up(name, 3, "100mbit")
     assert tb.hub_ip == str(ipaddress.ip_network(tb.subnet).broadcast_address - 1) and f"inet {tb.hub_ip}/24" in _in(
-        tb.hub, "ip", "addr", "show", "br0")
-    server = subprocess.Popen(tb.wrap_hub([sys.executable, "-c", textwrap.dedent("""
+        tb.hub, "ip", "addr", "show", "br0"
+    )
+    server = subprocess.Popen(
+        tb.wrap_hub(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent("""
         import socket
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 5599))
         s.listen(64); print("listening", flush=True)
         while True:
             c, _ = s.accept(); c.sendall(b"hub"); c.close()
-        """)]), stdout=subprocess.PIPE, text=True)
+        """),
+            ]
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().strip() == "listening"
         assert all(_reaches(tb, i, tb.hub_ip, 5599) for i in range(3)) and not tb.is_cut(1)
@@ -229,6 +246,7 @@ def test_the_hub_has_an_address_a_cut_link_isolates_one_host_and_heal_brings_it_
         with netns.entered(tb.hub):
             assert netns.current() != own
             import socket
+
             conn = socket.create_connection((tb.hub_ip, 5599), timeout=5)
         assert netns.current() == own and conn.recv(3) == b"hub"
         conn.close()
@@ -240,7 +258,6 @@ def test_the_hub_has_an_address_a_cut_link_isolates_one_host_and_heal_brings_it_
         assert not tb.is_cut(1) and _reaches(tb, 1, tb.hub_ip, 5599)  # at once: failed neighbours are flushed
     finally:
         server.kill()
-    with pytest.raises(OSError, match="does not exist"):
-        with netns.entered(f"isl-{name}-nope"):
-            pass
+    with pytest.raises(OSError, match="does not exist"), netns.entered(f"isl-{name}-nope"):
+        pass
     assert netns.current() == own

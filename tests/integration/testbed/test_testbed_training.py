@@ -24,10 +24,37 @@ def test_ddp_run_over_testbed_records_rate_and_leaves_nothing(tmp_path):
     try:
         run = tmp_path / "run"
         out = subprocess.run(
-            [sys.executable, "-m", "islands", "train", "--workers", "2", "--testbed", name, "--steps", "3",
-             "--eval-every", "0", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "32",
-             "--global-batch", "4", "--run-dir", str(run), "--no-progress"],
-            capture_output=True, text=True, timeout=240)
+            [
+                sys.executable,
+                "-m",
+                "islands",
+                "train",
+                "--workers",
+                "2",
+                "--testbed",
+                name,
+                "--steps",
+                "3",
+                "--eval-every",
+                "0",
+                "--d-model",
+                "32",
+                "--n-layers",
+                "1",
+                "--n-heads",
+                "2",
+                "--context",
+                "32",
+                "--global-batch",
+                "4",
+                "--run-dir",
+                str(run),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert out.returncode == 0, out.stderr
         rec = json.loads((run / "run.json").read_text())
         measured = rec["interconnect"]["p2p"]["bandwidth_gbit_s"] * 1000  # Mbit/s between the hosts

@@ -13,12 +13,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from islands.runtime.elastic import membership
-from islands.runtime.elastic.auth import AuthStore, ControlAuth, mac_payload
 from islands.runtime.comm import CommLedger
-from islands.runtime.elastic import elastic_member
-from islands.runtime.elastic.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, get_json,
-                                        host_store, join_job)
+from islands.runtime.elastic import elastic_member, membership
+from islands.runtime.elastic.auth import AuthStore, ControlAuth, mac_payload
+from islands.runtime.elastic.membership import (
+    Coordinator,
+    JobSpec,
+    Liveness,
+    Refused,
+    ask_to_join,
+    connect,
+    get_json,
+    host_store,
+    join_job,
+)
 
 TOKEN = "s3cret-token"
 
@@ -109,8 +117,12 @@ def test_no_token_no_admission_and_forged_verdicts_are_not_believed(job):
     outsider = _attacker(port)
     ticket = outsider.add("join/tickets", 0) + 1
     outsider.set(f"join/{ticket}/challenge", "c0ffee")
-    outsider.set(f"join/{ticket}/verdict", json.dumps({
-        "verdict": json.dumps({"admitted": True, "slot": 0, "shard": 0, "initial": True}), "mac": "0" * 64}))
+    outsider.set(
+        f"join/{ticket}/verdict",
+        json.dumps(
+            {"verdict": json.dumps({"admitted": True, "slot": 0, "shard": 0, "initial": True}), "mac": "0" * 64}
+        ),
+    )
     with pytest.raises(Refused, match="does not verify"):
         ask_to_join(connect("127.0.0.1", port), "w0", TOKEN, timeout_s=1.0)
     assert coord.admitted == []
@@ -180,7 +192,9 @@ def test_a_forged_verdict_does_not_commit_an_operation_and_a_forged_rendezvous_d
 
     def member(i, s):
         try:
-            member = elastic_member(s.store, s.auth.sender, CommLedger(), heartbeat_timeout=5.0, collective_timeout=10.0)
+            member = elastic_member(
+                s.store, s.auth.sender, CommLedger(), heartbeat_timeout=5.0, collective_timeout=10.0
+            )
             comm = member.comm
             member.epochs.form(0, None)
             out = []
@@ -191,8 +205,9 @@ def test_a_forged_verdict_does_not_commit_an_operation_and_a_forged_rendezvous_d
             errors.append(e)
 
     threads = [threading.Thread(target=member, args=(i, s)) for i, s in enumerate(sessions)]
-    beats = [membership.Heartbeat("127.0.0.1", port, s.auth.sender, auth=s.auth, new_client=s.new_client)
-             for s in sessions]
+    beats = [
+        membership.Heartbeat("127.0.0.1", port, s.auth.sender, auth=s.auth, new_client=s.new_client) for s in sessions
+    ]
     try:
         [t.start() for t in threads]
         [t.join(60) for t in threads]

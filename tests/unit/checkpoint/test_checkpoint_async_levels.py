@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from islands.checkpoint import CheckpointStore, CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.store import (AsyncCheckpointer, DiskLevel, MemoryLevel, MultiLevelCheckpointer, pack_tree,
-                                      unpack_tree)
+from islands.checkpoint.store import (
+    AsyncCheckpointer,
+    DiskLevel,
+    MemoryLevel,
+    MultiLevelCheckpointer,
+    pack_tree,
+    unpack_tree,
+)
 from islands.checkpoint.store.manifest import data_name
 
 

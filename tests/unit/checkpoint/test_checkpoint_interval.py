@@ -5,8 +5,15 @@ import random
 
 import pytest
 
-from islands.checkpoint.policy import (CheckFreqPolicy, CombinedIntervalPolicy, YoungDalyInterval, checkfreq_interval,
-                                       expected_waste_fraction, simulate_failures, young_daly_seconds)
+from islands.checkpoint.policy import (
+    CheckFreqPolicy,
+    CombinedIntervalPolicy,
+    YoungDalyInterval,
+    checkfreq_interval,
+    expected_waste_fraction,
+    simulate_failures,
+    young_daly_seconds,
+)
 from islands.checkpoint.policy.interval import DAY_S
 
 

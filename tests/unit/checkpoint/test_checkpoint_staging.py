@@ -107,9 +107,14 @@ def test_cuda_sources_stage_in_pinned_memory_and_are_complete():
 def test_snapshot_buffers_are_aligned_views_of_one_block_and_save_like_the_live_tree(tmp_path):
     from islands.checkpoint import CheckpointStore
 
-    live = {"w": torch.randn(33, 7), "half": torch.randn(5).half(), "flags": torch.tensor([True, False, True]),
-            "empty": torch.zeros(0, 3), "scalar": torch.tensor(3.5, dtype=torch.float64),
-            "strided": torch.arange(40, dtype=torch.int32).reshape(5, 8)[:, ::2]}
+    live = {
+        "w": torch.randn(33, 7),
+        "half": torch.randn(5).half(),
+        "flags": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "strided": torch.arange(40, dtype=torch.int32).reshape(5, 8)[:, ::2],
+    }
     snap = copy_tree(live)
     bufs = staging_buffers(snap)
     storages = {b.untyped_storage().data_ptr() for b in bufs.values() if b.numel()}

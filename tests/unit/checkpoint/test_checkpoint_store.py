@@ -11,8 +11,18 @@ from islands.checkpoint import CheckpointMismatch, CheckpointStore, CorruptCheck
 from islands.checkpoint.codec.tensor import tensor_bytes
 from islands.checkpoint.store.manifest import data_name
 
-PHASES = ["staging_mkdir", "data_write", "manifest_write", "staging_fsync", "commit_rename", "root_fsync",
-          "latest_tmp_write", "latest_rename", "latest_dir_fsync", "retention"]
+PHASES = [
+    "staging_mkdir",
+    "data_write",
+    "manifest_write",
+    "staging_fsync",
+    "commit_rename",
+    "root_fsync",
+    "latest_tmp_write",
+    "latest_rename",
+    "latest_dir_fsync",
+    "retention",
+]
 
 
 def trainer_tree(seed=0):
@@ -21,11 +31,16 @@ def trainer_tree(seed=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(3, 6)).sum().backward()
     opt.step()
-    return {"step": 7, "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "strategy": {"outer": {"momentum": torch.zeros(3)}, "members": [0, 1]},
-            "loader": {"epoch": 0, "cursor": 37},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "blob": b"\x00\x01raw", "config_fingerprint": "sha256:abc"}
+    return {
+        "step": 7,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "strategy": {"outer": {"momentum": torch.zeros(3)}, "members": [0, 1]},
+        "loader": {"epoch": 0, "cursor": 37},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        "blob": b"\x00\x01raw",
+        "config_fingerprint": "sha256:abc",
+    }
 
 
 def assert_trees_equal(a, b):
@@ -72,7 +87,9 @@ def test_unchanged_tensors_are_referenced_not_rewritten(tmp_path):
     tree["model"]["0.weight"] = tree["model"]["0.weight"] + 1
     second = store.save(tree, 2)
     assert second.tensors_written == 1 and second.tensors_deduped == first.tensors_written - 1
-    assert (tmp_path / "step-000002" / data_name(0)).stat().st_size < (tmp_path / "step-000001" / data_name(0)).stat().st_size
+    assert (tmp_path / "step-000002" / data_name(0)).stat().st_size < (
+        tmp_path / "step-000001" / data_name(0)
+    ).stat().st_size
     # keep_last=1, but step 1 still holds data step 2 reads: retention must keep it
     assert store.steps() == [1, 2]
     assert_trees_equal(CheckpointStore(tmp_path).load().tree, tree)
@@ -126,7 +143,7 @@ def test_manifests_of_before_session_9_with_a_crc32_per_blob_still_load_and_catc
     data = (tmp_path / "step-000001" / data_name(0)).read_bytes()
     (entry,) = body["tensors"].values()
     assert set(entry) >= {"xxh3", "length"} and "checksum" not in entry
-    blob = data[entry["offset"]:entry["offset"] + entry["length"]]
+    blob = data[entry["offset"] : entry["offset"] + entry["length"]]
     del entry["xxh3"]
     entry["checksum"] = zlib.crc32(blob)  # what the store wrote before
     path.write_bytes(encode_manifest(body))
@@ -270,17 +287,21 @@ def _ranks(world, target):
 def replica_tree(rank, step):
     """Data-parallel state: model and optimizer equal on every rank, RNG and loader state per rank."""
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(3000, generator=g), "b": torch.randn(8, generator=g).bfloat16()},
-            "optimizer": {"m": torch.randn(3000, generator=g)},
-            "rng": torch.full((16,), 10 * step + rank, dtype=torch.uint8), "loader": {"cursor": 10 * rank + step}}
+    return {
+        "model": {"w": torch.randn(3000, generator=g), "b": torch.randn(8, generator=g).bfloat16()},
+        "optimizer": {"m": torch.randn(3000, generator=g)},
+        "rng": torch.full((16,), 10 * step + rank, dtype=torch.uint8),
+        "loader": {"cursor": 10 * rank + step},
+    }
 
 
 def test_shared_replicas_ranks_with_their_own_state_write_all_of_it(tmp_path):
     world, results = 2, {}
 
     def rank_main(rank, barrier):  # islands of a DiLoCo job between syncs: nothing in common
-        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0,
-                                share_replicas=True)
+        store = CheckpointStore(
+            tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0, share_replicas=True
+        )
         barrier.wait()
         results[rank] = store.save(replica_tree(rank, 10 + rank), 1)
 
@@ -295,8 +316,15 @@ def test_shared_replicas_are_written_once_and_every_rank_loads_its_own_state(tmp
     world, results = 3, {}
 
     def rank_main(rank, barrier):
-        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0,
-                                keep_last=1, share_replicas=True)
+        store = CheckpointStore(
+            tmp_path,
+            rank=rank,
+            world_size=world,
+            barrier=barrier.wait,
+            clean=rank == 0,
+            keep_last=1,
+            share_replicas=True,
+        )
         barrier.wait()
         for step, seed in ((1, 1), (2, 2), (3, 2)):  # step 3 saves step 2's state again
             results[(rank, step)] = store.save(replica_tree(rank, seed), step)
@@ -305,7 +333,8 @@ def test_shared_replicas_are_written_once_and_every_rank_loads_its_own_state(tmp
     store = CheckpointStore(tmp_path)
     assert store.steps() == [2, 3] and store.verify(2) == store.verify(3) == []  # 3 points into 2: kept
     assert sorted(p.name for p in store.path_for(3).iterdir()) == sorted(  # the hash list was transient
-        f"rank{r:05d}.{kind}" for r in range(world) for kind in ("data", "manifest.json"))
+        f"rank{r:05d}.{kind}" for r in range(world) for kind in ("data", "manifest.json")
+    )
     for rank in range(world):
         assert_trees_equal(store.load(rank=rank).tree, replica_tree(rank, 2))
     replicated = (3000 + 3000) * 4 + 8 * 2
@@ -337,8 +366,9 @@ def test_shared_replicas_a_rank_dying_in_either_exchange_leaves_the_last_checkpo
     world = 2
 
     def first(rank, barrier):
-        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0,
-                                share_replicas=True)
+        store = CheckpointStore(
+            tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=rank == 0, share_replicas=True
+        )
         barrier.wait()
         store.save(replica_tree(rank, 1), 1)
 
@@ -349,8 +379,15 @@ def test_shared_replicas_a_rank_dying_in_either_exchange_leaves_the_last_checkpo
             raise RuntimeError("killed")
 
     def second(rank, barrier):
-        store = CheckpointStore(tmp_path, rank=rank, world_size=world, barrier=barrier.wait, clean=False,
-                                share_replicas=True, fault_hook=crash if rank == dies else None)
+        store = CheckpointStore(
+            tmp_path,
+            rank=rank,
+            world_size=world,
+            barrier=barrier.wait,
+            clean=False,
+            share_replicas=True,
+            fault_hook=crash if rank == dies else None,
+        )
         barrier.wait()
         store.save(replica_tree(rank, 2), 2)
 

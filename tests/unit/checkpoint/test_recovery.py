@@ -23,11 +23,17 @@ SECRET = b"job-token"
 def mixed_state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        "model": {"w": torch.randn(300, 41, generator=g), "h": torch.randn(64, generator=g).bfloat16(),
-                  "half": torch.randn(9, 3, generator=g).half(), "idx": torch.arange(-5, 1000, 7),
-                  "mask": torch.rand(33, generator=g) > 0.5, "empty": torch.empty(0, 4),
-                  "scalar": torch.tensor(2.5, dtype=torch.float64), "nan": torch.tensor([float("nan"), -0.0]),
-                  "strided": torch.randn(20, 30, generator=g).t()},  # non-contiguous
+        "model": {
+            "w": torch.randn(300, 41, generator=g),
+            "h": torch.randn(64, generator=g).bfloat16(),
+            "half": torch.randn(9, 3, generator=g).half(),
+            "idx": torch.arange(-5, 1000, 7),
+            "mask": torch.rand(33, generator=g) > 0.5,
+            "empty": torch.empty(0, 4),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "nan": torch.tensor([float("nan"), -0.0]),
+            "strided": torch.randn(20, 30, generator=g).t(),
+        },  # non-contiguous
         "strategy": {"rounds": 7, "outer": {"momentum": [torch.randn(11, generator=g)]}, "name": "diloco"},
         "step": 123,
     }
@@ -261,8 +267,9 @@ def test_training_resumes_bitwise_from_a_recovered_state(servers):
     got, _ = fetch_state([servers(image).address, servers(image).address], secret=SECRET)
 
     torch.manual_seed(1)  # the joiner starts from other weights
-    joiner = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                 torch.nn.Linear(16, 3))
+    joiner = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
     jopt = torch.optim.AdamW(joiner.parameters(), lr=1e-2)
     joiner.load_state_dict(got["model"])
     jopt.load_state_dict(got["opt"])
@@ -318,8 +325,9 @@ def test_elastic_join_receives_the_lowest_holders_state_from_every_holder(transf
             if name != "j":
                 model.load_state_dict(reference.state_dict())
                 strategy = _Strategy(5, momentum.clone())
-            member = elastic_member(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=10.0,
-                                    collective_timeout=30.0)
+            member = elastic_member(
+                connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=10.0, collective_timeout=30.0
+            )
             member.transfer.mode = transfer
             member.participate(strategy)
             member.epochs.form(1, None)

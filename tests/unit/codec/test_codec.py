@@ -7,14 +7,26 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from islands.checkpoint.codec.safetensors_codec import compress_file, decompress_file
 from islands.checkpoint.codec.tensor import TensorCodec, decode_tensor, encode_tensor, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.codec.safetensors_codec import compress_file, decompress_file
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-ALL_DTYPES = FLOATS + [torch.complex64, torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32,
-                       torch.int64, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.float8_e4m3fn,
-                       torch.float8_e5m2]
+ALL_DTYPES = FLOATS + [
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 LAYOUTS = ["split", "zstd", "raw"]
 
 
@@ -29,12 +41,19 @@ def tensor_from_raw(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(raw=st.binary(min_size=0, max_size=600), dtype=st.sampled_from(ALL_DTYPES), layout=st.sampled_from(LAYOUTS),
-       chunk=st.sampled_from([64, 96, 4 << 20]))
+@given(
+    raw=st.binary(min_size=0, max_size=600),
+    dtype=st.sampled_from(ALL_DTYPES),
+    layout=st.sampled_from(LAYOUTS),
+    chunk=st.sampled_from([64, 96, 4 << 20]),
+)
 def test_any_bit_pattern_round_trips_bitwise(raw, dtype, layout, chunk):
     # Random bytes reinterpreted as the dtype cover NaN payloads, subnormals, infs and -0 in one go.
-    t = tensor_from_raw(raw, dtype) if dtype != torch.bool else torch.from_numpy(
-        np.frombuffer(bytearray(raw), dtype=np.uint8) % 2 == 1)
+    t = (
+        tensor_from_raw(raw, dtype)
+        if dtype != torch.bool
+        else torch.from_numpy(np.frombuffer(bytearray(raw), dtype=np.uint8) % 2 == 1)
+    )
     before = tensor_bytes(t).copy()
     out = decode_tensor(encode_tensor(t, codec=TensorCodec(layout=layout, chunk_bytes=chunk)))
     assert bits_equal(out, t)
@@ -47,8 +66,19 @@ def test_special_values_and_nan_payloads_survive(dtype):
     fmt = {2: "<H", 4: "<I", 8: "<Q"}[size]
     exp_all = {2: 0x7F80 if dtype == torch.bfloat16 else 0x7C00, 4: 0x7F800000, 8: 0x7FF0000000000000}[size]
     sign = 1 << (size * 8 - 1)
-    patterns = [0, sign, 1, sign | 1, exp_all, exp_all | sign, exp_all | 1, exp_all | 2, exp_all | 3 | sign,
-                (1 << (size * 8)) - 1, exp_all - 1]
+    patterns = [
+        0,
+        sign,
+        1,
+        sign | 1,
+        exp_all,
+        exp_all | sign,
+        exp_all | 1,
+        exp_all | 2,
+        exp_all | 3 | sign,
+        (1 << (size * 8)) - 1,
+        exp_all - 1,
+    ]
     raw = b"".join(struct.pack(fmt, p) for p in patterns)
     t = tensor_from_raw(raw, dtype)
     assert torch.isnan(t).sum() >= 3 and torch.isinf(t).sum() == 2
@@ -60,9 +90,13 @@ def test_special_values_and_nan_payloads_survive(dtype):
 @pytest.mark.parametrize("shape", [(0,), (3, 0, 2), (), (5, 7)])
 def test_every_dtype_and_shape_including_empty_and_scalar(dtype, shape):
     g = torch.Generator().manual_seed(1)
-    t = torch.randint(0, 2, shape, generator=g).to(dtype) if dtype in (torch.bool,) else \
-        (torch.randn(shape, generator=g) * 3).to(dtype) if dtype.is_floating_point or dtype.is_complex else \
-        torch.randint(0, 100, shape, generator=g).to(dtype)
+    t = (
+        torch.randint(0, 2, shape, generator=g).to(dtype)
+        if dtype in (torch.bool,)
+        else (torch.randn(shape, generator=g) * 3).to(dtype)
+        if dtype.is_floating_point or dtype.is_complex
+        else torch.randint(0, 100, shape, generator=g).to(dtype)
+    )
     out = decode_tensor(encode_tensor(t))
     assert out.shape == t.shape and bits_equal(out, t)
 
@@ -79,15 +113,21 @@ def test_non_contiguous_input_is_read_in_logical_order_and_untouched():
 def test_trained_like_weights_shrink_more_than_plain_zstd_for_bf16():
     w = (torch.randn(200_000, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     import zstandard
+
     ours = len(encode_tensor(w)) / (w.numel() * 2)
     theirs = len(zstandard.ZstdCompressor(level=3).compress(tensor_bytes(w).tobytes())) / (w.numel() * 2)
     assert ours < 0.72 and ours < theirs
 
 
 @settings(max_examples=40, deadline=None)
-@given(values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), max_size=40),
-       scale=st.sampled_from([1e-3, 0.02, 1.0, 3e4]), n=st.integers(0, 3000), dtype=st.sampled_from(FLOATS),
-       chunk=st.sampled_from([64, 1000, 4 << 20]), seed=st.integers(0, 2**16))
+@given(
+    values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), max_size=40),
+    scale=st.sampled_from([1e-3, 0.02, 1.0, 3e4]),
+    n=st.integers(0, 3000),
+    dtype=st.sampled_from(FLOATS),
+    chunk=st.sampled_from([64, 1000, 4 << 20]),
+    seed=st.integers(0, 2**16),
+)
 def test_weight_like_tensors_with_injected_specials_round_trip(values, scale, n, dtype, chunk, seed):
     # Trained-like values keep the paired-exponent path in use; the injected floats (NaN payloads from
     # hypothesis, subnormals, infinities, -0) land as escapes or force the plain-plane fallback.
@@ -151,9 +191,16 @@ def test_bad_inputs_get_clear_errors():
 
 def test_safetensors_file_round_trips_byte_exactly(tmp_path):
     from safetensors.torch import save_file
-    tensors = {"w": torch.randn(64, 32) * 0.02, "h": (torch.randn(100) * 0.1).half(),
-               "b": torch.randn(33).bfloat16(), "i": torch.arange(7), "m": torch.tensor([True, False]),
-               "e": torch.zeros(0, 4), "d": torch.randn(5, dtype=torch.float64)}
+
+    tensors = {
+        "w": torch.randn(64, 32) * 0.02,
+        "h": (torch.randn(100) * 0.1).half(),
+        "b": torch.randn(33).bfloat16(),
+        "i": torch.arange(7),
+        "m": torch.tensor([True, False]),
+        "e": torch.zeros(0, 4),
+        "d": torch.randn(5, dtype=torch.float64),
+    }
     src, packed, back = tmp_path / "a.safetensors", tmp_path / "a.isc", tmp_path / "b.safetensors"
     save_file(tensors, str(src), metadata={"note": "kept"})
     stats = compress_file(src, packed)

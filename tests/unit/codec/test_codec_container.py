@@ -7,15 +7,14 @@ import struct
 
 import pytest
 import torch
+import zstandard
 from safetensors.torch import save_file
 
+from harness.legacy_containers import V1_FILE, V1_SOURCE_SHA256, v1_source, write_v1
 from islands.checkpoint.codec import blob_header
+from islands.checkpoint.codec.safetensors_codec import _Reader, compress_file, decompress_file
 from islands.checkpoint.codec.tensor import blob_parts, decode_parts, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.codec.safetensors_codec import _Reader, compress_file, decompress_file
-from harness.legacy_containers import V1_FILE, V1_SOURCE_SHA256, v1_source, write_v1
-
-import zstandard
 
 
 def _trained_like(n_layers: int = 6, d: int = 48, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -23,25 +22,27 @@ def _trained_like(n_layers: int = 6, d: int = 48, seed: int = 0) -> dict[str, to
     matrices and biases, 2 LayerNorms), embeddings and a pooler, 103 tensors for 6 layers like MiniLM,
     most of them small. Values with trained weights' spread: LayerNorm weights near 1, biases small."""
     g = torch.Generator().manual_seed(seed)
-    out = {"embeddings.position_ids": torch.arange(128).reshape(1, 128),
-           "embeddings.word_embeddings.weight": torch.randn(500, d, generator=g) * 0.05,
-           "embeddings.position_embeddings.weight": torch.randn(128, d, generator=g) * 0.02,
-           "embeddings.token_type_embeddings.weight": torch.randn(2, d, generator=g) * 0.02,
-           "embeddings.LayerNorm.weight": 1 + torch.randn(d, generator=g) * 0.05,
-           "embeddings.LayerNorm.bias": torch.randn(d, generator=g) * 0.01}
+    out = {
+        "embeddings.position_ids": torch.arange(128).reshape(1, 128),
+        "embeddings.word_embeddings.weight": torch.randn(500, d, generator=g) * 0.05,
+        "embeddings.position_embeddings.weight": torch.randn(128, d, generator=g) * 0.02,
+        "embeddings.token_type_embeddings.weight": torch.randn(2, d, generator=g) * 0.02,
+        "embeddings.LayerNorm.weight": 1 + torch.randn(d, generator=g) * 0.05,
+        "embeddings.LayerNorm.bias": torch.randn(d, generator=g) * 0.01,
+    }
     for i in range(n_layers):
         p = f"encoder.layer.{i}."
         for m in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
-            out[p + m + ".weight"] = torch.randn(d, d, generator=g) * d ** -0.5
+            out[p + m + ".weight"] = torch.randn(d, d, generator=g) * d**-0.5
             out[p + m + ".bias"] = torch.randn(d, generator=g) * 0.02
-        out[p + "intermediate.dense.weight"] = torch.randn(4 * d, d, generator=g) * d ** -0.5
+        out[p + "intermediate.dense.weight"] = torch.randn(4 * d, d, generator=g) * d**-0.5
         out[p + "intermediate.dense.bias"] = torch.randn(4 * d, generator=g) * 0.02
         out[p + "output.dense.weight"] = torch.randn(d, 4 * d, generator=g) * (4 * d) ** -0.5
         out[p + "output.dense.bias"] = torch.randn(d, generator=g) * 0.02
         for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
             out[p + ln + ".weight"] = 1 + torch.randn(d, generator=g) * 0.05
             out[p + ln + ".bias"] = torch.randn(d, generator=g) * 0.01
-    out["pooler.dense.weight"] = torch.randn(d, d, generator=g) * d ** -0.5
+    out["pooler.dense.weight"] = torch.randn(d, d, generator=g) * d**-0.5
     out["pooler.dense.bias"] = torch.randn(d, generator=g) * 0.02
     return out
 
@@ -56,7 +57,7 @@ def _index(path) -> tuple[int, bytes]:
     r = _Reader(data)
     r.pos = 8
     n = r.varint()
-    return r.pos + n + 4, zstandard.ZstdDecompressor().decompress(data[r.pos:r.pos + n])
+    return r.pos + n + 4, zstandard.ZstdDecompressor().decompress(data[r.pos : r.pos + n])
 
 
 def _round_trip(tmp_path, tensors: dict, name: str = "a", **save) -> dict:
@@ -87,11 +88,17 @@ def test_round_trip_is_bitwise_per_dtype(tmp_path, dtype):
 def test_every_dtype_and_irregular_files_round_trip(tmp_path):
     """Integers, bools, fp64, fp8, only empty tensors; and headers the reduced form cannot rebuild
     (tensors not in data order, padding no tensor claims, another JSON spacing): kept as they are."""
-    tensors = {"i8": torch.arange(-5, 5, dtype=torch.int8), "u8": torch.arange(200, dtype=torch.uint8),
-               "i16": torch.arange(9, dtype=torch.int16) * 300, "i32": torch.arange(11, dtype=torch.int32),
-               "i64": torch.arange(1 << 13).reshape(8, -1), "b": torch.rand(77) > 0.5,
-               "f64": torch.randn(5, 3, dtype=torch.float64), "f8": torch.randn(40).to(torch.float8_e4m3fn),
-               "c64": torch.randn(6, dtype=torch.complex64)}
+    tensors = {
+        "i8": torch.arange(-5, 5, dtype=torch.int8),
+        "u8": torch.arange(200, dtype=torch.uint8),
+        "i16": torch.arange(9, dtype=torch.int16) * 300,
+        "i32": torch.arange(11, dtype=torch.int32),
+        "i64": torch.arange(1 << 13).reshape(8, -1),
+        "b": torch.rand(77) > 0.5,
+        "f64": torch.randn(5, 3, dtype=torch.float64),
+        "f8": torch.randn(40).to(torch.float8_e4m3fn),
+        "c64": torch.randn(6, dtype=torch.complex64),
+    }
     _round_trip(tmp_path, tensors, "kinds")
     _round_trip(tmp_path, {"e": torch.zeros(0), "f": torch.zeros(3, 0, dtype=torch.float16)}, "empty")
     _round_trip(tmp_path, {}, "none")
@@ -99,14 +106,28 @@ def test_every_dtype_and_irregular_files_round_trip(tmp_path):
     w, h = torch.randn(10, 3), torch.randn(6).half()
     raw_w, raw_h = w.numpy().tobytes(), h.numpy().tobytes()
     for label, header, body in [
-        ("reordered", {"w": {"dtype": "F32", "shape": [10, 3], "data_offsets": [12, 132]},
-                       "h": {"dtype": "F16", "shape": [6], "data_offsets": [0, 12]}}, raw_h + raw_w),
-        ("padded", {"w": {"dtype": "F32", "shape": [10, 3], "data_offsets": [0, 120]},
-                    "h": {"dtype": "F16", "shape": [6], "data_offsets": [128, 140]}},
-         raw_w + b"PADDING!" + raw_h + b"end"),
+        (
+            "reordered",
+            {
+                "w": {"dtype": "F32", "shape": [10, 3], "data_offsets": [12, 132]},
+                "h": {"dtype": "F16", "shape": [6], "data_offsets": [0, 12]},
+            },
+            raw_h + raw_w,
+        ),
+        (
+            "padded",
+            {
+                "w": {"dtype": "F32", "shape": [10, 3], "data_offsets": [0, 120]},
+                "h": {"dtype": "F16", "shape": [6], "data_offsets": [128, 140]},
+            },
+            raw_w + b"PADDING!" + raw_h + b"end",
+        ),
         ("unknown dtype", {"w": {"dtype": "F4X", "shape": [5], "data_offsets": [0, 120]}}, raw_w),
-        ("spaced", {"__metadata__": {"k": "v"},
-                    "w": {"shape": [10, 3], "dtype": "F32", "data_offsets": [0, 120]}}, raw_w),
+        (
+            "spaced",
+            {"__metadata__": {"k": "v"}, "w": {"shape": [10, 3], "dtype": "F32", "data_offsets": [0, 120]}},
+            raw_w,
+        ),
     ]:
         text = json.dumps(header, indent=None if label != "spaced" else 1).encode()
         src = tmp_path / "hand.safetensors"
@@ -146,8 +167,13 @@ def test_every_damaged_byte_is_detected(tmp_path):
     """Each byte of a small container flipped in turn (index, every tensor's streams, the lead): every
     one raises CorruptCheckpoint, none writes a file. Truncation and extra bytes too."""
     g = torch.Generator().manual_seed(3)
-    tensors = {"w": torch.randn(16, 8, generator=g) * 0.05, "b": torch.randn(64, generator=g).bfloat16(),
-               "h": torch.randn(40, generator=g).half(), "i": torch.arange(9), "m": torch.tensor([True, False])}
+    tensors = {
+        "w": torch.randn(16, 8, generator=g) * 0.05,
+        "b": torch.randn(64, generator=g).bfloat16(),
+        "h": torch.randn(40, generator=g).half(),
+        "i": torch.arange(9),
+        "m": torch.tensor([True, False]),
+    }
     src, packed = tmp_path / "s.safetensors", tmp_path / "s.isc"
     save_file(tensors, str(src))
     compress_file(src, packed)
@@ -161,7 +187,7 @@ def test_every_damaged_byte_is_detected(tmp_path):
             with pytest.raises(CorruptCheckpoint):
                 decompress_file(packed, out)
             assert not out.exists()
-    for bad in (good[:-1], good + b"\0", good[:len(good) // 2], good[:6]):
+    for bad in (good[:-1], good + b"\0", good[: len(good) // 2], good[:6]):
         packed.write_bytes(bad)
         with pytest.raises(CorruptCheckpoint):
             decompress_file(packed, tmp_path / "x")

@@ -11,10 +11,10 @@ import pytest
 import torch
 import xxhash
 
+from harness.legacy_blobs import as_version
 from islands.checkpoint.codec import blob_header, tensor as codec
 from islands.checkpoint.codec.tensor import decode_tensor, encode_tensor, read_header, tensor_bytes
 from islands.checkpoint.errors import CorruptCheckpoint
-from harness.legacy_blobs import as_version
 
 
 def _weights(n=50_000, dtype=torch.bfloat16):
@@ -27,7 +27,7 @@ def test_v7_blob_is_magic_version_streams_binary_header_crc_length():
     raw = bytes(blob)
     assert raw[:5] == b"ISLT\x07"
     crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
-    head = raw[len(raw) - 8 - head_len:len(raw) - 8]
+    head = raw[len(raw) - 8 - head_len : len(raw) - 8]
     assert zlib.crc32(head) == crc
     header = blob_header.unpack(head)
     assert header == read_header(blob)[0] and read_header(blob)[1] == 5
@@ -37,29 +37,54 @@ def test_v7_blob_is_magic_version_streams_binary_header_crc_length():
     assert head_len < 32 + 40
 
 
-@pytest.mark.parametrize("header", [
-    {"dtype": "bfloat16", "shape": [], "layout": "split", "chunks": []},
-    {"dtype": "my_float", "shape": [0, 3, 1 << 40], "layout": "raw", "content_hash": "ab" * 32,
-     "delta": {"base_hash": "cd" * 32},
-     "chunks": [{"bytes": 1 << 33, "pair_base": 0, "streams": [{"m": "p", "raw": 5, "enc": 300}], "xxh3": 1 << 63},
-                {"bytes": 7, "streams": [{"m": "r", "raw": 7, "enc": 7}], "xxh3": 0}]},
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"dtype": "bfloat16", "shape": [], "layout": "split", "chunks": []},
+        {
+            "dtype": "my_float",
+            "shape": [0, 3, 1 << 40],
+            "layout": "raw",
+            "content_hash": "ab" * 32,
+            "delta": {"base_hash": "cd" * 32},
+            "chunks": [
+                {"bytes": 1 << 33, "pair_base": 0, "streams": [{"m": "p", "raw": 5, "enc": 300}], "xxh3": 1 << 63},
+                {"bytes": 7, "streams": [{"m": "r", "raw": 7, "enc": 7}], "xxh3": 0},
+            ],
+        },
+    ],
+)
 def test_binary_header_round_trips_every_field(header):
     assert blob_header.unpack(blob_header.pack(header)) == header
 
 
 def test_v6_binary_header_round_trips_its_own_checksum_fields():
-    header = {"dtype": "float16", "shape": [3], "layout": "split", "heads_crc": 0xFFFFFFFF,
-              "chunks": [{"bytes": 6, "streams": [{"m": "h", "raw": 3, "enc": 12},
-                                                  {"m": "r", "raw": 3, "enc": 3, "xxh": (1 << 64) - 1}]}]}
+    header = {
+        "dtype": "float16",
+        "shape": [3],
+        "layout": "split",
+        "heads_crc": 0xFFFFFFFF,
+        "chunks": [
+            {
+                "bytes": 6,
+                "streams": [{"m": "h", "raw": 3, "enc": 12}, {"m": "r", "raw": 3, "enc": 3, "xxh": (1 << 64) - 1}],
+            }
+        ],
+    }
     assert blob_header.unpack(blob_header.pack(header, version=6), version=6) == header
     with pytest.raises(ValueError, match="formats 6 and 7"):
         blob_header.pack(header, version=5)
 
 
 def test_binary_header_damage_is_named():
-    head = blob_header.pack({"dtype": "float16", "shape": [4], "layout": "split",
-                             "chunks": [{"bytes": 8, "streams": [{"m": "h", "raw": 4, "enc": 9}], "xxh3": 1}]})
+    head = blob_header.pack(
+        {
+            "dtype": "float16",
+            "shape": [4],
+            "layout": "split",
+            "chunks": [{"bytes": 8, "streams": [{"m": "h", "raw": 4, "enc": 9}], "xxh3": 1}],
+        }
+    )
     with pytest.raises(CorruptCheckpoint, match="ends early"):
         blob_header.unpack(head[:-1])
     with pytest.raises(CorruptCheckpoint, match="after its last field"):
@@ -92,8 +117,12 @@ def test_a_flipped_bit_in_any_stored_byte_is_caught(where):
     streams = header["chunks"][0]["streams"]
     assert streams[-1]["m"] == "r"
     stored = sum(s["enc"] for s in streams)
-    at = {"frame header": start, "frame body": start + 100, "raw plane": start + stored - 5_000,
-          "last byte": start + stored - 1}[where]
+    at = {
+        "frame header": start,
+        "frame body": start + 100,
+        "raw plane": start + stored - 5_000,
+        "last byte": start + stored - 1,
+    }[where]
     bad = bytearray(blob)
     bad[at] ^= 0x10
     match = "checksum mismatch in chunk 0 of a bfloat16" if where != "frame body" else "chunk 0 of a bfloat16"
@@ -172,7 +201,7 @@ def test_a_word_plane_of_the_wrong_size_is_refused():
     h2, start2 = read_header(mixed)
     h2["chunks"][0]["bytes"] = 800_000  # claims 200 K elements: the word plane holds 150 K
     head = blob_header.pack(h2)
-    streams = mixed[start2:len(mixed) - 8 - struct.unpack_from("<II", mixed, len(mixed) - 8)[1]]
+    streams = mixed[start2 : len(mixed) - 8 - struct.unpack_from("<II", mixed, len(mixed) - 8)[1]]
     with pytest.raises(CorruptCheckpoint):
         decode_tensor(mixed[:start2] + streams + head + struct.pack("<II", zlib.crc32(head), len(head)))
 
@@ -237,7 +266,7 @@ def test_an_empty_stream_is_no_frame_and_a_missing_frame_is_refused():
     crc, head_len = struct.unpack_from("<II", raw, len(raw) - 8)
     escapes["raw"] = 4  # claims four escaped exponents, with no frame to hold them
     head = blob_header.pack(header)
-    bad = raw[:len(raw) - 8 - head_len] + head + struct.pack("<II", zlib.crc32(head), len(head))
+    bad = raw[: len(raw) - 8 - head_len] + head + struct.pack("<II", zlib.crc32(head), len(head))
     with pytest.raises(CorruptCheckpoint, match="has none"):
         decode_tensor(bad)
 

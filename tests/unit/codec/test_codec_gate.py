@@ -8,9 +8,9 @@ import numpy as np
 import torch
 import zstandard
 
-from islands.checkpoint.codec.tensor import decode_tensor, encode_tensor, read_header, tensor_bytes
-from islands.checkpoint.codec.planes import sampled_entropy_bits
 from harness.legacy_blobs import legacy_blob, legacy_parts, ordinary_frame
+from islands.checkpoint.codec.planes import sampled_entropy_bits
+from islands.checkpoint.codec.tensor import decode_tensor, encode_tensor, read_header, tensor_bytes
 
 
 def _streams(blob):
@@ -28,7 +28,7 @@ def test_entropy_estimate_separates_noise_from_skewed_bytes():
     assert sampled_entropy_bits(skewed) < 6.5
     # A plane whose compressible part is only its last quarter still reads as compressible.
     mixed = noise.copy()
-    mixed[-(1 << 18):] = 0
+    mixed[-(1 << 18) :] = 0
     assert sampled_entropy_bits(mixed) < 7.9
 
 
@@ -62,7 +62,7 @@ def _block_sizes(frame: bytes) -> list[int]:
     """Decoded sizes of a zstd frame's blocks, read from the 3-byte block headers (RFC 8878 3.1.1.2)."""
     pos, sizes = zstandard.frame_header_size(frame), []
     while True:
-        head = int.from_bytes(frame[pos:pos + 3], "little")
+        head = int.from_bytes(frame[pos : pos + 3], "little")
         last, kind, size = head & 1, (head >> 1) & 3, head >> 3
         pos += 3 + (1 if kind == 1 else size)  # an RLE block stores one byte; size is its decoded length
         sizes.append(size if kind != 2 else -1)  # compressed blocks: decoded size not in the header
@@ -93,8 +93,11 @@ def test_huffman_streams_are_cut_into_blocks_no_longer_than_their_window():
     # One compress call per stream; zstd never makes a block longer than its window (streams.py).
     g = torch.Generator().manual_seed(4)
     w = torch.randn(600_000, generator=g) * 0.02
-    for t, kind, block in ((w.to(torch.bfloat16), "p", 64 << 10), (w.to(torch.float16), "h", 128 << 10),
-                           (torch.cat([w, w.half().float()]), "h", 32 << 10)):
+    for t, kind, block in (
+        (w.to(torch.bfloat16), "p", 64 << 10),
+        (w.to(torch.float16), "h", 128 << 10),
+        (torch.cat([w, w.half().float()]), "h", 32 << 10),
+    ):
         streams = [(m, f) for m, f in _streams(encode_tensor(t, content_hash=False)) if m["m"] == kind]
         assert streams
         meta, frame = max(streams, key=lambda s: s[0]["raw"])
@@ -106,16 +109,25 @@ def _reframe_by_flushing(blob: bytes, block: int) -> bytes:
     """The same tensor as the first v3 encoder wrote it: every Huffman stream re-cut by a streaming
     compressor flushed every `block` bytes (header sizes and CRCs rewritten to match)."""
     header, frames = legacy_parts(blob)
-    coder = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
-        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7, window_log=17, hash_log=6,
-        chain_log=6, search_log=1, write_checksum=True))
+    coder = zstandard.ZstdCompressor(
+        compression_params=zstandard.ZstdCompressionParameters(
+            compression_level=1,
+            strategy=zstandard.STRATEGY_FAST,
+            min_match=7,
+            window_log=17,
+            hash_log=6,
+            chain_log=6,
+            search_log=1,
+            write_checksum=True,
+        )
+    )
     metas = [meta for chunk in header["chunks"] for meta in chunk["streams"]]
     for i, meta in enumerate(metas):
         if meta["m"] in ("h", "p", "x"):
             raw = zstandard.ZstdDecompressor().decompress(frames[i])
             obj, parts = coder.compressobj(size=len(raw)), []
             for b in range(0, len(raw), block):
-                parts.append(obj.compress(raw[b:b + block]))
+                parts.append(obj.compress(raw[b : b + block]))
                 if b + block < len(raw):
                     parts.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
             parts.append(obj.flush())

@@ -7,12 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from islands.checkpoint.codec.tensor import (TensorCodec, content_hash, decode_tensor, encode_tensor, read_header,
-                                             tensor_bytes)
-from islands.checkpoint.errors import CorruptCheckpoint
-from islands.checkpoint.codec.layouts import layout_for
 from islands.checkpoint.codec import kernels
+from islands.checkpoint.codec.layouts import layout_for
 from islands.checkpoint.codec.planes import ESCAPE, pack_exponents, unpack_exponents
+from islands.checkpoint.codec.tensor import (
+    TensorCodec,
+    content_hash,
+    decode_tensor,
+    encode_tensor,
+    read_header,
+    tensor_bytes,
+)
+from islands.checkpoint.errors import CorruptCheckpoint
 
 
 def weights_with_outliers(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -42,7 +48,9 @@ def test_pair_packing_round_trips_with_escapes_and_odd_counts(n):
     # fp32: bits 23-30), with the other bits random, and the compiled join puts every word back.
     for dtype, word, shift in ((torch.bfloat16, np.uint16, 7), (torch.float32, np.uint32, 23)):
         noise = rng.integers(0, 1 << (8 * np.dtype(word).itemsize), n, dtype=np.uint64).astype(word)
-        words = (noise & word(~(0xFF << shift) & ((1 << (8 * np.dtype(word).itemsize)) - 1))) | (x.astype(word) << word(shift))
+        words = (noise & word(~(0xFF << shift) & ((1 << (8 * np.dtype(word).itemsize)) - 1))) | (
+            x.astype(word) << word(shift)
+        )
         layout = layout_for(dtype)
         exponent, planes = layout.split(words.view(np.uint8))
         assert isinstance(exponent, tuple)
@@ -75,9 +83,9 @@ def test_compiled_escape_scans_match_a_plain_scan(n):
     words = rng.integers(0, 1 << 16, n, dtype=np.int64).astype(np.uint16)
     escaped = np.empty(n, np.uint8)
     assert kernels.collect_escapes(packed, n, words, 7, escaped) == where.size
-    assert np.array_equal(escaped[:where.size], (words[where] >> 7) & 0xFF)
+    assert np.array_equal(escaped[: where.size], (words[where] >> 7) & 0xFF)
     if where.size:  # one slot short: the collector gives up instead of writing past it
-        assert kernels.collect_escapes(packed, n, words, 7, escaped[:where.size - 1]) == -1
+        assert kernels.collect_escapes(packed, n, words, 7, escaped[: where.size - 1]) == -1
     out = np.zeros(n, np.uint16)
     new = rng.integers(0, 256, where.size).astype(np.uint8)
     assert kernels.patch_escapes(packed, n, new, out, 7) == where.size
@@ -93,8 +101,11 @@ def test_each_layout_splits_and_joins_every_bit_pattern(dtype):
     # Every 16-bit pattern once (bf16/fp16), or random words: all signs, exponents, NaN payloads.
     size = torch.empty((), dtype=dtype).element_size()
     rng = np.random.default_rng(size)
-    raw = (np.arange(1 << 16, dtype=np.uint16).view(np.uint8) if size == 2 else
-           rng.integers(0, 256, 50_000 * size, dtype=np.uint8))
+    raw = (
+        np.arange(1 << 16, dtype=np.uint16).view(np.uint8)
+        if size == 2
+        else rng.integers(0, 256, 50_000 * size, dtype=np.uint8)
+    )
     layout = layout_for(dtype)
     exponent, planes = layout.split(raw)
     if isinstance(exponent, tuple):  # pair-packed: copy out of scratch, as the codec does via zstd
@@ -147,8 +158,10 @@ def test_content_hash_options():
 
 
 def test_threads_encoding_at_once_do_not_share_scratch():
-    tensors = [weights_with_outliers(200_000, dtype, seed=i)
-               for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16, torch.bfloat16])]
+    tensors = [
+        weights_with_outliers(200_000, dtype, seed=i)
+        for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float16, torch.bfloat16])
+    ]
     results: dict[int, bytes] = {}
 
     def work(i):

@@ -4,8 +4,7 @@ feedback's reused buffer. Each must give what the plain path gives."""
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.compress import ErrorFeedback, PowerSGD, compress_and_average, parse_compressor
 from islands.compress.base import Payload
@@ -128,4 +127,6 @@ def test_an_overflowing_mean_is_named_with_or_without_out(into, one_rank_comm):
     bucket = torch.cat([torch.ones(5), torch.full((16,), 3e38)])
     named = {"ok": bucket[:5], "big": bucket[5:].view(8, 2)}
     with pytest.raises(ValueError, match=r"averaged result of 'big' has \d+ NaN/Inf"):
-        compress_and_average(named, one_rank_comm, parse_compressor("powersgd:rank=1,ef=0"), out=named if into else None)
+        compress_and_average(
+            named, one_rank_comm, parse_compressor("powersgd:rank=1,ef=0"), out=named if into else None
+        )

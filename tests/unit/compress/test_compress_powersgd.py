@@ -3,8 +3,7 @@ and the cheap NaN/Inf check every compress call relies on."""
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.compress import ErrorFeedback, PowerSGD, parse_compressor
 from islands.compress.base import all_finite
@@ -84,8 +83,12 @@ def test_spec_sets_start_and_min_rate():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 300), st.data(), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
-       st.sampled_from([float("nan"), float("inf"), -float("inf"), None]))
+@given(
+    st.integers(1, 300),
+    st.data(),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), None]),
+)
 def test_all_finite_equals_isfinite_all(n, data, dtype, bad):
     t = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
     if bad is not None:
@@ -97,6 +100,7 @@ def test_all_finite_equals_isfinite_all(n, data, dtype, bad):
 
 
 # ---- DGC's sampled top-k threshold (LIT-056): exact selection, cheaper on big tensors ------------
+
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 3000), st.floats(0.0005, 0.6), st.sampled_from([0.001, 0.01, 0.2, 1.0]), st.integers(0, 2**20))
@@ -138,6 +142,7 @@ def test_topk_sample_option_matches_plain_topk_and_keeps_global_rng():
 
 # ---- wire precision: bf16 factors (rank 8 for the bytes of rank 4) and bf16 dense tensors ---------
 
+
 def test_bf16_factors_halve_the_bytes_of_a_rank():
     t = torch.randn(64, 48, generator=torch.Generator().manual_seed(6))
     r4, r8 = PowerSGD(4), PowerSGD(8, bits=16)
@@ -150,7 +155,11 @@ def test_bf16_factors_halve_the_bytes_of_a_rank():
 
 def test_bf16_factors_recover_a_low_rank_matrix_to_bf16_precision():
     g = torch.Generator().manual_seed(7)
-    M = orthonormal(torch.randn(40, 3, generator=g)) @ torch.diag(torch.tensor([3.0, 1.0, 0.2])) @ orthonormal(torch.randn(30, 3, generator=g)).t()
+    M = (
+        orthonormal(torch.randn(40, 3, generator=g))
+        @ torch.diag(torch.tensor([3.0, 1.0, 0.2]))
+        @ orthonormal(torch.randn(30, 3, generator=g)).t()
+    )
     c = PowerSGD(rank=3, bits=16)
     for _ in range(4):
         out = c.decompress(c.compress(M, c.state("w", M)))
@@ -208,8 +217,12 @@ def test_int8_factors_cost_a_quarter_plus_column_scales():
     c = PowerSGD(16, bits=8)
     payloads = _steps(c, t, 2)
     expect = (64 + 48) * 16 + 2 * 16 * 4  # codes, plus one fp32 scale per column of P and of Q
-    assert [p.nbytes for p in payloads] == [expect, expect] == [c.payload_nbytes(t.shape, t.dtype, step=s) for s in range(2)]
-    assert (64 + 48) * 16 == PowerSGD(4).payload_nbytes(t.shape, t.dtype)  # the codes cost rank 4 in fp32
+    assert (
+        [p.nbytes for p in payloads]
+        == [expect, expect]
+        == [c.payload_nbytes(t.shape, t.dtype, step=s) for s in range(2)]
+    )
+    assert PowerSGD(4).payload_nbytes(t.shape, t.dtype) == (64 + 48) * 16  # the codes cost rank 4 in fp32
     codes, scale = payloads[1].tensors
     assert codes.dtype == torch.int8 and scale.shape == (16,) and int(codes.abs().max()) == 127
     assert c.sum_transport == "gather" and PowerSGD(4).sum_transport == "all_reduce"
@@ -218,7 +231,11 @@ def test_int8_factors_cost_a_quarter_plus_column_scales():
 
 def test_int8_factors_track_a_low_rank_matrix():
     g = torch.Generator().manual_seed(11)
-    M = orthonormal(torch.randn(40, 3, generator=g)) @ torch.diag(torch.tensor([3.0, 1.0, 0.2])) @ orthonormal(torch.randn(30, 3, generator=g)).t()
+    M = (
+        orthonormal(torch.randn(40, 3, generator=g))
+        @ torch.diag(torch.tensor([3.0, 1.0, 0.2]))
+        @ orthonormal(torch.randn(30, 3, generator=g)).t()
+    )
     c = PowerSGD(rank=3, bits=8)
     for _ in range(5):
         out = c.decompress(c.compress(M, c.state("w", M)))

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.compress import (
     QSGD,
@@ -24,12 +23,28 @@ from islands.compress import (
 )
 from islands.compress.bits import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
 
-SPECS = ["none", "fp16", "bf16", "int8", "int4", "qsgd:levels=16", "qsgd:levels=3", "randomk:ratio=0.2",
-         "topk:ratio=0.2,warmup=0", "topk:ratio=0.01,warmup=1,stage_steps=2", "powersgd:rank=2", "sign",
-         "powersgd:rank=2,ef=0", "sign:ef=0", "topk:ratio=0.1,ef=0",
-         # the outer strategies' pseudo-gradient compressors (issue 19)
-         "topkq:ratio=0.2,bits=2,chunk=8", "topkq:ratio=0.1,bits=32", "dct-topk:ratio=0.2,bits=4,block=4,chunk=16",
-         "randomk-shared:ratio=0.2"]
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int4",
+    "qsgd:levels=16",
+    "qsgd:levels=3",
+    "randomk:ratio=0.2",
+    "topk:ratio=0.2,warmup=0",
+    "topk:ratio=0.01,warmup=1,stage_steps=2",
+    "powersgd:rank=2",
+    "sign",
+    "powersgd:rank=2,ef=0",
+    "sign:ef=0",
+    "topk:ratio=0.1,ef=0",
+    # the outer strategies' pseudo-gradient compressors (issue 19)
+    "topkq:ratio=0.2,bits=2,chunk=8",
+    "topkq:ratio=0.1,bits=32",
+    "dct-topk:ratio=0.2,bits=4,block=4,chunk=16",
+    "randomk-shared:ratio=0.2",
+]
 SHAPES = [(5, 7), (33,), (4, 3, 2), (1,), (0,), (2, 0), (16, 16)]
 
 
@@ -105,7 +120,14 @@ def test_topk_keeps_the_largest_exactly(values, ratio):
 
 def test_topk_warmup_schedule_is_dgc_default():
     c = TopK(0.001, warmup=True, steps_per_stage=10)
-    assert [round(1 - c.density(s), 6) for s in (0, 10, 20, 30, 40, 50)] == [0.75, 0.9375, 0.984375, 0.996, 0.999, 0.999]
+    assert [round(1 - c.density(s), 6) for s in (0, 10, 20, 30, 40, 50)] == [
+        0.75,
+        0.9375,
+        0.984375,
+        0.996,
+        0.999,
+        0.999,
+    ]
     assert TopK(0.01, warmup=True, steps_per_stage=1).density(4) == 0.01  # never sparser than target
     with pytest.raises(ValueError):
         TopK(0.01, warmup=True, schedule=[0.9, 0.5])
@@ -113,8 +135,12 @@ def test_topk_warmup_schedule_is_dgc_default():
 
 def test_randomk_and_qsgd_unbiased():
     t = torch.linspace(-2, 3, 40)
-    for c, draws, tol in ((RandomK(0.25, seed=1), 4000, 0.15), (QSGD(4, seed=1), 2000, 0.05),
-                          (SharedScaleQuant(4, seed=2), 2000, 0.05), (SharedScaleQuant(8, seed=3), 1000, 0.01)):
+    for c, draws, tol in (
+        (RandomK(0.25, seed=1), 4000, 0.15),
+        (QSGD(4, seed=1), 2000, 0.05),
+        (SharedScaleQuant(4, seed=2), 2000, 0.05),
+        (SharedScaleQuant(8, seed=3), 1000, 0.01),
+    ):
         st_ = c.state("w", t)
         mean = sum(c.decompress(c.compress(t, st_)) for _ in range(draws)) / draws
         assert float((mean - t).abs().max()) < tol * float(t.abs().max()), c
@@ -170,9 +196,11 @@ def test_sign_payload_is_packed_bits():
 
 def test_majority_vote_against_hand_computation():
     c = MajorityVote()
-    ranks = [torch.tensor([1.0, -1.0, 2.0, -3.0, 0.5]),
-             torch.tensor([1.0, 1.0, -2.0, -3.0, -0.5]),
-             torch.tensor([-1.0, -1.0, -2.0, 3.0, 0.5])]
+    ranks = [
+        torch.tensor([1.0, -1.0, 2.0, -3.0, 0.5]),
+        torch.tensor([1.0, 1.0, -2.0, -3.0, -0.5]),
+        torch.tensor([-1.0, -1.0, -2.0, 3.0, 0.5]),
+    ]
     payloads = [c.compress(t, {}) for t in ranks]
     # hand: coordinate votes (+,+,-) (-,+,-) (+,-,-) (-,-,+) (+,-,+) -> + - - - +
     scale = sum(float(t.abs().mean()) for t in ranks) / 3
@@ -215,8 +243,16 @@ def test_policies_nan_empty_noncontiguous_dtype():
 
 
 def test_spec_errors_list_names_and_parameters():
-    for bad in ("nope", "topk:ratio=abc", "powersgd:rnk=4", "topk:ratio=2", "sign:ef=2", "randomk:momentum=0.9",
-                "topk:momentum=0.9,ef=0", "qsgd:levels=300"):
+    for bad in (
+        "nope",
+        "topk:ratio=abc",
+        "powersgd:rnk=4",
+        "topk:ratio=2",
+        "sign:ef=2",
+        "randomk:momentum=0.9",
+        "topk:momentum=0.9,ef=0",
+        "qsgd:levels=300",
+    ):
         with pytest.raises(ValueError) as e:
             parse_compressor(bad)
         assert "powersgd:rank=4" in str(e.value) or "need ef" in str(e.value), bad  # the valid forms, or the fix

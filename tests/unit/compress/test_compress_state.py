@@ -4,15 +4,14 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.compress import (
+    QSGD,
+    Cast,
     ErrorFeedback,
     NaiveCompressedAdam,
     OneBitAdam,
-    QSGD,
-    Cast,
     PowerSGD,
     RandomK,
     ScaledSign,
@@ -23,8 +22,13 @@ from islands.compress import (
 )
 
 # Error feedback takes contractive compressors only (see the refusal test below for the others).
-INNERS = [lambda: TopK(0.1), lambda: SharedScaleQuant(4, seed=3), lambda: PowerSGD(2), lambda: ScaledSign(),
-          lambda: Cast(torch.float16)]
+INNERS = [
+    lambda: TopK(0.1),
+    lambda: SharedScaleQuant(4, seed=3),
+    lambda: PowerSGD(2),
+    lambda: ScaledSign(),
+    lambda: Cast(torch.float16),
+]
 
 
 @settings(max_examples=20, deadline=None)
@@ -57,10 +61,20 @@ def test_residual_survives_zero_grad_and_lives_outside_grad():
     assert torch.equal(ef.states["weight"]["residual"], residual) and residual.abs().sum() > 0
 
 
-@pytest.mark.parametrize("spec", ["powersgd:rank=2", "topk:ratio=0.05,warmup=1,stage_steps=1,momentum=0.9,clip=5",
-                                  "randomk:ratio=0.1", "qsgd:levels=4", "int4:ef=1", "sign",
-                                  "topkq:ratio=0.1,bits=2,chunk=32,decay=0.9", "dct-topk:ratio=0.1,block=8",
-                                  "randomk-shared:ratio=0.1"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "powersgd:rank=2",
+        "topk:ratio=0.05,warmup=1,stage_steps=1,momentum=0.9,clip=5",
+        "randomk:ratio=0.1",
+        "qsgd:levels=4",
+        "int4:ef=1",
+        "sign",
+        "topkq:ratio=0.1,bits=2,chunk=32,decay=0.9",
+        "dct-topk:ratio=0.1,block=8",
+        "randomk-shared:ratio=0.1",
+    ],
+)
 def test_bitwise_resume(spec):
     g = torch.Generator().manual_seed(0)
     grads = [{"a": torch.randn(12, 9, generator=g), "b": torch.randn(9, generator=g)} for _ in range(4)]
@@ -156,9 +170,20 @@ def test_error_feedback_refuses_compressors_that_rescale_to_stay_unbiased(spec):
         ErrorFeedback(RandomK(0.1) if spec.startswith("randomk") else QSGD(4))
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.01,warmup=0", "int4:ef=1", "int8:ef=1", "fp16:ef=1", "sign",
-                                  "powersgd:rank=1", "topkq:ratio=0.01,bits=2,chunk=1024", "dct-topk:ratio=0.01",
-                                  "randomk-shared:ratio=0.01"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:ratio=0.01,warmup=0",
+        "int4:ef=1",
+        "int8:ef=1",
+        "fp16:ef=1",
+        "sign",
+        "powersgd:rank=1",
+        "topkq:ratio=0.01,bits=2,chunk=1024",
+        "dct-topk:ratio=0.01",
+        "randomk-shared:ratio=0.01",
+    ],
+)
 def test_error_feedback_residual_stays_bounded_for_contractive_compressors(spec):
     """Feeding the same gradient 300 times: what was not sent accumulates, but a contractive compressor
     sends more as the residual grows, so it stays within a multiple of the input (the 1/delta bound)."""

@@ -1,7 +1,7 @@
 import pytest
 
-from islands.cli import main
 from islands.app.validate import validate
+from islands.cli import main
 from islands.config import ConfigError, JobConfig, from_mapping
 
 
@@ -26,14 +26,17 @@ def test_wrong_type_in_toml(tmp_path, capsys):
     assert code == 2 and "steps must be int" in err
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--workers", "3", "--global-batch", "32"], "divisible by world.workers"),
-    (["--workers", "4", "--islands", "3"], "divisible by world.islands"),
-    (["--task", "images"], "task.name must be lm, digits"),
-    (["--d-model", "130", "--n-heads", "4"], "divisible by task.n_heads"),
-    (["--workers", "4", "--islands", "2"], "needs an outer strategy"),
-    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--workers", "3", "--global-batch", "32"], "divisible by world.workers"),
+        (["--workers", "4", "--islands", "3"], "divisible by world.islands"),
+        (["--task", "images"], "task.name must be lm, digits"),
+        (["--d-model", "130", "--n-heads", "4"], "divisible by task.n_heads"),
+        (["--workers", "4", "--islands", "2"], "needs an outer strategy"),
+        (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    ],
+)
 def test_impossible_combinations_exit_2_before_workers(args, needle, capsys, tmp_path):
     code, err = run_cli(["train", "--run-dir", str(tmp_path / "r"), *args], capsys)
     assert code == 2

@@ -81,7 +81,8 @@ def test_docs_reference_is_up_to_date():
     block = docs.split(C.REFERENCE_START, 1)[1].split(C.REFERENCE_END, 1)[0]
     assert block.strip() == C.reference_markdown().strip(), (
         "docs/config.md's key reference differs from the descriptions in islands/config.py; rewrite it from the "
-        "repository root: python -c 'from islands.config import write_reference; write_reference()'")
+        "repository root: python -c 'from islands.config import write_reference; write_reference()'"
+    )
 
 
 def test_docs_list_every_key_with_its_description():

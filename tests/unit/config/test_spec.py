@@ -11,8 +11,7 @@ import math
 from typing import Literal
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from islands.aggregate.registry import AGGREGATORS
 from islands.checkpoint.policy.settings import POLICIES
@@ -40,12 +39,30 @@ ISLANDS_REGISTRIES = [COMPRESSORS, AGGREGATORS, ATTACKS, STRATEGIES, OPTIMIZERS,
 
 # ---- the grammar ---------------------------------------------------------------------------------------------
 
+
 def test_every_value_kind_parses_to_its_type():
-    s = parse("a:i=3,n=-2,f=0.5,e=1e-3,big=2E+5,t=true,F=False,nothing=none,w=sqrt-islands,q='a,b',"
-              "d=\"c=(d)\",pinf=inf,ninf=-inf,l=[1,2.0,x],empty=[],s=(b:c=1)")
-    expect = {"i": 3, "n": -2, "f": 0.5, "e": 1e-3, "big": 2e5, "t": True, "F": False, "nothing": None,
-              "w": "sqrt-islands", "q": "a,b", "d": "c=(d)", "pinf": math.inf, "ninf": -math.inf,
-              "l": (1, 2.0, "x"), "empty": (), "s": Spec("b", {"c": 1})}
+    s = parse(
+        "a:i=3,n=-2,f=0.5,e=1e-3,big=2E+5,t=true,F=False,nothing=none,w=sqrt-islands,q='a,b',"
+        'd="c=(d)",pinf=inf,ninf=-inf,l=[1,2.0,x],empty=[],s=(b:c=1)'
+    )
+    expect = {
+        "i": 3,
+        "n": -2,
+        "f": 0.5,
+        "e": 1e-3,
+        "big": 2e5,
+        "t": True,
+        "F": False,
+        "nothing": None,
+        "w": "sqrt-islands",
+        "q": "a,b",
+        "d": "c=(d)",
+        "pinf": math.inf,
+        "ninf": -math.inf,
+        "l": (1, 2.0, "x"),
+        "empty": (),
+        "s": Spec("b", {"c": 1}),
+    }
     assert dict(s.args) == expect
     assert [type(s[k]) for k in ("i", "f", "big", "t")] == [int, float, float, bool]
     assert math.isnan(parse("a:x=nan")["x"])
@@ -83,12 +100,24 @@ def test_older_forms_still_read():
     # ... or, when the caller names the outer entry's keys, to the next of them
     keys = {"gossip": ["topology", "seed", "every"]}.get
     assert parse("gossip:topology=random:s=2,seed=3", keys=keys) == parse("gossip:seed=3,topology=(random:s=2)")
-    assert parse("l:aggregate=nnm:f=1+krum:f=1,every=3", keys=lambda n: ["aggregate", "every"]) == \
-        parse("l:aggregate=(nnm:f=1+krum:f=1),every=3")
+    assert parse("l:aggregate=nnm:f=1+krum:f=1,every=3", keys=lambda n: ["aggregate", "every"]) == parse(
+        "l:aggregate=(nnm:f=1+krum:f=1),every=3"
+    )
 
 
-@pytest.mark.parametrize("text", ["a", "a:b=1", "a:x='a\\'b'", "a:x='\\\\'", "a:x=' lead'",
-                                  "a:x=true,y='true',z='none',w='12',v='1e'", "a:x=[[],[[]]]", "a+b+c:d=(e+f)"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a",
+        "a:b=1",
+        "a:x='a\\'b'",
+        "a:x='\\\\'",
+        "a:x=' lead'",
+        "a:x=true,y='true',z='none',w='12',v='1e'",
+        "a:x=[[],[[]]]",
+        "a+b+c:d=(e+f)",
+    ],
+)
 def test_format_writes_text_that_parses_back(text):
     s = parse(text)
     assert parse(format(s)) == s
@@ -102,22 +131,25 @@ def test_quoting_keeps_grammar_characters_and_look_alikes_as_text():
     assert format(Spec("a", {"x": "sqrt-islands", "y": "a.b_c"})) == "a:x=sqrt-islands,y=a.b_c"  # no needless quotes
 
 
-@pytest.mark.parametrize("text, position, words", [
-    ("", 0, "empty spec"),
-    ("a:", 2, "expected a value"),
-    ("a:b=", 4, "expected a value"),
-    ("a:b=1,b=2", 6, "b is given twice"),
-    ("a:x=(b:c=1", 4, "expected ')' to close"),
-    ("a:x=[1,2", 4, "expected ']' to close"),
-    ("a:x='ab", 4, "unterminated quoted text"),
-    ("a b", 2, "expected ',', '+' or the end"),
-    ("a:x=1)", 5, "a ')' without its '('"),
-    ("1a", 0, "expected a name"),
-    ("a:x=(b),5", 8, "expected key=value"),
-    ("a:x=1,2,y=3,4=5", 13, "keys are words"),
-    ("a:x=[b:c]", 5, "write a nested spec in parentheses"),
-    ("a+", 2, "expected a name"),
-])
+@pytest.mark.parametrize(
+    "text, position, words",
+    [
+        ("", 0, "empty spec"),
+        ("a:", 2, "expected a value"),
+        ("a:b=", 4, "expected a value"),
+        ("a:b=1,b=2", 6, "b is given twice"),
+        ("a:x=(b:c=1", 4, "expected ')' to close"),
+        ("a:x=[1,2", 4, "expected ']' to close"),
+        ("a:x='ab", 4, "unterminated quoted text"),
+        ("a b", 2, "expected ',', '+' or the end"),
+        ("a:x=1)", 5, "a ')' without its '('"),
+        ("1a", 0, "expected a name"),
+        ("a:x=(b),5", 8, "expected key=value"),
+        ("a:x=1,2,y=3,4=5", 13, "keys are words"),
+        ("a:x=[b:c]", 5, "write a nested spec in parentheses"),
+        ("a+", 2, "expected a name"),
+    ],
+)
 def test_syntax_errors_name_the_position_and_what_was_expected(text, position, words):
     with pytest.raises(SpecError) as e:
         parse(text)
@@ -126,17 +158,47 @@ def test_syntax_errors_name_the_position_and_what_was_expected(text, position, w
 
 
 # text values, with the ones that look like another kind of value or hold grammar characters
-TEXT = st.text(max_size=8) | st.sampled_from(["none", "None", "true", "False", "inf", "-inf", "nan", "NaN", "12",
-                                              "-3", "1e", "1e+3", ".5", "a b", "'", '"', "\\", "a,b", "x=y", "(",
-                                              "]", "+", ":", "", "sqrt-islands", "a.b", "_", "a*b"])
+TEXT = st.text(max_size=8) | st.sampled_from(
+    [
+        "none",
+        "None",
+        "true",
+        "False",
+        "inf",
+        "-inf",
+        "nan",
+        "NaN",
+        "12",
+        "-3",
+        "1e",
+        "1e+3",
+        ".5",
+        "a b",
+        "'",
+        '"',
+        "\\",
+        "a,b",
+        "x=y",
+        "(",
+        "]",
+        "+",
+        ":",
+        "",
+        "sqrt-islands",
+        "a.b",
+        "_",
+        "a*b",
+    ]
+)
 NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,5}", fullmatch=True)
 KEYS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_\-]{0,5}", fullmatch=True)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
 
 
 def _make(name, args, positional, chain) -> Spec:
-    return Spec(name, {**args, **({POSITIONAL: positional[0]} if positional else {}),
-                       **({CHAIN: chain[0]} if chain else {})})
+    return Spec(
+        name, {**args, **({POSITIONAL: positional[0]} if positional else {}), **({CHAIN: chain[0]} if chain else {})}
+    )
 
 
 def _specs_of(values, chains):
@@ -144,10 +206,14 @@ def _specs_of(values, chains):
 
 
 _FLAT = _specs_of(SCALARS, st.just([]))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3).map(tuple)
-                      | _specs_of(inner, st.lists(_FLAT, max_size=1)), max_leaves=8)
-ANY_SPEC = st.recursive(_specs_of(VALUES, st.just([])), lambda inner: _specs_of(VALUES, st.lists(inner, max_size=1)),
-                        max_leaves=4)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3).map(tuple) | _specs_of(inner, st.lists(_FLAT, max_size=1)),
+    max_leaves=8,
+)
+ANY_SPEC = st.recursive(
+    _specs_of(VALUES, st.just([])), lambda inner: _specs_of(VALUES, st.lists(inner, max_size=1)), max_leaves=4
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -178,6 +244,7 @@ def test_choice_takes_a_word_or_a_number():
 
 
 # ---- a registry, on types of this test ------------------------------------------------------------------------
+
 
 class Shape:
     pass
@@ -210,14 +277,28 @@ class Stacked(Shape):
 class Picture:
     """A picture: `shape` drawn in `mode`, with a `size`."""
 
-    def __init__(self, canvas: object, shape: Shape | None = None, mode: Literal["ink", "paint"] = "ink",
-                 seed: int = 0, palette: object = None):
+    def __init__(
+        self,
+        canvas: object,
+        shape: Shape | None = None,
+        mode: Literal["ink", "paint"] = "ink",
+        seed: int = 0,
+        palette: object = None,
+    ):
         self.canvas, self.shape, self.mode, self.seed, self.palette = canvas, shape, mode, seed, palette
 
 
-SHAPES = Registry("shape", {"circle": Circle, "square": Square, "stacked": Stacked,
-                            "dot": bind(Circle, 0.1, doc="A small filled circle: a dot.")},
-                  base=Shape, aliases={"r": "radius"})
+SHAPES = Registry(
+    "shape",
+    {
+        "circle": Circle,
+        "square": Square,
+        "stacked": Stacked,
+        "dot": bind(Circle, 0.1, doc="A small filled circle: a dot."),
+    },
+    base=Shape,
+    aliases={"r": "radius"},
+)
 PICTURES = Registry("picture", {"picture": Picture}, shared={"picture": {"shape": ("seed",)}})
 
 
@@ -234,21 +315,24 @@ def test_check_normalises_names_aliases_and_values():
     assert SHAPES.check({"name": "circle", "args": {"r": 3}}) == SHAPES.check("circle:radius=3")
 
 
-@pytest.mark.parametrize("text, words", [
-    ("circel", ["unknown shape 'circel'", "did you mean 'circle'", "circle, square, stacked, dot"]),
-    ("circle:radious=2", ["shape circle does not take radious", "did you mean radius", "radius, filled, seed"]),
-    ("square", ["shape square needs side=<int>", "write square:side=<int>"]),
-    ("square:side=2.5", ["side=2.5 is not a valid int"]),
-    ("circle:filled=2", ["filled=2 is not a valid true|false"]),
-    ("square:side=[1,2]", ["side=[1,2] is not a valid int"]),
-    ("circle:radius=(square)", ["radius=(square) is not a valid float"]),
-    ("stacked", ["needs the shape it feeds after a '+'", "stacked:gap=0+<shape>"]),
-    ("circle+square:side=1", ["'circle' takes no shape to chain with '+'", "only stacked"]),
-    ("circle:2,radius=3", ["radius is given twice (the value without a key is it)"]),
-    ("circle:r=2,radius=3", ["radius is given twice (r is another name for it)"]),
-    ("dot:0.5", ["the value 0.5 given without a key is its first parameter, filled", "write key=value"]),
-    ("", ["non-empty"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("circel", ["unknown shape 'circel'", "did you mean 'circle'", "circle, square, stacked, dot"]),
+        ("circle:radious=2", ["shape circle does not take radious", "did you mean radius", "radius, filled, seed"]),
+        ("square", ["shape square needs side=<int>", "write square:side=<int>"]),
+        ("square:side=2.5", ["side=2.5 is not a valid int"]),
+        ("circle:filled=2", ["filled=2 is not a valid true|false"]),
+        ("square:side=[1,2]", ["side=[1,2] is not a valid int"]),
+        ("circle:radius=(square)", ["radius=(square) is not a valid float"]),
+        ("stacked", ["needs the shape it feeds after a '+'", "stacked:gap=0+<shape>"]),
+        ("circle+square:side=1", ["'circle' takes no shape to chain with '+'", "only stacked"]),
+        ("circle:2,radius=3", ["radius is given twice (the value without a key is it)"]),
+        ("circle:r=2,radius=3", ["radius is given twice (r is another name for it)"]),
+        ("dot:0.5", ["the value 0.5 given without a key is its first parameter, filled", "write key=value"]),
+        ("", ["non-empty"]),
+    ],
+)
 def test_check_errors_say_what_is_wrong_and_what_would_be_right(text, words):
     with pytest.raises(SpecError) as e:
         SHAPES.check(text)
@@ -305,6 +389,7 @@ def test_schema_and_describe_come_from_signatures_and_docstrings():
 
 # ---- every islands registry -----------------------------------------------------------------------------------
 
+
 def test_every_registry_is_covered_here():
     ours = {id(r) for r in (SHAPES, PICTURES)}
     assert {id(r) for r in registries() if id(r) not in ours} <= {id(r) for r in ISLANDS_REGISTRIES}
@@ -319,7 +404,7 @@ def _values(opts, depth: int):
     out = []
     for o in opts:
         if o.kind == "int":
-            out.append(st.integers(-10**9, 10**9))
+            out.append(st.integers(-(10**9), 10**9))
         elif o.kind == "float":
             out.append(st.floats(allow_nan=True, allow_infinity=True) | st.integers(-1000, 1000))
         elif o.kind == "bool":
@@ -383,6 +468,7 @@ REQUIRED = {"f": 2, "m": 2, "s": 2, "factor": -2.0, "delay": 0.0, "min_params": 
 
 def _default_specs(reg: Registry, depth: int = 0):
     """Specs that give any subset of an entry's parameters explicitly, each at its default value."""
+
     @st.composite
     def draw_one(draw) -> Spec:
         names = [n for n in reg if depth < 2 or not _needs_nesting(reg, n)]

@@ -19,8 +19,21 @@ ELASTIC = dict(task="digits", workers=3, islands=3, elastic=True, global_batch=2
 
 def test_independent_mistakes_are_all_reported_in_one_run_with_exit_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        main(["train", "--run-dir", str(tmp_path / "r"), "--lr", "-1", "--data", "/nonexistent/corpus.txt",
-              "--outer", "dilocoo:inner_steps=5", "--log", "tensorbord"])
+        main(
+            [
+                "train",
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--lr",
+                "-1",
+                "--data",
+                "/nonexistent/corpus.txt",
+                "--outer",
+                "dilocoo:inner_steps=5",
+                "--log",
+                "tensorbord",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert "4 problems in the config" in err
@@ -48,8 +61,9 @@ def test_compressed_gossip_in_an_elastic_job_is_refused_by_gossip_itself():
     assert "compressed gossip is not supported in an elastic job" in why
     assert Gossip().elastic_refusal() is None
     # the library path: wrap on an elastic cross-island comm raises it before any collective
-    world = types.SimpleNamespace(membership=None, distributed=True,
-                                  comm=lambda name: types.SimpleNamespace(elastic=True, size=3))
+    world = types.SimpleNamespace(
+        membership=None, distributed=True, comm=lambda name: types.SimpleNamespace(elastic=True, size=3)
+    )
     with pytest.raises(ValueError) as raised:
         gossip.wrap(torch.nn.Linear(2, 2), None, world)
     assert str(raised.value) == why
@@ -57,14 +71,18 @@ def test_compressed_gossip_in_an_elastic_job_is_refused_by_gossip_itself():
     assert problems(from_mapping(dict(ELASTIC, outer="gossip:compressor=(topkq)"))) == [f"outer.strategy: {why}"]
 
 
-@pytest.mark.parametrize("settings,needle", [
-    (CheckpointSettings(every=0, policy=None, memory_every=2, memory_peer=True), "leave memory_peer off"),
-    (dict(ckpt_every=0, ckpt_policy="auto"), "fixed checkpoint interval"),
-])
+@pytest.mark.parametrize(
+    "settings,needle",
+    [
+        (CheckpointSettings(every=0, policy=None, memory_every=2, memory_peer=True), "leave memory_peer off"),
+        (dict(ckpt_every=0, ckpt_policy="auto"), "fixed checkpoint interval"),
+    ],
+)
 def test_what_elastic_checkpoints_cannot_do_is_the_drivers_rule(settings, needle):
     if isinstance(settings, dict):  # the same settings the config gives
         cfg = from_mapping(dict(ELASTIC, outer="diloco:inner_steps=5", **settings))
         from islands.app.build import checkpoint_settings
+
         settings, config = checkpoint_settings(cfg), cfg
     else:
         config = from_mapping(dict(ELASTIC, outer="diloco:inner_steps=5", ckpt_memory_every=2, ckpt_memory_peer=True))
@@ -81,10 +99,26 @@ def test_what_elastic_checkpoints_cannot_do_is_the_drivers_rule(settings, needle
 def test_an_elastic_warm_start_asks_the_strategy_it_wraps():
     """validate asks the built outer strategy for its elastic rule; WarmStart answers with its DiLoCo's (it had no
     elastic_refusal, so validating any elastic job with warm_start raised AttributeError)."""
-    ok = from_mapping(dict(task="digits", workers=2, islands=2, outer="diloco:inner_steps=5,warm_start=3",
-                           elastic=True, global_batch=16))
+    ok = from_mapping(
+        dict(
+            task="digits",
+            workers=2,
+            islands=2,
+            outer="diloco:inner_steps=5,warm_start=3",
+            elastic=True,
+            global_batch=16,
+        )
+    )
     assert validate(ok).elastic.enabled
-    bad = from_mapping(dict(task="digits", workers=2, islands=2, elastic=True, global_batch=16,
-                            outer="diloco:inner_steps=5,warm_start=3,overlap=delayed"))
+    bad = from_mapping(
+        dict(
+            task="digits",
+            workers=2,
+            islands=2,
+            elastic=True,
+            global_batch=16,
+            outer="diloco:inner_steps=5,warm_start=3,overlap=delayed",
+        )
+    )
     with pytest.raises(ConfigError, match="overlap=delayed is not supported in an elastic job"):
         validate(bad)

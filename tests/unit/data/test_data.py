@@ -60,4 +60,4 @@ def test_sampler_covers_each_item_once_per_epoch():
 def test_digits_ships_with_sklearn():
     d = load_digits()
     assert d.x_train.shape[1] == 64 and len(d.y_train) + len(d.y_val) == 1797
-    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+    assert d.x_train.min() >= 0.0 and d.x_train.max() <= 1.0

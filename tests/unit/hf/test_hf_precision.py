@@ -8,13 +8,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from islands.app.build import build_step_fn  # noqa: E402
-from islands.config import from_mapping  # noqa: E402
-from islands.loop.task import Task  # noqa: E402
-from islands.memory import ForwardBackward, enable_activation_checkpointing, resolve_precision  # noqa: E402
-from islands.models import ByteTransformer, sequence_loss  # noqa: E402
-from islands.runtime.world import World  # noqa: E402
-from islands.tasks import hf_lm  # noqa: E402
+from islands.app.build import build_step_fn
+from islands.config import from_mapping
+from islands.loop.task import Task
+from islands.memory import ForwardBackward, enable_activation_checkpointing, resolve_precision
+from islands.models import ByteTransformer, sequence_loss
+from islands.runtime.world import World
+from islands.tasks import hf_lm
 
 SHAPE = dict(d_model=32, n_layers=2, n_heads=2, context=16, vocab=64, eos=0)
 
@@ -42,8 +42,11 @@ def _grads(model, seed: int = 5) -> tuple[dict, int]:
 
 
 def _on(model) -> bool:
-    return model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else \
-        model.is_gradient_checkpointing
+    return (
+        model.is_activation_checkpointing
+        if hasattr(model, "is_activation_checkpointing")
+        else model.is_gradient_checkpointing
+    )
 
 
 def _layers(model):
@@ -144,7 +147,6 @@ def test_the_job_leaves_precision_to_the_task_unless_it_is_given():
     """memory.precision = "task" (the default): the hf task's auto, the built-in tasks' fp32, fp32 under fsdp and
     pipeline (which take no precision); an explicit value wins."""
     from harness.hf import TINY
-
     from islands.app.build import build_task, step_precision
     from islands.app.validate import validate
     from islands.config import from_mapping

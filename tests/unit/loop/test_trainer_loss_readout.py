@@ -33,8 +33,16 @@ def _data(n=12):
 def _trainer(callbacks, step_fn=None, log_every=5):
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
-    return islands.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, _data(),
-                           val_data=_data(2), callbacks=callbacks, log_every=log_every, step_fn=step_fn or CountedStep())
+    return islands.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        F.cross_entropy,
+        _data(),
+        val_data=_data(2),
+        callbacks=callbacks,
+        log_every=log_every,
+        step_fn=step_fn or CountedStep(),
+    )
 
 
 class Quiet:

@@ -12,8 +12,17 @@ import time
 
 import pytest
 
-from islands.runtime.elastic.membership import (Coordinator, JobSpec, Refused, ask_to_join, connect, get_json, host_store,
-                                        proof, wait_key)
+from islands.runtime.elastic.membership import (
+    Coordinator,
+    JobSpec,
+    Refused,
+    ask_to_join,
+    connect,
+    get_json,
+    host_store,
+    proof,
+    wait_key,
+)
 
 TOKEN = "race-token"
 
@@ -21,8 +30,9 @@ TOKEN = "race-token"
 def _coordinators(port: int, job: JobSpec, n: int) -> list[Coordinator]:
     first = Coordinator(connect("127.0.0.1", port), TOKEN, job, log=lambda _: None)
     job = first.job  # the job id the first one drew: every coordinator of a job shares it
-    rest = [Coordinator(connect("127.0.0.1", port), TOKEN, job, log=lambda _: None, publish=False)
-            for _ in range(n - 1)]
+    rest = [
+        Coordinator(connect("127.0.0.1", port), TOKEN, job, log=lambda _: None, publish=False) for _ in range(n - 1)
+    ]
     return [first, *rest]
 
 
@@ -39,8 +49,10 @@ def test_two_coordinators_racing_give_each_joiner_one_slot_and_agree_on_epoch_0(
 
     names = [f"n{i}" for i in range(6)]
     threads = [threading.Thread(target=join, args=(n,)) for n in names]
-    threads += [threading.Thread(target=join, args=("n0", TOKEN, "n0-again")),
-                threading.Thread(target=join, args=("mallory", "guess"))]
+    threads += [
+        threading.Thread(target=join, args=("n0", TOKEN, "n0-again")),
+        threading.Thread(target=join, args=("mallory", "guess")),
+    ]
     try:
         for t in threads:
             t.start()
@@ -72,7 +84,7 @@ def test_two_coordinators_racing_give_each_joiner_one_slot_and_agree_on_epoch_0(
 
 def test_a_coordinator_started_after_another_stopped_mid_handshake_admits_the_joiner():
     server, _ = host_store(0)
-    old, = _coordinators(server.port, JobSpec(workers=1), 1)
+    (old,) = _coordinators(server.port, JobSpec(workers=1), 1)
     old.start()
     try:
         ask_to_join(connect("127.0.0.1", server.port), "w0", TOKEN)  # epoch 0 formed by the old one
@@ -86,7 +98,11 @@ def test_a_coordinator_started_after_another_stopped_mid_handshake_admits_the_jo
     new = Coordinator(connect("127.0.0.1", server.port), TOKEN, old.job, log=lambda _: None, publish=False).start()
     try:
         assert json.loads(json.loads(wait_key(raw, f"join/{ticket}/verdict", 10, "verdict"))["verdict"]) == {
-            "admitted": True, "slot": 1, "shard": 0, "initial": False}
+            "admitted": True,
+            "slot": 1,
+            "shard": 0,
+            "initial": False,
+        }
         deadline = time.monotonic() + 10
         while not new.formed and time.monotonic() < deadline:  # its poll writes the verdict, then re-reads epoch 0
             time.sleep(0.01)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
+from harness.dict_store import DictStore
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import Membership, elastic_member
-from harness.dict_store import DictStore
 
 
 class Outer:

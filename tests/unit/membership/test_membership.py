@@ -14,9 +14,17 @@ from islands.app.validate import validate
 from islands.config import from_mapping
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import elastic_member
+from islands.runtime.elastic.membership import (
+    Coordinator,
+    JobSpec,
+    Liveness,
+    Refused,
+    ask_to_join,
+    connect,
+    host_store,
+    proof,
+)
 from islands.runtime.world import join_elastic
-from islands.runtime.elastic.membership import (Coordinator, JobSpec, Liveness, Refused, ask_to_join, connect, host_store,
-                                        proof)
 
 
 @pytest.fixture()
@@ -96,9 +104,24 @@ def test_liveness_dead_flag_is_immediate_and_stale_heartbeat_times_out():
 
 
 def _solo_trainer(tmp_path, port, name):
-    cfg = validate(from_mapping(dict(task="digits", workers=1, islands=1, outer="local-sgd:every=2", elastic=True,
-                                     steps=6, global_batch=8, eval_every=0, warmup=1, probe=False, progress=False,
-                                     inner="single")))
+    cfg = validate(
+        from_mapping(
+            dict(
+                task="digits",
+                workers=1,
+                islands=1,
+                outer="local-sgd:every=2",
+                elastic=True,
+                steps=6,
+                global_batch=8,
+                eval_every=0,
+                warmup=1,
+                probe=False,
+                progress=False,
+                inner="single",
+            )
+        )
+    )
     world = join_elastic(f"127.0.0.1:{port}", name, "tok")
     return build_trainer(cfg, world, tmp_path), world.membership
 
@@ -167,8 +190,8 @@ def test_a_joiner_stops_waiting_when_no_member_is_alive_though_the_store_stays_u
 def test_a_joiner_whose_job_ends_before_admitting_it_gets_a_clear_error_and_exit_code(monkeypatch, capsys):
     import gc
 
-    from islands.cli import main
     from islands import cli_more
+    from islands.cli import main
     from islands.runtime.elastic import JobEnded
     from islands.runtime.elastic.membership import JOB_ENDED_EXIT_CODE
 
@@ -217,7 +240,9 @@ def test_joining_an_address_where_nothing_listens_is_one_clear_line(capsys):
         main(["join", f"127.0.0.1:{port}", "--token", "t", "--name", "j1"])
     assert exited.value.code == JOB_ENDED_EXIT_CODE
     captured = capsys.readouterr()
-    assert f"no elastic job answers at 127.0.0.1:{port}" in captured.out and "address its launcher printed" in captured.out
+    assert (
+        f"no elastic job answers at 127.0.0.1:{port}" in captured.out and "address its launcher printed" in captured.out
+    )
     assert "Traceback" not in captured.out + captured.err
 
 
@@ -238,8 +263,14 @@ def test_a_member_cut_off_after_registering_does_not_hold_the_new_epochs_connect
 
     def member(name):
         try:
-            member = elastic_member(connect("127.0.0.1", server.port), name, CommLedger(), heartbeat_timeout=timeout,
-                                    collective_timeout=60.0, new_client=lambda: connect("127.0.0.1", server.port))
+            member = elastic_member(
+                connect("127.0.0.1", server.port),
+                name,
+                CommLedger(),
+                heartbeat_timeout=timeout,
+                collective_timeout=60.0,
+                new_client=lambda: connect("127.0.0.1", server.port),
+            )
             start = time.monotonic()
             member.epochs.form(1, candidates)
             out[name] = (time.monotonic() - start, member.epoch, list(member.names))

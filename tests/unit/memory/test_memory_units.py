@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from islands.memory import (ForwardBackward, SavedTensorMeter, activation_peak, plan_micro_batch, split_segments,
-                            sqrt_segments, state_bytes, synthetic_batches)
+from islands.memory import (
+    ForwardBackward,
+    SavedTensorMeter,
+    activation_peak,
+    plan_micro_batch,
+    split_segments,
+    sqrt_segments,
+    state_bytes,
+    synthetic_batches,
+)
 from islands.models import MLP, ByteTransformer, sequence_loss
 
 CONTEXT = 16

@@ -80,8 +80,11 @@ def _paper() -> torch.Tensor:
 def test_torch_optim_outer_optimizer_matches_the_builtin_nesterov_and_the_paper():
     from islands.outer import DiLoCo, OuterSGD
 
-    torch_outer = _run_islands(lambda: DiLoCo(H, outer_optimizer=lambda params: torch.optim.SGD(
-        params, lr=OUTER_LR, momentum=MOMENTUM, nesterov=True)))
+    torch_outer = _run_islands(
+        lambda: DiLoCo(
+            H, outer_optimizer=lambda params: torch.optim.SGD(params, lr=OUTER_LR, momentum=MOMENTUM, nesterov=True)
+        )
+    )
     builtin = _run_islands(lambda: DiLoCo(H, outer_optimizer=OuterSGD(OUTER_LR, MOMENTUM, nesterov=True)))
     paper = _paper()
     assert torch.equal(torch_outer[0], torch_outer[1]) and torch.equal(builtin[0], builtin[1])  # every island alike
@@ -153,9 +156,13 @@ def _schedules():
     from islands.sync.outer.eager import Overlapped
     from islands.sync.outer.rounds import Fragments, Rounds
 
-    return {"rounds": Rounds, "fragments": lambda: Fragments(2, tau=1, landing="replay"),
-            "overlapped": lambda: Overlapped("eager", fragments=2), "adaptive": lambda: Adaptive("speed"),
-            "adaptive-overlapped": lambda: Adaptive("deadline", deadline=5.0, overlap="delayed")}
+    return {
+        "rounds": Rounds,
+        "fragments": lambda: Fragments(2, tau=1, landing="replay"),
+        "overlapped": lambda: Overlapped("eager", fragments=2),
+        "adaptive": lambda: Adaptive("speed"),
+        "adaptive-overlapped": lambda: Adaptive("deadline", deadline=5.0, overlap="delayed"),
+    }
 
 
 @pytest.mark.parametrize("kind", list(_schedules()))
@@ -185,8 +192,12 @@ def test_a_checkpoint_of_the_old_keyword_form_resumes_bitwise_in_the_new_form():
     from islands.sync.outer.eager import Overlapped
 
     def whole(steps):
-        return _lone_run(DiLoCo.from_options(inner_steps=3, outer="nesterov", outer_lr=0.7, momentum=0.9,
-                                             overlap="eager", fragments=1), steps)
+        return _lone_run(
+            DiLoCo.from_options(
+                inner_steps=3, outer="nesterov", outer_lr=0.7, momentum=0.9, overlap="eager", fragments=1
+            ),
+            steps,
+        )
 
     full, _, _ = whole(10)
     half, model, opt = whole(5)
@@ -204,20 +215,37 @@ def test_a_checkpoint_of_the_old_keyword_form_resumes_bitwise_in_the_new_form():
     assert torch.equal(resumed.global_flat, full.global_flat) and torch.equal(resumed.local.read(), full.local.read())
 
 
-@pytest.mark.parametrize("spec, want", [
-    ("diloco:inner_steps=50,outer=nesterov,outer_lr=0.7,momentum=0.9",
-     dict(schedule="Rounds", opt=("OuterSGD", 0.7, 0.9, True))),
-    ("diloco:inner_steps=50,outer=nesterov,outer_lr=0.7,momentum=0.9,overlap=eager,lr_scale=sqrt-islands",
-     dict(schedule="Overlapped", overlap="eager", sqrt=True, opt=("OuterSGD", 0.7, 0.9, True))),
-    ("diloco:inner_steps=50,adapt=speed,overlap=delayed", dict(schedule="Adaptive", adapt="speed", overlap="delayed")),
-    ("diloco:inner_steps=50,adapt=deadline,deadline=2.5", dict(schedule="Adaptive", adapt="deadline", deadline=2.5)),
-    ("diloco:inner_steps=8,fragments=2,tau=1,landing=replay,outer_schedule=inner",
-     dict(schedule="Fragments", fragments=2, tau=1, landing="replay", follow=True)),
-    ("streaming-diloco:inner_steps=8,fragments=2,entropy=zstd", dict(schedule="Fragments", codec="Quant4Zstd")),
-    ("streaming-diloco:inner_steps=8,bits=32,compressor=(topk:ratio=0.1)", dict(schedule="Fragments", codec=None,
-                                                                             compressor=True)),
-    ("diloco:outer=primal,weight=0.3", dict(schedule="Rounds", opt=("PrimalAveraging", 2 ** 0.5))),
-])
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        (
+            "diloco:inner_steps=50,outer=nesterov,outer_lr=0.7,momentum=0.9",
+            dict(schedule="Rounds", opt=("OuterSGD", 0.7, 0.9, True)),
+        ),
+        (
+            "diloco:inner_steps=50,outer=nesterov,outer_lr=0.7,momentum=0.9,overlap=eager,lr_scale=sqrt-islands",
+            dict(schedule="Overlapped", overlap="eager", sqrt=True, opt=("OuterSGD", 0.7, 0.9, True)),
+        ),
+        (
+            "diloco:inner_steps=50,adapt=speed,overlap=delayed",
+            dict(schedule="Adaptive", adapt="speed", overlap="delayed"),
+        ),
+        (
+            "diloco:inner_steps=50,adapt=deadline,deadline=2.5",
+            dict(schedule="Adaptive", adapt="deadline", deadline=2.5),
+        ),
+        (
+            "diloco:inner_steps=8,fragments=2,tau=1,landing=replay,outer_schedule=inner",
+            dict(schedule="Fragments", fragments=2, tau=1, landing="replay", follow=True),
+        ),
+        ("streaming-diloco:inner_steps=8,fragments=2,entropy=zstd", dict(schedule="Fragments", codec="Quant4Zstd")),
+        (
+            "streaming-diloco:inner_steps=8,bits=32,compressor=(topk:ratio=0.1)",
+            dict(schedule="Fragments", codec=None, compressor=True),
+        ),
+        ("diloco:outer=primal,weight=0.3", dict(schedule="Rounds", opt=("PrimalAveraging", 2**0.5))),
+    ],
+)
 def test_old_spec_strings_build_the_equivalent_parts(spec, want):
     from islands.sync.outer import make_outer
 
@@ -249,8 +277,11 @@ def test_the_old_keyword_form_warns_and_builds_the_same_as_from_options():
     with pytest.warns(DeprecationWarning, match="from_options"):
         old = DiLoCo(inner_steps=6, outer="nesterov", outer_lr=0.7, momentum=0.9, fragments=2, tau=1)
     new = DiLoCo.from_options(inner_steps=6, outer="nesterov", outer_lr=0.7, momentum=0.9, fragments=2, tau=1)
-    assert old.schedule.options() == new.schedule.options() == {"fragments": 2, "tau": 1, "overlap": "none",
-                                                                 "adapt": "none"}
+    assert (
+        old.schedule.options()
+        == new.schedule.options()
+        == {"fragments": 2, "tau": 1, "overlap": "none", "adapt": "none"}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the parts form and from_options do not warn
         s = StreamingDiLoCo(8)
@@ -260,6 +291,7 @@ def test_the_old_keyword_form_warns_and_builds_the_same_as_from_options():
         DiLoCo(4, schedule=new.schedule, outer="sgd")
     with pytest.raises(ValueError, match="sync_inner_state needs plain rounds"):
         from islands.sync.outer.rounds import Fragments
+
         DiLoCo(4, schedule=Fragments(2, tau=1), sync_inner_state=True)
 
 
@@ -269,13 +301,25 @@ def test_no_part_is_a_god_object():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[3] / "src/islands/sync/outer"
-    for name in ("diloco.py", "adaptive.py", "eager.py", "rounds.py", "exchange.py", "streaming_diloco.py",
-                 "outer_opt.py", "options.py"):
+    for name in (
+        "diloco.py",
+        "adaptive.py",
+        "eager.py",
+        "rounds.py",
+        "exchange.py",
+        "streaming_diloco.py",
+        "outer_opt.py",
+        "options.py",
+    ):
         for node in ast.walk(ast.parse((root / name).read_text())):
             if isinstance(node, ast.ClassDef):
                 methods = [n for n in node.body if isinstance(n, ast.FunctionDef)]
-                attrs = {t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
-                         for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-                         for t in ast.walk(t) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                         and t.value.id == "self"}
+                attrs = {
+                    t.attr
+                    for n in ast.walk(node)
+                    if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                    for t in ast.walk(t)
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                }
                 assert len(methods) <= 25 and len(attrs) <= 25, (name, node.name, len(methods), len(attrs))

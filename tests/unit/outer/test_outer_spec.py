@@ -14,9 +14,14 @@ def test_defaults_follow_the_measurements_and_the_papers():
     s = parse_outer("diloco")
     # the outer step our benches found best (docs/outer-strategies.md, "Default outer step"): plain SGD, lr sqrt(2)
     assert (s["inner_steps"], s["outer"], s["outer_lr"], s["momentum"], s["lr_scale"]) == (
-        100, "sgd", 2 ** 0.5, 0.0, "none")
+        100,
+        "sgd",
+        2**0.5,
+        0.0,
+        "none",
+    )
     st = parse_outer("streaming-diloco")
-    assert (st["outer"], st["outer_lr"], st["momentum"]) == ("sgd", 2 ** 0.5, 0.0)
+    assert (st["outer"], st["outer_lr"], st["momentum"]) == ("sgd", 2**0.5, 0.0)
     # LIT-212's outer step is one spec away
     paper = make_outer("diloco:outer=nesterov,outer_lr=0.7,momentum=0.9").outer.opt
     assert (paper.lr, paper.momentum, paper.nesterov) == (0.7, 0.9, True)
@@ -48,29 +53,35 @@ def test_older_unparenthesised_nested_specs_and_names_still_read():
     assert s["compressor"] == "randomk:ratio=0.01,seed=3" and s["inner_steps"] == 7
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("dilocoo", ["unknown outer strategy", "did you mean 'diloco'", "local-sgd"]),
-    ("diloco:inner=5", ["does not take inner", "did you mean inner_steps"]),
-    ("diloco:inner_steps=five", ["inner_steps=five is not a valid int"]),
-    ("diloco:inner_steps=0", ["1 <= fragments <= inner_steps", "inner_steps=0"]),
-    ("diloco:inner_steps=5,inner_steps=6", ["given twice"]),
-    ("diloco:outer=adam", ["outer optimizer must be", "nesterov"]),
-    ("diloco:outer=primal,momentum=0.5", ["primal", "momentum"]),
-    ("diloco:weight=0.3", ["outer=primal only"]),
-    ("diloco:momentum=1.0", ["momentum must be in [0, 1)"]),
-    ("streaming-diloco:inner_steps=4,fragments=5", ["fragments <= inner_steps", "fragments=5, inner_steps=4"]),
-    ("streaming-diloco:inner_steps=4,tau=4", ["tau must be in [0, inner_steps)", "tau=4, inner_steps=4"]),
-    ("streaming-diloco:bits=8", ["bits must be 4 or 32"]),
-    ("overlap-local-sgd:pull=0", ["pull in (0, 1]"]),
-    ("easgd:beta=1.5", ["beta in (0, 1]"]),
-    ("gossip:topology=(random:s=2),compress=topk", ["regular topology (ring, exp)", "push-sum"]),  # CHOCO needs regular
-    ("local-sgd:compress=(topkq:bits=3)", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
-    ("diloco:compressor=(powersgd:rnk=2)", ["compressor", "does not take rnk", "rank"]),
-    ("diloco:compressor=(topk),aggregator=(median)", ["compressor and a robust aggregator"]),
-    ("diloco:warm_start=-1", ["warm_start must be >= 0"]),
-    ("local-sgd:aggregate=nope", ["unknown aggregator"]),
-    ("", ["non-empty"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("dilocoo", ["unknown outer strategy", "did you mean 'diloco'", "local-sgd"]),
+        ("diloco:inner=5", ["does not take inner", "did you mean inner_steps"]),
+        ("diloco:inner_steps=five", ["inner_steps=five is not a valid int"]),
+        ("diloco:inner_steps=0", ["1 <= fragments <= inner_steps", "inner_steps=0"]),
+        ("diloco:inner_steps=5,inner_steps=6", ["given twice"]),
+        ("diloco:outer=adam", ["outer optimizer must be", "nesterov"]),
+        ("diloco:outer=primal,momentum=0.5", ["primal", "momentum"]),
+        ("diloco:weight=0.3", ["outer=primal only"]),
+        ("diloco:momentum=1.0", ["momentum must be in [0, 1)"]),
+        ("streaming-diloco:inner_steps=4,fragments=5", ["fragments <= inner_steps", "fragments=5, inner_steps=4"]),
+        ("streaming-diloco:inner_steps=4,tau=4", ["tau must be in [0, inner_steps)", "tau=4, inner_steps=4"]),
+        ("streaming-diloco:bits=8", ["bits must be 4 or 32"]),
+        ("overlap-local-sgd:pull=0", ["pull in (0, 1]"]),
+        ("easgd:beta=1.5", ["beta in (0, 1]"]),
+        (
+            "gossip:topology=(random:s=2),compress=topk",
+            ["regular topology (ring, exp)", "push-sum"],
+        ),  # CHOCO needs regular
+        ("local-sgd:compress=(topkq:bits=3)", ["bits=3 is not a valid 2 | 4 | 8 | 32"]),
+        ("diloco:compressor=(powersgd:rnk=2)", ["compressor", "does not take rnk", "rank"]),
+        ("diloco:compressor=(topk),aggregator=(median)", ["compressor and a robust aggregator"]),
+        ("diloco:warm_start=-1", ["warm_start must be >= 0"]),
+        ("local-sgd:aggregate=nope", ["unknown aggregator"]),
+        ("", ["non-empty"]),
+    ],
+)
 def test_bad_specs_raise_value_error_naming_the_fix(spec, words):
     with pytest.raises(ValueError) as e:
         parse_outer(spec)

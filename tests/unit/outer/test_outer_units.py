@@ -134,10 +134,18 @@ def _one_island(spec: str, steps: int, cut: int | None = None):
 PAPER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 
 
-@pytest.mark.parametrize("spec", ["diloco:inner_steps=3", f"diloco:inner_steps=3,{PAPER}",
-                                  "diloco:inner_steps=3,outer=primal",
-                                  f"streaming-diloco:inner_steps=4,fragments=2,block=8,{PAPER}", "slowmo:every=2",
-                                  "easgd:every=2", "overlap-local-sgd:tau=2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "diloco:inner_steps=3",
+        f"diloco:inner_steps=3,{PAPER}",
+        "diloco:inner_steps=3,outer=primal",
+        f"streaming-diloco:inner_steps=4,fragments=2,block=8,{PAPER}",
+        "slowmo:every=2",
+        "easgd:every=2",
+        "overlap-local-sgd:tau=2",
+    ],
+)
 def test_single_island_resume_gives_identical_next_sync(spec):
     a, b = _one_island(spec, steps=10, cut=4)
     assert torch.equal(a.global_flat, b.global_flat)

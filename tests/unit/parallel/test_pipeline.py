@@ -9,9 +9,25 @@ import torch
 import torch.nn as nn
 
 from islands.models import MLP, ByteTransformer, sequence_loss
-from islands.parallel.pipeline import (PipelineRunner, SavedTensorMeter, balanced_cuts, bubble_fraction, build_stages,
-                                       choose_microbatches, equal_cuts, gpipe, graph_cuts, one_f_one_b, output_bytes,
-                                       param_bytes, parameter_owner, peak_in_flight, pieces_of, simulate, stage_sums)
+from islands.parallel.pipeline import (
+    PipelineRunner,
+    SavedTensorMeter,
+    balanced_cuts,
+    bubble_fraction,
+    build_stages,
+    choose_microbatches,
+    equal_cuts,
+    gpipe,
+    graph_cuts,
+    one_f_one_b,
+    output_bytes,
+    param_bytes,
+    parameter_owner,
+    peak_in_flight,
+    pieces_of,
+    simulate,
+    stage_sums,
+)
 
 
 def _lm():
@@ -22,12 +38,25 @@ def _lm():
 def _bottleneck():
     # widths 32 -> 64 -> 4 -> 64 -> 64 -> 10: the one narrow tensor is after the second layer
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4), nn.Linear(4, 64), nn.ReLU(),
-                         nn.Linear(64, 64), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Linear(32, 64),
+        nn.ReLU(),
+        nn.Linear(64, 4),
+        nn.Linear(4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.Linear(64, 10),
+    )
 
 
-@pytest.mark.parametrize("make, x", [(_lm, torch.randint(0, 256, (3, 8))), (lambda: MLP(64, 16, 10), torch.randn(3, 64)),
-                                     (_bottleneck, torch.randn(3, 32))])
+@pytest.mark.parametrize(
+    "make, x",
+    [
+        (_lm, torch.randint(0, 256, (3, 8))),
+        (lambda: MLP(64, 16, 10), torch.randn(3, 64)),
+        (_bottleneck, torch.randn(3, 32)),
+    ],
+)
 def test_pieces_run_in_order_compute_the_model_and_stages_own_each_parameter_once(make, x):
     model = make()
     pieces = pieces_of(model)
@@ -125,8 +154,13 @@ def test_chooser_picks_the_largest_fitting_count_without_per_microbatch_cost():
     assert [o.fits for o in g.options] == [True, True, False, False, False]
     # 1f1b holds min(M, 4) micro-batches on stage 0: 4 x (100 x 16/M + 50) <= 1000 needs M >= 8
     assert choose_microbatches(4, 16, "1f1b", _bytes, budget_bytes=1000).microbatches == 16
-    assert [o.fits for o in choose_microbatches(4, 16, "1f1b", _bytes, budget_bytes=1000).options] == \
-        [False, False, False, True, True]
+    assert [o.fits for o in choose_microbatches(4, 16, "1f1b", _bytes, budget_bytes=1000).options] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
 
 
 def test_chooser_stops_where_per_microbatch_cost_outweighs_the_bubble():
@@ -152,7 +186,8 @@ def test_chooser_and_cuts_reject_bad_input_clearly():
         build_stages(pieces, [1, 3])
     with pytest.raises(ValueError, match="does not split into 3 equal micro-batches"):
         PipelineRunner(pieces, build_stages(pieces, [0])[0], None, "gpipe", sequence_loss).step(
-            torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long), 3)
+            torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long), 3
+        )
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         PipelineRunner(pieces, build_stages(pieces, [0])[0], None, "zigzag", sequence_loss)
     with pytest.raises(TypeError, match="cannot split Linear"):
@@ -162,17 +197,20 @@ def test_chooser_and_cuts_reject_bad_input_clearly():
     assert math.isclose(bubble_fraction(2, 1), 0.5)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"cuts": "layers"}, "cuts='layers' is not a cut policy"),
-    ({"microbatches": "many"}, "give a positive integer dividing the batch, or 'auto'"),
-    ({"microbatches": "0"}, "give a positive integer"),
-    ({"pipeline_schedule": "zigzag"}, "must be one of gpipe, 1f1b"),
-    ({"inner": "pipeline", "stages": 3}, "stages=3 needs one worker per stage"),
-    ({"inner": "pipeline", "microbatches": "5"}, "microbatches=5 does not divide the pipeline's batch of 32"),
-    ({"inner": "pipeline", "task": "digits", "workers": 4}, "only 3 pieces"),
-    ({"inner": "pipeline", "compress": "topk:ratio=0.1"}, "does not yet combine with compressor='topk:ratio=0.1'"),
-    ({"inner": "pipeline", "ckpt_every": 5}, "does not yet combine with checkpoint.every=5"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"cuts": "layers"}, "cuts='layers' is not a cut policy"),
+        ({"microbatches": "many"}, "give a positive integer dividing the batch, or 'auto'"),
+        ({"microbatches": "0"}, "give a positive integer"),
+        ({"pipeline_schedule": "zigzag"}, "must be one of gpipe, 1f1b"),
+        ({"inner": "pipeline", "stages": 3}, "stages=3 needs one worker per stage"),
+        ({"inner": "pipeline", "microbatches": "5"}, "microbatches=5 does not divide the pipeline's batch of 32"),
+        ({"inner": "pipeline", "task": "digits", "workers": 4}, "only 3 pieces"),
+        ({"inner": "pipeline", "compress": "topk:ratio=0.1"}, "does not yet combine with compressor='topk:ratio=0.1'"),
+        ({"inner": "pipeline", "ckpt_every": 5}, "does not yet combine with checkpoint.every=5"),
+    ],
+)
 def test_config_errors_name_the_fix(overrides, message):
     from islands.app.validate import validate
     from islands.config import ConfigError, from_mapping
@@ -185,6 +223,9 @@ def test_config_accepts_a_pipeline_job():
     from islands.app.validate import validate
     from islands.config import from_mapping
 
-    cfg = validate(from_mapping({"workers": 4, "inner": "pipeline", "stages": 4, "microbatches": "auto",
-                                 "cuts": "balanced", "n_layers": 2}))
+    cfg = validate(
+        from_mapping(
+            {"workers": 4, "inner": "pipeline", "stages": 4, "microbatches": "auto", "cuts": "balanced", "n_layers": 2}
+        )
+    )
     assert cfg.inner_strategy == "pipeline"

@@ -24,7 +24,10 @@ SOURCES = [ROOT / "src" / "islands", ROOT / "bench" / "islands_bench"]
 
 # Names in backticks that are not this project's code: what a run or a benchmark writes, and other projects' classes
 NOT_OURS = {
-    "run.json", "config.json", "result.json", "summary.md",  # files a run or an experiment writes
+    "run.json",
+    "config.json",
+    "result.json",
+    "summary.md",  # files a run or an experiment writes
     "ModelOutput",  # transformers' model output class
     "islands.commands",  # the entry-point group `islands bench` is found through (bench/pyproject.toml)
 }
@@ -83,7 +86,15 @@ def _resolve_dotted(span: str) -> bool:
 
 def _resolve_file(span: str) -> bool:
     span = span.removeprefix("./")
-    roots = [ROOT, ROOT / "src", ROOT / "src" / "islands", ROOT / "bench", ROOT / "bench" / "islands_bench", ROOT / "tests", ROOT / "docs"]
+    roots = [
+        ROOT,
+        ROOT / "src",
+        ROOT / "src" / "islands",
+        ROOT / "bench",
+        ROOT / "bench" / "islands_bench",
+        ROOT / "tests",
+        ROOT / "docs",
+    ]
     if any((r / span).exists() for r in roots):
         return True
     # a bare file name (`codec.py`) must exist somewhere in the sources

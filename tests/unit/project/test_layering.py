@@ -16,22 +16,64 @@ SRC = Path(__file__).resolve().parents[3] / "src"
 
 # Layer of each top-level name under islands; a module may import its own layer and lower ones.
 LAYERS = {
-    "spec": 0, "version": 0,
+    "spec": 0,
+    "version": 0,
     "_deprecated": 0,  # the table of deprecated aliases; it imports their new homes by name, when one is used
-    "runtime": 1, "sync": 1, "compress": 1, "aggregate": 1, "faults": 1, "checkpoint": 1, "memory": 1,
-    "parallel": 1, "measure": 1, "models": 1, "data": 1, "testbed": 1, "practices": 1,
-    "inner": 1, "outer": 1, "robust": 1, "control": 1,  # the public namespaces over components
+    "runtime": 1,
+    "sync": 1,
+    "compress": 1,
+    "aggregate": 1,
+    "faults": 1,
+    "checkpoint": 1,
+    "memory": 1,
+    "parallel": 1,
+    "measure": 1,
+    "models": 1,
+    "data": 1,
+    "testbed": 1,
+    "practices": 1,
+    "inner": 1,
+    "outer": 1,
+    "robust": 1,
+    "control": 1,  # the public namespaces over components
     "optim": 1,  # optimizers islands adds to torch's (Muon + AdamW as one optimizer)
     "dashboard": 1,  # the live page over a run directory (reads live/*.jsonl and run.json)
     "report": 1,  # the static results site (reads results/ and the practice registry)
     "observe": 1,  # loggers and the Logging callback (duck-typed on the trainer; below the app that wires them)
-    "loop": 2, "tasks": 3, "config": 4, "app": 5,
-    "cli": 6, "cli_more": 6, "cli_run": 6, "cli_export": 6, "__main__": 6, "__init__": 6,
+    "loop": 2,
+    "tasks": 3,
+    "config": 4,
+    "app": 5,
+    "cli": 6,
+    "cli_more": 6,
+    "cli_run": 6,
+    "cli_export": 6,
+    "__main__": 6,
+    "__init__": 6,
 }
 # Modules heavy or optional enough to import where they are used, not at the top of a module
 # (islands.checkpoint.codec.kernels: the codec's numba loops, ~0.5 s to compile-import, for processes that save).
-ALLOWED_LOCAL = {"islands.checkpoint.codec.kernels", "transformers", "tensorboard", "torch.utils.tensorboard", "mlflow", "wandb", "plotly", "matplotlib", "rich", "numba", "zipnn", "torchft", "sklearn", "tokenizers",
-                 "datasets", "scipy", "safetensors", "zstandard", "xxhash"}
+ALLOWED_LOCAL = {
+    "islands.checkpoint.codec.kernels",
+    "transformers",
+    "tensorboard",
+    "torch.utils.tensorboard",
+    "mlflow",
+    "wandb",
+    "plotly",
+    "matplotlib",
+    "rich",
+    "numba",
+    "zipnn",
+    "torchft",
+    "sklearn",
+    "tokenizers",
+    "datasets",
+    "scipy",
+    "safetensors",
+    "zstandard",
+    "xxhash",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -148,15 +190,38 @@ def test_imports_inside_functions_are_heavy_optional_modules_only():
     bad = []
     for m, f in mods.items():
         for name, local, line in imports(f, m):
-            allowed = name.split(".")[0] in ALLOWED_LOCAL or any(name == a or name.startswith(a + ".")
-                                                                   for a in ALLOWED_LOCAL)
+            allowed = name.split(".")[0] in ALLOWED_LOCAL or any(
+                name == a or name.startswith(a + ".") for a in ALLOWED_LOCAL
+            )
             if local and not allowed and resolve(name, mods) is not None:
                 bad.append(f"{f.relative_to(SRC)}:{line} imports {name} inside a function")
             elif local and not allowed and name.split(".")[0] != "islands":
                 top = name.split(".")[0]
-                if top not in ("torch", "numpy", "os", "sys", "json", "time", "math", "io", "subprocess",
-                               "importlib", "typing", "dataclasses", "pathlib", "shutil", "signal", "socket",
-                               "tempfile", "threading", "random", "copy", "pickle", "hashlib", "statistics"):
+                if top not in (
+                    "torch",
+                    "numpy",
+                    "os",
+                    "sys",
+                    "json",
+                    "time",
+                    "math",
+                    "io",
+                    "subprocess",
+                    "importlib",
+                    "typing",
+                    "dataclasses",
+                    "pathlib",
+                    "shutil",
+                    "signal",
+                    "socket",
+                    "tempfile",
+                    "threading",
+                    "random",
+                    "copy",
+                    "pickle",
+                    "hashlib",
+                    "statistics",
+                ):
                     bad.append(f"{f.relative_to(SRC)}:{line} imports {name} inside a function")
     assert not bad, f"{len(bad)} function-local imports outside ALLOWED_LOCAL:\n" + "\n".join(bad)
 

@@ -25,8 +25,7 @@ from islands.practices import (
     practices_markdown,
     practices_table,
 )
-from islands.practices.__main__ import main as practices_main
-from islands.practices.__main__ import render_docs
+from islands.practices.__main__ import main as practices_main, render_docs
 
 REPO = Path(__file__).resolve().parents[3]
 SEEDS = REPO.parent / "shared" / "seeds"
@@ -73,6 +72,7 @@ def papers() -> list[Paper]:
 
 # --- completeness against the seeds -----------------------------------------------------------
 
+
 def test_every_seed_practice_appears_exactly_once(practices):
     seed = _seed_rows("002_*.txt", "SOTA-")
     ours = [p.id for p in practices if p.id.startswith("SOTA-")]
@@ -96,8 +96,11 @@ def test_every_seed_paper_appears_exactly_once(papers):
 
 def test_statuses_match_the_seed(practices):
     seed = _seed_rows("002_*.txt", "SOTA-")
-    mismatched = {p.id: (p.status, _seed_status(seed[p.id])) for p in practices
-                  if p.id in seed and p.status != _seed_status(seed[p.id])}
+    mismatched = {
+        p.id: (p.status, _seed_status(seed[p.id]))
+        for p in practices
+        if p.id in seed and p.status != _seed_status(seed[p.id])
+    }
     assert not mismatched
 
 
@@ -132,6 +135,7 @@ def test_paper_titles_kept_and_notes_written_fresh(papers):
 
 
 # --- shape of the shipped data ----------------------------------------------------------------
+
 
 def test_rejected_entries_have_reasons_and_nothing_to_test(practices):
     rejected = [p for p in practices if p.status == "Rejected"]
@@ -224,11 +228,15 @@ def test_good_row_parses():
         (lambda t: t.replace('"Active"', '"Adopted"'), "unknown status 'Adopted'"),
         (lambda t: t + t, "duplicate id 'SOTA-900'"),
         (lambda t: t.replace('["LIT-001"]', '["LIT-002"]'), "source 'LIT-002' is not in reading.toml"),
-        (lambda t: t.replace('"Active"', '"Rejected"').replace('claim = "Something measurable happens."', 'claim = ""'),
-         "Rejected entry has no reason"),
+        (
+            lambda t: t.replace('"Active"', '"Rejected"').replace(
+                'claim = "Something measurable happens."', 'claim = ""'
+            ),
+            "Rejected entry has no reason",
+        ),
         (lambda t: t.replace('reason = ""\n', ""), "missing field(s) ['reason']"),
-        (lambda t: t.replace('issue = 0', 'issue = 0\nowner = "me"'), "unknown field(s) ['owner']"),
-        (lambda t: t.replace('issue = 0', 'issue = "3"'), "field 'issue' must be int"),
+        (lambda t: t.replace("issue = 0", 'issue = 0\nowner = "me"'), "unknown field(s) ['owner']"),
+        (lambda t: t.replace("issue = 0", 'issue = "3"'), "field 'issue' must be int"),
         (lambda t: t.replace('"SOTA-900"', '"SOTA900"'), "id must look like"),
         (lambda t: t.replace('status = "Active"', 'status = "Open"'), "practices (SOTA-nnn) take one of"),
         (lambda t: t.replace('module = ""', 'module = "os.path"'), "dotted path inside islands"),
@@ -254,8 +262,10 @@ def test_question_rows_must_be_open():
 
 
 def test_paper_rows_are_validated():
-    row = '[[paper]]\nid = "LIT-001"\nauthors_year = "A et al. 2020"\nref = "arXiv:0000.00000"\n' \
-          'title = "T"\nnote = "Why."\npractices = ["SOTA-900"]\n'
+    row = (
+        '[[paper]]\nid = "LIT-001"\nauthors_year = "A et al. 2020"\nref = "arXiv:0000.00000"\n'
+        'title = "T"\nnote = "Why."\npractices = ["SOTA-900"]\n'
+    )
     (paper,) = parse_papers(row)
     assert paper.practices == ("SOTA-900",)
     with pytest.raises(ValueError, match="duplicate id 'LIT-001'"):
@@ -276,6 +286,7 @@ def test_backlink_mismatch_is_refused():
 
 # --- filters ----------------------------------------------------------------------------------
 
+
 def test_filter_by_status(practices):
     for status in STATUSES:
         chosen = filter_practices(practices, status=status)
@@ -283,7 +294,9 @@ def test_filter_by_status(practices):
     assert filter_practices(practices, status="rejected") == filter_practices(practices, status="Rejected")
     both = filter_practices(practices, status=["Active", "Proposed"])
     assert {p.status for p in both} == {"Active", "Proposed"}
-    assert len(both) == len(filter_practices(practices, status="Active")) + len(filter_practices(practices, status="Proposed"))
+    assert len(both) == len(filter_practices(practices, status="Active")) + len(
+        filter_practices(practices, status="Proposed")
+    )
     assert filter_practices(practices) == practices
 
 
@@ -307,11 +320,14 @@ def test_filter_rejects_bad_arguments(practices):
 def test_implemented_needs_module_and_experiment():
     (p,) = _parse(GOOD_ROW.replace('module = ""', 'module = "islands.practices"'))
     assert not p.implemented
-    (p,) = _parse(GOOD_ROW.replace('module = ""', 'module = "islands.practices"').replace('experiment = ""', 'experiment = "x-y"'))
+    (p,) = _parse(
+        GOOD_ROW.replace('module = ""', 'module = "islands.practices"').replace('experiment = ""', 'experiment = "x-y"')
+    )
     assert p.implemented
 
 
 # --- rendering --------------------------------------------------------------------------------
+
 
 def _render(table) -> str:
     console = Console(record=True, width=250, color_system=None)

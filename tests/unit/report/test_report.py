@@ -14,12 +14,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from harness.browser import needs_browser, render, screenshot
 
+from harness.browser import needs_browser, render, screenshot
 from islands.cli import main
 from islands.practices import load_practices
-from islands.report import ReportError, build_site
-from islands.report import site as site_mod
+from islands.report import ReportError, build_site, site as site_mod
 from islands.report.html import fmt
 from islands.report.results import page_name
 
@@ -121,7 +120,7 @@ def test_every_practice_and_question_is_on_the_index_linked_to_its_experiment(re
     have = {e.name for e in real_site.experiments}
     for p in load_practices():
         start = index.index(f'<tr id="{p.id}">')
-        row = index[start:index.index("</tr>", start)]
+        row = index[start : index.index("</tr>", start)]
         assert escape(p.title) in row
         if p.status == "Rejected":
             assert escape(p.reason) in row
@@ -136,10 +135,20 @@ def test_every_practice_and_question_is_on_the_index_linked_to_its_experiment(re
 
 
 def _result(name, **over):
-    base = {"experiment": name, "practices": ["SOTA-155", "SOTA-999"], "quick": False,
-            "command": f"islands bench {name}", "started": "2026-01-02T03:04:05", "seconds": 125.0,
-            "versions": {"islands": "0.2.0", "torch": "2.x"}, "rows": [{"arm": "a", "loss": 1.23456}],
-            "headline": ["a headline"], "interconnect": ["loopback"], "baseline": ["plain DDP"], "runs": []}
+    base = {
+        "experiment": name,
+        "practices": ["SOTA-155", "SOTA-999"],
+        "quick": False,
+        "command": f"islands bench {name}",
+        "started": "2026-01-02T03:04:05",
+        "seconds": 125.0,
+        "versions": {"islands": "0.2.0", "torch": "2.x"},
+        "rows": [{"arm": "a", "loss": 1.23456}],
+        "headline": ["a headline"],
+        "interconnect": ["loopback"],
+        "baseline": ["plain DDP"],
+        "runs": [],
+    }
     return {**base, **over}
 
 
@@ -155,10 +164,21 @@ def _write(root: Path, exp: str, variant: str, data, plot: bool = False) -> Path
 @pytest.fixture
 def odd_results(tmp_path):
     root = tmp_path / "results"
-    _write(root, "alpha", "full", _result("alpha", headline=["loss <b>1.5</b> & 3x fewer bytes"],
-                                          rows=[{"arm": "ddp", "loss": 1.4292, "bytes": 3501056000},
-                                                {"arm": "<i>x</i>", "extra": {"k": [1, 2]}, "nan": float("nan")}],
-                                          curves={"ddp": [1, 2, 3]}), plot=True)
+    _write(
+        root,
+        "alpha",
+        "full",
+        _result(
+            "alpha",
+            headline=["loss <b>1.5</b> & 3x fewer bytes"],
+            rows=[
+                {"arm": "ddp", "loss": 1.4292, "bytes": 3501056000},
+                {"arm": "<i>x</i>", "extra": {"k": [1, 2]}, "nan": float("nan")},
+            ],
+            curves={"ddp": [1, 2, 3]},
+        ),
+        plot=True,
+    )
     _write(root, "alpha", "quick", _result("alpha", quick=True, headline="just one string", rows=[]))
     _write(root, "beta", "quick-100mbit", {"experiment": "beta"})  # almost nothing recorded
     _write(root, "gamma", "full", "{not json")
@@ -238,8 +258,11 @@ def test_the_cli_writes_the_site_and_replaces_an_earlier_report(tmp_path, capsys
 
 @needs_browser
 def test_the_pages_render_in_a_real_browser(real_site):
-    exp = next(e for e in real_site.experiments if e.name == "diloco-vs-ddp") if (
-        real_site.out / "diloco-vs-ddp.html").is_file() else real_site.experiments[0]
+    exp = (
+        next(e for e in real_site.experiments if e.name == "diloco-vs-ddp")
+        if (real_site.out / "diloco-vs-ddp.html").is_file()
+        else real_site.experiments[0]
+    )
     index_url = (real_site.out / "index.html").resolve().as_uri()
     page_url = (real_site.out / f"{exp.name}.html").resolve().as_uri()
     index_dom = render(index_url, wait_ms=300)

@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.aggregate import (
     Bucketing,
@@ -29,8 +28,15 @@ honest_value = st.floats(-1e3, 1e3, width=32)
 # Anything finite a float32 can hold, the float maximum included.
 arbitrary_value = st.floats(allow_nan=False, allow_infinity=False, width=32)
 EXAMPLE_SPECS = [
-    "mean", "median", "trimmed-mean:beta=0.25", "krum:f=2", "multi-krum:f=2,m=4", "geomed",
-    "cclip:tau=1.0", "nnm+krum:f=2", "bucketing:s=2+median",
+    "mean",
+    "median",
+    "trimmed-mean:beta=0.25",
+    "krum:f=2",
+    "multi-krum:f=2,m=4",
+    "geomed",
+    "cclip:tau=1.0",
+    "nnm+krum:f=2",
+    "bucketing:s=2+median",
 ]
 
 
@@ -215,7 +221,9 @@ def test_non_finite_inputs_are_dropped_before_any_aggregator_sees_them(seed, bad
     bad = []
     for i in range(bad_count):
         t = torch.randn(5, generator=g)
-        t[i] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}.get(kind, float("nan") if i else float("inf"))
+        t[i] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}.get(
+            kind, float("nan") if i else float("inf")
+        )
         bad.append(t)
     inputs = honest[:3] + bad + honest[3:]
     # A dropped input counts against f, so the clean reference tolerates f - bad_count.
@@ -324,7 +332,9 @@ def test_nnm_with_f_zero_mixes_every_input_into_the_mean():
     assert torch.allclose(out, Mean().aggregate(inputs))
 
 
-@pytest.mark.parametrize("spec", EXAMPLE_SPECS + ["bucketing:s=2,seed=4+nnm+multi-krum:f=1,m=3", "geomed:iters=7,tol=0.01"])
+@pytest.mark.parametrize(
+    "spec", EXAMPLE_SPECS + ["bucketing:s=2,seed=4+nnm+multi-krum:f=1,m=3", "geomed:iters=7,tol=0.01"]
+)
 def test_every_documented_spec_parses_and_its_repr_parses_back(spec):
     agg = parse_aggregator(spec)
     again = parse_aggregator(repr(agg))

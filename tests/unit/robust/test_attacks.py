@@ -6,8 +6,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.aggregate import CoordinateMedian, Mean, parse_aggregator
 from islands.faults.attacks import AttackPlan, alie_z, flip_targets, parse_attack, valid_attacks
@@ -219,5 +218,7 @@ def test_mean_fails_and_median_holds_under_each_gradient_attack():
         robust = CoordinateMedian().aggregate(sent)
         assert torch.linalg.vector_norm(robust - true) < 0.5 * torch.linalg.vector_norm(true), spec
         naive = torch.stack(sent).mean(0)  # the plain average, no NaN filter
-        broken = not torch.isfinite(naive).all() or torch.linalg.vector_norm(naive - true) > torch.linalg.vector_norm(robust - true)
+        broken = not torch.isfinite(naive).all() or torch.linalg.vector_norm(naive - true) > torch.linalg.vector_norm(
+            robust - true
+        )
         assert broken, spec

@@ -11,18 +11,26 @@ import typing
 
 import pytest
 import torch
+from test_outer_units import _SameDeltaComm, _TwoIslandComm
+from test_payload_auth import Tamper
+from test_public_api import _TwinComm
 
 from islands.parallel.pipeline.strategy import PipelineStages
 from islands.runtime.comm import Comm
-from islands.runtime.contracts import (Collectives, ElasticCollectives, ElasticMembership, ElasticParticipant, Holder,
-                                       PointToPoint)
+from islands.runtime.contracts import (
+    Collectives,
+    ElasticCollectives,
+    ElasticMembership,
+    ElasticParticipant,
+    Holder,
+    PointToPoint,
+)
 from islands.runtime.elastic import ElasticComm, Membership
 from islands.runtime.elastic.island_comm import IslandComm, IslandFollower, IslandLeader, SlotComm
 from islands.runtime.payload_auth import AuthenticatedComm
 from islands.runtime.simulate import SimComm
 from islands.runtime.world import LoneComm, World
-from islands.sync.base import (Composite, Describes, KeepsIslandsApart, OwnsStep, SkipsSteps, WritesReport,
-                               capability)
+from islands.sync.base import Composite, Describes, KeepsIslandsApart, OwnsStep, SkipsSteps, WritesReport, capability
 from islands.sync.ddp import DDP
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.easgd import EASGD
@@ -33,9 +41,6 @@ from islands.sync.outer.warm_start import WarmStart
 from islands.sync.sharded import FSDP
 from islands.sync.single import Single
 from islands.sync.stack import Stack
-from test_outer_units import _SameDeltaComm, _TwoIslandComm
-from test_payload_auth import Tamper
-from test_public_api import _TwinComm
 
 COMMS = [Comm, LoneComm, SimComm, ElasticComm, IslandComm, SlotComm, AuthenticatedComm]
 COMM_DOUBLES = [_SameDeltaComm, _TwoIslandComm, _TwinComm, Tamper]
@@ -63,7 +68,9 @@ def protocol_members(proto) -> dict[str, object]:
 
 def _assigned_in_init(cls, name: str) -> bool:
     """Whether some __init__ of `cls`'s MRO assigns self.<name> (an instance attribute)."""
-    pattern = re.compile(rf"self\.{name}\b[^=\n]*=(?!=)|self\.(\w+, )*{name}(, \w+)* *=(?!=)|self\.[\w, .]*\b{name}\b[\w, .]*=(?!=)")
+    pattern = re.compile(
+        rf"self\.{name}\b[^=\n]*=(?!=)|self\.(\w+, )*{name}(, \w+)* *=(?!=)|self\.[\w, .]*\b{name}\b[\w, .]*=(?!=)"
+    )
     for base in cls.__mro__:
         init = vars(base).get("__init__")
         if init is None or not inspect.isfunction(init):
@@ -94,8 +101,11 @@ def _compatible(proto_fn, impl) -> str | None:
             return f"parameter {p.name!r} has no default (the protocol's has one)"
         if (p.kind is p.KEYWORD_ONLY) != (got.kind is got.KEYWORD_ONLY):
             return f"parameter {p.name!r} is {got.kind.description}, the protocol's {p.kind.description}"
-    extra = [n for n, p in params.items() if n not in {w.name for w in want}
-             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty]
+    extra = [
+        n
+        for n, p in params.items()
+        if n not in {w.name for w in want} and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty
+    ]
     if extra:
         return f"needs parameters the protocol does not pass: {extra}"
     return None
@@ -170,8 +180,12 @@ def test_the_check_finds_a_missing_method_and_a_wrong_signature():
     assert violations(NoGather, Collectives) == ["all_gather_object: not callable"]
     assert violations(NoKind, Collectives) == ["all_reduce: no parameter 'kind'"]
     assert violations(ExtraArg, Collectives) == ["broadcast: needs parameters the protocol does not pass: ['needed']"]
-    assert sorted(violations(Bare, Collectives)) == ["all_gather: missing", "all_gather_object: missing",
-                                                     "all_reduce: missing", "broadcast: missing"]
+    assert sorted(violations(Bare, Collectives)) == [
+        "all_gather: missing",
+        "all_gather_object: missing",
+        "all_reduce: missing",
+        "broadcast: missing",
+    ]
     assert violations(LoneComm, PointToPoint) == ["exchange: missing"]
 
 
@@ -182,8 +196,9 @@ def test_lone_comm_gathers_objects():
 
 # ---- strategy capabilities --------------------------------------------------------------------------------
 def _pipeline() -> PipelineStages:
-    return PipelineStages(stages=2, microbatches=2, cuts="equal", schedule="gpipe", batch=4,
-                          loss_fn=torch.nn.functional.cross_entropy)
+    return PipelineStages(
+        stages=2, microbatches=2, cuts="equal", schedule="gpipe", batch=4, loss_fn=torch.nn.functional.cross_entropy
+    )
 
 
 def test_the_pipeline_owns_its_step_and_describes_itself_and_a_stack_hands_both_on():
@@ -266,8 +281,15 @@ class _Membership:
 
 
 def _elastic_world(membership) -> World:
-    return World(rank=0, size=1, islands=1, device=torch.device("cpu"), backend="gloo",
-                 comms={"cross": LoneComm(), "global": LoneComm(), "local": LoneComm()}, membership=membership)
+    return World(
+        rank=0,
+        size=1,
+        islands=1,
+        device=torch.device("cpu"),
+        backend="gloo",
+        comms={"cross": LoneComm(), "global": LoneComm(), "local": LoneComm()},
+        membership=membership,
+    )
 
 
 def test_the_membership_double_satisfies_the_protocol():

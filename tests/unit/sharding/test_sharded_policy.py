@@ -2,13 +2,16 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from islands.models import MLP, ByteTransformer
 from islands.sync.sharded import plan_units, state_bytes_per_rank, unit_traffic
 from islands.sync.wrap_policy import (
-    GraphWrap, _min_bottleneck, parse_wrap, split_cheapest_cuts, trace_order,
+    GraphWrap,
+    _min_bottleneck,
+    parse_wrap,
+    split_cheapest_cuts,
+    trace_order,
 )
 
 
@@ -22,8 +25,18 @@ def covered_once(m, units):
     return sorted(s for u in units for s in u.shapes) == shapes
 
 
-@pytest.mark.parametrize("spec, expected", [("model", 1), ("block", 4), ("graph:1", 1), ("graph:2", 2),
-                                            ("graph:7", 7), ("split:5", 5), ("params:20000", None)])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("model", 1),
+        ("block", 4),
+        ("graph:1", 1),
+        ("graph:2", 2),
+        ("graph:7", 7),
+        ("split:5", 5),
+        ("params:20000", None),
+    ],
+)
 def test_units_cover_every_parameter_exactly_once(spec, expected):
     m = model()
     groups, units = plan_units(m, parse_wrap(spec))
@@ -50,7 +63,11 @@ def test_graph_order_follows_execution_and_cuts_avoid_wide_activations():
     trace = trace_order(m, torch.zeros(1, 16, dtype=torch.long))
     names = {id(x): n for n, x in m.named_modules()}
     order = [names[id(x)] for x, _, _ in trace]
-    assert order[0] == "embed" and order[-2:] == ["ln", "head"] and order.index("blocks.0.qkv") < order.index("blocks.0.fc")
+    assert (
+        order[0] == "embed"
+        and order[-2:] == ["ln", "head"]
+        and order.index("blocks.0.qkv") < order.index("blocks.0.fc")
+    )
     act = {id(x): a for x, _, a in trace}
     prev = {id(x): trace[i - 1][0] for i, (x, _, _) in enumerate(trace) if i}
     d_bytes = 16 * 32 * 4  # one sample, context 16, width 32, fp32
@@ -92,10 +109,18 @@ def test_memory_and_traffic_scale_with_n():
     assert rs(2) <= rs(4) < rs(2) * 1.01  # the whole padded gradient goes in, whatever n is
 
 
-@pytest.mark.parametrize("spec, message", [("graph:0", "positive"), ("graph", "needs units=<int>"),
-                                           ("model:3", "takes no parameters"), ("zero3", "unknown wrap policy 'zero3'"),
-                                           ("zero3", "model, block, params, split, graph"), ("params:-5", "positive"),
-                                           ("blok", "did you mean 'block'")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("graph:0", "positive"),
+        ("graph", "needs units=<int>"),
+        ("model:3", "takes no parameters"),
+        ("zero3", "unknown wrap policy 'zero3'"),
+        ("zero3", "model, block, params, split, graph"),
+        ("params:-5", "positive"),
+        ("blok", "did you mean 'block'"),
+    ],
+)
 def test_bad_specs_say_what_is_valid(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_wrap(spec)

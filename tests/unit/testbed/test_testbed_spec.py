@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from islands.testbed import spec, state, system
+from islands.testbed import model, spec, state, system
 from islands.testbed.lifecycle import down, up
 from islands.testbed.measure import GOODPUT_PER_WIRE_BYTE, rate_within
-from islands.testbed import model
 from islands.testbed.model import Host, Testbed, TestbedNotFound
 
 
@@ -23,9 +22,13 @@ def fake_tools(monkeypatch):
 
 
 def _testbed(hosts: int = 3) -> Testbed:
-    return Testbed(name="wan", rate_bps=100_000_000, subnet="10.77.4.0/24", hub="isl-wan-hub",
-                   hosts=[Host(i, f"isl-wan-h{i}", f"10.77.4.{i + 1}", f"isl-h{i}", f"port{i}")
-                          for i in range(hosts)])
+    return Testbed(
+        name="wan",
+        rate_bps=100_000_000,
+        subnet="10.77.4.0/24",
+        hub="isl-wan-hub",
+        hosts=[Host(i, f"isl-wan-h{i}", f"10.77.4.{i + 1}", f"isl-h{i}", f"port{i}") for i in range(hosts)],
+    )
 
 
 @pytest.mark.parametrize("name", ["a", "wan", "tb-1", "abcdefghijkl", "0-0"])
@@ -49,8 +52,17 @@ def test_hosts_bounds_and_type():
             spec.validate_hosts(bad)
 
 
-@pytest.mark.parametrize("text,bps", [("100mbit", 10**8), ("1gbit", 10**9), ("500kbit", 5 * 10**5),
-                                      ("1.5mbit", 1_500_000), (" 200MBIT ", 2 * 10**8), ("10gbit", 10**10)])
+@pytest.mark.parametrize(
+    "text,bps",
+    [
+        ("100mbit", 10**8),
+        ("1gbit", 10**9),
+        ("500kbit", 5 * 10**5),
+        ("1.5mbit", 1_500_000),
+        (" 200MBIT ", 2 * 10**8),
+        ("10gbit", 10**10),
+    ],
+)
 def test_rates_parse_in_si_units_like_tc(text, bps):
     assert spec.parse_rate(text) == bps
 
@@ -183,6 +195,7 @@ def test_missing_tools_is_a_clear_error(monkeypatch, state_dir):
 def test_bad_input_fails_before_any_system_call(monkeypatch, state_dir):
     def forbidden(*args, **kwargs):
         raise AssertionError("a system command ran before input was validated")
+
     monkeypatch.setattr(system, "run", forbidden)
     with pytest.raises(ValueError, match="between 2 and 64"):
         up("wan", 1, "100mbit")
@@ -196,13 +209,20 @@ def test_bad_input_fails_before_any_system_call(monkeypatch, state_dir):
 
 def test_an_elastic_job_on_a_testbed_without_a_hub_address_says_to_rebuild_it(tmp_path):
     """Testbeds recorded before hubs had an address load with hub_ip "" and are refused before anything starts."""
+    from islands.runtime.elastic.membership import JobSpec
     from islands.runtime.launch.elastic import launch_elastic_workers
     from islands.runtime.launch.ranks import LaunchError
-    from islands.runtime.elastic.membership import JobSpec
     from islands.testbed import Host, Testbed
 
-    old = Testbed.from_dict({"name": "old", "rate_bps": 10**8, "subnet": "10.77.9.0/24", "hub": "isl-old-hub",
-                             "hosts": [Host(0, "isl-old-h0", "10.77.9.1", "isl-h0", "port0").__dict__]})
+    old = Testbed.from_dict(
+        {
+            "name": "old",
+            "rate_bps": 10**8,
+            "subnet": "10.77.9.0/24",
+            "hub": "isl-old-hub",
+            "hosts": [Host(0, "isl-old-h0", "10.77.9.1", "isl-h0", "port0").__dict__],
+        }
+    )
     assert old.hub_ip == ""
     with pytest.raises(LaunchError, match="rebuild it with `islands testbed up --name old"):
         launch_elastic_workers(lambda a: ["true"], JobSpec(workers=1), tmp_path / "run", testbed=old)

@@ -26,9 +26,28 @@ import struct
 from islands.checkpoint.errors import CorruptCheckpoint
 
 # Append only: a dtype's index is its code in every blob written since.
-DTYPES = ("float32", "bfloat16", "float16", "float64", "complex64", "complex128", "complex32", "bool",
-          "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-          "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+DTYPES = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "complex64",
+    "complex128",
+    "complex32",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
 LAYOUTS = ("split", "zstd", "raw")
 _NAMED = 255
 _HASH_BYTES = 32
@@ -121,7 +140,7 @@ def _unpack(data: bytes, v6: bool) -> dict:
         n, pos = _read_varint(data, pos)
         if pos + n > len(data):
             raise IndexError
-        dtype = data[pos:pos + n].decode("ascii", errors="replace")
+        dtype = data[pos : pos + n].decode("ascii", errors="replace")
         pos += n
     elif code < len(DTYPES):
         dtype = DTYPES[code]
@@ -140,7 +159,7 @@ def _unpack(data: bytes, v6: bool) -> dict:
         if flags & bit:
             if pos + _HASH_BYTES > len(data):
                 raise IndexError
-            digest = data[pos:pos + _HASH_BYTES].hex()
+            digest = data[pos : pos + _HASH_BYTES].hex()
             header[key] = digest if bit == 1 else {"base_hash": digest}
             pos += _HASH_BYTES
     nchunks, pos = _read_varint(data, pos)

@@ -38,6 +38,7 @@ def _code(exponent, base):
 # Each split and join works on whole pairs through `*_pairs` views of the arrays and finishes an odd
 # last element from the arrays themselves, with the same bit formulas.
 
+
 @_kernel
 def _bf16_low(w):
     """[s m6..m0] of the bf16 word(s) in the low 16 bits of w."""
@@ -89,6 +90,7 @@ def join_bf16_plain(exponent, low, out):
 
 
 # ---- fp32: s|E8|m23 -> packed E codes + [s m22..m16] + ([m15..m8], [m7..m0]) or [m15..m0] --------------
+
 
 @_kernel
 def _fp32_split_one(w, top, mid, low, i, words):
@@ -155,6 +157,7 @@ def join_fp32_plain(exponent, top, mid, low, out):
 
 # ---- fp16: the high and low bytes as they are --------------------------------------------------------
 
+
 @_kernel
 def split_fp16(words, high, low):
     for i in range(words.size):
@@ -171,6 +174,7 @@ def join_fp16(high, low, out):
 
 # ---- escapes ---------------------------------------------------------------------------------------
 
+
 @_kernel
 def _escape_bits(x):
     """Bit 4k+3 set iff nibble k of x is 15: its low three bits carry into bit 3, and bit 3 was set."""
@@ -183,7 +187,7 @@ def _escape_positions(packed, n, pos):
     word; returns how many there are, counting on past pos.size (those are not written)."""
     k = 0
     full = packed.size // 8
-    blocks = packed[:full * 8].view(np.uint64)
+    blocks = packed[: full * 8].view(np.uint64)
     for w in range(full):
         t = _escape_bits(blocks[w])
         while t:

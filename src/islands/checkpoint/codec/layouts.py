@@ -33,8 +33,14 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from islands.checkpoint.codec.planes import (BLOCK_WORDS, MAX_ESCAPE_SHARE, SAMPLE_SIZE, compiled_kernels, scratch,
-                                             window_base)
+from islands.checkpoint.codec.planes import (
+    BLOCK_WORDS,
+    MAX_ESCAPE_SHARE,
+    SAMPLE_SIZE,
+    compiled_kernels,
+    scratch,
+    window_base,
+)
 from islands.checkpoint.codec.streams import GATE_MIN_BYTES, is_noise
 
 
@@ -75,7 +81,7 @@ class _ExponentWords:
         x = raw.view(self.word)
         n = x.size
         kinds, planes = self._new_planes(x)
-        base = window_base(((x[::(n // SAMPLE_SIZE) | 1] >> self.shift) & 0xFF).astype(np.uint8)) if n >= 2 else 0
+        base = window_base(((x[:: (n // SAMPLE_SIZE) | 1] >> self.shift) & 0xFF).astype(np.uint8)) if n >= 2 else 0
         packed = scratch(f"split.{self.size}.packed", (n + 1) // 2, np.uint8)
         self._split_pairs(x, n // 2 * 2, base, packed, planes)  # the other planes are needed either way
         if n >= 2:
@@ -86,8 +92,8 @@ class _ExponentWords:
         exp = scratch(f"split.{self.size}.E", n, np.uint8)
         v = scratch(f"split.{self.size}.v", min(n, BLOCK_WORDS), self.word)
         for b, e in _blocks(n):
-            np.right_shift(x[b:e], self.shift, out=v[:e - b])
-            np.copyto(exp[b:e], v[:e - b], casting="unsafe")  # the cast drops the sign above E
+            np.right_shift(x[b:e], self.shift, out=v[: e - b])
+            np.copyto(exp[b:e], v[: e - b], casting="unsafe")  # the cast drops the sign above E
         return exp, list(zip(kinds, planes))
 
     def _new_planes(self, x: np.ndarray) -> tuple[list[str], list[np.ndarray]]:
@@ -136,7 +142,7 @@ class Fp32Layout(_ExponentWords):
         both of their byte planes anyway (it samples the same elements here as it would there)."""
         n = x.size
         if n >= GATE_MIN_BYTES:
-            s = x[::(n // SAMPLE_SIZE) | 1]
+            s = x[:: (n // SAMPLE_SIZE) | 1]
             if is_noise((s & 0xFF).astype(np.uint8)) and is_noise(((s >> 8) & 0xFF).astype(np.uint8)):
                 return ["m", "s"], [scratch("split.4.0", n, np.uint8), scratch("split.4.low", n, np.uint16)]
         return super()._new_planes(x)
@@ -200,7 +206,7 @@ class RotatedLayout:
         a = scratch(f"rot{self.size}.a", min(n, BLOCK_WORDS), self.word)
         t = scratch(f"rot{self.size}.t", min(n, BLOCK_WORDS), self.word)
         for b, e in _blocks(n):
-            aa, tt = a[:e - b], t[:e - b]
+            aa, tt = a[: e - b], t[: e - b]
             np.left_shift(x[b:e], 1, out=aa)
             np.right_shift(x[b:e], self.bits - 1, out=tt)
             aa |= tt
@@ -215,7 +221,7 @@ class RotatedLayout:
         a = scratch(f"rot{self.size}.a", min(o.size, BLOCK_WORDS), self.word)
         t = scratch(f"rot{self.size}.t", min(o.size, BLOCK_WORDS), self.word)
         for b, e in _blocks(o.size):
-            aa, tt = a[:e - b], t[:e - b]
+            aa, tt = a[: e - b], t[: e - b]
             np.copyto(aa, planes[0][b:e], casting="unsafe")
             for plane in planes[1:]:
                 aa <<= self.word(8)
@@ -226,9 +232,15 @@ class RotatedLayout:
 
 
 # Complex numbers are pairs of floats: coded as their real dtype.
-_BY_DTYPE = {torch.bfloat16: Bf16Layout(), torch.float32: Fp32Layout(), torch.complex64: Fp32Layout(),
-             torch.float16: Fp16Layout(), torch.complex32: Fp16Layout(), torch.float64: RotatedLayout(8),
-             torch.complex128: RotatedLayout(8)}
+_BY_DTYPE = {
+    torch.bfloat16: Bf16Layout(),
+    torch.float32: Fp32Layout(),
+    torch.complex64: Fp32Layout(),
+    torch.float16: Fp16Layout(),
+    torch.complex32: Fp16Layout(),
+    torch.float64: RotatedLayout(8),
+    torch.complex128: RotatedLayout(8),
+}
 
 
 def layout_for(dtype: torch.dtype):

@@ -50,7 +50,7 @@ def window_base(sample: np.ndarray) -> int:
 def sampled_entropy_bits(plane: np.ndarray, samples: int = SAMPLE_SIZE) -> float:
     """Order-0 entropy (bits per byte) of ~`samples` bytes taken at an odd stride across all of `plane`,
     plus the Miller-Madow correction for a small sample ((K-1)/(2N ln 2) for K distinct bytes seen)."""
-    sample = plane[::(plane.size // samples) | 1]
+    sample = plane[:: (plane.size // samples) | 1]
     counts = np.bincount(sample, minlength=256)
     seen = counts[counts > 0]
     p = seen / sample.size
@@ -67,7 +67,7 @@ def pack_exponents(x: np.ndarray) -> tuple[int, np.ndarray, np.ndarray] | None:
     n = x.size
     if n < 2:
         return None
-    base = window_base(x[::(n // SAMPLE_SIZE) | 1])
+    base = window_base(x[:: (n // SAMPLE_SIZE) | 1])
     codes = np.zeros(2 * ((n + 1) // 2), np.uint8)
     np.minimum(x - np.uint8(base), ESCAPE, out=codes[:n])  # uint8 arithmetic wraps: mod 256
     pos = np.flatnonzero(codes == ESCAPE)

@@ -56,8 +56,16 @@ import xxhash
 import zstandard
 
 from islands.checkpoint.codec import blob_header
-from islands.checkpoint.codec.tensor import (VERSION as CODEC_VERSION, TensorCodec, _layout_for, blob_parts,
-                                             decode_parts, decode_tensor, encode_tensor, tensor_bytes)
+from islands.checkpoint.codec.tensor import (
+    VERSION as CODEC_VERSION,
+    TensorCodec,
+    _layout_for,
+    blob_parts,
+    decode_parts,
+    decode_tensor,
+    encode_tensor,
+    tensor_bytes,
+)
 from islands.checkpoint.errors import CorruptCheckpoint
 
 _MAGIC = b"ISLS"
@@ -71,10 +79,24 @@ _RAW_HEADER, _REDUCED_HEADER = 0, 1
 INDEX_LEVEL = 19  # the index is a few KB: the strongest usual level costs ~1 ms
 SMALL_GENERAL = 64 << 10  # integer / bool / 1-byte-float tensors up to this size are coded at...
 SMALL_GENERAL_LEVEL = 19  # ...this zstd level (bigger ones keep the codec's level 3: speed)
-_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-           "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
-           "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64}
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
 
 
 def read_safetensors_header(data: bytes | memoryview) -> tuple[bytes, dict, int]:
@@ -84,7 +106,7 @@ def read_safetensors_header(data: bytes | memoryview) -> tuple[bytes, dict, int]
     (n,) = struct.unpack_from("<Q", data, 0)
     if n > len(data) - 8:
         raise ValueError(f"not a safetensors file: header length {n} exceeds the file size {len(data)}")
-    raw = bytes(data[8:8 + n])
+    raw = bytes(data[8 : 8 + n])
     try:
         header = json.loads(raw)
     except ValueError as exc:
@@ -103,16 +125,23 @@ def _as_tensor(chunk: np.ndarray, info: dict) -> torch.Tensor:
     byte count does not match the shape."""
     dtype = _DTYPES.get(info["dtype"])
     if dtype is not None and chunk.size == int(np.prod(info["shape"], dtype=np.int64)) * dtype.itemsize:
-        return torch.from_numpy(chunk).view(dtype).reshape(info["shape"]) if chunk.size else torch.empty(
-            info["shape"], dtype=dtype)
+        return (
+            torch.from_numpy(chunk).view(dtype).reshape(info["shape"])
+            if chunk.size
+            else torch.empty(info["shape"], dtype=dtype)
+        )
     return torch.from_numpy(chunk)  # unknown dtype: exact bytes
 
 
 def _codec_for(tensor: torch.Tensor, codec: TensorCodec) -> TensorCodec:
     """Small tensors zstd codes whole (integers, bools, 1-byte floats) get a stronger level: a few ms at
     most, and tens to hundreds of bytes each (a layout that is not "split" is the caller's choice)."""
-    if (codec.layout == "split" and _layout_for(tensor.dtype, "split")[1] is None
-            and tensor.numel() * tensor.element_size() <= SMALL_GENERAL and codec.zstd_level < SMALL_GENERAL_LEVEL):
+    if (
+        codec.layout == "split"
+        and _layout_for(tensor.dtype, "split")[1] is None
+        and tensor.numel() * tensor.element_size() <= SMALL_GENERAL
+        and codec.zstd_level < SMALL_GENERAL_LEVEL
+    ):
         return dataclasses.replace(codec, zstd_level=SMALL_GENERAL_LEVEL)
     return codec
 
@@ -130,6 +159,7 @@ def _gaps(ranges: list[tuple[int, int]], data_len: int) -> list[tuple[int, int]]
 
 
 # ---- the header without its data offsets ------------------------------------------------------------
+
 
 def _dump(header: dict) -> bytes:
     """JSON as the safetensors library writes it (no spaces, UTF-8 as it is)."""
@@ -167,8 +197,12 @@ def _reduce_header(raw: bytes, header: dict) -> tuple[bytes, int] | None:
             return None
         sizes.append(e - b)
         pos = e
-    reduced = _dump({name: ({k: v for k, v in info.items() if k != "data_offsets"} if name != "__metadata__"
-                            else info) for name, info in header.items()})
+    reduced = _dump(
+        {
+            name: ({k: v for k, v in info.items() if k != "data_offsets"} if name != "__metadata__" else info)
+            for name, info in header.items()
+        }
+    )
     pad = len(raw) - len(raw.rstrip(b" "))
     try:
         same = _expand_header(reduced, sizes, pad) == raw
@@ -178,6 +212,7 @@ def _reduce_header(raw: bytes, header: dict) -> tuple[bytes, int] | None:
 
 
 # ---- varints --------------------------------------------------------------------------------------
+
 
 def _put(out: bytearray, value: int) -> None:
     blob_header.put_varint(out, value, "container field")
@@ -205,10 +240,11 @@ class _Reader:
         if self.pos + n > len(self.data):
             raise CorruptCheckpoint("compressed file: its index ends early")
         self.pos += n
-        return self.data[self.pos - n:self.pos]
+        return self.data[self.pos - n : self.pos]
 
 
 # ---- compress -------------------------------------------------------------------------------------
+
 
 def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, codec: TensorCodec | None = None) -> dict:
     """Compress safetensors `src` into `dst` (container format 2). Returns stats: bytes in/out, ratio,
@@ -222,7 +258,7 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, codec: Tens
         b, e = info["data_offsets"]
         if not 0 <= b <= e <= data_len:
             raise ValueError(f"not a safetensors file: data offsets {[b, e]} outside the {data_len}-byte data region")
-        chunk = np.frombuffer(bytearray(data[start + b:start + e]), dtype=np.uint8)  # writable: no torch warning
+        chunk = np.frombuffer(bytearray(data[start + b : start + e]), dtype=np.uint8)  # writable: no torch warning
         tensor = _as_tensor(chunk, info)
         head, body, version = blob_parts(encode_tensor(tensor, codec=_codec_for(tensor, codec), content_hash=False))
         heads.append(head)
@@ -245,7 +281,7 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, codec: Tens
     for b, e in gaps:
         _put(index, b)
         _put(index, e)
-        index += data[start + b:start + e]
+        index += data[start + b : start + e]
     _put(index, len(heads))
     for head in heads:
         _put(index, len(head))
@@ -261,11 +297,20 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, *, codec: Tens
         for body in streams:
             f.write(body)
     size = len(lead) + sum(len(body) for body in streams)
-    return {"src": str(src), "dst": str(dst), "bytes_in": len(data), "bytes_out": size,
-            "ratio": size / max(1, len(data)), "tensors": len(heads), "format": VERSION, "index_bytes": len(lead)}
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "bytes_in": len(data),
+        "bytes_out": size,
+        "ratio": size / max(1, len(data)),
+        "tensors": len(heads),
+        "format": VERSION,
+        "index_bytes": len(lead),
+    }
 
 
 # ---- decompress -----------------------------------------------------------------------------------
+
 
 def decompress_file(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     """Rebuild the original safetensors file from `src` (checksums verified) into `dst`. Reads
@@ -279,28 +324,36 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     elif version == 2:
         out, tensors = _decompress_v2(data, src)
     else:
-        raise CorruptCheckpoint(f"{src}: container format {version} is not supported (this build reads "
-                                f"{' and '.join(map(str, READS))})")
+        raise CorruptCheckpoint(
+            f"{src}: container format {version} is not supported (this build reads {' and '.join(map(str, READS))})"
+        )
     Path(dst).write_bytes(out.data)
-    return {"src": str(src), "dst": str(dst), "bytes_in": len(data), "bytes_out": len(out), "tensors": tensors,
-            "format": version}
+    return {
+        "src": str(src),
+        "dst": str(dst),
+        "bytes_in": len(data),
+        "bytes_out": len(out),
+        "tensors": tensors,
+        "format": version,
+    }
 
 
 def _decompress_v2(data: memoryview, src) -> tuple[np.ndarray, int]:
-    lead = _Reader(bytes(data[:_PREFIX.size + 10]))
+    lead = _Reader(bytes(data[: _PREFIX.size + 10]))
     lead.pos = _PREFIX.size
     n = lead.varint()
     end = lead.pos + n
     if end + _CRC.size > len(data) or zlib.crc32(data[:end]) != _CRC.unpack_from(data, end)[0]:
         raise CorruptCheckpoint(f"{src}: index checksum mismatch (file damaged or truncated)")
     try:
-        r = _Reader(zstandard.ZstdDecompressor().decompress(data[lead.pos:end]))
+        r = _Reader(zstandard.ZstdDecompressor().decompress(data[lead.pos : end]))
     except zstandard.ZstdError as exc:  # only reachable if the CRC collided
         raise CorruptCheckpoint(f"{src}: the index does not decompress ({exc})") from exc
     codec_version, form = r.take(2)
     if codec_version not in (6, 7) or form not in (_RAW_HEADER, _REDUCED_HEADER):
-        raise CorruptCheckpoint(f"{src}: tensor format {codec_version} / header form {form} in the index are not "
-                                "supported by this build")
+        raise CorruptCheckpoint(
+            f"{src}: tensor format {codec_version} / header form {form} in the index are not supported by this build"
+        )
     text = r.take(r.varint())
     pad = r.varint() if form == _REDUCED_HEADER else 0
     data_len = r.varint()
@@ -320,8 +373,10 @@ def _decompress_v2(data: memoryview, src) -> tuple[np.ndarray, int]:
         raise CorruptCheckpoint(f"{src}: the index holds {len(heads)} tensors, its header lists {len(entries)}")
     pos = end + _CRC.size
     if pos + sum(stored for _, stored in parsed) != len(data):
-        raise CorruptCheckpoint(f"{src}: the tensors' streams take {sum(s for _, s in parsed)} bytes, the file "
-                                f"holds {len(data) - pos} after its index (truncated or extended)")
+        raise CorruptCheckpoint(
+            f"{src}: the tensors' streams take {sum(s for _, s in parsed)} bytes, the file "
+            f"holds {len(data) - pos} after its index (truncated or extended)"
+        )
     top = 8 + len(raw_header)
     out = np.empty(top + data_len, dtype=np.uint8)
     out[:8] = np.frombuffer(struct.pack("<Q", len(raw_header)), dtype=np.uint8)
@@ -336,7 +391,7 @@ def _decompress_v2(data: memoryview, src) -> tuple[np.ndarray, int]:
         if e - b != size or not 0 <= b <= e <= data_len:
             raise CorruptCheckpoint(f"{src}: tensor {name!r} holds {size} bytes, its header says {[b, e]}")
         try:
-            region[b:e] = tensor_bytes(decode_parts(head, data[pos:pos + stored], version=codec_version))
+            region[b:e] = tensor_bytes(decode_parts(head, data[pos : pos + stored], version=codec_version))
         except CorruptCheckpoint as exc:
             raise CorruptCheckpoint(f"{src}: tensor {name!r}: {exc}") from None
         pos += stored
@@ -356,7 +411,7 @@ def _decompress_v1(data: memoryview, src) -> tuple[np.ndarray, int]:
     if len(data) < _V1_HEAD.size:
         raise CorruptCheckpoint(f"{src} is not an islands-compressed safetensors file")
     _, _, n = _V1_HEAD.unpack_from(data, 0)
-    meta = bytes(data[_V1_HEAD.size:_V1_HEAD.size + n])
+    meta = bytes(data[_V1_HEAD.size : _V1_HEAD.size + n])
     if len(data) < _V1_HEAD.size + n + 4 or zlib.crc32(meta) != struct.unpack_from("<I", data, _V1_HEAD.size + n)[0]:
         raise CorruptCheckpoint(f"{src}: index checksum mismatch (file damaged or truncated)")
     index = json.loads(meta)
@@ -369,8 +424,8 @@ def _decompress_v1(data: memoryview, src) -> tuple[np.ndarray, int]:
     for b, e, hexdata in index["gaps"]:
         region[b:e] = np.frombuffer(bytes.fromhex(hexdata), dtype=np.uint8)
     for t in index["tensors"]:
-        blob = data[base + t["offset"]:base + t["offset"] + t["length"]]
+        blob = data[base + t["offset"] : base + t["offset"] + t["length"]]
         if len(blob) != t["length"] or zlib.crc32(blob) != t["crc"]:
             raise CorruptCheckpoint(f"{src}: checksum mismatch in tensor {t['name']!r}")
-        region[t["begin"]:t["end"]] = tensor_bytes(decode_tensor(blob))
+        region[t["begin"] : t["end"]] = tensor_bytes(decode_tensor(blob))
     return out, len(index["tensors"])

@@ -35,8 +35,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.codec.planes import sampled_entropy_bits, scratch
+from islands.checkpoint.errors import CorruptCheckpoint
 
 FRAME_HEAD = 64  # formats 3-5: leading bytes of each frame covered by the stream's header CRC-32
 # Block sizes as window logs. Measured on the MiniLM bench (docs/checkpointing.md): exponent pairs 64 KiB
@@ -60,8 +60,15 @@ _FRAMES = dict(write_checksum=False, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
 
 def _huffman_params(window_log: int) -> zstandard.ZstdCompressionParameters:
     return zstandard.ZstdCompressionParameters(
-        compression_level=1, strategy=zstandard.STRATEGY_FAST, min_match=7,
-        window_log=window_log, hash_log=6, chain_log=6, search_log=1, **_FRAMES)
+        compression_level=1,
+        strategy=zstandard.STRATEGY_FAST,
+        min_match=7,
+        window_log=window_log,
+        hash_log=6,
+        chain_log=6,
+        search_log=1,
+        **_FRAMES,
+    )
 
 
 class Coders:
@@ -73,7 +80,8 @@ class Coders:
         self.elements = zstandard.ZstdCompressor(compression_params=_huffman_params(ELEMENT_WINDOW_LOG))
         self.mantissa = zstandard.ZstdCompressor(compression_params=_huffman_params(MANTISSA_WINDOW_LOG))
         self.general = zstandard.ZstdCompressor(
-            compression_params=zstandard.ZstdCompressionParameters.from_level(level, **_FRAMES))
+            compression_params=zstandard.ZstdCompressionParameters.from_level(level, **_FRAMES)
+        )
         self.magicless = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS)
         self.decompressor = zstandard.ZstdDecompressor()  # formats 3-5
 

@@ -33,10 +33,18 @@ import numpy as np
 import torch
 
 from islands.checkpoint.codec import blob_header
-from islands.checkpoint.errors import CorruptCheckpoint
 from islands.checkpoint.codec.layouts import layout_for
-from islands.checkpoint.codec.streams import (FRAME_HEAD, coders, decode_frame, decode_frame_into, frame,
-                                              mantissa_frame, raw_stream, stored_checksum)
+from islands.checkpoint.codec.streams import (
+    FRAME_HEAD,
+    coders,
+    decode_frame,
+    decode_frame_into,
+    frame,
+    mantissa_frame,
+    raw_stream,
+    stored_checksum,
+)
+from islands.checkpoint.errors import CorruptCheckpoint
 
 MAGIC = b"ISLT"
 # 7: one XXH3-64 per chunk over its stored bytes instead of a checksum of every decoded plane (zstd's
@@ -99,8 +107,10 @@ def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_quantized or tensor.is_sparse or tensor.layout != torch.strided:
-        raise TypeError(f"only dense strided tensors can be checkpointed, got layout {tensor.layout} "
-                        f"(quantized={tensor.is_quantized}); convert with .dequantize() or .to_dense() first")
+        raise TypeError(
+            f"only dense strided tensors can be checkpointed, got layout {tensor.layout} "
+            f"(quantized={tensor.is_quantized}); convert with .dequantize() or .to_dense() first"
+        )
     if sys.byteorder != "little":
         raise RuntimeError("islands checkpoint codec assumes a little-endian host")
     flat = tensor.detach()
@@ -151,8 +161,13 @@ def _split_streams(planes, piece: np.ndarray, c) -> tuple[list, dict]:
     return streams, extra
 
 
-def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
-                  codec: TensorCodec | None = None, content_hash: str | bool = True) -> memoryview:
+def encode_tensor(
+    tensor: torch.Tensor,
+    *,
+    base: torch.Tensor | None = None,
+    codec: TensorCodec | None = None,
+    content_hash: str | bool = True,
+) -> memoryview:
     """Encode one tensor into a self-describing, checksummed blob. `tensor` (and `base`) are only read.
 
     The blob is a read-only, bytes-like memoryview over a buffer of its own (len, slicing, ==, writing
@@ -176,8 +191,9 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     if base is not None:
         if not isinstance(base, torch.Tensor) or base.dtype != tensor.dtype or base.shape != tensor.shape:
             got = f"{getattr(base, 'dtype', type(base).__name__)} {tuple(getattr(base, 'shape', ()))}"
-            raise ValueError(f"delta base must match the tensor's dtype and shape "
-                             f"({tensor.dtype} {tuple(tensor.shape)}), got {got}")
+            raise ValueError(
+                f"delta base must match the tensor's dtype and shape ({tensor.dtype} {tuple(tensor.shape)}), got {got}"
+            )
         base_raw = tensor_bytes(base)
         raw = np.bitwise_xor(raw, base_raw)  # a new array: neither input is touched
         header["delta"] = {"base_hash": _content_hash_of(dtype, shape, base_raw)}
@@ -197,7 +213,7 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
     _PREFIX.pack_into(out.data, 0, MAGIC, VERSION)
     pos, chunks = _PREFIX.size, []
     for start in range(0, len(raw), step):
-        piece = raw[start:start + step]
+        piece = raw[start : start + step]
         meta_extra: dict = {}
         if planes is not None:
             streams, meta_extra = _split_streams(planes, piece, c)
@@ -208,8 +224,14 @@ def encode_tensor(tensor: torch.Tensor, *, base: torch.Tensor | None = None,
         begin = pos
         for _, enc in streams:
             out, pos = _put(out, pos, enc)
-        chunks.append({"bytes": len(piece), "streams": [meta for meta, _ in streams], **meta_extra,
-                       "xxh3": stored_checksum(out[begin:pos])})
+        chunks.append(
+            {
+                "bytes": len(piece),
+                "streams": [meta for meta, _ in streams],
+                **meta_extra,
+                "xxh3": stored_checksum(out[begin:pos]),
+            }
+        )
         del streams
     header["chunks"] = chunks
     head = blob_header.pack(header)
@@ -227,7 +249,7 @@ def _put(out: np.ndarray, pos: int, data) -> tuple[np.ndarray, int]:
         grown = np.empty(max(2 * out.size, pos + n), dtype=np.uint8)
         grown[:pos] = out[:pos]
         out = grown
-    out[pos:pos + n] = np.frombuffer(data, dtype=np.uint8)
+    out[pos : pos + n] = np.frombuffer(data, dtype=np.uint8)
     return out, pos + n
 
 
@@ -246,8 +268,10 @@ def _read_header(view: memoryview) -> tuple[dict, int, int, int]:
     if magic != MAGIC:
         raise CorruptCheckpoint(f"not an islands tensor blob (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version not in READS:
-        raise CorruptCheckpoint(f"tensor blob version {version} is not supported (this build reads "
-                                f"{' and '.join(map(str, READS))}); it was written by an older islands")
+        raise CorruptCheckpoint(
+            f"tensor blob version {version} is not supported (this build reads "
+            f"{' and '.join(map(str, READS))}); it was written by an older islands"
+        )
     if version == 3:
         (head_len,) = _V3_HEAD_LEN.unpack_from(view, _PREFIX.size)
         begin = _PREFIX.size + _V3_HEAD_LEN.size
@@ -282,7 +306,12 @@ def _join_chunk(planes, chunk: dict, decoded: list[np.ndarray], out: np.ndarray,
         raise CorruptCheckpoint(f"chunk {index} holds {out.size} bytes, not whole {planes.size}-byte elements")
     exponent: tuple[np.ndarray, np.ndarray, int] | np.ndarray | None = None
     if "pair_base" in chunk:
-        if not hasattr(planes, "shift") or len(decoded) < 2 or decoded[0].size != (n + 1) // 2 or not 0 <= int(chunk["pair_base"]) <= 255:
+        if (
+            not hasattr(planes, "shift")
+            or len(decoded) < 2
+            or decoded[0].size != (n + 1) // 2
+            or not 0 <= int(chunk["pair_base"]) <= 255
+        ):
             raise CorruptCheckpoint(f"chunk {index}: packed exponents do not fit {n} elements")
         exponent, decoded = (decoded[0], decoded[1], int(chunk["pair_base"])), decoded[2:]
     elif hasattr(planes, "shift"):
@@ -303,11 +332,13 @@ def _check_heads(view: memoryview, header: dict, pos: int, stop: int) -> None:
     crc, at = 0, pos
     for chunk in header["chunks"]:  # heads_crc's bytes, without a slice of the whole frame first
         for meta in chunk["streams"]:
-            crc = zlib.crc32(view[at:min(at + meta["enc"], stop, at + FRAME_HEAD)], crc)
+            crc = zlib.crc32(view[at : min(at + meta["enc"], stop, at + FRAME_HEAD)], crc)
             at += meta["enc"]
     if crc != header["heads_crc"]:
-        raise CorruptCheckpoint(f"the stream headers of a {header['dtype']} {tuple(header['shape'])} tensor are "
-                                f"damaged (their CRC-32 does not match)")
+        raise CorruptCheckpoint(
+            f"the stream headers of a {header['dtype']} {tuple(header['shape'])} tensor are "
+            f"damaged (their CRC-32 does not match)"
+        )
 
 
 def _check_stored(view: memoryview, chunk: dict, begin: int, end: int, where) -> None:
@@ -322,8 +353,9 @@ def _check_stored(view: memoryview, chunk: dict, begin: int, end: int, where) ->
         raise CorruptCheckpoint(f"checksum mismatch in {where}: stored bytes are damaged")
 
 
-def decode_tensor(blob: bytes | memoryview, *, base: torch.Tensor | None = None,
-                  verify: bool = True, expect_hash: str | None = None) -> torch.Tensor:
+def decode_tensor(
+    blob: bytes | memoryview, *, base: torch.Tensor | None = None, verify: bool = True, expect_hash: str | None = None
+) -> torch.Tensor:
     """Decode a blob from `encode_tensor`. Raises CorruptCheckpoint on any checksum mismatch.
 
     `base` must be the same tensor the blob was delta-encoded against (checked by content hash).
@@ -347,23 +379,26 @@ def blob_parts(blob) -> tuple[bytes, memoryview, int]:
     header, pos, stop, version = _read_header(view)
     if version < 6:
         raise ValueError(f"blob_parts needs a binary header (format 6 or 7), this blob is format {version}")
-    return bytes(view[stop:len(view) - _FOOTER.size]), view[pos:stop], version
+    return bytes(view[stop : len(view) - _FOOTER.size]), view[pos:stop], version
 
 
-def decode_parts(head: bytes, streams, *, version: int = VERSION, expect_hash: str | None = None,
-                 verify: bool = True) -> torch.Tensor:
+def decode_parts(
+    head: bytes, streams, *, version: int = VERSION, expect_hash: str | None = None, verify: bool = True
+) -> torch.Tensor:
     """Decode a blob kept as the two parts `blob_parts` gives: its binary header (whose integrity the
     caller vouches for: here it has no CRC of its own) and its streams (checked per chunk by the
     header's XXH3s, as in a whole blob)."""
     if version not in READS or version < 6:
         raise CorruptCheckpoint(f"tensor parts of format {version} cannot be decoded (binary headers are 6 and 7)")
     view = memoryview(streams)
-    return _decode_body(view, blob_header.unpack(bytes(head), version), 0, len(view), version, None, verify,
-                        expect_hash)
+    return _decode_body(
+        view, blob_header.unpack(bytes(head), version), 0, len(view), version, None, verify, expect_hash
+    )
 
 
-def _decode_body(view: memoryview, header: dict, pos: int, stop: int, version: int, base, verify: bool,
-                 expect_hash: str | None) -> torch.Tensor:
+def _decode_body(
+    view: memoryview, header: dict, pos: int, stop: int, version: int, base, verify: bool, expect_hash: str | None
+) -> torch.Tensor:
     """The streams of view[pos:stop] decoded as `header` says, every check of decode_tensor included."""
     dtype = dtype_from_name(header["dtype"])
     shape = header["shape"]
@@ -378,7 +413,7 @@ def _decode_body(view: memoryview, header: dict, pos: int, stop: int, version: i
     filled = 0
     for index, chunk in enumerate(chunks):
         n, streams, begin = chunk["bytes"], chunk["streams"], pos
-        target = out[filled:filled + n]
+        target = out[filled : filled + n]
         where = _ChunkName(index, name, shape)
         # A chunk held in one stream (integers, bools, the raw layout) decodes straight into the output.
         direct = planes is None and len(streams) == 1 and streams[0]["raw"] == n
@@ -388,8 +423,11 @@ def _decode_body(view: memoryview, header: dict, pos: int, stop: int, version: i
             if end > stop:
                 raise CorruptCheckpoint(f"tensor blob truncated in chunk {index}")
             enc, pos = view[pos:end], end
-            decoded.append(decode_frame_into(decompressor, enc, meta, target, where) if direct
-                           else decode_frame(decompressor, enc, meta, _SCRATCH_TAGS[len(decoded)], where))
+            decoded.append(
+                decode_frame_into(decompressor, enc, meta, target, where)
+                if direct
+                else decode_frame(decompressor, enc, meta, _SCRATCH_TAGS[len(decoded)], where)
+            )
         if planes is not None:
             _join_chunk(planes, chunk, decoded, target, index)
         elif not direct:
@@ -426,10 +464,19 @@ def _tensor_from_bytes(raw: np.ndarray, dtype: torch.dtype, shape: list[int]) ->
 
 
 # torch dtypes whose bytes numpy can view as they are (bfloat16 and the float8s it cannot)
-_NUMPY_OF = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
-             torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
-             torch.int64: np.int64, torch.bool: np.bool_, torch.complex64: np.complex64,
-             torch.complex128: np.complex128}
+_NUMPY_OF = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.bool: np.bool_,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
 # per stream of a chunk: a chunk has at most 5, but a damaged header may claim up to 255 (a u8)
 _SCRATCH_TAGS = tuple(f"decode.{i}" for i in range(256))
 

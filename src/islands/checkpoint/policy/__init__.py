@@ -30,9 +30,17 @@ from islands.checkpoint.policy.interval_sim import SimulationResult, simulate_fa
 from islands.checkpoint.policy.settings import parse_policy
 
 __all__ = [
-    "CheckpointDriver", "TrainingState", "parse_policy",
-    "CheckFreqPolicy", "CombinedIntervalPolicy", "IntervalDecision", "YoungDalyInterval",
-    "checkfreq_interval", "expected_waste_fraction", "young_daly_seconds",
-    "SimulationResult", "simulate_failures",
+    "CheckpointDriver",
+    "TrainingState",
+    "parse_policy",
+    "CheckFreqPolicy",
+    "CombinedIntervalPolicy",
+    "IntervalDecision",
+    "YoungDalyInterval",
+    "checkfreq_interval",
+    "expected_waste_fraction",
+    "young_daly_seconds",
+    "SimulationResult",
+    "simulate_failures",
     "DEFAULT_DEVICE_MTBF_DAYS",  # the per-device MTBF YoungDalyInterval assumes (LIT-222)
 ]

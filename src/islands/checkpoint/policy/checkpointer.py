@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.errors import CheckpointMismatch
+from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.policy.resume import Source, candidates, resume_from
 from islands.checkpoint.policy.rng import rng_state, set_rng_state
 from islands.checkpoint.policy.settings import AutoInterval, CheckpointSettings
@@ -60,16 +60,28 @@ def _shard_items(data) -> int:
 class LoopState:
     """A TrainingState (islands.checkpoint.driver) made of a user's objects at one step."""
 
-    def __init__(self, world: World, step: int, elapsed: float, model: torch.nn.Module, optimizer=None,
-                 strategy=None, data=None, extra: dict | None = None):
+    def __init__(
+        self,
+        world: World,
+        step: int,
+        elapsed: float,
+        model: torch.nn.Module,
+        optimizer=None,
+        strategy=None,
+        data=None,
+        extra: dict | None = None,
+    ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model= takes the torch.nn.Module being trained; got {type(model).__name__}")
         if extra is not None and not isinstance(extra, dict):
-            raise TypeError("extra= takes a dict of more state ({'scheduler': sched, ...}); "
-                            f"got {type(extra).__name__}")
-        for name, obj, needs in (("optimizer", optimizer, ("state_dict", "load_state_dict")),
-                                 ("strategy", strategy, ("state_dict", "load_state_dict", "eval_model")),
-                                 ("data", data, ("state_dict", "load_state_dict"))):
+            raise TypeError(
+                f"extra= takes a dict of more state ({{'scheduler': sched, ...}}); got {type(extra).__name__}"
+            )
+        for name, obj, needs in (
+            ("optimizer", optimizer, ("state_dict", "load_state_dict")),
+            ("strategy", strategy, ("state_dict", "load_state_dict", "eval_model")),
+            ("data", data, ("state_dict", "load_state_dict")),
+        ):
             missing = [m for m in needs if obj is not None and not callable(getattr(obj, m, None))]
             if missing:
                 raise TypeError(f"{name}= needs {', '.join(needs)}; {type(obj).__name__} has no {', '.join(missing)}")
@@ -87,8 +99,16 @@ class LoopState:
         return self._checkpointed_model().state_dict()
 
     def _parts(self) -> dict:
-        return {name: obj for name, obj in (("optimizer", self.optimizer), ("strategy", self.strategy),
-                                            ("data", self.data), ("extra", self.extra)) if obj is not None}
+        return {
+            name: obj
+            for name, obj in (
+                ("optimizer", self.optimizer),
+                ("strategy", self.strategy),
+                ("data", self.data),
+                ("extra", self.extra),
+            )
+            if obj is not None
+        }
 
     def state_dict(self) -> dict:
         tree = {"step": self.step, "elapsed": self.elapsed, "model": self.model_state_dict(), "rng": rng_state()}
@@ -96,18 +116,21 @@ class LoopState:
             if name == "optimizer":
                 tree[name] = optimizer_state_dict(self.model, obj, self.world)  # collective under FSDP2
             elif name == "extra":
-                tree[name] = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v
-                              for k, v in obj.items()}
+                tree[name] = {
+                    k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in obj.items()
+                }
             else:
                 tree[name] = obj.state_dict()
         return tree
 
     def load_state_dict(self, tree: dict) -> None:
         # everything asked for must be there before anything is loaded: never a half-restored state
-        missing = [f"{name!r} (the checkpoint was saved without {name}=)" for name in self._parts()
-                   if name not in tree]
-        missing += [f"extra[{k!r}] (not in the checkpoint's extra)" for k in (self.extra or {})
-                    if "extra" in tree and k not in tree["extra"]]
+        missing = [f"{name!r} (the checkpoint was saved without {name}=)" for name in self._parts() if name not in tree]
+        missing += [
+            f"extra[{k!r}] (not in the checkpoint's extra)"
+            for k in (self.extra or {})
+            if "extra" in tree and k not in tree["extra"]
+        ]
         if missing:
             raise CheckpointMismatch([f"the checkpoint of step {tree.get('step')} has no {m}" for m in missing])
         self._checkpointed_model().load_state_dict(tree["model"])
@@ -138,28 +161,54 @@ class Checkpointer:
     fingerprint   an opaque string saved with every checkpoint; restore refuses one saved with another
     """
 
-    def __init__(self, dir: str | Path, world: World | None = None, *, every: int = 0,
-                 policy: AutoInterval | None = None, memory_every: int = 0, memory_peer: bool = False,
-                 remote_dir: str | Path | None = None, remote_every: int = 0, keep: int = 3,
-                 asynchronous: bool = True, share_replicas: bool = True, timeout: float = 120.0,
-                 fingerprint: str = ""):
+    def __init__(
+        self,
+        dir: str | Path,
+        world: World | None = None,
+        *,
+        every: int = 0,
+        policy: AutoInterval | None = None,
+        memory_every: int = 0,
+        memory_peer: bool = False,
+        remote_dir: str | Path | None = None,
+        remote_every: int = 0,
+        keep: int = 3,
+        asynchronous: bool = True,
+        share_replicas: bool = True,
+        timeout: float = 120.0,
+        fingerprint: str = "",
+    ):
         if not dir:
-            raise ValueError("Checkpointer needs a directory for its checkpoints, "
-                             "e.g. Checkpointer('runs/mine', world, every=100)")
+            raise ValueError(
+                "Checkpointer needs a directory for its checkpoints, e.g. Checkpointer('runs/mine', world, every=100)"
+            )
         if world is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                raise ValueError(f"this process is rank {dist.get_rank()} of {dist.get_world_size()}: pass "
-                                 "world=islands.init_world() so every rank saves its own part (world=None is "
-                                 "for a single process)")
+                raise ValueError(
+                    f"this process is rank {dist.get_rank()} of {dist.get_world_size()}: pass "
+                    "world=islands.init_world() so every rank saves its own part (world=None is "
+                    "for a single process)"
+                )
             world = World.single()
         self.world = world
-        self.settings = CheckpointSettings(dir=dir, every=every, policy=policy, memory_every=memory_every,
-                                           memory_peer=memory_peer, remote_dir=remote_dir, remote_every=remote_every,
-                                           keep=keep, asynchronous=asynchronous, share_replicas=share_replicas,
-                                           timeout=timeout)
+        self.settings = CheckpointSettings(
+            dir=dir,
+            every=every,
+            policy=policy,
+            memory_every=memory_every,
+            memory_peer=memory_peer,
+            remote_dir=remote_dir,
+            remote_every=remote_every,
+            keep=keep,
+            asynchronous=asynchronous,
+            share_replicas=share_replicas,
+            timeout=timeout,
+        )
         if not self.settings.enabled:
-            raise ValueError("Checkpointer needs an interval: every=N steps, policy=AutoInterval(), memory_every=N "
-                             "or remote_dir= with remote_every=N")
+            raise ValueError(
+                "Checkpointer needs an interval: every=N steps, policy=AutoInterval(), memory_every=N "
+                "or remote_dir= with remote_every=N"
+            )
         self.fingerprint = fingerprint
         self.driver = CheckpointDriver(self.settings, world, fingerprint=fingerprint)
         self.restored: dict | None = None  # what restore() loaded: path, level, step, world sizes, skipped
@@ -183,8 +232,9 @@ class Checkpointer:
             raise ValueError(f"step is the number of optimizer steps done, an int >= 0; got {step!r}")
         return LoopState(self.world, step, self._elapsed(), **parts)
 
-    def restore(self, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None,
-                extra: dict | None = None) -> int | None:
+    def restore(
+        self, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None, extra: dict | None = None
+    ) -> int | None:
         """Load the newest checkpoint into these objects; returns its step, or None when there is none.
         A joiner of an elastic job loads nothing and returns world.start_step (module docstring).
 
@@ -204,9 +254,11 @@ class Checkpointer:
         if self.world.size > 1:
             everywhere = self.world.all_gather_object(found)
             if any(everywhere) and not all(everywhere):
-                raise RuntimeError(f"ranks {[r for r, f in enumerate(everywhere) if not f]} see no checkpoint under "
-                                   f"{[str(s.root) for s in sources]} while others do: every rank needs the same "
-                                   "directory (a shared filesystem)")
+                raise RuntimeError(
+                    f"ranks {[r for r, f in enumerate(everywhere) if not f]} see no checkpoint under "
+                    f"{[str(s.root) for s in sources]} while others do: every rank needs the same "
+                    "directory (a shared filesystem)"
+                )
         if not found:
             return None
         info = resume_from(state, sources, self.fingerprint)
@@ -215,16 +267,18 @@ class Checkpointer:
         self._elapsed_at_mark, self._mark = state.elapsed, time.perf_counter()
         return info["step"]
 
-    def maybe_save(self, step: int, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None,
-                   extra: dict | None = None) -> bool:
+    def maybe_save(
+        self, step: int, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None, extra: dict | None = None
+    ) -> bool:
         """After `step` optimizer steps: save the levels due at this step (returns True when it saved).
         An asynchronous save returns once the state is copied; it is durable by close()."""
         state = self._state(step, dict(model=model, optimizer=optimizer, strategy=strategy, data=data, extra=extra))
         self._last = state
         return self.driver.after_step(state) is not None
 
-    def save(self, step: int, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None,
-             extra: dict | None = None) -> bool:
+    def save(
+        self, step: int, *, model: torch.nn.Module, optimizer=None, strategy=None, data=None, extra: dict | None = None
+    ) -> bool:
         """Save `step` to the disk levels now, whatever the interval (e.g. the last step); False when
         that step is already saved there."""
         state = self._state(step, dict(model=model, optimizer=optimizer, strategy=strategy, data=data, extra=extra))

@@ -33,15 +33,23 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from islands.checkpoint.policy.elastic_saves import (
+    ElasticBarrier,
+    Member,
+    MembershipChanged,
+    PersistBarrier,
+    bind,
+    can_persist_async,
+    is_elastic,
+    opens_clean,
+)
+from islands.checkpoint.policy.settings import CheckpointSettings, format_policy
+from islands.checkpoint.policy.sharded_state import is_sharded
 from islands.checkpoint.store.async_writer import AsyncCheckpointer, SaveHandle
-from islands.checkpoint.policy.elastic_saves import (ElasticBarrier, Member, MembershipChanged, PersistBarrier, bind,
-                                                     can_persist_async, is_elastic, opens_clean)
+from islands.checkpoint.store.directory import CheckpointStore, SaveResult
 from islands.checkpoint.store.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
 from islands.checkpoint.store.packed import unpack_tree
 from islands.checkpoint.store.peer import PeerReplica
-from islands.checkpoint.policy.settings import CheckpointSettings, format_policy
-from islands.checkpoint.policy.sharded_state import is_sharded
-from islands.checkpoint.store.directory import CheckpointStore, SaveResult
 from islands.runtime.comm import Comm
 from islands.runtime.world import World
 
@@ -116,25 +124,34 @@ class CheckpointDriver:
         """What an elastic job's checkpoints cannot do (members come and go): a ValueError saying why, raised by the
         driver of an elastic world and asked by validation (app/validate) before any worker starts."""
         if settings.policy is not None:
-            raise ValueError("an elastic job needs a fixed checkpoint interval (every=N, no policy): the auto "
-                             "policy's decisions come from history a worker joining later does not have")
+            raise ValueError(
+                "an elastic job needs a fixed checkpoint interval (every=N, no policy): the auto "
+                "policy's decisions come from history a worker joining later does not have"
+            )
         if settings.memory_peer:
-            raise ValueError("an elastic job does not replicate the memory level to a peer (ring neighbours change "
-                             "with membership); leave memory_peer off, the local and remote levels still work")
+            raise ValueError(
+                "an elastic job does not replicate the memory level to a peer (ring neighbours change "
+                "with membership); leave memory_peer off, the local and remote levels still work"
+            )
 
-    def __init__(self, settings: CheckpointSettings, world: World, run_dir: str | Path | None = None,
-                 fingerprint: str = ""):
+    def __init__(
+        self, settings: CheckpointSettings, world: World, run_dir: str | Path | None = None, fingerprint: str = ""
+    ):
         if not isinstance(settings, CheckpointSettings):
             raise TypeError(f"CheckpointDriver takes CheckpointSettings(...); got {type(settings).__name__}")
         if not settings.enabled:
-            raise ValueError("no checkpoint level is set: give every=N, policy=AutoInterval(), memory_every=N "
-                             "or remote_dir with remote_every=N")
+            raise ValueError(
+                "no checkpoint level is set: give every=N, policy=AutoInterval(), memory_every=N "
+                "or remote_dir with remote_every=N"
+            )
         if settings.dir is None and run_dir is None:
-            raise ValueError("checkpointing needs a directory: CheckpointSettings(dir=...) or a run directory "
-                             "(<run_dir>/ckpt)")
+            raise ValueError(
+                "checkpointing needs a directory: CheckpointSettings(dir=...) or a run directory (<run_dir>/ckpt)"
+            )
         if not isinstance(fingerprint, str):
-            raise TypeError("fingerprint is an opaque str (e.g. fingerprint_of(fields)); "
-                            f"got {type(fingerprint).__name__}")
+            raise TypeError(
+                f"fingerprint is an opaque str (e.g. fingerprint_of(fields)); got {type(fingerprint).__name__}"
+            )
         self.settings, self.world, self.fingerprint = settings, world, fingerprint
         if settings.dir is not None:
             self.root = Path(settings.dir)
@@ -160,6 +177,7 @@ class CheckpointDriver:
                 self.elastic_barrier = ElasticBarrier(world)
             barrier = self.elastic_barrier
         elif world.size > 1:  # other comms without a torch group of their own: meet on the main thread
+
             def meet() -> None:
                 world.all_gather_object(None)
 
@@ -171,15 +189,25 @@ class CheckpointDriver:
         self.share_replicas = settings.share_replicas and not self.elastic and world.size > 1
 
         def store(root):
-            return CheckpointStore(root, keep_last=settings.keep, rank=world.rank, world_size=world.size,
-                                   barrier=barrier, clean=opens_clean(world), share_replicas=self.share_replicas)
+            return CheckpointStore(
+                root,
+                keep_last=settings.keep,
+                rank=world.rank,
+                world_size=world.size,
+                barrier=barrier,
+                clean=opens_clean(world),
+                share_replicas=self.share_replicas,
+            )
 
         # Peer copies need every rank at every memory save: only with a torch group (not elastic).
         self.peer = PeerReplica(_peer_comm(world, settings.timeout)) if settings.memory_peer and torch_dist else None
         levels: list[MemoryLevel | DiskLevel] = []
         if settings.memory_every:
-            levels.append(MemoryLevel(every=settings.memory_every,
-                                      replicate=self.peer.replicate if self.peer is not None else None))
+            levels.append(
+                MemoryLevel(
+                    every=settings.memory_every, replicate=self.peer.replicate if self.peer is not None else None
+                )
+            )
         if settings.every or settings.policy is not None:
             levels.append(DiskLevel(store(self.root), every=settings.every or 1, name="local"))
         if settings.remote_dir is not None:
@@ -214,9 +242,15 @@ class CheckpointDriver:
         if member is not None:  # elastic: as the member this process was at the snapshot
             stores = [lv.store for lv in (self._by_name[n] for n in levels) if isinstance(lv, DiskLevel)]
             extra["token"] = bind(stores, member, step, self.elastic_barrier)
-        return {name: self._by_name[name].save(tree, step, fingerprint=self.fingerprint,
-                                               **(extra if isinstance(self._by_name[name], DiskLevel) else {}))
-                for name in levels}
+        return {
+            name: self._by_name[name].save(
+                tree,
+                step,
+                fingerprint=self.fingerprint,
+                **(extra if isinstance(self._by_name[name], DiskLevel) else {}),
+            )
+            for name in levels
+        }
 
     # ---- called by the loop ---------------------------------------------------------------------
     def resumed(self, step: int, info: dict | None = None) -> None:
@@ -263,8 +297,12 @@ class CheckpointDriver:
             self._reserve(state, now=bool(names))
         if not names or step == self.last_saved_step:  # saved already (elastic: before a join, settle)
             return None
-        if (names == ["memory"] and self.writer.in_flight is not None and self.peer is None
-                and not is_sharded(state.model)):
+        if (
+            names == ["memory"]
+            and self.writer.in_flight is not None
+            and self.peer is None
+            and not is_sharded(state.model)
+        ):
             # memory-only saves never wait for a disk persist (no barrier: per rank). With a peer, or
             # a sharded model whose state is gathered for the tree, they must: those are collectives,
             # so every rank has to save the same steps.
@@ -349,8 +387,15 @@ class CheckpointDriver:
         policy.observe_uptime(uptime)
         decision = policy.decide()
         self.next_local = step + decision.steps
-        entry = {"step": step, "interval_steps": decision.steps, "binding": decision.binding,
-                 "reason": decision.reason, "iter_s": iter_s, "stall_s": stall, "persist_s": persist}
+        entry = {
+            "step": step,
+            "interval_steps": decision.steps,
+            "binding": decision.binding,
+            "reason": decision.reason,
+            "iter_s": iter_s,
+            "stall_s": stall,
+            "persist_s": persist,
+        }
         self.decisions.append(entry)
         if len(self.decisions) > MAX_DECISIONS_KEPT:
             del self.decisions[MAX_DECISIONS_KEPT // 2]
@@ -413,23 +458,34 @@ class CheckpointDriver:
         """The run record's "checkpoint" section: levels, saves, stall, interval decisions, resume."""
         elapsed = max(self._last_elapsed or 0.0, 1e-9)
         policy = self.settings.policy
-        rec = {"root": str(self.root), "async": self.async_ok,
-               "levels": {lv.name: ("policy" if lv.name == "local" and self.policy else lv.every)
-                          for lv in self.levels.levels},
-               "remote_dir": None if self.remote_root is None else str(self.remote_root),
-               "memory_peer": None if self.peer is None else {
-                   "held_step": self.peer.held_step, "bytes_sent": self.peer.bytes_sent,
-                   "bytes_received": self.peer.bytes_received},
-               "saves": dict(self.saves), "memory_skipped_busy": self.memory_skipped,
-               "abandoned_membership_change": list(self.abandoned),
-               "abandoned_why": self.abandoned_why[-MAX_DECISIONS_KEPT:],
-               "stall_seconds_total": self.stall_s, "persist_seconds_total": self.persist_s,
-               "staging_reserve_s": self.writer.reserve_s,
-               "share_replicas": self.share_replicas,
-               "disk_bytes_this_rank": dict(self.disk_bytes),
-               "stall_fraction_of_training": self.stall_s / elapsed, "last_saved_step": self.last_saved_step,
-               "policy": "fixed" if policy is None else {"spec": format_policy(policy), **vars(policy)},
-               "decisions": self.decisions}
+        rec = {
+            "root": str(self.root),
+            "async": self.async_ok,
+            "levels": {
+                lv.name: ("policy" if lv.name == "local" and self.policy else lv.every) for lv in self.levels.levels
+            },
+            "remote_dir": None if self.remote_root is None else str(self.remote_root),
+            "memory_peer": None
+            if self.peer is None
+            else {
+                "held_step": self.peer.held_step,
+                "bytes_sent": self.peer.bytes_sent,
+                "bytes_received": self.peer.bytes_received,
+            },
+            "saves": dict(self.saves),
+            "memory_skipped_busy": self.memory_skipped,
+            "abandoned_membership_change": list(self.abandoned),
+            "abandoned_why": self.abandoned_why[-MAX_DECISIONS_KEPT:],
+            "stall_seconds_total": self.stall_s,
+            "persist_seconds_total": self.persist_s,
+            "staging_reserve_s": self.writer.reserve_s,
+            "share_replicas": self.share_replicas,
+            "disk_bytes_this_rank": dict(self.disk_bytes),
+            "stall_fraction_of_training": self.stall_s / elapsed,
+            "last_saved_step": self.last_saved_step,
+            "policy": "fixed" if policy is None else {"spec": format_policy(policy), **vars(policy)},
+            "decisions": self.decisions,
+        }
         if self.decisions:
             rec["decision"] = self.decisions[-1]
         if self.resumed_from is not None:
@@ -437,8 +493,9 @@ class CheckpointDriver:
         return rec
 
 
-def build_checkpointing(settings: CheckpointSettings, world: World, run_dir: str | Path | None = None,
-                        fingerprint: str = "") -> CheckpointDriver | None:
+def build_checkpointing(
+    settings: CheckpointSettings, world: World, run_dir: str | Path | None = None, fingerprint: str = ""
+) -> CheckpointDriver | None:
     """A driver when any checkpoint level is set, else None."""
     return CheckpointDriver(settings, world, run_dir, fingerprint) if settings.enabled else None
 

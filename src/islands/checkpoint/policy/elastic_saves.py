@@ -74,8 +74,10 @@ class ElasticBarrier:
         self.world.all_gather_object(None)
         now = self.world.membership.epoch
         if self.epoch is not None and now != self.epoch and self.calls % 2 == 1:
-            raise MembershipChanged(f"members changed during the save (epoch {self.epoch} -> {now}); "
-                                    "abandoned, the previous checkpoint stays latest")
+            raise MembershipChanged(
+                f"members changed during the save (epoch {self.epoch} -> {now}); "
+                "abandoned, the previous checkpoint stays latest"
+            )
 
 
 class PersistBarrier:
@@ -96,8 +98,13 @@ class PersistBarrier:
 
     POLL = 0.01  # seconds between looks at the store (a round trip is ~0.2 ms)
 
-    def __init__(self, client: Callable[[], Any], liveness: Callable[[Any], Liveness], epoch_now: Callable[[], int],
-                 timeout_s: float):
+    def __init__(
+        self,
+        client: Callable[[], Any],
+        liveness: Callable[[Any], Liveness],
+        epoch_now: Callable[[], int],
+        timeout_s: float,
+    ):
         self._make_client, self._make_liveness = client, liveness
         self.epoch_now, self.timeout_s = epoch_now, timeout_s
         self._client: Any = None  # a store client (TCPStore or its authenticated wrapper), made in the persist thread
@@ -133,8 +140,12 @@ class PersistBarrier:
         elif m.rank == 0:
             self._client.set(f"{key}/committed", "1")
         else:  # every part is in and rank 0 commits: only rank 0 leaving can stop that now
-            self._wait([f"{key}/committed"], "while rank 0 committed (the commit may have happened)",
-                       [m.names[0]], epoch_matters=False)
+            self._wait(
+                [f"{key}/committed"],
+                "while rank 0 committed (the commit may have happened)",
+                [m.names[0]],
+                epoch_matters=False,
+            )
 
     def _wait(self, keys: list[str], when: str, watched: list[str], epoch_matters: bool) -> None:
         m, deadline = self.member, time.monotonic() + self.timeout_s
@@ -142,15 +153,21 @@ class PersistBarrier:
         while not self._client.check(keys):
             now_epoch = self.epoch_now()
             if epoch_matters and now_epoch != m.epoch:
-                raise MembershipChanged(f"members changed during the save of step {self.step} (epoch {m.epoch} "
-                                        f"-> {now_epoch}) {when}; abandoned, the previous checkpoint stays latest")
+                raise MembershipChanged(
+                    f"members changed during the save of step {self.step} (epoch {m.epoch} "
+                    f"-> {now_epoch}) {when}; abandoned, the previous checkpoint stays latest"
+                )
             gone = self._liveness.gone(watched)
             if gone:
-                raise MembershipChanged(f"{sorted(gone)} left during the save of step {self.step} {when}; "
-                                        "abandoned, the previous checkpoint stays latest")
+                raise MembershipChanged(
+                    f"{sorted(gone)} left during the save of step {self.step} {when}; "
+                    "abandoned, the previous checkpoint stays latest"
+                )
             if time.monotonic() > deadline:
-                raise MembershipChanged(f"the members of epoch {m.epoch} did not all finish the save of step "
-                                        f"{self.step} within {self.timeout_s:.0f} s ({when}); abandoned")
+                raise MembershipChanged(
+                    f"the members of epoch {m.epoch} did not all finish the save of step "
+                    f"{self.step} within {self.timeout_s:.0f} s ({when}); abandoned"
+                )
             time.sleep(self.POLL)
 
 

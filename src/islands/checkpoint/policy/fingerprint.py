@@ -30,6 +30,9 @@ def fingerprint_differences(stored: str | None, current: str | None) -> list[str
     if (stored or "") == (current or ""):
         return []
     a, b = _fields(stored), _fields(current)
-    diffs = [f"{k}: checkpoint {a.get(k, '<absent>')!r}, current {b.get(k, '<absent>')!r}"
-             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    diffs = [
+        f"{k}: checkpoint {a.get(k, '<absent>')!r}, current {b.get(k, '<absent>')!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
     return diffs or [f"fingerprint: checkpoint {stored!r}, current {current!r}"]

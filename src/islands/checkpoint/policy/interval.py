@@ -57,8 +57,15 @@ def expected_waste_fraction(interval_s: float, checkpoint_cost_s: float, mttf_s:
     return checkpoint_cost_s / interval_s + interval_s / (2.0 * mttf_s)
 
 
-def checkfreq_interval(iter_s: float, stall_s: float, persist_s: float, bound: float = DEFAULT_OVERHEAD_BOUND,
-                       *, min_steps: int = 1, max_steps: int = 1_000_000) -> IntervalDecision:
+def checkfreq_interval(
+    iter_s: float,
+    stall_s: float,
+    persist_s: float,
+    bound: float = DEFAULT_OVERHEAD_BOUND,
+    *,
+    min_steps: int = 1,
+    max_steps: int = 1_000_000,
+) -> IntervalDecision:
     """Shortest interval (steps) with stall/(steps*iter) <= bound and the persist done before the next save."""
     if iter_s <= 0:
         raise ValueError(f"iter_s must be > 0 (seconds per training step), got {iter_s}")
@@ -66,19 +73,35 @@ def checkfreq_interval(iter_s: float, stall_s: float, persist_s: float, bound: f
         raise ValueError(f"stall_s and persist_s must be >= 0, got {stall_s}, {persist_s}")
     if not 0 < bound < 1:
         raise ValueError(f"overhead bound must be a fraction in (0, 1), e.g. 0.035; got {bound}")
-    floors = {"overhead": math.ceil(stall_s / (bound * iter_s) - 1e-9),
-              "persist": math.ceil(persist_s / iter_s - 1e-9), "min": min_steps}
+    floors = {
+        "overhead": math.ceil(stall_s / (bound * iter_s) - 1e-9),
+        "persist": math.ceil(persist_s / iter_s - 1e-9),
+        "min": min_steps,
+    }
     binding = max(floors, key=lambda k: (floors[k], k == "overhead"))
     steps = floors[binding]
     if steps > max_steps:
         steps, binding = max_steps, "max"
     overhead = stall_s / (steps * iter_s)
-    reason = (f"every {steps} steps ({_fmt_s(steps * iter_s)}): {binding} binds; stall {stall_s:.3g} s per "
-              f"checkpoint over {iter_s:.3g} s/step gives {overhead:.2%} overhead (bound {bound:.1%}), "
-              f"persist {persist_s:.3g} s")
-    return IntervalDecision(steps, steps * iter_s, binding, reason,
-                            {"iter_s": iter_s, "stall_s": stall_s, "persist_s": persist_s, "bound": bound,
-                             "overhead": overhead, "floors": floors})
+    reason = (
+        f"every {steps} steps ({_fmt_s(steps * iter_s)}): {binding} binds; stall {stall_s:.3g} s per "
+        f"checkpoint over {iter_s:.3g} s/step gives {overhead:.2%} overhead (bound {bound:.1%}), "
+        f"persist {persist_s:.3g} s"
+    )
+    return IntervalDecision(
+        steps,
+        steps * iter_s,
+        binding,
+        reason,
+        {
+            "iter_s": iter_s,
+            "stall_s": stall_s,
+            "persist_s": persist_s,
+            "bound": bound,
+            "overhead": overhead,
+            "floors": floors,
+        },
+    )
 
 
 class _Ewma:
@@ -93,8 +116,15 @@ class _Ewma:
 class CheckFreqPolicy:
     """Online-profiled interval under an overhead bound (SOTA-054). Feed it measurements, ask `decide()`."""
 
-    def __init__(self, overhead_bound: float = DEFAULT_OVERHEAD_BOUND, *, smoothing: float = 0.3,
-                 min_steps: int = 1, max_steps: int = 1_000_000, initial_steps: int = 100):
+    def __init__(
+        self,
+        overhead_bound: float = DEFAULT_OVERHEAD_BOUND,
+        *,
+        smoothing: float = 0.3,
+        min_steps: int = 1,
+        max_steps: int = 1_000_000,
+        initial_steps: int = 100,
+    ):
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.overhead_bound, self.min_steps, self.max_steps = overhead_bound, min_steps, max_steps
@@ -119,10 +149,20 @@ class CheckFreqPolicy:
     def decide(self) -> IntervalDecision:
         # (stall and persist are observed together)
         if self._iter.value is None or self._stall.value is None or self._persist.value is None:
-            return IntervalDecision(self.initial_steps, float("nan"), "min",
-                                    f"every {self.initial_steps} steps: no checkpoint profiled yet (initial guess)")
-        return checkfreq_interval(self._iter.value, self._stall.value, self._persist.value, self.overhead_bound,
-                                  min_steps=self.min_steps, max_steps=self.max_steps)
+            return IntervalDecision(
+                self.initial_steps,
+                float("nan"),
+                "min",
+                f"every {self.initial_steps} steps: no checkpoint profiled yet (initial guess)",
+            )
+        return checkfreq_interval(
+            self._iter.value,
+            self._stall.value,
+            self._persist.value,
+            self.overhead_bound,
+            min_steps=self.min_steps,
+            max_steps=self.max_steps,
+        )
 
     def state_dict(self) -> dict:
         return {"iter_s": self._iter.value, "stall_s": self._stall.value, "persist_s": self._persist.value}
@@ -134,8 +174,15 @@ class CheckFreqPolicy:
 class YoungDalyInterval:
     """Failure-aware interval: sqrt(2 * checkpoint cost * MTTF), MTTF = per-device MTBF / devices (SOTA-189)."""
 
-    def __init__(self, devices: int, *, per_device_mtbf_s: float = DEFAULT_DEVICE_MTBF_DAYS * DAY_S,
-                 checkpoint_cost_s: float | None = None, iter_s: float | None = None, prior_failures: float = 1.0):
+    def __init__(
+        self,
+        devices: int,
+        *,
+        per_device_mtbf_s: float = DEFAULT_DEVICE_MTBF_DAYS * DAY_S,
+        checkpoint_cost_s: float | None = None,
+        iter_s: float | None = None,
+        prior_failures: float = 1.0,
+    ):
         if not isinstance(devices, int) or devices < 1:
             raise ValueError(f"devices must be a positive int, got {devices!r}")
         if per_device_mtbf_s <= 0 or prior_failures <= 0:
@@ -172,12 +219,23 @@ class YoungDalyInterval:
             raise ValueError("YoungDalyInterval needs checkpoint_cost_s and iter_s (pass them or observe them first)")
         seconds = young_daly_seconds(self.checkpoint_cost_s, self.mttf_s)
         steps = max(1, round(seconds / self.iter_s))
-        reason = (f"every {steps} steps ({_fmt_s(steps * self.iter_s)}): Young/Daly sqrt(2 x {self.checkpoint_cost_s:.3g} s "
-                  f"x MTTF {_fmt_s(self.mttf_s)}), MTTF = {self.per_device_mtbf_s / DAY_S:,.2f} d per device / "
-                  f"{self.devices} devices ({self.failures} failures observed)")
-        return IntervalDecision(steps, steps * self.iter_s, "failures", reason,
-                                {"mttf_s": self.mttf_s, "checkpoint_cost_s": self.checkpoint_cost_s,
-                                 "devices": self.devices, "failures": self.failures})
+        reason = (
+            f"every {steps} steps ({_fmt_s(steps * self.iter_s)}): Young/Daly sqrt(2 x {self.checkpoint_cost_s:.3g} s "
+            f"x MTTF {_fmt_s(self.mttf_s)}), MTTF = {self.per_device_mtbf_s / DAY_S:,.2f} d per device / "
+            f"{self.devices} devices ({self.failures} failures observed)"
+        )
+        return IntervalDecision(
+            steps,
+            steps * self.iter_s,
+            "failures",
+            reason,
+            {
+                "mttf_s": self.mttf_s,
+                "checkpoint_cost_s": self.checkpoint_cost_s,
+                "devices": self.devices,
+                "failures": self.failures,
+            },
+        )
 
 
 class CombinedIntervalPolicy:
@@ -211,7 +269,13 @@ class CombinedIntervalPolicy:
         optimum = self.failures.decide()
         chosen = optimum if optimum.steps > floor.steps and floor.binding != "max" else floor
         other = floor if chosen is optimum else optimum
-        reason = (f"{chosen.reason}. Binding over the {other.binding} constraint "
-                  f"(which alone gives {other.steps} steps).")
-        return IntervalDecision(chosen.steps, chosen.seconds, chosen.binding, reason,
-                                {"overhead_floor": floor.details, "young_daly": optimum.details})
+        reason = (
+            f"{chosen.reason}. Binding over the {other.binding} constraint (which alone gives {other.steps} steps)."
+        )
+        return IntervalDecision(
+            chosen.steps,
+            chosen.seconds,
+            chosen.binding,
+            reason,
+            {"overhead_floor": floor.details, "young_daly": optimum.details},
+        )

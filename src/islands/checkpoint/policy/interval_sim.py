@@ -39,10 +39,19 @@ def _interval_steps(policy) -> int:
     return steps
 
 
-def simulate_failures(policy, devices: int, hours: float, rng: random.Random, *, iter_s: float = 1.0,
-                      stall_s: float = 1.0, persist_s: float = 0.0, restart_s: float = 0.0,
-                      per_device_mtbf_s: float = DEFAULT_DEVICE_MTBF_DAYS * DAY_S,
-                      max_wall_factor: float = 1000.0) -> SimulationResult:
+def simulate_failures(
+    policy,
+    devices: int,
+    hours: float,
+    rng: random.Random,
+    *,
+    iter_s: float = 1.0,
+    stall_s: float = 1.0,
+    persist_s: float = 0.0,
+    restart_s: float = 0.0,
+    per_device_mtbf_s: float = DEFAULT_DEVICE_MTBF_DAYS * DAY_S,
+    max_wall_factor: float = 1000.0,
+) -> SimulationResult:
     """Run one simulated job. `policy`: an int (fixed interval in steps) or anything with `.decide()`."""
     if devices < 1 or hours <= 0 or iter_s <= 0:
         raise ValueError(f"need devices >= 1, hours > 0, iter_s > 0; got {devices}, {hours}, {iter_s}")
@@ -56,8 +65,10 @@ def simulate_failures(policy, devices: int, hours: float, rng: random.Random, *,
     observe = getattr(policy, "observe_uptime", None)
     while progress < work - 1e-9:
         if t > max_wall_factor * work:
-            raise RuntimeError(f"simulated job made no headway: {t / 3600:.1f} h of wall time for {hours} h of work "
-                               f"at {devices} devices (interval too long for the failure rate?)")
+            raise RuntimeError(
+                f"simulated job made no headway: {t / 3600:.1f} h of wall time for {hours} h of work "
+                f"at {devices} devices (interval too long for the failure rate?)"
+            )
         steps = _interval_steps(policy)
         decisions.append(steps)
         segment = min(steps * iter_s, work - progress)

@@ -36,8 +36,8 @@ from typing import TypeGuard
 
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.policy.fingerprint import fingerprint_differences
-from islands.checkpoint.store.manifest import compare_with, manifest_name, read_manifest
 from islands.checkpoint.store.directory import _STEP_DIR, LATEST, CheckpointStore
+from islands.checkpoint.store.manifest import compare_with, manifest_name, read_manifest
 
 REPLICATED = ("model", "optimizer", "strategy")
 DATA_KEYS = ("data", "loader")  # the data position's entry; "loader" in checkpoints of islands <= session 9
@@ -56,8 +56,10 @@ def resolve(path: str | Path) -> Source:
     """A run dir, a checkpoint root or a step dir -> where to load from."""
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"resume path {str(p)!r} is not a directory; give a run directory, a checkpoint "
-                         "directory (holding step-* directories) or one step directory")
+        raise ValueError(
+            f"resume path {str(p)!r} is not a directory; give a run directory, a checkpoint "
+            "directory (holding step-* directories) or one step directory"
+        )
     m = _STEP_DIR.match(p.name)
     if m:
         return Source("local", p.parent, int(m.group(1)))
@@ -100,8 +102,9 @@ def check_resume(path: str | Path, fingerprint: str = "") -> None:
         return  # damaged newest: the workers fall back to an older one (and check that one)
     diffs = fingerprint_differences(body.get("config_fingerprint"), fingerprint)
     if diffs:
-        raise ValueError(f"resume: checkpoint {store.path_for(step)} was made by another model config: "
-                         + "; ".join(diffs))
+        raise ValueError(
+            f"resume: checkpoint {store.path_for(step)} was made by another model config: " + "; ".join(diffs)
+        )
 
 
 def _manifests(store: CheckpointStore, step: int) -> list[dict]:
@@ -113,19 +116,28 @@ def _check_replicated(bodies: list[dict], new_size: int) -> None:
     ref = bodies[0]
     for body in bodies[1:]:
         for part in REPLICATED:
-            if json.dumps(ref["skeleton"].get(part), sort_keys=True) != json.dumps(body["skeleton"].get(part),
-                                                                                   sort_keys=True):
-                raise CheckpointMismatch([f"cannot load a checkpoint of {len(bodies)} ranks into {new_size}: "
-                                          f"{part!r} structure differs between saved ranks 0 and {body['rank']} "
-                                          "(per-rank state cannot be resharded)"])
+            if json.dumps(ref["skeleton"].get(part), sort_keys=True) != json.dumps(
+                body["skeleton"].get(part), sort_keys=True
+            ):
+                raise CheckpointMismatch(
+                    [
+                        f"cannot load a checkpoint of {len(bodies)} ranks into {new_size}: "
+                        f"{part!r} structure differs between saved ranks 0 and {body['rank']} "
+                        "(per-rank state cannot be resharded)"
+                    ]
+                )
         for name, entry in ref["tensors"].items():
             if name.split("/", 1)[0] not in REPLICATED:
                 continue
             other = body["tensors"].get(name)
             if other is None or other["content_hash"] != entry["content_hash"]:
-                raise CheckpointMismatch([f"cannot load a checkpoint of {len(bodies)} ranks into {new_size}: "
-                                          f"{name!r} differs between saved ranks 0 and {body['rank']} (per-rank "
-                                          "state such as error feedback cannot be resharded)"])
+                raise CheckpointMismatch(
+                    [
+                        f"cannot load a checkpoint of {len(bodies)} ranks into {new_size}: "
+                        f"{name!r} differs between saved ranks 0 and {body['rank']} (per-rank "
+                        "state such as error feedback cannot be resharded)"
+                    ]
+                )
 
 
 def _is_position(pos: object) -> TypeGuard[dict]:
@@ -169,8 +181,9 @@ def _load_for_rank(state, store: CheckpointStore, step: int, fingerprint: str) -
     for body in bodies:
         diffs = fingerprint_differences(body.get("config_fingerprint"), fingerprint)
         if diffs:
-            raise CheckpointMismatch([f"checkpoint {store.path_for(step)} was made by another model config: "
-                                      + "; ".join(diffs)])
+            raise CheckpointMismatch(
+                [f"checkpoint {store.path_for(step)} was made by another model config: " + "; ".join(diffs)]
+            )
     model_body = {**bodies[0], "tensors": {k: v for k, v in bodies[0]["tensors"].items() if k.startswith("model/")}}
     if diffs := compare_with(model_body, {"model": state.model_state_dict()}):
         raise CheckpointMismatch([f"checkpoint {store.path_for(step)} holds another model:"] + diffs)
@@ -242,8 +255,10 @@ def resume_from(state, sources: list[Source], fingerprint: str = "") -> dict:
             return {"path": str(store.path_for(step)), "level": src.name, "step": step, **info, "skipped": skipped}
         bad = [r for r, ok in enumerate(oks) if not ok]
         skipped.append({"path": str(store.path_for(step)), "ranks_failed": bad, "why": error or "another rank failed"})
-    raise NoCheckpoint(f"resume: no checkpoint under {[str(s.root) for s in sources]} loads on every rank: "
-                       + ("; ".join(f"{s['path']}: {s['why']}" for s in skipped) or "none found"))
+    raise NoCheckpoint(
+        f"resume: no checkpoint under {[str(s.root) for s in sources]} loads on every rank: "
+        + ("; ".join(f"{s['path']}: {s['why']}" for s in skipped) or "none found")
+    )
 
 
 def resume(state, path: str | Path, remote_dir: str | Path | None = None, fingerprint: str = "") -> dict:

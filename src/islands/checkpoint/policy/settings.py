@@ -10,8 +10,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from islands.checkpoint.policy.interval import (DAY_S, DEFAULT_DEVICE_MTBF_DAYS, DEFAULT_OVERHEAD_BOUND,
-                                                CheckFreqPolicy, CombinedIntervalPolicy, YoungDalyInterval)
+from islands.checkpoint.policy.interval import (
+    DAY_S,
+    DEFAULT_DEVICE_MTBF_DAYS,
+    DEFAULT_OVERHEAD_BOUND,
+    CheckFreqPolicy,
+    CombinedIntervalPolicy,
+    YoungDalyInterval,
+)
 from islands.spec import Registry, Spec
 
 
@@ -37,9 +43,13 @@ class AutoInterval:
         if not 0 < self.bound < 1:
             raise ValueError(f"AutoInterval: bound is a fraction in (0, 1), e.g. 0.035; got {self.bound}")
         if self.mtbf_days <= 0:
-            raise ValueError(f"AutoInterval: mtbf_days must be > 0 (e.g. {DEFAULT_DEVICE_MTBF_DAYS}); got {self.mtbf_days}")
+            raise ValueError(
+                f"AutoInterval: mtbf_days must be > 0 (e.g. {DEFAULT_DEVICE_MTBF_DAYS}); got {self.mtbf_days}"
+            )
         if not isinstance(self.devices, int) or self.devices < 0:
-            raise ValueError(f"AutoInterval: devices must be an int >= 0 (0 = the job's world size); got {self.devices!r}")
+            raise ValueError(
+                f"AutoInterval: devices must be an int >= 0 (0 = the job's world size); got {self.devices!r}"
+            )
         for name in ("first", "max"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -104,8 +114,9 @@ class CheckpointSettings:
                 object.__setattr__(self, name, None)
         if self.policy is not None and not isinstance(self.policy, AutoInterval):
             hint = f" (parse text with parse_policy({self.policy!r}))" if isinstance(self.policy, str) else ""
-            raise TypeError(f"CheckpointSettings.policy takes None or an AutoInterval(...); "
-                            f"got {type(self.policy).__name__}{hint}")
+            raise TypeError(
+                f"CheckpointSettings.policy takes None or an AutoInterval(...); got {type(self.policy).__name__}{hint}"
+            )
         for name in ("every", "memory_every", "remote_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -115,17 +126,25 @@ class CheckpointSettings:
         if self.timeout <= 0:
             raise ValueError(f"checkpoint timeout must be > 0 seconds; got {self.timeout}")
         if self.policy is not None and self.every:
-            raise ValueError(f"an AutoInterval policy chooses the local-disk interval itself; leave every=0 "
-                             f"(got every={self.every}) or drop the policy")
+            raise ValueError(
+                f"an AutoInterval policy chooses the local-disk interval itself; leave every=0 "
+                f"(got every={self.every}) or drop the policy"
+            )
         if self.memory_peer and not self.memory_every:
             raise ValueError("memory_peer replicates the memory level: set memory_every > 0 too")
         if (self.remote_dir is None) != (not self.remote_every):
-            raise ValueError("remote_dir and remote_every go together: give both or neither "
-                             f"(got remote_dir={self.remote_dir!r}, remote_every={self.remote_every})")
-        if self.remote_dir is not None and self.dir is not None and \
-                Path(self.remote_dir).resolve() == Path(self.dir).resolve():
-            raise ValueError(f"remote_dir must differ from dir (it stands for a separate storage system); "
-                             f"both are {str(self.dir)!r}")
+            raise ValueError(
+                "remote_dir and remote_every go together: give both or neither "
+                f"(got remote_dir={self.remote_dir!r}, remote_every={self.remote_every})"
+            )
+        if (
+            self.remote_dir is not None
+            and self.dir is not None
+            and Path(self.remote_dir).resolve() == Path(self.dir).resolve()
+        ):
+            raise ValueError(
+                f"remote_dir must differ from dir (it stands for a separate storage system); both are {str(self.dir)!r}"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -47,8 +47,10 @@ def _check_layout(t, where: str) -> None:
 
     placements = tuple(t.placements)
     if placements[-1] != Shard(0) or any(p != Replicate() for p in placements[:-1]):
-        raise ValueError(f"{where}: only FSDP2 layouts (Shard(0) on the last mesh dimension, Replicate on the others) "
-                         f"can be checkpointed; got placements {placements} on a {t.device_mesh.ndim}-D mesh")
+        raise ValueError(
+            f"{where}: only FSDP2 layouts (Shard(0) on the last mesh dimension, Replicate on the others) "
+            f"can be checkpointed; got placements {placements} on a {t.device_mesh.ndim}-D mesh"
+        )
 
 
 def _shard_comm(mesh, world):
@@ -77,9 +79,8 @@ def _own_rows(full: torch.Tensor, param) -> object:
     mesh = param.device_mesh
     n, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     rows = math.ceil(full.shape[0] / n)
-    local = full[rank * rows: rank * rows + rows].to(param.to_local().device).clone()
-    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    local = full[rank * rows : rank * rows + rows].to(param.to_local().device).clone()
+    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world) -> dict:
@@ -121,8 +122,10 @@ def _to_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: d
             raise ValueError(f"optimizer state names parameter id {i!r}; this optimizer has {len(order)} parameters")
         return order[i]
 
-    return {"state": {name(i): dict(s) for i, s in state["state"].items()},
-            "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in state["param_groups"]]}
+    return {
+        "state": {name(i): dict(s) for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -143,7 +146,14 @@ def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
             p = params.get(fqn)
             if p is None:
                 raise ValueError(f"optimizer state for {fqn!r}, which this model does not have")
-            out[fqn] = {k: _own_rows(v, p) if isinstance(p, dtensor) and isinstance(v, torch.Tensor)
-                        and v.dim() > 0 and tuple(v.shape) == tuple(p.shape) else v for k, v in slots.items()}
+            out[fqn] = {
+                k: _own_rows(v, p)
+                if isinstance(p, dtensor)
+                and isinstance(v, torch.Tensor)
+                and v.dim() > 0
+                and tuple(v.shape) == tuple(p.shape)
+                else v
+                for k, v in slots.items()
+            }
         state = {"state": out, "param_groups": state["param_groups"]}
     set_optimizer_state_dict(model, optimizer, state)

@@ -21,10 +21,18 @@ from islands.checkpoint.store.packed import pack_tree, unpack_tree
 from islands.checkpoint.store.tree import copy_tree, flatten_tree, tree_nbytes, unflatten_tree
 
 __all__ = [
-    "LoadedCheckpoint", "SaveResult",
-    "AsyncCheckpointer", "SaveHandle",
-    "DiskLevel", "MemoryLevel", "MultiLevelCheckpointer", "Restored",
-    "pack_tree", "unpack_tree",
-    "copy_tree", "flatten_tree", "unflatten_tree",
+    "LoadedCheckpoint",
+    "SaveResult",
+    "AsyncCheckpointer",
+    "SaveHandle",
+    "DiskLevel",
+    "MemoryLevel",
+    "MultiLevelCheckpointer",
+    "Restored",
+    "pack_tree",
+    "unpack_tree",
+    "copy_tree",
+    "flatten_tree",
+    "unflatten_tree",
     "tree_nbytes",  # bytes of a state tree's tensors: what a save has to move before encoding
 ]

@@ -65,15 +65,18 @@ class SaveHandle:
         self._finished.set()
 
     def __repr__(self) -> str:
-        state = "durable" if self.durable else ("failed" if self.error else ("pending" if not self.done() else self.mode))
+        state = (
+            "durable" if self.durable else ("failed" if self.error else ("pending" if not self.done() else self.mode))
+        )
         return f"SaveHandle(step={self.step}, mode={self.mode}, {state}, stall={self.stall_s:.4f}s)"
 
 
 class AsyncCheckpointer:
     """Snapshot now, persist in the background. `save` returns a SaveHandle right after the snapshot."""
 
-    def __init__(self, sink: Sink, *, memory_budget_bytes: int | None = None, when_busy: str = "wait",
-                 over_budget: str = "sync"):
+    def __init__(
+        self, sink: Sink, *, memory_budget_bytes: int | None = None, when_busy: str = "wait", over_budget: str = "sync"
+    ):
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         if over_budget not in ("sync", "error"):
@@ -155,8 +158,10 @@ class AsyncCheckpointer:
         waited = time.perf_counter() - start
         if self.memory_budget_bytes is not None and nbytes > self.memory_budget_bytes:
             if self.over_budget == "error":
-                raise ValueError(f"snapshot of {nbytes} bytes exceeds memory_budget_bytes={self.memory_budget_bytes}; "
-                                 "raise the budget or use over_budget='sync'")
+                raise ValueError(
+                    f"snapshot of {nbytes} bytes exceeds memory_budget_bytes={self.memory_budget_bytes}; "
+                    "raise the budget or use over_budget='sync'"
+                )
             handle = SaveHandle(step, "sync", nbytes)
             self._persist(handle, tree, step, kwargs)
             handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
@@ -170,8 +175,12 @@ class AsyncCheckpointer:
         self._staging, self._staging_owner = staging_buffers(snapshot), handle
         handle.wait_s, handle.stall_s = waited, time.perf_counter() - start
         self._inflight = handle
-        self._thread = threading.Thread(target=self._persist, args=(handle, snapshot, step, kwargs),
-                                        name=f"islands-ckpt-persist-{step}", daemon=False)
+        self._thread = threading.Thread(
+            target=self._persist,
+            args=(handle, snapshot, step, kwargs),
+            name=f"islands-ckpt-persist-{step}",
+            daemon=False,
+        )
         self._thread.start()
         return handle
 

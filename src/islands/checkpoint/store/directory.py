@@ -27,11 +27,19 @@ from typing import BinaryIO
 
 import torch
 
-from islands.checkpoint.store import fsio
 from islands.checkpoint.codec.tensor import TensorCodec, content_hash, decode_tensor, encode_tensor
 from islands.checkpoint.errors import CorruptCheckpoint, NoCheckpoint
-from islands.checkpoint.store.manifest import (blob_checksum, blob_intact, data_name, encode_manifest, manifest_name,
-                                               raise_if_mismatch, read_manifest, referenced_dirs)
+from islands.checkpoint.store import fsio
+from islands.checkpoint.store.manifest import (
+    blob_checksum,
+    blob_intact,
+    data_name,
+    encode_manifest,
+    manifest_name,
+    raise_if_mismatch,
+    read_manifest,
+    referenced_dirs,
+)
 from islands.checkpoint.store.replicas import ReplicaShare, take_entries
 from islands.checkpoint.store.tree import flatten_tree, unflatten_tree
 
@@ -80,10 +88,20 @@ class CheckpointStore:
     store before any rank saves (in training, the first collective step orders them).
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, codec: TensorCodec | None = None,
-                 delta_every: int = 0, rank: int = 0, world_size: int = 1,
-                 barrier: Callable[[], None] | None = None, fault_hook: fsio.FaultHook | None = None,
-                 clean: bool | None = None, share_replicas: bool = False):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int = 3,
+        codec: TensorCodec | None = None,
+        delta_every: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Callable[[], None] | None = None,
+        fault_hook: fsio.FaultHook | None = None,
+        clean: bool | None = None,
+        share_replicas: bool = False,
+    ):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is never deleted), got {keep_last}")
         if delta_every < 0:
@@ -161,9 +179,13 @@ class CheckpointStore:
         is_base = self.delta_every > 0 and (self._base is None or self._since_base >= self.delta_every)
         if is_base:
             self._base_cache.clear()
+
         def usable(body: dict | None) -> dict[str, dict]:  # a manifest's entries this save may point at
-            return {e["content_hash"]: e for e in (body or {}).get("tensors", {}).values()
-                    if not (is_base and e.get("delta_base"))}
+            return {
+                e["content_hash"]: e
+                for e in (body or {}).get("tensors", {}).values()
+                if not (is_base and e.get("delta_base"))
+            }
 
         by_hash = usable(previous)
         share = None
@@ -197,10 +219,17 @@ class CheckpointStore:
                 # the hash lives in the manifest entry (dedup reads it there; loads check against it): not
                 # again in the blob, where it was ~32 bytes of every tensor's blob
                 blob = encode_tensor(tensor, base=base_tensor, codec=self.codec, content_hash=False)
-                entries[tname] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-                                  "codec": self.codec.layout, "file": data_rel, "offset": offset,
-                                  "length": len(blob), **blob_checksum(blob), "content_hash": digest,
-                                  "delta_base": base_entry}
+                entries[tname] = {
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "shape": list(tensor.shape),
+                    "codec": self.codec.layout,
+                    "file": data_rel,
+                    "offset": offset,
+                    "length": len(blob),
+                    **blob_checksum(blob),
+                    "content_hash": digest,
+                    "delta_base": base_entry,
+                }
                 offset += len(blob)
                 result.tensors_written += 1
                 yield blob
@@ -209,8 +238,16 @@ class CheckpointStore:
         for stale in (staging / data_name(self.rank), staging / manifest_name(self.rank)):
             stale.unlink(missing_ok=True)  # a retried multi-rank save reuses the staging directory
         result.bytes_written = fsio.write_durable(staging / data_name(self.rank), encoded_blobs())
-        body = {"step": step, "rank": self.rank, "world_size": self.world_size, "created": time.time(),
-                "config_fingerprint": fingerprint, "skeleton": skeleton, "tensors": entries}
+        body = {
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "created": time.time(),
+            "config_fingerprint": fingerprint,
+            "skeleton": skeleton,
+            "tensors": entries,
+        }
+
         def write_manifest() -> None:
             self._phase("manifest_write")
             result.bytes_written += fsio.write_durable(staging / manifest_name(self.rank), [encode_manifest(body)])
@@ -269,8 +306,12 @@ class CheckpointStore:
         if self.delta_every == 0 or is_base or self._base is None:
             return None, None
         entry = self._base["tensors"].get(tname)
-        if (entry is None or entry.get("delta_base") or entry["shape"] != list(tensor.shape)
-                or entry["dtype"] != str(tensor.dtype).removeprefix("torch.")):
+        if (
+            entry is None
+            or entry.get("delta_base")
+            or entry["shape"] != list(tensor.shape)
+            or entry["dtype"] != str(tensor.dtype).removeprefix("torch.")
+        ):
             return None, None
         if tname not in self._base_cache:
             files: dict[str, BinaryIO] = {}
@@ -291,7 +332,7 @@ class CheckpointStore:
         steps = self.steps()
         latest = self.latest_step()
         own = [s for s in steps if latest is None or s <= latest]
-        keep = set(own[-self.keep_last:]) | {s for s in steps if latest is not None and s > latest}
+        keep = set(own[-self.keep_last :]) | {s for s in steps if latest is not None and s > latest}
         if latest is not None:
             keep.add(latest)
         needed = set()
@@ -309,8 +350,15 @@ class CheckpointStore:
         return deleted
 
     # ---- load ----------------------------------------------------------------------------------
-    def load(self, step: int | None = None, *, like=None, fingerprint: str | None = None,
-             rank: int | None = None, verify: bool = True) -> LoadedCheckpoint:
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        like=None,
+        fingerprint: str | None = None,
+        rank: int | None = None,
+        verify: bool = True,
+    ) -> LoadedCheckpoint:
         """Load this rank's (or `rank`'s) part of checkpoint `step`; None = newest intact one.
 
         Every blob's CRC-32 is checked before decoding and (verify=True) each tensor's SHA-256 after.
@@ -349,16 +397,16 @@ class CheckpointStore:
                 f.close()
         if self.rank == rank:
             self._previous = body
-        return LoadedCheckpoint(step=step, tree=unflatten_tree(body["skeleton"], tensors), path=path,
-                                manifest=body)
+        return LoadedCheckpoint(step=step, tree=unflatten_tree(body["skeleton"], tensors), path=path, manifest=body)
 
     def _read_tensor(self, entry: dict, files: dict, verify: bool = True) -> torch.Tensor:
         blob = self._read_blob(entry, files)
         base = None
         if entry.get("delta_base"):
             base_entry = entry["delta_base"]
-            base = decode_tensor(self._read_blob(base_entry, files), verify=verify,
-                                 expect_hash=base_entry.get("content_hash"))
+            base = decode_tensor(
+                self._read_blob(base_entry, files), verify=verify, expect_hash=base_entry.get("content_hash")
+            )
         return decode_tensor(blob, base=base, verify=verify, expect_hash=entry["content_hash"])
 
     def _read_blob(self, entry: dict, files: dict[str, BinaryIO]) -> bytes:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from islands.checkpoint.codec.tensor import TensorCodec
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
+from islands.checkpoint.store.directory import CheckpointStore
 from islands.checkpoint.store.manifest import decode_manifest
 from islands.checkpoint.store.packed import pack_tree, unpack_tree
-from islands.checkpoint.store.directory import CheckpointStore
 
 
 def _check_every(every: int) -> int:
@@ -33,9 +33,15 @@ class MemoryLevel:
     fetch(): returns the peer's copy (bytes or None), tried when the local copy is missing or damaged.
     """
 
-    def __init__(self, every: int = 1, *, replicate: Callable[[int, bytes], None] | None = None,
-                 fetch: Callable[[], bytes | None] | None = None, codec: TensorCodec | None = None,
-                 name: str = "memory"):
+    def __init__(
+        self,
+        every: int = 1,
+        *,
+        replicate: Callable[[int, bytes], None] | None = None,
+        fetch: Callable[[], bytes | None] | None = None,
+        codec: TensorCodec | None = None,
+        name: str = "memory",
+    ):
         self.every, self.name = _check_every(every), name
         self.replicate, self.fetch, self.codec = replicate, fetch, codec or TensorCodec(layout="raw")
         self.data: bytes | None = None
@@ -71,7 +77,7 @@ def _peek_step(data: bytes) -> int:
     if len(data) < 8:
         raise CorruptCheckpoint("packed checkpoint truncated")
     (head_len,) = struct.unpack_from("<I", data, 4)
-    return int(decode_manifest(bytes(data[8:8 + head_len]), "packed manifest")["step"])
+    return int(decode_manifest(bytes(data[8 : 8 + head_len]), "packed manifest")["step"])
 
 
 class DiskLevel:
@@ -86,8 +92,11 @@ class DiskLevel:
     def candidates(self) -> list[tuple[int, Callable]]:
         """Steps up to `latest` (those past it belong to a timeline a resumed run left), newest first."""
         latest = self.store.latest_step()
-        return [(s, lambda like, fp, s=s: self.store.load(s, like=like, fingerprint=fp).tree)
-                for s in sorted(self.store.steps(), reverse=True) if latest is None or s <= latest]
+        return [
+            (s, lambda like, fp, s=s: self.store.load(s, like=like, fingerprint=fp).tree)
+            for s in sorted(self.store.steps(), reverse=True)
+            if latest is None or s <= latest
+        ]
 
 
 @dataclass
@@ -137,5 +146,7 @@ class MultiLevelCheckpointer:
             except CheckpointMismatch:
                 raise
             return Restored(step=step, tree=tree, level=name, skipped=skipped)
-        raise NoCheckpoint("no level holds an intact checkpoint: "
-                           + ("; ".join(f"{n}@{s}: {why}" for n, s, why in skipped) or "all levels empty"))
+        raise NoCheckpoint(
+            "no level holds an intact checkpoint: "
+            + ("; ".join(f"{n}@{s}: {why}" for n, s, why in skipped) or "all levels empty")
+        )

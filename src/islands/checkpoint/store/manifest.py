@@ -101,8 +101,9 @@ def compare_with(body: dict, like=None, fingerprint: str | None = None) -> list[
         for name in sorted(set(stored) & set(tensors)):
             want, got = tensors[name], stored[name]
             if list(want.shape) != got["shape"]:
-                diffs.append(f"shape mismatch for {name!r}: checkpoint {tuple(got['shape'])}, "
-                             f"current {tuple(want.shape)}")
+                diffs.append(
+                    f"shape mismatch for {name!r}: checkpoint {tuple(got['shape'])}, current {tuple(want.shape)}"
+                )
             elif str(want.dtype).removeprefix("torch.") != got["dtype"]:
                 diffs.append(f"dtype mismatch for {name!r}: checkpoint {got['dtype']}, current {want.dtype}")
     return diffs

@@ -64,6 +64,8 @@ def take_entries(deferred: dict[str, str], entries_by_hash: dict[str, dict]) -> 
     """{tensor name: rank 0's entry} for the tensors a rank left to rank 0 ({name: content hash})."""
     missing = sorted(name for name, digest in deferred.items() if digest not in entries_by_hash)
     if missing:
-        raise CorruptCheckpoint(f"rank 0's part of this save holds no entry for {missing[:3]} although its "
-                                "hash list named them; not writing a manifest that points at nothing")
+        raise CorruptCheckpoint(
+            f"rank 0's part of this save holds no entry for {missing[:3]} although its "
+            "hash list named them; not writing a manifest that points at nothing"
+        )
     return {name: dict(entries_by_hash[digest]) for name, digest in deferred.items()}

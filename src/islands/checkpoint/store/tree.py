@@ -38,8 +38,10 @@ def flatten_tree(tree) -> tuple[object, dict[str, torch.Tensor]]:
             return {"__tensor__": name}
         if isinstance(node, np.ndarray):
             if node.dtype == object:
-                raise TypeError(f"state tree leaf at {'/'.join(map(str, path))!r} is an object array; "
-                                "only numeric numpy arrays can be checkpointed")
+                raise TypeError(
+                    f"state tree leaf at {'/'.join(map(str, path))!r} is an object array; "
+                    "only numeric numpy arrays can be checkpointed"
+                )
             name = name_for(path)
             tensors[name] = torch.from_numpy(np.ascontiguousarray(node))
             return {"__ndarray__": name}
@@ -59,11 +61,15 @@ def flatten_tree(tree) -> tuple[object, dict[str, torch.Tensor]]:
                 return {k: walk(v, path + (k,)) for k, v in node.items()}
             for k in node:
                 if not isinstance(k, _SCALARS):
-                    raise TypeError(f"state tree dict key {k!r} at {'/'.join(map(str, path))!r} is a "
-                                    f"{type(k).__name__}; keys must be str, int, float, bool or None")
+                    raise TypeError(
+                        f"state tree dict key {k!r} at {'/'.join(map(str, path))!r} is a "
+                        f"{type(k).__name__}; keys must be str, int, float, bool or None"
+                    )
             return {"__dict__": [[k, walk(v, path + (k,))] for k, v in node.items()]}
-        raise TypeError(f"state tree leaf at {'/'.join(map(str, path)) or '<root>'!r} is a {type(node).__name__}; "
-                        "allowed: tensors, numpy arrays, None/bool/int/float/str, bytes, lists, tuples, dicts")
+        raise TypeError(
+            f"state tree leaf at {'/'.join(map(str, path)) or '<root>'!r} is a {type(node).__name__}; "
+            "allowed: tensors, numpy arrays, None/bool/int/float/str, bytes, lists, tuples, dicts"
+        )
 
     return walk(tree, ()), tensors
 
@@ -76,7 +82,7 @@ def unflatten_tree(skeleton, tensors: Mapping[str, torch.Tensor]):
             return [walk(v) for v in node]
         if isinstance(node, dict):
             if len(node) == 1:
-                (tag, value), = node.items()
+                ((tag, value),) = node.items()
                 if tag == "__tensor__":
                     return tensors[value]
                 if tag == "__ndarray__":
@@ -105,8 +111,12 @@ def copy_tree(tree, reuse: dict[str, torch.Tensor] | None = None):
     pool: dict[str, torch.Tensor] = {}
     for name, old in (reuse or {}).items():  # keep only buffers that fit; the rest go before we allocate
         src = tensors.get(name)
-        if (src is not None and old.shape == src.shape and old.dtype == src.dtype
-                and (src.device.type != "cuda" or old.is_pinned())):
+        if (
+            src is not None
+            and old.shape == src.shape
+            and old.dtype == src.dtype
+            and (src.device.type != "cuda" or old.is_pinned())
+        ):
             pool[name] = old
     reuse = None
     fresh = staging_block({n: t for n, t in tensors.items() if n not in pool})
@@ -144,7 +154,7 @@ def staging_block(tensors: Mapping[str, torch.Tensor], *, touch: bool = False) -
         block.zero_()
     views, offset = {}, 0
     for name, t in tensors.items():
-        views[name] = block[offset:offset + sizes[name]].view(t.dtype).view(t.shape)
+        views[name] = block[offset : offset + sizes[name]].view(t.dtype).view(t.shape)
         offset += -(-sizes[name] // _ALIGN) * _ALIGN
     return views
 

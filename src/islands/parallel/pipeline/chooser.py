@@ -58,11 +58,15 @@ def held_bytes(schedule: str, stages: int, microbatches: int, per_microbatch: li
     return max(peak_in_flight(plan(s, stages, microbatches)) * per_microbatch[s] for s in range(stages))
 
 
-def choose_microbatches(stages: int, batch: int, schedule: str,
-                        bytes_per_microbatch: Callable[[int], list[int]] | Mapping[int, list[int]],
-                        budget_bytes: float = math.inf,
-                        microbatch_seconds: Callable[[int], float] | Mapping[int, float] | None = None,
-                        candidates: list[int] | None = None) -> MicrobatchChoice:
+def choose_microbatches(
+    stages: int,
+    batch: int,
+    schedule: str,
+    bytes_per_microbatch: Callable[[int], list[int]] | Mapping[int, list[int]],
+    budget_bytes: float = math.inf,
+    microbatch_seconds: Callable[[int], float] | Mapping[int, float] | None = None,
+    candidates: list[int] | None = None,
+) -> MicrobatchChoice:
     """bytes_per_microbatch(b): bytes each stage holds for one micro-batch of b samples;
     microbatch_seconds(b): the slowest stage's forward+backward for b samples (default: proportional to b)."""
     if batch < 1:
@@ -83,21 +87,32 @@ def choose_microbatches(stages: int, batch: int, schedule: str,
         per_mb = [int(v) for v in look(bytes_per_microbatch, b)]
         held = held_bytes(schedule, stages, m, per_mb)
         t = look(microbatch_seconds, b) if microbatch_seconds is not None else float(b)
-        options.append(MicrobatchOption(m, bubble_fraction(stages, m), held, (m + stages - 1) * t, held <= budget_bytes))
+        options.append(
+            MicrobatchOption(m, bubble_fraction(stages, m), held, (m + stages - 1) * t, held <= budget_bytes)
+        )
     fitting = [o for o in options if o.fits]
     if not fitting:
         least = min(options, key=lambda o: o.held_bytes)
-        raise ValueError(f"no micro-batch count fits the activation budget of {budget_bytes / 1e6:.3f} MB: the least "
-                         f"held is {least.held_bytes / 1e6:.3f} MB at M={least.microbatches} ({schedule}); raise the "
-                         "budget, use schedule 1f1b, more stages or a smaller batch")
+        raise ValueError(
+            f"no micro-batch count fits the activation budget of {budget_bytes / 1e6:.3f} MB: the least "
+            f"held is {least.held_bytes / 1e6:.3f} MB at M={least.microbatches} ({schedule}); raise the "
+            "budget, use schedule 1f1b, more stages or a smaller batch"
+        )
     # shortest predicted step; among equals the larger M (smaller idle share)
     best = min(fitting, key=lambda o: (o.predicted_step, -o.microbatches))
     return MicrobatchChoice(best.microbatches, budget_bytes, options)
 
 
-def profile_microbatches(pieces: list[nn.Module], starts: list[int], x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable, sizes: list[int], time_it: bool = True,
-                         repeats: int = 3) -> dict[int, tuple[list[int], float]]:
+def profile_microbatches(
+    pieces: list[nn.Module],
+    starts: list[int],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable,
+    sizes: list[int],
+    time_it: bool = True,
+    repeats: int = 3,
+) -> dict[int, tuple[list[int], float]]:
     """For each micro-batch size b: (bytes each stage holds for one micro-batch, as the runner counts
     them, and the slowest stage's forward+backward seconds, the fastest of `repeats` runs after a
     warm-up). Runs every stage locally on x[:b]."""
@@ -109,7 +124,7 @@ def profile_microbatches(pieces: list[nn.Module], starts: list[int], x: torch.Te
         inp = h.detach().requires_grad_(h.is_floating_point())
         with meter.forward_of(0) if meter is not None else _nothing():
             o = inp
-            for piece in pieces[starts[s]:stops[s]]:
+            for piece in pieces[starts[s] : stops[s]]:
                 o = piece(o)
             loss = loss_fn(o, y[:b]) if s == last else o.float().pow(2).mean()
         if meter is not None:

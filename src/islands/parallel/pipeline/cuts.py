@@ -36,8 +36,10 @@ def check_stage_count(stages: int, pieces: int) -> None:
     if isinstance(stages, bool) or not isinstance(stages, int):
         raise TypeError(f"stages must be an int, got {type(stages).__name__}")
     if not 1 <= stages <= pieces:
-        raise ValueError(f"cannot make {stages} pipeline stages from {pieces} pieces; choose 1..{pieces} "
-                         "(a transformer has n_layers + 2 pieces, the digits MLP 3)")
+        raise ValueError(
+            f"cannot make {stages} pipeline stages from {pieces} pieces; choose 1..{pieces} "
+            "(a transformer has n_layers + 2 pieces, the digits MLP 3)"
+        )
 
 
 def param_bytes(piece: nn.Module) -> int:
@@ -89,8 +91,14 @@ def _fwd_bwd(piece: nn.Module, x: torch.Tensor, loss_fn: Callable | None, target
     return y.detach()
 
 
-def piece_costs(pieces: list[nn.Module], example: torch.Tensor, measure: str = "time", repeats: int = 5,
-                loss_fn: Callable | None = None, target: torch.Tensor | None = None) -> PieceCost:
+def piece_costs(
+    pieces: list[nn.Module],
+    example: torch.Tensor,
+    measure: str = "time",
+    repeats: int = 5,
+    loss_fn: Callable | None = None,
+    target: torch.Tensor | None = None,
+) -> PieceCost:
     """Cost of forward+backward per piece (the last piece includes the loss when loss_fn is given).
 
     measure="time": the fastest of `repeats` runs after one warm-up (what SOTA-018 balances; the minimum
@@ -136,8 +144,14 @@ def stage_sums(values: list[int], starts: list[int]) -> list[int]:
     return [sum(values[a:b]) for a, b in zip(starts, stops)]
 
 
-def choose_cuts(kind: str, pieces: list[nn.Module], stages: int, example: torch.Tensor,
-                loss_fn: Callable | None = None, target: torch.Tensor | None = None) -> list[int]:
+def choose_cuts(
+    kind: str,
+    pieces: list[nn.Module],
+    stages: int,
+    example: torch.Tensor,
+    loss_fn: Callable | None = None,
+    target: torch.Tensor | None = None,
+) -> list[int]:
     """The starts for one policy by name; 'balanced' measures time on `example` (one micro-batch)."""
     kind = parse_cuts(kind)
     if kind == "equal":

@@ -101,18 +101,25 @@ class NormHead(nn.Module):
 def causal_lm_pieces(model: nn.Module) -> list[nn.Module]:
     attn = getattr(model.config, "_attn_implementation", None) or "unset"
     if attn not in CAUSAL_WITHOUT_MASK:
-        raise TypeError(f"pipeline pieces call each decoder layer without a mask, which {attn!r} attention does not "
-                        f"make causal; build the model with attn_implementation in {CAUSAL_WITHOUT_MASK}")
+        raise TypeError(
+            f"pipeline pieces call each decoder layer without a mask, which {attn!r} attention does not "
+            f"make causal; build the model with attn_implementation in {CAUSAL_WITHOUT_MASK}"
+        )
     hf: Any = model  # a transformers model: its submodules are found by name (_gpt2, _llama_like)
     if _gpt2(model):
         t = hf.transformer
         return [GPT2Embedding(t), *(GPT2Layer(b) for b in t.h), NormHead(t.ln_f, hf.lm_head)]
     if _llama_like(model):
         m = hf.model
-        return [TokenEmbedding(m.embed_tokens), *(RotaryLayer(layer, m.rotary_emb) for layer in m.layers),
-                NormHead(m.norm, hf.lm_head)]
-    raise TypeError(f"cannot split {type(model).__name__} into pipeline pieces: the known transformers layouts are "
-                    "GPT-2 (transformer.wte/wpe/h/ln_f) and Llama-like (model.embed_tokens/layers/norm/rotary_emb)")
+        return [
+            TokenEmbedding(m.embed_tokens),
+            *(RotaryLayer(layer, m.rotary_emb) for layer in m.layers),
+            NormHead(m.norm, hf.lm_head),
+        ]
+    raise TypeError(
+        f"cannot split {type(model).__name__} into pipeline pieces: the known transformers layouts are "
+        "GPT-2 (transformer.wte/wpe/h/ln_f) and Llama-like (model.embed_tokens/layers/norm/rotary_emb)"
+    )
 
 
 def tied_embeddings(model: nn.Module) -> bool:

@@ -27,6 +27,7 @@ class SavedTensorMeter:
     @contextlib.contextmanager
     def forward_of(self, microbatch: int):
         """Count what autograd saves while the forward of `microbatch` runs inside this block."""
+
         def pack(t: torch.Tensor) -> torch.Tensor:
             self.hold(microbatch, t)
             return t

@@ -68,9 +68,11 @@ def pieces_of(model: nn.Module) -> list[nn.Module]:
         return _sequential_pieces(model)
     if is_causal_lm(model):  # a transformers GPT-2 or Llama-like causal LM (hf_pieces.py)
         return causal_lm_pieces(model)
-    raise TypeError(f"cannot split {type(model).__name__} into pipeline pieces; pass a ByteTransformer, an MLP, "
-                    "an nn.Sequential or a transformers GPT-2 / Llama-like causal LM, or build the list of pieces "
-                    "yourself")
+    raise TypeError(
+        f"cannot split {type(model).__name__} into pipeline pieces; pass a ByteTransformer, an MLP, "
+        "an nn.Sequential or a transformers GPT-2 / Llama-like causal LM, or build the list of pieces "
+        "yourself"
+    )
 
 
 class Stage(nn.Module):
@@ -100,8 +102,10 @@ class Stage(nn.Module):
 def check_starts(starts: list[int], pieces: int) -> None:
     """Stage start indices must begin at 0 and rise strictly inside 0..pieces-1."""
     if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= pieces:
-        raise ValueError(f"stage starts {starts} must begin at 0 and rise strictly below {pieces} pieces, "
-                         f"e.g. [0, {pieces // 2}] for two stages")
+        raise ValueError(
+            f"stage starts {starts} must begin at 0 and rise strictly below {pieces} pieces, "
+            f"e.g. [0, {pieces // 2}] for two stages"
+        )
 
 
 def build_stages(pieces: list[nn.Module], starts: list[int]) -> list[Stage]:
@@ -117,7 +121,9 @@ def parameter_owner(stages: list[Stage]) -> dict[int, int]:
     for stage in stages:
         for p in stage.parameters():
             if id(p) in owner and owner[id(p)] != stage.index:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} sits in stages {owner[id(p)]} and "
-                                 f"{stage.index}; tied weights across stages are not supported")
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} sits in stages {owner[id(p)]} and "
+                    f"{stage.index}; tied weights across stages are not supported"
+                )
             owner[id(p)] = stage.index
     return owner

@@ -30,19 +30,29 @@ ACTIVATION, GRADIENT = "pipeline_activation", "pipeline_gradient"
 def split_batch(t: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
     """M equal micro-batches along dimension 0, each its own storage (so held bytes are its own)."""
     if t.shape[0] % microbatches:
-        raise ValueError(f"a batch of {t.shape[0]} does not split into {microbatches} equal micro-batches; "
-                         f"choose a divisor of {t.shape[0]}")
+        raise ValueError(
+            f"a batch of {t.shape[0]} does not split into {microbatches} equal micro-batches; "
+            f"choose a divisor of {t.shape[0]}"
+        )
     return [c.clone() for c in t.chunk(microbatches)]
 
 
 class PipelineRunner:
-    def __init__(self, pieces: list[nn.Module], stage: Stage, comm: Comm | None, schedule: str,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(
+        self,
+        pieces: list[nn.Module],
+        stage: Stage,
+        comm: Comm | None,
+        schedule: str,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
         if stage.count > 1 and comm is None:
             raise ValueError("a pipeline of more than one stage needs a Comm over its stages' ranks")
         if comm is not None and comm.size != stage.count:
-            raise ValueError(f"the Comm joins {comm.size} ranks but the pipeline has {stage.count} stages; "
-                             "run one stage per rank of the group")
+            raise ValueError(
+                f"the Comm joins {comm.size} ranks but the pipeline has {stage.count} stages; "
+                "run one stage per rank of the group"
+            )
         self.pieces, self.stage, self.comm, self.loss_fn = pieces, stage, comm, loss_fn
         self.schedule_name = schedule
         self.plan = schedule_for(schedule)
@@ -60,10 +70,10 @@ class PipelineRunner:
         if key not in self._shapes:
             with torch.no_grad():
                 x = sample
-                for piece in self.pieces[:self.stage.start]:
+                for piece in self.pieces[: self.stage.start]:
                     x = piece(x)
                 inp = x
-                for piece in self.pieces[self.stage.start:self.stage.stop]:
+                for piece in self.pieces[self.stage.start : self.stage.stop]:
                     x = piece(x)
             self._shapes[key] = (tuple(inp.shape[1:]), inp.dtype, tuple(x.shape[1:]), x.dtype)
         return self._shapes[key]

@@ -76,8 +76,7 @@ class Timeline:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan > 0 else 0.0
 
 
-def simulate(name: str, forward: list[float], backward: list[float], microbatches: int,
-             link: float = 0.0) -> Timeline:
+def simulate(name: str, forward: list[float], backward: list[float], microbatches: int, link: float = 0.0) -> Timeline:
     """Run a schedule on paper: stage s spends forward[s] / backward[s] per micro-batch, a message takes
     `link` seconds. A stage waits for the message its next action needs (as the real runner does)."""
     stages = len(forward)

@@ -58,16 +58,27 @@ def example_batch(model: nn.Module, b: int, sequence: int | None = None) -> tupl
 class PipelineStages(NoOp):
     name = "pipeline"
 
-    def __init__(self, stages: int, microbatches: int | str, cuts: str, schedule: str, batch: int,
-                 loss_fn: Callable, budget_bytes: float = math.inf, grad_clip: float = 0.0,
-                 sequence: int | None = None):
+    def __init__(
+        self,
+        stages: int,
+        microbatches: int | str,
+        cuts: str,
+        schedule: str,
+        batch: int,
+        loss_fn: Callable,
+        budget_bytes: float = math.inf,
+        grad_clip: float = 0.0,
+        sequence: int | None = None,
+    ):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         self.count, self.cuts, self.schedule = stages, parse_cuts(cuts), schedule
         self.requested = parse_microbatches(microbatches)
         if isinstance(self.requested, int) and batch % self.requested:  # an int, or "auto"
-            raise ValueError(f"microbatches={self.requested} does not divide the pipeline's batch of {batch}; "
-                             f"choose one of {divisors(batch)} or 'auto'")
+            raise ValueError(
+                f"microbatches={self.requested} does not divide the pipeline's batch of {batch}; "
+                f"choose one of {divisors(batch)} or 'auto'"
+            )
         self.batch, self.loss_fn, self.budget, self.grad_clip = batch, loss_fn, budget_bytes, grad_clip
         self.sequence = sequence  # a transformers LM's window length, for the planning batch
         self.starts: list[int] = []
@@ -89,8 +100,9 @@ class PipelineStages(NoOp):
         owner = parameter_owner(self.stages)
         unowned = [n for n, p in model.named_parameters() if id(p) not in owner]
         if unowned:
-            raise ValueError(f"parameters {unowned} sit in no pipeline piece; the model's forward must run "
-                             "only through its pieces")
+            raise ValueError(
+                f"parameters {unowned} sit in no pipeline piece; the model's forward must run only through its pieces"
+            )
         self.stage: Stage = self.stages[self.index]
         mine = {id(p) for p in self.stage.parameters()}
         for group in optimizer.param_groups:  # optimizer state for this stage only: 1/K of it per rank
@@ -106,18 +118,24 @@ class PipelineStages(NoOp):
             x, y = example_batch(model, b, self.sequence)
             self.starts = choose_cuts(self.cuts, self.pieces, self.count, x, self.loss_fn, y)
             self.microbatches = self.requested if isinstance(self.requested, int) else self._auto(model)
-            plan[:self.count] = torch.tensor(self.starts)
+            plan[: self.count] = torch.tensor(self.starts)
             plan[self.count] = self.microbatches
         if self.comm is not None:
             self.comm.broadcast(plan, src=self._global_rank(0), kind=PLAN)
-        self.starts, self.microbatches = plan[:self.count].tolist(), int(plan[self.count])
+        self.starts, self.microbatches = plan[: self.count].tolist(), int(plan[self.count])
 
     def _auto(self, model: nn.Module) -> int:
         x, y = example_batch(model, self.batch, self.sequence)
         sizes = [self.batch // m for m in divisors(self.batch)]
         prof = profile_microbatches(self.pieces, self.starts, x, y, self.loss_fn, sizes)
-        self.choice = choose_microbatches(self.count, self.batch, self.schedule, {b: v[0] for b, v in prof.items()},
-                                          self.budget, {b: v[1] for b, v in prof.items()})
+        self.choice = choose_microbatches(
+            self.count,
+            self.batch,
+            self.schedule,
+            {b: v[0] for b, v in prof.items()},
+            self.budget,
+            {b: v[1] for b, v in prof.items()},
+        )
         return self.choice.microbatches
 
     def _global_rank(self, stage: int) -> int:
@@ -162,17 +180,25 @@ class PipelineStages(NoOp):
 
     def describe(self) -> dict:
         """What this rank's stage is and holds, for the run record."""
-        return {"stage": self.index, "stages": self.count, "starts": self.starts, "cuts": self.cuts,
-                "schedule": self.schedule, "microbatches": self.microbatches,
-                "bubble_fraction": bubble_fraction(self.count, self.microbatches),
-                "stage_parameters": sum(p.numel() for p in self.stage.parameters()),
-                "held_activation_bytes_peak": self.runner.meter.peak,
-                "auto_options": [o.__dict__ for o in self.choice.options] if self.choice else []}
+        return {
+            "stage": self.index,
+            "stages": self.count,
+            "starts": self.starts,
+            "cuts": self.cuts,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "bubble_fraction": bubble_fraction(self.count, self.microbatches),
+            "stage_parameters": sum(p.numel() for p in self.stage.parameters()),
+            "held_activation_bytes_peak": self.runner.meter.peak,
+            "auto_options": [o.__dict__ for o in self.choice.options] if self.choice else [],
+        }
 
     def state_dict(self) -> dict:
         return {"starts": list(self.starts), "microbatches": self.microbatches}
 
     def load_state_dict(self, state: dict) -> None:
         if state and (state.get("starts") != self.starts or state.get("microbatches") != self.microbatches):
-            raise ValueError(f"checkpoint was made with pipeline starts {state.get('starts')} and "
-                             f"M={state.get('microbatches')}, this job has {self.starts} and M={self.microbatches}")
+            raise ValueError(
+                f"checkpoint was made with pipeline starts {state.get('starts')} and "
+                f"M={state.get('microbatches')}, this job has {self.starts} and M={self.microbatches}"
+            )

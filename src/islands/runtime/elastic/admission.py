@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from islands.runtime.contracts import ElasticParticipant
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.epochs import Epochs
+from islands.runtime.elastic.membership import (
+    JOB_ENDED_EXIT_CODE,
+    Admission,
+    Heartbeat,
+    JobSpec,
+    Liveness,
+    get_json,
+    no_member_alive,
+)
 from islands.runtime.elastic.transfer import StateTransfer
-from islands.runtime.elastic.membership import (JOB_ENDED_EXIT_CODE, Admission, Heartbeat, JobSpec, Liveness, get_json,
-                                        no_member_alive)
 
 # Seconds past the heartbeat timeout a joiner waits, with no member of the newest epoch alive, before it
 # calls the job over: the last members' final writes land, and one false death alone does not end a wait.
@@ -124,15 +131,24 @@ class Membership:
         try:
             entry = json.loads(self._await_admission())
         except dist.DistNetworkError:
-            raise JobEnded("the job ended before admitting this worker: joiners enter at a round boundary and it "
-                           "had none left; nothing was trained here") from None
+            raise JobEnded(
+                "the job ended before admitting this worker: joiners enter at a round boundary and it "
+                "had none left; nothing was trained here"
+            ) from None
         epochs.form(entry["epoch"], None)
         step = transfer.share_state(strategy, model, 0, set(entry["holders"]))
         self._last_round = counted_rounds(self.participant)
-        epochs.events.append({"type": "entered", "epoch": epochs.epoch + epochs.epoch_base, "step": step,
-                              "round": self._last_round, "time": time.time(),
-                              "global_sha256": transfer.global_sha(strategy, model),
-                              "transfer": transfer.transfers[-1] if transfer.transfers else {"via": "broadcast"}})
+        epochs.events.append(
+            {
+                "type": "entered",
+                "epoch": epochs.epoch + epochs.epoch_base,
+                "step": step,
+                "round": self._last_round,
+                "time": time.time(),
+                "global_sha256": transfer.global_sha(strategy, model),
+                "transfer": transfer.transfers[-1] if transfer.transfers else {"via": "broadcast"},
+            }
+        )
         return step
 
     def _await_admission(self) -> bytes:
@@ -153,8 +169,10 @@ class Membership:
                 elif quiet_since is None:
                     quiet_since = now
                 elif now - quiet_since > timeout + ADMIT_LINGER_S:
-                    raise JobEnded(f"no member of the job's newest epoch has been alive for {now - quiet_since:.1f} "
-                                   "s, so nobody can admit this worker: the job is over; nothing was trained here")
+                    raise JobEnded(
+                        f"no member of the job's newest epoch has been alive for {now - quiet_since:.1f} "
+                        "s, so nobody can admit this worker: the job is over; nothing was trained here"
+                    )
             time.sleep(0.02)
         return self.store.get(key)
 
@@ -181,9 +199,17 @@ class Membership:
         # failover seen late on an exchange thread) still admit alike.
         epochs = self.epochs
         failed_over, epochs.failed_over = epochs.failed_over, False
-        pending = [] if failed_over else [
-            p for p in get_json(self.store, "pending", []) if p[1] not in epochs.names
-            and self.store.check([f"ready/{p[1]}"]) and not self.store.check([f"joinat/{p[1]}"])]
+        pending = (
+            []
+            if failed_over
+            else [
+                p
+                for p in get_json(self.store, "pending", [])
+                if p[1] not in epochs.names
+                and self.store.check([f"ready/{p[1]}"])
+                and not self.store.check([f"joinat/{p[1]}"])
+            ]
+        )
         self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
         return json.loads(self.store.get(f"round/{rounds}/join"))
 
@@ -204,10 +230,20 @@ class Membership:
         epochs.abort()
         epochs.form(nxt, sorted(epochs.members + joiners))
         transfer.share_state(strategy, model, step, holders)
-        epochs.events.append({"type": "join", "global_sha256": transfer.global_sha(strategy, model),
-                              "epoch": epochs.epoch + epochs.epoch_base, "joined": [j[1] for j in joiners],
-                              "round": rounds, "step": step, "size": epochs.size, "detected": asked,
-                              "resumed": time.time(), "stall_seconds": time.time() - asked})
+        epochs.events.append(
+            {
+                "type": "join",
+                "global_sha256": transfer.global_sha(strategy, model),
+                "epoch": epochs.epoch + epochs.epoch_base,
+                "joined": [j[1] for j in joiners],
+                "round": rounds,
+                "step": step,
+                "size": epochs.size,
+                "detected": asked,
+                "resumed": time.time(),
+                "stall_seconds": time.time() - asked,
+            }
+        )
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -233,8 +269,10 @@ class Membership:
 def take_part(current: ElasticParticipant | None, participant: ElasticParticipant) -> ElasticParticipant:
     """The one participant of a membership: a second outer strategy wrapping in the same world is a mistake."""
     if current is not None and current is not participant:
-        raise ValueError(f"two outer strategies take part in one elastic job ({type(current).__name__} and "
-                         f"{type(participant).__name__}); a job has one outer strategy")
+        raise ValueError(
+            f"two outer strategies take part in one elastic job ({type(current).__name__} and "
+            f"{type(participant).__name__}); a job has one outer strategy"
+        )
     return participant
 
 
@@ -242,5 +280,7 @@ def counted_rounds(participant: ElasticParticipant | None) -> int:
     """Rounds the outer strategy (the membership's participant) completed."""
     if participant is not None:
         return int(participant.rounds)
-    raise TypeError("an elastic job needs an outer strategy with a round counter (islands.outer.DiLoCo, LocalSGD, "
-                    "...); none took part in this one (an outer strategy's wrap hands it to world.membership)")
+    raise TypeError(
+        "an elastic job needs an outer strategy with a round counter (islands.outer.DiLoCo, LocalSGD, "
+        "...); none took part in this one (an outer strategy's wrap hands it to world.membership)"
+    )

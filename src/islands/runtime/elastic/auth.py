@@ -91,7 +91,7 @@ class ControlAuth:
         raw = _bytes(raw)
         if not raw.startswith(MAGIC):
             return "unsigned"
-        head, sep, value = raw[len(MAGIC):].partition(b"\n")
+        head, sep, value = raw[len(MAGIC) :].partition(b"\n")
         try:
             if not sep:
                 raise TypeError  # no header line: malformed, as a missing field is
@@ -119,8 +119,14 @@ class AuthStore(dist.Store):
 
     LOG_FIRST = 5
 
-    def __init__(self, inner, auth: ControlAuth, log: Callable[[str], None] | None = None,
-                 timeout_s: float = 30.0, audit: bool = False):
+    def __init__(
+        self,
+        inner,
+        auth: ControlAuth,
+        log: Callable[[str], None] | None = None,
+        timeout_s: float = 30.0,
+        audit: bool = False,
+    ):
         super().__init__()
         self.inner, self.auth, self.log = inner, auth, log
         self.timeout_s = timeout_s
@@ -140,8 +146,10 @@ class AuthStore(dist.Store):
             self.stats[reason] += 1
             count = self.stats[reason]
         if self.log is not None and (count <= self.LOG_FIRST or count % 100 == 0):
-            self.log(f"islands: control plane: refused a value of {key!r} ({reason}; {count} so far): "
-                     "written without the job's token, altered, or replayed")
+            self.log(
+                f"islands: control plane: refused a value of {key!r} ({reason}; {count} so far): "
+                "written without the job's token, altered, or replayed"
+            )
 
     def _accept(self, key: str, raw: bytes) -> bytes | None:
         """The value to use for `key` after reading `raw` there, or None when there is none (yet)."""
@@ -188,8 +196,10 @@ class AuthStore(dist.Store):
             if value is not None:
                 return value
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no authenticated value for store key {key!r} within {self.timeout_s:.0f} s "
-                                   "(only values written without the job's token were there)")
+                raise RuntimeError(
+                    f"no authenticated value for store key {key!r} within {self.timeout_s:.0f} s "
+                    "(only values written without the job's token were there)"
+                )
             time.sleep(0.01)
 
     def check(self, keys) -> bool:

@@ -29,7 +29,8 @@ PayloadAuthError naming the sender and the operation; that worker leaves, and th
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,8 +136,12 @@ class ElasticComm:
         self._operate(kind, attempt, alone=lambda: tensor.copy_(saved))  # alone, it is its own source
         return tensor
 
-    def exchange_planned(self, plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
-                         like: torch.Tensor, kind: str = "p2p") -> tuple[dict[int, torch.Tensor], list[int], list[int]]:
+    def exchange_planned(
+        self,
+        plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
+        like: torch.Tensor,
+        kind: str = "p2p",
+    ) -> tuple[dict[int, torch.Tensor], list[int], list[int]]:
         """Point to point in one committed operation (gossip). `plan(rank, size)` -> (sends {peer: tensor},
         recv_from [peers]) over the ranks of the epoch the attempt runs in; a failed attempt is planned again
         with the survivors' ranks (a fixed peer list would name other workers after a change). Returns (what
@@ -159,14 +164,17 @@ class ElasticComm:
         return result["got"], result["send_to"], result["recv_from"]
 
     # ---- the same operations with tagged payloads (authenticate) ----------------------------------------
-    def _open(self, packed: torch.Tensor, like: torch.Tensor, kind: str, sender: str, receiver: str = "") -> torch.Tensor:
+    def _open(
+        self, packed: torch.Tensor, like: torch.Tensor, kind: str, sender: str, receiver: str = ""
+    ) -> torch.Tensor:
         key, epoch = self.epochs.op_key(), self.epochs.epoch + self.epochs.epoch_base
         got = self.tags.open(packed, like, (kind, key, sender, receiver))
         if got is None:
             raise PayloadAuthError(
                 f"the {kind} payload from member {sender} (operation {key}, epoch {epoch}) "
                 "failed its MAC: it was altered, injected or replayed on the way, or its sender holds another token; "
-                f"it was not used, the operation does not commit, and {self.name} leaves the job")
+                f"it was not used, the operation does not commit, and {self.name} leaves the job"
+            )
         return got
 
     def _gather_tagged(self, tensor: torch.Tensor, kind: str, use: Callable[[list[torch.Tensor]], Any]) -> None:
@@ -194,7 +202,11 @@ class ElasticComm:
 
         def attempt(pg, rank, size):
             src = pick_src()
-            buf = self.tags.pack(mine, (kind, self.epochs.op_key(), self.name, "")) if rank == src else PayloadTags.shell(mine)
+            buf = (
+                self.tags.pack(mine, (kind, self.epochs.op_key(), self.name, ""))
+                if rank == src
+                else PayloadTags.shell(mine)
+            )
             sent.update(src=src, buf=buf)
             self.ledger.record(kind, _nbytes(buf) if rank == src else 0, 0 if rank == src else _nbytes(buf))
             opts = dist.BroadcastOptions()
@@ -234,8 +246,9 @@ class ElasticComm:
         return gather_objects(self, obj)
 
     # ---- one committed operation ----------------------------------------------------------------
-    def _operate(self, kind: str, attempt, alone: Callable[[], None] | None = None,
-                 landed: Callable[[], None] | None = None) -> None:
+    def _operate(
+        self, kind: str, attempt, alone: Callable[[], None] | None = None, landed: Callable[[], None] | None = None
+    ) -> None:
         """Run `attempt(pg, rank, size)` (it returns the work to wait on) until an attempt commits; `alone` runs
         instead in an epoch of one; `landed` (tagged payloads) checks and uses what arrived, before the ok."""
         epochs, commit = self.epochs, self.epochs.commit
@@ -244,8 +257,16 @@ class ElasticComm:
         while True:
             if epochs.size == 1:
                 (alone or (lambda: None))()
-                self.syncs.append({"epoch": epochs.epoch, "seq": epochs.seq, "kind": kind, "start": start,
-                                   "seconds": time.time() - start, "size": 1})
+                self.syncs.append(
+                    {
+                        "epoch": epochs.epoch,
+                        "seq": epochs.seq,
+                        "kind": kind,
+                        "start": start,
+                        "seconds": time.time() - start,
+                        "size": 1,
+                    }
+                )
                 epochs.seq += 1
                 return
             key = epochs.op_key()
@@ -266,8 +287,16 @@ class ElasticComm:
                 ok = commit.commit(key, epochs.names)
             if ok:
                 end = time.time()
-                self.syncs.append({"epoch": epochs.epoch, "seq": epochs.seq, "kind": kind, "start": start,
-                                   "seconds": end - start, "size": epochs.size})
+                self.syncs.append(
+                    {
+                        "epoch": epochs.epoch,
+                        "seq": epochs.seq,
+                        "kind": kind,
+                        "start": start,
+                        "seconds": end - start,
+                        "size": epochs.size,
+                    }
+                )
                 if failed_at is not None:
                     epochs.events[-1].update(resumed=end, stall_seconds=end - failed_at)
                 epochs.seq += 1

@@ -15,7 +15,7 @@ import datetime as _dt
 import json
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,14 @@ class Epochs:
     """The epochs one member goes through (module docstring). `on_change(rank, size)` runs after each new epoch;
     `new_client()` (optional) is another client of the job's store, for gloo's connect to wait in."""
 
-    def __init__(self, store, name: str, commit: Commit, on_change: Callable[[int, int], None] | None = None,
-                 new_client: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        store,
+        name: str,
+        commit: Commit,
+        on_change: Callable[[int, int], None] | None = None,
+        new_client: Callable[[], object] | None = None,
+    ):
         self.store, self.name, self.commit = store, name, commit
         self.on_change, self.new_client = on_change, new_client
         self.epoch, self.seq = -1, 0
@@ -71,8 +77,17 @@ class Epochs:
         self.abort()
         self.form(self.epoch + 1, self.members)
         gone = sorted(set(before) - set(self.names))
-        self.events.append({"type": "failure", "epoch": self.epoch + self.epoch_base, "gone": gone,
-                            "size": self.size, "detected": failed_at, "formed": time.time(), "kind": kind})
+        self.events.append(
+            {
+                "type": "failure",
+                "epoch": self.epoch + self.epoch_base,
+                "gone": gone,
+                "size": self.size,
+                "detected": failed_at,
+                "formed": time.time(),
+                "kind": kind,
+            }
+        )
         self.failed_over = True
 
     def abort(self) -> None:
@@ -97,8 +112,10 @@ class Epochs:
             else:
                 members = self._agree(epoch, candidates)
             if self.name not in [m[1] for m in members]:
-                raise Excluded(f"{self.name} was dropped from epoch {epoch} (heartbeat stale past "
-                               f"{self.commit.liveness.timeout} s); start it again with `islands join`")
+                raise Excluded(
+                    f"{self.name} was dropped from epoch {epoch} (heartbeat stale past "
+                    f"{self.commit.liveness.timeout} s); start it again with `islands join`"
+                )
             self.epoch, self.seq, self.members = epoch, 0, members
             try:
                 self._build()
@@ -165,8 +182,11 @@ class Epochs:
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch + self.epoch_base, "members": [list(m) for m in self.members],
-                "events": list(self.events)}
+        return {
+            "epoch": self.epoch + self.epoch_base,
+            "members": [list(m) for m in self.members],
+            "events": list(self.events),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """A resumed job counts its epochs on from the saved one and keeps the saved history."""
@@ -174,4 +194,5 @@ class Epochs:
             return
         self.epoch_base = int(state["epoch"]) + 1 - max(self.epoch, 0)
         self.events = list(state.get("events", [])) + [
-            {"type": "resumed", "from_epoch": int(state["epoch"]), "previous_members": state["members"]}]
+            {"type": "resumed", "from_epoch": int(state["epoch"]), "previous_members": state["members"]}
+        ]

@@ -80,17 +80,20 @@ class EtcdAddress:
     @classmethod
     def parse(cls, text: str) -> EtcdAddress:
         if not is_etcd(text):
-            raise ValueError(f"an etcd store address starts with {SCHEME} or {TLS_SCHEME} (e.g. etcd://127.0.0.1:2379,"
-                             f"127.0.0.1:22379,127.0.0.1:32379); got {text!r}")
+            raise ValueError(
+                f"an etcd store address starts with {SCHEME} or {TLS_SCHEME} (e.g. etcd://127.0.0.1:2379,"
+                f"127.0.0.1:22379,127.0.0.1:32379); got {text!r}"
+            )
         tls = text.startswith(TLS_SCHEME)
-        rest = text[len(TLS_SCHEME if tls else SCHEME):]
+        rest = text[len(TLS_SCHEME if tls else SCHEME) :]
         hosts, _, namespace = rest.partition("/")
         endpoints = []
         for part in hosts.split(","):
             host, sep, port = part.strip().rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"etcd endpoint {part!r} in {text!r} must be HOST:PORT (a member's client URL, "
-                                 "e.g. 127.0.0.1:2379)")
+                raise ValueError(
+                    f"etcd endpoint {part!r} in {text!r} must be HOST:PORT (a member's client URL, e.g. 127.0.0.1:2379)"
+                )
             endpoints.append((host, int(port)))
         if not all(c.isalnum() or c in "-_." for c in namespace):
             raise ValueError(f"the namespace {namespace!r} in {text!r} may hold letters, digits, '-', '_', '.'")
@@ -123,13 +126,18 @@ class EtcdTLS:
     def from_env(cls, env=None) -> EtcdTLS:
         env = os.environ if env is None else env
         tls = cls(env.get(CA_ENV, ""), env.get(CERT_ENV, ""), env.get(KEY_ENV, ""))
-        missing = [f"{name}={path}" for name, path in ((CA_ENV, tls.ca), (CERT_ENV, tls.cert), (KEY_ENV, tls.key))
-                   if path and not os.path.isfile(path)]
+        missing = [
+            f"{name}={path}"
+            for name, path in ((CA_ENV, tls.ca), (CERT_ENV, tls.cert), (KEY_ENV, tls.key))
+            if path and not os.path.isfile(path)
+        ]
         if missing:
             raise ValueError(f"etcd TLS files not found: {', '.join(missing)}")
         if bool(tls.cert) != bool(tls.key):
-            raise ValueError(f"a client certificate needs both {CERT_ENV} and {KEY_ENV}; got only "
-                             f"{CERT_ENV if tls.cert else KEY_ENV}")
+            raise ValueError(
+                f"a client certificate needs both {CERT_ENV} and {KEY_ENV}; got only "
+                f"{CERT_ENV if tls.cert else KEY_ENV}"
+            )
         return tls
 
     def context(self) -> ssl.SSLContext:
@@ -157,8 +165,10 @@ class EtcdLogin:
         if not user and not path:
             return None
         if not user or not path:
-            raise ValueError(f"etcd authentication needs both {USER_ENV} (the user) and {PASSWORD_FILE_ENV} (a file "
-                             f"holding its password); got only {USER_ENV if user else PASSWORD_FILE_ENV}")
+            raise ValueError(
+                f"etcd authentication needs both {USER_ENV} (the user) and {PASSWORD_FILE_ENV} (a file "
+                f"holding its password); got only {USER_ENV if user else PASSWORD_FILE_ENV}"
+            )
         try:
             password = open(path, encoding="utf-8").read().rstrip("\r\n")
         except OSError as e:
@@ -174,8 +184,10 @@ def _tls_refusal(e: ssl.SSLError) -> str | None:
     if isinstance(e, ssl.SSLCertVerificationError) or "certificate verify failed" in text:
         return f"the member's certificate does not verify ({e}); set {CA_ENV} to the CA that signed it"
     if "certificate required" in text or "bad certificate" in text or "unknown ca" in text:
-        return (f"the member refused this client's certificate ({e}); set {CERT_ENV} and {KEY_ENV} to a client "
-                "certificate the cluster's CA signed")
+        return (
+            f"the member refused this client's certificate ({e}); set {CERT_ENV} and {KEY_ENV} to a client "
+            "certificate the cluster's CA signed"
+        )
     return None
 
 
@@ -227,8 +239,15 @@ class EtcdClient:
     """JSON-over-HTTP calls to an etcd v3 cluster with fail-over between its client endpoints. Thread-safe:
     each thread keeps its own keep-alive connection."""
 
-    def __init__(self, endpoints, timeout_s: float = 30.0, tls: EtcdTLS | None = None, netns: str | None = None,
-                 login: EtcdLogin | None = None, first_try_s: float = FIRST_TRY_S):
+    def __init__(
+        self,
+        endpoints,
+        timeout_s: float = 30.0,
+        tls: EtcdTLS | None = None,
+        netns: str | None = None,
+        login: EtcdLogin | None = None,
+        first_try_s: float = FIRST_TRY_S,
+    ):
         """`netns`: a named network namespace to open connections in (islands.runtime.netns: a launcher outside
         a testbed whose etcd serves on the testbed's hub). `login`: a user of the cluster's own authentication.
         `first_try_s`: how long the first pass over the members waits on each (FIRST_TRY_S)."""
@@ -257,8 +276,11 @@ class EtcdClient:
             conns = self._local.conns = {}
         if i not in conns:
             host, port = self.endpoints[i]
-            conns[i] = (_HTTP(host, port, timeout=REQUEST_TIMEOUT_S) if self._ssl is None else
-                        _HTTPS(host, port, timeout=REQUEST_TIMEOUT_S, context=self._ssl))
+            conns[i] = (
+                _HTTP(host, port, timeout=REQUEST_TIMEOUT_S)
+                if self._ssl is None
+                else _HTTPS(host, port, timeout=REQUEST_TIMEOUT_S, context=self._ssl)
+            )
             conns[i].netns = self.netns
         return conns[i]
 
@@ -267,8 +289,9 @@ class EtcdClient:
         if conn is not None:
             conn.close()
 
-    def _post(self, i: int, path: str, data: bytes, token: str | None,
-              wait_s: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
+    def _post(
+        self, i: int, path: str, data: bytes, token: str | None, wait_s: float = REQUEST_TIMEOUT_S
+    ) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"}
         if token is not None:
             headers["Authorization"] = token
@@ -301,8 +324,10 @@ class EtcdClient:
                 self._tokens[i] = ""  # the cluster does not ask for one: send none
             return ""
         if status < 500 and not _unavailable(message):
-            raise EtcdError(f"etcd refused the login of user {self.login.user!r} ({message}); check "
-                            f"{USER_ENV} and the password in {PASSWORD_FILE_ENV}")
+            raise EtcdError(
+                f"etcd refused the login of user {self.login.user!r} ({message}); check "
+                f"{USER_ENV} and the password in {PASSWORD_FILE_ENV}"
+            )
         raise http.client.HTTPException(message)  # the member cannot serve now: fail over like any request
 
     def call(self, path: str, body: dict) -> dict:
@@ -341,24 +366,36 @@ class EtcdClient:
                         self._tokens.pop(i, None)
                     continue
                 if asks_login:
-                    raise EtcdError(f"etcd {path}: the cluster requires a login ({message}); set {USER_ENV} and "
-                                    f"{PASSWORD_FILE_ENV} (a file holding the password) for every process of the job")
+                    raise EtcdError(
+                        f"etcd {path}: the cluster requires a login ({message}); set {USER_ENV} and "
+                        f"{PASSWORD_FILE_ENV} (a file holding the password) for every process of the job"
+                    )
                 if "permission denied" in message:
                     who = f"user {self.login.user!r}" if self.login is not None else "this client"
-                    raise EtcdError(f"etcd {path}: permission denied to {who}: grant its role read and write on "
-                                    "the job's key prefix (etcdctl role grant-permission --prefix)")
+                    raise EtcdError(
+                        f"etcd {path}: permission denied to {who}: grant its role read and write on "
+                        "the job's key prefix (etcdctl role grant-permission --prefix)"
+                    )
                 if "HTTPS server" in message:  # plain HTTP to a member that speaks TLS
-                    raise EtcdError(f"etcd {path}: the members speak TLS; address them as {TLS_SCHEME}... "
-                                    f"(with {CA_ENV}, {CERT_ENV} and {KEY_ENV} as needed)")
+                    raise EtcdError(
+                        f"etcd {path}: the members speak TLS; address them as {TLS_SCHEME}... "
+                        f"(with {CA_ENV}, {CERT_ENV} and {KEY_ENV} as needed)"
+                    )
                 if status < 500 and not _unavailable(message):
                     raise EtcdError(f"etcd {path}: {message}")
                 errors.append(f"{self.endpoints[i][0]}:{self.endpoints[i][1]}: {message}")
             attempt += 1
             if time.monotonic() > deadline:
-                hint = (f" (if the members speak TLS, address them as {TLS_SCHEME}...)"
-                        if self._ssl is None and any("RemoteDisconnected" in e for e in errors) else "")
-                raise dist.DistNetworkError(f"no etcd member answered {path} within {self.timeout_s:.0f} s: "
-                                            + "; ".join(errors[-len(self.endpoints):]) + hint)
+                hint = (
+                    f" (if the members speak TLS, address them as {TLS_SCHEME}...)"
+                    if self._ssl is None and any("RemoteDisconnected" in e for e in errors)
+                    else ""
+                )
+                raise dist.DistNetworkError(
+                    f"no etcd member answered {path} within {self.timeout_s:.0f} s: "
+                    + "; ".join(errors[-len(self.endpoints) :])
+                    + hint
+                )
             if attempt % len(self.endpoints) == 0:
                 time.sleep(0.1)  # every member refused: an election may be under way
 
@@ -418,8 +455,19 @@ def _decode(payload: bytes) -> tuple[dict, str]:
 
 def _unavailable(message: str) -> bool:
     m = message.lower()
-    return any(s in m for s in ("no leader", "timed out", "unavailable", "leader changed", "not capable",
-                                "too many requests", "stopped", "connection"))
+    return any(
+        s in m
+        for s in (
+            "no leader",
+            "timed out",
+            "unavailable",
+            "leader changed",
+            "not capable",
+            "too many requests",
+            "stopped",
+            "connection",
+        )
+    )
 
 
 def cmp_absent(key: bytes) -> dict:
@@ -460,27 +508,41 @@ class EtcdStore(dist.Store):
     transaction that succeeds only while that key still exists with that creation revision (a coordinator's
     leadership key, islands.runtime.elastic.membership): a deposed leader's writes are refused (NotLeader)."""
 
-    def __init__(self, address: EtcdAddress | str, timeout_s: float = 30.0, fence: tuple[bytes, int] | None = None,
-                 client: EtcdClient | None = None, key_prefix: str = "", netns: str | None = None):
+    def __init__(
+        self,
+        address: EtcdAddress | str,
+        timeout_s: float = 30.0,
+        fence: tuple[bytes, int] | None = None,
+        client: EtcdClient | None = None,
+        key_prefix: str = "",
+        netns: str | None = None,
+    ):
         super().__init__()
         self.address = EtcdAddress.parse(address) if isinstance(address, str) else address
-        self.client = client or EtcdClient(self.address.endpoints, timeout_s,
-                                           EtcdTLS.from_env() if self.address.tls else None, netns=netns,
-                                           login=EtcdLogin.from_env())
+        self.client = client or EtcdClient(
+            self.address.endpoints,
+            timeout_s,
+            EtcdTLS.from_env() if self.address.tls else None,
+            netns=netns,
+            login=EtcdLogin.from_env(),
+        )
         self.timeout_s = timeout_s
         self.fence = fence
         self.root = (self.address.namespace + "/").encode() if self.address.namespace else b""
         self.key_prefix = key_prefix  # inside the namespace (membership's "islands/"), like a PrefixStore
         self._checked = threading.local()  # the values the thread's last check read (get serves them once)
-        self.host = self.address.endpoints[0][0]  # islands.runtime.elastic.transfer.store_host: the interface to serve on
+        self.host = self.address.endpoints[0][
+            0
+        ]  # islands.runtime.elastic.transfer.store_host: the interface to serve on
         # how often a waiting member should read this store (islands.runtime.elastic.commit.Commit): each read is an
         # HTTP request that costs etcd CPU, ~1 ms here against ~0.2 ms for a TCPStore
         self.poll_interval = 0.02
 
     def fenced(self, key: bytes, revision: int) -> EtcdStore:
         """A view of the same cluster and namespace whose writes hold only while `key` has `revision`."""
-        return EtcdStore(self.address, self.timeout_s, fence=(key, revision), client=self.client,
-                         key_prefix=self.key_prefix)
+        return EtcdStore(
+            self.address, self.timeout_s, fence=(key, revision), client=self.client, key_prefix=self.key_prefix
+        )
 
     def _k(self, key: str) -> bytes:
         return self.root + (self.key_prefix + key).encode()
@@ -498,8 +560,11 @@ class EtcdStore(dist.Store):
     def _write(self, compare: list, success: list, failure: list) -> dict:
         if self.fence is not None:
             key, rev = self.fence
-            answer = self.client.txn([cmp_created(key, rev)], [{"request_txn": {
-                "compare": compare, "success": success, "failure": failure}}], [])
+            answer = self.client.txn(
+                [cmp_created(key, rev)],
+                [{"request_txn": {"compare": compare, "success": success, "failure": failure}}],
+                [],
+            )
             if not answer.get("succeeded"):
                 raise NotLeader("this coordinator no longer holds the leadership lease; its write was refused")
             return answer["responses"][0]["response_txn"]
@@ -569,7 +634,9 @@ class EtcdStore(dist.Store):
                 ok = self._write([cmp_absent(k)], [op_put(k, value)], []).get("succeeded")
             else:
                 old = _unb64(kvs[0].get("value", ""))
-                ok = self._write([cmp_mod(k, int(kvs[0]["mod_revision"]))], [op_put(k, old + value)], []).get("succeeded")
+                ok = self._write([cmp_mod(k, int(kvs[0]["mod_revision"]))], [op_put(k, old + value)], []).get(
+                    "succeeded"
+                )
             if ok:
                 return
 
@@ -624,8 +691,10 @@ class EtcdStore(dist.Store):
         if not self.root:
             self.client.txn([], [put], [])
             return
-        around = [{"request_delete_range": {"key": _b64(self.root), "range_end": _b64(mark)}},
-                  {"request_delete_range": {"key": _b64(mark + b"\0"), "range_end": _b64(_prefix_end(self.root))}}]
+        around = [
+            {"request_delete_range": {"key": _b64(self.root), "range_end": _b64(mark)}},
+            {"request_delete_range": {"key": _b64(mark + b"\0"), "range_end": _b64(_prefix_end(self.root))}},
+        ]
         self.client.txn([], [*around, put], [])
 
     def ended(self) -> bool:

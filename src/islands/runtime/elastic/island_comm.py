@@ -55,8 +55,16 @@ import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger
 from islands.runtime.contracts import Collectives, ElasticParticipant
-from islands.runtime.elastic import (ElasticComm, Epochs, Membership, StateTransfer, counted_rounds, global_digest,
-                                     state_digest, take_part)
+from islands.runtime.elastic import (
+    ElasticComm,
+    Epochs,
+    Membership,
+    StateTransfer,
+    counted_rounds,
+    global_digest,
+    state_digest,
+    take_part,
+)
 from islands.runtime.elastic.membership import Liveness
 from islands.runtime.elastic.starvation import PROC_KEY, Starvation, local_pid
 
@@ -106,7 +114,7 @@ class IslandPlace:
         return f"{self.index},{self.local},{self.size},{self.incarnation}"
 
     @classmethod
-    def from_env(cls, text: str | None) -> "IslandPlace | None":
+    def from_env(cls, text: str | None) -> IslandPlace | None:
         if not text:
             return None
         try:
@@ -195,13 +203,17 @@ class IslandComm:
         if me == self._home:
             return self.group
         if self.side is None:
-            raise RuntimeError("this island relay has no side group, so it relays only on the thread that built it; "
-                               "an exchange in flight on another thread needs one (world.py makes it)")
+            raise RuntimeError(
+                "this island relay has no side group, so it relays only on the thread that built it; "
+                "an exchange in flight on another thread needs one (world.py makes it)"
+            )
         if self._away is None:
             self._away = me
         elif self._away != me:
-            raise RuntimeError("an island relay serves two threads at most (training and one exchange thread): the "
-                               "order of collectives on its side group would differ between workers")
+            raise RuntimeError(
+                "an island relay serves two threads at most (training and one exchange thread): the "
+                "order of collectives on its side group would differ between workers"
+            )
         return self.side
 
     def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -210,15 +222,20 @@ class IslandComm:
         try:
             dist.broadcast(tensor, group=self._local(), group_src=0)
         except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                               "the island leaves the job") from None
+            raise IslandBroken(
+                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                "the island leaves the job"
+            ) from None
         return tensor
 
     def sync(self, extra: int = 0) -> int:
         """Leader: send the header (rank, size, epoch, `extra`); follower: receive it. Returns `extra`. When the
         epoch is new to this relay, the members' names follow (a checkpoint's parts are named after them)."""
-        head = torch.tensor([self.rank, self.size, self.epoch, extra], dtype=torch.int64) if self.leader \
+        head = (
+            torch.tensor([self.rank, self.size, self.epoch, extra], dtype=torch.int64)
+            if self.leader
             else torch.zeros(4, dtype=torch.int64)
+        )
         self._bcast(head)
         rank, size, epoch, extra = (int(v) for v in head.tolist())
         if not self.leader:
@@ -243,8 +260,10 @@ class IslandComm:
         try:
             dist.broadcast_object_list(box, group=self._local(), group_src=0)
         except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                               "the island leaves the job") from None
+            raise IslandBroken(
+                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                "the island leaves the job"
+            ) from None
         return box[0]
 
     def gather_object(self, obj) -> list | None:
@@ -253,8 +272,10 @@ class IslandComm:
         try:
             dist.gather_object(obj, out, group=self._local(), group_dst=0)
         except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                               "the island leaves the job") from None
+            raise IslandBroken(
+                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                "the island leaves the job"
+            ) from None
         return out
 
     def scatter_object(self, objs: list | None = None):
@@ -263,11 +284,13 @@ class IslandComm:
         try:
             dist.scatter_object_list(box, objs if self.leader else None, group=self._local(), group_src=0)
         except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                               "the island leaves the job") from None
+            raise IslandBroken(
+                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                "the island leaves the job"
+            ) from None
         return box[0]
 
-    def per_slot(self) -> "SlotComm":
+    def per_slot(self) -> SlotComm:
         """The cross-island Comm of a sharded island (inner fsdp): worker j meets worker j of every other island,
         as the "cross" group of a fixed world has it (SlotComm)."""
         self.sharded = True
@@ -304,8 +327,11 @@ class IslandComm:
             got, send_to, recv_from = self.cross.exchange_planned(plan, like=like, kind=kind)
             self.sync()
             self.relay_object((list(send_to), list(recv_from)))
-            stacked = (torch.stack([got[p].reshape(like.shape) for p in recv_from]) if recv_from
-                       else torch.empty((0, *like.shape), dtype=like.dtype))
+            stacked = (
+                torch.stack([got[p].reshape(like.shape) for p in recv_from])
+                if recv_from
+                else torch.empty((0, *like.shape), dtype=like.dtype)
+            )
         else:
             self.sync()
             send_to, recv_from = self.relay_object()
@@ -322,7 +348,9 @@ class IslandComm:
         try:
             dist.all_gather_object(mine, obj, group=group)
         except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})") from None
+            raise IslandBroken(
+                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})"
+            ) from None
         flat = None
         if self.leader:
             per_island = self.cross.all_gather_object(mine)
@@ -366,8 +394,10 @@ class SlotComm:
             parts = [torch.empty_like(padded) for _ in range(k)]
             dist.all_gather(parts, padded, group=group)
         except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                               "the island leaves the job") from None
+            raise IslandBroken(
+                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
+                "the island leaves the job"
+            ) from None
         nbytes = padded.numel() * padded.element_size()
         self.island.ledger.record(RELAY_KIND, nbytes, nbytes * (k - 1))
         lo = sum(lengths[:me])
@@ -414,8 +444,14 @@ def rounds_of(participant: ElasticParticipant | None) -> int:
     return 0 if participant is None else int(participant.rounds)
 
 
-def hand_over(island: IslandComm, strategy, model, step: int, received: dict | None = None,
-              participant: ElasticParticipant | None = None) -> tuple[int, str | None]:
+def hand_over(
+    island: IslandComm,
+    strategy,
+    model,
+    step: int,
+    received: dict | None = None,
+    participant: ElasticParticipant | None = None,
+) -> tuple[int, str | None]:
     """After the leader's enter: every worker of the island loads the leader's global model, strategy state and
     step (a joiner's leader has just received them from the members; a first island's workers already agree,
     and the hand-over costs one local broadcast at the start). A sharded island hands over `received` (the
@@ -434,8 +470,9 @@ def hand_over(island: IslandComm, strategy, model, step: int, received: dict | N
     return int(state["step"]), None
 
 
-def _hand_over_slots(island: IslandComm, strategy, model, step: int, received: dict | None,
-                     participant: ElasticParticipant | None) -> tuple[int, str | None]:
+def _hand_over_slots(
+    island: IslandComm, strategy, model, step: int, received: dict | None, participant: ElasticParticipant | None
+) -> tuple[int, str | None]:
     """hand_over of a sharded island: no worker holds the island's state alone, so the leader relays what the
     members served (None for an island of the first epoch: its workers' shards already form the common start):
     the global model and step to every worker, strategy slot j to worker j only. Every worker loads them,
@@ -466,8 +503,9 @@ class FollowerWatch:
     leaving) ends it.
     `store`: a client of its own (the training thread's may be blocked)."""
 
-    def __init__(self, leader: str, followers: list[str], store, timeout_s: float, exit_after_s: float | None = None,
-                 out=None):
+    def __init__(
+        self, leader: str, followers: list[str], store, timeout_s: float, exit_after_s: float | None = None, out=None
+    ):
         self.leader, self.followers, self.store = leader, list(followers), store
         self.exit_after_s = timeout_s if exit_after_s is None else exit_after_s
         self.liveness = Liveness(store, timeout_s)
@@ -479,7 +517,7 @@ class FollowerWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="islands-follower-watch", daemon=True)
 
-    def start(self) -> "FollowerWatch":
+    def start(self) -> FollowerWatch:
         self._thread.start()
         return self
 
@@ -500,9 +538,13 @@ class FollowerWatch:
         silent_for = self.liveness.silent_for(follower)
         starved = None if pid is None else self.starvation.waits_for_cpu(follower, pid, silent_for, now)
         if starved is not None and starved[2]:
-            print(f"islands: {self.leader}: its follower {follower} is silent for {silent_for:.1f} s but its process "
-                  f"waits for a CPU (it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not leaving before "
-                  f"{self.starvation.limit * self.liveness.timeout:.1f} s of silence", file=self.out, flush=True)
+            print(
+                f"islands: {self.leader}: its follower {follower} is silent for {silent_for:.1f} s but its process "
+                f"waits for a CPU (it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not leaving before "
+                f"{self.starvation.limit * self.liveness.timeout:.1f} s of silence",
+                file=self.out,
+                flush=True,
+            )
         return starved is not None
 
     def look(self) -> str | None:
@@ -521,7 +563,9 @@ class FollowerWatch:
                 self.starvation.sample(f, pid, now)
         for f in sorted(self.liveness.silent(beating)):
             if not self._waits_for_cpu(f, now):
-                return f"its follower {f} is silent for {self.liveness.silent_for(f):.1f} s: the island cannot take part"
+                return (
+                    f"its follower {f} is silent for {self.liveness.silent_for(f):.1f} s: the island cannot take part"
+                )
         return None
 
     def _run(self) -> None:
@@ -650,8 +694,17 @@ class IslandFollower:
     Membership (claim/enter/at_step), takes everything from its leader over the local group, and is never a
     member of the job's epochs itself."""
 
-    def __init__(self, name: str, place: IslandPlace, island: IslandComm, store, liveness, heartbeat=None,
-                 job=None, new_client=None):
+    def __init__(
+        self,
+        name: str,
+        place: IslandPlace,
+        island: IslandComm,
+        store,
+        liveness,
+        heartbeat=None,
+        job=None,
+        new_client=None,
+    ):
         self.name, self.place, self.island, self.store = name, place, island, store
         self.liveness, self.heartbeat, self.job = liveness, heartbeat, job
         self.new_client = new_client  # a store client of its own for the checkpoint persist thread
@@ -698,8 +751,16 @@ class IslandFollower:
             time.sleep(0.05)
         step, digest = hand_over(self.island, strategy, model, 0, participant=self.participant)
         self._island_round = rounds_of(self.participant)  # after loading: a joiner's counter is the members'
-        self.events.append({"type": "entered", "via": leader, "step": step, "epoch": self.island.epoch,
-                            "time": time.time(), **({"global_sha256": digest} if digest else {})})
+        self.events.append(
+            {
+                "type": "entered",
+                "via": leader,
+                "step": step,
+                "epoch": self.island.epoch,
+                "time": time.time(),
+                **({"global_sha256": digest} if digest else {}),
+            }
+        )
         return step
 
     def at_step(self, strategy, model, step: int) -> None:

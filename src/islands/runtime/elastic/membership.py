@@ -42,15 +42,23 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch.distributed as dist
 
 from islands.runtime.elastic.auth import AuthStore, ControlAuth
-from islands.runtime.netns import entered as netns_entered
+from islands.runtime.elastic.etcd_store import (
+    EtcdAddress,
+    EtcdStore,
+    NotLeader,
+    cmp_absent,
+    is_etcd,
+    leader_key,
+    op_put,
+)
 from islands.runtime.elastic.starvation import PROC_KEY, identity
-from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdStore, NotLeader, cmp_absent, is_etcd, leader_key, op_put
+from islands.runtime.netns import entered as netns_entered
 
 PREFIX = "islands/"
 HEARTBEAT_INTERVAL = 0.2  # seconds between heartbeats; the timeout (JobSpec.heartbeat_timeout) is a multiple
@@ -78,8 +86,10 @@ def parse_address(text: str) -> tuple[str, int]:
         return str(EtcdAddress.parse(text)), 0
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address must be HOST:PORT (e.g. 127.0.0.1:29500) or etcd://HOST:PORT,HOST:PORT,.../NAMESPACE; "
-                         f"got {text!r}")
+        raise ValueError(
+            f"address must be HOST:PORT (e.g. 127.0.0.1:29500) or etcd://HOST:PORT,HOST:PORT,.../NAMESPACE; "
+            f"got {text!r}"
+        )
     return host, int(port)
 
 
@@ -120,16 +130,32 @@ class JobSpec:
         object.__setattr__(self, "script", tuple(self.script))
 
     def to_json(self) -> str:
-        return json.dumps({"workers": self.workers, "heartbeat_timeout": self.heartbeat_timeout,
-                           "timeout": self.timeout, "config": self.config, "script": list(self.script),
-                           "cwd": self.cwd, "job_id": self.job_id, "island_size": self.island_size})
+        return json.dumps(
+            {
+                "workers": self.workers,
+                "heartbeat_timeout": self.heartbeat_timeout,
+                "timeout": self.timeout,
+                "config": self.config,
+                "script": list(self.script),
+                "cwd": self.cwd,
+                "job_id": self.job_id,
+                "island_size": self.island_size,
+            }
+        )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "JobSpec":
+    def from_json(cls, text: str | bytes) -> JobSpec:
         d = json.loads(text)
-        return cls(workers=int(d["workers"]), heartbeat_timeout=float(d["heartbeat_timeout"]),
-                   timeout=float(d["timeout"]), config=d.get("config"), script=tuple(d.get("script") or ()),
-                   cwd=d.get("cwd", ""), job_id=d.get("job_id", ""), island_size=int(d.get("island_size", 1)))
+        return cls(
+            workers=int(d["workers"]),
+            heartbeat_timeout=float(d["heartbeat_timeout"]),
+            timeout=float(d["timeout"]),
+            config=d.get("config"),
+            script=tuple(d.get("script") or ()),
+            cwd=d.get("cwd", ""),
+            job_id=d.get("job_id", ""),
+            island_size=int(d.get("island_size", 1)),
+        )
 
     def lone_joiner_refusal(self) -> str | None:
         """Why `islands join` (one worker, no island place) cannot enter this job, or None when it can."""
@@ -139,16 +165,18 @@ class JobSpec:
             k = int(world.get("workers", 1)) // max(int(world.get("islands", 1)), 1)
         if k == 1:
             return None
-        return (f"this job's islands have {k} workers each and join or leave as a whole; `islands "
-                "join` starts one worker, so it cannot add an island: the launcher restarts a failed island itself "
-                "(--max-restarts)")
+        return (
+            f"this job's islands have {k} workers each and join or leave as a whole; `islands "
+            "join` starts one worker, so it cannot add an island: the launcher restarts a failed island itself "
+            "(--max-restarts)"
+        )
 
     def seal(self, token: str) -> bytes:
         """The job record as the store holds it: signed under the token (what a joiner runs comes from it)."""
         return ControlAuth(token, "job", LAUNCHER).seal("job", self.to_json())
 
     @classmethod
-    def read(cls, store, token: str, timeout_s: float = 30.0, name: str = "") -> "JobSpec":
+    def read(cls, store, token: str, timeout_s: float = 30.0, name: str = "") -> JobSpec:
         """The job record from `store` (a raw client), verified with `token`. A record that does not verify
         raises Refused; given `name`, the coordinator is asked first, so a wrong token gets its verdict
         (and the launcher logs the refusal) rather than this process's guess."""
@@ -158,8 +186,10 @@ class JobSpec:
             return cls.from_json(opened[2])
         if name:
             ask_to_join(store, name, token, timeout_s)  # raises Refused("wrong token ...") when it is the token
-        raise Refused("the job record in the store does not verify with this token: it was written or altered "
-                      "by a process without it")
+        raise Refused(
+            "the job record in the store does not verify with this token: it was written or altered "
+            "by a process without it"
+        )
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0, netns: str | None = None) -> dist.Store:
@@ -177,8 +207,9 @@ def connect(host: str, port: int, timeout_s: float = 30.0, netns: str | None = N
 
 def host_store(port: int = 0, timeout_s: float = 30.0) -> tuple[dist.TCPStore, dist.Store]:
     """The launcher's store (the server) and a prefixed client view of it."""
-    raw = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                        timeout=_dt.timedelta(seconds=timeout_s))
+    raw = dist.TCPStore(
+        "0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=timeout_s)
+    )
     return raw, dist.PrefixStore(PREFIX.rstrip("/"), raw)
 
 
@@ -189,8 +220,9 @@ def proof(token: str, name: str, challenge: str) -> str:
 def verdict_mac(token: str, name: str, challenge: str, verdict: str) -> str:
     """The coordinator's verdict, bound to the ticket's fresh challenge: a joiner trusts no admission it did
     not get from a holder of the token, and an old verdict does not verify for a new challenge."""
-    return hmac.new(token.encode(), f"islands-verdict|{name}|{challenge}|{verdict}".encode(),
-                    hashlib.sha256).hexdigest()
+    return hmac.new(
+        token.encode(), f"islands-verdict|{name}|{challenge}|{verdict}".encode(), hashlib.sha256
+    ).hexdigest()
 
 
 def get_json(store, key: str, default=None):
@@ -226,8 +258,9 @@ def ask_to_join(store, name: str, token: str, timeout_s: float = 30.0) -> Admiss
         except ValueError:
             signed = {}
         body = signed.get("verdict", "") if isinstance(signed, dict) else ""
-        genuine = isinstance(body, str) and hmac.compare_digest(str(signed.get("mac", "")),
-                                                                verdict_mac(token, name, challenge, body))
+        genuine = isinstance(body, str) and hmac.compare_digest(
+            str(signed.get("mac", "")), verdict_mac(token, name, challenge, body)
+        )
         verdict = json.loads(body) if genuine else {}
         if genuine and verdict["admitted"]:
             return Admission(verdict["slot"], verdict["shard"], verdict["initial"])
@@ -256,7 +289,7 @@ class Session:
     job: JobSpec
     new_client: Callable[[], AuthStore]
     stores: list | None = None  # every AuthStore of this member (the main one, its heartbeat's, its threads')
-    seat: "CoordinatorSeat | None" = None  # with an etcd store: this member's standby coordinator
+    seat: CoordinatorSeat | None = None  # with an etcd store: this member's standby coordinator
 
     def snapshot(self) -> dict:
         """Values this member accepted and refused, over all its store clients (for its run record)."""
@@ -277,8 +310,7 @@ class Session:
 
 
 def authed(raw, auth: ControlAuth, log=None) -> AuthStore:
-    return AuthStore(raw, auth, log=log if log is not None else _stderr,
-                     audit=bool(os.environ.get(AUDIT_ENV)))
+    return AuthStore(raw, auth, log=log if log is not None else _stderr, audit=bool(os.environ.get(AUDIT_ENV)))
 
 
 def _stderr(line: str) -> None:
@@ -322,8 +354,10 @@ class Heartbeat:
 
     def __init__(self, host: str, port: int, name: str, auth: ControlAuth | None = None, new_client=None):
         if new_client is None:
+
             def new_client():
                 return connect(host, port) if auth is None else authed(connect(host, port), auth)
+
         self._new_client = new_client
         self.store = new_client()
         self.name, self.signed, self.count = name, auth is not None, 0
@@ -353,8 +387,12 @@ class Heartbeat:
             except Exception as e:
                 self.failures += 1
                 if self.failures == 1:
-                    print(f"islands: {self.name}: a heartbeat failed ({type(e).__name__}: {e}); beating on over a "
-                          "new connection", file=sys.stderr, flush=True)
+                    print(
+                        f"islands: {self.name}: a heartbeat failed ({type(e).__name__}: {e}); beating on over a "
+                        "new connection",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 try:
                     self.store = self._new_client()
                 except Exception:
@@ -470,7 +508,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="islands-coordinator", daemon=True)
 
-    def start(self) -> "Coordinator":
+    def start(self) -> Coordinator:
         self._thread.start()
         return self
 
@@ -510,7 +548,7 @@ class Coordinator:
             self.next_ticket += 1
         # The counter is the one key an outsider can move (an add carries no MAC): a ticket nobody names holds no
         # later joiner back (each is looked at on its own), and a flood of them is cut to the newest NAMELESS_MAX.
-        for t in sorted(self.nameless)[:max(0, len(self.nameless) - NAMELESS_MAX)]:
+        for t in sorted(self.nameless)[: max(0, len(self.nameless) - NAMELESS_MAX)]:
             del self.nameless[t]
             self.settled.add(t)
         for t, seen in sorted(self.nameless.items()):
@@ -563,8 +601,13 @@ class Coordinator:
     def _verifies(self, raw, name: str, challenge: str) -> bool:
         try:
             signed = json.loads(raw)
-            return isinstance(signed, dict) and isinstance(signed.get("verdict"), str) and hmac.compare_digest(
-                str(signed.get("mac", "")), verdict_mac(self._token, name, challenge, signed["verdict"]))
+            return (
+                isinstance(signed, dict)
+                and isinstance(signed.get("verdict"), str)
+                and hmac.compare_digest(
+                    str(signed.get("mac", "")), verdict_mac(self._token, name, challenge, signed["verdict"])
+                )
+            )
         except (TypeError, ValueError):
             return False
 
@@ -572,8 +615,13 @@ class Coordinator:
         if not hmac.compare_digest(given, proof(self._token, name, challenge)):
             self.refused += 1
             self.log(f"elastic: refused {name!r}: its token does not match this job's")
-            self._verdict(ticket, name, challenge, admitted=False,
-                          reason="wrong token: the join proof does not match this job's token")
+            self._verdict(
+                ticket,
+                name,
+                challenge,
+                admitted=False,
+                reason="wrong token: the join proof does not match this job's token",
+            )
             return
         if _text(self.store.compare_set(f"name/{name}", "", str(ticket))) != str(ticket):
             self._verdict(ticket, name, challenge, admitted=False, reason=f"name {name!r} is already taken in this job")
@@ -603,7 +651,9 @@ class Coordinator:
         """self.admitted from the slot keys (another coordinator may have admitted some)."""
         n = len(self.admitted)
         while self.store.check([f"slot/{n}", f"slot/{n}/shard"]):
-            self.admitted.append([n, json.loads(self.store.get(f"slot/{n}"))["name"], int(self.store.get(f"slot/{n}/shard"))])
+            self.admitted.append(
+                [n, json.loads(self.store.get(f"slot/{n}"))["name"], int(self.store.get(f"slot/{n}/shard"))]
+            )
             n += 1
 
     def _form(self) -> None:
@@ -639,7 +689,7 @@ class Coordinator:
         so a coordinator that took over, or two that race, write the same list."""
         self._refresh()
         pending = get_json(self.store, "pending", [])
-        want = [a for a in self.admitted[self.workers:] if not self.store.check([f"joinat/{a[1]}"])]
+        want = [a for a in self.admitted[self.workers :] if not self.store.check([f"joinat/{a[1]}"])]
         if want != pending and (want or pending):
             self.store.set("pending", json.dumps(want))
 
@@ -666,8 +716,16 @@ class CoordinatorSeat:
     its TTL, then resumed) cannot write a verdict; its next write raises NotLeader and it becomes a standby
     again. The new leader's Coordinator re-reads every decision from the store (Coordinator docstring)."""
 
-    def __init__(self, address: str, token: str, job: JobSpec, holder: str, log=print, ttl_s: int = LEASE_TTL_S,
-                 timeout_s: float = 30.0):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        job: JobSpec,
+        holder: str,
+        log=print,
+        ttl_s: int = LEASE_TTL_S,
+        timeout_s: float = 30.0,
+    ):
         self.etcd = EtcdStore(EtcdAddress.parse(address), timeout_s=timeout_s)
         self.client, self.key = self.etcd.client, leader_key(self.etcd.root)
         self.token, self.job, self.holder, self.log, self.ttl = token, job, holder, log, ttl_s
@@ -680,7 +738,7 @@ class CoordinatorSeat:
         self._thread = threading.Thread(target=self._run, name="islands-coordinator-seat", daemon=True)
         self._keeper = threading.Thread(target=self._keep, name="islands-coordinator-lease", daemon=True)
 
-    def start(self) -> "CoordinatorSeat":
+    def start(self) -> CoordinatorSeat:
         self._thread.start()
         self._keeper.start()
         return self
@@ -715,10 +773,12 @@ class CoordinatorSeat:
             return False
         revision = int(answer["header"]["revision"])  # the put's revision is the key's create_revision
         self._kept, self.lease = time.monotonic(), lease
-        fenced = EtcdStore(self.etcd.address, self.etcd.timeout_s, fence=(self.key, revision), client=self.client,
-                           key_prefix=PREFIX)
-        self.coordinator = Coordinator(fenced, self.token, self.job, log=self.log, publish=False,
-                                       sender=f"coordinator:{self.holder}")
+        fenced = EtcdStore(
+            self.etcd.address, self.etcd.timeout_s, fence=(self.key, revision), client=self.client, key_prefix=PREFIX
+        )
+        self.coordinator = Coordinator(
+            fenced, self.token, self.job, log=self.log, publish=False, sender=f"coordinator:{self.holder}"
+        )
         self.terms.append({"holder": self.holder, "since": time.time()})
         self.log(f"elastic: {self.holder} took the coordinator's lease (revision {revision})")
         return True

@@ -63,8 +63,10 @@ class RecoveryError(RuntimeError):
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.layout != torch.strided or t.is_quantized:
-        raise TypeError(f"live recovery moves dense tensors only; got layout {t.layout} (quantized={t.is_quantized}): "
-                        "convert it with .to_dense() or .dequantize() first")
+        raise TypeError(
+            f"live recovery moves dense tensors only; got layout {t.layout} (quantized={t.is_quantized}): "
+            "convert it with .to_dense() or .dequantize() first"
+        )
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.reshape(-1)
@@ -130,8 +132,15 @@ class Manifest:
         return begin, min(begin + self.chunk_bytes, self.total)
 
     def _head(self) -> bytes:
-        return json.dumps({"chunk_bytes": self.chunk_bytes, "total": self.total, "checksums": list(self.checksums),
-                           "tensors": [list(t) for t in self.tensors]}, separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "chunk_bytes": self.chunk_bytes,
+                "total": self.total,
+                "checksums": list(self.checksums),
+                "tensors": [list(t) for t in self.tensors],
+            },
+            separators=(",", ":"),
+        ).encode()
 
     def _digest(self) -> str:
         h = hashlib.blake2b(digest_size=32)
@@ -145,13 +154,19 @@ class Manifest:
         return _LEN.pack(len(head)) + head + self.skeleton + self.digest.encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Manifest":
+    def from_bytes(cls, data: bytes) -> Manifest:
         try:
             (n,) = _LEN.unpack_from(data, 0)
-            head = json.loads(data[8:8 + n])
-            skeleton, digest = data[8 + n:-64], data[-64:].decode()
-            return cls(int(head["chunk_bytes"]), int(head["total"]), tuple(int(c) for c in head["checksums"]),
-                       tuple(tuple(t) for t in head["tensors"]), bytes(skeleton), digest)
+            head = json.loads(data[8 : 8 + n])
+            skeleton, digest = data[8 + n : -64], data[-64:].decode()
+            return cls(
+                int(head["chunk_bytes"]),
+                int(head["total"]),
+                tuple(int(c) for c in head["checksums"]),
+                tuple(tuple(t) for t in head["tensors"]),
+                bytes(skeleton),
+                digest,
+            )
         except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise RecoveryError(f"unreadable recovery manifest ({len(data)} bytes): {exc}") from exc
 
@@ -164,7 +179,7 @@ class StateImage:
     payload: memoryview
 
     @classmethod
-    def build(cls, state, chunk_bytes: int = CHUNK_BYTES, codec=None) -> "StateImage":
+    def build(cls, state, chunk_bytes: int = CHUNK_BYTES, codec=None) -> StateImage:
         """`state`: any picklable tree of tensors and plain values. `codec`: an islands.checkpoint.codec.TensorCodec
         to store each tensor compressed (lossless), or None for raw bytes. Tensors are only read."""
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
@@ -185,8 +200,8 @@ class StateImage:
         payload = bytearray(pos)  # one buffer; zero padding between tensors
         view = memoryview(payload)
         for at, data in parts:
-            view[at:at + len(data)] = memoryview(data).cast("B")
-        checksums = tuple(xxhash.xxh3_64_intdigest(view[i:i + chunk_bytes]) for i in range(0, pos, chunk_bytes))
+            view[at : at + len(data)] = memoryview(data).cast("B")
+        checksums = tuple(xxhash.xxh3_64_intdigest(view[i : i + chunk_bytes]) for i in range(0, pos, chunk_bytes))
         return cls(Manifest(chunk_bytes, pos, checksums, tuple(tuple(e) for e in entries), buf.getvalue()), view)
 
     def chunk(self, index: int) -> memoryview:
@@ -198,15 +213,17 @@ def rebuild(manifest: Manifest, payload, decode=None) -> object:
     """The tree from a verified payload. Raw tensors are views of `payload` (no copy); coded ones go through
     `decode` (islands.checkpoint.codec.decode_tensor: passed in, as the checkpoint package imports the runtime)."""
     if decode is None and any(t[4] for t in manifest.tensors):
-        raise RecoveryError("this state was served through the checkpoint codec: pass decode=islands.checkpoint.codec."
-                            "decode_tensor to fetch_state to read it")
+        raise RecoveryError(
+            "this state was served through the checkpoint codec: pass decode=islands.checkpoint.codec."
+            "decode_tensor to fetch_state to read it"
+        )
     tensors = []
     for dtype_name, shape, at, length, encoded in manifest.tensors:
         dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype):
             raise RecoveryError(f"the manifest names dtype {dtype_name!r}, which this torch does not have")
         if encoded:
-            tensors.append(decode(memoryview(payload)[at:at + length]))
+            tensors.append(decode(memoryview(payload)[at : at + length]))
         elif length == 0:
             tensors.append(torch.empty(shape, dtype=dtype))
         else:
@@ -314,7 +331,7 @@ class StateServer:
                 pass
         self._thread.join(timeout=2)
 
-    def __enter__(self) -> "StateServer":
+    def __enter__(self) -> StateServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -430,8 +447,10 @@ class _Queue:
         with self.cond:
             self.bad.setdefault(index, set()).add(peer)
             if self.tries[index] >= self.attempts:
-                self.error = (f"chunk {index} arrived damaged {self.tries[index]} times (from "
-                              f"{', '.join(sorted(self.bad[index]))}); giving up after {self.attempts} attempts")
+                self.error = (
+                    f"chunk {index} arrived damaged {self.tries[index]} times (from "
+                    f"{', '.join(sorted(self.bad[index]))}); giving up after {self.attempts} attempts"
+                )
             else:
                 self.todo.appendleft(index)
             self.cond.notify_all()
@@ -448,9 +467,17 @@ class _Queue:
             self.cond.notify_all()
 
 
-def fetch_state(peers, *, secret: bytes | None = None, expect_digest: str | None = None,
-                timeout: float = 30.0, attempts: int = ATTEMPTS, depth: int = DEPTH,
-                manifest_timeout: float | None = None, decode=None) -> tuple[object, FetchReport]:
+def fetch_state(
+    peers,
+    *,
+    secret: bytes | None = None,
+    expect_digest: str | None = None,
+    timeout: float = 30.0,
+    attempts: int = ATTEMPTS,
+    depth: int = DEPTH,
+    manifest_timeout: float | None = None,
+    decode=None,
+) -> tuple[object, FetchReport]:
     """Fetch a state from `peers` ("host:port" or (host, port), all serving the same snapshot).
 
     Returns (the tree, a FetchReport). The manifest comes from the first peer that answers, or must have
@@ -483,8 +510,10 @@ def fetch_state(peers, *, secret: bytes | None = None, expect_digest: str | None
             c.close()
         served = sorted({m.digest[:16] for _, m in conns})
         if expect_digest is not None and served:
-            raise RecoveryError(f"manifest mismatch: the peers serve state {', '.join(served)}..., not the expected "
-                                f"{expect_digest[:16]}...; they hold another state than the one announced")
+            raise RecoveryError(
+                f"manifest mismatch: the peers serve state {', '.join(served)}..., not the expected "
+                f"{expect_digest[:16]}...; they hold another state than the one announced"
+            )
         raise RecoveryError(f"no peer answered with a manifest: {report.skipped}")
     use = []
     for c, m in conns:
@@ -544,8 +573,10 @@ def fetch_state(peers, *, secret: bytes | None = None, expect_digest: str | None
     for t in threads:
         t.join()
     if queue.error or queue.left:
-        raise RecoveryError(f"live recovery of state {manifest.digest[:16]}... failed: "
-                            f"{queue.error or f'{queue.left} chunks missing'}; per peer: {report.per_peer}")
+        raise RecoveryError(
+            f"live recovery of state {manifest.digest[:16]}... failed: "
+            f"{queue.error or f'{queue.left} chunks missing'}; per peer: {report.per_peer}"
+        )
     state = rebuild(manifest, payload, decode)
     report.seconds = time.perf_counter() - start
     return state, report

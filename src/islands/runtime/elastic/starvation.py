@@ -44,7 +44,7 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def identity(pid: int | None = None) -> str | None:
-    """"BOOT_ID:PID:START" for `pid` (this process by default), None where /proc cannot tell (not Linux)."""
+    """ "BOOT_ID:PID:START" for `pid` (this process by default), None where /proc cannot tell (not Linux)."""
     pid = os.getpid() if pid is None else pid
     boot, start = _boot_id(), _start_ticks(pid)
     return None if boot is None or start is None else f"{boot}:{pid}:{start}"

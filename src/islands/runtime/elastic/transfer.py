@@ -17,12 +17,12 @@ import io
 import json
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from islands.runtime.elastic import recovery
 from islands.runtime.contracts import ElasticParticipant, Holder
+from islands.runtime.elastic import recovery
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import store_layers
 from islands.runtime.elastic.membership import get_json
@@ -92,11 +92,13 @@ class StateTransfer:
         server = None
         if epochs.name in holders:
             image = recovery.StateImage.build(self.snapshot(strategy, model, step))
-            server = recovery.StateServer(image, host=recovery.local_address_towards(store_host(epochs.store)),
-                                          secret=self.secret(key))
+            server = recovery.StateServer(
+                image, host=recovery.local_address_towards(store_host(epochs.store)), secret=self.secret(key)
+            )
             host, port = server.address
-            epochs.store.set(f"{key}/{epochs.name}", json.dumps({"address": f"{host}:{port}",
-                                                                "digest": image.manifest.digest}))
+            epochs.store.set(
+                f"{key}/{epochs.name}", json.dumps({"address": f"{host}:{port}", "digest": image.manifest.digest})
+            )
         try:
             state = None if server is not None else self._fetch_state(key, holders, src)
             comm.all_reduce(torch.zeros(1), kind="elastic_state_done")
@@ -120,16 +122,26 @@ class StateTransfer:
                 break
             time.sleep(commit.POLL)
         if not published:
-            raise RuntimeError(f"no holder of the training state published it for epoch {epochs.epoch} within "
-                               f"{timeout:.0f} s")
+            raise RuntimeError(
+                f"no holder of the training state published it for epoch {epochs.epoch} within {timeout:.0f} s"
+            )
         first = next(n for n in ranked if n in published)  # the lowest-ranked holder's state is the one to take
         peers = [published[n]["address"] for n in ranked if n in published]
-        state, report = recovery.fetch_state(peers, secret=self.secret(key),
-                                             expect_digest=published[first]["digest"], timeout=timeout)
+        state, report = recovery.fetch_state(
+            peers, secret=self.secret(key), expect_digest=published[first]["digest"], timeout=timeout
+        )
         self.comm.ledger.record("elastic_state", 0, report.payload_bytes)
-        self.transfers.append({"via": "chunks", "epoch": epochs.epoch + epochs.epoch_base,
-                               "bytes": report.payload_bytes, "seconds": report.seconds, "peers": len(report.per_peer),
-                               "refetched": report.refetched, "skipped": report.skipped})
+        self.transfers.append(
+            {
+                "via": "chunks",
+                "epoch": epochs.epoch + epochs.epoch_base,
+                "bytes": report.payload_bytes,
+                "seconds": report.seconds,
+                "peers": len(report.per_peer),
+                "refetched": report.refetched,
+                "skipped": report.skipped,
+            }
+        )
         return state
 
     def secret(self, key: str) -> bytes:
@@ -158,8 +170,9 @@ def state_digest(state: dict) -> str:
 
 def store_host(store) -> str:
     """The host of the TCPStore under `store`'s wrappers."""
-    return next((s.host for s in store_layers(store) if isinstance(getattr(s, "host", None), str) and s.host),
-                "127.0.0.1")
+    return next(
+        (s.host for s in store_layers(store) if isinstance(getattr(s, "host", None), str) and s.host), "127.0.0.1"
+    )
 
 
 def load_state(strategy: Holder, model, state: dict, participant: ElasticParticipant) -> int:

@@ -33,25 +33,43 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import Callable
-
+from collections.abc import Callable
 from dataclasses import dataclass
-
-from islands.runtime.launch import job_host, spawn
+from pathlib import Path
 
 from islands.runtime import stacks
-
 from islands.runtime.elastic import starvation
-from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandPlace, worker_name
-from islands.runtime.elastic.membership import JOB_ENDED_EXIT_CODE, REFUSED_EXIT_CODE
 from islands.runtime.elastic.auth import ControlAuth
 from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdStore
-from islands.runtime.launch.ranks import (GRACE_SECONDS, LaunchError, WorkerProcess, describe_exit, exit_of, log_tail,
-                                    port_is_free, signal_worker, stop_all)
+from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandPlace, worker_name
+from islands.runtime.elastic.membership import (
+    ELASTIC_ENV,
+    JOB_ENDED_EXIT_CODE,
+    LAUNCHER,
+    NAME_ENV,
+    REFUSED_EXIT_CODE,
+    TOKEN_ENV,
+    JobSpec,
+    Liveness,
+    authed,
+    connect,
+    get_json,
+    no_member_alive,
+    parse_address,
+)
+from islands.runtime.launch import job_host, spawn
+from islands.runtime.launch.ranks import (
+    GRACE_SECONDS,
+    LaunchError,
+    WorkerProcess,
+    describe_exit,
+    exit_of,
+    log_tail,
+    port_is_free,
+    signal_worker,
+    stop_all,
+)
 from islands.testbed import Testbed
-from islands.runtime.elastic.membership import (ELASTIC_ENV, LAUNCHER, NAME_ENV, TOKEN_ENV, JobSpec, Liveness, authed, connect,
-                                        get_json, no_member_alive, parse_address)
 
 
 def job_token(run_dir: Path, out) -> str:
@@ -67,10 +85,22 @@ def job_token(run_dir: Path, out) -> str:
     return token
 
 
-def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heartbeat_timeout: float = 3.0,
-                          timeout: float = 120.0, port: int = 0, threads: int = 1, out=sys.stderr,
-                          on_started=None, store: EtcdAddress | None = None, testbed: Testbed | None = None,
-                          islands: int | None = None, max_restarts: int = 0) -> int:
+def launch_elastic_script(
+    argv: list[str],
+    workers: int,
+    run_dir: Path,
+    *,
+    heartbeat_timeout: float = 3.0,
+    timeout: float = 120.0,
+    port: int = 0,
+    threads: int = 1,
+    out=sys.stderr,
+    on_started=None,
+    store: EtcdAddress | None = None,
+    testbed: Testbed | None = None,
+    islands: int | None = None,
+    max_restarts: int = 0,
+) -> int:
     """`islands run --elastic`: run `argv` (a script and its arguments) as an elastic job of `workers` workers.
 
     The script joins with islands.init_world() and needs an outer strategy (joins happen at its round
@@ -87,13 +117,28 @@ def launch_elastic_script(argv: list[str], workers: int, run_dir: Path, *, heart
     if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1 or workers % islands:
         raise LaunchError(f"islands must divide the {workers} workers into islands of equal size; got {islands!r}")
     try:
-        job = JobSpec(workers=islands, heartbeat_timeout=heartbeat_timeout, timeout=timeout,
-                      script=(str(script), *argv[1:]), cwd=os.getcwd(), island_size=workers // islands)
+        job = JobSpec(
+            workers=islands,
+            heartbeat_timeout=heartbeat_timeout,
+            timeout=timeout,
+            script=(str(script), *argv[1:]),
+            cwd=os.getcwd(),
+            island_size=workers // islands,
+        )
     except ValueError as e:
         raise LaunchError(str(e)) from None
-    return launch_elastic_workers(lambda address: script_command(job), job, run_dir, port=port, threads=threads,
-                                  out=out, on_started=on_started, store=store, testbed=testbed,
-                                  max_restarts=max_restarts)
+    return launch_elastic_workers(
+        lambda address: script_command(job),
+        job,
+        run_dir,
+        port=port,
+        threads=threads,
+        out=out,
+        on_started=on_started,
+        store=store,
+        testbed=testbed,
+        max_restarts=max_restarts,
+    )
 
 
 def script_command(job: JobSpec) -> list[str]:
@@ -101,9 +146,19 @@ def script_command(job: JobSpec) -> list[str]:
     return [sys.executable, *job.script]
 
 
-def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, run_dir: Path, *, port: int = 0,
-                           threads: int = 1, out=sys.stderr, on_started=None, max_restarts: int = 0, store: EtcdAddress | None = None,
-                           testbed: Testbed | None = None) -> int:
+def launch_elastic_workers(
+    command: Callable[[str], list[str]],
+    job: JobSpec,
+    run_dir: Path,
+    *,
+    port: int = 0,
+    threads: int = 1,
+    out=sys.stderr,
+    on_started=None,
+    max_restarts: int = 0,
+    store: EtcdAddress | None = None,
+    testbed: Testbed | None = None,
+) -> int:
     """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
     ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
     from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
@@ -130,8 +185,9 @@ def launch_elastic_workers(command: Callable[[str], list[str]], job: JobSpec, ru
     token = job_token(run_dir, out)
     host = JobHost.start(job, run_dir, token, port, out, store, testbed)
     address, coordinator = host.address, host
-    print(f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out,
-          flush=True)
+    print(
+        f"islands: elastic job at {address}; join with `islands join {address} --token-file PATH`", file=out, flush=True
+    )
     started: list[WorkerProcess] = []
     try:
         # job.workers islands of island_size workers each (one-worker islands: w0, w1, ... as before)
@@ -158,7 +214,9 @@ class JobHost:
 
     START_TIMEOUT_S = 120.0  # importing torch on a loaded machine is most of it
 
-    def __init__(self, proc: subprocess.Popen, address: str, store, log: Path, out, raw=None, record: Path | None = None):
+    def __init__(
+        self, proc: subprocess.Popen, address: str, store, log: Path, out, raw=None, record: Path | None = None
+    ):
         self.proc, self.address, self.store, self.log_path, self.out = proc, address, store, log, out
         self.raw, self.record = raw, record  # the unauthenticated client (EtcdStore.end) and job_host.json
         self._stopped_since: float | None = None  # since when the host process is stopped (trouble)
@@ -167,21 +225,38 @@ class JobHost:
         self._relay.start()
 
     @classmethod
-    def start(cls, job: JobSpec, run_dir: Path, token: str, port: int, out,
-              store: EtcdAddress | None = None, testbed: Testbed | None = None) -> "JobHost":
+    def start(
+        cls,
+        job: JobSpec,
+        run_dir: Path,
+        token: str,
+        port: int,
+        out,
+        store: EtcdAddress | None = None,
+        testbed: Testbed | None = None,
+    ) -> JobHost:
         record = run_dir / job_host.RECORD
         record.unlink(missing_ok=True)
         log = run_dir / "logs" / "job_host.log"
         env = dict(os.environ, **{TOKEN_ENV: token}, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        argv = [sys.executable, "-m", "islands.runtime.launch.job_host", str(run_dir), "--launcher-pid", str(os.getpid()),
-                "--port", str(port), *(["--store", str(store)] if store is not None else [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "islands.runtime.launch.job_host",
+            str(run_dir),
+            "--launcher-pid",
+            str(os.getpid()),
+            "--port",
+            str(port),
+            *(["--store", str(store)] if store is not None else []),
+        ]
         if testbed is not None:  # `ip netns exec` execs: the host's parent is still this launcher
             argv = testbed.wrap_hub(argv + ["--advertise", testbed.hub_ip])
         netns = testbed.hub if testbed is not None else None
         with open(log, "w") as f:
-            proc = subprocess.Popen(argv,
-                                    env=env, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         proc.stdin.write(job.to_json().encode())
         proc.stdin.close()
         deadline = time.monotonic() + cls.START_TIMEOUT_S
@@ -192,14 +267,18 @@ class JobHost:
             if proc.poll() is not None or time.monotonic() > deadline:
                 if proc.poll() is None:
                     proc.kill()
-                raise LaunchError(f"the elastic job host did not start (exit {proc.poll()}); its log "
-                                  f"{log}:\n{log_tail(log)}")
+                raise LaunchError(
+                    f"the elastic job host did not start (exit {proc.poll()}); its log {log}:\n{log_tail(log)}"
+                )
             time.sleep(0.05)
         address = info["address"]
         host, p = parse_address(address)
         raw = connect(host, p, netns=netns)  # on a testbed, from inside its hub (islands.runtime.netns)
-        store = authed(raw, ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
-                       lambda line: print(line, file=out, flush=True))
+        store = authed(
+            raw,
+            ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
+            lambda line: print(line, file=out, flush=True),
+        )
         return cls(proc, address, store, log, out, raw=raw, record=record)
 
     def trouble(self, patience: float) -> str | None:
@@ -217,8 +296,10 @@ class JobHost:
         self._stopped_since = self._stopped_since or now
         if now - self._stopped_since < patience:
             return None
-        return (f"the job host (pid {self.proc.pid}, the job's store) has been stopped for "
-                f"{now - self._stopped_since:.1f} s")
+        return (
+            f"the job host (pid {self.proc.pid}, the job's store) has been stopped for "
+            f"{now - self._stopped_since:.1f} s"
+        )
 
     def mark_dead(self, name: str) -> None:
         self.store.set(f"dead/{name}", "1")
@@ -263,11 +344,18 @@ class JobHost:
         try:
             if not self.raw.ended():
                 self.raw.end()
-                print("islands: the job host had died; the launcher marked the job ended in etcd and removed its "
-                      "keys", file=self.out, flush=True)
+                print(
+                    "islands: the job host had died; the launcher marked the job ended in etcd and removed its keys",
+                    file=self.out,
+                    flush=True,
+                )
         except Exception as e:  # noqa: BLE001 - no etcd majority: the keys stay (docs/membership.md)
-            print(f"islands: could not mark the job ended in etcd ({e}); its keys stay under "
-                  f"{self.address.rsplit('/', 1)[-1]}/", file=self.out, flush=True)
+            print(
+                f"islands: could not mark the job ended in etcd ({e}); its keys stay under "
+                f"{self.address.rsplit('/', 1)[-1]}/",
+                file=self.out,
+                flush=True,
+            )
 
 
 def get_json_file(path: Path):
@@ -281,8 +369,14 @@ class _HostLost(Exception):
     """The job host, whose store the job runs on, is gone or stopped (JobHost.trouble says how)."""
 
 
-def _supervise(workers: list[WorkerProcess], store, coordinator: "JobHost", heartbeat_timeout: float,
-               out, islands: "_Islands | None" = None) -> int:
+def _supervise(
+    workers: list[WorkerProcess],
+    store,
+    coordinator: JobHost,
+    heartbeat_timeout: float,
+    out,
+    islands: _Islands | None = None,
+) -> int:
     """_watch, ended with a clear error when the job host is lost (exited, or stopped for the heartbeat timeout):
     the workers cannot go on without their store, so they are stopped, unless every one of them had finished
     (exit 0) already, which is a finished job. A watchdog thread looks at the host; a stopped host is SIGKILLed
@@ -333,8 +427,14 @@ class _HostWatchdog(threading.Thread):
             raise _HostLost(self.why)
 
 
-def _watch(workers: list[WorkerProcess], store, coordinator: "_HostWatchdog", heartbeat_timeout: float,
-           out, islands: "_Islands | None" = None) -> int:
+def _watch(
+    workers: list[WorkerProcess],
+    store,
+    coordinator: _HostWatchdog,
+    heartbeat_timeout: float,
+    out,
+    islands: _Islands | None = None,
+) -> int:
     """Watch the workers until the job ended. Islands are the unit (docs/membership.md, "Islands of k workers"):
     a worker of island i that exits non-zero takes its island out (its mates are stopped and reported dead,
     so the members fail over without its leader at once), and island i starts again as a new incarnation
@@ -371,24 +471,39 @@ def _watch(workers: list[WorkerProcess], store, coordinator: "_HostWatchdog", he
                         coordinator.store.set(f"dead/{_name(m)}", f"its island lost {name}")
                         signal_worker(m, signal.SIGKILL)
                     if islands.size > 1:
-                        print(f"islands: island {w.island} left the job ({name}: {why})"
-                              + (f"; stopped {', '.join(_name(m) for m in mates)}" if mates else ""), file=out, flush=True)
+                        print(
+                            f"islands: island {w.island} left the job ({name}: {why})"
+                            + (f"; stopped {', '.join(_name(m) for m in mates)}" if mates else ""),
+                            file=out,
+                            flush=True,
+                        )
                     gone = {_name(m) for m in workers if islands.same(m, w)}
                     if closing or code in (REFUSED_EXIT_CODE, JOB_ENDED_EXIT_CODE):
                         pass
                     elif islands.restarts.get(w.island, 0) >= islands.max_restarts:
                         if islands.max_restarts:
-                            print(f"islands: island {w.island} is not restarted: its {islands.max_restarts} restart(s) "
-                                  "(--max-restarts) are used up", file=out, flush=True)
+                            print(
+                                f"islands: island {w.island} is not restarted: its {islands.max_restarts} restart(s) "
+                                "(--max-restarts) are used up",
+                                file=out,
+                                flush=True,
+                            )
                     elif not _member_alive_besides(store, liveness, gone):
-                        print(f"islands: island {w.island} is not restarted: no other island is alive to admit it",
-                              file=out, flush=True)
+                        print(
+                            f"islands: island {w.island} is not restarted: no other island is alive to admit it",
+                            file=out,
+                            flush=True,
+                        )
                     else:
                         fresh = islands.restart(w.island, why=f"{name}: {why}")
                         workers += fresh
-                        print(f"islands: restarting island {w.island} (restart {islands.restarts[w.island]} of "
-                              f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins at a round "
-                              "boundary", file=out, flush=True)
+                        print(
+                            f"islands: restarting island {w.island} (restart {islands.restarts[w.island]} of "
+                            f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins at a round "
+                            "boundary",
+                            file=out,
+                            flush=True,
+                        )
             running = [w for w in workers if _name(w) not in reported]
             if time.monotonic() < next_look:  # exits are polled every 50 ms; the store (etcd: HTTP) every LOOK_S
                 time.sleep(0.05)
@@ -398,12 +513,20 @@ def _watch(workers: list[WorkerProcess], store, coordinator: "_HostWatchdog", he
             ended = no_member_alive(store, liveness)
             if ended and islands is not None:
                 closing = True
-                waiting = [w for w in running if getattr(w, "incarnation", 0) > 0 and _name(w) not in stopped
-                           and islands.leader_name(w) not in reaper.members_seen]
+                waiting = [
+                    w
+                    for w in running
+                    if getattr(w, "incarnation", 0) > 0
+                    and _name(w) not in stopped
+                    and islands.leader_name(w) not in reaper.members_seen
+                ]
                 for w in waiting:  # admitted by nobody, ever: the members are gone
                     stopped.add(_name(w))
-                    print(f"islands: worker {_name(w)}: the job ended before its island was admitted; stopping it",
-                          file=out, flush=True)
+                    print(
+                        f"islands: worker {_name(w)}: the job ended before its island was admitted; stopping it",
+                        file=out,
+                        flush=True,
+                    )
                     coordinator.store.set(f"dead/{_name(w)}", "the job ended before its island was admitted")
                     signal_worker(w, signal.SIGKILL)
             if len(reported) == len(workers) and (not store.check(["e/0/members"]) or no_member_alive(store, liveness)):
@@ -438,8 +561,17 @@ class _Islands:
     ISLANDS_ISLAND (their place) when an island has several workers or may be restarted. Keeps the restart
     count per island and writes every restart to RUN_DIR/elastic/restarts.json."""
 
-    def __init__(self, command, address: str, token: str, run_dir: Path, threads: int, size: int, max_restarts: int,
-                 testbed: Testbed | None = None):
+    def __init__(
+        self,
+        command,
+        address: str,
+        token: str,
+        run_dir: Path,
+        threads: int,
+        size: int,
+        max_restarts: int,
+        testbed: Testbed | None = None,
+    ):
         if size < 1 or max_restarts < 0:
             raise LaunchError(f"island_size must be >= 1 and max_restarts >= 0; got {size} and {max_restarts}")
         self.command, self.address, self.token, self.run_dir = command, address, token, run_dir
@@ -463,8 +595,12 @@ class _Islands:
         out = []
         for local in range(self.size):
             name = worker_name(index, local, self.size, incarnation)
-            env = dict(os.environ, **{ELASTIC_ENV: self.address, TOKEN_ENV: self.token, NAME_ENV: name},
-                       PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
+            env = dict(
+                os.environ,
+                **{ELASTIC_ENV: self.address, TOKEN_ENV: self.token, NAME_ENV: name},
+                PYTHONUNBUFFERED="1",
+                OMP_NUM_THREADS=str(self.threads),
+            )
             env.pop(ISLAND_ENV, None)
             if self.whole:
                 env[ISLAND_ENV] = IslandPlace(index, local, self.size, incarnation).to_env()
@@ -477,15 +613,25 @@ class _Islands:
             with open(log, "w") as f:
                 # its own session: Ctrl-C reaches the launcher only, which stops every worker and its children
                 proc = spawn.start(self.command(self.address), env, stdout=f, stderr=subprocess.STDOUT, netns=netns)
-            out.append(IslandWorker(index * self.size + local, proc, log, own_group=True, name=name, island=index,
-                                    incarnation=incarnation))
+            out.append(
+                IslandWorker(
+                    index * self.size + local,
+                    proc,
+                    log,
+                    own_group=True,
+                    name=name,
+                    island=index,
+                    incarnation=incarnation,
+                )
+            )
         return out
 
     def restart(self, index: int, why: str) -> list[IslandWorker]:
         n = self.restarts[index] = self.restarts.get(index, 0) + 1
         fresh = self.start(index, n)
-        self.log.append({"island": index, "incarnation": n, "time": time.time(), "why": why,
-                         "workers": [w.name for w in fresh]})
+        self.log.append(
+            {"island": index, "incarnation": n, "time": time.time(), "why": why, "workers": [w.name for w in fresh]}
+        )
         path = self.run_dir / "elastic" / "restarts.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -533,7 +679,7 @@ class _Reaper:
     # went unanswered for 0.3 s). It gets up to starvation.LIMIT heartbeat timeouts before it counts as silent.
     STARVED_LIMIT = starvation.LIMIT
 
-    def __init__(self, store, heartbeat_timeout: float, out, islands: "_Islands | None" = None):
+    def __init__(self, store, heartbeat_timeout: float, out, islands: _Islands | None = None):
         self.store, self.timeout, self.out, self.islands = store, heartbeat_timeout, out, islands
         self.liveness = Liveness(store, heartbeat_timeout)
         self.members_seen: set[str] = set()
@@ -550,9 +696,13 @@ class _Reaper:
         if starved is None:
             return False
         if starved[2]:
-            print(f"islands: worker {name}: no heartbeat for {silent_for:.1f} s, but its process is waiting for a CPU "
-                  f"(it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not killing it before "
-                  f"{self.STARVED_LIMIT * self.timeout:.1f} s of silence", file=self.out, flush=True)
+            print(
+                f"islands: worker {name}: no heartbeat for {silent_for:.1f} s, but its process is waiting for a CPU "
+                f"(it used {starved[0]:.2f} s of CPU in {starved[1]:.1f} s); not killing it before "
+                f"{self.STARVED_LIMIT * self.timeout:.1f} s of silence",
+                file=self.out,
+                flush=True,
+            )
         return True
 
     def look(self, running: list[WorkerProcess]) -> None:
@@ -577,8 +727,9 @@ class _Reaper:
                 continue
             if name in silent:  # a stopped or GIL-locked process acts on no gentler signal: SIGKILL at once
                 state = stacks.state(w.proc.pid)
-                why = (f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung"
-                       + (f"; its process is {state})" if state else ")"))
+                why = f"no heartbeat for {self.liveness.silent_for(name):.1f} s (stopped, cut off or hung" + (
+                    f"; its process is {state})" if state else ")"
+                )
                 sig, doing = signal.SIGKILL, "killing it"
             elif name in self.members_seen and members and name not in members:
                 since = self.excluded_since.setdefault(name, now)
@@ -598,11 +749,13 @@ class _Reaper:
                     if m is not w and self.islands.same(m, w) and not self.store.check([f"dead/{_name(m)}"]):
                         self.store.set(f"dead/{_name(m)}", f"its island lost {name}")
             if sig == signal.SIGKILL and stacks.request(w.proc.pid):  # what it was doing, in its log, then the kill
-                print(f"islands: worker {name}: {why}; killing it (its threads' stacks: {w.log})", file=self.out,
-                      flush=True)
+                print(
+                    f"islands: worker {name}: {why}; killing it (its threads' stacks: {w.log})",
+                    file=self.out,
+                    flush=True,
+                )
                 self.termed[name] = now - self.KILL_GRACE + stacks.DUMP_S  # the SIGKILL goes out DUMP_S later
                 continue
             print(f"islands: worker {name}: {why}; {doing}", file=self.out, flush=True)
             signal_worker(w, sig)
             self.termed[name] = now
-

@@ -42,8 +42,17 @@ from pathlib import Path
 
 from islands.runtime.elastic.auth import ControlAuth
 from islands.runtime.elastic.etcd_store import EtcdAddress
-from islands.runtime.elastic.membership import (TOKEN_ENV, Coordinator, CoordinatorSeat, JobSpec, Liveness, authed, connect,
-                                        host_store, no_member_alive)
+from islands.runtime.elastic.membership import (
+    TOKEN_ENV,
+    Coordinator,
+    CoordinatorSeat,
+    JobSpec,
+    Liveness,
+    authed,
+    connect,
+    host_store,
+    no_member_alive,
+)
 
 RECORD = "job_host.json"  # in the run directory
 LINGER_S = 2.0  # seconds the "no member alive" rule must hold before a host whose launcher died exits
@@ -81,8 +90,10 @@ class HostLoop:
                 continue
             if not said_orphan:
                 said_orphan = True
-                self.log(f"job host: the launcher (pid {self.launcher_pid}) is gone; the job goes on, and this "
-                         "host ends once no member of the newest epoch is alive")
+                self.log(
+                    f"job host: the launcher (pid {self.launcher_pid}) is gone; the job goes on, and this "
+                    "host ends once no member of the newest epoch is alive"
+                )
             if not self.formed():
                 if time.monotonic() - self.started > idle:
                     return f"the launcher died and epoch 0 did not form within {idle:.0f} s", False
@@ -107,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher-pid", type=int, required=True)
     p.add_argument("--port", type=int, default=0, help="the embedded store's port (0: a free one)")
     p.add_argument("--store", default="", help="etcd://HOST:PORT,... : keep the job in this etcd cluster instead")
-    p.add_argument("--advertise", default="127.0.0.1",
-                   help="the address workers reach the embedded store at (a testbed's hub address)")
+    p.add_argument(
+        "--advertise",
+        default="127.0.0.1",
+        help="the address workers reach the embedded store at (a testbed's hub address)",
+    )
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # not inherited by anything this process might start
     job = JobSpec.from_json(sys.stdin.read())
@@ -135,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: loop.stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (it stops this host)
     (seat or coordinator).start()
-    record = {"address": address, "pid": os.getpid(), "job_id": job.job_id, "launcher_pid": args.launcher_pid,
-              "started": time.time()}
+    record = {
+        "address": address,
+        "pid": os.getpid(),
+        "job_id": job.job_id,
+        "launcher_pid": args.launcher_pid,
+        "started": time.time(),
+    }
     write_atomic(run_dir / RECORD, record)
     log(f"job host: store and coordinator at {address} (pid {os.getpid()})")
     why, launcher_alive = loop.run()

@@ -132,9 +132,11 @@ def load_testbed(name: str) -> Testbed:
         raise LaunchError(str(e)) from None
     missing = [h.netns for h in bed.hosts if h.netns not in present]
     if bed.phase != "up" or missing:
-        raise LaunchError(f"testbed {name!r} is not up (phase {bed.phase!r}, missing namespaces: "
-                          f"{', '.join(missing) or 'none'}); see `islands testbed status`, rebuild it with "
-                          f"`islands testbed up --name {name} --hosts {len(bed.hosts)} --rate {bed.rate}`")
+        raise LaunchError(
+            f"testbed {name!r} is not up (phase {bed.phase!r}, missing namespaces: "
+            f"{', '.join(missing) or 'none'}); see `islands testbed status`, rebuild it with "
+            f"`islands testbed up --name {name} --hosts {len(bed.hosts)} --rate {bed.rate}`"
+        )
     return bed
 
 
@@ -149,7 +151,7 @@ class Placement:
     store: object = field(default=None, compare=False, repr=False)  # the launcher's own rendezvous store, if any
 
     @classmethod
-    def loopback(cls, port: int = 0) -> "Placement":
+    def loopback(cls, port: int = 0) -> Placement:
         """On this machine, with the rendezvous store listening (in this process) before anything starts: on
         `port`, or on a port the kernel picks (0). The port is held for as long as the placement lives."""
         if port and not 0 < port < 65536:
@@ -160,7 +162,7 @@ class Placement:
         return cls(LOOPBACK, store.port, store=store)
 
     @classmethod
-    def on_testbed(cls, testbed: str | Testbed, port: int = 0) -> "Placement":
+    def on_testbed(cls, testbed: str | Testbed, port: int = 0) -> Placement:
         if port:
             raise LaunchError(f"the port is chosen inside the testbed; leave port 0 with a testbed (got {port})")
         bed = load_testbed(testbed) if isinstance(testbed, str) else testbed
@@ -187,18 +189,27 @@ def rendezvous_store(port: int = 0):
     from torch.distributed import TCPStore  # torch only where a launcher hosts the store (the module stays light)
 
     try:
-        return TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return TCPStore(
+            LOOPBACK, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        )
     except RuntimeError as e:  # DistNetworkError: EADDRINUSE (another process took it meanwhile)
-        raise LaunchError(f"port {port} is busy on {LOOPBACK}; choose another or use port 0 to pick a free one "
-                          f"({e})") from None
+        raise LaunchError(
+            f"port {port} is busy on {LOOPBACK}; choose another or use port 0 to pick a free one ({e})"
+        ) from None
 
 
 def rank_env(rank: int, workers: int, placement: Placement, islands: int = 1, threads: int = 1) -> dict[str, str]:
     """The variables one rank gets on top of the launcher's environment."""
-    return {**placement.env(rank), "RANK": str(rank), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(workers), ISLANDS_ENV: str(islands), "OMP_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **placement.env(rank),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(workers),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(workers),
+        ISLANDS_ENV: str(islands),
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def check_counts(workers: int, islands: int, threads: int) -> None:
@@ -207,13 +218,23 @@ def check_counts(workers: int, islands: int, threads: int) -> None:
             raise LaunchError(f"{name} must be an integer >= 1; got {value!r}")
     if workers % islands:
         divisors = [d for d in range(1, workers + 1) if workers % d == 0]
-        raise LaunchError(f"workers ({workers}) must be divisible by islands ({islands}); "
-                          f"islands can be one of {divisors}")
+        raise LaunchError(
+            f"workers ({workers}) must be divisible by islands ({islands}); islands can be one of {divisors}"
+        )
 
 
 # ---- the job ---------------------------------------------------------------------------------
-def launch_ranks(argv: list[str], workers: int, *, islands: int = 1, testbed: str | Testbed | None = "",
-                 port: int = 0, threads: int = 1, run_dir: Path, out=sys.stderr) -> int:
+def launch_ranks(
+    argv: list[str],
+    workers: int,
+    *,
+    islands: int = 1,
+    testbed: str | Testbed | None = "",
+    port: int = 0,
+    threads: int = 1,
+    run_dir: Path,
+    out=sys.stderr,
+) -> int:
     """Run `argv` as ranks 0..workers-1 and supervise them; returns the exit code for the CLI (0 when every
     rank exited 0, 1 when one failed, 130/143 when the launcher was interrupted or terminated).
 
@@ -250,8 +271,17 @@ def _install(handlers: dict, saved: dict) -> None:
             signal.signal(sig, handler)
 
 
-def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: int = 1, threads: int = 1,
-              run_dir: Path, out=sys.stderr, env: dict[str, str] | None = None) -> int:
+def run_ranks(
+    argv: list[str],
+    workers: int,
+    placement: Placement,
+    *,
+    islands: int = 1,
+    threads: int = 1,
+    run_dir: Path,
+    out=sys.stderr,
+    env: dict[str, str] | None = None,
+) -> int:
     """launch_ranks once the placement is chosen (the app layer places a testbed job itself to read its
     wire counters around the run). `env`: variables every rank gets on top of the launcher's."""
     logs = Path(run_dir) / "logs"
@@ -280,8 +310,16 @@ def run_ranks(argv: list[str], workers: int, placement: Placement, *, islands: i
             _install(saved, saved)
 
 
-def _start(rank: int, argv: list[str], workers: int, placement: Placement, islands: int, threads: int,
-           logs: Path, extra: dict[str, str]) -> WorkerProcess:
+def _start(
+    rank: int,
+    argv: list[str],
+    workers: int,
+    placement: Placement,
+    islands: int,
+    threads: int,
+    logs: Path,
+    extra: dict[str, str],
+) -> WorkerProcess:
     env = {**os.environ, **extra, **rank_env(rank, workers, placement, islands, threads)}
     log = logs / f"rank{rank}.log"
     with open(log, "w") as f:
@@ -314,8 +352,7 @@ def _supervise(workers: list[WorkerProcess], out) -> int:
                 continue
         if w.proc.returncode != 0:
             stop_all(workers)
-            print(f"\nislands: worker rank {w.rank} failed ({exit_of(w.proc)}); "
-                  f"stopped the other workers.", file=out)
+            print(f"\nislands: worker rank {w.rank} failed ({exit_of(w.proc)}); stopped the other workers.", file=out)
             print(f"--- last lines of rank {w.rank}'s log ({w.log}) ---\n{log_tail(w.log)}", file=out, flush=True)
             return 1
     return 0

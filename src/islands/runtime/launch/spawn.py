@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import io
 import json
+import multiprocessing
 import os
 import runpy
 import select
@@ -45,11 +46,15 @@ import time
 import traceback
 import warnings
 import weakref
-import multiprocessing
-from multiprocessing import context as mp_context
-from multiprocessing import forkserver, popen_forkserver, reduction, util
-from multiprocessing import process as mp_process
-from multiprocessing import spawn as mp_spawn
+from multiprocessing import (
+    context as mp_context,
+    forkserver,
+    popen_forkserver,
+    process as mp_process,
+    reduction,
+    spawn as mp_spawn,
+    util,
+)
 
 import setproctitle
 
@@ -60,8 +65,15 @@ SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands'
 # torch._dynamo: torch's DDP constructor imports it (794 modules, 2.1 s of CPU on this machine) in every worker; in a
 # restarted island that import ran beside the others' training and held the leader silent past the heartbeat
 # timeout (session 21's full chaos run: its one false death, its stack in torch._dynamo's imports)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "islands.cli", "islands.app.elastic_worker",
-           "islands.runtime.launch.job_host"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "numpy",
+    "islands.cli",
+    "islands.app.elastic_worker",
+    "islands.runtime.launch.job_host",
+]
 _more: list[str] = []  # a job's own heavy imports (preload())
 
 START_TIMEOUT_S = 120.0  # a start request unanswered this long gives the server up (its first start imports torch)
@@ -78,8 +90,14 @@ _unavailable: list[str] = []  # why the fork server cannot be used in this Pytho
 def forks(argv: list[str], env: dict | None = None) -> bool:
     """Whether start() forks `argv` from the fork server (islands' own modules, run by this interpreter)."""
     env = os.environ if env is None else env
-    return (env.get(SPAWN_ENV, "fork") != "exec" and not _unavailable and len(argv) >= 3 and argv[0] == sys.executable
-            and argv[1] == "-m" and (argv[2] == "islands" or argv[2].startswith("islands.")))
+    return (
+        env.get(SPAWN_ENV, "fork") != "exec"
+        and not _unavailable
+        and len(argv) >= 3
+        and argv[0] == sys.executable
+        and argv[1] == "-m"
+        and (argv[2] == "islands" or argv[2].startswith("islands."))
+    )
 
 
 def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None = None, netns: str | None = None):
@@ -87,10 +105,12 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
     subprocess.STDOUT (stderr only) or None (this process's); `netns`: a named network namespace to run it in
     (a testbed's host: a forked copy enters it itself, anything else runs under `ip netns exec`). Returns a
     subprocess.Popen or a ForkedProcess (the same poll, wait, returncode, pid, send_signal, kill, terminate)."""
+
     def fresh():
         command = netns_exec_prefix(netns) + list(argv) if netns else argv
-        return subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd,
-                                start_new_session=True)
+        return subprocess.Popen(
+            command, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True
+        )
 
     if not forks(argv, env):
         return fresh()
@@ -99,8 +119,11 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
     try:
         return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd, netns)
     except (AttributeError, TypeError) as e:  # multiprocessing's internals moved (another Python): no fork server
-        warnings.warn(f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         _unavailable.append(str(e))  # said once; from now on every worker is a fresh interpreter
         return fresh()
     except (ServerUnresponsive, EOFError, OSError) as e:  # stopped, hung or killed: this worker starts without it
@@ -173,11 +196,13 @@ def _await_pid(sentinel: int) -> int:
         stopped = server is not None and process_state(server) in ("T", "t")
         stopped_since = (stopped_since or now) if stopped else None
         if stopped_since is not None and now - stopped_since > STOPPED_LIMIT_S:
-            raise ServerUnresponsive(f"the fork server (pid {server}) is stopped and did not start a worker within "
-                                     f"{STOPPED_LIMIT_S:.0f} s")
+            raise ServerUnresponsive(
+                f"the fork server (pid {server}) is stopped and did not start a worker within {STOPPED_LIMIT_S:.0f} s"
+            )
         if now > deadline:
-            raise ServerUnresponsive(f"the fork server (pid {server}) did not start a worker within "
-                                     f"{START_TIMEOUT_S:.0f} s")
+            raise ServerUnresponsive(
+                f"the fork server (pid {server}) did not start a worker within {START_TIMEOUT_S:.0f} s"
+            )
     return forkserver.read_signed(sentinel)
 
 
@@ -203,8 +228,11 @@ def release_stopped_server(out=None) -> bool:
     server = _server_pid()
     if server is None or process_state(server) not in ("T", "t"):
         return False
-    print(f"islands: the fork server (pid {server}) is stopped; ending it so that its exited workers are reaped",
-          file=out if out is not None else sys.stderr, flush=True)
+    print(
+        f"islands: the fork server (pid {server}) is stopped; ending it so that its exited workers are reaped",
+        file=out if out is not None else sys.stderr,
+        flush=True,
+    )
     _abandon_server()
     return True
 
@@ -261,14 +289,17 @@ class ForkedProcess:
     """A worker forked from the fork server, driven like a subprocess.Popen. Its exit is learned without relying on
     the server (module docstring): poll and wait never wait on a stopped or killed server."""
 
-    def __init__(self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None,
-                 netns: str | None = None):
+    def __init__(
+        self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None, netns: str | None = None
+    ):
         _forkserver()
         report_r, report_w = os.pipe()  # the copy writes its exit status here as it exits
         try:
-            self._process = _ServerProcess(target=_child, name=f"islands-{module}",
-                                           args=(module, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w),
-                                                 time.time() + START_TIMEOUT_S))
+            self._process = _ServerProcess(
+                target=_child,
+                name=f"islands-{module}",
+                args=(module, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w), time.time() + START_TIMEOUT_S),
+            )
             self._process.start()
         except BaseException:
             os.close(report_r)
@@ -312,8 +343,9 @@ class ForkedProcess:
             left = 0.5 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            watched = [fd for fd in (None if self._server_gone else self._popen.sentinel, self._pidfd)
-                       if fd is not None]
+            watched = [
+                fd for fd in (None if self._server_gone else self._popen.sentinel, self._pidfd) if fd is not None
+            ]
             if self._exited_since is not None or not watched:
                 time.sleep(min(0.05, left))  # exited, its status not told yet: look again shortly
             else:
@@ -362,8 +394,10 @@ class ForkedProcess:
             self._exited_since = now
         if not self._server_gone and now - self._exited_since < SERVER_GRACE_S:
             return None  # reaped by a live server: its word is on the way
-        self.note = (f"its exit status is unknown: the fork server {'died' if self._server_gone else 'did not report it'}"
-                     " and the worker did not report one itself (killed by a signal?)")
+        self.note = (
+            f"its exit status is unknown: the fork server {'died' if self._server_gone else 'did not report it'}"
+            " and the worker did not report one itself (killed by a signal?)"
+        )
         return UNKNOWN_EXIT
 
     def send_signal(self, sig: int) -> None:
@@ -389,8 +423,13 @@ def _close(fds) -> None:
 
 
 def _stream(fd: int):
-    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                            line_buffering=True, write_through=True)
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
+        write_through=True,
+    )
 
 
 def _server_touched_cuda() -> bool:
@@ -418,8 +457,17 @@ def _reporting_exit(report: int) -> None:
     os._exit = _exit
 
 
-def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None,
-           netns: str | None = None, report: int | None = None, start_by: float | None = None) -> None:
+def _child(
+    module: str,
+    args: list[str],
+    env: dict,
+    out: int,
+    err: int,
+    cwd: str | None,
+    netns: str | None = None,
+    report: int | None = None,
+    start_by: float | None = None,
+) -> None:
     """In the forked copy: become what `python -m module args` in a new session would have been."""
     if start_by is not None and time.time() > start_by:  # the launcher gave this start up (a stopped server)
         os._exit(UNKNOWN_EXIT)
@@ -474,16 +522,26 @@ def _child(module: str, args: list[str], env: dict, out: int, err: int, cwd: str
     sys.exit(code or 0)
 
 
-
 def describe_self() -> dict:
     """What this process looks like to a worker: `python -m islands.runtime.launch.spawn [ARGS]` prints it (one JSON
     line), forked or not, to check what a worker started by start() gets. `imported`: those of the modules named
     in SPAWN_MODULES (comma-separated) that were imported before this process ran anything (preload())."""
     asked = [m for m in os.environ.get("SPAWN_MODULES", "").split(",") if m]
-    return json.loads(json.dumps({"pid": os.getpid(), "session": os.getsid(0), "argv": sys.argv[1:],
-                                  "cwd": os.getcwd(), "env": dict(os.environ), "stdin": sys.stdin.read(),
-                                  "parent": os.getppid(), "netns": os.readlink("/proc/self/ns/net"),
-                                  "imported": [m for m in asked if m in sys.modules]}))
+    return json.loads(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "session": os.getsid(0),
+                "argv": sys.argv[1:],
+                "cwd": os.getcwd(),
+                "env": dict(os.environ),
+                "stdin": sys.stdin.read(),
+                "parent": os.getppid(),
+                "netns": os.readlink("/proc/self/ns/net"),
+                "imported": [m for m in asked if m in sys.modules],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":  # SPAWN_SLEEP=S: then sleep S seconds; SPAWN_EXIT=CODE: then exit with it

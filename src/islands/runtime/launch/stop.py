@@ -63,9 +63,12 @@ class StopAt:
             return
         self._answered = step
         if step < trainer.step:
-            print(f"islands: {self.name}: a stop at step {step} was requested, but this worker is at step "
-                  f"{trainer.step} already; it goes on to step {trainer.total_steps} (request a later step)",
-                  file=self.out, flush=True)
+            print(
+                f"islands: {self.name}: a stop at step {step} was requested, but this worker is at step "
+                f"{trainer.step} already; it goes on to step {trainer.total_steps} (request a later step)",
+                file=self.out,
+                flush=True,
+            )
             return
         trainer.total_steps = step
         print(f"islands: {self.name}: ending at step {step} (a stop was requested)", file=self.out, flush=True)

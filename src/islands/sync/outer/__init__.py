@@ -20,13 +20,12 @@ from islands.sync.outer.gossip import Gossip, consensus_distance, simulate_mixin
 from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
-from islands.sync.outer.slowmo import SlowMo
 from islands.sync.outer.registry import STRATEGIES
+from islands.sync.outer.slowmo import SlowMo
 from islands.sync.outer.spec import PARAMS, OuterSpec, check_outer, parse_outer, valid_specs
 from islands.sync.outer.streaming_diloco import StreamingDiLoCo
 from islands.sync.outer.topology import parse_topology
 from islands.sync.outer.warm_start import WarmStart
-
 
 
 def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy | WarmStart:
@@ -42,7 +41,18 @@ def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy |
 
 # The strategies themselves (DiLoCo, Gossip, ...) have their public home in islands.outer (one home per name,
 # tests/test_public_homes.py); this package exports the machinery: the registry, the spec edge, the base class.
-__all__ = ["PARAMS", "STRATEGIES", "LoneComm", "OuterSpec", "OuterStrategy", "check_outer",
-           "make_outer", "parse_outer", "valid_specs",
-           # gossip's analysis tools: how far a topology's mixing gets in R rounds, without processes
-           "consensus_distance", "parse_topology", "simulate_mixing"]
+__all__ = [
+    "PARAMS",
+    "STRATEGIES",
+    "LoneComm",
+    "OuterSpec",
+    "OuterStrategy",
+    "check_outer",
+    "make_outer",
+    "parse_outer",
+    "valid_specs",
+    # gossip's analysis tools: how far a topology's mixing gets in R rounds, without processes
+    "consensus_distance",
+    "parse_topology",
+    "simulate_mixing",
+]

@@ -140,7 +140,9 @@ class Adaptive(Overlapped):
         if mode not in ADAPTS[1:]:
             raise ValueError(f"adapt must be one of {', '.join(ADAPTS)}; got {mode!r}")
         if not (deadline >= 0 and math.isfinite(deadline)):
-            raise ValueError(f"deadline must be >= 0 seconds (0: the fastest island's time for H steps); got {deadline}")
+            raise ValueError(
+                f"deadline must be >= 0 seconds (0: the fastest island's time for H steps); got {deadline}"
+            )
         if deadline > 0 and mode != "deadline":
             raise ValueError(f"deadline={deadline} applies to adapt=deadline only; got adapt={mode!r}")
         self.adapt, self.deadline = mode, float(deadline)
@@ -150,7 +152,9 @@ class Adaptive(Overlapped):
         self.plan = 0  # adapt=speed: this island's steps this round (bind: H)
         self.budget = self.deadline  # adapt=deadline: the rounds' budget in seconds (0: none measured yet, H steps)
         self.round_budget = self.deadline  # this island's budget for the round in progress (overlap: catching up)
-        self.rates: list[float] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
+        self.rates: list[
+            float
+        ] = []  # every island's compute seconds per step at the last exchange, in cross-rank order
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
         self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
         self.skip_to = 0  # the counted step the loop continues from after this island's exchange
@@ -162,18 +166,24 @@ class Adaptive(Overlapped):
     def refusal(self, exchange, sync_inner_state: bool) -> str | None:
         """Adaptive rounds weigh each island's delta by its samples: no robust aggregator, no sync_inner_state."""
         if sync_inner_state:  # (the base's message names plain rounds; this one says what adaptive rounds allow)
-            return (f"adapt={self.adapt} runs whole-model DiLoCo rounds (fragments=1, tau=0, sync_inner_state=0; "
-                    f"overlap=eager|delayed is fine); drop sync_inner_state=1")
+            return (
+                f"adapt={self.adapt} runs whole-model DiLoCo rounds (fragments=1, tau=0, sync_inner_state=0; "
+                f"overlap=eager|delayed is fine); drop sync_inner_state=1"
+            )
         if exchange.aggregator is not None and not isinstance(exchange.aggregator, Mean):
-            return (f"adapt={self.adapt} weighs each island's delta by its samples; a robust aggregator has no such "
-                    "weights: drop aggregator= or use adapt=none")
+            return (
+                f"adapt={self.adapt} weighs each island's delta by its samples; a robust aggregator has no such "
+                "weights: drop aggregator= or use adapt=none"
+            )
         return None
 
     def bind(self, d, world) -> None:
         super().bind(d, world)
         if d.membership is not None:
-            raise ValueError(f"adapt={self.adapt} is not supported in an elastic job yet (a joiner would enter with "
-                             "a round planned for other islands); use adapt=none")
+            raise ValueError(
+                f"adapt={self.adapt} is not supported in an elastic job yet (a joiner would enter with "
+                "a round planned for other islands); use adapt=none"
+            )
         distributed = world.distributed and world.workers_per_island > 1
         self.island_comm = world.comm("local") if distributed else None
         self.meter = RoundMeter()
@@ -210,8 +220,9 @@ class Adaptive(Overlapped):
             stop = self.round_budget > 0 and self.meter.elapsed + 0.5 * per_step >= self.round_budget
             if self.island_comm is not None:  # every worker of the island stops at the same step
                 flag = torch.tensor([1.0 if stop else 0.0])
-                stop = bool(self.island_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                                        kind=DEADLINE_KIND).item() > 0)
+                stop = bool(
+                    self.island_comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, kind=DEADLINE_KIND).item() > 0
+                )
         return stop
 
     def next_step(self, done: int) -> int:
@@ -242,8 +253,9 @@ class Adaptive(Overlapped):
         end = float(m.wallclock())
         if self.island_comm is not None:  # the island is as fast as its slowest worker
             t = torch.tensor([per_step, wall, end], dtype=torch.float64)
-            per_step, wall, end = self.island_comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
-                                                              kind=DEADLINE_KIND).tolist()
+            per_step, wall, end = self.island_comm.all_reduce(
+                t, op=torch.distributed.ReduceOp.MAX, kind=DEADLINE_KIND
+            ).tolist()
         return torch.tensor([float(m.samples), per_step, float(m.steps), wall, end], dtype=torch.float64)
 
     def _weighted_mean(self, mine: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,11 +336,20 @@ class Adaptive(Overlapped):
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         m = self.meter
-        adapt = {"round_base": self.round_base, "round_steps": m.steps, "round_samples": m.samples,
-                 "round_times": list(m.times), "round_elapsed": m.elapsed, "plan": self.plan, "budget": self.budget,
-                 "round_budget": self.round_budget,
-                 "rates": list(self.rates), "walls": list(self.walls), "history": [list(h) for h in self.history],
-                 "skip_to": self.skip_to}
+        adapt = {
+            "round_base": self.round_base,
+            "round_steps": m.steps,
+            "round_samples": m.samples,
+            "round_times": list(m.times),
+            "round_elapsed": m.elapsed,
+            "plan": self.plan,
+            "budget": self.budget,
+            "round_budget": self.round_budget,
+            "rates": list(self.rates),
+            "walls": list(self.walls),
+            "history": [list(h) for h in self.history],
+            "skip_to": self.skip_to,
+        }
         if self.round_inflight is not None:
             gathered, mean = self.round_inflight.wait()  # waited on at save (Pending keeps the result for the landing)
             adapt.update(inflight_speeds=gathered.clone(), inflight_mean=mean.clone())
@@ -350,8 +371,9 @@ class Adaptive(Overlapped):
         self.skip_to = int(a["skip_to"])
         self.round_inflight = None
         if "inflight_mean" in a:
-            self.round_inflight = Pending(value=(a["inflight_speeds"].to(torch.float64).clone(),
-                                                 a["inflight_mean"].to(torch.float32).clone()))
+            self.round_inflight = Pending(
+                value=(a["inflight_speeds"].to(torch.float64).clone(), a["inflight_mean"].to(torch.float32).clone())
+            )
         m.began = m.round_start = None  # the round's clock restarts from round_elapsed at the next step
 
 

@@ -47,8 +47,9 @@ from islands.sync.ddp import unwrap
 from islands.sync.outer.flat import FlatView
 
 # What inner fsdp (sharded parameters) takes across islands: plain DiLoCo rounds, each worker exchanging its shard
-SHARDED_OUTER = ("diloco:inner_steps=H, with any of outer, outer_lr, momentum, weight, lr_scale, outer_schedule, "
-                 "compressor")
+SHARDED_OUTER = (
+    "diloco:inner_steps=H, with any of outer, outer_lr, momentum, weight, lr_scale, outer_schedule, compressor"
+)
 BUFFER_KIND = "outer_buffers"
 INIT_KIND = "outer_init"  # the one exchange of island 0's start (agree_start)
 ISLAND_BUFFER_KIND = "island_buffers"  # inside an island of several workers, before the cross average
@@ -137,8 +138,9 @@ class OuterStrategy(NoOp):
     def sharded_refusal(self) -> str | None:
         """Why this strategy, as configured, cannot run on sharded parameters (inner fsdp: each worker holds and
         exchanges only its shard of every parameter); None when it can. Validation asks the same (app/validate)."""
-        return (f"outer strategy {self.name!r} is not wired for sharded parameters yet; with inner fsdp use "
-                f"{SHARDED_OUTER}")
+        return (
+            f"outer strategy {self.name!r} is not wired for sharded parameters yet; with inner fsdp use {SHARDED_OUTER}"
+        )
 
     def elastic_refusal(self) -> str | None:
         """Why this strategy, as configured, cannot run in an elastic job (members come and go between rounds);
@@ -253,24 +255,34 @@ class OuterStrategy(NoOp):
     def state_dict(self) -> dict:
         # "local" carries this worker's live parameters (and buffers) mid-round: the trainer's "model" entry
         # is the global model (eval_model), so without them a resume would lose the round's local work.
-        return {"global": self.global_flat.clone(), "local": self.local.read(), "rounds": self.rounds,
-                "clock": self.clock, "synced_at": self.synced_at,
-                "local_buffers": [b.detach().clone() for b in self.local_buffers], **self.extra_state(),
-                # sharded: the global model's buffers live only here (its "model" entry, loaded through the inner
-                # strategy's full copy, reaches the live model, not the ShardedGlobal), e.g. for an elastic joiner
-                **({"global_buffers": [b.detach().clone() for b in self.global_buffers]}
-                   if self.sharded else {}),
-                # for a joiner (joined): only while they are this round's
-                **({"round_buffers": self._round_buffers}
-                   if self._round_buffers is not None and self._round_seen == self.rounds else {})}
+        return {
+            "global": self.global_flat.clone(),
+            "local": self.local.read(),
+            "rounds": self.rounds,
+            "clock": self.clock,
+            "synced_at": self.synced_at,
+            "local_buffers": [b.detach().clone() for b in self.local_buffers],
+            **self.extra_state(),
+            # sharded: the global model's buffers live only here (its "model" entry, loaded through the inner
+            # strategy's full copy, reaches the live model, not the ShardedGlobal), e.g. for an elastic joiner
+            **({"global_buffers": [b.detach().clone() for b in self.global_buffers]} if self.sharded else {}),
+            # for a joiner (joined): only while they are this round's
+            **(
+                {"round_buffers": self._round_buffers}
+                if self._round_buffers is not None and self._round_seen == self.rounds
+                else {}
+            ),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
         for key in ("global", "local"):
             if state[key].numel() != self.global_flat.numel():
-                raise ValueError(f"{self.name}: checkpoint {key!r} has {state[key].numel()} values, "
-                                 f"the model has {self.global_flat.numel()}; was it saved for another model?")
+                raise ValueError(
+                    f"{self.name}: checkpoint {key!r} has {state[key].numel()} values, "
+                    f"the model has {self.global_flat.numel()}; was it saved for another model?"
+                )
         self.global_flat = state["global"].to(torch.float32).clone()
         self.publish()
         self.local.write(state["local"].to(torch.float32))
@@ -319,8 +331,14 @@ class ShardedGlobal(torch.nn.Module):
         def shard_copy(p):
             if not hasattr(p, "to_local"):
                 return p.detach().clone()
-            return DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
+            return DTensor.from_local(
+                p.to_local().detach().clone(),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
 
         # kept outside nn.Module's registries (not Parameters: no autograd), listed under the live model's names
         self.named = [(name, shard_copy(p)) for name, p in base.named_parameters()]

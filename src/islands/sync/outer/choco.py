@@ -49,12 +49,16 @@ def check_compressor(compressor) -> None:
     """Refuse, before any worker starts, a compressor whose payload is not self-contained."""
     bare = _bare(compressor)
     if getattr(bare, "warmup", False):
-        raise ValueError(f"compressed gossip needs a payload of fixed layout; {bare.name!r} with warmup=1 changes "
-                         "how many entries it keeps every stage. Use warmup=0")
+        raise ValueError(
+            f"compressed gossip needs a payload of fixed layout; {bare.name!r} with warmup=1 changes "
+            "how many entries it keeps every stage. Use warmup=0"
+        )
     if bare.compress(torch.zeros(8), _fresh_state(bare, torch.zeros(8)), None).shared:
-        raise ValueError(f"compressed gossip needs a self-contained payload; {bare.name!r} leans on tensors every "
-                         "rank shares (a shared seed or an agreed scale) that a point-to-point exchange does not "
-                         "have. Use topkq, dct-topk, topk, randomk or sign")
+        raise ValueError(
+            f"compressed gossip needs a self-contained payload; {bare.name!r} leans on tensors every "
+            "rank shares (a shared seed or an agreed scale) that a point-to-point exchange does not "
+            "have. Use topkq, dct-topk, topk, randomk or sign"
+        )
 
 
 class EdgeEstimates:
@@ -83,7 +87,7 @@ class EdgeEstimates:
         tensors, at = [], 0
         for shape, dtype in self.layout:
             n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-            tensors.append(data[at:at + n].clone().view(dtype).reshape(shape))  # clone: aligned for the view
+            tensors.append(data[at : at + n].clone().view(dtype).reshape(shape))  # clone: aligned for the view
             at += n
         return Payload(tensors, self.start.shape, torch.float32, meta=dict(self.meta))
 
@@ -121,14 +125,19 @@ class EdgeEstimates:
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"start": self.start.clone(), "edges": {f"{s}->{d}": h.clone() for (s, d), h in self.edges.items()},
-                "compressor": self.compressor.state_dict()}
+        return {
+            "start": self.start.clone(),
+            "edges": {f"{s}->{d}": h.clone() for (s, d), h in self.edges.items()},
+            "compressor": self.compressor.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         start = state["start"]
         if start.numel() != self.start.numel():
-            raise ValueError(f"gossip: checkpointed edge estimates have {start.numel()} values, the model has "
-                             f"{self.start.numel()}; was it saved for another model?")
+            raise ValueError(
+                f"gossip: checkpointed edge estimates have {start.numel()} values, the model has "
+                f"{self.start.numel()}; was it saved for another model?"
+            )
         self.start = start.to(torch.float32).clone()
         self.edges = {}
         for key, h in state["edges"].items():

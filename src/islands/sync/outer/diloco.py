@@ -55,9 +55,15 @@ class DiLoCo(OuterStrategy):
     name = "diloco"
     parts = staticmethod(diloco_parts)  # the keyword options of before -> this constructor's arguments (options.py)
 
-    def __init__(self, inner_steps: int = 100, outer_optimizer: OuterStep | OuterOptimizer | OptimizerFactory | None = None,
-                 exchange: Exchange | None = None, schedule: Schedule | None = None, sync_inner_state: bool = False,
-                 **options):
+    def __init__(
+        self,
+        inner_steps: int = 100,
+        outer_optimizer: OuterStep | OuterOptimizer | OptimizerFactory | None = None,
+        exchange: Exchange | None = None,
+        schedule: Schedule | None = None,
+        sync_inner_state: bool = False,
+        **options,
+    ):
         """`inner_steps` H: inner optimizer steps per round (per fragment cycle). `outer_optimizer`: a torch.optim
         factory (params -> optimizer), OuterSGD / PrimalAveraging, or an OuterStep around either (its lr factors);
         default plain SGD, lr sqrt(2). `exchange`: an Exchange (compressor, aggregator); default the plain mean.
@@ -66,32 +72,48 @@ class DiLoCo(OuterStrategy):
         options of before (outer=, outer_lr=, overlap=, ...): deprecated here, use DiLoCo.from_options."""
         super().__init__()
         if options:
-            warnings.warn(f"{type(self).__name__}({', '.join(sorted(options))}=...) is the keyword form of before "
-                          f"the parts; use {type(self).__name__}.from_options(...) or the parts (outer_optimizer=, "
-                          "exchange=, schedule=): docs/outer-strategies.md", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{type(self).__name__}({', '.join(sorted(options))}=...) is the keyword form of before "
+                f"the parts; use {type(self).__name__}.from_options(...) or the parts (outer_optimizer=, "
+                "exchange=, schedule=): docs/outer-strategies.md",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             if outer_optimizer is not None or exchange is not None or schedule is not None:
-                raise TypeError("give either the parts (outer_optimizer=, exchange=, schedule=) or the keyword "
-                                f"options of before ({', '.join(sorted(options))}), not both")
-            parts = self.parts(inner_steps=inner_steps, **options,
-                               **({"sync_inner_state": True} if sync_inner_state else {}))
+                raise TypeError(
+                    "give either the parts (outer_optimizer=, exchange=, schedule=) or the keyword "
+                    f"options of before ({', '.join(sorted(options))}), not both"
+                )
+            parts = self.parts(
+                inner_steps=inner_steps, **options, **({"sync_inner_state": True} if sync_inner_state else {})
+            )
             inner_steps, outer_optimizer, exchange, schedule, sync_inner_state = (
-                parts["inner_steps"], parts["outer_optimizer"], parts["exchange"], parts["schedule"],
-                parts["sync_inner_state"])
+                parts["inner_steps"],
+                parts["outer_optimizer"],
+                parts["exchange"],
+                parts["schedule"],
+                parts["sync_inner_state"],
+            )
         schedule, exchange = self.default_parts(schedule, exchange)
         self.inner_steps = int(inner_steps)
         self.outer = outer_optimizer if isinstance(outer_optimizer, OuterStep) else OuterStep(outer_optimizer)
         self.exchange = exchange if exchange is not None else Exchange("outer_delta")
         if not isinstance(self.exchange, Exchange) or not isinstance(schedule, Schedule):
-            raise TypeError(f"exchange must be an Exchange and schedule a Schedule (Rounds, Fragments, Overlapped, "
-                            f"Adaptive); got {type(self.exchange).__name__}, {type(schedule).__name__}")
+            raise TypeError(
+                f"exchange must be an Exchange and schedule a Schedule (Rounds, Fragments, Overlapped, "
+                f"Adaptive); got {type(self.exchange).__name__}, {type(schedule).__name__}"
+            )
         schedule.check(self.inner_steps)
         why = schedule.refusal(self.exchange, sync_inner_state)
         if why:
             raise ValueError(why)
         self.schedule = schedule
         # sync_inner_state: the inner moments' own exchange (the deltas' aggregator, a copy)
-        self.inner_state = (Exchange("outer_inner_state", aggregator=copy.deepcopy(self.exchange.aggregator))
-                            if sync_inner_state else None)
+        self.inner_state = (
+            Exchange("outer_inner_state", aggregator=copy.deepcopy(self.exchange.aggregator))
+            if sync_inner_state
+            else None
+        )
         self.report_dir: str | None = None  # where rank 0 writes outer_exchanges.json at the end (the app sets it)
 
     @classmethod
@@ -118,8 +140,10 @@ class DiLoCo(OuterStrategy):
         if self.outer.sqrt_islands and self.schedule.fragments > 1:
             # a fragment lands on the training thread while another's exchange may be failing over on the
             # exchange thread: the member count read at the landing would differ between members
-            return ("lr_scale=sqrt-islands with fragments > 1 is not supported in an elastic job (the island count "
-                    "can change while a fragment is in flight); use lr_scale=none or fragments=1")
+            return (
+                "lr_scale=sqrt-islands with fragments > 1 is not supported in an elastic job (the island count "
+                "can change while a fragment is in flight); use lr_scale=none or fragments=1"
+            )
         return self.schedule.elastic_refusal()
 
     def sharded_refusal(self) -> str | None:
@@ -128,15 +152,24 @@ class DiLoCo(OuterStrategy):
         are untested on shards, and a robust aggregator would rank each shard's deltas on their own: refused."""
         if self.name != "diloco":
             return super().sharded_refusal()
-        given = [f"{k}={v}" for k, v in self.schedule.options().items()
-                 if v != {"fragments": 1, "tau": 0, "overlap": "none", "adapt": "none"}[k]]
-        given += [f"{k}={v}" for k, v, plain in (
-            ("sync_inner_state", int(self.sync_inner_state), 0),
-            ("aggregator", type(self.exchange.aggregator).__name__ if self.exchange.aggregator else None, None))
-            if v != plain]
+        given = [
+            f"{k}={v}"
+            for k, v in self.schedule.options().items()
+            if v != {"fragments": 1, "tau": 0, "overlap": "none", "adapt": "none"}[k]
+        ]
+        given += [
+            f"{k}={v}"
+            for k, v, plain in (
+                ("sync_inner_state", int(self.sync_inner_state), 0),
+                ("aggregator", type(self.exchange.aggregator).__name__ if self.exchange.aggregator else None, None),
+            )
+            if v != plain
+        ]
         if given:
-            return (f"diloco with {', '.join(given)} is not wired for sharded parameters yet; with inner fsdp use "
-                    f"{SHARDED_OUTER}")
+            return (
+                f"diloco with {', '.join(given)} is not wired for sharded parameters yet; with inner fsdp use "
+                f"{SHARDED_OUTER}"
+            )
         return None
 
     def wrap(self, model, optimizer, world):
@@ -179,9 +212,18 @@ class DiLoCo(OuterStrategy):
         sent = self.exchange.sent
         path = Path(self.report_dir) / "outer_exchanges.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"strategy": self.name, "fragments": self.schedule.fragments,
-                                    "exchanges": len(sent), "peak_sent_bytes": max(sent, default=0),
-                                    "sent_per_exchange": sent, **self.schedule.report()}))
+        path.write_text(
+            json.dumps(
+                {
+                    "strategy": self.name,
+                    "fragments": self.schedule.fragments,
+                    "exchanges": len(sent),
+                    "peak_sent_bytes": max(sent, default=0),
+                    "sent_per_exchange": sent,
+                    **self.schedule.report(),
+                }
+            )
+        )
 
     # ---- what the schedule calls ------------------------------------------------------------------
     def outer_step(self, p: int, mean_delta: torch.Tensor) -> None:
@@ -204,8 +246,10 @@ class DiLoCo(OuterStrategy):
             for param in group["params"]:
                 st = self.optimizer.state.get(param, {})
                 if not all(k in st for k in _MOMENTS):
-                    raise ValueError("sync_inner_state needs an Adam-style inner optimizer with exp_avg and "
-                                     f"exp_avg_sq state; found state keys {sorted(st)}")
+                    raise ValueError(
+                        "sync_inner_state needs an Adam-style inner optimizer with exp_avg and "
+                        f"exp_avg_sq state; found state keys {sorted(st)}"
+                    )
                 tensors += [st[k] for k in _MOMENTS]
         view = FlatView(tensors)
         view.write(self.inner_state.mean(self.comm, view.read(), name="inner_state"))
@@ -213,8 +257,13 @@ class DiLoCo(OuterStrategy):
     # ---- state: one entry per part, the keys of before (a checkpoint written before loads) ----------
     def extra_state(self) -> dict:
         schedule = self.schedule.state_dict()  # first: waits for the exchanges in flight (error feedback)
-        return {"outer_opt": self.outer.state_dict(), "inflight": schedule.pop("inflight"),
-                "sends": schedule.pop("sends"), "exchange": self.exchange.state_dict(), **schedule}
+        return {
+            "outer_opt": self.outer.state_dict(),
+            "inflight": schedule.pop("inflight"),
+            "sends": schedule.pop("sends"),
+            "exchange": self.exchange.state_dict(),
+            **schedule,
+        }
 
     def load_extra_state(self, state: dict) -> None:
         self.outer.load_state_dict(state["outer_opt"])

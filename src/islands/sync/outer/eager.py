@@ -67,8 +67,10 @@ class Overlapped(Schedule):
             # (tau > 0 and fragments are supported: runtime/elastic.py) here a joiner would need the holder's
             # per-fragment start points and buffer average rebased onto its own start, and eager's stand-in
             # step reads the island count on the training thread while an exchange may be failing over
-            return (f"overlap={self.overlap} is not supported in an elastic job yet; use overlap=none (tau > 0 and "
-                    "fragments > 1 are)")
+            return (
+                f"overlap={self.overlap} is not supported in an elastic job yet; use overlap=none (tau > 0 and "
+                "fragments > 1 are)"
+            )
         return None
 
     def bind(self, d, world) -> None:

@@ -22,8 +22,13 @@ from islands.sync.outer.exchange import Exchange
 class EASGD(OuterStrategy):
     name = "easgd"
 
-    def __init__(self, every: int = 4, beta: float = 0.9, aggregator: Aggregator | None = None,
-                 compressor: Compressor | None = None):
+    def __init__(
+        self,
+        every: int = 4,
+        beta: float = 0.9,
+        aggregator: Aggregator | None = None,
+        compressor: Compressor | None = None,
+    ):
         """`every`: local steps between elastic updates. `beta`: total elastic strength; each worker's pull is
         beta / islands (LIT-370), in (0, 1]. `aggregator`: a robust aggregator across islands. `compressor`:
         compresses each island's distance from the centre (error feedback per island)."""

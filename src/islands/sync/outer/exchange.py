@@ -67,8 +67,10 @@ class Exchange:
         if isinstance(aggregator, Mean):
             aggregator = None
         if compressor is not None and aggregator is not None and not isinstance(compressor, PayloadCodec):
-            raise ValueError("a compressor and a robust aggregator together are not supported: a robust aggregator "
-                             "needs each island's uncompressed delta; pick one")
+            raise ValueError(
+                "a compressor and a robust aggregator together are not supported: a robust aggregator "
+                "needs each island's uncompressed delta; pick one"
+            )
         self.kind = kind
         self.aggregator = aggregator
         self.codec = compressor if isinstance(compressor, PayloadCodec) else None
@@ -154,8 +156,11 @@ class Exchange:
         return Pending(self._pool.submit(self.mean, comm, flat, name, base))
 
     def state_dict(self) -> dict:
-        return {key: part.state_dict() for key, part in (("compressor", self.compressor),
-                                                          ("aggregator", self.aggregator)) if isinstance(part, Stateful)}
+        return {
+            key: part.state_dict()
+            for key, part in (("compressor", self.compressor), ("aggregator", self.aggregator))
+            if isinstance(part, Stateful)
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key, part in (("compressor", self.compressor), ("aggregator", self.aggregator)):

@@ -12,7 +12,7 @@ shard index (its cross-island group) has a vector of the same length.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor

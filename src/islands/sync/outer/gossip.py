@@ -90,9 +90,15 @@ def consensus_distance(vectors: Sequence[torch.Tensor]) -> float:
     return float((rows - rows.mean(0)).norm(dim=1).mean())
 
 
-def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggregator: Aggregator | None = None,
-                    compressor=None, gamma: float = 0.3, start: torch.Tensor | None = None,
-                    ) -> tuple[list[float], list[torch.Tensor]]:
+def simulate_mixing(
+    topology,
+    vectors: Sequence[torch.Tensor],
+    rounds: int,
+    aggregator: Aggregator | None = None,
+    compressor=None,
+    gamma: float = 0.3,
+    start: torch.Tensor | None = None,
+) -> tuple[list[float], list[torch.Tensor]]:
     """Pure gossip in one process (no training, no sockets), with the strategy's own arithmetic.
 
     `compressor`: compressed gossip (choco.py) with consensus step `gamma`, every edge estimate starting at `start`
@@ -100,8 +106,9 @@ def simulate_mixing(topology, vectors: Sequence[torch.Tensor], rounds: int, aggr
     xs = [v.detach().to(torch.float32).reshape(-1).clone() for v in vectors]
     n = len(xs)
     if compressor is not None:
-        return _simulate_compressed(topology, xs, rounds, compressor, gamma,
-                                    torch.zeros_like(xs[0]) if start is None else start.reshape(-1))
+        return _simulate_compressed(
+            topology, xs, rounds, compressor, gamma, torch.zeros_like(xs[0]) if start is None else start.reshape(-1)
+        )
     aggs = None
     if aggregator is not None and not isinstance(aggregator, Mean):
         aggs = [copy.deepcopy(aggregator) for _ in range(n)]  # one per node: stateful ones keep their own
@@ -141,8 +148,15 @@ class Gossip(OuterStrategy):
 
     buffer_policy = "own"  # no global average: the eval model takes this island's own buffers
 
-    def __init__(self, every: int = 4, topology: Topology | None = None, aggregator: Aggregator | None = None,
-                 seed: int = 0, compressor: Compressor | None = None, gamma: float = 0.3):
+    def __init__(
+        self,
+        every: int = 4,
+        topology: Topology | None = None,
+        aggregator: Aggregator | None = None,
+        seed: int = 0,
+        compressor: Compressor | None = None,
+        gamma: float = 0.3,
+    ):
         """`every` H: local steps between gossip rounds. `topology`: exp when none (ExponentialGraph(), one peer at
         distance 2^k, SOTA-226), ring (Ring()) or random:s=S (RandomPeers(s, seed), S fresh out-peers per round,
         push-sum, SOTA-223), given as the object (a spec names it in text). `aggregator`:
@@ -157,10 +171,15 @@ class Gossip(OuterStrategy):
         self.every = int(every)
         topology = ExponentialGraph() if topology is None else topology
         if not isinstance(topology, Topology) or isinstance(topology, str):
-            hint = (f"; parse text at the edge: islands.sync.outer.parse_topology({topology!r}, seed={seed})"
-                    if isinstance(topology, str) else "")
-            raise TypeError(f"Gossip takes a topology object (ExponentialGraph(), Ring(), RandomPeers(s, seed)); "
-                            f"got {type(topology).__name__} {topology!r}{hint}")
+            hint = (
+                f"; parse text at the edge: islands.sync.outer.parse_topology({topology!r}, seed={seed})"
+                if isinstance(topology, str)
+                else ""
+            )
+            raise TypeError(
+                f"Gossip takes a topology object (ExponentialGraph(), Ring(), RandomPeers(s, seed)); "
+                f"got {type(topology).__name__} {topology!r}{hint}"
+            )
         self.topology, self.seed = topology, int(seed)
         self.aggregator = None if isinstance(aggregator, Mean) else aggregator
         self.weight = 1.0  # push-sum weight (random topology with mean mixing); stays 1 otherwise
@@ -168,8 +187,10 @@ class Gossip(OuterStrategy):
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma (consensus step size) must be in (0, 1], got {gamma!r}")
         if compressor is not None and self.push_sum:
-            raise ValueError(f"compressed gossip needs a regular topology (ring, exp) or an aggregator; "
-                             f"topology={self.topology!r} mixes with push-sum weights, which ride on exact vectors")
+            raise ValueError(
+                f"compressed gossip needs a regular topology (ring, exp) or an aggregator; "
+                f"topology={self.topology!r} mixes with push-sum weights, which ride on exact vectors"
+            )
         if compressor is not None:
             check_compressor(compressor)
         self.compressor, self.gamma = compressor, float(gamma)
@@ -181,15 +202,18 @@ class Gossip(OuterStrategy):
 
     def elastic_refusal(self) -> str | None:
         if self.compressor is not None:  # edge estimates are kept per (sender rank, receiver rank)
-            return ("compressed gossip is not supported in an elastic job: its edge estimates belong to pairs of "
-                    "ranks, which change when members come and go; drop compressor=")
+            return (
+                "compressed gossip is not supported in an elastic job: its edge estimates belong to pairs of "
+                "ranks, which change when members come and go; drop compressor="
+            )
         return None
 
     def setup(self) -> None:
         # an elastic comm: wrap has asked elastic_refusal before any collective
         if not self.comm.elastic and self.comm.size > 1 and not isinstance(self.comm, PointToPoint):
-            raise TypeError(f"gossip sends point to point and needs a Comm with exchange(); "
-                            f"{type(self.comm).__name__} has none")
+            raise TypeError(
+                f"gossip sends point to point and needs a Comm with exchange(); {type(self.comm).__name__} has none"
+            )
         if self.compressor is not None:
             # the edge estimates start from one point every island knows: island 0's (agreed in wrap)
             self.estimates = EdgeEstimates(self.compressor, self.global_flat.clone(), self.gamma)
@@ -239,6 +263,7 @@ class Gossip(OuterStrategy):
         """Elastic membership (islands.runtime.elastic): the round's graph is the topology over the members of the
         epoch the exchange commits in (a member gone mid-round: planned again with the survivors' ranks), so
         every member mixes by the same graph; push-sum shares follow that graph's out-degrees."""
+
         def plan(rank: int, size: int):
             send_to, recv_from = self.topology.peers(self.rounds, rank, size)
             payload = push_sum_share(x, self.weight, len(send_to)) if self.push_sum else x
@@ -270,8 +295,12 @@ class Gossip(OuterStrategy):
     # ---- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
         # rounds (in the base state) and the topology's seed fix every future round's graph
-        out = {"topology": repr(self.topology), "topology_state": self.topology.state_dict(),
-               "weight": self.weight, "isolated": self.isolated}
+        out = {
+            "topology": repr(self.topology),
+            "topology_state": self.topology.state_dict(),
+            "weight": self.weight,
+            "isolated": self.isolated,
+        }
         if self.aggregator is not None:
             out["aggregator"] = self.aggregator.state_dict()
         if self.estimates is not None:
@@ -281,8 +310,10 @@ class Gossip(OuterStrategy):
     def load_extra_state(self, state: dict) -> None:
         saved = state.get("topology")
         if saved is not None and saved != repr(self.topology):
-            raise ValueError(f"gossip: checkpoint was written with topology={saved}, this run uses "
-                             f"{self.topology!r}; resume with the same topology")
+            raise ValueError(
+                f"gossip: checkpoint was written with topology={saved}, this run uses "
+                f"{self.topology!r}; resume with the same topology"
+            )
         self.topology.load_state_dict(state.get("topology_state", {}))
         self.weight = float(state.get("weight", 1.0))
         self.isolated = int(state.get("isolated", 0))
@@ -290,6 +321,8 @@ class Gossip(OuterStrategy):
             self.aggregator.load_state_dict(state["aggregator"])
         if self.estimates is not None:
             if "estimates" not in state:
-                raise ValueError("gossip: this run compresses (compressor=...), the checkpoint was written without "
-                                 "a compressor; resume with the same outer spec")
+                raise ValueError(
+                    "gossip: this run compresses (compressor=...), the checkpoint was written without "
+                    "a compressor; resume with the same outer spec"
+                )
             self.estimates.load_state_dict(state["estimates"])

@@ -23,20 +23,39 @@ from islands.compress.base import Compressor
 from islands.sync.outer.adaptive import ADAPTS, Adaptive
 from islands.sync.outer.eager import OVERLAPS, Overlapped
 from islands.sync.outer.exchange import Exchange
-from islands.sync.outer.outer_opt import (DEFAULT_OUTER, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OuterOptimizer,
-                                          OuterStep, build_outer_optimizer)
+from islands.sync.outer.outer_opt import (
+    DEFAULT_OUTER,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    OuterOptimizer,
+    OuterStep,
+    build_outer_optimizer,
+)
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.rounds import Fragments, Rounds
 from islands.sync.outer.zstd4 import Quant4Zstd
 
 
-def diloco_parts(inner_steps: int = 100, outer: str | OuterOptimizer = DEFAULT_OUTER,
-                 outer_lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM, weight: float = 0.5,
-                 sync_inner_state: bool = False,
-                 compressor: Compressor | None = None, aggregator: Aggregator | None = None,
-                 fragments: int = 1, tau: int = 0, merge: float = 0.5, codec: PayloadCodec | None = None,
-                 lr_scale: str = "none", landing: str = "mix", outer_schedule: str = "constant",
-                 overlap: str = "none", adapt: str = "none", deadline: float = 0.0) -> dict:
+def diloco_parts(
+    inner_steps: int = 100,
+    outer: str | OuterOptimizer = DEFAULT_OUTER,
+    outer_lr: float = DEFAULT_OUTER_LR,
+    momentum: float = DEFAULT_OUTER_MOMENTUM,
+    weight: float = 0.5,
+    sync_inner_state: bool = False,
+    compressor: Compressor | None = None,
+    aggregator: Aggregator | None = None,
+    fragments: int = 1,
+    tau: int = 0,
+    merge: float = 0.5,
+    codec: PayloadCodec | None = None,
+    lr_scale: str = "none",
+    landing: str = "mix",
+    outer_schedule: str = "constant",
+    overlap: str = "none",
+    adapt: str = "none",
+    deadline: float = 0.0,
+) -> dict:
     """`inner_steps` H: inner optimizer steps per round. `outer`: the outer optimizer, nesterov | sgd (heavy
     ball, or plain with momentum=0) | primal, or an object with step(params, delta, lo, hi, lr_scale)
     (islands.outer.OuterSGD, PrimalAveraging); `outer_lr` (default sqrt(2), the best measured; LIT-212: 0.7),
@@ -65,14 +84,25 @@ def diloco_parts(inner_steps: int = 100, outer: str | OuterOptimizer = DEFAULT_O
     if deadline > 0 and adapt != "deadline":
         raise ValueError(f"deadline={deadline} applies to adapt=deadline only; got adapt={adapt!r}")
     if adapt != "none":
-        clash = [f"{k}={v}" for k, v, plain in (("fragments", fragments, 1), ("tau", tau, 0),
-                                                ("sync_inner_state", bool(sync_inner_state), False)) if v != plain]
+        clash = [
+            f"{k}={v}"
+            for k, v, plain in (
+                ("fragments", fragments, 1),
+                ("tau", tau, 0),
+                ("sync_inner_state", bool(sync_inner_state), False),
+            )
+            if v != plain
+        ]
         if clash:
-            raise ValueError(f"adapt={adapt} runs whole-model DiLoCo rounds (fragments=1, tau=0, "
-                             f"sync_inner_state=0; overlap=eager|delayed is fine); drop {', '.join(clash)}")
+            raise ValueError(
+                f"adapt={adapt} runs whole-model DiLoCo rounds (fragments=1, tau=0, "
+                f"sync_inner_state=0; overlap=eager|delayed is fine); drop {', '.join(clash)}"
+            )
         if aggregator is not None and not isinstance(aggregator, Mean):
-            raise ValueError(f"adapt={adapt} weighs each island's delta by its samples; a robust aggregator has no "
-                             "such weights: drop aggregator= or use adapt=none")
+            raise ValueError(
+                f"adapt={adapt} weighs each island's delta by its samples; a robust aggregator has no "
+                "such weights: drop aggregator= or use adapt=none"
+            )
     if overlap != "none":
         tau = 0  # the exchange lands a whole round later instead
     if outer_schedule not in ("constant", "inner"):
@@ -90,8 +120,10 @@ def diloco_parts(inner_steps: int = 100, outer: str | OuterOptimizer = DEFAULT_O
     if not 0 <= merge < 1:
         raise ValueError(f"merge must be in [0, 1), got {merge}")
     if compressor is not None and codec is not None:
-        raise ValueError("a compressor and the built-in 4-bit codec together are not supported; pick one "
-                         "(streaming DiLoCo: bits=32 with a compressor)")
+        raise ValueError(
+            "a compressor and the built-in 4-bit codec together are not supported; pick one "
+            "(streaming DiLoCo: bits=32 with a compressor)"
+        )
     opt = outer if not isinstance(outer, str) else build_outer_optimizer(outer, outer_lr, momentum, weight)
     if adapt != "none":
         schedule = Adaptive(adapt, deadline, overlap=overlap)
@@ -101,19 +133,36 @@ def diloco_parts(inner_steps: int = 100, outer: str | OuterOptimizer = DEFAULT_O
         schedule = Rounds()
     else:
         schedule = Fragments(int(fragments), int(tau), merge, landing)
-    return {"inner_steps": int(inner_steps),
-            "outer_optimizer": OuterStep(opt, sqrt_islands=lr_scale == "sqrt-islands",
-                                         follow_inner_lr=outer_schedule == "inner"),
-            "exchange": Exchange("outer_delta", aggregator=aggregator, compressor=codec or compressor),
-            "schedule": schedule, "sync_inner_state": bool(sync_inner_state)}
+    return {
+        "inner_steps": int(inner_steps),
+        "outer_optimizer": OuterStep(
+            opt, sqrt_islands=lr_scale == "sqrt-islands", follow_inner_lr=outer_schedule == "inner"
+        ),
+        "exchange": Exchange("outer_delta", aggregator=aggregator, compressor=codec or compressor),
+        "schedule": schedule,
+        "sync_inner_state": bool(sync_inner_state),
+    }
 
 
-def streaming_parts(inner_steps: int = 100, fragments: int = 4, tau: int = 1,
-                    merge: float = 0.5, bits: int = 4, block: int = 1024, outer: str | OuterOptimizer = DEFAULT_OUTER,
-                    outer_lr: float = DEFAULT_OUTER_LR, momentum: float = DEFAULT_OUTER_MOMENTUM, weight: float = 0.5,
-                    compressor: Compressor | None = None, aggregator: Aggregator | None = None,
-                    lr_scale: str = "none", entropy: str = "none", landing: str = "mix",
-                    outer_schedule: str = "constant", overlap: str = "none") -> dict:
+def streaming_parts(
+    inner_steps: int = 100,
+    fragments: int = 4,
+    tau: int = 1,
+    merge: float = 0.5,
+    bits: int = 4,
+    block: int = 1024,
+    outer: str | OuterOptimizer = DEFAULT_OUTER,
+    outer_lr: float = DEFAULT_OUTER_LR,
+    momentum: float = DEFAULT_OUTER_MOMENTUM,
+    weight: float = 0.5,
+    compressor: Compressor | None = None,
+    aggregator: Aggregator | None = None,
+    lr_scale: str = "none",
+    entropy: str = "none",
+    landing: str = "mix",
+    outer_schedule: str = "constant",
+    overlap: str = "none",
+) -> dict:
     """`inner_steps` H: steps between two syncs of the same fragment. `fragments` F: parameter fragments, synced
     in turn every H/F steps. `tau`: inner steps each fragment's exchange overlaps with (0 = blocking).
     `merge`: landing=mix's weight kept of the local fragment when the new global one arrives; `landing`: mix
@@ -128,10 +177,23 @@ def streaming_parts(inner_steps: int = 100, fragments: int = 4, tau: int = 1,
     if bits == 4 and compressor is not None:
         raise ValueError("bits=4 is the built-in quantiser; to use a compressor set bits=32")
     codec = streaming_codec(bits, block, entropy)
-    return diloco_parts(inner_steps=inner_steps, outer=outer, outer_lr=outer_lr, momentum=momentum, weight=weight,
-                        compressor=compressor, aggregator=aggregator, fragments=fragments, tau=tau, merge=merge,
-                        codec=codec, lr_scale=lr_scale, landing=landing, outer_schedule=outer_schedule,
-                        overlap=overlap)
+    return diloco_parts(
+        inner_steps=inner_steps,
+        outer=outer,
+        outer_lr=outer_lr,
+        momentum=momentum,
+        weight=weight,
+        compressor=compressor,
+        aggregator=aggregator,
+        fragments=fragments,
+        tau=tau,
+        merge=merge,
+        codec=codec,
+        lr_scale=lr_scale,
+        landing=landing,
+        outer_schedule=outer_schedule,
+        overlap=overlap,
+    )
 
 
 def streaming_codec(bits: int = 4, block: int = 1024, entropy: str = "none") -> PayloadCodec | None:

@@ -17,9 +17,10 @@ OuterStep is the part DiLoCo holds: the optimizer plus the two lr factors that w
 
 from __future__ import annotations
 
-import math
 import copy
-from typing import Callable, Iterable, Protocol, runtime_checkable
+import math
+from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,8 +39,9 @@ DEFAULT_OUTER_MOMENTUM = 0.0
 class OuterOptimizer(Protocol):
     """Steps global[lo:hi] with the averaged pseudo-gradient for that slice; state is explicit."""
 
-    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
-             lr_scale: float = 1.0) -> None: ...
+    def step(
+        self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None, lr_scale: float = 1.0
+    ) -> None: ...
 
     def state_dict(self) -> dict: ...
 
@@ -57,8 +59,9 @@ class OuterSGD:
         self.buf: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
-             lr_scale: float = 1.0) -> None:
+    def step(
+        self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None, lr_scale: float = 1.0
+    ) -> None:
         hi = params.numel() if hi is None else hi
         update = delta
         if self.momentum > 0:
@@ -93,8 +96,9 @@ class PrimalAveraging:
         self.z: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
-             lr_scale: float = 1.0) -> None:
+    def step(
+        self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None, lr_scale: float = 1.0
+    ) -> None:
         hi = params.numel() if hi is None else hi
         if self.z is None:
             self.z = params.clone()
@@ -132,12 +136,16 @@ class TorchOuter:
 
     def __init__(self, factory: OptimizerFactory):
         if isinstance(factory, torch.optim.Optimizer):
-            raise TypeError("outer_optimizer takes a factory, e.g. lambda params: torch.optim.SGD(params, lr=0.7, "
-                            "momentum=0.9, nesterov=True): the outer parameters are DiLoCo's global fragments, "
-                            "which exist only once the strategy is wrapped")
+            raise TypeError(
+                "outer_optimizer takes a factory, e.g. lambda params: torch.optim.SGD(params, lr=0.7, "
+                "momentum=0.9, nesterov=True): the outer parameters are DiLoCo's global fragments, "
+                "which exist only once the strategy is wrapped"
+            )
         if not callable(factory):
-            raise TypeError(f"outer_optimizer must be an outer optimizer (OuterSGD, PrimalAveraging) or a "
-                            f"torch.optim factory; got {type(factory).__name__}")
+            raise TypeError(
+                f"outer_optimizer must be an outer optimizer (OuterSGD, PrimalAveraging) or a "
+                f"torch.optim factory; got {type(factory).__name__}"
+            )
         self.factory = factory
         self.slices: dict[tuple[int, int], torch.nn.Parameter] = {}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -147,12 +155,14 @@ class TorchOuter:
         self.slices = {(lo, hi): torch.nn.Parameter(torch.zeros(hi - lo)) for lo, hi in bounds}
         self.optimizer = self.factory(list(self.slices.values()))
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"the outer optimizer factory returned {type(self.optimizer).__name__}, not a "
-                            "torch.optim.Optimizer")
+            raise TypeError(
+                f"the outer optimizer factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer"
+            )
 
     @torch.no_grad()
-    def step(self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None,
-             lr_scale: float = 1.0) -> None:
+    def step(
+        self, params: torch.Tensor, delta: torch.Tensor, lo: int = 0, hi: int | None = None, lr_scale: float = 1.0
+    ) -> None:
         hi = params.numel() if hi is None else hi
         if self.optimizer is None:
             raise RuntimeError("TorchOuter.step before bind: the strategy binds it to its fragments in setup")
@@ -193,8 +203,12 @@ class OuterStep:
     the averaged delta by sqrt(M) restores both to DDP's size (our derivation; measured in docs/outer-strategies.md).
     """
 
-    def __init__(self, optimizer: OuterOptimizer | OptimizerFactory | None = None, sqrt_islands: bool = False,
-                 follow_inner_lr: bool = False):
+    def __init__(
+        self,
+        optimizer: OuterOptimizer | OptimizerFactory | None = None,
+        sqrt_islands: bool = False,
+        follow_inner_lr: bool = False,
+    ):
         if optimizer is None:
             optimizer = build_outer_optimizer(DEFAULT_OUTER, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, 0.5)
         own = isinstance(optimizer, (OuterOptimizer, TorchOuter)) and not isinstance(optimizer, torch.optim.Optimizer)

@@ -23,8 +23,13 @@ from islands.sync.outer.exchange import Exchange, Pending
 class OverlapLocalSGD(OuterStrategy):
     name = "overlap-local-sgd"
 
-    def __init__(self, tau: int = 2, pull: float = 0.5, aggregator: Aggregator | None = None,
-                 compressor: Compressor | None = None):
+    def __init__(
+        self,
+        tau: int = 2,
+        pull: float = 0.5,
+        aggregator: Aggregator | None = None,
+        compressor: Compressor | None = None,
+    ):
         """`tau`: local steps per round, run while the previous average is in flight (0 = blocking, every step).
         `pull`: strength of the pull toward the anchor after each round, in (0, 1]. `aggregator`: robust.
         `compressor`: compresses each island's parameters minus the anchor (error feedback per island)."""

@@ -14,8 +14,9 @@ from islands.sync.outer.local_sgd import LocalSGD
 class PostLocalSGD(LocalSGD):
     name = "post-local-sgd"
 
-    def __init__(self, switch: int, every: int = 16, aggregator: Aggregator | None = None,
-                 compressor: Compressor | None = None):
+    def __init__(
+        self, switch: int, every: int = 16, aggregator: Aggregator | None = None, compressor: Compressor | None = None
+    ):
         """`switch`: the step at which averaging every step ends (SOTA-216: where the lr first decays).
         `every` H after the switch (SOTA-216 suggests 16 to 32). `aggregator`: robust across islands. `compressor`:
         compresses each island's change since the last average, in both phases (local-sgd's)."""

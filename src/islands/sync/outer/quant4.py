@@ -77,8 +77,10 @@ class Quant4(PayloadCodec):
         n_codes = math.ceil(numel / 2)
         n_blocks = math.ceil(numel / self.block)
         if payload.dtype != torch.uint8 or payload.numel() != n_codes + 4 * n_blocks:
-            raise ValueError(f"quant4: payload of {payload.numel()} {payload.dtype} does not hold {numel} values "
-                             f"(expected {n_codes + 4 * n_blocks} uint8)")
+            raise ValueError(
+                f"quant4: payload of {payload.numel()} {payload.dtype} does not hold {numel} values "
+                f"(expected {n_codes + 4 * n_blocks} uint8)"
+            )
         packed = payload[:n_codes]
         scales = payload[n_codes:].clone().view(torch.float32)  # clone: the view needs an aligned start
         codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel]

@@ -13,7 +13,8 @@ has no default: the caller supplies it (make_outer: the end of the lr warm-up, S
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from islands.aggregate.registry import AGGREGATORS  # noqa: F401 - registers the aggregator kind for nested specs
 from islands.compress.registry import COMPRESSORS  # noqa: F401 - registers the compressor kind for nested specs
@@ -45,9 +46,15 @@ def warm_startable(cls: type[DiLoCo]) -> Callable[..., OuterStrategy | WarmStart
         return WarmStart(outer, warm_start) if warm_start else outer
 
     entry.__signature__ = inspect.Signature(own + [warm])
-    entry.__doc__ = docs_of(cls).split("\n\n")[0] + "\n\n" + docs_of(cls.parts) + (
-        "\n\n`warm_start`: steps of ordinary data parallelism across islands (gradients averaged every step) "
-        "before the first round, as LIT-212 starts from a pretrained model; 0 = none.")
+    entry.__doc__ = (
+        docs_of(cls).split("\n\n")[0]
+        + "\n\n"
+        + docs_of(cls.parts)
+        + (
+            "\n\n`warm_start`: steps of ordinary data parallelism across islands (gradients averaged every step) "
+            "before the first round, as LIT-212 starts from a pretrained model; 0 = none."
+        )
+    )
     entry.__name__ = entry.__qualname__ = cls.__name__
     return entry
 

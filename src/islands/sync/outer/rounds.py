@@ -45,8 +45,9 @@ class Schedule:
         """Take DiLoCo's H (its constructor calls this): ValueError where this schedule cannot run rounds of
         `inner_steps` steps, else the fragments' offsets (`starting` answers from here on)."""
         if inner_steps < 1 or self.fragments > inner_steps:
-            raise ValueError(f"need 1 <= fragments <= inner_steps; got fragments={self.fragments}, "
-                             f"inner_steps={inner_steps}")
+            raise ValueError(
+                f"need 1 <= fragments <= inner_steps; got fragments={self.fragments}, inner_steps={inner_steps}"
+            )
         self.inner_steps = int(inner_steps)
         # fragment p's first send is at step count (p+1)*H//F, then every H steps (staggered, LIT-214)
         self.offsets = [(p + 1) * self.inner_steps // self.fragments for p in range(self.fragments)]
@@ -124,8 +125,10 @@ class Schedule:
         return {"inflight": inflight, "sends": list(self.sends), "at_send": {}, "start_at": {}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pending = [(int(p), int(lands), Pending(value=v.to(torch.float32).clone()))
-                        for p, lands, v in state.get("inflight", [])]
+        self.pending = [
+            (int(p), int(lands), Pending(value=v.to(torch.float32).clone()))
+            for p, lands, v in state.get("inflight", [])
+        ]
         self.sends = list(state.get("sends", [0] * self.fragments))
 
 

@@ -19,9 +19,18 @@ from islands.sync.outer.outer_opt import OuterSGD
 class SlowMo(DiLoCo):
     name = "slowmo"
 
-    def __init__(self, every: int = 8, slow_lr: float = 1.0, momentum: float = 0.5,
-                 compressor: Compressor | None = None, aggregator: Aggregator | None = None):
+    def __init__(
+        self,
+        every: int = 8,
+        slow_lr: float = 1.0,
+        momentum: float = 0.5,
+        compressor: Compressor | None = None,
+        aggregator: Aggregator | None = None,
+    ):
         """`every` H: local steps between outer steps. `slow_lr`: the outer (slow) learning rate. `momentum`: slow
         heavy-ball momentum over the averaged iterates. `compressor`/`aggregator`: as DiLoCo's."""
-        super().__init__(inner_steps=every, outer_optimizer=OuterSGD(slow_lr, momentum),
-                         exchange=Exchange("outer_delta", aggregator=aggregator, compressor=compressor))
+        super().__init__(
+            inner_steps=every,
+            outer_optimizer=OuterSGD(slow_lr, momentum),
+            exchange=Exchange("outer_delta", aggregator=aggregator, compressor=compressor),
+        )

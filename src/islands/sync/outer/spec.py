@@ -9,11 +9,11 @@ given, after building it once: a constructor's own checks fail here, not in the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from islands.spec import Spec, SpecError
-from islands.spec import format as format_spec
+from islands.spec import Spec, SpecError, format as format_spec
 from islands.sync.outer.registry import STRATEGIES
 
 # The caller supplies post-local-sgd's switch when it builds (make_outer: the end of the lr warm-up, SOTA-216).
@@ -37,8 +37,10 @@ class OuterSpec:
 
 
 def _schema_table() -> dict[str, dict[str, tuple]]:
-    return {name: {p.name: (None if p.required else p.default, p.type, p.help) for p in STRATEGIES.schema(name)}
-            for name in STRATEGIES}
+    return {
+        name: {p.name: (None if p.required else p.default, p.type, p.help) for p in STRATEGIES.schema(name)}
+        for name in STRATEGIES
+    }
 
 
 PARAMS: dict[str, dict[str, tuple]] = _schema_table()  # name -> {param: (default, type, help)}, for reports
@@ -54,12 +56,16 @@ _RULES: list[tuple[Callable[[dict, frozenset], bool], str]] = [
     (lambda v, g: "momentum" in v and not 0 <= v["momentum"] < 1, "momentum must be in [0, 1), got {momentum}"),
     (lambda v, g: "outer_lr" in v and not v["outer_lr"] > 0, "outer_lr must be > 0, got {outer_lr}"),
     (lambda v, g: "slow_lr" in v and not v["slow_lr"] > 0, "slow_lr must be > 0, got {slow_lr}"),
-    (lambda v, g: v.get("outer") == "primal" and "momentum" in g,
-     "outer=primal smooths by its weight, not momentum; drop momentum= or use outer=nesterov"),
+    (
+        lambda v, g: v.get("outer") == "primal" and "momentum" in g,
+        "outer=primal smooths by its weight, not momentum; drop momentum= or use outer=nesterov",
+    ),
     (lambda v, g: "weight" in g and v.get("outer") != "primal", "weight= applies to outer=primal only"),
-    (lambda v, g: v.get("overlap", "none") != "none" and bool(g & {"tau", "merge", "landing"}),
-     "overlap={overlap} lands each exchange a whole round later; tau, merge and landing are overlap=none's partial "
-     "delay, drop them"),
+    (
+        lambda v, g: v.get("overlap", "none") != "none" and bool(g & {"tau", "merge", "landing"}),
+        "overlap={overlap} lands each exchange a whole round later; tau, merge and landing are overlap=none's partial "
+        "delay, drop them",
+    ),
 ]
 
 

@@ -36,5 +36,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def default_parts(self, schedule: Schedule | None, exchange: Exchange | None) -> tuple[Schedule, Exchange | None]:
         """The parts not given: Fragments(4, tau=1) and 4-bit deltas (Quant4, blocks of 1024)."""
-        return (schedule if schedule is not None else Fragments(fragments=4, tau=1),
-                exchange if exchange is not None else Exchange("outer_delta", compressor=streaming_codec()))
+        return (
+            schedule if schedule is not None else Fragments(fragments=4, tau=1),
+            exchange if exchange is not None else Exchange("outer_delta", compressor=streaming_codec()),
+        )

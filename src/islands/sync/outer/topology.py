@@ -119,8 +119,10 @@ class RandomPeers:
     def graph(self, round: int, n: int) -> list[list[int]]:
         """Out-peers of every node in `round` (sorted lists)."""
         if self.s > n - 1:
-            raise ValueError(f"random topology: s={self.s} out-peers need at least s+1={self.s + 1} nodes, "
-                             f"the group has {n}; lower s")
+            raise ValueError(
+                f"random topology: s={self.s} out-peers need at least s+1={self.s + 1} nodes, "
+                f"the group has {n}; lower s"
+            )
         if self._cache is not None and self._cache[:2] == (round, n):
             return self._cache[2]
         # one seed per (seed, round); the modulus keeps it inside manual_seed's 64-bit range
@@ -144,8 +146,10 @@ class RandomPeers:
 
     def load_state_dict(self, state: dict) -> None:
         if state and int(state["s"]) != self.s:
-            raise ValueError(f"random topology: checkpoint has s={state['s']}, this run s={self.s}; "
-                             "resume with the same topology spec")
+            raise ValueError(
+                f"random topology: checkpoint has s={state['s']}, this run s={self.s}; "
+                "resume with the same topology spec"
+            )
         if state:
             self.seed = int(state["seed"])
             self._cache = None

@@ -31,8 +31,9 @@ class WarmStart(NoOp):
         if not isinstance(outer, OuterStrategy):
             raise TypeError(f"WarmStart wraps an OuterStrategy, got {type(outer).__name__}")
         if steps < 1:
-            raise ValueError(f"warm-start steps must be >= 1 (0 means no warm start: use the outer strategy "
-                             f"itself), got {steps}")
+            raise ValueError(
+                f"warm-start steps must be >= 1 (0 means no warm start: use the outer strategy itself), got {steps}"
+            )
         self.outer, self.steps = outer, int(steps)
         self.name = f"{outer.name}+warm{self.steps}"
         self._done = 0
@@ -69,8 +70,10 @@ class WarmStart(NoOp):
         grads = [p.grad for p in self.params if p.grad is not None]
         if len(grads) != len(self.params):
             # Every island must send the same vector; a missing gradient would misalign the sum.
-            raise ValueError(f"warm start: {len(self.params) - len(grads)} parameter(s) got no gradient at step "
-                             f"{step}; every trainable parameter must take part in the loss")
+            raise ValueError(
+                f"warm start: {len(self.params) - len(grads)} parameter(s) got no gradient at step "
+                f"{step}; every trainable parameter must take part in the loss"
+            )
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
         flat.div_(self.comm.size)  # divide first, then sum: DDP's order, so 2 islands match it bitwise
         flat = self.comm.all_reduce(flat, kind=WARM_KIND)
@@ -112,7 +115,9 @@ class WarmStart(NoOp):
         if not state:
             return
         if int(state["warm_steps"]) != self.steps:
-            raise ValueError(f"checkpoint was written with warm_start={state['warm_steps']}, this run has "
-                             f"warm_start={self.steps}; resume with the same spec")
+            raise ValueError(
+                f"checkpoint was written with warm_start={state['warm_steps']}, this run has "
+                f"warm_start={self.steps}; resume with the same spec"
+            )
         self._done = int(state["done"])
         self.outer.load_state_dict(state["outer"])
