@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from islands.checkpoint.elastic_saves import ElasticBarrier, Member, PersistBarrier, bind, can_persist_async, opens_clean
+from islands.checkpoint.elastic_saves import (ElasticBarrier, Member, PersistBarrier, bind, can_persist_async,
+                                              opens_clean)
 from islands.checkpoint.levels import DiskLevel, MemoryLevel, MultiLevelCheckpointer, Restored
 from islands.checkpoint.packed import unpack_tree
 from islands.checkpoint.peer import PeerReplica
