@@ -1,15 +1,16 @@
 """The body of one training step of the Trainer (islands.loop.trainer), in the order it runs:
 
     body.set_lr(step)                    the schedule's factor of each group's initial lr (a function step -> factor)
-    batch = body.next_batch(step)        this rank's next batch -> strategy.on_batch -> the device
     loss = body.forward_backward(batch)  all micro-batches, one gradient (islands.memory.step), or the
                                          strategy's own forward_backward (a pipeline)
     body.update(step)                    strategy.after_backward -> clip -> optimizer.step -> zero_grad -> a torch
                                          LRScheduler's step
     step = body.next_step(step + 1, total)  step + 1, unless the rounds let this island skip ahead
+    body.readout.took(loss)              the loss stays on the device until a log entry or a callback reads it
 
-It holds what the user gave for the step: the training data (its cursor is part of a checkpoint), the loss
-function and the validation metrics, the step function (micro-batches, precision), grad_clip and the schedule.
+It holds what the user gave for the step: the loss function and the validation metrics, the step function
+(micro-batches, precision), grad_clip and the schedule; and the readout of its losses and times
+(islands.loop.step_readout).
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from typing import Any
 
 import torch
 
-from islands.data.batches import to_device
+from islands.loop.step_readout import StepReadout
 from islands.memory.step import ForwardBackward
 from islands.sync.base import OwnsStep, SkipsSteps, Strategy, capability
 
 
 class StepBody:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, data: Any,
-                 device: torch.device, *, loss_fn: Callable | None, step_fn: ForwardBackward, grad_clip: float,
-                 schedule: Any, metrics: dict[str, Callable]):
-        """`model`: as the strategy wrapped it; `data`: a batch source (islands.data.source)."""
-        self.model, self.optimizer, self.strategy, self.data, self.device = model, optimizer, strategy, data, device
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, *,
+                 loss_fn: Callable | None, step_fn: ForwardBackward, grad_clip: float, schedule: Any,
+                 metrics: dict[str, Callable], log_every: int):
+        """`model`: as the strategy wrapped it; `log_every`: steps per entry of the training-loss series."""
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.loss_fn, self.step_fn, self.grad_clip = loss_fn, step_fn, grad_clip
         self.schedule = schedule  # a function step -> factor of each group's initial lr, or a torch LRScheduler
         self.metrics = metrics  # name -> fn(prediction, targets), for validation (Trainer.evaluate)
@@ -37,6 +38,7 @@ class StepBody:
         self._own_step = owner.forward_backward if owner is not None else None
         self._skips = capability(strategy, SkipsSteps)
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.readout = StepReadout(log_every)
 
     def set_lr(self, step: int) -> None:
         if self.schedule is None:
@@ -46,9 +48,6 @@ class StepBody:
         factor = self.schedule(step)
         for group, base in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = base * factor
-
-    def next_batch(self, step: int) -> Any:
-        return to_device(self.strategy.on_batch(self.data.next(), step), self.device)
 
     def forward_backward(self, batch: Any, explain: bool = False) -> Any:
         """The batch's loss (on the device), its gradient accumulated; `explain`: say why a batch the model

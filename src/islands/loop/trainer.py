@@ -15,10 +15,11 @@ and after the last step `strategy.finish` (the final synchronisation), then the 
 (final evaluation, final checkpoint, run record). The loop never knows which strategy runs; a strategy
 never owns the loop. A strategy that owns forward and backward (a pipeline) supplies `forward_backward`.
 
-The Trainer composes small parts with their own state: the step's body (islands.loop.step_body: the data,
-lr, forward/backward, clip, optimizer), the step's readout (islands.loop.step_readout: the loss kept on the
-device until a log entry or a callback reads it, the step times) and the callbacks (islands.loop.callback_list).
-It keeps the loop's position (step, total_steps, steps_this_fit), its clocks and the series, which callbacks read.
+The Trainer composes small parts with their own state: the step's body (islands.loop.step_body: lr,
+forward/backward, clip, optimizer, skip-ahead) with its readout (islands.loop.step_readout: the loss kept on
+the device until a log entry or a callback reads it, the step times), and the callbacks
+(islands.loop.callback_list). It keeps the loop's position (step, total_steps, steps_this_fit, the data
+cursor), its clocks and the series: what callbacks read.
 
 The Trainer is also the state a checkpoint saves (islands.checkpoint.driver's TrainingState): step, the
 model to evaluate (parameters and buffers), the optimizer (full under FSDP), the strategy, the data
@@ -35,12 +36,12 @@ import torch
 from islands.checkpoint.rng import rng_state, set_rng_state
 from islands.checkpoint.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.data.batches import size as batch_size_of
+from islands.data.batches import to_device
 from islands.data.source import batch_source, val_batches
 from islands.loop.callback_list import CallbackList
 from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
 from islands.loop.step_body import StepBody
-from islands.loop.step_readout import StepReadout
 from islands.memory.step import ForwardBackward
 from islands.runtime.world import World
 from islands.sync.base import Describes, Strategy, capability
@@ -81,17 +82,16 @@ class Trainer:
                             f"islands.outer.DiLoCo(...)); got {type(self.strategy).__name__}")
         self.optimizer = optimizer
         shard, shards = self.world.shard
-        data = batch_source(train_data, shard, shards, batch_size, seed)
+        self.data = batch_source(train_data, shard, shards, batch_size, seed)
         self.val_data = val_batches(val_data, batch_size)
         step_fn = step_fn or ForwardBackward()
         self.callbacks = CallbackList(callbacks)
         if self.val_data is not None and not any(isinstance(cb, Evaluate) for cb in self.callbacks):
             self.callbacks = self.callbacks.added(Evaluate())  # at least the final model
         self.model = self.strategy.wrap(model.to(self.world.device), optimizer, self.world)
-        self.body = StepBody(self.model, optimizer, self.strategy, data, self.world.device, loss_fn=loss_fn,
-                             step_fn=step_fn, grad_clip=float(grad_clip), schedule=schedule,
-                             metrics=dict(metrics or {}))
-        self.readout = StepReadout(int(log_every))
+        self.body = StepBody(self.model, optimizer, self.strategy, loss_fn=loss_fn, step_fn=step_fn,
+                             grad_clip=float(grad_clip), schedule=schedule, metrics=dict(metrics or {}),
+                             log_every=int(log_every))
         self.step = self.world.start_step  # 0, or where the members were when an elastic joiner entered
         self.total_steps = 0
         self.steps_this_fit = 0
@@ -118,12 +118,12 @@ class Trainer:
     @property
     def loss(self) -> float:
         """The last step's loss on the host (read from the device once, on first use)."""
-        return self.readout.loss
+        return self.body.readout.loss
 
     def _step(self) -> None:
         step = self.step
         self.body.set_lr(step)
-        batch = self.body.next_batch(step)
+        batch = to_device(self.strategy.on_batch(self.data.next(), step), self.world.device)
         if not self.samples_per_step:
             self.samples_per_step = batch_size_of(batch) * self.world.size
         # all micro-batches, one gradient; the first step explains a batch the model cannot take
@@ -133,7 +133,7 @@ class Trainer:
         self.strategy.after_step(self.model, self.optimizer, step)
         self.sync_seconds += time.perf_counter() - t  # the loop blocked on the outer strategy
         self.step = self.body.next_step(self.step + 1, self.total_steps)  # a slower island may skip ahead
-        self.readout.took(loss)  # stays on the device until someone reads it
+        self.body.readout.took(loss)  # stays on the device until someone reads it
 
     # ---- the loop -------------------------------------------------------------------------------
     def add_callback(self, callback) -> None:
@@ -152,13 +152,13 @@ class Trainer:
         while self.step < self.total_steps:
             t0, busy0 = time.perf_counter(), ledger.busy_seconds
             if overridden:  # a subclass's own train_step (it returns the loss as a float) runs as it always did
-                self.readout.took_float(self.train_step())
+                self.body.readout.took_float(self.train_step())
             else:
                 self._step()
             dt = time.perf_counter() - t0
             self.steps_this_fit += 1
             self.elapsed += dt
-            self.readout.timed(dt)
+            self.body.readout.timed(dt)
             busy = ledger.busy_seconds - busy0
             self.comm_seconds += busy
             self.compute_seconds += dt - busy
@@ -173,7 +173,7 @@ class Trainer:
         return self.record if self.record is not None else {"series": self.series, "steps": self.step}
 
     def _log_train(self) -> None:
-        mean = self.readout.entry(self.step, self.total_steps)  # None between log entries
+        mean = self.body.readout.entry(self.step, self.total_steps)  # None between log entries
         if mean is not None:
             lr = self.optimizer.param_groups[0]["lr"]
             self.series["train"].append({"step": self.step, "loss": mean, "lr": lr,
@@ -196,7 +196,7 @@ class Trainer:
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def median_step_seconds(self) -> float:
-        return self.readout.median_seconds()
+        return self.body.readout.median_seconds()
 
     def record_parts(self) -> dict:
         """What the strategy and the step contribute to the run record (memory plan, pipeline stages, checkpoints)."""
@@ -218,8 +218,8 @@ class Trainer:
     # ---- state (islands.checkpoint.driver.TrainingState) --------------------------------------------
     @property
     def shard_items(self) -> int:
-        sampler = getattr(self.body.data, "sampler", None)
-        return int(getattr(sampler, "n", getattr(self.body.data, "shard_items", -1)))
+        sampler = getattr(self.data, "sampler", None)
+        return int(getattr(sampler, "n", getattr(self.data, "shard_items", -1)))
 
     def model_state_dict(self) -> dict:
         return self.strategy.eval_model(self.model).state_dict()
@@ -230,7 +230,7 @@ class Trainer:
             "model": self.model_state_dict(),
             "optimizer": optimizer_state_dict(self.model, self.optimizer, self.world),  # full under fsdp
             "strategy": self.strategy.state_dict(),
-            "loader": self.body.data.state_dict(),
+            "loader": self.data.state_dict(),
             "rng": rng_state(),
             "elapsed": self.elapsed,
             "series": self.series,
@@ -248,7 +248,7 @@ class Trainer:
         self.strategy.eval_model(self.model).load_state_dict(state["model"])
         load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])  # any world size
         self.strategy.load_state_dict(state["strategy"])
-        self.body.data.load_state_dict(state["loader"])
+        self.data.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.elapsed = float(state.get("elapsed", 0.0))
