@@ -15,6 +15,12 @@ and after the last step `strategy.finish` (the final synchronisation), then the 
 (final evaluation, final checkpoint, run record). The loop never knows which strategy runs; a strategy
 never owns the loop. A strategy that owns forward and backward (a pipeline) supplies `forward_backward`.
 
+The Trainer composes small parts with their own state: the step's body (islands.loop.step_body: lr,
+forward/backward, clip, optimizer, skip-ahead) with its readout (islands.loop.step_readout: the loss kept on
+the device until a log entry or a callback reads it, the step times), and the callbacks
+(islands.loop.callback_list). It keeps the loop's position (step, total_steps, steps_this_fit, the data
+cursor), its clocks and the series: what callbacks read.
+
 The Trainer is also the state a checkpoint saves (islands.checkpoint.policy.driver's TrainingState): step, the
 model to evaluate (parameters and buffers), the optimizer (full under FSDP), the strategy, the data
 position, the RNG, the loss series, and each callback's state.
@@ -26,23 +32,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
 from islands.checkpoint.policy.rng import rng_state, set_rng_state
 from islands.checkpoint.policy.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.data.batches import size as batch_size_of, to_device
 from islands.data.source import batch_source, val_batches
+from islands.loop.callback_list import CallbackList
 from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
+from islands.loop.step_body import StepBody
 from islands.memory.step import ForwardBackward
 from islands.runtime.world import World
-from islands.sync.base import Describes, OwnsStep, SkipsSteps, Strategy, capability
+from islands.sync.base import Describes, Strategy, capability
 from islands.sync.stack import Stack
-
-
-def _order(cb, end: bool = False) -> int:
-    return getattr(cb, "end_order", getattr(cb, "order", 50)) if end else getattr(cb, "order", 50)
 
 
 class Trainer:
@@ -99,23 +102,26 @@ class Trainer:
                 f"strategy must be an islands strategy (islands.Stack(...), islands.inner.DDP(), "
                 f"islands.outer.DiLoCo(...)); got {type(self.strategy).__name__}"
             )
-        self.optimizer, self.loss_fn = optimizer, loss_fn
+        self.optimizer = optimizer
         shard, shards = self.world.shard
         self.data = batch_source(train_data, shard, shards, batch_size, seed)
         self.val_data = val_batches(val_data, batch_size)
-        self.metrics = dict(metrics or {})
-        self.schedule: Any = schedule  # duck-typed: a function step -> factor, or a torch LRScheduler
-        self.grad_clip, self.log_every = float(grad_clip), int(log_every)
-        self.step_fn = step_fn or ForwardBackward()
-        self.callbacks = sorted(callbacks, key=_order)
+        step_fn = step_fn or ForwardBackward()
+        self.callbacks = CallbackList(callbacks)
         if self.val_data is not None and not any(isinstance(cb, Evaluate) for cb in self.callbacks):
-            self.callbacks = sorted([*self.callbacks, Evaluate()], key=_order)  # at least the final model
+            self.callbacks = self.callbacks.added(Evaluate())  # at least the final model
         self.model = self.strategy.wrap(model.to(self.world.device), optimizer, self.world)
-        # a pipeline owns its step. The ignores: mypy#4717, a Protocol class refused as type[C] (isinstance takes it)
-        owner = capability(self.strategy, OwnsStep)  # type: ignore[type-abstract]
-        self._own_step = owner.forward_backward if owner is not None else None
-        self._skips = capability(self.strategy, SkipsSteps)  # type: ignore[type-abstract]
-        self._base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.body = StepBody(
+            self.model,
+            optimizer,
+            self.strategy,
+            loss_fn=loss_fn,
+            step_fn=step_fn,
+            grad_clip=float(grad_clip),
+            schedule=schedule,
+            metrics=dict(metrics or {}),
+            log_every=int(log_every),
+        )
         self.step = self.world.start_step  # 0, or where the members were when an elastic joiner entered
         self.total_steps = 0
         self.steps_this_fit = 0
@@ -124,28 +130,16 @@ class Trainer:
         self.sync_seconds = 0.0  # time inside after_step and finish: what an outer strategy's exchange blocks
         self.compute_seconds = self.comm_seconds = 0.0
         self.samples_per_step = 0  # samples in one global batch (all workers), from the first batch
-        self.step_times: list[float] = []  # the median resists other processes' bursts on a shared machine
         self.started = time.time()
         self.record: dict | None = None
-        self.resumed_from: dict | None = None  # what resume loaded, when no checkpoint driver keeps it (app.build)
         self.log: Callable[[str], None] = lambda text: None  # the Progress callback gives it a console
-        # the loss is read on the host only where someone reads it (a log entry, a callback that asks): on a GPU
-        # a float() each step would stall the queue of kernels every step
-        self._loss: torch.Tensor | None = None  # the last step's loss, float64, where the step left it
-        self._loss_value: float | None = None
-        self._loss_sum: torch.Tensor | None = None  # since the last log entry
-        self._loss_count = 0
+
+    @property
+    def step_fn(self) -> ForwardBackward:
+        """Micro-batches and precision of the step (islands.memory)."""
+        return self.body.step_fn
 
     # ---- one step -------------------------------------------------------------------------------
-    def _set_lr(self, step: int) -> None:
-        if self.schedule is None:
-            return
-        if hasattr(self.schedule, "step") and hasattr(self.schedule, "get_last_lr"):
-            return  # a torch LRScheduler: stepped after the optimizer
-        factor = self.schedule(step)
-        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-            group["lr"] = base * factor
-
     def train_step(self) -> float:
         """One step; returns its loss as a float (which waits for the device: the fit loop reads it lazily)."""
         self._step()
@@ -154,42 +148,27 @@ class Trainer:
     @property
     def loss(self) -> float:
         """The last step's loss on the host (read from the device once, on first use)."""
-        if self._loss_value is None and self._loss is not None:
-            self._loss_value = float(self._loss)
-        return self._loss_value if self._loss_value is not None else float("nan")
+        return self.body.readout.loss
 
     def _step(self) -> None:
         step = self.step
-        self._set_lr(step)
+        self.body.set_lr(step)
         batch = to_device(self.strategy.on_batch(self.data.next(), step), self.world.device)
         if not self.samples_per_step:
             self.samples_per_step = batch_size_of(batch) * self.world.size
-        loss: float | torch.Tensor
-        if self._own_step is not None:
-            loss = self._own_step(*batch)
-        else:  # all micro-batches, one gradient; the first step explains a batch the model cannot take
-            loss = self.step_fn(self.model, batch, self.loss_fn, explain=self.steps_this_fit == 0)
-        self.strategy.after_backward(self.model, step)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if hasattr(self.schedule, "get_last_lr"):
-            self.schedule.step()
+        # all micro-batches, one gradient; the first step explains a batch the model cannot take
+        loss = self.body.forward_backward(batch, explain=self.steps_this_fit == 0)
+        self.body.update(step)  # after_backward, clip, optimizer step, zero_grad, a torch LRScheduler's step
         t = time.perf_counter()
         self.strategy.after_step(self.model, self.optimizer, step)
         self.sync_seconds += time.perf_counter() - t  # the loop blocked on the outer strategy
-        self.step += 1
-        if self._skips is not None:  # a slower island may skip to its round's end (not the run's)
-            self.step = max(self.step, min(int(self._skips.next_step(self.step)), self.total_steps))
-        # float64 on the device: the series' means equal those of the host floats, added in the same order
-        self._loss = torch.as_tensor(loss).detach().reshape(()).to(torch.float64)
-        self._loss_value = None
+        self.step = self.body.next_step(self.step + 1, self.total_steps)  # a slower island may skip ahead
+        self.body.readout.took(loss)  # stays on the device until someone reads it
 
     # ---- the loop -------------------------------------------------------------------------------
     def add_callback(self, callback) -> None:
         """Add a callback after construction; it runs in its `order` among the others."""
-        self.callbacks = sorted([*self.callbacks, callback], key=_order)
+        self.callbacks = self.callbacks.added(callback)
 
     def fit(self, steps: int) -> dict:
         """Train until `steps` steps are done (counting from 0, so a resumed trainer continues); returns the run
@@ -199,45 +178,35 @@ class Trainer:
         self.total_steps, self.steps_this_fit = int(steps), 0
         ledger = self.world.ledger
         overridden = type(self).train_step is not Trainer.train_step
-        for cb in self.callbacks:
-            if hasattr(cb, "on_fit_start"):
-                cb.on_fit_start(self)
+        self.callbacks = CallbackList(self.callbacks)  # a list the user assigned is sorted and run like the built one
+        self.callbacks.fit_start(self)
         while self.step < self.total_steps:
             t0, busy0 = time.perf_counter(), ledger.busy_seconds
             if overridden:  # a subclass's own train_step (it returns the loss as a float) runs as it always did
-                self._loss_value = float(self.train_step())
-                self._loss = torch.tensor(self._loss_value, dtype=torch.float64)
+                self.body.readout.took_float(self.train_step())
             else:
                 self._step()
             dt = time.perf_counter() - t0
             self.steps_this_fit += 1
             self.elapsed += dt
-            self.step_times.append(dt)
+            self.body.readout.timed(dt)
             busy = ledger.busy_seconds - busy0
             self.comm_seconds += busy
             self.compute_seconds += dt - busy
             self._log_train()
-            for cb in self.callbacks:  # one that says it does not read the loss gets None (no wait on the device)
-                if hasattr(cb, "on_step_end"):
-                    cb.on_step_end(self, self.loss if getattr(cb, "reads_loss", True) else None)
+            self.callbacks.step_end(self)
         t = time.perf_counter()
         self.strategy.finish(self.model)  # the final synchronisation: the global model holds every island's work
         dt = time.perf_counter() - t
         self.sync_seconds += dt
         self.elapsed += dt
-        for cb in sorted(self.callbacks, key=lambda c: _order(c, end=True)):
-            if hasattr(cb, "on_fit_end"):
-                cb.on_fit_end(self)
+        self.callbacks.fit_end(self)
         return self.record if self.record is not None else {"series": self.series, "steps": self.step}
 
     def _log_train(self) -> None:
-        loss = self._loss
-        assert loss is not None  # the step just taken left it
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._loss_count += 1
-        if self.step % self.log_every == 0 or self.step == self.total_steps:
+        mean = self.body.readout.entry(self.step, self.total_steps)  # None between log entries
+        if mean is not None:
             lr = self.optimizer.param_groups[0]["lr"]
-            mean = float(self._loss_sum) / self._loss_count
             self.series["train"].append(
                 {
                     "step": self.step,
@@ -247,7 +216,6 @@ class Trainer:
                     "mb_sent": self.world.ledger.total_sent / 1e6,
                 }
             )
-            self._loss_sum, self._loss_count = None, 0
 
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Validation of the model the strategy reports (the global model under an outer strategy)."""
@@ -256,9 +224,9 @@ class Trainer:
         return evaluate(
             self.strategy.eval_model(self.model),
             self.val_data,
-            self.loss_fn,
+            self.body.loss_fn,
             self.world.device,
-            self.metrics,
+            self.body.metrics,
             max_batches,
         )
 
@@ -272,14 +240,14 @@ class Trainer:
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     def median_step_seconds(self) -> float:
-        return float(np.median(self.step_times)) if self.step_times else 0.0
+        return self.body.readout.median_seconds()
 
     def record_parts(self) -> dict:
         """What the strategy and the step contribute to the run record (memory plan, pipeline stages, checkpoints)."""
         parts = {}
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
-        described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (see __init__)
+        described = capability(self.strategy, Describes)
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()
             parts["pipeline"] = {
@@ -287,18 +255,13 @@ class Trainer:
                 "definition": "held_activation_bytes_peak: storages autograd saved plus the stage's "
                 "input and output, for micro-batches in flight at once",
             }
-        for cb in self.callbacks:
-            extra = getattr(cb, "record", None)
-            if callable(extra):
-                part = extra()
-                if part is not None:
-                    parts[getattr(cb, "record_key", type(cb).__name__.lower())] = part
-        resumed = self.resumed_from
+        parts.update(self.callbacks.records())
+        resumed = getattr(self, "resumed_from", None)
         if resumed is not None:
             parts.setdefault("checkpoint", {})["resumed_from"] = resumed
         return parts
 
-    # ---- state (islands.checkpoint.policy.driver.TrainingState) --------------------------------------------
+    # ---- state (islands.checkpoint.driver.TrainingState) --------------------------------------------
     @property
     def shard_items(self) -> int:
         sampler = getattr(self.data, "sampler", None)
@@ -318,13 +281,9 @@ class Trainer:
             "elapsed": self.elapsed,
             "series": self.series,
         }
-        if hasattr(self.schedule, "state_dict"):
-            state["schedule"] = self.schedule.state_dict()
-        kept = {
-            type(cb).__name__: cb.state_dict()
-            for cb in self.callbacks
-            if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")
-        }
+        if hasattr(self.body.schedule, "state_dict"):
+            state["schedule"] = self.body.schedule.state_dict()
+        kept = self.callbacks.states()
         if kept:
             state["callbacks"] = kept
         if self.world.membership is not None:  # elastic: epoch and members (islands.runtime.elastic)
@@ -340,20 +299,13 @@ class Trainer:
         self.step = int(state["step"])
         self.elapsed = float(state.get("elapsed", 0.0))
         self.series = state.get("series", self.series)
-        if "schedule" in state and hasattr(self.schedule, "load_state_dict"):
-            self.schedule.load_state_dict(state["schedule"])
-        for cb in self.callbacks:
-            saved = state.get("callbacks", {}).get(type(cb).__name__)
-            if saved is not None and hasattr(cb, "load_state_dict"):
-                cb.load_state_dict(saved)
+        if "schedule" in state and hasattr(self.body.schedule, "load_state_dict"):
+            self.body.schedule.load_state_dict(state["schedule"])
+        self.callbacks.load_states(state.get("callbacks", {}))
         if self.world.membership is not None and "membership" in state:
             self.world.membership.load_state_dict(state["membership"])
 
     @property
     def checkpoints(self):
         """The checkpoint driver of a Checkpointing callback, if any (elastic membership settles saves through it)."""
-        for cb in self.callbacks:
-            driver = getattr(cb, "driver", None)
-            if driver is not None:
-                return driver
-        return None
+        return self.callbacks.driver()

@@ -1,0 +1,82 @@
+"""The body of one training step of the Trainer (islands.loop.trainer), in the order it runs:
+
+    body.set_lr(step)                    the schedule's factor of each group's initial lr (a function step -> factor)
+    loss = body.forward_backward(batch)  all micro-batches, one gradient (islands.memory.step), or the
+                                         strategy's own forward_backward (a pipeline)
+    body.update(step)                    strategy.after_backward -> clip -> optimizer.step -> zero_grad -> a torch
+                                         LRScheduler's step
+    step = body.next_step(step + 1, total)  step + 1, unless the rounds let this island skip ahead
+    body.readout.took(loss)              the loss stays on the device until a log entry or a callback reads it
+
+It holds what the user gave for the step: the loss function and the validation metrics, the step function
+(micro-batches, precision), grad_clip and the schedule; and the readout of its losses and times
+(islands.loop.step_readout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from islands.loop.step_readout import StepReadout
+from islands.memory.step import ForwardBackward
+from islands.sync.base import OwnsStep, SkipsSteps, Strategy, capability
+
+
+class StepBody:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: Strategy,
+        *,
+        loss_fn: Callable | None,
+        step_fn: ForwardBackward,
+        grad_clip: float,
+        schedule: Any,
+        metrics: dict[str, Callable],
+        log_every: int,
+    ):
+        """`model`: as the strategy wrapped it; `log_every`: steps per entry of the training-loss series."""
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        self.loss_fn, self.step_fn, self.grad_clip = loss_fn, step_fn, grad_clip
+        self.schedule = schedule  # a function step -> factor of each group's initial lr, or a torch LRScheduler
+        self.metrics = metrics  # name -> fn(prediction, targets), for validation (Trainer.evaluate)
+        owner = capability(strategy, OwnsStep)  # a pipeline owns its step
+        self._own_step = owner.forward_backward if owner is not None else None
+        self._skips = capability(strategy, SkipsSteps)
+        self._base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.readout = StepReadout(log_every)
+
+    def set_lr(self, step: int) -> None:
+        if self.schedule is None:
+            return
+        if hasattr(self.schedule, "step") and hasattr(self.schedule, "get_last_lr"):
+            return  # a torch LRScheduler: stepped after the optimizer
+        factor = self.schedule(step)
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
+
+    def forward_backward(self, batch: Any, explain: bool = False) -> Any:
+        """The batch's loss (on the device), its gradient accumulated; `explain`: say why a batch the model
+        cannot take fails (the first step of a fit)."""
+        if self._own_step is not None:
+            return self._own_step(*batch)
+        return self.step_fn(self.model, batch, self.loss_fn, explain=explain)
+
+    def update(self, step: int) -> None:
+        self.strategy.after_backward(self.model, step)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if hasattr(self.schedule, "get_last_lr"):
+            self.schedule.step()
+
+    def next_step(self, step: int, total_steps: int) -> int:
+        """`step`, or where a slower island skips to: its round's end (never past the run's)."""
+        if self._skips is not None:
+            return max(step, min(int(self._skips.next_step(step)), total_steps))
+        return step
