@@ -255,3 +255,59 @@ def test_checkpoint_is_codec_then_store_then_policy():
                 if checkpoint_rank(t) > checkpoint_rank(m):
                     bad.append(f"{f.relative_to(SRC)}:{line} ({m}) imports {t}, a later part of islands.checkpoint")
     assert not bad, "imports against codec < store < policy:\n" + "\n".join(bad)
+
+
+# Inside the components' layer, an order too (issue #33): the world and its comms at the bottom, what launches
+# processes above the testbed it places them on, then the compressors, aggregators and checkpoints that strategies
+# use, the strategies (sync), and last what is built from strategies. A component imports only its own sub-layer
+# and those below it; `islands.runtime.launch` counts as its own component (it starts the world, which never
+# imports it).
+SUBLAYERS = {
+    "runtime": 0,
+    "data": 0,
+    "optim": 0,
+    "practices": 0,
+    "testbed": 1,  # network namespaces and shaped links; its etcd cluster runs the elastic store
+    "runtime.launch": 2,  # starts ranks, optionally inside testbed hosts
+    "compress": 3,
+    "aggregate": 3,
+    "faults": 3,
+    "checkpoint": 3,
+    "measure": 3,
+    "memory": 3,
+    "control": 3,
+    "report": 3,
+    "dashboard": 3,
+    "models": 4,
+    "observe": 4,
+    "robust": 4,
+    "sync": 5,
+    "parallel": 6,
+    "outer": 6,
+    "inner": 7,
+}
+
+
+def component(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2 or LAYERS.get(parts[1]) != 1:
+        return None
+    return "runtime.launch" if parts[1:3] == ["runtime", "launch"] else parts[1]
+
+
+def test_every_component_has_a_sublayer():
+    missing = sorted({c for m in modules() if (c := component(m)) is not None and c not in SUBLAYERS})
+    assert not missing, f"add these to SUBLAYERS (and docs/architecture.md): {missing}"
+
+
+def test_components_import_only_their_sublayer_and_below():
+    bad = []
+    for m, targets in graph().items():
+        here = component(m)
+        for t in targets:
+            there = component(t)
+            if here is None or there is None or here == there:
+                continue
+            if SUBLAYERS[there] > SUBLAYERS[here]:
+                bad.append(f"{m} ({here}, sub-layer {SUBLAYERS[here]}) imports {t} ({there}, {SUBLAYERS[there]})")
+    assert not bad, "imports against the components' order:\n" + "\n".join(sorted(bad))
