@@ -2,7 +2,7 @@
 
 A public module lists none of these in `__all__`; it sets `__getattr__ = alias_getattr(__name__)`, so the old
 name still resolves (attribute access and `from M import old`) with a DeprecationWarning naming the new home.
-tests/test_public_homes.py checks that every other public name has exactly one home.
+tests/unit/project/test_public_homes.py checks that every other public name has exactly one home.
 """
 
 from __future__ import annotations

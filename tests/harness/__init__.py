@@ -5,10 +5,10 @@ spawn_ranks`), never `from conftest`. tests/ is on sys.path (pytest puts the dir
 there), so `harness` imports as a top-level package in the test process and in every rank it starts.
 
 - procs: free loopback ports and the fork-server start method the multi-process tests use
-- world: spawn N ranks that each report once through a queue (was tests/spawn_world.py)
-- outer: a small gloo world for the outer-strategy tests (was tests/outer_mp.py)
-- elastic: `islands run --elastic` / `islands join` jobs as processes, gates and records (was tests/elastic_jobs.py)
-- cli: the CLI in this process, the tiny byte-LM config, resume and exact comparison (was tests/cli_jobs.py)
-- hf: a tiny hf-causal-lm job on N forked gloo ranks (was tests/hf_ranks.py)
+- world: spawn N ranks that each report once through a queue (was tests/harness/world.py)
+- outer: a small gloo world for the outer-strategy tests (was tests/harness/outer.py)
+- elastic: `islands run --elastic` / `islands join` jobs as processes, gates and records (was tests/harness/elastic.py)
+- cli: the CLI in this process, the tiny byte-LM config, resume and exact comparison (was tests/harness/cli.py)
+- hf: a tiny hf-causal-lm job on N forked gloo ranks (was tests/harness/hf.py)
 - dict_store, legacy_blobs, legacy_containers, lm_reference, browser: helper modules
 """

@@ -6,7 +6,7 @@ initialisation and the allocator's warm-up). Bytes come from rank 0's ledger (ra
 one pad row), without the evaluation gathers, per step. Wire bytes apply ring-algorithm factors:
 all-gather and reduce-scatter move (n-1)/n of the whole tensor per rank, an all-reduce 2(n-1)/n.
 Per-rank memory is parameters + gradients + AdamW's two slots, as laid out by FSDP
-(islands.sync.state_bytes_per_rank; tests/test_sharded.py checks it against the local shards).
+(islands.sync.state_bytes_per_rank; tests/integration/sharding/test_sharded.py checks it against the local shards).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Same model, batch, seed and AdamW for both. Reported per run: final validation loss, optimizer-state
 bytes per rank (the largest partition's AdamW slots, from the same deterministic partition the strategy
-uses; tests/test_zero1.py checks it against the state the optimizer really allocates), payload bytes per
+uses; tests/integration/sharding/test_zero1.py checks it against the state the optimizer really allocates), payload bytes per
 step per kind from rank 0's ledger, ring wire bytes, and the median step time.
 """
 

@@ -8,7 +8,7 @@ The public face, what a user of islands' checkpoints needs:
     compress_file, decompress_file                a .safetensors file through the lossless codec and back
     CheckpointMismatch, CorruptCheckpoint, NoCheckpoint   the failures, each with its own fix
 
-Three sub-packages, each importing only the ones before it (tests/test_layering.py):
+Three sub-packages, each importing only the ones before it (tests/unit/project/test_layering.py):
 codec    the lossless dtype-aware tensor codec and its blob formats (SOTA-437)
 store    where the bytes go and how they survive: directories, manifests, levels, async persist
 policy   when and what to save, and resume: settings, interval policies, the driver, the Checkpointer

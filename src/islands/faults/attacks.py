@@ -291,5 +291,5 @@ def parse_attack(spec: str | Spec, world_size: int, seed: int = 0) -> AttackPlan
 
 
 # One home per public name: the roles and Byzantine live in islands.robust, the registry and parsers in
-# islands.faults (tests/test_public_homes.py); the rest of this module is below the public face.
+# islands.faults (tests/unit/project/test_public_homes.py); the rest of this module is below the public face.
 __all__ = ["Attack", "HonestView", "alie_z"]

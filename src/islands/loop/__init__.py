@@ -1,7 +1,7 @@
 """The training loop of objects: Trainer, Task, callbacks, schedules, evaluation."""
 
 # Their public home is the top level (islands.Trainer, islands.Callback, ...): one home per name
-# (tests/test_public_homes.py). The imports stay for the package's own modules and older internal imports.
+# (tests/unit/project/test_public_homes.py). The imports stay for the package's own modules and older internal imports.
 from islands.loop.callbacks import Callback, Checkpointing, Evaluate, Progress, RunRecord  # noqa: F401 - see above
 from islands.loop.evaluate import evaluate  # noqa: F401 - see above
 from islands.loop.schedule import Constant, WarmupCosine  # noqa: F401 - see above

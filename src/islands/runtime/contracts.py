@@ -5,8 +5,8 @@ World's elastic membership offers, and what a strategy hands that membership.
 process group. The protocol is not named `Comm` because `islands.Comm(group)` is public and constructs that
 class: renaming the concrete class would break every script that builds one, and a protocol named like a class
 people construct reads as one. The other classes that satisfy it: LoneComm (runtime.world), SimComm
-(runtime.simulate), ElasticComm (runtime.elastic), IslandComm and SlotComm (runtime.island_comm) and
-AuthenticatedComm (runtime.payload_auth); tests/test_contracts.py checks each of them member by member.
+(runtime.simulate), ElasticComm (runtime.elastic), IslandComm and SlotComm (runtime.elastic.island_comm) and
+AuthenticatedComm (runtime.payload_auth); tests/unit/runtime/test_contracts.py checks each of them member by member.
 
 Strategies read what a Comm says instead of probing it: `comm.elastic` (members may change between two
 collectives: refuse what churn would break), `comm.epoch` (the membership epoch of an elastic Comm, None for a
@@ -18,7 +18,7 @@ strategy the loop drives `claim`s it first thing in its wrap (the `Holder`: it s
 joiner needs), and the outer strategy, whichever object wraps it, hands it the `ElasticParticipant` that counts
 rounds, finishes the exchanges in flight before a join (`settle`) and restarts a joiner's local model
 (`joined`): the runtime never looks for these hooks by name, nor walks a strategy's parts. The runtime does not
-import the strategies (tests/test_layering.py); they satisfy these protocols structurally.
+import the strategies (tests/unit/project/test_layering.py); they satisfy these protocols structurally.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ step in `after_backward` (see `unit_traffic`), using Comm's payload definitions:
     reduce-scatter  sent = the whole padded gradient handed in, received = this rank's reduced shard
 FSDP pads dim 0 of every parameter to a multiple of N, so sizes are ceil(d0 / N) * N * (other dims).
 The root unit is never resharded after forward (FSDP's own heuristic: backward needs it at once).
-tests/test_sharded.py checks these numbers against the bytes FSDP hands to torch.distributed.
+tests/integration/sharding/test_sharded.py checks these numbers against the bytes FSDP hands to torch.distributed.
 
 Evaluation and checkpoints see a full copy: `eval_model` gathers every parameter through our counted
 Comm into a plain module; loading a state dict into that copy writes each rank's slice back.
@@ -40,7 +40,7 @@ from islands.sync.shard_plan import (
     Unit,
     plan_units,
     rows_of,
-    state_bytes_per_rank,  # noqa: F401 - imported from here by tests/test_sharded_hybrid.py
+    state_bytes_per_rank,  # noqa: F401 - imported from here by tests/integration/sharding/test_sharded_hybrid.py
     unit_traffic,
 )
 from islands.sync.wrap_policy import BlockWrap, WrapPolicy

@@ -144,7 +144,7 @@ def test_worker_names_and_places():
 
 # ---- whole jobs ---------------------------------------------------------------------------------------
 def _cfg(tmp_path: Path, **over):
-    """A digits job of our own BatchNorm CNN behind a gate (tests/elastic_jobs.py): the test holds the surviving
+    """A digits job of our own BatchNorm CNN behind a gate (tests/harness/elastic.py): the test holds the surviving
     island at work until the restarted island is built (on a loaded machine its start-up takes longer than the
     whole job would)."""
     task, hold = gated_digits(tmp_path)

@@ -17,7 +17,7 @@ from islands.cli import main
 from islands.config import JobConfig, dump_json
 from islands.tasks import hf_causal_lm, hf_lm
 
-pytestmark = pytest.mark.slow  # one job of 2 gloo ranks forked from this process (tests/hf_ranks.py)
+pytestmark = pytest.mark.slow  # one job of 2 gloo ranks forked from this process (tests/harness/hf.py)
 ATOL = 1e-5
 
 

@@ -1,6 +1,6 @@
 """The public face: one import, objects inside, and the defects a user's own model used to meet.
 
-Each multi-process case spawns gloo ranks (tests/spawn_world.py) running a model islands did not write.
+Each multi-process case spawns gloo ranks (tests/harness/world.py) running a model islands did not write.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One GPU is enough. NCCL refuses two ranks on one device, so the collectives run in a world of one
 NCCL rank: every payload still goes through NCCL on CUDA tensors, and the same calls over a gloo
-group on CPU copies of the inputs are the reference. Run with `pytest tests/test_cuda.py` on a GPU
+group on CPU copies of the inputs are the reference. Run with `pytest tests/integration/runtime/test_cuda.py` on a GPU
 machine (scripts/gpu-check does, with the GPU benchmarks).
 """
 

@@ -212,7 +212,9 @@ def test_validate_takes_fsdp_in_elastic_jobs_and_refuses_shard_groups_across_the
     cfg = from_mapping(
         dict(workers=4, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5", elastic=True)
     )
-    assert sharding(cfg) is None and elastic(cfg) is None  # tests/test_elastic_islands.py runs such jobs
+    assert (
+        sharding(cfg) is None and elastic(cfg) is None
+    )  # tests/integration/elastic/test_elastic_islands.py runs such jobs
     cfg = from_mapping(
         dict(workers=8, islands=2, global_batch=32, inner="fsdp", outer="diloco:inner_steps=5", shard_group="2")
     )

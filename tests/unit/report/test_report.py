@@ -2,7 +2,7 @@
 
 Every number checked here is read from result.json and looked for on its page; every relative link and
 image of every page must resolve inside OUT; bad input exits 2 and writes nothing. The browser tests open
-the built pages from disk in headless chromium (tests/browser.py) and keep screenshots.
+the built pages from disk in headless chromium (tests/harness/browser.py) and keep screenshots.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Layout under root:
     latest                         text file naming the newest durable checkpoint directory
-    step-000120/rank00000.data     concatenated codec blobs (each with per-chunk CRC-32s)
+    step-000120/rank00000.data     concatenated codec blobs (each with per-chunk XXH3-64 checksums)
     step-000120/rank00000.manifest.json
     step-000140.tmp-1a2b3c4d/      a save in progress or interrupted: ignored, removed at next open
 
@@ -361,7 +361,7 @@ class CheckpointStore:
     ) -> LoadedCheckpoint:
         """Load this rank's (or `rank`'s) part of checkpoint `step`; None = newest intact one.
 
-        Every blob's CRC-32 is checked before decoding and (verify=True) each tensor's SHA-256 after.
+        Every blob's chunk checksums (XXH3-64) are checked before decoding and (verify=True) each tensor's SHA-256 after.
         With step=None a damaged checkpoint is skipped in favour of the next older one (reported in
         `.skipped`; steps newer than `latest`, left by a run that resumed from an older step, come
         last); an explicit step raises CorruptCheckpoint. `like` (a state tree of the current model)
