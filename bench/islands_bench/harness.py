@@ -47,6 +47,7 @@ class Experiment:
 
 REGISTRY: dict[str, Experiment] = {}
 SMOKE_STEPS = 8  # training steps of every job a smoke run starts
+SMOKE_LM = dict(d_model=32, n_layers=1, n_heads=2, context=32)  # the byte LM an experiment may shrink to in smoke
 
 
 def smoke_sized(cfg: JobConfig, steps: int = SMOKE_STEPS) -> JobConfig:

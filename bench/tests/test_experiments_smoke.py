@@ -42,12 +42,17 @@ def _missing_root() -> str | None:
     return None if os.geteuid() == 0 else "root, for the testbed's network namespaces"
 
 
+# Experiments that run on a rate-limited testbed (network namespaces and tc) even in the smoke tier
+TESTBED = ("compression-time-to-target", "compression-vs-bandwidth", "fsdp-prefetch", "gossip", "matmul-overlap",
+           "overlap-tau", "pipeline", "powersgd-vs-torch-hook", "recovery", "ring-attention", "sequence-parallel",
+           "sharding-crossover", "utilisation")
+
 # What an experiment needs beyond the CPU and the installed islands, and how to tell that it is missing
 NEEDS = {
+    **{name: (_missing_root,) for name in TESTBED},
     "chaos": (_missing_etcd, _missing_root),  # a 3-member etcd cluster on a testbed's hub
     "etcd-failover": (_missing_etcd,),
     "chaos-torchft": (_missing_torchft, _missing_root),
-    "recovery": (_missing_root,),  # a rate-limited testbed in every tier
 }
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from islands_bench.experiments.churn_torchft import (TorchftSettings, event_stalls, islands_commits, load_torchft,
                                                       run_torchft, stalls_over_survivors, summarise_torchft)
@@ -29,16 +30,41 @@ STORE_PREFIX = "islands"
 PAPER_OUTER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 
 _JOINER = """
-import datetime, sys, time
+import datetime, pathlib, sys, time
 import torch.distributed as dist
 import sklearn.datasets, islands.app.elastic_worker as ew
-host, port = sys.argv[1].rsplit(":", 1)
-store = dist.PrefixStore(sys.argv[3], dist.TCPStore(host, int(port), is_master=False,
+up, address_file = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+up.write_text("imported")
+while not address_file.exists():
+    time.sleep(0.01)
+address = address_file.read_text()
+host, port = address.rsplit(":", 1)
+store = dist.PrefixStore(sys.argv[4], dist.TCPStore(host, int(port), is_master=False,
                                                    timeout=datetime.timedelta(seconds=30)))
 while not store.check(["bench/go"]):
     time.sleep(0.01)
-ew.exit_now(ew.main(sys.argv[1:3]))
+ew.exit_now(ew.main([address, sys.argv[3]]))
 """
+
+
+def _start_joiner(ctx: BenchContext, label: str, token: str) -> tuple[subprocess.Popen, Path]:
+    """The joiner, started before the job and returned once python, torch and islands are imported: its start-up
+    (tens of seconds on a loaded machine) would otherwise race the job's end, and a short job ended first. It
+    waits for the job's address in the returned file, then for the experiment's go."""
+    side = Path(ctx.out_dir) / "runs" / f"{label}.joiner"  # beside the run directory, which the job recreates
+    shutil.rmtree(side, ignore_errors=True)
+    side.mkdir(parents=True)
+    up, address_file = side / "imported", side / "address"
+    env = dict(os.environ, ISLANDS_NAME="j1", ISLANDS_TOKEN=token, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", _JOINER, str(up), str(address_file),
+                             str(ctx.out_dir / "runs" / label / "joiner"), STORE_PREFIX],
+                            env=env, stdout=open(side / "j1.log", "w"), stderr=subprocess.STDOUT)
+    while not up.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the joiner exited with {proc.returncode} before the job started; "
+                               f"log in {side / 'j1.log'}")
+        time.sleep(0.05)
+    return proc, address_file
 
 
 def job_store(address: str, token: str):
@@ -61,12 +87,9 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
             time.sleep(0.01)
 
     wait("e/0/members")
-    # start the joiner now, with torch imported, so that start-up time does not decide when it asks
-    env = dict(os.environ, ISLANDS_NAME="j1", ISLANDS_TOKEN=log["token"], OMP_NUM_THREADS="1")
-    log["joiner"] = subprocess.Popen([sys.executable, "-c", _JOINER, address, str(log["join_dir"]), STORE_PREFIX],
-                                     env=env,
-                                     stdout=open(log["join_dir"].parent / "logs" / "j1.log", "w"),
-                                     stderr=subprocess.STDOUT)
+    tmp = log["address_file"].with_suffix(".tmp")  # the pre-started joiner reads it whole
+    tmp.write_text(address)
+    tmp.rename(log["address_file"])
     members = [m[1] for m in json.loads(store.get("e/0/members"))]
     victims = members[-len(kills):]  # never the first member, so one record keeps the whole curve
     plan = sorted([(r, "kill", v) for r, v in zip(kills, victims)] + [(join_at, "join", "j1")])
@@ -98,7 +121,15 @@ def _run(ctx: BenchContext, label: str, cfg_values: dict, churn: dict | None) ->
                              daemon=True).start()
 
     ctx.log(f"run {label}: churn={churn}")
-    record = ctx.train_elastic(label, on_started=started, **cfg_values)
+    if churn:
+        os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())  # the job's token (train_elastic keeps it)
+        log["joiner"], log["address_file"] = _start_joiner(ctx, label, os.environ["ISLANDS_TOKEN"])
+    try:
+        record = ctx.train_elastic(label, on_started=started, **cfg_values)
+    finally:
+        if churn and "join" not in log and log["joiner"].poll() is None:
+            log["joiner"].kill()  # never asked: it would wait for the go forever
+            log["joiner"].wait()
     if churn and "join" not in log:
         raise RuntimeError(f"churn run {label!r}: the joiner was not admitted before the job ended; "
                            f"make the run longer (logs in {run_dir / 'logs'})")
@@ -210,11 +241,13 @@ def churn(ctx: BenchContext) -> dict:
     workers = 4 if ctx.quick else 8  # issue #4: kill two of eight workers and add one
     load_start = os.getloadavg()[0]
     h = 5
-    if ctx.smoke:  # the kills and the join need rounds to happen in
-        ctx.smoke_steps = 300
+    pace = {}
+    if ctx.smoke:  # the kills and the join need rounds to happen in, and the joiner time to enter before the end:
+        # every step lasts at least 50 ms (asleep: world.slowdown's floor), so 300 steps outlast a loaded start-up
+        ctx.smoke_steps, pace = 300, {"slowdown": "floor=0.05"}
     base = dict(task="digits", workers=workers, islands=workers, elastic=True, outer=f"diloco:inner_steps={h},{PAPER_OUTER}",
                 steps=ctx.smoke_steps if ctx.smoke else 1500 if ctx.quick else 2400, global_batch=8 * workers, eval_every=50, warmup=10, lr=3e-3,
-                probe=False, timeout=60.0, heartbeat_timeout=3.0, log_every=h)
+                probe=False, timeout=60.0, heartbeat_timeout=3.0, log_every=h, **pace)
     rounds = base["steps"] // h
     # the joiner is started right after the second kill; python+torch start-up decides when it is admitted
     plan = {"kills": [rounds // 6, 2 * rounds // 6], "join": 2 * rounds // 6 + 1}

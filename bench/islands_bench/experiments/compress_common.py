@@ -8,7 +8,7 @@ bytes, not final quality, and the headlines say so.
 
 from __future__ import annotations
 
-from islands_bench.harness import BenchContext
+from islands_bench.harness import SMOKE_LM, BenchContext
 from islands_bench.plots import figure
 
 
@@ -17,7 +17,7 @@ def lm_setting(ctx: BenchContext) -> dict:
     steps = 40 if ctx.quick else 300
     return dict(task="lm", workers=2, global_batch=16 if ctx.quick else 32, steps=steps,
                 warmup=max(2, steps // 10), eval_every=max(1, steps // 5), eval_batches=4 if ctx.quick else 8,
-                log_every=max(1, steps // 10))
+                log_every=max(1, steps // 10), **(SMOKE_LM if ctx.smoke else {}))
 
 
 def curve(rec: dict) -> list[dict]:
