@@ -21,6 +21,8 @@ def base(ctx: BenchContext) -> tuple[dict, int]:
                  "and cross-island bytes per worker")
 def fsdp_outer(ctx: BenchContext) -> dict:
     cfg, h = base(ctx)
+    if ctx.smoke:  # two rounds
+        ctx.smoke_steps = 2 * h
     ctx.plan(2)
     rows = []
     for inner in ("ddp", "fsdp"):

@@ -13,8 +13,10 @@ def _plot(result, path):
 @experiment("post-local", practices=("SOTA-216",),
             help="post-local SGD vs averaging every step and vs local SGD from the start: loss and bytes")
 def post_local(ctx: BenchContext) -> dict:
-    base = base_config(ctx, quick_steps=200, full_steps=800)
     h = 16
+    if ctx.smoke:  # the switch, then two rounds
+        ctx.smoke_steps = 3 * h
+    base = base_config(ctx, quick_steps=200, full_steps=800)
     runs = [("every-step", "local-sgd:every=1"), (f"post-local-H{h}", f"post-local-sgd:every={h}"),
             (f"local-H{h}", f"local-sgd:every={h}")]
     rows = [row_of(label, ctx.train(label, islands=2, outer=spec, **base), spec=spec) for label, spec in runs]

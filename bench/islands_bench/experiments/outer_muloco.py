@@ -48,6 +48,8 @@ def arms(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
                  "deltas, with DDP-AdamW and DDP-Muon references: final val loss and bytes")
 def muloco(ctx: BenchContext) -> dict:
     cfg, h = base(ctx)
+    if ctx.smoke:  # two rounds
+        ctx.smoke_steps = 2 * h
     plan = arms(ctx)
     ctx.plan(len(plan))
     rows = []

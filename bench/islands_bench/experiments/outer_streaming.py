@@ -28,12 +28,14 @@ def _peak(rec: dict) -> int:
 @experiment("streaming", practices=("SOTA-155",),
             help="Streaming DiLoCo (F fragments, overlap tau, 4-bit deltas) vs DiLoCo: peak/total bytes per sync at equal loss")
 def streaming(ctx: BenchContext) -> dict:
-    base = base_config(ctx, quick_steps=200, full_steps=1000)
     h = 50 if ctx.quick else 100
+    if ctx.smoke:  # two rounds; DiLoCo, 4-bit fragments, and 4-bit+zstd at one F
+        ctx.smoke_steps = 2 * h
+    base = base_config(ctx, quick_steps=200, full_steps=1000)
     runs = [("diloco", f"diloco:inner_steps={h},{SCALED}", 1, "fp32")]
     runs.append(("streaming-F4-4bit", f"streaming-diloco:inner_steps={h},fragments=4,tau=1,bits=4,block={BLOCK},{LANDING},{SCALED}",
                  4, "4-bit"))
-    for f in (2, 4) if ctx.quick else (2, 4, 8):
+    for f in (2,) if ctx.smoke else (2, 4) if ctx.quick else (2, 4, 8):
         spec = f"streaming-diloco:inner_steps={h},fragments={f},tau=1,bits=4,block={BLOCK},entropy=zstd,{LANDING},{SCALED}"
         runs.append((f"streaming-F{f}-4bit-zstd", spec, f, "4-bit+zstd"))
     ctx.plan(len(runs))
