@@ -71,6 +71,9 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     torch.set_num_threads(1)
     sizes = [(256, 4), (384, 6)] if ctx.quick else [(256, 4), (512, 6), (768, 8)]
     samples = 3 if ctx.quick else 5
+    model = dict(d_model=256, n_layers=4, n_heads=4)  # the training loops'
+    if ctx.smoke:  # one small tree, a first and a steady save; small models in the loops
+        sizes, samples, model = [(64, 2)], 2, dict(d_model=64, n_layers=2, n_heads=4)
     rows = []
     for d_model, n_layers in sizes:
         tree, advance = state_tree(d_model, n_layers, ctx.device)
@@ -94,7 +97,7 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     loop = {}
     for mode in (True, False):
         rec = ctx.train(f"loop-{'async' if mode else 'sync'}", workers=1, steps=steps, ckpt_every=every,
-                        ckpt_async=mode, eval_every=0, device=ctx.device, d_model=256, n_layers=4, n_heads=4, global_batch=8)
+                        ckpt_async=mode, eval_every=0, device=ctx.device, global_batch=8, **model)
         ck, s = rec["checkpoint"], rec["summary"]
         saves = sum(ck["saves"].values())
         loop[mode] = {"where": "training loop", "config": f"d256 L4, every {every} of {steps} steps",
@@ -104,7 +107,7 @@ def ckpt_stall(ctx: BenchContext) -> dict:
                       "async": mode}
     rows += [loop[True], loop[False]]
     ratio_loop = loop[True]["stall_per_ckpt_s"] / loop[False]["stall_per_ckpt_s"]
-    elastic = {mode: _elastic_loop(ctx, mode, steps, every) for mode in (True, False)}
+    elastic = {mode: _elastic_loop(ctx, mode, steps, every, model) for mode in (True, False)}
     rows += [elastic[True], elastic[False]]
     ratio_elastic = elastic[True]["stall_per_ckpt_s"] / elastic[False]["stall_per_ckpt_s"]
     headline = [f"state {r['state_MB']:.0f} MB, a training step between saves: async stall {r['async_stall_s'] * 1e3:.1f} ms "
@@ -126,14 +129,13 @@ def ckpt_stall(ctx: BenchContext) -> dict:
             "baseline": ["synchronous save of the same tree to the same kind of store, same run"]}
 
 
-def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int) -> dict:
+def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int, model: dict) -> dict:
     """One elastic DiLoCo job of 2 workers saving every `every` steps; its checkpoint stall per save."""
     label = f"elastic-{'async' if mode else 'sync'}"
     # LIT-212's outer step, whose momentum buffer is part of each snapshot (the default step has none)
     outer = "diloco:inner_steps=5,outer=nesterov,outer_lr=0.7,momentum=0.9"
     rec = ctx.train_elastic(label, workers=2, islands=2, outer=outer, elastic=True, steps=steps,
-                            ckpt_every=every, ckpt_async=mode, eval_every=0, probe=False, d_model=256, n_layers=4,
-                            n_heads=4, global_batch=16)
+                            ckpt_every=every, ckpt_async=mode, eval_every=0, probe=False, global_batch=16, **model)
     ck, s = rec["checkpoint"], rec["summary"]
     saves = sum(ck["saves"].values())
     if ck["async"] != mode or not saves:
