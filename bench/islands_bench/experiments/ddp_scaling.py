@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from islands_bench.harness import BenchContext, experiment
+from islands_bench.harness import SMOKE_LM, BenchContext, experiment
 from islands_bench.plots import figure
 from islands.models import ByteTransformer, count_parameters
 
@@ -27,8 +27,9 @@ def _plot(result: dict, path) -> None:
                  "per-worker and a per-node baseline; bytes/step vs analytic")
 def ddp_scaling(ctx: BenchContext) -> dict:
     steps = 20 if ctx.quick else 60
-    common = dict(steps=steps, global_batch=32, eval_every=0, warmup=5, log_every=steps)
-    params = count_parameters(ByteTransformer())
+    model = SMOKE_LM if ctx.smoke else {}
+    common = dict(steps=steps, global_batch=32, eval_every=0, warmup=5, log_every=steps, **model)
+    params = count_parameters(ByteTransformer(**model))
     analytic = 4 * params  # fp32 gradient payload each worker hands to all-reduce per step
     rows, base = [], None
     # the per-node baseline is one process using every core of this node, measured in the same run.
