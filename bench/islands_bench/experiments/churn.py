@@ -180,7 +180,8 @@ def _torchft_side(ctx: BenchContext, base: dict, workers: int, h: int, plan: dic
         return {"error": why}
     settings = TorchftSettings(timeout_s=base["timeout"])
     out = {"version": version, "settings": settings.describe()}
-    for label, events in (("torchft-no-churn", None), ("torchft-churn", plan)):
+    # smoke: the churned run alone (the calm one is the same job without its events)
+    for label, events in ((("torchft-no-churn", None),) if not ctx.smoke else ()) + (("torchft-churn", plan),):
         run_dir = ctx.out_dir / "runs" / label
         shutil.rmtree(run_dir, ignore_errors=True)
         ctx.log(f"run {label}: {workers} torchft {version} replicas, DiLoCo H={h}, churn={events}")
@@ -280,10 +281,10 @@ def churn(ctx: BenchContext) -> dict:
     if "error" in ft:
         headline.append(f"torchft not run side by side: {ft['error']}")
     else:
-        fc, fq = ft["torchft-churn"], ft["torchft-no-churn"]
+        fc, fq = ft["torchft-churn"], ft.get("torchft-no-churn")  # smoke: no calm torchft run
         rows += [{"run": f"torchft {ft['version']} no-churn", "final_val_loss": fq["final_val_loss"],
-                  "final_workers": fq["final_workers"], **calm_cols, "join_wait_rounds": "-"},
-                 {"run": f"torchft {ft['version']} churn", "final_val_loss": fc["final_val_loss"],
+                  "final_workers": fq["final_workers"], **calm_cols, "join_wait_rounds": "-"}] if fq else []
+        rows += [{"run": f"torchft {ft['version']} churn", "final_val_loss": fc["final_val_loss"],
                   "final_workers": fc["final_workers"], **_gap_cols(fc["stalls"]),
                   "join_wait_rounds": fc["join"]["rounds_without_it_after_ready"],
                   "detect_to_commit_max_s": "no counterpart"}]
@@ -292,10 +293,13 @@ def churn(ctx: BenchContext) -> dict:
             f"events at the same rounds; one replica group per worker, its DiLoCo wrapper): survivors' stall "
             f"{_stall_text(fc['stalls'])} (same metric); joiner: {fc['join']['rounds_without_it_after_ready']} "
             f"round(s) without it after it was ready, then contributed to {fc['join']['contributed_rounds']} rounds; "
-            f"final val loss {fc['final_val_loss']:.4f} with churn vs {fq['final_val_loss']:.4f} without",
+            f"final val loss {fc['final_val_loss']:.4f} with churn vs "
+            + (f"{fq['final_val_loss']:.4f} without" if fq else "(no calm run in the smoke tier)"),
             f"torchft settings: {ft['settings']}",
         ]
         for label, run in (("torchft no churn", fq), ("torchft churn", fc)):  # its log counts rounds: step = round*H
+            if run is None:
+                continue
             curves[label] = [{"step": p["step"] * h, "loss": p["loss"]} for p in run.pop("curve")]
     headline.append(f"machine load (1-min average) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the "
                     f"end, on {os.cpu_count()} cores: absolute times are noisy; all four runs shared it")
