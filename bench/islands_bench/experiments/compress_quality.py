@@ -10,6 +10,12 @@ from islands_bench.experiments.compress_common import curve, lm_setting, plot_cu
 from islands_bench.harness import BenchContext, experiment, spec_text
 
 
+def _steps(ctx: BenchContext) -> int:
+    """The steps each job runs: lm_setting's, or a smoke run's cut (a warm-up sized from the uncut length would
+    cover the whole smoke job and leave the compressed phase it precedes empty)."""
+    return ctx.config(**lm_setting(ctx)).train.steps
+
+
 def _stage_steps(steps: int) -> int:
     # DGC's five warm-up stages (SOTA-224) over the first half of our short runs
     return max(1, steps // 10)
@@ -45,8 +51,8 @@ def _setting(ctx: BenchContext, recs: dict) -> str:
 @experiment("ef-ablation", practices=("SOTA-214",),
             help="PowerSGD rank 4 and top-k 99.9% with and without error feedback vs ddp on the default LM")
 def ef_ablation(ctx: BenchContext) -> dict:
-    stage = _stage_steps(lm_setting(ctx)["steps"])
-    warm = lm_setting(ctx)["warmup"]
+    stage = _stage_steps(_steps(ctx))
+    warm = ctx.config(**lm_setting(ctx)).train.warmup
     topk = f"topk:ratio=0.001,warmup=1,stage_steps={stage}"
     rows, recs, curves = _runs(ctx, [
         ("ddp", dict(compress="none")),
@@ -81,7 +87,7 @@ def ef_ablation(ctx: BenchContext) -> dict:
 @experiment("sparsity-warmup", practices=("SOTA-224",),
             help="top-k 99.9% with DGC's exponential sparsity warm-up vs starting at the target sparsity")
 def sparsity_warmup(ctx: BenchContext) -> dict:
-    stage = _stage_steps(lm_setting(ctx)["steps"])
+    stage = _stage_steps(_steps(ctx))
     rows, recs, curves = _runs(ctx, [
         ("ddp", dict(compress="none")),
         ("topk-ramped", dict(compress=f"topk:ratio=0.001,warmup=1,stage_steps={stage}")),
@@ -107,7 +113,7 @@ def sparsity_warmup(ctx: BenchContext) -> dict:
 @experiment("onebit-adam", practices=("SOTA-215",),
             help="1-bit Adam (frozen variance, 1-bit momentum) vs naive compressed Adam vs AdamW on the default LM")
 def onebit_adam(ctx: BenchContext) -> dict:
-    steps = lm_setting(ctx)["steps"]
+    steps = _steps(ctx)
     warm = max(1, steps // 5)
     rows, recs, curves = _runs(ctx, [
         ("ddp", dict(optimizer="adamw")),
