@@ -81,20 +81,20 @@ def row_of(label: str, rec: dict, **extra) -> dict:
 def outer_compression(ctx: BenchContext) -> dict:
     # quick: the digits MLP, 40 rounds (at H=50 it would have 4); full: the byte LM, 30 rounds (600 steps keep the
     # 15 runs near an hour on 2 shared cores)
-    compressors, seeds, at_goal, densities = COMPRESSORS, SEEDS, AT_GOAL, DENSITIES
+    compressors, seeds, goal_arms, densities = COMPRESSORS, SEEDS, AT_GOAL, DENSITIES
     if ctx.smoke:  # one seed; each compressor once (topkq at 2 bits) with and without error feedback; the goal arm
         # and fixed positions; no density sweep
         compressors = [c for c in COMPRESSORS if c[0] in ("topkq-2bit", "dct-topk-2bit", "randomk-shared", "topk-fp32")]
-        seeds, at_goal, densities = SEEDS[:1], [AT_GOAL[0], AT_GOAL[2]], ()
+        seeds, goal_arms, densities = SEEDS[:1], [AT_GOAL[0], AT_GOAL[2]], ()
     base = base_config(ctx, quick_steps=200, full_steps=600)
     h = 5 if ctx.quick else 20
     diloco = f"diloco:inner_steps={h},{SCALED}"
     goal_hs = (h,) if ctx.quick else (h, FULL_GOAL_H)
-    ctx.plan(len(goal_hs) * len(seeds) * 2 + 2 * len(compressors) + len(densities) + len(at_goal) - 1)
+    ctx.plan(len(goal_hs) * len(seeds) * 2 + 2 * len(compressors) + len(densities) + len(goal_arms) - 1)
     ref = row_of("diloco-fp32", ctx.train("diloco-fp32", islands=2, outer=diloco, **base),
                  compressor="none", ef=None, H=h, seed=0)
     rows = [ref]
-    goal_label, goal_spec, goal_outer = at_goal[0]
+    goal_label, goal_spec, goal_outer = goal_arms[0]
     pairs = []  # (fp32 row, goal arm row) per H and seed, each compared with fp32 DiLoCo of its own seed and H
     for gh in goal_hs:
         suffix = "" if gh == h else f"-H{gh}"
@@ -109,7 +109,7 @@ def outer_compression(ctx: BenchContext) -> dict:
                          compressor=goal_spec, ef=True, H=gh, seed=seed, outer=goal_outer)
             rows += [arm] if fp32 is ref else [fp32, arm]
             pairs.append((fp32, arm))
-    for label, spec, step in at_goal[1:]:
+    for label, spec, step in goal_arms[1:]:
         outer = f"diloco:inner_steps={h},{step},compressor=({spec})"
         rows.append(row_of(label, ctx.train(label, islands=2, outer=outer, **base),
                            compressor=spec, ef=True, H=h, seed=0, outer=step))
@@ -140,7 +140,7 @@ def outer_compression(ctx: BenchContext) -> dict:
         f"{at_goal}; goal (>= {GOAL_CUT:.0f}x and within {GOAL_GAP_PCT:.0f}% at every seed) met at "
         f"{', '.join(f'H={gh}' for gh in met_at) or 'no H'}; seed 0 at fp32's outer step, then with fixed 12-bit positions (60 "
         "of 4096) at the same bytes: " + "; ".join(f"{label} {by[label]['cut_vs_fp32']:.0f}x "
-                                                   f"{by[label]['loss_gap_pct']:+.2f}%" for label, _, _ in at_goal[1:]),
+                                                   f"{by[label]['loss_gap_pct']:+.2f}%" for label, _, _ in goal_arms[1:]),
         f"{task_words(ctx)}, {base['steps']} steps, H={h}, 2 islands: topkq 1% with 2-bit values and error feedback "
         f"(SparseLoCo's payload) sends {sparse['bytes_per_round']:,.0f} B per round against fp32 DiLoCo's "
         f"{ref['bytes_per_round']:,.0f} ({sparse['cut_vs_fp32']:.0f}x fewer; goal {GOAL_CUT:.0f}x), final val loss "
