@@ -13,7 +13,10 @@ Tiers: full (the published numbers), quick (--quick: a smaller version whose num
 and smoke (--smoke: the quick version shrunk until it only shows the experiment still runs end to end;
 its numbers mean nothing). A smoke run has ctx.quick and ctx.smoke set; every training job it starts
 is cut to ctx.smoke_steps (SMOKE_STEPS) steps (ctx.config), and an experiment that sizes its own work reads
-ctx.smoke; one whose events need longer jobs (a kill at round k) raises ctx.smoke_steps.
+ctx.smoke, at the top of the experiment: it runs one arm of each kind (a sweep two of its points, not all),
+the fewest workers and the smallest model (SMOKE_LM where the size is no code path) that still take every
+code path. One whose jobs must outlast something (outer rounds of H steps, a kill at round k, a helper
+process's start-up) raises ctx.smoke_steps.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Experiment:
 
 REGISTRY: dict[str, Experiment] = {}
 SMOKE_STEPS = 8  # training steps of every job a smoke run starts
+SMOKE_LM = dict(d_model=32, n_layers=1, n_heads=2, context=32)  # the byte LM an experiment may shrink to in smoke
 
 
 def smoke_sized(cfg: JobConfig, steps: int = SMOKE_STEPS) -> JobConfig:

@@ -592,7 +592,7 @@ def chaos(ctx: BenchContext) -> dict:
     tier = SMOKE if ctx.smoke else QUICK if ctx.quick else FULL
     seed = 0
     kinds = campaign(tier["events"], seed)
-    ctx.plan(3)
+    ctx.plan(2 if ctx.smoke else 3)
     from islands.testbed import down, up
 
     bed = up("chaos", hosts=HOSTS, rate=RATE)
@@ -619,15 +619,21 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
     )
     # the same configured steps (so the same learning-rate schedule), ended at the step the chaos job ended at
     ended = (run["record"] or {}).get("summary", {}).get("steps") or run["stop_at"]
-    calm = _run(
-        ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed, stop_at=ended
+    # smoke: the probe, a fault-free run of the same job, stands in for the fault-free reference
+    calm_label = "probe" if ctx.smoke else "fault-free"
+    calm = (
+        probe
+        if ctx.smoke
+        else _run(
+            ctx, "fault-free", steps, [], seed, (0.0, 0.0), deadline_s=max(900, 4 * campaign_s), bed=bed, stop_at=ended
+        )
     )
     # the baseline failing (session 18: every worker found silent at start-up while tests loaded the machine)
     # costs the loss comparison, not the campaign's own counts
     calm_note = (
         ""
         if calm["record"] is not None and not calm["hung"]
-        else (f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / 'fault-free'}/launcher.log)")
+        else (f"the fault-free run did not finish (see {ctx.out_dir / 'runs' / calm_label}/launcher.log)")
     )
     applied = [e for e in run["events"] if e.applied]
     stalls = stall_per_event(run["progress"], [e.at for e in applied])
@@ -667,7 +673,7 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
             by_kind.setdefault(e.kind, []).append(s)
     targets = {name for e in applied for name in e.hit}
     false_chaos = false_deaths(ctx.out_dir / "runs" / "chaos", targets)
-    false_calm = false_deaths(ctx.out_dir / "runs" / "fault-free", set())
+    false_calm = false_deaths(ctx.out_dir / "runs" / calm_label, set())
     loss = run["record"]["summary"]["final_val_loss"] if run["record"] else float("nan")
     calm_loss = calm["record"]["summary"]["final_val_loss"] if not calm_note else float("nan")
     where = (

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from islands_bench.experiments.churn_torchft import (
     TorchftSettings,
@@ -35,16 +36,53 @@ STORE_PREFIX = "islands"
 PAPER_OUTER = "outer=nesterov,outer_lr=0.7,momentum=0.9"
 
 _JOINER = """
-import datetime, sys, time
+import datetime, pathlib, sys, time
 import torch.distributed as dist
 import sklearn.datasets, islands.app.elastic_worker as ew
-host, port = sys.argv[1].rsplit(":", 1)
-store = dist.PrefixStore(sys.argv[3], dist.TCPStore(host, int(port), is_master=False,
+up, address_file = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+up.write_text("imported")
+while not address_file.exists():
+    time.sleep(0.01)
+address = address_file.read_text()
+host, port = address.rsplit(":", 1)
+store = dist.PrefixStore(sys.argv[4], dist.TCPStore(host, int(port), is_master=False,
                                                    timeout=datetime.timedelta(seconds=30)))
 while not store.check(["bench/go"]):
     time.sleep(0.01)
-ew.exit_now(ew.main(sys.argv[1:3]))
+ew.exit_now(ew.main([address, sys.argv[3]]))
 """
+
+
+def _start_joiner(ctx: BenchContext, label: str, token: str) -> tuple[subprocess.Popen, Path]:
+    """The joiner, started before the job and returned once python, torch and islands are imported: its start-up
+    (tens of seconds on a loaded machine) would otherwise race the job's end, and a short job ended first. It
+    waits for the job's address in the returned file, then for the experiment's go."""
+    side = Path(ctx.out_dir) / "runs" / f"{label}.joiner"  # beside the run directory, which the job recreates
+    shutil.rmtree(side, ignore_errors=True)
+    side.mkdir(parents=True)
+    up, address_file = side / "imported", side / "address"
+    env = dict(os.environ, ISLANDS_NAME="j1", ISLANDS_TOKEN=token, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _JOINER,
+            str(up),
+            str(address_file),
+            str(ctx.out_dir / "runs" / label / "joiner"),
+            STORE_PREFIX,
+        ],
+        env=env,
+        stdout=open(side / "j1.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
+    while not up.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the joiner exited with {proc.returncode} before the job started; log in {side / 'j1.log'}"
+            )
+        time.sleep(0.05)
+    return proc, address_file
 
 
 def job_store(address: str, token: str):
@@ -67,14 +105,9 @@ def _events(ctx: BenchContext, address: str, workers, kills: list[int], join_at:
             time.sleep(0.01)
 
     wait("e/0/members")
-    # start the joiner now, with torch imported, so that start-up time does not decide when it asks
-    env = dict(os.environ, ISLANDS_NAME="j1", ISLANDS_TOKEN=log["token"], OMP_NUM_THREADS="1")
-    log["joiner"] = subprocess.Popen(
-        [sys.executable, "-c", _JOINER, address, str(log["join_dir"]), STORE_PREFIX],
-        env=env,
-        stdout=open(log["join_dir"].parent / "logs" / "j1.log", "w"),
-        stderr=subprocess.STDOUT,
-    )
+    tmp = log["address_file"].with_suffix(".tmp")  # the pre-started joiner reads it whole
+    tmp.write_text(address)
+    tmp.rename(log["address_file"])
     members = [m[1] for m in json.loads(store.get("e/0/members"))]
     victims = members[-len(kills) :]  # never the first member, so one record keeps the whole curve
     plan = sorted([(r, "kill", v) for r, v in zip(kills, victims)] + [(join_at, "join", "j1")])
@@ -107,7 +140,15 @@ def _run(ctx: BenchContext, label: str, cfg_values: dict, churn: dict | None) ->
             ).start()
 
     ctx.log(f"run {label}: churn={churn}")
-    record = ctx.train_elastic(label, on_started=started, **cfg_values)
+    if churn:
+        os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())  # the job's token (train_elastic keeps it)
+        log["joiner"], log["address_file"] = _start_joiner(ctx, label, os.environ["ISLANDS_TOKEN"])
+    try:
+        record = ctx.train_elastic(label, on_started=started, **cfg_values)
+    finally:
+        if churn and "join" not in log and log["joiner"].poll() is None:
+            log["joiner"].kill()  # never asked: it would wait for the go forever
+            log["joiner"].wait()
     if churn and "join" not in log:
         raise RuntimeError(
             f"churn run {label!r}: the joiner was not admitted before the job ended; "
@@ -178,7 +219,8 @@ def _torchft_side(ctx: BenchContext, base: dict, workers: int, h: int, plan: dic
         return {"error": why}
     settings = TorchftSettings(timeout_s=base["timeout"])
     out = {"version": version, "settings": settings.describe()}
-    for label, events in (("torchft-no-churn", None), ("torchft-churn", plan)):
+    # smoke: the churned run alone (the calm one is the same job without its events)
+    for label, events in ((("torchft-no-churn", None),) if not ctx.smoke else ()) + (("torchft-churn", plan),):
         run_dir = ctx.out_dir / "runs" / label
         shutil.rmtree(run_dir, ignore_errors=True)
         ctx.log(f"run {label}: {workers} torchft {version} replicas, DiLoCo H={h}, churn={events}")
@@ -245,8 +287,10 @@ def churn(ctx: BenchContext) -> dict:
     workers = 4 if ctx.quick else 8  # issue #4: kill two of eight workers and add one
     load_start = os.getloadavg()[0]
     h = 5
-    if ctx.smoke:  # the kills and the join need rounds to happen in
-        ctx.smoke_steps = 300
+    pace = {}
+    if ctx.smoke:  # the kills and the join need rounds to happen in, and the joiner time to enter before the end:
+        # every step lasts at least 50 ms (asleep: world.slowdown's floor), so 300 steps outlast a loaded start-up
+        ctx.smoke_steps, pace = 300, {"slowdown": "floor=0.05"}
     base = dict(
         task="digits",
         workers=workers,
@@ -262,6 +306,7 @@ def churn(ctx: BenchContext) -> dict:
         timeout=60.0,
         heartbeat_timeout=3.0,
         log_every=h,
+        **pace,
     )
     rounds = base["steps"] // h
     # the joiner is started right after the second kill; python+torch start-up decides when it is admitted
@@ -311,15 +356,21 @@ def churn(ctx: BenchContext) -> dict:
     if "error" in ft:
         headline.append(f"torchft not run side by side: {ft['error']}")
     else:
-        fc, fq = ft["torchft-churn"], ft["torchft-no-churn"]
+        fc, fq = ft["torchft-churn"], ft.get("torchft-no-churn")  # smoke: no calm torchft run
+        rows += (
+            [
+                {
+                    "run": f"torchft {ft['version']} no-churn",
+                    "final_val_loss": fq["final_val_loss"],
+                    "final_workers": fq["final_workers"],
+                    **calm_cols,
+                    "join_wait_rounds": "-",
+                }
+            ]
+            if fq
+            else []
+        )
         rows += [
-            {
-                "run": f"torchft {ft['version']} no-churn",
-                "final_val_loss": fq["final_val_loss"],
-                "final_workers": fq["final_workers"],
-                **calm_cols,
-                "join_wait_rounds": "-",
-            },
             {
                 "run": f"torchft {ft['version']} churn",
                 "final_val_loss": fc["final_val_loss"],
@@ -327,17 +378,20 @@ def churn(ctx: BenchContext) -> dict:
                 **_gap_cols(fc["stalls"]),
                 "join_wait_rounds": fc["join"]["rounds_without_it_after_ready"],
                 "detect_to_commit_max_s": "no counterpart",
-            },
+            }
         ]
         headline += [
             f"torchft {ft['version']} side by side (same task, model, data shards, inner/outer optimizers, H={h}, "
             f"events at the same rounds; one replica group per worker, its DiLoCo wrapper): survivors' stall "
             f"{_stall_text(fc['stalls'])} (same metric); joiner: {fc['join']['rounds_without_it_after_ready']} "
             f"round(s) without it after it was ready, then contributed to {fc['join']['contributed_rounds']} rounds; "
-            f"final val loss {fc['final_val_loss']:.4f} with churn vs {fq['final_val_loss']:.4f} without",
+            f"final val loss {fc['final_val_loss']:.4f} with churn vs "
+            + (f"{fq['final_val_loss']:.4f} without" if fq else "(no calm run in the smoke tier)"),
             f"torchft settings: {ft['settings']}",
         ]
         for label, run in (("torchft no churn", fq), ("torchft churn", fc)):  # its log counts rounds: step = round*H
+            if run is None:
+                continue
             curves[label] = [{"step": p["step"] * h, "loss": p["loss"]} for p in run.pop("curve")]
     headline.append(
         f"machine load (1-min average) {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the "

@@ -59,6 +59,8 @@ def ckpt_replicas(ctx: BenchContext) -> dict:
     counts = (2, 4)
     steps, every = (20, 5) if ctx.quick else (40, 10)
     model = dict(d_model=256, n_layers=4, n_heads=4) if ctx.quick else dict(d_model=384, n_layers=6, n_heads=4)
+    if ctx.smoke:  # 2 DDP ranks and 2 DiLoCo islands, a small model
+        counts, model = (2,), dict(d_model=64, n_layers=2, n_heads=4)
     rows = []
     jobs = [(f"{w} DDP ranks", w, dict(inner="ddp")) for w in counts]
     # outer syncs every 6 steps, saves every 5: the islands' states differ at each save

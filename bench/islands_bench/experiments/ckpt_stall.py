@@ -74,6 +74,9 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     torch.set_num_threads(1)
     sizes = [(256, 4), (384, 6)] if ctx.quick else [(256, 4), (512, 6), (768, 8)]
     samples = 3 if ctx.quick else 5
+    model = dict(d_model=256, n_layers=4, n_heads=4)  # the training loops'
+    if ctx.smoke:  # one small tree, a first and a steady save; small models in the loops
+        sizes, samples, model = [(64, 2)], 2, dict(d_model=64, n_layers=2, n_heads=4)
     rows = []
     for d_model, n_layers in sizes:
         tree, advance = state_tree(d_model, n_layers, ctx.device)
@@ -119,10 +122,8 @@ def ckpt_stall(ctx: BenchContext) -> dict:
             ckpt_async=mode,
             eval_every=0,
             device=ctx.device,
-            d_model=256,
-            n_layers=4,
-            n_heads=4,
             global_batch=8,
+            **model,
         )
         ck, s = rec["checkpoint"], rec["summary"]
         saves = sum(ck["saves"].values())
@@ -137,7 +138,7 @@ def ckpt_stall(ctx: BenchContext) -> dict:
         }
     rows += [loop[True], loop[False]]
     ratio_loop = loop[True]["stall_per_ckpt_s"] / loop[False]["stall_per_ckpt_s"]
-    elastic = {mode: _elastic_loop(ctx, mode, steps, every) for mode in (True, False)}
+    elastic = {mode: _elastic_loop(ctx, mode, steps, every, model) for mode in (True, False)}
     rows += [elastic[True], elastic[False]]
     ratio_elastic = elastic[True]["stall_per_ckpt_s"] / elastic[False]["stall_per_ckpt_s"]
     headline = [
@@ -172,7 +173,7 @@ def ckpt_stall(ctx: BenchContext) -> dict:
     }
 
 
-def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int) -> dict:
+def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int, model: dict) -> dict:
     """One elastic DiLoCo job of 2 workers saving every `every` steps; its checkpoint stall per save."""
     label = f"elastic-{'async' if mode else 'sync'}"
     # LIT-212's outer step, whose momentum buffer is part of each snapshot (the default step has none)
@@ -188,10 +189,8 @@ def _elastic_loop(ctx: BenchContext, mode: bool, steps: int, every: int) -> dict
         ckpt_async=mode,
         eval_every=0,
         probe=False,
-        d_model=256,
-        n_layers=4,
-        n_heads=4,
         global_batch=16,
+        **model,
     )
     ck, s = rec["checkpoint"], rec["summary"]
     saves = sum(ck["saves"].values())

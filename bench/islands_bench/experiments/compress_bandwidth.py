@@ -109,7 +109,15 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
 
     rates = [ctx.rate] if ctx.rate else (["100mbit"] if ctx.quick else ["20mbit", "100mbit", "1gbit"])
     specs = QUICK if ctx.quick else FULL
-    ctx.plan(sum(len(specs) + (len(COMM_BOUND["specs"]) if rate == "100mbit" or ctx.rate else 0) for rate in rates))
+    comm_bound = COMM_BOUND
+    if ctx.smoke:  # our PowerSGD and torch's hook (the pair the headline compares) against ddp; no comm-bound regime
+        specs, comm_bound = ["none", "powersgd:rank=4", "torch-powersgd:rank=4"], None
+    ctx.plan(
+        sum(
+            len(specs) + (len(comm_bound["specs"]) if comm_bound and (rate == "100mbit" or ctx.rate) else 0)
+            for rate in rates
+        )
+    )
     common = lm_setting(ctx)
     if ctx.quick:
         common.update(steps=24, warmup=3, eval_every=4, eval_batches=2, log_every=4)
@@ -121,9 +129,9 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
             measured = tb.measure_rate(bed)
             rates_mbit[rate] = measured["goodput_mbit"]
             regimes = [("default: global batch %d" % common["global_batch"], specs, {})]
-            if rate == "100mbit" or ctx.rate:
+            if comm_bound and (rate == "100mbit" or ctx.rate):
                 regimes.append(
-                    (COMM_BOUND["regime"], COMM_BOUND["specs"], {"global_batch": COMM_BOUND["global_batch"]})
+                    (comm_bound["regime"], comm_bound["specs"], {"global_batch": comm_bound["global_batch"]})
                 )
             for regime, regime_specs, overrides in regimes:
                 recs = {}
@@ -175,7 +183,7 @@ def compression_time_to_target(ctx: BenchContext) -> dict:
     rows, curves, headline = [], {}, []
     with ctx.testbed(rate, hosts=2) as bed:
         measured = tb.measure_rate(bed)
-        for batch in LINK_BOUND_BATCHES:
+        for batch in LINK_BOUND_BATCHES[:1] if ctx.smoke else LINK_BOUND_BATCHES:
             regime = f"global batch {batch}"
             recs = {}
             for spec in ("none", BEST_POWERSGD):

@@ -8,7 +8,7 @@ bytes, not final quality, and the headlines say so.
 
 from __future__ import annotations
 
-from islands_bench.harness import BenchContext
+from islands_bench.harness import SMOKE_LM, BenchContext
 from islands_bench.plots import figure
 
 
@@ -24,6 +24,7 @@ def lm_setting(ctx: BenchContext) -> dict:
         eval_every=max(1, steps // 5),
         eval_batches=4 if ctx.quick else 8,
         log_every=max(1, steps // 10),
+        **(SMOKE_LM if ctx.smoke else {}),
     )
 
 

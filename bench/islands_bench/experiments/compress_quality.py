@@ -10,13 +10,24 @@ from islands_bench.experiments.compress_common import curve, lm_setting, plot_cu
 from islands_bench.harness import BenchContext, experiment, spec_text
 
 
+def _steps(ctx: BenchContext) -> int:
+    """The steps each job runs: lm_setting's, or a smoke run's cut (a warm-up sized from the uncut length would
+    cover the whole smoke job and leave the compressed phase it precedes empty)."""
+    return ctx.config(**lm_setting(ctx)).train.steps
+
+
 def _stage_steps(steps: int) -> int:
     # DGC's five warm-up stages (SOTA-224) over the first half of our short runs
     return max(1, steps // 10)
 
 
-def _runs(ctx: BenchContext, runs: list[tuple[str, dict]]) -> tuple[list[dict], dict, dict]:
+def _runs(
+    ctx: BenchContext, runs: list[tuple[str, dict]], smoke: tuple[str, ...] = ()
+) -> tuple[list[dict], dict, dict]:
+    """Train every (label, overrides) run, ddp first; a smoke run trains ddp and the labels in `smoke` only."""
     common = lm_setting(ctx)
+    if ctx.smoke and smoke:
+        runs = [r for r in runs if r[0] == "ddp" or r[0] in smoke]
     ctx.plan(len(runs))
     recs = {label: ctx.train(label, **common, **over) for label, over in runs}
     base = recs["ddp"]
@@ -33,7 +44,9 @@ def _runs(ctx: BenchContext, runs: list[tuple[str, dict]]) -> tuple[list[dict], 
     return rows, recs, {label: curve(rec) for label, rec in recs.items()}
 
 
-def _fmt(r: dict) -> str:
+def _fmt(r: dict | None) -> str:
+    if r is None:
+        return "(not run in the smoke tier)"
     return f"{r['final_val_loss']:.3f} ({r['val_loss_vs_ddp_pct']:+.1f}% vs ddp, {r['bytes_reduction_x']:.0f}x fewer bytes)"
 
 
@@ -52,8 +65,8 @@ def _setting(ctx: BenchContext, recs: dict) -> str:
     help="PowerSGD rank 4 and top-k 99.9% with and without error feedback vs ddp on the default LM",
 )
 def ef_ablation(ctx: BenchContext) -> dict:
-    stage = _stage_steps(lm_setting(ctx)["steps"])
-    warm = lm_setting(ctx)["warmup"]
+    stage = _stage_steps(_steps(ctx))
+    warm = ctx.config(**lm_setting(ctx)).train.warmup
     topk = f"topk:ratio=0.001,warmup=1,stage_steps={stage}"
     rows, recs, curves = _runs(
         ctx,
@@ -71,8 +84,22 @@ def ef_ablation(ctx: BenchContext) -> dict:
             ("topk-99.9-ef", dict(compress=topk + ",ef=1")),
             ("topk-99.9-no-ef", dict(compress=topk + ",ef=0")),
         ],
-    )
+        smoke=("powersgd-r4-no-ef", f"powersgd-r4-ef-start{warm}", "topk-99.9-ef"),
+    )  # error feedback on and off
     by = {r["run"]: r for r in rows}
+    by.update(
+        {
+            label: None
+            for label in (
+                "powersgd-r4-ef",
+                "torch-powersgd-r4",
+                "powersgd-r16-int8-ef",
+                "powersgd-r16-int8-no-ef",
+                "topk-99.9-no-ef",
+            )
+            if label not in by
+        }
+    )
     headline = [
         f"PowerSGD rank 4: final val loss with EF {_fmt(by['powersgd-r4-ef'])} vs without EF "
         f"{_fmt(by['powersgd-r4-no-ef'])}; ddp {by['ddp']['final_val_loss']:.3f}",
@@ -92,7 +119,7 @@ def ef_ablation(ctx: BenchContext) -> dict:
     help="top-k 99.9% with DGC's exponential sparsity warm-up vs starting at the target sparsity",
 )
 def sparsity_warmup(ctx: BenchContext) -> dict:
-    stage = _stage_steps(lm_setting(ctx)["steps"])
+    stage = _stage_steps(_steps(ctx))
     rows, recs, curves = _runs(
         ctx,
         [
@@ -129,7 +156,7 @@ def sparsity_warmup(ctx: BenchContext) -> dict:
     help="1-bit Adam (frozen variance, 1-bit momentum) vs naive compressed Adam vs AdamW on the default LM",
 )
 def onebit_adam(ctx: BenchContext) -> dict:
-    steps = lm_setting(ctx)["steps"]
+    steps = _steps(ctx)
     warm = max(1, steps // 5)
     rows, recs, curves = _runs(
         ctx,
@@ -175,8 +202,10 @@ def powersgd_adamw(ctx: BenchContext) -> dict:
             ("powersgd-r16-int8", dict(compress="powersgd:rank=16,bits=8,dense_bits=16")),
             ("powersgd-r16-int8-no-ef", dict(compress="powersgd:rank=16,bits=8,dense_bits=16,ef=0")),
         ],
-    )
+        smoke=("powersgd-r16-int8",),
+    )  # smoke: the headline's arm (the others differ in settings only)
     by = {r["run"]: r for r in rows}
+    by.update({label: None for label in ("powersgd-r8-bf16", "powersgd-r16-int8-no-ef") if label not in by})
     best = by["powersgd-r16-int8"]
     met = best["bytes_reduction_x"] >= 20 and best["val_loss_vs_ddp_pct"] <= 3
     headline = [

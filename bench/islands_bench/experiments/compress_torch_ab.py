@@ -34,7 +34,7 @@ def powersgd_vs_torch_hook(ctx: BenchContext) -> dict:
     from islands import testbed as tb
 
     rate = ctx.rate or "100mbit"
-    rounds = 2 if ctx.quick else 5
+    rounds = 1 if ctx.smoke else 2 if ctx.quick else 5
     common = dict(lm_setting(ctx), steps=30 if ctx.quick else 60, eval_every=0, log_every=10)
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in ARMS}
     with ctx.testbed(rate, hosts=2) as bed:

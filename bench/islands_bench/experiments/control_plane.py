@@ -26,21 +26,26 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from islands_bench.harness import BenchContext, experiment
+from islands_bench.harness import SMOKE_LM, BenchContext, experiment
 
 STORE_PREFIX = "islands"  # the elastic job's keys (docs/membership.md); the attacker needs nothing else
 
 # The attacker: a plain store client, no token. It knows the protocol's key layout and envelope format (both
 # are documented) and forges envelopes under a key of its own.
 ATTACKER = r'''
-import datetime, hashlib, hmac, json, os, random, secrets, sys, time
+import datetime, hashlib, hmac, json, os, pathlib, random, secrets, sys, time
 import torch.distributed as dist
 
-host, port = sys.argv[1].rsplit(":", 1)
+address_file = pathlib.Path(sys.argv[1])  # started before the job, it learns the job's address from this file
+pathlib.Path(sys.argv[1] + ".imported").write_text("")
+while not address_file.exists():
+    time.sleep(0.02)
+host, port = address_file.read_text().rsplit(":", 1)
 out_path, duration, workers = sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 assert not os.environ.get("ISLANDS_TOKEN"), "the attacker must not have the token"
 store = dist.PrefixStore(sys.argv[5], dist.TCPStore(host, int(port), is_master=False,
@@ -180,15 +185,25 @@ while time.time() - start < duration:
 '''
 
 
-def _attack(address: str, out_path, duration: float, workers: int, log_path) -> subprocess.Popen:
+def _attack(address_file: Path, out_path, duration: float, workers: int, log_path) -> subprocess.Popen:
+    """The attacker, started before the job and returned once python and torch are imported (on a loaded machine
+    that takes longer than a short job lasts); it attacks once `address_file` names the job's store."""
     env = {k: v for k, v in os.environ.items() if k not in ("ISLANDS_TOKEN", "ISLANDS_AUTH_AUDIT")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen(
-        [sys.executable, "-c", ATTACKER, address, str(out_path), str(duration), str(workers), STORE_PREFIX],
+    address_file.unlink(missing_ok=True)
+    imported = Path(f"{address_file}.imported")
+    imported.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ATTACKER, str(address_file), str(out_path), str(duration), str(workers), STORE_PREFIX],
         env=env,
         stdout=open(log_path, "w"),
         stderr=subprocess.STDOUT,
     )
+    while not imported.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the attacker exited with {proc.returncode} before the job started; log in {log_path}")
+        time.sleep(0.05)
+    return proc
 
 
 def _joiner_reads_job(address: str, token: str, seen: dict) -> None:
@@ -213,21 +228,33 @@ def _run(ctx: BenchContext, label: str, base: dict, attack_s: float | None) -> d
     run_dir = ctx.out_dir / "runs" / label
     seen: dict = {}
 
+    runs = ctx.out_dir / "runs"  # the attacker's journal and log stay out of the committed results
+    address_file = runs / f"attacker-{label}.address"
+
     def started(address, workers, coordinator):
         seen["coordinator"], seen["address"] = coordinator, address
         if attack_s is not None:
-            runs = ctx.out_dir / "runs"  # the attacker's journal and log stay out of the committed results
-            seen["attacker"] = _attack(
-                address, runs / f"attacks-{label}.jsonl", attack_s, len(workers), runs / f"attacker-{label}.log"
-            )
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text(address)
+            tmp.rename(address_file)  # the attacker reads it whole
             threading.Thread(
                 target=_joiner_reads_job, args=(address, os.environ["ISLANDS_TOKEN"], seen), daemon=True
             ).start()
 
+    if attack_s is not None:
+        runs.mkdir(parents=True, exist_ok=True)
+        seen["attacker"] = _attack(
+            address_file, runs / f"attacks-{label}.jsonl", attack_s, base["workers"], runs / f"attacker-{label}.log"
+        )
     os.environ["ISLANDS_AUTH_AUDIT"] = "1"  # every reader keeps when it accepted which (key, value)
     t = time.perf_counter()
     try:
         record = ctx.train_elastic(label, on_started=started, **base)
+    except BaseException:
+        if seen.get("attacker") is not None:
+            seen["attacker"].kill()
+            seen["attacker"].wait()
+        raise
     finally:
         os.environ.pop("ISLANDS_AUTH_AUDIT", None)
     seconds = time.perf_counter() - t
@@ -458,9 +485,16 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
 def _authenticated_training(ctx: BenchContext) -> dict:
     """The same DiLoCo job (byte LM, 2 islands of one worker, loopback) with and without outer.authenticate,
     side by side, in a fixed world and as an elastic job: time blocked in the outer exchange, wall time, bytes."""
-    steps, h = (40, 10) if ctx.quick else (300, 20)
+    steps, h = (8, 4) if ctx.smoke else (40, 10) if ctx.quick else (300, 20)
     base = dict(
-        workers=2, islands=2, outer=f"diloco:inner_steps={h}", steps=steps, global_batch=16, probe=False, eval_every=0
+        workers=2,
+        islands=2,
+        outer=f"diloco:inner_steps={h}",
+        steps=steps,
+        global_batch=16,
+        probe=False,
+        eval_every=0,
+        **(SMOKE_LM if ctx.smoke else {}),
     )
     runs = {}
     arms = [
@@ -501,6 +535,9 @@ def control_plane(ctx: BenchContext) -> dict:
     workers = 3 if ctx.quick else 4
     steps = 400 if ctx.quick else 1500
     h = 5
+    pace = {}
+    if ctx.smoke:  # the attacker needs a job that lasts: 60 steps of at least 0.1 s each (asleep: world.slowdown)
+        ctx.smoke_steps, steps, pace = 60, 60, {"slowdown": "floor=0.1"}
     load_start = os.getloadavg()[0]
     base = dict(
         task="digits",
@@ -516,6 +553,7 @@ def control_plane(ctx: BenchContext) -> dict:
         probe=False,
         timeout=60.0,
         heartbeat_timeout=3.0,
+        **pace,
     )
     ctx.plan(6)
     calm = _run(ctx, "no-attacker", base, None)
@@ -526,9 +564,9 @@ def control_plane(ctx: BenchContext) -> dict:
     attacked = _run(ctx, "attacked", base, attack_s)
     kinds = _judge(attacked)
     effects = {"no-attacker": _effects(calm, workers, steps), "attacked": _effects(attacked, workers, steps)}
-    store_us = _store_cost(500 if ctx.quick else 2000)
-    payload = _payload_cost([1, 16] if ctx.quick else [1, 16, 64])
-    outsiders = _etcd_outsiders(20 if ctx.quick else 100)
+    store_us = _store_cost(50 if ctx.smoke else 500 if ctx.quick else 2000)
+    payload = _payload_cost([1] if ctx.smoke else [1, 16] if ctx.quick else [1, 16, 64])
+    outsiders = _etcd_outsiders(5 if ctx.smoke else 20 if ctx.quick else 100)
     trained = _authenticated_training(ctx)
     tried = sum(k["tried"] for k in kinds.values())
     accepted = sum(k["accepted"] for k in kinds.values())

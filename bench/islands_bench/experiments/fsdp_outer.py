@@ -36,6 +36,8 @@ def base(ctx: BenchContext) -> tuple[dict, int]:
 )
 def fsdp_outer(ctx: BenchContext) -> dict:
     cfg, h = base(ctx)
+    if ctx.smoke:  # two rounds
+        ctx.smoke_steps = 2 * h
     ctx.plan(2)
     rows = []
     for inner in ("ddp", "fsdp"):

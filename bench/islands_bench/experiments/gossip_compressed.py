@@ -88,6 +88,8 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
         ("choco-exp-g0.3", f"gossip:every={h},topology=exp,{comp},gamma=0.3"),
         ("choco-exp-g0.1", f"gossip:every={h},topology=exp,{comp},gamma=0.1"),
     ]
+    if ctx.smoke:  # gossip and compressed gossip (the headline's pair)
+        runs = runs[1:3]
     ctx.plan(len(runs))
     task = build_task(ctx.config(**{**base, "workers": 1, "islands": 1}))
     rows = []
@@ -141,7 +143,9 @@ def _plot(result, path):
 )
 def gossip_compressed(ctx: BenchContext) -> dict:
     quick = ctx.quick
-    mix, curves = mixing_rows(n=8, dim=4096, rounds=150 if quick else 400, seeds=2 if quick else 5)
+    mix, curves = mixing_rows(
+        n=8, dim=4096, rounds=20 if ctx.smoke else 150 if quick else 400, seeds=1 if ctx.smoke else 2 if quick else 5
+    )
     train = training_rows(ctx, workers=4, steps=200 if quick else 600, h=4)
     m = {r["run"]: r for r in mix}
     t = {r["run"]: r for r in train}

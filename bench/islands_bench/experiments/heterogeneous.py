@@ -105,6 +105,8 @@ def _plot(result, path):
 )
 def heterogeneous(ctx: BenchContext) -> dict:
     cfg, h, floor = base(ctx)
+    if ctx.smoke:  # two rounds, so that speed-adaptive H and deadline rounds act
+        ctx.smoke_steps = 2 * h
     plan = arms(ctx)
     ctx.plan(len(plan))
     load_before = os.getloadavg()[0]

@@ -105,6 +105,8 @@ def matmul_overlap(ctx: BenchContext) -> dict:
         else [[1024, 256, 1024], [1024, 1024, 1024], [1024, 4096, 1024]]
     )
     reps = 9 if ctx.quick else 21
+    if ctx.smoke:  # one small shape, one repeat
+        shapes, reps = [[256, 256, 256]], 1
     rates = testbed_rates(ctx)
     rows, lines = [], []
     ctx.log("loopback pair")

@@ -52,7 +52,7 @@ def _timed_steps(setups: dict, reps: int) -> dict[str, float]:
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             model, opt, step, x, y = setups[name]
             t = time.process_time()
-            step(model, sequence_loss, x, y)
+            step(model, (x, y), sequence_loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if rep:

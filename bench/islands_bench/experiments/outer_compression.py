@@ -91,11 +91,16 @@ def row_of(label: str, rec: dict, **extra) -> dict:
 def outer_compression(ctx: BenchContext) -> dict:
     # quick: the digits MLP, 40 rounds (at H=50 it would have 4); full: the byte LM, 30 rounds (600 steps keep the
     # 15 runs near an hour on 2 shared cores)
+    compressors, seeds, goal_arms, densities = COMPRESSORS, SEEDS, AT_GOAL, DENSITIES
+    if ctx.smoke:  # one seed; each compressor once (topkq at 2 bits) with and without error feedback; the goal arm
+        # and fixed positions; no density sweep
+        compressors = [c for c in COMPRESSORS if c[0] in ("topkq-2bit", "dct-topk-2bit", "randomk-shared", "topk-fp32")]
+        seeds, goal_arms, densities = SEEDS[:1], [AT_GOAL[0], AT_GOAL[2]], ()
     base = base_config(ctx, quick_steps=200, full_steps=600)
     h = 5 if ctx.quick else 20
     diloco = f"diloco:inner_steps={h},{SCALED}"
     goal_hs = (h,) if ctx.quick else (h, FULL_GOAL_H)
-    ctx.plan(len(goal_hs) * len(SEEDS) * 2 + 2 * len(COMPRESSORS) + len(DENSITIES) + len(AT_GOAL) - 1)
+    ctx.plan(len(goal_hs) * len(seeds) * 2 + 2 * len(compressors) + len(densities) + len(goal_arms) - 1)
     ref = row_of(
         "diloco-fp32",
         ctx.train("diloco-fp32", islands=2, outer=diloco, **base),
@@ -105,11 +110,11 @@ def outer_compression(ctx: BenchContext) -> dict:
         seed=0,
     )
     rows = [ref]
-    goal_label, goal_spec, goal_outer = AT_GOAL[0]
+    goal_label, goal_spec, goal_outer = goal_arms[0]
     pairs = []  # (fp32 row, goal arm row) per H and seed, each compared with fp32 DiLoCo of its own seed and H
     for gh in goal_hs:
         suffix = "" if gh == h else f"-H{gh}"
-        for seed in SEEDS:
+        for seed in seeds:
             fp32_label = f"diloco-fp32{suffix}{f'-seed{seed}' if seed else ''}"
             fp32 = (
                 ref
@@ -136,7 +141,7 @@ def outer_compression(ctx: BenchContext) -> dict:
             )
             rows += [arm] if fp32 is ref else [fp32, arm]
             pairs.append((fp32, arm))
-    for label, spec, step in AT_GOAL[1:]:
+    for label, spec, step in goal_arms[1:]:
         outer = f"diloco:inner_steps={h},{step},compressor=({spec})"
         rows.append(
             row_of(
@@ -149,12 +154,12 @@ def outer_compression(ctx: BenchContext) -> dict:
                 outer=step,
             )
         )
-    for label, with_ef, without_ef in COMPRESSORS:
+    for label, with_ef, without_ef in compressors:
         for ef, spec in ((True, with_ef), (False, without_ef)):
             run = f"{label}-{'ef' if ef else 'no-ef'}"
             rec = ctx.train(run, islands=2, outer=f"{diloco},compressor=({spec})", **base)
             rows.append(row_of(run, rec, compressor=spec, ef=ef, H=h))
-    for density in DENSITIES:
+    for density in densities:
         spec = f"topkq:ratio={density},bits=2"
         run = f"topkq-2bit-{density:g}-ef"
         rows.append(
@@ -187,7 +192,8 @@ def outer_compression(ctx: BenchContext) -> dict:
         f"{', '.join(f'H={gh}' for gh in met_at) or 'no H'}; seed 0 at fp32's outer step, then with fixed 12-bit positions (60 "
         "of 4096) at the same bytes: "
         + "; ".join(
-            f"{label} {by[label]['cut_vs_fp32']:.0f}x {by[label]['loss_gap_pct']:+.2f}%" for label, _, _ in AT_GOAL[1:]
+            f"{label} {by[label]['cut_vs_fp32']:.0f}x {by[label]['loss_gap_pct']:+.2f}%"
+            for label, _, _ in goal_arms[1:]
         ),
         f"{task_words(ctx)}, {base['steps']} steps, H={h}, 2 islands: topkq 1% with 2-bit values and error feedback "
         f"(SparseLoCo's payload) sends {sparse['bytes_per_round']:,.0f} B per round against fp32 DiLoCo's "
@@ -198,13 +204,13 @@ def outer_compression(ctx: BenchContext) -> dict:
         + "; ".join(
             f"{label} {by[label + '-ef']['cut_vs_fp32']:.0f}x {by[label + '-ef']['loss_gap_pct']:+.1f}% / "
             f"{by[label + '-no-ef']['cut_vs_fp32']:.0f}x {by[label + '-no-ef']['loss_gap_pct']:+.1f}%"
-            for label, _, _ in COMPRESSORS
+            for label, _, _ in compressors
         ),
         "denser topkq 2-bit with error feedback (cut, loss gap): 1% " + f"{sparse['cut_vs_fp32']:.0f}x "
         f"{sparse['loss_gap_pct']:+.1f}%; "
         + "; ".join(
             f"{d * 100:g}% {by[f'topkq-2bit-{d:g}-ef']['cut_vs_fp32']:.0f}x {by[f'topkq-2bit-{d:g}-ef']['loss_gap_pct']:+.1f}%"
-            for d in DENSITIES
+            for d in densities
         ),
         f"runs meeting both goals (>= {GOAL_CUT:.0f}x, within {GOAL_GAP_PCT:.0f}%): {', '.join(met) or 'none'}; "
         f"outer step everywhere: {SCALED}; bytes per round = every byte of rank 0's outer exchanges (NaN flag "

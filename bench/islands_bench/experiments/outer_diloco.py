@@ -21,8 +21,10 @@ def _plot_bytes(result, path):
     help="DiLoCo across 2 islands vs DDP at equal tokens: final val loss and total bytes, H swept",
 )
 def diloco_vs_ddp(ctx: BenchContext) -> dict:
+    if ctx.smoke:  # two rounds at H=100, the goal's H only
+        ctx.smoke_steps = 200
     base = base_config(ctx, quick_steps=200, full_steps=1000)
-    sweep = (10, 50, 100) if ctx.quick else (10, 50, 100, 250, 500)
+    sweep = (100,) if ctx.smoke else (10, 50, 100) if ctx.quick else (10, 50, 100, 250, 500)
     ctx.plan(len(sweep) + 2)  # ddp, the sweep, the paper's outer step
     ddp = ctx.train("ddp", islands=1, **base)
     rows = [row_of("ddp", ddp, H=1)]
@@ -59,6 +61,8 @@ def diloco_vs_ddp(ctx: BenchContext) -> dict:
     help="DiLoCo with and without averaging the inner Adam moments: loss and bytes per outer round",
 )
 def sync_inner_state(ctx: BenchContext) -> dict:
+    if ctx.smoke:  # two rounds at H=20
+        ctx.smoke_steps = 40
     base = base_config(ctx, quick_steps=200, full_steps=600)
     h = 20 if ctx.quick else 50
     rows = []
@@ -86,6 +90,13 @@ ISLANDS_WIDE = 4  # the more-islands row: the same global batch over 4 islands o
 # (diloco-gap --quick: 0.157 against 0.037 at lr 1.41 and 0.041 at lr 1).
 FIXED_SQRT2 = "outer=sgd,outer_lr=1.4142,momentum=0"
 INNER_LR_HALF_BATCH = 0.002121  # the default peak lr 3e-3 / sqrt(2), for islands of half the batch
+SMOKE_GAP_RUNS = (
+    "ddp",
+    f"diloco-H100-warm{WARM_START}",
+    "one-island-half-batch",
+    "diloco-H100",
+    "diloco-H100-outer-schedule",
+)
 
 
 def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
@@ -121,7 +132,7 @@ def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
         if ctx.quick
         else []
     )
-    return [
+    runs = [
         ("ddp", dict(base, islands=1), dict(H=1, islands=1, batch_per_island=base["global_batch"])),
         (
             f"diloco-H100-warm{WARM_START}",
@@ -153,6 +164,9 @@ def gap_runs(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
             dict(H=100, islands=2, outer=f"{SCALED},outer_schedule=inner"),
         ),
     ] + wide_sqrt
+    if ctx.smoke:  # the runs the headline reads, and the outer schedule's own code path
+        runs = [r for r in runs if r[0] in SMOKE_GAP_RUNS]
+    return runs
 
 
 def gap_row(label: str, rec: dict, ref: dict, extras: dict) -> dict:
@@ -192,6 +206,8 @@ def ddp_steps_to_reach(ddp_rec: dict, loss: float) -> float | None:
     "4 islands, and LIT-212's warm start from a data-parallel model",
 )
 def diloco_gap(ctx: BenchContext) -> dict:
+    if ctx.smoke:  # the warm start, then two rounds at H=100
+        ctx.smoke_steps = WARM_START + 200
     rows, ref, ddp_rec = [], None, None
     for label, overrides, extras in gap_runs(ctx):
         rec = ctx.train(label, **overrides)
@@ -239,13 +255,14 @@ def outer_spec(lr: float, momentum: float) -> str:
     help="DiLoCo H=100 outer optimizer grid: Nesterov lr {0.5,0.7,1,1.4} x momentum {0,0.5,0.9} vs DDP",
 )
 def diloco_outer_sweep(ctx: BenchContext) -> dict:
+    lrs, momenta = OUTER_LRS, OUTER_MOMENTA
+    if ctx.smoke:  # two rounds at H=100; one lr, plain SGD and Nesterov
+        ctx.smoke_steps, lrs, momenta = 200, (1.0,), (0.0, 0.9)
     base = base_config(ctx, quick_steps=1000, full_steps=1000)  # quick: digits, 10 rounds as on the LM
     ddp = ctx.train("ddp", islands=1, **base)
     ref = row_of("ddp", ddp, H=1)
     rows = [ref]
-    runs = [
-        (f"lr{lr}-m{m}", outer_spec(lr, m), dict(outer_lr=lr, momentum=m)) for m in OUTER_MOMENTA for lr in OUTER_LRS
-    ]
+    runs = [(f"lr{lr}-m{m}", outer_spec(lr, m), dict(outer_lr=lr, momentum=m)) for m in momenta for lr in lrs]
     runs.append(("sqrt-islands", SCALED, dict(outer_lr=2**0.5, momentum=0.0)))
     for label, spec, extra in runs:
         rec = ctx.train(label, islands=2, outer=f"diloco:inner_steps=100,{spec}", **base)
@@ -268,7 +285,7 @@ def diloco_outer_sweep(ctx: BenchContext) -> dict:
                 for r in rows[1:]
                 if r["momentum"] == m and r["run"] != "sqrt-islands"
             )
-            for m in OUTER_MOMENTA
+            for m in momenta
         ),
     ]
     return {"rows": rows, "headline": headline, "plot": _plot_bytes}
@@ -284,6 +301,8 @@ LONG_STEPS = 3000  # 30 outer rounds at H=100, against diloco-gap's 10
     help="DiLoCo H=100 vs DDP over 3000 steps (30 outer rounds): does the gap of the 1000-step runs close?",
 )
 def diloco_long(ctx: BenchContext) -> dict:
+    if ctx.smoke:  # two rounds at H=100
+        ctx.smoke_steps = 200
     base = dict(base_config(ctx, quick_steps=LONG_STEPS, full_steps=LONG_STEPS), log_every=100)
     ddp_rec = ctx.train("ddp", islands=1, **base)
     ref = row_of("ddp", ddp_rec, H=1, islands=1)
@@ -324,9 +343,12 @@ PLAIN = "outer=sgd,outer_lr=1,momentum=0"
     help="DiLoCo H=100 vs DDP at global batch 32, 128 and 256 (2 islands): the gap as each island's batch grows",
 )
 def diloco_batch(ctx: BenchContext) -> dict:
-    ctx.plan(2 * len(BATCHES) + (128 in BATCHES))  # ddp and DiLoCo per batch, plain averaging at 128
+    batches = BATCHES
+    if ctx.smoke:  # two rounds at H=100, at the one batch that runs every arm
+        ctx.smoke_steps, batches = 200, (128,)
+    ctx.plan(2 * len(batches) + (128 in batches))  # ddp and DiLoCo per batch, plain averaging at 128
     rows = []
-    for batch in BATCHES:
+    for batch in batches:
         base = dict(base_config(ctx, quick_steps=1000, full_steps=1000), global_batch=batch)
         ddp_rec = ctx.train(f"ddp-b{batch}", islands=1, **base)
         ref = row_of(f"ddp-b{batch}", ddp_rec, H=1, islands=1, global_batch=batch)
@@ -351,7 +373,7 @@ def diloco_batch(ctx: BenchContext) -> dict:
             f"{by[(b, 1)]['final_val_loss']:.4f} ({by[(b, 100)]['loss_gap_pct']:+.1f}%, worth "
             + (f"{by[(b, 100)]['ddp_steps_to_match']:.0f}" if by[(b, 100)]["ddp_steps_to_match"] else "all")
             + f" DDP steps), {by[(b, 100)]['bytes_ratio_ddp_over_run']:.0f}x fewer bytes"
-            for b in BATCHES
+            for b in batches
         )
         + f"; interconnect: {rows[0]['interconnect']}",
     ] + [

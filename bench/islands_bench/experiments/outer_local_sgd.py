@@ -16,8 +16,10 @@ def _plot(result, path):
     help="post-local SGD vs averaging every step and vs local SGD from the start: loss and bytes",
 )
 def post_local(ctx: BenchContext) -> dict:
-    base = base_config(ctx, quick_steps=200, full_steps=800)
     h = 16
+    if ctx.smoke:  # the switch, then two rounds
+        ctx.smoke_steps = 3 * h
+    base = base_config(ctx, quick_steps=200, full_steps=800)
     runs = [
         ("every-step", "local-sgd:every=1"),
         (f"post-local-H{h}", f"post-local-sgd:every={h}"),

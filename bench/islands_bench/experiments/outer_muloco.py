@@ -66,6 +66,8 @@ def arms(ctx: BenchContext) -> list[tuple[str, dict, dict]]:
 )
 def muloco(ctx: BenchContext) -> dict:
     cfg, h = base(ctx)
+    if ctx.smoke:  # two rounds
+        ctx.smoke_steps = 2 * h
     plan = arms(ctx)
     ctx.plan(len(plan))
     rows = []

@@ -31,8 +31,10 @@ def _peak(rec: dict) -> int:
     help="Streaming DiLoCo (F fragments, overlap tau, 4-bit deltas) vs DiLoCo: peak/total bytes per sync at equal loss",
 )
 def streaming(ctx: BenchContext) -> dict:
-    base = base_config(ctx, quick_steps=200, full_steps=1000)
     h = 50 if ctx.quick else 100
+    if ctx.smoke:  # two rounds; DiLoCo, 4-bit fragments, and 4-bit+zstd at one F
+        ctx.smoke_steps = 2 * h
+    base = base_config(ctx, quick_steps=200, full_steps=1000)
     runs = [("diloco", f"diloco:inner_steps={h},{SCALED}", 1, "fp32")]
     runs.append(
         (
@@ -42,7 +44,7 @@ def streaming(ctx: BenchContext) -> dict:
             "4-bit",
         )
     )
-    for f in (2, 4) if ctx.quick else (2, 4, 8):
+    for f in (2,) if ctx.smoke else (2, 4) if ctx.quick else (2, 4, 8):
         spec = (
             f"streaming-diloco:inner_steps={h},fragments={f},tau=1,bits=4,block={BLOCK},entropy=zstd,{LANDING},{SCALED}"
         )

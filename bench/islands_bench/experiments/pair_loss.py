@@ -105,12 +105,10 @@ def _quality(batch: int, loss_name: str, steps: int, seed: int = 0) -> float:
     help="sigmoid pair loss on a ring vs all-gathered softmax: bytes, held memory, time, retrieval accuracy",
 )
 def pair_loss(ctx: BenchContext) -> dict:
-    sizes = [128, 512] if ctx.quick else [256, 1024, 4096]
+    sizes = [128] if ctx.smoke else [128, 512] if ctx.quick else [256, 1024, 4096]
+    reps = "1" if ctx.smoke else "5" if ctx.quick else "15"
     res = run_module_ranks(
-        "islands_bench.experiments.pair_loss",
-        [json.dumps(sizes), "5" if ctx.quick else "15"],
-        2,
-        ctx.out_dir / "cost.json",
+        "islands_bench.experiments.pair_loss", [json.dumps(sizes), reps], 2, ctx.out_dir / "cost.json"
     )
     rows = []
     for r in res["rows"]:
@@ -122,8 +120,8 @@ def pair_loss(ctx: BenchContext) -> dict:
                 "interconnect": res["interconnect_line"],
             }
         )
-    steps = 300 if ctx.quick else 1000
-    batches = (32, 128) if ctx.quick else (32, 128, 512)
+    steps = 10 if ctx.smoke else 300 if ctx.quick else 1000
+    batches = (32,) if ctx.smoke else (32, 128) if ctx.quick else (32, 128, 512)
     for batch in batches:
         acc = {name: _quality(batch, name, steps) for name in ("sigmoid", "softmax")}
         ctx.log(f"batch {batch}: retrieval top-1 {acc}")

@@ -227,7 +227,7 @@ def _headline(rows: list[dict]) -> list[str]:
     help="K-stage pipeline: step time, idle share and held activations vs micro-batches, schedule and cuts",
 )
 def pipeline(ctx: BenchContext) -> dict:
-    steps = 3 if ctx.quick else 8
+    steps = 1 if ctx.smoke else 3 if ctx.quick else 8
     rates = [ctx.rate or "100mbit"] if ctx.quick else [ctx.rate] if ctx.rate else ["1gbit", "100mbit"]
     rows, lines = [], []
     ctx.log(f"loopback, {STAGES} processes")

@@ -273,7 +273,7 @@ def _plot(result, path):
 def recovery(ctx: BenchContext) -> dict:
     from islands import testbed
 
-    mb = 20 if ctx.quick else 100
+    mb = 2 if ctx.smoke else 20 if ctx.quick else 100
     ctx.plan(7)
     work = ctx.out_dir / "work"
     work.mkdir(parents=True, exist_ok=True)

@@ -105,8 +105,8 @@ def _plot(result, path):
     help="ring attention over 1-4 ranks: step time the link adds, one hop vs one block, held bytes per rank",
 )
 def ring_attention_bench(ctx: BenchContext) -> dict:
-    block, heads, dim = (256, 4, 32) if ctx.quick else (512, 4, 32)
-    reps = 7 if ctx.quick else 15
+    block, heads, dim = (64, 2, 16) if ctx.smoke else (256, 4, 32) if ctx.quick else (512, 4, 32)
+    reps = 1 if ctx.smoke else 7 if ctx.quick else 15
     counts = (1, 2) if ctx.quick else (1, 2, 4)
     rates = testbed_rates(ctx)
     args = [str(block), str(heads), str(dim), str(reps)]

@@ -163,6 +163,8 @@ def _arm(ctx: BenchContext, label: str, spec: dict, device: str) -> dict:
 )
 def scale_sweep(ctx: BenchContext) -> dict:
     tier = dict(QUICK if ctx.quick else FULL)
+    if ctx.smoke:  # the smallest size, two rounds
+        tier.update(sizes=QUICK["sizes"][:1], steps=2 * QUICK["H"])
     device = ctx.device
     ctx.plan(len(tier["sizes"]) * len(ARMS))
     rows = []

@@ -76,8 +76,8 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
     help="tensor-parallel MLP block with vs without sequence parallelism: held bytes, bytes sent, step time",
 )
 def sequence_parallel(ctx: BenchContext) -> dict:
-    seqs = [256, 1024] if ctx.quick else [256, 1024, 4096]
-    reps = 7 if ctx.quick else 15
+    seqs = [256] if ctx.smoke else [256, 1024] if ctx.quick else [256, 1024, 4096]
+    reps = 1 if ctx.smoke else 7 if ctx.quick else 15
     module = "islands_bench.experiments.sequence_parallel"
     links = [("loopback", None)] + [(rate, rate) for rate in testbed_rates(ctx)[:1]]
     rows, lines = [], []

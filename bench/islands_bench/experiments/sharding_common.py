@@ -101,7 +101,7 @@ def best_of_two_passes(ctx: BenchContext, configs: list[tuple[str, dict]]) -> li
     over all configurations instead of favouring the ones that ran first.
     """
     rows: dict[str, dict] = {}
-    for order in (configs, configs[::-1]):
+    for order in (configs,) if ctx.smoke else (configs, configs[::-1]):  # smoke: one pass
         for label, cfg in order:
             r = run_row(ctx, label if label not in rows else f"{label}-again", cfg)
             r["run"] = label

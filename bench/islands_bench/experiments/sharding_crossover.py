@@ -74,6 +74,8 @@ def sharding_crossover(ctx: BenchContext) -> dict:
     plan = [("loopback", 2, widths), ("loopback", 4, (128, 512) if quick else widths)]
     links = (ctx.rate,) if ctx.rate else LINKS_QUICK
     plan += [(link, 2, (64, 512) if quick else widths) for link in links]
+    if ctx.smoke:  # one width, DDP and FSDP, on loopback and on one testbed link
+        plan = [("loopback", 2, (64,)), (links[-1], 2, (64,))]
     rows = []
     for link, workers, ds in plan:
 

@@ -59,8 +59,8 @@ def _plot(result: dict, path) -> None:
     help="FSDP units from the traced forward (graph:K) vs by parameter count (split:K) at equal K",
 )
 def graph_boundaries(ctx: BenchContext) -> dict:
-    d, layers, steps = (256, 3, 8) if ctx.quick else (384, 6, 30)
-    counts = (4, 7) if ctx.quick else (4, 7, 10)
+    d, layers, steps = (64, 3, 4) if ctx.smoke else (256, 3, 8) if ctx.quick else (384, 6, 30)
+    counts = (4,) if ctx.smoke else (4, 7) if ctx.quick else (4, 7, 10)
     configs = [
         (f"fsdp-{wrap.replace(':', '')}", lm_config(d, layers, steps, 2, inner="fsdp", wrap=wrap))
         for k in counts

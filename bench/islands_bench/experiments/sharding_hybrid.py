@@ -56,7 +56,7 @@ def _sizer_rows() -> list[dict]:
     "the sizer's choice per memory budget",
 )
 def shard_group(ctx: BenchContext) -> dict:
-    d, layers, steps = (128, 3, 8) if ctx.quick else (256, 4, 30)
+    d, layers, steps = (64, 2, 4) if ctx.smoke else (128, 3, 8) if ctx.quick else (256, 4, 30)
     rows = []
     for g in GROUPS:
         cfg = lm_config(d, layers, steps, 4, islands=2, inner="fsdp", wrap="block", shard_group=str(g))

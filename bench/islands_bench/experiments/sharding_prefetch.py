@@ -41,17 +41,18 @@ def _row(ctx, label, cfg, link, testbed="") -> dict:
     help="FSDP step time with explicit prefetch of 0/1/2 units, loopback and a rate-limited testbed link",
 )
 def fsdp_prefetch(ctx: BenchContext) -> dict:
-    d, layers, steps = (256, 4, 8) if ctx.quick else (384, 6, 30)
+    d, layers, steps = (64, 2, 4) if ctx.smoke else (256, 4, 8) if ctx.quick else (384, 6, 30)
+    depths = DEPTHS[:2] if ctx.smoke else DEPTHS  # smoke: FSDP2's own and an explicit prefetch, one pass each
     rate = ctx.rate or "200mbit"
     links = [("loopback", None), (rate, rate)]
     rows = []
     for link, shaped in links:
         configs = [
             (f"prefetch{p}-{link}", lm_config(d, layers, steps, 2, inner="fsdp", wrap="block", prefetch=p))
-            for p in DEPTHS
+            for p in depths
         ]
         best: dict[str, dict] = {}
-        for order in (configs, configs[::-1]):
+        for order in (configs,) if ctx.smoke else (configs, configs[::-1]):
             for label, cfg in order:
                 if shaped:
                     with ctx.testbed(shaped, hosts=2) as bed:

@@ -41,7 +41,7 @@ def _plot(result: dict, path) -> None:
     help="FSDP step time and bytes under whole-model, per-block, per-layer wrapping vs DDP",
 )
 def wrap_policy(ctx: BenchContext) -> dict:
-    d, layers, steps = (256, 4, 8) if ctx.quick else (384, 6, 30)
+    d, layers, steps = (64, 2, 4) if ctx.smoke else (256, 4, 8) if ctx.quick else (384, 6, 30)
     configs = [("ddp", lm_config(d, layers, steps, 2))]
     configs += [
         (f"fsdp-{label}", lm_config(d, layers, steps, 2, inner="fsdp", wrap=wrap, reshard=reshard))

@@ -53,14 +53,15 @@ def _row(ctx: BenchContext, label: str, cfg: dict) -> dict:
 )
 def zero1_memory(ctx: BenchContext) -> dict:
     d, layers, steps = (128, 2, 12) if ctx.quick else (256, 4, 60)
+    sizes = (2,) if ctx.smoke else (2, 4)  # smoke: 2 workers
     rows = []
-    for n in (2, 4):
+    for n in sizes:
         for inner in ("ddp", "zero1"):
             cfg = lm_config(d, layers, steps, n, inner=inner)
             cfg["eval_every"], cfg["eval_batches"] = steps, 2
             rows.append(_row(ctx, f"{inner}-{n}", cfg))
     headline = []
-    for n in (2, 4):
+    for n in sizes:
         dd, z = (next(r for r in rows if r["workers"] == n and r["strategy"] == s) for s in ("ddp", "zero1"))
         headline.append(
             f"{n} workers: optimizer state per rank {z['optimizer_mb_per_rank']:.2f} MB vs DDP's "

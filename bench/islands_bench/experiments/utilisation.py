@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from islands_bench.experiments.outer_common import gap_pct
-from islands_bench.harness import BenchContext, experiment
+from islands_bench.harness import SMOKE_LM, BenchContext, experiment
 from islands_bench.plots import figure
 
 GOALS = {"20mbit": 0.99, "5mbit": 0.97}  # issue 19: utilisation at 20 and 5 Mbit/s with the default model
@@ -269,6 +269,10 @@ def utilisation(ctx: BenchContext) -> dict:
     links = ("20mbit", "5mbit") if ctx.quick else ("100mbit", "20mbit", "5mbit")
     # full: the issue's setting (200 steps, H=50); quick: 3 rounds of H=20, the compressor on DiLoCo and eager only
     steps, h = (60, 20) if ctx.quick else (200, 50)
+    model = {}
+    if ctx.smoke:  # 2 rounds of H=8 on a tiny LM; one link, on which DiLoCo and torchft's DiLoCo alone run again
+        links, ctx.smoke_steps, steps, h = links[:1], 16, 16, 8
+        model = SMOKE_LM
     base = dict(
         task="lm",
         steps=steps,
@@ -277,6 +281,7 @@ def utilisation(ctx: BenchContext) -> dict:
         eval_every=0,
         workers=2,
         log_every=max(steps // 10, 1),
+        **model,
     )
     islands_arms = [
         (f"{name}{'' if c is None else '+topkq'}", with_compressor(spec, c))
@@ -292,8 +297,17 @@ def utilisation(ctx: BenchContext) -> dict:
         for arm, c in (("eager+topkq", COMPRESSOR), ("eager+topkq146x", COMPRESSOR_146X))
     ]
     version, why_not = load_torchft(ctx.log)
-    torchft_arms = [("torchft-diloco", 1, 0), ("torchft-streaming", torchft_fragments(h, 4), 2)] if version else []
-    ctx.plan((len(links) + 1) * (len(islands_arms) + len(torchft_arms)))
+    # torchft's streaming needs its delay (2) below H/F: at the smoke tier's H=8, 2 fragments
+    torchft_arms = (
+        [("torchft-diloco", 1, 0), ("torchft-streaming", torchft_fragments(h, 2 if ctx.smoke else 4), 2)]
+        if version
+        else []
+    )
+    if ctx.smoke:  # one arm of each kind: DiLoCo, streaming, async, eager with topkq, with 146x and deadline rounds
+        keep = ("diloco", "streaming", "async", "eager+topkq", "eager+topkq146x+deadline")
+        islands_arms = [a for a in islands_arms if a[0] in keep]
+    on_link = (lambda arms: arms[:1]) if ctx.smoke else (lambda arms: arms)  # smoke: DiLoCo's alone on the link
+    ctx.plan(len(islands_arms) + len(torchft_arms) + len(links) * len(on_link(islands_arms) + on_link(torchft_arms)))
     uptime = [f"start {time.strftime('%H:%M:%S')} load {os.getloadavg()}"]
     rows, recs, torchft_errors = [], {}, []
 
@@ -340,14 +354,14 @@ def utilisation(ctx: BenchContext) -> dict:
 
     def run_all(link: str, bed) -> None:
         kw = {} if bed is None else {"testbed": bed.name}
-        for arm, spec in islands_arms:
+        for arm, spec in islands_arms if bed is None else on_link(islands_arms):
             label = f"{arm}@{link}"
             load0 = _load()
             rec = ctx.train(label, islands=2, outer=spec, **kw, **base)
             recs[label] = rec
             rows.append(islands_row(label, arm, spec, link, rec, max(load0, _load())))
         threads = recs[f"diloco@{link}"]["world"]["threads_per_worker"]
-        for arm, fragments, delay in torchft_arms:
+        for arm, fragments, delay in torchft_arms if bed is None else on_link(torchft_arms):
             label = f"{arm}@{link}"
             try:
                 out = run_torchft(ctx, label, base, h, fragments, delay, bed=bed, threads=threads)

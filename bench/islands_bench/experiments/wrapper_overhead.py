@@ -261,7 +261,11 @@ def wrapper_overhead(ctx: BenchContext) -> dict:
         have_hf = False
         ctx.log("transformers is not installed: the GPT-2 rows are skipped (pip install islands[hf])")
     for kind in ("cnn", "gpt2") if have_hf else ("cnn",):
-        spec = {"model": kind, "batch": 16 if kind == "cnn" else 8, "reps": 30 if ctx.quick else 300}
+        spec = {
+            "model": kind,
+            "batch": 16 if kind == "cnn" else 8,
+            "reps": 3 if ctx.smoke else 30 if ctx.quick else 300,
+        }
         ctx.log(f"DDP step time, islands vs torch, {kind}, {spec['reps']} interleaved steps per arm")
         got = run_module_ranks(
             "islands_bench.experiments.wrapper_overhead", ["ddp", json.dumps(spec)], 2, ctx.out_dir / f"ddp-{kind}.json"
@@ -292,7 +296,7 @@ def wrapper_overhead(ctx: BenchContext) -> dict:
             "batch": 8 if kind == "gpt2" else 16,
             "lr": 2e-3,
             "inner_steps": 10,
-            "steps": 40 if ctx.quick else 120,
+            "steps": 20 if ctx.smoke else 40 if ctx.quick else 120,
         }
         ctx.log(f"DiLoCo, islands vs torchft, {kind}, 2 replicas, H={spec['inner_steps']}, {spec['steps']} steps")
         # the two jobs run one after the other, so their step times meet different moments of a shared machine:

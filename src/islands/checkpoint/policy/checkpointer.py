@@ -17,7 +17,7 @@ What a checkpoint holds, per rank (each rank saves its own part of the same step
   loaders, anything with state_dict/load_state_dict); "extra": the `extra` dict, each value through
   its state_dict() when it has one, else as it is (tensors, numbers, lists, dicts);
 - "rng": torch's CPU generator, the current CUDA device's when CUDA is in use, python `random`, numpy
-  (islands.checkpoint.rng); "step" and "elapsed".
+  (islands.checkpoint.policy.rng); "step" and "elapsed".
 `restore` loads the newest checkpoint every rank can load (damaged ones are skipped, on every rank
 alike), after checking it was made by the same model (names, shapes and dtypes of the model entry, and
 the `fingerprint` string if one is given) and holds every part asked for; nothing is loaded when a
@@ -58,7 +58,7 @@ def _shard_items(data) -> int:
 
 
 class LoopState:
-    """A TrainingState (islands.checkpoint.driver) made of a user's objects at one step."""
+    """A TrainingState (islands.checkpoint.policy.driver) made of a user's objects at one step."""
 
     def __init__(
         self,

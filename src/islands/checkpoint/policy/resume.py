@@ -13,7 +13,7 @@ and step continue bitwise as if never interrupted.
 Different world size (N saved ranks -> M ranks), stated policy:
 - supported only when model, optimizer and strategy state are replicated, i.e. identical (by content
   hash and skeleton) on every saved rank, as with ddp, outer strategies whose state is global, and
-  fsdp (whose optimizer shards are stored gathered, islands.checkpoint.sharded_state); per-rank state
+  fsdp (whose optimizer shards are stored gathered, islands.checkpoint.policy.sharded_state); per-rank state
   (error feedback, per-island outer state) is refused naming the first key that differs;
 - new rank r takes those parts, its RNG state and any other entry from saved rank r mod N (RNG
   continuity per rank is not preserved; the ddp step draws no per-rank random numbers);

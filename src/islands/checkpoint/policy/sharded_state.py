@@ -5,7 +5,7 @@ by parameter object. A checkpoint holds the full tensors instead, keyed by param
 form of torch.distributed.checkpoint.state_dict (get/set_optimizer_state_dict do the name mapping,
 wrap don't fork) -- so N ranks' checkpoint loads on M ranks: each takes its own rows in torch.chunk
 layout, the one FSDP2 shards with. Every rank gathers the same full state, so the saved parts are
-replicated and islands.checkpoint.resume's N -> M path accepts them.
+replicated and islands.checkpoint.policy.resume's N -> M path accepts them.
 
 The gathers go through the island's counted Comm (ledger kind "ckpt_shard_gather"); DCP's own
 full_state_dict gather would hand bytes to torch.distributed outside the ledger. Loading slices
