@@ -261,7 +261,7 @@ class Trainer:
             parts.setdefault("checkpoint", {})["resumed_from"] = resumed
         return parts
 
-    # ---- state (islands.checkpoint.driver.TrainingState) --------------------------------------------
+    # ---- state (islands.checkpoint.policy.driver.TrainingState) --------------------------------------------
     @property
     def shard_items(self) -> int:
         sampler = getattr(self.data, "sampler", None)

@@ -22,7 +22,7 @@ What a checkpoint holds, per rank (each rank saves its own part of the same step
 alike), after checking it was made by the same model (names, shapes and dtypes of the model entry, and
 the `fingerprint` string if one is given) and holds every part asked for; nothing is loaded when a
 check fails. Several ranks: every rank calls every method, at the same steps (saves are collective).
-Multi-level, intervals, the auto policy, asynchronous persist: islands.checkpoint.driver.
+Multi-level, intervals, the auto policy, asynchronous persist: islands.checkpoint.policy.driver.
 
 Elastic jobs (`islands run --elastic`): a joiner's strategy wrap already received the members' global
 model, strategy state and step (world.start_step), so its `restore` loads nothing from disk (an older

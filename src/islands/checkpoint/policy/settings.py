@@ -82,7 +82,7 @@ def format_policy(policy: AutoInterval | None) -> str:
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """Where and how often a job checkpoints (islands.checkpoint.driver.CheckpointDriver).
+    """Where and how often a job checkpoints (islands.checkpoint.policy.driver.CheckpointDriver).
 
     dir: the local-disk level's root; None = <run_dir>/ckpt.
     every: steps between local-disk checkpoints; 0 = none (unless `policy` chooses).
