@@ -27,8 +27,8 @@ value as it travels in the job JSON.
 A `Registry` names the constructors of one kind of component (compressors, aggregators, ...). The signature of
 each constructor is its schema: parameter names, types from the annotations, defaults from the signature (the
 one copy of each default), help from the docstrings (the first sentence for the entry, the clause naming
-`param` for a parameter). `check` normalises a spec against that schema, `build` makes the object. A registry given a `base`
-type resolves parameters annotated with that type: `DiLoCo(compressor: Compressor | None)` takes
+`param` for a parameter). `check` normalises a spec against that schema, `build` makes the object. A registry
+given a `base` type resolves parameters annotated with that type: `DiLoCo(compressor: Compressor | None)` takes
 `compressor=(powersgd:rank=4)`, checked and built by the compressor registry.
 """
 
@@ -159,7 +159,10 @@ class Spec:
         raise KeyError(key)
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
+        for k, v in self.args:
+            if k == key:
+                return v
+        return default
 
     def to_json(self) -> dict:
         """{"name": ..., "args": {...}}: tuples become lists, nested specs nested dicts of the same shape."""

@@ -495,9 +495,9 @@ class FollowerWatch:
     """A leader's thread that reports the leader dead (dead/<leader>, with the reason) once one of `followers` is
     silent past `timeout_s` or reported dead, other than finished (module docstring). It looks only at followers
     that have beaten (a follower still starting has no hb key). A silent follower whose process runs on this
-    machine, runnable but starved of CPU, is spared up to islands.runtime.elastic.starvation.LIMIT heartbeat timeouts, as
-    the launcher's reaper spares it (the follower's heartbeat publishes its process identity under proc/<name>).
-    After its one verdict it gives the process
+    machine, runnable but starved of CPU, is spared up to islands.runtime.elastic.starvation.LIMIT heartbeat
+    timeouts, as the launcher's reaper spares it (the follower's heartbeat publishes its process identity under
+    proc/<name>). After its one verdict it gives the process
     `exit_after_s` (default `timeout_s`) to fail by itself, then exits it (code 1, as IslandBroken would): the
     training thread may wait in the local collective with a stopped follower for minutes. stop() (the leader
     leaving) ends it.
@@ -577,7 +577,7 @@ class FollowerWatch:
                         self.store.set(f"dead/{self.leader}", why)
                     self.verdict = why
                     break
-            except Exception:  # the store is gone: the job is over, the training thread sees it too
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over, the training thread sees it too
                 return
         # the training thread waits in the local collective with the silent follower (up to local_timeout, minutes)
         # and the members no longer wait for this island: give it a heartbeat timeout to fail by itself (a killed

@@ -1,8 +1,8 @@
 """State transfer of an elastic job (islands.runtime.elastic): what a joiner receives from the members.
 
 At a join the members and the joiners share the lowest-ranked old member's {"model", "strategy", "step"}: by
-default in checksummed chunks from every old member (islands.runtime.elastic.recovery; `mode = "chunks"`), or as one gloo
-broadcast of torch.save bytes (`mode = "broadcast"`). A joiner loads nothing before it is whole, then its
+default in checksummed chunks from every old member (islands.runtime.elastic.recovery; `mode = "chunks"`), or as
+one gloo broadcast of torch.save bytes (`mode = "broadcast"`). A joiner loads nothing before it is whole, then its
 participant's `joined` hook restarts its local work from the global model (a copy of the holder's local work
 would be counted twice). An island of k workers whose inner strategy shards the model (fsdp) serves and loads the
 island's state instead (islands.runtime.elastic.island_comm.IslandTransfer overrides `snapshot`, `load_shared` and

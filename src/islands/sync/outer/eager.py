@@ -115,10 +115,7 @@ class Overlapped(Schedule):
     def _stand_in(self, p: int, fresh: torch.Tensor) -> None:
         """The local fragment until the exchange lands: eager's share of the own fresh delta, or delayed's own round."""
         d, (lo, hi) = self.d, self.bounds[p]
-        if self.overlap == "eager":
-            local = self._trial(p, fresh / d.comm.size)
-        else:
-            local = d.global_flat[lo:hi] - fresh
+        local = self._trial(p, fresh / d.comm.size) if self.overlap == "eager" else d.global_flat[lo:hi] - fresh
         d.local.write(local, lo)
         self.start_at[p] = local.clone()
 
