@@ -158,7 +158,8 @@ class Adaptive(Overlapped):
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
         self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
         self.skip_to = 0  # the counted step the loop continues from after this island's exchange
-        self.round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
+        # overlap: (every island's speeds, weighted mean) in flight
+        self.round_inflight: Pending[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def options(self) -> dict:
         return {**super().options(), "adapt": self.adapt}

@@ -48,7 +48,7 @@ class Overlapped(Schedule):
     """DiLoCo's overlapped rounds: `mode` delayed | eager (module docstring); `fragments` F as in Fragments, each
     fragment's exchange running during the next H steps. `delay` (rounds, 0 or 1) is 1 except in tests."""
 
-    modes = ("delayed", "eager")
+    modes: tuple[str, ...] = ("delayed", "eager")
     delay: int = 1  # rounds an exchange is in flight; 0 only in tests (the bitwise-plain check)
 
     def __init__(self, mode: str = "eager", fragments: int = 1):

@@ -17,10 +17,15 @@ so a checkpoint written before loads unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from islands.sync.outer.exchange import Pending
 from islands.sync.outer.flat import fragment_bounds
+
+if TYPE_CHECKING:
+    from islands.sync.outer.diloco import DiLoCo
 
 LANDINGS = ("mix", "replay")
 
@@ -29,11 +34,12 @@ class Schedule:
     """What every schedule shares: fragments, their bounds and offsets, the exchanges in flight, sends per fragment.
     `d`: the DiLoCo it is bound to (bind)."""
 
+    d: DiLoCo  # set by bind (at wrap); every method that reads it runs after
+
     def __init__(self, fragments: int = 1):
         if not isinstance(fragments, int) or fragments < 1:
             raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
         self.fragments = fragments
-        self.d = None
         self.inner_steps = 0
         self.bounds: list[tuple[int, int]] = []
         self.offsets: list[int] = []
