@@ -77,8 +77,8 @@ class StateTransfer:
         """A joiner loads what it received; returns the step its loop starts at."""
         return load_state(strategy, model, state, self.participant())
 
-    def global_sha(self, strategy, model) -> str:
-        """The global model's digest for the join and entry events."""
+    def global_sha(self, strategy, model) -> str | None:
+        """The global model's digest for the join and entry events (None: a sharded island's, before it has one)."""
         return global_digest(strategy.eval_model(model))
 
     def _share_in_chunks(self, strategy, model, step: int, holders: set[str], src) -> int:
