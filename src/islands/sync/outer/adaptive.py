@@ -81,6 +81,7 @@ from islands.aggregate.coordinate import Mean
 from islands.data.batches import size as batch_size_of
 from islands.sync.outer.eager import Overlapped
 from islands.sync.outer.exchange import Pending
+from islands.sync.outer.rounds import ScheduleHost
 
 ADAPTS = ("none", "speed", "deadline")
 SPEED_KIND = "outer_speed"  # the per-round (samples, seconds per step, steps, wall per step, end) all-gather
@@ -178,7 +179,7 @@ class Adaptive(Overlapped):
             )
         return None
 
-    def bind(self, d, world) -> None:
+    def bind(self, d: ScheduleHost, world) -> None:
         super().bind(d, world)
         if d.membership is not None:
             raise ValueError(

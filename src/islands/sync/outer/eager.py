@@ -39,7 +39,7 @@ import torch
 from islands.sync.outer.base import BUFFER_KIND
 from islands.sync.outer.exchange import Pending
 from islands.sync.outer.flat import FlatView
-from islands.sync.outer.rounds import Schedule
+from islands.sync.outer.rounds import Schedule, ScheduleHost
 
 OVERLAPS = ("none", "delayed", "eager")
 
@@ -73,7 +73,7 @@ class Overlapped(Schedule):
             )
         return None
 
-    def bind(self, d, world) -> None:
+    def bind(self, d: ScheduleHost, world) -> None:
         super().bind(d, world)
         self.start_at = {}
         self.buffers_inflight = None
