@@ -816,6 +816,7 @@ class CoordinatorSeat:
                 if self._lapsed and self._lapsed == self.lease:
                     self._lose("its lease expired")
                     continue
+                assert self.coordinator is not None, "held since a loop before, or _try_lead just built it"
                 self.coordinator.poll()
             except NotLeader:
                 self._lose("another coordinator holds the lease")

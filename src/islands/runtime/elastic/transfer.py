@@ -18,6 +18,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -75,7 +76,9 @@ class StateTransfer:
 
     def load_shared(self, strategy, model, state: dict) -> int:
         """A joiner loads what it received; returns the step its loop starts at."""
-        return load_state(strategy, model, state, self.participant())
+        participant = self.participant()
+        assert participant is not None, "elastic needs an outer strategy (validate), which participates at its wrap"
+        return load_state(strategy, model, state, participant)
 
     def global_sha(self, strategy, model) -> str | None:
         """The global model's digest for the join and entry events (None: a sharded island's, before it has one)."""
@@ -142,7 +145,7 @@ class StateTransfer:
                 "skipped": report.skipped,
             }
         )
-        return state
+        return cast(dict, state)  # what the holder served: its snapshot(), a dict
 
     def secret(self, key: str) -> bytes:
         """The recovery servers' secret: derived from the job's control-plane key (token and job id) when the
