@@ -125,7 +125,8 @@ def _token(args) -> str:
 
 
 def _stop(args) -> int:
-    """islands stop HOST:PORT --at-step N: every worker of the running elastic job ends at step N (islands.runtime.launch.stop)."""
+    """islands stop HOST:PORT --at-step N: every worker of the running elastic job ends at step N
+    (islands.runtime.launch.stop)."""
     try:
         host, port = parse_address(args.address)
     except ValueError as e:

@@ -27,8 +27,8 @@ value as it travels in the job JSON.
 A `Registry` names the constructors of one kind of component (compressors, aggregators, ...). The signature of
 each constructor is its schema: parameter names, types from the annotations, defaults from the signature (the
 one copy of each default), help from the docstrings (the first sentence for the entry, the clause naming
-`param` for a parameter). `check` normalises a spec against that schema, `build` makes the object. A registry given a `base`
-type resolves parameters annotated with that type: `DiLoCo(compressor: Compressor | None)` takes
+`param` for a parameter). `check` normalises a spec against that schema, `build` makes the object. A registry
+given a `base` type resolves parameters annotated with that type: `DiLoCo(compressor: Compressor | None)` takes
 `compressor=(powersgd:rank=4)`, checked and built by the compressor registry.
 """
 
@@ -120,21 +120,23 @@ class Spec:
     """
 
     name: str
-    args: tuple[tuple[str, Any], ...] = ()
+    args: tuple[tuple[str, Any], ...] = ()  # canonical: sorted pairs of checked values (the constructor makes it)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise SpecError(f"a spec name is a word such as 'powersgd' (letters, digits, _ . -); got {self.name!r}")
-        pairs = self.args.items() if isinstance(self.args, Mapping) else self.args
+    def __init__(self, name: str, args: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> None:
+        # explicit (the dataclass keeps it): `args` is taken as a mapping or pairs but stored as the canonical tuple
+        object.__setattr__(self, "name", name)
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise SpecError(f"a spec name is a word such as 'powersgd' (letters, digits, _ . -); got {name!r}")
+        pairs = args.items() if isinstance(args, Mapping) else args
         seen: dict[str, Any] = {}
         for key, value in pairs:
             if not isinstance(key, str) or not (key in (POSITIONAL, CHAIN) or _KEY.fullmatch(key)):
-                raise SpecError(f"{self.name}: a parameter name is a word such as 'rank'; got {key!r}")
+                raise SpecError(f"{name}: a parameter name is a word such as 'rank'; got {key!r}")
             if key in seen:
-                raise SpecError(f"{self.name}: {key} is given twice")
+                raise SpecError(f"{name}: {key} is given twice")
             if key == CHAIN and not isinstance(value, Spec):
-                raise SpecError(f"{self.name}: what follows '+' is a spec, got {value!r}")
-            seen[key] = _as_value(value, f"{self.name}: {key}")
+                raise SpecError(f"{name}: what follows '+' is a spec, got {value!r}")
+            seen[key] = _as_value(value, f"{name}: {key}")
         object.__setattr__(self, "args", tuple(sorted(seen.items(), key=_arg_order)))
 
     def _key(self) -> tuple:
@@ -159,7 +161,10 @@ class Spec:
         raise KeyError(key)
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
+        for k, v in self.args:
+            if k == key:
+                return v
+        return default
 
     def to_json(self) -> dict:
         """{"name": ..., "args": {...}}: tuples become lists, nested specs nested dicts of the same shape."""
@@ -527,7 +532,7 @@ class _Mismatch(Exception):
 def _coerce(value: Any, opts: tuple[_Opt, ...]) -> Any:
     kinds = {o.kind for o in opts}
     literals = [v for o in opts if o.kind == "literal" for v in o.values]
-    specs = [o.registry() for o in opts if o.kind == "class" and o.registry() is not None]
+    specs = [r for o in opts if o.kind == "class" and (r := o.registry()) is not None]
     if "any" in kinds and not isinstance(value, Spec):
         return value
     if value is None:
@@ -986,6 +991,7 @@ class Registry:
         given = dict(spec.args)
         chain = self.chain_param(name)
         if CHAIN in given:
+            assert chain is not None, "check() lets '+' through only for an entry with a chain parameter"
             given[chain.name] = given.pop(CHAIN)
         params = self._all_params(name)
 

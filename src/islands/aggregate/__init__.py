@@ -8,17 +8,17 @@ Build one from a spec string with `parse_aggregator("nnm+krum:f=2")`; aggregate 
 """
 
 from islands.aggregate.base import AggregationReport, Aggregator, BaseAggregator, TooFewInputsError
-from islands.aggregate.clipping import CenteredClipping
-from islands.aggregate.coordinate import CoordinateMedian, Mean, TrimmedMean
+from islands.aggregate.clipping import CenteredClipping as CenteredClipping
+from islands.aggregate.coordinate import CoordinateMedian as CoordinateMedian, Mean as Mean, TrimmedMean as TrimmedMean
 from islands.aggregate.distributed import (
     flatten_named,
     robust_all_reduce,
     robust_all_reduce_dict,
     unflatten_named,
 )
-from islands.aggregate.geomed import GeometricMedian
-from islands.aggregate.krum import Krum, MultiKrum, pairwise_sq_distances
-from islands.aggregate.mixing import Bucketing, NearestNeighborMixing
+from islands.aggregate.geomed import GeometricMedian as GeometricMedian
+from islands.aggregate.krum import Krum as Krum, MultiKrum as MultiKrum, pairwise_sq_distances
+from islands.aggregate.mixing import Bucketing as Bucketing, NearestNeighborMixing as NearestNeighborMixing
 from islands.aggregate.spec import AGGREGATORS, STEPS, parse_aggregator, valid_specs
 
 __all__ = [

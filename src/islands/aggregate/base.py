@@ -22,9 +22,14 @@ import torch
 
 @runtime_checkable
 class Aggregator(Protocol):
-    """Combine same-shaped tensors into one. Deterministic given the same inputs and state."""
+    """Combine same-shaped tensors into one. Deterministic given the same inputs and state, which checkpoints
+    carry (state_dict / load_state_dict; BaseAggregator's are empty, for the stateless ones)."""
 
     def aggregate(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class TooFewInputsError(ValueError):

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except JobEnded as e:
         print(f"islands: {argv[0]}: {e}", file=sys.stderr)
         return JOB_ENDED_EXIT_CODE
-    except Exception:
+    except Exception:  # noqa: BLE001 - the process's last frame: any other failure is a traceback and exit 1
         traceback.print_exc()
         return 1
     return 0

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_json(Path(argv[0]))
     try:
         run_worker(cfg, Path(argv[1]))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the process's last frame: any failure is a traceback and exit 1
         traceback.print_exc()
         sys.stderr.flush()
         return 1

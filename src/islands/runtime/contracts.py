@@ -34,7 +34,11 @@ class Collectives(Protocol):
     """Collectives over the members of one scope, each counted in the caller's ledger. Synchronous."""
 
     elastic: bool  # True: members may change between two collectives (ElasticCollectives)
-    epoch: int | None  # the membership epoch of an elastic Comm; None for a fixed group
+
+    @property
+    def epoch(self) -> int | None:
+        """The membership epoch of an elastic Comm; None for a fixed group (read-only: ElasticComm's is a property)."""
+        ...
 
     @property
     def size(self) -> int: ...

@@ -10,9 +10,9 @@ A strategy never owns the loop. The loop calls, in order, every step:
 then the loop's step count becomes `strategy.next_step(step + 1)` where a strategy has it (one whose
 rounds let a slower island skip counted steps), and, once after the last step, `strategy.finish(model)`:
 the final synchronisation (a local-update strategy folds every island's unsynchronised work into the
-global model; nothing needs the total step count up front). `state_dict()` / `load_state_dict()` are for checkpoints. `eval_model(model)` returns
-the model to evaluate and export, parameters and buffers (for local-update strategies, the last
-synchronised global model).
+global model; nothing needs the total step count up front). `state_dict()` / `load_state_dict()` are for
+checkpoints. `eval_model(model)` returns the model to evaluate and export, parameters and buffers (for
+local-update strategies, the last synchronised global model).
 
 Inner strategies (single, ddp, zero1, fsdp) act every step inside an island; outer strategies (local
 SGD, DiLoCo, gossip) act rarely across islands. `Stack` (sync/stack.py) composes one of each.

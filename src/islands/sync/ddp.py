@@ -86,13 +86,13 @@ class DDP(NoOp):
         self.compressor, self.aggregator, self.attack = compressor, aggregator, attack
         self.bucket_mb = max(bucket_mb, getattr(compressor, "bucket_mb", 0.0))  # torch's hook: one bucket
         self.overlap, self.seed = bool(overlap), int(seed)
-        self.hook_state = None
+        self.hook_state: object = None  # the comm hook's state, its type the exchange's own (None: plain DDP)
         self.rank = 0
         self.label_flip = None  # (attack plan, classes) when a Byzantine rank trains on flipped labels
 
     def _hook(self, comm: Comm, model: torch.nn.Module, world):
         """(state, hook) for this exchange; (None, counted mean) for plain DDP."""
-        if hasattr(self.compressor, "make_hook"):
+        if self.compressor is not None and hasattr(self.compressor, "make_hook"):
             return self.compressor.make_hook(comm, model)
         if self.compressor is not None:
             return ddp_comm_hook(self.compressor, comm, model.named_parameters(), overlap=self.overlap)
@@ -144,8 +144,9 @@ class DDP(NoOp):
         return {"hook": sd()} if sd else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("hook") and hasattr(self.hook_state, "load_state_dict"):
-            self.hook_state.load_state_dict(state["hook"])
+        load = getattr(self.hook_state, "load_state_dict", None)
+        if state.get("hook") and load is not None:
+            load(state["hook"])
 
 
 def start_ddp(model: torch.nn.Module, group, bucket_mb: float) -> DistributedDataParallel:

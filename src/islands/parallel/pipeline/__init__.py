@@ -39,7 +39,7 @@ from islands.parallel.pipeline.schedule import (
     schedule_for,
     simulate,
 )
-from islands.parallel.pipeline.strategy import PipelineStages
+from islands.parallel.pipeline.strategy import PipelineStages as PipelineStages
 
 __all__ = [
     "ACTIVATION",

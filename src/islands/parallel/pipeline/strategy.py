@@ -38,7 +38,7 @@ def parse_microbatches(value: str | int) -> int | str:
         m = int(value)
     except (TypeError, ValueError):
         m = 0
-    if m < 1 or isinstance(value, bool) or (isinstance(value, float)):
+    if m < 1 or isinstance(value, (bool, float)):
         raise ValueError(f"microbatches={value!r}: give a positive integer dividing the batch, or 'auto'")
     return m
 

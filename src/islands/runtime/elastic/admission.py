@@ -216,6 +216,7 @@ class Membership:
     def _admit(self, joiners: list[list], strategy, model, step: int, rounds: int) -> None:
         # exchanges still in flight (DiLoCo tau > 0, streaming) finish in the epoch they started in; their
         # results travel with the strategy state (a death meanwhile fails them over, the epoch moves on)
+        assert self.participant is not None, "elastic needs an outer strategy (validate); it participates at wrap"
         self.participant.settle()
         for settle in self.before_join:
             # the step's checkpoint is already taken (the loop saves after after_step); one still persisting

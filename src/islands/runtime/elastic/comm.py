@@ -168,6 +168,7 @@ class ElasticComm:
         self, packed: torch.Tensor, like: torch.Tensor, kind: str, sender: str, receiver: str = ""
     ) -> torch.Tensor:
         key, epoch = self.epochs.op_key(), self.epochs.epoch + self.epochs.epoch_base
+        assert self.tags is not None, "only the tagged operations open payloads; they run once authenticate set tags"
         got = self.tags.open(packed, like, (kind, key, sender, receiver))
         if got is None:
             raise PayloadAuthError(
@@ -247,7 +248,7 @@ class ElasticComm:
 
     # ---- one committed operation ----------------------------------------------------------------
     def _operate(
-        self, kind: str, attempt, alone: Callable[[], None] | None = None, landed: Callable[[], None] | None = None
+        self, kind: str, attempt, alone: Callable[[], object] | None = None, landed: Callable[[], None] | None = None
     ) -> None:
         """Run `attempt(pg, rank, size)` (it returns the work to wait on) until an attempt commits; `alone` runs
         instead in an epoch of one; `landed` (tagged payloads) checks and uses what arrived, before the ok."""

@@ -134,7 +134,7 @@ class Connecting(OnThread):
     it (`abandon`), a group that connects after all is aborted, not leaked."""
 
     def __init__(self, build: Callable[[], Any]):
-        self.pg = None
+        self.pg: Any = None  # what `build` made (a gloo ProcessGroup), once it connected and was not abandoned
         self._lock = threading.Lock()
         self._abandoned = False
         super().__init__(build, "islands-connect")

@@ -46,7 +46,7 @@ class Epochs:
         self.on_change, self.new_client = on_change, new_client
         self.epoch, self.seq = -1, 0
         self.members: list[list] = []  # [slot, name, shard]
-        self.pg = None
+        self.pg: dist.ProcessGroup | None = None
         self.epoch_base = 0  # epochs of the job this one resumed from (load_state_dict)
         self.events: list[dict] = []  # membership changes, with timings (for reports)
         # An exchange failed over since the last round boundary: that boundary proposes no joiners (Membership.at_step)

@@ -7,7 +7,8 @@ keeps serving while a majority of its members is up (Raft), so no single process
 How it talks to etcd: the v3 API through etcd's JSON gateway over plain HTTP (POST /v3/kv/range, /kv/put,
 /kv/txn, /kv/deleterange, /lease/*; keys and values base64), with the standard library's http.client: no
 new dependency. `etcds://` is the same over HTTPS, with a client certificate when the cluster asks for one
-(EtcdTLS: ISLANDS_ETCD_CA, ISLANDS_ETCD_CERT, ISLANDS_ETCD_KEY). /v3/ is the gateway's path from etcd 3.4 on (3.3 had /v3beta/, which 3.4 still accepts).
+(EtcdTLS: ISLANDS_ETCD_CA, ISLANDS_ETCD_CERT, ISLANDS_ETCD_KEY). /v3/ is the gateway's path from etcd 3.4 on
+(3.3 had /v3beta/, which 3.4 still accepts).
 Every key of the job is under its namespace (`EtcdAddress.namespace`), so jobs can share a cluster.
 
 Fail-over: a request that cannot reach its endpoint (refused, reset, timed out) or that the member cannot
@@ -170,7 +171,8 @@ class EtcdLogin:
                 f"holding its password); got only {USER_ENV if user else PASSWORD_FILE_ENV}"
             )
         try:
-            password = open(path, encoding="utf-8").read().rstrip("\r\n")
+            with open(path, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n")
         except OSError as e:
             raise ValueError(f"{PASSWORD_FILE_ENV}={path}: cannot read the etcd password ({e.strerror})") from None
         if not password:

@@ -49,12 +49,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger
-from islands.runtime.contracts import Collectives, ElasticParticipant
+from islands.runtime.contracts import Collectives, ElasticCollectives, ElasticParticipant
 from islands.runtime.elastic import (
     ElasticComm,
     Epochs,
@@ -182,19 +183,19 @@ class IslandComm:
 
     @property
     def rank(self) -> int:
-        if self.leader:
-            return self.cross.rank if self.cross.size else 0
+        if (cross := self.cross) is not None:  # the leader
+            return cross.rank if cross.size else 0
         return self._rank
 
     @property
     def size(self) -> int:
-        return self.cross.size if self.leader else self._size
+        return self.cross.size if self.cross is not None else self._size
 
     @property
     def epoch(self) -> int:
-        if not self.leader:
+        if (cross := self.cross) is None:  # a follower
             return self._epoch
-        return 0 if self.cross.epoch is None else self.cross.epoch  # a fixed-group cross (tests) has no epochs
+        return 0 if cross.epoch is None else cross.epoch  # a fixed-group cross (tests) has no epochs
 
     # ---- the relay --------------------------------------------------------------------------------
     def _local(self):
@@ -246,7 +247,9 @@ class IslandComm:
         if epoch != self._named:  # decided from the header alone: leader and followers relay alike
             self._named = epoch
             # a fixed-group cross (tests) names no members
-            names = list(self.cross.names) if self.leader and self.cross.elastic else []
+            cross = self.cross
+            # an elastic cross is an ElasticCollectives (contracts), which names its members
+            names = list(cast(ElasticCollectives, cross).names) if cross is not None and cross.elastic else []
             self.names = list(self.relay_object(names if self.leader else None))
         return extra
 
@@ -298,14 +301,14 @@ class IslandComm:
 
     # ---- the Comm interface -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
-        if self.leader:
+        if self.cross is not None:  # the leader
             self.cross.all_reduce(tensor, op=op, kind=kind)
         self.sync()
         return self._bcast(tensor)
 
     def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
         tensor = tensor.contiguous()
-        if self.leader:
+        if self.cross is not None:  # the leader
             parts = self.cross.all_gather(tensor, kind=kind)
             stacked = torch.stack([p.reshape(tensor.shape) for p in parts])
             self.sync(len(parts))
@@ -314,7 +317,7 @@ class IslandComm:
         return list(self._bcast(stacked).unbind(0))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, kind: str = "broadcast") -> torch.Tensor:
-        if self.leader:
+        if self.cross is not None:  # the leader
             self.cross.broadcast(tensor, src=src, kind=kind)
         self.sync()
         return self._bcast(tensor)
@@ -323,8 +326,9 @@ class IslandComm:
         """Gossip's round (ElasticComm.exchange_planned): the leader runs it over the member islands with `plan`;
         every worker of the island gets (what arrived {peer: tensor}, send_to, recv_from) of the committed attempt.
         A follower's `plan` is never called: its payload is the leader's, bit for bit."""
-        if self.leader:
-            got, send_to, recv_from = self.cross.exchange_planned(plan, like=like, kind=kind)
+        if self.cross is not None:  # the leader; gossip runs only over an elastic cross (an ElasticCollectives)
+            cross = cast(ElasticCollectives, self.cross)
+            got, send_to, recv_from = cross.exchange_planned(plan, like=like, kind=kind)
             self.sync()
             self.relay_object((list(send_to), list(recv_from)))
             stacked = (
@@ -352,7 +356,7 @@ class IslandComm:
                 f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})"
             ) from None
         flat = None
-        if self.leader:
+        if self.cross is not None:  # the leader
             per_island = self.cross.all_gather_object(mine)
             flat = [o for island in per_island for o in island]
         self.sync()
@@ -386,9 +390,9 @@ class SlotComm:
         group = self.island._local()
         k, me = dist.get_world_size(group), dist.get_rank(group)
         try:
-            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
-            dist.all_gather(lengths, torch.tensor([flat.numel()], dtype=torch.int64), group=group)
-            lengths = [int(n.item()) for n in lengths]
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
+            dist.all_gather(counts, torch.tensor([flat.numel()], dtype=torch.int64), group=group)
+            lengths = [int(n.item()) for n in counts]
             padded = flat.new_zeros(max(lengths))
             padded[: flat.numel()] = flat
             parts = [torch.empty_like(padded) for _ in range(k)]
@@ -483,7 +487,8 @@ def _hand_over_slots(
     head = island.relay_object(head if island.leader else None)
     if head is None:
         return int(step), None
-    mine = island.scatter_object(received["strategy"][ISLAND_SLOTS] if island.leader else None)
+    # the leader relayed head from `received`: past the return above, it has one
+    mine = island.scatter_object(received["strategy"][ISLAND_SLOTS] if island.leader and received is not None else None)
     strategy.eval_model(model).load_state_dict(head["model"])
     strategy.load_state_dict(mine)
     if participant is not None:
@@ -495,9 +500,9 @@ class FollowerWatch:
     """A leader's thread that reports the leader dead (dead/<leader>, with the reason) once one of `followers` is
     silent past `timeout_s` or reported dead, other than finished (module docstring). It looks only at followers
     that have beaten (a follower still starting has no hb key). A silent follower whose process runs on this
-    machine, runnable but starved of CPU, is spared up to islands.runtime.elastic.starvation.LIMIT heartbeat timeouts, as
-    the launcher's reaper spares it (the follower's heartbeat publishes its process identity under proc/<name>).
-    After its one verdict it gives the process
+    machine, runnable but starved of CPU, is spared up to islands.runtime.elastic.starvation.LIMIT heartbeat
+    timeouts, as the launcher's reaper spares it (the follower's heartbeat publishes its process identity under
+    proc/<name>). After its one verdict it gives the process
     `exit_after_s` (default `timeout_s`) to fail by itself, then exits it (code 1, as IslandBroken would): the
     training thread may wait in the local collective with a stopped follower for minutes. stop() (the leader
     leaving) ends it.
@@ -577,7 +582,7 @@ class FollowerWatch:
                         self.store.set(f"dead/{self.leader}", why)
                     self.verdict = why
                     break
-            except Exception:  # the store is gone: the job is over, the training thread sees it too
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over, the training thread sees it too
                 return
         # the training thread waits in the local collective with the silent follower (up to local_timeout, minutes)
         # and the members no longer wait for this island: give it a heartbeat timeout to fail by itself (a killed
@@ -605,14 +610,18 @@ class IslandTransfer(StateTransfer):
         self._snapshot_digest: str | None = None
         self._received: dict | None = None
 
+    def _relay(self) -> IslandComm:
+        assert self.island is not None, "IslandLeader.join_island sets the relay before the leader takes part in a join"
+        return self.island
+
     def take_received(self) -> dict | None:
         """What a sharded island's joining leader received and kept for hand_over (None otherwise), once."""
         received, self._received = self._received, None
         return received
 
     def share_state(self, strategy, model, step: int, holders: set[str]) -> int:
-        if self.island.sharded and self.comm.epochs.name in holders:
-            self._snapshot = island_state(self.island, strategy, model, step)
+        if self._relay().sharded and self.comm.epochs.name in holders:
+            self._snapshot = island_state(self._relay(), strategy, model, step)
         try:
             return super().share_state(strategy, model, step, holders)
         finally:
@@ -620,18 +629,21 @@ class IslandTransfer(StateTransfer):
             self._snapshot = None
 
     def snapshot(self, strategy, model, step: int) -> dict:
-        return self._snapshot if self.island.sharded else super().snapshot(strategy, model, step)
+        if not self._relay().sharded:
+            return super().snapshot(strategy, model, step)
+        assert self._snapshot is not None, "a holder serves only inside share_state, which built its snapshot"
+        return self._snapshot
 
     def load_shared(self, strategy, model, state: dict) -> int:
-        if not self.island.sharded:
+        if not self._relay().sharded:
             return super().load_shared(strategy, model, state)
         self._received = state
         return int(state["step"])
 
-    def global_sha(self, strategy, model) -> str:
+    def global_sha(self, strategy, model) -> str | None:
         """Sharded: gathering the global model is a collective of the island, which its followers are not in at the
         join (the holder's digest is its snapshot's) nor at entry (what arrived; enter replaces it once loaded)."""
-        if not self.island.sharded:
+        if not self._relay().sharded:
             return super().global_sha(strategy, model)
         return self._snapshot_digest if self._received is None else state_digest(self._received["model"])
 
@@ -641,6 +653,8 @@ class IslandLeader(Membership):
     job's epochs), and after `enter` (a joiner receives the global state there) and after each round boundary's
     admissions (`at_step`) it relays to its followers over its IslandComm (`island`, from join_island)."""
 
+    transfer: IslandTransfer  # the one __init__ passes
+
     def __init__(self, epochs: Epochs, comm: ElasticComm):
         super().__init__(epochs, comm, IslandTransfer(comm, lambda: self.participant))
         self.island: IslandComm | None = None
@@ -649,7 +663,18 @@ class IslandLeader(Membership):
         self._island_round: int | None = None  # the rounds at the latest relay of the members to the followers
         # first of the things done before joiners enter (a checkpoint driver's settle comes after): the followers
         # are told (a JOINING header), so that they finish the step's save with their leader before the epoch changes
-        self.before_join.append(lambda: self.island.sync(JOINING))
+        self.before_join.append(self._tell_joining)
+
+    def _relay(self) -> IslandComm:
+        assert self.island is not None, "the launcher's worker calls join_island before the leader trains"
+        return self.island
+
+    def _place(self) -> IslandPlace:
+        assert self.place is not None, "the launcher's worker calls join_island before the leader trains"
+        return self.place
+
+    def _tell_joining(self) -> None:
+        self._relay().sync(JOINING)
 
     def join_island(self, place: IslandPlace, side=None) -> IslandComm:
         """The leader of the island at `place`: its relay to its followers over the island's local groups."""
@@ -659,7 +684,7 @@ class IslandLeader(Membership):
 
     def watch_followers(self) -> None:
         """Start the FollowerWatch over this island's followers, on a store client of its own."""
-        followers = island_workers(self.name, self.place.size)[1:]
+        followers = island_workers(self.name, self._place().size)[1:]
         store = self.new_client() if self.new_client is not None else self.store
         self.follower_watch = FollowerWatch(self.name, followers, store, self.liveness.timeout).start()
 
@@ -670,9 +695,9 @@ class IslandLeader(Membership):
 
     def enter(self, strategy, model) -> int:
         step = super().enter(strategy, model)
-        self.store.set(f"{self.place.tag}/entered", str(step))  # followers wait on it, not in a collective
+        self.store.set(f"{self._place().tag}/entered", str(step))  # followers wait on it, not in a collective
         received = self.transfer.take_received()
-        step, digest = hand_over(self.island, strategy, model, step, received, self.participant)
+        step, digest = hand_over(self._relay(), strategy, model, step, received, self.participant)
         self._island_round = rounds_of(self.participant)  # after a sharded island's workers loaded the members' counter
         if digest is not None:
             # the entry event tells what the island holds now, not only what arrived; the round it entered at is
@@ -686,7 +711,7 @@ class IslandLeader(Membership):
         rounds = rounds_of(self.participant)
         if rounds != self._island_round:  # members may have changed: tell the followers
             self._island_round = rounds
-            self.island.sync()
+            self._relay().sync()
 
 
 class IslandFollower:

@@ -384,7 +384,7 @@ class Heartbeat:
         while not self._stop.wait(HEARTBEAT_INTERVAL):
             try:
                 self.beat()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any failed beat: count it, reconnect, beat on (above)
                 self.failures += 1
                 if self.failures == 1:
                     print(
@@ -395,8 +395,8 @@ class Heartbeat:
                     )
                 try:
                     self.store = self._new_client()
-                except Exception:
-                    pass  # the next beat tries again
+                except Exception:  # noqa: BLE001 - the next beat tries again
+                    pass
 
     def stop(self) -> None:
         self._stop.set()
@@ -709,12 +709,13 @@ class CoordinatorSeat:
     at the leader key every TTL/4; when it is gone (its holder died or was cut off, so its lease lapsed) the
     seat grants itself a lease and creates the key under it (create-if-absent: one wins). The leader keeps its
     lease alive every TTL/3 on a thread of its own (a poll may take longer than the TTL: a new leader re-read
-    every ticket of the job, before join/floor, and on a loaded machine that took more than 2 s after ~90 restarts; with the
-    keep-alive behind the poll the lease lapsed before the first poll ended, again and again, and no joiner
-    was answered: chaos run 8, docs/membership.md) and coordinates through a fenced view of the store: each write is a transaction
-    that holds only while its key still exists with the revision it created, so a deposed leader (frozen past
-    its TTL, then resumed) cannot write a verdict; its next write raises NotLeader and it becomes a standby
-    again. The new leader's Coordinator re-reads every decision from the store (Coordinator docstring)."""
+    every ticket of the job, before join/floor, and on a loaded machine that took more than 2 s after ~90
+    restarts; with the keep-alive behind the poll the lease lapsed before the first poll ended, again and
+    again, and no joiner was answered: chaos run 8, docs/membership.md) and coordinates through a fenced view
+    of the store: each write is a transaction that holds only while its key still exists with the revision it
+    created, so a deposed leader (frozen past its TTL, then resumed) cannot write a verdict; its next write
+    raises NotLeader and it becomes a standby again. The new leader's Coordinator re-reads every decision from
+    the store (Coordinator docstring)."""
 
     def __init__(
         self,
@@ -809,13 +810,13 @@ class CoordinatorSeat:
         said: set[str] = set()
         while not self._stop.is_set():
             try:
-                if self.coordinator is None:
-                    if not self._try_lead():
-                        self._stop.wait(self.ttl / 4)
-                        continue
+                if self.coordinator is None and not self._try_lead():
+                    self._stop.wait(self.ttl / 4)
+                    continue
                 if self._lapsed and self._lapsed == self.lease:
                     self._lose("its lease expired")
                     continue
+                assert self.coordinator is not None, "held since a loop before, or _try_lead just built it"
                 self.coordinator.poll()
             except NotLeader:
                 self._lose("another coordinator holds the lease")

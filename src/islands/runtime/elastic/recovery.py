@@ -40,6 +40,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
@@ -72,7 +73,8 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it has the buffer protocol on every version
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class _Pickler(pickle.Pickler):
@@ -429,7 +431,7 @@ class _Queue:
                 if self.error or self.left == 0:
                     return None
                 for i in self.todo:
-                    failed = self.bad.get(i, ())
+                    failed: set[str] | frozenset[str] = self.bad.get(i, frozenset())
                     if peer not in failed or self.live <= failed:
                         self.todo.remove(i)
                         self.tries[i] += 1
@@ -531,7 +533,7 @@ def fetch_state(
 
     def run(conn: _Conn) -> None:
         name = _name(conn.addr)
-        stats = {"chunks": 0, "bytes": 0, "damaged": 0, "error": None}
+        stats: dict[str, Any] = {"chunks": 0, "bytes": 0, "damaged": 0, "error": None}  # counts; the error's text
         with lock:
             report.per_peer[name] = stats
         inflight: collections.deque[int] = collections.deque()
@@ -562,8 +564,9 @@ def fetch_state(
                         report.refetched += 1
                     queue.damaged(i, name)
         except (OSError, ConnectionError, RecoveryError, struct.error) as exc:
-            stats["error"] = f"{type(exc).__name__}: {exc}"
-            queue.give_back(list(inflight), name, stats["error"])
+            why = f"{type(exc).__name__}: {exc}"
+            stats["error"] = why
+            queue.give_back(list(inflight), name, why)
         finally:
             conn.close()
 

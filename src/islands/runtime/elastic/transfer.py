@@ -1,8 +1,8 @@
 """State transfer of an elastic job (islands.runtime.elastic): what a joiner receives from the members.
 
 At a join the members and the joiners share the lowest-ranked old member's {"model", "strategy", "step"}: by
-default in checksummed chunks from every old member (islands.runtime.elastic.recovery; `mode = "chunks"`), or as one gloo
-broadcast of torch.save bytes (`mode = "broadcast"`). A joiner loads nothing before it is whole, then its
+default in checksummed chunks from every old member (islands.runtime.elastic.recovery; `mode = "chunks"`), or as
+one gloo broadcast of torch.save bytes (`mode = "broadcast"`). A joiner loads nothing before it is whole, then its
 participant's `joined` hook restarts its local work from the global model (a copy of the holder's local work
 would be counted twice). An island of k workers whose inner strategy shards the model (fsdp) serves and loads the
 island's state instead (islands.runtime.elastic.island_comm.IslandTransfer overrides `snapshot`, `load_shared` and
@@ -18,6 +18,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -75,10 +76,12 @@ class StateTransfer:
 
     def load_shared(self, strategy, model, state: dict) -> int:
         """A joiner loads what it received; returns the step its loop starts at."""
-        return load_state(strategy, model, state, self.participant())
+        participant = self.participant()
+        assert participant is not None, "elastic needs an outer strategy (validate), which participates at its wrap"
+        return load_state(strategy, model, state, participant)
 
-    def global_sha(self, strategy, model) -> str:
-        """The global model's digest for the join and entry events."""
+    def global_sha(self, strategy, model) -> str | None:
+        """The global model's digest for the join and entry events (None: a sharded island's, before it has one)."""
         return global_digest(strategy.eval_model(model))
 
     def _share_in_chunks(self, strategy, model, step: int, holders: set[str], src) -> int:
@@ -142,7 +145,7 @@ class StateTransfer:
                 "skipped": report.skipped,
             }
         )
-        return state
+        return cast(dict, state)  # what the holder served: its snapshot(), a dict
 
     def secret(self, key: str) -> bytes:
         """The recovery servers' secret: derived from the job's control-plane key (token and job id) when the

@@ -164,7 +164,8 @@ def launch_elastic_workers(
     from the store. `on_started(address, workers, coordinator)` lets experiments inject faults (`coordinator`:
     the JobHost handle; `.store` is the launcher's authenticated client). `store`: an etcd cluster to keep the
     job in (islands.runtime.elastic.etcd_store) instead of the job host's embedded store. Each island has
-    `job.island_size` workers (job.workers counts islands, whose leaders are the members; islands.runtime.elastic.island_comm);
+    `job.island_size` workers (job.workers counts islands, whose leaders are the members;
+    islands.runtime.elastic.island_comm);
     `max_restarts`: times a failed island is started again (_supervise). `testbed`: run island i inside host
     i % hosts of this network testbed (all its workers on that host, gloo bound to its link) and the job host on
     the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on

@@ -6,10 +6,11 @@ pays it again before it can rejoin (the chaos experiment's restarts took 18-25 s
 the launcher asks a fork server that imported them once (multiprocessing's "forkserver", with PRELOAD) for
 a copy. The server only imports: no collective, no parallel region, no CUDA call happens in it, so each
 copy is as clean as a new interpreter (should an imported library have initialised CUDA after all, each copy
-execs a fresh interpreter instead: a forked process cannot use CUDA then). A copy then behaves as `subprocess.Popen` would have made it: its
-own session (start_new_session), stdin from /dev/null, stdout and stderr on the descriptors given, the
-environment given and nothing else, `sys.argv` as `-m` sets it, the same command line in `ps` (setproctitle),
-atexit handlers run at the end, and an exit code that is the process's (negative: killed by that signal).
+execs a fresh interpreter instead: a forked process cannot use CUDA then). A copy then behaves as
+`subprocess.Popen` would have made it: its own session (start_new_session), stdin from /dev/null, stdout
+and stderr on the descriptors given, the environment given and nothing else, `sys.argv` as `-m` sets it, the
+same command line in `ps` (setproctitle), atexit handlers run at the end, and an exit code that is the
+process's (negative: killed by that signal).
 Two things differ: its parent is the fork server, not the launcher, and /proc/PID/environ shows the
 server's environment (os.environ is the one given); find a worker by its log (/proc/PID/fd/1) instead.
 

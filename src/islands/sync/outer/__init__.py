@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from islands.spec import Spec
 from islands.sync.outer.base import LoneComm, OuterStrategy
-from islands.sync.outer.diloco import DiLoCo
-from islands.sync.outer.easgd import EASGD
-from islands.sync.outer.gossip import Gossip, consensus_distance, simulate_mixing
-from islands.sync.outer.local_sgd import LocalSGD
-from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
-from islands.sync.outer.post_local_sgd import PostLocalSGD
+from islands.sync.outer.diloco import DiLoCo as DiLoCo
+from islands.sync.outer.easgd import EASGD as EASGD
+from islands.sync.outer.gossip import Gossip as Gossip, consensus_distance, simulate_mixing
+from islands.sync.outer.local_sgd import LocalSGD as LocalSGD
+from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD as OverlapLocalSGD
+from islands.sync.outer.post_local_sgd import PostLocalSGD as PostLocalSGD
 from islands.sync.outer.registry import STRATEGIES
-from islands.sync.outer.slowmo import SlowMo
+from islands.sync.outer.slowmo import SlowMo as SlowMo
 from islands.sync.outer.spec import PARAMS, OuterSpec, check_outer, parse_outer, valid_specs
-from islands.sync.outer.streaming_diloco import StreamingDiLoCo
+from islands.sync.outer.streaming_diloco import StreamingDiLoCo as StreamingDiLoCo
 from islands.sync.outer.topology import parse_topology
 from islands.sync.outer.warm_start import WarmStart
 

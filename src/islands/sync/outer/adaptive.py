@@ -81,6 +81,7 @@ from islands.aggregate.coordinate import Mean
 from islands.data.batches import size as batch_size_of
 from islands.sync.outer.eager import Overlapped
 from islands.sync.outer.exchange import Pending
+from islands.sync.outer.rounds import ScheduleHost
 
 ADAPTS = ("none", "speed", "deadline")
 SPEED_KIND = "outer_speed"  # the per-round (samples, seconds per step, steps, wall per step, end) all-gather
@@ -158,7 +159,8 @@ class Adaptive(Overlapped):
         self.walls: list[float] = []  # every island's wall seconds per step in its last round
         self.history: list[list[int]] = []  # steps each island took, per round (reports and tests)
         self.skip_to = 0  # the counted step the loop continues from after this island's exchange
-        self.round_inflight: Pending | None = None  # overlap: (every island's speeds, weighted mean) in flight
+        # overlap: (every island's speeds, weighted mean) in flight
+        self.round_inflight: Pending[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def options(self) -> dict:
         return {**super().options(), "adapt": self.adapt}
@@ -177,7 +179,7 @@ class Adaptive(Overlapped):
             )
         return None
 
-    def bind(self, d, world) -> None:
+    def bind(self, d: ScheduleHost, world) -> None:
         super().bind(d, world)
         if d.membership is not None:
             raise ValueError(

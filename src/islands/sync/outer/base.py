@@ -29,8 +29,9 @@ average), and integer buffers
 (num_batches_tracked) are copied from the island, which counts the same steps as every other; the
 global model then holds both, so evaluating or exporting it sees statistics of the data every island
 trained on. Gossip has no global average: there the global model takes the island's own buffers, averaged over
-the island's workers when it has several (`buffer_policy = "own"`). `buffer_policy = "none"` leaves the global model's buffers as they were at
-wrap: what every outer strategy did before this policy, kept only as the own-model bench's negative control.
+the island's workers when it has several (`buffer_policy = "own"`). `buffer_policy = "none"` leaves the global
+model's buffers as they were at wrap: what every outer strategy did before this policy, kept only as the
+own-model bench's negative control.
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,7 +55,9 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class DiLoCo(OuterStrategy):
     name = "diloco"
-    parts = staticmethod(diloco_parts)  # the keyword options of before -> this constructor's arguments (options.py)
+    # the keyword options of before -> this constructor's arguments (options.py); each subclass has its own
+    # options (StreamingDiLoCo: streaming_parts), so typed by what they share
+    parts: Callable[..., dict] = staticmethod(diloco_parts)
 
     def __init__(
         self,
@@ -84,9 +88,8 @@ class DiLoCo(OuterStrategy):
                     "give either the parts (outer_optimizer=, exchange=, schedule=) or the keyword "
                     f"options of before ({', '.join(sorted(options))}), not both"
                 )
-            parts = self.parts(
-                inner_steps=inner_steps, **options, **({"sync_inner_state": True} if sync_inner_state else {})
-            )
+            inner_state: dict[str, Any] = {"sync_inner_state": True} if sync_inner_state else {}
+            parts = self.parts(inner_steps=inner_steps, **options, **inner_state)
             inner_steps, outer_optimizer, exchange, schedule, sync_inner_state = (
                 parts["inner_steps"],
                 parts["outer_optimizer"],

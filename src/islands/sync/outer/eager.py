@@ -39,7 +39,7 @@ import torch
 from islands.sync.outer.base import BUFFER_KIND
 from islands.sync.outer.exchange import Pending
 from islands.sync.outer.flat import FlatView
-from islands.sync.outer.rounds import Schedule
+from islands.sync.outer.rounds import Schedule, ScheduleHost
 
 OVERLAPS = ("none", "delayed", "eager")
 
@@ -48,7 +48,7 @@ class Overlapped(Schedule):
     """DiLoCo's overlapped rounds: `mode` delayed | eager (module docstring); `fragments` F as in Fragments, each
     fragment's exchange running during the next H steps. `delay` (rounds, 0 or 1) is 1 except in tests."""
 
-    modes = ("delayed", "eager")
+    modes: tuple[str, ...] = ("delayed", "eager")
     delay: int = 1  # rounds an exchange is in flight; 0 only in tests (the bitwise-plain check)
 
     def __init__(self, mode: str = "eager", fragments: int = 1):
@@ -73,7 +73,7 @@ class Overlapped(Schedule):
             )
         return None
 
-    def bind(self, d, world) -> None:
+    def bind(self, d: ScheduleHost, world) -> None:
         super().bind(d, world)
         self.start_at = {}
         self.buffers_inflight = None
@@ -115,10 +115,7 @@ class Overlapped(Schedule):
     def _stand_in(self, p: int, fresh: torch.Tensor) -> None:
         """The local fragment until the exchange lands: eager's share of the own fresh delta, or delayed's own round."""
         d, (lo, hi) = self.d, self.bounds[p]
-        if self.overlap == "eager":
-            local = self._trial(p, fresh / d.comm.size)
-        else:
-            local = d.global_flat[lo:hi] - fresh
+        local = self._trial(p, fresh / d.comm.size) if self.overlap == "eager" else d.global_flat[lo:hi] - fresh
         d.local.write(local, lo)
         self.start_at[p] = local.clone()
 

@@ -25,8 +25,9 @@ or a PayloadCodec (quant4.py, zstd4.py). The older `codec=` spelling lives at th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -46,14 +47,19 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class Pending:
-    """An exchange in flight; wait() returns its result (and re-raises its error)."""
+T = TypeVar("T")
 
-    def __init__(self, future: Future | None = None, value: torch.Tensor | None = None):
+
+class Pending(Generic[T]):
+    """An exchange in flight; wait() returns its result (and re-raises its error). Made with a future or, for one
+    restored from a checkpoint, with its value; T: what it yields (a tensor; Adaptive's round: speeds and mean)."""
+
+    def __init__(self, future: Future[T] | None = None, value: T | None = None):
         self._future, self._value = future, value
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> T:
         if self._value is None:
+            assert self._future is not None, "a Pending holds a future or a value"
             self._value = self._future.result()
             self._future = None
         return self._value
@@ -90,7 +96,7 @@ class Exchange:
             self._count(comm, sent[0])
             return mean if base is None else mean.add_(base)
         if self.codec is not None:
-            return self._gathered(comm, flat)
+            return self._gathered(comm, flat, self.codec)
         if self.aggregator is not None:
             return robust_all_reduce(flat, comm, self.aggregator, kind=self.kind)
         out = flat.clone()
@@ -102,14 +108,14 @@ class Exchange:
         if comm.size > 1:
             self.sent.append(int(nbytes))
 
-    def _gathered(self, comm, flat: torch.Tensor) -> torch.Tensor:
-        payload = self.codec.encode(flat)
-        if self.codec.variable_length:
+    def _gathered(self, comm, flat: torch.Tensor, codec: PayloadCodec) -> torch.Tensor:
+        payload = codec.encode(flat)
+        if codec.variable_length:
             payloads = self._gather_variable(comm, payload)
         else:
             payloads = comm.all_gather(payload, kind=self.kind)
             self._count(comm, payload.numel())
-        decoded = [self.codec.decode(p, flat.numel()) for p in payloads]
+        decoded = [codec.decode(p, flat.numel()) for p in payloads]
         if self.aggregator is not None:
             return self.aggregator.aggregate(decoded).to(torch.float32)
         acc = torch.zeros_like(flat)
@@ -141,13 +147,15 @@ class Exchange:
             return fn()
         return self._pool.submit(fn).result()
 
-    def submit(self, fn) -> Pending:
+    def submit(self, fn: Callable[[], T]) -> Pending[T]:
         """fn() on the background thread, after every exchange started before (as run), without waiting for it."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="islands-outer")
         return Pending(self._pool.submit(fn))
 
-    def start(self, comm, flat: torch.Tensor, name: str = "params", base: torch.Tensor | None = None) -> Pending:
+    def start(
+        self, comm, flat: torch.Tensor, name: str = "params", base: torch.Tensor | None = None
+    ) -> Pending[torch.Tensor]:
         """Begin mean() on a background thread; exchanges run one at a time, in call order."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="islands-outer")

@@ -32,7 +32,7 @@ from islands.sync.outer.outer_opt import (
     build_outer_optimizer,
 )
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
-from islands.sync.outer.rounds import Fragments, Rounds
+from islands.sync.outer.rounds import Fragments, Rounds, Schedule
 from islands.sync.outer.zstd4 import Quant4Zstd
 
 
@@ -125,6 +125,7 @@ def diloco_parts(
             "(streaming DiLoCo: bits=32 with a compressor)"
         )
     opt = outer if not isinstance(outer, str) else build_outer_optimizer(outer, outer_lr, momentum, weight)
+    schedule: Schedule
     if adapt != "none":
         schedule = Adaptive(adapt, deadline, overlap=overlap)
     elif overlap != "none":

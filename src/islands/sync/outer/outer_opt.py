@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
@@ -211,8 +211,11 @@ class OuterStep:
     ):
         if optimizer is None:
             optimizer = build_outer_optimizer(DEFAULT_OUTER, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, 0.5)
-        own = isinstance(optimizer, (OuterOptimizer, TorchOuter)) and not isinstance(optimizer, torch.optim.Optimizer)
-        self.opt = optimizer if own else TorchOuter(optimizer)  # TorchOuter refuses a built torch optimizer
+        self.opt: OuterOptimizer | TorchOuter
+        if isinstance(optimizer, (OuterOptimizer, TorchOuter)) and not isinstance(optimizer, torch.optim.Optimizer):
+            self.opt = optimizer
+        else:  # a factory; TorchOuter refuses anything else (a built torch optimizer) with its message
+            self.opt = TorchOuter(cast(OptimizerFactory, optimizer))
         self.sqrt_islands, self.follow_inner_lr = bool(sqrt_islands), bool(follow_inner_lr)
         self.base_lr = 1.0  # the inner optimizer's lr at wrap (bind): what follow_inner_lr measures against
 

@@ -45,7 +45,7 @@ def warm_startable(cls: type[DiLoCo]) -> Callable[..., OuterStrategy | WarmStart
         outer = cls.from_options(*args, **kwargs)
         return WarmStart(outer, warm_start) if warm_start else outer
 
-    entry.__signature__ = inspect.Signature(own + [warm])
+    entry.__signature__ = inspect.Signature(own + [warm])  # type: ignore[attr-defined]  # inspect reads it; typeshed's functions lack it
     entry.__doc__ = (
         docs_of(cls).split("\n\n")[0]
         + "\n\n"

@@ -17,23 +17,57 @@ so a checkpoint written before loads unchanged.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 
-from islands.sync.outer.exchange import Pending
-from islands.sync.outer.flat import fragment_bounds
+from islands.sync.outer.exchange import Exchange, Pending
+from islands.sync.outer.flat import FlatView, fragment_bounds
+from islands.sync.outer.outer_opt import OuterStep
 
 LANDINGS = ("mix", "replay")
+
+
+class ScheduleHost(Protocol):
+    """What a schedule reads of the DiLoCo it is bound to (the strategy, set up at wrap): its flat global and local
+    models and buffers, exchange, outer step and clock. A protocol, not DiLoCo itself: diloco.py imports this
+    module, and the layering test refuses the cycle an import back would make."""
+
+    inner_steps: int
+    global_flat: torch.Tensor
+    local: FlatView
+    global_buffers: list[torch.Tensor]
+    local_buffers: list[torch.Tensor]
+    buffer_policy: str
+    exchange: Exchange
+    outer: OuterStep
+    comm: Any  # the cross-island Comm (OuterStrategy.wrap): a Collectives, or LoneComm alone
+    membership: Any  # the elastic membership when the strategy holds it (OuterStrategy.wrap), else None
+    clock: int
+
+    def outer_step(self, p: int, mean_delta: torch.Tensor) -> None: ...
+
+    def outer_lr_factor(self) -> float: ...
+
+    def adopt_global(self, lo: int = 0, hi: int | None = None) -> None: ...
+
+    def inner_state_step(self) -> None: ...
+
+    def synced(self) -> None: ...
+
+    def synced_buffers(self) -> None: ...
 
 
 class Schedule:
     """What every schedule shares: fragments, their bounds and offsets, the exchanges in flight, sends per fragment.
     `d`: the DiLoCo it is bound to (bind)."""
 
+    d: ScheduleHost  # set by bind (at wrap); every method that reads it runs after
+
     def __init__(self, fragments: int = 1):
         if not isinstance(fragments, int) or fragments < 1:
             raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
         self.fragments = fragments
-        self.d = None
         self.inner_steps = 0
         self.bounds: list[tuple[int, int]] = []
         self.offsets: list[int] = []
@@ -70,7 +104,7 @@ class Schedule:
         """Why this schedule cannot run in an elastic job (members come and go); None when it can."""
         return None
 
-    def bind(self, d, world) -> None:
+    def bind(self, d: ScheduleHost, world) -> None:
         """At wrap (DiLoCo.setup): the strategy, its flat model and the world are known."""
         self.d = d
         self.check(d.inner_steps)
