@@ -32,7 +32,7 @@ def main():
     strategy = islands.outer.DiLoCo(inner_steps=50)
     g = torch.Generator().manual_seed(world.rank)  # each island its own data order
     with strategy.attach(model, opt, world):
-        for step in range(STEPS):  # --- the unchanged loop ---
+        for _ in range(STEPS):  # --- the unchanged loop ---
             idx = torch.randint(0, 1500, (32,), generator=g)
             loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()

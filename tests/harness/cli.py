@@ -56,8 +56,8 @@ EXACT = ("model", "optimizer", "strategy", "rng", "loader", "step")
 
 
 def islands_cli(*argv: str, timeout: float = 300) -> int:
-    """`islands ARGV` with this process as the CLI: the launcher (islands.runtime.launch.ranks) starts and supervises the
-    rank processes exactly as from a shell, without a fresh interpreter importing torch just to launch them.
+    """`islands ARGV` with this process as the CLI: the launcher (islands.runtime.launch.ranks) starts and supervises
+    the rank processes exactly as from a shell, without a fresh interpreter importing torch just to launch them.
     Returns the exit code. A job still running after `timeout` s gets SIGTERM, which the launcher turns into
     stopping every rank and exit code 143 (its handler is in place only on the main thread, hence the check)."""
     rank = os.environ.pop("RANK", None)  # a torchrun variable left in the environment would make this a worker

@@ -1,6 +1,7 @@
 """Run a tiny hf-causal-lm job on N gloo ranks forked from the test process: the worker's own code
 (`islands.app.worker.run_worker`, what `islands train` starts per rank) without paying a fresh interpreter's
-torch and transformers imports per rank. Shared by tests/integration/hf/test_hf_task.py and tests/integration/hf/test_export.py.
+torch and transformers imports per rank. Shared by tests/integration/hf/test_hf_task.py and
+tests/integration/hf/test_export.py.
 
     record = run_hf_job(run_dir, workers=2, inner="fsdp", **{"task.model": "llama"})   # run.json, parsed
 

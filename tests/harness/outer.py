@@ -47,7 +47,7 @@ def _child(rank, size, islands, env, fn, out):
     world = init_world(islands=islands, timeout_s=30)
     try:
         out.put((rank, "ok", fn(world)))
-    except BaseException as e:  # report, so the parent fails with the cause instead of a timeout
+    except BaseException as e:  # noqa: BLE001 - report, so the parent fails with the cause instead of a timeout
         import traceback
 
         out.put((rank, "error", f"{e!r}\n{traceback.format_exc()}"))
@@ -73,7 +73,7 @@ def run_world(fn, size: int, islands: int, timeout: float = 150.0) -> list:
             except _queue.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"a rank exited with {dead} before reporting")
+                    raise RuntimeError(f"a rank exited with {dead} before reporting") from None
                 continue
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed: {value}")

@@ -66,7 +66,10 @@ def test_tagged_operations_give_the_plain_results():
             "bcast": comm.broadcast(torch.full((3,), float(r)), src=1).tolist(),
             "objects": comm.all_gather_object({"name": comm.name}),
         }
-        ring = lambda rank, size: ({(rank + 1) % size: torch.full((2,), float(rank))}, [(rank - 1) % size])
+
+        def ring(rank, size):
+            return {(rank + 1) % size: torch.full((2,), float(rank))}, [(rank - 1) % size]
+
         got, send_to, recv_from = comm.exchange_planned(ring, torch.zeros(2))
         out["p2p"] = {p: t.tolist() for p, t in got.items()}
         out["keys"] = [s["epoch"] * 100 + s["seq"] for s in comm.syncs]
@@ -139,7 +142,7 @@ def test_a_refused_contribution_fails_the_operation_and_the_others_retry_it_tagg
     assert set(errors) == {"a"} and isinstance(errors["a"], PayloadAuthError), errors
     message = str(errors["a"])
     assert "from member b" in message and "operation e/0/s/1" in message, message
-    for name, own in (("b", 2.0), ("c", 3.0)):
+    for name in ("b", "c"):
         out, syncs, failures = results[name]
         # the first sum had all three; the second, failed by a, was retried by b and c alone under epoch 1's
         # key (their tags verified there), so nothing a refused, and nothing of a's, entered it
@@ -221,7 +224,7 @@ def test_an_authenticated_elastic_job_ends_bitwise_as_the_plain_one(tmp_path):
     the plain job's bit for bit; every outer exchange carried 32-byte tags."""
     runs = {flag: _job(tmp_path, f"auth-{flag}", 2, 12, flag) for flag in (False, True)}
     digests = {}
-    for flag, (code, log, recs, run) in runs.items():
+    for flag, (code, log, recs, _run) in runs.items():
         assert code == 0, log
         assert set(recs) == {"w0", "w1"}, log
         digests[flag] = {r["global_sha256"] for r in recs.values()}

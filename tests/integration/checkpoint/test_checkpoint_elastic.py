@@ -216,7 +216,7 @@ def test_persist_barrier_meets_in_threads_and_commits_once_all_parts_are_in(job_
                 order.append(("committed", rank))
             barrier()
             order.append(("done", rank))
-        except BaseException as exc:  # reported to the test thread
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             errors.append(exc)
 
     _members_in_threads(beats, member, [(0, 0.0), (1, 0.5)])
@@ -241,7 +241,7 @@ def test_persist_barrier_deletes_a_saves_keys_once_the_next_saves_parts_are_in(j
                     barrier()
                 if step == 4 and rank == 1:  # rank 1 still reads step 4's keys after its save ended
                     seen["step 4 after"] = store.check(["ckpt/s4/e0/0/committed", "ckpt/s4/e0/1/committed"])
-        except BaseException as exc:  # reported to the test thread
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             errors.append(exc)
 
     _members_in_threads(beats, member, [(0,), (1,)])
@@ -336,7 +336,7 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
                     assert time.monotonic() < deadline, "no checkpoint of step 15 started"
                     time.sleep(0.01)
                 workers[1].proc.send_signal(signal.SIGKILL)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - reported to the test thread
                 errors.append(exc)
 
         threading.Thread(target=kill, daemon=True).start()

@@ -389,7 +389,7 @@ def _save_two_ranks(root, data: list, fingerprint: str) -> None:
             barrier.wait()  # rank 0's store removes partial saves when it opens: before any rank saves
             driver.after_step(state)
             driver.wait()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]

@@ -89,8 +89,13 @@ def test_146x_with_half_again_the_entries():
     flag of every compressed exchange): Elias-Fano positions clear 146x with up to 92 of each 4096 kept, fixed 12-bit
     positions with up to 61: half again the entries for the same bytes."""
     n = 875_264
-    cut = lambda c: 4 * n / (4 + c.payload_nbytes((n,), torch.float32))
-    most = lambda index: max(k for k in range(1, 200) if cut(TopKQ(k / 4096, bits=2, index=index)) >= 146)
+
+    def cut(c):
+        return 4 * n / (4 + c.payload_nbytes((n,), torch.float32))
+
+    def most(index):
+        return max(k for k in range(1, 200) if cut(TopKQ(k / 4096, bits=2, index=index)) >= 146)
+
     assert most("fixed") == 61 and most("elias-fano") == 92
     assert cut(DCTTopK(89 / 4096, bits=2, index="elias-fano")) >= 146  # the bench's setting, 89 of 4096 (2.17%)
 

@@ -1,14 +1,14 @@
 """Outer strategies with exchanges in flight across steps, and gossip, under churn (issue #20 item 4), on gloo.
 
 Each job is the own-loop program (docs/own-model.md) run by `islands run --elastic`: streaming DiLoCo (F=2, tau=2,
-4-bit deltas), DiLoCo with tau=1, overlap local SGD (tau=3) and gossip (exp graph; random:s=1 with push-sum). A member that SIGKILLs itself
-while an exchange is in flight on the others' exchange threads (gossip: between rounds) is dropped; the survivors
-fail the exchange over, land every round exactly once and commit every exchange in the same epochs. A worker
-started with `islands join` then enters at the boundary after a landing (streaming and overlap: with an exchange
-in flight, whose result it receives) and ends with the members' global model, bit for bit; everyone exits 0.
-Gossip has no global model: there the two survivors, which mix with each other every round on the exp graph,
-hold equal models at the join only if both planned the same graph after the failure. One job per strategy does
-both (kill, then join): process start-up dominates on a loaded machine."""
+4-bit deltas), DiLoCo with tau=1, overlap local SGD (tau=3) and gossip (exp graph; random:s=1 with push-sum). A
+member that SIGKILLs itself while an exchange is in flight on the others' exchange threads (gossip: between rounds)
+is dropped; the survivors fail the exchange over, land every round exactly once and commit every exchange in the
+same epochs. A worker started with `islands join` then enters at the boundary after a landing (streaming and
+overlap: with an exchange in flight, whose result it receives) and ends with the members' global model, bit for bit;
+everyone exits 0. Gossip has no global model: there the two survivors, which mix with each other every round on the
+exp graph, hold equal models at the join only if both planned the same graph after the failure. One job per strategy
+does both (kill, then join): process start-up dominates on a loaded machine."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ strategy = islands.Stack(outer=outer)
 model = strategy.wrap(model, opt, world)
 part = getattr(outer, "schedule", outer)  # DiLoCo: its schedule holds the exchanges in flight and sends
 pending = getattr(part, "pending", None)
-entered = {"start": world.start_step, "inflight": len(pending) if isinstance(pending, list) else int(pending is not None),
+inflight = len(pending) if isinstance(pending, list) else int(pending is not None)
+entered = {"start": world.start_step, "inflight": inflight,
            "rounds": outer.rounds, "sha": global_digest(strategy.eval_model(model))}
 shard, shards = world.shard
 for step in range(world.start_step, args.steps):
@@ -87,7 +88,8 @@ strategy.finish(model)
 m = world.membership
 (out / f"{name}.json").write_text(json.dumps({
     "entered": entered, "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
-    "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size, "tagged": m.comm.tags is not None,
+    "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size,
+    "tagged": m.comm.tags is not None,
     "syncs": [[s["epoch"], s["size"]] for s in m.syncs if s["kind"] in ("outer_delta", "outer_params")]}))
 islands.close_world(world)
 """

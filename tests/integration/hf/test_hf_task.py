@@ -6,6 +6,7 @@ nothing written."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -142,5 +143,5 @@ def test_bad_input_is_exit_2_and_nothing_written(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (extra, err)
         assert not run_dir.exists()
-    with pytest.raises(ConfigError, match="task.name must be lm, digits, hf-causal-lm"):
+    with pytest.raises(ConfigError, match=re.escape("task.name must be lm, digits, hf-causal-lm")):
         validate(from_mapping({**TINY, "task": "hf-causal"}))

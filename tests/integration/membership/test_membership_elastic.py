@@ -62,7 +62,7 @@ def _run(cfg, tmp_path: Path, during) -> tuple[int, str]:
         def body():
             try:
                 during(address, workers)
-            except BaseException as e:  # surfaced after the job ends
+            except BaseException as e:  # noqa: BLE001 - surfaced after the job ends
                 errors.append(e)
 
         threads.append(threading.Thread(target=body, daemon=True))

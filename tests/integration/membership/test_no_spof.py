@@ -9,12 +9,14 @@ found by its heartbeat alone (no launcher to flag it) and the others finish with
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -42,44 +44,45 @@ def _record(path: Path):
 def _train(tmp_path: Path, steps: int, workers: int, islands: int | None = None) -> tuple[subprocess.Popen, Path, Path]:
     run = tmp_path / "run"
     err = tmp_path / "launcher.err"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "islands",
-            "train",
-            "--task",
-            "digits",
-            "--workers",
-            str(workers),
-            "--islands",
-            str(islands or workers),
-            *(["--inner", "ddp"] if islands else []),
-            "--outer",
-            "local-sgd:every=3",
-            "--elastic",
-            "--steps",
-            str(steps),
-            "--global-batch",
-            "24",
-            "--eval-every",
-            "0",
-            "--warmup",
-            "2",
-            "--no-probe",
-            "--no-progress",
-            "--timeout",
-            "30",
-            "--heartbeat-timeout",
-            str(HEARTBEAT),
-            "--run-dir",
-            str(run),
-        ],
-        cwd=tmp_path,
-        env=elastic_jobs.env(),
-        stdout=subprocess.DEVNULL,
-        stderr=open(err, "w"),
-    )
+    with open(err, "w") as stderr:  # the child writes through its own copy of the descriptor
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "islands",
+                "train",
+                "--task",
+                "digits",
+                "--workers",
+                str(workers),
+                "--islands",
+                str(islands or workers),
+                *(["--inner", "ddp"] if islands else []),
+                "--outer",
+                "local-sgd:every=3",
+                "--elastic",
+                "--steps",
+                str(steps),
+                "--global-batch",
+                "24",
+                "--eval-every",
+                "0",
+                "--warmup",
+                "2",
+                "--no-probe",
+                "--no-progress",
+                "--timeout",
+                "30",
+                "--heartbeat-timeout",
+                str(HEARTBEAT),
+                "--run-dir",
+                str(run),
+            ],
+            cwd=tmp_path,
+            env=elastic_jobs.env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     return proc, run, err
 
 
@@ -90,13 +93,13 @@ def _kill_launcher_mid_run(tmp_path: Path, steps: int, kill_a_worker: bool) -> t
         host = _wait(lambda: _record(run / "job_host.json"), "the job host", log=err)
         h, p = parse_address(host["address"])
         store = connect(h, p)
-        _wait(lambda: store.check(["round/4/join"]), "four rounds", log=err)
+        _wait(partial(store.check, ["round/4/join"]), "four rounds", log=err)
         assert proc.poll() is None, err.read_text()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         killed_at = time.time()
         if kill_a_worker:  # after the launcher: nobody sets its dead flag, its heartbeat must tell
-            _wait(lambda: store.check(["round/6/join"]), "two more rounds", log=run / "logs" / "w0.log")
+            _wait(partial(store.check, ["round/6/join"]), "two more rounds", log=run / "logs" / "w0.log")
             victim = elastic_jobs.worker_pid(run, "w2")
             os.kill(victim, signal.SIGKILL)
         del store
@@ -159,10 +162,10 @@ def test_after_the_launcher_died_a_frozen_follower_takes_its_island_out_within_t
         host = _wait(lambda: _record(run / "job_host.json"), "the job host", log=err)
         h, p = parse_address(host["address"])
         store = connect(h, p)
-        _wait(lambda: store.check(["round/4/join"]), "four rounds", log=err)
+        _wait(partial(store.check, ["round/4/join"]), "four rounds", log=err)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        _wait(lambda: store.check(["round/6/join"]), "two more rounds", log=run / "logs" / "i0w0.log")
+        _wait(partial(store.check, ["round/6/join"]), "two more rounds", log=run / "logs" / "i0w0.log")
         frozen = elastic_jobs.worker_pid(run, "i1w1")
         os.kill(frozen, signal.SIGSTOP)
         stopped = time.time()
@@ -342,7 +345,7 @@ def test_over_etcd_the_coordinators_death_loses_nothing_and_a_joiner_is_admitted
     # waits on purpose), against its usual gap before the kill
     gate = min((out / f"gate-{n}").stat().st_mtime for n in ("w0", "w1"))
     commits = [t for t, _ in recs["w0"]["commits"]]
-    gaps = list(zip(commits, commits[1:]))
+    gaps = list(itertools.pairwise(commits))
     usual = sorted(b - a for a, b in gaps if b < killed)
     after = [b - a for a, b in gaps if b >= killed and b <= gate]
     assert after, "no round committed between the kill and the gate"

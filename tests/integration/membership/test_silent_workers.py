@@ -127,8 +127,8 @@ def test_a_silent_worker_that_can_answer_leaves_its_stacks_and_state_in_its_log_
     islands.runtime.stacks.DUMP_SIGNAL, asks it for its threads' stacks; the SIGKILL follows."""
     log = tmp_path / "w1.log"
     code = (
-        "import sys, time; sys.path[:0] = %r; from islands.runtime import stacks; stacks.enable(); "
-        "print('ready', flush=True)\ndef stuck_in_start_up():\n    time.sleep(60)\nstuck_in_start_up()" % sys.path
+        f"import sys, time; sys.path[:0] = {sys.path!r}; from islands.runtime import stacks; stacks.enable(); "
+        "print('ready', flush=True)\ndef stuck_in_start_up():\n    time.sleep(60)\nstuck_in_start_up()"
     )
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=f)

@@ -205,7 +205,7 @@ def test_a_checkpoint_save_is_a_metric_and_an_event(logged):
     saves = rec["checkpoint"]["saves"]["local"]
     assert saves == 3  # steps 5, 10 and the final 12
     lines = read_lines(root / "live" / "rank0.jsonl")
-    assert [ln["kind"] for ln in lines][0] == "params"
+    assert lines[0]["kind"] == "params"
     counts = [
         (ln["step"], ln["metrics"]["ckpt/saves/local"])
         for ln in lines

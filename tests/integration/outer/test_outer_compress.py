@@ -292,9 +292,12 @@ def _scenario(world, spec: str, steps: int) -> dict:
 
 def _resume(world, spec: str, cut: int, steps: int) -> dict:
     a, b = cut_and_resume(world, spec, cut, steps)
-    res = lambda r: torch.cat(
-        [st["residual"].reshape(-1) for _, st in sorted(r.strategy.exchange.compressor.states.items())]
-    )
+
+    def res(r):
+        return torch.cat(
+            [st["residual"].reshape(-1) for _, st in sorted(r.strategy.exchange.compressor.states.items())]
+        )
+
     return {
         "a": a.strategy.global_flat.numpy().copy(),
         "b": b.strategy.global_flat.numpy().copy(),
@@ -352,10 +355,8 @@ def test_ranks_agree_bitwise_and_ledger_bytes_are_the_analytic_payload(ranks, na
         assert s["rounds"] >= 2 and set(s["sent"]) <= set(COMPRESS_KINDS) | {"outer_buffers", "outer_init"}, s["sent"]
         exchanges = sum(s["sends"]) if s["sends"] else s["rounds"]
         per_exchange = [4 + p for p in s["payload"]]  # the NaN/Inf flag, then the payload
-        if s["sends"]:  # streaming: fragment p sent sends[p] times
-            expect = sum(n * b for n, b in zip(s["sends"], per_exchange))
-        else:
-            expect = exchanges * per_exchange[0]
+        # streaming: fragment p sent sends[p] times; otherwise one whole payload per round
+        expect = sum(n * b for n, b in zip(s["sends"], per_exchange)) if s["sends"] else exchanges * per_exchange[0]
         assert sum(s["sent"].get(k, 0) for k in COMPRESS_KINDS) == expect, (s["sent"], expect)
         assert sum(s["exchange_sent"]) == expect and len(s["exchange_sent"]) == exchanges
         assert sorted(set(s["exchange_sent"])) == sorted(set(per_exchange))

@@ -278,7 +278,7 @@ def _equal_speeds_is_plain(world) -> dict:
     ):
         run = Run(world, spec)
         if label == "plain":
-            for i in range(10):  # no on_batch timing needed; the same hook order
+            for _ in range(10):  # no on_batch timing needed; the same hook order
                 run.one(1.0)
         else:
             run.until(10, lambda step: 1.0)

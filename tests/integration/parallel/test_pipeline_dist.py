@@ -91,7 +91,7 @@ def _pipelined(world):
 def check_equal_to_unsplit(ranks):
     from islands.parallel.pipeline import output_bytes
 
-    for c, (name, cuts, schedule, m) in enumerate(CASES):
+    for c, (name, cuts, _schedule, _m) in enumerate(CASES):
         model, pieces, starts, x, y, loss_fn = _setup(name, cuts, 3)
         loss = loss_fn(model(x), y)
         loss.backward()

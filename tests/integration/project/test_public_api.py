@@ -297,7 +297,7 @@ def test_every_worker_of_every_island_holds_the_same_global_batchnorm_statistics
     got = sorted(spawn_ranks(_bn_islands_of_two_worker, 4, timeout=120), key=lambda r: r[0])
     first = got[0][1]
     assert int(first["bn.num_batches_tracked"]) == 10
-    for rank, state, live_mean, sent in got:
+    for rank, state, live_mean, _sent in got:
         for key, value in state.items():
             assert (value == first[key]).all(), (rank, key)
         assert (live_mean == first["bn.running_mean"]).all(), rank  # the live model adopted the same average

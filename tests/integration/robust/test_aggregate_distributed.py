@@ -90,7 +90,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 rank_tensor(rank), rank, Comm(sub, CommLedger())
             )
         dist.barrier()
-    except Exception:  # the parent shows this instead of a bare exit code
+    except Exception:  # noqa: BLE001 - the parent shows this instead of a bare exit code
         saved["error"] = traceback.format_exc()
     finally:
         torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -83,7 +83,7 @@ def _worker(rank: int, env: dict, queue) -> None:
             }
         close_world(world)
         queue.put((rank, out))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the parent shows the rank's traceback
         queue.put((rank, traceback.format_exc()))
 
 

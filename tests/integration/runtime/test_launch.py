@@ -161,7 +161,7 @@ def test_busy_port_is_a_clear_error(tmp_path):
 
 def test_a_testbed_that_does_not_exist_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
     monkeypatch.setenv("ISLANDS_TESTBED_DIR", str(tmp_path / "testbeds"))
-    with pytest.raises(LaunchError, match="no testbed named 'nosuchbed'.*islands testbed up --name nosuchbed"):
+    with pytest.raises(LaunchError, match=r"no testbed named 'nosuchbed'.*islands testbed up --name nosuchbed"):
         launch(from_mapping({"workers": 2, "testbed": "nosuchbed"}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 

@@ -53,10 +53,9 @@ def _thaw_or_kill(pid: int | None, kill: bool = False) -> None:
 
 
 def _forked(tmp_path: Path, name: str, sleep: float, code: int):
-    log = open(tmp_path / f"{name}.log", "w")
     env = dict(os.environ, SPAWN_SLEEP=str(sleep), SPAWN_EXIT=str(code))
-    proc = spawn.start(SPAWN, env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    with open(tmp_path / f"{name}.log", "w") as log:
+        proc = spawn.start(SPAWN, env, stdout=log, stderr=subprocess.STDOUT)
     assert isinstance(proc, spawn.ForkedProcess)
     return proc
 
@@ -131,11 +130,8 @@ def test_a_start_request_to_a_stopped_fork_server_does_not_hang(tmp_path):
 
 
 def _forked_or_fresh(tmp_path: Path):
-    log = open(tmp_path / "fresh.log", "w")
-    try:
+    with open(tmp_path / "fresh.log", "w") as log:
         return spawn.start(SPAWN, dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
-    finally:
-        log.close()
 
 
 def _elastic_cfg(run: Path):

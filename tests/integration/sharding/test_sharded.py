@@ -150,7 +150,7 @@ def test_fsdp_matches_single_process(results, index):
 
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_analytic_bytes_equal_what_fsdp_hands_to_torch(results, index):
-    for rank, out, _ in results:
+    for _rank, out, _ in results:
         r = out[index]
         fsdp_sent = {k: v for k, v in r["ledger_sent"].items() if k.startswith("fsdp_") and k != "fsdp_eval_gather"}
         fsdp_recv = {k: v for k, v in r["ledger_received"].items() if k.startswith("fsdp_") and k != "fsdp_eval_gather"}

@@ -126,7 +126,7 @@ def test_every_group_size_and_prefetch_matches_one_process(results):
 
 @pytest.mark.slow
 def test_ledger_equals_what_fsdp_hands_to_torch_and_prefetch_sends_no_more(results):
-    for rank, out in results:
+    for _rank, out in results:
         by_case = {r["case"]: r for r in out}
         for r in out:
             assert r["ledger"] == r["wire"], r["case"]
@@ -137,7 +137,7 @@ def test_ledger_equals_what_fsdp_hands_to_torch_and_prefetch_sends_no_more(resul
 
 @pytest.mark.slow
 def test_each_rank_holds_one_gth_of_the_state(results):
-    for rank, out in results:
+    for _rank, out in results:
         for r in out:
             assert r["memory"] == r["analytic_memory"], r["case"]
         one = next(r for r in out if r["case"] == (1, 0))["memory"]

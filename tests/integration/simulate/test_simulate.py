@@ -110,7 +110,7 @@ def test_simulation_is_deterministic_with_dropout():
         layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
         opt = torch.optim.SGD(layer.parameters(), lr=0.1)
         out = []
-        for step in range(4):
+        for _ in range(4):
             x = torch.full((2, 8), float(world.rank + 1))
             layer(x).sum().backward()
             opt.step()
@@ -153,7 +153,7 @@ def test_collectives_match_and_errors_name_the_island():
             raise ValueError("island one breaks")
         world.comm("cross").all_reduce(torch.ones(1))
 
-    with pytest.raises(RuntimeError, match="island 1 of 2.*island one breaks"):
+    with pytest.raises(RuntimeError, match=r"island 1 of 2.*island one breaks"):
         simulate.run(broken, islands=2, timeout_s=20)
 
     def mismatched(world):

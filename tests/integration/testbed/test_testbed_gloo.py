@@ -29,12 +29,14 @@ pytestmark = [
 ]
 
 TENSOR_BYTES = 4 * 2**20  # 4 MiB of float32
-WORKER = """
+WORKER = (
+    f"NUMEL = {TENSOR_BYTES // 4}\n"
+    + """
 import datetime, json, os, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=30))
 rank = dist.get_rank()
-x = torch.full((%d,), float(rank + 1))
+x = torch.full((NUMEL,), float(rank + 1))
 dist.barrier()
 start = time.perf_counter()
 dist.all_reduce(x)
@@ -42,7 +44,8 @@ elapsed = time.perf_counter() - start
 ok = bool(torch.all(x == 3.0))
 print(json.dumps({"rank": rank, "ok": ok, "seconds": elapsed}), flush=True)
 dist.destroy_process_group()
-""" % (TENSOR_BYTES // 4)
+"""
+)
 
 
 @pytest.fixture

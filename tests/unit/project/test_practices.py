@@ -279,7 +279,7 @@ def test_paper_rows_are_validated():
 def test_backlink_mismatch_is_refused():
     practices = _parse(GOOD_ROW)
     paper = Paper("LIT-001", "A 2020", "", "T", "n", ())
-    with pytest.raises(ValueError, match="LIT-001.*SOTA-900"):
+    with pytest.raises(ValueError, match=r"LIT-001.*SOTA-900"):
         check_backlinks(practices, [paper])
     check_backlinks(practices, [Paper("LIT-001", "A 2020", "", "T", "n", ("SOTA-900",))])
 
@@ -311,7 +311,7 @@ def test_filter_by_implemented(practices):
 
 
 def test_filter_rejects_bad_arguments(practices):
-    with pytest.raises(ValueError, match="unknown status 'Done'.*Active"):
+    with pytest.raises(ValueError, match=r"unknown status 'Done'.*Active"):
         filter_practices(practices, status="Done")
     with pytest.raises(TypeError, match="implemented"):
         filter_practices(practices, implemented="yes")

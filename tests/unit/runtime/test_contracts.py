@@ -52,17 +52,21 @@ PARTICIPANTS = [DiLoCo, StreamingDiLoCo, LocalSGD, Gossip, EASGD]
 
 # ---- the structural check ---------------------------------------------------------------------------------
 def protocol_members(proto) -> dict[str, object]:
-    """Every member a protocol declares (its bases' too): name -> the function or property, or None for a data member."""
+    """Every member a protocol declares (its bases' too): name -> the function or property, or None for a data
+    member."""
     out: dict[str, object] = {}
     for base in reversed(proto.__mro__):
         if base in (typing.Protocol, typing.Generic, object) or not getattr(base, "_is_protocol", False):
             continue
         for name in getattr(base, "__annotations__", {}):
             out.setdefault(name, None)
-        for name, value in vars(base).items():
-            if callable(value) or isinstance(value, property):
-                if not name.startswith("_"):
-                    out[name] = value
+        out.update(
+            {
+                name: value
+                for name, value in vars(base).items()
+                if (callable(value) or isinstance(value, property)) and not name.startswith("_")
+            }
+        )
     return out
 
 

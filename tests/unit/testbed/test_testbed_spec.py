@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from islands.testbed import model, spec, state, system
@@ -119,7 +121,7 @@ def test_explicit_subnet_checks():
         spec.choose_subnet("10.77.5.1/24", 2, [])  # host bits set
     with pytest.raises(ValueError, match="room for 1 hosts and the hub, 3 hosts asked"):
         spec.choose_subnet("10.1.0.0/30", 3, [])
-    with pytest.raises(ValueError, match="overlaps another testbed's subnet 10.77.0.0/24"):
+    with pytest.raises(ValueError, match=re.escape("overlaps another testbed's subnet 10.77.0.0/24")):
         spec.choose_subnet("10.77.0.0/16", 2, ["10.77.0.0/24"])
     with pytest.raises(TypeError):
         spec.choose_subnet(42, 2, [])
@@ -142,7 +144,7 @@ def test_launcher_helpers(fake_tools):
     env = tb.env(1)
     assert env["GLOO_SOCKET_IFNAME"] == "isl-h1" and env["MASTER_ADDR"] == "10.77.4.1"
     assert env["http_proxy"] == "" and "10.77.4.0/24" in env["NO_PROXY"]
-    with pytest.raises(ValueError, match="outside 0..2"):
+    with pytest.raises(ValueError, match=re.escape("outside 0..2")):
         tb.env(3)
     with pytest.raises(ValueError, match="non-negative"):
         tb.host_for_rank(-1)
@@ -180,7 +182,7 @@ def test_rate_criterion():
 
 def test_not_root_is_a_clear_error(monkeypatch, state_dir, fake_tools):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
-    with pytest.raises(PermissionError, match="needs root.*uid 1000"):
+    with pytest.raises(PermissionError, match=r"needs root.*uid 1000"):
         up("wan", 2, "100mbit")
     with pytest.raises(PermissionError, match="needs root"):
         down("wan")
@@ -188,7 +190,7 @@ def test_not_root_is_a_clear_error(monkeypatch, state_dir, fake_tools):
 
 def test_missing_tools_is_a_clear_error(monkeypatch, state_dir):
     monkeypatch.setattr("shutil.which", lambda *a, **k: None)
-    with pytest.raises(system.TestbedError, match="'ip' command is missing.*iproute2"):
+    with pytest.raises(system.TestbedError, match=r"'ip' command is missing.*iproute2"):
         up("wan", 2, "100mbit")
 
 
