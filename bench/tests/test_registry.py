@@ -35,7 +35,7 @@ def test_compression_experiments_registered_with_their_practices():
 
 
 def test_bench_device_must_be_one_the_experiment_declares(tmp_path):
-    with pytest.raises(KeyError, match="cpu only.*compressor-throughput"):
+    with pytest.raises(KeyError, match=r"cpu only.*compressor-throughput"):
         harness.run("ckpt-codec", quick=True, out_root=tmp_path, device="cuda")
     assert not (tmp_path / "ckpt-codec").exists()  # refused before anything is written
     assert "cuda" in harness.load_all()["compressor-throughput"].devices

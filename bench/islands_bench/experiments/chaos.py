@@ -37,6 +37,7 @@ longer trains on after its last event (session 19: the campaign took 18 of the j
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -304,7 +305,7 @@ def stall_per_event(progress: dict[str, list[float]], times: list[float]) -> lis
         for c in progress.values():
             if len(c) < 3:
                 continue
-            normal = statistics.median(b - a for a, b in zip(c, c[1:]))
+            normal = statistics.median(b - a for a, b in itertools.pairwise(c))
             before = [x for x in c if x <= t]
             after = [x for x in c if x > t]
             if before and after:

@@ -142,7 +142,7 @@ class Job:
                 str(self.run_dir / f"{name}.spec.json"),
             ],
             env=env,
-            stdout=open(self.run_dir / "logs" / f"{name}.log", "w"),
+            stdout=open(self.run_dir / "logs" / f"{name}.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
             stderr=subprocess.STDOUT,
         )
         self.live[name] = Replica(name, shard, proc)

@@ -73,7 +73,7 @@ def _start_joiner(ctx: BenchContext, label: str, token: str) -> tuple[subprocess
             STORE_PREFIX,
         ],
         env=env,
-        stdout=open(side / "j1.log", "w"),
+        stdout=open(side / "j1.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
         stderr=subprocess.STDOUT,
     )
     while not up.exists():

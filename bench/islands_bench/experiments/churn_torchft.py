@@ -17,6 +17,7 @@ is still being absorbed), its span starts at that change instead.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import signal
@@ -130,7 +131,7 @@ def event_stalls(commits: list[tuple[float, int]], events: list[tuple[float, str
         raise ValueError(f"event kinds must be 'kill' or 'join', got {[k for _, k in events]}")
     times = [t for t, _ in commits]
     first_event = min((t for t, _ in events), default=times[-1])
-    calm = [b - a for a, b in zip(times, times[1:]) if b <= first_event]
+    calm = [b - a for a, b in itertools.pairwise(times) if b <= first_event]
     if not calm:
         raise ValueError("no committed rounds before the first event: no normal round time to subtract")
     if [t for t, _ in events] != sorted(t for t, _ in events):
@@ -144,7 +145,7 @@ def event_stalls(commits: list[tuple[float, int]], events: list[tuple[float, str
         # an event that comes before this survivor committed the previous event's change starts from that change
         i0 = max(before[-1], floor)
         size0 = commits[i0][1]
-        shows = (lambda s: s < size0) if kind == "kill" else (lambda s: s > size0)
+        shows = (lambda s, size0=size0: s < size0) if kind == "kill" else (lambda s, size0=size0: s > size0)
         i1 = next((i for i in range(i0 + 1, len(commits)) if shows(commits[i][1])), None)
         row = {"kind": kind, "time": t_event, "normal_round_s": normal, "reflected": i1 is not None}
         if i1 is not None:
@@ -225,7 +226,7 @@ class Lighthouse:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _LIGHTHOUSE, knobs, str(self.port)],
                 stdout=subprocess.PIPE,
-                stderr=open(log, "w"),
+                stderr=open(log, "w"),  # noqa: SIM115 - the child process writes its log after this returns
                 text=True,
             )
             port = self.proc.stdout.readline().strip()
@@ -322,7 +323,7 @@ def run_torchft(
                 str(run_dir / f"{name}.spec.json"),
             ],
             env=env,
-            stdout=open(run_dir / "logs" / f"{name}.log", "w"),
+            stdout=open(run_dir / "logs" / f"{name}.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
             stderr=subprocess.STDOUT,
         )
 
@@ -345,7 +346,7 @@ def run_torchft(
         lead = run_dir / "r0.jsonl"
         todo = sorted([(r, "kill") for r in (plan or {}).get("kills", [])] + ([(plan["join"], "join")] if plan else []))
         for rnd, kind in todo:
-            _wait(lambda: _latest_step(lead) >= rnd, limit_s, f"round {rnd} on r0", [procs["r0"]])
+            _wait(lambda rnd=rnd: _latest_step(lead) >= rnd, limit_s, f"round {rnd} on r0", [procs["r0"]])
             if kind == "kill":
                 name = victims.pop(0)
                 procs[name].send_signal(signal.SIGKILL)

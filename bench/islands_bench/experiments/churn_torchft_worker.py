@@ -83,46 +83,51 @@ def main(spec_path: str) -> int:
     if spec.get("barrier"):  # the first replicas start together so the first quorum holds all of them
         _wait_for(Path(spec["barrier"]), spec["start_limit_s"])
 
-    out = open(spec["log"], "a", buffering=1)
-    inner_steps = 0
-    with DiLoCo(manager, [model], inner, outer, sync_every=h, backup_device=torch.device("cpu"), pin_memory=False):
-        stop_at = Path(spec["stop_at"]) if spec.get("stop_at") else None
-        while manager.current_step() < rounds:
-            before = manager.current_step()
-            if stop_at is not None and inner_steps % h == 0 and stop_at.exists():
-                rounds = min(rounds, int(stop_at.read_text()))  # the harness ends the job at a round all reach
-                if before >= rounds:
-                    break
-            for group in inner.param_groups:
-                group["lr"] = cfg.train.lr * schedule(before * h + inner_steps % h)
-            x, y = batches.next()
-            loss = task.loss_fn(model(x), y)
-            loss.backward()
-            if cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            inner.step()  # DiLoCo's post-hook runs the quorum and the outer exchange every h-th call
-            inner.zero_grad(set_to_none=True)
-            inner_steps += 1
-            if inner_steps % h == 0:
-                out.write(
-                    json.dumps(
-                        {
-                            "t": time.time(),
-                            "step": manager.current_step(),
-                            "committed": manager.current_step() > before,
-                            "participants": manager.num_participants(),
-                            "loss": loss.item(),
-                        }
+    with open(spec["log"], "a", buffering=1) as out:
+        inner_steps = 0
+        with DiLoCo(manager, [model], inner, outer, sync_every=h, backup_device=torch.device("cpu"), pin_memory=False):
+            stop_at = Path(spec["stop_at"]) if spec.get("stop_at") else None
+            while manager.current_step() < rounds:
+                before = manager.current_step()
+                if stop_at is not None and inner_steps % h == 0 and stop_at.exists():
+                    rounds = min(rounds, int(stop_at.read_text()))  # the harness ends the job at a round all reach
+                    if before >= rounds:
+                        break
+                for group in inner.param_groups:
+                    group["lr"] = cfg.train.lr * schedule(before * h + inner_steps % h)
+                x, y = batches.next()
+                loss = task.loss_fn(model(x), y)
+                loss.backward()
+                if cfg.train.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+                inner.step()  # DiLoCo's post-hook runs the quorum and the outer exchange every h-th call
+                inner.zero_grad(set_to_none=True)
+                inner_steps += 1
+                if inner_steps % h == 0:
+                    out.write(
+                        json.dumps(
+                            {
+                                "t": time.time(),
+                                "step": manager.current_step(),
+                                "committed": manager.current_step() > before,
+                                "participants": manager.num_participants(),
+                                "loss": loss.item(),
+                            }
+                        )
+                        + "\n"
                     )
-                    + "\n"
-                )
-    metrics = evaluate(model, task.val_data, task.loss_fn, torch.device("cpu"), task.metrics)
-    digest = hashlib.sha256()  # the replicas' models, compared bit for bit by chaos-torchft
-    for t in model.state_dict().values():
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-    final = {"final": True, "t": time.time(), "step": manager.current_step(), "sha256": digest.hexdigest(), **metrics}
-    out.write(json.dumps(final) + "\n")
-    out.close()
+        metrics = evaluate(model, task.val_data, task.loss_fn, torch.device("cpu"), task.metrics)
+        digest = hashlib.sha256()  # the replicas' models, compared bit for bit by chaos-torchft
+        for t in model.state_dict().values():
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        final = {
+            "final": True,
+            "t": time.time(),
+            "step": manager.current_step(),
+            "sha256": digest.hexdigest(),
+            **metrics,
+        }
+        out.write(json.dumps(final) + "\n")
     manager.shutdown(wait=False)
     return 0
 

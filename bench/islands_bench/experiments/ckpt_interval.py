@@ -64,7 +64,10 @@ def ckpt_interval(ctx: BenchContext) -> dict:
     seeds = 12 if ctx.quick else 60
     rows = []
     for devices in device_counts:
-        policies = {"policy": lambda: make_policy(devices), **{k: (lambda v=v: v) for k, v in FIXED.items()}}
+        policies = {
+            "policy": lambda devices=devices: make_policy(devices),
+            **{k: (lambda v=v: v) for k, v in FIXED.items()},
+        }
         for label, make in policies.items():
             runs = [
                 simulate_failures(

@@ -84,7 +84,7 @@ def ckpt_stall(ctx: BenchContext) -> dict:
         try:
             count = iter(range(100))
             m = measure_stall(
-                lambda: CheckpointStore(tmp / f"s{next(count)}", keep_last=1),
+                lambda tmp=tmp, count=count: CheckpointStore(tmp / f"s{next(count)}", keep_last=1),
                 tree,
                 list(range(1, samples + 1)),
                 advance=advance,

@@ -128,7 +128,7 @@ def compression_vs_bandwidth(ctx: BenchContext) -> dict:
         with ctx.testbed(rate, hosts=2) as bed:
             measured = tb.measure_rate(bed)
             rates_mbit[rate] = measured["goodput_mbit"]
-            regimes = [("default: global batch %d" % common["global_batch"], specs, {})]
+            regimes = [(f"default: global batch {common['global_batch']:d}", specs, {})]
             if comm_bound and (rate == "100mbit" or ctx.rate):
                 regimes.append(
                     (comm_bound["regime"], comm_bound["specs"], {"global_batch": comm_bound["global_batch"]})

@@ -196,7 +196,7 @@ def _attack(address_file: Path, out_path, duration: float, workers: int, log_pat
     proc = subprocess.Popen(
         [sys.executable, "-c", ATTACKER, str(address_file), str(out_path), str(duration), str(workers), STORE_PREFIX],
         env=env,
-        stdout=open(log_path, "w"),
+        stdout=open(log_path, "w"),  # noqa: SIM115 - the child process writes its log after this returns
         stderr=subprocess.STDOUT,
     )
     while not imported.exists():
@@ -452,10 +452,10 @@ def _payload_cost(sizes_mb: list[int]) -> list[dict]:
             best = min(best, time.perf_counter() - t)
         times: list[float] = []
 
-        def rank(r):
+        def rank(r, *, mb=mb, x=x, times=times, port=server.port):
             s = dist.PrefixStore(
                 f"ar{mb}",
-                dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=60)),
+                dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)),
             )
             pg = dist.ProcessGroupGloo(s, r, 2, datetime.timedelta(seconds=60))
             y = x.clone()

@@ -106,8 +106,8 @@ def training_rows(ctx: BenchContext, workers: int, steps: int, h: int) -> list[d
             losses.append(evaluate(task.model, task.val_data, task.loss_fn, torch.device("cpu"))["val_loss"])
         flats = [tree["strategy"]["outer"]["global"] for tree in trees]  # Stack(inner, outer) state
         ledgers = rec["comm"]["per_rank"]
-        sent = [l["sent"].get("outer_params", 0) for l in ledgers]
-        calls = [l["calls"].get("outer_params", 0) for l in ledgers]
+        sent = [led["sent"].get("outer_params", 0) for led in ledgers]
+        calls = [led["calls"].get("outer_params", 0) for led in ledgers]
         payload = sum(sent) / max(sum(calls), 1)  # per node per sync, averaged over ranks
         # gloo's ring all-reduce puts 2(n-1)/n payloads on each node's link; a p2p send puts one
         wire = payload * (2 * (workers - 1) / workers if spec.startswith("local-sgd") else 1.0)
@@ -155,7 +155,7 @@ def link_rows(ctx: BenchContext, rates: list[str], workers: int, steps: int, hid
     rows = []
     for rate in rates:
 
-        def one(label, spec, bed=None):
+        def one(label, spec, bed=None, *, rate=rate):
             extra = {"testbed": bed.name} if bed is not None else {}
             rec = ctx.train(f"link-{rate}-{label}", outer=spec, **extra, **base)
             s = rec["summary"]

@@ -34,9 +34,9 @@ def _worker(out_path: str, shapes: list[list[int]], reps: int, rate: str) -> Non
     for m, k, n in shapes:
         g = torch.Generator().manual_seed(world.rank)
         x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-        ops = {f"chunks={c}": (lambda c=c: matmul_all_reduce(x, w, comm, chunks=c)) for c in CHUNKS}
-        ops["matmul only"] = lambda: x @ w.T
-        ops["all-reduce only"] = lambda: comm.all_reduce(torch.empty(m, n))
+        ops = {f"chunks={c}": (lambda c=c, x=x, w=w: matmul_all_reduce(x, w, comm, chunks=c)) for c in CHUNKS}
+        ops["matmul only"] = lambda x=x, w=w: x @ w.T
+        ops["all-reduce only"] = lambda m=m, n=n: comm.all_reduce(torch.empty(m, n))
         seconds = time_interleaved(ops, reps)
         rows.append({"shape": [m, k, n], "ms": {name: 1000 * v for name, v in seconds.items()}})
     if world.rank == 0:

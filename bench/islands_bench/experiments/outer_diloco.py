@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from islands_bench.experiments.outer_common import OUTER_KINDS, bar_plot, base_config, gap_pct, row_of, task_words
 from islands_bench.harness import BenchContext, experiment
 
@@ -193,7 +195,7 @@ def ddp_steps_to_reach(ddp_rec: dict, loss: float) -> float | None:
     against DDP that does not depend on how the loss scale compresses near the end.
     """
     pts = [(p["step"], p["val_loss"]) for p in ddp_rec["series"]["val"]]
-    for (s0, l0), (s1, l1) in zip(pts, pts[1:]):
+    for (s0, l0), (s1, l1) in itertools.pairwise(pts):
         if l1 <= loss <= l0 and l0 != l1:
             return s0 + (s1 - s0) * (l0 - loss) / (l0 - l1)
     return None

@@ -39,18 +39,18 @@ def _worker(out_path: str, sizes: list[int], reps: int, rate: str) -> None:
         y0 = F.normalize(torch.randn(b, DIM, generator=g), dim=1)
         t, bias = torch.tensor(2.3, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
         losses = {
-            "sigmoid-ring": lambda x, y: sigmoid_pair_loss(x, y, t, bias, comm),
-            "softmax-gather": lambda x, y: softmax_pair_loss(x, y, t, comm),
+            "sigmoid-ring": lambda x, y, t=t, bias=bias: sigmoid_pair_loss(x, y, t, bias, comm),
+            "softmax-gather": lambda x, y, t=t: softmax_pair_loss(x, y, t, comm),
         }
 
-        def step(name):
+        def step(name, *, x0=x0, y0=y0, losses=losses):
             x, y = x0.clone().requires_grad_(True), y0.clone().requires_grad_(True)
             losses[name](x, y).backward()
 
         row = {"batch_per_rank": b}
         for name in losses:
             sent0 = world.ledger.total_sent
-            row[f"held_{name}"] = held_bytes(lambda: step(name))
+            row[f"held_{name}"] = held_bytes(lambda name=name: step(name))
             row[f"sent_{name}"] = world.ledger.total_sent - sent0
         seconds = time_interleaved({name: (lambda name=name: step(name)) for name in losses}, reps)
         row.update({f"ms_{name}": 1000 * v for name, v in seconds.items()})

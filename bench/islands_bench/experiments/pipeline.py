@@ -11,6 +11,7 @@ Models: the byte transformer (every legal cut carries the same residual stream) 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -47,7 +48,7 @@ def _model(name: str, quick: bool):
             sequence_loss,
         )
     layers = []
-    for a, b in zip(BOTTLENECK, BOTTLENECK[1:]):
+    for a, b in itertools.pairwise(BOTTLENECK):
         layers += [nn.Linear(a, b), nn.ReLU()]
     g = torch.Generator().manual_seed(1)
     batch = 64 if quick else 256

@@ -32,7 +32,7 @@ def _worker(out_path: str, seqs: list[int], reps: int, rate: str) -> None:
         x = torch.randn(seq, D_MODEL)
         inputs = {0: x, 1: sequence_shard(x, comm).clone()}
 
-        def step(sp, held=None):
+        def step(sp, held=None, *, inputs=inputs, blocks=blocks):
             xin = inputs[sp].clone().requires_grad_(True)
             if held is None:
                 y = blocks[sp](xin)

@@ -11,6 +11,7 @@ Per-rank memory is parameters + gradients + AdamW's two slots, as laid out by FS
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 
@@ -47,7 +48,7 @@ def model_units(cfg: dict, wrap: str):
 
 def median_step_seconds(rec: dict) -> float:
     t = [0.0] + [p["elapsed"] for p in rec["series"]["train"]]
-    steps = [b - a for a, b in zip(t, t[1:])][1:]  # drop the first step
+    steps = [b - a for a, b in itertools.pairwise(t)][1:]  # drop the first step
     return statistics.median(steps) if steps else rec["summary"]["seconds_per_step"]
 
 

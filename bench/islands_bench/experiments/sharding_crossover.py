@@ -79,7 +79,7 @@ def sharding_crossover(ctx: BenchContext) -> dict:
     rows = []
     for link, workers, ds in plan:
 
-        def one(testbed=""):
+        def one(testbed="", *, link=link, workers=workers, ds=ds):
             for d in ds:
                 for inner in ("ddp", "fsdp"):
                     cfg = lm_config(

@@ -90,7 +90,7 @@ def shard_group(ctx: BenchContext) -> dict:
         f"loopback s/step {by[1]['s_per_step']:.3f} / {by[2]['s_per_step']:.3f} / {by[4]['s_per_step']:.3f} "
         f"(load {min(r['load_avg'] for r in rows):.0f}-{max(r['load_avg'] for r in rows):.0f}; loopback has no slow "
         "cross-island link, so this column does not test the claim)",
-        "sizer, %.2f B parameters, 8-rank islands in a 64-rank world: " % sizer[0]["params_b"]
+        "sizer, {:.2f} B parameters, 8-rank islands in a 64-rank world: ".format(sizer[0]["params_b"])
         + ", ".join(
             f"{r['budget_gb']} GB -> group {r['chosen_group'] or 'none'}"
             + (f" ({r['state_gb_per_rank']:.1f} GB/rank)" if r["chosen_group"] else "")

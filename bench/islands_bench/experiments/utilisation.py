@@ -157,7 +157,7 @@ def run_torchft(
             argv(0, [sys.executable, "-c", _LIGHTHOUSE, json.dumps(settings)]),
             env=env(0),
             stdout=subprocess.PIPE,
-            stderr=open(run_dir / "logs" / "lighthouse.log", "w"),
+            stderr=open(run_dir / "logs" / "lighthouse.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
             text=True,
         )
         procs = []
@@ -202,7 +202,7 @@ def run_torchft(
                             ],
                         ),
                         env=env(r),
-                        stdout=open(run_dir / "logs" / f"r{r}.log", "w"),
+                        stdout=open(run_dir / "logs" / f"r{r}.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
                         stderr=subprocess.STDOUT,
                     )
                 )

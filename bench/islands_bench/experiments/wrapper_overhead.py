@@ -205,7 +205,7 @@ def _run_torchft(ctx: BenchContext, spec: dict, label: str) -> dict:
     lighthouse = subprocess.Popen(
         [sys.executable, "-c", LIGHTHOUSE, "2"],
         stdout=subprocess.PIPE,
-        stderr=open(run_dir / "lighthouse.log", "w"),
+        stderr=open(run_dir / "lighthouse.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
         text=True,
     )
     procs = []
@@ -230,7 +230,7 @@ def _run_torchft(ctx: BenchContext, spec: dict, label: str) -> dict:
                         str(run_dir / f"r{r}.spec.json"),
                     ],
                     env=dict(os.environ, OMP_NUM_THREADS="1"),
-                    stdout=open(run_dir / f"r{r}.log", "w"),
+                    stdout=open(run_dir / f"r{r}.log", "w"),  # noqa: SIM115 - the child process writes its log after this returns
                     stderr=subprocess.STDOUT,
                 )
             )
