@@ -321,7 +321,8 @@ def headline(rows: list[dict], cost: dict, real: list[dict], tasks: list[str], s
     for r in real:
         lines.append(
             f"real {N}-process gloo run, digits, {r['attack']} + {r['aggregate']}: accuracy "
-            f"{r['real_accuracy']:.3f} (simulated twin {r['simulated_accuracy']:.3f}), {r['real_seconds_per_step']:.3f} s/step"
+            f"{r['real_accuracy']:.3f} (simulated twin {r['simulated_accuracy']:.3f}), "
+            f"{r['real_seconds_per_step']:.3f} s/step"
         )
     return lines
 

@@ -30,9 +30,9 @@ across the event minus its median gap; max over leaders); the finishing members'
 (global-model SHA-256); the final validation loss against a fault-free run of the same steps, in this invocation.
 A short probe run first measures the training speed, so that the job outlasts the campaign; once the campaign is
 over (and every island trains again, or SETTLE_S passed) the experiment asks the job to end STOP_AHEAD_S seconds
-of training past its furthest island (`islands stop`, islands.runtime.launch.stop), and the fault-free run is asked to end at
-the same step from its start: both follow the same learning-rate schedule to the same step, and the chaos job no
-longer trains on after its last event (session 19: the campaign took 18 of the job's 51 minutes).
+of training past its furthest island (`islands stop`, islands.runtime.launch.stop), and the fault-free run is
+asked to end at the same step from its start: both follow the same learning-rate schedule to the same step,
+and the chaos job no longer trains on after its last event (session 19: the campaign took 18 of the job's 51 minutes).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ RATE, HOSTS = "100mbit", ISLANDS  # the testbed: one island per host
 SETTLE_S = 90.0  # after the campaign, the longest wait for a restarting island to train again before the stop request
 STOP_AHEAD_S = 30.0  # the stop step lies this many seconds of training (at the probe's rate) past the furthest
 #                     logged step: `islands stop` takes seconds to start in the hub, live streams lag, and every
-#                     worker must read the request (islands.runtime.launch.stop.POLL_S) before it gets there (the quick tier
-#                     of session 20 asked 200 steps ahead and every worker had passed the step by then)
+#                     worker must read the request (islands.runtime.launch.stop.POLL_S) before it gets there
+#                     (the quick tier of session 20 asked 200 steps ahead and every worker had passed the step by then)
 SMOKE = dict(events=3, gap=(1.0, 2.0))  # runs end to end: a few events, short gaps
 QUICK = dict(events=12, gap=(3.0, 6.0))
 FULL = dict(events=100, gap=(3.0, 6.0))
@@ -682,14 +682,16 @@ def _campaign(ctx: BenchContext, tier: dict, kinds: list[str], seed: int, bed) -
         "per host, one process per worker, the job's store in a 3-member etcd cluster on the testbed's hub"
     )
     headline = [
-        f"{'quick tier: ' if ctx.quick else ''}{len(applied)} of {len(kinds)} events applied ({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(kinds))}) "
+        f"{'quick tier: ' if ctx.quick else ''}{len(applied)} of {len(kinds)} events applied "
+        f"({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(kinds))}) "
         f"against {ISLANDS} islands of {WORKERS_PER_ISLAND} workers (DDP inside, DiLoCo H={H} across), "
         f"{ended or steps} steps"
         + (f" (asked to end there after the campaign; configured {steps})" if ended else "")
         + f": hangs {int(run['hung'])}, lost jobs {int(lost)}, events survived {survived} of {len(applied)}",
         f"stall per event (max over island leaders training across it: the gap between logged steps, minus the "
         f"usual one): median "
-        f"{statistics.median(measured) if measured else float('nan'):.2f} s, max {max(measured) if measured else float('nan'):.2f} s; "
+        f"{statistics.median(measured) if measured else float('nan'):.2f} s, max "
+        f"{max(measured) if measured else float('nan'):.2f} s; "
         + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items())
         + " (goal <= 2 s)",
         "failover chain (event to the first member's failure naming a hit worker's island; then to the next epoch "

@@ -405,14 +405,16 @@ def chaos_torchft(ctx: BenchContext) -> dict:
     headline = [
         f"{'quick tier: ' if ctx.quick else ''}torchft {version}: {len(applied)} of {len(kinds)} events applied "
         f"({', '.join(f'{k} {sum(1 for e in applied if e.kind == k)}' for k in dict.fromkeys(applies))}; "
-        f"{len(kinds) - len(applies)} not applicable to its model), {run['rounds'] * H} steps: hangs {int(run['hung'])}, "
+        f"{len(kinds) - len(applies)} not applicable to its model), {run['rounds'] * H} steps: hangs "
+        f"{int(run['hung'])}, "
         f"lost jobs {int(lost)}, events survived {survived} of {len(applied)}, replica restarts by the harness "
         f"{run['restarts']}, lighthouse starts {run['lighthouse_starts']}",
         f"stall per event (max over replicas training across it, round granularity): median "
         f"{statistics.median(measured) if measured else float('nan'):.2f} s, max "
         f"{max(measured) if measured else float('nan'):.2f} s; "
         + "; ".join(f"{k} max {max(v):.2f} s" for k, v in by_kind.items()),
-        f"replicas finishing: {len(digests)}, models bitwise equal: {len(set(digests.values())) == 1 and None not in digests.values()}",
+        f"replicas finishing: {len(digests)}, models bitwise equal: "
+        f"{len(set(digests.values())) == 1 and None not in digests.values()}",
         f"final val loss (mean over finishing replicas) {loss:.4f} vs {calm_loss:.4f} fault-free",
         f"where: {where}",
     ]

@@ -65,7 +65,8 @@ class TorchftSettings:
         return (
             f"lighthouse heartbeat_timeout_ms={self.heartbeat_timeout_ms}, join_timeout_ms={self.join_timeout_ms}, "
             f"quorum_tick_ms={self.quorum_tick_ms} (defaults); Manager heartbeat_interval="
-            f"{self.heartbeat_interval_ms} ms, timeout={self.timeout_s:g} s, quorum_timeout={self.quorum_timeout_s:g} s, "
+            f"{self.heartbeat_interval_ms} ms, timeout={self.timeout_s:g} s, quorum_timeout={self.quorum_timeout_s:g} "
+            "s, "
             "use_async_quorum=False, min_replica_size=1, ProcessGroupGloo"
         )
 

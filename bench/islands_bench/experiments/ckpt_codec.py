@@ -348,7 +348,8 @@ def ckpt_codec(ctx: BenchContext) -> dict:
                 a, b = per["islands"], per["zipnn-0.5.4"]
                 headline.append(
                     f"{dtype}, one call per tensor ({unit}, as the store encodes): size {a['ratio'] / b['ratio']:.5f}x "
-                    f"ZipNN's ({a['bytes'] - b['bytes']:+,} B); compress {a['compress_MBps'] / b['compress_MBps']:.2f}x, decompress "
+                    f"ZipNN's ({a['bytes'] - b['bytes']:+,} B); compress "
+                    f"{a['compress_MBps'] / b['compress_MBps']:.2f}x, decompress "
                     f"{a['decompress_MBps'] / b['decompress_MBps']:.2f}x ZipNN's speed"
                 )
     if zipnn is not None:

@@ -100,7 +100,8 @@ def ckpt_interval(ctx: BenchContext) -> dict:
             )
         ours = next(r for r in rows if r["devices"] == devices and r["policy"] == "policy")
         ctx.log(
-            f"{devices} devices: policy every {ours['interval_s'] / 60:.1f} min, waste {100 * ours['waste_fraction']:.2f}%"
+            f"{devices} devices: policy every {ours['interval_s'] / 60:.1f} min, waste "
+            f"{100 * ours['waste_fraction']:.2f}%"
         )
     headline = []
     for devices in device_counts:

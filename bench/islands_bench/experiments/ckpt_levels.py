@@ -195,7 +195,8 @@ def ckpt_levels(ctx: BenchContext) -> dict:
         + " (remote is a second directory on the same disk here)",
         f"rank loss at step {lost['fail_at']} of a 2-rank gloo job (memory every {plan['memory_every']} with peer "
         f"copy, local every {plan['local_every']}, remote every {plan['remote_every']}): the peer copy restored rank 1 "
-        f"to step {peer_row['step']} ({lost['fail_at'] - peer_row['step']} steps lost, {peer_row['restore_s'] * 1e3:.0f}"
+        f"to step {peer_row['step']} ({lost['fail_at'] - peer_row['step']} steps lost, "
+        f"{peer_row['restore_s'] * 1e3:.0f}"
         f" ms, bitwise {'identical' if peer_row['bitwise'] else 'DIFFERENT'}); local would lose "
         f"{lost['fail_at'] - lost['levels']['local']['step']} steps, remote "
         f"{lost['fail_at'] - lost['levels']['remote']['step']}",

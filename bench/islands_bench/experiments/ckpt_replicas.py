@@ -111,7 +111,8 @@ def ckpt_replicas(ctx: BenchContext) -> dict:
             raise AssertionError(f"{job}: sharing changed training ({off['final_val_loss']} vs {on['final_val_loss']})")
         headline.append(
             f"{job}: {on['MB_per_checkpoint']:.1f} MB per checkpoint with replicas written once vs "
-            f"{off['MB_per_checkpoint']:.1f} MB with every rank writing ({off['MB_per_checkpoint'] / on['MB_per_checkpoint']:.2f}x "
+            f"{off['MB_per_checkpoint']:.1f} MB with every rank writing "
+            f"({off['MB_per_checkpoint'] / on['MB_per_checkpoint']:.2f}x "
             f"fewer bytes; ranks > 0 write at most {on['other_rank_MB_max'] * 1e3:.1f} KB each); blocking save "
             f"{on['save_s']:.3f} s vs {off['save_s']:.3f} s ({off['save_s'] / on['save_s']:.2f}x faster on this "
             f"machine's {os.cpu_count()} cores); final validation loss identical ({on['final_val_loss']:.4f})"

@@ -1,9 +1,10 @@
 """compression-vs-bandwidth: step time and time-to-target loss of each compressor vs ddp on real slow links.
 
 SOTA-075 (compress when the network is slow), SOTA-047/048 (the exchange runs inside DDP's fused,
-overlapped buckets; comm_fraction shows how much of a step a collective is in flight). Two workers run in two network namespaces behind a bridge, every link shaped
-with tc tbf to the rate under test; the achieved TCP rate is measured on the same testbed before the
-runs and stored beside them. torch's own PowerSGD hook runs in the same invocation for comparison.
+overlapped buckets; comm_fraction shows how much of a step a collective is in flight). Two workers run
+in two network namespaces behind a bridge, every link shaped with tc tbf to the rate under test; the
+achieved TCP rate is measured on the same testbed before the runs and stored beside them.
+torch's own PowerSGD hook runs in the same invocation for comparison.
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ def _rows_for(rate: str, regime: str, measured: dict, recs: dict) -> tuple[list[
     best = max(reached, key=lambda r: r["target_speedup_vs_ddp"] or 0, default=None)
     fastest = min(rows, key=lambda r: r["s_per_step"])
     lines = [
-        f"{rate} shaped (measured {measured['goodput_mbit']:.0f} Mbit/s TCP), {regime}: ddp {by['none']['s_per_step']:.2f} "
+        f"{rate} shaped (measured {measured['goodput_mbit']:.0f} Mbit/s TCP), {regime}: ddp "
+        f"{by['none']['s_per_step']:.2f} "
         f"s/step; fastest {fastest['compress']} {fastest['s_per_step']:.2f} s/step "
         f"({by['none']['s_per_step'] / fastest['s_per_step']:.1f}x); "
         + (
-            f"best time to ddp's loss x{TARGET_SLACK:g} ({target:.3f}): {best['compress']} {best['time_to_target_s']:.1f} s vs "
+            f"best time to ddp's loss x{TARGET_SLACK:g} ({target:.3f}): {best['compress']} "
+            f"{best['time_to_target_s']:.1f} s vs "
             f"ddp {t_base:.1f} s ({best['target_speedup_vs_ddp']:.1f}x)"
             if best and t_base
             else f"no compressor reached ddp's loss x{TARGET_SLACK:g} ({target:.3f}) within the run"
@@ -92,8 +95,10 @@ def _rows_for(rate: str, regime: str, measured: dict, recs: dict) -> tuple[list[
     if "powersgd:rank=4" in by and "torch-powersgd:rank=4" in by:
         ours, theirs = by["powersgd:rank=4"], by["torch-powersgd:rank=4"]
         lines.append(
-            f"{rate}: our PowerSGD rank 4 {ours['s_per_step']:.3f} s/step, {ours['bytes_per_step']:,.0f} B/step vs torch's "
-            f"PowerSGD hook {theirs['s_per_step']:.3f} s/step, {theirs['bytes_per_step']:,.0f} B/step (torch: first 2 steps "
+            f"{rate}: our PowerSGD rank 4 {ours['s_per_step']:.3f} s/step, {ours['bytes_per_step']:,.0f} B/step vs "
+            "torch's "
+            f"PowerSGD hook {theirs['s_per_step']:.3f} s/step, {theirs['bytes_per_step']:,.0f} B/step (torch: first 2 "
+            "steps "
             f"uncompressed, its default; ratio {ours['s_per_step'] / theirs['s_per_step']:.2f})"
         )
     return rows, lines
@@ -102,7 +107,9 @@ def _rows_for(rate: str, regime: str, measured: dict, recs: dict) -> tuple[list[
 @experiment(
     "compression-vs-bandwidth",
     practices=("SOTA-075", "SOTA-047", "SOTA-048"),
-    help="step time and time-to-target loss per compressor vs ddp on tc-shaped links; torch's PowerSGD hook side by side",
+    help=(
+        "step time and time-to-target loss per compressor vs ddp on tc-shaped links; torch's PowerSGD hook side by side"
+    ),
 )
 def compression_vs_bandwidth(ctx: BenchContext) -> dict:
     from islands import testbed as tb

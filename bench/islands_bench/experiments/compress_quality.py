@@ -47,7 +47,10 @@ def _runs(
 def _fmt(r: dict | None) -> str:
     if r is None:
         return "(not run in the smoke tier)"
-    return f"{r['final_val_loss']:.3f} ({r['val_loss_vs_ddp_pct']:+.1f}% vs ddp, {r['bytes_reduction_x']:.0f}x fewer bytes)"
+    return (
+        f"{r['final_val_loss']:.3f} ({r['val_loss_vs_ddp_pct']:+.1f}% vs ddp, "
+        f"{r['bytes_reduction_x']:.0f}x fewer bytes)"
+    )
 
 
 def _setting(ctx: BenchContext, recs: dict) -> str:
@@ -139,7 +142,8 @@ def sparsity_warmup(ctx: BenchContext) -> dict:
         f"{_fmt(by['topk-at-target'])}; ddp {by['ddp']['final_val_loss']:.3f}",
         f"val loss at step {e_step} (warm-up just over): ramped {early['topk-ramped']['val_loss']:.3f} vs at-target "
         f"{early['topk-at-target']['val_loss']:.3f}; the ramp costs "
-        f"{by['topk-ramped']['bytes_per_step'] / by['topk-at-target']['bytes_per_step']:.1f}x the bytes per step on average",
+        f"{by['topk-ramped']['bytes_per_step'] / by['topk-at-target']['bytes_per_step']:.1f}x the bytes per step on "
+        "average",
         _setting(ctx, recs),
     ]
     return {
@@ -176,9 +180,11 @@ def onebit_adam(ctx: BenchContext) -> dict:
     ob, nv = by["onebit-adam"], by["naive-compressed-adam"]
     headline = [
         f"final val loss: 1-bit Adam {ob['final_val_loss']:.3f} ({ob['val_loss_vs_ddp_pct']:+.1f}% vs AdamW) vs naive "
-        f"compressed Adam {nv['final_val_loss']:.3f} ({nv['val_loss_vs_ddp_pct']:+.1f}%) vs AdamW {by['ddp']['final_val_loss']:.3f}",
+        f"compressed Adam {nv['final_val_loss']:.3f} ({nv['val_loss_vs_ddp_pct']:+.1f}%) vs AdamW "
+        f"{by['ddp']['final_val_loss']:.3f}",
         f"after {warm} uncompressed warm-up steps each 1-bit step sends "
-        f"{by['ddp']['bytes_per_step'] / ob['bytes_per_step_after_warmup']:.0f}x fewer bytes than AdamW's fp32 all-reduce; "
+        f"{by['ddp']['bytes_per_step'] / ob['bytes_per_step_after_warmup']:.0f}x fewer bytes than AdamW's fp32 "
+        "all-reduce; "
         f"whole run {ob['bytes_reduction_x']:.1f}x fewer",
         _setting(ctx, recs),
     ]

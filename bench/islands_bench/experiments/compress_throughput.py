@@ -93,8 +93,10 @@ def compressor_throughput(ctx: BenchContext) -> dict:
     )
     headline = [
         f"memcpy of the same {nbytes / 1e6:.1f} MB of gradients: {rows[0]['gb_per_s']:.2f} GB/s on {where}",
-        f"fastest compressor {fast['compressor']} {fast['gb_per_s']:.2f} GB/s ({fast['vs_memcpy']:.2f}x memcpy); slowest "
-        f"{slow['compressor']} {slow['gb_per_s']:.3f} GB/s ({slow['vs_memcpy']:.4f}x); PowerSGD rank 4 {psgd['gb_per_s']:.2f} GB/s",
+        f"fastest compressor {fast['compressor']} {fast['gb_per_s']:.2f} GB/s ({fast['vs_memcpy']:.2f}x memcpy); "
+        "slowest "
+        f"{slow['compressor']} {slow['gb_per_s']:.3f} GB/s ({slow['vs_memcpy']:.4f}x); PowerSGD rank 4 "
+        f"{psgd['gb_per_s']:.2f} GB/s",
         f"DGC's threshold from a 1% sample (LIT-056; same selection, exact top-k of the candidates, tensors of "
         f">= 64 K entries only): {sampled}",
         f"in-process, no network: a compressor with throughput T and ratio c saves time only on links slower than "

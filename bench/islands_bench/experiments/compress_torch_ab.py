@@ -74,7 +74,8 @@ def powersgd_vs_torch_hook(ctx: BenchContext) -> dict:
         paired = [x["median_s_per_step"] / t for x, t in zip(runs[row["arm"]], torch_times)]
         row["paired_median"], row["paired_max"] = statistics.median(paired), max(paired)
     headline = [
-        f"{rate} tbf-shaped link (measured {measured['goodput_mbit']:.0f} Mbit/s TCP), 2 workers, default LM, global batch "
+        f"{rate} tbf-shaped link (measured {measured['goodput_mbit']:.0f} Mbit/s TCP), 2 workers, default LM, global "
+        "batch "
         f"{common['global_batch']}, {common['steps']} steps x {rounds} interleaved rounds per arm; median step time: "
         + ", ".join(
             f"{r['arm']} {r['median_s_per_step']:.3f} s ({r['vs_torch_hook']:.2f}x torch's hook, paired by round "

@@ -620,7 +620,8 @@ def control_plane(ctx: BenchContext) -> dict:
         + "; "
         + "; ".join(
             f"{world} world: authentication added {d['extra_blocked']:+.2f} s blocked ({d['extra_blocked_pct']:+.2f}% "
-            f"of the plain run's wall), {d['extra_bytes']:,} B (32 B a contribution{', 16 B of nonce' if world == 'fixed' else ''}), "
+            f"of the plain run's wall), {d['extra_bytes']:,} B (32 B a "
+            f"contribution{', 16 B of nonce' if world == 'fixed' else ''}), "
             f"final val loss equal: {d['same_loss']}"
             for world, d in (("fixed", trained["fixed-"]), ("elastic", trained["elastic-"]))
         ),

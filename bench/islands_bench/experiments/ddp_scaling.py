@@ -77,14 +77,17 @@ def ddp_scaling(ctx: BenchContext) -> dict:
     four = max((r for r in rows if r["link"] == "loopback"), key=lambda r: r["workers"])  # 4 workers (smoke: 2)
     per_node_eff = four["speedup_vs_node"] / (four["workers"] / cores)  # 4 workers fill 4/cores nodes
     headline = [
-        f"Q-5, the same {four['workers']}-worker run against two baselines: {100 * four['efficiency']:.0f}% efficient per worker "
+        f"Q-5, the same {four['workers']}-worker run against two baselines: {100 * four['efficiency']:.0f}% efficient "
+        "per worker "
         f"(one 1-thread process = 1.00), {100 * per_node_eff:.0f}% per node (one {cores}-thread process = "
         f"{node_sps / base:.2f}x a worker); the two differ by {base * cores / node_sps:.2f}x, the factor by "
         f"which one process fails to use its node's cores",
-        f"{four['workers']} workers on loopback: speed-up {four['speedup_vs_1_worker']:.2f}x over one worker (efficiency "
+        f"{four['workers']} workers on loopback: speed-up {four['speedup_vs_1_worker']:.2f}x over one worker "
+        "(efficiency "
         f"{100 * four['efficiency']:.0f}%), baseline = one worker process with 1 thread; this machine has "
         f"{rec['versions']['cpu_count']} cores, so more than that many workers share cores",
-        f"collective in flight {100 * four['comm_fraction']:.0f}% of step time at {four['workers']} workers on {four['interconnect']}",
+        f"collective in flight {100 * four['comm_fraction']:.0f}% of step time at {four['workers']} workers on "
+        f"{four['interconnect']}",
         f"bytes per step per worker equal the analytic fp32 payload ({analytic:,} B = 4 x {params:,} params): "
         f"{all(r['bytes_match'] for r in rows)}",
     ]

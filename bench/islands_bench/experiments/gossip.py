@@ -248,14 +248,16 @@ def gossip(ctx: BenchContext) -> dict:
         f"SOTA-223, same bytes per round: fresh random peers s=1 (push-sum) reach 0.1% in "
         f"{s16['rounds_to_0.1pct']} rounds at n=16 vs exp {e16['rounds_to_0.1pct']}; random s=2 "
         f"{m['n=16 random:s=2']['rounds_to_0.1pct']} vs ring {_rounds(r16, curves)} (pure consensus, no training)",
-        f"training, digits, {workers} nodes (islands = workers), H=4: mean over nodes of each node's own final val loss "
+        f"training, digits, {workers} nodes (islands = workers), H=4: mean over nodes of each node's own final val "
+        "loss "
         + ", ".join(
             f"{r['run']} {r['node_val_loss_mean']:.4f} (consensus distance {r['consensus_distance']:.3g})"
             for r in train
         )
         + f"; payload per node per sync: all-reduce {ref['bytes_per_node_per_sync']:,.0f} B "
         f"(~{ref['wire_bytes_per_node_per_sync']:,.0f} B on the wire for a ring all-reduce), "
-        f"gossip exp {t['gossip-exp']['bytes_per_node_per_sync']:,.0f} B, ring {t['gossip-ring']['bytes_per_node_per_sync']:,.0f} B",
+        f"gossip exp {t['gossip-exp']['bytes_per_node_per_sync']:,.0f} B, ring "
+        f"{t['gossip-ring']['bytes_per_node_per_sync']:,.0f} B",
     ]
     for rate in rates:
         lr = {r["run"].split(" ", 1)[1]: r for r in link if r["link"] == rate}

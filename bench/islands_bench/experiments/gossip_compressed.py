@@ -177,7 +177,8 @@ def gossip_compressed(ctx: BenchContext) -> dict:
                 if r["topology"] == topo and r["run"] != f"{topo} dense"
             )
             + (
-                f"; fewest bytes: {best['run']} ({dense['bytes_per_node_to_1pct'] / best['bytes_per_node_to_1pct']:.1f}x "
+                f"; fewest bytes: {best['run']} "
+                f"({dense['bytes_per_node_to_1pct'] / best['bytes_per_node_to_1pct']:.1f}x "
                 f"fewer than dense)"
                 if best is not None and dense["bytes_per_node_to_1pct"]
                 else ""
@@ -187,7 +188,8 @@ def gossip_compressed(ctx: BenchContext) -> dict:
     headline.append(
         "training, digits, 4 nodes, H=4 (mean of each node's own final val loss; bytes per node per gossip round): "
         + ", ".join(f"{r['run']} {r['node_val_loss_mean']:.4f} ({r['bytes_per_node_per_sync']:,.0f} B)" for r in train)
-        + f"; compressed gossip sends {ref['bytes_per_node_per_sync'] / max(t['choco-exp-g0.3']['bytes_per_node_per_sync'], 1):.1f}x "
+        + "; compressed gossip sends "
+        f"{ref['bytes_per_node_per_sync'] / max(t['choco-exp-g0.3']['bytes_per_node_per_sync'], 1):.1f}x "
         f"fewer bytes per round than gossip; {ref['interconnect']}"
     )
     headline.append(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

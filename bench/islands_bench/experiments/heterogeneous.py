@@ -158,7 +158,8 @@ def heterogeneous(ctx: BenchContext) -> dict:
         f"{LONGER * cfg['steps']} at H={h}, every step padded to {1000 * floor:.0f} ms"
     )
     headline = [
-        f"island 1 {FACTOR}x slower ({words}, 2 workers, gloo loopback): time to the target {target:.4f} ({target_from}): "
+        f"island 1 {FACTOR}x slower ({words}, 2 workers, gloo loopback): time to the target {target:.4f} "
+        f"({target_from}): "
         f"synchronous diloco {base_time:.1f} s; "
         + "; ".join(arm(k) for k in ("diloco-speed", "diloco-deadline", "diloco-deadline-eager"))
         + " (goal: >= 1.5x sooner)"
@@ -168,7 +169,8 @@ def heterogeneous(ctx: BenchContext) -> dict:
         f"{by['diloco']['wall_s']:.1f} s, speed {final['diloco-speed']:.4f} in {by['diloco-speed']['wall_s']:.1f} s, "
         f"deadline {final['diloco-deadline']:.4f} in {by['diloco-deadline']['wall_s']:.1f} s, deadline+eager "
         f"{final['diloco-deadline-eager']:.4f} in {by['diloco-deadline-eager']['wall_s']:.1f} s, no island slowed "
-        f"{final['diloco-even']:.4f} in {by['diloco-even']['wall_s']:.1f} s; interconnect: {by['diloco']['interconnect']}",
+        f"{final['diloco-even']:.4f} in {by['diloco-even']['wall_s']:.1f} s; interconnect: "
+        f"{by['diloco']['interconnect']}",
         f"times are rank 0's training seconds (evaluation excluded), on a shared {os.cpu_count()}-core host at load "
         + (f"average up to {load:.1f}" if ran else "average not measured (runs read back with --reuse)")
         + ": ratios within one invocation, each arm run once",

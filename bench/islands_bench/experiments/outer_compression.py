@@ -189,7 +189,8 @@ def outer_compression(ctx: BenchContext) -> dict:
     headline = [
         f"goal arm {goal_label} ({goal_spec}, {goal_outer}) against fp32 DiLoCo of the same seed ({SCALED}): "
         f"{at_goal}; goal (>= {GOAL_CUT:.0f}x and within {GOAL_GAP_PCT:.0f}% at every seed) met at "
-        f"{', '.join(f'H={gh}' for gh in met_at) or 'no H'}; seed 0 at fp32's outer step, then with fixed 12-bit positions (60 "
+        f"{', '.join(f'H={gh}' for gh in met_at) or 'no H'}; seed 0 at fp32's outer step, then with fixed 12-bit "
+        "positions (60 "
         "of 4096) at the same bytes: "
         + "; ".join(
             f"{label} {by[label]['cut_vs_fp32']:.0f}x {by[label]['loss_gap_pct']:+.2f}%"
@@ -209,7 +210,8 @@ def outer_compression(ctx: BenchContext) -> dict:
         "denser topkq 2-bit with error feedback (cut, loss gap): 1% " + f"{sparse['cut_vs_fp32']:.0f}x "
         f"{sparse['loss_gap_pct']:+.1f}%; "
         + "; ".join(
-            f"{d * 100:g}% {by[f'topkq-2bit-{d:g}-ef']['cut_vs_fp32']:.0f}x {by[f'topkq-2bit-{d:g}-ef']['loss_gap_pct']:+.1f}%"
+            f"{d * 100:g}% {by[f'topkq-2bit-{d:g}-ef']['cut_vs_fp32']:.0f}x "
+            f"{by[f'topkq-2bit-{d:g}-ef']['loss_gap_pct']:+.1f}%"
             for d in densities
         ),
         f"runs meeting both goals (>= {GOAL_CUT:.0f}x, within {GOAL_GAP_PCT:.0f}%): {', '.join(met) or 'none'}; "

@@ -317,7 +317,8 @@ def diloco_long(ctx: BenchContext) -> dict:
     share = d["ddp_steps_to_match"] / LONG_STEPS if d["ddp_steps_to_match"] else None
     headline = [
         f"{task_words(ctx)}, {LONG_STEPS} steps x {base['global_batch']} sequences, equal tokens: DiLoCo H=100 "
-        f"(sqrt(M) outer step, {LONG_STEPS // 100} rounds) {d['final_val_loss']:.4f} vs DDP {ref['final_val_loss']:.4f} "
+        f"(sqrt(M) outer step, {LONG_STEPS // 100} rounds) {d['final_val_loss']:.4f} vs DDP "
+        f"{ref['final_val_loss']:.4f} "
         f"({d['loss_gap_pct']:+.1f}%), sending {d['bytes_ratio_ddp_over_run']:.0f}x fewer bytes per worker; "
         + (
             "that is below DDP's final loss"

@@ -106,6 +106,7 @@ def muloco(ctx: BenchContext) -> dict:
         f"({by['diloco']['bytes_ratio_ddp_over_run']:.0f}x fewer), int4+EF {by['diloco-int4ef']['bytes_per_worker']:,} "
         f"({by['diloco-int4ef']['bytes_ratio_ddp_over_run']:.0f}x fewer); Muon and AdamW arms send the same bytes",
         f"data-parallel references: DDP-Muon vs DDP-AdamW {vs('ddp-muon', 'ddp-adamw')}; DiLoCo's gap to its own "
-        f"optimizer's DDP: AdamW {by['diloco']['gap_vs_own_ddp_pct']:+.1f}%, Muon {by['muloco']['gap_vs_own_ddp_pct']:+.1f}%",
+        f"optimizer's DDP: AdamW {by['diloco']['gap_vs_own_ddp_pct']:+.1f}%, Muon "
+        f"{by['muloco']['gap_vs_own_ddp_pct']:+.1f}%",
     ]
     return {"rows": rows, "headline": headline, "plot": _plot}

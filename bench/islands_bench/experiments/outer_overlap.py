@@ -81,7 +81,8 @@ def overlap_tau(ctx: BenchContext) -> dict:
         r["loss_gap_vs_tau0_pct"] = gap_pct(r["final_val_loss"], base_loss)
     t0, t1, t2 = rows[1:]
     headline = [
-        f"communication / computation on a {rate} testbed link (byte LM, 2 islands): tau 0 {100 * t0['comm_to_compute']:.1f}%, "
+        f"communication / computation on a {rate} testbed link (byte LM, 2 islands): tau 0 "
+        f"{100 * t0['comm_to_compute']:.1f}%, "
         f"tau 1 {100 * t1['comm_to_compute']:.1f}%, tau 2 {100 * t2['comm_to_compute']:.1f}% "
         f"(SOTA-222's cited setting: 34.6% -> 1.5%); each ratio is blocked / unblocked time inside its own run",
         f"final val loss after {steps} steps: tau 0 {t0['final_val_loss']:.4f}, tau 1 {t1['final_val_loss']:.4f} "

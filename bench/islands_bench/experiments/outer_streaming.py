@@ -62,13 +62,16 @@ def streaming(ctx: BenchContext) -> dict:
         r["goal_peak_cut"] = 8 * r["fragments"]
         r["goal_met"] = r["fragments"] > 1 and r["peak_cut"] >= 8 * r["fragments"] and r["loss_gap_pct"] <= 2.0
     headline = [
-        f"{task_words(ctx)}, H={h}: Streaming DiLoCo F={r['fragments']} (tau 1, {r['coding']}) cuts peak bytes per sync "
-        f"{r['peak_cut']:.1f}x (goal F x 8 = {8 * r['fragments']}: {'met' if r['peak_cut'] >= 8 * r['fragments'] else 'not met'}) "
+        f"{task_words(ctx)}, H={h}: Streaming DiLoCo F={r['fragments']} (tau 1, {r['coding']}) cuts peak bytes per "
+        "sync "
+        f"{r['peak_cut']:.1f}x (goal F x 8 = {8 * r['fragments']}: "
+        f"{'met' if r['peak_cut'] >= 8 * r['fragments'] else 'not met'}) "
         f"and total bytes {r['total_cut']:.1f}x vs DiLoCo, final val loss {r['final_val_loss']:.4f} vs "
         f"{ref['final_val_loss']:.4f} ({r['loss_gap_pct']:+.1f}%)"
         for r in rows[1:]
     ] + [
         f"outer step everywhere: {SCALED}; streaming lands fragments with {LANDING}; peak = the largest "
-        f"single exchange rank 0 sent, measured per exchange (zstd payloads padded to the longest rank's, plus its 8-byte length); interconnect: {ref['interconnect']}"
+        "single exchange rank 0 sent, measured per exchange (zstd payloads padded to the longest rank's, plus its "
+        f"8-byte length); interconnect: {ref['interconnect']}"
     ]
     return {"rows": rows, "headline": headline, "plot": _plot}

@@ -199,7 +199,8 @@ def _headline(rows: list[dict]) -> list[str]:
         g1, g8 = lm[("gpipe", 1)], lm[("gpipe", 8)]
         f8 = lm[("1f1b", 8)]
         out.append(
-            f"{link}, byte LM, {STAGES} stages, equal cuts: the M=8 step takes {g8['s_per_step'] / g1['s_per_step']:.2f}x "
+            f"{link}, byte LM, {STAGES} stages, equal cuts: the M=8 step takes "
+            f"{g8['s_per_step'] / g1['s_per_step']:.2f}x "
             f"the M=1 step under gpipe (analytic idle share {g1['bubble_analytic']} -> {g8['bubble_analytic']}, "
             f"measured waiting share {g1['waiting_share']} -> {g8['waiting_share']}); at M=8 1f1b holds "
             f"{f8['held_kb_max']:.0f} kB on its worst stage vs gpipe's {g8['held_kb_max']:.0f} kB "

@@ -117,10 +117,12 @@ def sequence_parallel(ctx: BenchContext) -> dict:
         r = next(x for x in rows if x["link"] == label and x["seq"] == big)
         headline.append(
             f"{r['interconnect']}: {big} positions, d={D_MODEL}, 2 tensor-parallel ranks: the norm and dropout "
-            f"region holds {r['region_tp_sp_bytes']:,} B per rank with sequence parallelism vs {r['region_tp_bytes']:,} B "
+            f"region holds {r['region_tp_sp_bytes']:,} B per rank with sequence parallelism vs "
+            f"{r['region_tp_bytes']:,} B "
             f"without ({r['region_ratio']:.2f}x less; the whole block {r['held_ratio']:.2f}x less), while each rank "
             f"sends {r['sent_tp_sp_bytes']:,} vs {r['sent_tp_bytes']:,} B per forward+backward (plus "
-            f"{r['sent_replicated_grads']:,} B of replicated norm/bias gradients); step {r['ms_tp_sp']} vs {r['ms_tp']} ms "
+            f"{r['sent_replicated_grads']:,} B of replicated norm/bias gradients); step {r['ms_tp_sp']} vs "
+            f"{r['ms_tp']} ms "
             f"({r['time_ratio_sp_over_tp']:.2f}x)"
         )
     return {

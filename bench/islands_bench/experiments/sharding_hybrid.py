@@ -85,8 +85,10 @@ def shard_group(ctx: BenchContext) -> dict:
         f"{by[2]['state_mb_per_rank']:.2f} / {by[4]['state_mb_per_rank']:.2f} MB at group 1 / 2 (HSDP, the island) / 4 "
         f"(full); cross-island ring wire {by[1]['cross_island_wire_mb_per_step']:.2f} / "
         f"{by[2]['cross_island_wire_mb_per_step']:.2f} / {by[4]['cross_island_wire_mb_per_step']:.2f} MB per step "
-        f"(HSDP {by[4]['cross_island_wire_mb_per_step'] / by[2]['cross_island_wire_mb_per_step']:.1f}x less than full sharding)",
-        f"final val loss {by[1]['final_val_loss']:.4f} / {by[2]['final_val_loss']:.4f} / {by[4]['final_val_loss']:.4f}; "
+        f"(HSDP {by[4]['cross_island_wire_mb_per_step'] / by[2]['cross_island_wire_mb_per_step']:.1f}x less than full "
+        "sharding)",
+        f"final val loss {by[1]['final_val_loss']:.4f} / {by[2]['final_val_loss']:.4f} / "
+        f"{by[4]['final_val_loss']:.4f}; "
         f"loopback s/step {by[1]['s_per_step']:.3f} / {by[2]['s_per_step']:.3f} / {by[4]['s_per_step']:.3f} "
         f"(load {min(r['load_avg'] for r in rows):.0f}-{max(r['load_avg'] for r in rows):.0f}; loopback has no slow "
         "cross-island link, so this column does not test the claim)",

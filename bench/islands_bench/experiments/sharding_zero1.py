@@ -2,8 +2,8 @@
 
 Same model, batch, seed and AdamW for both. Reported per run: final validation loss, optimizer-state
 bytes per rank (the largest partition's AdamW slots, from the same deterministic partition the strategy
-uses; tests/integration/sharding/test_zero1.py checks it against the state the optimizer really allocates), payload bytes per
-step per kind from rank 0's ledger, ring wire bytes, and the median step time.
+uses; tests/integration/sharding/test_zero1.py checks it against the state the optimizer really
+allocates), payload bytes per step per kind from rank 0's ledger, ring wire bytes, and the median step time.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def zero1_memory(ctx: BenchContext) -> dict:
         dd, z = (next(r for r in rows if r["workers"] == n and r["strategy"] == s) for s in ("ddp", "zero1"))
         headline.append(
             f"{n} workers: optimizer state per rank {z['optimizer_mb_per_rank']:.2f} MB vs DDP's "
-            f"{dd['optimizer_mb_per_rank']:.2f} MB ({ratio(dd['optimizer_mb_per_rank'], z['optimizer_mb_per_rank']):.2f}x less); "
+            f"{dd['optimizer_mb_per_rank']:.2f} MB "
+            f"({ratio(dd['optimizer_mb_per_rank'], z['optimizer_mb_per_rank']):.2f}x less); "
             f"final val loss {z['final_val_loss']:.4f} vs {dd['final_val_loss']:.4f}; gradient all-reduce "
             f"{z['grad_all_reduce_mb_per_step']:.3f} vs {dd['grad_all_reduce_mb_per_step']:.3f} MB/step, plus "
             f"{z['param_gather_mb_per_step']:.3f} MB/step parameter gather sent (ring wire "
