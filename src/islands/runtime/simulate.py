@@ -17,7 +17,8 @@ exchange) run their collectives without a turn: they draw on no generator.
 
 Equality with a multi-process run: an all-reduce sums in rank order (x0 + x1 + ... + x_{M-1}). For two
 islands that is gloo's sum bit for bit (a + b == b + a in IEEE arithmetic), so a 2-island simulation gives the
-multi-process run's parameters exactly (tests/integration/simulate/test_simulate.py checks it for DiLoCo and streaming DiLoCo with
+multi-process run's parameters exactly (tests/integration/simulate/test_simulate.py checks it for DiLoCo and streaming
+DiLoCo with
 the 4-bit codec). For M > 2, gloo's ring all-reduce adds each chunk in an order that depends on the chunk, so
 parameters may differ from a gloo run in the last bits (they are still identical on every island, and equal
 between simulated runs); gathers, broadcasts and point-to-point exchanges carry values unchanged and are exact

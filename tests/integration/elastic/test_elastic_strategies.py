@@ -111,7 +111,8 @@ def _expected_sends(outer: str) -> list[int]:
     return [n + 1 for n in sends]
 
 
-# +auth: outer.authenticate (tests/integration/auth/test_payload_auth_elastic.py): every tensor of every operation tagged, the
+# +auth: outer.authenticate (tests/integration/auth/test_payload_auth_elastic.py): every tensor of every operation
+# tagged, the
 # streaming exchange thread's and gossip's point-to-point rounds included; the retries and the joiner tag anew
 @pytest.mark.parametrize(
     "outer, authenticate",

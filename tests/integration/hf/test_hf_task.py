@@ -94,7 +94,8 @@ def test_public_api_task_trains_with_the_trainer():
     "family,strategy", [("gpt2", "ddp"), ("gpt2", "fsdp"), ("llama", "fsdp"), ("llama", "ddp+diloco")]
 )
 def test_tiny_models_train_on_gloo_ranks(tmp_path, family, strategy):
-    """GPT-2 and Llama through ddp, fsdp and DiLoCo (GPT-2 DiLoCo, exported after, is in tests/integration/hf/test_export.py)."""
+    """GPT-2 and Llama through ddp, fsdp and DiLoCo (GPT-2 DiLoCo, exported after, is in
+    tests/integration/hf/test_export.py)."""
     # ddp+diloco: two islands of two workers, DDP inside each, DiLoCo across them
     extra = (
         {"outer": "diloco:inner_steps=2", "islands": 2, "workers": 4} if "diloco" in strategy else {"inner": strategy}

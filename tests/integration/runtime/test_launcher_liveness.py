@@ -4,7 +4,8 @@ The fork server (islands.runtime.launch.spawn) stopped with SIGSTOP or killed: t
 ended, a start request to a stopped server does not hang, and an elastic job whose workers finished is reported
 finished, also after the server is thawed. The rendezvous port of `islands run` belongs to the launcher from the
 moment it is chosen: another process cannot take it before rank 0 uses it. (A frozen or killed worker is
-tests/integration/elastic/test_failure_detection.py's and tests/integration/runtime/test_launch.py's; a killed launcher, tests/integration/membership/test_no_spof.py's.)"""
+tests/integration/elastic/test_failure_detection.py's and tests/integration/runtime/test_launch.py's; a killed
+launcher, tests/integration/membership/test_no_spof.py's.)"""
 
 from __future__ import annotations
 
