@@ -247,7 +247,7 @@ class Trainer:
         parts = {}
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
-        described = capability(self.strategy, Describes)
+        described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()
             parts["pipeline"] = {
