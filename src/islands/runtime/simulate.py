@@ -355,6 +355,13 @@ def current_island() -> int | None:
 def worlds(islands: int, device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[World]:
     """The M Worlds of a simulation, one per island (one worker each), sharing the hubs. Use them through
     `run`, which gives each its thread and turn; alone they are for code that drives the islands itself."""
+    return _simulation(islands, device, timeout_s)[0]
+
+
+def _simulation(
+    islands: int, device: str | torch.device, timeout_s: float
+) -> tuple[list[World], _Turns, dict[str, _Hub]]:
+    """`worlds`, with the turns and hubs they share (what `run` drives)."""
     if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
         raise ValueError(f"islands must be an integer >= 1; got {islands!r}")
     if timeout_s <= 0:
@@ -381,9 +388,8 @@ def worlds(islands: int, device: str | torch.device = "cpu", timeout_s: float = 
             },
             data_shard=(i, islands),
         )
-        world._sim = (turns, hubs)
         out.append(world)
-    return out
+    return out, turns, hubs
 
 
 def run(
@@ -392,8 +398,7 @@ def run(
     """main(world) on each of `islands` simulated islands (module docstring), concurrently, in this process.
     Returns main's results in island order. The first island to raise stops the others at their next
     collective; that error is re-raised here (naming the island)."""
-    ws = worlds(islands, device, timeout_s)
-    turns, hubs = ws[0]._sim
+    ws, turns, hubs = _simulation(islands, device, timeout_s)
     results: list = [None] * islands
     errors: list = [None] * islands
 
@@ -425,7 +430,7 @@ def run(
         with turns.blocking():
             return result(self, timeout)
 
-    Future.result = waiting
+    Future.result = waiting  # type: ignore[method-assign]  # patched for the run, put back in the finally below
     threads = [threading.Thread(target=body, args=(i,), name=f"islands-sim-{i}", daemon=True) for i in range(islands)]
     try:
         for t in threads:
@@ -433,7 +438,7 @@ def run(
         for t in threads:
             t.join()
     finally:
-        Future.result = result
+        Future.result = result  # type: ignore[method-assign]  # the original, put back
         hook.remove()
         _RUNNING.release()
     first = next(
