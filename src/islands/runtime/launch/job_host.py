@@ -132,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
-    server = seat = coordinator = etcd = None
+    server = seat = coordinator = None
+    etcd: EtcdStore | None = None  # the replicated store's unauthenticated client (end() marks the job ended)
     if args.store:  # replicated: the job's keys under a namespace of its own; the coordinator is whoever leads
         address = str(EtcdAddress.parse(args.store).with_namespace(f"islands-{job.job_id[:12]}"))
-        etcd = connect(address, 0)
-        assert isinstance(etcd, EtcdStore)  # connect opens an etcd address as an EtcdStore
+        opened = connect(address, 0)
+        assert isinstance(opened, EtcdStore)  # connect opens an etcd address as an EtcdStore
+        etcd = opened
         etcd.set("job", job.seal(token))
         seat = CoordinatorSeat(address, token, job, "job-host", log=log)
         store = authed(etcd, ControlAuth(token, job.job_id, "job-host"), log)
