@@ -15,13 +15,13 @@ caller's state, as M processes seeded alike. So a run gives the same bits every 
 the values do not depend on which thread the OS runs. Background threads a strategy starts (an overlapped
 exchange) run their collectives without a turn: they draw on no generator.
 
-Equality with a multi-process run: an all-reduce sums in rank order (x0 + x1 + ... + x_{M-1}). For two
-islands that is gloo's sum bit for bit (a + b == b + a in IEEE arithmetic), so a 2-island simulation gives the
-multi-process run's parameters exactly (tests/integration/simulate/test_simulate.py checks it for DiLoCo and streaming DiLoCo with
+Equality with a multi-process run: an all-reduce sums in rank order (x0 + x1 + ... + x_{M-1}). For two islands that
+is gloo's sum bit for bit (a + b == b + a in IEEE arithmetic), so a 2-island simulation gives the multi-process
+run's parameters exactly (tests/integration/simulate/test_simulate.py checks it for DiLoCo and streaming DiLoCo with
 the 4-bit codec). For M > 2, gloo's ring all-reduce adds each chunk in an order that depends on the chunk, so
-parameters may differ from a gloo run in the last bits (they are still identical on every island, and equal
-between simulated runs); gathers, broadcasts and point-to-point exchanges carry values unchanged and are exact
-for any M. Intra-op thread counts change CPU reductions too: compare runs under equal torch.get_num_threads().
+parameters may differ from a gloo run in the last bits (they are still identical on every island, and equal between
+simulated runs); gathers, broadcasts and point-to-point exchanges carry values unchanged and are exact for any M.
+Intra-op thread counts change CPU reductions too: compare runs under equal torch.get_num_threads().
 
 Limits: one worker per island (the inner strategy is the plain model; DDP inside an island needs a torch
 process group); no elastic membership; the ledger counts the bytes a real job would send, but nothing moves
