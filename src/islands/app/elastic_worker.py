@@ -23,7 +23,7 @@ from typing import NoReturn
 from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
 from islands.runtime.elastic import Excluded, JobEnded, Membership, global_digest
-from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandBroken, IslandPlace
+from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandBroken, IslandFollower, IslandPlace
 from islands.runtime.elastic.membership import (
     JOB_ENDED_EXIT_CODE,
     NAME_ENV,
@@ -47,13 +47,16 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
     if place is None:
         _check_one_worker_islands(address, name, token)
     world = join_elastic(address, name, token, island=place)
-    comm: Membership = world.membership
-    if comm.job.config is None:
+    comm = world.membership
+    assert isinstance(comm, (Membership, IslandFollower))  # what join_elastic gives a leader and a follower
+    job = comm.job
+    assert job is not None  # join_elastic read the job record before it returned
+    if job.config is None:
         raise ValueError(
             f"the elastic job at {address} runs a script, not a config: start it with `islands join "
             f"{address}`, which runs the job's script"
         )
-    cfg = from_mapping(comm.job.config)
+    cfg = from_mapping(job.config)
     cfg.world.probe = False  # the probe needs a fixed world
     if cfg.workers_per_island == 1:
         cfg.inner.strategy = "single"  # an island of one: nothing to average inside it
@@ -63,7 +66,7 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
         # a joiner's strategy wrap (inside the Trainer) waits for a round boundary and receives the training state
         trainer = build_trainer(cfg, world, run_dir)
         if not leader:  # its leader writes the island's outer-exchange report
-            writer = report_writer(trainer.strategy.outer)
+            writer = report_writer(getattr(trainer.strategy, "outer", None))  # build_trainer's Stack
             if writer is not None:
                 writer.report_dir = None
         if trainer.checkpoints is not None:
@@ -72,9 +75,10 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
             resume_trainer(trainer, cfg)
         trainer.add_callback(StopAt(comm.store, name))  # `islands stop`: every worker ends at the requested step
         record = trainer.fit(cfg.train.steps)
-        if leader:
+        if isinstance(comm, Membership):  # a leader, or a worker of a one-worker island
             _write_membership(run_dir, name, comm, global_digest(trainer.eval_model), place, world.shard)
         else:
+            assert place is not None  # only a worker placed in a k-worker island follows
             _write_follower(run_dir, name, comm, global_digest(trainer.eval_model), place, world.shard)
         return record
     finally:
@@ -115,6 +119,7 @@ def _write_membership(
     out = run_dir / "elastic"
     out.mkdir(exist_ok=True)
     a = comm.admission
+    assert a is not None  # join_elastic admitted it (Refused otherwise)
     session = comm.control_plane
     (out / f"{name}.json").write_text(
         json.dumps(

@@ -39,7 +39,7 @@ from islands.compress.base import (
     check_finite,
     check_float,
 )
-from islands.runtime.comm import Comm
+from islands.runtime.contracts import Collectives
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 FINITE_FLAG_NBYTES = 4  # one int32 per call: how many ranks saw NaN/Inf
@@ -74,7 +74,7 @@ def _non_finite(named_tensors: dict[str, Tensor]) -> list[str]:
     return [n for n, t in named_tensors.items() if not all_finite(t)]
 
 
-def agree_all_finite(named_tensors: dict[str, Tensor], comm: Comm) -> None:
+def agree_all_finite(named_tensors: dict[str, Tensor], comm: Collectives) -> None:
     """Raise NonFiniteGradientError on every rank of comm's group if any rank holds a NaN/Inf.
 
     One tiny all-reduce (counted, kind "compress_finite"); with one rank, the local check alone.
@@ -111,7 +111,9 @@ def _typed(buf: Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape) -> 
     return piece.view(dtype).reshape(shape)
 
 
-def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind: str) -> dict[str, list[Tensor]]:
+def _all_reduce_fused(
+    groups: dict[str, list[Tensor]], comm: Collectives, op: str, kind: str
+) -> dict[str, list[Tensor]]:
     """All-reduce many small tensors as one flat buffer per dtype; returns them in the same layout."""
     out = {name: list(ts) for name, ts in groups.items()}
     by_dtype: dict[torch.dtype, list[tuple[str, int]]] = {}
@@ -130,7 +132,9 @@ def _all_reduce_fused(groups: dict[str, list[Tensor]], comm: Comm, op: str, kind
     return out
 
 
-def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind: str) -> dict[str, list[Tensor]]:
+def _gather_merge_fused(
+    groups: dict[str, list[Tensor]], comm: Collectives, merge, kind: str
+) -> dict[str, list[Tensor]]:
     """The sum over ranks of each name's tensors when they do not add on the wire: one all-gather of
     everything's bytes, then `merge([rank 0's tensors, rank 1's, ...])` per name, in rank order."""
     layout = [
@@ -152,7 +156,7 @@ def _gather_merge_fused(groups: dict[str, list[Tensor]], comm: Comm, merge, kind
 
 
 def _sum_round(
-    groups: dict[str, list[Tensor]], comm: Comm, compressor: Compressor, op: str, kind: str
+    groups: dict[str, list[Tensor]], comm: Collectives, compressor: Compressor, op: str, kind: str
 ) -> dict[str, list[Tensor]]:
     if getattr(compressor, "sum_transport", "all_reduce") == "gather":
         # only CompressorBase subclasses set sum_transport, and `merge` comes with it
@@ -169,7 +173,7 @@ def _fp32_target(out: dict[str, Tensor] | None, name: str) -> Tensor | None:
 def _average_summable(
     tensors: dict[str, Tensor],
     states: dict,
-    comm: Comm,
+    comm: Collectives,
     compressor: Compressor,
     out_to: dict[str, Tensor] | None,
     sent: list[int] | None = None,
@@ -192,7 +196,7 @@ def _average_summable(
 
 
 def _average_gathered(
-    tensors: dict[str, Tensor], states: dict, comm: Comm, compressor: Compressor, sent: list[int] | None = None
+    tensors: dict[str, Tensor], states: dict, comm: Collectives, compressor: Compressor, sent: list[int] | None = None
 ) -> dict[str, Tensor]:
     payloads = {n: compressor.compress(t, states[n]) for n, t in tensors.items()}
     if sent is not None:
@@ -218,7 +222,7 @@ def _average_gathered(
 
 def compress_and_average(
     named_tensors: dict[str, Tensor],
-    comm: Comm,
+    comm: Collectives,
     compressor: Compressor,
     out: dict[str, Tensor] | None = None,
     sent: list[int] | None = None,

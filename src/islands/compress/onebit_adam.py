@@ -19,7 +19,7 @@ from torch import Tensor
 from islands.compress.identity import NoCompression
 from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.compress.sign import ScaledSign
-from islands.runtime.comm import Comm
+from islands.runtime.contracts import Collectives
 
 
 class _CompressedAdamBase(CommunicatingOptimizer):
@@ -31,7 +31,7 @@ class _CompressedAdamBase(CommunicatingOptimizer):
         eps=1e-8,
         weight_decay=0.0,
         warmup_steps=100,
-        comm: Comm | None = None,
+        comm: Collectives | None = None,
     ):
         if lr <= 0 or eps <= 0 or weight_decay < 0:
             raise ValueError(

@@ -26,7 +26,7 @@ from islands.compress.onebit_adam import NaiveCompressedAdam, OneBitAdam
 from islands.compress.powersgd import PowerSGD
 from islands.compress.split_adam import VARIANCE_SOURCES, SplitMomentAdamW
 from islands.optim.muon import ADJUST_LR, MuonAdamW
-from islands.runtime.comm import Comm
+from islands.runtime.contracts import Collectives
 from islands.spec import Registry, Spec
 
 # Our default warm-up: a fifth of the run uncompressed, so the frozen variance has seen real data.
@@ -152,7 +152,7 @@ def build_optimizer(
     betas=(0.9, 0.95),
     weight_decay: float = 0.0,
     steps: int = 1,
-    comm: Comm | None = None,
+    comm: Collectives | None = None,
     model: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
     """The torch optimizer a spec names; `comm` (the local group) is used by the 1-bit ones; `model` by muon, which

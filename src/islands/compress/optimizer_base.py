@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from islands.compress.average import compress_and_average
-from islands.runtime.comm import Comm
+from islands.runtime.contracts import Collectives
 
 
 class CommunicatingOptimizer(torch.optim.Optimizer):
-    comm: Comm | None
+    comm: Collectives | None
 
     @staticmethod
     def _closure_loss(closure):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from islands.compress.base import CompressorBase, check_finite
 from islands.compress.optimizer_base import CommunicatingOptimizer
-from islands.runtime.comm import Comm
+from islands.runtime.contracts import Collectives
 
 VARIANCE_SOURCES = ("compressed", "exact", "local")
 
@@ -39,7 +39,7 @@ class SplitMomentAdamW(CommunicatingOptimizer):
         self,
         params,
         compressor: CompressorBase,
-        comm: Comm | None,
+        comm: Collectives | None,
         lr=1e-3,
         betas=(0.9, 0.999),
         eps=1e-8,

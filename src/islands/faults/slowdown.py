@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar, cast
+
+F = TypeVar("F", bound=Callable)
 
 
 class SlowdownError(ValueError):
@@ -127,7 +130,9 @@ class SlowStep:
         return getattr(self.step_fn, name)
 
 
-def slow_step(step_fn: Callable, slowdown: dict[tuple[str, int], float], rank: int, island: int) -> Callable:
+def slow_step(step_fn: F, slowdown: dict[tuple[str, int], float], rank: int, island: int) -> F:
     """`step_fn` slowed by this process's factor, or `step_fn` itself at full speed."""
     factor, floor = factor_for(slowdown, rank, island), slowdown.get(FLOOR, 0.0)
-    return SlowStep(step_fn, factor, floor) if factor > 1 or floor > 0 else step_fn
+    if factor > 1 or floor > 0:
+        return cast(F, SlowStep(step_fn, factor, floor))  # it stands in for step_fn: the other attributes are its
+    return step_fn

@@ -44,9 +44,9 @@ class StepBody:
         self.loss_fn, self.step_fn, self.grad_clip = loss_fn, step_fn, grad_clip
         self.schedule = schedule  # a function step -> factor of each group's initial lr, or a torch LRScheduler
         self.metrics = metrics  # name -> fn(prediction, targets), for validation (Trainer.evaluate)
-        owner = capability(strategy, OwnsStep)  # a pipeline owns its step
+        owner = capability(strategy, OwnsStep)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         self._own_step = owner.forward_backward if owner is not None else None
-        self._skips = capability(strategy, SkipsSteps)
+        self._skips = capability(strategy, SkipsSteps)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.readout = StepReadout(log_every)
 

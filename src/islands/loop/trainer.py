@@ -108,6 +108,7 @@ class Trainer:
         self.val_data = val_batches(val_data, batch_size)
         step_fn = step_fn or ForwardBackward()
         self.callbacks = CallbackList(callbacks)
+        self.resumed_from: dict | None = None  # what resume() loaded, when no checkpoint driver keeps it (app.build)
         if self.val_data is not None and not any(isinstance(cb, Evaluate) for cb in self.callbacks):
             self.callbacks = self.callbacks.added(Evaluate())  # at least the final model
         self.model = self.strategy.wrap(model.to(self.world.device), optimizer, self.world)
@@ -247,7 +248,7 @@ class Trainer:
         parts = {}
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
-        described = capability(self.strategy, Describes)
+        described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()
             parts["pipeline"] = {
@@ -256,9 +257,8 @@ class Trainer:
                 "input and output, for micro-batches in flight at once",
             }
         parts.update(self.callbacks.records())
-        resumed = getattr(self, "resumed_from", None)
-        if resumed is not None:
-            parts.setdefault("checkpoint", {})["resumed_from"] = resumed
+        if self.resumed_from is not None:
+            parts.setdefault("checkpoint", {})["resumed_from"] = self.resumed_from
         return parts
 
     # ---- state (islands.checkpoint.policy.driver.TrainingState) --------------------------------------------

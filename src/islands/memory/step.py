@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from islands.data.batches import compute_loss, size as batch_size, split
+
+
+class Plan(Protocol):
+    """What the step keeps of the sizer's MemoryPlan (islands.memory.sizer imports this module, not the reverse)."""
+
+    def as_dict(self) -> dict: ...
+
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "auto": None}  # auto: resolve_precision on the model's device
 
@@ -54,7 +62,9 @@ class ForwardBackward:
         check_precision(precision)
         self.micro_batch = micro_batch
         self.precision = precision
-        self.plan = None  # the sizer's MemoryPlan when a memory budget chose micro_batch (islands.memory.build)
+        self.plan: Plan | None = (
+            None  # the sizer's MemoryPlan when a memory budget chose micro_batch (islands.memory.build)
+        )
         self.resolved: str | None = None  # what "auto" became on the model's device (set by the first step)
 
     def record(self) -> dict:

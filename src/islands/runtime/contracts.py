@@ -115,7 +115,6 @@ class ElasticMembership(Protocol):
     leader's IslandLeader; a follower of a k-worker island has an IslandFollower that follows its leader)."""
 
     name: str
-    events: list[dict]  # membership changes, for reports and loggers
     before_join: list[Callable[[], None]]  # run before joiners enter (checkpoint drivers finish their saves)
     holder: Any  # the strategy that claimed it, or None
     new_client: Callable[[], Any] | None  # another client of the job's store, for a thread of its own
@@ -126,6 +125,15 @@ class ElasticMembership(Protocol):
 
     @property
     def names(self) -> list[str]: ...
+
+    @property
+    def events(self) -> list[dict]:
+        """Membership changes, for reports and loggers (read-only: Membership's is a property over its Epochs)."""
+        ...
+
+    def new_liveness(self, client: Any) -> Any:
+        """A liveness check (membership.Liveness) through `client`, one of new_client's: the persist thread's."""
+        ...
 
     def claim(self, strategy: Holder) -> bool: ...
 

@@ -15,14 +15,13 @@ caller's state, as M processes seeded alike. So a run gives the same bits every 
 the values do not depend on which thread the OS runs. Background threads a strategy starts (an overlapped
 exchange) run their collectives without a turn: they draw on no generator.
 
-Equality with a multi-process run: an all-reduce sums in rank order (x0 + x1 + ... + x_{M-1}). For two
-islands that is gloo's sum bit for bit (a + b == b + a in IEEE arithmetic), so a 2-island simulation gives the
-multi-process run's parameters exactly (tests/integration/simulate/test_simulate.py checks it for DiLoCo and streaming
-DiLoCo with
+Equality with a multi-process run: an all-reduce sums in rank order (x0 + x1 + ... + x_{M-1}). For two islands that
+is gloo's sum bit for bit (a + b == b + a in IEEE arithmetic), so a 2-island simulation gives the multi-process
+run's parameters exactly (tests/integration/simulate/test_simulate.py checks it for DiLoCo and streaming DiLoCo with
 the 4-bit codec). For M > 2, gloo's ring all-reduce adds each chunk in an order that depends on the chunk, so
-parameters may differ from a gloo run in the last bits (they are still identical on every island, and equal
-between simulated runs); gathers, broadcasts and point-to-point exchanges carry values unchanged and are exact
-for any M. Intra-op thread counts change CPU reductions too: compare runs under equal torch.get_num_threads().
+parameters may differ from a gloo run in the last bits (they are still identical on every island, and equal between
+simulated runs); gathers, broadcasts and point-to-point exchanges carry values unchanged and are exact for any M.
+Intra-op thread counts change CPU reductions too: compare runs under equal torch.get_num_threads().
 
 Limits: one worker per island (the inner strategy is the plain model; DDP inside an island needs a torch
 process group); no elastic membership; the ledger counts the bytes a real job would send, but nothing moves
@@ -356,6 +355,13 @@ def current_island() -> int | None:
 def worlds(islands: int, device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[World]:
     """The M Worlds of a simulation, one per island (one worker each), sharing the hubs. Use them through
     `run`, which gives each its thread and turn; alone they are for code that drives the islands itself."""
+    return _simulation(islands, device, timeout_s)[0]
+
+
+def _simulation(
+    islands: int, device: str | torch.device, timeout_s: float
+) -> tuple[list[World], _Turns, dict[str, _Hub]]:
+    """`worlds`, with the turns and hubs they share (what `run` drives)."""
     if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
         raise ValueError(f"islands must be an integer >= 1; got {islands!r}")
     if timeout_s <= 0:
@@ -382,9 +388,8 @@ def worlds(islands: int, device: str | torch.device = "cpu", timeout_s: float = 
             },
             data_shard=(i, islands),
         )
-        world._sim = (turns, hubs)
         out.append(world)
-    return out
+    return out, turns, hubs
 
 
 def run(
@@ -393,8 +398,7 @@ def run(
     """main(world) on each of `islands` simulated islands (module docstring), concurrently, in this process.
     Returns main's results in island order. The first island to raise stops the others at their next
     collective; that error is re-raised here (naming the island)."""
-    ws = worlds(islands, device, timeout_s)
-    turns, hubs = ws[0]._sim
+    ws, turns, hubs = _simulation(islands, device, timeout_s)
     results: list = [None] * islands
     errors: list = [None] * islands
 
@@ -426,7 +430,7 @@ def run(
         with turns.blocking():
             return result(self, timeout)
 
-    Future.result = waiting
+    Future.result = waiting  # type: ignore[method-assign]  # patched for the run, put back in the finally below
     threads = [threading.Thread(target=body, args=(i,), name=f"islands-sim-{i}", daemon=True) for i in range(islands)]
     try:
         for t in threads:
@@ -434,7 +438,7 @@ def run(
         for t in threads:
             t.join()
     finally:
-        Future.result = result
+        Future.result = result  # type: ignore[method-assign]  # the original, put back
         hook.remove()
         _RUNNING.release()
     first = next(

@@ -21,6 +21,7 @@ import os
 import secrets
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,9 @@ from islands.runtime.elastic.membership import (
 )
 from islands.runtime.payload_auth import PayloadAuthError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 
 class LoneComm:
     """The Comm of a scope with one member and no process group: every collective is identity."""
@@ -84,8 +88,8 @@ class World:
     backend: str
     ledger: CommLedger = field(default_factory=CommLedger)
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh when size > 1
-    local_group: object | None = None
-    cross_group: object | None = None
+    local_group: ProcessGroup | None = None
+    cross_group: ProcessGroup | None = None
     # elastic mode (islands.runtime.elastic): its own Comm per scope, a fixed data shard
     # (shard, shards) that survives rank changes, and the membership whose state is checkpointed
     comms: dict | None = None
@@ -200,7 +204,7 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
             island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)),
         )
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
-        backend = dist.get_backend()
+        backend: str = dist.get_backend()  # a torch Backend, a str
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         return _world_over_default_group(islands, dev, backend)
     if "RANK" not in os.environ:
@@ -298,6 +302,7 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
         if admission.initial:
             member.epochs.form(0, None)
         return world
+    assert island is not None  # `several` says there is one
     side = _island_group(session.store, island, job)
     relay = member.join_island(island, side=side)
     member.watch_followers()  # a frozen follower takes the island out within the heartbeat timeout, launcher or not
@@ -368,9 +373,11 @@ class IslandWorld(World):
     @property
     def worker_names(self) -> list[str]:
         """Every worker of the member islands, in rank order (checkpoint parts are named by it)."""
+        assert self.relay is not None and self.place is not None  # island_world sets both before handing it out
         return self.relay.worker_names(self.place.size)
 
     def follow(self, rank: int, size: int) -> None:
+        assert self.place is not None  # island_world sets it before the first follow
         k = self.place.size
         self.islands = max(size, 1)  # a joiner before it enters: an island of its own
         self.size, self.rank = self.islands * k, rank * k + self.place.local

@@ -271,6 +271,9 @@ class _Membership:
     def at_step(self, strategy, model, step: int) -> None:
         pass
 
+    def new_liveness(self, client):
+        return None
+
     def authenticate(self, token: str, job_id: str | None = None) -> None:
         pass
 

@@ -76,7 +76,11 @@ class TrainingState(Protocol):
     step: int
     elapsed: float
     model: torch.nn.Module
-    shard_items: int
+
+    @property
+    def shard_items(self) -> int:
+        """Read-only: the loops compute it from their data (a property there)."""
+        ...
 
     def state_dict(self) -> dict: ...
 
@@ -122,7 +126,11 @@ class CheckpointDriver:
                 f"fingerprint is an opaque str (e.g. fingerprint_of(fields)); got {type(fingerprint).__name__}"
             )
         self.settings, self.world, self.fingerprint = settings, world, fingerprint
-        self.root = Path(settings.dir) if settings.dir is not None else Path(run_dir) / "ckpt"
+        if settings.dir is not None:
+            self.root = Path(settings.dir)
+        else:
+            assert run_dir is not None  # the check above raised when both are None
+            self.root = Path(run_dir) / "ckpt"
         self.elastic = is_elastic(world)
         if self.elastic:
             self.check_elastic(settings)

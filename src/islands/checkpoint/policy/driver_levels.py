@@ -66,6 +66,7 @@ class DriverLevels:
             m = world.membership
             assert m is not None  # an elastic world has one
             if settings.asynchronous and can_persist_async(world):
+                assert m.new_client is not None  # can_persist_async checked it
                 barrier = PersistBarrier(m.new_client, m.new_liveness, lambda: m.epoch, settings.timeout)
             else:
                 barrier = ElasticBarrier(world)

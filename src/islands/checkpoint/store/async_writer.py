@@ -26,13 +26,19 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from islands.checkpoint.store.tree import copy_tree, flatten_tree, staging_block, staging_buffers, tree_nbytes
 
 
 class Sink(Protocol):
-    def save(self, tree, step: int, **kwargs): ...
+    @property
+    def save(self) -> Callable[..., Any]:
+        """The persist thread calls save(tree, step, **kwargs): each sink names the keywords it takes (a store's
+        own, a driver's levels and member), so the protocol only says it is callable (a read-only member: a
+        method satisfies it)."""
+        ...
 
 
 class SaveHandle:

@@ -361,8 +361,8 @@ class CheckpointStore:
     ) -> LoadedCheckpoint:
         """Load this rank's (or `rank`'s) part of checkpoint `step`; None = newest intact one.
 
-        Every blob's chunk checksums (XXH3-64) are checked before decoding and (verify=True) each tensor's
-        SHA-256 after.
+        Every blob's chunk checksums (XXH3-64) are checked before decoding and (verify=True) each tensor's SHA-256
+        after.
         With step=None a damaged checkpoint is skipped in favour of the next older one (reported in
         `.skipped`; steps newer than `latest`, left by a run that resumed from an older step, come
         last); an explicit step raises CorruptCheckpoint. `like` (a state tree of the current model)

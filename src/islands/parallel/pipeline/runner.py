@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -22,9 +23,19 @@ import torch.nn as nn
 from islands.parallel.pipeline.memory import SavedTensorMeter
 from islands.parallel.pipeline.pieces import Stage
 from islands.parallel.pipeline.schedule import schedule_for
-from islands.runtime.comm import Comm
+from islands.runtime.contracts import Collectives, PointToPoint
 
 ACTIVATION, GRADIENT = "pipeline_activation", "pipeline_gradient"
+
+
+@runtime_checkable
+class StagePeers(PointToPoint, Protocol):
+    """What the runner sends through: a point-to-point Comm that also starts a send without awaiting it (Comm,
+    SimComm, AuthenticatedComm)."""
+
+    def exchange_async(
+        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
+    ) -> tuple[dict[int, torch.Tensor], Callable[[], None]]: ...
 
 
 def split_batch(t: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
@@ -42,7 +53,7 @@ class PipelineRunner:
         self,
         pieces: list[nn.Module],
         stage: Stage,
-        comm: Comm | None,
+        comm: Collectives | None,
         schedule: str,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ):
@@ -53,14 +64,21 @@ class PipelineRunner:
                 f"the Comm joins {comm.size} ranks but the pipeline has {stage.count} stages; "
                 "run one stage per rank of the group"
             )
-        self.pieces, self.stage, self.comm, self.loss_fn = pieces, stage, comm, loss_fn
+        self.comm: StagePeers | None = None  # None: one stage, nothing to send
+        if stage.count > 1:
+            if not isinstance(comm, StagePeers):
+                raise TypeError(
+                    f"a pipeline's stages send point to point (exchange_async); {type(comm).__name__} does not"
+                )
+            self.comm = comm
+        self.pieces, self.stage, self.loss_fn = pieces, stage, loss_fn
         self.schedule_name = schedule
         self.plan = schedule_for(schedule)
         self.meter = SavedTensorMeter(stage.parameters())
         self._shapes: dict[tuple, tuple] = {}
         self.wait_seconds = 0.0  # last step: time blocked on a message (the bubble plus transfer time)
 
-    def _peers(self) -> Comm:
+    def _peers(self) -> StagePeers:
         assert self.comm is not None  # only a pipeline of 2+ stages talks, and __init__ made it have a Comm
         return self.comm
 

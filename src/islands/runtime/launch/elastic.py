@@ -258,6 +258,7 @@ class JobHost:
             proc = subprocess.Popen(
                 argv, env=env, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
             )
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.write(job.to_json().encode())
         proc.stdin.close()
         deadline = time.monotonic() + cls.START_TIMEOUT_S
@@ -275,12 +276,12 @@ class JobHost:
         address = info["address"]
         host, p = parse_address(address)
         raw = connect(host, p, netns=netns)  # on a testbed, from inside its hub (islands.runtime.netns)
-        store = authed(
+        authed_store = authed(
             raw,
             ControlAuth(token, JobSpec.read(raw, token).job_id, LAUNCHER),
             lambda line: print(line, file=out, flush=True),
         )
-        return cls(proc, address, store, log, out, raw=raw, record=record)
+        return cls(proc, address, authed_store, log, out, raw=raw, record=record)
 
     def trouble(self, patience: float) -> str | None:
         """Why the job cannot go on with its store, or None: the job host exited, or has been stopped (SIGSTOP) for
@@ -466,6 +467,7 @@ def _watch(
                     continue
                 print(f"islands: worker {name} left ({why}); the others carry on", file=out, flush=True)
                 if islands is not None and islands.whole:
+                    assert isinstance(w, IslandWorker)  # _Islands.start starts every worker of a launch
                     mates = [m for m in workers if islands.same(m, w) and _name(m) not in reported | stopped]
                     for m in mates:
                         stopped.add(_name(m))
@@ -517,7 +519,8 @@ def _watch(
                 waiting = [
                     w
                     for w in running
-                    if getattr(w, "incarnation", 0) > 0
+                    if isinstance(w, IslandWorker)
+                    and w.incarnation > 0
                     and _name(w) not in stopped
                     and islands.leader_name(w) not in reaper.members_seen
                 ]
@@ -587,9 +590,12 @@ class _Islands:
         return self.size > 1 or self.max_restarts > 0
 
     def same(self, a: WorkerProcess, b: WorkerProcess) -> bool:
-        return (getattr(a, "island", None), getattr(a, "incarnation", None)) == (b.island, getattr(b, "incarnation", 0))
+        return (getattr(a, "island", None), getattr(a, "incarnation", None)) == (
+            getattr(b, "island", None),
+            getattr(b, "incarnation", 0),
+        )
 
-    def leader_name(self, w: WorkerProcess) -> str:
+    def leader_name(self, w: IslandWorker) -> str:
         return worker_name(w.island, 0, self.size, w.incarnation)
 
     def start(self, index: int, incarnation: int = 0) -> list[IslandWorker]:

@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from islands.runtime.elastic.auth import ControlAuth
-from islands.runtime.elastic.etcd_store import EtcdAddress
+from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdStore
 from islands.runtime.elastic.membership import (
     TOKEN_ENV,
     Coordinator,
@@ -133,22 +133,27 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     server = seat = coordinator = None
+    etcd: EtcdStore | None = None  # the replicated store's unauthenticated client (end() marks the job ended)
     if args.store:  # replicated: the job's keys under a namespace of its own; the coordinator is whoever leads
         address = str(EtcdAddress.parse(args.store).with_namespace(f"islands-{job.job_id[:12]}"))
-        raw = connect(address, 0)
-        raw.set("job", job.seal(token))
+        opened = connect(address, 0)
+        assert isinstance(opened, EtcdStore)  # connect opens an etcd address as an EtcdStore
+        etcd = opened
+        etcd.set("job", job.seal(token))
         seat = CoordinatorSeat(address, token, job, "job-host", log=log)
-        store = authed(raw, ControlAuth(token, job.job_id, "job-host"), log)
+        store = authed(etcd, ControlAuth(token, job.job_id, "job-host"), log)
         formed = lambda: store.check(["e/0/members"])  # noqa: E731
+        coordinating: CoordinatorSeat | Coordinator = seat
     else:
         server, raw = host_store(args.port)
         coordinator = Coordinator(raw, token, job, log=log)
         address, store = f"{args.advertise}:{server.port}", coordinator.store
         formed = lambda: coordinator.formed  # noqa: E731
+        coordinating = coordinator
     loop = HostLoop(store, job, formed, args.launcher_pid, log=log)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle (it stops this host)
-    (seat or coordinator).start()
+    coordinating.start()
     record = {
         "address": address,
         "pid": os.getpid(),
@@ -159,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(run_dir / RECORD, record)
     log(f"job host: store and coordinator at {address} (pid {os.getpid()})")
     why, launcher_alive = loop.run()
-    (seat or coordinator).stop()
+    coordinating.stop()
     end = dict(record, ended=time.time(), why=why, launcher_alive=launcher_alive)
     if coordinator is not None:
         end.update(admitted=len(coordinator.admitted), refused=coordinator.refused)
-    else:
+    if seat is not None and etcd is not None:
         end.update(coordinator_terms=seat.terms)
         try:
-            raw.end()  # clients (a joiner still waiting) now see the job's store as gone
+            etcd.end()  # clients (a joiner still waiting) now see the job's store as gone
         except Exception as e:  # noqa: BLE001 - no etcd majority: the joiner's wait is then bounded by its own
             log(f"job host: could not mark the job ended in etcd: {e}")
     write_atomic(run_dir / RECORD, end)

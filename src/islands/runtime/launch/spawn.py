@@ -47,6 +47,7 @@ import time
 import traceback
 import warnings
 import weakref
+from collections.abc import Mapping
 from multiprocessing import (
     context as mp_context,
     forkserver,
@@ -90,9 +91,9 @@ _unavailable: list[str] = []  # why the fork server cannot be used in this Pytho
 
 def forks(argv: list[str], env: dict | None = None) -> bool:
     """Whether start() forks `argv` from the fork server (islands' own modules, run by this interpreter)."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     return (
-        env.get(SPAWN_ENV, "fork") != "exec"
+        environ.get(SPAWN_ENV, "fork") != "exec"
         and not _unavailable
         and len(argv) >= 3
         and argv[0] == sys.executable
@@ -309,12 +310,15 @@ class ForkedProcess:
             os.close(report_w)
         # not multiprocessing's child to look after: its exit handler would wait for it (or kill it) when
         # this process exits, and a worker must outlive a launcher that dies (docs/membership.md)
-        mp_process._children.discard(self._process)
-        self._popen = self._process._popen
-        self.pid = self._process.pid
+        mp_process._children.discard(self._process)  # type: ignore[attr-defined]  # private, absent from typeshed
+        self._popen = self._process._popen  # type: ignore[attr-defined]  # private, absent from typeshed
+        pid = self._process.pid
+        assert pid is not None  # started above
+        self.pid: int = pid
         self.args = [sys.executable, "-m", module, *args]
         os.set_blocking(report_r, False)
         self._report, self._reported = report_r, None
+        self._pidfd: int | None
         try:
             self._pidfd = os.pidfd_open(self.pid)  # readable once it has exited, whoever reaps it
         except (AttributeError, OSError):  # no pidfd (old kernel), or gone already: /proc is looked at instead
@@ -340,9 +344,10 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (code := self.poll()) is None:
             left = 0.5 if deadline is None else deadline - time.monotonic()
             if left <= 0:
+                assert timeout is not None  # time runs out only against a deadline
                 raise subprocess.TimeoutExpired(self.args, timeout)
             watched = [
                 fd for fd in (None if self._server_gone else self._popen.sentinel, self._pidfd) if fd is not None
@@ -351,7 +356,7 @@ class ForkedProcess:
                 time.sleep(min(0.05, left))  # exited, its status not told yet: look again shortly
             else:
                 select.select(watched, [], [], min(0.5, left))
-        return self._code
+        return code
 
     def _server_word(self) -> int | None:
         """The exit status the fork server sent (it reaped the child), without waiting; notes a server that died."""
@@ -486,8 +491,8 @@ def _child(
     os.dup2(err, 2)
     for fd in {null, out, err} - {0, 1, 2}:
         os.close(fd)
-    sys.stdout = sys.__stdout__ = _stream(1)
-    sys.stderr = sys.__stderr__ = _stream(2)
+    sys.stdout = sys.__stdout__ = _stream(1)  # type: ignore[misc]  # Final in typeshed; a forked child rebinds it
+    sys.stderr = sys.__stderr__ = _stream(2)  # type: ignore[misc]  # Final in typeshed; a forked child rebinds it
     os.environ.clear()
     os.environ.update(env)
     if cwd:
@@ -502,7 +507,7 @@ def _child(
     # the server imported the module already (PRELOAD); `-m` runs it again as __main__, which is what we want
     warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
     sys.argv = [module, *args]
-    code = 0
+    code: str | int | None = 0  # SystemExit's code: an int, None, or a message
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:

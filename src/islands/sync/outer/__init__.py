@@ -40,8 +40,8 @@ def make_outer(spec: OuterSpec | Spec | str, warmup: int = 0) -> OuterStrategy |
 
 
 # The strategies themselves (DiLoCo, Gossip, ...) have their public home in islands.outer (one home per name,
-# tests/unit/project/test_public_homes.py); this package exports the machinery: the registry, the spec edge, the base
-# class.
+# tests/unit/project/test_public_homes.py); this package exports the machinery: the registry, the spec edge, the
+# base class.
 __all__ = [
     "PARAMS",
     "STRATEGIES",
