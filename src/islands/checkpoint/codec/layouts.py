@@ -28,6 +28,7 @@ Planes are per-thread scratch: valid until the same thread splits again.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import numpy as np
@@ -53,7 +54,7 @@ def _pairs(x: np.ndarray, even: int, pair) -> np.ndarray:
     return x[:even].view(pair)
 
 
-class _ExponentWords:
+class _ExponentWords(ABC):
     """Shared split and join for layouts whose exponent sits at bits [shift, shift+8) of each word.
 
     Subclasses set size, word, shift, planes (how many non-exponent planes follow the exponent) and
@@ -66,14 +67,17 @@ class _ExponentWords:
     shift: int
     planes: int
 
+    @abstractmethod
     def _split_pairs(self, x: np.ndarray, even: int, base: int, packed: np.ndarray, planes: list[np.ndarray]) -> None:
-        raise NotImplementedError
+        """The layout's compiled loop (class docstring)."""
 
+    @abstractmethod
     def _join_packed(self, packed: np.ndarray, base: int, planes: list[np.ndarray], o: np.ndarray) -> None:
-        raise NotImplementedError
+        """The layout's compiled loop (class docstring)."""
 
+    @abstractmethod
     def _join_plain(self, exponent: np.ndarray, planes: list[np.ndarray], o: np.ndarray) -> None:
-        raise NotImplementedError
+        """The layout's compiled loop (class docstring)."""
 
     def split(self, raw: np.ndarray):
         """Exponents as 4-bit codes two per byte, the other planes from the same pass; the plain

@@ -14,13 +14,14 @@ Payload bytes for n values: ceil(n / 2) codes + 4 * ceil(n / block) scale bytes.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 
 LEVELS = 7  # 15 of the 16 nibble codes: symmetric, so zero is exact and the sign costs nothing extra
 
 
-class PayloadCodec:
+class PayloadCodec(ABC):
     """A compressor of the exchange's payload codec kind (Exchange(compressor=...)): encode each island's vector into
     uint8 bytes, all-gather them, decode all and average in rank order on every rank. Quant4 and Quant4Zstd are
     the two; `variable_length` payloads (Quant4Zstd) are gathered with their lengths first."""
@@ -28,11 +29,13 @@ class PayloadCodec:
     name = "codec"
     variable_length = False
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """This island's vector as uint8 payload bytes."""
 
+    @abstractmethod
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The `numel` values one payload encodes."""
 
 
 class Quant4(PayloadCodec):

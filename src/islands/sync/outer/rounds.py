@@ -17,6 +17,7 @@ so a checkpoint written before loads unchanged.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 import torch
@@ -58,7 +59,7 @@ class ScheduleHost(Protocol):
     def synced_buffers(self) -> None: ...
 
 
-class Schedule:
+class Schedule(ABC):
     """What every schedule shares: fragments, their bounds and offsets, the exchanges in flight, sends per fragment.
     `d`: the DiLoCo it is bound to (bind)."""
 
@@ -116,10 +117,12 @@ class Schedule:
 
     # ---- the hooks ------------------------------------------------------------------------------------
     def on_batch(self, batch) -> None:
-        pass
+        """Before a step; nothing by default (a schedule that meters steps overrides it)."""
+        return
 
+    @abstractmethod
     def after_step(self, done: int) -> None:
-        raise NotImplementedError
+        """After the loop's step `done`: start, land or merge the exchanges this schedule plans there."""
 
     def next_step(self, done: int) -> int:
         return done
@@ -128,10 +131,12 @@ class Schedule:
         return bool(self.pending)
 
     def joined(self) -> None:
-        pass
+        """After an elastic joiner entered; nothing by default."""
+        return
 
+    @abstractmethod
     def final_sync(self) -> None:
-        raise NotImplementedError
+        """At finish: land what is in flight and synchronise whatever has work since its last exchange."""
 
     def report(self) -> dict:
         return {}
