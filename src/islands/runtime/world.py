@@ -16,10 +16,12 @@ is an IslandComm that relays the leader's results.
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import os
 import secrets
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -193,6 +195,8 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     if islands < 1:
         raise ValueError(f"islands must be >= 1, got {islands}")
     address = os.environ.get(ELASTIC_ENV, "")
+    if address or "RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
+        _hand_off_at_exit()
     if address:
         if device == "cuda":
             raise ValueError("an elastic job exchanges over gloo on the CPU; use device='cpu' or 'auto'")
@@ -252,6 +256,30 @@ def close_world(world: World) -> None:
             )
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+    if world.distributed:
+        _let_collective_threads_finish()
+
+
+# torch's gloo worker threads free a finished collective's tensors after the caller already has its result; freeing
+# one that Python has dropped takes the GIL, and a thread still waiting for it when the interpreter exits aborts the
+# process ("terminate called without an active exception"; torch PR 179291 describes it, unfixed in 2.13). Giving
+# the GIL up for a moment at close lets those threads finish while the interpreter is alive.
+GIL_HANDOFF_S = 0.05
+
+
+def _let_collective_threads_finish() -> None:
+    time.sleep(GIL_HANDOFF_S)
+
+
+def _hand_off_at_exit() -> None:
+    """The same hand-off for a script that never calls close_world, registered once per process."""
+    global _exit_hand_off
+    if not _exit_hand_off:
+        _exit_hand_off = True
+        atexit.register(_let_collective_threads_finish)
+
+
+_exit_hand_off = False
 
 
 # ---- elastic jobs -------------------------------------------------------------------------------------
