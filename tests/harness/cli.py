@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.flags import tiny
 from islands.app.build import build_trainer, resume_trainer
 from islands.app.validate import validate
 from islands.cli import main
@@ -29,29 +30,7 @@ TINY = dict(
     warmup=2,
     log_every=2,
 )
-TINY_FLAGS = [
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--context",
-    "32",
-    "--global-batch",
-    "4",
-    "--eval-batches",
-    "2",
-    "--threads",
-    "1",
-    "--eval-every",
-    "0",
-    "--warmup",
-    "2",
-    "--log-every",
-    "2",
-    "--no-progress",
-]
+TINY_FLAGS = tiny(eval_batches=2, threads=1, eval_every=0, warmup=2, log_every=2, no_progress=True)
 EXACT = ("model", "optimizer", "strategy", "rng", "loader", "step")
 
 

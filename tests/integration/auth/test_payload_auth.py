@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from test_simulate import train
 
+from harness.flags import tiny
 from harness.outer import run_world
 
 TOKEN = "the-job-secret"
@@ -300,20 +301,7 @@ def test_islands_train_authenticates_its_outer_exchanges(tmp_path):
         "diloco:inner_steps=4",
         "--steps",
         "8",
-        "--d-model",
-        "32",
-        "--n-layers",
-        "1",
-        "--n-heads",
-        "2",
-        "--context",
-        "32",
-        "--global-batch",
-        "8",
-        "--no-progress",
-        "--device",
-        "cpu",
-        "--no-probe",
+        *tiny(global_batch=8, no_progress=True, device="cpu", no_probe=True),
     ]
     runs = {}
     for name, extra in (("plain", []), ("auth", ["--outer.authenticate"])):

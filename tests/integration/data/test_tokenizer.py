@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.flags import tiny
 from islands.cli import main
 from islands.data import tokenizer as tk
 from islands.data.tokenized import text_shard
@@ -88,30 +89,11 @@ TINY = [
     "hf-causal-lm",
     "--task.model",
     "gpt2",
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--context",
-    "32",
     "--task.vocab_size",
     "320",
     "--data",
     str(JSON_PKG),
-    "--workers",
-    "1",
-    "--global-batch",
-    "2",
-    "--eval-every",
-    "0",
-    "--eval-batches",
-    "1",
-    "--no-probe",
-    "--no-progress",
-    "--threads",
-    "1",
+    *tiny(global_batch=2, workers=1, eval_every=0, eval_batches=1, no_probe=True, no_progress=True, threads=1),
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
+from harness.flags import tiny
 from harness.hf import JSON_PKG
 from islands.checkpoint.store.directory import CheckpointStore
 from islands.cli import main
@@ -99,28 +100,11 @@ def _train(*argv: str) -> int:
                 "hf-causal-lm",
                 "--task.model",
                 "llama",
-                "--d-model",
-                "32",
-                "--n-layers",
-                "1",
-                "--n-heads",
-                "2",
-                "--context",
-                "32",
+                *tiny(
+                    global_batch=2, workers=1, eval_every=0, eval_batches=1, warmup=0, no_probe=True, no_progress=True
+                ),
                 "--task.vocab_size",
                 "320",
-                "--workers",
-                "1",
-                "--global-batch",
-                "2",
-                "--eval-every",
-                "0",
-                "--eval-batches",
-                "1",
-                "--warmup",
-                "0",
-                "--no-probe",
-                "--no-progress",
                 *argv,
             ]
         )

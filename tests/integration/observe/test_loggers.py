@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import islands
 from harness.cli import islands_cli
+from harness.flags import tiny
 from islands.app.validate import validate
 from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.policy.settings import CheckpointSettings
@@ -227,32 +228,7 @@ def test_a_checkpoint_save_is_a_metric_and_an_event(logged):
     assert series_of(rows, "event/checkpoint") == [(5, 1), (10, 1), (12, 1)]
 
 
-TINY = [
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--context",
-    "32",
-    "--global-batch",
-    "4",
-    "--eval-batches",
-    "2",
-    "--threads",
-    "1",
-    "--eval-every",
-    "3",
-    "--warmup",
-    "2",
-    "--log-every",
-    "2",
-    "--no-progress",
-    "--no-probe",
-    "--timeout",
-    "60",
-]
+TINY = tiny(eval_batches=2, threads=1, eval_every=3, warmup=2, log_every=2, no_progress=True, no_probe=True, timeout=60)
 
 
 @pytest.mark.slow  # two gloo workers through the launcher, which runs in this process

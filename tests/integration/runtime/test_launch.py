@@ -11,27 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.flags import tiny
 from islands.app.launch import launch
 from islands.config import from_mapping
 from islands.runtime.launch.ranks import LaunchError
 
 ISLANDS = [sys.executable, "-m", "islands"]
-TINY = [
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--context",
-    "32",
-    "--global-batch",
-    "4",
-    "--eval-batches",
-    "2",
-    "--threads",
-    "1",
-]
+TINY = tiny(eval_batches=2, threads=1)
 
 
 def test_two_worker_job_writes_record_and_plot(tmp_path):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from harness.flags import tiny
 from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping
 
@@ -32,21 +33,7 @@ def test_fsdp_job_trains_and_records_its_bytes(tmp_path):
             "3",
             "--log-every",
             "3",
-            "--d-model",
-            "32",
-            "--n-layers",
-            "2",
-            "--n-heads",
-            "2",
-            "--context",
-            "32",
-            "--global-batch",
-            "4",
-            "--eval-batches",
-            "2",
-            "--threads",
-            "1",
-            "--no-progress",
+            *tiny(n_layers=2, eval_batches=2, threads=1, no_progress=True),
             "--run-dir",
             str(run),
         ],

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.flags import tiny
 from harness.outer import batch, run_world, tiny_model
 
 STEPS = 8  # streaming H=4, F=2: fragment 1 starts an exchange at the last step, which finish() then awaits
@@ -212,19 +213,7 @@ CLI_JOB = [
     "diloco:inner_steps=5",
     "--steps",
     "12",
-    "--d-model",
-    "32",
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--context",
-    "32",
-    "--global-batch",
-    "8",
-    "--no-progress",
-    "--device",
-    "cpu",
+    *tiny(global_batch=8, no_progress=True, device="cpu"),
 ]  # on a GPU machine --simulate would take the GPU, the 2 processes gloo
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from harness.flags import tiny
 from islands import testbed
 
 needs_root = pytest.mark.skipif(
@@ -37,16 +38,7 @@ def test_ddp_run_over_testbed_records_rate_and_leaves_nothing(tmp_path):
                 "3",
                 "--eval-every",
                 "0",
-                "--d-model",
-                "32",
-                "--n-layers",
-                "1",
-                "--n-heads",
-                "2",
-                "--context",
-                "32",
-                "--global-batch",
-                "4",
+                *tiny(),
                 "--run-dir",
                 str(run),
                 "--no-progress",
