@@ -314,3 +314,15 @@ def assert_nothing_half_written(run_dir: Path) -> None:
         store = CheckpointStore(ckpt, clean=False)
         for step in store.steps():
             assert store.verify(step) == [], f"checkpoint step {step} in {ckpt} does not verify"
+
+
+# What the elastic tests' jobs share: digits, no evaluation, no probe, no live bar, a 30 s collective timeout.
+QUIET_ELASTIC = dict(task="digits", elastic=True, eval_every=0, probe=False, progress=False, timeout=30.0)
+
+
+def elastic_config(**values):
+    """A validated elastic job configuration: `values` (workers, islands, outer, steps, ...) over QUIET_ELASTIC."""
+    from islands.app.validate import validate
+    from islands.config import from_mapping
+
+    return validate(from_mapping({**QUIET_ELASTIC, **values}))

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from harness.elastic import elastic_config
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import elastic_member, membership
 from islands.runtime.elastic.membership import Coordinator, JobSpec, host_store, join_job
@@ -173,30 +174,18 @@ def _job(tmp_path, name: str, workers: int, steps: int, authenticate: bool, duri
 
     import harness.elastic as elastic_jobs
     from islands.app.launch import launch_elastic
-    from islands.app.validate import validate
-    from islands.config import from_mapping
 
     run = tmp_path / name
-    cfg = validate(
-        from_mapping(
-            dict(
-                task="digits",
-                workers=workers,
-                islands=workers,
-                outer="diloco:inner_steps=3",
-                elastic=True,
-                steps=steps,
-                global_batch=8 * workers,
-                eval_every=0,
-                warmup=2,
-                probe=False,
-                progress=False,
-                timeout=30.0,
-                heartbeat_timeout=5.0,
-                authenticate_payloads=authenticate,
-                run_dir=str(run),
-            )
-        )
+    cfg = elastic_config(
+        workers=workers,
+        islands=workers,
+        outer="diloco:inner_steps=3",
+        steps=steps,
+        global_batch=8 * workers,
+        warmup=2,
+        heartbeat_timeout=5.0,
+        authenticate_payloads=authenticate,
+        run_dir=str(run),
     )
     out, errors, threads = io.StringIO(), [], []
 

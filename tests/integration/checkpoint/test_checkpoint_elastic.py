@@ -12,6 +12,7 @@ import pytest
 from test_checkpoint_resume import same
 
 import harness.elastic as elastic_jobs
+from harness.elastic import elastic_config
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.checkpoint import CheckpointStore
@@ -302,27 +303,17 @@ def test_asynchronous_elastic_saves_survive_a_sigkill_and_every_committed_checkp
     from islands.runtime.elastic.membership import connect
 
     run = tmp_path / "run"
-    cfg = validate(
-        from_mapping(
-            dict(
-                task="digits",
-                workers=3,
-                islands=3,
-                outer="local-sgd:every=3",
-                elastic=True,
-                steps=60,
-                global_batch=24,
-                eval_every=0,
-                warmup=2,
-                probe=False,
-                progress=False,
-                timeout=30.0,
-                heartbeat_timeout=HB_S,
-                ckpt_every=5,
-                ckpt_keep=100,
-                run_dir=str(run),
-            )
-        )
+    cfg = elastic_config(
+        workers=3,
+        islands=3,
+        outer="local-sgd:every=3",
+        steps=60,
+        global_batch=24,
+        warmup=2,
+        heartbeat_timeout=HB_S,
+        ckpt_every=5,
+        ckpt_keep=100,
+        run_dir=str(run),
     )
     out, errors = io.StringIO(), []
 

@@ -13,9 +13,8 @@ import threading
 import time
 
 import harness.elastic as elastic_jobs
+from harness.elastic import elastic_config
 from islands.app.launch import launch_elastic
-from islands.app.validate import validate
-from islands.config import from_mapping
 from islands.runtime.elastic.membership import connect
 from islands.runtime.launch.elastic import launch_elastic_script
 
@@ -33,25 +32,15 @@ def _in_thread(fn, errors: list):
 
 
 def test_a_frozen_worker_is_excluded_within_the_heartbeat_timeout_and_killed_by_the_launcher(tmp_path):
-    cfg = validate(
-        from_mapping(
-            dict(
-                task="digits",
-                workers=3,
-                islands=3,
-                outer="local-sgd:every=3",
-                elastic=True,
-                steps=60,
-                global_batch=24,
-                eval_every=0,
-                warmup=2,
-                probe=False,
-                progress=False,
-                timeout=30.0,
-                heartbeat_timeout=HEARTBEAT,
-                run_dir=str(tmp_path / "run"),
-            )
-        )
+    cfg = elastic_config(
+        workers=3,
+        islands=3,
+        outer="local-sgd:every=3",
+        steps=60,
+        global_batch=24,
+        warmup=2,
+        heartbeat_timeout=HEARTBEAT,
+        run_dir=str(tmp_path / "run"),
     )
     seen: dict = {}
     errors: list = []

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.elastic import elastic_config
 from islands.app.launch import launch_elastic
-from islands.app.validate import validate
-from islands.config import from_mapping
 from islands.runtime.launch import spawn
 from islands.runtime.launch.ranks import Placement, port_is_free
 
@@ -136,24 +135,14 @@ def _forked_or_fresh(tmp_path: Path):
 
 
 def _elastic_cfg(run: Path):
-    return validate(
-        from_mapping(
-            dict(
-                task="digits",
-                workers=2,
-                islands=2,
-                outer="diloco:inner_steps=4",
-                elastic=True,
-                steps=12,
-                global_batch=16,
-                eval_every=0,
-                probe=False,
-                progress=False,
-                timeout=30.0,
-                heartbeat_timeout=HEARTBEAT,
-                run_dir=str(run),
-            )
-        )
+    return elastic_config(
+        workers=2,
+        islands=2,
+        outer="diloco:inner_steps=4",
+        steps=12,
+        global_batch=16,
+        heartbeat_timeout=HEARTBEAT,
+        run_dir=str(run),
     )
 
 
