@@ -10,10 +10,13 @@ from rich.table import Table
 
 
 class TrainProgress:
-    def __init__(self, total: int, enabled: bool, start: int = 0):
+    """`enabled`: print at all (rank 0); `bar`: draw the live bar when stdout is a terminal (log lines go above it),
+    else the lines alone, as on a pipe or under nohup."""
+
+    def __init__(self, total: int, enabled: bool, start: int = 0, bar: bool = True):
         self.console = Console(stderr=False)
         self.enabled = enabled
-        self.live = enabled and self.console.is_terminal
+        self.live = enabled and bar and self.console.is_terminal
         self.bar = None
         if self.live:
             self.bar = Progress(
