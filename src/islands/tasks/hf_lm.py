@@ -33,6 +33,7 @@ on the CPU (islands.memory.step.resolve_precision; `--precision auto` on the com
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -349,13 +350,27 @@ def save_pretrained(model: Any, tok, directory: str | os.PathLike) -> None:
             for key in keys:
                 setattr(gen, key, getattr(config, key))
             gen.use_cache = True
-        model.save_pretrained(str(directory))
-        hf_tokenizer(tok).save_pretrained(str(directory))
+        with _no_progress_bars():  # a file being written, not a terminal's bar in the run's output
+            model.save_pretrained(str(directory))
+            hf_tokenizer(tok).save_pretrained(str(directory))
     finally:
         for key, value in kept.items():
             setattr(config, key, value)
         for key, value in kept_gen.items():
             setattr(gen, key, value)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 class PretrainedWriter:
