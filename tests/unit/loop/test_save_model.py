@@ -182,3 +182,15 @@ def test_no_bar_keeps_the_log_lines_summary_and_paths(tmp_path, capsys, monkeypa
         assert f"model: {run / md.MODEL_DIR} (step 4, safetensors)" in out
     _fit_printing(tmp_path / "quiet", Progress(enabled=False))
     assert capsys.readouterr().out == ""  # enabled=False: a callback that prints nothing at all
+
+
+def test_parameters_that_are_views_into_one_buffer_are_saved_whole(tmp_path):
+    """The pipeline's gathered model holds its parameters as views into one flat buffer; a file takes whole tensors."""
+    model = nn.Linear(3, 2)
+    flat = torch.arange(8, dtype=torch.float32)
+    model.weight.data = flat[:6].view(2, 3)
+    model.bias.data = flat[6:]
+    md.write_model_dir(tmp_path / "m", md.SafetensorsWriter(), model, {"step": 0})
+    back = nn.Linear(3, 2)
+    load_model(back, str(tmp_path / "m" / md.WEIGHTS_FILE))
+    assert torch.equal(back.weight, flat[:6].view(2, 3)) and torch.equal(back.bias, flat[6:])

@@ -38,15 +38,32 @@ class ModelWriter(Protocol):
 
 
 class SafetensorsWriter:
-    """model.safetensors: the model's state_dict (parameters and buffers), a tensor shared under two names kept
-    once (safetensors.torch.save_model; load_model puts it back under both)."""
+    """model.safetensors: the model's state_dict (parameters and buffers). A tensor under two names (tied weights)
+    is stored once, under the first (safetensors.torch.load_model puts it back under both); a tensor that is a view
+    into a larger buffer (the pipeline's gathered stages) is copied out, since a file holds whole tensors only."""
 
     format = "safetensors"
 
     def write(self, model: torch.nn.Module, directory: Path) -> None:
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file
 
-        save_model(model, str(directory / WEIGHTS_FILE))
+        save_file(own_tensors(model.state_dict()), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def own_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every tensor once (a second name of the same view left out) and each owning its storage."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, t in state.items():
+        t = t.detach()
+        view = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and view in seen:
+            continue
+        seen.add(view)
+        whole = t.is_contiguous() and t.storage_offset() == 0
+        whole = whole and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        out[name] = t if whole else t.clone(memory_format=torch.contiguous_format)
+    return out
 
 
 def write_model_dir(target: Path, writer: ModelWriter, model: torch.nn.Module, info: dict) -> list[str]:
