@@ -1,4 +1,4 @@
-"""What happens around the steps, as callbacks: evaluation, the progress bar, checkpoints, the run record.
+"""What happens around the steps, as callbacks: evaluation, the progress bar, checkpoints, the kept model, run.json.
 
 A callback is any object with some of these methods; the Trainer calls those it has, in `order`
 (lower first; a callback without `order` counts as 50; on_fit_end follows `end_order` where one is given):
@@ -24,7 +24,7 @@ from rich.console import Console
 from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.store.model_dir import MODEL_DIR, ModelWriter, SafetensorsWriter, write_model_dir
 from islands.measure.probe import describe, probe_interconnect
-from islands.measure.progress import TrainProgress, summary_table
+from islands.measure.progress import TrainProgress, print_finished
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
 from islands.testbed import Testbed
 
@@ -180,25 +180,8 @@ class Progress:
         self.bar.close()
         record = getattr(trainer, "record", None)
         if self.enabled and trainer.world.rank == 0 and record is not None:
-            console = Console()
-            console.print(summary_table(record["summary"], record["interconnect_line"]))
-            for line in where_lines(record):
-                console.print(line, highlight=False, soft_wrap=True)  # paths whole, to copy from a log
+            print_finished(record, Console())
             sys.stdout.flush()
-
-
-def where_lines(record: dict) -> list[str]:
-    """Where a run's files went, one line each: run.json and the plot, the model, the logs (when there are)."""
-    if not record.get("run_dir"):
-        return []
-    run_dir = Path(record["run_dir"])
-    lines = [f"run record: {run_dir / 'run.json'}  plot: {run_dir / 'loss.png'}"]
-    model = record.get(SaveModel.record_key)
-    if model:
-        lines.append(f"model: {model['dir']} (step {model['step']}, {model['format']})")
-    if (run_dir / "logs").is_dir():  # the launcher's: one log per rank
-        lines.append(f"logs: {run_dir / 'logs'}")
-    return lines
 
 
 class RunRecord:

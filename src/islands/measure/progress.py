@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -68,6 +69,28 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def where_lines(record: dict) -> list[str]:
+    """Where a run's files went, one line each: run.json and the plot, the model (its `model` entry, written by
+    islands.loop.callbacks.SaveModel), the launcher's logs when there are."""
+    if not record.get("run_dir"):
+        return []
+    run_dir = Path(record["run_dir"])
+    lines = [f"run record: {run_dir / 'run.json'}  plot: {run_dir / 'loss.png'}"]
+    model = record.get("model")
+    if model:
+        lines.append(f"model: {model['dir']} (step {model['step']}, {model['format']})")
+    if (run_dir / "logs").is_dir():  # the launcher's: one log per rank
+        lines.append(f"logs: {run_dir / 'logs'}")
+    return lines
+
+
+def print_finished(record: dict, console: Console) -> None:
+    """The summary table and where the run's files are: the end of every run's output, with or without the bar."""
+    console.print(summary_table(record["summary"], record["interconnect_line"]))
+    for line in where_lines(record):
+        console.print(line, highlight=False, soft_wrap=True)  # paths whole, to copy from a log
 
 
 def _across(summary: dict) -> str:

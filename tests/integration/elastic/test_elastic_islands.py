@@ -303,6 +303,8 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     # the job keeps one model, the global one every survivor holds, and its record says where
     assert _kept_model(cfg, run_dir) == recs["i0w0"]["global_sha256"]
     assert run["model"]["step"] == 60 and run["model"]["dir"] == str(run_dir / "model")
+    # the workers' output went to their logs: the launcher ends with the summary and where the files are
+    assert "islands run summary" in log and f"model: {run_dir / 'model'} (step 60, safetensors)" in log, log
 
 
 # topk: each worker compresses its own shard (error feedback per shard) and the payloads are all-gathered per slot
