@@ -143,7 +143,7 @@ def _from_saved(saved: Path, root: Path):
     if info is None:
         raise ExportError(
             f"run {str(saved.parent)!r} has neither the model it ends with ({saved}: rank 0 writes it when the run "
-            f"finishes; did it fail or was it stopped? its logs say) nor a checkpoint ({root}; train with "
+            f"finishes; did it fail or was it killed? its logs say) nor a checkpoint ({root}; train with "
             "--checkpoint.every N to keep models along the way)"
         )
     if info.get("format") != "transformers":
