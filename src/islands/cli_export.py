@@ -8,6 +8,8 @@ import json
 from islands.app.export import ExportError, export
 from islands.cli_more import UsageError
 
+_SOURCES = {"checkpoint": "its checkpoint", "model": "the model it ended with"}
+
 
 def cmd_export(args: argparse.Namespace) -> int:
     try:
@@ -19,7 +21,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(
             f"exported {summary['model']} ({summary['parameters']:,} parameters, {summary['vocab']} tokens) from "
-            f"step {summary['step']} of {args.run_dir} to {summary['out']}"
+            f"step {summary['step']} of {args.run_dir} ({_SOURCES[summary['source']]}) to {summary['out']}"
         )
     return 0
 
@@ -30,11 +32,19 @@ def add_export_command(sub) -> None:
         help="write a run's global model and tokenizer in the Hugging Face format",
         description="Write the global model of an hf-causal-lm run (under DiLoCo and the other outer "
         "strategies: the outer model) and its tokenizer to OUT, loadable with "
-        "transformers' AutoModelForCausalLM.from_pretrained(OUT) (docs/hf-models.md).",
+        "transformers' AutoModelForCausalLM.from_pretrained(OUT) (docs/hf-models.md). The model comes from the "
+        "run's newest intact checkpoint when it has checkpoints, else from RUN_DIR/model, which every run "
+        "writes when it ends.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory `islands train` wrote")
     p.add_argument("out", metavar="OUT", help="the directory to write; it must not exist")
-    p.add_argument("--step", type=int, default=None, help="the checkpoint step to export (default: the newest intact)")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the checkpoint step to export (default: the newest intact checkpoint, or the model the run ended with "
+        "when it has none)",
+    )
     p.add_argument(
         "--no-verify",
         dest="verify",

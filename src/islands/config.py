@@ -304,10 +304,19 @@ class ElasticConfig:
 @dataclass
 class OutputConfig:
     run_dir: str = _key(
-        "", 'where the run record goes (config.json, run.json, loss.png, live/); "" = runs/<time>-<task>-w<workers>'
+        "",
+        "where the run record goes (config.json, run.json, loss.png, live/, model/); "
+        '"" = runs/<time>-<task>-w<workers>',
     )
     progress: bool = _key(
-        True, "rank 0 prints a progress bar (on a terminal), log lines and the summary table; off: quiet"
+        True,
+        "rank 0 draws a live progress bar on a terminal; off (CI, nohup): no bar, still its log lines, the summary "
+        "table and where run.json, the model and the logs are",
+    )
+    save_model: bool = _key(
+        True,
+        "rank 0 writes the global model to RUN_DIR/model when the run ends (model.safetensors; a transformers "
+        "task: its save_pretrained files and tokenizer; `islands export` reads it); off: only checkpoints keep it",
     )
     log: str = _key(
         "",

@@ -21,6 +21,7 @@ from islands.checkpoint.policy.driver import CheckpointDriver
 from islands.checkpoint.policy.fingerprint import fingerprint_of
 from islands.checkpoint.policy.resume import resume
 from islands.checkpoint.policy.settings import CheckpointSettings, parse_policy
+from islands.checkpoint.store.model_dir import ModelWriter, SafetensorsWriter
 from islands.compress.optim import OPTIMIZERS, build_optimizer
 from islands.compress.registry import COMPRESSORS
 from islands.config import JobConfig
@@ -28,7 +29,7 @@ from islands.data.source import batch_source
 from islands.faults.attacks import ATTACKS
 from islands.faults.roles import LabelFlip
 from islands.faults.slowdown import parse_slowdown, slow_step
-from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord
+from islands.loop.callbacks import Checkpointing, Evaluate, Progress, RunRecord, SaveModel
 from islands.loop.schedule import WarmupCosine
 from islands.loop.task import Task
 from islands.loop.trainer import Trainer
@@ -49,6 +50,7 @@ from islands.sync.stack import Stack
 from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.zero1 import ZeRO1
 from islands.tasks import build_user_task, digits_task, hf_causal_lm, lm_task
+from islands.tasks.hf_lm import HFTask, PretrainedWriter
 
 BETAS = (0.9, 0.95)  # AdamW's betas for the built-in tasks (nanoGPT's choice for small transformers)
 
@@ -233,7 +235,7 @@ def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) ->
 # ---- the trainer ------------------------------------------------------------------------------------
 def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | None) -> list:
     callbacks = [
-        Progress(enabled=cfg.output.progress, tokens_per_sample=task.tokens_per_sample),
+        Progress(bar=cfg.output.progress, tokens_per_sample=task.tokens_per_sample),
         Evaluate(every=cfg.train.eval_every),
         RunRecord(
             run_dir,
@@ -251,7 +253,17 @@ def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | No
         callbacks.append(Checkpointing(CheckpointDriver(settings, world, run_dir, fingerprint(cfg))))
     if run_dir is not None:  # every rank's live stream (the dashboard reads it) and the loggers output.log names
         callbacks.append(build_logging(cfg, world, task, Path(run_dir)))
+    if run_dir is not None and cfg.output.save_model:  # RUN_DIR/model: the global model, kept whatever else is
+        callbacks.append(SaveModel(run_dir, model_writer(task)))
     return callbacks
+
+
+def model_writer(task: Task) -> ModelWriter:
+    """How a task's final model is saved: a transformers model with its tokenizer (from_pretrained loads it),
+    any other as model.safetensors."""
+    if isinstance(task, HFTask) and task.tokenizer is not None:
+        return PretrainedWriter(task.tokenizer)
+    return SafetensorsWriter()
 
 
 def build_logging(cfg: JobConfig, world: World, task: Task, run_dir: Path) -> Logging:

@@ -1,17 +1,22 @@
 """`islands export RUN_DIR OUT`: a run's global model and tokenizer in the Hugging Face format.
 
     export(run_dir, out, step=None)   -> OUT, loadable by AutoModelForCausalLM / AutoTokenizer.from_pretrained
-    global_model(run_dir, step=None)  -> (the model holding the checkpoint's global weights, tokenizer, step)
+    global_model(run_dir, step=None)  -> (the model holding the run's global weights, tokenizer, step)
 
-What is exported is the checkpoint's `model` entry, which the Trainer writes from `strategy.eval_model(model)`:
-the global model. Under DiLoCo, streaming DiLoCo and every other outer strategy that is the outer model (the
-last synchronised one), not any island's local weights; under fsdp the gathered full model. The model is rebuilt
-from the run's RUN_DIR/hf_config.json, its weights loaded from rank 0's part of the newest intact checkpoint (or
-`step`), strictly and after checking the run's fingerprint; the tokenizer is RUN_DIR/tokenizer.json.
+What is exported is the global model: under DiLoCo, streaming DiLoCo and every other outer strategy the outer
+model (the last synchronised one), not any island's local weights; under fsdp the gathered full model. It comes
+from one of two places, both written from `strategy.eval_model(model)`:
 
-Nothing is half-written: everything goes into a temporary sibling of OUT, is loaded back with transformers and
-compared with the islands model (same logits on a sample), and only then renamed to OUT. OUT must not exist.
-Only `hf-causal-lm` runs export: islands' own byte-level `lm` model is not a transformers architecture.
+- a checkpoint, when the run has any (`--checkpoint.every N`): rank 0's part of the newest intact one, or `step`,
+  loaded strictly into the model rebuilt from RUN_DIR/hf_config.json after checking the run's fingerprint (what
+  export always did; the run's last step is always checkpointed, so this is the final model too);
+- else RUN_DIR/model, the model every run writes when it ends (islands.loop.callbacks.SaveModel; `step` cannot
+  choose another there). A run that failed or was stopped before its end has neither.
+
+The tokenizer is RUN_DIR/tokenizer.json. Nothing is half-written: everything goes into a temporary sibling of OUT,
+is loaded back with transformers and compared with the islands model (same logits on a sample), and only then
+renamed to OUT. OUT must not exist. Only `hf-causal-lm` runs export: islands' own byte-level `lm` model is not a
+transformers architecture (its final weights are RUN_DIR/model/model.safetensors).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from islands.app.build import fingerprint
 from islands.checkpoint.errors import CheckpointMismatch, CorruptCheckpoint, NoCheckpoint
 from islands.checkpoint.store.directory import CheckpointStore
+from islands.checkpoint.store.model_dir import MODEL_DIR, read_info
 from islands.config import ConfigError, JobConfig, from_mapping, load_json
 from islands.data import tokenizer as tk
 from islands.tasks import hf_lm
@@ -54,7 +60,8 @@ def run_config(run_dir: Path) -> JobConfig:
     if cfg.task.name != hf_lm.NAME:
         raise ExportError(
             f"run {str(run_dir)!r} trained task {cfg.task.name!r}; `islands export` writes "
-            f"{hf_lm.NAME} runs (a transformers model) only. Train with --task {hf_lm.NAME}"
+            f"{hf_lm.NAME} runs (a transformers model) only. Train with --task {hf_lm.NAME} "
+            f"(this run's final weights are {run_dir / MODEL_DIR / 'model.safetensors'}, when it finished)"
         )
     return cfg
 
@@ -67,7 +74,14 @@ def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
 
 
 def global_model(run_dir: str | os.PathLike, step: int | None = None):
-    """(model, tokenizer, step): the run's global model rebuilt from its hf_config.json and checkpoint."""
+    """(model, tokenizer, step): the run's global model, from its checkpoint or the model it ended with (module
+    docstring)."""
+    model, tok, step, _ = load_global(run_dir, step)
+    return model, tok, step
+
+
+def load_global(run_dir: str | os.PathLike, step: int | None = None):
+    """global_model's (model, tokenizer, step) and where the model came from: "checkpoint" or "model" (RUN/model)."""
     from transformers import AutoConfig
 
     run_dir = Path(run_dir)
@@ -85,14 +99,29 @@ def global_model(run_dir: str | os.PathLike, step: int | None = None):
     if problem:
         raise ExportError(problem)
     root = checkpoint_root(cfg, run_dir)
+    loaded = _from_checkpoint(run_dir, root, step, config, cfg)
+    source = "checkpoint" if loaded is not None else "model"
+    model, step = loaded if loaded is not None else _from_saved(run_dir / MODEL_DIR, root)
+    model.config.use_cache = True  # generation reads a KV cache; training switched it off
+    return model.eval(), tok, step, source
+
+
+def _from_checkpoint(run_dir: Path, root: Path, step: int | None, config, cfg: JobConfig):
+    """(model, step) from the run's checkpoints; None when it has none and no `step` asks for one."""
     if not root.is_dir():
+        if step is None:
+            return None
         raise ExportError(
-            f"run {str(run_dir)!r} has no checkpoint directory ({root}): train with "
-            "--checkpoint.every N (the final step is then always saved)"
+            f"run {str(run_dir)!r} has no checkpoint directory ({root}): --step exports a checkpoint (train with "
+            f"--checkpoint.every N); without --step, export writes the model the run ended with ({MODEL_DIR}/)"
         )
     try:
         loaded = CheckpointStore(root, clean=False).load(step, rank=0, fingerprint=fingerprint(cfg))
-    except (NoCheckpoint, CorruptCheckpoint, CheckpointMismatch) as e:
+    except NoCheckpoint as e:
+        if step is None:
+            return None
+        raise ExportError(f"run {str(run_dir)!r}: {e}") from None
+    except (CorruptCheckpoint, CheckpointMismatch) as e:
         raise ExportError(f"run {str(run_dir)!r}: {e}") from None
     model = hf_lm.build_model(config, seed=cfg.train.seed)
     assert isinstance(loaded.tree, dict)  # a run's checkpoint: the driver's tree (CheckpointDriver.tree)
@@ -103,17 +132,24 @@ def global_model(run_dir: str | os.PathLike, step: int | None = None):
         raise ExportError(
             f"run {str(run_dir)!r}: checkpoint step {loaded.step} does not fit the model of {hf_lm.HF_CONFIG_FILE}: {e}"
         ) from None
-    # generation reads a KV cache; training switched it off. The ignore: build_model's nn.Module return makes
-    # .config Tensor | Module (nn.Module.__getattr__); it is a transformers model's PretrainedConfig
-    model.config.use_cache = True  # type: ignore[union-attr]
-    return model.eval(), tok, loaded.step
+    return model, loaded.step
 
 
-def hf_tokenizer(tok):
-    """The islands tokenizer as transformers' fast tokenizer, its one special token as BOS, EOS and padding."""
-    from transformers import PreTrainedTokenizerFast
+def _from_saved(saved: Path, root: Path):
+    """(model, step) from RUN_DIR/model, the model the run ended with."""
+    from transformers import AutoModelForCausalLM
 
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=tk.EOS, eos_token=tk.EOS, pad_token=tk.EOS)
+    info = read_info(saved) if saved.is_dir() else None
+    if info is None:
+        raise ExportError(
+            f"run {str(saved.parent)!r} has neither the model it ends with ({saved}: rank 0 writes it when the run "
+            f"finishes; did it fail or was it killed? its logs say) nor a checkpoint ({root}; train with "
+            "--checkpoint.every N to keep models along the way)"
+        )
+    if info.get("format") != "transformers":
+        raise ExportError(f"{saved} holds a {info.get('format')!r} model, not a transformers one")
+    model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32)
+    return model, int(info["step"])
 
 
 def sample_ids(tok, model, length: int = 16) -> torch.Tensor:
@@ -146,25 +182,11 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
     run_dir, out = Path(run_dir), Path(out)
     if out.exists():
         raise ExportError(f"{str(out)!r} exists; export writes a new directory (remove it or choose another path)")
-    model, tok, at = global_model(run_dir, step)
-    fast = hf_tokenizer(tok)
-    eos = tk.eos_id(tok)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(model.config, key, None) is None:
-            setattr(model.config, key, eos)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
-            model.config.bos_token_id,
-            model.config.eos_token_id,
-            model.config.pad_token_id,
-        )
-        gen.use_cache = True
+    model, tok, at, source = load_global(run_dir, step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(str(tmp))
-        fast.save_pretrained(str(tmp))
+        hf_lm.save_pretrained(model, tok, tmp)
         diff = _check_loads(tmp, model, tok) if verify else None
         os.rename(tmp, out)  # the directory appears whole, or not at all
     finally:
@@ -173,6 +195,7 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None 
     return {
         "out": str(out),
         "step": at,
+        "source": source,
         "model": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab": tk.vocab_size(tok),

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from islands.app.build import run_job
 from islands.config import JobConfig, dump_json
+from islands.measure.progress import print_finished
 from islands.runtime import simulate
 from islands.runtime.elastic.etcd_store import EtcdAddress
 from islands.runtime.elastic.membership import JobSpec
@@ -146,4 +148,6 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
     )
     if code == 0 and testbed is not None:
         _record_wire_bytes(run_dir, testbed, before)
+    if code == 0 and (run_dir / "run.json").is_file():  # the workers' output went to their logs: say how it went here
+        print_finished(json.loads((run_dir / "run.json").read_text()), Console(file=out))
     return code

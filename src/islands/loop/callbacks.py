@@ -1,4 +1,4 @@
-"""What happens around the steps, as callbacks: evaluation, the progress bar, checkpoints, the run record.
+"""What happens around the steps, as callbacks: evaluation, the progress bar, checkpoints, the kept model, run.json.
 
 A callback is any object with some of these methods; the Trainer calls those it has, in `order`
 (lower first; a callback without `order` counts as 50; on_fit_end follows `end_order` where one is given):
@@ -12,6 +12,7 @@ A callback is any object with some of these methods; the Trainer calls those it 
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -21,8 +22,9 @@ from typing import Protocol, runtime_checkable
 from rich.console import Console
 
 from islands.checkpoint.policy.driver import CheckpointDriver
+from islands.checkpoint.store.model_dir import MODEL_DIR, ModelWriter, SafetensorsWriter, write_model_dir
 from islands.measure.probe import describe, probe_interconnect
-from islands.measure.progress import TrainProgress, summary_table
+from islands.measure.progress import TrainProgress, print_finished
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
 from islands.testbed import Testbed
 
@@ -105,19 +107,61 @@ class Checkpointing:
         self.driver.finish(trainer)
 
 
+class SaveModel:
+    """At the end of the fit, rank 0 writes the global model to RUN_DIR/model (islands.checkpoint.store.model_dir):
+    `strategy.eval_model(model)` after the strategy's final synchronisation, what the final evaluation scored (under
+    DiLoCo and the other outer strategies the outer model; under fsdp the gathered full model; under gossip island
+    0's own). Every rank asks for it, since under fsdp and the pipeline gathering it is a collective; only rank 0
+    writes (in an elastic job the rank 0 of the last epoch, island 0's leader), so a job keeps exactly one model.
+    `writer`: how (default SafetensorsWriter: model.safetensors; a transformers task passes its own). A fit that
+    raises never reaches on_fit_end, and the write itself is atomic: no half-written model directory."""
+
+    reads_loss = False
+    order = 30  # after the final evaluation and checkpoint, before the run record (which records where it went)
+    record_key = "model"
+
+    def __init__(self, run_dir: str | Path, writer: ModelWriter | None = None):
+        self.dir = Path(run_dir) / MODEL_DIR
+        self.writer = writer if writer is not None else SafetensorsWriter()
+        self.saved: dict | None = None
+
+    def on_fit_end(self, trainer) -> None:
+        model = trainer.eval_model  # collective under fsdp and the pipeline: every rank takes part
+        if trainer.world.rank != 0:
+            return
+        t = time.perf_counter()
+        info = {"step": trainer.step, "strategy": trainer.strategy.name, "class": type(model).__name__}
+        files = write_model_dir(self.dir, self.writer, model, info)
+        self.saved = {
+            "dir": str(self.dir),
+            **info,
+            "format": self.writer.format,
+            "files": files,
+            "bytes": sum((self.dir / f).stat().st_size for f in files),
+            "seconds": time.perf_counter() - t,
+            "definition": "strategy.eval_model(model) after the final synchronisation (the global model)",
+        }
+
+    def record(self) -> dict | None:
+        return self.saved
+
+
 class Progress:
-    """Rank 0's live bar (a terminal) or log lines, and the summary table at the end (islands.measure.progress)."""
+    """Rank 0's live bar (on a terminal, when `bar`), its log lines, and at the end the summary table and where the
+    run's files are (run.json, the plot, the model, the logs) (islands.measure.progress). `bar=False` (`islands train
+    --no-progress`) drops only the bar: a job under nohup or in CI still says how it went and where its record is.
+    `enabled=False` prints nothing at all."""
 
     reads_loss = False
     order, end_order = 1, 99  # the bar exists before anything logs; the table needs the record
 
-    def __init__(self, enabled: bool = True, tokens_per_sample: int = 1):
-        self.enabled, self.tokens_per_sample = enabled, tokens_per_sample
+    def __init__(self, enabled: bool = True, tokens_per_sample: int = 1, bar: bool = True):
+        self.enabled, self.tokens_per_sample, self.show_bar = enabled, tokens_per_sample, bar
         self.bar: TrainProgress | None = None  # made at the start of each fit
 
     def on_fit_start(self, trainer) -> None:
         self.bar = TrainProgress(
-            trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0, start=trainer.step
+            trainer.total_steps, enabled=self.enabled and trainer.world.rank == 0, start=trainer.step, bar=self.show_bar
         )
         trainer.log = self.bar.log
 
@@ -136,11 +180,8 @@ class Progress:
         self.bar.close()
         record = getattr(trainer, "record", None)
         if self.enabled and trainer.world.rank == 0 and record is not None:
-            Console().print(summary_table(record["summary"], record["interconnect_line"]))
-            if record.get("run_dir"):
-                Console().print(
-                    f"run record: {Path(record['run_dir']) / 'run.json'}  plot: {Path(record['run_dir']) / 'loss.png'}"
-                )
+            print_finished(record, Console())
+            sys.stdout.flush()
 
 
 class RunRecord:

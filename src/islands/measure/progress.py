@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -10,10 +11,13 @@ from rich.table import Table
 
 
 class TrainProgress:
-    def __init__(self, total: int, enabled: bool, start: int = 0):
+    """`enabled`: print at all (rank 0); `bar`: draw the live bar when stdout is a terminal (log lines go above it),
+    else the lines alone, as on a pipe or under nohup."""
+
+    def __init__(self, total: int, enabled: bool, start: int = 0, bar: bool = True):
         self.console = Console(stderr=False)
         self.enabled = enabled
-        self.live = enabled and self.console.is_terminal
+        self.live = enabled and bar and self.console.is_terminal
         self.bar = None
         if self.live:
             self.bar = Progress(
@@ -65,6 +69,28 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def where_lines(record: dict) -> list[str]:
+    """Where a run's files went, one line each: run.json and the plot, the model (its `model` entry, written by
+    islands.loop.callbacks.SaveModel), the launcher's logs when there are."""
+    if not record.get("run_dir"):
+        return []
+    run_dir = Path(record["run_dir"])
+    lines = [f"run record: {run_dir / 'run.json'}  plot: {run_dir / 'loss.png'}"]
+    model = record.get("model")
+    if model:
+        lines.append(f"model: {model['dir']} (step {model['step']}, {model['format']})")
+    if (run_dir / "logs").is_dir():  # the launcher's: one log per rank
+        lines.append(f"logs: {run_dir / 'logs'}")
+    return lines
+
+
+def print_finished(record: dict, console: Console) -> None:
+    """The summary table and where the run's files are: the end of every run's output, with or without the bar."""
+    console.print(summary_table(record["summary"], record["interconnect_line"]))
+    for line in where_lines(record):
+        console.print(line, highlight=False, soft_wrap=True)  # paths whole, to copy from a log
 
 
 def _across(summary: dict) -> str:

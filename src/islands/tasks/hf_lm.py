@@ -33,6 +33,7 @@ on the CPU (islands.memory.step.resolve_precision; `--precision auto` on the com
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -316,6 +317,73 @@ def save_run_files(run_dir: str | os.PathLike, tok, config) -> None:
         os.replace(tmp, run_dir / HF_CONFIG_FILE)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# ---- the saved model -----------------------------------------------------------------------------------
+def hf_tokenizer(tok):
+    """The islands tokenizer as transformers' fast tokenizer, its one special token as BOS, EOS and padding."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=tk.EOS, eos_token=tk.EOS, pad_token=tk.EOS)
+
+
+def save_pretrained(model: Any, tok, directory: str | os.PathLike) -> None:
+    """`model` and `tok` as transformers loads them (AutoModelForCausalLM / AutoTokenizer.from_pretrained):
+    config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json. The config
+    says what generation needs: the KV cache on (training switched it off), end-of-text as BOS, EOS and padding
+    where the model's config named none or an id outside its vocabulary (a user's config of another tokenizer).
+    The model's own config is put back as it was afterwards: a model still training is not changed. `model`: a
+    transformers PreTrainedModel (typed Any: transformers is an optional import)."""
+    config = model.config
+    gen = getattr(model, "generation_config", None)
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    kept = {k: getattr(config, k, None) for k in (*keys, "use_cache")}
+    kept_gen = {k: getattr(gen, k, None) for k in (*keys, "use_cache")} if gen is not None else {}
+    eos, rows = tk.eos_id(tok), embedding_rows(config)
+    try:
+        for key in keys:
+            value = getattr(config, key, None)
+            if not isinstance(value, int) or not 0 <= value < rows:
+                setattr(config, key, eos)
+        config.use_cache = True
+        if gen is not None:
+            for key in keys:
+                setattr(gen, key, getattr(config, key))
+            gen.use_cache = True
+        with _no_progress_bars():  # a file being written, not a terminal's bar in the run's output
+            model.save_pretrained(str(directory))
+            hf_tokenizer(tok).save_pretrained(str(directory))
+    finally:
+        for key, value in kept.items():
+            setattr(config, key, value)
+        for key, value in kept_gen.items():
+            setattr(gen, key, value)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+class PretrainedWriter:
+    """A transformers model's final save (islands.checkpoint.store.model_dir.ModelWriter): save_pretrained's files
+    with the run's tokenizer, so RUN_DIR/model loads with from_pretrained as it is."""
+
+    format = "transformers"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def write(self, model: torch.nn.Module, directory: Path) -> None:
+        save_pretrained(model, self.tokenizer, directory)
 
 
 # ---- the task -----------------------------------------------------------------------------------------

@@ -182,6 +182,21 @@ def _records(run_dir: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*.json") if p.stem != "restarts"}
 
 
+def _kept_model(cfg, run_dir: Path) -> str:
+    """The digest of the one model the job kept (RUN_DIR/model, written by the last epoch's rank 0: island 0's
+    leader), loaded strictly into the task's model; a second model or a half-written one fails here."""
+    from safetensors.torch import load_model
+
+    from islands.app.build import build_task
+    from islands.runtime.elastic import global_digest
+
+    kept = [p.name for p in run_dir.iterdir() if p.name.startswith((".model", "model"))]
+    assert kept == ["model"], kept
+    model = build_task(cfg).model
+    load_model(model, str(run_dir / "model" / "model.safetensors"))
+    return global_digest(model)
+
+
 def _run(cfg, run_dir: Path, fault) -> tuple[int, str]:
     errors: list = []
 
@@ -285,6 +300,11 @@ def test_a_killed_worker_takes_its_island_out_and_the_restarted_island_rejoins_w
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 60 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
     assert_nothing_half_written(run_dir)
+    # the job keeps one model, the global one every survivor holds, and its record says where
+    assert _kept_model(cfg, run_dir) == recs["i0w0"]["global_sha256"]
+    assert run["model"]["step"] == 60 and run["model"]["dir"] == str(run_dir / "model")
+    # the workers' output went to their logs: the launcher ends with the summary and where the files are
+    assert "islands run summary" in log and f"model: {run_dir / 'model'} (step 60, safetensors)" in log, log
 
 
 # topk: each worker compresses its own shard (error feedback per shard) and the payloads are all-gathered per slot
@@ -306,6 +326,8 @@ def test_an_elastic_fsdp_job_without_faults_ends_with_the_fixed_world_jobs_globa
     assert launch(fixed, fixed_run, out=io.StringIO()) == 0
     final = CheckpointStore(fixed_run / "ckpt", clean=False).load(60, rank=0).tree["model"]
     assert state_digest(final) == digests["i0w0"]
+    # each job kept the gathered global model once (fsdp: a collective every worker joins, island 0's leader writes)
+    assert _kept_model(cfg, elastic_run) == _kept_model(fixed, fixed_run) == digests["i0w0"]
     summaries = [json.loads((run / "run.json").read_text())["summary"] for run in (elastic_run, fixed_run)]
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
 

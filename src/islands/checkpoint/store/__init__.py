@@ -9,6 +9,7 @@ packed        a whole state tree as one checksummed bytes object
 levels        memory / local disk / remote levels, restore from the newest intact (SOTA-057)
 peer          the memory level held by the next rank too
 async_writer  two-phase snapshot-then-persist (SOTA-056)
+model_dir     the model a run ends with (RUN_DIR/model), written whole or not at all
 
 Uses islands.checkpoint.codec for the tensors; nothing here imports islands.checkpoint.policy.
 CheckpointStore's public home is islands.checkpoint; it is importable here as well.
