@@ -125,7 +125,7 @@ class BenchContext:
     def config(self, **overrides) -> JobConfig:
         """A validated job config from overrides (flat keys such as workers=2, or dotted ones); a smoke run's
         is cut to SMOKE_STEPS steps."""
-        cfg = from_mapping({"progress": False, **overrides})
+        cfg = from_mapping({"progress": False, "output.save_model": False, **overrides})  # arms compare numbers
         return validate(smoke_sized(cfg, self.smoke_steps) if self.smoke else cfg)
 
     def train(self, label: str, **overrides) -> dict:
