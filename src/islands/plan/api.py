@@ -122,7 +122,7 @@ def job_config(overrides: dict | JobConfig) -> JobConfig:
 
 
 def profile_job(
-    cfg: JobConfig, device: str = "cpu", refresh: bool = False, steps: int = 5
+    cfg: JobConfig, device: str = "cpu", refresh: bool = False, steps: int = 8
 ) -> tuple[Profile, torch.nn.Module]:
     """Build the task as `islands train` would (one worker's batch) and profile its step (cached)."""
     flat = copy.deepcopy(cfg)

@@ -44,7 +44,7 @@ class Profile:
     backward_s: float
     optimizer_s: float
     step_s: float  # the whole step, measured as one (data + forward + backward + optimizer)
-    spread: float  # (max - min) / median of the whole step over the measured steps
+    spread: float  # (second largest - second smallest) / median of the whole step over the measured steps
     activation_peak_bytes: int
     param_bytes: int
     grad_bytes: int
@@ -81,7 +81,7 @@ def fingerprint(model: torch.nn.Module, batch, extra: str = "") -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu x{torch.get_num_threads()} threads"
+    return f"cpu ({os.cpu_count()} cores)"
 
 
 def _sync(device: torch.device) -> None:
@@ -127,9 +127,10 @@ def profile_step(
     next_batch: Callable[[], object],
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     device: torch.device | str = "cpu",
-    steps: int = 5,
-    warmup: int = 2,
+    steps: int = 8,
+    warmup: int = 3,
     precision: str = "fp32",
+    threads: int = 1,
     refresh: bool = False,
     cache: Path | None = None,
 ) -> Profile:
@@ -137,7 +138,7 @@ def profile_step(
     device = torch.device(device)
     batch = next_batch()
     size = batch_size(batch)
-    key = fingerprint(model, batch, f"{device.type}:{_device_name(device)}:{precision}:{steps}")
+    key = fingerprint(model, batch, f"{device.type}:{_device_name(device)}:{precision}:{steps}:{threads}")
     path = (cache or cache_dir()) / f"{key}.json"
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
@@ -145,6 +146,8 @@ def profile_step(
         return Profile(**data)
     model = copy.deepcopy(model).to(device)
     optimizer = make_optimizer(model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # as a training worker runs (one torch thread per CPU worker by default)
     step = ForwardBackward(precision=precision)
     clock = _ModuleClock(model, device)
     data_t, fwd, bwd, opt, whole = [], [], [], [], []
@@ -180,6 +183,7 @@ def profile_step(
             step(model, to_device(next_batch(), device), loss_fn)
         peak = meter.peak
     finally:
+        torch.set_num_threads(before)
         pre.remove()
         post.remove()
         clock.close()
@@ -194,7 +198,7 @@ def profile_step(
         backward_s=statistics.median(bwd),
         optimizer_s=statistics.median(opt),
         step_s=med,
-        spread=(max(whole) - min(whole)) / med if med > 0 else 0.0,
+        spread=(sorted(whole)[-2] - sorted(whole)[1]) / med if med > 0 and len(whole) > 3 else 0.0,
         activation_peak_bytes=int(peak),
         param_bytes=sb.params,
         grad_bytes=sb.grads,
