@@ -17,6 +17,7 @@ islands' workers share their island's link to the others: w workers per island e
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from islands.compress.average import analytic_nbytes
+from islands.plan.held import held_bytes
 from islands.plan.links import Link
 from islands.plan.profile import Profile
 from islands.sync.outer.base import OuterStrategy
@@ -249,8 +251,19 @@ def _outer_memory(outer: DiLoCo, prof: Profile) -> int:
     p = prof.numel * 4
     extra = 2 * p  # global_flat (fp32) and the global model evaluation reads
     if outer.exchange.compressor is not None:
-        extra += p  # error feedback's residual, one fp32 vector
+        extra += compressor_state_bytes(outer, prof.numel)
     return extra
+
+
+def compressor_state_bytes(outer: DiLoCo, numel: int) -> int:
+    """What the exchange's compressor keeps between rounds (error feedback's residual, its own buffers), measured:
+    a copy of it compresses one vector of the model's size here and the tensors it then holds are counted."""
+    comp = copy.deepcopy(outer.exchange.compressor)
+    assert comp is not None
+    x = torch.zeros(numel)
+    state = comp.state("plan", x)
+    comp.compress(x.clone(), state)
+    return held_bytes(comp, state, exclude=[x])
 
 
 def predict(
