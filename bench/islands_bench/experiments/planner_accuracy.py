@@ -78,7 +78,8 @@ def _held_peak(job: dict, outer: str, steps: int) -> list[int]:
         batch = t.train_data(0, 1).next()
         with SavedTensorMeter(exclude=list(t.model.parameters())) as meter:
             ForwardBackward()(t.model, batch, t.loss_fn)
-        return held_bytes(t.model, opt, strategy) + meter.peak
+        # the simulated Comm's mailboxes may still hold the last collective's result: a simulation's, not the job's
+        return held_bytes(t.model, opt, strategy, exclude=[world.comm()]) + meter.peak
 
     return islands.simulate.run(main, islands=2)
 
@@ -88,10 +89,10 @@ def _err(pred: float, got: float) -> float:
 
 
 def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], steps: int) -> list[dict]:
-    from islands.plan import plan
+    from islands.plan import parse_link, plan
 
     job = {**MODELS[model], "global_batch": 16, "steps": steps, "eval_every": 0, "warmup": 1}
-    plan_link = "measured" if link == "loopback" else link
+    plan_link = parse_link("measured" if link == "loopback" else link)  # one probe per setting
     preds = {}
     for islands in (1, 2):
         specs = [(n, i, inner, outer) for n, i, inner, outer in STRATEGIES if n in names and i == islands]
@@ -124,6 +125,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
             ledger = rec["comm"]["per_rank"][0]
             row = {
                 "model": model,
+                "islands": islands,
                 "link": link,
                 "strategy": n,
                 "pred_step_ms": pr.step_s * 1e3,

@@ -226,6 +226,13 @@ def _ddp_exposed(link: Link, n: int, grad_bytes: int, backward_s: float) -> floa
 def _inner(
     c: Candidate, prof: Profile, n: int, link: Link
 ) -> tuple[int, float, dict[str, int]]:  # bytes/step, seconds/step, memory
+    """Bytes, exposed seconds per step (collectives plus the wait for the slowest of n workers at the step's
+    synchronisation) and memory of the inner strategy over n workers on `link`."""
+    b, t, mem = _inner_comm(c, prof, n, link)
+    return b, (t + prof.straggler_s(n) if b else t), mem
+
+
+def _inner_comm(c: Candidate, prof: Profile, n: int, link: Link) -> tuple[int, float, dict[str, int]]:
     g = prof.grad_bytes
     mem = {"params": prof.param_bytes, "grads": g, "optimizer": prof.optimizer_bytes}
     if n < 2 or c.inner == "single":
@@ -305,8 +312,9 @@ def predict(
         for lo, hi in bounds:
             b, kind = exchange_bytes(outer, hi - lo)
             t = share.seconds(kind, topo.islands, b) + codec_seconds(outer, hi - lo)
-            frag_t.append(max(t - tau * prof.step_s, 0.0))  # overlapped with tau steps of compute
-        cross_t = sum(frag_t) / h
+            frag_t.append(max(t - tau * prof.compute_s, 0.0))  # overlapped with tau steps of compute
+        # every round's exchange waits for the slowest island's H steps
+        cross_t = (sum(frag_t) + prof.straggler_s(topo.islands, h)) / h
         cross_round = sum(exchange_bytes(outer, hi - lo)[0] for lo, hi in bounds) + prof.buffer_bytes
         round_steps = h
         extra = _outer_memory(outer, prof)
@@ -324,17 +332,19 @@ def predict(
     if not checked:
         notes.append(f"{c.family} over a {link_kind} has never been checked against a measured run")
     inputs = {
-        "compute": f"profiled step {prof.step_s * 1e3:.2f} ms at batch {prof.batch_size} on {prof.device} "
+        "compute": f"profiled step {prof.compute_s * 1e3:.2f} ms (mean) at batch {prof.batch_size} on {prof.device} "
         f"(+-{prof.spread * 100:.0f}% over {prof.steps} steps{', cached' if prof.cached else ''})",
         "inside link": inside.describe(),
         "cross link": cross.describe(),
         "memory": "parameters, gradients, optimizer state counted after a profiled step (islands.memory); "
         "activations: the profiled saved-for-backward peak",
         "bytes": "the ledger's formulas (islands.plan.costs)",
+        "synchronisation wait": f"E[slowest of n] - mean over the profiled steps: {prof.straggler_s(2) * 1e3:.2f} ms "
+        "at n=2",
     }
     return Prediction(
         label=c.label,
-        compute_s=prof.step_s,
+        compute_s=prof.compute_s,
         inside_comm_s=inside_t,
         cross_comm_s=cross_t,
         inside_bytes_per_step=inside_b,

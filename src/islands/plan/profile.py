@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -51,6 +52,7 @@ class Profile:
     optimizer_bytes: int
     buffer_bytes: int  # floating buffers (what an outer strategy averages beside the parameters)
     param_numels: list[int] = field(default_factory=list)
+    step_samples: list[float] = field(default_factory=list)  # every measured whole step, seconds
     modules_s: dict[str, float] = field(default_factory=dict)
     steps: int = 0
     cached: bool = False
@@ -61,7 +63,19 @@ class Profile:
 
     @property
     def compute_s(self) -> float:
-        return self.step_s
+        """The mean step (a run's seconds per step is a mean: wall time over steps)."""
+        return statistics.fmean(self.step_samples) if self.step_samples else self.step_s
+
+    def straggler_s(self, n: int, steps: int = 1) -> float:
+        """Expected wait at a collective that n workers enter after `steps` steps each: E[max of n] - mean, for steps
+        drawn from the measured ones (exact over the empirical distribution; a sum of `steps` draws scales the
+        spread by sqrt(steps), as for independent steps)."""
+        xs = sorted(self.step_samples)
+        m = len(xs)
+        if n < 2 or m < 2:
+            return 0.0
+        e_max = sum(x * ((i / m) ** n - ((i - 1) / m) ** n) for i, x in enumerate(xs, 1))
+        return (e_max - statistics.fmean(xs)) * math.sqrt(steps)
 
 
 def fingerprint(model: torch.nn.Module, batch, extra: str = "") -> str:
@@ -205,6 +219,7 @@ def profile_step(
         optimizer_bytes=sb.optimizer,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point()),
         param_numels=[p.numel() for p in model.parameters()],
+        step_samples=whole,
         modules_s=clock.medians(steps),
         steps=steps,
     )
