@@ -1,4 +1,4 @@
-"""`islands plan`: predicted step time, bytes and memory of every strategy for a job's model and links (islands.plan)."""
+"""`islands plan`: predicted step time, bytes and memory of each strategy for a job's model and links (islands.plan)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def add_plan_command(
         action="append",
         dest="strategies",
         metavar="SPEC",
-        help=f"a strategy to consider, repeatable: ddp, zero1, fsdp or an outer spec (default: {', '.join(DEFAULT_STRATEGIES)})",
+        help="a strategy to consider, repeatable: ddp, zero1, fsdp or an outer spec (default: "
+        f"{', '.join(DEFAULT_STRATEGIES)})",
     )
     p.add_argument("--budget-mb", type=float, default=0.0, help="per-rank memory budget; 0: no limit")
     p.add_argument("--plot", default="", help="write step time against cross-island bandwidth here (PNG)")

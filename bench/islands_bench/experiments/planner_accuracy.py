@@ -15,12 +15,14 @@ planner's link: a 2-process gloo probe on this machine, `--link measured`), 6 st
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import torch
 
 from islands_bench.harness import BenchContext, experiment
 
-STRATEGIES = [
+# (label, islands, inner strategy, outer spec): each trains 2 workers
+STRATEGIES: list[tuple[str, int, str | None, str | None]] = [
     ("ddp", 1, "ddp", None),
     ("zero1", 1, "zero1", None),
     ("diloco-H10", 2, None, "diloco:inner_steps=10"),
@@ -32,7 +34,7 @@ STRATEGIES = [
 ]
 QUICK = ("ddp", "zero1", "diloco-H10", "streaming-H10", "diloco-H10-topkq", "diloco-H50")
 SMOKE = ("ddp", "diloco-H10")
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     "digits": {"task": "digits"},
     "lm": {"task": "lm", "task.d_model": 64, "task.n_layers": 2, "task.n_heads": 2, "task.context": 64},
     "llama": {
@@ -102,11 +104,11 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
             {**job, "workers": 2, "islands": islands},
             link=plan_link,
             inside_link=plan_link,
-            strategies=[inner or outer for _, _, inner, outer in specs],
+            strategies=[str(inner or outer) for _, _, inner, outer in specs],
         )
         by_label = {x.label: x for x in p.predictions}
         for n, _, inner, outer in specs:
-            preds[n] = by_label[inner or outer]
+            preds[n] = by_label[str(inner or outer)]
         ctx.log(f"{model} {link} islands={islands}: planned in {p.seconds:.1f} s ({p.cross.describe()})")
     rows = []
     bed_ctx = ctx.testbed(link, hosts=2) if link != "loopback" else None
@@ -115,7 +117,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
         for n, islands, inner, outer in STRATEGIES:
             if n not in names:
                 continue
-            over = {**job, "workers": 2, "islands": islands}
+            over: dict[str, Any] = {**job, "workers": 2, "islands": islands}
             over.update({"inner": inner} if inner else {"outer": outer})
             if bed is not None:
                 over["testbed"] = bed.name
@@ -123,7 +125,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
             pr = preds[n]
             ran = rec["summary"]["steps"]
             ledger = rec["comm"]["per_rank"][0]
-            row = {
+            row: dict[str, Any] = {
                 "model": model,
                 "islands": islands,
                 "link": link,
@@ -149,12 +151,16 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
     return rows
 
 
-def _summary(rows: list[dict]) -> dict:
-    out = {}
+def _summary(rows: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for q in ("step_err", "bytes_err", "mem_err"):
         vals = [r[q] for r in rows if r[q] is not None]
-        out[q] = {"median": statistics.median(vals) if vals else None, "worst": max(vals) if vals else None, "n": len(vals)}
-    settings = {}
+        out[q] = {
+            "median": statistics.median(vals) if vals else None,
+            "worst": max(vals) if vals else None,
+            "n": len(vals),
+        }
+    settings: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         settings.setdefault((r["model"], r["link"]), []).append(r)
     choices = []
@@ -182,6 +188,7 @@ def _summary(rows: list[dict]) -> dict:
     "and whether its first choice was the measured fastest",
 )
 def planner_accuracy(ctx: BenchContext) -> dict:
+    names: tuple[str, ...]
     if ctx.smoke:
         settings, names, steps = [("digits", "loopback")], SMOKE, 20
         ctx.smoke_steps = 20  # two DiLoCo rounds of H=10
@@ -200,11 +207,13 @@ def planner_accuracy(ctx: BenchContext) -> dict:
         m = s[q]
         if m["median"] is not None:
             headline.append(
-                f"{words}: median error {m['median'] * 100:.1f}%, worst {m['worst'] * 100:.1f}% over {m['n']} configurations"
+                f"{words}: median error {m['median'] * 100:.1f}%, worst {m['worst'] * 100:.1f}% over {m['n']} "
+                "configurations"
             )
     for c in s["choices"]:
+        verdict = "same" if c["same"] else "within 10%" if c["within_10pct"] else "NOT within 10%"
         headline.append(
             f"{c['model']} on {c['link']}: planner's first choice {c['planner_first']}, measured fastest "
-            f"{c['measured_fastest']} ({'same' if c['same'] else 'within 10%' if c['within_10pct'] else 'NOT within 10%'})"
+            f"{c['measured_fastest']} ({verdict})"
         )
     return {"rows": rows, "headline": headline, "summary": s}

@@ -122,7 +122,7 @@ def job_config(overrides: dict | JobConfig) -> JobConfig:
 
 
 def profile_job(
-    cfg: JobConfig, device: str = "cpu", refresh: bool = False, steps: int = 8
+    cfg: JobConfig, device: str = "cpu", refresh: bool = False, steps: int = 16
 ) -> tuple[Profile, torch.nn.Module]:
     """Build the task as `islands train` would (one worker's batch) and profile its step (cached)."""
     flat = copy.deepcopy(cfg)
@@ -134,7 +134,7 @@ def profile_job(
     except TaskError as e:
         raise PlanError(str(e)) from None
     except Exception as e:  # the user's model or data did not build: their input, said as such
-        raise PlanError(f"task {cfg.task.name!r} does not build: {type(e).__name__}: {e}") from None
+        raise PlanError(f"task {cfg.task.name!r} does not build: {type(e).__name__}: {e}") from e
     world = World.single(device)
     with torch.random.fork_rng():
         prof = profile_step(

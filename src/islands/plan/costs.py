@@ -21,6 +21,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -31,7 +32,6 @@ from islands.plan.profile import Profile
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.flat import fragment_bounds
-from islands.sync.outer.quant4 import PayloadCodec
 from islands.sync.zero1 import param_gather_bytes
 
 INNER = ("ddp", "zero1", "fsdp")
@@ -142,15 +142,20 @@ class Prediction:
         }
 
 
+@runtime_checkable
+class SizedPayload(Protocol):
+    """A payload codec that knows its payload's size for a vector (Quant4: fixed; Quant4Zstd: a bound)."""
+
+    def payload_nbytes(self, numel: int) -> int: ...
+
+
 # ---- the outer exchanges' bytes ------------------------------------------------------------------------------------
-def _codec_of(outer: DiLoCo) -> PayloadCodec | None:
-    return outer.exchange.codec
-
-
 def exchange_bytes(outer: DiLoCo, numel: int) -> tuple[int, str]:
     """(bytes one rank sends, collective kind) for one exchange of a vector of `numel` fp32 values."""
     ex = outer.exchange
     if ex.codec is not None:
+        if not isinstance(ex.codec, SizedPayload):
+            raise ValueError(f"codec {type(ex.codec).__name__} does not say its payload size (payload_nbytes)")
         return ex.codec.payload_nbytes(numel) + (8 if ex.codec.variable_length else 0), "all_gather"
     if ex.compressor is not None:
         return analytic_nbytes({"x": torch.empty(numel)}, ex.compressor), "all_gather"
@@ -191,7 +196,7 @@ def outer_run_bytes(outer: DiLoCo, numel: int, buffer_bytes: int, steps: int) ->
 _THROUGHPUT: dict[tuple, float] = {}
 
 
-def codec_seconds(outer: DiLoCo, numel: int, reps: int = 3) -> float:
+def codec_seconds(outer: DiLoCo, numel: int, reps: int = 5) -> float:
     """Seconds to encode and decode one exchange's vector of `numel` values on this machine (0 for the plain mean),
     measured once per (compressor, size) in this process."""
     ex = outer.exchange
@@ -202,7 +207,9 @@ def codec_seconds(outer: DiLoCo, numel: int, reps: int = 3) -> float:
     if key not in _THROUGHPUT:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         times = []
-        for _ in range(reps):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)  # as a CPU worker runs it (2 threads on a busy 2-core machine measured 100x slower)
+        for _ in range(reps + 1):  # the first is a warm-up
             t = time.perf_counter()
             if ex.codec is not None:
                 ex.codec.decode(ex.codec.encode(x), numel)
@@ -212,7 +219,8 @@ def codec_seconds(outer: DiLoCo, numel: int, reps: int = 3) -> float:
                 state = comp.state("plan", x)
                 comp.decompress(comp.compress(x.clone(), state))
             times.append(time.perf_counter() - t)
-        _THROUGHPUT[key] = min(times)
+        torch.set_num_threads(before)
+        _THROUGHPUT[key] = min(times[1:])
     return _THROUGHPUT[key]
 
 

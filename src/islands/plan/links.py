@@ -19,6 +19,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,17 +50,21 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float], source: str = "fit") -> AlphaBeta:
-    """Least-squares line through (bytes, seconds), both coefficients kept >= 0 (a negative latency is noise)."""
+    """Line through (bytes, seconds) minimising the *relative* squared error (weights 1/t^2: a latency-bound small
+    size counts as much as a bandwidth-bound large one), both coefficients kept >= 0 (a negative one is noise)."""
     if len(sizes) != len(times) or len(set(sizes)) < 2:
         raise ValueError(f"need timings at >= 2 distinct sizes; got sizes {sizes}")
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    beta = max(sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx, 0.0)
+    w = [1.0 / max(t, 1e-12) ** 2 for t in times]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
+    my = sum(wi * y for wi, y in zip(w, times)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+    beta = max(sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, times)) / sxx, 0.0)
     alpha = my - beta * mx
     if alpha < 0:  # refit through the origin
-        alpha, beta = 0.0, sum(x * y for x, y in zip(sizes, times)) / sum(x * x for x in sizes)
-    rel = math.sqrt(sum(((alpha + beta * x) - y) ** 2 / max(y, 1e-12) ** 2 for x, y in zip(sizes, times)) / n)
+        alpha = 0.0
+        beta = sum(wi * x * y for wi, x, y in zip(w, sizes, times)) / sum(wi * x * x for wi, x in zip(w, sizes))
+    rel = math.sqrt(sum(((alpha + beta * x) - y) ** 2 / max(y, 1e-12) ** 2 for x, y in zip(sizes, times)) / len(sizes))
     return AlphaBeta(alpha, beta, source, rel)
 
 
@@ -100,7 +105,8 @@ class Link:
         if self.fitted:
             ar = self.fitted.get("all_reduce")
             if ar is not None:
-                return f"{self.source}: all_reduce {ar.alpha_s * 1e6:.0f} us + {8 / max(ar.beta_s_per_byte, 1e-18) / 1e9:.2f} Gbit/s"
+                gbit = 8 / max(ar.beta_s_per_byte, 1e-18) / 1e9
+                return f"{self.source}: all_reduce {ar.alpha_s * 1e6:.0f} us + {gbit:.2f} Gbit/s"
             return self.source
         return f"{self.source}: {self.rate_bps / 1e6:g} Mbit/s, {self.latency_s * 1e3:g} ms"
 
@@ -166,11 +172,11 @@ def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: 
             x = torch.ones(numel)
             gathered = torch.empty(2 * numel)
             half = torch.empty(numel // 2)
-            calls = {
+            calls: dict[str, tuple[Callable[[], object], int]] = {
                 # each timed with the ledger's sent bytes for it (runtime/comm.py)
-                "all_reduce": (lambda: dist.all_reduce(x), nbytes),
-                "all_gather": (lambda: dist.all_gather_into_tensor(gathered, x), nbytes),
-                "reduce_scatter": (lambda: dist.reduce_scatter_tensor(half, x), (numel // 2) * 4),
+                "all_reduce": (lambda x=x: dist.all_reduce(x), nbytes),
+                "all_gather": (lambda g=gathered, x=x: dist.all_gather_into_tensor(g, x), nbytes),
+                "reduce_scatter": (lambda h=half, x=x: dist.reduce_scatter_tensor(h, x), (numel // 2) * 4),
             }
             for kind, (fn, sent) in calls.items():
                 fn()  # warm-up
@@ -187,7 +193,7 @@ def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: 
         dist.destroy_process_group()
 
 
-def probe_collectives(sizes: tuple[int, ...] = PROBE_BYTES, reps: int = 7) -> dict[str, list[tuple[int, float]]]:
+def probe_collectives(sizes: tuple[int, ...] = PROBE_BYTES, reps: int = 9) -> dict[str, list[tuple[int, float]]]:
     """Median seconds of each collective kind at each size, between 2 gloo processes on this machine (loopback)."""
     import torch.multiprocessing as mp
 

@@ -107,7 +107,9 @@ class _ModuleClock:
     """Forward time of each top-level child (pre and post hooks), summed over a step."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.device, self.times, self._start = device, {}, {}
+        self.device = device
+        self.times: dict[str, list[float]] = {}
+        self._start: dict[str, float] = {}
         self.handles = []
         for name, child in model.named_children():
             self.handles.append(child.register_forward_pre_hook(self._pre(name)))
@@ -141,7 +143,7 @@ def profile_step(
     next_batch: Callable[[], object],
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     device: torch.device | str = "cpu",
-    steps: int = 8,
+    steps: int = 16,
     warmup: int = 3,
     precision: str = "fp32",
     threads: int = 1,
@@ -152,7 +154,7 @@ def profile_step(
     device = torch.device(device)
     batch = next_batch()
     size = batch_size(batch)
-    key = fingerprint(model, batch, f"{device.type}:{_device_name(device)}:{precision}:{steps}:{threads}")
+    key = fingerprint(model, batch, f"v2:{device.type}:{_device_name(device)}:{precision}:{steps}:{threads}")
     path = (cache or cache_dir()) / f"{key}.json"
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())

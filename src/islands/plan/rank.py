@@ -22,7 +22,7 @@ class Crossover:
 
 
 def rate_sweep(low_bps: float = 1e6, high_bps: float = 1e11, per_decade: int = 8) -> list[float]:
-    n = int(round(math.log10(high_bps / low_bps) * per_decade))
+    n = round(math.log10(high_bps / low_bps) * per_decade)
     return [low_bps * 10 ** (i / per_decade) for i in range(n + 1)]
 
 

@@ -30,7 +30,10 @@ def test_held_bytes_counts_each_storage_once():
     "task,outer",
     [
         ({"task": "digits"}, "diloco:inner_steps=4"),
-        ({"task": "lm", "task.d_model": 32, "task.n_layers": 1, "task.n_heads": 2, "task.context": 32}, "diloco:inner_steps=4"),
+        (
+            {"task": "lm", "task.d_model": 32, "task.n_layers": 1, "task.n_heads": 2, "task.context": 32},
+            "diloco:inner_steps=4",
+        ),
         ({"task": "digits"}, "diloco:inner_steps=4,compressor=(topkq:ratio=0.01,bits=2)"),
     ],
 )
@@ -47,8 +50,13 @@ def test_memory_prediction_within_ten_percent_of_the_held_peak(task, outer):
         opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
         strategy = islands.Stack(outer=islands.sync.outer.make_outer(outer))
         trainer = islands.Trainer(
-            model=t.model, optimizer=opt, loss_fn=t.loss_fn, train_data=t.train_data, val_data=t.val_data,
-            world=world, strategy=strategy,
+            model=t.model,
+            optimizer=opt,
+            loss_fn=t.loss_fn,
+            train_data=t.train_data,
+            val_data=t.val_data,
+            world=world,
+            strategy=strategy,
         )
         trainer.fit(8)
         batch = t.train_data(0, 1).next()
