@@ -21,8 +21,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from islands.testbed import state
+from islands.testbed.spec import parse_rate
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _LINK = re.compile(r"^\s*([0-9.]+)\s*(kbit|mbit|gbit)\s*(?:,\s*([0-9.]+)\s*(us|ms|s)\s*)?$", re.IGNORECASE)
@@ -125,9 +131,6 @@ def parse_rate_latency(text: str) -> Link | None:
 
 def testbed_link(name: str) -> Link | None:
     """The rate a testbed made by `islands testbed up` shapes its links to (its measured goodput when it has one)."""
-    from islands.testbed import state
-    from islands.testbed.spec import parse_rate
-
     data = state.load(name)
     if data is None:
         return None
@@ -161,8 +164,6 @@ def parse_link(text: str, probe=None) -> Link:
 
 # ---- the probe: 2 gloo processes on this machine ------------------------------------------------------------------
 def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: str) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     results: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
@@ -174,9 +175,9 @@ def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: 
             half = torch.empty(numel // 2)
             calls: dict[str, tuple[Callable[[], object], int]] = {
                 # each timed with the ledger's sent bytes for it (runtime/comm.py)
-                "all_reduce": (lambda x=x: dist.all_reduce(x), nbytes),
-                "all_gather": (lambda g=gathered, x=x: dist.all_gather_into_tensor(g, x), nbytes),
-                "reduce_scatter": (lambda h=half, x=x: dist.reduce_scatter_tensor(h, x), (numel // 2) * 4),
+                "all_reduce": (partial(dist.all_reduce, x), nbytes),
+                "all_gather": (partial(dist.all_gather_into_tensor, gathered, x), nbytes),
+                "reduce_scatter": (partial(dist.reduce_scatter_tensor, half, x), (numel // 2) * 4),
             }
             for kind, (fn, sent) in calls.items():
                 fn()  # warm-up
@@ -195,8 +196,6 @@ def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: 
 
 def probe_collectives(sizes: tuple[int, ...] = PROBE_BYTES, reps: int = 9) -> dict[str, list[tuple[int, float]]]:
     """Median seconds of each collective kind at each size, between 2 gloo processes on this machine (loopback)."""
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
