@@ -38,12 +38,13 @@ INNER = ("ddp", "zero1", "fsdp")
 INIT_DIGEST_BYTES = 8  # OuterStrategy.agree_start: one int64 digest all-gathered once per run
 DDP_BUCKET_BYTES = 25_000_000  # islands.sync.ddp.DDP(bucket_mb=25.0), the default
 
-# Expected error of each quantity, (median, worst) relative, from `islands bench planner-accuracy --quick` on this
-# project's 2-core CI machine over gloo loopback (docs/plan.md has the run); bytes are exact by construction.
+# Expected error of each quantity, (median, worst) relative, measured by `islands bench planner-accuracy --quick`
+# (digits MLP, 6 configurations, 2 workers over gloo loopback on a shared 2-core CPU machine; docs/plan.md has the
+# run). Bytes are the ledger's formulas (0 over 6 of 6); memory over the 4 outer configurations it measured.
 EXPECTED_ERROR = {
-    "step_s": (0.0, 0.0),
+    "step_s": (0.307, 0.549),
     "bytes": (0.0, 0.0),
-    "memory": (0.0, 0.0),
+    "memory": (0.0, 0.010),
 }
 # What planner-accuracy has checked (strategy family, link kind); anything else is flagged "never checked".
 CHECKED = {("ddp", "loopback"), ("zero1", "loopback"), ("diloco", "loopback"), ("streaming-diloco", "loopback")}
@@ -273,12 +274,18 @@ def _outer_memory(outer: DiLoCo, prof: Profile) -> int:
 def compressor_state_bytes(outer: DiLoCo, numel: int) -> int:
     """What the exchange's compressor keeps between rounds (error feedback's residual, its own buffers), measured:
     a copy of it compresses one vector of the model's size here and the tensors it then holds are counted."""
-    comp = copy.deepcopy(outer.exchange.compressor)
-    assert comp is not None
-    x = torch.zeros(numel)
-    state = comp.state("plan", x)
-    comp.compress(x.clone(), state)
-    return held_bytes(comp, state, exclude=[x])
+    key = (id(outer), numel)
+    if key not in _STATE_BYTES:  # once per candidate: the bandwidth sweep predicts it at every rate
+        comp = copy.deepcopy(outer.exchange.compressor)
+        assert comp is not None
+        x = torch.zeros(numel)
+        state = comp.state("plan", x)
+        comp.compress(x.clone(), state)
+        _STATE_BYTES[key] = held_bytes(comp, state, exclude=[x])
+    return _STATE_BYTES[key]
+
+
+_STATE_BYTES: dict[tuple[int, int], int] = {}
 
 
 def predict(
@@ -335,7 +342,10 @@ def predict(
             return inner_b + outer_run_bytes(outer, prof.numel, prof.buffer_bytes, steps)
 
     memory = Memory(mem["params"], mem["grads"], mem["optimizer"], extra, prof.activation_peak_bytes)
-    link_kind = "loopback" if "loopback" in (cross.source + inside.source) else "link"
+    # the links this candidate's traffic uses: the cross link whenever there are several islands, the inside one
+    # when an island (or the one flat group) has several workers
+    used = ([cross] if topo.islands > 1 else []) + ([inside] if (w > 1 or topo.islands == 1) else [])
+    link_kind = "loopback" if all("loopback" in x.source for x in used) else "shaped link"
     checked = (c.family, link_kind) in CHECKED
     if not checked:
         notes.append(f"{c.family} over a {link_kind} has never been checked against a measured run")
@@ -347,7 +357,7 @@ def predict(
         "memory": "parameters, gradients, optimizer state counted after a profiled step (islands.memory); "
         "activations: the profiled saved-for-backward peak",
         "bytes": "the ledger's formulas (islands.plan.costs)",
-        "synchronisation wait": f"E[slowest of n] - mean over the profiled steps: {prof.straggler_s(2) * 1e3:.2f} ms "
+        "synchronisation wait": f"E(slowest of n) - mean over the profiled steps: {prof.straggler_s(2) * 1e3:.2f} ms "
         "at n=2",
     }
     return Prediction(

@@ -12,6 +12,7 @@ the measured times of several sizes, per kind; other group sizes scale them by t
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -21,12 +22,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from islands.plan.profile import cache_dir
 from islands.testbed import state
 from islands.testbed.spec import parse_rate
 
@@ -212,5 +215,16 @@ def link_from_probe(timings: dict[str, list[tuple[int, float]]], source: str) ->
     return Link(rate, ar.alpha_s / 2, source, fitted)
 
 
-def probe_link() -> Link:
-    return link_from_probe(probe_collectives(), "measured: gloo loopback, 2 processes")
+def probe_link(cache: Path | None = None, refresh: bool = False) -> Link:
+    """The probe's link, its timings cached per host (starting 2 processes costs more than the probe itself on a
+    busy machine); `refresh` measures again."""
+    path = (cache or cache_dir()) / f"probe-{socket.gethostname()}-torch{torch.__version__}.json"
+    timings = None
+    cached = path.is_file() and not refresh
+    if cached:
+        timings = {k: [(int(b), float(t)) for b, t in v] for k, v in json.loads(path.read_text()).items()}
+    if timings is None:
+        timings = probe_collectives()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(timings))
+    return link_from_probe(timings, "measured: gloo loopback, 2 processes" + (", cached" if cached else ""))
