@@ -81,7 +81,7 @@ def _held_peak(job: dict, outer: str, steps: int) -> list[int]:
         with SavedTensorMeter(exclude=list(t.model.parameters())) as meter:
             ForwardBackward()(t.model, batch, t.loss_fn)
         # the simulated Comm's mailboxes may still hold the last collective's result: a simulation's, not the job's
-        return held_bytes(t.model, opt, strategy, exclude=[world.comm()]) + meter.peak
+        return held_bytes(t.model, opt, strategy, exclude=[world.comm(), strategy.outer.comm]) + meter.peak
 
     return islands.simulate.run(main, islands=2)
 

@@ -274,7 +274,8 @@ def _outer_memory(outer: DiLoCo, prof: Profile) -> int:
 def compressor_state_bytes(outer: DiLoCo, numel: int) -> int:
     """What the exchange's compressor keeps between rounds (error feedback's residual, its own buffers), measured:
     a copy of it compresses one vector of the model's size here and the tensors it then holds are counted."""
-    key = (id(outer), numel)
+    part = outer.exchange.compressor
+    key = (type(part).__name__, repr(vars(part)) if hasattr(part, "__dict__") else "", numel)
     if key not in _STATE_BYTES:  # once per candidate: the bandwidth sweep predicts it at every rate
         comp = copy.deepcopy(outer.exchange.compressor)
         assert comp is not None
@@ -285,7 +286,7 @@ def compressor_state_bytes(outer: DiLoCo, numel: int) -> int:
     return _STATE_BYTES[key]
 
 
-_STATE_BYTES: dict[tuple[int, int], int] = {}
+_STATE_BYTES: dict[tuple, int] = {}
 
 
 def predict(

@@ -22,8 +22,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -63,8 +63,8 @@ def test_memory_prediction_within_ten_percent_of_the_held_peak(task, outer):
         with SavedTensorMeter(exclude=list(t.model.parameters())) as meter:
             ForwardBackward()(t.model, batch, t.loss_fn)
         # the simulated Comm's mailboxes may still hold the last collective's result: a simulation's, not the job's
-        return held_bytes(t.model, opt, strategy, exclude=[world.comm()]) + meter.peak
+        return held_bytes(t.model, opt, strategy, exclude=[world.comm(), strategy.outer.comm]) + meter.peak
 
     measured = islands.simulate.run(main, islands=2)
     for got in measured:
-        assert pred.memory.total == pytest.approx(got, rel=0.10)
+        assert pred.memory.total == pytest.approx(got, rel=0.10), (pred.memory, measured)
