@@ -7,10 +7,18 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from islands.plan import DEFAULT_STRATEGIES, PlanError, plan
 from islands.plan.report import plot, table
+
+
+def _device(name: str | None) -> str:
+    """The device to profile on: as `islands train` reads world.device (auto: the GPU when there is one)."""
+    if name in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def add_plan_command(
@@ -54,7 +62,7 @@ def add_plan_command(
                 link=args.link,
                 inside_link=args.inside_link,
                 strategies=tuple(args.strategies or DEFAULT_STRATEGIES),
-                device=getattr(args, "world.device", None) or "cpu",
+                device=_device(getattr(args, "world.device", None)),
                 budget_mb=args.budget_mb,
                 refresh=args.refresh,
             )

@@ -92,9 +92,11 @@ def _err(pred: float, got: float) -> float:
 
 def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], steps: int) -> list[dict]:
     from islands.plan import parse_link, plan
+    from islands.plan.links import probe_link
 
     job = {**MODELS[model], "global_batch": 16, "steps": steps, "eval_every": 0, "warmup": 1}
-    plan_link = parse_link("measured" if link == "loopback" else link)  # one probe per setting
+    # measured in this invocation, side by side with the runs: a fresh probe and a fresh profile per setting
+    plan_link = probe_link(refresh=True) if link == "loopback" else parse_link(link)
     preds = {}
     for islands in (1, 2):
         specs = [(n, i, inner, outer) for n, i, inner, outer in STRATEGIES if n in names and i == islands]
@@ -105,6 +107,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
             link=plan_link,
             inside_link=plan_link,
             strategies=[str(inner or outer) for _, _, inner, outer in specs],
+            refresh=not preds,  # the setting's first plan profiles afresh; the second reads that profile
         )
         by_label = {x.label: x for x in p.predictions}
         for n, _, inner, outer in specs:

@@ -166,17 +166,16 @@ def plan(
     topo = Topology(cfg.world.workers, cfg.world.islands)
     try:
         cross = link if isinstance(link, Link) else parse_link(link)
-        need_inside = topo.per_island > 1 or topo.islands == 1
         if isinstance(inside_link, Link):
             inside = inside_link
-        elif need_inside:
+        elif topo.islands == 1 and inside_link == "measured":
+            inside = cross  # one island: the given link is its workers' link
+        elif topo.per_island > 1 or topo.islands == 1:
             inside = parse_link(inside_link)
         else:
-            inside = cross  # no link inside one-worker islands
+            inside = cross  # one-worker islands have no link inside
     except LinkError as e:
         raise PlanError(str(e)) from None
-    if topo.islands == 1 and not isinstance(link, Link) and inside_link == "measured":
-        inside = cross  # one island: the given link is the workers' link
     prof, model = profile_job(cfg, device, refresh)
     cands = [candidate(s, cfg, model) for s in strategies]
     if topo.islands == 1:

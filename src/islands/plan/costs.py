@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -106,7 +107,7 @@ class Prediction:
     expected_error: dict[str, tuple[float, float]]
     checked: bool
     notes: list[str] = field(default_factory=list)
-    _run_bytes: object = None  # steps -> per-rank sent over a whole run (see run_bytes)
+    _run_bytes: Callable[[int], int] | None = None  # steps -> per-rank sent over a whole run (see run_bytes)
 
     @property
     def step_s(self) -> float:
@@ -118,7 +119,7 @@ class Prediction:
 
     def run_bytes(self, steps: int) -> int:
         """Bytes one rank sends over a run of `steps` steps, as its ledger counts them (all kinds)."""
-        assert callable(self._run_bytes)
+        assert self._run_bytes is not None, "a Prediction made by predict() carries its byte schedule"
         return int(self._run_bytes(steps))
 
     def as_dict(self) -> dict:

@@ -43,7 +43,10 @@ def _tensors(roots):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("islands", "torch", "__main__"):
+        elif hasattr(obj, "__dict__") and (
+            isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))  # a user's or transformers' module too
+            or type(obj).__module__.split(".")[0] in ("islands", "torch", "__main__")
+        ):
             stack.extend(vars(obj).values())
         elif hasattr(obj, "__slots__"):
             stack.extend(getattr(obj, s, None) for s in obj.__slots__ if isinstance(s, str))

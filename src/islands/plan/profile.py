@@ -27,6 +27,8 @@ from islands.memory.accounting import SavedTensorMeter, state_bytes
 from islands.memory.step import ForwardBackward
 
 CACHE_ENV = "ISLANDS_PLAN_CACHE"
+MIN_PROFILE_S = 2.0  # a fast model's profile runs this long (or MAX_PROFILE_STEPS), beyond its minimum of steps
+MAX_PROFILE_STEPS = 400
 
 
 def cache_dir() -> Path:
@@ -154,7 +156,7 @@ def profile_step(
     device = torch.device(device)
     batch = next_batch()
     size = batch_size(batch)
-    key = fingerprint(model, batch, f"v2:{device.type}:{_device_name(device)}:{precision}:{steps}:{threads}")
+    key = fingerprint(model, batch, f"v3:{device.type}:{_device_name(device)}:{precision}:{steps}:{threads}")
     path = (cache or cache_dir()) / f"{key}.json"
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
@@ -171,9 +173,14 @@ def profile_step(
     pre = model.register_forward_pre_hook(lambda *_: fwd_box.append(time.perf_counter()))
     post = model.register_forward_hook(lambda *_: fwd_box.append(time.perf_counter()))
     try:
-        for i in range(warmup + steps):
+        i = 0
+        # at least `steps` steps; a fast model keeps going for up to MIN_PROFILE_S (a mean over a few ms-long steps
+        # is at the mercy of one preemption on a shared machine)
+        t_start = time.perf_counter()
+        while i < warmup + steps or (i < warmup + MAX_PROFILE_STEPS and time.perf_counter() - t_start < MIN_PROFILE_S):
             if i == warmup:
                 clock.times.clear()
+                t_start = time.perf_counter()
             _sync(device)
             t0 = time.perf_counter()
             b = to_device(next_batch(), device)
@@ -193,6 +200,7 @@ def profile_step(
                 bwd.append(max(t2 - t1 - f, 0.0))
                 opt.append(t3 - t2)
                 whole.append(t3 - t0)
+            i += 1
         # the activation peak on one more step: the meter's hooks cost time, so it is kept out of the timed steps
         optimizer.zero_grad(set_to_none=True)
         with SavedTensorMeter(exclude=list(model.parameters())) as meter:
@@ -222,8 +230,8 @@ def profile_step(
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point()),
         param_numels=[p.numel() for p in model.parameters()],
         step_samples=whole,
-        modules_s=clock.medians(steps),
-        steps=steps,
+        modules_s=clock.medians(len(whole)),
+        steps=len(whole),
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
