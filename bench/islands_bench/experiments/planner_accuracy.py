@@ -97,7 +97,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
     job = {**MODELS[model], "global_batch": 16, "steps": steps, "eval_every": 0, "warmup": 1}
     # measured in this invocation, side by side with the runs: a fresh probe and a fresh profile per setting
     plan_link = probe_link(refresh=True) if link == "loopback" else parse_link(link)
-    preds = {}
+    preds: dict[str, Any] = {}
     for islands in (1, 2):
         specs = [(n, i, inner, outer) for n, i, inner, outer in STRATEGIES if n in names and i == islands]
         if not specs:
