@@ -20,6 +20,7 @@ from islands.app.validate import validate
 from islands.app.worker import run_worker
 from islands.cli_export import add_export_command
 from islands.cli_more import UsageError, add_more_commands
+from islands.cli_plan import add_plan_command
 from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, default_text, descriptions, from_mapping, keys, load_toml
 from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
@@ -53,11 +54,16 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(*flags, dest=dotted, type=kind, default=None, metavar=typ.upper(), help=help_text)
 
 
-def config_from_args(args: argparse.Namespace) -> JobConfig:
+def unvalidated_config(args: argparse.Namespace) -> JobConfig:
+    """The job the flags and --config describe, before validation (islands plan validates per strategy)."""
     values = load_toml(args.config) if args.config else {}
     cfg = from_mapping(values)
     overrides = {k: getattr(args, k) for k in keys() if getattr(args, k, None) is not None}
-    return validate(from_mapping(overrides, base=cfg))
+    return from_mapping(overrides, base=cfg)
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    return validate(unvalidated_config(args))
 
 
 def cmd_train(args) -> int:
@@ -135,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dashboard_command(sub, ExitError)
     add_report_command(sub)
     add_export_command(sub)
+    add_plan_command(sub, _add_config_flags, unvalidated_config, ExitError)
     # Other distributions add subcommands (islands-bench adds `bench`); islands never imports them.
     for entry in entry_points(group="islands.commands"):
         entry.load()(sub)

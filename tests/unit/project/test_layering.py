@@ -44,10 +44,12 @@ LAYERS = {
     "tasks": 3,
     "config": 4,
     "app": 5,
+    "plan": 5,  # islands plan: builds the job as the app does, then predicts (docs/plan.md)
     "cli": 6,
     "cli_more": 6,
     "cli_run": 6,
     "cli_export": 6,
+    "cli_plan": 6,
     "__main__": 6,
     "__init__": 6,
 }
