@@ -331,8 +331,9 @@ class JoinedWorld(World):
     local_index: int = 0
 
     def leave(self) -> None:
-        if self.cross is not None:
-            self.cross.leave()
+        cross, self.cross = self.cross, None  # once: close_world and the exit handler both call it
+        if cross is not None:
+            cross.leave()
 
 
 def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device: str = "auto") -> JoinedWorld:
@@ -368,7 +369,12 @@ def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device
     )
     world.local_size, world.local_index = k, local
     world.cross = CrossIslands(spec, local, ledger, on_change=world.follow)
-    world.comms = {"cross": world.cross.comm, "local": Comm(None, ledger) if k > 1 else LoneComm()}
+    # a script that never calls close_world (a Trainer's) still stops its heartbeat and says it finished before
+    # the interpreter tears down (atexit runs this before the GIL hand-off registered above)
+    atexit.register(world.leave)
+    # world.ledger counts the traffic across islands only; the island's own (its framework's DDP, the island
+    # buffer average) is the island's business and goes to a ledger of its own
+    world.comms = {"cross": world.cross.comm, "local": Comm(None, CommLedger()) if k > 1 else LoneComm()}
     return world
 
 
