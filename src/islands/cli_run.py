@@ -84,7 +84,6 @@ def _run_separate(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
         for flag, value, default in (
             ("--testbed", args.testbed, ""),
             ("--port", args.port, 0),
-            ("--heartbeat-timeout", args.heartbeat_timeout, None),
             ("--store", args.store, ""),
             ("--max-restarts", args.max_restarts, 0),
         )
@@ -93,8 +92,11 @@ def _run_separate(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
     if refused:
         raise UsageError(
             f"{', '.join(refused)} do not apply to --separate-jobs (each island picks a free port on this machine; "
-            f"the cross-island timeout is --timeout); leave them out"
+            f"the cross-island timeouts are --timeout and --heartbeat-timeout); leave them out"
         )
+    for flag, value in (("--timeout", args.timeout), ("--heartbeat-timeout", args.heartbeat_timeout)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} must be a positive number of seconds; got {value}")
     if args.islands < 2:
         raise UsageError(f"--separate-jobs needs --islands K with K >= 2 (one job per island); got {args.islands}")
     try:
@@ -114,6 +116,7 @@ def _run_separate(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
         threads=args.threads,
         run_dir=run_dir,
         cross_timeout_s=args.timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
 
 
@@ -171,7 +174,7 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         "elastic job: a worker that dies is dropped and the others carry on, `islands join` adds workers.",
         usage="islands run [--workers N] [--islands K] [--testbed NAME] [--port P] [--threads T] [--run-dir DIR] "
         "[--elastic [--heartbeat-timeout S] [--timeout S] [--max-restarts N] [--store etcd://H:P,...]] "
-        "[--separate-jobs [--timeout S]] "
+        "[--separate-jobs [--timeout S] [--heartbeat-timeout S]] "
         "script.py [ARGS...]",
     )
     r.add_argument("--workers", type=int, default=2, metavar="N", help="ranks to start (default 2)")
@@ -223,7 +226,8 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3)",
+        help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3); with "
+        "--separate-jobs: before an island counts as gone (default 10)",
     )
     r.add_argument(
         "--timeout",

@@ -257,6 +257,7 @@ def run_island_jobs(
     run_dir: Path,
     out=sys.stderr,
     cross_timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
 ) -> int:
     """`islands` jobs of `workers // islands` ranks each on this machine, each its own rendezvous (its own store and
     MASTER_PORT, as a torchrun per island would give), joined across by islands.runtime.cross through a store this
@@ -269,6 +270,8 @@ def run_island_jobs(
     k = workers // islands
     cross = rendezvous_store(0)  # held for the job's life: the islands' meeting point outlives any island
     timeout = {} if cross_timeout_s is None else {"timeout_s": cross_timeout_s}
+    if heartbeat_timeout_s is not None:
+        timeout["heartbeat_timeout_s"] = heartbeat_timeout_s
     saved = _handlers()
     _install({signal.SIGTERM: _raise_terminated}, saved)
     jobs: list[list[WorkerProcess]] = []
