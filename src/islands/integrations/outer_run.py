@@ -45,7 +45,7 @@ class OuterRun:
         return self.join().island
 
     def begin(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0, resume: Path | None = None
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0, resume: Path | str | None = None
     ):
         """Wrap `model` (the framework's, wrapped in its DDP or not) and attach to `optimizer` (the torch optimizer
         whose step is one inner step). `resume`: the checkpoint folder the framework resumed from, whose outer state
@@ -85,10 +85,10 @@ class OuterRun:
         attached.__exit__(None, None, None)
         live, glob = unwrap(model), self.strategy.eval_model(model)
         if glob is not live:
-            for mine, theirs in zip(live.parameters(), glob.parameters()):
-                mine.copy_(theirs)
-            for mine, theirs in zip(live.buffers(), glob.buffers()):
-                mine.copy_(theirs)
+            for p, g in zip(live.parameters(), glob.parameters()):
+                p.copy_(g)
+            for b, h in zip(live.buffers(), glob.buffers()):
+                b.copy_(h)
 
     @property
     def cross_bytes(self) -> int:

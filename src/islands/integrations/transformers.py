@@ -48,6 +48,7 @@ class IslandsCallback(TrainerCallback):
         self.run = run or OuterRun(strategy)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        assert args.output_dir is not None  # TrainingArguments fills in its default ("trainer_output")
         world = self.run.join()  # the Trainer's arguments made its process group: join the islands over it
         if world.islands > 1:
             args.output_dir = os.path.join(args.output_dir, f"island{world.island}")
@@ -56,11 +57,13 @@ class IslandsCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         resume = None
+        assert args.output_dir is not None  # on_init_end saw it set
         if state.global_step > 0:  # the Trainer loaded a checkpoint: it wrote the outer state beside its own
             resume = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         self.run.begin(kwargs["model"], torch_optimizer(kwargs["optimizer"]), step=state.global_step, resume=resume)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        assert args.output_dir is not None  # on_init_end saw it set
         self.run.save(os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}"))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):

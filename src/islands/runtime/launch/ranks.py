@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from islands.runtime.cross import CrossSpec
 from islands.runtime.launch import spawn
 from islands.testbed import Testbed, TestbedError, TestbedNotFound
 from islands.testbed.system import list_netns, require_root
@@ -264,8 +265,6 @@ def run_island_jobs(
     launcher hosts (ISLANDS_CROSS_*). An island whose rank fails is stopped alone: the others train on without it
     (their cross-island group drops it). Island i's rank r logs to RUN_DIR/logs/island<i>/rank<r>.log. Returns 0
     when every rank of every island exited 0, else 1 (130/143 when interrupted or terminated)."""
-    from islands.runtime.cross import CrossSpec  # torch.distributed only where a job is joined across
-
     check_counts(workers, islands, threads)
     k = workers // islands
     cross = rendezvous_store(0)  # held for the job's life: the islands' meeting point outlives any island
