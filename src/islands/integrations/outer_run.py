@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from islands.runtime.world import World, close_world, init_world
+from islands.runtime.world import JoinedWorld, World, close_world, init_world
 from islands.sync.attach import Attached
 from islands.sync.base import Strategy
 from islands.sync.ddp import unwrap
@@ -37,7 +37,15 @@ class OuterRun:
     def join(self) -> World:
         """The World, made on first use: after the framework made its process group, never before."""
         if self.world is None:
-            self.world = init_world()
+            world = init_world()
+            if world.islands > 1 and not isinstance(world, JoinedWorld):
+                raise ValueError(
+                    f"this job's {world.size} workers form {world.islands} islands in one default process group, "
+                    "over which the framework runs DDP: every step would cross between islands. Start each island "
+                    "as its own job: `islands run --workers N --islands K --separate-jobs script.py`, or a torchrun "
+                    "per island with ISLANDS_CROSS_* set (docs/frameworks.md)"
+                )
+            self.world = world
         return self.world
 
     @property

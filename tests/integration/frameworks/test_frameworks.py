@@ -108,3 +108,18 @@ def test_an_island_that_dies_leaves_the_other_training(tmp_path, monkeypatch, ca
         assert r["steps"] == 60 and r["islands"] == 1
         assert r["gone"] == ["island1"]
         assert r["rounds"] == 6  # every round ran: two with island 1, four alone
+
+
+def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypatch, capfd):
+    """`islands run --islands 2` without --separate-jobs: the Trainer's DDP would span both islands, so the
+    callback refuses, naming the launch that works."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OUT_DIR", str(tmp_path / "out"))
+    capfd.readouterr()
+    run_dir = tmp_path / "runs" / "one-job"
+    code = cli("run", "--workers", "2", "--islands", "2", "--run-dir", str(run_dir), str(EXAMPLES / "hf_trainer.py"))
+    out = capfd.readouterr()
+    text = out.out + out.err + "".join(p.read_text() for p in run_dir.glob("logs/*.log"))
+    assert code == 1
+    assert "every step would cross between islands" in text and "--separate-jobs" in text
