@@ -188,6 +188,10 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     environment it is a world of one process. An existing default process group is reused as it is (its
     backend and timeout are the script's); `timeout_s` and `device` apply to a group made here.
 
+    In a job of islands that are separate jobs (ISLANDS_CROSS_ADDR set: `islands run --separate-jobs`, or a
+    torchrun per island; islands.runtime.cross) it returns join_islands(): the islands are the jobs, so `islands`
+    is not used.
+
     Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): its
     island is where the launcher put it (ISLANDS_ISLAND; one worker per island without it), so `islands` is
     not used, and the job's own collective timeout applies. A process the job refuses, or a joiner the job
