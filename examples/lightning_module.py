@@ -24,6 +24,7 @@ from islands.integrations.lightning import IslandsCallback  # islands
 
 CONTEXT = 32
 STEPS, INNER_STEPS = int(os.environ.get("STEPS", "40")), int(os.environ.get("INNER_STEPS", "10"))
+CHECKPOINT = os.environ.get("CHECKPOINT", "")  # a folder: save there at the end, and resume from it if it exists
 
 
 class ByteWindows(Dataset):
@@ -73,7 +74,12 @@ def main():
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(ByteWindows(corpus()), batch_size=8, shuffle=True))
+    island = os.environ.get("ISLANDS_CROSS_INDEX", "0")  # each island its own file on a shared machine
+    path = Path(CHECKPOINT) / f"island{island}.ckpt" if CHECKPOINT else None
+    resume = str(path) if path is not None and path.is_file() else None
+    trainer.fit(module, DataLoader(ByteWindows(corpus()), batch_size=8, shuffle=True), ckpt_path=resume)
+    if path is not None:
+        trainer.save_checkpoint(path)  # the module holds the global model; the callback's state the outer state
     world = callback.run.join()
     params = b"".join(p.detach().numpy().tobytes() for p in module.parameters())
     line = {

@@ -48,7 +48,7 @@ class IslandsCallback(pl.Callback):
         self.run.end(pl_module)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.run.state()} if self.run.attached is not None else {}
+        return {"outer": self.run.state()} if self.run.began else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resumed = state_dict.get("outer")

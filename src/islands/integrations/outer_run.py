@@ -33,6 +33,7 @@ class OuterRun:
         islands of their own, ISLANDS_CROSS_*, joins them; docs/frameworks.md)."""
         self.strategy, self.world = strategy, world
         self.attached: Attached | None = None
+        self.began = False  # the strategy is wrapped: its state is worth saving (during training and after)
 
     def join(self) -> World:
         """The World, made on first use: after the framework made its process group, never before."""
@@ -61,6 +62,7 @@ class OuterRun:
         world = self.join()
         self.attached = Attached(self.strategy, model, optimizer, world, start=step)
         self.attached.__enter__()
+        self.began = True
         if resume is not None:
             path = Path(resume) / STATE_FILE.format(rank=world.local_rank)
             if not path.is_file():

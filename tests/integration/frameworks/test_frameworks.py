@@ -81,8 +81,19 @@ def test_hf_trainer_callback_two_islands_then_resumed(tmp_path, monkeypatch, cap
     assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
 
-def test_lightning_callback_two_islands(tmp_path, monkeypatch, capfd):
-    check_islands(separate_jobs(EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd), rounds=4)
+def test_lightning_callback_two_islands_then_resumed(tmp_path, monkeypatch, capfd):
+    ckpt = tmp_path / "ckpt"
+    results = separate_jobs(
+        EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, STEPS="20", CHECKPOINT=str(ckpt)
+    )
+    check_islands(results, rounds=2)
+    # resumed from Lightning's own checkpoint to 40 steps: the outer rounds continue from the saved 2
+    resumed = separate_jobs(
+        EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, STEPS="40", CHECKPOINT=str(ckpt)
+    )
+    assert {r["rounds"] for r in resumed} == {4}
+    assert {len(r["losses"]) for r in resumed} == {20}  # only the steps after the checkpoint ran
+    assert len({r["digest"] for r in resumed}) == 1
 
 
 def test_accelerate_loop_two_islands(tmp_path, monkeypatch, capfd):
