@@ -5,6 +5,8 @@ json, email and http packages) trained through (a) the Hugging Face Trainer and 
   ddp       plain DDP over all 4 workers (one job): every step all-reduces the gradients over the 4
   islands   2 islands x 2 workers, each island its own job (`islands run --separate-jobs`), DDP inside, DiLoCo
             (H inner steps, SOTA-047 / arXiv 2311.08105) across through islands' callback
+and, for reference, islands' own path on the same model, data, batch and H without a framework (a plain loop, torch's
+DDP inside each island, `strategy.attach`; quick and full tiers).
 Per arm: the validation loss of the final (global) model, the bytes each worker sent across islands (islands' cross
 ledger; for ddp the payload of its gradient all-reduce, which would cross the link if its 4 workers were 2 islands),
 and the callback's cost: the median time of the outer strategy's hooks on a step that does not synchronise, against
@@ -64,6 +66,7 @@ def frameworks(ctx: BenchContext) -> dict:
         spec = {"steps": 500, "inner_steps": 50}
     spec.update(context=64, batch=8, lr=3e-3, val_windows=4 if ctx.smoke else 64)
     arms = [(fw, outer) for fw in ("hf", "lightning") for outer in (False, True)]
+    arms.append(("loop", True))  # islands' own path on the same model, data, batch and H: no framework
     if ctx.smoke:  # one arm of each kind: each framework's path once, plain DDP once and the callback once
         arms = [("hf", False), ("lightning", True)]
     ctx.plan(len(arms))
@@ -86,7 +89,13 @@ def frameworks(ctx: BenchContext) -> dict:
         rows.append(
             {
                 "framework": framework,
-                "arm": "2 islands x 2, DiLoCo via callback" if outer else "DDP over 4",
+                "arm": (
+                    "2 islands x 2, DiLoCo via attach in a plain loop"
+                    if framework == "loop"
+                    else "2 islands x 2, DiLoCo via callback"
+                    if outer
+                    else "DDP over 4"
+                ),
                 "steps": steps,
                 "H": spec["inner_steps"] if outer else None,
                 "val_loss": losses[0] if len(losses) == 1 else losses,
@@ -122,6 +131,19 @@ def frameworks(ctx: BenchContext) -> dict:
             f"({100 * share if share is not None else float('nan'):.2f}%, goal <= 2%); the synchronising step's "
             f"exchange {isl['sync_step_callback_ms']} ms, {100 * (isl['sync_share_amortised'] or 0):.2f}% of a step "
             f"spread over H [{INTERCONNECT}]"
+        )
+    loop = [r for r in rows if r["framework"] == "loop"]
+    if loop:
+        others = ", ".join(
+            f"{r['framework']} {r['val_loss']} / {r['MB_across_per_worker']} MB"
+            for r in rows
+            if r["arm"].endswith("via callback")
+        )
+        headline.append(
+            f"islands' own path (plain loop, torch DDP inside, attach; same model, data, batch, H): val loss "
+            f"{loop[0]['val_loss']}, {loop[0]['MB_across_per_worker']} MB across per worker; through the callbacks: "
+            f"{others} (each framework draws its own data order, so losses differ by that order's noise) "
+            f"[{INTERCONNECT}]"
         )
     return {
         "rows": rows,

@@ -159,6 +159,41 @@ def train_lightning(spec: dict, train: Dataset, callback, clock_cb) -> torch.nn.
     return module.model
 
 
+def train_loop(spec: dict, train: Dataset, strategy, clock_cb):
+    """islands' own path, no framework: a plain loop, torch's DDP over the island's group, `strategy.attach`
+    (the same DiLoCo, hooks timed alike); the data sharded over the island's workers, shuffled per island."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler
+
+    world = islands.init_world()
+    model = gpt2(spec["context"])
+    k, local = world.workers_per_island, world.local_rank
+    wrapped = DistributedDataParallel(model) if dist.is_initialized() and k > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    sampler = DistributedSampler(train, num_replicas=k, rank=local, shuffle=True, seed=world.island)
+    loader = DataLoader(train, batch_size=spec["batch"], sampler=sampler)
+    step, epoch = 0, 0
+    with strategy.attach(model, opt, world):
+        while step < spec["steps"]:
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                clock_cb.begin()
+                wrapped(input_ids=batch, labels=batch).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                clock_cb.end()
+                step += 1
+                if step == spec["steps"]:
+                    break
+            epoch += 1
+    glob = strategy.eval_model(model)
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), glob.parameters()):
+            p.copy_(g)
+    return model, world
+
+
 class StepClock:
     def __init__(self):
         self.seconds: list[float] = []
@@ -177,8 +212,11 @@ def main(spec: dict, out: Path) -> None:
     cut = int(len(data) * 0.9)
     train, held = ByteWindows(data[:cut], spec["context"]), data[cut:]
     clock, hooks = StepClock(), []
-    callback = None
-    if spec["outer"]:
+    callback, world, strategy = None, None, None
+    if spec["framework"] == "loop":
+        strategy = timed_hooks(islands.outer.DiLoCo(inner_steps=spec["inner_steps"]), hooks)
+        model, world = train_loop(spec, train, strategy, clock)
+    elif spec["outer"]:
         strategy = timed_hooks(islands.outer.DiLoCo(inner_steps=spec["inner_steps"]), hooks)
         if spec["framework"] == "hf":
             from islands.integrations.transformers import IslandsCallback as HFCallback
@@ -188,9 +226,10 @@ def main(spec: dict, out: Path) -> None:
             from islands.integrations.lightning import IslandsCallback as PLCallback
 
             callback = PLCallback(strategy)
-    model = (train_hf if spec["framework"] == "hf" else train_lightning)(spec, train, callback, clock)
+    if spec["framework"] != "loop":
+        model = (train_hf if spec["framework"] == "hf" else train_lightning)(spec, train, callback, clock)
+        world = callback.run.join() if callback is not None else None
     loss = val_loss(model, held, spec["context"], spec["val_windows"])
-    world = callback.run.join() if callback is not None else None
     h = spec["inner_steps"]
     steps = clock.seconds
     # steps that did not synchronise: the outer strategy's hooks only count, so their time is the callback's cost
@@ -210,9 +249,9 @@ def main(spec: dict, out: Path) -> None:
         "hook_s": statistics.median(plain_hooks) if plain_hooks else None,
         "hook_mean_s": statistics.fmean(plain_hooks) if plain_hooks else None,
         "sync_hook_s": statistics.median(sync_hooks) if sync_hooks else None,
-        "cross_bytes": callback.cross_bytes if callback is not None else 0,
+        "cross_bytes": world.ledger.total_sent if world is not None else 0,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "rounds": callback.run.strategy.rounds if callback is not None else 0,
+        "rounds": strategy.rounds if spec["outer"] else 0,
     }
     island = record["island"]
     (out / f"island{island}-rank{rank}.json").write_text(json.dumps(record))
