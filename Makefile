@@ -9,7 +9,7 @@ PIP     = $(PY) -m pip install -q -c constraints.txt
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[test,lint,hf,peers,loggers,dashboard]' -e bench/
+	$(PIP) -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/
 	touch $(STAMP)
 
 # the main job: two islands of two workers, DDP inside each, DiLoCo across them

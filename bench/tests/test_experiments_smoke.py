@@ -40,6 +40,15 @@ def _missing_torchft() -> str | None:
     return None
 
 
+def _missing_frameworks() -> str | None:
+    try:
+        import lightning  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers and lightning (pip install islands[frameworks])"
+    return None
+
+
 def _missing_root() -> str | None:
     return None if os.geteuid() == 0 else "root, for the testbed's network namespaces"
 
@@ -66,6 +75,7 @@ NEEDS = {
     **{name: (_missing_root,) for name in TESTBED},
     "chaos": (_missing_etcd, _missing_root),  # a 3-member etcd cluster on a testbed's hub
     "etcd-failover": (_missing_etcd,),
+    "frameworks": (_missing_frameworks,),
     "chaos-torchft": (_missing_torchft, _missing_root),
 }
 

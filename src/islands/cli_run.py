@@ -19,7 +19,14 @@ from pathlib import Path
 from islands.cli_more import UsageError
 from islands.runtime.elastic.etcd_store import EtcdAddress
 from islands.runtime.launch.elastic import launch_elastic_script
-from islands.runtime.launch.ranks import LaunchError, Placement, check_counts, load_testbed, run_ranks
+from islands.runtime.launch.ranks import (
+    LaunchError,
+    Placement,
+    check_counts,
+    load_testbed,
+    run_island_jobs,
+    run_ranks,
+)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -31,8 +38,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"e.g. `islands run --workers 2 train.py --lr 3e-4`"
         )
     run_dir = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{script.stem}-w{args.workers}")
+    if args.elastic and args.separate_jobs:
+        raise UsageError("--elastic and --separate-jobs are two kinds of job; give one of them")
     if args.elastic:
         return _run_elastic(args, script, run_dir)
+    if args.separate_jobs:
+        return _run_separate(args, script, run_dir)
     elastic_only = [
         flag
         for flag, value, default in (
@@ -63,6 +74,49 @@ def cmd_run(args: argparse.Namespace) -> int:
         islands=args.islands,
         threads=args.threads,
         run_dir=run_dir,
+    )
+
+
+def _run_separate(args: argparse.Namespace, script: Path, run_dir: Path) -> int:
+    """--separate-jobs: each island its own job (own rendezvous and default group), joined across by islands."""
+    refused = [
+        flag
+        for flag, value, default in (
+            ("--testbed", args.testbed, ""),
+            ("--port", args.port, 0),
+            ("--store", args.store, ""),
+            ("--max-restarts", args.max_restarts, 0),
+        )
+        if value != default
+    ]
+    if refused:
+        raise UsageError(
+            f"{', '.join(refused)} do not apply to --separate-jobs (each island picks a free port on this machine; "
+            f"the cross-island timeouts are --timeout and --heartbeat-timeout); leave them out"
+        )
+    for flag, value in (("--timeout", args.timeout), ("--heartbeat-timeout", args.heartbeat_timeout)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} must be a positive number of seconds; got {value}")
+    if args.islands < 2:
+        raise UsageError(f"--separate-jobs needs --islands K with K >= 2 (one job per island); got {args.islands}")
+    try:
+        check_counts(args.workers, args.islands, args.threads)
+    except LaunchError as e:
+        raise UsageError(str(e)) from None
+    print(
+        f"islands: {args.islands} island job(s) of {args.workers // args.islands} rank(s) of {script}, joined "
+        f"across; logs in {run_dir / 'logs'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_island_jobs(
+        [sys.executable, str(script), *args.args],
+        args.workers,
+        args.islands,
+        threads=args.threads,
+        run_dir=run_dir,
+        cross_timeout_s=args.timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
 
 
@@ -120,6 +174,7 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         "elastic job: a worker that dies is dropped and the others carry on, `islands join` adds workers.",
         usage="islands run [--workers N] [--islands K] [--testbed NAME] [--port P] [--threads T] [--run-dir DIR] "
         "[--elastic [--heartbeat-timeout S] [--timeout S] [--max-restarts N] [--store etcd://H:P,...]] "
+        "[--separate-jobs [--timeout S] [--heartbeat-timeout S]] "
         "script.py [ARGS...]",
     )
     r.add_argument("--workers", type=int, default=2, metavar="N", help="ranks to start (default 2)")
@@ -159,18 +214,28 @@ def add_run_command(sub: argparse._SubParsersAction) -> None:
         "(docs/membership.md)",
     )
     r.add_argument(
+        "--separate-jobs",
+        action="store_true",
+        help="each of the --islands K islands its own job (own rendezvous, MASTER_PORT and default process group, "
+        "as a torchrun per island), joined across by islands (ISLANDS_CROSS_* set); for scripts whose framework "
+        "runs DDP over the default group (Hugging Face Trainer, Lightning, accelerate; docs/frameworks.md). An "
+        "island that fails is stopped alone; the others go on",
+    )
+    r.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=None,
         metavar="S",
-        help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3)",
+        help="with --elastic: seconds without a heartbeat before a worker counts as gone (default 3); with "
+        "--separate-jobs: before an island counts as gone (default 10)",
     )
     r.add_argument(
         "--timeout",
         type=float,
         default=None,
         metavar="S",
-        help="with --elastic: seconds a collective may take before a worker counts as stuck (default 120)",
+        help="with --elastic: seconds a collective may take before a worker counts as stuck (default 120); with "
+        "--separate-jobs: a cross-island collective, before its island is dropped (default 300)",
     )
     r.add_argument(
         "--max-restarts",

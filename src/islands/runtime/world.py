@@ -31,6 +31,7 @@ import torch.distributed as dist
 from islands.runtime import stacks
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.contracts import Collectives, ElasticMembership
+from islands.runtime.cross import CrossIslands, CrossSpec, cross_requested
 from islands.runtime.elastic import Excluded, JobEnded, Membership, elastic_member
 from islands.runtime.elastic.auth import ControlAuth
 from islands.runtime.elastic.island_comm import (
@@ -140,6 +141,9 @@ class World:
         """Bookkeeping gather over every rank (not training traffic)."""
         return self.comm("global").all_gather_object(obj)
 
+    def leave(self) -> None:
+        """What this world holds beyond its process groups, let go at close_world (a joined island's heartbeat)."""
+
     @staticmethod
     def single(device: str | torch.device = "cpu") -> World:
         return World(rank=0, size=1, islands=1, device=torch.device(device), backend="none")
@@ -184,6 +188,10 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     environment it is a world of one process. An existing default process group is reused as it is (its
     backend and timeout are the script's); `timeout_s` and `device` apply to a group made here.
 
+    In a job of islands that are separate jobs (ISLANDS_CROSS_ADDR set: `islands run --separate-jobs`, or a
+    torchrun per island; islands.runtime.cross) it returns join_islands(): the islands are the jobs, so `islands`
+    is not used.
+
     Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): its
     island is where the launcher put it (ISLANDS_ISLAND; one worker per island without it), so `islands` is
     not used, and the job's own collective timeout applies. A process the job refuses, or a joiner the job
@@ -207,6 +215,8 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
             os.environ.get(TOKEN_ENV, ""),
             island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)),
         )
+    if cross_requested():  # an island of a joined job (ISLANDS_CROSS_ADDR): its own job inside, islands across
+        return join_islands(timeout_s=timeout_s, device=device)
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend: str = dist.get_backend()  # a torch Backend, a str
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -244,6 +254,7 @@ def _world_over_default_group(islands: int, device: torch.device, backend: str) 
 def close_world(world: World) -> None:
     """Leave the job: destroy the default process group if init_world made it (a script's own stays); an
     elastic member stops its heartbeat and tells the others it finished."""
+    world.leave()
     membership = world.membership
     if membership is not None:
         membership.leave()
@@ -280,6 +291,95 @@ def _hand_off_at_exit() -> None:
 
 
 _exit_hand_off = False
+
+
+# ---- islands that are separate jobs (islands.runtime.cross) -------------------------------------------
+class JoinedWorld(World):
+    """The World of one worker of an island that is a job of its own (islands.runtime.cross): "local" is the
+    island's default process group (the one its framework's DDP uses), "cross" the elastic group of the workers
+    with this one's local index on every island still alive. rank = island * k + local index, size = islands * k,
+    both following the islands alive. No scope spans every worker of every island: "global" is refused."""
+
+    cross: CrossIslands | None = None
+
+    def comm(self, scope: str = "global") -> Collectives:
+        if scope == "global":
+            raise ValueError(
+                "a joined job's islands share no group over every worker: use comm('cross') (worker j of every "
+                "island) or comm('local') (this island)"
+            )
+        return super().comm(scope)
+
+    def all_gather_object(self, obj) -> list:
+        """Over the islands (worker j of each), not every worker: the one gather a joined job has."""
+        return self.comm("cross").all_gather_object(obj)
+
+    def follow(self, rank: int, size: int) -> None:
+        """A new epoch of the cross group: this island is `rank` of `size` islands alive."""
+        k = self.workers_per_island
+        self.islands, self.size, self.rank = size, size * k, rank * k + self.local_rank
+
+    @property
+    def workers_per_island(self) -> int:
+        return self.local_size
+
+    @property
+    def island(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_index
+
+    local_size: int = 1
+    local_index: int = 0
+
+    def leave(self) -> None:
+        cross, self.cross = self.cross, None  # once: close_world and the exit handler both call it
+        if cross is not None:
+            cross.leave()
+
+
+def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device: str = "auto") -> JoinedWorld:
+    """This worker's World in a job of islands that are separate jobs (islands.runtime.cross; docs/frameworks.md):
+    its island's default process group (the script's or its framework's when one exists, else made here from
+    torch's env:// variables, as init_world makes it), and the cross-island group of its local index, formed over
+    the store `spec` names (default: the ISLANDS_CROSS_* variables). Every island must have the same number of
+    workers. Call it on every worker of every island after the framework made its group (a Trainer callback does)."""
+    spec = CrossSpec.from_env() if spec is None else spec
+    owns = False
+    if dist.is_initialized():
+        backend: str = dist.get_backend()
+        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    elif "RANK" in os.environ:
+        backend, dev = pick_backend(device)
+        dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+        owns = True
+    else:  # an island of one process, started without a launcher
+        backend, dev = "none", torch.device("cpu")
+    _hand_off_at_exit()
+    local, k = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    ledger = CommLedger()
+    world = JoinedWorld(
+        rank=spec.index * k + local,
+        size=spec.islands * k,
+        islands=spec.islands,
+        device=dev,
+        backend=backend,
+        ledger=ledger,
+        owns_group=owns,
+        # the shard this worker reads stays its own when islands die (their data is not taken over)
+        data_shard=(spec.index * k + local, spec.islands * k),
+    )
+    world.local_size, world.local_index = k, local
+    world.cross = CrossIslands(spec, local, ledger, on_change=world.follow)
+    # a script that never calls close_world (a Trainer's) still stops its heartbeat and says it finished before
+    # the interpreter tears down (atexit runs this before the GIL hand-off registered above)
+    atexit.register(world.leave)
+    # world.ledger counts the traffic across islands only; the island's own (its framework's DDP, the island
+    # buffer average) is the island's business and goes to a ledger of its own
+    world.comms = {"cross": world.cross.comm, "local": Comm(None, CommLedger()) if k > 1 else LoneComm()}
+    return world
 
 
 # ---- elastic jobs -------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ LAYERS = {
     "report": 1,  # the static results site (reads results/ and the practice registry)
     "observe": 1,  # loggers and the Logging callback (duck-typed on the trainer; below the app that wires them)
     "loop": 2,
+    "integrations": 2,  # the framework callbacks (HF Trainer, Lightning): an outer strategy from their hooks
     "tasks": 3,
     "config": 4,
     "app": 5,

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from islands.runtime.cross import CrossSpec
 from islands.runtime.launch import spawn
 from islands.testbed import Testbed, TestbedError, TestbedNotFound
 from islands.testbed.system import list_netns, require_root
@@ -246,6 +247,89 @@ def launch_ranks(
     check_counts(workers, islands, threads)
     placement = Placement.on_testbed(testbed, port) if testbed else Placement.loopback(port)
     return run_ranks(argv, workers, placement, islands=islands, threads=threads, run_dir=run_dir, out=out)
+
+
+def run_island_jobs(
+    argv: list[str],
+    workers: int,
+    islands: int,
+    *,
+    threads: int = 1,
+    run_dir: Path,
+    out=sys.stderr,
+    cross_timeout_s: float | None = None,
+    heartbeat_timeout_s: float | None = None,
+) -> int:
+    """`islands` jobs of `workers // islands` ranks each on this machine, each its own rendezvous (its own store and
+    MASTER_PORT, as a torchrun per island would give), joined across by islands.runtime.cross through a store this
+    launcher hosts (ISLANDS_CROSS_*). An island whose rank fails is stopped alone: the others train on without it
+    (their cross-island group drops it). Island i's rank r logs to RUN_DIR/logs/island<i>/rank<r>.log. Returns 0
+    when every rank of every island exited 0, else 1 (130/143 when interrupted or terminated)."""
+    check_counts(workers, islands, threads)
+    k = workers // islands
+    cross = rendezvous_store(0)  # held for the job's life: the islands' meeting point outlives any island
+    timeout = {} if cross_timeout_s is None else {"timeout_s": cross_timeout_s}
+    if heartbeat_timeout_s is not None:
+        timeout["heartbeat_timeout_s"] = heartbeat_timeout_s
+    saved = _handlers()
+    _install({signal.SIGTERM: _raise_terminated}, saved)
+    jobs: list[list[WorkerProcess]] = []
+    placements: list[Placement] = []  # each island's rendezvous store, held (served) for the job's life
+    try:
+        for i in range(islands):
+            placement = Placement.loopback()  # the island's own rendezvous store and port
+            placements.append(placement)
+            spec = CrossSpec(f"{LOOPBACK}:{cross.port}", islands, i, host_store=False, **timeout)
+            logs = Path(run_dir) / "logs" / f"island{i}"
+            logs.mkdir(parents=True, exist_ok=True)
+            # each island's rank 0 prints to the launcher's stdout, the rest to their logs
+            jobs.append([_start(r, argv, k, placement, 1, threads, logs, spec.env()) for r in range(k)])
+        return _supervise_islands(jobs, out)
+    except KeyboardInterrupt:
+        print("islands: interrupted; stopping every island", file=out, flush=True)
+        return 130
+    except _Terminated:
+        print("islands: terminated; stopping every island", file=out, flush=True)
+        return 128 + signal.SIGTERM
+    finally:
+        _install({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}, saved)
+        try:
+            stop_all([w for job in jobs for w in job])
+            spawn.release_stopped_server(out)
+        finally:
+            _install(saved, saved)
+
+
+def _supervise_islands(jobs: list[list[WorkerProcess]], out) -> int:
+    """Wait for every rank of every island; a rank that fails stops its own island only (as torchrun stops a job
+    whose worker failed), and the others go on."""
+    exits: queue.Queue = queue.Queue()
+    island_of = {}
+    for i, job in enumerate(jobs):
+        for w in job:
+            island_of[id(w)] = i
+            threading.Thread(target=_watch, args=(w, exits), name=f"islands-i{i}r{w.rank}", daemon=True).start()
+    failed: set[int] = set()
+    for _ in range(sum(len(job) for job in jobs)):
+        while True:
+            try:
+                w = exits.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        i = island_of[id(w)]
+        if w.proc.returncode != 0 and i not in failed:
+            failed.add(i)
+            stop_all(jobs[i])
+            print(
+                f"\nislands: island {i}'s rank {w.rank} failed ({exit_of(w.proc)}); stopped island {i}, the other "
+                f"islands go on without it.",
+                file=out,
+            )
+            print(f"--- last lines of its log ({w.log}) ---\n{log_tail(w.log)}", file=out, flush=True)
+    if failed:
+        print(f"islands: island(s) {sorted(failed)} failed; {len(jobs) - len(failed)} finished", file=out, flush=True)
+    return 1 if failed else 0
 
 
 class _Terminated(Exception):

@@ -1,0 +1,168 @@
+"""Islands that are separate distributed jobs, joined across (issue #35 item 1; docs/frameworks.md).
+
+Each island is an ordinary job: its own torchrun (or `accelerate launch`, or `islands run`) rendezvous and its own
+default process group, which the framework inside it (the Hugging Face Trainer's DDP, Lightning's, accelerate's, a
+script's own) uses as it always does. islands adds one group per local index j, across islands: worker j of every
+island is a member of "slot j". Its members are the islands, and the group is an elastic one
+(islands.runtime.elastic: Commit, Epochs, ElasticComm), so an island whose job dies is dropped at the next
+collective and the others go on with the rest (`CrossIslands`). The islands meet through one store, the
+`ISLANDS_CROSS_ADDR` below: a TCPStore (hosted by `islands run --separate-jobs`, by island 0's first worker, or by
+anything else) or an etcd cluster (`etcd://host:port`, as `islands run --elastic --store` takes).
+
+Settings, read from the environment by `CrossSpec.from_env` (each island's launcher sets them; the names say which
+island this is, the rest is the same on every island):
+
+  ISLANDS_CROSS_ADDR              HOST:PORT of the cross-island store (setting it turns this mode on)
+  ISLANDS_CROSS_ISLANDS           K, how many islands start
+  ISLANDS_CROSS_INDEX             this island's index, 0..K-1
+  ISLANDS_CROSS_HOST_STORE        1: this process hosts the store's TCPStore server on HOST:PORT; default: island 0's
+                                  worker 0 does (its job's death then ends the store: host it elsewhere to survive it)
+  ISLANDS_CROSS_TIMEOUT           seconds a cross-island collective may take before the island is dropped (300)
+  ISLANDS_CROSS_HEARTBEAT_TIMEOUT seconds without a heartbeat after which an island counts as dead (10)
+
+What is not here: an island whose job restarts does not rejoin (its name would enter a later epoch, which needs
+the admission of islands.runtime.elastic.admission with the global model sent to it; docs/frameworks.md).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from islands.runtime.comm import CommLedger
+from islands.runtime.elastic.comm import ElasticComm
+from islands.runtime.elastic.commit import Commit
+from islands.runtime.elastic.epochs import Epochs
+from islands.runtime.elastic.membership import Heartbeat, Liveness, connect, parse_address
+
+ADDR_ENV = "ISLANDS_CROSS_ADDR"
+ISLANDS_ENV = "ISLANDS_CROSS_ISLANDS"
+INDEX_ENV = "ISLANDS_CROSS_INDEX"
+HOST_STORE_ENV = "ISLANDS_CROSS_HOST_STORE"
+TIMEOUT_ENV = "ISLANDS_CROSS_TIMEOUT"
+HEARTBEAT_ENV = "ISLANDS_CROSS_HEARTBEAT_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # 50 beats (HEARTBEAT_INTERVAL 0.2 s): a loaded machine misses a few, not 50
+
+
+class CrossSettingsError(ValueError):
+    """ISLANDS_CROSS_* settings that cannot work; the message names the variable and what would be right."""
+
+
+def cross_requested(env=None) -> bool:
+    """Whether this process is an island of a joined job (ISLANDS_CROSS_ADDR is set)."""
+    return bool((os.environ if env is None else env).get(ADDR_ENV, ""))
+
+
+@dataclass(frozen=True)
+class CrossSpec:
+    """Where the islands meet and which one this is (module docstring)."""
+
+    address: str
+    islands: int
+    index: int
+    host_store: bool | None = None  # None: island 0's worker 0 hosts it
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+
+    def __post_init__(self):
+        parse_address(self.address)  # a ValueError naming the right form
+        if self.islands < 1:
+            raise CrossSettingsError(f"{ISLANDS_ENV} must be >= 1 (how many islands start); got {self.islands}")
+        if not 0 <= self.index < self.islands:
+            raise CrossSettingsError(
+                f"{INDEX_ENV} must be this island's index, 0..{self.islands - 1} for {self.islands} islands; "
+                f"got {self.index}"
+            )
+        if self.timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise CrossSettingsError(f"{TIMEOUT_ENV} and {HEARTBEAT_ENV} must be positive seconds")
+
+    @classmethod
+    def from_env(cls, env=None) -> CrossSpec:
+        env = os.environ if env is None else env
+        missing = [k for k in (ADDR_ENV, ISLANDS_ENV, INDEX_ENV) if not env.get(k)]
+        if missing:
+            raise CrossSettingsError(
+                f"an island of a joined job needs {', '.join(missing)} set (e.g. {ADDR_ENV}=10.0.0.1:29600 "
+                f"{ISLANDS_ENV}=2 {INDEX_ENV}=0 on island 0's machines); docs/frameworks.md"
+            )
+        host = env.get(HOST_STORE_ENV, "")
+        if host not in ("", "0", "1"):
+            raise CrossSettingsError(f"{HOST_STORE_ENV} must be 1 (host the store here) or 0; got {host!r}")
+        try:
+            return cls(
+                address=env[ADDR_ENV],
+                islands=int(env[ISLANDS_ENV]),
+                index=int(env[INDEX_ENV]),
+                host_store=None if host == "" else host == "1",
+                timeout_s=float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)),
+                heartbeat_timeout_s=float(env.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S)),
+            )
+        except ValueError as e:
+            if isinstance(e, CrossSettingsError):
+                raise
+            raise CrossSettingsError(
+                f"{ISLANDS_ENV} and {INDEX_ENV} must be integers, {TIMEOUT_ENV} and {HEARTBEAT_ENV} seconds: {e}"
+            ) from None
+
+    def env(self) -> dict[str, str]:
+        """The variables that say this to a process (what `islands run --separate-jobs` sets)."""
+        out = {ADDR_ENV: self.address, ISLANDS_ENV: str(self.islands), INDEX_ENV: str(self.index)}
+        if self.host_store is not None:
+            out[HOST_STORE_ENV] = "1" if self.host_store else "0"
+        out[TIMEOUT_ENV], out[HEARTBEAT_ENV] = str(self.timeout_s), str(self.heartbeat_timeout_s)
+        return out
+
+    def name(self) -> str:
+        return f"island{self.index}"
+
+
+class CrossIslands:
+    """Worker `slot` of this island's place in the cross-island group of slot `slot`: its heartbeat and the
+    ElasticComm (contracts.ElasticCollectives) whose members are the islands still alive. `on_change(rank,
+    size)`: after each epoch (the first, and each one an island's death forms)."""
+
+    def __init__(self, spec: CrossSpec, slot: int, ledger: CommLedger, on_change: Callable[[int, int], None]):
+        host, port = parse_address(spec.address)
+        hosting = spec.host_store if spec.host_store is not None else spec.index == 0 and slot == 0
+        self.server = None
+        if hosting:  # the TCPStore server lives as long as this object (clients connect to it below)
+            self.server = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=spec.timeout_s)
+            )
+        prefix = f"cross/{slot}"
+
+        def new_client():
+            return dist.PrefixStore(prefix, connect(host, port, timeout_s=spec.timeout_s))
+
+        self.store = new_client()
+        name = spec.name()
+        self.heartbeat = Heartbeat(host, port, name, new_client=new_client)
+        commit = Commit(self.store, name, Liveness(self.store, spec.heartbeat_timeout_s), spec.timeout_s)
+        self.epochs = Epochs(self.store, name, commit, on_change=on_change, new_client=new_client)
+        self.comm = ElasticComm(self.epochs, ledger)
+        # epoch 0: every island started, less those that died before registering (their heartbeat went stale)
+        self.epochs.form(0, [[i, f"island{i}", i] for i in range(spec.islands)])
+
+    @property
+    def events(self) -> list[dict]:
+        """The membership changes (an island dropped: type "failure", the names gone, the new size)."""
+        return self.epochs.events
+
+    def leave(self) -> None:
+        """Stop beating and say this island finished, so a survivor does not wait for its heartbeat to go stale."""
+        self.heartbeat.stop()
+        try:
+            self.store.set(f"dead/{self.epochs.name}", "finished")
+            if self.server is not None:  # the store's host stays until the others are done with it
+                others = [n for n in self.epochs.names if n != self.epochs.name]
+                deadline = time.monotonic() + self.epochs.commit.timeout
+                while time.monotonic() < deadline and len(self.epochs.commit.liveness.gone(others)) < len(others):
+                    time.sleep(0.05)
+        except RuntimeError:  # the store is gone (its host finished first): nobody is left to tell
+            pass

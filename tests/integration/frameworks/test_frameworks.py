@@ -1,0 +1,136 @@
+"""The framework examples trained as islands that are separate jobs (issue #35): `islands run --separate-jobs` starts
+2 islands of 2 gloo workers, each island its own job whose framework (Hugging Face Trainer, Lightning, accelerate)
+runs DDP over its own default group, and the outer strategy (DiLoCo) runs across them through the callback.
+
+Each example prints one RESULT line per worker: its losses, the bytes it sent across islands, its rounds and a digest
+of its model after the final synchronisation. The tests read them: every worker of every island ends with the same
+global model, bytes went across, the loss fell. A fault test kills one island mid-run: the other finishes alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.cli import islands_cli as cli
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = ROOT / "examples"
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow
+
+
+def separate_jobs(script: Path, cwd: Path, monkeypatch, capfd, *, expect: int = 0, extra=(), **env) -> list[dict]:
+    """`islands run --workers 4 --islands 2 --separate-jobs SCRIPT` from this process in `cwd`; every worker's
+    RESULT line (the islands' rank 0 print to stdout, the others to their logs)."""
+    monkeypatch.chdir(cwd)
+    for key, value in {"OMP_NUM_THREADS": "1", "STEPS": "40", "INNER_STEPS": "10", **env}.items():
+        monkeypatch.setenv(key, value)
+    capfd.readouterr()
+    run_dir = cwd / "runs" / f"job{len(list(cwd.glob('runs/job*')))}"
+    argv = ["run", "--workers", "4", "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir), *extra]
+    code = cli(*argv, str(script), timeout=600)
+    out = capfd.readouterr()
+    logs = "".join(p.read_text() for p in sorted(run_dir.glob("logs/*/*.log")))
+    assert code == expect, out.out[-2000:] + out.err[-3000:] + logs[-4000:]
+    text = out.out + logs
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line]
+
+
+def check_islands(results: list[dict], rounds: int) -> None:
+    """Two islands of two workers, one global model, DiLoCo's rounds and bytes, and a falling loss on each."""
+    assert sorted((r["island"], r["local_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["islands"] for r in results} == {2}
+    assert len({r["digest"] for r in results}) == 1, [r["digest"] for r in results]
+    assert {r["rounds"] for r in results} == {rounds}
+    assert min(r["cross_bytes"] for r in results) > 0
+    # DDP inside each island: its two workers hold the same model, so they send the same bytes across
+    assert len({r["cross_bytes"] for r in results}) == 1
+    for r in results:
+        first, last = r["losses"][:3], r["losses"][-3:]
+        assert sum(last) / len(last) < 0.9 * sum(first) / len(first), r["losses"]
+    # the islands drew different data (their losses differ), though each island's workers agree on the model
+    by_island = {r["island"]: r["losses"] for r in results if r["local_rank"] == 0}
+    assert by_island[0] != by_island[1]
+
+
+def test_hf_trainer_callback_two_islands_then_resumed(tmp_path, monkeypatch, capfd):
+    out = tmp_path / "out"
+    results = separate_jobs(
+        EXAMPLES / "hf_trainer.py", tmp_path, monkeypatch, capfd, STEPS="20", SAVE_STEPS="20", OUT_DIR=str(out)
+    )
+    check_islands(results, rounds=2)
+    for i in range(2):  # the callback wrote its outer state beside each island's checkpoint
+        assert sorted(p.name for p in (out / f"island{i}" / "checkpoint-20").glob("islands-outer-*")) == [
+            "islands-outer-0.pt",
+            "islands-outer-1.pt",
+        ]
+    # resumed to 40 steps: the outer rounds continue from the checkpoint's 2 (a fresh start would count 2, not 4)
+    resumed = separate_jobs(
+        EXAMPLES / "hf_trainer.py", tmp_path, monkeypatch, capfd, STEPS="40", RESUME="1", OUT_DIR=str(out)
+    )
+    assert {r["rounds"] for r in resumed} == {4}
+    assert len({r["digest"] for r in resumed}) == 1
+    # trainer.save_model wrote the global model: the same weights in both islands' folders
+    saved = [load_file(out / f"island{i}" / "model.safetensors") for i in range(2)]
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+
+
+def test_lightning_callback_two_islands_then_resumed(tmp_path, monkeypatch, capfd):
+    ckpt = tmp_path / "ckpt"
+    results = separate_jobs(
+        EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, STEPS="20", CHECKPOINT=str(ckpt)
+    )
+    check_islands(results, rounds=2)
+    # resumed from Lightning's own checkpoint to 40 steps: the outer rounds continue from the saved 2
+    resumed = separate_jobs(
+        EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, STEPS="40", CHECKPOINT=str(ckpt)
+    )
+    assert {r["rounds"] for r in resumed} == {4}
+    assert {len(r["losses"]) for r in resumed} == {20}  # only the steps after the checkpoint ran
+    assert len({r["digest"] for r in resumed}) == 1
+
+
+def test_accelerate_loop_two_islands(tmp_path, monkeypatch, capfd):
+    results = separate_jobs(EXAMPLES / "accelerate_loop.py", tmp_path, monkeypatch, capfd, STEPS="60")
+    check_islands(results, rounds=6)
+    assert min(r["accuracy"] for r in results) > 0.5
+
+
+def test_an_island_that_dies_leaves_the_other_training(tmp_path, monkeypatch, capfd):
+    """Island 1's job dies at step 25 of 60 (DiLoCo every 10): the launcher stops that island alone and exits 1;
+    island 0's cross group drops it (heartbeat gone) and island 0 finishes every step alone."""
+    results = separate_jobs(
+        HERE / "island_dies.py",
+        tmp_path,
+        monkeypatch,
+        capfd,
+        expect=1,
+        extra=["--timeout", "30", "--heartbeat-timeout", "2"],
+        DIE_AT="25",
+    )
+    assert sorted((r["island"], r["local_rank"]) for r in results) == [(0, 0), (0, 1)]
+    for r in results:
+        assert r["steps"] == 60 and r["islands"] == 1
+        assert r["gone"] == ["island1"]
+        assert r["rounds"] == 6  # every round ran: two with island 1, four alone
+
+
+def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypatch, capfd):
+    """`islands run --islands 2` without --separate-jobs: the Trainer's DDP would span both islands, so the
+    callback refuses, naming the launch that works."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OUT_DIR", str(tmp_path / "out"))
+    capfd.readouterr()
+    run_dir = tmp_path / "runs" / "one-job"
+    code = cli("run", "--workers", "2", "--islands", "2", "--run-dir", str(run_dir), str(EXAMPLES / "hf_trainer.py"))
+    out = capfd.readouterr()
+    text = out.out + out.err + "".join(p.read_text() for p in run_dir.glob("logs/*.log"))
+    assert code == 1
+    assert "every step would cross between islands" in text and "--separate-jobs" in text

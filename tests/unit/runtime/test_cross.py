@@ -1,0 +1,90 @@
+"""Islands that are separate jobs (islands.runtime.cross, issue #35 item 1): the ISLANDS_CROSS_* settings, refused
+with the variable named when they cannot work; the World of a joined island; the CLI's --separate-jobs refusals.
+The jobs themselves run in tests/integration/frameworks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.cli import islands_cli
+from harness.procs import free_port
+from islands.runtime.contracts import ElasticCollectives
+from islands.runtime.cross import ADDR_ENV, INDEX_ENV, ISLANDS_ENV, CrossSettingsError, CrossSpec, cross_requested
+from islands.runtime.world import JoinedWorld, close_world, init_world, join_islands
+
+
+def test_settings_from_the_environment_round_trip():
+    spec = CrossSpec("10.0.0.1:29600", islands=3, index=2, host_store=False, timeout_s=30, heartbeat_timeout_s=4)
+    env = spec.env()
+    assert CrossSpec.from_env(env) == spec
+    assert cross_requested(env) and not cross_requested({})
+    assert spec.name() == "island2"
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({ADDR_ENV: "h:1"}, f"{ISLANDS_ENV}, {INDEX_ENV}"),
+        ({ADDR_ENV: "h:1", ISLANDS_ENV: "2", INDEX_ENV: "2"}, "0..1"),
+        ({ADDR_ENV: "h:1", ISLANDS_ENV: "two", INDEX_ENV: "0"}, "must be integers"),
+        ({ADDR_ENV: "h:1", ISLANDS_ENV: "2", INDEX_ENV: "0", "ISLANDS_CROSS_HOST_STORE": "yes"}, "must be 1"),
+        ({ADDR_ENV: "h:1", ISLANDS_ENV: "2", INDEX_ENV: "0", "ISLANDS_CROSS_TIMEOUT": "-1"}, "positive"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_naming_the_variable(env, named):
+    with pytest.raises(CrossSettingsError, match=named):
+        CrossSpec.from_env(env)
+
+
+def test_an_address_without_a_port_is_refused():
+    with pytest.raises(ValueError, match="PORT"):
+        CrossSpec("nohost", islands=2, index=0)
+
+
+def test_one_island_joined_alone_hosts_the_store_and_trains_with_the_outer_strategy(monkeypatch):
+    """K=1 in one process: the island hosts the cross store, forms an epoch of one, and init_world routes to it."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    spec = CrossSpec(f"127.0.0.1:{free_port()}", islands=1, index=0, heartbeat_timeout_s=2)
+    for key, value in spec.env().items():
+        monkeypatch.setenv(key, value)
+    world = init_world()
+    try:
+        assert isinstance(world, JoinedWorld)
+        assert (world.rank, world.size, world.islands, world.island, world.local_rank) == (0, 1, 1, 0, 0)
+        cross = world.comm("cross")
+        assert isinstance(cross, ElasticCollectives) and cross.size == 1
+        t = torch.arange(4.0)
+        assert torch.equal(cross.all_reduce(t.clone()), t)  # an epoch of one: the identity
+        with pytest.raises(ValueError, match="no group over every worker"):
+            world.comm("global")
+    finally:
+        close_world(world)
+    close_world(world)  # twice is harmless (the exit handler calls leave again)
+
+
+def test_join_islands_takes_an_explicit_spec():
+    spec = CrossSpec(f"127.0.0.1:{free_port()}", islands=1, index=0, host_store=True, heartbeat_timeout_s=2)
+    world = join_islands(spec)
+    try:
+        assert world.islands == 1 and world.comm("local").size == 1
+    finally:
+        close_world(world)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--islands", "1"], "K >= 2"),
+        (["--islands", "2", "--port", "29500"], "--port"),
+        (["--islands", "2", "--elastic"], "two kinds of job"),
+        (["--islands", "2", "--timeout", "0"], "positive"),
+        (["--islands", "3", "--workers", "4"], "divisible"),
+    ],
+)
+def test_separate_jobs_refuses_what_cannot_work(argv, says, capsys, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('never')\n")
+    assert islands_cli("run", "--separate-jobs", *argv, str(script)) == 2
+    assert says in capsys.readouterr().err
