@@ -231,21 +231,55 @@ def topk_rows(rows, k, idx_out, val_out):
             val_out[r, j] = row[p[j]]
 
 
+@njit(inline="always")
+def _shared_scale_code(x, scale, s, u):
+    """floor(y) + (u < y - floor(y)), y = clamp(x / scale * s, -s, s): torch's fp32 ops in torch's order."""
+    y = min(max(np.float32(x / scale) * s, -s), s)
+    low = np.floor(y)
+    return low + (np.float32(1.0) if u < y - low else np.float32(0.0))
+
+
 @_kernel
-def shared_scale_codes(x, scale, levels, u, codes):
-    """codes = floor(y) + (u < y - floor(y)), y = clamp(x / scale * levels, -levels, levels), as fp32 ops in
-    torch's order (quantize.SharedScaleQuant). False, with codes partly written, when some y is NaN: the
-    caller then takes the torch path, whose NaN handling this does not copy."""
+def shared_scale_wire(x, scale, levels, u, nibbles, wire):
+    """quantize.SharedScaleQuant's wire bytes in one pass: int8 codes (wire int8, len n), or (nibbles) code + levels
+    as nibbles, element 2i low (wire uint8, len ceil(n / 2)). False when some x / scale * levels is NaN (wire then
+    partly written): the caller takes torch's ops, whose NaN handling this does not copy."""
     s = np.float32(levels)
-    lo = -s
-    for i in range(x.size):
-        y = np.float32(x[i] / scale) * s
-        if y != y:
-            return False
-        y = min(max(y, lo), s)
-        low = np.floor(y)
-        codes[i] = low + (np.float32(1.0) if u[i] < y - low else np.float32(0.0))  # low + 0: -0 becomes +0
-    return True
+    scale = np.float32(scale)
+    n = x.size
+    bad = False
+    if not nibbles:
+        for i in range(n):
+            y = np.float32(x[i] / scale) * s
+            bad |= y != y
+            wire[i] = np.int8(_shared_scale_code(x[i], scale, s, u[i]))
+        return not bad
+    for i in range(n // 2):
+        y0 = np.float32(x[2 * i] / scale) * s
+        y1 = np.float32(x[2 * i + 1] / scale) * s
+        bad |= (y0 != y0) | (y1 != y1)
+        c0 = np.uint8(_shared_scale_code(x[2 * i], scale, s, u[2 * i]) + s)
+        c1 = np.uint8(_shared_scale_code(x[2 * i + 1], scale, s, u[2 * i + 1]) + s)
+        wire[i] = c0 | (c1 << np.uint8(4))
+    if n % 2:
+        y0 = np.float32(x[n - 1] / scale) * s
+        bad |= y0 != y0
+        wire[n // 2] = np.uint8(_shared_scale_code(x[n - 1], scale, s, u[n - 1]) + s)
+    return not bad
+
+
+@_kernel
+def nibbles_decode(wire, offset, factor, out):
+    """out[i] = fp32(nibble i - offset) * factor, nibble 2j the low half of wire[j]: unpack_nibbles, the
+    subtraction in int16, the cast and the product of quantize.SharedScaleQuant.decompress in one pass."""
+    f = np.float32(factor)
+    for j in range(out.size // 2):
+        b = np.int16(wire[j])
+        out[2 * j] = np.float32((b & np.int16(15)) - offset) * f
+        out[2 * j + 1] = np.float32((b >> np.int16(4)) - offset) * f
+    if out.size % 2:
+        out[out.size - 1] = np.float32((np.int16(wire[out.size // 2]) & np.int16(15)) - offset) * f
+    return out
 
 
 @_kernel
