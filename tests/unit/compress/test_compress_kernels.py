@@ -128,10 +128,7 @@ def ref_shared_scale_compress(bits, x, gen, parties=1):
     """SharedScaleQuant.agree + compress as they were: (wire, scale, levels)."""
     scale = x.abs().max().reshape(1) if x.numel() else torch.zeros(1)
     s = 127 // parties if bits == 8 else 15 // (2 * parties)
-    if float(scale) == 0.0:
-        codes = torch.zeros_like(x)
-    else:
-        codes = ref_stochastic_round((x / scale * s).clamp(-s, s), gen)
+    codes = torch.zeros_like(x) if float(scale) == 0.0 else ref_stochastic_round((x / scale * s).clamp(-s, s), gen)
     wire = codes.to(torch.int8) if bits == 8 else ref_pack_nibbles((codes + s).to(torch.uint8))
     return wire, scale, s
 
