@@ -309,12 +309,32 @@ def _kth_largest(u, m, r):
     return u[want]
 
 
+# threshold_rows' first guess: every 16th magnitude of a row, and a rank among them that leaves about twice k
+# (plus a margin) at or above the guess, so one pass collects all of the k with high probability
+_STRIDE = 16
+
+
+@_kernel
+def _exponent_floor(row, k, hist):
+    """The largest exponent floor f (bits << 23) with at least k magnitudes >= f: a histogram of the exponents."""
+    hist[:] = 0
+    for j in range(row.size):
+        hist[(row[j] & np.uint32(0x7FFFFFFF)) >> np.uint32(23)] += 1
+    above = 0
+    b = 255
+    while above + hist[b] < k:
+        above += hist[b]
+        b -= 1
+    return np.uint32(b) << np.uint32(23)
+
+
 @_kernel
 def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
-    """The k largest magnitudes of each row by a threshold: a histogram of the magnitudes' exponents finds the
-    exponent of the k-th largest, one pass collects everything at or above it (about k values), a quickselect
-    among those gives the k-th largest magnitude t, and the values >= t are the k. Positions come out ascending,
-    or (by_value) sorted by magnitude, larger first: torch.topk's order when it runs std::partial_sort.
+    """The k largest magnitudes of each row by a threshold: a guess from a strided sample (or, when too few pass
+    it, the exponent histogram's floor), one pass collecting every magnitude at or above it with its position
+    (about 2 k), a quickselect among those for the k-th largest magnitude t, and the ones >= t are the k.
+    Positions come out ascending, or (by_value) sorted by magnitude, larger first: torch.topk's order when it
+    runs std::partial_sort.
 
     Exact only when the k are determined by magnitude alone: a row with a NaN, with ties across the k-th place,
     or (by_value) with ties among the k, has replay[r] set and its outputs left for the caller to take from
@@ -324,35 +344,33 @@ def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
     cand_pos = np.empty(n, np.int64)
     cand_mag = np.empty(n, np.uint32)
     work = np.empty(n, np.uint32)
+    samples = n // _STRIDE
+    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
     for r in range(rows.shape[0]):
         row = bits[r]
-        hist[:] = 0
+        if samples >= 64:
+            for i in range(samples):
+                work[i] = row[i * _STRIDE] & np.uint32(0x7FFFFFFF)
+            floor = _kth_largest(work, samples, rank)
+        else:
+            floor = _exponent_floor(row, k, hist)
         nan = False
-        for j in range(n):
-            mag = row[j] & np.uint32(0x7FFFFFFF)
-            nan |= mag > np.uint32(0x7F800000)
-            hist[mag >> np.uint32(23)] += 1
+        while True:
+            m = 0
+            for j in range(n):  # every magnitude >= floor, positions ascending (branch-free append)
+                mag = row[j] & np.uint32(0x7FFFFFFF)
+                nan |= mag > np.uint32(0x7F800000)
+                cand_pos[m] = j
+                cand_mag[m] = mag
+                m += mag >= floor
+            if m >= k or nan:
+                break
+            floor = _exponent_floor(row, k, hist)  # the guess was too high: the histogram's floor is safe
         if nan:
             replay[r] = True
             continue
-        above = 0
-        b = 255
-        while above + hist[b] < k:
-            above += hist[b]
-            b -= 1
-        m = 0
-        floor_bits = np.uint32(b) << np.uint32(23)
-        for j in range(n):  # everything in bucket b or above, positions ascending (branch-free append)
-            mag = row[j] & np.uint32(0x7FFFFFFF)
-            cand_pos[m] = j
-            cand_mag[m] = mag
-            m += mag >= floor_bits
-        w = 0
-        for i in range(m):
-            if (cand_mag[i] >> np.uint32(23)) == b:
-                work[w] = cand_mag[i]
-                w += 1
-        t = _kth_largest(work, w, k - above)
+        work[:m] = cand_mag[:m]
+        t = _kth_largest(work, m, k)
         kept = 0
         for i in range(m):
             if cand_mag[i] >= t:

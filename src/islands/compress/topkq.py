@@ -160,6 +160,8 @@ class TopKQ(CompressorBase):
                 f"{self.name} index (how positions travel) must be one of {', '.join(INDEX)}, got {index!r}"
             )
         self.ratio, self.bits, self.chunk, self.index = float(ratio), int(bits), int(chunk), index
+        # (payload, positions, decoded values) of the last compress: error feedback's subtract_sent reads them
+        self._sent: tuple[Payload, Tensor, Tensor] | None = None
         self.ef, self.ef_decay = bool(ef), float(decay)
 
     # -- the coefficient vector (identity here; the DCT variant transforms) ------------------------------------
@@ -256,11 +258,22 @@ class TopKQ(CompressorBase):
         pos, vals = self.select(y)
         index = self._pack_positions(pos, n)
         if self.bits == 32:
-            return Payload([index, torch.cat([v.reshape(-1) for v in vals]).contiguous()], tensor.shape, tensor.dtype)
-        coded = [_quantise_rows(v, self.bits) for v in vals]
-        codes = pack_uint(torch.cat([c.reshape(-1) for c, _ in coded]), self.bits)
-        scales = torch.cat([s for _, s in coded]).to(torch.float32)
-        return Payload([index, codes, scales], tensor.shape, tensor.dtype)
+            sent = torch.cat([v.reshape(-1) for v in vals]).contiguous()
+            payload = Payload([index, sent], tensor.shape, tensor.dtype)
+        else:
+            coded = [_quantise_rows(v, self.bits) for v in vals]
+            codes = pack_uint(torch.cat([c.reshape(-1) for c, _ in coded]), self.bits)
+            scales = torch.cat([s for _, s in coded]).to(torch.float32)
+            payload = Payload([index, codes, scales], tensor.shape, tensor.dtype)
+            if self.sparse_in_place:
+                sent = torch.cat([_dequantise(c, s.view(-1, 1), self.bits).reshape(-1) for c, s in coded])
+        if self.sparse_in_place:  # what entries(payload) would decode, kept for subtract_sent
+            g = self.layout(n)[0]
+            rows = [torch.arange(p.shape[0], device=p.device).view(-1, 1) * g for p in pos]
+            if len(rows) == 2:  # the tail chunk's row comes after the full ones
+                rows[1] += pos[0].shape[0] * g
+            self._sent = (payload, torch.cat([(p + r).reshape(-1) for p, r in zip(pos, rows)]), sent)
+        return payload
 
     def entries(self, payload: Payload) -> tuple[Tensor, Tensor]:
         """(positions in the coefficient vector (K,) int64, decoded fp32 values (K,)) of one payload."""
@@ -291,9 +304,9 @@ class TopKQ(CompressorBase):
         entries change (x - 0 elsewhere is x), so one scatter of K values replaces a dense decode and subtraction."""
         if not self.sparse_in_place or payload.dtype != torch.float32 or not x.is_contiguous():
             return super().subtract_sent(x, payload)
-        where, values = self.entries(payload)
-        flat = x.view(-1)
-        flat[where] = flat[where] - values
+        sent = self._sent
+        where, values = (sent[1], sent[2]) if sent is not None and sent[0] is payload else self.entries(payload)
+        x.view(-1).index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
         return x
 
     def decompress(self, payload: Payload) -> Tensor:
@@ -316,5 +329,7 @@ class TopKQ(CompressorBase):
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         first = payloads[0]
-        mean = self.sum_gathered(payloads).div_(len(payloads))
+        mean = self.sum_gathered(payloads)
+        if len(payloads) > 1:  # x / 1 is x: one pass fewer for a lone payload
+            mean.div_(len(payloads))
         return self.inverse(mean, numel_of(first.shape)).reshape(first.shape).to(first.dtype)

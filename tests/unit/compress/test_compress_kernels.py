@@ -211,6 +211,8 @@ def test_topk_rows_is_torch_topk_in_its_order(path, k_of):
             "zeros": torch.zeros_like(x),
             "nan": x.masked_fill(torch.rand(x.shape, generator=g) < 0.1, float("nan")),
             "inf": x.masked_fill(torch.rand(x.shape, generator=g) < 0.1, float("-inf")),
+            # every 16th large: a strided sample overestimates the k-th magnitude when k > cols / 16
+            "strided": x.index_fill(1, torch.arange(0, cols, 16), 1000.0),
         }
         for what, r in rows.items():
             ref = torch.topk(r.abs(), k_of, dim=1, sorted=False).indices
@@ -335,3 +337,39 @@ def test_shared_scale_nan_and_inf_follow_the_reference(path, bits):
     assert _same(p.tensors[0], ref)
     x[3] = float("inf")
     assert _same(c.agree(x, {})[0], x.abs().max().reshape(1))
+
+
+# ---- randomk-shared and error feedback around it -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 7, 4097, 50_001])
+def test_randomk_shared_residual_is_x_with_the_sent_entries_zeroed(path, n):
+    ef = parse_compressor("randomk-shared:ratio=0.01,seed=3")
+    residual = torch.zeros(n)
+    g = torch.Generator().manual_seed(n)
+    for round_ in range(3):
+        delta = torch.randn(n, generator=g)
+        x = delta + residual
+        idx = ef.inner.positions("w", round_, n)
+        p = ef.compress(delta, ef.state("w", delta))
+        assert _same(p.tensors[0], x[idx]) and torch.equal(p.shared[0], idx)
+        residual = x.clone()
+        residual[idx] = 0.0
+        assert _same(ef.states["w"]["residual"], residual)
+        expect = torch.zeros(n)
+        expect[idx] = x[idx]
+        assert _same(ef.decompress(p), expect)
+
+
+def test_dct_topk_error_feedback_residual_is_the_reference(path):
+    ef = parse_compressor("dct-topk:ratio=0.0215,bits=2")
+    residual = torch.zeros(2 * 4096 + 100)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        delta = torch.randn(residual.numel(), generator=g)
+        x = delta + residual
+        ref = ref_topkq_compress(ef.inner, x)
+        p = ef.compress(delta, ef.state("w", delta))
+        assert all(_same(a, b) for a, b in zip(p.tensors, ref))
+        residual = x - ref_topkq_decompress(ef.inner, ref, x.shape)
+        assert _same(ef.states["w"]["residual"], residual)
