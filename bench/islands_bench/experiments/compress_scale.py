@@ -11,11 +11,16 @@ Each row states wall-clock GB/s (best of the repetitions) and, because the machi
 process's CPU time as well; `pays_below_gbit_s` is the link rate below which compressing saves time:
 sending n fp32 bytes raw takes 8 n / L s, compressed it takes t + 8 p / L (t compress + decode, p payload bytes),
 so compression pays on links slower than 8 (n - p) / t bit/s.
+
+Fresh tensors of this size cost page faults (a decoded 100M-value vector is 400 MB of new pages, more time than
+the decode's arithmetic); torch's CPU allocator asks for huge pages when THP_MEM_ALLOC_ENABLE=1 is set in the
+environment, and the result records whether it was.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import torch
@@ -116,8 +121,10 @@ def compressor_scale(ctx: BenchContext) -> dict:
             rows.append(row)
         del x
         gc.collect()
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
+    pages = "huge pages asked for (THP_MEM_ALLOC_ENABLE=1)" if thp else "4 KB pages (THP_MEM_ALLOC_ENABLE unset)"
     headline = [
-        f"warm memcpy of the same vector on {where}: "
+        f"warm memcpy of the same vector on {where}, fresh tensors on {pages}: "
         + ", ".join(f"{n / 1e6:g}M values {c['gb_s']:.2f} GB/s" for n, c in copies.items())
     ]
     for r in rows:
@@ -140,6 +147,7 @@ def compressor_scale(ctx: BenchContext) -> dict:
         "memcpy": list(copies.values()),
         "headline": headline,
         "where": where,
+        "huge_pages": thp,
         "interconnect": [f"none: in-process compute only, {where}"],
         "baseline": [f"copy of the same vector into a preallocated buffer on the same device ({where}), same run"],
     }
