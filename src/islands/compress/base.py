@@ -153,6 +153,27 @@ def name_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+# The compiled CPU loops (kernels.py), where numba is installed; False turns them off (the tests compare both paths).
+USE_KERNELS = True
+_KERNELS: Any = None
+
+
+def cpu_kernels(tensor: Tensor) -> Any:
+    """islands.compress.kernels for a CPU tensor when numba is there and USE_KERNELS is on, else None (the
+    torch ops, which run on any device and give the same bits). Imported on first use: numba takes ~0.5 s."""
+    global _KERNELS
+    if not USE_KERNELS or tensor.device.type != "cpu":
+        return None
+    if _KERNELS is None:
+        try:
+            import islands.compress.kernels as kernels
+
+            _KERNELS = kernels
+        except ImportError:  # numba missing: the torch path
+            _KERNELS = False
+    return _KERNELS or None
+
+
 def _clone_state(st: dict) -> dict:
     return {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items() if not k.startswith("_")}
 

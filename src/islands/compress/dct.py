@@ -50,6 +50,7 @@ def dct_basis(block: int, device: torch.device | str = "cpu") -> Tensor:
 
 class DCTTopK(TopKQ):
     name = "dct-topk"
+    sparse_in_place = False  # the residual lives in the tensor's domain, the payload in the DCT's
 
     def __init__(
         self,

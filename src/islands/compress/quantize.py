@@ -17,6 +17,7 @@ from islands.compress.base import (
     Payload,
     SeededMixin,
     as_fp32,
+    cpu_kernels,
     numel_of,
 )
 from islands.compress.bits import pack_nibbles, unpack_nibbles
@@ -117,7 +118,10 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
 
     def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
         x = as_fp32(tensor).reshape(-1)
-        return [x.abs().max().reshape(1) if x.numel() else torch.zeros(1, device=x.device)]
+        if not x.numel():
+            return [torch.zeros(1, device=x.device)]
+        lo, hi = torch.aminmax(x)  # max |x| in one pass, no |x| tensor: max(|min|, |max|) is the same value
+        return [torch.maximum(lo.abs(), hi.abs()).reshape(1)]
 
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
         if agreed is None:
@@ -125,23 +129,44 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
         s = self.levels(agreed.parties)
         scale = agreed.tensors[0].reshape(1).to(torch.float32)
         x = as_fp32(tensor).reshape(-1)
-        if float(scale) == 0.0:
-            codes = torch.zeros_like(x)
-        else:
-            # clamp: another rank's max may equal ours only up to rounding; codes must stay in range
-            codes = _stochastic_round((x / scale * s).clamp(-s, s), self.generator(x.device))
-        wire = codes.to(torch.int8) if self.bits == 8 else pack_nibbles((codes + s).to(torch.uint8))
+        wire = self._pack(torch.zeros_like(x), s) if float(scale) == 0.0 else self._wire(x, scale, s)
         return Payload([wire], tensor.shape, tensor.dtype, shared=[scale], meta={"levels": s}, agreed_nbytes=4)
+
+    def _wire(self, x: Tensor, scale: Tensor, s: int) -> Tensor:
+        """The codes on the wire: stochastically rounded x / scale * s, clamped to [-s, s] (another rank's max may
+        equal ours only up to rounding; codes must stay in range), as int8 or as nibbles of code + s. The uniforms
+        come from torch.rand on this compressor's generator either way; on the CPU one compiled pass does the rest
+        with the same fp32 operations (kernels.shared_scale_wire)."""
+        gen = self.generator(x.device)
+        kernels = cpu_kernels(x)
+        if kernels is None:
+            return self._pack(_stochastic_round((x / scale * s).clamp(-s, s), gen), s)
+        u = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+        n = x.numel()
+        wire = torch.empty(n, dtype=torch.int8) if self.bits == 8 else torch.empty((n + 1) // 2, dtype=torch.uint8)
+        if kernels.shared_scale_wire(x.numpy(), float(scale), s, u.numpy(), self.bits == 4, wire.numpy()):
+            return wire
+        y = (x / scale * s).clamp(-s, s)  # a NaN: torch's ops on the same uniforms
+        low = torch.floor(y)
+        return self._pack(low + (u < (y - low)).to(y.dtype), s)
+
+    def _pack(self, codes: Tensor, s: int) -> Tensor:
+        return codes.to(torch.int8) if self.bits == 8 else pack_nibbles((codes + s).to(torch.uint8))
 
     def decompress(self, payload: Payload) -> Tensor:
         s = payload.meta["levels"]
         (wire,) = payload.tensors
         n = numel_of(payload.shape)
-        if self.bits == 8:
-            codes = wire.to(torch.float32)
+        if self.bits == 8:  # int8 * fp32 promotes each code to fp32, then multiplies: one pass, same values
+            out = torch.mul(wire, payload.shared[0] / s)
         else:
-            codes = (unpack_nibbles(wire, n) - s * payload.summands).to(torch.float32)
-        out = codes * (payload.shared[0] / s)
+            factor = payload.shared[0] / s
+            kernels = cpu_kernels(wire)
+            if kernels is not None and factor.device.type == "cpu":
+                out = torch.empty(n, dtype=torch.float32)
+                kernels.nibbles_decode(wire.numpy(), s * payload.summands, factor.numpy()[0], out.numpy())
+            else:
+                out = (unpack_nibbles(wire, n) - s * payload.summands).to(torch.float32) * factor
         return out.reshape(payload.shape).to(payload.dtype)
 
     def payload_nbytes(self, shape, dtype) -> int:

@@ -85,6 +85,9 @@ class SharedRandomK(CompressorBase):
         """Exact: x with the kept entries zeroed (unscaled, the sent values are x's own there)."""
         if self.rescale:
             return super().subtract_sent(x, payload)
+        if x.is_contiguous():  # in place: the payload holds copies of x's values, never x's memory
+            x.view(-1)[payload.shared[0]] = 0.0
+            return x
         out = x.reshape(-1).clone()
         out[payload.shared[0]] = 0.0
         return out.reshape(x.shape)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from islands.compress import elias_fano
-from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, numel_of
+from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, cpu_kernels, numel_of
 from islands.compress.bits import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
 
 BITS = (2, 4, 8, 32)
@@ -70,6 +70,49 @@ def _quantise_rows(v: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     return codes.to(torch.uint8), scale
 
 
+def topk_rows(rows: Tensor, k: int, ascending: bool = False) -> tuple[Tensor, Tensor]:
+    """(positions, values) of the k largest magnitudes of each row of an fp32 (R, G) tensor, both (R, k):
+    torch.topk(rows.abs(), k, dim=1, sorted=False).indices and the rows' values there, in that order, or with each
+    row's positions ascending (`ascending`, values following). On the CPU, compiled loops give the same bits
+    (kernels.py): a threshold selection where the result is determined by the magnitudes alone (ascending, or
+    torch's partial_sort regime, 64 k <= G, which orders by magnitude), else a replay of torch's introselect;
+    rows with ties that decide the result are replayed. Elsewhere torch.topk."""
+    kernels = cpu_kernels(rows)
+    if kernels is None or rows.dtype != torch.float32:
+        idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices
+        if ascending:
+            idx = idx.sort(dim=1).values
+        return idx, rows.gather(1, idx)
+    rows = rows.contiguous()
+    idx = torch.empty(rows.shape[0], k, dtype=torch.int64)
+    vals = torch.empty(rows.shape[0], k, dtype=torch.float32)
+    by_value = k * 64 <= rows.shape[1]
+    if not (ascending or by_value):
+        kernels.topk_rows(rows.numpy(), k, idx.numpy(), vals.numpy())
+        return idx, vals
+    replay = torch.zeros(rows.shape[0], dtype=torch.bool)
+    kernels.threshold_rows(
+        rows.numpy(),
+        rows.numpy().view("uint32"),
+        k,
+        by_value and not ascending,
+        idx.numpy(),
+        vals.numpy(),
+        replay.numpy(),
+    )
+    if replay.any():
+        which = replay.nonzero().view(-1)
+        sub = rows[which]
+        sub_idx = torch.empty(which.numel(), k, dtype=torch.int64)
+        sub_vals = torch.empty(which.numel(), k, dtype=torch.float32)
+        kernels.topk_rows(sub.numpy(), k, sub_idx.numpy(), sub_vals.numpy())
+        if ascending:
+            sub_idx, order = sub_idx.sort(dim=1)
+            sub_vals = sub_vals.gather(1, order)
+        idx[which], vals[which] = sub_idx, sub_vals
+    return idx, vals
+
+
 def _dequantise(codes: Tensor, scale: Tensor, bits: int) -> Tensor:
     top = float(2**bits - 1)
     return (2 * codes.to(torch.float32) - top) * scale
@@ -78,6 +121,8 @@ def _dequantise(codes: Tensor, scale: Tensor, bits: int) -> Tensor:
 class TopKQ(CompressorBase):
     name = "topkq"
     combine = Combine.GATHERED
+    # top-k runs on the tensor's own values (no transform), so error feedback's residual is updated in place
+    sparse_in_place = True
 
     def __init__(
         self,
@@ -115,6 +160,8 @@ class TopKQ(CompressorBase):
                 f"{self.name} index (how positions travel) must be one of {', '.join(INDEX)}, got {index!r}"
             )
         self.ratio, self.bits, self.chunk, self.index = float(ratio), int(bits), int(chunk), index
+        # (payload, positions, decoded values) of the last compress: error feedback's subtract_sent reads them
+        self._sent: tuple[Payload, Tensor, Tensor] | None = None
         self.ef, self.ef_decay = bool(ef), float(decay)
 
     # -- the coefficient vector (identity here; the DCT variant transforms) ------------------------------------
@@ -172,11 +219,10 @@ class TopKQ(CompressorBase):
         for rows, kk in ((y[: full * g].view(full, g), k), (y[full * g :].view(1, tail), k_tail)):
             if not rows.numel():
                 continue
-            idx = torch.topk(rows.abs(), kk, dim=1, sorted=False).indices
-            if self.index == "elias-fano":  # the code needs each row ascending; values follow their positions
-                idx = idx.sort(dim=1).values
+            # elias-fano codes each row's positions ascending; values follow their positions
+            idx, val = topk_rows(rows, kk, ascending=self.index == "elias-fano")
             pos.append(idx)
-            vals.append(rows.gather(1, idx))
+            vals.append(val)
         return pos, vals
 
     def _pack_positions(self, pos: list[Tensor], n: int) -> Tensor:
@@ -212,11 +258,22 @@ class TopKQ(CompressorBase):
         pos, vals = self.select(y)
         index = self._pack_positions(pos, n)
         if self.bits == 32:
-            return Payload([index, torch.cat([v.reshape(-1) for v in vals]).contiguous()], tensor.shape, tensor.dtype)
-        coded = [_quantise_rows(v, self.bits) for v in vals]
-        codes = pack_uint(torch.cat([c.reshape(-1) for c, _ in coded]), self.bits)
-        scales = torch.cat([s for _, s in coded]).to(torch.float32)
-        return Payload([index, codes, scales], tensor.shape, tensor.dtype)
+            sent = torch.cat([v.reshape(-1) for v in vals]).contiguous()
+            payload = Payload([index, sent], tensor.shape, tensor.dtype)
+        else:
+            coded = [_quantise_rows(v, self.bits) for v in vals]
+            codes = pack_uint(torch.cat([c.reshape(-1) for c, _ in coded]), self.bits)
+            scales = torch.cat([s for _, s in coded]).to(torch.float32)
+            payload = Payload([index, codes, scales], tensor.shape, tensor.dtype)
+            if self.sparse_in_place:
+                sent = torch.cat([_dequantise(c, s.view(-1, 1), self.bits).reshape(-1) for c, s in coded])
+        if self.sparse_in_place:  # what entries(payload) would decode, kept for subtract_sent
+            g = self.layout(n)[0]
+            rows = [torch.arange(p.shape[0], device=p.device).view(-1, 1) * g for p in pos]
+            if len(rows) == 2:  # the tail chunk's row comes after the full ones
+                rows[1] += pos[0].shape[0] * g
+            self._sent = (payload, torch.cat([(p + r).reshape(-1) for p, r in zip(pos, rows)]), sent)
+        return payload
 
     def entries(self, payload: Payload) -> tuple[Tensor, Tensor]:
         """(positions in the coefficient vector (K,) int64, decoded fp32 values (K,)) of one payload."""
@@ -225,20 +282,32 @@ class TopKQ(CompressorBase):
         if n == 0:
             return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device)
         g, full, k, tail, k_tail = self.layout(n)
-        kept, chunks = self.kept(n)
+        kept, _ = self.kept(n)
         local = self._unpack_positions(payload.tensors[0], n)
-        row = torch.cat(
-            [
-                torch.arange(full, device=device).repeat_interleave(k),
-                torch.full((k_tail,), full, dtype=torch.int64, device=device),
-            ]
-        )
-        where = local + row * g
+        # chunk r's entries are local + r g: the full chunks as one (full, k) block, then the tail's k_tail
+        where = local.clone()
+        where[: full * k].view(full, k).add_(torch.arange(full, device=device).view(-1, 1) * g)
+        where[full * k :] += full * g
         if self.bits == 32:
             return where, payload.tensors[1].to(torch.float32)
         codes = unpack_uint(payload.tensors[1], self.bits, kept)
         scales = payload.tensors[2].to(torch.float32)
-        return where, _dequantise(codes, scales[row], self.bits)
+        values = torch.empty(kept, dtype=torch.float32, device=device)
+        values[: full * k].view(full, k).copy_(
+            _dequantise(codes[: full * k].view(full, k), scales[:full].view(-1, 1), self.bits)
+        )
+        values[full * k :] = _dequantise(codes[full * k :], scales[full:], self.bits)
+        return where, values
+
+    def subtract_sent(self, x: Tensor, payload: Payload) -> Tensor:
+        """x - decompress(payload), in place on x where the vector top-k ran on is x itself: only the K sent
+        entries change (x - 0 elsewhere is x), so one scatter of K values replaces a dense decode and subtraction."""
+        if not self.sparse_in_place or payload.dtype != torch.float32 or not x.is_contiguous():
+            return super().subtract_sent(x, payload)
+        sent = self._sent
+        where, values = (sent[1], sent[2]) if sent is not None and sent[0] is payload else self.entries(payload)
+        x.view(-1).index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
+        return x
 
     def decompress(self, payload: Payload) -> Tensor:
         numel = numel_of(payload.shape)
@@ -260,5 +329,7 @@ class TopKQ(CompressorBase):
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         first = payloads[0]
-        mean = self.sum_gathered(payloads) / len(payloads)
+        mean = self.sum_gathered(payloads)
+        if len(payloads) > 1:  # x / 1 is x: one pass fewer for a lone payload
+            mean.div_(len(payloads))
         return self.inverse(mean, numel_of(first.shape)).reshape(first.shape).to(first.dtype)

@@ -58,6 +58,7 @@ LAYERS = {
 # (islands.checkpoint.codec.kernels: the codec's numba loops, ~0.5 s to compile-import, for processes that save).
 ALLOWED_LOCAL = {
     "islands.checkpoint.codec.kernels",
+    "islands.compress.kernels",  # the outer compressors' numba loops, same reason
     "transformers",
     "tensorboard",
     "torch.utils.tensorboard",

@@ -1,0 +1,396 @@
+"""Compiled CPU loops (numba) for the outer compressors' hot paths, each giving bit for bit what the torch ops
+it stands in for give on the CPU.
+
+Chunked top-k. `torch.topk(rows, k, dim=1, sorted=False)` on the CPU runs, per row, libstdc++'s
+`std::partial_sort` when 64 k <= row length and `std::nth_element` (introselect) otherwise, on (value, index)
+pairs ordered NaN first, then by larger value. The unsorted order it returns is that algorithm's, and TopKQ's
+fixed-width payload packs positions in exactly that order (and its least-squares scale sums the values in it),
+so a faster selection must reproduce the order, ties included, not just the set. `topk_rows` runs the same
+algorithm on the same comparator, with one change that keeps every swap: introselect's Hoare partition
+finds its out-of-place elements a block at a time without branches (a compare stored as an offset, as
+BlockQuicksort does) and swaps the same pairs in the same order Hoare's scan would; the ends of each
+partition, where the scans cross, run Hoare's loop itself. Mispredicted branches were most of the cost.
+The test suite checks the result against torch.topk row by row (ties, zeros, NaN, every size class).
+
+Shared-scale stochastic rounding (int8/int4): one pass for what was seven elementwise torch passes, with
+the same fp32 operations in the same order (division, multiplication, clamp, floor, compare, add).
+
+All kernels release the GIL and compile once per machine (on-disk cache).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_kernel = njit(nogil=True, cache=True, boundscheck=False)
+
+# offsets gathered per block of the partition (BlockQuicksort's block; 64 fits two buffers in L1 many times over)
+_BLOCK = 64
+
+
+@njit(inline="always")
+def _before(a, b):
+    """torch.topk's largest-first order on values: NaN before any number, then the larger first."""
+    return (a != a and b == b) or a > b
+
+
+@njit(inline="always")
+def _swap(v, p, i, j):
+    t = v[i]
+    v[i] = v[j]
+    v[j] = t
+    u = p[i]
+    p[i] = p[j]
+    p[j] = u
+
+
+@_kernel
+def _adjust_heap(v, p, hole, length, val, idx):
+    """libstdc++ __adjust_heap then __push_heap on v[0:length] (a heap whose top is the last in order)."""
+    top = hole
+    child = hole
+    while child < (length - 1) // 2:
+        child = 2 * (child + 1)
+        if _before(v[child], v[child - 1]):
+            child -= 1
+        v[hole] = v[child]
+        p[hole] = p[child]
+        hole = child
+    if (length & 1) == 0 and child == (length - 2) // 2:
+        child = 2 * (child + 1)
+        v[hole] = v[child - 1]
+        p[hole] = p[child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and _before(v[parent], val):
+        v[hole] = v[parent]
+        p[hole] = p[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    v[hole] = val
+    p[hole] = idx
+
+
+@_kernel
+def _make_heap(v, p, length):
+    if length < 2:
+        return
+    parent = (length - 2) // 2
+    while True:
+        _adjust_heap(v, p, parent, length, v[parent], p[parent])
+        if parent == 0:
+            return
+        parent -= 1
+
+
+@_kernel
+def _partial_sort_row(row, k, v, p):
+    """std::partial_sort of the row's (|value|, index) pairs into v[0:k], p[0:k]: heap-select, then sort_heap.
+    The tail is only read (pop_heap's write into it never matters for the first k)."""
+    for j in range(k):
+        v[j] = abs(row[j])
+        p[j] = j
+    _make_heap(v, p, k)
+    for j in range(k, row.size):
+        a = abs(row[j])
+        if _before(a, v[0]):
+            _adjust_heap(v, p, 0, k, a, j)
+    last = k
+    while last > 1:
+        last -= 1
+        val = v[last]
+        idx = p[last]
+        v[last] = v[0]
+        p[last] = p[0]
+        _adjust_heap(v, p, 0, last, val, idx)
+
+
+@_kernel
+def _partition(v, p, first, last, off_lo, off_hi):
+    """libstdc++ __unguarded_partition(first + 1, last, pivot = first): the same swaps, found a block at a time."""
+    pivot = v[first]
+    lo = first + 1
+    hi = last
+    while hi - lo >= 2 * _BLOCK:
+        n_lo = 0
+        for i in range(_BLOCK):  # left stoppers: not before the pivot
+            off_lo[n_lo] = i
+            n_lo += not _before(v[lo + i], pivot)
+        n_hi = 0
+        for i in range(_BLOCK):  # right stoppers: the pivot not before them
+            off_hi[n_hi] = i
+            n_hi += not _before(pivot, v[hi - 1 - i])
+        m = min(n_lo, n_hi)
+        for t in range(m):  # Hoare pairs the t-th stopper from each end, in this order
+            _swap(v, p, lo + off_lo[t], hi - 1 - off_hi[t])
+        # resume where Hoare's scans would be: at the first unpaired stopper, or past the block
+        lo = lo + off_lo[m] if n_lo > m else lo + _BLOCK
+        hi = hi - off_hi[m] if n_hi > m else hi - _BLOCK
+    while True:
+        while _before(v[lo], pivot):
+            lo += 1
+        hi -= 1
+        while _before(pivot, v[hi]):
+            hi -= 1
+        if not lo < hi:
+            return lo
+        _swap(v, p, lo, hi)
+        lo += 1
+
+
+@_kernel
+def _insertion_sort(v, p, first, last):
+    for i in range(first + 1, last):
+        val = v[i]
+        idx = p[i]
+        if _before(val, v[first]):
+            for j in range(i, first, -1):
+                v[j] = v[j - 1]
+                p[j] = p[j - 1]
+            v[first] = val
+            p[first] = idx
+        else:
+            j = i
+            while _before(val, v[j - 1]):
+                v[j] = v[j - 1]
+                p[j] = p[j - 1]
+                j -= 1
+            v[j] = val
+            p[j] = idx
+
+
+@_kernel
+def _nth_element_row(row, k, v, p, off_lo, off_hi):
+    """std::nth_element(pairs, pairs + k - 1, pairs + n): libstdc++'s introselect, step for step."""
+    n = row.size
+    for j in range(n):
+        v[j] = abs(row[j])
+        p[j] = j
+    first, last, nth = 0, n, k - 1
+    depth = 0
+    m = n
+    while m > 1:  # 2 floor(log2 n)
+        m >>= 1
+        depth += 1
+    depth *= 2
+    while last - first > 3:
+        if depth == 0:  # heap_select(first, nth + 1, last), then the nth into place
+            size = nth + 1 - first
+            _make_heap(v[first:], p[first:], size)
+            for i in range(nth + 1, last):
+                if _before(v[i], v[first]):
+                    val = v[i]
+                    idx = p[i]
+                    v[i] = v[first]
+                    p[i] = p[first]
+                    _adjust_heap(v[first:], p[first:], 0, size, val, idx)
+            _swap(v, p, first, nth)
+            return
+        depth -= 1
+        a, b, c = first + 1, first + (last - first) // 2, last - 1  # median of three into `first`
+        if _before(v[a], v[b]):
+            if _before(v[b], v[c]):
+                _swap(v, p, first, b)
+            elif _before(v[a], v[c]):
+                _swap(v, p, first, c)
+            else:
+                _swap(v, p, first, a)
+        elif _before(v[a], v[c]):
+            _swap(v, p, first, a)
+        elif _before(v[b], v[c]):
+            _swap(v, p, first, c)
+        else:
+            _swap(v, p, first, b)
+        cut = _partition(v, p, first, last, off_lo, off_hi)
+        if cut <= nth:
+            first = cut
+        else:
+            last = cut
+    _insertion_sort(v, p, first, last)
+
+
+@_kernel
+def topk_rows(rows, k, idx_out, val_out):
+    """torch.topk(rows.abs(), k, dim=1, sorted=False).indices into idx_out (R, k) and the rows' signed values
+    at them into val_out (R, k): the same indices in the same order, the CPU's algorithm replayed."""
+    n = rows.shape[1]
+    v = np.empty(n, np.float32)
+    p = np.empty(n, np.int64)
+    off_lo = np.empty(_BLOCK, np.int64)
+    off_hi = np.empty(_BLOCK, np.int64)
+    partial = k * 64 <= n
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        if partial:
+            _partial_sort_row(row, k, v, p)
+        else:
+            _nth_element_row(row, k, v, p, off_lo, off_hi)
+        for j in range(k):
+            idx_out[r, j] = p[j]
+            val_out[r, j] = row[p[j]]
+
+
+@njit(inline="always")
+def _shared_scale_code(x, scale, s, u):
+    """floor(y) + (u < y - floor(y)), y = clamp(x / scale * s, -s, s): torch's fp32 ops in torch's order."""
+    y = min(max(np.float32(x / scale) * s, -s), s)
+    low = np.floor(y)
+    return low + (np.float32(1.0) if u < y - low else np.float32(0.0))
+
+
+@_kernel
+def shared_scale_wire(x, scale, levels, u, nibbles, wire):
+    """quantize.SharedScaleQuant's wire bytes in one pass: int8 codes (wire int8, len n), or (nibbles) code + levels
+    as nibbles, element 2i low (wire uint8, len ceil(n / 2)). False when some x / scale * levels is NaN (wire then
+    partly written): the caller takes torch's ops, whose NaN handling this does not copy."""
+    s = np.float32(levels)
+    scale = np.float32(scale)
+    n = x.size
+    bad = False
+    if not nibbles:
+        for i in range(n):
+            y = np.float32(x[i] / scale) * s
+            bad |= y != y
+            wire[i] = np.int8(_shared_scale_code(x[i], scale, s, u[i]))
+        return not bad
+    for i in range(n // 2):
+        y0 = np.float32(x[2 * i] / scale) * s
+        y1 = np.float32(x[2 * i + 1] / scale) * s
+        bad |= (y0 != y0) | (y1 != y1)
+        c0 = np.uint8(_shared_scale_code(x[2 * i], scale, s, u[2 * i]) + s)
+        c1 = np.uint8(_shared_scale_code(x[2 * i + 1], scale, s, u[2 * i + 1]) + s)
+        wire[i] = c0 | (c1 << np.uint8(4))
+    if n % 2:
+        y0 = np.float32(x[n - 1] / scale) * s
+        bad |= y0 != y0
+        wire[n // 2] = np.uint8(_shared_scale_code(x[n - 1], scale, s, u[n - 1]) + s)
+    return not bad
+
+
+@_kernel
+def nibbles_decode(wire, offset, factor, out):
+    """out[i] = fp32(nibble i - offset) * factor, nibble 2j the low half of wire[j]: unpack_nibbles, the
+    subtraction in int16, the cast and the product of quantize.SharedScaleQuant.decompress in one pass."""
+    f = np.float32(factor)
+    for j in range(out.size // 2):
+        b = np.int16(wire[j])
+        out[2 * j] = np.float32((b & np.int16(15)) - offset) * f
+        out[2 * j + 1] = np.float32((b >> np.int16(4)) - offset) * f
+    if out.size % 2:
+        out[out.size - 1] = np.float32((np.int16(wire[out.size // 2]) & np.int16(15)) - offset) * f
+    return out
+
+
+@_kernel
+def _kth_largest(u, m, r):
+    """The r-th largest (1-based) of u[0:m], u reordered in place (Hoare quickselect, middle pivot)."""
+    lo, hi, want = 0, m - 1, r - 1  # position of the answer in descending order
+    while lo < hi:
+        pivot = u[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while u[i] > pivot:
+                i += 1
+            while u[j] < pivot:
+                j -= 1
+            if i <= j:
+                t = u[i]
+                u[i] = u[j]
+                u[j] = t
+                i += 1
+                j -= 1
+        if want <= j:
+            hi = j
+        elif want >= i:
+            lo = i
+        else:
+            return u[want]
+    return u[want]
+
+
+# threshold_rows' first guess: every 16th magnitude of a row, and a rank among them that leaves about twice k
+# (plus a margin) at or above the guess, so one pass collects all of the k with high probability
+_STRIDE = 16
+
+
+@_kernel
+def _exponent_floor(row, k, hist):
+    """The largest exponent floor f (bits << 23) with at least k magnitudes >= f: a histogram of the exponents."""
+    hist[:] = 0
+    for j in range(row.size):
+        hist[(row[j] & np.uint32(0x7FFFFFFF)) >> np.uint32(23)] += 1
+    above = 0
+    b = 255
+    while above + hist[b] < k:
+        above += hist[b]
+        b -= 1
+    return np.uint32(b) << np.uint32(23)
+
+
+@_kernel
+def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
+    """The k largest magnitudes of each row by a threshold: a guess from a strided sample (or, when too few pass
+    it, the exponent histogram's floor), one pass collecting every magnitude at or above it with its position
+    (about 2 k), a quickselect among those for the k-th largest magnitude t, and the ones >= t are the k.
+    Positions come out ascending, or (by_value) sorted by magnitude, larger first: torch.topk's order when it
+    runs std::partial_sort.
+
+    Exact only when the k are determined by magnitude alone: a row with a NaN, with ties across the k-th place,
+    or (by_value) with ties among the k, has replay[r] set and its outputs left for the caller to take from
+    `topk_rows` (torch's own tie order). `bits` is `rows` viewed as uint32 (the magnitude is bits & 0x7fffffff)."""
+    n = rows.shape[1]
+    hist = np.zeros(256, np.int64)
+    cand_pos = np.empty(n, np.int64)
+    cand_mag = np.empty(n, np.uint32)
+    work = np.empty(n, np.uint32)
+    samples = n // _STRIDE
+    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
+    for r in range(rows.shape[0]):
+        row = bits[r]
+        if samples >= 64:
+            for i in range(samples):
+                work[i] = row[i * _STRIDE] & np.uint32(0x7FFFFFFF)
+            floor = _kth_largest(work, samples, rank)
+        else:
+            floor = _exponent_floor(row, k, hist)
+        nan = False
+        while True:
+            m = 0
+            for j in range(n):  # every magnitude >= floor, positions ascending (branch-free append)
+                mag = row[j] & np.uint32(0x7FFFFFFF)
+                nan |= mag > np.uint32(0x7F800000)
+                cand_pos[m] = j
+                cand_mag[m] = mag
+                m += mag >= floor
+            if m >= k or nan:
+                break
+            floor = _exponent_floor(row, k, hist)  # the guess was too high: the histogram's floor is safe
+        if nan:
+            replay[r] = True
+            continue
+        work[:m] = cand_mag[:m]
+        t = _kth_largest(work, m, k)
+        kept = 0
+        for i in range(m):
+            if cand_mag[i] >= t:
+                if kept == k:  # more than k at or above t: a tie across the k-th place
+                    replay[r] = True
+                    break
+                idx_out[r, kept] = cand_pos[i]
+                kept += 1
+        if replay[r]:
+            continue
+        if by_value:  # insertion sort by magnitude, larger first (k is small here: 64 k <= n)
+            for i in range(1, k):
+                j = idx_out[r, i]
+                mag = row[j] & np.uint32(0x7FFFFFFF)
+                q = i
+                while q > 0 and (row[idx_out[r, q - 1]] & np.uint32(0x7FFFFFFF)) < mag:
+                    idx_out[r, q] = idx_out[r, q - 1]
+                    q -= 1
+                if q > 0 and (row[idx_out[r, q - 1]] & np.uint32(0x7FFFFFFF)) == mag:
+                    replay[r] = True  # equal magnitudes among the k: their order is partial_sort's
+                idx_out[r, q] = j
+        for i in range(k):
+            val_out[r, i] = rows[r, idx_out[r, i]]
