@@ -1,0 +1,292 @@
+"""How pushes reach the parameter server and answers come back (issue #36): one server loop, fed in an order.
+
+    loop = ServerLoop(state, islands=M, arrivals=VirtualClock([1.0, 2.0]), inbox=LocalInbox())
+    loop.start()                                   # a thread of the host (rank 0, or the simulating process)
+    link = LocalLink(loop.inbox, island=0)         # an island in the host's process
+    reply = link.push(Message(PUSH, 0, version, samples, delta))  -> Reply(ack, version, global flat)
+
+The loop takes one message at a time from its inbox, in the order its `arrivals` names: FirstCome() takes whatever
+arrives first (a real job), VirtualClock(round_seconds) takes island i's k-th message at virtual time k * t_i (ties:
+the lower island first), so a simulated run and a multi-process run of the same schedule apply the same pushes in
+the same order and end on the same global model bit for bit. A push is answered at once with the ack and the
+current global model (the island's pull); an island's DONE is answered only when every island is done, with the
+final model, so every island ends on the same global model (the job's end is the only barrier).
+
+Transports, no new one: LocalInbox/LocalLink in one process (islands.simulate's islands, and rank 0's own island);
+GlooInbox/GlooLink over torch.distributed point-to-point on a gloo group of its own (islands on other ranks).
+A message on the wire: a float64 header [kind, island, version, samples, payload bytes], then the payload (the
+fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); the answer: a float64 header [accepted,
+version, staleness, stepped], then the fp32 global model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from islands.sync.outer.ps_server import Ack, Contribution, ServerState
+from islands.sync.outer.quant4 import PayloadCodec
+
+PUSH, DONE = 1, 2
+_HEADER, _ANSWER = 5, 4
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: int  # PUSH or DONE
+    island: int
+    version: int = 0
+    samples: float = 0.0
+    payload: torch.Tensor | None = None  # PUSH: the fp32 delta, or the codec's uint8 payload
+
+
+@dataclass(frozen=True)
+class Reply:
+    ack: Ack
+    flat: torch.Tensor  # the global model now (a push's pull; DONE: the final model)
+
+
+Answer = Callable[[Reply], None]
+
+
+# ---- arrival orders ----------------------------------------------------------------------------------------
+class Arrivals(ABC):
+    @abstractmethod
+    def next(self, active: set[int]) -> int | None:
+        """The island whose message the server takes next, or None: whichever comes first."""
+
+    @abstractmethod
+    def took(self, island: int) -> None:
+        """The message of `island` was taken (a clock advances it)."""
+
+
+class FirstCome(Arrivals):
+    """A real job: the first message to arrive is the next one applied."""
+
+    def next(self, active: set[int]) -> int | None:
+        return None
+
+    def took(self, island: int) -> None:
+        return
+
+
+class VirtualClock(Arrivals):
+    """Island i's round takes `round_seconds[i]` virtual seconds: its k-th message arrives at k * t_i. Deterministic,
+    so a simulation and a multi-process run apply pushes in the same order (the islands' real speeds do not matter)."""
+
+    def __init__(self, round_seconds: Sequence[float]):
+        if not round_seconds or any(not t > 0 for t in round_seconds):
+            raise ValueError(f"round_seconds must give every island a time > 0, got {list(round_seconds)}")
+        self.round_seconds = [float(t) for t in round_seconds]
+        self.taken = [0] * len(self.round_seconds)
+
+    def at(self, island: int) -> float:
+        return (self.taken[island] + 1) * self.round_seconds[island]
+
+    def next(self, active: set[int]) -> int | None:
+        return min(active, key=lambda i: (self.at(i), i))
+
+    def took(self, island: int) -> None:
+        self.taken[island] += 1
+
+
+# ---- inboxes -----------------------------------------------------------------------------------------------
+class Inbox(ABC):
+    @abstractmethod
+    def take(self, island: int | None) -> tuple[Message, Answer]:
+        """The next message of `island` (None: of any island), blocking, and how to answer it."""
+
+
+class LocalInbox(Inbox):
+    """Messages from islands in this process: one FIFO per island, plus the order they came in."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.boxes: dict[int, deque] = {}
+        self.seq = 0
+
+    def put(self, msg: Message) -> Future:
+        done: Future = Future()
+        with self.cv:
+            self.boxes.setdefault(msg.island, deque()).append((self.seq, msg, done))
+            self.seq += 1
+            self.cv.notify_all()
+        return done
+
+    def ready(self, island: int | None) -> tuple[Message, Answer] | None:
+        """The message take would return now, or None (not blocking)."""
+        with self.cv:
+            boxes = [b for i, b in self.boxes.items() if b and (island is None or i == island)]
+            if not boxes:
+                return None
+            box = min(boxes, key=lambda b: b[0][0])
+            _, msg, done = box.popleft()
+            return msg, done.set_result
+
+    def take(self, island: int | None) -> tuple[Message, Answer]:
+        while True:
+            got = self.ready(island)
+            if got is not None:
+                return got
+            with self.cv:
+                self.cv.wait(timeout=0.05)
+
+
+class GlooInbox(Inbox):
+    """Messages from islands on other ranks over a gloo group (island i is rank i of `group`), and from the host's
+    own island through `local`. The loop is the only user of `group` on the host."""
+
+    def __init__(self, group, local_islands: set[int], local: LocalInbox, numel: int, codec: PayloadCodec | None):
+        self.group, self.local_islands, self.local = group, local_islands, local
+        self.numel, self.codec = numel, codec
+        self._pending = None  # a receive from any rank in flight (FirstCome)
+
+    def _any(self, header: torch.Tensor) -> int | None:
+        if self._pending is None:
+            self._pending = dist.irecv(header, src=None, group=self.group)
+        if not self._pending.is_completed():
+            return None
+        self._pending.wait()
+        self._pending = None
+        return int(header[1].item())
+
+    def take(self, island: int | None) -> tuple[Message, Answer]:
+        if island is not None and island in self.local_islands:
+            return self.local.take(island)
+        header = torch.zeros(_HEADER, dtype=torch.float64)
+        if island is None:
+            while True:
+                got = self.local.ready(None)
+                if got is not None:
+                    return got
+                src = self._any(header)
+                if src is not None:
+                    break
+                time.sleep(0.0005)
+        else:
+            src = island
+            dist.recv(header, src=src, group=self.group)
+        kind, nbytes = int(header[0].item()), int(header[4].item())
+        payload = None
+        if kind == PUSH:
+            payload = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
+            dist.recv(payload, src=src, group=self.group)
+        msg = Message(kind, int(header[1].item()), int(header[2].item()), float(header[3].item()), payload)
+
+        def answer(reply: Reply, dst: int = src) -> None:
+            a = reply.ack
+            head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
+            dist.send(head, dst=dst, group=self.group)
+            dist.send(reply.flat.contiguous(), dst=dst, group=self.group)
+
+        return msg, answer
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+class ServerLoop:
+    """Applies messages to a ServerState one at a time, in `arrivals` order, until every island is done (module
+    docstring). run() in a thread of its own (start) or inline."""
+
+    def __init__(
+        self, state: ServerState, islands: int, arrivals: Arrivals, inbox: Inbox, codec: PayloadCodec | None = None
+    ):
+        self.state, self.islands, self.arrivals, self.inbox, self.codec = state, islands, arrivals, inbox, codec
+        self.lock = threading.Lock()  # held while a message is applied: state_dict reads a consistent state
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._guarded, name="islands-ps-server", daemon=True)
+        self.thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:  # noqa: BLE001 - kept for the host island to raise (join)
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"parameter server loop failed: {self.error!r}") from self.error
+
+    def decode(self, msg: Message) -> torch.Tensor:
+        assert msg.payload is not None, "a push carries a payload"
+        if self.codec is not None:
+            return self.codec.decode(msg.payload, self.state.numel)
+        return msg.payload.to(torch.float32)
+
+    def run(self) -> None:
+        active = set(range(self.islands))
+        finished: list[Answer] = []
+        while active:
+            island = self.arrivals.next(active)
+            msg, answer = self.inbox.take(island)
+            self.arrivals.took(msg.island)
+            if msg.kind == DONE:
+                active.discard(msg.island)
+                finished.append(answer)
+                continue
+            with self.lock:
+                ack = self.state.push(Contribution(msg.island, msg.version, self.decode(msg), msg.samples))
+                _, flat = self.state.pull()
+            answer(Reply(ack, flat))
+        version, flat = self.state.pull()
+        for answer in finished:
+            answer(Reply(Ack(True, version, 0), flat))
+
+
+# ---- links (the island's side) -----------------------------------------------------------------------------
+class Link(ABC):
+    @abstractmethod
+    def send(self, msg: Message) -> Reply:
+        """Send one message and wait for its answer."""
+
+
+class LocalLink(Link):
+    """An island in the server's process. The wait is a Future's: islands.simulate passes the turn meanwhile."""
+
+    def __init__(self, inbox: LocalInbox, ledger=None):
+        self.inbox, self.ledger = inbox, ledger
+
+    def send(self, msg: Message) -> Reply:
+        reply = self.inbox.put(msg).result()
+        if self.ledger is not None:  # what the same message would cost on a wire (GlooLink's counts)
+            p = msg.payload if msg.kind == PUSH else None
+            self.ledger.record("ps_push", _HEADER * 8 + (0 if p is None else p.numel() * p.element_size()), 0)
+            self.ledger.record("ps_pull", 0, _ANSWER * 8 + reply.flat.numel() * 4)
+        return reply
+
+
+class GlooLink(Link):
+    """An island on another rank than the server's: point-to-point over the server's gloo group, counted in the
+    island's ledger (kinds ps_push, ps_pull)."""
+
+    def __init__(self, group, server_rank: int, numel: int, ledger=None):
+        self.group, self.server, self.numel, self.ledger = group, server_rank, numel, ledger
+
+    def send(self, msg: Message) -> Reply:
+        payload = msg.payload if msg.kind == PUSH else None
+        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
+        dist.send(header, dst=self.server, group=self.group)
+        if payload is not None:
+            dist.send(payload.contiguous(), dst=self.server, group=self.group)
+        answer = torch.zeros(_ANSWER, dtype=torch.float64)
+        dist.recv(answer, src=self.server, group=self.group)
+        flat = torch.empty(self.numel)
+        dist.recv(flat, src=self.server, group=self.group)
+        if self.ledger is not None:
+            self.ledger.record("ps_push", header.numel() * 8 + nbytes, 0)
+            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4)
+        a = [int(x) for x in answer.tolist()]
+        return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), flat)
