@@ -155,11 +155,11 @@ def test_bad_server_options_name_themselves(kw, words):
 
 
 def test_the_loop_applies_pushes_in_virtual_clock_order_whatever_the_real_order():
-    class Recording(ServerState):
-        order: list[int] = []
+    order: list[int] = []
 
+    class Recording(ServerState):
         def push(self, c):
-            self.order.append(c.island)
+            order.append(c.island)
             return super().push(c)
 
     state = Recording(vec(0.0), lambda: OuterSGD(1.0), max_staleness=10)
@@ -181,6 +181,6 @@ def test_the_loop_applies_pushes_in_virtual_clock_order_whatever_the_real_order(
         t.join(timeout=30)
     loop.join(timeout=30)
     # virtual times: island 1 at 1, 2, 3(tie: island 0 first), 4; island 0 at 3, 6; DONEs at 5 (1) and 9 (0)
-    assert state.order == [1, 1, 0, 1, 1, 0]
+    assert order == [1, 1, 0, 1, 1, 0]
     final = replies[0][-1].flat
     assert torch.equal(final, replies[1][-1].flat) and final.item() == -6.0
