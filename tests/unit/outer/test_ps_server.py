@@ -158,9 +158,9 @@ def test_the_loop_applies_pushes_in_virtual_clock_order_whatever_the_real_order(
     order: list[int] = []
 
     class Recording(ServerState):
-        def push(self, c):
+        def push(self, c, active=None):
             order.append(c.island)
-            return super().push(c)
+            return super().push(c, active)
 
     state = Recording(vec(0.0), lambda: OuterSGD(1.0), max_staleness=10)
     inbox = LocalInbox()
@@ -184,3 +184,13 @@ def test_the_loop_applies_pushes_in_virtual_clock_order_whatever_the_real_order(
     assert order == [1, 1, 0, 1, 1, 0]
     final = replies[0][-1].flat
     assert torch.equal(final, replies[1][-1].flat) and final.item() == -6.0
+
+
+def test_a_failing_server_fails_the_waiting_island_instead_of_hanging():
+    inbox = LocalInbox()
+    loop = ServerLoop(sgd_state(vec(0.0, 0.0)), 1, VirtualClock([1.0]), inbox)
+    loop.start()
+    with pytest.raises(RuntimeError, match="a push of 3 values to a server of 2"):
+        LocalLink(inbox).send(Message(PUSH, 0, 0, 1.0, vec(1.0, 2.0, 3.0)))
+    with pytest.raises(RuntimeError, match="parameter server loop failed"):
+        loop.join(timeout=10)

@@ -16,7 +16,7 @@ island's DONE is answered with the final model once all are done, so every islan
     make_outer("ps:inner_steps=50,quorum=2,bits=4")                  the spec string, at the edge
 
 Where the server runs (`host`): in a multi-process job, a thread of rank 0 (its own island pushes in memory, the
-others over a gloo group of their own, ps_link.GlooLink); under islands.simulate, pass every island the same
+others over gloo groups of their own, ps_link.GlooLink); under islands.simulate, pass every island the same
 InProcessServer() (a thread of the simulating process). `arrivals`: FirstCome() (default) applies pushes as they
 come; VirtualClock(round_seconds) fixes the order by virtual round times, so simulated and multi-process runs end on
 the same model bit for bit. Buffers are the island's own (buffer_policy "own": no cross-island average; the
@@ -41,8 +41,8 @@ from islands.sync.outer.ps_link import (
     PUSH,
     Arrivals,
     FirstCome,
-    GlooInbox,
     GlooLink,
+    GlooReceiver,
     LocalInbox,
     LocalLink,
     Message,
@@ -182,15 +182,19 @@ class ParameterServer(OuterStrategy):
                 f"ps runs one worker per island for now; this job has {dist.get_world_size()} workers on "
                 f"{islands} islands"
             )
-        group = dist.new_group(backend="gloo") if islands > 1 else None  # its own group: the server thread's
+        # two groups of their own: pushes to the server (its receiver thread) and answers back (its loop thread)
+        pushes, answers = (
+            (dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if islands > 1 else (None, None)
+        )
         if me == 0:
-            local = LocalInbox()
-            inbox = GlooInbox(group, {0}, local, numel, self.codec) if group is not None else local
+            inbox = LocalInbox()
             self.loop = ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
+            if islands > 1:
+                GlooReceiver(pushes, answers, islands - 1, inbox, numel, self.codec).start()
             self.loop.start()
-            self.link = LocalLink(local, self.island_ledger())
+            self.link = LocalLink(inbox, self.island_ledger())
         else:
-            self.link = GlooLink(group, 0, numel, self.island_ledger())
+            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger())
 
     def island_ledger(self):
         return getattr(self.comm, "ledger", None)

@@ -13,7 +13,9 @@ current global model (the island's pull); an island's DONE is answered only when
 final model, so every island ends on the same global model (the job's end is the only barrier).
 
 Transports, no new one: LocalInbox/LocalLink in one process (islands.simulate's islands, and rank 0's own island);
-GlooInbox/GlooLink over torch.distributed point-to-point on a gloo group of its own (islands on other ranks).
+GlooReceiver/GlooLink over torch.distributed point-to-point on two gloo groups of their own (pushes to the server,
+answers back), for islands on other ranks: a receiver thread on the host takes whichever rank sends first and
+queues the message into the same LocalInbox, so the loop sees one inbox whatever the transport.
 A message on the wire: a float64 header [kind, island, version, samples, payload bytes], then the payload (the
 fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); the answer: a float64 header [accepted,
 version, staleness, stepped], then the fp32 global model.
@@ -22,11 +24,10 @@ version, staleness, stepped], then the fp32 global model.
 from __future__ import annotations
 
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import torch
@@ -106,88 +107,85 @@ class Inbox(ABC):
 
 
 class LocalInbox(Inbox):
-    """Messages from islands in this process: one FIFO per island, plus the order they came in."""
+    """Messages in this process: one FIFO per island, plus the order they came in. Islands of this process put a
+    message and wait on its Future (`ask`); a GlooReceiver puts the messages of other ranks with their answer."""
 
     def __init__(self):
         self.cv = threading.Condition()
         self.boxes: dict[int, deque] = {}
         self.seq = 0
+        self.error: BaseException | None = None  # a receiver that failed: take raises it instead of waiting
 
-    def put(self, msg: Message) -> Future:
-        done: Future = Future()
+    def put(self, msg: Message, answer: Answer) -> None:
         with self.cv:
-            self.boxes.setdefault(msg.island, deque()).append((self.seq, msg, done))
+            self.boxes.setdefault(msg.island, deque()).append((self.seq, msg, answer))
             self.seq += 1
             self.cv.notify_all()
+
+    def ask(self, msg: Message) -> Future:
+        done: Future = Future()
+        self.put(msg, done.set_result)
         return done
 
-    def ready(self, island: int | None) -> tuple[Message, Answer] | None:
-        """The message take would return now, or None (not blocking)."""
+    def fail(self, error: BaseException) -> None:
         with self.cv:
-            boxes = [b for i, b in self.boxes.items() if b and (island is None or i == island)]
-            if not boxes:
-                return None
-            box = min(boxes, key=lambda b: b[0][0])
-            _, msg, done = box.popleft()
-            return msg, done.set_result
+            self.error = error
+            self.cv.notify_all()
 
     def take(self, island: int | None) -> tuple[Message, Answer]:
-        while True:
-            got = self.ready(island)
-            if got is not None:
-                return got
-            with self.cv:
+        with self.cv:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"parameter server receiver failed: {self.error!r}") from self.error
+                boxes = [b for i, b in self.boxes.items() if b and (island is None or i == island)]
+                if boxes:
+                    _, msg, answer = min(boxes, key=lambda b: b[0][0]).popleft()
+                    return msg, answer
                 self.cv.wait(timeout=0.05)
 
 
-class GlooInbox(Inbox):
-    """Messages from islands on other ranks over a gloo group (island i is rank i of `group`), and from the host's
-    own island through `local`. The loop is the only user of `group` on the host."""
+class GlooReceiver:
+    """On the server's host: a thread that receives the other ranks' messages over `pushes` (a gloo group; island i
+    is rank i), from whichever rank sends first, and puts them into the LocalInbox with an answer that goes back over
+    `answers` (a second group: the receiver thread and the loop thread each use a group of their own). It stops
+    after the DONE of every one of the `remote` islands."""
 
-    def __init__(self, group, local_islands: set[int], local: LocalInbox, numel: int, codec: PayloadCodec | None):
-        self.group, self.local_islands, self.local = group, local_islands, local
+    def __init__(self, pushes, answers, remote: int, inbox: LocalInbox, numel: int, codec: PayloadCodec | None):
+        self.pushes, self.answers, self.remote, self.inbox = pushes, answers, remote, inbox
         self.numel, self.codec = numel, codec
-        self._pending = None  # a receive from any rank in flight (FirstCome)
+        self.thread = threading.Thread(target=self._run, name="islands-ps-receiver", daemon=True)
 
-    def _any(self, header: torch.Tensor) -> int | None:
-        if self._pending is None:
-            self._pending = dist.irecv(header, src=None, group=self.group)
-        if not self._pending.is_completed():
-            return None
-        self._pending.wait()
-        self._pending = None
-        return int(header[1].item())
+    def start(self) -> None:
+        self.thread.start()
 
-    def take(self, island: int | None) -> tuple[Message, Answer]:
-        if island is not None and island in self.local_islands:
-            return self.local.take(island)
+    def _run(self) -> None:
+        try:
+            done = 0
+            while done < self.remote:
+                msg = self._receive()
+                done += msg.kind == DONE
+                self.inbox.put(msg, self._answer_to(msg.island))
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it
+            self.inbox.fail(e)
+
+    def _receive(self) -> Message:
         header = torch.zeros(_HEADER, dtype=torch.float64)
-        if island is None:
-            while True:
-                got = self.local.ready(None)
-                if got is not None:
-                    return got
-                src = self._any(header)
-                if src is not None:
-                    break
-                time.sleep(0.0005)
-        else:
-            src = island
-            dist.recv(header, src=src, group=self.group)
+        src = dist.recv(header, src=None, group=self.pushes)
         kind, nbytes = int(header[0].item()), int(header[4].item())
         payload = None
         if kind == PUSH:
             payload = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
-            dist.recv(payload, src=src, group=self.group)
-        msg = Message(kind, int(header[1].item()), int(header[2].item()), float(header[3].item()), payload)
+            dist.recv(payload, src=src, group=self.pushes)
+        return Message(kind, int(header[1].item()), int(header[2].item()), float(header[3].item()), payload)
 
-        def answer(reply: Reply, dst: int = src) -> None:
+    def _answer_to(self, dst: int) -> Answer:
+        def answer(reply: Reply) -> None:
             a = reply.ack
             head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
-            dist.send(head, dst=dst, group=self.group)
-            dist.send(reply.flat.contiguous(), dst=dst, group=self.group)
+            dist.send(head, dst=dst, group=self.answers)
+            dist.send(reply.flat.contiguous(), dst=dst, group=self.answers)
 
-        return msg, answer
+        return answer
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -212,6 +210,8 @@ class ServerLoop:
             self.run()
         except BaseException as e:  # noqa: BLE001 - kept for the host island to raise (join)
             self.error = e
+            if isinstance(self.inbox, LocalInbox):  # islands of this process waiting on an answer raise it
+                self.inbox.fail(e)
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:
@@ -235,9 +235,12 @@ class ServerLoop:
             if msg.kind == DONE:
                 active.discard(msg.island)
                 finished.append(answer)
+                with self.lock:
+                    self.state.settle(len(active))
                 continue
             with self.lock:
-                ack = self.state.push(Contribution(msg.island, msg.version, self.decode(msg), msg.samples))
+                c = Contribution(msg.island, msg.version, self.decode(msg), msg.samples)
+                ack = self.state.push(c, len(active))
                 _, flat = self.state.pull()
             answer(Reply(ack, flat))
         version, flat = self.state.pull()
@@ -259,7 +262,14 @@ class LocalLink(Link):
         self.inbox, self.ledger = inbox, ledger
 
     def send(self, msg: Message) -> Reply:
-        reply = self.inbox.put(msg).result()
+        answer = self.inbox.ask(msg)
+        while True:
+            try:
+                reply = answer.result(timeout=1.0)
+                break
+            except FutureTimeout:
+                if self.inbox.error is not None:  # the server loop (or its receiver) failed: no answer will come
+                    raise RuntimeError(f"parameter server failed: {self.inbox.error!r}") from self.inbox.error
         if self.ledger is not None:  # what the same message would cost on a wire (GlooLink's counts)
             p = msg.payload if msg.kind == PUSH else None
             self.ledger.record("ps_push", _HEADER * 8 + (0 if p is None else p.numel() * p.element_size()), 0)
@@ -271,20 +281,20 @@ class GlooLink(Link):
     """An island on another rank than the server's: point-to-point over the server's gloo group, counted in the
     island's ledger (kinds ps_push, ps_pull)."""
 
-    def __init__(self, group, server_rank: int, numel: int, ledger=None):
-        self.group, self.server, self.numel, self.ledger = group, server_rank, numel, ledger
+    def __init__(self, pushes, answers, server_rank: int, numel: int, ledger=None):
+        self.pushes, self.answers, self.server, self.numel, self.ledger = pushes, answers, server_rank, numel, ledger
 
     def send(self, msg: Message) -> Reply:
         payload = msg.payload if msg.kind == PUSH else None
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
         header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
-        dist.send(header, dst=self.server, group=self.group)
+        dist.send(header, dst=self.server, group=self.pushes)
         if payload is not None:
-            dist.send(payload.contiguous(), dst=self.server, group=self.group)
+            dist.send(payload.contiguous(), dst=self.server, group=self.pushes)
         answer = torch.zeros(_ANSWER, dtype=torch.float64)
-        dist.recv(answer, src=self.server, group=self.group)
+        dist.recv(answer, src=self.server, group=self.answers)
         flat = torch.empty(self.numel)
-        dist.recv(flat, src=self.server, group=self.group)
+        dist.recv(flat, src=self.server, group=self.answers)
         if self.ledger is not None:
             self.ledger.record("ps_push", header.numel() * 8 + nbytes, 0)
             self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4)

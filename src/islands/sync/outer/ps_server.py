@@ -14,7 +14,8 @@ from; its staleness is the versions taken since. Staleness rules:
     the current model and starts over from it (its round's work is lost: goodput counts it);
   * otherwise it joins the window. When the window holds contributions from `quorum` distinct islands (1: every
     push steps at once, fully asynchronous; more: Decoupled-DiLoCo-style semi-synchrony, arXiv 2604.21428), the
-    window is merged and one outer step runs on every shard, version += 1.
+    window is merged and one outer step runs on every shard, version += 1. The quorum never exceeds the islands
+    still training (`settle`): one that finished or left is not waited for.
 Merging (no aggregator): weighted by samples (token-weighted merging, 2604.21428), each weight times
 (1 + staleness)^-discount; merged = sum(w_i delta_i) / sum(w_i), summed in arrival order, and the step's lr is
 scaled by sum(w_i) / sum(samples_i) (1 when discount = 0), so a stale window moves the model less. With a robust
@@ -102,8 +103,9 @@ class ServerState:
     def staleness(self, version: int) -> int:
         return self.version - int(version)
 
-    def push(self, c: Contribution) -> Ack:
-        """Apply one contribution by the rules (module docstring)."""
+    def push(self, c: Contribution, active: int | None = None) -> Ack:
+        """Apply one contribution by the rules (module docstring). `active`: the islands still training, when the
+        caller knows (the quorum shrinks to it: an island that left is not waited for)."""
         if c.delta.numel() != self.numel:
             raise ValueError(f"a push of {c.delta.numel()} values to a server of {self.numel}")
         if not c.samples > 0:
@@ -116,11 +118,19 @@ class ServerState:
             return Ack(False, self.version, s)
         self.counts["samples"] += float(c.samples)
         self.window.append((c, s))
-        if len({w.island for w, _ in self.window}) < self.quorum:
-            return Ack(True, self.version, s)
+        stepped = self.settle(self.quorum if active is None else active)
+        return Ack(True, self.version, s, stepped=stepped)
+
+    def settle(self, active: int) -> bool:
+        """Step the open window if it holds contributions of min(quorum, active) distinct islands (at least one):
+        after a push, and when an island leaves (the loop calls it with the islands still training; with none
+        left, whatever the window holds is applied, so no accepted contribution is lost at the end)."""
+        needed = max(1, min(self.quorum, active))
+        if not self.window or len({c.island for c, _ in self.window}) < needed:
+            return False
         self._step(self.window)
         self.window = []
-        return Ack(True, self.version, s, stepped=True)
+        return True
 
     @torch.no_grad()
     def _step(self, window: Sequence[tuple[Contribution, int]]) -> None:
