@@ -86,3 +86,17 @@ def test_first_come_arrivals_finish_with_every_push_applied_or_refused(ranks):
     server = a["server"]
     assert server["pushes"] == a["counts"]["pushes"] + b["counts"]["pushes"] == 2 * STEPS // H
     assert server["refused"] == a["counts"]["refused"] + b["counts"]["refused"]
+
+
+def test_islands_train_runs_the_ps_spec_across_two_processes(tmp_path):
+    import json
+
+    from harness.cli import TINY_FLAGS, islands_cli
+
+    run_dir = tmp_path / "ps"
+    argv = ["train", "--workers", "2", "--islands", "2", "--outer", "ps:inner_steps=4", "--steps", "12"]
+    assert islands_cli(*argv, "--output.run_dir", str(run_dir), *TINY_FLAGS) == 0
+    per_rank = json.loads((run_dir / "run.json").read_text())["comm"]["per_rank"]
+    for rank in per_rank:  # 3 rounds of 4 steps pushed, then DONE (answered with the final model)
+        assert rank["calls"]["ps_push"] == 4 and rank["calls"]["ps_pull"] == 4
+        assert rank["sent"]["ps_push"] > 3 * 4 * 11000  # three fp32 pseudo-gradients (the LM has > 11k parameters)
