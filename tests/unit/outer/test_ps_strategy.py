@@ -131,3 +131,9 @@ def test_simulated_islands_need_one_shared_server():
 
     with pytest.raises(RuntimeError, match="InProcessServer"):
         islands.simulate.run(main, islands=2)
+
+
+def test_simulate_from_the_cli_refuses_ps_with_the_python_way(capsys):
+    argv = ["train", "--workers", "2", "--islands", "2", "--simulate", "--outer", "ps:inner_steps=4"]
+    assert islands_cli(*argv) == 2
+    assert "host=InProcessServer()" in capsys.readouterr().err
