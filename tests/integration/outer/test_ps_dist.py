@@ -48,6 +48,10 @@ def train(world, host=None, **kw) -> dict:
 def _all(world) -> dict:
     out = {name: train(world, **kw) for name, kw in SCHEDULES.items()}
     out["first-come"] = train(world, arrivals=FirstCome())
+    from islands.runtime.payload_auth import authenticate_payloads
+
+    authenticate_payloads(world, token="ps-test-secret")  # from here on every push and answer travels sealed
+    out["sealed"] = train(world, **SCHEDULES["fp32"])
     return out
 
 
@@ -100,3 +104,11 @@ def test_islands_train_runs_the_ps_spec_across_two_processes(tmp_path):
     for rank in per_rank:  # 3 rounds of 4 steps pushed, then DONE (answered with the final model)
         assert rank["calls"]["ps_push"] == 4 and rank["calls"]["ps_pull"] == 4
         assert rank["sent"]["ps_push"] > 3 * 4 * 11000  # three fp32 pseudo-gradients (the LM has > 11k parameters)
+
+
+def test_sealed_pushes_and_answers_give_the_unsealed_model(ranks):
+    # the same virtual-clock schedule with authenticated payloads: the tags add bytes, not a single changed value
+    for rank in (0, 1):
+        assert ranks[rank]["sealed"]["global"].tobytes() == ranks[rank]["fp32"]["global"].tobytes()
+    # island 1 sent 4 pushes (header + payload) and a DONE (header): 9 tensors, each with its 32-byte MAC
+    assert ranks[1]["sealed"]["sent"] == ranks[1]["fp32"]["sent"] + 9 * 32

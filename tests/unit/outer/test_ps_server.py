@@ -194,3 +194,23 @@ def test_a_failing_server_fails_the_waiting_island_instead_of_hanging():
         LocalLink(inbox).send(Message(PUSH, 0, 0, 1.0, vec(1.0, 2.0, 3.0)))
     with pytest.raises(RuntimeError, match="parameter server loop failed"):
         loop.join(timeout=10)
+
+
+def test_a_sealed_message_altered_on_the_way_is_refused():
+    from islands.runtime.elastic.auth import derive_key
+    from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
+    from islands.sync.outer.ps_link import Sealer
+
+    sealer = Sealer(PayloadTags(derive_key("secret", "payload|test"), b"test|"))
+    delta = vec(1.0, 2.0, 3.0)
+    packed = sealer.tags.pack(delta, ("ps_payload", 1, 0, 4))
+    assert torch.equal(sealer.open(packed.clone(), delta, ("ps_payload", 1, 0, 4)), delta)
+    tampered = packed.clone()
+    tampered[0] ^= 1
+    for bad, fields in (
+        (tampered, ("ps_payload", 1, 0, 4)),
+        (packed, ("ps_payload", 1, 0, 5)),
+        (packed, ("ps_payload", 2, 0, 4)),
+    ):
+        with pytest.raises(PayloadAuthError, match="failed its MAC"):
+            sealer.open(bad.clone(), delta, fields)  # altered, replayed as another message, relabelled sender

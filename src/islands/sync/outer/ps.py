@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from islands.aggregate.base import Aggregator
-from islands.runtime.comm import Comm
+from islands.runtime.payload_auth import PayloadTags
+from islands.runtime.simulate import current_island
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.outer_opt import OuterOptimizer, OuterSGD
@@ -47,12 +49,23 @@ from islands.sync.outer.ps_link import (
     LocalLink,
     Message,
     Reply,
+    Sealer,
     ServerLoop,
     VirtualClock,
 )
 from islands.sync.outer.ps_server import ServerState, check_server_options
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
+
+
+@runtime_checkable
+class HasPayloadTags(Protocol):
+    """A cross-island Comm that authenticates payloads (runtime.payload_auth.AuthenticatedComm): its tags seal the
+    server's point-to-point messages too."""
+
+    @property
+    def tags(self) -> PayloadTags: ...
+
 
 # 2401.09135's outer step (and LIT-212's DiLoCo): lr 0.7, momentum 0.9; the delayed form's N defaults to the islands
 DEFAULT_PS_LR = 0.7
@@ -172,7 +185,7 @@ class ParameterServer(OuterStrategy):
             self.loop = loop if built else None
             self.link = LocalLink(inbox, self.island_ledger())
             return
-        if islands > 1 and not (isinstance(self.comm, Comm) and dist.is_initialized()):
+        if islands > 1 and (current_island() is not None or not dist.is_initialized()):
             raise ValueError(
                 "ps across islands in one process (islands.simulate) needs one server: give every island's "
                 "ParameterServer the same host=InProcessServer()"
@@ -190,11 +203,15 @@ class ParameterServer(OuterStrategy):
             inbox = LocalInbox()
             self.loop = ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
             if islands > 1:
-                GlooReceiver(pushes, answers, islands - 1, inbox, numel, self.codec).start()
+                GlooReceiver(pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer()).start()
             self.loop.start()
             self.link = LocalLink(inbox, self.island_ledger())
         else:
-            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger())
+            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer())
+
+    def sealer(self) -> Sealer | None:
+        """Seals for the point-to-point messages where the job authenticates its payloads (outer.authenticate)."""
+        return Sealer(self.comm.tags) if isinstance(self.comm, HasPayloadTags) else None
 
     def island_ledger(self):
         return getattr(self.comm, "ledger", None)

@@ -18,7 +18,10 @@ answers back), for islands on other ranks: a receiver thread on the host takes w
 queues the message into the same LocalInbox, so the loop sees one inbox whatever the transport.
 A message on the wire: a float64 header [kind, island, version, samples, payload bytes], then the payload (the
 fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); the answer: a float64 header [accepted,
-version, staleness, stepped], then the fp32 global model.
+version, staleness, stepped], then the fp32 global model. In a job with authenticated payloads (outer.authenticate,
+runtime/payload_auth.py) every one of these tensors travels sealed (Sealer): its bytes and an HMAC under the job's
+payload key, bound to what it is, its sender and receiver and the message's number on that pair, so a push or an
+answer altered, injected or replayed on the way is refused before any byte is used.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from islands.runtime.payload_auth import TAG, PayloadAuthError, PayloadTags
 from islands.sync.outer.ps_server import Ack, Contribution, ServerState
 from islands.sync.outer.quant4 import PayloadCodec
 
@@ -144,15 +148,69 @@ class LocalInbox(Inbox):
                 self.cv.wait(timeout=0.05)
 
 
+class Sealer:
+    """Seals the parameter server's point-to-point tensors with the job's payload tags: `fields` (what the tensor
+    is, sender, receiver, the message's number on that pair) are bound into each tag."""
+
+    def __init__(self, tags: PayloadTags):
+        self.tags = tags
+
+    def send(self, t: torch.Tensor, dst: int, group, fields: tuple) -> None:
+        dist.send(self.tags.pack(t, fields), dst=dst, group=group)
+
+    def recv(
+        self, like: torch.Tensor, src: int | None, group, fields: Callable[[int], tuple]
+    ) -> tuple[torch.Tensor, int]:
+        """(the opened tensor, its sender); `fields(sender)` names what it must be (src None: any rank)."""
+        packed = PayloadTags.shell(like)
+        sender = dist.recv(packed, src=src, group=group)
+        return self.open(packed, like, fields(sender)), sender
+
+    def open(self, packed: torch.Tensor, like: torch.Tensor, fields: tuple) -> torch.Tensor:
+        got = self.tags.open(packed, like, fields)
+        if got is None:
+            raise PayloadAuthError(
+                f"parameter server message {fields} failed its MAC: altered, injected or replayed on the way, or "
+                "the sender holds another token; it was not used"
+            )
+        return got
+
+
+def _send(t: torch.Tensor, dst: int, group, sealer: Sealer | None, fields: tuple) -> None:
+    if sealer is None:
+        dist.send(t.contiguous(), dst=dst, group=group)
+    else:
+        sealer.send(t, dst, group, fields)
+
+
+def _recv(like: torch.Tensor, src: int | None, group, sealer: Sealer | None, fields) -> tuple[torch.Tensor, int]:
+    """Receive into a tensor like `like` from `src` (None: any rank); `fields(sender)` for a sealed one."""
+    if sealer is None:
+        sender = dist.recv(like, src=src, group=group)
+        return like, sender
+    return sealer.recv(like, src, group, fields)
+
+
 class GlooReceiver:
     """On the server's host: a thread that receives the other ranks' messages over `pushes` (a gloo group; island i
     is rank i), from whichever rank sends first, and puts them into the LocalInbox with an answer that goes back over
     `answers` (a second group: the receiver thread and the loop thread each use a group of their own). It stops
     after the DONE of every one of the `remote` islands."""
 
-    def __init__(self, pushes, answers, remote: int, inbox: LocalInbox, numel: int, codec: PayloadCodec | None):
+    def __init__(
+        self,
+        pushes,
+        answers,
+        remote: int,
+        inbox: LocalInbox,
+        numel: int,
+        codec: PayloadCodec | None,
+        sealer: Sealer | None = None,
+        me: int = 0,
+    ):
         self.pushes, self.answers, self.remote, self.inbox = pushes, answers, remote, inbox
-        self.numel, self.codec = numel, codec
+        self.numel, self.codec, self.sealer, self.me = numel, codec, sealer, me
+        self.count: dict[int, int] = {}  # messages received per island: the number each tag binds
         self.thread = threading.Thread(target=self._run, name="islands-ps-receiver", daemon=True)
 
     def start(self) -> None:
@@ -162,28 +220,39 @@ class GlooReceiver:
         try:
             done = 0
             while done < self.remote:
-                msg = self._receive()
+                msg, src, n = self._receive()
                 done += msg.kind == DONE
-                self.inbox.put(msg, self._answer_to(msg.island))
+                self.inbox.put(msg, self._answer_to(src, n))
         except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it
             self.inbox.fail(e)
 
-    def _receive(self) -> Message:
-        header = torch.zeros(_HEADER, dtype=torch.float64)
-        src = dist.recv(header, src=None, group=self.pushes)
+    def _receive(self) -> tuple[Message, int, int]:
+        """A message, its sender rank and its number from that sender."""
+        me = self.me
+        header, src = _recv(
+            torch.zeros(_HEADER, dtype=torch.float64),
+            None,
+            self.pushes,
+            self.sealer,
+            lambda s: ("ps_header", s, me, self.count.get(s, 0)),
+        )
+        n = self.count.get(src, 0)
+        self.count[src] = n + 1
         kind, nbytes = int(header[0].item()), int(header[4].item())
+        if int(header[1].item()) != src:
+            raise ValueError(f"rank {src} sent a message as island {int(header[1].item())}")
         payload = None
         if kind == PUSH:
-            payload = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
-            dist.recv(payload, src=src, group=self.pushes)
-        return Message(kind, int(header[1].item()), int(header[2].item()), float(header[3].item()), payload)
+            like = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
+            payload, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_payload", s, me, n))
+        return Message(kind, src, int(header[2].item()), float(header[3].item()), payload), src, n
 
-    def _answer_to(self, dst: int) -> Answer:
+    def _answer_to(self, dst: int, n: int) -> Answer:
         def answer(reply: Reply) -> None:
             a = reply.ack
             head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
-            dist.send(head, dst=dst, group=self.answers)
-            dist.send(reply.flat.contiguous(), dst=dst, group=self.answers)
+            _send(head, dst, self.answers, self.sealer, ("ps_answer", self.me, dst, n))
+            _send(reply.flat, dst, self.answers, self.sealer, ("ps_model", self.me, dst, n))
 
         return answer
 
@@ -281,22 +350,31 @@ class GlooLink(Link):
     """An island on another rank than the server's: point-to-point over the server's gloo group, counted in the
     island's ledger (kinds ps_push, ps_pull)."""
 
-    def __init__(self, pushes, answers, server_rank: int, numel: int, ledger=None):
+    def __init__(self, pushes, answers, server_rank: int, numel: int, ledger=None, sealer: Sealer | None = None):
         self.pushes, self.answers, self.server, self.numel, self.ledger = pushes, answers, server_rank, numel, ledger
+        self.sealer = sealer
+        self.sent = 0  # messages sent: the number each tag binds
 
     def send(self, msg: Message) -> Reply:
         payload = msg.payload if msg.kind == PUSH else None
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
         header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
-        dist.send(header, dst=self.server, group=self.pushes)
+        me, server, n, sealer = msg.island, self.server, self.sent, self.sealer
+        self.sent += 1
+        _send(header, server, self.pushes, sealer, ("ps_header", me, server, n))
         if payload is not None:
-            dist.send(payload.contiguous(), dst=self.server, group=self.pushes)
-        answer = torch.zeros(_ANSWER, dtype=torch.float64)
-        dist.recv(answer, src=self.server, group=self.answers)
-        flat = torch.empty(self.numel)
-        dist.recv(flat, src=self.server, group=self.answers)
+            _send(payload, server, self.pushes, sealer, ("ps_payload", me, server, n))
+        answer, _ = _recv(
+            torch.zeros(_ANSWER, dtype=torch.float64),
+            server,
+            self.answers,
+            sealer,
+            lambda s: ("ps_answer", s, me, n),
+        )
+        flat, _ = _recv(torch.empty(self.numel), server, self.answers, sealer, lambda s: ("ps_model", s, me, n))
         if self.ledger is not None:
-            self.ledger.record("ps_push", header.numel() * 8 + nbytes, 0)
-            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4)
+            tag = TAG if sealer is not None else 0  # a sealed tensor carries its 32-byte MAC, counted as the Comm does
+            self.ledger.record("ps_push", header.numel() * 8 + nbytes + tag * (1 + (payload is not None)), 0)
+            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4 + 2 * tag)
         a = [int(x) for x in answer.tolist()]
         return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), flat)
