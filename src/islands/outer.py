@@ -11,6 +11,12 @@
     StreamingDiLoCo(inner_steps=100)       DiLoCo with Fragments(4, tau=1) and 4-bit deltas (LIT-214)
     LocalSGD(every=8), PostLocalSGD(switch, every=16), OverlapLocalSGD(tau=2, pull=0.5), SlowMo(every=8),
     EASGD(every=4, beta=0.9), Gossip(every=4, topology=ExponentialGraph())
+    ParameterServer(inner_steps=100, rule=None, shards=1, max_staleness=4, quorum=1, discount=0, aggregator=None,
+                    compressor=None, arrivals=None, host=None)
+                                           asynchronous pushes and pulls to a server (issue #36): delayed Nesterov
+                                           (DelayedNesterov, arXiv 2401.09135), samples-weighted windows, staleness
+                                           refusal; arrivals FirstCome() | VirtualClock(round_seconds);
+                                           host=InProcessServer() under islands.simulate
     WarmStart(outer, steps)                ordinary data parallelism across islands first (LIT-212)
 Outer optimizers: OuterSGD(lr, momentum, nesterov), PrimalAveraging(lr, weight). Gossip topologies: Ring(),
 ExponentialGraph(), RandomPeers(s, seed). Every one of them needs no step count: call `finish(model)` after
@@ -18,6 +24,7 @@ the last step (the Trainer does), and `eval_model(model)` is the global model, p
 """
 
 from islands.sync.outer.adaptive import Adaptive
+from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.eager import Overlapped
 from islands.sync.outer.easgd import EASGD
@@ -27,6 +34,8 @@ from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.outer_opt import OuterSGD, OuterStep, PrimalAveraging
 from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
+from islands.sync.outer.ps import InProcessServer, ParameterServer
+from islands.sync.outer.ps_link import FirstCome, VirtualClock
 from islands.sync.outer.quant4 import Quant4
 from islands.sync.outer.rounds import Fragments, Rounds
 from islands.sync.outer.slowmo import SlowMo
@@ -37,17 +46,21 @@ from islands.sync.outer.zstd4 import Quant4Zstd
 
 __all__ = [
     "Adaptive",
+    "DelayedNesterov",
     "DiLoCo",
     "EASGD",
     "Exchange",
     "ExponentialGraph",
+    "FirstCome",
     "Fragments",
     "Gossip",
+    "InProcessServer",
     "LocalSGD",
     "OuterSGD",
     "OuterStep",
     "OverlapLocalSGD",
     "Overlapped",
+    "ParameterServer",
     "PostLocalSGD",
     "PrimalAveraging",
     "Quant4",
@@ -57,5 +70,6 @@ __all__ = [
     "Rounds",
     "SlowMo",
     "StreamingDiLoCo",
+    "VirtualClock",
     "WarmStart",
 ]

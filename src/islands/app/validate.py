@@ -501,6 +501,14 @@ def checkpointing(cfg: JobConfig) -> str | None:
     return None
 
 
+def _outer_name(spec) -> str | None:
+    """The outer strategy's name, or None where the spec is bad (its own check reports that)."""
+    try:
+        return parse_outer(spec).name
+    except ValueError:
+        return None
+
+
 def simulated(cfg: JobConfig) -> str | None:
     """world.simulate: the islands are threads of one process (islands.simulate), one worker each, no network."""
     w, c = cfg.world, cfg.checkpoint
@@ -526,6 +534,9 @@ def simulated(cfg: JobConfig) -> str | None:
     ]
     if cfg.inner_strategy not in ("auto", "single", "ddp"):
         clash.append(f"inner.strategy={cfg.inner_strategy}")
+    if cfg.outer.strategy is not None and _outer_name(cfg.outer.strategy) == "ps":
+        # each simulated island builds its own strategy; ps islands must share one server (InProcessServer)
+        clash.append("outer=ps (from Python: every island's ParameterServer given one host=InProcessServer())")
     if _communicates(cfg):
         clash.append(f"optimizer={_optimizer_text(cfg)!r}")
     if clash:

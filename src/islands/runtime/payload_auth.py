@@ -142,6 +142,12 @@ class AuthenticatedComm:
     def group(self):
         return self.inner.group
 
+    @property
+    def tags(self) -> PayloadTags:
+        """This job's payload tags, for exchanges that are not this Comm's collectives (the parameter server's
+        point-to-point messages, islands.sync.outer.ps_link.Sealer)."""
+        return self._tags
+
     def all_gather_object(self, obj) -> list:
         """Bookkeeping (run records), not training traffic: the wrapped Comm's, untagged."""
         return self.inner.all_gather_object(obj)

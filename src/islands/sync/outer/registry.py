@@ -7,7 +7,8 @@
 diloco and streaming-diloco keep their keyword options of before the parts (outer=, outer_lr=, overlap=, adapt=,
 bits=, ...): their schema is `DiLoCo.parts`' signature (options.py) and they build through `from_options`.
 `compress=` and `aggregate=` are the older names of `compressor=` and `aggregator=`. post-local-sgd's `switch`
-has no default: the caller supplies it (make_outer: the end of the lr warm-up, SOTA-216).
+has no default: the caller supplies it (make_outer: the end of the lr warm-up, SOTA-216). ps (the parameter
+server, issue #36) builds through `parameter_server`, its spec's schema (outer=, bits=, ... as strings and numbers).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from islands.sync.outer.gossip import Gossip
 from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
+from islands.sync.outer.ps import parameter_server
 from islands.sync.outer.slowmo import SlowMo
 from islands.sync.outer.streaming_diloco import StreamingDiLoCo
 from islands.sync.outer.topology import TOPOLOGIES  # noqa: F401 - registers the topology kind for gossip
@@ -70,6 +72,7 @@ STRATEGIES = Registry(
         "diloco": warm_startable(DiLoCo),
         "streaming-diloco": warm_startable(StreamingDiLoCo),
         "gossip": Gossip,
+        "ps": parameter_server,
     },
     base=OuterStrategy,
     aliases={"compress": "compressor", "aggregate": "aggregator"},

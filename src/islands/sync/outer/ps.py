@@ -1,0 +1,325 @@
+"""The parameter server outer strategy (issue #36): islands push and pull asynchronously, no barrier between them.
+
+A round, on each island, on its own clock:
+    delta  = global_at_pull - local          (the island's pseudo-gradient, as DiLoCo's)
+    push   delta, the version it pulled and the samples behind it to the server
+    pull   the server's answer: the ack and the current global model; local = global
+The server (ps_server.ServerState) applies each push as it arrives with a staleness-aware outer step: the delayed
+Nesterov step of arXiv 2401.09135 by default (delayed_nesterov.py), samples-weighted merging over a window of
+`quorum` distinct islands (quorum 1: fully asynchronous; more: Decoupled DiLoCo's semi-synchrony, arXiv
+2604.21428), contributions staler than `max_staleness` versions refused (the island's round is lost and it pulls
+fresh). `inner_steps` H means what DiLoCo's does: inner steps per round. The job's end is the one barrier: every
+island's DONE is answered with the final model once all are done, so every island ends on the same global model.
+
+    ParameterServer(inner_steps=50)                                  delayed Nesterov 0.7/0.9, N = islands
+    ParameterServer(50, quorum=2, max_staleness=2, aggregator=CoordinateMedian())
+    make_outer("ps:inner_steps=50,quorum=2,bits=4")                  the spec string, at the edge
+
+Where the server runs (`host`): in a multi-process job, a thread of rank 0 (its own island pushes in memory, the
+others over gloo groups of their own, ps_link.GlooLink); under islands.simulate, pass every island the same
+InProcessServer() (a thread of the simulating process). `arrivals`: FirstCome() (default) applies pushes as they
+come; VirtualClock(round_seconds) fixes the order by virtual round times, so simulated and multi-process runs end on
+the same model bit for bit. Buffers are the island's own (buffer_policy "own": no cross-island average; the
+server holds parameters only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from islands.aggregate.base import Aggregator
+from islands.runtime.payload_auth import PayloadTags
+from islands.runtime.simulate import current_island
+from islands.sync.outer.base import OuterStrategy
+from islands.sync.outer.delayed_nesterov import DelayedNesterov
+from islands.sync.outer.outer_opt import OuterOptimizer, OuterSGD
+from islands.sync.outer.ps_link import (
+    DONE,
+    PUSH,
+    Arrivals,
+    FirstCome,
+    GlooLink,
+    GlooReceiver,
+    LocalInbox,
+    LocalLink,
+    Message,
+    Reply,
+    Sealer,
+    ServerLoop,
+    VirtualClock,
+)
+from islands.sync.outer.ps_server import ServerState, check_server_options
+from islands.sync.outer.quant4 import PayloadCodec, Quant4
+from islands.sync.outer.zstd4 import Quant4Zstd
+
+
+@runtime_checkable
+class HasPayloadTags(Protocol):
+    """A cross-island Comm that authenticates payloads (runtime.payload_auth.AuthenticatedComm): its tags seal the
+    server's point-to-point messages too."""
+
+    @property
+    def tags(self) -> PayloadTags: ...
+
+
+# 2401.09135's outer step (and LIT-212's DiLoCo): lr 0.7, momentum 0.9; the delayed form's N defaults to the islands
+DEFAULT_PS_LR = 0.7
+DEFAULT_PS_MOMENTUM = 0.9
+RULES = ("delayed-nesterov", "nesterov", "sgd")
+
+Rule = Callable[[int], OuterOptimizer]  # islands M -> one shard's outer optimizer
+
+
+def outer_rule(
+    outer: str = "delayed-nesterov", lr: float = DEFAULT_PS_LR, momentum: float = DEFAULT_PS_MOMENTUM, buffer: int = 0
+) -> Rule:
+    """The server's outer step by name: delayed-nesterov (2401.09135; buffer N, 0 = the island count), nesterov
+    (momentum updated at every push: the paper's naive baseline) or sgd (heavy ball; plain with momentum 0)."""
+    if outer not in RULES:
+        raise ValueError(f"outer must be one of {', '.join(RULES)}; got {outer!r}")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+        raise ValueError(f"buffer must be an int >= 0 (pushes per momentum update; 0: the island count), got {buffer}")
+    if buffer and outer != "delayed-nesterov":
+        raise ValueError(f"buffer= applies to outer=delayed-nesterov only; got outer={outer}")
+    if outer == "delayed-nesterov":
+        return lambda islands: DelayedNesterov(lr, momentum, buffer or islands)
+    if outer == "nesterov":
+        return lambda islands: OuterSGD(lr, momentum, nesterov=momentum > 0)
+    return lambda islands: OuterSGD(lr, momentum)
+
+
+class InProcessServer:
+    """The meeting place of islands that share one process (islands.simulate): the first island to set up builds the
+    server and starts its loop; every island gets a link to it. Give the same object to every island's strategy."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.loop: ServerLoop | None = None
+        self.inbox: LocalInbox | None = None
+
+    def attach(self, build: Callable[[LocalInbox], ServerLoop]) -> tuple[LocalInbox, ServerLoop, bool]:
+        """(inbox, loop, built here): built by the first caller only."""
+        with self.lock:
+            if self.loop is None:
+                self.inbox = LocalInbox()
+                self.loop = build(self.inbox)
+                self.loop.start()
+                assert self.inbox is not None
+                return self.inbox, self.loop, True
+            assert self.inbox is not None
+            return self.inbox, self.loop, False
+
+
+class ParameterServer(OuterStrategy):
+    name = "ps"
+    buffer_policy = "own"  # no cross-island average of buffers: there is no collective round to carry it
+
+    def __init__(
+        self,
+        inner_steps: int = 100,
+        rule: Rule | None = None,
+        shards: int = 1,
+        max_staleness: int = 4,
+        quorum: int = 1,
+        discount: float = 0.0,
+        aggregator: Aggregator | None = None,
+        compressor: PayloadCodec | None = None,
+        arrivals: Arrivals | None = None,
+        host: InProcessServer | None = None,
+    ):
+        """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
+        shard (outer_rule(...) by name; default delayed Nesterov, lr 0.7, momentum 0.9, N = M). `shards`: parameter
+        ranges the server state is split into, each with its own optimizer state. `max_staleness`: versions a push
+        may lag before it is refused. `quorum`: distinct islands per outer step (1: asynchronous). `discount`: a
+        push's weight times (1 + staleness)^-discount. `aggregator`: a robust aggregator over each window (then
+        quorum >= 2 makes sense). `compressor`: a PayloadCodec (Quant4, Quant4Zstd) for pushes, decoded on the
+        server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate."""
+        super().__init__()
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
+        if compressor is not None and not isinstance(compressor, PayloadCodec):
+            raise TypeError(
+                f"ps pushes take a PayloadCodec compressor (Quant4, Quant4Zstd), got {type(compressor).__name__}"
+            )
+        if aggregator is not None and compressor is not None:
+            raise ValueError("a robust aggregator ranks exact deltas; drop compressor= or aggregator=")
+        self.inner_steps = inner_steps
+        check_server_options(shards, max_staleness, quorum, discount)
+        self.rule = rule if rule is not None else outer_rule()
+        self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
+        self.discount, self.aggregator, self.codec = discount, aggregator, compressor
+        self.arrivals = arrivals if arrivals is not None else FirstCome()
+        self.host = host
+        self.version = 0  # the server version this island's round started from
+        self.samples = 0.0  # samples of this round so far (on_batch)
+        self.counts = {"pushes": 0, "refused": 0}
+        self.loop: ServerLoop | None = None  # the server, on the island that hosts it
+        self.link: LocalLink | GlooLink | None = None
+
+    # ---- wiring -------------------------------------------------------------------------------------
+    def server_state(self, islands: int) -> ServerState:
+        return ServerState(
+            self.global_flat,
+            lambda: self.rule(islands),
+            shards=self.shards,
+            max_staleness=self.max_staleness,
+            quorum=self.quorum,
+            discount=self.discount,
+            aggregator=self.aggregator,
+        )
+
+    def setup(self) -> None:
+        islands, me = self.comm.size, self.comm.rank
+        if isinstance(self.arrivals, VirtualClock) and len(self.arrivals.round_seconds) != islands:
+            raise ValueError(f"VirtualClock gives {len(self.arrivals.round_seconds)} round times for {islands} islands")
+        numel = self.global_flat.numel()
+        if self.host is not None:
+            inbox, loop, built = self.host.attach(
+                lambda inbox: ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
+            )
+            self.loop = loop if built else None
+            self.link = LocalLink(inbox, self.island_ledger())
+            return
+        if islands > 1 and (current_island() is not None or not dist.is_initialized()):
+            raise ValueError(
+                "ps across islands in one process (islands.simulate) needs one server: give every island's "
+                "ParameterServer the same host=InProcessServer()"
+            )
+        if islands > 1 and dist.get_world_size() != islands:
+            raise ValueError(
+                f"ps runs one worker per island for now; this job has {dist.get_world_size()} workers on "
+                f"{islands} islands"
+            )
+        # two groups of their own: pushes to the server (its receiver thread) and answers back (its loop thread)
+        pushes, answers = (
+            (dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if islands > 1 else (None, None)
+        )
+        if me == 0:
+            inbox = LocalInbox()
+            self.loop = ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
+            if islands > 1:
+                GlooReceiver(pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer()).start()
+            self.loop.start()
+            self.link = LocalLink(inbox, self.island_ledger())
+        else:
+            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer())
+
+    def sealer(self) -> Sealer | None:
+        """Seals for the point-to-point messages where the job authenticates its payloads (outer.authenticate)."""
+        return Sealer(self.comm.tags) if isinstance(self.comm, HasPayloadTags) else None
+
+    def island_ledger(self):
+        return getattr(self.comm, "ledger", None)
+
+    def elastic_refusal(self) -> str | None:
+        return "ps does not run in an elastic job yet (joins and leaves: issue #36, part 2)"
+
+    # ---- the hooks ----------------------------------------------------------------------------------
+    def on_batch(self, batch, step):
+        first = batch[0] if isinstance(batch, (tuple, list)) else batch
+        self.samples += float(len(first)) if hasattr(first, "__len__") else 1.0
+        return batch
+
+    def after_step(self, model, optimizer, step):
+        done = self.tick(step)
+        if done - self.synced_at >= self.inner_steps:
+            self.push()
+
+    def push(self) -> Reply:
+        """End this island's round: push its pseudo-gradient, adopt the model the server answers with."""
+        assert self.link is not None, "push before wrap"
+        delta = self.global_flat - self.local.read()
+        payload = self.codec.encode(delta) if self.codec is not None else delta
+        samples = self.samples if self.samples > 0 else float(self.clock - self.synced_at)
+        reply = self.link.send(Message(PUSH, self.comm.rank, self.version, samples, payload))
+        self.counts["pushes"] += 1
+        self.counts["refused"] += int(not reply.ack.accepted)
+        self.adopt(reply)
+        self.rounds += 1
+        return reply
+
+    def adopt(self, reply: Reply) -> None:
+        self.version = reply.ack.version
+        self.global_flat = reply.flat.to(torch.float32).clone()
+        self.publish()
+        self.adopt_global()
+        self.samples = 0.0
+        self.synced()
+
+    def finish(self, model) -> None:
+        """Push what is left of the last round, then DONE: answered with the final model once every island is
+        done (the job's one barrier); the hosting island then joins its server loop."""
+        if self.clock > self.synced_at:
+            self.push()
+        assert self.link is not None, "finish before wrap"
+        self.adopt(self.link.send(Message(DONE, self.comm.rank)))
+        if self.loop is not None:
+            self.loop.join(timeout=60.0)
+
+    # ---- state --------------------------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        state: dict = {"ps_version": self.version, "ps_counts": dict(self.counts)}
+        if self.loop is not None:  # the hosting island carries the server's state in the job's checkpoint
+            with self.loop.lock:
+                state["ps_server"] = self.loop.state.state_dict()
+                if isinstance(self.loop.arrivals, VirtualClock):
+                    state["ps_arrivals"] = list(self.loop.arrivals.taken)
+        return state
+
+    def load_extra_state(self, state: dict) -> None:
+        self.version = int(state.get("ps_version", 0))
+        self.counts = dict(state.get("ps_counts", self.counts))
+        if self.loop is not None and "ps_server" in state:
+            with self.loop.lock:
+                self.loop.state.load_state_dict(state["ps_server"])
+                if isinstance(self.loop.arrivals, VirtualClock) and "ps_arrivals" in state:
+                    self.loop.arrivals.taken = [int(n) for n in state["ps_arrivals"]]
+
+
+def parameter_server(
+    inner_steps: int = 100,
+    outer: str = "delayed-nesterov",
+    outer_lr: float = DEFAULT_PS_LR,
+    momentum: float = DEFAULT_PS_MOMENTUM,
+    buffer: int = 0,
+    shards: int = 1,
+    max_staleness: int = 4,
+    quorum: int = 1,
+    discount: float = 0.0,
+    aggregator: Aggregator | None = None,
+    bits: int = 32,
+    block: int = 1024,
+    entropy: str = "none",
+) -> ParameterServer:
+    """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
+
+    `inner_steps`: inner steps per round, H as in DiLoCo. `outer`: the server's step, delayed-nesterov (arXiv
+    2401.09135), nesterov or sgd. `outer_lr`: its lr (0.7, as 2401.09135). `momentum`: its momentum (0.9).
+    `buffer`: delayed Nesterov's pushes per momentum update, 0 for the island count. `shards`: parameter ranges the
+    server state is split into, each with its own optimizer state. `max_staleness`: versions a push may lag before
+    it is refused. `quorum`: distinct islands per outer step, 1 for asynchronous, more for semi-synchronous (arXiv
+    2604.21428). `discount`: a push's weight is multiplied by (1 + staleness)^-discount. `aggregator`: a robust
+    aggregator over each window of contributions. `bits`: 32 for fp32 pushes, 4 for 4-bit blocks decoded on the
+    server. `block`: values per 4-bit block. `entropy`: none, or zstd to pack 4-bit pushes further."""
+    if bits not in (4, 32):
+        raise ValueError(f"bits must be 4 or 32, got {bits}")
+    if entropy not in ("none", "zstd"):
+        raise ValueError(f"entropy must be 'none' or 'zstd', got {entropy!r}")
+    if entropy != "none" and bits != 4:
+        raise ValueError("entropy=zstd packs 4-bit pushes; use bits=4")
+    codec: PayloadCodec | None = None if bits == 32 else Quant4Zstd(block) if entropy == "zstd" else Quant4(block)
+    return ParameterServer(
+        inner_steps,
+        outer_rule(outer, outer_lr, momentum, buffer),
+        shards=shards,
+        max_staleness=max_staleness,
+        quorum=quorum,
+        discount=discount,
+        aggregator=aggregator,
+        compressor=codec,
+    )

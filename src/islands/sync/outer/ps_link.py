@@ -1,0 +1,380 @@
+"""How pushes reach the parameter server and answers come back (issue #36): one server loop, fed in an order.
+
+    loop = ServerLoop(state, islands=M, arrivals=VirtualClock([1.0, 2.0]), inbox=LocalInbox())
+    loop.start()                                   # a thread of the host (rank 0, or the simulating process)
+    link = LocalLink(loop.inbox, island=0)         # an island in the host's process
+    reply = link.push(Message(PUSH, 0, version, samples, delta))  -> Reply(ack, version, global flat)
+
+The loop takes one message at a time from its inbox, in the order its `arrivals` names: FirstCome() takes whatever
+arrives first (a real job), VirtualClock(round_seconds) takes island i's k-th message at virtual time k * t_i (ties:
+the lower island first), so a simulated run and a multi-process run of the same schedule apply the same pushes in
+the same order and end on the same global model bit for bit. A push is answered at once with the ack and the
+current global model (the island's pull); an island's DONE is answered only when every island is done, with the
+final model, so every island ends on the same global model (the job's end is the only barrier).
+
+Transports, no new one: LocalInbox/LocalLink in one process (islands.simulate's islands, and rank 0's own island);
+GlooReceiver/GlooLink over torch.distributed point-to-point on two gloo groups of their own (pushes to the server,
+answers back), for islands on other ranks: a receiver thread on the host takes whichever rank sends first and
+queues the message into the same LocalInbox, so the loop sees one inbox whatever the transport.
+A message on the wire: a float64 header [kind, island, version, samples, payload bytes], then the payload (the
+fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); the answer: a float64 header [accepted,
+version, staleness, stepped], then the fp32 global model. In a job with authenticated payloads (outer.authenticate,
+runtime/payload_auth.py) every one of these tensors travels sealed (Sealer): its bytes and an HMAC under the job's
+payload key, bound to what it is, its sender and receiver and the message's number on that pair, so a push or an
+answer altered, injected or replayed on the way is refused before any byte is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from islands.runtime.payload_auth import TAG, PayloadAuthError, PayloadTags
+from islands.sync.outer.ps_server import Ack, Contribution, ServerState
+from islands.sync.outer.quant4 import PayloadCodec
+
+PUSH, DONE = 1, 2
+_HEADER, _ANSWER = 5, 4
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: int  # PUSH or DONE
+    island: int
+    version: int = 0
+    samples: float = 0.0
+    payload: torch.Tensor | None = None  # PUSH: the fp32 delta, or the codec's uint8 payload
+
+
+@dataclass(frozen=True)
+class Reply:
+    ack: Ack
+    flat: torch.Tensor  # the global model now (a push's pull; DONE: the final model)
+
+
+Answer = Callable[[Reply], None]
+
+
+# ---- arrival orders ----------------------------------------------------------------------------------------
+class Arrivals(ABC):
+    @abstractmethod
+    def next(self, active: set[int]) -> int | None:
+        """The island whose message the server takes next, or None: whichever comes first."""
+
+    @abstractmethod
+    def took(self, island: int) -> None:
+        """The message of `island` was taken (a clock advances it)."""
+
+
+class FirstCome(Arrivals):
+    """A real job: the first message to arrive is the next one applied."""
+
+    def next(self, active: set[int]) -> int | None:
+        return None
+
+    def took(self, island: int) -> None:
+        return
+
+
+class VirtualClock(Arrivals):
+    """Island i's round takes `round_seconds[i]` virtual seconds: its k-th message arrives at k * t_i. Deterministic,
+    so a simulation and a multi-process run apply pushes in the same order (the islands' real speeds do not matter)."""
+
+    def __init__(self, round_seconds: Sequence[float]):
+        if not round_seconds or any(not t > 0 for t in round_seconds):
+            raise ValueError(f"round_seconds must give every island a time > 0, got {list(round_seconds)}")
+        self.round_seconds = [float(t) for t in round_seconds]
+        self.taken = [0] * len(self.round_seconds)
+
+    def at(self, island: int) -> float:
+        return (self.taken[island] + 1) * self.round_seconds[island]
+
+    def next(self, active: set[int]) -> int | None:
+        return min(active, key=lambda i: (self.at(i), i))
+
+    def took(self, island: int) -> None:
+        self.taken[island] += 1
+
+
+# ---- inboxes -----------------------------------------------------------------------------------------------
+class Inbox(ABC):
+    @abstractmethod
+    def take(self, island: int | None) -> tuple[Message, Answer]:
+        """The next message of `island` (None: of any island), blocking, and how to answer it."""
+
+
+class LocalInbox(Inbox):
+    """Messages in this process: one FIFO per island, plus the order they came in. Islands of this process put a
+    message and wait on its Future (`ask`); a GlooReceiver puts the messages of other ranks with their answer."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.boxes: dict[int, deque] = {}
+        self.seq = 0
+        self.error: BaseException | None = None  # a receiver that failed: take raises it instead of waiting
+
+    def put(self, msg: Message, answer: Answer) -> None:
+        with self.cv:
+            self.boxes.setdefault(msg.island, deque()).append((self.seq, msg, answer))
+            self.seq += 1
+            self.cv.notify_all()
+
+    def ask(self, msg: Message) -> Future:
+        done: Future = Future()
+        self.put(msg, done.set_result)
+        return done
+
+    def fail(self, error: BaseException) -> None:
+        with self.cv:
+            self.error = error
+            self.cv.notify_all()
+
+    def take(self, island: int | None) -> tuple[Message, Answer]:
+        with self.cv:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"parameter server receiver failed: {self.error!r}") from self.error
+                boxes = [b for i, b in self.boxes.items() if b and (island is None or i == island)]
+                if boxes:
+                    _, msg, answer = min(boxes, key=lambda b: b[0][0]).popleft()
+                    return msg, answer
+                self.cv.wait(timeout=0.05)
+
+
+class Sealer:
+    """Seals the parameter server's point-to-point tensors with the job's payload tags: `fields` (what the tensor
+    is, sender, receiver, the message's number on that pair) are bound into each tag."""
+
+    def __init__(self, tags: PayloadTags):
+        self.tags = tags
+
+    def send(self, t: torch.Tensor, dst: int, group, fields: tuple) -> None:
+        dist.send(self.tags.pack(t, fields), dst=dst, group=group)
+
+    def recv(
+        self, like: torch.Tensor, src: int | None, group, fields: Callable[[int], tuple]
+    ) -> tuple[torch.Tensor, int]:
+        """(the opened tensor, its sender); `fields(sender)` names what it must be (src None: any rank)."""
+        packed = PayloadTags.shell(like)
+        sender = dist.recv(packed, src=src, group=group)
+        return self.open(packed, like, fields(sender)), sender
+
+    def open(self, packed: torch.Tensor, like: torch.Tensor, fields: tuple) -> torch.Tensor:
+        got = self.tags.open(packed, like, fields)
+        if got is None:
+            raise PayloadAuthError(
+                f"parameter server message {fields} failed its MAC: altered, injected or replayed on the way, or "
+                "the sender holds another token; it was not used"
+            )
+        return got
+
+
+def _send(t: torch.Tensor, dst: int, group, sealer: Sealer | None, fields: tuple) -> None:
+    if sealer is None:
+        dist.send(t.contiguous(), dst=dst, group=group)
+    else:
+        sealer.send(t, dst, group, fields)
+
+
+def _recv(like: torch.Tensor, src: int | None, group, sealer: Sealer | None, fields) -> tuple[torch.Tensor, int]:
+    """Receive into a tensor like `like` from `src` (None: any rank); `fields(sender)` for a sealed one."""
+    if sealer is None:
+        sender = dist.recv(like, src=src, group=group)
+        return like, sender
+    return sealer.recv(like, src, group, fields)
+
+
+class GlooReceiver:
+    """On the server's host: a thread that receives the other ranks' messages over `pushes` (a gloo group; island i
+    is rank i), from whichever rank sends first, and puts them into the LocalInbox with an answer that goes back over
+    `answers` (a second group: the receiver thread and the loop thread each use a group of their own). It stops
+    after the DONE of every one of the `remote` islands."""
+
+    def __init__(
+        self,
+        pushes,
+        answers,
+        remote: int,
+        inbox: LocalInbox,
+        numel: int,
+        codec: PayloadCodec | None,
+        sealer: Sealer | None = None,
+        me: int = 0,
+    ):
+        self.pushes, self.answers, self.remote, self.inbox = pushes, answers, remote, inbox
+        self.numel, self.codec, self.sealer, self.me = numel, codec, sealer, me
+        self.count: dict[int, int] = {}  # messages received per island: the number each tag binds
+        self.thread = threading.Thread(target=self._run, name="islands-ps-receiver", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            done = 0
+            while done < self.remote:
+                msg, src, n = self._receive()
+                done += msg.kind == DONE
+                self.inbox.put(msg, self._answer_to(src, n))
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it
+            self.inbox.fail(e)
+
+    def _receive(self) -> tuple[Message, int, int]:
+        """A message, its sender rank and its number from that sender."""
+        me = self.me
+        header, src = _recv(
+            torch.zeros(_HEADER, dtype=torch.float64),
+            None,
+            self.pushes,
+            self.sealer,
+            lambda s: ("ps_header", s, me, self.count.get(s, 0)),
+        )
+        n = self.count.get(src, 0)
+        self.count[src] = n + 1
+        kind, nbytes = int(header[0].item()), int(header[4].item())
+        if int(header[1].item()) != src:
+            raise ValueError(f"rank {src} sent a message as island {int(header[1].item())}")
+        payload = None
+        if kind == PUSH:
+            like = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
+            payload, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_payload", s, me, n))
+        return Message(kind, src, int(header[2].item()), float(header[3].item()), payload), src, n
+
+    def _answer_to(self, dst: int, n: int) -> Answer:
+        def answer(reply: Reply) -> None:
+            a = reply.ack
+            head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
+            _send(head, dst, self.answers, self.sealer, ("ps_answer", self.me, dst, n))
+            _send(reply.flat, dst, self.answers, self.sealer, ("ps_model", self.me, dst, n))
+
+        return answer
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+class ServerLoop:
+    """Applies messages to a ServerState one at a time, in `arrivals` order, until every island is done (module
+    docstring). run() in a thread of its own (start) or inline."""
+
+    def __init__(
+        self, state: ServerState, islands: int, arrivals: Arrivals, inbox: Inbox, codec: PayloadCodec | None = None
+    ):
+        self.state, self.islands, self.arrivals, self.inbox, self.codec = state, islands, arrivals, inbox, codec
+        self.lock = threading.Lock()  # held while a message is applied: state_dict reads a consistent state
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._guarded, name="islands-ps-server", daemon=True)
+        self.thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:  # noqa: BLE001 - kept for the host island to raise (join)
+            self.error = e
+            if isinstance(self.inbox, LocalInbox):  # islands of this process waiting on an answer raise it
+                self.inbox.fail(e)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.error is not None:
+            raise RuntimeError(f"parameter server loop failed: {self.error!r}") from self.error
+
+    def decode(self, msg: Message) -> torch.Tensor:
+        assert msg.payload is not None, "a push carries a payload"
+        if self.codec is not None:
+            return self.codec.decode(msg.payload, self.state.numel)
+        return msg.payload.to(torch.float32)
+
+    def run(self) -> None:
+        active = set(range(self.islands))
+        finished: list[Answer] = []
+        while active:
+            island = self.arrivals.next(active)
+            msg, answer = self.inbox.take(island)
+            self.arrivals.took(msg.island)
+            if msg.kind == DONE:
+                active.discard(msg.island)
+                finished.append(answer)
+                with self.lock:
+                    self.state.settle(len(active))
+                continue
+            with self.lock:
+                c = Contribution(msg.island, msg.version, self.decode(msg), msg.samples)
+                ack = self.state.push(c, len(active))
+                _, flat = self.state.pull()
+            answer(Reply(ack, flat))
+        version, flat = self.state.pull()
+        for answer in finished:
+            answer(Reply(Ack(True, version, 0), flat))
+
+
+# ---- links (the island's side) -----------------------------------------------------------------------------
+class Link(ABC):
+    @abstractmethod
+    def send(self, msg: Message) -> Reply:
+        """Send one message and wait for its answer."""
+
+
+class LocalLink(Link):
+    """An island in the server's process. The wait is a Future's: islands.simulate passes the turn meanwhile."""
+
+    def __init__(self, inbox: LocalInbox, ledger=None):
+        self.inbox, self.ledger = inbox, ledger
+
+    def send(self, msg: Message) -> Reply:
+        answer = self.inbox.ask(msg)
+        while True:
+            try:
+                reply = answer.result(timeout=1.0)
+                break
+            except FutureTimeout:
+                if self.inbox.error is not None:  # the server loop (or its receiver) failed: no answer will come
+                    raise RuntimeError(f"parameter server failed: {self.inbox.error!r}") from self.inbox.error
+        if self.ledger is not None:  # what the same message would cost on a wire (GlooLink's counts)
+            p = msg.payload if msg.kind == PUSH else None
+            self.ledger.record("ps_push", _HEADER * 8 + (0 if p is None else p.numel() * p.element_size()), 0)
+            self.ledger.record("ps_pull", 0, _ANSWER * 8 + reply.flat.numel() * 4)
+        return reply
+
+
+class GlooLink(Link):
+    """An island on another rank than the server's: point-to-point over the server's gloo group, counted in the
+    island's ledger (kinds ps_push, ps_pull)."""
+
+    def __init__(self, pushes, answers, server_rank: int, numel: int, ledger=None, sealer: Sealer | None = None):
+        self.pushes, self.answers, self.server, self.numel, self.ledger = pushes, answers, server_rank, numel, ledger
+        self.sealer = sealer
+        self.sent = 0  # messages sent: the number each tag binds
+
+    def send(self, msg: Message) -> Reply:
+        payload = msg.payload if msg.kind == PUSH else None
+        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+        header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
+        me, server, n, sealer = msg.island, self.server, self.sent, self.sealer
+        self.sent += 1
+        _send(header, server, self.pushes, sealer, ("ps_header", me, server, n))
+        if payload is not None:
+            _send(payload, server, self.pushes, sealer, ("ps_payload", me, server, n))
+        answer, _ = _recv(
+            torch.zeros(_ANSWER, dtype=torch.float64),
+            server,
+            self.answers,
+            sealer,
+            lambda s: ("ps_answer", s, me, n),
+        )
+        flat, _ = _recv(torch.empty(self.numel), server, self.answers, sealer, lambda s: ("ps_model", s, me, n))
+        if self.ledger is not None:
+            tag = TAG if sealer is not None else 0  # a sealed tensor carries its 32-byte MAC, counted as the Comm does
+            self.ledger.record("ps_push", header.numel() * 8 + nbytes + tag * (1 + (payload is not None)), 0)
+            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4 + 2 * tag)
+        a = [int(x) for x in answer.tolist()]
+        return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), flat)

@@ -1,0 +1,193 @@
+"""The parameter server's state and numerics (issue #36), in one process, deterministic: what every transport
+(in-process, gloo point-to-point) feeds in arrival order.
+
+    state = ServerState(initial_flat, rule=lambda: DelayedNesterov(0.7, 0.9, buffer=2), shards=2,
+                        max_staleness=4, quorum=1)
+    ack = state.push(Contribution(island=1, version=v, delta=global_at_pull - local, samples=800))
+    version, flat = state.pull()
+
+The global model is one fp32 vector split by parameter ranges into `shards` slices (fragment_bounds), each with its
+own outer optimizer state (`rule()` builds one per shard, so a shard could move to another host without changing
+the arithmetic); the version counts the outer steps taken. A contribution carries the version its round started
+from; its staleness is the versions taken since. Staleness rules:
+  * staleness > max_staleness (or a version the server never issued): refused, nothing changes; the island pulls
+    the current model and starts over from it (its round's work is lost: goodput counts it);
+  * otherwise it joins the window. When the window holds contributions from `quorum` distinct islands (1: every
+    push steps at once, fully asynchronous; more: Decoupled-DiLoCo-style semi-synchrony, arXiv 2604.21428), the
+    window is merged and one outer step runs on every shard, version += 1. The quorum never exceeds the islands
+    still training (`settle`): one that finished or left is not waited for.
+Merging (no aggregator): weighted by samples (token-weighted merging, 2604.21428), each weight times
+(1 + staleness)^-discount; merged = sum(w_i delta_i) / sum(w_i), summed in arrival order, and the step's lr is
+scaled by sum(w_i) / sum(samples_i) (1 when discount = 0), so a stale window moves the model less. With a robust
+aggregator (islands.aggregate) the window's deltas go through it unweighted instead (it ranks the deltas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from islands.aggregate.base import Aggregator
+from islands.sync.outer.exchange import Stateful
+from islands.sync.outer.flat import fragment_bounds
+from islands.sync.outer.outer_opt import OuterOptimizer
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One island's push: its pseudo-gradient (global at its pull minus its local model now, flat fp32), the server
+    version it pulled, and the samples (or tokens) its round trained on."""
+
+    island: int
+    version: int
+    delta: torch.Tensor
+    samples: float = 1.0
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The server's answer to a push: accepted or refused, the version now, the push's staleness, and whether it
+    completed a window (an outer step ran)."""
+
+    accepted: bool
+    version: int
+    staleness: int
+    stepped: bool = False
+
+
+def check_server_options(shards: int, max_staleness: int, quorum: int, discount: float) -> None:
+    """ValueError naming the option out of range (the strategy checks at construction, before any worker)."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards must be an int >= 1 (parameter ranges), got {shards!r}")
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an int >= 0 (versions), got {max_staleness!r}")
+    if isinstance(quorum, bool) or not isinstance(quorum, int) or quorum < 1:
+        raise ValueError(f"quorum must be an int >= 1 (distinct islands per outer step), got {quorum!r}")
+    if not discount >= 0:
+        raise ValueError(f"discount must be >= 0 (weight times (1 + staleness)^-discount), got {discount}")
+
+
+class ServerState:
+    """The global model, the outer optimizer state per shard, the version, the open window, and counts (module
+    docstring). One object applies pushes one at a time; its caller orders them (ServerLoop)."""
+
+    def __init__(
+        self,
+        initial: torch.Tensor,
+        rule: Callable[[], OuterOptimizer],
+        shards: int = 1,
+        max_staleness: int = 4,
+        quorum: int = 1,
+        discount: float = 0.0,
+        aggregator: Aggregator | None = None,
+    ):
+        flat = initial.detach().to(torch.float32).flatten()
+        check_server_options(shards, max_staleness, quorum, discount)
+        if shards > max(1, flat.numel()):
+            raise ValueError(f"shards must be at most the parameter count {flat.numel()}, got {shards}")
+        self.bounds = fragment_bounds(flat.numel(), shards)
+        self.params = [flat[lo:hi].clone() for lo, hi in self.bounds]
+        self.rules = [rule() for _ in self.bounds]
+        self.max_staleness, self.quorum, self.discount = max_staleness, quorum, float(discount)
+        self.aggregator = aggregator
+        self.version = 0
+        self.window: list[tuple[Contribution, int]] = []  # (contribution, its staleness at arrival)
+        self.counts = {"pushes": 0, "refused": 0, "steps": 0, "samples": 0.0, "samples_refused": 0.0}
+
+    @property
+    def numel(self) -> int:
+        return self.bounds[-1][1]
+
+    def staleness(self, version: int) -> int:
+        return self.version - int(version)
+
+    def push(self, c: Contribution, active: int | None = None) -> Ack:
+        """Apply one contribution by the rules (module docstring). `active`: the islands still training, when the
+        caller knows (the quorum shrinks to it: an island that left is not waited for)."""
+        if c.delta.numel() != self.numel:
+            raise ValueError(f"a push of {c.delta.numel()} values to a server of {self.numel}")
+        if not c.samples > 0:
+            raise ValueError(f"a push's samples must be > 0, got {c.samples}")
+        s = self.staleness(c.version)
+        self.counts["pushes"] += 1
+        if s < 0 or s > self.max_staleness:
+            self.counts["refused"] += 1
+            self.counts["samples_refused"] += float(c.samples)
+            return Ack(False, self.version, s)
+        self.counts["samples"] += float(c.samples)
+        self.window.append((c, s))
+        stepped = self.settle(self.quorum if active is None else active)
+        return Ack(True, self.version, s, stepped=stepped)
+
+    def settle(self, active: int) -> bool:
+        """Step the open window if it holds contributions of min(quorum, active) distinct islands (at least one):
+        after a push, and when an island leaves (the loop calls it with the islands still training; with none
+        left, whatever the window holds is applied, so no accepted contribution is lost at the end)."""
+        needed = max(1, min(self.quorum, active))
+        if not self.window or len({c.island for c, _ in self.window}) < needed:
+            return False
+        self._step(self.window)
+        self.window = []
+        return True
+
+    @torch.no_grad()
+    def _step(self, window: Sequence[tuple[Contribution, int]]) -> None:
+        if self.aggregator is not None:
+            merged = self.aggregator.aggregate([c.delta.to(torch.float32) for c, _ in window]).to(torch.float32)
+            factor = 1.0
+        else:
+            weights = [float(c.samples) * (1.0 + s) ** -self.discount for c, s in window]
+            merged = torch.zeros(self.numel, dtype=torch.float32)
+            for (c, _), w in zip(window, weights):  # arrival order: the same sum wherever it runs
+                merged.add_(c.delta.to(torch.float32), alpha=w)
+            merged.div_(sum(weights))
+            factor = sum(weights) / sum(float(c.samples) for c, _ in window)
+        for (lo, hi), params, rule in zip(self.bounds, self.params, self.rules):
+            rule.step(params, merged[lo:hi], 0, hi - lo, lr_scale=factor)
+        self.version += 1
+        self.counts["steps"] += 1
+
+    def pull(self) -> tuple[int, torch.Tensor]:
+        """The version and a copy of the global model (every shard, in order)."""
+        return self.version, torch.cat(self.params)
+
+    def goodput(self) -> float:
+        """The share of pushed samples that reached the model (accepted; refused ones were computed for nothing)."""
+        total = self.counts["samples"] + self.counts["samples_refused"]
+        return self.counts["samples"] / total if total else 1.0
+
+    # ---- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "bounds": [list(b) for b in self.bounds],
+            "params": [p.clone() for p in self.params],
+            "rules": [r.state_dict() for r in self.rules],
+            "window": [
+                {"island": c.island, "version": c.version, "delta": c.delta.clone(), "samples": c.samples, "s": s}
+                for c, s in self.window
+            ],
+            "counts": dict(self.counts),
+            **({"aggregator": self.aggregator.state_dict()} if isinstance(self.aggregator, Stateful) else {}),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        bounds = [tuple(int(x) for x in b) for b in state["bounds"]]
+        if bounds != self.bounds:
+            raise ValueError(
+                f"parameter server checkpoint has shards {bounds}, this server {self.bounds}: another model or "
+                "another shards= setting"
+            )
+        self.version = int(state["version"])
+        self.params = [p.to(torch.float32).clone() for p in state["params"]]
+        for rule, saved in zip(self.rules, state["rules"]):
+            rule.load_state_dict(saved)
+        self.window = [
+            (Contribution(int(w["island"]), int(w["version"]), w["delta"].clone(), float(w["samples"])), int(w["s"]))
+            for w in state["window"]
+        ]
+        self.counts = dict(state["counts"])
+        if "aggregator" in state and isinstance(self.aggregator, Stateful):
+            self.aggregator.load_state_dict(state["aggregator"])

@@ -1,0 +1,114 @@
+"""The parameter server across gloo processes (issue #36): the key acceptance check, the same schedule run as two
+processes (server thread on rank 0, island 1 pushing over gloo point-to-point) and as two islands.simulate islands
+ends on the same global model bit for bit; plus 4-bit pushes with a quorum, and first-come arrivals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import islands
+from harness.outer import batch, run_world, tiny_model
+from islands.models import sequence_loss
+from islands.outer import FirstCome, InProcessServer, ParameterServer, Quant4, VirtualClock
+
+STEPS, H = 8, 2
+SCHEDULES = {
+    # name: ParameterServer keywords (arrivals fixed by a virtual clock: island 1's rounds take 3x as long)
+    "fp32": dict(max_staleness=2),
+    "quant4-quorum": dict(max_staleness=3, quorum=2, compressor=Quant4(256), shards=3),
+}
+
+
+def train(world, host=None, **kw) -> dict:
+    before = world.ledger.snapshot()["sent"].get("ps_push", 0)
+    torch.manual_seed(0)
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    arrivals = kw.pop("arrivals", None) or VirtualClock([1.0, 3.0])
+    strategy = ParameterServer(inner_steps=H, arrivals=arrivals, host=host, **kw)
+    strategy.wrap(model, opt, world)
+    for i in range(STEPS):
+        b = batch(world.rank, i)
+        sequence_loss(model(b[:, :-1]), b[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        strategy.after_step(model, opt, i)
+    strategy.finish(model)
+    server = strategy.loop.state if strategy.loop is not None else None
+    return {
+        "global": strategy.global_flat.numpy().copy(),
+        "counts": dict(strategy.counts),
+        "version": strategy.version,
+        "server": None if server is None else dict(server.counts),
+        "sent": world.ledger.snapshot()["sent"].get("ps_push", 0) - before,
+    }
+
+
+def _all(world) -> dict:
+    out = {name: train(world, **kw) for name, kw in SCHEDULES.items()}
+    out["first-come"] = train(world, arrivals=FirstCome())
+    from islands.runtime.payload_auth import authenticate_payloads
+
+    authenticate_payloads(world, token="ps-test-secret")  # from here on every push and answer travels sealed
+    out["sealed"] = train(world, **SCHEDULES["fp32"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_world(_all, size=2, islands=2)
+
+
+def simulate(kw: dict) -> list[dict]:
+    torch.set_num_threads(1)
+    server = InProcessServer()
+    return islands.simulate.run(lambda world: train(world, host=server, **kw), islands=2)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_simulated_and_multi_process_runs_end_on_the_same_global_model(ranks, name):
+    sim = simulate(dict(SCHEDULES[name]))
+    for rank in (0, 1):
+        real = ranks[rank][name]
+        assert real["counts"] == sim[rank]["counts"] and real["version"] == sim[rank]["version"]
+        assert real["global"].tobytes() == sim[rank]["global"].tobytes(), f"island {rank}"
+    assert ranks[0][name]["global"].tobytes() == ranks[1][name]["global"].tobytes()
+    hosted = [r["server"] for r in sim if r["server"] is not None]  # the island that set up first hosts it
+    assert len(hosted) == 1 and ranks[0][name]["server"] == hosted[0]
+
+
+def test_four_bit_pushes_are_smaller_on_the_wire(ranks):
+    # island 1 pushes over gloo: header + payload; 4-bit payloads are ~1/8 of fp32's
+    fp32, q4 = ranks[1]["fp32"]["sent"], ranks[1]["quant4-quorum"]["sent"]
+    assert 0 < q4 < fp32 / 6
+
+
+def test_first_come_arrivals_finish_with_every_push_applied_or_refused(ranks):
+    a, b = ranks[0]["first-come"], ranks[1]["first-come"]
+    assert a["global"].tobytes() == b["global"].tobytes()
+    server = a["server"]
+    assert server["pushes"] == a["counts"]["pushes"] + b["counts"]["pushes"] == 2 * STEPS // H
+    assert server["refused"] == a["counts"]["refused"] + b["counts"]["refused"]
+
+
+def test_islands_train_runs_the_ps_spec_across_two_processes(tmp_path):
+    import json
+
+    from harness.cli import TINY_FLAGS, islands_cli
+
+    run_dir = tmp_path / "ps"
+    argv = ["train", "--workers", "2", "--islands", "2", "--outer", "ps:inner_steps=4", "--steps", "12"]
+    assert islands_cli(*argv, "--output.run_dir", str(run_dir), *TINY_FLAGS) == 0
+    per_rank = json.loads((run_dir / "run.json").read_text())["comm"]["per_rank"]
+    for rank in per_rank:  # 3 rounds of 4 steps pushed, then DONE (answered with the final model)
+        assert rank["calls"]["ps_push"] == 4 and rank["calls"]["ps_pull"] == 4
+        assert rank["sent"]["ps_push"] > 3 * 4 * 11000  # three fp32 pseudo-gradients (the LM has > 11k parameters)
+
+
+def test_sealed_pushes_and_answers_give_the_unsealed_model(ranks):
+    # the same virtual-clock schedule with authenticated payloads: the tags add bytes, not a single changed value
+    for rank in (0, 1):
+        assert ranks[rank]["sealed"]["global"].tobytes() == ranks[rank]["fp32"]["global"].tobytes()
+    # island 1 sent 4 pushes (header + payload) and a DONE (header): 9 tensors, each with its 32-byte MAC
+    assert ranks[1]["sealed"]["sent"] == ranks[1]["fp32"]["sent"] + 9 * 32
