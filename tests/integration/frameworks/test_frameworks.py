@@ -134,3 +134,71 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
     text = out.out + out.err + "".join(p.read_text() for p in run_dir.glob("logs/*.log"))
     assert code == 1
     assert "every step would cross between islands" in text and "--separate-jobs" in text
+
+
+def test_a_restarted_island_rejoins(tmp_path):
+    """Two islands of one process each, started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the
+    store). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo every 10); island 0 drops it and trains on. Started again
+    with the same settings, island 1 enters at island 0's next round boundary as `island1.1` with island 0's global
+    model, outer state and step, trains the remaining steps with it, and both end with one global model."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.procs import free_port
+    from islands.runtime.cross import CrossSpec
+
+    script = HERE / "island_rejoins.py"
+    address = f"127.0.0.1:{free_port()}"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        base.pop(key, None)
+
+    def island(index: int, **env) -> subprocess.Popen:
+        spec = CrossSpec(address, islands=2, index=index, timeout_s=60, heartbeat_timeout_s=5)
+        return subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**base, **spec.env(), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+
+    def result(proc: subprocess.Popen, what: str) -> dict:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{what} exited {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert len(lines) == 1, out[-2000:] + err[-2000:]
+        return json.loads(lines[0].split("RESULT ", 1)[1])
+
+    first = island(0, PACE_S="0.05")
+    killed = island(1, DIE_AT="35")
+    try:
+        out, err = killed.communicate(timeout=300)
+        assert out.startswith("STARTED island1 at 0"), out[-2000:] + err[-2000:]  # a member of the first epoch
+        assert killed.returncode == -9, err[-2000:]  # SIGKILL: the job died without a word to the others
+        restarted = island(1)
+        joiner = result(restarted, "the restarted island 1")
+        member = result(first, "island 0")
+    finally:
+        for proc in (first, killed):
+            if proc.poll() is None:
+                proc.kill()
+    # island 0 finished every step: it dropped island 1's first incarnation, then admitted the second
+    assert member["name"] == "island0" and member["start"] == 0 and member["steps"] == 300
+    kinds = [e["type"] for e in member["events"]]
+    assert "failure" in kinds and "join" in kinds and kinds.index("failure") < kinds.index("join")
+    assert next(e for e in member["events"] if e["type"] == "failure")["gone"] == ["island1"]
+    join = next(e for e in member["events"] if e["type"] == "join")
+    assert join["joined"] == ["island1.1"]
+    # the restarted island entered at that boundary: the members' step (a round boundary past the death), from
+    # which it ran the remaining steps, and their outer state (their round count)
+    assert joiner["name"] == "island1.1" and [e["type"] for e in joiner["events"]] == ["entered"]
+    assert joiner["start"] == join["step"] and 35 < joiner["start"] < 300 and joiner["start"] % 10 == 0
+    assert joiner["start"] + joiner["steps"] == 300
+    assert joiner["rounds"] == member["rounds"] == 30
+    assert joiner["islands"] == member["islands"] == 2
+    # it took part in the exchanges after it entered, and both end with the same global model
+    assert joiner["outer_sent"] > 0, joiner["ledger"]
+    assert joiner["digest"] == member["digest"]
