@@ -22,11 +22,11 @@ island this is, the rest is the same on every island):
 
 Rejoining: an island whose job starts after the islands formed their first epoch (a restarted island, same settings
 and index, or one that came too late for epoch 0) joins as a new incarnation, `island<i>.<n>` (a fresh name: its
-predecessor's heartbeat and flags say nothing about it). Each of its workers names itself island i's joiner on its slot
-(rejoin/<i>); the outer strategy's wrap then enters it as in an elastic job (islands.runtime.elastic.admission.Membership,
-the World's `membership`): the members admit it at their next round boundary and send it the global model, the
-outer strategy's state and the step (StateTransfer). The members of every slot take one verdict per round
-(`CrossMembership`), so all k workers of a restarted island enter at the same boundary, or none of them.
+predecessor's heartbeat and flags say nothing about it). Each of its workers names itself island i's joiner on its
+slot (rejoin/<i>); the outer strategy's wrap then enters it as in an elastic job (the World's `membership`,
+islands.runtime.elastic.admission.Membership): the members admit it at their next round boundary and send it the
+global model, the outer strategy's state and the step (StateTransfer). The members of every slot take one verdict
+per round (`CrossMembership`), so all k workers of a restarted island enter at the same boundary, or none of them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from islands.runtime.elastic.admission import Membership
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import Commit
 from islands.runtime.elastic.epochs import Epochs, Excluded
-from islands.runtime.elastic.membership import Heartbeat, Liveness, connect, get_json, parse_address
+from islands.runtime.elastic.membership import Heartbeat, Liveness, connect, parse_address
 
 ADDR_ENV = "ISLANDS_CROSS_ADDR"
 ISLANDS_ENV = "ISLANDS_CROSS_ISLANDS"
@@ -165,7 +165,6 @@ class CrossMembership(Membership):
             ):
                 out.append(i)
         return out
-
 
     def leave(self) -> None:
         """Retire the group; the heartbeat and the finished flag are CrossIslands.leave's (which runs first)."""
