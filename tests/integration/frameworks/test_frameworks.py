@@ -174,7 +174,7 @@ def test_a_restarted_island_rejoins(tmp_path, script):
         assert len(lines) == 1, out[-2000:] + err[-2000:]
         return json.loads(lines[0].split("RESULT ", 1)[1])
 
-    first = island(0, PACE_S="0.05")
+    first = island(0, PACE_S="0.2")  # until it admits a joiner: room for a slow restart (island_rejoins.py)
     killed = island(1, DIE_AT="35")
     try:
         out, err = killed.communicate(timeout=300)
