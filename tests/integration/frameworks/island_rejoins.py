@@ -1,6 +1,7 @@
 """A plain script (its own loop, DiLoCo attached to its optimizer) run as one island of a job of islands that are
 separate jobs (ISLANDS_CROSS_*): test_frameworks.test_a_restarted_island_rejoins starts island 0 and island 1 as
-processes of their own, island 1 is SIGKILLed at step DIE_AT, and the test starts it again with the same settings.
+processes of their own (or as torchrun jobs of 2 workers each, DDP inside), island 1 is SIGKILLed at step DIE_AT,
+and the test starts it again with the same settings.
 
 The loop runs from `world.start_step`: 0 for the islands of the first epoch, the members' step for a restarted
 island (it enters at their round boundary with their global model and outer state). PACE_S: island 0 sleeps this
@@ -16,6 +17,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import islands
 
@@ -25,11 +27,12 @@ PACE_S = float(os.environ.get("PACE_S", "0"))
 world = islands.init_world()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+ddp = DistributedDataParallel(model) if world.local_size > 1 else model  # under torchrun: DDP inside the island
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 strategy = islands.outer.DiLoCo(inner_steps=10)
 membership = world.membership
 assert membership is not None  # a joined island's World holds the admission (islands.runtime.cross)
-g = torch.Generator().manual_seed(1000 + int(os.environ["ISLANDS_CROSS_INDEX"]))
+g = torch.Generator().manual_seed(1000 + 10 * int(os.environ["ISLANDS_CROSS_INDEX"]) + world.local_rank)
 steps = 0
 with strategy.attach(model, opt, world):
     start = world.start_step  # where this incarnation entered
@@ -38,7 +41,7 @@ with strategy.attach(model, opt, world):
         if step == DIE_AT:
             os.kill(os.getpid(), signal.SIGKILL)  # the island's job is killed: no exit handler runs
         x = torch.randn(16, 8, generator=g)
-        F.mse_loss(model(x), x.sum(-1, keepdim=True)).backward()
+        F.mse_loss(ddp(x), x.sum(-1, keepdim=True)).backward()
         opt.step()
         opt.zero_grad()
         steps += 1
