@@ -193,9 +193,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         for proc in (first, killed):
             if proc.poll() is None:
                 proc.kill()
-    for (
-        member
-    ) in members:  # island 0 finished every step: it dropped island 1's first incarnation, then admitted the second
+    # island 0 finished every step: it dropped island 1's first incarnation, then admitted the second
+    for member in members:
         assert member["name"] == "island0" and member["start"] == 0 and member["steps"] == 300
         kinds = [e["type"] for e in member["events"]]
         assert "failure" in kinds and "join" in kinds and kinds.index("failure") < kinds.index("join")
