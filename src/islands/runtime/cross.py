@@ -236,6 +236,19 @@ class CrossIslands:
         if self.rejoining:  # the members admit it at a round boundary once it is ready (Membership.enter)
             self.store.set(f"rejoin/{spec.index}", json.dumps([spec.index, name, spec.index]))
 
+    def _others(self) -> list[tuple[Liveness, list[str]]]:
+        """Per slot: its liveness check and the other members of its newest epoch (a slot's workers may still be in
+        their last exchange when this one's are done)."""
+        root, timeout = self.membership.root, self.epochs.commit.liveness.timeout
+        out = []
+        for s in range(self.membership.slots):
+            view = PrefixStoreView(root, str(s))
+            latest = int(view.get("latest")) if view.check(["latest"]) else 0
+            raw = view.get(f"e/{latest}/members") if view.check([f"e/{latest}/members"]) else b"[]"
+            names = [m[1] for m in json.loads(raw) if m[1] != self.epochs.name]
+            out.append((Liveness(view, timeout), names))
+        return out
+
     @property
     def events(self) -> list[dict]:
         """The membership changes (an island dropped: type "failure", the names gone, the new size)."""
@@ -246,10 +259,10 @@ class CrossIslands:
         self.heartbeat.stop()
         try:
             self.store.set(f"dead/{self.epochs.name}", "finished")
-            if self.server is not None:  # the store's host stays until the others are done with it
-                others = [n for n in self.epochs.names if n != self.epochs.name]
+            if self.server is not None:  # the store's host stays until the others, of every slot, are done with it
                 deadline = time.monotonic() + self.epochs.commit.timeout
-                while time.monotonic() < deadline and len(self.epochs.commit.liveness.gone(others)) < len(others):
+                waits = self._others()
+                while time.monotonic() < deadline and any(len(live.gone(ns)) < len(ns) for live, ns in waits):
                     time.sleep(0.05)
         except RuntimeError:  # the store is gone (its host finished first): nobody is left to tell
             pass
