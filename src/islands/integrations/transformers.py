@@ -18,12 +18,16 @@ What the callback changes in the Trainer's run, and why:
   every island still starts from island 0's weights (the outer strategy agrees the start);
 - each checkpoint folder gets `islands-outer-<local rank>.pt` (the outer state: global model, outer optimizer,
   rounds), read back when `trainer.train(resume_from_checkpoint=...)` resumes; every island must resume;
-- at the end of training the model holds the global model, so `trainer.save_model` writes it.
+- at the end of training the model holds the global model, so `trainer.save_model` writes it;
+- a restarted island's job (islands.runtime.cross) enters at the members' round boundary with their global model,
+  outer state and step: `state.global_step` and the LR schedule move on to that step, so the Trainer runs the
+  steps left to `max_steps` and names its checkpoints as the other islands do.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
@@ -38,6 +42,17 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: the Tra
 def torch_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer whose step is one update: accelerate's wrapper steps it only when gradients synced."""
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def skip_ahead(state: TrainerState, scheduler, step: int) -> None:
+    """Move the Trainer's step and its LR schedule to `step` (the data order is not skipped: a restarted island
+    draws batches afresh, which an island's own data shard allows)."""
+    state.global_step = step
+    if scheduler is not None:
+        with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: meant here
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.last_epoch = step - 1
+            scheduler.step()
 
 
 class IslandsCallback(TrainerCallback):
@@ -61,6 +76,9 @@ class IslandsCallback(TrainerCallback):
         if state.global_step > 0:  # the Trainer loaded a checkpoint: it wrote the outer state beside its own
             resume = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         self.run.begin(kwargs["model"], torch_optimizer(kwargs["optimizer"]), step=state.global_step, resume=resume)
+        entered = self.run.join().start_step
+        if entered > state.global_step:  # a restarted island entered at the members' step: go on from there
+            skip_ahead(state, kwargs.get("lr_scheduler"), entered)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         assert args.output_dir is not None  # on_init_end saw it set

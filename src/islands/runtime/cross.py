@@ -20,13 +20,19 @@ island this is, the rest is the same on every island):
   ISLANDS_CROSS_TIMEOUT           seconds a cross-island collective may take before the island is dropped (300)
   ISLANDS_CROSS_HEARTBEAT_TIMEOUT seconds without a heartbeat after which an island counts as dead (10)
 
-What is not here: an island whose job restarts does not rejoin (its name would enter a later epoch, which needs
-the admission of islands.runtime.elastic.admission with the global model sent to it; docs/frameworks.md).
+Rejoining: an island whose job starts after the islands formed their first epoch (a restarted island, same settings
+and index, or one that came too late for epoch 0) joins as a new incarnation, `island<i>.<n>` (a fresh name: its
+predecessor's heartbeat and flags say nothing about it). Each of its workers names itself island i's joiner on its
+slot (rejoin/<i>); the outer strategy's wrap then enters it as in an elastic job (the World's `membership`,
+islands.runtime.elastic.admission.Membership): the members admit it at their next round boundary and send it the
+global model, the outer strategy's state and the step (StateTransfer). The members of every slot take one verdict
+per round (`CrossMembership`), so all k workers of a restarted island enter at the same boundary, or none of them.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import time
 from collections.abc import Callable
@@ -35,9 +41,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger
+from islands.runtime.elastic.admission import Membership
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import Commit
-from islands.runtime.elastic.epochs import Epochs
+from islands.runtime.elastic.epochs import Epochs, Excluded
 from islands.runtime.elastic.membership import Heartbeat, Liveness, connect, parse_address
 
 ADDR_ENV = "ISLANDS_CROSS_ADDR"
@@ -122,12 +129,81 @@ class CrossSpec:
         return f"island{self.index}"
 
 
+class CrossMembership(Membership):
+    """The admission of one slot's cross-island group (islands.runtime.elastic.admission.Membership), with one
+    verdict for all slots: at a round boundary the first member of any slot to look stores which restarted islands
+    enter (those whose every worker is ready), and every slot admits its own worker of each. Per-slot verdicts
+    could let worker 0 of a restarted island enter a round before worker 1, and its framework's DDP would then
+    pair workers at different steps."""
+
+    def __init__(self, epochs: Epochs, comm: ElasticComm, root, slot: int, slots: int, islands: int):
+        super().__init__(epochs, comm)
+        self.root, self.slot, self.slots = root, slot, slots  # root: the store over every slot's keys
+        self.islands = islands
+
+    def _proposal(self, rounds: int) -> list[list]:
+        epochs = self.epochs
+        failed_over, epochs.failed_over = epochs.failed_over, False  # as Membership: a failover round admits none
+        ready = [] if failed_over else self._ready_islands()
+        key = f"round/{rounds}/join"
+        self.root.compare_set(key, "", json.dumps(ready))
+        mine = latest_pending(self.store, self.islands)
+        return [mine[i] for i in json.loads(self.root.get(key)) if i in mine]
+
+    def _ready_islands(self) -> list[int]:
+        """The islands whose newest incarnation is ready on every slot and not yet admitted on any."""
+        by_slot = [latest_pending(PrefixStoreView(self.root, str(s)), self.islands) for s in range(self.slots)]
+        out = []
+        for i, entry in sorted(by_slot[self.slot].items()):
+            if entry[1] in self.epochs.names:
+                continue
+            if all(
+                i in pending
+                and self.root.check([f"{s}/ready/{pending[i][1]}"])
+                and not self.root.check([f"{s}/joinat/{pending[i][1]}"])
+                for s, pending in enumerate(by_slot)
+            ):
+                out.append(i)
+        return out
+
+    def leave(self) -> None:
+        """Retire the group; the heartbeat and the finished flag are CrossIslands.leave's (which runs first)."""
+        self.epochs.abort()
+
+
+class PrefixStoreView:
+    """Reads one slot's keys through the root store (a PrefixStore per slot would be a connection per slot)."""
+
+    def __init__(self, root, prefix: str):
+        self.root, self.prefix = root, prefix
+
+    def check(self, keys: list[str]) -> bool:
+        return self.root.check([f"{self.prefix}/{k}" for k in keys])
+
+    def get(self, key: str) -> bytes:
+        return self.root.get(f"{self.prefix}/{key}")
+
+
+def latest_pending(store, islands: int) -> dict[int, list]:
+    """Island index -> the [index, name, index] entry of its newest incarnation waiting on a slot (rejoin/<i>)."""
+    return {i: json.loads(store.get(f"rejoin/{i}")) for i in range(islands) if store.check([f"rejoin/{i}"])}
+
+
 class CrossIslands:
     """Worker `slot` of this island's place in the cross-island group of slot `slot`: its heartbeat and the
     ElasticComm (contracts.ElasticCollectives) whose members are the islands still alive. `on_change(rank,
-    size)`: after each epoch (the first, and each one an island's death forms)."""
+    size)`: after each epoch (the first, each one an island's death forms, each one a restarted island joins).
+    `membership`: the admission (CrossMembership) the World hands its outer strategy; a restarted island's
+    workers are not in an epoch until its `enter` (in the strategy's wrap) lets them in."""
 
-    def __init__(self, spec: CrossSpec, slot: int, ledger: CommLedger, on_change: Callable[[int, int], None]):
+    def __init__(
+        self,
+        spec: CrossSpec,
+        slot: int,
+        ledger: CommLedger,
+        on_change: Callable[[int, int], None],
+        slots: int = 1,
+    ):
         host, port = parse_address(spec.address)
         hosting = spec.host_store if spec.host_store is not None else spec.index == 0 and slot == 0
         self.server = None
@@ -141,13 +217,37 @@ class CrossIslands:
             return dist.PrefixStore(prefix, connect(host, port, timeout_s=spec.timeout_s))
 
         self.store = new_client()
+        root = dist.PrefixStore("cross", connect(host, port, timeout_s=spec.timeout_s))
+        # the islands formed their first epoch already: this island's job restarted (or started too late)
+        self.rejoining = self.store.check(["e/0/members"])
         name = spec.name()
+        if self.rejoining:
+            name = f"{name}.{self.store.add(f'incarnations/{name}', 1)}"
         self.heartbeat = Heartbeat(host, port, name, new_client=new_client)
         commit = Commit(self.store, name, Liveness(self.store, spec.heartbeat_timeout_s), spec.timeout_s)
         self.epochs = Epochs(self.store, name, commit, on_change=on_change, new_client=new_client)
         self.comm = ElasticComm(self.epochs, ledger)
-        # epoch 0: every island started, less those that died before registering (their heartbeat went stale)
-        self.epochs.form(0, [[i, f"island{i}", i] for i in range(spec.islands)])
+        self.membership = CrossMembership(self.epochs, self.comm, root, slot, slots, spec.islands)
+        if not self.rejoining:
+            try:  # epoch 0: every island started, less those that died before registering (heartbeat went stale)
+                self.epochs.form(0, [[i, f"island{i}", i] for i in range(spec.islands)])
+            except Excluded:  # the others formed it without this late island: it joins like a restarted one
+                self.rejoining = True
+        if self.rejoining:  # the members admit it at a round boundary once it is ready (Membership.enter)
+            self.store.set(f"rejoin/{spec.index}", json.dumps([spec.index, name, spec.index]))
+
+    def _others(self) -> list[tuple[Liveness, list[str]]]:
+        """Per slot: its liveness check and the other members of its newest epoch (a slot's workers may still be in
+        their last exchange when this one's are done)."""
+        root, timeout = self.membership.root, self.epochs.commit.liveness.timeout
+        out = []
+        for s in range(self.membership.slots):
+            view = PrefixStoreView(root, str(s))
+            latest = int(view.get("latest")) if view.check(["latest"]) else 0
+            raw = view.get(f"e/{latest}/members") if view.check([f"e/{latest}/members"]) else b"[]"
+            names = [m[1] for m in json.loads(raw) if m[1] != self.epochs.name]
+            out.append((Liveness(view, timeout), names))
+        return out
 
     @property
     def events(self) -> list[dict]:
@@ -159,10 +259,10 @@ class CrossIslands:
         self.heartbeat.stop()
         try:
             self.store.set(f"dead/{self.epochs.name}", "finished")
-            if self.server is not None:  # the store's host stays until the others are done with it
-                others = [n for n in self.epochs.names if n != self.epochs.name]
+            if self.server is not None:  # the store's host stays until the others, of every slot, are done with it
                 deadline = time.monotonic() + self.epochs.commit.timeout
-                while time.monotonic() < deadline and len(self.epochs.commit.liveness.gone(others)) < len(others):
+                waits = self._others()
+                while time.monotonic() < deadline and any(len(live.gone(ns)) < len(ns) for live, ns in waits):
                     time.sleep(0.05)
         except RuntimeError:  # the store is gone (its host finished first): nobody is left to tell
             pass

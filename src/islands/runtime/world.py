@@ -372,7 +372,10 @@ def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device
         data_shard=(spec.index * k + local, spec.islands * k),
     )
     world.local_size, world.local_index = k, local
-    world.cross = CrossIslands(spec, local, ledger, on_change=world.follow)
+    world.cross = CrossIslands(spec, local, ledger, on_change=world.follow, slots=k)
+    # the outer strategy's wrap claims it: members admit restarted islands at round boundaries, and a restarted
+    # island's workers enter there with the members' global model, outer state and step (islands.runtime.cross)
+    world.membership = world.cross.membership
     # a script that never calls close_world (a Trainer's) still stops its heartbeat and says it finished before
     # the interpreter tears down (atexit runs this before the GIL hand-off registered above)
     atexit.register(world.leave)

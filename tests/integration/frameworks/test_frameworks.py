@@ -134,3 +134,85 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
     text = out.out + out.err + "".join(p.read_text() for p in run_dir.glob("logs/*.log"))
     assert code == 1
     assert "every step would cross between islands" in text and "--separate-jobs" in text
+
+
+@pytest.mark.parametrize(
+    ("script", "workers"), [("island_rejoins.py", 1), ("island_rejoins_hf.py", 1), ("island_rejoins.py", 2)]
+)
+def test_a_restarted_island_rejoins(tmp_path, script, workers):
+    """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a plain loop
+    with `attach` and a Hugging Face Trainer with IslandsCallback as one process each, and the plain loop as a torchrun
+    job of 2 workers per island (DDP inside). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo every 10); island 0
+    drops it and trains on. Started again with the same settings, island 1 enters at island 0's next round boundary as
+    `island1.1` (every worker at the same boundary) with island 0's global model, outer state and step, runs the
+    remaining steps from there (the Trainer too: its global_step moved on), and all end with one global model."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.procs import free_port
+    from islands.runtime.cross import CrossSpec
+
+    path = HERE / script
+    address = f"127.0.0.1:{free_port()}"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        base.pop(key, None)
+    launch = [sys.executable] if workers == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launch += [] if workers == 1 else ["--nproc-per-node", str(workers)]
+
+    def island(index: int, **env) -> subprocess.Popen:
+        spec = CrossSpec(address, islands=2, index=index, timeout_s=60, heartbeat_timeout_s=5)
+        return subprocess.Popen(
+            [*launch, str(path)],
+            env={**base, **spec.env(), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+
+    def results(proc: subprocess.Popen, what: str) -> list[dict]:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{what} exited {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert len(lines) == workers, out[-2000:] + err[-2000:]
+        return [json.loads(line.split("RESULT ", 1)[1]) for line in lines]
+
+    first = island(0, PACE_S="0.2")  # until it admits a joiner: room for a slow restart (island_rejoins.py)
+    killed = island(1, DIE_AT="35")
+    try:
+        out, err = killed.communicate(timeout=300)
+        assert out.count("STARTED island1 at 0") == workers, out[-2000:] + err[-2000:]  # members of the first epoch
+        # SIGKILL: the job died without a word to the others (torchrun reports its workers' deaths as a failure)
+        assert killed.returncode == (-9 if workers == 1 else 1), err[-2000:]
+        restarted = island(1)
+        joiners = results(restarted, "the restarted island 1")
+        members = results(first, "island 0")
+    finally:
+        for proc in (first, killed):
+            if proc.poll() is None:
+                proc.kill()
+    # island 0 finished every step: it dropped island 1's first incarnation, then admitted the second
+    for member in members:
+        assert member["name"] == "island0" and member["start"] == 0 and member["steps"] == 300
+        kinds = [e["type"] for e in member["events"]]
+        assert "failure" in kinds and "join" in kinds and kinds.index("failure") < kinds.index("join")
+        assert next(e for e in member["events"] if e["type"] == "failure")["gone"] == ["island1"]
+        assert next(e for e in member["events"] if e["type"] == "join")["joined"] == ["island1.1"]
+    # every slot admitted island 1's worker at the same boundary (one verdict per round for all slots)
+    joins = {next(e for e in m["events"] if e["type"] == "join")["step"] for m in members}
+    assert len(joins) == 1
+    join = joins.pop()
+    for joiner in joiners:
+        # the restarted island entered at that boundary: the members' step (a round boundary past the death), from
+        # which it ran the remaining steps, and their outer state (their round count)
+        assert joiner["name"] == "island1.1" and [e["type"] for e in joiner["events"]] == ["entered"]
+        assert joiner["start"] == join and 35 < joiner["start"] < 300 and joiner["start"] % 10 == 0
+        assert joiner["start"] + joiner["steps"] == 300
+        assert joiner["rounds"] == members[0]["rounds"] == 30
+        assert joiner["islands"] == members[0]["islands"] == 2
+        # it took part in the exchanges after it entered
+        assert joiner["outer_sent"] > 0, joiner["ledger"]
+    # and every worker of both islands ends with the same global model
+    assert len({r["digest"] for r in members + joiners}) == 1

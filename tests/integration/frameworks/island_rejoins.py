@@ -1,0 +1,63 @@
+"""A plain script (its own loop, DiLoCo attached to its optimizer) run as one island of a job of islands that are
+separate jobs (ISLANDS_CROSS_*): test_frameworks.test_a_restarted_island_rejoins starts island 0 and island 1 as
+processes of their own (or as torchrun jobs of 2 workers each, DDP inside), island 1 is SIGKILLed at step DIE_AT,
+and the test starts it again with the same settings.
+
+The loop runs from `world.start_step`: 0 for the islands of the first epoch, the members' step for a restarted
+island (it enters at their round boundary with their global model and outer state). PACE_S: island 0 sleeps this
+long after each step until it has admitted a joiner, so that on a loaded test machine it is still training when
+the restarted process is up (it never waits for it: the pause is a step's length, not a wait on island 1)."""
+
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import islands
+
+STEPS, DIE_AT = int(os.environ.get("STEPS", "200")), int(os.environ.get("DIE_AT", "-1"))
+PACE_S = float(os.environ.get("PACE_S", "0"))
+
+world = islands.init_world()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+ddp = DistributedDataParallel(model) if world.local_size > 1 else model  # under torchrun: DDP inside the island
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+strategy = islands.outer.DiLoCo(inner_steps=10)
+membership = world.membership
+assert membership is not None  # a joined island's World holds the admission (islands.runtime.cross)
+g = torch.Generator().manual_seed(1000 + 10 * int(os.environ["ISLANDS_CROSS_INDEX"]) + world.local_rank)
+steps = 0
+with strategy.attach(model, opt, world):
+    start = world.start_step  # where this incarnation entered
+    print(f"STARTED {membership.name} at {start}", flush=True)
+    for step in range(start, STEPS):
+        if step == DIE_AT:
+            os.kill(os.getpid(), signal.SIGKILL)  # the island's job is killed: no exit handler runs
+        x = torch.randn(16, 8, generator=g)
+        F.mse_loss(ddp(x), x.sum(-1, keepdim=True)).backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+        if PACE_S and not any(e["type"] == "join" for e in membership.events):
+            time.sleep(PACE_S)
+params = b"".join(p.detach().numpy().tobytes() for p in strategy.eval_model(model).parameters())
+line = {
+    "name": membership.name,
+    "start": start,
+    "steps": steps,
+    "rounds": strategy.rounds,
+    "islands": world.islands,
+    "events": [{k: e[k] for k in ("type", "gone", "joined", "step") if k in e} for e in membership.events],
+    "outer_sent": world.ledger.sent.get("outer_delta", 0),  # DiLoCo's exchanges (not the join's state transfer)
+    "ledger": dict(world.ledger.sent),
+    "digest": hashlib.sha256(params).hexdigest()[:16],
+}
+print("RESULT " + json.dumps(line), flush=True)
+islands.close_world(world)

@@ -1,0 +1,100 @@
+"""island_rejoins.py as a Hugging Face Trainer script: the same islands, death and restart, with IslandsCallback
+running DiLoCo from the Trainer's hooks. The restarted island's Trainer goes on from the members' step
+(`state.global_step` moved by the callback), so it runs only the steps left to max_steps."""
+
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import islands
+from islands.integrations.transformers import IslandsCallback
+
+STEPS, DIE_AT = int(os.environ.get("STEPS", "200")), int(os.environ.get("DIE_AT", "-1"))
+PACE_S = float(os.environ.get("PACE_S", "0"))
+
+
+class Sums(Dataset):
+    def __init__(self, seed: int):
+        self.x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.x[i].sum(-1, keepdim=True)}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x, labels=None):
+        out = self.body(x)
+        return {"loss": F.mse_loss(out, labels), "logits": out}
+
+
+class Probe(TrainerCallback):
+    """Notes where this incarnation started and how many steps it ran; island 1's first incarnation is killed."""
+
+    def __init__(self):
+        self.start, self.steps = None, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = state.global_step  # after IslandsCallback's on_train_begin (callbacks run in order)
+        print(f"STARTED {islands_cb.run.join().membership.name} at {self.start}", flush=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        if state.global_step == DIE_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        membership = islands_cb.run.join().membership
+        if PACE_S and not any(e["type"] == "join" for e in membership.events):
+            time.sleep(PACE_S)
+
+
+torch.manual_seed(0)
+model = Net()
+strategy = islands.outer.DiLoCo(inner_steps=10)
+islands_cb, probe = IslandsCallback(strategy), Probe()
+args = TrainingArguments(
+    output_dir="out",
+    max_steps=STEPS,
+    per_device_train_batch_size=16,
+    learning_rate=0.01,
+    lr_scheduler_type="constant",
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    logging_strategy="no",
+    dataloader_num_workers=0,
+)
+ds = Sums(1000 + int(os.environ["ISLANDS_CROSS_INDEX"]))
+trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[islands_cb, probe])
+trainer.train()
+world = islands_cb.run.join()
+membership = world.membership
+assert membership is not None
+params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())  # the global model after train
+line = {
+    "name": membership.name,
+    "start": probe.start,
+    "steps": probe.steps,
+    "rounds": strategy.rounds,
+    "islands": world.islands,
+    "events": [{k: e[k] for k in ("type", "gone", "joined", "step") if k in e} for e in membership.events],
+    "outer_sent": world.ledger.sent.get("outer_delta", 0),
+    "ledger": dict(world.ledger.sent),
+    "digest": hashlib.sha256(params).hexdigest()[:16],
+}
+print("RESULT " + json.dumps(line), flush=True)
+islands_cb.run.close()
