@@ -3,7 +3,7 @@
 Allowed: `import islands`; `from islands import NAME`; `from islands.SUB import NAME` where NAME is in
 islands.SUB's `__all__` (islands.memory, islands.outer, ...), and the same from a subpackage's `__init__`
 at any depth (islands.parallel.pipeline); anything from `islands.config` and `islands.app.*` (the job API:
-config -> validate -> launch). A module below the top level (`islands.sync.sharded`,
+config -> validate -> launch) and `islands.integrations.*` (one module per framework). A module below the top level (`islands.sync.sharded`,
 `islands.runtime.launch.ranks`, ...) is internal and may change without notice.
 """
 
@@ -17,7 +17,9 @@ import islands_bench
 
 BENCH = Path(islands_bench.__file__).parent
 OPEN_MODULES = ("islands.config",)  # every name in it is the config API
-OPEN_PACKAGES = ("islands.app",)  # the job API, module by module
+# the job API, module by module; and each framework integration, whose module is its public face (the package does
+# not re-export them, so that importing islands never imports transformers, lightning or accelerate)
+OPEN_PACKAGES = ("islands.app", "islands.integrations")
 
 
 def _public_names(module: str) -> set[str] | None:

@@ -56,9 +56,8 @@ def _held_peak(job: dict, outer: str, steps: int) -> list[int]:
     import islands
     from islands.app.build import build_optimizer_for, build_task
     from islands.config import from_mapping
-    from islands.memory import SavedTensorMeter
-    from islands.memory.step import ForwardBackward
-    from islands.plan.held import held_bytes
+    from islands.memory import ForwardBackward, SavedTensorMeter
+    from islands.plan import held_bytes
 
     cfg = from_mapping({**job, "outer": outer, "simulate": True, "progress": False})
     torch.set_num_threads(1)
@@ -91,8 +90,7 @@ def _err(pred: float, got: float) -> float:
 
 
 def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], steps: int) -> list[dict]:
-    from islands.plan import parse_link, plan
-    from islands.plan.links import probe_link
+    from islands.plan import parse_link, plan, probe_link
 
     job = {**MODELS[model], "global_batch": 16, "steps": steps, "eval_every": 0, "warmup": 1}
     # measured in this invocation, side by side with the runs: a fresh probe and a fresh profile per setting

@@ -57,7 +57,7 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
         ("steps", str(summary["steps"])),
         ("wall time", f"{summary['wall_seconds']:.1f} s"),
         ("tokens/s (all workers)", f"{summary['tokens_per_second']:,.0f}"),
-        ("final val loss", f"{summary['final_val_loss']:.4f}"),
+        ("final val loss", _loss(summary.get("final_val_loss"))),
         ("MB sent per worker", _sent(summary)),
         *([("MB sent across islands", _across(summary))] if summary.get("islands", 1) > 1 else []),
         ("time with comm in flight", f"{100 * summary['comm_fraction']:.1f}%"),
@@ -69,6 +69,10 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _loss(value: float | None) -> str:
+    return "not evaluated" if value is None else f"{value:.4f}"  # a task without validation data has none
 
 
 def where_lines(record: dict) -> list[str]:

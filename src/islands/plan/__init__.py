@@ -12,7 +12,8 @@ See docs/plan.md.
 
 from islands.plan.api import DEFAULT_STRATEGIES, Plan, PlanError, plan
 from islands.plan.costs import Candidate, Memory, Prediction, Topology, predict
-from islands.plan.links import AlphaBeta, Link, LinkError, fit_alpha_beta, parse_link
+from islands.plan.held import held_bytes
+from islands.plan.links import AlphaBeta, Link, LinkError, fit_alpha_beta, parse_link, probe_link
 from islands.plan.profile import Profile, profile_step
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "LinkError",
     "fit_alpha_beta",
     "parse_link",
+    "probe_link",
+    "held_bytes",
     "Profile",
     "profile_step",
 ]
