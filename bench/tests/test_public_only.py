@@ -3,8 +3,8 @@
 Allowed: `import islands`; `from islands import NAME`; `from islands.SUB import NAME` where NAME is in
 islands.SUB's `__all__` (islands.memory, islands.outer, ...), and the same from a subpackage's `__init__`
 at any depth (islands.parallel.pipeline); anything from `islands.config` and `islands.app.*` (the job API:
-config -> validate -> launch) and `islands.integrations.*` (one module per framework). A module below the top level (`islands.sync.sharded`,
-`islands.runtime.launch.ranks`, ...) is internal and may change without notice.
+config -> validate -> launch) and `islands.integrations.*` (one module per framework). A module below the top
+level (`islands.sync.sharded`, `islands.runtime.launch.ranks`, ...) is internal and may change without notice.
 """
 
 from __future__ import annotations
