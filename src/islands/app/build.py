@@ -50,7 +50,7 @@ from islands.sync.stack import Stack
 from islands.sync.wrap_policy import WRAP_POLICIES
 from islands.sync.zero1 import ZeRO1
 from islands.tasks import build_user_task, digits_task, hf_causal_lm, lm_task
-from islands.tasks.hf_lm import HFTask, PretrainedWriter
+from islands.tasks.hf_lm import HFTask, PretrainedWriter, is_pretrained
 
 BETAS = (0.9, 0.95)  # AdamW's betas for the built-in tasks (nanoGPT's choice for small transformers)
 
@@ -260,8 +260,8 @@ def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | No
 
 def model_writer(task: Task) -> ModelWriter:
     """How a task's final model is saved: a transformers model with its tokenizer (from_pretrained loads it),
-    any other as model.safetensors."""
-    if isinstance(task, HFTask) and task.tokenizer is not None:
+    any other as model.safetensors, a transformers model inside a user's own wrapper module included."""
+    if isinstance(task, HFTask) and task.tokenizer is not None and is_pretrained(task.model):
         return PretrainedWriter(task.tokenizer)
     return SafetensorsWriter()
 

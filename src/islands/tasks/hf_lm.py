@@ -373,6 +373,13 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
 
 
+def is_pretrained(model: torch.nn.Module) -> bool:
+    """Whether `model` is a transformers model itself (save_pretrained writes it), not a module wrapping one."""
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
 class PretrainedWriter:
     """A transformers model's final save (islands.checkpoint.store.model_dir.ModelWriter): save_pretrained's files
     with the run's tokenizer, so RUN_DIR/model loads with from_pretrained as it is."""

@@ -65,3 +65,21 @@ def test_ids_inside_the_vocabulary_are_kept(tmp_path):
     hf_lm.save_pretrained(model, tok, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["bos_token_id"] == 7 and saved["eos_token_id"] == tk.eos_id(tok)
+
+
+def test_a_transformers_model_inside_a_users_wrapper_is_saved_as_safetensors():
+    """A user task whose module wraps the transformers model has no save_pretrained: its run still keeps its
+    model (model.safetensors), where the transformers writer failed at the run's very end."""
+    from islands.app.build import model_writer
+
+    model, tok = _model()
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    plain = hf_lm.HFTask(model=model, loss_fn=None, train_data=[], tokenizer=tok)
+    wrapped = hf_lm.HFTask(model=Wrapper(model), loss_fn=None, train_data=[], tokenizer=tok)
+    assert isinstance(model_writer(plain), hf_lm.PretrainedWriter)
+    assert isinstance(model_writer(wrapped), md.SafetensorsWriter)
