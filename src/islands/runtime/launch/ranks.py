@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -271,11 +272,10 @@ def run_island_jobs(
     timeout = {} if cross_timeout_s is None else {"timeout_s": cross_timeout_s}
     if heartbeat_timeout_s is not None:
         timeout["heartbeat_timeout_s"] = heartbeat_timeout_s
-    saved = _handlers()
-    _install({signal.SIGTERM: _raise_terminated}, saved)
     jobs: list[list[WorkerProcess]] = []
     placements: list[Placement] = []  # each island's rendezvous store, held (served) for the job's life
-    try:
+
+    def start_and_supervise() -> int:
         for i in range(islands):
             placement = Placement.loopback()  # the island's own rendezvous store and port
             placements.append(placement)
@@ -285,19 +285,8 @@ def run_island_jobs(
             # each island's rank 0 prints to the launcher's stdout, the rest to their logs
             jobs.append([_start(r, argv, k, placement, 1, threads, logs, spec.env()) for r in range(k)])
         return _supervise_islands(jobs, out)
-    except KeyboardInterrupt:
-        print("islands: interrupted; stopping every island", file=out, flush=True)
-        return 130
-    except _Terminated:
-        print("islands: terminated; stopping every island", file=out, flush=True)
-        return 128 + signal.SIGTERM
-    finally:
-        _install({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}, saved)
-        try:
-            stop_all([w for job in jobs for w in job])
-            spawn.release_stopped_server(out)
-        finally:
-            _install(saved, saved)
+
+    return _run_supervised(start_and_supervise, lambda: [w for job in jobs for w in job], "island", out)
 
 
 def _supervise_islands(jobs: list[list[WorkerProcess]], out) -> int:
@@ -370,25 +359,35 @@ def run_ranks(
     wire counters around the run). `env`: variables every rank gets on top of the launcher's."""
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    saved = _handlers()
-    _install({signal.SIGTERM: _raise_terminated}, saved)
     started: list[WorkerProcess] = []
-    try:
+
+    def start_and_supervise() -> int:
         for rank in range(workers):
             started.append(_start(rank, argv, workers, placement, islands, threads, logs, env or {}))
         return _supervise(started, out)
+
+    return _run_supervised(start_and_supervise, lambda: started, "rank", out)
+
+
+def _run_supervised(body: Callable[[], int], processes: Callable[[], list[WorkerProcess]], what: str, out) -> int:
+    """`body` (start the processes and supervise them) with Ctrl-C and SIGTERM stopping every one of
+    `processes()`: 130 or 143 then, else what `body` returns; a fork server left stopped is released."""
+    saved = _handlers()
+    _install({signal.SIGTERM: _raise_terminated}, saved)
+    try:
+        return body()
     except KeyboardInterrupt:
-        print("islands: interrupted; stopping every rank", file=out, flush=True)
+        print(f"islands: interrupted; stopping every {what}", file=out, flush=True)
         return 130
     except _Terminated:
-        print("islands: terminated; stopping every rank", file=out, flush=True)
+        print(f"islands: terminated; stopping every {what}", file=out, flush=True)
         return 128 + signal.SIGTERM
     finally:
         # A second Ctrl-C or SIGTERM must not cut the stop short: the ranks run in their own sessions and
         # would outlive the launcher.
         _install({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}, saved)
         try:
-            stop_all(started)
+            stop_all(processes())
             spawn.release_stopped_server(out)
         finally:
             _install(saved, saved)
