@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 import zlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -178,7 +179,7 @@ def _clone_state(st: dict) -> dict:
     return {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items() if not k.startswith("_")}
 
 
-class CompressorBase:
+class CompressorBase(ABC):
     """Per-name state bookkeeping and the defaults of the contract; subclasses add the maths."""
 
     name = "base"
@@ -220,22 +221,27 @@ class CompressorBase:
             raise ValueError(f"{self.name}: state_dict lacks 'states' (keys: {sorted(state_dict)})")
         self.states = {n: _clone_state(s) for n, s in state_dict["states"].items()}
 
-    # -- the maths: every compressor implements these --------------------------------------------
+    # -- the maths: every compressor implements these (abstract: a subclass missing one fails at construction) --
+    @abstractmethod
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
-        raise NotImplementedError
+        """`tensor` (with its per-name `state`, and what the ranks agreed this round) -> the payload to send."""
 
+    @abstractmethod
     def decompress(self, payload: Payload) -> Tensor:
-        raise NotImplementedError
+        """A payload (one rank's, or the sum of SUMMABLE ones) -> the dense tensor it stands for."""
 
+    @abstractmethod
     def payload_nbytes(self, shape, dtype: torch.dtype) -> int:
-        raise NotImplementedError
+        """Bytes one payload of a tensor of `shape` and `dtype` puts on the wire (what the ledger counts)."""
 
     # -- defaults ----------------------------------------------------------------------------------
     def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
         return []
 
     def absorb(self, state: dict, summed: Payload) -> None:
-        pass
+        """Take what a compressor keeps from the summed payload into its state (PowerSGD's factors); by default
+        a compressor keeps nothing."""
+        return None
 
     def decompress_mean(self, summed: Payload, out: Tensor | None = None) -> Tensor:
         """The mean, in fp32, of the `summed.summands` contributions summed into `summed`; written
