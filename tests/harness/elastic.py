@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torch.distributed import DistNetworkError
 
+from harness.flags import ISLANDS_TRAIN, flags
 from islands.runtime.elastic.membership import connect, parse_address
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -82,33 +83,10 @@ def train_over_store(store_url: str, run: Path, cwd: Path) -> subprocess.Complet
     the etcd cluster at `store_url`; the cluster's client variables come from this process's environment."""
     return subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "islands",
-            "train",
-            "--task",
-            "digits",
-            "--workers",
-            "2",
-            "--islands",
-            "2",
-            "--outer",
-            "diloco:inner_steps=3",
-            "--elastic",
-            "--store",
-            store_url,
-            "--steps",
-            "9",
-            "--global-batch",
-            "16",
-            "--eval-every",
-            "0",
-            "--no-probe",
-            "--no-progress",
-            "--heartbeat-timeout",
-            "5",
-            "--run-dir",
-            str(run),
+            *ISLANDS_TRAIN,
+            *flags(task="digits", workers=2, islands=2, outer="diloco:inner_steps=3", elastic=True, store=store_url),
+            *flags(steps=9, global_batch=16, eval_every=0, no_probe=True, no_progress=True, heartbeat_timeout=5),
+            *flags(run_dir=run),
         ],
         cwd=cwd,
         env=env(),

@@ -5,12 +5,12 @@ member's token is asked for once and renewed when it lapses; a missing or wrong 
 import base64
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 
 import harness.elastic as elastic_jobs
+from harness.flags import ISLANDS_TRAIN, flags
 from islands.runtime.elastic.etcd_store import (
     ENDED_KEY,
     PASSWORD_FILE_ENV,
@@ -113,27 +113,9 @@ def test_a_bad_login_setting_stops_the_cli_with_one_line(locked, tmp_path):
     env = {**elastic_jobs.env(), USER_ENV: "islands", PASSWORD_FILE_ENV: str(tmp_path / "missing")}
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "islands",
-            "train",
-            "--task",
-            "digits",
-            "--workers",
-            "2",
-            "--islands",
-            "2",
-            "--outer",
-            "diloco:inner_steps=3",
-            "--elastic",
-            "--store",
-            locked.url,
-            "--steps",
-            "3",
-            "--no-probe",
-            "--no-progress",
-            "--run-dir",
-            str(tmp_path / "run"),
+            *ISLANDS_TRAIN,
+            *flags(task="digits", workers=2, islands=2, outer="diloco:inner_steps=3", elastic=True, store=locked.url),
+            *flags(steps=3, no_probe=True, no_progress=True, run_dir=tmp_path / "run"),
         ],
         cwd=tmp_path,
         env=env,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.flags import ISLANDS_TRAIN, flags
 from harness.outer import assert_train_refuses, batch, run_world, tiny_model
 
 # ---- one process -----------------------------------------------------------------------------------
@@ -715,35 +716,15 @@ def test_islands_train_with_a_slowed_island_and_adaptive_rounds(tmp_path):
     island 1 only, the run ends, and rank 0's report lists the steps each island took per round."""
     import json
     import subprocess
-    import sys
 
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "islands",
-            "train",
-            "--task",
-            "digits",
-            "--workers",
-            "2",
-            "--islands",
-            "2",
-            "--steps",
-            "20",
-            "--warmup",
-            "2",
-            "--eval-every",
-            "0",
-            "--no-progress",
-            "--no-probe",
-            "--outer",
-            "diloco:inner_steps=5,adapt=speed",
+            *ISLANDS_TRAIN,
+            *flags(task="digits", workers=2, islands=2, steps=20, warmup=2, eval_every=0, no_progress=True),
+            *flags(no_probe=True, outer="diloco:inner_steps=5,adapt=speed", run_dir=run_dir),
             "--world.slowdown",
             "1=2.0,floor=0.03",
-            "--run-dir",
-            str(run_dir),
         ],
         capture_output=True,
         text=True,
