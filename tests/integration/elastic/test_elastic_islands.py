@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from test_checkpoint_resume import same
 
-from harness.elastic import assert_nothing_half_written, gated_digits
+from harness.elastic import QUIET_ELASTIC, assert_nothing_half_written, gated_digits
 from harness.world import spawn_ranks
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
@@ -149,19 +149,15 @@ def _cfg(tmp_path: Path, **over):
     whole job would)."""
     task, hold = gated_digits(tmp_path)
     values = dict(
+        QUIET_ELASTIC,
         task=task,
         workers=4,
         islands=2,
         inner="ddp",
         outer="diloco:inner_steps=5",
-        elastic=True,
         steps=60,
         global_batch=32,
-        eval_every=0,
         warmup=2,
-        probe=False,
-        progress=False,
-        timeout=30.0,
         heartbeat_timeout=HEARTBEAT,
         run_dir=str(tmp_path / "run"),
     )

@@ -72,19 +72,15 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
     task, hold = elastic_jobs.gated_digits(tmp_path)
     cfg = from_mapping(
         dict(
+            elastic_jobs.QUIET_ELASTIC,
             task=task,
             workers=4,
             islands=2,
             inner="ddp",
             outer="diloco:inner_steps=5",
-            elastic=True,
             steps=60,
             global_batch=32,
-            eval_every=0,
             warmup=2,
-            probe=False,
-            progress=False,
-            timeout=30.0,
             heartbeat_timeout=HEARTBEAT,
             max_restarts=1,
             testbed=bed.name,
