@@ -12,12 +12,18 @@ units of gathered parameters held in memory. Bytes are unchanged: the same gathe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
+
+if TYPE_CHECKING:  # importing torch's FSDP costs every process ~0.5 s of CPU; only fsdp jobs need it
+    from torch.distributed.fsdp import FSDPModule
 
 
 def fsdp_handle(group: list[nn.Module]) -> FSDPModule:
     """The FSDPModule that carries a unit's state (a grouped unit shares one state across its modules)."""
+    from torch.distributed.fsdp import FSDPModule
+
     unit = group[0]
     assert isinstance(unit, FSDPModule)  # fully_shard made every module of the group one
     return unit
@@ -28,6 +34,8 @@ def set_prefetch(root: nn.Module, groups: list[list[nn.Module]], n: int) -> None
     the last n units, unit i the n units before it. `groups` are the non-root units in forward order."""
     if n < 1:
         raise ValueError(f"prefetch needs n >= 1 units ahead; got {n}")
+    from torch.distributed.fsdp import FSDPModule
+
     units = [fsdp_handle(g) for g in groups]
     if not units:
         return
