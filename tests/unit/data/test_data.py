@@ -61,3 +61,23 @@ def test_digits_ships_with_sklearn():
     d = load_digits()
     assert d.x_train.shape[1] == 64 and len(d.y_train) + len(d.y_val) == 1797
     assert d.x_train.min() >= 0.0 and d.x_train.max() <= 1.0
+
+
+def test_digits_read_from_sklearns_csv_equal_sklearns_own_loader():
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from islands.data.corpus import digits_arrays
+
+    data, target = digits_arrays()
+    ref = sklearn_digits()
+    assert np.array_equal(data, ref.data) and data.dtype == ref.data.dtype
+    assert np.array_equal(target, ref.target)
+
+
+def test_loading_digits_does_not_import_sklearn():
+    import subprocess
+    import sys
+
+    code = "import sys; from islands.data import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
