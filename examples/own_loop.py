@@ -22,6 +22,7 @@ import islands
 
 STEPS = int(os.environ.get("STEPS", "120"))
 RUN_DIR = os.environ.get("RUN_DIR", "runs/own-loop")
+CKPT_EVERY = int(os.environ.get("CKPT_EVERY", "100"))
 
 
 class MyModel(nn.Module):
@@ -90,7 +91,7 @@ def main():
         outer=islands.outer.DiLoCo(inner_steps=50, aggregator=islands.robust.CoordinateMedian()),
     )
     model = strategy.wrap(model, opt, world)
-    ckpt = islands.Checkpointer(RUN_DIR, world, every=100)  # async, multi-level, checksummed; RNG included
+    ckpt = islands.Checkpointer(RUN_DIR, world, every=CKPT_EVERY)  # async, multi-level, checksummed; RNG included
     start = ckpt.restore(model=model, optimizer=opt, strategy=strategy) or 0
     for step, (x, y) in enumerate(my_batches(world.rank, world.size, skip=start), start=start):
         if step >= STEPS:

@@ -60,16 +60,22 @@ def torchrun(n: int, script: Path) -> list[str]:
 
 
 def test_own_loop_under_islands_run_then_resumed_under_torchrun(tmp_path, monkeypatch, capfd):
+    # few steps (one DiLoCo round of 50, a checkpoint at 60): four torchrun ranks are fresh interpreters
     first = run_here(
-        ["run", "--workers", "4", str(EXAMPLES / "own_loop.py")], tmp_path, monkeypatch, capfd, STEPS="110"
+        ["run", "--workers", "4", str(EXAMPLES / "own_loop.py")],
+        tmp_path,
+        monkeypatch,
+        capfd,
+        STEPS="70",
+        CKPT_EVERY="60",
     )
     assert "2 island(s), strategy ddp+diloco" in first
-    assert "bn1.num_batches_tracked 110" in first  # the global model carries the BatchNorm counters
-    # the same program under torchrun restores step 100 (checkpoint every 100) and continues to 120
-    second = run(torchrun(4, EXAMPLES / "own_loop.py"), tmp_path, STEPS="120")
-    assert "bn1.num_batches_tracked 120" in second.stdout
+    assert "bn1.num_batches_tracked 70" in first  # the global model carries the BatchNorm counters
+    # the same program under torchrun restores step 60 (its checkpoint) and continues to 80
+    second = run(torchrun(4, EXAMPLES / "own_loop.py"), tmp_path, STEPS="80", CKPT_EVERY="60")
+    assert "bn1.num_batches_tracked 80" in second.stdout
     steps = sorted(p.name for p in (tmp_path / "runs" / "own-loop").glob("step-*"))
-    assert steps == ["step-000100"]
+    assert steps == ["step-000060"]
 
 
 def test_zero_touch_under_islands_run(tmp_path, monkeypatch, capfd):
