@@ -14,8 +14,18 @@ def free_port() -> int:
 # Rank processes for the multi-process tests: forked from one server process that has imported torch and
 # islands once, instead of spawned interpreters that import them again (2-3 s of CPU per rank on a 2-core
 # machine; most of the suite's multi-process tests are that start-up). The server only imports, never runs
-# a collective or a parallel region, so what its children inherit is a clean interpreter.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "islands", "islands.runtime.world", "islands.app.build"]
+# a collective or a parallel region, so what its children inherit is a clean interpreter. torch._dynamo is
+# imported by the first torch.optim optimizer a rank builds (~1.2 s of CPU each); torch's FSDP by every fsdp rank.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "numpy",
+    "islands",
+    "islands.runtime.world",
+    "islands.app.build",
+]
 
 
 def mp_context():

@@ -2,7 +2,7 @@
 
     python -m islands.runtime.launch.job_host RUN_DIR --launcher-pid PID [--port P | --store etcd://H:P,H:P,...]
                                        [--advertise ADDRESS]
-    (the JobSpec as JSON on stdin, ISLANDS_TOKEN in the environment)
+    (the JobSpec as JSON in the file --job names or on stdin, ISLANDS_TOKEN in the environment)
 
 Why a process of its own (issue #20 item 2, docs/membership.md "No single point of failure"): the launcher
 used to host the TCPStore and the coordinator thread, so a SIGKILLed launcher took the store with it and every
@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import secrets
+import select
 import signal
 import sys
 import threading
@@ -55,6 +56,7 @@ from islands.runtime.elastic.membership import (
 )
 
 RECORD = "job_host.json"  # in the run directory
+JOB_FILE = "job_host.job.json"  # the JobSpec the launcher hands over (--job), in the run directory
 LINGER_S = 2.0  # seconds the "no member alive" rule must hold before a host whose launcher died exits
 IDLE_S = 60.0  # plus the job's collective timeout: a host whose launcher died and whose epoch 0 never formed
 POLL_S = 0.2  # how often the host looks (Liveness needs looks closer than half the heartbeat timeout)
@@ -66,6 +68,16 @@ def write_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 class HostLoop:
     """The host's own watch (its main thread; the coordinator answers joins on a thread of its own).
     `store`: an authenticated client of the job's store; `formed()`: whether epoch 0 exists."""
@@ -75,9 +87,23 @@ class HostLoop:
         self.liveness = Liveness(store, job.heartbeat_timeout)
         self.stop = threading.Event()
         self.started = time.monotonic()
+        # The launcher is not always the parent (a copy of the fork server is the server's child), so its exit is
+        # watched through a pidfd, which a recycled pid cannot fool; without pidfds, by the pid alone.
+        self._launcher_fd: int | None = None
+        try:
+            self._launcher_fd = os.pidfd_open(launcher_pid)
+        except (AttributeError, OSError):  # gone already (ProcessLookupError), or no pidfd on this system
+            pass
+        self._launcher_gone = self._launcher_fd is None and not _pid_exists(launcher_pid)
 
     def launcher_alive(self) -> bool:
-        return os.getppid() == self.launcher_pid  # a dead parent's children are re-parented
+        if self._launcher_gone:
+            return False
+        if self._launcher_fd is not None:  # readable once the process has exited
+            self._launcher_gone = bool(select.select([self._launcher_fd], [], [], 0)[0])
+        else:
+            self._launcher_gone = not _pid_exists(self.launcher_pid)
+        return not self._launcher_gone
 
     def run(self) -> tuple[str, bool]:
         """Until the job ended; returns (why, whether the launcher was still alive)."""
@@ -123,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         default="127.0.0.1",
         help="the address workers reach the embedded store at (a testbed's hub address)",
     )
+    p.add_argument("--job", default="", help="a file holding the JobSpec as JSON (default: read it from stdin)")
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # not inherited by anything this process might start
-    job = JobSpec.from_json(sys.stdin.read())
+    job = JobSpec.from_json(Path(args.job).read_text() if args.job else sys.stdin.read())
     job = job if job.job_id else replace(job, job_id=secrets.token_hex(16))
     run_dir = Path(args.run_dir)
 
