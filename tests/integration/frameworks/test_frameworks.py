@@ -137,15 +137,23 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(
-    ("script", "workers"), [("island_rejoins.py", 1), ("island_rejoins_hf.py", 1), ("island_rejoins.py", 2)]
+    ("script", "workers"),
+    [
+        ("island_rejoins.py", 1),
+        ("island_rejoins_hf.py", 1),
+        ("island_rejoins_lightning.py", 1),
+        ("island_rejoins.py", 2),
+    ],
 )
 def test_a_restarted_island_rejoins(tmp_path, script, workers):
     """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a plain loop
-    with `attach` and a Hugging Face Trainer with IslandsCallback as one process each, and the plain loop as a torchrun
-    job of 2 workers per island (DDP inside). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo every 10); island 0
-    drops it and trains on. Started again with the same settings, island 1 enters at island 0's next round boundary as
-    `island1.1` (every worker at the same boundary) with island 0's global model, outer state and step, runs the
-    remaining steps from there (the Trainer too: its global_step moved on), and all end with one global model."""
+    with `attach`, a Hugging Face Trainer and a Lightning Trainer with IslandsCallback as one process each, and the
+    plain loop as a torchrun job of 2 workers per island (DDP inside). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo
+    every 10); island 0 drops it and trains on. Started again with the same settings (the framework scripts resuming
+    from their own checkpoint of step 30), island 1 enters at island 0's next round boundary as `island1.1` (every
+    worker at the same boundary) with island 0's global model, outer state and step, runs the remaining steps from
+    there (the frameworks' step counters moved on past the checkpoint's), and all end with one global model.
+    Processes: a SIGKILLed job and its restart are what is tested."""
     import os
     import subprocess
     import sys
@@ -186,7 +194,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         assert out.count("STARTED island1 at 0") == workers, out[-2000:] + err[-2000:]  # members of the first epoch
         # SIGKILL: the job died without a word to the others (torchrun reports its workers' deaths as a failure)
         assert killed.returncode == (-9 if workers == 1 else 1), err[-2000:]
-        restarted = island(1)
+        framework = script != "island_rejoins.py"  # these checkpoint every 30 steps, and resume when restarted
+        restarted = island(1, **({"RESUME": "1"} if framework else {}))
         joiners = results(restarted, "the restarted island 1")
         members = results(first, "island 0")
     finally:
@@ -210,6 +219,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         assert joiner["name"] == "island1.1" and [e["type"] for e in joiner["events"]] == ["entered"]
         assert joiner["start"] == join and 35 < joiner["start"] < 300 and joiner["start"] % 10 == 0
         assert joiner["start"] + joiner["steps"] == 300
+        if framework:  # it resumed its own checkpoint of step 30, then the members' step replaced that one's
+            assert joiner["loaded"] == 30 and joiner["final_step"] == 300
         assert joiner["rounds"] == members[0]["rounds"] == 30
         assert joiner["islands"] == members[0]["islands"] == 2
         # it took part in the exchanges after it entered
