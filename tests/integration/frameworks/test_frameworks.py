@@ -24,15 +24,17 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 
-def separate_jobs(script: Path, cwd: Path, monkeypatch, capfd, *, expect: int = 0, extra=(), **env) -> list[dict]:
-    """`islands run --workers 4 --islands 2 --separate-jobs SCRIPT` from this process in `cwd`; every worker's
+def separate_jobs(
+    script: Path, cwd: Path, monkeypatch, capfd, *, expect: int = 0, extra=(), workers: int = 4, **env
+) -> list[dict]:
+    """`islands run --workers WORKERS --islands 2 --separate-jobs SCRIPT` from this process in `cwd`; every worker's
     RESULT line (the islands' rank 0 print to stdout, the others to their logs)."""
     monkeypatch.chdir(cwd)
     for key, value in {"OMP_NUM_THREADS": "1", "STEPS": "40", "INNER_STEPS": "10", **env}.items():
         monkeypatch.setenv(key, value)
     capfd.readouterr()
     run_dir = cwd / "runs" / f"job{len(list(cwd.glob('runs/job*')))}"
-    argv = ["run", "--workers", "4", "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir), *extra]
+    argv = ["run", "--workers", str(workers), "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir), *extra]
     code = cli(*argv, str(script), timeout=600)
     out = capfd.readouterr()
     logs = "".join(p.read_text() for p in sorted(run_dir.glob("logs/*/*.log")))
@@ -100,6 +102,30 @@ def test_accelerate_loop_two_islands(tmp_path, monkeypatch, capfd):
     results = separate_jobs(EXAMPLES / "accelerate_loop.py", tmp_path, monkeypatch, capfd, STEPS="60")
     check_islands(results, rounds=6)
     assert min(r["accuracy"] for r in results) > 0.5
+
+
+@pytest.mark.parametrize("script", ["precision_hf.py", "precision_lightning.py"])
+def test_mixed_precision_and_accumulation(tmp_path, monkeypatch, capfd, script):
+    """bf16 mixed precision (CPU autocast: HF `bf16=True, use_cpu=True`, Lightning `precision="bf16-mixed"`) with 2
+    micro-batches per optimizer step, 2 islands of 1 worker (processes: each island is a job of its own). The forward
+    ran in bf16 while the parameters, DiLoCo's global model and its exchange stayed fp32 (4 bytes per parameter per
+    round); H counts optimizer steps (20 steps of 2 micro-batches, H=5: 4 rounds, not 8); after every round and at the
+    end both islands hold the same model; the loss fell."""
+    results = separate_jobs(
+        HERE / script, tmp_path, monkeypatch, capfd, workers=2, STEPS="20", INNER_STEPS="5", ACCUM="2"
+    )
+    assert sorted(r["island"] for r in results) == [0, 1]
+    for r in results:
+        assert r["computed_in"] == ["torch.bfloat16"]
+        assert r["param_dtypes"] == r["global_dtypes"] == ["torch.float32"]
+        assert r["forwards"] == 40 and r["optimizer_steps"] == 20
+        assert r["rounds"] == 4 and [step for step, _ in r["round_digests"]] == [5, 10, 15, 20]
+        assert r["outer_bytes"] == r["rounds"] * r["numel"] * 4  # fp32 deltas: the master parameters' own
+        first, last = r["losses"][:8], r["losses"][-8:]
+        assert sum(last) < 0.7 * sum(first), r["losses"]
+    assert results[0]["round_digests"] == results[1]["round_digests"]
+    assert results[0]["digest"] == results[1]["digest"]
+    assert results[0]["losses"] != results[1]["losses"]  # the islands drew different batches
 
 
 def test_an_island_that_dies_leaves_the_other_training(tmp_path, monkeypatch, capfd):
