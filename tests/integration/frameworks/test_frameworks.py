@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.cli import islands_cli as cli
+from islands.runtime.payload_auth import TAG
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
@@ -111,16 +112,17 @@ def test_mixed_precision_and_accumulation(tmp_path, monkeypatch, capfd, script):
     ran in bf16 while the parameters, DiLoCo's global model and its exchange stayed fp32 (4 bytes per parameter per
     round); H counts optimizer steps (20 steps of 2 micro-batches, H=5: 4 rounds, not 8); after every round and at the
     end both islands hold the same model; the loss fell."""
-    results = separate_jobs(
-        HERE / script, tmp_path, monkeypatch, capfd, workers=2, STEPS="20", INNER_STEPS="5", ACCUM="2"
-    )
+    # with ISLANDS_TOKEN: the islands meet over the signed cross store and tag their payloads (runtime.cross)
+    env = {"STEPS": "20", "INNER_STEPS": "5", "ACCUM": "2", "ISLANDS_TOKEN": "precision-test"}
+    results = separate_jobs(HERE / script, tmp_path, monkeypatch, capfd, workers=2, **env)
     assert sorted(r["island"] for r in results) == [0, 1]
     for r in results:
         assert r["computed_in"] == ["torch.bfloat16"]
         assert r["param_dtypes"] == r["global_dtypes"] == ["torch.float32"]
         assert r["forwards"] == 40 and r["optimizer_steps"] == 20
         assert r["rounds"] == 4 and [step for step, _ in r["round_digests"]] == [5, 10, 15, 20]
-        assert r["outer_bytes"] == r["rounds"] * r["numel"] * 4  # fp32 deltas: the master parameters' own
+        # fp32 deltas, the master parameters' own, each with its HMAC tag (the token)
+        assert r["outer_bytes"] == r["rounds"] * (r["numel"] * 4 + TAG)
         first, last = r["losses"][:8], r["losses"][-8:]
         assert sum(last) < 0.7 * sum(first), r["losses"]
     assert results[0]["round_digests"] == results[1]["round_digests"]
@@ -189,7 +191,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
 
     path = HERE / script
     address = f"127.0.0.1:{free_port()}"
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300"}
+    # with ISLANDS_TOKEN: a signed cross store, tagged payloads, and the restarted island's state transfer keyed by it
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300", "ISLANDS_TOKEN": "rejoin-test"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         base.pop(key, None)
     launch = [sys.executable] if workers == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
