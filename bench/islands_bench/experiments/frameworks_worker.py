@@ -95,12 +95,14 @@ def train_hf(spec: dict, train: Dataset, callback, clock_cb) -> torch.nn.Module:
         per_device_train_batch_size=spec["batch"],
         learning_rate=spec["lr"],
         lr_scheduler_type="constant",
+        weight_decay=spec["weight_decay"],
+        max_grad_norm=spec["max_grad_norm"],
         save_strategy="no",
         logging_steps=max(spec["steps"], 1),
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        seed=0,
+        seed=spec.get("seed", 0),  # the data order's seed (the model's weights are seeded apart, in gpt2)
     )
     callbacks = [Clock()] + ([callback] if callback is not None else [])
     trainer = Trainer(model=model, args=args, train_dataset=_as_dicts(train), callbacks=callbacks)
@@ -139,7 +141,7 @@ def train_lightning(spec: dict, train: Dataset, callback, clock_cb) -> torch.nn.
             return self.model(input_ids=batch, labels=batch).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=spec["lr"])
+            return torch.optim.AdamW(self.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
 
     workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     module = LM()
@@ -148,13 +150,14 @@ def train_lightning(spec: dict, train: Dataset, callback, clock_cb) -> torch.nn.
         devices=workers,
         strategy="ddp" if workers > 1 else "auto",
         max_steps=spec["steps"],
+        gradient_clip_val=spec["max_grad_norm"],
         callbacks=[Clock()] + ([callback] if callback is not None else []),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(spec.get("seed", 0))
     trainer.fit(module, DataLoader(train, batch_size=spec["batch"], shuffle=True))
     return module.model
 
@@ -170,8 +173,10 @@ def train_loop(spec: dict, train: Dataset, strategy, clock_cb):
     model = gpt2(spec["context"])
     k, local = world.workers_per_island, world.local_rank
     wrapped = DistributedDataParallel(model) if dist.is_initialized() and k > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    sampler = DistributedSampler(train, num_replicas=k, rank=local, shuffle=True, seed=world.island)
+    # the Trainer's optimizer, as its arguments make it: AdamW, the same weight decay, the gradient norm clipped
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+    seed = 100 * spec.get("seed", 0) + world.island  # each island its own data order, as the callbacks seed them
+    sampler = DistributedSampler(train, num_replicas=k, rank=local, shuffle=True, seed=seed)
     loader = DataLoader(train, batch_size=spec["batch"], sampler=sampler)
     step, epoch = 0, 0
     with strategy.attach(model, opt, world):
@@ -180,6 +185,7 @@ def train_loop(spec: dict, train: Dataset, strategy, clock_cb):
             for batch in loader:
                 clock_cb.begin()
                 wrapped(input_ids=batch, labels=batch).loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 clock_cb.end()
@@ -252,6 +258,7 @@ def main(spec: dict, out: Path) -> None:
         "cross_bytes": world.ledger.total_sent if world is not None else 0,
         "parameters": sum(p.numel() for p in model.parameters()),
         "rounds": strategy.rounds if spec["outer"] else 0,
+        "seed": spec.get("seed", 0),
     }
     island = record["island"]
     (out / f"island{island}-rank{rank}.json").write_text(json.dumps(record))

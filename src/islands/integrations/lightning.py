@@ -7,19 +7,45 @@
 
 Launch each island as its own job (docs/frameworks.md). Every optimizer step Lightning takes is an inner step.
 The outer state rides in Lightning's checkpoints (the callback's `state_dict`, under the callback's key), so
-`trainer.fit(..., ckpt_path=...)` continues it; at the end of fit the module holds the global model.
+`trainer.fit(..., ckpt_path=...)` continues it; at the end of fit the module holds the global model. A restarted
+island (fit from its own last checkpoint, or from scratch) enters at the members' round boundary with their global
+model, outer state and step: `trainer.global_step` and the step-interval LR schedules move on to that step.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.seed import seed_everything
+from torch.optim.lr_scheduler import LRScheduler
 
 from islands.integrations.outer_run import OuterRun
 from islands.sync.base import Strategy
+
+
+def skip_ahead(trainer: pl.Trainer, step: int) -> None:
+    """Move Lightning's step counter (`trainer.global_step`, which `max_steps` and checkpoint names read) and the
+    step-interval LR schedules to `step`. Lightning has no public setter: global_step is the optimizer-step
+    progress of the fit loop's epoch loop (automatic or manual optimization), so that progress is moved. The data
+    order is not skipped: a restarted island draws batches afresh from its own shard."""
+    loop = trainer.fit_loop.epoch_loop
+    if trainer.lightning_module.automatic_optimization:
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+    else:
+        progress = loop.manual_optimization.optim_step_progress.total
+    progress.ready = progress.completed = step
+    loop._batches_that_stepped = step  # the step loggers write against
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        # a plateau schedule follows a metric, not the step count
+        if config.interval == "step" and not config.reduce_on_plateau and isinstance(scheduler, LRScheduler):
+            with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: meant here
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.last_epoch = step // config.frequency - 1
+                scheduler.step()
 
 
 class IslandsCallback(pl.Callback):
@@ -38,11 +64,12 @@ class IslandsCallback(pl.Callback):
             seed_everything(int(os.environ.get("PL_GLOBAL_SEED", "0")) + world.island, verbose=False)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the checkpoint (if any) is loaded by now: the module's weights and, through load_state_dict, ours
-        self.run.begin(pl_module, trainer.optimizers[0], step=trainer.global_step)
-        if self._resumed is not None:
-            self.run.load(self._resumed)
-            self._resumed = None
+        # the checkpoint (if any) is loaded by now: the module's weights, the loops' step and, through
+        # load_state_dict, the outer state
+        resumed, self._resumed = self._resumed, None
+        step = self.run.begin(pl_module, trainer.optimizers[0], step=trainer.global_step, resume=resumed)
+        if step > trainer.global_step:  # a restarted island entered at the members' step: go on from there
+            skip_ahead(trainer, step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.run.end(pl_module)

@@ -54,23 +54,45 @@ class OuterRun:
         return self.join().island
 
     def begin(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0, resume: Path | str | None = None
-    ):
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int = 0,
+        resume: Path | str | dict | None = None,
+    ) -> int:
         """Wrap `model` (the framework's, wrapped in its DDP or not) and attach to `optimizer` (the torch optimizer
-        whose step is one inner step). `resume`: the checkpoint folder the framework resumed from, whose outer state
-        (save) is loaded after every island agreed on the start; `step`: the framework's step count there."""
+        whose step is one inner step); returns the step the framework goes on from. `step`: the framework's step
+        count (its checkpoint's, when it resumed one); `resume`: the outer state saved with that checkpoint, as the
+        checkpoint folder `save` wrote into or as the `state()` dict, loaded after every island agreed on the start.
+
+        A restarted island (its job died and came back while the others trained on) enters the members' run in
+        the wrap: it receives their global model, outer state and step, which are newer than its own checkpoint's,
+        so `resume` is not loaded then and the step returned is the members' (the framework must move its step
+        counter and LR schedule there)."""
         world = self.join()
         self.attached = Attached(self.strategy, model, optimizer, world, start=step)
         self.attached.__enter__()
         self.began = True
-        if resume is not None:
-            path = Path(resume) / STATE_FILE.format(rank=world.local_rank)
-            if not path.is_file():
-                raise MissingOuterState(
-                    f"{path} is missing: the checkpoint {resume} was written without islands' callback (or by "
-                    f"another number of workers per island); resume from one written under the callback"
-                )
-            self.strategy.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        if self.entered or resume is None:
+            return self.attached.step
+        if isinstance(resume, dict):
+            self.strategy.load_state_dict(resume)
+            return self.attached.step
+        path = Path(resume) / STATE_FILE.format(rank=world.local_rank)
+        if not path.is_file():
+            raise MissingOuterState(
+                f"{path} is missing: the checkpoint {resume} was written without islands' callback (or by "
+                f"another number of workers per island); resume from one written under the callback"
+            )
+        self.strategy.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        return self.attached.step
+
+    @property
+    def entered(self) -> bool:
+        """Whether this worker entered a run already going on (a restarted island admitted at the members' round
+        boundary), holding their state rather than its own checkpoint's."""
+        membership = self.join().membership
+        return membership is not None and any(e["type"] == "entered" for e in membership.events)
 
     def save(self, folder: Path | str) -> Path:
         """Write this worker's outer state into the framework's checkpoint `folder`; returns the file."""
@@ -82,9 +104,6 @@ class OuterRun:
     def state(self) -> dict:
         """The outer state (for a framework that keeps it inside its own checkpoint file)."""
         return self.strategy.state_dict()
-
-    def load(self, state: dict) -> None:
-        self.strategy.load_state_dict(state)
 
     @torch.no_grad()
     def end(self, model: torch.nn.Module) -> None:

@@ -19,9 +19,10 @@ What the callback changes in the Trainer's run, and why:
 - each checkpoint folder gets `islands-outer-<local rank>.pt` (the outer state: global model, outer optimizer,
   rounds), read back when `trainer.train(resume_from_checkpoint=...)` resumes; every island must resume;
 - at the end of training the model holds the global model, so `trainer.save_model` writes it;
-- a restarted island's job (islands.runtime.cross) enters at the members' round boundary with their global model,
-  outer state and step: `state.global_step` and the LR schedule move on to that step, so the Trainer runs the
-  steps left to `max_steps` and names its checkpoints as the other islands do.
+- a restarted island's job (islands.runtime.cross), resumed from its own last checkpoint or started afresh, enters
+  at the members' round boundary with their global model, outer state and step (newer than its checkpoint's, whose
+  outer state is then not loaded): `state.global_step` and the LR schedule move on to that step, so the Trainer
+  runs the steps left to `max_steps` and names its checkpoints as the other islands do.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ class IslandsCallback(TrainerCallback):
         assert args.output_dir is not None  # on_init_end saw it set
         if state.global_step > 0:  # the Trainer loaded a checkpoint: it wrote the outer state beside its own
             resume = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
-        self.run.begin(kwargs["model"], torch_optimizer(kwargs["optimizer"]), step=state.global_step, resume=resume)
-        entered = self.run.join().start_step
-        if entered > state.global_step:  # a restarted island entered at the members' step: go on from there
-            skip_ahead(state, kwargs.get("lr_scheduler"), entered)
+        optimizer = torch_optimizer(kwargs["optimizer"])
+        step = self.run.begin(kwargs["model"], optimizer, step=state.global_step, resume=resume)
+        if step > state.global_step:  # a restarted island entered at the members' step: go on from there
+            skip_ahead(state, kwargs.get("lr_scheduler"), step)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         assert args.output_dir is not None  # on_init_end saw it set

@@ -19,6 +19,18 @@ island this is, the rest is the same on every island):
                                   worker 0 does (its job's death then ends the store: host it elsewhere to survive it)
   ISLANDS_CROSS_TIMEOUT           seconds a cross-island collective may take before the island is dropped (300)
   ISLANDS_CROSS_HEARTBEAT_TIMEOUT seconds without a heartbeat after which an island counts as dead (10)
+  ISLANDS_TOKEN                   the islands' shared secret (optional; the elastic jobs' variable): every value in
+                                  the store is signed with it and every cross-island payload tagged, as in an
+                                  elastic job (islands.runtime.elastic.auth); an island with another token is
+                                  refused at the start, by name (`CrossRefused`)
+
+The token: the first island to reach the store leaves a record there (key cross/auth), signed under the token and
+holding a random id that scopes the MAC key of everything after it (auth.ControlAuth), or the word "open" when it has
+no token. Every island checks the record before anything else: a record that does not verify under its token, or a
+record of the other kind, is refused with an error that names ISLANDS_TOKEN. With a token, every store client is an
+AuthStore (the prefixes of slots are applied over it, so writers and readers sign the same full keys), heartbeats are
+signed counts, the ElasticComm tags its payloads, and a restarted island's state transfer uses a secret derived
+from the token.
 
 Rejoining: an island whose job starts after the islands formed their first epoch (a restarted island, same settings
 and index, or one that came too late for epoch 0) joins as a new incarnation, `island<i>.<n>` (a fresh name: its
@@ -34,18 +46,28 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic.admission import Membership
+from islands.runtime.elastic.auth import ControlAuth, derive_key
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import Commit
 from islands.runtime.elastic.epochs import Epochs, Excluded
-from islands.runtime.elastic.membership import Heartbeat, Liveness, connect, parse_address
+from islands.runtime.elastic.membership import (
+    TOKEN_ENV,
+    Heartbeat,
+    Liveness,
+    Refused,
+    authed,
+    connect,
+    parse_address,
+)
 
 ADDR_ENV = "ISLANDS_CROSS_ADDR"
 ISLANDS_ENV = "ISLANDS_CROSS_ISLANDS"
@@ -57,8 +79,17 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # 50 beats (HEARTBEAT_INTERVAL 0.2 s): a loaded machine misses a few, not 50
 
 
+AUTH_KEY = "cross/auth"  # the store's record: signed {"job_id"} under the islands' token, or OPEN_RECORD
+OPEN_RECORD = b"open"  # the islands of this store run without a token
+RECORD_SCOPE, RECORD_SENDER = "cross-job", "island"
+
+
 class CrossSettingsError(ValueError):
     """ISLANDS_CROSS_* settings that cannot work; the message names the variable and what would be right."""
+
+
+class CrossRefused(Refused):
+    """This island's token (ISLANDS_TOKEN) is not the one the islands of the cross store use."""
 
 
 def cross_requested(env=None) -> bool:
@@ -76,6 +107,7 @@ class CrossSpec:
     host_store: bool | None = None  # None: island 0's worker 0 hosts it
     timeout_s: float = DEFAULT_TIMEOUT_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    token: str = field(default="", repr=False)  # ISLANDS_TOKEN; "": the store is open (module docstring)
 
     def __post_init__(self):
         parse_address(self.address)  # a ValueError naming the right form
@@ -109,6 +141,7 @@ class CrossSpec:
                 host_store=None if host == "" else host == "1",
                 timeout_s=float(env.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)),
                 heartbeat_timeout_s=float(env.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S)),
+                token=env.get(TOKEN_ENV, ""),
             )
         except ValueError as e:
             if isinstance(e, CrossSettingsError):
@@ -123,10 +156,42 @@ class CrossSpec:
         if self.host_store is not None:
             out[HOST_STORE_ENV] = "1" if self.host_store else "0"
         out[TIMEOUT_ENV], out[HEARTBEAT_ENV] = str(self.timeout_s), str(self.heartbeat_timeout_s)
+        if self.token:
+            out[TOKEN_ENV] = self.token
         return out
 
     def name(self) -> str:
         return f"island{self.index}"
+
+
+def check_token(store, token: str, address: str, sender: str) -> ControlAuth | None:
+    """The ControlAuth this island signs with (None: the islands run without a token), after checking the store's
+    record (module docstring; the first island to arrive writes it). `store`: a raw client of the cross store.
+    Raises CrossRefused, naming ISLANDS_TOKEN, when this island's token is not the islands' own."""
+    record = ControlAuth(token, RECORD_SCOPE, RECORD_SENDER) if token else None
+    offer = record.seal(AUTH_KEY, json.dumps({"job_id": secrets.token_hex(16)})) if record else OPEN_RECORD
+    store.compare_set(AUTH_KEY, "", offer)
+    held = bytes(store.get(AUTH_KEY))
+    if record is None:
+        if held == OPEN_RECORD:
+            return None
+        raise CrossRefused(
+            f"the islands of the cross store at {address} use a token, and this island has none: set the same "
+            f"{TOKEN_ENV} on every worker of every island"
+        )
+    if held == OPEN_RECORD:
+        raise CrossRefused(
+            f"the islands of the cross store at {address} run without a token, and this island has {TOKEN_ENV} "
+            f"set: set it on every island's workers, or on none"
+        )
+    opened = record.open(AUTH_KEY, held)
+    if isinstance(opened, str):
+        raise CrossRefused(
+            f"wrong token: this island's {TOKEN_ENV} is not the one the islands of the cross store at {address} "
+            f"use (their record there does not verify under it: {opened}); set the same {TOKEN_ENV} on every "
+            "worker of every island"
+        )
+    return ControlAuth(token, json.loads(opened[2])["job_id"], sender)
 
 
 class CrossMembership(Membership):
@@ -212,22 +277,35 @@ class CrossIslands:
                 host, port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=spec.timeout_s)
             )
         prefix = f"cross/{slot}"
+        # before anything else: an island with another token is refused here, by name (check_token)
+        self.auth = check_token(connect(host, port, timeout_s=spec.timeout_s), spec.token, spec.address, f"{slot}")
+        self._authed: list = []  # the AuthStores under the prefixes (a PrefixStore does not keep a Python store alive)
+
+        def client():
+            raw = connect(host, port, timeout_s=spec.timeout_s)
+            if self.auth is None:
+                return raw
+            self._authed.append(authed(raw, self.auth))  # full keys signed: every slot's readers see the same
+            return self._authed[-1]
 
         def new_client():
-            return dist.PrefixStore(prefix, connect(host, port, timeout_s=spec.timeout_s))
+            return dist.PrefixStore(prefix, client())
 
         self.store = new_client()
-        root = dist.PrefixStore("cross", connect(host, port, timeout_s=spec.timeout_s))
+        root = dist.PrefixStore("cross", client())
         # the islands formed their first epoch already: this island's job restarted (or started too late)
         self.rejoining = self.store.check(["e/0/members"])
         name = spec.name()
         if self.rejoining:
             name = f"{name}.{self.store.add(f'incarnations/{name}', 1)}"
-        self.heartbeat = Heartbeat(host, port, name, new_client=new_client)
+        self.heartbeat = Heartbeat(host, port, name, auth=self.auth, new_client=new_client)
         commit = Commit(self.store, name, Liveness(self.store, spec.heartbeat_timeout_s), spec.timeout_s)
         self.epochs = Epochs(self.store, name, commit, on_change=on_change, new_client=new_client)
         self.comm = ElasticComm(self.epochs, ledger)
         self.membership = CrossMembership(self.epochs, self.comm, root, slot, slots, spec.islands)
+        if self.auth is not None:  # every payload across islands tagged, the state transfer's secret from the token
+            self.membership.authenticate(spec.token, self.auth.scope)
+            self.membership.transfer.key = derive_key(spec.token, self.auth.scope)
         if not self.rejoining:
             try:  # epoch 0: every island started, less those that died before registering (heartbeat went stale)
                 self.epochs.form(0, [[i, f"island{i}", i] for i in range(spec.islands)])

@@ -1,6 +1,9 @@
 """island_rejoins.py as a Hugging Face Trainer script: the same islands, death and restart, with IslandsCallback
-running DiLoCo from the Trainer's hooks. The restarted island's Trainer goes on from the members' step
-(`state.global_step` moved by the callback), so it runs only the steps left to max_steps."""
+running DiLoCo from the Trainer's hooks. Every island saves a checkpoint every 30 steps; with RESUME=1 (the
+restarted island 1) `trainer.train(resume_from_checkpoint=True)` resumes from its own last one, as a restarted job
+would, then enters the members' run at their round boundary: their global model, outer state and step replace the
+checkpoint's, and the Trainer goes on from the members' step (`state.global_step` moved by the callback), so it
+runs only the steps left to max_steps."""
 
 import hashlib
 import json
@@ -42,6 +45,15 @@ class Net(nn.Module):
         return {"loss": F.mse_loss(out, labels), "logits": out}
 
 
+class Loaded(TrainerCallback):
+    """Placed before IslandsCallback: the step the Trainer resumed (0 on a fresh start)."""
+
+    step = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
 class Probe(TrainerCallback):
     """Notes where this incarnation started and how many steps it ran; island 1's first incarnation is killed."""
 
@@ -64,14 +76,16 @@ class Probe(TrainerCallback):
 torch.manual_seed(0)
 model = Net()
 strategy = islands.outer.DiLoCo(inner_steps=10)
-islands_cb, probe = IslandsCallback(strategy), Probe()
+islands_cb, loaded, probe = IslandsCallback(strategy), Loaded(), Probe()
 args = TrainingArguments(
     output_dir="out",
     max_steps=STEPS,
     per_device_train_batch_size=16,
     learning_rate=0.01,
     lr_scheduler_type="constant",
-    save_strategy="no",
+    save_strategy="steps",
+    save_steps=30,
+    save_total_limit=1,
     report_to=[],
     use_cpu=True,
     disable_tqdm=True,
@@ -79,15 +93,17 @@ args = TrainingArguments(
     dataloader_num_workers=0,
 )
 ds = Sums(1000 + int(os.environ["ISLANDS_CROSS_INDEX"]))
-trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[islands_cb, probe])
-trainer.train()
+trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[loaded, islands_cb, probe])
+trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") else None)
 world = islands_cb.run.join()
 membership = world.membership
 assert membership is not None
 params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())  # the global model after train
 line = {
     "name": membership.name,
+    "loaded": loaded.step,
     "start": probe.start,
+    "final_step": trainer.state.global_step,
     "steps": probe.steps,
     "rounds": strategy.rounds,
     "islands": world.islands,

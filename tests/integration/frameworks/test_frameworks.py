@@ -4,7 +4,9 @@ runs DDP over its own default group, and the outer strategy (DiLoCo) runs across
 
 Each example prints one RESULT line per worker: its losses, the bytes it sent across islands, its rounds and a digest
 of its model after the final synchronisation. The tests read them: every worker of every island ends with the same
-global model, bytes went across, the loss fell. A fault test kills one island mid-run: the other finishes alone.
+global model, bytes went across, the loss fell. A fault test kills one island mid-run: the other finishes alone; a
+restart test kills one and starts it again (resuming its own checkpoint under HF and Lightning): it rejoins. bf16
+mixed precision with gradient accumulation runs through both callbacks with an ISLANDS_TOKEN.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.cli import islands_cli as cli
+from islands.runtime.payload_auth import TAG
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
@@ -24,15 +27,17 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 
-def separate_jobs(script: Path, cwd: Path, monkeypatch, capfd, *, expect: int = 0, extra=(), **env) -> list[dict]:
-    """`islands run --workers 4 --islands 2 --separate-jobs SCRIPT` from this process in `cwd`; every worker's
+def separate_jobs(
+    script: Path, cwd: Path, monkeypatch, capfd, *, expect: int = 0, extra=(), workers: int = 4, **env
+) -> list[dict]:
+    """`islands run --workers WORKERS --islands 2 --separate-jobs SCRIPT` from this process in `cwd`; every worker's
     RESULT line (the islands' rank 0 print to stdout, the others to their logs)."""
     monkeypatch.chdir(cwd)
     for key, value in {"OMP_NUM_THREADS": "1", "STEPS": "40", "INNER_STEPS": "10", **env}.items():
         monkeypatch.setenv(key, value)
     capfd.readouterr()
     run_dir = cwd / "runs" / f"job{len(list(cwd.glob('runs/job*')))}"
-    argv = ["run", "--workers", "4", "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir), *extra]
+    argv = ["run", "--workers", str(workers), "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir), *extra]
     code = cli(*argv, str(script), timeout=600)
     out = capfd.readouterr()
     logs = "".join(p.read_text() for p in sorted(run_dir.glob("logs/*/*.log")))
@@ -102,6 +107,31 @@ def test_accelerate_loop_two_islands(tmp_path, monkeypatch, capfd):
     assert min(r["accuracy"] for r in results) > 0.5
 
 
+@pytest.mark.parametrize("script", ["precision_hf.py", "precision_lightning.py"])
+def test_mixed_precision_and_accumulation(tmp_path, monkeypatch, capfd, script):
+    """bf16 mixed precision (CPU autocast: HF `bf16=True, use_cpu=True`, Lightning `precision="bf16-mixed"`) with 2
+    micro-batches per optimizer step, 2 islands of 1 worker (processes: each island is a job of its own). The forward
+    ran in bf16 while the parameters, DiLoCo's global model and its exchange stayed fp32 (4 bytes per parameter per
+    round); H counts optimizer steps (20 steps of 2 micro-batches, H=5: 4 rounds, not 8); after every round and at the
+    end both islands hold the same model; the loss fell."""
+    # with ISLANDS_TOKEN: the islands meet over the signed cross store and tag their payloads (runtime.cross)
+    env = {"STEPS": "20", "INNER_STEPS": "5", "ACCUM": "2", "ISLANDS_TOKEN": "precision-test"}
+    results = separate_jobs(HERE / script, tmp_path, monkeypatch, capfd, workers=2, **env)
+    assert sorted(r["island"] for r in results) == [0, 1]
+    for r in results:
+        assert r["computed_in"] == ["torch.bfloat16"]
+        assert r["param_dtypes"] == r["global_dtypes"] == ["torch.float32"]
+        assert r["forwards"] == 40 and r["optimizer_steps"] == 20
+        assert r["rounds"] == 4 and [step for step, _ in r["round_digests"]] == [5, 10, 15, 20]
+        # fp32 deltas, the master parameters' own, each with its HMAC tag (the token)
+        assert r["outer_bytes"] == r["rounds"] * (r["numel"] * 4 + TAG)
+        first, last = r["losses"][:8], r["losses"][-8:]
+        assert sum(last) < 0.7 * sum(first), r["losses"]
+    assert results[0]["round_digests"] == results[1]["round_digests"]
+    assert results[0]["digest"] == results[1]["digest"]
+    assert results[0]["losses"] != results[1]["losses"]  # the islands drew different batches
+
+
 def test_an_island_that_dies_leaves_the_other_training(tmp_path, monkeypatch, capfd):
     """Island 1's job dies at step 25 of 60 (DiLoCo every 10): the launcher stops that island alone and exits 1;
     island 0's cross group drops it (heartbeat gone) and island 0 finishes every step alone."""
@@ -137,15 +167,23 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(
-    ("script", "workers"), [("island_rejoins.py", 1), ("island_rejoins_hf.py", 1), ("island_rejoins.py", 2)]
+    ("script", "workers"),
+    [
+        ("island_rejoins.py", 1),
+        ("island_rejoins_hf.py", 1),
+        ("island_rejoins_lightning.py", 1),
+        ("island_rejoins.py", 2),
+    ],
 )
 def test_a_restarted_island_rejoins(tmp_path, script, workers):
     """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a plain loop
-    with `attach` and a Hugging Face Trainer with IslandsCallback as one process each, and the plain loop as a torchrun
-    job of 2 workers per island (DDP inside). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo every 10); island 0
-    drops it and trains on. Started again with the same settings, island 1 enters at island 0's next round boundary as
-    `island1.1` (every worker at the same boundary) with island 0's global model, outer state and step, runs the
-    remaining steps from there (the Trainer too: its global_step moved on), and all end with one global model."""
+    with `attach`, a Hugging Face Trainer and a Lightning Trainer with IslandsCallback as one process each, and the
+    plain loop as a torchrun job of 2 workers per island (DDP inside). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo
+    every 10); island 0 drops it and trains on. Started again with the same settings (the framework scripts resuming
+    from their own checkpoint of step 30), island 1 enters at island 0's next round boundary as `island1.1` (every
+    worker at the same boundary) with island 0's global model, outer state and step, runs the remaining steps from
+    there (the frameworks' step counters moved on past the checkpoint's), and all end with one global model.
+    Processes: a SIGKILLed job and its restart are what is tested."""
     import os
     import subprocess
     import sys
@@ -155,7 +193,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
 
     path = HERE / script
     address = f"127.0.0.1:{free_port()}"
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300"}
+    # with ISLANDS_TOKEN: a signed cross store, tagged payloads, and the restarted island's state transfer keyed by it
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300", "ISLANDS_TOKEN": "rejoin-test"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         base.pop(key, None)
     launch = [sys.executable] if workers == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -186,7 +225,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         assert out.count("STARTED island1 at 0") == workers, out[-2000:] + err[-2000:]  # members of the first epoch
         # SIGKILL: the job died without a word to the others (torchrun reports its workers' deaths as a failure)
         assert killed.returncode == (-9 if workers == 1 else 1), err[-2000:]
-        restarted = island(1)
+        framework = script != "island_rejoins.py"  # these checkpoint every 30 steps, and resume when restarted
+        restarted = island(1, **({"RESUME": "1"} if framework else {}))
         joiners = results(restarted, "the restarted island 1")
         members = results(first, "island 0")
     finally:
@@ -210,6 +250,8 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         assert joiner["name"] == "island1.1" and [e["type"] for e in joiner["events"]] == ["entered"]
         assert joiner["start"] == join and 35 < joiner["start"] < 300 and joiner["start"] % 10 == 0
         assert joiner["start"] + joiner["steps"] == 300
+        if framework:  # it resumed its own checkpoint of step 30, then the members' step replaced that one's
+            assert joiner["loaded"] == 30 and joiner["final_step"] == 300
         assert joiner["rounds"] == members[0]["rounds"] == 30
         assert joiner["islands"] == members[0]["islands"] == 2
         # it took part in the exchanges after it entered

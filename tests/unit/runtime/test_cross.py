@@ -10,7 +10,19 @@ import torch
 from harness.cli import islands_cli
 from harness.procs import free_port
 from islands.runtime.contracts import ElasticCollectives
-from islands.runtime.cross import ADDR_ENV, INDEX_ENV, ISLANDS_ENV, CrossSettingsError, CrossSpec, cross_requested
+from islands.runtime.cross import (
+    ADDR_ENV,
+    AUTH_KEY,
+    INDEX_ENV,
+    ISLANDS_ENV,
+    CrossRefused,
+    CrossSettingsError,
+    CrossSpec,
+    check_token,
+    cross_requested,
+)
+from islands.runtime.elastic.auth import MAGIC
+from islands.runtime.elastic.membership import TOKEN_ENV, connect
 from islands.runtime.world import JoinedWorld, close_world, init_world, join_islands
 
 
@@ -18,6 +30,9 @@ def test_settings_from_the_environment_round_trip():
     spec = CrossSpec("10.0.0.1:29600", islands=3, index=2, host_store=False, timeout_s=30, heartbeat_timeout_s=4)
     env = spec.env()
     assert CrossSpec.from_env(env) == spec
+    secret = CrossSpec("10.0.0.1:29600", islands=2, index=0, token="s3cret")
+    assert CrossSpec.from_env(secret.env()) == secret and secret.env()[TOKEN_ENV] == "s3cret"
+    assert "s3cret" not in repr(secret)
     assert cross_requested(env) and not cross_requested({})
     assert spec.name() == "island2"
 
@@ -69,6 +84,59 @@ def test_join_islands_takes_an_explicit_spec():
     world = join_islands(spec)
     try:
         assert world.islands == 1 and world.comm("local").size == 1
+    finally:
+        close_world(world)
+
+
+def hosted_store():
+    """A TCPStore server on a free port and its address (the cross store as island 0 would host it)."""
+    port = free_port()
+    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_wrong_token_is_refused_by_name_before_anything_starts():
+    """The first island's record holds the islands' token; an island with another token, with none, or with one
+    where the islands have none, is refused with an error naming ISLANDS_TOKEN, before any heartbeat or epoch."""
+    server, address = hosted_store()
+    host, port = address.rsplit(":", 1)
+    first = check_token(connect(host, int(port)), "right", address, "0")
+    assert first is not None
+    again = check_token(connect(host, int(port)), "right", address, "1")  # the same token: the same scope
+    assert again is not None and again.scope == first.scope and again.key == first.key
+    with pytest.raises(CrossRefused, match=f"wrong token: this island's {TOKEN_ENV} is not the one"):
+        check_token(connect(host, int(port)), "wrong", address, "0")
+    with pytest.raises(CrossRefused, match=f"use a token, and this island has none: set the same {TOKEN_ENV}"):
+        check_token(connect(host, int(port)), "", address, "0")
+    # the whole island: join_islands refuses it and wrote nothing of its own (no incarnation, no heartbeat)
+    spec = CrossSpec(address, islands=2, index=1, host_store=False, heartbeat_timeout_s=2, token="wrong")
+    with pytest.raises(CrossRefused, match="wrong token"):
+        join_islands(spec)
+    raw = connect(host, int(port))
+    assert raw.num_keys() == 1  # the record alone
+    open_server, open_address = hosted_store()
+    host, port = open_address.rsplit(":", 1)
+    assert check_token(connect(host, int(port)), "", open_address, "0") is None
+    with pytest.raises(CrossRefused, match=f"run without a token, and this island has {TOKEN_ENV} set"):
+        check_token(connect(host, int(port)), "right", open_address, "0")
+    del server, open_server
+
+
+def test_one_island_with_a_token_signs_what_it_writes(monkeypatch):
+    """K=1 with ISLANDS_TOKEN: the island trains over the authenticated store (its cross collective works), and what
+    it writes there (its heartbeat, its epoch) is signed, not plain."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    spec = CrossSpec(f"127.0.0.1:{free_port()}", islands=1, index=0, heartbeat_timeout_s=2, token="s3cret")
+    world = join_islands(spec)
+    try:
+        t = torch.arange(4.0)
+        assert torch.equal(world.comm("cross").all_reduce(t.clone()), t)
+        host, port = spec.address.rsplit(":", 1)
+        raw = connect(host, int(port))
+        assert raw.check([AUTH_KEY]) and bytes(raw.get(AUTH_KEY)).startswith(MAGIC)
+        for key in ("cross/0/hb/island0", "cross/0/e/0/members"):
+            assert bytes(raw.get(key)).startswith(MAGIC), key
     finally:
         close_world(world)
 

@@ -33,8 +33,12 @@ class StateTransfer:
     """How one member serves and receives the training state over its ElasticComm (module docstring).
     `participant()`: the membership's participant, whose `joined` runs after a joiner loaded."""
 
-    def __init__(self, comm: ElasticComm, participant: Callable[[], ElasticParticipant | None]):
-        self.comm, self.participant = comm, participant
+    def __init__(
+        self, comm: ElasticComm, participant: Callable[[], ElasticParticipant | None], key: bytes | None = None
+    ):
+        """`key`: the control plane's MAC key (auth.derive_key), for a store whose clients are wrapped deeper than
+        `secret` looks (islands.runtime.cross: prefixes over its AuthStore)."""
+        self.comm, self.participant, self.key = comm, participant, key
         # How a joiner receives the state: "chunks" (islands.runtime.elastic.recovery: checksummed chunks from every
         # holder over TCP, refetched when damaged) or "broadcast" (one gloo broadcast from the lowest holder)
         self.mode = "chunks"
@@ -152,8 +156,9 @@ class StateTransfer:
         store is authenticated (islands.runtime.elastic.auth), else a random one the first holder puts in the store."""
         store = self.comm.epochs.store
         auth = getattr(store, "auth", None)
-        if auth is not None and getattr(auth, "key", None):
-            return hmac.new(auth.key, b"islands-recovery|" + key.encode(), hashlib.sha256).digest()
+        mac_key = self.key or (getattr(auth, "key", None) if auth is not None else None)
+        if mac_key:
+            return hmac.new(mac_key, b"islands-recovery|" + key.encode(), hashlib.sha256).digest()
         store.compare_set(f"{key}/secret", "", os.urandom(16).hex())
         return store.get(f"{key}/secret")
 
