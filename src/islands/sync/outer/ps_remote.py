@@ -115,7 +115,7 @@ class RemoteLink(Link):
         return self.request(k, r)
 
     def _done(self) -> list[ShardReply]:
-        """DONE to every shard, again every lease/4 s until each answers `final`, within timeout_s."""
+        """DONE to every shard, again every lease/4 s (at most 0.5 s) until each answers `final`, within timeout_s."""
         deadline = time.monotonic() + self.timeout_s
         replies: list[ShardReply | None] = [None] * len(self.bounds)
         while True:
@@ -126,7 +126,7 @@ class RemoteLink(Link):
             self.final = all(r.final for r in done)
             if self.final or time.monotonic() > deadline:
                 return done
-            time.sleep(self.lease_s / 4)
+            time.sleep(min(0.5, self.lease_s / 4))
 
     def _slice(self, r: ShardReply) -> torch.Tensor:
         assert r.body is not None, "a shard answers with its range of the model"

@@ -194,6 +194,7 @@ class ShardServer:
         self.tags = self.config.tags()
         self.gen = 0
         self.done = threading.Event()
+        self.pairs: list[Pair] = []  # open connections, torn down when the server leaves
 
     def run(self) -> None:
         self.durable.open()  # the rebuild: the committed state plus the acknowledged pushes since
@@ -211,6 +212,8 @@ class ShardServer:
         finally:
             with self.lock:
                 self.durable.close()
+                for pair in self.pairs:
+                    pair.close()
 
     def _accept(self) -> None:
         seen = 0
@@ -229,6 +232,8 @@ class ShardServer:
             pair = Pair.connect(client, name, 0, 10.0, self.config.timeout_s, self.tags)
         except RuntimeError:  # the island gave up before we met: it connects again under a new number
             return
+        with self.lock:
+            self.pairs.append(pair)
         try:
             while not self.done.is_set():
                 msg = pair.request()
