@@ -68,3 +68,24 @@ class ForkedShard:
     def wait(self, timeout: float | None = None) -> int:
         self.proc.join(timeout)
         return self.proc.exitcode if self.proc.exitcode is not None else -1
+
+
+def pushing_island(address, island: int, bounds, lease_s: float, acked) -> None:
+    """An island process that pushes delta = (100 + k) everywhere for its k-th push, until it is killed, putting k
+    on `acked` once the k-th push is acknowledged (the test then knows which contributions must be in the model)."""
+    import time
+
+    import torch
+
+    from islands.sync.outer.ps_link import Message
+    from islands.sync.outer.ps_wire import PULL, PUSH
+
+    link = RemoteLink(address, island, bounds, timeout_s=120.0, lease_s=lease_s).start()
+    link.send(Message(PULL, island))
+    numel = bounds[-1][1]
+    k = 0
+    while True:
+        k += 1
+        link.send(Message(PUSH, island, 0, 1.0, torch.full((numel,), 100.0 + k)))
+        acked.put(k)
+        time.sleep(0.1)
