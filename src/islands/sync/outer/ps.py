@@ -26,6 +26,7 @@ server holds parameters only).
 from __future__ import annotations
 
 import datetime as _dt
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -59,6 +60,7 @@ from islands.sync.outer.ps_link import (
 )
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_server import ServerState, check_server_options
+from islands.sync.outer.ps_service import ServiceConfig, launch
 from islands.sync.outer.ps_wire import PULL
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
@@ -212,6 +214,7 @@ class ParameterServer(OuterStrategy):
             )
         self.host, self.service = host, service
         self.launched: subprocess.Popen | None = None  # the supervisor process, on the island that started it
+        self.scratch: str | None = None  # the servers' directory when it is a temporary one of ours
         self.version = 0  # the server version this island's round started from
         self.samples = 0.0  # samples of this round so far (on_batch)
         self.counts = {"pushes": 0, "refused": 0}
@@ -272,8 +275,6 @@ class ParameterServer(OuterStrategy):
     def connect(self, service: ServerProcesses, islands: int, me: int) -> None:
         """Process mode: island 0 starts the service (unless given its address), every island connects, pulls the
         current global model (a joiner starts from it) and heartbeats."""
-        from islands.sync.outer.ps_service import ServiceConfig, launch
-
         tags = self.comm.tags if isinstance(self.comm, HasPayloadTags) else None
         config = ServiceConfig(
             self.global_flat,
@@ -301,6 +302,7 @@ class ParameterServer(OuterStrategy):
             if me == 0:
                 directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
                 self.launched, address = launch(config.save(directory))
+                self.scratch = None if service.directory else directory  # removed at the end
             if islands > 1:  # the others learn where the store is from island 0
                 box = [address]
                 dist.broadcast_object_list(box, src=0, group=dist.new_group(backend="gloo"))
@@ -374,9 +376,11 @@ class ParameterServer(OuterStrategy):
             link.store.set("stop", "done")
             try:
                 self.launched.wait(timeout=link.timeout_s)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it stops on its own (orphan timer)
+            except subprocess.TimeoutExpired:  # it would stop on its own (orphan timer); no need to wait for that
                 self.launched.kill()
         link.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     # ---- state --------------------------------------------------------------------------------------
     def extra_state(self) -> dict:

@@ -31,6 +31,7 @@ supervisor once its servers are gone; with no island heartbeat for `orphan_s` it
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import os
 import signal
 import subprocess
@@ -94,6 +95,7 @@ class ServiceConfig:
     domain: bytes = b""
     orphan_s: float = 600.0
     start_s: float = 120.0  # a new server's first heartbeat may take this long (interpreter, torch, the rebuild)
+    max_restarts: int = 20  # per shard: a server that keeps dying (a bad configuration) ends the job instead
     bounds: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -279,16 +281,12 @@ class ShardServer:
 
 
 def _state_bytes(state: dict) -> torch.Tensor:
-    import io
-
     buf = io.BytesIO()
     torch.save(state, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def _bytes_state(data: torch.Tensor) -> dict:
-    import io
-
     return torch.load(io.BytesIO(as_bytes(data).numpy().tobytes()), weights_only=True)
 
 
@@ -376,6 +374,9 @@ class Supervisor:
                     if proc.poll() is None:  # heartbeat still past the lease: frozen; kill, then restart
                         proc.kill()
                     proc.wait()
+                    if not stopping and self.restarts[shard] >= self.config.max_restarts:
+                        self.store.set("stop", f"shard {shard} died {self.restarts[shard] + 1} times")
+                        stopping = True
                     if not stopping:
                         self.restarts[shard] += 1
                         self.store.add(f"restarts/{shard}", 1)
