@@ -3,7 +3,7 @@ range, and a supervisor that hosts their store and brings a killed or frozen ser
 
     config = ServiceConfig(initial_flat, rule, servers=2, lease_s=2.0)
     config.save(dir)                        # the directory holds config.pt and one journal per shard
-    sup = Supervisor(dir); sup.start()      # hosts the store; spawns `python -m islands.sync.outer.ps_service
+    sup = Supervisor(dir); sup.start()      # hosts the store; spawns `python -m islands.sync.outer.ps_process
                                             # serve DIR SHARD HOST PORT` per shard, restarts any that dies
     link = RemoteLink(("127.0.0.1", sup.port), island=0, config=config)  # ps_remote.py: the island's side
 
@@ -20,7 +20,7 @@ DONE or LEAVE, or until its heartbeat (the counter `beat/<island>` its RemoteLin
 still for `lease_s`: then it has lapsed (killed, frozen or cut off), the quorum stops counting it and the final answer
 stops waiting for it; a message from it makes it live again. The server bumps `sbeat/<shard>` the same way.
 
-The supervisor (a thread of a test, or `python -m islands.sync.outer.ps_service supervise DIR`, a process of its own
+The supervisor (a thread of a test, or `python -m islands.sync.outer.ps_process supervise DIR`, a process of its own
 session so it outlives the island that started it) hosts the TCPStore and watches each server: exited while the job
 runs, or heartbeat still for `lease_s` (frozen: killed first), and it starts the shard again, which rebuilds from its
 journal; only one process per shard ever writes the journal (the next starts after the previous is dead). The store
@@ -33,7 +33,6 @@ from __future__ import annotations
 import datetime as _dt
 import io
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -314,8 +313,8 @@ Starter = Callable[[Path, int, str, int], ShardProcess]  # (directory, shard, st
 
 
 def start_shard(directory: Path, shard: int, host: str, port: int) -> ShardProcess:
-    """A shard server as a fresh interpreter: `python -m islands.sync.outer.ps_service serve DIR SHARD HOST PORT`."""
-    argv = [sys.executable, "-m", "islands.sync.outer.ps_service", "serve", str(directory), str(shard)]
+    """A shard server as a fresh interpreter: `python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT`."""
+    argv = [sys.executable, "-m", "islands.sync.outer.ps_process", "serve", str(directory), str(shard)]
     return subprocess.Popen([*argv, host, str(port)], env={**os.environ, "PYTHONPATH": _pythonpath()})
 
 
@@ -326,7 +325,7 @@ def serve(directory: str | os.PathLike, shard: int, host: str, port: int) -> Non
 
 class Supervisor:
     """Hosts the store and keeps one live server per shard (module docstring). start() runs it in a thread;
-    `python -m islands.sync.outer.ps_service supervise DIR` runs it as a process (its address in DIR/address).
+    `python -m islands.sync.outer.ps_process supervise DIR` runs it as a process (its address in DIR/address).
     `starter`: how a shard's process starts (default a fresh interpreter; tests fork a preloaded one)."""
 
     def __init__(
@@ -417,7 +416,7 @@ def launch(directory: str | os.PathLike, timeout_s: float = 60.0) -> tuple[subpr
     d = Path(directory)
     (d / ADDRESS).unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    argv = [sys.executable, "-m", "islands.sync.outer.ps_service", "supervise", str(d)]
+    argv = [sys.executable, "-m", "islands.sync.outer.ps_process", "supervise", str(d)]
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while not (d / ADDRESS).exists():
@@ -429,22 +428,3 @@ def launch(directory: str | os.PathLike, timeout_s: float = 60.0) -> tuple[subpr
         time.sleep(0.02)
     host, port = (d / ADDRESS).read_text().strip().rsplit(":", 1)
     return proc, (host, int(port))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) == 5 and args[0] == "serve":
-        serve(args[1], int(args[2]), args[3], int(args[4]))
-        return 0
-    if len(args) == 2 and args[0] == "supervise":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        Supervisor(args[1]).run()
-        return 0
-    print("usage: python -m islands.sync.outer.ps_service serve DIR SHARD HOST PORT | supervise DIR", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":  # through the module's own name, so the classes the config file names are these
-    from islands.sync.outer.ps_service import main as _main
-
-    sys.exit(_main())
