@@ -55,7 +55,11 @@ def test_a_killed_server_loses_no_acknowledged_push_and_a_frozen_island_blocks_n
         b_acked: list[int] = []
 
         def island_1_acked(n: int) -> None:
-            wait_for(lambda: b_acked.extend(drain(acked)) or len(b_acked) >= n, f"{n} pushes of island 1")
+            def enough() -> bool:
+                b_acked.extend(drain(acked))
+                return len(b_acked) >= n
+
+            wait_for(enough, f"{n} pushes of island 1")
 
         for k in (1, 2, 3):
             a.send(Message(PUSH, 0, 0, 1.0, torch.full((6,), float(k))))
