@@ -26,13 +26,16 @@ class ThreadService:
         self.address = ("127.0.0.1", int(self.raw.port))
         self.store = dist.PrefixStore("islands-ps", self.raw)
         self.servers = [ShardServer(directory, k, *self.address) for k in range(config.servers)]
+        self.links: list[RemoteLink] = []  # closed at stop: no gloo pair outlives the test
         self.threads = [threading.Thread(target=s.run, daemon=True) for s in self.servers]
         for t in self.threads:
             t.start()
 
     def link(self, island: int, **kw) -> RemoteLink:
         kw = {"timeout_s": 120.0, "lease_s": self.config.lease_s, "tags": self.config.tags(), **kw}
-        return RemoteLink(self.address, island, self.config.bounds, **kw).start()
+        link = RemoteLink(self.address, island, self.config.bounds, **kw).start()
+        self.links.append(link)
+        return link
 
     def __enter__(self) -> ThreadService:
         return self
@@ -42,6 +45,8 @@ class ThreadService:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the servers now (a test's end: not waiting for islands it left open)."""
+        for link in self.links:
+            link.close()
         self.store.set("stop", "test")
         for server in self.servers:
             server.done.set()

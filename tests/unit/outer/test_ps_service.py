@@ -64,6 +64,24 @@ def test_two_servers_hold_a_parameter_range_each_and_lose_nothing(tmp_path):
         assert (tmp_path / "shard0" / "log.0").exists() and (tmp_path / "shard1" / "log.0").exists()
 
 
+def test_four_bit_pushes_are_encoded_per_server_range_and_decoded_on_each_server(tmp_path):
+    from islands.outer import Quant4
+    from islands.runtime.comm import CommLedger
+
+    codec = Quant4(4)
+    with ThreadService(tmp_path, config(servers=2, codec=codec)) as service:
+        ledger = CommLedger()
+        a = service.link(0, codec=codec, ledger=ledger)
+        delta = torch.tensor([0.5, -1.0, 2.0, 0.25, 3.0, -3.0, 1.5, 0.0, 0.75, -0.5])
+        reply = a.send(Message(PUSH, 0, 0, 1.0, delta))
+        # each server decoded its own range's code: the model moved by -delta within the 4-bit bound of each block
+        lo, hi = service.config.bounds[0]
+        bound = torch.cat([codec.bound(delta[lo:hi]), codec.bound(delta[hi:])])
+        assert reply.ack.accepted and bool(((reply.flat + delta).abs() <= bound + 1e-6).all())
+        sent = ledger.snapshot()["sent"]["ps_push"] - 2 * 7 * 8  # two requests' headers
+        assert sent == codec.payload_nbytes(5) * 2 < 10 * 4  # 4-bit codes and block scales, not fp32
+
+
 def test_a_joiner_starts_from_the_global_model_and_a_leaver_is_not_waited_for(tmp_path):
     with ThreadService(tmp_path, config(quorum=2, islands=2)) as service:
         a, b = service.link(0), service.link(1)
