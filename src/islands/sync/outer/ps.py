@@ -21,6 +21,10 @@ InProcessServer() (a thread of the simulating process). `arrivals`: FirstCome() 
 come; VirtualClock(round_seconds) fixes the order by virtual round times, so simulated and multi-process runs end on
 the same model bit for bit. Buffers are the island's own (buffer_policy "own": no cross-island average; the
 server holds parameters only).
+
+`service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
+range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
+die without blocking the others (ps_service.py, ps_journal.py, ps_remote.py; docs/parameter-server.md).
 """
 
 from __future__ import annotations
@@ -322,7 +326,10 @@ class ParameterServer(OuterStrategy):
         return getattr(self.comm, "ledger", None)
 
     def elastic_refusal(self) -> str | None:
-        return "ps does not run in an elastic job yet (joins and leaves: issue #36, part 2)"
+        return (
+            "ps does not run in an elastic job yet; with servers=S (server processes) islands may join, leave, "
+            "freeze or die without one: docs/parameter-server.md"
+        )
 
     # ---- the hooks ----------------------------------------------------------------------------------
     def on_batch(self, batch, step):
