@@ -5,7 +5,7 @@ range, and a supervisor that hosts their store and brings a killed or frozen ser
     config.save(dir)                        # the directory holds config.pt and one journal per shard
     sup = Supervisor(dir); sup.start()      # hosts the store; spawns `python -m islands.sync.outer.ps_process
                                             # serve DIR SHARD HOST PORT` per shard, restarts any that dies
-    link = RemoteLink(("127.0.0.1", sup.port), island=0, config=config)  # ps_remote.py: the island's side
+    link = RemoteLink(("127.0.0.1", sup.port), 0, config.bounds).start()  # ps_remote.py: the island's side
 
 A shard server (ShardServer) rebuilds its DurableShard from its journal (ps_journal.py: nothing it acknowledged is
 lost), announces a new generation in the store (`gen/<shard>`), then accepts connections: an island adds one to
