@@ -214,3 +214,15 @@ def test_a_sealed_message_altered_on_the_way_is_refused():
     ):
         with pytest.raises(PayloadAuthError, match="failed its MAC"):
             sealer.open(bad.clone(), delta, fields)  # altered, replayed as another message, relabelled sender
+
+
+def test_the_thread_mode_wait_for_an_answer_is_bounded():
+    # two islands, one never comes: the other's DONE (answered when every island is done) times out instead of hanging
+    inbox = LocalInbox()
+    loop = ServerLoop(sgd_state(vec(0.0)), 2, VirtualClock([1.0, 1.0]), inbox)
+    loop.start()
+    with pytest.raises(TimeoutError, match="within 1 s"):
+        LocalLink(inbox, timeout_s=1.0).send(Message(DONE, 0))
+    assert LocalLink(inbox, timeout_s=30.0).send(Message(DONE, 1)).ack.accepted  # the other comes: the loop ends
+    loop.join(timeout=30)
+    assert not loop.thread.is_alive()

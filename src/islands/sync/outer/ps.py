@@ -21,12 +21,21 @@ InProcessServer() (a thread of the simulating process). `arrivals`: FirstCome() 
 come; VirtualClock(round_seconds) fixes the order by virtual round times, so simulated and multi-process runs end on
 the same model bit for bit. Buffers are the island's own (buffer_policy "own": no cross-island average; the
 server holds parameters only).
+
+`service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
+range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
+die without blocking the others (ps_service.py, ps_journal.py, ps_remote.py; docs/parameter-server.md).
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import shutil
+import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -53,7 +62,10 @@ from islands.sync.outer.ps_link import (
     ServerLoop,
     VirtualClock,
 )
+from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_server import ServerState, check_server_options
+from islands.sync.outer.ps_service import ServiceConfig, launch
+from islands.sync.outer.ps_wire import PULL
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
 
@@ -75,22 +87,66 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 Rule = Callable[[int], OuterOptimizer]  # islands M -> one shard's outer optimizer
 
 
+class OuterRule:
+    """The server's outer step by name, as a picklable callable islands M -> one shard's outer optimizer (server
+    processes load it from their configuration file): delayed-nesterov (2401.09135; buffer N, 0 = the island
+    count), nesterov (momentum updated at every push: the paper's naive baseline) or sgd (heavy ball; plain with
+    momentum 0)."""
+
+    def __init__(
+        self,
+        outer: str = "delayed-nesterov",
+        lr: float = DEFAULT_PS_LR,
+        momentum: float = DEFAULT_PS_MOMENTUM,
+        buffer: int = 0,
+    ):
+        if outer not in RULES:
+            raise ValueError(f"outer must be one of {', '.join(RULES)}; got {outer!r}")
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
+            raise ValueError(
+                f"buffer must be an int >= 0 (pushes per momentum update; 0: the island count), got {buffer}"
+            )
+        if buffer and outer != "delayed-nesterov":
+            raise ValueError(f"buffer= applies to outer=delayed-nesterov only; got outer={outer}")
+        self.outer, self.lr, self.momentum, self.buffer = outer, lr, momentum, buffer
+
+    def __call__(self, islands: int) -> OuterOptimizer:
+        if self.outer == "delayed-nesterov":
+            return DelayedNesterov(self.lr, self.momentum, self.buffer or islands)
+        if self.outer == "nesterov":
+            return OuterSGD(self.lr, self.momentum, nesterov=self.momentum > 0)
+        return OuterSGD(self.lr, self.momentum)
+
+
 def outer_rule(
     outer: str = "delayed-nesterov", lr: float = DEFAULT_PS_LR, momentum: float = DEFAULT_PS_MOMENTUM, buffer: int = 0
 ) -> Rule:
-    """The server's outer step by name: delayed-nesterov (2401.09135; buffer N, 0 = the island count), nesterov
-    (momentum updated at every push: the paper's naive baseline) or sgd (heavy ball; plain with momentum 0)."""
-    if outer not in RULES:
-        raise ValueError(f"outer must be one of {', '.join(RULES)}; got {outer!r}")
-    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 0:
-        raise ValueError(f"buffer must be an int >= 0 (pushes per momentum update; 0: the island count), got {buffer}")
-    if buffer and outer != "delayed-nesterov":
-        raise ValueError(f"buffer= applies to outer=delayed-nesterov only; got outer={outer}")
-    if outer == "delayed-nesterov":
-        return lambda islands: DelayedNesterov(lr, momentum, buffer or islands)
-    if outer == "nesterov":
-        return lambda islands: OuterSGD(lr, momentum, nesterov=momentum > 0)
-    return lambda islands: OuterSGD(lr, momentum)
+    """OuterRule(outer, lr, momentum, buffer): the server's outer step by name."""
+    return OuterRule(outer, lr, momentum, buffer)
+
+
+@dataclass(frozen=True)
+class ServerProcesses:
+    """Run the server as `servers` processes of their own, one parameter range each, under a supervisor that
+    restarts a killed or frozen one from its journal (ps_service.py, ps_journal.py), instead of a thread of rank 0.
+    `lease_s`: heartbeat lease (an island or server silent this long has lapsed: it is not waited for);
+    `timeout_s`: the longest any request waits, retries included; `directory`: the servers' configuration and
+    journals (default: a fresh private temporary directory); `address`: (host, port) of a running service's store
+    to join (a late island); None: island 0 starts the service."""
+
+    servers: int = 1
+    lease_s: float = 2.0
+    timeout_s: float = 600.0
+    directory: str | None = None
+    address: tuple[str, int] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
+            raise ValueError(f"servers must be an int >= 1 (server processes), got {self.servers!r}")
+        if not self.lease_s > 0:
+            raise ValueError(f"lease must be > 0 seconds (heartbeat lease), got {self.lease_s}")
+        if not self.timeout_s > self.lease_s:
+            raise ValueError(f"timeout must be > lease ({self.lease_s} s), got {self.timeout_s}")
 
 
 class InProcessServer:
@@ -131,6 +187,7 @@ class ParameterServer(OuterStrategy):
         compressor: PayloadCodec | None = None,
         arrivals: Arrivals | None = None,
         host: InProcessServer | None = None,
+        service: ServerProcesses | None = None,
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
         shard (outer_rule(...) by name; default delayed Nesterov, lr 0.7, momentum 0.9, N = M). `shards`: parameter
@@ -138,7 +195,8 @@ class ParameterServer(OuterStrategy):
         may lag before it is refused. `quorum`: distinct islands per outer step (1: asynchronous). `discount`: a
         push's weight times (1 + staleness)^-discount. `aggregator`: a robust aggregator over each window (then
         quorum >= 2 makes sense). `compressor`: a PayloadCodec (Quant4, Quant4Zstd) for pushes, decoded on the
-        server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate."""
+        server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate.
+        `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come)."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -154,12 +212,18 @@ class ParameterServer(OuterStrategy):
         self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
         self.discount, self.aggregator, self.codec = discount, aggregator, compressor
         self.arrivals = arrivals if arrivals is not None else FirstCome()
-        self.host = host
+        if service is not None and (host is not None or isinstance(self.arrivals, VirtualClock)):
+            raise ValueError(
+                "server processes apply pushes as they come: drop host= and arrivals=VirtualClock(...) with service="
+            )
+        self.host, self.service = host, service
+        self.launched: subprocess.Popen | None = None  # the supervisor process, on the island that started it
+        self.scratch: str | None = None  # the servers' directory when it is a temporary one of ours
         self.version = 0  # the server version this island's round started from
         self.samples = 0.0  # samples of this round so far (on_batch)
         self.counts = {"pushes": 0, "refused": 0}
         self.loop: ServerLoop | None = None  # the server, on the island that hosts it
-        self.link: LocalLink | GlooLink | None = None
+        self.link: LocalLink | GlooLink | RemoteLink | None = None
 
     # ---- wiring -------------------------------------------------------------------------------------
     def server_state(self, islands: int) -> ServerState:
@@ -178,6 +242,9 @@ class ParameterServer(OuterStrategy):
         if isinstance(self.arrivals, VirtualClock) and len(self.arrivals.round_seconds) != islands:
             raise ValueError(f"VirtualClock gives {len(self.arrivals.round_seconds)} round times for {islands} islands")
         numel = self.global_flat.numel()
+        if self.service is not None:
+            self.connect(self.service, islands, me)
+            return
         if self.host is not None:
             inbox, loop, built = self.host.attach(
                 lambda inbox: ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
@@ -209,6 +276,48 @@ class ParameterServer(OuterStrategy):
         else:
             self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer())
 
+    def connect(self, service: ServerProcesses, islands: int, me: int) -> None:
+        """Process mode: island 0 starts the service (unless given its address), every island connects, pulls the
+        current global model (a joiner starts from it) and heartbeats."""
+        tags = self.comm.tags if isinstance(self.comm, HasPayloadTags) else None
+        config = ServiceConfig(
+            self.global_flat,
+            self.rule,
+            islands=islands,
+            servers=service.servers,
+            shards=self.shards,
+            max_staleness=self.max_staleness,
+            quorum=self.quorum,
+            discount=self.discount,
+            aggregator=self.aggregator,
+            codec=self.codec,
+            lease_s=service.lease_s,
+            timeout_s=service.timeout_s,
+            key=None if tags is None else tags.key,
+            domain=b"" if tags is None else tags.domain,
+        )
+        address = service.address
+        if address is None and islands > 1 and (current_island() is not None or not dist.is_initialized()):
+            raise ValueError(
+                "ps server processes for islands in one process (islands.simulate): start the service yourself "
+                "(ps_service.Supervisor) and give every island ServerProcesses(address=(host, port))"
+            )
+        if address is None:
+            if me == 0:
+                directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
+                self.launched, address = launch(config.save(directory))
+                self.scratch = None if service.directory else directory  # removed at the end
+            if islands > 1:  # the others learn where the store is from island 0
+                box = [address]
+                dist.broadcast_object_list(box, src=0, group=dist.new_group(backend="gloo"))
+                address = box[0]
+        assert address is not None
+        link = RemoteLink(
+            address, me, config.bounds, service.timeout_s, service.lease_s, self.codec, tags, self.island_ledger()
+        )
+        self.link = link.start()
+        self.adopt(link.send(Message(PULL, me)))
+
     def sealer(self) -> Sealer | None:
         """Seals for the point-to-point messages where the job authenticates its payloads (outer.authenticate)."""
         return Sealer(self.comm.tags) if isinstance(self.comm, HasPayloadTags) else None
@@ -217,7 +326,10 @@ class ParameterServer(OuterStrategy):
         return getattr(self.comm, "ledger", None)
 
     def elastic_refusal(self) -> str | None:
-        return "ps does not run in an elastic job yet (joins and leaves: issue #36, part 2)"
+        return (
+            "ps does not run in an elastic job yet; with servers=S (server processes) islands may join, leave, "
+            "freeze or die without one: docs/parameter-server.md"
+        )
 
     # ---- the hooks ----------------------------------------------------------------------------------
     def on_batch(self, batch, step):
@@ -234,7 +346,8 @@ class ParameterServer(OuterStrategy):
         """End this island's round: push its pseudo-gradient, adopt the model the server answers with."""
         assert self.link is not None, "push before wrap"
         delta = self.global_flat - self.local.read()
-        payload = self.codec.encode(delta) if self.codec is not None else delta
+        remote = isinstance(self.link, RemoteLink)  # it encodes each server's range itself
+        payload = self.codec.encode(delta) if self.codec is not None and not remote else delta
         samples = self.samples if self.samples > 0 else float(self.clock - self.synced_at)
         reply = self.link.send(Message(PUSH, self.comm.rank, self.version, samples, payload))
         self.counts["pushes"] += 1
@@ -260,10 +373,29 @@ class ParameterServer(OuterStrategy):
         self.adopt(self.link.send(Message(DONE, self.comm.rank)))
         if self.loop is not None:
             self.loop.join(timeout=60.0)
+        if isinstance(self.link, RemoteLink):
+            self.close_service(self.link)
+
+    def close_service(self, link: RemoteLink) -> None:
+        """Process mode, at the end: the island that started the service asks it to stop (servers leave once every
+        island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout."""
+        if self.launched is not None:
+            link.store.set("stop", "done")
+            try:
+                self.launched.wait(timeout=link.timeout_s)
+            except subprocess.TimeoutExpired:  # it would stop on its own (orphan timer); no need to wait for that
+                self.launched.kill()
+        link.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     # ---- state --------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
         state: dict = {"ps_version": self.version, "ps_counts": dict(self.counts)}
+        if isinstance(self.link, RemoteLink):  # process mode: island 0 carries every server's state
+            state["ps_link"] = self.link.state_dict()
+            if self.comm.rank == 0:
+                state["ps_shards"] = self.link.snapshot()
         if self.loop is not None:  # the hosting island carries the server's state in the job's checkpoint
             with self.loop.lock:
                 state["ps_server"] = self.loop.state.state_dict()
@@ -274,11 +406,28 @@ class ParameterServer(OuterStrategy):
     def load_extra_state(self, state: dict) -> None:
         self.version = int(state.get("ps_version", 0))
         self.counts = dict(state.get("ps_counts", self.counts))
+        if isinstance(self.link, RemoteLink) and "ps_link" in state:
+            self.resume_service(self.link, state)
         if self.loop is not None and "ps_server" in state:
             with self.loop.lock:
                 self.loop.state.load_state_dict(state["ps_server"])
                 if isinstance(self.loop.arrivals, VirtualClock) and "ps_arrivals" in state:
                     self.loop.arrivals.taken = [int(n) for n in state["ps_arrivals"]]
+
+    def resume_service(self, link: RemoteLink, state: dict) -> None:
+        """Process mode resume: island 0 puts every server back to its checkpoint (committed to the journals) and
+        says so in the store; the others wait for that, within the timeout, before their first push. Pushes an
+        island made after the servers' snapshot and before its own checkpoint are not in the restored model (the
+        job rolled back); ones made after its checkpoint that the snapshot holds are answered as duplicates when
+        the island pushes them again, not applied twice (their push numbers, ps_journal.py)."""
+        link.load_state_dict(state["ps_link"])
+        if self.comm.rank == 0:
+            if "ps_shards" in state:
+                link.restore(state["ps_shards"])
+            link.store.set("restored", "1")
+        else:
+            link.store.wait(["restored"], _dt.timedelta(seconds=link.timeout_s))
+        self.version = min(link.versions)
 
 
 def parameter_server(
@@ -295,6 +444,9 @@ def parameter_server(
     bits: int = 32,
     block: int = 1024,
     entropy: str = "none",
+    servers: int = 0,
+    lease: float = 2.0,
+    timeout: float = 600.0,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -305,13 +457,20 @@ def parameter_server(
     it is refused. `quorum`: distinct islands per outer step, 1 for asynchronous, more for semi-synchronous (arXiv
     2604.21428). `discount`: a push's weight is multiplied by (1 + staleness)^-discount. `aggregator`: a robust
     aggregator over each window of contributions. `bits`: 32 for fp32 pushes, 4 for 4-bit blocks decoded on the
-    server. `block`: values per 4-bit block. `entropy`: none, or zstd to pack 4-bit pushes further."""
+    server. `block`: values per 4-bit block. `entropy`: none, or zstd to pack 4-bit pushes further. `servers`: 0 for
+    the server as a thread of rank 0; S >= 1 for S server processes (one parameter range each) under a supervisor
+    that restarts a killed one from its journal. `lease`: seconds of heartbeat silence after which an island or a
+    server process has lapsed (servers >= 1). `timeout`: the longest any push, pull or final wait lasts, retries
+    included (servers >= 1)."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
         raise ValueError(f"entropy must be 'none' or 'zstd', got {entropy!r}")
     if entropy != "none" and bits != 4:
         raise ValueError("entropy=zstd packs 4-bit pushes; use bits=4")
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
+        raise ValueError(f"servers must be an int >= 0 (0: a thread of rank 0; S: S server processes), got {servers!r}")
+    service = ServerProcesses(servers, float(lease), float(timeout)) if servers else None
     codec: PayloadCodec | None = None if bits == 32 else Quant4Zstd(block) if entropy == "zstd" else Quant4(block)
     return ParameterServer(
         inner_steps,
@@ -322,4 +481,5 @@ def parameter_server(
         discount=discount,
         aggregator=aggregator,
         compressor=codec,
+        service=service,
     )

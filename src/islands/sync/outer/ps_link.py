@@ -27,6 +27,7 @@ answer altered, injected or replayed on the way is refused before any byte is us
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -324,21 +325,32 @@ class Link(ABC):
         """Send one message and wait for its answer."""
 
 
-class LocalLink(Link):
-    """An island in the server's process. The wait is a Future's: islands.simulate passes the turn meanwhile."""
+THREAD_MODE_TIMEOUT_S = 1800.0  # the thread mode's longest wait for an answer: gloo's default group timeout
 
-    def __init__(self, inbox: LocalInbox, ledger=None):
-        self.inbox, self.ledger = inbox, ledger
+
+class LocalLink(Link):
+    """An island in the server's process. The wait is a Future's: islands.simulate passes the turn meanwhile. An
+    answer that does not come within `timeout_s` (a DONE waiting for an island that froze) raises TimeoutError."""
+
+    def __init__(self, inbox: LocalInbox, ledger=None, timeout_s: float = THREAD_MODE_TIMEOUT_S):
+        self.inbox, self.ledger, self.timeout_s = inbox, ledger, timeout_s
 
     def send(self, msg: Message) -> Reply:
         answer = self.inbox.ask(msg)
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                reply = answer.result(timeout=1.0)
+                reply = answer.result(timeout=min(1.0, self.timeout_s))
                 break
             except FutureTimeout:
                 if self.inbox.error is not None:  # the server loop (or its receiver) failed: no answer will come
                     raise RuntimeError(f"parameter server failed: {self.inbox.error!r}") from self.inbox.error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"island {msg.island}: no answer from the parameter server within {self.timeout_s:.0f} s "
+                        "(thread mode waits for every island at the end; servers=S processes do not wait for a "
+                        "frozen one)"
+                    ) from None
         if self.ledger is not None:  # what the same message would cost on a wire (GlooLink's counts)
             p = msg.payload if msg.kind == PUSH else None
             self.ledger.record("ps_push", _HEADER * 8 + (0 if p is None else p.numel() * p.element_size()), 0)

@@ -121,12 +121,16 @@ class ServerState:
         stepped = self.settle(self.quorum if active is None else active)
         return Ack(True, self.version, s, stepped=stepped)
 
-    def settle(self, active: int) -> bool:
-        """Step the open window if it holds contributions of min(quorum, active) distinct islands (at least one):
-        after a push, and when an island leaves (the loop calls it with the islands still training; with none
-        left, whatever the window holds is applied, so no accepted contribution is lost at the end)."""
+    def ready(self, active: int) -> bool:
+        """Whether the open window holds contributions of min(quorum, active) distinct islands (at least one)."""
         needed = max(1, min(self.quorum, active))
-        if not self.window or len({c.island for c, _ in self.window}) < needed:
+        return bool(self.window) and len({c.island for c, _ in self.window}) >= needed
+
+    def settle(self, active: int) -> bool:
+        """Step the open window if it is ready: after a push, and when an island leaves (the loop calls it with
+        the islands still training; with none left, whatever the window holds is applied, so no accepted
+        contribution is lost at the end)."""
+        if not self.ready(active):
             return False
         self._step(self.window)
         self.window = []

@@ -1,0 +1,27 @@
+"""The parameter server's processes (issue #36): `python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT`
+runs one shard server, `... supervise DIR` the supervisor that hosts the store and restarts the servers
+(ps_service.py). A module of its own, so that running it does not load ps_service twice (islands imports it)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from islands.sync.outer.ps_service import Supervisor, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) == 5 and args[0] == "serve":
+        serve(args[1], int(args[2]), args[3], int(args[4]))
+        return 0
+    if len(args) == 2 and args[0] == "supervise":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        Supervisor(args[1]).run()
+        return 0
+    print("usage: python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT | supervise DIR", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Parameter servers as processes of their own (issue #36, parts 2-3): S shard servers, each owning one parameter
+range, and a supervisor that hosts their store and brings a killed or frozen server back from its journal.
+
+    config = ServiceConfig(initial_flat, rule, servers=2, lease_s=2.0)
+    config.save(dir)                        # the directory holds config.pt and one journal per shard
+    sup = Supervisor(dir); sup.start()      # hosts the store; spawns `python -m islands.sync.outer.ps_process
+                                            # serve DIR SHARD HOST PORT` per shard, restarts any that dies
+    link = RemoteLink(("127.0.0.1", sup.port), 0, config.bounds).start()  # ps_remote.py: the island's side
+
+A shard server (ShardServer) rebuilds its DurableShard from its journal (ps_journal.py: nothing it acknowledged is
+lost), announces a new generation in the store (`gen/<shard>`), then accepts connections: an island adds one to
+`conn/<shard>/<gen>` and both sides make a two-rank gloo group under that number (ps_wire.Pair), served by a
+thread of its own, so an island that is killed or frozen stalls only its own connection. Under one lock each message
+is applied: PULL (a joiner, or a reconnect: the current slice), PUSH (logged, applied, answered with the ack and the
+slice; a push already applied is answered, not applied again), DONE (this island is done; the answer is `final` once
+no island is still training), LEAVE (gone now, nobody waits), SNAPSHOT / RESTORE (the job's checkpoints).
+
+Membership is what the islands do, not a list fixed at the start: an island is live from its first message until its
+DONE or LEAVE, or until its heartbeat (the counter `beat/<island>` its RemoteLink bumps every lease/4 seconds) stands
+still for `lease_s`: then it has lapsed (killed, frozen or cut off), the quorum stops counting it and the final answer
+stops waiting for it; a message from it makes it live again. The server bumps `sbeat/<shard>` the same way.
+
+The supervisor (a thread of a test, or `python -m islands.sync.outer.ps_process supervise DIR`, a process of its own
+session so it outlives the island that started it) hosts the TCPStore and watches each server: exited while the job
+runs, or heartbeat still for `lease_s` (frozen: killed first), and it starts the shard again, which rebuilds from its
+journal; only one process per shard ever writes the journal (the next starts after the previous is dead). The store
+key `stop` ends the job: servers leave once every island they knew has its final answer (or has lapsed) and the
+supervisor once its servers are gone; with no island heartbeat for `orphan_s` it stops on its own.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from islands.aggregate.base import Aggregator
+from islands.runtime.payload_auth import PayloadTags
+from islands.sync.outer.flat import fragment_bounds
+from islands.sync.outer.outer_opt import OuterOptimizer
+from islands.sync.outer.ps_journal import COMMIT_EVERY, DurableShard, Journal
+from islands.sync.outer.ps_server import Contribution, ServerState, check_server_options
+from islands.sync.outer.ps_wire import (
+    DONE,
+    LEAVE,
+    PULL,
+    PUSH,
+    RESTORE,
+    SNAPSHOT,
+    Pair,
+    Request,
+    ShardReply,
+    as_bytes,
+    new_client,
+)
+from islands.sync.outer.quant4 import PayloadCodec
+
+CONFIG = "config.pt"
+ADDRESS = "address"
+
+
+@dataclass
+class ServiceConfig:
+    """What every shard server and island of one parameter server job agree on; written once by the island that
+    starts the service. `rule`: islands -> an outer optimizer (picklable: ps.OuterRule); `islands`: the islands
+    expected (delayed Nesterov's default buffer); `key`/`domain`: the job's payload tags, when payloads are
+    authenticated (the file is written 0600 in a private directory)."""
+
+    initial: torch.Tensor
+    rule: Callable[[int], OuterOptimizer]
+    islands: int = 1
+    servers: int = 1
+    shards: int = 1
+    max_staleness: int = 4
+    quorum: int = 1
+    discount: float = 0.0
+    aggregator: Aggregator | None = None
+    codec: PayloadCodec | None = None
+    lease_s: float = 2.0
+    timeout_s: float = 600.0
+    commit_every: int = COMMIT_EVERY
+    key: bytes | None = None
+    domain: bytes = b""
+    orphan_s: float = 600.0
+    start_s: float = 120.0  # a new server's first heartbeat may take this long (interpreter, torch, the rebuild)
+    max_restarts: int = 20  # per shard: a server that keeps dying (a bad configuration) ends the job instead
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.initial = self.initial.detach().to(torch.float32).flatten().clone()
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
+            raise ValueError(
+                f"servers must be an int >= 1 (server processes, one parameter range each), got {self.servers!r}"
+            )
+        if self.servers > max(1, self.initial.numel()):
+            raise ValueError(f"servers must be at most the parameter count {self.initial.numel()}, got {self.servers}")
+        if not self.lease_s > 0 or not self.timeout_s > 0:
+            raise ValueError(f"lease_s and timeout_s must be > 0 seconds, got {self.lease_s} and {self.timeout_s}")
+        check_server_options(self.shards, self.max_staleness, self.quorum, self.discount)
+        self.bounds = fragment_bounds(self.initial.numel(), self.servers)
+
+    def tags(self) -> PayloadTags | None:
+        return None if self.key is None else PayloadTags(self.key, self.domain)
+
+    def shard_state(self, shard: int) -> ServerState:
+        lo, hi = self.bounds[shard]
+        return ServerState(
+            self.initial[lo:hi],
+            lambda: self.rule(self.islands),
+            shards=min(self.shards, hi - lo),
+            max_staleness=self.max_staleness,
+            quorum=self.quorum,
+            discount=self.discount,
+            aggregator=self.aggregator,
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = d / (CONFIG + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(self, f)
+        os.replace(tmp, d / CONFIG)
+        return d
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> ServiceConfig:
+        # weights_only=False: the file holds the rule, codec and aggregator objects; it is this job's own file, in
+        # a directory only its user can read, written by the island that started the service
+        config = torch.load(Path(path) / CONFIG, weights_only=False)
+        if not isinstance(config, ServiceConfig):
+            raise ValueError(f"{path}/{CONFIG} is not a parameter server configuration")
+        return config
+
+
+class Members:
+    """Which islands are training, by their messages and heartbeats (module docstring)."""
+
+    def __init__(self, store, lease_s: float):
+        self.store, self.lease_s = store, lease_s
+        self.state: dict[int, str] = {}  # island -> live | done | left | lapsed
+        self.beats: dict[int, tuple[int, float]] = {}  # island -> (counter, when it last moved)
+        self.final_sent: set[int] = set()
+
+    def live(self) -> int:
+        return sum(s == "live" for s in self.state.values())
+
+    def mark(self, island: int, state: str) -> None:
+        self.state[island] = state
+        self.beats[island] = (self.beats.get(island, (-1, 0.0))[0], time.monotonic())
+
+    def lapse(self) -> list[int]:
+        """Islands whose heartbeat stood still for the lease: marked lapsed, returned."""
+        now, gone = time.monotonic(), []
+        for island, s in self.state.items():
+            count = int(self.store.add(f"beat/{island}", 0))
+            last, since = self.beats.get(island, (-1, now))
+            if count != last:
+                self.beats[island] = (count, now)
+            elif s == "live" and now - since > self.lease_s:
+                self.state[island] = "lapsed"
+                gone.append(island)
+        return gone
+
+    def settled(self) -> bool:
+        """Every island known has its final answer or is gone: a stopping server may leave."""
+        return all(s in ("left", "lapsed") or (s == "done" and i in self.final_sent) for i, s in self.state.items())
+
+
+class ShardServer:
+    """One parameter range's server (module docstring); run() serves until the job stops."""
+
+    def __init__(self, directory: str | os.PathLike, shard: int, host: str, port: int):
+        self.dir, self.shard, self.host, self.port = Path(directory), shard, host, port
+        self.config = ServiceConfig.load(self.dir)
+        if not 0 <= shard < self.config.servers:
+            raise ValueError(f"shard {shard} of {self.config.servers} servers")
+        journal = Journal(self.dir / f"shard{shard}", self.config.commit_every)
+        self.durable = DurableShard(self.config.shard_state(shard), journal)
+        self.store = new_client(host, port, 30.0)
+        self.members = Members(self.store, self.config.lease_s)
+        self.lock = threading.Lock()
+        self.tags = self.config.tags()
+        self.gen = 0
+        self.done = threading.Event()
+        self.pairs: list[Pair] = []  # open connections, torn down when the server leaves
+
+    def run(self) -> None:
+        self.durable.open()  # the rebuild: the committed state plus the acknowledged pushes since
+        self.gen = int(self.store.add(f"gen/{self.shard}", 1))
+        threading.Thread(target=self._accept, name="islands-ps-accept", daemon=True).start()
+        try:
+            while not self.done.is_set():
+                self.store.add(f"sbeat/{self.shard}", 1)
+                with self.lock:
+                    if self.members.lapse():
+                        self.durable.settle(self.members.live())
+                    if self.store.check(["stop"]) and self.members.settled():
+                        self.done.set()
+                self.done.wait(self.config.lease_s / 4)
+        finally:
+            with self.lock:
+                self.durable.close()
+                for pair in self.pairs:
+                    pair.close()
+
+    def _accept(self) -> None:
+        seen = 0
+        while not self.done.is_set():
+            count = int(self.store.add(f"conn/{self.shard}/{self.gen}", 0))
+            for k in range(seen + 1, count + 1):
+                threading.Thread(target=self._serve, args=(k,), name=f"islands-ps-conn{k}", daemon=True).start()
+            seen = count
+            time.sleep(0.01)
+
+    def _serve(self, k: int) -> None:
+        name = f"pair/{self.shard}/{self.gen}/{k}"
+        try:
+            island = int(self.store.get(f"conn/{self.shard}/{self.gen}/{k}"))
+            client = new_client(self.host, self.port, 10.0)
+            pair = Pair.connect(client, name, 0, 10.0, self.config.timeout_s, self.tags)
+        except RuntimeError:  # the island gave up before we met: it connects again under a new number
+            return
+        with self.lock:
+            self.pairs.append(pair)
+        try:
+            while not self.done.is_set():
+                msg = pair.request()
+                if msg.island != island:
+                    raise ValueError(f"connection of island {island} sent a message as island {msg.island}")
+                pair.answer(self.handle(msg))
+        except (RuntimeError, ValueError):  # killed, frozen past the timeout, or refused: this connection only
+            pair.close()
+
+    def handle(self, msg: Request) -> ShardReply:
+        with self.lock:
+            m, d = self.members, self.durable
+            if msg.kind == SNAPSHOT:
+                return ShardReply(True, d.state.version, 0, body=_state_bytes(d.state_dict()))
+            if msg.kind == RESTORE:
+                assert msg.payload is not None, "a restore carries the state"
+                d.restore(_bytes_state(msg.payload))
+                return ShardReply(True, d.state.version, 0)
+            stepped, duplicate, accepted, staleness = False, False, True, 0
+            if msg.kind == PUSH:
+                m.mark(msg.island, "live")
+                c = Contribution(msg.island, msg.version, self._decode(msg), msg.samples)
+                ack, duplicate = d.push(msg.island, msg.nonce, msg.seq, c, m.live())
+                stepped, accepted, staleness = ack.stepped, ack.accepted, ack.staleness
+            elif msg.kind in (DONE, LEAVE):
+                m.mark(msg.island, "done" if msg.kind == DONE else "left")
+                stepped = d.settle(m.live())
+            else:
+                assert msg.kind == PULL
+                m.mark(msg.island, "live")
+            final = msg.kind == DONE and m.live() == 0
+            if final:
+                m.final_sent.add(msg.island)
+            version, flat = d.state.pull()
+            return ShardReply(accepted, version, staleness, stepped, final, duplicate, flat)
+
+    def _decode(self, msg: Request) -> torch.Tensor:
+        assert msg.payload is not None, "a push carries its delta"
+        numel = self.durable.state.numel
+        if self.config.codec is not None:
+            return self.config.codec.decode(msg.payload, numel)
+        return msg.payload.view(torch.float32).clone()
+
+
+def _state_bytes(state: dict) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _bytes_state(data: torch.Tensor) -> dict:
+    return torch.load(io.BytesIO(as_bytes(data).numpy().tobytes()), weights_only=True)
+
+
+# ---- the supervisor ------------------------------------------------------------------------------------------
+def _pythonpath() -> str:
+    """The server processes import this islands (a worktree's src/ wins over an installed copy)."""
+    here = str(Path(__file__).resolve().parents[3])
+    rest = os.environ.get("PYTHONPATH", "")
+    return here + (os.pathsep + rest if rest else "")
+
+
+class ShardProcess(Protocol):
+    """A running shard server, as subprocess.Popen answers (pid, poll, kill, wait)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+Starter = Callable[[Path, int, str, int], ShardProcess]  # (directory, shard, store host, store port) -> process
+
+
+def start_shard(directory: Path, shard: int, host: str, port: int) -> ShardProcess:
+    """A shard server as a fresh interpreter: `python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT`."""
+    argv = [sys.executable, "-m", "islands.sync.outer.ps_process", "serve", str(directory), str(shard)]
+    return subprocess.Popen([*argv, host, str(port)], env={**os.environ, "PYTHONPATH": _pythonpath()})
+
+
+def serve(directory: str | os.PathLike, shard: int, host: str, port: int) -> None:
+    """A shard server's whole life (the body of its process)."""
+    ShardServer(directory, shard, host, port).run()
+
+
+class Supervisor:
+    """Hosts the store and keeps one live server per shard (module docstring). start() runs it in a thread;
+    `python -m islands.sync.outer.ps_process supervise DIR` runs it as a process (its address in DIR/address).
+    `starter`: how a shard's process starts (default a fresh interpreter; tests fork a preloaded one)."""
+
+    def __init__(
+        self, directory: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, starter: Starter = start_shard
+    ):
+        self.dir, self.starter = Path(directory), starter
+        self.config = ServiceConfig.load(self.dir)
+        self.raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=30))
+        self.host, self.port = host, int(self.raw.port)
+        self.store = dist.PrefixStore("islands-ps", self.raw)
+        self.procs: list[ShardProcess | None] = [None] * self.config.servers
+        self.restarts = [0] * self.config.servers
+        self.beats: list[tuple[int, float, bool]] = [(0, 0.0, False)] * self.config.servers  # count, since, moved
+        self.thread: threading.Thread | None = None
+        self.stopped = threading.Event()
+        tmp = self.dir / (ADDRESS + ".tmp")
+        tmp.write_text(f"{self.host}:{self.port}\n")
+        os.replace(tmp, self.dir / ADDRESS)
+
+    def start(self) -> Supervisor:
+        self.thread = threading.Thread(target=self.run, name="islands-ps-supervisor", daemon=True)
+        self.thread.start()
+        return self
+
+    def spawn(self, shard: int) -> None:
+        self.procs[shard] = self.starter(self.dir, shard, self.host, self.port)
+        self.beats[shard] = (int(self.store.add(f"sbeat/{shard}", 0)), time.monotonic(), False)
+
+    def pid(self, shard: int) -> int:
+        proc = self.procs[shard]
+        assert proc is not None, "started"
+        return proc.pid
+
+    def run(self) -> None:
+        for shard in range(self.config.servers):
+            self.spawn(shard)
+        island_beat, idle_since = -1, time.monotonic()
+        try:
+            while True:
+                stopping = self.store.check(["stop"])
+                for shard, proc in enumerate(self.procs):
+                    assert proc is not None
+                    if proc.poll() is None and not self._frozen(shard):
+                        continue
+                    if proc.poll() is None:  # heartbeat still past the lease: frozen; kill, then restart
+                        proc.kill()
+                    proc.wait()
+                    if not stopping and self.restarts[shard] >= self.config.max_restarts:
+                        self.store.set("stop", f"shard {shard} died {self.restarts[shard] + 1} times")
+                        stopping = True
+                    if not stopping:
+                        self.restarts[shard] += 1
+                        self.store.add(f"restarts/{shard}", 1)
+                        self.spawn(shard)
+                if stopping and all(p is not None and p.poll() is not None for p in self.procs):
+                    return
+                beat = int(self.store.add("beats", 0))
+                if beat != island_beat:
+                    island_beat, idle_since = beat, time.monotonic()
+                elif time.monotonic() - idle_since > self.config.orphan_s:
+                    self.store.set("stop", "orphaned")  # no island has beaten for orphan_s: nobody is left
+                time.sleep(0.05)
+        finally:
+            for proc in self.procs:
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            self.stopped.set()
+
+    def _frozen(self, shard: int) -> bool:
+        count = int(self.store.add(f"sbeat/{shard}", 0))
+        last, since, moved = self.beats[shard]
+        if count != last:
+            self.beats[shard] = (count, time.monotonic(), True)
+            return False
+        # a new server imports torch and rebuilds from its journal before its first beat
+        return time.monotonic() - since > (self.config.lease_s if moved else self.config.start_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.store.set("stop", "asked")
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+
+def launch(directory: str | os.PathLike, timeout_s: float = 60.0) -> tuple[subprocess.Popen, tuple[str, int]]:
+    """Start the supervisor as a process of its own session (it outlives the island that started it, and a
+    signal to that island's process group does not reach it); returns it and the store's address."""
+    d = Path(directory)
+    (d / ADDRESS).unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    argv = [sys.executable, "-m", "islands.sync.outer.ps_process", "supervise", str(d)]
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not (d / ADDRESS).exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the parameter server supervisor exited with {proc.returncode} before it started")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the parameter server supervisor gave no address within {timeout_s:.0f} s")
+        time.sleep(0.02)
+    host, port = (d / ADDRESS).read_text().strip().rsplit(":", 1)
+    return proc, (host, int(port))

@@ -1,0 +1,141 @@
+"""The parameter server's wire between an island and a server process (issue #36, parts 2-3): one gloo process group
+of two ranks per connection (server rank 0, island rank 1), made through the job's store, so no new transport, and
+a connection that breaks (its island or server killed, or silent past the timeout) breaks nothing else.
+
+    pair = Pair.connect(new_client(), f"pair/{shard}/{gen}/{k}", rank=1, connect_s=10, timeout_s=600)
+    pair.send(Request(PUSH, island, version, samples, payload, seq, nonce))
+    reply = pair.reply()
+
+A request: a float64 header [kind, island, version, samples, payload bytes, seq, nonce], then the payload as bytes
+(a push's fp32 delta or a PayloadCodec's code; a RESTORE's state). A reply: a float64 header [accepted, version,
+staleness, stepped, final, body bytes, duplicate], then the body (the shard's fp32 model slice, or a SNAPSHOT's state
+as bytes). With the job's payload tags every tensor travels sealed (runtime/payload_auth.py), bound to what it is,
+the island, the shard, the connection and the message's number on it: altered, injected or replayed tensors are
+refused before use. A torn connection raises RuntimeError on either side (gloo's read error, or its timeout).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
+
+# message kinds: PUSH and DONE keep ps_link's numbers
+PUSH, DONE, PULL, LEAVE, SNAPSHOT, RESTORE = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {PUSH: "push", DONE: "done", PULL: "pull", LEAVE: "leave", SNAPSHOT: "snapshot", RESTORE: "restore"}
+_REQUEST, _REPLY = 7, 7
+_SERVER, _ISLAND = 0, 1  # ranks in a connection's group
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: int
+    island: int
+    version: int = 0
+    samples: float = 0.0
+    payload: torch.Tensor | None = None  # uint8 bytes
+    seq: int = 0  # the island's push number (PUSH)
+    nonce: int = 0  # the island process's random number: a restarted island's seq starts again
+
+
+@dataclass(frozen=True)
+class ShardReply:
+    accepted: bool
+    version: int
+    staleness: int
+    stepped: bool = False
+    final: bool = False  # DONE: every island is done, this is the final model
+    duplicate: bool = False  # PUSH: applied before (a resend after a lost answer), not applied again
+    body: torch.Tensor | None = None  # the fp32 slice, or a SNAPSHOT's bytes
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def new_client(host: str, port: int, timeout_s: float) -> dist.Store:
+    """A store client of its own (a TCPStore client serves one request at a time: gloo's connect blocks in it),
+    under the parameter server's prefix."""
+    raw = dist.TCPStore(host, port, is_master=False, timeout=_dt.timedelta(seconds=timeout_s))
+    return dist.PrefixStore("islands-ps", raw)
+
+
+class Pair:
+    """One connection: a two-rank gloo group and the message count each tag binds (module docstring)."""
+
+    def __init__(self, pg, rank: int, fields: tuple, tags: PayloadTags | None):
+        self.pg, self.rank, self.fields, self.tags = pg, rank, fields, tags
+        self.sent = self.received = 0
+
+    @classmethod
+    def connect(
+        cls, store, name: str, rank: int, connect_s: float, timeout_s: float, tags: PayloadTags | None = None
+    ) -> Pair:
+        """Join the connection `name` (a key prefix in `store`) as `rank`; raises RuntimeError when the peer does
+        not come within connect_s (store's own timeout) and sets the group's timeout to timeout_s afterwards."""
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, _dt.timedelta(seconds=connect_s))
+        pg.set_timeout(_dt.timedelta(seconds=timeout_s))
+        return cls(pg, rank, (name,), tags)
+
+    def _send(self, t: torch.Tensor, what: str) -> None:
+        t = t.contiguous()
+        if self.tags is not None:
+            t = self.tags.pack(t, (*self.fields, what, self.rank, self.sent))
+        self.pg.send([t], 1 - self.rank, 0).wait()
+        self.sent += 1
+
+    def _recv(self, like: torch.Tensor, what: str) -> torch.Tensor:
+        n, self.received = self.received, self.received + 1
+        if self.tags is None:
+            self.pg.recv([like], 1 - self.rank, 0).wait()
+            return like
+        packed = PayloadTags.shell(like)
+        self.pg.recv([packed], 1 - self.rank, 0).wait()
+        got = self.tags.open(packed, like, (*self.fields, what, 1 - self.rank, n))
+        if got is None:
+            raise PayloadAuthError(
+                f"parameter server {what} on {self.fields[0]} failed its MAC: altered, injected or replayed on the "
+                "way, or the sender holds another key; it was not used"
+            )
+        return got
+
+    # ---- the island's side ------------------------------------------------------------------------
+    def send(self, r: Request) -> None:
+        payload = None if r.payload is None else as_bytes(r.payload)
+        n = 0 if payload is None else payload.numel()
+        head = torch.tensor([r.kind, r.island, r.version, r.samples, n, r.seq, r.nonce], dtype=torch.float64)
+        self._send(head, "request")
+        if payload is not None:
+            self._send(payload, "payload")
+
+    def reply(self) -> ShardReply:
+        h = self._recv(torch.zeros(_REPLY, dtype=torch.float64), "reply").tolist()
+        body = self._recv(torch.empty(int(h[5]), dtype=torch.uint8), "body") if h[5] > 0 else None
+        return ShardReply(bool(h[0]), int(h[1]), int(h[2]), bool(h[3]), bool(h[4]), bool(h[6]), body)
+
+    # ---- the server's side ------------------------------------------------------------------------
+    def request(self) -> Request:
+        h = self._recv(torch.zeros(_REQUEST, dtype=torch.float64), "request").tolist()
+        if int(h[0]) not in KIND_NAMES:
+            raise ValueError(f"unknown parameter server message kind {h[0]}")
+        payload = self._recv(torch.empty(int(h[4]), dtype=torch.uint8), "payload") if h[4] > 0 else None
+        return Request(int(h[0]), int(h[1]), int(h[2]), float(h[3]), payload, int(h[5]), int(h[6]))
+
+    def answer(self, r: ShardReply) -> None:
+        body = None if r.body is None else as_bytes(r.body)
+        n = 0 if body is None else body.numel()
+        flags = [float(r.accepted), r.version, r.staleness, float(r.stepped), float(r.final), n, float(r.duplicate)]
+        self._send(torch.tensor(flags, dtype=torch.float64), "reply")
+        if body is not None:
+            self._send(body, "body")
+
+    def close(self) -> None:
+        try:
+            self.pg.abort()
+        except RuntimeError:  # already torn down
+            pass

@@ -1,0 +1,182 @@
+"""The parameter server's shard servers and island links in one process (issue #36, parts 2-4): shard servers run as
+threads here (harness.ps.ThreadService), over the same store and gloo pairs as the processes of a job. Parameter
+ranges over two servers with sealed messages, a joiner and a leaver that nobody waits for, an island gone silent
+(its heartbeat stops) that stops counting for the quorum and the final answer, checkpoint resume through the
+servers' snapshot, and bad settings refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_ps_strategy import Island
+
+from harness.cli import islands_cli
+from harness.ps import ThreadService
+from islands.outer import ParameterServer, VirtualClock
+from islands.runtime.elastic.auth import derive_key
+from islands.runtime.world import World
+from islands.sync.outer.ps import OuterRule, ServerProcesses
+from islands.sync.outer.ps_link import Message
+from islands.sync.outer.ps_service import ServiceConfig
+from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH
+
+SGD1 = OuterRule("sgd", 1.0, 0.0)  # global -= delta: sums of small integers are exact, whatever the order
+
+
+def config(**kw) -> ServiceConfig:
+    return ServiceConfig(torch.zeros(10), kw.pop("rule", SGD1), **{"lease_s": 30.0, "max_staleness": 100, **kw})
+
+
+def push(link, value: float, samples: float = 1.0):
+    return link.send(Message(PUSH, link.island, 0, samples, torch.full((10,), value)))
+
+
+def until(cond, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_two_servers_hold_a_parameter_range_each_and_lose_nothing(tmp_path):
+    tags = dict(key=derive_key("secret", "payload|ps-test"), domain=b"ps-test|")  # every tensor sealed
+    with ThreadService(tmp_path, config(servers=2, islands=2, **tags)) as service:
+        a, b = service.link(0), service.link(1)
+        for v in (1.0, 2.0, 3.0):
+            assert push(a, v).ack.accepted and push(b, 10 * v).ack.accepted
+        assert [s.durable.state.numel for s in service.servers] == [5, 5]
+        assert [s.durable.state.version for s in service.servers] == [6, 6] and a.versions == [5, 5]
+        finals: dict[int, object] = {}
+        threads = [
+            threading.Thread(target=lambda x=x: finals.__setitem__(x.island, x.send(Message(DONE, x.island))))
+            for x in (a, b)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert a.final and b.final
+        expected = torch.full((10,), -66.0)  # every push applied once: -(1 + 2 + 3) * 11
+        assert torch.equal(finals[0].flat, expected) and torch.equal(finals[1].flat, expected)
+        assert (tmp_path / "shard0" / "log.0").exists() and (tmp_path / "shard1" / "log.0").exists()
+
+
+def test_four_bit_pushes_are_encoded_per_server_range_and_decoded_on_each_server(tmp_path):
+    from islands.outer import Quant4
+    from islands.runtime.comm import CommLedger
+
+    codec = Quant4(4)
+    with ThreadService(tmp_path, config(servers=2, codec=codec)) as service:
+        ledger = CommLedger()
+        a = service.link(0, codec=codec, ledger=ledger)
+        delta = torch.tensor([0.5, -1.0, 2.0, 0.25, 3.0, -3.0, 1.5, 0.0, 0.75, -0.5])
+        reply = a.send(Message(PUSH, 0, 0, 1.0, delta))
+        # each server decoded its own range's code: the model moved by -delta within the 4-bit bound of each block
+        lo, hi = service.config.bounds[0]
+        bound = torch.cat([codec.bound(delta[lo:hi]), codec.bound(delta[hi:])])
+        assert reply.ack.accepted and bool(((reply.flat + delta).abs() <= bound + 1e-6).all())
+        sent = ledger.snapshot()["sent"]["ps_push"] - 2 * 7 * 8  # two requests' headers
+        assert sent == codec.payload_nbytes(5) * 2 < 10 * 4  # 4-bit codes and block scales, not fp32
+
+
+def test_a_joiner_starts_from_the_global_model_and_a_leaver_is_not_waited_for(tmp_path):
+    with ThreadService(tmp_path, config(quorum=2, islands=2)) as service:
+        a, b = service.link(0), service.link(1)
+        for x in (a, b):  # both join: the quorum counts islands that have joined and not left
+            x.send(Message(PULL, x.island))
+        assert not push(a, 1.0).ack.stepped  # the window waits for a second island
+        assert push(b, 3.0).ack.stepped  # samples-weighted mean of 1 and 3: -2
+        assert not push(a, 1.0).ack.stepped
+        left = b.send(Message(LEAVE, 1))  # b leaves: the window no longer waits for it
+        assert left.ack.stepped and torch.equal(left.flat, torch.full((10,), -3.0))
+        c = service.link(2)  # a joiner: starts from the model as it is now, nobody waited for it
+        joined = c.send(Message(PULL, 2))
+        assert torch.equal(joined.flat, torch.full((10,), -3.0)) and c.versions == [2]
+        assert not push(c, 2.0).ack.stepped  # a and c are the quorum now
+        assert push(a, 4.0).ack.stepped
+        waiting = threading.Thread(target=lambda: a.send(Message(DONE, 0)))
+        waiting.start()  # a is done: its final answer waits for c, the one island still training
+        until(lambda: service.servers[0].members.state[0] == "done")
+        assert not a.final
+        done = c.send(Message(DONE, 2))
+        waiting.join(60)
+        assert c.final and a.final and torch.equal(done.flat, torch.full((10,), -6.0))
+
+
+def test_an_island_gone_silent_stops_counting_for_the_quorum_and_the_end(tmp_path):
+    with ThreadService(tmp_path, config(quorum=2, islands=2, lease_s=1.0)) as service:
+        a, b = service.link(0), service.link(1)
+        b.send(Message(PULL, 1))
+        b.stopping.set()  # b's heartbeat stops, as a SIGSTOP or a cut cable leaves it: no message, no error
+        assert not push(a, 1.0).ack.stepped
+        server = service.servers[0]
+        until(lambda: server.durable.state.version == 1)  # the lease lapsed: the window stepped without b
+        assert server.members.state[1] == "lapsed"
+        done = a.send(Message(DONE, 0))
+        assert a.final and torch.equal(done.flat, torch.full((10,), -1.0))
+
+
+def run_island(service: ThreadService, steps: range, state: dict | None = None) -> Island:
+    strategy = ParameterServer(
+        inner_steps=2, shards=2, service=ServerProcesses(2, 30.0, 120.0, address=service.address)
+    )
+    island = Island(World.single(), strategy)
+    if state is not None:
+        island.model.load_state_dict(state["model"])
+        island.opt.load_state_dict(state["opt"])
+        strategy.load_state_dict(state["ps"])
+    for i in steps:
+        island.step(i)
+    return island
+
+
+def test_resume_from_a_checkpoint_through_the_servers_snapshot_continues_exactly(tmp_path):
+    torch.set_num_threads(1)
+
+    def fresh(name: str) -> ThreadService:
+        torch.manual_seed(0)
+        from harness.outer import tiny_model
+        from islands.sync.outer.flat import FlatView
+
+        initial = FlatView(tiny_model().parameters()).read()
+        from islands.sync.outer.ps import outer_rule
+
+        cfg = ServiceConfig(initial, outer_rule(), islands=1, servers=2, shards=2, lease_s=30.0)
+        return ThreadService(tmp_path / name, cfg)
+
+    services = [fresh("whole"), fresh("first"), fresh("second")]
+    try:
+        whole = run_island(services[0], range(9))
+        whole.strategy.finish(whole.model)
+        first = run_island(services[1], range(5))  # stops mid-round
+        import copy
+
+        saved = copy.deepcopy(
+            {"model": first.model.state_dict(), "opt": first.opt.state_dict(), "ps": first.strategy.state_dict()}
+        )
+        assert len(saved["ps"]["ps_shards"]) == 2 and saved["ps"]["ps_link"]["seq"] == 2
+        first.strategy.link.send(Message(LEAVE, 0))  # that job is over: its servers need not wait for it
+        second = run_island(services[2], range(5, 9), saved)  # a new job: new servers, restored from the checkpoint
+        second.strategy.finish(second.model)
+        assert second.strategy.version == whole.strategy.version == 5
+        torch.testing.assert_close(second.strategy.global_flat, whole.strategy.global_flat, rtol=0, atol=0)
+    finally:
+        for s in services:
+            s.stop()
+
+
+def test_bad_server_process_settings_are_refused(capsys):
+    argv = ["train", "--workers", "2", "--islands", "2", "--outer"]
+    assert islands_cli(*argv, "ps:inner_steps=4,servers=-1") == 2
+    assert "servers must be an int >= 0" in capsys.readouterr().err
+    assert islands_cli(*argv, "ps:inner_steps=4,servers=2,lease=0") == 2
+    assert "lease must be > 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="timeout must be > lease"):
+        ServerProcesses(1, lease_s=5.0, timeout_s=2.0)
+    with pytest.raises(ValueError, match="VirtualClock"):
+        ParameterServer(2, service=ServerProcesses(), arrivals=VirtualClock([1.0]))
+    with pytest.raises(ValueError, match="servers must be at most the parameter count 10"):
+        config(servers=11)
