@@ -34,6 +34,7 @@ import torch
 
 from islands.runtime.world import NO_OUTER, World
 from islands.sync.attach import Attached
+from islands.sync.compiled import uncompiled
 
 
 @runtime_checkable
@@ -139,7 +140,7 @@ class NoOp:
         return done
 
     def eval_model(self, model):
-        return model
+        return uncompiled(model)  # a compiled model's plain module: its state_dict keys are the eager ones
 
     def state_dict(self) -> dict:
         return {}
