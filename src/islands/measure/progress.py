@@ -61,6 +61,7 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
         ("MB sent per worker", _sent(summary)),
         *([("MB sent across islands", _across(summary))] if summary.get("islands", 1) > 1 else []),
         ("time with comm in flight", f"{100 * summary['comm_fraction']:.1f}%"),
+        *([("compile time", _compile(summary["compile_seconds"]))] if summary.get("compile_seconds") else []),
         ("interconnect", interconnect_line),
         ("baseline", summary["baseline"]),
     ]
@@ -69,6 +70,11 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _compile(seconds: float) -> str:
+    """torch.compile's cost (a compiled run's row only): the first step over a steady one (islands.runtime.compiled)."""
+    return f"{seconds:.1f} s (first step over a steady one)"
 
 
 def _loss(value: float | None) -> str:

@@ -32,9 +32,9 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from islands.runtime.compiled import uncompiled
 from islands.runtime.world import NO_OUTER, World
 from islands.sync.attach import Attached
-from islands.sync.compiled import uncompiled
 
 
 @runtime_checkable

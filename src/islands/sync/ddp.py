@@ -33,8 +33,8 @@ from islands.compress.error_feedback import with_error_feedback
 from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.faults.roles import LabelFlip, flip_targets
 from islands.runtime.comm import Comm
+from islands.runtime.compiled import uncompiled
 from islands.sync.base import NoOp, refuse_alone_in_elastic
-from islands.sync.compiled import uncompiled
 from islands.sync.exchange import RobustBucketState, robust_bucket_hook
 
 

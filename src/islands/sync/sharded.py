@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from islands.runtime.comm import Comm
+from islands.runtime.compiled import uncompiled
 from islands.sync.base import NoOp, refuse_alone_in_elastic
-from islands.sync.compiled import uncompiled
 from islands.sync.prefetch import set_prefetch
 from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
 from islands.sync.shard_plan import (

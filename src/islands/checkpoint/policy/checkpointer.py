@@ -46,8 +46,8 @@ from islands.checkpoint.policy.rng import rng_state, set_rng_state
 from islands.checkpoint.policy.settings import AutoInterval, CheckpointSettings
 from islands.checkpoint.policy.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.data.loader import ShardSampler
+from islands.runtime.compiled import uncompiled
 from islands.runtime.world import World
-from islands.sync.compiled import uncompiled
 
 
 def _shard_items(data) -> int:

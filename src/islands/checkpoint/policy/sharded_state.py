@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from islands.runtime.comm import Comm
-from islands.sync.compiled import uncompiled
+from islands.runtime.compiled import uncompiled
 
 GATHER_KIND = "ckpt_shard_gather"
 

@@ -14,6 +14,8 @@ backward; FSDP2's hooks stay outside the graph).
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass
@@ -57,7 +59,9 @@ class Compile:
             raise ValueError(f"Compile(backend={self.backend!r}): name a torch.compile backend, e.g. 'inductor'")
 
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        return torch.compile(model, backend=self.backend, mode=None if self.mode == "default" else self.mode)
+        compiled = torch.compile(model, backend=self.backend, mode=None if self.mode == "default" else self.mode)
+        assert isinstance(compiled, torch.nn.Module)  # a module compiles to a module (torch types it as a callable)
+        return compiled
 
     def record(self, step_seconds: list[float]) -> dict:
         """The run record's `compile` part, from the fit's step times (COMPILE_SECONDS_DEFINITION)."""
@@ -72,6 +76,24 @@ class Compile:
             "steady_step_seconds": steady,
             "definition": COMPILE_SECONDS_DEFINITION,
         }
+
+
+def check_backend(backend: str, device: str) -> None:
+    """ValueError unless torch.compile can run `backend` on `device` ("cpu" or "cuda"): a backend torch knows, and
+    for inductor on the CPU a C++ compiler (its kernels are C++ built at the first step, which would otherwise fail
+    there, on every worker, with a compiler traceback)."""
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"compile backend {backend!r} is not one torch knows; choose one of {', '.join(known)}")
+    if backend == "inductor" and device == "cpu":
+        cxx = [c for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c]
+        if not any(shutil.which(c) for c in cxx):
+            raise ValueError(
+                "compile backend inductor builds C++ kernels on the CPU and no C++ compiler was found "
+                f"(looked for {', '.join(cxx)}); install one (g++) or use compile_backend=aot_eager"
+            )
 
 
 def as_compile(value) -> Compile | None:
