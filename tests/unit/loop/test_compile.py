@@ -1,0 +1,185 @@
+"""Models compiled with torch.compile under islands (islands.runtime.compiled; docs/own-model.md, "Compiled models").
+
+Most tests use torch's aot_eager backend: it traces forward and backward into graphs as inductor does (so the model
+islands sees is the compile wrapper, with its `_orig_mod.` names) but generates no C++, which on this 2-core machine
+keeps each compile to about a second. What they check is islands' plumbing (names, checkpoints, strategies), not the
+generated code; `test_inductor_trainer_matches_eager` is the one that compiles with inductor.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import islands
+from islands.runtime.compiled import Compile, as_compile, check_backend, is_compiled, uncompiled
+
+BACKEND = "aot_eager"
+STEPS = 8
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_uncompiled_peels_the_compile_wrapper_and_eval_model_gives_eager_keys():
+    plain = mlp()
+    compiled = torch.compile(plain, backend=BACKEND)
+    assert is_compiled(compiled) and not is_compiled(plain)
+    assert uncompiled(compiled) is plain and uncompiled(plain) is plain
+    assert next(iter(compiled.state_dict())).startswith("_orig_mod.")  # what torch gives: the reason for uncompiled
+    for strategy in (islands.NoOp(), islands.inner.Single(), islands.Stack()):
+        assert list(strategy.eval_model(compiled).state_dict()) == list(plain.state_dict())
+
+
+def test_compile_settings_refuse_what_torch_would_not_take():
+    assert as_compile(True) == Compile() and as_compile(False) is None and as_compile(None) is None
+    with pytest.raises(ValueError, match="max-autotune"):
+        Compile(mode="fastest")
+    with pytest.raises(TypeError, match=r"islands\.Compile"):
+        as_compile("inductor")
+    with pytest.raises(ValueError, match="aot_eager"):  # the message lists the backends torch has
+        check_backend("no-such-backend", "cpu")
+
+
+def test_compile_record_is_the_first_steps_excess_over_the_median():
+    rec = Compile(backend=BACKEND).record([5.0, 0.2, 0.1, 0.3])
+    assert rec["seconds"] == pytest.approx(4.8) and rec["steady_step_seconds"] == pytest.approx(0.2)
+    assert rec["backend"] == BACKEND and "first step" in rec["definition"]
+    assert Compile().record([1.0])["seconds"] is None  # one step: nothing steady to subtract
+
+
+def _fit_simulated(make_strategy, compile) -> list:
+    """2 simulated islands (threads of this process) train the MLP for STEPS steps with the Trainer."""
+
+    def main(world):
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = islands.Trainer(
+            model,
+            opt,
+            F.cross_entropy,
+            dataset(),
+            batch_size=8,
+            strategy=make_strategy(),
+            world=world,
+            log_every=1,
+            compile=compile,
+        )
+        trainer.fit(STEPS)
+        parts = trainer.record_parts()
+        return [e["loss"] for e in trainer.series["train"]], snapshot(trainer.eval_model), parts.get("compile")
+
+    return islands.simulate.run(main, islands=2)
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [
+        lambda: islands.outer.DiLoCo(inner_steps=3),
+        lambda: islands.outer.StreamingDiLoCo(inner_steps=4),  # fragments, and the 4-bit compressor on the deltas
+    ],
+    ids=["diloco", "streaming-diloco-quant4"],
+)
+def test_compiled_trainer_matches_eager_under_outer_strategies(make_strategy):
+    eager = _fit_simulated(make_strategy, None)
+    compiled = _fit_simulated(make_strategy, Compile(backend=BACKEND))
+    for (e_loss, e_model, e_rec), (c_loss, c_model, c_rec) in zip(eager, compiled):
+        assert len(c_loss) == STEPS
+        torch.testing.assert_close(c_loss, e_loss, rtol=1e-5, atol=1e-6)  # fp32 tolerance
+        assert list(c_model) == list(e_model)  # the global model under the eager names
+        for k in e_model:
+            torch.testing.assert_close(c_model[k], e_model[k], rtol=1e-5, atol=1e-6)
+        assert e_rec is None and c_rec["backend"] == BACKEND and c_rec["seconds"] >= 0
+
+
+def _own_loop(ckpt_dir, compile_at: str, steps: int, every: int) -> tuple[list[float], dict]:
+    """The own-loop API (docs/own-model.md section 1) under DiLoCo, compiled `before` or `after` wrap or not at all
+    (""), resuming from the newest checkpoint in `ckpt_dir` and saving every `every` steps (0: never)."""
+    world = islands.World.single()
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    strategy = islands.Stack(outer=islands.outer.DiLoCo(inner_steps=3))
+    if compile_at == "before":
+        model = torch.compile(model, backend=BACKEND)
+    model = strategy.wrap(model, opt, world)
+    if compile_at == "after":
+        model = torch.compile(model, backend=BACKEND)
+    losses = []
+    with islands.Checkpointer(ckpt_dir, world, every=every or 10**6, asynchronous=False) as ckpt:
+        start = ckpt.restore(model=model, optimizer=opt, strategy=strategy) or 0
+        for step in range(start, steps):
+            x, y = batch(step)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            strategy.after_backward(model, step)
+            opt.step()
+            opt.zero_grad()
+            strategy.after_step(model, opt, step)
+            losses.append(loss.item())
+            ckpt.maybe_save(step + 1, model=model, optimizer=opt, strategy=strategy)
+    strategy.finish(model)
+    return losses, snapshot(strategy.eval_model(model))
+
+
+def test_checkpoints_resume_bit_for_bit_and_load_across_compiled_and_eager(tmp_path):
+    half = STEPS // 2
+    whole_compiled = _own_loop(tmp_path / "whole-c", "after", STEPS, every=0)
+    whole_eager = _own_loop(tmp_path / "whole-e", "", STEPS, every=0)
+    _own_loop(tmp_path / "half-c", "before", half, every=half)  # a compiled run's checkpoint at step 4
+    _own_loop(tmp_path / "half-e", "", half, every=half)  # an eager run's
+    shutil.copytree(tmp_path / "half-c", tmp_path / "half-c2")
+    resumed = {
+        "compiled from compiled": (_own_loop(tmp_path / "half-c", "after", STEPS, 0), whole_compiled),
+        "eager from compiled": (_own_loop(tmp_path / "half-c2", "", STEPS, 0), whole_eager),
+        "compiled from eager": (_own_loop(tmp_path / "half-e", "before", STEPS, 0), whole_compiled),
+    }
+    # aot_eager runs the eager kernels, so a compiled run equals an eager one bit for bit: the resumed runs of
+    # every pair must then equal the uninterrupted ones exactly (losses after the restore, global model)
+    assert whole_compiled[0] == whole_eager[0]
+    for what, ((losses, model), (whole_losses, whole_model)) in resumed.items():
+        assert losses == whole_losses[half:], what
+        assert list(model) == list(whole_model), what
+        assert all(torch.equal(model[k], whole_model[k]) for k in model), what
+
+
+@pytest.mark.slow  # inductor's first compile costs ~15 s of CPU with a cold cache (~5 s warm); not in make test-fast
+def test_inductor_trainer_matches_eager():
+    """The real backend: inductor generates C++ kernels for forward and backward (this machine's gcc)."""
+
+    def fit(compile):
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = islands.Trainer(model, opt, F.cross_entropy, dataset(), batch_size=8, log_every=1, compile=compile)
+        trainer.fit(6)
+        return [e["loss"] for e in trainer.series["train"]], snapshot(trainer.eval_model), trainer.record_parts()
+
+    e_loss, e_model, e_parts = fit(None)
+    c_loss, c_model, c_parts = fit(True)
+    torch.testing.assert_close(c_loss, e_loss, rtol=1e-5, atol=1e-6)
+    assert list(c_model) == list(e_model)
+    for k in e_model:
+        torch.testing.assert_close(c_model[k], e_model[k], rtol=1e-5, atol=1e-6)
+    assert "compile" not in e_parts
+    rec = c_parts["compile"]
+    assert rec["backend"] == "inductor" and rec["seconds"] > rec["steady_step_seconds"]  # compiling is not free
