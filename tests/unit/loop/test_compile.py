@@ -183,3 +183,46 @@ def test_inductor_trainer_matches_eager():
     assert "compile" not in e_parts
     rec = c_parts["compile"]
     assert rec["backend"] == "inductor" and rec["seconds"] > rec["steady_step_seconds"]  # compiling is not free
+
+
+def _train(argv: list[str], capsys) -> tuple[int, str, str]:
+    from islands.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--task", "digits", "--workers", "1", "--no-probe", "--no-progress", *argv])
+    out = capsys.readouterr()
+    return int(e.value.code or 0), out.out, out.err
+
+
+def test_cli_compile_records_its_time_in_run_json_and_the_summary(tmp_path, capsys):
+    """One worker runs in this process (islands.cli.cmd_train): the digits MLP, compiled after wrap with aot_eager."""
+    import json
+
+    run_dir = tmp_path / "run"
+    argv = ["--steps", "4", "--eval-every", "0", "--compile", "--compile-backend", BACKEND, "--run-dir", str(run_dir)]
+    code, out, err = _train(argv, capsys)
+    assert code == 0, err
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["config"]["train"]["compile"] is True
+    part = record["compile"]
+    assert part["backend"] == BACKEND and part["mode"] == "default"
+    assert part["seconds"] == record["summary"]["compile_seconds"] > 0
+    assert part["seconds"] == pytest.approx(part["first_step_seconds"] - part["steady_step_seconds"])
+    assert "compile time" in out and "first step over a steady one" in out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--compile", "--compile-backend", "no-such-backend"], ["compile backend 'no-such-backend'", "inductor"]),
+        (["--compile-mode", "fastest"], ["mode='fastest'", "max-autotune"]),
+        (["--compile", "--inner", "pipeline", "--workers", "2"], ["train.compile", "inner.strategy=pipeline"]),
+    ],
+    ids=["backend", "mode", "pipeline"],
+)
+def test_cli_compile_refuses_bad_settings_before_training(argv, words, tmp_path, capsys):
+    code, _, err = _train([*argv, "--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 2
+    for w in words:
+        assert w in err, (w, err)
+    assert "Traceback" not in err and not (tmp_path / "r").exists()
