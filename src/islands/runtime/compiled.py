@@ -26,7 +26,7 @@ import torch
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SECONDS_DEFINITION = (
     "the first step's wall time minus the median of the other steps of the fit: the compilation of forward and "
-    "backward, plus whatever else only the first step pays (an eager run's first step shows that part alone)"
+    "backward, plus whatever else only the first step pays, which an eager run of the job pays too"
 )
 
 

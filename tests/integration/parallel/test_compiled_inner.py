@@ -1,9 +1,10 @@
 """Inner strategies with a model compiled by torch.compile, before or after `wrap` (docs/own-model.md, "Compiled
-models"): DDP with a compressor's comm hook (PowerSGD, whose per-parameter state is keyed by name), ZeRO-1 and FSDP2
-train as the eager model does, and what they checkpoint (the model, the strategy's state, FSDP's name-keyed optimizer
-state) has the eager names. Processes because DDP, ZeRO-1 and FSDP need a torch process group of 2 ranks; one world
-runs every case (aot_eager: islands' plumbing, not inductor's code, is under test; tests/unit/loop/test_compile.py
-has the inductor run and the outer strategies).
+models"): DDP with its counted all-reduce hook and with a compressor's comm hook (PowerSGD, whose per-parameter
+state is keyed by name), ZeRO-1 and FSDP2 train as the eager model does, and what they checkpoint (the model, the
+strategy's state, FSDP's name-keyed optimizer state) has the eager names. Processes because DDP, ZeRO-1 and FSDP
+need a torch process group of 2 ranks; one world runs every case, about 3 s of CPU per rank (aot_eager: islands'
+plumbing, not inductor's code, is under test; tests/unit/loop/test_compile.py has the inductor run and the outer
+strategies).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def _strategies():
     import islands
 
     return {
+        "ddp": lambda: islands.Stack(inner=islands.inner.DDP()),
         "ddp-powersgd": lambda: islands.Stack(inner=islands.inner.DDP(compressor=islands.compress.PowerSGD(rank=2))),
         "zero1": lambda: islands.Stack(inner=islands.inner.ZeRO1()),
         "fsdp": lambda: islands.Stack(inner=islands.inner.FSDP()),
