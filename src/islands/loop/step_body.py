@@ -23,7 +23,7 @@ import torch
 
 from islands.loop.step_readout import StepReadout
 from islands.memory.step import ForwardBackward
-from islands.runtime.compiled import Compile
+from islands.runtime.compiled import Compile, graphs_compiled
 from islands.sync.base import OwnsStep, SkipsSteps, Strategy, capability
 
 
@@ -59,6 +59,7 @@ class StepBody:
         # and checkpoints go through the strategy's eval_model, the eager module, so eval mode compiles nothing more
         self.compile = compile
         self.forward_model = compile.apply(model) if compile is not None else model
+        self.graphs_before = graphs_compiled()  # the graphs this body's fits compile are counted from here
         self._skips = capability(strategy, SkipsSteps)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.readout = StepReadout(log_every)

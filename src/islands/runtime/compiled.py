@@ -63,8 +63,9 @@ class Compile:
         assert isinstance(compiled, torch.nn.Module)  # a module compiles to a module (torch types it as a callable)
         return compiled
 
-    def record(self, step_seconds: list[float]) -> dict:
-        """The run record's `compile` part, from the fit's step times (COMPILE_SECONDS_DEFINITION)."""
+    def record(self, step_seconds: list[float], graphs: int | None = None) -> dict:
+        """The run record's `compile` part, from the fit's step times (COMPILE_SECONDS_DEFINITION) and the graphs
+        torch compiled meanwhile (`graphs_compiled`; 0: the model ran eagerly, nothing was compiled)."""
         rest = step_seconds[1:]
         steady = statistics.median(rest) if rest else 0.0
         first = step_seconds[0] if step_seconds else 0.0
@@ -74,8 +75,17 @@ class Compile:
             "seconds": max(first - steady, 0.0) if rest else None,
             "first_step_seconds": first,
             "steady_step_seconds": steady,
+            "graphs": graphs,
             "definition": COMPILE_SECONDS_DEFINITION,
         }
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process so far (its own counter; 0 before torch._dynamo loads).
+    A compiled model whose fit adds none ran eagerly: under DDP or FSDP, a model that is a bare torch container
+    (nn.Sequential) compiled after wrap is one (docs/own-model.md, "Compiled models")."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 def check_backend(backend: str, device: str) -> None:

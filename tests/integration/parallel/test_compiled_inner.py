@@ -18,9 +18,21 @@ BACKEND = "aot_eager"
 MODES = ("eager", "before", "after")
 
 
+class _Net(nn.Module):
+    """A module of the test's own: compiled after DDP's or FSDP's wrap, torch starts tracing again in the model's
+    forward only when that is user code (a bare nn.Sequential inside DDP runs eagerly; docs/own-model.md)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return _Net()
 
 
 def _strategies():
@@ -35,8 +47,13 @@ def _strategies():
 
 
 def _train(world, make, mode: str):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     from islands.checkpoint.policy.sharded_state import optimizer_state_dict
 
+    torch._dynamo.reset()  # each compiled case compiles its own graphs (none cached from the case before)
+    counters.clear()
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     strategy = make()
@@ -61,6 +78,7 @@ def _train(world, make, mode: str):
     hook = state.get("hook", {}).get("compressor", {})
     optim = optimizer_state_dict(model, opt, world)  # collective under FSDP
     return {
+        "graphs": counters["stats"]["unique_graphs"],
         "losses": losses,
         "model": {k: v.detach().numpy().copy() for k, v in strategy.eval_model(model).state_dict().items()},
         "hook_keys": sorted(str(k) for k in hook),
@@ -82,6 +100,7 @@ def test_compiled_models_train_and_save_as_eager_ones_under_inner_strategies():
             eager = cases[(name, "eager")]
             for mode in ("before", "after"):
                 got, what = cases[(name, mode)], f"rank {rank}, {name}, compiled {mode} wrap"
+                assert got["graphs"] >= 1 and eager["graphs"] == 0, what  # compiled, not an eager fallback
                 np.testing.assert_allclose(got["losses"], eager["losses"], rtol=1e-5, atol=1e-6, err_msg=what)
                 assert list(got["model"]) == list(eager["model"]), what  # no _orig_mod. / module. prefixes
                 for k, v in eager["model"].items():

@@ -9,6 +9,7 @@ generated code; `test_inductor_trainer_matches_eager` is the one that compiles w
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -36,6 +37,19 @@ def dataset() -> TensorDataset:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+@contextmanager
+def compiles():
+    """Fresh torch.compile caches, and a check that the block compiled a graph: a graph cached by an earlier test, or
+    torch's fallback to eager after too many recompiles, would let a compiled run pass without compiling."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -67,6 +81,31 @@ def test_compile_record_is_the_first_steps_excess_over_the_median():
     assert rec["seconds"] == pytest.approx(4.8) and rec["steady_step_seconds"] == pytest.approx(0.2)
     assert rec["backend"] == BACKEND and "first step" in rec["definition"]
     assert Compile().record([1.0])["seconds"] is None  # one step: nothing steady to subtract
+    assert Compile().record([1.0, 0.5], graphs=3)["graphs"] == 3
+
+
+class _Uncompilable(nn.Module):
+    """A forward torch.compile is told not to trace: compiled, it runs eagerly, as a bare nn.Sequential inside DDP
+    does (docs/own-model.md)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_compiled_model_that_compiled_nothing_says_so():
+    def graphs(model) -> int:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = islands.Trainer(model, opt, F.cross_entropy, dataset(), batch_size=8, compile=Compile(BACKEND))
+        trainer.fit(2)
+        return trainer.record_parts()["compile"]["graphs"]
+
+    assert graphs(_Uncompilable()) == 0
+    assert graphs(mlp()) >= 1  # the same count sees a graph where one was compiled
 
 
 def _fit_simulated(make_strategy, compile) -> list:
@@ -103,7 +142,8 @@ def _fit_simulated(make_strategy, compile) -> list:
 )
 def test_compiled_trainer_matches_eager_under_outer_strategies(make_strategy):
     eager = _fit_simulated(make_strategy, None)
-    compiled = _fit_simulated(make_strategy, Compile(backend=BACKEND))
+    with compiles():
+        compiled = _fit_simulated(make_strategy, Compile(backend=BACKEND))
     for (e_loss, e_model, e_rec), (c_loss, c_model, c_rec) in zip(eager, compiled):
         assert len(c_loss) == STEPS
         torch.testing.assert_close(c_loss, e_loss, rtol=1e-5, atol=1e-6)  # fp32 tolerance
@@ -144,15 +184,21 @@ def _own_loop(ckpt_dir, compile_at: str, steps: int, every: int) -> tuple[list[f
 
 def test_checkpoints_resume_bit_for_bit_and_load_across_compiled_and_eager(tmp_path):
     half = STEPS // 2
-    whole_compiled = _own_loop(tmp_path / "whole-c", "after", STEPS, every=0)
+    with compiles():
+        whole_compiled = _own_loop(tmp_path / "whole-c", "after", STEPS, every=0)
     whole_eager = _own_loop(tmp_path / "whole-e", "", STEPS, every=0)
-    _own_loop(tmp_path / "half-c", "before", half, every=half)  # a compiled run's checkpoint at step 4
+    with compiles():
+        _own_loop(tmp_path / "half-c", "before", half, every=half)  # a compiled run's checkpoint at step 4
     _own_loop(tmp_path / "half-e", "", half, every=half)  # an eager run's
     shutil.copytree(tmp_path / "half-c", tmp_path / "half-c2")
+    with compiles():
+        from_compiled = _own_loop(tmp_path / "half-c", "after", STEPS, 0)
+    with compiles():
+        from_eager = _own_loop(tmp_path / "half-e", "before", STEPS, 0)
     resumed = {
-        "compiled from compiled": (_own_loop(tmp_path / "half-c", "after", STEPS, 0), whole_compiled),
+        "compiled from compiled": (from_compiled, whole_compiled),
         "eager from compiled": (_own_loop(tmp_path / "half-c2", "", STEPS, 0), whole_eager),
-        "compiled from eager": (_own_loop(tmp_path / "half-e", "before", STEPS, 0), whole_compiled),
+        "compiled from eager": (from_eager, whole_compiled),
     }
     # aot_eager runs the eager kernels, so a compiled run equals an eager one bit for bit: the resumed runs of
     # every pair must then equal the uninterrupted ones exactly (losses after the restore, global model)
@@ -175,7 +221,8 @@ def test_inductor_trainer_matches_eager():
         return [e["loss"] for e in trainer.series["train"]], snapshot(trainer.eval_model), trainer.record_parts()
 
     e_loss, e_model, e_parts = fit(None)
-    c_loss, c_model, c_parts = fit(True)
+    with compiles():
+        c_loss, c_model, c_parts = fit(True)
     torch.testing.assert_close(c_loss, e_loss, rtol=1e-5, atol=1e-6)
     assert list(c_model) == list(e_model)
     for k in e_model:
@@ -208,7 +255,8 @@ def test_cli_compile_records_its_time_in_run_json_and_the_summary(tmp_path, caps
     assert part["backend"] == BACKEND and part["mode"] == "default"
     assert part["seconds"] == record["summary"]["compile_seconds"] > 0
     assert part["seconds"] == pytest.approx(part["first_step_seconds"] - part["steady_step_seconds"])
-    assert "compile time" in out and "first step over a steady one" in out
+    assert part["graphs"] == record["summary"]["compile_graphs"] >= 1
+    assert "compile time" in out and "first step over a steady one" in out and "graph(s)" in out
 
 
 @pytest.mark.parametrize(
