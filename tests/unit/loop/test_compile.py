@@ -274,3 +274,37 @@ def test_cli_compile_refuses_bad_settings_before_training(argv, words, tmp_path,
     for w in words:
         assert w in err, (w, err)
     assert "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_an_elastic_rounds_buffer_snapshot_does_not_recompile_the_model_every_round():
+    """In an elastic job an outer strategy snapshots the buffers at each round's first forward (a forward pre-hook).
+    Traced into the compiled graph, its check of the round count recompiled the model every round, and after torch's
+    limit of 8 the model ran eagerly; it runs outside the graph. The membership is the contracts test's double."""
+    from test_contracts import _elastic_world, _Membership
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = _BatchNormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = islands.outer.DiLoCo(inner_steps=1)  # a round every step
+    strategy = islands.Stack(inner=islands.inner.Single(), outer=outer)
+    model = torch.compile(strategy.wrap(model, opt, _elastic_world(_Membership())), backend=BACKEND)
+    with compiles():
+        for step in range(10):  # more rounds than torch's 8 recompiles
+            x, _ = batch(step)
+            model(x).square().mean().backward()
+            strategy.after_backward(model, step)
+            opt.step()
+            opt.zero_grad()
+            strategy.after_step(model, opt, step)
+            assert outer._round_seen == step == outer.rounds - 1  # the snapshot of this round's start was taken
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph for every round
