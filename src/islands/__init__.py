@@ -32,6 +32,7 @@ from islands.loop import (
 )
 from islands.runtime import simulate  # M islands in one process (islands.runtime.simulate)
 from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.compiled import Compile
 from islands.runtime.world import World, close_world, init_world
 from islands.sync.base import NoOp, Strategy
 from islands.sync.stack import Stack
@@ -44,6 +45,7 @@ __all__ = [
     "Checkpointing",
     "Comm",
     "CommLedger",
+    "Compile",
     "Constant",
     "Evaluate",
     "NoOp",

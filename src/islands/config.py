@@ -124,6 +124,19 @@ class TrainConfig:
         8, "validation batches per evaluation (lm and hf-causal-lm; digits evaluates its whole validation split)"
     )
     log_every: int = _key(10, "steps per point of the recorded training-loss series (the mean over those steps)")
+    compile: bool = _key(
+        False,
+        "run forward and backward through torch.compile, applied after the strategy wraps the model; run.json "
+        "and the summary give the compile time (docs/own-model.md, Compiled models)",
+    )
+    compile_backend: str = _key(
+        "inductor",
+        "train.compile's backend: inductor (generated kernels; on the CPU it needs a C++ compiler) or any "
+        "torch._dynamo backend, e.g. aot_eager (traces forward and backward, generates nothing)",
+    )
+    compile_mode: str = _key(
+        "default", "train.compile's mode: default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs"
+    )
 
 
 @dataclass
@@ -417,6 +430,9 @@ FLAT: dict[str, str] = {
     "eval_every": "train.eval_every",
     "eval_batches": "train.eval_batches",
     "log_every": "train.log_every",
+    "compile": "train.compile",
+    "compile_backend": "train.compile_backend",
+    "compile_mode": "train.compile_mode",
     "workers": "world.workers",
     "islands": "world.islands",
     "threads": "world.threads",

@@ -39,6 +39,7 @@ from islands.memory.step import ForwardBackward
 from islands.observe import JsonLines, Logging, build_loggers
 from islands.observe.backends import stream_name
 from islands.parallel.pipeline.strategy import PipelineStages
+from islands.runtime.compiled import Compile
 from islands.runtime.payload_auth import authenticate_payloads
 from islands.runtime.world import World
 from islands.sync.base import Strategy, WritesReport
@@ -305,6 +306,7 @@ def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, cal
         step_fn=step_fn,
         seed=cfg.train.seed,
         log_every=cfg.train.log_every,
+        compile=Compile(cfg.train.compile_backend, cfg.train.compile_mode) if cfg.train.compile else None,
     )
 
 

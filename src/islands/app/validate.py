@@ -37,6 +37,7 @@ from islands.parallel.pipeline.cuts import parse_cuts
 from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm, tied_embeddings
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
+from islands.runtime.compiled import Compile, check_backend
 from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch.ranks import LaunchError, load_testbed
 from islands.runtime.world import World
@@ -382,6 +383,23 @@ def memory(cfg: JobConfig) -> str | None:
     return None
 
 
+def compiled(cfg: JobConfig) -> str | None:
+    """train.compile: a mode torch knows (always), and when on, a backend this machine can run and a step islands
+    itself runs (a pipeline's stages run their own forward and backward)."""
+    t = cfg.train
+    Compile(t.compile_backend or "inductor", t.compile_mode)  # its ValueError names the modes
+    if not t.compile:
+        return None
+    if cfg.inner_strategy == "pipeline":
+        return (
+            "train.compile compiles the model's forward and backward, which a pipeline's stages run themselves; "
+            "leave it off with inner.strategy=pipeline"
+        )
+    cpu = cfg.world.device == "cpu" or (cfg.world.device == "auto" and not torch.cuda.is_available())
+    check_backend(t.compile_backend, "cpu" if cpu else "cuda")
+    return None
+
+
 def pipeline(cfg: JobConfig) -> str | None:
     inner = cfg.inner
     if inner.stages < 0 or inner.activation_budget_mb < 0:
@@ -704,6 +722,7 @@ RULES: list[tuple[str, Rule, tuple[str, ...]]] = [
     ("sharding", sharding, VALUES),
     ("memory", memory, TASK),
     ("pipeline", pipeline, TASK),
+    ("compile", compiled, ("choices",)),
     ("checkpointing", checkpointing, CLEAN),
     ("simulated islands", simulated, VALUES),
     ("elastic", elastic, VALUES),

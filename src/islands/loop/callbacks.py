@@ -301,4 +301,6 @@ class RunRecord:
         if self.run_dir is not None:
             record["run_dir"] = str(self.run_dir)
         record.update(trainer.record_parts())
+        summary["compile_seconds"] = record["compile"]["seconds"] if "compile" in record else None
+        summary["compile_graphs"] = record["compile"]["graphs"] if "compile" in record else None
         return record

@@ -9,7 +9,8 @@
     body.readout.took(loss)              the loss stays on the device until a log entry or a callback reads it
 
 It holds what the user gave for the step: the loss function and the validation metrics, the step function
-(micro-batches, precision), grad_clip and the schedule; and the readout of its losses and times
+(micro-batches, precision), grad_clip, the schedule and the torch.compile settings (the compiled model runs the
+forward; the strategy's hooks get the model it wrapped); and the readout of its losses and times
 (islands.loop.step_readout).
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from islands.loop.step_readout import StepReadout
 from islands.memory.step import ForwardBackward
+from islands.runtime.compiled import Compile, graphs_compiled
 from islands.sync.base import OwnsStep, SkipsSteps, Strategy, capability
 
 
@@ -38,14 +40,26 @@ class StepBody:
         schedule: Any,
         metrics: dict[str, Callable],
         log_every: int,
+        compile: Compile | None = None,
     ):
-        """`model`: as the strategy wrapped it; `log_every`: steps per entry of the training-loss series."""
+        """`model`: as the strategy wrapped it; `log_every`: steps per entry of the training-loss series; `compile`:
+        torch.compile settings for the forward and backward (the strategy's hooks keep the wrapped model)."""
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
         self.loss_fn, self.step_fn, self.grad_clip = loss_fn, step_fn, grad_clip
         self.schedule = schedule  # a function step -> factor of each group's initial lr, or a torch LRScheduler
         self.metrics = metrics  # name -> fn(prediction, targets), for validation (Trainer.evaluate)
         owner = capability(strategy, OwnsStep)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         self._own_step = owner.forward_backward if owner is not None else None
+        if compile is not None and owner is not None:
+            raise ValueError(
+                f"compile= compiles the model's forward and backward, which {type(owner).__name__} runs itself "
+                "(a pipeline's stages): leave compile off with it"
+            )
+        # compiled after wrap (docs/own-model.md, "Compiled models"): DDP's graph is split at its buckets; evaluation
+        # and checkpoints go through the strategy's eval_model, the eager module, so eval mode compiles nothing more
+        self.compile = compile
+        self.forward_model = compile.apply(model) if compile is not None else model
+        self.graphs_before = graphs_compiled()  # the graphs this body's fits compile are counted from here
         self._skips = capability(strategy, SkipsSteps)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
         self.readout = StepReadout(log_every)
@@ -64,7 +78,7 @@ class StepBody:
         cannot take fails (the first step of a fit)."""
         if self._own_step is not None:
             return self._own_step(*batch)
-        return self.step_fn(self.model, batch, self.loss_fn, explain=explain)
+        return self.step_fn(self.forward_model, batch, self.loss_fn, explain=explain)
 
     def update(self, step: int) -> None:
         self.strategy.after_backward(self.model, step)

@@ -43,6 +43,7 @@ from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
 from islands.loop.step_body import StepBody
 from islands.memory.step import ForwardBackward
+from islands.runtime.compiled import Compile, as_compile, graphs_compiled
 from islands.runtime.world import World
 from islands.sync.base import Describes, Strategy, capability
 from islands.sync.stack import Stack
@@ -67,6 +68,7 @@ class Trainer:
         step_fn: ForwardBackward | None = None,
         seed: int = 0,
         log_every: int = 10,
+        compile: bool | Compile | None = None,
     ):
         """`model` and `optimizer`: the user's own (the optimizer built on the model's parameters). `loss_fn(prediction,
         targets)` -> scalar, or None when the model's output carries its loss. `train_data`: a Dataset (with
@@ -76,7 +78,9 @@ class Trainer:
         function step -> factor of each group's initial lr, or a torch LRScheduler. `callbacks`: islands.loop.callbacks
         and the user's own. `metrics`: name -> fn(prediction, targets), averaged over validation samples.
         `grad_clip`: max global gradient norm (0: none). `step_fn`: micro-batches and precision (islands.memory).
-        `seed`: the data order of a Dataset. `log_every`: steps per entry of the training-loss series."""
+        `seed`: the data order of a Dataset. `log_every`: steps per entry of the training-loss series. `compile`: True
+        (islands.Compile(): inductor) or islands.Compile(backend=..., mode=...) runs forward and backward through
+        torch.compile, applied to the model the strategy wrapped; the run record's `compile` part has its time."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if not any(p.requires_grad for p in model.parameters()):
@@ -122,6 +126,7 @@ class Trainer:
             schedule=schedule,
             metrics=dict(metrics or {}),
             log_every=int(log_every),
+            compile=as_compile(compile),
         )
         self.step = self.world.start_step  # 0, or where the members were when an elastic joiner entered
         self.total_steps = 0
@@ -248,6 +253,9 @@ class Trainer:
         parts = {}
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
+        if self.body.compile is not None:  # this fit's first step against its steady ones
+            graphs = graphs_compiled() - self.body.graphs_before
+            parts["compile"] = self.body.compile.record(self.body.readout.seconds, graphs)
         described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()

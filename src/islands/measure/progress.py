@@ -61,6 +61,7 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
         ("MB sent per worker", _sent(summary)),
         *([("MB sent across islands", _across(summary))] if summary.get("islands", 1) > 1 else []),
         ("time with comm in flight", f"{100 * summary['comm_fraction']:.1f}%"),
+        *([("compile time", _compile(summary))] if summary.get("compile_seconds") is not None else []),
         ("interconnect", interconnect_line),
         ("baseline", summary["baseline"]),
     ]
@@ -69,6 +70,16 @@ def summary_table(summary: dict, interconnect_line: str) -> Table:
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _compile(summary: dict) -> str:
+    """torch.compile's cost (a compiled run's row only): the first step over a steady one, and the graphs compiled
+    (islands.runtime.compiled); none compiled says the model ran eagerly."""
+    graphs = summary.get("compile_graphs")
+    if graphs == 0:
+        return "nothing compiled: the model ran eagerly (docs/own-model.md, Compiled models)"
+    what = f", {graphs} graph(s)" if graphs is not None else ""
+    return f"{summary['compile_seconds']:.1f} s (first step over a steady one{what})"
 
 
 def _loss(value: float | None) -> str:

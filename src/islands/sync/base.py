@@ -32,6 +32,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from islands.runtime.compiled import uncompiled
 from islands.runtime.world import NO_OUTER, World
 from islands.sync.attach import Attached
 
@@ -139,7 +140,7 @@ class NoOp:
         return done
 
     def eval_model(self, model):
-        return model
+        return uncompiled(model)  # a compiled model's plain module: its state_dict keys are the eager ones
 
     def state_dict(self) -> dict:
         return {}

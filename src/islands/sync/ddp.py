@@ -33,6 +33,7 @@ from islands.compress.error_feedback import with_error_feedback
 from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.faults.roles import LabelFlip, flip_targets
 from islands.runtime.comm import Comm
+from islands.runtime.compiled import uncompiled
 from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.exchange import RobustBucketState, robust_bucket_hook
 
@@ -94,8 +95,8 @@ class DDP(NoOp):
         """(state, hook) for this exchange; (None, counted mean) for plain DDP."""
         if self.compressor is not None and hasattr(self.compressor, "make_hook"):
             return self.compressor.make_hook(comm, model)
-        if self.compressor is not None:
-            return ddp_comm_hook(self.compressor, comm, model.named_parameters(), overlap=self.overlap)
+        if self.compressor is not None:  # state keyed by the plain names: a compiled model's match an eager one's
+            return ddp_comm_hook(self.compressor, comm, unwrap(model).named_parameters(), overlap=self.overlap)
         if self.aggregator is not None or self.attack is not None:
             return RobustBucketState(
                 comm, self.aggregator or Mean(), self.attack, world.rank, world.size, self.seed
@@ -192,4 +193,9 @@ def broadcast_start(model: torch.nn.Module, world) -> None:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The user's module under DDP and torch.compile wrappers, in either order (compiled before or after wrap):
+    what strategies name parameters by and what eval_model returns, so keys carry no `module.`/`_orig_mod.`."""
+    model = uncompiled(model)
+    while isinstance(model, DistributedDataParallel):
+        model = uncompiled(model.module)
+    return model

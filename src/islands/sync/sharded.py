@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from islands.runtime.comm import Comm
+from islands.runtime.compiled import uncompiled
 from islands.sync.base import NoOp, refuse_alone_in_elastic
 from islands.sync.prefetch import set_prefetch
 from islands.sync.shard_group import build_mesh, parse_shard_group, resolve_group
@@ -128,6 +129,7 @@ class FSDP(NoOp):
         self.units: list[Unit] = []
         self.traffic: list[tuple[str, int, int]] = []
         self.full: nn.Module | None = None
+        self.sharded: nn.Module | None = None  # the module fully_shard sharded (under any compile wrapper)
         self.world = None
         self.islands_apart = False  # set by a Stack with an outer strategy: no replication across islands
 
@@ -143,6 +145,7 @@ class FSDP(NoOp):
             return model  # a world (or, under an outer strategy, an island) of one has nothing to shard across
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        compiled, model = model, uncompiled(model)  # compiled before wrap: shard the module under it (plain names)
         groups, self.units = plan_units(model, self.policy)
         n = self.group_size = resolve_group(self.shard_group, self.units, world, self.memory_budget_bytes)
         if self.islands_apart and n != world.workers_per_island:
@@ -155,7 +158,7 @@ class FSDP(NoOp):
         mesh = world.mesh["local"] if self.islands_apart else build_mesh(world, n)
         self.shard_comm = world.comm("local") if n == world.workers_per_island else _mesh_comm(mesh, world)
         self.full = copy.deepcopy(model)  # plain copy for evaluation and checkpoints, refreshed on demand
-        self.full.register_load_state_dict_post_hook(lambda module, keys: self._scatter_full(model))
+        self.full.register_load_state_dict_post_hook(lambda module, keys: self._scatter_full(self.sharded))
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         before = dict(model.named_parameters())
         for group in groups:
@@ -169,6 +172,7 @@ class FSDP(NoOp):
         if self.prefetch:
             set_prefetch(model, groups, self.prefetch)
         _repoint_optimizer(optimizer, before, dict(model.named_parameters()))
+        self.sharded = model
         pb = (self.param_dtype or torch.float32).itemsize
         gb = (self.reduce_dtype or self.param_dtype or torch.float32).itemsize
         # a group of one gathers and scatters nothing (FSDP skips both); it only all-reduces across groups
@@ -180,7 +184,7 @@ class FSDP(NoOp):
             ]
         if self.grad_clip:
             self.traffic.append(("fsdp_grad_norm", 4, 4))  # the fp32 global norm, reduced once
-        return model
+        return compiled  # the user's object: a compiled model stays compiled, its module now sharded in place
 
     def after_backward(self, model, step):
         for kind, sent, received in self.traffic:
@@ -190,7 +194,8 @@ class FSDP(NoOp):
     def eval_model(self, model):
         """Collective: every rank of the island must call it. Returns a plain module with full tensors."""
         if self.full is None:
-            return model
+            return uncompiled(model)
+        model = uncompiled(model)  # compiled after wrap: the sharded module under it, named as self.full is
         comm = self.shard_comm
         n = comm.size
         with torch.no_grad():

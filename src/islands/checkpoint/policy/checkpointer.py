@@ -46,6 +46,7 @@ from islands.checkpoint.policy.rng import rng_state, set_rng_state
 from islands.checkpoint.policy.settings import AutoInterval, CheckpointSettings
 from islands.checkpoint.policy.sharded_state import load_optimizer_state_dict, optimizer_state_dict
 from islands.data.loader import ShardSampler
+from islands.runtime.compiled import uncompiled
 from islands.runtime.world import World
 
 
@@ -93,7 +94,8 @@ class LoopState:
         return _shard_items(self.data) if self.data is not None else -1
 
     def _checkpointed_model(self) -> torch.nn.Module:
-        return self.strategy.eval_model(self.model) if self.strategy is not None else self.model
+        # under any torch.compile wrapper: the keys of an eager run, so either run resumes from the other's checkpoints
+        return uncompiled(self.strategy.eval_model(self.model) if self.strategy is not None else self.model)
 
     def model_state_dict(self) -> dict:
         return self._checkpointed_model().state_dict()

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from islands.runtime.comm import Comm
+from islands.runtime.compiled import uncompiled
 
 GATHER_KIND = "ckpt_shard_gather"
 
@@ -85,6 +86,7 @@ def _own_rows(full: torch.Tensor, param) -> object:
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world) -> dict:
     """What a checkpoint stores. Sharded models: collective over each sharding group (every rank must call it)."""
+    model = uncompiled(model)  # names without torch.compile's `_orig_mod.`: compiled and eager runs load each other's
     if not is_sharded(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -130,6 +132,7 @@ def _to_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: d
 
 def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load a state written by `optimizer_state_dict` on any world size (or torch's plain form)."""
+    model = uncompiled(model)
     sharded = is_sharded(model)
     if not sharded and not _name_keyed(state):
         optimizer.load_state_dict(state)

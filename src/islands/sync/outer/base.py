@@ -100,7 +100,9 @@ class OuterStrategy(NoOp):
         self.global_buffers = list(self.global_model.buffers())
         self._round_buffers, self._round_seen, self._entry_buffers = None, None, None
         if membership is not None and self.local_buffers:
-            base.register_forward_pre_hook(self._note_round_start)
+            # outside any torch.compile graph: traced, its check of self.rounds would recompile the model every round
+            # until torch's limit of 8, after which the model runs eagerly (docs/own-model.md, "Compiled models")
+            base.register_forward_pre_hook(torch.compiler.disable(self._note_round_start))
         # an elastic joiner receives its start in enter() (so do the followers of a joining k-worker island: their
         # epoch stays -1 until their leader enters); members of the first epoch agree here, followers through the relay
         joining = membership is not None and membership.epoch < 0
