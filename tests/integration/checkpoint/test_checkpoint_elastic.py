@@ -98,7 +98,8 @@ def test_elastic_resume_restores_outer_optimizer_and_membership_bitwise(tmp_path
 
 
 @pytest.mark.slow  # two elastic jobs of 4 workers
-@pytest.mark.parametrize("inner,model", [("ddp", "mlp"), ("zero1", "mlp"), ("ddp", "bn-cnn"), ("fsdp", "bn-cnn")])
+# ddp with the MLP is left out: ddp with the BatchNorm CNN saves and resumes the same parts and its buffers too
+@pytest.mark.parametrize("inner,model", [("zero1", "mlp"), ("ddp", "bn-cnn"), ("fsdp", "bn-cnn")])
 def test_elastic_islands_of_two_workers_save_every_workers_part_and_resume_bitwise(tmp_path, inner, model):
     """2 islands x 2 workers: only the leaders are members, but every worker saves its own part (its data shard's
     position, its RNG); the resumed job equals the uninterrupted one on every worker, under ddp and zero1, and

@@ -97,6 +97,7 @@ class _Uncompilable(nn.Module):
         return self.lin(x)
 
 
+@pytest.mark.slow  # dynamo traces the model (seconds of CPU each): make test, not make test-fast
 def test_a_compiled_model_that_compiled_nothing_says_so():
     def graphs(model) -> int:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -132,6 +133,7 @@ def _fit_simulated(make_strategy, compile) -> list:
     return islands.simulate.run(main, islands=2)
 
 
+@pytest.mark.slow  # dynamo traces the model (seconds of CPU each): make test, not make test-fast
 @pytest.mark.parametrize(
     "make_strategy",
     [
@@ -182,6 +184,7 @@ def _own_loop(ckpt_dir, compile_at: str, steps: int, every: int) -> tuple[list[f
     return losses, snapshot(strategy.eval_model(model))
 
 
+@pytest.mark.slow  # dynamo traces the model (seconds of CPU each): make test, not make test-fast
 def test_checkpoints_resume_bit_for_bit_and_load_across_compiled_and_eager(tmp_path):
     half = STEPS // 2
     with compiles():
@@ -241,6 +244,7 @@ def _train(argv: list[str], capsys) -> tuple[int, str, str]:
     return int(e.value.code or 0), out.out, out.err
 
 
+@pytest.mark.slow  # dynamo traces the model (seconds of CPU each): make test, not make test-fast
 def test_cli_compile_records_its_time_in_run_json_and_the_summary(tmp_path, capsys):
     """One worker runs in this process (islands.cli.cmd_train): the digits MLP, compiled after wrap with aot_eager."""
     import json
@@ -285,6 +289,7 @@ class _BatchNormNet(nn.Module):
         return self.bn(self.lin(x))
 
 
+@pytest.mark.slow  # dynamo traces the model (seconds of CPU each): make test, not make test-fast
 def test_an_elastic_rounds_buffer_snapshot_does_not_recompile_the_model_every_round():
     """In an elastic job an outer strategy snapshots the buffers at each round's first forward (a forward pre-hook).
     Traced into the compiled graph, its check of the round count recompiled the model every round, and after torch's
