@@ -147,7 +147,9 @@ def test_an_island_that_dies_leaves_the_other_training(tmp_path, monkeypatch, ca
     assert sorted((r["island"], r["local_rank"]) for r in results) == [(0, 0), (0, 1)]
     for r in results:
         assert r["steps"] == 60 and r["islands"] == 1
-        assert r["gone"] == ["island1"]
+        # island 1 as it first entered: "island1", or "island1.1" when epoch 0 formed before it registered (a
+        # heavily loaded machine, heartbeat timeout 2 s) and it came in as a late joiner
+        assert [name.split(".")[0] for name in r["gone"]] == ["island1"], r["gone"]
         assert r["rounds"] == 6  # every round ran: two with island 1, four alone
 
 
