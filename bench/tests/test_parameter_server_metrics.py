@@ -11,14 +11,15 @@ from islands_bench.experiments.parameter_server import (
     mb_per_worker,
     server_cpu_seconds,
     server_from_checkpoint,
+    steps_to,
     time_to,
 )
 
 SERIES = [
-    {"elapsed": 0.0, "val_loss": 2.3},
-    {"elapsed": 1.5, "val_loss": 1.0},
-    {"elapsed": 3.0, "val_loss": 0.4},
-    {"elapsed": 4.5, "val_loss": 0.5},
+    {"step": 0, "elapsed": 0.0, "val_loss": 2.3},
+    {"step": 20, "elapsed": 1.5, "val_loss": 1.0},
+    {"step": 40, "elapsed": 3.0, "val_loss": 0.4},
+    {"step": 60, "elapsed": 4.5, "val_loss": 0.5},
 ]
 
 
@@ -26,6 +27,7 @@ def test_time_to_target_is_the_first_evaluation_at_or_under_it():
     assert time_to(SERIES, 1.0) == 1.5  # at, not only under
     assert time_to(SERIES, 0.45) == 3.0
     assert time_to(SERIES, 0.1) is None
+    assert (steps_to(SERIES, 0.45), steps_to(SERIES, 0.1)) == (40, None)
 
 
 def test_loss_at_equal_wall_time_is_the_last_evaluation_at_or_before_it():

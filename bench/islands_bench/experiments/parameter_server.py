@@ -114,6 +114,15 @@ def time_to(series: list[dict], target: float) -> float | None:
     return None
 
 
+def steps_to(series: list[dict], target: float) -> int | None:
+    """The step of the first evaluation at or under `target`: the load-free measure beside the seconds (rank 0's
+    steps; under ps, the global model then holds whatever the other islands had pushed)."""
+    for point in series:
+        if point["val_loss"] <= target:
+            return int(point["step"])
+    return None
+
+
 def loss_at(series: list[dict], seconds: float) -> float | None:
     """The last evaluated loss at or before `seconds` of training."""
     before = [p for p in series if p["elapsed"] <= seconds + 1e-9]
@@ -192,6 +201,7 @@ def _arm_row(ctx, setting, arm, rec, target, numel, load) -> dict:
         "setting": setting,
         "run": arm,
         "time_to_target_s": time_to(rec["series"]["val"], target),
+        "steps_to_target": steps_to(rec["series"]["val"], target),
         "final_val_loss": s["final_val_loss"],
         "wall_s": s["wall_seconds"],
         "goodput": 1.0,
@@ -428,6 +438,7 @@ def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
         target = min(r["final_val_loss"] for r in rows)
     for r in rows:
         r["time_to_target_s"] = time_to(recs[(r["run"], r["link"])]["series"]["val"], target)
+        r["steps_to_target"] = steps_to(recs[(r["run"], r["link"])]["series"]["val"], target)
     by = {(r["run"], r["link"]): r for r in rows}
     base_t = by.get(("diloco", "loopback"), {}).get("time_to_target_s")
     for r in rows:
