@@ -6,9 +6,11 @@ import json
 import pytest
 
 from islands_bench.experiments.parameter_server import (
+    blocked_at,
     churn_goodput,
     loss_at,
     mb_per_worker,
+    normalised_seconds,
     server_cpu_seconds,
     server_from_checkpoint,
     steps_to,
@@ -100,3 +102,21 @@ def test_server_cpu_grows_with_the_pushes_replayed():
     assert server_cpu_seconds(1000, 1, 2) >= 0.0 and server_cpu_seconds(200_000, 40, 3) > server_cpu_seconds(
         200_000, 1, 3
     )
+
+
+def test_blocked_seconds_to_a_step_are_the_most_blocked_ranks_last_entry_at_or_before_it(tmp_path):
+    live = tmp_path / "live"
+    live.mkdir()
+    for rank, blocked in ((0, [0.1, 0.2, 0.3]), (1, [1.0, 2.0, 9.0])):  # rank 1 pushes over the link
+        lines = [json.dumps({"kind": "params"})] + [
+            json.dumps({"step": 20 * (i + 1), "metrics": {"time/blocked_s": b}}) for i, b in enumerate(blocked)
+        ]
+        (live / f"rank{rank}.jsonl").write_text("\n".join(lines))
+    assert blocked_at(tmp_path, 40) == 2.0
+    assert blocked_at(tmp_path, 59) == 2.0
+    assert blocked_at(tmp_path, 10) == 0.0
+
+
+def test_normalised_seconds_are_steps_at_one_compute_speed_plus_the_arms_own_blocking():
+    assert normalised_seconds(80, 0.5, 3.0) == 43.0
+    assert normalised_seconds(None, 0.5, 3.0) is None

@@ -123,6 +123,29 @@ def steps_to(series: list[dict], target: float) -> int | None:
     return None
 
 
+def blocked_at(run_dir: Path, step: int) -> float:
+    """Seconds the slowest-blocked rank had spent inside the outer strategy by `step` (time/blocked_s in each rank's
+    live log, the last entry at or before it): the link's share of the time to target (for ps, the ranks that push
+    over the link, not the server's host)."""
+    worst = 0.0
+    for path in sorted((run_dir / "live").glob("*.jsonl")):
+        got = 0.0
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            blocked = entry.get("metrics", {}).get("time/blocked_s")
+            if blocked is not None and isinstance(entry.get("step"), int) and entry["step"] <= step:
+                got = float(blocked)
+        worst = max(worst, got)
+    return worst
+
+
+def normalised_seconds(steps: int | None, per_step: float, blocked: float) -> float | None:
+    """Time to target at one common compute speed: steps x `per_step` (fp32 DiLoCo's compute seconds per step on
+    loopback) + the arm's own blocked seconds; on a shared host whose load moves between runs, this compares the
+    numerics (steps) and the link (blocking) without the load."""
+    return None if steps is None else steps * per_step + blocked
+
+
 def loss_at(series: list[dict], seconds: float) -> float | None:
     """The last evaluated loss at or before `seconds` of training."""
     before = [p for p in series if p["elapsed"] <= seconds + 1e-9]
@@ -439,13 +462,24 @@ def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
     for r in rows:
         r["time_to_target_s"] = time_to(recs[(r["run"], r["link"])]["series"]["val"], target)
         r["steps_to_target"] = steps_to(recs[(r["run"], r["link"])]["series"]["val"], target)
+    ref_rec = recs.get(("diloco", "loopback"), recs[plan[0][0], "loopback"])
+    ref_s = ref_rec["summary"]
+    per_step = (ref_s["wall_seconds"] - ref_s["sync_blocked_seconds"]) / ref_s["steps"]  # rank 0's compute
+    for r in rows:
+        rec = recs[(r["run"], r["link"])]
+        steps_ = r["steps_to_target"]
+        r["blocked_to_target_s"] = blocked_at(Path(rec["run_dir"]), steps_) if steps_ is not None else None
+        r["normalised_s"] = normalised_seconds(steps_, per_step, r["blocked_to_target_s"] or 0.0)
     by = {(r["run"], r["link"]): r for r in rows}
     base_t = by.get(("diloco", "loopback"), {}).get("time_to_target_s")
+    base_n = by.get(("diloco", "loopback"), {}).get("normalised_s")
     for r in rows:
-        own = by[(r["run"], "loopback")]["time_to_target_s"]
-        t = r["time_to_target_s"]
+        own, own_n = by[(r["run"], "loopback")]["time_to_target_s"], by[(r["run"], "loopback")]["normalised_s"]
+        t, n = r["time_to_target_s"], r["normalised_s"]
         r["vs_own_loopback"] = t / own if t and own else None
         r["vs_diloco_loopback"] = t / base_t if t and base_t else None
+        r["normalised_vs_own_loopback"] = n / own_n if n and own_n else None
+        r["normalised_vs_diloco_loopback"] = n / base_n if n and base_n else None
     return rows, target
 
 
@@ -474,6 +508,37 @@ def goal_text(rows: list[dict], setting: str, arm: str) -> str:
     return (
         f"({setting}) goal {goal}: {t_sync / t:.2f}x sooner, {vs_dl}, goodput {100 * ps['goodput']:.1f}%: "
         f"{'met' if met else 'not met'}"
+    )
+
+
+def item5_text(rows: list[dict], link: str, goal: float, target: float) -> str:
+    """Item 5's line for one link: each arm's seconds and steps to the target against its own loopback run and fp32
+    DiLoCo's, measured and at one common compute speed (normalised_seconds), and whether the best meets `goal`."""
+    here = [r for r in rows if r["link"] == link]
+    if not here:
+        return f"item 5, {link}: not run"
+
+    def one(r: dict) -> str:
+        if not r["time_to_target_s"]:
+            return f"{r['run']} not reached (final {r['final_val_loss']:.4f})"
+        return (
+            f"{r['run']} {r['time_to_target_s']:.1f} s at step {r['steps_to_target']} (x{r['vs_own_loopback']:.2f} "
+            f"its loopback, x{r['vs_diloco_loopback']:.2f} fp32 DiLoCo's loopback; normalised "
+            f"x{r['normalised_vs_diloco_loopback']:.2f}, blocked {r['blocked_to_target_s']:.1f} s)"
+        )
+
+    def best(key: str) -> str:
+        got = [r for r in here if r[key] is not None]
+        if not got:
+            return "none reached it"
+        b = min(got, key=lambda r: r[key])
+        return f"{b['run']} x{b[key]:.2f}: {'met' if b[key] <= goal else 'not met'}"
+
+    return (
+        f"item 5, testbed {link}, target fp32 DiLoCo's loopback loss {target:.4f} (byte LM): "
+        + "; ".join(one(r) for r in here)
+        + f"; goal best <= {goal}x fp32 DiLoCo's loopback time: measured {best('vs_diloco_loopback')}, "
+        f"normalised {best('normalised_vs_diloco_loopback')}"
     )
 
 
@@ -586,31 +651,7 @@ def parameter_server(ctx: BenchContext) -> dict:
     goal_words = [goal_text(rows, setting, arm) for setting in ("slow", "churn", "equal") for arm in PS_ARMS]
     headline += goal_words
     by = {(r["run"], r["link"]): r for r in target_rows}
-    for link, goal in GOALS.items():
-        here = [r for r in target_rows if r["link"] == link]
-        if not here:
-            continue
-        reached = [r for r in here if r["vs_diloco_loopback"] is not None]
-        best = min(reached, key=lambda r: r["vs_diloco_loopback"]) if reached else None
-        headline.append(
-            f"item 5, testbed {link}, target fp32 DiLoCo's loopback loss {lm_target:.4f} (byte LM): "
-            + ", ".join(
-                f"{r['run']} "
-                + (
-                    f"{r['time_to_target_s']:.1f} s (x{r['vs_own_loopback']:.2f} its loopback, "
-                    f"x{r['vs_diloco_loopback']:.2f} fp32 DiLoCo's loopback)"
-                    if r["time_to_target_s"]
-                    else f"not reached (final {r['final_val_loss']:.4f})"
-                )
-                for r in here
-            )
-            + (
-                f"; best {best['run']} x{best['vs_diloco_loopback']:.2f} (goal <= {goal}): "
-                f"{'met' if best['vs_diloco_loopback'] <= goal else 'not met'}"
-                if best
-                else "; none reached it"
-            )
-        )
+    headline += [item5_text(target_rows, link, goal, lm_target) for link, goal in GOALS.items()]
     loop = [r for r in target_rows if r["link"] == "loopback"]
     if loop:
         headline.append(
