@@ -597,7 +597,7 @@ def _words(rows: list[dict], setting: str) -> str:
 
 @experiment(
     "parameter-server",
-    practices=("SOTA-907", "SOTA-912", "SOTA-910"),
+    practices=("SOTA-907", "SOTA-912", "SOTA-910", "Q-6"),
     help="synchronous DiLoCo, deadline rounds and the parameter server: time to DDP's loss on equal islands at "
     "100 Mbit/s, a 2x and a 4x slower island, churn and 20 Mbit/s; the utilisation setting to a target loss",
 )
