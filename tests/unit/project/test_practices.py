@@ -154,7 +154,8 @@ def test_active_and_proposed_entries_state_a_claim(practices):
 def test_open_questions_present(practices):
     # A question stays Open; once an experiment answers it, its row names that module and experiment.
     questions = [p for p in practices if p.is_question]
-    assert [q.id for q in questions] == ["Q-1", "Q-2", "Q-3", "Q-4", "Q-5"]
+    # Q-6 (issue 36): the reading notes' third contradiction, whether parameter servers are obsolete
+    assert [q.id for q in questions] == ["Q-1", "Q-2", "Q-3", "Q-4", "Q-5", "Q-6"]
     assert all(q.status == "Open" and q.claim for q in questions)
 
 

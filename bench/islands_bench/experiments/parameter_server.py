@@ -1,0 +1,682 @@
+"""parameter-server (issue #36): synchronous DiLoCo, DiLoCo with deadline rounds and the parameter server side by
+side, judged by the wall time to a target loss (SOTA-907, SOTA-912, SOTA-910).
+
+Arms (the same step budget per island, evaluated at every round's end; rank 0 sits on the fastest island):
+    diloco           synchronous rounds of H steps: every island waits for the slowest at each exchange
+    diloco-deadline  adapt=deadline: every island steps until the fastest island's time for H steps runs out
+    ps               the parameter server (ps:inner_steps=H; a thread of rank 0): each island pushes its delta when
+                     its own round ends and pulls the global model, no barrier but the job's end; the server steps
+                     with delayed Nesterov (arXiv 2401.09135); max_staleness=STALENESS so that a 4x slower island's
+                     rounds are not refused (the default 4 is below the 6 pushes others make during one of them)
+    ps-sgd           the same server with islands' default DiLoCo outer step spread over the pushes: plain SGD,
+                     lr 1/sqrt(M) per push (DiLoCo: lr sqrt(M) on the mean of M deltas; ps_sgd)
+Settings:
+    (a) equal     2 islands on a 100 Mbit/s testbed link
+    (b) slow      3 islands on gloo loopback, island 1 2x and island 2 4x slower (world.slowdown; every step padded
+                  to a floor above its real compute time, as heterogeneous does: on a shared 2-core host a process
+                  that never sleeps gets less CPU than one that sleeps)
+    (c) churn     3 islands of an elastic job on gloo loopback; island 2 SIGKILLed every CHURN_EVERY rounds and
+                  restarted by the launcher (elastic.max_restarts); the ps arm runs only once ParameterServer runs
+                  in an elastic job (its elastic_refusal() is None); until then the row says why not
+    (d) link20    2 islands on a 20 Mbit/s testbed link
+Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to
+target: rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or
+under it. Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms.
+Goodput: the share of computed samples that reach the global model: 1 for the synchronous arms without faults (every
+round is averaged); the server's accepted samples over all pushed ones for ps (its counts, read from the job's final
+checkpoint, which carries the server's state); under churn, 1 - the killed incarnations' uncommitted steps (those
+past their last round boundary) over all steps computed. Bytes: every rank's sent + received bytes (ledger), mean
+per worker. Server CPU and memory: the memory is the server state's tensors (global model, outer optimizer state,
+open window) in the final checkpoint; the CPU time is the bench process replaying the run's pushes (same parameter
+count, rule and island count) through the server's state (ps_server.ServerState) on one thread.
+
+Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
+utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
+DiLoCo, eager + topkq + deadline (utilisation's arm), ps and ps-sgd each get TARGET_LONGER times that budget on
+loopback, 20 Mbit/s and 5 Mbit/s testbed links; per link, each arm's time to the target against the same arm on
+loopback and against fp32 DiLoCo's own loopback time (goals: the best at 20 Mbit/s <= 1.1x, at 5 Mbit/s <= 1.25x).
+Quick: the digits MLP for (a)-(d) (DDP 200 steps, arms 400 at H=20, steps padded to 30 ms), the byte LM (60 steps,
+H=20, as utilisation's quick tier) for item 5; full: the byte LM throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from islands_bench.experiments.utilisation import COMPRESSOR
+from islands_bench.harness import SMOKE_LM, BenchContext, experiment
+from islands_bench.plots import figure
+
+LONGER = 2  # the arms' step budget over DDP's (heterogeneous's): room to reach DDP's loss
+TARGET_LONGER = 3  # item 5: compressed arms end 4 rounds 22-66% above fp32 (utilisation): room to catch up
+STALENESS = 8  # > the 4 + 2 pushes the other islands make during one round of the 4x slower island
+SLOW = {1: 2.0, 2: 4.0}  # (b): island -> how many times slower
+CHURN_EVERY = 3  # (c): rounds an island trains between its restart and its next kill
+VICTIM = 2  # (c): the island killed (never island 0, whose leader writes the run record)
+GOALS = {"20mbit": 1.1, "5mbit": 1.25}  # item 5: best time to target over fp32 DiLoCo's on loopback
+BATCH = 48  # divisible by 2 and 3 workers: the same global batch in every setting
+
+
+def tier(ctx: BenchContext) -> dict:
+    """The shared config of (a)-(d): task, DDP's steps, H and the step floor."""
+    if ctx.smoke:  # two rounds of H=4 per arm, the digits MLP
+        return dict(task="digits", ddp_steps=4, h=4, floor=0.02, log_every=4, model={})
+    if ctx.quick:
+        return dict(task="digits", ddp_steps=200, h=20, floor=0.03, log_every=20, model={})
+    return dict(task="lm", ddp_steps=1000, h=100, floor=0.25, log_every=20, model={})
+
+
+def ps_sgd(h: int, islands: int) -> str:
+    """The parameter server with islands' default DiLoCo outer step spread over the pushes: DiLoCo moves the model
+    by sqrt(M) x the mean of M deltas (docs/outer-strategies.md, "Default outer step"), i.e. 1/sqrt(M) x their sum,
+    so each push moves it by 1/sqrt(M) x its own delta (plain SGD, no momentum)."""
+    return f"ps:inner_steps={h},max_staleness={STALENESS},outer=sgd,outer_lr={islands**-0.5:.4f},momentum=0"
+
+
+def arms(h: int, islands: int) -> list[tuple[str, str]]:
+    return [
+        ("diloco", f"diloco:inner_steps={h}"),
+        ("diloco-deadline", f"diloco:inner_steps={h},adapt=deadline"),
+        ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
+        ("ps-sgd", ps_sgd(h, islands)),
+    ]
+
+
+PS_ARMS = ("ps", "ps-sgd")
+
+
+def settings(ctx: BenchContext) -> list[tuple[str, int, str, str | None]]:
+    """(name, islands, slowdown, testbed link) of (a), (b) and (d); the smoke tier runs (b) alone, on 2 islands."""
+    floor = tier(ctx)["floor"]
+    slow = ",".join(f"{i}={f}" for i, f in SLOW.items()) + f",floor={floor}"
+    if ctx.smoke:
+        return [("slow", 2, f"1=2.0,floor={floor}", None)]
+    return [
+        ("equal", 2, f"floor={floor}", "100mbit"),
+        ("slow", 3, slow, None),
+        ("link20", 2, f"floor={floor}", "20mbit"),
+    ]
+
+
+# ---- what a run's record says -----------------------------------------------------------------------------------
+
+
+def time_to(series: list[dict], target: float) -> float | None:
+    """Training seconds at the first evaluation at or under `target` (None: never reached)."""
+    for point in series:
+        if point["val_loss"] <= target:
+            return float(point["elapsed"])
+    return None
+
+
+def steps_to(series: list[dict], target: float) -> int | None:
+    """The step of the first evaluation at or under `target`: the load-free measure beside the seconds (rank 0's
+    steps; under ps, the global model then holds whatever the other islands had pushed)."""
+    for point in series:
+        if point["val_loss"] <= target:
+            return int(point["step"])
+    return None
+
+
+def blocked_at(run_dir: Path, step: int) -> float:
+    """Seconds the slowest-blocked rank had spent inside the outer strategy by `step` (time/blocked_s in each rank's
+    live log, the last entry at or before it): the link's share of the time to target (for ps, the ranks that push
+    over the link, not the server's host)."""
+    worst = 0.0
+    for path in sorted((run_dir / "live").glob("*.jsonl")):
+        got = 0.0
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            blocked = entry.get("metrics", {}).get("time/blocked_s")
+            if blocked is not None and isinstance(entry.get("step"), int) and entry["step"] <= step:
+                got = float(blocked)
+        worst = max(worst, got)
+    return worst
+
+
+def normalised_seconds(steps: int | None, per_step: float, blocked: float) -> float | None:
+    """Time to target at one common compute speed: steps x `per_step` (fp32 DiLoCo's compute seconds per step on
+    loopback) + the arm's own blocked seconds; on a shared host whose load moves between runs, this compares the
+    numerics (steps) and the link (blocking) without the load."""
+    return None if steps is None else steps * per_step + blocked
+
+
+def loss_at(series: list[dict], seconds: float) -> float | None:
+    """The last evaluated loss at or before `seconds` of training."""
+    before = [p for p in series if p["elapsed"] <= seconds + 1e-9]
+    return float(before[-1]["val_loss"]) if before else None
+
+
+def mb_per_worker(rec: dict) -> float:
+    """Sent + received bytes of every rank (its ledger), mean per worker, in MB: a push and its pull both cross."""
+    ranks = rec["comm"]["per_rank"]
+    return sum(r["total_sent"] + r["total_received"] for r in ranks) / len(ranks) / 1e6
+
+
+def _find(tree, key: str):
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        for v in tree.values():
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def server_from_checkpoint(ckpt_dir: Path) -> dict:
+    """The server's counts and state bytes from the newest checkpoint's rank-0 manifest (the host of the server)."""
+    steps = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
+    if not steps:
+        raise RuntimeError(f"no checkpoint under {ckpt_dir}: the ps arm needs its final one for the server's counts")
+    body = json.loads((steps[-1] / "rank00000.manifest.json").read_text())["body"]  # islands-checkpoint/1
+    state = _find(body["skeleton"], "ps_server")
+    if state is None:
+        raise RuntimeError(f"{steps[-1]} holds no ps_server state")
+    nbytes = 0
+    for name, entry in body["tensors"].items():
+        if "/ps_server/" in name:
+            numel = 1
+            for n in entry["shape"]:
+                numel *= int(n)
+            nbytes += numel * {"float32": 4, "float64": 8, "int64": 8, "bfloat16": 2, "float16": 2}[entry["dtype"]]
+    counts = state["counts"]
+    total = counts["samples"] + counts["samples_refused"]
+    return {
+        "pushes": int(counts["pushes"]),
+        "refused": int(counts["refused"]),
+        "outer_steps": int(counts["steps"]),
+        "goodput": counts["samples"] / total if total else 1.0,
+        "server_mb": nbytes / 1e6,
+    }
+
+
+def server_cpu_seconds(numel: int, pushes: int, islands: int) -> float:
+    """CPU seconds on one thread for the server's arithmetic of `pushes` pushes at quorum 1 (ps_server.ServerState's
+    order): a window of one push merged by its weight, the ps arm's outer step (delayed Nesterov 0.7/0.9, buffer =
+    islands) and the pull's copy of the global model; replayed here with the public DelayedNesterov."""
+    import torch
+
+    from islands.outer import DelayedNesterov
+
+    rule, params = DelayedNesterov(0.7, 0.9, islands), torch.zeros(numel)
+    delta = torch.randn(numel) * 1e-3
+    t = time.thread_time()
+    for _ in range(pushes):
+        merged = torch.zeros(numel)
+        merged.add_(delta, alpha=1.0).div_(1.0)
+        rule.step(params, merged, 0, numel, lr_scale=1.0)
+        torch.cat([params])
+    return time.thread_time() - t
+
+
+# ---- (a), (b), (d) ---------------------------------------------------------------------------------------------
+
+
+def _arm_row(ctx, setting, arm, rec, target, numel, load) -> dict:
+    s = rec["summary"]
+    row = {
+        "setting": setting,
+        "run": arm,
+        "time_to_target_s": time_to(rec["series"]["val"], target),
+        "steps_to_target": steps_to(rec["series"]["val"], target),
+        "final_val_loss": s["final_val_loss"],
+        "wall_s": s["wall_seconds"],
+        "goodput": 1.0,
+        "mb_per_worker": mb_per_worker(rec),
+        "server_cpu_s": None,
+        "server_mb": None,
+        "refused": None,
+        "load": load,
+        "interconnect": rec["interconnect_line"],
+    }
+    if arm in PS_ARMS:
+        server = server_from_checkpoint(Path(rec["run_dir"]) / "ckpt")
+        row.update(
+            goodput=server["goodput"],
+            server_cpu_s=server_cpu_seconds(numel, server["pushes"], s["islands"]),
+            server_mb=server["server_mb"],
+            refused=server["refused"],
+        )
+    return row
+
+
+def _ps_extra(arm: str, run_dir: Path, steps: int) -> dict:
+    """The ps arm keeps a final checkpoint: it carries the server's counts (goodput) and state (memory)."""
+    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if arm in PS_ARMS else {}
+
+
+def run_settings(ctx: BenchContext, t: dict, target: float, numel: int) -> list[dict]:
+    h, steps = t["h"], LONGER * t["ddp_steps"]
+    base = dict(task=t["task"], steps=steps, global_batch=BATCH, warmup=max(steps // 10, 1), eval_every=h)
+    base.update(log_every=t["log_every"], **t["model"])
+    rows = []
+    for setting, islands, slowdown, link in settings(ctx):
+        bed = ctx.testbed(link, hosts=islands) if link else None
+        with bed if bed is not None else _nothing() as b:
+            kw = {"testbed": b.name} if b is not None else {}
+            for arm, spec in arms(h, islands):
+                if ctx.smoke and arm in (
+                    "diloco-deadline",
+                    "ps-sgd",
+                ):  # smoke: one arm of each kind (deadline is a diloco spec)
+                    continue
+                label = f"{arm}@{setting}"
+                load0 = os.getloadavg()[0]
+                run_dir = ctx.out_dir / "runs" / label
+                over = dict(base, workers=islands, islands=islands, outer=spec, slowdown=slowdown, **kw)
+                rec = ctx.train(label, **over, **_ps_extra(arm, run_dir, steps))
+                rows.append(_arm_row(ctx, setting, arm, rec, target, numel, max(load0, os.getloadavg()[0])))
+                rows[-1]["_series"] = rec["series"]["val"]
+    return rows
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- (c) churn ---------------------------------------------------------------------------------------------------
+
+
+def _killer(address: str, workers: list, run_dir: Path, every: int, log: dict, stop: threading.Event) -> None:
+    """SIGKILL island VICTIM's live incarnation once it has trained through `every` rounds (the launcher restarts
+    it; `workers` grows with the restarts): a kill before a restarted island trains again would only repeat one
+    outage. Rounds are read from the job's store (round/<r>/join: the group begins round r's exchange)."""
+    from islands.control import observe_job
+
+    store = observe_job(address, log["token"])
+    seen = 0  # rounds begun so far
+    kill_at: int | None = every  # the round at which to kill (None: wait until a restarted incarnation trains)
+    while not stop.is_set():
+        try:
+            if store.check([f"round/{seen + 1}/join"]):
+                seen += 1
+                continue
+        except (RuntimeError, OSError):  # the job ended and its store with it (DistNetworkError is a RuntimeError)
+            return
+        live = [w for w in workers if getattr(w, "island", None) == VICTIM and w.proc.poll() is None]
+        trains = bool(live) and '"step"' in _read(run_dir / "live" / f"{getattr(live[-1], 'name', '')}.jsonl")
+        if kill_at is None and trains:
+            kill_at = seen + every
+        elif kill_at is not None and trains and seen >= kill_at:
+            live[-1].proc.send_signal(signal.SIGKILL)
+            log["kills"].append({"round": seen, "name": getattr(live[-1], "name", "?"), "time": time.time()})
+            kill_at = None
+        time.sleep(0.02)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[list[dict], dict[str, str]]:
+    """(c): the arms of an elastic job with island 2 killed every CHURN_EVERY rounds, each that islands runs
+    elastic. Returns the rows and, per arm not run, why (islands' refusal)."""
+    from islands.outer import ParameterServer
+
+    h, steps = t["h"], LONGER * t["ddp_steps"]
+    if ctx.smoke:
+        steps = ctx.smoke_steps
+    why_not_ps = ParameterServer(inner_steps=h).elastic_refusal()
+    base = dict(
+        task=t["task"],
+        workers=3,
+        islands=3,
+        elastic=True,
+        steps=steps,
+        global_batch=BATCH,
+        warmup=max(steps // 10, 1),
+        eval_every=h,
+        log_every=1,  # every step in the live logs: where each incarnation stopped (churn_goodput)
+        slowdown=f"floor={t['floor']}",
+        max_restarts=steps // (CHURN_EVERY * h) + 2,
+        heartbeat_timeout=3.0,
+        timeout=60.0,
+        probe=False,
+        **t["model"],
+    )
+    rows, not_run = [], {}
+    for arm, spec in arms(h, base["islands"]):
+        why = why_not_ps if arm in PS_ARMS else _refused(ctx, dict(base, outer=spec))
+        if why:
+            not_run[arm] = why
+            continue
+        label = f"{arm}@churn"
+        log: dict = {"kills": []}
+        stop = threading.Event()
+        run_dir = ctx.out_dir / "runs" / label
+
+        def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir):
+            log["token"] = os.environ["ISLANDS_TOKEN"]
+            args = (address, workers, run_dir, CHURN_EVERY, log, stop)
+            threading.Thread(target=_killer, args=args, daemon=True).start()
+
+        load0 = os.getloadavg()[0]
+        try:
+            rec = ctx.train_elastic(label, on_started=started, outer=spec, **base, **_ps_extra(arm, run_dir, steps))
+        finally:
+            stop.set()
+        row = _arm_row(ctx, "churn", arm, rec, target, numel, max(load0, os.getloadavg()[0]))
+        row["goodput"] = churn_goodput(run_dir, h) if arm not in PS_ARMS else row["goodput"]
+        # the launcher's own record of the island's restarts: one per kill (nothing else stops it)
+        row["restarts"] = len(json.loads((run_dir / "elastic" / "restarts.json").read_text())["restarts"])
+        row["_series"] = rec["series"]["val"]
+        rows.append(row)
+    return rows, not_run
+
+
+def _refused(ctx: BenchContext, overrides: dict) -> str | None:
+    """Why islands refuses this elastic config (validate's message), or None."""
+    from islands.config import ConfigError
+
+    try:
+        ctx.config(**overrides)
+    except ConfigError as e:
+        return str(e).strip().splitlines()[-1]
+    return None
+
+
+def churn_goodput(run_dir: Path, h: int) -> float:
+    """1 - lost / computed steps, an estimate from every incarnation's live log (logged every step): an incarnation
+    that ended before the job's last step (killed) lost its steps since the round boundary before its last step
+    (a kill during an exchange counts that whole round lost: an upper bound on the loss); computed steps are each
+    incarnation's last logged step minus its first (where it started or resumed)."""
+    span: dict[str, tuple[int, int]] = {}  # name -> (first step, last step) logged
+    for path in sorted((run_dir / "live").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            step = json.loads(line).get("step")
+            if isinstance(step, int):
+                first, _ = span.get(path.stem, (step, step))
+                span[path.stem] = (min(first, step), step)
+    if not span:
+        raise RuntimeError(f"{run_dir / 'live'} holds no logged steps")
+    end = max(last for _, last in span.values())
+    computed = sum(last - first for first, last in span.values())
+    lost = sum(last - h * ((last - 1) // h) for first, last in span.values() if last < end and last > first)
+    return 1.0 - lost / computed if computed else float("nan")
+
+
+# ---- item 5: the utilisation setting to a target loss -------------------------------------------------------------
+
+
+def target_arms(h: int) -> list[tuple[str, str]]:
+    return [
+        ("diloco", f"diloco:inner_steps={h}"),
+        ("eager+topkq+deadline", f"diloco:inner_steps={h},overlap=eager,compressor=({COMPRESSOR}),adapt=deadline"),
+        ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
+        ("ps-sgd", ps_sgd(h, 2)),
+    ]
+
+
+def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
+    steps, h = (60, 20) if ctx.quick else (200, 50)  # utilisation's quick and full settings
+    links: tuple[str, ...] = ("20mbit", "5mbit")
+    model: dict = {}
+    if ctx.smoke:  # one link, two rounds of H=4 on a tiny LM, the reference and ps alone
+        steps, h, links, model = 8, 4, (), SMOKE_LM
+    base = dict(task="lm", global_batch=32, workers=2, islands=2, eval_every=h, log_every=h, **model)
+    longer = ctx.smoke_steps if ctx.smoke else TARGET_LONGER * steps
+    run = dict(base, steps=longer, warmup=max(steps // 10, 1))
+    target = None
+    if not ctx.smoke:  # the smoke tier's target is its one arm's own final loss (its numbers mean nothing)
+        ref = dict(base, steps=steps, warmup=max(steps // 10, 1), eval_every=0)
+        target = ctx.train("target-ref@loopback", outer=f"diloco:inner_steps={h}", **ref)["summary"]["final_val_loss"]
+    plan = target_arms(h)[2:3] if ctx.smoke else target_arms(h)
+    recs = {}
+    rows = []
+    for link in ("loopback", *links):
+        bed = ctx.testbed(link, hosts=2) if link != "loopback" else None
+        with bed if bed is not None else _nothing() as b:
+            kw = {"testbed": b.name} if b is not None else {}
+            for arm, spec in plan:
+                label = f"target-{arm}@{link}"
+                load0 = os.getloadavg()[0]
+                rec = recs[(arm, link)] = ctx.train(label, outer=spec, **run, **kw)
+                rows.append(
+                    {
+                        "setting": "target",
+                        "run": arm,
+                        "link": link,
+                        "time_to_target_s": None,
+                        "final_val_loss": rec["summary"]["final_val_loss"],
+                        "wall_s": rec["summary"]["wall_seconds"],
+                        "mb_per_worker": mb_per_worker(rec),
+                        "load": max(load0, os.getloadavg()[0]),
+                        "interconnect": rec["interconnect_line"],
+                    }
+                )
+    if target is None:
+        target = min(r["final_val_loss"] for r in rows)
+    for r in rows:
+        r["time_to_target_s"] = time_to(recs[(r["run"], r["link"])]["series"]["val"], target)
+        r["steps_to_target"] = steps_to(recs[(r["run"], r["link"])]["series"]["val"], target)
+    ref_rec = recs.get(("diloco", "loopback"), recs[plan[0][0], "loopback"])
+    ref_s = ref_rec["summary"]
+    per_step = (ref_s["wall_seconds"] - ref_s["sync_blocked_seconds"]) / ref_s["steps"]  # rank 0's compute
+    for r in rows:
+        rec = recs[(r["run"], r["link"])]
+        steps_ = r["steps_to_target"]
+        r["blocked_to_target_s"] = blocked_at(Path(rec["run_dir"]), steps_) if steps_ is not None else None
+        r["normalised_s"] = normalised_seconds(steps_, per_step, r["blocked_to_target_s"] or 0.0)
+    by = {(r["run"], r["link"]): r for r in rows}
+    base_t = by.get(("diloco", "loopback"), {}).get("time_to_target_s")
+    base_n = by.get(("diloco", "loopback"), {}).get("normalised_s")
+    for r in rows:
+        own, own_n = by[(r["run"], "loopback")]["time_to_target_s"], by[(r["run"], "loopback")]["normalised_s"]
+        t, n = r["time_to_target_s"], r["normalised_s"]
+        r["vs_own_loopback"] = t / own if t and own else None
+        r["vs_diloco_loopback"] = t / base_t if t and base_t else None
+        r["normalised_vs_own_loopback"] = n / own_n if n and own_n else None
+        r["normalised_vs_diloco_loopback"] = n / base_n if n and base_n else None
+    return rows, target
+
+
+def goal_text(rows: list[dict], setting: str, arm: str) -> str:
+    """Issue #36's goal for one ps arm in one setting: (b), (c) at least 1.5x sooner than synchronous DiLoCo and
+    sooner than deadline rounds with goodput >= 90%; (a) within 5% of synchronous DiLoCo's time."""
+    here = {r["run"]: r for r in rows if r["setting"] == setting}
+    ps, sync, dl = here.get(arm), here.get("diloco"), here.get("diloco-deadline")
+    goal = (
+        f"{arm} within 5% of diloco's time"
+        if setting == "equal"
+        else f"{arm} >= 1.5x sooner than diloco, sooner than deadline rounds, goodput >= 90%"
+    )
+    if ps is None or "note" in ps:
+        return f"({setting}) goal {goal}: not measured ({arm} not run)"
+    t, t_sync = ps["time_to_target_s"], sync["time_to_target_s"] if sync else None
+    if t is None:
+        return f"({setting}) goal {goal}: not met ({arm} never reached the target)"
+    if t_sync is None:
+        return f"({setting}) goal {goal}: not measured (diloco never reached the target)"
+    if setting == "equal":
+        return f"({setting}) goal {goal}: {t / t_sync:.2f}x, {'met' if t <= 1.05 * t_sync else 'not met'}"
+    t_dl = dl["time_to_target_s"] if dl and "note" not in dl else None
+    met = t_sync / t >= 1.5 and (t_dl is None or t < t_dl) and ps["goodput"] >= 0.9
+    vs_dl = f"deadline {t_dl:.1f} s" if t_dl is not None else "deadline not reached or not run"
+    return (
+        f"({setting}) goal {goal}: {t_sync / t:.2f}x sooner, {vs_dl}, goodput {100 * ps['goodput']:.1f}%: "
+        f"{'met' if met else 'not met'}"
+    )
+
+
+def item5_text(rows: list[dict], link: str, goal: float, target: float) -> str:
+    """Item 5's line for one link: each arm's seconds and steps to the target against its own loopback run and fp32
+    DiLoCo's, measured and at one common compute speed (normalised_seconds), and whether the best meets `goal`."""
+    here = [r for r in rows if r["link"] == link]
+    if not here:
+        return f"item 5, {link}: not run"
+
+    def one(r: dict) -> str:
+        if not r["time_to_target_s"]:
+            return f"{r['run']} not reached (final {r['final_val_loss']:.4f})"
+        return (
+            f"{r['run']} {r['time_to_target_s']:.1f} s at step {r['steps_to_target']} (x{r['vs_own_loopback']:.2f} "
+            f"its loopback, x{r['vs_diloco_loopback']:.2f} fp32 DiLoCo's loopback; normalised "
+            f"x{r['normalised_vs_diloco_loopback']:.2f}, blocked {r['blocked_to_target_s']:.1f} s)"
+        )
+
+    def best(key: str) -> str:
+        got = [r for r in here if r[key] is not None]
+        if not got:
+            return "none reached it"
+        b = min(got, key=lambda r: r[key])
+        return f"{b['run']} x{b[key]:.2f}: {'met' if b[key] <= goal else 'not met'}"
+
+    return (
+        f"item 5, testbed {link}, target fp32 DiLoCo's loopback loss {target:.4f} (byte LM): "
+        + "; ".join(one(r) for r in here)
+        + f"; goal best <= {goal}x fp32 DiLoCo's loopback time: measured {best('vs_diloco_loopback')}, "
+        f"normalised {best('normalised_vs_diloco_loopback')}"
+    )
+
+
+# ---- the experiment ------------------------------------------------------------------------------------------------
+
+
+def _plot(result, path):
+    rows = [r for r in result["rows"] if r["setting"] != "target"]
+    settings_ = list(dict.fromkeys(r["setting"] for r in rows))
+    with figure(path, 1, max(len(settings_), 1), figsize=(3.6 * max(len(settings_), 1), 3.6)) as (fig, ax):
+        ax = ax if len(settings_) > 1 else [ax]
+        for a, setting in zip(ax, settings_):
+            for label, pts in result["val_series"].items():
+                if label.endswith(f"@{setting}"):
+                    a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label.split("@")[0])
+            a.axhline(result["target"], color="grey", lw=0.8, ls="--")
+            a.set_yscale("log")
+            a.set_title(setting, fontsize=9)
+            a.set_xlabel("training seconds (rank 0)")
+            a.legend(fontsize=7)
+        fig.suptitle(f"parameter-server{' (quick)' if result['quick'] else ''}: val loss, target dashed", fontsize=9)
+
+
+def _numel(t: dict) -> int:
+    from islands_bench.experiments.outer_common import parameter_count
+
+    return parameter_count(dict(task=t["task"], **t["model"]))
+
+
+def _words(rows: list[dict], setting: str) -> str:
+    here = {r["run"]: r for r in rows if r["setting"] == setting}
+    if "diloco" not in here:
+        return f"({setting}) not run"
+    base = here["diloco"]["time_to_target_s"]
+
+    def one(name: str) -> str:
+        r = here.get(name)
+        if r is None:
+            return f"{name} not run"
+        if "note" in r:  # an arm islands does not run in this setting yet
+            return f"{name} {r['note']}"
+        t = r["time_to_target_s"]
+        reach = (
+            (f"{t:.1f} s" + (f" ({base / t:.2f}x sooner than diloco)" if base and name != "diloco" else ""))
+            if t
+            else "not reached"
+        )
+        extra = f", goodput {100 * r['goodput']:.1f}%" if r.get("goodput") is not None else ""
+        extra += (
+            f", loss at equal wall {r['loss_at_equal_wall']:.4f}" if r.get("loss_at_equal_wall") is not None else ""
+        )
+        return f"{name} {reach}{extra}, {r['mb_per_worker']:.2f} MB/worker"
+
+    return f"({setting}) " + "; ".join(one(n) for n in ("diloco", "diloco-deadline", *PS_ARMS))
+
+
+@experiment(
+    "parameter-server",
+    practices=("SOTA-907", "SOTA-912", "SOTA-910", "Q-6"),
+    help="synchronous DiLoCo, deadline rounds and the parameter server: time to DDP's loss on equal islands at "
+    "100 Mbit/s, a 2x and a 4x slower island, churn and 20 Mbit/s; the utilisation setting to a target loss",
+)
+def parameter_server(ctx: BenchContext) -> dict:
+    t = tier(ctx)
+    if ctx.smoke:  # two rounds per arm
+        ctx.smoke_steps = 2 * t["h"]
+    n_settings = len(settings(ctx))
+    ctx.plan(1 + 2 + 1 if ctx.smoke else 1 + 4 * n_settings + 1 + 1 + 12)  # churn: the arms islands runs elastic
+    uptime = [f"start {time.strftime('%H:%M:%S')} load {os.getloadavg()}"]
+    ddp_steps = t["ddp_steps"]
+    ddp = ctx.train(
+        "ddp",
+        task=t["task"],
+        workers=2,
+        islands=1,
+        steps=ddp_steps,
+        global_batch=BATCH,
+        warmup=max(ddp_steps // 10, 1),
+        eval_every=t["h"],
+        log_every=t["log_every"],
+        slowdown=f"floor={t['floor']}",
+        **t["model"],
+    )
+    target = ddp["summary"]["final_val_loss"]
+    numel = _numel(t)
+    rows = run_settings(ctx, t, target, numel)
+    churn_rows, not_run = ([], {}) if ctx.smoke else run_churn(ctx, t, target, numel)
+    rows += churn_rows
+    target_rows, lm_target = run_targets(ctx)
+    uptime.append(f"end {time.strftime('%H:%M:%S')} load {os.getloadavg()}")
+
+    series = {f"{r['run']}@{r['setting']}": r.pop("_series") for r in rows}
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        here = [r for r in rows if r["setting"] == setting]
+        equal = min(series[f"{r['run']}@{setting}"][-1]["elapsed"] for r in here)
+        base = next((r["time_to_target_s"] for r in here if r["run"] == "diloco"), None)
+        for r in here:
+            r["equal_wall_s"] = equal
+            r["loss_at_equal_wall"] = loss_at(series[f"{r['run']}@{setting}"], equal)
+            t_ = r["time_to_target_s"]
+            r["speedup_vs_diloco"] = base / t_ if base and t_ else None
+    for arm, why in not_run.items():
+        rows.append({"setting": "churn", "run": arm, "time_to_target_s": None, "note": f"not run: {why}"})
+
+    model = "digits MLP (quick; the byte LM runs without --quick)" if ctx.quick else "byte LM"
+    headline = [
+        f"time to DDP's loss {target:.4f} ({model}, global batch {BATCH}, DDP {ddp_steps} steps, arms "
+        f"{LONGER * ddp_steps} steps per island at H={t['h']}, steps padded to {1000 * t['floor']:.0f} ms; rank 0's "
+        f"training seconds): " + " | ".join(_words(rows, s) for s in dict.fromkeys(r["setting"] for r in rows))
+    ]
+    headline += [f"(c) churn: the {arm} arm is not yet supported by islands: {why}" for arm, why in not_run.items()]
+    goal_words = [goal_text(rows, setting, arm) for setting in ("slow", "churn", "equal") for arm in PS_ARMS]
+    headline += goal_words
+    by = {(r["run"], r["link"]): r for r in target_rows}
+    headline += [item5_text(target_rows, link, goal, lm_target) for link, goal in GOALS.items()]
+    loop = [r for r in target_rows if r["link"] == "loopback"]
+    if loop:
+        headline.append(
+            "item 5 on loopback: "
+            + ", ".join(
+                f"{r['run']} " + (f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] else "not reached")
+                for r in loop
+            )
+            + f" (fp32 DiLoCo's loopback time: {by.get(('diloco', 'loopback'), {}).get('time_to_target_s')})"
+        )
+    headline.append(
+        f"server CPU: the bench replaying each ps run's pushes through the server state on one thread; server memory: "
+        f"its state in the final checkpoint; shared {os.cpu_count()}-core host, load average: {'; '.join(uptime)}; "
+        "every arm run once, ratios within this invocation"
+    )
+    return {
+        "rows": rows + target_rows,
+        "headline": headline,
+        "plot": _plot,
+        "target": target,
+        "lm_target": lm_target,
+        "uptime": uptime,
+        "staleness": STALENESS,
+        "churn_not_run": not_run,
+        "val_series": {k: [(p["elapsed"], p["val_loss"]) for p in v] for k, v in series.items()},
+    }
