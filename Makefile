@@ -20,7 +20,7 @@ run: $(STAMP)
 # heartbeats, not on the CPU; a file whose fixtures span the module stays in one process (tests/conftest.py).
 # The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not experiments"
+	$(PY) -m pytest -q -n 4 --dist loadgroup -m "not experiments"
 
 # every registered `islands bench` experiment in its smoke tier, from a fresh directory, so none breaks unseen
 test-experiments: $(STAMP)

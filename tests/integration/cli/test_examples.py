@@ -60,9 +60,10 @@ def torchrun(n: int, script: Path) -> list[str]:
 
 
 def test_own_loop_under_islands_run_then_resumed_under_torchrun(tmp_path, monkeypatch, capfd):
-    # few steps (one DiLoCo round of 50, a checkpoint at 60): four torchrun ranks are fresh interpreters
+    # 2 workers (the example's 2 islands of one) and few steps (one DiLoCo round of 50, a checkpoint at 60): every
+    # rank of a user's script is a fresh interpreter importing torch, islands and sklearn (~4 s of CPU each)
     first = run_here(
-        ["run", "--workers", "4", str(EXAMPLES / "own_loop.py")],
+        ["run", "--workers", "2", str(EXAMPLES / "own_loop.py")],
         tmp_path,
         monkeypatch,
         capfd,
@@ -72,7 +73,7 @@ def test_own_loop_under_islands_run_then_resumed_under_torchrun(tmp_path, monkey
     assert "2 island(s), strategy ddp+diloco" in first
     assert "bn1.num_batches_tracked 70" in first  # the global model carries the BatchNorm counters
     # the same program under torchrun restores step 60 (its checkpoint) and continues to 80
-    second = run(torchrun(4, EXAMPLES / "own_loop.py"), tmp_path, STEPS="80", CKPT_EVERY="60")
+    second = run(torchrun(2, EXAMPLES / "own_loop.py"), tmp_path, STEPS="80", CKPT_EVERY="60")
     assert "bn1.num_batches_tracked 80" in second.stdout
     steps = sorted(p.name for p in (tmp_path / "runs" / "own-loop").glob("step-*"))
     assert steps == ["step-000060"]

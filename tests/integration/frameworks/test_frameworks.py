@@ -171,16 +171,15 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
 @pytest.mark.parametrize(
     ("script", "workers"),
     [
-        ("island_rejoins.py", 1),
         ("island_rejoins_hf.py", 1),
         ("island_rejoins_lightning.py", 1),
         ("island_rejoins.py", 2),
     ],
 )
 def test_a_restarted_island_rejoins(tmp_path, script, workers):
-    """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a plain loop
-    with `attach`, a Hugging Face Trainer and a Lightning Trainer with IslandsCallback as one process each, and the
-    plain loop as a torchrun job of 2 workers per island (DDP inside). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo
+    """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a Hugging
+    Face Trainer and a Lightning Trainer with IslandsCallback as one process each, and a plain loop with `attach` as
+    a torchrun job of 2 workers per island (DDP inside; its one-worker form is the same path with less start-up). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo
     every 10); island 0 drops it and trains on. Started again with the same settings (the framework scripts resuming
     from their own checkpoint of step 30), island 1 enters at island 0's next round boundary as `island1.1` (every
     worker at the same boundary) with island 0's global model, outer state and step, runs the remaining steps from
