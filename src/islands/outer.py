@@ -16,7 +16,9 @@
                                            asynchronous pushes and pulls to a server (issue #36): delayed Nesterov
                                            (DelayedNesterov, arXiv 2401.09135), samples-weighted windows, staleness
                                            refusal; arrivals FirstCome() | VirtualClock(round_seconds);
-                                           host=InProcessServer() under islands.simulate
+                                           host=InProcessServer() under islands.simulate;
+                                           service=ServerProcesses(servers) for server processes that a
+                                           supervisor restarts from their journals (docs/parameter-server.md)
     WarmStart(outer, steps)                ordinary data parallelism across islands first (LIT-212)
 Outer optimizers: OuterSGD(lr, momentum, nesterov), PrimalAveraging(lr, weight). Gossip topologies: Ring(),
 ExponentialGraph(), RandomPeers(s, seed). Every one of them needs no step count: call `finish(model)` after
@@ -34,7 +36,7 @@ from islands.sync.outer.local_sgd import LocalSGD
 from islands.sync.outer.outer_opt import OuterSGD, OuterStep, PrimalAveraging
 from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
-from islands.sync.outer.ps import InProcessServer, ParameterServer
+from islands.sync.outer.ps import InProcessServer, ParameterServer, ServerProcesses
 from islands.sync.outer.ps_link import FirstCome, VirtualClock
 from islands.sync.outer.quant4 import Quant4
 from islands.sync.outer.rounds import Fragments, Rounds
@@ -68,6 +70,7 @@ __all__ = [
     "RandomPeers",
     "Ring",
     "Rounds",
+    "ServerProcesses",
     "SlowMo",
     "StreamingDiLoCo",
     "VirtualClock",
