@@ -177,14 +177,14 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
     ],
 )
 def test_a_restarted_island_rejoins(tmp_path, script, workers):
-    """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a Hugging
-    Face Trainer and a Lightning Trainer with IslandsCallback as one process each, and a plain loop with `attach` as
-    a torchrun job of 2 workers per island (DDP inside; its one-worker form is the same path with less start-up). Island 1 is SIGKILLed at step 35 of 300 (DiLoCo
-    every 10); island 0 drops it and trains on. Started again with the same settings (the framework scripts resuming
-    from their own checkpoint of step 30), island 1 enters at island 0's next round boundary as `island1.1` (every
-    worker at the same boundary) with island 0's global model, outer state and step, runs the remaining steps from
-    there (the frameworks' step counters moved on past the checkpoint's), and all end with one global model.
-    Processes: a SIGKILLed job and its restart are what is tested."""
+    """Two islands started directly as jobs of their own (ISLANDS_CROSS_*, island 0 hosting the store): a Hugging Face
+    Trainer and a Lightning Trainer with IslandsCallback as one process each, and a plain loop with `attach` as a
+    torchrun job of 2 workers per island (DDP inside; its one-worker form is the same path with less start-up).
+    Island 1 is SIGKILLed at step 35 of 300 (DiLoCo every 10); island 0 drops it and trains on. Started again with
+    the same settings (the framework scripts resuming from their own checkpoint of step 30), island 1 enters at
+    island 0's next round boundary as `island1.1` (every worker at the same boundary) with island 0's global model,
+    outer state and step, runs the remaining steps from there (the frameworks' step counters moved on past the
+    checkpoint's), and all end with one global model. Processes: a SIGKILLed job and its restart are what is tested."""
     import os
     import subprocess
     import sys
