@@ -84,7 +84,7 @@ class Memory:
     params: int
     grads: int
     optimizer: int
-    strategy: int  # what the strategy keeps beside them (DiLoCo's global copy and model, error feedback)
+    strategy: int  # what the strategy keeps beside them (DDP's buckets, DiLoCo's global copy and model, error feedback)
     activations: int
 
     @property
@@ -219,6 +219,10 @@ def _inner_comm(c: Candidate, prof: Profile, n: int, link: Link) -> tuple[int, f
     mem = {"params": prof.param_bytes, "grads": g, "optimizer": prof.optimizer_bytes}
     if n < 2 or c.inner == "single":
         return 0, 0.0, mem
+    if c.inner in ("ddp", "zero1"):
+        # torch DDP's reducer keeps its buckets: a flat copy of every gradient beside the parameters' .grad
+        # (islands.sync.ddp.start_ddp leaves gradient_as_bucket_view off); ZeRO-1 exchanges through the same DDP
+        mem["strategy"] = g
     if c.inner == "ddp":
         return g, _ddp_exposed(link, n, g, prof.backward_s), mem
     if c.inner == "zero1":
@@ -277,7 +281,7 @@ def predict(
     if c.outer is None:  # a flat strategy over every worker; across islands its ring runs over the cross link
         n, link = topo.workers, (cross if topo.islands > 1 else inside)
         per_step, t_in, mem = _inner(c, prof, n, link)
-        extra, round_steps, bytes_exact, strategy_t = 0, 1, True, 0.0
+        extra, round_steps, bytes_exact, strategy_t = mem.get("strategy", 0), 1, True, 0.0
         if topo.islands > 1:  # every byte crosses the islands' link
             inside_t, inside_b, cross_t, cross_round = 0.0, 0, t_in, per_step
         else:
@@ -307,7 +311,7 @@ def predict(
         cross_round = sum(exchange_bytes(outer, hi - lo)[0] for lo, hi in bounds) + prof.buffer_bytes
         round_steps = h
         strategy_t = c.round_s / h
-        extra = _outer_memory(outer, prof)
+        extra = mem.get("strategy", 0) + _outer_memory(outer, prof)
         bytes_exact = not (outer.exchange.codec is not None and outer.exchange.codec.variable_length)
         if not bytes_exact:
             notes.append("a variable-length codec's size depends on the values: its bytes are the payload bound")

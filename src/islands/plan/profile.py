@@ -286,10 +286,12 @@ def profile_step(
     settings: str = "",
     refresh: bool = False,
     cache: Path | None = None,
+    min_s: float = MIN_PROFILE_S,
 ) -> Profile:
     """Profile the step of `trainer` (built on World.single, no outer strategy, never stepped) for at least `steps`
-    steps after `warmup`; `batch`: one of its batches (the fingerprint's shapes and the activation peak's step).
-    Cached on disk by fingerprint; `settings` (the step's precision, micro-batch, clipping, optimizer) joins it."""
+    steps after `warmup` (and more up to `min_s` seconds: step_times); `batch`: one of its batches (the
+    fingerprint's shapes and the activation peak's step). Cached on disk by fingerprint; `settings` (the step's
+    precision, micro-batch, clipping, optimizer) joins it."""
     device = trainer.world.device
     model, optimizer = trainer.model, trainer.optimizer
     key = fingerprint(model, batch, f"v4:{device.type}:{_device_name(device)}:{settings}:{steps}:{threads}")
@@ -302,7 +304,7 @@ def profile_step(
     split = _SplitClock(model, optimizer, device)
     try:
         with _Threads(threads):
-            whole = step_times(trainer, warmup, steps)
+            whole = step_times(trainer, warmup, steps, min_s)
             # the activation peak on one more forward and backward: the meter's hooks cost time, so it is kept out
             # of the timed steps; it leaves gradients, which the state's bytes count
             with SavedTensorMeter(exclude=list(model.parameters())) as meter:
