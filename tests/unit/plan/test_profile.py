@@ -1,12 +1,14 @@
 """The profile's pieces: the Trainer's own step times (its strategy's hooks included), an outer strategy's local work
 per round timed side by side with plain steps, the probe copy of a strategy, and the round timings' cache."""
 
+import json
 import time
 
 import pytest
 import torch
 
 import islands
+from islands.plan.api import Profiler, candidate, job_config
 from islands.plan.profile import (
     cached_round_seconds,
     profile_step,
@@ -146,3 +148,16 @@ def test_round_timings_are_cached_per_label(tmp_path):
     _, cached = cached_round_seconds(prof, "other", lambda: _trainer(NoOp()), _trainer, 2)
     assert not cached
     assert cached_round_seconds(prof, "slow", never, never, 2)[0] == value  # the other label kept it
+
+
+def test_the_planner_times_a_round_once_for_every_h(tmp_path):
+    """A round's work does not depend on H: diloco at H = 10 and 50 share one timing (the probe copy's), and the
+    candidates carry it; the flat strategy has none."""
+    cfg = job_config({"task": "digits", "workers": 2, "islands": 2, "steps": 8, "progress": False})
+    profiler = Profiler.of(cfg)
+    prof = profiler.step(steps=2)
+    specs = ("ddp", "diloco:inner_steps=10", "diloco:inner_steps=50")
+    cands = profiler.rounds([candidate(s, cfg, profiler.task.model) for s in specs], prof)
+    kept = json.loads((tmp_path / "cache" / f"{prof.fingerprint}-rounds.json").read_text())
+    assert list(kept) == ["diloco:inner_steps=<probe 2>"]
+    assert cands[0].round_s == 0.0 and cands[1].round_s == cands[2].round_s == kept["diloco:inner_steps=<probe 2>"]
