@@ -12,7 +12,7 @@ average around the runs (other jobs on a shared machine move every timing).
 
 Tiers: full = 3 testbed rates (tc-shaped links between 2 network namespaces; root) x 2 models (the byte LM and a
 transformers llama, hf-causal-lm) x 8 strategies = 48 configurations; quick = the byte LM (d_model 128, 2 layers)
-on gloo loopback (the planner's link: a 2-process gloo probe on this machine, `--link measured`), 6 strategies;
+on gloo loopback (the planner's link: a 2-process gloo probe on this machine, `--link measured`), 6 strategies, 200 steps;
 smoke = the digits MLP, 2 of them.
 """
 
@@ -251,7 +251,7 @@ def planner_accuracy(ctx: BenchContext) -> dict:
         settings, names, steps = [("digits", "loopback")], SMOKE, 20
         ctx.smoke_steps = 20  # two DiLoCo rounds of H=10
     elif ctx.quick:
-        settings, names, steps = [("lm", "loopback")], QUICK, 100
+        settings, names, steps = [("lm", "loopback")], QUICK, 200
     else:
         settings = [(m, r) for m in ("lm", "llama") for r in RATES]
         names, steps = tuple(n for n, *_ in STRATEGIES), 200
