@@ -12,8 +12,8 @@ average around the runs (other jobs on a shared machine move every timing).
 
 Tiers: full = 3 testbed rates (tc-shaped links between 2 network namespaces; root) x 2 models (the byte LM and a
 transformers llama, hf-causal-lm) x 8 strategies = 48 configurations; quick = the byte LM (d_model 128, 2 layers)
-on gloo loopback (the planner's link: a 2-process gloo probe on this machine, `--link measured`), 6 strategies, 200 steps;
-smoke = the digits MLP, 2 of them.
+on gloo loopback (the planner's link: a 2-process gloo probe on this machine, `--link measured`), 6 strategies,
+200 steps; smoke = the digits MLP, 2 of them, from the up-front plan only.
 """
 
 from __future__ import annotations
