@@ -40,8 +40,8 @@ QUICK = ("ddp", "zero1", "diloco-H10", "streaming-H10", "diloco-H10-topkq", "dil
 SMOKE = ("ddp", "diloco-H10")
 MODELS: dict[str, dict[str, Any]] = {
     "digits": {"task": "digits"},
-    # big enough that a step is compute (~10 ms at one thread here), not fixed per-step overhead; small enough that
-    # the quick tier's 6 runs of 100 steps take a few minutes
+    # big enough that a step is compute (24 ms at one thread here), not fixed per-step overhead; small enough that
+    # the quick tier's 6 runs of 200 steps take a few minutes
     "lm": {"task": "lm", "task.d_model": 128, "task.n_layers": 2, "task.n_heads": 4, "task.context": 64},
     "llama": {
         "task": "hf-causal-lm",
