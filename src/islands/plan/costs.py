@@ -42,12 +42,12 @@ DDP_BUCKET_BYTES = 25_000_000  # islands.sync.ddp.DDP(bucket_mb=25.0), the defau
 
 # Expected error of each quantity, (median, worst) relative, measured by `islands bench planner-accuracy --quick`
 # (the byte LM, d_model 128, 6 configurations, 2 workers over gloo loopback, 200 steps, each configuration profiled
-# right before its run; 2026-12-05 19:34 UTC on this 2-core CPU machine at load average 1.9-2.3, the runs' own 2
-# workers included: docs/plan.md has the run; under other jobs' load of 22-24 the same tier gave 17.9%/38.3%).
-# Bytes are the ledger's formulas (0 over 6 of 6); memory over the 4 outer configurations it measured (and DDP and
-# ZeRO-1 in tests/unit/plan/test_flat_memory.py).
+# right before its run) twice in a row on this 2-core CPU machine, 2026-12-05 19:34 and 19:38 UTC: 8.2%/12.8% at
+# load average 1.9-2.3 and 36.1%/39.0% as other jobs started (1.5 rising to 4.2); pooled over the 12 configurations
+# here (docs/plan.md has both runs). Bytes are the ledger's formulas (0 over 12 of 12); memory over the 8 outer
+# configurations measured (and DDP and ZeRO-1 in tests/unit/plan/test_flat_memory.py).
 EXPECTED_ERROR = {
-    "step_s": (0.082, 0.128),
+    "step_s": (0.128, 0.390),
     "bytes": (0.0, 0.0),
     "memory": (0.0, 0.0001),
 }
