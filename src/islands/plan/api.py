@@ -8,24 +8,33 @@ links.parse_link. Every bad input raises PlanError naming what was given and wha
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from islands.app.build import build_optimizer_for, build_task, step_precision
+from islands.app.build import build_task
 from islands.app.validate import validate
 from islands.config import ConfigError, JobConfig, from_mapping
 from islands.data.source import batch_source
+from islands.loop.task import Task
+from islands.loop.trainer import Trainer
 from islands.plan.costs import INNER, Candidate, Prediction, Topology, predict
+from islands.plan.job import job_trainer
 from islands.plan.links import Link, LinkError, parse_link
-from islands.plan.profile import Profile, profile_step
+from islands.plan.profile import Profile, cached_round_seconds, profile_step, round_probe, round_steps
 from islands.plan.rank import Crossover, crossovers, ranked, rate_sweep
 from islands.runtime.world import World
+from islands.sync.base import Strategy
 from islands.sync.outer import check_outer, make_outer, valid_specs
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.warm_start import WarmStart
 from islands.sync.shard_plan import plan_units, state_bytes_per_rank, unit_traffic
+from islands.sync.single import Single
+from islands.sync.stack import Stack
 from islands.sync.wrap_policy import BlockWrap
 from islands.tasks.user import TaskError
 
@@ -121,33 +130,76 @@ def job_config(overrides: dict | JobConfig) -> JobConfig:
     return cfg
 
 
+@dataclass
+class Profiler:
+    """The job built once (one worker's share of the batch); its step and its outer strategies' rounds profiled
+    through `job_trainer` (cached by fingerprint)."""
+
+    cfg: JobConfig  # one island: the job as each worker runs its step
+    task: Task
+    device: str = "cpu"
+    refresh: bool = False
+
+    @classmethod
+    def of(cls, cfg: JobConfig, device: str = "cpu", refresh: bool = False) -> Profiler:
+        flat = copy.deepcopy(cfg)
+        flat.world.islands, flat.outer.strategy = 1, None
+        try:
+            with torch.random.fork_rng():
+                task = build_task(flat)
+        except TaskError as e:
+            raise PlanError(str(e)) from None
+        except Exception as e:  # the user's model or data did not build: their input, said as such
+            raise PlanError(f"task {cfg.task.name!r} does not build: {type(e).__name__}: {e}") from e
+        return cls(flat, task, device, refresh)
+
+    def trainer(self, strategy: Strategy | None = None) -> Trainer:
+        return job_trainer(self.cfg, self.task, World.single(self.device), strategy)
+
+    def step(self, steps: int = 16) -> Profile:
+        cfg, task = self.cfg, self.task
+        with torch.random.fork_rng():
+            batch = batch_source(task.train_data, 0, 1, task.batch_size, cfg.train.seed).next()
+            trainer = self.trainer()
+            settings = (
+                f"{type(trainer.optimizer).__name__}:{trainer.step_fn.precision}:{trainer.step_fn.micro_batch}:"
+                f"clip={cfg.train.grad_clip}"
+            )
+            return profile_step(
+                trainer, batch, steps=steps, threads=cfg.world.threads, settings=settings, refresh=self.refresh
+            )
+
+    def rounds(self, cands: list[Candidate], prof: Profile) -> list[Candidate]:
+        """The candidates with each outer strategy's measured local work per round (round_s)."""
+        out = []
+        for c in cands:
+            if not isinstance(c.outer, DiLoCo):  # a flat strategy (candidate() builds only DiLoCo outers)
+                out.append(c)
+                continue
+            h = round_steps(c.outer)
+            probe = round_probe(c.outer, h)
+            # a round's work does not depend on H: diloco at H = 10, 50 and 200 share one timing
+            key = re.sub(r"inner_steps=\d+", f"inner_steps=<probe {h}>", c.label)
+            with torch.random.fork_rng():
+                s, _ = cached_round_seconds(
+                    prof,
+                    key,
+                    partial(self.trainer, Stack(Single(), probe)),
+                    self.trainer,
+                    h,
+                    threads=self.cfg.world.threads,
+                    refresh=self.refresh,
+                )
+            out.append(dataclasses.replace(c, round_s=s))
+        return out
+
+
 def profile_job(
     cfg: JobConfig, device: str = "cpu", refresh: bool = False, steps: int = 16
 ) -> tuple[Profile, torch.nn.Module]:
     """Build the task as `islands train` would (one worker's batch) and profile its step (cached)."""
-    flat = copy.deepcopy(cfg)
-    flat.world.islands, flat.outer.strategy = 1, None
-    try:
-        with torch.random.fork_rng():
-            task = build_task(flat)
-            loader = batch_source(task.train_data, 0, 1, task.batch_size, cfg.train.seed)
-    except TaskError as e:
-        raise PlanError(str(e)) from None
-    except Exception as e:  # the user's model or data did not build: their input, said as such
-        raise PlanError(f"task {cfg.task.name!r} does not build: {type(e).__name__}: {e}") from e
-    world = World.single(device)
-    with torch.random.fork_rng():
-        prof = profile_step(
-            task.model,
-            task.loss_fn,
-            loader.next,
-            lambda m: build_optimizer_for(flat, m, world),
-            device=device,
-            steps=steps,
-            precision=step_precision(flat, task),
-            refresh=refresh,
-        )
-    return prof, task.model
+    profiler = Profiler.of(cfg, device, refresh)
+    return profiler.step(steps), profiler.task.model
 
 
 def plan(
@@ -176,8 +228,9 @@ def plan(
             inside = cross  # one-worker islands have no link inside
     except LinkError as e:
         raise PlanError(str(e)) from None
-    prof, model = profile_job(cfg, device, refresh)
-    cands = [candidate(s, cfg, model) for s in strategies]
+    profiler = Profiler.of(cfg, device, refresh)
+    prof = profiler.step()
+    cands = [candidate(s, cfg, profiler.task.model) for s in strategies]
     if topo.islands == 1:
         dropped = [c.label for c in cands if c.outer is not None]
         cands = [c for c in cands if c.outer is None]
@@ -186,6 +239,7 @@ def plan(
         notes = []
     if not cands:
         raise PlanError("no strategy applies to this job: give --strategy ddp, zero1 or fsdp for one island")
+    cands = profiler.rounds(cands, prof)
     budget = int(budget_mb * 1e6)
     preds = ranked([predict(c, prof, topo, inside, cross, budget) for c in cands])
 

@@ -9,7 +9,9 @@ islands.compress.average.analytic_nbytes), on the schedule the strategy itself f
 fragment_bounds, the final synchronisation at finish, the 8-byte start digest). They match a run's ledger exactly
 (tests/unit/plan/test_bytes_ledger.py) except a variable-length codec (zstd), whose size depends on the values.
 
-Time: compute is the profiled step (profile.py); each collective costs its link's alpha-beta (links.py); DDP's
+Time: compute is the profiled step (profile.py: the Trainer's own step on one worker); an outer strategy's local work
+per round (its outer step, its compressor on the model's own vector: profile.round_seconds) is spread over its H
+steps; each collective costs its link's alpha-beta (links.py); DDP's
 gradient buckets overlap the backward pass except the last; ZeRO-1's gather and FSDP's collectives do not overlap;
 a DiLoCo round blocks (its cost spread over H steps); streaming fragments overlap tau steps of compute. The
 islands' workers share their island's link to the others: w workers per island each get 1/w of its rate.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -40,10 +41,13 @@ INIT_DIGEST_BYTES = 8  # OuterStrategy.agree_start: one int64 digest all-gathere
 DDP_BUCKET_BYTES = 25_000_000  # islands.sync.ddp.DDP(bucket_mb=25.0), the default
 
 # Expected error of each quantity, (median, worst) relative, measured by `islands bench planner-accuracy --quick`
-# (digits MLP, 6 configurations, 2 workers over gloo loopback on a shared 2-core CPU machine; docs/plan.md has the
-# run). Bytes are the ledger's formulas (0 over 6 of 6); memory over the 4 outer configurations it measured.
+# (the byte LM, d_model 128, 6 configurations, 2 workers over gloo loopback, 200 steps, each configuration profiled
+# right before its run) twice in a row on this 2-core CPU machine, 2026-12-05 19:34 and 19:38 UTC: 8.2%/12.8% at
+# load average 1.9-2.3 and 36.1%/39.0% as other jobs started (1.5 rising to 4.2); pooled over the 12 configurations
+# here (docs/plan.md has both runs). Bytes are the ledger's formulas (0 over 12 of 12); memory over the 8 outer
+# configurations measured (and DDP and ZeRO-1 in tests/unit/plan/test_flat_memory.py).
 EXPECTED_ERROR = {
-    "step_s": (0.364, 0.501),
+    "step_s": (0.128, 0.390),
     "bytes": (0.0, 0.0),
     "memory": (0.0, 0.0001),
 }
@@ -71,6 +75,7 @@ class Candidate:
     outer: OuterStrategy | None = None
     fsdp_traffic: tuple[tuple[str, int, int], ...] = ()  # (kind, sent, received) per step, for inner fsdp
     fsdp_state: dict = field(default_factory=dict)  # state_bytes_per_rank for inner fsdp
+    round_s: float = 0.0  # the outer strategy's measured local work per round (profile.round_seconds)
 
     @property
     def family(self) -> str:
@@ -82,7 +87,7 @@ class Memory:
     params: int
     grads: int
     optimizer: int
-    strategy: int  # what the strategy keeps beside them (DiLoCo's global copy and model, error feedback)
+    strategy: int  # what the strategy keeps beside them (DDP's buckets, DiLoCo's global copy and model, error feedback)
     activations: int
 
     @property
@@ -94,6 +99,7 @@ class Memory:
 class Prediction:
     label: str
     compute_s: float
+    strategy_s: float  # the outer strategy's own local work per step (outer step, compression), its rounds' over H
     inside_comm_s: float  # exposed, per step
     cross_comm_s: float  # exposed, per step
     inside_bytes_per_step: int  # per rank sent inside its island (or over the flat group)
@@ -111,7 +117,7 @@ class Prediction:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.inside_comm_s + self.cross_comm_s
+        return self.compute_s + self.strategy_s + self.inside_comm_s + self.cross_comm_s
 
     @property
     def utilisation(self) -> float:
@@ -127,6 +133,7 @@ class Prediction:
             "label": self.label,
             "step_s": self.step_s,
             "compute_s": self.compute_s,
+            "strategy_s": self.strategy_s,
             "inside_comm_s": self.inside_comm_s,
             "cross_comm_s": self.cross_comm_s,
             "utilisation": self.utilisation,
@@ -194,38 +201,6 @@ def outer_run_bytes(outer: DiLoCo, numel: int, buffer_bytes: int, steps: int) ->
     return total
 
 
-# ---- compressor throughput, measured here ---------------------------------------------------------------------------
-_THROUGHPUT: dict[tuple, float] = {}
-
-
-def codec_seconds(outer: DiLoCo, numel: int, reps: int = 5) -> float:
-    """Seconds to encode and decode one exchange's vector of `numel` values on this machine (0 for the plain mean),
-    measured once per (compressor, size) in this process."""
-    ex = outer.exchange
-    part = ex.codec if ex.codec is not None else ex.compressor
-    if part is None:
-        return 0.0
-    key = (type(part).__name__, repr(vars(part)) if hasattr(part, "__dict__") else "", numel)
-    if key not in _THROUGHPUT:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-        times = []
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)  # as a CPU worker runs it (2 threads on a busy 2-core machine measured 100x slower)
-        for _ in range(reps + 1):  # the first is a warm-up
-            t = time.perf_counter()
-            if ex.codec is not None:
-                ex.codec.decode(ex.codec.encode(x), numel)
-            else:
-                comp = ex.compressor
-                assert comp is not None
-                state = comp.state("plan", x)
-                comp.decompress(comp.compress(x.clone(), state))
-            times.append(time.perf_counter() - t)
-        torch.set_num_threads(before)
-        _THROUGHPUT[key] = min(times[1:])
-    return _THROUGHPUT[key]
-
-
 # ---- one candidate -------------------------------------------------------------------------------------------------
 def _ddp_exposed(link: Link, n: int, grad_bytes: int, backward_s: float) -> float:
     t = link.seconds("all_reduce", n, grad_bytes)
@@ -247,6 +222,10 @@ def _inner_comm(c: Candidate, prof: Profile, n: int, link: Link) -> tuple[int, f
     mem = {"params": prof.param_bytes, "grads": g, "optimizer": prof.optimizer_bytes}
     if n < 2 or c.inner == "single":
         return 0, 0.0, mem
+    if c.inner in ("ddp", "zero1"):
+        # torch DDP's reducer keeps its buckets: a flat copy of every gradient beside the parameters' .grad
+        # (islands.sync.ddp.start_ddp leaves gradient_as_bucket_view off); ZeRO-1 exchanges through the same DDP
+        mem["strategy"] = g
     if c.inner == "ddp":
         return g, _ddp_exposed(link, n, g, prof.backward_s), mem
     if c.inner == "zero1":
@@ -305,7 +284,7 @@ def predict(
     if c.outer is None:  # a flat strategy over every worker; across islands its ring runs over the cross link
         n, link = topo.workers, (cross if topo.islands > 1 else inside)
         per_step, t_in, mem = _inner(c, prof, n, link)
-        extra, round_steps, bytes_exact = 0, 1, True
+        extra, round_steps, bytes_exact, strategy_t = mem.get("strategy", 0), 1, True, 0.0
         if topo.islands > 1:  # every byte crosses the islands' link
             inside_t, inside_b, cross_t, cross_round = 0.0, 0, t_in, per_step
         else:
@@ -328,13 +307,14 @@ def predict(
         frag_t = []
         for lo, hi in bounds:
             b, kind = exchange_bytes(outer, hi - lo)
-            t = share.seconds(kind, topo.islands, b) + codec_seconds(outer, hi - lo)
+            t = share.seconds(kind, topo.islands, b)
             frag_t.append(max(t - tau * prof.compute_s, 0.0))  # overlapped with tau steps of compute
         # every round's exchange waits for the slowest island's H steps
         cross_t = (sum(frag_t) + prof.straggler_s(topo.islands, h)) / h
         cross_round = sum(exchange_bytes(outer, hi - lo)[0] for lo, hi in bounds) + prof.buffer_bytes
         round_steps = h
-        extra = _outer_memory(outer, prof)
+        strategy_t = c.round_s / h
+        extra = mem.get("strategy", 0) + _outer_memory(outer, prof)
         bytes_exact = not (outer.exchange.codec is not None and outer.exchange.codec.variable_length)
         if not bytes_exact:
             notes.append("a variable-length codec's size depends on the values: its bytes are the payload bound")
@@ -359,12 +339,19 @@ def predict(
         "memory": "parameters, gradients, optimizer state counted after a profiled step (islands.memory); "
         "activations: the profiled saved-for-backward peak",
         "bytes": "the ledger's formulas (islands.plan.costs)",
+        "outer round": (
+            f"its local work timed on this model (outer step, compression of the real vector): "
+            f"{c.round_s * 1e3:.2f} ms per round over {round_steps} steps"
+            if c.outer is not None
+            else "none (a flat strategy)"
+        ),
         "synchronisation wait": f"E(slowest of n) - mean over the profiled steps: {prof.straggler_s(2) * 1e3:.2f} ms "
         "at n=2",
     }
     return Prediction(
         label=c.label,
         compute_s=prof.compute_s,
+        strategy_s=strategy_t,
         inside_comm_s=inside_t,
         cross_comm_s=cross_t,
         inside_bytes_per_step=inside_b,

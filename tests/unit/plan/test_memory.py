@@ -4,14 +4,10 @@ model, optimizer and strategy (islands.plan.held), plus the saved-for-backward p
 import pytest
 import torch
 
-import islands
-from islands.app.build import build_task
 from islands.config import from_mapping
-from islands.memory import SavedTensorMeter
-from islands.memory.step import ForwardBackward
 from islands.plan import Topology, parse_link, predict
 from islands.plan.api import candidate, job_config, profile_job
-from islands.plan.held import held_bytes
+from islands.plan.held import held_bytes, simulated_held_peak
 
 
 @pytest.fixture(autouse=True)
@@ -43,28 +39,7 @@ def test_memory_prediction_within_ten_percent_of_the_held_peak(task, outer):
     plan_cfg = job_config(base)
     prof, model = profile_job(plan_cfg)
     pred = predict(candidate(outer, plan_cfg, model), prof, Topology(2, 2), parse_link("1gbit"), parse_link("1gbit"))
-    cfg = from_mapping({**base, "outer": outer, "simulate": True})
-
-    def main(world):
-        t = build_task(cfg)
-        opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
-        strategy = islands.Stack(outer=islands.sync.outer.make_outer(outer))
-        trainer = islands.Trainer(
-            model=t.model,
-            optimizer=opt,
-            loss_fn=t.loss_fn,
-            train_data=t.train_data,
-            val_data=t.val_data,
-            world=world,
-            strategy=strategy,
-        )
-        trainer.fit(8)
-        batch = t.train_data(0, 1).next()
-        with SavedTensorMeter(exclude=list(t.model.parameters())) as meter:
-            ForwardBackward()(t.model, batch, t.loss_fn)
-        # the simulated Comm's mailboxes may still hold the last collective's result: a simulation's, not the job's
-        return held_bytes(t.model, opt, strategy, exclude=[world.comm(), strategy.outer.comm]) + meter.peak
-
-    measured = islands.simulate.run(main, islands=2)
+    measured = simulated_held_peak(from_mapping({**base, "outer": outer}), 8)
+    assert len(measured) == 2
     for got in measured:
         assert pred.memory.total == pytest.approx(got, rel=0.10), (pred.memory, measured)
