@@ -74,9 +74,10 @@ def test_hf_trainer_callback_two_islands_then_resumed(tmp_path, monkeypatch, cap
             "islands-outer-0.pt",
             "islands-outer-1.pt",
         ]
-    # resumed to 40 steps: the outer rounds continue from the checkpoint's 2 (a fresh start would count 2, not 4)
+    # resumed to 40 steps: the outer rounds continue from the checkpoint's 2 (a fresh start would count 2, not 4);
+    # as islands of one worker (each loads its rank's outer state; ~12 s of CPU less than 4 fresh framework processes)
     resumed = separate_jobs(
-        EXAMPLES / "hf_trainer.py", tmp_path, monkeypatch, capfd, STEPS="40", RESUME="1", OUT_DIR=str(out)
+        EXAMPLES / "hf_trainer.py", tmp_path, monkeypatch, capfd, workers=2, STEPS="40", RESUME="1", OUT_DIR=str(out)
     )
     assert {r["rounds"] for r in resumed} == {4}
     assert len({r["digest"] for r in resumed}) == 1
@@ -92,9 +93,10 @@ def test_lightning_callback_two_islands_then_resumed(tmp_path, monkeypatch, capf
         EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, STEPS="20", CHECKPOINT=str(ckpt)
     )
     check_islands(results, rounds=2)
-    # resumed from Lightning's own checkpoint to 40 steps: the outer rounds continue from the saved 2
+    # resumed from Lightning's own checkpoint to 40 steps: the outer rounds continue from the saved 2 (as islands of
+    # one worker, as above)
     resumed = separate_jobs(
-        EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, STEPS="40", CHECKPOINT=str(ckpt)
+        EXAMPLES / "lightning_module.py", tmp_path, monkeypatch, capfd, workers=2, STEPS="40", CHECKPOINT=str(ckpt)
     )
     assert {r["rounds"] for r in resumed} == {4}
     assert {len(r["losses"]) for r in resumed} == {20}  # only the steps after the checkpoint ran
