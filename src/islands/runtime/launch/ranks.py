@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from islands.runtime.cross import CrossSpec
+from islands.runtime.cross import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S, CrossSpec
 from islands.runtime.launch import spawn
 from islands.testbed import Testbed, TestbedError, TestbedNotFound
 from islands.testbed.system import list_netns, require_root
@@ -269,9 +269,8 @@ def run_island_jobs(
     check_counts(workers, islands, threads)
     k = workers // islands
     cross = rendezvous_store(0)  # held for the job's life: the islands' meeting point outlives any island
-    timeout = {} if cross_timeout_s is None else {"timeout_s": cross_timeout_s}
-    if heartbeat_timeout_s is not None:
-        timeout["heartbeat_timeout_s"] = heartbeat_timeout_s
+    timeout = cross_timeout_s if cross_timeout_s is not None else DEFAULT_TIMEOUT_S
+    heartbeat = heartbeat_timeout_s if heartbeat_timeout_s is not None else DEFAULT_HEARTBEAT_TIMEOUT_S
     jobs: list[list[WorkerProcess]] = []
     placements: list[Placement] = []  # each island's rendezvous store, held (served) for the job's life
 
@@ -279,7 +278,14 @@ def run_island_jobs(
         for i in range(islands):
             placement = Placement.loopback()  # the island's own rendezvous store and port
             placements.append(placement)
-            spec = CrossSpec(f"{LOOPBACK}:{cross.port}", islands, i, host_store=False, **timeout)
+            spec = CrossSpec(
+                f"{LOOPBACK}:{cross.port}",
+                islands,
+                i,
+                host_store=False,
+                timeout_s=timeout,
+                heartbeat_timeout_s=heartbeat,
+            )
             logs = Path(run_dir) / "logs" / f"island{i}"
             logs.mkdir(parents=True, exist_ok=True)
             # each island's rank 0 prints to the launcher's stdout, the rest to their logs
