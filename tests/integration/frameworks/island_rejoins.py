@@ -8,8 +8,6 @@ island (it enters at their round boundary with their global model and outer stat
 long after each step until it has admitted a joiner, so that on a loaded test machine it is still training when
 the restarted process is up (it never waits for it: the pause is a step's length, not a wait on island 1)."""
 
-import hashlib
-import json
 import os
 import signal
 import time
@@ -17,6 +15,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from script_results import rejoin_result
 from torch.nn.parallel import DistributedDataParallel
 
 import islands
@@ -47,17 +46,5 @@ with strategy.attach(model, opt, world):
         steps += 1
         if PACE_S and not any(e["type"] == "join" for e in membership.events):
             time.sleep(PACE_S)
-params = b"".join(p.detach().numpy().tobytes() for p in strategy.eval_model(model).parameters())
-line = {
-    "name": membership.name,
-    "start": start,
-    "steps": steps,
-    "rounds": strategy.rounds,
-    "islands": world.islands,
-    "events": [{k: e[k] for k in ("type", "gone", "joined", "step") if k in e} for e in membership.events],
-    "outer_sent": world.ledger.sent.get("outer_delta", 0),  # DiLoCo's exchanges (not the join's state transfer)
-    "ledger": dict(world.ledger.sent),
-    "digest": hashlib.sha256(params).hexdigest()[:16],
-}
-print("RESULT " + json.dumps(line), flush=True)
+rejoin_result(world, strategy, strategy.eval_model(model), start=start, steps=steps)
 islands.close_world(world)

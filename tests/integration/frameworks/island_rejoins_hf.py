@@ -5,8 +5,6 @@ would, then enters the members' run at their round boundary: their global model,
 checkpoint's, and the Trainer goes on from the members' step (`state.global_step` moved by the callback), so it
 runs only the steps left to max_steps."""
 
-import hashlib
-import json
 import os
 import signal
 import time
@@ -14,6 +12,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from script_results import rejoin_result
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -96,21 +95,13 @@ ds = Sums(1000 + int(os.environ["ISLANDS_CROSS_INDEX"]))
 trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[loaded, islands_cb, probe])
 trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") else None)
 world = islands_cb.run.join()
-membership = world.membership
-assert membership is not None
-params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())  # the global model after train
-line = {
-    "name": membership.name,
-    "loaded": loaded.step,
-    "start": probe.start,
-    "final_step": trainer.state.global_step,
-    "steps": probe.steps,
-    "rounds": strategy.rounds,
-    "islands": world.islands,
-    "events": [{k: e[k] for k in ("type", "gone", "joined", "step") if k in e} for e in membership.events],
-    "outer_sent": world.ledger.sent.get("outer_delta", 0),
-    "ledger": dict(world.ledger.sent),
-    "digest": hashlib.sha256(params).hexdigest()[:16],
-}
-print("RESULT " + json.dumps(line), flush=True)
+rejoin_result(
+    world,
+    strategy,
+    model,
+    loaded=loaded.step,
+    start=probe.start,
+    final_step=trainer.state.global_step,
+    steps=probe.steps,
+)  # the global model after training
 islands_cb.run.close()

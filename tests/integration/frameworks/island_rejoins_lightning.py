@@ -4,8 +4,6 @@ DiLoCo from Lightning's hooks. Every island checkpoints every 30 steps (ModelChe
 members' run at their round boundary: their global model, outer state and step replace the checkpoint's, and
 `trainer.global_step` moves on to the members' step, so Lightning runs only the steps left to max_steps."""
 
-import hashlib
-import json
 import os
 import signal
 import time
@@ -16,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from script_results import rejoin_result
 from torch.utils.data import DataLoader, TensorDataset
 
 import islands
@@ -80,21 +79,13 @@ x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(1000 + INDEX))
 resume = str(folder / "last.ckpt") if os.environ.get("RESUME") else None
 trainer.fit(model, DataLoader(TensorDataset(x), batch_size=16, shuffle=True), ckpt_path=resume)
 world = islands_cb.run.join()
-membership = world.membership
-assert membership is not None
-params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())  # the global model after fit
-line = {
-    "name": membership.name,
-    "loaded": loaded.step_at_start,
-    "start": probe.step_at_start,
-    "steps": probe.steps,
-    "final_step": trainer.global_step,
-    "rounds": strategy.rounds,
-    "islands": world.islands,
-    "events": [{k: e[k] for k in ("type", "gone", "joined", "step") if k in e} for e in membership.events],
-    "outer_sent": world.ledger.sent.get("outer_delta", 0),
-    "ledger": dict(world.ledger.sent),
-    "digest": hashlib.sha256(params).hexdigest()[:16],
-}
-print("RESULT " + json.dumps(line), flush=True)
+rejoin_result(
+    world,
+    strategy,
+    model,
+    loaded=loaded.step_at_start,
+    start=probe.step_at_start,
+    steps=probe.steps,
+    final_step=trainer.global_step,
+)  # the global model after training
 islands_cb.run.close()

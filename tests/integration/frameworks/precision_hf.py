@@ -6,13 +6,12 @@ It prints one RESULT line: the micro-batch losses, how many forwards ran, the dt
 of the parameters and of DiLoCo's global model, the bytes of DiLoCo's exchanges, and a digest of the model after each
 round (the step ends where the round count grew) and after training."""
 
-import hashlib
-import json
 import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from script_results import digest, precision_result
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -46,10 +45,6 @@ class Net(nn.Module):
         loss = F.mse_loss(out.float(), labels)
         self.losses.append(loss.item())
         return {"loss": loss, "logits": out}
-
-
-def digest(model: nn.Module) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
 
 
 class Rounds(TrainerCallback):
@@ -86,18 +81,4 @@ args = TrainingArguments(
 trainer = Trainer(model=model, args=args, train_dataset=Sums(1000), callbacks=[callback, rounds])
 trainer.train()
 world = callback.run.join()
-line = {
-    "island": world.island,
-    "losses": model.losses,
-    "forwards": len(model.losses),
-    "optimizer_steps": trainer.state.global_step,
-    "computed_in": sorted(model.computed_in),
-    "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-    "global_dtypes": sorted({str(p.dtype) for p in strategy.global_model.parameters()}),
-    "numel": sum(p.numel() for p in model.parameters()),
-    "outer_bytes": world.ledger.sent.get("outer_delta", 0),
-    "rounds": strategy.rounds,
-    "round_digests": rounds.digests,
-    "digest": digest(model),  # the global model, after the final synchronisation
-}
-print("RESULT " + json.dumps(line), flush=True)
+precision_result(world, strategy, model, trainer.state.global_step, rounds.digests)

@@ -3,24 +3,19 @@ optimizer step), as one island of `islands run --separate-jobs`, DiLoCo every IN
 IslandsCallback (test_frameworks.test_mixed_precision_and_accumulation_lightning). Its RESULT line says what
 precision_hf.py's says."""
 
-import hashlib
-import json
 import os
 
 import lightning.pytorch as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from script_results import digest, precision_result
 from torch.utils.data import DataLoader, TensorDataset
 
 import islands
 from islands.integrations.lightning import IslandsCallback
 
 STEPS, INNER_STEPS, ACCUM = (int(os.environ[k]) for k in ("STEPS", "INNER_STEPS", "ACCUM"))
-
-
-def digest(model: nn.Module) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
 
 
 class Net(L.LightningModule):
@@ -73,18 +68,4 @@ trainer = L.Trainer(
 x = torch.randn(2048, 8, generator=torch.Generator().manual_seed(1000))
 trainer.fit(model, DataLoader(TensorDataset(x), batch_size=16, shuffle=True))
 world = callback.run.join()
-line = {
-    "island": world.island,
-    "losses": model.losses,
-    "forwards": len(model.losses),
-    "optimizer_steps": trainer.global_step,
-    "computed_in": sorted(model.computed_in),
-    "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-    "global_dtypes": sorted({str(p.dtype) for p in strategy.global_model.parameters()}),
-    "numel": sum(p.numel() for p in model.parameters()),
-    "outer_bytes": world.ledger.sent.get("outer_delta", 0),
-    "rounds": strategy.rounds,
-    "round_digests": rounds.digests,
-    "digest": digest(model),  # the global model, after the final synchronisation
-}
-print("RESULT " + json.dumps(line), flush=True)
+precision_result(world, strategy, model, trainer.global_step, rounds.digests)
