@@ -1,8 +1,8 @@
 """The job host of an elastic job: a detached process that hosts the store and runs the coordinator.
 
-    python -m islands.runtime.launch.job_host RUN_DIR --launcher-pid PID [--port P | --store etcd://H:P,H:P,...]
+    python -m islands.runtime.launch.job_host RUN_DIR --launcher-pid PID --job FILE [--port P | --store etcd://H:P,...]
                                        [--advertise ADDRESS]
-    (the JobSpec as JSON in the file --job names or on stdin, ISLANDS_TOKEN in the environment)
+    (the JobSpec as JSON in the file --job names, ISLANDS_TOKEN in the environment)
 
 Why a process of its own (issue #20 item 2, docs/membership.md "No single point of failure"): the launcher
 used to host the TCPStore and the coordinator thread, so a SIGKILLed launcher took the store with it and every
@@ -149,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         default="127.0.0.1",
         help="the address workers reach the embedded store at (a testbed's hub address)",
     )
-    p.add_argument("--job", default="", help="a file holding the JobSpec as JSON (default: read it from stdin)")
+    p.add_argument("--job", required=True, help="the file holding the JobSpec as JSON (the launcher writes it)")
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # not inherited by anything this process might start
-    job = JobSpec.from_json(Path(args.job).read_text() if args.job else sys.stdin.read())
+    job = JobSpec.from_json(Path(args.job).read_text())
     job = job if job.job_id else replace(job, job_id=secrets.token_hex(16))
     run_dir = Path(args.run_dir)
 
