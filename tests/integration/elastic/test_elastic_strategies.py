@@ -19,6 +19,7 @@ import threading
 import pytest
 
 import harness.elastic as elastic_jobs
+from islands.runtime.launch import spawn
 from islands.runtime.launch.elastic import launch_elastic_script
 
 TIMEOUT = 400  # seconds per wait: process start-up on a loaded 2-core machine takes minutes
@@ -137,6 +138,8 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
     (tmp_path / "job.py").write_text(SCRIPT)
     monkeypatch.chdir(tmp_path)  # the job's directory: the joiner runs the script here too
     monkeypatch.delenv("ISLANDS_TOKEN", raising=False)
+    # its workers forked from a server that imported torch and islands (`islands run --preload`): ~2 CPU-s less each
+    monkeypatch.setenv(spawn.PRELOAD_ENV, "islands")
     out, launcher = tmp_path / "out", io.StringIO()
     seen: dict = {}
     ended = threading.Event()

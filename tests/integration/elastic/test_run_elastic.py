@@ -336,6 +336,8 @@ def test_elastic_run_flags_that_cannot_work_are_refused_before_anything_starts(t
         (["--max-restarts", "2"], "apply to elastic jobs only"),
         (["--elastic", "--testbed", "nosuchbed"], "no testbed named 'nosuchbed'"),
         (["--elastic", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be > 0 seconds"),
+        (["--preload", "transformer"], "--preload: no package 'transformer' is installed"),
+        (["--preload", "json,os.path,3d"], "--preload: '3d' is not a module name"),
     ]
     for flags, needle in cases:
         with pytest.raises(SystemExit) as exited:

@@ -25,6 +25,19 @@ ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
+# what the scripts import, imported once by the launcher's fork server (`islands run --preload`): each rank is then a
+# copy instead of an interpreter importing transformers' Trainer (~5 CPU-s) or Lightning (~5.5 CPU-s) itself; the
+# refusal test below starts fresh interpreters, the default
+PRELOAD = ",".join(
+    [
+        "transformers.trainer",
+        "transformers.models.gpt2.modeling_gpt2",
+        "lightning.pytorch",
+        "accelerate",
+        "islands.integrations.transformers",
+        "islands.integrations.lightning",
+    ]
+)
 
 
 def separate_jobs(
@@ -37,7 +50,8 @@ def separate_jobs(
         monkeypatch.setenv(key, value)
     capfd.readouterr()
     run_dir = cwd / "runs" / f"job{len(list(cwd.glob('runs/job*')))}"
-    argv = ["run", "--workers", str(workers), "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir), *extra]
+    argv = ["run", "--workers", str(workers), "--islands", "2", "--separate-jobs", "--run-dir", str(run_dir)]
+    argv += ["--preload", PRELOAD, *extra]
     code = cli(*argv, str(script), timeout=600)
     out = capfd.readouterr()
     logs = "".join(p.read_text() for p in sorted(run_dir.glob("logs/*/*.log")))
@@ -170,6 +184,28 @@ def test_a_callback_in_one_job_of_several_islands_is_refused(tmp_path, monkeypat
     assert "every step would cross between islands" in text and "--separate-jobs" in text
 
 
+class Island:
+    """A process started with its output in files, read as subprocess.Popen.communicate reads pipes."""
+
+    def __init__(self, proc, logs: list[Path]):
+        self.proc, self.logs = proc, logs
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        self.proc.wait(timeout)
+        out, err = (p.read_text() for p in self.logs)
+        return out, err
+
+
 @pytest.mark.parametrize(
     ("script", "workers"),
     [
@@ -188,11 +224,11 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
     outer state and step, runs the remaining steps from there (the frameworks' step counters moved on past the
     checkpoint's), and all end with one global model. Processes: a SIGKILLed job and its restart are what is tested."""
     import os
-    import subprocess
     import sys
 
     from harness.procs import free_port
     from islands.runtime.cross import CrossSpec
+    from islands.runtime.launch import spawn
 
     path = HERE / script
     address = f"127.0.0.1:{free_port()}"
@@ -203,18 +239,21 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
     launch = [sys.executable] if workers == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launch += [] if workers == 1 else ["--nproc-per-node", str(workers)]
 
-    def island(index: int, **env) -> subprocess.Popen:
-        spec = CrossSpec(address, islands=2, index=index, timeout_s=60, heartbeat_timeout_s=5)
-        return subprocess.Popen(
-            [*launch, str(path)],
-            env={**base, **spec.env(), **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )
+    started = 0
 
-    def results(proc: subprocess.Popen, what: str) -> list[dict]:
+    def island(index: int, **env):
+        """Island `index` as a process of its own: one framework process forked from a server that preloaded the
+        frameworks (as `islands run --preload` starts them, so the restarted island skips their imports), or a
+        torchrun job of fresh interpreters. Its stdout and stderr go to files (communicate() reads them)."""
+        nonlocal started
+        spec = CrossSpec(address, islands=2, index=index, timeout_s=60, heartbeat_timeout_s=5)
+        started += 1
+        logs = [tmp_path / f"island{index}-{started}.{kind}" for kind in ("out", "err")]
+        env = {**base, **spec.env(), **env, **({spawn.PRELOAD_ENV: PRELOAD} if workers == 1 else {})}
+        with open(logs[0], "w") as out, open(logs[1], "w") as err:
+            return Island(spawn.start([*launch, str(path)], env, stdout=out, stderr=err, cwd=str(tmp_path)), logs)
+
+    def results(proc: Island, what: str) -> list[dict]:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{what} exited {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

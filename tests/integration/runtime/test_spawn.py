@@ -123,3 +123,42 @@ def test_a_jobs_heavy_imports_are_preloaded_by_the_fork_server(tmp_path):
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["imported"] == ["colorsys", "sklearn.datasets"]  # preloaded; wave was not asked for
     assert heavy_imports("lm") == () and heavy_imports("digits") == ("sklearn.datasets",)
+
+
+USER_SCRIPT = """\
+import json, os, sys
+import numpy as np
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
+                  "preloaded": "colorsys" in sys.modules, "draw": int(np.random.randint(1 << 30)),
+                  "parent": os.getppid()}), flush=True)
+if len(sys.argv) > 1 and sys.argv[1] == "fail":
+    raise ValueError("the script's own error")
+"""
+
+
+def test_a_users_script_is_forked_as_python_would_run_it_when_modules_are_preloaded_for_it(tmp_path):
+    """`islands run --preload` (ISLANDS_PRELOAD): a user's script or `-m` module runs in a copy of a server that
+    imported the named modules, with what `python script.py` would give it: sys.argv, sys.path[0] its folder (the
+    module form: the working directory), __main__, its own numpy seed, its own exit code and traceback."""
+    code = tmp_path / "code"
+    (code / "userpkg").mkdir(parents=True)
+    (code / "train.py").write_text(USER_SCRIPT)
+    (code / "userpkg" / "__init__.py").write_text("")
+    (code / "userpkg" / "main.py").write_text(USER_SCRIPT)
+    script = [sys.executable, str(code / "train.py")]
+    env = {spawn.PRELOAD_ENV: "colorsys"}
+    assert spawn.forks(script, env) and not spawn.forks(script, {})
+    assert not spawn.forks([sys.executable, "-u", str(code / "train.py")], env)  # interpreter options: not forkable
+    runs = []
+    for argv in (script + ["a", "--b"], script + ["c"], [sys.executable, "-m", "userpkg.main"]):
+        proc, log = start(tmp_path, argv, env, cwd=str(code))
+        assert isinstance(proc, spawn.ForkedProcess) and proc.wait(120) == 0, log.read_text()
+        runs.append(json.loads(log.read_text().strip().splitlines()[-1]))
+    first, second, module = runs
+    assert first["argv"] == [str(code / "train.py"), "a", "--b"] and second["argv"][1:] == ["c"]
+    assert first["path0"] == str(code) and first["name"] == "__main__" and first["file"] == str(code / "train.py")
+    assert module["argv"][0] == str(code / "userpkg" / "main.py") and module["path0"] == str(code)
+    assert all(r["preloaded"] and r["parent"] != os.getpid() for r in runs)
+    assert len({r["draw"] for r in runs}) == 3  # numpy's global generator reseeded in each copy
+    proc, log = start(tmp_path, script + ["fail"], env, cwd=str(code))
+    assert proc.wait(120) == 1 and "ValueError: the script's own error" in log.read_text()

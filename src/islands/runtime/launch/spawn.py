@@ -24,9 +24,19 @@ exit of unknown status (UNKNOWN_EXIT, `note` says why), never a wait. A start re
 answer (stopped for STOPPED_LIMIT_S, or silent for START_TIMEOUT_S) gives the server up: it is killed (its
 pending request dies with it; the next start gets a new server) and the worker starts as a fresh interpreter.
 
-Only `[sys.executable, "-m", "islands...", ...]` is forked; anything else (a user's script, a command
+Only `[sys.executable, "-m", "islands...", ...]` is forked by default; anything else (a user's script, a command
 wrapped to run inside a testbed's network namespace) is started with subprocess.Popen. ISLANDS_SPAWN=exec
 turns the fork server off (every process a fresh interpreter).
+
+A user's script (`[sys.executable, "train.py", ...]` or `[sys.executable, "-m", "pkg.train", ...]`) is forked too
+when its environment names modules to preload (ISLANDS_PRELOAD, comma-separated; `islands run --preload`): a server
+of its own imports PRELOAD and those once, and each rank is a copy that runs the script as `python train.py` would
+(sys.argv, sys.path[0] the script's folder, __main__). The point is the ranks' start-up: `from transformers import
+Trainer` is ~5 s of CPU and `import lightning` ~5.5 s on a 2-core machine, paid by every rank and again by every
+restarted island before it can rejoin. It is opt-in because a preloaded module was imported once, in the
+launcher's environment: what it read from the environment at import time (a library's verbosity or cache
+variables) is the launcher's, not a rank's own variables (RANK, ISLANDS_*), and whatever it started at import
+(a thread) is not in the copies.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from multiprocessing import (
     spawn as mp_spawn,
     util,
 )
+from pathlib import Path
 
 import setproctitle
 
@@ -64,6 +75,7 @@ from islands.runtime.netns import enter as enter_netns
 from islands.testbed.system import netns_exec_prefix
 
 SPAWN_ENV = "ISLANDS_SPAWN"  # "exec": never fork (default "fork": fork islands' own modules)
+PRELOAD_ENV = "ISLANDS_PRELOAD"  # modules to preload for a user's script, comma-separated: then it is forked too
 # torch._dynamo: torch's DDP constructor imports it (794 modules, 2.1 s of CPU on this machine) in every worker; in a
 # restarted island that import ran beside the others' training and held the leader silent past the heartbeat
 # timeout (session 21's full chaos run: its one false death, its stack in torch._dynamo's imports)
@@ -86,20 +98,42 @@ _REPORT = struct.Struct("=qi")  # what a copy writes as it exits: its pid and it
 
 _lock = threading.Lock()
 _context = None
+_script_servers: dict[tuple[str, ...], forkserver.ForkServer] = {}  # a server per preload list of scripts
 _unavailable: list[str] = []  # why the fork server cannot be used in this Python, once found
 
 
-def forks(argv: list[str], env: dict | None = None) -> bool:
-    """Whether start() forks `argv` from the fork server (islands' own modules, run by this interpreter)."""
+def script_preload(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The modules `env` asks a user's script's server to preload (ISLANDS_PRELOAD), in order, without repeats."""
+    names = [m.strip() for m in env.get(PRELOAD_ENV, "").split(",")]
+    return tuple(dict.fromkeys(m for m in names if m))
+
+
+def _target(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """What `argv` runs, when this interpreter runs it plainly: ("module", name, args) for `python -m name args`,
+    ("path", script, args) for `python script args`; None for anything else (another program, interpreter
+    options such as -u or -X, which a copy could not take on)."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return None
+    if argv[1] == "-m":
+        return ("module", argv[2], list(argv[3:])) if len(argv) >= 3 else None
+    if argv[1].startswith("-"):
+        return None
+    return "path", argv[1], list(argv[2:])
+
+
+def _islands_module(name: str) -> bool:
+    return name == "islands" or name.startswith("islands.")
+
+
+def forks(argv: list[str], env: Mapping[str, str] | None = None) -> bool:
+    """Whether start() forks `argv` from a fork server: islands' own modules, run by this interpreter; and a user's
+    script or module when `env` names modules to preload for it (ISLANDS_PRELOAD)."""
     environ: Mapping[str, str] = os.environ if env is None else env
-    return (
-        environ.get(SPAWN_ENV, "fork") != "exec"
-        and not _unavailable
-        and len(argv) >= 3
-        and argv[0] == sys.executable
-        and argv[1] == "-m"
-        and (argv[2] == "islands" or argv[2].startswith("islands."))
-    )
+    target = _target(argv)
+    if environ.get(SPAWN_ENV, "fork") == "exec" or _unavailable or target is None:
+        return False
+    kind, name, _ = target
+    return (kind == "module" and _islands_module(name)) or bool(script_preload(environ))
 
 
 def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None = None, netns: str | None = None):
@@ -116,10 +150,15 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
 
     if not forks(argv, env):
         return fresh()
+    target = _target(argv)
+    assert target is not None  # forks() said so
+    kind, name, args = target
+    own = kind == "module" and _islands_module(name)
     out = 1 if stdout is None else stdout.fileno()
     err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
     try:
-        return ForkedProcess(argv[2], list(argv[3:]), dict(env), out, err, cwd, netns)
+        server = None if own else _script_server(script_preload(env))
+        return ForkedProcess(name, args, dict(env), out, err, cwd, netns, kind=kind, server=server)
     except (AttributeError, TypeError) as e:  # multiprocessing's internals moved (another Python): no fork server
         warnings.warn(
             f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
@@ -130,7 +169,7 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
         return fresh()
     except (ServerUnresponsive, EOFError, OSError) as e:  # stopped, hung or killed: this worker starts without it
         print(f"islands: {e}; this worker starts as a fresh interpreter", file=sys.stderr, flush=True)
-        _abandon_server()
+        _abandon_server(None if own else _script_server(script_preload(env)))
         return fresh()
 
 
@@ -155,15 +194,33 @@ def _forkserver():
         return _context
 
 
+def _script_server(modules: tuple[str, ...]) -> forkserver.ForkServer:
+    """The fork server for users' scripts that preload `modules`: one per list, apart from the one of islands' own
+    workers (whose preload is fixed once it runs), started on its first request."""
+    with _lock:
+        server = _script_servers.get(modules)
+        if server is None:
+            server = _script_servers[modules] = forkserver.ForkServer()
+            server.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *_more, *modules])))
+        return server
+
+
 class _Popen(popen_forkserver.Popen):
     """multiprocessing's forkserver Popen, without re-running this process's __main__ in the child: the
-    child runs an islands module, not the caller's program (a user's script that launches would otherwise
-    start again inside every worker)."""
+    child runs an islands module or a user's script, not the caller's program (a user's script that launches would
+    otherwise start again inside every worker); and asking the process's own server (its `server`), which is
+    multiprocessing's one unless it names another."""
+
+    def __init__(self, process_obj):
+        self.server: forkserver.ForkServer = process_obj.server or forkserver._forkserver
+        super().__init__(process_obj)
 
     def _launch(self, process_obj):
         prep_data = mp_spawn.get_preparation_data(process_obj._name)
         prep_data.pop("init_main_from_path", None)
         prep_data.pop("init_main_from_name", None)
+        if process_obj.server is not None:  # a user's script: the server's own sys.path, as a fresh interpreter's
+            prep_data.pop("sys_path", None)
         buf = io.BytesIO()
         mp_context.set_spawning_popen(self)
         try:
@@ -171,26 +228,27 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             mp_context.set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        self.sentinel, w = self.server.connect_to_new_process(self._fds)
         _parent_w = os.dup(w)  # as the stdlib does: the child's sentinel of this process
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
-        self.pid = _await_pid(self.sentinel)
+        self.pid = _await_pid(self.sentinel, self.server)
 
 
 class ServerUnresponsive(RuntimeError):
     """The fork server did not answer a start request (stopped with SIGSTOP, or hung)."""
 
 
-def _server_pid() -> int | None:
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+def _server_pid(server: forkserver.ForkServer | None = None) -> int | None:
+    """The pid of `server` (default multiprocessing's own, which islands' workers use), None while not running."""
+    return getattr(server or forkserver._forkserver, "_forkserver_pid", None)
 
 
-def _await_pid(sentinel: int) -> int:
+def _await_pid(sentinel: int, server_of: forkserver.ForkServer | None = None) -> int:
     """The new child's pid, as the server sends it; never a wait without end: ServerUnresponsive when the server
     stays stopped for STOPPED_LIMIT_S or silent for START_TIMEOUT_S, EOFError when it died."""
-    server = _server_pid()
+    server = _server_pid(server_of)
     now = time.monotonic()
     deadline, stopped_since = now + START_TIMEOUT_S, None
     while not select.select([sentinel], [], [], 0.05)[0]:
@@ -208,11 +266,11 @@ def _await_pid(sentinel: int) -> int:
     return forkserver.read_signed(sentinel)
 
 
-def _abandon_server() -> None:
+def _abandon_server(server_of: forkserver.ForkServer | None = None) -> None:
     """Kill a fork server that failed to answer: its pending start requests die with it (no late copy of a worker
     the launcher gave up on), its children (running workers) live on, and the next start gets a new server
     (multiprocessing starts one when it finds the old one dead)."""
-    server = _server_pid()
+    server = _server_pid(server_of)
     if server is None:
         return
     try:
@@ -226,17 +284,20 @@ def _abandon_server() -> None:
 
 def release_stopped_server(out=None) -> bool:
     """At the end of a job: a fork server left stopped (SIGSTOP) would hold its exited children as zombies for as
-    long as it stays stopped; it is killed instead (a later start gets a new one). Returns whether it was."""
-    server = _server_pid()
-    if server is None or process_state(server) not in ("T", "t"):
-        return False
-    print(
-        f"islands: the fork server (pid {server}) is stopped; ending it so that its exited workers are reaped",
-        file=out if out is not None else sys.stderr,
-        flush=True,
-    )
-    _abandon_server()
-    return True
+    long as it stays stopped; it is killed instead (a later start gets a new one). Returns whether one was."""
+    released = False
+    for server_of in [None, *_script_servers.values()]:
+        server = _server_pid(server_of)
+        if server is None or process_state(server) not in ("T", "t"):
+            continue
+        print(
+            f"islands: the fork server (pid {server}) is stopped; ending it so that its exited workers are reaped",
+            file=out if out is not None else sys.stderr,
+            flush=True,
+        )
+        _abandon_server(server_of)
+        released = True
+    return released
 
 
 def process_state(pid: int) -> str | None:
@@ -268,9 +329,14 @@ def zombie_status(pid: int) -> int | None:
 
 
 class _ServerProcess(mp_context.ForkServerProcess):
+    server: forkserver.ForkServer | None = None  # the server to ask (None: multiprocessing's own)
+
     @staticmethod
     def _Popen(process_obj):
         return _Popen(process_obj)
+
+    def __getstate__(self):  # the copy gets what to run, not the launcher's handle on a server (it holds a lock)
+        return {**self.__dict__, "server": None}
 
 
 class _Fd:
@@ -292,16 +358,30 @@ class ForkedProcess:
     the server (module docstring): poll and wait never wait on a stopped or killed server."""
 
     def __init__(
-        self, module: str, args: list[str], env: dict, out: int, err: int, cwd: str | None, netns: str | None = None
+        self,
+        name: str,
+        args: list[str],
+        env: dict,
+        out: int,
+        err: int,
+        cwd: str | None,
+        netns: str | None = None,
+        *,
+        kind: str = "module",
+        server: forkserver.ForkServer | None = None,
     ):
+        """Runs `python -m name args` (kind "module") or `python name args` (kind "path": a script), forked from
+        `server` (None: islands' own workers' server)."""
         _forkserver()
         report_r, report_w = os.pipe()  # the copy writes its exit status here as it exits
+        target = (kind, name)
         try:
             self._process = _ServerProcess(
                 target=_child,
-                name=f"islands-{module}",
-                args=(module, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w), time.time() + START_TIMEOUT_S),
+                name=f"islands-{Path(name).stem if kind == 'path' else name}",
+                args=(target, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w), time.time() + START_TIMEOUT_S),
             )
+            self._process.server = server
             self._process.start()
         except BaseException:
             os.close(report_r)
@@ -315,7 +395,7 @@ class ForkedProcess:
         pid = self._process.pid
         assert pid is not None  # started above
         self.pid: int = pid
-        self.args = [sys.executable, "-m", module, *args]
+        self.args = _command(target, args)
         os.set_blocking(report_r, False)
         self._report, self._reported = report_r, None
         self._pidfd: int | None
@@ -463,8 +543,22 @@ def _reporting_exit(report: int) -> None:
     os._exit = _exit
 
 
+def _reseed_numpy() -> None:
+    """numpy's global generator was seeded from the OS once, in the server, and every copy would draw the same
+    numbers from it; a fresh interpreter seeds its own (Python's `random` reseeds itself at fork already)."""
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+
+
+def _command(target: tuple[str, str], args: list[str]) -> list[str]:
+    """The command line a copy running `target` with `args` stands for."""
+    kind, name = target
+    return [sys.executable, *(["-m", name] if kind == "module" else [name]), *args]
+
+
 def _child(
-    module: str,
+    target: tuple[str, str],
     args: list[str],
     env: dict,
     out: int,
@@ -474,7 +568,8 @@ def _child(
     report: int | None = None,
     start_by: float | None = None,
 ) -> None:
-    """In the forked copy: become what `python -m module args` in a new session would have been."""
+    """In the forked copy: become what `python -m module args` (or `python script args`, target ("path", script))
+    in a new session would have been."""
     if start_by is not None and time.time() > start_by:  # the launcher gave this start up (a stopped server)
         os._exit(UNKNOWN_EXIT)
     if report is not None:
@@ -483,7 +578,8 @@ def _child(
         enter_netns(netns)
     # `ps`, `pgrep -f` and /proc/PID/cmdline show the command it stands for, not the fork server's; first,
     # while the inherited environment is in place (setproctitle finds argv's memory through it)
-    setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
+    command = _command(target, args)
+    setproctitle.setproctitle(" ".join(command))
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -500,16 +596,25 @@ def _child(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter has them
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _reseed_numpy()
     if _server_touched_cuda():  # a forked copy cannot use CUDA then: become a fresh interpreter instead
         if report is not None:
             os.close(report)  # the fresh interpreter reports nothing: its status comes from the server or /proc
-        os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
-    # the server imported the module already (PRELOAD); `-m` runs it again as __main__, which is what we want
-    warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
-    sys.argv = [module, *args]
+        os.execve(sys.executable, command, env)
+    kind, name = target
     code: str | int | None = 0  # SystemExit's code: an int, None, or a message
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if kind == "module":
+            # the server may have imported it already (PRELOAD); `-m` runs it again as __main__, as we want
+            warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
+            sys.argv = [name, *args]
+            if not _islands_module(name):  # a user's module: as `python -m` has it (islands' keep the launcher's)
+                sys.path[0] = os.getcwd()
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [name, *args]
+            sys.path[0] = os.path.dirname(os.path.realpath(name))  # as `python script` has it
+            runpy.run_path(name, run_name="__main__")
     except SystemExit as e:
         code = e.code
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
