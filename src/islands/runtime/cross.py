@@ -194,6 +194,18 @@ def check_token(store, token: str, address: str, sender: str) -> ControlAuth | N
     return ControlAuth(token, json.loads(opened[2])["job_id"], sender)
 
 
+def mark_gone(spec: CrossSpec, slots: int, why: str = "failed") -> None:
+    """Island `spec.index`'s job ended in failure (its launcher saw it): its dead flag in every slot's group, signed
+    as the islands sign theirs, so the others drop it at once instead of after its heartbeat went stale, or, when it
+    never beat (it failed while starting), after the cross timeout."""
+    host, port = parse_address(spec.address)
+    raw = connect(host, port, timeout_s=min(spec.timeout_s, 10.0))
+    auth = check_token(raw, spec.token, spec.address, "launcher")
+    store = raw if auth is None else authed(raw, auth)
+    for slot in range(slots):
+        dist.PrefixStore(f"cross/{slot}", store).set(f"dead/{spec.name()}", why)
+
+
 class CrossMembership(Membership):
     """The admission of one slot's cross-island group (islands.runtime.elastic.admission.Membership), with one
     verdict for all slots: at a round boundary the first member of any slot to look stores which restarted islands

@@ -20,9 +20,10 @@ from islands.runtime.cross import (
     CrossSpec,
     check_token,
     cross_requested,
+    mark_gone,
 )
 from islands.runtime.elastic.auth import MAGIC
-from islands.runtime.elastic.membership import TOKEN_ENV, connect
+from islands.runtime.elastic.membership import TOKEN_ENV, Liveness, authed, connect
 from islands.runtime.world import JoinedWorld, close_world, init_world, join_islands
 
 
@@ -139,6 +140,25 @@ def test_one_island_with_a_token_signs_what_it_writes(monkeypatch):
             assert bytes(raw.get(key)).startswith(MAGIC), key
     finally:
         close_world(world)
+
+
+def test_a_launcher_marks_a_failed_island_gone_signed_as_the_islands_sign(monkeypatch):
+    """mark_gone: the dead flag of island 1 in every slot's group, which the islands' own signed readers accept
+    (and so drop it at once); with another token it is refused by name and nothing is written."""
+    server, address = hosted_store()
+    host, port = address.rsplit(":", 1)
+    spec = CrossSpec(address, islands=2, index=1, token="s3cret")
+    reader = check_token(connect(host, int(port)), "s3cret", address, "0")  # island 0 came first
+    assert reader is not None
+    mark_gone(spec, slots=2)
+    signed = authed(connect(host, int(port)), reader)
+    for slot in (0, 1):
+        assert signed.check([f"cross/{slot}/dead/island1"])
+        assert Liveness(torch.distributed.PrefixStore(f"cross/{slot}", signed), 2.0).gone(["island1"]) == {"island1"}
+    with pytest.raises(CrossRefused, match="wrong token"):
+        mark_gone(CrossSpec(address, islands=2, index=0, token="other"), slots=2)
+    assert not signed.check(["cross/0/dead/island0"])
+    del server
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,13 @@ class Epochs:
         while not self.store.check([key]):
             registered = {n for n in names if self.store.check([f"e/{epoch}/reg/{n}"])}
             gone = self.commit.liveness.gone(set(names) - registered)
+            if epoch == 0:
+                # the first epoch: a candidate that never beat is still starting (an island importing its
+                # framework on a loaded machine), not silent, and only its dead flag or the deadline leaves it
+                # out. Counted gone after the heartbeat timeout, a slow island missed the first epoch of islands
+                # that were separate jobs, and if the others finished first it trained nothing (issue #35).
+                # Later epochs' candidates were members, and beat: silence is death there
+                gone = {n for n in gone if self.store.check([f"hb/{n}"]) or self.store.check([f"dead/{n}"])}
             if registered | gone >= set(names) or time.monotonic() > deadline:
                 keep = [c for c in candidates if c[1] in registered]
                 self.store.compare_set(key, "", json.dumps(sorted(keep)))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -64,25 +63,13 @@ from islands.runtime.launch.ranks import (
     WorkerProcess,
     describe_exit,
     exit_of,
+    job_token,
     log_tail,
     port_is_free,
     signal_worker,
     stop_all,
 )
 from islands.testbed import Testbed
-
-
-def job_token(run_dir: Path, out) -> str:
-    token = os.environ.get(TOKEN_ENV, "")
-    if token:
-        return token
-    token = secrets.token_hex(16)
-    path = run_dir / "token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    print(f"islands: elastic job token written to {path} (mode 0600)", file=out)
-    return token
 
 
 def launch_elastic_script(
@@ -183,7 +170,7 @@ def launch_elastic_workers(
         raise LaunchError(f"port {port} is busy; choose another or use port=0 to pick a free one")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    token = job_token(run_dir, out)
+    token = job_token(run_dir, out, "elastic job")
     host = JobHost.start(job, run_dir, token, port, out, store, testbed)
     address, coordinator = host.address, host
     print(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from islands.runtime.cross import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S, CrossSpec
+from islands.runtime.cross import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S, CrossSpec, mark_gone
+from islands.runtime.elastic.membership import TOKEN_ENV
 from islands.runtime.launch import spawn
 from islands.testbed import Testbed, TestbedError, TestbedNotFound
 from islands.testbed.system import list_netns, require_root
@@ -226,6 +228,22 @@ def check_counts(workers: int, islands: int, threads: int) -> None:
 
 
 # ---- the job ---------------------------------------------------------------------------------
+def job_token(run_dir: Path, out, what: str) -> str:
+    """The job's shared secret: ISLANDS_TOKEN when set, else a new one written to RUN_DIR/token (mode 0600), which
+    `islands join` (elastic jobs) or a restarted island (ISLANDS_TOKEN) needs to take part."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if token:
+        return token
+    token = secrets.token_hex(16)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(run_dir) / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    print(f"islands: {what} token written to {path} (mode 0600)", file=out)
+    return token
+
+
 def launch_ranks(
     argv: list[str],
     workers: int,
@@ -264,15 +282,25 @@ def run_island_jobs(
     """`islands` jobs of `workers // islands` ranks each on this machine, each its own rendezvous (its own store and
     MASTER_PORT, as a torchrun per island would give), joined across by islands.runtime.cross through a store this
     launcher hosts (ISLANDS_CROSS_*). An island whose rank fails is stopped alone: the others train on without it
-    (their cross-island group drops it). Island i's rank r logs to RUN_DIR/logs/island<i>/rank<r>.log. Returns 0
-    when every rank of every island exited 0, else 1 (130/143 when interrupted or terminated)."""
+    (their cross-island group drops it: the launcher sets its dead flag, mark_gone). The islands sign the cross store
+    and tag their payloads with ISLANDS_TOKEN, or a token made for the job (RUN_DIR/token). Island i's rank r logs
+    to RUN_DIR/logs/island<i>/rank<r>.log. Returns 0 when every rank of every island exited 0, else 1 (130/143
+    when interrupted or terminated)."""
     check_counts(workers, islands, threads)
     k = workers // islands
     cross = rendezvous_store(0)  # held for the job's life: the islands' meeting point outlives any island
     timeout = cross_timeout_s if cross_timeout_s is not None else DEFAULT_TIMEOUT_S
     heartbeat = heartbeat_timeout_s if heartbeat_timeout_s is not None else DEFAULT_HEARTBEAT_TIMEOUT_S
+    token = job_token(run_dir, out, "islands' cross-store")
     jobs: list[list[WorkerProcess]] = []
     placements: list[Placement] = []  # each island's rendezvous store, held (served) for the job's life
+    specs: list[CrossSpec] = []
+
+    def gone(i: int) -> None:
+        try:
+            mark_gone(specs[i], k)
+        except Exception as e:  # noqa: BLE001 - the others still find it by its heartbeat; say why not sooner
+            print(f"islands: could not mark island {i} gone in the cross store ({e})", file=out, flush=True)
 
     def start_and_supervise() -> int:
         for i in range(islands):
@@ -285,19 +313,21 @@ def run_island_jobs(
                 host_store=False,
                 timeout_s=timeout,
                 heartbeat_timeout_s=heartbeat,
+                token=token,
             )
+            specs.append(spec)
             logs = Path(run_dir) / "logs" / f"island{i}"
             logs.mkdir(parents=True, exist_ok=True)
             # each island's rank 0 prints to the launcher's stdout, the rest to their logs
             jobs.append([_start(r, argv, k, placement, 1, threads, logs, spec.env()) for r in range(k)])
-        return _supervise_islands(jobs, out)
+        return _supervise_islands(jobs, out, gone)
 
     return _run_supervised(start_and_supervise, lambda: [w for job in jobs for w in job], "island", out)
 
 
-def _supervise_islands(jobs: list[list[WorkerProcess]], out) -> int:
+def _supervise_islands(jobs: list[list[WorkerProcess]], out, gone: Callable[[int], None]) -> int:
     """Wait for every rank of every island; a rank that fails stops its own island only (as torchrun stops a job
-    whose worker failed), and the others go on."""
+    whose worker failed), `gone(island)` tells the others, and they go on."""
     exits: queue.Queue = queue.Queue()
     island_of = {}
     for i, job in enumerate(jobs):
@@ -316,6 +346,7 @@ def _supervise_islands(jobs: list[list[WorkerProcess]], out) -> int:
         if w.proc.returncode != 0 and i not in failed:
             failed.add(i)
             stop_all(jobs[i])
+            gone(i)
             print(
                 f"\nislands: island {i}'s rank {w.rank} failed ({exit_of(w.proc)}); stopped island {i}, the other "
                 f"islands go on without it.",
