@@ -120,10 +120,12 @@ def start_job(
     timeout: float = 60.0,
     store_url: str = "",
     launcher_args: tuple[str, ...] = (),
+    preload: str = "islands",
 ) -> tuple[subprocess.Popen, Path]:
     """`islands run --elastic` of `script` (written to tmp_path/job.py) from tmp_path, run directory tmp_path/run;
     the launcher's stderr goes to tmp_path/launcher.err (returned with the process). `launcher_args`: more flags
-    of `islands run` (before the script)."""
+    of `islands run` (before the script). `preload`: its --preload (default "islands": the workers fork from the
+    server that started the job host, ~2-3 CPU-s less each than a fresh interpreter; "": fresh interpreters)."""
     (tmp_path / "job.py").write_text(script)
     err = tmp_path / "launcher.err"
     with open(err, "w") as f:
@@ -142,6 +144,7 @@ def start_job(
                 "--timeout",
                 str(timeout),
                 *launcher_args,
+                *(["--preload", preload] if preload else []),
                 "--run-dir",
                 "run",
                 "job.py",

@@ -183,7 +183,8 @@ def test_a_joiner_enters_at_a_round_boundary_and_ends_with_the_same_global_model
 
 
 def test_a_script_without_an_outer_strategy_fails_with_a_clear_message(tmp_path):
-    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 1, "--out", "out", "--no-outer")  # one worker is enough
+    # one worker is enough; a fresh interpreter, as a script's workers start by default
+    proc, err = elastic_jobs.start_job(tmp_path, SCRIPT, 1, "--out", "out", "--no-outer", preload="")
     log = elastic_jobs.finish(proc, err, TIMEOUT)
     assert proc.returncode == 1
     assert "every worker failed" in log and "an elastic job needs an outer strategy" in log

@@ -162,3 +162,9 @@ def test_a_users_script_is_forked_as_python_would_run_it_when_modules_are_preloa
     assert len({r["draw"] for r in runs}) == 3  # numpy's global generator reseeded in each copy
     proc, log = start(tmp_path, script + ["fail"], env, cwd=str(code))
     assert proc.wait(120) == 1 and "ValueError: the script's own error" in log.read_text()
+    # what islands' own workers' server imports anyway needs no server of its own: the script forks from that one
+    assert spawn._script_server(("torch", "islands")) is None and spawn._script_server(("colorsys",)) is not None
+    proc, log = start(tmp_path, script, {spawn.PRELOAD_ENV: "islands"}, cwd=str(code))
+    assert isinstance(proc, spawn.ForkedProcess) and proc.wait(120) == 0, log.read_text()
+    alone = json.loads(log.read_text().strip().splitlines()[-1])
+    assert alone["path0"] == str(code) and alone["parent"] not in {first["parent"], os.getpid()}

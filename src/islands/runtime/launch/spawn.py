@@ -54,7 +54,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -158,7 +157,7 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
     err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
     try:
         server = None if own else _script_server(script_preload(env))
-        return ForkedProcess(name, args, dict(env), out, err, cwd, netns, kind=kind, server=server)
+        return ForkedProcess(name, args, dict(env), out, err, cwd, netns, kind=kind, server=server, user_code=not own)
     except (AttributeError, TypeError) as e:  # multiprocessing's internals moved (another Python): no fork server
         warnings.warn(
             f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
@@ -194,9 +193,14 @@ def _forkserver():
         return _context
 
 
-def _script_server(modules: tuple[str, ...]) -> forkserver.ForkServer:
-    """The fork server for users' scripts that preload `modules`: one per list, apart from the one of islands' own
-    workers (whose preload is fixed once it runs), started on its first request."""
+def _script_server(modules: tuple[str, ...]) -> forkserver.ForkServer | None:
+    """The fork server for users' scripts that preload `modules`: islands' own workers' one (None) when it imports
+    them all (it runs already, or will, for an elastic job's host: no second server to start), else one per list,
+    started on its first request."""
+    own = forkserver._forkserver
+    preloaded = own._preload_modules if _server_pid() is not None else [*PRELOAD, *_more]  # type: ignore[attr-defined]
+    if all(any(p == m or p.startswith(m + ".") for p in preloaded) for m in modules):  # a package with its module
+        return None
     with _lock:
         server = _script_servers.get(modules)
         if server is None:
@@ -219,7 +223,7 @@ class _Popen(popen_forkserver.Popen):
         prep_data = mp_spawn.get_preparation_data(process_obj._name)
         prep_data.pop("init_main_from_path", None)
         prep_data.pop("init_main_from_name", None)
-        if process_obj.server is not None:  # a user's script: the server's own sys.path, as a fresh interpreter's
+        if process_obj.user_code:  # a user's script: the server's own sys.path, as a fresh interpreter's
             prep_data.pop("sys_path", None)
         buf = io.BytesIO()
         mp_context.set_spawning_popen(self)
@@ -330,6 +334,7 @@ def zombie_status(pid: int) -> int | None:
 
 class _ServerProcess(mp_context.ForkServerProcess):
     server: forkserver.ForkServer | None = None  # the server to ask (None: multiprocessing's own)
+    user_code = False  # it runs a user's script or module (not islands' own)
 
     @staticmethod
     def _Popen(process_obj):
@@ -369,6 +374,7 @@ class ForkedProcess:
         *,
         kind: str = "module",
         server: forkserver.ForkServer | None = None,
+        user_code: bool = False,
     ):
         """Runs `python -m name args` (kind "module") or `python name args` (kind "path": a script), forked from
         `server` (None: islands' own workers' server)."""
@@ -381,7 +387,7 @@ class ForkedProcess:
                 name=f"islands-{Path(name).stem if kind == 'path' else name}",
                 args=(target, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w), time.time() + START_TIMEOUT_S),
             )
-            self._process.server = server
+            self._process.server, self._process.user_code = server, user_code
             self._process.start()
         except BaseException:
             os.close(report_r)
@@ -617,8 +623,8 @@ def _child(
             runpy.run_path(name, run_name="__main__")
     except SystemExit as e:
         code = e.code
-    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback on stderr, exit 1
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - as the interpreter would: sys.excepthook (a traceback, or the one line
+        sys.excepthook(*sys.exc_info())  # a library's own hook prints), exit 1
         code = 1
     finally:
         atexit._run_exitfuncs()
