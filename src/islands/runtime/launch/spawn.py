@@ -28,15 +28,16 @@ Only `[sys.executable, "-m", "islands...", ...]` is forked by default; anything 
 wrapped to run inside a testbed's network namespace) is started with subprocess.Popen. ISLANDS_SPAWN=exec
 turns the fork server off (every process a fresh interpreter).
 
-A user's script (`[sys.executable, "train.py", ...]` or `[sys.executable, "-m", "pkg.train", ...]`) is forked too
-when its environment names modules to preload (ISLANDS_PRELOAD, comma-separated; `islands run --preload`): a server
-of its own imports PRELOAD and those once, and each rank is a copy that runs the script as `python train.py` would
-(sys.argv, sys.path[0] the script's folder, __main__). The point is the ranks' start-up: `from transformers import
-Trainer` is ~5 s of CPU and `import lightning` ~5.5 s on a 2-core machine, paid by every rank and again by every
-restarted island before it can rejoin. It is opt-in because a preloaded module was imported once, in the
-launcher's environment: what it read from the environment at import time (a library's verbosity or cache
-variables) is the launcher's, not a rank's own variables (RANK, ISLANDS_*), and whatever it started at import
-(a thread) is not in the copies.
+A user's script (`[sys.executable, "train.py", ...]` or `[sys.executable, "-m", "pkg.train", ...]`) is forked too when
+its environment names modules to preload (ISLANDS_PRELOAD, comma-separated; `islands run --preload`): a server of its
+own imports PRELOAD and those once (or islands' own server, when it imports them anyway), and each rank is a copy that
+runs the script as `python train.py` would (sys.argv, sys.path[0] the script's folder, __main__, an uncaught exception
+through sys.excepthook, numpy's global generator seeded afresh). The point is the ranks' start-up: `from transformers
+import Trainer` is ~5 s of CPU and `import lightning` ~5.5 s on a 2-core machine, paid by every rank and again by every
+restarted island before it can rejoin. It is opt-in because a preloaded module was imported once, in the launcher's
+environment: what it read from the environment at import time (a library's verbosity or cache variables) is the
+launcher's, not a rank's own variables (RANK, ISLANDS_*), and whatever it started at import (a thread) is not in the
+copies.
 """
 
 from __future__ import annotations
