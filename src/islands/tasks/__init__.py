@@ -19,8 +19,10 @@ __all__ = [
 ]
 
 # What a built-in task's workers import when they build it, each a second or more of interpreter time: a
-# launcher's fork server imports them once (islands.runtime.launch.spawn.preload)
-_HEAVY = {"digits": ("sklearn.datasets",), "hf-causal-lm": ("transformers",)}
+# launcher's fork server imports them once (islands.runtime.launch.spawn.preload). transformers loads lazily: its
+# model base and auto classes (~2.7 s of CPU on a 2-core machine) are what a worker's from_config reaches for;
+# `import transformers` alone is ~0.7 s of it. digits needs none: its data is read without sklearn (data.corpus)
+_HEAVY = {"hf-causal-lm": ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")}
 
 
 def heavy_imports(task: str) -> tuple[str, ...]:
