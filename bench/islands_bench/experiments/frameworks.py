@@ -51,49 +51,59 @@ def _arm(ctx: BenchContext, framework: str, outer: bool, spec: dict) -> list[dic
     return records
 
 
+CALLBACKS = ("hf", "lightning")  # the frameworks whose callback the parity runs hold against islands' own loop
+
+
 def _parity(ctx: BenchContext, spec: dict, seeds: tuple[int, ...], rows: list[dict]) -> dict:
-    """DiLoCo through the HF callback against islands' own loop (same model, data, batch, H, optimizer, clipping),
-    each under data-order seeds 0 (the rows' runs) and `seeds`: the final validation loss per seed, the mean and
-    spread of each, and whether their means differ by less than the seeds' noise (two standard errors of the
-    difference of two means, from the pooled per-seed standard deviation); and the bytes each sent across."""
-    by = {
-        "hf": [r for r in rows if r["framework"] == "hf" and r["H"]],
-        "loop": [r for r in rows if r["framework"] == "loop"],
-    }
+    """DiLoCo through each callback (HF Trainer, Lightning) against islands' own loop (same model, data, batch, H,
+    optimizer, clipping), each under data-order seeds 0 (the rows' runs) and `seeds`: the final validation loss per
+    seed, the mean and spread of each, and whether a callback's mean differs from the loop's by less than the seeds'
+    noise (two standard errors of the difference of two means, from the pooled per-seed standard deviation); and
+    the bytes each sent across."""
+    by = {k: [r for r in rows if r["framework"] == k and r["H"]] for k in (*CALLBACKS, "loop")}
     losses = {k: [v[0]["val_loss"]] for k, v in by.items()}
     across = {k: [v[0]["MB_across_per_worker"]] for k, v in by.items()}
     for seed in seeds:
-        for framework in ("hf", "loop"):
+        for framework in (*CALLBACKS, "loop"):
             recs = _arm(ctx, framework, True, {**spec, "seed": seed})
             losses[framework].append(statistics.fmean(r["val_loss"] for r in recs))
             across[framework].append(round(statistics.fmean(r["cross_bytes"] for r in recs) / 1e6, 3))
-    n = len(losses["hf"])
+    n = len(losses["loop"])
     mean = {k: statistics.fmean(v) for k, v in losses.items()}
     sd = {k: statistics.stdev(v) for k, v in losses.items()}
-    pooled = ((sd["hf"] ** 2 + sd["loop"] ** 2) / 2) ** 0.5
-    band = 2 * pooled * (2 / n) ** 0.5
-    diff = mean["hf"] - mean["loop"]
-    same_bytes = across["hf"] == across["loop"]
-    out = {
+    out: dict = {
         "seeds": [0, *seeds],
         "val_loss": {k: [round(x, 4) for x in v] for k, v in losses.items()},
         "mean": {k: round(v, 4) for k, v in mean.items()},
         "sd": {k: round(v, 4) for k, v in sd.items()},
-        "difference": round(diff, 4),
-        "noise_band": round(band, 4),
-        "within_noise": abs(diff) <= band,
         "MB_across_per_worker": across,
-        "same_bytes": same_bytes,
         "H": spec["inner_steps"],
         "steps": spec["steps"],
         "interconnect": INTERCONNECT,
+        "against_loop": {},
     }
+    names = {"hf": "HF Trainer", "lightning": "Lightning"}
+    parts = []
+    for k in CALLBACKS:
+        pooled = ((sd[k] ** 2 + sd["loop"] ** 2) / 2) ** 0.5
+        band = 2 * pooled * (2 / n) ** 0.5
+        diff = mean[k] - mean["loop"]
+        same_bytes = across[k] == across["loop"]
+        out["against_loop"][k] = {
+            "difference": round(diff, 4),
+            "noise_band": round(band, 4),
+            "within_noise": abs(diff) <= band,
+            "same_bytes": same_bytes,
+        }
+        parts.append(
+            f"{names[k]} + callback {mean[k]:.3f} +- {sd[k]:.3f}, difference {diff:+.3f}, noise band +-{band:.3f} "
+            f"({'within' if abs(diff) <= band else 'OUTSIDE'} noise), MB across per worker "
+            f"{'the same' if same_bytes else 'DIFFERENT'} ({across[k]})"
+        )
     out["headline"] = (
-        f"parity over {n} data-order seeds (HF Trainer + callback vs islands' own loop, 2x2, H={spec['inner_steps']}, "
-        f"{spec['steps']} steps): val loss {mean['hf']:.3f} +- {sd['hf']:.3f} vs {mean['loop']:.3f} +- "
-        f"{sd['loop']:.3f} (sd over seeds); difference {diff:+.3f}, noise band +-{band:.3f} "
-        f"({'within' if abs(diff) <= band else 'OUTSIDE'} noise); MB across per worker "
-        f"{'the same' if same_bytes else 'DIFFERENT'}: {across['hf']} vs {across['loop']} [{INTERCONNECT}]"
+        f"parity over {n} data-order seeds (each callback vs islands' own loop, 2x2, H={spec['inner_steps']}, "
+        f"{spec['steps']} steps; val loss, sd over seeds): own loop {mean['loop']:.3f} +- {sd['loop']:.3f} "
+        f"({across['loop']} MB across); " + "; ".join(parts) + f" [{INTERCONNECT}]"
     )
     return out
 
@@ -115,11 +125,11 @@ def frameworks(ctx: BenchContext) -> dict:
     spec.update(context=64, batch=8, lr=3e-3, weight_decay=0.0, max_grad_norm=1.0, val_windows=4 if ctx.smoke else 64)
     arms = [(fw, outer) for fw in ("hf", "lightning") for outer in (False, True)]
     arms.append(("loop", True))  # islands' own path on the same model, data, batch and H: no framework
-    # parity: the HF callback and islands' own loop again under other data-order seeds, for the seeds' noise band
+    # parity: each callback and islands' own loop again under other data-order seeds, for the seeds' noise band
     seeds = () if ctx.smoke else (1, 2) if ctx.quick else (1, 2, 3, 4)
     if ctx.smoke:  # one arm of each kind: each framework's path once, plain DDP once and the callback once
         arms = [("hf", False), ("lightning", True)]
-    ctx.plan(len(arms) + 2 * len(seeds))
+    ctx.plan(len(arms) + (len(CALLBACKS) + 1) * len(seeds))
     rows, headline = [], []
     for framework, outer in arms:
         recs = _arm(ctx, framework, outer, spec)
