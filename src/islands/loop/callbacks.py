@@ -26,6 +26,7 @@ from islands.checkpoint.store.model_dir import MODEL_DIR, ModelWriter, Safetenso
 from islands.measure.probe import describe, probe_interconnect
 from islands.measure.progress import TrainProgress, print_finished
 from islands.measure.record import BASELINE_PER_WORKER, finish_record, versions
+from islands.runtime.comm import crosses_islands
 from islands.testbed import Testbed
 
 
@@ -263,9 +264,9 @@ class RunRecord:
             # the baseline of every communication saving: plain DDP all-reduces every gradient every step
             # (payload definition of islands.runtime.comm: one fp32 gradient per step per worker)
             "ddp_mb_per_worker": trainer.gradient_bytes() * trainer.step / 1e6 if world.size > 1 else 0.0,
-            # what crossed between islands: the outer strategy's traffic (ledger kinds outer_*)
+            # what crossed between islands: the outer strategy's traffic, a parameter server's pushes included
             "cross_island_mb_per_worker": sum(
-                v for led in ledgers for k, v in led["sent"].items() if k.startswith("outer")
+                v for led in ledgers for k, v in led["sent"].items() if crosses_islands(k)
             )
             / world.size
             / 1e6,

@@ -21,6 +21,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# The ledger kinds whose bytes leave an island: the outer strategies' exchanges (outer_*) and an island's pushes to
+# and pulls from a parameter server (ps_*); every other kind stays inside one island
+CROSS_ISLAND_PREFIXES = ("outer", "ps_")
+
+
+def crosses_islands(kind: str) -> bool:
+    """Whether the bytes of ledger kind `kind` travel between islands (CROSS_ISLAND_PREFIXES)."""
+    return kind.startswith(CROSS_ISLAND_PREFIXES)
+
 
 @dataclass
 class CommLedger:
