@@ -19,6 +19,7 @@ cgroup when this machine has cgroup v1 and the bench runs as root; else not meas
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -122,7 +123,9 @@ def _run(ctx: BenchContext, kind: str, mode: str, workers: int, rep: int) -> dic
 @experiment("startup", help="job start-up with workers forked from the preloaded fork server vs fresh interpreters")
 def startup(ctx: BenchContext) -> dict:
     workers, reps = (2, 1) if ctx.smoke else (4, 2) if ctx.quick else (4, 5)
-    kinds, modes = ("ddp", "elastic", "hf-script"), ("fork", "exec")
+    # the script arm needs transformers (islands[frameworks]); without it the experiment says so and runs the rest
+    script = ("hf-script",) if importlib.util.find_spec("transformers") is not None else ()
+    kinds, modes = ("ddp", "elastic", *script), ("fork", "exec")
     ctx.plan(len(kinds) * len(modes) * reps)
     runs = [_run(ctx, kind, mode, workers, rep) for rep in range(reps) for kind in kinds for mode in modes]
     rows, headline = [], []
@@ -164,6 +167,8 @@ def startup(ctx: BenchContext) -> dict:
             f"({fresh['rest_s'] / max(fork['rest_s'], 1e-9):.2f}x); whole job "
             f"{fork['wall_s']:.1f} s vs {fresh['wall_s']:.1f} s (median of {reps}){cpu}"
         )
+    if not script:
+        headline.append("a user's script with --preload: not measured (transformers is not installed)")
     headline.append(
         f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end (shared: times are noisy)"
     )
