@@ -6,10 +6,13 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
     diloco-deadline  adapt=deadline: every island steps until the fastest island's time for H steps runs out
     ps               the parameter server (ps:inner_steps=H; a thread of rank 0): each island pushes its delta when
                      its own round ends and pulls the global model, no barrier but the job's end; the server steps
-                     with delayed Nesterov (arXiv 2401.09135); max_staleness=STALENESS so that a 4x slower island's
-                     rounds are not refused (the default 4 is below the 6 pushes others make during one of them)
-    ps-sgd           the same server with islands' default DiLoCo outer step spread over the pushes: plain SGD,
-                     lr 1/sqrt(M) per push (DiLoCo: lr sqrt(M) on the mean of M deltas; ps_sgd)
+                     with its default rule, islands' DiLoCo outer step spread over the pushes (plain SGD, lr 1/sqrt(M)
+                     per push: DiLoCo moves lr sqrt(M) on the mean of M deltas); max_staleness=STALENESS so that a 4x
+                     slower island's rounds are not refused (the default 4 is below the 6 pushes others make during
+                     one of them)
+    ps-nesterov      the same server with the delayed Nesterov step of arXiv 2401.09135 (outer=delayed-nesterov, lr
+                     0.7, momentum 0.9, N = M); the default until session 28 (results/parameter-server/quick, run
+                     then, names these arms ps-sgd and ps)
 Settings:
     (a) equal     2 islands on a 100 Mbit/s testbed link
     (b) slow      3 islands on gloo loopback, island 1 2x and island 2 4x slower (world.slowdown; every step padded
@@ -32,7 +35,7 @@ count, rule and island count) through the server's state (ps_server.ServerState)
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
 utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
-DiLoCo, eager + topkq + deadline (utilisation's arm), ps and ps-sgd each get TARGET_LONGER times that budget on
+DiLoCo, eager + topkq + deadline (utilisation's arm), ps and ps-nesterov each get TARGET_LONGER times that budget on
 loopback, 20 Mbit/s and 5 Mbit/s testbed links; per link, each arm's time to the target against the same arm on
 loopback and against fp32 DiLoCo's own loopback time (goals: the best at 20 Mbit/s <= 1.1x, at 5 Mbit/s <= 1.25x).
 Quick: the digits MLP for (a)-(d) (DDP 200 steps, arms 400 at H=20, steps padded to 30 ms), the byte LM (60 steps,
@@ -71,11 +74,9 @@ def tier(ctx: BenchContext) -> dict:
     return dict(task="lm", ddp_steps=1000, h=100, floor=0.25, log_every=20, model={})
 
 
-def ps_sgd(h: int, islands: int) -> str:
-    """The parameter server with islands' default DiLoCo outer step spread over the pushes: DiLoCo moves the model
-    by sqrt(M) x the mean of M deltas (docs/outer-strategies.md, "Default outer step"), i.e. 1/sqrt(M) x their sum,
-    so each push moves it by 1/sqrt(M) x its own delta (plain SGD, no momentum)."""
-    return f"ps:inner_steps={h},max_staleness={STALENESS},outer=sgd,outer_lr={islands**-0.5:.4f},momentum=0"
+def ps_nesterov(h: int) -> str:
+    """The parameter server with 2401.09135's delayed Nesterov step (its default before session 28)."""
+    return f"ps:inner_steps={h},max_staleness={STALENESS},outer=delayed-nesterov"
 
 
 def arms(h: int, islands: int) -> list[tuple[str, str]]:
@@ -83,11 +84,11 @@ def arms(h: int, islands: int) -> list[tuple[str, str]]:
         ("diloco", f"diloco:inner_steps={h}"),
         ("diloco-deadline", f"diloco:inner_steps={h},adapt=deadline"),
         ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
-        ("ps-sgd", ps_sgd(h, islands)),
+        ("ps-nesterov", ps_nesterov(h)),
     ]
 
 
-PS_ARMS = ("ps", "ps-sgd")
+PS_ARMS = ("ps", "ps-nesterov")
 
 
 def settings(ctx: BenchContext) -> list[tuple[str, int, str, str | None]]:
@@ -263,7 +264,7 @@ def run_settings(ctx: BenchContext, t: dict, target: float, numel: int) -> list[
             for arm, spec in arms(h, islands):
                 if ctx.smoke and arm in (
                     "diloco-deadline",
-                    "ps-sgd",
+                    "ps-nesterov",
                 ):  # smoke: one arm of each kind (deadline is a diloco spec)
                     continue
                 label = f"{arm}@{setting}"
@@ -416,7 +417,7 @@ def target_arms(h: int) -> list[tuple[str, str]]:
         ("diloco", f"diloco:inner_steps={h}"),
         ("eager+topkq+deadline", f"diloco:inner_steps={h},overlap=eager,compressor=({COMPRESSOR}),adapt=deadline"),
         ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
-        ("ps-sgd", ps_sgd(h, 2)),
+        ("ps-nesterov", ps_nesterov(h)),
     ]
 
 

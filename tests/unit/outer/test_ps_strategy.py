@@ -137,3 +137,22 @@ def test_simulate_from_the_cli_refuses_ps_with_the_python_way(capsys):
     argv = ["train", "--workers", "2", "--islands", "2", "--simulate", "--outer", "ps:inner_steps=4"]
     assert islands_cli(*argv) == 2
     assert "host=InProcessServer()" in capsys.readouterr().err
+
+
+def test_the_default_server_step_is_dilocos_spread_over_the_pushes_and_delayed_nesterov_is_a_choice():
+    """Default (DEFAULT_PS_RULE): plain SGD, lr 1/sqrt(M) per push, no momentum (the parameter-server bench found it
+    reached DDP's loss where delayed Nesterov did not); an explicit lr or momentum is kept; delayed-nesterov keeps
+    2401.09135's 0.7/0.9 with N = the island count."""
+    from islands.outer import DelayedNesterov
+    from islands.sync.outer import make_outer
+
+    default = outer_rule()(4)
+    assert isinstance(default, OuterSGD) and (default.lr, default.momentum, default.nesterov) == (0.5, 0.0, False)
+    assert ParameterServer(2).rule(9).lr == pytest.approx(1 / 3)
+    chosen = outer_rule("sgd", lr=0.3, momentum=0.5)(4)
+    assert (chosen.lr, chosen.momentum) == (0.3, 0.5)
+    delayed = outer_rule("delayed-nesterov")(3)
+    assert isinstance(delayed, DelayedNesterov) and (delayed.lr, delayed.momentum, delayed.buffer) == (0.7, 0.9, 3)
+    # the spec at the edge: `ps:inner_steps=H` builds the same default, outer= still names the others
+    assert make_outer("ps:inner_steps=2").rule(4).lr == 0.5
+    assert isinstance(make_outer("ps:inner_steps=2,outer=delayed-nesterov").rule(4), DelayedNesterov)

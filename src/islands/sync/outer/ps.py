@@ -4,14 +4,16 @@ A round, on each island, on its own clock:
     delta  = global_at_pull - local          (the island's pseudo-gradient, as DiLoCo's)
     push   delta, the version it pulled and the samples behind it to the server
     pull   the server's answer: the ack and the current global model; local = global
-The server (ps_server.ServerState) applies each push as it arrives with a staleness-aware outer step: the delayed
-Nesterov step of arXiv 2401.09135 by default (delayed_nesterov.py), samples-weighted merging over a window of
-`quorum` distinct islands (quorum 1: fully asynchronous; more: Decoupled DiLoCo's semi-synchrony, arXiv
-2604.21428), contributions staler than `max_staleness` versions refused (the island's round is lost and it pulls
-fresh). `inner_steps` H means what DiLoCo's does: inner steps per round. The job's end is the one barrier: every
-island's DONE is answered with the final model once all are done, so every island ends on the same global model.
+The server (ps_server.ServerState) applies each push as it arrives with a staleness-aware outer step: by default plain
+SGD at lr 1/sqrt(M) per push (islands' DiLoCo step spread over the pushes; DEFAULT_PS_RULE), or the delayed Nesterov
+step of arXiv 2401.09135 (outer="delayed-nesterov", delayed_nesterov.py), samples-weighted merging over a window of
+`quorum` distinct islands (quorum 1: fully asynchronous; more: Decoupled DiLoCo's semi-synchrony, arXiv 2604.21428),
+contributions staler than `max_staleness` versions refused (the island's round is lost and it pulls fresh).
+`inner_steps` H means what DiLoCo's does: inner steps per round. The job's end is the one barrier: every island's DONE
+is answered with the final model once all are done, so every island ends on the same global model.
 
-    ParameterServer(inner_steps=50)                                  delayed Nesterov 0.7/0.9, N = islands
+    ParameterServer(inner_steps=50)                                  SGD, lr 1/sqrt(M) per push
+    ParameterServer(50, rule=outer_rule("delayed-nesterov"))         2401.09135's step, 0.7/0.9, N = M
     ParameterServer(50, quorum=2, max_staleness=2, aggregator=CoordinateMedian())
     make_outer("ps:inner_steps=50,quorum=2,bits=4")                  the spec string, at the edge
 
@@ -83,21 +85,28 @@ class HasPayloadTags(Protocol):
 DEFAULT_PS_LR = 0.7
 DEFAULT_PS_MOMENTUM = 0.9
 RULES = ("delayed-nesterov", "nesterov", "sgd")
+# The default step: islands' DiLoCo default (plain SGD, lr sqrt(M) on the mean of M deltas; docs/outer-strategies.md)
+# spread over the pushes, lr 1/sqrt(M) per push, no momentum. The parameter-server experiment's quick tier (digits,
+# 3 islands 1x/2x/4x) reached DDP's loss with it 3.07x sooner than synchronous DiLoCo, where delayed Nesterov at
+# 0.7/0.9 never reached it; on the byte LM on loopback it took 60 s to fp32 DiLoCo's loss against delayed
+# Nesterov's 198 s (results/parameter-server/quick; docs/parameter-server.md)
+DEFAULT_PS_RULE = "sgd"
 
 Rule = Callable[[int], OuterOptimizer]  # islands M -> one shard's outer optimizer
 
 
 class OuterRule:
     """The server's outer step by name, as a picklable callable islands M -> one shard's outer optimizer (server
-    processes load it from their configuration file): delayed-nesterov (2401.09135; buffer N, 0 = the island
-    count), nesterov (momentum updated at every push: the paper's naive baseline) or sgd (heavy ball; plain with
-    momentum 0)."""
+    processes load it from their configuration file): sgd (the default; heavy ball, plain with momentum 0),
+    delayed-nesterov (2401.09135; buffer N, 0 = the island count) or nesterov (momentum updated at every push: the
+    paper's naive baseline). `lr` None: 1/sqrt(M) for sgd, 0.7 for the Nesterov rules; `momentum` None: 0 for sgd,
+    0.9 for the Nesterov rules (DEFAULT_PS_RULE says why)."""
 
     def __init__(
         self,
-        outer: str = "delayed-nesterov",
-        lr: float = DEFAULT_PS_LR,
-        momentum: float = DEFAULT_PS_MOMENTUM,
+        outer: str = DEFAULT_PS_RULE,
+        lr: float | None = None,
+        momentum: float | None = None,
         buffer: int = 0,
     ):
         if outer not in RULES:
@@ -111,15 +120,18 @@ class OuterRule:
         self.outer, self.lr, self.momentum, self.buffer = outer, lr, momentum, buffer
 
     def __call__(self, islands: int) -> OuterOptimizer:
+        sgd = self.outer == "sgd"
+        lr = self.lr if self.lr is not None else islands**-0.5 if sgd else DEFAULT_PS_LR
+        momentum = self.momentum if self.momentum is not None else 0.0 if sgd else DEFAULT_PS_MOMENTUM
         if self.outer == "delayed-nesterov":
-            return DelayedNesterov(self.lr, self.momentum, self.buffer or islands)
+            return DelayedNesterov(lr, momentum, self.buffer or islands)
         if self.outer == "nesterov":
-            return OuterSGD(self.lr, self.momentum, nesterov=self.momentum > 0)
-        return OuterSGD(self.lr, self.momentum)
+            return OuterSGD(lr, momentum, nesterov=momentum > 0)
+        return OuterSGD(lr, momentum)
 
 
 def outer_rule(
-    outer: str = "delayed-nesterov", lr: float = DEFAULT_PS_LR, momentum: float = DEFAULT_PS_MOMENTUM, buffer: int = 0
+    outer: str = DEFAULT_PS_RULE, lr: float | None = None, momentum: float | None = None, buffer: int = 0
 ) -> Rule:
     """OuterRule(outer, lr, momentum, buffer): the server's outer step by name."""
     return OuterRule(outer, lr, momentum, buffer)
@@ -190,7 +202,7 @@ class ParameterServer(OuterStrategy):
         service: ServerProcesses | None = None,
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
-        shard (outer_rule(...) by name; default delayed Nesterov, lr 0.7, momentum 0.9, N = M). `shards`: parameter
+        shard (outer_rule(...) by name; default plain SGD, lr 1/sqrt(M), DEFAULT_PS_RULE). `shards`: parameter
         ranges the server state is split into, each with its own optimizer state. `max_staleness`: versions a push
         may lag before it is refused. `quorum`: distinct islands per outer step (1: asynchronous). `discount`: a
         push's weight times (1 + staleness)^-discount. `aggregator`: a robust aggregator over each window (then
@@ -432,9 +444,9 @@ class ParameterServer(OuterStrategy):
 
 def parameter_server(
     inner_steps: int = 100,
-    outer: str = "delayed-nesterov",
-    outer_lr: float = DEFAULT_PS_LR,
-    momentum: float = DEFAULT_PS_MOMENTUM,
+    outer: str = DEFAULT_PS_RULE,
+    outer_lr: float | None = None,
+    momentum: float | None = None,
     buffer: int = 0,
     shards: int = 1,
     max_staleness: int = 4,
@@ -450,8 +462,9 @@ def parameter_server(
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
-    `inner_steps`: inner steps per round, H as in DiLoCo. `outer`: the server's step, delayed-nesterov (arXiv
-    2401.09135), nesterov or sgd. `outer_lr`: its lr (0.7, as 2401.09135). `momentum`: its momentum (0.9).
+    `inner_steps`: inner steps per round, H as in DiLoCo. `outer`: the server's step, sgd (the default,
+    DEFAULT_PS_RULE), delayed-nesterov (arXiv 2401.09135) or nesterov. `outer_lr`: its lr (default 1/sqrt(M) for
+    sgd, 0.7 for the Nesterov rules, as 2401.09135). `momentum`: its momentum (default 0 for sgd, else 0.9).
     `buffer`: delayed Nesterov's pushes per momentum update, 0 for the island count. `shards`: parameter ranges the
     server state is split into, each with its own optimizer state. `max_staleness`: versions a push may lag before
     it is refused. `quorum`: distinct islands per outer step, 1 for asynchronous, more for semi-synchronous (arXiv

@@ -53,8 +53,12 @@ def valid_specs() -> str:
 # Checks across parameters that no constructor can make (they need to know what the spec gave), and ranges the
 # outer optimizers do not check themselves. (values: every parameter; given: the keys the spec gave)
 _RULES: list[tuple[Callable[[dict, frozenset], bool], str]] = [
-    (lambda v, g: "momentum" in v and not 0 <= v["momentum"] < 1, "momentum must be in [0, 1), got {momentum}"),
-    (lambda v, g: "outer_lr" in v and not v["outer_lr"] > 0, "outer_lr must be > 0, got {outer_lr}"),
+    # (None: the strategy's own default, which may depend on the world: ps's lr 1/sqrt(M))
+    (
+        lambda v, g: v.get("momentum") is not None and not 0 <= v["momentum"] < 1,
+        "momentum must be in [0, 1), got {momentum}",
+    ),
+    (lambda v, g: v.get("outer_lr") is not None and not v["outer_lr"] > 0, "outer_lr must be > 0, got {outer_lr}"),
     (lambda v, g: "slow_lr" in v and not v["slow_lr"] > 0, "slow_lr must be > 0, got {slow_lr}"),
     (
         lambda v, g: v.get("outer") == "primal" and "momentum" in g,
