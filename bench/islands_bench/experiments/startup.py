@@ -120,6 +120,11 @@ def _run(ctx: BenchContext, kind: str, mode: str, workers: int, rep: int) -> dic
     }
 
 
+def _median(values: list) -> float | None:
+    """The median, or None when a run did not measure the quantity (no run record, no cgroup)."""
+    return None if None in values else statistics.median(values)
+
+
 @experiment("startup", help="job start-up with workers forked from the preloaded fork server vs fresh interpreters")
 def startup(ctx: BenchContext) -> dict:
     workers, reps = (2, 1) if ctx.smoke else (4, 2) if ctx.quick else (4, 5)
@@ -132,9 +137,7 @@ def startup(ctx: BenchContext) -> dict:
     for kind in kinds:
         med = {
             mode: {
-                k: statistics.median(values)
-                if None not in (values := [r[k] for r in runs if r["kind"] == kind and r["mode"] == mode])
-                else None
+                k: _median([r[k] for r in runs if r["kind"] == kind and r["mode"] == mode])
                 for k in ("wall_s", "train_s", "rest_s", "cpu_s")
             }
             for mode in modes

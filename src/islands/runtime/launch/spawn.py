@@ -125,6 +125,11 @@ def _islands_module(name: str) -> bool:
     return name == "islands" or name.startswith("islands.")
 
 
+def _user_code(kind: str, name: str) -> bool:
+    """Whether target (kind, name) is a user's script or module rather than one of islands' own modules."""
+    return not (kind == "module" and _islands_module(name))
+
+
 def forks(argv: list[str], env: Mapping[str, str] | None = None) -> bool:
     """Whether start() forks `argv` from a fork server: islands' own modules, run by this interpreter; and a user's
     script or module when `env` names modules to preload for it (ISLANDS_PRELOAD)."""
@@ -133,7 +138,7 @@ def forks(argv: list[str], env: Mapping[str, str] | None = None) -> bool:
     if environ.get(SPAWN_ENV, "fork") == "exec" or _unavailable or target is None:
         return False
     kind, name, _ = target
-    return (kind == "module" and _islands_module(name)) or bool(script_preload(environ))
+    return not _user_code(kind, name) or bool(script_preload(environ))
 
 
 def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None = None, netns: str | None = None):
@@ -153,12 +158,13 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
     target = _target(argv)
     assert target is not None  # forks() said so
     kind, name, args = target
-    own = kind == "module" and _islands_module(name)
     out = 1 if stdout is None else stdout.fileno()
     err = out if stderr is subprocess.STDOUT else (2 if stderr is None else stderr.fileno())
+    server = None  # islands' own workers' server, unless a user's script needs one of its own
     try:
-        server = None if own else _script_server(script_preload(env))
-        return ForkedProcess(name, args, dict(env), out, err, cwd, netns, kind=kind, server=server, user_code=not own)
+        if _user_code(kind, name):
+            server = _script_server(script_preload(env))
+        return ForkedProcess(name, args, dict(env), out, err, cwd, netns, kind=kind, server=server)
     except (AttributeError, TypeError) as e:  # multiprocessing's internals moved (another Python): no fork server
         warnings.warn(
             f"islands: workers start as fresh interpreters (the fork server is unavailable: {e})",
@@ -169,7 +175,7 @@ def start(argv: list[str], env: dict, stdout=None, stderr=None, cwd: str | None 
         return fresh()
     except (ServerUnresponsive, EOFError, OSError) as e:  # stopped, hung or killed: this worker starts without it
         print(f"islands: {e}; this worker starts as a fresh interpreter", file=sys.stderr, flush=True)
-        _abandon_server(None if own else _script_server(script_preload(env)))
+        _abandon_server(server)
         return fresh()
 
 
@@ -375,7 +381,6 @@ class ForkedProcess:
         *,
         kind: str = "module",
         server: forkserver.ForkServer | None = None,
-        user_code: bool = False,
     ):
         """Runs `python -m name args` (kind "module") or `python name args` (kind "path": a script), forked from
         `server` (None: islands' own workers' server)."""
@@ -388,7 +393,7 @@ class ForkedProcess:
                 name=f"islands-{Path(name).stem if kind == 'path' else name}",
                 args=(target, args, env, _Fd(out), _Fd(err), cwd, netns, _Fd(report_w), time.time() + START_TIMEOUT_S),
             )
-            self._process.server, self._process.user_code = server, user_code
+            self._process.server, self._process.user_code = server, _user_code(kind, name)
             self._process.start()
         except BaseException:
             os.close(report_r)
@@ -609,17 +614,16 @@ def _child(
             os.close(report)  # the fresh interpreter reports nothing: its status comes from the server or /proc
         os.execve(sys.executable, command, env)
     kind, name = target
+    sys.argv = [name, *args]
     code: str | int | None = 0  # SystemExit's code: an int, None, or a message
     try:
         if kind == "module":
             # the server may have imported it already (PRELOAD); `-m` runs it again as __main__, as we want
             warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
-            sys.argv = [name, *args]
-            if not _islands_module(name):  # a user's module: as `python -m` has it (islands' keep the launcher's)
+            if _user_code(kind, name):  # a user's module: as `python -m` has it (islands' keep the launcher's)
                 sys.path[0] = os.getcwd()
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [name, *args]
             sys.path[0] = os.path.dirname(os.path.realpath(name))  # as `python script` has it
             runpy.run_path(name, run_name="__main__")
     except SystemExit as e:
