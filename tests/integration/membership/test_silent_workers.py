@@ -122,6 +122,48 @@ def test_a_follower_that_finished_is_no_reason_but_one_reported_dead_is():
     assert FollowerWatch("i0w0", ["i0w9"], store, TIMEOUT).look() is None
 
 
+def _looks(watch: FollowerWatch, store: DictStore, beating: set[str], seconds: float) -> tuple[str | None, float]:
+    """Looks every 20 ms for `seconds` or until a verdict; the names in `beating` beat before each look. Returns the
+    verdict and when it came (seconds from the start)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        for n in beating:
+            store.set(f"hb/{n}", str(int(store.get(f"hb/{n}")) + 1))
+        why = watch.look()
+        if why is not None:
+            return why, time.monotonic() - t0
+        time.sleep(0.02)
+    return None, seconds
+
+
+def test_a_store_that_carries_none_of_the_leaders_own_beats_convicts_no_follower_until_it_does():
+    """The leader's own heartbeat is the control: a follower silent while the leader's beats did not land either is
+    excused (a store re-electing its leader stalls every client's writes), until the store has carried the leader's
+    beats for a timeout or the silence passes the starvation limit (3 timeouts)."""
+    store, out = DictStore(), io.StringIO()
+    store.set("hb/i0w0", "1")
+    store.set("hb/i0w1", "1")
+    watch = FollowerWatch("i0w0", ["i0w1"], store, TIMEOUT, out=out)
+    assert _looks(watch, store, {"i0w0", "i0w1"}, TIMEOUT) == (None, TIMEOUT)  # both beat
+    assert _looks(watch, store, set(), 2 * TIMEOUT) == (None, 2 * TIMEOUT)  # the store carries nobody's beats
+    said = out.getvalue()
+    assert "its follower i0w1 is silent for" in said and "the store is slow, not the follower" in said, said
+    why, after = _looks(watch, store, {"i0w0"}, 4 * TIMEOUT)  # the leader's beats land again; the follower's don't
+    assert why is not None and why.startswith("its follower i0w1 is silent for"), why
+    # a whole timeout after the last look that found the leader's own beat stale (one look, 20 ms, before this phase)
+    assert 0.9 * TIMEOUT <= after < 2 * TIMEOUT, after
+
+    # a store that never carries the leader's beats again: the follower is convicted at the starvation limit
+    store = DictStore()
+    store.set("hb/i0w0", "1")
+    store.set("hb/i0w1", "1")
+    watch = FollowerWatch("i0w0", ["i0w1"], store, TIMEOUT, out=io.StringIO())
+    assert _looks(watch, store, {"i0w0", "i0w1"}, TIMEOUT)[0] is None
+    why, after = _looks(watch, store, set(), 6 * TIMEOUT)
+    # 3 timeouts of silence, counted from the follower's last beat (the previous phase's last look)
+    assert why is not None and 2.9 * TIMEOUT <= after < 4 * TIMEOUT, (why, after)
+
+
 def test_a_silent_worker_that_can_answer_leaves_its_stacks_and_state_in_its_log_before_the_kill(tmp_path):
     """A false death must leave its cause behind: the reaper reads the silent process's state and, as it catches
     islands.runtime.stacks.DUMP_SIGNAL, asks it for its threads' stacks; the SIGKILL follows."""

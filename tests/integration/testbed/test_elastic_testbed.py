@@ -123,7 +123,9 @@ def test_a_cut_link_takes_its_island_out_and_it_rejoins_with_the_global_state_on
         on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w, c), daemon=True).start(),
     )
     log = out.getvalue()
-    assert not errors, (errors, log)
+    # on a failure pytest shows what was printed in full (an assertion's message is cut to a line in CI's -q run)
+    print(log, elastic_jobs.logs(run_dir), sep="\n")
+    assert not errors, f"{errors!r}: the launcher's log and the workers' are printed above"
     assert code == 0, log
     assert "island 1 left the job" in log and "restarting island 1 (restart 1 of 1) as i1w0.1, i1w1.1" in log, log
     assert "no heartbeat for" in log, log  # found by silence: a cut worker neither exits nor beats

@@ -502,7 +502,12 @@ class FollowerWatch:
     that have beaten (a follower still starting has no hb key). A silent follower whose process runs on this
     machine, runnable but starved of CPU, is spared up to islands.runtime.elastic.starvation.LIMIT heartbeat
     timeouts, as the launcher's reaper spares it (the follower's heartbeat publishes its process identity under
-    proc/<name>). After its one verdict it gives the process
+    proc/<name>). The leader's own heartbeat is the control: its beats go through the same kind of client from the
+    same machine, so while they too fail to land (a store re-electing its leader, a member cut off, every request
+    walking the fail-over ladder) the store is what is silent, not the follower; a follower is convicted only once
+    the store has carried the leader's beats for a whole timeout of its silence, or past
+    islands.runtime.elastic.starvation.LIMIT timeouts of silence whatever the store did. After its one verdict it
+    gives the process
     `exit_after_s` (default `timeout_s`) to fail by itself, then exits it (code 1, as IslandBroken would): the
     training thread may wait in the local collective with a stopped follower for minutes. stop() (the leader
     leaving) ends it.
@@ -518,6 +523,8 @@ class FollowerWatch:
         self.starvation = Starvation(timeout_s)
         self.out = sys.stderr if out is None else out
         self.verdict: str | None = None
+        self._own_stalled_at: float | None = None  # the last look that found the leader's own beat stale
+        self._excused: set[str] = set()  # followers whose silence was put down to the store (said once each)
         self._pids: dict[str, int | None] = {}  # follower -> its pid on this machine, once it published its identity
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="islands-follower-watch", daemon=True)
@@ -552,6 +559,26 @@ class FollowerWatch:
             )
         return starved is not None
 
+    def _store_was_silent(self, follower: str, now: float) -> bool:
+        """The leader's own beats stalled within the last timeout, and the follower is silent for less than the
+        starvation limit: the store, not the follower, may be what went quiet (class docstring)."""
+        if self._own_stalled_at is None or now - self._own_stalled_at > self.liveness.timeout:
+            return False
+        silent_for = self.liveness.silent_for(follower)
+        if silent_for > self.starvation.limit * self.liveness.timeout:
+            return False
+        if follower not in self._excused:
+            self._excused.add(follower)
+            print(
+                f"islands: {self.leader}: its follower {follower} is silent for {silent_for:.1f} s, but this "
+                f"leader's own heartbeat stalled {now - self._own_stalled_at:.1f} s ago: the store is slow, not "
+                f"the follower; not leaving before the store has carried {self.liveness.timeout:.1f} s of beats "
+                f"or {self.starvation.limit * self.liveness.timeout:.1f} s of silence",
+                file=self.out,
+                flush=True,
+            )
+        return True
+
     def look(self) -> str | None:
         """One look: the reason to report the leader dead, or None."""
         flagged = [f for f in self.followers if self.store.check([f"dead/{f}"])]
@@ -566,8 +593,12 @@ class FollowerWatch:
             pid = self._pid(f)
             if pid is not None:
                 self.starvation.sample(f, pid, now)
-        for f in sorted(self.liveness.silent(beating)):
-            if not self._waits_for_cpu(f, now):
+        control = [self.leader] if self.store.check([f"hb/{self.leader}"]) else []  # none: a watch in a test
+        silent = self.liveness.silent(beating + control) - {self.leader}
+        if control and self.liveness.silent_for(self.leader) > self.liveness.timeout / 4:
+            self._own_stalled_at = now
+        for f in sorted(silent):
+            if not self._store_was_silent(f, now) and not self._waits_for_cpu(f, now):
                 return (
                     f"its follower {f} is silent for {self.liveness.silent_for(f):.1f} s: the island cannot take part"
                 )
