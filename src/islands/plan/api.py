@@ -23,9 +23,17 @@ from islands.data.source import batch_source
 from islands.loop.task import Task
 from islands.loop.trainer import Trainer
 from islands.plan.costs import INNER, Candidate, Prediction, Topology, predict
+from islands.plan.gathered import gathered_seconds
 from islands.plan.job import job_trainer
 from islands.plan.links import Link, LinkError, parse_link
-from islands.plan.profile import Profile, cached_round_seconds, profile_step, round_probe, round_steps
+from islands.plan.profile import (
+    Profile,
+    cached_round_seconds,
+    cached_seconds,
+    profile_step,
+    round_probe,
+    round_steps,
+)
 from islands.plan.rank import Crossover, crossovers, ranked, rate_sweep
 from islands.runtime.world import World
 from islands.sync.base import Strategy
@@ -169,8 +177,9 @@ class Profiler:
                 trainer, batch, steps=steps, threads=cfg.world.threads, settings=settings, refresh=self.refresh
             )
 
-    def rounds(self, cands: list[Candidate], prof: Profile) -> list[Candidate]:
-        """The candidates with each outer strategy's measured local work per round (round_s)."""
+    def rounds(self, cands: list[Candidate], prof: Profile, islands: int = 1) -> list[Candidate]:
+        """The candidates with each outer strategy's measured local work per round (round_s) and what combining
+        `islands` islands' payloads adds to it (gather_s)."""
         out = []
         for c in cands:
             if not isinstance(c.outer, DiLoCo):  # a flat strategy (candidate() builds only DiLoCo outers)
@@ -190,7 +199,16 @@ class Profiler:
                     threads=self.cfg.world.threads,
                     refresh=self.refresh,
                 )
-            out.append(dataclasses.replace(c, round_s=s))
+                g = 0.0  # one island combines its own payload only: the round timing holds it
+                if islands > 1:
+                    g, _ = cached_seconds(
+                        prof,
+                        f"{key}|combine x{islands}",
+                        partial(gathered_seconds, c.outer.exchange, prof.numel, islands),
+                        threads=self.cfg.world.threads,
+                        refresh=self.refresh,
+                    )
+            out.append(dataclasses.replace(c, round_s=s, gather_s=g))
         return out
 
 
@@ -239,7 +257,7 @@ def plan(
         notes = []
     if not cands:
         raise PlanError("no strategy applies to this job: give --strategy ddp, zero1 or fsdp for one island")
-    cands = profiler.rounds(cands, prof)
+    cands = profiler.rounds(cands, prof, topo.islands)
     budget = int(budget_mb * 1e6)
     preds = ranked([predict(c, prof, topo, inside, cross, budget) for c in cands])
 

@@ -76,6 +76,7 @@ class Candidate:
     fsdp_traffic: tuple[tuple[str, int, int], ...] = ()  # (kind, sent, received) per step, for inner fsdp
     fsdp_state: dict = field(default_factory=dict)  # state_bytes_per_rank for inner fsdp
     round_s: float = 0.0  # the outer strategy's measured local work per round (profile.round_seconds)
+    gather_s: float = 0.0  # its exchange's extra local work per round for every island's payload (plan.gathered)
 
     @property
     def family(self) -> str:
@@ -313,7 +314,7 @@ def predict(
         cross_t = (sum(frag_t) + prof.straggler_s(topo.islands, h)) / h
         cross_round = sum(exchange_bytes(outer, hi - lo)[0] for lo, hi in bounds) + prof.buffer_bytes
         round_steps = h
-        strategy_t = c.round_s / h
+        strategy_t = (c.round_s + c.gather_s) / h
         extra = mem.get("strategy", 0) + _outer_memory(outer, prof)
         bytes_exact = not (outer.exchange.codec is not None and outer.exchange.codec.variable_length)
         if not bytes_exact:
@@ -341,7 +342,8 @@ def predict(
         "bytes": "the ledger's formulas (islands.plan.costs)",
         "outer round": (
             f"its local work timed on this model (outer step, compression of the real vector): "
-            f"{c.round_s * 1e3:.2f} ms per round over {round_steps} steps"
+            f"{c.round_s * 1e3:.2f} ms per round over {round_steps} steps, and combining {topo.islands} "
+            f"islands' payloads rather than one: {c.gather_s * 1e3:.2f} ms more"
             if c.outer is not None
             else "none (a flat strategy)"
         ),

@@ -254,6 +254,27 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def cached_seconds(
+    prof: Profile,
+    label: str,
+    measure: Callable[[], float],
+    threads: int = 1,
+    refresh: bool = False,
+    cache: Path | None = None,
+) -> tuple[float, bool]:
+    """(`measure()` on `threads` threads, whether it came from the cache): a timing of the profiled model's outer work
+    cached beside its profile under `label` (the outer strategy's spec, and what else the timing depends on)."""
+    path = _cache_path(f"{prof.fingerprint}-rounds", cache)
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if label in known and not refresh:
+        return float(known[label]), True
+    with _Threads(threads):
+        value = measure()
+    known = json.loads(path.read_text()) if path.is_file() else {}  # another planner may have added its own
+    _write(path, {**known, label: value})
+    return value, False
+
+
 def cached_round_seconds(
     prof: Profile,
     label: str,
@@ -266,15 +287,7 @@ def cached_round_seconds(
 ) -> tuple[float, bool]:
     """(round_seconds of the trainers `make_trainer()` (with the outer strategy) and `make_plain()` (without) build,
     whether it came from the cache); cached beside the profile by the outer strategy's `label` (its spec)."""
-    path = _cache_path(f"{prof.fingerprint}-rounds", cache)
-    known = json.loads(path.read_text()) if path.is_file() else {}
-    if label in known and not refresh:
-        return float(known[label]), True
-    with _Threads(threads):
-        value = round_seconds(make_trainer(), make_plain(), h)
-    known = json.loads(path.read_text()) if path.is_file() else {}  # another planner may have added its own
-    _write(path, {**known, label: value})
-    return value, False
+    return cached_seconds(prof, label, lambda: round_seconds(make_trainer(), make_plain(), h), threads, refresh, cache)
 
 
 def profile_step(

@@ -82,3 +82,10 @@ def test_the_outer_round_cost_is_an_input_of_the_prediction():
     p = predict(_diloco(50, round_s=0.005), _profile(), Topology(2, 2), LINK, LINK)
     assert "5.00 ms per round over 50 steps" in p.inputs["outer round"]
     assert p.as_dict()["strategy_s"] == pytest.approx(0.005 / 50)
+
+
+def test_combining_every_islands_payload_adds_to_the_rounds_local_work():
+    c = dataclasses.replace(_diloco(50, round_s=0.005), gather_s=0.003)
+    p = predict(c, _profile(), Topology(4, 4), LINK, LINK)
+    assert p.strategy_s == pytest.approx(0.008 / 50)
+    assert "combining 4 islands' payloads rather than one: 3.00 ms more" in p.inputs["outer round"]

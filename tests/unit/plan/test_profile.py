@@ -152,12 +152,13 @@ def test_round_timings_are_cached_per_label(tmp_path):
 
 def test_the_planner_times_a_round_once_for_every_h(tmp_path):
     """A round's work does not depend on H: diloco at H = 10 and 50 share one timing (the probe copy's), and the
-    candidates carry it; the flat strategy has none."""
+    candidates carry it; the flat strategy has none. So does the extra work of combining 2 islands' payloads."""
     cfg = job_config({"task": "digits", "workers": 2, "islands": 2, "steps": 8, "progress": False})
     profiler = Profiler.of(cfg)
     prof = profiler.step(steps=2)
     specs = ("ddp", "diloco:inner_steps=10", "diloco:inner_steps=50")
-    cands = profiler.rounds([candidate(s, cfg, profiler.task.model) for s in specs], prof)
+    cands = profiler.rounds([candidate(s, cfg, profiler.task.model) for s in specs], prof, islands=2)
     kept = json.loads((tmp_path / "cache" / f"{prof.fingerprint}-rounds.json").read_text())
-    assert list(kept) == ["diloco:inner_steps=<probe 2>"]
+    assert list(kept) == ["diloco:inner_steps=<probe 2>", "diloco:inner_steps=<probe 2>|combine x2"]
     assert cands[0].round_s == 0.0 and cands[1].round_s == cands[2].round_s == kept["diloco:inner_steps=<probe 2>"]
+    assert cands[0].gather_s == 0.0 and cands[1].gather_s == cands[2].gather_s == kept[f"{list(kept)[1]}"]
