@@ -7,6 +7,7 @@ keeps no peak (on CUDA, torch.cuda.max_memory_allocated is the measure); with th
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from islands.app.build import build_outer, build_task
 from islands.config import JobConfig
@@ -22,7 +23,8 @@ from islands.sync.stack import Stack
 
 def held_bytes(*roots, exclude=()) -> int:
     """Sum of the distinct storages of tensors reachable from `roots` through attributes, dicts, lists, tuples and
-    sets (modules and optimizers included); storages of tensors reachable from `exclude` are left out."""
+    sets (modules and optimizers included; a DTensor counts as its local shard); storages of tensors reachable from
+    `exclude` are left out."""
     skip = {_key(t) for t in _tensors(exclude)}
     sizes = {}
     for t in _tensors(roots):
@@ -44,6 +46,12 @@ def _tensors(roots):
         if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
             continue
         seen.add(id(obj))
+        if isinstance(obj, DTensor):  # FSDP's parameters, gradients and optimizer state: what this rank holds
+            with torch.no_grad():
+                stack.append(obj.to_local())
+            if obj.grad is not None:
+                stack.append(obj.grad)
+            continue
         if isinstance(obj, torch.Tensor):
             if obj.untyped_storage().nbytes():
                 yield obj
