@@ -28,6 +28,7 @@ from islands.compress.optimizer_base import CommunicatingOptimizer
 from islands.compress.registry import COMPRESSORS
 from islands.compress.torch_powersgd import TorchPowerSGD, bucket_nbytes
 from islands.config import ConfigError, JobConfig, from_mapping
+from islands.runtime import stacks
 from islands.runtime.comm import Comm, CommLedger
 from islands.spec import Spec
 
@@ -51,7 +52,7 @@ def _run(fn, tmp_path, timeout=90, attempts=3):
         try:
             while not ctx.join(timeout=1):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} did not finish in {timeout}s")
+                    raise TimeoutError(f"{fn.__name__} did not finish in {timeout}s:\n{_stacks(ctx, tmp_path)}")
         except mp.ProcessRaisedException:
             pass  # the worker wrote its traceback to err<rank>.txt, read below
         finally:
@@ -65,7 +66,18 @@ def _run(fn, tmp_path, timeout=90, attempts=3):
         return
 
 
+def _stacks(ctx, tmp_path) -> str:
+    """Every live rank's threads' stacks (a hang's cause, in CI's log: a retry would hide it)."""
+    for p in ctx.processes:
+        if p.is_alive():
+            os.kill(p.pid, stacks.DUMP_SIGNAL)
+    time.sleep(stacks.DUMP_S)
+    return "\n".join(f"--- {f.name}\n{f.read_text()}" for f in sorted(tmp_path.glob("stacks*.txt")))
+
+
 def _worker(rank, name, port, out_dir):
+    dump = open(os.path.join(out_dir, f"stacks{rank}.txt"), "w")  # noqa: SIM115 - open for the process's life
+    stacks.enable(dump)
     try:
         torch.set_num_threads(1)
         globals()[name](rank, port, out_dir)
