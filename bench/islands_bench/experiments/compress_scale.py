@@ -13,8 +13,9 @@ sending n fp32 bytes raw takes 8 n / L s, compressed it takes t + 8 p / L (t com
 so compression pays on links slower than 8 (n - p) / t bit/s.
 
 Fresh tensors of this size cost page faults (a decoded 100M-value vector is 400 MB of new pages, more time than
-the decode's arithmetic); torch's CPU allocator asks for huge pages when THP_MEM_ALLOC_ENABLE=1 is set in the
-environment, and the result records whether it was.
+the decode's arithmetic). The sparse decoders allocate their dense output on 2 MB pages themselves
+(islands.compress.pages); torch's CPU allocator does so for every large tensor when THP_MEM_ALLOC_ENABLE=1 is set in
+the environment, and the result records whether it was.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ from islands_bench.harness import BenchContext, experiment
 
 SPECS = [
     "topkq:ratio=0.0215,bits=2",
+    "topkq:ratio=0.0215,bits=2,order=ascending",  # the same entries, positions ascending: no introselect replay
     "topkq:ratio=0.0215,bits=2,index=elias-fano,decay=0.95",
     "dct-topk:ratio=0.0215,bits=2",
     "randomk-shared:ratio=0.01",
     "int8",
     "int4",
 ]
-GOAL_SPEC = "topkq:ratio=0.0215,bits=2"  # issue 34's goal: >= 1 GB/s compress + decode at 100M values, one thread
+# issue 34's goal: topkq 2-bit >= 1 GB/s compress + decode at 100M values, one thread; judged for each of its forms
+GOAL_SPECS = ("topkq:ratio=0.0215,bits=2", "topkq:ratio=0.0215,bits=2,order=ascending")
 GOAL_GB_S = 1.0
 
 
@@ -134,13 +137,11 @@ def compressor_scale(ctx: BenchContext) -> dict:
             f"{r['both_cpu_gb_s']:.3f} GB/s of CPU time), {r['payload_bytes'] / 1e6:.2f} MB payload: pays on links "
             f"below {r['pays_below_gbit_s']:.2f} Gbit/s"
         )
-    goal = [r for r in rows if r["compressor"] == GOAL_SPEC and r["values"] == 100_000_000]
-    if goal:
-        g = goal[0]
+    for g in (r for r in rows if r["compressor"] in GOAL_SPECS and r["values"] == 100_000_000):
         met = "met" if g["both_gb_s"] >= GOAL_GB_S else "not met"
         headline.append(
-            f"issue 34's goal ({GOAL_SPEC} compress + decode >= {GOAL_GB_S:g} GB/s at 100M values, one thread): "
-            f"{met}, {g['both_gb_s']:.3f} GB/s wall, {g['both_cpu_gb_s']:.3f} GB/s of CPU time"
+            f"issue 34's goal ({g['compressor']} compress + decode >= {GOAL_GB_S:g} GB/s at 100M values, one "
+            f"thread): {met}, {g['both_gb_s']:.3f} GB/s wall, {g['both_cpu_gb_s']:.3f} GB/s of CPU time"
         )
     return {
         "rows": rows,

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor
 
+from islands.compress import pages
 from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, name_seed, numel_of
 
 
@@ -77,7 +78,7 @@ class SharedRandomK(CompressorBase):
 
     def decompress(self, payload: Payload) -> Tensor:
         (values,), (idx,) = payload.tensors, payload.shared
-        out = torch.zeros(numel_of(payload.shape), dtype=torch.float32, device=values.device)
+        out = pages.zeros(numel_of(payload.shape), device=values.device)
         out[idx] = values.to(torch.float32)
         return out.reshape(payload.shape).to(payload.dtype)
 

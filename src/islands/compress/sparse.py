@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from islands.compress import pages
 from islands.compress.base import Payload, numel_of
 
 
@@ -13,13 +14,13 @@ class SparsePayload:
 
     def decompress(self, payload: Payload) -> Tensor:
         values, idx = payload.tensors
-        out = torch.zeros(numel_of(payload.shape), dtype=payload.dtype, device=values.device)
+        out = pages.zeros(numel_of(payload.shape), dtype=payload.dtype, device=values.device)
         out[idx.long()] = values.to(payload.dtype)
         return out.reshape(payload.shape)
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         first = payloads[0]
-        acc = torch.zeros(numel_of(first.shape), dtype=torch.float32, device=first.tensors[0].device)
+        acc = pages.zeros(numel_of(first.shape), device=first.tensors[0].device)
         for p in payloads:  # rank order: identical sums on every rank
             values, idx = p.tensors
             acc.index_add_(0, idx.long(), values.to(torch.float32))

@@ -55,7 +55,7 @@ def ref_select(c: TopKQ, y):
         if not rows.numel():
             continue
         idx = torch.topk(rows.abs(), kk, dim=1, sorted=False).indices
-        if c.index == "elias-fano":
+        if c.index == "elias-fano" or c.order == "ascending":
             idx = idx.sort(dim=1).values
         pos.append(idx)
         vals.append(rows.gather(1, idx))
@@ -231,16 +231,18 @@ SPECS = [
     TopKQ(ratio=0.0215, bits=2),
     TopKQ(ratio=0.01, bits=2),
     TopKQ(ratio=0.0215, bits=2, index="elias-fano"),
+    TopKQ(ratio=0.0215, bits=2, order="ascending"),
     TopKQ(ratio=0.05, bits=4, chunk=1000),
     TopKQ(ratio=0.3, bits=8, chunk=64, index="elias-fano"),
     TopKQ(ratio=0.02, bits=32),
     TopKQ(ratio=1.0, bits=2, chunk=16),
     DCTTopK(ratio=0.0215, bits=2),
     DCTTopK(ratio=0.05, bits=4, block=7, chunk=100, index="elias-fano"),
+    DCTTopK(ratio=0.05, bits=4, block=7, chunk=100, order="ascending"),
 ]
 
 
-@pytest.mark.parametrize("c", SPECS, ids=lambda c: f"{c.name}-{c.ratio}-{c.bits}-{c.chunk}-{c.index}")
+@pytest.mark.parametrize("c", SPECS, ids=lambda c: f"{c.name}-{c.ratio}-{c.bits}-{c.chunk}-{c.index}-{c.order}")
 @pytest.mark.parametrize("n", SIZES)
 def test_topkq_payload_and_decode_are_the_references(path, c, n):
     for what, x in _inputs(n, n).items():
