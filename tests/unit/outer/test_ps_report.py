@@ -72,6 +72,7 @@ def _process(gen: int, final: bool, cpu: float, pushes: int) -> dict:
         parameters=[0, 10],
         cpu_seconds=cpu,
         startup_cpu_seconds=1.0,
+        startup_max_rss_bytes=500,
         max_rss_bytes=1000 * gen,
         duplicates=1,
         samples_accepted=1.0,

@@ -36,12 +36,13 @@ MEMORY_STATE = "state_tensors"  # the server state's tensors (ServerState.tensor
 DEFINITION = (
     "per server: cpu_seconds (thread mode: the server loop thread's CPU, time.thread_time, the receiving thread's "
     "gloo receives not included; process mode: each server process's own CPU, user + system, summed over the "
-    "processes a restarted shard had, startup_cpu_seconds of it before serving: interpreter, imports, journal "
+    "processes a restarted shard had; startup_cpu_seconds of it before serving: interpreter, imports, journal "
     "rebuild), peak_memory_bytes (peak_memory says what: max_rss = the process's peak resident set, the largest of "
-    "the shard's processes; state_tensors = the bytes of the server state's tensors: global model, outer optimizer "
-    "state, open window at its largest), pushes_received = pushes_applied + pushes_refused (stale), duplicates "
-    "(resends answered without applying them; thread mode never resends), windows_stepped (outer steps), goodput "
-    "(accepted samples / pushed samples), restarts (process mode: the supervisor's)"
+    "the shard's processes, startup_max_rss_bytes its peak before serving; state_tensors = the bytes of the server "
+    "state's tensors: global model, outer optimizer state, open window at its largest), pushes_received = "
+    "pushes_applied + pushes_refused (stale), duplicates (resends answered without applying them; thread mode never "
+    "resends), windows_stepped (outer steps), goodput (accepted samples / pushed samples), restarts (process mode: "
+    "the supervisor's)"
 )
 
 
@@ -160,6 +161,7 @@ def _shard(shard: dict, gaps: list[str]) -> dict:
         "cpu_seconds": sum(p["cpu_seconds"] for p in processes),
         "startup_cpu_seconds": sum(p["startup_cpu_seconds"] for p in processes),
         "peak_memory_bytes": max(p["max_rss_bytes"] for p in processes),
+        "startup_max_rss_bytes": max(p["startup_max_rss_bytes"] for p in processes),
         "peak_memory": MEMORY_RSS,
         **counts,
         "duplicates": sum(p["duplicates"] for p in processes),

@@ -198,12 +198,13 @@ class ShardServer:
         self.gen = 0
         self.done = threading.Event()
         self.pairs: list[Pair] = []  # open connections, torn down when the server leaves
-        self.startup_cpu = 0.0  # CPU seconds until it served: interpreter, imports, the journal's rebuild
+        self.startup = {"cpu_seconds": 0.0, "max_rss_bytes": 0}  # its usage once it served: interpreter, imports,
+        # the journal's rebuild (what the report's numbers hold besides serving)
 
     def run(self) -> None:
         self.durable.open()  # the rebuild: the committed state plus the acknowledged pushes since
         self.gen = int(self.store.add(f"gen/{self.shard}", 1))
-        self.startup_cpu = time.process_time()
+        self.startup = process_usage()
         threading.Thread(target=self._accept, name="islands-ps-accept", daemon=True).start()
         try:
             while not self.done.is_set():
@@ -231,7 +232,8 @@ class ShardServer:
             "pid": os.getpid(),
             "final": final,
             "parameters": list(self.config.bounds[self.shard]),
-            "startup_cpu_seconds": self.startup_cpu,
+            "startup_cpu_seconds": self.startup["cpu_seconds"],
+            "startup_max_rss_bytes": self.startup["max_rss_bytes"],
             **process_usage(),
             **server_numbers(self.durable.state, self.durable.duplicates, memory=final),
         }
