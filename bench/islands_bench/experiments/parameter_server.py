@@ -285,7 +285,8 @@ def server_columns(rec: dict, numel: int) -> dict:
 
 
 def _ps_extra(arm: str, run_dir: Path, steps: int) -> dict:
-    """The ps arm keeps a final checkpoint: it carries the server's counts (goodput) and state (memory)."""
+    """The ps arm keeps a final checkpoint: the server's counts and state, for the estimate where a run's record has
+    no server report (server_columns)."""
     return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if arm in PS_ARMS else {}
 
 
