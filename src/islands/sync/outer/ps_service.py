@@ -51,7 +51,14 @@ from islands.runtime.payload_auth import PayloadTags
 from islands.sync.outer.flat import fragment_bounds
 from islands.sync.outer.outer_opt import OuterOptimizer
 from islands.sync.outer.ps_journal import COMMIT_EVERY, DurableShard, Journal
-from islands.sync.outer.ps_report import collect, process_usage, report_key, server_numbers, write_collected
+from islands.sync.outer.ps_report import (
+    REPORT,
+    collect,
+    process_usage,
+    report_key,
+    server_numbers,
+    write_collected,
+)
 from islands.sync.outer.ps_server import Contribution, ServerState, check_server_options
 from islands.sync.outer.ps_wire import (
     DONE,
@@ -367,6 +374,7 @@ class Supervisor:
         self.beats: list[tuple[int, float, bool]] = [(0, 0.0, False)] * self.config.servers  # count, since, moved
         self.thread: threading.Thread | None = None
         self.stopped = threading.Event()
+        (self.dir / REPORT).unlink(missing_ok=True)  # an earlier job's on the same directory is not this one's
         tmp = self.dir / (ADDRESS + ".tmp")
         tmp.write_text(f"{self.host}:{self.port}\n")
         os.replace(tmp, self.dir / ADDRESS)
