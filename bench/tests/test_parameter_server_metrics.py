@@ -11,6 +11,7 @@ from islands_bench.experiments.parameter_server import (
     loss_at,
     mb_per_worker,
     normalised_seconds,
+    server_columns,
     server_cpu_seconds,
     server_from_checkpoint,
     steps_to,
@@ -62,6 +63,42 @@ def test_server_goodput_and_memory_come_from_the_hosting_ranks_checkpoint(tmp_pa
     assert got["goodput"] == pytest.approx(0.75)  # 600 of 800 pushed samples accepted
     assert (got["pushes"], got["refused"], got["outer_steps"]) == (10, 2, 8)
     assert got["server_mb"] == pytest.approx(8000 / 1e6)
+
+
+def _server(cpu, memory, refused, goodput, kind="max_rss"):
+    return {
+        "cpu_seconds": cpu,
+        "peak_memory_bytes": memory,
+        "peak_memory": kind,
+        "pushes_refused": refused,
+        "goodput": goodput,
+    }
+
+
+def test_the_server_columns_are_the_run_records_measured_report():
+    report = {
+        "mode": "processes",
+        "complete": True,
+        "cpu_seconds": 3.5,
+        "restarts": 1,
+        "servers": [_server(2.0, 300e6, 1, 0.9), _server(1.5, 200e6, 1, 0.9)],
+    }
+    rec = {"parameter_server": report, "run_dir": "/nowhere", "summary": {"islands": 2}}  # no checkpoint read
+    got = server_columns(rec, 1000)
+    assert (got["server_cpu_s"], got["server_mb"], got["server_memory"]) == (3.5, 500.0, "max_rss")
+    assert (got["refused"], got["goodput"], got["server_restarts"]) == (1, 0.9, 1)
+    assert got["server_source"] == "measured (processes mode)"
+
+
+def test_without_a_report_the_server_columns_are_the_labelled_estimate(tmp_path):
+    counts = {"pushes": 4, "refused": 0, "steps": 4, "samples": 400.0, "samples_refused": 0.0}
+    ckpt = _manifest(tmp_path, counts, {"strategy/outer/ps_server/params/0": {"dtype": "float32", "shape": [1000]}})
+    rec = {"run_dir": str(ckpt.parent), "summary": {"islands": 2}}
+    missing = {"mode": "processes", "servers": [], "cpu_seconds": None, "missing": "the supervisor was killed"}
+    for record, why in ((rec, "has no parameter_server report"), ({**rec, "parameter_server": missing}, "killed")):
+        got = server_columns(record, 1000)
+        assert got["server_source"].startswith("estimate") and why in got["server_source"]
+        assert got["server_mb"] == pytest.approx(4000 / 1e6) and got["server_cpu_s"] >= 0.0
 
 
 def test_a_missing_checkpoint_is_a_clear_error(tmp_path):

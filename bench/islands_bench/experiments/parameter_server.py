@@ -26,12 +26,14 @@ Target: DDP's final val loss (one island of 2 workers on loopback, half the arms
 target: rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or
 under it. Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms.
 Goodput: the share of computed samples that reach the global model: 1 for the synchronous arms without faults (every
-round is averaged); the server's accepted samples over all pushed ones for ps (its counts, read from the job's final
-checkpoint, which carries the server's state); under churn, 1 - the killed incarnations' uncommitted steps (those
-past their last round boundary) over all steps computed. Bytes: every rank's sent + received bytes (ledger), mean
-per worker. Server CPU and memory: the memory is the server state's tensors (global model, outer optimizer state,
-open window) in the final checkpoint; the CPU time is the bench process replaying the run's pushes (same parameter
-count, rule and island count) through the server's state (ps_server.ServerState) on one thread.
+round is averaged); the server's accepted samples over all pushed ones for ps (its counts, from the run record's
+server report); under churn, 1 - the killed incarnations' uncommitted steps (those past their last round boundary)
+over all steps computed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory:
+measured where the server ran, from run.json's `parameter_server` report (docs/parameter-server.md, "What the
+servers report"): the thread mode's loop thread CPU (time.thread_time) and its state's tensors (global model, outer
+optimizer state, open window at its largest); a server process's own CPU and peak RSS. Only a run without that
+report falls back to the estimate (labelled in `server_source`): the state in the final checkpoint, and the bench
+process replaying the run's pushes through the server's state on one thread.
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
 utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
@@ -232,23 +234,59 @@ def _arm_row(ctx, setting, arm, rec, target, numel, load) -> dict:
         "mb_per_worker": mb_per_worker(rec),
         "server_cpu_s": None,
         "server_mb": None,
+        "server_memory": None,
         "refused": None,
+        "server_restarts": None,
+        "server_source": None,
         "load": load,
         "interconnect": rec["interconnect_line"],
     }
     if arm in PS_ARMS:
-        server = server_from_checkpoint(Path(rec["run_dir"]) / "ckpt")
-        row.update(
-            goodput=server["goodput"],
-            server_cpu_s=server_cpu_seconds(numel, server["pushes"], s["islands"]),
-            server_mb=server["server_mb"],
-            refused=server["refused"],
-        )
+        row.update(server_columns(rec, numel))
     return row
 
 
+def measured_server(rec: dict) -> dict | None:
+    """The server columns from run.json's `parameter_server` report (None: the run has none, or no CPU in it)."""
+    report = rec.get("parameter_server")
+    if not report or not report["servers"] or report["cpu_seconds"] is None:
+        return None
+    first = report["servers"][0]  # every server sees every push (its own range of it): one server's counts
+    return {
+        "goodput": first["goodput"],
+        "server_cpu_s": report["cpu_seconds"],
+        "server_mb": sum(server["peak_memory_bytes"] for server in report["servers"]) / 1e6,
+        "server_memory": first["peak_memory"],
+        "refused": first["pushes_refused"],
+        "server_restarts": report["restarts"],
+        "server_source": f"measured ({report['mode']} mode" + ("" if report["complete"] else ", incomplete") + ")",
+    }
+
+
+def server_columns(rec: dict, numel: int) -> dict:
+    """The ps arm's server columns: measured, from the run record's report of what the servers did (run.json
+    `parameter_server`: the loop thread's CPU and state bytes, or each server process's CPU and peak RSS); only
+    where a run has none, the estimate from its final checkpoint (counts, state bytes) and a replay of its pushes
+    in this process, labelled so (`server_source`)."""
+    measured = measured_server(rec)
+    if measured is not None:
+        return measured
+    server = server_from_checkpoint(Path(rec["run_dir"]) / "ckpt")
+    missing = (rec.get("parameter_server") or {}).get("missing") or "the run record has no parameter_server report"
+    return {
+        "goodput": server["goodput"],
+        "server_cpu_s": server_cpu_seconds(numel, server["pushes"], rec["summary"]["islands"]),
+        "server_mb": server["server_mb"],
+        "server_memory": "state_tensors",
+        "refused": server["refused"],
+        "server_restarts": None,
+        "server_source": f"estimate (replayed pushes, checkpoint state): {missing}",
+    }
+
+
 def _ps_extra(arm: str, run_dir: Path, steps: int) -> dict:
-    """The ps arm keeps a final checkpoint: it carries the server's counts (goodput) and state (memory)."""
+    """The ps arm keeps a final checkpoint: the server's counts and state, for the estimate where a run's record has
+    no server report (server_columns)."""
     return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if arm in PS_ARMS else {}
 
 
@@ -456,6 +494,7 @@ def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
                         "mb_per_worker": mb_per_worker(rec),
                         "load": max(load0, os.getloadavg()[0]),
                         "interconnect": rec["interconnect_line"],
+                        **((measured_server(rec) or {}) if arm in PS_ARMS else {}),
                     }
                 )
     if target is None:
@@ -541,6 +580,29 @@ def item5_text(rows: list[dict], link: str, goal: float, target: float) -> str:
         + f"; goal best <= {goal}x fp32 DiLoCo's loopback time: measured {best('vs_diloco_loopback')}, "
         f"normalised {best('normalised_vs_diloco_loopback')}"
     )
+
+
+def server_text(rows: list[dict]) -> str:
+    """The ps arms' servers, as their runs measured them (or the estimate, where a run has no report)."""
+    here = [r for r in rows if r.get("server_source")]
+    if not here:
+        return "server: no ps arm ran"
+    return (
+        "server (CPU seconds, peak memory: "
+        + MEMORY_WORDS
+        + "): "
+        + "; ".join(
+            f"{r['run']}@{r.get('link', r['setting'])} {r['server_cpu_s']:.3f} CPU-s, {r['server_mb']:.2f} MB "
+            f"{r['server_memory']}, refused {r['refused']}, goodput {100 * r['goodput']:.1f}%, {r['server_source']}"
+            for r in here
+        )
+    )
+
+
+MEMORY_WORDS = (
+    "state_tensors = the server state's tensors, global model + outer optimizer state + open window at its largest; "
+    "max_rss = a server process's peak resident set, torch's own included"
+)
 
 
 # ---- the experiment ------------------------------------------------------------------------------------------------
@@ -665,10 +727,10 @@ def parameter_server(ctx: BenchContext) -> dict:
             )
             + f" (fp32 DiLoCo's loopback time: {by.get(('diloco', 'loopback'), {}).get('time_to_target_s')})"
         )
+    headline.append(server_text(rows + target_rows))
     headline.append(
-        f"server CPU: the bench replaying each ps run's pushes through the server state on one thread; server memory: "
-        f"its state in the final checkpoint; shared {os.cpu_count()}-core host, load average: {'; '.join(uptime)}; "
-        "every arm run once, ratios within this invocation"
+        f"shared {os.cpu_count()}-core host, load average: {'; '.join(uptime)}; every arm run once, ratios within "
+        "this invocation"
     )
     return {
         "rows": rows + target_rows,

@@ -45,7 +45,7 @@ from islands.loop.step_body import StepBody
 from islands.memory.step import ForwardBackward
 from islands.runtime.compiled import Compile, as_compile, graphs_compiled
 from islands.runtime.world import World
-from islands.sync.base import Describes, Strategy, capability
+from islands.sync.base import Describes, Reports, Strategy, capability
 from islands.sync.stack import Stack
 
 
@@ -264,6 +264,9 @@ class Trainer:
                 "definition": "held_activation_bytes_peak: storages autograd saved plus the stage's "
                 "input and output, for micro-batches in flight at once",
             }
+        reporting = capability(self.strategy, Reports)  # type: ignore[type-abstract]  # mypy#4717, as above
+        if reporting is not None:  # a parameter server: what its servers did, measured where they ran
+            parts.update(reporting.run_report())
         parts.update(self.callbacks.records())
         if self.resumed_from is not None:
             parts.setdefault("checkpoint", {})["resumed_from"] = self.resumed_from

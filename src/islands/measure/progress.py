@@ -104,8 +104,36 @@ def where_lines(record: dict) -> list[str]:
 def print_finished(record: dict, console: Console) -> None:
     """The summary table and where the run's files are: the end of every run's output, with or without the bar."""
     console.print(summary_table(record["summary"], record["interconnect_line"]))
+    server = server_line(record.get("parameter_server"))
+    if server is not None:
+        console.print(server, highlight=False, soft_wrap=True)
     for line in where_lines(record):
         console.print(line, highlight=False, soft_wrap=True)  # paths whole, to copy from a log
+
+
+def server_line(report: dict | None) -> str | None:
+    """One line of what a parameter server's servers did (run.json `parameter_server`, islands.sync.outer.ps_report),
+    or that their report is incomplete and why; None for a run without one."""
+    if not report:
+        return None
+    servers = report["servers"]
+    words = f"parameter server ({report['mode']} mode, {len(servers)} server(s)): "
+    if report["cpu_seconds"] is None:
+        return words + f"report incomplete: {report['missing']}"
+    peak = sum(s["peak_memory_bytes"] for s in servers) / 1e6
+    first = servers[0]  # every server counts every push (its own range of it)
+    startup = [s["startup_cpu_seconds"] for s in servers if "startup_cpu_seconds" in s]  # server processes
+    words += (
+        f"{report['cpu_seconds']:.2f} CPU-s"
+        + (f" ({sum(startup):.2f} of it start-up)" if startup else "")
+        + f", peak {peak:.1f} MB ({first['peak_memory']}), "
+        f"{first['pushes_applied']} pushes applied, {first['pushes_refused']} refused, "
+        f"{sum(s['duplicates'] for s in servers)} duplicates, {first['windows_stepped']} outer steps, "
+        f"goodput {100 * first['goodput']:.1f}%"
+    )
+    if report["restarts"] is not None:
+        words += f", {report['restarts']} restart(s)"
+    return words + ("" if report["complete"] else f"; incomplete: {report['missing']}")
 
 
 def _across(summary: dict) -> str:

@@ -19,8 +19,9 @@ SGD, DiLoCo, gossip) act rarely across islands. `Stack` (sync/stack.py) composes
 Optional capabilities are written protocols, each one method, found by isinstance (never by looking a name
 up): `OwnsStep` (`forward_backward`: a pipeline's step is not forward-then-backward, and the loop calls it
 instead of its own), `KeepsIslandsApart` (fsdp: a Stack with an outer part asks it to shard inside each
-island only), `Describes` (`describe`: what a rank holds, for the run record) and `SkipsSteps` (`next_step`;
-NoOp's default skips nothing, DiLoCo's adapt=... rounds skip to the round's end). A strategy made of others
+island only), `Describes` (`describe`: what a rank holds, for the run record), `Reports` (`run_report`: sections of
+the run record it measured, after finish: a parameter server's servers) and `SkipsSteps` (`next_step`; NoOp's
+default skips nothing, DiLoCo's adapt=... rounds skip to the round's end). A strategy made of others
 (`Composite`: Stack) names the part that provides a capability (`capability(strategy, OwnsStep)`). In an
 elastic world the outer strategy hands `world.membership` itself as the round-counting participant
 (islands.runtime.contracts.ElasticParticipant: rounds, settle, joined) from its wrap.
@@ -85,6 +86,14 @@ class SkipsSteps(Protocol):
     """A strategy whose rounds may skip counted steps: the loop continues from `next_step(done)`."""
 
     def next_step(self, done: int) -> int: ...
+
+
+@runtime_checkable
+class Reports(Protocol):
+    """A strategy with measured numbers of its own for the run record, asked after `finish` on every rank: sections
+    of run.json by name ({} where this rank has none; ps: its servers' report, "parameter_server")."""
+
+    def run_report(self) -> dict: ...
 
 
 @runtime_checkable

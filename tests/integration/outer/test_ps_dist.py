@@ -100,10 +100,17 @@ def test_islands_train_runs_the_ps_spec_across_two_processes(tmp_path):
     run_dir = tmp_path / "ps"
     argv = ["train", "--workers", "2", "--islands", "2", "--outer", "ps:inner_steps=4", "--steps", "12"]
     assert islands_cli(*argv, "--output.run_dir", str(run_dir), *TINY_FLAGS) == 0
-    per_rank = json.loads((run_dir / "run.json").read_text())["comm"]["per_rank"]
-    for rank in per_rank:  # 3 rounds of 4 steps pushed, then DONE (answered with the final model)
+    record = json.loads((run_dir / "run.json").read_text())
+    for rank in record["comm"]["per_rank"]:  # 3 rounds of 4 steps pushed, then DONE (answered with the final model)
         assert rank["calls"]["ps_push"] == 4 and rank["calls"]["ps_pull"] == 4
         assert rank["sent"]["ps_push"] > 3 * 4 * 11000  # three fp32 pseudo-gradients (the LM has > 11k parameters)
+    # rank 0's server loop thread reports its own CPU and its state's bytes (ps_report.py): the 6 pushes applied
+    report = record["parameter_server"]
+    assert report["mode"] == "thread" and report["complete"]
+    (server,) = report["servers"]
+    assert server["pushes_received"] == server["pushes_applied"] + server["pushes_refused"] == 6
+    assert server["cpu_seconds"] > 0 and server["peak_memory"] == "state_tensors"
+    assert server["peak_memory_bytes"] >= 2 * 4 * server["parameters"][1]  # the model and one delta, fp32
 
 
 def test_sealed_pushes_and_answers_give_the_unsealed_model(ranks):

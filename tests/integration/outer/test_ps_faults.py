@@ -18,6 +18,7 @@ from harness.ps import ForkedShard, pushing_island
 from islands.sync.outer.ps import OuterRule
 from islands.sync.outer.ps_link import Message
 from islands.sync.outer.ps_remote import RemoteLink
+from islands.sync.outer.ps_report import process_report, read_collected
 from islands.sync.outer.ps_service import ServiceConfig, Supervisor
 from islands.sync.outer.ps_wire import DONE, PULL, PUSH
 
@@ -94,3 +95,12 @@ def test_a_killed_server_loses_no_acknowledged_push_and_a_frozen_island_blocks_n
             os.kill(b.pid, signal.SIGKILL)
         supervisor.stop(60.0)
     assert supervisor.stopped.is_set() and supervisor.procs[0] is not None and supervisor.procs[0].poll() is not None
+    # its report (ps_report.py): the killed process's numbers as of its last heartbeat, said to be so; its successor's
+    # final ones; both processes' CPU summed; the restart counted; every push applied counted once
+    report = process_report(read_collected(tmp_path))
+    (shard,) = report["servers"]
+    killed, successor = shard["processes"]
+    assert shard["restarts"] == report["restarts"] == 1 and not killed["final"] and successor["final"]
+    assert not report["complete"] and "(generation 1) ended without its final report" in report["missing"]
+    assert shard["cpu_seconds"] == killed["cpu_seconds"] + successor["cpu_seconds"] > 0
+    assert shard["pushes_applied"] == 7 + n + (final.flat[0].item() == allowed[1])  # island 1's unseen one too

@@ -1,7 +1,7 @@
 """`islands train --outer ps:...,servers=1` end to end (issue #36): the CLI's multi-process job with the parameter
 server as processes of its own (a supervisor and one shard server, each a fresh interpreter: the process path the
 fault tests drive piece by piece). Every rank pushes and pulls through them, the run record counts the pushes as
-bytes across islands, and nothing of the service is left running."""
+bytes across islands and holds the server process's own report, and nothing of the service is left running."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from harness.cli import TINY_FLAGS, islands_cli
+from islands.sync.outer.ps_remote import _HEADER_BYTES
 
 
 def _service_processes() -> set[int]:
@@ -39,6 +40,21 @@ def test_a_job_trains_through_server_processes_counts_their_bytes_across_and_lea
     pushed = sum(rank["sent"]["ps_push"] for rank in ranks) / len(ranks)
     # what went to the server left the island: counted across (it read 0.00 MB before ps_* kinds counted)
     assert record["summary"]["cross_island_mb_per_worker"] * 1e6 >= pushed
+    # the server process's own report (ps_report.py), collected by the supervisor as it left: every push the islands
+    # made applied (their pushes' payload bytes: requests' headers off, then one fp32 model each; 3 rounds each),
+    # measured in the server process, nothing restarted
+    report = record["parameter_server"]
+    assert report["mode"] == "processes" and report["complete"] and report["missing"] is None
+    (server,) = report["servers"]
+    payload = sum(rank["sent"]["ps_push"] - rank["calls"]["ps_push"] * _HEADER_BYTES for rank in ranks)
+    made = payload / (4 * server["parameters"][1])
+    assert server["pushes_received"] == server["pushes_applied"] == made == 2 * 12 // 4
+    assert server["pushes_refused"] == 0 and server["windows_stepped"] == 6 and server["goodput"] == 1.0
+    assert (
+        server["cpu_seconds"] > server["startup_cpu_seconds"] > 0
+        and server["peak_memory_bytes"] >= server["startup_max_rss_bytes"] > 10e6
+    )
+    assert server["restarts"] == report["restarts"] == 0 and [p["final"] for p in server["processes"]] == [True]
     deadline = time.monotonic() + 30
     while _service_processes() - before:  # the supervisor and its shard end with the job
         assert time.monotonic() < deadline, _service_processes() - before

@@ -83,6 +83,7 @@ def test_a_push_sent_again_after_a_lost_answer_is_applied_once(tmp_path):
     again, duplicate = rebuilt.push(island, 7, seq, c, 2)
     assert duplicate and again.accepted and again.version == version
     assert torch.equal(rebuilt.state.pull()[1], model) and rebuilt.state.counts["pushes"] == 1
+    assert rebuilt.duplicates == 1 and shard.duplicates == 0  # the server report's count (ps_report.py)
     # the same number from a restarted island process (another nonce) is a new push
     assert not rebuilt.push(island, 8, seq, c, 2)[1] and rebuilt.state.counts["pushes"] == 2
 

@@ -65,6 +65,7 @@ from islands.sync.outer.ps_link import (
     VirtualClock,
 )
 from islands.sync.outer.ps_remote import RemoteLink
+from islands.sync.outer.ps_report import process_report, read_collected, thread_report
 from islands.sync.outer.ps_server import ServerState, check_server_options
 from islands.sync.outer.ps_service import ServiceConfig, launch
 from islands.sync.outer.ps_wire import PULL
@@ -236,6 +237,7 @@ class ParameterServer(OuterStrategy):
         self.counts = {"pushes": 0, "refused": 0}
         self.loop: ServerLoop | None = None  # the server, on the island that hosts it
         self.link: LocalLink | GlooLink | RemoteLink | None = None
+        self.report: dict | None = None  # process mode: the servers' report island 0 collected at the end
 
     # ---- wiring -------------------------------------------------------------------------------------
     def server_state(self, islands: int) -> ServerState:
@@ -393,13 +395,27 @@ class ParameterServer(OuterStrategy):
         island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout."""
         if self.launched is not None:
             link.store.set("stop", "done")
+            why = None
             try:
                 self.launched.wait(timeout=link.timeout_s)
             except subprocess.TimeoutExpired:  # it would stop on its own (orphan timer); no need to wait for that
                 self.launched.kill()
+                why = f"the supervisor did not stop within {link.timeout_s:.0f} s and was killed"
+            # it writes its servers' report into the service's directory as it leaves (ps_report.py)
+            directory = self.scratch or (self.service.directory if self.service is not None else None)
+            collected = read_collected(directory) if why is None and directory is not None else None
+            self.report = process_report(collected, why or "the supervisor exited without writing its report")
         link.close()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def run_report(self) -> dict:
+        """What the servers did, for run.json (ps_report.py): from the island that hosts the thread mode's loop or
+        started the server processes; {} on the others."""
+        if self.loop is not None:
+            with self.loop.lock:
+                return {"parameter_server": thread_report(self.loop.state, self.loop.cpu_seconds)}
+        return {"parameter_server": self.report} if self.report is not None else {}
 
     # ---- state --------------------------------------------------------------------------------------
     def extra_state(self) -> dict:

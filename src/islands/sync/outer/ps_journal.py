@@ -149,6 +149,7 @@ class DurableShard:
         self.state, self.journal = state, journal
         self.applied: dict[int, Applied] = {}
         self.restarts = 0  # rebuilds from the journal this shard has been through
+        self.duplicates = 0  # pushes this process answered again without applying them (not journaled)
 
     def open(self) -> int:
         """Rebuild from the journal (if it holds anything): returns the records replayed."""
@@ -167,6 +168,7 @@ class DurableShard:
         """(the ack, True when this push was applied before: answered again, not applied twice)."""
         last = self.applied.get(island)
         if last is not None and last.nonce == nonce and seq <= last.seq:
+            self.duplicates += 1
             return Ack(last.ack.accepted, self.state.version, last.ack.staleness, False), True
         self._log(
             {

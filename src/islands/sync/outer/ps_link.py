@@ -270,6 +270,7 @@ class ServerLoop:
         self.lock = threading.Lock()  # held while a message is applied: state_dict reads a consistent state
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.cpu_seconds: float | None = None  # the loop thread's own CPU, once it has ended (the server report)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._guarded, name="islands-ps-server", daemon=True)
@@ -282,6 +283,8 @@ class ServerLoop:
             self.error = e
             if isinstance(self.inbox, LocalInbox):  # islands of this process waiting on an answer raise it
                 self.inbox.fail(e)
+        finally:
+            self.cpu_seconds = time.thread_time()  # this thread's alone: it runs nothing but the loop
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:

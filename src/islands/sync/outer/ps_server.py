@@ -95,6 +95,7 @@ class ServerState:
         self.version = 0
         self.window: list[tuple[Contribution, int]] = []  # (contribution, its staleness at arrival)
         self.counts = {"pushes": 0, "refused": 0, "steps": 0, "samples": 0.0, "samples_refused": 0.0}
+        self.window_bytes_peak = 0  # the open window's deltas at their largest (the server report's memory)
 
     @property
     def numel(self) -> int:
@@ -118,6 +119,8 @@ class ServerState:
             return Ack(False, self.version, s)
         self.counts["samples"] += float(c.samples)
         self.window.append((c, s))
+        held = sum(d.delta.numel() * d.delta.element_size() for d, _ in self.window)
+        self.window_bytes_peak = max(self.window_bytes_peak, held)
         stepped = self.settle(self.quorum if active is None else active)
         return Ack(True, self.version, s, stepped=stepped)
 
@@ -162,6 +165,19 @@ class ServerState:
         total = self.counts["samples"] + self.counts["samples_refused"]
         return self.counts["samples"] / total if total else 1.0
 
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes of the state's tensors: the global model, the outer optimizer state now (allocated at the first step
+        and never freed, so now is its largest) and the open window at its largest; `total` is their sum, what the
+        server holds at the window's peak (the copies a pull answers with come and go and are not counted)."""
+        model = sum(p.numel() * p.element_size() for p in self.params)
+        optimizer = sum(_tensor_bytes(rule.state_dict()) for rule in self.rules)
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "window_peak": self.window_bytes_peak,
+            "total": model + optimizer + self.window_bytes_peak,
+        }
+
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
@@ -195,3 +211,14 @@ class ServerState:
         self.counts = dict(state["counts"])
         if "aggregator" in state and isinstance(self.aggregator, Stateful):
             self.aggregator.load_state_dict(state["aggregator"])
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of every tensor in a state_dict-like tree of dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +51,14 @@ from islands.runtime.payload_auth import PayloadTags
 from islands.sync.outer.flat import fragment_bounds
 from islands.sync.outer.outer_opt import OuterOptimizer
 from islands.sync.outer.ps_journal import COMMIT_EVERY, DurableShard, Journal
+from islands.sync.outer.ps_report import (
+    REPORT,
+    collect,
+    process_usage,
+    report_key,
+    server_numbers,
+    write_collected,
+)
 from islands.sync.outer.ps_server import Contribution, ServerState, check_server_options
 from islands.sync.outer.ps_wire import (
     DONE,
@@ -196,10 +205,13 @@ class ShardServer:
         self.gen = 0
         self.done = threading.Event()
         self.pairs: list[Pair] = []  # open connections, torn down when the server leaves
+        self.startup = {"cpu_seconds": 0.0, "max_rss_bytes": 0}  # its usage once it served: interpreter, imports,
+        # the journal's rebuild (what the report's numbers hold besides serving)
 
     def run(self) -> None:
         self.durable.open()  # the rebuild: the committed state plus the acknowledged pushes since
         self.gen = int(self.store.add(f"gen/{self.shard}", 1))
+        self.startup = process_usage()
         threading.Thread(target=self._accept, name="islands-ps-accept", daemon=True).start()
         try:
             while not self.done.is_set():
@@ -209,12 +221,33 @@ class ShardServer:
                         self.durable.settle(self.members.live())
                     if self.store.check(["stop"]) and self.members.settled():
                         self.done.set()
+                    self.publish(final=False)  # what a kill leaves of this process's numbers
                 self.done.wait(self.config.lease_s / 4)
         finally:
             with self.lock:
                 self.durable.close()
                 for pair in self.pairs:
                     pair.close()
+                self.publish(final=True)
+
+    def publish(self, final: bool) -> None:
+        """This process's report (ps_report.py) in the store, for the supervisor to collect; the final one also
+        measures the state's tensors. Under the lock."""
+        report = {
+            "shard": self.shard,
+            "gen": self.gen,
+            "pid": os.getpid(),
+            "final": final,
+            "parameters": list(self.config.bounds[self.shard]),
+            "startup_cpu_seconds": self.startup["cpu_seconds"],
+            "startup_max_rss_bytes": self.startup["max_rss_bytes"],
+            **process_usage(),
+            **server_numbers(self.durable.state, self.durable.duplicates, memory=final),
+        }
+        try:
+            self.store.set(report_key(self.shard, self.gen), json.dumps(report))
+        except RuntimeError:  # the store is gone (the supervisor was killed): nobody is left to read it
+            pass
 
     def _accept(self) -> None:
         seen = 0
@@ -341,6 +374,7 @@ class Supervisor:
         self.beats: list[tuple[int, float, bool]] = [(0, 0.0, False)] * self.config.servers  # count, since, moved
         self.thread: threading.Thread | None = None
         self.stopped = threading.Event()
+        (self.dir / REPORT).unlink(missing_ok=True)  # an earlier job's on the same directory is not this one's
         tmp = self.dir / (ADDRESS + ".tmp")
         tmp.write_text(f"{self.host}:{self.port}\n")
         os.replace(tmp, self.dir / ADDRESS)
@@ -393,7 +427,17 @@ class Supervisor:
                 if proc is not None and proc.poll() is None:
                     proc.kill()
                     proc.wait()
+            self.write_report()
             self.stopped.set()
+
+    def write_report(self) -> None:
+        """Its servers' reports and its restarts, into DIR/report.json for island 0 (ps_report.py); the servers are
+        gone by now, so each one's last report is in the store."""
+        try:
+            stop = self.store.get("stop").decode() if self.store.check(["stop"]) else None
+            write_collected(self.dir, collect(self.store, self.config.servers, self.restarts, stop))
+        except (RuntimeError, OSError) as e:  # the island reads no file and says the report is missing
+            print(f"islands-ps supervisor: no server report written: {e}", file=sys.stderr)
 
     def _frozen(self, shard: int) -> bool:
         count = int(self.store.add(f"sbeat/{shard}", 0))

@@ -1,0 +1,196 @@
+"""What the parameter server's servers did (issue #36), measured where they ran, for the job's run record: run.json's
+`parameter_server` section (ParameterServer.run_report, through sync/base.py's `Reports`).
+
+Per server: the CPU seconds it spent, its peak memory, the pushes it received, applied, refused as stale and answered
+as duplicates, the windows it stepped (outer steps), goodput (accepted samples / pushed samples) and, in process mode,
+the supervisor's restarts of it.
+
+    thread mode (servers=0)     thread_report(loop_state, loop_cpu_seconds): the loop thread's own CPU
+                                (time.thread_time inside it); memory: the server state's tensors (no process of its own
+                                to measure)
+    process mode (servers=S)    each shard server publishes its numbers (server_numbers + process_usage) in the
+                                service's store under report/<shard>/<generation> at every heartbeat and once more
+                                when it leaves (final); the supervisor, when its servers are gone, collects them with
+                                its restarts into DIR/report.json (collect, write_collected); island 0 reads that file
+                                after the supervisor exits (read_collected) and sums each shard's processes
+                                (process_report)
+
+A process killed before its final report keeps the numbers of its last heartbeat, and a report that never came says
+so (`complete` false, `missing`): nothing is filled in with zeros.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+from islands.sync.outer.ps_server import ServerState
+
+REPORT = "report.json"  # the supervisor's collection, in the service's directory
+MEMORY_RSS = "max_rss"  # a server process's peak resident set (getrusage)
+MEMORY_STATE = "state_tensors"  # the server state's tensors (ServerState.tensor_bytes: model, optimizer, window)
+DEFINITION = (
+    "per server: cpu_seconds (thread mode: the server loop thread's CPU, time.thread_time, the receiving thread's "
+    "gloo receives not included; process mode: each server process's own CPU, user + system, summed over the "
+    "processes a restarted shard had; startup_cpu_seconds of it before serving: interpreter, imports, journal "
+    "rebuild), peak_memory_bytes (peak_memory says what: max_rss = the process's peak resident set, the largest of "
+    "the shard's processes, startup_max_rss_bytes its peak before serving; state_tensors = the bytes of the server "
+    "state's tensors: global model, outer optimizer state, open window at its largest), pushes_received = "
+    "pushes_applied + pushes_refused (stale), duplicates (resends answered without applying them; thread mode never "
+    "resends), windows_stepped (outer steps), goodput (accepted samples / pushed samples), restarts (process mode: "
+    "the supervisor's)"
+)
+
+
+def process_usage() -> dict:
+    """This process's CPU seconds so far (user + system) and its peak resident set in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "cpu_seconds": time.process_time(),
+        "max_rss_bytes": int(peak if sys.platform == "darwin" else peak * 1024),  # Linux counts KiB, macOS bytes
+    }
+
+
+def server_numbers(state: ServerState, duplicates: int, memory: bool = True) -> dict:
+    """A server state's counts as the report words them; `memory`: with its tensors' bytes (clones the outer
+    optimizer's state once, so not at every heartbeat)."""
+    c = state.counts
+    numbers: dict = {
+        "pushes_received": int(c["pushes"]),
+        "pushes_applied": int(c["pushes"] - c["refused"]),
+        "pushes_refused": int(c["refused"]),
+        "duplicates": int(duplicates),
+        "windows_stepped": int(c["steps"]),
+        "samples_accepted": float(c["samples"]),
+        "samples_refused": float(c["samples_refused"]),
+        "goodput": state.goodput(),
+    }
+    if memory:
+        numbers["state_bytes"] = state.tensor_bytes()
+    return numbers
+
+
+def thread_report(state: ServerState, cpu_seconds: float | None) -> dict:
+    """The run record's section for the thread mode's one server (`cpu_seconds` None: the loop has not ended)."""
+    numbers = server_numbers(state, duplicates=0)
+    server = {
+        "shard": 0,
+        "parameters": [0, state.numel],
+        "cpu_seconds": cpu_seconds,
+        "peak_memory_bytes": numbers["state_bytes"]["total"],
+        "peak_memory": MEMORY_STATE,
+        **numbers,
+    }
+    missing = None if cpu_seconds is not None else "the server loop had not ended: no CPU time"
+    return _section("thread", [server], missing)
+
+
+# ---- process mode -------------------------------------------------------------------------------------------
+def report_key(shard: int, gen: int) -> str:
+    return f"report/{shard}/{gen}"
+
+
+def collect(store, servers: int, restarts: list[int], stop: str | None) -> dict:
+    """Every shard's process reports the store holds (one per generation that announced itself), with the
+    supervisor's restarts per shard, why the service stopped and the supervisor's own usage."""
+    shards = []
+    for shard in range(servers):
+        gens = int(store.add(f"gen/{shard}", 0))
+        processes, absent = [], []
+        for gen in range(1, gens + 1):
+            key = report_key(shard, gen)
+            if store.check([key]):
+                processes.append(json.loads(store.get(key)))
+            else:
+                absent.append(gen)
+        shards.append({"shard": shard, "restarts": restarts[shard], "processes": processes, "absent": absent})
+    return {"shards": shards, "stop": stop, "supervisor": process_usage()}
+
+
+def write_collected(directory: str | os.PathLike, collected: dict) -> None:
+    d = Path(directory)
+    tmp = d / (REPORT + ".tmp")
+    tmp.write_text(json.dumps(collected))
+    os.replace(tmp, d / REPORT)
+
+
+def read_collected(directory: str | os.PathLike) -> dict | None:
+    path = Path(directory) / REPORT
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def process_report(collected: dict | None, why_missing: str | None = None) -> dict:
+    """The run record's section from the supervisor's collection (None: it wrote none, `why_missing` says why).
+    Per shard: CPU summed over its processes, peak memory the largest, counts from its latest process (they
+    carry over a restart: the journal rebuilds them), duplicates summed (each process counts its own)."""
+    if collected is None:
+        return _section("processes", [], why_missing or "the supervisor left no report")
+    servers: list[dict] = []
+    gaps: list[str] = []
+    for shard in collected["shards"]:
+        servers.append(_shard(shard, gaps))
+    section = _section("processes", servers, "; ".join(gaps) or None)
+    section["stop"] = collected.get("stop")
+    section["supervisor"] = collected.get("supervisor")
+    return section
+
+
+def _shard(shard: dict, gaps: list[str]) -> dict:
+    k, processes = shard["shard"], sorted(shard["processes"], key=lambda p: p["gen"])
+    for gen in shard["absent"]:
+        gaps.append(f"shard {k}'s process of generation {gen} published no report")
+    unfinished = [p for p in processes if not p["final"]]
+    for p in unfinished:
+        gaps.append(
+            f"shard {k}'s process {p['pid']} (generation {p['gen']}) ended without its final report: the numbers "
+            "of its last heartbeat"
+        )
+    row: dict = {"shard": k, "restarts": shard["restarts"], "complete": not shard["absent"] and not unfinished}
+    if not processes:
+        gaps.append(f"no report from shard {k}")
+        return {**row, "cpu_seconds": None, "peak_memory_bytes": None, "peak_memory": MEMORY_RSS, "processes": []}
+    last = processes[-1]
+    counts = {key: last[key] for key in _COUNTS}
+    return {
+        **row,
+        "parameters": last["parameters"],
+        "cpu_seconds": sum(p["cpu_seconds"] for p in processes),
+        "startup_cpu_seconds": sum(p["startup_cpu_seconds"] for p in processes),
+        "peak_memory_bytes": max(p["max_rss_bytes"] for p in processes),
+        "startup_max_rss_bytes": max(p["startup_max_rss_bytes"] for p in processes),
+        "peak_memory": MEMORY_RSS,
+        **counts,
+        "duplicates": sum(p["duplicates"] for p in processes),
+        **({"state_bytes": last["state_bytes"]} if "state_bytes" in last else {}),
+        "processes": [
+            {key: p[key] for key in ("gen", "pid", "final", "cpu_seconds", "max_rss_bytes")} for p in processes
+        ],
+    }
+
+
+_COUNTS = (
+    "pushes_received",
+    "pushes_applied",
+    "pushes_refused",
+    "windows_stepped",
+    "samples_accepted",
+    "samples_refused",
+    "goodput",
+)
+
+
+def _section(mode: str, servers: list[dict], missing: str | None) -> dict:
+    cpu = [s["cpu_seconds"] for s in servers]
+    return {
+        "mode": mode,
+        "complete": missing is None and bool(servers),
+        "missing": missing,
+        "servers": servers,
+        "cpu_seconds": sum(cpu) if servers and None not in cpu else None,
+        "restarts": sum(s["restarts"] for s in servers) if mode == "processes" else None,
+        "definition": DEFINITION,
+    }
