@@ -483,12 +483,14 @@ class ParameterServer(OuterStrategy):
         elastic job every island asks (the one that started it may have died), and only that one waits."""
         if self.launched is not None or self.elastic is not None:
             link.store.set("stop", "done")
+        # the heartbeat stops first: its thread would otherwise hit the store as the supervisor closes it (torch
+        # logs a C++ stack for that); this island has its final answer, nobody waits for its beats any more
+        link.close()
         if self.launched is not None:
             try:
                 self.launched.wait(timeout=link.timeout_s)
             except subprocess.TimeoutExpired:  # it would stop on its own (orphan timer); no need to wait for that
                 self.launched.kill()
-        link.close()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
