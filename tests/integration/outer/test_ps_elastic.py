@@ -1,9 +1,10 @@
 """The parameter server in an elastic job (issue #36; docs/parameter-server.md, "Elastic jobs"): `islands train
---elastic --max-restarts 1 --outer ps:inner_steps=4,servers=1`, 2 islands of one worker on digits. Island 1 is
-SIGKILLed mid-round; the launcher restarts it, the restarted island reads the service's address from the job's
-store, pulls the global model from the server and starts at its predecessor's last acknowledged step; the job ends
-0 with both survivors on the server's final model, and the server's version counts every acknowledged push of all
-three island processes, the killed one's included.
+--elastic --max-restarts 1 --outer ps:inner_steps=4,servers=1`, 2 islands of one worker on digits. Island 0, the
+one that started the server's supervisor, is SIGKILLed mid-round; the service lives on (its own session), the
+launcher restarts the island, which reads the service's address from the job's store, pulls the global model from
+the server and starts at its predecessor's last acknowledged step; the job ends 0 with both survivors on the
+server's final model, and the server's version counts every acknowledged push of all three island processes, the
+killed one's included.
 
 Processes, not threads: what is tested is the elastic runtime's launcher, restart and store, and a SIGKILL of a
 whole island process while the server processes live on."""
@@ -14,6 +15,7 @@ import io
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,6 +30,13 @@ from islands.runtime.elastic.membership import observe
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
 H = 4
+
+
+def _names(directory: Path, address: str) -> bool:
+    try:
+        return (directory / "address").read_text().strip() == address
+    except OSError:
+        return False
 
 
 def _events(record: dict, kind: str) -> list[dict]:
@@ -51,16 +60,19 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
             store = observe(address, (run_dir / "token").read_text().strip())
 
             def pushed(n):
-                return store.check(["ps/clock/1"]) and json.loads(store.get("ps/clock/1"))["pushes"] >= n
+                return store.check(["ps/clock/0"]) and json.loads(store.get("ps/clock/0"))["pushes"] >= n
 
-            wait(lambda: pushed(2), "island 1's second acknowledged push")
-            hold.write_text("")  # every island stops at its next forward: island 1 is mid-round, not mid-push
-            victim = workers[1].proc.pid
-            wait(lambda: Path(f"{hold}.{victim}").exists(), "island 1 at the gate")
-            seen["killed"] = json.loads(store.get("ps/clock/1"))
+            wait(lambda: pushed(2), "island 0's second acknowledged push")
+            hold.write_text("")  # every island stops at its next forward: island 0 is mid-round, not mid-push
+            # the service's directory (a temporary one island 0 made): the one whose address file names its store
+            where = store.get("ps/address").decode()
+            seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]
+            victim = workers[0].proc.pid
+            wait(lambda: Path(f"{hold}.{victim}").exists(), "island 0 at the gate")
+            seen["killed"] = json.loads(store.get("ps/clock/0"))
             os.kill(victim, signal.SIGKILL)
-            # island 0 waits until the restarted island has pulled the model (it would finish alone otherwise)
-            wait(lambda: store.check(["ps/island/w1.1"]), "the restarted island's pull")
+            # island 1 waits until the restarted island has pulled the model (it would finish alone otherwise)
+            wait(lambda: store.check(["ps/island/w0.1"]), "the restarted island's pull")
         except BaseException as e:  # noqa: BLE001 - surfaced after the job
             errors.append(e)
         finally:
@@ -73,31 +85,33 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
     log = out.getvalue()
     assert not errors, errors
     assert code == 0, log
-    assert "restarting island 1 (restart 1 of 1) as w1.1" in log, log
+    assert "restarting island 0 (restart 1 of 1) as w0.1" in log, log
     recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
-    assert set(recs) == {"w0", "w1.1"}, log  # the killed island wrote nothing
+    assert set(recs) == {"w1", "w0.1"}, log  # the killed island wrote nothing
     # both survivors hold the server's final model, bit for bit
-    assert recs["w0"]["global_sha256"] == recs["w1.1"]["global_sha256"]
+    assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"]
     # the restarted island entered through the service: at its predecessor's last acknowledged step, no transfer
-    (entered,) = _events(recs["w1.1"], "entered")[:1]
+    (entered,) = _events(recs["w0.1"], "entered")[:1]
     assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
-    assert recs["w1.1"]["data_shard"] == [1, 2]  # island 1's data, as its predecessor
+    assert recs["w0.1"]["data_shard"] == [0, 2]  # island 0's data, as its predecessor
     # nothing acknowledged was lost: with quorum 1 each applied push is one version, and the final version counts
-    # the pushes of w0, of the killed w1 (read at the kill) and of w1.1
+    # the pushes of w1, of the killed w0 (read at the kill) and of w0.1
     ends = {n: _events(r, "served_end")[0] for n, r in recs.items()}
     assert all(e["final"] for e in ends.values()), ends
-    assert ends["w0"]["version"] == ends["w1.1"]["version"], ends
-    applied = ends["w0"]["pushes"] + ends["w1.1"]["pushes"] + seen["killed"]["pushes"]
-    assert ends["w0"]["version"] == applied, (ends, seen)
-    assert len({ends["w0"]["island"], ends["w1.1"]["island"], seen["killed"]["island"]}) == 3  # a new island each
-    # w1.1 trained the steps its predecessor had not pushed: 40 - the killed island's step, in rounds of H
-    assert ends["w1.1"]["pushes"] + ends["w1.1"]["refused"] == -(-(40 - entered["step"]) // H)
+    assert ends["w1"]["version"] == ends["w0.1"]["version"], ends
+    applied = ends["w1"]["pushes"] + ends["w0.1"]["pushes"] + seen["killed"]["pushes"]
+    assert ends["w1"]["version"] == applied, (ends, seen)
+    assert len({ends["w1"]["island"], ends["w0.1"]["island"], seen["killed"]["island"]}) == 3  # a new island each
+    # w0.1 trained the steps its predecessor had not pushed: 40 - the killed island's step, in rounds of H
+    assert ends["w0.1"]["pushes"] + ends["w0.1"]["refused"] == -(-(40 - entered["step"]) // H)
     # the members put the restarted island into the job's last epoch at the end, not at a round boundary
-    (join,) = _events(recs["w0"], "join")
-    assert join["via"] == "end" and join["joined"] == ["w1.1"] and join["size"] == 2
+    (join,) = _events(recs["w1"], "join")
+    assert join["via"] == "end" and join["joined"] == ["w0.1"] and join["size"] == 2
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 40
     deadline = time.monotonic() + 30
     while _service_processes() - before:  # the supervisor and its server end with the job
         assert time.monotonic() < deadline, _service_processes() - before
         time.sleep(0.1)
+    # the island that made the service's temporary directory was killed: the supervisor removed it as it ended
+    assert len(seen["dir"]) == 1 and not seen["dir"][0].exists(), seen["dir"]

@@ -44,6 +44,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -72,6 +73,7 @@ from islands.sync.outer.ps_link import (
     ServerLoop,
     VirtualClock,
 )
+from islands.sync.outer.ps_process import SCRATCH
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_server import ServerState, check_server_options
 from islands.sync.outer.ps_service import ServiceConfig, launch
@@ -384,8 +386,11 @@ class ParameterServer(OuterStrategy):
     def start_service(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
         """Write the configuration and start the supervisor (a process of its own session: it outlives us)."""
         directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
-        self.launched, address = launch(config.save(directory))
-        self.scratch = None if service.directory else directory  # removed at the end
+        self.scratch = None if service.directory else directory  # removed at the end, by us or the supervisor
+        config.save(directory)
+        if self.scratch is not None:
+            (Path(directory) / SCRATCH).touch()
+        self.launched, address = launch(directory)
         return address
 
     def sealer(self) -> Sealer | None:
