@@ -232,8 +232,9 @@ def kill_job_processes(marker: str) -> None:
 
 
 # A task for `islands train --elastic` jobs: islands' digits task whose model waits, at every training forward,
-# while the file named by the task option "hold" exists. The test holds the members at work until a joiner or a
-# restarted worker is ready, instead of running thousands of steps; computation is unchanged, only time passes.
+# while the file named by the task option "hold" exists (and writes HOLD.<pid> once it waits there). The test
+# holds the members at work until a joiner or a restarted worker is ready, instead of running thousands of steps;
+# computation is unchanged, only time passes.
 # With the task option model=bn-cnn the model is a BatchNorm CNN of the test's own instead of islands' MLP (its
 # running statistics and num_batches_tracked are state every island must agree on bit for bit).
 GATED_DIGITS = r"""
@@ -247,7 +248,11 @@ class Gate(nn.Module):
         super().__init__()
         self.inner, self.hold = inner, hold
     def forward(self, x):
+        held = False
         while self.training and self.hold and os.path.exists(self.hold):
+            if not held:  # HOLD.<pid>: this worker waits at the gate (not mid-exchange)
+                held = True
+                open(f"{self.hold}.{os.getpid()}", "w").close()
             time.sleep(0.02)
         return self.inner(x)
 

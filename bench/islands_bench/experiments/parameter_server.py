@@ -18,22 +18,25 @@ Settings:
     (b) slow      3 islands on gloo loopback, island 1 2x and island 2 4x slower (world.slowdown; every step padded
                   to a floor above its real compute time, as heterogeneous does: on a shared 2-core host a process
                   that never sleeps gets less CPU than one that sleeps)
-    (c) churn     3 islands of an elastic job on gloo loopback; island 2 SIGKILLed every CHURN_EVERY rounds and
-                  restarted by the launcher (elastic.max_restarts); the ps arm runs only once ParameterServer runs
-                  in an elastic job (its elastic_refusal() is None); until then the row says why not
+    (c) churn     3 islands of an elastic job on gloo loopback; island 2 SIGKILLed every CHURN_EVERY of its rounds
+                  and restarted by the launcher (elastic.max_restarts); the ps arms run with their server as a
+                  process of its own (servers=1: thread mode is refused in elastic jobs), which outlives the kills;
+                  a restarted island pulls the global model from it and starts at its last acknowledged step
     (d) link20    2 islands on a 20 Mbit/s testbed link
 Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to
 target: rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or
 under it. Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms.
 Goodput: the share of computed samples that reach the global model: 1 for the synchronous arms without faults (every
 round is averaged); the server's accepted samples over all pushed ones for ps (its counts, from the run record's
-server report); under churn, 1 - the killed incarnations' uncommitted steps (those past their last round boundary)
-over all steps computed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory:
+server report); under churn, 1 - the killed incarnations' uncommitted steps (those past their last round boundary:
+for ps, its last acknowledged push) over all steps computed, for ps times the survivors' accepted pushes over all
+they pushed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory:
 measured where the server ran, from run.json's `parameter_server` report (docs/parameter-server.md, "What the
 servers report"): the thread mode's loop thread CPU (time.thread_time) and its state's tensors (global model, outer
 optimizer state, open window at its largest); a server process's own CPU and peak RSS. Only a run without that
 report falls back to the estimate (labelled in `server_source`): the state in the final checkpoint, and the bench
-process replaying the run's pushes through the server's state on one thread.
+process replaying the run's pushes through the server's state on one thread; an elastic ps job keeps no checkpoint
+(the server's journals are its state), so without a report its columns stay empty.
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
 utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
@@ -221,7 +224,9 @@ def server_cpu_seconds(numel: int, pushes: int, islands: int) -> float:
 # ---- (a), (b), (d) ---------------------------------------------------------------------------------------------
 
 
-def _arm_row(ctx, setting, arm, rec, target, numel, load) -> dict:
+def _arm_row(ctx, setting, arm, rec, target, numel, load, checkpointed: bool = True) -> dict:
+    """One arm's row; `checkpointed`: a ps arm without a server report may be estimated from its final checkpoint
+    (not in an elastic job, which keeps none)."""
     s = rec["summary"]
     row = {
         "setting": setting,
@@ -241,7 +246,7 @@ def _arm_row(ctx, setting, arm, rec, target, numel, load) -> dict:
         "load": load,
         "interconnect": rec["interconnect_line"],
     }
-    if arm in PS_ARMS:
+    if arm in PS_ARMS and (checkpointed or measured_server(rec) is not None):
         row.update(server_columns(rec, numel))
     return row
 
@@ -326,20 +331,44 @@ class _nothing:
 # ---- (c) churn ---------------------------------------------------------------------------------------------------
 
 
-def _killer(address: str, workers: list, run_dir: Path, every: int, log: dict, stop: threading.Event) -> None:
+class GroupRounds:
+    """Rounds the group has begun, from the job's store: round/<r>/join (the members begin round r's exchange)."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, store) -> int:
+        while store.check([f"round/{self.seen + 1}/join"]):
+            self.seen += 1
+        return self.seen
+
+
+class ServedRounds:
+    """Under ps (no group rounds): the rounds island VICTIM's data shard has pushed, from the job's store (ps/clock/
+    <shard>: the step of its last acknowledged push, continued by each restart; islands.sync.outer.ps_elastic)."""
+
+    def __init__(self, h: int):
+        self.h = h
+
+    def __call__(self, store) -> int:
+        key = f"ps/clock/{VICTIM}"
+        return json.loads(store.get(key))["step"] // self.h if store.check([key]) else 0
+
+
+def _killer(
+    address: str, workers: list, run_dir: Path, every: int, log: dict, stop: threading.Event, rounds=None
+) -> None:
     """SIGKILL island VICTIM's live incarnation once it has trained through `every` rounds (the launcher restarts
     it; `workers` grows with the restarts): a kill before a restarted island trains again would only repeat one
-    outage. Rounds are read from the job's store (round/<r>/join: the group begins round r's exchange)."""
+    outage. `rounds(store)`: the rounds begun so far (GroupRounds, the default, or ServedRounds under ps)."""
     from islands.control import observe_job
 
     store = observe_job(address, log["token"])
-    seen = 0  # rounds begun so far
+    rounds = rounds if rounds is not None else GroupRounds()
     kill_at: int | None = every  # the round at which to kill (None: wait until a restarted incarnation trains)
     while not stop.is_set():
         try:
-            if store.check([f"round/{seen + 1}/join"]):
-                seen += 1
-                continue
+            seen = rounds(store)
         except (RuntimeError, OSError):  # the job ended and its store with it (DistNetworkError is a RuntimeError)
             return
         live = [w for w in workers if getattr(w, "island", None) == VICTIM and w.proc.poll() is None]
@@ -362,13 +391,10 @@ def _read(path: Path) -> str:
 
 def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[list[dict], dict[str, str]]:
     """(c): the arms of an elastic job with island 2 killed every CHURN_EVERY rounds, each that islands runs
-    elastic. Returns the rows and, per arm not run, why (islands' refusal)."""
-    from islands.outer import ParameterServer
-
+    elastic (the ps arms with servers=1). Returns the rows and, per arm not run, why (islands' refusal)."""
     h, steps = t["h"], LONGER * t["ddp_steps"]
     if ctx.smoke:
         steps = ctx.smoke_steps
-    why_not_ps = ParameterServer(inner_steps=h).elastic_refusal()
     base = dict(
         task=t["task"],
         workers=3,
@@ -388,7 +414,9 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
     )
     rows, not_run = [], {}
     for arm, spec in arms(h, base["islands"]):
-        why = why_not_ps if arm in PS_ARMS else _refused(ctx, dict(base, outer=spec))
+        served = arm in PS_ARMS
+        spec = f"{spec},servers=1" if served else spec  # thread mode is refused in elastic jobs
+        why = _refused(ctx, dict(base, outer=spec))
         if why:
             not_run[arm] = why
             continue
@@ -397,18 +425,22 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
         stop = threading.Event()
         run_dir = ctx.out_dir / "runs" / label
 
-        def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir):
+        def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir, served=served):
             log["token"] = os.environ["ISLANDS_TOKEN"]
-            args = (address, workers, run_dir, CHURN_EVERY, log, stop)
+            args = (address, workers, run_dir, CHURN_EVERY, log, stop, ServedRounds(h) if served else None)
             threading.Thread(target=_killer, args=args, daemon=True).start()
 
         load0 = os.getloadavg()[0]
         try:
-            rec = ctx.train_elastic(label, on_started=started, outer=spec, **base, **_ps_extra(arm, run_dir, steps))
+            rec = ctx.train_elastic(label, on_started=started, outer=spec, **base)
         finally:
             stop.set()
-        row = _arm_row(ctx, "churn", arm, rec, target, numel, max(load0, os.getloadavg()[0]))
-        row["goodput"] = churn_goodput(run_dir, h) if arm not in PS_ARMS else row["goodput"]
+        row = _arm_row(ctx, "churn", arm, rec, target, numel, max(load0, os.getloadavg()[0]), checkpointed=False)
+        row["goodput"] = churn_goodput(run_dir, h)
+        row["kills"] = len(log["kills"])
+        if served:
+            pushes, refused = served_counts(run_dir)
+            row.update(refused=refused, goodput=row["goodput"] * pushes / max(pushes + refused, 1))
         # the launcher's own record of the island's restarts: one per kill (nothing else stops it)
         row["restarts"] = len(json.loads((run_dir / "elastic" / "restarts.json").read_text())["restarts"])
         row["_series"] = rec["series"]["val"]
@@ -425,6 +457,19 @@ def _refused(ctx: BenchContext, overrides: dict) -> str | None:
     except ConfigError as e:
         return str(e).strip().splitlines()[-1]
     return None
+
+
+def served_counts(run_dir: Path) -> tuple[int, int]:
+    """An elastic ps job's surviving islands' pushes the server applied and refused (their served_end events in
+    RUN_DIR/elastic/NAME.json; killed incarnations write none)."""
+    pushes = refused = 0
+    for path in sorted((run_dir / "elastic").glob("*.json")):
+        if path.stem == "restarts":
+            continue
+        for event in json.loads(path.read_text())["final"]["events"]:
+            if event["type"] == "served_end":
+                pushes, refused = pushes + int(event["pushes"]), refused + int(event["refused"])
+    return pushes, refused
 
 
 def churn_goodput(run_dir: Path, h: int) -> float:

@@ -38,6 +38,7 @@ from islands.parallel.pipeline.hf_pieces import causal_lm_pieces, is_causal_lm, 
 from islands.parallel.pipeline.schedule import SCHEDULES
 from islands.parallel.pipeline.strategy import parse_microbatches
 from islands.runtime.compiled import Compile, check_backend
+from islands.runtime.contracts import ServedParticipant
 from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch.ranks import LaunchError, load_testbed
 from islands.runtime.world import World
@@ -602,9 +603,20 @@ def elastic(cfg: JobConfig) -> str | None:
                 "is not supported there yet (robust aggregation and attacks plan by global rank, which changes "
                 "with membership); leave it out"
             )
-    refusal = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup).elastic_refusal()  # the strategy's own rule
+    outer = make_outer(cfg.outer.strategy, warmup=cfg.train.warmup)
+    refusal = outer.elastic_refusal()  # the strategy's own rule
     if refusal:
         return f"outer.strategy: {refusal}"
+    if isinstance(outer, ServedParticipant) and k > 1:
+        return f"outer.strategy: {outer.name} runs one worker per island for now; this job's islands have {k} workers"
+    if isinstance(outer, ServedParticipant) and (
+        cfg.checkpoint.every or cfg.checkpoint.policy or cfg.checkpoint.memory_every or cfg.checkpoint.remote_every
+    ):
+        return (
+            f"checkpoint: an elastic {outer.name} job keeps its state in the server processes' journals; its own "
+            "checkpoints are not supported yet (islands are not in step, and a joiner holds no epoch rank until "
+            "the end): leave checkpoint.every at 0"
+        )
     if _communicates(cfg):
         return (
             f"train.optimizer={_optimizer_text(cfg)!r} communicates inside an island; elastic mode has one worker "

@@ -17,8 +17,12 @@ An elastic World's `membership` (epochs and admission; None in a fixed world) is
 strategy the loop drives `claim`s it first thing in its wrap (the `Holder`: it serves and receives the state a
 joiner needs), and the outer strategy, whichever object wraps it, hands it the `ElasticParticipant` that counts
 rounds, finishes the exchanges in flight before a join (`settle`) and restarts a joiner's local model
-(`joined`): the runtime never looks for these hooks by name, nor walks a strategy's parts. The runtime does not
-import the strategies (tests/unit/project/test_layering.py); they satisfy these protocols structurally.
+(`joined`): the runtime never looks for these hooks by name, nor walks a strategy's parts. A participant whose
+islands share no collective while they train (the parameter server with servers of its own) is also a
+`ServedParticipant`: a joiner takes its model from that service and starts at the step it names, the members never
+stop at a round boundary to admit it, and the membership (a `ServedEnd`) puts it into an epoch at the job's end.
+The runtime does not import the strategies (tests/unit/project/test_layering.py); they satisfy these protocols
+structurally.
 """
 
 from __future__ import annotations
@@ -95,6 +99,29 @@ class ElasticParticipant(Protocol):
     def settle(self) -> None: ...
 
     def joined(self) -> None: ...
+
+
+@runtime_checkable
+class ServedParticipant(ElasticParticipant, Protocol):
+    """An ElasticParticipant whose islands train without any collective between them: a service of its own (the
+    parameter server's processes) holds the global model. A joiner has taken the model from it by the end of its
+    wrap and starts at `entry_step()` (the step its data shard's last island had reached), not at the members'
+    step with their state; the members admit nobody at round boundaries (each island's rounds are its own, so a
+    boundary every member reaches together does not exist) and the joiners enter an epoch only at the job's end
+    (ServedEnd), where the end-of-run bookkeeping needs one."""
+
+    def entry_step(self) -> int: ...
+
+
+@runtime_checkable
+class ServedEnd(Protocol):
+    """The job's end as a membership runs it for a ServedParticipant (islands.runtime.elastic.Membership):
+    `end_served(final)` runs `final` (the service's own end: it returns once every island that is still training
+    is done, with facts for the membership's events: the final version, this island's pushes), then puts the
+    joiners that finished into one last epoch with the members, with no state transfer (every island ends on the
+    service's final model); a joiner waits there to be put in."""
+
+    def end_served(self, final: Callable[[], dict]) -> None: ...
 
 
 @runtime_checkable

@@ -122,3 +122,25 @@ def test_an_elastic_warm_start_asks_the_strategy_it_wraps():
     )
     with pytest.raises(ConfigError, match="overlap=delayed is not supported in an elastic job"):
         validate(bad)
+
+
+def test_an_elastic_ps_job_needs_server_processes_one_worker_islands_and_no_checkpoints_of_its_own():
+    """ps runs in an elastic job with servers=S (its server as processes of their own, which outlive any island);
+    the thread mode is refused by the strategy itself, naming servers=S, on the CLI path and the library path."""
+    from islands.sync.outer.ps import parameter_server
+
+    why = parameter_server(4).elastic_refusal()
+    assert why is not None and "servers=S" in why and "thread of rank 0" in why
+    assert parameter_server(4, servers=1).elastic_refusal() is None
+    assert problems(from_mapping(dict(ELASTIC, outer="ps:inner_steps=4"))) == [f"outer.strategy: {why}"]
+    world = types.SimpleNamespace(
+        membership=None, distributed=True, comm=lambda name: types.SimpleNamespace(elastic=True, size=3)
+    )
+    with pytest.raises(ValueError) as raised:
+        parameter_server(4).wrap(torch.nn.Linear(2, 2), None, world)
+    assert str(raised.value) == why
+    assert validate(from_mapping(dict(ELASTIC, outer="ps:inner_steps=4,servers=1"))).elastic.enabled
+    (found,) = problems(from_mapping(dict(ELASTIC, outer="ps:inner_steps=4,servers=1", ckpt_every=4)))
+    assert found.startswith("checkpoint: an elastic ps job keeps its state in the server processes' journals")
+    (found,) = problems(from_mapping(dict(ELASTIC, workers=6, global_batch=24, outer="ps:inner_steps=4,servers=1")))
+    assert found == "outer.strategy: ps runs one worker per island for now; this job's islands have 2 workers"

@@ -24,6 +24,8 @@ from islands.runtime.contracts import (
     ElasticParticipant,
     Holder,
     PointToPoint,
+    ServedEnd,
+    ServedParticipant,
 )
 from islands.runtime.elastic import ElasticComm, Membership
 from islands.runtime.elastic.island_comm import IslandComm, IslandFollower, IslandLeader, SlotComm
@@ -36,6 +38,7 @@ from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.easgd import EASGD
 from islands.sync.outer.gossip import Gossip
 from islands.sync.outer.local_sgd import LocalSGD
+from islands.sync.outer.ps import ParameterServer
 from islands.sync.outer.streaming_diloco import StreamingDiLoCo
 from islands.sync.outer.warm_start import WarmStart
 from islands.sync.sharded import FSDP
@@ -163,6 +166,16 @@ def test_elastic_memberships_satisfy_their_protocol(cls):
 def test_outer_strategies_are_elastic_participants_and_holders(cls):
     assert violations(cls, ElasticParticipant) == []
     assert violations(cls, Holder) == []
+
+
+def test_the_parameter_server_is_a_served_participant_and_leaders_run_a_served_end():
+    """ps's islands share no collective while they train: its joiners enter at its entry_step, and the membership a
+    leader holds runs the job's end (docs/parameter-server.md, "Elastic jobs"); no other outer strategy is served."""
+    assert violations(ParameterServer, ElasticParticipant) == [] and violations(ParameterServer, Holder) == []
+    assert violations(ParameterServer, ServedParticipant) == []
+    assert [c for c in PARTICIPANTS if not violations(c, ServedParticipant)] == []
+    for cls in (Membership, IslandLeader):
+        assert violations(cls, ServedEnd) == []
 
 
 def test_the_check_finds_a_missing_method_and_a_wrong_signature():

@@ -14,6 +14,12 @@ own checkpoint (saved after after_step) is already taken: only saves still in fl
 Exchanges in flight across steps (DiLoCo tau > 0, streaming DiLoCo): a join first lets them finish (`settle` on
 the outer part), so the new epoch never forms under an operation in flight, and the joiner receives their results
 with the strategy state (DiLoCo's `inflight`): it lands them at the same steps as the members.
+
+A ServedParticipant (contracts; the parameter server with servers of its own) has no round boundary the members
+reach together and no state to serve: its joiner has pulled the global model from the service in its wrap, so
+`enter` returns the step the participant names at once, without an epoch; `at_step` admits nobody; and at the
+job's end `end_served` runs the service's own end first, then the members put the joiners that finished into one
+last epoch (no transfer), which the end-of-run bookkeeping (the ledgers' gather) runs in.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from islands.runtime.contracts import ElasticParticipant
+from islands.runtime.contracts import ElasticParticipant, ServedParticipant
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.epochs import Epochs
 from islands.runtime.elastic.membership import (
@@ -127,6 +133,8 @@ class Membership:
         if epochs.epoch >= 0:
             self._last_round = counted_rounds(self.participant)
             return 0
+        if isinstance(self.participant, ServedParticipant):
+            return self._enter_served(self.participant, strategy, model)
         self.store.set(f"ready/{self.name}", str(time.time()))
         try:
             entry = json.loads(self._await_admission())
@@ -147,6 +155,24 @@ class Membership:
                 "time": time.time(),
                 "global_sha256": transfer.global_sha(strategy, model),
                 "transfer": transfer.transfers[-1] if transfer.transfers else {"via": "broadcast"},
+            }
+        )
+        return step
+
+    def _enter_served(self, participant: ServedParticipant, strategy, model) -> int:
+        """A joiner of a served job: it already holds the service's global model (its wrap pulled it); it trains
+        from the step the participant names, outside any epoch until the job's end (end_served)."""
+        step = participant.entry_step()
+        self._last_round = counted_rounds(participant)
+        self.epochs.events.append(
+            {
+                "type": "entered",
+                "via": "service",
+                "epoch": None,
+                "step": step,
+                "round": self._last_round,
+                "time": time.time(),
+                "global_sha256": self.transfer.global_sha(strategy, model),
             }
         )
         return step
@@ -178,7 +204,10 @@ class Membership:
 
     def at_step(self, strategy, model, step: int) -> None:
         """Called by the holding strategy at the start of each step's hooks (after backward), `step` being the
-        steps done: after a round boundary, admit the joiners that are ready."""
+        steps done: after a round boundary, admit the joiners that are ready. A served participant's rounds are each
+        island's own: its joiners enter at the job's end (end_served), never here."""
+        if isinstance(self.participant, ServedParticipant):
+            return
         rounds = counted_rounds(self.participant)
         if self._last_round is None:  # enter() was not called: the first boundary is the end of the first round
             self._last_round = rounds
@@ -199,19 +228,69 @@ class Membership:
         # failover seen late on an exchange thread) still admit alike.
         epochs = self.epochs
         failed_over, epochs.failed_over = epochs.failed_over, False
-        pending = (
-            []
-            if failed_over
-            else [
-                p
-                for p in get_json(self.store, "pending", [])
-                if p[1] not in epochs.names
-                and self.store.check([f"ready/{p[1]}"])
-                and not self.store.check([f"joinat/{p[1]}"])
-            ]
+        return self._agreed(f"round/{rounds}/join", [] if failed_over else self._ready())
+
+    def _ready(self) -> list[list]:
+        """Admitted joiners that are ready and not yet in an epoch."""
+        return [
+            p
+            for p in get_json(self.store, "pending", [])
+            if p[1] not in self.epochs.names
+            and self.store.check([f"ready/{p[1]}"])
+            and not self.store.check([f"joinat/{p[1]}"])
+        ]
+
+    def _agreed(self, key: str, mine: list[list]) -> list[list]:
+        """The first proposal stored under `key`: every member's verdict."""
+        self.store.compare_set(key, "", json.dumps(mine))
+        return json.loads(self.store.get(key))
+
+    def end_served(self, final: Callable[[], dict]) -> None:
+        """The job's end for a ServedParticipant (contracts.ServedEnd). A joiner marks itself ready before `final`
+        (the service answers every island's final only once each one still training is done, so when any member
+        proposes, every joiner that trained until the end is ready), then waits for its epoch; the members agree
+        on those joiners (store key end/join) and form the next epoch with them; no state travels: every island
+        holds the service's final model. What `final` returns (the service's facts of this island's end) is
+        recorded with a served_end event. A joiner nobody puts in (it came after the others' end) ends with
+        JobEnded once no member is alive."""
+        epochs = self.epochs
+        joining = epochs.epoch < 0
+        if joining:
+            self.store.set(f"ready/{self.name}", str(time.time()))
+        facts = final()
+        epochs.events.append({"type": "served_end", "time": time.time(), **facts})
+        if joining:
+            try:
+                entry = json.loads(self._await_admission())
+            except dist.DistNetworkError:
+                raise JobEnded("the job ended before this worker's island was put in its last epoch") from None
+            epochs.form(entry["epoch"], None)
+            epochs.events.append(
+                {"type": "entered", "via": "end", "epoch": epochs.epoch + epochs.epoch_base, "time": time.time()}
+            )
+            return
+        joiners = self._agreed("end/join", self._ready())
+        if not joiners:
+            return
+        for settle in self.before_join:  # saves in flight finish in the epoch they started in
+            settle()
+        asked, nxt = time.time(), epochs.epoch + 1
+        for j in joiners:
+            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(epochs.names)}))
+        epochs.abort()
+        epochs.form(nxt, sorted(epochs.members + joiners))
+        epochs.events.append(
+            {
+                "type": "join",
+                "via": "end",
+                "epoch": epochs.epoch + epochs.epoch_base,
+                "joined": [j[1] for j in joiners],
+                "size": epochs.size,
+                "detected": asked,
+                "resumed": time.time(),
+                "stall_seconds": time.time() - asked,
+            }
         )
-        self.store.compare_set(f"round/{rounds}/join", "", json.dumps(pending))
-        return json.loads(self.store.get(f"round/{rounds}/join"))
 
     def _admit(self, joiners: list[list], strategy, model, step: int, rounds: int) -> None:
         # exchanges still in flight (DiLoCo tau > 0, streaming) finish in the epoch they started in; their

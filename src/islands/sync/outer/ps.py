@@ -27,6 +27,12 @@ server holds parameters only).
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
 die without blocking the others (ps_service.py, ps_journal.py, ps_remote.py; docs/parameter-server.md).
+
+In an elastic job (`islands train --elastic`) ps runs in process mode only: the first epoch's rank 0 starts the
+service and writes its address in the job's authenticated store, where every other island, restarted or joining,
+reads it (ps_elastic.py); a joiner pulls the global model from the servers and starts at its data shard's last
+acknowledged step (contracts.ServedParticipant), and the elastic runtime makes no island wait for another until
+the job's end (docs/parameter-server.md, "Elastic jobs").
 """
 
 from __future__ import annotations
@@ -38,17 +44,20 @@ import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from islands.aggregate.base import Aggregator
+from islands.runtime.contracts import ServedEnd
 from islands.runtime.payload_auth import PayloadTags
 from islands.runtime.simulate import current_island
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.outer_opt import OuterOptimizer, OuterSGD
+from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_link import (
     DONE,
     PUSH,
@@ -64,6 +73,7 @@ from islands.sync.outer.ps_link import (
     ServerLoop,
     VirtualClock,
 )
+from islands.sync.outer.ps_process import SCRATCH
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected, thread_report
 from islands.sync.outer.ps_server import ServerState, check_server_options
@@ -238,6 +248,9 @@ class ParameterServer(OuterStrategy):
         self.loop: ServerLoop | None = None  # the server, on the island that hosts it
         self.link: LocalLink | GlooLink | RemoteLink | None = None
         self.report: dict | None = None  # process mode: the servers' report island 0 collected at the end
+        self.island = 0  # this island's number on the server: its cross rank, or in an elastic job its own (wrap)
+        self.elastic: ElasticService | None = None  # the job's store, in an elastic job (wrap)
+        self.end: ServedEnd | None = None  # the elastic membership that runs the job's end (wrap)
 
     # ---- wiring -------------------------------------------------------------------------------------
     def server_state(self, islands: int) -> ServerState:
@@ -251,14 +264,31 @@ class ParameterServer(OuterStrategy):
             aggregator=self.aggregator,
         )
 
+    def wrap(self, model, optimizer, world):
+        membership = world.membership
+        if membership is not None and self.service is not None:  # elastic, process mode (else refused in wrap)
+            if world.workers_per_island > 1:
+                raise ValueError(
+                    f"ps runs one worker per island for now; this elastic job's islands have "
+                    f"{world.workers_per_island} workers each"
+                )
+            if membership.new_client is None:
+                raise ValueError("ps in an elastic job needs a client of the job's store of its own (new_client)")
+            self.elastic = ElasticService(
+                membership.new_client(), membership.name, world.shard[0], self.service.timeout_s
+            )
+            self.end = membership if isinstance(membership, ServedEnd) else None
+        return super().wrap(model, optimizer, world)
+
     def setup(self) -> None:
+        if self.service is not None:
+            self.connect(self.service)
+            return
         islands, me = self.comm.size, self.comm.rank
+        self.island = me
         if isinstance(self.arrivals, VirtualClock) and len(self.arrivals.round_seconds) != islands:
             raise ValueError(f"VirtualClock gives {len(self.arrivals.round_seconds)} round times for {islands} islands")
         numel = self.global_flat.numel()
-        if self.service is not None:
-            self.connect(self.service, islands, me)
-            return
         if self.host is not None:
             inbox, loop, built = self.host.attach(
                 lambda inbox: ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
@@ -290,14 +320,15 @@ class ParameterServer(OuterStrategy):
         else:
             self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer())
 
-    def connect(self, service: ServerProcesses, islands: int, me: int) -> None:
+    def connect(self, service: ServerProcesses) -> None:
         """Process mode: island 0 starts the service (unless given its address), every island connects, pulls the
-        current global model (a joiner starts from it) and heartbeats."""
+        current global model (a joiner starts from it) and heartbeats. In an elastic job the address travels
+        through the job's store (elastic_address) and each island process takes a number of its own there."""
         tags = self.comm.tags if isinstance(self.comm, HasPayloadTags) else None
         config = ServiceConfig(
             self.global_flat,
             self.rule,
-            islands=islands,
+            islands=max(self.comm.size, 1),  # the first epoch's islands (a joiner, in no epoch yet, saves none)
             servers=service.servers,
             shards=self.shards,
             max_staleness=self.max_staleness,
@@ -310,6 +341,24 @@ class ParameterServer(OuterStrategy):
             key=None if tags is None else tags.key,
             domain=b"" if tags is None else tags.domain,
         )
+        if self.elastic is not None:
+            address = service.address or self.elastic_address(service, config)
+            self.island = self.elastic.take_island()
+        else:
+            self.island = self.comm.rank
+            address = self.fixed_address(service, config)
+        ledger = self.island_ledger()
+        link = RemoteLink(
+            address, self.island, config.bounds, service.timeout_s, service.lease_s, self.codec, tags, ledger
+        )
+        self.link = link.start()
+        self.adopt(link.send(Message(PULL, self.island)))
+        if self.elastic is not None:
+            self.elastic.pulled(self.island)
+
+    def fixed_address(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
+        """A fixed job: island 0 starts the service (unless given its address) and tells the others over gloo."""
+        islands, me = self.comm.size, self.comm.rank
         address = service.address
         if address is None and islands > 1 and (current_island() is not None or not dist.is_initialized()):
             raise ValueError(
@@ -318,19 +367,33 @@ class ParameterServer(OuterStrategy):
             )
         if address is None:
             if me == 0:
-                directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
-                self.launched, address = launch(config.save(directory))
-                self.scratch = None if service.directory else directory  # removed at the end
+                address = self.start_service(service, config)
             if islands > 1:  # the others learn where the store is from island 0
                 box = [address]
                 dist.broadcast_object_list(box, src=0, group=dist.new_group(backend="gloo"))
                 address = box[0]
         assert address is not None
-        link = RemoteLink(
-            address, me, config.bounds, service.timeout_s, service.lease_s, self.codec, tags, self.island_ledger()
-        )
-        self.link = link.start()
-        self.adopt(link.send(Message(PULL, me)))
+        return address
+
+    def elastic_address(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
+        """An elastic job: the first epoch's rank 0 starts the service and writes its address in the job's store;
+        every other island (a restarted or joining one too) reads it there. A joiner is in no epoch yet."""
+        assert self.elastic is not None
+        if self.comm.epoch is not None and self.comm.epoch >= 0 and self.comm.rank == 0:
+            address = self.start_service(service, config)
+            self.elastic.publish(address)
+            return address
+        return self.elastic.address()
+
+    def start_service(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
+        """Write the configuration and start the supervisor (a process of its own session: it outlives us)."""
+        directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
+        self.scratch = None if service.directory else directory  # removed at the end, by us or the supervisor
+        config.save(directory)
+        if self.scratch is not None:
+            (Path(directory) / SCRATCH).touch()
+        self.launched, address = launch(directory)
+        return address
 
     def sealer(self) -> Sealer | None:
         """Seals for the point-to-point messages where the job authenticates its payloads (outer.authenticate)."""
@@ -340,10 +403,21 @@ class ParameterServer(OuterStrategy):
         return getattr(self.comm, "ledger", None)
 
     def elastic_refusal(self) -> str | None:
-        return (
-            "ps does not run in an elastic job yet; with servers=S (server processes) islands may join, leave, "
-            "freeze or die without one: docs/parameter-server.md"
-        )
+        if self.service is None:
+            return (
+                "ps runs in an elastic job only with its server as processes of its own: add servers=S (S >= 1), "
+                "e.g. ps:inner_steps=50,servers=1; with servers=0 the server is a thread of rank 0, which churn "
+                "may kill with the global model (docs/parameter-server.md)"
+            )
+        return None
+
+    def entry_step(self) -> int:
+        """An elastic joiner (contracts.ServedParticipant): it pulled the global model in setup; it starts at the step
+        its data shard's last island had reached at its last acknowledged push, so its round starts there too."""
+        assert self.elastic is not None, "entry_step in an elastic job only"
+        step = self.elastic.start_step()
+        self.clock = self.synced_at = step
+        return step
 
     # ---- the hooks ----------------------------------------------------------------------------------
     def on_batch(self, batch, step):
@@ -363,11 +437,13 @@ class ParameterServer(OuterStrategy):
         remote = isinstance(self.link, RemoteLink)  # it encodes each server's range itself
         payload = self.codec.encode(delta) if self.codec is not None and not remote else delta
         samples = self.samples if self.samples > 0 else float(self.clock - self.synced_at)
-        reply = self.link.send(Message(PUSH, self.comm.rank, self.version, samples, payload))
+        reply = self.link.send(Message(PUSH, self.island, self.version, samples, payload))
         self.counts["pushes"] += 1
         self.counts["refused"] += int(not reply.ack.accepted)
         self.adopt(reply)
         self.rounds += 1
+        if self.elastic is not None:  # a restart of this island starts here: what it loses is its unpushed round
+            self.elastic.record(self.clock, self.island, self.accepted()["pushes"])
         return reply
 
     def adopt(self, reply: Reply) -> None:
@@ -380,21 +456,44 @@ class ParameterServer(OuterStrategy):
 
     def finish(self, model) -> None:
         """Push what is left of the last round, then DONE: answered with the final model once every island is
-        done (the job's one barrier); the hosting island then joins its server loop."""
+        done (the job's one barrier); the hosting island then joins its server loop. In an elastic job the
+        membership runs that end (end_served): joiners are ready before their DONE, and enter the job's last epoch
+        after the final answer."""
         if self.clock > self.synced_at:
             self.push()
-        assert self.link is not None, "finish before wrap"
-        self.adopt(self.link.send(Message(DONE, self.comm.rank)))
+        if self.end is not None:
+            self.end.end_served(self.final)
+        else:
+            self.final()
         if self.loop is not None:
             self.loop.join(timeout=60.0)
         if isinstance(self.link, RemoteLink):
             self.close_service(self.link)
 
+    def final(self) -> dict:
+        """DONE, answered with the final model once every island still training is done; returns what an elastic
+        membership records of this island's end (its served_end event)."""
+        assert self.link is not None, "finish before wrap"
+        self.adopt(self.link.send(Message(DONE, self.island)))
+        if self.elastic is not None:
+            self.elastic.finished()
+        final = self.link.final if isinstance(self.link, RemoteLink) else True
+        return {"island": self.island, "version": self.version, "final": final, **self.accepted()}
+
+    def accepted(self) -> dict:
+        """This island process's pushes: applied by the server (with quorum 1 each one a version) and refused."""
+        return {"pushes": self.counts["pushes"] - self.counts["refused"], "refused": self.counts["refused"]}
+
     def close_service(self, link: RemoteLink) -> None:
         """Process mode, at the end: the island that started the service asks it to stop (servers leave once every
-        island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout."""
-        if self.launched is not None:
+        island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout. In an
+        elastic job every island asks (the one that started it may have died), and only that one waits."""
+        if self.launched is not None or self.elastic is not None:
             link.store.set("stop", "done")
+        # the heartbeat stops first: its thread would otherwise hit the store as the supervisor closes it (torch
+        # logs a C++ stack for that); this island has its final answer, nobody waits for its beats any more
+        link.close()
+        if self.launched is not None:
             why = None
             try:
                 self.launched.wait(timeout=link.timeout_s)
@@ -405,7 +504,6 @@ class ParameterServer(OuterStrategy):
             directory = self.scratch or (self.service.directory if self.service is not None else None)
             collected = read_collected(directory) if why is None and directory is not None else None
             self.report = process_report(collected, why or "the supervisor exited without writing its report")
-        link.close()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 

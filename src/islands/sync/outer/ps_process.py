@@ -1,13 +1,22 @@
 """The parameter server's processes (issue #36): `python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT`
 runs one shard server, `... supervise DIR` the supervisor that hosts the store and restarts the servers
-(ps_service.py). A module of its own, so that running it does not load ps_service twice (islands imports it)."""
+(ps_service.py). A module of its own, so that running it does not load ps_service twice (islands imports it).
+A supervisor whose directory holds the file SCRATCH (a temporary directory the starting island made) removes the
+directory when it ends if that island is gone (in an elastic job it may have been killed, and nobody else knows the
+path); a living one waits for the supervisor, reads the servers' report from the directory (ps_report.py) and
+removes it itself."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 from islands.sync.outer.ps_service import Supervisor, serve
+
+SCRATCH = "scratch"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(args) == 2 and args[0] == "supervise":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        Supervisor(args[1]).run()
+        starter = os.getppid()  # the island that launched it (a process of its own session, not of its group)
+        try:
+            Supervisor(args[1]).run()
+        finally:
+            if (Path(args[1]) / SCRATCH).exists() and os.getppid() != starter:  # orphaned: the starter died
+                shutil.rmtree(args[1], ignore_errors=True)
         return 0
     print("usage: python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT | supervise DIR", file=sys.stderr)
     return 2

@@ -1,0 +1,117 @@
+"""The parameter server in an elastic job (issue #36; docs/parameter-server.md, "Elastic jobs"): `islands train
+--elastic --max-restarts 1 --outer ps:inner_steps=4,servers=1`, 2 islands of one worker on digits. Island 0, the
+one that started the server's supervisor, is SIGKILLed mid-round; the service lives on (its own session), the
+launcher restarts the island, which reads the service's address from the job's store, pulls the global model from
+the server and starts at its predecessor's last acknowledged step; the job ends 0 with both survivors on the
+server's final model, and the server's version counts every acknowledged push of all three island processes, the
+killed one's included.
+
+Processes, not threads: what is tested is the elastic runtime's launcher, restart and store, and a SIGKILL of a
+whole island process while the server processes live on."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from test_ps_train import _service_processes
+
+from harness.elastic import QUIET_ELASTIC, gated_digits, wait
+from islands.app.launch import launch_elastic
+from islands.app.validate import validate
+from islands.config import from_mapping
+from islands.runtime.elastic.membership import observe
+
+HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
+H = 4
+
+
+def _names(directory: Path, address: str) -> bool:
+    try:
+        return (directory / "address").read_text().strip() == address
+    except OSError:
+        return False
+
+
+def _events(record: dict, kind: str) -> list[dict]:
+    return [e for e in record["final"]["events"] if e["type"] == kind]
+
+
+def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push(tmp_path):
+    task, hold = gated_digits(tmp_path)
+    run_dir = tmp_path / "run"
+    values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=f"ps:inner_steps={H},servers=1")
+    values.update(steps=40, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
+    cfg = from_mapping(values)
+    cfg.task.options.update(hold=str(hold))
+    cfg = validate(cfg)
+    before = _service_processes()
+    seen: dict = {}
+    errors: list = []
+
+    def fault(address, workers):
+        try:
+            store = observe(address, (run_dir / "token").read_text().strip())
+
+            def pushed(n):
+                return store.check(["ps/clock/0"]) and json.loads(store.get("ps/clock/0"))["pushes"] >= n
+
+            wait(lambda: pushed(2), "island 0's second acknowledged push")
+            hold.write_text("")  # every island stops at its next forward: island 0 is mid-round, not mid-push
+            # the service's directory (a temporary one island 0 made): the one whose address file names its store
+            where = store.get("ps/address").decode()
+            seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]
+            victim = workers[0].proc.pid
+            wait(lambda: Path(f"{hold}.{victim}").exists(), "island 0 at the gate")
+            seen["killed"] = json.loads(store.get("ps/clock/0"))
+            os.kill(victim, signal.SIGKILL)
+            # island 1 waits until the restarted island has pulled the model (it would finish alone otherwise)
+            wait(lambda: store.check(["ps/island/w0.1"]), "the restarted island's pull")
+        except BaseException as e:  # noqa: BLE001 - surfaced after the job
+            errors.append(e)
+        finally:
+            hold.unlink(missing_ok=True)  # never leave the job waiting
+
+    out = io.StringIO()
+    code = launch_elastic(
+        cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w)).start()
+    )
+    log = out.getvalue()
+    assert not errors, errors
+    assert code == 0, log
+    assert "restarting island 0 (restart 1 of 1) as w0.1" in log, log
+    recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
+    assert set(recs) == {"w1", "w0.1"}, log  # the killed island wrote nothing
+    # both survivors hold the server's final model, bit for bit
+    assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"]
+    # the restarted island entered through the service: at its predecessor's last acknowledged step, no transfer
+    (entered,) = _events(recs["w0.1"], "entered")[:1]
+    assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
+    assert recs["w0.1"]["data_shard"] == [0, 2]  # island 0's data, as its predecessor
+    # nothing acknowledged was lost: with quorum 1 each applied push is one version, and the final version counts
+    # the pushes of w1, of the killed w0 (read at the kill) and of w0.1
+    ends = {n: _events(r, "served_end")[0] for n, r in recs.items()}
+    assert all(e["final"] for e in ends.values()), ends
+    assert ends["w1"]["version"] == ends["w0.1"]["version"], ends
+    applied = ends["w1"]["pushes"] + ends["w0.1"]["pushes"] + seen["killed"]["pushes"]
+    assert ends["w1"]["version"] == applied, (ends, seen)
+    assert len({ends["w1"]["island"], ends["w0.1"]["island"], seen["killed"]["island"]}) == 3  # a new island each
+    # w0.1 trained the steps its predecessor had not pushed: 40 - the killed island's step, in rounds of H
+    assert ends["w0.1"]["pushes"] + ends["w0.1"]["refused"] == -(-(40 - entered["step"]) // H)
+    # the members put the restarted island into the job's last epoch at the end, not at a round boundary
+    (join,) = _events(recs["w1"], "join")
+    assert join["via"] == "end" and join["joined"] == ["w0.1"] and join["size"] == 2
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["summary"]["steps"] == 40
+    deadline = time.monotonic() + 30
+    while _service_processes() - before:  # the supervisor and its server end with the job
+        assert time.monotonic() < deadline, _service_processes() - before
+        time.sleep(0.1)
+    # the island that made the service's temporary directory was killed: the supervisor removed it as it ended
+    assert len(seen["dir"]) == 1 and not seen["dir"][0].exists(), seen["dir"]

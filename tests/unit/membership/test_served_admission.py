@@ -1,0 +1,100 @@
+"""A served participant's joins (the parameter server in an elastic job; contracts.ServedParticipant, ServedEnd):
+members admit nobody at round boundaries, a joiner enters at the step the participant names without waiting for
+anyone, and at the end the members put the joiners that finished into one last epoch, after the service's final
+answer. One process, the job's store in a dict; epochs are recorded, not formed (the process test is
+tests/integration/outer/test_ps_elastic.py)."""
+
+from __future__ import annotations
+
+import json
+
+from harness.dict_store import DictStore
+from islands.runtime.comm import CommLedger
+from islands.runtime.contracts import ServedParticipant
+from islands.runtime.elastic import Membership, elastic_member
+
+
+class Served:
+    """A holder and a served participant: its own rounds, its joiner's step from its service."""
+
+    rounds = 0
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def eval_model(self, model):
+        return model
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def joined(self) -> None:
+        pass
+
+    def entry_step(self) -> int:
+        return self.step
+
+
+def _membership(store: DictStore, outer: Served, name: str, epoch: int) -> tuple[Membership, list]:
+    comm = elastic_member(store, name, CommLedger())
+    comm.participate(outer)
+    if epoch >= 0:
+        comm.epochs.epoch, comm.epochs.members = epoch, [[0, "w0", 0], [1, "w1", 1]]
+    formed: list = []
+    comm.epochs.abort = lambda: None
+    comm.epochs.form = lambda e, members: formed.append((e, None if members is None else [m[1] for m in members]))
+    comm.transfer.global_sha = lambda strategy, model: "digest"
+    return comm, formed
+
+
+def test_members_admit_nobody_at_round_boundaries_and_the_finished_joiners_at_the_end():
+    store, outer = DictStore(), Served()
+    assert isinstance(outer, ServedParticipant)
+    member, formed = _membership(store, outer, "w0", 0)
+    store.set("pending", json.dumps([[2, "j1", 2]]))
+    store.set("ready/j1", "1")
+    member.at_step(outer, None, step=4)
+    for rounds in (1, 2, 3):  # each island's rounds are its own: no boundary the members share
+        outer.rounds = rounds
+        member.at_step(outer, None, step=4 * rounds + 1)
+    assert formed == [] and not [k for k in store.kv if k.startswith("round/")]
+    finals: list = []
+    member.end_served(lambda: finals.append(formed[:]) or {"version": 7, "pushes": 3})
+    assert finals == [[]]  # the service's final answer came before any epoch formed
+    assert formed == [(1, ["w0", "w1", "j1"])] and json.loads(store.get("end/join")) == [[2, "j1", 2]]
+    assert json.loads(store.get("joinat/j1"))["epoch"] == 1
+    end = next(e for e in member.events if e["type"] == "served_end")
+    assert end["version"] == 7 and end["pushes"] == 3
+    assert next(e for e in member.events if e["type"] == "join")["via"] == "end"
+
+
+def test_a_joiner_enters_at_its_own_step_at_once_and_is_ready_before_its_final_answer():
+    store, outer = DictStore(), Served(step=12)
+    joiner, formed = _membership(store, outer, "j1", -1)
+    assert joiner.enter(outer, None) == 12  # no joinat/j1 exists: it waited for nobody
+    entered = joiner.events[-1]
+    assert entered["type"] == "entered" and entered["via"] == "service" and entered["step"] == 12
+    assert not store.check(["ready/j1"]) and formed == []  # not proposed while it trains
+    seen: list = []
+
+    def final() -> dict:
+        seen.append(store.check(["ready/j1"]))
+        store.set("joinat/j1", json.dumps({"epoch": 1, "holders": ["w0", "w1"]}))  # the members, after the answer
+        return {"version": 7}
+
+    joiner.end_served(final)
+    assert seen == [True] and formed == [(1, None)]
+    assert [e["type"] for e in joiner.events] == ["entered", "served_end", "entered"]
+
+
+def test_with_no_joiner_the_end_forms_no_epoch():
+    store, outer = DictStore(), Served()
+    member, formed = _membership(store, outer, "w1", 0)
+    member.end_served(lambda: {})
+    assert formed == [] and json.loads(store.get("end/join")) == []
