@@ -13,6 +13,8 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
     ps-nesterov      the same server with the delayed Nesterov step of arXiv 2401.09135 (outer=delayed-nesterov, lr
                      0.7, momentum 0.9, N = M); the default until session 28 (results/parameter-server/quick, run
                      then, names these arms ps-sgd and ps)
+    ps-ahead         (c) only: ps whose restarted island starts at the furthest step any island acknowledged
+                     (rejoin=ahead), where plain ps restarts its shard at its own last acknowledged step
 Settings:
     (a) equal     2 islands on a 100 Mbit/s testbed link
     (b) slow      3 islands on gloo loopback, island 1 2x and island 2 4x slower (world.slowdown; every step padded
@@ -93,7 +95,13 @@ def arms(h: int, islands: int) -> list[tuple[str, str]]:
     ]
 
 
-PS_ARMS = ("ps", "ps-nesterov")
+PS_ARMS = ("ps", "ps-nesterov", "ps-ahead")
+
+
+def churn_arms(h: int, islands: int) -> list[tuple[str, str]]:
+    """(c)'s arms: the others', and ps whose restarted island starts at the furthest acknowledged step
+    (rejoin=ahead: it skips what its predecessor missed, as DiLoCo's rejoiner skips to the members' step)."""
+    return arms(h, islands) + [("ps-ahead", f"ps:inner_steps={h},max_staleness={STALENESS},rejoin=ahead")]
 
 
 def settings(ctx: BenchContext) -> list[tuple[str, int, str, str | None]]:
@@ -413,7 +421,7 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
         **t["model"],
     )
     rows, not_run = [], {}
-    for arm, spec in arms(h, base["islands"]):
+    for arm, spec in churn_arms(h, base["islands"]):
         served = arm in PS_ARMS
         spec = f"{spec},servers=1" if served else spec  # thread mode is refused in elastic jobs
         why = _refused(ctx, dict(base, outer=spec))

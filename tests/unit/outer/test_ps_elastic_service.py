@@ -42,3 +42,25 @@ def test_a_restart_starts_at_its_shards_last_acknowledged_step_and_a_late_joiner
     first.finished()
     with pytest.raises(JobEnded, match="final answer before this one joined"):
         restarted.address()
+
+
+def test_rejoin_ahead_starts_at_the_furthest_step_any_shard_acknowledged():
+    store = Counting()
+    own = ElasticService(store, "w1.1", 1, 1.0, shards=3)
+    assert own.start_step(ahead=True) == 0  # nothing acknowledged anywhere yet
+    ElasticService(store, "w1", 1, 1.0, shards=3).record(12, 1, 3)
+    assert own.start_step(ahead=True) == 12  # only its own shard has pushed
+    ElasticService(store, "w0", 0, 1.0, shards=3).record(40, 0, 10)
+    ElasticService(store, "w2", 2, 1.0, shards=3).record(36, 2, 9)
+    assert own.start_step() == 12 and own.start_step(ahead=True) == 40
+
+
+def test_rejoin_in_the_spec():
+    from islands.sync.outer import make_outer
+
+    assert make_outer("ps:inner_steps=4,servers=1,rejoin=ahead").service.rejoin == "ahead"
+    assert make_outer("ps:inner_steps=4,servers=1").service.rejoin == "own"
+    with pytest.raises(ValueError, match="rejoin must be one of own, ahead"):
+        make_outer("ps:inner_steps=4,servers=1,rejoin=last")
+    with pytest.raises(ValueError, match="needs servers=S >= 1"):
+        make_outer("ps:inner_steps=4,rejoin=ahead")

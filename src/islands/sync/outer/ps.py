@@ -148,6 +148,14 @@ def outer_rule(
     return OuterRule(outer, lr, momentum, buffer)
 
 
+# Where a restarted (or joining) island of an elastic job starts its data shard: `own`, the step its shard's last
+# island had reached at its last acknowledged push (only that island's unpushed round is lost, but the job's end
+# waits while it trains its shard's steps again); `ahead`, the furthest step any island acknowledged (the steps in
+# between are skipped, as a DiLoCo rejoiner skips to the members' step; session 29's churn bench: ps with `own` took
+# 2x DiLoCo's time to DDP's loss, reaching it only once the restarted island had caught up)
+REJOIN = ("own", "ahead")
+
+
 @dataclass(frozen=True)
 class ServerProcesses:
     """Run the server as `servers` processes of their own, one parameter range each, under a supervisor that
@@ -155,15 +163,19 @@ class ServerProcesses:
     `lease_s`: heartbeat lease (an island or server silent this long has lapsed: it is not waited for);
     `timeout_s`: the longest any request waits, retries included; `directory`: the servers' configuration and
     journals (default: a fresh private temporary directory); `address`: (host, port) of a running service's store
-    to join (a late island); None: island 0 starts the service."""
+    to join (a late island); None: island 0 starts the service. `rejoin`: where a restarted island of an elastic
+    job starts (REJOIN)."""
 
     servers: int = 1
     lease_s: float = 2.0
     timeout_s: float = 600.0
     directory: str | None = None
     address: tuple[str, int] | None = None
+    rejoin: str = "own"
 
     def __post_init__(self):
+        if self.rejoin not in REJOIN:
+            raise ValueError(f"rejoin must be one of {', '.join(REJOIN)}, got {self.rejoin!r}")
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
             raise ValueError(f"servers must be an int >= 1 (server processes), got {self.servers!r}")
         if not self.lease_s > 0:
@@ -274,8 +286,9 @@ class ParameterServer(OuterStrategy):
                 )
             if membership.new_client is None:
                 raise ValueError("ps in an elastic job needs a client of the job's store of its own (new_client)")
+            shard, shards = world.shard
             self.elastic = ElasticService(
-                membership.new_client(), membership.name, world.shard[0], self.service.timeout_s
+                membership.new_client(), membership.name, shard, self.service.timeout_s, shards
             )
             self.end = membership if isinstance(membership, ServedEnd) else None
         return super().wrap(model, optimizer, world)
@@ -415,7 +428,7 @@ class ParameterServer(OuterStrategy):
         """An elastic joiner (contracts.ServedParticipant): it pulled the global model in setup; it starts at the step
         its data shard's last island had reached at its last acknowledged push, so its round starts there too."""
         assert self.elastic is not None, "entry_step in an elastic job only"
-        step = self.elastic.start_step()
+        step = self.elastic.start_step(ahead=self.service is not None and self.service.rejoin == "ahead")
         self.clock = self.synced_at = step
         return step
 
@@ -573,6 +586,7 @@ def parameter_server(
     servers: int = 0,
     lease: float = 2.0,
     timeout: float = 600.0,
+    rejoin: str = "own",
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -588,7 +602,8 @@ def parameter_server(
     the server as a thread of rank 0; S >= 1 for S server processes (one parameter range each) under a supervisor
     that restarts a killed one from its journal. `lease`: seconds of heartbeat silence after which an island or a
     server process has lapsed (servers >= 1). `timeout`: the longest any push, pull or final wait lasts, retries
-    included (servers >= 1)."""
+    included (servers >= 1). `rejoin`: in an elastic job, where a restarted island starts (servers >= 1): own, its
+    data shard's last acknowledged step; ahead, the furthest step any island acknowledged (REJOIN)."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
@@ -597,7 +612,9 @@ def parameter_server(
         raise ValueError("entropy=zstd packs 4-bit pushes; use bits=4")
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
         raise ValueError(f"servers must be an int >= 0 (0: a thread of rank 0; S: S server processes), got {servers!r}")
-    service = ServerProcesses(servers, float(lease), float(timeout)) if servers else None
+    if rejoin != "own" and not servers:
+        raise ValueError(f"rejoin={rejoin} places a restarted island of an elastic job, which needs servers=S >= 1")
+    service = ServerProcesses(servers, float(lease), float(timeout), rejoin=rejoin) if servers else None
     codec: PayloadCodec | None = None if bits == 32 else Quant4Zstd(block) if entropy == "zstd" else Quant4(block)
     return ParameterServer(
         inner_steps,

@@ -31,10 +31,11 @@ FINAL = "ps/final"
 class ElasticService:
     """One island's view of the parameter service through the job's store (module docstring). `store`: a client of
     the job's authenticated store; `name`: this worker's name in the job; `shard`: its data shard, which a restarted
-    island keeps; `timeout_s`: how long an island waits for the address."""
+    island keeps; `timeout_s`: how long an island waits for the address; `shards`: the job's data shards."""
 
-    def __init__(self, store, name: str, shard: int, timeout_s: float):
+    def __init__(self, store, name: str, shard: int, timeout_s: float, shards: int = 1):
         self.store, self.name, self.shard, self.timeout_s = store, name, shard, timeout_s
+        self.shards = max(shards, shard + 1)
 
     def publish(self, address: tuple[str, int]) -> None:
         host, port = address
@@ -69,10 +70,16 @@ class ElasticService:
         island number and the pushes the servers applied for it so far."""
         self.store.set(f"ps/clock/{self.shard}", json.dumps({"step": clock, "island": island, "pushes": pushes}))
 
-    def start_step(self) -> int:
-        """Where an island of this data shard starts: its last island's step at its last acknowledged push, or 0."""
-        key = f"ps/clock/{self.shard}"
-        return int(json.loads(self.store.get(key))["step"]) if self.store.check([key]) else 0
+    def start_step(self, ahead: bool = False) -> int:
+        """Where an island of this data shard starts: its last island's step at its last acknowledged push, or 0;
+        `ahead`: the furthest step any data shard's island acknowledged (ps.REJOIN), never behind its own."""
+        shards = range(self.shards) if ahead else (self.shard,)
+        steps = [self._clock(s) for s in shards]
+        return max([s for s in steps if s is not None] + [0])
+
+    def _clock(self, shard: int) -> int | None:
+        key = f"ps/clock/{shard}"
+        return int(json.loads(self.store.get(key))["step"]) if self.store.check([key]) else None
 
     def finished(self) -> None:
         self.store.set(FINAL, self.name)
