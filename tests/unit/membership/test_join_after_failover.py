@@ -10,29 +10,9 @@ from __future__ import annotations
 import json
 
 from harness.dict_store import DictStore
+from harness.participants import Outer
 from islands.runtime.comm import CommLedger
 from islands.runtime.elastic import Membership, elastic_member
-
-
-class Outer:
-    """The holder and its round-counting participant (runtime.contracts.Holder and ElasticParticipant)."""
-
-    rounds = 0
-
-    def eval_model(self, model):
-        return model
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
-
-    def joined(self) -> None:
-        pass
 
 
 def _member(store: DictStore, outer: Outer, name: str = "w0") -> tuple[Membership, list]:

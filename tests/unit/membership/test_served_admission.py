@@ -9,36 +9,10 @@ from __future__ import annotations
 import json
 
 from harness.dict_store import DictStore
+from harness.participants import Served
 from islands.runtime.comm import CommLedger
 from islands.runtime.contracts import ServedParticipant
 from islands.runtime.elastic import Membership, elastic_member
-
-
-class Served:
-    """A holder and a served participant: its own rounds, its joiner's step from its service."""
-
-    rounds = 0
-
-    def __init__(self, step: int = 0):
-        self.step = step
-
-    def eval_model(self, model):
-        return model
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
-
-    def joined(self) -> None:
-        pass
-
-    def entry_step(self) -> int:
-        return self.step
 
 
 def _membership(store: DictStore, outer: Served, name: str, epoch: int) -> tuple[Membership, list]:
