@@ -500,8 +500,8 @@ def _watch(
                         workers += fresh
                         print(
                             f"islands: restarting island {w.island} (restart {islands.restarts[w.island]} of "
-                            f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins at a round "
-                            "boundary",
+                            f"{islands.max_restarts}) as {', '.join(_name(f) for f in fresh)}; it rejoins as the outer "
+                            "strategy admits joiners (at a round boundary; a parameter server's at once)",
                             file=out,
                             flush=True,
                         )
