@@ -1,5 +1,5 @@
 """The parameter server's processes (issue #36): `python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT`
-runs one shard server, `... supervise DIR` the supervisor that hosts the store and restarts the servers
+runs one shard server, `... supervise DIR [HOST]` the supervisor that hosts the store and restarts the servers
 (ps_service.py). A module of its own, so that running it does not load ps_service twice (islands imports it).
 A supervisor whose directory holds the file SCRATCH (a temporary directory the starting island made) removes the
 directory when it ends if that island is gone (in an elastic job it may have been killed, and nobody else knows the
@@ -24,16 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) == 5 and args[0] == "serve":
         serve(args[1], int(args[2]), args[3], int(args[4]))
         return 0
-    if len(args) == 2 and args[0] == "supervise":
+    if len(args) in (2, 3) and args[0] == "supervise":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         starter = os.getppid()  # the island that launched it (a process of its own session, not of its group)
         try:
-            Supervisor(args[1]).run()
+            Supervisor(args[1], args[2] if len(args) == 3 else "127.0.0.1").run()  # HOST: how islands reach it
         finally:
             if (Path(args[1]) / SCRATCH).exists() and os.getppid() != starter:  # orphaned: the starter died
                 shutil.rmtree(args[1], ignore_errors=True)
         return 0
-    print("usage: python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT | supervise DIR", file=sys.stderr)
+    print(
+        "usage: python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT | supervise DIR [HOST]",
+        file=sys.stderr,
+    )
     return 2
 
 

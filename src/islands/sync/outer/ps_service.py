@@ -31,9 +31,12 @@ supervisor once its servers are gone; with no island heartbeat for `orphan_s` it
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import io
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -454,13 +457,35 @@ class Supervisor:
             self.thread.join(timeout_s)
 
 
-def launch(directory: str | os.PathLike, timeout_s: float = 60.0) -> tuple[subprocess.Popen, tuple[str, int]]:
+def advertised_host(env=None) -> str:
+    """The address other machines reach this one's servers by: the IPv4 address of the interface gloo is bound to
+    (GLOO_SOCKET_IFNAME, which a testbed host's workers and a multi-machine job set), else 127.0.0.1 (one machine).
+    The store listens on every interface either way; this is only what the islands are told."""
+    ifname = (os.environ if env is None else env).get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if not ifname:
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # SIOCGIFADDR: the interface's address
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+    except OSError as e:
+        raise RuntimeError(
+            f"GLOO_SOCKET_IFNAME={ifname!r} names no interface with an IPv4 address here ({e}); the parameter "
+            "server's address could not be told to the islands"
+        ) from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def launch(
+    directory: str | os.PathLike, timeout_s: float = 60.0, host: str | None = None
+) -> tuple[subprocess.Popen, tuple[str, int]]:
     """Start the supervisor as a process of its own session (it outlives the island that started it, and a
-    signal to that island's process group does not reach it); returns it and the store's address."""
+    signal to that island's process group does not reach it); returns it and the store's address. `host`: the
+    address the islands reach it by (default advertised_host(): this host's gloo interface, or 127.0.0.1)."""
     d = Path(directory)
     (d / ADDRESS).unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    argv = [sys.executable, "-m", "islands.sync.outer.ps_process", "supervise", str(d)]
+    host = advertised_host() if host is None else host
+    argv = [sys.executable, "-m", "islands.sync.outer.ps_process", "supervise", str(d), host]
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while not (d / ADDRESS).exists():
