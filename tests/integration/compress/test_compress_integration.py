@@ -30,6 +30,7 @@ from islands.compress.torch_powersgd import TorchPowerSGD, bucket_nbytes
 from islands.config import ConfigError, JobConfig, from_mapping
 from islands.runtime import stacks
 from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.world import GIL_HANDOFF_S
 from islands.spec import Spec
 
 
@@ -263,6 +264,12 @@ def _torch_powersgd(rank, port, out_dir):
         model.zero_grad()
     dist.all_reduce = real
     torch.save(steps, os.path.join(out_dir, f"r{rank}.pt"))
+    # close_world's GIL hand-off, by hand (this test drives torch's own DDP, no World): gloo's worker thread frees the
+    # last collective's tensors under the GIL, and DDP holds the process group, whose destructor joins that thread;
+    # dropping DDP with the thread still waiting for the GIL deadlocks. Seen twice (sessions 28 and 29, 1 run in
+    # ~10): rank 1 stuck after saving, in the teardown of this function's frame, a GIL-holding gloo thread beside it
+    time.sleep(GIL_HANDOFF_S)
+    del model, state, hook
     dist.destroy_process_group()
 
 
