@@ -3,6 +3,7 @@
 import datetime
 import os
 import socket
+import time
 import traceback
 
 import pytest
@@ -23,6 +24,7 @@ from islands.compress import (
 )
 from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.world import GIL_HANDOFF_S
 
 AVG_SPECS = [
     "none",
@@ -97,6 +99,7 @@ def _avg_worker(rank, port, out_dir):
             if spec.startswith("powersgd"):
                 results[(spec, "Q")] = c.inner.states["w"]["Q"]
         torch.save(results, os.path.join(out_dir, f"avg{rank}.pt"))
+        time.sleep(GIL_HANDOFF_S)  # close_world's hand-off: gloo's threads free the last collective's tensors first
         dist.destroy_process_group()
     except Exception:
         with open(os.path.join(out_dir, f"err{rank}.txt"), "w") as f:
@@ -181,6 +184,10 @@ def _ddp_worker(rank, port, out_dir):
             results["nan"] = str(exc)
         state.close()
         torch.save(results, os.path.join(out_dir, f"ddp{rank}.pt"))
+        # close_world's hand-off, then DDP (which holds the process group) goes while gloo's threads are idle: its
+        # destructor joins them, and one still waiting for the GIL deadlocks it (test_compress_integration.py)
+        time.sleep(GIL_HANDOFF_S)
+        del model
         dist.destroy_process_group()
     except Exception:
         with open(os.path.join(out_dir, f"err{rank}.txt"), "w") as f:
