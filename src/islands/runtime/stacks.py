@@ -43,6 +43,10 @@ def enable(file=None) -> bool:
     except (AttributeError, OSError, ValueError):
         target = sys.__stderr__
     try:
+        # a fresh registration each time: faulthandler installs its handler only on the first, and since then a
+        # framework may have put back what Python's signal module believed was there (Lightning's fit restores every
+        # signal's handler at its end, SIG_DFL for this one), which leaves the signal uncaught
+        faulthandler.unregister(DUMP_SIGNAL)
         faulthandler.register(DUMP_SIGNAL, file=target, all_threads=True, chain=False)
     except (AttributeError, OSError, ValueError, RuntimeError):
         return False

@@ -240,6 +240,25 @@ def test_the_stack_handler_installs_where_stderr_has_no_file_descriptor(monkeypa
     assert stacks.catches(os.getpid())
 
 
+def test_the_stack_handler_comes_back_after_a_framework_reset_the_signal():
+    """Lightning's fit puts back every signal's handler as Python's signal module saw it when fit began (SIG_DFL for
+    the dump signal, whose handler is faulthandler's, in C); a later enable() installs it again (in the full suite a
+    Lightning test in the same process left it uncaught)."""
+    import signal
+
+    from islands.runtime import stacks
+
+    assert stacks.enable() is True
+    previous = signal.signal(stacks.DUMP_SIGNAL, signal.SIG_DFL)  # what the framework's teardown does
+    try:
+        assert not stacks.catches(os.getpid())
+        assert stacks.enable() is True
+        assert stacks.catches(os.getpid())
+    finally:
+        if previous not in (None, signal.SIG_DFL):
+            signal.signal(stacks.DUMP_SIGNAL, previous)
+
+
 def _runnable_using(monkeypatch, cpu_per_read: float) -> None:
     """/proc reads every process as runnable, its CPU time growing `cpu_per_read` per read."""
     from islands.runtime import stacks
