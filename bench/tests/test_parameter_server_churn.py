@@ -4,8 +4,20 @@ under DiLoCo, and the survivors' applied and refused pushes from their served_en
 
 import json
 
-from harness.dict_store import DictStore as Store
 from islands_bench.experiments.parameter_server import VICTIM, GroupRounds, ServedRounds, served_counts
+
+
+class Store:
+    """The job store's read side, in a dict (the experiments lane runs bench/tests alone, without tests/harness)."""
+
+    def __init__(self):
+        self.kv: dict[str, bytes] = {}
+
+    def check(self, keys) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
 
 
 def test_ps_rounds_are_the_victims_acknowledged_step_over_h_and_group_rounds_the_join_keys():
