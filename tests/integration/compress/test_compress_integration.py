@@ -71,7 +71,7 @@ def _stacks(ctx, tmp_path) -> str:
     """Every live rank's threads' stacks (a hang's cause, in CI's log: a retry would hide it)."""
     for p in ctx.processes:
         if p.is_alive():
-            os.kill(p.pid, stacks.DUMP_SIGNAL)
+            stacks.request(p.pid)
     time.sleep(stacks.DUMP_S)
     return "\n".join(f"--- {f.name}\n{f.read_text()}" for f in sorted(tmp_path.glob("stacks*.txt")))
 

@@ -274,11 +274,7 @@ class Membership:
             return
         for settle in self.before_join:  # saves in flight finish in the epoch they started in
             settle()
-        asked, nxt = time.time(), epochs.epoch + 1
-        for j in joiners:
-            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(epochs.names)}))
-        epochs.abort()
-        epochs.form(nxt, sorted(epochs.members + joiners))
+        asked, _ = self._put_in(joiners)
         epochs.events.append(
             {
                 "type": "join",
@@ -292,6 +288,18 @@ class Membership:
             }
         )
 
+    def _put_in(self, joiners: list[list]) -> tuple[float, set[str]]:
+        """Tell each joiner its epoch (joinat/<name>, with the members that hold the state) and form the next epoch
+        with them; returns when they were told and those holders."""
+        epochs = self.epochs
+        nxt, holders = epochs.epoch + 1, set(epochs.names)
+        for j in joiners:
+            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(holders)}))
+        asked = time.time()
+        epochs.abort()
+        epochs.form(nxt, sorted(epochs.members + joiners))
+        return asked, holders
+
     def _admit(self, joiners: list[list], strategy, model, step: int, rounds: int) -> None:
         # exchanges still in flight (DiLoCo tau > 0, streaming) finish in the epoch they started in; their
         # results travel with the strategy state (a death meanwhile fails them over, the epoch moves on)
@@ -302,13 +310,7 @@ class Membership:
             # must finish, or the new epoch would abandon it
             settle()
         epochs, transfer = self.epochs, self.transfer
-        nxt = epochs.epoch + 1
-        holders = set(epochs.names)
-        for j in joiners:
-            self.store.set(f"joinat/{j[1]}", json.dumps({"epoch": nxt, "holders": sorted(holders)}))
-        asked = time.time()
-        epochs.abort()
-        epochs.form(nxt, sorted(epochs.members + joiners))
+        asked, holders = self._put_in(joiners)
         transfer.share_state(strategy, model, step, holders)
         epochs.events.append(
             {

@@ -523,6 +523,7 @@ class FollowerWatch:
         self.starvation = Starvation(timeout_s)
         self.out = sys.stderr if out is None else out
         self.verdict: str | None = None
+        self._control: list[str] = []  # [the leader] once its own beat is in the store (it stays there)
         self._own_stalled_at: float | None = None  # the last look that found the leader's own beat stale
         self._excused: set[str] = set()  # followers whose silence was put down to the store (said once each)
         self._pids: dict[str, int | None] = {}  # follower -> its pid on this machine, once it published its identity
@@ -593,9 +594,10 @@ class FollowerWatch:
             pid = self._pid(f)
             if pid is not None:
                 self.starvation.sample(f, pid, now)
-        control = [self.leader] if self.store.check([f"hb/{self.leader}"]) else []  # none: a watch in a test
-        silent = self.liveness.silent(beating + control) - {self.leader}
-        if control and self.liveness.silent_for(self.leader) > self.liveness.timeout / 4:
+        if not self._control and self.store.check([f"hb/{self.leader}"]):  # none yet: a watch in a test
+            self._control = [self.leader]
+        silent = self.liveness.silent(beating + self._control) - {self.leader}
+        if self._control and self.liveness.silent_for(self.leader) > self.liveness.timeout / 4:
             self._own_stalled_at = now
         for f in sorted(silent):
             if not self._store_was_silent(f, now) and not self._waits_for_cpu(f, now):
