@@ -37,6 +37,7 @@ from islands.runtime.elastic.membership import (
 from islands.runtime.launch.stop import StopAt
 from islands.runtime.payload_auth import PayloadAuthError
 from islands.runtime.world import close_world, join_elastic
+from islands.sync.stack import Stack
 
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
 
@@ -66,7 +67,7 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
         # a joiner's strategy wrap (inside the Trainer) waits for a round boundary and receives the training state
         trainer = build_trainer(cfg, world, run_dir)
         if not leader:  # its leader writes the island's outer-exchange report
-            writer = report_writer(getattr(trainer.strategy, "outer", None))  # build_trainer's Stack
+            writer = report_writer(trainer.strategy.outer if isinstance(trainer.strategy, Stack) else None)
             if writer is not None:
                 writer.report_dir = None
         if trainer.checkpoints is not None:

@@ -34,6 +34,7 @@ from islands.plan.profile import Profile
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.flat import fragment_bounds
+from islands.sync.outer.rounds import overlap_steps
 from islands.sync.zero1 import param_gather_bytes
 
 INNER = ("ddp", "zero1", "fsdp")
@@ -189,7 +190,7 @@ def outer_run_bytes(outer: DiLoCo, numel: int, buffer_bytes: int, steps: int) ->
     per = [exchange_bytes(outer, hi - lo)[0] for lo, hi in bounds]
     sends = sends_by_fragment(outer, steps)
     total = INIT_DIGEST_BYTES + sum(s * b for s, b in zip(sends, per))
-    plain = sched.fragments == 1 and getattr(sched, "tau", 0) == 0
+    plain = sched.fragments == 1 and overlap_steps(sched) == 0
     if plain:
         synced = sends[0]  # every plain round is a full synchronisation (buffers averaged)
         last = sends[0] * outer.inner_steps
@@ -302,7 +303,7 @@ def predict(
         inside_b = per_step
         bounds = fragment_bounds(prof.numel, outer.schedule.fragments)
         h = outer.inner_steps
-        tau = getattr(outer.schedule, "tau", 0)
+        tau = overlap_steps(outer.schedule)
         shared = Link(cross.rate_bps / w, cross.latency_s, cross.source + (f" shared by {w}" if w > 1 else ""))
         share = shared if not cross.fitted else cross
         frag_t = []

@@ -29,6 +29,7 @@ from islands.data.batches import size as batch_size, to_device
 from islands.loop.trainer import Trainer
 from islands.memory.accounting import SavedTensorMeter, state_bytes
 from islands.sync.outer.diloco import DiLoCo
+from islands.sync.outer.rounds import overlap_steps
 
 CACHE_ENV = "ISLANDS_PLAN_CACHE"
 MIN_PROFILE_S = 2.0  # a fast model's profile runs this long (or MAX_PROFILE_STEPS), beyond its minimum of steps
@@ -211,7 +212,7 @@ def round_steps(outer: DiLoCo) -> int:
     """The shortest round a copy of `outer` can be timed with: every fragment's exchange starts once per round, each
     on a step of its own with a plain step between, and tau (the steps a fragment overlaps) fits inside it."""
     sched = outer.schedule
-    return max(2, 2 * sched.fragments, getattr(sched, "tau", 0) + 1)
+    return max(2, 2 * sched.fragments, overlap_steps(sched) + 1)
 
 
 def round_probe(outer: DiLoCo, h: int) -> DiLoCo:

@@ -62,6 +62,14 @@ class Collectives(Protocol):
 
 
 @runtime_checkable
+class Counted(Protocol):
+    """A Comm that counts its bytes in a ledger another party may count in too (a parameter server's island
+    link records its pushes and pulls where the island's collectives go)."""
+
+    ledger: Any  # islands.runtime.comm.CommLedger (not imported: comm imports torch.distributed)
+
+
+@runtime_checkable
 class PointToPoint(Collectives, Protocol):
     """A fixed-group Comm that also sends point to point in one batch (gossip's round)."""
 

@@ -426,7 +426,7 @@ class Liveness:
         convicts; if every look fails that way for longer than the timeout the name counts as silent (its
         beats cannot be seen: an overwrite faster than it beats denies service, docs/membership.md)."""
         now, out = time.monotonic(), set()
-        fresh = getattr(self.store, "fresh", None)
+        fresh = self.store.fresh if isinstance(self.store, AuthStore) else None
         for name in names:
             key = f"hb/{name}"  # a signed count through an AuthStore, or a plain counter
             present = self.store.check([key])

@@ -400,13 +400,12 @@ class _HostWatchdog(threading.Thread):
     still exists (stopped), which fails the launcher's store operation that waits on it. `coordinator` is passed
     on to _watch (its `.store`)."""
 
-    def __init__(self, coordinator, patience: float):
+    def __init__(self, coordinator: JobHost, patience: float):
         super().__init__(name="islands-job-host-watchdog", daemon=True)
         self.coordinator, self.store, self.patience = coordinator, coordinator.store, patience
         self.why: str | None = None
         self.stop = threading.Event()
-        if hasattr(coordinator, "trouble"):
-            self.start()
+        self.start()
 
     def run(self) -> None:
         while not self.stop.wait(0.2):

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from islands.aggregate.base import Aggregator
-from islands.runtime.contracts import ServedEnd
+from islands.runtime.contracts import Counted, ServedEnd
 from islands.runtime.payload_auth import PayloadTags
 from islands.runtime.simulate import current_island
 from islands.sync.outer.base import OuterStrategy
@@ -413,7 +413,8 @@ class ParameterServer(OuterStrategy):
         return Sealer(self.comm.tags) if isinstance(self.comm, HasPayloadTags) else None
 
     def island_ledger(self):
-        return getattr(self.comm, "ledger", None)
+        """The island's ledger, where its pushes and pulls are counted beside its collectives (None: not counted)."""
+        return self.comm.ledger if isinstance(self.comm, Counted) else None
 
     def elastic_refusal(self) -> str | None:
         if self.service is None:

@@ -256,6 +256,11 @@ class Fragments(Schedule):
         self.at_send = {int(p): v.to(torch.float32).clone() for p, v in state.get("at_send", {}).items()}
 
 
+def overlap_steps(schedule: Schedule) -> int:
+    """The inner steps each exchange of `schedule` overlaps with: a fragment schedule's tau, 0 for any other."""
+    return schedule.tau if isinstance(schedule, Fragments) else 0
+
+
 class Rounds(Fragments):
     """Plain DiLoCo rounds: every H steps the whole model's delta is averaged, blocking, and the outer step taken."""
 
