@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from islands_bench.experiments.planner_accuracy import _summary, headline, steady_step_seconds
+from islands_bench.experiments.planner_accuracy import _summary, full_tier_steps, headline, steady_step_seconds
 
 
 def _series(step_s: dict[int, float], every: int = 10, steps: int = 100) -> list[dict]:
@@ -69,3 +69,12 @@ def test_summary_says_whether_each_goal_was_met():
 def test_summary_meets_the_step_goal_within_its_bounds():
     s = _summary([_row("a", 10.0, 11.0), _row("b", 10.0, 9.0), _row("c", 10.0, 12.0)])
     assert s["step_err"]["met"]  # median 10%, worst 16.7%
+
+
+def test_a_full_tier_run_holds_its_warm_up_and_three_steady_rounds():
+    # per-step strategies and short rounds: the 60-step floor; H=50: a round of warm-up and three more
+    assert [full_tier_steps(r) for r in (1, 10, 20, 50)] == [60, 60, 80, 200]
+    for r in (1, 10, 20, 50):
+        steps = full_tier_steps(r)
+        series = [{"step": s, "elapsed": 0.1 * s} for s in range(1, steps + 1)]
+        assert steady_step_seconds(series, r, max(10, r), steps) is not None

@@ -11,7 +11,9 @@ planner's first choice was the measured fastest (or within 10% of it) in each se
 average around the runs (other jobs on a shared machine move every timing).
 
 Tiers: full = 3 testbed rates (tc-shaped links between 2 network namespaces; root) x 2 models (the byte LM and a
-transformers llama, hf-causal-lm) x 8 strategies = 48 configurations; quick = the byte LM (d_model 128, 2 layers)
+transformers llama, hf-causal-lm) x 8 strategies = 48 configurations, each run for a warm-up and three whole
+rounds of steady state (at least 60 steps: full_tier_steps), the outer strategies' peak memory measured once per
+model; quick = the byte LM (d_model 128, 2 layers)
 on gloo loopback (the planner's link: a 2-process gloo probe on this machine, `--link measured`), 6 strategies,
 200 steps; smoke = the digits MLP, 2 of them, from the up-front plan only.
 """
@@ -82,11 +84,24 @@ def _err(pred: float, got: float) -> float:
     return abs(pred - got) / got if got else 0.0
 
 
-def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], steps: int) -> list[dict]:
+def full_tier_steps(round_steps: int) -> int:
+    """The full tier's run length for a configuration whose round is `round_steps`: its warm-up (a round, or 10
+    steps) and three whole rounds of steady state, and at least 60 steps. On a 10 Mbit/s link a DDP step of the
+    byte LM moves 3.5 MB each way (~2.8 s): 200 steps of each of the three per-step strategies would be 30 minutes
+    of the tier's time for a steady state that 50 steps measure as well."""
+    return max(60, max(10, round_steps) + 3 * round_steps)
+
+
+def _setting(
+    ctx: BenchContext, model: str, link: str, names: tuple[str, ...], steps: int | None, memory: bool
+) -> list[dict]:
+    """One model on one link: every configuration in `names` planned, then trained. `steps`: each run's length
+    (None: full_tier_steps of its round). `memory`: also measure the outer strategies' per-island peak (it does not
+    depend on the link, so once per model)."""
     from islands.config import from_mapping
     from islands.plan import parse_link, plan, probe_link, simulated_held_peak
 
-    job = {**MODELS[model], "global_batch": 16, "steps": steps, "eval_every": 0, "warmup": 1}
+    job = {**MODELS[model], "global_batch": 16, "steps": steps or 200, "eval_every": 0, "warmup": 1}
     # measured in this invocation, side by side with the runs: a fresh probe per setting, and right before each run a
     # fresh profile and round timing of its configuration (the planner's cache is a directory of this invocation's
     # own): on a machine shared with other jobs, the load the run meets is the load its profile met
@@ -129,6 +144,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
             spec = str(inner or outer)
             # the smoke tier only checks that this runs end to end: the up-front plan stands for the side-by-side one
             pr = upfront[spec] if ctx.smoke else predicted(islands, [spec])[spec]
+            over["steps"] = steps if steps is not None else full_tier_steps(pr.round_steps)
             load = _load()
             rec = ctx.train(f"{model}-{link}-{n}", **over)
             ran = rec["summary"]["steps"]
@@ -151,7 +167,7 @@ def _setting(ctx: BenchContext, model: str, link: str, names: tuple[str, ...], s
                 "load_after": _load(),
                 "interconnect": rec["interconnect_line"],
             }
-            if outer and link == "loopback":  # memory does not depend on the link: measured once per model
+            if outer and memory:
                 cfg = from_mapping({**MODELS[model], "global_batch": 16, "workers": 2, "islands": 2, "outer": outer})
                 row["meas_mem_mb"] = max(simulated_held_peak(cfg, 4)) / 1e6
             row["step_err"] = _err(row["pred_step_ms"], row["meas_step_ms"])
@@ -255,15 +271,16 @@ def planner_accuracy(ctx: BenchContext) -> dict:
         settings, names, steps = [("lm", "loopback")], QUICK, 200
     else:
         settings = [(m, r) for m in ("lm", "llama") for r in RATES]
-        names, steps = tuple(n for n, *_ in STRATEGIES), 200
+        names, steps = tuple(n for n, *_ in STRATEGIES), None
     ctx.plan(len(settings) * len(names))
     rows = []
     before = os.environ.get(CACHE_ENV)
     with tempfile.TemporaryDirectory(prefix="plan-cache-") as cache:
         os.environ[CACHE_ENV] = cache  # profiles and round timings of this invocation only
         try:
-            for model, link in settings:
-                rows += _setting(ctx, model, link, names, steps)
+            for i, (model, link) in enumerate(settings):
+                first = all(m != model for m, _ in settings[:i])
+                rows += _setting(ctx, model, link, names, steps, memory=first)
         finally:
             if before is None:
                 os.environ.pop(CACHE_ENV, None)
