@@ -22,10 +22,11 @@ from islands.config import ConfigError, JobConfig, from_mapping
 from islands.data.source import batch_source
 from islands.loop.task import Task
 from islands.loop.trainer import Trainer
-from islands.plan.costs import INNER, Candidate, Prediction, Topology, predict
+from islands.plan.costs import INNER, Candidate, Prediction, Topology, exposed_seconds, predict
+from islands.plan.flat_step import FLAT, PROCESSES, flat_step_extra
 from islands.plan.gathered import gathered_seconds
 from islands.plan.job import job_trainer
-from islands.plan.links import Link, LinkError, parse_link
+from islands.plan.links import Link, LinkError, parse_link, probe_link
 from islands.plan.profile import (
     Profile,
     cached_round_seconds,
@@ -40,7 +41,7 @@ from islands.sync.base import Strategy
 from islands.sync.outer import check_outer, make_outer, valid_specs
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.warm_start import WarmStart
-from islands.sync.shard_plan import plan_units, state_bytes_per_rank, unit_traffic
+from islands.sync.shard_plan import eval_gather_bytes, plan_units, state_bytes_per_rank, unit_traffic
 from islands.sync.single import Single
 from islands.sync.stack import Stack
 from islands.sync.wrap_policy import BlockWrap
@@ -101,10 +102,11 @@ def candidate(spec: str, cfg: JobConfig, model: torch.nn.Module) -> Candidate:
     if spec in INNER:
         if spec != "fsdp":
             return Candidate(spec, spec)
-        _, units = plan_units(model, BlockWrap())
         n = cfg.world.workers
-        traffic = tuple(unit_traffic(units, n, reshard_after_forward=True))
-        return Candidate(spec, "fsdp", None, traffic, state_bytes_per_rank(units, n))
+        units = plan_units(model, BlockWrap())[1]
+        end = eval_gather_bytes([p.shape for p in model.parameters()], n)  # the final evaluation's full model
+        traffic = fsdp_traffic(model, n, cfg.train.grad_clip > 0)
+        return Candidate(spec, "fsdp", None, traffic, state_bytes_per_rank(units, n), end_bytes=end)
     try:
         check_outer(spec)
         outer = make_outer(spec)
@@ -122,6 +124,13 @@ def candidate(spec: str, cfg: JobConfig, model: torch.nn.Module) -> Candidate:
         )
     inner = "ddp" if cfg.world.workers // cfg.world.islands > 1 else "single"
     return Candidate(spec, inner, outer)
+
+
+def fsdp_traffic(model: torch.nn.Module, n: int, clip: bool) -> tuple[tuple[str, int, int], ...]:
+    """The planner's FSDP over `n` workers: one unit per block (BlockWrap), resharded after forward; with the
+    trainer clipping (`clip`), FSDP also all-reduces the global norm once a step."""
+    traffic = unit_traffic(plan_units(model, BlockWrap())[1], n, reshard_after_forward=True)
+    return tuple(traffic + ([("fsdp_grad_norm", 4, 4)] if clip else []))
 
 
 def job_config(overrides: dict | JobConfig) -> JobConfig:
@@ -176,6 +185,34 @@ class Profiler:
             return profile_step(
                 trainer, batch, steps=steps, threads=cfg.world.threads, settings=settings, refresh=self.refresh
             )
+
+    def local_work(self, cands: list[Candidate], prof: Profile) -> list[Candidate]:
+        """The flat candidates with their strategy's measured local work per step (local_s): its step between 2
+        processes here beyond the plain step (plan.flat_step), less what the cost model gives its collectives and
+        synchronisation between 2 workers on the loopback probe's link."""
+        flat = [c for c in cands if c.outer is None and c.inner in FLAT]
+        if not flat:
+            return cands
+        loopback = probe_link()
+        local = {}
+        for c in flat:
+            with torch.random.fork_rng():
+                extra, _ = cached_seconds(
+                    prof,
+                    f"{c.inner}|local work x{PROCESSES}",
+                    partial(flat_step_extra, self.cfg, c.inner, self.cfg.world.threads),
+                    threads=self.cfg.world.threads,
+                    refresh=self.refresh,
+                )
+            two = (
+                c
+                if c.inner != "fsdp"
+                else dataclasses.replace(
+                    c, fsdp_traffic=fsdp_traffic(self.task.model, PROCESSES, self.cfg.train.grad_clip > 0)
+                )
+            )
+            local[c.label] = max(extra - exposed_seconds(two, prof, PROCESSES, loopback), 0.0)
+        return [dataclasses.replace(c, local_s=local[c.label]) if c.label in local else c for c in cands]
 
     def rounds(self, cands: list[Candidate], prof: Profile, islands: int = 1) -> list[Candidate]:
         """The candidates with each outer strategy's measured local work per round (round_s) and what combining
@@ -257,7 +294,7 @@ def plan(
         notes = []
     if not cands:
         raise PlanError("no strategy applies to this job: give --strategy ddp, zero1 or fsdp for one island")
-    cands = profiler.rounds(cands, prof, topo.islands)
+    cands = profiler.local_work(profiler.rounds(cands, prof, topo.islands), prof)
     budget = int(budget_mb * 1e6)
     preds = ranked([predict(c, prof, topo, inside, cross, budget) for c in cands])
 

@@ -76,6 +76,8 @@ class Candidate:
     outer: OuterStrategy | None = None
     fsdp_traffic: tuple[tuple[str, int, int], ...] = ()  # (kind, sent, received) per step, for inner fsdp
     fsdp_state: dict = field(default_factory=dict)  # state_bytes_per_rank for inner fsdp
+    end_bytes: int = 0  # sent once at a run's end (fsdp: gathering the full model for its final evaluation)
+    local_s: float = 0.0  # a flat strategy's measured local work per step beyond the plain step (plan.flat_step)
     round_s: float = 0.0  # the outer strategy's measured local work per round (profile.round_seconds)
     gather_s: float = 0.0  # its exchange's extra local work per round for every island's payload (plan.gathered)
 
@@ -219,6 +221,11 @@ def _inner(
     return b, (t + prof.straggler_s(n) if b else t), mem
 
 
+def exposed_seconds(c: Candidate, prof: Profile, n: int, link: Link) -> float:
+    """What the cost model gives a flat candidate's step for its collectives and synchronisation over n workers."""
+    return _inner(c, prof, n, link)[1]
+
+
 def _inner_comm(c: Candidate, prof: Profile, n: int, link: Link) -> tuple[int, float, dict[str, int]]:
     g = prof.grad_bytes
     mem = {"params": prof.param_bytes, "grads": g, "optimizer": prof.optimizer_bytes}
@@ -238,11 +245,16 @@ def _inner_comm(c: Candidate, prof: Profile, n: int, link: Link) -> tuple[int, f
         return g + sent, t, mem
     if c.inner == "fsdp":
         sent = sum(s for _, s, _ in c.fsdp_traffic)
-        t = sum(link.seconds("all_gather" if "gather" in k else "reduce_scatter", n, s) for k, s, _ in c.fsdp_traffic)
+        t = sum(link.seconds(fsdp_kind(k), n, s) for k, s, _ in c.fsdp_traffic)
         if c.fsdp_state:
             mem = {k: int(c.fsdp_state[k]) for k in ("params", "grads", "optimizer")}
         return sent, t, mem
     raise ValueError(f"unknown inner strategy {c.inner!r}; one of {', '.join(INNER)}")
+
+
+def fsdp_kind(kind: str) -> str:
+    """The probe's collective for one of FSDP's ledger kinds (its gathers, its scatters; the clip norm's all-reduce)."""
+    return "all_gather" if "gather" in kind else "reduce_scatter" if "scatter" in kind else "all_reduce"
 
 
 def _outer_memory(outer: DiLoCo, prof: Profile) -> int:
@@ -286,14 +298,14 @@ def predict(
     if c.outer is None:  # a flat strategy over every worker; across islands its ring runs over the cross link
         n, link = topo.workers, (cross if topo.islands > 1 else inside)
         per_step, t_in, mem = _inner(c, prof, n, link)
-        extra, round_steps, bytes_exact, strategy_t = mem.get("strategy", 0), 1, True, 0.0
+        extra, round_steps, bytes_exact, strategy_t = mem.get("strategy", 0), 1, True, c.local_s
         if topo.islands > 1:  # every byte crosses the islands' link
             inside_t, inside_b, cross_t, cross_round = 0.0, 0, t_in, per_step
         else:
             inside_t, inside_b, cross_t, cross_round = t_in, per_step, 0.0, 0
 
         def run_bytes(steps: int) -> int:
-            return steps * per_step
+            return steps * per_step + c.end_bytes
 
     else:
         if not isinstance(c.outer, DiLoCo):
@@ -341,6 +353,12 @@ def predict(
         "memory": "parameters, gradients, optimizer state counted after a profiled step (islands.memory); "
         "activations: the profiled saved-for-backward peak",
         "bytes": "the ledger's formulas (islands.plan.costs)",
+        "strategy's local work": (
+            f"{c.inner}'s own work per step (hooks, copies, its optimizer step), measured between 2 processes here "
+            f"less its predicted loopback collectives: {c.local_s * 1e3:.2f} ms"
+            if c.outer is None
+            else "none beyond the profiled step"
+        ),
         "outer round": (
             f"its local work timed on this model (outer step, compression of the real vector): "
             f"{c.round_s * 1e3:.2f} ms per round over {round_steps} steps, and combining {topo.islands} "
