@@ -53,6 +53,12 @@ def _local_rows(shape, n: int, rank: int) -> int:
     return max(0, min(chunk, rows_of(shape) - rank * chunk))
 
 
+def eval_gather_bytes(shapes, n: int, param_bytes: int = 4) -> int:
+    """What one rank sends to assemble the full model for an evaluation or a checkpoint (ShardedFSDP.eval_model): its
+    slice of every parameter, padded to ceil(rows / n) rows, once per parameter."""
+    return sum(math.ceil(rows_of(s) / n) * _row_numel(s) * param_bytes for s in shapes) if n > 1 else 0
+
+
 def plan_units(model: nn.Module, policy: WrapPolicy) -> tuple[list[list[nn.Module]], list[Unit]]:
     """The module groups a policy asks for, and the units they make (root last), before any sharding."""
     groups = policy.groups(model)

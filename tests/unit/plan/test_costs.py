@@ -89,3 +89,12 @@ def test_combining_every_islands_payload_adds_to_the_rounds_local_work():
     p = predict(c, _profile(), Topology(4, 4), LINK, LINK)
     assert p.strategy_s == pytest.approx(0.008 / 50)
     assert "combining 4 islands' payloads rather than one: 3.00 ms more" in p.inputs["outer round"]
+
+
+def test_a_flat_strategys_measured_local_work_is_paid_every_step():
+    topo = Topology(workers=2, islands=1)
+    plain = predict(Candidate("ddp", "ddp"), _profile(), topo, LINK, LINK)
+    busy = predict(Candidate("ddp", "ddp", local_s=0.004), _profile(), topo, LINK, LINK)
+    assert busy.strategy_s == pytest.approx(0.004)
+    assert busy.step_s == pytest.approx(plain.step_s + 0.004)
+    assert busy.inside_comm_s == plain.inside_comm_s  # the link's part is unchanged
