@@ -77,7 +77,7 @@ class Candidate:
     fsdp_traffic: tuple[tuple[str, int, int], ...] = ()  # (kind, sent, received) per step, for inner fsdp
     fsdp_state: dict = field(default_factory=dict)  # state_bytes_per_rank for inner fsdp
     end_bytes: int = 0  # sent once at a run's end (fsdp: gathering the full model for its final evaluation)
-    local_s: float = 0.0  # a flat strategy's measured local work per step beyond the plain step (plan.flat_step)
+    local_s: float | None = None  # a flat strategy's measured local work per step (plan.flat_step); None: unmeasured
     round_s: float = 0.0  # the outer strategy's measured local work per round (profile.round_seconds)
     gather_s: float = 0.0  # its exchange's extra local work per round for every island's payload (plan.gathered)
 
@@ -221,6 +221,17 @@ def _inner(
     return b, (t + prof.straggler_s(n) if b else t), mem
 
 
+def _local_words(c: Candidate) -> str:
+    if c.outer is not None or c.inner == "single":
+        return "none beyond the profiled step (an outer strategy's is its round's, below)"
+    if c.local_s is None:
+        return f"{c.inner}'s own work per step not measured (plan.flat_step measures it on the CPU only)"
+    return (
+        f"{c.inner}'s own work per step (hooks, copies, its optimizer step), measured between 2 processes here less "
+        f"its predicted loopback collectives: {c.local_s * 1e3:.2f} ms"
+    )
+
+
 def exposed_seconds(c: Candidate, prof: Profile, n: int, link: Link) -> float:
     """What the cost model gives a flat candidate's step for its collectives and synchronisation over n workers."""
     return _inner(c, prof, n, link)[1]
@@ -298,7 +309,7 @@ def predict(
     if c.outer is None:  # a flat strategy over every worker; across islands its ring runs over the cross link
         n, link = topo.workers, (cross if topo.islands > 1 else inside)
         per_step, t_in, mem = _inner(c, prof, n, link)
-        extra, round_steps, bytes_exact, strategy_t = mem.get("strategy", 0), 1, True, c.local_s
+        extra, round_steps, bytes_exact, strategy_t = mem.get("strategy", 0), 1, True, c.local_s or 0.0
         if topo.islands > 1:  # every byte crosses the islands' link
             inside_t, inside_b, cross_t, cross_round = 0.0, 0, t_in, per_step
         else:
@@ -353,12 +364,7 @@ def predict(
         "memory": "parameters, gradients, optimizer state counted after a profiled step (islands.memory); "
         "activations: the profiled saved-for-backward peak",
         "bytes": "the ledger's formulas (islands.plan.costs)",
-        "strategy's local work": (
-            f"{c.inner}'s own work per step (hooks, copies, its optimizer step), measured between 2 processes here "
-            f"less its predicted loopback collectives: {c.local_s * 1e3:.2f} ms"
-            if c.outer is None
-            else "none beyond the profiled step"
-        ),
+        "strategy's local work": _local_words(c),
         "outer round": (
             f"its local work timed on this model (outer step, compression of the real vector): "
             f"{c.round_s * 1e3:.2f} ms per round over {round_steps} steps, and combining {topo.islands} "

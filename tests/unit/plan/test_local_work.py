@@ -50,6 +50,12 @@ def test_local_work_is_never_negative_and_cached(monkeypatch):
     assert measured == ["ddp", "fsdp"]
 
 
+def test_local_work_is_measured_on_the_cpu_only(monkeypatch):
+    profiler, prof, cands, measured = _setup(monkeypatch, {"ddp": 0.02, "fsdp": 0.05})
+    profiler.device = "cuda"
+    assert [c.local_s for c in profiler.local_work(cands, prof)] == [None, None] and measured == []
+
+
 def test_outer_candidates_have_no_flat_local_work(monkeypatch):
     profiler, prof, _, measured = _setup(monkeypatch, {})
     cfg = job_config({"task": "digits", "workers": 2, "islands": 2})
