@@ -211,6 +211,19 @@ def _nth_element_row(row, k, v, p, off_lo, off_hi):
 
 
 @_kernel
+def _topk_row(row, k, v, p, off_lo, off_hi, idx_out, val_out):
+    """One row of `topk_rows`: torch.topk's indices of its k largest magnitudes into idx_out (k,), values into
+    val_out; v, p, off_lo, off_hi are scratch (row length, row length, _BLOCK, _BLOCK)."""
+    if k * 64 <= row.size:
+        _partial_sort_row(row, k, v, p)
+    else:
+        _nth_element_row(row, k, v, p, off_lo, off_hi)
+    for j in range(k):
+        idx_out[j] = p[j]
+        val_out[j] = row[p[j]]
+
+
+@_kernel
 def topk_rows(rows, k, idx_out, val_out):
     """torch.topk(rows.abs(), k, dim=1, sorted=False).indices into idx_out (R, k) and the rows' signed values
     at them into val_out (R, k): the same indices in the same order, the CPU's algorithm replayed."""
@@ -219,16 +232,8 @@ def topk_rows(rows, k, idx_out, val_out):
     p = np.empty(n, np.int64)
     off_lo = np.empty(_BLOCK, np.int64)
     off_hi = np.empty(_BLOCK, np.int64)
-    partial = k * 64 <= n
     for r in range(rows.shape[0]):
-        row = rows[r]
-        if partial:
-            _partial_sort_row(row, k, v, p)
-        else:
-            _nth_element_row(row, k, v, p, off_lo, off_hi)
-        for j in range(k):
-            idx_out[r, j] = p[j]
-            val_out[r, j] = row[p[j]]
+        _topk_row(rows[r], k, v, p, off_lo, off_hi, idx_out[r], val_out[r])
 
 
 @njit(inline="always")
@@ -284,29 +289,34 @@ def nibbles_decode(wire, offset, factor, out):
 
 @_kernel
 def _kth_largest(u, m, r):
-    """The r-th largest (1-based) of u[0:m], u reordered in place (Hoare quickselect, middle pivot)."""
-    lo, hi, want = 0, m - 1, r - 1  # position of the answer in descending order
-    while lo < hi:
-        pivot = u[(lo + hi) // 2]
-        i, j = lo, hi
-        while i <= j:
-            while u[i] > pivot:
-                i += 1
-            while u[j] < pivot:
-                j -= 1
-            if i <= j:
-                t = u[i]
-                u[i] = u[j]
-                u[j] = t
-                i += 1
-                j -= 1
-        if want <= j:
-            hi = j
-        elif want >= i:
+    """The r-th largest (1-based) of u[0:m], u reordered in place: quickselect with a middle pivot whose partition
+    has no data-dependent branch (Lomuto's scan, every element swapped, the boundary moved by the compare), since
+    on random magnitudes Hoare's scans mispredict about every other step, which cost 1.7x the time. The values
+    equal to a pivot that is the largest left are split off in a second such scan, so ties cannot make it
+    quadratic."""
+    lo, hi, want = 0, m, r - 1  # u[lo:hi] holds the answer, at `want` in descending order
+    while hi - lo > 1:
+        pivot = u[(lo + hi) >> 1]
+        i = lo
+        for j in range(lo, hi):  # u[lo:i] > pivot >= u[i:j]
+            x = u[j]
+            u[j] = u[i]
+            u[i] = x
+            i += x > pivot
+        if want < i:
+            hi = i
+        elif i > lo:
             lo = i
-        else:
-            return u[want]
-    return u[want]
+        else:  # nothing above the pivot: the values equal to it first
+            for j in range(i, hi):
+                x = u[j]
+                u[j] = u[i]
+                u[i] = x
+                i += x == pivot
+            if want < i:
+                return pivot
+            lo = i
+    return u[lo]
 
 
 # threshold_rows' first guess: every 16th magnitude of a row, and a rank among them that leaves about twice k
@@ -328,6 +338,67 @@ def _exponent_floor(row, k, hist):
     return np.uint32(b) << np.uint32(23)
 
 
+_MAGNITUDE = np.uint32(0x7FFFFFFF)  # an fp32's bits without the sign
+_INF = np.uint32(0x7F800000)  # the magnitude bits of Inf; a NaN's are larger
+
+
+@_kernel
+def _threshold_row(rowf, row, k, by_value, idx_out, val_out, hist, cand, work):
+    """One row of `threshold_rows` (rowf the fp32 row, row its uint32 view; idx_out, val_out (k,)); True when the
+    row must be replayed (a NaN, or ties that decide the result), its outputs then left unfinished. hist (256),
+    cand (int64) and work (uint32) of the row's length are scratch. The loops over the row and over the candidates
+    are branch-free (appends whose end moves by the compare)."""
+    n = row.size
+    samples = n // _STRIDE
+    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
+    if samples >= 64:
+        for i in range(samples):
+            work[i] = row[i * _STRIDE] & _MAGNITUDE
+        floor = _kth_largest(work, samples, rank)
+    else:
+        floor = _exponent_floor(row, k, hist)
+    while True:
+        m = 0
+        for j in range(n):  # positions of every magnitude >= floor, ascending
+            cand[m] = j
+            m += (row[j] & _MAGNITUDE) >= floor
+        # a NaN's magnitude bits exceed every number's, so a row's NaN is a candidate unless the floor is a NaN
+        worst = floor
+        for i in range(m):
+            mag = row[cand[i]] & _MAGNITUDE
+            work[i] = mag
+            worst = max(worst, mag)
+        if worst > _INF:
+            return True
+        if m >= k:
+            break
+        floor = _exponent_floor(row, k, hist)  # the guess was too high: the histogram's floor is safe
+    t = _kth_largest(work, m, k)
+    kept = 0
+    for i in range(m):  # the candidates >= t, ascending, compacted in place (kept <= i)
+        j = cand[i]
+        cand[kept] = j
+        kept += (row[j] & _MAGNITUDE) >= t
+    if kept > k:  # more than k at or above t: a tie across the k-th place
+        return True
+    for i in range(k):
+        idx_out[i] = cand[i]
+    if by_value:  # insertion sort by magnitude, larger first (k is small here: 64 k <= n)
+        for i in range(1, k):
+            j = idx_out[i]
+            mag = row[j] & _MAGNITUDE
+            q = i
+            while q > 0 and (row[idx_out[q - 1]] & _MAGNITUDE) < mag:
+                idx_out[q] = idx_out[q - 1]
+                q -= 1
+            if q > 0 and (row[idx_out[q - 1]] & _MAGNITUDE) == mag:
+                return True  # equal magnitudes among the k: their order is partial_sort's
+            idx_out[q] = j
+    for i in range(k):
+        val_out[i] = rowf[idx_out[i]]
+    return False
+
+
 @_kernel
 def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
     """The k largest magnitudes of each row by a threshold: a guess from a strided sample (or, when too few pass
@@ -341,56 +412,45 @@ def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
     `topk_rows` (torch's own tie order). `bits` is `rows` viewed as uint32 (the magnitude is bits & 0x7fffffff)."""
     n = rows.shape[1]
     hist = np.zeros(256, np.int64)
-    cand_pos = np.empty(n, np.int64)
-    cand_mag = np.empty(n, np.uint32)
+    cand = np.empty(n, np.int64)
     work = np.empty(n, np.uint32)
-    samples = n // _STRIDE
-    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
     for r in range(rows.shape[0]):
-        row = bits[r]
-        if samples >= 64:
-            for i in range(samples):
-                work[i] = row[i * _STRIDE] & np.uint32(0x7FFFFFFF)
-            floor = _kth_largest(work, samples, rank)
+        replay[r] = _threshold_row(rows[r], bits[r], k, by_value, idx_out[r], val_out[r], hist, cand, work)
+
+
+# add_select_rows' selection: torch.topk's introselect replayed (topk_rows), or a threshold selection (threshold_rows)
+# with positions ascending or by magnitude
+REPLAY, ASCENDING, BY_VALUE = 0, 1, 2
+
+
+@_kernel
+def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, idx_out, val_out, replay):
+    """Error feedback's add and the chunked top-k in one pass over memory: row by row, out = residual + delta (fp32,
+    the add torch.add does), then that row's k selected as `topk_rows` (mode REPLAY) or `threshold_rows` (ASCENDING,
+    BY_VALUE; replay as there) would select them from out, while the row is still in cache. False, as soon as a
+    row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise. out_bits and
+    delta_bits are uint32 views of out and delta."""
+    n = residual.shape[1]
+    v = np.empty(n, np.float32)
+    p = np.empty(n, np.int64)
+    off_lo = np.empty(_BLOCK, np.int64)
+    off_hi = np.empty(_BLOCK, np.int64)
+    hist = np.zeros(256, np.int64)
+    cand = np.empty(n, np.int64)
+    work = np.empty(n, np.uint32)
+    for r in range(residual.shape[0]):
+        a = residual[r]
+        d = delta[r]
+        db = delta_bits[r]
+        o = out[r]
+        worst = np.uint32(0)
+        for j in range(n):
+            o[j] = a[j] + d[j]
+            worst = max(worst, db[j] & _MAGNITUDE)
+        if worst >= _INF:  # Inf or NaN in delta
+            return False
+        if mode == REPLAY:
+            _topk_row(o, k, v, p, off_lo, off_hi, idx_out[r], val_out[r])
         else:
-            floor = _exponent_floor(row, k, hist)
-        nan = False
-        while True:
-            m = 0
-            for j in range(n):  # every magnitude >= floor, positions ascending (branch-free append)
-                mag = row[j] & np.uint32(0x7FFFFFFF)
-                nan |= mag > np.uint32(0x7F800000)
-                cand_pos[m] = j
-                cand_mag[m] = mag
-                m += mag >= floor
-            if m >= k or nan:
-                break
-            floor = _exponent_floor(row, k, hist)  # the guess was too high: the histogram's floor is safe
-        if nan:
-            replay[r] = True
-            continue
-        work[:m] = cand_mag[:m]
-        t = _kth_largest(work, m, k)
-        kept = 0
-        for i in range(m):
-            if cand_mag[i] >= t:
-                if kept == k:  # more than k at or above t: a tie across the k-th place
-                    replay[r] = True
-                    break
-                idx_out[r, kept] = cand_pos[i]
-                kept += 1
-        if replay[r]:
-            continue
-        if by_value:  # insertion sort by magnitude, larger first (k is small here: 64 k <= n)
-            for i in range(1, k):
-                j = idx_out[r, i]
-                mag = row[j] & np.uint32(0x7FFFFFFF)
-                q = i
-                while q > 0 and (row[idx_out[r, q - 1]] & np.uint32(0x7FFFFFFF)) < mag:
-                    idx_out[r, q] = idx_out[r, q - 1]
-                    q -= 1
-                if q > 0 and (row[idx_out[r, q - 1]] & np.uint32(0x7FFFFFFF)) == mag:
-                    replay[r] = True  # equal magnitudes among the k: their order is partial_sort's
-                idx_out[r, q] = j
-        for i in range(k):
-            val_out[r, i] = rows[r, idx_out[r, i]]
+            replay[r] = _threshold_row(o, out_bits[r], k, mode == BY_VALUE, idx_out[r], val_out[r], hist, cand, work)
+    return True

@@ -40,7 +40,16 @@ import torch
 from torch import Tensor
 
 from islands.compress import elias_fano, pages
-from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, cpu_kernels, numel_of
+from islands.compress.base import (
+    Agreed,
+    Combine,
+    CompressorBase,
+    Payload,
+    as_fp32,
+    cpu_kernels,
+    non_finite_error,
+    numel_of,
+)
 from islands.compress.bits import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
 
 BITS = (2, 4, 8, 32)
@@ -91,8 +100,8 @@ def topk_rows(rows: Tensor, k: int, ascending: bool = False) -> tuple[Tensor, Te
     rows = rows.contiguous()
     idx = torch.empty(rows.shape[0], k, dtype=torch.int64)
     vals = torch.empty(rows.shape[0], k, dtype=torch.float32)
-    by_value = k * 64 <= rows.shape[1]
-    if not (ascending or by_value):
+    mode = _route(kernels, k, rows.shape[1], ascending)
+    if mode == kernels.REPLAY:
         kernels.topk_rows(rows.numpy(), k, idx.numpy(), vals.numpy())
         return idx, vals
     replay = torch.zeros(rows.shape[0], dtype=torch.bool)
@@ -100,22 +109,37 @@ def topk_rows(rows: Tensor, k: int, ascending: bool = False) -> tuple[Tensor, Te
         rows.numpy(),
         rows.numpy().view("uint32"),
         k,
-        by_value and not ascending,
+        mode == kernels.BY_VALUE,
         idx.numpy(),
         vals.numpy(),
         replay.numpy(),
     )
-    if replay.any():
-        which = replay.nonzero().view(-1)
-        sub = rows[which]
-        sub_idx = torch.empty(which.numel(), k, dtype=torch.int64)
-        sub_vals = torch.empty(which.numel(), k, dtype=torch.float32)
-        kernels.topk_rows(sub.numpy(), k, sub_idx.numpy(), sub_vals.numpy())
-        if ascending:
-            sub_idx, order = sub_idx.sort(dim=1)
-            sub_vals = sub_vals.gather(1, order)
-        idx[which], vals[which] = sub_idx, sub_vals
+    _replay_rows(kernels, rows, k, ascending, idx, vals, replay)
     return idx, vals
+
+
+def _route(kernels, k: int, length: int, ascending: bool) -> int:
+    """Which CPU selection gives torch's result for rows of `length` keeping k: a threshold selection where the
+    magnitudes alone decide it (ascending, or torch's partial_sort regime, 64 k <= length, ordered by magnitude),
+    else the replay of torch's introselect."""
+    if ascending:
+        return kernels.ASCENDING
+    return kernels.BY_VALUE if k * 64 <= length else kernels.REPLAY
+
+
+def _replay_rows(kernels, rows: Tensor, k: int, ascending: bool, idx: Tensor, vals: Tensor, replay: Tensor) -> None:
+    """Fill the rows a threshold selection left to torch's order (a NaN, or ties that decide the result)."""
+    if not replay.any():
+        return
+    which = replay.nonzero().view(-1)
+    sub = rows[which]
+    sub_idx = torch.empty(which.numel(), k, dtype=torch.int64)
+    sub_vals = torch.empty(which.numel(), k, dtype=torch.float32)
+    kernels.topk_rows(sub.numpy(), k, sub_idx.numpy(), sub_vals.numpy())
+    if ascending:
+        sub_idx, order = sub_idx.sort(dim=1)
+        sub_vals = sub_vals.gather(1, order)
+    idx[which], vals[which] = sub_idx, sub_vals
 
 
 def _dequantise(codes: Tensor, scale: Tensor, bits: int) -> Tensor:
@@ -268,6 +292,10 @@ class TopKQ(CompressorBase):
                 tensor.dtype,
             )
         pos, vals = self.select(y)
+        return self._encode(pos, vals, n, tensor)
+
+    def _encode(self, pos: list[Tensor], vals: list[Tensor], n: int, tensor: Tensor) -> Payload:
+        """The payload of the selected rows (`select`'s lists) of a coefficient vector of n values of `tensor`."""
         index = self._pack_positions(pos, n)
         if self.bits == 32:
             sent = torch.cat([v.reshape(-1) for v in vals]).contiguous()
@@ -285,6 +313,51 @@ class TopKQ(CompressorBase):
             if len(rows) == 2:  # the tail chunk's row comes after the full ones
                 rows[1] += pos[0].shape[0] * g
             self._sent = (payload, torch.cat([(p + r).reshape(-1) for p, r in zip(pos, rows)]), sent)
+        return payload
+
+    # -- error feedback's add in the selection's pass (AddsResidual) --------------------------------------------
+    def adds_residual(self, delta: Tensor, decay: float) -> bool:
+        """True where compress_residual can run: top-k on the values themselves (no transform), residual weight 1
+        (a decayed add is torch's fused multiply-add, which the compiled loop does not promise to round alike),
+        a non-empty contiguous fp32 CPU delta and the compiled kernels."""
+        return (
+            self.sparse_in_place
+            and decay == 1.0
+            and delta.dtype == torch.float32
+            and delta.numel() > 0
+            and delta.is_contiguous()
+            and cpu_kernels(delta) is not None
+        )
+
+    def compress_residual(self, residual: Tensor, delta: Tensor, out: Tensor, state: dict) -> Payload:
+        """compress(residual + delta), with x = residual + delta written into `out` chunk by chunk and each chunk's
+        top k selected while it is in cache (one pass over memory where the add, the finiteness check and the
+        selection took three); `out` is then x - decompress(payload), what error feedback keeps. Bit for bit the
+        payload and residual of torch.add + compress + subtract_sent. NonFiniteGradientError (residual untouched,
+        out partly written) when delta holds a NaN or Inf."""
+        kernels = cpu_kernels(delta)
+        n = delta.numel()
+        g, full, k, tail, k_tail = self.layout(n)
+        flat = [t.reshape(-1) for t in (residual, delta, out)]
+        ascending = self.index == "elias-fano" or self.order == "ascending"
+        pos, vals = [], []
+        for start, count, length, kk in ((0, full, g, k), (full * g, 1, tail, k_tail)):
+            if not count * length:
+                continue
+            r, d, o = (t[start : start + count * length].view(count, length) for t in flat)
+            idx = torch.empty(count, kk, dtype=torch.int64)
+            val = torch.empty(count, kk, dtype=torch.float32)
+            replay = torch.zeros(count, dtype=torch.bool)
+            dn, on = d.numpy(), o.numpy()
+            mode = _route(kernels, kk, length, ascending)
+            args = (r.numpy(), dn, dn.view("uint32"), on, on.view("uint32"), kk, mode)
+            if not kernels.add_select_rows(*args, idx.numpy(), val.numpy(), replay.numpy()):
+                raise non_finite_error(state.get("_name", "tensor"), delta)
+            _replay_rows(kernels, o, kk, ascending, idx, val, replay)
+            pos.append(idx)
+            vals.append(val)
+        payload = self._encode(pos, vals, n, delta)
+        self.subtract_sent(out, payload)  # in place: the K sent entries
         return payload
 
     def entries(self, payload: Payload) -> tuple[Tensor, Tensor]:
