@@ -454,3 +454,51 @@ def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, idx_out
         else:
             replay[r] = _threshold_row(o, out_bits[r], k, mode == BY_VALUE, idx_out[r], val_out[r], hist, cand, work)
     return True
+
+
+@njit(inline="always")
+def _field(packed, offset, width):
+    """The `width`-bit field at bit `offset` of a pack_uint stream (least significant bit first)."""
+    first = offset >> 3
+    shift = offset & 7
+    word = np.uint64(0)
+    for q in range((shift + width + 7) >> 3):
+        word |= np.uint64(packed[first + q]) << np.uint64(8 * q)
+    return (word >> np.uint64(shift)) & np.uint64((1 << width) - 1)
+
+
+@_kernel
+def decode_topkq(index, width, codes, bits, scales, values, kept, length, k, full, out, add):
+    """Every payload (row p of each 2-D argument, index=fixed) of one topkq vector decoded into `out`, a chunk at a
+    time: the chunk zeroed, then each payload's entries for it written while it is in cache, payloads in row
+    order. A payload has `kept` entries: k for each of the `full` chunks of `length` values, then the tail's.
+    Entry e sits at position field(index[p], e) of its chunk with value (2 code - (2**bits - 1)) * its chunk's
+    scale (bits 2, 4, 8; the fp32 operations of _dequantise) or values[p, e] (bits 32). out[i] += v (`add`:
+    index_add_'s sums, in payload order, a payload's positions being distinct) or out[i] = v (one payload:
+    index_copy_). One write pass over out in place of a zero fill, the unpacking, dequantising and index
+    arithmetic of `TopKQ.entries` and a scattered write. False, out partly written, at a position past its
+    chunk (a damaged payload)."""
+    n = out.size
+    top = np.float32(2**bits - 1)
+    chunks = full + (1 if n > full * length else 0)
+    for r in range(chunks):
+        lo = r * length
+        hi = min(lo + length, n)
+        out[lo:hi] = 0.0
+        first = r * k
+        last = first + k if r < full else kept  # the tail chunk's entries are the last ones
+        for p in range(index.shape[0]):
+            for e in range(first, last):
+                i = lo + np.int64(_field(index[p], e * width, width))
+                if i >= hi:
+                    return False
+                if bits == 32:
+                    v = values[p, e]
+                else:
+                    code = np.float32(_field(codes[p], e * bits, bits))
+                    v = np.float32(np.float32(2.0) * code - top) * scales[p, r]
+                if add:
+                    out[i] += v
+                else:
+                    out[i] = v
+    return True

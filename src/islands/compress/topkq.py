@@ -394,23 +394,51 @@ class TopKQ(CompressorBase):
         x.view(-1).index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
         return x
 
+    def _decode_into(self, payloads: list[Payload], n: int, add: bool) -> Tensor:
+        """A fresh fp32 vector of n values holding the payloads' entries, in payload order: added (`add`; the sum of
+        the decoded payloads) or, for one payload, copied. On the CPU with index=fixed one compiled pass writes
+        each chunk zeroed and then its entries (kernels.decode_topkq), the same bits as zeros + index_add_ /
+        index_copy_, which run elsewhere (and for a payload whose sizes or positions are not a vector of n's)."""
+        device = payloads[0].tensors[0].device if payloads[0].tensors else None
+        kernels = cpu_kernels(payloads[0].tensors[0]) if self.index == "fixed" and n and payloads[0].tensors else None
+        if kernels is not None and all(self._well_formed(p, n) for p in payloads):
+            out = pages.empty(n, device=device)  # every value written by the kernel's chunk-by-chunk zero fill
+            g, full, k, _, _ = self.layout(n)
+            rows = [torch.stack([p.tensors[i] for p in payloads]) for i in range(len(payloads[0].tensors))]
+            codes, scales, values = (
+                (rows[0], torch.zeros(1, 1), rows[1]) if self.bits == 32 else (rows[1], rows[2], torch.zeros(1, 1))
+            )
+            args = (rows[0].numpy(), self.index_bits(n), codes.numpy(), self.bits, scales.numpy(), values.numpy())
+            if kernels.decode_topkq(*args, self.kept(n)[0], g, k, full, out.numpy(), add):
+                return out
+        out = pages.zeros(n, device=device)
+        for p in payloads:
+            where, vals = self.entries(p)
+            (out.index_add_ if add else out.index_copy_)(0, where, vals)
+        return out
+
+    def _well_formed(self, payload: Payload, n: int) -> bool:
+        """Whether the payload's tensors have the sizes and dtypes a vector of n values gives (the compiled
+        scatter reads them unchecked)."""
+        kept, chunks = self.kept(n)
+        want = [(torch.uint8, self.index_nbytes(n))] + (
+            [(torch.float32, kept)]
+            if self.bits == 32
+            else [(torch.uint8, packed_nbytes(kept, self.bits)), (torch.float32, chunks)]
+        )
+        return len(payload.tensors) == len(want) and all(
+            t.dtype == d and t.numel() == m for t, (d, m) in zip(payload.tensors, want)
+        )
+
     def decompress(self, payload: Payload) -> Tensor:
         numel = numel_of(payload.shape)
-        where, values = self.entries(payload)
-        y = pages.zeros(self.coeff_count(numel), device=values.device)
-        y.index_copy_(0, where, values)  # distinct positions: a copy, not an accumulation
+        y = self._decode_into([payload], self.coeff_count(numel), add=False)  # distinct positions: a copy
         return self.inverse(y, numel).reshape(payload.shape).to(payload.dtype)
 
     def sum_gathered(self, payloads: list[Payload]) -> Tensor:
         """The sum of every rank's decoded payload, fp32, in the coefficient domain: each rank's K entries
         added in rank order (the same bits as adding the dense decoded vectors, on every rank)."""
-        first = payloads[0]
-        n = self.coeff_count(numel_of(first.shape))
-        acc = pages.zeros(n, device=first.tensors[0].device if first.tensors else None)
-        for p in payloads:
-            where, values = self.entries(p)
-            acc.index_add_(0, where, values)
-        return acc
+        return self._decode_into(payloads, self.coeff_count(numel_of(payloads[0].shape)), add=True)
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         first = payloads[0]
