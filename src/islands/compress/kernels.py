@@ -502,3 +502,23 @@ def decode_topkq(index, width, codes, bits, scales, values, kept, length, k, ful
                 else:
                     out[i] = v
     return True
+
+
+@_kernel
+def pack_fields(values, width, out):
+    """bits.pack_uint's bytes into out (ceil(n width / 8) bytes, each written): value i's low `width` bits at bit
+    i * width, least significant first, one pass instead of a whole-buffer op per byte a field can touch."""
+    mask = np.uint64((1 << width) - 1)
+    acc = np.uint64(0)  # bits not yet stored, the oldest lowest
+    have = 0
+    o = 0
+    for i in range(values.size):
+        acc |= (np.uint64(values[i]) & mask) << np.uint64(have)
+        have += width
+        while have >= 8:
+            out[o] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+            have -= 8
+            o += 1
+    if have > 0:
+        out[o] = np.uint8(acc & np.uint64(0xFF))
