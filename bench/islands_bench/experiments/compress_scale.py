@@ -44,7 +44,7 @@ GOAL_SPECS = ("topkq:ratio=0.0215,bits=2", "topkq:ratio=0.0215,bits=2,order=asce
 GOAL_GB_S = 1.0
 # the goal forms run a second time with error feedback's add, NaN check and selection as separate passes (the
 # path before AddsResidual; same bits), side by side with the one-pass default
-SEPARATE = " [ef separate passes]"
+SEPARATE = " (ef separate passes)"
 
 
 def _best(fn, repeats: int, sync) -> tuple[float, float]:
