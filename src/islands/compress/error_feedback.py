@@ -9,6 +9,8 @@ nothing) it keeps a residual r in fp32:
                               rounding: |sent + r - x| <= 2^-23 (|sent| + |x|) per entry
 With momentum m > 0 (DGC momentum correction) g is replaced by u = m u + g, and u is zeroed where
 the compressor sent something (momentum factor masking), so the optimizer must run without momentum.
+A compressor that is an AddsResidual (topkq) forms x itself inside its own pass over the vector, where there is no
+momentum or clipping (`fuse`, on by default; the same bits either way).
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ bit for bit the dense sum of the decoded payloads), then divides by the rank cou
 Error feedback is on by default (`ef=1`), with an optional `decay` of the residual (SparseLoCo decays
 its error-feedback buffer each round, which then stands in for DiLoCo's outer momentum):
     x = decay * residual + delta;  send Q(topk(x));  residual = x - decoded(sent).
+With decay 1 on an fp32 CPU vector TopKQ takes that add into its own pass (AddsResidual, compress_residual): each
+chunk is formed, checked for NaN/Inf and has its top k selected while it is in cache, the same bits as the
+separate passes.
 """
 
 from __future__ import annotations
