@@ -12,6 +12,13 @@ process's CPU time as well; `pays_below_gbit_s` is the link rate below which com
 sending n fp32 bytes raw takes 8 n / L s, compressed it takes t + 8 p / L (t compress + decode, p payload bytes),
 so compression pays on links slower than 8 (n - p) / t bit/s.
 
+Issue 34's goal forms (topkq 2-bit, positions in torch's order and ascending) run twice: as the outer strategies
+build them, where error feedback's add, its NaN check and the selection are one compiled pass (AddsResidual), and
+with those passes apart (ErrorFeedback(fuse=False), the path before it; the same bits), side by side in one run. On
+the CPU each pass of their round is also timed on its own (`passes`: NaN check, add, selection, the payload's
+encoding, the residual update, the one-pass compress, the decode; process CPU ms), so the result says where the time
+goes.
+
 Fresh tensors of this size cost page faults (a decoded 100M-value vector is 400 MB of new pages, more time than
 the decode's arithmetic). The sparse decoders allocate their dense output on 2 MB pages themselves
 (islands.compress.pages); torch's CPU allocator does so for every large tensor when THP_MEM_ALLOC_ENABLE=1 is set in
