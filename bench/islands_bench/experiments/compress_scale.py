@@ -12,6 +12,13 @@ process's CPU time as well; `pays_below_gbit_s` is the link rate below which com
 sending n fp32 bytes raw takes 8 n / L s, compressed it takes t + 8 p / L (t compress + decode, p payload bytes),
 so compression pays on links slower than 8 (n - p) / t bit/s.
 
+Issue 34's goal forms (topkq 2-bit, positions in torch's order and ascending) run twice: as the outer strategies
+build them, where error feedback's add, its NaN check and the selection are one compiled pass (AddsResidual), and
+with those passes apart (ErrorFeedback(fuse=False), the path before it; the same bits), side by side in one run. On
+the CPU each pass of their round is also timed on its own (`passes`: NaN check, add, selection, the payload's
+encoding, the residual update, the one-pass compress, the decode; process CPU ms), so the result says where the time
+goes.
+
 Fresh tensors of this size cost page faults (a decoded 100M-value vector is 400 MB of new pages, more time than
 the decode's arithmetic). The sparse decoders allocate their dense output on 2 MB pages themselves
 (islands.compress.pages); torch's CPU allocator does so for every large tensor when THP_MEM_ALLOC_ENABLE=1 is set in
@@ -26,7 +33,8 @@ import time
 
 import torch
 
-from islands.compress import Agreed, Combine, parse_compressor
+from islands.compress import Agreed, Combine, ErrorFeedback, parse_compressor
+from islands.compress.base import all_finite
 from islands_bench.harness import BenchContext, experiment
 
 SPECS = [
@@ -41,6 +49,9 @@ SPECS = [
 # issue 34's goal: topkq 2-bit >= 1 GB/s compress + decode at 100M values, one thread; judged for each of its forms
 GOAL_SPECS = ("topkq:ratio=0.0215,bits=2", "topkq:ratio=0.0215,bits=2,order=ascending")
 GOAL_GB_S = 1.0
+# the goal forms run a second time with error feedback's add, NaN check and selection as separate passes (the
+# path before AddsResidual; same bits), side by side with the one-pass default
+SEPARATE = " (ef separate passes)"
 
 
 def _best(fn, repeats: int, sync) -> tuple[float, float]:
@@ -56,8 +67,42 @@ def _best(fn, repeats: int, sync) -> tuple[float, float]:
     return wall, cpu
 
 
+def _build(label: str):
+    """The compressor a row's label names: its spec as the outer strategies build it, or (SEPARATE) with error
+    feedback's passes kept apart."""
+    if not label.endswith(SEPARATE):
+        return parse_compressor(label)
+    c = parse_compressor(label.removesuffix(SEPARATE))
+    return ErrorFeedback(c.inner, decay=c.decay, fuse=False)
+
+
+def _passes(spec: str, x: torch.Tensor, repeats: int) -> dict:
+    """Process CPU milliseconds of each pass of a topkq round with error feedback on x (CPU, one thread): the
+    separate passes (the NaN/Inf check, r + g, the selection, the payload's encoding from the selection, the
+    residual's K-entry update), the one-pass compress they fold into, and the decode."""
+    ef = parse_compressor(spec)
+    inner = ef.inner
+    residual = torch.zeros_like(x)
+    out = torch.empty_like(x)
+    st = ef.state("flat", x)
+    work = x.clone()
+    last: dict = {}
+    steps = {  # run in this order: residual_update uses the payload the last `encode` call made, as EF does
+        "nan_check": lambda: all_finite(x),
+        "add": lambda: torch.add(residual, x, out=out),
+        "select": lambda: inner.select(x),
+        "encode": lambda: last.__setitem__("p", inner.compress(x, {})),  # minus select, below
+        "residual_update": lambda: inner.subtract_sent(work, last["p"]),
+        "one_pass_compress": lambda: ef.compress(x, st),
+        "decode": lambda: ef.combine_gathered([last["p"]]),
+    }
+    ms = {name: 1e3 * _best(fn, repeats, lambda: None)[1] for name, fn in steps.items()}
+    ms["encode"] -= ms["select"]
+    return {"compressor": spec, "values": x.numel(), **{f"{k}_cpu_ms": round(v, 2) for k, v in ms.items()}}
+
+
 def _round(spec: str, x: torch.Tensor, repeats: int, sync) -> dict:
-    c = parse_compressor(spec)
+    c = _build(spec)
     st = c.state("flat", x)
     held: dict = {}
 
@@ -109,6 +154,7 @@ def compressor_scale(ctx: BenchContext) -> dict:
     sizes = [100_000] if ctx.smoke else [10_000_000, 100_000_000] if ctx.quick else [10**7, 10**8, 5 * 10**8]
     repeats = 1 if ctx.smoke else 3
     rows, copies = [], {}
+    passes: list[dict] = []
     for n in sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
         out = torch.empty_like(x)
@@ -116,12 +162,15 @@ def compressor_scale(ctx: BenchContext) -> dict:
         del out
         nbytes = 4 * n
         copies[n] = {"values": n, "seconds": wall, "gb_s": nbytes / wall / 1e9, "cpu_gb_s": nbytes / cpu / 1e9}
-        for spec in SPECS:
+        for spec in SPECS + [f"{g}{SEPARATE}" for g in GOAL_SPECS]:
             ctx.console.print(f"  {spec} on {n:,} values")
             row = _round(spec, x, repeats, sync)
             gc.collect()  # the compressor's state and the last payload and output go before the next one
             row["vs_memcpy"] = copies[n]["seconds"] / (row["compress_s"] + row["decode_s"])
             rows.append(row)
+        if not cuda:
+            passes.extend(_passes(spec, x, repeats) for spec in GOAL_SPECS)
+            gc.collect()
         del x
         gc.collect()
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
@@ -143,8 +192,24 @@ def compressor_scale(ctx: BenchContext) -> dict:
             f"issue 34's goal ({g['compressor']} compress + decode >= {GOAL_GB_S:g} GB/s at 100M values, one "
             f"thread): {met}, {g['both_gb_s']:.3f} GB/s wall, {g['both_cpu_gb_s']:.3f} GB/s of CPU time"
         )
+    by = {(r["compressor"], r["values"]): r for r in rows}
+    for spec in GOAL_SPECS:
+        for n in sizes:
+            one, apart = by[(spec, n)], by[(f"{spec}{SEPARATE}", n)]
+            headline.append(
+                f"{spec} at {n / 1e6:g}M, error feedback in one pass vs separate passes (same run, same bits): "
+                f"compress {one['compress_cpu_s'] * 1e3:.1f} vs {apart['compress_cpu_s'] * 1e3:.1f} ms of CPU time"
+            )
+    for p in passes:
+        headline.append(
+            f"where {p['compressor']}'s round goes at {p['values'] / 1e6:g}M (CPU ms): one-pass compress "
+            f"{p['one_pass_compress_cpu_ms']:.1f} + decode {p['decode_cpu_ms']:.1f}; as separate passes: NaN check "
+            f"{p['nan_check_cpu_ms']:.1f}, add {p['add_cpu_ms']:.1f}, selection {p['select_cpu_ms']:.1f}, encoding "
+            f"{p['encode_cpu_ms']:.1f}, residual update {p['residual_update_cpu_ms']:.1f}"
+        )
     return {
         "rows": rows,
+        "passes": passes,
         "memcpy": list(copies.values()),
         "headline": headline,
         "where": where,

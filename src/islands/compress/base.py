@@ -93,6 +93,23 @@ class Compressor(Protocol):
     def load_state_dict(self, state_dict: dict) -> None: ...
 
 
+@runtime_checkable
+class AddsResidual(Protocol):
+    """A compressor that takes error feedback's add into its own pass over the vector: given the residual r and
+    this round's delta g it compresses x = r + g, reading r and g once, and leaves x - decompress(payload) in a
+    buffer, bit for bit what ErrorFeedback's add, compress and subtract_sent give. Such a compressor agrees on
+    nothing before compressing (its `agree` is empty), so error feedback skips that step too."""
+
+    def adds_residual(self, delta: Tensor, decay: float) -> bool:
+        """Whether compress_residual takes this delta with the residual weighted by `decay`."""
+        ...
+
+    def compress_residual(self, residual: Tensor, delta: Tensor, out: Tensor, state: dict) -> Payload:
+        """The payload of compress(residual + delta); `out` (residual's shape, fp32) becomes x - sent.
+        NonFiniteGradientError, with `residual` untouched, when delta holds a NaN or Inf."""
+        ...
+
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -115,11 +132,16 @@ def all_finite(tensor: Tensor) -> bool:
 def check_finite(name: str, tensor: Tensor, where: str = "gradient") -> None:
     # Policy: raise, never skip. A NaN folded into an error-feedback residual poisons every later step.
     if not all_finite(tensor):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise NonFiniteGradientError(
-            f"{where} of {name!r} has {bad} NaN/Inf value(s) of {tensor.numel()}; refusing to compress "
-            "(fix the loss scale or skip the step before communication)"
-        )
+        raise non_finite_error(name, tensor, where)
+
+
+def non_finite_error(name: str, tensor: Tensor, where: str = "gradient") -> NonFiniteGradientError:
+    """The error for a tensor known to hold a NaN or Inf, counting them."""
+    bad = int((~torch.isfinite(tensor)).sum())
+    return NonFiniteGradientError(
+        f"{where} of {name!r} has {bad} NaN/Inf value(s) of {tensor.numel()}; refusing to compress "
+        "(fix the loss scale or skip the step before communication)"
+    )
 
 
 def cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from islands.compress.base import cpu_kernels
+
 
 def _weights(device) -> Tensor:
     return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
@@ -59,6 +61,11 @@ def pack_uint(values: Tensor, width: int) -> Tensor:
         return v.to(torch.uint8)
     n = v.numel()
     nbytes = packed_nbytes(n, width)
+    kernels = cpu_kernels(v)
+    if kernels is not None:  # one compiled pass, the same bytes
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        kernels.pack_fields(v.contiguous().numpy(), width, out.numpy())
+        return out
     if 8 % width == 0:  # whole fields per byte: one multiply-add over (bytes, fields per byte)
         per = 8 // width
         padded = torch.zeros(nbytes * per, dtype=torch.int64, device=v.device)

@@ -9,6 +9,8 @@ nothing) it keeps a residual r in fp32:
                               rounding: |sent + r - x| <= 2^-23 (|sent| + |x|) per entry
 With momentum m > 0 (DGC momentum correction) g is replaced by u = m u + g, and u is zeroed where
 the compressor sent something (momentum factor masking), so the optimizer must run without momentum.
+A compressor that is an AddsResidual (topkq) forms x itself inside its own pass over the vector, where there is no
+momentum or clipping (`fuse`, on by default; the same bits either way).
 """
 
 from __future__ import annotations
@@ -19,15 +21,31 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from islands.compress.base import Agreed, Compressor, CompressorBase, Payload, as_fp32, cast, check_finite
+from islands.compress.base import (
+    AddsResidual,
+    Agreed,
+    Compressor,
+    CompressorBase,
+    Payload,
+    as_fp32,
+    cast,
+    check_finite,
+)
 
 _C = TypeVar("_C", bound=Compressor)
 
 
 class ErrorFeedback(CompressorBase):
     def __init__(
-        self, inner: CompressorBase, momentum: float = 0.0, clip_norm: float | None = None, decay: float = 1.0
+        self,
+        inner: CompressorBase,
+        momentum: float = 0.0,
+        clip_norm: float | None = None,
+        decay: float = 1.0,
+        fuse: bool = True,
     ):
+        """`fuse`: where the compressor offers it (AddsResidual), let it do the add r + g inside its own pass over
+        the vector (the same bits, one pass over memory instead of three); False keeps the separate passes."""
         super().__init__()
         if isinstance(inner, ErrorFeedback):
             raise TypeError("ErrorFeedback(ErrorFeedback(...)) would feed the error back twice")
@@ -47,6 +65,7 @@ class ErrorFeedback(CompressorBase):
         self.decay = float(decay)
         self.momentum = float(momentum)
         self.clip_norm = clip_norm
+        self.fuse = bool(fuse)
         self.name = f"ef({inner.name})"
         self.combine = inner.combine
         self.agree_op = inner.agree_op
@@ -87,12 +106,25 @@ class ErrorFeedback(CompressorBase):
             return torch.add(g, residual, alpha=self.decay, out=spare)
         return torch.add(residual, g, out=spare)
 
+    def _adder(self, tensor: Tensor) -> AddsResidual | None:
+        """The inner compressor where it takes this round's add itself: plain error feedback (no momentum, no
+        clipping) on an fp32 tensor (others are cast to their dtype after the add)."""
+        inner = self.inner
+        if not (self.fuse and isinstance(inner, AddsResidual)) or self.momentum or self.clip_norm is not None:
+            return None
+        return inner if tensor.dtype == torch.float32 and inner.adds_residual(tensor, self.decay) else None
+
     def agree(self, tensor: Tensor, state: dict) -> list[Tensor]:
+        if self._adder(tensor) is not None:
+            return []  # AddsResidual: the compressor agrees on nothing, so x is not needed yet
         x = self._corrected(tensor, state)
         state["_corrected"] = x
         return self.inner.agree(cast(x, tensor.dtype), self._inner_state(state, tensor))
 
     def compress(self, tensor: Tensor, state: dict, agreed: Agreed | None = None) -> Payload:
+        adder = self._adder(tensor)
+        if adder is not None and "_corrected" not in state:
+            return self._compress_adding(adder, tensor, state)
         x = self._corrected(tensor, state)
         payload = self.inner.compress(cast(x, tensor.dtype), self._inner_state(state, tensor), agreed)
         if not self.momentum and tensor.dtype == torch.float32 and self.inner.exact(payload):
@@ -108,6 +140,18 @@ class ErrorFeedback(CompressorBase):
         state["residual"] = x - own
         # DGC momentum factor masking: sent coordinates restart their momentum
         state["momentum"].masked_fill_(own != 0, 0.0)
+        return payload
+
+    def _compress_adding(self, adder: AddsResidual, tensor: Tensor, state: dict) -> Payload:
+        """The round with the add in the compressor's pass: x - sent goes into last round's spare buffer, which
+        then becomes the residual (the old residual the next spare), as the separate passes leave them."""
+        state.pop("_finite", None)  # the compressor checks delta for NaN/Inf in its pass, for free
+        residual = state["residual"]
+        spare = state.get("_spare")
+        if spare is None or spare.shape != residual.shape or spare.device != residual.device:
+            spare = torch.empty_like(residual)
+        payload = adder.compress_residual(residual, tensor.detach(), spare, self._inner_state(state, tensor))
+        state["residual"], state["_spare"] = spare, residual
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:

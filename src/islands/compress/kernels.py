@@ -10,7 +10,14 @@ algorithm on the same comparator, with one change that keeps every swap: introse
 finds its out-of-place elements a block at a time without branches (a compare stored as an offset, as
 BlockQuicksort does) and swaps the same pairs in the same order Hoare's scan would; the ends of each
 partition, where the scans cross, run Hoare's loop itself. Mispredicted branches were most of the cost.
-The test suite checks the result against torch.topk row by row (ties, zeros, NaN, every size class).
+It sorts one uint64 key per entry (the magnitude's order in the high half, the position in the low half), so a
+compare is one integer compare. The test suite checks the result against torch.topk row by row (ties, zeros,
+NaN, every size class).
+
+Error feedback's add (`add_select_rows`): r + g formed a chunk at a time and that chunk's top k selected while it
+is in cache. The threshold selection's own loops (quickselect, candidate appends) are branch-free.
+
+Decode (`decode_topkq`) and packing (`pack_fields`): topkq's payload read and written field by field in one pass.
 
 Shared-scale stochastic rounding (int8/int4): one pass for what was seven elementwise torch passes, with
 the same fp32 operations in the same order (division, multiplication, clamp, floor, compare, add).
@@ -27,6 +34,8 @@ _kernel = njit(nogil=True, cache=True, boundscheck=False)
 
 # offsets gathered per block of the partition (BlockQuicksort's block; 64 fits two buffers in L1 many times over)
 _BLOCK = 64
+_MAGNITUDE = np.uint32(0x7FFFFFFF)  # an fp32's bits without the sign
+_INF = np.uint32(0x7F800000)  # the magnitude bits of Inf; a NaN's are larger
 
 
 @njit(inline="always")
@@ -106,67 +115,83 @@ def _partial_sort_row(row, k, v, p):
         _adjust_heap(v, p, 0, last, val, idx)
 
 
+# introselect's working array: one uint64 per entry, the magnitude's ordering key in the high half (an fp32
+# magnitude's bits order as its value does; every NaN maps to the top, so NaNs come first and tie among
+# themselves, as torch's comparator has it) and the entry's position in the low half. A compare is one integer
+# compare of the high halves and a swap moves one word: 1.6x faster than (fp32 value, int64 position) pairs
+# compared with NaN checks, the same swaps in the same order.
+_HI = np.uint64(32)
+_LOW = np.uint64(0xFFFFFFFF)
+
+
+@njit(inline="always")
+def _swap_key(key, i, j):
+    t = key[i]
+    key[i] = key[j]
+    key[j] = t
+
+
 @_kernel
-def _partition(v, p, first, last, off_lo, off_hi):
+def _partition(key, first, last, off_lo, off_hi):
     """libstdc++ __unguarded_partition(first + 1, last, pivot = first): the same swaps, found a block at a time."""
-    pivot = v[first]
+    pivot = key[first] >> _HI
     lo = first + 1
     hi = last
     while hi - lo >= 2 * _BLOCK:
         n_lo = 0
         for i in range(_BLOCK):  # left stoppers: not before the pivot
             off_lo[n_lo] = i
-            n_lo += not _before(v[lo + i], pivot)
+            n_lo += (key[lo + i] >> _HI) <= pivot
         n_hi = 0
         for i in range(_BLOCK):  # right stoppers: the pivot not before them
             off_hi[n_hi] = i
-            n_hi += not _before(pivot, v[hi - 1 - i])
+            n_hi += (key[hi - 1 - i] >> _HI) >= pivot
         m = min(n_lo, n_hi)
         for t in range(m):  # Hoare pairs the t-th stopper from each end, in this order
-            _swap(v, p, lo + off_lo[t], hi - 1 - off_hi[t])
+            _swap_key(key, lo + off_lo[t], hi - 1 - off_hi[t])
         # resume where Hoare's scans would be: at the first unpaired stopper, or past the block
         lo = lo + off_lo[m] if n_lo > m else lo + _BLOCK
         hi = hi - off_hi[m] if n_hi > m else hi - _BLOCK
     while True:
-        while _before(v[lo], pivot):
+        while (key[lo] >> _HI) > pivot:
             lo += 1
         hi -= 1
-        while _before(pivot, v[hi]):
+        while pivot > (key[hi] >> _HI):
             hi -= 1
         if not lo < hi:
             return lo
-        _swap(v, p, lo, hi)
+        _swap_key(key, lo, hi)
         lo += 1
 
 
 @_kernel
-def _insertion_sort(v, p, first, last):
+def _insertion_sort(key, first, last):
     for i in range(first + 1, last):
-        val = v[i]
-        idx = p[i]
-        if _before(val, v[first]):
+        val = key[i]
+        mag = val >> _HI
+        if mag > (key[first] >> _HI):
             for j in range(i, first, -1):
-                v[j] = v[j - 1]
-                p[j] = p[j - 1]
-            v[first] = val
-            p[first] = idx
+                key[j] = key[j - 1]
+            key[first] = val
         else:
             j = i
-            while _before(val, v[j - 1]):
-                v[j] = v[j - 1]
-                p[j] = p[j - 1]
+            while mag > (key[j - 1] >> _HI):
+                key[j] = key[j - 1]
                 j -= 1
-            v[j] = val
-            p[j] = idx
+            key[j] = val
 
 
 @_kernel
-def _nth_element_row(row, k, v, p, off_lo, off_hi):
-    """std::nth_element(pairs, pairs + k - 1, pairs + n): libstdc++'s introselect, step for step."""
+def _nth_element_row(row, k, key, v, p, off_lo, off_hi, idx_out):
+    """std::nth_element(pairs, pairs + k - 1, pairs + n): libstdc++'s introselect, step for step, on keys; its
+    first k positions into idx_out. Past its depth limit (never seen on real data) the (value, position) pairs
+    v, p take the heap selection libstdc++ falls back to."""
+    bits = row.view(np.uint32)
     n = row.size
     for j in range(n):
-        v[j] = abs(row[j])
-        p[j] = j
+        mag = bits[j] & _MAGNITUDE
+        top = mag if mag <= _INF else np.uint32(0xFFFFFFFF)
+        key[j] = (np.uint64(top) << _HI) | np.uint64(j)
     first, last, nth = 0, n, k - 1
     depth = 0
     m = n
@@ -176,6 +201,9 @@ def _nth_element_row(row, k, v, p, off_lo, off_hi):
     depth *= 2
     while last - first > 3:
         if depth == 0:  # heap_select(first, nth + 1, last), then the nth into place
+            for j in range(n):
+                p[j] = np.int64(key[j] & _LOW)
+                v[j] = abs(row[p[j]])
             size = nth + 1 - first
             _make_heap(v[first:], p[first:], size)
             for i in range(nth + 1, last):
@@ -186,28 +214,47 @@ def _nth_element_row(row, k, v, p, off_lo, off_hi):
                     p[i] = p[first]
                     _adjust_heap(v[first:], p[first:], 0, size, val, idx)
             _swap(v, p, first, nth)
+            for j in range(k):
+                idx_out[j] = p[j]
             return
         depth -= 1
         a, b, c = first + 1, first + (last - first) // 2, last - 1  # median of three into `first`
-        if _before(v[a], v[b]):
-            if _before(v[b], v[c]):
-                _swap(v, p, first, b)
-            elif _before(v[a], v[c]):
-                _swap(v, p, first, c)
+        ka, kb, kc = key[a] >> _HI, key[b] >> _HI, key[c] >> _HI
+        if ka > kb:
+            if kb > kc:
+                _swap_key(key, first, b)
+            elif ka > kc:
+                _swap_key(key, first, c)
             else:
-                _swap(v, p, first, a)
-        elif _before(v[a], v[c]):
-            _swap(v, p, first, a)
-        elif _before(v[b], v[c]):
-            _swap(v, p, first, c)
+                _swap_key(key, first, a)
+        elif ka > kc:
+            _swap_key(key, first, a)
+        elif kb > kc:
+            _swap_key(key, first, c)
         else:
-            _swap(v, p, first, b)
-        cut = _partition(v, p, first, last, off_lo, off_hi)
+            _swap_key(key, first, b)
+        cut = _partition(key, first, last, off_lo, off_hi)
         if cut <= nth:
             first = cut
         else:
             last = cut
-    _insertion_sort(v, p, first, last)
+    _insertion_sort(key, first, last)
+    for j in range(k):
+        idx_out[j] = np.int64(key[j] & _LOW)
+
+
+@_kernel
+def _topk_row(row, k, key, v, p, off_lo, off_hi, idx_out, val_out):
+    """One row of `topk_rows`: torch.topk's indices of its k largest magnitudes into idx_out (k,), values into
+    val_out; key (uint64), v, p (row length) and off_lo, off_hi (_BLOCK) are scratch."""
+    if k * 64 <= row.size:
+        _partial_sort_row(row, k, v, p)
+        for j in range(k):
+            idx_out[j] = p[j]
+    else:
+        _nth_element_row(row, k, key, v, p, off_lo, off_hi, idx_out)
+    for j in range(k):
+        val_out[j] = row[idx_out[j]]
 
 
 @_kernel
@@ -215,20 +262,13 @@ def topk_rows(rows, k, idx_out, val_out):
     """torch.topk(rows.abs(), k, dim=1, sorted=False).indices into idx_out (R, k) and the rows' signed values
     at them into val_out (R, k): the same indices in the same order, the CPU's algorithm replayed."""
     n = rows.shape[1]
+    key = np.empty(n, np.uint64)
     v = np.empty(n, np.float32)
     p = np.empty(n, np.int64)
     off_lo = np.empty(_BLOCK, np.int64)
     off_hi = np.empty(_BLOCK, np.int64)
-    partial = k * 64 <= n
     for r in range(rows.shape[0]):
-        row = rows[r]
-        if partial:
-            _partial_sort_row(row, k, v, p)
-        else:
-            _nth_element_row(row, k, v, p, off_lo, off_hi)
-        for j in range(k):
-            idx_out[r, j] = p[j]
-            val_out[r, j] = row[p[j]]
+        _topk_row(rows[r], k, key, v, p, off_lo, off_hi, idx_out[r], val_out[r])
 
 
 @njit(inline="always")
@@ -284,29 +324,34 @@ def nibbles_decode(wire, offset, factor, out):
 
 @_kernel
 def _kth_largest(u, m, r):
-    """The r-th largest (1-based) of u[0:m], u reordered in place (Hoare quickselect, middle pivot)."""
-    lo, hi, want = 0, m - 1, r - 1  # position of the answer in descending order
-    while lo < hi:
-        pivot = u[(lo + hi) // 2]
-        i, j = lo, hi
-        while i <= j:
-            while u[i] > pivot:
-                i += 1
-            while u[j] < pivot:
-                j -= 1
-            if i <= j:
-                t = u[i]
-                u[i] = u[j]
-                u[j] = t
-                i += 1
-                j -= 1
-        if want <= j:
-            hi = j
-        elif want >= i:
+    """The r-th largest (1-based) of u[0:m], u reordered in place: quickselect with a middle pivot whose partition
+    has no data-dependent branch (Lomuto's scan, every element swapped, the boundary moved by the compare), since
+    on random magnitudes Hoare's scans mispredict about every other step, which cost 1.7x the time. The values
+    equal to a pivot that is the largest left are split off in a second such scan, so ties cannot make it
+    quadratic."""
+    lo, hi, want = 0, m, r - 1  # u[lo:hi] holds the answer, at `want` in descending order
+    while hi - lo > 1:
+        pivot = u[(lo + hi) >> 1]
+        i = lo
+        for j in range(lo, hi):  # u[lo:i] > pivot >= u[i:j]
+            x = u[j]
+            u[j] = u[i]
+            u[i] = x
+            i += x > pivot
+        if want < i:
+            hi = i
+        elif i > lo:
             lo = i
-        else:
-            return u[want]
-    return u[want]
+        else:  # nothing above the pivot: the values equal to it first
+            for j in range(i, hi):
+                x = u[j]
+                u[j] = u[i]
+                u[i] = x
+                i += x == pivot
+            if want < i:
+                return pivot
+            lo = i
+    return u[lo]
 
 
 # threshold_rows' first guess: every 16th magnitude of a row, and a rank among them that leaves about twice k
@@ -329,6 +374,63 @@ def _exponent_floor(row, k, hist):
 
 
 @_kernel
+def _threshold_row(rowf, row, k, by_value, idx_out, val_out, hist, cand, work):
+    """One row of `threshold_rows` (rowf the fp32 row, row its uint32 view; idx_out, val_out (k,)); True when the
+    row must be replayed (a NaN, or ties that decide the result), its outputs then left unfinished. hist (256),
+    cand (int64) and work (uint32) of the row's length are scratch. The loops over the row and over the candidates
+    are branch-free (appends whose end moves by the compare)."""
+    n = row.size
+    samples = n // _STRIDE
+    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
+    if samples >= 64:
+        for i in range(samples):
+            work[i] = row[i * _STRIDE] & _MAGNITUDE
+        floor = _kth_largest(work, samples, rank)
+    else:
+        floor = _exponent_floor(row, k, hist)
+    while True:
+        m = 0
+        for j in range(n):  # positions of every magnitude >= floor, ascending
+            cand[m] = j
+            m += (row[j] & _MAGNITUDE) >= floor
+        # a NaN's magnitude bits exceed every number's, so a row's NaN is a candidate unless the floor is a NaN
+        worst = floor
+        for i in range(m):
+            mag = row[cand[i]] & _MAGNITUDE
+            work[i] = mag
+            worst = max(worst, mag)
+        if worst > _INF:
+            return True
+        if m >= k:
+            break
+        floor = _exponent_floor(row, k, hist)  # the guess was too high: the histogram's floor is safe
+    t = _kth_largest(work, m, k)
+    kept = 0
+    for i in range(m):  # the candidates >= t, ascending, compacted in place (kept <= i)
+        j = cand[i]
+        cand[kept] = j
+        kept += (row[j] & _MAGNITUDE) >= t
+    if kept > k:  # more than k at or above t: a tie across the k-th place
+        return True
+    for i in range(k):
+        idx_out[i] = cand[i]
+    if by_value:  # insertion sort by magnitude, larger first (k is small here: 64 k <= n)
+        for i in range(1, k):
+            j = idx_out[i]
+            mag = row[j] & _MAGNITUDE
+            q = i
+            while q > 0 and (row[idx_out[q - 1]] & _MAGNITUDE) < mag:
+                idx_out[q] = idx_out[q - 1]
+                q -= 1
+            if q > 0 and (row[idx_out[q - 1]] & _MAGNITUDE) == mag:
+                return True  # equal magnitudes among the k: their order is partial_sort's
+            idx_out[q] = j
+    for i in range(k):
+        val_out[i] = rowf[idx_out[i]]
+    return False
+
+
+@_kernel
 def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
     """The k largest magnitudes of each row by a threshold: a guess from a strided sample (or, when too few pass
     it, the exponent histogram's floor), one pass collecting every magnitude at or above it with its position
@@ -341,56 +443,114 @@ def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
     `topk_rows` (torch's own tie order). `bits` is `rows` viewed as uint32 (the magnitude is bits & 0x7fffffff)."""
     n = rows.shape[1]
     hist = np.zeros(256, np.int64)
-    cand_pos = np.empty(n, np.int64)
-    cand_mag = np.empty(n, np.uint32)
+    cand = np.empty(n, np.int64)
     work = np.empty(n, np.uint32)
-    samples = n // _STRIDE
-    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
     for r in range(rows.shape[0]):
-        row = bits[r]
-        if samples >= 64:
-            for i in range(samples):
-                work[i] = row[i * _STRIDE] & np.uint32(0x7FFFFFFF)
-            floor = _kth_largest(work, samples, rank)
+        replay[r] = _threshold_row(rows[r], bits[r], k, by_value, idx_out[r], val_out[r], hist, cand, work)
+
+
+# add_select_rows' selection: torch.topk's introselect replayed (topk_rows), or a threshold selection (threshold_rows)
+# with positions ascending or by magnitude
+REPLAY, ASCENDING, BY_VALUE = 0, 1, 2
+
+
+@_kernel
+def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, idx_out, val_out, replay):
+    """Error feedback's add and the chunked top-k in one pass over memory: row by row, out = residual + delta (fp32,
+    the add torch.add does), then that row's k selected as `topk_rows` (mode REPLAY) or `threshold_rows` (ASCENDING,
+    BY_VALUE; replay as there) would select them from out, while the row is still in cache. False, as soon as a
+    row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise. out_bits and
+    delta_bits are uint32 views of out and delta."""
+    n = residual.shape[1]
+    key = np.empty(n, np.uint64)
+    v = np.empty(n, np.float32)
+    p = np.empty(n, np.int64)
+    off_lo = np.empty(_BLOCK, np.int64)
+    off_hi = np.empty(_BLOCK, np.int64)
+    hist = np.zeros(256, np.int64)
+    cand = np.empty(n, np.int64)
+    work = np.empty(n, np.uint32)
+    for r in range(residual.shape[0]):
+        a = residual[r]
+        d = delta[r]
+        db = delta_bits[r]
+        o = out[r]
+        worst = np.uint32(0)
+        for j in range(n):
+            o[j] = a[j] + d[j]
+            worst = max(worst, db[j] & _MAGNITUDE)
+        if worst >= _INF:  # Inf or NaN in delta
+            return False
+        if mode == REPLAY:
+            _topk_row(o, k, key, v, p, off_lo, off_hi, idx_out[r], val_out[r])
         else:
-            floor = _exponent_floor(row, k, hist)
-        nan = False
-        while True:
-            m = 0
-            for j in range(n):  # every magnitude >= floor, positions ascending (branch-free append)
-                mag = row[j] & np.uint32(0x7FFFFFFF)
-                nan |= mag > np.uint32(0x7F800000)
-                cand_pos[m] = j
-                cand_mag[m] = mag
-                m += mag >= floor
-            if m >= k or nan:
-                break
-            floor = _exponent_floor(row, k, hist)  # the guess was too high: the histogram's floor is safe
-        if nan:
-            replay[r] = True
-            continue
-        work[:m] = cand_mag[:m]
-        t = _kth_largest(work, m, k)
-        kept = 0
-        for i in range(m):
-            if cand_mag[i] >= t:
-                if kept == k:  # more than k at or above t: a tie across the k-th place
-                    replay[r] = True
-                    break
-                idx_out[r, kept] = cand_pos[i]
-                kept += 1
-        if replay[r]:
-            continue
-        if by_value:  # insertion sort by magnitude, larger first (k is small here: 64 k <= n)
-            for i in range(1, k):
-                j = idx_out[r, i]
-                mag = row[j] & np.uint32(0x7FFFFFFF)
-                q = i
-                while q > 0 and (row[idx_out[r, q - 1]] & np.uint32(0x7FFFFFFF)) < mag:
-                    idx_out[r, q] = idx_out[r, q - 1]
-                    q -= 1
-                if q > 0 and (row[idx_out[r, q - 1]] & np.uint32(0x7FFFFFFF)) == mag:
-                    replay[r] = True  # equal magnitudes among the k: their order is partial_sort's
-                idx_out[r, q] = j
-        for i in range(k):
-            val_out[r, i] = rows[r, idx_out[r, i]]
+            replay[r] = _threshold_row(o, out_bits[r], k, mode == BY_VALUE, idx_out[r], val_out[r], hist, cand, work)
+    return True
+
+
+@njit(inline="always")
+def _field(packed, offset, width):
+    """The `width`-bit field at bit `offset` of a pack_uint stream (least significant bit first)."""
+    first = offset >> 3
+    shift = offset & 7
+    word = np.uint64(0)
+    for q in range((shift + width + 7) >> 3):
+        word |= np.uint64(packed[first + q]) << np.uint64(8 * q)
+    return (word >> np.uint64(shift)) & np.uint64((1 << width) - 1)
+
+
+@_kernel
+def decode_topkq(index, width, codes, bits, scales, values, kept, length, k, full, out, add):
+    """Every payload (row p of each 2-D argument, index=fixed) of one topkq vector decoded into `out`, a chunk at a
+    time: the chunk zeroed, then each payload's entries for it written while it is in cache, payloads in row
+    order. A payload has `kept` entries: k for each of the `full` chunks of `length` values, then the tail's.
+    Entry e sits at position field(index[p], e) of its chunk with value (2 code - (2**bits - 1)) * its chunk's
+    scale (bits 2, 4, 8; the fp32 operations of _dequantise) or values[p, e] (bits 32). out[i] += v (`add`:
+    index_add_'s sums, in payload order, a payload's positions being distinct) or out[i] = v (one payload:
+    index_copy_). One write pass over out in place of a zero fill, the unpacking, dequantising and index
+    arithmetic of `TopKQ.entries` and a scattered write. False, out partly written, at a position past its
+    chunk (a damaged payload)."""
+    n = out.size
+    top = np.float32(2**bits - 1)
+    chunks = full + (1 if n > full * length else 0)
+    for r in range(chunks):
+        lo = r * length
+        hi = min(lo + length, n)
+        out[lo:hi] = 0.0
+        first = r * k
+        last = first + k if r < full else kept  # the tail chunk's entries are the last ones
+        for p in range(index.shape[0]):
+            for e in range(first, last):
+                i = lo + np.int64(_field(index[p], e * width, width))
+                if i >= hi:
+                    return False
+                if bits == 32:
+                    v = values[p, e]
+                else:
+                    code = np.float32(_field(codes[p], e * bits, bits))
+                    v = np.float32(np.float32(2.0) * code - top) * scales[p, r]
+                if add:
+                    out[i] += v
+                else:
+                    out[i] = v
+    return True
+
+
+@_kernel
+def pack_fields(values, width, out):
+    """bits.pack_uint's bytes into out (ceil(n width / 8) bytes, each written): value i's low `width` bits at bit
+    i * width, least significant first, one pass instead of a whole-buffer op per byte a field can touch."""
+    mask = np.uint64((1 << width) - 1)
+    acc = np.uint64(0)  # bits not yet stored, the oldest lowest
+    have = 0
+    o = 0
+    for i in range(values.size):
+        acc |= (np.uint64(values[i]) & mask) << np.uint64(have)
+        have += width
+        while have >= 8:
+            out[o] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+            have -= 8
+            o += 1
+    if have > 0:
+        out[o] = np.uint8(acc & np.uint64(0xFF))

@@ -39,14 +39,20 @@ def _madvise():
 
 def zeros(numel: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
     """torch.zeros(numel, dtype=dtype, device=device), on 2 MB pages where it is a large vector on a Linux CPU."""
+    return empty(numel, dtype, device).zero_()
+
+
+def empty(numel: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
+    """torch.empty(numel, dtype=dtype, device=device), on 2 MB pages where it is a large vector on a Linux CPU:
+    for a caller that writes every value itself (a decode that zero-fills chunk by chunk as it goes)."""
     where = torch.device("cpu") if device is None else torch.device(device)
     nbytes = numel * dtype.itemsize
     madvise = _madvise() if where.type == "cpu" and nbytes >= MIN_BYTES else None
+    out = torch.empty(numel, dtype=dtype, device=where)
     if madvise is None:
-        return torch.zeros(numel, dtype=dtype, device=where)
-    out = torch.empty(numel, dtype=dtype)
+        return out
     start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the 2 MB-aligned interior, before the first touch
     end = (out.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
     if end > start:
         madvise(start, end - start, _MADV_HUGEPAGE)  # refused (THP never): 4 KB pages, the same vector
-    return out.zero_()
+    return out

@@ -29,6 +29,9 @@ bit for bit the dense sum of the decoded payloads), then divides by the rank cou
 Error feedback is on by default (`ef=1`), with an optional `decay` of the residual (SparseLoCo decays
 its error-feedback buffer each round, which then stands in for DiLoCo's outer momentum):
     x = decay * residual + delta;  send Q(topk(x));  residual = x - decoded(sent).
+With decay 1 on an fp32 CPU vector TopKQ takes that add into its own pass (AddsResidual, compress_residual): each
+chunk is formed, checked for NaN/Inf and has its top k selected while it is in cache, the same bits as the
+separate passes.
 """
 
 from __future__ import annotations
@@ -40,7 +43,16 @@ import torch
 from torch import Tensor
 
 from islands.compress import elias_fano, pages
-from islands.compress.base import Agreed, Combine, CompressorBase, Payload, as_fp32, cpu_kernels, numel_of
+from islands.compress.base import (
+    Agreed,
+    Combine,
+    CompressorBase,
+    Payload,
+    as_fp32,
+    cpu_kernels,
+    non_finite_error,
+    numel_of,
+)
 from islands.compress.bits import pack_bits, pack_uint, packed_nbytes, unpack_bits, unpack_uint
 
 BITS = (2, 4, 8, 32)
@@ -91,8 +103,8 @@ def topk_rows(rows: Tensor, k: int, ascending: bool = False) -> tuple[Tensor, Te
     rows = rows.contiguous()
     idx = torch.empty(rows.shape[0], k, dtype=torch.int64)
     vals = torch.empty(rows.shape[0], k, dtype=torch.float32)
-    by_value = k * 64 <= rows.shape[1]
-    if not (ascending or by_value):
+    mode = _route(kernels, k, rows.shape[1], ascending)
+    if mode == kernels.REPLAY:
         kernels.topk_rows(rows.numpy(), k, idx.numpy(), vals.numpy())
         return idx, vals
     replay = torch.zeros(rows.shape[0], dtype=torch.bool)
@@ -100,22 +112,37 @@ def topk_rows(rows: Tensor, k: int, ascending: bool = False) -> tuple[Tensor, Te
         rows.numpy(),
         rows.numpy().view("uint32"),
         k,
-        by_value and not ascending,
+        mode == kernels.BY_VALUE,
         idx.numpy(),
         vals.numpy(),
         replay.numpy(),
     )
-    if replay.any():
-        which = replay.nonzero().view(-1)
-        sub = rows[which]
-        sub_idx = torch.empty(which.numel(), k, dtype=torch.int64)
-        sub_vals = torch.empty(which.numel(), k, dtype=torch.float32)
-        kernels.topk_rows(sub.numpy(), k, sub_idx.numpy(), sub_vals.numpy())
-        if ascending:
-            sub_idx, order = sub_idx.sort(dim=1)
-            sub_vals = sub_vals.gather(1, order)
-        idx[which], vals[which] = sub_idx, sub_vals
+    _replay_rows(kernels, rows, k, ascending, idx, vals, replay)
     return idx, vals
+
+
+def _route(kernels, k: int, length: int, ascending: bool) -> int:
+    """Which CPU selection gives torch's result for rows of `length` keeping k: a threshold selection where the
+    magnitudes alone decide it (ascending, or torch's partial_sort regime, 64 k <= length, ordered by magnitude),
+    else the replay of torch's introselect."""
+    if ascending:
+        return kernels.ASCENDING
+    return kernels.BY_VALUE if k * 64 <= length else kernels.REPLAY
+
+
+def _replay_rows(kernels, rows: Tensor, k: int, ascending: bool, idx: Tensor, vals: Tensor, replay: Tensor) -> None:
+    """Fill the rows a threshold selection left to torch's order (a NaN, or ties that decide the result)."""
+    if not replay.any():
+        return
+    which = replay.nonzero().view(-1)
+    sub = rows[which]
+    sub_idx = torch.empty(which.numel(), k, dtype=torch.int64)
+    sub_vals = torch.empty(which.numel(), k, dtype=torch.float32)
+    kernels.topk_rows(sub.numpy(), k, sub_idx.numpy(), sub_vals.numpy())
+    if ascending:
+        sub_idx, order = sub_idx.sort(dim=1)
+        sub_vals = sub_vals.gather(1, order)
+    idx[which], vals[which] = sub_idx, sub_vals
 
 
 def _dequantise(codes: Tensor, scale: Tensor, bits: int) -> Tensor:
@@ -268,6 +295,10 @@ class TopKQ(CompressorBase):
                 tensor.dtype,
             )
         pos, vals = self.select(y)
+        return self._encode(pos, vals, n, tensor)
+
+    def _encode(self, pos: list[Tensor], vals: list[Tensor], n: int, tensor: Tensor) -> Payload:
+        """The payload of the selected rows (`select`'s lists) of a coefficient vector of n values of `tensor`."""
         index = self._pack_positions(pos, n)
         if self.bits == 32:
             sent = torch.cat([v.reshape(-1) for v in vals]).contiguous()
@@ -285,6 +316,51 @@ class TopKQ(CompressorBase):
             if len(rows) == 2:  # the tail chunk's row comes after the full ones
                 rows[1] += pos[0].shape[0] * g
             self._sent = (payload, torch.cat([(p + r).reshape(-1) for p, r in zip(pos, rows)]), sent)
+        return payload
+
+    # -- error feedback's add in the selection's pass (AddsResidual) --------------------------------------------
+    def adds_residual(self, delta: Tensor, decay: float) -> bool:
+        """True where compress_residual can run: top-k on the values themselves (no transform), residual weight 1
+        (a decayed add is torch's fused multiply-add, which the compiled loop does not promise to round alike),
+        a non-empty contiguous fp32 CPU delta and the compiled kernels."""
+        return (
+            self.sparse_in_place
+            and decay == 1.0
+            and delta.dtype == torch.float32
+            and delta.numel() > 0
+            and delta.is_contiguous()
+            and cpu_kernels(delta) is not None
+        )
+
+    def compress_residual(self, residual: Tensor, delta: Tensor, out: Tensor, state: dict) -> Payload:
+        """compress(residual + delta), with x = residual + delta written into `out` chunk by chunk and each chunk's
+        top k selected while it is in cache (one pass over memory where the add, the finiteness check and the
+        selection took three); `out` is then x - decompress(payload), what error feedback keeps. Bit for bit the
+        payload and residual of torch.add + compress + subtract_sent. NonFiniteGradientError (residual untouched,
+        out partly written) when delta holds a NaN or Inf."""
+        kernels = cpu_kernels(delta)
+        n = delta.numel()
+        g, full, k, tail, k_tail = self.layout(n)
+        flat = [t.reshape(-1) for t in (residual, delta, out)]
+        ascending = self.index == "elias-fano" or self.order == "ascending"
+        pos, vals = [], []
+        for start, count, length, kk in ((0, full, g, k), (full * g, 1, tail, k_tail)):
+            if not count * length:
+                continue
+            r, d, o = (t[start : start + count * length].view(count, length) for t in flat)
+            idx = torch.empty(count, kk, dtype=torch.int64)
+            val = torch.empty(count, kk, dtype=torch.float32)
+            replay = torch.zeros(count, dtype=torch.bool)
+            dn, on = d.numpy(), o.numpy()
+            mode = _route(kernels, kk, length, ascending)
+            args = (r.numpy(), dn, dn.view("uint32"), on, on.view("uint32"), kk, mode)
+            if not kernels.add_select_rows(*args, idx.numpy(), val.numpy(), replay.numpy()):
+                raise non_finite_error(state.get("_name", "tensor"), delta)
+            _replay_rows(kernels, o, kk, ascending, idx, val, replay)
+            pos.append(idx)
+            vals.append(val)
+        payload = self._encode(pos, vals, n, delta)
+        self.subtract_sent(out, payload)  # in place: the K sent entries
         return payload
 
     def entries(self, payload: Payload) -> tuple[Tensor, Tensor]:
@@ -321,23 +397,51 @@ class TopKQ(CompressorBase):
         x.view(-1).index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
         return x
 
+    def _decode_into(self, payloads: list[Payload], n: int, add: bool) -> Tensor:
+        """A fresh fp32 vector of n values holding the payloads' entries, in payload order: added (`add`; the sum of
+        the decoded payloads) or, for one payload, copied. On the CPU with index=fixed one compiled pass writes
+        each chunk zeroed and then its entries (kernels.decode_topkq), the same bits as zeros + index_add_ /
+        index_copy_, which run elsewhere (and for a payload whose sizes or positions are not a vector of n's)."""
+        device = payloads[0].tensors[0].device if payloads[0].tensors else None
+        kernels = cpu_kernels(payloads[0].tensors[0]) if self.index == "fixed" and n and payloads[0].tensors else None
+        if kernels is not None and all(self._well_formed(p, n) for p in payloads):
+            out = pages.empty(n, device=device)  # every value written by the kernel's chunk-by-chunk zero fill
+            g, full, k, _, _ = self.layout(n)
+            rows = [torch.stack([p.tensors[i] for p in payloads]) for i in range(len(payloads[0].tensors))]
+            codes, scales, values = (
+                (rows[0], torch.zeros(1, 1), rows[1]) if self.bits == 32 else (rows[1], rows[2], torch.zeros(1, 1))
+            )
+            args = (rows[0].numpy(), self.index_bits(n), codes.numpy(), self.bits, scales.numpy(), values.numpy())
+            if kernels.decode_topkq(*args, self.kept(n)[0], g, k, full, out.numpy(), add):
+                return out
+        out = pages.zeros(n, device=device)
+        for p in payloads:
+            where, vals = self.entries(p)
+            (out.index_add_ if add else out.index_copy_)(0, where, vals)
+        return out
+
+    def _well_formed(self, payload: Payload, n: int) -> bool:
+        """Whether the payload's tensors have the sizes and dtypes a vector of n values gives (the compiled
+        scatter reads them unchecked)."""
+        kept, chunks = self.kept(n)
+        want = [(torch.uint8, self.index_nbytes(n))] + (
+            [(torch.float32, kept)]
+            if self.bits == 32
+            else [(torch.uint8, packed_nbytes(kept, self.bits)), (torch.float32, chunks)]
+        )
+        return len(payload.tensors) == len(want) and all(
+            t.dtype == d and t.numel() == m for t, (d, m) in zip(payload.tensors, want)
+        )
+
     def decompress(self, payload: Payload) -> Tensor:
         numel = numel_of(payload.shape)
-        where, values = self.entries(payload)
-        y = pages.zeros(self.coeff_count(numel), device=values.device)
-        y.index_copy_(0, where, values)  # distinct positions: a copy, not an accumulation
+        y = self._decode_into([payload], self.coeff_count(numel), add=False)  # distinct positions: a copy
         return self.inverse(y, numel).reshape(payload.shape).to(payload.dtype)
 
     def sum_gathered(self, payloads: list[Payload]) -> Tensor:
         """The sum of every rank's decoded payload, fp32, in the coefficient domain: each rank's K entries
         added in rank order (the same bits as adding the dense decoded vectors, on every rank)."""
-        first = payloads[0]
-        n = self.coeff_count(numel_of(first.shape))
-        acc = pages.zeros(n, device=first.tensors[0].device if first.tensors else None)
-        for p in payloads:
-            where, values = self.entries(p)
-            acc.index_add_(0, where, values)
-        return acc
+        return self._decode_into(payloads, self.coeff_count(numel_of(payloads[0].shape)), add=True)
 
     def combine_gathered(self, payloads: list[Payload]) -> Tensor:
         first = payloads[0]
