@@ -10,6 +10,10 @@ the prediction. Reported: median and worst relative error per quantity against i
 planner's first choice was the measured fastest (or within 10% of it) in each setting, and the machine's load
 average around the runs (other jobs on a shared machine move every timing).
 
+The planner's link is measured where the runs go: a 2-process gloo probe on loopback, or between the testbed's two
+hosts (a shaped link carries less than its rate: TCP's and gloo's own pace through the shaper; `islands plan
+--link measured` on loopback, `islands.plan.probe_link(testbed=...)` on a testbed).
+
 Tiers: full = 3 testbed rates (tc-shaped links between 2 network namespaces; root) x 2 models (the byte LM and a
 transformers llama, hf-causal-lm) x 8 strategies = 48 configurations, each run for a warm-up and three whole
 rounds of steady state (at least 60 steps: full_tier_steps), the outer strategies' peak memory measured once per
@@ -20,6 +24,7 @@ on gloo loopback (the planner's link: a 2-process gloo probe on this machine, `-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -98,14 +103,23 @@ def _setting(
     """One model on one link: every configuration in `names` planned, then trained. `steps`: each run's length
     (None: full_tier_steps of its round). `memory`: also measure the outer strategies' per-island peak (it does not
     depend on the link, so once per model)."""
+    with contextlib.ExitStack() as stack:
+        bed = stack.enter_context(ctx.testbed(link, hosts=2)) if link != "loopback" else None
+        return _planned_and_run(ctx, model, link, names, steps, memory, bed)
+
+
+def _planned_and_run(
+    ctx: BenchContext, model: str, link: str, names: tuple[str, ...], steps: int | None, memory: bool, bed: Any
+) -> list[dict]:
     from islands.config import from_mapping
-    from islands.plan import parse_link, plan, probe_link, simulated_held_peak
+    from islands.plan import plan, probe_link, simulated_held_peak
 
     job = {**MODELS[model], "global_batch": 16, "steps": steps or 200, "eval_every": 0, "warmup": 1}
-    # measured in this invocation, side by side with the runs: a fresh probe per setting, and right before each run a
-    # fresh profile and round timing of its configuration (the planner's cache is a directory of this invocation's
-    # own): on a machine shared with other jobs, the load the run meets is the load its profile met
-    plan_link = probe_link(refresh=True) if link == "loopback" else parse_link(link)
+    # measured in this invocation, side by side with the runs: a fresh probe per setting (on loopback, or between the
+    # testbed's hosts: what gloo gets through the shaped link, which is less than its rate), and right before each
+    # run a fresh profile and round timing of its configuration (the planner's cache is a directory of this
+    # invocation's own): on a machine shared with other jobs, the load the run meets is the load its profile met
+    plan_link = probe_link(refresh=True, testbed=bed)
 
     def predicted(islands: int, specs: list[str]) -> dict[str, Any]:
         load = _load()
@@ -131,52 +145,46 @@ def _setting(
             upfront.update(predicted(islands, specs))
 
     rows = []
-    bed_ctx = ctx.testbed(link, hosts=2) if link != "loopback" else None
-    bed = bed_ctx.__enter__() if bed_ctx is not None else None
-    try:
-        for n, islands, inner, outer in STRATEGIES:
-            if n not in names:
-                continue
-            over: dict[str, Any] = {**job, "workers": 2, "islands": islands}
-            over.update({"inner": inner} if inner else {"outer": outer})
-            if bed is not None:
-                over["testbed"] = bed.name
-            spec = str(inner or outer)
-            # the smoke tier only checks that this runs end to end: the up-front plan stands for the side-by-side one
-            pr = upfront[spec] if ctx.smoke else predicted(islands, [spec])[spec]
-            over["steps"] = steps if steps is not None else full_tier_steps(pr.round_steps)
-            load = _load()
-            rec = ctx.train(f"{model}-{link}-{n}", **over)
-            ran = rec["summary"]["steps"]
-            ledger = rec["comm"]["per_rank"][0]
-            steady = steady_step_seconds(rec["series"]["train"], pr.round_steps, max(10, pr.round_steps), ran)
-            row: dict[str, Any] = {
-                "model": model,
-                "islands": islands,
-                "link": link,
-                "strategy": n,
-                "pred_step_ms": pr.step_s * 1e3,  # profiled right before this run
-                "plan_step_ms": upfront[spec].step_s * 1e3,  # the up-front plan's (its ranking: the first choice)
-                "meas_step_ms": (steady if steady is not None else rec["summary"]["seconds_per_step"]) * 1e3,
-                "run_mean_step_ms": rec["summary"]["seconds_per_step"] * 1e3,  # first steps and finish included
-                "pred_bytes": pr.run_bytes(ran),
-                "meas_bytes": ledger["total_sent"],
-                "pred_mem_mb": pr.memory.total / 1e6,
-                "meas_mem_mb": None,
-                "load_before": load,
-                "load_after": _load(),
-                "interconnect": rec["interconnect_line"],
-            }
-            if outer and memory:
-                cfg = from_mapping({**MODELS[model], "global_batch": 16, "workers": 2, "islands": 2, "outer": outer})
-                row["meas_mem_mb"] = max(simulated_held_peak(cfg, 4)) / 1e6
-            row["step_err"] = _err(row["pred_step_ms"], row["meas_step_ms"])
-            row["bytes_err"] = _err(row["pred_bytes"], row["meas_bytes"])
-            row["mem_err"] = _err(row["pred_mem_mb"], row["meas_mem_mb"]) if row["meas_mem_mb"] else None
-            rows.append(row)
-    finally:
-        if bed_ctx is not None:
-            bed_ctx.__exit__(None, None, None)
+    for n, islands, inner, outer in STRATEGIES:
+        if n not in names:
+            continue
+        over: dict[str, Any] = {**job, "workers": 2, "islands": islands}
+        over.update({"inner": inner} if inner else {"outer": outer})
+        if bed is not None:
+            over["testbed"] = bed.name
+        spec = str(inner or outer)
+        # the smoke tier only checks that this runs end to end: the up-front plan stands for the side-by-side one
+        pr = upfront[spec] if ctx.smoke else predicted(islands, [spec])[spec]
+        over["steps"] = steps if steps is not None else full_tier_steps(pr.round_steps)
+        load = _load()
+        rec = ctx.train(f"{model}-{link}-{n}", **over)
+        ran = rec["summary"]["steps"]
+        ledger = rec["comm"]["per_rank"][0]
+        steady = steady_step_seconds(rec["series"]["train"], pr.round_steps, max(10, pr.round_steps), ran)
+        row: dict[str, Any] = {
+            "model": model,
+            "islands": islands,
+            "link": link,
+            "strategy": n,
+            "pred_step_ms": pr.step_s * 1e3,  # profiled right before this run
+            "plan_step_ms": upfront[spec].step_s * 1e3,  # the up-front plan's (its ranking: the first choice)
+            "meas_step_ms": (steady if steady is not None else rec["summary"]["seconds_per_step"]) * 1e3,
+            "run_mean_step_ms": rec["summary"]["seconds_per_step"] * 1e3,  # first steps and finish included
+            "pred_bytes": pr.run_bytes(ran),
+            "meas_bytes": ledger["total_sent"],
+            "pred_mem_mb": pr.memory.total / 1e6,
+            "meas_mem_mb": None,
+            "load_before": load,
+            "load_after": _load(),
+            "interconnect": rec["interconnect_line"],
+        }
+        if outer and memory:
+            cfg = from_mapping({**MODELS[model], "global_batch": 16, "workers": 2, "islands": 2, "outer": outer})
+            row["meas_mem_mb"] = max(simulated_held_peak(cfg, 4)) / 1e6
+        row["step_err"] = _err(row["pred_step_ms"], row["meas_step_ms"])
+        row["bytes_err"] = _err(row["pred_bytes"], row["meas_bytes"])
+        row["mem_err"] = _err(row["pred_mem_mb"], row["meas_mem_mb"]) if row["meas_mem_mb"] else None
+        rows.append(row)
     return rows
 
 

@@ -30,7 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from islands.plan.profile import cache_dir
+from islands.runtime.netns import enter as enter_netns
 from islands.testbed import state
+from islands.testbed.model import Testbed
 from islands.testbed.spec import parse_rate
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -165,8 +167,13 @@ def parse_link(text: str, probe=None) -> Link:
     )
 
 
-# ---- the probe: 2 gloo processes on this machine ------------------------------------------------------------------
-def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: str) -> None:
+# ---- the probe: 2 gloo processes on this machine, or on a testbed's hosts 0 and 1 ------------------------------------
+def _probe_worker(
+    rank: int, init: str, sizes: tuple[int, ...], reps: int, out: str, hosts: tuple[dict, ...] = ()
+) -> None:
+    if hosts:  # a testbed: this process in its host's namespace, gloo bound to the host's shaped link
+        enter_netns(hosts[rank]["netns"])
+        os.environ["GLOO_SOCKET_IFNAME"] = hosts[rank]["ifname"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     results: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
@@ -197,14 +204,22 @@ def _probe_worker(rank: int, init: str, sizes: tuple[int, ...], reps: int, out: 
         dist.destroy_process_group()
 
 
-def probe_collectives(sizes: tuple[int, ...] = PROBE_BYTES, reps: int = 9) -> dict[str, list[tuple[int, float]]]:
-    """Median seconds of each collective kind at each size, between 2 gloo processes on this machine (loopback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def probe_collectives(
+    sizes: tuple[int, ...] = PROBE_BYTES, reps: int = 9, testbed: Testbed | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """Median seconds of each collective kind at each size, between 2 gloo processes on this machine (loopback), or
+    on `testbed`'s hosts 0 and 1 (its shaped link, with what TCP and gloo really get through it)."""
+    if testbed is not None:
+        hosts = tuple({"netns": h.netns, "ifname": h.ifname} for h in testbed.hosts[:2])
+        init = f"tcp://{testbed.master_addr}:{testbed.free_port(0)}"
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        hosts, init = (), f"tcp://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "probe.pt")
-        mp.spawn(_probe_worker, args=(f"tcp://127.0.0.1:{port}", sizes, reps, out), nprocs=2, join=True)
+        mp.spawn(_probe_worker, args=(init, sizes, reps, out, hosts), nprocs=2, join=True)
         return torch.load(out)
 
 
@@ -215,16 +230,19 @@ def link_from_probe(timings: dict[str, list[tuple[int, float]]], source: str) ->
     return Link(rate, ar.alpha_s / 2, source, fitted)
 
 
-def probe_link(cache: Path | None = None, refresh: bool = False) -> Link:
+def probe_link(cache: Path | None = None, refresh: bool = False, testbed: Testbed | None = None) -> Link:
     """The probe's link, its timings cached per host (starting 2 processes costs more than the probe itself on a
-    busy machine); `refresh` measures again."""
-    path = (cache or cache_dir()) / f"probe-{socket.gethostname()}-torch{torch.__version__}.json"
+    busy machine) and testbed; `refresh` measures again. `testbed`: probe between its hosts 0 and 1 instead of on
+    loopback (a shaped link carries less than its rate: TCP's and gloo's own pace through the shaper)."""
+    where = f"testbed-{testbed.name}-{testbed.rate}" if testbed is not None else "loopback"
+    path = (cache or cache_dir()) / f"probe-{socket.gethostname()}-{where}-torch{torch.__version__}.json"
     timings = None
     cached = path.is_file() and not refresh
     if cached:
         timings = {k: [(int(b), float(t)) for b, t in v] for k, v in json.loads(path.read_text()).items()}
     if timings is None:
-        timings = probe_collectives()
+        timings = probe_collectives(testbed=testbed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(timings))
-    return link_from_probe(timings, "measured: gloo loopback, 2 processes" + (", cached" if cached else ""))
+    source = f"testbed {testbed.name} ({testbed.rate})" if testbed is not None else "loopback"
+    return link_from_probe(timings, f"measured: gloo {source}, 2 processes" + (", cached" if cached else ""))
