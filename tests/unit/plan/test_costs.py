@@ -98,3 +98,21 @@ def test_a_flat_strategys_measured_local_work_is_paid_every_step():
     assert busy.strategy_s == pytest.approx(0.004)
     assert busy.step_s == pytest.approx(plain.step_s + 0.004)
     assert busy.inside_comm_s == plain.inside_comm_s  # the link's part is unchanged
+
+
+def test_fsdp_pays_an_all_reduce_of_the_whole_gradient_for_its_reduce_scatter():
+    # a probed link whose reduce-scatter would cost twice its all-reduce per recorded byte: gloo's reduce_scatter
+    # reduces the whole tensor, and FSDP's ledger records the whole tensor, so it is timed as the all-reduce
+    from islands.plan.links import AlphaBeta
+
+    fitted = {
+        "all_reduce": AlphaBeta(0.001, 1e-8, "probe"),
+        "all_gather": AlphaBeta(0.002, 2e-8, "probe"),
+        "reduce_scatter": AlphaBeta(0.003, 2e-8, "probe"),
+    }
+    link = Link(100e6, 0.0, "probe", fitted)
+    traffic = (("fsdp_all_gather", 1000, 1000), ("fsdp_reduce_scatter", 2000, 1000), ("fsdp_grad_norm", 4, 4))
+    c = Candidate("fsdp", "fsdp", None, traffic, {"params": 1, "grads": 1, "optimizer": 1})
+    pred = predict(c, _profile(samples=(STEP_S,) * 8), Topology(workers=2, islands=1), link, link)
+    wire = (0.002 + 2e-8 * 1000) + (0.001 + 1e-8 * 2000) + (0.001 + 1e-8 * 4)
+    assert pred.inside_comm_s == pytest.approx(wire)
