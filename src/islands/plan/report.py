@@ -18,7 +18,7 @@ def table(predictions: list[Prediction], title: str) -> Table:
         "strategy",
         "step ms",
         "compute ms",
-        "outer ms",
+        "own ms",
         "comm ms (in/x)",
         "util",
         "MB/step in",
