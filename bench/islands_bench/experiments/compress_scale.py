@@ -33,8 +33,7 @@ import time
 
 import torch
 
-from islands.compress import Agreed, Combine, ErrorFeedback, parse_compressor
-from islands.compress.base import all_finite
+from islands.compress import Agreed, Combine, ErrorFeedback, all_finite, parse_compressor
 from islands_bench.harness import BenchContext, experiment
 
 SPECS = [

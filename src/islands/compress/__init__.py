@@ -10,7 +10,15 @@ See docs/compression.md for the policies (NaN/Inf, empty, non-contiguous, dtypes
 """
 
 from islands.compress.average import analytic_nbytes, compress_and_average
-from islands.compress.base import Agreed, Combine, Compressor, CompressorBase, NonFiniteGradientError, Payload
+from islands.compress.base import (
+    Agreed,
+    Combine,
+    Compressor,
+    CompressorBase,
+    NonFiniteGradientError,
+    Payload,
+    all_finite,
+)
 from islands.compress.cast import Cast
 from islands.compress.dct import DCTTopK
 from islands.compress.ddp_hook import CompressionHookState, ddp_comm_hook
@@ -53,6 +61,7 @@ __all__ = [
     "SharedScaleQuant",
     "TopK",
     "TopKQ",
+    "all_finite",
     "analytic_nbytes",
     "compress_and_average",
     "ddp_comm_hook",
