@@ -107,7 +107,9 @@ def test_a_joiner_starts_from_the_global_model_and_a_leaver_is_not_waited_for(tm
 
 
 def test_an_island_gone_silent_stops_counting_for_the_quorum_and_the_end(tmp_path):
-    with ThreadService(tmp_path, config(quorum=2, islands=2, lease_s=1.0)) as service:
+    # a 3 s lease: a's push must reach the server while b's lease still holds (with 1 s, a full suite's load once
+    # delayed it past the lapse, and the window stepped at once)
+    with ThreadService(tmp_path, config(quorum=2, islands=2, lease_s=3.0)) as service:
         a, b = service.link(0), service.link(1)
         b.send(Message(PULL, 1))
         b.stopping.set()  # b's heartbeat stops, as a SIGSTOP or a cut cable leaves it: no message, no error
