@@ -41,7 +41,7 @@ from islands.sync.base import Strategy
 from islands.sync.outer import check_outer, make_outer, valid_specs
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.warm_start import WarmStart
-from islands.sync.shard_plan import eval_gather_bytes, plan_units, state_bytes_per_rank, unit_traffic
+from islands.sync.shard_plan import Unit, eval_gather_bytes, plan_units, state_bytes_per_rank, unit_traffic
 from islands.sync.single import Single
 from islands.sync.stack import Stack
 from islands.sync.wrap_policy import BlockWrap
@@ -105,7 +105,7 @@ def candidate(spec: str, cfg: JobConfig, model: torch.nn.Module) -> Candidate:
         n = cfg.world.workers
         units = plan_units(model, BlockWrap())[1]
         end = eval_gather_bytes([p.shape for p in model.parameters()], n)  # the final evaluation's full model
-        traffic = fsdp_traffic(model, n, cfg.train.grad_clip > 0)
+        traffic = fsdp_traffic(units, n, cfg.train.grad_clip > 0)
         return Candidate(spec, "fsdp", None, traffic, state_bytes_per_rank(units, n), end_bytes=end)
     try:
         check_outer(spec)
@@ -126,10 +126,10 @@ def candidate(spec: str, cfg: JobConfig, model: torch.nn.Module) -> Candidate:
     return Candidate(spec, inner, outer)
 
 
-def fsdp_traffic(model: torch.nn.Module, n: int, clip: bool) -> tuple[tuple[str, int, int], ...]:
-    """The planner's FSDP over `n` workers: one unit per block (BlockWrap), resharded after forward; with the
+def fsdp_traffic(units: list[Unit], n: int, clip: bool) -> tuple[tuple[str, int, int], ...]:
+    """The planner's FSDP over `n` workers of `units` (one per block: BlockWrap), resharded after forward; with the
     trainer clipping (`clip`), FSDP also all-reduces the global norm once a step."""
-    traffic = unit_traffic(plan_units(model, BlockWrap())[1], n, reshard_after_forward=True)
+    traffic = unit_traffic(units, n, reshard_after_forward=True)
     return tuple(traffic + ([("fsdp_grad_norm", 4, 4)] if clip else []))
 
 
@@ -208,7 +208,10 @@ class Profiler:
                 c
                 if c.inner != "fsdp"
                 else dataclasses.replace(
-                    c, fsdp_traffic=fsdp_traffic(self.task.model, PROCESSES, self.cfg.train.grad_clip > 0)
+                    c,
+                    fsdp_traffic=fsdp_traffic(
+                        plan_units(self.task.model, BlockWrap())[1], PROCESSES, self.cfg.train.grad_clip > 0
+                    ),
                 )
             )
             local[c.label] = max(extra - exposed_seconds(two, prof, PROCESSES, loopback), 0.0)
