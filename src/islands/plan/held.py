@@ -7,7 +7,6 @@ keeps no peak (on CUDA, torch.cuda.max_memory_allocated is the measure); with th
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from islands.app.build import build_outer, build_task
 from islands.config import JobConfig
@@ -39,6 +38,10 @@ def _key(t: torch.Tensor) -> tuple:
 
 
 def _tensors(roots):
+    # imported here, not at the top: torch.distributed.tensor costs ~0.45 s of CPU, which every `islands` command
+    # paid through the CLI's plan command (`islands --help` included), where only a measurement needs it
+    from torch.distributed.tensor import DTensor
+
     seen: set[int] = set()
     stack = list(roots)
     while stack:
