@@ -42,7 +42,8 @@ process replaying the run's pushes through the server's state on one thread; an 
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
 utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
-DiLoCo, eager + topkq + deadline (utilisation's arm), ps and ps-nesterov each get TARGET_LONGER times that budget on
+DiLoCo, eager + topkq + deadline (utilisation's arm), ps, ps-nesterov and streaming DiLoCo with its own 4-bit
+fragments (fragments=4, tau=2) each get TARGET_LONGER times that budget on
 loopback, 20 Mbit/s and 5 Mbit/s testbed links; per link, each arm's time to the target against the same arm on
 loopback and against fp32 DiLoCo's own loopback time (goals: the best at 20 Mbit/s <= 1.1x, at 5 Mbit/s <= 1.25x).
 Quick: the digits MLP for (a)-(d) (DDP 200 steps, arms 400 at H=20, steps padded to 30 ms), the byte LM (60 steps,
@@ -509,6 +510,9 @@ def target_arms(h: int) -> list[tuple[str, str]]:
         ("eager+topkq+deadline", f"diloco:inner_steps={h},overlap=eager,compressor=({COMPRESSOR}),adapt=deadline"),
         ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
         ("ps-nesterov", ps_nesterov(h)),
+        # streaming DiLoCo as designed (SOTA-155, arXiv 2501.18512): 4 fragments at staggered rounds, each sent in its
+        # own 4-bit codec and landed tau=2 steps later, so an exchange is 1/32 of fp32 DiLoCo's round and overlapped
+        ("streaming", f"streaming-diloco:inner_steps={h},fragments=4,tau=2"),
     ]
 
 
