@@ -254,7 +254,7 @@ def _arm_row(ctx, setting, arm, rec, target, numel, load, checkpointed: bool = T
         "load": load,
         "interconnect": rec["interconnect_line"],
     }
-    if arm in PS_ARMS and (checkpointed or measured_server(rec) is not None):
+    if (arm in PS_ARMS or arm.startswith("ps")) and (checkpointed or measured_server(rec) is not None):
         row.update(server_columns(rec, numel))
     return row
 
@@ -397,9 +397,21 @@ def _read(path: Path) -> str:
         return ""
 
 
-def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[list[dict], dict[str, str]]:
+def run_churn(
+    ctx: BenchContext,
+    t: dict,
+    target: float,
+    numel: int,
+    only: tuple[str, ...] | None = None,
+    tag: str = "",
+    every: int = CHURN_EVERY,
+    extra: tuple[tuple[str, str], ...] = (),
+) -> tuple[list[dict], dict[str, str]]:
     """(c): the arms of an elastic job with island 2 killed every CHURN_EVERY rounds, each that islands runs
-    elastic (the ps arms with servers=1). Returns the rows and, per arm not run, why (islands' refusal)."""
+    elastic (the ps arms with servers=1). Returns the rows and, per arm not run, why (islands' refusal). `only`: the
+    arms to run (None: all); `tag`: appended to each run's label (repeated runs in one output folder); `every`: rounds
+    between kills (0: none, the same elastic job without churn, a control); `extra`: (name, spec) arms to run beside
+    them (a name starting with ps runs as a ps arm, servers=1)."""
     h, steps = t["h"], LONGER * t["ddp_steps"]
     if ctx.smoke:
         steps = ctx.smoke_steps
@@ -421,22 +433,25 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
         **t["model"],
     )
     rows, not_run = [], {}
-    for arm, spec in churn_arms(h, base["islands"]):
-        served = arm in PS_ARMS
+    for arm, spec in churn_arms(h, base["islands"]) + list(extra):
+        if only is not None and arm not in only:
+            continue
+        served = arm in PS_ARMS or arm.startswith("ps")
         spec = f"{spec},servers=1" if served else spec  # thread mode is refused in elastic jobs
         why = _refused(ctx, dict(base, outer=spec))
         if why:
             not_run[arm] = why
             continue
-        label = f"{arm}@churn"
+        label = f"{arm}@churn{tag}"
         log: dict = {"kills": []}
         stop = threading.Event()
         run_dir = ctx.out_dir / "runs" / label
 
         def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir, served=served):
             log["token"] = os.environ["ISLANDS_TOKEN"]
-            args = (address, workers, run_dir, CHURN_EVERY, log, stop, ServedRounds(h) if served else None)
-            threading.Thread(target=_killer, args=args, daemon=True).start()
+            args = (address, workers, run_dir, every, log, stop, ServedRounds(h) if served else None)
+            if every:
+                threading.Thread(target=_killer, args=args, daemon=True).start()
 
         load0 = os.getloadavg()[0]
         try:
@@ -446,11 +461,13 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
         row = _arm_row(ctx, "churn", arm, rec, target, numel, max(load0, os.getloadavg()[0]), checkpointed=False)
         row["goodput"] = churn_goodput(run_dir, h)
         row["kills"] = len(log["kills"])
+        row["_kill_log"] = log["kills"]  # round and wall time of each SIGKILL (scripts/ps_churn_quick.py's timeline)
         if served:
             pushes, refused = served_counts(run_dir)
             row.update(refused=refused, goodput=row["goodput"] * pushes / max(pushes + refused, 1))
         # the launcher's own record of the island's restarts: one per kill (nothing else stops it)
-        row["restarts"] = len(json.loads((run_dir / "elastic" / "restarts.json").read_text())["restarts"])
+        restarts = run_dir / "elastic" / "restarts.json"  # written at the first restart (none without kills)
+        row["restarts"] = len(json.loads(restarts.read_text())["restarts"]) if restarts.is_file() else 0
         row["_series"] = rec["series"]["val"]
         rows.append(row)
     return rows, not_run
@@ -481,10 +498,14 @@ def served_counts(run_dir: Path) -> tuple[int, int]:
 
 
 def churn_goodput(run_dir: Path, h: int) -> float:
-    """1 - lost / computed steps, an estimate from every incarnation's live log (logged every step): an incarnation
-    that ended before the job's last step (killed) lost its steps since the round boundary before its last step
-    (a kill during an exchange counts that whole round lost: an upper bound on the loss); computed steps are each
-    incarnation's last logged step minus its first (where it started or resumed)."""
+    """1 - lost / computed steps, from every incarnation's live log (logged every step): an incarnation that ended
+    before the job's last step (killed) lost its steps since the last round boundary it logged. A logged step comes
+    after the strategy's after_step (Trainer: after_step, then the callbacks), so a logged boundary step's push (ps:
+    acknowledged before after_step returns) or exchange (DiLoCo) is done: nothing of that round is lost. Until
+    session 30 a kill at a boundary counted the whole round lost, which under ps is exactly where the churn kills
+    (just after an acknowledged push, as its restart's step shows) and put its goodput at 90% where it lost ~1%.
+    Computed steps: each incarnation's last logged step minus where it started (its first logged step, or the step
+    before it when that is not a round boundary: a restarted island logs its entry step's next step first)."""
     span: dict[str, tuple[int, int]] = {}  # name -> (first step, last step) logged
     for path in sorted((run_dir / "live").glob("*.jsonl")):
         for line in path.read_text().splitlines():
@@ -495,8 +516,8 @@ def churn_goodput(run_dir: Path, h: int) -> float:
     if not span:
         raise RuntimeError(f"{run_dir / 'live'} holds no logged steps")
     end = max(last for _, last in span.values())
-    computed = sum(last - first for first, last in span.values())
-    lost = sum(last - h * ((last - 1) // h) for first, last in span.values() if last < end and last > first)
+    computed = sum(last - (first if first % h == 0 else first - 1) for first, last in span.values())
+    lost = sum(last - h * (last // h) for first, last in span.values() if last < end and last > first)
     return 1.0 - lost / computed if computed else float("nan")
 
 
@@ -747,6 +768,8 @@ def parameter_server(ctx: BenchContext) -> dict:
     uptime.append(f"end {time.strftime('%H:%M:%S')} load {os.getloadavg()}")
 
     series = {f"{r['run']}@{r['setting']}": r.pop("_series") for r in rows}
+    for r in rows:
+        r.pop("_kill_log", None)  # the churn timeline's raw kills: scripts/ps_churn_quick.py reads them
     for setting in dict.fromkeys(r["setting"] for r in rows):
         here = [r for r in rows if r["setting"] == setting]
         equal = min(series[f"{r['run']}@{setting}"][-1]["elapsed"] for r in here)
