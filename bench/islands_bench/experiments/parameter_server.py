@@ -300,25 +300,42 @@ def server_columns(rec: dict, numel: int) -> dict:
 def _ps_extra(arm: str, run_dir: Path, steps: int) -> dict:
     """The ps arm keeps a final checkpoint: the server's counts and state, for the estimate where a run's record has
     no server report (server_columns)."""
-    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if arm in PS_ARMS else {}
+    served = arm in PS_ARMS or arm.startswith("ps")
+    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if served else {}
 
 
-def run_settings(ctx: BenchContext, t: dict, target: float, numel: int) -> list[dict]:
+def run_settings(
+    ctx: BenchContext,
+    t: dict,
+    target: float,
+    numel: int,
+    only: tuple[str, ...] | None = None,
+    extra: tuple[tuple[str, str], ...] = (),
+    where: tuple[str, ...] | None = None,
+    tag: str = "",
+) -> list[dict]:
+    """(a), (b), (d): every arm in every setting. `only`: the arms to run (None: all); `extra`: (name, spec) arms
+    beside them (a name starting with ps is a ps arm); `where`: the settings to run (None: all); `tag`: appended to
+    each run's label (repeated runs in one output folder)."""
     h, steps = t["h"], LONGER * t["ddp_steps"]
     base = dict(task=t["task"], steps=steps, global_batch=BATCH, warmup=max(steps // 10, 1), eval_every=h)
     base.update(log_every=t["log_every"], **t["model"])
     rows = []
     for setting, islands, slowdown, link in settings(ctx):
+        if where is not None and setting not in where:
+            continue
         bed = ctx.testbed(link, hosts=islands) if link else None
         with bed if bed is not None else _nothing() as b:
             kw = {"testbed": b.name} if b is not None else {}
-            for arm, spec in arms(h, islands):
+            for arm, spec in arms(h, islands) + list(extra):
+                if only is not None and arm not in only:
+                    continue
                 if ctx.smoke and arm in (
                     "diloco-deadline",
                     "ps-nesterov",
                 ):  # smoke: one arm of each kind (deadline is a diloco spec)
                     continue
-                label = f"{arm}@{setting}"
+                label = f"{arm}@{setting}{tag}"
                 load0 = os.getloadavg()[0]
                 run_dir = ctx.out_dir / "runs" / label
                 over = dict(base, workers=islands, islands=islands, outer=spec, slowdown=slowdown, **kw)
