@@ -16,6 +16,8 @@ from; its staleness is the versions taken since. Staleness rules:
     push steps at once, fully asynchronous; more: Decoupled-DiLoCo-style semi-synchrony, arXiv 2604.21428), the
     window is merged and one outer step runs on every shard, version += 1. The quorum never exceeds the islands
     still training (`settle`): one that finished or left is not waited for.
+`scale` (StaleCap): the step's lr is further multiplied by scale(the window's largest staleness), so a stale push
+cannot drive the delayed step past its stability limit.
 Merging (no aggregator): weighted by samples (token-weighted merging, 2604.21428), each weight times
 (1 + staleness)^-discount; merged = sum(w_i delta_i) / sum(w_i), summed in arrival order, and the step's lr is
 scaled by sum(w_i) / sum(samples_i) (1 when discount = 0), so a stale window moves the model less. With a robust
@@ -24,6 +26,7 @@ aggregator (islands.aggregate) the window's deltas go through it unweighted inst
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +60,37 @@ class Ack:
     stepped: bool = False
 
 
+# StaleCap's margin: the share of the delayed step's stability limit a push may use, the 2-island default's (lr
+# 1/sqrt(2) per push, 1 version stale, whose limit is 1.0); session 30, docs/parameter-server.md
+STALE_CAP_MARGIN = 2**-0.5
+
+
+class StaleCap:
+    """The server's lr factor for a window whose pushes are up to `staleness` versions old (ServerState(scale=...)):
+    the step `lr` is held to at most STALE_CAP_MARGIN x the stability limit of the delayed step, min(1, cap / lr).
+
+    Why: with quorum 1 the plain SGD step is delayed feedback. If every push is s versions stale (M equal-speed
+    islands: s = M - 1) and a round's delta goes a share c of the way to its optimum, the model follows
+    x[k+1] = x[k] - lr c x[k-s], which is stable only while lr c < 2 sin(pi / (2 (2 s + 1))): 1.0 at s = 1, 0.618
+    at s = 2, 0.445 at s = 3 (scripts/ps_delay_stability.py). lr 1/sqrt(M) sits at 71% of it for 2 islands, 93%
+    for 3 and past it from 4, and the evaluated model swings (results/parameter-server/churn-s30). The cap keeps
+    every push at the 2-island default's 71%: a push at most 1 version stale keeps lr 1/sqrt(M) (M >= 2), a
+    2-stale one steps at most 0.437, a 3-stale one 0.315. Plain SGD only (momentum moves the limit)."""
+
+    def __init__(self, lr: float):
+        if not lr > 0:
+            raise ValueError(f"StaleCap needs the server step's lr > 0, got {lr}")
+        self.lr = float(lr)
+
+    @staticmethod
+    def limit(staleness: int) -> float:
+        """The largest stable lr x c of a step whose pushes are all `staleness` versions old."""
+        return 2.0 * math.sin(math.pi / (2 * (2 * max(int(staleness), 0) + 1)))
+
+    def __call__(self, staleness: int) -> float:
+        return min(1.0, STALE_CAP_MARGIN * self.limit(staleness) / self.lr)
+
+
 def check_server_options(shards: int, max_staleness: int, quorum: int, discount: float) -> None:
     """ValueError naming the option out of range (the strategy checks at construction, before any worker)."""
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
@@ -82,6 +116,7 @@ class ServerState:
         quorum: int = 1,
         discount: float = 0.0,
         aggregator: Aggregator | None = None,
+        scale: Callable[[int], float] | None = None,
     ):
         flat = initial.detach().to(torch.float32).flatten()
         check_server_options(shards, max_staleness, quorum, discount)
@@ -92,6 +127,7 @@ class ServerState:
         self.rules = [rule() for _ in self.bounds]
         self.max_staleness, self.quorum, self.discount = max_staleness, quorum, float(discount)
         self.aggregator = aggregator
+        self.scale = scale  # staleness -> the step's lr factor (StaleCap), on the window's stalest push
         self.version = 0
         self.window: list[tuple[Contribution, int]] = []  # (contribution, its staleness at arrival)
         self.counts = {"pushes": 0, "refused": 0, "steps": 0, "samples": 0.0, "samples_refused": 0.0}
@@ -151,6 +187,8 @@ class ServerState:
                 merged.add_(c.delta.to(torch.float32), alpha=w)
             merged.div_(sum(weights))
             factor = sum(weights) / sum(float(c.samples) for c, _ in window)
+        if self.scale is not None:
+            factor *= self.scale(max(s for _, s in window))
         for (lo, hi), params, rule in zip(self.bounds, self.params, self.rules):
             rule.step(params, merged[lo:hi], 0, hi - lo, lr_scale=factor)
         self.version += 1

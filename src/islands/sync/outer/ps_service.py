@@ -99,6 +99,7 @@ class ServiceConfig:
     discount: float = 0.0
     aggregator: Aggregator | None = None
     codec: PayloadCodec | None = None
+    scale: Callable[[int], float] | None = None  # staleness -> the step's lr factor (ps_server.StaleCap)
     lease_s: float = 2.0
     timeout_s: float = 600.0
     commit_every: int = COMMIT_EVERY
@@ -135,6 +136,7 @@ class ServiceConfig:
             quorum=self.quorum,
             discount=self.discount,
             aggregator=self.aggregator,
+            scale=self.scale,
         )
 
     def save(self, path: str | os.PathLike) -> Path:

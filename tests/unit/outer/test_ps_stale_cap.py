@@ -1,0 +1,86 @@
+"""The parameter server's stale cap (ps_server.StaleCap, `ps:...,stale_cap=true`): each push's plain SGD step held
+under the delayed step's stability limit for its staleness (docs/parameter-server.md, "Where the time goes under
+churn"). On a linear model of M equal-speed islands pushing in turn (each push M - 1 versions stale), the default
+lr 1/sqrt(M) runs away at M = 4 and the cap brings the model to its optimum; a push at most 1 version stale keeps the
+default step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from islands.sync.outer import make_outer
+from islands.sync.outer.ps import OuterRule, ParameterServer, outer_rule
+from islands.sync.outer.ps_server import Contribution, ServerState, StaleCap
+from islands.sync.outer.ps_service import ServiceConfig
+
+
+def round_robin(m: int, scale, pushes: int = 240, c: float = 1.0) -> float:
+    """|x| after `pushes` pushes of m islands in turn, each pushing c x (the way to the optimum 0 from the model it
+    pulled at its previous push) to a server stepping SGD at lr 1/sqrt(m)."""
+    state = ServerState(torch.ones(1), lambda: OuterRule("sgd")(m), max_staleness=m, scale=scale)
+    pulled = [state.pull() for _ in range(m)]  # every island starts from version 0
+    for k in range(pushes):
+        i = k % m
+        version, x = pulled[i]
+        ack = state.push(Contribution(i, version, c * x))
+        assert ack.accepted and ack.staleness == (min(k, m - 1))
+        pulled[i] = state.pull()
+    return float(state.pull()[1].abs().item())
+
+
+def test_four_equal_islands_run_away_at_the_default_step_and_settle_under_the_cap():
+    # lr 1/sqrt(4) = 0.5 against the 3-stale limit 2 sin(pi/14) = 0.445: the delayed step grows without bound
+    assert round_robin(4, None) > 10.0
+    assert round_robin(4, StaleCap(OuterRule("sgd").lr_for(4))) < 1e-3
+
+
+def test_three_equal_islands_settle_faster_under_the_cap():
+    # lr 1/sqrt(3) = 0.577 is 93% of the 2-stale limit 0.618: it settles, slowly (0.94 per round at c = 1)
+    slow = round_robin(3, None, pushes=90)
+    capped = round_robin(3, StaleCap(3**-0.5), pushes=90)
+    assert capped < slow / 100
+
+
+def test_the_cap_keeps_the_default_step_of_a_push_at_most_one_version_stale():
+    for m in (2, 3, 4, 8):
+        cap = StaleCap(m**-0.5)
+        assert cap(0) == 1.0 and cap(1) == pytest.approx(1.0)
+        # at staleness s the step is 1/sqrt(2) of the limit 2 sin(pi / (2 (2 s + 1)))
+        for s in (2, 3, 7):
+            assert cap(s) * m**-0.5 == pytest.approx(min(m**-0.5, 2**-0.5 * 2 * math.sin(math.pi / (4 * s + 2))))
+
+
+def test_a_capped_window_steps_by_the_cap_and_a_fresh_one_by_the_rule():
+    def after(scale, staleness: int) -> float:
+        state = ServerState(torch.zeros(1), lambda: OuterRule("sgd")(3), max_staleness=4, scale=scale)
+        for i in range(staleness):  # other islands' pushes, one version each
+            state.push(Contribution(i + 1, state.version, torch.zeros(1)))
+        state.push(Contribution(0, 0, torch.ones(1)))
+        return float(state.pull()[1].item())
+
+    cap = StaleCap(3**-0.5)
+    assert after(cap, 0) == pytest.approx(-(3**-0.5))  # SGD: params -= lr * delta
+    assert after(cap, 2) == pytest.approx(-(2**-0.5) * 2 * math.sin(math.pi / 10))
+    assert after(None, 2) == pytest.approx(-(3**-0.5))
+
+
+def test_the_spec_turns_it_on_for_plain_sgd_and_refuses_momentum():
+    ps = make_outer("ps:inner_steps=4,stale_cap=true")
+    assert isinstance(ps, ParameterServer) and ps.stale_cap
+    cap = ps.stale_scale(3)  # what its server_state and ServiceConfig get
+    assert isinstance(cap, StaleCap) and cap.lr == pytest.approx(3**-0.5)
+    assert ParameterServer(4).stale_scale(3) is None  # off by default
+    with pytest.raises(ValueError, match="plain SGD"):
+        ParameterServer(4, rule=outer_rule("delayed-nesterov"), stale_cap=True)
+    with pytest.raises(ValueError, match="plain SGD"):
+        ParameterServer(4, rule=outer_rule("sgd", momentum=0.9), stale_cap=True)
+
+
+def test_server_processes_get_the_cap_through_their_configuration(tmp_path):
+    config = ServiceConfig(torch.zeros(8), OuterRule("sgd"), islands=3, scale=StaleCap(3**-0.5))
+    loaded = ServiceConfig.load(config.save(tmp_path))
+    scale = loaded.shard_state(0).scale
+    assert isinstance(scale, StaleCap) and scale(2) == pytest.approx(StaleCap(3**-0.5)(2))
