@@ -16,8 +16,8 @@ from; its staleness is the versions taken since. Staleness rules:
     push steps at once, fully asynchronous; more: Decoupled-DiLoCo-style semi-synchrony, arXiv 2604.21428), the
     window is merged and one outer step runs on every shard, version += 1. The quorum never exceeds the islands
     still training (`settle`): one that finished or left is not waited for.
-`scale` (StaleCap): the step's lr is further multiplied by scale(the window's largest staleness), so a stale push
-cannot drive the delayed step past its stability limit.
+`scale` (StaleCap): every step's lr is further multiplied by scale(the mean staleness of the pushes accepted so far),
+so the delayed step stays within its stability limit; one factor for every push, so no island's data counts less.
 Merging (no aggregator): weighted by samples (token-weighted merging, 2604.21428), each weight times
 (1 + staleness)^-discount; merged = sum(w_i delta_i) / sum(w_i), summed in arrival order, and the step's lr is
 scaled by sum(w_i) / sum(samples_i) (1 when discount = 0), so a stale window moves the model less. With a robust
@@ -66,16 +66,19 @@ STALE_CAP_MARGIN = 2**-0.5
 
 
 class StaleCap:
-    """The server's lr factor for a window whose pushes are up to `staleness` versions old (ServerState(scale=...)):
-    the step `lr` is held to at most STALE_CAP_MARGIN x the stability limit of the delayed step, min(1, cap / lr).
+    """The server's lr factor from the mean staleness of its pushes (ServerState(scale=...)): the step `lr` is held to
+    at most STALE_CAP_MARGIN x the stability limit of the delayed step, min(1, cap / lr), the same factor for every
+    push.
 
     Why: with quorum 1 the plain SGD step is delayed feedback. If every push is s versions stale (M equal-speed
     islands: s = M - 1) and a round's delta goes a share c of the way to its optimum, the model follows
     x[k+1] = x[k] - lr c x[k-s], which is stable only while lr c < 2 sin(pi / (2 (2 s + 1))): 1.0 at s = 1, 0.618
     at s = 2, 0.445 at s = 3 (scripts/ps_delay_stability.py). lr 1/sqrt(M) sits at 71% of it for 2 islands, 93%
-    for 3 and past it from 4, and the evaluated model swings (results/parameter-server/churn-s30). The cap keeps
-    every push at the 2-island default's 71%: a push at most 1 version stale keeps lr 1/sqrt(M) (M >= 2), a
-    2-stale one steps at most 0.437, a 3-stale one 0.315. Plain SGD only (momentum moves the limit)."""
+    for 3 and past it from 4, and the evaluated model swings (results/parameter-server/churn-s30). The cap keeps the
+    step at the 2-island default's 71% of the limit at the job's mean staleness: at most 1, lr 1/sqrt(M) stays
+    (M >= 2); 2 allows 0.437, 3 0.315. One factor for all pushes, not one per push: capping only the stale ones
+    (a slow island's) would weigh that island's data less (measured: island 2 of setting (b), 4x slower and 6
+    versions stale, then reached DDP's loss only with the final answer). Plain SGD only (momentum moves the limit)."""
 
     def __init__(self, lr: float):
         if not lr > 0:
@@ -83,11 +86,12 @@ class StaleCap:
         self.lr = float(lr)
 
     @staticmethod
-    def limit(staleness: int) -> float:
-        """The largest stable lr x c of a step whose pushes are all `staleness` versions old."""
-        return 2.0 * math.sin(math.pi / (2 * (2 * max(int(staleness), 0) + 1)))
+    def limit(staleness: float) -> float:
+        """The largest stable lr x c of a step whose pushes are all `staleness` versions old (between integers: the
+        same formula, a smooth interpolation)."""
+        return 2.0 * math.sin(math.pi / (2 * (2 * max(float(staleness), 0.0) + 1)))
 
-    def __call__(self, staleness: int) -> float:
+    def __call__(self, staleness: float) -> float:
         return min(1.0, STALE_CAP_MARGIN * self.limit(staleness) / self.lr)
 
 
@@ -116,7 +120,7 @@ class ServerState:
         quorum: int = 1,
         discount: float = 0.0,
         aggregator: Aggregator | None = None,
-        scale: Callable[[int], float] | None = None,
+        scale: Callable[[float], float] | None = None,
     ):
         flat = initial.detach().to(torch.float32).flatten()
         check_server_options(shards, max_staleness, quorum, discount)
@@ -127,7 +131,8 @@ class ServerState:
         self.rules = [rule() for _ in self.bounds]
         self.max_staleness, self.quorum, self.discount = max_staleness, quorum, float(discount)
         self.aggregator = aggregator
-        self.scale = scale  # staleness -> the step's lr factor (StaleCap), on the window's stalest push
+        self.scale = scale  # mean staleness -> every step's lr factor (StaleCap)
+        self.stale = {"sum": 0, "accepted": 0}  # staleness over the accepted pushes: StaleCap's mean
         self.version = 0
         self.window: list[tuple[Contribution, int]] = []  # (contribution, its staleness at arrival)
         self.counts = {"pushes": 0, "refused": 0, "steps": 0, "samples": 0.0, "samples_refused": 0.0}
@@ -154,6 +159,8 @@ class ServerState:
             self.counts["samples_refused"] += float(c.samples)
             return Ack(False, self.version, s)
         self.counts["samples"] += float(c.samples)
+        self.stale["sum"] += s
+        self.stale["accepted"] += 1
         self.window.append((c, s))
         held = sum(d.delta.numel() * d.delta.element_size() for d, _ in self.window)
         self.window_bytes_peak = max(self.window_bytes_peak, held)
@@ -188,11 +195,15 @@ class ServerState:
             merged.div_(sum(weights))
             factor = sum(weights) / sum(float(c.samples) for c, _ in window)
         if self.scale is not None:
-            factor *= self.scale(max(s for _, s in window))
+            factor *= self.scale(self.mean_staleness())
         for (lo, hi), params, rule in zip(self.bounds, self.params, self.rules):
             rule.step(params, merged[lo:hi], 0, hi - lo, lr_scale=factor)
         self.version += 1
         self.counts["steps"] += 1
+
+    def mean_staleness(self) -> float:
+        """The mean staleness of the pushes accepted so far (0 before any)."""
+        return self.stale["sum"] / max(self.stale["accepted"], 1)
 
     def pull(self) -> tuple[int, torch.Tensor]:
         """The version and a copy of the global model (every shard, in order)."""
@@ -228,6 +239,7 @@ class ServerState:
                 for c, s in self.window
             ],
             "counts": dict(self.counts),
+            "stale": dict(self.stale),
             **({"aggregator": self.aggregator.state_dict()} if isinstance(self.aggregator, Stateful) else {}),
         }
 
@@ -247,6 +259,7 @@ class ServerState:
             for w in state["window"]
         ]
         self.counts = dict(state["counts"])
+        self.stale = dict(state.get("stale", {"sum": 0, "accepted": 0}))  # absent before session 30
         if "aggregator" in state and isinstance(self.aggregator, Stateful):
             self.aggregator.load_state_dict(state["aggregator"])
 

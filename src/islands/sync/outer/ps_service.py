@@ -99,7 +99,7 @@ class ServiceConfig:
     discount: float = 0.0
     aggregator: Aggregator | None = None
     codec: PayloadCodec | None = None
-    scale: Callable[[int], float] | None = None  # staleness -> the step's lr factor (ps_server.StaleCap)
+    scale: Callable[[float], float] | None = None  # mean staleness -> the step's lr factor (ps_server.StaleCap)
     lease_s: float = 2.0
     timeout_s: float = 600.0
     commit_every: int = COMMIT_EVERY
