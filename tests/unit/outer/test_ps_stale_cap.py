@@ -1,5 +1,5 @@
 """The parameter server's stale cap (ps_server.StaleCap, `ps:...,stale_cap=true`): the plain SGD step held under
-the delayed step's stability limit at the pushes' mean staleness (docs/parameter-server.md, "Where the time goes
+the delayed step's stability limit for the staleness its pushes have had (docs/parameter-server.md, "Where the time goes
 under churn"). On a linear model of M equal-speed islands pushing in turn (each push M - 1 versions stale), the
 default lr 1/sqrt(M) runs away at M = 4 and the cap brings the model to its optimum; at a mean staleness of at most
 1 the default step stays."""
@@ -44,30 +44,44 @@ def test_three_equal_islands_settle_faster_under_the_cap():
     assert capped < slow / 100
 
 
-def test_the_cap_keeps_the_default_step_up_to_a_mean_staleness_of_one():
+def test_the_cap_keeps_the_default_step_for_pushes_at_most_one_version_stale():
     for m in (2, 3, 4, 8):
         cap = StaleCap(m**-0.5)
-        assert cap(0) == 1.0 and cap(1) == pytest.approx(1.0)
-        # at staleness s the step is 1/sqrt(2) of the limit 2 sin(pi / (2 (2 s + 1)))
+        assert cap([5]) == 1.0 and cap([3, 4]) == 1.0 and cap([0, 7]) == pytest.approx(1.0, abs=1e-9)
+        # all pushes s versions stale: the step is 1/sqrt(2) of the limit 2 sin(pi / (2 (2 s + 1)))
         for s in (2, 3, 7):
-            assert cap(s) * m**-0.5 == pytest.approx(min(m**-0.5, 2**-0.5 * 2 * math.sin(math.pi / (4 * s + 2))))
+            hist = [0] * (s + 1)
+            hist[s] = 1
+            want = min(m**-0.5, 2**-0.5 * 2 * math.sin(math.pi / (4 * s + 2)))
+            assert cap(hist) * m**-0.5 == pytest.approx(want, rel=1e-6)
 
 
-def test_the_step_is_capped_at_the_mean_staleness_of_the_accepted_pushes_and_survives_a_state_round_trip():
+def test_the_limit_of_one_staleness_is_the_closed_form_and_mixed_staleness_is_steadier():
+    for s in range(6):
+        hist = [0] * 6
+        hist[s] = 5
+        assert StaleCap.limit_of(hist) == pytest.approx(StaleCap.limit(s), abs=1e-9)
+    # uneven islands: mostly fresh pushes and a few stale ones bear a larger step than all pushes 2 versions stale
+    assert StaleCap.limit_of([4, 0, 2, 0, 0, 0, 1]) > StaleCap.limit(2)
+    assert StaleCap.limit_of([0, 0, 0]) == 2.0  # before any push: the undelayed step's limit
+
+
+def test_the_step_is_capped_by_the_accepted_pushes_staleness_and_survives_a_state_round_trip():
     lr = 3**-0.5
     state = ServerState(torch.zeros(1), lambda: OuterRule("sgd")(3), max_staleness=4, scale=StaleCap(lr))
-    for s in (0, 1, 2, 3, 3):  # zero deltas: they move nothing, only their staleness counts
+    for s in (0, 1, 2, 2, 2):  # zero deltas: they move nothing, only their staleness counts
         state.push(Contribution(s % 3, state.version - s, torch.zeros(1)))
     state.push(Contribution(0, state.version - 9, torch.ones(1)))  # refused (> max_staleness): not counted
-    assert state.mean_staleness() == pytest.approx(9 / 5)
+    assert state.stale_hist == [1, 1, 3, 0, 0]
     copy = ServerState(torch.zeros(1), lambda: OuterRule("sgd")(3), max_staleness=4, scale=StaleCap(lr))
     copy.load_state_dict(state.state_dict())
     for server in (state, copy):
-        server.push(Contribution(1, server.version - 2, torch.ones(1)))  # mean now 11 / 6
-        cap = 2**-0.5 * 2 * math.sin(math.pi / (2 * (2 * 11 / 6 + 1)))
+        server.push(Contribution(1, server.version - 2, torch.ones(1)))  # histogram now [1, 1, 4, 0, 0]
+        cap = 2**-0.5 * StaleCap.limit_of([1, 1, 4, 0, 0])
+        assert StaleCap.limit(2) < StaleCap.limit_of([1, 1, 4, 0, 0]) < StaleCap.limit(1)
         assert float(server.pull()[1].item()) == pytest.approx(-min(lr, cap))  # SGD: params -= lr * delta
     fresh = ServerState(torch.zeros(1), lambda: OuterRule("sgd")(3), max_staleness=4, scale=StaleCap(lr))
-    fresh.push(Contribution(0, 0, torch.ones(1)))  # mean 0: the rule's own step
+    fresh.push(Contribution(0, 0, torch.ones(1)))  # only fresh pushes: the rule's own step
     assert float(fresh.pull()[1].item()) == pytest.approx(-lr)
 
 
@@ -87,4 +101,4 @@ def test_server_processes_get_the_cap_through_their_configuration(tmp_path):
     config = ServiceConfig(torch.zeros(8), OuterRule("sgd"), islands=3, scale=StaleCap(3**-0.5))
     loaded = ServiceConfig.load(config.save(tmp_path))
     scale = loaded.shard_state(0).scale
-    assert isinstance(scale, StaleCap) and scale(2) == pytest.approx(StaleCap(3**-0.5)(2))
+    assert isinstance(scale, StaleCap) and scale([0, 0, 1]) == pytest.approx(StaleCap(3**-0.5)([0, 0, 1]))

@@ -241,7 +241,7 @@ class ParameterServer(OuterStrategy):
         quorum >= 2 makes sense). `compressor`: a PayloadCodec (Quant4, Quant4Zstd) for pushes, decoded on the
         server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate.
         `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
-        `stale_cap`: hold the step under the delayed step's stability limit at the pushes' mean staleness
+        `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
         (ps_server.StaleCap; plain SGD by name only: outer_rule("sgd"))."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -629,8 +629,9 @@ def parameter_server(
     server process has lapsed (servers >= 1). `timeout`: the longest any push, pull or final wait lasts, retries
     included (servers >= 1). `rejoin`: in an elastic job, where a restarted island starts (servers >= 1): own, its
     data shard's last acknowledged step; ahead, the furthest step any island acknowledged (REJOIN). `stale_cap`:
-    hold the plain SGD step under the delayed step's stability limit at the pushes' mean staleness, so equal-speed
-    islands, whose every push is M - 1 versions stale, do not swing the global model (ps_server.StaleCap)."""
+    hold the plain SGD step under the delayed step's stability limit for the staleness its pushes have had, so
+    equal-speed islands, whose every push is M - 1 versions stale, do not swing the global model
+    (ps_server.StaleCap)."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
