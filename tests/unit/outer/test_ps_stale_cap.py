@@ -85,12 +85,16 @@ def test_the_step_is_capped_by_the_accepted_pushes_staleness_and_survives_a_stat
     assert float(fresh.pull()[1].item()) == pytest.approx(-lr)
 
 
-def test_the_spec_turns_it_on_for_plain_sgd_and_refuses_momentum():
-    ps = make_outer("ps:inner_steps=4,stale_cap=true")
+def test_it_is_on_by_default_for_plain_sgd_off_for_the_nesterov_rules_and_refused_with_momentum():
+    ps = make_outer("ps:inner_steps=4")
     assert isinstance(ps, ParameterServer) and ps.stale_cap
     cap = ps.stale_scale(3)  # what its server_state and ServiceConfig get
     assert isinstance(cap, StaleCap) and cap.lr == pytest.approx(3**-0.5)
-    assert ParameterServer(4).stale_scale(3) is None  # off by default
+    off = make_outer("ps:inner_steps=4,stale_cap=false")
+    assert isinstance(off, ParameterServer) and off.stale_scale(3) is None
+    assert ParameterServer(4, rule=outer_rule("delayed-nesterov")).stale_scale(3) is None
+    assert ParameterServer(4, rule=outer_rule("sgd", momentum=0.9)).stale_scale(3) is None
+    assert isinstance(ParameterServer(4, rule=outer_rule("sgd", lr=0.3), stale_cap=True).stale_scale(3), StaleCap)
     with pytest.raises(ValueError, match="plain SGD"):
         ParameterServer(4, rule=outer_rule("delayed-nesterov"), stale_cap=True)
     with pytest.raises(ValueError, match="plain SGD"):

@@ -101,6 +101,9 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 # 3 islands 1x/2x/4x) reached DDP's loss with it 3.07x sooner than synchronous DiLoCo, where delayed Nesterov at
 # 0.7/0.9 never reached it; on the byte LM on loopback it took 60 s to fp32 DiLoCo's loss against delayed
 # Nesterov's 198 s (results/parameter-server/quick; docs/parameter-server.md)
+# Since session 30 that step is held under its stability limit for the pushes' staleness (stale_cap, on by default
+# for it: ps_server.StaleCap): equal-speed islands' pushes are M - 1 versions stale, and lr 1/sqrt(M) sat at 93% of
+# the limit for 3 islands and past it from 4 (results/parameter-server/churn-s30)
 DEFAULT_PS_RULE = "sgd"
 
 Rule = Callable[[int], OuterOptimizer]  # islands M -> one shard's outer optimizer
@@ -231,7 +234,7 @@ class ParameterServer(OuterStrategy):
         arrivals: Arrivals | None = None,
         host: InProcessServer | None = None,
         service: ServerProcesses | None = None,
-        stale_cap: bool = False,
+        stale_cap: bool | None = None,
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
         shard (outer_rule(...) by name; default plain SGD, lr 1/sqrt(M), DEFAULT_PS_RULE). `shards`: parameter
@@ -242,7 +245,8 @@ class ParameterServer(OuterStrategy):
         server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate.
         `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
         `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
-        (ps_server.StaleCap; plain SGD by name only: outer_rule("sgd"))."""
+        (ps_server.StaleCap); None (default): on for the plain SGD rule by name (outer_rule("sgd"), the default
+        rule), off for the others; True with another rule is refused (momentum moves the limit)."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -260,7 +264,8 @@ class ParameterServer(OuterStrategy):
                 "stale_cap=true holds the plain SGD step under its stability limit: use outer=sgd without momentum "
                 "(momentum moves the limit), or drop stale_cap"
             )
-        self.stale_cap = stale_cap
+        plain = isinstance(self.rule, OuterRule) and self.rule.plain()
+        self.stale_cap = plain if stale_cap is None else stale_cap
         self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
         self.discount, self.aggregator, self.codec = discount, aggregator, compressor
         self.arrivals = arrivals if arrivals is not None else FirstCome()
@@ -611,7 +616,7 @@ def parameter_server(
     lease: float = 2.0,
     timeout: float = 600.0,
     rejoin: str = "own",
-    stale_cap: bool = False,
+    stale_cap: bool | None = None,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -631,7 +636,7 @@ def parameter_server(
     data shard's last acknowledged step; ahead, the furthest step any island acknowledged (REJOIN). `stale_cap`:
     hold the plain SGD step under the delayed step's stability limit for the staleness its pushes have had, so
     equal-speed islands, whose every push is M - 1 versions stale, do not swing the global model
-    (ps_server.StaleCap)."""
+    (ps_server.StaleCap); unset: on for outer=sgd without momentum (the default), off for the others."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
