@@ -7,9 +7,10 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
     ps               the parameter server (ps:inner_steps=H; a thread of rank 0): each island pushes its delta when
                      its own round ends and pulls the global model, no barrier but the job's end; the server steps
                      with its default rule, islands' DiLoCo outer step spread over the pushes (plain SGD, lr 1/sqrt(M)
-                     per push: DiLoCo moves lr sqrt(M) on the mean of M deltas); max_staleness=STALENESS so that a 4x
-                     slower island's rounds are not refused (the default 4 is below the 6 pushes others make during
-                     one of them)
+                     per push: DiLoCo moves lr sqrt(M) on the mean of M deltas), held under its stability limit for
+                     the pushes' staleness since session 30 (stale_cap; results before that ran without it);
+                     max_staleness=STALENESS so that a 4x slower island's rounds are not refused (the default 4 is
+                     below the 6 pushes others make during one of them)
     ps-nesterov      the same server with the delayed Nesterov step of arXiv 2401.09135 (outer=delayed-nesterov, lr
                      0.7, momentum 0.9, N = M); the default until session 28 (results/parameter-server/quick, run
                      then, names these arms ps-sgd and ps)
@@ -25,20 +26,20 @@ Settings:
                   process of its own (servers=1: thread mode is refused in elastic jobs), which outlives the kills;
                   a restarted island pulls the global model from it and starts at its last acknowledged step
     (d) link20    2 islands on a 20 Mbit/s testbed link
-Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to
-target: rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or
-under it. Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms.
-Goodput: the share of computed samples that reach the global model: 1 for the synchronous arms without faults (every
-round is averaged); the server's accepted samples over all pushed ones for ps (its counts, from the run record's
-server report); under churn, 1 - the killed incarnations' uncommitted steps (those past their last round boundary:
-for ps, its last acknowledged push) over all steps computed, for ps times the survivors' accepted pushes over all
-they pushed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory:
-measured where the server ran, from run.json's `parameter_server` report (docs/parameter-server.md, "What the
-servers report"): the thread mode's loop thread CPU (time.thread_time) and its state's tensors (global model, outer
-optimizer state, open window at its largest); a server process's own CPU and peak RSS. Only a run without that
-report falls back to the estimate (labelled in `server_source`): the state in the final checkpoint, and the bench
-process replaying the run's pushes through the server's state on one thread; an elastic ps job keeps no checkpoint
-(the server's journals are its state), so without a report its columns stay empty.
+Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to target:
+rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or under it.
+Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms. Goodput: the
+share of computed samples that reach the global model: 1 for the synchronous arms without faults (every round is
+averaged); the server's accepted samples over all pushed ones for ps (its counts, from the run record's server report);
+under churn, 1 - the killed incarnations' uncommitted steps (those past their last logged round boundary: for ps, its
+last acknowledged push; churn_goodput) over all steps computed, for ps times the survivors' accepted pushes over all
+they pushed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory: measured where
+the server ran, from run.json's `parameter_server` report (docs/parameter-server.md, "What the servers report"): the
+thread mode's loop thread CPU (time.thread_time) and its state's tensors (global model, outer optimizer state, open
+window at its largest); a server process's own CPU and peak RSS. Only a run without that report falls back to the
+estimate (labelled in `server_source`): the state in the final checkpoint, and the bench process replaying the run's
+pushes through the server's state on one thread; an elastic ps job keeps no checkpoint (the server's journals are its
+state), so without a report its columns stay empty.
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
 utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
