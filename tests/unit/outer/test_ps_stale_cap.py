@@ -13,7 +13,7 @@ import torch
 
 from islands.sync.outer import make_outer
 from islands.sync.outer.ps import OuterRule, ParameterServer, outer_rule
-from islands.sync.outer.ps_server import Contribution, ServerState, StaleCap
+from islands.sync.outer.ps_server import CAP_EVERY, Contribution, ServerState, StaleCap
 from islands.sync.outer.ps_service import ServiceConfig
 
 
@@ -106,3 +106,26 @@ def test_server_processes_get_the_cap_through_their_configuration(tmp_path):
     loaded = ServiceConfig.load(config.save(tmp_path))
     scale = loaded.shard_state(0).scale
     assert isinstance(scale, StaleCap) and scale([0, 0, 1]) == pytest.approx(StaleCap(3**-0.5)([0, 0, 1]))
+
+
+def test_the_factor_is_computed_at_each_of_the_first_pushes_then_every_cap_every_and_a_copy_resumes_the_schedule():
+    calls = []
+
+    def scale(hist) -> float:
+        calls.append(sum(hist))
+        return 0.5
+
+    def server():
+        return ServerState(torch.zeros(1), lambda: OuterRule("sgd")(2), max_staleness=2, scale=scale)
+
+    state = server()
+    for _ in range(CAP_EVERY + 40):
+        state.push(Contribution(0, state.version, torch.ones(1)))
+    assert calls == list(range(1, CAP_EVERY + 1)) + [2 * CAP_EVERY]
+    copy = server()
+    copy.load_state_dict(state.state_dict())
+    calls.clear()
+    for s in (state, copy):
+        for _ in range(CAP_EVERY):
+            s.push(Contribution(0, s.version, torch.ones(1)))
+    assert calls == [3 * CAP_EVERY, 3 * CAP_EVERY] and torch.equal(state.pull()[1], copy.pull()[1])

@@ -64,6 +64,10 @@ class Ack:
 # StaleCap's margin: the share of the delayed step's stability limit a push may use, the 2-island default's (lr
 # 1/sqrt(2) per push, 1 version stale, whose limit is 1.0); session 30, docs/parameter-server.md
 STALE_CAP_MARGIN = 2**-0.5
+# Pushes between two computations of StaleCap's factor, once the first CAP_EVERY pushes each had one: its bisection
+# costs ~1.5 ms at staleness 8, ~50 ms at 64, ~0.6 s at 128 (np.roots; this host), and the histogram's shares move
+# slowly once it holds a few rounds of every island
+CAP_EVERY = 32
 
 
 class StaleCap:
@@ -157,6 +161,7 @@ class ServerState:
         self.aggregator = aggregator
         self.scale = scale  # the staleness histogram -> every step's lr factor (StaleCap)
         self.stale_hist = [0] * (max_staleness + 1)  # accepted pushes per staleness: StaleCap's p(s)
+        self.cap = {"at": -1, "factor": 1.0}  # the scale's last factor and the accepted pushes it was computed at
         self.version = 0
         self.window: list[tuple[Contribution, int]] = []  # (contribution, its staleness at arrival)
         self.counts = {"pushes": 0, "refused": 0, "steps": 0, "samples": 0.0, "samples_refused": 0.0}
@@ -218,11 +223,20 @@ class ServerState:
             merged.div_(sum(weights))
             factor = sum(weights) / sum(float(c.samples) for c, _ in window)
         if self.scale is not None:
-            factor *= self.scale(self.stale_hist)
+            factor *= self.cap_factor(self.scale)
         for (lo, hi), params, rule in zip(self.bounds, self.params, self.rules):
             rule.step(params, merged[lo:hi], 0, hi - lo, lr_scale=factor)
         self.version += 1
         self.counts["steps"] += 1
+
+    def cap_factor(self, scale: Callable[[Sequence[int]], float]) -> float:
+        """scale(the staleness histogram), computed at each of the first CAP_EVERY accepted pushes, then every
+        CAP_EVERY of them (its cost grows with the largest staleness); in between, its last value. A function of the
+        state alone, so a rebuilt shard replays it."""
+        n = sum(self.stale_hist)
+        if self.cap["at"] < 0 or n <= CAP_EVERY or n - self.cap["at"] >= CAP_EVERY:
+            self.cap = {"at": n, "factor": float(scale(self.stale_hist))}
+        return float(self.cap["factor"])
 
     def pull(self) -> tuple[int, torch.Tensor]:
         """The version and a copy of the global model (every shard, in order)."""
@@ -259,6 +273,7 @@ class ServerState:
             ],
             "counts": dict(self.counts),
             "stale_hist": list(self.stale_hist),
+            "cap": dict(self.cap),
             **({"aggregator": self.aggregator.state_dict()} if isinstance(self.aggregator, Stateful) else {}),
         }
 
@@ -279,6 +294,7 @@ class ServerState:
         ]
         self.counts = dict(state["counts"])
         self.stale_hist = [int(n) for n in state.get("stale_hist", [0] * (self.max_staleness + 1))]  # session 30
+        self.cap = dict(state.get("cap", {"at": -1, "factor": 1.0}))
         if "aggregator" in state and isinstance(self.aggregator, Stateful):
             self.aggregator.load_state_dict(state["aggregator"])
 
