@@ -5,13 +5,19 @@ the launcher. The experiment runs all its settings at once; this runs (c) only, 
 (parameter_server.run_churn). A one-off measurement on gloo loopback, not a registered benchmark:
 
     PYTHONPATH=src:bench python scripts/ps_churn_quick.py OUT_DIR      # writes OUT_DIR/churn.json
+
+Options (session 30): --arms diloco,ps (a subset), --repeat N (the arms run interleaved N times, diloco, ps,
+diloco, ps, ..., so the host's load hits every arm alike; labels get #i), --target LOSS (skip DDP's run, e.g. its
+known 0.0906), --every K (rounds between kills; 0: no kills, the same elastic job without churn, a control).
+--spec NAME=SPEC (repeatable): an arm of one's own beside the experiment's (a NAME starting with ps runs as a ps
+arm: servers=1 is added). Each row keeps its kills (kill_log) and run directory for scripts/ps_churn_timeline.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -19,45 +25,81 @@ from islands_bench.experiments import parameter_server as ps
 from islands_bench.harness import BenchContext
 
 
-def main(out: Path) -> None:
+def main(
+    out: Path,
+    arms: tuple[str, ...] | None,
+    repeat: int,
+    target: float | None,
+    every: int,
+    extra: tuple[tuple[str, str], ...] = (),
+) -> None:
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
     t = ps.tier(ctx)
     load = [os.getloadavg()]
     steps = t["ddp_steps"]
-    ddp = ctx.train(
-        "ddp",
-        task=t["task"],
-        workers=2,
-        islands=1,
-        steps=steps,
-        global_batch=ps.BATCH,
-        warmup=max(steps // 10, 1),
-        eval_every=t["h"],
-        log_every=t["log_every"],
-        slowdown=f"floor={t['floor']}",
-        **t["model"],
-    )
-    target = ddp["summary"]["final_val_loss"]
-    rows, not_run = ps.run_churn(ctx, t, target, ps._numel(t))
+    if target is None:
+        ddp = ctx.train(
+            "ddp",
+            task=t["task"],
+            workers=2,
+            islands=1,
+            steps=steps,
+            global_batch=ps.BATCH,
+            warmup=max(steps // 10, 1),
+            eval_every=t["h"],
+            log_every=t["log_every"],
+            slowdown=f"floor={t['floor']}",
+            **t["model"],
+        )
+        target = ddp["summary"]["final_val_loss"]
+    rows: list[dict] = []
+    not_run: dict[str, str] = {}
+    for i in range(repeat):
+        for arm in arms or [a for a, _ in ps.churn_arms(t["h"], 3) + list(extra)]:
+            tag = f"#{i}" if repeat > 1 else ""
+            load0 = os.getloadavg()
+            got, why = ps.run_churn(ctx, t, target, ps._numel(t), only=(arm,), tag=tag, every=every, extra=extra)
+            not_run.update(why)
+            for r in got:
+                r.update(repeat=i, load_before=load0, load_after=os.getloadavg(), kill_log=r.pop("_kill_log"))
+                r["run_dir"] = str(out / "runs" / f"{arm}@churn{tag}")
+            rows += got
     load.append(os.getloadavg())
-    series = {r["run"]: r.pop("_series") for r in rows}
+    series = {r["run_dir"]: r.pop("_series") for r in rows}
     equal = min(s[-1]["elapsed"] for s in series.values())  # the earliest end among the arms
     for r in rows:
-        r["loss_at_equal_wall"] = ps.loss_at(series[r["run"]], equal)
+        r["loss_at_equal_wall"] = ps.loss_at(series[r["run_dir"]], equal)
         r["equal_wall_s"] = equal
-        r["val"] = [(p["step"], p["elapsed"], p["val_loss"]) for p in series[r["run"]]]
-    result = {"target": target, "rows": rows, "not_run": not_run, "load": load, "end": time.strftime("%H:%M:%S")}
+        r["val"] = [(p["step"], p["elapsed"], p["val_loss"]) for p in series[r["run_dir"]]]
+    result = {
+        "target": target,
+        "every": every,
+        "rows": rows,
+        "not_run": not_run,
+        "load": load,
+        "end": time.strftime("%H:%M:%S"),
+    }
     (out / "churn.json").write_text(json.dumps(result, indent=1))
     for r in rows:
         reached = r["time_to_target_s"]
         ttt = f"{reached:.1f} s at step {r['steps_to_target']}" if reached else "not reached"
         print(
-            f"{r['run']}: time to target {ttt}; final loss {r['final_val_loss']:.4f}; loss at {equal:.1f} s "
-            f"{r['loss_at_equal_wall']:.4f}; goodput {100 * r['goodput']:.1f}%; kills {r['kills']}; "
-            f"refused {r['refused']}; {r['mb_per_worker']:.2f} MB/worker; {r['interconnect']}"
+            f"{r['run']}#{r['repeat']}: time to target {ttt}; final loss {r['final_val_loss']:.4f}; loss at "
+            f"{equal:.1f} s {r['loss_at_equal_wall']:.4f}; goodput {100 * r['goodput']:.1f}%; kills {r['kills']}; "
+            f"refused {r['refused']}; {r['mb_per_worker']:.2f} MB/worker; load {r['load_before'][0]:.1f}-"
+            f"{r['load_after'][0]:.1f}; {r['interconnect']}"
         )
     print(f"target (DDP's loss) {target:.4f}; not run: {not_run}; load average {load}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--arms", default="", help="comma-separated arms (default: every churn arm)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the arms interleaved this many times")
+    parser.add_argument("--target", type=float, default=None, help="the target loss (default: DDP's run)")
+    parser.add_argument("--every", type=int, default=ps.CHURN_EVERY, help="rounds between kills (0: none)")
+    parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (ps... as ps)")
+    a = parser.parse_args()
+    extra = tuple(tuple(x.split("=", 1)) for x in a.spec)
+    main(a.out, tuple(a.arms.split(",")) if a.arms else None, a.repeat, a.target, a.every, extra)

@@ -117,11 +117,21 @@ def _live(tmp_path, logs: dict[str, range]):
 
 def test_churn_goodput_counts_a_killed_incarnations_steps_since_its_last_round_boundary(tmp_path):
     # H = 10; w0 and w1 run 0..100; the victim w2 runs 0..34 (killed: 4 steps past round 30 lost), restarts at
-    # 40 and runs to 70 (killed at the boundary: the whole round 60..70 counted lost), restarts at 80 and ends at 100
+    # 40 and runs to 70 (killed just after its boundary step 70 was logged: that round was pushed, nothing lost;
+    # the churn's kills under ps come exactly there), restarts at 80 and ends at 100
     run = _live(tmp_path, {"w0": range(101), "w1": range(101), "w2": range(35), "w2.1": range(40, 71)})
     (run / "live" / "w2.2.jsonl").write_text("\n".join(json.dumps({"step": s}) for s in range(80, 101)))
     computed = 100 + 100 + 34 + 30 + 20
-    assert churn_goodput(run, 10) == pytest.approx(1 - (4 + 10) / computed)
+    assert churn_goodput(run, 10) == pytest.approx(1 - 4 / computed)
+
+
+def test_churn_goodput_counts_a_restarts_first_step_and_loses_a_round_cut_before_its_boundary(tmp_path):
+    # a restarted island logs its entry step's next step first (41: it trained 41..69 = 29 steps from 40) and is
+    # killed with step 69 logged: the boundary 70 was never reached, so the 9 steps past 60 are lost
+    run = _live(tmp_path, {"w0": range(101), "w1": range(101), "w2": range(41), "w2.1": range(41, 70)})
+    (run / "live" / "w2.2.jsonl").write_text("\n".join(json.dumps({"step": s}) for s in range(71, 101)))
+    computed = 100 + 100 + 40 + 29 + 30
+    assert churn_goodput(run, 10) == pytest.approx(1 - 9 / computed)
 
 
 def test_churn_goodput_is_one_without_kills(tmp_path):

@@ -7,9 +7,10 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
     ps               the parameter server (ps:inner_steps=H; a thread of rank 0): each island pushes its delta when
                      its own round ends and pulls the global model, no barrier but the job's end; the server steps
                      with its default rule, islands' DiLoCo outer step spread over the pushes (plain SGD, lr 1/sqrt(M)
-                     per push: DiLoCo moves lr sqrt(M) on the mean of M deltas); max_staleness=STALENESS so that a 4x
-                     slower island's rounds are not refused (the default 4 is below the 6 pushes others make during
-                     one of them)
+                     per push: DiLoCo moves lr sqrt(M) on the mean of M deltas), held under its stability limit for
+                     the pushes' staleness since session 30 (stale_cap; results before that ran without it);
+                     max_staleness=STALENESS so that a 4x slower island's rounds are not refused (the default 4 is
+                     below the 6 pushes others make during one of them)
     ps-nesterov      the same server with the delayed Nesterov step of arXiv 2401.09135 (outer=delayed-nesterov, lr
                      0.7, momentum 0.9, N = M); the default until session 28 (results/parameter-server/quick, run
                      then, names these arms ps-sgd and ps)
@@ -25,20 +26,20 @@ Settings:
                   process of its own (servers=1: thread mode is refused in elastic jobs), which outlives the kills;
                   a restarted island pulls the global model from it and starts at its last acknowledged step
     (d) link20    2 islands on a 20 Mbit/s testbed link
-Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to
-target: rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or
-under it. Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms.
-Goodput: the share of computed samples that reach the global model: 1 for the synchronous arms without faults (every
-round is averaged); the server's accepted samples over all pushed ones for ps (its counts, from the run record's
-server report); under churn, 1 - the killed incarnations' uncommitted steps (those past their last round boundary:
-for ps, its last acknowledged push) over all steps computed, for ps times the survivors' accepted pushes over all
-they pushed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory:
-measured where the server ran, from run.json's `parameter_server` report (docs/parameter-server.md, "What the
-servers report"): the thread mode's loop thread CPU (time.thread_time) and its state's tensors (global model, outer
-optimizer state, open window at its largest); a server process's own CPU and peak RSS. Only a run without that
-report falls back to the estimate (labelled in `server_source`): the state in the final checkpoint, and the bench
-process replaying the run's pushes through the server's state on one thread; an elastic ps job keeps no checkpoint
-(the server's journals are its state), so without a report its columns stay empty.
+Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to target:
+rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or under it.
+Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms. Goodput: the
+share of computed samples that reach the global model: 1 for the synchronous arms without faults (every round is
+averaged); the server's accepted samples over all pushed ones for ps (its counts, from the run record's server report);
+under churn, 1 - the killed incarnations' uncommitted steps (those past their last logged round boundary: for ps, its
+last acknowledged push; churn_goodput) over all steps computed, for ps times the survivors' accepted pushes over all
+they pushed. Bytes: every rank's sent + received bytes (ledger), mean per worker. Server CPU and memory: measured where
+the server ran, from run.json's `parameter_server` report (docs/parameter-server.md, "What the servers report"): the
+thread mode's loop thread CPU (time.thread_time) and its state's tensors (global model, outer optimizer state, open
+window at its largest); a server process's own CPU and peak RSS. Only a run without that report falls back to the
+estimate (labelled in `server_source`): the state in the final checkpoint, and the bench process replaying the run's
+pushes through the server's state on one thread; an elastic ps job keeps no checkpoint (the server's journals are its
+state), so without a report its columns stay empty.
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
 utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
@@ -255,7 +256,7 @@ def _arm_row(ctx, setting, arm, rec, target, numel, load, checkpointed: bool = T
         "load": load,
         "interconnect": rec["interconnect_line"],
     }
-    if arm in PS_ARMS and (checkpointed or measured_server(rec) is not None):
+    if (arm in PS_ARMS or arm.startswith("ps")) and (checkpointed or measured_server(rec) is not None):
         row.update(server_columns(rec, numel))
     return row
 
@@ -301,25 +302,42 @@ def server_columns(rec: dict, numel: int) -> dict:
 def _ps_extra(arm: str, run_dir: Path, steps: int) -> dict:
     """The ps arm keeps a final checkpoint: the server's counts and state, for the estimate where a run's record has
     no server report (server_columns)."""
-    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if arm in PS_ARMS else {}
+    served = arm in PS_ARMS or arm.startswith("ps")
+    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if served else {}
 
 
-def run_settings(ctx: BenchContext, t: dict, target: float, numel: int) -> list[dict]:
+def run_settings(
+    ctx: BenchContext,
+    t: dict,
+    target: float,
+    numel: int,
+    only: tuple[str, ...] | None = None,
+    extra: tuple[tuple[str, str], ...] = (),
+    where: tuple[str, ...] | None = None,
+    tag: str = "",
+) -> list[dict]:
+    """(a), (b), (d): every arm in every setting. `only`: the arms to run (None: all); `extra`: (name, spec) arms
+    beside them (a name starting with ps is a ps arm); `where`: the settings to run (None: all); `tag`: appended to
+    each run's label (repeated runs in one output folder)."""
     h, steps = t["h"], LONGER * t["ddp_steps"]
     base = dict(task=t["task"], steps=steps, global_batch=BATCH, warmup=max(steps // 10, 1), eval_every=h)
     base.update(log_every=t["log_every"], **t["model"])
     rows = []
     for setting, islands, slowdown, link in settings(ctx):
+        if where is not None and setting not in where:
+            continue
         bed = ctx.testbed(link, hosts=islands) if link else None
         with bed if bed is not None else _nothing() as b:
             kw = {"testbed": b.name} if b is not None else {}
-            for arm, spec in arms(h, islands):
+            for arm, spec in arms(h, islands) + list(extra):
+                if only is not None and arm not in only:
+                    continue
                 if ctx.smoke and arm in (
                     "diloco-deadline",
                     "ps-nesterov",
                 ):  # smoke: one arm of each kind (deadline is a diloco spec)
                     continue
-                label = f"{arm}@{setting}"
+                label = f"{arm}@{setting}{tag}"
                 load0 = os.getloadavg()[0]
                 run_dir = ctx.out_dir / "runs" / label
                 over = dict(base, workers=islands, islands=islands, outer=spec, slowdown=slowdown, **kw)
@@ -398,9 +416,21 @@ def _read(path: Path) -> str:
         return ""
 
 
-def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[list[dict], dict[str, str]]:
+def run_churn(
+    ctx: BenchContext,
+    t: dict,
+    target: float,
+    numel: int,
+    only: tuple[str, ...] | None = None,
+    tag: str = "",
+    every: int = CHURN_EVERY,
+    extra: tuple[tuple[str, str], ...] = (),
+) -> tuple[list[dict], dict[str, str]]:
     """(c): the arms of an elastic job with island 2 killed every CHURN_EVERY rounds, each that islands runs
-    elastic (the ps arms with servers=1). Returns the rows and, per arm not run, why (islands' refusal)."""
+    elastic (the ps arms with servers=1). Returns the rows and, per arm not run, why (islands' refusal). `only`: the
+    arms to run (None: all); `tag`: appended to each run's label (repeated runs in one output folder); `every`: rounds
+    between kills (0: none, the same elastic job without churn, a control); `extra`: (name, spec) arms to run beside
+    them (a name starting with ps runs as a ps arm, servers=1)."""
     h, steps = t["h"], LONGER * t["ddp_steps"]
     if ctx.smoke:
         steps = ctx.smoke_steps
@@ -422,22 +452,25 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
         **t["model"],
     )
     rows, not_run = [], {}
-    for arm, spec in churn_arms(h, base["islands"]):
-        served = arm in PS_ARMS
+    for arm, spec in churn_arms(h, base["islands"]) + list(extra):
+        if only is not None and arm not in only:
+            continue
+        served = arm in PS_ARMS or arm.startswith("ps")
         spec = f"{spec},servers=1" if served else spec  # thread mode is refused in elastic jobs
         why = _refused(ctx, dict(base, outer=spec))
         if why:
             not_run[arm] = why
             continue
-        label = f"{arm}@churn"
+        label = f"{arm}@churn{tag}"
         log: dict = {"kills": []}
         stop = threading.Event()
         run_dir = ctx.out_dir / "runs" / label
 
         def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir, served=served):
             log["token"] = os.environ["ISLANDS_TOKEN"]
-            args = (address, workers, run_dir, CHURN_EVERY, log, stop, ServedRounds(h) if served else None)
-            threading.Thread(target=_killer, args=args, daemon=True).start()
+            args = (address, workers, run_dir, every, log, stop, ServedRounds(h) if served else None)
+            if every:
+                threading.Thread(target=_killer, args=args, daemon=True).start()
 
         load0 = os.getloadavg()[0]
         try:
@@ -447,11 +480,13 @@ def run_churn(ctx: BenchContext, t: dict, target: float, numel: int) -> tuple[li
         row = _arm_row(ctx, "churn", arm, rec, target, numel, max(load0, os.getloadavg()[0]), checkpointed=False)
         row["goodput"] = churn_goodput(run_dir, h)
         row["kills"] = len(log["kills"])
+        row["_kill_log"] = log["kills"]  # round and wall time of each SIGKILL (scripts/ps_churn_quick.py's timeline)
         if served:
             pushes, refused = served_counts(run_dir)
             row.update(refused=refused, goodput=row["goodput"] * pushes / max(pushes + refused, 1))
         # the launcher's own record of the island's restarts: one per kill (nothing else stops it)
-        row["restarts"] = len(json.loads((run_dir / "elastic" / "restarts.json").read_text())["restarts"])
+        restarts = run_dir / "elastic" / "restarts.json"  # written at the first restart (none without kills)
+        row["restarts"] = len(json.loads(restarts.read_text())["restarts"]) if restarts.is_file() else 0
         row["_series"] = rec["series"]["val"]
         rows.append(row)
     return rows, not_run
@@ -482,10 +517,14 @@ def served_counts(run_dir: Path) -> tuple[int, int]:
 
 
 def churn_goodput(run_dir: Path, h: int) -> float:
-    """1 - lost / computed steps, an estimate from every incarnation's live log (logged every step): an incarnation
-    that ended before the job's last step (killed) lost its steps since the round boundary before its last step
-    (a kill during an exchange counts that whole round lost: an upper bound on the loss); computed steps are each
-    incarnation's last logged step minus its first (where it started or resumed)."""
+    """1 - lost / computed steps, from every incarnation's live log (logged every step): an incarnation that ended
+    before the job's last step (killed) lost its steps since the last round boundary it logged. A logged step comes
+    after the strategy's after_step (Trainer: after_step, then the callbacks), so a logged boundary step's push (ps:
+    acknowledged before after_step returns) or exchange (DiLoCo) is done: nothing of that round is lost. Until
+    session 30 a kill at a boundary counted the whole round lost, which under ps is exactly where the churn kills
+    (just after an acknowledged push, as its restart's step shows) and put its goodput at 90% where it lost ~1%.
+    Computed steps: each incarnation's last logged step minus where it started (its first logged step, or the step
+    before it when that is not a round boundary: a restarted island logs its entry step's next step first)."""
     span: dict[str, tuple[int, int]] = {}  # name -> (first step, last step) logged
     for path in sorted((run_dir / "live").glob("*.jsonl")):
         for line in path.read_text().splitlines():
@@ -496,8 +535,8 @@ def churn_goodput(run_dir: Path, h: int) -> float:
     if not span:
         raise RuntimeError(f"{run_dir / 'live'} holds no logged steps")
     end = max(last for _, last in span.values())
-    computed = sum(last - first for first, last in span.values())
-    lost = sum(last - h * ((last - 1) // h) for first, last in span.values() if last < end and last > first)
+    computed = sum(last - (first if first % h == 0 else first - 1) for first, last in span.values())
+    lost = sum(last - h * (last // h) for first, last in span.values() if last < end and last > first)
     return 1.0 - lost / computed if computed else float("nan")
 
 
@@ -751,6 +790,8 @@ def parameter_server(ctx: BenchContext) -> dict:
     uptime.append(f"end {time.strftime('%H:%M:%S')} load {os.getloadavg()}")
 
     series = {f"{r['run']}@{r['setting']}": r.pop("_series") for r in rows}
+    for r in rows:
+        r.pop("_kill_log", None)  # the churn timeline's raw kills: scripts/ps_churn_quick.py reads them
     for setting in dict.fromkeys(r["setting"] for r in rows):
         here = [r for r in rows if r["setting"] == setting]
         equal = min(series[f"{r['run']}@{setting}"][-1]["elapsed"] for r in here)

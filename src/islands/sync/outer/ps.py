@@ -76,7 +76,7 @@ from islands.sync.outer.ps_link import (
 from islands.sync.outer.ps_process import SCRATCH
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected, thread_report
-from islands.sync.outer.ps_server import ServerState, check_server_options
+from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
 from islands.sync.outer.ps_service import ServiceConfig, launch
 from islands.sync.outer.ps_wire import PULL
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
@@ -101,6 +101,9 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 # 3 islands 1x/2x/4x) reached DDP's loss with it 3.07x sooner than synchronous DiLoCo, where delayed Nesterov at
 # 0.7/0.9 never reached it; on the byte LM on loopback it took 60 s to fp32 DiLoCo's loss against delayed
 # Nesterov's 198 s (results/parameter-server/quick; docs/parameter-server.md)
+# Since session 30 that step is held under its stability limit for the pushes' staleness (stale_cap, on by default
+# for it: ps_server.StaleCap): equal-speed islands' pushes are M - 1 versions stale, and lr 1/sqrt(M) sat at 93% of
+# the limit for 3 islands and past it from 4 (results/parameter-server/churn-s30)
 DEFAULT_PS_RULE = "sgd"
 
 Rule = Callable[[int], OuterOptimizer]  # islands M -> one shard's outer optimizer
@@ -130,9 +133,17 @@ class OuterRule:
             raise ValueError(f"buffer= applies to outer=delayed-nesterov only; got outer={outer}")
         self.outer, self.lr, self.momentum, self.buffer = outer, lr, momentum, buffer
 
+    def lr_for(self, islands: int) -> float:
+        """The step's lr for M islands: `lr`, else 1/sqrt(M) for sgd and DEFAULT_PS_LR for the Nesterov rules."""
+        return self.lr if self.lr is not None else islands**-0.5 if self.outer == "sgd" else DEFAULT_PS_LR
+
+    def plain(self) -> bool:
+        """Plain SGD (no momentum): the step StaleCap's stability limit is about."""
+        return self.outer == "sgd" and not self.momentum
+
     def __call__(self, islands: int) -> OuterOptimizer:
         sgd = self.outer == "sgd"
-        lr = self.lr if self.lr is not None else islands**-0.5 if sgd else DEFAULT_PS_LR
+        lr = self.lr_for(islands)
         momentum = self.momentum if self.momentum is not None else 0.0 if sgd else DEFAULT_PS_MOMENTUM
         if self.outer == "delayed-nesterov":
             return DelayedNesterov(lr, momentum, self.buffer or islands)
@@ -223,6 +234,7 @@ class ParameterServer(OuterStrategy):
         arrivals: Arrivals | None = None,
         host: InProcessServer | None = None,
         service: ServerProcesses | None = None,
+        stale_cap: bool | None = None,
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
         shard (outer_rule(...) by name; default plain SGD, lr 1/sqrt(M), DEFAULT_PS_RULE). `shards`: parameter
@@ -231,7 +243,10 @@ class ParameterServer(OuterStrategy):
         push's weight times (1 + staleness)^-discount. `aggregator`: a robust aggregator over each window (then
         quorum >= 2 makes sense). `compressor`: a PayloadCodec (Quant4, Quant4Zstd) for pushes, decoded on the
         server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate.
-        `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come)."""
+        `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
+        `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
+        (ps_server.StaleCap); None (default): on for the plain SGD rule by name (outer_rule("sgd"), the default
+        rule), off for the others; True with another rule is refused (momentum moves the limit)."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -244,6 +259,13 @@ class ParameterServer(OuterStrategy):
         self.inner_steps = inner_steps
         check_server_options(shards, max_staleness, quorum, discount)
         self.rule = rule if rule is not None else outer_rule()
+        if stale_cap and not (isinstance(self.rule, OuterRule) and self.rule.plain()):
+            raise ValueError(
+                "stale_cap=true holds the plain SGD step under its stability limit: use outer=sgd without momentum "
+                "(momentum moves the limit), or drop stale_cap"
+            )
+        plain = isinstance(self.rule, OuterRule) and self.rule.plain()
+        self.stale_cap = plain if stale_cap is None else stale_cap
         self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
         self.discount, self.aggregator, self.codec = discount, aggregator, compressor
         self.arrivals = arrivals if arrivals is not None else FirstCome()
@@ -274,7 +296,12 @@ class ParameterServer(OuterStrategy):
             quorum=self.quorum,
             discount=self.discount,
             aggregator=self.aggregator,
+            scale=self.stale_scale(islands),
         )
+
+    def stale_scale(self, islands: int) -> StaleCap | None:
+        """The server's StaleCap for M islands' step, with stale_cap (None without)."""
+        return StaleCap(self.rule.lr_for(islands)) if self.stale_cap and isinstance(self.rule, OuterRule) else None
 
     def wrap(self, model, optimizer, world):
         membership = world.membership
@@ -348,6 +375,7 @@ class ParameterServer(OuterStrategy):
             quorum=self.quorum,
             discount=self.discount,
             aggregator=self.aggregator,
+            scale=self.stale_scale(max(self.comm.size, 1)),
             codec=self.codec,
             lease_s=service.lease_s,
             timeout_s=service.timeout_s,
@@ -588,6 +616,7 @@ def parameter_server(
     lease: float = 2.0,
     timeout: float = 600.0,
     rejoin: str = "own",
+    stale_cap: bool | None = None,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -604,7 +633,10 @@ def parameter_server(
     that restarts a killed one from its journal. `lease`: seconds of heartbeat silence after which an island or a
     server process has lapsed (servers >= 1). `timeout`: the longest any push, pull or final wait lasts, retries
     included (servers >= 1). `rejoin`: in an elastic job, where a restarted island starts (servers >= 1): own, its
-    data shard's last acknowledged step; ahead, the furthest step any island acknowledged (REJOIN)."""
+    data shard's last acknowledged step; ahead, the furthest step any island acknowledged (REJOIN). `stale_cap`:
+    hold the plain SGD step under the delayed step's stability limit for the staleness its pushes have had, so
+    equal-speed islands, whose every push is M - 1 versions stale, do not swing the global model
+    (ps_server.StaleCap); unset: on for outer=sgd without momentum (the default), off for the others."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
@@ -627,4 +659,5 @@ def parameter_server(
         aggregator=aggregator,
         compressor=codec,
         service=service,
+        stale_cap=stale_cap,
     )

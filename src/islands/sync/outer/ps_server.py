@@ -16,6 +16,8 @@ from; its staleness is the versions taken since. Staleness rules:
     push steps at once, fully asynchronous; more: Decoupled-DiLoCo-style semi-synchrony, arXiv 2604.21428), the
     window is merged and one outer step runs on every shard, version += 1. The quorum never exceeds the islands
     still training (`settle`): one that finished or left is not waited for.
+`scale` (StaleCap): every step's lr is further multiplied by scale(the accepted pushes per staleness so far), so the
+delayed step stays within its stability limit; one factor for every push, so no island's data counts less.
 Merging (no aggregator): weighted by samples (token-weighted merging, 2604.21428), each weight times
 (1 + staleness)^-discount; merged = sum(w_i delta_i) / sum(w_i), summed in arrival order, and the step's lr is
 scaled by sum(w_i) / sum(samples_i) (1 when discount = 0), so a stale window moves the model less. With a robust
@@ -24,9 +26,11 @@ aggregator (islands.aggregate) the window's deltas go through it unweighted inst
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from islands.aggregate.base import Aggregator
@@ -57,6 +61,68 @@ class Ack:
     stepped: bool = False
 
 
+# StaleCap's margin: the share of the delayed step's stability limit a push may use, the 2-island default's (lr
+# 1/sqrt(2) per push, 1 version stale, whose limit is 1.0); session 30, docs/parameter-server.md
+STALE_CAP_MARGIN = 2**-0.5
+# Pushes between two computations of StaleCap's factor, once the first CAP_EVERY pushes each had one: its bisection
+# costs ~1.5 ms at staleness 8, ~50 ms at 64, ~0.6 s at 128 (np.roots; this host), and the histogram's shares move
+# slowly once it holds a few rounds of every island
+CAP_EVERY = 32
+
+
+class StaleCap:
+    """The server's lr factor from the staleness its pushes have had (ServerState(scale=...)): the step `lr` is held to
+    at most STALE_CAP_MARGIN x the stability limit of the delayed step, min(1, cap / lr), one factor for every push.
+
+    Why: with quorum 1 the plain SGD step is delayed feedback. If every push is s versions stale (M equal-speed
+    islands: s = M - 1) and a round's delta goes a share c of the way to its optimum, the model follows
+    x[k+1] = x[k] - lr c x[k-s], which is stable only while lr c < 2 sin(pi / (2 (2 s + 1))): 1.0 at s = 1, 0.618
+    at s = 2, 0.445 at s = 3 (scripts/ps_delay_stability.py). lr 1/sqrt(M) sits at 71% of it for 2 islands, 93%
+    for 3 and past it from 4, and the evaluated model swings (results/parameter-server/churn-s30). Pushes of mixed
+    staleness (uneven islands) are steadier than one delay: the limit here is that of the mean step over the
+    staleness seen so far, x[k+1] = x[k] - lr c sum_s p(s) x[k-s] (p: the accepted pushes' share at staleness s),
+    found by bisection on its characteristic roots. The cap keeps the step at the 2-island default's 71% of that
+    limit: one version stale, lr 1/sqrt(M) stays (M >= 2); all 2 stale, 0.437; all 3 stale, 0.315. One factor for
+    all pushes, not one per push: capping only the stale ones (a slow island's) weighs that island's data less
+    (measured: island 2 of setting (b), 4x slower and ~6 versions stale, then reached DDP's loss only with the final
+    answer). Plain SGD only (momentum moves the limit)."""
+
+    def __init__(self, lr: float):
+        if not lr > 0:
+            raise ValueError(f"StaleCap needs the server step's lr > 0, got {lr}")
+        self.lr = float(lr)
+
+    @staticmethod
+    def limit(staleness: int) -> float:
+        """The largest stable lr x c of a step whose pushes are all `staleness` versions old (closed form)."""
+        return 2.0 * math.sin(math.pi / (2 * (2 * max(int(staleness), 0) + 1)))
+
+    @staticmethod
+    def limit_of(histogram: Sequence[int]) -> float:
+        """The largest stable lr x c of the mean step over pushes whose staleness is s in histogram[s] of them: the
+        largest a with every root of z^(S+1) - z^S + a sum_s p(s) z^(S-s) inside the unit circle (S the largest
+        staleness seen). 2.0 (no delay's limit) before any push."""
+        total = sum(histogram)
+        if total == 0:
+            return 2.0
+        top = max(i for i, n in enumerate(histogram) if n)
+        share = np.array([n / total for n in histogram[: top + 1]], dtype=np.float64)
+
+        def stable(a: float) -> bool:
+            poly = np.concatenate(([1.0, -1.0], np.zeros(top)))
+            poly[1:] += a * share
+            return bool(np.abs(np.roots(poly)).max() < 1.0)
+
+        lo, hi = 0.0, 2.0  # stable at lo; the no-delay step's limit 2 bounds every delayed one
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if stable(mid) else (lo, mid)
+        return lo
+
+    def __call__(self, histogram: Sequence[int]) -> float:
+        return min(1.0, STALE_CAP_MARGIN * self.limit_of(histogram) / self.lr)
+
+
 def check_server_options(shards: int, max_staleness: int, quorum: int, discount: float) -> None:
     """ValueError naming the option out of range (the strategy checks at construction, before any worker)."""
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
@@ -82,6 +148,7 @@ class ServerState:
         quorum: int = 1,
         discount: float = 0.0,
         aggregator: Aggregator | None = None,
+        scale: Callable[[Sequence[int]], float] | None = None,
     ):
         flat = initial.detach().to(torch.float32).flatten()
         check_server_options(shards, max_staleness, quorum, discount)
@@ -92,6 +159,9 @@ class ServerState:
         self.rules = [rule() for _ in self.bounds]
         self.max_staleness, self.quorum, self.discount = max_staleness, quorum, float(discount)
         self.aggregator = aggregator
+        self.scale = scale  # the staleness histogram -> every step's lr factor (StaleCap)
+        self.stale_hist = [0] * (max_staleness + 1)  # accepted pushes per staleness: StaleCap's p(s)
+        self.cap = {"at": -1, "factor": 1.0}  # the scale's last factor and the accepted pushes it was computed at
         self.version = 0
         self.window: list[tuple[Contribution, int]] = []  # (contribution, its staleness at arrival)
         self.counts = {"pushes": 0, "refused": 0, "steps": 0, "samples": 0.0, "samples_refused": 0.0}
@@ -118,6 +188,7 @@ class ServerState:
             self.counts["samples_refused"] += float(c.samples)
             return Ack(False, self.version, s)
         self.counts["samples"] += float(c.samples)
+        self.stale_hist[s] += 1
         self.window.append((c, s))
         held = sum(d.delta.numel() * d.delta.element_size() for d, _ in self.window)
         self.window_bytes_peak = max(self.window_bytes_peak, held)
@@ -151,10 +222,21 @@ class ServerState:
                 merged.add_(c.delta.to(torch.float32), alpha=w)
             merged.div_(sum(weights))
             factor = sum(weights) / sum(float(c.samples) for c, _ in window)
+        if self.scale is not None:
+            factor *= self.cap_factor(self.scale)
         for (lo, hi), params, rule in zip(self.bounds, self.params, self.rules):
             rule.step(params, merged[lo:hi], 0, hi - lo, lr_scale=factor)
         self.version += 1
         self.counts["steps"] += 1
+
+    def cap_factor(self, scale: Callable[[Sequence[int]], float]) -> float:
+        """scale(the staleness histogram), computed at each of the first CAP_EVERY accepted pushes, then every
+        CAP_EVERY of them (its cost grows with the largest staleness); in between, its last value. A function of the
+        state alone, so a rebuilt shard replays it."""
+        n = sum(self.stale_hist)
+        if self.cap["at"] < 0 or n <= CAP_EVERY or n - self.cap["at"] >= CAP_EVERY:
+            self.cap = {"at": n, "factor": float(scale(self.stale_hist))}
+        return float(self.cap["factor"])
 
     def pull(self) -> tuple[int, torch.Tensor]:
         """The version and a copy of the global model (every shard, in order)."""
@@ -190,6 +272,8 @@ class ServerState:
                 for c, s in self.window
             ],
             "counts": dict(self.counts),
+            "stale_hist": list(self.stale_hist),
+            "cap": dict(self.cap),
             **({"aggregator": self.aggregator.state_dict()} if isinstance(self.aggregator, Stateful) else {}),
         }
 
@@ -209,6 +293,8 @@ class ServerState:
             for w in state["window"]
         ]
         self.counts = dict(state["counts"])
+        self.stale_hist = [int(n) for n in state.get("stale_hist", [0] * (self.max_staleness + 1))]  # session 30
+        self.cap = dict(state.get("cap", {"at": -1, "factor": 1.0}))
         if "aggregator" in state and isinstance(self.aggregator, Stateful):
             self.aggregator.load_state_dict(state["aggregator"])
 

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -99,6 +99,7 @@ class ServiceConfig:
     discount: float = 0.0
     aggregator: Aggregator | None = None
     codec: PayloadCodec | None = None
+    scale: Callable[[Sequence[int]], float] | None = None  # pushes per staleness -> lr factor (ps_server.StaleCap)
     lease_s: float = 2.0
     timeout_s: float = 600.0
     commit_every: int = COMMIT_EVERY
@@ -135,6 +136,7 @@ class ServiceConfig:
             quorum=self.quorum,
             discount=self.discount,
             aggregator=self.aggregator,
+            scale=self.scale,
         )
 
     def save(self, path: str | os.PathLike) -> Path:
