@@ -159,9 +159,13 @@ def test_a_store_that_carries_none_of_the_leaders_own_beats_convicts_no_follower
     store.set("hb/i0w1", "1")
     watch = FollowerWatch("i0w0", ["i0w1"], store, TIMEOUT, out=io.StringIO())
     assert _looks(watch, store, {"i0w0", "i0w1"}, TIMEOUT)[0] is None
-    why, after = _looks(watch, store, set(), 6 * TIMEOUT)
-    # 3 timeouts of silence, counted from the follower's last beat (the previous phase's last look)
-    assert why is not None and 2.9 * TIMEOUT <= after < 4 * TIMEOUT, (why, after)
+    why, after = _looks(watch, store, set(), 10 * TIMEOUT)
+    # 3 timeouts of silence, counted from the follower's last beat (the previous phase's last look), and not sooner.
+    # No upper bound on the wall clock beyond the loop's: under a full suite on 2 cores a 20 ms look once came
+    # 2.4 s in (the verdict said 1.2 s of silence), which measures the scheduler, not the watch
+    assert why is not None and why.startswith("its follower i0w1 is silent for"), why
+    silent = float(why.removeprefix("its follower i0w1 is silent for").split(" s")[0])
+    assert silent >= 3 * TIMEOUT - 0.05 and after >= 2.9 * TIMEOUT, (why, after)
 
 
 def test_a_silent_worker_that_can_answer_leaves_its_stacks_and_state_in_its_log_before_the_kill(tmp_path):
