@@ -23,7 +23,7 @@ run: $(STAMP)
 # every unit and integration test, in three processes (pytest-xdist): on 2 cores the suite is CPU-bound (a process
 # test's ranks, launcher and CLI import torch each), so more processes only add contention: the whole suite took
 # 727 / 697 / 642 / 617 s at -n 7 / 5 / 4 / 3 on this 2-core host, back to back (session 31); a fresh clone's
-# `make test` at -n 3 took 10m08s, venv included (12m13s at -n 5). A file whose fixtures span the module stays in
+# `make test` at -n 3 took 10m08s and 11m03s, venv included (12m13s at -n 5). A file whose fixtures span the module stays in
 # one process (tests/conftest.py).
 # The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
