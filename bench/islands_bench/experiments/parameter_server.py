@@ -100,6 +100,11 @@ def arms(h: int, islands: int) -> list[tuple[str, str]]:
 PS_ARMS = ("ps", "ps-nesterov", "ps-ahead")
 
 
+def served_arm(arm: str) -> bool:
+    """Whether an arm runs the parameter server: every PS_ARMS name, and an extra arm named ps... (the scripts')."""
+    return arm.startswith("ps")
+
+
 def churn_arms(h: int, islands: int) -> list[tuple[str, str]]:
     """(c)'s arms: the others', and ps whose restarted island starts at the furthest acknowledged step
     (rejoin=ahead: it skips what its predecessor missed, as DiLoCo's rejoiner skips to the members' step)."""
@@ -256,7 +261,7 @@ def _arm_row(ctx, setting, arm, rec, target, numel, load, checkpointed: bool = T
         "load": load,
         "interconnect": rec["interconnect_line"],
     }
-    if (arm in PS_ARMS or arm.startswith("ps")) and (checkpointed or measured_server(rec) is not None):
+    if served_arm(arm) and (checkpointed or measured_server(rec) is not None):
         row.update(server_columns(rec, numel))
     return row
 
@@ -302,8 +307,7 @@ def server_columns(rec: dict, numel: int) -> dict:
 def _ps_extra(arm: str, run_dir: Path, steps: int) -> dict:
     """The ps arm keeps a final checkpoint: the server's counts and state, for the estimate where a run's record has
     no server report (server_columns)."""
-    served = arm in PS_ARMS or arm.startswith("ps")
-    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if served else {}
+    return {"checkpoint.dir": str(run_dir / "ckpt"), "checkpoint.every": steps} if served_arm(arm) else {}
 
 
 def run_settings(
@@ -455,7 +459,7 @@ def run_churn(
     for arm, spec in churn_arms(h, base["islands"]) + list(extra):
         if only is not None and arm not in only:
             continue
-        served = arm in PS_ARMS or arm.startswith("ps")
+        served = served_arm(arm)
         spec = f"{spec},servers=1" if served else spec  # thread mode is refused in elastic jobs
         why = _refused(ctx, dict(base, outer=spec))
         if why:
@@ -590,7 +594,7 @@ def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
                         "mb_per_worker": mb_per_worker(rec),
                         "load": max(load0, os.getloadavg()[0]),
                         "interconnect": rec["interconnect_line"],
-                        **((measured_server(rec) or {}) if arm in PS_ARMS else {}),
+                        **((measured_server(rec) or {}) if served_arm(arm) else {}),
                     }
                 )
     if target is None:

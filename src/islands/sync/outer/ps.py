@@ -259,12 +259,12 @@ class ParameterServer(OuterStrategy):
         self.inner_steps = inner_steps
         check_server_options(shards, max_staleness, quorum, discount)
         self.rule = rule if rule is not None else outer_rule()
-        if stale_cap and not (isinstance(self.rule, OuterRule) and self.rule.plain()):
+        plain = isinstance(self.rule, OuterRule) and self.rule.plain()
+        if stale_cap and not plain:
             raise ValueError(
                 "stale_cap=true holds the plain SGD step under its stability limit: use outer=sgd without momentum "
                 "(momentum moves the limit), or drop stale_cap"
             )
-        plain = isinstance(self.rule, OuterRule) and self.rule.plain()
         self.stale_cap = plain if stale_cap is None else stale_cap
         self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
         self.discount, self.aggregator, self.codec = discount, aggregator, compressor
