@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+import islands
+from islands.outer import InProcessServer, VirtualClock
 from islands.sync.outer import make_outer
 from islands.sync.outer.ps import OuterRule, ParameterServer, outer_rule
 from islands.sync.outer.ps_server import CAP_EVERY, Contribution, ServerState, StaleCap
@@ -129,3 +131,50 @@ def test_the_factor_is_computed_at_each_of_the_first_pushes_then_every_cap_every
         for _ in range(CAP_EVERY):
             s.push(Contribution(0, s.version, torch.ones(1)))
     assert calls == [3 * CAP_EVERY, 3 * CAP_EVERY] and torch.equal(state.pull()[1], copy.pull()[1])
+
+
+class BNCNN(torch.nn.Module):
+    """A model islands did not write: conv + BatchNorm, and a forward that returns (logits, features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        features = torch.relu(self.bn(self.conv(x)))
+        return self.fc(features.flatten(1)), features
+
+
+def test_a_users_batchnorm_cnn_on_three_equal_islands_trains_under_the_default_cap_and_ends_on_one_model():
+    """Through the public API (islands.simulate, islands.outer): 3 islands of equal virtual speed push 2 versions
+    stale, so the default step is capped (factor < 1); every island ends on the server's one global model."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 1, 8, 8, generator=g), torch.randn(64, 10, generator=g)
+    y = (x.flatten(1) @ w).argmax(1)
+    server = InProcessServer()
+
+    def main(world):
+        torch.manual_seed(0)
+        model = BNCNN()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ps = ParameterServer(inner_steps=5, arrivals=VirtualClock([1.0, 1.0, 1.0]), host=server, max_staleness=4)
+        ps.wrap(model, opt, world)
+        for i in range(40):
+            idx = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(3 * i + world.rank))
+            torch.nn.functional.cross_entropy(model(x[idx])[0], y[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+            ps.after_step(model, opt, i)
+        ps.finish(model)
+        model.eval()
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(model(x)[0], y).item(), ps.global_flat.clone()
+
+    torch.set_num_threads(1)
+    results = islands.simulate.run(main, islands=3)
+    state = server.loop.state
+    assert state.stale_hist[2] > state.stale_hist[0] + state.stale_hist[1]  # most pushes 2 versions stale
+    assert state.cap["factor"] < 1.0  # so the default step was capped
+    assert all(torch.equal(results[0][1], flat) for _, flat in results)  # one global model
+    assert all(loss < 0.7 * math.log(10) for loss, _ in results)  # learnt: chance is ln 10
