@@ -12,6 +12,7 @@ optimizer's own step hooks. The same three lines work in a plain torchrun script
 import hashlib
 import json
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -63,7 +64,10 @@ def main():
         "rounds": strategy.rounds,
         "digest": hashlib.sha256(params).hexdigest()[:16],
     }
-    print("RESULT " + json.dumps(line), flush=True)
+    # one write for the whole line: under PYTHONUNBUFFERED print writes the text and its newline in two, and the
+    # other island's rank 0 shares this stdout
+    sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+    sys.stdout.flush()
     islands.close_world(world)
 
 

@@ -12,6 +12,7 @@ The lines marked `# islands` are the whole change to the script.
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -85,7 +86,10 @@ def report(callback, model, losses, training_loss):
         "rounds": callback.run.strategy.rounds,
         "digest": digest,
     }
-    print("RESULT " + json.dumps(line), flush=True)
+    # one write for the whole line: under PYTHONUNBUFFERED print writes the text and its newline in two, and the
+    # other island's rank 0 shares this stdout
+    sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ INNER_STEPS optimizer steps. The lines marked `# islands` are the whole change t
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -91,7 +92,10 @@ def main():
         "rounds": callback.run.strategy.rounds,
         "digest": hashlib.sha256(params).hexdigest()[:16],  # the global model, after the final synchronisation
     }
-    print("RESULT " + json.dumps(line), flush=True)
+    # one write for the whole line: under PYTHONUNBUFFERED print writes the text and its newline in two, and the
+    # other island's rank 0 shares this stdout
+    sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ at step DIE_AT: test_frameworks.test_an_island_that_dies_leaves_the_other_traini
 
 import json
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -39,5 +40,8 @@ line = {
     "rounds": strategy.rounds,
     "gone": gone,
 }
-print("RESULT " + json.dumps(line), flush=True)
+# one write for the whole line: under PYTHONUNBUFFERED print writes the text and its newline in two, and the
+# other island's rank 0 shares this stdout
+sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+sys.stdout.flush()
 islands.close_world(world)

@@ -4,6 +4,7 @@ The scripts run as programs of their own (`python island_rejoins_hf.py`), so thi
 
 import hashlib
 import json
+import sys
 
 import torch.nn as nn
 
@@ -14,7 +15,10 @@ def digest(model: nn.Module) -> str:
 
 
 def print_result(line: dict) -> None:
-    print("RESULT " + json.dumps(line), flush=True)
+    # one write for the whole line: under PYTHONUNBUFFERED print writes the text and its newline in two, and the
+    # other island's rank 0 shares this stdout
+    sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+    sys.stdout.flush()
 
 
 def rejoin_result(world, strategy, model: nn.Module, **incarnation) -> None:

@@ -169,3 +169,22 @@ def test_a_users_script_is_forked_as_python_would_run_it_when_modules_are_preloa
     assert isinstance(proc, spawn.ForkedProcess) and proc.wait(120) == 0, log.read_text()
     alone = json.loads(log.read_text().strip().splitlines()[-1])
     assert alone["path0"] == str(code) and alone["parent"] not in {first["parent"], os.getpid()}
+
+
+def test_a_forked_ranks_stdout_writes_each_printed_line_whole():
+    """Two islands' rank 0 share the launcher's stdout: a line printed by one must reach it in one write, or the other's
+    output can land between the text and its newline (print writes them in two calls)."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    try:
+        stream = spawn._stream(write)
+        print("RESULT " + "x" * 2000, file=stream, end="")
+        with pytest.raises(BlockingIOError):  # nothing written yet: no newline
+            os.read(read, 1 << 16)
+        print(file=stream)  # the newline, a second call: now the whole line, in one piece
+        assert os.read(read, 1 << 16) == b"RESULT " + b"x" * 2000 + b"\n"
+        stream.write("a\nb")  # one write that holds a newline goes out whole, in one piece
+        assert os.read(read, 1 << 16) == b"a\nb"
+    finally:
+        os.close(read)
+        os.close(write)

@@ -521,12 +521,14 @@ def _close(fds) -> None:
 
 
 def _stream(fd: int):
+    """A forked rank's stdout/stderr: flushed at every newline, each line in one write() (print writes the text and
+    its newline in two calls; unbuffered, another island's rank 0 sharing the launcher's stdout could land between
+    them and two lines would run together)."""
     return io.TextIOWrapper(
-        io.FileIO(fd, "w", closefd=False),
+        io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
         encoding="utf-8",
         errors="backslashreplace",
         line_buffering=True,
-        write_through=True,
     )
 
 
