@@ -5,6 +5,10 @@ those settings no worse (issue #36), not a registered benchmark:
 
     PYTHONPATH=src:bench python scripts/ps_settings_quick.py OUT_DIR --settings slow --arms diloco,ps \\
         --repeat 2 --target 0.0906 [--spec NAME=SPEC ...]                         # writes OUT_DIR/settings.json
+
+`--task lm --ddp-steps N --h H --floor SECONDS` runs the byte LM at a size of its own instead of the quick tier's
+digits MLP (the bench's full tier, DDP 1000 steps at H=100 padded to 250 ms, takes hours here); `--target ddp` trains
+the experiment's DDP reference (2 workers, one island, DDP_STEPS steps) first and takes its final loss.
 """
 
 from __future__ import annotations
@@ -19,23 +23,44 @@ from islands_bench.experiments import parameter_server as ps
 from islands_bench.harness import BenchContext
 
 
-def main(out: Path, where: tuple[str, ...], arms: tuple[str, ...], repeat: int, target: float, extra) -> None:
+def ddp_target(ctx: BenchContext, t: dict) -> float:
+    """The experiment's target: DDP's final validation loss (one island of 2 workers, the tier's steps and floor)."""
+    steps = t["ddp_steps"]
+    rec = ctx.train(
+        "ddp",
+        task=t["task"],
+        workers=2,
+        islands=1,
+        steps=steps,
+        global_batch=ps.BATCH,
+        warmup=max(steps // 10, 1),
+        eval_every=t["h"],
+        log_every=t["log_every"],
+        slowdown=f"floor={t['floor']}",
+        **t["model"],
+    )
+    return float(rec["summary"]["final_val_loss"])
+
+
+def main(out: Path, where, arms, repeat: int, target: str, extra, tier: dict) -> None:
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
-    t = ps.tier(ctx)
+    t = dict(ps.tier(ctx), **tier)
+    target_loss = ddp_target(ctx, t) if target == "ddp" else float(target)
+    print(f"target {target_loss:.4f} ({t})", flush=True)
     rows: list[dict] = []
     for i in range(repeat):
         for setting in where:
             for arm in arms:
                 load0 = os.getloadavg()
                 got = ps.run_settings(
-                    ctx, t, target, ps._numel(t), only=(arm,), extra=extra, where=(setting,), tag=f"#{i}"
+                    ctx, t, target_loss, ps._numel(t), only=(arm,), extra=extra, where=(setting,), tag=f"#{i}"
                 )
                 for r in got:
                     r.update(repeat=i, load_before=load0, load_after=os.getloadavg())
                     r["val"] = [(p["step"], p["elapsed"], p["val_loss"]) for p in r.pop("_series")]
                 rows += got
     (out / "settings.json").write_text(
-        json.dumps({"target": target, "rows": rows, "end": time.strftime("%T")}, indent=1)
+        json.dumps({"target": target_loss, "tier": t, "rows": rows, "end": time.strftime("%T")}, indent=1)
     )
     for r in rows:
         reached = r["time_to_target_s"]
@@ -52,8 +77,15 @@ if __name__ == "__main__":
     parser.add_argument("--settings", default="equal,slow", help="comma-separated: equal, slow, link20")
     parser.add_argument("--arms", default="diloco,ps", help="comma-separated arms (the experiment's or --spec's)")
     parser.add_argument("--repeat", type=int, default=1, help="run the arms interleaved this many times")
-    parser.add_argument("--target", type=float, required=True, help="the target loss (DDP's, 0.0906 at quick)")
+    parser.add_argument("--target", required=True, help="the target loss (DDP's: 0.0906 at quick), or ddp: train it")
+    parser.add_argument("--task", choices=("digits", "lm"), help="the task (default: the quick tier's digits)")
+    parser.add_argument("--ddp-steps", type=int, help="DDP's steps; the arms train LONGER times as many")
+    parser.add_argument("--h", type=int, help="inner steps per round (and evaluation interval)")
+    parser.add_argument("--floor", type=float, help="seconds every step is padded to (the slow islands' times it)")
+    parser.add_argument("--log-every", type=int, help="steps between logged points")
     parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (ps... as ps)")
     a = parser.parse_args()
     extra = tuple(tuple(x.split("=", 1)) for x in a.spec)
-    main(a.out, tuple(a.settings.split(",")), tuple(a.arms.split(",")), a.repeat, a.target, extra)
+    given = {"task": a.task, "ddp_steps": a.ddp_steps, "h": a.h, "floor": a.floor, "log_every": a.log_every}
+    tier = {k: v for k, v in given.items() if v is not None}
+    main(a.out, tuple(a.settings.split(",")), tuple(a.arms.split(",")), a.repeat, a.target, extra, tier)

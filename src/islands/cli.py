@@ -21,6 +21,7 @@ from islands.app.worker import run_worker
 from islands.cli_export import add_export_command
 from islands.cli_more import UsageError, add_more_commands
 from islands.cli_plan import add_plan_command
+from islands.cli_ps import add_ps_host_command
 from islands.cli_run import add_run_command
 from islands.config import FLAT, ConfigError, JobConfig, default_text, descriptions, from_mapping, keys, load_toml
 from islands.dashboard.cli import add_dashboard_command, add_train_flags, train_dashboard
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(fn=cmd_practices)
 
     add_more_commands(sub)
+    add_ps_host_command(sub)
     add_run_command(sub)
     add_dashboard_command(sub, ExitError)
     add_report_command(sub)

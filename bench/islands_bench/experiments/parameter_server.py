@@ -111,9 +111,10 @@ def churn_arms(h: int, islands: int) -> list[tuple[str, str]]:
     return arms(h, islands) + [("ps-ahead", f"ps:inner_steps={h},max_staleness={STALENESS},rejoin=ahead")]
 
 
-def settings(ctx: BenchContext) -> list[tuple[str, int, str, str | None]]:
-    """(name, islands, slowdown, testbed link) of (a), (b) and (d); the smoke tier runs (b) alone, on 2 islands."""
-    floor = tier(ctx)["floor"]
+def settings(ctx: BenchContext, floor: float | None = None) -> list[tuple[str, int, str, str | None]]:
+    """(name, islands, slowdown, testbed link) of (a), (b) and (d), every step padded to `floor` seconds (default:
+    the tier's); the smoke tier runs (b) alone, on 2 islands."""
+    floor = tier(ctx)["floor"] if floor is None else floor
     slow = ",".join(f"{i}={f}" for i, f in SLOW.items()) + f",floor={floor}"
     if ctx.smoke:
         return [("slow", 2, f"1=2.0,floor={floor}", None)]
@@ -327,7 +328,7 @@ def run_settings(
     base = dict(task=t["task"], steps=steps, global_batch=BATCH, warmup=max(steps // 10, 1), eval_every=h)
     base.update(log_every=t["log_every"], **t["model"])
     rows = []
-    for setting, islands, slowdown, link in settings(ctx):
+    for setting, islands, slowdown, link in settings(ctx, t["floor"]):
         if where is not None and setting not in where:
             continue
         bed = ctx.testbed(link, hosts=islands) if link else None

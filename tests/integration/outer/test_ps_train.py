@@ -6,6 +6,9 @@ bytes across islands and holds the server process's own report, and nothing of t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,3 +62,37 @@ def test_a_job_trains_through_server_processes_counts_their_bytes_across_and_lea
     while _service_processes() - before:  # the supervisor and its shard end with the job
         assert time.monotonic() < deadline, _service_processes() - before
         time.sleep(0.1)
+
+
+def test_a_job_trains_through_servers_on_a_host_of_their_own(tmp_path, monkeypatch):
+    """`islands ps-host` as a process of its own (the island-free machine), and a job naming it with at=: island 0
+    sends the sealed configuration there, every island pushes and pulls there, the report comes back to run.json and
+    the host ends with the job, its journal in its own directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ISLANDS_TOKEN", "ps-host-test")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    host = subprocess.Popen(
+        [sys.executable, "-m", "islands", "ps-host", "--dir", str(tmp_path / "host"), "--wait", "120"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None
+        first = host.stdout.readline()  # "islands ps-host: listening on 127.0.0.1:PORT; waiting for a job"
+        address = first.split("listening on ", 1)[1].split(";")[0]
+        argv = ["train", *TINY_FLAGS, "--workers", "2", "--islands", "2", "--steps", "12", "--run-dir", "run"]
+        assert islands_cli(*argv, "--outer", f"ps:inner_steps=4,servers=1,timeout=60,at='{address}'") == 0
+        assert host.wait(60) == 0
+        said = host.stdout.read()
+    finally:
+        if host.poll() is None:
+            host.kill()
+    assert "serving a job of 2 island(s): 1 server(s)" in said and "the job ended (done)" in said
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    report = record["parameter_server"]
+    assert report["mode"] == "processes" and report["complete"] and report["stop"] == "done"
+    assert report["servers"][0]["pushes_applied"] == 2 * 12 // 4 and report["servers"][0]["goodput"] == 1.0
+    for rank in record["comm"]["per_rank"]:
+        assert rank["calls"]["ps_push"] >= 2 and rank["received"]["ps_pull"] > 0
+    assert (tmp_path / "host" / "shard0").is_dir() and (tmp_path / "host" / "config.pt").stat().st_mode & 0o077 == 0

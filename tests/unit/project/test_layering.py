@@ -48,6 +48,7 @@ LAYERS = {
     "plan": 5,  # islands plan: builds the job as the app does, then predicts (docs/plan.md)
     "cli": 6,
     "cli_more": 6,
+    "cli_ps": 6,
     "cli_run": 6,
     "cli_export": 6,
     "cli_plan": 6,

@@ -54,6 +54,7 @@ from islands.aggregate.base import Aggregator
 from islands.runtime.contracts import Counted, ServedEnd
 from islands.runtime.payload_auth import PayloadTags
 from islands.runtime.simulate import current_island
+from islands.sync.outer import ps_host
 from islands.sync.outer.base import OuterStrategy
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.outer_opt import OuterOptimizer, OuterSGD
@@ -174,8 +175,10 @@ class ServerProcesses:
     `lease_s`: heartbeat lease (an island or server silent this long has lapsed: it is not waited for);
     `timeout_s`: the longest any request waits, retries included; `directory`: the servers' configuration and
     journals (default: a fresh private temporary directory); `address`: (host, port) of a running service's store
-    to join (a late island); None: island 0 starts the service. `rejoin`: where a restarted island of an elastic
-    job starts (REJOIN)."""
+    to join (a late island); None: island 0 starts the service. `at`: (host, port) of a server host waiting for
+    its job (`islands ps-host`, ps_host.py): island 0 sends it the configuration sealed with the job's token
+    (ISLANDS_TOKEN) and the servers run there, on no island's machine. `rejoin`: where a restarted island of an
+    elastic job starts (REJOIN)."""
 
     servers: int = 1
     lease_s: float = 2.0
@@ -183,8 +186,13 @@ class ServerProcesses:
     directory: str | None = None
     address: tuple[str, int] | None = None
     rejoin: str = "own"
+    at: tuple[str, int] | None = None
 
     def __post_init__(self):
+        if self.at is not None and (self.address is not None or self.directory is not None):
+            raise ValueError(
+                "at= names a server host that keeps its own directory and address: drop address= and directory="
+            )
         if self.rejoin not in REJOIN:
             raise ValueError(f"rejoin must be one of {', '.join(REJOIN)}, got {self.rejoin!r}")
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
@@ -385,6 +393,9 @@ class ParameterServer(OuterStrategy):
         if self.elastic is not None:
             address = service.address or self.elastic_address(service, config)
             self.island = self.elastic.take_island()
+        elif service.at is not None:
+            self.island = self.comm.rank
+            address, tags = service.at, ps_host.island_tags(service.at, config, self.comm.rank, service.timeout_s)
         else:
             self.island = self.comm.rank
             address = self.fixed_address(service, config)
@@ -445,6 +456,11 @@ class ParameterServer(OuterStrategy):
         return self.comm.ledger if isinstance(self.comm, Counted) else None
 
     def elastic_refusal(self) -> str | None:
+        if self.service is not None and self.service.at is not None:
+            return (
+                "ps at=HOST:PORT (a server host of its own) runs in fixed jobs only, for now: in an elastic job drop "
+                "at= and island 0's machine runs the servers (docs/parameter-server.md)"
+            )
         if self.service is None:
             return (
                 "ps runs in an elastic job only with its server as processes of its own: add servers=S (S >= 1), "
@@ -530,7 +546,8 @@ class ParameterServer(OuterStrategy):
         """Process mode, at the end: the island that started the service asks it to stop (servers leave once every
         island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout. In an
         elastic job every island asks (the one that started it may have died), and only that one waits."""
-        if self.launched is not None or self.elastic is not None:
+        hosted = self.service is not None and self.service.at is not None and self.island == 0
+        if self.launched is not None or self.elastic is not None or hosted:
             link.store.set("stop", "done")
         # the heartbeat stops first: its thread would otherwise hit the store as the supervisor closes it (torch
         # logs a C++ stack for that); this island has its final answer, nobody waits for its beats any more
@@ -546,6 +563,10 @@ class ParameterServer(OuterStrategy):
             directory = self.scratch or (self.service.directory if self.service is not None else None)
             collected = read_collected(directory) if why is None and directory is not None else None
             self.report = process_report(collected, why or "the supervisor exited without writing its report")
+        if hosted:  # the host publishes its servers' report in its store once they are gone
+            assert self.service is not None and self.service.at is not None
+            collected, why = ps_host.collect_report(self.service.at, link.timeout_s)
+            self.report = process_report(collected, why)
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -617,6 +638,7 @@ def parameter_server(
     timeout: float = 600.0,
     rejoin: str = "own",
     stale_cap: bool | None = None,
+    at: str = "",
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -636,7 +658,9 @@ def parameter_server(
     data shard's last acknowledged step; ahead, the furthest step any island acknowledged (REJOIN). `stale_cap`:
     hold the plain SGD step under the delayed step's stability limit for the staleness its pushes have had, so
     equal-speed islands, whose every push is M - 1 versions stale, do not swing the global model
-    (ps_server.StaleCap); unset: on for outer=sgd without momentum (the default), off for the others."""
+    (ps_server.StaleCap); unset: on for outer=sgd without momentum (the default), off for the others. `at`:
+    'HOST:PORT' (quoted in a spec) of a server host started with `islands ps-host`, where the servers=S processes
+    run instead of on island 0's machine (needs ISLANDS_TOKEN, the host's own)."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
@@ -647,7 +671,15 @@ def parameter_server(
         raise ValueError(f"servers must be an int >= 0 (0: a thread of rank 0; S: S server processes), got {servers!r}")
     if rejoin != "own" and not servers:
         raise ValueError(f"rejoin={rejoin} places a restarted island of an elastic job, which needs servers=S >= 1")
-    service = ServerProcesses(servers, float(lease), float(timeout), rejoin=rejoin) if servers else None
+    if at and not servers:
+        raise ValueError("at=HOST:PORT runs the server processes on a host of their own: add servers=S (S >= 1)")
+    where = None
+    if at:
+        try:
+            where = ps_host.parse_at(at)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+    service = ServerProcesses(servers, float(lease), float(timeout), rejoin=rejoin, at=where) if servers else None
     codec: PayloadCodec | None = None if bits == 32 else Quant4Zstd(block) if entropy == "zstd" else Quant4(block)
     return ParameterServer(
         inner_steps,

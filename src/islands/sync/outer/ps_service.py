@@ -364,14 +364,22 @@ def serve(directory: str | os.PathLike, shard: int, host: str, port: int) -> Non
 class Supervisor:
     """Hosts the store and keeps one live server per shard (module docstring). start() runs it in a thread;
     `python -m islands.sync.outer.ps_process supervise DIR` runs it as a process (its address in DIR/address).
-    `starter`: how a shard's process starts (default a fresh interpreter; tests fork a preloaded one)."""
+    `starter`: how a shard's process starts (default a fresh interpreter; tests fork a preloaded one). `raw`: a
+    store already hosted here (a server host's, ps_host.py) instead of a new one on `port`."""
 
     def __init__(
-        self, directory: str | os.PathLike, host: str = "127.0.0.1", port: int = 0, starter: Starter = start_shard
+        self,
+        directory: str | os.PathLike,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        starter: Starter = start_shard,
+        raw: dist.TCPStore | None = None,
     ):
         self.dir, self.starter = Path(directory), starter
         self.config = ServiceConfig.load(self.dir)
-        self.raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=30))
+        if raw is None:
+            raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=30))
+        self.raw = raw
         self.host, self.port = host, int(self.raw.port)
         self.store = dist.PrefixStore("islands-ps", self.raw)
         self.procs: list[ShardProcess | None] = [None] * self.config.servers
