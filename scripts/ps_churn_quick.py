@@ -36,22 +36,8 @@ def main(
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
     t = ps.tier(ctx)
     load = [os.getloadavg()]
-    steps = t["ddp_steps"]
     if target is None:
-        ddp = ctx.train(
-            "ddp",
-            task=t["task"],
-            workers=2,
-            islands=1,
-            steps=steps,
-            global_batch=ps.BATCH,
-            warmup=max(steps // 10, 1),
-            eval_every=t["h"],
-            log_every=t["log_every"],
-            slowdown=f"floor={t['floor']}",
-            **t["model"],
-        )
-        target = ddp["summary"]["final_val_loss"]
+        target = ps.ddp_target(ctx, t)
     rows: list[dict] = []
     not_run: dict[str, str] = {}
     for i in range(repeat):

@@ -23,29 +23,10 @@ from islands_bench.experiments import parameter_server as ps
 from islands_bench.harness import BenchContext
 
 
-def ddp_target(ctx: BenchContext, t: dict) -> float:
-    """The experiment's target: DDP's final validation loss (one island of 2 workers, the tier's steps and floor)."""
-    steps = t["ddp_steps"]
-    rec = ctx.train(
-        "ddp",
-        task=t["task"],
-        workers=2,
-        islands=1,
-        steps=steps,
-        global_batch=ps.BATCH,
-        warmup=max(steps // 10, 1),
-        eval_every=t["h"],
-        log_every=t["log_every"],
-        slowdown=f"floor={t['floor']}",
-        **t["model"],
-    )
-    return float(rec["summary"]["final_val_loss"])
-
-
 def main(out: Path, where, arms, repeat: int, target: str, extra, tier: dict) -> None:
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
     t = dict(ps.tier(ctx), **tier)
-    target_loss = ddp_target(ctx, t) if target == "ddp" else float(target)
+    target_loss = ps.ddp_target(ctx, t) if target == "ddp" else float(target)
     print(f"target {target_loss:.4f} ({t})", flush=True)
     rows: list[dict] = []
     for i in range(repeat):

@@ -726,6 +726,25 @@ def _plot(result, path):
         fig.suptitle(f"parameter-server{' (quick)' if result['quick'] else ''}: val loss, target dashed", fontsize=9)
 
 
+def ddp_target(ctx: BenchContext, t: dict) -> float:
+    """The experiment's target: DDP's final validation loss (one island of 2 workers, the tier's steps and floor)."""
+    steps = t["ddp_steps"]
+    rec = ctx.train(
+        "ddp",
+        task=t["task"],
+        workers=2,
+        islands=1,
+        steps=steps,
+        global_batch=BATCH,
+        warmup=max(steps // 10, 1),
+        eval_every=t["h"],
+        log_every=t["log_every"],
+        slowdown=f"floor={t['floor']}",
+        **t["model"],
+    )
+    return float(rec["summary"]["final_val_loss"])
+
+
 def _numel(t: dict) -> int:
     from islands_bench.experiments.outer_common import parameter_count
 
@@ -773,20 +792,7 @@ def parameter_server(ctx: BenchContext) -> dict:
     ctx.plan(1 + 2 + 1 if ctx.smoke else 1 + 4 * n_settings + 1 + 1 + 12)  # churn: the arms islands runs elastic
     uptime = [f"start {time.strftime('%H:%M:%S')} load {os.getloadavg()}"]
     ddp_steps = t["ddp_steps"]
-    ddp = ctx.train(
-        "ddp",
-        task=t["task"],
-        workers=2,
-        islands=1,
-        steps=ddp_steps,
-        global_batch=BATCH,
-        warmup=max(ddp_steps // 10, 1),
-        eval_every=t["h"],
-        log_every=t["log_every"],
-        slowdown=f"floor={t['floor']}",
-        **t["model"],
-    )
-    target = ddp["summary"]["final_val_loss"]
+    target = ddp_target(ctx, t)
     numel = _numel(t)
     rows = run_settings(ctx, t, target, numel)
     churn_rows, not_run = ([], {}) if ctx.smoke else run_churn(ctx, t, target, numel)
