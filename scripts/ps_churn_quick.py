@@ -11,6 +11,7 @@ diloco, ps, ..., so the host's load hits every arm alike; labels get #i), --targ
 known 0.0906), --every K (rounds between kills; 0: no kills, the same elastic job without churn, a control).
 --spec NAME=SPEC (repeatable): an arm of one's own beside the experiment's (a NAME starting with ps runs as a ps
 arm: servers=1 is added). Each row keeps its kills (kill_log) and run directory for scripts/ps_churn_timeline.py.
+The tier options of ps_tier.py (--task lm --ddp-steps N --h H --floor S) run the byte LM instead of the digits MLP.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from ps_tier import add_tier_options, tier_overrides
 
 from islands_bench.experiments import parameter_server as ps
 from islands_bench.harness import BenchContext
@@ -32,9 +35,10 @@ def main(
     target: float | None,
     every: int,
     extra: tuple[tuple[str, str], ...] = (),
+    tier: dict | None = None,
 ) -> None:
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
-    t = ps.tier(ctx)
+    t = dict(ps.tier(ctx), **(tier or {}))
     load = [os.getloadavg()]
     if target is None:
         target = ps.ddp_target(ctx, t)
@@ -86,6 +90,8 @@ if __name__ == "__main__":
     parser.add_argument("--target", type=float, default=None, help="the target loss (default: DDP's run)")
     parser.add_argument("--every", type=int, default=ps.CHURN_EVERY, help="rounds between kills (0: none)")
     parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (ps... as ps)")
+    add_tier_options(parser)
     a = parser.parse_args()
     extra = tuple(tuple(x.split("=", 1)) for x in a.spec)
-    main(a.out, tuple(a.arms.split(",")) if a.arms else None, a.repeat, a.target, a.every, extra)
+    arms = tuple(a.arms.split(",")) if a.arms else None
+    main(a.out, arms, a.repeat, a.target, a.every, extra, tier_overrides(a))

@@ -7,8 +7,8 @@ those settings no worse (issue #36), not a registered benchmark:
         --repeat 2 --target 0.0906 [--spec NAME=SPEC ...]                         # writes OUT_DIR/settings.json
 
 `--task lm --ddp-steps N --h H --floor SECONDS` runs the byte LM at a size of its own instead of the quick tier's
-digits MLP (the bench's full tier, DDP 1000 steps at H=100 padded to 250 ms, takes hours here); `--target ddp` trains
-the experiment's DDP reference (2 workers, one island, DDP_STEPS steps) first and takes its final loss.
+digits MLP (ps_tier.py); `--target ddp` trains the experiment's DDP reference (2 workers, one island, N steps) first
+and takes its final loss.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from ps_tier import add_tier_options, tier_overrides
 
 from islands_bench.experiments import parameter_server as ps
 from islands_bench.harness import BenchContext
@@ -59,14 +61,7 @@ if __name__ == "__main__":
     parser.add_argument("--arms", default="diloco,ps", help="comma-separated arms (the experiment's or --spec's)")
     parser.add_argument("--repeat", type=int, default=1, help="run the arms interleaved this many times")
     parser.add_argument("--target", required=True, help="the target loss (DDP's: 0.0906 at quick), or ddp: train it")
-    parser.add_argument("--task", choices=("digits", "lm"), help="the task (default: the quick tier's digits)")
-    parser.add_argument("--ddp-steps", type=int, help="DDP's steps; the arms train LONGER times as many")
-    parser.add_argument("--h", type=int, help="inner steps per round (and evaluation interval)")
-    parser.add_argument("--floor", type=float, help="seconds every step is padded to (the slow islands' times it)")
-    parser.add_argument("--log-every", type=int, help="steps between logged points")
-    parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (ps... as ps)")
+    add_tier_options(parser)
     a = parser.parse_args()
     extra = tuple(tuple(x.split("=", 1)) for x in a.spec)
-    given = {"task": a.task, "ddp_steps": a.ddp_steps, "h": a.h, "floor": a.floor, "log_every": a.log_every}
-    tier = {k: v for k, v in given.items() if v is not None}
-    main(a.out, tuple(a.settings.split(",")), tuple(a.arms.split(",")), a.repeat, a.target, extra, tier)
+    main(a.out, tuple(a.settings.split(",")), tuple(a.arms.split(",")), a.repeat, a.target, extra, tier_overrides(a))
