@@ -1,18 +1,31 @@
 """The parameter server's processes on a testbed (issue #36, servers on another host than the islands'): island 0
 runs inside host 0 and starts the supervisor there, island 1 inside host 1 reaches it over the shaped link. The
 supervisor tells the islands the address of the host's gloo interface (ps_service.advertised_host), not 127.0.0.1,
-which host 1 cannot reach (before: island 1's store client timed out connecting to 127.0.0.1 and the job hung)."""
+which host 1 cannot reach (before: island 1's store client timed out connecting to 127.0.0.1 and the job hung).
+Then the servers on a host with no island (`islands ps-host` on host 2 of 3), and an elastic ps job across hosts
+whose killed island restarts on its host and reaches the servers on island 0's over the link."""
 
+import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from harness.cli import TINY_FLAGS, islands_cli
+from harness.elastic import QUIET_ELASTIC, gated_digits, wait
 from islands import testbed
+from islands.app.launch import launch_elastic
+from islands.app.validate import validate
+from islands.config import from_mapping
+from islands.runtime.elastic.auth import ControlAuth
+from islands.runtime.elastic.membership import JobSpec, authed, connect, parse_address
+from islands.testbed import state
 
 pytestmark = [
     pytest.mark.skipif(
@@ -76,4 +89,65 @@ def test_servers_on_a_host_with_no_island_serve_both_islands_over_their_links(tm
     finally:
         if host is not None and host.poll() is None:
             host.kill()
+        testbed.down(name)
+
+
+def test_an_elastic_ps_job_across_hosts_restarts_a_killed_island_through_the_link(tmp_path, monkeypatch):
+    """`islands train --elastic --testbed` with the server as processes: island 0 on host 0 starts the supervisor
+    there and writes its address (host 0's, not 127.0.0.1) in the job's store on the hub; island 1 runs on host 1.
+    Island 1 is SIGKILLed after its second acknowledged push; the launcher restarts it on host 1, where it reads the
+    address, pulls the global model over its link and finishes: one global model, nothing acknowledged lost."""
+    monkeypatch.setenv(state.STATE_DIR_ENV, str(tmp_path / "testbeds"))  # the workers inherit it
+    name = "pe" + str(os.getpid() % 10000)
+    bed = testbed.up(name, hosts=2, rate="100mbit")
+    try:
+        task, hold = gated_digits(tmp_path)
+        run_dir = tmp_path / "run"
+        values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer="ps:inner_steps=4,servers=1")
+        values.update(steps=40, global_batch=16, heartbeat_timeout=5.0, max_restarts=1, testbed=name)
+        cfg = from_mapping(dict(values, run_dir=str(run_dir)))
+        cfg.task.options.update(hold=str(hold))
+        cfg = validate(cfg)
+        seen: dict = {}
+        errors: list = []
+
+        def fault(address, workers):
+            try:
+                raw = connect(*parse_address(address), netns=bed.hub)  # the job's store, on the hub
+                token = (run_dir / "token").read_text().strip()
+                store = authed(raw, ControlAuth(token, JobSpec.read(raw, token, 30.0).job_id, "observer"))
+
+                def pushed(n):
+                    return store.check(["ps/clock/1"]) and json.loads(store.get("ps/clock/1"))["pushes"] >= n
+
+                wait(lambda: pushed(2), "island 1's second acknowledged push")
+                seen["address"] = store.get("ps/address").decode()
+                hold.write_text("")  # every island stops at its next forward: island 1 mid-round, not mid-push
+                victim = workers[1].proc.pid
+                wait(lambda: Path(f"{hold}.{victim}").exists(), "island 1 at the gate")
+                seen["killed"] = json.loads(store.get("ps/clock/1"))
+                os.kill(victim, signal.SIGKILL)
+                wait(lambda: store.check(["ps/island/w1.1"]), "the restarted island's pull")
+            except BaseException as e:  # noqa: BLE001 - surfaced after the job
+                errors.append(e)
+            finally:
+                hold.unlink(missing_ok=True)  # never leave the job waiting
+
+        out = io.StringIO()
+        code = launch_elastic(
+            cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w)).start()
+        )
+        log = out.getvalue()
+        assert not errors, (errors, log)
+        assert code == 0, log
+        assert "restarting island 1 (restart 1 of 1) as w1.1" in log, log
+        assert seen["address"].split(":")[0] == bed.host(0).ip  # island 0's host, reached over the links
+        recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
+        assert set(recs) == {"w0", "w1.1"}, log
+        assert recs["w0"]["global_sha256"] == recs["w1.1"]["global_sha256"]
+        ends = {n: next(e for e in r["final"]["events"] if e["type"] == "served_end") for n, r in recs.items()}
+        assert all(e["final"] for e in ends.values()) and ends["w0"]["version"] == ends["w1.1"]["version"], ends
+        # with quorum 1 every applied push is a version: w0's, the killed w1's (read at the kill) and w1.1's
+        assert ends["w0"]["version"] == ends["w0"]["pushes"] + ends["w1.1"]["pushes"] + seen["killed"]["pushes"]
+    finally:
         testbed.down(name)
