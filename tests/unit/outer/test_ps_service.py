@@ -6,6 +6,7 @@ servers' snapshot, and bad settings refused."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -20,7 +21,8 @@ from islands.runtime.elastic.auth import derive_key
 from islands.runtime.world import World
 from islands.sync.outer.ps import OuterRule, ServerProcesses
 from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_service import ServiceConfig
+from islands.sync.outer.ps_remote import ServiceGone
+from islands.sync.outer.ps_service import Members, ServiceConfig
 from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH
 
 SGD1 = OuterRule("sgd", 1.0, 0.0)  # global -= delta: sums of small integers are exact, whatever the order
@@ -119,6 +121,50 @@ def test_an_island_gone_silent_stops_counting_for_the_quorum_and_the_end(tmp_pat
         assert server.members.state[1] == "lapsed"
         done = a.send(Message(DONE, 0))
         assert a.final and torch.equal(done.flat, torch.full((10,), -1.0))
+
+
+class StillBeat:
+    """A store whose heartbeat counters never move: every island's heartbeat stands still."""
+
+    def add(self, key: str, n: int) -> int:
+        return 0
+
+
+def test_an_island_whose_message_is_on_the_way_does_not_lapse_while_its_heartbeat_stands_behind_it():
+    """A push on a slow link takes longer than the lease (7 MB: 2.8 s at 20 Mbit/s), and the heartbeat shares that
+    link: from its header to its answer the island is alive; the lease counts again from the answer. Before, the
+    server could count the island lapsed mid-push and, with the job stopping, leave without its final answer."""
+    members = Members(StillBeat(), lease_s=0.05)
+    members.mark(1, "live")
+    members.begin(1)  # the header is in; the payload is still coming
+    time.sleep(0.15)
+    assert members.lapse() == [] and members.state[1] == "live"
+    members.end(1)  # answered: the lease starts again now
+    assert members.lapse() == [] and members.state[1] == "live"
+    time.sleep(0.15)
+    assert members.lapse() == [1] and members.state[1] == "lapsed"  # silent after its answer: lapsed as before
+
+
+def test_an_island_whose_service_has_ended_is_told_at_once_not_after_its_timeout(tmp_path):
+    """The store lives as long as the supervisor: once nothing listens at its address, no request of this island
+    will ever be answered, and it says so within about a second instead of retrying for its whole timeout."""
+    with ThreadService(tmp_path, config()) as service:
+        link = service.link(0, timeout_s=120.0)
+        assert not link._service_gone()
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        link.port = closed
+        link.pairs[0] = None
+
+        def broken(k, deadline):
+            raise RuntimeError("connection reset")
+
+        link._connect = broken
+        t = time.monotonic()
+        with pytest.raises(ServiceGone, match="no longer listens"):
+            push(link, 1.0)
+        assert time.monotonic() - t < 10.0
 
 
 def run_island(service: ThreadService, steps: range, state: dict | None = None) -> Island:

@@ -19,6 +19,7 @@ A payload that fails its MAC is not retried (PayloadAuthError).
 from __future__ import annotations
 
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +33,10 @@ from islands.sync.outer.ps_wire import DONE, KIND_NAMES, PUSH, RESTORE, SNAPSHOT
 from islands.sync.outer.quant4 import PayloadCodec
 
 _HEADER_BYTES = 7 * 8
+
+
+class ServiceGone(RuntimeError):
+    """The parameter server's store is gone: no request of this island will be answered any more."""
 
 
 class RemoteLink(Link):
@@ -156,7 +161,25 @@ class RemoteLink(Link):
                         f"parameter server shard {k} did not answer island {self.island}'s {KIND_NAMES[r.kind]} "
                         f"within {self.timeout_s:.0f} s: {e}"
                     ) from e
+                if self._service_gone():
+                    raise ServiceGone(
+                        f"the parameter server's store at {self.host}:{self.port} no longer listens (its supervisor "
+                        f"ended: the job stopped without island {self.island}, or the supervisor died) before "
+                        f"island {self.island}'s {KIND_NAMES[r.kind]} was answered"
+                    ) from e
                 time.sleep(min(1.0, self.lease_s / 4))  # a killed server's successor needs a moment to rebuild
+
+    def _service_gone(self) -> bool:
+        """Nothing listens at the store's address any more: the supervisor, which hosts it for the job's whole life
+        (a restarted server reuses it), has ended. A cut or congested link times out or is unreachable instead,
+        and the request keeps trying until its timeout."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=self.connect_s):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
 
     def _connect(self, k: int, deadline: float) -> Pair:
         gen = int(self.store.add(f"gen/{k}", 0))

@@ -167,6 +167,19 @@ class Members:
         self.state: dict[int, str] = {}  # island -> live | done | left | lapsed
         self.beats: dict[int, tuple[int, float]] = {}  # island -> (counter, when it last moved)
         self.final_sent: set[int] = set()
+        self.busy: dict[int, int] = {}  # island -> its messages between header and answer, on any connection
+
+    def begin(self, island: int) -> None:
+        """A message of `island` has started to arrive: it is alive until the answer has left. Its heartbeat shares
+        the link with the message and may stand still behind it (a 7 MB push takes 2.8 s at 20 Mbit/s, longer
+        than the default 2 s lease), which must not read as a death."""
+        self.busy[island] = self.busy.get(island, 0) + 1
+
+    def end(self, island: int) -> None:
+        """The answer has left (or the connection broke): the lease counts again from now."""
+        self.busy[island] = max(0, self.busy.get(island, 0) - 1)
+        last = self.beats.get(island, (-1, 0.0))[0]
+        self.beats[island] = (last, time.monotonic())
 
     def live(self) -> int:
         return sum(s == "live" for s in self.state.values())
@@ -183,7 +196,7 @@ class Members:
             last, since = self.beats.get(island, (-1, now))
             if count != last:
                 self.beats[island] = (count, now)
-            elif s == "live" and now - since > self.lease_s:
+            elif s == "live" and now - since > self.lease_s and not self.busy.get(island):
                 self.state[island] = "lapsed"
                 gone.append(island)
         return gone
@@ -273,13 +286,26 @@ class ShardServer:
             return
         with self.lock:
             self.pairs.append(pair)
+        inflight = [False]  # this connection's message: between its header and its answer
+
+        def started() -> None:
+            with self.lock:
+                self.members.begin(island)
+                inflight[0] = True
+
         try:
             while not self.done.is_set():
-                msg = pair.request()
+                msg = pair.request(started)
                 if msg.island != island:
                     raise ValueError(f"connection of island {island} sent a message as island {msg.island}")
                 pair.answer(self.handle(msg))
+                with self.lock:
+                    self.members.end(island)
+                    inflight[0] = False
         except (RuntimeError, ValueError):  # killed, frozen past the timeout, or refused: this connection only
+            with self.lock:
+                if inflight[0]:  # broken between a header and its answer
+                    self.members.end(island)
             pair.close()
 
     def handle(self, msg: Request) -> ShardReply:

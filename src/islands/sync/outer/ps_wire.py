@@ -17,6 +17,7 @@ refused before use. A torn connection raises RuntimeError on either side (gloo's
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +120,14 @@ class Pair:
         return ShardReply(bool(h[0]), int(h[1]), int(h[2]), bool(h[3]), bool(h[4]), bool(h[6]), body)
 
     # ---- the server's side ------------------------------------------------------------------------
-    def request(self) -> Request:
+    def request(self, started: Callable[[], None] | None = None) -> Request:
+        """The next request; `started()` runs once its header is in, before its payload (which a slow link may take
+        seconds to bring)."""
         h = self._recv(torch.zeros(_REQUEST, dtype=torch.float64), "request").tolist()
         if int(h[0]) not in KIND_NAMES:
             raise ValueError(f"unknown parameter server message kind {h[0]}")
+        if started is not None:
+            started()
         payload = self._recv(torch.empty(int(h[4]), dtype=torch.uint8), "payload") if h[4] > 0 else None
         return Request(int(h[0]), int(h[1]), int(h[2]), float(h[3]), payload, int(h[5]), int(h[6]))
 
