@@ -6,12 +6,14 @@ servers' snapshot, and bad settings refused."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import socket
 import threading
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_ps_strategy import Island
 
 from harness.cli import islands_cli
@@ -23,7 +25,7 @@ from islands.sync.outer.ps import OuterRule, ServerProcesses
 from islands.sync.outer.ps_link import Message
 from islands.sync.outer.ps_remote import ServiceGone
 from islands.sync.outer.ps_service import Members, ServiceConfig
-from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH
+from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH, Pair, Request, ShardReply
 
 SGD1 = OuterRule("sgd", 1.0, 0.0)  # global -= delta: sums of small integers are exact, whatever the order
 
@@ -165,6 +167,42 @@ def test_an_island_whose_service_has_ended_is_told_at_once_not_after_its_timeout
         with pytest.raises(ServiceGone, match="no longer listens"):
             push(link, 1.0)
         assert time.monotonic() - t < 10.0
+
+
+@pytest.mark.slow  # a reply 4.5 s late
+def test_a_message_may_take_longer_than_the_connect_timeout():
+    """A connection is made with a short connect timeout (the island's is 2 s), but a message on a slow link takes
+    longer (a 7 MB pull: 11 s at 5 Mbit/s). gloo's point-to-point ops keep the timeout their group was made with
+    (set_timeout does not reach them), so each wait carries the connection's own: before, the island's receive
+    failed after 2 s and it asked again and again, each answer 7 MB more on the same link."""
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=30))
+    pairs: dict = {}
+
+    def side(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", raw.port, is_master=False, timeout=_dt.timedelta(seconds=30))
+        pairs[rank] = Pair.connect(client, "slow", rank, connect_s=3.0, timeout_s=30.0)  # a client each: gloo's
+        # connect blocks in its store, and one TCPStore client serves one request at a time
+
+    threads = [threading.Thread(target=side, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    got: dict = {}
+
+    def late_answer() -> None:
+        pairs[0].request()
+        time.sleep(4.5)  # the answer comes later than the 3 s connect timeout
+        pairs[0].answer(ShardReply(True, 7, 0, body=torch.arange(4.0)))
+
+    server = threading.Thread(target=late_answer)
+    server.start()
+    pairs[1].send(Request(PULL, 1, 0, 0.0, None, 0, 0))
+    got["reply"] = pairs[1].reply()
+    server.join(30)
+    assert got["reply"].version == 7 and torch.equal(got["reply"].body.view(torch.float32), torch.arange(4.0))
+    for pair in pairs.values():
+        pair.close()
 
 
 def run_island(service: ThreadService, steps: range, state: dict | None = None) -> Island:

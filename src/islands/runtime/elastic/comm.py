@@ -158,7 +158,7 @@ class ElasticComm:
             self.ledger.record(kind, sum(_nbytes(t) for t in sends.values()), sum(_nbytes(t) for t in got.values()))
             sent = [t.contiguous() for t in sends.values()]
             works = [pg.send([t], p, 0) for p, t in zip(sends, sent)] + [pg.recv([t], p, 0) for p, t in got.items()]
-            return Waited(works, keep=(sent, got))
+            return Waited(works, keep=(sent, got), timeout_s=self.epochs.commit.timeout)
 
         self._operate(kind, attempt, alone=lambda: result.update(got={}, send_to=[], recv_from=[]))
         return result["got"], result["send_to"], result["recv_from"]
@@ -233,7 +233,7 @@ class ElasticComm:
             result.update(raw=shells, send_to=sorted(sends), recv_from=list(recv_from))
             self.ledger.record(kind, sum(_nbytes(t) for t in packed.values()), sum(_nbytes(t) for t in shells.values()))
             works = [pg.send([t], p, 0) for p, t in packed.items()] + [pg.recv([t], p, 0) for p, t in shells.items()]
-            return Waited(works, keep=(packed, shells))
+            return Waited(works, keep=(packed, shells), timeout_s=self.epochs.commit.timeout)
 
         def landed():
             names = self.names

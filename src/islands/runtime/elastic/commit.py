@@ -14,6 +14,7 @@ a thread of its own (`OnThread`: a group being connected, point-to-point works g
 
 from __future__ import annotations
 
+import datetime as _dt
 import threading
 import time
 from collections.abc import Callable
@@ -156,11 +157,13 @@ class Connecting(OnThread):
 
 class Waited(OnThread):
     """Works whose completion gloo does not report by polling (point-to-point send/recv: `is_completed` stays
-    False until `wait`), waited on in turn."""
+    False until `wait`), waited on in turn, each up to `timeout_s`: gloo's point-to-point ops otherwise keep the
+    group's connect timeout (set_timeout does not reach them), which a large message on a slow link outlasts."""
 
-    def __init__(self, works: list, keep=None):
+    def __init__(self, works: list, keep=None, timeout_s: float | None = None):
         self._keep = keep  # the tensors must outlive the works
-        super().__init__(lambda: [w.wait() for w in works], "islands-p2p")
+        bound = None if timeout_s is None else _dt.timedelta(seconds=timeout_s)
+        super().__init__(lambda: [w.wait(bound) if bound is not None else w.wait() for w in works], "islands-p2p")
 
 
 def quiet_abort(pg) -> None:

@@ -69,34 +69,37 @@ def new_client(host: str, port: int, timeout_s: float) -> dist.Store:
 class Pair:
     """One connection: a two-rank gloo group and the message count each tag binds (module docstring)."""
 
-    def __init__(self, pg, rank: int, fields: tuple, tags: PayloadTags | None):
+    def __init__(self, pg, rank: int, fields: tuple, tags: PayloadTags | None, timeout_s: float = 600.0):
         self.pg, self.rank, self.fields, self.tags = pg, rank, fields, tags
         self.sent = self.received = 0
+        # every send and receive waits with this bound: gloo's point-to-point ops keep the timeout the group was
+        # made with (the short connect one; set_timeout does not reach them), and a 7 MB body takes 11 s at
+        # 5 Mbit/s, past the island's 2 s connect timeout (measured: it retried the same pull for minutes)
+        self.op_timeout = _dt.timedelta(seconds=timeout_s)
 
     @classmethod
     def connect(
         cls, store, name: str, rank: int, connect_s: float, timeout_s: float, tags: PayloadTags | None = None
     ) -> Pair:
         """Join the connection `name` (a key prefix in `store`) as `rank`; raises RuntimeError when the peer does
-        not come within connect_s (store's own timeout) and sets the group's timeout to timeout_s afterwards."""
+        not come within connect_s (store's own timeout); each message then waits up to timeout_s."""
         pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, _dt.timedelta(seconds=connect_s))
-        pg.set_timeout(_dt.timedelta(seconds=timeout_s))
-        return cls(pg, rank, (name,), tags)
+        return cls(pg, rank, (name,), tags, timeout_s)
 
     def _send(self, t: torch.Tensor, what: str) -> None:
         t = t.contiguous()
         if self.tags is not None:
             t = self.tags.pack(t, (*self.fields, what, self.rank, self.sent))
-        self.pg.send([t], 1 - self.rank, 0).wait()
+        self.pg.send([t], 1 - self.rank, 0).wait(self.op_timeout)
         self.sent += 1
 
     def _recv(self, like: torch.Tensor, what: str) -> torch.Tensor:
         n, self.received = self.received, self.received + 1
         if self.tags is None:
-            self.pg.recv([like], 1 - self.rank, 0).wait()
+            self.pg.recv([like], 1 - self.rank, 0).wait(self.op_timeout)
             return like
         packed = PayloadTags.shell(like)
-        self.pg.recv([packed], 1 - self.rank, 0).wait()
+        self.pg.recv([packed], 1 - self.rank, 0).wait(self.op_timeout)
         got = self.tags.open(packed, like, (*self.fields, what, 1 - self.rank, n))
         if got is None:
             raise PayloadAuthError(
