@@ -147,6 +147,23 @@ def test_an_island_whose_message_is_on_the_way_does_not_lapse_while_its_heartbea
     assert members.lapse() == [1] and members.state[1] == "lapsed"  # silent after its answer: lapsed as before
 
 
+def test_the_lease_starts_once_an_answer_can_have_reached_the_island():
+    """gloo's send returns when the answer is in this host's socket buffers, not at the island, and the island's
+    heartbeat queues behind those bytes: the lease starts after the answer's bytes at the pace the island's last
+    large push came in (at 5 Mbit/s ~4 MB of buffered answer is 6 s, past a 2 s lease)."""
+    members = Members(StillBeat(), lease_s=0.05)
+    members.mark(1, "live")
+    members.begin(1)
+    members.arrived(1, 1 << 20, 0.5)  # its 1 MiB push took 0.5 s: 2 MiB/s
+    members.end(1, answered_bytes=1 << 20)  # a 1 MiB answer: 0.5 s more on the way
+    time.sleep(0.3)
+    assert members.lapse() == [] and members.state[1] == "live"
+    time.sleep(0.4)
+    assert members.lapse() == [1]
+    members.arrived(2, 1000, 10.0)  # too small to measure a link: no pace, no grace
+    assert 2 not in members.rate
+
+
 def test_an_island_whose_service_has_ended_is_told_at_once_not_after_its_timeout(tmp_path):
     """The store lives as long as the supervisor: once nothing listens at its address, no request of this island
     will ever be answered, and it says so within about a second instead of retrying for its whole timeout."""

@@ -79,6 +79,7 @@ from islands.sync.outer.ps_wire import (
 from islands.sync.outer.quant4 import PayloadCodec
 
 CONFIG = "config.pt"
+RATE_MIN_BYTES = 1 << 20  # a push this large measures its island's link; a smaller one is mostly latency
 ADDRESS = "address"
 
 
@@ -168,6 +169,7 @@ class Members:
         self.beats: dict[int, tuple[int, float]] = {}  # island -> (counter, when it last moved)
         self.final_sent: set[int] = set()
         self.busy: dict[int, int] = {}  # island -> its messages between header and answer, on any connection
+        self.rate: dict[int, float] = {}  # island -> bytes/s its last large push arrived at (its link's pace)
 
     def begin(self, island: int) -> None:
         """A message of `island` has started to arrive: it is alive until the answer has left. Its heartbeat shares
@@ -175,11 +177,23 @@ class Members:
         than the default 2 s lease), which must not read as a death."""
         self.busy[island] = self.busy.get(island, 0) + 1
 
-    def end(self, island: int) -> None:
-        """The answer has left (or the connection broke): the lease counts again from now."""
+    def arrived(self, island: int, nbytes: int, seconds: float) -> None:
+        """A push of `nbytes` took `seconds` from its header to its last byte: the pace of the island's link (only
+        pushes large enough to measure it)."""
+        if nbytes >= RATE_MIN_BYTES and seconds > 0:
+            self.rate[island] = nbytes / seconds
+
+    def end(self, island: int, answered_bytes: int = 0) -> None:
+        """The answer has left (or the connection broke): the lease counts again once it can have arrived. gloo's
+        send returns when the bytes are in this host's socket buffers, not at the island, and the island's
+        heartbeat queues behind them: at 5 Mbit/s ~4 MB of buffered answer is 6 s more, past a 2 s lease
+        (measured: the island lapsed, the job's end went on without it). So the lease starts after the answer's
+        bytes at the pace the island's last push came in."""
         self.busy[island] = max(0, self.busy.get(island, 0) - 1)
+        rate = self.rate.get(island)
+        grace = answered_bytes / rate if rate else 0.0
         last = self.beats.get(island, (-1, 0.0))[0]
-        self.beats[island] = (last, time.monotonic())
+        self.beats[island] = (last, time.monotonic() + grace)
 
     def live(self) -> int:
         return sum(s == "live" for s in self.state.values())
@@ -286,22 +300,28 @@ class ShardServer:
             return
         with self.lock:
             self.pairs.append(pair)
-        inflight = [False]  # this connection's message: between its header and its answer
+        inflight = [0.0]  # this connection's message: when its header came (0: none between header and answer)
 
         def started() -> None:
             with self.lock:
                 self.members.begin(island)
-                inflight[0] = True
+                inflight[0] = time.monotonic()
 
         try:
             while not self.done.is_set():
                 msg = pair.request(started)
                 if msg.island != island:
                     raise ValueError(f"connection of island {island} sent a message as island {msg.island}")
-                pair.answer(self.handle(msg))
+                if msg.payload is not None:
+                    with self.lock:
+                        self.members.arrived(island, msg.payload.numel(), time.monotonic() - inflight[0])
+                reply = self.handle(msg)
+                pair.answer(reply)
                 with self.lock:
-                    self.members.end(island)
-                    inflight[0] = False
+                    self.members.end(
+                        island, 0 if reply.body is None else reply.body.numel() * reply.body.element_size()
+                    )
+                    inflight[0] = 0.0
         except (RuntimeError, ValueError):  # killed, frozen past the timeout, or refused: this connection only
             with self.lock:
                 if inflight[0]:  # broken between a header and its answer
