@@ -164,6 +164,21 @@ def test_the_lease_starts_once_an_answer_can_have_reached_the_island():
     assert 2 not in members.rate
 
 
+def test_a_stopping_server_leaves_only_once_its_final_answers_can_have_arrived():
+    """Leaving closes the connections: a final answer (the whole model) still in this host's socket buffers would be
+    cut off, so `settled` waits for its bytes at the island's pace."""
+    members = Members(StillBeat(), lease_s=30.0)
+    members.mark(1, "live")
+    members.begin(1)
+    members.arrived(1, 1 << 20, 0.4)  # 2.5 MiB/s
+    members.mark(1, "done")
+    members.final_sent.add(1)
+    members.end(1, answered_bytes=1 << 20)  # the final model: 0.4 s on the way
+    assert not members.settled()
+    time.sleep(0.5)
+    assert members.settled()
+
+
 def test_an_island_whose_service_has_ended_is_told_at_once_not_after_its_timeout(tmp_path):
     """The store lives as long as the supervisor: once nothing listens at its address, no request of this island
     will ever be answered, and it says so within about a second instead of retrying for its whole timeout."""

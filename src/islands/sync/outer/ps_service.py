@@ -209,15 +209,26 @@ class Members:
             count = int(self.store.add(f"beat/{island}", 0))
             last, since = self.beats.get(island, (-1, now))
             if count != last:
-                self.beats[island] = (count, now)
+                self.beats[island] = (count, max(since, now))  # an answer's delivery time (end) stays ahead
             elif s == "live" and now - since > self.lease_s and not self.busy.get(island):
                 self.state[island] = "lapsed"
                 gone.append(island)
         return gone
 
     def settled(self) -> bool:
-        """Every island known has its final answer or is gone: a stopping server may leave."""
-        return all(s in ("left", "lapsed") or (s == "done" and i in self.final_sent) for i, s in self.state.items())
+        """Every island known has its final answer, delivered, or is gone: a stopping server may leave. Delivered:
+        the answer's bytes at the island's pace have had time to arrive (end); leaving closes the connections, and
+        a final answer still in this host's socket buffers would be cut off (measured at 5 Mbit/s: the island's
+        receive of its final model failed as the servers left)."""
+        now = time.monotonic()
+
+        def delivered(island: int) -> bool:
+            return now >= self.beats.get(island, (-1, 0.0))[1]
+
+        return all(
+            s in ("left", "lapsed") or (s == "done" and i in self.final_sent and delivered(i))
+            for i, s in self.state.items()
+        )
 
 
 class ShardServer:
