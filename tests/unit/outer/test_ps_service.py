@@ -23,7 +23,7 @@ from islands.runtime.elastic.auth import derive_key
 from islands.runtime.world import World
 from islands.sync.outer.ps import OuterRule, ServerProcesses
 from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_remote import ServiceGone
+from islands.sync.outer.ps_remote import _HEADER_BYTES, ServiceGone
 from islands.sync.outer.ps_service import Members, ServiceConfig
 from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH, Pair, Request, ShardReply
 
@@ -108,6 +108,35 @@ def test_a_joiner_starts_from_the_global_model_and_a_leaver_is_not_waited_for(tm
         done = c.send(Message(DONE, 2))
         waiting.join(60)
         assert c.final and a.final and torch.equal(done.flat, torch.full((10,), -6.0))
+
+
+class Received:
+    """A ledger that keeps the bytes each answer brought."""
+
+    def __init__(self):
+        self.pulls: list[int] = []
+
+    def record(self, kind: str, sent: int, received: int) -> None:
+        if kind == "ps_pull":
+            self.pulls.append(received)
+
+
+def test_a_done_island_polls_without_the_model_until_the_final_answer(tmp_path):
+    """While others train, a done island asks again every 0.5 s; before, each answer carried the whole model (7 MB per
+    poll on a 5 Mbit/s link for the byte LM). Now its first DONE and the final answer carry it, the polls do not."""
+    with ThreadService(tmp_path, config(islands=2)) as service:
+        seen = Received()
+        a, b = service.link(0, ledger=seen), service.link(1)
+        push(b, 1.0)
+        waiting = threading.Thread(target=lambda: a.send(Message(DONE, 0)))
+        waiting.start()
+        until(lambda: len(seen.pulls) >= 4)  # the first DONE and three polls while b still trains
+        done = b.send(Message(DONE, 1))
+        waiting.join(60)
+        assert a.final and b.final and torch.equal(done.flat, torch.full((10,), -1.0))
+        with_model = [n for n in seen.pulls if n == _HEADER_BYTES + 10 * 4]  # an answer's header and the fp32 model
+        assert len(with_model) == 2 and len(seen.pulls) >= 5, seen.pulls  # the first answer and the final one
+        assert all(n in (_HEADER_BYTES, _HEADER_BYTES + 40) for n in seen.pulls), seen.pulls  # polls: a header
 
 
 def test_an_island_gone_silent_stops_counting_for_the_quorum_and_the_end(tmp_path):

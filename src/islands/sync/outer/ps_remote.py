@@ -23,13 +23,26 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
 from islands.sync.outer.ps_link import Link, Message, Reply
 from islands.sync.outer.ps_server import Ack
-from islands.sync.outer.ps_wire import DONE, KIND_NAMES, PUSH, RESTORE, SNAPSHOT, Pair, Request, ShardReply, new_client
+from islands.sync.outer.ps_wire import (
+    DONE,
+    HOLDS_MODEL,
+    KIND_NAMES,
+    PUSH,
+    RESTORE,
+    SNAPSHOT,
+    WANTS_MODEL,
+    Pair,
+    Request,
+    ShardReply,
+    new_client,
+)
 from islands.sync.outer.quant4 import PayloadCodec
 
 _HEADER_BYTES = 7 * 8
@@ -123,11 +136,14 @@ class RemoteLink(Link):
         """DONE to every shard, again every lease/4 s (at most 0.5 s) until each answers `final`, within timeout_s."""
         deadline = time.monotonic() + self.timeout_s
         replies: list[ShardReply | None] = [None] * len(self.bounds)
+        bodies: list[torch.Tensor | None] = [None] * len(self.bounds)  # a repeated DONE's answer has no model
         while True:
             for k, r in enumerate(replies):
                 if r is None or not r.final:
-                    replies[k] = self.request(k, Request(DONE, self.island))
-            done = [r for r in replies if r is not None]
+                    wants = WANTS_MODEL if bodies[k] is None else HOLDS_MODEL
+                    replies[k] = got = self.request(k, Request(DONE, self.island, samples=wants))
+                    bodies[k] = got.body if got.body is not None else bodies[k]
+            done = [r if r.body is not None else replace(r, body=bodies[k]) for k, r in enumerate(replies) if r]
             self.final = all(r.final for r in done)
             if self.final or time.monotonic() > deadline:
                 return done

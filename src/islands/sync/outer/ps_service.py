@@ -65,6 +65,7 @@ from islands.sync.outer.ps_report import (
 from islands.sync.outer.ps_server import Contribution, ServerState, check_server_options
 from islands.sync.outer.ps_wire import (
     DONE,
+    HOLDS_MODEL,
     LEAVE,
     PULL,
     PUSH,
@@ -364,6 +365,8 @@ class ShardServer:
             if final:
                 m.final_sent.add(msg.island)
             version, flat = d.state.pull()
+            if msg.kind == DONE and not final and msg.samples == HOLDS_MODEL:  # a poll: no model until the final
+                return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
             return ShardReply(accepted, version, staleness, stepped, final, duplicate, flat)
 
     def _decode(self, msg: Request) -> torch.Tensor:

@@ -32,12 +32,16 @@ _REQUEST, _REPLY = 7, 7
 _SERVER, _ISLAND = 0, 1  # ranks in a connection's group
 
 
+HOLDS_MODEL, WANTS_MODEL = 1.0, 0.0  # a DONE poll: the island holds an earlier answer's model (a non-final answer
+# comes without one: 7 MB per 0.5 s poll on a slow link otherwise), or wants the model with the answer
+
+
 @dataclass(frozen=True)
 class Request:
     kind: int
     island: int
     version: int = 0
-    samples: float = 0.0
+    samples: float = 0.0  # PUSH: the samples behind the delta; DONE: HOLDS_MODEL or WANTS_MODEL
     payload: torch.Tensor | None = None  # uint8 bytes
     seq: int = 0  # the island's push number (PUSH)
     nonce: int = 0  # the island process's random number: a restarted island's seq starts again
