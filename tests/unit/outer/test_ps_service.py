@@ -200,9 +200,12 @@ def test_a_stopping_server_leaves_only_once_its_final_answers_can_have_arrived()
     members.mark(1, "live")
     members.begin(1)
     members.arrived(1, 1 << 20, 0.4)  # 2.5 MiB/s
+    members.end(1, answered_bytes=0)
+    members.begin(1)  # its DONE: answered final, the answer still being sent
     members.mark(1, "done")
     members.final_sent.add(1)
-    members.end(1, answered_bytes=1 << 20)  # the final model: 0.4 s on the way
+    assert not members.settled()
+    members.end(1, answered_bytes=1 << 20)  # the final model has left this host: 0.4 s on the way
     assert not members.settled()
     time.sleep(0.5)
     assert members.settled()

@@ -223,8 +223,8 @@ class Members:
         receive of its final model failed as the servers left)."""
         now = time.monotonic()
 
-        def delivered(island: int) -> bool:
-            return now >= self.beats.get(island, (-1, 0.0))[1]
+        def delivered(island: int) -> bool:  # its last answer has left (not busy) and can have arrived
+            return not self.busy.get(island) and now >= self.beats.get(island, (-1, 0.0))[1]
 
         return all(
             s in ("left", "lapsed") or (s == "done" and i in self.final_sent and delivered(i))
