@@ -64,7 +64,7 @@ def row(rec: dict, arm: str, link: str, target: float) -> dict:
     }
 
 
-def main(out: Path, links: tuple[str, ...], target: float) -> None:
+def main(out: Path, links: tuple[str, ...], target: float, only: tuple[str, ...] = ()) -> None:
     os.environ.setdefault("ISLANDS_TOKEN", os.urandom(16).hex())  # the islands' and the server host's
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
     ref = ctx.train("diloco@loopback", outer=f"diloco:inner_steps={H}", **BASE)
@@ -74,6 +74,8 @@ def main(out: Path, links: tuple[str, ...], target: float) -> None:
     for link in links:
         with ctx.testbed(link, hosts=3) as bed:
             for arm, spec in arms(bed.host(2).ip):
+                if only and arm not in only:
+                    continue
                 host = start_host(bed) if arm == "ps-host" else None
                 try:
                     rec = ctx.train(f"{arm}@{link}", outer=spec, testbed=bed.name, **BASE)
@@ -107,5 +109,6 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("--links", default="20mbit,5mbit", help="comma-separated testbed rates")
     parser.add_argument("--target", type=float, default=2.7763, help="the target loss (item 5's, quick tier)")
+    parser.add_argument("--arms", default="", help="comma-separated: ps, ps-proc, ps-host (default: all three)")
     a = parser.parse_args()
-    main(a.out, tuple(a.links.split(",")), a.target)
+    main(a.out, tuple(a.links.split(",")), a.target, tuple(x for x in a.arms.split(",") if x))
