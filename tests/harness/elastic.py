@@ -274,6 +274,19 @@ def make_task(cfg):
 """
 
 
+def kill_served_island_at_its_gate(store, hold: Path, island: int, pid: int, restarted: str) -> dict:
+    """A ps job (gated_digits): hold every island at its next forward (mid-round, not mid-push), SIGKILL island
+    `island`'s process `pid` once it waits there, and wait until its restarted incarnation `restarted` (a worker name)
+    has pulled the global model. Returns the island's ps/clock entry read at the kill (its acknowledged pushes)."""
+    hold.write_text("")
+    wait(lambda: Path(f"{hold}.{pid}").exists(), f"island {island} at the gate")
+    killed = json.loads(store.get(f"ps/clock/{island}"))
+    os.kill(pid, signal.SIGKILL)
+    # the others wait until the restarted island has pulled the model (they would finish alone otherwise)
+    wait(lambda: store.check([f"ps/island/{restarted}"]), "the restarted island's pull")
+    return killed
+
+
 def gated_digits(tmp_path: Path) -> tuple[str, Path]:
     """Write the gated digits task; returns its task spec (PATH:make_task) and the HOLD file it watches (set the
     task option "hold" to it)."""

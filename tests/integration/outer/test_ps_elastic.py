@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
 import tempfile
 import threading
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 
 from test_ps_train import _service_processes
 
-from harness.elastic import QUIET_ELASTIC, gated_digits, wait
+from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
@@ -63,16 +61,10 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
                 return store.check(["ps/clock/0"]) and json.loads(store.get("ps/clock/0"))["pushes"] >= n
 
             wait(lambda: pushed(2), "island 0's second acknowledged push")
-            hold.write_text("")  # every island stops at its next forward: island 0 is mid-round, not mid-push
             # the service's directory (a temporary one island 0 made): the one whose address file names its store
             where = store.get("ps/address").decode()
             seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]
-            victim = workers[0].proc.pid
-            wait(lambda: Path(f"{hold}.{victim}").exists(), "island 0 at the gate")
-            seen["killed"] = json.loads(store.get("ps/clock/0"))
-            os.kill(victim, signal.SIGKILL)
-            # island 1 waits until the restarted island has pulled the model (it would finish alone otherwise)
-            wait(lambda: store.check(["ps/island/w0.1"]), "the restarted island's pull")
+            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, workers[0].proc.pid, "w0.1")
         except BaseException as e:  # noqa: BLE001 - surfaced after the job
             errors.append(e)
         finally:

@@ -9,16 +9,14 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from harness.cli import TINY_FLAGS, islands_cli
-from harness.elastic import QUIET_ELASTIC, gated_digits, wait
+from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait
 from islands import testbed
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
@@ -122,12 +120,7 @@ def test_an_elastic_ps_job_across_hosts_restarts_a_killed_island_through_the_lin
 
                 wait(lambda: pushed(2), "island 1's second acknowledged push")
                 seen["address"] = store.get("ps/address").decode()
-                hold.write_text("")  # every island stops at its next forward: island 1 mid-round, not mid-push
-                victim = workers[1].proc.pid
-                wait(lambda: Path(f"{hold}.{victim}").exists(), "island 1 at the gate")
-                seen["killed"] = json.loads(store.get("ps/clock/1"))
-                os.kill(victim, signal.SIGKILL)
-                wait(lambda: store.check(["ps/island/w1.1"]), "the restarted island's pull")
+                seen["killed"] = kill_served_island_at_its_gate(store, hold, 1, workers[1].proc.pid, "w1.1")
             except BaseException as e:  # noqa: BLE001 - surfaced after the job
                 errors.append(e)
             finally:
