@@ -274,6 +274,15 @@ def make_task(cfg):
 """
 
 
+def wait_for_acked_pushes(store, island: int, n: int) -> None:
+    """A ps job: wait until island `island`'s data shard has `n` acknowledged pushes (ps/clock/<island>)."""
+
+    def acked() -> bool:
+        return store.check([f"ps/clock/{island}"]) and json.loads(store.get(f"ps/clock/{island}"))["pushes"] >= n
+
+    wait(acked, f"island {island}'s push {n} acknowledged")
+
+
 def kill_served_island_at_its_gate(store, hold: Path, island: int, pid: int, restarted: str) -> dict:
     """A ps job (gated_digits): hold every island at its next forward (mid-round, not mid-push), SIGKILL island
     `island`'s process `pid` once it waits there, and wait until its restarted incarnation `restarted` (a worker name)

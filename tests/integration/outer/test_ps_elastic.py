@@ -20,7 +20,7 @@ from pathlib import Path
 
 from test_ps_train import _service_processes
 
-from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait
+from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait_for_acked_pushes
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
@@ -57,10 +57,7 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
         try:
             store = observe(address, (run_dir / "token").read_text().strip())
 
-            def pushed(n):
-                return store.check(["ps/clock/0"]) and json.loads(store.get("ps/clock/0"))["pushes"] >= n
-
-            wait(lambda: pushed(2), "island 0's second acknowledged push")
+            wait_for_acked_pushes(store, 0, 2)
             # the service's directory (a temporary one island 0 made): the one whose address file names its store
             where = store.get("ps/address").decode()
             seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from harness.cli import TINY_FLAGS, islands_cli
-from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait
+from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait_for_acked_pushes
 from islands import testbed
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
@@ -115,10 +115,7 @@ def test_an_elastic_ps_job_across_hosts_restarts_a_killed_island_through_the_lin
                 token = (run_dir / "token").read_text().strip()
                 store = authed(raw, ControlAuth(token, JobSpec.read(raw, token, 30.0).job_id, "observer"))
 
-                def pushed(n):
-                    return store.check(["ps/clock/1"]) and json.loads(store.get("ps/clock/1"))["pushes"] >= n
-
-                wait(lambda: pushed(2), "island 1's second acknowledged push")
+                wait_for_acked_pushes(store, 1, 2)
                 seen["address"] = store.get("ps/address").decode()
                 seen["killed"] = kill_served_island_at_its_gate(store, hold, 1, workers[1].proc.pid, "w1.1")
             except BaseException as e:  # noqa: BLE001 - surfaced after the job
