@@ -45,15 +45,32 @@ def available() -> bool:
     return os.path.exists(ETCD)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """`n` ports free on `host` now, drawn below the kernel's ephemeral range: a port from bind(0) is free only until
+    the next outgoing connection or bind(0) takes it, and a test suite running beside the cluster makes many (a
+    member that lost its port exits, and the cluster never becomes healthy)."""
+    low, socks, ports = _ephemeral_low(), [], []
+    try:
+        while len(ports) < n:
+            port = secrets.randbelow(max(low - 10000, 1)) + 10000 if low > 10001 else 0
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
     return ports
 
 
@@ -102,13 +119,16 @@ class EtcdCluster:
         self.tls = tls
         if tls:
             _make_certificates(self.root / "pki", sorted({ip for _, ip in self.places}))
+        self.procs: list[subprocess.Popen | None] = [None] * members
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
         self.client_ports, self.peer_ports = [], []
         for place_netns, ip in self.places:
             with netns_entered(place_netns):
                 client, peer = _free_ports(2, ip)
             self.client_ports.append(client)
             self.peer_ports.append(peer)
-        self.procs: list[subprocess.Popen | None] = [None] * members
         self.initial = ",".join(
             f"m{i}=http://{ip}:{p}" for i, ((_, ip), p) in enumerate(zip(self.places, self.peer_ports))
         )
@@ -236,18 +256,38 @@ class EtcdCluster:
                 start_new_session=True,
             )
 
-    def start(self, timeout: float = 60.0) -> EtcdCluster:
-        for i in range(self.n):
-            self.start_member(i)
-        deadline = time.monotonic() + timeout
-        while not all(self.healthy(i) for i in range(self.n)):
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the etcd cluster did not become healthy:\n" + self.logs())
-            time.sleep(0.1)
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> EtcdCluster:
+        """Start every member and wait until each is healthy. A new cluster whose member exits while starting (its
+        port was taken in between) starts again on fresh ports, up to `attempts` times."""
+        fresh = not any((self.root / f"m{i}").exists() for i in range(self.n))
+        for attempt in range(attempts):
+            for i in range(self.n):
+                self.start_member(i)
+            deadline = time.monotonic() + timeout
+            while not all(self.healthy(i) for i in range(self.n)):
+                exited = [i for i, proc in enumerate(self.procs) if proc is not None and proc.poll() is not None]
+                if exited and fresh and attempt + 1 < attempts:
+                    self._start_over()
+                    break
+                if exited or time.monotonic() > deadline:
+                    logs = self.logs()  # before stop(), which removes the directory the logs are in
+                    self.stop()
+                    why = f"member(s) {exited} exited" if exited else f"not healthy within {timeout:.0f} s"
+                    raise RuntimeError(f"the etcd cluster did not become healthy ({why}):\n{logs}")
+                time.sleep(0.1)
+            else:
+                break
         if self.login and not (self.root / "root.password").exists():  # a restart keeps the users (data dirs)
             self._enable_login()
         return self
+
+    def _start_over(self) -> None:
+        """Kill every member, remove their data and logs, and choose fresh ports."""
+        for i in range(self.n):
+            self.kill(i)
+            shutil.rmtree(self.root / f"m{i}", ignore_errors=True)
+            (self.root / f"m{i}.log").unlink(missing_ok=True)
+        self._choose_ports()
 
     def _context(self):
         if not self.tls:
