@@ -56,7 +56,9 @@ def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` ports free on `host` now, drawn below the kernel's ephemeral range: a port from bind(0) is free only until
     the next outgoing connection or bind(0) takes it, and a test suite running beside the cluster makes many (a
     member that lost its port exits, and the cluster never becomes healthy)."""
-    low, socks, ports = _ephemeral_low(), [], []
+    low = _ephemeral_low()
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
         while len(ports) < n:
             port = secrets.randbelow(max(low - 10000, 1)) + 10000 if low > 10001 else 0
