@@ -104,3 +104,54 @@ def test_a_killed_server_loses_no_acknowledged_push_and_a_frozen_island_blocks_n
     assert not report["complete"] and "(generation 1) ended without its final report" in report["missing"]
     assert shard["cpu_seconds"] == killed["cpu_seconds"] + successor["cpu_seconds"] > 0
     assert shard["pushes_applied"] == 7 + n + (final.flat[0].item() == allowed[1])  # island 1's unseen one too
+
+
+def _start_service_and_wait(directory, ends_with_starter: bool, pids) -> None:
+    """The starting island process of a job: writes the configuration, starts the supervisor (a process of its own
+    session, as ps.py does), says its pid and waits to be killed."""
+    from islands.sync.outer.ps_service import launch
+
+    config = ServiceConfig(torch.zeros(6), OuterRule("sgd", 1.0, 0.0), islands=2, lease_s=LEASE)
+    config.ends_with_starter = ends_with_starter
+    config.save(directory)
+    proc, _ = launch(directory)
+    pids.put(proc.pid)
+    time.sleep(600)
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_fixed_jobs_servers_end_with_the_island_that_started_them_and_an_elastic_jobs_do_not(tmp_path):
+    """A fixed job dies with its island 0 (gloo takes the others down too): its supervisor and servers stop within
+    seconds instead of waiting out the 600 s orphan timer; an elastic job's outlive the island, which may return."""
+    import psutil
+
+    ctx = mp_context()
+    supervisors = {}
+    for ends in (True, False):
+        pids = ctx.Queue()
+        starter = ctx.Process(target=_start_service_and_wait, args=(tmp_path / str(ends), ends, pids), daemon=True)
+        starter.start()
+        supervisor = pids.get(timeout=120)
+        wait_for(lambda s=supervisor: len(psutil.Process(s).children()) == 1, "shard server started")
+        supervisors[ends] = (supervisor, psutil.Process(supervisor).children()[0].pid)
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.join()
+    try:
+        fixed, fixed_server = supervisors[True]
+        wait_for(lambda: _gone(fixed) and _gone(fixed_server), "end of the fixed job's service", timeout_s=30)
+        elastic, elastic_server = supervisors[False]
+        time.sleep(3 * LEASE)  # longer than the fixed job's service took to notice
+        assert not _gone(elastic) and not _gone(elastic_server)
+    finally:
+        for supervisor, server in supervisors.values():
+            for pid in (server, supervisor):
+                if not _gone(pid):
+                    os.kill(pid, signal.SIGKILL)

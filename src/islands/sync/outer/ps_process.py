@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         starter = os.getppid()  # the island that launched it (a process of its own session, not of its group)
         try:
-            Supervisor(args[1], args[2] if len(args) == 3 else "127.0.0.1").run()  # HOST: how islands reach it
+            host = args[2] if len(args) == 3 else "127.0.0.1"  # how islands reach it
+            Supervisor(args[1], host, starter_alive=lambda: os.getppid() == starter).run()
         finally:
             if (Path(args[1]) / SCRATCH).exists() and os.getppid() != starter:  # orphaned: the starter died
                 shutil.rmtree(args[1], ignore_errors=True)

@@ -89,7 +89,9 @@ class ServiceConfig:
     """What every shard server and island of one parameter server job agree on; written once by the island that
     starts the service. `rule`: islands -> an outer optimizer (picklable: ps.OuterRule); `islands`: the islands
     expected (delayed Nesterov's default buffer); `key`/`domain`: the job's payload tags, when payloads are
-    authenticated (the file is written 0600 in a private directory)."""
+    authenticated (the file is written 0600 in a private directory). `ends_with_starter`: a fixed job's service,
+    which ends as soon as the island process that started it is gone (the job failed with it: nobody would restart
+    it), instead of after `orphan_s`; an elastic job's outlives its starter, which may come back."""
 
     initial: torch.Tensor
     rule: Callable[[int], OuterOptimizer]
@@ -110,6 +112,7 @@ class ServiceConfig:
     orphan_s: float = 600.0
     start_s: float = 120.0  # a new server's first heartbeat may take this long (interpreter, torch, the rebuild)
     max_restarts: int = 20  # per shard: a server that keeps dying (a bad configuration) ends the job instead
+    ends_with_starter: bool = False
     bounds: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -425,7 +428,9 @@ class Supervisor:
     """Hosts the store and keeps one live server per shard (module docstring). start() runs it in a thread;
     `python -m islands.sync.outer.ps_process supervise DIR` runs it as a process (its address in DIR/address).
     `starter`: how a shard's process starts (default a fresh interpreter; tests fork a preloaded one). `raw`: a
-    store already hosted here (a server host's, ps_host.py) instead of a new one on `port`."""
+    store already hosted here (a server host's, ps_host.py) instead of a new one on `port`. `starter_alive`: whether
+    the island process that started it still runs; with the configuration's `ends_with_starter` its end stops the
+    servers at once."""
 
     def __init__(
         self,
@@ -434,8 +439,10 @@ class Supervisor:
         port: int = 0,
         starter: Starter = start_shard,
         raw: dist.TCPStore | None = None,
+        starter_alive: Callable[[], bool] | None = None,
     ):
         self.dir, self.starter = Path(directory), starter
+        self.starter_alive = starter_alive  # whether the island process that started it lives (ends_with_starter)
         self.config = ServiceConfig.load(self.dir)
         if raw is None:
             raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=30))
@@ -473,6 +480,9 @@ class Supervisor:
         try:
             while True:
                 stopping = self.store.check(["stop"])
+                if not stopping and self.starter_gone():
+                    self.store.set("stop", "the island process that started the servers is gone")
+                    stopping = True
                 for shard, proc in enumerate(self.procs):
                     assert proc is not None
                     if proc.poll() is None and not self._frozen(shard):
@@ -502,6 +512,10 @@ class Supervisor:
                     proc.wait()
             self.write_report()
             self.stopped.set()
+
+    def starter_gone(self) -> bool:
+        """A fixed job's service whose starting island process has exited (killed, or failed without a word)."""
+        return self.config.ends_with_starter and self.starter_alive is not None and not self.starter_alive()
 
     def write_report(self) -> None:
         """Its servers' reports and its restarts, into DIR/report.json for island 0 (ps_report.py); the servers are
