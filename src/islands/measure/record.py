@@ -54,15 +54,16 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 
 def plot_loss(record: dict, path: Path) -> None:
-    """Validation loss against steps and against MB communicated per worker."""
+    """Validation loss against steps and against MB communicated per worker; nothing for a run without evaluations
+    (matplotlib's import alone is ~0.7 CPU-s, which such a run, every elastic test job among them, need not pay)."""
+    val = record["series"]["val"]
+    if not val:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    val = record["series"]["val"]
-    if not val:
-        return
     steps = [v["step"] for v in val]
     loss = [v["val_loss"] for v in val]
     mb = [v["mb_sent"] for v in val]
