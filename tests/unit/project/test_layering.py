@@ -316,3 +316,28 @@ def test_components_import_only_their_sublayer_and_below():
             if SUBLAYERS[there] > SUBLAYERS[here]:
                 bad.append(f"{m} ({here}, sub-layer {SUBLAYERS[here]}) imports {t} ({there}, {SUBLAYERS[there]})")
     assert not bad, "imports against the components' order:\n" + "\n".join(sorted(bad))
+
+
+def test_no_module_islands_runs_with_dash_m_is_imported_by_its_own_packages():
+    """`python -m islands.x.y` imports the packages islands and islands.x first; had they imported islands.x.y on the
+    way, runpy executes it a second time and warns on stderr (the parameter server's processes did, session 33)."""
+    import re
+
+    g, mods = graph(), modules()
+    run = {m for f in mods.values() for m in re.findall(r'"-m",\s*"(islands\.[\w.]+)"', f.read_text())}
+    assert "islands.sync.outer.ps_process" in run  # the pattern finds what it is for
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(g.get(m, ()))
+        return seen
+
+    for target in sorted(run & set(mods)):
+        parts = target.split(".")
+        packages = [".".join(parts[:i]) for i in range(1, len(parts))]
+        imported = set().union(*(reach(p) for p in packages))
+        assert target not in imported, f"{target} is imported by its packages ({packages}): runpy would run it twice"

@@ -74,11 +74,10 @@ from islands.sync.outer.ps_link import (
     ServerLoop,
     VirtualClock,
 )
-from islands.sync.outer.ps_process import SCRATCH
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected, thread_report
 from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
-from islands.sync.outer.ps_service import ServiceConfig, launch
+from islands.sync.outer.ps_service import SCRATCH, ServiceConfig, launch
 from islands.sync.outer.ps_wire import PULL
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd

@@ -1,6 +1,7 @@
 """The parameter server's processes (issue #36): `python -m islands.sync.outer.ps_process serve DIR SHARD HOST PORT`
 runs one shard server, `... supervise DIR [HOST]` the supervisor that hosts the store and restarts the servers
-(ps_service.py). A module of its own, so that running it does not load ps_service twice (islands imports it).
+(ps_service.py). A module of its own, which nothing in islands imports: run with -m, a module the package had imported
+already would be executed a second time (runpy warns).
 A supervisor whose directory holds the file SCRATCH (a temporary directory the starting island made) removes the
 directory when it ends if that island is gone (in an elastic job it may have been killed, and nobody else knows the
 path); a living one waits for the supervisor, reads the servers' report from the directory (ps_report.py) and
@@ -14,9 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from islands.sync.outer.ps_service import Supervisor, serve
-
-SCRATCH = "scratch"
+from islands.sync.outer.ps_service import SCRATCH, Supervisor, serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,6 +82,7 @@ from islands.sync.outer.quant4 import PayloadCodec
 CONFIG = "config.pt"
 RATE_MIN_BYTES = 1 << 20  # a push this large measures its island's link; a smaller one is mostly latency
 ADDRESS = "address"
+SCRATCH = "scratch"  # in a service's directory: a temporary one its starting island made (ps_process.py removes it)
 
 
 @dataclass
