@@ -12,13 +12,15 @@ PIP     = $(PY) -m pip install -q -c constraints.txt
 # islands' own sources (an editable install), the bench and the tests' helpers are compiled too: where the
 # environment sets PYTHONDONTWRITEBYTECODE (these machines do) nothing else ever writes their .pyc, and every fresh
 # interpreter of the suite compiled islands' modules again (~0.4 CPU-s each for `import islands.cli` here). A file
-# edited later is compiled from source until the next setup, as Python does with any stale .pyc.
+# edited later is compiled from source until the next setup, as Python does with any stale .pyc. The codec's numba
+# loops are compiled into numba's on-disk cache too (~9 s once), instead of by every checkpointing process at once.
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) --no-compile -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/
 	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	$(PY) -m compileall -qq -j 0 src bench tests
+	$(PY) -c 'from islands.checkpoint.codec.tensor import warm_kernels; warm_kernels()'
 	touch $(STAMP)
 
 # the main job: two islands of two workers, DDP inside each, DiLoCo across them

@@ -491,3 +491,21 @@ class _ChunkName:
 
     def __str__(self) -> str:
         return f"chunk {self.index} of a {self.dtype} {tuple(self.shape)} tensor"
+
+
+def warm_kernels() -> None:
+    """Compile the codec's numba loops now (cache=True keeps them on disk, next to kernels.py): a round trip of each
+    float dtype, plain and against a base, with data whose exponents spread wide enough to escape. A process that
+    finds them compiled loads them in ~0.6 CPU-s; one that compiles them takes seconds, and in a fresh checkout many
+    processes compile the same loops at once (`make` calls this at setup)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(4097, generator=g) * torch.logspace(-6, 4, 4097)
+        base = x + 1e-3 * torch.randn(4097, generator=g)
+        for tensor, against in (
+            (x.to(dtype), None),
+            (x.to(dtype), base.to(dtype)),
+            (torch.zeros(7, dtype=dtype), None),
+        ):
+            blob = encode_tensor(tensor, base=against)
+            decode_tensor(blob, base=against)
