@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.futures import Future
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from islands.memory import ForwardBackward, SavedTensorMeter
 from islands.plan import Candidate, Topology, parse_link, predict
