@@ -111,8 +111,8 @@ def _start_service_and_wait(directory, ends_with_starter: bool, pids) -> None:
     session, as ps.py does), says its pid and waits to be killed."""
     from islands.sync.outer.ps_service import launch
 
-    config = ServiceConfig(torch.zeros(6), OuterRule("sgd", 1.0, 0.0), islands=2, lease_s=LEASE)
-    config.ends_with_starter = ends_with_starter
+    rule = OuterRule("sgd", 1.0, 0.0)
+    config = ServiceConfig(torch.zeros(6), rule, islands=2, lease_s=LEASE, ends_with_starter=ends_with_starter)
     config.save(directory)
     proc, _ = launch(directory)
     pids.put(proc.pid)

@@ -388,6 +388,7 @@ class ParameterServer(OuterStrategy):
             timeout_s=service.timeout_s,
             key=None if tags is None else tags.key,
             domain=b"" if tags is None else tags.domain,
+            ends_with_starter=self.elastic is None,  # a fixed job fails with its island 0; an elastic one goes on
         )
         if self.elastic is not None:
             address = service.address or self.elastic_address(service, config)
@@ -440,7 +441,6 @@ class ParameterServer(OuterStrategy):
         """Write the configuration and start the supervisor (a process of its own session: it outlives us)."""
         directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
         self.scratch = None if service.directory else directory  # removed at the end, by us or the supervisor
-        config.ends_with_starter = self.elastic is None  # a fixed job fails with its island 0; an elastic one goes on
         config.save(directory)
         if self.scratch is not None:
             (Path(directory) / SCRATCH).touch()

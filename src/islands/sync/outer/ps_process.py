@@ -26,11 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) in (2, 3) and args[0] == "supervise":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         starter = os.getppid()  # the island that launched it (a process of its own session, not of its group)
+
+        def starter_alive() -> bool:  # once the starter dies, this process is someone else's child
+            return os.getppid() == starter
+
         try:
             host = args[2] if len(args) == 3 else "127.0.0.1"  # how islands reach it
-            Supervisor(args[1], host, starter_alive=lambda: os.getppid() == starter).run()
+            Supervisor(args[1], host, starter_alive=starter_alive).run()
         finally:
-            if (Path(args[1]) / SCRATCH).exists() and os.getppid() != starter:  # orphaned: the starter died
+            if (Path(args[1]) / SCRATCH).exists() and not starter_alive():  # orphaned: the starter died
                 shutil.rmtree(args[1], ignore_errors=True)
         return 0
     print(
