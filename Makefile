@@ -6,22 +6,27 @@ PIP     = $(PY) -m pip install -q -c constraints.txt
 
 .PHONY: run test test-fast test-experiments lint clean
 
-# pip compiles every installed file to bytecode on one core (~45 s of a ~75 s bootstrap here); installing without it
-# and compiling on every core after gives the same .pyc files in ~55 s in all. A few files of the installed packages
-# are not this Python's syntax (their own test data): pip skips them silently, compileall exits 1 on them.
-# islands' own sources (an editable install), the bench and the tests' helpers are compiled too: where the
-# environment sets PYTHONDONTWRITEBYTECODE (these machines do) nothing else ever writes their .pyc, and every fresh
-# interpreter of the suite compiled islands' modules again (~0.4 CPU-s each for `import islands.cli` here). A file
-# edited later is compiled from source until the next setup, as Python does with any stale .pyc. The codec's numba
-# loops are compiled into numba's on-disk cache too (~9 s once), instead of by every checkpointing process at once.
+# Setup installs with uv (~13 s here, against pip's ~45 s for the same set), handing it pip's local wheel folder
+# (PIP_FIND_LINKS: where these machines keep torch's CPU wheel), and falls back to pip should uv be unavailable or
+# fail. Nothing is compiled ahead: see PYTHONDONTWRITEBYTECODE below. The codec's numba loops are compiled into
+# numba's on-disk cache (~9 s once), instead of by every checkpointing process at once.
+UV_LINKS = $(foreach folder,$(PIP_FIND_LINKS),--find-links $(folder))
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PIP) --no-compile -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
-	$(PY) -m compileall -qq -j 0 src bench tests
+	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) $(UV_LINKS) -c constraints.txt \
+	    -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/ \
+	  || (echo 'make: uv failed; installing with pip' && $(PY) -m pip install -q --upgrade pip && $(PIP) -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/)
 	$(PY) -c 'from islands.checkpoint.codec.tensor import warm_kernels; warm_kernels()'
 	touch $(STAMP)
+
+# These machines set PYTHONDONTWRITEBYTECODE. Then no process writes the .pyc of what it imports, and every fresh
+# interpreter of the suite compiled torch's, islands' and the rest again (2.7 against 2.3 CPU-s for a launcher's
+# imports), and every xdist process rewrote every test module's asserts (~9 of collection's ~17 s; pytest keeps its
+# rewrites only where bytecode may be written). Make's own targets write it, into the .venv they own and the
+# tree's __pycache__ folders (git ignores them): each module is compiled once, by its first importer, for exactly
+# what is imported, where compiling all of .venv at setup took 47 s. A .pyc is written atomically, so processes
+# importing at once are safe.
+unexport PYTHONDONTWRITEBYTECODE
 
 # the main job: two islands of two workers, DDP inside each, DiLoCo across them
 run: $(STAMP)
