@@ -155,3 +155,64 @@ def test_a_fixed_jobs_servers_end_with_the_island_that_started_them_and_an_elast
             for pid in (server, supervisor):
                 if not _gone(pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_frozen_or_killed_supervisor_hangs_nobody_and_a_new_one_loses_no_acknowledged_push(tmp_path):
+    """The supervisor hosts the store, and a TCPStore client waits for ever on a stopped master. SIGSTOPped, its
+    server ends by itself within SUPERVISOR_SILENT_S and the island's next push fails within its timeout, naming the
+    store, instead of both hanging; a new supervisor on the same directory rebuilds the shard from its journal with
+    every acknowledged push once. SIGKILLed, its server ends at once and the island is told the service is gone."""
+    import psutil
+    import pytest
+
+    from islands.sync.outer.ps_process import main as ps_process
+    from islands.sync.outer.ps_remote import ServiceGone
+    from islands.sync.outer.ps_service import ADDRESS, SUPERVISOR_SILENT_S
+
+    config = ServiceConfig(torch.zeros(6), OuterRule("sgd", 1.0, 0.0), islands=1, lease_s=LEASE)
+    config.save(tmp_path)
+    started: list[int] = []
+    ctx = mp_context()
+
+    def service():
+        """`ps_process supervise DIR`, forked from the preloaded forkserver (its server is a fresh interpreter)."""
+        (tmp_path / ADDRESS).unlink(missing_ok=True)
+        proc = ctx.Process(target=ps_process, args=(["supervise", str(tmp_path)],), daemon=True)
+        proc.start()
+        started.append(proc.pid)
+        wait_for(lambda: (tmp_path / ADDRESS).exists() and len(psutil.Process(proc.pid).children()) == 1, "a server")
+        host, port = (tmp_path / ADDRESS).read_text().strip().rsplit(":", 1)
+        return proc, (host, int(port)), psutil.Process(proc.pid).children()[0].pid
+
+    def push(link, value: float):
+        return link.send(Message(PUSH, 0, 0, 1.0, torch.full((6,), value)))
+
+    try:
+        frozen, address, server = service()
+        link = RemoteLink(address, 0, config.bounds, timeout_s=8.0, lease_s=LEASE).start()
+        link.send(Message(PULL, 0))
+        assert all(push(link, k).ack.accepted for k in (1.0, 2.0, 3.0))
+        os.kill(frozen.pid, signal.SIGSTOP)
+        wait_for(lambda: _gone(server), "the server to end", timeout_s=SUPERVISOR_SILENT_S + 20)
+        started_at = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"store at .* (did not|has not) answer"):
+            push(link, 100.0)  # reached no server: never applied
+        assert time.monotonic() - started_at < 8.0 + 4 * LEASE
+        link.close()
+        frozen.kill()
+        frozen.join(30)
+
+        killed, address, server = service()  # the same directory: the shard rebuilt from its journal
+        link = RemoteLink(address, 0, config.bounds, timeout_s=60.0, lease_s=LEASE).start()
+        assert link.send(Message(PULL, 0)).flat.tolist() == [-6.0] * 6  # pushes 1-3, each once
+        assert push(link, 4.0).flat.tolist() == [-10.0] * 6
+        killed.kill()
+        killed.join(30)
+        wait_for(lambda: _gone(server), "the server to end", timeout_s=10)
+        with pytest.raises(ServiceGone):
+            push(link, 5.0)
+        link.close()
+    finally:
+        for pid in started:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)

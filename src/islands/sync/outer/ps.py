@@ -78,7 +78,7 @@ from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected, thread_report
 from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
 from islands.sync.outer.ps_service import SCRATCH, ServiceConfig, launch
-from islands.sync.outer.ps_wire import PULL
+from islands.sync.outer.ps_wire import PULL, StoreSilent
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
 
@@ -547,18 +547,23 @@ class ParameterServer(OuterStrategy):
         island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout. In an
         elastic job every island asks (the one that started it may have died), and only that one waits."""
         hosted = self.service is not None and self.service.at is not None and self.island == 0
+        silent = None  # why the store did not take the stop: its supervisor is stopped or hung (ps_wire.StoreSilent)
         if self.launched is not None or self.elastic is not None or hosted:
-            link.store.set("stop", "done")
+            try:
+                link.calls(lambda: link.store.set("stop", "done"), link.connect_s * 5)
+            except StoreSilent as e:
+                silent = str(e)
         # the heartbeat stops first: its thread would otherwise hit the store as the supervisor closes it (torch
         # logs a C++ stack for that); this island has its final answer, nobody waits for its beats any more
         link.close()
         if self.launched is not None:
             why = None
             try:
-                self.launched.wait(timeout=link.timeout_s)
+                self.launched.wait(timeout=0 if silent else link.timeout_s)
             except subprocess.TimeoutExpired:  # it would stop on its own (orphan timer); no need to wait for that
                 self.launched.kill()
-                why = f"the supervisor did not stop within {link.timeout_s:.0f} s and was killed"
+                why = silent or f"the supervisor did not stop within {link.timeout_s:.0f} s"
+                why += " and was killed"
             # it writes its servers' report into the service's directory as it leaves (ps_report.py)
             directory = self.scratch or (self.service.directory if self.service is not None else None)
             collected = read_collected(directory) if why is None and directory is not None else None

@@ -41,6 +41,7 @@ from islands.sync.outer.ps_wire import (
     Pair,
     Request,
     ShardReply,
+    StoreCalls,
     new_client,
 )
 from islands.sync.outer.quant4 import PayloadCodec
@@ -72,6 +73,7 @@ class RemoteLink(Link):
         self.timeout_s, self.lease_s, self.codec, self.tags, self.ledger = timeout_s, lease_s, codec, tags, ledger
         self.connect_s = max(1.0, lease_s)
         self.store = new_client(self.host, self.port, self.connect_s * 5)
+        self.calls = StoreCalls(f"{self.host}:{self.port}")  # bounded waits on self.store
         self.pairs: list[Pair | None] = [None] * len(self.bounds)
         self.versions = [0] * len(self.bounds)
         self.nonce, self.seq = secrets.randbits(52), 0
@@ -198,16 +200,27 @@ class RemoteLink(Link):
             return False
 
     def _connect(self, k: int, deadline: float) -> Pair:
-        gen = int(self.store.add(f"gen/{k}", 0))
+        """A new connection to shard k's current server; every wait on the store within its bound (a stopped
+        supervisor's store answers nothing: ps_wire.StoreSilent, which request() retries until its deadline)."""
+
+        def bound() -> float:  # the client's own timeout, or what is left of the request's
+            return min(self.connect_s * 5, max(0.1, deadline - time.monotonic()))
+
+        gen = self.calls(lambda: int(self.store.add(f"gen/{k}", 0)), bound())
         while gen == 0:  # no server of shard k has started yet
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no server of shard {k} has started")
             time.sleep(0.05)
-            gen = int(self.store.add(f"gen/{k}", 0))
-        n = int(self.store.add(f"conn/{k}/{gen}", 1))
-        self.store.set(f"conn/{k}/{gen}/{n}", str(self.island))
-        client = new_client(self.host, self.port, self.connect_s)
-        return Pair.connect(client, f"pair/{k}/{gen}/{n}", 1, self.connect_s, self.timeout_s, self.tags)
+            gen = self.calls(lambda: int(self.store.add(f"gen/{k}", 0)), bound())
+        n = self.calls(lambda: int(self.store.add(f"conn/{k}/{gen}", 1)), bound())
+        self.calls(lambda: self.store.set(f"conn/{k}/{gen}/{n}", str(self.island)), bound())
+        name = f"pair/{k}/{gen}/{n}"
+        return self.calls(
+            lambda: Pair.connect(
+                new_client(self.host, self.port, self.connect_s), name, 1, self.connect_s, self.timeout_s, self.tags
+            ),
+            bound(),
+        )
 
     def _count(self, r: Request, reply: ShardReply) -> None:
         if self.ledger is None:

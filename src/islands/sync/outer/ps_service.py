@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,8 @@ from islands.sync.outer.ps_wire import (
     Pair,
     Request,
     ShardReply,
+    StoreCalls,
+    StoreSilent,
     as_bytes,
     new_client,
 )
@@ -82,6 +84,10 @@ from islands.sync.outer.quant4 import PayloadCodec
 CONFIG = "config.pt"
 RATE_MIN_BYTES = 1 << 20  # a push this large measures its island's link; a smaller one is mostly latency
 ADDRESS = "address"
+# a shard server whose supervisor's store answers nothing this long (a TCPStore master answers from a C++ thread of
+# its own, busy Python or not: only a stopped or dead process is this slow) ends itself (ShardServer._watch_supervisor)
+SUPERVISOR_SILENT_S = 5.0
+ORPHANED_EXIT = 3  # the exit code of a shard server that ended because its supervisor was gone or silent
 SCRATCH = "scratch"  # in a service's directory: a temporary one its starting island made (ps_process.py removes it)
 
 
@@ -260,10 +266,15 @@ class ShardServer:
         self.durable.open()  # the rebuild: the committed state plus the acknowledged pushes since
         self.gen = int(self.store.add(f"gen/{self.shard}", 1))
         self.startup = process_usage()
+        parent = os.getppid()  # its supervisor
+        threading.Thread(target=self._watch_supervisor, args=(parent,), name="islands-ps-watch", daemon=True).start()
         threading.Thread(target=self._accept, name="islands-ps-accept", daemon=True).start()
         try:
             while not self.done.is_set():
-                self.store.add(f"sbeat/{self.shard}", 1)
+                try:
+                    self.store.add(f"sbeat/{self.shard}", 1)
+                except dist.DistError as e:  # the supervisor died with its store (the watch may not have seen it yet)
+                    self._orphaned(f"its store is gone ({type(e).__name__})")
                 with self.lock:
                     if self.members.lapse():
                         self.durable.settle(self.members.live())
@@ -277,6 +288,33 @@ class ShardServer:
                 for pair in self.pairs:
                     pair.close()
                 self.publish(final=True)
+
+    def _watch_supervisor(self, parent: int) -> None:
+        """End this server once its supervisor is gone or its store is silent for SUPERVISOR_SILENT_S: nobody would
+        restart it, stop it or read its heartbeat any more, and a TCPStore client waits for ever on a stopped master
+        (ps_wire.StoreSilent), so without this a frozen supervisor left its servers hung for good. Ending is as safe
+        as a kill: every push this server acknowledged is in its journal already, for whichever server the shard
+        gets next (a thawed supervisor restarts it; a new service on the same directory rebuilds it)."""
+        store, calls = new_client(self.host, self.port, SUPERVISOR_SILENT_S), StoreCalls(f"{self.host}:{self.port}")
+        silent = max(SUPERVISOR_SILENT_S, 2 * self.config.lease_s)
+        while not self.done.wait(0.25):
+            if os.getppid() != parent:  # a process that loses its parent is handed to another one
+                self._orphaned(f"its supervisor (pid {parent}) has died")
+            try:
+                calls(lambda: store.check(["stop"]), silent)
+            except StoreSilent:
+                self._orphaned(f"its supervisor's store has not answered for {silent:.0f} s (stopped or hung)")
+            except dist.DistError as e:
+                self._orphaned(f"its store is gone ({type(e).__name__})")
+
+    def _orphaned(self, why: str) -> NoReturn:
+        print(
+            f"islands-ps shard {self.shard} (pid {os.getpid()}): {why}; this server ends, and its journal keeps every "
+            "push it acknowledged",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(ORPHANED_EXIT)
 
     def publish(self, final: bool) -> None:
         """This process's report (ps_report.py) in the store, for the supervisor to collect; the final one also

@@ -17,8 +17,10 @@ refused before use. A torn connection raises RuntimeError on either side (gloo's
 from __future__ import annotations
 
 import datetime as _dt
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ PUSH, DONE, PULL, LEAVE, SNAPSHOT, RESTORE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {PUSH: "push", DONE: "done", PULL: "pull", LEAVE: "leave", SNAPSHOT: "snapshot", RESTORE: "restore"}
 _REQUEST, _REPLY = 7, 7
 _SERVER, _ISLAND = 0, 1  # ranks in a connection's group
+T = TypeVar("T")
 
 
 HOLDS_MODEL, WANTS_MODEL = 1.0, 0.0  # a DONE poll: the island holds an earlier answer's model (a non-final answer
@@ -61,6 +64,47 @@ class ShardReply:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+class StoreSilent(RuntimeError):
+    """The parameter server's store did not answer in time: its supervisor, which hosts it, is stopped (SIGSTOP) or
+    hung. A TCPStore client waits for ever on such a master (its socket still accepts; torch's client timeout does
+    not apply: measured with torch 2.13), so every wait on it is bounded here instead."""
+
+
+class StoreCalls:
+    """Store operations, each answered within its bound or failed with StoreSilent. The call runs on a thread of
+    its own: one that never returns (a stopped master) is left behind, and until it returns the next call fails at
+    once instead of leaving another behind it (a retry loop would otherwise leak a thread per try)."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.pending: threading.Thread | None = None
+
+    def __call__(self, call: Callable[[], T], timeout_s: float) -> T:
+        if self.pending is not None and self.pending.is_alive():
+            raise StoreSilent(f"the parameter server's store at {self.where} has not answered an earlier request")
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append((True, call()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box.append((False, e))
+
+        worker = threading.Thread(target=run, name="islands-ps-store-call", daemon=True)
+        worker.start()
+        worker.join(max(timeout_s, 0.0))
+        if worker.is_alive():
+            self.pending = worker
+            raise StoreSilent(
+                f"the parameter server's store at {self.where} did not answer within {timeout_s:.0f} s "
+                "(its supervisor is stopped or hung)"
+            )
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
 
 def new_client(host: str, port: int, timeout_s: float) -> dist.Store:
