@@ -6,14 +6,20 @@ PIP     = $(PY) -m pip install -q -c constraints.txt
 
 .PHONY: run test test-fast test-experiments lint clean
 
-# Setup installs with uv (~13 s here, against pip's ~45 s for the same set), handing it pip's local wheel folder
-# (PIP_FIND_LINKS: where these machines keep torch's CPU wheel), and falls back to pip should uv be unavailable or
-# fail. Nothing is compiled ahead: see PYTHONDONTWRITEBYTECODE below. The codec's numba loops are compiled into
-# numba's on-disk cache (~9 s once), instead of by every checkpointing process at once.
-UV_LINKS = $(foreach folder,$(PIP_FIND_LINKS),--find-links $(folder))
+# Setup installs with uv (~13 s here, against pip's ~45 s for the same set) from the sources pip is configured with
+# (its find-links, where these machines keep torch's CPU wheel, and its index URLs, from pip's config files and
+# PIP_* variables), choosing among them as pip does (the best match on any index, not uv's first index that has the
+# package), and falls back to pip should uv be unavailable or fail. Nothing is compiled ahead: see
+# PYTHONDONTWRITEBYTECODE below. The codec's numba loops are compiled into numba's on-disk cache (~9 s once), instead
+# of by every checkpointing process at once.
+PIP_CONF    = $(shell python3 -m pip config get global.$(1) 2>/dev/null)
+UV_SOURCES  = --index-strategy unsafe-best-match \
+    $(foreach folder,$(sort $(PIP_FIND_LINKS) $(call PIP_CONF,find-links)),--find-links $(folder)) \
+    $(foreach url,$(sort $(PIP_EXTRA_INDEX_URL) $(call PIP_CONF,extra-index-url)),--extra-index-url $(url)) \
+    $(foreach url,$(firstword $(PIP_INDEX_URL) $(call PIP_CONF,index-url)),--index-url $(url))
 $(STAMP): pyproject.toml bench/pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) $(UV_LINKS) -c constraints.txt \
+	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) $(UV_SOURCES) -c constraints.txt \
 	    -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/ \
 	  || (echo 'make: uv failed; installing with pip' && $(PY) -m pip install -q --upgrade pip && $(PIP) -e '.[test,lint,hf,frameworks,peers,loggers,dashboard]' -e bench/)
 	$(PY) -c 'from islands.checkpoint.codec.tensor import warm_kernels; warm_kernels()'
