@@ -104,3 +104,65 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
         time.sleep(0.1)
     # the island that made the service's temporary directory was killed: the supervisor removed it as it ended
     assert len(seen["dir"]) == 1 and not seen["dir"][0].exists(), seen["dir"]
+
+
+def test_an_elastic_job_on_a_server_host_survives_the_killed_island_that_configured_it(tmp_path, monkeypatch):
+    """at= in an elastic job: the first epoch's rank 0 sends the host (`islands ps-host`'s ServerHost, a thread of
+    the test with forked shard servers) the sealed configuration and writes the host's address in the job's store.
+    SIGKILLed mid-round, it is restarted as a joiner, which reads the address there and derives the payload tags from
+    the configuration the host holds (configuring it again would be refused). Both survivors end on the host's final
+    model, the host's version counts every acknowledged push of the three island processes, and the host's report
+    comes back into run.json."""
+    from harness.ps import ForkedShard
+    from islands.sync.outer import ps_host
+
+    token = "ps-elastic-host-test"
+    monkeypatch.setenv("ISLANDS_TOKEN", token)  # the host's, and the job's (the launcher takes it)
+    host = ps_host.ServerHost(tmp_path / "host", token, say=lambda *_: None, starter=ForkedShard, report_wait_s=30)
+    served = threading.Thread(target=host.run, daemon=True)
+    served.start()
+    task, hold = gated_digits(tmp_path)
+    run_dir = tmp_path / "run"
+    outer = f"ps:inner_steps={H},servers=1,at='{host.host}:{host.port}'"
+    values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=outer)
+    values.update(steps=24, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
+    cfg = from_mapping(values)
+    cfg.task.options.update(hold=str(hold))
+    cfg = validate(cfg)
+    seen: dict = {}
+    errors: list = []
+
+    def fault(address, workers):
+        try:
+            store = observe(address, token)
+            wait_for_acked_pushes(store, 0, 2)
+            seen["address"] = store.get("ps/address").decode()
+            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, workers[0].proc.pid, "w0.1")
+        except BaseException as e:  # noqa: BLE001 - surfaced after the job
+            errors.append(e)
+        finally:
+            hold.unlink(missing_ok=True)
+
+    out = io.StringIO()
+    code = launch_elastic(
+        cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w)).start()
+    )
+    log = out.getvalue()
+    assert not errors, errors
+    assert code == 0, log
+    assert "restarting island 0 (restart 1 of 1) as w0.1" in log, log
+    assert seen["address"] == f"{host.host}:{host.port}"  # the host's, not a service of island 0's own
+    recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
+    assert set(recs) == {"w1", "w0.1"}, log
+    assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"]
+    (entered,) = _events(recs["w0.1"], "entered")[:1]
+    assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
+    ends = {n: _events(r, "served_end")[0] for n, r in recs.items()}
+    assert all(e["final"] for e in ends.values()), ends
+    applied = ends["w1"]["pushes"] + ends["w0.1"]["pushes"] + seen["killed"]["pushes"]
+    assert ends["w1"]["version"] == ends["w0.1"]["version"] == applied, (ends, seen)
+    served.join(60)
+    assert not served.is_alive()  # the host took the job's stop, its servers left, its report was taken
+    report = json.loads((run_dir / "run.json").read_text())["parameter_server"]
+    assert report["mode"] == "processes" and report["stop"] == "done"
+    assert report["servers"][0]["pushes_applied"] == applied

@@ -390,7 +390,10 @@ class ParameterServer(OuterStrategy):
             domain=b"" if tags is None else tags.domain,
             ends_with_starter=self.elastic is None,  # a fixed job fails with its island 0; an elastic one goes on
         )
-        if self.elastic is not None:
+        if self.elastic is not None and service.at is not None:
+            address, tags = service.at, self.elastic_host_tags(service, config)
+            self.island = self.elastic.take_island()
+        elif self.elastic is not None:
             address = service.address or self.elastic_address(service, config)
             self.island = self.elastic.take_island()
         elif service.at is not None:
@@ -437,6 +440,21 @@ class ParameterServer(OuterStrategy):
             return address
         return self.elastic.address()
 
+    def elastic_host_tags(self, service: ServerProcesses, config: ServiceConfig) -> PayloadTags:
+        """An elastic job whose servers run on a host of their own (at=): the first epoch's rank 0 sends the host
+        the sealed configuration and then writes the host's address in the job's store, as it would its own
+        service's; every other island, restarted or joining ones too, waits for that address and derives the
+        payload tags from the configuration the host holds (a second `configure` would be refused: the host serves
+        the configuration it got first)."""
+        assert self.elastic is not None and service.at is not None
+        token = ps_host.job_token(service.at)
+        if self.comm.epoch is not None and self.comm.epoch >= 0 and self.comm.rank == 0:
+            tags = ps_host.configure(service.at, config, token, service.timeout_s)
+            self.elastic.publish(service.at)
+            return tags
+        self.elastic.address()  # island 0 has configured the host (or the job is over: JobEnded)
+        return ps_host.job_tags(service.at, token, service.timeout_s)
+
     def start_service(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
         """Write the configuration and start the supervisor (a process of its own session: it outlives us)."""
         directory = service.directory or tempfile.mkdtemp(prefix="islands-ps-")
@@ -456,11 +474,6 @@ class ParameterServer(OuterStrategy):
         return self.comm.ledger if isinstance(self.comm, Counted) else None
 
     def elastic_refusal(self) -> str | None:
-        if self.service is not None and self.service.at is not None:
-            return (
-                "ps at=HOST:PORT (a server host of its own) runs in fixed jobs only, for now: in an elastic job drop "
-                "at= and island 0's machine runs the servers (docs/parameter-server.md)"
-            )
         if self.service is None:
             return (
                 "ps runs in an elastic job only with its server as processes of its own: add servers=S (S >= 1), "
@@ -546,7 +559,11 @@ class ParameterServer(OuterStrategy):
         """Process mode, at the end: the island that started the service asks it to stop (servers leave once every
         island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout. In an
         elastic job every island asks (the one that started it may have died), and only that one waits."""
-        hosted = self.service is not None and self.service.at is not None and self.island == 0
+        # on a server host, island 0 takes the servers' report back; in an elastic job every island does (island 0
+        # may have been restarted under another number), and the one that writes run.json keeps it there
+        hosted = (
+            self.service is not None and self.service.at is not None and (self.island == 0 or self.elastic is not None)
+        )
         silent = None  # why the store did not take the stop: its supervisor is stopped or hung (ps_wire.StoreSilent)
         if self.launched is not None or self.elastic is not None or hosted:
             try:
