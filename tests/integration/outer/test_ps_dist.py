@@ -45,8 +45,34 @@ def train(world, host=None, **kw) -> dict:
     }
 
 
+def train_batchnorm(world) -> dict[str, torch.Tensor]:
+    """A BatchNorm CNN (running statistics and a step counter as buffers) through the same server across processes:
+    the model each island ends with, buffers included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 3),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    strategy = ParameterServer(inner_steps=H, arrivals=VirtualClock([1.0, 3.0]), max_staleness=2)
+    strategy.wrap(model, opt, world)
+    g = torch.Generator().manual_seed(world.rank)  # each island its own data: its own running statistics
+    for i in range(STEPS + 2 * world.rank):  # and its own number of steps: its own num_batches_tracked
+        x, y = torch.randn(8, 1, 6, 6, generator=g) * (1 + world.rank), torch.randint(0, 3, (8,), generator=g)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        strategy.after_step(model, opt, i)
+    strategy.finish(model)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def _all(world) -> dict:
-    out = {name: train(world, **kw) for name, kw in SCHEDULES.items()}
+    out: dict = {"batchnorm": train_batchnorm(world)}
+    out |= {name: train(world, **kw) for name, kw in SCHEDULES.items()}
     out["first-come"] = train(world, arrivals=FirstCome())
     from islands.runtime.payload_auth import authenticate_payloads
 
@@ -119,3 +145,12 @@ def test_sealed_pushes_and_answers_give_the_unsealed_model(ranks):
         assert ranks[rank]["sealed"]["global"].tobytes() == ranks[rank]["fp32"]["global"].tobytes()
     # island 1 sent 4 pushes (header + payload) and a DONE (header): 9 tensors, each with its 32-byte MAC
     assert ranks[1]["sealed"]["sent"] == ranks[1]["fp32"]["sent"] + 9 * 32
+
+
+def test_a_batchnorm_model_ends_as_one_model_buffers_included(ranks):
+    # the islands' running statistics were their own all run (different data, different steps); the job's end
+    # averages them over the islands and takes the largest step count, so both processes end on one model
+    a, b = ranks[0]["batchnorm"], ranks[1]["batchnorm"]
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["1.num_batches_tracked"].item() == STEPS + 2
+    assert not torch.equal(a["1.running_var"], torch.ones(4))

@@ -169,12 +169,18 @@ def test_a_users_batchnorm_cnn_on_three_equal_islands_trains_under_the_default_c
         ps.finish(model)
         model.eval()
         with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(x)[0], y).item(), ps.global_flat.clone()
+            loss = torch.nn.functional.cross_entropy(model(x)[0], y).item()
+        return loss, ps.global_flat.clone(), {k: v.clone() for k, v in model.state_dict().items()}
 
     torch.set_num_threads(1)
     results = islands.simulate.run(main, islands=3)
     state = server.loop.state
     assert state.stale_hist[2] > state.stale_hist[0] + state.stale_hist[1]  # most pushes 2 versions stale
     assert state.cap["factor"] < 1.0  # so the default step was capped
-    assert all(torch.equal(results[0][1], flat) for _, flat in results)  # one global model
-    assert all(loss < 0.7 * math.log(10) for loss, _ in results)  # learnt: chance is ln 10
+    assert all(torch.equal(results[0][1], flat) for _, flat, _ in results)  # one global model
+    # ... buffers included: each island's running statistics were its own all run, and the job's end averaged them
+    # (num_batches_tracked: the largest count); before, every island kept its own
+    states = [state for _, _, state in results]
+    assert all(torch.equal(states[0][k], other[k]) for other in states[1:] for k in states[0])
+    assert states[0]["bn.running_var"].ne(1.0).all() and states[0]["bn.num_batches_tracked"].item() == 40
+    assert all(loss < 0.7 * math.log(10) for loss, _, _ in results)  # learnt: chance is ln 10
