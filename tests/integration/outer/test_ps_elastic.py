@@ -41,25 +41,26 @@ def _events(record: dict, kind: str) -> list[dict]:
     return [e for e in record["final"]["events"] if e["type"] == kind]
 
 
-def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push(tmp_path):
+def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str | None = None):
+    """`islands train --elastic --max-restarts 1` of 2 one-worker islands on gated digits with `outer`; once island 0
+    has two acknowledged pushes it is SIGKILLed at its gate and restarted. Returns (log, the survivors' records,
+    what the fault saw: the service's address in the job's store and the killed island's numbers)."""
     task, hold = gated_digits(tmp_path)
     run_dir = tmp_path / "run"
-    values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=f"ps:inner_steps={H},servers=1")
-    values.update(steps=40, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
+    values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=outer)
+    values.update(steps=steps, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
     cfg = from_mapping(values)
     cfg.task.options.update(hold=str(hold))
     cfg = validate(cfg)
-    before = _service_processes()
     seen: dict = {}
     errors: list = []
 
     def fault(address, workers):
         try:
-            store = observe(address, (run_dir / "token").read_text().strip())
-
+            store = observe(address, token or (run_dir / "token").read_text().strip())
             wait_for_acked_pushes(store, 0, 2)
-            # the service's directory (a temporary one island 0 made): the one whose address file names its store
-            where = store.get("ps/address").decode()
+            seen["address"] = where = store.get("ps/address").decode()
+            # a service of island 0's own: its temporary directory, the one whose address file names its store
             seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]
             seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, workers[0].proc.pid, "w0.1")
         except BaseException as e:  # noqa: BLE001 - surfaced after the job
@@ -77,6 +78,13 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
     assert "restarting island 0 (restart 1 of 1) as w0.1" in log, log
     recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
     assert set(recs) == {"w1", "w0.1"}, log  # the killed island wrote nothing
+    return log, recs, seen
+
+
+def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push(tmp_path):
+    before = _service_processes()
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1", steps=40)
+    run_dir = tmp_path / "run"
     # both survivors hold the server's final model, bit for bit
     assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"]
     # the restarted island entered through the service: at its predecessor's last acknowledged step, no transfer
@@ -121,39 +129,10 @@ def test_an_elastic_job_on_a_server_host_survives_the_killed_island_that_configu
     host = ps_host.ServerHost(tmp_path / "host", token, say=lambda *_: None, starter=ForkedShard, report_wait_s=30)
     served = threading.Thread(target=host.run, daemon=True)
     served.start()
-    task, hold = gated_digits(tmp_path)
-    run_dir = tmp_path / "run"
     outer = f"ps:inner_steps={H},servers=1,at='{host.host}:{host.port}'"
-    values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=outer)
-    values.update(steps=24, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
-    cfg = from_mapping(values)
-    cfg.task.options.update(hold=str(hold))
-    cfg = validate(cfg)
-    seen: dict = {}
-    errors: list = []
-
-    def fault(address, workers):
-        try:
-            store = observe(address, token)
-            wait_for_acked_pushes(store, 0, 2)
-            seen["address"] = store.get("ps/address").decode()
-            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, workers[0].proc.pid, "w0.1")
-        except BaseException as e:  # noqa: BLE001 - surfaced after the job
-            errors.append(e)
-        finally:
-            hold.unlink(missing_ok=True)
-
-    out = io.StringIO()
-    code = launch_elastic(
-        cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w)).start()
-    )
-    log = out.getvalue()
-    assert not errors, errors
-    assert code == 0, log
-    assert "restarting island 0 (restart 1 of 1) as w0.1" in log, log
-    assert seen["address"] == f"{host.host}:{host.port}"  # the host's, not a service of island 0's own
-    recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
-    assert set(recs) == {"w1", "w0.1"}, log
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, outer, steps=24, token=token)
+    run_dir = tmp_path / "run"
+    assert seen["address"] == f"{host.host}:{host.port}" and seen["dir"] == []  # the host's, not island 0's own
     assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"]
     (entered,) = _events(recs["w0.1"], "entered")[:1]
     assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H

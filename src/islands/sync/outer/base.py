@@ -40,6 +40,7 @@ import copy
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 from islands.runtime.elastic.island_comm import IslandComm
 from islands.runtime.world import LoneComm  # the cross-island Comm of a job with one island (re-exported)
@@ -369,3 +370,28 @@ def _island_comm(world):
     except (KeyError, AttributeError, TypeError):
         return None
     return local if local is not None and local.size > 1 else None
+
+
+@torch.no_grad()
+def average_buffers_at_the_end(comm, local_buffers: list[torch.Tensor], global_buffers: list[torch.Tensor]) -> None:
+    """One model at the end, buffers included, for a strategy whose islands keep their own buffers through the run
+    (the parameter server: it holds parameters only, so a BatchNorm model ended with one set of running statistics
+    per island and the model the job kept was island 0's). In one collective of the job's end, when every island is
+    done: floating buffers take their mean over the islands, as a DiLoCo round's do, integer ones
+    (num_batches_tracked) the largest count; the global model takes them too."""
+    if comm.size <= 1 or not local_buffers:
+        return
+    floating = [b for b in local_buffers if b.is_floating_point()]
+    if floating:
+        view = FlatView(floating)
+        flat = view.read()
+        comm.all_reduce(flat, kind=BUFFER_KIND)
+        view.write(flat.div_(comm.size))
+    counts = [b for b in local_buffers if not b.is_floating_point()]
+    if counts:
+        most = torch.cat([b.reshape(-1).to(torch.int64) for b in counts])
+        comm.all_reduce(most, op=dist.ReduceOp.MAX, kind=BUFFER_KIND)
+        for b, part in zip(counts, most.split([b.numel() for b in counts])):
+            b.copy_(part.view(b.shape))
+    for own, glob in zip(local_buffers, global_buffers):
+        glob.copy_(own)

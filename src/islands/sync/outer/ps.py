@@ -22,7 +22,8 @@ others over gloo groups of their own, ps_link.GlooLink); under islands.simulate,
 InProcessServer() (a thread of the simulating process). `arrivals`: FirstCome() (default) applies pushes as they
 come; VirtualClock(round_seconds) fixes the order by virtual round times, so simulated and multi-process runs end on
 the same model bit for bit. Buffers are the island's own during the run (buffer_policy "own": the server holds
-parameters only); at the end one collective averages them over the islands (end_buffers), so all end on one model.
+parameters only); at the end one collective averages them over the islands (average_buffers_at_the_end), so all
+end on one model.
 
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
@@ -55,9 +56,8 @@ from islands.runtime.contracts import Counted, ServedEnd
 from islands.runtime.payload_auth import PayloadTags
 from islands.runtime.simulate import current_island
 from islands.sync.outer import ps_host
-from islands.sync.outer.base import BUFFER_KIND, OuterStrategy
+from islands.sync.outer.base import OuterStrategy, average_buffers_at_the_end
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
-from islands.sync.outer.flat import FlatView
 from islands.sync.outer.outer_opt import OuterOptimizer, OuterSGD
 from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_link import (
@@ -392,7 +392,9 @@ class ParameterServer(OuterStrategy):
             ends_with_starter=self.elastic is None,  # a fixed job fails with its island 0; an elastic one goes on
         )
         if self.elastic is not None and service.at is not None:
-            address, tags = service.at, self.elastic_host_tags(service, config)
+            configures = self.comm.epoch is not None and self.comm.epoch >= 0 and self.comm.rank == 0
+            address = service.at
+            tags = ps_host.elastic_island_tags(service.at, config, self.elastic, configures, service.timeout_s)
             self.island = self.elastic.take_island()
         elif self.elastic is not None:
             address = service.address or self.elastic_address(service, config)
@@ -440,21 +442,6 @@ class ParameterServer(OuterStrategy):
             self.elastic.publish(address)
             return address
         return self.elastic.address()
-
-    def elastic_host_tags(self, service: ServerProcesses, config: ServiceConfig) -> PayloadTags:
-        """An elastic job whose servers run on a host of their own (at=): the first epoch's rank 0 sends the host
-        the sealed configuration and then writes the host's address in the job's store, as it would its own
-        service's; every other island, restarted or joining ones too, waits for that address and derives the
-        payload tags from the configuration the host holds (a second `configure` would be refused: the host serves
-        the configuration it got first)."""
-        assert self.elastic is not None and service.at is not None
-        token = ps_host.job_token(service.at)
-        if self.comm.epoch is not None and self.comm.epoch >= 0 and self.comm.rank == 0:
-            tags = ps_host.configure(service.at, config, token, service.timeout_s)
-            self.elastic.publish(service.at)
-            return tags
-        self.elastic.address()  # island 0 has configured the host (or the job is over: JobEnded)
-        return ps_host.job_tags(service.at, token, service.timeout_s)
 
     def start_service(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
         """Write the configuration and start the supervisor (a process of its own session: it outlives us)."""
@@ -537,35 +524,12 @@ class ParameterServer(OuterStrategy):
             self.end.end_served(self.final)
         else:
             self.final()
-        self.end_buffers()
+        # one model at the end, buffers included: they were each island's own all run (buffer_policy "own")
+        average_buffers_at_the_end(self.comm, self.local_buffers, self.global_buffers)
         if self.loop is not None:
             self.loop.join(timeout=60.0)
         if isinstance(self.link, RemoteLink):
             self.close_service(self.link)
-
-    @torch.no_grad()
-    def end_buffers(self) -> None:
-        """One model at the end, buffers included. The final answer gives every island the server's parameters, but
-        each island's buffers are its own all run (buffer_policy "own": no round carries them), so a BatchNorm model
-        ended with one set of running statistics per island, and the model the job kept was island 0's. Here, in
-        one collective of the job's end (every island is done), floating buffers take their mean over the islands,
-        as a DiLoCo round's do, and integer ones (num_batches_tracked) the largest count."""
-        if self.comm.size <= 1 or not self.local_buffers:
-            return
-        floating = [b for b in self.local_buffers if b.is_floating_point()]
-        if floating:
-            view = FlatView(floating)
-            flat = view.read()
-            self.comm.all_reduce(flat, kind=BUFFER_KIND)
-            view.write(flat.div_(self.comm.size))
-        counts = [b for b in self.local_buffers if not b.is_floating_point()]
-        if counts:
-            most = torch.cat([b.reshape(-1).to(torch.int64) for b in counts])
-            self.comm.all_reduce(most, op=dist.ReduceOp.MAX, kind=BUFFER_KIND)
-            for b, part in zip(counts, most.split([b.numel() for b in counts])):
-                b.copy_(part.view(b.shape))
-        for own, glob in zip(self.local_buffers, self.global_buffers):
-            glob.copy_(own)
 
     def final(self) -> dict:
         """DONE, answered with the final model once every island still training is done; returns what an elastic

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from islands.runtime.elastic.auth import derive_key
 from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
+from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_report import read_collected
 from islands.sync.outer.ps_service import ServiceConfig, Starter, Supervisor, start_shard
 from islands.sync.outer.ps_wire import new_client
@@ -163,6 +164,23 @@ def island_tags(at: tuple[str, int], config: ServiceConfig, island: int, timeout
     island derives the pushes' payload tags from the job's token and that configuration's nonce."""
     token = job_token(at)
     return configure(at, config, token, timeout_s) if island == 0 else job_tags(at, token, timeout_s)
+
+
+def elastic_island_tags(
+    at: tuple[str, int], config: ServiceConfig, elastic: ElasticService, configures: bool, timeout_s: float
+) -> PayloadTags:
+    """An island of an elastic job whose servers run on the host at `at`. The one that `configures` (the first
+    epoch's rank 0) sends the host the sealed configuration, then writes the host's address in the job's store as it
+    would its own service's; every other island, restarted or joining ones too, waits for that address and derives
+    the payload tags from the configuration the host holds (configuring it again would be refused: the host keeps
+    the first)."""
+    token = job_token(at)
+    if configures:
+        tags = configure(at, config, token, timeout_s)
+        elastic.publish(at)
+        return tags
+    elastic.address()  # the host is configured (or the job is over: JobEnded)
+    return job_tags(at, token, timeout_s)
 
 
 def collect_report(address: tuple[str, int], timeout_s: float) -> tuple[dict | None, str | None]:
