@@ -45,7 +45,7 @@ run: $(STAMP)
 # one process (tests/conftest.py). Session 33, on a slower host of the same kind: 958 s at -n 3, 920 s at -n 4, the
 # suite 1691 CPU-s in all (results/test-suite/s33: where the CPU goes, per file and per test); after that session's
 # cuts a fresh clone's `make test` took 12m34s, venv included. Session 34, with uv and no compile ahead (setup 90 -> 31 s):
-# 14m52s, venv included, on a day this host ran the same suite at 787-871 s of tests (results/test-suite/s34).
+# 14m32s and 14m52s, venv included, on a day this host ran the same suite at 787-871 s of tests (results/test-suite/s34).
 # The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not experiments"
