@@ -19,16 +19,16 @@ from islands.sync.outer.ps_server import CAP_EVERY, Contribution, ServerState, S
 from islands.sync.outer.ps_service import ServiceConfig
 
 
-def round_robin(m: int, scale, pushes: int = 240, c: float = 1.0) -> float:
+def round_robin(m: int, scale, pushes: int = 240, c: float = 1.0, quorum: int = 1) -> float:
     """|x| after `pushes` pushes of m islands in turn, each pushing c x (the way to the optimum 0 from the model it
-    pulled at its previous push) to a server stepping SGD at lr 1/sqrt(m)."""
-    state = ServerState(torch.ones(1), lambda: OuterRule("sgd")(m), max_staleness=m, scale=scale)
+    pulled at its previous push) to a server stepping SGD at lr 1/sqrt(m), one step per `quorum` islands' pushes."""
+    state = ServerState(torch.ones(1), lambda: OuterRule("sgd")(m), max_staleness=m, scale=scale, quorum=quorum)
     pulled = [state.pull() for _ in range(m)]  # every island starts from version 0
     for k in range(pushes):
         i = k % m
         version, x = pulled[i]
         ack = state.push(Contribution(i, version, c * x))
-        assert ack.accepted and ack.staleness == (min(k, m - 1))
+        assert ack.accepted and (quorum > 1 or ack.staleness == min(k, m - 1))
         pulled[i] = state.pull()
     return float(state.pull()[1].abs().item())
 
@@ -37,6 +37,17 @@ def test_four_equal_islands_run_away_at_the_default_step_and_settle_under_the_ca
     # lr 1/sqrt(4) = 0.5 against the 3-stale limit 2 sin(pi/14) = 0.445: the delayed step grows without bound
     assert round_robin(4, None) > 10.0
     assert round_robin(4, StaleCap(OuterRule("sgd").lr_for(4))) < 1e-3
+
+
+def test_with_a_quorum_the_cap_steps_in_only_where_the_default_is_slow():
+    # a window of `quorum` pushes is one step, so pushes are fewer versions stale: 4 islands in pairs are 1-2 stale,
+    # within the default's limit, and the cap keeps the default step (the same model); 8 islands in pairs are 3-4
+    # stale, where 1/sqrt(8) settles slowly and the cap's smaller step settles far faster; quorum = M is synchronous
+    cap = StaleCap(OuterRule("sgd").lr_for(4))
+    assert round_robin(4, cap, pushes=480, quorum=2) == round_robin(4, None, pushes=480, quorum=2) < 1e-12
+    assert round_robin(4, cap, pushes=480, quorum=4) == round_robin(4, None, pushes=480, quorum=4) < 1e-12
+    eight = StaleCap(OuterRule("sgd").lr_for(8))
+    assert round_robin(8, eight, pushes=480, quorum=2) < round_robin(8, None, pushes=480, quorum=2) / 100
 
 
 def test_three_equal_islands_settle_faster_under_the_cap():
