@@ -225,6 +225,12 @@ class InProcessServer:
             return self.inbox, self.loop, False
 
 
+def _first_epochs_rank_0(comm) -> bool:
+    """Whether this island is rank 0 of an elastic job's first epoch, the one that sets up the service (a joiner,
+    restarted islands included, is in no epoch yet)."""
+    return comm.epoch is not None and comm.epoch >= 0 and comm.rank == 0
+
+
 class ParameterServer(OuterStrategy):
     name = "ps"
     buffer_policy = "own"  # no cross-island average of buffers: there is no collective round to carry it
@@ -391,13 +397,12 @@ class ParameterServer(OuterStrategy):
             domain=b"" if tags is None else tags.domain,
             ends_with_starter=self.elastic is None,  # a fixed job fails with its island 0; an elastic one goes on
         )
-        if self.elastic is not None and service.at is not None:
-            configures = self.comm.epoch is not None and self.comm.epoch >= 0 and self.comm.rank == 0
-            address = service.at
-            tags = ps_host.elastic_island_tags(service.at, config, self.elastic, configures, service.timeout_s)
-            self.island = self.elastic.take_island()
-        elif self.elastic is not None:
-            address = service.address or self.elastic_address(service, config)
+        if self.elastic is not None:
+            if service.at is not None:  # a server host of its own: the first epoch's rank 0 configures it
+                address, starts = service.at, _first_epochs_rank_0(self.comm)
+                tags = ps_host.elastic_island_tags(service.at, config, self.elastic, starts, service.timeout_s)
+            else:
+                address = service.address or self.elastic_address(service, config)
             self.island = self.elastic.take_island()
         elif service.at is not None:
             self.island = self.comm.rank
@@ -435,9 +440,9 @@ class ParameterServer(OuterStrategy):
 
     def elastic_address(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
         """An elastic job: the first epoch's rank 0 starts the service and writes its address in the job's store;
-        every other island (a restarted or joining one too) reads it there. A joiner is in no epoch yet."""
+        every other island (a restarted or joining one too) reads it there."""
         assert self.elastic is not None
-        if self.comm.epoch is not None and self.comm.epoch >= 0 and self.comm.rank == 0:
+        if _first_epochs_rank_0(self.comm):
             address = self.start_service(service, config)
             self.elastic.publish(address)
             return address

@@ -271,10 +271,7 @@ class ShardServer:
         threading.Thread(target=self._accept, name="islands-ps-accept", daemon=True).start()
         try:
             while not self.done.is_set():
-                try:
-                    self.store.add(f"sbeat/{self.shard}", 1)
-                except dist.DistError as e:  # the supervisor died with its store (the watch may not have seen it yet)
-                    self._orphaned(f"its store is gone ({type(e).__name__})")
+                self.store.add(f"sbeat/{self.shard}", 1)
                 with self.lock:
                     if self.members.lapse():
                         self.durable.settle(self.members.live())
@@ -282,6 +279,8 @@ class ShardServer:
                         self.done.set()
                     self.publish(final=False)  # what a kill leaves of this process's numbers
                 self.done.wait(self.config.lease_s / 4)
+        except dist.DistError as e:  # any of the loop's store calls: the supervisor died with its store (the watch
+            self._orphaned(f"its store is gone ({type(e).__name__})")  # may not have seen it yet)
         finally:
             with self.lock:
                 self.durable.close()
