@@ -180,9 +180,13 @@ class BenchContext:
                 f"run {label}: {cfg.world.workers} elastic workers, outer={spec_text(cfg.outer.strategy)}, "
                 f"steps={cfg.train.steps}"
             )
-            code = launch_elastic(cfg, run_dir, out=io.StringIO(), on_started=on_started)
-            if code != 0:
-                raise RuntimeError(f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}")
+            out = io.StringIO()
+            code = launch_elastic(cfg, run_dir, out=out, on_started=on_started)
+            if code != 0:  # the logs live in a temporary directory under CI: their tails go into the error
+                raise RuntimeError(
+                    f"elastic run {label!r} failed (exit {code}); logs in {run_dir / 'logs'}\n"
+                    f"{_failed_job_report(out.getvalue(), run_dir / 'logs')}"
+                )
         record = json.loads((run_dir / "run.json").read_text())
         record["label"] = label
         self.runs.append(record)
@@ -229,6 +233,17 @@ class BenchContext:
             yield bed
         finally:
             tb.down(name)
+
+
+def _failed_job_report(launcher_out: str, logs: Path, lines: int = 15) -> str:
+    """The last lines the launcher printed and of every log under `logs`: why a job failed, readable where its
+    run directory is gone (a smoke test's temporary directory)."""
+    from islands.runtime.launch.ranks import log_tail
+
+    parts = ["launcher:", *launcher_out.splitlines()[-lines:]]
+    for log in sorted(logs.glob("*.log")):
+        parts += [f"{log.name}:", log_tail(log, lines)]
+    return "\n".join(parts)
 
 
 def _markdown_table(rows: list[dict]) -> str:

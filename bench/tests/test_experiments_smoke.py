@@ -99,15 +99,17 @@ def _bench(name: str, out: Path, cwd: Path) -> tuple[int, str, str]:
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        stdout = stderr = ""
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, sig)
             try:
-                proc.communicate(timeout=wait)
+                stdout, stderr = proc.communicate(timeout=wait)
                 break
             except subprocess.TimeoutExpired:
                 continue
-        pytest.fail(f"{name} --smoke ran past {TIMEOUT_S} s")
+        # what it printed before the limit: a slow arm or a failed one (CI has nothing else to show)
+        pytest.fail(f"{name} --smoke ran past {TIMEOUT_S} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return proc.returncode, stdout, stderr
 
 
