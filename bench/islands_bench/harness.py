@@ -238,11 +238,9 @@ class BenchContext:
 def _failed_job_report(launcher_out: str, logs: Path, lines: int = 15) -> str:
     """The last lines the launcher printed and of every log under `logs`: why a job failed, readable where its
     run directory is gone (a smoke test's temporary directory)."""
-    from islands.runtime.launch.ranks import log_tail
-
     parts = ["launcher:", *launcher_out.splitlines()[-lines:]]
     for log in sorted(logs.glob("*.log")):
-        parts += [f"{log.name}:", log_tail(log, lines)]
+        parts += [f"{log.name}:", *log.read_text(errors="replace").splitlines()[-lines:]]
     return "\n".join(parts)
 
 

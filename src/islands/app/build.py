@@ -234,7 +234,8 @@ def build_optimizer_for(cfg: JobConfig, model: torch.nn.Module, world: World) ->
 
 
 # ---- the trainer ------------------------------------------------------------------------------------
-def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | None) -> list:
+def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | None, plot: bool = True) -> list:
+    """`plot`: rank 0 draws loss.png (islands' launchers draw it themselves once the job ends)."""
     callbacks = [
         Progress(bar=cfg.output.progress, tokens_per_sample=task.tokens_per_sample),
         Evaluate(every=cfg.train.eval_every),
@@ -247,6 +248,7 @@ def build_callbacks(cfg: JobConfig, world: World, task: Task, run_dir: Path | No
             tokens_per_sample=task.tokens_per_sample,
             testbed=cfg.world.testbed,
             threads=cfg.world.threads,
+            plot=plot,
         ),
     ]
     settings = checkpoint_settings(cfg)
@@ -276,7 +278,9 @@ def build_logging(cfg: JobConfig, world: World, task: Task, run_dir: Path) -> Lo
     return Logging(loggers, tokens_per_sample=task.tokens_per_sample, params={"stream": stream, "job": job})
 
 
-def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: Sequence = ()) -> Trainer:
+def build_trainer(
+    cfg: JobConfig, world: World, run_dir: Path | None = None, callbacks: Sequence = (), plot: bool = True
+) -> Trainer:
     torch.set_num_threads(cfg.world.threads)
     if cfg.inner_strategy == "pipeline" and world.data_shard is None:  # all stages of an island read one stream
         world.data_shard = (world.island, world.islands) if world.distributed else (0, 1)
@@ -299,7 +303,7 @@ def build_trainer(cfg: JobConfig, world: World, run_dir: Path | None = None, cal
         strategy=strategy,
         world=world,
         schedule=WarmupCosine(cfg.train.warmup, cfg.train.steps, cfg.train.min_lr_ratio),
-        callbacks=[*build_callbacks(cfg, world, task, run_dir), *callbacks],
+        callbacks=[*build_callbacks(cfg, world, task, run_dir, plot), *callbacks],
         metrics=task.metrics,
         batch_size=task.batch_size,
         grad_clip=0.0 if pipeline else cfg.train.grad_clip,
@@ -321,9 +325,10 @@ def resume_trainer(trainer: Trainer, cfg: JobConfig) -> dict:
     return info
 
 
-def run_job(cfg: JobConfig, world: World, run_dir: Path | None = None) -> dict:
-    """Build, resume if asked, train to train.steps; returns the run record (rank 0 also writes it)."""
-    trainer = build_trainer(cfg, world, run_dir)
+def run_job(cfg: JobConfig, world: World, run_dir: Path | None = None, plot: bool = True) -> dict:
+    """Build, resume if asked, train to train.steps; returns the run record (rank 0 also writes it, and with `plot`
+    its loss.png)."""
+    trainer = build_trainer(cfg, world, run_dir, plot=plot)
     if cfg.checkpoint.resume:
         resume_trainer(trainer, cfg)
     return trainer.fit(cfg.train.steps)

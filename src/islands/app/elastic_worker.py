@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
+from islands.measure.record import LAUNCHER_PLOTS_ENV
 from islands.runtime.elastic import Excluded, JobEnded, Membership, global_digest
 from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandBroken, IslandFollower, IslandPlace
 from islands.runtime.elastic.membership import (
@@ -42,8 +43,9 @@ from islands.sync.stack import Stack
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
 
 
-def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> dict:
-    """Join the job at `address` and train until it ends; returns the run record."""
+def run_elastic_worker(address: str, run_dir: Path, name: str, token: str, plot: bool = True) -> dict:
+    """Join the job at `address` and train until it ends; returns the run record (`plot`: the one that writes
+    run.json draws loss.png too)."""
     place = IslandPlace.from_env(os.environ.get(ISLAND_ENV))
     if place is None:
         _check_one_worker_islands(address, name, token)
@@ -65,7 +67,7 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str) -> di
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         # a joiner's strategy wrap (inside the Trainer) waits for a round boundary and receives the training state
-        trainer = build_trainer(cfg, world, run_dir)
+        trainer = build_trainer(cfg, world, run_dir, plot=plot)
         if not leader:  # its leader writes the island's outer-exchange report
             writer = report_writer(trainer.strategy.outer if isinstance(trainer.strategy, Stack) else None)
             if writer is not None:
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     name = os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}"
     try:
-        run_elastic_worker(argv[0], Path(argv[1]), name, token)
+        run_elastic_worker(argv[0], Path(argv[1]), name, token, plot=os.environ.get(LAUNCHER_PLOTS_ENV) != "1")
     except Refused as e:
         print(f"islands: join refused by {argv[0]}: {e}", file=sys.stderr)
         return REFUSED_EXIT_CODE

@@ -19,6 +19,7 @@ from rich.console import Console
 from islands.app.build import run_job
 from islands.config import JobConfig, dump_json
 from islands.measure.progress import print_finished
+from islands.measure.record import LAUNCHER_PLOTS_ENV, plot_finished_run
 from islands.runtime import simulate
 from islands.runtime.elastic.etcd_store import EtcdAddress
 from islands.runtime.elastic.membership import JobSpec
@@ -51,6 +52,7 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
         if cfg.outer.authenticate and not os.environ.get("ISLANDS_TOKEN")
         else {}
     )
+    env[LAUNCHER_PLOTS_ENV] = "1"  # rank 0 writes run.json; loss.png is drawn here, after the job
     code = run_ranks(
         [sys.executable, "-m", WORKER_MODULE, str(cfg_path), str(run_dir)],
         world.workers,
@@ -63,6 +65,7 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     )
     if code == 0 and placement.testbed is not None:
         _record_wire_bytes(run_dir, placement.testbed, before)
+    plot_finished_run(run_dir)
     return code
 
 
@@ -145,9 +148,11 @@ def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=Non
         max_restarts=cfg.elastic.max_restarts,
         store=EtcdAddress.parse(cfg.elastic.store) if cfg.elastic.store else None,
         testbed=testbed,
+        env={LAUNCHER_PLOTS_ENV: "1"},  # the worker that writes run.json leaves loss.png to this launcher
     )
     if code == 0 and testbed is not None:
         _record_wire_bytes(run_dir, testbed, before)
+    plot_finished_run(run_dir)
     if code == 0 and (run_dir / "run.json").is_file():  # the workers' output went to their logs: say how it went here
         print_finished(json.loads((run_dir / "run.json").read_text()), Console(file=out))
     return code

@@ -189,9 +189,10 @@ class RunRecord:
     """The run record: every number with the interconnect it was measured on and the baseline it is relative to.
 
     At the start it probes the interconnect (when distributed and `probe`); at the end it gathers every rank's
-    ledger and writes run.json and loss.png to `run_dir` on rank 0 (islands.measure.record). `config`: what to
-    record as the job's configuration (a plain dict); `task`, `data_source`, `tokens_per_sample`: labels and
-    the tokens/s definition; `testbed`: a testbed whose shaped links the run used (its record is kept)."""
+    ledger and writes run.json and (with `plot`) loss.png to `run_dir` on rank 0 (islands.measure.record).
+    `config`: what to record as the job's configuration (a plain dict); `task`, `data_source`, `tokens_per_sample`:
+    labels and the tokens/s definition; `testbed`: a testbed whose shaped links the run used (its record is kept);
+    `plot`: False where the process that launched this one draws loss.png (islands' launchers do)."""
 
     reads_loss = False
     order = 90
@@ -206,8 +207,10 @@ class RunRecord:
         tokens_per_sample: int = 1,
         testbed: str = "",
         threads: int = 1,
+        plot: bool = True,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
+        self.plot = plot
         self.config, self.probe, self.task, self.data_source = config or {}, probe, task, data_source
         self.tokens_per_sample, self.testbed, self.threads = tokens_per_sample, testbed, threads
         self.interconnect: dict = {"measured": False}
@@ -231,7 +234,7 @@ class RunRecord:
     def on_fit_end(self, trainer) -> None:
         trainer.record = self.build(trainer)
         if trainer.world.rank == 0 and self.run_dir is not None:
-            finish_record(self.run_dir, trainer.record)
+            finish_record(self.run_dir, trainer.record, plot=self.plot)
 
     def baseline_text(self, world) -> str:
         """What every per-worker figure of this run is relative to."""

@@ -93,11 +93,11 @@ def test_sigkilled_worker_ends_job_nonzero_within_timeout(tmp_path):
     try:
         deadline = time.monotonic() + 90
         log = tmp_path / "run" / "logs" / "rank1.log"
-        while time.monotonic() < deadline:  # wait until training is under way on rank 1
-            if log.exists() and _writing_to(log):
-                time.sleep(6)
+        live = tmp_path / "run" / "live" / "rank1.jsonl"
+        while time.monotonic() < deadline:  # until training is under way on rank 1: its live stream has a step
+            if live.exists() and '"kind": "metrics"' in live.read_text():
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         [victim] = _writing_to(log)
         t = time.monotonic()
         os.kill(victim, signal.SIGKILL)

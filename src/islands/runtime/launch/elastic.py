@@ -145,6 +145,7 @@ def launch_elastic_workers(
     max_restarts: int = 0,
     store: EtcdAddress | None = None,
     testbed: Testbed | None = None,
+    env: dict[str, str] | None = None,
 ) -> int:
     """Run an elastic job of `job.workers` workers, each `command(address)` with ISLANDS_ELASTIC=address,
     ISLANDS_TOKEN and ISLANDS_NAME in its environment; `job` is what every worker (joiners included) reads
@@ -156,7 +157,8 @@ def launch_elastic_workers(
     `max_restarts`: times a failed island is started again (_supervise). `testbed`: run island i inside host
     i % hosts of this network testbed (all its workers on that host, gloo bound to its link) and the job host on
     the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on
-    an address the hosts reach (the hub's, islands.testbed.EtcdCluster(netns=...))."""
+    an address the hosts reach (the hub's, islands.testbed.EtcdCluster(netns=...)). `env`: variables every worker
+    gets on top of the launcher's."""
     if store is not None and not isinstance(store, EtcdAddress):
         raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
     if testbed is not None:
@@ -179,7 +181,7 @@ def launch_elastic_workers(
     started: list[WorkerProcess] = []
     try:
         # job.workers islands of island_size workers each (one-worker islands: w0, w1, ... as before)
-        islands = _Islands(command, address, token, run_dir, threads, job.island_size, max_restarts, testbed)
+        islands = _Islands(command, address, token, run_dir, threads, job.island_size, max_restarts, testbed, env)
         for index in range(job.workers):
             started += islands.start(index)
         if on_started is not None:
@@ -572,12 +574,13 @@ class _Islands:
         size: int,
         max_restarts: int,
         testbed: Testbed | None = None,
+        env: dict[str, str] | None = None,
     ):
         if size < 1 or max_restarts < 0:
             raise LaunchError(f"island_size must be >= 1 and max_restarts >= 0; got {size} and {max_restarts}")
         self.command, self.address, self.token, self.run_dir = command, address, token, run_dir
         self.threads, self.size, self.max_restarts = threads, size, max_restarts
-        self.testbed = testbed
+        self.testbed, self.env = testbed, dict(env or {})
         self.restarts: dict[int, int] = {}
         self.log: list[dict] = []
 
@@ -601,6 +604,7 @@ class _Islands:
             name = worker_name(index, local, self.size, incarnation)
             env = dict(
                 os.environ,
+                **self.env,
                 **{ELASTIC_ENV: self.address, TOKEN_ENV: self.token, NAME_ENV: name},
                 PYTHONUNBUFFERED="1",
                 OMP_NUM_THREADS=str(self.threads),
