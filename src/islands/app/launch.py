@@ -33,9 +33,12 @@ WORKER_MODULE = "islands.app.worker"  # `python -m WORKER_MODULE CONFIG RUN_DIR`
 ELASTIC_WORKER_MODULE = "islands.app.elastic_worker"  # `python -m ELASTIC_WORKER_MODULE HOST:PORT RUN_DIR`
 
 
-def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
+def launch(cfg: JobConfig, run_dir: Path, out=None) -> int:
     """Run the job; returns the exit code the CLI should use (0 on success). Raises
-    islands.runtime.launch.ranks.LaunchError (a busy port, a testbed that does not exist) before any worker starts."""
+    islands.runtime.launch.ranks.LaunchError (a busy port, a testbed that does not exist) before any worker starts.
+    `out`: where the launcher's lines go, sys.stderr as it is at the call (a default bound at import kept the stream
+    a notebook or test harness had replaced since)."""
+    out = sys.stderr if out is None else out
     if cfg.elastic.enabled:  # workers may die and join (docs/membership.md)
         return launch_elastic(cfg, run_dir, out)
     if cfg.world.simulate:  # the islands as threads of this process (docs/simulate.md)
@@ -69,9 +72,10 @@ def launch(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
     return code
 
 
-def launch_simulated(cfg: JobConfig, run_dir: Path, out=sys.stderr) -> int:
+def launch_simulated(cfg: JobConfig, run_dir: Path, out=None) -> int:
     """The job's islands as threads of this process on one device (islands.runtime.simulate): each runs the same
     worker body as a process would; rank 0 writes run.json."""
+    out = sys.stderr if out is None else out
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
     gpu = cfg.world.device == "cuda" or (cfg.world.device == "auto" and torch.cuda.is_available())
@@ -121,9 +125,10 @@ def shared_config(cfg: JobConfig, run_dir: Path) -> dict:
     return shared
 
 
-def launch_elastic(cfg: JobConfig, run_dir: Path, out=sys.stderr, on_started=None) -> int:
+def launch_elastic(cfg: JobConfig, run_dir: Path, out=None, on_started=None) -> int:
     """Run an elastic job (islands.runtime.launch.elastic); `on_started(address, workers, coordinator)` lets
     experiments inject faults."""
+    out = sys.stderr if out is None else out
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
     # the members are the islands (their leaders); each island's workers_per_island workers start together

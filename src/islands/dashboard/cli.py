@@ -92,10 +92,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 @contextmanager
 def train_dashboard(
-    args: argparse.Namespace, run_dir: Path, usage_error: type[Exception], out=sys.stderr
+    args: argparse.Namespace, run_dir: Path, usage_error: type[Exception], out=None
 ) -> Iterator[DashboardServer | None]:
     """Around a launch: with --dashboard, serve run_dir in a background thread of this (the launcher's) process,
     from before the workers start until the job ends. A busy port raises `usage_error` before anything starts."""
+    out = sys.stderr if out is None else out
     port, host = getattr(args, "dashboard", None), getattr(args, "dashboard_host", None)
     if port is None:
         if host is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cli import islands_cli
 from harness.flags import tiny
 from islands.app.launch import launch
 from islands.config import from_mapping
@@ -20,31 +21,16 @@ ISLANDS = [sys.executable, "-m", "islands"]
 TINY = tiny(eval_batches=2, threads=1)
 
 
-def test_two_worker_job_writes_record_and_plot(tmp_path):
+def test_two_worker_job_writes_record_and_plot(tmp_path, capfd):
+    # the CLI in this process (harness.cli): its launcher starts the workers as from a shell, and draws loss.png
     run = tmp_path / "run"
-    out = subprocess.run(
-        [
-            *ISLANDS,
-            "train",
-            "--workers",
-            "2",
-            "--steps",
-            "6",
-            "--eval-every",
-            "3",
-            "--log-every",
-            "2",
-            "--run-dir",
-            str(run),
-            *TINY,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    code = islands_cli(
+        "train", "--workers", "2", "--steps", "6", "--eval-every", "3", "--log-every", "2", "--run-dir", str(run), *TINY
     )
-    assert out.returncode == 0, out.stderr
+    out = capfd.readouterr()  # rank 0's stdout is the launcher's
+    assert code == 0, out.err
     rec = json.loads((run / "run.json").read_text())
-    assert (run / "loss.png").stat().st_size > 1000
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (run / "loss.png").stat().st_size > 1000
     assert rec["world"]["size"] == 2 and rec["summary"]["steps"] == 6
     assert rec["interconnect"]["measured"] and rec["interconnect"]["p2p"]["bandwidth_gbit_s"] > 0
     assert "per worker" in rec["baseline"]["definition"]
@@ -53,7 +39,7 @@ def test_two_worker_job_writes_record_and_plot(tmp_path):
     # every rank handed the same bytes; equal to steps x fp32 gradient payload
     sent = {r["sent"]["grad_all_reduce"] for r in rec["comm"]["per_rank"]}
     assert len(sent) == 1 and sent.pop() % 6 == 0
-    assert "islands run summary" in out.stdout
+    assert "islands run summary" in out.out
 
 
 def _writing_to(log: Path) -> list[int]:
@@ -110,29 +96,15 @@ def test_sigkilled_worker_ends_job_nonzero_within_timeout(tmp_path):
             job.kill()
 
 
-def test_raising_worker_shows_its_error(tmp_path):
+def test_raising_worker_shows_its_error(tmp_path, capfd):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("x" * 40)  # too short for one validation window: every worker raises
-    out = subprocess.run(
-        [
-            *ISLANDS,
-            "train",
-            "--workers",
-            "2",
-            "--steps",
-            "3",
-            "--data",
-            str(corpus),
-            "--run-dir",
-            str(tmp_path / "run"),
-            *TINY,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    code = islands_cli(
+        "train", "--workers", "2", "--steps", "3", "--data", str(corpus), "--run-dir", str(tmp_path / "run"), *TINY
     )
-    assert out.returncode == 1
-    assert "failed (exit code 1)" in out.stderr and "is shorter than one context" in out.stderr
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert "failed (exit code 1)" in err and "is shorter than one context" in err
 
 
 def test_busy_port_is_a_clear_error(tmp_path):
@@ -152,26 +124,12 @@ def test_a_testbed_that_does_not_exist_is_refused_before_any_worker_starts(tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_train_with_an_unknown_testbed_exits_2_with_a_message(tmp_path):
-    out = subprocess.run(
-        [
-            *ISLANDS,
-            "train",
-            "--workers",
-            "2",
-            "--steps",
-            "1",
-            "--testbed",
-            "nosuchbed",
-            "--run-dir",
-            str(tmp_path / "run"),
-            *TINY,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "ISLANDS_TESTBED_DIR": str(tmp_path / "testbeds")},
+def test_train_with_an_unknown_testbed_exits_2_with_a_message(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("ISLANDS_TESTBED_DIR", str(tmp_path / "testbeds"))
+    code = islands_cli(
+        "train", "--workers", "2", "--steps", "1", "--testbed", "nosuchbed", "--run-dir", str(tmp_path / "run"), *TINY
     )
-    assert out.returncode == 2, out.stderr
-    assert "no testbed named 'nosuchbed'" in out.stderr and "Traceback" not in out.stderr
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert "no testbed named 'nosuchbed'" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "logs").exists()

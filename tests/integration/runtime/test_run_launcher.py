@@ -1,5 +1,6 @@
 """`islands run`: any script as N supervised ranks (and the same script under torchrun), and the interconnect
-label the probe derives from how the ranks are really connected."""
+label the probe derives from how the ranks are really connected. The CLI runs in this process (_run) except where
+the test signals the launcher itself."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cli import islands_cli
 from islands.measure.probe import describe, is_loopback, local_address_towards, topology
 
 ISLANDS_RUN = [sys.executable, "-m", "islands", "run"]
@@ -74,6 +76,15 @@ def _script(tmp_path: Path, text: str, name: str = "job.py") -> Path:
     return path
 
 
+def _run(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`islands run ARGS` with this process as the CLI (harness.cli.islands_cli): its launcher starts the ranks as
+    from a shell, without one more interpreter importing torch to launch them; rank 0's stdout is the launcher's."""
+    capfd.readouterr()
+    code = islands_cli("run", *args, timeout=TIMEOUT)
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["islands", "run", *args], code, out.out, out.err)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -86,31 +97,26 @@ def _pids(out: Path, ranks: int) -> list[int]:
     return [int((out / f"pid{r}").read_text()) for r in range(ranks)]
 
 
-def test_run_starts_ranks_that_join_all_reduce_and_get_their_arguments(tmp_path):
+def test_run_starts_ranks_that_join_all_reduce_and_get_their_arguments(tmp_path, capfd):
     script = _script(tmp_path, TINY)
     run = tmp_path / "run"
-    done = subprocess.run(
-        [
-            *ISLANDS_RUN,
-            "--workers",
-            "2",
-            "--islands",
-            "2",
-            "--threads",
-            "2",
-            "--run-dir",
-            str(run),
-            str(script),
-            "--flag",
-            "x",
-            "--workers",
-            "7",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
+    done = _run(
+        capfd,
+        "--workers",
+        "2",
+        "--islands",
+        "2",
+        "--threads",
+        "2",
+        "--run-dir",
+        str(run),
+        str(script),
+        "--flag",
+        "x",
+        "--workers",
+        "7",
+        "--out",
+        str(tmp_path),
     )
     assert done.returncode == 0, done.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -132,14 +138,9 @@ def test_run_starts_ranks_that_join_all_reduce_and_get_their_arguments(tmp_path)
     assert "rank 1 done" in (run / "logs" / "rank1.log").read_text()
 
 
-def test_one_worker_still_goes_through_the_launcher(tmp_path):
+def test_one_worker_still_goes_through_the_launcher(tmp_path, capfd):
     script = _script(tmp_path, TINY)
-    done = subprocess.run(
-        [*ISLANDS_RUN, "--workers", "1", "--run-dir", str(tmp_path / "run"), str(script), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _run(capfd, "--workers", "1", "--run-dir", str(tmp_path / "run"), str(script), "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["size"] == 1 and rec["env"]["ISLANDS_ISLANDS"] == "1"
@@ -147,15 +148,10 @@ def test_one_worker_still_goes_through_the_launcher(tmp_path):
 
 
 @pytest.mark.parametrize("how, shown", [("exit", "exit code 3"), ("kill", "killed by SIGKILL")])
-def test_a_failing_rank_ends_the_job_fast_and_its_log_tail_is_shown(tmp_path, how, shown):
+def test_a_failing_rank_ends_the_job_fast_and_its_log_tail_is_shown(tmp_path, how, shown, capfd):
     script = _script(tmp_path, FAILING)
     t = time.monotonic()
-    done = subprocess.run(
-        [*ISLANDS_RUN, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path), how],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _run(capfd, "--workers", "2", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path), how)
     assert done.returncode == 1
     assert time.monotonic() - t < 60  # rank 0's barrier would have waited 600 s
     assert f"worker rank 1 failed ({shown})" in done.stderr  # the rank that failed first, not its peer
@@ -198,49 +194,29 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path, sig, code):
     assert not any(_alive(pid) for pid in pids)
 
 
-def test_a_missing_script_is_a_usage_error(tmp_path):
-    done = subprocess.run(
-        [*ISLANDS_RUN, "--workers", "2", str(tmp_path / "nope.py"), "--flag"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+def test_a_missing_script_is_a_usage_error(tmp_path, capfd):
+    done = _run(capfd, "--workers", "2", str(tmp_path / "nope.py"), "--flag")
     assert done.returncode == 2
     assert "nope.py' does not exist" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_an_unknown_testbed_is_a_usage_error_before_any_rank_starts(tmp_path, monkeypatch):
+def test_an_unknown_testbed_is_a_usage_error_before_any_rank_starts(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("ISLANDS_TESTBED_DIR", str(tmp_path / "testbeds"))  # no testbeds known here
     script = _script(tmp_path, WAITING)
-    done = subprocess.run(
-        [*ISLANDS_RUN, "--testbed", "nosuchbed", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _run(capfd, "--testbed", "nosuchbed", "--run-dir", str(tmp_path / "run"), str(script), str(tmp_path))
     assert done.returncode == 2
     assert "no testbed named 'nosuchbed'" in done.stderr and "islands testbed up --name nosuchbed" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
 
 
-def test_a_busy_port_and_uneven_islands_are_usage_errors(tmp_path):
+def test_a_busy_port_and_uneven_islands_are_usage_errors(tmp_path, capfd):
     script = _script(tmp_path, WAITING)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        busy = subprocess.run(
-            [*ISLANDS_RUN, "--port", str(s.getsockname()[1]), str(script), str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
+        busy = _run(capfd, "--port", str(s.getsockname()[1]), str(script), str(tmp_path))
     assert busy.returncode == 2 and "is busy" in busy.stderr
-    uneven = subprocess.run(
-        [*ISLANDS_RUN, "--workers", "3", "--islands", "2", str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    uneven = _run(capfd, "--workers", "3", "--islands", "2", str(script), str(tmp_path))
     assert uneven.returncode == 2 and "must be divisible by islands (2)" in uneven.stderr
     assert not list(tmp_path.glob("pid*"))
 
@@ -348,15 +324,10 @@ os._exit(0)
 """
 
 
-def test_the_probe_records_how_launched_ranks_are_connected(tmp_path):
+def test_the_probe_records_how_launched_ranks_are_connected(tmp_path, capfd):
     script = _script(tmp_path, PROBING)
     out = tmp_path / "probe.json"
-    done = subprocess.run(
-        [*ISLANDS_RUN, "--workers", "2", "--islands", "2", "--run-dir", str(tmp_path / "run"), str(script), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _run(capfd, "--workers", "2", "--islands", "2", "--run-dir", str(tmp_path / "run"), str(script), str(out))
     assert done.returncode == 0, done.stderr
     rec = json.loads(out.read_text())
     topo = rec["interconnect"]["topology"]
@@ -371,7 +342,7 @@ _MISSING = [t for t in ("ip", "tc") if not (shutil.which(t) or shutil.which(t, p
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or bool(_MISSING), reason="needs root and iproute2 for a network testbed")
-def test_ranks_on_two_testbed_hosts_are_a_network(tmp_path, monkeypatch):
+def test_ranks_on_two_testbed_hosts_are_a_network(tmp_path, monkeypatch, capfd):
     from islands import testbed
     from islands.testbed import lifecycle
 
@@ -381,21 +352,8 @@ def test_ranks_on_two_testbed_hosts_are_a_network(tmp_path, monkeypatch):
     try:
         script = _script(tmp_path, PROBING)
         out = tmp_path / "probe.json"
-        done = subprocess.run(
-            [
-                *ISLANDS_RUN,
-                "--workers",
-                "2",
-                "--testbed",
-                name,
-                "--run-dir",
-                str(tmp_path / "run"),
-                str(script),
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
+        done = _run(
+            capfd, "--workers", "2", "--testbed", name, "--run-dir", str(tmp_path / "run"), str(script), str(out)
         )
     finally:
         lifecycle.down(name)

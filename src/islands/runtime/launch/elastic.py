@@ -81,7 +81,7 @@ def launch_elastic_script(
     timeout: float = 120.0,
     port: int = 0,
     threads: int = 1,
-    out=sys.stderr,
+    out=None,
     on_started=None,
     store: EtcdAddress | None = None,
     testbed: Testbed | None = None,
@@ -95,6 +95,7 @@ def launch_elastic_script(
     join` starts the same program anywhere. `islands`: the workers form that many islands of workers/islands
     each (default: one worker per island), which join and leave as a whole; `max_restarts`: times a failed
     island is started again. Returns the exit code (as launch_elastic_workers)."""
+    out = sys.stderr if out is None else out
     if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
         raise LaunchError(f"argv must be a non-empty list of strings (the script and its arguments); got {argv!r}")
     script = Path(argv[0]).resolve()
@@ -140,7 +141,7 @@ def launch_elastic_workers(
     *,
     port: int = 0,
     threads: int = 1,
-    out=sys.stderr,
+    out=None,
     on_started=None,
     max_restarts: int = 0,
     store: EtcdAddress | None = None,
@@ -159,6 +160,7 @@ def launch_elastic_workers(
     the testbed's hub, which every host reaches over its own shaped link; an etcd `store` must then serve on
     an address the hosts reach (the hub's, islands.testbed.EtcdCluster(netns=...)). `env`: variables every worker
     gets on top of the launcher's."""
+    out = sys.stderr if out is None else out
     if store is not None and not isinstance(store, EtcdAddress):
         raise LaunchError(f"store must be an EtcdAddress (parsed from etcd://HOST:PORT,...); got {store!r}")
     if testbed is not None:

@@ -253,7 +253,7 @@ def launch_ranks(
     port: int = 0,
     threads: int = 1,
     run_dir: Path,
-    out=sys.stderr,
+    out=None,
 ) -> int:
     """Run `argv` as ranks 0..workers-1 and supervise them; returns the exit code for the CLI (0 when every
     rank exited 0, 1 when one failed, 130/143 when the launcher was interrupted or terminated).
@@ -261,6 +261,7 @@ def launch_ranks(
     `testbed`: a testbed's name (or a loaded Testbed) to run each rank inside one of its hosts; `port`: the
     rendezvous port (0: a free one; refused if busy). Raises LaunchError before starting anything when the
     input cannot work."""
+    out = sys.stderr if out is None else out
     if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
         raise LaunchError(f"argv must be a non-empty list of strings; got {argv!r}")
     check_counts(workers, islands, threads)
@@ -275,7 +276,7 @@ def run_island_jobs(
     *,
     threads: int = 1,
     run_dir: Path,
-    out=sys.stderr,
+    out=None,
     cross_timeout_s: float | None = None,
     heartbeat_timeout_s: float | None = None,
 ) -> int:
@@ -286,6 +287,7 @@ def run_island_jobs(
     and tag their payloads with ISLANDS_TOKEN, or a token made for the job (RUN_DIR/token). Island i's rank r logs
     to RUN_DIR/logs/island<i>/rank<r>.log. Returns 0 when every rank of every island exited 0, else 1 (130/143
     when interrupted or terminated)."""
+    out = sys.stderr if out is None else out
     check_counts(workers, islands, threads)
     k = workers // islands
     cross = rendezvous_store(0)  # held for the job's life: the islands' meeting point outlives any island
@@ -389,11 +391,12 @@ def run_ranks(
     islands: int = 1,
     threads: int = 1,
     run_dir: Path,
-    out=sys.stderr,
+    out=None,
     env: dict[str, str] | None = None,
 ) -> int:
     """launch_ranks once the placement is chosen (the app layer places a testbed job itself to read its
     wire counters around the run). `env`: variables every rank gets on top of the launcher's."""
+    out = sys.stderr if out is None else out
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started: list[WorkerProcess] = []
