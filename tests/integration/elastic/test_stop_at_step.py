@@ -12,6 +12,7 @@ import threading
 import pytest
 
 import harness.elastic as elastic_jobs
+from harness.cli import islands_cli
 from harness.dict_store import DictStore
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
@@ -142,11 +143,7 @@ def test_islands_stop_ends_every_worker_of_a_running_job_at_the_step_and_they_ag
     assert logs.count("ending at step 42 (a stop was requested)") == 4, logs
 
 
-def test_islands_stop_refuses_a_step_below_one_before_reaching_for_the_job():
-    result = subprocess.run(
-        [sys.executable, "-m", "islands", "stop", "127.0.0.1:1", "--at-step", "0", "--token", "x"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2 and "--at-step must be >= 1" in result.stderr + result.stdout
+def test_islands_stop_refuses_a_step_below_one_before_reaching_for_the_job(capfd):
+    code = islands_cli("stop", "127.0.0.1:1", "--at-step", "0", "--token", "x")  # the CLI in this process
+    out = capfd.readouterr()
+    assert code == 2 and "--at-step must be >= 1" in out.err + out.out

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness.flags import ISLANDS_TRAIN, flags
+from harness.flags import flags
 from harness.outer import assert_train_refuses, batch, run_world, tiny_model
 
 # ---- one process -----------------------------------------------------------------------------------
@@ -711,26 +711,23 @@ def test_trainer_with_a_slowed_island_plans_half_the_steps():
 
 
 @pytest.mark.slow  # two worker processes through the launcher: ~15 s on an idle 2-core host
-def test_islands_train_with_a_slowed_island_and_adaptive_rounds(tmp_path):
+def test_islands_train_with_a_slowed_island_and_adaptive_rounds(tmp_path, capfd):
     """The whole path: `islands train --world.slowdown ... --outer diloco:...,adapt=speed` builds the slowed step on
     island 1 only, the run ends, and rank 0's report lists the steps each island took per round."""
     import json
-    import subprocess
+
+    from harness.cli import islands_cli
 
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            *ISLANDS_TRAIN,
-            *flags(task="digits", workers=2, islands=2, steps=20, warmup=2, eval_every=0, no_progress=True),
-            *flags(no_probe=True, outer="diloco:inner_steps=5,adapt=speed", run_dir=run_dir),
-            "--world.slowdown",
-            "1=2.0,floor=0.03",
-        ],
-        capture_output=True,
-        text=True,
+    code = islands_cli(  # the CLI in this process (harness.cli)
+        "train",
+        *flags(task="digits", workers=2, islands=2, steps=20, warmup=2, eval_every=0, no_progress=True),
+        *flags(no_probe=True, outer="diloco:inner_steps=5,adapt=speed", run_dir=run_dir),
+        "--world.slowdown",
+        "1=2.0,floor=0.03",
         timeout=240,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert code == 0, capfd.readouterr().err[-3000:]
     rounds = json.loads((run_dir / "outer_exchanges.json").read_text())["steps_per_round"]
     assert rounds[0] == [5, 5] and len(rounds) == 4
     assert all(fast == 5 and 1 <= slow <= 4 for fast, slow in rounds[1:]), rounds  # island 1 takes fewer

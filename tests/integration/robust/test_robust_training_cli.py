@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-ISLANDS = [
-    sys.executable,
-    "-m",
-    "islands",
+from harness.cli import islands_cli
+
+TRAIN = [
     "train",
     "--task",
     "digits",
@@ -33,10 +29,11 @@ ISLANDS = [
         ),
     ],
 )
-def test_bad_spec_exits_2_and_lists_the_valid_choices(tmp_path, flag, spec, must_say):
+def test_bad_spec_exits_2_and_lists_the_valid_choices(tmp_path, flag, spec, must_say, capfd):
     run_dir = tmp_path / "run"
-    out = subprocess.run([*ISLANDS, flag, spec, "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, (out.returncode, out.stderr)
+    code = islands_cli(*TRAIN, flag, spec, "--run-dir", str(run_dir))  # the CLI in this process (harness.cli)
+    err = capfd.readouterr().err
+    assert code == 2, (code, err)
     for text in must_say:
-        assert text in out.stderr, (text, out.stderr)
+        assert text in err, (text, err)
     assert not (run_dir / "logs").exists()  # rejected before any worker was started

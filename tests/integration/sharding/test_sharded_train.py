@@ -2,46 +2,38 @@
 (AdamW, gradient clipping on sharded gradients, evaluation on the gathered copy, the run record)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from harness.cli import islands_cli
 from harness.flags import tiny
 from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping
 
 
 @pytest.mark.slow  # one real job: about 15 s idle, far more on a shared machine
-def test_fsdp_job_trains_and_records_its_bytes(tmp_path):
+def test_fsdp_job_trains_and_records_its_bytes(tmp_path, capfd):
     run = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "islands",
-            "train",
-            "--workers",
-            "2",
-            "--inner",
-            "fsdp",
-            "--wrap",
-            "graph:3",
-            "--steps",
-            "6",
-            "--eval-every",
-            "3",
-            "--log-every",
-            "3",
-            *tiny(n_layers=2, eval_batches=2, threads=1, no_progress=True),
-            "--run-dir",
-            str(run),
-        ],
-        capture_output=True,
-        text=True,
+    code = islands_cli(  # the CLI in this process (harness.cli)
+        "train",
+        "--workers",
+        "2",
+        "--inner",
+        "fsdp",
+        "--wrap",
+        "graph:3",
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--log-every",
+        "3",
+        *tiny(n_layers=2, eval_batches=2, threads=1, no_progress=True),
+        "--run-dir",
+        str(run),
         timeout=180,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert code == 0, capfd.readouterr().err[-3000:]
     rec = json.loads((run / "run.json").read_text())
     assert rec["summary"]["strategy"] == "fsdp" and rec["summary"]["steps"] == 6
     val = rec["series"]["val"]

@@ -4,10 +4,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
+from harness.cli import islands_cli
 from harness.flags import tiny
 from islands import testbed
 
@@ -19,35 +19,28 @@ needs_root = pytest.mark.skipif(
 
 @needs_root
 @pytest.mark.slow
-def test_ddp_run_over_testbed_records_rate_and_leaves_nothing(tmp_path):
+def test_ddp_run_over_testbed_records_rate_and_leaves_nothing(tmp_path, capfd):
     name = "tt" + str(os.getpid() % 10000)
     testbed.up(name, hosts=2, rate="100mbit")
     try:
         run = tmp_path / "run"
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "islands",
-                "train",
-                "--workers",
-                "2",
-                "--testbed",
-                name,
-                "--steps",
-                "3",
-                "--eval-every",
-                "0",
-                *tiny(),
-                "--run-dir",
-                str(run),
-                "--no-progress",
-            ],
-            capture_output=True,
-            text=True,
+        code = islands_cli(  # the CLI in this process (harness.cli); its workers run inside the testbed's hosts
+            "train",
+            "--workers",
+            "2",
+            "--testbed",
+            name,
+            "--steps",
+            "3",
+            "--eval-every",
+            "0",
+            *tiny(),
+            "--run-dir",
+            str(run),
+            "--no-progress",
             timeout=240,
         )
-        assert out.returncode == 0, out.stderr
+        assert code == 0, capfd.readouterr().err
         rec = json.loads((run / "run.json").read_text())
         measured = rec["interconnect"]["p2p"]["bandwidth_gbit_s"] * 1000  # Mbit/s between the hosts
         assert 90 <= measured <= 110, f"recorded link rate {measured:.1f} Mbit/s is not within 10% of 100"
