@@ -49,6 +49,8 @@ run: $(STAMP)
 # suite 1691 CPU-s in all (results/test-suite/s33: where the CPU goes, per file and per test); after that session's
 # cuts a fresh clone's `make test` took 12m34s, venv included. Session 34, with uv and no compile ahead (setup 90 -> 31 s):
 # 14m32s and 14m52s, venv included, on a day this host ran the same suite at 787-871 s of tests (results/test-suite/s34).
+# Session 35: 1419 -> 1245 CPU-s of tests (the launcher draws loss.png; CLI tests in-process); a fresh clone's
+# `make test` took 12m46s (48 s setup with the import warm-up, 717 s of tests; results/test-suite/s35).
 # The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not experiments"
