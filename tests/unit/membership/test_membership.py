@@ -133,6 +133,7 @@ def test_membership_and_outer_state_survive_a_resume(tmp_path):
         trainer, comm = _solo_trainer(tmp_path, server.port, "w0")
         trainer.fit(6)
         state = trainer.state_dict()
+        comm.leave()  # its heartbeat thread ends with the job, not beats on into later tests against a dead store
     finally:
         coord.stop()
     assert state["membership"]["epoch"] == 0 and state["membership"]["members"] == [[0, "w0", 0]]
@@ -150,6 +151,7 @@ def test_membership_and_outer_state_survive_a_resume(tmp_path):
     assert mem["events"][-1] == {"type": "resumed", "from_epoch": 0, "previous_members": [[0, "w0", 0]]}
     outer, saved = resumed.strategy.outer, state["strategy"]["outer"]
     assert outer.rounds == 3 and outer.global_flat.equal(saved["global"]) and resumed.step == 6
+    comm2.leave()
 
 
 def test_a_joiner_stops_waiting_when_no_member_is_alive_though_the_store_stays_up():
