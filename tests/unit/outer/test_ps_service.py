@@ -309,6 +309,7 @@ def test_resume_from_a_checkpoint_through_the_servers_snapshot_continues_exactly
         )
         assert len(saved["ps"]["ps_shards"]) == 2 and saved["ps"]["ps_link"]["seq"] == 2
         first.strategy.link.send(Message(LEAVE, 0))  # that job is over: its servers need not wait for it
+        first.strategy.link.close()  # and its heartbeat thread ends with it, not beats on into later tests
         second = run_island(services[2], range(5, 9), saved)  # a new job: new servers, restored from the checkpoint
         second.strategy.finish(second.model)
         assert second.strategy.version == whole.strategy.version == 5
