@@ -22,7 +22,7 @@ from typing import NoReturn
 
 from islands.app.build import build_trainer, report_writer, resume_trainer
 from islands.config import from_mapping
-from islands.measure.record import LAUNCHER_PLOTS_ENV
+from islands.measure.record import worker_plots
 from islands.runtime.elastic import Excluded, JobEnded, Membership, global_digest
 from islands.runtime.elastic.island_comm import ISLAND_ENV, IslandBroken, IslandFollower, IslandPlace
 from islands.runtime.elastic.membership import (
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     name = os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}"
     try:
-        run_elastic_worker(argv[0], Path(argv[1]), name, token, plot=os.environ.get(LAUNCHER_PLOTS_ENV) != "1")
+        run_elastic_worker(argv[0], Path(argv[1]), name, token, plot=worker_plots())
     except Refused as e:
         print(f"islands: join refused by {argv[0]}: {e}", file=sys.stderr)
         return REFUSED_EXIT_CODE

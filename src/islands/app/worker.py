@@ -6,14 +6,13 @@ Started by the launcher (`python -m islands.app.worker CONFIG RUN_DIR`) or by to
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from pathlib import Path
 
 from islands.app.build import run_job
 from islands.config import JobConfig, load_json
-from islands.measure.record import LAUNCHER_PLOTS_ENV
+from islands.measure.record import worker_plots
 from islands.runtime.world import close_world, init_world
 
 
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_json(Path(argv[0]))
     try:
-        run_worker(cfg, Path(argv[1]), plot=os.environ.get(LAUNCHER_PLOTS_ENV) != "1")
+        run_worker(cfg, Path(argv[1]), plot=worker_plots())
     except Exception:  # noqa: BLE001 - the process's last frame: any failure is a traceback and exit 1
         traceback.print_exc()
         sys.stderr.flush()

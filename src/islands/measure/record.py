@@ -90,6 +90,11 @@ def plot_loss(record: dict, path: Path) -> None:
 LAUNCHER_PLOTS_ENV = "ISLANDS_LAUNCHER_PLOTS"
 
 
+def worker_plots() -> bool:
+    """Whether this worker process draws loss.png itself: not when an islands launcher said it will."""
+    return os.environ.get(LAUNCHER_PLOTS_ENV) != "1"
+
+
 def finish_record(run_dir: Path, record: dict, plot: bool = True) -> Path:
     """Write run.json (atomically) and, with `plot`, loss.png."""
     run_dir.mkdir(parents=True, exist_ok=True)
