@@ -59,6 +59,7 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("--settings", default="equal,slow", help="comma-separated: equal, slow, link20")
     parser.add_argument("--arms", default="diloco,ps", help="comma-separated arms (the experiment's or --spec's)")
+    parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (repeatable)")
     parser.add_argument("--repeat", type=int, default=1, help="run the arms interleaved this many times")
     parser.add_argument("--target", required=True, help="the target loss (DDP's: 0.0906 at quick), or ddp: train it")
     add_tier_options(parser)

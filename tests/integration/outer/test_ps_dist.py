@@ -17,6 +17,7 @@ SCHEDULES = {
     # name: ParameterServer keywords (arrivals fixed by a virtual clock: island 1's rounds take 3x as long)
     "fp32": dict(max_staleness=2),
     "quant4-quorum": dict(max_staleness=3, quorum=2, compressor=Quant4(256), shards=3),
+    "held-window": dict(max_staleness=3, quorum=2, wait=0.5),  # island 0 waits up to 0.5 virtual s per window
 }
 
 

@@ -249,6 +249,7 @@ class ParameterServer(OuterStrategy):
         host: InProcessServer | None = None,
         service: ServerProcesses | None = None,
         stale_cap: bool | None = None,
+        wait: float = 0.0,
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
         shard (outer_rule(...) by name; default plain SGD, lr 1/sqrt(M), DEFAULT_PS_RULE). `shards`: parameter
@@ -260,7 +261,9 @@ class ParameterServer(OuterStrategy):
         `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
         `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
         (ps_server.StaleCap); None (default): on for the plain SGD rule by name (outer_rule("sgd"), the default
-        rule), off for the others; True with another rule is refused (momentum moves the limit)."""
+        rule), off for the others; True with another rule is refused (momentum moves the limit). `wait`: seconds a
+        push short of its window's quorum waits for the window's step before the window steps without the rest
+        (quorum >= 2; 0: answered at once, the island trains on without its own push in the model)."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -271,7 +274,7 @@ class ParameterServer(OuterStrategy):
         if aggregator is not None and compressor is not None:
             raise ValueError("a robust aggregator ranks exact deltas; drop compressor= or aggregator=")
         self.inner_steps = inner_steps
-        check_server_options(shards, max_staleness, quorum, discount)
+        check_server_options(shards, max_staleness, quorum, discount, wait)
         self.rule = rule if rule is not None else outer_rule()
         plain = isinstance(self.rule, OuterRule) and self.rule.plain()
         if stale_cap and not plain:
@@ -280,7 +283,7 @@ class ParameterServer(OuterStrategy):
                 "(momentum moves the limit), or drop stale_cap"
             )
         self.stale_cap = plain if stale_cap is None else stale_cap
-        self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
+        self.shards, self.max_staleness, self.quorum, self.wait = shards, max_staleness, quorum, float(wait)
         self.discount, self.aggregator, self.codec = discount, aggregator, compressor
         self.arrivals = arrivals if arrivals is not None else FirstCome()
         if service is not None and (host is not None or isinstance(self.arrivals, VirtualClock)):
@@ -311,7 +314,13 @@ class ParameterServer(OuterStrategy):
             discount=self.discount,
             aggregator=self.aggregator,
             scale=self.stale_scale(islands),
+            per_push=self.per_push(),
         )
+
+    def per_push(self) -> bool:
+        """Whether the rule's lr is each push's (plain SGD by name, DiLoCo's step spread over the pushes), so that a
+        window of k pushes steps k times its mean (ps_server.ServerState)."""
+        return isinstance(self.rule, OuterRule) and self.rule.outer == "sgd"
 
     def stale_scale(self, islands: int) -> StaleCap | None:
         """The server's StaleCap for M islands' step, with stale_cap (None without)."""
@@ -345,7 +354,9 @@ class ParameterServer(OuterStrategy):
         numel = self.global_flat.numel()
         if self.host is not None:
             inbox, loop, built = self.host.attach(
-                lambda inbox: ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
+                lambda inbox: ServerLoop(
+                    self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait
+                )
             )
             self.loop = loop if built else None
             self.link = LocalLink(inbox, self.island_ledger())
@@ -366,7 +377,7 @@ class ParameterServer(OuterStrategy):
         )
         if me == 0:
             inbox = LocalInbox()
-            self.loop = ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec)
+            self.loop = ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait)
             if islands > 1:
                 GlooReceiver(pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer()).start()
             self.loop.start()
@@ -390,6 +401,8 @@ class ParameterServer(OuterStrategy):
             discount=self.discount,
             aggregator=self.aggregator,
             scale=self.stale_scale(max(self.comm.size, 1)),
+            per_push=self.per_push(),
+            wait_s=self.wait,
             codec=self.codec,
             lease_s=service.lease_s,
             timeout_s=service.timeout_s,
@@ -656,6 +669,7 @@ def parameter_server(
     rejoin: str = "own",
     stale_cap: bool | None = None,
     at: str = "",
+    wait: float = 0.0,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -677,7 +691,9 @@ def parameter_server(
     equal-speed islands, whose every push is M - 1 versions stale, do not swing the global model
     (ps_server.StaleCap); unset: on for outer=sgd without momentum (the default), off for the others. `at`:
     'HOST:PORT' (quoted in a spec) of a server host started with `islands ps-host`, where the servers=S processes
-    run instead of on island 0's machine (needs ISLANDS_TOKEN, the host's own)."""
+    run instead of on island 0's machine (needs ISLANDS_TOKEN, the host's own). `wait`: seconds a push short of its
+    window's quorum waits for the window's step (quorum >= 2): equal islands then train as synchronous DiLoCo does,
+    and a window still short after `wait` steps without the slow ones (0: every push is answered at once)."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
@@ -709,4 +725,5 @@ def parameter_server(
         compressor=codec,
         service=service,
         stale_cap=stale_cap,
+        wait=wait,
     )

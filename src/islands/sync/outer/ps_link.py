@@ -65,50 +65,62 @@ Answer = Callable[[Reply], None]
 
 # ---- arrival orders ----------------------------------------------------------------------------------------
 class Arrivals(ABC):
-    @abstractmethod
-    def next(self, active: set[int]) -> int | None:
-        """The island whose message the server takes next, or None: whichever comes first."""
+    """The order the server loop takes messages in, and the clock a held window's wait runs on (ServerLoop)."""
 
     @abstractmethod
-    def took(self, island: int) -> None:
-        """The message of `island` was taken (a clock advances it)."""
+    def take(self, inbox: Inbox, free: set[int], deadline: float | None) -> tuple[Message, Answer, float] | None:
+        """The next message of one of the `free` islands (those not waiting for an answer), its answer and its time
+        on this clock; or None when `deadline` (a held window's, on this clock) comes first."""
 
-
-class FirstCome(Arrivals):
-    """A real job: the first message to arrive is the next one applied."""
-
-    def next(self, active: set[int]) -> int | None:
-        return None
-
-    def took(self, island: int) -> None:
+    def held(self, island: int, since: float, until: float) -> None:
+        """`island` waited for its answer from `since` to `until` (its next message comes that much later)."""
         return
 
 
+class FirstCome(Arrivals):
+    """A real job: the first message to arrive is the next one applied; waits run on the monotonic clock."""
+
+    def take(self, inbox: Inbox, free: set[int], deadline: float | None) -> tuple[Message, Answer, float] | None:
+        got = inbox.take(None, None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return None if got is None else (*got, time.monotonic())
+
+
 class VirtualClock(Arrivals):
-    """Island i's round takes `round_seconds[i]` virtual seconds: its k-th message arrives at k * t_i. Deterministic,
-    so a simulation and a multi-process run apply pushes in the same order (the islands' real speeds do not matter)."""
+    """Island i's round takes `round_seconds[i]` virtual seconds: its k-th message arrives at k * t_i, plus whatever
+    it waited for held answers. Deterministic, so a simulation and a multi-process run apply pushes in the same order
+    (the islands' real speeds do not matter)."""
 
     def __init__(self, round_seconds: Sequence[float]):
         if not round_seconds or any(not t > 0 for t in round_seconds):
             raise ValueError(f"round_seconds must give every island a time > 0, got {list(round_seconds)}")
         self.round_seconds = [float(t) for t in round_seconds]
         self.taken = [0] * len(self.round_seconds)
+        self.waited = [0.0] * len(self.round_seconds)  # virtual seconds each island spent on held answers
 
     def at(self, island: int) -> float:
-        return (self.taken[island] + 1) * self.round_seconds[island]
+        return self.waited[island] + (self.taken[island] + 1) * self.round_seconds[island]
 
-    def next(self, active: set[int]) -> int | None:
-        return min(active, key=lambda i: (self.at(i), i))
-
-    def took(self, island: int) -> None:
+    def take(self, inbox: Inbox, free: set[int], deadline: float | None) -> tuple[Message, Answer, float] | None:
+        island = min(free, key=lambda i: (self.at(i), i)) if free else None
+        if deadline is not None and (island is None or self.at(island) > deadline):
+            return None
+        assert island is not None, "every island is waiting and no window is held"
+        when = self.at(island)
+        got = inbox.take(island)
+        assert got is not None, "a take without a timeout returns a message"
         self.taken[island] += 1
+        return (*got, when)
+
+    def held(self, island: int, since: float, until: float) -> None:
+        self.waited[island] += until - since
 
 
 # ---- inboxes -----------------------------------------------------------------------------------------------
 class Inbox(ABC):
     @abstractmethod
-    def take(self, island: int | None) -> tuple[Message, Answer]:
-        """The next message of `island` (None: of any island), blocking, and how to answer it."""
+    def take(self, island: int | None, timeout: float | None = None) -> tuple[Message, Answer] | None:
+        """The next message of `island` (None: of any island) and how to answer it, blocking up to `timeout`
+        seconds (None: for ever); None when the timeout passes first."""
 
 
 class LocalInbox(Inbox):
@@ -137,7 +149,8 @@ class LocalInbox(Inbox):
             self.error = error
             self.cv.notify_all()
 
-    def take(self, island: int | None) -> tuple[Message, Answer]:
+    def take(self, island: int | None, timeout: float | None = None) -> tuple[Message, Answer] | None:
+        end = None if timeout is None else time.monotonic() + timeout
         with self.cv:
             while True:
                 if self.error is not None:
@@ -146,7 +159,10 @@ class LocalInbox(Inbox):
                 if boxes:
                     _, msg, answer = min(boxes, key=lambda b: b[0][0]).popleft()
                     return msg, answer
-                self.cv.wait(timeout=0.05)
+                left = 0.05 if end is None else min(0.05, end - time.monotonic())
+                if left <= 0:
+                    return None
+                self.cv.wait(timeout=left)
 
 
 class Sealer:
@@ -259,18 +275,39 @@ class GlooReceiver:
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Held:
+    """A push accepted into a window short of its quorum, its answer held until the window steps (ServerLoop)."""
+
+    island: int
+    answer: Answer
+    ack: Ack
+    since: float  # when it came, on the arrivals' clock
+
+
 class ServerLoop:
     """Applies messages to a ServerState one at a time, in `arrivals` order, until every island is done (module
-    docstring). run() in a thread of its own (start) or inline."""
+    docstring). run() in a thread of its own (start) or inline. `wait` > 0 (with the state's quorum >= 2): a push that
+    leaves its window short of the quorum is answered only once the window steps, so its island starts its next
+    round from the model its own push is in (equal islands: synchronous DiLoCo); a window still short `wait` seconds
+    after its first held push steps with what it holds (a slow island is not waited for beyond that)."""
 
     def __init__(
-        self, state: ServerState, islands: int, arrivals: Arrivals, inbox: Inbox, codec: PayloadCodec | None = None
+        self,
+        state: ServerState,
+        islands: int,
+        arrivals: Arrivals,
+        inbox: Inbox,
+        codec: PayloadCodec | None = None,
+        wait: float = 0.0,
     ):
         self.state, self.islands, self.arrivals, self.inbox, self.codec = state, islands, arrivals, inbox, codec
+        self.wait = float(wait)
         self.lock = threading.Lock()  # held while a message is applied: state_dict reads a consistent state
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.cpu_seconds: float | None = None  # the loop thread's own CPU, once it has ended (the server report)
+        self.held: list[Held] = []  # pushes whose answer waits for their window's step
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._guarded, name="islands-ps-server", daemon=True)
@@ -302,23 +339,45 @@ class ServerLoop:
         active = set(range(self.islands))
         finished: list[Answer] = []
         while active:
-            island = self.arrivals.next(active)
-            msg, answer = self.inbox.take(island)
-            self.arrivals.took(msg.island)
+            deadline = self.held[0].since + self.wait if self.held else None
+            taken = self.arrivals.take(self.inbox, active - {h.island for h in self.held}, deadline)
+            if taken is None:  # the held window's wait ran out before its quorum came: it steps with what it holds
+                assert deadline is not None, "only a held window's deadline ends a take without a message"
+                with self.lock:
+                    self.state.settle(1)
+                self.release(deadline)
+                continue
+            msg, answer, when = taken
             if msg.kind == DONE:
                 active.discard(msg.island)
                 finished.append(answer)
                 with self.lock:
-                    self.state.settle(len(active))
+                    stepped = self.state.settle(len(active))
+                if stepped:
+                    self.release(when)
                 continue
             with self.lock:
                 c = Contribution(msg.island, msg.version, self.decode(msg), msg.samples)
                 ack = self.state.push(c, len(active))
                 _, flat = self.state.pull()
+            if ack.stepped:
+                self.release(when)
+            if self.wait > 0 and ack.accepted and not ack.stepped:
+                self.held.append(Held(msg.island, answer, ack, when))
+                continue
             answer(Reply(ack, flat))
         version, flat = self.state.pull()
         for answer in finished:
             answer(Reply(Ack(True, version, 0), flat))
+
+    def release(self, until: float) -> None:
+        """Answer every held push with the model their window's step made (at `until` on the arrivals' clock)."""
+        with self.lock:
+            version, flat = self.state.pull()
+        for h in self.held:
+            self.arrivals.held(h.island, h.since, until)
+            h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat))
+        self.held = []
 
 
 # ---- links (the island's side) -----------------------------------------------------------------------------

@@ -18,6 +18,10 @@ from; its staleness is the versions taken since. Staleness rules:
     still training (`settle`): one that finished or left is not waited for.
 `scale` (StaleCap): every step's lr is further multiplied by scale(the accepted pushes per staleness so far), so the
 delayed step stays within its stability limit; one factor for every push, so no island's data counts less.
+`per_push`: the rule's lr is each push's (ps' default plain SGD, DiLoCo's step spread over the pushes), so a window
+of k pushes steps k times its merged mean: the k pushes applied as if none were stale. With quorum = M equal islands
+that is DiLoCo's own step (lr sqrt(M) on the mean, M = 2). Off: the window's mean steps once at the rule's lr (the
+Nesterov rules: one momentum update per window, as DiLoCo's outer step).
 Merging (no aggregator): weighted by samples (token-weighted merging, 2604.21428), each weight times
 (1 + staleness)^-discount; merged = sum(w_i delta_i) / sum(w_i), summed in arrival order, and the step's lr is
 scaled by sum(w_i) / sum(samples_i) (1 when discount = 0), so a stale window moves the model less. With a robust
@@ -123,7 +127,7 @@ class StaleCap:
         return min(1.0, STALE_CAP_MARGIN * self.limit_of(histogram) / self.lr)
 
 
-def check_server_options(shards: int, max_staleness: int, quorum: int, discount: float) -> None:
+def check_server_options(shards: int, max_staleness: int, quorum: int, discount: float, wait: float = 0.0) -> None:
     """ValueError naming the option out of range (the strategy checks at construction, before any worker)."""
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be an int >= 1 (parameter ranges), got {shards!r}")
@@ -133,6 +137,13 @@ def check_server_options(shards: int, max_staleness: int, quorum: int, discount:
         raise ValueError(f"quorum must be an int >= 1 (distinct islands per outer step), got {quorum!r}")
     if not discount >= 0:
         raise ValueError(f"discount must be >= 0 (weight times (1 + staleness)^-discount), got {discount}")
+    if not wait >= 0:
+        raise ValueError(f"wait must be >= 0 seconds (how long a push waits for its window's quorum), got {wait}")
+    if wait > 0 and quorum < 2:
+        raise ValueError(
+            f"wait={wait:g} holds a push until its window has the quorum's islands, which needs quorum >= 2 "
+            "(quorum=1 steps at every push); set quorum= or drop wait="
+        )
 
 
 class ServerState:
@@ -149,6 +160,7 @@ class ServerState:
         discount: float = 0.0,
         aggregator: Aggregator | None = None,
         scale: Callable[[Sequence[int]], float] | None = None,
+        per_push: bool = False,
     ):
         flat = initial.detach().to(torch.float32).flatten()
         check_server_options(shards, max_staleness, quorum, discount)
@@ -160,6 +172,7 @@ class ServerState:
         self.max_staleness, self.quorum, self.discount = max_staleness, quorum, float(discount)
         self.aggregator = aggregator
         self.scale = scale  # the staleness histogram -> every step's lr factor (StaleCap)
+        self.per_push = per_push  # a window of k pushes steps k x its mean (module docstring)
         self.stale_hist = [0] * (max_staleness + 1)  # accepted pushes per staleness: StaleCap's p(s)
         self.cap = {"at": -1, "factor": 1.0}  # the scale's last factor and the accepted pushes it was computed at
         self.version = 0
@@ -222,6 +235,8 @@ class ServerState:
                 merged.add_(c.delta.to(torch.float32), alpha=w)
             merged.div_(sum(weights))
             factor = sum(weights) / sum(float(c.samples) for c, _ in window)
+        if self.per_push:
+            factor *= len(window)
         if self.scale is not None:
             factor *= self.cap_factor(self.scale)
         for (lo, hi), params, rule in zip(self.bounds, self.params, self.rules):

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn, Protocol
 
@@ -88,6 +88,7 @@ ADDRESS = "address"
 # its own, busy Python or not: only a stopped or dead process is this slow) ends itself (ShardServer._watch_supervisor)
 SUPERVISOR_SILENT_S = 5.0
 ORPHANED_EXIT = 3  # the exit code of a shard server that ended because its supervisor was gone or silent
+HOLD_POLL_S = 0.005  # how often a held push looks for its window's step (ShardServer.hold)
 SCRATCH = "scratch"  # in a service's directory: a temporary one its starting island made (ps_process.py removes it)
 
 
@@ -111,6 +112,8 @@ class ServiceConfig:
     aggregator: Aggregator | None = None
     codec: PayloadCodec | None = None
     scale: Callable[[Sequence[int]], float] | None = None  # pushes per staleness -> lr factor (ps_server.StaleCap)
+    per_push: bool = False  # the rule's lr is each push's: a window of k pushes steps k x its mean (ps_server)
+    wait_s: float = 0.0  # a push short of its window's quorum waits this long for it (ps_link.ServerLoop's rule)
     lease_s: float = 2.0
     timeout_s: float = 600.0
     commit_every: int = COMMIT_EVERY
@@ -132,7 +135,7 @@ class ServiceConfig:
             raise ValueError(f"servers must be at most the parameter count {self.initial.numel()}, got {self.servers}")
         if not self.lease_s > 0 or not self.timeout_s > 0:
             raise ValueError(f"lease_s and timeout_s must be > 0 seconds, got {self.lease_s} and {self.timeout_s}")
-        check_server_options(self.shards, self.max_staleness, self.quorum, self.discount)
+        check_server_options(self.shards, self.max_staleness, self.quorum, self.discount, self.wait_s)
         self.bounds = fragment_bounds(self.initial.numel(), self.servers)
 
     def tags(self) -> PayloadTags | None:
@@ -149,6 +152,7 @@ class ServiceConfig:
             discount=self.discount,
             aggregator=self.aggregator,
             scale=self.scale,
+            per_push=self.per_push,
         )
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -369,6 +373,8 @@ class ShardServer:
                     with self.lock:
                         self.members.arrived(island, msg.payload.numel(), time.monotonic() - inflight[0])
                 reply = self.handle(msg)
+                if msg.kind == PUSH:
+                    reply = self.hold(reply)
                 pair.answer(reply)
                 with self.lock:
                     self.members.end(
@@ -409,6 +415,25 @@ class ShardServer:
             if msg.kind == DONE and not final and msg.samples == HOLDS_MODEL:  # a poll: no model until the final
                 return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
             return ShardReply(accepted, version, staleness, stepped, final, duplicate, flat)
+
+    def hold(self, reply: ShardReply) -> ShardReply:
+        """wait_s > 0: a push accepted into a window short of its quorum is answered once the window steps, or, after
+        wait_s, steps the window with what it holds (ps_link.ServerLoop's rule, on this shard alone: each server
+        times its own window). The step is journaled as a settle, so a rebuilt shard replays it."""
+        if not (self.config.wait_s > 0 and reply.accepted and not reply.stepped and not reply.duplicate):
+            return reply
+        end = time.monotonic() + self.config.wait_s
+        while not self.done.is_set():
+            with self.lock:
+                if self.durable.state.version != reply.version:
+                    break
+                if time.monotonic() >= end:
+                    self.durable.settle(1)
+                    break
+            time.sleep(HOLD_POLL_S)
+        with self.lock:
+            version, flat = self.durable.state.pull()
+        return replace(reply, version=version, stepped=True, body=flat)
 
     def _decode(self, msg: Request) -> torch.Tensor:
         assert msg.payload is not None, "a push carries its delta"
