@@ -45,7 +45,7 @@ def main(
     rows: list[dict] = []
     not_run: dict[str, str] = {}
     for i in range(repeat):
-        for arm in arms or [a for a, _ in ps.churn_arms(t["h"], 3) + list(extra)]:
+        for arm in arms or [a for a, _ in ps.churn_arms(t["h"], 3, t["floor"]) + list(extra)]:
             tag = f"#{i}" if repeat > 1 else ""
             load0 = os.getloadavg()
             got, why = ps.run_churn(ctx, t, target, ps._numel(t), only=(arm,), tag=tag, every=every, extra=extra)

@@ -14,6 +14,9 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
     ps-nesterov      the same server with the delayed Nesterov step of arXiv 2401.09135 (outer=delayed-nesterov, lr
                      0.7, momentum 0.9, N = M); the default until session 28 (results/parameter-server/quick, run
                      then, names these arms ps-sgd and ps)
+    ps-wait          ps whose windows take every island (quorum = M) and wait for them up to WAIT_SHARE of a round
+                     (wait=): equal islands then train as synchronous DiLoCo, a slower island is waited for no longer
+                     (session 36: (a) on the byte LM, ps 1.30x DiLoCo's time to target, ps-wait 1.02x)
     ps-ahead         (c) only: ps whose restarted island starts at the furthest step any island acknowledged
                      (rejoin=ahead), where plain ps restarts its shard at its own last acknowledged step
 Settings:
@@ -67,6 +70,7 @@ from islands_bench.plots import figure
 LONGER = 2  # the arms' step budget over DDP's (heterogeneous's): room to reach DDP's loss
 TARGET_LONGER = 3  # item 5: compressed arms end 4 rounds 22-66% above fp32 (utilisation): room to catch up
 STALENESS = 8  # > the 4 + 2 pushes the other islands make during one round of the 4x slower island
+WAIT_SHARE = 0.1  # ps-wait: a window waits up to this share of the fastest island's round (H x floor) for the rest
 SLOW = {1: 2.0, 2: 4.0}  # (b): island -> how many times slower
 CHURN_EVERY = 3  # (c): rounds an island trains between its restart and its next kill
 VICTIM = 2  # (c): the island killed (never island 0, whose leader writes the run record)
@@ -88,16 +92,22 @@ def ps_nesterov(h: int) -> str:
     return f"ps:inner_steps={h},max_staleness={STALENESS},outer=delayed-nesterov"
 
 
-def arms(h: int, islands: int) -> list[tuple[str, str]]:
+def ps_wait(h: int, islands: int, floor: float) -> str:
+    """The parameter server whose windows wait for every island up to WAIT_SHARE of a round of the fastest's."""
+    return f"ps:inner_steps={h},max_staleness={STALENESS},quorum={islands},wait={WAIT_SHARE * h * floor:g}"
+
+
+def arms(h: int, islands: int, floor: float) -> list[tuple[str, str]]:
     return [
         ("diloco", f"diloco:inner_steps={h}"),
         ("diloco-deadline", f"diloco:inner_steps={h},adapt=deadline"),
         ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
         ("ps-nesterov", ps_nesterov(h)),
+        ("ps-wait", ps_wait(h, islands, floor)),
     ]
 
 
-PS_ARMS = ("ps", "ps-nesterov", "ps-ahead")
+PS_ARMS = ("ps", "ps-nesterov", "ps-wait", "ps-ahead")
 
 
 def served_arm(arm: str) -> bool:
@@ -105,10 +115,10 @@ def served_arm(arm: str) -> bool:
     return arm.startswith("ps")
 
 
-def churn_arms(h: int, islands: int) -> list[tuple[str, str]]:
+def churn_arms(h: int, islands: int, floor: float) -> list[tuple[str, str]]:
     """(c)'s arms: the others', and ps whose restarted island starts at the furthest acknowledged step
     (rejoin=ahead: it skips what its predecessor missed, as DiLoCo's rejoiner skips to the members' step)."""
-    return arms(h, islands) + [("ps-ahead", f"ps:inner_steps={h},max_staleness={STALENESS},rejoin=ahead")]
+    return arms(h, islands, floor) + [("ps-ahead", f"ps:inner_steps={h},max_staleness={STALENESS},rejoin=ahead")]
 
 
 def settings(ctx: BenchContext, floor: float | None = None) -> list[tuple[str, int, str, str | None]]:
@@ -334,13 +344,14 @@ def run_settings(
         bed = ctx.testbed(link, hosts=islands) if link else None
         with bed if bed is not None else _nothing() as b:
             kw = {"testbed": b.name} if b is not None else {}
-            for arm, spec in arms(h, islands) + list(extra):
+            for arm, spec in arms(h, islands, t["floor"]) + list(extra):
                 if only is not None and arm not in only:
                     continue
                 if ctx.smoke and arm in (
                     "diloco-deadline",
                     "ps-nesterov",
-                ):  # smoke: one arm of each kind (deadline is a diloco spec)
+                    "ps-wait",
+                ):  # smoke: one arm of each kind (deadline is a diloco spec; wait a ps spec)
                     continue
                 label = f"{arm}@{setting}{tag}"
                 load0 = os.getloadavg()[0]
@@ -457,7 +468,7 @@ def run_churn(
         **t["model"],
     )
     rows, not_run = [], {}
-    for arm, spec in churn_arms(h, base["islands"]) + list(extra):
+    for arm, spec in churn_arms(h, base["islands"], t["floor"]) + list(extra):
         if only is not None and arm not in only:
             continue
         served = served_arm(arm)
