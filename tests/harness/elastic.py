@@ -243,13 +243,20 @@ import torch
 import torch.nn as nn
 from islands.tasks import digits_task
 
+def _after(hold):  # HOLD's text: the training forwards a worker runs before the gate holds it (empty: none)
+    try:
+        return int(open(hold).read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
 class Gate(nn.Module):
     def __init__(self, inner, hold):
         super().__init__()
-        self.inner, self.hold = inner, hold
+        self.inner, self.hold, self.seen = inner, hold, 0
     def forward(self, x):
         held = False
-        while self.training and self.hold and os.path.exists(self.hold):
+        self.seen += self.training
+        while self.training and self.hold and os.path.exists(self.hold) and self.seen > _after(self.hold):
             if not held:  # HOLD.<pid>: this worker waits at the gate (not mid-exchange)
                 held = True
                 open(f"{self.hold}.{os.getpid()}", "w").close()
@@ -287,7 +294,8 @@ def kill_served_island_at_its_gate(store, hold: Path, island: int, pid: int, res
     """A ps job (gated_digits): hold every island at its next forward (mid-round, not mid-push), SIGKILL island
     `island`'s process `pid` once it waits there, and wait until its restarted incarnation `restarted` (a worker name)
     has pulled the global model. Returns the island's ps/clock entry read at the kill (its acknowledged pushes)."""
-    hold.write_text("")
+    if not hold.exists():  # else a gate set at a step before the job: the island stops there
+        hold.write_text("")
     wait(lambda: Path(f"{hold}.{pid}").exists(), f"island {island} at the gate")
     killed = json.loads(store.get(f"ps/clock/{island}"))
     os.kill(pid, signal.SIGKILL)
@@ -298,7 +306,9 @@ def kill_served_island_at_its_gate(store, hold: Path, island: int, pid: int, res
 
 def gated_digits(tmp_path: Path) -> tuple[str, Path]:
     """Write the gated digits task; returns its task spec (PATH:make_task) and the HOLD file it watches (set the
-    task option "hold" to it)."""
+    task option "hold" to it). While HOLD exists every worker waits at its next training forward; a number in it
+    lets each worker process run that many training forwards first (a gate at a fixed step, set before the job
+    starts, which no observer can be too slow to catch)."""
     path = tmp_path / "gated_digits.py"
     path.write_text(GATED_DIGITS)
     return f"{path}:make_task", tmp_path / "HOLD"

@@ -46,6 +46,8 @@ def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str 
     has two acknowledged pushes it is SIGKILLed at its gate and restarted. Returns (log, the survivors' records,
     what the fault saw: the service's address in the job's store and the killed island's numbers)."""
     task, hold = gated_digits(tmp_path)
+    hold.write_text(str(2 * H + 1))  # every island stops at its first forward after its second push: a busy host
+    # once let island 0 finish its remaining steps before a gate set after the second ack could catch it
     run_dir = tmp_path / "run"
     values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=outer)
     values.update(steps=steps, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))

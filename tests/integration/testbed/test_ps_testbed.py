@@ -101,6 +101,7 @@ def test_an_elastic_ps_job_across_hosts_restarts_a_killed_island_through_the_lin
     bed = testbed.up(name, hosts=2, rate="100mbit")
     try:
         task, hold = gated_digits(tmp_path)
+        hold.write_text(str(2 * 4 + 1))  # every island stops at its first forward after its second push
         run_dir = tmp_path / "run"
         values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer="ps:inner_steps=4,servers=1")
         values.update(steps=40, global_batch=16, heartbeat_timeout=5.0, max_restarts=1, testbed=name)

@@ -153,6 +153,12 @@ class OuterRule:
         return OuterSGD(lr, momentum)
 
 
+def per_push(rule: Rule) -> bool:
+    """Whether the rule's lr is each push's (plain SGD by name, DiLoCo's step spread over the pushes), so that a window
+    of k pushes steps k times its mean (ps_server.ServerState)."""
+    return isinstance(rule, OuterRule) and rule.outer == "sgd"
+
+
 def outer_rule(
     outer: str = DEFAULT_PS_RULE, lr: float | None = None, momentum: float | None = None, buffer: int = 0
 ) -> Rule:
@@ -314,13 +320,9 @@ class ParameterServer(OuterStrategy):
             discount=self.discount,
             aggregator=self.aggregator,
             scale=self.stale_scale(islands),
-            per_push=self.per_push(),
+            per_push=per_push(self.rule),
         )
 
-    def per_push(self) -> bool:
-        """Whether the rule's lr is each push's (plain SGD by name, DiLoCo's step spread over the pushes), so that a
-        window of k pushes steps k times its mean (ps_server.ServerState)."""
-        return isinstance(self.rule, OuterRule) and self.rule.outer == "sgd"
 
     def stale_scale(self, islands: int) -> StaleCap | None:
         """The server's StaleCap for M islands' step, with stale_cap (None without)."""
@@ -401,7 +403,7 @@ class ParameterServer(OuterStrategy):
             discount=self.discount,
             aggregator=self.aggregator,
             scale=self.stale_scale(max(self.comm.size, 1)),
-            per_push=self.per_push(),
+            per_push=per_push(self.rule),
             wait_s=self.wait,
             codec=self.codec,
             lease_s=service.lease_s,
