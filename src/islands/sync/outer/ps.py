@@ -323,7 +323,6 @@ class ParameterServer(OuterStrategy):
             per_push=per_push(self.rule),
         )
 
-
     def stale_scale(self, islands: int) -> StaleCap | None:
         """The server's StaleCap for M islands' step, with stale_cap (None without)."""
         return StaleCap(self.rule.lr_for(islands)) if self.stale_cap and isinstance(self.rule, OuterRule) else None
