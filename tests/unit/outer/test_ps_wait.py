@@ -116,6 +116,30 @@ def test_a_slow_island_is_waited_for_no_longer_than_wait_in_real_time():
     loop.join(60)
 
 
+def test_a_push_still_crossing_a_slow_link_at_the_deadline_is_waited_for():
+    # island 1's push has begun to arrive (its header is in, as GlooReceiver marks it) when island 0's window would
+    # step: a slow link's transfer is not a late island, so the window waits and steps with both pushes
+    inbox = LocalInbox()
+    state = ServerState(vec(0.0), lambda: OuterSGD(1.0), quorum=2, per_push=True)
+    loop = ServerLoop(state, 2, FirstCome(), inbox, wait=0.1)
+    loop.start()
+    inbox.begin(1)
+    got: dict = {}
+    first = threading.Thread(target=lambda: got.update(a=LocalLink(inbox).send(Message(PUSH, 0, 0, 1.0, vec(1.0)))))
+    first.start()
+    first.join(0.6)
+    assert first.is_alive()  # six deadlines later, still held for island 1's push
+    second = LocalLink(inbox).send(Message(PUSH, 1, 0, 1.0, vec(3.0)))  # its payload lands: one window of both
+    first.join(30)
+    assert got["a"].ack.version == second.ack.version == 1 and got["a"].flat[0].item() == -4.0
+    done = [threading.Thread(target=LocalLink(inbox).send, args=(Message(DONE, i),)) for i in (0, 1)]
+    for t in done:
+        t.start()
+    for t in done:
+        t.join(30)
+    loop.join(30)
+
+
 def test_shard_servers_hold_a_push_for_its_window_then_step_without_the_rest(tmp_path):
     with ThreadService(tmp_path, config(quorum=2, islands=2, wait_s=0.4, servers=2, per_push=True)) as service:
         a, b = service.link(0), service.link(1)

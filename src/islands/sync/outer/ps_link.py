@@ -82,6 +82,8 @@ class FirstCome(Arrivals):
 
     def take(self, inbox: Inbox, free: set[int], deadline: float | None) -> tuple[Message, Answer, float] | None:
         got = inbox.take(None, None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        while got is None and inbox.receiving():  # a push already on its way in: the window waits for it (a slow
+            got = inbox.take(None, 0.05)  # link's transfer can outlast the wait; its island is not late)
         return None if got is None else (*got, time.monotonic())
 
 
@@ -122,6 +124,10 @@ class Inbox(ABC):
         """The next message of `island` (None: of any island) and how to answer it, blocking up to `timeout`
         seconds (None: for ever); None when the timeout passes first."""
 
+    def receiving(self) -> bool:
+        """Whether a push is on its way in (its header here, its payload not yet): a held window waits for it."""
+        return False
+
 
 class LocalInbox(Inbox):
     """Messages in this process: one FIFO per island, plus the order they came in. Islands of this process put a
@@ -132,9 +138,20 @@ class LocalInbox(Inbox):
         self.boxes: dict[int, deque] = {}
         self.seq = 0
         self.error: BaseException | None = None  # a receiver that failed: take raises it instead of waiting
+        self.arriving: set[int] = set()  # islands whose push's header is in and its payload not yet (GlooReceiver)
+
+    def begin(self, island: int) -> None:
+        """`island`'s push has begun to arrive (its header is in); put() ends it."""
+        with self.cv:
+            self.arriving.add(island)
+
+    def receiving(self) -> bool:
+        with self.cv:
+            return bool(self.arriving)
 
     def put(self, msg: Message, answer: Answer) -> None:
         with self.cv:
+            self.arriving.discard(msg.island)
             self.boxes.setdefault(msg.island, deque()).append((self.seq, msg, answer))
             self.seq += 1
             self.cv.notify_all()
@@ -260,6 +277,7 @@ class GlooReceiver:
             raise ValueError(f"rank {src} sent a message as island {int(header[1].item())}")
         payload = None
         if kind == PUSH:
+            self.inbox.begin(src)  # a held window waits for this push while its payload crosses the link
             like = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
             payload, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_payload", s, me, n))
         return Message(kind, src, int(header[2].item()), float(header[3].item()), payload), src, n
