@@ -84,11 +84,16 @@ def test_up_builds_the_star_and_down_leaves_nothing(name):
 def test_shaping_holds_the_configured_rate_at_two_rates(name):
     # Criterion (measure.rate_within): wire Mbit/s within 10% of configured and TCP goodput at least
     # 90% of it. Two rates, so a pass cannot come from an unshaped link that happens to run near 100.
+    # A sender starved of CPU by a loaded host measures below the rate (a full `make test` once read it so): up to
+    # three tries, each checked whole. A retry cannot pass an unshaped link, which runs above the rate every time.
     for rate, mbit in (("100mbit", 100.0), ("20mbit", 20.0)):
         tb = testbed.up(name, 2, rate)
-        tx0, rx0 = testbed.interface_bytes(tb, 0)
-        m = testbed.measure_rate(tb, src=0, dst=1, seconds=1.5)
-        tx1, rx1 = testbed.interface_bytes(tb, 0)
+        for _ in range(3):
+            tx0, rx0 = testbed.interface_bytes(tb, 0)
+            m = testbed.measure_rate(tb, src=0, dst=1, seconds=1.5)
+            tx1, rx1 = testbed.interface_bytes(tb, 0)
+            if testbed.rate_within(m) or m["wire_ratio"] > 1.0:
+                break
         assert m["configured_mbit"] == mbit
         assert testbed.rate_within(m), m
         assert m["goodput_mbit"] <= m["ideal_goodput_mbit"] * 1.03, m  # headers cannot be beaten
