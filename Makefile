@@ -51,8 +51,8 @@ run: $(STAMP)
 # 14m32s and 14m52s, venv included, on a day this host ran the same suite at 787-871 s of tests (results/test-suite/s34).
 # Session 35: 1419 -> 1245 CPU-s of tests (the launcher draws loss.png; CLI tests in-process); a fresh clone's
 # `make test` took 12m46s (48 s setup with the import warm-up, 717 s of tests; results/test-suite/s35).
-# Session 36, a new VM of the same size: 10m16s, 11m45s and 9m58s from three passing fresh clones (30-39 s setup,
-# 568-667 s of tests; results/test-suite/s36).
+# Session 36, a new VM of the same size: 10m16s, 11m45s, 9m58s and 9m19s from four passing fresh clones (28-39 s setup,
+# 531-667 s of tests; results/test-suite/s36).
 # The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not experiments"
