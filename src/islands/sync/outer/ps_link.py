@@ -377,12 +377,13 @@ class ServerLoop:
             with self.lock:
                 c = Contribution(msg.island, msg.version, self.decode(msg), msg.samples)
                 ack = self.state.push(c, len(active))
-                _, flat = self.state.pull()
             if ack.stepped:
                 self.release(when)
             if self.wait > 0 and ack.accepted and not ack.stepped:
                 self.held.append(Held(msg.island, answer, ack, when))
                 continue
+            with self.lock:
+                _, flat = self.state.pull()
             answer(Reply(ack, flat))
         version, flat = self.state.pull()
         for answer in finished:
@@ -390,6 +391,8 @@ class ServerLoop:
 
     def release(self, until: float) -> None:
         """Answer every held push with the model their window's step made (at `until` on the arrivals' clock)."""
+        if not self.held:  # every step without a wait: no copy of the model to make
+            return
         with self.lock:
             version, flat = self.state.pull()
         for h in self.held:
