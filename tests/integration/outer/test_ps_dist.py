@@ -46,7 +46,7 @@ def train(world, host=None, **kw) -> dict:
     }
 
 
-def train_batchnorm(world) -> dict[str, torch.Tensor]:
+def train_batchnorm(world, **kw) -> dict[str, torch.Tensor]:
     """A BatchNorm CNN (running statistics and a step counter as buffers) through the same server across processes:
     the model each island ends with, buffers included."""
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def train_batchnorm(world) -> dict[str, torch.Tensor]:
         torch.nn.Linear(4 * 6 * 6, 3),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    strategy = ParameterServer(inner_steps=H, arrivals=VirtualClock([1.0, 3.0]), max_staleness=2)
+    strategy = ParameterServer(inner_steps=H, arrivals=VirtualClock([1.0, 3.0]), **{"max_staleness": 2, **kw})
     strategy.wrap(model, opt, world)
     g = torch.Generator().manual_seed(world.rank)  # each island its own data: its own running statistics
     for i in range(STEPS + 2 * world.rank):  # and its own number of steps: its own num_batches_tracked
@@ -72,7 +72,10 @@ def train_batchnorm(world) -> dict[str, torch.Tensor]:
 
 
 def _all(world) -> dict:
-    out: dict = {"batchnorm": train_batchnorm(world)}
+    out: dict = {
+        "batchnorm": train_batchnorm(world),
+        "batchnorm-held": train_batchnorm(world, **SCHEDULES["held-window"]),
+    }
     out |= {name: train(world, **kw) for name, kw in SCHEDULES.items()}
     out["first-come"] = train(world, arrivals=FirstCome())
     from islands.runtime.payload_auth import authenticate_payloads
@@ -148,10 +151,11 @@ def test_sealed_pushes_and_answers_give_the_unsealed_model(ranks):
     assert ranks[1]["sealed"]["sent"] == ranks[1]["fp32"]["sent"] + 9 * 32
 
 
-def test_a_batchnorm_model_ends_as_one_model_buffers_included(ranks):
+@pytest.mark.parametrize("name", ["batchnorm", "batchnorm-held"])  # the second with windows that wait (quorum 2)
+def test_a_batchnorm_model_ends_as_one_model_buffers_included(ranks, name):
     # the islands' running statistics were their own all run (different data, different steps); the job's end
     # averages them over the islands and takes the largest step count, so both processes end on one model
-    a, b = ranks[0]["batchnorm"], ranks[1]["batchnorm"]
+    a, b = ranks[0][name], ranks[1][name]
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert a["1.num_batches_tracked"].item() == STEPS + 2
     assert not torch.equal(a["1.running_var"], torch.ones(4))
