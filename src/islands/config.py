@@ -151,6 +151,11 @@ class WorldConfig:
     device: str = _key(
         "auto", "auto (cuda + nccl when every local worker gets its own GPU, else cpu + gloo), cpu or cuda"
     )
+    cross_backend: str = _key(
+        "auto",
+        "the backend between islands: auto (the world's, but gloo for a GPU job on a testbed), gloo (device "
+        "tensors cross through host buffers; fails rather than hangs on a dead peer) or nccl (a GPU world only)",
+    )
     timeout: float = _key(
         120.0, "seconds a collective (or a checkpoint barrier) may block before the job is declared dead"
     )
@@ -437,6 +442,7 @@ FLAT: dict[str, str] = {
     "islands": "world.islands",
     "threads": "world.threads",
     "device": "world.device",
+    "cross_backend": "world.cross_backend",
     "timeout": "world.timeout",
     "port": "world.port",
     "testbed": "world.testbed",

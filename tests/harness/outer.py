@@ -37,14 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, size, islands, env, fn, out):
+def _child(rank, size, islands, env, fn, out, init=None):
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size))
     import torch
 
     torch.set_num_threads(1)
     from islands.runtime.world import close_world, init_world
 
-    world = init_world(islands=islands, timeout_s=30)
+    world = init_world(islands=islands, timeout_s=30, **(init or {}))
     try:
         out.put((rank, "ok", fn(world)))
     except BaseException as e:  # noqa: BLE001 - report, so the parent fails with the cause instead of a timeout
@@ -55,11 +55,12 @@ def _child(rank, size, islands, env, fn, out):
         close_world(world)
 
 
-def run_world(fn, size: int, islands: int, timeout: float = 150.0) -> list:
+def run_world(fn, size: int, islands: int, timeout: float = 150.0, init: dict | None = None) -> list:
+    """fn(world) on each of `size` ranks; `init`: more keyword arguments for init_world (e.g. cross_backend)."""
     ctx = mp_context()
     out = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    procs = [ctx.Process(target=_child, args=(r, size, islands, env, fn, out)) for r in range(size)]
+    procs = [ctx.Process(target=_child, args=(r, size, islands, env, fn, out, init)) for r in range(size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

@@ -41,7 +41,7 @@ from islands.runtime.compiled import Compile, check_backend
 from islands.runtime.contracts import ServedParticipant
 from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch.ranks import LaunchError, load_testbed
-from islands.runtime.world import World
+from islands.runtime.world import CROSS_BACKENDS, World
 from islands.spec import Spec, format as format_spec
 from islands.sync.outer import make_outer, parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
@@ -95,7 +95,26 @@ def choices(cfg: JobConfig) -> list[str]:
         found.append(f"inner.strategy must be one of {', '.join(INNER)}; got {cfg.inner.strategy!r}")
     if cfg.world.device not in DEVICES:
         found.append(f"world.device must be one of {', '.join(DEVICES)}; got {cfg.world.device!r}")
+    if cfg.world.cross_backend not in CROSS_BACKENDS:
+        found.append(f"world.cross_backend must be one of {', '.join(CROSS_BACKENDS)}; got {cfg.world.cross_backend!r}")
     return found
+
+
+def cross_backend(cfg: JobConfig) -> str | None:
+    """world.cross_backend=nccl: only where the islands are one fixed NCCL world (resolve_cross_backend)."""
+    w = cfg.world
+    if w.cross_backend != "nccl":
+        return None
+    if w.device == "cpu":
+        return "world.cross_backend=nccl needs world.device=cuda (or auto on GPUs); a CPU job exchanges over gloo"
+    if cfg.elastic.enabled:
+        return (
+            "world.cross_backend=nccl: an elastic job exchanges over gloo (NCCL cannot follow members that come "
+            "and go); use auto or gloo"
+        )
+    if w.simulate:
+        return "world.cross_backend=nccl: simulated islands are threads of one process and exchange in memory"
+    return None
 
 
 def positive(cfg: JobConfig) -> list[str]:
@@ -723,6 +742,7 @@ RULES: list[tuple[str, Rule, tuple[str, ...]]] = [
     ("choices", choices, ()),
     ("positive", positive, ()),
     ("device has GPUs", device_has_gpus, ("choices", "positive")),
+    ("cross backend", cross_backend, ("choices",)),
     ("shapes", shapes, ("positive",)),
     ("data", data, ("choices",)),
     ("testbed", testbed, ()),

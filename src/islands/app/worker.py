@@ -17,7 +17,13 @@ from islands.runtime.world import close_world, init_world
 
 
 def run_worker(cfg: JobConfig, run_dir: Path, plot: bool = True) -> dict:
-    world = init_world(cfg.world.islands, cfg.world.timeout, device=cfg.world.device)
+    world = init_world(
+        cfg.world.islands,
+        cfg.world.timeout,
+        device=cfg.world.device,
+        cross_backend=cfg.world.cross_backend,
+        gloo_links=bool(cfg.world.testbed),
+    )
     try:
         return run_job(cfg, world, run_dir, plot)
     finally:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from islands.runtime.comm import Comm, CommLedger
+from islands.runtime.staging import StagedComm
 from islands.runtime.world import World
 
 P2P_BYTES = 4 << 20
@@ -150,6 +152,33 @@ def probe_topology() -> dict:
     return topology(os.environ.get("MASTER_ADDR", ""), ranks)
 
 
+def probe_cross(world: World, reps: int = 3) -> dict:
+    """The cross-island group as the outer strategy meets it: an all-reduce of ALLREDUCE_BYTES[-1] over
+    world's cross group (through host buffers where a GPU job crosses on gloo, as its strategy's exchanges do),
+    counted in a ledger of its own (probe traffic is not training traffic). Every rank calls it; each times its
+    own group."""
+    probe = Comm(world.cross_group, CommLedger())
+    n = probe.size
+    size = ALLREDUCE_BYTES[-1]
+    t = torch.ones(size // 4, device=world.device)
+    staged = world.crosses_through_host
+    timed = StagedComm(probe) if staged else probe
+    timed.all_reduce(t, kind="probe")  # warm-up: connection set-up is not bandwidth
+    start = time.perf_counter()
+    for _ in range(reps):
+        timed.all_reduce(t, kind="probe")
+    sec = (time.perf_counter() - start) / reps
+    algbw = size / sec
+    return {
+        "backend": world.cross_backend or world.backend,
+        "staged_through_host": staged,
+        "ranks": n,
+        "bytes": size,
+        "seconds": sec,
+        "busbw_gb_s": algbw * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0,
+    }
+
+
 def probe_interconnect(world: World) -> dict:
     if not world.distributed:
         return {"measured": False, "reason": "single process: no interconnect"}
@@ -157,14 +186,18 @@ def probe_interconnect(world: World) -> dict:
     topo = probe_topology()
     p2p = probe_p2p(world)
     ar = probe_all_reduce(world)
-    return {
+    record = {
         "measured": True,
         "backend": world.backend,
+        "cross_backend": world.cross_backend or world.backend,
         "topology": topo,
         "p2p": p2p,
         "all_reduce": ar,
-        "probe_seconds": time.perf_counter() - t,
     }
+    if world.islands > 1 and world.cross_group is not None:
+        record["cross"] = probe_cross(world)
+    record["probe_seconds"] = time.perf_counter() - t
+    return record
 
 
 def link_name(interconnect: dict) -> str:
@@ -190,7 +223,12 @@ def describe(interconnect: dict) -> str:
         return interconnect.get("reason") or "none (single process)"
     p = interconnect.get("p2p", {})
     ar = interconnect.get("all_reduce", [{}])[-1]
-    return (
+    line = (
         f"{link_name(interconnect)}: p2p {p.get('bandwidth_gbit_s', 0):.2f} Gbit/s, "
         f"{p.get('latency_us', 0):.0f} us; all-reduce busbw {ar.get('busbw_gb_s', 0):.3f} GB/s"
     )
+    cross = interconnect.get("cross_backend")
+    if cross and cross != interconnect.get("backend"):  # a GPU job crossing islands on gloo says so
+        busbw = interconnect.get("cross", {}).get("busbw_gb_s")
+        line += f"; across islands {cross}" + (f" {busbw:.3f} GB/s" if busbw is not None else "")
+    return line

@@ -340,6 +340,8 @@ def authenticate_payloads(world, token: str | None = None):
     if membership is not None:
         membership.authenticate(token)  # a follower of a k-worker island has nothing to tag (its leader does)
         return membership
-    comm = AuthenticatedComm(world.comm("cross"), token)
+    # host tensors: a GPU job's gloo cross group stages around the authenticated Comm (World.comm), so the tags
+    # hash host bytes
+    comm = AuthenticatedComm(world.host_comm("cross"), token)
     world.comms = {**(world.comms or {}), "cross": comm}
     return comm

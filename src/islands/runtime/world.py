@@ -57,6 +57,7 @@ from islands.runtime.elastic.membership import (
     parse_address,
 )
 from islands.runtime.payload_auth import PayloadAuthError
+from islands.runtime.staging import HostBuffers, StagedComm
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -93,12 +94,16 @@ class World:
     mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh when size > 1
     local_group: ProcessGroup | None = None
     cross_group: ProcessGroup | None = None
+    # the backend of the cross-island group: the world's own, or gloo for a GPU job whose islands meet over TCP
+    # (resolve_cross_backend); device tensors then cross through host buffers (runtime.staging)
+    cross_backend: str = ""
     # elastic mode (islands.runtime.elastic): its own Comm per scope, a fixed data shard
     # (shard, shards) that survives rank changes, and the membership whose state is checkpointed
     comms: dict | None = None
     data_shard: tuple[int, int] | None = None
     membership: ElasticMembership | None = None  # runtime.contracts; None in a fixed world
     owns_group: bool = False  # init_world made the default process group (close_world destroys only that)
+    _host_buffers: HostBuffers = field(default_factory=HostBuffers, repr=False)
     # The step this process's loop starts at: for a joiner of an elastic job, the members' step when it entered
     # (its strategy's wrap received their global model and strategy state); 0 otherwise.
     start_step: int = 0
@@ -132,10 +137,25 @@ class World:
 
     def comm(self, scope: str = "global") -> Collectives:
         """Counted collectives over 'global', 'local' (this island) or 'cross' (same slot, all islands)."""
+        return self._staged(scope, self.host_comm(scope))
+
+    def host_comm(self, scope: str = "global") -> Collectives:
+        """comm(scope) without the host staging a GPU job's gloo cross group adds (wrappers that must see host
+        tensors, such as payload authentication, wrap this one; comm() stages around them)."""
         if self.comms and scope in self.comms:
             return self.comms[scope]
         group = {"global": None, "local": self.local_group, "cross": self.cross_group}[scope]
         return Comm(group, self.ledger)
+
+    @property
+    def crosses_through_host(self) -> bool:
+        """Whether this world's cross-island exchanges copy device tensors through host buffers (stages_across)."""
+        return stages_across(self.device, self.backend, self.cross_backend)
+
+    def _staged(self, scope: str, comm: Collectives) -> Collectives:
+        if scope != "cross" or not self.crosses_through_host:
+            return comm
+        return StagedComm(comm, self._host_buffers)  # one pool per process: every round reuses its buffers
 
     def all_gather_object(self, obj) -> list:
         """Bookkeeping gather over every rank (not training traffic)."""
@@ -180,7 +200,13 @@ def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
 ISLANDS_ENV = "ISLANDS_ISLANDS"  # set by `islands run --islands K` for scripts that do not say
 
 
-def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str = "auto") -> World:
+def init_world(
+    islands: int | None = None,
+    timeout_s: float = 120.0,
+    device: str = "auto",
+    cross_backend: str = "auto",
+    gloo_links: bool = False,
+) -> World:
     """The World of this process: join the job described by torch's env:// variables (set by `islands run`,
     `islands train`'s launcher or torchrun), or take over a default process group the script already made.
 
@@ -197,7 +223,13 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     not used, and the job's own collective timeout applies. A process the job refuses, or a joiner the job
     ended before admitting, prints why and exits with code 3 or 4; a worker whose island lost a worker (or
     that the members excluded) prints why and exits 1.
+
+    `cross_backend` (auto | gloo | nccl): the backend of the cross-island groups of a fixed world
+    (resolve_cross_backend; `gloo_links`: the islands meet over shaped or unreliable links, so auto takes gloo
+    in a GPU job). Elastic and joined jobs always exchange over gloo.
     """
+    if cross_backend not in CROSS_BACKENDS:
+        raise ValueError(f"cross_backend must be one of {', '.join(CROSS_BACKENDS)}; got {cross_backend!r}")
     if islands is None:
         islands = int(os.environ.get(ISLANDS_ENV, "1"))
     if islands < 1:
@@ -208,6 +240,8 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
     if address:
         if device == "cuda":
             raise ValueError("an elastic job exchanges over gloo on the CPU; use device='cpu' or 'auto'")
+        if cross_backend == "nccl":
+            raise ValueError("an elastic job exchanges over gloo (NCCL cannot follow members that come and go)")
         sys.excepthook = _elastic_exit(address, sys.excepthook)
         return join_elastic(
             address,
@@ -216,11 +250,13 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
             island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)),
         )
     if cross_requested():  # an island of a joined job (ISLANDS_CROSS_ADDR): its own job inside, islands across
+        if cross_backend == "nccl":
+            raise ValueError("islands that are separate jobs meet over gloo (their own store); use cross_backend=auto")
         return join_islands(timeout_s=timeout_s, device=device)
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend: str = dist.get_backend()  # a torch Backend, a str
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        return _world_over_default_group(islands, dev, backend)
+        return _world_over_default_group(islands, dev, backend, cross_backend, gloo_links, timeout_s)
     if "RANK" not in os.environ:
         if islands != 1:
             raise ValueError(
@@ -232,23 +268,73 @@ def init_world(islands: int | None = None, timeout_s: float = 120.0, device: str
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
     backend, dev = pick_backend(device)
     dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
-    world = _world_over_default_group(islands, dev, backend)
+    world = _world_over_default_group(islands, dev, backend, cross_backend, gloo_links, timeout_s)
     world.owns_group = True
     return world
 
 
-def _world_over_default_group(islands: int, device: torch.device, backend: str) -> World:
+def _world_over_default_group(
+    islands: int,
+    device: torch.device,
+    backend: str,
+    cross_backend: str = "auto",
+    gloo_links: bool = False,
+    timeout_s: float = 120.0,
+) -> World:
     rank, size = dist.get_rank(), dist.get_world_size()
     if size % islands:
         raise ValueError(f"world size {size} is not divisible by islands={islands}; choose a divisor of {size}")
-    world = World(rank=rank, size=size, islands=islands, device=device, backend=backend)
+    cross = resolve_cross_backend(cross_backend, backend, gloo_links)
+    world = World(rank=rank, size=size, islands=islands, device=device, backend=backend, cross_backend=cross)
     if size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         world.mesh = init_device_mesh(device.type, (islands, size // islands), mesh_dim_names=("island", "local"))
         world.local_group = world.mesh.get_group("local")
-        world.cross_group = world.mesh.get_group("island")
+        if cross == backend and cross_backend != "gloo":
+            world.cross_group = world.mesh.get_group("island")
+        else:  # gloo across a NCCL world, or gloo named: a group of its own (a CPU job builds it as a GPU job does)
+            world.cross_group = cross_groups(islands, size // islands, cross, _dt.timedelta(seconds=timeout_s))
     return world
+
+
+CROSS_BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_cross_backend(requested: str, backend: str, gloo_links: bool = False) -> str:
+    """The backend of the cross-island group for `requested` (auto | gloo | nccl) in a world on `backend`.
+
+    auto: the world's own backend, except gloo for a GPU job whose islands meet over links islands shapes or
+    that may fail (`gloo_links`: a testbed; elastic jobs exchange over gloo anyway), where NCCL could hang on a
+    dead peer instead of failing. gloo: always possible (device tensors are staged through host memory). nccl:
+    only in a NCCL world."""
+    if requested not in CROSS_BACKENDS:
+        raise ValueError(f"cross_backend must be one of {', '.join(CROSS_BACKENDS)}; got {requested!r}")
+    if requested == "nccl" and backend != "nccl":
+        raise ValueError(
+            f"cross_backend=nccl needs a CUDA world (device=cuda, one GPU per worker); this world runs {backend}: "
+            "use cross_backend=gloo or auto"
+        )
+    if requested != "auto":
+        return requested
+    return "gloo" if backend == "nccl" and gloo_links else backend
+
+
+def stages_across(device: torch.device, backend: str, cross_backend: str) -> bool:
+    """Whether cross-island tensors must be copied through host memory: a device world over a gloo cross group."""
+    return cross_backend == "gloo" and backend == "nccl" and device.type != "cpu"
+
+
+def cross_groups(islands: int, per_island: int, backend: str, timeout: _dt.timedelta) -> ProcessGroup | None:
+    """This rank's group of the workers with its local index on every island, on `backend`. Collective: every
+    rank makes every slot's group in the same order (torch's new_group), and keeps its own."""
+    me = dist.get_rank() % per_island
+    mine = None
+    for slot in range(per_island):
+        group = dist.new_group([i * per_island + slot for i in range(islands)], backend=backend, timeout=timeout)
+        if slot == me:
+            mine = group
+    return mine
 
 
 def close_world(world: World) -> None:
@@ -366,6 +452,7 @@ def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device
         islands=spec.islands,
         device=dev,
         backend=backend,
+        cross_backend="gloo",  # the cross store's elastic groups (islands.runtime.cross)
         ledger=ledger,
         owns_group=owns,
         # the shard this worker reads stays its own when islands die (their data is not taken over)
@@ -521,6 +608,7 @@ def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard:
         islands=1,
         device=torch.device("cpu"),
         backend="gloo",
+        cross_backend="gloo",
         ledger=relay.ledger,
         comms={"cross": relay, "global": relay, "local": Comm(None, relay.ledger)},
         data_shard=data_shard,
@@ -550,6 +638,7 @@ def elastic_world(membership: Membership, data_shard: tuple[int, int]) -> World:
         islands=size,
         device=torch.device("cpu"),
         backend="gloo",
+        cross_backend="gloo",
         ledger=comm.ledger,
         comms={"cross": comm, "global": comm, "local": LoneComm()},
         data_shard=data_shard,

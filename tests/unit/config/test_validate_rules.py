@@ -144,3 +144,37 @@ def test_an_elastic_ps_job_needs_server_processes_one_worker_islands_and_no_chec
     assert found.startswith("checkpoint: an elastic ps job keeps its state in the server processes' journals")
     (found,) = problems(from_mapping(dict(ELASTIC, workers=6, global_batch=24, outer="ps:inner_steps=4,servers=1")))
     assert found == "outer.strategy: ps runs one worker per island for now; this job's islands have 2 workers"
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (dict(cross_backend="mpi"), ["world.cross_backend must be one of auto, gloo, nccl", "'mpi'"]),
+        (dict(cross_backend="nccl", device="cpu"), ["cross_backend=nccl needs world.device=cuda"]),
+        ({**ELASTIC, "cross_backend": "nccl", "outer": "diloco:inner_steps=2"}, ["elastic job exchanges over gloo"]),
+        (dict(cross_backend="nccl", workers=2, islands=2, simulate=True), ["simulated islands"]),
+    ],
+)
+def test_cross_backend_refusals(settings, words):
+    found = problems(from_mapping(settings))
+    assert any(all(w in m for w in words) for m in found), found
+
+
+def test_gloo_across_is_a_valid_choice_anywhere():
+    assert not [m for m in problems(from_mapping(dict(cross_backend="gloo"))) if "cross_backend" in m]
+
+
+def test_the_worker_hands_its_cross_backend_and_testbed_to_init_world(monkeypatch, tmp_path):
+    import islands.app.worker as worker
+
+    seen = {}
+
+    def fake_init_world(islands, timeout, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(worker, "init_world", fake_init_world)
+    cfg = from_mapping(dict(cross_backend="gloo", testbed="tb"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        worker.run_worker(cfg, tmp_path)
+    assert seen["cross_backend"] == "gloo" and seen["gloo_links"] is True

@@ -31,6 +31,7 @@ from islands.runtime.elastic import ElasticComm, Membership
 from islands.runtime.elastic.island_comm import IslandComm, IslandFollower, IslandLeader, SlotComm
 from islands.runtime.payload_auth import AuthenticatedComm
 from islands.runtime.simulate import SimComm
+from islands.runtime.staging import StagedComm
 from islands.runtime.world import LoneComm, World
 from islands.sync.base import Composite, Describes, KeepsIslandsApart, OwnsStep, SkipsSteps, WritesReport, capability
 from islands.sync.ddp import DDP
@@ -45,10 +46,10 @@ from islands.sync.sharded import FSDP
 from islands.sync.single import Single
 from islands.sync.stack import Stack
 
-COMMS = [Comm, LoneComm, SimComm, ElasticComm, IslandComm, SlotComm, AuthenticatedComm]
+COMMS = [Comm, LoneComm, SimComm, ElasticComm, IslandComm, SlotComm, AuthenticatedComm, StagedComm]
 COMM_DOUBLES = [_SameDeltaComm, _TwoIslandComm, _TwinComm, Tamper]
 ELASTIC_COMMS = [ElasticComm, IslandComm, SlotComm]
-POINT_TO_POINT = [Comm, SimComm, AuthenticatedComm]
+POINT_TO_POINT = [Comm, SimComm, AuthenticatedComm, StagedComm]
 MEMBERSHIPS = [Membership, IslandLeader, IslandFollower]
 PARTICIPANTS = [DiLoCo, StreamingDiLoCo, LocalSGD, Gossip, EASGD]
 
@@ -147,9 +148,18 @@ def test_elastic_comms_satisfy_the_elastic_protocol_and_say_so(cls):
     assert cls.elastic is True
 
 
-@pytest.mark.parametrize("cls", [c for c in COMMS if c not in ELASTIC_COMMS], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [c for c in COMMS if c not in ELASTIC_COMMS and c is not StagedComm], ids=lambda c: c.__name__
+)
 def test_fixed_comms_say_they_are_not_elastic_and_have_no_epoch(cls):
     assert cls.elastic is False and cls.epoch is None
+
+
+def test_a_staged_comm_says_what_the_comm_it_wraps_says():
+    fixed = StagedComm(Comm(None))
+    assert fixed.elastic is False and fixed.epoch is None
+    elastic = StagedComm(ElasticComm.__new__(ElasticComm))
+    assert elastic.elastic is True
 
 
 @pytest.mark.parametrize("cls", POINT_TO_POINT, ids=lambda c: c.__name__)
