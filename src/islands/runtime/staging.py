@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -203,3 +204,31 @@ class StagedComm:
                 hosts.clear()
 
         return got, wait
+
+
+class StagedElasticComm(StagedComm):
+    """A StagedComm around an elastic Comm (runtime.contracts.ElasticCollectives): the members' names, and the
+    planned point-to-point round with its sends staged and what arrives moved to the device of `like`. An
+    elastic job on a GPU crosses this way (its cross-island Comm is gloo)."""
+
+    @property
+    def names(self) -> list[str]:
+        return self.inner.names
+
+    def exchange_planned(
+        self,
+        plan: Callable[[int, int], tuple[dict[int, torch.Tensor], list[int]]],
+        like: torch.Tensor,
+        kind: str = "p2p",
+    ) -> tuple[dict[int, torch.Tensor], list[int], list[int]]:
+        if not needs_staging(like):
+            return self.inner.exchange_planned(plan, like, kind=kind)
+
+        def host_plan(rank: int, size: int):
+            # a failed attempt plans again over the survivors: each attempt stages its own sends
+            sends, recv_from = plan(rank, size)
+            return {p: t.detach().to("cpu") for p, t in sends.items()}, recv_from
+
+        host_like = torch.empty(like.shape, dtype=like.dtype)
+        got, send_to, recv_from = self.inner.exchange_planned(host_plan, host_like, kind=kind)
+        return {p: t.to(like.device) for p, t in got.items()}, send_to, recv_from

@@ -57,7 +57,7 @@ from islands.runtime.elastic.membership import (
     parse_address,
 )
 from islands.runtime.payload_auth import PayloadAuthError
-from islands.runtime.staging import HostBuffers, StagedComm
+from islands.runtime.staging import HostBuffers, StagedComm, StagedElasticComm
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -150,12 +150,15 @@ class World:
     @property
     def crosses_through_host(self) -> bool:
         """Whether this world's cross-island exchanges copy device tensors through host buffers (stages_across)."""
-        return stages_across(self.device, self.backend, self.cross_backend)
+        return stages_across(self.device, self.cross_backend)
 
     def _staged(self, scope: str, comm: Collectives) -> Collectives:
         if scope != "cross" or not self.crosses_through_host:
             return comm
-        return StagedComm(comm, self._host_buffers)  # one pool per process: every round reuses its buffers
+        # one pool per process: every round reuses its buffers
+        if comm.elastic:  # members change: the elastic surface (names, planned rounds) goes through too
+            return StagedElasticComm(comm, self._host_buffers)
+        return StagedComm(comm, self._host_buffers)
 
     def all_gather_object(self, obj) -> list:
         """Bookkeeping gather over every rank (not training traffic)."""
@@ -320,9 +323,10 @@ def resolve_cross_backend(requested: str, backend: str, gloo_links: bool = False
     return "gloo" if backend == "nccl" and gloo_links else backend
 
 
-def stages_across(device: torch.device, backend: str, cross_backend: str) -> bool:
-    """Whether cross-island tensors must be copied through host memory: a device world over a gloo cross group."""
-    return cross_backend == "gloo" and backend == "nccl" and device.type != "cpu"
+def stages_across(device: torch.device, cross_backend: str) -> bool:
+    """Whether cross-island tensors must be copied through host memory: a device world over a gloo cross group
+    (a NCCL world crossing on gloo, or an elastic job on a GPU)."""
+    return cross_backend == "gloo" and device.type != "cpu"
 
 
 def cross_groups(islands: int, per_island: int, backend: str, timeout: _dt.timedelta) -> ProcessGroup | None:
