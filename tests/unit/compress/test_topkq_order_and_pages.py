@@ -1,7 +1,7 @@
 """topkq's `order` (issue #34 item 5): under index=fixed a chunk's positions travel ascending (the default: the faster
 selection on the CPU) or in torch.topk's order (order=torch); both send the same entries, so they decode to the same
-vector up to the per-chunk scale's summation order. And compress.pages.zeros: a zeroed vector whose large CPU allocations are
-advised onto 2 MB pages, over exactly their 2 MB-aligned interior."""
+vector up to the per-chunk scale's summation order. And compress.pages.zeros: a zeroed vector whose large CPU
+allocations are advised onto 2 MB pages, over exactly their 2 MB-aligned interior."""
 
 import pytest
 import torch
