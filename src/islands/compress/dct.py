@@ -61,13 +61,14 @@ class DCTTopK(TopKQ):
         decay: float = 1.0,
         ef: bool = True,
         index: Literal["fixed", "elias-fano"] = "fixed",
-        order: Literal["torch", "ascending"] = "torch",
+        order: Literal["ascending", "torch"] = "ascending",
     ):
         """DeMo's transform, then TopKQ on the DCT coefficients. `ratio`: fraction of each chunk of coefficients sent.
         `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32 for fp32 values. `block`: DCT length
         (DeMo: 64). `chunk`: coefficients per top-k chunk (4096: a position packs into 12 bits). `decay`: the
         error-feedback residual's weight each round (1 = plain error feedback). `ef`: error feedback around it. `index`:
-        how positions travel, fixed (ceil(log2 chunk) bits each) or elias-fano (topkq's). `order`: topkq's."""
+        how positions travel, fixed (ceil(log2 chunk) bits each) or elias-fano (topkq's). `order`: topkq's, a chunk's
+        positions ascending (default) or in torch.topk's order (torch)."""
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"{self.name} block (DCT length) must be an int >= 1, got {block!r}")
         super().__init__(ratio=ratio, bits=bits, chunk=chunk, decay=decay, ef=ef, index=index, order=order)

@@ -4,9 +4,10 @@ it stands in for give on the CPU.
 Chunked top-k. `torch.topk(rows, k, dim=1, sorted=False)` on the CPU runs, per row, libstdc++'s
 `std::partial_sort` when 64 k <= row length and `std::nth_element` (introselect) otherwise, on (value, index)
 pairs ordered NaN first, then by larger value. The unsorted order it returns is that algorithm's, and TopKQ's
-fixed-width payload packs positions in exactly that order (and its least-squares scale sums the values in it),
-so a faster selection must reproduce the order, ties included, not just the set. `topk_rows` runs the same
-algorithm on the same comparator, with one change that keeps every swap: introselect's Hoare partition
+fixed-width payload under order=torch packs positions in exactly that order (and its least-squares scale sums the
+values in it), so a faster selection must reproduce the order, ties included, not just the set (the default,
+order=ascending, sends each chunk's positions ascending: a threshold selection gives that directly). `topk_rows`
+runs the same algorithm on the same comparator, with one change that keeps every swap: introselect's Hoare partition
 finds its out-of-place elements a block at a time without branches (a compare stored as an offset, as
 BlockQuicksort does) and swaps the same pairs in the same order Hoare's scan would; the ends of each
 partition, where the scans cross, run Hoare's loop itself. Mispredicted branches were most of the cost.

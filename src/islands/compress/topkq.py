@@ -59,11 +59,13 @@ BITS = (2, 4, 8, 32)
 # How positions inside a chunk travel: `fixed`, ceil(log2 chunk) bits each (SparseLoCo's 12); `elias-fano`, the
 # chunk's sorted positions Elias-Fano coded (elias_fano.py: ~log2(chunk / k) + 2 bits each, a size fixed by chunk and k)
 INDEX = ("fixed", "elias-fano")
-# The order of a chunk's positions in an index=fixed payload: `torch`, torch.topk's (sorted=False) order, which the
-# CPU kernels reproduce by replaying its introselect; `ascending`, each chunk's positions ascending, which a threshold
-# selection yields directly (about twice as fast on the CPU). The decoded vector is the same set of entries either
-# way; the per-chunk scale is summed in that order, so the two agree to rounding, not bit for bit.
-ORDER = ("torch", "ascending")
+# The order of a chunk's positions in an index=fixed payload: `ascending` (the default), each chunk's positions
+# ascending, which a threshold selection yields directly; `torch`, torch.topk's (sorted=False) order, which the CPU
+# kernels reproduce by replaying its introselect (about half as fast on the CPU; issue #34's 1 GB/s on one thread
+# is met by ascending only, docs/compression.md). The decoded vector is the same set of entries either way; the
+# per-chunk scale is summed in that order, so the two agree to rounding, not bit for bit: order=torch is the one
+# that gives torch.topk's payload bit for bit (the default before issue #34 item 5).
+ORDER = ("ascending", "torch")
 # SparseLoCo's chunk: 4096 values, so a position inside it packs into 12 bits.
 SPARSELOCO_CHUNK = 4096
 
@@ -164,7 +166,7 @@ class TopKQ(CompressorBase):
         decay: float = 1.0,
         ef: bool = True,
         index: Literal["fixed", "elias-fano"] = "fixed",
-        order: Literal["torch", "ascending"] = "torch",
+        order: Literal["ascending", "torch"] = "ascending",
     ):
         """SparseLoCo's payload: the top of each chunk, positions packed, values in a few bits. `ratio`: fraction of
         each chunk sent (SparseLoCo: 1-3%). `bits`: value codes of 2, 4 or 8 bits with one fp32 scale per chunk, or 32
@@ -172,8 +174,9 @@ class TopKQ(CompressorBase):
         residual's weight each round (SparseLoCo decays it, 1 = plain error feedback). `ef`: error feedback around it
         (the residual keeps what was not selected and the quantisation error). `index`: fixed (ceil(log2 chunk) bits
         per position) or elias-fano (each chunk's sorted positions Elias-Fano coded: ~7.4 bits a position at 92 of
-        4096, so the same bytes carry 1.5x the entries). `order`: under index=fixed, a chunk's positions in torch.topk's
-        order (torch) or ascending (ascending: the faster selection on the CPU; ORDER); elias-fano is always
+        4096, so the same bytes carry 1.5x the entries). `order`: under index=fixed, a chunk's positions ascending
+        (ascending, the default: the faster selection on the CPU) or in torch.topk's order (torch: torch.topk's
+        payload bit for bit; the same entries, the scale summed in another order; ORDER); elias-fano is always
         ascending."""
         super().__init__()
         if not 0.0 < ratio <= 1.0:

@@ -78,10 +78,13 @@ def test_same_entries_as_fixed_positions_in_fewer_bytes(n, ratio):
     assert coded.index_nbytes(n) == -(-(full * ef.nbits(g, k) + ef.nbits(tail, k_tail)) // 8)
     if n >= 4096 and ratio < 0.5:
         assert pc.nbytes < pf.nbytes
-    # 2-bit values: the same positions, values equal up to the order of the scale's sum (fp32 rounding)
-    a, b = TopKQ(ratio, bits=2), TopKQ(ratio, bits=2, index="elias-fano")
+    # 2-bit values: the same positions; against order=torch values equal up to the order of the scale's sum (fp32
+    # rounding), against the default order (ascending, as Elias-Fano sends them) the same bits
+    a, b = TopKQ(ratio, bits=2, order="torch"), TopKQ(ratio, bits=2, index="elias-fano")
     da, db = a.decompress(a.compress(x, {})), b.decompress(b.compress(x, {}))
     assert torch.equal(da != 0, db != 0) and torch.allclose(da, db, rtol=1e-5, atol=1e-7)
+    asc = TopKQ(ratio, bits=2)
+    assert torch.equal(asc.decompress(asc.compress(x, {})), db)
 
 
 def test_146x_with_half_again_the_entries():

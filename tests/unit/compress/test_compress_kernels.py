@@ -227,16 +227,18 @@ def test_topk_rows_is_torch_topk_in_its_order(path, k_of):
 
 # ---- topkq / dct-topk ----------------------------------------------------------------------------------------
 
+# order=torch spelt out where the reference is torch.topk's own order (the introselect replay, or the magnitude
+# order of its partial_sort regime at ratio 0.01); the default, order=ascending, is spelt out too
 SPECS = [
-    TopKQ(ratio=0.0215, bits=2),
-    TopKQ(ratio=0.01, bits=2),
+    TopKQ(ratio=0.0215, bits=2, order="torch"),
+    TopKQ(ratio=0.01, bits=2, order="torch"),
     TopKQ(ratio=0.0215, bits=2, index="elias-fano"),
     TopKQ(ratio=0.0215, bits=2, order="ascending"),
-    TopKQ(ratio=0.05, bits=4, chunk=1000),
+    TopKQ(ratio=0.05, bits=4, chunk=1000, order="torch"),
     TopKQ(ratio=0.3, bits=8, chunk=64, index="elias-fano"),
-    TopKQ(ratio=0.02, bits=32),
-    TopKQ(ratio=1.0, bits=2, chunk=16),
-    DCTTopK(ratio=0.0215, bits=2),
+    TopKQ(ratio=0.02, bits=32, order="torch"),
+    TopKQ(ratio=1.0, bits=2, chunk=16, order="torch"),
+    DCTTopK(ratio=0.0215, bits=2, order="torch"),
     DCTTopK(ratio=0.05, bits=4, block=7, chunk=100, index="elias-fano"),
     DCTTopK(ratio=0.05, bits=4, block=7, chunk=100, order="ascending"),
 ]
@@ -259,9 +261,10 @@ def test_topkq_payload_and_decode_are_the_references(path, c, n):
         assert _same(c.subtract_sent(work, p), x - expect), what
 
 
+@pytest.mark.parametrize("order", ["torch", "ascending"])
 @pytest.mark.parametrize("shape", [(3, 5), (64, 65), (130, 4097)])
-def test_topkq_keeps_the_input_dtype_and_shape(path, shape):
-    c = TopKQ(ratio=0.0215, bits=2)
+def test_topkq_keeps_the_input_dtype_and_shape(path, shape, order):
+    c = TopKQ(ratio=0.0215, bits=2, order=order)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     p = c.compress(x, {})
     ref = ref_topkq_compress(c, x)
@@ -271,7 +274,14 @@ def test_topkq_keeps_the_input_dtype_and_shape(path, shape):
     assert _same(c.subtract_sent(x.float(), p), x.float() - expect.to(torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("spec", ["topkq:ratio=0.0215,bits=2", "topkq:ratio=0.0215,index=elias-fano,decay=0.95"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topkq:ratio=0.0215,bits=2,order=torch",
+        "topkq:ratio=0.0215,bits=2",  # the default order, ascending
+        "topkq:ratio=0.0215,index=elias-fano,decay=0.95",
+    ],
+)
 def test_error_feedback_residuals_are_the_references_over_rounds(path, spec):
     ef = parse_compressor(spec)
     inner = ef.inner
@@ -299,7 +309,7 @@ def test_bare_topkq_with_nan_and_inf_gives_the_reference_payload(path):
     x = torch.randn(2 * 4096 + 3, generator=torch.Generator().manual_seed(5))
     x[::97] = float("nan")
     x[5::101] = float("inf")
-    for c in (TopKQ(ratio=0.0215), TopKQ(ratio=0.01, index="elias-fano")):
+    for c in (TopKQ(ratio=0.0215, order="torch"), TopKQ(ratio=0.0215), TopKQ(ratio=0.01, index="elias-fano")):
         p = c.compress(x, {})
         assert all(_same(a, b) for a, b in zip(p.tensors, ref_topkq_compress(c, x)))
 
@@ -363,8 +373,9 @@ def test_randomk_shared_residual_is_x_with_the_sent_entries_zeroed(path, n):
         assert _same(ef.decompress(p), expect)
 
 
-def test_dct_topk_error_feedback_residual_is_the_reference(path):
-    ef = parse_compressor("dct-topk:ratio=0.0215,bits=2")
+@pytest.mark.parametrize("spec", ["dct-topk:ratio=0.0215,bits=2,order=torch", "dct-topk:ratio=0.0215,bits=2"])
+def test_dct_topk_error_feedback_residual_is_the_reference(path, spec):
+    ef = parse_compressor(spec)
     residual = torch.zeros(2 * 4096 + 100)
     g = torch.Generator().manual_seed(9)
     for _ in range(3):

@@ -15,11 +15,11 @@ from islands.compress.error_feedback import ErrorFeedback
 from islands.compress.topkq import TopKQ
 
 SPECS = [
-    "topkq:ratio=0.0215,bits=2",  # 64 k > 4096: torch's introselect replayed
-    "topkq:ratio=0.0215,bits=2,order=ascending",  # threshold selection, positions ascending
-    "topkq:ratio=0.01,bits=2",  # 64 k <= 4096: threshold selection ordered by magnitude
+    "topkq:ratio=0.0215,bits=2,order=torch",  # 64 k > 4096: torch's introselect replayed
+    "topkq:ratio=0.0215,bits=2,order=ascending",  # (the default) threshold selection, positions ascending
+    "topkq:ratio=0.01,bits=2,order=torch",  # 64 k <= 4096: threshold selection ordered by magnitude
     "topkq:ratio=0.0215,index=elias-fano",
-    "topkq:ratio=0.05,bits=4,chunk=1000",
+    "topkq:ratio=0.05,bits=4,chunk=1000,order=torch",
     "topkq:ratio=0.02,bits=32,order=ascending",
 ]
 SIZES = [1, 5, 4095, 4096, 4097, 3 * 4096 + 17, 50_001]

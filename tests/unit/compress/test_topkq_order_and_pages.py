@@ -1,12 +1,12 @@
-"""topkq's `order` (issue #34 item 5): under index=fixed a chunk's positions travel in torch.topk's order (the default)
-or ascending (the faster selection on the CPU); both send the same entries, so they decode to the same vector up to
-the per-chunk scale's summation order. And compress.pages.zeros: a zeroed vector whose large CPU allocations are
-advised onto 2 MB pages, over exactly their 2 MB-aligned interior."""
+"""topkq's `order` (issue #34 item 5): under index=fixed a chunk's positions travel ascending (the default: the faster
+selection on the CPU) or in torch.topk's order (order=torch); both send the same entries, so they decode to the same
+vector up to the per-chunk scale's summation order. And compress.pages.zeros: a zeroed vector whose large CPU
+allocations are advised onto 2 MB pages, over exactly their 2 MB-aligned interior."""
 
 import pytest
 import torch
 
-from islands.compress import TopKQ, pages, parse_compressor
+from islands.compress import DCTTopK, TopKQ, pages, parse_compressor
 from islands.compress.bits import unpack_uint
 
 
@@ -18,7 +18,7 @@ def _positions(c: TopKQ, payload, n: int) -> torch.Tensor:
 def test_ascending_sends_the_same_entries_sorted_and_decodes_to_the_same_vector():
     n = 4096 * 6 + 100
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
-    plain, asc = TopKQ(ratio=0.0215), TopKQ(ratio=0.0215, order="ascending")
+    plain, asc = TopKQ(ratio=0.0215, order="torch"), TopKQ(ratio=0.0215, order="ascending")
     p, q = plain.compress(x, {}), asc.compress(x, {})
     assert plain.payload_nbytes(x.shape, x.dtype) == asc.payload_nbytes(x.shape, x.dtype)
     mine, theirs = _positions(asc, q, n), _positions(plain, p, n)
@@ -26,12 +26,34 @@ def test_ascending_sends_the_same_entries_sorted_and_decodes_to_the_same_vector(
     assert not torch.equal(theirs, theirs.sort(dim=1).values)  # torch's order is not
     assert torch.equal(mine, theirs.sort(dim=1).values)  # the same positions
     torch.testing.assert_close(asc.decompress(q), plain.decompress(p), rtol=1e-6, atol=0)
+    # the default is ascending: the same payload, bit for bit, as order=ascending spelt out
+    default = TopKQ(ratio=0.0215).compress(x, {})
+    assert all(torch.equal(a, b) for a, b in zip(default.tensors, q.tensors, strict=True))
+
+
+def test_default_order_decodes_to_torch_orders_entries_within_rounding():
+    """The default (ascending) sends, chunk by chunk, the set of entries order=torch sends, tail chunk included, and
+    the two decode within the scale's rounding; with fp32 values (no scale) they decode to the same vector."""
+    n = 4096 * 3 + 777
+    x = torch.randn(n, generator=torch.Generator().manual_seed(8))
+    for bits in (2, 4, 8, 32):
+        default, torch_order = TopKQ(ratio=0.0215, bits=bits), TopKQ(ratio=0.0215, bits=bits, order="torch")
+        a, b = default.decompress(default.compress(x, {})), torch_order.decompress(torch_order.compress(x, {}))
+        assert torch.equal(a != 0, b != 0), bits  # the same entries sent
+        if bits == 32:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 def test_order_in_the_spec_and_a_bad_one_named():
-    assert parse_compressor("topkq:ratio=0.02,order=ascending").inner.order == "ascending"  # inside error feedback
-    assert parse_compressor("topkq").inner.order == "torch"
-    with pytest.raises(ValueError, match=r"order \(of a chunk's positions\) must be one of torch, ascending"):
+    assert TopKQ().order == "ascending" and DCTTopK().order == "ascending"
+    assert parse_compressor("topkq").inner.order == "ascending"  # inside error feedback
+    assert parse_compressor("dct-topk").inner.order == "ascending"
+    assert parse_compressor("topkq:ratio=0.02,order=torch").inner.order == "torch"
+    assert parse_compressor("dct-topk:order=torch").inner.order == "torch"
+    assert parse_compressor("topkq:ratio=0.02,order=ascending").inner.order == "ascending"
+    with pytest.raises(ValueError, match=r"order \(of a chunk's positions\) must be one of ascending, torch"):
         TopKQ(order="sorted")
 
 
