@@ -37,7 +37,7 @@ from islands.runtime.elastic.membership import (
 )
 from islands.runtime.launch.stop import StopAt
 from islands.runtime.payload_auth import PayloadAuthError
-from islands.runtime.world import close_world, join_elastic
+from islands.runtime.world import close_world, elastic_device, join_elastic
 from islands.sync.stack import Stack
 
 __all__ = ["exit_now", "main", "parse_address", "run_elastic_worker"]
@@ -61,6 +61,9 @@ def run_elastic_worker(address: str, run_dir: Path, name: str, token: str, plot:
         )
     cfg = from_mapping(job.config)
     cfg.world.probe = False  # the probe needs a fixed world
+    # where this worker trains (the CPU unless the job says cuda); the cross-island Comm stays gloo and stages
+    # device tensors through host memory (World.comm)
+    world.device = elastic_device(cfg.world.device, place)
     if cfg.workers_per_island == 1:
         cfg.inner.strategy = "single"  # an island of one: nothing to average inside it
     leader = place is None or place.leader

@@ -100,6 +100,17 @@ def choices(cfg: JobConfig) -> list[str]:
     return found
 
 
+def elastic_on_gpus(cfg: JobConfig) -> str | None:
+    """An elastic job on GPUs: islands of one worker (runtime.world.elastic_device)."""
+    if cfg.elastic.enabled and cfg.world.device == "cuda" and cfg.workers_per_island > 1:
+        return (
+            f"an elastic job on GPUs (world.device=cuda) needs islands of one worker; got {cfg.workers_per_island} "
+            "per island (its workers meet over gloo inside the island, kept on the CPU in this version): set "
+            "workers = islands, or world.device=cpu"
+        )
+    return None
+
+
 def cross_backend(cfg: JobConfig) -> str | None:
     """world.cross_backend=nccl: only where the islands are one fixed NCCL world (resolve_cross_backend)."""
     w = cfg.world
@@ -743,6 +754,7 @@ RULES: list[tuple[str, Rule, tuple[str, ...]]] = [
     ("positive", positive, ()),
     ("device has GPUs", device_has_gpus, ("choices", "positive")),
     ("cross backend", cross_backend, ("choices",)),
+    ("elastic on GPUs", elastic_on_gpus, VALUES),
     ("shapes", shapes, ("positive",)),
     ("data", data, ("choices",)),
     ("testbed", testbed, ()),

@@ -241,16 +241,16 @@ def init_world(
     if address or "RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
         _hand_off_at_exit()
     if address:
-        if device == "cuda":
-            raise ValueError("an elastic job exchanges over gloo on the CPU; use device='cpu' or 'auto'")
         if cross_backend == "nccl":
             raise ValueError("an elastic job exchanges over gloo (NCCL cannot follow members that come and go)")
         sys.excepthook = _elastic_exit(address, sys.excepthook)
+        island = IslandPlace.from_env(os.environ.get(ISLAND_ENV))
         return join_elastic(
             address,
             os.environ.get(NAME_ENV) or f"j{secrets.token_hex(4)}",
             os.environ.get(TOKEN_ENV, ""),
-            island=IslandPlace.from_env(os.environ.get(ISLAND_ENV)),
+            island=island,
+            device=elastic_device(device, island),
         )
     if cross_requested():  # an island of a joined job (ISLANDS_CROSS_ADDR): its own job inside, islands across
         if cross_backend == "nccl":
@@ -484,7 +484,35 @@ NO_OUTER = (
 )
 
 
-def join_elastic(address: str, name: str, token: str, island: IslandPlace | None = None) -> World:
+def elastic_device(device: str, island: IslandPlace | None = None) -> torch.device:
+    """Where an elastic worker trains. auto and cpu: the CPU (an elastic job's islands may share one machine's
+    GPUs in any number, so auto does not guess). cuda: GPU LOCAL_RANK modulo the GPUs visible (device 0
+    without LOCAL_RANK); its cross-island exchanges stay gloo, through host buffers (runtime.staging). Only
+    islands of one worker: an island of several meets over a gloo group of its own inside (island_comm), which
+    this version keeps on the CPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    if device != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+    if island is not None and island.size > 1:
+        raise ValueError(
+            f"an elastic island of {island.size} workers trains on the CPU in this version (its workers meet over "
+            "gloo inside the island); use islands of one worker on GPUs, or device=cpu"
+        )
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def join_elastic(
+    address: str,
+    name: str,
+    token: str,
+    island: IslandPlace | None = None,
+    device: torch.device | None = None,
+) -> World:
     """Join the elastic job whose store is at HOST:PORT as `name`: prove the token, start the heartbeat, and
     return the World over its Membership (elastic_member) and ElasticComm. A first member (one of the job's first
     `workers`) is in epoch 0 at once; a later one enters at a round boundary, in the wrap of its strategy
@@ -494,6 +522,9 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
     leader joins as above, a follower only reads the job and joins its island's local group
     (island_world). The data shard is then the island's own, `index * size + local` of `workers * size`, so
     a restarted island trains on the data of the one it replaces.
+
+    `device`: where this worker trains (elastic_device; default the CPU); the exchanges across islands are
+    gloo whatever it is, device tensors staged through host memory.
 
     Raises Refused (wrong token, name taken) before anything else starts."""
     host, port = parse_address(address)
@@ -520,7 +551,7 @@ def join_elastic(address: str, name: str, token: str, island: IslandPlace | None
     else:  # the island's own shard, whatever admission order a restart has
         shard = (island.index * island.size + island.local, job.workers * island.size)
     if not several:
-        world = elastic_world(member, shard)
+        world = elastic_world(member, shard, device or torch.device("cpu"))
         if admission.initial:
             member.epochs.form(0, None)
         return world
@@ -631,16 +662,17 @@ def island_world(membership, relay: IslandComm, island: IslandPlace, data_shard:
     return world
 
 
-def elastic_world(membership: Membership, data_shard: tuple[int, int]) -> World:
+def elastic_world(membership: Membership, data_shard: tuple[int, int], device: torch.device | None = None) -> World:
     """The World of an elastic member: every scope but "local" (an island of one) is the membership's ElasticComm;
-    rank, size and islands follow its members; `data_shard` (shard, shards) stays whoever else comes and goes."""
+    rank, size and islands follow its members; `data_shard` (shard, shards) stays whoever else comes and goes.
+    `device`: where it trains (elastic_device; the CPU by default); its cross Comm stages device tensors (comm)."""
     comm = membership.comm
     rank, size = (comm.rank, comm.size) if membership.epochs.members else (0, 1)  # a joiner builds before it enters
     world = World(
         rank=rank,
         size=size,
         islands=size,
-        device=torch.device("cpu"),
+        device=device or torch.device("cpu"),
         backend="gloo",
         cross_backend="gloo",
         ledger=comm.ledger,

@@ -43,7 +43,12 @@ p.add_argument("--steps", type=int, default=24)
 p.add_argument("--die", default="")
 p.add_argument("--gate", type=int, default=-1)
 p.add_argument("--authenticate", action="store_true")
+p.add_argument("--stage", action="store_true")
 args = p.parse_args()
+if args.stage:  # every exchanged tensor through host buffers and back, as a CUDA worker's cross exchanges go
+    import islands.runtime.staging as staging, islands.runtime.world as world_mod
+    world_mod.stages_across = lambda device, cross: True
+    staging.needs_staging = lambda tensor: True
 out, name = Path(args.out), os.environ["ISLANDS_NAME"]
 out.mkdir(parents=True, exist_ok=True)
 die_name, _, die_step = args.die.partition(":")
@@ -90,7 +95,7 @@ m = world.membership
 (out / f"{name}.json").write_text(json.dumps({
     "entered": entered, "sha": global_digest(strategy.eval_model(model)), "events": m.state_dict()["events"],
     "rounds": outer.rounds, "sends": list(getattr(part, "sends", [])), "size": world.size,
-    "tagged": m.comm.tags is not None,
+    "tagged": m.comm.tags is not None, "cross": type(world.comm("cross")).__name__,
     "syncs": [[s["epoch"], s["size"]] for s in m.syncs if s["kind"] in ("outer_delta", "outer_params")]}))
 islands.close_world(world)
 """
@@ -116,18 +121,21 @@ def _expected_sends(outer: str) -> list[int]:
 # tagged, the streaming exchange thread's and gossip's point-to-point rounds included; the retries and the joiner
 # tag anew. Streaming and gossip run only with tags: the same churn, the same exchanges, and the tags on top (each
 # job is ~20 s of CPU; tau1, push-sum and overlap cover the untagged path).
+# +staged: the cross Comm copies every tensor through host buffers and back (runtime.staging.StagedElasticComm), as
+# an elastic job on GPUs does (issue #34 item 4): DiLoCo's exchange in flight and push-sum's planned point-to-point
+# rounds, with the same churn and the same checks.
 @pytest.mark.parametrize(
-    "outer, authenticate",
+    "outer, authenticate, staged",
     [
-        ("tau1", False),
-        ("push-sum", False),
-        ("overlap", False),
-        pytest.param("streaming", True, id="streaming+auth"),
-        pytest.param("gossip", True, id="gossip+auth"),
+        pytest.param("tau1", False, True, id="tau1+staged"),
+        pytest.param("push-sum", False, True, id="push-sum+staged"),
+        ("overlap", False, False),
+        pytest.param("streaming", True, False, id="streaming+auth"),
+        pytest.param("gossip", True, False, id="gossip+auth"),
     ],
 )
 def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_with_the_members(
-    tmp_path, outer, authenticate, monkeypatch
+    tmp_path, outer, authenticate, staged, monkeypatch
 ):
     """One job per strategy (process start-up dominates on a loaded machine): 3 workers; w2 SIGKILLs itself after step
     9 (streaming, tau=1: that step just started an exchange; overlap: the average of step 9's boundary is in flight;
@@ -192,6 +200,7 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
         "--gate",
         "14",
         *(["--authenticate"] if authenticate else []),
+        *(["--stage"] if staged else []),
     ]
     try:
         code = launch_elastic_script(
@@ -215,6 +224,7 @@ def test_a_member_killed_mid_exchange_is_dropped_then_a_joiner_enters_and_ends_w
     members = {n: json.loads((out / f"{n}.json").read_text()) for n in ("w0", "w1")}
     j1 = json.loads((out / "j1.json").read_text())
     assert {r["tagged"] for r in (*members.values(), j1)} == {authenticate}
+    assert {r["cross"] for r in (*members.values(), j1)} == {"StagedElasticComm" if staged else "ElasticComm"}
 
     # the death: dropped at the exchange in flight (streaming, tau=1) or the next one (gossip), retried with the
     # survivors; every exchange committed in the same epoch with the same members on both

@@ -153,6 +153,10 @@ def test_an_elastic_ps_job_needs_server_processes_one_worker_islands_and_no_chec
         (dict(cross_backend="nccl", device="cpu"), ["cross_backend=nccl needs world.device=cuda"]),
         ({**ELASTIC, "cross_backend": "nccl", "outer": "diloco:inner_steps=2"}, ["elastic job exchanges over gloo"]),
         (dict(cross_backend="nccl", workers=2, islands=2, simulate=True), ["simulated islands"]),
+        (
+            {**ELASTIC, "workers": 4, "islands": 2, "device": "cuda", "outer": "diloco:inner_steps=2"},
+            ["elastic job on GPUs", "islands of one worker; got 2 per island"],
+        ),
     ],
 )
 def test_cross_backend_refusals(settings, words):

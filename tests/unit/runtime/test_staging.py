@@ -9,7 +9,7 @@ import torch
 
 import islands.runtime.staging as staging
 from islands.runtime.comm import CommLedger
-from islands.runtime.staging import HostBuffers, StagedComm
+from islands.runtime.staging import HostBuffers, StagedComm, StagedElasticComm
 from islands.runtime.world import resolve_cross_backend, stages_across
 
 
@@ -174,3 +174,51 @@ def test_only_a_device_world_crossing_on_gloo_stages():
     assert stages_across(torch.device("cuda", 0), "gloo")
     assert not stages_across(torch.device("cuda", 0), "nccl")
     assert not stages_across(torch.device("cpu"), "gloo")
+
+
+class FakeElasticComm(FakeComm):
+    """An elastic Comm whose planned round fails once and is planned again over the survivors."""
+
+    elastic = True
+    names = ("w0", "w1")
+
+    def exchange_planned(self, plan, like, kind="p2p"):
+        self.plans = [plan(0, 3), plan(0, 2)]  # the first attempt failed: a second plan over fewer members
+        sends, recv_from = self.plans[-1]
+        for t in sends.values():
+            self._see(t)
+        return {p: torch.full(like.shape, float(p), dtype=like.dtype) for p in recv_from}, sorted(sends), recv_from
+
+
+def test_a_staged_elastic_comm_plans_each_attempt_on_host_copies(staged_everything):
+    fake = FakeElasticComm()
+    comm = StagedElasticComm(fake, HostBuffers())
+    assert comm.names == ("w0", "w1") and comm.elastic
+    x = torch.arange(3.0)
+    calls = []
+
+    def plan(rank, size):
+        calls.append(size)
+        return {1: x * size}, [1]
+
+    got, send_to, recv_from = comm.exchange_planned(plan, like=torch.zeros(3), kind="gossip")
+    assert calls == [3, 2]  # every attempt planned anew, through the staging
+    assert fake.seen[-1].tolist() == (x * 2).tolist() and fake.seen[-1] is not x
+    assert (send_to, recv_from) == ([1], [1])
+    assert got[1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_elastic_worker_trains_on_the_cpu_unless_cuda_is_asked(monkeypatch):
+    from islands.runtime.elastic.island_comm import IslandPlace
+    from islands.runtime.world import elastic_device
+
+    assert elastic_device("auto") == torch.device("cpu")
+    assert elastic_device("cpu", IslandPlace.from_env("0,1,2,0")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        elastic_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="island of 2 workers trains on the CPU"):
+        elastic_device("cuda", IslandPlace.from_env("0,1,2,0"))
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        elastic_device("gpu")
