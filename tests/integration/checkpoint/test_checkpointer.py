@@ -155,6 +155,7 @@ def test_restore_continues_bitwise_with_dropout_batchnorm_and_every_generator(tm
     assert any(d.startswith("/model/") for d in differences(straight, moved))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (dropout drawing from the CUDA generator)"
 )

@@ -21,7 +21,7 @@ from harness.procs import free_port
 from islands.compress import Agreed, Combine, compress_and_average, ddp_comm_hook, parse_compressor
 from islands.runtime.comm import Comm, CommLedger
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # Same inputs give the same payload on both devices (up to float rounding of the kernels).
 DETERMINISTIC = [

@@ -168,6 +168,7 @@ def test_collectives_match_and_errors_name_the_island():
         simulate.run(main, islands=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_islands_on_one_gpu_are_reproducible_and_agree():
     """Two DiLoCo islands on one GPU (what NCCL cannot do with two processes): the global models agree across

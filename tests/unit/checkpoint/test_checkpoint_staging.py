@@ -94,6 +94,7 @@ def test_cpu_sources_stage_in_ordinary_memory():
     assert not snap["x"].is_pinned()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the pinned branch)")
 def test_cuda_sources_stage_in_pinned_memory_and_are_complete():
     src = {"x": torch.arange(1 << 20, device="cuda", dtype=torch.float32)}

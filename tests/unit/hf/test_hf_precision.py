@@ -131,6 +131,7 @@ def test_auto_precision_is_plain_fp32_on_cpu():
         resolve_precision("fp16", "cpu")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_precision_is_bf16_autocast_on_cuda():
     if not torch.cuda.is_bf16_supported():

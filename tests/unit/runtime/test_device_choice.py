@@ -7,6 +7,9 @@ from islands.app.validate import validate
 from islands.config import ConfigError, from_mapping
 from islands.runtime.world import pick_backend
 
+# Every case here reads the host's GPU count: on a GPU machine they check the paths CI never takes (scripts/gpu-check).
+pytestmark = pytest.mark.cuda
+
 
 def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
