@@ -9,7 +9,7 @@ import torch
 
 from harness.world import spawn_ranks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _rank(rank, env, queue):
