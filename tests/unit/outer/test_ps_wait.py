@@ -161,6 +161,35 @@ def test_shard_servers_hold_a_push_for_its_window_then_step_without_the_rest(tmp
             assert server.durable.state.version == 2
 
 
+def test_shard_servers_wait_past_the_deadline_for_a_push_still_crossing_a_slow_link(tmp_path):
+    # process mode's rule as thread mode's (test_a_push_still_crossing_a_slow_link_at_the_deadline_is_waited_for):
+    # island 1's push has its header in on every shard (Members.begin, as the connection marks it) when island 0's
+    # window would step, so the window waits; once it lands, one window of both
+    with ThreadService(tmp_path, config(quorum=2, islands=2, wait_s=0.1, servers=2, per_push=True)) as service:
+        a, b = service.link(0), service.link(1)
+        for x in (a, b):
+            x.send(Message(PULL, x.island))
+        for server in service.servers:
+            with server.lock:
+                server.members.begin(1)
+        got: dict = {}
+        waiting = threading.Thread(target=lambda: got.update(a=push(a, 1.0)))
+        waiting.start()
+        waiting.join(0.8)
+        assert waiting.is_alive()  # eight deadlines later, still held for island 1's push
+        both = push(b, 3.0)  # island 1's push lands: one window of both
+        waiting.join(30)
+        for server in service.servers:  # the marks made by hand above, cleared as a connection clears its own
+            with server.lock:
+                server.members.landed(1)
+                server.members.end(1)
+        assert got["a"].ack.version == both.ack.version == 1
+        assert torch.equal(got["a"].flat, torch.full((10,), -4.0))
+        t0 = time.monotonic()
+        alone = push(a, 1.0)  # nothing on its way in any more: the next window steps at its deadline
+        assert time.monotonic() - t0 < 5.0 and alone.ack.version == 2
+
+
 def test_equal_simulated_islands_with_a_held_window_end_on_synchronous_dilocos_model():
     torch.set_num_threads(1)
 

@@ -40,7 +40,7 @@ def test_every_bench_step_runs_a_registered_experiment_with_a_cuda_variant_and_k
 
     text = _script()
     steps = _bench_steps(text)
-    assert set(steps) == {"throughput", "sweep", "compressor", "ckpt-stall"}
+    assert set(steps) == {"throughput", "sweep", "compressor", "codec-scale", "ckpt-stall"}
     registry = load_all()
     for step, name in steps.items():
         assert name in registry, f"step {step} runs {name!r}, which is not a registered experiment"
@@ -49,7 +49,14 @@ def test_every_bench_step_runs_a_registered_experiment_with_a_cuda_variant_and_k
             f"step {step}'s results ({name}) are not copied into OUT_DIR"
         )
     declared = re.search(r"^STEPS=\(([^)]*)\)", text, flags=re.M)
-    assert declared and declared.group(1).split() == ["tests", "throughput", "sweep", "compressor", "ckpt-stall"]
+    assert declared and declared.group(1).split() == [
+        "tests",
+        "throughput",
+        "sweep",
+        "compressor",
+        "codec-scale",
+        "ckpt-stall",
+    ]
 
 
 def test_the_marker_the_script_selects_by_is_registered(pytestconfig):

@@ -185,12 +185,23 @@ class Members:
         self.final_sent: set[int] = set()
         self.busy: dict[int, int] = {}  # island -> its messages between header and answer, on any connection
         self.rate: dict[int, float] = {}  # island -> bytes/s its last large push arrived at (its link's pace)
+        self.incoming: dict[int, int] = {}  # island -> its messages whose header is in and whose body is not yet
 
     def begin(self, island: int) -> None:
         """A message of `island` has started to arrive: it is alive until the answer has left. Its heartbeat shares
         the link with the message and may stand still behind it (a 7 MB push takes 2.8 s at 20 Mbit/s, longer
         than the default 2 s lease), which must not read as a death."""
         self.busy[island] = self.busy.get(island, 0) + 1
+        self.incoming[island] = self.incoming.get(island, 0) + 1
+
+    def landed(self, island: int) -> None:
+        """The message begun has arrived whole (or its connection broke before it did)."""
+        self.incoming[island] = max(0, self.incoming.get(island, 0) - 1)
+
+    def receiving(self) -> bool:
+        """Whether some island's message is on its way in: a held window's deadline waits for it (ShardServer.hold;
+        a slow link's transfer is not a late island, as ps_link.FirstCome has it for thread mode)."""
+        return any(self.incoming.values())
 
     def arrived(self, island: int, nbytes: int, seconds: float) -> None:
         """A push of `nbytes` took `seconds` from its header to its last byte: the pace of the island's link (only
@@ -358,15 +369,25 @@ class ShardServer:
         with self.lock:
             self.pairs.append(pair)
         inflight = [0.0]  # this connection's message: when its header came (0: none between header and answer)
+        coming = [False]  # its header is in and its body is not yet
 
         def started() -> None:
             with self.lock:
                 self.members.begin(island)
-                inflight[0] = time.monotonic()
+                inflight[0], coming[0] = time.monotonic(), True
+
+        def landed() -> None:
+            with self.lock:
+                if coming[0]:
+                    self.members.landed(island)
+                    coming[0] = False
 
         try:
             while not self.done.is_set():
-                msg = pair.request(started)
+                try:
+                    msg = pair.request(started)
+                finally:
+                    landed()
                 if msg.island != island:
                     raise ValueError(f"connection of island {island} sent a message as island {msg.island}")
                 if msg.payload is not None:
@@ -419,15 +440,19 @@ class ShardServer:
     def hold(self, reply: ShardReply) -> ShardReply:
         """wait_s > 0: a push accepted into a window short of its quorum is answered once the window steps, or, after
         wait_s, steps the window with what it holds (ps_link.ServerLoop's rule, on this shard alone: each server
-        times its own window). The step is journaled as a settle, so a rebuilt shard replays it."""
+        times its own window). A push already on its way in at the deadline is waited for (its island is not late:
+        its link is slow), up to the message timeout. The step is journaled as a settle, so a rebuilt shard replays
+        it."""
         if not (self.config.wait_s > 0 and reply.accepted and not reply.stepped and not reply.duplicate):
             return reply
         end = time.monotonic() + self.config.wait_s
+        limit = end + self.config.timeout_s
         while not self.done.is_set():
             with self.lock:
                 if self.durable.state.version != reply.version:
                     break
-                if time.monotonic() >= end:
+                now = time.monotonic()
+                if now >= end and (now >= limit or not self.members.receiving()):
                     self.durable.settle(1)
                     break
             time.sleep(HOLD_POLL_S)
