@@ -1,0 +1,108 @@
+"""Held windows (`ps:quorum=M,wait=SECONDS`) with models islands did not write, through islands.Trainer: a
+`transformers` GPT-2 built from a config (its forward returns a ModelOutput) and a model compiled by torch.compile.
+Two equal simulated islands (one virtual clock) end on synchronous DiLoCo's global model to fp32 rounding, as the
+digits MLP does in test_ps_wait.py; the compiled one also equals its eager run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import islands
+from islands.outer import DiLoCo, InProcessServer, ParameterServer, VirtualClock
+from islands.runtime.compiled import Compile
+
+STEPS = 6
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _lm_loss(logits, targets):
+    # the model returns a ModelOutput; the Trainer hands its logits to the loss
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _tokens() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (64, 13), generator=g)
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _rows() -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(96, 8, generator=g)
+    return TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(-1))
+
+
+def _fit(make_model, loss_fn, data, strategy: str, compile=None) -> list[torch.Tensor]:
+    """2 simulated islands, plain SGD inside (lr 0.1), the global model's parameters at the end (flat)."""
+    server = InProcessServer()
+
+    def outer():
+        if strategy == "diloco":
+            return DiLoCo(inner_steps=2)
+        return ParameterServer(inner_steps=2, quorum=2, wait=0.5, arrivals=VirtualClock([1.0, 1.0]), host=server)
+
+    def main(world):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = islands.Trainer(
+            model,
+            opt,
+            loss_fn,
+            data,
+            batch_size=4,
+            strategy=islands.Stack(outer=outer()),
+            world=world,
+            log_every=10**9,
+            compile=compile,
+        )
+        trainer.fit(STEPS)
+        return torch.cat([p.detach().reshape(-1) for p in trainer.eval_model.parameters()])
+
+    torch.set_num_threads(1)
+    return islands.simulate.run(main, islands=2)
+
+
+@pytest.mark.slow  # transformers' import and dynamo's tracing: make test, not make test-fast
+def test_a_transformers_gpt2_through_held_windows_trains_as_diloco():
+    pytest.importorskip("transformers")
+    held = _fit(_gpt2, _lm_loss, _tokens(), "ps")
+    sync = _fit(_gpt2, _lm_loss, _tokens(), "diloco")
+    assert torch.equal(held[0], held[1])  # both islands end on the server's model
+    torch.testing.assert_close(held[0], sync[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(held[0], torch.cat([p.detach().reshape(-1) for p in _gpt2().parameters()]))  # it trained
+
+
+@pytest.mark.slow
+def test_a_compiled_model_through_held_windows_trains_as_its_eager_self_and_as_diloco():
+    eager = _fit(_net, F.cross_entropy, _rows(), "ps")
+    compiled = _fit(_net, F.cross_entropy, _rows(), "ps", compile=Compile(backend="aot_eager"))
+    sync = _fit(_net, F.cross_entropy, _rows(), "diloco")
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(compiled[0], sync[0], rtol=1e-5, atol=1e-6)
