@@ -17,6 +17,8 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
     ps-wait          ps whose windows take every island (quorum = M) and wait for them up to WAIT_SHARE of a round
                      (wait=): equal islands then train as synchronous DiLoCo, a slower island is waited for no longer
                      (session 36: (a) on the byte LM, ps 1.30x DiLoCo's time to target, ps-wait 1.02x)
+    ps-auto          ps-wait with wait=auto (ps_wait.PacedWait): the server learns each island's turnaround and
+                     waits only for the islands due soon, no seconds to choose (session 37)
     ps-ahead         (c) only: ps whose restarted island starts at the furthest step any island acknowledged
                      (rejoin=ahead), where plain ps restarts its shard at its own last acknowledged step
 Settings:
@@ -104,10 +106,11 @@ def arms(h: int, islands: int, floor: float) -> list[tuple[str, str]]:
         ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
         ("ps-nesterov", ps_nesterov(h)),
         ("ps-wait", ps_wait(h, islands, floor)),
+        ("ps-auto", f"ps:inner_steps={h},max_staleness={STALENESS},quorum={islands},wait=auto"),
     ]
 
 
-PS_ARMS = ("ps", "ps-nesterov", "ps-wait", "ps-ahead")
+PS_ARMS = ("ps", "ps-nesterov", "ps-wait", "ps-auto", "ps-ahead")
 
 
 def served_arm(arm: str) -> bool:
@@ -351,6 +354,7 @@ def run_settings(
                     "diloco-deadline",
                     "ps-nesterov",
                     "ps-wait",
+                    "ps-auto",
                 ):  # smoke: one arm of each kind (deadline is a diloco spec; wait a ps spec)
                     continue
                 label = f"{arm}@{setting}{tag}"

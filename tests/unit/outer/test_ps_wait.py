@@ -141,7 +141,7 @@ def test_a_push_still_crossing_a_slow_link_at_the_deadline_is_waited_for():
 
 
 def test_shard_servers_hold_a_push_for_its_window_then_step_without_the_rest(tmp_path):
-    with ThreadService(tmp_path, config(quorum=2, islands=2, wait_s=0.4, servers=2, per_push=True)) as service:
+    with ThreadService(tmp_path, config(quorum=2, islands=2, wait=0.4, servers=2, per_push=True)) as service:
         a, b = service.link(0), service.link(1)
         for x in (a, b):  # both join: the quorum counts islands that have joined
             x.send(Message(PULL, x.island))
@@ -154,7 +154,7 @@ def test_shard_servers_hold_a_push_for_its_window_then_step_without_the_rest(tmp
         assert both.ack.stepped and got["a"].ack.stepped and got["a"].ack.version == both.ack.version == 1
         assert torch.equal(got["a"].flat, torch.full((10,), -4.0)) and torch.equal(both.flat, got["a"].flat)
         t0 = time.monotonic()
-        alone = push(a, 1.0)  # nobody else comes: after wait_s the window steps with a's push alone
+        alone = push(a, 1.0)  # nobody else comes: after the wait the window steps with a's push alone
         assert time.monotonic() - t0 >= 0.4 and alone.ack.stepped and alone.ack.version == 2
         assert torch.equal(alone.flat, torch.full((10,), -5.0))
         for server in service.servers:  # each server timed its own window, journaled as a settle
@@ -165,7 +165,7 @@ def test_shard_servers_wait_past_the_deadline_for_a_push_still_crossing_a_slow_l
     # process mode's rule as thread mode's (test_a_push_still_crossing_a_slow_link_at_the_deadline_is_waited_for):
     # island 1's push has its header in on every shard (Members.begin, as the connection marks it) when island 0's
     # window would step, so the window waits; once it lands, one window of both
-    with ThreadService(tmp_path, config(quorum=2, islands=2, wait_s=0.1, servers=2, per_push=True)) as service:
+    with ThreadService(tmp_path, config(quorum=2, islands=2, wait=0.1, servers=2, per_push=True)) as service:
         a, b = service.link(0), service.link(1)
         for x in (a, b):
             x.send(Message(PULL, x.island))

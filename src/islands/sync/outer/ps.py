@@ -46,7 +46,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected, thread_report
 from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
 from islands.sync.outer.ps_service import SCRATCH, ServiceConfig, launch
+from islands.sync.outer.ps_wait import WindowWait, window_wait
 from islands.sync.outer.ps_wire import PULL, StoreSilent
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
@@ -255,7 +256,7 @@ class ParameterServer(OuterStrategy):
         host: InProcessServer | None = None,
         service: ServerProcesses | None = None,
         stale_cap: bool | None = None,
-        wait: float = 0.0,
+        wait: float | str | WindowWait | None = None,
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
         shard (outer_rule(...) by name; default plain SGD, lr 1/sqrt(M), DEFAULT_PS_RULE). `shards`: parameter
@@ -267,9 +268,10 @@ class ParameterServer(OuterStrategy):
         `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
         `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
         (ps_server.StaleCap); None (default): on for the plain SGD rule by name (outer_rule("sgd"), the default
-        rule), off for the others; True with another rule is refused (momentum moves the limit). `wait`: seconds a
+        rule), off for the others; True with another rule is refused (momentum moves the limit). `wait`: how long a
         push short of its window's quorum waits for the window's step before the window steps without the rest
-        (quorum >= 2; 0: answered at once, the island trains on without its own push in the model)."""
+        (quorum >= 2; ps_wait): seconds (FixedWait), "auto" (PacedWait: the islands due soon by their turnarounds)
+        or a WindowWait; None or 0: answered at once, the island trains on without its own push in the model."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -280,7 +282,8 @@ class ParameterServer(OuterStrategy):
         if aggregator is not None and compressor is not None:
             raise ValueError("a robust aggregator ranks exact deltas; drop compressor= or aggregator=")
         self.inner_steps = inner_steps
-        check_server_options(shards, max_staleness, quorum, discount, wait)
+        self.wait = window_wait(wait)
+        check_server_options(shards, max_staleness, quorum, discount, self.wait)
         self.rule = rule if rule is not None else outer_rule()
         plain = isinstance(self.rule, OuterRule) and self.rule.plain()
         if stale_cap and not plain:
@@ -289,7 +292,7 @@ class ParameterServer(OuterStrategy):
                 "(momentum moves the limit), or drop stale_cap"
             )
         self.stale_cap = plain if stale_cap is None else stale_cap
-        self.shards, self.max_staleness, self.quorum, self.wait = shards, max_staleness, quorum, float(wait)
+        self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
         self.discount, self.aggregator, self.codec = discount, aggregator, compressor
         self.arrivals = arrivals if arrivals is not None else FirstCome()
         if service is not None and (host is not None or isinstance(self.arrivals, VirtualClock)):
@@ -403,7 +406,7 @@ class ParameterServer(OuterStrategy):
             aggregator=self.aggregator,
             scale=self.stale_scale(max(self.comm.size, 1)),
             per_push=per_push(self.rule),
-            wait_s=self.wait,
+            wait=self.wait,
             codec=self.codec,
             lease_s=service.lease_s,
             timeout_s=service.timeout_s,
@@ -670,7 +673,7 @@ def parameter_server(
     rejoin: str = "own",
     stale_cap: bool | None = None,
     at: str = "",
-    wait: float = 0.0,
+    wait: float | Literal["auto"] = 0.0,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -692,9 +695,10 @@ def parameter_server(
     equal-speed islands, whose every push is M - 1 versions stale, do not swing the global model
     (ps_server.StaleCap); unset: on for outer=sgd without momentum (the default), off for the others. `at`:
     'HOST:PORT' (quoted in a spec) of a server host started with `islands ps-host`, where the servers=S processes
-    run instead of on island 0's machine (needs ISLANDS_TOKEN, the host's own). `wait`: seconds a push short of its
+    run instead of on island 0's machine (needs ISLANDS_TOKEN, the host's own). `wait`: how long a push short of its
     window's quorum waits for the window's step (quorum >= 2): equal islands then train as synchronous DiLoCo does,
-    and a window still short after `wait` steps without the slow ones (0: every push is answered at once)."""
+    and a window still short at the deadline steps without the slow ones. Seconds, or auto: the server learns each
+    island's turnaround and waits only for those due soon (ps_wait.PacedWait); 0: every push is answered at once."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):

@@ -26,6 +26,7 @@ answer altered, injected or replayed on the way is refused before any byte is us
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 from islands.runtime.payload_auth import TAG, PayloadAuthError, PayloadTags
 from islands.sync.outer.ps_server import Ack, Contribution, ServerState
+from islands.sync.outer.ps_wait import WindowWait, window_wait
 from islands.sync.outer.quant4 import PayloadCodec
 
 PUSH, DONE = 1, 2
@@ -75,6 +77,10 @@ class Arrivals(ABC):
     def held(self, island: int, since: float, until: float) -> None:
         """`island` waited for its answer from `since` to `until` (its next message comes that much later)."""
         return
+
+    def origin(self) -> float:
+        """The time on this clock when the islands start their first round (a held window's rule learns from it)."""
+        return time.monotonic()
 
 
 class FirstCome(Arrivals):
@@ -115,6 +121,9 @@ class VirtualClock(Arrivals):
 
     def held(self, island: int, since: float, until: float) -> None:
         self.waited[island] += until - since
+
+    def origin(self) -> float:
+        return 0.0
 
 
 # ---- inboxes -----------------------------------------------------------------------------------------------
@@ -305,10 +314,11 @@ class Held:
 
 class ServerLoop:
     """Applies messages to a ServerState one at a time, in `arrivals` order, until every island is done (module
-    docstring). run() in a thread of its own (start) or inline. `wait` > 0 (with the state's quorum >= 2): a push that
-    leaves its window short of the quorum is answered only once the window steps, so its island starts its next
-    round from the model its own push is in (equal islands: synchronous DiLoCo); a window still short `wait` seconds
-    after its first held push steps with what it holds (a slow island is not waited for beyond that)."""
+    docstring). run() in a thread of its own (start) or inline. `wait` (with the state's quorum >= 2; ps_wait): a push
+    that leaves its window short of the quorum is answered only once the window steps, so its island starts its next
+    round from the model its own push is in (equal islands: synchronous DiLoCo); a window still short at the rule's
+    deadline steps with what it holds (a slow island is not waited for beyond that). Seconds are a FixedWait, "auto"
+    a PacedWait."""
 
     def __init__(
         self,
@@ -317,10 +327,11 @@ class ServerLoop:
         arrivals: Arrivals,
         inbox: Inbox,
         codec: PayloadCodec | None = None,
-        wait: float = 0.0,
+        wait: float | str | WindowWait | None = None,
     ):
         self.state, self.islands, self.arrivals, self.inbox, self.codec = state, islands, arrivals, inbox, codec
-        self.wait = float(wait)
+        # None: every push answered at once; a rule object is copied, so its learnt paces are this loop's alone
+        self.wait = copy.deepcopy(window_wait(wait))
         self.lock = threading.Lock()  # held while a message is applied: state_dict reads a consistent state
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -356,8 +367,14 @@ class ServerLoop:
     def run(self) -> None:
         active = set(range(self.islands))
         finished: list[Answer] = []
+        wait = self.wait
+        if wait is not None:  # every island starts its first round now
+            for island in active:
+                wait.answered(island, self.arrivals.origin())
         while active:
-            deadline = self.held[0].since + self.wait if self.held else None
+            deadline = None
+            if self.held and wait is not None:
+                deadline = wait.deadline(self.held[0].since, active - {h.island for h in self.held})
             taken = self.arrivals.take(self.inbox, active - {h.island for h in self.held}, deadline)
             if taken is None:  # the held window's wait ran out before its quorum came: it steps with what it holds
                 assert deadline is not None, "only a held window's deadline ends a take without a message"
@@ -374,16 +391,20 @@ class ServerLoop:
                 if stepped:
                     self.release(when)
                 continue
+            if wait is not None:
+                wait.arrived(msg.island, when)
             with self.lock:
                 c = Contribution(msg.island, msg.version, self.decode(msg), msg.samples)
                 ack = self.state.push(c, len(active))
             if ack.stepped:
                 self.release(when)
-            if self.wait > 0 and ack.accepted and not ack.stepped:
+            if wait is not None and ack.accepted and not ack.stepped:
                 self.held.append(Held(msg.island, answer, ack, when))
                 continue
             with self.lock:
                 _, flat = self.state.pull()
+            if wait is not None:
+                wait.answered(msg.island, when)
             answer(Reply(ack, flat))
         version, flat = self.state.pull()
         for answer in finished:
@@ -397,6 +418,8 @@ class ServerLoop:
             version, flat = self.state.pull()
         for h in self.held:
             self.arrivals.held(h.island, h.since, until)
+            if self.wait is not None:
+                self.wait.answered(h.island, until)
             h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat))
         self.held = []
 

@@ -41,6 +41,7 @@ from islands.aggregate.base import Aggregator
 from islands.sync.outer.exchange import Stateful
 from islands.sync.outer.flat import fragment_bounds
 from islands.sync.outer.outer_opt import OuterOptimizer
+from islands.sync.outer.ps_wait import WindowWait
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,11 @@ class StaleCap:
         return min(1.0, STALE_CAP_MARGIN * self.limit_of(histogram) / self.lr)
 
 
-def check_server_options(shards: int, max_staleness: int, quorum: int, discount: float, wait: float = 0.0) -> None:
-    """ValueError naming the option out of range (the strategy checks at construction, before any worker)."""
+def check_server_options(
+    shards: int, max_staleness: int, quorum: int, discount: float, wait: WindowWait | None = None
+) -> None:
+    """ValueError naming the option out of range (the strategy checks at construction, before any worker). `wait`:
+    the window's rule as ps_wait.window_wait made it (which checked its own values)."""
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be an int >= 1 (parameter ranges), got {shards!r}")
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
@@ -137,11 +141,9 @@ def check_server_options(shards: int, max_staleness: int, quorum: int, discount:
         raise ValueError(f"quorum must be an int >= 1 (distinct islands per outer step), got {quorum!r}")
     if not discount >= 0:
         raise ValueError(f"discount must be >= 0 (weight times (1 + staleness)^-discount), got {discount}")
-    if not wait >= 0:
-        raise ValueError(f"wait must be >= 0 seconds (how long a push waits for its window's quorum), got {wait}")
-    if wait > 0 and quorum < 2:
+    if wait is not None and quorum < 2:
         raise ValueError(
-            f"wait={wait:g} holds a push until its window has the quorum's islands, which needs quorum >= 2 "
+            f"wait ({wait!r}) holds a push until its window has the quorum's islands, which needs quorum >= 2 "
             "(quorum=1 steps at every push); set quorum= or drop wait="
         )
 

@@ -63,6 +63,7 @@ from islands.sync.outer.ps_report import (
     write_collected,
 )
 from islands.sync.outer.ps_server import Contribution, ServerState, check_server_options
+from islands.sync.outer.ps_wait import WindowWait, window_wait
 from islands.sync.outer.ps_wire import (
     DONE,
     HOLDS_MODEL,
@@ -113,7 +114,8 @@ class ServiceConfig:
     codec: PayloadCodec | None = None
     scale: Callable[[Sequence[int]], float] | None = None  # pushes per staleness -> lr factor (ps_server.StaleCap)
     per_push: bool = False  # the rule's lr is each push's: a window of k pushes steps k x its mean (ps_server)
-    wait_s: float = 0.0  # a push short of its window's quorum waits this long for it (ps_link.ServerLoop's rule)
+    # a push short of its window's quorum waits for it by this rule (ps_wait; seconds or "auto" are made into one)
+    wait: WindowWait | float | str | None = None
     lease_s: float = 2.0
     timeout_s: float = 600.0
     commit_every: int = COMMIT_EVERY
@@ -135,7 +137,8 @@ class ServiceConfig:
             raise ValueError(f"servers must be at most the parameter count {self.initial.numel()}, got {self.servers}")
         if not self.lease_s > 0 or not self.timeout_s > 0:
             raise ValueError(f"lease_s and timeout_s must be > 0 seconds, got {self.lease_s} and {self.timeout_s}")
-        check_server_options(self.shards, self.max_staleness, self.quorum, self.discount, self.wait_s)
+        self.wait = window_wait(self.wait)
+        check_server_options(self.shards, self.max_staleness, self.quorum, self.discount, self.wait)
         self.bounds = fragment_bounds(self.initial.numel(), self.servers)
 
     def tags(self) -> PayloadTags | None:
@@ -269,6 +272,9 @@ class ShardServer:
         self.durable = DurableShard(self.config.shard_state(shard), journal)
         self.store = new_client(host, port, 30.0)
         self.members = Members(self.store, self.config.lease_s)
+        # this server's own rule, loaded from the directory: it times its own windows
+        self.wait = window_wait(self.config.wait)
+        self.window: tuple[int, float, set[int]] | None = None  # the held window: (version, opened, islands in it)
         self.lock = threading.Lock()
         self.tags = self.config.tags()
         self.gen = 0
@@ -393,11 +399,15 @@ class ShardServer:
                 if msg.payload is not None:
                     with self.lock:
                         self.members.arrived(island, msg.payload.numel(), time.monotonic() - inflight[0])
+                        if self.wait is not None and msg.kind == PUSH:
+                            self.wait.arrived(island, time.monotonic())
                 reply = self.handle(msg)
                 if msg.kind == PUSH:
-                    reply = self.hold(reply)
+                    reply = self.hold(reply, island)
                 pair.answer(reply)
                 with self.lock:
+                    if self.wait is not None and msg.kind in (PUSH, PULL):  # its next round starts
+                        self.wait.answered(island, time.monotonic())
                     self.members.end(
                         island, 0 if reply.body is None else reply.body.numel() * reply.body.element_size()
                     )
@@ -437,20 +447,27 @@ class ShardServer:
                 return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
             return ShardReply(accepted, version, staleness, stepped, final, duplicate, flat)
 
-    def hold(self, reply: ShardReply) -> ShardReply:
-        """wait_s > 0: a push accepted into a window short of its quorum is answered once the window steps, or, after
-        wait_s, steps the window with what it holds (ps_link.ServerLoop's rule, on this shard alone: each server
-        times its own window). A push already on its way in at the deadline is waited for (its island is not late:
-        its link is slow), up to the message timeout. The step is journaled as a settle, so a rebuilt shard replays
-        it."""
-        if not (self.config.wait_s > 0 and reply.accepted and not reply.stepped and not reply.duplicate):
+    def hold(self, reply: ShardReply, island: int) -> ShardReply:
+        """With a wait rule (ps_wait): a push accepted into a window short of its quorum is answered once the window
+        steps, or, at the rule's deadline, steps the window with what it holds (ps_link.ServerLoop's rule, on this
+        shard alone: each server times its own window). A push already on its way in at the deadline is waited for
+        (its island is not late: its link is slow), up to the message timeout. The step is journaled as a settle,
+        so a rebuilt shard replays it."""
+        wait = self.wait
+        if not (wait is not None and reply.accepted and not reply.stepped and not reply.duplicate):
             return reply
-        end = time.monotonic() + self.config.wait_s
-        limit = end + self.config.timeout_s
+        with self.lock:
+            if self.window is None or self.window[0] != reply.version:
+                self.window = (reply.version, time.monotonic(), set())
+            _, opened, held = self.window
+            held.add(island)
+        limit = opened + self.config.timeout_s
         while not self.done.is_set():
             with self.lock:
                 if self.durable.state.version != reply.version:
                     break
+                live = {i for i, state in self.members.state.items() if state == "live"}
+                end = wait.deadline(opened, live - held)
                 now = time.monotonic()
                 if now >= end and (now >= limit or not self.members.receiving()):
                     self.durable.settle(1)

@@ -1,0 +1,131 @@
+"""How long a parameter server's window waits for its quorum (issue #36; `ps:quorum=M,wait=...`).
+
+A push that leaves its window short of the quorum is held; the window steps when the quorum is in, or at the
+deadline a `WindowWait` gives, with what it holds. The server that times the window (ps_link.ServerLoop in thread
+mode, ps_service.ShardServer.hold per shard in process mode) tells the rule when each island's push arrived and
+when it was answered, on its own clock (virtual under ps_link.VirtualClock, so simulations stay deterministic).
+
+- `FixedWait(seconds)` (`wait=SECONDS`): every window waits that long.
+- `PacedWait()` (`wait=auto`): the server learns each island's turnaround, the time from its answer leaving to its
+  next push arriving (its compute, plus the answer's and the push's transfer on its link), and a window waits only
+  for the islands due soon: those whose next push is expected within `reach` of the fastest island's turnaround
+  after the window opened, each until its expected arrival plus `margin` of its own turnaround. Equal islands on a
+  slow link are waited for (the remote island is late by its transfers, each round alike: session 36 measured 2.8
+  s of a 10 s round at 20 Mbit/s, where a fixed 1 s wait lost it every window), an island 2x or 4x slower is not,
+  except in the windows it would join anyway. An island that has started but not pushed yet is waited for up to
+  `reach` of the fastest turnaround seen (a first window of islands started together); before any turnaround is
+  known (or for an island never answered), up to `first` seconds.
+
+A push still on its way in at the deadline is waited for in both (its header is in: ps_link.FirstCome,
+ShardServer.hold).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class WindowWait(Protocol):
+    """When a held window steps without the rest of its quorum. Times are the server's clock's."""
+
+    def arrived(self, island: int, when: float) -> None:
+        """A push of `island` arrived at `when`."""
+
+    def answered(self, island: int, when: float) -> None:
+        """`island`'s answer left at `when` (its next round starts)."""
+
+    def deadline(self, opened: float, missing: Iterable[int]) -> float:
+        """When a window whose first held push came at `opened` steps without `missing` (live islands not in it)."""
+        ...
+
+
+class FixedWait:
+    """Every window waits `seconds` after its first held push (`wait=SECONDS`)."""
+
+    def __init__(self, seconds: float):
+        if not seconds > 0:
+            raise ValueError(f"wait must be > 0 seconds (or auto), got {seconds}")
+        self.seconds = float(seconds)
+
+    def arrived(self, island: int, when: float) -> None:
+        pass
+
+    def answered(self, island: int, when: float) -> None:
+        pass
+
+    def deadline(self, opened: float, missing: Iterable[int]) -> float:
+        return opened + self.seconds
+
+    def __repr__(self) -> str:
+        return f"FixedWait({self.seconds:g})"
+
+
+# PacedWait's defaults: islands due within 0.35 of the fastest turnaround are waited for (a remote island on a
+# 20 Mbit/s link came 0.28 of a round late, session 36), each with 10% of its own turnaround for jitter; 30 s for an
+# island not yet seen twice (a first window of islands started together); the median of the last 5 turnarounds
+REACH, MARGIN, FIRST_S, HISTORY = 0.35, 0.1, 30.0, 5
+
+
+class PacedWait:
+    """A window waits only for the islands due soon, by their turnarounds (module docstring; `wait=auto`)."""
+
+    def __init__(self, reach: float = REACH, margin: float = MARGIN, first: float = FIRST_S, history: int = HISTORY):
+        if not (reach > 0 and margin >= 0 and first > 0 and history >= 1):
+            raise ValueError(
+                f"PacedWait needs reach > 0, margin >= 0, first > 0 and history >= 1; got {reach}, {margin}, {first}, "
+                f"{history}"
+            )
+        self.reach, self.margin, self.first, self.history = float(reach), float(margin), float(first), int(history)
+        self.sent: dict[int, float] = {}  # island -> when its last answer left
+        self.turns: dict[int, deque[float]] = {}  # island -> its last turnarounds
+
+    def arrived(self, island: int, when: float) -> None:
+        since = self.sent.pop(island, None)
+        if since is not None:
+            self.turns.setdefault(island, deque(maxlen=self.history)).append(max(when - since, 0.0))
+
+    def answered(self, island: int, when: float) -> None:
+        self.sent[island] = when
+
+    def turnaround(self, island: int) -> float | None:
+        turns = self.turns.get(island)
+        return statistics.median(turns) if turns else None
+
+    def deadline(self, opened: float, missing: Iterable[int]) -> float:
+        known = [t for t in (self.turnaround(i) for i in self.turns) if t is not None and t > 0]
+        fastest = min(known) if known else None
+        horizon = opened + self.reach * fastest if fastest is not None else opened
+        deadline = opened
+        for island in missing:
+            turn, since = self.turnaround(island), self.sent.get(island)
+            if fastest is None or since is None:  # nothing known yet, or never answered: wait up to `first`
+                deadline = max(deadline, opened + self.first)
+                continue
+            if turn is None:  # started, not pushed since: about as fast as the fastest seen, so due by the horizon
+                deadline = max(deadline, horizon)
+                continue
+            due = since + turn
+            if due <= horizon:
+                deadline = max(deadline, due + self.margin * turn)
+        return deadline
+
+    def __repr__(self) -> str:
+        return f"PacedWait(reach={self.reach:g}, margin={self.margin:g}, first={self.first:g})"
+
+
+def window_wait(wait: float | str | WindowWait | None) -> WindowWait | None:
+    """The rule `ParameterServer(wait=...)` and the spec's `wait=` name: None or 0 for none (every push answered at
+    once), seconds for FixedWait, "auto" for PacedWait, or a WindowWait as it is."""
+    if wait is None or isinstance(wait, WindowWait):
+        return wait
+    if isinstance(wait, str):
+        if wait != "auto":
+            raise ValueError(f"wait must be seconds >= 0 or auto, got {wait!r}")
+        return PacedWait()
+    if isinstance(wait, bool) or not wait >= 0:
+        raise ValueError(f"wait must be >= 0 seconds (how long a push waits for its window's quorum), got {wait}")
+    return FixedWait(wait) if wait > 0 else None
