@@ -18,7 +18,8 @@
                                            refusal; arrivals FirstCome() | VirtualClock(round_seconds);
                                            host=InProcessServer() under islands.simulate;
                                            service=ServerProcesses(servers) for server processes that a
-                                           supervisor restarts from their journals (docs/parameter-server.md)
+                                           supervisor restarts from their journals (docs/parameter-server.md);
+                                           wait=FixedWait(s) | PacedWait() (or seconds, "auto") with quorum >= 2
     WarmStart(outer, steps)                ordinary data parallelism across islands first (LIT-212)
 Outer optimizers: OuterSGD(lr, momentum, nesterov), PrimalAveraging(lr, weight). Gossip topologies: Ring(),
 ExponentialGraph(), RandomPeers(s, seed). Every one of them needs no step count: call `finish(model)` after
@@ -38,6 +39,7 @@ from islands.sync.outer.overlap_local_sgd import OverlapLocalSGD
 from islands.sync.outer.post_local_sgd import PostLocalSGD
 from islands.sync.outer.ps import InProcessServer, ParameterServer, ServerProcesses
 from islands.sync.outer.ps_link import FirstCome, VirtualClock
+from islands.sync.outer.ps_wait import FixedWait, PacedWait, WindowWait
 from islands.sync.outer.quant4 import Quant4
 from islands.sync.outer.rounds import Fragments, Rounds
 from islands.sync.outer.slowmo import SlowMo
@@ -54,6 +56,7 @@ __all__ = [
     "Exchange",
     "ExponentialGraph",
     "FirstCome",
+    "FixedWait",
     "Fragments",
     "Gossip",
     "InProcessServer",
@@ -61,6 +64,7 @@ __all__ = [
     "OuterSGD",
     "OuterStep",
     "OverlapLocalSGD",
+    "PacedWait",
     "Overlapped",
     "ParameterServer",
     "PostLocalSGD",
@@ -75,4 +79,5 @@ __all__ = [
     "StreamingDiLoCo",
     "VirtualClock",
     "WarmStart",
+    "WindowWait",
 ]
