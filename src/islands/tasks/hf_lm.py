@@ -239,7 +239,8 @@ def has_weights(path: str) -> bool:
     return p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES)
 
 
-def _build(config, pretrained: str | None, seed: int, attention: str | None) -> torch.nn.Module:
+def _build(config, pretrained: str | None, seed: int, attention: str | None) -> Any:
+    """A transformers PreTrainedModel (its `config` is read and set after)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
