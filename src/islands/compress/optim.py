@@ -25,6 +25,7 @@ from islands.compress.error_feedback import with_error_feedback
 from islands.compress.onebit_adam import NaiveCompressedAdam, OneBitAdam
 from islands.compress.powersgd import PowerSGD
 from islands.compress.split_adam import VARIANCE_SOURCES, SplitMomentAdamW
+from islands.optim.fused import fused_adamw
 from islands.optim.muon import ADJUST_LR, MuonAdamW
 from islands.runtime.contracts import Collectives
 from islands.spec import Registry, Spec
@@ -56,7 +57,7 @@ class OptimizerSpec:
 
 
 def adamw() -> OptimizerSpec:
-    """torch's AdamW; the inner strategy averages the gradients."""
+    """torch's AdamW (fused when every parameter is on CUDA); the inner strategy averages the gradients."""
     return OptimizerSpec("adamw")
 
 
@@ -178,7 +179,8 @@ def build_optimizer(
         )
     cls = _CLASSES[spec.name]
     if cls is None:
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        params = list(params)  # read twice: where the parameters live, then by the optimizer
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused_adamw(params))
     if issubclass(cls, SplitMomentAdamW):
         o = dict(spec.options)
         return SplitMomentAdamW(

@@ -29,7 +29,8 @@ Defaults and where they come from:
 - `momentum=0.95`, `nesterov=True`, `ns_steps=5`: Keller Jordan's values, which are also torch.optim.Muon's
   defaults; so are the Newton-Schulz coefficients, which we leave to torch.
 - `weight_decay`: decoupled, the same value for both halves (Liu et al. apply AdamW's to Muon's matrices too).
-- `betas`, `eps`: AdamW's, for the AdamW half only.
+- `betas`, `eps`: AdamW's, for the AdamW half only. That half is torch's fused AdamW when all its parameters are on
+  CUDA (islands.optim.fused).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
+
+from islands.optim.fused import fused_adamw
 
 KINDS = ("muon", "adamw")
 ADJUST_LR = ("match_rms_adamw", "original")
@@ -132,7 +135,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 adjust_lr_fn=adjust_lr_fn,
             )
         if adamw_params:
-            children["adamw"] = torch.optim.AdamW(adamw_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            children["adamw"] = torch.optim.AdamW(
+                adamw_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused_adamw(adamw_params)
+            )
         groups = []
         for kind, child in children.items():
             for group in child.param_groups:

@@ -28,7 +28,9 @@ Precision and memory (issue #18): the task's precision is "auto", bf16 autocast 
 on the CPU (islands.memory.step.resolve_precision; `--precision auto` on the command line, or
 `ForwardBackward(precision=task.precision)` from Python), the parameters and optimizer state fp32 either way.
 `activation_checkpointing` switches on the model's own gradient checkpointing, non-reentrant
-(islands.memory.recompute.enable_activation_checkpointing).
+(islands.memory.recompute.enable_activation_checkpointing). Attention is torch's scaled_dot_product_attention
+(ATTENTION, "sdpa": fused kernels on a GPU) where the architecture has it, else transformers' own choice; the run
+record's data line says which.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ TOKENIZER_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "hf_config.json"  # the model's resolved transformers config, in the run directory
 BPE_SAMPLE_CHARS = 100_000_000  # a BPE trained on documents learns from at most this much of their text
 PRECISION = "auto"  # SOTA-118: bf16 matmuls with fp32 master weights on a GPU; fp32 on a CPU (no bf16 units to gain)
+# torch's scaled_dot_product_attention: fused attention kernels on a GPU (issue #34 item 2). transformers picks it by
+# default today; asked for by name so that it cannot change unseen, and the pipeline's pieces need it (hf_pieces)
+ATTENTION = "sdpa"
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -234,18 +239,33 @@ def has_weights(path: str) -> bool:
     return p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES)
 
 
-def build_model(config, pretrained: str | None = None, seed: int = 0) -> torch.nn.Module:
-    """A causal LM from `config`: weights from `pretrained` (a local directory) when it has them, else random
-    initialisation after torch.manual_seed(seed) (the same on every rank). Parameters in fp32."""
+def _build(config, pretrained: str | None, seed: int, attention: str | None) -> Any:
+    """A transformers PreTrainedModel (its `config` is read and set after)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     if pretrained and has_weights(pretrained):
-        model = AutoModelForCausalLM.from_pretrained(pretrained, config=config, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(
+            pretrained, config=config, dtype=torch.float32, attn_implementation=attention
+        )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+
+
+def build_model(config, pretrained: str | None = None, seed: int = 0) -> torch.nn.Module:
+    """A causal LM from `config`: weights from `pretrained` (a local directory) when it has them, else random
+    initialisation after torch.manual_seed(seed) (the same on every rank). Parameters in fp32. Attention is
+    ATTENTION where the architecture has it, else transformers' own choice; `attention_of(model)` says which."""
+    try:
+        model = _build(config, pretrained, seed, ATTENTION)
+    except ValueError:  # transformers refuses an implementation the architecture lacks; the seed is set again
+        model = _build(config, pretrained, seed, None)
     model.config.use_cache = False  # training never reads a KV cache; export turns it back on
     return model
+
+
+def attention_of(model: torch.nn.Module) -> str:
+    """The attention implementation transformers chose for `model` ("sdpa", "eager", ...)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "unknown")
 
 
 # ---- the tokenizer ------------------------------------------------------------------------------------
@@ -556,7 +576,7 @@ def hf_causal_lm(
         tokens_per_sample=context,
         classes=embedding_rows(config),
         name=NAME,
-        data_source=f"{corpus.describe()}; tokenizer: {how}",
+        data_source=f"{corpus.describe()}; tokenizer: {how}; attention: {attention_of(net)}",
         tokenizer=tok,
         hf_config=config,
         precision=PRECISION,
