@@ -39,12 +39,21 @@ def test_turnarounds_decide_who_is_due_and_for_how_long():
     assert PacedWait(first=5.0).deadline(1.0, [0]) == 6.0  # nothing known at all: `first`
 
 
-def test_an_island_that_started_but_has_not_pushed_is_waited_for_up_to_the_reach():
+def test_a_first_round_holds_start_up_and_is_not_taken_for_a_pace():
     w = PacedWait(reach=0.35, margin=0.1)
-    w.answered(0, 0.0)
-    w.answered(1, 0.0)
-    w.arrived(0, 10.0)  # island 1 started with island 0 and has not pushed: a first window waits 0.35 x 10 s
-    assert w.deadline(10.0, [1]) == pytest.approx(13.5)
+    for island in (0, 1):
+        w.started(island, 0.0)
+    w.arrived(0, 15.0)  # 5 s of start-up, then a 10 s round
+    assert w.turnaround(0) is None and w.fastest() == 15.0
+    assert w.deadline(15.0, [1]) == pytest.approx(15.0 + 0.35 * 15.0)  # island 1 not seen: up to the horizon
+    w.arrived(1, 16.4)  # its first push, 1.4 s later: its link
+    for island in (0, 1):
+        w.answered(island, 16.4)
+    w.arrived(0, 26.4)  # island 0's first real turnaround: 10 s
+    assert w.turnaround(0) == 10.0 and w.turnaround(1) is None
+    # island 1's pace, until it has a turnaround: its first round less island 0's start-up (15 - 10), 11.4 s
+    assert w.expected(1) == pytest.approx(11.4)
+    assert w.deadline(26.4, [1]) == pytest.approx(16.4 + 11.4 + 1.14)
 
 
 @pytest.mark.parametrize("value, want", [(None, None), (0, None), (0.0, None), (1.5, FixedWait), ("auto", PacedWait)])
@@ -110,6 +119,6 @@ def test_shard_servers_with_auto_learn_the_islands_turnarounds(tmp_path):
         waiting.join(30)
         assert got["a"].ack.version == both.ack.version == 1
         assert torch.equal(got["a"].flat, torch.full((10,), -4.0))
-        for server in service.servers:  # each server learnt both turnarounds from the pulls' answers and the pushes
-            assert server.wait.turnaround(0) == pytest.approx(0.5, abs=0.4)
-            assert server.wait.turnaround(1) == pytest.approx(0.55, abs=0.4)
+        for server in service.servers:  # each server timed both islands' first rounds, from their pulls to their pushes
+            assert server.wait.firsts[0] == pytest.approx(0.5, abs=0.4)
+            assert server.wait.firsts[1] == pytest.approx(0.55, abs=0.4)

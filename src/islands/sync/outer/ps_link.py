@@ -370,7 +370,7 @@ class ServerLoop:
         wait = self.wait
         if wait is not None:  # every island starts its first round now
             for island in active:
-                wait.answered(island, self.arrivals.origin())
+                wait.started(island, self.arrivals.origin())
         while active:
             deadline = None
             if self.held and wait is not None:

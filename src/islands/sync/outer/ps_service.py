@@ -406,8 +406,10 @@ class ShardServer:
                     reply = self.hold(reply, island)
                 pair.answer(reply)
                 with self.lock:
-                    if self.wait is not None and msg.kind in (PUSH, PULL):  # its next round starts
+                    if self.wait is not None and msg.kind == PUSH:  # its next round starts
                         self.wait.answered(island, time.monotonic())
+                    elif self.wait is not None and msg.kind == PULL:  # it starts (or starts again)
+                        self.wait.started(island, time.monotonic())
                     self.members.end(
                         island, 0 if reply.body is None else reply.body.numel() * reply.body.element_size()
                     )

@@ -12,9 +12,10 @@ when it was answered, on its own clock (virtual under ps_link.VirtualClock, so s
   after the window opened, each until its expected arrival plus `margin` of its own turnaround. Equal islands on a
   slow link are waited for (the remote island is late by its transfers, each round alike: session 36 measured 2.8
   s of a 10 s round at 20 Mbit/s, where a fixed 1 s wait lost it every window), an island 2x or 4x slower is not,
-  except in the windows it would join anyway. An island that has started but not pushed yet is waited for up to
-  `reach` of the fastest turnaround seen (a first window of islands started together); before any turnaround is
-  known (or for an island never answered), up to `first` seconds.
+  except in the windows it would join anyway. A first round (from the start, or a pull, to the first push) holds
+  start-up time, so it is not a turnaround: until an island has one, its first round less the start-up other
+  islands showed stands in; one that has not pushed at all is waited for up to `reach` of the fastest turnaround
+  (or, before any, of the fastest first round); with nothing known, up to `first` seconds.
 
 A push still on its way in at the deadline is waited for in both (its header is in: ps_link.FirstCome,
 ShardServer.hold).
@@ -31,6 +32,10 @@ from typing import Protocol, runtime_checkable
 @runtime_checkable
 class WindowWait(Protocol):
     """When a held window steps without the rest of its quorum. Times are the server's clock's."""
+
+    def started(self, island: int, when: float) -> None:
+        """`island` started training at `when` (the loop's start, or its pull: its first round's time includes its
+        start-up, so it says little of its pace)."""
 
     def arrived(self, island: int, when: float) -> None:
         """A push of `island` arrived at `when`."""
@@ -50,6 +55,9 @@ class FixedWait:
         if not seconds > 0:
             raise ValueError(f"wait must be > 0 seconds (or auto), got {seconds}")
         self.seconds = float(seconds)
+
+    def started(self, island: int, when: float) -> None:
+        pass
 
     def arrived(self, island: int, when: float) -> None:
         pass
@@ -80,12 +88,23 @@ class PacedWait:
                 f"{history}"
             )
         self.reach, self.margin, self.first, self.history = float(reach), float(margin), float(first), int(history)
-        self.sent: dict[int, float] = {}  # island -> when its last answer left
-        self.turns: dict[int, deque[float]] = {}  # island -> its last turnarounds
+        self.sent: dict[int, float] = {}  # island -> when its last answer left (or it started)
+        self.turns: dict[int, deque[float]] = {}  # island -> its last turnarounds, answer to push
+        self.firsts: dict[int, float] = {}  # island -> its first round's time, start-up included
+        self.starting: set[int] = set()  # islands whose next push ends their first round
+
+    def started(self, island: int, when: float) -> None:
+        self.sent[island] = when
+        self.starting.add(island)
 
     def arrived(self, island: int, when: float) -> None:
         since = self.sent.pop(island, None)
-        if since is not None:
+        if since is None:
+            return
+        if island in self.starting:  # a first round: start-up in it, kept apart from the pace
+            self.starting.discard(island)
+            self.firsts[island] = max(when - since, 0.0)
+        else:
             self.turns.setdefault(island, deque(maxlen=self.history)).append(max(when - since, 0.0))
 
     def answered(self, island: int, when: float) -> None:
@@ -95,17 +114,31 @@ class PacedWait:
         turns = self.turns.get(island)
         return statistics.median(turns) if turns else None
 
-    def deadline(self, opened: float, missing: Iterable[int]) -> float:
+    def fastest(self) -> float | None:
+        """The fastest island's turnaround; before any island has one, the fastest first round (start-up and all)."""
         known = [t for t in (self.turnaround(i) for i in self.turns) if t is not None and t > 0]
-        fastest = min(known) if known else None
+        known = known or [t for t in self.firsts.values() if t > 0]
+        return min(known) if known else None
+
+    def expected(self, island: int) -> float | None:
+        """`island`'s turnaround, or, before it has one, its first round less the start-up the islands measured
+        so far spent in theirs (first round minus turnaround, the least of them: islands that start together)."""
+        turn = self.turnaround(island)
+        if turn is not None or island not in self.firsts:
+            return turn
+        startups = [self.firsts[i] - t for i in self.firsts if (t := self.turnaround(i)) is not None]
+        return max(self.firsts[island] - (min(startups) if startups else 0.0), 0.0)
+
+    def deadline(self, opened: float, missing: Iterable[int]) -> float:
+        fastest = self.fastest()
         horizon = opened + self.reach * fastest if fastest is not None else opened
         deadline = opened
         for island in missing:
-            turn, since = self.turnaround(island), self.sent.get(island)
-            if fastest is None or since is None:  # nothing known yet, or never answered: wait up to `first`
+            turn, since = self.expected(island), self.sent.get(island)
+            if fastest is None or since is None:  # nothing known yet, or never started: wait up to `first`
                 deadline = max(deadline, opened + self.first)
                 continue
-            if turn is None:  # started, not pushed since: about as fast as the fastest seen, so due by the horizon
+            if turn is None:  # started, not pushed yet: about as fast as the fastest, so due by the horizon
                 deadline = max(deadline, horizon)
                 continue
             due = since + turn
