@@ -266,6 +266,34 @@ class Comm:
         return got, wait
 
 
+class CommWrapper:
+    """What a Comm wrapping another passes through unchanged: its group, size, rank, ledger and the bookkeeping gather
+    (payload_auth.AuthenticatedComm tags the payloads, staging.StagedComm stages them through host memory)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def ledger(self):
+        return self.inner.ledger
+
+    @property
+    def group(self):
+        return self.inner.group
+
+    def all_gather_object(self, obj) -> list:
+        """Bookkeeping (run records), not training traffic: the wrapped Comm's, as it is."""
+        return self.inner.all_gather_object(obj)
+
+
 # nccl-tests' bus-bandwidth factors: algorithm bandwidth times this gives the per-link load.
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

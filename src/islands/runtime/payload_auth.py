@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from islands.runtime.comm import Comm
+from islands.runtime.comm import Comm, CommWrapper
 from islands.runtime.elastic.auth import derive_key
 
 TAG = 32  # bytes of an HMAC-SHA256
@@ -106,7 +106,7 @@ def elastic_tags(token: str, job_id: str) -> PayloadTags:
     return PayloadTags(derive_key(token, "elastic-payload|" + job_id), _ELASTIC_DOMAIN)
 
 
-class AuthenticatedComm:
+class AuthenticatedComm(CommWrapper):
     """A Comm whose every exchange is authenticated (module docstring). `inner`: the Comm to wrap (its ledger
     counts the packed bytes, tags included). `token`: the job's secret (ISLANDS_TOKEN). Collective: every
     rank of `inner`'s group constructs it at the same point (the ranks trade their nonces)."""
@@ -116,7 +116,7 @@ class AuthenticatedComm:
     epoch: int | None = None
 
     def __init__(self, inner, token: str):
-        self.inner = inner
+        super().__init__(inner)
         self._calls = 0
         self._pairs: dict[tuple[int, int], int] = {}  # messages per (sender, receiver), for send and recv
         self._lock = threading.Lock()
@@ -125,32 +125,12 @@ class AuthenticatedComm:
         scope = b"".join(bytes(n.tolist()) for n in nonces)
         self._tags = PayloadTags(derive_key(token, "payload|" + scope.hex()), _DOMAIN)
 
-    # ---- what the wrapped Comm already says -----------------------------------------------------------
-    @property
-    def size(self) -> int:
-        return self.inner.size
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def ledger(self):
-        return self.inner.ledger
-
-    @property
-    def group(self):
-        return self.inner.group
-
+    # ---- what the wrapped Comm already says: size, rank, ledger, group, all_gather_object (CommWrapper) ----------
     @property
     def tags(self) -> PayloadTags:
         """This job's payload tags, for exchanges that are not this Comm's collectives (the parameter server's
         point-to-point messages, islands.sync.outer.ps_link.Sealer)."""
         return self._tags
-
-    def all_gather_object(self, obj) -> list:
-        """Bookkeeping (run records), not training traffic: the wrapped Comm's, untagged."""
-        return self.inner.all_gather_object(obj)
 
     # ---- tags -----------------------------------------------------------------------------------------
     def _call(self) -> int:

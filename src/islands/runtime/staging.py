@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from islands.runtime.comm import Comm, CommWrapper
+
 
 def needs_staging(tensor: torch.Tensor) -> bool:
     """Whether `tensor` lives where a host-only transport cannot read it (any device but the CPU)."""
@@ -58,7 +60,7 @@ class HostBuffers:
         return host
 
 
-class StagedComm:
+class StagedComm(CommWrapper):
     """Collectives and point-to-point over `inner` (a Comm on a host-only backend) for tensors on any device.
 
     Implements runtime.contracts.Collectives and PointToPoint; the bytes are counted once, by `inner`'s ledger,
@@ -66,33 +68,14 @@ class StagedComm:
     new tensors on the caller's device."""
 
     def __init__(self, inner, buffers: HostBuffers | None = None):
-        self.inner = inner
+        super().__init__(inner)
         self.buffers = HostBuffers() if buffers is None else buffers
         self.elastic: bool = inner.elastic  # fixed for a Comm's life
 
-    # ---- what the wrapped Comm says -----------------------------------------------------------------------
+    # ---- what the wrapped Comm says: size, rank, ledger, group, all_gather_object (CommWrapper), and its epoch
     @property
     def epoch(self) -> int | None:
         return self.inner.epoch
-
-    @property
-    def size(self) -> int:
-        return self.inner.size
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def ledger(self):
-        return self.inner.ledger
-
-    @property
-    def group(self):
-        return self.inner.group
-
-    def all_gather_object(self, obj) -> list:
-        return self.inner.all_gather_object(obj)
 
     # ---- collectives --------------------------------------------------------------------------------------
     def _in_place(self, tensor: torch.Tensor, run) -> torch.Tensor:
@@ -172,12 +155,7 @@ class StagedComm:
     def recv(self, tensor: torch.Tensor, src: int, kind: str = "p2p") -> torch.Tensor:
         return self._in_place(tensor, lambda t: self.inner.recv(t.view(tensor.shape), src, kind=kind))
 
-    def exchange(
-        self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
-    ) -> dict[int, torch.Tensor]:
-        got, wait = self.exchange_async(sends, recv_from, like, kind)
-        wait()
-        return got
+    exchange = Comm.exchange  # exchange_async, then wait: the same for any Comm
 
     def exchange_async(
         self, sends: dict[int, torch.Tensor], recv_from: list[int], like: torch.Tensor | None = None, kind: str = "p2p"
