@@ -1,7 +1,7 @@
 """scripts/gpu-check cannot break unseen between the rare sessions lent a GPU: every path and experiment it names
 exists, the `cuda` marker it selects the tests by is registered, every test that needs a CUDA device carries that
 marker, and the marked tests collect and pass or skip on a machine without one (its dry run, GPU_CHECK_DEVICE=cpu,
-runs the whole script on the CPU: tests/integration/project/test_gpu_check_dry.py)."""
+runs the whole script on the CPU: bench/tests/test_gpu_check_dry.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """scripts/gpu-check's dry run (GPU_CHECK_DEVICE=cpu) end to end on the CPU: the steps run in order, every bench's
 results and a summary land in OUT_DIR, and a step whose box runs out is recorded and fails the run. The steps left
 out here (throughput, and ckpt-stall past its start) keep this under a minute; their benches' smoke tiers have
-their own tests (bench/tests, -m experiments), and the full dry run is a manual check (docs/gpu.md)."""
+their own tests (bench/tests, -m experiments), and the full dry run is a manual check (docs/gpu.md). The end-to-end run
+is in the experiments lane (`make test-experiments`: it runs benches' smoke tiers and collects the whole suite once,
+~30 s of CPU that `make test`'s 12 minutes cannot spare); the two short checks are integration tests."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu_check(tmp_path: Path, out: str, **env: str) -> tuple[int, dict[str, dict], str]:
@@ -32,7 +34,8 @@ def _gpu_check(tmp_path: Path, out: str, **env: str) -> tuple[int, dict[str, dic
     return proc.returncode, rows, proc.stdout + proc.stderr
 
 
-@pytest.mark.slow  # ~30 s on 2 shared cores: the tests step collects the whole suite once
+@pytest.mark.experiments  # ~30 s on 2 shared cores: the tests step collects the whole suite once
+@pytest.mark.slow
 def test_the_dry_run_writes_every_steps_results_and_a_summary(tmp_path):
     code, rows, log = _gpu_check(tmp_path, "out", GPU_CHECK_STEPS="tests,sweep,compressor")
     assert code == 0, log[-3000:]
@@ -53,6 +56,7 @@ def test_the_dry_run_writes_every_steps_results_and_a_summary(tmp_path):
         assert (out / f"{step}.log").stat().st_size > 0
 
 
+@pytest.mark.integration  # runs the script
 def test_a_step_whose_box_runs_out_is_recorded_and_fails_the_run(tmp_path):
     code, rows, log = _gpu_check(tmp_path, "cut", GPU_CHECK_STEPS="ckpt-stall", GPU_CHECK_BOXES="ckpt-stall=1")
     assert code == 1, log[-3000:]
@@ -61,6 +65,7 @@ def test_a_step_whose_box_runs_out_is_recorded_and_fails_the_run(tmp_path):
     assert "its box of 1 s ran out" in log
 
 
+@pytest.mark.integration
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu-check"), str(tmp_path / "out")],
