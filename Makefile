@@ -52,7 +52,8 @@ run: $(STAMP)
 # Session 35: 1419 -> 1245 CPU-s of tests (the launcher draws loss.png; CLI tests in-process); a fresh clone's
 # `make test` took 12m46s (48 s setup with the import warm-up, 717 s of tests; results/test-suite/s35).
 # Session 36, a new VM of the same size: 10m16s, 11m45s, 9m58s and 9m19s from four passing fresh clones (28-39 s setup,
-# 531-667 s of tests; results/test-suite/s36).
+# 531-667 s of tests; results/test-suite/s36). Session 37, another VM: session 36's end 12m57s, this session's 12m49s
+# (results/test-suite/s37: the host, not the suite, moved).
 # The experiments' smoke lane is its own target (below); CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadgroup -m "not experiments"
