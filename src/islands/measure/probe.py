@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.comm import Comm, CommLedger
-from islands.runtime.staging import StagedComm
 from islands.runtime.world import World
 
 P2P_BYTES = 4 << 20
@@ -157,12 +156,10 @@ def probe_cross(world: World, reps: int = 3) -> dict:
     world's cross group (through host buffers where a GPU job crosses on gloo, as its strategy's exchanges do),
     counted in a ledger of its own (probe traffic is not training traffic). Every rank calls it; each times its
     own group."""
-    probe = Comm(world.cross_group, CommLedger())
-    n = probe.size
+    timed = world.across(Comm(world.cross_group, CommLedger()))
+    n = timed.size
     size = ALLREDUCE_BYTES[-1]
     t = torch.ones(size // 4, device=world.device)
-    staged = world.crosses_through_host
-    timed = StagedComm(probe) if staged else probe
     timed.all_reduce(t, kind="probe")  # warm-up: connection set-up is not bandwidth
     start = time.perf_counter()
     for _ in range(reps):
@@ -171,7 +168,7 @@ def probe_cross(world: World, reps: int = 3) -> dict:
     algbw = size / sec
     return {
         "backend": world.cross_backend or world.backend,
-        "staged_through_host": staged,
+        "staged_through_host": world.crosses_through_host,
         "ranks": n,
         "bytes": size,
         "seconds": sec,

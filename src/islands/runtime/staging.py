@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,15 @@ class HostBuffers:
         host.copy_(tensor.detach().reshape(-1))
         return host
 
+    @contextmanager
+    def lent(self, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+        """`staged(tensor)` for the body of a with block, given back at its end (an error included)."""
+        host = self.staged(tensor)
+        try:
+            yield host
+        finally:
+            self.give(host)
+
 
 class StagedComm(CommWrapper):
     """Collectives and point-to-point over `inner` (a Comm on a host-only backend) for tensors on any device.
@@ -82,12 +92,9 @@ class StagedComm(CommWrapper):
         """run(host) on a staged copy of `tensor`, then its values back into `tensor`."""
         if not needs_staging(tensor):
             return run(tensor)
-        host = self.buffers.staged(tensor)
-        try:
+        with self.buffers.lent(tensor) as host:
             run(host)
             tensor.copy_(host.view(tensor.shape))
-        finally:
-            self.buffers.give(host)
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
@@ -117,12 +124,8 @@ class StagedComm(CommWrapper):
     def _gathered(self, tensor: torch.Tensor, gather) -> list[torch.Tensor]:
         if not needs_staging(tensor):
             return gather(tensor)
-        host = self.buffers.staged(tensor)
-        try:
-            parts = gather(host)
-            return [p.view(tensor.shape).to(tensor.device) for p in parts]
-        finally:
-            self.buffers.give(host)
+        with self.buffers.lent(tensor) as host:
+            return [p.view(tensor.shape).to(tensor.device) for p in gather(host)]
 
     def all_gather(self, tensor: torch.Tensor, kind: str = "all_gather") -> list[torch.Tensor]:
         return self._gathered(tensor, lambda t: self.inner.all_gather(t, kind=kind))
@@ -135,22 +138,15 @@ class StagedComm(CommWrapper):
     def reduce_scatter(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "reduce_scatter") -> torch.Tensor:
         if not needs_staging(tensor):
             return self.inner.reduce_scatter(tensor, op=op, kind=kind)
-        host = self.buffers.staged(tensor)
-        try:
-            out = self.inner.reduce_scatter(host.view(tensor.shape), op=op, kind=kind)
-            return out.to(tensor.device)
-        finally:
-            self.buffers.give(host)
+        with self.buffers.lent(tensor) as host:
+            return self.inner.reduce_scatter(host.view(tensor.shape), op=op, kind=kind).to(tensor.device)
 
     # ---- point to point -----------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, kind: str = "p2p") -> None:
         if not needs_staging(tensor):
             return self.inner.send(tensor, dst, kind=kind)
-        host = self.buffers.staged(tensor)
-        try:
+        with self.buffers.lent(tensor) as host:
             self.inner.send(host.view(tensor.shape), dst, kind=kind)
-        finally:
-            self.buffers.give(host)
 
     def recv(self, tensor: torch.Tensor, src: int, kind: str = "p2p") -> torch.Tensor:
         return self._in_place(tensor, lambda t: self.inner.recv(t.view(tensor.shape), src, kind=kind))

@@ -137,7 +137,8 @@ class World:
 
     def comm(self, scope: str = "global") -> Collectives:
         """Counted collectives over 'global', 'local' (this island) or 'cross' (same slot, all islands)."""
-        return self._staged(scope, self.host_comm(scope))
+        comm = self.host_comm(scope)
+        return self.across(comm) if scope == "cross" else comm
 
     def host_comm(self, scope: str = "global") -> Collectives:
         """comm(scope) without the host staging a GPU job's gloo cross group adds (wrappers that must see host
@@ -152,8 +153,10 @@ class World:
         """Whether this world's cross-island exchanges copy device tensors through host buffers (stages_across)."""
         return stages_across(self.device, self.cross_backend)
 
-    def _staged(self, scope: str, comm: Collectives) -> Collectives:
-        if scope != "cross" or not self.crosses_through_host:
+    def across(self, comm: Collectives) -> Collectives:
+        """`comm` as this world's cross-island exchanges run: staged through host buffers where a device world
+        crosses on gloo (crosses_through_host), else as it is."""
+        if not self.crosses_through_host:
             return comm
         # one pool per process: every round reuses its buffers
         if comm.elastic:  # members change: the elastic surface (names, planned rounds) goes through too
@@ -172,6 +175,15 @@ class World:
         return World(rank=0, size=1, islands=1, device=torch.device(device), backend="none")
 
 
+def check_device(device: str, needs_cuda: bool = False) -> None:
+    """ValueError unless `device` is auto, cpu or cuda; with `needs_cuda`, also when cuda is asked and no CUDA
+    device is visible."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    if needs_cuda and device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+
+
 def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
     """(backend, device) for this process: NCCL on its own GPU, or gloo on the CPU.
 
@@ -179,8 +191,7 @@ def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
     (LOCAL_WORLD_SIZE, set by our launcher and by torchrun) gets its own device. A job started by hand
     without LOCAL_WORLD_SIZE counts as one host: WORLD_SIZE workers, this one's index LOCAL_RANK (else RANK).
     """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    check_device(device)
     env = os.environ
     if "LOCAL_WORLD_SIZE" in env:
         local_workers, local = int(env["LOCAL_WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
@@ -231,8 +242,7 @@ def init_world(
     (resolve_cross_backend; `gloo_links`: the islands meet over shaped or unreliable links, so auto takes gloo
     in a GPU job). Elastic and joined jobs always exchange over gloo.
     """
-    if cross_backend not in CROSS_BACKENDS:
-        raise ValueError(f"cross_backend must be one of {', '.join(CROSS_BACKENDS)}; got {cross_backend!r}")
+    check_cross_backend(cross_backend)
     if islands is None:
         islands = int(os.environ.get(ISLANDS_ENV, "1"))
     if islands < 1:
@@ -266,8 +276,7 @@ def init_world(
                 f"islands={islands} needs several processes: start the script with "
                 f"`islands run --workers N` or torchrun; a single process is one island"
             )
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
+        check_device(device, needs_cuda=True)
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
     backend, dev = pick_backend(device)
     dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
@@ -304,6 +313,11 @@ def _world_over_default_group(
 CROSS_BACKENDS = ("auto", "gloo", "nccl")
 
 
+def check_cross_backend(requested: str) -> None:
+    if requested not in CROSS_BACKENDS:
+        raise ValueError(f"cross_backend must be one of {', '.join(CROSS_BACKENDS)}; got {requested!r}")
+
+
 def resolve_cross_backend(requested: str, backend: str, gloo_links: bool = False) -> str:
     """The backend of the cross-island group for `requested` (auto | gloo | nccl) in a world on `backend`.
 
@@ -311,8 +325,7 @@ def resolve_cross_backend(requested: str, backend: str, gloo_links: bool = False
     that may fail (`gloo_links`: a testbed; elastic jobs exchange over gloo anyway), where NCCL could hang on a
     dead peer instead of failing. gloo: always possible (device tensors are staged through host memory). nccl:
     only in a NCCL world."""
-    if requested not in CROSS_BACKENDS:
-        raise ValueError(f"cross_backend must be one of {', '.join(CROSS_BACKENDS)}; got {requested!r}")
+    check_cross_backend(requested)
     if requested == "nccl" and backend != "nccl":
         raise ValueError(
             f"cross_backend=nccl needs a CUDA world (device=cuda, one GPU per worker); this world runs {backend}: "
@@ -490,12 +503,9 @@ def elastic_device(device: str, island: IslandPlace | None = None) -> torch.devi
     without LOCAL_RANK); its cross-island exchanges stay gloo, through host buffers (runtime.staging). Only
     islands of one worker: an island of several meets over a gloo group of its own inside (island_comm), which
     this version keeps on the CPU."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    check_device(device, needs_cuda=True)
     if device != "cuda":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
     if island is not None and island.size > 1:
         raise ValueError(
             f"an elastic island of {island.size} workers trains on the CPU in this version (its workers meet over "

@@ -372,10 +372,11 @@ class ServerLoop:
             for island in active:
                 wait.started(island, self.arrivals.origin())
         while active:
+            free = active - {h.island for h in self.held}  # not waiting for an answer
             deadline = None
             if self.held and wait is not None:
-                deadline = wait.deadline(self.held[0].since, active - {h.island for h in self.held})
-            taken = self.arrivals.take(self.inbox, active - {h.island for h in self.held}, deadline)
+                deadline = wait.deadline(self.held[0].since, free)
+            taken = self.arrivals.take(self.inbox, free, deadline)
             if taken is None:  # the held window's wait ran out before its quorum came: it steps with what it holds
                 assert deadline is not None, "only a held window's deadline ends a take without a message"
                 with self.lock:

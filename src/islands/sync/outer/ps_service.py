@@ -224,8 +224,11 @@ class Members:
         last = self.beats.get(island, (-1, 0.0))[0]
         self.beats[island] = (last, time.monotonic() + grace)
 
+    def live_islands(self) -> set[int]:
+        return {island for island, s in self.state.items() if s == "live"}
+
     def live(self) -> int:
-        return sum(s == "live" for s in self.state.values())
+        return len(self.live_islands())
 
     def mark(self, island: int, state: str) -> None:
         self.state[island] = state
@@ -468,8 +471,7 @@ class ShardServer:
             with self.lock:
                 if self.durable.state.version != reply.version:
                     break
-                live = {i for i, state in self.members.state.items() if state == "live"}
-                end = wait.deadline(opened, live - held)
+                end = wait.deadline(opened, self.members.live_islands() - held)
                 now = time.monotonic()
                 if now >= end and (now >= limit or not self.members.receiving()):
                     self.durable.settle(1)
