@@ -61,6 +61,31 @@ def _p2p(world) -> list:
     return [list(got[peer].shape), got[peer].flatten().tolist()]
 
 
+def _batchnorm_cnn(world) -> list:
+    """A BatchNorm CNN of the test's own through islands.Trainer with DiLoCo (a model islands did not write): the
+    global model's parameters and running statistics, which cross as the outer delta and the buffers' average."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import islands
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
+    )
+    g = torch.Generator().manual_seed(10 + world.rank)
+    x = torch.randn(32, 1, 6, 6, generator=g) * (1 + world.rank)  # islands see different statistics
+    data = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    strategy = islands.Stack(outer=islands.outer.DiLoCo(inner_steps=2))
+    trainer = islands.Trainer(
+        model, opt, F.cross_entropy, data, batch_size=8, strategy=strategy, world=world, log_every=10**9
+    )
+    trainer.fit(4)
+    return [t.detach().numpy().copy() for t in trainer.eval_model.state_dict().values()]
+
+
 def _train(world, staged: bool) -> dict:
     import torch
 
@@ -74,6 +99,7 @@ def _train(world, staged: bool) -> dict:
     out["probe"] = {"cross_backend": probe["cross_backend"], "cross": probe.get("cross")}
     torch.manual_seed(world.rank)
     out.update({name: _scenario(world, *args) for name, args in SPECS.items()})
+    out["bn"] = _batchnorm_cnn(world)
     comm = world.comm("cross")
     out["staged_comm"] = isinstance(comm, StagedComm)
     out["buffers"] = comm.buffers.allocated if isinstance(comm, StagedComm) else 0
@@ -154,3 +180,12 @@ def test_authenticated_payloads_are_tagged_on_host_bytes_inside_the_staging(runs
     plain, staged = runs
     assert all(r["auth_order"] == ["AuthenticatedComm", "Comm"] for r in plain)
     assert all(r["auth_order"] == ["StagedComm", "AuthenticatedComm"] for r in staged)
+
+
+def test_a_batchnorm_cnn_through_the_trainer_crosses_staged_bit_for_bit(runs):
+    plain, staged = runs
+    for p, s in zip(plain, staged):
+        assert len(p["bn"]) == len(s["bn"]) > 0
+        assert all(np.array_equal(a, b) for a, b in zip(p["bn"], s["bn"]))
+    # the running statistics were averaged across the islands: every rank ends on the same ones
+    assert all(np.array_equal(a, b) for a, b in zip(staged[0]["bn"], staged[2]["bn"]))
