@@ -17,6 +17,7 @@ from test_ps_strategy import Island
 import islands
 from harness.ps import ThreadService
 from islands.outer import DiLoCo, FirstCome, InProcessServer, OuterSGD, ParameterServer, VirtualClock
+from islands.sync.outer.ps import OuterRule
 from islands.sync.outer.ps_link import DONE, PUSH, LocalInbox, LocalLink, Message, ServerLoop
 from islands.sync.outer.ps_server import Contribution, ServerState
 from islands.sync.outer.ps_wire import PULL
@@ -190,7 +191,10 @@ def test_shard_servers_wait_past_the_deadline_for_a_push_still_crossing_a_slow_l
         assert time.monotonic() - t0 < 5.0 and alone.ack.version == 2
 
 
-def test_equal_simulated_islands_with_a_held_window_end_on_synchronous_dilocos_model():
+@pytest.mark.parametrize("m", [2, 3])
+def test_equal_simulated_islands_with_a_held_window_end_on_synchronous_dilocos_model(m):
+    """For any M: a full window's default step is DiLoCo's sqrt(2) on the mean (ps.WINDOWED_LR; before session 38
+    M = 3 moved sqrt(3) x the mean, 1/sqrt(M) per push, and ended elsewhere)."""
     torch.set_num_threads(1)
 
     def run(make):
@@ -203,14 +207,32 @@ def test_equal_simulated_islands_with_a_held_window_end_on_synchronous_dilocos_m
             isl.strategy.finish(isl.model)
             return isl.strategy.global_flat.clone()
 
-        return islands.simulate.run(main, islands=2)
+        return islands.simulate.run(main, islands=m)
 
-    clock = lambda: VirtualClock([1.0, 1.0])  # noqa: E731
-    held = run(lambda s: ParameterServer(inner_steps=2, quorum=2, wait=0.5, arrivals=clock(), host=s))
+    clock = lambda: VirtualClock([1.0] * m)  # noqa: E731
+    held = run(lambda s: ParameterServer(inner_steps=2, quorum=m, wait=0.5, arrivals=clock(), host=s))
     sync = run(lambda s: DiLoCo(inner_steps=2))  # plain SGD, lr sqrt(2) on the mean: the default of both
-    stale = run(lambda s: ParameterServer(inner_steps=2, quorum=2, arrivals=clock(), host=s))
+    stale = run(lambda s: ParameterServer(inner_steps=2, quorum=m, arrivals=clock(), host=s))
     torch.testing.assert_close(held[0], sync[0], rtol=1e-5, atol=1e-6)
-    assert torch.equal(held[0], held[1]) and not torch.allclose(stale[0], sync[0], rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(held[0], h) for h in held[1:]) and not torch.allclose(
+        stale[0], sync[0], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_waiting_servers_default_step_is_dilocos_over_a_full_window_and_a_chosen_lr_is_kept():
+    def lr(strategy: ParameterServer, islands: int) -> float:
+        assert isinstance(strategy.rule, OuterRule)
+        return strategy.rule.lr_for(islands)
+
+    sqrt2 = 2**0.5
+    assert lr(ParameterServer(4, quorum=3, wait="auto"), 3) == pytest.approx(sqrt2 / 3)
+    assert lr(ParameterServer(4, quorum=3, wait=1.0), 2) == pytest.approx(sqrt2 / 2)  # quorum <= the islands
+    assert lr(ParameterServer(4, quorum=3), 3) == pytest.approx(3**-0.5)  # no wait: asynchronous pushes
+    assert lr(ParameterServer(4), 4) == pytest.approx(0.5)
+    assert lr(ParameterServer(4, rule=OuterRule("sgd", lr=0.3), quorum=3, wait="auto"), 3) == 0.3
+    assert lr(ParameterServer(4, rule=OuterRule("delayed-nesterov"), quorum=3, wait="auto"), 3) == 0.7
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        OuterRule("sgd").windowed(0)
 
 
 @pytest.mark.parametrize(

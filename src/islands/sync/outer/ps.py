@@ -5,7 +5,8 @@ A round, on each island, on its own clock:
     push   delta, the version it pulled and the samples behind it to the server
     pull   the server's answer: the ack and the current global model; local = global
 The server (ps_server.ServerState) applies each push as it arrives with a staleness-aware outer step: by default plain
-SGD at lr 1/sqrt(M) per push (islands' DiLoCo step spread over the pushes; DEFAULT_PS_RULE), or the delayed Nesterov
+SGD at lr 1/sqrt(M) per push (islands' DiLoCo step spread over the pushes; DEFAULT_PS_RULE; with a `wait`, sqrt(2)
+per full window of `quorum` pushes, DiLoCo's own step: WINDOWED_LR), or the delayed Nesterov
 step of arXiv 2401.09135 (outer="delayed-nesterov", delayed_nesterov.py), samples-weighted merging over a window of
 `quorum` distinct islands (quorum 1: fully asynchronous; more: Decoupled DiLoCo's semi-synchrony, arXiv 2604.21428),
 contributions staler than `max_staleness` versions refused (the island's round is lost and it pulls fresh).
@@ -58,7 +59,7 @@ from islands.runtime.simulate import current_island
 from islands.sync.outer import ps_host
 from islands.sync.outer.base import OuterStrategy, average_buffers_at_the_end
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
-from islands.sync.outer.outer_opt import OuterOptimizer, OuterSGD
+from islands.sync.outer.outer_opt import DEFAULT_OUTER_LR, OuterOptimizer, OuterSGD
 from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_link import (
     DONE,
@@ -107,6 +108,12 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 # for it: ps_server.StaleCap): equal-speed islands' pushes are M - 1 versions stale, and lr 1/sqrt(M) sat at 93% of
 # the limit for 3 islands and past it from 4 (results/parameter-server/churn-s30)
 DEFAULT_PS_RULE = "sgd"
+# A server whose windows wait for their quorum (quorum >= 2 with a wait) trains equal islands as synchronous DiLoCo
+# does, so its default step is DiLoCo's: sqrt(2) on a full window's mean (outer_opt.DEFAULT_OUTER_LR), sqrt(2) / k
+# per push for a window of k. 1/sqrt(M) per push moved a full window of 3 by sqrt(3) x the mean, and on digits (3
+# equal islands, no faults) took 340 steps to DDP's loss against DiLoCo's 240; sqrt(2) / 3 took 240, DiLoCo's loss
+# curve (session 38, scripts/ps_churn_quick.py --every 0)
+WINDOWED_LR = DEFAULT_OUTER_LR
 
 Rule = Callable[[int], OuterOptimizer]  # islands M -> one shard's outer optimizer
 
@@ -116,7 +123,9 @@ class OuterRule:
     processes load it from their configuration file): sgd (the default; heavy ball, plain with momentum 0),
     delayed-nesterov (2401.09135; buffer N, 0 = the island count) or nesterov (momentum updated at every push: the
     paper's naive baseline). `lr` None: 1/sqrt(M) for sgd, 0.7 for the Nesterov rules; `momentum` None: 0 for sgd,
-    0.9 for the Nesterov rules (DEFAULT_PS_RULE says why)."""
+    0.9 for the Nesterov rules (DEFAULT_PS_RULE says why). `window` > 1: the server's windows wait for that many
+    islands (quorum with a wait), and sgd's default lr per push is sqrt(2) / min(window, M), so that a full window
+    steps DiLoCo's default, sqrt(2) on the mean, for any M (WINDOWED_LR says why)."""
 
     def __init__(
         self,
@@ -124,6 +133,7 @@ class OuterRule:
         lr: float | None = None,
         momentum: float | None = None,
         buffer: int = 0,
+        window: int = 1,
     ):
         if outer not in RULES:
             raise ValueError(f"outer must be one of {', '.join(RULES)}; got {outer!r}")
@@ -133,11 +143,22 @@ class OuterRule:
             )
         if buffer and outer != "delayed-nesterov":
             raise ValueError(f"buffer= applies to outer=delayed-nesterov only; got outer={outer}")
-        self.outer, self.lr, self.momentum, self.buffer = outer, lr, momentum, buffer
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1 (islands a window waits for), got {window!r}")
+        self.outer, self.lr, self.momentum, self.buffer, self.window = outer, lr, momentum, buffer, window
 
     def lr_for(self, islands: int) -> float:
-        """The step's lr for M islands: `lr`, else 1/sqrt(M) for sgd and DEFAULT_PS_LR for the Nesterov rules."""
-        return self.lr if self.lr is not None else islands**-0.5 if self.outer == "sgd" else DEFAULT_PS_LR
+        """The step's lr for M islands: `lr`, else for sgd 1/sqrt(M) per push (asynchronous) or WINDOWED_LR over
+        a full window (`window` > 1), and DEFAULT_PS_LR for the Nesterov rules."""
+        if self.lr is not None:
+            return self.lr
+        if self.outer != "sgd":
+            return DEFAULT_PS_LR
+        return WINDOWED_LR / min(self.window, islands) if self.window > 1 else islands**-0.5
+
+    def windowed(self, window: int) -> OuterRule:
+        """This rule for a server whose windows wait for `window` islands."""
+        return OuterRule(self.outer, self.lr, self.momentum, self.buffer, window)
 
     def plain(self) -> bool:
         """Plain SGD (no momentum): the step StaleCap's stability limit is about."""
@@ -285,6 +306,8 @@ class ParameterServer(OuterStrategy):
         self.wait = window_wait(wait)
         check_server_options(shards, max_staleness, quorum, discount, self.wait)
         self.rule = rule if rule is not None else outer_rule()
+        if self.wait is not None and isinstance(self.rule, OuterRule):
+            self.rule = self.rule.windowed(quorum)
         plain = isinstance(self.rule, OuterRule) and self.rule.plain()
         if stale_cap and not plain:
             raise ValueError(
