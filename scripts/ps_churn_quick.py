@@ -12,6 +12,8 @@ known 0.0906), --every K (rounds between kills; 0: no kills, the same elastic jo
 --spec NAME=SPEC (repeatable): an arm of one's own beside the experiment's (a NAME starting with ps runs as a ps
 arm: servers=1 is added). Each row keeps its kills (kill_log) and run directory for scripts/ps_churn_timeline.py.
 The tier options of ps_tier.py (--task lm --ddp-steps N --h H --floor S) run the byte LM instead of the digits MLP.
+--fault freeze (session 38): SIGSTOP instead of SIGKILL, a host that vanishes without closing its connections (the
+launcher finds it by its heartbeat and restarts it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(
     every: int,
     extra: tuple[tuple[str, str], ...] = (),
     tier: dict | None = None,
+    fault: str = "kill",
 ) -> None:
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
     t = dict(ps.tier(ctx), **(tier or {}))
@@ -48,11 +51,13 @@ def main(
         for arm in arms or [a for a, _ in ps.churn_arms(t["h"], 3, t["floor"]) + list(extra)]:
             tag = f"#{i}" if repeat > 1 else ""
             load0 = os.getloadavg()
-            got, why = ps.run_churn(ctx, t, target, ps._numel(t), only=(arm,), tag=tag, every=every, extra=extra)
+            got, why = ps.run_churn(
+                ctx, t, target, ps._numel(t), only=(arm,), tag=tag, every=every, extra=extra, fault=fault
+            )
             not_run.update(why)
             for r in got:
                 r.update(repeat=i, load_before=load0, load_after=os.getloadavg(), kill_log=r.pop("_kill_log"))
-                r["run_dir"] = str(out / "runs" / f"{arm}@churn{tag}")
+                r["run_dir"] = str(out / "runs" / f"{arm}@{ps.churn_setting(fault)}{tag}")
             rows += got
     load.append(os.getloadavg())
     series = {r["run_dir"]: r.pop("_series") for r in rows}
@@ -64,6 +69,7 @@ def main(
     result = {
         "target": target,
         "every": every,
+        "fault": fault,
         "rows": rows,
         "not_run": not_run,
         "load": load,
@@ -89,9 +95,10 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=1, help="run the arms interleaved this many times")
     parser.add_argument("--target", type=float, default=None, help="the target loss (default: DDP's run)")
     parser.add_argument("--every", type=int, default=ps.CHURN_EVERY, help="rounds between kills (0: none)")
+    parser.add_argument("--fault", choices=ps.FAULTS, default="kill", help="kill: SIGKILL; freeze: SIGSTOP")
     parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (ps... as ps)")
     add_tier_options(parser)
     a = parser.parse_args()
     extra = tuple(tuple(x.split("=", 1)) for x in a.spec)
     arms = tuple(a.arms.split(",")) if a.arms else None
-    main(a.out, arms, a.repeat, a.target, a.every, extra, tier_overrides(a))
+    main(a.out, arms, a.repeat, a.target, a.every, extra, tier_overrides(a), a.fault)

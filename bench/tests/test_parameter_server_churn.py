@@ -3,8 +3,22 @@ under ps (the victim's acknowledged step in the job's store, continued across re
 under DiLoCo, and the survivors' applied and refused pushes from their served_end events."""
 
 import json
+import signal
+import subprocess
+import sys
+import threading
+import time
 
-from islands_bench.experiments.parameter_server import VICTIM, GroupRounds, ServedRounds, served_counts
+import pytest
+
+from islands_bench.experiments.parameter_server import (
+    VICTIM,
+    GroupRounds,
+    ServedRounds,
+    _backstop,
+    run_churn,
+    served_counts,
+)
 
 
 class Store:
@@ -40,3 +54,30 @@ def test_served_counts_sum_the_survivors_served_end_events(tmp_path):
         (elastic / f"{name}.json").write_text(json.dumps({"final": {"events": events}}))
     (elastic / "restarts.json").write_text(json.dumps({"max_restarts": 3, "restarts": []}))
     assert served_counts(tmp_path) == (24, 1)
+
+
+def test_a_frozen_victim_that_nobody_kills_is_killed_by_the_backstop():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        _backstop(proc, 0.3, threading.Event())
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+        assert 0.3 <= time.monotonic() - t0 < 5
+    finally:
+        proc.kill()
+
+
+def test_the_backstop_leaves_a_victim_the_launcher_already_killed():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.send_signal(signal.SIGSTOP)
+    threading.Timer(0.1, proc.kill).start()  # the launcher's kill, after its heartbeat timeout
+    t0 = time.monotonic()
+    _backstop(proc, 30.0, threading.Event())
+    assert time.monotonic() - t0 < 5  # returned on the launcher's kill, not after 30 s
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_an_unknown_fault_is_refused_by_name():
+    with pytest.raises(ValueError, match="fault='pause': expected one of kill, freeze"):
+        run_churn(None, {}, 0.1, 1, fault="pause")  # type: ignore[arg-type]

@@ -30,6 +30,9 @@ Settings:
                   and restarted by the launcher (elastic.max_restarts); the ps arms run with their server as a
                   process of its own (servers=1: thread mode is refused in elastic jobs), which outlives the kills;
                   a restarted island pulls the global model from it and starts at its last acknowledged step
+    (c') churn-freeze  the same, island 2 SIGSTOPped instead (a preempted or unplugged host: no connection closes,
+                  its peers learn of it only when its heartbeat is heartbeat_timeout old; the launcher then kills
+                  and restarts it; session 38)
     (d) link20    2 islands on a 20 Mbit/s testbed link
 Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to target:
 rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or under it.
@@ -402,12 +405,25 @@ class ServedRounds:
         return json.loads(store.get(key))["step"] // self.h if store.check([key]) else 0
 
 
+FAULTS = ("kill", "freeze")  # (c)'s outage: a process that dies, or a host that vanishes without closing a socket
+
+
 def _killer(
-    address: str, workers: list, run_dir: Path, every: int, log: dict, stop: threading.Event, rounds=None
+    address: str,
+    workers: list,
+    run_dir: Path,
+    every: int,
+    log: dict,
+    stop: threading.Event,
+    rounds=None,
+    fault: str = "kill",
 ) -> None:
-    """SIGKILL island VICTIM's live incarnation once it has trained through `every` rounds (the launcher restarts
-    it; `workers` grows with the restarts): a kill before a restarted island trains again would only repeat one
-    outage. `rounds(store)`: the rounds begun so far (GroupRounds, the default, or ServedRounds under ps)."""
+    """Take island VICTIM's live incarnation out once it has trained through `every` rounds (the launcher restarts
+    it; `workers` grows with the restarts): a fault before a restarted island trains again would only repeat one
+    outage. `rounds(store)`: the rounds begun so far (GroupRounds, the default, or ServedRounds under ps).
+    `fault`: "kill" sends SIGKILL (the kernel closes its connections: peers learn at once); "freeze" sends SIGSTOP,
+    a preempted or unplugged host whose peers hear nothing (its heartbeat stops; the launcher kills and restarts it
+    after the heartbeat timeout), with a SIGKILL of our own 3 timeouts later should nothing have."""
     from islands.control import observe_job
 
     store = observe_job(address, log["token"])
@@ -423,10 +439,30 @@ def _killer(
         if kill_at is None and trains:
             kill_at = seen + every
         elif kill_at is not None and trains and seen >= kill_at:
-            live[-1].proc.send_signal(signal.SIGKILL)
-            log["kills"].append({"round": seen, "name": getattr(live[-1], "name", "?"), "time": time.time()})
+            victim = live[-1].proc
+            victim.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            log["kills"].append(
+                {"round": seen, "name": getattr(live[-1], "name", "?"), "time": time.time(), "fault": fault}
+            )
             kill_at = None
+            if fault == "freeze":
+                _backstop(victim, 3 * log.get("heartbeat_timeout", 3.0), stop)
         time.sleep(0.02)
+
+
+def churn_setting(fault: str) -> str:
+    """The rows' setting for churn by `fault`: "churn" (kills, issue #36's (c)), "churn-freeze" (vanished hosts)."""
+    return "churn" if fault == "kill" else f"churn-{fault}"
+
+
+def _backstop(proc, after: float, stop: threading.Event) -> None:
+    """Wait for a frozen victim to be killed by the launcher (its heartbeat timeout); SIGKILL it ourselves after
+    `after` seconds so that a missed detection shows as a slow arm, not a hung bench."""
+    deadline = time.monotonic() + after
+    while proc.poll() is None and time.monotonic() < deadline and not stop.is_set():
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
 
 
 def _read(path: Path) -> str:
@@ -445,12 +481,16 @@ def run_churn(
     tag: str = "",
     every: int = CHURN_EVERY,
     extra: tuple[tuple[str, str], ...] = (),
+    fault: str = "kill",
 ) -> tuple[list[dict], dict[str, str]]:
     """(c): the arms of an elastic job with island 2 killed every CHURN_EVERY rounds, each that islands runs
     elastic (the ps arms with servers=1). Returns the rows and, per arm not run, why (islands' refusal). `only`: the
     arms to run (None: all); `tag`: appended to each run's label (repeated runs in one output folder); `every`: rounds
     between kills (0: none, the same elastic job without churn, a control); `extra`: (name, spec) arms to run beside
-    them (a name starting with ps runs as a ps arm, servers=1)."""
+    them (a name starting with ps runs as a ps arm, servers=1); `fault`: one of FAULTS (_killer)."""
+    if fault not in FAULTS:
+        raise ValueError(f"fault={fault!r}: expected one of {', '.join(FAULTS)}")
+    setting = churn_setting(fault)
     h, steps = t["h"], LONGER * t["ddp_steps"]
     if ctx.smoke:
         steps = ctx.smoke_steps
@@ -481,14 +521,15 @@ def run_churn(
         if why:
             not_run[arm] = why
             continue
-        label = f"{arm}@churn{tag}"
+        label = f"{arm}@{setting}{tag}"
         log: dict = {"kills": []}
         stop = threading.Event()
         run_dir = ctx.out_dir / "runs" / label
 
         def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir, served=served):
             log["token"] = os.environ["ISLANDS_TOKEN"]
-            args = (address, workers, run_dir, every, log, stop, ServedRounds(h) if served else None)
+            log["heartbeat_timeout"] = base["heartbeat_timeout"]
+            args = (address, workers, run_dir, every, log, stop, ServedRounds(h) if served else None, fault)
             if every:
                 threading.Thread(target=_killer, args=args, daemon=True).start()
 
@@ -497,9 +538,10 @@ def run_churn(
             rec = ctx.train_elastic(label, on_started=started, outer=spec, **base)
         finally:
             stop.set()
-        row = _arm_row(ctx, "churn", arm, rec, target, numel, max(load0, os.getloadavg()[0]), checkpointed=False)
+        row = _arm_row(ctx, setting, arm, rec, target, numel, max(load0, os.getloadavg()[0]), checkpointed=False)
         row["goodput"] = churn_goodput(run_dir, h)
         row["kills"] = len(log["kills"])
+        row["fault"] = fault
         row["_kill_log"] = log["kills"]  # round and wall time of each SIGKILL (scripts/ps_churn_quick.py's timeline)
         if served:
             pushes, refused = served_counts(run_dir)
@@ -804,7 +846,8 @@ def parameter_server(ctx: BenchContext) -> dict:
     if ctx.smoke:  # two rounds per arm
         ctx.smoke_steps = 2 * t["h"]
     n_settings = len(settings(ctx))
-    ctx.plan(1 + 2 + 1 if ctx.smoke else 1 + 4 * n_settings + 1 + 1 + 12)  # churn: the arms islands runs elastic
+    # churn: the arms islands runs elastic, killed and frozen
+    ctx.plan(1 + 2 + 1 if ctx.smoke else 1 + 4 * n_settings + 1 + 1 + 12 + 12)
     uptime = [f"start {time.strftime('%H:%M:%S')} load {os.getloadavg()}"]
     ddp_steps = t["ddp_steps"]
     target = ddp_target(ctx, t)
@@ -812,6 +855,8 @@ def parameter_server(ctx: BenchContext) -> dict:
     rows = run_settings(ctx, t, target, numel)
     churn_rows, not_run = ([], {}) if ctx.smoke else run_churn(ctx, t, target, numel)
     rows += churn_rows
+    if not ctx.smoke:  # the same churn with hosts that vanish: peers learn of it only by the heartbeat timeout
+        rows += run_churn(ctx, t, target, numel, fault="freeze")[0]
     target_rows, lm_target = run_targets(ctx)
     uptime.append(f"end {time.strftime('%H:%M:%S')} load {os.getloadavg()}")
 
@@ -837,7 +882,9 @@ def parameter_server(ctx: BenchContext) -> dict:
         f"training seconds): " + " | ".join(_words(rows, s) for s in dict.fromkeys(r["setting"] for r in rows))
     ]
     headline += [f"(c) churn: the {arm} arm is not yet supported by islands: {why}" for arm, why in not_run.items()]
-    goal_words = [goal_text(rows, setting, arm) for setting in ("slow", "churn", "equal") for arm in PS_ARMS]
+    goal_words = [
+        goal_text(rows, setting, arm) for setting in ("slow", "churn", "churn-freeze", "equal") for arm in PS_ARMS
+    ]
     headline += goal_words
     by = {(r["run"], r["link"]): r for r in target_rows}
     headline += [item5_text(target_rows, link, goal, lm_target) for link, goal in GOALS.items()]
