@@ -193,6 +193,22 @@ def test_the_lease_starts_once_an_answer_can_have_reached_the_island():
     assert 2 not in members.rate
 
 
+def test_an_island_killed_while_it_polls_for_its_final_answer_lapses_and_the_servers_can_leave():
+    """A done island polls until every island is done; its heartbeat goes on meanwhile. Killed there, it stayed
+    "done" without its final answer for good: `settled` never held, and the servers and their supervisor outlived
+    the job (found after the churn bench's byte LM runs, session 38). Now its silence lapses it like a training
+    island's; an island that has its final answer is not lapsed by its (stopped) heartbeat."""
+    members = Members(StillBeat(), lease_s=0.05)
+    for island in (1, 2):
+        members.mark(island, "live")
+        members.mark(island, "done")
+    members.final_sent.add(2)  # island 2 got its final answer and left; island 1 is polling, then killed
+    assert not members.settled() and members.lapse() == []  # the server's loop reads the heartbeats
+    time.sleep(0.15)
+    assert members.lapse() == [1] and members.state == {1: "lapsed", 2: "done"}
+    assert members.settled()
+
+
 def test_a_stopping_server_leaves_only_once_its_final_answers_can_have_arrived():
     """Leaving closes the connections: a final answer (the whole model) still in this host's socket buffers would be
     cut off, so `settled` waits for its bytes at the island's pace."""
@@ -331,3 +347,46 @@ def test_bad_server_process_settings_are_refused(capsys):
         ParameterServer(2, service=ServerProcesses(), arrivals=VirtualClock([1.0]))
     with pytest.raises(ValueError, match="servers must be at most the parameter count 10"):
         config(servers=11)
+
+
+class EverBusyShard:
+    """A shard 'process' that beats and never ends by itself (a server still waiting for an island to settle)."""
+
+    def __init__(self, store: dist.PrefixStore, shard: int):
+        self.killed = threading.Event()
+        self.thread = threading.Thread(target=self._beat, args=(store, shard), daemon=True)
+        self.thread.start()
+
+    def _beat(self, store, shard: int) -> None:
+        while not self.killed.wait(0.02):
+            store.add(f"sbeat/{shard}", 1)
+
+    def poll(self) -> int | None:
+        return -9 if self.killed.is_set() else None
+
+    def kill(self) -> None:
+        self.killed.set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.thread.join(timeout)
+        return -9
+
+
+def test_a_supervisor_whose_islands_are_all_gone_ends_its_servers_though_they_never_settle(tmp_path):
+    """No island has beaten for orphan_s: the supervisor sets stop ("orphaned"), and a server that still waits for
+    an island to settle is ended 2 leases later, so no service outlives its islands for good (session 38: servers
+    and supervisors of the churn bench's byte LM runs were still running an hour after their jobs)."""
+    from islands.sync.outer.ps_service import Supervisor
+
+    config(servers=1, islands=1, orphan_s=0.3, lease_s=0.2).save(tmp_path)
+    shards: list[EverBusyShard] = []
+
+    def starter(directory, shard, host, port):
+        raw = dist.TCPStore(host, port, is_master=False, timeout=_dt.timedelta(seconds=10))
+        shards.append(EverBusyShard(dist.PrefixStore("islands-ps", raw), shard))
+        return shards[-1]
+
+    supervisor = Supervisor(tmp_path, starter=starter).start()
+    assert supervisor.stopped.wait(30.0), "the supervisor kept a server no island needs"
+    assert len(shards) == 1 and shards[0].killed.is_set()  # ended, not restarted
+    assert supervisor.store.get("stop") == b"orphaned"

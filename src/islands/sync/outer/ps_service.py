@@ -235,14 +235,18 @@ class Members:
         self.beats[island] = (self.beats.get(island, (-1, 0.0))[0], time.monotonic())
 
     def lapse(self) -> list[int]:
-        """Islands whose heartbeat stood still for the lease: marked lapsed, returned."""
+        """Islands whose heartbeat stood still for the lease: marked lapsed, returned. A training island, and one
+        that is done but still waits for its final answer: it beats while it polls, so a silent one died there
+        (session 38: an island SIGKILLed while it polled stayed done for good, the servers never settled, and they
+        and their supervisor outlived the job by hours)."""
         now, gone = time.monotonic(), []
         for island, s in self.state.items():
             count = int(self.store.add(f"beat/{island}", 0))
             last, since = self.beats.get(island, (-1, now))
+            waiting = s == "live" or (s == "done" and island not in self.final_sent)
             if count != last:
                 self.beats[island] = (count, max(since, now))  # an answer's delivery time (end) stays ahead
-            elif s == "live" and now - since > self.lease_s and not self.busy.get(island):
+            elif waiting and now - since > self.lease_s and not self.busy.get(island):
                 self.state[island] = "lapsed"
                 gone.append(island)
         return gone
@@ -586,15 +590,19 @@ class Supervisor:
         for shard in range(self.config.servers):
             self.spawn(shard)
         island_beat, idle_since = -1, time.monotonic()
+        orphaned_at: float | None = None  # when no island had beaten for orphan_s
         try:
             while True:
                 stopping = self.store.check(["stop"])
                 if not stopping and self.starter_gone():
                     self.store.set("stop", "the island process that started the servers is gone")
                     stopping = True
+                # nobody is left to answer: a server still waiting for an island to settle is ended (its journal
+                # holds every push it acknowledged), so no service outlives its islands for good
+                abandon = orphaned_at is not None and time.monotonic() - orphaned_at > 2 * self.config.lease_s
                 for shard, proc in enumerate(self.procs):
                     assert proc is not None
-                    if proc.poll() is None and not self._frozen(shard):
+                    if proc.poll() is None and not self._frozen(shard) and not abandon:
                         continue
                     if proc.poll() is None:  # heartbeat still past the lease: frozen; kill, then restart
                         proc.kill()
@@ -611,8 +619,9 @@ class Supervisor:
                 beat = int(self.store.add("beats", 0))
                 if beat != island_beat:
                     island_beat, idle_since = beat, time.monotonic()
-                elif time.monotonic() - idle_since > self.config.orphan_s:
+                elif time.monotonic() - idle_since > self.config.orphan_s and orphaned_at is None:
                     self.store.set("stop", "orphaned")  # no island has beaten for orphan_s: nobody is left
+                    orphaned_at = time.monotonic()
                 time.sleep(0.05)
         finally:
             for proc in self.procs:
