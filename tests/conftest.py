@@ -7,6 +7,7 @@ import pytest
 # Helpers live in the harness package (tests/harness); the names stay here for code that still imports them
 # from conftest, but tests import them from harness.procs.
 from harness.procs import FORKSERVER_PRELOAD, forkserver, free_port, mp_context  # noqa: F401
+from islands.runtime.launch import spawn
 
 # A few test files import another's helpers by its module name (`from test_checkpoint_resume import same`), as
 # they did when tests/ was one flat folder: every folder of test files is on sys.path before any is collected, so
@@ -28,6 +29,8 @@ def dist_env(monkeypatch):
 
 def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the in-process launchers' fork server preloads what the tests' own does (harness.procs: it is one server)
+    spawn.preload(FORKSERVER_PRELOAD)
 
 
 # Every test under tests/integration starts processes (ranks, a launcher, the CLI as a subprocess, a fork server) or

@@ -218,6 +218,10 @@ def _nan_one_rank(rank, port, out_dir):
         results["ddp"] = (str(exc), time.monotonic() - t, True)
     state.close()
     torch.save(results, os.path.join(out_dir, f"r{rank}.pt"))
+    # the GIL hand-off of the PowerSGD-hook test below, for this DDP too: without it both ranks hung once in a fresh
+    # clone's `make test` (session 38), stuck in this function's frame teardown after saving their results
+    time.sleep(GIL_HANDOFF_S)
+    del model, state, hook
     dist.destroy_process_group()
 
 

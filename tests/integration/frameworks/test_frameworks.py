@@ -24,7 +24,10 @@ from islands.runtime.payload_auth import TAG
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 HERE = Path(__file__).resolve().parent
-pytestmark = pytest.mark.slow
+# one xdist process runs them all (`make test`: --dist loadgroup), so that one fork server preloads the frameworks
+# for every test here (harness: the launcher's script servers live as long as the process); spread over three
+# processes, each started its own (~7 CPU-s each)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_frameworks")]
 # what the scripts import, imported once by the launcher's fork server (`islands run --preload`): each rank is then a
 # copy instead of an interpreter importing transformers' Trainer (~5 CPU-s) or Lightning (~5.5 CPU-s) itself; the
 # refusal test below starts fresh interpreters, the default
