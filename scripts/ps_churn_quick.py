@@ -57,7 +57,7 @@ def main(
             not_run.update(why)
             for r in got:
                 r.update(repeat=i, load_before=load0, load_after=os.getloadavg(), kill_log=r.pop("_kill_log"))
-                r["run_dir"] = str(out / "runs" / f"{arm}@{ps.churn_setting(fault)}{tag}")
+                r["run_dir"] = r.pop("_run_dir")
             rows += got
     load.append(os.getloadavg())
     series = {r["run_dir"]: r.pop("_series") for r in rows}

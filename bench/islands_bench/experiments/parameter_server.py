@@ -417,13 +417,14 @@ def _killer(
     stop: threading.Event,
     rounds=None,
     fault: str = "kill",
+    heartbeat_timeout: float = 3.0,
 ) -> None:
     """Take island VICTIM's live incarnation out once it has trained through `every` rounds (the launcher restarts
     it; `workers` grows with the restarts): a fault before a restarted island trains again would only repeat one
     outage. `rounds(store)`: the rounds begun so far (GroupRounds, the default, or ServedRounds under ps).
     `fault`: "kill" sends SIGKILL (the kernel closes its connections: peers learn at once); "freeze" sends SIGSTOP,
     a preempted or unplugged host whose peers hear nothing (its heartbeat stops; the launcher kills and restarts it
-    after the heartbeat timeout), with a SIGKILL of our own 3 timeouts later should nothing have."""
+    after `heartbeat_timeout`), with a SIGKILL of our own 3 timeouts later should nothing have."""
     from islands.control import observe_job
 
     store = observe_job(address, log["token"])
@@ -446,13 +447,8 @@ def _killer(
             )
             kill_at = None
             if fault == "freeze":
-                _backstop(victim, 3 * log.get("heartbeat_timeout", 3.0), stop)
+                _backstop(victim, 3 * heartbeat_timeout, stop)
         time.sleep(0.02)
-
-
-def churn_setting(fault: str) -> str:
-    """The rows' setting for churn by `fault`: "churn" (kills, issue #36's (c)), "churn-freeze" (vanished hosts)."""
-    return "churn" if fault == "kill" else f"churn-{fault}"
 
 
 def _backstop(proc, after: float, stop: threading.Event) -> None:
@@ -490,7 +486,7 @@ def run_churn(
     them (a name starting with ps runs as a ps arm, servers=1); `fault`: one of FAULTS (_killer)."""
     if fault not in FAULTS:
         raise ValueError(f"fault={fault!r}: expected one of {', '.join(FAULTS)}")
-    setting = churn_setting(fault)
+    setting = "churn" if fault == "kill" else f"churn-{fault}"  # the rows' setting: (c), or (c') churn-freeze
     h, steps = t["h"], LONGER * t["ddp_steps"]
     if ctx.smoke:
         steps = ctx.smoke_steps
@@ -528,8 +524,8 @@ def run_churn(
 
         def started(address, workers, coordinator, log=log, stop=stop, run_dir=run_dir, served=served):
             log["token"] = os.environ["ISLANDS_TOKEN"]
-            log["heartbeat_timeout"] = base["heartbeat_timeout"]
-            args = (address, workers, run_dir, every, log, stop, ServedRounds(h) if served else None, fault)
+            rounds = ServedRounds(h) if served else None
+            args = (address, workers, run_dir, every, log, stop, rounds, fault, base["heartbeat_timeout"])
             if every:
                 threading.Thread(target=_killer, args=args, daemon=True).start()
 
@@ -543,6 +539,7 @@ def run_churn(
         row["kills"] = len(log["kills"])
         row["fault"] = fault
         row["_kill_log"] = log["kills"]  # round and wall time of each SIGKILL (scripts/ps_churn_quick.py's timeline)
+        row["_run_dir"] = str(run_dir)  # where the script's timeline reads the run
         if served:
             pushes, refused = served_counts(run_dir)
             row.update(refused=refused, goodput=row["goodput"] * pushes / max(pushes + refused, 1))
@@ -862,7 +859,8 @@ def parameter_server(ctx: BenchContext) -> dict:
 
     series = {f"{r['run']}@{r['setting']}": r.pop("_series") for r in rows}
     for r in rows:
-        r.pop("_kill_log", None)  # the churn timeline's raw kills: scripts/ps_churn_quick.py reads them
+        r.pop("_kill_log", None)  # the churn timeline's raw kills and run: scripts/ps_churn_quick.py reads them
+        r.pop("_run_dir", None)
     for setting in dict.fromkeys(r["setting"] for r in rows):
         here = [r for r in rows if r["setting"] == setting]
         equal = min(series[f"{r['run']}@{setting}"][-1]["elapsed"] for r in here)

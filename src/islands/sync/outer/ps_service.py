@@ -604,7 +604,7 @@ class Supervisor:
                     assert proc is not None
                     if proc.poll() is None and not self._frozen(shard) and not abandon:
                         continue
-                    if proc.poll() is None:  # heartbeat still past the lease: frozen; kill, then restart
+                    if proc.poll() is None:  # frozen (kill, then restart) or abandoned (kill; stopping)
                         proc.kill()
                     proc.wait()
                     if not stopping and self.restarts[shard] >= self.config.max_restarts:
