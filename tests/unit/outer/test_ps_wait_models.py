@@ -1,7 +1,7 @@
 """Held windows (`ps:quorum=M,wait=SECONDS`) with models islands did not write, through islands.Trainer: a
 `transformers` GPT-2 built from a config (its forward returns a ModelOutput) and a model compiled by torch.compile.
-Two equal simulated islands (one virtual clock) end on synchronous DiLoCo's global model to fp32 rounding, as the
-digits MLP does in test_ps_wait.py; the compiled one also equals its eager run."""
+Two (and, for the GPT-2, three) equal simulated islands (one virtual clock) end on synchronous DiLoCo's global
+model to fp32 rounding, as the digits MLP does in test_ps_wait.py; the compiled one also equals its eager run."""
 
 from __future__ import annotations
 
@@ -59,14 +59,15 @@ def _rows() -> TensorDataset:
     return TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(-1))
 
 
-def _fit(make_model, loss_fn, data, strategy: str, compile=None) -> list[torch.Tensor]:
-    """2 simulated islands, plain SGD inside (lr 0.1), the global model's parameters at the end (flat)."""
+def _fit(make_model, loss_fn, data, strategy: str, compile=None, islands_: int = 2) -> list[torch.Tensor]:
+    """`islands_` simulated islands, plain SGD inside (lr 0.1), the global model's parameters at the end (flat)."""
     server = InProcessServer()
 
     def outer():
         if strategy == "diloco":
             return DiLoCo(inner_steps=2)
-        return ParameterServer(inner_steps=2, quorum=2, wait=0.5, arrivals=VirtualClock([1.0, 1.0]), host=server)
+        clock = VirtualClock([1.0] * islands_)
+        return ParameterServer(inner_steps=2, quorum=islands_, wait=0.5, arrivals=clock, host=server)
 
     def main(world):
         model = make_model()
@@ -86,15 +87,16 @@ def _fit(make_model, loss_fn, data, strategy: str, compile=None) -> list[torch.T
         return torch.cat([p.detach().reshape(-1) for p in trainer.eval_model.parameters()])
 
     torch.set_num_threads(1)
-    return islands.simulate.run(main, islands=2)
+    return islands.simulate.run(main, islands=islands_)
 
 
 @pytest.mark.slow  # transformers' import and dynamo's tracing: make test, not make test-fast
-def test_a_transformers_gpt2_through_held_windows_trains_as_diloco():
+@pytest.mark.parametrize("m", [2, 3])  # 3: a full window steps DiLoCo's sqrt(2) on the mean (ps.WINDOWED_LR)
+def test_a_transformers_gpt2_through_held_windows_trains_as_diloco(m):
     pytest.importorskip("transformers")
-    held = _fit(_gpt2, _lm_loss, _tokens(), "ps")
-    sync = _fit(_gpt2, _lm_loss, _tokens(), "diloco")
-    assert torch.equal(held[0], held[1])  # both islands end on the server's model
+    held = _fit(_gpt2, _lm_loss, _tokens(), "ps", islands_=m)
+    sync = _fit(_gpt2, _lm_loss, _tokens(), "diloco", islands_=m)
+    assert all(torch.equal(held[0], h) for h in held[1:])  # every island ends on the server's model
     torch.testing.assert_close(held[0], sync[0], rtol=1e-5, atol=1e-6)
     assert not torch.equal(held[0], torch.cat([p.detach().reshape(-1) for p in _gpt2().parameters()]))  # it trained
 
