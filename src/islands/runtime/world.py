@@ -368,6 +368,8 @@ def close_world(world: World) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    if world.distributed:
+        _let_collective_threads_finish()  # before the group can go: see GIL_HANDOFF_S
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     if world.distributed:
@@ -376,8 +378,11 @@ def close_world(world: World) -> None:
 
 # torch's gloo worker threads free a finished collective's tensors after the caller already has its result; freeing
 # one that Python has dropped takes the GIL, and a thread still waiting for it when the interpreter exits aborts the
-# process ("terminate called without an active exception"; torch PR 179291 describes it, unfixed in 2.13). Giving
-# the GIL up for a moment at close lets those threads finish while the interpreter is alive.
+# process ("terminate called without an active exception"; torch PR 179291 describes it, unfixed in 2.13). And a
+# group whose last owner is torch's DDP (its reducer outlives destroy_process_group when the user's model does) is
+# destroyed with the GIL held, joining those threads: one still waiting for the GIL deadlocks the rank (seen in CI,
+# a test rank stuck in ~ProcessGroupGloo under ~Reducer at its function's end). Giving the GIL up for a moment at
+# close, before the group can go and again after, lets those threads finish while nothing waits on them.
 GIL_HANDOFF_S = 0.05
 
 
