@@ -56,6 +56,20 @@ def test_a_first_round_holds_start_up_and_is_not_taken_for_a_pace():
     assert w.deadline(26.4, [1]) == pytest.approx(16.4 + 11.4 + 1.14)
 
 
+def test_an_island_started_later_is_not_waited_for_before_a_round_of_its_own():
+    w = PacedWait(reach=0.35, margin=0.1)
+    for island in (0, 1):
+        w.started(island, 0.0)
+    for t in (15.0, 25.0):  # 5 s of start-up, then 10 s rounds
+        for island in (0, 1):
+            w.arrived(island, t)
+            w.answered(island, t)
+    w.started(2, 50.0)  # a restarted island, a new one on the servers, pulls at 50
+    assert w.fastest() == 10.0
+    assert w.deadline(52.0, [2]) == 52.0  # due at 60, past 52 + 3.5: the window steps at once
+    assert w.deadline(57.0, [2]) == pytest.approx(57.0 + 3.5)  # due within the reach: waited for up to it
+
+
 @pytest.mark.parametrize("value, want", [(None, None), (0, None), (0.0, None), (1.5, FixedWait), ("auto", PacedWait)])
 def test_wait_values(value, want):
     rule = window_wait(value)

@@ -14,8 +14,10 @@ when it was answered, on its own clock (virtual under ps_link.VirtualClock, so s
   s of a 10 s round at 20 Mbit/s, where a fixed 1 s wait lost it every window), an island 2x or 4x slower is not,
   except in the windows it would join anyway. A first round (from the start, or a pull, to the first push) holds
   start-up time, so it is not a turnaround: until an island has one, its first round less the start-up other
-  islands showed stands in; one that has not pushed at all is waited for up to `reach` of the fastest turnaround
-  (or, before any, of the fastest first round); with nothing known, up to `first` seconds.
+  islands showed stands in; one that has not pushed at all is due a fastest turnaround (or, before any, the
+  fastest first round) after it started, and if that falls within the reach it is waited for up to the reach (a
+  restarted island is a new one on the servers: while it trained its first round, every window waited the reach
+  for it, ~3.5 s of each 10 s round on the byte LM, session 38); with nothing known, up to `first` seconds.
 
 A push still on its way in at the deadline is waited for in both (its header is in: ps_link.FirstCome,
 ShardServer.hold).
@@ -138,8 +140,9 @@ class PacedWait:
             if fastest is None or since is None:  # nothing known yet, or never started: wait up to `first`
                 deadline = max(deadline, opened + self.first)
                 continue
-            if turn is None:  # started, not pushed yet: about as fast as the fastest, so due by the horizon
-                deadline = max(deadline, horizon)
+            if turn is None:  # started, not pushed yet: about as fast as the fastest, so due a fastest round on
+                if since + fastest <= horizon:  # islands started together: due now; one started later is not yet
+                    deadline = max(deadline, horizon)
                 continue
             due = since + turn
             if due <= horizon:
