@@ -16,7 +16,7 @@ from test_ps_wait import Islands
 from harness.ps import ThreadService
 from islands.outer import VirtualClock
 from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_wait import FixedWait, PacedWait, window_wait
+from islands.sync.outer.ps_wait import FixedWait, JoinAlignment, PacedWait, window_wait
 from islands.sync.outer.ps_wire import PULL
 
 
@@ -68,6 +68,52 @@ def test_an_island_started_later_is_not_waited_for_before_a_round_of_its_own():
     assert w.fastest() == 10.0
     assert w.deadline(52.0, [2]) == 52.0  # due at 60, past 52 + 3.5: the window steps at once
     assert w.deadline(57.0, [2]) == pytest.approx(57.0 + 3.5)  # due within the reach: waited for up to it
+
+
+def test_a_pull_beside_islands_mid_round_is_held_until_their_next_window_can_have_stepped():
+    w = PacedWait(reach=0.35, margin=0.1)
+    for island in (0, 1):
+        w.started(island, 0.0)
+    for t in (15.0, 25.0):  # 5 s of start-up, then 10 s rounds; both answered at 25
+        for island in (0, 1):
+            w.arrived(island, t)
+            w.answered(island, t)
+    assert isinstance(w, JoinAlignment) and not isinstance(FixedWait(1.0), JoinAlignment)
+    assert w.align_until(28.0, [0, 1]) == pytest.approx(35.0 + 3.5)  # due at 35, the window waits the reach past it
+    assert w.align_until(36.0, [0, 1]) == pytest.approx(38.5)
+    assert w.align_until(40.0, [0, 1]) == 40.0  # overdue (frozen?): nothing to wait for
+    assert w.align_until(28.0, []) == 28.0  # alone
+    w.started(2, 20.0)  # an island without a turnaround among the others: the job is starting, no hold
+    assert w.align_until(28.0, [0, 1, 2]) == 28.0
+
+
+def test_a_restarted_islands_pull_is_answered_with_the_others_next_window(tmp_path):
+    rule = PacedWait(reach=2.0)  # a generous reach: the windows' timing on a loaded host is not what is under test
+    with ThreadService(tmp_path, config(quorum=3, islands=3, wait=rule, per_push=True)) as service:
+        a, b = service.link(0), service.link(1)
+        for x in (a, b):
+            x.send(Message(PULL, x.island))
+        for value in (1.0, 2.0):  # two rounds of 0.3 s: both islands have a turnaround
+            time.sleep(0.3)
+            got: dict = {}
+            first = threading.Thread(target=lambda v=value: got.update(a=push(a, v)))
+            first.start()
+            push(b, v := value)
+            first.join(30)
+        version = got["a"].ack.version
+        answered: dict = {}
+        c = service.link(2)  # a restarted island pulls mid-round: held, not waited for
+        joiner = threading.Thread(target=lambda: answered.update(c=c.send(Message(PULL, 2))))
+        joiner.start()
+        time.sleep(0.15)
+        assert "c" not in answered  # held until a and b step
+        pushed = threading.Thread(target=lambda: got.update(a=push(a, 4.0)))
+        pushed.start()
+        both = push(b, 4.0)
+        pushed.join(30)
+        joiner.join(30)
+        assert both.ack.version == version + 1  # the window stepped with a and b: nobody waited for c
+        assert answered["c"].ack.version == version + 1 and torch.equal(answered["c"].flat, both.flat)
 
 
 @pytest.mark.parametrize("value, want", [(None, None), (0, None), (0.0, None), (1.5, FixedWait), ("auto", PacedWait)])

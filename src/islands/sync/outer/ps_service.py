@@ -63,7 +63,7 @@ from islands.sync.outer.ps_report import (
     write_collected,
 )
 from islands.sync.outer.ps_server import Contribution, ServerState, check_server_options
-from islands.sync.outer.ps_wait import WindowWait, window_wait
+from islands.sync.outer.ps_wait import JoinAlignment, WindowWait, window_wait
 from islands.sync.outer.ps_wire import (
     DONE,
     HOLDS_MODEL,
@@ -403,6 +403,8 @@ class ShardServer:
                     landed()
                 if msg.island != island:
                     raise ValueError(f"connection of island {island} sent a message as island {msg.island}")
+                if msg.kind == PULL:
+                    self.align(island)
                 if msg.payload is not None:
                     with self.lock:
                         self.members.arrived(island, msg.payload.numel(), time.monotonic() - inflight[0])
@@ -455,6 +457,22 @@ class ShardServer:
             if msg.kind == DONE and not final and msg.samples == HOLDS_MODEL:  # a poll: no model until the final
                 return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
             return ShardReply(accepted, version, staleness, stepped, final, duplicate, flat)
+
+    def align(self, island: int) -> None:
+        """A pull of an island starting beside others mid-round, with a rule that aligns them (ps_wait.JoinAlignment):
+        held until their next window steps or the rule's time runs out, then answered with the model as it is (so
+        with that window's step). The puller is not live meanwhile: no window waits for it."""
+        wait = self.wait
+        if not isinstance(wait, JoinAlignment):
+            return
+        with self.lock:
+            version = self.durable.state.version
+            until = wait.align_until(time.monotonic(), self.members.live_islands() - {island})
+        while not self.done.is_set() and time.monotonic() < until:
+            with self.lock:
+                if self.durable.state.version != version:
+                    return
+            time.sleep(HOLD_POLL_S)
 
     def hold(self, reply: ShardReply, island: int) -> ShardReply:
         """With a wait rule (ps_wait): a push accepted into a window short of its quorum is answered once the window

@@ -21,6 +21,13 @@ when it was answered, on its own clock (virtual under ps_link.VirtualClock, so s
 
 A push still on its way in at the deadline is waited for in both (its header is in: ps_link.FirstCome,
 ShardServer.hold).
+
+An island that starts while the others are mid-round (in an elastic job, a restarted island: a new island on the
+servers) would come due a part of a round after them, and a rule that keeps equal islands together then holds the
+others' next window for it. PacedWait also says when the others' next window will have stepped (`JoinAlignment`):
+the shard servers hold such a pull until then and answer it with that window's model, so the joiner idles instead
+(as DiLoCo's joiner waits for a round boundary) and its rounds run beside theirs. Session 39 measured the cost it
+removes: on the byte LM's churn with freezes, each restart held the healthy islands' next window 2.7-3.3 s.
 """
 
 from __future__ import annotations
@@ -47,6 +54,17 @@ class WindowWait(Protocol):
 
     def deadline(self, opened: float, missing: Iterable[int]) -> float:
         """When a window whose first held push came at `opened` steps without `missing` (live islands not in it)."""
+        ...
+
+
+@runtime_checkable
+class JoinAlignment(Protocol):
+    """A rule that can tell when the islands already training will next step, so that an island starting beside
+    them (a restarted one: a new island on the servers) can start its round with theirs."""
+
+    def align_until(self, now: float, others: Iterable[int]) -> float:
+        """How long a pull arriving at `now` may be held for the window of `others` (the live islands but the
+        puller) to step: `now` when there is nothing to align with."""
         ...
 
 
@@ -148,6 +166,23 @@ class PacedWait:
             if due <= horizon:
                 deadline = max(deadline, due + self.margin * turn)
         return deadline
+
+    def align_until(self, now: float, others: Iterable[int]) -> float:
+        """Until the others' next window can have stepped: the first of them due (their answer out plus their
+        turnaround) opens it, and it waits at most the reach past that. `now` while any of them has no turnaround
+        yet (the job is starting: everyone pulls together), or when they are overdue (frozen, or past their pace)."""
+        others = list(others)
+        fastest = self.fastest()
+        if not others or fastest is None:
+            return now
+        dues = []
+        for island in others:
+            turn, since = self.turnaround(island), self.sent.get(island)
+            if turn is None or since is None:
+                return now
+            dues.append(since + turn)
+        until = min(dues) + self.reach * fastest
+        return until if now < until <= now + fastest * (1.0 + self.reach) else now
 
     def __repr__(self) -> str:
         return f"PacedWait(reach={self.reach:g}, margin={self.margin:g}, first={self.first:g})"
