@@ -92,9 +92,9 @@ def add_cross_store_command(sub: argparse._SubParsersAction) -> None:
         description=f"Host the store that islands run as separate jobs meet through (docs/frameworks.md), so that "
         f"island 0's job is not its host and its death does not end it. Prints the {ADDR_ENV} the islands use "
         f"(HOST:PORT); every island must then run with {HOST_STORE_ENV}=0 (by default island 0's first worker "
-        "hosts the store itself). Serves until SIGTERM or SIGINT (exit 0). Needs no token: with ISLANDS_TOKEN set "
-        "on the islands, they sign everything they write and check the record the first of them leaves here; set it "
-        "on every island, or on none.",
+        "hosts the store itself). Serves one job, until SIGTERM or SIGINT (exit 0). Needs no token: with "
+        "ISLANDS_TOKEN set on the islands, they sign everything they write and check the record the first of them "
+        "leaves here; set it on every island, or on none.",
     )
     p.add_argument("--port", type=int, required=True, help="the store's TCP port (0: any free one, printed)")
     p.add_argument(

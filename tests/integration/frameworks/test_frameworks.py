@@ -5,8 +5,9 @@ runs DDP over its own default group, and the outer strategy (DiLoCo) runs across
 Each example prints one RESULT line per worker: its losses, the bytes it sent across islands, its rounds and a digest
 of its model after the final synchronisation. The tests read them: every worker of every island ends with the same
 global model, bytes went across, the loss fell. A fault test kills one island mid-run: the other finishes alone; a
-restart test kills one and starts it again (resuming its own checkpoint under HF and Lightning): it rejoins. bf16
-mixed precision with gradient accumulation runs through both callbacks with an ISLANDS_TOKEN.
+restart test kills one and starts it again (resuming its own checkpoint under HF and Lightning): it rejoins; with the
+store hosted by `islands cross-store`, island 0's death leaves island 1 its store. bf16 mixed precision with gradient
+accumulation runs through both callbacks with an ISLANDS_TOKEN.
 """
 
 from __future__ import annotations
