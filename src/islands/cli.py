@@ -18,6 +18,7 @@ from islands import practices as P
 from islands.app.launch import launch
 from islands.app.validate import validate
 from islands.app.worker import run_worker
+from islands.cli_cross import add_cross_store_command
 from islands.cli_export import add_export_command
 from islands.cli_more import UsageError, add_more_commands
 from islands.cli_plan import add_plan_command
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_more_commands(sub)
     add_ps_host_command(sub)
+    add_cross_store_command(sub)
     add_run_command(sub)
     add_dashboard_command(sub, ExitError)
     add_report_command(sub)

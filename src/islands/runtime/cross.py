@@ -6,8 +6,9 @@ script's own) uses as it always does. islands adds one group per local index j, 
 island is a member of "slot j". Its members are the islands, and the group is an elastic one
 (islands.runtime.elastic: Commit, Epochs, ElasticComm), so an island whose job dies is dropped at the next
 collective and the others go on with the rest (`CrossIslands`). The islands meet through one store, the
-`ISLANDS_CROSS_ADDR` below: a TCPStore (hosted by `islands run --separate-jobs`, by island 0's first worker, or by
-anything else) or an etcd cluster (`etcd://host:port`, as `islands run --elastic --store` takes).
+`ISLANDS_CROSS_ADDR` below: a TCPStore (hosted by `islands run --separate-jobs`, by island 0's first worker, by
+`islands cross-store`, or by anything else) or an etcd cluster (`etcd://host:port`, as `islands run --elastic --store`
+takes).
 
 Settings, read from the environment by `CrossSpec.from_env` (each island's launcher sets them; the names say which
 island this is, the rest is the same on every island):
@@ -15,8 +16,9 @@ island this is, the rest is the same on every island):
   ISLANDS_CROSS_ADDR              HOST:PORT of the cross-island store (setting it turns this mode on)
   ISLANDS_CROSS_ISLANDS           K, how many islands start
   ISLANDS_CROSS_INDEX             this island's index, 0..K-1
-  ISLANDS_CROSS_HOST_STORE        1: this process hosts the store's TCPStore server on HOST:PORT; default: island 0's
-                                  worker 0 does (its job's death then ends the store: host it elsewhere to survive it)
+  ISLANDS_CROSS_HOST_STORE        1: this process hosts the store's TCPStore server on HOST:PORT; 0: no worker of
+                                  this island does; default: island 0's worker 0 does (its job's death then ends the
+                                  store: to survive it, host it with `islands cross-store` and set 0 on every island)
   ISLANDS_CROSS_TIMEOUT           seconds a cross-island collective may take before the island is dropped (300)
   ISLANDS_CROSS_HEARTBEAT_TIMEOUT seconds without a heartbeat after which an island counts as dead (10)
   ISLANDS_TOKEN                   the islands' shared secret (optional; the elastic jobs' variable): every value in

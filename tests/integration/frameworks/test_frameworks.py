@@ -5,13 +5,19 @@ runs DDP over its own default group, and the outer strategy (DiLoCo) runs across
 Each example prints one RESULT line per worker: its losses, the bytes it sent across islands, its rounds and a digest
 of its model after the final synchronisation. The tests read them: every worker of every island ends with the same
 global model, bytes went across, the loss fell. A fault test kills one island mid-run: the other finishes alone; a
-restart test kills one and starts it again (resuming its own checkpoint under HF and Lightning): it rejoins. bf16
-mixed precision with gradient accumulation runs through both callbacks with an ISLANDS_TOKEN.
+restart test kills one and starts it again (resuming its own checkpoint under HF and Lightning): it rejoins; with the
+store hosted by `islands cross-store`, island 0's death leaves island 1 its store. bf16 mixed precision with gradient
+accumulation runs through both callbacks with an ISLANDS_TOKEN.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from harness.cli import islands_cli as cli
+from islands.runtime.cross import CrossSpec
+from islands.runtime.launch import spawn
 from islands.runtime.payload_auth import TAG
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -228,12 +236,7 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
     island 0's next round boundary as `island1.1` (every worker at the same boundary) with island 0's global model,
     outer state and step, runs the remaining steps from there (the frameworks' step counters moved on past the
     checkpoint's), and all end with one global model. Processes: a SIGKILLed job and its restart are what is tested."""
-    import os
-    import sys
-
     from harness.procs import free_port
-    from islands.runtime.cross import CrossSpec
-    from islands.runtime.launch import spawn
 
     path = HERE / script
     address = f"127.0.0.1:{free_port()}"
@@ -305,3 +308,59 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         assert joiner["outer_sent"] > 0, joiner["ledger"]
     # and every worker of both islands ends with the same global model
     assert len({r["digest"] for r in members + joiners}) == 1
+
+
+def test_a_store_of_its_own_outlives_island_0(tmp_path):
+    """`python -m islands cross-store --port 0` hosts the cross store as a process of its own, without a token; two
+    islands (the plain loop with `attach`, one process each, ISLANDS_CROSS_HOST_STORE=0, ISLANDS_TOKEN set) meet
+    through it. Island 0's job is SIGKILLed at step 25 of 60 (DiLoCo every 10): island 1 drops it and runs every
+    step and round alone. With the default, island 0 hosting the store, its death would have taken the store with it.
+    SIGTERM then ends the store's host: exit 0, no traceback."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ISLANDS_TOKEN"):
+        base.pop(key, None)
+    store_logs = [tmp_path / f"store.{kind}" for kind in ("out", "err")]
+    with open(store_logs[0], "w") as out, open(store_logs[1], "w") as err:
+        store = subprocess.Popen(
+            [sys.executable, "-m", "islands", "cross-store", "--port", "0"],
+            env=base,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    islands_: list[Island] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (
+            said := re.search(r"ISLANDS_CROSS_ADDR=(\S+) ISLANDS_CROSS_HOST_STORE=0", store_logs[0].read_text())
+        ):
+            assert store.poll() is None and time.monotonic() < deadline, store_logs[1].read_text()[-2000:]
+            time.sleep(0.1)
+        address = said.group(1)
+        for index in range(2):
+            spec = CrossSpec(address, islands=2, index=index, host_store=False, timeout_s=60, heartbeat_timeout_s=5)
+            env = {**base, **spec.env(), "ISLANDS_TOKEN": "cross-store-test", "STEPS": "60"}
+            env.update({"DIE_AT": "25"} if index == 0 else {})
+            logs = [tmp_path / f"island{index}.{kind}" for kind in ("out", "err")]
+            with open(logs[0], "w") as out, open(logs[1], "w") as err:
+                proc = spawn.start([sys.executable, str(HERE / "island_rejoins.py")], env, out, err, str(tmp_path))
+            islands_.append(Island(proc, logs))
+        out, err = islands_[1].communicate(timeout=300)
+        killed_out, killed_err = islands_[0].communicate(timeout=60)
+        assert islands_[1].returncode == 0, out[-2000:] + err[-4000:]
+        assert "STARTED island0 at 0" in killed_out and islands_[0].returncode == -9, killed_err[-2000:]
+        assert store.poll() is None, store_logs[1].read_text()  # the store's host outlived island 0 and the job
+        store.terminate()
+        assert store.wait(30) == 0
+    finally:
+        for proc in [*islands_, store]:
+            if proc.poll() is None:
+                proc.kill()
+    stopped = store_logs[1].read_text()
+    assert "stopped (SIGTERM)" in stopped and "Traceback" not in stopped, stopped
+    [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    survivor = json.loads(line.split("RESULT ", 1)[1])
+    assert survivor["name"] == "island1" and survivor["start"] == 0 and survivor["steps"] == 60
+    assert survivor["rounds"] == 6 and survivor["islands"] == 1  # every round ran: two with island 0, four alone
+    assert [(e["type"], e.get("gone")) for e in survivor["events"]] == [("failure", ["island0"])]

@@ -49,6 +49,7 @@ LAYERS = {
     "cli": 6,
     "cli_more": 6,
     "cli_ps": 6,
+    "cli_cross": 6,
     "cli_run": 6,
     "cli_export": 6,
     "cli_plan": 6,
