@@ -61,6 +61,7 @@ from islands.runtime.elastic.auth import ControlAuth, derive_key
 from islands.runtime.elastic.comm import ElasticComm
 from islands.runtime.elastic.commit import Commit
 from islands.runtime.elastic.epochs import Epochs, Excluded
+from islands.runtime.elastic.etcd_store import is_etcd
 from islands.runtime.elastic.membership import (
     TOKEN_ENV,
     Heartbeat,
@@ -122,6 +123,18 @@ class CrossSpec:
             )
         if self.timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise CrossSettingsError(f"{TIMEOUT_ENV} and {HEARTBEAT_ENV} must be positive seconds")
+        if self.host_store and is_etcd(self.address):
+            raise CrossSettingsError(
+                f"{HOST_STORE_ENV}=1 hosts a TCPStore here, but {ADDR_ENV} names an etcd cluster, which runs on its "
+                f"own: leave {HOST_STORE_ENV} unset (or 0) with etcd://"
+            )
+
+    def hosts_store(self, slot: int) -> bool:
+        """Whether worker `slot` of this island hosts the store's TCPStore server: as told, else island 0's worker
+        0; never for an etcd cluster (before, island 0 tried to host one at the etcd address and timed out)."""
+        if is_etcd(self.address):
+            return False
+        return self.host_store if self.host_store is not None else self.index == 0 and slot == 0
 
     @classmethod
     def from_env(cls, env=None) -> CrossSpec:
@@ -284,7 +297,7 @@ class CrossIslands:
         slots: int = 1,
     ):
         host, port = parse_address(spec.address)
-        hosting = spec.host_store if spec.host_store is not None else spec.index == 0 and slot == 0
+        hosting = spec.hosts_store(slot)
         self.server = None
         if hosting:  # the TCPStore server lives as long as this object (clients connect to it below)
             self.server = dist.TCPStore(

@@ -58,6 +58,17 @@ def test_an_address_without_a_port_is_refused():
         CrossSpec("nohost", islands=2, index=0)
 
 
+def test_who_hosts_the_store_and_never_an_etcd_cluster():
+    tcp = "10.0.0.1:29600"
+    assert [CrossSpec(tcp, islands=2, index=i).hosts_store(s) for i, s in ((0, 0), (0, 1), (1, 0))] == [True, False, False]
+    assert CrossSpec(tcp, islands=2, index=1, host_store=True).hosts_store(0)
+    assert not CrossSpec(tcp, islands=2, index=0, host_store=False).hosts_store(0)
+    etcd = "etcd://10.0.0.1:2379/job1"
+    assert not CrossSpec(etcd, islands=2, index=0).hosts_store(0)  # island 0 once tried to host one there
+    with pytest.raises(CrossSettingsError, match="etcd cluster, which runs on its own"):
+        CrossSpec(etcd, islands=2, index=0, host_store=True)
+
+
 def test_one_island_joined_alone_hosts_the_store_and_trains_with_the_outer_strategy(monkeypatch):
     """K=1 in one process: the island hosts the cross store, forms an epoch of one, and init_world routes to it."""
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
