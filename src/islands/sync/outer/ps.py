@@ -331,6 +331,7 @@ class ParameterServer(OuterStrategy):
         self.loop: ServerLoop | None = None  # the server, on the island that hosts it
         self.link: LocalLink | GlooLink | RemoteLink | None = None
         self.report: dict | None = None  # process mode: the servers' report island 0 collected at the end
+        self.final_shards: list | None = None  # process mode: the servers' state island 0 took before they stopped
         self.island = 0  # this island's number on the server: its cross rank, or in an elastic job its own (wrap)
         self.elastic: ElasticService | None = None  # the job's store, in an elastic job (wrap)
         self.end: ServedEnd | None = None  # the elastic membership that runs the job's end (wrap)
@@ -574,6 +575,10 @@ class ParameterServer(OuterStrategy):
         if self.loop is not None:
             self.loop.join(timeout=60.0)
         if isinstance(self.link, RemoteLink):
+            if self.elastic is None and self.comm.rank == 0:
+                # the job's final checkpoint is saved after this (the loop's fit_end), when the servers are gone:
+                # island 0 takes their state now, as extra_state would (before, that save failed: ServiceGone)
+                self.final_shards = self.link.snapshot()
             self.close_service(self.link)
 
     def final(self) -> dict:
@@ -641,7 +646,7 @@ class ParameterServer(OuterStrategy):
         if isinstance(self.link, RemoteLink):  # process mode: island 0 carries every server's state
             state["ps_link"] = self.link.state_dict()
             if self.comm.rank == 0:
-                state["ps_shards"] = self.link.snapshot()
+                state["ps_shards"] = self.final_shards if self.final_shards is not None else self.link.snapshot()
         if self.loop is not None:  # the hosting island carries the server's state in the job's checkpoint
             with self.loop.lock:
                 state["ps_server"] = self.loop.state.state_dict()
