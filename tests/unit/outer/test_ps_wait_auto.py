@@ -93,12 +93,12 @@ def test_a_restarted_islands_pull_is_answered_with_the_others_next_window(tmp_pa
         a, b = service.link(0), service.link(1)
         for x in (a, b):
             x.send(Message(PULL, x.island))
+        got: dict = {}
         for value in (1.0, 2.0):  # two rounds of 0.3 s: both islands have a turnaround
             time.sleep(0.3)
-            got: dict = {}
             first = threading.Thread(target=lambda v=value: got.update(a=push(a, v)))
             first.start()
-            push(b, v := value)
+            push(b, value)
             first.join(30)
         version = got["a"].ack.version
         answered: dict = {}
