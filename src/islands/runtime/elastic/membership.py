@@ -679,8 +679,15 @@ class Coordinator:
         raise RuntimeError(f"store key {key!r} keeps being overwritten without the job's token")
 
     def shard_for(self, slot: int) -> int:
+        """A joiner's data shard: the first one no live worker holds (members of the newest epoch and admitted
+        joiners without an epoch, less those a supervisor flagged dead), else slot % workers. The dead are left
+        out because a restarted worker is admitted before its predecessor leaves the epoch (the members drop it at
+        their next exchange; in a parameter server job no epoch forms during training at all): counted, they gave
+        it island 0's shard, which it trained twice while its own went untrained (session 39's churn runs:
+        restarted island 2 on shards 0, 1, 2, 0 in turn)."""
         members = get_json(self.store, f"e/{self.latest_epoch()}/members", [])
-        held = {m[2] for m in members} | {p[2] for p in get_json(self.store, "pending", [])}
+        holders = [(m[1], m[2]) for m in members] + [(p[1], p[2]) for p in get_json(self.store, "pending", [])]
+        held = {shard for name, shard in holders if not self.store.check([f"dead/{name}"])}
         free = [s for s in range(self.workers) if s not in held]
         return free[0] if free else slot % self.workers
 
