@@ -263,6 +263,21 @@ class CrossMembership(Membership):
         self.epochs.abort()
 
 
+class CrossEpochs(Epochs):
+    """The epochs of one slot's cross-island group. An island that finds itself left out of one is alive (it is
+    the one asking), so the others dropped it as slow: its line says why and how it comes back (docs/frameworks.md,
+    "Faults"), where an elastic worker's names `islands join`."""
+
+    def excluded(self, epoch: int) -> Excluded:
+        timeout, heartbeat = self.commit.timeout, self.commit.liveness.timeout
+        return Excluded(
+            f"{self.name} was dropped by the other islands (cross epoch {epoch}): its exchange came after "
+            f"{TIMEOUT_ENV} ({timeout:g} s), or its heartbeat stopped for {HEARTBEAT_ENV} ({heartbeat:g} s). "
+            f"Restart this island's job with the same launch line and it rejoins at a round boundary (torchrun "
+            f"--max-restarts N does that by itself); raise {TIMEOUT_ENV} if the island is just slow"
+        )
+
+
 class PrefixStoreView:
     """Reads one slot's keys through the root store (a PrefixStore per slot would be a connection per slot)."""
 
@@ -327,7 +342,7 @@ class CrossIslands:
             name = f"{name}.{self.store.add(f'incarnations/{name}', 1)}"
         self.heartbeat = Heartbeat(host, port, name, auth=self.auth, new_client=new_client)
         commit = Commit(self.store, name, Liveness(self.store, spec.heartbeat_timeout_s), spec.timeout_s)
-        self.epochs = Epochs(self.store, name, commit, on_change=on_change, new_client=new_client)
+        self.epochs = CrossEpochs(self.store, name, commit, on_change=on_change, new_client=new_client)
         self.comm = ElasticComm(self.epochs, ledger)
         self.membership = CrossMembership(self.epochs, self.comm, root, slot, slots, spec.islands)
         if self.auth is not None:  # every payload across islands tagged, the state transfer's secret from the token
