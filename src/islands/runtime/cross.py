@@ -41,6 +41,9 @@ slot (rejoin/<i>); the outer strategy's wrap then enters it as in an elastic job
 islands.runtime.elastic.admission.Membership): the members admit it at their next round boundary and send it the
 global model, the outer strategy's state and the step (StateTransfer). The members of every slot take one verdict
 per round (`CrossMembership`), so all k workers of a restarted island enter at the same boundary, or none of them.
+An island the others dropped while it lived (its exchange came after ISLANDS_CROSS_TIMEOUT) learns it at its next
+exchange: Excluded, with a line that says why and how it comes back (`CrossEpochs`), which init_world's excepthook
+prints alone before exiting 1, so a launcher that restarts failed jobs (torchrun --max-restarts) brings it back.
 """
 
 from __future__ import annotations

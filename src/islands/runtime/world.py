@@ -231,7 +231,7 @@ def init_world(
 
     In a job of islands that are separate jobs (ISLANDS_CROSS_ADDR set: `islands run --separate-jobs`, or a
     torchrun per island; islands.runtime.cross) it returns join_islands(): the islands are the jobs, so `islands`
-    is not used.
+    is not used. An island the others dropped as slow prints why and exits 1 (a restart rejoins it).
 
     Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): its
     island is where the launcher put it (ISLANDS_ISLAND; one worker per island without it), so `islands` is
