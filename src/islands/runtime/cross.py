@@ -41,6 +41,9 @@ slot (rejoin/<i>); the outer strategy's wrap then enters it as in an elastic job
 islands.runtime.elastic.admission.Membership): the members admit it at their next round boundary and send it the
 global model, the outer strategy's state and the step (StateTransfer). The members of every slot take one verdict
 per round (`CrossMembership`), so all k workers of a restarted island enter at the same boundary, or none of them.
+An island the others dropped while it lived (its exchange came after ISLANDS_CROSS_TIMEOUT) learns it at its next
+exchange: Excluded, with a line that says why and how it comes back (`CrossEpochs`), which init_world's excepthook
+prints alone before exiting 1, so a launcher that restarts failed jobs (torchrun --max-restarts) brings it back.
 """
 
 from __future__ import annotations
@@ -263,6 +266,21 @@ class CrossMembership(Membership):
         self.epochs.abort()
 
 
+class CrossEpochs(Epochs):
+    """The epochs of one slot's cross-island group. An island that finds itself left out of one is alive (it is
+    the one asking), so the others dropped it as slow: its line says why and how it comes back (docs/frameworks.md,
+    "Faults"), where an elastic worker's names `islands join`."""
+
+    def excluded(self, epoch: int) -> Excluded:
+        timeout, heartbeat = self.commit.timeout, self.commit.liveness.timeout
+        return Excluded(
+            f"{self.name} was dropped by the other islands (cross epoch {epoch}): its exchange came after "
+            f"{TIMEOUT_ENV} ({timeout:g} s), or its heartbeat stopped for {HEARTBEAT_ENV} ({heartbeat:g} s). "
+            f"Restart this island's job with the same launch line and it rejoins at a round boundary (torchrun "
+            f"--max-restarts N does that by itself); raise {TIMEOUT_ENV} if the island is just slow"
+        )
+
+
 class PrefixStoreView:
     """Reads one slot's keys through the root store (a PrefixStore per slot would be a connection per slot)."""
 
@@ -327,7 +345,7 @@ class CrossIslands:
             name = f"{name}.{self.store.add(f'incarnations/{name}', 1)}"
         self.heartbeat = Heartbeat(host, port, name, auth=self.auth, new_client=new_client)
         commit = Commit(self.store, name, Liveness(self.store, spec.heartbeat_timeout_s), spec.timeout_s)
-        self.epochs = Epochs(self.store, name, commit, on_change=on_change, new_client=new_client)
+        self.epochs = CrossEpochs(self.store, name, commit, on_change=on_change, new_client=new_client)
         self.comm = ElasticComm(self.epochs, ledger)
         self.membership = CrossMembership(self.epochs, self.comm, root, slot, slots, spec.islands)
         if self.auth is not None:  # every payload across islands tagged, the state transfer's secret from the token

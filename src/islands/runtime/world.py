@@ -22,6 +22,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -230,7 +231,7 @@ def init_world(
 
     In a job of islands that are separate jobs (ISLANDS_CROSS_ADDR set: `islands run --separate-jobs`, or a
     torchrun per island; islands.runtime.cross) it returns join_islands(): the islands are the jobs, so `islands`
-    is not used.
+    is not used. An island the others dropped as slow prints why and exits 1 (a restart rejoins it).
 
     Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): its
     island is where the launcher put it (ISLANDS_ISLAND; one worker per island without it), so `islands` is
@@ -265,7 +266,11 @@ def init_world(
     if cross_requested():  # an island of a joined job (ISLANDS_CROSS_ADDR): its own job inside, islands across
         if cross_backend == "nccl":
             raise ValueError("islands that are separate jobs meet over gloo (their own store); use cross_backend=auto")
-        return join_islands(timeout_s=timeout_s, device=device)
+        joined = join_islands(timeout_s=timeout_s, device=device)
+        # after the island's group exists: torch's init_process_group wraps the hook it finds in one that captures
+        # its stderr, and this line would vanish in it with the os._exit
+        sys.excepthook = _dropped_island_exit(sys.excepthook)
+        return joined
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend: str = dist.get_backend()  # a torch Backend, a str
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -705,17 +710,35 @@ def elastic_world(membership: Membership, data_shard: tuple[int, int], device: t
 
 def _elastic_exit(address: str, previous):
     """An excepthook: a process the job refused, ended before admitting, or dropped prints one line and exits
-    with the code `islands join` documents (3, 4, 1), not a traceback. Finalisers are skipped: a retired
-    gloo group whose peer hung could hold the exit until its timeout."""
+    with the code `islands join` documents (3, 4, 1), not a traceback."""
+
+    def line_of(value) -> str | None:
+        if isinstance(value, Refused):
+            return f"join refused by {address}: {value}"
+        if isinstance(value, JobEnded):
+            return f"{address}: {value}"
+        if isinstance(value, (Excluded, IslandBroken, PayloadAuthError)):
+            return str(value)
+        return None
+
+    return _one_line_exit(line_of, previous)
+
+
+def _dropped_island_exit(previous):
+    """An excepthook: an island of a joined job that the others dropped (Excluded: islands.runtime.cross.CrossEpochs
+    says why and what to do) prints one line and exits 1, so that a launcher that restarts failed jobs (torchrun
+    --max-restarts) starts it again and it rejoins."""
+    return _one_line_exit(lambda value: str(value) if isinstance(value, Excluded) else None, previous)
+
+
+def _one_line_exit(line_of: Callable[[BaseException], str | None], previous):
+    """An excepthook that prints `line_of(error)` after "islands: " and exits with the error's exit_code, or, where
+    line_of gives None, hands the error to `previous`. Finalisers are skipped: a retired gloo group whose peer hung
+    could hold the exit until its timeout."""
 
     def hook(kind, value, tb):
-        if isinstance(value, Refused):
-            line = f"join refused by {address}: {value}"
-        elif isinstance(value, JobEnded):
-            line = f"{address}: {value}"
-        elif isinstance(value, (Excluded, IslandBroken, PayloadAuthError)):
-            line = str(value)
-        else:
+        line = line_of(value)
+        if line is None:
             return previous(kind, value, tb)
         print(f"islands: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -6,7 +6,11 @@ and the test starts it again with the same settings.
 The loop runs from `world.start_step`: 0 for the islands of the first epoch, the members' step for a restarted
 island (it enters at their round boundary with their global model and outer state). PACE_S: island 0 sleeps this
 long after each step until it has admitted a joiner, so that on a loaded test machine it is still training when
-the restarted process is up (it never waits for it: the pause is a step's length, not a wait on island 1)."""
+the restarted process is up (it never waits for it: the pause is a step's length, not a wait on island 1).
+
+STALL_AT, STALL_S: the first incarnation (TORCHELASTIC_RESTART_COUNT unset or 0: torchrun's count of its restarts)
+sleeps STALL_S seconds before step STALL_AT, alive and beating, so that the others drop it at their next exchange
+(test_frameworks.test_a_dropped_slow_island_is_restarted_and_rejoins)."""
 
 import os
 import signal
@@ -22,6 +26,8 @@ import islands
 
 STEPS, DIE_AT = int(os.environ.get("STEPS", "200")), int(os.environ.get("DIE_AT", "-1"))
 PACE_S = float(os.environ.get("PACE_S", "0"))
+STALL_AT, STALL_S = int(os.environ.get("STALL_AT", "-1")), float(os.environ.get("STALL_S", "0"))
+FIRST_INCARNATION = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 world = islands.init_world()
 torch.manual_seed(0)
@@ -39,6 +45,8 @@ with strategy.attach(model, opt, world):
     for step in range(start, STEPS):
         if step == DIE_AT:
             os.kill(os.getpid(), signal.SIGKILL)  # the island's job is killed: no exit handler runs
+        if step == STALL_AT and FIRST_INCARNATION:
+            time.sleep(STALL_S)  # slow, not dead: the heartbeat thread beats on
         x = torch.randn(16, 8, generator=g)
         F.mse_loss(ddp(x), x.sum(-1, keepdim=True)).backward()
         opt.step()

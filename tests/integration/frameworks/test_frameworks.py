@@ -283,7 +283,16 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
         for proc in (first, killed):
             if proc.poll() is None:
                 proc.kill()
-    # island 0 finished every step: it dropped island 1's first incarnation, then admitted the second
+    check_rejoined(members, joiners, lost_at=35)
+    if framework:  # it resumed its own checkpoint of step 30, then the members' step replaced that one's
+        assert {(joiner["loaded"], joiner["final_step"]) for joiner in joiners} == {(30, 300)}
+
+
+def check_rejoined(members: list[dict], joiners: list[dict], lost_at: int) -> None:
+    """The RESULT lines of island 0's workers (`members`) and of island 1's second incarnation (`joiners`) after
+    island 1 was lost at step `lost_at` of 300 (DiLoCo every 10) and started again: island 0 ran every step, dropped
+    `island1` and then admitted `island1.1`; all of its workers entered at one later round boundary with island 0's
+    step and round count, took part in the exchanges from there, and every worker ends with one global model."""
     for member in members:
         assert member["name"] == "island0" and member["start"] == 0 and member["steps"] == 300
         kinds = [e["type"] for e in member["events"]]
@@ -295,19 +304,63 @@ def test_a_restarted_island_rejoins(tmp_path, script, workers):
     assert len(joins) == 1
     join = joins.pop()
     for joiner in joiners:
-        # the restarted island entered at that boundary: the members' step (a round boundary past the death), from
+        # the restarted island entered at that boundary: the members' step (a round boundary past the loss), from
         # which it ran the remaining steps, and their outer state (their round count)
         assert joiner["name"] == "island1.1" and [e["type"] for e in joiner["events"]] == ["entered"]
-        assert joiner["start"] == join and 35 < joiner["start"] < 300 and joiner["start"] % 10 == 0
+        assert joiner["start"] == join and lost_at < joiner["start"] < 300 and joiner["start"] % 10 == 0
         assert joiner["start"] + joiner["steps"] == 300
-        if framework:  # it resumed its own checkpoint of step 30, then the members' step replaced that one's
-            assert joiner["loaded"] == 30 and joiner["final_step"] == 300
         assert joiner["rounds"] == members[0]["rounds"] == 30
         assert joiner["islands"] == members[0]["islands"] == 2
         # it took part in the exchanges after it entered
         assert joiner["outer_sent"] > 0, joiner["ledger"]
     # and every worker of both islands ends with the same global model
     assert len({r["digest"] for r in members + joiners}) == 1
+
+
+def test_a_dropped_slow_island_is_restarted_by_torchrun_and_rejoins(tmp_path):
+    """Each island a torchrun job of one worker (the plain loop with `attach`), ISLANDS_CROSS_TIMEOUT 6 s, island 1's
+    job with `--max-restarts 1`. Island 1 stalls 20 s before step 15 (alive: its heartbeat beats on), so its exchange
+    of step 20 comes after the timeout and island 0 drops it and trains on. At that exchange island 1 learns it was
+    dropped: its worker prints one line that says why and what to do, no traceback, and exits 1; torchrun starts it
+    again (TORCHELASTIC_RESTART_COUNT 1: no stall), and it rejoins as `island1.1` at a later round boundary with
+    island 0's global model, as a restarted dead island does."""
+    from harness.procs import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "300", "ISLANDS_TOKEN": "slow-island-test"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        base.pop(key, None)
+
+    def island(index: int, restarts: int, **env) -> Island:
+        # both islands start the same way, so each is up well within the first epoch's wait (the 6 s timeout)
+        spec = CrossSpec(address, islands=2, index=index, timeout_s=6, heartbeat_timeout_s=5)
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        launch += ["--max-restarts", str(restarts), str(HERE / "island_rejoins.py")]
+        logs = [tmp_path / f"island{index}.{kind}" for kind in ("out", "err")]
+        with open(logs[0], "w") as out, open(logs[1], "w") as err:
+            return Island(spawn.start(launch, {**base, **spec.env(), **env}, out, err, str(tmp_path)), logs)
+
+    # island 0 waits for its next exchange 2 x 6 s (the exchange, then the epoch without island 1) before it goes
+    # on alone: a 20 s stall outlasts both; PACE_S keeps island 0 training until the restarted island is in
+    islands_ = [island(0, restarts=0, PACE_S="0.2"), island(1, restarts=1, STALL_AT="15", STALL_S="20")]
+    try:
+        (out1, err1), (out0, err0) = (isl.communicate(timeout=300) for isl in reversed(islands_))
+    finally:
+        for proc in islands_:
+            if proc.poll() is None:
+                proc.kill()
+    assert islands_[0].returncode == 0, out0[-2000:] + err0[-4000:]
+    assert islands_[1].returncode == 0, out1[-2000:] + err1[-4000:]  # its second incarnation finished
+    # the first incarnation was in epoch 0, was dropped, and exited 1 with the one line; torchrun restarted it
+    assert "STARTED island1 at 0" in out1 and "STARTED island1.1 at " in out1, out1[-2000:]
+    dropped = [line for line in err1.splitlines() if line.startswith("islands: ")]
+    assert len(dropped) == 1, err1[-4000:]
+    assert dropped[0].startswith("islands: island1 was dropped by the other islands"), dropped
+    assert "after ISLANDS_CROSS_TIMEOUT (6 s)" in dropped[0] and "same launch line" in dropped[0], dropped
+    assert "Traceback" not in err1 and "(exitcode: 1)" in err1, err1[-4000:]  # torchrun's report of its exit
+    [member] = [json.loads(line.split("RESULT ", 1)[1]) for line in out0.splitlines() if line.startswith("RESULT ")]
+    [joiner] = [json.loads(line.split("RESULT ", 1)[1]) for line in out1.splitlines() if line.startswith("RESULT ")]
+    check_rejoined([member], [joiner], lost_at=20)
 
 
 def test_a_store_of_its_own_outlives_island_0(tmp_path):

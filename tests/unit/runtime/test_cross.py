@@ -188,3 +188,22 @@ def test_separate_jobs_refuses_what_cannot_work(argv, says, capsys, tmp_path):
     script.write_text("print('never')\n")
     assert islands_cli("run", "--separate-jobs", *argv, str(script)) == 2
     assert says in capsys.readouterr().err
+
+
+def test_an_island_dropped_as_slow_is_told_why_and_how_it_comes_back():
+    """The line a dropped island exits with (islands.runtime.cross.CrossEpochs; the excepthook init_world installs
+    prints it alone): the settings that dropped it, with their values, and the restart that brings it back, not
+    the elastic job's `islands join`. The whole path runs in tests/integration/frameworks (the slow island)."""
+    from types import SimpleNamespace
+
+    from islands.runtime.cross import CrossEpochs
+    from islands.runtime.elastic.epochs import Excluded
+
+    commit = SimpleNamespace(timeout=6.0, liveness=SimpleNamespace(timeout=5.0))
+    error = CrossEpochs(None, "island1", commit).excluded(3)
+    assert isinstance(error, Excluded) and error.exit_code == 1
+    line = str(error)
+    assert line.startswith("island1 was dropped by the other islands (cross epoch 3)")
+    assert "after ISLANDS_CROSS_TIMEOUT (6 s)" in line and "ISLANDS_CROSS_HEARTBEAT_TIMEOUT (5 s)" in line
+    assert "same launch line" in line and "raise ISLANDS_CROSS_TIMEOUT" in line
+    assert "islands join" not in line and "\n" not in line

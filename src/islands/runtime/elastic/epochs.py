@@ -112,10 +112,7 @@ class Epochs:
             else:
                 members = self._agree(epoch, candidates)
             if self.name not in [m[1] for m in members]:
-                raise Excluded(
-                    f"{self.name} was dropped from epoch {epoch} (heartbeat stale past "
-                    f"{self.commit.liveness.timeout} s); start it again with `islands join`"
-                )
+                raise self.excluded(epoch)
             self.epoch, self.seq, self.members = epoch, 0, members
             try:
                 self._build()
@@ -127,6 +124,13 @@ class Epochs:
             self.store.set("latest", str(epoch))
         if self.on_change is not None:
             self.on_change(self.rank, self.size)
+
+    def excluded(self, epoch: int) -> Excluded:
+        """What this member raises on finding itself left out of `epoch`: the line its process exits with."""
+        return Excluded(
+            f"{self.name} was dropped from epoch {epoch} (heartbeat stale past "
+            f"{self.commit.liveness.timeout} s); start it again with `islands join`"
+        )
 
     def _agree(self, epoch: int, candidates: list[list]) -> list[list]:
         key = f"e/{epoch}/members"
