@@ -267,8 +267,6 @@ def init_world(
         if cross_backend == "nccl":
             raise ValueError("islands that are separate jobs meet over gloo (their own store); use cross_backend=auto")
         joined = join_islands(timeout_s=timeout_s, device=device)
-        # after the island's group exists: torch's init_process_group wraps the hook it finds in one that captures
-        # its stderr, and this line would vanish in it with the os._exit
         sys.excepthook = _dropped_island_exit(sys.excepthook)
         return joined
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
@@ -740,7 +738,10 @@ def _one_line_exit(line_of: Callable[[BaseException], str | None], previous):
         line = line_of(value)
         if line is None:
             return previous(kind, value, tb)
-        print(f"islands: {line}", file=sys.stderr, flush=True)
+        # the process's own stderr: torch's init_process_group wraps the hook it finds in one that swaps sys.stderr
+        # for a buffer while it runs, and the line would vanish with the os._exit (an elastic island of k workers
+        # makes its group after this hook is in place)
+        print(f"islands: {line}", file=sys.__stderr__ or sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(value.exit_code)
 
