@@ -681,10 +681,11 @@ class Coordinator:
     def shard_for(self, slot: int) -> int:
         """A joiner's data shard: the first one no live worker holds (members of the newest epoch and admitted
         joiners without an epoch, less those a supervisor flagged dead), else slot % workers. The dead are left
-        out because a restarted worker is admitted before its predecessor leaves the epoch (the members drop it at
-        their next exchange; in a parameter server job no epoch forms during training at all): counted, they gave
-        it island 0's shard, which it trained twice while its own went untrained (session 39's churn runs:
-        restarted island 2 on shards 0, 1, 2, 0 in turn)."""
+        out because a joiner can be admitted before a dead worker leaves the epoch (the members drop it at their
+        next exchange; in a parameter server job no epoch forms during training at all): counted, they gave the
+        joiner another worker's shard, trained twice while the dead one's went untrained. (A launcher's restarted
+        islands train on their island's own shard whatever this says; it is the data shard of a worker without an
+        island place, docs/membership.md.)"""
         members = get_json(self.store, f"e/{self.latest_epoch()}/members", [])
         holders = [(m[1], m[2]) for m in members] + [(p[1], p[2]) for p in get_json(self.store, "pending", [])]
         held = {shard for name, shard in holders if not self.store.check([f"dead/{name}"])}
