@@ -61,38 +61,43 @@ def test_right_token_admitted_wrong_token_refused_with_clear_line(job):
     assert coord.refused == 1
 
 
-def test_a_joiner_takes_over_a_free_shard():
+@pytest.fixture()
+def three():
+    """A job of 3 data shards: its coordinator, and join(name) -> the Admission a worker of that name gets."""
     server, store = host_store(0)
     coord = Coordinator(store, "tok", JobSpec(workers=3), log=lambda _: None).start()
-    try:
-        for name in ("a", "b", "c"):
-            ask_to_join(connect("127.0.0.1", server.port), name, "tok")
-        coord.store.set("e/1/members", json.dumps([[0, "a", 0], [2, "c", 2]]))  # b (shard 1) left in epoch 1
-        coord.store.set("latest", "1")
-        assert ask_to_join(connect("127.0.0.1", server.port), "d", "tok").shard == 1
-        assert ask_to_join(connect("127.0.0.1", server.port), "e", "tok").shard == 4 % 3  # all held: slot % workers
-    finally:
-        coord.stop()
+
+    def join(name: str):
+        return ask_to_join(connect("127.0.0.1", server.port), name, "tok")
+
+    yield coord, join
+    coord.stop()
 
 
-def test_a_restarted_worker_takes_its_dead_predecessors_shard_before_the_epoch_drops_it():
-    server, store = host_store(0)
-    coord = Coordinator(store, "tok", JobSpec(workers=3), log=lambda _: None).start()
-    try:
-        for name in ("w0", "w1", "w2"):
-            ask_to_join(connect("127.0.0.1", server.port), name, "tok")
-        until = time.monotonic() + 10
-        while not coord.store.check(["e/0/members"]):  # epoch 0 of w0, w1, w2 (shards 0, 1, 2)
-            assert time.monotonic() < until
-            time.sleep(0.02)
-        coord.store.set("dead/w2", "killed by SIGKILL")  # the launcher's flag, then its restart: still in epoch 0
-        assert ask_to_join(connect("127.0.0.1", server.port), "w2.1", "tok").shard == 2
-        coord.store.set("dead/w2.1", "killed by SIGKILL")  # dead again, admitted but never in an epoch (ps)
-        assert ask_to_join(connect("127.0.0.1", server.port), "w2.2", "tok").shard == 2
-        extra = ask_to_join(connect("127.0.0.1", server.port), "extra", "tok")  # w2.2 lives: every shard held
-        assert extra.slot == 5 and extra.shard == 5 % 3
-    finally:
-        coord.stop()
+def test_a_joiner_takes_over_a_free_shard(three):
+    coord, join = three
+    for name in ("a", "b", "c"):
+        join(name)
+    coord.store.set("e/1/members", json.dumps([[0, "a", 0], [2, "c", 2]]))  # b (shard 1) left in epoch 1
+    coord.store.set("latest", "1")
+    assert join("d").shard == 1
+    assert join("e").shard == 4 % 3  # all held: slot % workers
+
+
+def test_a_restarted_worker_takes_its_dead_predecessors_shard_before_the_epoch_drops_it(three):
+    coord, join = three
+    for name in ("w0", "w1", "w2"):
+        join(name)
+    until = time.monotonic() + 10
+    while not coord.store.check(["e/0/members"]):  # epoch 0 of w0, w1, w2 (shards 0, 1, 2)
+        assert time.monotonic() < until
+        time.sleep(0.02)
+    coord.store.set("dead/w2", "killed by SIGKILL")  # the launcher's flag, then its restart: still in epoch 0
+    assert join("w2.1").shard == 2
+    coord.store.set("dead/w2.1", "killed by SIGKILL")  # dead again, admitted but never in an epoch (ps)
+    assert join("w2.2").shard == 2
+    extra = join("extra")  # w2.2 lives: every shard held
+    assert extra.slot == 5 and extra.shard == 5 % 3
 
 
 def test_liveness_dead_flag_is_immediate_and_stale_heartbeat_times_out():
