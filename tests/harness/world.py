@@ -16,7 +16,10 @@ import queue as queue_mod
 import signal
 import time
 
+import torch.distributed as dist
+
 from harness.procs import free_port, mp_context
+from islands.runtime.world import GIL_HANDOFF_S
 
 
 def spawn_ranks(worker, n: int, *args, timeout: float = 150.0) -> list[tuple]:
@@ -63,3 +66,13 @@ def _dump_stacks(procs) -> None:
             pass
     if alive:
         time.sleep(1.0)
+
+
+def leave_group() -> None:
+    """A rank's end of its default process group, as close_world ends it: the GIL handed off (gloo's worker threads
+    free the last collective's tensors under it), then the group destroyed. Drop every torch DDP wrapper first: its
+    reducer holds the group, and a group whose last owner is a reducer is destroyed with the GIL held, joining a
+    gloo thread that may still wait for the GIL (a deadlock: session 38's CI, test_ddp_start; sessions 28-29,
+    test_compress_integration)."""
+    time.sleep(GIL_HANDOFF_S)
+    dist.destroy_process_group()

@@ -3,7 +3,6 @@
 import datetime
 import os
 import socket
-import time
 import traceback
 
 import pytest
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.procs import forkserver
+from harness.world import leave_group
 from islands.compress import (
     ErrorFeedback,
     MajorityVote,
@@ -24,7 +24,6 @@ from islands.compress import (
 )
 from islands.compress.average import FINITE_FLAG_NBYTES
 from islands.runtime.comm import Comm, CommLedger
-from islands.runtime.world import GIL_HANDOFF_S
 
 AVG_SPECS = [
     "none",
@@ -99,8 +98,7 @@ def _avg_worker(rank, port, out_dir):
             if spec.startswith("powersgd"):
                 results[(spec, "Q")] = c.inner.states["w"]["Q"]
         torch.save(results, os.path.join(out_dir, f"avg{rank}.pt"))
-        time.sleep(GIL_HANDOFF_S)  # close_world's hand-off: gloo's threads free the last collective's tensors first
-        dist.destroy_process_group()
+        leave_group()
     except Exception:
         with open(os.path.join(out_dir, f"err{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -184,11 +182,8 @@ def _ddp_worker(rank, port, out_dir):
             results["nan"] = str(exc)
         state.close()
         torch.save(results, os.path.join(out_dir, f"ddp{rank}.pt"))
-        # close_world's hand-off, then DDP (which holds the process group) goes while gloo's threads are idle: its
-        # destructor joins them, and one still waiting for the GIL deadlocks it (test_compress_integration.py)
-        time.sleep(GIL_HANDOFF_S)
-        del model
-        dist.destroy_process_group()
+        del model  # before the group: harness.world.leave_group
+        leave_group()
     except Exception:
         with open(os.path.join(out_dir, f"err{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())

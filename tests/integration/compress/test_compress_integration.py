@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.procs import forkserver
+from harness.world import leave_group
 from islands.app.validate import validate
 from islands.compress import (
     NoCompression,
@@ -30,7 +31,6 @@ from islands.compress.torch_powersgd import TorchPowerSGD, bucket_nbytes
 from islands.config import ConfigError, JobConfig, from_mapping
 from islands.runtime import stacks
 from islands.runtime.comm import Comm, CommLedger
-from islands.runtime.world import GIL_HANDOFF_S
 from islands.spec import Spec
 
 
@@ -218,11 +218,9 @@ def _nan_one_rank(rank, port, out_dir):
         results["ddp"] = (str(exc), time.monotonic() - t, True)
     state.close()
     torch.save(results, os.path.join(out_dir, f"r{rank}.pt"))
-    # the GIL hand-off of the PowerSGD-hook test below, for this DDP too: without it both ranks hung once in a fresh
-    # clone's `make test` (session 38), stuck in this function's frame teardown after saving their results
-    time.sleep(GIL_HANDOFF_S)
-    del model, state, hook
-    dist.destroy_process_group()
+    # without this both ranks hung once in a fresh clone's `make test` (session 38), in this frame's teardown
+    del model, state, hook  # before the group: harness.world.leave_group
+    leave_group()
 
 
 @pytest.mark.slow
@@ -268,13 +266,8 @@ def _torch_powersgd(rank, port, out_dir):
         model.zero_grad()
     dist.all_reduce = real
     torch.save(steps, os.path.join(out_dir, f"r{rank}.pt"))
-    # close_world's GIL hand-off, by hand (this test drives torch's own DDP, no World): gloo's worker thread frees the
-    # last collective's tensors under the GIL, and DDP holds the process group, whose destructor joins that thread;
-    # dropping DDP with the thread still waiting for the GIL deadlocks. Seen twice (sessions 28 and 29, 1 run in
-    # ~10): rank 1 stuck after saving, in the teardown of this function's frame, a GIL-holding gloo thread beside it
-    time.sleep(GIL_HANDOFF_S)
-    del model, state, hook
-    dist.destroy_process_group()
+    del model, state, hook  # before the group (this test drives torch's own DDP, no World): harness.world.leave_group
+    leave_group()
 
 
 @pytest.mark.slow

@@ -6,14 +6,12 @@ models differ are all refused with the reason."""
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harness.world import spawn_ranks
-from islands.runtime.world import GIL_HANDOFF_S
+from harness.world import leave_group, spawn_ranks
 
 
 class Model(nn.Module):
@@ -48,13 +46,8 @@ def _worker(rank: int, env: dict, queue, widths: list[int]) -> None:
     loss.backward()  # DDP's own gradient all-reduce still runs
     grads = [p.grad.tolist() for p in model.parameters()]
     queue.put((rank, "ok", state, grads))
-    # DDP's reducer holds the process group; dropped after destroy_process_group, it destroys the group holding the
-    # GIL and joins gloo's worker thread, which may still need the GIL to free the last all-reduce: a deadlock (CI,
-    # session 38's submission: rank 1 stuck here). Dropped first, the group goes in torch's GIL-free destructor; the
-    # hand-off lets that thread finish first anyway, as close_world does.
-    time.sleep(GIL_HANDOFF_S)
-    del ddp, loss
-    dist.destroy_process_group()
+    del ddp, loss  # before the group: harness.world.leave_group
+    leave_group()
 
 
 def test_every_rank_starts_from_the_first_ranks_parameters_and_buffers_and_trains_in_step():
