@@ -16,8 +16,8 @@ when it was answered, on its own clock (virtual under ps_link.VirtualClock, so s
   start-up time, so it is not a turnaround: until an island has one, its first round less the start-up other
   islands showed stands in; one that has not pushed at all is due a fastest turnaround (or, before any, the
   fastest first round) after it started, and if that falls within the reach it is waited for up to the reach (a
-  restarted island is a new one on the servers: while it trained its first round, every window waited the reach
-  for it, ~3.5 s of each 10 s round on the byte LM, session 38); with nothing known, up to `first` seconds.
+  restarted island is a new one on the servers, started later than the others: before session 39 every window
+  opened during its first round waited the reach for it); with nothing known, up to `first` seconds.
 
 A push still on its way in at the deadline is waited for in both (its header is in: ps_link.FirstCome,
 ShardServer.hold).
