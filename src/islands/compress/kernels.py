@@ -15,8 +15,10 @@ It sorts one uint64 key per entry (the magnitude's order in the high half, the p
 compare is one integer compare. The test suite checks the result against torch.topk row by row (ties, zeros,
 NaN, every size class).
 
-Error feedback's add (`add_select_rows`): r + g formed a chunk at a time and that chunk's top k selected while it
-is in cache. The threshold selection's own loops (quickselect, candidate appends) are branch-free.
+Error feedback's round (`add_select_rows`): r + g formed a chunk at a time, that chunk's top k selected, quantised
+(topkq's codes and least-squares scale, the same bits as its torch ops) and taken from r + g while it is in cache,
+so the residual's update no longer scatters into a cold vector afterwards. The threshold selection's own loops
+(the guess's histogram, quickselect, candidate appends) are branch-free.
 
 Decode (`decode_topkq`) and packing (`pack_fields`): topkq's payload read and written field by field in one pass.
 
@@ -355,9 +357,15 @@ def _kth_largest(u, m, r):
     return u[lo]
 
 
-# threshold_rows' first guess: every 16th magnitude of a row, and a rank among them that leaves about twice k
-# (plus a margin) at or above the guess, so one pass collects all of the k with high probability
+# threshold_rows' first guess: every 16th magnitude of a row, and a rank among them that leaves about 1.5 k (plus
+# a margin) at or above the guess, so one pass collects all of the k with high probability. The guess is the lower
+# edge of the histogram bin holding that rank's sample: a magnitude's bits >> 20 (its exponent and top 3 mantissa
+# bits, bins 2**(1/8) wide, 2048 of them), counted and then uncounted, cheaper than a quickselect among the
+# samples. Measured on 20,000 rows of 4096 (normal, Laplace, Student t with 2 degrees of freedom) at k = 41, 89 and
+# 205: 2.0-4.5 k candidates on average, and fewer than k (a second pass) in at most 0.08% of rows.
 _STRIDE = 16
+_FINE_SHIFT = np.uint32(20)
+_FINE_BINS = 2048
 
 
 @_kernel
@@ -375,18 +383,31 @@ def _exponent_floor(row, k, hist):
 
 
 @_kernel
-def _threshold_row(rowf, row, k, by_value, idx_out, val_out, hist, cand, work):
+def _threshold_row(rowf, row, k, by_value, idx_out, val_out, hist, fine, cand, work):
     """One row of `threshold_rows` (rowf the fp32 row, row its uint32 view; idx_out, val_out (k,)); True when the
     row must be replayed (a NaN, or ties that decide the result), its outputs then left unfinished. hist (256),
+    fine (_FINE_BINS, all zero, and left so),
     cand (int64) and work (uint32) of the row's length are scratch. The loops over the row and over the candidates
     are branch-free (appends whose end moves by the compare)."""
     n = row.size
     samples = n // _STRIDE
-    rank = min(samples, 2 * ((k * samples + n - 1) // n) + 8)
+    rank = min(samples, 3 * ((k * samples + n - 1) // n) // 2 + 5)
     if samples >= 64:
+        top = 0
         for i in range(samples):
-            work[i] = row[i * _STRIDE] & _MAGNITUDE
-        floor = _kth_largest(work, samples, rank)
+            b = np.int64((row[i * _STRIDE] & _MAGNITUDE) >> _FINE_SHIFT)
+            fine[b] += 1
+            top = max(top, b)
+        above = 0
+        b = top
+        while True:  # down from the largest sample's bin to the one where `rank` samples are at or above
+            above += fine[b]
+            if above >= rank or b == 0:
+                break
+            b -= 1
+        floor = np.uint32(b) << _FINE_SHIFT
+        for i in range(samples):  # every count back to zero for the next row
+            fine[(row[i * _STRIDE] & _MAGNITUDE) >> _FINE_SHIFT] = 0
     else:
         floor = _exponent_floor(row, k, hist)
     while True:
@@ -444,24 +465,69 @@ def threshold_rows(rows, bits, k, by_value, idx_out, val_out, replay):
     `topk_rows` (torch's own tie order). `bits` is `rows` viewed as uint32 (the magnitude is bits & 0x7fffffff)."""
     n = rows.shape[1]
     hist = np.zeros(256, np.int64)
+    fine = np.zeros(_FINE_BINS, np.int32)
     cand = np.empty(n, np.int64)
     work = np.empty(n, np.uint32)
     for r in range(rows.shape[0]):
-        replay[r] = _threshold_row(rows[r], bits[r], k, by_value, idx_out[r], val_out[r], hist, cand, work)
+        replay[r] = _threshold_row(rows[r], bits[r], k, by_value, idx_out[r], val_out[r], hist, fine, cand, work)
+
+
+@_kernel
+def _quantise_subtract_row(o, idx, val, bits, codes, scales, r):
+    """One selected row's codes and scale as topkq._quantise_rows gives them (bits 2, 4, 8: the same fp32
+    operations, and its float64 sums, exact here as there when the kept values span less than 2**14), then
+    o[idx] -= what they decode to (index_add_'s alpha=-1 update), while o is in cache; bits 32 sends the values
+    themselves. False, nothing written, when the row's peak is Inf (the caller quantises it with torch ops)."""
+    k = idx.size
+    minus = np.float32(-1.0)
+    if bits == 32:
+        for i in range(k):
+            j = idx[i]
+            o[j] = o[j] + val[i] * minus
+        return True
+    peak = np.float32(0.0)
+    for i in range(k):
+        peak = max(peak, abs(val[i]))
+    if peak > np.float32(3.4028234663852886e38):
+        return False
+    top = np.float32(2**bits - 1)
+    two = np.float32(2.0)
+    unit_of = peak if peak > np.float32(0.0) else np.float32(1.0)
+    num = 0.0
+    den = 0.0
+    for i in range(k):
+        c = np.rint(np.float32(np.float32(np.float32(val[i] / unit_of) * top) + top) / two)
+        c = min(max(c, np.float32(0.0)), top)
+        codes[r, i] = np.uint8(c)
+        g = two * c - top
+        num += np.float64(val[i]) * np.float64(g)
+        den += np.float64(g) * np.float64(g)
+    scale = np.float32(num / den)
+    scales[r] = scale
+    for i in range(k):
+        j = idx[i]
+        o[j] = o[j] + np.float32((two * np.float32(codes[r, i]) - top) * scale) * minus
+    return True
 
 
 # add_select_rows' selection: torch.topk's introselect replayed (topk_rows), or a threshold selection (threshold_rows)
 # with positions ascending or by magnitude
 REPLAY, ASCENDING, BY_VALUE = 0, 1, 2
+# add_select_rows' account of each row: left to select in torch's order, selected only, or finished
+ROW_UNSELECTED, ROW_SELECTED, ROW_DONE = 0, 1, 2
 
 
 @_kernel
-def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, idx_out, val_out, replay):
-    """Error feedback's add and the chunked top-k in one pass over memory: row by row, out = residual + delta (fp32,
-    the add torch.add does), then that row's k selected as `topk_rows` (mode REPLAY) or `threshold_rows` (ASCENDING,
-    BY_VALUE; replay as there) would select them from out, while the row is still in cache. False, as soon as a
-    row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise. out_bits and
-    delta_bits are uint32 views of out and delta."""
+def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, bits, idx_out, val_out, codes, scales, done):
+    """Error feedback's add, the chunked top-k and the residual's update in one pass over memory: row by row,
+    out = residual + delta (fp32, the add torch.add does), then that row's k selected as `topk_rows` (mode REPLAY)
+    or `threshold_rows` (ASCENDING, BY_VALUE) would select them from out, then (`_quantise_subtract_row`) their
+    codes (R, k) and scales (R,) made and what they decode to taken from out, while the row is still in cache.
+    done[r] (uint8) is ROW_DONE for a finished row; the caller finishes the others, whose out is r + g and codes
+    and scale unwritten: ROW_UNSELECTED, one a threshold selection must replay (a NaN, or ties that decide it),
+    and ROW_SELECTED, one selected whose peak is Inf. Returns False as soon
+    as a row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise. out_bits
+    and delta_bits are uint32 views of out and delta."""
     n = residual.shape[1]
     key = np.empty(n, np.uint64)
     v = np.empty(n, np.float32)
@@ -469,6 +535,7 @@ def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, idx_out
     off_lo = np.empty(_BLOCK, np.int64)
     off_hi = np.empty(_BLOCK, np.int64)
     hist = np.zeros(256, np.int64)
+    fine = np.zeros(_FINE_BINS, np.int32)
     cand = np.empty(n, np.int64)
     work = np.empty(n, np.uint32)
     for r in range(residual.shape[0]):
@@ -484,8 +551,28 @@ def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, idx_out
             return False
         if mode == REPLAY:
             _topk_row(o, k, key, v, p, off_lo, off_hi, idx_out[r], val_out[r])
-        else:
-            replay[r] = _threshold_row(o, out_bits[r], k, mode == BY_VALUE, idx_out[r], val_out[r], hist, cand, work)
+        elif _threshold_row(o, out_bits[r], k, mode == BY_VALUE, idx_out[r], val_out[r], hist, fine, cand, work):
+            done[r] = ROW_UNSELECTED
+            continue
+        coded = _quantise_subtract_row(o, idx_out[r], val_out[r], bits, codes, scales, r)
+        done[r] = ROW_DONE if coded else ROW_SELECTED
+    return True
+
+
+@_kernel
+def subtract_at(x, where, values):
+    """x[where[i]] += values[i] * -1 for each i (positions distinct): index_add_'s alpha=-1 update, the same fp32
+    operations (a product by -1, then the add), without its per-entry dispatch (about 14 ns an entry on one
+    thread at 2.2M entries, where this loop takes a fraction of that). False, x untouched, when a position is
+    outside x (a damaged payload: the caller's torch op then names it)."""
+    n = x.size
+    for i in range(where.size):
+        if where[i] < 0 or where[i] >= n:
+            return False
+    minus = np.float32(-1.0)
+    for i in range(where.size):
+        j = where[i]
+        x[j] = x[j] + values[i] * minus
     return True
 
 

@@ -62,9 +62,9 @@ INDEX = ("fixed", "elias-fano")
 # The order of a chunk's positions in an index=fixed payload: `ascending` (the default), each chunk's positions
 # ascending, which a threshold selection yields directly; `torch`, torch.topk's (sorted=False) order, which the CPU
 # kernels reproduce by replaying its introselect (about half as fast on the CPU; issue #34's 1 GB/s on one thread
-# is met by ascending only, docs/compression.md). The decoded vector is the same set of entries either way; the
-# per-chunk scale is summed in that order, so the two agree to rounding, not bit for bit: order=torch is the one
-# that gives torch.topk's payload bit for bit (the default before issue #34 item 5).
+# is met by ascending only, docs/compression.md). Both send the same entries, and the same scales wherever a
+# chunk's kept values span less than 2**14 (_quantise_rows), so they decode to the same vector; order=torch is the
+# one whose positions are torch.topk's (the default before issue #34 item 5).
 ORDER = ("ascending", "torch")
 # SparseLoCo's chunk: 4096 values, so a position inside it packs into 12 bits.
 SPARSELOCO_CHUNK = 4096
@@ -79,13 +79,22 @@ def keep_count(ratio: float, length: int) -> int:
 
 
 def _quantise_rows(v: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """Rows of kept values (R, k) -> codes (R, k) in [0, 2**bits) and a least-squares scale per row (R,)."""
+    """Rows of kept values (R, k) -> codes (R, k) in [0, 2**bits) and a least-squares scale per row (R,).
+
+    The scale's sums run in float64, left to right along the row (a cumulative sum's last column: the order the
+    compiled pass that quantises a chunk while it is in cache, kernels._quantise_subtract_row, adds in, so the two
+    give the same bits on the CPU). Each product of an fp32 value and an odd level below 2**8 is exact in float64,
+    and so is the sum while a row's kept values span less than 2**14: then the scale does not depend on the order
+    of the kept values at all (order=ascending and order=torch send the same scales), on any device."""
     top = float(2**bits - 1)  # L - 1: the grid's largest odd level
     peak = v.abs().amax(dim=1, keepdim=True)
     unit = v / torch.where(peak > 0, peak, torch.ones_like(peak))
     codes = torch.round((unit * top + top) / 2).clamp_(0, top)
-    grid = 2 * codes - top  # odd levels, each with its value's sign
-    scale = (v * grid).sum(dim=1) / (grid * grid).sum(dim=1)
+    grid = (2 * codes - top).double()  # odd levels, each with its value's sign
+    if v.shape[1] == 0:
+        return codes.to(torch.uint8), torch.full((v.shape[0],), float("nan"))
+    num = (v.double() * grid).cumsum(dim=1)[:, -1]
+    scale = (num / (grid * grid).sum(dim=1)).float()
     return codes.to(torch.uint8), scale
 
 
@@ -176,7 +185,7 @@ class TopKQ(CompressorBase):
         per position) or elias-fano (each chunk's sorted positions Elias-Fano coded: ~7.4 bits a position at 92 of
         4096, so the same bytes carry 1.5x the entries). `order`: under index=fixed, a chunk's positions ascending
         (ascending, the default: the faster selection on the CPU) or in torch.topk's order (torch: torch.topk's
-        payload bit for bit; the same entries, the scale summed in another order; ORDER); elias-fano is always
+        positions; the same entries and, but for chunks of a very wide range, scales; ORDER); elias-fano is always
         ascending."""
         super().__init__()
         if not 0.0 < ratio <= 1.0:
@@ -300,20 +309,32 @@ class TopKQ(CompressorBase):
         pos, vals = self.select(y)
         return self._encode(pos, vals, n, tensor)
 
-    def _encode(self, pos: list[Tensor], vals: list[Tensor], n: int, tensor: Tensor) -> Payload:
-        """The payload of the selected rows (`select`'s lists) of a coefficient vector of n values of `tensor`."""
+    def _encode(
+        self,
+        pos: list[Tensor],
+        vals: list[Tensor],
+        n: int,
+        tensor: Tensor,
+        coded: list[tuple[Tensor, Tensor]] | None = None,
+    ) -> Payload:
+        """The payload of the selected rows (`select`'s lists) of a coefficient vector of n values of `tensor`;
+        `coded`: their (codes, scales) where they are made already (then the caller has taken what they decode
+        to from its residual, and nothing is kept for subtract_sent)."""
         index = self._pack_positions(pos, n)
+        keep = self.sparse_in_place and coded is None
         if self.bits == 32:
             sent = torch.cat([v.reshape(-1) for v in vals]).contiguous()
             payload = Payload([index, sent], tensor.shape, tensor.dtype)
         else:
-            coded = [_quantise_rows(v, self.bits) for v in vals]
+            if coded is None:
+                coded = [_quantise_rows(v, self.bits) for v in vals]
             codes = pack_uint(torch.cat([c.reshape(-1) for c, _ in coded]), self.bits)
             scales = torch.cat([s for _, s in coded]).to(torch.float32)
             payload = Payload([index, codes, scales], tensor.shape, tensor.dtype)
-            if self.sparse_in_place:
+            if keep:
                 sent = torch.cat([_dequantise(c, s.view(-1, 1), self.bits).reshape(-1) for c, s in coded])
-        if self.sparse_in_place:  # what entries(payload) would decode, kept for subtract_sent
+        self._sent = None
+        if keep:  # what entries(payload) would decode, kept for subtract_sent
             g = self.layout(n)[0]
             rows = [torch.arange(p.shape[0], device=p.device).view(-1, 1) * g for p in pos]
             if len(rows) == 2:  # the tail chunk's row comes after the full ones
@@ -337,34 +358,54 @@ class TopKQ(CompressorBase):
 
     def compress_residual(self, residual: Tensor, delta: Tensor, out: Tensor, state: dict) -> Payload:
         """compress(residual + delta), with x = residual + delta written into `out` chunk by chunk and each chunk's
-        top k selected while it is in cache (one pass over memory where the add, the finiteness check and the
-        selection took three); `out` is then x - decompress(payload), what error feedback keeps. Bit for bit the
-        payload and residual of torch.add + compress + subtract_sent. NonFiniteGradientError (residual untouched,
-        out partly written) when delta holds a NaN or Inf."""
+        top k selected, quantised and taken from x while it is in cache (one pass over memory where the add, the
+        finiteness check, the selection and the residual's update took four); `out` is then x - decompress(payload),
+        what error feedback keeps. Bit for bit the payload and residual of torch.add + compress + subtract_sent.
+        NonFiniteGradientError (residual untouched, out partly written) when delta holds a NaN or Inf."""
         kernels = cpu_kernels(delta)
         n = delta.numel()
         g, full, k, tail, k_tail = self.layout(n)
         flat = [t.reshape(-1) for t in (residual, delta, out)]
         ascending = self.index == "elias-fano" or self.order == "ascending"
-        pos, vals = [], []
+        pos, vals, coded = [], [], []
         for start, count, length, kk in ((0, full, g, k), (full * g, 1, tail, k_tail)):
             if not count * length:
                 continue
             r, d, o = (t[start : start + count * length].view(count, length) for t in flat)
             idx = torch.empty(count, kk, dtype=torch.int64)
             val = torch.empty(count, kk, dtype=torch.float32)
-            replay = torch.zeros(count, dtype=torch.bool)
+            codes = torch.empty(count, kk, dtype=torch.uint8)
+            scales = torch.empty(count, dtype=torch.float32)
+            done = torch.zeros(count, dtype=torch.uint8)
             dn, on = d.numpy(), o.numpy()
             mode = _route(kernels, kk, length, ascending)
-            args = (r.numpy(), dn, dn.view("uint32"), on, on.view("uint32"), kk, mode)
-            if not kernels.add_select_rows(*args, idx.numpy(), val.numpy(), replay.numpy()):
+            args = (r.numpy(), dn, dn.view("uint32"), on, on.view("uint32"), kk, mode, self.bits)
+            if not kernels.add_select_rows(
+                *args, idx.numpy(), val.numpy(), codes.numpy(), scales.numpy(), done.numpy()
+            ):
                 raise non_finite_error(state.get("_name", "tensor"), delta)
-            _replay_rows(kernels, o, kk, ascending, idx, val, replay)
+            _replay_rows(kernels, o, kk, ascending, idx, val, done == kernels.ROW_UNSELECTED)
+            self._finish_rows(o, idx, val, codes, scales, done != kernels.ROW_DONE)
             pos.append(idx)
             vals.append(val)
-        payload = self._encode(pos, vals, n, delta)
-        self.subtract_sent(out, payload)  # in place: the K sent entries
-        return payload
+            coded.append((codes, scales))
+        return self._encode(pos, vals, n, delta, coded)
+
+    def _finish_rows(self, rows: Tensor, idx: Tensor, val: Tensor, codes: Tensor, scales: Tensor, left: Tensor) -> None:
+        """The selected rows the one-pass kernel did not quantise (`left`: a row it could not select, or one whose
+        peak is Inf): their codes and scales made with torch ops, and what they decode to taken from `rows`."""
+        if not left.any():
+            return
+        which = left.nonzero().view(-1)
+        sub_idx, sub_val = idx[which], val[which]
+        if self.bits == 32:
+            sent = sub_val
+        else:
+            sub_codes, sub_scales = _quantise_rows(sub_val, self.bits)
+            codes[which], scales[which] = sub_codes, sub_scales
+            sent = _dequantise(sub_codes, sub_scales.view(-1, 1), self.bits)
+        where = (sub_idx + which.view(-1, 1) * rows.shape[1]).reshape(-1)
+        rows.view(-1).index_add_(0, where, sent.reshape(-1), alpha=-1)
 
     def entries(self, payload: Payload) -> tuple[Tensor, Tensor]:
         """(positions in the coefficient vector (K,) int64, decoded fp32 values (K,)) of one payload."""
@@ -397,7 +438,17 @@ class TopKQ(CompressorBase):
             return super().subtract_sent(x, payload)
         sent = self._sent
         where, values = (sent[1], sent[2]) if sent is not None and sent[0] is payload else self.entries(payload)
-        x.view(-1).index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
+        flat = x.view(-1)
+        kernels = cpu_kernels(x)
+        compiled = (
+            kernels is not None
+            and where.dtype == torch.int64
+            and values.dtype == torch.float32
+            and where.is_contiguous()
+            and values.is_contiguous()
+        )
+        if not (compiled and kernels.subtract_at(flat.numpy(), where.numpy(), values.numpy())):
+            flat.index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
         return x
 
     def _decode_into(self, payloads: list[Payload], n: int, add: bool) -> Tensor:
