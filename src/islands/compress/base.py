@@ -104,9 +104,12 @@ class AddsResidual(Protocol):
         """Whether compress_residual takes this delta with the residual weighted by `decay`."""
         ...
 
-    def compress_residual(self, residual: Tensor, delta: Tensor, out: Tensor, state: dict) -> Payload:
-        """The payload of compress(residual + delta); `out` (residual's shape, fp32) becomes x - sent.
-        NonFiniteGradientError, with `residual` untouched, when delta holds a NaN or Inf."""
+    def compress_residual(
+        self, residual: Tensor, delta: Tensor, out: Tensor, state: dict, decay: float = 1.0
+    ) -> Payload:
+        """The payload of compress(decay * residual + delta) (torch.add(delta, residual, alpha=decay)'s bits, or
+        residual + delta at decay 1); `out` (residual's shape, fp32) becomes x - sent. NonFiniteGradientError,
+        with `residual` untouched, when delta holds a NaN or Inf."""
         ...
 
 

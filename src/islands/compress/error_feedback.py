@@ -150,7 +150,9 @@ class ErrorFeedback(CompressorBase):
         spare = state.get("_spare")
         if spare is None or spare.shape != residual.shape or spare.device != residual.device:
             spare = torch.empty_like(residual)
-        payload = adder.compress_residual(residual, tensor.detach(), spare, self._inner_state(state, tensor))
+        payload = adder.compress_residual(
+            residual, tensor.detach(), spare, self._inner_state(state, tensor), decay=self.decay
+        )
         state["residual"], state["_spare"] = spare, residual
         return payload
 

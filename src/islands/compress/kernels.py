@@ -517,17 +517,29 @@ REPLAY, ASCENDING, BY_VALUE = 0, 1, 2
 ROW_UNSELECTED, ROW_SELECTED, ROW_DONE = 0, 1, 2
 
 
+@njit(nogil=True, cache=True, boundscheck=False, fastmath={"contract"})
+def decayed_add(out, residual, delta, decay):
+    """out = residual * decay + delta, the multiply and add allowed to fuse (and nothing else relaxed: the flag is
+    LLVM's `contract` alone), which on a CPU with FMA gives torch.add(delta, residual, alpha=decay)'s bits, its
+    vectorised kernel being a fused multiply-add. Not inlined: an inlined copy takes its caller's strict flags.
+    Whether it matches torch on this machine is checked once before it is used (topkq.decay_fuses)."""
+    for j in range(out.size):
+        out[j] = residual[j] * decay + delta[j]
+
+
 @_kernel
-def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, bits, idx_out, val_out, codes, scales, done):
-    """Error feedback's add, the chunked top-k and the residual's update in one pass over memory: row by row,
-    out = residual + delta (fp32, the add torch.add does), then that row's k selected as `topk_rows` (mode REPLAY)
-    or `threshold_rows` (ASCENDING, BY_VALUE) would select them from out, then (`_quantise_subtract_row`) their
-    codes (R, k) and scales (R,) made and what they decode to taken from out, while the row is still in cache.
-    done[r] (uint8) is ROW_DONE for a finished row; the caller finishes the others, whose out is r + g and codes
-    and scale unwritten: ROW_UNSELECTED, one a threshold selection must replay (a NaN, or ties that decide it),
-    and ROW_SELECTED, one selected whose peak is Inf. Returns False as soon
-    as a row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise. out_bits
-    and delta_bits are uint32 views of out and delta."""
+def add_select_rows(
+    residual, delta, delta_bits, out, out_bits, decay, k, mode, bits, idx_out, val_out, codes, scales, done
+):
+    """Error feedback's add, the chunked top-k and the residual's update in one pass over memory. Row by row:
+    out = residual + delta (fp32, the add torch.add does; at a float32 `decay` other than 1, `decayed_add`);
+    that row's k selected from out as `topk_rows` (mode REPLAY) or `threshold_rows` (ASCENDING, BY_VALUE) would;
+    then (`_quantise_subtract_row`) their codes (R, k) and scales (R,) made and what they decode to taken from
+    out, while the row is still in cache. done[r] (uint8) is ROW_DONE for a finished row; the caller finishes the
+    others, whose out is r + g and codes and scale unwritten: ROW_UNSELECTED, one a threshold selection must
+    replay (a NaN, or ties that decide it), and ROW_SELECTED, one selected whose peak is Inf. Returns False as
+    soon as a row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise.
+    out_bits and delta_bits are uint32 views of out and delta."""
     n = residual.shape[1]
     key = np.empty(n, np.uint64)
     v = np.empty(n, np.float32)
@@ -544,9 +556,14 @@ def add_select_rows(residual, delta, delta_bits, out, out_bits, k, mode, bits, i
         db = delta_bits[r]
         o = out[r]
         worst = np.uint32(0)
-        for j in range(n):
-            o[j] = a[j] + d[j]
-            worst = max(worst, db[j] & _MAGNITUDE)
+        if decay == np.float32(1.0):
+            for j in range(n):
+                o[j] = a[j] + d[j]
+                worst = max(worst, db[j] & _MAGNITUDE)
+        else:
+            decayed_add(o, a, d, decay)
+            for j in range(n):
+                worst = max(worst, db[j] & _MAGNITUDE)
         if worst >= _INF:  # Inf or NaN in delta
             return False
         if mode == REPLAY:
@@ -573,6 +590,80 @@ def subtract_at(x, where, values):
     for i in range(where.size):
         j = where[i]
         x[j] = x[j] + values[i] * minus
+    return True
+
+
+# bit i of a byte's lowest set bit: Elias-Fano's decode walks the high part's set bits a byte at a time
+_LOWEST_BIT = np.array([0] + [(b & -b).bit_length() - 1 for b in range(1, 256)], dtype=np.int64)
+
+
+@njit(inline="always")
+def _or_field(out, offset, value, width):
+    """ORs `value`'s low `width` bits (width <= 24) into the bit stream `out` at bit `offset`, least significant
+    first (pack_bits' order: bit b is bit b & 7 of byte b >> 3)."""
+    word = (np.uint64(value) & np.uint64((1 << width) - 1)) << np.uint64(offset & 7)
+    first = offset >> 3
+    for q in range(((offset & 7) + width + 7) >> 3):
+        out[first + q] |= np.uint8((word >> np.uint64(8 * q)) & np.uint64(0xFF))
+
+
+@_kernel
+def ef_encode_rows(pos, n, lo, out, start):
+    """elias_fano.encode_rows' bits for each row of pos (R, k), packed as pack_bits packs them, into the zeroed bit
+    stream `out` from bit `start`, rows one after another: row r's k low fields of `lo` bits, then its high part,
+    where position i sets bit (p_i >> lo) + i. False, at the first row that is not ascending inside [0, n) (the
+    caller's torch path then gives whatever it gives)."""
+    rows, k = pos.shape
+    nb = k * lo + k + ((n - 1) >> lo) + 1
+    for r in range(rows):
+        prev = -1
+        for i in range(k):
+            p = pos[r, i]
+            if p < prev or p >= n:
+                return False
+            prev = p
+        base = start + r * nb
+        high = base + k * lo
+        for i in range(k):
+            p = pos[r, i]
+            if lo:
+                _or_field(out, base + i * lo, p, lo)
+            b = high + (p >> lo) + i
+            out[b >> 3] |= np.uint8(1 << (b & 7))
+    return True
+
+
+@_kernel
+def ef_decode_rows(packed, start, rows, n, k, lo, out):
+    """elias_fano.decode_rows from the packed bit stream: rows (of nbits(n, k) bits each, from bit `start`) ->
+    out (rows, k) int64 positions. The high part is read a byte at a time, its set bits by a table of the lowest
+    bit. False when a row's high part does not hold exactly k set bits (a corrupt payload)."""
+    width = k + ((n - 1) >> lo) + 1
+    nb = k * lo + width
+    for r in range(rows):
+        base = start + r * nb
+        high = base + k * lo
+        i = 0
+        first = high >> 3
+        last = (high + width - 1) >> 3
+        for byte in range(first, last + 1):
+            bits = np.int64(packed[byte])
+            if byte == first:
+                bits &= 0xFF << (high & 7)
+            if byte == last:
+                bits &= (1 << (((high + width - 1) & 7) + 1)) - 1
+            while bits:
+                j = (byte << 3) + _LOWEST_BIT[bits] - high
+                bits &= bits - 1
+                if i == k:
+                    return False
+                p = (j - i) << lo
+                if lo:
+                    p |= np.int64(_field(packed, base + i * lo, lo))
+                out[r, i] = p
+                i += 1
+        if i != k:
+            return False
     return True
 
 

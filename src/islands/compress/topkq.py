@@ -36,9 +36,11 @@ separate passes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -139,6 +141,22 @@ def _route(kernels, k: int, length: int, ascending: bool) -> int:
     if ascending:
         return kernels.ASCENDING
     return kernels.BY_VALUE if k * 64 <= length else kernels.REPLAY
+
+
+@functools.cache
+def decay_fuses(decay: float) -> bool:
+    """Whether kernels.decayed_add gives torch.add(g, r, alpha=decay)'s bits on this machine (a fused multiply-add
+    in both, where the CPU and torch's kernel have one), tried once per decay on values where a separate multiply
+    and add would round differently in about a third of the entries; False without the kernels."""
+    kernels = cpu_kernels(torch.zeros(1))
+    if kernels is None or not 0.0 < decay < 1.0:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    r, g = torch.randn(4099, generator=gen), torch.randn(4099, generator=gen)  # a vectorised body and a tail
+    want = torch.add(g, r, alpha=decay)
+    got = torch.empty_like(r)
+    kernels.decayed_add(got.numpy(), r.numpy(), g.numpy(), np.float32(decay))
+    return torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def _replay_rows(kernels, rows: Tensor, k: int, ascending: bool, idx: Tensor, vals: Tensor, replay: Tensor) -> None:
@@ -281,6 +299,18 @@ class TopKQ(CompressorBase):
             return pack_uint(torch.cat([p.reshape(-1) for p in pos]), self.index_bits(n))
         g, _, _, tail, _ = self.layout(n)
         lengths = (g, tail)  # pos holds the full chunks' block, then the tail's row when there is a tail
+        kernels = cpu_kernels(pos[0])
+        if kernels is not None:  # the same bytes, written field by field
+            out = torch.zeros(self.index_nbytes(n), dtype=torch.uint8)
+            start, done = 0, True
+            for p, m in zip(pos, lengths):
+                rows = p.to(torch.int64).contiguous()
+                done = done and kernels.ef_encode_rows(
+                    rows.numpy(), m, elias_fano.low_bits(m, rows.shape[1]), out.numpy(), start
+                )
+                start += rows.shape[0] * elias_fano.nbits(m, rows.shape[1])
+            if done:
+                return out
         return pack_bits(torch.cat([elias_fano.encode_rows(p, m).reshape(-1) for p, m in zip(pos, lengths)]))
 
     def _unpack_positions(self, packed: Tensor, n: int) -> Tensor:
@@ -289,6 +319,17 @@ class TopKQ(CompressorBase):
         if self.index == "fixed":
             return unpack_uint(packed, self.index_bits(n), full * k + k_tail)
         head = full * elias_fano.nbits(g, k)
+        kernels = cpu_kernels(packed)
+        if kernels is not None and packed.dtype == torch.uint8 and packed.numel() == self.index_nbytes(n):
+            out = torch.empty(full * k + k_tail, dtype=torch.int64)
+            data = packed.contiguous().numpy()
+            blocks = ((0, full, g, k, out[: full * k]), (head, 1 if tail else 0, tail, k_tail, out[full * k :]))
+            if all(
+                kernels.ef_decode_rows(data, at, rows, m, kk, elias_fano.low_bits(m, kk), part.view(rows, kk).numpy())
+                for at, rows, m, kk, part in blocks
+                if rows
+            ):
+                return out
         bits = unpack_bits(packed, head + elias_fano.nbits(tail, k_tail))
         parts = [elias_fano.decode_rows(bits[:head].view(full, -1), g, k).reshape(-1)] if full else []
         if tail:
@@ -344,19 +385,21 @@ class TopKQ(CompressorBase):
 
     # -- error feedback's add in the selection's pass (AddsResidual) --------------------------------------------
     def adds_residual(self, delta: Tensor, decay: float) -> bool:
-        """True where compress_residual can run: top-k on the values themselves (no transform), residual weight 1
-        (a decayed add is torch's fused multiply-add, which the compiled loop does not promise to round alike),
-        a non-empty contiguous fp32 CPU delta and the compiled kernels."""
+        """True where compress_residual can run: top-k on the values themselves (no transform), a residual weight
+        of 1 or one whose decayed add the compiled loop rounds as torch does on this machine (decay_fuses), a
+        non-empty contiguous fp32 CPU delta and the compiled kernels."""
         return (
             self.sparse_in_place
-            and decay == 1.0
+            and (decay == 1.0 or decay_fuses(decay))
             and delta.dtype == torch.float32
             and delta.numel() > 0
             and delta.is_contiguous()
             and cpu_kernels(delta) is not None
         )
 
-    def compress_residual(self, residual: Tensor, delta: Tensor, out: Tensor, state: dict) -> Payload:
+    def compress_residual(
+        self, residual: Tensor, delta: Tensor, out: Tensor, state: dict, decay: float = 1.0
+    ) -> Payload:
         """compress(residual + delta), with x = residual + delta written into `out` chunk by chunk and each chunk's
         top k selected, quantised and taken from x while it is in cache (one pass over memory where the add, the
         finiteness check, the selection and the residual's update took four); `out` is then x - decompress(payload),
@@ -379,7 +422,7 @@ class TopKQ(CompressorBase):
             done = torch.zeros(count, dtype=torch.uint8)
             dn, on = d.numpy(), o.numpy()
             mode = _route(kernels, kk, length, ascending)
-            args = (r.numpy(), dn, dn.view("uint32"), on, on.view("uint32"), kk, mode, self.bits)
+            args = (r.numpy(), dn, dn.view("uint32"), on, on.view("uint32"), np.float32(decay), kk, mode, self.bits)
             if not kernels.add_select_rows(
                 *args, idx.numpy(), val.numpy(), codes.numpy(), scales.numpy(), done.numpy()
             ):
@@ -453,26 +496,41 @@ class TopKQ(CompressorBase):
 
     def _decode_into(self, payloads: list[Payload], n: int, add: bool) -> Tensor:
         """A fresh fp32 vector of n values holding the payloads' entries, in payload order: added (`add`; the sum of
-        the decoded payloads) or, for one payload, copied. On the CPU with index=fixed one compiled pass writes
-        each chunk zeroed and then its entries (kernels.decode_topkq), the same bits as zeros + index_add_ /
-        index_copy_, which run elsewhere (and for a payload whose sizes or positions are not a vector of n's)."""
+        the decoded payloads) or, for one payload, copied. On the CPU one compiled pass writes each chunk zeroed
+        and then its entries (kernels.decode_topkq, which reads fixed-width positions: elias-fano's are decoded and
+        repacked first), the same bits as zeros + index_add_ / index_copy_, which run elsewhere (and for a payload
+        whose sizes or positions are not a vector of n's)."""
         device = payloads[0].tensors[0].device if payloads[0].tensors else None
-        kernels = cpu_kernels(payloads[0].tensors[0]) if self.index == "fixed" and n and payloads[0].tensors else None
+        kernels = cpu_kernels(payloads[0].tensors[0]) if n and payloads[0].tensors else None
         if kernels is not None and all(self._well_formed(p, n) for p in payloads):
             out = pages.empty(n, device=device)  # every value written by the kernel's chunk-by-chunk zero fill
             g, full, k, _, _ = self.layout(n)
             rows = [torch.stack([p.tensors[i] for p in payloads]) for i in range(len(payloads[0].tensors))]
+            index: Tensor | None = rows[0]
+            if self.index == "elias-fano":  # the kernel reads fixed-width positions: each payload's, repacked
+                fixed = [self._fixed_index(p.tensors[0], n) for p in payloads]
+                index = None if any(f is None for f in fixed) else torch.stack([f for f in fixed if f is not None])
             codes, scales, values = (
                 (rows[0], torch.zeros(1, 1), rows[1]) if self.bits == 32 else (rows[1], rows[2], torch.zeros(1, 1))
             )
-            args = (rows[0].numpy(), self.index_bits(n), codes.numpy(), self.bits, scales.numpy(), values.numpy())
-            if kernels.decode_topkq(*args, self.kept(n)[0], g, k, full, out.numpy(), add):
-                return out
+            if index is not None:
+                args = (index.numpy(), self.index_bits(n), codes.numpy(), self.bits, scales.numpy(), values.numpy())
+                if kernels.decode_topkq(*args, self.kept(n)[0], g, k, full, out.numpy(), add):
+                    return out
         out = pages.zeros(n, device=device)
         for p in payloads:
             where, vals = self.entries(p)
             (out.index_add_ if add else out.index_copy_)(0, where, vals)
         return out
+
+    def _fixed_index(self, packed: Tensor, n: int) -> Tensor | None:
+        """An index=elias-fano payload's positions as index=fixed would pack them (index_bits(n) bits each); None
+        where one is past its chunk's length (a damaged payload: the torch path takes it, as it did before)."""
+        local = self._unpack_positions(packed, n)
+        g, full, k, tail, _ = self.layout(n)
+        if (full and int(local[: full * k].max()) >= g) or (tail and int(local[full * k :].max()) >= tail):
+            return None
+        return pack_uint(local, self.index_bits(n))
 
     def _well_formed(self, payload: Payload, n: int) -> bool:
         """Whether the payload's tensors have the sizes and dtypes a vector of n values gives (the compiled

@@ -12,8 +12,10 @@ import pytest
 import torch
 from test_outer_compress import _resume, _scenario
 
+import islands.compress.base as base
 from harness.outer import assert_train_refuses, run_world
 from islands.compress import DCTTopK, ErrorFeedback, TopKQ, elias_fano as ef, parse_compressor
+from islands.compress.base import Payload
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -64,6 +66,42 @@ def test_elias_fano_extremes_and_corruption():
     with pytest.raises(ValueError, match="corrupt payload"):
         ef.decode_rows(bits, n, k)
     assert ef.nbits(10, 0) == 0 and ef.decode_rows(torch.zeros(3, 0, dtype=torch.bool), 10, 0).shape == (3, 0)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_a_damaged_payload_is_named_corrupt_or_decoded_as_the_torch_path_decodes_it(monkeypatch, kernels):
+    """The compiled decode (positions read from the bit stream, repacked fixed-width for the dense pass) names a
+    payload whose high bits do not count k per chunk as corrupt, as the torch path does; one whose count is right
+    but whose positions run past a chunk decodes as the torch path decodes it."""
+    monkeypatch.setattr(base, "USE_KERNELS", kernels)
+    x = torch.randn(3 * 4096 + 500, generator=_gen(7))
+    c = TopKQ(0.0215, bits=2, index="elias-fano")
+    p = c.compress(x, {})
+    bad = p.tensors[0].clone()
+    g, full, k, tail, k_tail = c.layout(x.numel())
+    last = full * ef.nbits(g, k) + ef.nbits(tail, k_tail) - 1  # the tail row's last high bit: k + 1 set bits
+    bad[last // 8] ^= 1 << (last % 8)
+    with pytest.raises(ValueError, match="corrupt payload"):
+        c.decompress(Payload([bad, *p.tensors[1:]], p.shape, p.dtype))
+    # the first row's top high bit set and its highest set bit cleared: k set bits, the last past the chunk
+    nb = ef.nbits(g, k)
+    moved = p.tensors[0].clone()
+    bits = ((moved.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1)
+    high = bits[nb - (g >> ef.low_bits(g, k)) - k : nb]
+    top = int(high.nonzero().max())
+    for b, v in ((nb - (high.numel() - top), 0), (nb - 1, 1)):
+        moved[b // 8] = (moved[b // 8] & ~(1 << (b % 8))) | (v << (b % 8))
+    monkeypatch.setattr(base, "USE_KERNELS", False)
+    try:
+        expect = c.decompress(Payload([moved, *p.tensors[1:]], p.shape, p.dtype))
+    except (IndexError, RuntimeError, ValueError) as e:
+        expect = type(e)
+    monkeypatch.setattr(base, "USE_KERNELS", kernels)
+    try:
+        got = c.decompress(Payload([moved, *p.tensors[1:]], p.shape, p.dtype))
+    except (IndexError, RuntimeError, ValueError) as e:
+        got = type(e)
+    assert (got is expect) if isinstance(expect, type) else torch.equal(got, expect)
 
 
 @pytest.mark.parametrize("n", [1, 63, 4096, 4097, 9610, 20000])

@@ -12,7 +12,7 @@ from islands.compress import NonFiniteGradientError, parse_compressor
 from islands.compress.base import AddsResidual, Payload
 from islands.compress.dct import DCTTopK
 from islands.compress.error_feedback import ErrorFeedback
-from islands.compress.topkq import TopKQ
+from islands.compress.topkq import TopKQ, decay_fuses
 
 SPECS = [
     "topkq:ratio=0.0215,bits=2,order=torch",  # 64 k > 4096: torch's introselect replayed
@@ -21,6 +21,8 @@ SPECS = [
     "topkq:ratio=0.0215,index=elias-fano",
     "topkq:ratio=0.05,bits=4,chunk=1000,order=torch",
     "topkq:ratio=0.02,bits=32,order=ascending",
+    "topkq:ratio=0.0215,bits=2,decay=0.95",  # SparseLoCo's decayed residual: the add is a fused multiply-add
+    "topkq:ratio=0.0215,index=elias-fano,decay=0.9,order=torch",
 ]
 SIZES = [1, 5, 4095, 4096, 4097, 3 * 4096 + 17, 50_001]
 
@@ -142,13 +144,27 @@ def test_who_adds_the_residual():
     assert isinstance(TopKQ(), AddsResidual)
     x = torch.randn(100)
     assert TopKQ().adds_residual(x, 1.0)
-    assert not TopKQ().adds_residual(x, 0.95)  # a decayed add is torch's multiply-add: the separate passes
+    # a decayed add is torch's fused multiply-add: taken where the compiled one rounds alike on this machine
+    assert TopKQ().adds_residual(x, 0.95) == decay_fuses(0.95)
     assert not TopKQ().adds_residual(x.double(), 1.0) and not TopKQ().adds_residual(x[::2], 1.0)
     assert not DCTTopK().adds_residual(x, 1.0)  # the residual lives in the tensor's domain, top-k in the DCT's
-    assert parse_compressor("topkq:decay=0.95")._adder(x) is None
+    assert (parse_compressor("topkq:decay=0.95")._adder(x) is not None) == decay_fuses(0.95)
     assert parse_compressor("topkq")._adder(x.to(torch.bfloat16)) is None
     base.USE_KERNELS = False  # undone by the fixture's monkeypatch
     assert parse_compressor("topkq")._adder(x) is None
+
+
+def test_a_decayed_add_the_compiled_loop_cannot_match_keeps_the_separate_passes(monkeypatch):
+    """On a machine where kernels.decayed_add would not round as torch's multiply-add does (no FMA in one of them),
+    the probe says so and error feedback keeps the separate passes; on this one it matches, so the probe's True
+    is what the one-pass tests above rely on."""
+    import islands.compress.topkq as topkq
+
+    assert decay_fuses(0.95)  # FMA in both here (x86-64 with AVX2 or AVX-512)
+    monkeypatch.setattr(topkq, "decay_fuses", lambda decay: False)
+    x = torch.randn(100)
+    assert not TopKQ().adds_residual(x, 0.95) and TopKQ().adds_residual(x, 1.0)
+    assert parse_compressor("topkq:decay=0.95")._adder(x) is None
 
 
 def test_decode_of_a_payload_with_a_position_past_its_chunk_is_the_torch_paths(monkeypatch):
