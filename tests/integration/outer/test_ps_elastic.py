@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
 from test_ps_train import _service_processes
 
 from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_its_gate, wait_for_acked_pushes
@@ -41,7 +43,7 @@ def _events(record: dict, kind: str) -> list[dict]:
     return [e for e in record["final"]["events"] if e["type"] == kind]
 
 
-def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str | None = None):
+def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str | None = None, model: str = ""):
     """`islands train --elastic --max-restarts 1` of 2 one-worker islands on gated digits with `outer`; once island 0
     has two acknowledged pushes it is SIGKILLed at its gate and restarted. Returns (log, the survivors' records,
     what the fault saw: the service's address in the job's store and the killed island's numbers)."""
@@ -52,7 +54,7 @@ def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str 
     values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=outer)
     values.update(steps=steps, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
     cfg = from_mapping(values)
-    cfg.task.options.update(hold=str(hold))
+    cfg.task.options.update(hold=str(hold), **({"model": model} if model else {}))
     cfg = validate(cfg)
     seen: dict = {}
     errors: list = []
@@ -114,6 +116,21 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
         time.sleep(0.1)
     # the island that made the service's temporary directory was killed: the supervisor removed it as it ended
     assert len(seen["dir"]) == 1 and not seen["dir"][0].exists(), seen["dir"]
+
+
+def test_a_batchnorm_model_ends_on_one_model_buffers_included_after_a_killed_and_restarted_island(tmp_path):
+    """The server carries parameters only; each island's BatchNorm statistics are its own until the job's end, where
+    the survivors (the restarted island among them, which started from its model's initial statistics) average
+    them. Both records' digests cover parameters and buffers."""
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1", steps=40, model="bn-cnn")
+    assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"], log
+    (entered,) = _events(recs["w0.1"], "entered")[:1]
+    assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
+    # the model the job keeps carries trained statistics (a fresh BatchNorm's are mean 0, variance 1)
+    kept = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    (var,) = [v for k, v in kept.items() if k.endswith("bn.running_var")]
+    (mean,) = [v for k, v in kept.items() if k.endswith("bn.running_mean")]
+    assert not torch.equal(var, torch.ones_like(var)) and not torch.equal(mean, torch.zeros_like(mean))
 
 
 def test_an_elastic_job_on_a_server_host_survives_the_killed_island_that_configured_it(tmp_path, monkeypatch):
