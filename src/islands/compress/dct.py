@@ -26,6 +26,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from islands.compress import pages
+from islands.compress.base import Payload
 from islands.compress.topkq import SPARSELOCO_CHUNK, TopKQ
 
 # DeMo's chunk length (its `compression_chunk` default)
@@ -82,7 +84,23 @@ class DCTTopK(TopKQ):
         padded = self.coeff_count(n)
         if padded != n:
             x = torch.cat([x, x.new_zeros(padded - n)])
-        return (x.view(-1, self.block) @ dct_basis(self.block, x.device).T).reshape(-1)
+        return self._product(x, dct_basis(self.block, x.device).T)
 
     def inverse(self, y: Tensor, numel: int) -> Tensor:
-        return (y.view(-1, self.block) @ dct_basis(self.block, y.device)).reshape(-1)[:numel]
+        return self._product(y, dct_basis(self.block, y.device))[:numel]
+
+    def _product(self, v: Tensor, basis: Tensor) -> Tensor:
+        """v's blocks (rows of `block` values) times `basis`, flat: the same matrix product as `@` (torch.mm, out=
+        runs the same kernel), into a vector on 2 MB pages, since a fresh model-sized result's page faults cost
+        most of what the product does (100M values, one thread: 0.32 s against 0.18 s)."""
+        out = pages.empty(v.numel(), device=v.device)
+        torch.mm(v.view(-1, self.block), basis, out=out.view(-1, self.block))
+        return out
+
+    def subtract_sent(self, x: Tensor, payload: Payload) -> Tensor:
+        """x - decompress(payload), the subtraction in place in x (the payload never shares x's memory): one fresh
+        model-sized vector fewer. Where decompress rounds to a narrower dtype, or x is not contiguous, torch's ops
+        as before."""
+        if payload.dtype != torch.float32 or not x.is_contiguous():
+            return super().subtract_sent(x, payload)
+        return x.sub_(self.decompress(payload).view(x.shape))
