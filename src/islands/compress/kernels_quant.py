@@ -61,18 +61,18 @@ def _code(x, scale, s, u):
 @njit(inline="always")
 def _twist(u, v):
     """MT19937's recurrence term of two consecutive words: (upper bit of u, lower 31 of v) >> 1, xor A if v is odd."""
-    y = (u & _UPPER) | (v & _LOWER)
-    return (y >> np.uint32(1)) ^ ((np.uint32(0) - (v & np.uint32(1))) & _MATRIX_A)
+    y = np.uint32((u & _UPPER) | (v & _LOWER))  # np.uint32 after each op keeps numba's ints (int64) in 32-bit lanes
+    return np.uint32((y >> np.uint32(1)) ^ (np.uint32(np.uint32(0) - (v & np.uint32(1))) & _MATRIX_A))
 
 
 @_kernel
 def _refill(mt):
     """The next 624 words of the engine in place (at::mt19937::next_state)."""
     for j in range(MT_N - _MT_M):
-        mt[j] = mt[j + _MT_M] ^ _twist(mt[j], mt[j + 1])
+        mt[j] = np.uint32(mt[j + _MT_M] ^ _twist(mt[j], mt[j + 1]))
     for j in range(MT_N - _MT_M, MT_N - 1):
-        mt[j] = mt[j + _MT_M - MT_N] ^ _twist(mt[j], mt[j + 1])
-    mt[MT_N - 1] = mt[_MT_M - 1] ^ _twist(mt[MT_N - 1], mt[0])
+        mt[j] = np.uint32(mt[j + _MT_M - MT_N] ^ _twist(mt[j], mt[j + 1]))
+    mt[MT_N - 1] = np.uint32(mt[_MT_M - 1] ^ _twist(mt[MT_N - 1], mt[0]))
 
 
 @_kernel
@@ -91,11 +91,11 @@ def uniforms(mt, pos, out):
         dest = out[i : i + m]
         for t in range(m):  # tempering, then uniform_real<float>
             y = words[t]
-            y ^= y >> np.uint32(11)
-            y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
-            y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
-            y ^= y >> np.uint32(18)
-            dest[t] = np.float32(y & _LOW24) * _TWO_M24
+            y = np.uint32(y ^ (y >> np.uint32(11)))
+            y = np.uint32(y ^ ((y << np.uint32(7)) & np.uint32(0x9D2C5680)))
+            y = np.uint32(y ^ ((y << np.uint32(15)) & np.uint32(0xEFC60000)))
+            y = np.uint32(y ^ (y >> np.uint32(18)))
+            dest[t] = np.float32(np.int32(y & _LOW24)) * _TWO_M24
         i += m
         pos += m
     return pos
