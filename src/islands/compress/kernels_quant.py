@@ -168,13 +168,19 @@ def subtract_wire(x, wire, nibbles, offset, factor):
 # ---- the engine's state in and out of a torch.Generator ------------------------------------------------------
 
 
-def engine(gen: torch.Generator) -> tuple[np.ndarray, np.ndarray, int]:
-    """(the generator's state bytes, its 624 words as uint32, how many of them are used) of a CPU generator."""
+def engine(gen: torch.Generator) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(the generator's state bytes, its 624 words as uint32, how many of them are used) of a CPU generator; None
+    for a state at::mt19937 does not leave (the caller then draws with torch.rand)."""
     raw = gen.get_state().numpy()
+    if raw.size != _STATE_BYTES:
+        return None
     left = int(raw[_LEFT].view(np.int32)[0])
-    words = raw[_WORDS].view(np.uint64).astype(np.uint32)
-    # at::mt19937 draws while --left > 0, from state[next++]: 624 - (left - 1) words of this block are used
-    return raw, words, MT_N + 1 - left
+    nxt = int(raw[_NEXT].view(np.uint64)[0])
+    # at::mt19937 draws while --left > 0, from state[next++]: 624 - (left - 1) words of this block are used, and
+    # next counts them, except where left is 1 (a new block is due, next unread)
+    if not 1 <= left <= MT_N or (left != 1 and nxt != MT_N + 1 - left):
+        return None
+    return raw, raw[_WORDS].view(np.uint64).astype(np.uint32), MT_N + 1 - left
 
 
 def store(gen: torch.Generator, raw: np.ndarray, words: np.ndarray, pos: int) -> None:
@@ -197,7 +203,10 @@ def matches_torch() -> bool:
     if gen.get_state().numel() != _STATE_BYTES:
         return False
     for n in (5, 1000, 700):
-        raw, words, pos = engine(gen)
+        state = engine(gen)
+        if state is None:
+            return False
+        raw, words, pos = state
         u = np.empty(n, np.float32)
         pos = uniforms(words, pos, u)
         store(gen, raw, words, pos)

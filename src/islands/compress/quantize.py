@@ -159,15 +159,16 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
         nibbles = self.bits == 4
         wire = pages.empty((n + 1) // 2, torch.uint8) if nibbles else pages.empty(n, torch.int8)
         fast = _quant_kernels(x)
-        if fast is not None:
-            raw, words, pos = fast.engine(gen)
+        state = None if fast is None else fast.engine(gen)
+        if state is not None:
+            raw, words, pos = state
             ok, pos = fast.shared_scale_wire(x.numpy(), float(scale), s, nibbles, words, pos, wire.numpy())
             if ok:
                 fast.store(gen, raw, words, pos)
                 return wire
             # a NaN: the generator is as it was, so torch.rand below draws the same uniforms
         u = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
-        if fast is None and kernels.shared_scale_wire(x.numpy(), float(scale), s, u.numpy(), nibbles, wire.numpy()):
+        if state is None and kernels.shared_scale_wire(x.numpy(), float(scale), s, u.numpy(), nibbles, wire.numpy()):
             return wire
         y = (x / scale * s).clamp(-s, s)  # a NaN: torch's ops on the same uniforms
         low = torch.floor(y)

@@ -28,7 +28,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _draw(gen: torch.Generator, n: int) -> np.ndarray:
-    raw, words, pos = kq.engine(gen)
+    state = kq.engine(gen)
+    assert state is not None
+    raw, words, pos = state
     u = np.empty(n, np.float32)
     kq.store(gen, raw, words, kq.uniforms(words, pos, u))
     return u
@@ -54,6 +56,24 @@ def test_nothing_drawn_leaves_a_fresh_generator_byte_for_byte():
     before = gen.get_state().clone()
     assert _draw(gen, 0).size == 0
     assert torch.equal(gen.get_state(), before)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_state_torch_never_leaves_is_drawn_by_torch(monkeypatch, bits):
+    """A generator whose `next` disagrees with `left` (set by hand): the replay declines it and torch.rand draws."""
+    x = _inputs(CHUNK + 9)
+    wires = []
+    for kernels in (True, False):
+        monkeypatch.setattr(base, "USE_KERNELS", kernels)
+        c = SharedScaleQuant(bits, seed=4)
+        gen = c.generator(x.device)
+        torch.rand(10, generator=gen)  # left 615, next 10
+        raw = gen.get_state().clone()
+        raw[16:24] = torch.tensor([3], dtype=torch.int64).view(torch.uint8)  # next 3: torch reads word 3 next
+        gen.set_state(raw)
+        assert kq.engine(gen) is None
+        wires.append((c.compress(x, c.state("w", x)).tensors[0], gen.get_state()))
+    assert _same(wires[0][0], wires[1][0]) and torch.equal(wires[0][1], wires[1][1])
 
 
 def _rounds(bits: int, kernels: bool, monkeypatch, xs: list[torch.Tensor], parties: int = 1, scale=None):
