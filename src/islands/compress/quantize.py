@@ -26,14 +26,15 @@ from islands.compress.base import (
 from islands.compress.bits import pack_nibbles, unpack_nibbles
 
 
-def _quant_kernels(tensor: Tensor) -> Any:
-    """islands.compress.kernels_quant where the compiled CPU loops run for `tensor` (base.cpu_kernels) and its
-    replay of torch's CPU generator matches this torch's (checked once per process), else None."""
+def _quant_kernels(tensor: Tensor, draws: bool = False) -> Any:
+    """islands.compress.kernels_quant where the compiled CPU loops run for `tensor` (base.cpu_kernels), else None;
+    for a caller that `draws` uniforms, also None where its replay of torch's CPU generator does not match this
+    torch's (checked once per process)."""
     if cpu_kernels(tensor) is None:
         return None
     import islands.compress.kernels_quant as kernels_quant
 
-    return kernels_quant if kernels_quant.matches_torch() else None
+    return kernels_quant if not draws or kernels_quant.matches_torch() else None
 
 
 def _stochastic_round(x: Tensor, gen: torch.Generator) -> Tensor:
@@ -158,7 +159,7 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
         n = x.numel()
         nibbles = self.bits == 4
         wire = pages.empty((n + 1) // 2, torch.uint8) if nibbles else pages.empty(n, torch.int8)
-        fast = _quant_kernels(x)
+        fast = _quant_kernels(x, draws=True)
         state = None if fast is None else fast.engine(gen)
         if state is not None:
             raw, words, pos = state

@@ -59,6 +59,28 @@ def test_nothing_drawn_leaves_a_fresh_generator_byte_for_byte():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_decode_keeps_its_compiled_pass_where_the_replay_is_declined(monkeypatch, bits):
+    """Another torch's generator (matches_torch False): the wire comes from torch.rand, and decode and subtract_sent,
+    which draw nothing, still run compiled; the same bits as the torch ops throughout."""
+    x = _inputs(CHUNK + 5)
+    xs = [x, _inputs(77)]
+    slow = _rounds(bits, False, monkeypatch, xs)
+    monkeypatch.setattr(base, "USE_KERNELS", True)
+    monkeypatch.setattr(kq, "matches_torch", lambda: False)
+    assert _quant_kernels(x, draws=True) is None and _quant_kernels(x) is kq
+    c = SharedScaleQuant(bits, seed=11)
+    for x_, (wire, one, two, gen_state) in zip(xs, slow):
+        st = c.state(f"v{x_.numel()}", x_)
+        p = c.compress(x_, st, Agreed(c.agree(x_, st), 1))
+        assert _same(p.tensors[0], wire) and _same(c.decompress(p), one)
+        assert torch.equal(c.generator(x_.device).get_state(), gen_state)
+        work = x_.clone()
+        assert c.subtract_sent(work, p) is work and _same(work, x_ - one)
+        p.summands = 2
+        assert _same(c.decompress(p), two)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_a_state_torch_never_leaves_is_drawn_by_torch(monkeypatch, bits):
     """A generator whose `next` disagrees with `left` (set by hand): the replay declines it and torch.rand draws."""
     x = _inputs(CHUNK + 9)
@@ -80,7 +102,7 @@ def _rounds(bits: int, kernels: bool, monkeypatch, xs: list[torch.Tensor], parti
     """Each x compressed and decoded in turn by one compressor: (wires, decoded, decoded as a sum of 2, generator
     states)."""
     monkeypatch.setattr(base, "USE_KERNELS", kernels)
-    assert (_quant_kernels(torch.zeros(1)) is kq) == kernels  # the compiled path runs (its self-check passed)
+    assert (_quant_kernels(torch.zeros(1), draws=True) is kq) == kernels  # the compiled path runs (self-check passed)
     c = SharedScaleQuant(bits, seed=11)
     out: list[tuple] = []
     for x in xs:
