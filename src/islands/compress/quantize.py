@@ -7,9 +7,12 @@ Randomness comes from the compressor's own generator, never the global RNG.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from islands.compress import pages
 from islands.compress.base import (
     Agreed,
     Combine,
@@ -21,6 +24,17 @@ from islands.compress.base import (
     numel_of,
 )
 from islands.compress.bits import pack_nibbles, unpack_nibbles
+
+
+def _quant_kernels(tensor: Tensor, draws: bool = False) -> Any:
+    """islands.compress.kernels_quant where the compiled CPU loops run for `tensor` (base.cpu_kernels), else None;
+    for a caller that `draws` uniforms, also None where its replay of torch's CPU generator does not match this
+    torch's (checked once per process)."""
+    if cpu_kernels(tensor) is None:
+        return None
+    import islands.compress.kernels_quant as kernels_quant
+
+    return kernels_quant if not draws or kernels_quant.matches_torch() else None
 
 
 def _stochastic_round(x: Tensor, gen: torch.Generator) -> Tensor:
@@ -135,16 +149,27 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
     def _wire(self, x: Tensor, scale: Tensor, s: int) -> Tensor:
         """The codes on the wire: stochastically rounded x / scale * s, clamped to [-s, s] (another rank's max may
         equal ours only up to rounding; codes must stay in range), as int8 or as nibbles of code + s. The uniforms
-        come from torch.rand on this compressor's generator either way; on the CPU one compiled pass does the rest
-        with the same fp32 operations (kernels.shared_scale_wire)."""
+        are torch.rand's on this compressor's generator either way: on the CPU one compiled pass draws them from
+        the generator's own engine as it rounds (kernels_quant.shared_scale_wire, the same uniforms, fp32 operations
+        and generator state after); elsewhere, or where that pass meets a NaN, torch.rand and torch's ops."""
         gen = self.generator(x.device)
         kernels = cpu_kernels(x)
         if kernels is None:
             return self._pack(_stochastic_round((x / scale * s).clamp(-s, s), gen), s)
-        u = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
         n = x.numel()
-        wire = torch.empty(n, dtype=torch.int8) if self.bits == 8 else torch.empty((n + 1) // 2, dtype=torch.uint8)
-        if kernels.shared_scale_wire(x.numpy(), float(scale), s, u.numpy(), self.bits == 4, wire.numpy()):
+        nibbles = self.bits == 4
+        wire = pages.empty((n + 1) // 2, torch.uint8) if nibbles else pages.empty(n, torch.int8)
+        fast = _quant_kernels(x, draws=True)
+        state = None if fast is None else fast.engine(gen)
+        if state is not None:
+            raw, words, pos = state
+            ok, pos = fast.shared_scale_wire(x.numpy(), float(scale), s, nibbles, words, pos, wire.numpy())
+            if ok:
+                fast.store(gen, raw, words, pos)
+                return wire
+            # a NaN: the generator is as it was, so torch.rand below draws the same uniforms
+        u = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+        if state is None and kernels.shared_scale_wire(x.numpy(), float(scale), s, u.numpy(), nibbles, wire.numpy()):
             return wire
         y = (x / scale * s).clamp(-s, s)  # a NaN: torch's ops on the same uniforms
         low = torch.floor(y)
@@ -157,17 +182,30 @@ class SharedScaleQuant(SeededMixin, CompressorBase):
         s = payload.meta["levels"]
         (wire,) = payload.tensors
         n = numel_of(payload.shape)
-        if self.bits == 8:  # int8 * fp32 promotes each code to fp32, then multiplies: one pass, same values
-            out = torch.mul(wire, payload.shared[0] / s)
-        else:
-            factor = payload.shared[0] / s
-            kernels = cpu_kernels(wire)
-            if kernels is not None and factor.device.type == "cpu":
-                out = torch.empty(n, dtype=torch.float32)
-                kernels.nibbles_decode(wire.numpy(), s * payload.summands, factor.numpy()[0], out.numpy())
+        factor = payload.shared[0] / s
+        fast = _quant_kernels(wire) if factor.device.type == "cpu" else None
+        if fast is not None:  # one compiled pass into a vector on 2 MB pages: the same values as the ops below
+            out = pages.empty(n)
+            if self.bits == 8:
+                fast.int8_decode(wire.numpy(), factor.numpy()[0], out.numpy())
             else:
-                out = (unpack_nibbles(wire, n) - s * payload.summands).to(torch.float32) * factor
+                cpu_kernels(wire).nibbles_decode(wire.numpy(), s * payload.summands, factor.numpy()[0], out.numpy())
+        elif self.bits == 8:  # int8 * fp32 promotes each code to fp32, then multiplies: one pass, same values
+            out = torch.mul(wire, factor)
+        else:
+            out = (unpack_nibbles(wire, n) - s * payload.summands).to(torch.float32) * factor
         return out.reshape(payload.shape).to(payload.dtype)
+
+    def subtract_sent(self, x: Tensor, payload: Payload) -> Tensor:
+        """x - decompress(payload), in place in x on the CPU (the payload's codes never share x's memory), with
+        decompress's fp32 operations; where decompress rounds to a narrower dtype, torch's ops."""
+        fast = _quant_kernels(x)
+        factor = payload.shared[0] / payload.meta["levels"]
+        if fast is None or payload.dtype != torch.float32 or not x.is_contiguous() or factor.device.type != "cpu":
+            return super().subtract_sent(x, payload)
+        offset = payload.meta["levels"] * payload.summands
+        fast.subtract_wire(x.view(-1).numpy(), payload.tensors[0].numpy(), self.bits == 4, offset, factor.numpy()[0])
+        return x
 
     def payload_nbytes(self, shape, dtype) -> int:
         n = numel_of(shape)

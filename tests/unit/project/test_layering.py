@@ -61,6 +61,8 @@ LAYERS = {
 ALLOWED_LOCAL = {
     "islands.checkpoint.codec.kernels",
     "islands.compress.kernels",  # the outer compressors' numba loops, same reason
+    "islands.compress.kernels_quant",  # int8/int4 numba loops, same reason
+    "islands.compress.kernels_dct",  # dct-topk's inverse, numba, same reason
     "transformers",
     "tensorboard",
     "torch.utils.tensorboard",
