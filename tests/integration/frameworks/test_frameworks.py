@@ -417,3 +417,43 @@ def test_a_store_of_its_own_outlives_island_0(tmp_path):
     assert survivor["name"] == "island1" and survivor["start"] == 0 and survivor["steps"] == 60
     assert survivor["rounds"] == 6 and survivor["islands"] == 1  # every round ran: two with island 0, four alone
     assert [(e["type"], e.get("gone")) for e in survivor["events"]] == [("failure", ["island0"])]
+
+
+def test_a_payload_that_fails_its_mac_ends_the_island_with_one_line(tmp_path):
+    """Two islands (the plain loop with `attach`, one process each, ISLANDS_TOKEN set); from step 15 island 0's
+    payloads are altered after they were tagged, as a box on the path between the islands would. At the exchange of
+    step 20 island 1's check refuses island 0's delta: island 1 prints one line that says what failed and what to
+    check, no traceback, and exits 1 (as a dropped island does, so torchrun --max-restarts would start it again).
+    Island 0 (which hosts the cross store), whose own check passed, finds the operation failed, drops island 1 and
+    trains on alone."""
+    from harness.procs import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "40", "ISLANDS_TOKEN": "payload-test"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        base.pop(key, None)
+    islands_: list[Island] = []
+    try:
+        for index in range(2):
+            spec = CrossSpec(address, islands=2, index=index, timeout_s=60, heartbeat_timeout_s=5)
+            env = {**base, **spec.env(), **({"TAMPER_AT": "15"} if index == 0 else {})}
+            logs = [tmp_path / f"island{index}.{kind}" for kind in ("out", "err")]
+            with open(logs[0], "w") as out, open(logs[1], "w") as err:
+                proc = spawn.start([sys.executable, str(HERE / "island_rejoins.py")], env, out, err, str(tmp_path))
+            islands_.append(Island(proc, logs))
+        out1, err1 = islands_[1].communicate(timeout=300)
+        out0, err0 = islands_[0].communicate(timeout=300)
+    finally:
+        for proc in islands_:
+            if proc.poll() is None:
+                proc.kill()
+    assert islands_[1].returncode == 1, out1[-2000:] + err1[-4000:]
+    assert "Traceback" not in err1, err1[-4000:]
+    [line] = [line for line in err1.splitlines() if line.startswith("islands: ")]
+    assert "payload from member island0" in line and "failed its MAC" in line, line
+    assert "ISLANDS_TOKEN" in line and "same launch line" in line, line  # what would be right, and how it comes back
+    assert "RESULT " not in out1  # it stopped at the refused exchange
+    assert islands_[0].returncode == 0, out0[-2000:] + err0[-4000:]
+    [result] = [json.loads(x.split("RESULT ", 1)[1]) for x in out0.splitlines() if x.startswith("RESULT ")]
+    assert result["name"] == "island0" and result["steps"] == 40 and result["islands"] == 1
+    assert [(e["type"], e.get("gone")) for e in result["events"]] == [("failure", ["island1"])]
