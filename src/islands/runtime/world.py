@@ -284,10 +284,30 @@ def init_world(
         check_device(device, needs_cuda=True)
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
     backend, dev = pick_backend(device)
-    dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+    init_default_group(backend, timeout_s)
     world = _world_over_default_group(islands, dev, backend, cross_backend, gloo_links, timeout_s)
     world.owns_group = True
     return world
+
+
+def init_default_group(backend: str, timeout_s: float) -> None:
+    """The default process group, from torch's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    Under a torch elastic agent that hands its own store to the workers (TORCHELASTIC_USE_AGENT_STORE=True: torchrun,
+    `accelerate launch --multi_gpu`) every attempt of the worker group meets in that one store, and env:// adds no
+    prefix per attempt. After a restart (--max-restarts) the keys of the attempt before are still there, so a
+    restarted rank could read its peer's address of the dead attempt before the peer rewrote it and fail to connect
+    (gloo: "connectFullMesh failed ... Connection refused"): a restarted island of several workers never came up.
+    Here each attempt (TORCHELASTIC_RESTART_COUNT) meets under a prefix of its own."""
+    timeout = _dt.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"islands/attempt{attempt}", agent)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
 def _world_over_default_group(
@@ -466,7 +486,7 @@ def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     elif "RANK" in os.environ:
         backend, dev = pick_backend(device)
-        dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+        init_default_group(backend, timeout_s)
         owns = True
     else:  # an island of one process, started without a launcher
         backend, dev = "none", torch.device("cpu")
