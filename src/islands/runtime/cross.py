@@ -44,6 +44,8 @@ per round (`CrossMembership`), so all k workers of a restarted island enter at t
 An island the others dropped while it lived (its exchange came after ISLANDS_CROSS_TIMEOUT) learns it at its next
 exchange: Excluded, with a line that says why and how it comes back (`CrossEpochs`), which init_world's excepthook
 prints alone before exiting 1, so a launcher that restarts failed jobs (torchrun --max-restarts) brings it back.
+A payload that fails its MAC (PayloadAuthError: altered on the way, or sent under another key) ends the island that
+refused it the same way (`exit_line`), as do settings or a token that cannot work (before anything is written).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from islands.runtime.elastic.membership import (
     connect,
     parse_address,
 )
+from islands.runtime.payload_auth import PayloadAuthError
 
 ADDR_ENV = "ISLANDS_CROSS_ADDR"
 ISLANDS_ENV = "ISLANDS_CROSS_ISLANDS"
@@ -93,9 +96,27 @@ RECORD_SCOPE, RECORD_SENDER = "cross-job", "island"
 class CrossSettingsError(ValueError):
     """ISLANDS_CROSS_* settings that cannot work; the message names the variable and what would be right."""
 
+    exit_code = 2  # a usage error, as the CLI's refusals (init_world's excepthook: exit_line)
+
 
 class CrossRefused(Refused):
     """This island's token (ISLANDS_TOKEN) is not the one the islands of the cross store use."""
+
+
+def exit_line(error: BaseException) -> str | None:
+    """The one line a worker of a joined island prints, without a traceback, before it exits with `error.exit_code`
+    (init_world's excepthook), or None for an error that is not the islands' to explain. An Excluded island was
+    dropped (CrossEpochs says why and how it comes back); settings or a token that cannot work say which variable;
+    a refused payload (PayloadAuthError) says what failed, what to check, and that a restart rejoins the island."""
+    if isinstance(error, (Excluded, CrossRefused, CrossSettingsError)):
+        return str(error)
+    if isinstance(error, PayloadAuthError):
+        return (
+            f"{error}. Set the same {TOKEN_ENV} on every worker of every island and make sure nothing between the "
+            "islands rewrites their traffic; restart this island's job with the same launch line and it rejoins at a "
+            "round boundary (torchrun --max-restarts N does that by itself)"
+        )
+    return None
 
 
 def cross_requested(env=None) -> bool:

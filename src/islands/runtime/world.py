@@ -32,7 +32,7 @@ import torch.distributed as dist
 from islands.runtime import stacks
 from islands.runtime.comm import Comm, CommLedger
 from islands.runtime.contracts import Collectives, ElasticMembership
-from islands.runtime.cross import CrossIslands, CrossSpec, cross_requested
+from islands.runtime.cross import CrossIslands, CrossSpec, cross_requested, exit_line
 from islands.runtime.elastic import Excluded, JobEnded, Membership, elastic_member
 from islands.runtime.elastic.auth import ControlAuth
 from islands.runtime.elastic.island_comm import (
@@ -231,7 +231,9 @@ def init_world(
 
     In a job of islands that are separate jobs (ISLANDS_CROSS_ADDR set: `islands run --separate-jobs`, or a
     torchrun per island; islands.runtime.cross) it returns join_islands(): the islands are the jobs, so `islands`
-    is not used. An island the others dropped as slow prints why and exits 1 (a restart rejoins it).
+    is not used. An island the others dropped as slow, or one that refused a payload failing its MAC, prints why
+    and exits 1 (a restart rejoins it); ISLANDS_CROSS_* settings that cannot work, or a token the islands refuse,
+    print why and exit 2 or 3 (islands.runtime.cross.exit_line).
 
     Under `islands run --elastic` (ISLANDS_ELASTIC set) it joins the elastic job instead (join_elastic): its
     island is where the launcher put it (ISLANDS_ISLAND; one worker per island without it), so `islands` is
@@ -266,9 +268,9 @@ def init_world(
     if cross_requested():  # an island of a joined job (ISLANDS_CROSS_ADDR): its own job inside, islands across
         if cross_backend == "nccl":
             raise ValueError("islands that are separate jobs meet over gloo (their own store); use cross_backend=auto")
-        joined = join_islands(timeout_s=timeout_s, device=device)
-        sys.excepthook = _dropped_island_exit(sys.excepthook)
-        return joined
+        # before joining: settings or a token the islands refuse end with their one line too
+        sys.excepthook = _one_line_exit(exit_line, sys.excepthook)
+        return join_islands(timeout_s=timeout_s, device=device)
     if dist.is_available() and dist.is_initialized():  # the script made its own: use it, never make a second
         backend: str = dist.get_backend()  # a torch Backend, a str
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -282,10 +284,30 @@ def init_world(
         check_device(device, needs_cuda=True)
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
     backend, dev = pick_backend(device)
-    dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+    init_default_group(backend, timeout_s)
     world = _world_over_default_group(islands, dev, backend, cross_backend, gloo_links, timeout_s)
     world.owns_group = True
     return world
+
+
+def init_default_group(backend: str, timeout_s: float) -> None:
+    """The default process group, from torch's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    Under a torch elastic agent that hands its own store to the workers (TORCHELASTIC_USE_AGENT_STORE=True: torchrun,
+    `accelerate launch --multi_gpu`) every attempt of the worker group meets in that one store, and env:// adds no
+    prefix per attempt. After a restart (--max-restarts) the keys of the attempt before are still there, so a
+    restarted rank could read its peer's address of the dead attempt before the peer rewrote it and fail to connect
+    (gloo: "connectFullMesh failed ... Connection refused"): a restarted island of several workers never came up.
+    Here each attempt (TORCHELASTIC_RESTART_COUNT) meets under a prefix of its own."""
+    timeout = _dt.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"islands/attempt{attempt}", agent)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
 def _world_over_default_group(
@@ -464,7 +486,7 @@ def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     elif "RANK" in os.environ:
         backend, dev = pick_backend(device)
-        dist.init_process_group(backend=backend, init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+        init_default_group(backend, timeout_s)
         owns = True
     else:  # an island of one process, started without a launcher
         backend, dev = "none", torch.device("cpu")
@@ -720,13 +742,6 @@ def _elastic_exit(address: str, previous):
         return None
 
     return _one_line_exit(line_of, previous)
-
-
-def _dropped_island_exit(previous):
-    """An excepthook: an island of a joined job that the others dropped (Excluded: islands.runtime.cross.CrossEpochs
-    says why and what to do) prints one line and exits 1, so that a launcher that restarts failed jobs (torchrun
-    --max-restarts) starts it again and it rejoins."""
-    return _one_line_exit(lambda value: str(value) if isinstance(value, Excluded) else None, previous)
 
 
 def _one_line_exit(line_of: Callable[[BaseException], str | None], previous):

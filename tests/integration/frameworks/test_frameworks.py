@@ -12,6 +12,7 @@ accumulation runs through both callbacks with an ISLANDS_TOKEN.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -159,6 +160,44 @@ def test_mixed_precision_and_accumulation(tmp_path, monkeypatch, capfd, script):
     assert results[0]["round_digests"] == results[1]["round_digests"]
     assert results[0]["digest"] == results[1]["digest"]
     assert results[0]["losses"] != results[1]["losses"]  # the islands drew different batches
+
+
+def test_hf_trainer_with_fsdp_inside_each_island(tmp_path, monkeypatch, capfd):
+    """The Hugging Face Trainer with `fsdp="full_shard"` and FSDP2, 2 islands x 2 workers, DiLoCo (H=5) through the
+    callback, on CPU gloo: accelerate's FSDP branch forced as a GPU job's state would choose it (fsdp_hf.py's
+    stand-in; without it accelerate wraps the model in DDP). Inside each island the parameters are FSDP2's DTensors;
+    each worker sends across only its own shard (its shard's bytes, not the model's, per round, plus the token's
+    tag), the two shards of an island make up the model; all four workers end with one full model, and the model
+    trainer.save_model wrote in each island's folder is that one. Then resumed from the checkpoint of step 20 (FSDP's
+    own, with the callback's per-worker outer state of DTensor shards beside it) to step 40: the rounds go on from 4."""
+    out = tmp_path / "out"
+    env = {"INNER_STEPS": "5", "OUT_DIR": str(out), "ISLANDS_TOKEN": "fsdp-test", "SAVE_STEPS": "20"}
+    results = separate_jobs(HERE / "fsdp_hf.py", tmp_path, monkeypatch, capfd, STEPS="20", **env)
+    assert sorted((r["island"], r["local_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    numel = results[0]["numel"]
+    for r in results:
+        # accelerate by itself keeps a CPU job MULTI_CPU (when this fails, a later accelerate shards on CPU: drop
+        # the stand-in in fsdp_hf.py and say so in docs/frameworks.md)
+        assert r["accelerate_chose"] == "DistributedType.MULTI_CPU"
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["param_types"] == ["DTensor"]
+        assert r["rounds"] == 4
+        assert 0 < r["shard_numel"] < numel
+        assert r["outer_bytes"] == r["rounds"] * (r["shard_numel"] * 4 + TAG)  # fp32 shard deltas, tagged
+        first, last = r["losses"][:3], r["losses"][-3:]
+        assert sum(last) < 0.9 * sum(first), r["losses"]
+    for island in (0, 1):
+        assert sum(r["shard_numel"] for r in results if r["island"] == island) == numel
+    assert len({r["digest"] for r in results}) == 1, [r["digest"] for r in results]
+    for island in (0, 1):
+        saved = load_file(out / f"island{island}" / "model.safetensors")
+        h = hashlib.sha256()
+        for name in sorted(saved):
+            h.update(name.encode() + saved[name].contiguous().numpy().tobytes())
+        assert h.hexdigest()[:16] == results[0]["digest"], island
+    resumed = separate_jobs(HERE / "fsdp_hf.py", tmp_path, monkeypatch, capfd, STEPS="40", RESUME="1", **env)
+    assert len(resumed) == 4 and {r["rounds"] for r in resumed} == {8}  # a fresh start would count 4, not 8
+    assert {len(r["losses"]) for r in resumed} == {20}  # only the steps after the checkpoint ran
+    assert {r["param_types"][0] for r in resumed} == {"DTensor"} and len({r["digest"] for r in resumed}) == 1
 
 
 def test_an_island_that_dies_leaves_the_other_training(tmp_path, monkeypatch, capfd):
@@ -417,3 +456,43 @@ def test_a_store_of_its_own_outlives_island_0(tmp_path):
     assert survivor["name"] == "island1" and survivor["start"] == 0 and survivor["steps"] == 60
     assert survivor["rounds"] == 6 and survivor["islands"] == 1  # every round ran: two with island 0, four alone
     assert [(e["type"], e.get("gone")) for e in survivor["events"]] == [("failure", ["island0"])]
+
+
+def test_a_payload_that_fails_its_mac_ends_the_island_with_one_line(tmp_path):
+    """Two islands (the plain loop with `attach`, one process each, ISLANDS_TOKEN set); from step 15 island 0's
+    payloads are altered after they were tagged, as a box on the path between the islands would. At the exchange of
+    step 20 island 1's check refuses island 0's delta: island 1 prints one line that says what failed and what to
+    check, no traceback, and exits 1 (as a dropped island does, so torchrun --max-restarts would start it again).
+    Island 0 (which hosts the cross store), whose own check passed, finds the operation failed, drops island 1 and
+    trains on alone."""
+    from harness.procs import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "40", "ISLANDS_TOKEN": "payload-test"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        base.pop(key, None)
+    islands_: list[Island] = []
+    try:
+        for index in range(2):
+            spec = CrossSpec(address, islands=2, index=index, timeout_s=60, heartbeat_timeout_s=5)
+            env = {**base, **spec.env(), **({"TAMPER_AT": "15"} if index == 0 else {})}
+            logs = [tmp_path / f"island{index}.{kind}" for kind in ("out", "err")]
+            with open(logs[0], "w") as out, open(logs[1], "w") as err:
+                proc = spawn.start([sys.executable, str(HERE / "island_rejoins.py")], env, out, err, str(tmp_path))
+            islands_.append(Island(proc, logs))
+        out1, err1 = islands_[1].communicate(timeout=300)
+        out0, err0 = islands_[0].communicate(timeout=300)
+    finally:
+        for proc in islands_:
+            if proc.poll() is None:
+                proc.kill()
+    assert islands_[1].returncode == 1, out1[-2000:] + err1[-4000:]
+    assert "Traceback" not in err1, err1[-4000:]
+    [line] = [line for line in err1.splitlines() if line.startswith("islands: ")]
+    assert "payload from member island0" in line and "failed its MAC" in line, line
+    assert "ISLANDS_TOKEN" in line and "same launch line" in line, line  # what would be right, and how it comes back
+    assert "RESULT " not in out1  # it stopped at the refused exchange
+    assert islands_[0].returncode == 0, out0[-2000:] + err0[-4000:]
+    [result] = [json.loads(x.split("RESULT ", 1)[1]) for x in out0.splitlines() if x.startswith("RESULT ")]
+    assert result["name"] == "island0" and result["steps"] == 40 and result["islands"] == 1
+    assert [(e["type"], e.get("gone")) for e in result["events"]] == [("failure", ["island1"])]
