@@ -22,6 +22,7 @@ import os
 import secrets
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -310,6 +311,24 @@ def init_default_group(backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
+def framework_group_restart_hazard(env: dict[str, str], workers: int) -> str | None:
+    """What to tell the user when a default group islands did not make (a Trainer's, Lightning's, an Accelerator's)
+    belongs to an island that torch elastic may restart with several workers while sharing its agent's store
+    (TORCHELASTIC_USE_AGENT_STORE=True, --max-restarts > 0): torch's env:// rendezvous then meets in the keys of
+    the attempt before, and a restarted island failed or hung in 2 of 3 tries here with the Hugging Face Trainer
+    (docs/frameworks.md). None where there is nothing to say."""
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if workers < 2 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit() or restarts == "0":
+        return None
+    return (
+        f"islands: this island's {workers} workers may be restarted by torch elastic (--max-restarts {restarts}), "
+        "but their process group was made by the framework in the launcher's shared store, where a restarted "
+        "attempt can read the dead attempt's addresses and fail or hang; launch with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (torchrun --standalone or --rdzv-backend c10d) so "
+        "that every attempt meets in a store of its own"
+    )
+
+
 def _world_over_default_group(
     islands: int,
     device: torch.device,
@@ -484,6 +503,9 @@ def join_islands(spec: CrossSpec | None = None, timeout_s: float = 120.0, device
     if dist.is_initialized():
         backend: str = dist.get_backend()
         dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        restart_hazard = framework_group_restart_hazard(dict(os.environ), dist.get_world_size())
+        if restart_hazard:
+            warnings.warn(restart_hazard, RuntimeWarning, stacklevel=2)
     elif "RANK" in os.environ:
         backend, dev = pick_backend(device)
         init_default_group(backend, timeout_s)
