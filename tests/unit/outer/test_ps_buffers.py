@@ -250,6 +250,11 @@ def test_islands_through_shard_servers_hold_the_servers_mean_after_every_push(tm
         # after b's last push (step 11) both islands' statistics are the same mean: they met during the run
         assert torch.equal(b.buffers(), as_held(mean_of([a.pushed[-1], b.pushed[-1]])))
         assert b.buffers()[-1].item() == 12 and b.pushed[-1][-1].item() == 12 and a.pushed[-1][-1].item() == 12
+        # the layout is the job's: a push without its buffers is refused by the island before anything is sent (the
+        # server would read the delta's tail as statistics)
+        link = svc.link(3, buffers=sum(LAYOUT))
+        with pytest.raises(ValueError, match="without its 9 buffer values"):
+            link.send(Message(PUSH, 3, 0, 1.0, torch.zeros(svc.config.bounds[-1][1])))
 
 
 def test_a_rebuilt_shard_0_holds_no_buffers_and_a_pull_then_leaves_the_islands_own(tmp_path):
@@ -302,13 +307,3 @@ def test_a_model_without_buffers_sends_the_same_bytes_to_shard_servers_and_buffe
     n = sum(LAYOUT)
     # the first pull finds no buffers on the servers yet; each push carries the vector and each answer the mean
     assert counts[True] == [3 * header + pushes * (4 * numel + 8 * n), 3 * header + 3 * 4 * numel + pushes * 8 * n]
-
-
-def test_a_push_without_its_buffers_is_refused_by_the_island_before_it_is_sent(tmp_path):
-    """The layout is the job's: a push to a service that holds buffers must carry them (the server would otherwise
-    read the delta's tail as statistics)."""
-    with service(tmp_path) as svc:
-        link = svc.link(0, buffers=sum(LAYOUT))
-        numel = svc.config.bounds[-1][1]
-        with pytest.raises(ValueError, match="without its 9 buffer values"):
-            link.send(Message(PUSH, 0, 0, 1.0, torch.zeros(numel)))

@@ -515,6 +515,9 @@ class GlooLink(Link):
 
     def send(self, msg: Message) -> Reply:
         payload = msg.payload if msg.kind == PUSH else None
+        mine = msg.buffers if payload is not None and self.buffers else None
+        if payload is not None and self.buffers and (mine is None or mine.numel() != self.buffers):
+            raise ValueError(f"island {msg.island}: a push without its {self.buffers} buffer values")
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
         header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
         me, server, n, sealer = msg.island, self.server, self.sent, self.sealer
@@ -522,11 +525,8 @@ class GlooLink(Link):
         _send(header, server, self.pushes, sealer, ("ps_header", me, server, n))
         if payload is not None:
             _send(payload, server, self.pushes, sealer, ("ps_payload", me, server, n))
-        mine = msg.buffers if payload is not None and self.buffers else None
         if mine is not None:
             _send(mine.to(torch.float64), server, self.pushes, sealer, ("ps_buffers", me, server, n))
-        elif payload is not None and self.buffers:
-            raise ValueError(f"island {me}: a push without its buffers to a server that expects {self.buffers}")
         answer, _ = _recv(
             torch.zeros(_ANSWER, dtype=torch.float64),
             server,
