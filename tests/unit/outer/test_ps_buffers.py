@@ -307,3 +307,24 @@ def test_a_model_without_buffers_sends_the_same_bytes_to_shard_servers_and_buffe
     n = sum(LAYOUT)
     # the first pull finds no buffers on the servers yet; each push carries the vector and each answer the mean
     assert counts[True] == [3 * header + pushes * (4 * numel + 8 * n), 3 * header + 3 * 4 * numel + pushes * 8 * n]
+
+
+def test_thread_modes_checkpoint_holds_the_servers_buffers_and_a_resume_answers_with_them():
+    """The hosting island's checkpoint carries the loop's table beside the server state (`ps_buffers`): a resumed
+    server answers its first push with the mean of what it held and the new push, as the run that never stopped."""
+    torch.set_num_threads(1)
+    first = Trained(0, World.single(), ParameterServer(2))
+    for i in range(4):
+        first.step(i)
+    saved = first.strategy.state_dict()
+    assert torch.equal(saved["ps_buffers"]["latest"][0], first.pushed[-1])
+    saved["ps_buffers"]["latest"][7] = torch.zeros(sum(LAYOUT), dtype=torch.float64)  # as if an island 7 had pushed
+    second = Trained(0, World.single(), ParameterServer(2))
+    second.strategy.load_state_dict(saved)
+    assert second.strategy.loop is not None and sorted(second.strategy.loop.buffers.latest) == [0, 7]
+    second.step(4)
+    second.step(5)
+    expected = mean_of([second.pushed[-1], torch.zeros(sum(LAYOUT), dtype=torch.float64)])
+    assert torch.equal(second.adopted[-1][0], expected)
+    first.strategy.finish(first.model)
+    second.strategy.finish(second.model)
