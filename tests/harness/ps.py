@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -19,7 +21,7 @@ class ThreadService:
 
     def __init__(self, directory: Path, config: ServiceConfig):
         config.save(directory)
-        self.config = config
+        self.config, self.directory = config, directory
         self.raw = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_dt.timedelta(seconds=30)
         )
@@ -36,6 +38,30 @@ class ThreadService:
         link = RemoteLink(self.address, island, self.config.bounds, **kw).start()
         self.links.append(link)
         return link
+
+    def restart(self, shard: int, links: Sequence[RemoteLink] = (), timeout_s: float = 60.0) -> ShardServer:
+        """Stop shard `shard`'s server and start a successor on the same directory, as the supervisor does after a
+        kill: it rebuilds from the journal and announces a new generation (returned once it has). A kill breaks the
+        islands' connections to it; a thread that ends does not (a connection thread blocked on a gloo receive
+        would take the next message), so `links`' connections to that shard are broken here, as a kill's would be:
+        their next request connects to the successor."""
+        old = self.servers[shard]
+        for link in links:
+            pair = link.pairs[shard]
+            if pair is not None:
+                pair.close()
+                link.pairs[shard] = None
+        old.done.set()
+        self.threads[shard].join(timeout_s)
+        assert not self.threads[shard].is_alive(), f"shard {shard}'s server did not stop"
+        new = ShardServer(self.directory, shard, *self.address)
+        self.servers[shard], self.threads[shard] = new, threading.Thread(target=new.run, daemon=True)
+        self.threads[shard].start()
+        deadline = time.monotonic() + timeout_s
+        while new.gen <= old.gen:
+            assert time.monotonic() < deadline, f"shard {shard}'s successor did not start"
+            time.sleep(0.02)
+        return new
 
     def __enter__(self) -> ThreadService:
         return self

@@ -46,9 +46,10 @@ def train(world, host=None, **kw) -> dict:
     }
 
 
-def train_batchnorm(world, **kw) -> dict[str, torch.Tensor]:
+def train_batchnorm(world, trail: list | None = None, **kw) -> dict[str, torch.Tensor]:
     """A BatchNorm CNN (running statistics and a step counter as buffers) through the same server across processes:
-    the model each island ends with, buffers included."""
+    the model each island ends with, buffers included. `trail`: gets the island's buffers after each answer it
+    adopted (the server's mean of the islands' latest, ps_buffers.py), as numpy."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 4, 3, padding=1),
@@ -59,6 +60,14 @@ def train_batchnorm(world, **kw) -> dict[str, torch.Tensor]:
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     strategy = ParameterServer(inner_steps=H, arrivals=VirtualClock([1.0, 3.0]), **{"max_staleness": 2, **kw})
+    if trail is not None:
+        adopt = strategy.adopt
+
+        def watched(reply):
+            adopt(reply)
+            trail.append(torch.cat([b.reshape(-1).double() for b in model.buffers()]).numpy().copy())
+
+        strategy.adopt = watched  # type: ignore[method-assign]
     strategy.wrap(model, opt, world)
     g = torch.Generator().manual_seed(world.rank)  # each island its own data: its own running statistics
     for i in range(STEPS + 2 * world.rank):  # and its own number of steps: its own num_batches_tracked
@@ -71,10 +80,20 @@ def train_batchnorm(world, **kw) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def batchnorm_trail(world, **kw) -> dict:
+    """train_batchnorm's buffers after each answer, what island 1 pushed over gloo (bytes), and its final model."""
+    before = world.ledger.snapshot()["sent"].get("ps_push", 0)
+    trail: list = []
+    state = train_batchnorm(world, trail, **kw)
+    sent = world.ledger.snapshot()["sent"].get("ps_push", 0) - before
+    return {"trail": trail, "sent": sent, "state": {k: v.numpy().copy() for k, v in state.items()}}
+
+
 def _all(world) -> dict:
     out: dict = {
         "batchnorm": train_batchnorm(world),
         "batchnorm-held": train_batchnorm(world, **SCHEDULES["held-window"]),
+        "batchnorm-trail": batchnorm_trail(world),
     }
     out |= {name: train(world, **kw) for name, kw in SCHEDULES.items()}
     out["first-come"] = train(world, arrivals=FirstCome())
@@ -82,6 +101,7 @@ def _all(world) -> dict:
 
     authenticate_payloads(world, token="ps-test-secret")  # from here on every push and answer travels sealed
     out["sealed"] = train(world, **SCHEDULES["fp32"])
+    out["batchnorm-sealed"] = batchnorm_trail(world)
     return out
 
 
@@ -153,9 +173,38 @@ def test_sealed_pushes_and_answers_give_the_unsealed_model(ranks):
 
 @pytest.mark.parametrize("name", ["batchnorm", "batchnorm-held"])  # the second with windows that wait (quorum 2)
 def test_a_batchnorm_model_ends_as_one_model_buffers_included(ranks, name):
-    # the islands' running statistics were their own all run (different data, different steps); the job's end
-    # averages them over the islands and takes the largest step count, so both processes end on one model
+    # the islands see different data for different numbers of steps; every answer brings the server's mean of their
+    # statistics (the largest step count) and the job's end averages them once more, so both processes end on one
+    # model. Each island counts on from the largest count it adopted, so the count passes any island's own steps
     a, b = ranks[0][name], ranks[1][name]
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert a["1.num_batches_tracked"].item() == STEPS + 2
+    assert a["1.num_batches_tracked"].item() > STEPS + 2
     assert not torch.equal(a["1.running_var"], torch.ones(4))
+
+
+def test_batchnorm_buffers_travel_through_the_server_across_processes_as_in_a_simulation(ranks):
+    """Island 1's pushes carry its buffers over gloo and every answer brings the server's mean back (ps_buffers.py):
+    after each answer each process holds the statistics the simulated run's island holds, bit for bit, statistics
+    that are neither island's own (the other's are in the mean); sealed, the same values, each buffer tensor with
+    its MAC."""
+    torch.set_num_threads(1)
+    server = InProcessServer()
+    sim = islands.simulate.run(lambda world: batchnorm_trail(world, host=server), islands=2)
+    for rank in (0, 1):
+        real, simulated = ranks[rank]["batchnorm-trail"], sim[rank]
+        assert len(real["trail"]) == len(simulated["trail"]) == 1 + (STEPS + 2 * rank) // H  # pushes, then DONE
+        for got, want in zip(real["trail"], simulated["trail"]):
+            assert got.tobytes() == want.tobytes()
+        sealed = ranks[rank]["batchnorm-sealed"]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(sealed["trail"], real["trail"]))
+    # island 1's first answer already holds island 0's statistics: island 0's first pushes came before it, with
+    # more steps counted than island 1's own H
+    first0, first1 = ranks[0]["batchnorm-trail"]["trail"][0], ranks[1]["batchnorm-trail"]["trail"][0]
+    assert first1[-1] > H and first0.tobytes() != first1.tobytes()
+    # island 1's 5 pushes: a header, the fp32 delta and the float64 buffer vector (4 + 4 running values and the
+    # count); its DONE a header. Sealed: each of those 16 tensors carries a 32-byte MAC
+    numel = sum(
+        v.size for k, v in ranks[1]["batchnorm-trail"]["state"].items() if "running" not in k and "num" not in k
+    )
+    assert ranks[1]["batchnorm-trail"]["sent"] == 5 * (5 * 8 + 4 * numel + 9 * 8) + 5 * 8
+    assert ranks[1]["batchnorm-sealed"]["sent"] == ranks[1]["batchnorm-trail"]["sent"] + 16 * 32

@@ -22,9 +22,11 @@ Where the server runs (`host`): in a multi-process job, a thread of rank 0 (its 
 others over gloo groups of their own, ps_link.GlooLink); under islands.simulate, pass every island the same
 InProcessServer() (a thread of the simulating process). `arrivals`: FirstCome() (default) applies pushes as they
 come; VirtualClock(round_seconds) fixes the order by virtual round times, so simulated and multi-process runs end on
-the same model bit for bit. Buffers are the island's own during the run (buffer_policy "own": the server holds
-parameters only); at the end one collective averages them over the islands (average_buffers_at_the_end), so all
-end on one model.
+the same model bit for bit. Buffers (BatchNorm's running statistics and step counters) ride on the pushes: the
+server keeps each island's latest and answers every push and pull with their mean (integer buffers: the largest),
+which the island adopts as its own, as a DiLoCo round's average (ps_buffers.py; in process mode shard 0 holds them);
+at the end one collective averages them over the islands once more (average_buffers_at_the_end), so all end on one
+model.
 
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
@@ -60,6 +62,7 @@ from islands.sync.outer import ps_host
 from islands.sync.outer.base import OuterStrategy, average_buffers_at_the_end
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.outer_opt import DEFAULT_OUTER_LR, OuterOptimizer, OuterSGD
+from islands.sync.outer.ps_buffers import NO_BUFFERS, IslandBuffers
 from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_link import (
     DONE,
@@ -261,7 +264,8 @@ def _first_epochs_rank_0(comm) -> bool:
 
 class ParameterServer(OuterStrategy):
     name = "ps"
-    buffer_policy = "own"  # no cross-island average of buffers: there is no collective round to carry it
+    # no collective round averages buffers: the server carries them instead (each push's, the mean in each answer)
+    buffer_policy = "own"
 
     def __init__(
         self,
@@ -335,6 +339,7 @@ class ParameterServer(OuterStrategy):
         self.island = 0  # this island's number on the server: its cross rank, or in an elastic job its own (wrap)
         self.elastic: ElasticService | None = None  # the job's store, in an elastic job (wrap)
         self.end: ServedEnd | None = None  # the elastic membership that runs the job's end (wrap)
+        self.carried: IslandBuffers | None = None  # the buffers each push carries (setup; None: the model has none)
 
     # ---- wiring -------------------------------------------------------------------------------------
     def server_state(self, islands: int) -> ServerState:
@@ -372,10 +377,12 @@ class ParameterServer(OuterStrategy):
         return super().wrap(model, optimizer, world)
 
     def setup(self) -> None:
+        self.carried = IslandBuffers.of(self.local_buffers)
         if self.service is not None:
             self.connect(self.service)
             return
         islands, me = self.comm.size, self.comm.rank
+        layout = self.carried.layout if self.carried is not None else NO_BUFFERS
         self.island = me
         if isinstance(self.arrivals, VirtualClock) and len(self.arrivals.round_seconds) != islands:
             raise ValueError(f"VirtualClock gives {len(self.arrivals.round_seconds)} round times for {islands} islands")
@@ -383,11 +390,11 @@ class ParameterServer(OuterStrategy):
         if self.host is not None:
             inbox, loop, built = self.host.attach(
                 lambda inbox: ServerLoop(
-                    self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait
+                    self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait, layout
                 )
             )
             self.loop = loop if built else None
-            self.link = LocalLink(inbox, self.island_ledger())
+            self.link = LocalLink(inbox, self.island_ledger(), buffers=sum(layout))
             return
         if islands > 1 and (current_island() is not None or not dist.is_initialized()):
             raise ValueError(
@@ -405,13 +412,17 @@ class ParameterServer(OuterStrategy):
         )
         if me == 0:
             inbox = LocalInbox()
-            self.loop = ServerLoop(self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait)
+            state = self.server_state(islands)
+            self.loop = ServerLoop(state, islands, self.arrivals, inbox, self.codec, self.wait, layout)
             if islands > 1:
-                GlooReceiver(pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer()).start()
+                receiver = GlooReceiver(
+                    pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer(), buffers=sum(layout)
+                )
+                receiver.start()
             self.loop.start()
-            self.link = LocalLink(inbox, self.island_ledger())
+            self.link = LocalLink(inbox, self.island_ledger(), buffers=sum(layout))
         else:
-            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer())
+            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer(), sum(layout))
 
     def connect(self, service: ServerProcesses) -> None:
         """Process mode: island 0 starts the service (unless given its address), every island connects, pulls the
@@ -437,6 +448,7 @@ class ParameterServer(OuterStrategy):
             key=None if tags is None else tags.key,
             domain=b"" if tags is None else tags.domain,
             ends_with_starter=self.elastic is None,  # a fixed job fails with its island 0; an elastic one goes on
+            buffers=self.carried.layout if self.carried is not None else NO_BUFFERS,  # held by shard 0
         )
         if self.elastic is not None:
             if service.at is not None:  # a server host of its own: the first epoch's rank 0 configures it
@@ -453,7 +465,15 @@ class ParameterServer(OuterStrategy):
             address = self.fixed_address(service, config)
         ledger = self.island_ledger()
         link = RemoteLink(
-            address, self.island, config.bounds, service.timeout_s, service.lease_s, self.codec, tags, ledger
+            address,
+            self.island,
+            config.bounds,
+            service.timeout_s,
+            service.lease_s,
+            self.codec,
+            tags,
+            ledger,
+            buffers=sum(config.buffers),
         )
         self.link = link.start()
         self.adopt(link.send(Message(PULL, self.island)))
@@ -542,7 +562,8 @@ class ParameterServer(OuterStrategy):
         remote = isinstance(self.link, RemoteLink)  # it encodes each server's range itself
         payload = self.codec.encode(delta) if self.codec is not None and not remote else delta
         samples = self.samples if self.samples > 0 else float(self.clock - self.synced_at)
-        reply = self.link.send(Message(PUSH, self.island, self.version, samples, payload))
+        mine = self.carried.read() if self.carried is not None else None  # its statistics now, for the others
+        reply = self.link.send(Message(PUSH, self.island, self.version, samples, payload, mine))
         self.counts["pushes"] += 1
         self.counts["refused"] += int(not reply.ack.accepted)
         self.adopt(reply)
@@ -556,8 +577,10 @@ class ParameterServer(OuterStrategy):
         self.global_flat = reply.flat.to(torch.float32).clone()
         self.publish()
         self.adopt_global()
+        if reply.buffers is not None and self.carried is not None:  # the islands' mean (a rebuilt server: none)
+            self.carried.adopt(reply.buffers)
         self.samples = 0.0
-        self.synced()
+        self.synced()  # the global model's buffers take the island's (synced_buffers)
 
     def finish(self, model) -> None:
         """Push what is left of the last round, then DONE: answered with the final model once every island is
@@ -570,7 +593,8 @@ class ParameterServer(OuterStrategy):
             self.end.end_served(self.final)
         else:
             self.final()
-        # one model at the end, buffers included: they were each island's own all run (buffer_policy "own")
+        # one model at the end, buffers included: the last answers' means differ by the pushes after them (and a
+        # rebuilt server's answers carry none), so the islands average their own once more in one collective
         average_buffers_at_the_end(self.comm, self.local_buffers, self.global_buffers)
         if self.loop is not None:
             self.loop.join(timeout=60.0)
@@ -650,6 +674,8 @@ class ParameterServer(OuterStrategy):
         if self.loop is not None:  # the hosting island carries the server's state in the job's checkpoint
             with self.loop.lock:
                 state["ps_server"] = self.loop.state.state_dict()
+                if self.loop.buffers is not None:  # each island's latest buffers (process mode keeps none)
+                    state["ps_buffers"] = self.loop.buffers.state_dict()
                 if isinstance(self.loop.arrivals, VirtualClock):
                     state["ps_arrivals"] = list(self.loop.arrivals.taken)
         return state
@@ -662,6 +688,8 @@ class ParameterServer(OuterStrategy):
         if self.loop is not None and "ps_server" in state:
             with self.loop.lock:
                 self.loop.state.load_state_dict(state["ps_server"])
+                if self.loop.buffers is not None and "ps_buffers" in state:
+                    self.loop.buffers.load_state_dict(state["ps_buffers"])
                 if isinstance(self.loop.arrivals, VirtualClock) and "ps_arrivals" in state:
                     self.loop.arrivals.taken = [int(n) for n in state["ps_arrivals"]]
 

@@ -18,7 +18,10 @@ answers back), for islands on other ranks: a receiver thread on the host takes w
 queues the message into the same LocalInbox, so the loop sees one inbox whatever the transport.
 A message on the wire: a float64 header [kind, island, version, samples, payload bytes], then the payload (the
 fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); the answer: a float64 header [accepted,
-version, staleness, stepped], then the fp32 global model. In a job with authenticated payloads (outer.authenticate,
+version, staleness, stepped], then the fp32 global model. A model with buffers (ps_buffers.py) adds one tensor to
+each: a push's float64 buffer vector after its payload, and after each answer's model [held, the buffers' mean]
+(held 0: the server holds none, the island keeps its own); both sides know the layout from the model, so a model
+without buffers sends exactly what it sent before. In a job with authenticated payloads (outer.authenticate,
 runtime/payload_auth.py) every one of these tensors travels sealed (Sealer): its bytes and an HMAC under the job's
 payload key, bound to what it is, its sender and receiver and the message's number on that pair, so a push or an
 answer altered, injected or replayed on the way is refused before any byte is used.
@@ -39,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.payload_auth import TAG, PayloadAuthError, PayloadTags
+from islands.sync.outer.ps_buffers import NO_BUFFERS, BufferTable, Layout
 from islands.sync.outer.ps_server import Ack, Contribution, ServerState
 from islands.sync.outer.ps_wait import WindowWait, window_wait
 from islands.sync.outer.quant4 import PayloadCodec
@@ -54,12 +58,14 @@ class Message:
     version: int = 0
     samples: float = 0.0
     payload: torch.Tensor | None = None  # PUSH: the fp32 delta, or the codec's uint8 payload
+    buffers: torch.Tensor | None = None  # PUSH: the island's buffers now, float64 (ps_buffers.IslandBuffers)
 
 
 @dataclass(frozen=True)
 class Reply:
     ack: Ack
     flat: torch.Tensor  # the global model now (a push's pull; DONE: the final model)
+    buffers: torch.Tensor | None = None  # the islands' buffers as the server holds them (None: it holds none)
 
 
 Answer = Callable[[Reply], None]
@@ -250,9 +256,11 @@ class GlooReceiver:
         codec: PayloadCodec | None,
         sealer: Sealer | None = None,
         me: int = 0,
+        buffers: int = 0,
     ):
         self.pushes, self.answers, self.remote, self.inbox = pushes, answers, remote, inbox
         self.numel, self.codec, self.sealer, self.me = numel, codec, sealer, me
+        self.buffers = buffers  # values in a buffer vector (ps_buffers): 0 for a model without buffers
         self.count: dict[int, int] = {}  # messages received per island: the number each tag binds
         self.thread = threading.Thread(target=self._run, name="islands-ps-receiver", daemon=True)
 
@@ -289,7 +297,11 @@ class GlooReceiver:
             self.inbox.begin(src)  # a held window waits for this push while its payload crosses the link
             like = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
             payload, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_payload", s, me, n))
-        return Message(kind, src, int(header[2].item()), float(header[3].item()), payload), src, n
+        buffers = None
+        if kind == PUSH and self.buffers:
+            like = torch.empty(self.buffers, dtype=torch.float64)
+            buffers, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_buffers", s, me, n))
+        return Message(kind, src, int(header[2].item()), float(header[3].item()), payload, buffers), src, n
 
     def _answer_to(self, dst: int, n: int) -> Answer:
         def answer(reply: Reply) -> None:
@@ -297,8 +309,19 @@ class GlooReceiver:
             head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
             _send(head, dst, self.answers, self.sealer, ("ps_answer", self.me, dst, n))
             _send(reply.flat, dst, self.answers, self.sealer, ("ps_model", self.me, dst, n))
+            if self.buffers:
+                _send(_held(reply.buffers, self.buffers), dst, self.answers, self.sealer, ("ps_held", self.me, dst, n))
 
         return answer
+
+
+def _held(buffers: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """An answer's buffer tensor on the wire: [1, the mean's values], or [0, zeros] when the server holds none."""
+    out = torch.zeros(numel + 1, dtype=torch.float64)
+    if buffers is not None:
+        out[0] = 1.0
+        out[1:] = buffers
+    return out
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
@@ -318,7 +341,8 @@ class ServerLoop:
     that leaves its window short of the quorum is answered only once the window steps, so its island starts its next
     round from the model its own push is in (equal islands: synchronous DiLoCo); a window still short at the rule's
     deadline steps with what it holds (a slow island is not waited for beyond that). Seconds are a FixedWait, "auto"
-    a PacedWait."""
+    a PacedWait. `buffers`: the layout of the islands' buffer vectors (ps_buffers): each push's replaces its island's,
+    and every answer carries their mean."""
 
     def __init__(
         self,
@@ -328,8 +352,11 @@ class ServerLoop:
         inbox: Inbox,
         codec: PayloadCodec | None = None,
         wait: float | str | WindowWait | None = None,
+        buffers: Layout = NO_BUFFERS,
     ):
         self.state, self.islands, self.arrivals, self.inbox, self.codec = state, islands, arrivals, inbox, codec
+        # each island's latest buffers, whose mean every answer carries (ps_buffers); None for a model without
+        self.buffers = BufferTable(buffers) if sum(buffers) else None
         # None: every push answered at once; a rule object is copied, so its learnt paces are this loop's alone
         self.wait = copy.deepcopy(window_wait(wait))
         self.lock = threading.Lock()  # held while a message is applied: state_dict reads a consistent state
@@ -397,6 +424,8 @@ class ServerLoop:
             with self.lock:
                 c = Contribution(msg.island, msg.version, self.decode(msg), msg.samples)
                 ack = self.state.push(c, len(active))
+                if self.buffers is not None and msg.buffers is not None:  # a refused push's statistics count too
+                    self.buffers.put(msg.island, msg.buffers)
             if ack.stepped:
                 self.release(when)
             if wait is not None and ack.accepted and not ack.stepped:
@@ -406,10 +435,14 @@ class ServerLoop:
                 _, flat = self.state.pull()
             if wait is not None:
                 wait.answered(msg.island, when)
-            answer(Reply(ack, flat))
+            answer(Reply(ack, flat, self.shared()))
         version, flat = self.state.pull()
         for answer in finished:
-            answer(Reply(Ack(True, version, 0), flat))
+            answer(Reply(Ack(True, version, 0), flat, self.shared()))
+
+    def shared(self) -> torch.Tensor | None:
+        """The buffers an answer carries: the mean of the islands' latest (None without buffers, or before any)."""
+        return None if self.buffers is None else self.buffers.mean()
 
     def release(self, until: float) -> None:
         """Answer every held push with the model their window's step made (at `until` on the arrivals' clock)."""
@@ -421,7 +454,7 @@ class ServerLoop:
             self.arrivals.held(h.island, h.since, until)
             if self.wait is not None:
                 self.wait.answered(h.island, until)
-            h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat))
+            h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat, self.shared()))
         self.held = []
 
 
@@ -439,8 +472,9 @@ class LocalLink(Link):
     """An island in the server's process. The wait is a Future's: islands.simulate passes the turn meanwhile. An
     answer that does not come within `timeout_s` (a DONE waiting for an island that froze) raises TimeoutError."""
 
-    def __init__(self, inbox: LocalInbox, ledger=None, timeout_s: float = THREAD_MODE_TIMEOUT_S):
+    def __init__(self, inbox: LocalInbox, ledger=None, timeout_s: float = THREAD_MODE_TIMEOUT_S, buffers: int = 0):
         self.inbox, self.ledger, self.timeout_s = inbox, ledger, timeout_s
+        self.buffers = buffers  # values in a buffer vector: what GlooLink would add to each message (ledger only)
 
     def send(self, msg: Message) -> Reply:
         answer = self.inbox.ask(msg)
@@ -460,8 +494,10 @@ class LocalLink(Link):
                     ) from None
         if self.ledger is not None:  # what the same message would cost on a wire (GlooLink's counts)
             p = msg.payload if msg.kind == PUSH else None
-            self.ledger.record("ps_push", _HEADER * 8 + (0 if p is None else p.numel() * p.element_size()), 0)
-            self.ledger.record("ps_pull", 0, _ANSWER * 8 + reply.flat.numel() * 4)
+            sent = _HEADER * 8 + (0 if p is None else p.numel() * p.element_size() + self.buffers * 8)
+            self.ledger.record("ps_push", sent, 0)
+            held = (self.buffers + 1) * 8 if self.buffers else 0
+            self.ledger.record("ps_pull", 0, _ANSWER * 8 + reply.flat.numel() * 4 + held)
         return reply
 
 
@@ -469,13 +505,19 @@ class GlooLink(Link):
     """An island on another rank than the server's: point-to-point over the server's gloo group, counted in the
     island's ledger (kinds ps_push, ps_pull)."""
 
-    def __init__(self, pushes, answers, server_rank: int, numel: int, ledger=None, sealer: Sealer | None = None):
+    def __init__(
+        self, pushes, answers, server_rank: int, numel: int, ledger=None, sealer: Sealer | None = None, buffers: int = 0
+    ):
         self.pushes, self.answers, self.server, self.numel, self.ledger = pushes, answers, server_rank, numel, ledger
         self.sealer = sealer
+        self.buffers = buffers  # values in a buffer vector (ps_buffers): 0 for a model without buffers
         self.sent = 0  # messages sent: the number each tag binds
 
     def send(self, msg: Message) -> Reply:
         payload = msg.payload if msg.kind == PUSH else None
+        mine = msg.buffers if payload is not None and self.buffers else None
+        if payload is not None and self.buffers and (mine is None or mine.numel() != self.buffers):
+            raise ValueError(f"island {msg.island}: a push without its {self.buffers} buffer values")
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
         header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
         me, server, n, sealer = msg.island, self.server, self.sent, self.sealer
@@ -483,6 +525,8 @@ class GlooLink(Link):
         _send(header, server, self.pushes, sealer, ("ps_header", me, server, n))
         if payload is not None:
             _send(payload, server, self.pushes, sealer, ("ps_payload", me, server, n))
+        if mine is not None:
+            _send(mine.to(torch.float64), server, self.pushes, sealer, ("ps_buffers", me, server, n))
         answer, _ = _recv(
             torch.zeros(_ANSWER, dtype=torch.float64),
             server,
@@ -491,9 +535,16 @@ class GlooLink(Link):
             lambda s: ("ps_answer", s, me, n),
         )
         flat, _ = _recv(torch.empty(self.numel), server, self.answers, sealer, lambda s: ("ps_model", s, me, n))
+        held = None
+        if self.buffers:
+            like = torch.empty(self.buffers + 1, dtype=torch.float64)
+            held, _ = _recv(like, server, self.answers, sealer, lambda s: ("ps_held", s, me, n))
         if self.ledger is not None:
             tag = TAG if sealer is not None else 0  # a sealed tensor carries its 32-byte MAC, counted as the Comm does
-            self.ledger.record("ps_push", header.numel() * 8 + nbytes + tag * (1 + (payload is not None)), 0)
-            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4 + 2 * tag)
+            pushed = 0 if mine is None else mine.numel() * 8 + tag
+            self.ledger.record("ps_push", header.numel() * 8 + nbytes + tag * (1 + (payload is not None)) + pushed, 0)
+            got = 0 if held is None else held.numel() * 8 + tag
+            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4 + 2 * tag + got)
         a = [int(x) for x in answer.tolist()]
-        return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), flat)
+        shared = held[1:].clone() if held is not None and held[0].item() else None
+        return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), flat, shared)

@@ -14,6 +14,11 @@ generation the store names by then (the supervisor's restart, rebuilt from its j
 again: a push the shard had logged before it died is answered as a duplicate and not applied twice; one it had not is
 applied now. Every retry happens within `timeout_s` of the request's start; past it, TimeoutError names the shard.
 A payload that fails its MAC is not retried (PayloadAuthError).
+
+Buffers (ps_buffers.py; `buffers` values per vector, 0 for a model without): shard 0 holds them. A push to it carries
+the island's float64 buffer vector after the range's payload, in the same sealed tensor, and each of its answers
+with a model carries the islands' mean after the model slice, or nothing while it holds none (a server rebuilt from
+its journal, which does not log buffers): then the reply's `buffers` is None and the island keeps its own.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from islands.sync.outer.ps_wire import (
     Request,
     ShardReply,
     StoreCalls,
+    as_bytes,
     new_client,
 )
 from islands.sync.outer.quant4 import PayloadCodec
@@ -67,8 +73,10 @@ class RemoteLink(Link):
         codec: PayloadCodec | None = None,
         tags: PayloadTags | None = None,
         ledger=None,
+        buffers: int = 0,
     ):
         self.host, self.port = address
+        self.buffers = buffers  # values in a buffer vector, carried to and from shard 0 (module docstring)
         self.island, self.bounds = island, [tuple(b) for b in bounds]
         self.timeout_s, self.lease_s, self.codec, self.tags, self.ledger = timeout_s, lease_s, codec, tags, ledger
         self.connect_s = max(1.0, lease_s)
@@ -117,20 +125,25 @@ class RemoteLink(Link):
             replies = [self.request(k, Request(msg.kind, self.island)) for k in range(len(self.bounds))]
         for k, r in enumerate(replies):
             self.versions[k] = r.version
-        flat = torch.cat([self._slice(r) for r in replies])
+        parts = [self._slice(k, r) for k, r in enumerate(replies)]
+        flat = torch.cat([model for model, _ in parts])
         ack = Ack(
             all(r.accepted for r in replies),
             min(self.versions),
             max(r.staleness for r in replies),
             any(r.stepped for r in replies),
         )
-        return Reply(ack, flat)
+        return Reply(ack, flat, parts[0][1])
 
     def _push(self, k: int, msg: Message) -> ShardReply:
         assert msg.payload is not None
         lo, hi = self.bounds[k]
         part = msg.payload[lo:hi].to(torch.float32)
         payload = self.codec.encode(part) if self.codec is not None else part
+        if k == 0 and self.buffers:  # shard 0 holds the buffers: they follow its range's payload
+            if msg.buffers is None or msg.buffers.numel() != self.buffers:
+                raise ValueError(f"island {self.island}: a push without its {self.buffers} buffer values")
+            payload = torch.cat([as_bytes(payload), as_bytes(msg.buffers.to(torch.float64))])
         r = Request(PUSH, self.island, self.versions[k], msg.samples, payload, self.seq, self.nonce)
         return self.request(k, r)
 
@@ -151,9 +164,19 @@ class RemoteLink(Link):
                 return done
             time.sleep(min(0.5, self.lease_s / 4))
 
-    def _slice(self, r: ShardReply) -> torch.Tensor:
+    def _slice(self, k: int, r: ShardReply) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Shard k's range of the model, and (shard 0) the buffers' mean after it, None when it sent none."""
         assert r.body is not None, "a shard answers with its range of the model"
-        return r.body.view(torch.float32).clone()
+        lo, hi = self.bounds[k]
+        model, rest = r.body[: (hi - lo) * 4], r.body[(hi - lo) * 4 :]
+        if rest.numel() == 0:
+            return model.clone().view(torch.float32), None
+        if k != 0 or rest.numel() != self.buffers * 8:
+            raise ValueError(
+                f"parameter server shard {k} answered {rest.numel()} bytes past its range; expected "
+                f"{self.buffers * 8 if k == 0 else 0}"
+            )
+        return model.clone().view(torch.float32), rest.clone().view(torch.float64)
 
     def request(self, k: int, r: Request) -> ShardReply:
         """Send `r` to shard k and wait for its answer, connecting again and resending on a broken connection,

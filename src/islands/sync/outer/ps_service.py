@@ -15,6 +15,12 @@ is applied: PULL (a joiner, or a reconnect: the current slice), PUSH (logged, ap
 slice; a push already applied is answered, not applied again), DONE (this island is done; the answer is `final` once
 no island is still training), LEAVE (gone now, nobody waits), SNAPSHOT / RESTORE (the job's checkpoints).
 
+Buffers (ps_buffers.py), for a model that has them (`ServiceConfig.buffers`): shard 0 alone holds them, in memory
+(they are small, and one holder answers every island with one mean). A push to shard 0 carries the island's buffer
+vector after its payload; each of shard 0's answers with a model carries the mean of every island's latest after the
+slice. They are neither journaled nor in SNAPSHOT: a rebuilt or restored shard 0 holds none until the islands' next
+pushes, and answers meanwhile without them (the island keeps its own).
+
 Membership is what the islands do, not a list fixed at the start: an island is live from its first message until its
 DONE or LEAVE, or until its heartbeat (the counter `beat/<island>` its RemoteLink bumps every lease/4 seconds) stands
 still for `lease_s`: then it has lapsed (killed, frozen or cut off), the quorum stops counting it and the final answer
@@ -53,6 +59,7 @@ from islands.aggregate.base import Aggregator
 from islands.runtime.payload_auth import PayloadTags
 from islands.sync.outer.flat import fragment_bounds
 from islands.sync.outer.outer_opt import OuterOptimizer
+from islands.sync.outer.ps_buffers import NO_BUFFERS, BufferTable, Layout
 from islands.sync.outer.ps_journal import COMMIT_EVERY, DurableShard, Journal
 from islands.sync.outer.ps_report import (
     REPORT,
@@ -100,7 +107,8 @@ class ServiceConfig:
     expected (delayed Nesterov's default buffer); `key`/`domain`: the job's payload tags, when payloads are
     authenticated (the file is written 0600 in a private directory). `ends_with_starter`: a fixed job's service,
     which ends as soon as the island process that started it is gone (the job failed with it: nobody would restart
-    it), instead of after `orphan_s`; an elastic job's outlives its starter, which may come back."""
+    it), instead of after `orphan_s`; an elastic job's outlives its starter, which may come back. `buffers`: the
+    layout of the islands' buffer vectors (ps_buffers), (0, 0) for a model without buffers."""
 
     initial: torch.Tensor
     rule: Callable[[int], OuterOptimizer]
@@ -125,6 +133,7 @@ class ServiceConfig:
     start_s: float = 120.0  # a new server's first heartbeat may take this long (interpreter, torch, the rebuild)
     max_restarts: int = 20  # per shard: a server that keeps dying (a bad configuration) ends the job instead
     ends_with_starter: bool = False
+    buffers: Layout = NO_BUFFERS  # the islands' buffer vectors (floating, integer values): held by shard 0
     bounds: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -282,6 +291,8 @@ class ShardServer:
         # this server's own rule, loaded from the directory: it times its own windows
         self.wait = window_wait(self.config.wait)
         self.window: tuple[int, float, set[int]] | None = None  # the held window: (version, opened, islands in it)
+        # shard 0: each island's latest buffers, in memory only (module docstring); None elsewhere or without any
+        self.buffers = BufferTable(self.config.buffers) if shard == 0 and self.config.buffers != NO_BUFFERS else None
         self.lock = threading.Lock()
         self.tags = self.config.tags()
         self.gen = 0
@@ -441,6 +452,7 @@ class ShardServer:
             stepped, duplicate, accepted, staleness = False, False, True, 0
             if msg.kind == PUSH:
                 m.mark(msg.island, "live")
+                msg = self.take_buffers(msg)
                 c = Contribution(msg.island, msg.version, self._decode(msg), msg.samples)
                 ack, duplicate = d.push(msg.island, msg.nonce, msg.seq, c, m.live())
                 stepped, accepted, staleness = ack.stepped, ack.accepted, ack.staleness
@@ -456,7 +468,24 @@ class ShardServer:
             version, flat = d.state.pull()
             if msg.kind == DONE and not final and msg.samples == HOLDS_MODEL:  # a poll: no model until the final
                 return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
-            return ShardReply(accepted, version, staleness, stepped, final, duplicate, flat)
+            return ShardReply(accepted, version, staleness, stepped, final, duplicate, self.body(flat))
+
+    def take_buffers(self, msg: Request) -> Request:
+        """Shard 0 of a model with buffers: keep the island's buffer vector (the tail of its push's payload) and
+        return the push with its range's payload alone. Under the lock."""
+        if self.buffers is None:
+            return msg
+        assert msg.payload is not None, "a push carries its delta"
+        cut = msg.payload.numel() - self.buffers.numel * 8
+        if cut < 0:
+            raise ValueError(f"island {msg.island}'s push is shorter than its buffers ({self.buffers.numel} values)")
+        self.buffers.put(msg.island, msg.payload[cut:].clone().view(torch.float64))
+        return replace(msg, payload=msg.payload[:cut])
+
+    def body(self, flat: torch.Tensor) -> torch.Tensor:
+        """An answer's body: the model slice, then on shard 0 the islands' buffer mean when it holds any."""
+        shared = self.buffers.mean() if self.buffers is not None else None
+        return flat if shared is None else torch.cat([as_bytes(flat), as_bytes(shared)])
 
     def align(self, island: int) -> None:
         """A pull of an island starting beside others mid-round, with a rule that aligns them (ps_wait.JoinAlignment):
@@ -501,7 +530,8 @@ class ShardServer:
             time.sleep(HOLD_POLL_S)
         with self.lock:
             version, flat = self.durable.state.pull()
-        return replace(reply, version=version, stepped=True, body=flat)
+            body = self.body(flat)
+        return replace(reply, version=version, stepped=True, body=body)
 
     def _decode(self, msg: Request) -> torch.Tensor:
         assert msg.payload is not None, "a push carries its delta"
