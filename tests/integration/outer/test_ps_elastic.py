@@ -119,9 +119,10 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
 
 
 def test_a_batchnorm_model_ends_on_one_model_buffers_included_after_a_killed_and_restarted_island(tmp_path):
-    """The server carries parameters only; each island's BatchNorm statistics are its own until the job's end, where
-    the survivors (the restarted island among them, which started from its model's initial statistics) average
-    them. Both records' digests cover parameters and buffers."""
+    """A BatchNorm model through server processes, island 0 killed and restarted (starting again from its model's
+    initial statistics): both survivors end on one model, parameters and buffers (their digests cover both). Two
+    things give it: the server's answers carry the islands' mean statistics (ps_buffers), and the job's end averages
+    the buffers once more; either alone makes this pass, so the test checks the outcome, not which one."""
     log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1", steps=40, model="bn-cnn")
     assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"], log
     (entered,) = _events(recs["w0.1"], "entered")[:1]
