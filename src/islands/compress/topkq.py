@@ -143,16 +143,19 @@ def _route(kernels, k: int, length: int, ascending: bool) -> int:
     return kernels.BY_VALUE if k * 64 <= length else kernels.REPLAY
 
 
-@functools.cache
 def decay_fuses(decay: float) -> bool:
     """Whether kernels.decayed_add gives torch.add(g, r, alpha=decay)'s bits on this machine (a fused multiply-add
-    in both, where the CPU and torch's kernel have one), tried once per decay on values where a separate multiply
-    and add would round differently in about a third of the entries; False without the kernels."""
+    in both, where the CPU and torch's kernel have one); False without the kernels (USE_KERNELS off, no numba)."""
     kernels = cpu_kernels(torch.zeros(1))
-    if kernels is None or not 0.0 < decay < 1.0:
-        return False
+    return kernels is not None and 0.0 < decay < 1.0 and _decayed_add_matches(kernels, decay)
+
+
+@functools.cache
+def _decayed_add_matches(kernels, decay: float) -> bool:
+    """decay_fuses' probe, once per decay: values where a separate multiply and add would round differently in
+    about a third of the entries, a vectorised body and a tail."""
     gen = torch.Generator().manual_seed(0)
-    r, g = torch.randn(4099, generator=gen), torch.randn(4099, generator=gen)  # a vectorised body and a tail
+    r, g = torch.randn(4099, generator=gen), torch.randn(4099, generator=gen)
     want = torch.add(g, r, alpha=decay)
     got = torch.empty_like(r)
     kernels.decayed_add(got.numpy(), r.numpy(), g.numpy(), np.float32(decay))

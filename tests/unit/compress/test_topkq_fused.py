@@ -161,6 +161,10 @@ def test_a_decayed_add_the_compiled_loop_cannot_match_keeps_the_separate_passes(
     import islands.compress.topkq as topkq
 
     assert decay_fuses(0.95)  # FMA in both here (x86-64 with AVX2 or AVX-512)
+    base.USE_KERNELS = False  # undone by the fixture's monkeypatch: no kernels, no fused decay, and nothing cached
+    assert not decay_fuses(0.95)
+    base.USE_KERNELS = True
+    assert decay_fuses(0.95)
     monkeypatch.setattr(topkq, "decay_fuses", lambda decay: False)
     x = torch.randn(100)
     assert not TopKQ().adds_residual(x, 0.95) and TopKQ().adds_residual(x, 1.0)
