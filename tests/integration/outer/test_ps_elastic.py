@@ -30,6 +30,10 @@ from islands.runtime.elastic.membership import observe
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
 H = 4
+# the servers' lease on an island's heartbeat, generous for the same reason: at the default 2 s a loaded machine let
+# a live island's heartbeat stand still that long (2 of 12 runs, six at once on 2 cores), the server counted it
+# lapsed, and the restarted island's DONE was answered final 7 versions early
+LEASE = 6
 
 
 def _names(directory: Path, address: str) -> bool:
@@ -87,7 +91,7 @@ def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str 
 
 def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push(tmp_path):
     before = _service_processes()
-    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1", steps=40)
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1,lease={LEASE}", steps=40)
     run_dir = tmp_path / "run"
     # both survivors hold the server's final model, bit for bit
     assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"]
@@ -123,7 +127,7 @@ def test_a_batchnorm_model_ends_on_one_model_buffers_included_after_a_killed_and
     initial statistics): both survivors end on one model, parameters and buffers (their digests cover both). Two
     things give it: the server's answers carry the islands' mean statistics (ps_buffers), and the job's end averages
     the buffers once more; either alone makes this pass, so the test checks the outcome, not which one."""
-    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1", steps=40, model="bn-cnn")
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1,lease={LEASE}", steps=40, model="bn-cnn")
     assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"], log
     (entered,) = _events(recs["w0.1"], "entered")[:1]
     assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
@@ -149,7 +153,7 @@ def test_an_elastic_job_on_a_server_host_survives_the_killed_island_that_configu
     host = ps_host.ServerHost(tmp_path / "host", token, say=lambda *_: None, starter=ForkedShard, report_wait_s=30)
     served = threading.Thread(target=host.run, daemon=True)
     served.start()
-    outer = f"ps:inner_steps={H},servers=1,at='{host.host}:{host.port}'"
+    outer = f"ps:inner_steps={H},servers=1,lease={LEASE},at='{host.host}:{host.port}'"
     log, recs, seen = _kill_island_0_mid_round(tmp_path, outer, steps=24, token=token)
     run_dir = tmp_path / "run"
     assert seen["address"] == f"{host.host}:{host.port}" and seen["dir"] == []  # the host's, not island 0's own
