@@ -154,6 +154,26 @@ def test_an_island_gone_silent_stops_counting_for_the_quorum_and_the_end(tmp_pat
         assert a.final and torch.equal(done.flat, torch.full((10,), -1.0))
 
 
+def test_an_island_that_wakes_after_the_final_answer_ends_on_the_same_model(tmp_path):
+    """A lapsed island that wakes up after another island got its final answer (a frozen host thawed, or a heartbeat
+    starved past the lease on a loaded machine: test_ps_elastic once ended its two survivors 7 versions apart). Once a
+    shard has answered final, its model is the job's: a later push is not applied (refused) and the woken island's
+    DONE is answered final with the very same slice, so every island ends on one model."""
+    with ThreadService(tmp_path, config(islands=2, lease_s=2.0)) as service:
+        a, b = service.link(0), service.link(1)
+        b.send(Message(PULL, 1))
+        b.stopping.set()  # b's heartbeat stands still: it lapses after the lease
+        push(a, 1.0)
+        server = service.servers[0]
+        until(lambda: server.members.state[1] == "lapsed")
+        final_a = a.send(Message(DONE, 0))
+        assert a.final and torch.equal(final_a.flat, torch.full((10,), -1.0))
+        late = push(b, 5.0)  # b wakes: its round is over for everyone else
+        assert not late.ack.accepted and server.durable.state.version == 1
+        final_b = b.send(Message(DONE, 1))
+        assert b.final and torch.equal(final_b.flat, final_a.flat)
+
+
 class StillBeat:
     """A store whose heartbeat counters never move: every island's heartbeat stands still."""
 

@@ -450,19 +450,26 @@ class ShardServer:
                 d.restore(_bytes_state(msg.payload))
                 return ShardReply(True, d.state.version, 0)
             stepped, duplicate, accepted, staleness = False, False, True, 0
+            # once this shard has answered a final model, that slice is the job's: an island that lapsed and woke
+            # after it (a thawed host, a heartbeat starved past the lease) has its pushes refused and its DONE
+            # answered with the same slice, so no two islands end on different models
+            ended = bool(m.final_sent)
             if msg.kind == PUSH:
                 m.mark(msg.island, "live")
                 msg = self.take_buffers(msg)
-                c = Contribution(msg.island, msg.version, self._decode(msg), msg.samples)
-                ack, duplicate = d.push(msg.island, msg.nonce, msg.seq, c, m.live())
-                stepped, accepted, staleness = ack.stepped, ack.accepted, ack.staleness
+                if ended:
+                    accepted = False
+                else:
+                    c = Contribution(msg.island, msg.version, self._decode(msg), msg.samples)
+                    ack, duplicate = d.push(msg.island, msg.nonce, msg.seq, c, m.live())
+                    stepped, accepted, staleness = ack.stepped, ack.accepted, ack.staleness
             elif msg.kind in (DONE, LEAVE):
                 m.mark(msg.island, "done" if msg.kind == DONE else "left")
-                stepped = d.settle(m.live())
+                stepped = False if ended else d.settle(m.live())
             else:
                 assert msg.kind == PULL
                 m.mark(msg.island, "live")
-            final = msg.kind == DONE and m.live() == 0
+            final = msg.kind == DONE and (ended or m.live() == 0)
             if final:
                 m.final_sent.add(msg.island)
             version, flat = d.state.pull()
