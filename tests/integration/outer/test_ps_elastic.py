@@ -31,8 +31,9 @@ from islands.runtime.elastic.membership import observe
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
 H = 4
 # the servers' lease on an island's heartbeat, generous for the same reason: at the default 2 s a loaded machine let
-# a live island's heartbeat stand still that long (2 of 12 runs, six at once on 2 cores), the server counted it
-# lapsed, and the restarted island's DONE was answered final 7 versions early
+# a live island's heartbeat stand still that long (2 of 12 runs, six at once on 2 cores) and the server counted it
+# lapsed; the other island's DONE was then answered final early, and the pushes after it (refused since then, see
+# test_ps_service's woken island) are missing from the counts this test checks
 LEASE = 6
 
 
