@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from script_results import print_result
-from torch.utils.data import Dataset
+from sums import Sums
 from transformers import Trainer, TrainingArguments
 
 import islands
@@ -52,17 +52,6 @@ def accelerator_state(init):
 
 
 AcceleratorState.__init__ = accelerator_state(AcceleratorState.__init__)
-
-
-class Sums(Dataset):
-    def __init__(self, seed: int):
-        self.x = torch.randn(2048, 8, generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.x[i].sum(-1, keepdim=True)}
 
 
 class Net(nn.Module):

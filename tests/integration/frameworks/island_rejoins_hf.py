@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from script_results import rejoin_result
-from torch.utils.data import Dataset
+from sums import Sums
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import islands
@@ -21,17 +21,6 @@ from islands.integrations.transformers import IslandsCallback
 
 STEPS, DIE_AT = int(os.environ.get("STEPS", "200")), int(os.environ.get("DIE_AT", "-1"))
 PACE_S = float(os.environ.get("PACE_S", "0"))
-
-
-class Sums(Dataset):
-    def __init__(self, seed: int):
-        self.x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.x[i].sum(-1, keepdim=True)}
 
 
 class Net(nn.Module):
@@ -91,7 +80,7 @@ args = TrainingArguments(
     logging_strategy="no",
     dataloader_num_workers=0,
 )
-ds = Sums(1000 + int(os.environ["ISLANDS_CROSS_INDEX"]))
+ds = Sums(1000 + int(os.environ["ISLANDS_CROSS_INDEX"]), rows=4096)
 trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[loaded, islands_cb, probe])
 trainer.train(resume_from_checkpoint=True if os.environ.get("RESUME") else None)
 world = islands_cb.run.join()

@@ -12,24 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from script_results import digest, precision_result
-from torch.utils.data import Dataset
+from sums import Sums
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import islands
 from islands.integrations.transformers import IslandsCallback
 
 STEPS, INNER_STEPS, ACCUM = (int(os.environ[k]) for k in ("STEPS", "INNER_STEPS", "ACCUM"))
-
-
-class Sums(Dataset):
-    def __init__(self, seed: int):
-        self.x = torch.randn(2048, 8, generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.x[i].sum(-1, keepdim=True)}
 
 
 class Net(nn.Module):

@@ -128,7 +128,8 @@ def test_a_batchnorm_model_ends_on_one_model_buffers_included_after_a_killed_and
     initial statistics): both survivors end on one model, parameters and buffers (their digests cover both). Two
     things give it: the server's answers carry the islands' mean statistics (ps_buffers), and the job's end averages
     the buffers once more; either alone makes this pass, so the test checks the outcome, not which one."""
-    log, recs, seen = _kill_island_0_mid_round(tmp_path, f"ps:inner_steps={H},servers=1,lease={LEASE}", steps=40, model="bn-cnn")
+    outer = f"ps:inner_steps={H},servers=1,lease={LEASE}"
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, outer, steps=40, model="bn-cnn")
     assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"], log
     (entered,) = _events(recs["w0.1"], "entered")[:1]
     assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
