@@ -477,8 +477,12 @@ def _quantise_subtract_row(o, idx, val, bits, codes, scales, r):
     """One selected row's codes and scale as topkq._quantise_rows gives them (bits 2, 4, 8: the same fp32
     operations, and its float64 sums, exact here as there when the kept values span less than 2**14), then
     o[idx] -= what they decode to (index_add_'s alpha=-1 update), while o is in cache; bits 32 sends the values
-    themselves. False, nothing written, when the row's peak is Inf (the caller quantises it with torch ops)."""
+    themselves. False, nothing written, when a kept value is not finite (an Inf from an overflowing add, a NaN the
+    residual carries from one: the caller quantises and subtracts with torch ops, whose NaN handling is theirs)."""
     k = idx.size
+    for i in range(k):
+        if not np.isfinite(val[i]):
+            return False
     minus = np.float32(-1.0)
     if bits == 32:
         for i in range(k):
@@ -488,8 +492,6 @@ def _quantise_subtract_row(o, idx, val, bits, codes, scales, r):
     peak = np.float32(0.0)
     for i in range(k):
         peak = max(peak, abs(val[i]))
-    if peak > np.float32(3.4028234663852886e38):
-        return False
     top = np.float32(2**bits - 1)
     two = np.float32(2.0)
     unit_of = peak if peak > np.float32(0.0) else np.float32(1.0)
@@ -537,9 +539,9 @@ def add_select_rows(
     then (`_quantise_subtract_row`) their codes (R, k) and scales (R,) made and what they decode to taken from
     out, while the row is still in cache. done[r] (uint8) is ROW_DONE for a finished row; the caller finishes the
     others, whose out is r + g and codes and scale unwritten: ROW_UNSELECTED, one a threshold selection must
-    replay (a NaN, or ties that decide it), and ROW_SELECTED, one selected whose peak is Inf. Returns False as
-    soon as a row of delta holds a NaN or Inf (out then partly written, residual untouched); True otherwise.
-    out_bits and delta_bits are uint32 views of out and delta."""
+    replay (a NaN, or ties that decide it), and ROW_SELECTED, one selected with a kept value not finite. Returns
+    False as soon as a row of delta holds a NaN or Inf (out then partly written, residual untouched); True
+    otherwise. out_bits and delta_bits are uint32 views of out and delta."""
     n = residual.shape[1]
     key = np.empty(n, np.uint64)
     v = np.empty(n, np.float32)
@@ -573,23 +575,6 @@ def add_select_rows(
             continue
         coded = _quantise_subtract_row(o, idx_out[r], val_out[r], bits, codes, scales, r)
         done[r] = ROW_DONE if coded else ROW_SELECTED
-    return True
-
-
-@_kernel
-def subtract_at(x, where, values):
-    """x[where[i]] += values[i] * -1 for each i (positions distinct): index_add_'s alpha=-1 update, the same fp32
-    operations (a product by -1, then the add), without its per-entry dispatch (about 14 ns an entry on one
-    thread at 2.2M entries, where this loop takes a fraction of that). False, x untouched, when a position is
-    outside x (a damaged payload: the caller's torch op then names it)."""
-    n = x.size
-    for i in range(where.size):
-        if where[i] < 0 or where[i] >= n:
-            return False
-    minus = np.float32(-1.0)
-    for i in range(where.size):
-        j = where[i]
-        x[j] = x[j] + values[i] * minus
     return True
 
 

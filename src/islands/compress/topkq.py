@@ -403,7 +403,8 @@ class TopKQ(CompressorBase):
     def compress_residual(
         self, residual: Tensor, delta: Tensor, out: Tensor, state: dict, decay: float = 1.0
     ) -> Payload:
-        """compress(residual + delta), with x = residual + delta written into `out` chunk by chunk and each chunk's
+        """compress(residual + delta) (decay * residual + delta, with torch.add's fused multiply-add, at a decay
+        below 1: adds_residual), with x written into `out` chunk by chunk and each chunk's
         top k selected, quantised and taken from x while it is in cache (one pass over memory where the add, the
         finiteness check, the selection and the residual's update took four); `out` is then x - decompress(payload),
         what error feedback keeps. Bit for bit the payload and residual of torch.add + compress + subtract_sent.
@@ -438,8 +439,9 @@ class TopKQ(CompressorBase):
         return self._encode(pos, vals, n, delta, coded)
 
     def _finish_rows(self, rows: Tensor, idx: Tensor, val: Tensor, codes: Tensor, scales: Tensor, left: Tensor) -> None:
-        """The selected rows the one-pass kernel did not quantise (`left`: a row it could not select, or one whose
-        peak is Inf): their codes and scales made with torch ops, and what they decode to taken from `rows`."""
+        """The selected rows the one-pass kernel did not quantise (`left`: a row it could not select, or one with a
+        kept value that is not finite): their codes and scales made with torch ops, and what they decode to taken
+        from `rows`."""
         if not left.any():
             return
         which = left.nonzero().view(-1)
@@ -484,17 +486,7 @@ class TopKQ(CompressorBase):
             return super().subtract_sent(x, payload)
         sent = self._sent
         where, values = (sent[1], sent[2]) if sent is not None and sent[0] is payload else self.entries(payload)
-        flat = x.view(-1)
-        kernels = cpu_kernels(x)
-        compiled = (
-            kernels is not None
-            and where.dtype == torch.int64
-            and values.dtype == torch.float32
-            and where.is_contiguous()
-            and values.is_contiguous()
-        )
-        if not (compiled and kernels.subtract_at(flat.numpy(), where.numpy(), values.numpy())):
-            flat.index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
+        x.view(-1).index_add_(0, where, values, alpha=-1)  # x + (-v) is x - v, and -1 v is exact
         return x
 
     def _decode_into(self, payloads: list[Payload], n: int, add: bool) -> Tensor:
