@@ -17,6 +17,7 @@ start with "_" are transient (never checkpointed).
 from __future__ import annotations
 
 import enum
+import importlib
 import math
 import zlib
 from abc import ABC, abstractmethod
@@ -179,25 +180,24 @@ def name_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-# The compiled CPU loops (kernels.py), where numba is installed; False turns them off (the tests compare both paths).
+# The compiled CPU loops (kernels.py, kernels_quant.py, kernels_dct.py), where numba is installed; False turns them
+# off (the tests compare both paths).
 USE_KERNELS = True
-_KERNELS: Any = None
+_KERNELS: dict[str, Any] = {}  # module name -> the module, or False where it cannot be imported
 
 
-def cpu_kernels(tensor: Tensor) -> Any:
-    """islands.compress.kernels for a CPU tensor when numba is there and USE_KERNELS is on, else None (the
-    torch ops, which run on any device and give the same bits). Imported on first use: numba takes ~0.5 s."""
-    global _KERNELS
+def cpu_kernels(tensor: Tensor, module: str = "kernels") -> Any:
+    """islands.compress.<module> (kernels, kernels_quant, kernels_dct) for a CPU tensor when numba is there and
+    USE_KERNELS is on, else None (the torch ops, which run on any device and give the same bits). Imported on
+    first use: numba takes ~0.5 s."""
     if not USE_KERNELS or tensor.device.type != "cpu":
         return None
-    if _KERNELS is None:
+    if module not in _KERNELS:
         try:
-            import islands.compress.kernels as kernels
-
-            _KERNELS = kernels
+            _KERNELS[module] = importlib.import_module(f"islands.compress.{module}")
         except ImportError:  # numba missing: the torch path
-            _KERNELS = False
-    return _KERNELS or None
+            _KERNELS[module] = False
+    return _KERNELS[module] or None
 
 
 def _clone_state(st: dict) -> dict:

@@ -21,7 +21,7 @@ once: the mean equals the mean of the decoded payloads to fp32 rounding (the inv
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -48,15 +48,6 @@ def dct_basis(block: int, device: torch.device | str = "cpu") -> Tensor:
         basis = basis.to(device=device, dtype=torch.float32)
         _BASES[key] = basis
     return basis
-
-
-def _dct_kernels(tensor: Tensor) -> Any:
-    """islands.compress.kernels_dct where the compiled CPU loops run for `tensor` (base.cpu_kernels), else None."""
-    if cpu_kernels(tensor) is None:
-        return None
-    import islands.compress.kernels_dct as kernels_dct
-
-    return kernels_dct
 
 
 class DCTTopK(TopKQ):
@@ -102,7 +93,7 @@ class DCTTopK(TopKQ):
         basis = dct_basis(self.block, y.device)
         if y.device.type != "cpu":
             return self._product(y, basis)[:numel]
-        kernels = _dct_kernels(y)
+        kernels = cpu_kernels(y, "kernels_dct")
         if kernels is None:
             return self._sequential(y, basis)[:numel]
         out = pages.empty(numel)
@@ -135,7 +126,7 @@ class DCTTopK(TopKQ):
         is not contiguous, torch's ops as before."""
         if payload.dtype != torch.float32 or not x.is_contiguous():
             return super().subtract_sent(x, payload)
-        kernels = _dct_kernels(x)
+        kernels = cpu_kernels(x, "kernels_dct")
         if kernels is None or payload.tensors[0].device.type != "cpu":
             return x.sub_(self.decompress(payload).view(x.shape))
         y = self._decode_into([payload], self.coeff_count(numel_of(payload.shape)), add=False)

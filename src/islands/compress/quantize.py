@@ -30,11 +30,8 @@ def _quant_kernels(tensor: Tensor, draws: bool = False) -> Any:
     """islands.compress.kernels_quant where the compiled CPU loops run for `tensor` (base.cpu_kernels), else None;
     for a caller that `draws` uniforms, also None where its replay of torch's CPU generator does not match this
     torch's (checked once per process)."""
-    if cpu_kernels(tensor) is None:
-        return None
-    import islands.compress.kernels_quant as kernels_quant
-
-    return kernels_quant if not draws or kernels_quant.matches_torch() else None
+    kernels_quant = cpu_kernels(tensor, "kernels_quant")
+    return kernels_quant if kernels_quant is None or not draws or kernels_quant.matches_torch() else None
 
 
 def _stochastic_round(x: Tensor, gen: torch.Generator) -> Tensor:
