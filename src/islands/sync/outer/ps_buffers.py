@@ -67,6 +67,14 @@ class IslandBuffers:
             b.copy_(part.view(b.shape))
 
 
+def pushed_vector(island: int, buffers: torch.Tensor | None, numel: int) -> torch.Tensor:
+    """The float64 buffer vector a push of a model with `numel` buffer values carries (an island's link checks it
+    before sending anything); ValueError for a push without it or with another length."""
+    if buffers is None or buffers.numel() != numel:
+        raise ValueError(f"island {island}: a push without its {numel} buffer values")
+    return buffers.to(torch.float64)
+
+
 class BufferTable:
     """The server's side: each island's latest buffer vector, and what a pull answers with (module docstring). An
     island that left or lapsed keeps its last vector in the mean, as its last push stays in the model."""

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from islands.runtime.payload_auth import TAG, PayloadAuthError, PayloadTags
-from islands.sync.outer.ps_buffers import NO_BUFFERS, BufferTable, Layout
+from islands.sync.outer.ps_buffers import NO_BUFFERS, BufferTable, Layout, pushed_vector
 from islands.sync.outer.ps_server import Ack, Contribution, ServerState
 from islands.sync.outer.ps_wait import WindowWait, window_wait
 from islands.sync.outer.quant4 import PayloadCodec
@@ -437,8 +437,9 @@ class ServerLoop:
                 wait.answered(msg.island, when)
             answer(Reply(ack, flat, self.shared()))
         version, flat = self.state.pull()
+        shared = self.shared()
         for answer in finished:
-            answer(Reply(Ack(True, version, 0), flat, self.shared()))
+            answer(Reply(Ack(True, version, 0), flat, shared))
 
     def shared(self) -> torch.Tensor | None:
         """The buffers an answer carries: the mean of the islands' latest (None without buffers, or before any)."""
@@ -450,11 +451,12 @@ class ServerLoop:
             return
         with self.lock:
             version, flat = self.state.pull()
+        shared = self.shared()  # one mean for every held answer: no push comes in between
         for h in self.held:
             self.arrivals.held(h.island, h.since, until)
             if self.wait is not None:
                 self.wait.answered(h.island, until)
-            h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat, self.shared()))
+            h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat, shared))
         self.held = []
 
 
@@ -515,9 +517,7 @@ class GlooLink(Link):
 
     def send(self, msg: Message) -> Reply:
         payload = msg.payload if msg.kind == PUSH else None
-        mine = msg.buffers if payload is not None and self.buffers else None
-        if payload is not None and self.buffers and (mine is None or mine.numel() != self.buffers):
-            raise ValueError(f"island {msg.island}: a push without its {self.buffers} buffer values")
+        mine = pushed_vector(msg.island, msg.buffers, self.buffers) if payload is not None and self.buffers else None
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
         header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
         me, server, n, sealer = msg.island, self.server, self.sent, self.sealer
@@ -526,7 +526,7 @@ class GlooLink(Link):
         if payload is not None:
             _send(payload, server, self.pushes, sealer, ("ps_payload", me, server, n))
         if mine is not None:
-            _send(mine.to(torch.float64), server, self.pushes, sealer, ("ps_buffers", me, server, n))
+            _send(mine, server, self.pushes, sealer, ("ps_buffers", me, server, n))
         answer, _ = _recv(
             torch.zeros(_ANSWER, dtype=torch.float64),
             server,

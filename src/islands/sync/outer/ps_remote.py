@@ -33,6 +33,7 @@ from dataclasses import replace
 import torch
 
 from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
+from islands.sync.outer.ps_buffers import pushed_vector
 from islands.sync.outer.ps_link import Link, Message, Reply
 from islands.sync.outer.ps_server import Ack
 from islands.sync.outer.ps_wire import (
@@ -141,9 +142,8 @@ class RemoteLink(Link):
         part = msg.payload[lo:hi].to(torch.float32)
         payload = self.codec.encode(part) if self.codec is not None else part
         if k == 0 and self.buffers:  # shard 0 holds the buffers: they follow its range's payload
-            if msg.buffers is None or msg.buffers.numel() != self.buffers:
-                raise ValueError(f"island {self.island}: a push without its {self.buffers} buffer values")
-            payload = torch.cat([as_bytes(payload), as_bytes(msg.buffers.to(torch.float64))])
+            mine = pushed_vector(self.island, msg.buffers, self.buffers)
+            payload = torch.cat([as_bytes(payload), as_bytes(mine)])
         r = Request(PUSH, self.island, self.versions[k], msg.samples, payload, self.seq, self.nonce)
         return self.request(k, r)
 
