@@ -498,7 +498,6 @@ class TopKQ(CompressorBase):
         device = payloads[0].tensors[0].device if payloads[0].tensors else None
         kernels = cpu_kernels(payloads[0].tensors[0]) if n and payloads[0].tensors else None
         if kernels is not None and all(self._well_formed(p, n) for p in payloads):
-            out = pages.empty(n, device=device)  # every value written by the kernel's chunk-by-chunk zero fill
             g, full, k, _, _ = self.layout(n)
             rows = [torch.stack([p.tensors[i] for p in payloads]) for i in range(len(payloads[0].tensors))]
             index: Tensor | None = rows[0]
@@ -509,6 +508,7 @@ class TopKQ(CompressorBase):
                 (rows[0], torch.zeros(1, 1), rows[1]) if self.bits == 32 else (rows[1], rows[2], torch.zeros(1, 1))
             )
             if index is not None:
+                out = pages.empty(n, device=device)  # every value written by the kernel's chunk-by-chunk zero fill
                 args = (index.numpy(), self.index_bits(n), codes.numpy(), self.bits, scales.numpy(), values.numpy())
                 if kernels.decode_topkq(*args, self.kept(n)[0], g, k, full, out.numpy(), add):
                     return out
