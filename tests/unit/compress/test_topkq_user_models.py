@@ -1,0 +1,110 @@
+"""topkq's compiled one pass (session 40: quantisation and the residual's update in cache, Elias-Fano coding, the
+decayed residual's FMA) on models islands did not write, through the public API: a `transformers` GPT-2 built from
+a config (its forward returns a ModelOutput) and a model compiled with torch.compile, trained by islands.Trainer as
+two simulated islands under DiLoCo whose exchange sends the 146x spec. The compiled loops (base.USE_KERNELS) and
+torch's ops end on the same global model, bit for bit, every island on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import islands
+import islands.compress.base as base
+from islands.compress import parse_compressor
+from islands.compress.topkq import TopKQ
+from islands.outer import DiLoCo
+from islands.runtime.compiled import Compile
+from islands.sync.outer.exchange import Exchange
+
+SPEC = "topkq:ratio=0.0215,bits=2,index=elias-fano,decay=0.95,chunk=256"  # small models: chunks of 256
+STEPS = 6
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _tokens() -> TensorDataset:
+    ids = torch.randint(0, 64, (64, 13), generator=torch.Generator().manual_seed(1))
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _rows() -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(96, 8, generator=g)
+    return TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(-1))
+
+
+def _fit(make_model, loss_fn, data, compile=None) -> list[torch.Tensor]:
+    def main(world):
+        model = make_model()
+        strategy = DiLoCo(inner_steps=2, exchange=Exchange(compressor=parse_compressor(SPEC)))
+        trainer = islands.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn,
+            data,
+            batch_size=4,
+            strategy=islands.Stack(outer=strategy),
+            world=world,
+            log_every=10**9,
+            compile=compile,
+        )
+        trainer.fit(STEPS)
+        return torch.cat([p.detach().reshape(-1) for p in trainer.eval_model.parameters()])
+
+    torch.set_num_threads(1)
+    return islands.simulate.run(main, islands=2)
+
+
+@pytest.mark.slow  # transformers' import and dynamo's tracing: make test, not make test-fast
+@pytest.mark.parametrize("case", ["gpt2", "compiled"])
+def test_the_146x_spec_trains_a_users_model_the_same_with_and_without_the_compiled_loops(case, monkeypatch):
+    if case == "gpt2":
+        pytest.importorskip("transformers")
+        args = (_gpt2, _lm_loss, _tokens())
+        kw = {}
+    else:
+        args = (_net, F.cross_entropy, _rows())
+        kw = {"compile": Compile(backend="aot_eager")}
+    one_pass = []
+    inner = TopKQ.compress_residual
+    monkeypatch.setattr(TopKQ, "compress_residual", lambda self, *a, **k: one_pass.append(1) or inner(self, *a, **k))
+    monkeypatch.setattr(base, "USE_KERNELS", True)
+    compiled_loops = _fit(*args, **kw)
+    assert len(one_pass) == 2 * STEPS // 2  # each island's every round went through the one pass
+    monkeypatch.setattr(base, "USE_KERNELS", False)
+    torch_ops = _fit(*args, **kw)
+    assert len(one_pass) == 2 * STEPS // 2  # and none without the compiled loops
+    assert all(torch.equal(compiled_loops[0], m) for m in compiled_loops[1:])  # one global model
+    assert torch.equal(compiled_loops[0].view(torch.int32), torch_ops[0].view(torch.int32))
+    start = torch.cat([p.detach().reshape(-1) for p in args[0]().parameters()])
+    assert not torch.equal(compiled_loops[0], start)  # it trained
