@@ -20,7 +20,7 @@ from islands.sync.outer.ps_link import Message
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected
 from islands.sync.outer.ps_service import ServiceConfig, Supervisor
-from islands.sync.outer.ps_wire import DONE, PULL, PUSH
+from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH
 
 LEASE = 3.0  # generous: a loaded 2-core machine can starve a heartbeat thread for a second
 
@@ -104,6 +104,36 @@ def test_a_killed_server_loses_no_acknowledged_push_and_a_frozen_island_blocks_n
     assert not report["complete"] and "(generation 1) ended without its final report" in report["missing"]
     assert shard["cpu_seconds"] == killed["cpu_seconds"] + successor["cpu_seconds"] > 0
     assert shard["pushes_applied"] == 7 + n + (final.flat[0].item() == allowed[1])  # island 1's unseen one too
+
+
+def test_a_killed_shard_0_answers_with_the_buffer_mean_it_held(tmp_path):
+    """A BatchNorm model's buffers survive shard 0's SIGKILL: each acknowledged push's buffer vector is in the push's
+    journal record, so the successor answers a new island's pull with the two islands' mean at once, bit for bit
+    (before, with none until the islands pushed again)."""
+    rule = OuterRule("sgd", 1.0, 0.0)
+    config = ServiceConfig(torch.zeros(6), rule, islands=2, max_staleness=100, lease_s=LEASE, buffers=(2, 1))
+    config.save(tmp_path)
+    supervisor = Supervisor(tmp_path, starter=ForkedShard).start()
+    address = ("127.0.0.1", supervisor.port)
+    links = [RemoteLink(address, i, config.bounds, timeout_s=120.0, lease_s=LEASE, buffers=3).start() for i in range(3)]
+    try:
+        a, b, late = links
+        va = torch.tensor([1.5, -2.25, 4.0], dtype=torch.float64)  # two statistics, then a count
+        vb = torch.tensor([0.5, 6.75, 9.0], dtype=torch.float64)
+        assert a.send(Message(PUSH, 0, 0, 1.0, torch.ones(6), va)).ack.accepted
+        mean = b.send(Message(PUSH, 1, 0, 1.0, torch.ones(6), vb)).buffers
+        assert mean is not None and mean.tolist() == [1.0, 2.25, 9.0]  # the floating values' mean, the largest count
+        os.kill(supervisor.pid(0), signal.SIGKILL)
+        wait_for(lambda: int(supervisor.store.add("gen/0", 0)) == 2, "shard 0's successor")
+        pulled = late.send(Message(PULL, 2))
+        assert supervisor.restarts == [1] and pulled.flat.tolist() == [-2.0] * 6
+        assert pulled.buffers is not None and torch.equal(pulled.buffers, mean)
+        late.send(Message(LEAVE, 2))  # the only island the successor has met: it may leave at the stop
+    finally:
+        for link in links:
+            link.close()
+        supervisor.stop(60.0)
+    assert supervisor.stopped.is_set()
 
 
 def _start_service_and_wait(directory, ends_with_starter: bool, pids) -> None:

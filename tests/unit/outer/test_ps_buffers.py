@@ -2,8 +2,8 @@
 push, the server keeps each island's latest and answers with their mean (the counter: the largest), and the island
 adopts it, in thread mode (islands.simulate, the server a thread of this process) and in process mode (shard
 servers as threads here, harness.ps.ThreadService; shard 0 holds the buffers). A late island starts from the others'
-statistics, not its model's initial ones; a rebuilt shard 0 holds none and leaves a puller's own alone; a model
-without buffers sends the bytes it sent before."""
+statistics, not its model's initial ones; a model without buffers sends the bytes it sent before. Shard 0's table
+through a rebuild and a resume: test_ps_buffers_durable.py."""
 
 from __future__ import annotations
 
@@ -255,32 +255,6 @@ def test_islands_through_shard_servers_hold_the_servers_mean_after_every_push(tm
         link = svc.link(3, buffers=sum(LAYOUT))
         with pytest.raises(ValueError, match="without its 9 buffer values"):
             link.send(Message(PUSH, 3, 0, 1.0, torch.zeros(svc.config.bounds[-1][1])))
-
-
-def test_a_rebuilt_shard_0_holds_no_buffers_and_a_pull_then_leaves_the_islands_own(tmp_path):
-    """The buffers are not journaled: shard 0 rebuilt from its journal holds the model (every acknowledged push)
-    but no island's statistics. A joiner's pull then brings the model and leaves its buffers as they were; the
-    next pushes fill the table again."""
-    torch.set_num_threads(1)
-    with service(tmp_path) as svc:
-        a, b = remote(svc, 0), remote(svc, 1)
-        for i in range(4):
-            a.step(i)
-            b.step(i)
-        version = svc.servers[0].durable.state.version
-        svc.restart(0, [a.strategy.link, b.strategy.link])
-        assert svc.servers[0].durable.state.version == version and not svc.servers[0].buffers.latest
-        late = remote(svc, 2)
-        ((shared, holds),) = late.adopted
-        assert shared is None and torch.equal(holds, IslandBuffers(bn_model().buffers()).read())  # its own: 0, 1, 0
-        assert torch.equal(FlatView(late.model.parameters()).read(), late.strategy.global_flat)
-        a.step(4)
-        a.step(5)  # a's push reaches the new shard 0 (its connection is made again): only a's statistics there
-        shared, holds = a.adopted[-1]
-        assert torch.equal(shared, a.pushed[-1]) and torch.equal(holds, as_held(a.pushed[-1]))
-        late.step(0)
-        late.step(1)
-        assert torch.equal(late.adopted[-1][0], mean_of([a.pushed[-1], late.pushed[-1]]))
 
 
 def test_a_model_without_buffers_sends_the_same_bytes_to_shard_servers_and_buffers_cost_their_vector(tmp_path):

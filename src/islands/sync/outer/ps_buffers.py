@@ -4,7 +4,8 @@ them (base.OuterStrategy.synced_buffers), not only once at the job's end.
 
     mine = IslandBuffers.of(model.buffers())         # None when the model has no buffer to carry: nothing is sent
     Message(PUSH, ..., buffers=mine.read())          # one float64 vector: the floating values, then the integer ones
-    table = BufferTable(mine.layout)                 # on the server (thread mode's loop; process mode's shard 0)
+    table = BufferTable(mine.layout)                 # on the server (thread mode's loop; process mode's shard 0,
+                                                     # journaled with the pushes: ps_journal.DurableShard)
     table.put(island, vector)                        # each island's latest, replaced by its next push
     table.mean()                                     # floating values: their mean over the islands that pushed;
                                                      # integer ones (num_batches_tracked): the largest; None before any
@@ -89,14 +90,19 @@ class BufferTable:
     def numel(self) -> int:
         return self.floating + self.counts
 
-    def put(self, island: int, vector: torch.Tensor) -> None:
+    def kept(self, island: int, vector: torch.Tensor) -> torch.Tensor:
+        """The float64 copy put() keeps; ValueError for another length (a journaled push checks it before its
+        record is written: a record that cannot be applied would stop every rebuild)."""
         if vector.numel() != self.numel:
             raise ValueError(f"island {island} pushed {vector.numel()} buffer values to a server of {self.numel}")
-        self.latest[int(island)] = vector.detach().reshape(-1).to(torch.float64).clone()
+        return vector.detach().reshape(-1).to(torch.float64).clone()
+
+    def put(self, island: int, vector: torch.Tensor) -> None:
+        self.latest[int(island)] = self.kept(island, vector)
 
     def mean(self) -> torch.Tensor | None:
         """The floating values' mean over the islands that pushed (summed in island order: the same wherever it
-        runs), the integer values' largest; None while no island has pushed (a server rebuilt from its journal)."""
+        runs), the integer values' largest; None while no island has pushed."""
         if not self.latest:
             return None
         rows = [self.latest[i] for i in sorted(self.latest)]

@@ -4,7 +4,8 @@ log of every change since, so a server killed at any instant is rebuilt with eve
 The scheme (chosen over a hot backup replica: one writer, no second copy of the model to keep in step, and the same
 files are the shard's checkpoint):
 
-    push:    append {island, nonce, seq, version, samples, delta, active} to log.<n>, fsync, apply, answer
+    push:    append {island, nonce, seq, version, samples, delta, active[, buffers]} to log.<n>, fsync, apply,
+             answer
     settle:  an island left or lapsed and the window stepped: append {active}, fsync
     commit:  every `commit_every` records: write snapshot.pt (the whole state, naming segment n + 1) to a temporary
              file, fsync, rename over the old one, then start log.<n + 1> and delete log.<n>
@@ -15,6 +16,11 @@ kill mid-write fails its length or CRC and ends the replay (it was never answere
 island numbers its pushes (seq, under a random nonce per island process): a push whose number the shard has already
 applied (sent again after the answer was lost with the server) is answered with the current model and applied only
 once. ServerState is deterministic, so the rebuilt shard equals the killed one bit for bit (tested).
+
+Buffers (ps_buffers.py; process mode's shard 0 of a model that has them): the island's buffer vector is a field of
+its push's record, so one fsync makes both durable and a kill cannot keep one without the other; the table is in
+every commit and in state_dict (SNAPSHOT / RESTORE). A shard without a table writes the records and snapshots it
+wrote before (no `buffers` key), and a journal or checkpoint without them loads as an empty table.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from islands.sync.outer.ps_buffers import BufferTable
 from islands.sync.outer.ps_server import Ack, Contribution, ServerState
 
 _HEAD = struct.Struct("<QI")  # record length, CRC32 of the record
@@ -143,10 +150,11 @@ class Applied:
 
 class DurableShard:
     """A ServerState whose every change is logged first (module docstring). `journal` None: in memory only (the
-    thread mode's server, and the tests' reference)."""
+    thread mode's server, and the tests' reference). `buffers`: the islands' buffer table (shard 0 of a model with
+    buffers), journaled with the pushes that carry it; None elsewhere."""
 
-    def __init__(self, state: ServerState, journal: Journal | None = None):
-        self.state, self.journal = state, journal
+    def __init__(self, state: ServerState, journal: Journal | None = None, buffers: BufferTable | None = None):
+        self.state, self.journal, self.buffers = state, journal, buffers
         self.applied: dict[int, Applied] = {}
         self.restarts = 0  # rebuilds from the journal this shard has been through
         self.duplicates = 0  # pushes this process answered again without applying them (not journaled)
@@ -164,26 +172,35 @@ class DurableShard:
             self.restarts += 1
         return len(records)
 
-    def push(self, island: int, nonce: int, seq: int, c: Contribution, active: int) -> tuple[Ack, bool]:
-        """(the ack, True when this push was applied before: answered again, not applied twice)."""
+    def push(
+        self, island: int, nonce: int, seq: int, c: Contribution, active: int, buffers: torch.Tensor | None = None
+    ) -> tuple[Ack, bool]:
+        """(the ack, True when this push was applied before: answered again, not applied twice). `buffers`: the
+        island's buffer vector the push carried, kept in the table (a refused push's too, as thread mode's loop
+        does) in the same record as the push; a duplicate's is the one already kept (the same request resent)."""
         last = self.applied.get(island)
         if last is not None and last.nonce == nonce and seq <= last.seq:
             self.duplicates += 1
             return Ack(last.ack.accepted, self.state.version, last.ack.staleness, False), True
-        self._log(
-            {
-                "k": "push",
-                "island": island,
-                "nonce": nonce,
-                "seq": seq,
-                "version": c.version,
-                "samples": c.samples,
-                "delta": c.delta.to(torch.float32),
-                "active": active,
-            }
-        )
+        record = {
+            "k": "push",
+            "island": island,
+            "nonce": nonce,
+            "seq": seq,
+            "version": c.version,
+            "samples": c.samples,
+            "delta": c.delta.to(torch.float32),
+            "active": active,
+        }
+        # checked before anything is logged; absent without a table, so such a record is the one written before
+        kept = None if self.buffers is None or buffers is None else self.buffers.kept(island, buffers)
+        if kept is not None:
+            record["buffers"] = kept
+        self._log(record)
         ack = self.state.push(c, active)
         self.applied[island] = Applied(nonce, seq, ack)
+        if self.buffers is not None and kept is not None:
+            self.buffers.put(island, kept)
         self._maybe_commit()
         return ack, False
 
@@ -217,6 +234,8 @@ class DurableShard:
         c = Contribution(int(r["island"]), int(r["version"]), r["delta"], float(r["samples"]))
         ack = self.state.push(c, int(r["active"]))
         self.applied[c.island] = Applied(int(r["nonce"]), int(r["seq"]), ack)
+        if self.buffers is not None and "buffers" in r:  # a record written before buffers were journaled: none
+            self.buffers.put(c.island, r["buffers"])
 
     def state_dict(self) -> dict:
         return {
@@ -225,14 +244,22 @@ class DurableShard:
                 i: [a.nonce, a.seq, a.ack.accepted, a.ack.version, a.ack.staleness, a.ack.stepped]
                 for i, a in self.applied.items()
             },
+            **({"buffers": self.buffers.state_dict()} if self.buffers is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self.buffers is None and "buffers" in state:
+            raise ValueError("parameter server state holds buffers, this server none: another model")
         self.state.load_state_dict(state["server"])
         self.applied = {
             int(i): Applied(int(a[0]), int(a[1]), Ack(bool(a[2]), int(a[3]), int(a[4]), bool(a[5])))
             for i, a in state.get("applied", {}).items()
         }
+        if self.buffers is not None:  # a state saved before buffers were kept in it holds none: an empty table
+            if "buffers" in state:
+                self.buffers.load_state_dict(state["buffers"])
+            else:
+                self.buffers.latest = {}
 
     def close(self) -> None:
         if self.journal is not None:

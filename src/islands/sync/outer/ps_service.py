@@ -15,11 +15,14 @@ is applied: PULL (a joiner, or a reconnect: the current slice), PUSH (logged, ap
 slice; a push already applied is answered, not applied again), DONE (this island is done; the answer is `final` once
 no island is still training), LEAVE (gone now, nobody waits), SNAPSHOT / RESTORE (the job's checkpoints).
 
-Buffers (ps_buffers.py), for a model that has them (`ServiceConfig.buffers`): shard 0 alone holds them, in memory
-(they are small, and one holder answers every island with one mean). A push to shard 0 carries the island's buffer
-vector after its payload; each of shard 0's answers with a model carries the mean of every island's latest after the
-slice. They are neither journaled nor in SNAPSHOT: a rebuilt or restored shard 0 holds none until the islands' next
-pushes, and answers meanwhile without them (the island keeps its own).
+Buffers (ps_buffers.py), for a model that has them (`ServiceConfig.buffers`): shard 0 alone holds them (they are
+small, and one holder answers every island with one mean). A push to shard 0 carries the island's buffer vector
+after its payload; each of shard 0's answers with a model carries the mean of every island's latest after the
+slice. The table is durable as the pushes are (ps_journal.py): each vector is logged in its push's record, the
+table is in every commit and in SNAPSHOT / RESTORE, so a rebuilt or restored shard 0 answers with the mean it would
+have given had it not died. A push refused because the final answer has gone out keeps no buffers either. Only a
+journal or checkpoint written before buffers were journaled gives an empty table: answers carry none until the
+islands' next pushes (the island keeps its own meanwhile).
 
 Membership is what the islands do, not a list fixed at the start: an island is live from its first message until its
 DONE or LEAVE, or until its heartbeat (the counter `beat/<island>` its RemoteLink bumps every lease/4 seconds) stands
@@ -285,14 +288,14 @@ class ShardServer:
         if not 0 <= shard < self.config.servers:
             raise ValueError(f"shard {shard} of {self.config.servers} servers")
         journal = Journal(self.dir / f"shard{shard}", self.config.commit_every)
-        self.durable = DurableShard(self.config.shard_state(shard), journal)
+        # shard 0: each island's latest buffers, journaled with its pushes (module docstring); None elsewhere
+        table = BufferTable(self.config.buffers) if shard == 0 and self.config.buffers != NO_BUFFERS else None
+        self.durable = DurableShard(self.config.shard_state(shard), journal, table)
         self.store = new_client(host, port, 30.0)
         self.members = Members(self.store, self.config.lease_s)
         # this server's own rule, loaded from the directory: it times its own windows
         self.wait = window_wait(self.config.wait)
         self.window: tuple[int, float, set[int]] | None = None  # the held window: (version, opened, islands in it)
-        # shard 0: each island's latest buffers, in memory only (module docstring); None elsewhere or without any
-        self.buffers = BufferTable(self.config.buffers) if shard == 0 and self.config.buffers != NO_BUFFERS else None
         self.lock = threading.Lock()
         self.tags = self.config.tags()
         self.gen = 0
@@ -300,6 +303,11 @@ class ShardServer:
         self.pairs: list[Pair] = []  # open connections, torn down when the server leaves
         self.startup = {"cpu_seconds": 0.0, "max_rss_bytes": 0}  # its usage once it served: interpreter, imports,
         # the journal's rebuild (what the report's numbers hold besides serving)
+
+    @property
+    def buffers(self) -> BufferTable | None:
+        """Shard 0's buffer table (its DurableShard's), None on the others or for a model without buffers."""
+        return self.durable.buffers
 
     def run(self) -> None:
         self.durable.open()  # the rebuild: the committed state plus the acknowledged pushes since
@@ -456,12 +464,12 @@ class ShardServer:
             ended = bool(m.final_sent)
             if msg.kind == PUSH:
                 m.mark(msg.island, "live")
-                msg = self.take_buffers(msg)
-                if ended:
+                msg, buffers = self.take_buffers(msg)
+                if ended:  # refused, buffers too: the final answers' mean is the job's, as their slice
                     accepted = False
                 else:
                     c = Contribution(msg.island, msg.version, self._decode(msg), msg.samples)
-                    ack, duplicate = d.push(msg.island, msg.nonce, msg.seq, c, m.live())
+                    ack, duplicate = d.push(msg.island, msg.nonce, msg.seq, c, m.live(), buffers)
                     stepped, accepted, staleness = ack.stepped, ack.accepted, ack.staleness
             elif msg.kind in (DONE, LEAVE):
                 m.mark(msg.island, "done" if msg.kind == DONE else "left")
@@ -477,21 +485,23 @@ class ShardServer:
                 return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
             return ShardReply(accepted, version, staleness, stepped, final, duplicate, self.body(flat))
 
-    def take_buffers(self, msg: Request) -> Request:
-        """Shard 0 of a model with buffers: keep the island's buffer vector (the tail of its push's payload) and
-        return the push with its range's payload alone. Under the lock."""
-        if self.buffers is None:
-            return msg
+    def take_buffers(self, msg: Request) -> tuple[Request, torch.Tensor | None]:
+        """Shard 0 of a model with buffers: the push with its range's payload alone, and the island's buffer vector
+        (the payload's tail; its own storage, so its journal record holds those bytes alone), which DurableShard.push
+        logs in the push's record and then keeps; (msg, None) elsewhere."""
+        table = self.buffers
+        if table is None:
+            return msg, None
         assert msg.payload is not None, "a push carries its delta"
-        cut = msg.payload.numel() - self.buffers.numel * 8
+        cut = msg.payload.numel() - table.numel * 8
         if cut < 0:
-            raise ValueError(f"island {msg.island}'s push is shorter than its buffers ({self.buffers.numel} values)")
-        self.buffers.put(msg.island, msg.payload[cut:].clone().view(torch.float64))
-        return replace(msg, payload=msg.payload[:cut])
+            raise ValueError(f"island {msg.island}'s push is shorter than its buffers ({table.numel} values)")
+        return replace(msg, payload=msg.payload[:cut]), msg.payload[cut:].clone().view(torch.float64)
 
     def body(self, flat: torch.Tensor) -> torch.Tensor:
         """An answer's body: the model slice, then on shard 0 the islands' buffer mean when it holds any."""
-        shared = self.buffers.mean() if self.buffers is not None else None
+        table = self.buffers
+        shared = table.mean() if table is not None else None
         return flat if shared is None else torch.cat([as_bytes(flat), as_bytes(shared)])
 
     def align(self, island: int) -> None:
