@@ -137,6 +137,21 @@ def test_the_spec_takes_wait_auto_and_refuses_other_words():
         make_outer("ps:inner_steps=4,quorum=2,wait=soon")
 
 
+def test_the_spec_tunes_auto_with_reach_and_margin_and_refuses_them_without_it():
+    from islands.sync.outer import make_outer
+    from islands.sync.outer.ps_wait import MARGIN, REACH
+
+    tuned = make_outer("ps:inner_steps=4,quorum=3,wait=auto,reach=0.5,margin=0.2").wait
+    assert isinstance(tuned, PacedWait) and (tuned.reach, tuned.margin) == (0.5, 0.2)
+    plain = make_outer("ps:inner_steps=4,quorum=3,wait=auto").wait
+    assert isinstance(plain, PacedWait) and (plain.reach, plain.margin) == (REACH, MARGIN)
+    for spec in ("ps:inner_steps=4,quorum=3,wait=1.5,reach=0.5", "ps:inner_steps=4,quorum=3,margin=0.2"):
+        with pytest.raises(ValueError, match="wait=auto"):
+            make_outer(spec)
+    with pytest.raises(ValueError, match="reach > 0"):
+        make_outer("ps:inner_steps=4,quorum=3,wait=auto,reach=0")
+
+
 def test_equal_islands_with_auto_wait_for_each_other_every_window():
     run = Islands(VirtualClock([1.0, 1.0]), [1.0, 3.0], rounds=4, wait="auto").run()
     for answers in run.answers:

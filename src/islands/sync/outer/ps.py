@@ -83,7 +83,7 @@ from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report, read_collected, thread_report
 from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
 from islands.sync.outer.ps_service import SCRATCH, ServiceConfig, launch
-from islands.sync.outer.ps_wait import WindowWait, window_wait
+from islands.sync.outer.ps_wait import MARGIN, REACH, PacedWait, WindowWait, window_wait
 from islands.sync.outer.ps_wire import PULL, StoreSilent
 from islands.sync.outer.quant4 import PayloadCodec, Quant4
 from islands.sync.outer.zstd4 import Quant4Zstd
@@ -577,7 +577,7 @@ class ParameterServer(OuterStrategy):
         self.global_flat = reply.flat.to(torch.float32).clone()
         self.publish()
         self.adopt_global()
-        if reply.buffers is not None and self.carried is not None:  # the islands' mean (a rebuilt server: none)
+        if reply.buffers is not None and self.carried is not None:  # the islands' mean (None before any push had some)
             self.carried.adopt(reply.buffers)
         self.samples = 0.0
         self.synced()  # the global model's buffers take the island's (synced_buffers)
@@ -593,8 +593,8 @@ class ParameterServer(OuterStrategy):
             self.end.end_served(self.final)
         else:
             self.final()
-        # one model at the end, buffers included: the last answers' means differ by the pushes after them (and a
-        # rebuilt server's answers carry none), so the islands average their own once more in one collective
+        # one model at the end, buffers included: the last answers' means differ by the pushes after them, so the
+        # islands average their own once more in one collective
         average_buffers_at_the_end(self.comm, self.local_buffers, self.global_buffers)
         if self.loop is not None:
             self.loop.join(timeout=60.0)
@@ -674,7 +674,7 @@ class ParameterServer(OuterStrategy):
         if self.loop is not None:  # the hosting island carries the server's state in the job's checkpoint
             with self.loop.lock:
                 state["ps_server"] = self.loop.state.state_dict()
-                if self.loop.buffers is not None:  # each island's latest buffers (process mode keeps none)
+                if self.loop.buffers is not None:  # each island's latest buffers (thread mode; process mode: ps_shards)
                     state["ps_buffers"] = self.loop.buffers.state_dict()
                 if isinstance(self.loop.arrivals, VirtualClock):
                     state["ps_arrivals"] = list(self.loop.arrivals.taken)
@@ -730,6 +730,8 @@ def parameter_server(
     stale_cap: bool | None = None,
     at: str = "",
     wait: float | Literal["auto"] = 0.0,
+    reach: float | None = None,
+    margin: float | None = None,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -754,7 +756,17 @@ def parameter_server(
     run instead of on island 0's machine (needs ISLANDS_TOKEN, the host's own). `wait`: how long a push short of its
     window's quorum waits for the window's step (quorum >= 2): equal islands then train as synchronous DiLoCo does,
     and a window still short at the deadline steps without the slow ones. Seconds, or auto: the server learns each
-    island's turnaround and waits only for those due soon (ps_wait.PacedWait); 0: every push is answered at once."""
+    island's turnaround and waits only for those due soon (ps_wait.PacedWait); 0: every push is answered at once.
+    `reach`, `margin` (wait=auto only): a window waits for an island due within `reach` x the fastest island's
+    turnaround, until it is due plus `margin` x its own turnaround (defaults ps_wait.REACH, ps_wait.MARGIN)."""
+    if (reach is not None or margin is not None) and wait != "auto":
+        raise ValueError(
+            f"reach= and margin= tune wait=auto (how far ahead and how long past due a window waits); "
+            f"add wait=auto or drop them (wait={wait!r})"
+        )
+    paced: float | WindowWait = wait
+    if wait == "auto":
+        paced = PacedWait(reach=REACH if reach is None else reach, margin=MARGIN if margin is None else margin)
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
     if entropy not in ("none", "zstd"):
@@ -786,5 +798,5 @@ def parameter_server(
         compressor=codec,
         service=service,
         stale_cap=stale_cap,
-        wait=wait,
+        wait=paced,
     )

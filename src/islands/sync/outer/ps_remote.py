@@ -17,8 +17,9 @@ A payload that fails its MAC is not retried (PayloadAuthError).
 
 Buffers (ps_buffers.py; `buffers` values per vector, 0 for a model without): shard 0 holds them. A push to it carries
 the island's float64 buffer vector after the range's payload, in the same sealed tensor, and each of its answers
-with a model carries the islands' mean after the model slice, or nothing while it holds none (a server rebuilt from
-its journal, which does not log buffers): then the reply's `buffers` is None and the island keeps its own.
+with a model carries the islands' mean after the model slice, or nothing while it holds none (before any island
+pushed buffers; the table is journaled with the pushes, so a rebuilt server holds what it acknowledged): then the
+reply's `buffers` is None and the island keeps its own.
 """
 
 from __future__ import annotations
