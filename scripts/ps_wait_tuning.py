@@ -18,7 +18,10 @@ answer) is at or under the target, its final loss, and the server's goodput.
 
 Arms: diloco (synchronous: round k ends when the slowest island's k-th round does); ps (quorum 1, no wait); ps-wait
 (quorum 3, a fixed wait of a tenth of the fastest island's round: the bench's ps-wait); ps-auto (quorum 3,
-PacedWait(reach, margin)) for every reach x margin. Writes OUT/rows.json and prints one table per mix and jitter.
+PacedWait(reach, margin)) for every reach x margin; ps-auto-own, the same with `statistics=own` (each island keeps
+its own buffers instead of the server's mean: only a model with buffers differs). `--arms` picks some; `--model
+bn-mlp` puts a BatchNorm1d after each of the MLP's hidden layers (running statistics through the server). Writes
+OUT/rows.json and prints one line per run.
 """
 
 from __future__ import annotations
@@ -54,14 +57,32 @@ def schedule(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def val_loss(model: torch.nn.Module, val) -> float:
-    with torch.no_grad():
-        return sum(float(F.cross_entropy(model(x), y)) for x, y in val) / len(val)
-
-
-def ddp_target(seed: int) -> float:
-    """DDP's loss after DDP_STEPS: one model on the three islands' batches (their mean gradient) every step."""
+def make_task(model: str, seed: int):
+    """The digits task; bn-mlp swaps its MLP for one with a BatchNorm1d after each hidden layer."""
     task = digits_task(batch_size=BATCH, seed=seed)
+    if model == "bn-mlp":
+        torch.manual_seed(seed)
+        nn = torch.nn  # the task's MLP (64-128-128-10) with a BatchNorm1d after each hidden layer
+        task.model = nn.Sequential(
+            *(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU()),
+            *(nn.Linear(128, 128), nn.BatchNorm1d(128), nn.ReLU()),
+            nn.Linear(128, 10),
+        )
+    return task
+
+
+def val_loss(model: torch.nn.Module, val) -> float:
+    was = model.training
+    model.eval()  # BatchNorm evaluates with its running statistics
+    with torch.no_grad():
+        loss = sum(float(F.cross_entropy(model(x), y)) for x, y in val) / len(val)
+    model.train(was)
+    return loss
+
+
+def ddp_target(seed: int, model: str = "mlp") -> float:
+    """DDP's loss after DDP_STEPS: one model on the three islands' batches (their mean gradient) every step."""
+    task = make_task(model, seed)
     loaders = [task.train_data(i, ISLANDS) for i in range(ISLANDS)]
     opt = torch.optim.AdamW(task.model.parameters(), lr=LR)
     lr = schedule(opt, DDP_STEPS)
@@ -98,7 +119,10 @@ class JitteredClock(VirtualClock):
         return self.waited[island] + (self.ends[island][k - 1] if k else 0.0)
 
 
-def run_arm(arm: str, rounds: list[list[float]], seed: int, reach: float = 0.0, margin: float = 0.0) -> dict:
+def run_arm(
+    arm: str, rounds: list[list[float]], seed: int, reach: float = 0.0, margin: float = 0.0, model: str = "mlp"
+) -> dict:
+    model_name = model
     curve: list[tuple[float, int, float]] = []  # island 0: (virtual time, step, val loss of the answered model)
     server, clock = InProcessServer(), JitteredClock(rounds)
     slowest_ends = [max(r[k] for r in rounds) for k in range(len(rounds[0]))]
@@ -109,14 +133,21 @@ def run_arm(arm: str, rounds: list[list[float]], seed: int, reach: float = 0.0, 
         quorum, wait = (1, None) if arm == "ps" else (ISLANDS, None)
         if arm == "ps-wait":
             wait = 0.1 * min(r[0] for r in rounds)
-        elif arm == "ps-auto":
+        elif arm.startswith("ps-auto"):
             wait = PacedWait(reach=reach, margin=margin)
+        statistics = "own" if arm == "ps-auto-own" else "mean"
         return ParameterServer(
-            inner_steps=H, max_staleness=STALENESS, quorum=quorum, wait=wait, arrivals=clock, host=server
+            inner_steps=H,
+            max_staleness=STALENESS,
+            quorum=quorum,
+            wait=wait,
+            arrivals=clock,
+            host=server,
+            statistics=statistics,
         )
 
     def main(world):
-        task = digits_task(batch_size=BATCH, seed=seed)
+        task = make_task(model_name, seed)
         model, loader = task.model, task.train_data(world.rank, ISLANDS)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         lr = schedule(opt, STEPS)
@@ -153,24 +184,28 @@ def main() -> None:
     p.add_argument("--reach", default="0.1,0.2,0.35,0.5,0.75,1.0")
     p.add_argument("--margin", default="0,0.1,0.25")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--arms", default="diloco,ps,ps-wait,ps-auto", help="of diloco,ps,ps-wait,ps-auto,ps-auto-own")
+    p.add_argument("--model", default="mlp", choices=("mlp", "bn-mlp"))
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     reaches = [float(x) for x in a.reach.split(",")]
     margins = [float(x) for x in a.margin.split(",")]
     rows = []
     for seed in (int(x) for x in a.seeds.split(",")):
-        target = ddp_target(seed)
+        target = ddp_target(seed, a.model)
         for mix in a.mixes.split(","):
             times = [float(x) for x in mix.split("/")]
             rounds = round_times(times, a.jitter, seed)
-            arms = [("diloco", 0.0, 0.0), ("ps", 0.0, 0.0), ("ps-wait", 0.0, 0.0)]
-            arms += [("ps-auto", r, m) for r in reaches for m in margins]
+            chosen = a.arms.split(",")
+            arms = [(x, 0.0, 0.0) for x in ("diloco", "ps", "ps-wait") if x in chosen]
+            arms += [(x, r, m) for x in ("ps-auto", "ps-auto-own") if x in chosen for r in reaches for m in margins]
             for arm, reach, margin in arms:
                 t0 = time.perf_counter()
-                got = run_arm(arm, rounds, seed, reach, margin)
+                got = run_arm(arm, rounds, seed, reach, margin, a.model)
                 hit = first(got["curve"], target)
                 row = dict(
-                    seed=seed, mix=mix, jitter=a.jitter, arm=arm, reach=reach, margin=margin, target=target,
+                    seed=seed, model=a.model, mix=mix, jitter=a.jitter, arm=arm, reach=reach, margin=margin,
+                    target=target,
                     time_to_target=hit[0] if hit else None, steps_to_target=hit[1] if hit else None,
                     final_loss=got["curve"][-1][2], end=got["curve"][-1][0], goodput=got["goodput"],
                     curve=got["curve"], wall_s=time.perf_counter() - t0,
@@ -178,7 +213,8 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"seed {seed} mix {mix} {arm:8s} reach {reach:<5g} margin {margin:<5g} "
-                    f"target {target:.4f}: " + (f"{hit[0]:7.2f} vs (step {hit[1]})" if hit else "not reached")
+                    f"target {target:.4f}: "
+                    + (f"{hit[0]:7.2f} vs (step {hit[1]})" if hit else "not reached")
                     + f"  final {row['final_loss']:.4f} at {row['end']:.1f} vs  goodput {row['goodput']:.3f}"
                     f"  ({row['wall_s']:.1f} s)",
                     flush=True,

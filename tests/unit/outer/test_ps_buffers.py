@@ -178,6 +178,34 @@ def test_a_simulated_model_without_buffers_sends_what_it_sent_before_and_one_wit
     assert with_bn["ps_pull"] == (0, (pushes + done) * (4 * 8 + 4 * numel_bn + 8 * (n + 1)), pushes + done)
 
 
+def test_with_statistics_own_each_island_keeps_its_own_buffers_and_the_pushes_carry_none():
+    """ps:statistics=own: a BatchNorm model's pushes and answers are the bytes of a model without buffers, every
+    island holds the statistics of its own data all run long (they differ: island i's data has its own mean), and
+    the end's average gives every island the same ones."""
+    torch.set_num_threads(1)
+    server, ledgers = InProcessServer(), {}
+
+    def main(world):
+        ps = ParameterServer(2, arrivals=VirtualClock([1.0, 1.0]), host=server, statistics="own")
+        island = Trained(world.rank, world, ps)
+        for i in range(4):
+            island.step(i)
+        before_end = island.buffers()
+        ps.finish(island.model)
+        ledgers[world.rank] = world.ledger.snapshot()
+        return island.pushed, [held for shared, held in island.adopted[:-1]], before_end, island.buffers()
+
+    results = islands.simulate.run(main, islands=2)
+    for pushed, held, _, _ in results:
+        assert len(held) == 2 and all(torch.equal(h, p) for h, p in zip(held, pushed))  # nothing adopted
+    assert not torch.equal(results[0][2], results[1][2])  # their own data, their own statistics
+    assert torch.equal(results[0][3], results[1][3])  # one model at the end
+    numel = FlatView(bn_model().parameters()).numel
+    assert ledgers[0]["sent"]["ps_push"] == 2 * (5 * 8 + 4 * numel) + 5 * 8  # no buffer vector on the wire
+    with pytest.raises(ValueError, match="statistics must be one of mean, own"):
+        ParameterServer(2, statistics="island")
+
+
 # ---- process mode (shard servers as threads) ---------------------------------------------------------------
 class OneIsland(LoneComm):
     """Island `rank`'s cross-island Comm when the islands share nothing but the servers (no collective: each

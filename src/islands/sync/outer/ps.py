@@ -111,6 +111,10 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 # for it: ps_server.StaleCap): equal-speed islands' pushes are M - 1 versions stale, and lr 1/sqrt(M) sat at 93% of
 # the limit for 3 islands and past it from 4 (results/parameter-server/churn-s30)
 DEFAULT_PS_RULE = "sgd"
+# what a server does with the islands' buffers during training (ParameterServer's `statistics`)
+STATISTICS = ("mean", "own")
+
+
 # A server whose windows wait for their quorum (quorum >= 2 with a wait) trains equal islands as synchronous DiLoCo
 # does, so its default step is DiLoCo's: sqrt(2) on a full window's mean (outer_opt.DEFAULT_OUTER_LR), sqrt(2) / k
 # per push for a window of k. 1/sqrt(M) per push moved a full window of 3 by sqrt(3) x the mean, and on digits (3
@@ -282,6 +286,7 @@ class ParameterServer(OuterStrategy):
         service: ServerProcesses | None = None,
         stale_cap: bool | None = None,
         wait: float | str | WindowWait | None = None,
+        statistics: str = "mean",
     ):
         """`inner_steps` H: inner steps per round. `rule`: islands M -> the server's outer optimizer for one
         shard (outer_rule(...) by name; default plain SGD, lr 1/sqrt(M), DEFAULT_PS_RULE). `shards`: parameter
@@ -296,7 +301,11 @@ class ParameterServer(OuterStrategy):
         rule), off for the others; True with another rule is refused (momentum moves the limit). `wait`: how long a
         push short of its window's quorum waits for the window's step before the window steps without the rest
         (quorum >= 2; ps_wait): seconds (FixedWait), "auto" (PacedWait: the islands due soon by their turnarounds)
-        or a WindowWait; None or 0: answered at once, the island trains on without its own push in the model."""
+        or a WindowWait; None or 0: answered at once, the island trains on without its own push in the model.
+        `statistics`: what becomes of the model's buffers (BatchNorm's running statistics) during training: mean,
+        each push carries the island's and every answer the mean of every island's latest (ps_buffers); own, each
+        island keeps its own, as a server without buffers would (islands whose data differ in distribution, the
+        FedBN argument), and the islands average them once at the end."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -306,7 +315,9 @@ class ParameterServer(OuterStrategy):
             )
         if aggregator is not None and compressor is not None:
             raise ValueError("a robust aggregator ranks exact deltas; drop compressor= or aggregator=")
-        self.inner_steps = inner_steps
+        if statistics not in STATISTICS:
+            raise ValueError(f"statistics must be one of {', '.join(STATISTICS)}, got {statistics!r}")
+        self.inner_steps, self.statistics = inner_steps, statistics
         self.wait = window_wait(wait)
         check_server_options(shards, max_staleness, quorum, discount, self.wait)
         self.rule = rule if rule is not None else outer_rule()
@@ -377,7 +388,7 @@ class ParameterServer(OuterStrategy):
         return super().wrap(model, optimizer, world)
 
     def setup(self) -> None:
-        self.carried = IslandBuffers.of(self.local_buffers)
+        self.carried = IslandBuffers.of(self.local_buffers) if self.statistics == "mean" else None
         if self.service is not None:
             self.connect(self.service)
             return
@@ -732,6 +743,7 @@ def parameter_server(
     wait: float | Literal["auto"] = 0.0,
     reach: float | None = None,
     margin: float | None = None,
+    statistics: str = "mean",
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -758,7 +770,9 @@ def parameter_server(
     and a window still short at the deadline steps without the slow ones. Seconds, or auto: the server learns each
     island's turnaround and waits only for those due soon (ps_wait.PacedWait); 0: every push is answered at once.
     `reach`, `margin` (wait=auto only): a window waits for an island due within `reach` x the fastest island's
-    turnaround, until it is due plus `margin` x its own turnaround (defaults ps_wait.REACH, ps_wait.MARGIN)."""
+    turnaround, until it is due plus `margin` x its own turnaround (defaults ps_wait.REACH, ps_wait.MARGIN).
+    `statistics`: mean (every answer carries the mean of the islands' latest buffers) or own (each island keeps
+    its own until the end's average)."""
     if (reach is not None or margin is not None) and wait != "auto":
         raise ValueError(
             f"reach= and margin= tune wait=auto (how far ahead and how long past due a window waits); "
@@ -799,4 +813,5 @@ def parameter_server(
         service=service,
         stale_cap=stale_cap,
         wait=paced,
+        statistics=statistics,
     )

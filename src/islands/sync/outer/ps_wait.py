@@ -95,6 +95,8 @@ class FixedWait:
 # PacedWait's defaults: islands due within 0.35 of the fastest turnaround are waited for (a remote island on a
 # 20 Mbit/s link came 0.28 of a round late, session 36), each with 10% of its own turnaround for jitter; 30 s for an
 # island not yet seen twice (a first window of islands started together); the median of the last 5 turnarounds
+# (swept on a virtual clock in session 41, scripts/ps_wait_tuning.py: reach 0.2-0.5 x margin 0.1-0.25 differ by less
+# than the seeds do; docs/parameter-server.md, "Tuning the reach and the margin")
 REACH, MARGIN, FIRST_S, HISTORY = 0.35, 0.1, 30.0, 5
 
 
