@@ -20,7 +20,8 @@ Arms: diloco (synchronous: round k ends when the slowest island's k-th round doe
 (quorum 3, a fixed wait of a tenth of the fastest island's round: the bench's ps-wait); ps-auto (quorum 3,
 PacedWait(reach, margin)) for every reach x margin; ps-auto-own, the same with `statistics=own` (each island keeps
 its own buffers instead of the server's mean: only a model with buffers differs). `--arms` picks some; `--model
-bn-mlp` puts a BatchNorm1d after each of the MLP's hidden layers (running statistics through the server). Writes
+bn-mlp` puts a BatchNorm1d after each of the MLP's hidden layers (running statistics through the server); `--skew`
+makes the islands' inputs differ in distribution (skewed()). Writes
 OUT/rows.json and prints one line per run.
 """
 
@@ -80,14 +81,21 @@ def val_loss(model: torch.nn.Module, val) -> float:
     return loss
 
 
-def ddp_target(seed: int, model: str = "mlp") -> float:
+def skewed(x: torch.Tensor, island: int, skew: float) -> torch.Tensor:
+    """Island i's inputs scaled by 1 + skew i and shifted by skew i: the islands' data differ in distribution
+    (island 0's, and the validation set's, not at all)."""
+    return x * (1 + skew * island) + skew * island if skew else x
+
+
+def ddp_target(seed: int, model: str = "mlp", skew: float = 0.0) -> float:
     """DDP's loss after DDP_STEPS: one model on the three islands' batches (their mean gradient) every step."""
     task = make_task(model, seed)
     loaders = [task.train_data(i, ISLANDS) for i in range(ISLANDS)]
     opt = torch.optim.AdamW(task.model.parameters(), lr=LR)
     lr = schedule(opt, DDP_STEPS)
     for _ in range(DDP_STEPS):
-        losses = [F.cross_entropy(task.model(x), y) for x, y in (ld.next() for ld in loaders)]
+        batches = [ld.next() for ld in loaders]
+        losses = [F.cross_entropy(task.model(skewed(x, i, skew)), y) for i, (x, y) in enumerate(batches)]
         torch.stack(losses).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,7 +128,13 @@ class JitteredClock(VirtualClock):
 
 
 def run_arm(
-    arm: str, rounds: list[list[float]], seed: int, reach: float = 0.0, margin: float = 0.0, model: str = "mlp"
+    arm: str,
+    rounds: list[list[float]],
+    seed: int,
+    reach: float = 0.0,
+    margin: float = 0.0,
+    model: str = "mlp",
+    skew: float = 0.0,
 ) -> dict:
     model_name = model
     curve: list[tuple[float, int, float]] = []  # island 0: (virtual time, step, val loss of the answered model)
@@ -155,6 +169,7 @@ def run_arm(
         s_.wrap(model, opt, world)
         for s in range(STEPS):
             x, y = loader.next()
+            x = skewed(x, world.rank, skew)
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -186,13 +201,14 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--arms", default="diloco,ps,ps-wait,ps-auto", help="of diloco,ps,ps-wait,ps-auto,ps-auto-own")
     p.add_argument("--model", default="mlp", choices=("mlp", "bn-mlp"))
+    p.add_argument("--skew", type=float, default=0.0, help="island i's inputs x (1 + skew i) + skew i (skewed())")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     reaches = [float(x) for x in a.reach.split(",")]
     margins = [float(x) for x in a.margin.split(",")]
     rows = []
     for seed in (int(x) for x in a.seeds.split(",")):
-        target = ddp_target(seed, a.model)
+        target = ddp_target(seed, a.model, a.skew)
         for mix in a.mixes.split(","):
             times = [float(x) for x in mix.split("/")]
             rounds = round_times(times, a.jitter, seed)
@@ -201,10 +217,11 @@ def main() -> None:
             arms += [(x, r, m) for x in ("ps-auto", "ps-auto-own") if x in chosen for r in reaches for m in margins]
             for arm, reach, margin in arms:
                 t0 = time.perf_counter()
-                got = run_arm(arm, rounds, seed, reach, margin, a.model)
+                got = run_arm(arm, rounds, seed, reach, margin, a.model, a.skew)
                 hit = first(got["curve"], target)
                 row = dict(
-                    seed=seed, model=a.model, mix=mix, jitter=a.jitter, arm=arm, reach=reach, margin=margin,
+                    seed=seed, model=a.model, skew=a.skew, mix=mix, jitter=a.jitter, arm=arm, reach=reach,
+                    margin=margin,
                     target=target,
                     time_to_target=hit[0] if hit else None, steps_to_target=hit[1] if hit else None,
                     final_loss=got["curve"][-1][2], end=got["curve"][-1][0], goodput=got["goodput"],

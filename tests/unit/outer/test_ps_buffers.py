@@ -179,9 +179,9 @@ def test_a_simulated_model_without_buffers_sends_what_it_sent_before_and_one_wit
 
 
 def test_with_statistics_own_each_island_keeps_its_own_buffers_and_the_pushes_carry_none():
-    """ps:statistics=own: a BatchNorm model's pushes and answers are the bytes of a model without buffers, every
-    island holds the statistics of its own data all run long (they differ: island i's data has its own mean), and
-    the end's average gives every island the same ones."""
+    """ps:statistics=own: a BatchNorm model's pushes and answers are the bytes of a model without buffers, and every
+    island holds the statistics of its own data all run long and at the end (they differ: island i's data has its
+    own mean), on the same parameters."""
     torch.set_num_threads(1)
     server, ledgers = InProcessServer(), {}
 
@@ -193,13 +193,18 @@ def test_with_statistics_own_each_island_keeps_its_own_buffers_and_the_pushes_ca
         before_end = island.buffers()
         ps.finish(island.model)
         ledgers[world.rank] = world.ledger.snapshot()
-        return island.pushed, [held for shared, held in island.adopted[:-1]], before_end, island.buffers()
+        evaluated = ps.eval_model(island.model)
+        kept = IslandBuffers.of(evaluated.buffers())
+        assert kept is not None
+        params = torch.cat([p.detach().reshape(-1) for p in evaluated.parameters()])
+        return island.pushed, [held for shared, held in island.adopted[:-1]], before_end, kept.read(), params
 
     results = islands.simulate.run(main, islands=2)
-    for pushed, held, _, _ in results:
+    for pushed, held, before_end, at_end, _ in results:
         assert len(held) == 2 and all(torch.equal(h, p) for h, p in zip(held, pushed))  # nothing adopted
-    assert not torch.equal(results[0][2], results[1][2])  # their own data, their own statistics
-    assert torch.equal(results[0][3], results[1][3])  # one model at the end
+        assert torch.equal(at_end, before_end)  # no average at the end: the evaluated model has the island's own
+    assert not torch.equal(results[0][3], results[1][3])  # their own data, their own statistics
+    assert torch.equal(results[0][4], results[1][4])  # on the server's parameters, the same for both
     numel = FlatView(bn_model().parameters()).numel
     assert ledgers[0]["sent"]["ps_push"] == 2 * (5 * 8 + 4 * numel) + 5 * 8  # no buffer vector on the wire
     with pytest.raises(ValueError, match="statistics must be one of mean, own"):

@@ -26,7 +26,7 @@ the same model bit for bit. Buffers (BatchNorm's running statistics and step cou
 server keeps each island's latest and answers every push and pull with their mean (integer buffers: the largest),
 which the island adopts as its own, as a DiLoCo round's average (ps_buffers.py; in process mode shard 0 holds them);
 at the end one collective averages them over the islands once more (average_buffers_at_the_end), so all end on one
-model.
+model. `statistics="own"` keeps each island's own instead, through the end.
 
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
@@ -305,7 +305,7 @@ class ParameterServer(OuterStrategy):
         `statistics`: what becomes of the model's buffers (BatchNorm's running statistics) during training: mean,
         each push carries the island's and every answer the mean of every island's latest (ps_buffers); own, each
         island keeps its own, as a server without buffers would (islands whose data differ in distribution, the
-        FedBN argument), and the islands average them once at the end."""
+        FedBN argument), to the end: the islands' models then differ in their buffers, and the job keeps island 0's."""
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
@@ -604,9 +604,12 @@ class ParameterServer(OuterStrategy):
             self.end.end_served(self.final)
         else:
             self.final()
-        # one model at the end, buffers included: the last answers' means differ by the pushes after them, so the
-        # islands average their own once more in one collective
-        average_buffers_at_the_end(self.comm, self.local_buffers, self.global_buffers)
+        if self.statistics == "mean":  # one model at the end, buffers included: the last answers' means differ by
+            # the pushes after them, so the islands average their own once more in one collective
+            average_buffers_at_the_end(self.comm, self.local_buffers, self.global_buffers)
+        else:  # own: each island ends on the statistics of its own data (the job keeps island 0's)
+            for own, glob in zip(self.local_buffers, self.global_buffers):
+                glob.copy_(own)
         if self.loop is not None:
             self.loop.join(timeout=60.0)
         if isinstance(self.link, RemoteLink):
@@ -771,8 +774,8 @@ def parameter_server(
     island's turnaround and waits only for those due soon (ps_wait.PacedWait); 0: every push is answered at once.
     `reach`, `margin` (wait=auto only): a window waits for an island due within `reach` x the fastest island's
     turnaround, until it is due plus `margin` x its own turnaround (defaults ps_wait.REACH, ps_wait.MARGIN).
-    `statistics`: mean (every answer carries the mean of the islands' latest buffers) or own (each island keeps
-    its own until the end's average)."""
+    `statistics`: mean (every answer carries the mean of the islands' latest buffers, and the end averages them once
+    more) or own (each island keeps its own to the end; the job keeps island 0's)."""
     if (reach is not None or margin is not None) and wait != "auto":
         raise ValueError(
             f"reach= and margin= tune wait=auto (how far ahead and how long past due a window waits); "
