@@ -132,13 +132,14 @@ def elastic_job(cfg: JobConfig, run_dir: Path) -> JobSpec:
     workers_per_island workers start together; `served` is the outer strategy's side of admission: a
     ServedParticipant's joiners pull the model from its service, so the launcher restarts islands with no live
     member to let them in (islands.runtime.launch.elastic.join_rule)."""
+    outer = cfg.outer.strategy  # validate requires one in an elastic job
     return JobSpec(
         workers=cfg.world.islands,
         heartbeat_timeout=cfg.elastic.heartbeat_timeout,
         timeout=cfg.world.timeout,
         config=shared_config(cfg, run_dir),
         island_size=cfg.workers_per_island,
-        served=isinstance(make_outer(cfg.outer.strategy, warmup=cfg.train.warmup), ServedParticipant),
+        served=outer is not None and isinstance(make_outer(outer, warmup=cfg.train.warmup), ServedParticipant),
     )
 
 
