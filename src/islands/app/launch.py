@@ -21,11 +21,13 @@ from islands.config import JobConfig, dump_json
 from islands.measure.progress import print_finished
 from islands.measure.record import LAUNCHER_PLOTS_ENV, plot_finished_run
 from islands.runtime import simulate
+from islands.runtime.contracts import ServedParticipant
 from islands.runtime.elastic.etcd_store import EtcdAddress
 from islands.runtime.elastic.membership import JobSpec
 from islands.runtime.launch import spawn
 from islands.runtime.launch.elastic import launch_elastic_workers
 from islands.runtime.launch.ranks import Placement, load_testbed, run_ranks
+from islands.sync.outer import make_outer
 from islands.tasks import heavy_imports
 from islands.testbed import Testbed, wire_bytes
 
@@ -125,20 +127,29 @@ def shared_config(cfg: JobConfig, run_dir: Path) -> dict:
     return shared
 
 
+def elastic_job(cfg: JobConfig, run_dir: Path) -> JobSpec:
+    """The job's record in its store: the members are the islands (their leaders), each island's
+    workers_per_island workers start together; `served` is the outer strategy's side of admission: a
+    ServedParticipant's joiners pull the model from its service, so the launcher restarts islands with no live
+    member to let them in (islands.runtime.launch.elastic.join_rule)."""
+    outer = cfg.outer.strategy  # validate requires one in an elastic job
+    return JobSpec(
+        workers=cfg.world.islands,
+        heartbeat_timeout=cfg.elastic.heartbeat_timeout,
+        timeout=cfg.world.timeout,
+        config=shared_config(cfg, run_dir),
+        island_size=cfg.workers_per_island,
+        served=outer is not None and isinstance(make_outer(outer, warmup=cfg.train.warmup), ServedParticipant),
+    )
+
+
 def launch_elastic(cfg: JobConfig, run_dir: Path, out=None, on_started=None) -> int:
     """Run an elastic job (islands.runtime.launch.elastic); `on_started(address, workers, coordinator)` lets
     experiments inject faults."""
     out = sys.stderr if out is None else out
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(cfg, run_dir / "config.json")
-    # the members are the islands (their leaders); each island's workers_per_island workers start together
-    job = JobSpec(
-        workers=cfg.world.islands,
-        heartbeat_timeout=cfg.elastic.heartbeat_timeout,
-        timeout=cfg.world.timeout,
-        config=shared_config(cfg, run_dir),
-        island_size=cfg.workers_per_island,
-    )
+    job = elastic_job(cfg, run_dir)
     testbed = load_testbed(cfg.world.testbed) if cfg.world.testbed else None  # island i on host i % hosts
     before = _wire_counters(testbed)
     spawn.preload(heavy_imports(cfg.task.name))  # not imported by a worker whose heartbeat runs already

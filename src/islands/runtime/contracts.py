@@ -127,7 +127,8 @@ class ServedEnd(Protocol):
     `end_served(final)` runs `final` (the service's own end: it returns once every island that is still training
     is done, with facts for the membership's events: the final version, this island's pushes), then puts the
     joiners that finished into one last epoch with the members, with no state transfer (every island ends on the
-    service's final model); a joiner waits there to be put in."""
+    service's final model); a joiner waits there to be put in, or, with no member left alive, the joiners that
+    finished form that epoch themselves."""
 
     def end_served(self, final: Callable[[], dict]) -> None: ...
 

@@ -137,12 +137,18 @@ class Membership:
             return self._enter_served(self.participant, strategy, model)
         self.store.set(f"ready/{self.name}", str(time.time()))
         try:
-            entry = json.loads(self._await_admission())
+            raw = self._await_admission()
         except dist.DistNetworkError:
             raise JobEnded(
                 "the job ended before admitting this worker: joiners enter at a round boundary and it "
                 "had none left; nothing was trained here"
             ) from None
+        if raw is None:
+            raise JobEnded(
+                "no member of the job's newest epoch has been alive for the heartbeat timeout, so nobody can "
+                "admit this worker: the job is over; nothing was trained here"
+            )
+        entry = json.loads(raw)
         epochs.form(entry["epoch"], None)
         step = transfer.share_state(strategy, model, 0, set(entry["holders"]))
         self._last_round = counted_rounds(self.participant)
@@ -177,12 +183,12 @@ class Membership:
         )
         return step
 
-    def _await_admission(self) -> bytes:
+    def _await_admission(self) -> bytes | None:
         """The members' entry for this joiner (joinat/<name>), once they put it in an epoch. Only members
-        admit, so the wait ends with JobEnded when none of the newest epoch's has been alive for the
-        heartbeat timeout plus ADMIT_LINGER_S: the job is over, or lost. A closed store (the job host ended
-        it) raises DistNetworkError. This is the joiner's own rule, not the launcher's nor the job host's:
-        with both dead (chaos, session 14) a restarted island otherwise waited forever."""
+        admit, so the wait ends (None) when none of the newest epoch's has been alive for the heartbeat timeout
+        plus ADMIT_LINGER_S: the job is over, or lost, or (a served job's end) up to its joiners. A closed store
+        (the job host ended it) raises DistNetworkError. This is the joiner's own rule, not the launcher's nor
+        the job host's: with both dead (chaos, session 14) a restarted island otherwise waited forever."""
         key, timeout = f"joinat/{self.name}", self.liveness.timeout
         look_s = min(0.25, timeout / 4)  # Liveness wants looks closer than half the timeout
         quiet_since, next_look = None, 0.0
@@ -195,10 +201,7 @@ class Membership:
                 elif quiet_since is None:
                     quiet_since = now
                 elif now - quiet_since > timeout + ADMIT_LINGER_S:
-                    raise JobEnded(
-                        f"no member of the job's newest epoch has been alive for {now - quiet_since:.1f} "
-                        "s, so nobody can admit this worker: the job is over; nothing was trained here"
-                    )
+                    return None
             time.sleep(0.02)
         return self.store.get(key)
 
@@ -251,8 +254,9 @@ class Membership:
         proposes, every joiner that trained until the end is ready), then waits for its epoch; the members agree
         on those joiners (store key end/join) and form the next epoch with them; no state travels: every island
         holds the service's final model. What `final` returns (the service's facts of this island's end) is
-        recorded with a served_end event. A joiner nobody puts in (it came after the others' end) ends with
-        JobEnded once no member is alive."""
+        recorded with a served_end event. With no member alive (every first island died; the joiners trained on
+        with the service) the joiners form that epoch themselves (_enter_without_members). A joiner left out of
+        the last epoch (it came after the others' end) ends with JobEnded."""
         epochs = self.epochs
         joining = epochs.epoch < 0
         if joining:
@@ -261,10 +265,13 @@ class Membership:
         epochs.events.append({"type": "served_end", "time": time.time(), **facts})
         if joining:
             try:
-                entry = json.loads(self._await_admission())
+                raw = self._await_admission()
+                if raw is None:
+                    self._enter_without_members()
+                    return
             except dist.DistNetworkError:
                 raise JobEnded("the job ended before this worker's island was put in its last epoch") from None
-            epochs.form(entry["epoch"], None)
+            epochs.form(json.loads(raw)["epoch"], None)
             epochs.events.append(
                 {"type": "entered", "via": "end", "epoch": epochs.epoch + epochs.epoch_base, "time": time.time()}
             )
@@ -285,6 +292,31 @@ class Membership:
                 "detected": asked,
                 "resumed": time.time(),
                 "stall_seconds": time.time() - asked,
+            }
+        )
+
+    def _enter_without_members(self) -> None:
+        """A served job's joiner at the end, with no member of the newest epoch alive: nobody is left to put it in,
+        and it needs nobody (it holds the service's final model), so the joiners that finished form the last
+        epoch among themselves. They agree under the members' key (end/join, first proposal wins), so an end the
+        members made already is never made again: a joiner it left out ends with JobEnded, as before; the epoch's
+        number is agreed too (end/epoch), since its rank 0 moves `latest` once it forms. Its rank 0 (the lowest
+        slot) writes run.json, once."""
+        epochs = self.epochs
+        joiners = self._agreed("end/join", self._ready())
+        if self.name not in [j[1] for j in joiners]:
+            raise JobEnded("the job's last epoch formed without this worker (it finished after the others' end)")
+        latest = int(self.store.get("latest")) if self.store.check(["latest"]) else 0
+        self.store.compare_set("end/epoch", "", str(latest + 1))
+        epochs.form(int(self.store.get("end/epoch")), sorted(joiners))
+        epochs.events.append(
+            {
+                "type": "entered",
+                "via": "end",
+                "without_members": True,
+                "epoch": epochs.epoch + epochs.epoch_base,
+                "joined": list(epochs.names),
+                "time": time.time(),
             }
         )
 

@@ -106,6 +106,9 @@ class JobSpec:
                        paths in the script (checkpoints, data) name the same files
     island_size        workers per island (the members are the islands' leaders; islands.runtime.elastic.island_comm):
                        `islands join` starts one worker, so it refuses a job whose islands have more
+    served             a joiner takes the global model from a service of the job's own, not from the members
+                       (contracts.ServedParticipant, the parameter server's processes): it needs no live member to
+                       enter, and the job lives while that service does (the launcher's restart rule)
     """
 
     workers: int
@@ -116,6 +119,7 @@ class JobSpec:
     cwd: str = ""
     job_id: str = ""  # random per launch (the Coordinator draws it): scopes the control plane's MAC key
     island_size: int = 1
+    served: bool = False
 
     def __post_init__(self):
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
@@ -127,6 +131,8 @@ class JobSpec:
             raise ValueError(f"island_size must be an integer >= 1; got {self.island_size!r}")
         if self.config is not None and self.script:
             raise ValueError("a job runs either a config (islands train) or a script (islands run), not both")
+        if not isinstance(self.served, bool):
+            raise ValueError(f"served must be True or False; got {self.served!r}")
         object.__setattr__(self, "script", tuple(self.script))
 
     def to_json(self) -> str:
@@ -140,6 +146,7 @@ class JobSpec:
                 "cwd": self.cwd,
                 "job_id": self.job_id,
                 "island_size": self.island_size,
+                "served": self.served,
             }
         )
 
@@ -155,6 +162,7 @@ class JobSpec:
             cwd=d.get("cwd", ""),
             job_id=d.get("job_id", ""),
             island_size=int(d.get("island_size", 1)),
+            served=bool(d.get("served", False)),  # a record written before the field: members admit
         )
 
     def lone_joiner_refusal(self) -> str | None:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from islands.runtime import stacks
 from islands.runtime.elastic import starvation
@@ -188,7 +189,8 @@ def launch_elastic_workers(
             started += islands.start(index)
         if on_started is not None:
             on_started(address, started, coordinator)
-        return _supervise(started, coordinator.store, coordinator, job.heartbeat_timeout, out, islands)
+        rule = join_rule(job)
+        return _supervise(started, coordinator.store, coordinator, job.heartbeat_timeout, out, islands, rule)
     except KeyboardInterrupt:
         print("interrupted: stopping all workers", file=out)
         return 130
@@ -380,6 +382,7 @@ def _supervise(
     heartbeat_timeout: float,
     out,
     islands: _Islands | None = None,
+    rule: JoinRule | None = None,
 ) -> int:
     """_watch, ended with a clear error when the job host is lost (exited, or stopped for the heartbeat timeout):
     the workers cannot go on without their store, so they are stopped, unless every one of them had finished
@@ -388,7 +391,7 @@ def _supervise(
     waits for a stopped server's answer for ever)."""
     watchdog = _HostWatchdog(coordinator, heartbeat_timeout)
     try:
-        return _watch(workers, store, watchdog, heartbeat_timeout, out, islands)
+        return _watch(workers, store, watchdog, heartbeat_timeout, out, islands, rule)
     except _HostLost as e:
         if workers and all(w.proc.poll() == 0 for w in workers):
             print(f"islands: {e} after every worker had finished", file=out, flush=True)
@@ -437,12 +440,15 @@ def _watch(
     heartbeat_timeout: float,
     out,
     islands: _Islands | None = None,
+    rule: JoinRule | None = None,
 ) -> int:
     """Watch the workers until the job ended. Islands are the unit (docs/membership.md, "Islands of k workers"):
     a worker of island i that exits non-zero takes its island out (its mates are stopped and reported dead,
     so the members fail over without its leader at once), and island i starts again as a new incarnation
-    while islands.max_restarts allows and another island is alive to admit it. A restarted island that the
-    job ends before admitting is stopped. `workers` grows with the restarts (the caller stops them all)."""
+    while islands.max_restarts allows and `rule` (who lets it back in: by default the members, MembersAdmit)
+    does: then a restarted island that the job ends before admitting is stopped. `workers` grows with the
+    restarts (the caller stops them all)."""
+    rule = MembersAdmit() if rule is None else rule
     reported: set[str] = set()
     liveness = Liveness(store, heartbeat_timeout)
     reaper = _Reaper(store, heartbeat_timeout, out, islands)
@@ -492,12 +498,8 @@ def _watch(
                                 file=out,
                                 flush=True,
                             )
-                    elif not _member_alive_besides(store, liveness, gone):
-                        print(
-                            f"islands: island {w.island} is not restarted: no other island is alive to admit it",
-                            file=out,
-                            flush=True,
-                        )
+                    elif refusal := rule.restart_refusal(store, liveness, gone):
+                        print(f"islands: island {w.island} is not restarted: {refusal}", file=out, flush=True)
                     else:
                         fresh = islands.restart(w.island, why=f"{name}: {why}")
                         workers += fresh
@@ -514,13 +516,14 @@ def _watch(
                 continue
             next_look = time.monotonic() + LOOK_S
             reaper.look([w for w in running if _name(w) not in stopped])
-            ended = no_member_alive(store, liveness)
+            ended = rule.ended(store, liveness, finished=any(w.proc.returncode == 0 for w in workers))
             if ended and islands is not None:
                 closing = True
                 waiting = [
                     w
                     for w in running
-                    if isinstance(w, IslandWorker)
+                    if rule.members_admit
+                    and isinstance(w, IslandWorker)
                     and w.incarnation > 0
                     and _name(w) not in stopped
                     and islands.leader_name(w) not in reaper.members_seen
@@ -650,11 +653,56 @@ class _Islands:
         return fresh
 
 
-def _member_alive_besides(store, liveness: Liveness, names: set[str]) -> bool:
-    """Some member of the newest epoch outside `names` is alive (someone can admit a restarted island)."""
-    latest = int(store.get("latest")) if store.check(["latest"]) else 0
-    others = [m[1] for m in get_json(store, f"e/{latest}/members", []) if m[1] not in names]
-    return len(liveness.gone(others)) < len(others)
+class JoinRule(Protocol):
+    """Who lets a restarted island back into the job, as the launcher's restarts and its end see it: the members
+    (MembersAdmit) or a service of the job's own (ServiceAdmits). join_rule picks it from the job's record."""
+
+    members_admit: bool  # a restarted island waits for a member to put it in an epoch
+
+    def restart_refusal(self, store, liveness: Liveness, gone: set[str]) -> str | None:
+        """Why an island whose workers `gone` just left is not restarted now (restarts left aside), or None."""
+        ...
+
+    def ended(self, store, liveness: Liveness, finished: bool) -> bool:
+        """Whether the job's end has come (no more restarts); `finished`: some worker finished (exit 0)."""
+        ...
+
+
+class MembersAdmit:
+    """The synchronous outer strategies': a restarted island enters at a round boundary of the members, who send
+    it the global state. Nobody can admit it without a live member, so none is restarted then, and once no
+    member of the newest epoch is alive the job has ended."""
+
+    members_admit = True
+
+    def restart_refusal(self, store, liveness: Liveness, gone: set[str]) -> str | None:
+        latest = int(store.get("latest")) if store.check(["latest"]) else 0
+        others = [m[1] for m in get_json(store, f"e/{latest}/members", []) if m[1] not in gone]
+        return None if len(liveness.gone(others)) < len(others) else "no other island is alive to admit it"
+
+    def ended(self, store, liveness: Liveness, finished: bool) -> bool:
+        return no_member_alive(store, liveness)
+
+
+class ServiceAdmits:
+    """A served job's (JobSpec.served: the parameter server's processes hold the global model): a restarted island
+    pulls the model from the service and trains at once, needing no live member, so it is restarted while its
+    restarts last whoever else is alive. The job's end is the service's final answer: an island that finished
+    (exit 0) had it, and every island still training had asked for it, so a later restart would find the
+    service stopping and train nothing."""
+
+    members_admit = False
+
+    def restart_refusal(self, store, liveness: Liveness, gone: set[str]) -> str | None:
+        return None
+
+    def ended(self, store, liveness: Liveness, finished: bool) -> bool:
+        return finished
+
+
+def join_rule(job: JobSpec) -> JoinRule:
+    """The launcher's rule for the job: the record says whether joiners need the members (JobSpec.served)."""
+    return ServiceAdmits() if job.served else MembersAdmit()
 
 
 # Seconds between the supervisor's looks at the store (heartbeats, epochs). Each look reads a few keys per
