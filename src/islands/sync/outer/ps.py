@@ -781,7 +781,7 @@ def parameter_server(
             f"reach= and margin= tune wait=auto (how far ahead and how long past due a window waits); "
             f"add wait=auto or drop them (wait={wait!r})"
         )
-    paced: float | WindowWait = wait
+    paced: float | str | WindowWait = wait
     if wait == "auto":
         paced = PacedWait(reach=REACH if reach is None else reach, margin=MARGIN if margin is None else margin)
     if bits not in (4, 32):
