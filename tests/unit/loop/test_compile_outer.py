@@ -20,7 +20,7 @@ from islands.sync.outer import make_outer
 BACKEND = "aot_eager"
 STEPS = 6
 
-# every outer strategy but diloco and streaming-diloco (test_compile.py) and ps (test_ps_wait_models.py)
+# every outer strategy but diloco (test_compile.py, and below with every compressor) and ps (test_ps_wait_models.py)
 OUTER = [
     "local-sgd:every=2",
     "post-local-sgd:switch=2,every=2",  # averaging every step until step 2, then every 2
@@ -29,6 +29,9 @@ OUTER = [
     "easgd:every=2",
     "gossip:every=2",
     "gossip:every=2,compressor=(topk:ratio=0.25,warmup=0)",  # choco: per-edge estimates, keyed by parameter name
+    # streaming DiLoCo with a compressor instead of its 4-bit quantiser, in both compile orders (test_compile.py:
+    # quant4, compiled after wrap)
+    "streaming-diloco:inner_steps=4,fragments=2,bits=32,compressor=(topkq:ratio=0.1,bits=2,chunk=64)",
 ]
 # every compressor of docs/compression.md on DiLoCo's pseudo-gradients
 COMPRESSORS = [
