@@ -254,6 +254,10 @@ class Gate(nn.Module):
         super().__init__()
         self.inner, self.hold, self.seen = inner, hold, 0
     def forward(self, x):
+        self._gate()
+        return self.inner(x)
+    @torch.compiler.disable  # compiled jobs: the counter and file checks stay out of the graph (no recompile a step)
+    def _gate(self):
         held = False
         self.seen += self.training
         while self.training and self.hold and os.path.exists(self.hold) and self.seen > _after(self.hold):
@@ -261,7 +265,6 @@ class Gate(nn.Module):
                 held = True
                 open(f"{self.hold}.{os.getpid()}", "w").close()
             time.sleep(0.02)
-        return self.inner(x)
 
 class BNCNN(nn.Module):
     def __init__(self):

@@ -24,6 +24,7 @@ import torch
 from islands.loop.step_readout import StepReadout
 from islands.memory.step import ForwardBackward
 from islands.runtime.compiled import Compile, graphs_compiled
+from islands.runtime.world import World
 from islands.sync.base import OwnsStep, SkipsSteps, Strategy, capability
 
 
@@ -94,3 +95,22 @@ class StepBody:
         if self._skips is not None:
             return max(step, min(int(self._skips.next_step(step)), total_steps))
         return step
+
+
+def compile_record(body: StepBody, world: World) -> dict:
+    """The run record's `compile` part of a body that compiles: its fit's first step against its steady ones, and the
+    graphs torch compiled since the body was built (Compile.record).
+
+    Simulated islands (islands.runtime.simulate, backend "simulated") are threads of one process: they share
+    torch.compile's cache and its graph counter, so the island that steps first compiles the graphs every other island
+    then reuses, and an island that came later saw a warm first step and no graph of its own. There every island
+    records the island that paid the compilation (the greatest first-step excess) and the graphs compiled since the
+    first body was built. Collective in a simulation: every island calls it (the run record's build does)."""
+    compile_ = body.compile
+    assert compile_ is not None, "compile_record is for a body that compiles"
+    seconds, before = body.readout.seconds, body.graphs_before
+    if world.backend == "simulated" and world.size > 1:
+        gathered = world.all_gather_object((before, list(seconds)))
+        before = min(b for b, _ in gathered)
+        seconds = max((s for _, s in gathered), key=lambda s: compile_.record(s)["seconds"] or 0.0)
+    return compile_.record(seconds, graphs_compiled() - before)

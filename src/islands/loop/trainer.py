@@ -41,9 +41,9 @@ from islands.data.source import batch_source, val_batches
 from islands.loop.callback_list import CallbackList
 from islands.loop.callbacks import Evaluate
 from islands.loop.evaluate import evaluate
-from islands.loop.step_body import StepBody
+from islands.loop.step_body import StepBody, compile_record
 from islands.memory.step import ForwardBackward
-from islands.runtime.compiled import Compile, as_compile, graphs_compiled
+from islands.runtime.compiled import Compile, as_compile
 from islands.runtime.world import World
 from islands.sync.base import Describes, Reports, Strategy, capability
 from islands.sync.stack import Stack
@@ -254,8 +254,7 @@ class Trainer:
         if self.step_fn.micro_batch or self.step_fn.precision != "fp32" or self.step_fn.plan is not None:
             parts["memory"] = self.step_fn.record()
         if self.body.compile is not None:  # this fit's first step against its steady ones
-            graphs = graphs_compiled() - self.body.graphs_before
-            parts["compile"] = self.body.compile.record(self.body.readout.seconds, graphs)
+            parts["compile"] = compile_record(self.body, self.world)
         described = capability(self.strategy, Describes)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         if described is not None:  # a pipeline: every stage's measured activations
             mine = described.describe()

@@ -155,6 +155,19 @@ def test_compiled_trainer_matches_eager_under_outer_strategies(make_strategy):
         assert e_rec is None and c_rec["backend"] == BACKEND and c_rec["seconds"] >= 0
 
 
+@pytest.mark.slow  # dynamo traces the model (seconds of CPU each): make test, not make test-fast
+def test_simulated_islands_record_the_compile_they_share():
+    """Simulated islands are threads of one process: they share torch.compile's cache and its graph counter, so the
+    island that steps first compiles the graph every other island reuses. Each island recorded only its own steps
+    and the graphs compiled after its own Trainer was built: island 0, whose record is run.json's, said "nothing
+    compiled" and a compile time of ~0 when island 1 had compiled first (`islands train --simulate --compile`)."""
+    with compiles():
+        records = [rec for _, _, rec in _fit_simulated(lambda: islands.outer.DiLoCo(inner_steps=3), Compile(BACKEND))]
+    assert records[0] == records[1]  # every island records the job's one compile
+    assert records[0]["graphs"] >= 1
+    assert records[0]["seconds"] > records[0]["steady_step_seconds"]  # the first step that compiled, not a warm one
+
+
 def _own_loop(ckpt_dir, compile_at: str, steps: int, every: int) -> tuple[list[float], dict]:
     """The own-loop API (docs/own-model.md section 1) under DiLoCo, compiled `before` or `after` wrap or not at all
     (""), resuming from the newest checkpoint in `ckpt_dir` and saving every `every` steps (0: never)."""
