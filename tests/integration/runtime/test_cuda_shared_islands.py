@@ -65,4 +65,3 @@ def test_two_single_worker_islands_share_one_gpu_nccl_inside_gloo_across(tmp_pat
     loss, ref = gpu["summary"]["final_val_loss"], cpu["summary"]["final_val_loss"]
     assert torch.isfinite(torch.tensor(loss))
     assert loss == pytest.approx(ref, rel=1e-3)  # fp32 on both devices: the same training up to kernel rounding
-
