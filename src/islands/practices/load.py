@@ -38,7 +38,7 @@ _PRACTICE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "experiment": (str, list),  # one bench name, or a list of them (the one that tests the claim first)
     "issue": int,
 }
-_PAPER_FIELDS: dict[str, type] = {
+_PAPER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "authors_year": str,
     "ref": str,

@@ -443,6 +443,7 @@ def _world_over_default_group(
         world.local_backend = island_backend
         world.local_group = island_groups(islands, per_island, island_backend, timeout)
         world.cross_group = cross_groups(islands, per_island, cross, timeout)
+        assert world.local_group is not None and world.cross_group is not None  # every rank is in its own two
         world.mesh = DeviceMesh.from_group(
             [world.cross_group, world.local_group],
             device.type,
