@@ -149,11 +149,14 @@ class WorldConfig:
     )
     threads: int = _key(1, "torch threads (OMP_NUM_THREADS) per worker; one worker per core is the fair CPU comparison")
     device: str = _key(
-        "auto", "auto (cuda + nccl when every local worker gets its own GPU, else cpu + gloo), cpu or cuda"
+        "auto",
+        "auto (cuda + nccl when every local worker gets its own GPU, else cpu + gloo), cpu or cuda (a GPU per "
+        "local worker, or islands sharing GPUs: nccl inside each, gloo across; docs/gpu.md)",
     )
     cross_backend: str = _key(
         "auto",
-        "the backend between islands: auto (the world's, but gloo for a GPU job on a testbed), gloo (device "
+        "the backend between islands: auto (the world's, but gloo for a GPU job on a testbed or whose islands "
+        "share GPUs), gloo (device "
         "tensors cross through host buffers; fails rather than hangs on a dead peer) or nccl (a GPU world only)",
     )
     timeout: float = _key(

@@ -161,7 +161,7 @@ def _round(spec: str, x: torch.Tensor, repeats: int, sync) -> dict:
 
 @experiment(
     "compressor-scale",
-    practices=("SOTA-902", "SOTA-903"),
+    practices=("SOTA-902", "SOTA-903", "SOTA-214", "SOTA-905"),  # topkq, dct-topk, error feedback, Elias-Fano
     help="GB/s of the outer compressors (compress + decode) on flat fp32 vectors of 10M-500M values next to a warm "
     "memcpy, one thread, and the link rate below which each pays",
     devices=("cpu", "cuda"),

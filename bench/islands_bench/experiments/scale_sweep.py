@@ -15,6 +15,17 @@ number of steps with M x b samples per step in all. The outer step everywhere is
 best (plain SGD, lr 1 x sqrt(M)). The question (SOTA-155): does DiLoCo's gap to DDP stay put, shrink or grow as
 the model grows, at a fixed ratio of data to parameters?
 
+Every arm trains through the Trainer's `compile=islands.Compile(...)` with ForwardBackward(precision="auto"): on
+CUDA inductor and bf16 autocast (issue #34 item 6: the GPU sweep compiled, in bf16); on the CPU aot_eager (it traces
+the same forward and backward graphs but generates no code, so a CPU needs no C++ compiler and the smoke tier keeps
+the compiled path's wiring checked for a few seconds of tracing) in fp32. Every row names the device, the compile
+backend and the precision its arm ran with, and the compile's seconds (COMPILE_SECONDS_DEFINITION).
+
+Arms run in order of what a cut run should already hold (ARM_ORDER): DDP and DiLoCo of every size, smallest first,
+then the streaming arms; each finished pair's gap goes to the log at once. A run cut by its time box keeps the
+finished arms (runs/*.json) and the cut arm's snapshots (every SNAPSHOT_ROUNDS rounds), and `--reuse` resumes from
+there (scripts/gpu-check's `sweep` step, docs/gpu.md).
+
 --quick: tiny sizes, 4 tokens per parameter, 2 islands, H=20 (10 rounds in 200 steps), on the CPU: a few
 minutes, a smoke test of the sweep, not a measurement of scale. Full: 4 islands, H=100, 2000 steps, meant for
 `--device cuda` (one GPU; on the CPU every arm runs with one intra-op thread, see _arm).
@@ -29,7 +40,7 @@ import shutil
 import torch
 
 import islands
-from islands.memory import ForwardBackward
+from islands.memory import ForwardBackward, resolve_precision
 from islands.models import count_parameters
 from islands.outer import DiLoCo, StreamingDiLoCo
 from islands.tasks import lm_task
@@ -49,10 +60,17 @@ FULL = dict(
 QUICK = dict(
     sizes=((12, 1, 2), (32, 2, 2), (64, 2, 4)), context=32, islands=2, steps=200, H=20, tokens_per_param=4.0, lr=3e-3
 )
-SNAPSHOT_ROUNDS = 5  # an arm's state is kept every 5 rounds (arm_snapshots): --reuse resumes a cut arm from there
+# an arm's state is kept every 2 rounds (arm_snapshots): --reuse resumes a cut arm from there, so a time box that cuts
+# an arm loses at most 2 of its 20 full-tier rounds (200 steps); 4 islands' 10.9M-parameter states are ~0.7 GB a set
+SNAPSHOT_ROUNDS = 2
 FRAGMENTS, TAU, BITS = 4, 1, 4  # streaming DiLoCo's setting in LIT-214
 OUTER = dict(outer="sgd", outer_lr=1.0, momentum=0.0, lr_scale="sqrt-islands")  # diloco-vs-ddp's best (SCALED)
 ARMS = ("ddp", "diloco", "streaming")
+ARM_ORDER = (("ddp", "diloco"), ("streaming",))  # run in this order, sizes smallest first within each group
+# torch.compile's backend per device: inductor on CUDA; aot_eager on the CPU (no C++ compiler needed, and no codegen
+# for a tiny model that tracing already makes slower to start); None would run eagerly
+COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
+PRECISION = "auto"  # ForwardBackward's: bf16 autocast on a CUDA device with bf16, fp32 elsewhere
 WARMUP_FRACTION, WEIGHT_DECAY, GRAD_CLIP, BETAS = 0.1, 0.1, 1.0, (0.9, 0.95)  # the built-in tasks' defaults
 EVAL_BATCHES = 8
 
@@ -73,9 +91,23 @@ def _strategy(arm: str, h: int):
     return islands.Stack()
 
 
-def _fit(task, world, arm: str, tier: dict, snapshots: ArmSnapshots | None = None, callbacks=()) -> dict:
-    """Train one island (or the DDP model) with the Trainer, from the arm's last snapshot when resuming; the
-    global model's validation loss on rank 0."""
+def compile_backend(device: str) -> str | None:
+    """The torch.compile backend the sweep's arms use on `device` ("cpu" or "cuda")."""
+    return COMPILE_BACKEND.get(device)
+
+
+def _fit(
+    task,
+    world,
+    arm: str,
+    tier: dict,
+    snapshots: ArmSnapshots | None = None,
+    callbacks=(),
+    compile_backend: str | None = None,
+) -> dict:
+    """Train one island (or the DDP model) with the Trainer, compiled with `compile_backend` (None: eager), from the
+    arm's last snapshot when resuming; the global model's validation loss on rank 0, and what the fit ran as: its
+    precision and its compile record (backend, seconds, graphs; None when eager)."""
     model = copy.deepcopy(task.model)  # every island starts from the same weights
     opt = torch.optim.AdamW(model.parameters(), lr=tier["lr"], betas=BETAS, weight_decay=WEIGHT_DECAY)
     steps = tier["steps"]
@@ -90,13 +122,19 @@ def _fit(task, world, arm: str, tier: dict, snapshots: ArmSnapshots | None = Non
         callbacks=[*saving, *callbacks],
         grad_clip=GRAD_CLIP,
         schedule=islands.WarmupCosine(max(1, int(steps * WARMUP_FRACTION)), steps),
-        step_fn=ForwardBackward(precision="auto"),
+        step_fn=ForwardBackward(precision=PRECISION),
         batch_size=task.batch_size,
+        compile=islands.Compile(backend=compile_backend) if compile_backend else None,
     )
     if snapshots is not None:
         snapshots.restore(trainer, world.rank)
     trainer.fit(steps)
-    out = {"ledger": world.ledger.snapshot(), "train_loss": trainer.series["train"][-1]["loss"]}
+    out = {
+        "ledger": world.ledger.snapshot(),
+        "train_loss": trainer.series["train"][-1]["loss"],
+        "precision": resolve_precision(PRECISION, world.device),
+        "compile": trainer.record_parts().get("compile"),
+    }
     if world.rank == 0:
         out.update(islands.evaluate(trainer.eval_model, task.val_data, task.loss_fn, world.device))
     return out
@@ -129,21 +167,34 @@ def _arm(ctx: BenchContext, label: str, spec: dict, device: str) -> dict:
         at = snapshots.prepare(ctx.reuse)
         if at is not None:
             ctx.log(f"run {label}: resuming at step {at} of {tier['steps']} from {snapshots.root} (--reuse)")
+        if spec["compile"]:  # every arm compiles afresh, static shapes: not the graphs (made dynamic by the shape
+            torch._dynamo.reset()  # changes) of the arms before it in this process, so a resumed arm runs the same
         threads = torch.get_num_threads()
         if device == "cpu":  # every arm alike; on a shared CPU, 2 intra-op threads ran DDP ~40x slower (spinning)
             torch.set_num_threads(1)
         try:  # DDP too runs as a simulation (of one island): the same thread setup for every arm
             results = islands.simulate.run(
-                lambda w: _fit(task, w, spec["arm"], tier, snapshots), islands=m, device=device
+                lambda w: _fit(task, w, spec["arm"], tier, snapshots, compile_backend=spec["compile"]),
+                islands=m,
+                device=device,
             )
         finally:
             torch.set_num_threads(threads)
         wall = snapshots.wall_s()  # earlier sessions' part of a resumed arm included
     ledger = results[0]["ledger"]
+    # the islands share the process's compiled graphs: whichever island steps first compiles them (its record has
+    # the seconds and graphs), the others reuse them, so the arm's compile is the largest of the islands' records
+    compiled = [r["compile"] for r in results if r["compile"] is not None]
+    compile_s = [c["seconds"] for c in compiled if c["seconds"] is not None]
     result = {
         "val_loss": results[0]["val_loss"],
         "train_loss": results[0]["train_loss"],
         "wall_s": wall,
+        "precision": results[0]["precision"],
+        "compile": spec["compile"],
+        # the compile seconds of the session that finished the arm (a resumed arm compiles again)
+        "compile_s": round(max(compile_s), 2) if compile_s else None,
+        "graphs": max(c["graphs"] or 0 for c in compiled) if compiled else None,
         "sent": ledger["total_sent"],
         "calls": ledger["calls"],
         "sent_by_kind": ledger["sent"],
@@ -152,6 +203,11 @@ def _arm(ctx: BenchContext, label: str, spec: dict, device: str) -> dict:
     path.write_text(json.dumps({"spec": spec, "result": result}, indent=1))
     shutil.rmtree(snapshots.root, ignore_errors=True)  # the arm is done: its result is what --reuse reads now
     return result
+
+
+def device_name(device: str) -> str:
+    """What the rows call the device: the GPU's name on CUDA, "cpu" otherwise."""
+    return torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else device
 
 
 @experiment(
@@ -166,8 +222,9 @@ def scale_sweep(ctx: BenchContext) -> dict:
     if ctx.smoke:  # the smallest size, two rounds
         tier.update(sizes=QUICK["sizes"][:1], steps=2 * QUICK["H"])
     device = ctx.device
+    backend = compile_backend(device)
     ctx.plan(len(tier["sizes"]) * len(ARMS))
-    rows = []
+    shapes = []  # (size, params, batch per island, tokens) per size, smallest first
     for size in tier["sizes"]:
         d, n_layers, heads = size
         params = count_parameters(
@@ -176,17 +233,31 @@ def scale_sweep(ctx: BenchContext) -> dict:
             ).model
         )
         batch = _batch_per_island(params, tier)
-        tokens = tier["steps"] * tier["islands"] * batch * tier["context"]
-        by_arm = {}
-        for arm in ARMS:
-            spec = {
-                "size": list(size),
-                "arm": arm,
-                "batch": batch,
-                "device": device,
-                "tier": {k: (list(map(list, v)) if k == "sizes" else v) for k, v in tier.items()},
-            }
-            by_arm[arm] = _arm(ctx, f"{params}-{arm}", spec, device)
+        shapes.append((size, params, batch, tier["steps"] * tier["islands"] * batch * tier["context"]))
+    by_size: dict[int, dict] = {params: {} for _, params, _, _ in shapes}
+    for group in ARM_ORDER:  # DDP and DiLoCo of every size first: what a run cut by its time box should hold
+        for size, params, batch, _ in shapes:
+            for arm in group:
+                spec = {
+                    "size": list(size),
+                    "arm": arm,
+                    "batch": batch,
+                    "device": device,
+                    "compile": backend,
+                    "precision": PRECISION,
+                    "tier": {k: (list(map(list, v)) if k == "sizes" else v) for k, v in tier.items()},
+                }
+                by_size[params][arm] = _arm(ctx, f"{params}-{arm}", spec, device)
+            done = by_size[params]
+            for arm in group:  # in the log at once: a run cut later still shows the pairs it finished
+                if arm != "ddp":
+                    gap = gap_pct(done[arm]["val_loss"], done["ddp"]["val_loss"])
+                    ctx.log(f"{params:,} parameters: {arm} {gap:+.2f}% final val loss against DDP at equal tokens")
+    gpu = device_name(device)
+    rows = []
+    for size, params, batch, tokens in shapes:
+        d, n_layers, _ = size
+        by_arm = by_size[params]
         ddp_bytes = tier["steps"] * 4 * params  # one fp32 gradient all-reduce per step (payload, not wire)
         for arm in ARMS:
             r = by_arm[arm]
@@ -208,6 +279,10 @@ def scale_sweep(ctx: BenchContext) -> dict:
                     "bytes_cut_vs_ddp": ddp_bytes / max(sent, 1),
                     "peak_bytes_per_sync": sent / max(syncs, 1),
                     "wall_s": round(r["wall_s"], 1),
+                    "device": gpu,
+                    "compiled": r["compile"] or "no",
+                    "precision": r["precision"],
+                    "compile_s": r["compile_s"],
                 }
             )
     sizes = sorted({r["params"] for r in rows})
@@ -216,7 +291,12 @@ def scale_sweep(ctx: BenchContext) -> dict:
         for arm in ("diloco", "streaming")
     }
     trend = {arm: ("shrinks" if g[-1] < g[0] else "grows") for arm, g in gaps.items()}
-    where = f"{device}, islands simulated in one process (islands.simulate; no link: bytes are ledger payload)"
+    precisions = sorted({r["precision"] for r in rows})
+    how = f"torch.compile {backend}" if backend else "eager"
+    where = (
+        f"{gpu} ({device}), {how}, {'/'.join(precisions)}, islands simulated in one process (islands.simulate; "
+        "no link: bytes are ledger payload)"
+    )
     headline = [
         f"{'quick tier (tiny sizes, a smoke test of the sweep, not a scale measurement): ' if ctx.quick else ''}"
         f"byte-level LM on Python's stdlib source, sizes {', '.join(f'{p:,}' for p in sizes)} parameters "
@@ -236,6 +316,9 @@ def scale_sweep(ctx: BenchContext) -> dict:
     return {
         "rows": rows,
         "headline": headline,
+        "device": gpu,
+        "compile": backend,
+        "precision": precisions,
         "interconnect": [where],
         "baseline": ["DDP at equal tokens: one model on M x b samples per step (synchronous data parallelism)"],
     }

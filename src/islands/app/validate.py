@@ -41,7 +41,7 @@ from islands.runtime.compiled import Compile, check_backend
 from islands.runtime.contracts import ServedParticipant
 from islands.runtime.elastic.etcd_store import EtcdAddress, EtcdLogin, EtcdTLS
 from islands.runtime.launch.ranks import LaunchError, load_testbed
-from islands.runtime.world import CROSS_BACKENDS, World
+from islands.runtime.world import CROSS_BACKENDS, World, islands_may_share
 from islands.spec import Spec, format as format_spec
 from islands.sync.outer import make_outer, parse_outer
 from islands.sync.shard_group import check_group, parse_shard_group
@@ -149,16 +149,25 @@ def positive(cfg: JobConfig) -> list[str]:
 
 
 def device_has_gpus(cfg: JobConfig) -> str | None:
+    """world.device=cuda: a GPU per local worker, or islands that may share the GPUs (runtime.world.plan_groups:
+    NCCL inside each island of at most as many workers as GPUs, gloo across)."""
     if cfg.world.device != "cuda":
         return None
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.workers))  # torchrun sets it per host
     if cfg.world.simulate:
         local = 1  # every simulated island on the one device
-    if gpus < local:
+    w = cfg.world
+    if gpus < local and not islands_may_share(w.islands, w.workers, gpus, w.cross_backend):
+        share = (
+            f", or islands that share the GPUs (world.islands > 1 of at most {gpus} worker(s) each, "
+            "world.cross_backend gloo or auto)"
+            if gpus
+            else ""
+        )
         return (
             f"world.device=cuda needs one GPU per local worker: workers={cfg.world.workers}, {gpus} CUDA "
-            f"device(s) visible; use world.device=cpu or auto"
+            f"device(s) visible; use world.device=cpu or auto{share}"
         )
     return None
 

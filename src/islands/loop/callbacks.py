@@ -288,6 +288,7 @@ class RunRecord:
                 "islands": world.islands,
                 "workers_per_island": world.workers_per_island,
                 "backend": world.backend,
+                "local_backend": world.local_backend or world.backend,  # nccl over a gloo world: islands share GPUs
                 "device": str(world.device),
                 "threads_per_worker": self.threads,
             },

@@ -30,6 +30,12 @@ P2P_BYTES = 4 << 20
 ALLREDUCE_BYTES = (256 << 10, 4 << 20)
 
 
+def _default_group_device(world: World) -> torch.device:
+    """Where the default group's tensors live: the world's device on NCCL, else the CPU (a gloo world whose islands
+    share GPUs trains on CUDA, and gloo's point-to-point takes host tensors)."""
+    return world.device if world.backend == "nccl" else torch.device("cpu")
+
+
 def _peer(world: World) -> int:
     # With several islands the interesting link is the one between islands.
     return world.workers_per_island if world.islands > 1 else 1
@@ -38,8 +44,9 @@ def _peer(world: World) -> int:
 def probe_p2p(world: World, reps: int = 3, pings: int = 10) -> dict:
     a, b = 0, _peer(world)
     me = world.rank
-    small = torch.zeros(1, device=world.device)
-    big = torch.zeros(P2P_BYTES // 4, device=world.device)
+    device = _default_group_device(world)
+    small = torch.zeros(1, device=device)
+    big = torch.zeros(P2P_BYTES // 4, device=device)
     rtts, secs = [], []
     dist.barrier()
     if me in (a, b):
@@ -81,7 +88,7 @@ def probe_all_reduce(world: World, reps: int = 3) -> list[dict]:
     n = world.size
     out = []
     for size in ALLREDUCE_BYTES:
-        t = torch.ones(size // 4, device=world.device)
+        t = torch.ones(size // 4, device=_default_group_device(world))
         dist.all_reduce(t)  # warm-up: connection set-up is not bandwidth
         dist.barrier()
         start = time.perf_counter()
@@ -186,6 +193,7 @@ def probe_interconnect(world: World) -> dict:
     record = {
         "measured": True,
         "backend": world.backend,
+        "local_backend": world.local_backend or world.backend,
         "cross_backend": world.cross_backend or world.backend,
         "topology": topo,
         "p2p": p2p,

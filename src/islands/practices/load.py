@@ -27,7 +27,7 @@ _PAPER_ID = re.compile(r"LIT-\d{3}")
 _MODULE_PATH = re.compile(r"islands(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _EXPERIMENT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
-_PRACTICE_FIELDS: dict[str, type] = {
+_PRACTICE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "title": str,
     "status": str,
@@ -35,10 +35,10 @@ _PRACTICE_FIELDS: dict[str, type] = {
     "reason": str,
     "claim": str,
     "module": str,
-    "experiment": str,
+    "experiment": (str, list),  # one bench name, or a list of them (the one that tests the claim first)
     "issue": int,
 }
-_PAPER_FIELDS: dict[str, type] = {
+_PAPER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "authors_year": str,
     "ref": str,
@@ -66,7 +66,11 @@ def _parse_toml(text: str, origin: str, table: str) -> list[dict]:
     return rows
 
 
-def _check_fields(row: dict, fields: dict[str, type], where: str) -> None:
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
+def _check_fields(row: dict, fields: dict[str, type | tuple[type, ...]], where: str) -> None:
     missing = [k for k in fields if k not in row]
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing}; every row needs {list(fields)}")
@@ -77,9 +81,9 @@ def _check_fields(row: dict, fields: dict[str, type], where: str) -> None:
         value = row[key]
         # bool is a subclass of int in Python; an issue number of `true` is still a typo.
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(f"{where}: field '{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
-    for key, kind in fields.items():
-        if kind is list and not all(isinstance(x, str) for x in row[key]):
+            raise ValueError(f"{where}: field '{key}' must be {_type_name(kind)}, got {type(value).__name__} {value!r}")
+    for key in fields:
+        if isinstance(row[key], list) and not all(isinstance(x, str) for x in row[key]):
             raise ValueError(f"{where}: field '{key}' must be a list of strings, got {row[key]!r}")
 
 
@@ -174,8 +178,7 @@ def parse_practices(
             raise ValueError(
                 f"{where}: module {row['module']!r} must be a dotted path inside islands, e.g. 'islands.sync.ddp'"
             )
-        if row["experiment"] and not _EXPERIMENT_NAME.fullmatch(row["experiment"]):
-            raise ValueError(f"{where}: experiment {row['experiment']!r} must be a bench name like 'ddp-scaling'")
+        experiments = _experiments(row["experiment"], where)
         if row["issue"] < 0:
             raise ValueError(f"{where}: issue must be a project issue number, or 0 for not yet planned")
         practices.append(
@@ -187,11 +190,28 @@ def parse_practices(
                 reason=row["reason"],
                 claim=row["claim"],
                 module=row["module"],
-                experiment=row["experiment"],
+                experiment=experiments[0] if experiments else "",
                 issue=row["issue"],
+                experiments=experiments,
             )
         )
     return practices
+
+
+def _experiments(value: str | list[str], where: str) -> tuple[str, ...]:
+    """A row's `experiment`: "" (none), one bench name, or a list of them, the one that tests the claim first."""
+    if isinstance(value, str):
+        if not value:
+            return ()
+        value = [value]
+    elif not value:
+        raise ValueError(f'{where}: experiment = [] names nothing; write experiment = "" for none')
+    if len(set(value)) != len(value):
+        raise ValueError(f"{where}: 'experiment' lists a bench twice: {value}")
+    for name in value:
+        if not _EXPERIMENT_NAME.fullmatch(name):
+            raise ValueError(f"{where}: experiment {name!r} must be a bench name like 'ddp-scaling'")
+    return tuple(value)
 
 
 def check_backlinks(practices: Iterable[Practice], papers: Iterable[Paper]) -> None:

@@ -21,8 +21,11 @@ class Practice:
     reason: str
     claim: str
     module: str
-    experiment: str
+    experiment: str  # the bench experiment that tests the claim first (the first of `experiments`; "" for none)
     issue: int
+    # every bench experiment that measures the row, `experiment` first: a practice a later bench measures too (a
+    # GPU throughput run, a scale sweep, a codec's GB/s) names it here as well (registry.toml: experiment = [...])
+    experiments: tuple[str, ...] = ()
 
     @property
     def implemented(self) -> bool:

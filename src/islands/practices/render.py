@@ -61,7 +61,7 @@ def practices_table(items: Iterable[Practice], *, title: str = "Practice registr
         row = [p.id, f"[{style}]{p.status}[/]", p.title]
         if detail:
             row += [p.reason if p.status == "Rejected" else p.claim, ", ".join(p.sources) or "-"]
-        where = " / ".join(x for x in (p.module, p.experiment) if x) or "-"
+        where = " / ".join(x for x in (p.module, ", ".join(p.experiments)) if x) or "-"
         row += [_issue_label(p.issue), where]
         table.add_row(*row)
     return table
@@ -98,7 +98,7 @@ def practices_markdown(items: Iterable[Practice]) -> str:
         module = f"`{p.module}`" if p.module else "-"
         lines.append(
             f"| {p.id} | {p.status} | {_cell(p.title)} | {_cell(', '.join(p.sources))} | "
-            f"{_issue_label(p.issue)} | {module} | {_cell(p.experiment)} |"
+            f"{_issue_label(p.issue)} | {module} | {_cell(', '.join(p.experiments))} |"
         )
     rejected = [p for p in items if p.status == "Rejected"]
     if rejected:

@@ -61,7 +61,7 @@ def description(variant: Variant) -> str:
 def practice_ids(results: ExperimentResults, variant: Variant, registry: list[Practice]) -> list[str]:
     """The ids a variant measures: those its result names, then registry rows that point at the experiment."""
     ids = [str(i) for i in as_list(variant.data.get("practices"))]
-    ids += [p.id for p in registry if p.experiment == results.name and p.id not in ids]
+    ids += [p.id for p in registry if results.name in p.experiments and p.id not in ids]
     return ids
 
 
@@ -217,13 +217,20 @@ def _experiment_row(results: ExperimentResults, by_id: dict[str, Practice]) -> s
 
 
 def _result_cell(p: Practice, experiments: dict[str, ExperimentResults]) -> str:
-    if not p.experiment:
+    if not p.experiments:
         return '<span class="missing">no experiment yet</span>'
-    found = experiments.get(p.experiment)
+    cells = [_experiment_result(name, experiments) for name in p.experiments]
+    return cells[0] if len(cells) == 1 else "".join(f"<div>{cell}</div>" for cell in cells)
+
+
+def _experiment_result(name: str, experiments: dict[str, ExperimentResults]) -> str:
+    """One experiment of a practice's row: a link to its page and result with its first headline, or that it has
+    no result yet."""
+    found = experiments.get(name)
     if found is None:
-        return f'{esc(p.experiment)} <span class="missing">(no result yet)</span>'
+        return f'{esc(name)} <span class="missing">(no result yet)</span>'
     main = found.main
-    text = link(page_name(found), p.experiment) + f' <span class="variant">{esc(main.name)}</span>'
+    text = link(page_name(found), name) + f' <span class="variant">{esc(main.name)}</span>'
     text += " · " + link(data_file(main), "result.json")
     headline = _first_headline(main, 160)
     if headline:

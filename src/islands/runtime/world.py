@@ -99,6 +99,10 @@ class World:
     # the backend of the cross-island group: the world's own, or gloo for a GPU job whose islands meet over TCP
     # (resolve_cross_backend); device tensors then cross through host buffers (runtime.staging)
     cross_backend: str = ""
+    # the backend of the island groups when they are made apart from the default group: "nccl" where islands share
+    # GPUs (plan_groups; the default group and the cross groups are gloo); "" where they are the mesh's groups on
+    # the world's own backend
+    local_backend: str = ""
     # elastic mode (islands.runtime.elastic): its own Comm per scope, a fixed data shard
     # (shard, shards) that survives rank changes, and the membership whose state is checkpointed
     comms: dict | None = None
@@ -186,31 +190,108 @@ def check_device(device: str, needs_cuda: bool = False) -> None:
         raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or auto")
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """Which backend each process group of a fixed world gets, and where this worker trains (plan_groups)."""
+
+    backend: str  # the default group over every rank (bookkeeping gathers, the interconnect probe)
+    local: str  # each island's group: the inner strategy's traffic, every step
+    cross: str  # the groups of one slot on every island: the outer strategy's exchanges
+    device: torch.device
+
+    @property
+    def shares_devices(self) -> bool:
+        """Islands share GPUs: NCCL only inside each island, gloo for every group that spans islands."""
+        return self.local != self.backend
+
+
+def islands_may_share(islands: int, workers: int, gpus: int, cross_backend: str = "auto") -> bool:
+    """Whether the islands of a fixed world may share this host's GPUs: more than one island, each of at most `gpus`
+    workers (NCCL refuses two ranks of one group on one GPU, and an island's workers form one NCCL group), and
+    nothing across islands on NCCL (cross_backend gloo, or auto, which then resolves to gloo)."""
+    return (
+        islands > 1 and workers % islands == 0 and 0 < workers // islands <= gpus and cross_backend in ("auto", "gloo")
+    )
+
+
+def plan_groups(
+    device: str,
+    cross_backend: str,
+    islands: int,
+    workers: int,
+    local_workers: int,
+    local_index: int,
+    gpus: int,
+    gloo_links: bool = False,
+) -> GroupPlan:
+    """The process groups and device of one worker of a fixed world, from the facts of its host: `workers` in the
+    world, `local_workers` on this host (this one the `local_index`-th), `gpus` visible.
+
+    - every worker on this host has a GPU of its own (device auto or cuda): NCCL for the default and island groups,
+      and across islands what resolve_cross_backend says (NCCL, or gloo when asked or over testbed links);
+    - device cpu, or auto with more workers than GPUs: gloo everywhere on the CPU;
+    - device cuda with more workers than GPUs: the islands share the GPUs where islands_may_share allows it. Each
+      island's workers get a NCCL group of their own (worker i of the host on GPU i modulo the GPUs: an island's
+      workers hold consecutive ranks, so they land on different GPUs), and everything that spans islands, the
+      default group and the cross groups, is gloo (device tensors cross through host buffers, runtime.staging),
+      since NCCL refuses two ranks of one group on one GPU. Otherwise a ValueError says why.
+    """
+    check_device(device)
+    check_cross_backend(cross_backend)
+    local_workers = max(local_workers, local_index + 1)  # a worker's own index says at least this many share the host
+    cpu = torch.device("cpu")
+    if device == "cpu" or (device == "auto" and local_workers > gpus):
+        return GroupPlan("gloo", "gloo", resolve_cross_backend(cross_backend, "gloo", gloo_links), cpu)
+    if local_workers <= gpus:
+        cross = resolve_cross_backend(cross_backend, "nccl", gloo_links)
+        return GroupPlan("nccl", "nccl", cross, torch.device("cuda", local_index))
+    if islands_may_share(islands, workers, gpus, cross_backend):
+        return GroupPlan("gloo", "nccl", "gloo", torch.device("cuda", local_index % gpus))
+    share = ""
+    if gpus:
+        share = (
+            f", or let islands share the GPUs: islands > 1 of at most {gpus} worker(s) each, with cross_backend gloo "
+            f"or auto (this job: {islands} island(s) of {workers // max(islands, 1)}, cross_backend {cross_backend})"
+        )
+    raise ValueError(
+        f"device=cuda needs one GPU per worker on this host: {local_workers} worker(s), {gpus} GPU(s) visible; use "
+        f"device=cpu (gloo) or at most {gpus} worker(s) per host{share}"
+    )
+
+
+def host_facts() -> tuple[int, int, int]:
+    """(workers in the job, workers on this host, this worker's index among them) from torch's env:// variables. A
+    job started by hand without LOCAL_WORLD_SIZE counts as one host: WORLD_SIZE workers, this one's index
+    LOCAL_RANK (else RANK)."""
+    env = os.environ
+    workers = int(env.get("WORLD_SIZE", "1"))
+    if "LOCAL_WORLD_SIZE" in env:
+        return workers, int(env["LOCAL_WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    return workers, workers, int(env.get("LOCAL_RANK", env.get("RANK", "0")))
+
+
+def plan_world(
+    device: str = "auto", islands: int = 1, cross_backend: str = "auto", gloo_links: bool = False
+) -> GroupPlan:
+    """plan_groups for this process (host_facts, the GPUs torch sees), with its CUDA device made current."""
+    workers, local_workers, local = host_facts()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    plan = plan_groups(device, cross_backend, islands, workers, local_workers, local, gpus, gloo_links)
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    return plan
+
+
 def pick_backend(device: str = "auto") -> tuple[str, torch.device]:
     """(backend, device) for this process: NCCL on its own GPU, or gloo on the CPU.
 
     NCCL refuses two ranks on one GPU, so "auto" takes CUDA only when every worker on this host
     (LOCAL_WORLD_SIZE, set by our launcher and by torchrun) gets its own device. A job started by hand
     without LOCAL_WORLD_SIZE counts as one host: WORLD_SIZE workers, this one's index LOCAL_RANK (else RANK).
+    The world of one island (plan_world: islands that share GPUs are init_world's).
     """
-    check_device(device)
-    env = os.environ
-    if "LOCAL_WORLD_SIZE" in env:
-        local_workers, local = int(env["LOCAL_WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
-    else:
-        local_workers = int(env.get("WORLD_SIZE", "1"))
-        local = int(env.get("LOCAL_RANK", env.get("RANK", "0")))
-    local_workers = max(local_workers, local + 1)  # a worker's own index says at least this many share the host
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cuda" and local_workers > gpus:
-        raise ValueError(
-            f"device=cuda needs one GPU per worker on this host: {local_workers} worker(s), "
-            f"{gpus} GPU(s) visible; use device=cpu (gloo) or at most {gpus} worker(s) per host"
-        )
-    if device == "cpu" or local_workers > gpus:
-        return "gloo", torch.device("cpu")
-    torch.cuda.set_device(local)
-    return "nccl", torch.device("cuda", local)
+    plan = plan_world(device)
+    return plan.backend, plan.device
 
 
 ISLANDS_ENV = "ISLANDS_ISLANDS"  # set by `islands run --islands K` for scripts that do not say
@@ -284,9 +365,17 @@ def init_world(
             )
         check_device(device, needs_cuda=True)
         return World.single("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
-    backend, dev = pick_backend(device)
-    init_default_group(backend, timeout_s)
-    world = _world_over_default_group(islands, dev, backend, cross_backend, gloo_links, timeout_s)
+    plan = plan_world(device, islands, cross_backend, gloo_links)
+    init_default_group(plan.backend, timeout_s)
+    world = _world_over_default_group(
+        islands,
+        plan.device,
+        plan.backend,
+        cross_backend,
+        gloo_links,
+        timeout_s,
+        island_backend=plan.local if plan.shares_devices else None,
+    )
     world.owns_group = True
     return world
 
@@ -336,13 +425,32 @@ def _world_over_default_group(
     cross_backend: str = "auto",
     gloo_links: bool = False,
     timeout_s: float = 120.0,
+    island_backend: str | None = None,
 ) -> World:
+    """The World over the default process group. `island_backend`: each island's ranks get a group of their own on
+    it, made apart from the default group, and the ("island", "local") mesh is built from the island and cross
+    groups (islands sharing GPUs: NCCL inside each island over a gloo world, plan_groups); None: the mesh's groups
+    on the world's own backend."""
     rank, size = dist.get_rank(), dist.get_world_size()
     if size % islands:
         raise ValueError(f"world size {size} is not divisible by islands={islands}; choose a divisor of {size}")
     cross = resolve_cross_backend(cross_backend, backend, gloo_links)
     world = World(rank=rank, size=size, islands=islands, device=device, backend=backend, cross_backend=cross)
-    if size > 1:
+    if size > 1 and island_backend is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        per_island, timeout = size // islands, _dt.timedelta(seconds=timeout_s)
+        world.local_backend = island_backend
+        world.local_group = island_groups(islands, per_island, island_backend, timeout)
+        world.cross_group = cross_groups(islands, per_island, cross, timeout)
+        assert world.local_group is not None and world.cross_group is not None  # every rank is in its own two
+        world.mesh = DeviceMesh.from_group(
+            [world.cross_group, world.local_group],
+            device.type,
+            mesh=torch.arange(size).view(islands, per_island),
+            mesh_dim_names=("island", "local"),
+        )
+    elif size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         world.mesh = init_device_mesh(device.type, (islands, size // islands), mesh_dim_names=("island", "local"))
@@ -384,6 +492,19 @@ def stages_across(device: torch.device, cross_backend: str) -> bool:
     """Whether cross-island tensors must be copied through host memory: a device world over a gloo cross group
     (a NCCL world crossing on gloo, or an elastic job on a GPU)."""
     return cross_backend == "gloo" and device.type != "cpu"
+
+
+def island_groups(islands: int, per_island: int, backend: str, timeout: _dt.timedelta) -> ProcessGroup | None:
+    """This rank's group of its own island's ranks, on `backend`. Collective, as cross_groups: every rank makes every
+    island's group in the same order, and keeps its own."""
+    me = dist.get_rank() // per_island
+    mine = None
+    for island in range(islands):
+        ranks = list(range(island * per_island, (island + 1) * per_island))
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if island == me:
+            mine = group
+    return mine
 
 
 def cross_groups(islands: int, per_island: int, backend: str, timeout: _dt.timedelta) -> ProcessGroup | None:

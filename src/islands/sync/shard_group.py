@@ -95,8 +95,16 @@ def device_memory_bytes(device, ranks_on_host: int) -> int:
 
 def build_mesh(world, g: int):
     """A 1-D mesh (plain FSDP) when one group spans every rank, else a 2-D ("replicate", "shard") mesh
-    (HSDP); the world's own ("island", "local") mesh when the groups are exactly the islands."""
+    (HSDP); the world's own ("island", "local") mesh when the groups are exactly the islands. Refused where islands
+    share GPUs (World.local_backend differs from the world's: NCCL only inside each island), since every such mesh
+    carries per-step traffic across islands over the gloo world."""
     check_group(g, world.size)
+    if world.local_backend not in ("", world.backend) and world.islands > 1:
+        raise ValueError(
+            f"islands sharing GPUs keep NCCL inside each island and gloo across them (world.local_backend "
+            f"{world.local_backend}, world backend {world.backend}): fsdp shards inside each island under an outer "
+            "strategy there, not across islands; add an outer strategy, or give every worker a GPU of its own"
+        )
     if g == world.size:
         if world.islands == 1:
             return world.mesh["local"]

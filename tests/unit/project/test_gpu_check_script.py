@@ -59,6 +59,56 @@ def test_every_bench_step_runs_a_registered_experiment_with_a_cuda_variant_and_k
     ]
 
 
+def _assignments(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Z_]+)=(\S+)", text, flags=re.M))
+
+
+def _boxes(text: str) -> dict[str, int]:
+    declared = re.search(r"^declare -A box=\(([^)]*)\)", text, flags=re.M)
+    assert declared, "the script's box table is gone"
+    return {k: int(v) for k, v in re.findall(r"\[([\w-]+)\]=(\d+)", declared.group(1))}
+
+
+def test_one_call_runs_the_tests_the_throughput_and_a_part_of_the_sweep_within_its_budget():
+    """Issue #34 item 6's call: the CUDA tests, gpu-throughput (eager and compiled) and the sweep by default, the
+    boxes before the sweep leaving it at least its minimum, and the whole run, a box's kill grace included, under
+    9 minutes (the device gives a command 10)."""
+    text = _script()
+    default = re.search(r"^DEFAULT_STEPS=\(([^)]*)\)", text, flags=re.M)
+    assert default and default.group(1).split() == ["tests", "throughput", "sweep"]
+    values = _assignments(text)
+    budget = int(re.search(r"budget=\$\{GPU_CHECK_BUDGET_S:-(\d+)\}", text).group(1))
+    setup, sweep_min = int(values["SETUP_S"]), int(values["SWEEP_MIN_S"])
+    boxes = _boxes(text)
+    assert boxes["sweep"] == 0  # the budget's rest
+    grace = int(re.search(r"timeout -k (\d+) ", text).group(1))
+    assert budget + grace <= 9 * 60
+    least = budget - setup - boxes["tests"] - boxes["throughput"]
+    assert least >= sweep_min >= 60, f"the boxes leave the sweep {least} s at the least"
+    # gpu-throughput's eager run took 112 s on an H200 and its compiled arms add inductor's compile (40-90 s)
+    assert boxes["throughput"] >= 112 + 90 + 20
+    assert boxes["tests"] >= 98 + 60  # the 44 tests of 2026-12-04, plus the elastic and shared-GPU ones
+    assert f"{budget} - {setup} - {boxes['tests']} - {boxes['throughput']} = {least} s" in text
+
+
+def test_the_docs_plan_gives_the_scripts_boxes():
+    text = _script()
+    boxes = _boxes(text)
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| [^|]+ \| ([^|]+) \|", doc, flags=re.M))
+    assert set(rows) == set(boxes)
+    for step, box in boxes.items():
+        if step == "sweep":
+            least = int(re.search(r"at least [\d -]+= (\d+) s", rows[step]).group(1))
+            setup = int(_assignments(text)["SETUP_S"])
+            budget = int(re.search(r"budget=\$\{GPU_CHECK_BUDGET_S:-(\d+)\}", text).group(1))
+            assert least == budget - setup - boxes["tests"] - boxes["throughput"]
+            assert f"skipped under {_assignments(text)['SWEEP_MIN_S']} s" in rows[step]
+        else:
+            assert rows[step].strip() == f"{box} s", (step, rows[step])
+    assert "170 s box" not in doc
+
+
 def test_the_marker_the_script_selects_by_is_registered(pytestconfig):
     assert re.search(r"-m pytest .*-m cuda tests\b", _script())
     assert any(m.split(":")[0].strip() == "cuda" for m in pytestconfig.getini("markers"))

@@ -320,6 +320,28 @@ def test_filter_rejects_bad_arguments(practices):
         filter_practices(practices, implemented="yes")
 
 
+def test_a_row_may_name_several_experiments_the_first_testing_its_claim():
+    text = GOOD_ROW.replace('module = ""', 'module = "islands.practices"')
+    (p,) = _parse(text.replace('experiment = ""', 'experiment = ["x-y", "z"]'))
+    assert p.experiment == "x-y" and p.experiments == ("x-y", "z") and p.implemented
+    (p,) = _parse(text.replace('experiment = ""', 'experiment = "x-y"'))
+    assert p.experiments == ("x-y",)
+    (p,) = _parse(GOOD_ROW)
+    assert p.experiment == "" and p.experiments == ()
+    for bad, message in (
+        ("[]", "names nothing"),
+        ('["x-y", "x-y"]', "lists a bench twice"),
+        ('["x-y", "Bad Name"]', "'Bad Name' must be a bench name"),
+        ('"Bad Name"', "'Bad Name' must be a bench name"),
+        ('["x-y", 3]', "must be a list of strings"),
+        ("3", "must be str or list"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _parse(text.replace('experiment = ""', f"experiment = {bad}"))
+    rendered = practices_markdown(_parse(text.replace('experiment = ""', 'experiment = ["x-y", "z"]')))
+    assert "| `islands.practices` | x-y, z |" in rendered
+
+
 def test_implemented_needs_module_and_experiment():
     (p,) = _parse(GOOD_ROW.replace('module = ""', 'module = "islands.practices"'))
     assert not p.implemented
