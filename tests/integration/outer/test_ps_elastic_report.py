@@ -27,8 +27,10 @@ def test_the_report_reaches_run_json_after_the_island_that_started_the_service_w
     assert report["mode"] == "processes" and report["stop"] == "done", report
     assert report["complete"] and report["missing"] is None, report
     (server,) = report["servers"]
-    # every push the three island processes had acknowledged, counted where it was applied
-    assert server["pushes_applied"] == applied and server["pushes_refused"] == 0, (server, ends, seen)
+    # every push the three island processes had acknowledged, counted where it was applied; a push may be refused as
+    # too stale (max_staleness 4), and the survivors' refusals are among the server's (the killed one's are unknown)
+    assert server["pushes_applied"] == applied, (server, ends, seen)
+    assert server["pushes_refused"] >= ends["w1"]["refused"] + ends["w0.1"]["refused"], (server, ends)
     assert server["restarts"] == 0 and server["processes"][0]["final"], server
     assert server["cpu_seconds"] > 0 and server["peak_memory_bytes"] > 0 and server["peak_memory"] == "max_rss"
     assert report["cpu_seconds"] == server["cpu_seconds"]
