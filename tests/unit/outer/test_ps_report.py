@@ -21,7 +21,15 @@ from islands.sync.base import Reports, capability
 from islands.sync.ddp import DDP
 from islands.sync.outer.ps import outer_rule
 from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_report import MEMORY_RSS, MEMORY_STATE, collect, hand_over, process_report, take_report
+from islands.sync.outer.ps_report import (
+    MEMORY_RSS,
+    MEMORY_STATE,
+    collect,
+    hand_over,
+    process_report,
+    report_taken,
+    take_report,
+)
 from islands.sync.outer.ps_wire import DONE, StoreCalls
 from islands.sync.stack import Stack
 
@@ -165,6 +173,27 @@ def test_an_elastic_supervisor_hands_its_report_over_and_stays_while_an_island_b
     assert 10.0 <= clock.t < 10.2
     taken, why = take_report(_calls, store, timeout_s=1.0, call_s=1.0)  # the supervisor wrote none: it says so
     assert taken is None and not process_report(taken, why)["complete"] and why == "the supervisor wrote no report"
+
+
+def test_an_elastic_supervisor_leaves_once_every_island_answered_final_has_taken_the_report():
+    store = _Beats()
+    # shard 0 restarted: its first process answered island 0 final, its second island 2 (a restarted island 0)
+    first, second = dict(_process(1, False, 1.0, 4), finals=[0]), dict(_process(2, True, 2.0, 9), finals=[2])
+    collected = {
+        "stop": "done",
+        "supervisor": {},
+        "shards": [{"shard": 0, "restarts": 1, "processes": [first, second], "absent": []}],
+    }
+
+    def beating(t: float) -> bool:  # island 0 takes it at 1 s, island 2 at 2 s; a third island beats all along
+        for island, when in ((0, 1.0), (2, 2.0)):
+            if t >= when:
+                report_taken(_calls, store, island, call_s=1.0)
+        return True
+
+    clock = _Clock(store, beating)
+    hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    assert 2.0 <= clock.t < 2.2  # not at 1 s (island 2 had not taken it), not at the limit (the beats go on)
 
 
 def test_an_island_takes_no_report_within_its_bounds_and_says_why():

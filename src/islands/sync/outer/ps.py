@@ -80,7 +80,13 @@ from islands.sync.outer.ps_link import (
     VirtualClock,
 )
 from islands.sync.outer.ps_remote import RemoteLink
-from islands.sync.outer.ps_report import process_report, read_collected, take_report, thread_report
+from islands.sync.outer.ps_report import (
+    process_report,
+    read_collected,
+    report_taken,
+    take_report,
+    thread_report,
+)
 from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
 from islands.sync.outer.ps_service import SCRATCH, ServiceConfig, launch
 from islands.sync.outer.ps_wait import MARGIN, REACH, PacedWait, WindowWait, window_wait
@@ -660,6 +666,8 @@ class ParameterServer(OuterStrategy):
         # the heartbeat stops before the supervisor may leave: its thread would otherwise hit the store as the
         # supervisor closes it (torch logs a C++ stack for that); this island has its final answer (and report)
         link.close()
+        if handed and silent is None:  # the supervisor leaves once every island answered final has taken it
+            report_taken(link.calls, link.store, self.island, link.connect_s * 5)
         if self.launched is not None and (not handed or silent is not None):
             why = None
             try:

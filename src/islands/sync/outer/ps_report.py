@@ -35,6 +35,7 @@ from islands.sync.outer.ps_server import ServerState
 
 REPORT = "report.json"  # the supervisor's collection, in the service's directory
 HANDED = "handover/report"  # an elastic job's supervisor's collection, in its store (hand_over)
+TAKEN = "handover/taken"  # /<island>: that island has taken it (report_taken)
 MEMORY_RSS = "max_rss"  # a server process's peak resident set (getrusage)
 MEMORY_STATE = "state_tensors"  # the server state's tensors (ServerState.tensor_bytes: model, optimizer, window)
 DEFINITION = (
@@ -129,15 +130,20 @@ def read_collected(directory: str | os.PathLike) -> dict | None:
 
 def hand_over(store, collected: dict | None, idle_s: float, limit_s: float, clock=time.monotonic, sleep=time.sleep):
     """The supervisor of an elastic job's service, its servers gone: publish their report (`collected`, None: it
-    wrote none) in its store under HANDED, then keep the store up while any island still beats, since each one
-    beats until it has taken the report (take_report): until no island heartbeat for `idle_s`, at most `limit_s`.
-    Which island writes run.json is settled only at the job's very end (a member that died is left out there), so
-    every island takes it, and a killed one, which beats no more, is not waited for."""
+    wrote none) in its store under HANDED, then keep the store up until every island its servers answered final has
+    taken it (report_taken), or no island has beaten for `idle_s` (each beats until it has taken it: a killed one
+    beats no more and is not waited for), at most `limit_s`. Which island writes run.json is settled only at the
+    job's very end (a member that died is left out there), so every island takes it."""
     missing = None if collected is not None else "the supervisor wrote no report"
     store.set(HANDED, json.dumps({"collected": collected, "missing": missing}))
+    shards = collected["shards"] if collected is not None else []
+    finals = sorted({i for shard in shards for p in shard["processes"] for i in p.get("finals", [])})
+    taken = [f"{TAKEN}/{island}" for island in finals]
     beats, since = int(store.add("beats", 0)), clock()
     deadline = since + limit_s
     while clock() < deadline:
+        if taken and store.check(taken):
+            return
         now = int(store.add("beats", 0))
         if now != beats:
             beats, since = now, clock()
@@ -160,6 +166,14 @@ def take_report(calls, store, timeout_s: float, call_s: float) -> tuple[dict | N
     except RuntimeError as e:  # a silent store (StoreSilent) or a gone one (DistNetworkError)
         return None, f"the servers' report could not be taken from the service's store: {e}"
     return handed["collected"], handed["missing"]
+
+
+def report_taken(calls, store, island: int, call_s: float) -> None:
+    """Island `island` has the report and has stopped beating: the supervisor need not keep it up for this one."""
+    try:
+        calls(lambda: store.set(f"{TAKEN}/{island}", "1"), call_s)
+    except RuntimeError:  # the supervisor left already (its idle bound or limit): nothing to tell
+        pass
 
 
 def process_report(collected: dict | None, why_missing: str | None = None) -> dict:
