@@ -6,9 +6,14 @@ not counted as zero."""
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+
 from test_ps_service import config, push
 from test_ps_strategy import Island
 
+from harness.dict_store import DictStore
 from harness.ps import ThreadService
 from islands.outer import ParameterServer
 from islands.runtime.world import World
@@ -16,8 +21,16 @@ from islands.sync.base import Reports, capability
 from islands.sync.ddp import DDP
 from islands.sync.outer.ps import outer_rule
 from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_report import MEMORY_RSS, MEMORY_STATE, collect, process_report
-from islands.sync.outer.ps_wire import DONE
+from islands.sync.outer.ps_report import (
+    MEMORY_RSS,
+    MEMORY_STATE,
+    collect,
+    hand_over,
+    process_report,
+    report_taken,
+    take_report,
+)
+from islands.sync.outer.ps_wire import DONE, StoreCalls
 from islands.sync.stack import Stack
 
 
@@ -112,3 +125,90 @@ def test_a_restarted_shard_sums_its_processes_and_a_missing_report_says_so():
     gone = process_report(None, "the supervisor did not stop within 600 s and was killed")
     assert not gone["complete"] and gone["servers"] == [] and gone["cpu_seconds"] is None
     assert gone["missing"] == "the supervisor did not stop within 600 s and was killed"
+
+
+class _Beats(DictStore):
+    """The service's store in a dict, with the counter islands bump as they beat."""
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.kv.get(key, b"0")) + amount
+        self.set(key, str(value))
+        return value
+
+
+class _Clock:
+    """A clock that moves only when hand_over sleeps; `beating(t)`: whether some island beats at time t."""
+
+    def __init__(self, store: _Beats, beating):
+        self.t, self.store, self.beating = 0.0, store, beating
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, dt: float) -> None:
+        self.t += dt
+        if self.beating(self.t):
+            self.store.add("beats", 1)
+
+
+def _calls(call, timeout_s):  # ps_wire.StoreCalls' shape, without a thread
+    return call()
+
+
+def test_an_elastic_supervisor_hands_its_report_over_and_stays_while_an_island_beats():
+    store = _Beats()
+    collected = {
+        "stop": "done",
+        "supervisor": {},
+        "shards": [{"shard": 0, "restarts": 0, "processes": [_process(1, True, 2.0, 9)], "absent": []}],
+    }
+    clock = _Clock(store, beating=lambda t: t < 3.0)  # an island that reaches its end late beats until t = 3 s
+    hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    assert 4.0 <= clock.t < 4.2  # held while it beat, then idle_s more: a killed island (no beats) is not waited for
+    taken, why = take_report(_calls, store, timeout_s=1.0, call_s=1.0)
+    assert why is None and process_report(taken, why)["servers"][0]["pushes_applied"] == 9
+    # an island that never stops beating does not keep it for ever
+    clock = _Clock(store, beating=lambda t: True)
+    hand_over(store, None, idle_s=1.0, limit_s=10.0, clock=clock.now, sleep=clock.sleep)
+    assert 10.0 <= clock.t < 10.2
+    taken, why = take_report(_calls, store, timeout_s=1.0, call_s=1.0)  # the supervisor wrote none: it says so
+    assert taken is None and not process_report(taken, why)["complete"] and why == "the supervisor wrote no report"
+
+
+def test_an_elastic_supervisor_leaves_once_every_island_answered_final_has_taken_the_report():
+    store = _Beats()
+    # shard 0 restarted: its first process answered island 0 final, its second island 2 (a restarted island 0)
+    first, second = dict(_process(1, False, 1.0, 4), finals=[0]), dict(_process(2, True, 2.0, 9), finals=[2])
+    collected = {
+        "stop": "done",
+        "supervisor": {},
+        "shards": [{"shard": 0, "restarts": 1, "processes": [first, second], "absent": []}],
+    }
+
+    def beating(t: float) -> bool:  # island 0 takes it at 1 s, island 2 at 2 s; a third island beats all along
+        for island, when in ((0, 1.0), (2, 2.0)):
+            if t >= when:
+                report_taken(_calls, store, island, call_s=1.0)
+        return True
+
+    clock = _Clock(store, beating)
+    hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    assert 2.0 <= clock.t < 2.2  # not at 1 s (island 2 had not taken it), not at the limit (the beats go on)
+
+
+def test_an_island_takes_no_report_within_its_bounds_and_says_why():
+    start = time.monotonic()
+    taken, why = take_report(_calls, _Beats(), timeout_s=0.3, call_s=1.0)  # nothing handed over
+    assert taken is None and "handed over no report within 0 s" in why and time.monotonic() - start < 5
+
+    def gone(call, timeout_s):  # the supervisor has ended: nothing listens at the store's address
+        raise RuntimeError("Connection reset by peer")
+
+    taken, why = take_report(gone, _Beats(), timeout_s=60.0, call_s=1.0)
+    assert taken is None and "could not be taken from the service's store: Connection reset" in why
+    stopped = threading.Event()  # a SIGSTOPped supervisor's store: a call that never returns
+    silent = StoreCalls("127.0.0.1:1")
+    start = time.monotonic()
+    taken, why = take_report(silent, SimpleNamespace(check=lambda keys: stopped.wait()), timeout_s=60.0, call_s=0.2)
+    stopped.set()
+    assert taken is None and "did not answer within 0 s" in why and time.monotonic() - start < 5

@@ -80,7 +80,13 @@ from islands.sync.outer.ps_link import (
     VirtualClock,
 )
 from islands.sync.outer.ps_remote import RemoteLink
-from islands.sync.outer.ps_report import process_report, read_collected, thread_report
+from islands.sync.outer.ps_report import (
+    process_report,
+    read_collected,
+    report_taken,
+    take_report,
+    thread_report,
+)
 from islands.sync.outer.ps_server import ServerState, StaleCap, check_server_options
 from islands.sync.outer.ps_service import SCRATCH, ServiceConfig, launch
 from islands.sync.outer.ps_wait import MARGIN, REACH, PacedWait, WindowWait, window_wait
@@ -635,23 +641,34 @@ class ParameterServer(OuterStrategy):
 
     def close_service(self, link: RemoteLink) -> None:
         """Process mode, at the end: the island that started the service asks it to stop (servers leave once every
-        island they know has its final answer or has lapsed) and waits for the supervisor, within the timeout. In an
-        elastic job every island asks (the one that started it may have died), and only that one waits."""
+        island they know has its final answer or has lapsed), waits for the supervisor within the timeout and reads
+        the servers' report. In an elastic job every island asks (the one that started it may have died) and takes
+        the report from the service's store, where the supervisor hands it over (ps_report.hand_over): which island
+        writes run.json is settled only at the job's very end. The supervisor then removes its directory itself; its
+        starter waits for it only when its store is silent (to kill it, and remove the directory in its place)."""
         # on a server host, island 0 takes the servers' report back; in an elastic job every island does (island 0
         # may have been restarted under another number), and the one that writes run.json keeps it there
         hosted = (
             self.service is not None and self.service.at is not None and (self.island == 0 or self.elastic is not None)
         )
+        # an elastic job's own service (not a host's, not one named by address=) hands its report over
+        own = self.service is not None and self.service.at is None and self.service.address is None
+        handed = own and self.elastic is not None
         silent = None  # why the store did not take the stop: its supervisor is stopped or hung (ps_wire.StoreSilent)
         if self.launched is not None or self.elastic is not None or hosted:
             try:
                 link.calls(lambda: link.store.set("stop", "done"), link.connect_s * 5)
             except StoreSilent as e:
                 silent = str(e)
-        # the heartbeat stops first: its thread would otherwise hit the store as the supervisor closes it (torch
-        # logs a C++ stack for that); this island has its final answer, nobody waits for its beats any more
+        if handed:  # while it waits its heartbeat goes on: the supervisor keeps the report up while islands beat
+            taken = take_report(link.calls, link.store, link.timeout_s, link.connect_s * 5) if silent is None else None
+            self.report = process_report(*(taken or (None, f"{silent}: it handed over no report")))
+        # the heartbeat stops before the supervisor may leave: its thread would otherwise hit the store as the
+        # supervisor closes it (torch logs a C++ stack for that); this island has its final answer (and report)
         link.close()
-        if self.launched is not None:
+        if handed and silent is None:  # the supervisor leaves once every island answered final has taken it
+            report_taken(link.calls, link.store, self.island, link.connect_s * 5)
+        if self.launched is not None and (not handed or silent is not None):
             why = None
             try:
                 self.launched.wait(timeout=0 if silent else link.timeout_s)
@@ -659,20 +676,20 @@ class ParameterServer(OuterStrategy):
                 self.launched.kill()
                 why = silent or f"the supervisor did not stop within {link.timeout_s:.0f} s"
                 why += " and was killed"
-            # it writes its servers' report into the service's directory as it leaves (ps_report.py)
-            directory = self.scratch or (self.service.directory if self.service is not None else None)
-            collected = read_collected(directory) if why is None and directory is not None else None
-            self.report = process_report(collected, why or "the supervisor exited without writing its report")
+            if not handed:  # it writes its servers' report into the service's directory as it leaves (ps_report.py)
+                directory = self.scratch or (self.service.directory if self.service is not None else None)
+                collected = read_collected(directory) if why is None and directory is not None else None
+                self.report = process_report(collected, why or "the supervisor exited without writing its report")
+            if self.scratch is not None:  # read, or the supervisor was killed before it could remove it
+                shutil.rmtree(self.scratch, ignore_errors=True)
         if hosted:  # the host publishes its servers' report in its store once they are gone
             assert self.service is not None and self.service.at is not None
             collected, why = ps_host.collect_report(self.service.at, link.timeout_s)
             self.report = process_report(collected, why)
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def run_report(self) -> dict:
         """What the servers did, for run.json (ps_report.py): from the island that hosts the thread mode's loop or
-        started the server processes; {} on the others."""
+        started the server processes, in an elastic job from every island (each takes the report); {} on others."""
         if self.loop is not None:
             with self.loop.lock:
                 return {"parameter_server": thread_report(self.loop.state, self.loop.cpu_seconds)}

@@ -14,6 +14,9 @@ the supervisor's restarts of it.
                                 its restarts into DIR/report.json (collect, write_collected); island 0 reads that file
                                 after the supervisor exits (read_collected) and sums each shard's processes
                                 (process_report)
+    elastic, process mode       the island that writes run.json may not be the one that started the service (it may
+                                have been killed), so the supervisor hands the report over through its store instead
+                                (hand_over) and every island takes it there (take_report); nobody reads the directory
 
 A process killed before its final report keeps the numbers of its last heartbeat, and a report that never came says
 so (`complete` false, `missing`): nothing is filled in with zeros.
@@ -31,6 +34,8 @@ from pathlib import Path
 from islands.sync.outer.ps_server import ServerState
 
 REPORT = "report.json"  # the supervisor's collection, in the service's directory
+HANDED = "handover/report"  # an elastic job's supervisor's collection, in its store (hand_over)
+TAKEN = "handover/taken"  # /<island>: that island has taken it (report_taken)
 MEMORY_RSS = "max_rss"  # a server process's peak resident set (getrusage)
 MEMORY_STATE = "state_tensors"  # the server state's tensors (ServerState.tensor_bytes: model, optimizer, window)
 DEFINITION = (
@@ -121,6 +126,54 @@ def write_collected(directory: str | os.PathLike, collected: dict) -> None:
 def read_collected(directory: str | os.PathLike) -> dict | None:
     path = Path(directory) / REPORT
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def hand_over(store, collected: dict | None, idle_s: float, limit_s: float, clock=time.monotonic, sleep=time.sleep):
+    """The supervisor of an elastic job's service, its servers gone: publish their report (`collected`, None: it
+    wrote none) in its store under HANDED, then keep the store up until every island its servers answered final has
+    taken it (report_taken), or no island has beaten for `idle_s` (each beats until it has taken it: a killed one
+    beats no more and is not waited for), at most `limit_s`. Which island writes run.json is settled only at the
+    job's very end (a member that died is left out there), so every island takes it."""
+    missing = None if collected is not None else "the supervisor wrote no report"
+    store.set(HANDED, json.dumps({"collected": collected, "missing": missing}))
+    shards = collected["shards"] if collected is not None else []
+    finals = sorted({i for shard in shards for p in shard["processes"] for i in p.get("finals", [])})
+    taken = [f"{TAKEN}/{island}" for island in finals]
+    beats, since = int(store.add("beats", 0)), clock()
+    deadline = since + limit_s
+    while clock() < deadline:
+        if taken and store.check(taken):
+            return
+        now = int(store.add("beats", 0))
+        if now != beats:
+            beats, since = now, clock()
+        elif clock() - since > idle_s:
+            return
+        sleep(0.05)
+
+
+def take_report(calls, store, timeout_s: float, call_s: float) -> tuple[dict | None, str | None]:
+    """An island of an elastic job, after asking the service to stop: the servers' report its supervisor hands over
+    (hand_over) once they are gone, within `timeout_s`; (None, why) when none came. Every store call runs under
+    `calls` (ps_wire.StoreCalls), each within `call_s`: a TCPStore client waits for ever on a stopped master."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not calls(lambda: store.check([HANDED]), call_s):
+            if time.monotonic() > deadline:
+                return None, f"the supervisor handed over no report within {timeout_s:.0f} s"
+            time.sleep(0.05)
+        handed = json.loads(calls(lambda: store.get(HANDED), call_s))
+    except RuntimeError as e:  # a silent store (StoreSilent) or a gone one (DistNetworkError)
+        return None, f"the servers' report could not be taken from the service's store: {e}"
+    return handed["collected"], handed["missing"]
+
+
+def report_taken(calls, store, island: int, call_s: float) -> None:
+    """Island `island` has the report and has stopped beating: the supervisor need not keep it up for this one."""
+    try:
+        calls(lambda: store.set(f"{TAKEN}/{island}", "1"), call_s)
+    except RuntimeError:  # the supervisor left already (its idle bound or limit): nothing to tell
+        pass
 
 
 def process_report(collected: dict | None, why_missing: str | None = None) -> dict:

@@ -373,6 +373,7 @@ class ShardServer:
             "parameters": list(self.config.bounds[self.shard]),
             "startup_cpu_seconds": self.startup["cpu_seconds"],
             "startup_max_rss_bytes": self.startup["max_rss_bytes"],
+            "finals": sorted(self.members.final_sent),  # islands answered final: an elastic supervisor waits for them
             **process_usage(),
             **server_numbers(self.durable.state, self.durable.duplicates, memory=final),
         }
