@@ -17,6 +17,7 @@ is answered with the final model once all are done, so every island ends on the 
     ParameterServer(50, rule=outer_rule("delayed-nesterov"))         2401.09135's step, 0.7/0.9, N = M
     ParameterServer(50, quorum=2, max_staleness=2, aggregator=CoordinateMedian())
     make_outer("ps:inner_steps=50,quorum=2,bits=4")                  the spec string, at the edge
+    make_outer("ps:inner_steps=50,compressor=(topkq:ratio=0.01,bits=2)")   any compressor that stands alone (ps_codecs)
 
 Where the server runs (`host`): in a multi-process job, a thread of rank 0 (its own island pushes in memory, the
 others over gloo groups of their own, ps_link.GlooLink); under islands.simulate, pass every island the same
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from islands.aggregate.base import Aggregator
+from islands.compress.base import Compressor
 from islands.runtime.contracts import Counted, ServedEnd
 from islands.runtime.payload_auth import PayloadTags
 from islands.runtime.simulate import current_island
@@ -63,6 +65,7 @@ from islands.sync.outer.base import OuterStrategy, average_buffers_at_the_end
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.outer_opt import DEFAULT_OUTER_LR, OuterOptimizer, OuterSGD
 from islands.sync.outer.ps_buffers import NO_BUFFERS, IslandBuffers
+from islands.sync.outer.ps_codecs import codec_state, load_codec_state, push_codec
 from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_link import (
     DONE,
@@ -286,7 +289,7 @@ class ParameterServer(OuterStrategy):
         quorum: int = 1,
         discount: float = 0.0,
         aggregator: Aggregator | None = None,
-        compressor: PayloadCodec | None = None,
+        compressor: PayloadCodec | Compressor | None = None,
         arrivals: Arrivals | None = None,
         host: InProcessServer | None = None,
         service: ServerProcesses | None = None,
@@ -299,8 +302,10 @@ class ParameterServer(OuterStrategy):
         ranges the server state is split into, each with its own optimizer state. `max_staleness`: versions a push
         may lag before it is refused. `quorum`: distinct islands per outer step (1: asynchronous). `discount`: a
         push's weight times (1 + staleness)^-discount. `aggregator`: a robust aggregator over each window (then
-        quorum >= 2 makes sense). `compressor`: a PayloadCodec (Quant4, Quant4Zstd) for pushes, decoded on the
-        server. `arrivals`: FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate.
+        quorum >= 2 makes sense). `compressor`: for pushes, decoded on the server: a PayloadCodec (Quant4,
+        Quant4Zstd) or an islands.compress compressor that stands alone on one island's vector (ps_codecs.py: error
+        feedback per island; sign, powersgd and randomk-shared refused). `arrivals`: FirstCome() or
+        VirtualClock(round_seconds). `host`: InProcessServer under simulate.
         `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
         `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
         (ps_server.StaleCap); None (default): on for the plain SGD rule by name (outer_rule("sgd"), the default
@@ -315,10 +320,6 @@ class ParameterServer(OuterStrategy):
         super().__init__()
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {inner_steps!r}")
-        if compressor is not None and not isinstance(compressor, PayloadCodec):
-            raise TypeError(
-                f"ps pushes take a PayloadCodec compressor (Quant4, Quant4Zstd), got {type(compressor).__name__}"
-            )
         if aggregator is not None and compressor is not None:
             raise ValueError("a robust aggregator ranks exact deltas; drop compressor= or aggregator=")
         if statistics not in STATISTICS:
@@ -337,7 +338,7 @@ class ParameterServer(OuterStrategy):
             )
         self.stale_cap = plain if stale_cap is None else stale_cap
         self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
-        self.discount, self.aggregator, self.codec = discount, aggregator, compressor
+        self.discount, self.aggregator, self.codec = discount, aggregator, push_codec(compressor)  # ps_codecs.py
         self.arrivals = arrivals if arrivals is not None else FirstCome()
         if service is not None and (host is not None or isinstance(self.arrivals, VirtualClock)):
             raise ValueError(
@@ -697,7 +698,7 @@ class ParameterServer(OuterStrategy):
 
     # ---- state --------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
-        state: dict = {"ps_version": self.version, "ps_counts": dict(self.counts)}
+        state: dict = {"ps_version": self.version, "ps_counts": dict(self.counts), **codec_state(self.codec)}
         if isinstance(self.link, RemoteLink):  # process mode: island 0 carries every server's state
             state["ps_link"] = self.link.state_dict()
             if self.comm.rank == 0:
@@ -714,6 +715,7 @@ class ParameterServer(OuterStrategy):
     def load_extra_state(self, state: dict) -> None:
         self.version = int(state.get("ps_version", 0))
         self.counts = dict(state.get("ps_counts", self.counts))
+        load_codec_state(self.codec, state)  # a compressor's residuals: the island's unsent part of its pushes
         if isinstance(self.link, RemoteLink) and "ps_link" in state:
             self.resume_service(self.link, state)
         if self.loop is not None and "ps_server" in state:
@@ -764,6 +766,7 @@ def parameter_server(
     reach: float | None = None,
     margin: float | None = None,
     statistics: str = "mean",
+    compressor: Compressor | None = None,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -792,7 +795,10 @@ def parameter_server(
     `reach`, `margin` (wait=auto only): a window waits for an island due within `reach` x the fastest island's
     turnaround, until it is due plus `margin` x its own turnaround (defaults ps_wait.REACH, ps_wait.MARGIN).
     `statistics`: mean (every answer carries the mean of the islands' latest buffers, and the end averages them once
-    more) or own (each island keeps its own to the end; the job keeps island 0's)."""
+    more) or own (each island keeps its own to the end; the job keeps island 0's). `compressor`: an islands.compress
+    compressor for the pushes (bits=32 only), with its error feedback on the island and decoded on the server;
+    those that need the other islands' payloads of the same round (sign, powersgd, randomk-shared) are refused
+    (ps_codecs.py)."""
     if (reach is not None or margin is not None) and wait != "auto":
         raise ValueError(
             f"reach= and margin= tune wait=auto (how far ahead and how long past due a window waits); "
@@ -807,6 +813,11 @@ def parameter_server(
         raise ValueError(f"entropy must be 'none' or 'zstd', got {entropy!r}")
     if entropy != "none" and bits != 4:
         raise ValueError("entropy=zstd packs 4-bit pushes; use bits=4")
+    if compressor is not None and bits != 32:
+        raise ValueError(
+            f"bits={bits} is the built-in 4-bit quantiser and compressor= another: pick one (int4 or topkq:bits=4 as "
+            "a compressor, or bits=4 without compressor=)"
+        )
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
         raise ValueError(f"servers must be an int >= 0 (0: a thread of rank 0; S: S server processes), got {servers!r}")
     if rejoin != "own" and not servers:
@@ -829,7 +840,7 @@ def parameter_server(
         quorum=quorum,
         discount=discount,
         aggregator=aggregator,
-        compressor=codec,
+        compressor=compressor if compressor is not None else codec,  # a refused one: ValueError (ps_codecs.py)
         service=service,
         stale_cap=stale_cap,
         wait=paced,

@@ -141,7 +141,7 @@ class RemoteLink(Link):
         assert msg.payload is not None
         lo, hi = self.bounds[k]
         part = msg.payload[lo:hi].to(torch.float32)
-        payload = self.codec.encode(part) if self.codec is not None else part
+        payload = self.codec.encode_part(part, k) if self.codec is not None else part  # its own state per range
         if k == 0 and self.buffers:  # shard 0 holds the buffers: they follow its range's payload
             mine = pushed_vector(self.island, msg.buffers, self.buffers)
             payload = torch.cat([as_bytes(payload), as_bytes(mine)])

@@ -24,7 +24,8 @@ LEVELS = 7  # 15 of the 16 nibble codes: symmetric, so zero is exact and the sig
 class PayloadCodec(ABC):
     """A compressor of the exchange's payload codec kind (Exchange(compressor=...)): encode each island's vector into
     uint8 bytes, all-gather them, decode all and average in rank order on every rank. Quant4 and Quant4Zstd are
-    the two; `variable_length` payloads (Quant4Zstd) are gathered with their lengths first."""
+    the two; `variable_length` payloads (Quant4Zstd) are gathered with their lengths first. The parameter server's
+    pushes take them too, and ps_codecs.CompressedPushes, an islands.compress compressor as one."""
 
     name = "codec"
     variable_length = False
@@ -36,6 +37,11 @@ class PayloadCodec(ABC):
     @abstractmethod
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """The `numel` values one payload encodes."""
+
+    def encode_part(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """Range `part` of a vector the parameter server's processes split into ranges, one per server (ps_remote):
+        a stateless codec encodes each range alike; one with state (ps_codecs.CompressedPushes) keeps it per range."""
+        return self.encode(x)
 
 
 class Quant4(PayloadCodec):
