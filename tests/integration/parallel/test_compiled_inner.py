@@ -11,6 +11,8 @@ tests/unit/loop/test_compile.py has the inductor run and the outer strategies).
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -107,8 +109,6 @@ def _all_cases(world) -> dict:
 
 
 def test_compiled_models_train_and_save_as_eager_ones_under_inner_strategies():
-    import numpy as np
-
     from harness.outer import run_world
 
     for rank, cases in enumerate(run_world(_all_cases, size=2, islands=1)):
@@ -130,3 +130,50 @@ def test_compiled_models_train_and_save_as_eager_ones_under_inner_strategies():
             assert got["units"] == units and got["keys"] == cases[(name, "eager")]["keys"], what  # in place
         # the nn.Linear units compile too: a graph each, and one for the root's own code between them (the relu)
         assert cases[("fsdp-layers", "islands")]["graphs"] == 3, f"rank {rank}"
+
+
+def _digits_job(run_dir, *argv: str) -> dict:
+    """`islands train --task digits` on 2 gloo workers under fsdp (the launcher in this process); its run.json."""
+    import json
+
+    from harness.cli import islands_cli
+
+    code = islands_cli(
+        "train",
+        "--task",
+        "digits",
+        "--workers",
+        "2",
+        "--inner",
+        "fsdp",
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--no-probe",
+        "--no-progress",
+        "--run-dir",
+        str(run_dir),
+        *argv,
+        timeout=180,
+    )
+    assert code == 0, f"islands train {' '.join(argv)} exited {code}"
+    return json.loads((run_dir / "run.json").read_text())
+
+
+@pytest.mark.slow  # two 2-worker jobs, dynamo tracing each rank's units (~25 s on 2 cores)
+def test_cli_compile_under_fsdp_compiles_the_digits_mlp_per_unit_and_trains_as_eager(tmp_path):
+    """The digits MLP is a module whose forward calls an nn.Sequential; fsdp's default policy makes each nn.Linear a
+    unit. Compiled as a whole it compiled nothing ("nothing compiled", graphs 0); per unit every layer compiles."""
+    eager = _digits_job(tmp_path / "eager")
+    compiled = _digits_job(tmp_path / "compiled", "--compile", "--compile-backend", BACKEND)
+    part = compiled["compile"]
+    assert "compile" not in eager and part["backend"] == BACKEND
+    assert part["units"] == 4  # the root and the three nn.Linear layers
+    assert part["graphs"] == compiled["summary"]["compile_graphs"] >= 3  # a graph per layer at least
+    assert part["seconds"] == compiled["summary"]["compile_seconds"] > 0
+    losses = [[e["loss"] for e in r["series"]["train"]] for r in (eager, compiled)]
+    assert len(losses[1]) == STEPS
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, atol=1e-6)  # fp32 tolerance
