@@ -23,9 +23,9 @@ import torch
 
 from islands.loop.step_readout import StepReadout
 from islands.memory.step import ForwardBackward
-from islands.runtime.compiled import Compile, graphs_compiled
+from islands.runtime.compiled import Compile, graphs_compiled, is_compiled
 from islands.runtime.world import World
-from islands.sync.base import OwnsStep, SkipsSteps, Strategy, capability
+from islands.sync.base import CompilesByUnit, OwnsStep, SkipsSteps, Strategy, capability
 
 
 class StepBody:
@@ -59,7 +59,9 @@ class StepBody:
         # compiled after wrap (docs/own-model.md, "Compiled models"): DDP's graph is split at its buckets; evaluation
         # and checkpoints go through the strategy's eval_model, the eager module, so eval mode compiles nothing more
         self.compile = compile
-        self.forward_model = compile.apply(model) if compile is not None else model
+        units = compile_units(strategy, model) if compile is not None else []
+        self.compiled_units = len(units)  # 0: the whole model compiles as one (or nothing compiles)
+        self.forward_model = compile.apply(model, units) if compile is not None else model
         self.graphs_before = graphs_compiled()  # the graphs this body's fits compile are counted from here
         self._skips = capability(strategy, SkipsSteps)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -97,6 +99,14 @@ class StepBody:
         return step
 
 
+def compile_units(strategy: Strategy, model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units the Trainer's compile compiles one by one (fsdp's; base.CompilesByUnit), or [] for the whole model.
+    islands does not reach into a model the user compiled themselves: it compiles what it was given whole, as it
+    does under any strategy."""
+    by_unit = capability(strategy, CompilesByUnit)  # type: ignore[type-abstract]  # mypy#4717 (Protocol as type[C])
+    return by_unit.compile_units() if by_unit is not None and not is_compiled(model) else []
+
+
 def compile_record(body: StepBody, world: World) -> dict:
     """The run record's `compile` part of a body that compiles: its fit's first step against its steady ones, and the
     graphs torch compiled since the body was built (Compile.record).
@@ -113,4 +123,4 @@ def compile_record(body: StepBody, world: World) -> dict:
         gathered = world.all_gather_object((before, list(seconds)))
         before = min(b for b, _ in gathered)
         seconds = max((s for _, s in gathered), key=lambda s: compile_.record(s)["seconds"] or 0.0)
-    return compile_.record(seconds, graphs_compiled() - before)
+    return compile_.record(seconds, graphs_compiled() - before, body.compiled_units)

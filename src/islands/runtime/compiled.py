@@ -9,7 +9,9 @@ names, the checkpoints and the exported models are the same compiled or not.
 
 `Compile` is what `Trainer(compile=...)` and `train.compile` apply: torch.compile's backend and mode, used on the
 model the strategy returned (after wrap: DDP's graph is then split at its buckets, so the all-reduces still overlap
-backward; FSDP2's hooks stay outside the graph).
+backward). Under FSDP2 it compiles each unit fully_shard made instead of the whole model (the strategy names them:
+islands.sync.base.CompilesByUnit), as torchtitan compiles each block: FSDP2's hooks run between the compiled
+regions, and a unit that is one of torch's own layers compiles too, which a whole-model compile leaves eager.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import shutil
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +61,29 @@ class Compile:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"Compile(backend={self.backend!r}): name a torch.compile backend, e.g. 'inductor'")
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        compiled = torch.compile(model, backend=self.backend, mode=None if self.mode == "default" else self.mode)
-        assert isinstance(compiled, torch.nn.Module)  # a module compiles to a module (torch types it as a callable)
-        return compiled
+    def apply(self, model: torch.nn.Module, units: Sequence[torch.nn.Module] = ()) -> torch.nn.Module:
+        """The module to run forward and backward through: torch.compile's wrapper of `model`, or, given `units` (the
+        modules a sharding strategy names, islands.sync.base.CompilesByUnit), `model` itself with each unit's
+        `forward` compiled in place. Per unit whenever there are units, never as a fallback after a whole-model
+        compile traced nothing: which graphs exist is then decided by the strategy before the first step, the same
+        for every model, instead of by what the first step happened to trace."""
+        mode = None if self.mode == "default" else self.mode
+        if not units:
+            compiled = torch.compile(model, backend=self.backend, mode=mode)
+            assert isinstance(compiled, torch.nn.Module)  # a module compiles to a module (torch types it as a callable)
+            return compiled
+        for unit in units:
+            # the forward, not the call (nn.Module.compile): the call runs FSDP's hooks, which torch does not trace, and
+            # after that break it does not start again in a torch layer's forward (the digits MLP's nn.Linear units
+            # compiled 0 graphs that way, 3 this way; torch 2.13). An instance attribute: names, state_dict keys and
+            # hooks stay as they were. A deepcopy of the module would share it, so copies are taken before (eval_model)
+            unit.forward = torch.compile(unit.forward, backend=self.backend, mode=mode)
+        return model
 
-    def record(self, step_seconds: list[float], graphs: int | None = None) -> dict:
-        """The run record's `compile` part, from the fit's step times (COMPILE_SECONDS_DEFINITION) and the graphs
-        torch compiled meanwhile (`graphs_compiled`; 0: the model ran eagerly, nothing was compiled)."""
+    def record(self, step_seconds: list[float], graphs: int | None = None, units: int = 0) -> dict:
+        """The run record's `compile` part, from the fit's step times (COMPILE_SECONDS_DEFINITION), the graphs torch
+        compiled meanwhile (`graphs_compiled`; 0: the model ran eagerly, nothing was compiled) and the units compiled
+        one by one (`apply`; 0: the whole model as one)."""
         rest = step_seconds[1:]
         steady = statistics.median(rest) if rest else 0.0
         first = step_seconds[0] if step_seconds else 0.0
@@ -76,14 +94,16 @@ class Compile:
             "first_step_seconds": first,
             "steady_step_seconds": steady,
             "graphs": graphs,
+            "units": units,
             "definition": COMPILE_SECONDS_DEFINITION,
         }
 
 
 def graphs_compiled() -> int:
     """Graphs torch.compile has compiled in this process so far (its own counter; 0 before torch._dynamo loads).
-    A compiled model whose fit adds none ran eagerly: under DDP or FSDP, a model that is a bare torch container
-    (nn.Sequential) compiled after wrap is one (docs/own-model.md, "Compiled models")."""
+    A compiled model whose fit adds none ran eagerly: under DDP, or under FSDP when the user compiled the whole model
+    themselves, a model that is a bare torch container (nn.Sequential) compiled after wrap is one (docs/own-model.md,
+    "Compiled models")."""
     utils = sys.modules.get("torch._dynamo.utils")
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 

@@ -19,7 +19,8 @@ SGD, DiLoCo, gossip) act rarely across islands. `Stack` (sync/stack.py) composes
 Optional capabilities are written protocols, each one method, found by isinstance (never by looking a name
 up): `OwnsStep` (`forward_backward`: a pipeline's step is not forward-then-backward, and the loop calls it
 instead of its own), `KeepsIslandsApart` (fsdp: a Stack with an outer part asks it to shard inside each
-island only), `Describes` (`describe`: what a rank holds, for the run record), `Reports` (`run_report`: sections of
+island only), `CompilesByUnit` (`compile_units`, fsdp: the modules the Trainer's compile compiles one by one),
+`Describes` (`describe`: what a rank holds, for the run record), `Reports` (`run_report`: sections of
 the run record it measured, after finish: a parameter server's servers) and `SkipsSteps` (`next_step`; NoOp's
 default skips nothing, DiLoCo's adapt=... rounds skip to the round's end). A strategy made of others
 (`Composite`: Stack) names the part that provides a capability (`capability(strategy, OwnsStep)`). In an
@@ -72,6 +73,15 @@ class KeepsIslandsApart(Protocol):
     """An inner strategy that would otherwise span islands (fsdp): under an outer strategy it keeps inside each."""
 
     def keep_islands_apart(self) -> None: ...
+
+
+@runtime_checkable
+class CompilesByUnit(Protocol):
+    """An inner strategy that splits the model into units whose calls a whole-model torch.compile cannot trace through
+    (fsdp: the modules fully_shard wrapped, whose hooks torch will not trace): islands' Compile compiles each unit in
+    place instead (islands.runtime.compiled.Compile.apply). [] until wrap sharded the model, or when it did not."""
+
+    def compile_units(self) -> list[torch.nn.Module]: ...
 
 
 @runtime_checkable

@@ -186,6 +186,17 @@ class FSDP(NoOp):
             self.traffic.append(("fsdp_grad_norm", 4, 4))  # the fp32 global norm, reduced once
         return compiled  # the user's object: a compiled model stays compiled, its module now sharded in place
 
+    def compile_units(self) -> list[nn.Module]:
+        """The modules fully_shard wrapped (root first), for a compile one unit at a time (base.CompilesByUnit):
+        torch.compile does not trace FSDP's hooks, and after the break at a unit's call it starts again only in code
+        of the model's own, so a unit that is one of torch's layers (an nn.Linear of an nn.Sequential) would run
+        eagerly under a compile of the whole model."""
+        if self.sharded is None:
+            return []  # not sharded (a world or island of one): the whole model compiles as one
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.sharded.modules() if isinstance(m, FSDPModule)]
+
     def after_backward(self, model, step):
         for kind, sent, received in self.traffic:
             self.world.ledger.record(kind, sent, received)

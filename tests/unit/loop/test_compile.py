@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import islands
-from islands.runtime.compiled import Compile, as_compile, check_backend, is_compiled, uncompiled
+from islands.loop.step_body import compile_units
+from islands.runtime.compiled import Compile, as_compile, check_backend, graphs_compiled, is_compiled, uncompiled
+from islands.sync.base import CompilesByUnit
 
 BACKEND = "aot_eager"
 STEPS = 8
@@ -82,6 +84,40 @@ def test_compile_record_is_the_first_steps_excess_over_the_median():
     assert rec["backend"] == BACKEND and "first step" in rec["definition"]
     assert Compile().record([1.0])["seconds"] is None  # one step: nothing steady to subtract
     assert Compile().record([1.0, 0.5], graphs=3)["graphs"] == 3
+    assert Compile().record([1.0, 0.5])["units"] == 0 and Compile().record([1.0], units=4)["units"] == 4
+
+
+class _NamesUnits(islands.NoOp):
+    """A strategy that names the units the Trainer's compile compiles one by one, as fsdp names what fully_shard
+    wrapped (islands.sync.base.CompilesByUnit; the real one: tests/integration/parallel/test_compiled_inner.py)."""
+
+    def __init__(self, *units: nn.Module):
+        self.units = list(units)
+
+    def compile_units(self) -> list[nn.Module]:
+        return self.units
+
+
+@pytest.mark.slow  # dynamo traces two layers (about a second of CPU): make test, not make test-fast
+def test_compile_per_unit_compiles_each_units_forward_in_place():
+    model = mlp()
+    x, y = batch(0)
+    eager = mlp()
+    F.cross_entropy(eager(x), y).backward()
+    strategy = _NamesUnits(model[0], model[2])  # the two nn.Linear layers of the nn.Sequential
+    assert isinstance(strategy, CompilesByUnit)
+    units = compile_units(strategy, model)
+    assert units == [model[0], model[2]]
+    with compiles():
+        compiled = Compile(BACKEND).apply(model, units)
+        assert compiled is model and not is_compiled(model)  # in place: no wrapper
+        F.cross_entropy(compiled(x), y).backward()
+        assert graphs_compiled() == 2  # one per layer; the nn.ReLU between them runs eagerly in nn.Sequential
+    assert list(model.state_dict()) == list(eager.state_dict())  # the eager keys, no _orig_mod.
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # a model the user compiled themselves is theirs: islands compiles what it was given as a whole
+    assert compile_units(strategy, torch.compile(mlp(), backend=BACKEND)) == []
 
 
 class _Uncompilable(nn.Module):

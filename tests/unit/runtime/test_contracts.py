@@ -33,7 +33,16 @@ from islands.runtime.payload_auth import AuthenticatedComm
 from islands.runtime.simulate import SimComm
 from islands.runtime.staging import StagedComm
 from islands.runtime.world import LoneComm, World
-from islands.sync.base import Composite, Describes, KeepsIslandsApart, OwnsStep, SkipsSteps, WritesReport, capability
+from islands.sync.base import (
+    CompilesByUnit,
+    Composite,
+    Describes,
+    KeepsIslandsApart,
+    OwnsStep,
+    SkipsSteps,
+    WritesReport,
+    capability,
+)
 from islands.sync.ddp import DDP
 from islands.sync.outer.diloco import DiLoCo
 from islands.sync.outer.easgd import EASGD
@@ -244,6 +253,13 @@ def test_fsdp_keeps_islands_apart_when_a_stack_has_an_outer_part():
     assert Stack(inner=FSDP(), outer=DiLoCo(inner_steps=2)).inner.islands_apart
     assert not Stack(inner=FSDP()).inner.islands_apart
     assert capability(DDP(), KeepsIslandsApart) is None
+
+
+def test_fsdp_names_its_compile_units_and_a_stack_hands_them_on():
+    fsdp = FSDP()
+    assert isinstance(fsdp, CompilesByUnit) and capability(Stack(inner=fsdp), CompilesByUnit) is fsdp
+    assert fsdp.compile_units() == []  # nothing sharded yet: the whole model would compile as one
+    assert capability(Stack(inner=DDP()), CompilesByUnit) is None  # DDP's graph is split at its buckets instead
 
 
 def test_next_step_goes_through_stack_and_warm_start():
