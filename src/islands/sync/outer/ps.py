@@ -28,6 +28,10 @@ which the island adopts as its own, as a DiLoCo round's average (ps_buffers.py; 
 at the end one collective averages them over the islands once more (average_buffers_at_the_end), so all end on one
 model. `statistics="own"` keeps each island's own instead, through the end.
 
+Islands of k workers (ddp or zero1 inside; fixed jobs, either mode): the island is one participant, its number its
+index. Its leader (local index 0) pushes for it and its mates take every answer from the leader (ps_island.py), so
+the server's M counts islands, not workers.
+
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
 die without blocking the others (ps_service.py, ps_journal.py, ps_remote.py; docs/parameter-server.md).
