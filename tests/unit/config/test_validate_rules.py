@@ -143,7 +143,10 @@ def test_an_elastic_ps_job_needs_server_processes_one_worker_islands_and_no_chec
     (found,) = problems(from_mapping(dict(ELASTIC, outer="ps:inner_steps=4,servers=1", ckpt_every=4)))
     assert found.startswith("checkpoint: an elastic ps job keeps its state in the server processes' journals")
     (found,) = problems(from_mapping(dict(ELASTIC, workers=6, global_batch=24, outer="ps:inner_steps=4,servers=1")))
-    assert found == "outer.strategy: ps runs one worker per island for now; this job's islands have 2 workers"
+    assert found == (
+        "outer.strategy: ps runs islands of several workers in fixed jobs only for now; in an elastic job one worker "
+        "per island (this elastic job's islands have 2 workers each)"
+    )
 
 
 @pytest.mark.parametrize(

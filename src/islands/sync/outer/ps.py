@@ -29,6 +29,10 @@ which the island adopts as its own, as a DiLoCo round's average (ps_buffers.py; 
 at the end one collective averages them over the islands once more (average_buffers_at_the_end), so all end on one
 model. `statistics="own"` keeps each island's own instead, through the end.
 
+Islands of k workers (ddp or zero1 inside; fixed jobs, either mode): the island is one participant, its number its
+index. Its leader (local index 0) pushes for it and its mates take every answer from the leader (ps_island.py), so
+the server's M counts islands, not workers.
+
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
 die without blocking the others (ps_service.py, ps_journal.py, ps_remote.py; docs/parameter-server.md).
@@ -67,6 +71,7 @@ from islands.sync.outer.outer_opt import DEFAULT_OUTER_LR, OuterOptimizer, Outer
 from islands.sync.outer.ps_buffers import NO_BUFFERS, IslandBuffers
 from islands.sync.outer.ps_codecs import codec_state, load_codec_state, push_codec
 from islands.sync.outer.ps_elastic import ElasticService
+from islands.sync.outer.ps_island import IslandSide, LoneWorker, island_side, leaders
 from islands.sync.outer.ps_link import (
     DONE,
     PUSH,
@@ -122,6 +127,12 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 DEFAULT_PS_RULE = "sgd"
 # what a server does with the islands' buffers during training (ParameterServer's `statistics`)
 STATISTICS = ("mean", "own")
+# An elastic island of k workers has a leader that is the epochs' member and followers that relay through it
+# (docs/membership.md); the server's joins, restarts and served end are not wired through that relay yet
+ELASTIC_ISLANDS = (
+    "ps runs islands of several workers in fixed jobs only for now; in an elastic job one worker per island "
+    "(this elastic job's islands have {k} workers each)"
+)
 
 
 # A server whose windows wait for their quorum (quorum >= 2 with a wait) trains equal islands as synchronous DiLoCo
@@ -358,6 +369,7 @@ class ParameterServer(OuterStrategy):
         self.elastic: ElasticService | None = None  # the job's store, in an elastic job (wrap)
         self.end: ServedEnd | None = None  # the elastic membership that runs the job's end (wrap)
         self.carried: IslandBuffers | None = None  # the buffers each push carries (setup; None: the model has none)
+        self.relay: IslandSide = LoneWorker()  # who speaks for this worker's island on the server (setup)
 
     # ---- wiring -------------------------------------------------------------------------------------
     def server_state(self, islands: int) -> ServerState:
@@ -381,10 +393,7 @@ class ParameterServer(OuterStrategy):
         membership = world.membership
         if membership is not None and self.service is not None:  # elastic, process mode (else refused in wrap)
             if world.workers_per_island > 1:
-                raise ValueError(
-                    f"ps runs one worker per island for now; this elastic job's islands have "
-                    f"{world.workers_per_island} workers each"
-                )
+                raise ValueError(ELASTIC_ISLANDS.format(k=world.workers_per_island))
             if membership.new_client is None:
                 raise ValueError("ps in an elastic job needs a client of the job's store of its own (new_client)")
             shard, shards = world.shard
@@ -396,15 +405,20 @@ class ParameterServer(OuterStrategy):
 
     def setup(self) -> None:
         self.carried = IslandBuffers.of(self.local_buffers) if self.statistics == "mean" else None
+        layout = self.carried.layout if self.carried is not None else NO_BUFFERS
+        waits = self.service.timeout_s if self.service is not None else 0.0
+        numel = self.global_flat.numel()
+        # islands of k workers: the leader speaks for the island, its mates take its answers (ps_island.py)
+        self.relay = island_side(self.island_comm, numel, sum(layout), waits, self.island_ledger())
         if self.service is not None:
-            self.connect(self.service)
+            self.adopt(self.relay.share(self.connect(self.service)))
+            if self.elastic is not None:
+                self.elastic.pulled(self.island)
             return
         islands, me = self.comm.size, self.comm.rank
-        layout = self.carried.layout if self.carried is not None else NO_BUFFERS
         self.island = me
         if isinstance(self.arrivals, VirtualClock) and len(self.arrivals.round_seconds) != islands:
             raise ValueError(f"VirtualClock gives {len(self.arrivals.round_seconds)} round times for {islands} islands")
-        numel = self.global_flat.numel()
         if self.host is not None:
             inbox, loop, built = self.host.attach(
                 lambda inbox: ServerLoop(
@@ -419,22 +433,28 @@ class ParameterServer(OuterStrategy):
                 "ps across islands in one process (islands.simulate) needs one server: give every island's "
                 "ParameterServer the same host=InProcessServer()"
             )
-        if islands > 1 and dist.get_world_size() != islands:
+        k = self.relay.workers
+        if islands > 1 and dist.get_world_size() != islands * k:
             raise ValueError(
-                f"ps runs one worker per island for now; this job has {dist.get_world_size()} workers on "
-                f"{islands} islands"
+                f"ps's thread mode needs every island in one torch job (its gloo groups span them): this job has "
+                f"{dist.get_world_size()} workers for {islands} islands of {k}; islands that are jobs of their own "
+                "need servers=S"
             )
-        # two groups of their own: pushes to the server (its receiver thread) and answers back (its loop thread)
-        pushes, answers = (
-            (dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if islands > 1 else (None, None)
-        )
+        # two groups of their own, over the islands' leaders: pushes to the server (its receiver thread) and answers
+        # back (its loop thread); made on every worker (torch's new_group is collective over the default group)
+        pushes = answers = None
+        if islands > 1:
+            ranks = leaders(islands, k)
+            pushes, answers = dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo")
+        if not self.relay.leader:  # its island's leader talks to the server (push, final)
+            return
         if me == 0:
             inbox = LocalInbox()
             state = self.server_state(islands)
             self.loop = ServerLoop(state, islands, self.arrivals, inbox, self.codec, self.wait, layout)
             if islands > 1:
                 receiver = GlooReceiver(
-                    pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer(), buffers=sum(layout)
+                    pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer(), buffers=sum(layout), stride=k
                 )
                 receiver.start()
             self.loop.start()
@@ -442,10 +462,12 @@ class ParameterServer(OuterStrategy):
         else:
             self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer(), sum(layout))
 
-    def connect(self, service: ServerProcesses) -> None:
+    def connect(self, service: ServerProcesses) -> Reply | None:
         """Process mode: island 0 starts the service (unless given its address), every island connects, pulls the
-        current global model (a joiner starts from it) and heartbeats. In an elastic job the address travels
-        through the job's store (elastic_address) and each island process takes a number of its own there."""
+        current global model (a joiner starts from it; the answer is returned) and heartbeats. In an elastic job the
+        address travels through the job's store (elastic_address) and each island process takes a number of its own
+        there. In an island of k workers only the leader connects (its mates return None); in a fixed job every
+        worker takes part in the address's broadcast."""
         tags = self.comm.tags if isinstance(self.comm, HasPayloadTags) else None
         config = ServiceConfig(
             self.global_flat,
@@ -477,10 +499,14 @@ class ParameterServer(OuterStrategy):
             self.island = self.elastic.take_island()
         elif service.at is not None:
             self.island = self.comm.rank
+            if not self.relay.leader:
+                return None
             address, tags = service.at, ps_host.island_tags(service.at, config, self.comm.rank, service.timeout_s)
         else:
             self.island = self.comm.rank
             address = self.fixed_address(service, config)
+            if not self.relay.leader:
+                return None
         ledger = self.island_ledger()
         link = RemoteLink(
             address,
@@ -494,13 +520,12 @@ class ParameterServer(OuterStrategy):
             buffers=sum(config.buffers),
         )
         self.link = link.start()
-        self.adopt(link.send(Message(PULL, self.island)))
-        if self.elastic is not None:
-            self.elastic.pulled(self.island)
+        return link.send(Message(PULL, self.island))
 
     def fixed_address(self, service: ServerProcesses, config: ServiceConfig) -> tuple[str, int]:
-        """A fixed job: island 0 starts the service (unless given its address) and tells the others over gloo."""
-        islands, me = self.comm.size, self.comm.rank
+        """A fixed job: island 0 starts the service (unless given its address) and tells the others over gloo (every
+        worker of the job: the group is made over all of them)."""
+        islands, me = self.comm.size, self.comm.rank if self.relay.leader else -1
         address = service.address
         if address is None and islands > 1 and (current_island() is not None or not dist.is_initialized()):
             raise ValueError(
@@ -510,7 +535,7 @@ class ParameterServer(OuterStrategy):
         if address is None:
             if me == 0:
                 address = self.start_service(service, config)
-            if islands > 1:  # the others learn where the store is from island 0
+            if islands * self.relay.workers > 1:  # the others learn where the store is from island 0 (rank 0)
                 box = [address]
                 dist.broadcast_object_list(box, src=0, group=dist.new_group(backend="gloo"))
                 address = box[0]
@@ -574,14 +599,20 @@ class ParameterServer(OuterStrategy):
             self.push()
 
     def push(self) -> Reply:
-        """End this island's round: push its pseudo-gradient, adopt the model the server answers with."""
-        assert self.link is not None, "push before wrap"
-        delta = self.global_flat - self.local.read()
-        remote = isinstance(self.link, RemoteLink)  # it encodes each server's range itself
-        payload = self.codec.encode(delta) if self.codec is not None and not remote else delta
-        samples = self.samples if self.samples > 0 else float(self.clock - self.synced_at)
-        mine = self.carried.read() if self.carried is not None else None  # its statistics now, for the others
-        reply = self.link.send(Message(PUSH, self.island, self.version, samples, payload, mine))
+        """End this island's round: push its pseudo-gradient, adopt the model the server answers with (every worker
+        of the island: its leader pushes, all adopt the answer)."""
+        # its statistics now, for the others: the mean over the island's workers, each of whom saw its own batches
+        mine = self.relay.pool(self.carried.read()) if self.carried is not None else None
+        reply = None
+        if self.relay.leader:  # DDP keeps the island's replicas identical: the leader's delta is the island's
+            assert self.link is not None, "push before wrap"
+            delta = self.global_flat - self.local.read()
+            remote = isinstance(self.link, RemoteLink)  # it encodes each server's range itself
+            payload = self.codec.encode(delta) if self.codec is not None and not remote else delta
+            # the samples behind it: the island's (its workers' batches are equal shares)
+            samples = self.samples * self.relay.workers if self.samples > 0 else float(self.clock - self.synced_at)
+            reply = self.link.send(Message(PUSH, self.island, self.version, samples, payload, mine))
+        reply = self.relay.share(reply)
         self.counts["pushes"] += 1
         self.counts["refused"] += int(not reply.ack.accepted)
         self.adopt(reply)
@@ -629,8 +660,11 @@ class ParameterServer(OuterStrategy):
     def final(self) -> dict:
         """DONE, answered with the final model once every island still training is done; returns what an elastic
         membership records of this island's end (its served_end event)."""
-        assert self.link is not None, "finish before wrap"
-        self.adopt(self.link.send(Message(DONE, self.island)))
+        reply = None
+        if self.relay.leader:  # its mates take the final model from it
+            assert self.link is not None, "finish before wrap"
+            reply = self.link.send(Message(DONE, self.island))
+        self.adopt(self.relay.share(reply))
         if self.elastic is not None:
             self.elastic.finished()
         final = self.link.final if isinstance(self.link, RemoteLink) else True

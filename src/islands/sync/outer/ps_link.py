@@ -242,9 +242,10 @@ def _recv(like: torch.Tensor, src: int | None, group, sealer: Sealer | None, fie
 
 class GlooReceiver:
     """On the server's host: a thread that receives the other ranks' messages over `pushes` (a gloo group; island i
-    is rank i), from whichever rank sends first, and puts them into the LocalInbox with an answer that goes back over
-    `answers` (a second group: the receiver thread and the loop thread each use a group of their own). It stops
-    after the DONE of every one of the `remote` islands."""
+    is rank i x `stride`, its leader when islands have `stride` workers: ps_island.py), from whichever rank sends
+    first, and puts them into the LocalInbox with an answer that goes back over `answers` (a second group: the
+    receiver thread and the loop thread each use a group of their own). It stops after the DONE of every one of the
+    `remote` islands."""
 
     def __init__(
         self,
@@ -257,9 +258,10 @@ class GlooReceiver:
         sealer: Sealer | None = None,
         me: int = 0,
         buffers: int = 0,
+        stride: int = 1,
     ):
         self.pushes, self.answers, self.remote, self.inbox = pushes, answers, remote, inbox
-        self.numel, self.codec, self.sealer, self.me = numel, codec, sealer, me
+        self.numel, self.codec, self.sealer, self.me, self.stride = numel, codec, sealer, me, stride
         self.buffers = buffers  # values in a buffer vector (ps_buffers): 0 for a model without buffers
         self.count: dict[int, int] = {}  # messages received per island: the number each tag binds
         self.thread = threading.Thread(target=self._run, name="islands-ps-receiver", daemon=True)
@@ -278,39 +280,42 @@ class GlooReceiver:
             self.inbox.fail(e)
 
     def _receive(self) -> tuple[Message, int, int]:
-        """A message, its sender rank and its number from that sender."""
-        me = self.me
+        """A message, its sender rank and its number from that sender. Tags bind island numbers, as the link's do."""
+        me, stride = self.me, self.stride
         header, src = _recv(
             torch.zeros(_HEADER, dtype=torch.float64),
             None,
             self.pushes,
             self.sealer,
-            lambda s: ("ps_header", s, me, self.count.get(s, 0)),
+            lambda s: ("ps_header", s // stride, me, self.count.get(s // stride, 0)),
         )
-        n = self.count.get(src, 0)
-        self.count[src] = n + 1
+        island = src // stride
+        n = self.count.get(island, 0)
+        self.count[island] = n + 1
         kind, nbytes = int(header[0].item()), int(header[4].item())
-        if int(header[1].item()) != src:
+        if int(header[1].item()) != island or src % stride:
             raise ValueError(f"rank {src} sent a message as island {int(header[1].item())}")
         payload = None
         if kind == PUSH:
-            self.inbox.begin(src)  # a held window waits for this push while its payload crosses the link
+            self.inbox.begin(island)  # a held window waits for this push while its payload crosses the link
             like = torch.empty(nbytes, dtype=torch.uint8) if self.codec else torch.empty(self.numel)
-            payload, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_payload", s, me, n))
+            payload, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_payload", island, me, n))
         buffers = None
         if kind == PUSH and self.buffers:
             like = torch.empty(self.buffers, dtype=torch.float64)
-            buffers, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_buffers", s, me, n))
-        return Message(kind, src, int(header[2].item()), float(header[3].item()), payload, buffers), src, n
+            buffers, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_buffers", island, me, n))
+        return Message(kind, island, int(header[2].item()), float(header[3].item()), payload, buffers), src, n
 
     def _answer_to(self, dst: int, n: int) -> Answer:
+        to = dst // self.stride  # the island the tags name
+
         def answer(reply: Reply) -> None:
             a = reply.ack
             head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
-            _send(head, dst, self.answers, self.sealer, ("ps_answer", self.me, dst, n))
-            _send(reply.flat, dst, self.answers, self.sealer, ("ps_model", self.me, dst, n))
+            _send(head, dst, self.answers, self.sealer, ("ps_answer", self.me, to, n))
+            _send(reply.flat, dst, self.answers, self.sealer, ("ps_model", self.me, to, n))
             if self.buffers:
-                _send(_held(reply.buffers, self.buffers), dst, self.answers, self.sealer, ("ps_held", self.me, dst, n))
+                _send(_held(reply.buffers, self.buffers), dst, self.answers, self.sealer, ("ps_held", self.me, to, n))
 
         return answer
 
