@@ -115,6 +115,20 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
     assert join["via"] == "end" and join["joined"] == ["w0.1"] and join["size"] == 2
     run = json.loads((run_dir / "run.json").read_text())
     assert run["summary"]["steps"] == 40
+    # the servers' report reaches run.json although the island that started the service was killed: the supervisor
+    # handed it over through its store ("What the servers report"); before, only the starter read it
+    report = run["parameter_server"]
+    assert report["mode"] == "processes" and report["stop"] == "done", report
+    assert report["complete"] and report["missing"] is None, report
+    (server,) = report["servers"]
+    # every acknowledged push counted where it was applied; a push may be refused as too stale (max_staleness 4),
+    # and the survivors' refusals are among the server's (the killed one's are unknown)
+    assert server["pushes_applied"] == applied, (server, ends, seen)
+    assert server["pushes_refused"] >= ends["w1"]["refused"] + ends["w0.1"]["refused"], (server, ends)
+    assert server["restarts"] == 0 and server["processes"][0]["final"], server
+    assert server["cpu_seconds"] > 0 and server["peak_memory_bytes"] > 0 and server["peak_memory"] == "max_rss"
+    assert report["cpu_seconds"] == server["cpu_seconds"]
+    assert report["supervisor"]["cpu_seconds"] > 0 and report["supervisor"]["max_rss_bytes"] > 0, report
     deadline = time.monotonic() + 30
     while _service_processes() - before:  # the supervisor and its server end with the job
         assert time.monotonic() < deadline, _service_processes() - before

@@ -23,8 +23,10 @@ BACKEND = "aot_eager"
 STEPS = 8
 HALF = 4  # mid-round: DiLoCo's rounds end at steps 3 and 6
 # the compiled modes each inner strategy is compared in, and the modes of its resume: (uninterrupted and resumed, first)
-COMPILED = {"ddp": ("before", "after"), "fsdp": ("before", "after"), "fsdp-layers": ("islands",)}
-RESUME = {"ddp": ("after", "before"), "fsdp": ("after", "before"), "fsdp-layers": ("islands", "islands")}
+# (make test's 12 minutes: fsdp's per-unit compile trains as eager in test_compiled_inner.py and through the CLI, so
+# here it is resumed only, and fsdp compiled by the user is compared only)
+COMPILED = {"ddp": ("before", "after"), "fsdp": ("before", "after")}
+RESUME = {"ddp": ("after", "before"), "fsdp-layers": ("islands", "islands")}
 
 
 class _Net(nn.Module):
