@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 import islands
 import islands.compress.base as base
+from harness.user_models import lm_loss, rows, small_net, tiny_gpt2, tokens
 from islands.compress import parse_compressor
 from islands.compress.topkq import TopKQ
 from islands.outer import DiLoCo
@@ -24,43 +24,8 @@ SPEC = "topkq:ratio=0.0215,bits=2,index=elias-fano,decay=0.95,chunk=256"  # smal
 STEPS = 6
 
 
-def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False, bos_token_id=0, eos_token_id=0
-    )
-    return GPT2LMHeadModel(cfg)
-
-
-def _lm_loss(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def _tokens() -> TensorDataset:
-    ids = torch.randint(0, 64, (64, 13), generator=torch.Generator().manual_seed(1))
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 64), nn.Linear(64, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return _Net()
-
-
-def _rows() -> TensorDataset:
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(96, 8, generator=g)
-    return TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(-1))
+def wide_net() -> nn.Module:
+    return small_net(64)
 
 
 def _fit(make_model, loss_fn, data, compile=None) -> list[torch.Tensor]:
@@ -90,10 +55,10 @@ def _fit(make_model, loss_fn, data, compile=None) -> list[torch.Tensor]:
 def test_the_146x_spec_trains_a_users_model_the_same_with_and_without_the_compiled_loops(case, monkeypatch):
     if case == "gpt2":
         pytest.importorskip("transformers")
-        args = (_gpt2, _lm_loss, _tokens())
+        args = (tiny_gpt2, lm_loss, tokens())
         kw = {}
     else:
-        args = (_net, F.cross_entropy, _rows())
+        args = (wide_net, F.cross_entropy, rows())
         kw = {"compile": Compile(backend="aot_eager")}
     one_pass = []
     inner = TopKQ.compress_residual

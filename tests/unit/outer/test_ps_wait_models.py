@@ -7,56 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 import islands
+from harness.user_models import lm_loss, rows, small_net, tiny_gpt2, tokens
 from islands.outer import DiLoCo, InProcessServer, ParameterServer, VirtualClock
 from islands.runtime.compiled import Compile
 
 STEPS = 6
-
-
-def _gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, use_cache=False, bos_token_id=0, eos_token_id=0
-    )
-    return GPT2LMHeadModel(cfg)
-
-
-def _lm_loss(logits, targets):
-    # the model returns a ModelOutput; the Trainer hands its logits to the loss
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def _tokens() -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (64, 13), generator=g)
-    return TensorDataset(ids[:, :-1], ids[:, 1:])
-
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return _Net()
-
-
-def _rows() -> TensorDataset:
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(96, 8, generator=g)
-    return TensorDataset(x, (x @ torch.randn(8, 4, generator=g)).argmax(-1))
 
 
 def _fit(make_model, loss_fn, data, strategy: str, compile=None, islands_: int = 2) -> list[torch.Tensor]:
@@ -92,19 +50,19 @@ def _fit(make_model, loss_fn, data, strategy: str, compile=None, islands_: int =
 
 @pytest.mark.slow  # transformers' import and dynamo's tracing: make test, not make test-fast
 @pytest.mark.parametrize("m", [2, 3])  # 3: a full window steps DiLoCo's sqrt(2) on the mean (ps.WINDOWED_LR)
-def test_a_transformers_gpt2_through_held_windows_trains_as_diloco(m):
+def test_a_transformerstiny_gpt2_through_held_windows_trains_as_diloco(m):
     pytest.importorskip("transformers")
-    held = _fit(_gpt2, _lm_loss, _tokens(), "ps", islands_=m)
-    sync = _fit(_gpt2, _lm_loss, _tokens(), "diloco", islands_=m)
+    held = _fit(tiny_gpt2, lm_loss, tokens(), "ps", islands_=m)
+    sync = _fit(tiny_gpt2, lm_loss, tokens(), "diloco", islands_=m)
     assert all(torch.equal(held[0], h) for h in held[1:])  # every island ends on the server's model
     torch.testing.assert_close(held[0], sync[0], rtol=1e-5, atol=1e-6)
-    assert not torch.equal(held[0], torch.cat([p.detach().reshape(-1) for p in _gpt2().parameters()]))  # it trained
+    assert not torch.equal(held[0], torch.cat([p.detach().reshape(-1) for p in tiny_gpt2().parameters()]))  # it trained
 
 
 @pytest.mark.slow
 def test_a_compiled_model_through_held_windows_trains_as_its_eager_self_and_as_diloco():
-    eager = _fit(_net, F.cross_entropy, _rows(), "ps")
-    compiled = _fit(_net, F.cross_entropy, _rows(), "ps", compile=Compile(backend="aot_eager"))
-    sync = _fit(_net, F.cross_entropy, _rows(), "diloco")
+    eager = _fit(small_net, F.cross_entropy, rows(), "ps")
+    compiled = _fit(small_net, F.cross_entropy, rows(), "ps", compile=Compile(backend="aot_eager"))
+    sync = _fit(small_net, F.cross_entropy, rows(), "diloco")
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(compiled[0], sync[0], rtol=1e-5, atol=1e-6)
