@@ -19,7 +19,8 @@ answer) is at or under the target, its final loss, and the server's goodput.
 Arms: diloco (synchronous: round k ends when the slowest island's k-th round does); ps (quorum 1, no wait); ps-wait
 (quorum 3, a fixed wait of a tenth of the fastest island's round: the bench's ps-wait); ps-auto (quorum 3,
 PacedWait(reach, margin)) for every reach x margin; ps-auto-own, the same with `statistics=own` (each island keeps
-its own buffers instead of the server's mean: only a model with buffers differs). `--arms` picks some; `--model
+its own buffers instead of the server's mean: only a model with buffers differs); diloco-own, DiLoCo with
+`statistics=own`. `--arms` picks some; `--model
 bn-mlp` puts a BatchNorm1d after each of the MLP's hidden layers (running statistics through the server); `--skew`
 makes the islands' inputs differ in distribution (skewed()). Writes
 OUT/rows.json and prints one line per run.
@@ -142,8 +143,8 @@ def run_arm(
     slowest_ends = [max(r[k] for r in rounds) for k in range(len(rounds[0]))]
 
     def strategy():
-        if arm == "diloco":
-            return DiLoCo(inner_steps=H)
+        if arm.startswith("diloco"):
+            return DiLoCo(inner_steps=H, statistics="own" if arm == "diloco-own" else "mean")
         quorum, wait = (1, None) if arm == "ps" else (ISLANDS, None)
         if arm == "ps-wait":
             wait = 0.1 * min(r[0] for r in rounds)
@@ -177,7 +178,7 @@ def run_arm(
             s_.after_step(model, opt, s)
             if world.rank == 0 and (s + 1) % H == 0:
                 k = (s + 1) // H
-                when = sum(slowest_ends[:k]) if arm == "diloco" else clock.now(0)
+                when = sum(slowest_ends[:k]) if arm.startswith("diloco") else clock.now(0)
                 curve.append((when, s + 1, val_loss(model, task.val_data)))
         s_.finish(model)
 
@@ -199,7 +200,9 @@ def main() -> None:
     p.add_argument("--reach", default="0.1,0.2,0.35,0.5,0.75,1.0")
     p.add_argument("--margin", default="0,0.1,0.25")
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--arms", default="diloco,ps,ps-wait,ps-auto", help="of diloco,ps,ps-wait,ps-auto,ps-auto-own")
+    p.add_argument(
+        "--arms", default="diloco,ps,ps-wait,ps-auto", help="of diloco,diloco-own,ps,ps-wait,ps-auto,ps-auto-own"
+    )
     p.add_argument("--model", default="mlp", choices=("mlp", "bn-mlp"))
     p.add_argument("--skew", type=float, default=0.0, help="island i's inputs x (1 + skew i) + skew i (skewed())")
     a = p.parse_args()
@@ -213,7 +216,7 @@ def main() -> None:
             times = [float(x) for x in mix.split("/")]
             rounds = round_times(times, a.jitter, seed)
             chosen = a.arms.split(",")
-            arms = [(x, 0.0, 0.0) for x in ("diloco", "ps", "ps-wait") if x in chosen]
+            arms = [(x, 0.0, 0.0) for x in ("diloco", "diloco-own", "ps", "ps-wait") if x in chosen]
             arms += [(x, r, m) for x in ("ps-auto", "ps-auto-own") if x in chosen for r in reaches for m in margins]
             for arm, reach, margin in arms:
                 t0 = time.perf_counter()

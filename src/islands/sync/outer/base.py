@@ -55,6 +55,9 @@ SHARDED_OUTER = (
 BUFFER_KIND = "outer_buffers"
 INIT_KIND = "outer_init"  # the one exchange of island 0's start (agree_start)
 ISLAND_BUFFER_KIND = "island_buffers"  # inside an island of several workers, before the cross average
+# a strategy's `statistics` option: its buffers averaged over the islands (mean), or each island's kept (own: islands
+# whose inputs differ, where a mean of their BatchNorm statistics fits none of them)
+STATISTICS = ("mean", "own")
 
 
 class OuterStrategy(NoOp):

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from islands.sync.outer.base import SHARDED_OUTER, OuterStrategy
+from islands.sync.outer.base import SHARDED_OUTER, STATISTICS, OuterStrategy
 from islands.sync.outer.exchange import Exchange
 from islands.sync.outer.flat import FlatView
 from islands.sync.outer.options import diloco_parts
@@ -66,13 +66,16 @@ class DiLoCo(OuterStrategy):
         exchange: Exchange | None = None,
         schedule: Schedule | None = None,
         sync_inner_state: bool = False,
+        statistics: str = "mean",
         **options,
     ):
         """`inner_steps` H: inner optimizer steps per round (per fragment cycle). `outer_optimizer`: a torch.optim
         factory (params -> optimizer), OuterSGD / PrimalAveraging, or an OuterStep around either (its lr factors);
         default plain SGD, lr sqrt(2). `exchange`: an Exchange (compressor, aggregator); default the plain mean.
         `schedule`: Rounds() (default), Fragments, Overlapped or Adaptive. `sync_inner_state`: also average the
-        inner Adam moments each round (SOTA-219 experiment only; plain rounds only). `options`: the keyword
+        inner Adam moments each round (SOTA-219 experiment only; plain rounds only). `statistics`: mean (every sync
+        averages the buffers, BatchNorm's running statistics, over the islands) or own (each island keeps its own
+        through the end; the job keeps island 0's: islands whose inputs differ). `options`: the keyword
         options of before (outer=, outer_lr=, overlap=, ...): deprecated here, use DiLoCo.from_options."""
         super().__init__()
         if options:
@@ -89,7 +92,7 @@ class DiLoCo(OuterStrategy):
                     f"options of before ({', '.join(sorted(options))}), not both"
                 )
             inner_state: dict[str, Any] = {"sync_inner_state": True} if sync_inner_state else {}
-            parts = self.parts(inner_steps=inner_steps, **options, **inner_state)
+            parts = self.parts(inner_steps=inner_steps, statistics=statistics, **options, **inner_state)
             inner_steps, outer_optimizer, exchange, schedule, sync_inner_state = (
                 parts["inner_steps"],
                 parts["outer_optimizer"],
@@ -97,6 +100,11 @@ class DiLoCo(OuterStrategy):
                 parts["schedule"],
                 parts["sync_inner_state"],
             )
+        if statistics not in STATISTICS:
+            raise ValueError(f"statistics must be one of {', '.join(STATISTICS)}, got {statistics!r}")
+        self.statistics = statistics
+        if statistics == "own":  # the syncs leave each island's buffers as they are (base.synced_buffers)
+            self.buffer_policy = "own"
         schedule, exchange = self.default_parts(schedule, exchange)
         self.inner_steps = int(inner_steps)
         self.outer = outer_optimizer if isinstance(outer_optimizer, OuterStep) else OuterStep(outer_optimizer)

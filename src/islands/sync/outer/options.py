@@ -21,6 +21,7 @@ from islands.aggregate.base import Aggregator
 from islands.aggregate.coordinate import Mean
 from islands.compress.base import Compressor
 from islands.sync.outer.adaptive import ADAPTS, Adaptive
+from islands.sync.outer.base import STATISTICS
 from islands.sync.outer.eager import OVERLAPS, Overlapped
 from islands.sync.outer.exchange import Exchange
 from islands.sync.outer.outer_opt import (
@@ -55,6 +56,7 @@ def diloco_parts(
     overlap: str = "none",
     adapt: str = "none",
     deadline: float = 0.0,
+    statistics: str = "mean",
 ) -> dict:
     """`inner_steps` H: inner optimizer steps per round. `outer`: the outer optimizer, nesterov | sgd (heavy
     ball, or plain with momentum=0) | primal, or an object with step(params, delta, lo, hi, lr_scale)
@@ -72,7 +74,11 @@ def diloco_parts(
     different speeds take different inner steps per round and their deltas are weighted by samples (adaptive.py;
     speed: the fastest island takes H steps, the others in proportion to their measured speed; deadline: each
     island steps until a wall-clock budget per round runs out); `deadline`: adapt=deadline's budget in seconds
-    (0: the fastest island's measured time for H steps)."""
+    (0: the fastest island's measured time for H steps). `statistics`: mean | own: what a sync does with the
+    model's buffers (BatchNorm's running statistics): mean averages them over the islands (the default), own keeps
+    each island's own through the end (islands whose inputs differ, as FedBN argues)."""
+    if statistics not in STATISTICS:
+        raise ValueError(f"statistics must be one of {', '.join(STATISTICS)}, got {statistics!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}; got {overlap!r}")
     if overlap != "none" and sync_inner_state:
@@ -142,6 +148,7 @@ def diloco_parts(
         "exchange": Exchange("outer_delta", aggregator=aggregator, compressor=codec or compressor),
         "schedule": schedule,
         "sync_inner_state": bool(sync_inner_state),
+        "statistics": statistics,
     }
 
 
@@ -163,13 +170,14 @@ def streaming_parts(
     landing: str = "mix",
     outer_schedule: str = "constant",
     overlap: str = "none",
+    statistics: str = "mean",
 ) -> dict:
     """`inner_steps` H: steps between two syncs of the same fragment. `fragments` F: parameter fragments, synced
     in turn every H/F steps. `tau`: inner steps each fragment's exchange overlaps with (0 = blocking).
     `merge`: landing=mix's weight kept of the local fragment when the new global one arrives; `landing`: mix
     (LIT-214) | replay (global + the tau steps since the send). `bits`: 4 (block-scaled, `block` values per
     fp32 scale) or 32 (plain fp32); `entropy`: none | zstd over the 4-bit codes. The outer optimizer,
-    `compressor` (bits=32 only), `aggregator`, `lr_scale`, `outer_schedule` and `overlap` are DiLoCo's (an
+    `compressor` (bits=32 only), `aggregator`, `lr_scale`, `outer_schedule`, `overlap` and `statistics` are DiLoCo's (an
     overlap other than none replaces tau: each fragment's exchange runs during the next H steps)."""
     if bits not in (4, 32):
         raise ValueError(f"bits must be 4 or 32, got {bits}")
@@ -194,6 +202,7 @@ def streaming_parts(
         landing=landing,
         outer_schedule=outer_schedule,
         overlap=overlap,
+        statistics=statistics,
     )
 
 

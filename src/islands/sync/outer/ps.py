@@ -65,7 +65,7 @@ from islands.runtime.contracts import Counted, ServedEnd
 from islands.runtime.payload_auth import PayloadTags
 from islands.runtime.simulate import current_island
 from islands.sync.outer import ps_host
-from islands.sync.outer.base import OuterStrategy, average_buffers_at_the_end
+from islands.sync.outer.base import STATISTICS, OuterStrategy, average_buffers_at_the_end
 from islands.sync.outer.delayed_nesterov import DelayedNesterov
 from islands.sync.outer.outer_opt import DEFAULT_OUTER_LR, OuterOptimizer, OuterSGD
 from islands.sync.outer.ps_buffers import NO_BUFFERS, IslandBuffers
@@ -125,8 +125,6 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 # for it: ps_server.StaleCap): equal-speed islands' pushes are M - 1 versions stale, and lr 1/sqrt(M) sat at 93% of
 # the limit for 3 islands and past it from 4 (results/parameter-server/churn-s30)
 DEFAULT_PS_RULE = "sgd"
-# what a server does with the islands' buffers during training (ParameterServer's `statistics`)
-STATISTICS = ("mean", "own")
 # An elastic island of k workers has a leader that is the epochs' member and followers that relay through it
 # (docs/membership.md); the server's joins, restarts and served end are not wired through that relay yet
 ELASTIC_ISLANDS = (
