@@ -264,7 +264,8 @@ def test_persist_barrier_abandons_when_a_member_dies_or_the_epoch_moves(job_stor
         t0 = time.monotonic()
         with pytest.raises(MembershipChanged, match=r"\['b'\] left during the save of step 8 before the commit"):
             barrier()
-        assert time.monotonic() - t0 < 5
+        # well before the barrier's 20 s timeout: it saw the death, it did not time out (5 s flaked once at load 10)
+        assert time.monotonic() - t0 < 10
 
         epoch = {"now": 0}
         barrier = _persist_barrier(port, epoch_now=lambda: epoch["now"])
@@ -291,7 +292,7 @@ def test_persist_barrier_gives_up_after_its_timeout_and_notices_a_silent_member(
         t0 = time.monotonic()
         with pytest.raises(MembershipChanged, match="left during the save of step 3"):
             barrier()
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 10  # the heartbeat timeout (0.5 s), not the barrier's 20 s
     finally:
         beats[0].stop()
 
