@@ -51,11 +51,12 @@ def _events(record: dict, kind: str) -> list[dict]:
 
 
 def _kill_island_0_mid_round(
-    tmp_path: Path, outer: str, steps: int, token: str | None = None, model: str = "", k: int = 1
+    tmp_path: Path, outer: str, steps: int, token: str | None = None, model: str = "", k: int = 1, victim: int = -1
 ) -> tuple[str, dict, dict]:
     """`islands train --elastic --max-restarts 1` of 2 islands of `k` workers (ddp inside) on gated digits with
-    `outer`; once island 0 has two acknowledged pushes its last worker (k = 1: the island; else a follower, whose
-    leader the launcher stops with it) is SIGKILLed at its gate and the island restarted. Returns (log, the
+    `outer`; once island 0 has two acknowledged pushes its worker `victim` (a local index; by default the last: k = 1,
+    the island; else a follower, whose leader the launcher stops with it) is SIGKILLed at its gate and the island
+    restarted. Returns (log, the
     survivors' records, what the fault saw: the service's address in the job's store and the killed island's
     numbers)."""
     task, hold = gated_digits(tmp_path)
@@ -77,9 +78,9 @@ def _kill_island_0_mid_round(
             seen["address"] = where = store.get("ps/address").decode()
             # a service of island 0's own: its temporary directory, the one whose address file names its store
             seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]
-            victim = workers[k - 1]  # island 0's last worker (the launcher starts island 0's k workers first)
-            assert victim.name == ("w0" if k == 1 else f"i0w{k - 1}"), victim.name
-            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, victim.proc.pid, restarted[0])
+            killed = workers[victim % k]  # a worker of island 0 (the launcher starts island 0's k workers first)
+            assert killed.name == worker_name(0, victim % k, k), killed.name
+            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, killed.proc.pid, restarted[0])
         except BaseException as e:  # noqa: BLE001 - surfaced after the job
             errors.append(e)
         finally:
