@@ -410,7 +410,7 @@ class ParameterServer(OuterStrategy):
         self.relay = island_side(self.island_comm, numel, sum(layout), waits, self.island_ledger())
         if self.service is not None:
             self.adopt(self.relay.share(self.connect(self.service)))
-            if self.elastic is not None:  # the number its leader took (the same in a fixed job: the island's rank)
+            if self.elastic is not None:  # a k-worker island's mates take the number their leader took
                 self.island = self.relay.number(self.island)
                 self.elastic.pulled(self.island)
             return
