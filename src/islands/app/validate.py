@@ -646,11 +646,6 @@ def elastic(cfg: JobConfig) -> str | None:
     refusal = outer.elastic_refusal()  # the strategy's own rule
     if refusal:
         return f"outer.strategy: {refusal}"
-    if isinstance(outer, ServedParticipant) and k > 1:
-        return (
-            f"outer.strategy: {outer.name} runs islands of several workers in fixed jobs only for now; in an elastic "
-            f"job one worker per island (this elastic job's islands have {k} workers each)"
-        )
     if isinstance(outer, ServedParticipant) and (
         cfg.checkpoint.every or cfg.checkpoint.policy or cfg.checkpoint.memory_every or cfg.checkpoint.remote_every
     ):

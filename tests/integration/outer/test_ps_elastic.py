@@ -4,7 +4,8 @@ one that started the server's supervisor, is SIGKILLed mid-round; the service li
 launcher restarts the island, which reads the service's address from the job's store, pulls the global model from
 the server and starts at its predecessor's last acknowledged step; the job ends 0 with both survivors on the
 server's final model, and the server's version counts every acknowledged push of all three island processes, the
-killed one's included.
+killed one's included. The same with islands of two workers (ddp inside, a BatchNorm model): island 0's follower is
+killed, the launcher restarts the whole island, and the servers count islands, not workers.
 
 Processes, not threads: what is tested is the elastic runtime's launcher, restart and store, and a SIGKILL of a
 whole island process while the server processes live on."""
@@ -26,6 +27,7 @@ from harness.elastic import QUIET_ELASTIC, gated_digits, kill_served_island_at_i
 from islands.app.launch import launch_elastic
 from islands.app.validate import validate
 from islands.config import from_mapping
+from islands.runtime.elastic.island_comm import worker_name
 from islands.runtime.elastic.membership import observe
 
 HEARTBEAT = 5.0  # seconds; generous: the test machine is shared and loaded (a false death would fail it)
@@ -48,15 +50,20 @@ def _events(record: dict, kind: str) -> list[dict]:
     return [e for e in record["final"]["events"] if e["type"] == kind]
 
 
-def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str | None = None, model: str = ""):
-    """`islands train --elastic --max-restarts 1` of 2 one-worker islands on gated digits with `outer`; once island 0
-    has two acknowledged pushes it is SIGKILLed at its gate and restarted. Returns (log, the survivors' records,
-    what the fault saw: the service's address in the job's store and the killed island's numbers)."""
+def _kill_island_0_mid_round(
+    tmp_path: Path, outer: str, steps: int, token: str | None = None, model: str = "", k: int = 1, victim: int = -1
+) -> tuple[str, dict, dict]:
+    """`islands train --elastic --max-restarts 1` of 2 islands of `k` workers (ddp inside) on gated digits with
+    `outer`; once island 0 has two acknowledged pushes its worker `victim` (a local index; by default the last: k = 1,
+    the island; else a follower, whose leader the launcher stops with it) is SIGKILLed at its gate and the island
+    restarted. Returns (log, the
+    survivors' records, what the fault saw: the service's address in the job's store and the killed island's
+    numbers)."""
     task, hold = gated_digits(tmp_path)
     hold.write_text(str(2 * H + 1))  # every island stops at its first forward after its second push: a busy host
     # once let island 0 finish its remaining steps before a gate set after the second ack could catch it
     run_dir = tmp_path / "run"
-    values = dict(QUIET_ELASTIC, task=task, workers=2, islands=2, outer=outer)
+    values = dict(QUIET_ELASTIC, task=task, workers=2 * k, islands=2, outer=outer, inner="ddp" if k > 1 else "auto")
     values.update(steps=steps, global_batch=16, heartbeat_timeout=HEARTBEAT, max_restarts=1, run_dir=str(run_dir))
     cfg = from_mapping(values)
     cfg.task.options.update(hold=str(hold), **({"model": model} if model else {}))
@@ -71,12 +78,17 @@ def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str 
             seen["address"] = where = store.get("ps/address").decode()
             # a service of island 0's own: its temporary directory, the one whose address file names its store
             seen["dir"] = [p for p in Path(tempfile.gettempdir()).glob("islands-ps-*") if _names(p, where)]
-            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, workers[0].proc.pid, "w0.1")
+            killed = workers[victim % k]  # a worker of island 0 (the launcher starts island 0's k workers first)
+            assert killed.name == worker_name(0, victim % k, k), killed.name
+            seen["killed"] = kill_served_island_at_its_gate(store, hold, 0, killed.proc.pid, restarted[0])
         except BaseException as e:  # noqa: BLE001 - surfaced after the job
             errors.append(e)
         finally:
             hold.unlink(missing_ok=True)  # never leave the job waiting
 
+    # the survivors' and the restarted workers' names: w0.1, w1 (k = 1) or i0w0.1, i0w1.1, i1w0, i1w1 (k = 2)
+    restarted = [worker_name(0, j, k, 1) for j in range(k)]
+    survivors = restarted + [worker_name(1, j, k) for j in range(k)]
     out = io.StringIO()
     code = launch_elastic(
         cfg, run_dir, out=out, on_started=lambda a, w, c: threading.Thread(target=fault, args=(a, w)).start()
@@ -84,9 +96,9 @@ def _kill_island_0_mid_round(tmp_path: Path, outer: str, steps: int, token: str 
     log = out.getvalue()
     assert not errors, errors
     assert code == 0, log
-    assert "restarting island 0 (restart 1 of 1) as w0.1" in log, log
-    recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("w*.json")}
-    assert set(recs) == {"w1", "w0.1"}, log  # the killed island wrote nothing
+    assert f"restarting island 0 (restart 1 of 1) as {', '.join(restarted)}" in log, log
+    recs = {p.stem: json.loads(p.read_text()) for p in (run_dir / "elastic").glob("*w*.json")}
+    assert set(recs) == set(survivors), log  # the killed island wrote nothing
     return log, recs, seen
 
 
@@ -137,16 +149,50 @@ def test_a_killed_island_restarts_from_the_server_and_loses_no_acknowledged_push
     assert len(seen["dir"]) == 1 and not seen["dir"][0].exists(), seen["dir"]
 
 
-def test_a_batchnorm_model_ends_on_one_model_buffers_included_after_a_killed_and_restarted_island(tmp_path):
-    """A BatchNorm model through server processes, island 0 killed and restarted (starting again from its model's
-    initial statistics): both survivors end on one model, parameters and buffers (their digests cover both). Two
-    things give it: the server's answers carry the islands' mean statistics (ps_buffers), and the job's end averages
-    the buffers once more; either alone makes this pass, so the test checks the outcome, not which one."""
+def test_islands_of_two_workers_push_as_islands_and_a_killed_follower_restarts_its_island(tmp_path):
+    """`--workers 4 --islands 2 --inner ddp --elastic` with a BatchNorm model: island 0's follower is SIGKILLed
+    mid-round; the launcher stops its leader (the one that started the supervisor) and restarts both, whose leader
+    pulls from the servers and hands the model and its step to its follower. Each island is one participant (its
+    leader pushes, its follower takes every answer from it), so the servers count the pushes of 3 island processes,
+    not of 6 workers; the 4 survivors end on one model, buffers included (the answers carry the islands' mean
+    statistics and the end averages them once more: either alone makes the digests agree, so this checks the
+    outcome), and the servers' report reaches run.json."""
     outer = f"ps:inner_steps={H},servers=1,lease={LEASE}"
-    log, recs, seen = _kill_island_0_mid_round(tmp_path, outer, steps=40, model="bn-cnn")
-    assert recs["w1"]["global_sha256"] == recs["w0.1"]["global_sha256"], log
-    (entered,) = _events(recs["w0.1"], "entered")[:1]
+    log, recs, seen = _kill_island_0_mid_round(tmp_path, outer, steps=40, model="bn-cnn", k=2)
+    assert "island 0 left the job" in log, log
+    # every worker of both islands holds the server's final model, bit for bit: within an island and across them
+    assert len({r["global_sha256"] for r in recs.values()}) == 1, {n: r["global_sha256"] for n, r in recs.items()}
+    # the restarted leader entered through the service at its predecessor's last acknowledged step, its follower
+    # through it at the same step; each keeps its own data shard (island index * 2 + local of 4)
+    (entered,) = _events(recs["i0w0.1"], "entered")[:1]
     assert entered["via"] == "service" and entered["step"] == seen["killed"]["step"] >= 2 * H
+    (follower,) = _events(recs["i0w1.1"], "entered")
+    assert follower["via"] == "i0w0.1" and follower["step"] == entered["step"]
+    assert [recs[n]["data_shard"] for n in ("i0w0.1", "i0w1.1", "i1w0", "i1w1")] == [[0, 4], [1, 4], [2, 4], [3, 4]]
+    # a follower's end is its leader's: the same island number on the servers, final version and pushes
+    ends = {n: _events(r, "served_end")[0] for n, r in recs.items()}
+    assert all(e["final"] for e in ends.values()), ends
+    for leader, mate in (("i0w0.1", "i0w1.1"), ("i1w0", "i1w1")):
+        assert {key: v for key, v in ends[mate].items() if key != "time"} == {
+            key: v for key, v in ends[leader].items() if key != "time"
+        }, ends
+    # one number per island process, the leaders' (0, 1 and 2 taken: no follower took one)
+    numbers = {ends["i1w0"]["island"], ends["i0w0.1"]["island"], seen["killed"]["island"]}
+    assert numbers == {0, 1, 2}, (ends, seen)
+    # the pushes are the islands': the survivors' leaders' and the killed island's acknowledged ones
+    applied = ends["i1w0"]["pushes"] + ends["i0w0.1"]["pushes"] + seen["killed"]["pushes"]
+    assert ends["i1w0"]["version"] == applied, (ends, seen)
+    assert ends["i0w0.1"]["pushes"] + ends["i0w0.1"]["refused"] == -(-(40 - entered["step"]) // H)
+    (join,) = _events(recs["i1w0"], "join")
+    assert join["via"] == "end" and join["joined"] == ["i0w0.1"] and join["size"] == 2
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["summary"]["steps"] == 40 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
+    (server,) = run["parameter_server"]["servers"]
+    assert run["parameter_server"]["stop"] == "done" and server["pushes_applied"] == applied, (server, ends, seen)
+    # the followers (ranks 1 and 3 of the last epoch) made no call to the servers: their leaders relayed
+    calls = [rank["calls"] for rank in run["comm"]["per_rank"]]
+    assert len(calls) == 4 and all(not [c for c in calls[r] if c.startswith("ps_")] for r in (1, 3)), calls
+    assert all(calls[r]["ps_push"] >= 1 for r in (0, 2)), calls
     # the model the job keeps carries trained statistics (a fresh BatchNorm's are mean 0, variance 1)
     kept = load_file(tmp_path / "run" / "model" / "model.safetensors")
     (var,) = [v for k, v in kept.items() if k.endswith("bn.running_var")]

@@ -4,8 +4,8 @@ CLI's digits job with 2 islands of 2 workers (thread mode and servers=1) counts 
 server and ends with every worker on one model; through the Python API, with every island's data fixed, an island of
 2 workers on a virtual clock trains as an island of 1 with the same batch does, and a BatchNorm model's workers,
 each on its own half of the island's batch, push the island's mean statistics and hold the same buffers after every
-answer. What the server cannot take (fsdp's shards, elastic islands of several workers, an island whose workers hold
-different parts of the model) is refused with a reason."""
+answer. What the server cannot take (fsdp's shards, in fixed and elastic jobs; an island whose workers hold different
+parts of the model) is refused with a reason."""
 
 from __future__ import annotations
 
@@ -86,9 +86,9 @@ def test_a_job_of_two_worker_islands_resumes_through_the_servers(tmp_path):
             ["--inner", "fsdp", "--outer", "ps:inner_steps=5"],
             ["inner.strategy=fsdp shards the parameters", "'ps' is not wired for sharded parameters"],
         ),
-        (
-            ["--elastic", "--outer", "ps:inner_steps=5,servers=1"],
-            ["ps runs islands of several workers in fixed jobs only", "islands have 2 workers each"],
+        (  # elastic jobs take islands of several workers (test_ps_elastic), not fsdp's shards either
+            ["--elastic", "--inner", "fsdp", "--outer", "ps:inner_steps=5,servers=1"],
+            ["inner.strategy=fsdp shards the parameters", "'ps' is not wired for sharded parameters"],
         ),
     ],
 )

@@ -124,9 +124,10 @@ def test_an_elastic_warm_start_asks_the_strategy_it_wraps():
         validate(bad)
 
 
-def test_an_elastic_ps_job_needs_server_processes_one_worker_islands_and_no_checkpoints_of_its_own():
+def test_an_elastic_ps_job_needs_server_processes_and_no_checkpoints_of_its_own_and_takes_ddp_islands():
     """ps runs in an elastic job with servers=S (its server as processes of their own, which outlive any island);
-    the thread mode is refused by the strategy itself, naming servers=S, on the CLI path and the library path."""
+    the thread mode is refused by the strategy itself, naming servers=S, on the CLI path and the library path.
+    Islands of several workers are taken with ddp or zero1 inside, not fsdp."""
     from islands.sync.outer.ps import parameter_server
 
     why = parameter_server(4).elastic_refusal()
@@ -142,11 +143,15 @@ def test_an_elastic_ps_job_needs_server_processes_one_worker_islands_and_no_chec
     assert validate(from_mapping(dict(ELASTIC, outer="ps:inner_steps=4,servers=1"))).elastic.enabled
     (found,) = problems(from_mapping(dict(ELASTIC, outer="ps:inner_steps=4,servers=1", ckpt_every=4)))
     assert found.startswith("checkpoint: an elastic ps job keeps its state in the server processes' journals")
-    (found,) = problems(from_mapping(dict(ELASTIC, workers=6, global_batch=24, outer="ps:inner_steps=4,servers=1")))
-    assert found == (
-        "outer.strategy: ps runs islands of several workers in fixed jobs only for now; in an elastic job one worker "
-        "per island (this elastic job's islands have 2 workers each)"
-    )
+    # islands of several workers: ddp or zero1 inside (the leader speaks for its island); fsdp's shards are refused
+    # as in a fixed job, naming what works
+    for inner in ("auto", "ddp", "zero1"):
+        several = dict(ELASTIC, workers=6, global_batch=24, inner=inner, outer="ps:inner_steps=4,servers=1")
+        assert problems(from_mapping(several)) == [], inner
+    several = dict(ELASTIC, workers=6, global_batch=24, inner="fsdp", outer="ps:inner_steps=4,servers=1")
+    (found,) = problems(from_mapping(several))
+    assert "inner.strategy=fsdp shards the parameters" in found and "'ps' is not wired for sharded" in found, found
+    assert "use inner.strategy=ddp" in found, found
 
 
 @pytest.mark.parametrize(

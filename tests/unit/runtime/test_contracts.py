@@ -187,13 +187,14 @@ def test_outer_strategies_are_elastic_participants_and_holders(cls):
     assert violations(cls, Holder) == []
 
 
-def test_the_parameter_server_is_a_served_participant_and_leaders_run_a_served_end():
+def test_the_parameter_server_is_a_served_participant_and_every_worker_runs_a_served_end():
     """ps's islands share no collective while they train: its joiners enter at its entry_step, and the membership a
-    leader holds runs the job's end (docs/parameter-server.md, "Elastic jobs"); no other outer strategy is served."""
+    leader holds runs the job's end (docs/parameter-server.md, "Elastic jobs"), a k-worker island's follower with it;
+    no other outer strategy is served."""
     assert violations(ParameterServer, ElasticParticipant) == [] and violations(ParameterServer, Holder) == []
     assert violations(ParameterServer, ServedParticipant) == []
     assert [c for c in PARTICIPANTS if not violations(c, ServedParticipant)] == []
-    for cls in (Membership, IslandLeader):
+    for cls in (Membership, IslandLeader, IslandFollower):  # a follower takes the end from its leader
         assert violations(cls, ServedEnd) == []
 
 

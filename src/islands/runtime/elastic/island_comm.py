@@ -48,6 +48,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -746,11 +747,18 @@ class IslandLeader(Membership):
             self._island_round = rounds
             self._relay().sync()
 
+    def end_served(self, final: Callable[[], dict]) -> None:
+        """A served job's end (contracts.ServedEnd): the members' end (a member that puts joiners in tells its
+        followers JOINING first: before_join), then the followers learn the last epoch (a restarted island's leader
+        enters it only now), so that the end-of-run collectives agree on its size (IslandFollower.end_served)."""
+        super().end_served(final)
+        self._relay().sync()
+
 
 class IslandFollower:
     """What a follower (local index > 0) has for `world.membership`: it holds the strategy's place like a
-    Membership (claim/enter/at_step), takes everything from its leader over the local group, and is never a
-    member of the job's epochs itself."""
+    Membership (claim/enter/at_step, and a served job's end_served), takes everything from its leader over the
+    local group, and is never a member of the job's epochs itself."""
 
     def __init__(
         self,
@@ -833,6 +841,17 @@ class IslandFollower:
                 if self.island.sharded:  # the leader serves the island's state, which its workers hold together
                     island_state(self.island, strategy, model, step)
                 self.island.sync()
+
+    def end_served(self, final: Callable[[], dict]) -> None:
+        """A served job's end (contracts.ServedEnd): `final` takes the service's final answer from the leader (the
+        parameter server's relay), then the leader tells the last epoch (IslandLeader.end_served); a leader that
+        puts joiners into it tells JOINING first (its before_join), and the saves here settle as at a boundary."""
+        facts = final()
+        self.events.append({"type": "served_end", "time": time.time(), **facts})
+        if self.island.sync() == JOINING:
+            for settle in self.before_join:
+                settle()
+            self.island.sync()
 
     def state_dict(self) -> dict:
         return {"epoch": self.island.epoch, "members": [], "events": list(self.events), "leader": self.place.name(0)}

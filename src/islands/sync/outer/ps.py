@@ -29,9 +29,10 @@ which the island adopts as its own, as a DiLoCo round's average (ps_buffers.py; 
 at the end one collective averages them over the islands once more (average_buffers_at_the_end), so all end on one
 model. `statistics="own"` keeps each island's own instead, through the end.
 
-Islands of k workers (ddp or zero1 inside; fixed jobs, either mode): the island is one participant, its number its
-index. Its leader (local index 0) pushes for it and its mates take every answer from the leader (ps_island.py), so
-the server's M counts islands, not workers.
+Islands of k workers (ddp or zero1 inside; fixed jobs in either mode, elastic ones with servers=S): the island is
+one participant, its number its index (in an elastic job the one its leader takes from the job's store). Its leader
+(local index 0) pushes for it and its mates take every answer from the leader (ps_island.py), so the server's M
+counts islands, not workers.
 
 `service=ServerProcesses(S)` (spec `servers=S`) runs the server as S processes of its own instead, one parameter
 range each, under a supervisor that restarts a killed or frozen one from its journal; islands join, leave, freeze or
@@ -41,7 +42,9 @@ In an elastic job (`islands train --elastic`) ps runs in process mode only: the 
 service and writes its address in the job's authenticated store, where every other island, restarted or joining,
 reads it (ps_elastic.py); a joiner pulls the global model from the servers and starts at its data shard's last
 acknowledged step (contracts.ServedParticipant), and the elastic runtime makes no island wait for another until
-the job's end (docs/parameter-server.md, "Elastic jobs").
+the job's end (docs/parameter-server.md, "Elastic jobs"). An elastic island of k workers is the fixed job's: its
+leader (the epochs' member) alone connects, takes the island's number and keeps the store's records; its mates take
+the number, every answer and, on a restart, the step from it (the elastic runtime's hand-over).
 """
 
 from __future__ import annotations
@@ -125,12 +128,6 @@ RULES = ("delayed-nesterov", "nesterov", "sgd")
 # for it: ps_server.StaleCap): equal-speed islands' pushes are M - 1 versions stale, and lr 1/sqrt(M) sat at 93% of
 # the limit for 3 islands and past it from 4 (results/parameter-server/churn-s30)
 DEFAULT_PS_RULE = "sgd"
-# An elastic island of k workers has a leader that is the epochs' member and followers that relay through it
-# (docs/membership.md); the server's joins, restarts and served end are not wired through that relay yet
-ELASTIC_ISLANDS = (
-    "ps runs islands of several workers in fixed jobs only for now; in an elastic job one worker per island "
-    "(this elastic job's islands have {k} workers each)"
-)
 
 
 # A server whose windows wait for their quorum (quorum >= 2 with a wait) trains equal islands as synchronous DiLoCo
@@ -390,13 +387,14 @@ class ParameterServer(OuterStrategy):
     def wrap(self, model, optimizer, world):
         membership = world.membership
         if membership is not None and self.service is not None:  # elastic, process mode (else refused in wrap)
-            if world.workers_per_island > 1:
-                raise ValueError(ELASTIC_ISLANDS.format(k=world.workers_per_island))
             if membership.new_client is None:
                 raise ValueError("ps in an elastic job needs a client of the job's store of its own (new_client)")
+            # the island's data shard: a k-worker island's workers hold shards index * k + local of islands * k, and
+            # its records in the store (ps/clock/<shard>) are the island's, under its index
             shard, shards = world.shard
+            k = world.workers_per_island
             self.elastic = ElasticService(
-                membership.new_client(), membership.name, shard, self.service.timeout_s, shards
+                membership.new_client(), membership.name, shard // k, self.service.timeout_s, shards // k
             )
             self.end = membership if isinstance(membership, ServedEnd) else None
         return super().wrap(model, optimizer, world)
@@ -410,7 +408,8 @@ class ParameterServer(OuterStrategy):
         self.relay = island_side(self.island_comm, numel, sum(layout), waits, self.island_ledger())
         if self.service is not None:
             self.adopt(self.relay.share(self.connect(self.service)))
-            if self.elastic is not None:
+            if self.elastic is not None:  # a k-worker island's mates take the number their leader took
+                self.island = self.relay.number(self.island)
                 self.elastic.pulled(self.island)
             return
         islands, me = self.comm.size, self.comm.rank
@@ -465,7 +464,8 @@ class ParameterServer(OuterStrategy):
         current global model (a joiner starts from it; the answer is returned) and heartbeats. In an elastic job the
         address travels through the job's store (elastic_address) and each island process takes a number of its own
         there. In an island of k workers only the leader connects (its mates return None); in a fixed job every
-        worker takes part in the address's broadcast."""
+        worker takes part in the address's broadcast; in an elastic job the mates take the island's number from the
+        leader afterwards (setup)."""
         tags = self.comm.tags if isinstance(self.comm, HasPayloadTags) else None
         config = ServiceConfig(
             self.global_flat,
@@ -489,6 +489,8 @@ class ParameterServer(OuterStrategy):
             buffers=self.carried.layout if self.carried is not None else NO_BUFFERS,  # held by shard 0
         )
         if self.elastic is not None:
+            if not self.relay.leader:  # the address, the number and the host's tags are its leader's business
+                return None
             if service.at is not None:  # a server host of its own: the first epoch's rank 0 configures it
                 address, starts = service.at, _first_epochs_rank_0(self.comm)
                 tags = ps_host.elastic_island_tags(service.at, config, self.elastic, starts, service.timeout_s)
@@ -579,7 +581,8 @@ class ParameterServer(OuterStrategy):
 
     def entry_step(self) -> int:
         """An elastic joiner (contracts.ServedParticipant): it pulled the global model in setup; it starts at the step
-        its data shard's last island had reached at its last acknowledged push, so its round starts there too."""
+        its data shard's last island had reached at its last acknowledged push, so its round starts there too. On a
+        k-worker island's leader only: its mates take the step, clock and all, with its state (elastic hand_over)."""
         assert self.elastic is not None, "entry_step in an elastic job only"
         step = self.elastic.start_step(ahead=self.service is not None and self.service.rejoin == "ahead")
         self.clock = self.synced_at = step
@@ -615,7 +618,8 @@ class ParameterServer(OuterStrategy):
         self.counts["refused"] += int(not reply.ack.accepted)
         self.adopt(reply)
         self.rounds += 1
-        if self.elastic is not None:  # a restart of this island starts here: what it loses is its unpushed round
+        if self.elastic is not None and self.relay.leader:  # a restart of this island starts here: what it loses is
+            # its unpushed round (its mates counted the same pushes: the leader's record is the island's)
             self.elastic.record(self.clock, self.island, self.accepted()["pushes"])
         return reply
 
@@ -731,7 +735,9 @@ class ParameterServer(OuterStrategy):
     # ---- state --------------------------------------------------------------------------------------
     def extra_state(self) -> dict:
         state: dict = {"ps_version": self.version, "ps_counts": dict(self.counts), **codec_state(self.codec)}
-        if isinstance(self.link, RemoteLink):  # process mode: island 0 carries every server's state
+        # process mode: island 0 carries every server's state; not in an elastic job, which has no checkpoints of its
+        # own (its leader's state reaches its mates at entry, elastic hand_over, without asking the servers)
+        if isinstance(self.link, RemoteLink) and self.elastic is None:
             state["ps_link"] = self.link.state_dict()
             if self.comm.rank == 0:
                 state["ps_shards"] = self.final_shards if self.final_shards is not None else self.link.snapshot()

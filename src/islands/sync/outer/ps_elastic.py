@@ -4,12 +4,14 @@ island keeps in the job's store, the elastic control plane's authenticated one (
     ps/address        HOST:PORT of the service's store: the first epoch's rank 0 starts the supervisor (a process of
                       its own session, so it outlives that island) and writes it; every other island, a restarted
                       or joining one included, reads it here, instead of the fixed job's gloo broadcast
-    ps/islands        a counter: each island process takes the next number as its island on the servers, so a
-                      restarted island is a new island there (its predecessor lapsed after the lease)
-    ps/clock/<shard>  {"step", "island", "pushes"}: the step an island of data shard <shard> had reached at its last
-                      acknowledged push (a restarted island starts there, so the steps it loses are those of its
-                      predecessor's unpushed round), its island number and the pushes the servers applied for it
-    ps/island/<name>  the island number a worker took, written once it has pulled the model (tests, reports)
+    ps/islands        a counter: each island process (an island of k workers: its leader) takes the next number as
+                      its island on the servers, so a restarted island is a new island there (its predecessor
+                      lapsed after the lease)
+    ps/clock/<shard>  {"step", "island", "pushes"}: the step an island of data shard <shard> (an island of k
+                      workers: its index, its workers' shards divided by k) had reached at its last acknowledged
+                      push (a restarted island starts there, so the steps it loses are those of its predecessor's
+                      unpushed round), its island number and the pushes the servers applied for it
+    ps/island/<name>  the island number of a worker's island, written once it has the model (tests, reports)
     ps/final          set by an island once it has its final answer: a joiner that comes later finds the job over
 
 Written through an AuthStore, a value written without the job's token reads as absent; the counter is the store's

@@ -12,23 +12,28 @@ does, base.ISLAND_BUFFER_KIND), so the leader pushes statistics of every worker'
     reply = side.share(link.send(...) if side.leader else None)   # every worker: the leader's answer
 
 Every worker of the island calls `pool` and `share` at the same points, on the main thread, in step with the inner
-strategy's collectives (they run on another group). The relay's group is gloo on the CPU whatever the job's device
+strategy's collectives (they run on another group). In an elastic job the leader alone takes the island's number
+from the job's store (ps_elastic.py) and `number` hands it to its mates; a mate that loses its leader (or the
+leader a mate) leaves with IslandBroken, one line, as the elastic runtime's own relay does, and the launcher starts
+the island again as a whole. The relay's group is gloo on the CPU whatever the job's device
 (answers arrive on the CPU), and waits as long as the leader's link may: the thread mode's longest wait for an
 answer, or the service's timeout when longer (RELAY_MARGIN_S more), not the job's collective timeout, since a mate
 waits there while its leader waits for the server (at the end, for the slowest island's DONE).
 
-The fixed layout (runtime.world): island i's workers are ranks i*k .. i*k + k - 1, its leader rank i*k.
+The fixed layout (runtime.world): island i's workers are ranks i*k .. i*k + k - 1, its leader rank i*k. An elastic
+island's default group is the island itself (runtime.world.island_world): one block of k, its leader rank 0.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from islands.runtime.elastic.island_comm import RELAY_KIND
+from islands.runtime.elastic.island_comm import RELAY_KIND, IslandBroken
 from islands.sync.outer.base import ISLAND_BUFFER_KIND
 from islands.sync.outer.ps_link import THREAD_MODE_TIMEOUT_S, Reply
 from islands.sync.outer.ps_server import Ack
@@ -58,6 +63,10 @@ class IslandSide(Protocol):
         """The leader's answer on every worker: the leader passes it, its mates None."""
         ...
 
+    def number(self, island: int) -> int:
+        """The leader's island number on every worker (an elastic island's, which only its leader takes)."""
+        ...
+
 
 class LoneWorker:
     """An island of one worker: it speaks for itself."""
@@ -72,6 +81,9 @@ class LoneWorker:
         assert reply is not None, "an island of one worker is its own leader"
         return reply
 
+    def number(self, island: int) -> int:
+        return island
+
 
 class IslandRelay:
     """An island of several workers (module docstring): `group` its gloo group, `source` its leader's global rank,
@@ -84,7 +96,8 @@ class IslandRelay:
     def pool(self, vector: torch.Tensor) -> torch.Tensor:
         # counts (num_batches_tracked) are equal on the island's workers: their sum over k divides back exactly
         out = vector.detach().to("cpu", torch.float64).clone()
-        dist.all_reduce(out, group=self.group)
+        with _mates():
+            dist.all_reduce(out, group=self.group)
         self._count(ISLAND_BUFFER_KIND, out.numel() * 8, out.numel() * 8)
         return out.div_(self.workers)
 
@@ -100,8 +113,9 @@ class IslandRelay:
             if reply.buffers is not None:
                 head[_HEAD:] = reply.buffers.reshape(-1)
             flat.copy_(reply.flat.reshape(-1))
-        dist.broadcast(head, src=self.source, group=self.group)
-        dist.broadcast(flat, src=self.source, group=self.group)
+        with _mates():
+            dist.broadcast(head, src=self.source, group=self.group)
+            dist.broadcast(flat, src=self.source, group=self.group)
         nbytes = head.numel() * 8 + flat.numel() * 4
         self._count(RELAY_KIND, nbytes if self.leader else 0, 0 if self.leader else nbytes)
         if self.leader:
@@ -110,9 +124,29 @@ class IslandRelay:
         h = [int(x) for x in head[:_HEAD].tolist()]
         return Reply(Ack(bool(h[0]), h[1], h[2], bool(h[3])), flat, head[_HEAD:].clone() if h[4] else None)
 
+    def number(self, island: int) -> int:
+        box = torch.tensor([island], dtype=torch.int64)
+        with _mates():
+            dist.broadcast(box, src=self.source, group=self.group)
+        self._count(RELAY_KIND, 8 if self.leader else 0, 0 if self.leader else 8)
+        return int(box.item())
+
     def _count(self, kind: str, sent: int, received: int) -> None:
         if self.ledger is not None:  # island traffic: neither kind crosses islands (runtime.comm)
             self.ledger.record(kind, sent, received)
+
+
+@contextmanager
+def _mates():
+    """A collective of the island's relay: a worker of it that is gone (killed with its island, or its leader)
+    fails it at once (gloo's closed connection); the island then leaves as a whole (IslandBroken: one line, exit 1)."""
+    try:
+        yield
+    except IslandBroken:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise IslandBroken(f"a worker of this island is gone (its relay to the parameter server: {first})") from None
 
 
 def island_side(island_comm, numel: int, buffers: int, waits_s: float = 0.0, ledger=None) -> IslandSide:
