@@ -206,13 +206,14 @@ def test_an_elastic_job_on_a_server_host_survives_the_killed_island_that_configu
     SIGKILLed mid-round, it is restarted as a joiner, which reads the address there and derives the payload tags from
     the configuration the host holds (configuring it again would be refused). Both survivors end on the host's final
     model, the host's version counts every acknowledged push of the three island processes, and the host's report
-    comes back into run.json."""
+    comes back into run.json: the host stays until both survivors have taken it."""
     from harness.ps import ForkedShard
     from islands.sync.outer import ps_host
 
     token = "ps-elastic-host-test"
     monkeypatch.setenv("ISLANDS_TOKEN", token)  # the host's, and the job's (the launcher takes it)
-    host = ps_host.ServerHost(tmp_path / "host", token, say=lambda *_: None, starter=ForkedShard, report_wait_s=30)
+    said: list[str] = []
+    host = ps_host.ServerHost(tmp_path / "host", token, say=said.append, starter=ForkedShard, report_wait_s=30)
     served = threading.Thread(target=host.run, daemon=True)
     served.start()
     outer = f"ps:inner_steps={H},servers=1,lease={LEASE},at='{host.host}:{host.port}'"
@@ -228,6 +229,8 @@ def test_an_elastic_job_on_a_server_host_survives_the_killed_island_that_configu
     assert ends["w1"]["version"] == ends["w0.1"]["version"] == applied, (ends, seen)
     served.join(60)
     assert not served.is_alive()  # the host took the job's stop, its servers left, its report was taken
+    # by both survivors, not only the first to ask (test_ps_host_report.py: a host process left at the first take)
+    assert "every island answered final took the report (2)" in said[-1], said
     report = json.loads((run_dir / "run.json").read_text())["parameter_server"]
     assert report["mode"] == "processes" and report["stop"] == "done"
     assert report["servers"][0]["pushes_applied"] == applied

@@ -683,14 +683,12 @@ class ParameterServer(OuterStrategy):
         the report from the service's store, where the supervisor hands it over (ps_report.hand_over): which island
         writes run.json is settled only at the job's very end. The supervisor then removes its directory itself; its
         starter waits for it only when its store is silent (to kill it, and remove the directory in its place)."""
-        # on a server host, island 0 takes the servers' report back; in an elastic job every island does (island 0
-        # may have been restarted under another number), and the one that writes run.json keeps it there
-        hosted = (
-            self.service is not None and self.service.at is not None and (self.island == 0 or self.elastic is not None)
-        )
-        # an elastic job's own service (not a host's, not one named by address=) hands its report over
-        own = self.service is not None and self.service.at is None and self.service.address is None
-        handed = own and self.elastic is not None
+        # on a server host, a fixed job's island 0 takes the servers' report back (ps_host.collect_report)
+        hosted = self.service is not None and self.service.at is not None and self.elastic is None and self.island == 0
+        # an elastic job's supervisor, its own or a server host's (not one named by address=), hands its report over
+        # to every island (island 0 may have been restarted under another number), and the one that writes run.json
+        # keeps it there; the host, as its own supervisor, stays until each island answered final has taken it
+        handed = self.elastic is not None and self.service is not None and self.service.address is None
         silent = None  # why the store did not take the stop: its supervisor is stopped or hung (ps_wire.StoreSilent)
         if self.launched is not None or self.elastic is not None or hosted:
             try:

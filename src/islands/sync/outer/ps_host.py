@@ -1,7 +1,7 @@
 """Parameter servers on a host of their own (issue #36): a machine that runs no island lends its CPU and network to
 the servers, as BytePS's spare machines do (LIT-051). `islands ps-host` starts there and waits; a job's island 0
 sends it the servers' configuration; the supervisor and its shard servers (ps_service.py) then run on that host
-until the job ends, and the servers' report goes back to island 0 through the store.
+until the job ends, and the servers' report goes back to the islands through the store (Keys, below).
 
     host machine:   ISLANDS_TOKEN=... islands ps-host --dir /var/tmp/ps --port 29600
     the job:        ISLANDS_TOKEN=... islands train ... --outer "ps:inner_steps=50,servers=2,at='10.0.0.3:29600'"
@@ -17,8 +17,12 @@ accepts and island 0 then detects (the store holds a configuration that is not i
 corrupted model.
 
 Keys in the service's store (prefix islands-ps, beside ps_service's): CONFIG_KEY the sealed configuration,
-REFUSED_KEY why the host refused one, REPORT_KEY the servers' collected report (ps_report.collect) once they are
-gone, TAKEN_KEY island 0 has read it (the host then exits; without it, after `report_wait_s`).
+REFUSED_KEY why the host refused one; in a fixed job REPORT_KEY the servers' collected report (ps_report.collect)
+once they are gone and TAKEN_KEY island 0, the one that writes run.json, has read it (the host then exits; without
+it, after `report_wait_s`). An elastic job's islands take the report as from an elastic job's own supervisor
+(ps_report.hand_over's keys): every island takes it (the one that writes run.json is settled only at the job's end,
+and may take it last), so the host stays until every island its servers answered final has taken it, no island has
+beaten for 2 x the lease (a dead one is not waited for), or `report_wait_s` ran out; it says which as it leaves.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch.distributed as dist
 from islands.runtime.elastic.auth import derive_key
 from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
 from islands.sync.outer.ps_elastic import ElasticService
-from islands.sync.outer.ps_report import read_collected
+from islands.sync.outer.ps_report import hand_over, read_collected
 from islands.sync.outer.ps_service import ServiceConfig, Starter, Supervisor, start_shard
 from islands.sync.outer.ps_wire import new_client
 
@@ -184,8 +188,9 @@ def elastic_island_tags(
 
 
 def collect_report(address: tuple[str, int], timeout_s: float) -> tuple[dict | None, str | None]:
-    """Island 0, after asking the job to stop: the host's collected report once its servers are gone ((None, why)
-    when none came within `timeout_s`); tells the host it may leave."""
+    """Island 0 of a fixed job, after asking the job to stop: the host's collected report once its servers are gone
+    ((None, why) when none came within `timeout_s`); tells the host it may leave. An elastic job's islands take it
+    with ps_report.take_report instead (module docstring)."""
     try:
         store = new_client(address[0], address[1], timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -207,7 +212,8 @@ class AddressInUse(ValueError):
 class ServerHost:
     """`islands ps-host`: hosts the service's store on `port` (every interface), waits up to `wait_s` for a job's
     sealed configuration, runs the supervisor and its servers in `directory` until the job ends, then publishes
-    the servers' report and waits up to `report_wait_s` for island 0 to take it. `advertise`: the address the
+    the servers' report and waits up to `report_wait_s` for island 0 to take it (in an elastic job: every island
+    answered final, module docstring). `advertise`: the address the
     islands reach this host by (the supervisor tells it to its servers). `say`: where progress lines go.
     `starter`: how a shard server's process starts (ps_service.Supervisor's)."""
 
@@ -265,14 +271,25 @@ class ServerHost:
         )
         Supervisor(self.dir, self.host, self.port, self.starter, raw=self.raw).run()
         collected = read_collected(self.dir)
+        if config.ends_with_starter:  # a fixed job: island 0 alone takes the report and writes run.json
+            left = self.hand_to_island_0(collected)
+        else:  # an elastic job: every island takes it, and the one that writes run.json may come last
+            left = hand_over(self.store, collected, 2 * config.lease_s, self.report_wait_s)
+        stop = self.store.get("stop").decode() if self.store.check(["stop"]) else "?"
+        self.say(f"islands ps-host: the job ended ({stop}); leaving: {left}")
+        return collected or {}
+
+    def hand_to_island_0(self, collected: dict | None) -> str:
+        """Publish the report for a fixed job's island 0 (collect_report) and wait up to `report_wait_s` for its
+        take; returns why the wait ended."""
         missing = None if collected is not None else "the supervisor wrote no report"
         self.store.set(REPORT_KEY, json.dumps({"collected": collected, "missing": missing}))
         deadline = time.monotonic() + self.report_wait_s
-        while not self.store.check([TAKEN_KEY]) and time.monotonic() < deadline:
+        while not self.store.check([TAKEN_KEY]):
+            if time.monotonic() > deadline:
+                return f"island 0 did not take the report within {self.report_wait_s:.0f} s"
             time.sleep(0.05)
-        stop = self.store.get("stop").decode() if self.store.check(["stop"]) else "?"
-        self.say(f"islands ps-host: the job ended ({stop})")
-        return collected or {}
+        return "island 0 took the report"
 
 
 def main(directory: str, token: str, port: int, advertise: str, wait_s: float) -> int:

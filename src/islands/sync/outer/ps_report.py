@@ -16,7 +16,8 @@ the supervisor's restarts of it.
                                 (process_report)
     elastic, process mode       the island that writes run.json may not be the one that started the service (it may
                                 have been killed), so the supervisor hands the report over through its store instead
-                                (hand_over) and every island takes it there (take_report); nobody reads the directory
+                                (hand_over) and every island takes it there (take_report); nobody reads the directory;
+                                a server host's supervisor (ps_host.ServerHost) hands it over the same way
 
 A process killed before its final report keeps the numbers of its last heartbeat, and a report that never came says
 so (`complete` false, `missing`): nothing is filled in with zeros.
@@ -128,12 +129,15 @@ def read_collected(directory: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def hand_over(store, collected: dict | None, idle_s: float, limit_s: float, clock=time.monotonic, sleep=time.sleep):
-    """The supervisor of an elastic job's service, its servers gone: publish their report (`collected`, None: it
-    wrote none) in its store under HANDED, then keep the store up until every island its servers answered final has
-    taken it (report_taken), or no island has beaten for `idle_s` (each beats until it has taken it: a killed one
-    beats no more and is not waited for), at most `limit_s`. Which island writes run.json is settled only at the
-    job's very end (a member that died is left out there), so every island takes it."""
+def hand_over(
+    store, collected: dict | None, idle_s: float, limit_s: float, clock=time.monotonic, sleep=time.sleep
+) -> str:
+    """The supervisor of an elastic job's service (its own, or a server host's), its servers gone: publish their
+    report (`collected`, None: it wrote none) in its store under HANDED, then keep the store up until every island
+    its servers answered final has taken it (report_taken), or no island has beaten for `idle_s` (each beats until
+    it has taken it: a killed one beats no more and is not waited for), at most `limit_s`. Which island writes
+    run.json is settled only at the job's very end (a member that died is left out there), so every island takes
+    it. Returns why it stopped waiting, in words."""
     missing = None if collected is not None else "the supervisor wrote no report"
     store.set(HANDED, json.dumps({"collected": collected, "missing": missing}))
     shards = collected["shards"] if collected is not None else []
@@ -143,13 +147,18 @@ def hand_over(store, collected: dict | None, idle_s: float, limit_s: float, cloc
     deadline = since + limit_s
     while clock() < deadline:
         if taken and store.check(taken):
-            return
+            return f"every island answered final took the report ({len(taken)})"
         now = int(store.add("beats", 0))
         if now != beats:
             beats, since = now, clock()
         elif clock() - since > idle_s:
-            return
+            return f"no island beat for {idle_s:.0f} s; not taken by island(s) {_untaken(store, finals)}"
         sleep(0.05)
+    return f"{limit_s:.0f} s passed; not taken by island(s) {_untaken(store, finals)}"
+
+
+def _untaken(store, finals: list[int]) -> list[int]:
+    return [i for i in finals if not store.check([f"{TAKEN}/{i}"])]
 
 
 def take_report(calls, store, timeout_s: float, call_s: float) -> tuple[dict | None, str | None]:
