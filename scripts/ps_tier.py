@@ -1,6 +1,6 @@
 """The parameter-server scripts' tier options: the bench's quick tier (the digits MLP) unless told otherwise, e.g. the
-byte LM at a size of its own (`--task lm --ddp-steps 150 --h 25 --floor 0.4`; the bench's full tier, DDP 1000 steps at
-H=100 padded to 250 ms, takes hours on this host)."""
+byte LM at a size of its own (`--task lm --ddp-steps 150 --h 25 --floor 0.4`: the bench's full tier since session 42;
+DDP 1000 steps at H=100 padded to 250 ms, the full tier before, would take hours on this host)."""
 
 from __future__ import annotations
 
