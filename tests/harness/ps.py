@@ -120,3 +120,17 @@ def pushing_island(address, island: int, bounds, lease_s: float, acked) -> None:
         link.send(Message(PUSH, island, 0, 1.0, torch.full((numel,), 100.0 + k)))
         acked.put(k)
         time.sleep(0.1)
+
+
+def done_together(links: Sequence[RemoteLink], timeout_s: float = 60.0) -> None:
+    """Every link sends DONE at once, each from a thread of its own (the servers answer DONE only once no island is
+    still training, so one after another would wait on itself), and every one gets its final answer."""
+    from islands.sync.outer.ps_link import Message
+    from islands.sync.outer.ps_wire import DONE
+
+    done = [threading.Thread(target=link.send, args=(Message(DONE, link.island),)) for link in links]
+    for t in done:
+        t.start()
+    for t in done:
+        t.join(timeout_s)
+    assert all(link.final for link in links), [link.final for link in links]

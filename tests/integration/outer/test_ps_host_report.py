@@ -12,18 +12,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import torch
 
 from harness.dict_store import DictStore
+from harness.ps import done_together
 from islands.sync.outer import ps_host
 from islands.sync.outer.ps import OuterRule, parameter_server
 from islands.sync.outer.ps_elastic import ElasticService
 from islands.sync.outer.ps_link import Message
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_service import ServiceConfig
-from islands.sync.outer.ps_wire import DONE, PUSH
+from islands.sync.outer.ps_wire import PUSH
 
 TOKEN = "ps-host-report-test"
 LEASE = 5.0  # the islands' heartbeat lease; the host waits 2 x LEASE for a silent island
@@ -52,12 +52,7 @@ def test_a_host_process_stays_until_every_elastic_island_took_the_report(tmp_pat
         links = [RemoteLink(address, i, config.bounds, TIMEOUT, LEASE, None, tags[i], None).start() for i in (0, 1)]
         for link in links:
             link.send(Message(PUSH, link.island, 0, 4.0, torch.ones(10)))
-        done = [threading.Thread(target=link.send, args=(Message(DONE, link.island),)) for link in links]
-        for t in done:  # DONE is answered once no island is still training
-            t.start()
-        for t in done:
-            t.join(60)
-        assert all(link.final for link in links)
+        done_together(links)  # DONE is answered once no island is still training
         islands = []
         for i in (0, 1):  # each island's strategy as an elastic job's, ended by its own close_service
             strategy = parameter_server(4, servers=1, lease=LEASE, timeout=TIMEOUT, at=where)

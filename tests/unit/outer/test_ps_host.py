@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.cli import islands_cli
-from harness.ps import ForkedShard
+from harness.ps import ForkedShard, done_together
 from islands.runtime.payload_auth import PayloadAuthError
 from islands.sync.outer import ps_host
 from islands.sync.outer.ps import OuterRule, ParameterServer, ServerProcesses, parameter_server
@@ -20,7 +20,7 @@ from islands.sync.outer.ps_link import Message
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import process_report
 from islands.sync.outer.ps_service import ServiceConfig
-from islands.sync.outer.ps_wire import DONE, PULL, PUSH
+from islands.sync.outer.ps_wire import PULL, PUSH
 
 SGD1 = OuterRule("sgd", 1.0, 0.0)  # global -= delta: exact sums
 
@@ -103,12 +103,7 @@ def test_a_host_serves_one_job_from_its_sealed_configuration_and_hands_back_the_
         links[0].send(Message(PUSH, 0, 0, 4.0, torch.full((10,), 1.0)))
         after = links[1].send(Message(PUSH, 1, 0, 4.0, torch.full((10,), 2.0)))
         assert after.ack.accepted and torch.equal(after.flat, torch.arange(10.0) - 3.0)
-        done = [threading.Thread(target=link.send, args=(Message(DONE, link.island),)) for link in links]
-        for t in done:  # DONE is answered once no island is still training
-            t.start()
-        for t in done:
-            t.join(60)
-        assert all(link.final for link in links)
+        done_together(links)  # DONE is answered once no island is still training
         links[0].store.set("stop", "done")
     finally:
         for link in links:
