@@ -163,14 +163,15 @@ def test_an_elastic_supervisor_hands_its_report_over_and_stays_while_an_island_b
         "shards": [{"shard": 0, "restarts": 0, "processes": [_process(1, True, 2.0, 9)], "absent": []}],
     }
     clock = _Clock(store, beating=lambda t: t < 3.0)  # an island that reaches its end late beats until t = 3 s
-    hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    why_left = hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
     assert 4.0 <= clock.t < 4.2  # held while it beat, then idle_s more: a killed island (no beats) is not waited for
+    assert why_left == "no island beat for 1 s; not taken by island(s) []", why_left  # no finals recorded here
     taken, why = take_report(_calls, store, timeout_s=1.0, call_s=1.0)
     assert why is None and process_report(taken, why)["servers"][0]["pushes_applied"] == 9
     # an island that never stops beating does not keep it for ever
     clock = _Clock(store, beating=lambda t: True)
-    hand_over(store, None, idle_s=1.0, limit_s=10.0, clock=clock.now, sleep=clock.sleep)
-    assert 10.0 <= clock.t < 10.2
+    why_left = hand_over(store, None, idle_s=1.0, limit_s=10.0, clock=clock.now, sleep=clock.sleep)
+    assert 10.0 <= clock.t < 10.2 and why_left == "10 s passed; not taken by island(s) []", why_left
     taken, why = take_report(_calls, store, timeout_s=1.0, call_s=1.0)  # the supervisor wrote none: it says so
     assert taken is None and not process_report(taken, why)["complete"] and why == "the supervisor wrote no report"
 
@@ -192,8 +193,21 @@ def test_an_elastic_supervisor_leaves_once_every_island_answered_final_has_taken
         return True
 
     clock = _Clock(store, beating)
-    hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    why_left = hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    assert why_left == "every island answered final took the report (2)", why_left
     assert 2.0 <= clock.t < 2.2  # not at 1 s (island 2 had not taken it), not at the limit (the beats go on)
+
+    # island 2 killed after its final answer: it never takes the report, and the line names it
+    store = _Beats()
+
+    def only_island_0(t: float) -> bool:
+        if t >= 1.0:
+            report_taken(_calls, store, 0, call_s=1.0)
+        return t < 1.5
+
+    clock = _Clock(store, only_island_0)
+    why_left = hand_over(store, collected, idle_s=1.0, limit_s=60.0, clock=clock.now, sleep=clock.sleep)
+    assert why_left == "no island beat for 1 s; not taken by island(s) [2]", why_left
 
 
 def test_an_island_takes_no_report_within_its_bounds_and_says_why():
