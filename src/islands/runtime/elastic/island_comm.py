@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
 
@@ -81,6 +82,20 @@ class IslandBroken(RuntimeError):
     """A worker of this island is gone (the local group failed): the island leaves the job."""
 
     exit_code = 1
+
+
+@contextmanager
+def island_collective(where: str = "local group", then: str = "; the island leaves the job"):
+    """Around a collective on an island's own group: a worker of it that is gone (killed with its island, or its
+    leader) fails it at once (gloo's closed connection), and the island then leaves as a whole: IslandBroken, one
+    line naming `where` and the error's first line, followed by `then`."""
+    try:
+        yield
+    except IslandBroken:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise IslandBroken(f"a worker of this island is gone ({where}: {first}){then}") from None
 
 
 @dataclass(frozen=True)
@@ -221,13 +236,8 @@ class IslandComm:
     def _bcast(self, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
         self.ledger.record(RELAY_KIND, nbytes if self.leader else 0, 0 if self.leader else nbytes)
-        try:
+        with island_collective():
             dist.broadcast(tensor, group=self._local(), group_src=0)
-        except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(
-                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                "the island leaves the job"
-            ) from None
         return tensor
 
     def sync(self, extra: int = 0) -> int:
@@ -261,37 +271,22 @@ class IslandComm:
     def relay_object(self, obj=None):
         """The leader's `obj` on every worker of the island (pickled; bookkeeping and the joiner's state)."""
         box = [obj if self.leader else None]
-        try:
+        with island_collective():
             dist.broadcast_object_list(box, group=self._local(), group_src=0)
-        except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(
-                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                "the island leaves the job"
-            ) from None
         return box[0]
 
     def gather_object(self, obj) -> list | None:
         """Every worker's `obj` on the leader, in local order (None on a follower)."""
         out = [None] * dist.get_world_size(self.group) if self.leader else None
-        try:
+        with island_collective():
             dist.gather_object(obj, out, group=self._local(), group_dst=0)
-        except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(
-                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                "the island leaves the job"
-            ) from None
         return out
 
     def scatter_object(self, objs: list | None = None):
         """The leader's objs[j] on worker j of the island (objs: one per worker, in local order; None on a follower)."""
         box = [None]
-        try:
+        with island_collective():
             dist.scatter_object_list(box, objs if self.leader else None, group=self._local(), group_src=0)
-        except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(
-                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                "the island leaves the job"
-            ) from None
         return box[0]
 
     def per_slot(self) -> SlotComm:
@@ -350,12 +345,8 @@ class IslandComm:
         index): the run record's per-rank ledgers."""
         group = self._local()
         mine = [None] * dist.get_world_size(group)
-        try:
+        with island_collective(then=""):
             dist.all_gather_object(mine, obj, group=group)
-        except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(
-                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]})"
-            ) from None
         flat = None
         if self.cross is not None:  # the leader
             per_island = self.cross.all_gather_object(mine)
@@ -390,7 +381,7 @@ class SlotComm:
         flat = tensor.detach().contiguous().reshape(-1)
         group = self.island._local()
         k, me = dist.get_world_size(group), dist.get_rank(group)
-        try:
+        with island_collective():
             counts = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
             dist.all_gather(counts, torch.tensor([flat.numel()], dtype=torch.int64), group=group)
             lengths = [int(n.item()) for n in counts]
@@ -398,11 +389,6 @@ class SlotComm:
             padded[: flat.numel()] = flat
             parts = [torch.empty_like(padded) for _ in range(k)]
             dist.all_gather(parts, padded, group=group)
-        except (RuntimeError, dist.DistError) as e:
-            raise IslandBroken(
-                f"a worker of this island is gone (local group: {str(e).splitlines()[0][:200]}); "
-                "the island leaves the job"
-            ) from None
         nbytes = padded.numel() * padded.element_size()
         self.island.ledger.record(RELAY_KIND, nbytes, nbytes * (k - 1))
         lo = sum(lengths[:me])

@@ -27,13 +27,12 @@ island's default group is the island itself (runtime.world.island_world): one bl
 from __future__ import annotations
 
 import datetime as _dt
-from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from islands.runtime.elastic.island_comm import RELAY_KIND, IslandBroken
+from islands.runtime.elastic.island_comm import RELAY_KIND, island_collective
 from islands.sync.outer.base import ISLAND_BUFFER_KIND
 from islands.sync.outer.ps_link import THREAD_MODE_TIMEOUT_S, Reply
 from islands.sync.outer.ps_server import Ack
@@ -96,7 +95,7 @@ class IslandRelay:
     def pool(self, vector: torch.Tensor) -> torch.Tensor:
         # counts (num_batches_tracked) are equal on the island's workers: their sum over k divides back exactly
         out = vector.detach().to("cpu", torch.float64).clone()
-        with _mates():
+        with _relay():
             dist.all_reduce(out, group=self.group)
         self._count(ISLAND_BUFFER_KIND, out.numel() * 8, out.numel() * 8)
         return out.div_(self.workers)
@@ -113,7 +112,7 @@ class IslandRelay:
             if reply.buffers is not None:
                 head[_HEAD:] = reply.buffers.reshape(-1)
             flat.copy_(reply.flat.reshape(-1))
-        with _mates():
+        with _relay():
             dist.broadcast(head, src=self.source, group=self.group)
             dist.broadcast(flat, src=self.source, group=self.group)
         nbytes = head.numel() * 8 + flat.numel() * 4
@@ -126,7 +125,7 @@ class IslandRelay:
 
     def number(self, island: int) -> int:
         box = torch.tensor([island], dtype=torch.int64)
-        with _mates():
+        with _relay():
             dist.broadcast(box, src=self.source, group=self.group)
         self._count(RELAY_KIND, 8 if self.leader else 0, 0 if self.leader else 8)
         return int(box.item())
@@ -134,19 +133,6 @@ class IslandRelay:
     def _count(self, kind: str, sent: int, received: int) -> None:
         if self.ledger is not None:  # island traffic: neither kind crosses islands (runtime.comm)
             self.ledger.record(kind, sent, received)
-
-
-@contextmanager
-def _mates():
-    """A collective of the island's relay: a worker of it that is gone (killed with its island, or its leader)
-    fails it at once (gloo's closed connection); the island then leaves as a whole (IslandBroken: one line, exit 1)."""
-    try:
-        yield
-    except IslandBroken:
-        raise
-    except (RuntimeError, dist.DistError) as e:
-        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise IslandBroken(f"a worker of this island is gone (its relay to the parameter server: {first})") from None
 
 
 def island_side(island_comm, numel: int, buffers: int, waits_s: float = 0.0, ledger=None) -> IslandSide:
@@ -175,3 +161,9 @@ def island_side(island_comm, numel: int, buffers: int, waits_s: float = 0.0, led
 def leaders(islands: int, workers: int) -> list[int]:
     """The global ranks that talk to the server: each island's leader (the fixed layout, module docstring)."""
     return [i * workers for i in range(islands)]
+
+
+def _relay():
+    """A collective of the island's relay: a worker of it that is gone fails it, and the island leaves as a whole
+    (island_comm.island_collective's IslandBroken)."""
+    return island_collective("its relay to the parameter server", then="")
