@@ -11,6 +11,7 @@ import islands
 from harness.outer import batch, run_world, tiny_model
 from islands.models import sequence_loss
 from islands.outer import FirstCome, InProcessServer, ParameterServer, Quant4, VirtualClock
+from islands.sync.outer.ps_link import HEADER_BYTES
 
 STEPS, H = 8, 2
 SCHEDULES = {
@@ -23,6 +24,7 @@ SCHEDULES = {
 
 def train(world, host=None, **kw) -> dict:
     before = world.ledger.snapshot()["sent"].get("ps_push", 0)
+    pulled = world.ledger.snapshot()["received"].get("ps_pull", 0)
     torch.manual_seed(0)
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -43,6 +45,7 @@ def train(world, host=None, **kw) -> dict:
         "version": strategy.version,
         "server": None if server is None else dict(server.counts),
         "sent": world.ledger.snapshot()["sent"].get("ps_push", 0) - before,
+        "pulled": world.ledger.snapshot()["received"].get("ps_pull", 0) - pulled,
     }
 
 
@@ -206,5 +209,5 @@ def test_batchnorm_buffers_travel_through_the_server_across_processes_as_in_a_si
     numel = sum(
         v.size for k, v in ranks[1]["batchnorm-trail"]["state"].items() if "running" not in k and "num" not in k
     )
-    assert ranks[1]["batchnorm-trail"]["sent"] == 5 * (5 * 8 + 4 * numel + 9 * 8) + 5 * 8
+    assert ranks[1]["batchnorm-trail"]["sent"] == 5 * (HEADER_BYTES + 4 * numel + 9 * 8) + HEADER_BYTES
     assert ranks[1]["batchnorm-sealed"]["sent"] == ranks[1]["batchnorm-trail"]["sent"] + 16 * 32

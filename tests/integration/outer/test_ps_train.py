@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from harness.cli import TINY_FLAGS, islands_cli
-from islands.sync.outer.ps_remote import _HEADER_BYTES
+from islands.sync.outer.ps_remote import REQUEST_BYTES
 
 
 def _service_processes() -> set[int]:
@@ -49,7 +49,7 @@ def test_a_job_trains_through_server_processes_counts_their_bytes_across_and_lea
     report = record["parameter_server"]
     assert report["mode"] == "processes" and report["complete"] and report["missing"] is None
     (server,) = report["servers"]
-    payload = sum(rank["sent"]["ps_push"] - rank["calls"]["ps_push"] * _HEADER_BYTES for rank in ranks)
+    payload = sum(rank["sent"]["ps_push"] - rank["calls"]["ps_push"] * REQUEST_BYTES for rank in ranks)
     made = payload / (4 * server["parameters"][1])
     assert server["pushes_received"] == server["pushes_applied"] == made == 2 * 12 // 4
     assert server["pushes_refused"] == 0 and server["windows_stepped"] == 6 and server["goodput"] == 1.0

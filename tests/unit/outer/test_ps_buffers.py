@@ -21,8 +21,8 @@ from islands.sync.outer import ps_link
 from islands.sync.outer.flat import FlatView
 from islands.sync.outer.ps import ServerProcesses, outer_rule
 from islands.sync.outer.ps_buffers import BufferTable, IslandBuffers
-from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_remote import _HEADER_BYTES
+from islands.sync.outer.ps_link import ANSWER_BYTES, HEADER_BYTES, Message
+from islands.sync.outer.ps_remote import REPLY_BYTES, REQUEST_BYTES
 from islands.sync.outer.ps_service import ServiceConfig
 from islands.sync.outer.ps_wire import PUSH
 
@@ -170,12 +170,16 @@ def test_a_simulated_model_without_buffers_sends_what_it_sent_before_and_one_wit
 
     plain, numel = run(False)
     pushes, done = 2, 1  # in one island's ledger: its 2 pushes, then its DONE (a header, answered with the model)
-    assert plain["ps_push"] == (pushes * (5 * 8 + 4 * numel) + done * 5 * 8, 0, pushes + done)
-    assert plain["ps_pull"] == (0, (pushes + done) * (4 * 8 + 4 * numel), pushes + done)
+    assert plain["ps_push"] == (pushes * (HEADER_BYTES + 4 * numel) + done * HEADER_BYTES, 0, pushes + done)
+    assert plain["ps_pull"] == (0, (pushes + done) * (ANSWER_BYTES + 4 * numel), pushes + done)
     with_bn, numel_bn = run(True)
     n = sum(LAYOUT)
-    assert with_bn["ps_push"] == (pushes * (5 * 8 + 4 * numel_bn + 8 * n) + done * 5 * 8, 0, pushes + done)
-    assert with_bn["ps_pull"] == (0, (pushes + done) * (4 * 8 + 4 * numel_bn + 8 * (n + 1)), pushes + done)
+    assert with_bn["ps_push"] == (
+        pushes * (HEADER_BYTES + 4 * numel_bn + 8 * n) + done * HEADER_BYTES,
+        0,
+        pushes + done,
+    )
+    assert with_bn["ps_pull"] == (0, (pushes + done) * (ANSWER_BYTES + 4 * numel_bn + 8 * (n + 1)), pushes + done)
 
 
 def test_with_statistics_own_each_island_keeps_its_own_buffers_and_the_pushes_carry_none():
@@ -206,7 +210,9 @@ def test_with_statistics_own_each_island_keeps_its_own_buffers_and_the_pushes_ca
     assert not torch.equal(results[0][3], results[1][3])  # their own data, their own statistics
     assert torch.equal(results[0][4], results[1][4])  # on the server's parameters, the same for both
     numel = FlatView(bn_model().parameters()).numel
-    assert ledgers[0]["sent"]["ps_push"] == 2 * (5 * 8 + 4 * numel) + 5 * 8  # no buffer vector on the wire
+    assert (
+        ledgers[0]["sent"]["ps_push"] == 2 * (HEADER_BYTES + 4 * numel) + HEADER_BYTES
+    )  # no buffer vector on the wire
     with pytest.raises(ValueError, match="statistics must be one of mean, own"):
         ParameterServer(2, statistics="island")
 
@@ -308,12 +314,12 @@ def test_a_model_without_buffers_sends_the_same_bytes_to_shard_servers_and_buffe
             calls = snap["calls"]["ps_push"]
             assert calls == 3 * 2  # the first pull and 2 pushes, to each of 2 shards: no extra message
     plain_numel = FlatView(bn_model(False).parameters()).numel
-    pushes, header = 2, 2 * _HEADER_BYTES
+    pushes, out, back = 2, 2 * REQUEST_BYTES, 2 * REPLY_BYTES  # one header to and from each of 2 shards
     # the first pull (a header out, the model back), then 2 pushes (header and delta out, header and model back)
-    assert counts[False] == [3 * header + pushes * 4 * plain_numel, 3 * header + 3 * 4 * plain_numel]
+    assert counts[False] == [3 * out + pushes * 4 * plain_numel, 3 * back + 3 * 4 * plain_numel]
     n = sum(LAYOUT)
     # the first pull finds no buffers on the servers yet; each push carries the vector and each answer the mean
-    assert counts[True] == [3 * header + pushes * (4 * numel + 8 * n), 3 * header + 3 * 4 * numel + pushes * 8 * n]
+    assert counts[True] == [3 * out + pushes * (4 * numel + 8 * n), 3 * back + 3 * 4 * numel + pushes * 8 * n]
 
 
 def test_thread_modes_checkpoint_holds_the_servers_buffers_and_a_resume_answers_with_them():

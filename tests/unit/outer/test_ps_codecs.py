@@ -21,9 +21,8 @@ from islands.outer import InProcessServer, ParameterServer, Quant4, VirtualClock
 from islands.runtime.world import World
 from islands.sync.outer import make_outer
 from islands.sync.outer.ps_codecs import CompressedPushes, push_codec
+from islands.sync.outer.ps_link import HEADER_BYTES
 from islands.sync.outer.ps_server import ServerState
-
-HEADER = 5 * 8  # the thread mode link's float64 header per message (ps_link._HEADER)
 
 
 def recorded(monkeypatch) -> list[tuple[int, torch.Tensor, ServerState]]:
@@ -115,7 +114,7 @@ def test_simulated_islands_push_compressed_deltas_and_the_server_applies_their_d
         # the DONE's header
         nbytes = fresh.compressor.payload_nbytes((numel,), torch.float32)
         assert all(payload.numel() == 8 * tensors + nbytes for _, payload in calls)
-        assert ledger["sent"]["ps_push"] == pushes * (HEADER + 8 * tensors + nbytes) + HEADER
+        assert ledger["sent"]["ps_push"] == pushes * (HEADER_BYTES + 8 * tensors + nbytes) + HEADER_BYTES
         assert nbytes < numel * 4 // 3  # compressed: under a third of the fp32 delta
         # every push against the error-feedback arithmetic done by hand on the deltas this island pushed
         sent, residual = by_hand(spec, [x for x, _ in calls], ef)

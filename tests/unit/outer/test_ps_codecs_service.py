@@ -22,7 +22,7 @@ from islands.runtime.world import LoneComm, World
 from islands.sync.outer.flat import FlatView
 from islands.sync.outer.ps import ServerProcesses, outer_rule
 from islands.sync.outer.ps_codecs import CompressedPushes
-from islands.sync.outer.ps_remote import _HEADER_BYTES
+from islands.sync.outer.ps_remote import REQUEST_BYTES
 from islands.sync.outer.ps_service import ServiceConfig
 
 SPEC = "topkq:ratio=0.05,bits=2"
@@ -79,7 +79,7 @@ def test_two_islands_through_two_shard_servers_compress_each_range_with_its_own_
             # the first pull's header to each server, then per push and server the header and the range's payload:
             # its 3 counts and topkq's own bytes
             nbytes = sum(codec.compressor.payload_nbytes((hi - lo,), torch.float32) + 3 * 8 for lo, hi in bounds)
-            assert pushed[k] == 2 * _HEADER_BYTES + 4 * (2 * _HEADER_BYTES + nbytes)
+            assert pushed[k] == 2 * REQUEST_BYTES + 4 * (2 * REQUEST_BYTES + nbytes)
             assert nbytes < initial.numel() * 4 // 3
         assert torch.equal(isl[0].strategy.global_flat, isl[1].strategy.global_flat)  # one global model
         served = torch.cat([s.durable.state.pull()[1] for s in svc.servers])

@@ -23,7 +23,7 @@ from islands.runtime.elastic.auth import derive_key
 from islands.runtime.world import World
 from islands.sync.outer.ps import OuterRule, ServerProcesses
 from islands.sync.outer.ps_link import Message
-from islands.sync.outer.ps_remote import _HEADER_BYTES, ServiceGone
+from islands.sync.outer.ps_remote import REPLY_BYTES, REQUEST_BYTES, ServiceGone
 from islands.sync.outer.ps_service import Members, ServiceConfig
 from islands.sync.outer.ps_wire import DONE, LEAVE, PULL, PUSH, Pair, Request, ShardReply
 
@@ -82,7 +82,7 @@ def test_four_bit_pushes_are_encoded_per_server_range_and_decoded_on_each_server
         lo, hi = service.config.bounds[0]
         bound = torch.cat([codec.bound(delta[lo:hi]), codec.bound(delta[hi:])])
         assert reply.ack.accepted and bool(((reply.flat + delta).abs() <= bound + 1e-6).all())
-        sent = ledger.snapshot()["sent"]["ps_push"] - 2 * 7 * 8  # two requests' headers
+        sent = ledger.snapshot()["sent"]["ps_push"] - 2 * REQUEST_BYTES  # two requests' headers
         assert sent == codec.payload_nbytes(5) * 2 < 10 * 4  # 4-bit codes and block scales, not fp32
 
 
@@ -134,9 +134,9 @@ def test_a_done_island_polls_without_the_model_until_the_final_answer(tmp_path):
         done = b.send(Message(DONE, 1))
         waiting.join(60)
         assert a.final and b.final and torch.equal(done.flat, torch.full((10,), -1.0))
-        with_model = [n for n in seen.pulls if n == _HEADER_BYTES + 10 * 4]  # an answer's header and the fp32 model
+        with_model = [n for n in seen.pulls if n == REPLY_BYTES + 10 * 4]  # an answer's header and the fp32 model
         assert len(with_model) == 2 and len(seen.pulls) >= 5, seen.pulls  # the first answer and the final one
-        assert all(n in (_HEADER_BYTES, _HEADER_BYTES + 40) for n in seen.pulls), seen.pulls  # polls: a header
+        assert all(n in (REPLY_BYTES, REPLY_BYTES + 40) for n in seen.pulls), seen.pulls  # polls: a header
 
 
 def test_an_island_gone_silent_stops_counting_for_the_quorum_and_the_end(tmp_path):

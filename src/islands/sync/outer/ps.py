@@ -90,6 +90,7 @@ from islands.sync.outer.ps_link import (
     ServerLoop,
     VirtualClock,
 )
+from islands.sync.outer.ps_pulls import pull_codec
 from islands.sync.outer.ps_remote import RemoteLink
 from islands.sync.outer.ps_report import (
     process_report,
@@ -296,6 +297,7 @@ class ParameterServer(OuterStrategy):
         discount: float = 0.0,
         aggregator: Aggregator | None = None,
         compressor: PayloadCodec | Compressor | None = None,
+        pulls: Compressor | None = None,
         arrivals: Arrivals | None = None,
         host: InProcessServer | None = None,
         service: ServerProcesses | None = None,
@@ -310,8 +312,10 @@ class ParameterServer(OuterStrategy):
         push's weight times (1 + staleness)^-discount. `aggregator`: a robust aggregator over each window (then
         quorum >= 2 makes sense). `compressor`: for pushes, decoded on the server: a PayloadCodec (Quant4,
         Quant4Zstd) or an islands.compress compressor that stands alone on one island's vector (ps_codecs.py: error
-        feedback per island; sign, powersgd and randomk-shared refused). `arrivals`: FirstCome() or
-        VirtualClock(round_seconds). `host`: InProcessServer under simulate.
+        feedback per island; sign, powersgd and randomk-shared refused). `pulls`: an islands.compress compressor for
+        the answers' model (ps_pulls.py): the server keeps the copy each island holds and answers with the compressed
+        gap, which both ends add to their copy (EF21-P); contractive ones only (randomk, qsgd refused). `arrivals`:
+        FirstCome() or VirtualClock(round_seconds). `host`: InProcessServer under simulate.
         `service`: ServerProcesses(...) to run the server as processes of its own (fault tolerant; first come).
         `stale_cap`: hold the step under the delayed step's stability limit for the staleness its pushes have had
         (ps_server.StaleCap); None (default): on for the plain SGD rule by name (outer_rule("sgd"), the default
@@ -345,6 +349,7 @@ class ParameterServer(OuterStrategy):
         self.stale_cap = plain if stale_cap is None else stale_cap
         self.shards, self.max_staleness, self.quorum = shards, max_staleness, quorum
         self.discount, self.aggregator, self.codec = discount, aggregator, push_codec(compressor)  # ps_codecs.py
+        self.pulls = pull_codec(pulls)  # ps_pulls.py
         self.arrivals = arrivals if arrivals is not None else FirstCome()
         if service is not None and (host is not None or isinstance(self.arrivals, VirtualClock)):
             raise ValueError(
@@ -419,11 +424,11 @@ class ParameterServer(OuterStrategy):
         if self.host is not None:
             inbox, loop, built = self.host.attach(
                 lambda inbox: ServerLoop(
-                    self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait, layout
+                    self.server_state(islands), islands, self.arrivals, inbox, self.codec, self.wait, layout, self.pulls
                 )
             )
             self.loop = loop if built else None
-            self.link = LocalLink(inbox, self.island_ledger(), buffers=sum(layout))
+            self.link = LocalLink(inbox, self.island_ledger(), buffers=sum(layout), pulls=self.pulls)
             return
         if islands > 1 and (current_island() is not None or not dist.is_initialized()):
             raise ValueError(
@@ -448,16 +453,17 @@ class ParameterServer(OuterStrategy):
         if me == 0:
             inbox = LocalInbox()
             state = self.server_state(islands)
-            self.loop = ServerLoop(state, islands, self.arrivals, inbox, self.codec, self.wait, layout)
+            self.loop = ServerLoop(state, islands, self.arrivals, inbox, self.codec, self.wait, layout, self.pulls)
             if islands > 1:
                 receiver = GlooReceiver(
                     pushes, answers, islands - 1, inbox, numel, self.codec, self.sealer(), buffers=sum(layout), stride=k
                 )
                 receiver.start()
             self.loop.start()
-            self.link = LocalLink(inbox, self.island_ledger(), buffers=sum(layout))
+            self.link = LocalLink(inbox, self.island_ledger(), buffers=sum(layout), pulls=self.pulls)
         else:
-            self.link = GlooLink(pushes, answers, 0, numel, self.island_ledger(), self.sealer(), sum(layout))
+            ledger, sealer = self.island_ledger(), self.sealer()
+            self.link = GlooLink(pushes, answers, 0, numel, ledger, sealer, sum(layout), self.pulls)
 
     def connect(self, service: ServerProcesses) -> Reply | None:
         """Process mode: island 0 starts the service (unless given its address), every island connects, pulls the
@@ -481,6 +487,7 @@ class ParameterServer(OuterStrategy):
             per_push=per_push(self.rule),
             wait=self.wait,
             codec=self.codec,
+            pulls=self.pulls,
             lease_s=service.lease_s,
             timeout_s=service.timeout_s,
             key=None if tags is None else tags.key,
@@ -518,6 +525,7 @@ class ParameterServer(OuterStrategy):
             tags,
             ledger,
             buffers=sum(config.buffers),
+            pulls=self.pulls,
         )
         self.link = link.start()
         return link.send(Message(PULL, self.island))
@@ -727,7 +735,8 @@ class ParameterServer(OuterStrategy):
         started the server processes, in an elastic job from every island (each takes the report); {} on others."""
         if self.loop is not None:
             with self.loop.lock:
-                return {"parameter_server": thread_report(self.loop.state, self.loop.cpu_seconds)}
+                pulls = self.loop.copies.report() if self.pulls is not None else None
+                return {"parameter_server": thread_report(self.loop.state, self.loop.cpu_seconds, pulls)}
         return {"parameter_server": self.report} if self.report is not None else {}
 
     # ---- state --------------------------------------------------------------------------------------
@@ -803,6 +812,7 @@ def parameter_server(
     margin: float | None = None,
     statistics: str = "mean",
     compressor: Compressor | None = None,
+    pulls: Compressor | None = None,
 ) -> ParameterServer:
     """The parameter server (issue #36): islands push pseudo-gradients and pull the global model, no barrier.
 
@@ -834,7 +844,9 @@ def parameter_server(
     more) or own (each island keeps its own to the end; the job keeps island 0's). `compressor`: an islands.compress
     compressor for the pushes (bits=32 only), with its error feedback on the island and decoded on the server;
     those that need the other islands' payloads of the same round (sign, powersgd, randomk-shared) are refused
-    (ps_codecs.py)."""
+    (ps_codecs.py). `pulls`: an islands.compress compressor for the answers' model: the server keeps the copy each
+    island holds and answers with the compressed gap to the global model (EF21-P); a first pull, a restarted
+    island's and the final answer are whole (ps_pulls.py); topkq, dct-topk, topk, int8, int4, fp16, bf16."""
     if (reach is not None or margin is not None) and wait != "auto":
         raise ValueError(
             f"reach= and margin= tune wait=auto (how far ahead and how long past due a window waits); "
@@ -877,6 +889,7 @@ def parameter_server(
         discount=discount,
         aggregator=aggregator,
         compressor=compressor if compressor is not None else codec,  # a refused one: ValueError (ps_codecs.py)
+        pulls=pulls,  # a refused one: ValueError (ps_pulls.py)
         service=service,
         stale_cap=stale_cap,
         wait=paced,

@@ -88,6 +88,63 @@ def push_codec(compressor: object) -> PayloadCodec | None:
     return CompressedPushes(compressor)
 
 
+class PayloadBytes:
+    """A compressor's payload of one flat fp32 vector as uint8 bytes and back (module docstring: what travels),
+    by a layout read once from a probe payload: its tensors' dtypes, how many are payload tensors, its meta. The
+    pushes' codec (CompressedPushes) and the compressed pulls (ps_pulls.PullCodec) both travel in it."""
+
+    def __init__(self, compressor: Compressor, name: str):
+        self.compressor, self.name = compressor, name  # the compressor decompresses (no per-range state)
+        self.layout: tuple[list[torch.dtype], int, dict] | None = None  # (dtypes, payload tensors, meta): probe()
+
+    def probe(self) -> tuple[list[torch.dtype], int, dict]:
+        """The payload's layout, which does not depend on the values: its tensors' dtypes (payload tensors, then
+        shared), how many are payload tensors, and its meta; read once from a copy's payload of a small vector."""
+        if self.layout is None:
+            probe = with_error_feedback(copy.deepcopy(self.compressor))
+            x = torch.linspace(-1.0, 1.0, PROBE)
+            state = probe.state("probe", x)
+            payload = probe.compress(x, state, Agreed(probe.agree(x, state), 1))
+            tensors = [*payload.tensors, *payload.shared]
+            self.layout = ([t.dtype for t in tensors], len(payload.tensors), dict(payload.meta))
+        return self.layout
+
+    def pack(self, payload: Payload) -> Tensor:
+        tensors = [*payload.tensors, *payload.shared]
+        dtypes, count, meta = self.probe()
+        # the receiver decodes by the probe's layout: a payload of other dtypes cannot travel (top-k's indices are
+        # int64 in a range of 2**31 values or more, int32 in the probe's)
+        if [t.dtype for t in tensors] != dtypes or len(payload.tensors) != count or payload.meta != meta:
+            raise ValueError(
+                f"{self.name}: a payload of {[t.dtype for t in tensors]}, meta {payload.meta} differs from the layout "
+                f"the server decodes ({dtypes}, meta {meta}); this compressor's payload cannot travel to a server"
+            )
+        counts = torch.tensor([t.numel() for t in tensors], dtype=torch.int64).view(torch.uint8)
+        return torch.cat([counts, *(t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors)])
+
+    def decode(self, payload: Tensor, numel: int) -> Tensor:
+        """The dense fp32 vector of `numel` values that `payload`'s bytes decompress to."""
+        dtypes, count, meta = self.probe()
+        head = 8 * len(dtypes)
+        if payload.dtype != torch.uint8 or payload.numel() < head:
+            raise ValueError(f"{self.name}: a payload of {payload.numel()} {payload.dtype} holds no {head}-byte count")
+        counts = [int(n) for n in payload[:head].clone().view(torch.int64).tolist()]
+        sizes = [n * d.itemsize for n, d in zip(counts, dtypes)]
+        if min(counts) < 0 or head + sum(sizes) != payload.numel():
+            raise ValueError(
+                f"{self.name}: a payload of {payload.numel()} bytes does not hold the {counts} values its count says"
+            )
+        tensors, at = [], head
+        for size, dtype in zip(sizes, dtypes):
+            piece = payload[at : at + size]
+            aligned = piece.data_ptr() % dtype.itemsize == 0  # a dtype view needs an aligned start: else a copy
+            tensors.append((piece if aligned else piece.clone()).view(dtype))
+            at += size
+        shape = torch.Size([numel])
+        whole = Payload(tensors[:count], shape, torch.float32, shared=tensors[count:], meta=dict(meta))
+        return self.compressor.decompress(whole).to(torch.float32).reshape(-1)
+
+
 class CompressedPushes(PayloadCodec):
     """One island's pushes through an islands.compress compressor (module docstring). The island's encoder (the
     compressor in its error feedback, with its state per range) is a copy of its own; the server decodes with
@@ -101,7 +158,7 @@ class CompressedPushes(PayloadCodec):
             raise ValueError(why)
         self.compressor = copy.deepcopy(compressor)  # decodes (decompress reads no per-range state)
         self.name = f"ps({compressor.name})"
-        self.layout: tuple[list[torch.dtype], int, dict] | None = None  # (dtypes, payload tensors, meta): probe()
+        self.wire = PayloadBytes(self.compressor, self.name)
         # built here so that a refused error feedback (randomk, qsgd with ef=1) fails at once, not at the first push
         self.encoder: Compressor | None = self.fresh_encoder()
 
@@ -128,51 +185,11 @@ class CompressedPushes(PayloadCodec):
         state = enc.state(name, flat)
         state["_finite"] = True  # checked above: error feedback need not check again
         payload = enc.compress(flat, state, Agreed(enc.agree(flat, state), 1))  # agreed within a group of one
-        tensors = [*payload.tensors, *payload.shared]
-        dtypes, count, meta = self.probe()
-        # the server decodes by the probe's layout: a payload of other dtypes cannot travel (top-k's indices are
-        # int64 in a range of 2**31 values or more, int32 in the probe's)
-        if [t.dtype for t in tensors] != dtypes or len(payload.tensors) != count or payload.meta != meta:
-            raise ValueError(
-                f"{self.name}: a payload of {[t.dtype for t in tensors]}, meta {payload.meta} differs from the layout "
-                f"the server decodes ({dtypes}, meta {meta}); this compressor's payload cannot travel to a server"
-            )
-        counts = torch.tensor([t.numel() for t in tensors], dtype=torch.int64).view(torch.uint8)
-        return torch.cat([counts, *(t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors)])
+        return self.wire.pack(payload)
 
     # ---- the server's side --------------------------------------------------------------------------------
-    def probe(self) -> tuple[list[torch.dtype], int, dict]:
-        """The payload's layout, which does not depend on the values: its tensors' dtypes (payload tensors, then
-        shared), how many are payload tensors, and its meta; read once from a copy's payload of a small vector."""
-        if self.layout is None:
-            probe = with_error_feedback(copy.deepcopy(self.compressor))
-            x = torch.linspace(-1.0, 1.0, PROBE)
-            state = probe.state("probe", x)
-            payload = probe.compress(x, state, Agreed(probe.agree(x, state), 1))
-            tensors = [*payload.tensors, *payload.shared]
-            self.layout = ([t.dtype for t in tensors], len(payload.tensors), dict(payload.meta))
-        return self.layout
-
     def decode(self, payload: Tensor, numel: int) -> Tensor:
-        dtypes, count, meta = self.probe()
-        head = 8 * len(dtypes)
-        if payload.dtype != torch.uint8 or payload.numel() < head:
-            raise ValueError(f"{self.name}: a payload of {payload.numel()} {payload.dtype} holds no {head}-byte count")
-        counts = [int(n) for n in payload[:head].clone().view(torch.int64).tolist()]
-        sizes = [n * d.itemsize for n, d in zip(counts, dtypes)]
-        if min(counts) < 0 or head + sum(sizes) != payload.numel():
-            raise ValueError(
-                f"{self.name}: a payload of {payload.numel()} bytes does not hold the {counts} values its count says"
-            )
-        tensors, at = [], head
-        for size, dtype in zip(sizes, dtypes):
-            piece = payload[at : at + size]
-            aligned = piece.data_ptr() % dtype.itemsize == 0  # a dtype view needs an aligned start: else a copy
-            tensors.append((piece if aligned else piece.clone()).view(dtype))
-            at += size
-        shape = torch.Size([numel])
-        whole = Payload(tensors[:count], shape, torch.float32, shared=tensors[count:], meta=dict(meta))
-        return self.compressor.decompress(whole).to(torch.float32).reshape(-1)
+        return self.wire.decode(payload, numel)
 
     # ---- the island's checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -16,15 +16,17 @@ Transports, no new one: LocalInbox/LocalLink in one process (islands.simulate's 
 GlooReceiver/GlooLink over torch.distributed point-to-point on two gloo groups of their own (pushes to the server,
 answers back), for islands on other ranks: a receiver thread on the host takes whichever rank sends first and
 queues the message into the same LocalInbox, so the loop sees one inbox whatever the transport.
-A message on the wire: a float64 header [kind, island, version, samples, payload bytes], then the payload (the
-fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); the answer: a float64 header [accepted,
-version, staleness, stepped], then the fp32 global model. A model with buffers (ps_buffers.py) adds one tensor to
-each: a push's float64 buffer vector after its payload, and after each answer's model [held, the buffers' mean]
-(held 0: the server holds none, the island keeps its own); both sides know the layout from the model, so a model
-without buffers sends exactly what it sent before. In a job with authenticated payloads (outer.authenticate,
-runtime/payload_auth.py) every one of these tensors travels sealed (Sealer): its bytes and an HMAC under the job's
-payload key, bound to what it is, its sender and receiver and the message's number on that pair, so a push or an
-answer altered, injected or replayed on the way is refused before any byte is used.
+A message on the wire: a float64 header [kind, island, version, samples, payload bytes, held], then the payload (the
+fp32 delta, or a PayloadCodec's uint8 payload, decoded on the server); held names the model copy the island holds
+(ps_pulls: compressed pulls). The answer: a float64 header [accepted, version, staleness, stepped, token, coded
+bytes], then the fp32 global model, or with compressed pulls (coded bytes > 0) the payload that steps the island's
+copy to it, which the link resolves (the island's Reply holds the model either way). A model with buffers
+(ps_buffers.py) adds one tensor to each: a push's float64 buffer vector after its payload, and after each answer's
+model [held, the buffers' mean] (held 0: the server holds none, the island keeps its own); both sides know the
+layout from the model, so a model without buffers sends exactly what it sent before. In a job with authenticated
+payloads (outer.authenticate, runtime/payload_auth.py) every one of these tensors travels sealed (Sealer): its bytes
+and an HMAC under the job's payload key, bound to what it is, its sender and receiver and the message's number on
+that pair, so a push or an answer altered, injected or replayed on the way is refused before any byte is used.
 """
 
 from __future__ import annotations
@@ -36,19 +38,21 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from islands.runtime.payload_auth import TAG, PayloadAuthError, PayloadTags
 from islands.sync.outer.ps_buffers import NO_BUFFERS, BufferTable, Layout, pushed_vector
+from islands.sync.outer.ps_pulls import WHOLE, HeldCopies, HeldModel, PullCodec, Pulled
 from islands.sync.outer.ps_server import Ack, Contribution, ServerState
 from islands.sync.outer.ps_wait import WindowWait, window_wait
 from islands.sync.outer.quant4 import PayloadCodec
 
 PUSH, DONE = 1, 2
-_HEADER, _ANSWER = 5, 4
+_HEADER, _ANSWER = 6, 6
+HEADER_BYTES, ANSWER_BYTES = _HEADER * 8, _ANSWER * 8  # what a message's and an answer's header cost
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,21 @@ class Message:
     samples: float = 0.0
     payload: torch.Tensor | None = None  # PUSH: the fp32 delta, or the codec's uint8 payload
     buffers: torch.Tensor | None = None  # PUSH: the island's buffers now, float64 (ps_buffers.IslandBuffers)
+    held: int = WHOLE  # the token of the model copy the island holds (ps_pulls; the link fills it in)
 
 
 @dataclass(frozen=True)
 class Reply:
     ack: Ack
-    flat: torch.Tensor  # the global model now (a push's pull; DONE: the final model)
+    # the global model now (a push's pull; DONE: the final model); from the server to the link, with compressed
+    # pulls, the PullCodec payload that steps the island's copy to it (`coded`), which the link resolves
+    flat: torch.Tensor
     buffers: torch.Tensor | None = None  # the islands' buffers as the server holds them (None: it holds none)
+    token: int = WHOLE  # the copy the island holds once it has taken this answer (ps_pulls)
+    coded: bool = False  # `flat` is a compressed step from the island's copy, not the model
+
+    def pulled(self) -> Pulled:
+        return Pulled(self.flat, self.token, self.coded)
 
 
 Answer = Callable[[Reply], None]
@@ -304,14 +316,17 @@ class GlooReceiver:
         if kind == PUSH and self.buffers:
             like = torch.empty(self.buffers, dtype=torch.float64)
             buffers, _ = _recv(like, src, self.pushes, self.sealer, lambda s: ("ps_buffers", island, me, n))
-        return Message(kind, island, int(header[2].item()), float(header[3].item()), payload, buffers), src, n
+        held = int(header[5].item())
+        return Message(kind, island, int(header[2].item()), float(header[3].item()), payload, buffers, held), src, n
 
     def _answer_to(self, dst: int, n: int) -> Answer:
         to = dst // self.stride  # the island the tags name
 
         def answer(reply: Reply) -> None:
             a = reply.ack
-            head = torch.tensor([float(a.accepted), a.version, a.staleness, float(a.stepped)], dtype=torch.float64)
+            coded = reply.flat.numel() if reply.coded else 0  # a compressed pull's bytes (0: the fp32 model)
+            fields = [float(a.accepted), a.version, a.staleness, float(a.stepped), reply.token, coded]
+            head = torch.tensor(fields, dtype=torch.float64)
             _send(head, dst, self.answers, self.sealer, ("ps_answer", self.me, to, n))
             _send(reply.flat, dst, self.answers, self.sealer, ("ps_model", self.me, to, n))
             if self.buffers:
@@ -338,6 +353,7 @@ class Held:
     answer: Answer
     ack: Ack
     since: float  # when it came, on the arrivals' clock
+    token: int = WHOLE  # the copy its island holds (ps_pulls): the answer steps it
 
 
 class ServerLoop:
@@ -347,7 +363,8 @@ class ServerLoop:
     round from the model its own push is in (equal islands: synchronous DiLoCo); a window still short at the rule's
     deadline steps with what it holds (a slow island is not waited for beyond that). Seconds are a FixedWait, "auto"
     a PacedWait. `buffers`: the layout of the islands' buffer vectors (ps_buffers): each push's replaces its island's,
-    and every answer carries their mean."""
+    and every answer carries their mean. `pulls`: compressed pulls (ps_pulls): a push's answer carries a step from
+    the copy its island holds; DONE's answer is the whole final model."""
 
     def __init__(
         self,
@@ -358,8 +375,10 @@ class ServerLoop:
         codec: PayloadCodec | None = None,
         wait: float | str | WindowWait | None = None,
         buffers: Layout = NO_BUFFERS,
+        pulls: PullCodec | None = None,
     ):
         self.state, self.islands, self.arrivals, self.inbox, self.codec = state, islands, arrivals, inbox, codec
+        self.copies = HeldCopies(pulls)  # each island's copy of the model, with compressed pulls
         # each island's latest buffers, whose mean every answer carries (ps_buffers); None for a model without
         self.buffers = BufferTable(buffers) if sum(buffers) else None
         # None: every push answered at once; a rule object is copied, so its learnt paces are this loop's alone
@@ -416,9 +435,11 @@ class ServerLoop:
                 self.release(deadline)
                 continue
             msg, answer, when = taken
-            if msg.kind == DONE:
+            if msg.kind == DONE:  # answered with the whole final model: its copy goes
                 active.discard(msg.island)
                 finished.append(answer)
+                with self.lock:
+                    self.copies.forget(msg.island)
                 with self.lock:
                     stepped = self.state.settle(len(active))
                 if stepped:
@@ -434,13 +455,14 @@ class ServerLoop:
             if ack.stepped:
                 self.release(when)
             if wait is not None and ack.accepted and not ack.stepped:
-                self.held.append(Held(msg.island, answer, ack, when))
+                self.held.append(Held(msg.island, answer, ack, when, msg.held))
                 continue
             with self.lock:
                 _, flat = self.state.pull()
+                pulled = self.copies.answer(msg.island, msg.held, flat)
             if wait is not None:
                 wait.answered(msg.island, when)
-            answer(Reply(ack, flat, self.shared()))
+            answer(Reply(ack, pulled.body, self.shared(), pulled.token, pulled.coded))
         version, flat = self.state.pull()
         shared = self.shared()
         for answer in finished:
@@ -461,7 +483,10 @@ class ServerLoop:
             self.arrivals.held(h.island, h.since, until)
             if self.wait is not None:
                 self.wait.answered(h.island, until)
-            h.answer(Reply(Ack(h.ack.accepted, version, h.ack.staleness, True), flat, shared))
+            with self.lock:
+                pulled = self.copies.answer(h.island, h.token, flat)
+            ack = Ack(h.ack.accepted, version, h.ack.staleness, True)
+            h.answer(Reply(ack, pulled.body, shared, pulled.token, pulled.coded))
         self.held = []
 
 
@@ -479,12 +504,20 @@ class LocalLink(Link):
     """An island in the server's process. The wait is a Future's: islands.simulate passes the turn meanwhile. An
     answer that does not come within `timeout_s` (a DONE waiting for an island that froze) raises TimeoutError."""
 
-    def __init__(self, inbox: LocalInbox, ledger=None, timeout_s: float = THREAD_MODE_TIMEOUT_S, buffers: int = 0):
+    def __init__(
+        self,
+        inbox: LocalInbox,
+        ledger=None,
+        timeout_s: float = THREAD_MODE_TIMEOUT_S,
+        buffers: int = 0,
+        pulls: PullCodec | None = None,
+    ):
         self.inbox, self.ledger, self.timeout_s = inbox, ledger, timeout_s
         self.buffers = buffers  # values in a buffer vector: what GlooLink would add to each message (ledger only)
+        self.held = HeldModel(pulls)  # the model this island holds, which compressed pulls step
 
     def send(self, msg: Message) -> Reply:
-        answer = self.inbox.ask(msg)
+        answer = self.inbox.ask(replace(msg, held=self.held.token))
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -504,8 +537,9 @@ class LocalLink(Link):
             sent = _HEADER * 8 + (0 if p is None else p.numel() * p.element_size() + self.buffers * 8)
             self.ledger.record("ps_push", sent, 0)
             held = (self.buffers + 1) * 8 if self.buffers else 0
-            self.ledger.record("ps_pull", 0, _ANSWER * 8 + reply.flat.numel() * 4 + held)
-        return reply
+            model = reply.flat.numel() * reply.flat.element_size()  # the fp32 model, or a compressed pull's bytes
+            self.ledger.record("ps_pull", 0, _ANSWER * 8 + model + held)
+        return replace(reply, flat=self.held.take(reply.pulled()), coded=False)
 
 
 class GlooLink(Link):
@@ -513,10 +547,19 @@ class GlooLink(Link):
     island's ledger (kinds ps_push, ps_pull)."""
 
     def __init__(
-        self, pushes, answers, server_rank: int, numel: int, ledger=None, sealer: Sealer | None = None, buffers: int = 0
+        self,
+        pushes,
+        answers,
+        server_rank: int,
+        numel: int,
+        ledger=None,
+        sealer: Sealer | None = None,
+        buffers: int = 0,
+        pulls: PullCodec | None = None,
     ):
         self.pushes, self.answers, self.server, self.numel, self.ledger = pushes, answers, server_rank, numel, ledger
         self.sealer = sealer
+        self.held = HeldModel(pulls)  # the model this island holds, which compressed pulls step
         self.buffers = buffers  # values in a buffer vector (ps_buffers): 0 for a model without buffers
         self.sent = 0  # messages sent: the number each tag binds
 
@@ -524,7 +567,8 @@ class GlooLink(Link):
         payload = msg.payload if msg.kind == PUSH else None
         mine = pushed_vector(msg.island, msg.buffers, self.buffers) if payload is not None and self.buffers else None
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        header = torch.tensor([msg.kind, msg.island, msg.version, msg.samples, nbytes], dtype=torch.float64)
+        fields = [msg.kind, msg.island, msg.version, msg.samples, nbytes, self.held.token]
+        header = torch.tensor(fields, dtype=torch.float64)
         me, server, n, sealer = msg.island, self.server, self.sent, self.sealer
         self.sent += 1
         _send(header, server, self.pushes, sealer, ("ps_header", me, server, n))
@@ -539,7 +583,9 @@ class GlooLink(Link):
             sealer,
             lambda s: ("ps_answer", s, me, n),
         )
-        flat, _ = _recv(torch.empty(self.numel), server, self.answers, sealer, lambda s: ("ps_model", s, me, n))
+        coded = int(answer[5].item())  # a compressed pull's bytes, 0 for the fp32 model
+        like = torch.empty(coded, dtype=torch.uint8) if coded else torch.empty(self.numel)
+        flat, _ = _recv(like, server, self.answers, sealer, lambda s: ("ps_model", s, me, n))
         held = None
         if self.buffers:
             like = torch.empty(self.buffers + 1, dtype=torch.float64)
@@ -549,7 +595,9 @@ class GlooLink(Link):
             pushed = 0 if mine is None else mine.numel() * 8 + tag
             self.ledger.record("ps_push", header.numel() * 8 + nbytes + tag * (1 + (payload is not None)) + pushed, 0)
             got = 0 if held is None else held.numel() * 8 + tag
-            self.ledger.record("ps_pull", 0, answer.numel() * 8 + flat.numel() * 4 + 2 * tag + got)
+            body = flat.numel() * flat.element_size()  # the fp32 model, or a compressed pull's bytes
+            self.ledger.record("ps_pull", 0, answer.numel() * 8 + body + 2 * tag + got)
         a = [int(x) for x in answer.tolist()]
         shared = held[1:].clone() if held is not None and held[0].item() else None
-        return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), flat, shared)
+        model = self.held.take(Pulled(flat, a[4], bool(coded)))
+        return Reply(Ack(bool(a[0]), a[1], a[2], bool(a[3])), model, shared, a[4])

@@ -36,6 +36,7 @@ import torch
 from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
 from islands.sync.outer.ps_buffers import pushed_vector
 from islands.sync.outer.ps_link import Link, Message, Reply
+from islands.sync.outer.ps_pulls import HeldModel, PullCodec, Pulled
 from islands.sync.outer.ps_server import Ack
 from islands.sync.outer.ps_wire import (
     DONE,
@@ -54,7 +55,7 @@ from islands.sync.outer.ps_wire import (
 )
 from islands.sync.outer.quant4 import PayloadCodec
 
-_HEADER_BYTES = 7 * 8
+REQUEST_BYTES, REPLY_BYTES = 8 * 8, 9 * 8  # ps_wire's headers
 
 
 class ServiceGone(RuntimeError):
@@ -76,6 +77,7 @@ class RemoteLink(Link):
         tags: PayloadTags | None = None,
         ledger=None,
         buffers: int = 0,
+        pulls: PullCodec | None = None,
     ):
         self.host, self.port = address
         self.buffers = buffers  # values in a buffer vector, carried to and from shard 0 (module docstring)
@@ -86,6 +88,7 @@ class RemoteLink(Link):
         self.calls = StoreCalls(f"{self.host}:{self.port}")  # bounded waits on self.store
         self.pairs: list[Pair | None] = [None] * len(self.bounds)
         self.versions = [0] * len(self.bounds)
+        self.held = [HeldModel(pulls) for _ in self.bounds]  # each range's copy, which compressed pulls step
         self.nonce, self.seq = secrets.randbits(52), 0
         self.final = False  # the last DONE got every shard's final answer
         self.retries = 0  # requests sent again on a new connection (a server restarted, or a timeout)
@@ -124,7 +127,10 @@ class RemoteLink(Link):
         elif msg.kind == DONE:
             replies = self._done()
         else:
-            replies = [self.request(k, Request(msg.kind, self.island)) for k in range(len(self.bounds))]
+            replies = [
+                self.request(k, Request(msg.kind, self.island, held=self.held[k].token))
+                for k in range(len(self.bounds))
+            ]
         for k, r in enumerate(replies):
             self.versions[k] = r.version
         parts = [self._slice(k, r) for k, r in enumerate(replies)]
@@ -145,7 +151,7 @@ class RemoteLink(Link):
         if k == 0 and self.buffers:  # shard 0 holds the buffers: they follow its range's payload
             mine = pushed_vector(self.island, msg.buffers, self.buffers)
             payload = torch.cat([as_bytes(payload), as_bytes(mine)])
-        r = Request(PUSH, self.island, self.versions[k], msg.samples, payload, self.seq, self.nonce)
+        r = Request(PUSH, self.island, self.versions[k], msg.samples, payload, self.seq, self.nonce, self.held[k].token)
         return self.request(k, r)
 
     def _done(self) -> list[ShardReply]:
@@ -166,18 +172,20 @@ class RemoteLink(Link):
             time.sleep(min(0.5, self.lease_s / 4))
 
     def _slice(self, k: int, r: ShardReply) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Shard k's range of the model, and (shard 0) the buffers' mean after it, None when it sent none."""
+        """Shard k's range of the model (its fp32 slice, or the island's copy stepped by a compressed pull), and
+        (shard 0) the buffers' mean after it, None when it sent none."""
         assert r.body is not None, "a shard answers with its range of the model"
         lo, hi = self.bounds[k]
-        model, rest = r.body[: (hi - lo) * 4], r.body[(hi - lo) * 4 :]
-        if rest.numel() == 0:
-            return model.clone().view(torch.float32), None
-        if k != 0 or rest.numel() != self.buffers * 8:
+        cut = r.coded if r.coded else (hi - lo) * 4
+        model, rest = r.body[:cut], r.body[cut:]
+        if rest.numel() != 0 and (k != 0 or rest.numel() != self.buffers * 8):
             raise ValueError(
                 f"parameter server shard {k} answered {rest.numel()} bytes past its range; expected "
                 f"{self.buffers * 8 if k == 0 else 0}"
             )
-        return model.clone().view(torch.float32), rest.clone().view(torch.float64)
+        body = model.clone() if r.coded else model.clone().view(torch.float32)
+        part = self.held[k].take(Pulled(body, r.token, bool(r.coded)))
+        return part, (rest.clone().view(torch.float64) if rest.numel() else None)
 
     def request(self, k: int, r: Request) -> ShardReply:
         """Send `r` to shard k and wait for its answer, connecting again and resending on a broken connection,
@@ -249,9 +257,9 @@ class RemoteLink(Link):
     def _count(self, r: Request, reply: ShardReply) -> None:
         if self.ledger is None:
             return
-        sent = _HEADER_BYTES + (0 if r.payload is None else r.payload.numel() * r.payload.element_size())
+        sent = REQUEST_BYTES + (0 if r.payload is None else r.payload.numel() * r.payload.element_size())
         self.ledger.record("ps_push", sent, 0)
-        self.ledger.record("ps_pull", 0, _HEADER_BYTES + (0 if reply.body is None else reply.body.numel()))
+        self.ledger.record("ps_pull", 0, REPLY_BYTES + (0 if reply.body is None else reply.body.numel()))
 
     # ---- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

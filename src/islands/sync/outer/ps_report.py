@@ -80,8 +80,9 @@ def server_numbers(state: ServerState, duplicates: int, memory: bool = True) -> 
     return numbers
 
 
-def thread_report(state: ServerState, cpu_seconds: float | None) -> dict:
-    """The run record's section for the thread mode's one server (`cpu_seconds` None: the loop has not ended)."""
+def thread_report(state: ServerState, cpu_seconds: float | None, pulls: dict | None = None) -> dict:
+    """The run record's section for the thread mode's one server (`cpu_seconds` None: the loop has not ended;
+    `pulls`: its answers' kinds, ps_pulls.HeldCopies.report)."""
     numbers = server_numbers(state, duplicates=0)
     server = {
         "shard": 0,
@@ -90,6 +91,7 @@ def thread_report(state: ServerState, cpu_seconds: float | None) -> dict:
         "peak_memory_bytes": numbers["state_bytes"]["total"],
         "peak_memory": MEMORY_STATE,
         **numbers,
+        **({"pulls": pulls} if pulls is not None else {}),
     }
     missing = None if cpu_seconds is not None else "the server loop had not ended: no CPU time"
     return _section("thread", [server], missing)
@@ -228,9 +230,20 @@ def _shard(shard: dict, gaps: list[str]) -> dict:
         **counts,
         "duplicates": sum(p["duplicates"] for p in processes),
         **({"state_bytes": last["state_bytes"]} if "state_bytes" in last else {}),
+        **({"pulls": _pulls(processes)} if "pulls" in last else {}),
         "processes": [
             {key: p[key] for key in ("gen", "pid", "final", "cpu_seconds", "max_rss_bytes")} for p in processes
         ],
+    }
+
+
+def _pulls(processes: list[dict]) -> dict:
+    """A shard's answers by kind over its processes (each counts its own), and the copies its latest held."""
+    counted = [p["pulls"] for p in processes if "pulls" in p]
+    return {
+        "whole": sum(c["whole"] for c in counted),
+        "coded": sum(c["coded"] for c in counted),
+        "copies": counted[-1]["copies"],
     }
 
 

@@ -64,6 +64,7 @@ from islands.sync.outer.flat import fragment_bounds
 from islands.sync.outer.outer_opt import OuterOptimizer
 from islands.sync.outer.ps_buffers import NO_BUFFERS, BufferTable, Layout
 from islands.sync.outer.ps_journal import COMMIT_EVERY, DurableShard, Journal
+from islands.sync.outer.ps_pulls import HeldCopies, PullCodec, Pulled
 from islands.sync.outer.ps_report import (
     REPORT,
     collect,
@@ -123,6 +124,7 @@ class ServiceConfig:
     discount: float = 0.0
     aggregator: Aggregator | None = None
     codec: PayloadCodec | None = None
+    pulls: PullCodec | None = None  # compressed pulls (ps_pulls): each shard keeps every live island's copy
     scale: Callable[[Sequence[int]], float] | None = None  # pushes per staleness -> lr factor (ps_server.StaleCap)
     per_push: bool = False  # the rule's lr is each push's: a window of k pushes steps k x its mean (ps_server)
     # a push short of its window's quorum waits for it by this rule (ps_wait; seconds or "auto" are made into one)
@@ -291,6 +293,9 @@ class ShardServer:
         # shard 0: each island's latest buffers, journaled with its pushes (module docstring); None elsewhere
         table = BufferTable(self.config.buffers) if shard == 0 and self.config.buffers != NO_BUFFERS else None
         self.durable = DurableShard(self.config.shard_state(shard), journal, table)
+        # with compressed pulls, the copy of this range each live island holds; not journaled: a rebuilt server's
+        # first answer to each island is whole (ps_pulls)
+        self.copies = HeldCopies(self.config.pulls, shard)
         self.store = new_client(host, port, 30.0)
         self.members = Members(self.store, self.config.lease_s)
         # this server's own rule, loaded from the directory: it times its own windows
@@ -320,7 +325,10 @@ class ShardServer:
             while not self.done.is_set():
                 self.store.add(f"sbeat/{self.shard}", 1)
                 with self.lock:
-                    if self.members.lapse():
+                    lapsed = self.members.lapse()
+                    for island in lapsed:  # a lapsed island that wakes gets a whole answer
+                        self.copies.forget(island)
+                    if lapsed:
                         self.durable.settle(self.members.live())
                     if self.store.check(["stop"]) and self.members.settled():
                         self.done.set()
@@ -377,6 +385,8 @@ class ShardServer:
             **process_usage(),
             **server_numbers(self.durable.state, self.durable.duplicates, memory=final),
         }
+        if self.config.pulls is not None:  # answers whole and compressed (ps_pulls)
+            report["pulls"] = self.copies.report()
         try:
             self.store.set(report_key(self.shard, self.gen), json.dumps(report))
         except RuntimeError:  # the store is gone (the supervisor was killed): nobody is left to read it
@@ -432,7 +442,7 @@ class ShardServer:
                             self.wait.arrived(island, time.monotonic())
                 reply = self.handle(msg)
                 if msg.kind == PUSH:
-                    reply = self.hold(reply, island)
+                    reply = self.hold(reply, msg)
                 pair.answer(reply)
                 with self.lock:
                     if self.wait is not None and msg.kind == PUSH:  # its next round starts
@@ -457,6 +467,7 @@ class ShardServer:
             if msg.kind == RESTORE:
                 assert msg.payload is not None, "a restore carries the state"
                 d.restore(_bytes_state(msg.payload))
+                self.copies = HeldCopies(self.config.pulls, self.shard)  # every island's next answer is whole
                 return ShardReply(True, d.state.version, 0)
             stepped, duplicate, accepted, staleness = False, False, True, 0
             # once this shard has answered a final model, that slice is the job's: an island that lapsed and woke
@@ -474,6 +485,7 @@ class ShardServer:
                     stepped, accepted, staleness = ack.stepped, ack.accepted, ack.staleness
             elif msg.kind in (DONE, LEAVE):
                 m.mark(msg.island, "done" if msg.kind == DONE else "left")
+                self.copies.forget(msg.island)  # DONE's answers are whole
                 stepped = False if ended else d.settle(m.live())
             else:
                 assert msg.kind == PULL
@@ -484,7 +496,8 @@ class ShardServer:
             version, flat = d.state.pull()
             if msg.kind == DONE and not final and msg.samples == HOLDS_MODEL:  # a poll: no model until the final
                 return ShardReply(accepted, version, staleness, stepped, final, duplicate, None)
-            return ShardReply(accepted, version, staleness, stepped, final, duplicate, self.body(flat))
+            reply = ShardReply(accepted, version, staleness, stepped, final, duplicate)
+            return self.answered(reply, msg, flat)
 
     def take_buffers(self, msg: Request) -> tuple[Request, torch.Tensor | None]:
         """Shard 0 of a model with buffers: the push with its range's payload alone, and the island's buffer vector
@@ -499,11 +512,16 @@ class ShardServer:
             raise ValueError(f"island {msg.island}'s push is shorter than its buffers ({table.numel} values)")
         return replace(msg, payload=msg.payload[:cut]), msg.payload[cut:].clone().view(torch.float64)
 
-    def body(self, flat: torch.Tensor) -> torch.Tensor:
-        """An answer's body: the model slice, then on shard 0 the islands' buffer mean when it holds any."""
+    def answered(self, reply: ShardReply, msg: Request, flat: torch.Tensor) -> ShardReply:
+        """`reply` with its body: the model slice (with compressed pulls, a push's or pull's answer steps the copy
+        the island holds, ps_pulls; a DONE's is whole), then on shard 0 the islands' buffer mean when it holds any.
+        Under the lock."""
+        pulled = self.copies.answer(msg.island, msg.held, flat) if msg.kind in (PUSH, PULL) else Pulled(flat)
         table = self.buffers
         shared = table.mean() if table is not None else None
-        return flat if shared is None else torch.cat([as_bytes(flat), as_bytes(shared)])
+        body = pulled.body if shared is None else torch.cat([as_bytes(pulled.body), as_bytes(shared)])
+        coded = pulled.body.numel() if pulled.coded else 0
+        return replace(reply, body=body, token=pulled.token, coded=coded)
 
     def align(self, island: int) -> None:
         """A pull of an island starting beside others mid-round, with a rule that aligns them (ps_wait.JoinAlignment):
@@ -521,7 +539,7 @@ class ShardServer:
                     return
             time.sleep(HOLD_POLL_S)
 
-    def hold(self, reply: ShardReply, island: int) -> ShardReply:
+    def hold(self, reply: ShardReply, msg: Request) -> ShardReply:
         """With a wait rule (ps_wait): a push accepted into a window short of its quorum is answered once the window
         steps, or, at the rule's deadline, steps the window with what it holds (ps_link.ServerLoop's rule, on this
         shard alone: each server times its own window). A push already on its way in at the deadline is waited for
@@ -534,7 +552,7 @@ class ShardServer:
             if self.window is None or self.window[0] != reply.version:
                 self.window = (reply.version, time.monotonic(), set())
             _, opened, held = self.window
-            held.add(island)
+            held.add(msg.island)
         limit = opened + self.config.timeout_s
         while not self.done.is_set():
             with self.lock:
@@ -548,8 +566,7 @@ class ShardServer:
             time.sleep(HOLD_POLL_S)
         with self.lock:
             version, flat = self.durable.state.pull()
-            body = self.body(flat)
-        return replace(reply, version=version, stepped=True, body=body)
+            return self.answered(replace(reply, version=version, stepped=True), msg, flat)
 
     def _decode(self, msg: Request) -> torch.Tensor:
         assert msg.payload is not None, "a push carries its delta"

@@ -6,12 +6,14 @@ a connection that breaks (its island or server killed, or silent past the timeou
     pair.send(Request(PUSH, island, version, samples, payload, seq, nonce))
     reply = pair.reply()
 
-A request: a float64 header [kind, island, version, samples, payload bytes, seq, nonce], then the payload as bytes
-(a push's fp32 delta or a PayloadCodec's code; a RESTORE's state). A reply: a float64 header [accepted, version,
-staleness, stepped, final, body bytes, duplicate], then the body (the shard's fp32 model slice, or a SNAPSHOT's state
-as bytes). With the job's payload tags every tensor travels sealed (runtime/payload_auth.py), bound to what it is,
-the island, the shard, the connection and the message's number on it: altered, injected or replayed tensors are
-refused before use. A torn connection raises RuntimeError on either side (gloo's read error, or its timeout).
+A request: a float64 header [kind, island, version, samples, payload bytes, seq, nonce, held], then the payload as
+bytes (a push's fp32 delta or a PayloadCodec's code; a RESTORE's state); held names the copy of the range the island
+holds (ps_pulls). A reply: a float64 header [accepted, version, staleness, stepped, final, body bytes, duplicate,
+token, coded bytes], then the body (the shard's fp32 model slice, or with compressed pulls its first `coded` bytes a
+step from the island's copy; shard 0's buffer mean after either; or a SNAPSHOT's state as bytes). With the job's
+payload tags every tensor travels sealed (runtime/payload_auth.py), bound to what it is, the island, the shard, the
+connection and the message's number on it: altered, injected or replayed tensors are refused before use. A torn
+connection raises RuntimeError on either side (gloo's read error, or its timeout).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
 # message kinds: PUSH and DONE keep ps_link's numbers
 PUSH, DONE, PULL, LEAVE, SNAPSHOT, RESTORE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {PUSH: "push", DONE: "done", PULL: "pull", LEAVE: "leave", SNAPSHOT: "snapshot", RESTORE: "restore"}
-_REQUEST, _REPLY = 7, 7
+_REQUEST, _REPLY = 8, 9
 _SERVER, _ISLAND = 0, 1  # ranks in a connection's group
 T = TypeVar("T")
 
@@ -48,6 +50,7 @@ class Request:
     payload: torch.Tensor | None = None  # uint8 bytes
     seq: int = 0  # the island's push number (PUSH)
     nonce: int = 0  # the island process's random number: a restarted island's seq starts again
+    held: int = 0  # the token of the copy of this range the island holds (ps_pulls; 0: none)
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,9 @@ class ShardReply:
     stepped: bool = False
     final: bool = False  # DONE: every island is done, this is the final model
     duplicate: bool = False  # PUSH: applied before (a resend after a lost answer), not applied again
-    body: torch.Tensor | None = None  # the fp32 slice, or a SNAPSHOT's bytes
+    body: torch.Tensor | None = None  # the fp32 slice (or a compressed pull's bytes), or a SNAPSHOT's bytes
+    token: int = 0  # the copy of this range the island holds once it has taken the answer (ps_pulls)
+    coded: int = 0  # bytes at the body's start that are a compressed pull of the slice (0: the fp32 slice)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +165,7 @@ class Pair:
     def send(self, r: Request) -> None:
         payload = None if r.payload is None else as_bytes(r.payload)
         n = 0 if payload is None else payload.numel()
-        head = torch.tensor([r.kind, r.island, r.version, r.samples, n, r.seq, r.nonce], dtype=torch.float64)
+        head = torch.tensor([r.kind, r.island, r.version, r.samples, n, r.seq, r.nonce, r.held], dtype=torch.float64)
         self._send(head, "request")
         if payload is not None:
             self._send(payload, "payload")
@@ -168,7 +173,9 @@ class Pair:
     def reply(self) -> ShardReply:
         h = self._recv(torch.zeros(_REPLY, dtype=torch.float64), "reply").tolist()
         body = self._recv(torch.empty(int(h[5]), dtype=torch.uint8), "body") if h[5] > 0 else None
-        return ShardReply(bool(h[0]), int(h[1]), int(h[2]), bool(h[3]), bool(h[4]), bool(h[6]), body)
+        return ShardReply(
+            bool(h[0]), int(h[1]), int(h[2]), bool(h[3]), bool(h[4]), bool(h[6]), body, int(h[7]), int(h[8])
+        )
 
     # ---- the server's side ------------------------------------------------------------------------
     def request(self, started: Callable[[], None] | None = None) -> Request:
@@ -180,12 +187,15 @@ class Pair:
         if started is not None:
             started()
         payload = self._recv(torch.empty(int(h[4]), dtype=torch.uint8), "payload") if h[4] > 0 else None
-        return Request(int(h[0]), int(h[1]), int(h[2]), float(h[3]), payload, int(h[5]), int(h[6]))
+        return Request(int(h[0]), int(h[1]), int(h[2]), float(h[3]), payload, int(h[5]), int(h[6]), int(h[7]))
 
     def answer(self, r: ShardReply) -> None:
         body = None if r.body is None else as_bytes(r.body)
         n = 0 if body is None else body.numel()
-        flags = [float(r.accepted), r.version, r.staleness, float(r.stepped), float(r.final), n, float(r.duplicate)]
+        flags = [
+            *(float(r.accepted), r.version, r.staleness, float(r.stepped), float(r.final), n, float(r.duplicate)),
+            *(r.token, r.coded),
+        ]
         self._send(torch.tensor(flags, dtype=torch.float64), "reply")
         if body is not None:
             self._send(body, "body")
