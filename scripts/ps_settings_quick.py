@@ -57,7 +57,7 @@ def main(out: Path, where, arms, repeat: int, target: str, extra, tier: dict) ->
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--settings", default="equal,slow", help="comma-separated: equal, slow, link20")
+    parser.add_argument("--settings", default="equal,slow", help="comma-separated: equal, slow, link20, link5")
     parser.add_argument("--arms", default="diloco,ps", help="comma-separated arms (the experiment's or --spec's)")
     parser.add_argument("--spec", action="append", default=[], help="NAME=SPEC: an arm of its own (repeatable)")
     parser.add_argument("--repeat", type=int, default=1, help="run the arms interleaved this many times")

@@ -21,6 +21,8 @@ Arms (the same step budget per island, evaluated at every round's end; rank 0 si
                      waits only for the islands due soon, no seconds to choose (session 37)
     ps-ahead         (c) only: ps whose restarted island starts at the furthest step any island acknowledged
                      (rejoin=ahead), where plain ps restarts its shard at its own last acknowledged step
+    ps-auto-int8     (d) only: ps-auto with int8 pushes and int8 pulls (compressor=, pulls=: issue #36 item 1), the
+                     server answering each island with the compressed gap to the copy it holds (ps_pulls)
 Settings:
     (a) equal     2 islands on a 100 Mbit/s testbed link
     (b) slow      3 islands on gloo loopback, island 1 2x and island 2 4x slower (world.slowdown; every step padded
@@ -34,6 +36,7 @@ Settings:
                   its peers learn of it only when its heartbeat is heartbeat_timeout old; the launcher then kills
                   and restarts it; session 38)
     (d) link20    2 islands on a 20 Mbit/s testbed link
+    (d') link5    the same at 5 Mbit/s: run only when named (scripts/ps_settings_quick.py --settings link5)
 Target: DDP's final val loss (one island of 2 workers on loopback, half the arms' step budget: LONGER). Time to target:
 rank 0's training seconds (evaluation excluded, waiting at exchanges included) at the first evaluation at or under it.
 Loss at equal wall time: each arm's last evaluation at or before the earliest end among its setting's arms. Goodput: the
@@ -99,7 +102,7 @@ def tier(ctx: BenchContext) -> dict:
 # The full tier's arms (hours of CPU here): the ones that answer the question. ps-nesterov never reached DDP's loss in
 # a quick tier (results/parameter-server/quick-s27, quick) and ps-wait's fixed wait is what wait=auto learns by itself
 # (session 37); both stay in the quick tier
-FULL_ARMS = ("diloco", "diloco-deadline", "ps", "ps-auto")
+FULL_ARMS = ("diloco", "diloco-deadline", "ps", "ps-auto", "ps-auto-int8")
 FULL_TARGET_ARMS = ("diloco", "ps", "streaming")  # item 5: eager+topkq+deadline and ps-nesterov never reached it
 
 
@@ -124,7 +127,13 @@ def arms(h: int, islands: int, floor: float) -> list[tuple[str, str]]:
     ]
 
 
-PS_ARMS = ("ps", "ps-nesterov", "ps-wait", "ps-auto", "ps-ahead")
+def link_arms(h: int, islands: int) -> list[tuple[str, str]]:
+    """The arms of the slow-link settings alone: ps-auto compressed both ways (issue #36 item 1)."""
+    auto = f"ps:inner_steps={h},max_staleness={STALENESS},quorum={islands},wait=auto"
+    return [("ps-auto-int8", f"{auto},compressor=(int8),pulls=(int8)")]
+
+
+PS_ARMS = ("ps", "ps-nesterov", "ps-wait", "ps-auto", "ps-ahead", "ps-auto-int8")
 
 
 def served_arm(arm: str) -> bool:
@@ -150,6 +159,10 @@ def settings(ctx: BenchContext, floor: float | None = None) -> list[tuple[str, i
         ("slow", 3, slow, None),
         ("link20", 2, f"floor={floor}", "20mbit"),
     ]
+
+
+LINK_SETTINGS = ("link20", "link5")  # where link_arms run
+NAMED_SETTINGS = {"link5": (2, "5mbit")}  # (islands, testbed link) of the settings run only when named (`where`)
 
 
 # ---- what a run's record says -----------------------------------------------------------------------------------
@@ -355,13 +368,16 @@ def run_settings(
     base = dict(task=t["task"], steps=steps, global_batch=BATCH, warmup=max(steps // 10, 1), eval_every=h)
     base.update(log_every=t["log_every"], **t["model"])
     rows = []
-    for setting, islands, slowdown, link in settings(ctx, t["floor"]):
+    asked = where or ()
+    named = [(name, n, f"floor={t['floor']}", link) for name, (n, link) in NAMED_SETTINGS.items() if name in asked]
+    for setting, islands, slowdown, link in settings(ctx, t["floor"]) + named:
         if where is not None and setting not in where:
             continue
         bed = ctx.testbed(link, hosts=islands) if link else None
         with bed if bed is not None else _nothing() as b:
             kw = {"testbed": b.name} if b is not None else {}
-            for arm, spec in arms(h, islands, t["floor"]) + list(extra):
+            slow_link = link_arms(h, islands) if setting in LINK_SETTINGS else []
+            for arm, spec in arms(h, islands, t["floor"]) + slow_link + list(extra):
                 if only is not None and arm not in only:
                     continue
                 if ctx.smoke and arm in (
@@ -861,9 +877,10 @@ def parameter_server(ctx: BenchContext) -> dict:
     if ctx.smoke:
         ctx.plan(1 + 2 + 1)
     elif ctx.quick:
-        ctx.plan(1 + 4 * n_settings + 1 + 1 + 12 + 12)
+        ctx.plan(1 + 4 * n_settings + 1 + 1 + 1 + 12 + 12)
     else:
-        ctx.plan(1 + len(FULL_ARMS) * n_settings + 2 * (len(FULL_ARMS) - 1) + 1 + 3 * len(FULL_TARGET_ARMS))
+        per_setting = len(FULL_ARMS) - 1  # ps-auto-int8 runs in (d) alone, and not under churn
+        ctx.plan(1 + per_setting * n_settings + 1 + 2 * (per_setting - 1) + 1 + 3 * len(FULL_TARGET_ARMS))
     uptime = [f"start {time.strftime('%H:%M:%S')} load {os.getloadavg()}"]
     ddp_steps = t["ddp_steps"]
     target = ddp_target(ctx, t)
