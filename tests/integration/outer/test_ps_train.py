@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from harness.cli import TINY_FLAGS, islands_cli
-from islands.sync.outer.ps_remote import REQUEST_BYTES
+from islands.sync.outer.ps_remote import REPLY_BYTES, REQUEST_BYTES
 
 
 def _service_processes() -> set[int]:
@@ -62,6 +62,26 @@ def test_a_job_trains_through_server_processes_counts_their_bytes_across_and_lea
     while _service_processes() - before:  # the supervisor and its shard end with the job
         assert time.monotonic() < deadline, _service_processes() - before
         time.sleep(0.1)
+
+
+def test_a_job_pulls_compressed_answers_from_server_processes(tmp_path, monkeypatch):
+    """`pulls=(int8)` through a server process (ps_pulls): each island's first pull is the fp32 model, every push's
+    answer an int8 step from the copy the server holds for it, and the final answers the model again; what the
+    islands received is the fp32 answers' bytes plus a quarter of the rest."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", *TINY_FLAGS, "--workers", "2", "--islands", "2", "--steps", "12", "--run-dir", "run"]
+    assert islands_cli(*argv, "--outer", "ps:inner_steps=4,servers=1,pulls=(int8)") == 0
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    (server,) = record["parameter_server"]["servers"]
+    # 2 first pulls whole, 3 pushes each answered with a step; DONE's answers whole and not counted; no copy kept
+    assert server["pulls"] == {"whole": 2, "coded": 6, "copies": 0}
+    numel = server["parameters"][1]
+    # island 1 (island 0 also takes the servers' state for the final checkpoint, SNAPSHOT, counted as a pull): its
+    # first pull and the DONE answers that carry a model (the first, and the final one when that came later) are the
+    # fp32 model; its 3 pushes' answers int8 steps (the codes, one scale, 2 counts); then every reply's header
+    rank = record["comm"]["per_rank"][1]
+    fp32 = rank["received"]["ps_pull"] - rank["calls"]["ps_pull"] * REPLY_BYTES - 3 * (numel + 4 + 16)
+    assert fp32 in (2 * 4 * numel, 3 * 4 * numel), rank
 
 
 def test_a_job_trains_through_servers_on_a_host_of_their_own(tmp_path, monkeypatch):
