@@ -3,7 +3,7 @@ utilisation setting (byte LM, 2 islands of one worker, 60 steps at H=20) run to 
 target arm on loopback and on 20 and 5 Mbit/s testbed links, with the experiment's own code
 (parameter_server.run_targets). A one-off measurement, not a registered benchmark:
 
-    PYTHONPATH=src:bench python scripts/ps_item5_quick.py OUT_DIR      # writes OUT_DIR/item5.json
+    PYTHONPATH=src:bench python scripts/ps_item5_quick.py OUT_DIR [--arms diloco,ps-int8]   # writes OUT_DIR/item5.json
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from islands_bench.experiments import parameter_server as ps
 from islands_bench.harness import BenchContext
 
 
-def main(out: Path) -> None:
+def main(out: Path, only: tuple[str, ...] | None) -> None:
     ctx = BenchContext(name="parameter-server", quick=True, out_dir=out)
     load = [os.getloadavg()]
-    rows, target = ps.run_targets(ctx)
+    rows, target = ps.run_targets(ctx, only)
     load.append(os.getloadavg())
     lines = [ps.item5_text(rows, link, goal, target) for link, goal in ps.GOALS.items()]
     result = {"target": target, "rows": rows, "lines": lines, "load": load, "end": time.strftime("%H:%M:%S")}
@@ -38,4 +38,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    arms = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[2] == "--arms" else None
+    main(Path(sys.argv[1]), arms)

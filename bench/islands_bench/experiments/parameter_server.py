@@ -53,11 +53,11 @@ pushes through the server's state on one thread; an elastic ps job keeps no chec
 state), so without a report its columns stay empty.
 
 Item 5 (`target` rows): the utilisation setting (the byte LM, 2 islands of 1 worker, global batch 32, H as
-utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32
-DiLoCo, eager + topkq + deadline (utilisation's arm), ps, ps-nesterov and streaming DiLoCo with its own 4-bit
-fragments (fragments=4, tau=2) each get TARGET_LONGER times that budget on
-loopback, 20 Mbit/s and 5 Mbit/s testbed links; per link, each arm's time to the target against the same arm on
-loopback and against fp32 DiLoCo's own loopback time (goals: the best at 20 Mbit/s <= 1.1x, at 5 Mbit/s <= 1.25x).
+utilisation's) run to a target: fp32 DiLoCo's final loss after utilisation's step budget on loopback; fp32 DiLoCo,
+eager + topkq + deadline (utilisation's arm), ps, ps-int8 (int8 pushes and pulls), ps-nesterov and streaming DiLoCo
+with its own 4-bit fragments (fragments=4, tau=2) each get TARGET_LONGER times that budget on loopback, 20 Mbit/s
+and 5 Mbit/s testbed links; per link, each arm's time to the target against the same arm on loopback and against
+fp32 DiLoCo's own loopback time (goals: the best at 20 Mbit/s <= 1.1x, at 5 Mbit/s <= 1.25x).
 Quick: the digits MLP for (a)-(d) (DDP 200 steps, arms 400 at H=20, steps padded to 30 ms), the byte LM (60 steps,
 H=20, as utilisation's quick tier) for item 5; full: the byte LM throughout, (a)-(d) at DDP 150 steps and arms 300 at
 H=25 padded to 400 ms (the size sessions 32-41 measured each setting at), with the arms FULL_ARMS (item 5: utilisation's
@@ -103,7 +103,8 @@ def tier(ctx: BenchContext) -> dict:
 # a quick tier (results/parameter-server/quick-s27, quick) and ps-wait's fixed wait is what wait=auto learns by itself
 # (session 37); both stay in the quick tier
 FULL_ARMS = ("diloco", "diloco-deadline", "ps", "ps-auto", "ps-auto-int8")
-FULL_TARGET_ARMS = ("diloco", "ps", "streaming")  # item 5: eager+topkq+deadline and ps-nesterov never reached it
+# item 5: eager+topkq+deadline and ps-nesterov never reached its target
+FULL_TARGET_ARMS = ("diloco", "ps", "ps-int8", "streaming")
 
 
 def ps_nesterov(h: int) -> str:
@@ -634,6 +635,8 @@ def target_arms(h: int) -> list[tuple[str, str]]:
         ("diloco", f"diloco:inner_steps={h}"),
         ("eager+topkq+deadline", f"diloco:inner_steps={h},overlap=eager,compressor=({COMPRESSOR}),adapt=deadline"),
         ("ps", f"ps:inner_steps={h},max_staleness={STALENESS}"),
+        # int8 both ways: pushes with error feedback, answers as steps from each island's copy (issue #36 item 1)
+        ("ps-int8", f"ps:inner_steps={h},max_staleness={STALENESS},compressor=(int8),pulls=(int8)"),
         ("ps-nesterov", ps_nesterov(h)),
         # streaming DiLoCo as designed (SOTA-155, arXiv 2501.18512): 4 fragments at staggered rounds, each sent in its
         # own 4-bit codec and landed tau=2 steps later, so an exchange is 1/32 of fp32 DiLoCo's round and overlapped
@@ -641,7 +644,8 @@ def target_arms(h: int) -> list[tuple[str, str]]:
     ]
 
 
-def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
+def run_targets(ctx: BenchContext, only: tuple[str, ...] | None = None) -> tuple[list[dict], float]:
+    """Item 5's rows and its target; `only`: the arms to run (None: the tier's; diloco always, the baseline)."""
     steps, h = (60, 20) if ctx.quick else (200, 50)  # utilisation's quick and full settings
     links: tuple[str, ...] = ("20mbit", "5mbit")
     model: dict = {}
@@ -657,6 +661,8 @@ def run_targets(ctx: BenchContext) -> tuple[list[dict], float]:
     plan = target_arms(h)[2:3] if ctx.smoke else target_arms(h)
     if not ctx.quick:
         plan = [(arm, spec) for arm, spec in plan if arm in FULL_TARGET_ARMS]
+    if only is not None:
+        plan = [(arm, spec) for arm, spec in plan if arm in only or arm == "diloco"]
     recs = {}
     rows = []
     for link in ("loopback", *links):
@@ -877,7 +883,7 @@ def parameter_server(ctx: BenchContext) -> dict:
     if ctx.smoke:
         ctx.plan(1 + 2 + 1)
     elif ctx.quick:
-        ctx.plan(1 + 4 * n_settings + 1 + 1 + 1 + 12 + 12)
+        ctx.plan(1 + 4 * n_settings + 1 + 1 + 1 + 12 + 12 + 3)
     else:
         per_setting = len(FULL_ARMS) - 1  # ps-auto-int8 runs in (d) alone, and not under churn
         ctx.plan(1 + per_setting * n_settings + 1 + 2 * (per_setting - 1) + 1 + 3 * len(FULL_TARGET_ARMS))
