@@ -56,7 +56,7 @@ def test_both_ends_step_their_copies_to_the_same_bits_and_the_gap_shrinks_answer
     start = float((goal - target(seed=0)).norm())
     # what one answer left out went out with the next ones: the gap falls well below one compressed answer's error
     assert gaps[0] < start and gaps[-1] < 0.05 * gaps[0], gaps
-    assert server.report() == {"whole": 1, "coded": 60, "copies": 1}
+    assert server.report() == {"whole": 1, "coded": 60, "copies": 1, "peak_bytes": 400 * 4}
 
 
 def test_top_k_pulls_of_a_still_model_reach_it_exactly_in_one_over_ratio_answers():
@@ -155,7 +155,9 @@ def test_simulated_islands_train_from_the_copy_the_server_holds_for_them_and_end
     assert not torch.equal(final, exact)  # the islands trained from their copies, not the exact model
     assert simulated(spec)[0][1].equal(final)  # deterministic: the same schedule, the same bits
     server = next(r[3]["parameter_server"] for r in results if r[3])["servers"][0]
-    assert server["pulls"] == {"whole": 3, "coded": 15, "copies": 0}  # every island's copy dropped at its DONE
+    # every island's copy dropped at its DONE; three held at once, counted in the server's memory
+    assert server["pulls"] == {"whole": 3, "coded": 15, "copies": 0, "peak_bytes": 3 * 4 * numel}
+    assert server["peak_memory_bytes"] == server["state_bytes"]["total"] + 3 * 4 * numel
 
 
 # ---- process mode: shard servers -----------------------------------------------------------------------------
@@ -196,7 +198,8 @@ def test_shard_servers_answer_each_range_from_the_islands_copy_and_a_rebuilt_one
         for i in range(6, 8):
             for x in isl:
                 x.step(i)
-        assert svc.servers[1].copies.report() == {"whole": 2, "coded": 0, "copies": 2}
+        lo, hi = config.bounds[1]
+        assert svc.servers[1].copies.report() == {"whole": 2, "coded": 0, "copies": 2, "peak_bytes": 2 * 4 * (hi - lo)}
         assert svc.servers[0].copies.report()["whole"] == 2 + 1  # the two first pulls, and island 0's after the loss
         for k, x in enumerate(isl):
             for r, server in enumerate(svc.servers):

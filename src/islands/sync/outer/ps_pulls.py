@@ -122,6 +122,7 @@ class HeldCopies:
         self.codec, self.part = codec, part
         self.copies: dict[int, tuple[int, Tensor]] = {}  # island -> (token, the model it holds)
         self.whole = self.coded = 0  # answers of each kind (the servers' report)
+        self.peak_bytes = 0  # the copies' bytes at their largest (server memory the pulls add)
 
     def answer(self, island: int, token: int, flat: Tensor) -> Pulled:
         """The answer's model for `island`, which says it holds the copy under `token`: a step from that copy, or
@@ -133,6 +134,7 @@ class HeldCopies:
         if held is None or token == WHOLE or held[0] != token:
             self.copies[island] = (new, flat.detach().to(torch.float32).clone())
             self.whole += 1
+            self.peak_bytes = max(self.peak_bytes, sum(c.numel() * 4 for _, c in self.copies.values()))
             return Pulled(flat, new, coded=False)
         payload = self.codec.encode(flat - held[1], f"{island}/{self.part}")
         self.copies[island] = (new, self.codec.step(held[1], payload))
@@ -146,7 +148,7 @@ class HeldCopies:
             self.codec.forget(f"{island}/{self.part}")
 
     def report(self) -> dict:
-        return {"whole": self.whole, "coded": self.coded, "copies": len(self.copies)}
+        return {"whole": self.whole, "coded": self.coded, "copies": len(self.copies), "peak_bytes": self.peak_bytes}
 
 
 class HeldModel:

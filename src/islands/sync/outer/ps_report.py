@@ -88,7 +88,8 @@ def thread_report(state: ServerState, cpu_seconds: float | None, pulls: dict | N
         "shard": 0,
         "parameters": [0, state.numel],
         "cpu_seconds": cpu_seconds,
-        "peak_memory_bytes": numbers["state_bytes"]["total"],
+        # with compressed pulls, the islands' copies at their largest beside the state (ps_pulls)
+        "peak_memory_bytes": numbers["state_bytes"]["total"] + (pulls["peak_bytes"] if pulls is not None else 0),
         "peak_memory": MEMORY_STATE,
         **numbers,
         **({"pulls": pulls} if pulls is not None else {}),
@@ -244,6 +245,7 @@ def _pulls(processes: list[dict]) -> dict:
         "whole": sum(c["whole"] for c in counted),
         "coded": sum(c["coded"] for c in counted),
         "copies": counted[-1]["copies"],
+        "peak_bytes": max(c["peak_bytes"] for c in counted),
     }
 
 
