@@ -1,7 +1,8 @@
 """`islands train --outer ps:...,servers=1` end to end (issue #36): the CLI's multi-process job with the parameter
 server as processes of its own (a supervisor and one shard server, each a fresh interpreter: the process path the
-fault tests drive piece by piece). Every rank pushes and pulls through them, the run record counts the pushes as
-bytes across islands and holds the server process's own report, and nothing of the service is left running."""
+fault tests drive piece by piece). Every rank pushes and pulls (compressed) through them, the run record counts the
+pushes as bytes across islands and holds the server process's own report, and nothing of the service is left
+running."""
 
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ def _service_processes() -> set[int]:
 
 
 def test_a_job_trains_through_server_processes_counts_their_bytes_across_and_leaves_none(tmp_path, monkeypatch):
+    """... with compressed pulls (`pulls=(int8)`, ps_pulls): each island's first pull is the fp32 model, every push's
+    answer an int8 step from the copy the server holds for it, the final answers the model again."""
     monkeypatch.chdir(tmp_path)
     before = _service_processes()
     argv = ["train", *TINY_FLAGS, "--workers", "2", "--islands", "2", "--steps", "12", "--run-dir", "run"]
-    assert islands_cli(*argv, "--outer", "ps:inner_steps=4,servers=1") == 0
+    assert islands_cli(*argv, "--outer", "ps:inner_steps=4,servers=1,pulls=(int8)") == 0
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["summary"]["strategy"] == "ddp+ps" and record["summary"]["steps"] == 12
     ranks = record["comm"]["per_rank"]
     for rank in ranks:  # each island (one worker each) pushed its rounds and pulled the model back each time
         assert rank["calls"]["ps_push"] >= 2 and rank["calls"]["ps_pull"] == rank["calls"]["ps_push"]
-        assert rank["received"]["ps_pull"] > rank["sent"]["ps_push"] > 0
+        assert rank["received"]["ps_pull"] > 0 and rank["sent"]["ps_push"] > 0
     pushed = sum(rank["sent"]["ps_push"] for rank in ranks) / len(ranks)
     # what went to the server left the island: counted across (it read 0.00 MB before ps_* kinds counted)
     assert record["summary"]["cross_island_mb_per_worker"] * 1e6 >= pushed
@@ -58,31 +61,20 @@ def test_a_job_trains_through_server_processes_counts_their_bytes_across_and_lea
         and server["peak_memory_bytes"] >= server["startup_max_rss_bytes"] > 10e6
     )
     assert server["restarts"] == report["restarts"] == 0 and [p["final"] for p in server["processes"]] == [True]
-    deadline = time.monotonic() + 30
-    while _service_processes() - before:  # the supervisor and its shard end with the job
-        assert time.monotonic() < deadline, _service_processes() - before
-        time.sleep(0.1)
-
-
-def test_a_job_pulls_compressed_answers_from_server_processes(tmp_path, monkeypatch):
-    """`pulls=(int8)` through a server process (ps_pulls): each island's first pull is the fp32 model, every push's
-    answer an int8 step from the copy the server holds for it, and the final answers the model again; what the
-    islands received is the fp32 answers' bytes plus a quarter of the rest."""
-    monkeypatch.chdir(tmp_path)
-    argv = ["train", *TINY_FLAGS, "--workers", "2", "--islands", "2", "--steps", "12", "--run-dir", "run"]
-    assert islands_cli(*argv, "--outer", "ps:inner_steps=4,servers=1,pulls=(int8)") == 0
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    (server,) = record["parameter_server"]["servers"]
     numel = server["parameters"][1]
-    # 2 first pulls whole, 3 pushes each answered with a step; DONE's answers whole and not counted; no copy kept at
-    # the end, two (one per island) at most
+    # the pulls: 2 first pulls whole, 3 pushes each answered with a step; DONE's answers whole and not counted; no
+    # copy kept at the end, two (one per island) at most
     assert server["pulls"] == {"whole": 2, "coded": 6, "copies": 0, "peak_bytes": 2 * 4 * numel}
     # island 1 (island 0 also takes the servers' state for the final checkpoint, SNAPSHOT, counted as a pull): its
     # first pull and the DONE answers that carry a model (the first, and the final one when that came later) are the
     # fp32 model; its 3 pushes' answers int8 steps (the codes, one scale, 2 counts); then every reply's header
-    rank = record["comm"]["per_rank"][1]
+    rank = ranks[1]
     fp32 = rank["received"]["ps_pull"] - rank["calls"]["ps_pull"] * REPLY_BYTES - 3 * (numel + 4 + 16)
     assert fp32 in (2 * 4 * numel, 3 * 4 * numel), rank
+    deadline = time.monotonic() + 30
+    while _service_processes() - before:  # the supervisor and its shard end with the job
+        assert time.monotonic() < deadline, _service_processes() - before
+        time.sleep(0.1)
 
 
 def test_a_job_trains_through_servers_on_a_host_of_their_own(tmp_path, monkeypatch):

@@ -219,21 +219,7 @@ def test_the_spec_builds_a_pull_compressor_beside_a_push_compressor():
     assert make_outer("ps:inner_steps=4").pulls is None  # whole fp32 pulls by default
 
 
-@pytest.mark.parametrize(
-    "spec, why",
-    [
-        ("randomk:ratio=0.1", "rescales its values to stay unbiased"),
-        ("qsgd", "rescales its values to stay unbiased"),
-        ("sign", "majority vote"),
-        ("powersgd:rank=4", "projections the islands share"),
-    ],
-)
-def test_pull_compressors_that_could_swing_the_copies_or_need_other_islands_are_refused(spec, why):
-    with pytest.raises(ValueError, match=why) as refused:
-        make_outer(f"ps:inner_steps=4,pulls=({spec})")
-    assert "use topkq, dct-topk, topk, int8, int4, fp16 or bf16" in str(refused.value)
-
-
+# the refused pull compressors: test_ps_codecs.py, beside the refused push compressors
 def test_the_cli_refuses_a_pull_compressor_with_exit_2(capsys):
     argv = ["train", "--workers", "2", "--islands", "2", "--outer"]
     assert islands_cli(*argv, "ps:inner_steps=4,pulls=(randomk:ratio=0.1)") == 2
