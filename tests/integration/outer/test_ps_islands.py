@@ -29,7 +29,9 @@ DIGITS = ["--task", "digits", "--global-batch", "16", "--eval-every", "0", "--wa
     "inner, outer, relays",
     [
         ("ddp", "ps:inner_steps=5", 5),  # 4 answers to pushes and the final one
-        ("zero1", "ps:inner_steps=5,servers=1", 6),  # and the first pull from the servers
+        # and the first pull from the servers; compressed pulls: the leader's link steps its copy, its mate takes the
+        # model (ps_pulls)
+        ("zero1", "ps:inner_steps=5,servers=1,pulls=(int8)", 6),
     ],
 )
 def test_islands_of_two_workers_are_two_participants_and_end_on_one_model(tmp_path, inner, outer, relays):
@@ -62,8 +64,11 @@ def test_islands_of_two_workers_are_two_participants_and_end_on_one_model(tmp_pa
 def test_a_job_of_two_worker_islands_resumes_through_the_servers(tmp_path):
     """servers=1, checkpoints every 10 steps, then a resume to step 30: island 0's leader restores the servers from
     its part (ps_shards), island 1's leader waits for that, the mates load their own parts; the servers go on from
-    the checkpoint's 8 pushes with 2 more rounds of each island, and the 4 workers end on one model."""
-    common = ["train", *DIGITS, "--workers", "4", "--islands", "2", "--outer", "ps:inner_steps=5,servers=1"]
+    the checkpoint's 8 pushes with 2 more rounds of each island, and the 4 workers end on one model. With compressed
+    pulls: the restore drops the servers' copies of what the islands hold, so each island's first answer after it
+    is whole again (ps_pulls)."""
+    spec = "ps:inner_steps=5,servers=1,pulls=(int8)"
+    common = ["train", *DIGITS, "--workers", "4", "--islands", "2", "--outer", spec]
     common += ["--no-probe", "--no-progress"]
     assert islands_cli(*common, "--steps", "20", "--checkpoint.every", "10", "--run-dir", str(tmp_path / "a")) == 0
     again = ["--steps", "30", "--checkpoint.resume", str(tmp_path / "a"), "--checkpoint.every", "30"]
@@ -72,6 +77,8 @@ def test_a_job_of_two_worker_islands_resumes_through_the_servers(tmp_path):
     assert record["summary"]["steps"] == 30
     (server,) = record["parameter_server"]["servers"]
     assert server["pushes_applied"] == 8 + 2 * 2
+    # each island's first pull (before the restore) and its first push's answer (after it) whole, its second coded
+    assert server["pulls"]["whole"] == 2 + 2 and server["pulls"]["coded"] == 2
     store = CheckpointStore(tmp_path / "b" / "ckpt", clean=False)
     parts = [store.load(30, rank=rank).tree for rank in range(4)]
     for part in parts[1:]:

@@ -82,6 +82,10 @@ def test_an_answer_the_island_never_took_or_a_copy_the_server_dropped_makes_the_
     server.forget(1)  # done, left or lapsed
     back = server.answer(1, island.token, target(seed=3))
     assert not back.coded and torch.equal(island.take(back), target(seed=3))
+    island.take(server.answer(1, island.token, target(seed=5)))  # coded: both ends hold the same copy again
+    server.forget_all()  # the global model put back (a checkpoint's restore): nobody holds a copy of it
+    restored = server.answer(1, island.token, target(seed=6))
+    assert not restored.coded and server.report()["whole"] == 4  # its counts go on (first, again, back, this)
     rebuilt = HeldCopies(codec)  # a server rebuilt from its journal holds no copies
     assert not rebuilt.answer(1, island.token, target(seed=4)).coded
     assert not server.answer(2, WHOLE, target()).coded  # an island that says it holds nothing

@@ -147,6 +147,11 @@ class HeldCopies:
         if self.codec is not None:
             self.codec.forget(f"{island}/{self.part}")
 
+    def forget_all(self) -> None:
+        """The global model was put back (a restore): no island holds a copy of it, every next answer is whole."""
+        for island in list(self.copies):
+            self.forget(island)
+
     def report(self) -> dict:
         return {"whole": self.whole, "coded": self.coded, "copies": len(self.copies), "peak_bytes": self.peak_bytes}
 

@@ -467,7 +467,7 @@ class ShardServer:
             if msg.kind == RESTORE:
                 assert msg.payload is not None, "a restore carries the state"
                 d.restore(_bytes_state(msg.payload))
-                self.copies = HeldCopies(self.config.pulls, self.shard)  # every island's next answer is whole
+                self.copies.forget_all()  # every island's next answer is whole
                 return ShardReply(True, d.state.version, 0)
             stepped, duplicate, accepted, staleness = False, False, True, 0
             # once this shard has answered a final model, that slice is the job's: an island that lapsed and woke
