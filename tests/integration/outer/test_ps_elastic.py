@@ -156,8 +156,9 @@ def test_islands_of_two_workers_push_as_islands_and_a_killed_follower_restarts_i
     leader pushes, its follower takes every answer from it), so the servers count the pushes of 3 island processes,
     not of 6 workers; the 4 survivors end on one model, buffers included (the answers carry the islands' mean
     statistics and the end averages them once more: either alone makes the digests agree, so this checks the
-    outcome), and the servers' report reaches run.json."""
-    outer = f"ps:inner_steps={H},servers=1,lease={LEASE}"
+    outcome), and the servers' report reaches run.json. Pulls are compressed (ps_pulls): each island process's leader
+    gets a whole first answer and steps after it, and the copy of the killed island's goes when it lapses."""
+    outer = f"ps:inner_steps={H},servers=1,lease={LEASE},pulls=(int8)"
     log, recs, seen = _kill_island_0_mid_round(tmp_path, outer, steps=40, model="bn-cnn", k=2)
     assert "island 0 left the job" in log, log
     # every worker of both islands holds the server's final model, bit for bit: within an island and across them
@@ -189,6 +190,9 @@ def test_islands_of_two_workers_push_as_islands_and_a_killed_follower_restarts_i
     assert run["summary"]["steps"] == 40 and run["summary"]["workers"] == 4 and run["summary"]["islands"] == 2
     (server,) = run["parameter_server"]["servers"]
     assert run["parameter_server"]["stop"] == "done" and server["pushes_applied"] == applied, (server, ends, seen)
+    # 3 island processes' first pulls whole, later answers int8 steps; no copy left once they are done or lapsed
+    pulls = server["pulls"]
+    assert pulls["whole"] >= 3 and pulls["coded"] >= applied - 3 and pulls["copies"] == 0, pulls
     # the followers (ranks 1 and 3 of the last epoch) made no call to the servers: their leaders relayed
     calls = [rank["calls"] for rank in run["comm"]["per_rank"]]
     assert len(calls) == 4 and all(not [c for c in calls[r] if c.startswith("ps_")] for r in (1, 3)), calls
