@@ -62,13 +62,17 @@ REFUSED: tuple[tuple[type, str], ...] = (
 PROBE = 64  # values of the vector a payload's layout is read from (its tensors' dtypes, its meta)
 
 
+def round_shared(compressor: object) -> str | None:
+    """Why `compressor`'s payload means something only beside other islands' of the same round (REFUSED); None
+    when it stands alone on one island's vector."""
+    inner = compressor.inner if isinstance(compressor, ErrorFeedback) else compressor
+    return next((why for kind, why in REFUSED if isinstance(inner, kind)), None)
+
+
 def refusal(compressor: object) -> str | None:
     """Why `compressor` cannot compress a parameter server's pushes, in one line; None when it can."""
-    inner = compressor.inner if isinstance(compressor, ErrorFeedback) else compressor
-    for kind, why in REFUSED:
-        if isinstance(inner, kind):
-            return f"ps: compressor {why}: use {WORKS}"
-    return None
+    why = round_shared(compressor)
+    return None if why is None else f"ps: compressor {why}: use {WORKS}"
 
 
 def push_codec(compressor: object) -> PayloadCodec | None:

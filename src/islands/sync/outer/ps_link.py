@@ -440,7 +440,6 @@ class ServerLoop:
                 finished.append(answer)
                 with self.lock:
                     self.copies.forget(msg.island)
-                with self.lock:
                     stepped = self.state.settle(len(active))
                 if stepped:
                     self.release(when)

@@ -1,7 +1,7 @@
 """Compressed pulls (issue #36 item 1): the parameter server's answers carry a compressed step from the model the
 island holds to the global model, instead of the whole fp32 model.
 
-    ParameterServer(50, pulls=islands.compress.Int8())
+    ParameterServer(50, pulls=islands.compress.COMPRESSORS.build("int8"))
     make_outer("ps:inner_steps=50,pulls=(topkq:ratio=0.05,bits=4)")
 
 The rule (EF21-P's primal compression, arXiv 2209.15218, on the server's side of the link): the server keeps, per
@@ -35,16 +35,16 @@ import torch
 from torch import Tensor
 
 from islands.compress.base import Agreed, Compressor, CompressorBase
-from islands.sync.outer.ps_codecs import PayloadBytes, refusal
+from islands.sync.outer.ps_codecs import PayloadBytes, round_shared
 
 PULL_WORKS = "topkq, dct-topk, topk, int8, int4, fp16 or bf16"
 
 
 def pull_refusal(compressor: object) -> str | None:
     """Why `compressor` cannot compress the parameter server's pulls, in one line; None when it can."""
-    why = refusal(compressor)
+    why = round_shared(compressor)
     if why is not None:
-        return why.replace("ps: compressor", "ps: pulls=").rsplit(": use", 1)[0] + f": use {PULL_WORKS}"
+        return f"ps: pulls= {why}: use {PULL_WORKS}"
     if not isinstance(compressor, CompressorBase):
         return f"ps: pulls= takes an islands.compress compressor ({PULL_WORKS}), got {type(compressor).__name__}"
     if not compressor.contractive:
@@ -96,9 +96,11 @@ class PullCodec:
         """The copy after a pull: `held` plus what `payload` decodes to (a new tensor; the same bits on both ends)."""
         return held + self.wire.decode(payload, held.numel())
 
-    def forget(self, prefix: str) -> None:
-        for name in [n for n in self.encoders if n.startswith(prefix)]:
-            del self.encoders[name]
+    def forget(self, name: str) -> None:
+        self.encoders.pop(name, None)
+
+
+WHOLE = 0  # the token of an island that holds no copy the server gave it: its next answer is whole
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,8 @@ class Pulled:
     True), and `token` names the copy the island holds once it has taken it."""
 
     body: Tensor
-    token: int = 0
+    token: int = WHOLE
     coded: bool = False
-
-
-WHOLE = 0  # the token of an island that holds no copy the server gave it: its next answer is whole
 
 
 class HeldCopies:

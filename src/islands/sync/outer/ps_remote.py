@@ -43,6 +43,8 @@ from islands.sync.outer.ps_wire import (
     HOLDS_MODEL,
     KIND_NAMES,
     PUSH,
+    REPLY_BYTES,
+    REQUEST_BYTES,
     RESTORE,
     SNAPSHOT,
     WANTS_MODEL,
@@ -54,8 +56,6 @@ from islands.sync.outer.ps_wire import (
     new_client,
 )
 from islands.sync.outer.quant4 import PayloadCodec
-
-REQUEST_BYTES, REPLY_BYTES = 8 * 8, 9 * 8  # ps_wire's headers
 
 
 class ServiceGone(RuntimeError):

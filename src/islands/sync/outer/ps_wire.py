@@ -33,6 +33,7 @@ from islands.runtime.payload_auth import PayloadAuthError, PayloadTags
 PUSH, DONE, PULL, LEAVE, SNAPSHOT, RESTORE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {PUSH: "push", DONE: "done", PULL: "pull", LEAVE: "leave", SNAPSHOT: "snapshot", RESTORE: "restore"}
 _REQUEST, _REPLY = 8, 9
+REQUEST_BYTES, REPLY_BYTES = _REQUEST * 8, _REPLY * 8  # what a request's and a reply's header cost
 _SERVER, _ISLAND = 0, 1  # ranks in a connection's group
 T = TypeVar("T")
 
